@@ -1,0 +1,4 @@
+//! placeholder
+pub fn main() -> i32 {
+    0
+}

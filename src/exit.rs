@@ -1,0 +1,16 @@
+//! Process exit codes (DESIGN.md §7), one place for every command.
+
+/// The job succeeded / the command did what it was asked.
+pub const SUCCESS: i32 = 0;
+/// The job failed or was killed.
+pub const JOB_FAILED: i32 = 1;
+/// `plan`: some task cannot be placed.
+pub const NOT_PLACEABLE: i32 = 2;
+/// Bad command line.
+pub const USAGE: i32 = 64;
+/// Invalid job spec or cluster file.
+pub const INVALID_INPUT: i32 = 65;
+/// The RM could not be reached.
+pub const RM_UNREACHABLE: i32 = 69;
+/// A bug or an unexpected failure inside gpuam.
+pub const INTERNAL: i32 = 70;

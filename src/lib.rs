@@ -1,0 +1,18 @@
+//! gpuam: a per-job application master for GPU deep-learning jobs, with the resource
+//! manager and node executor it runs against.
+//!
+//! Components (DESIGN.md §2); dependencies flow one way:
+//! `cli → am / rm / web → select → cluster / topology / spec → resources`.
+
+pub mod am;
+pub mod cli;
+pub mod cluster;
+pub mod config;
+pub mod exit;
+pub mod protocol;
+pub mod resources;
+pub mod rm;
+pub mod select;
+pub mod spec;
+pub mod topology;
+pub mod web;

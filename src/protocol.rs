@@ -1,0 +1,278 @@
+//! Wire types of the RM REST contract (DESIGN.md §3), shared by the RM, the AM,
+//! the executor client and the CLI. JSON, camelCase, GPU masks as hex strings.
+//!
+//! The node listing's own types live in `cluster::rm_json`, next to the code that
+//! turns them into `cluster::Node`s.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::resources::{mask_serde, GpuMask, PortSet, Resources};
+
+/// YARN ContainerExitStatus values the RM reports.
+pub mod exit_status {
+    pub const SUCCESS: i32 = 0;
+    pub const INVALID: i32 = -1000;
+    /// Released, or lost with its node ("Container released on a *lost* node").
+    pub const ABORTED: i32 = -100;
+    pub const DISKS_FAILED: i32 = -101;
+    pub const PREEMPTED: i32 = -102;
+    pub const KILLED_BY_APPMASTER: i32 = -105;
+    pub const KILLED_BY_RESOURCEMANAGER: i32 = -106;
+    pub const KILLED_AFTER_APP_COMPLETION: i32 = -107;
+}
+
+/// Application states (YARN's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AppState {
+    New,
+    Submitted,
+    Accepted,
+    Running,
+    Finished,
+    Failed,
+    Killed,
+}
+
+impl AppState {
+    pub fn is_final(self) -> bool {
+        matches!(self, AppState::Finished | AppState::Failed | AppState::Killed)
+    }
+}
+
+/// Final application status reported by the AM at finish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Hash, Default)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum FinalStatus {
+    #[default]
+    Undefined,
+    Succeeded,
+    Failed,
+    Killed,
+}
+
+/// `POST /ws/v1/cluster/apps/new-application` answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NewApplication {
+    pub application_id: String,
+    pub maximum_resource_capability: Resources,
+}
+
+/// `POST /ws/v1/cluster/apps` body.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SubmitApplication {
+    pub application_id: String,
+    /// The job spec's YAML text (validated by the RM before it is accepted).
+    pub job_spec: String,
+    /// Where the spec came from, for error messages.
+    #[serde(default)]
+    pub job_spec_name: Option<String>,
+    /// Address the AM's dashboard should listen on (`127.0.0.1:0` = any free port).
+    #[serde(default)]
+    pub dashboard_listen: Option<String>,
+}
+
+/// `GET /ws/v1/cluster/apps/{id}` answer (inside `{"app": ...}`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AppReport {
+    pub id: String,
+    pub name: String,
+    pub state: AppState,
+    pub final_status: FinalStatus,
+    /// Job exit code once finished (DESIGN.md §7: 0 success, 1 failed or killed).
+    pub exit_code: Option<i32>,
+    pub diagnostics: String,
+    /// The AM's dashboard URL once it registered.
+    pub tracking_url: String,
+    pub progress: f32,
+    /// Milliseconds since the epoch.
+    pub started_time: u64,
+    pub finished_time: u64,
+    pub attempt: u32,
+}
+
+/// `PUT /ws/v1/cluster/apps/{id}/state` body.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AppStateUpdate {
+    pub state: AppState,
+}
+
+/// `POST /ws/v1/am/{appId}/register` body.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RegisterRequest {
+    pub host: String,
+    pub tracking_url: String,
+}
+
+/// Register answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RegisterResponse {
+    pub maximum_capability: Resources,
+    /// Live containers of earlier attempts of this application (work-preserving restart).
+    pub containers_from_previous_attempts: Vec<Container>,
+    pub attempt: u32,
+    /// Containers granted but never started expire after this many seconds.
+    pub container_expiry_sec: u64,
+}
+
+/// One container ask: exactly one container, pinned to a host, a GPU mask and ports.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Ask {
+    pub request_id: u64,
+    pub host: String,
+    pub cpu: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(with = "mask_serde", default)]
+    pub gpu_mask: GpuMask,
+    #[serde(default)]
+    pub ports: PortSet,
+}
+
+impl Ask {
+    pub fn resources(&self) -> Resources {
+        Resources::with_mask(self.cpu, self.memory_mb, self.gpu_mask, self.ports.clone())
+    }
+}
+
+/// `POST /ws/v1/am/{appId}/allocate` body (the heartbeat).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AllocateRequest {
+    /// The last answer's `responseId` (0 at first). A repeat gets the same answer again.
+    pub response_id: u64,
+    #[serde(default)]
+    pub progress: f32,
+    #[serde(default)]
+    pub asks: Vec<Ask>,
+    /// Request ids to withdraw.
+    #[serde(default)]
+    pub cancels: Vec<u64>,
+    /// Container ids to give back (stopped if running).
+    #[serde(default)]
+    pub releases: Vec<String>,
+}
+
+/// A granted container: exactly what was asked.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Container {
+    pub container_id: String,
+    pub request_id: u64,
+    pub host: String,
+    /// Where the node's executor listens (base URL, e.g. `http://127.0.0.1:8088`).
+    pub node_http_address: String,
+    pub resources: Resources,
+}
+
+/// An ask the RM refused.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Rejection {
+    pub request_id: u64,
+    pub reason: String,
+    /// False when the ask can never be granted as written (unknown host, bigger than the node).
+    pub retryable: bool,
+}
+
+/// A container that ended.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CompletedContainer {
+    pub container_id: String,
+    pub exit_status: i32,
+    pub diagnostics: String,
+}
+
+/// Instruction from the RM to the AM.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AmCommand {
+    /// Register again (the RM lost this attempt's registration).
+    Resync,
+    /// Stop now (the application was killed).
+    Shutdown,
+}
+
+/// Allocate answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocateResponse {
+    pub response_id: u64,
+    #[serde(default)]
+    pub allocated: Vec<Container>,
+    #[serde(default)]
+    pub rejected: Vec<Rejection>,
+    #[serde(default)]
+    pub completed: Vec<CompletedContainer>,
+    /// Node reports (the YARN node JSON objects) of nodes that changed since the last answer.
+    #[serde(default)]
+    pub updated_nodes: Vec<serde_json::Value>,
+    #[serde(default)]
+    pub num_cluster_nodes: u32,
+    #[serde(default)]
+    pub command: Option<AmCommand>,
+}
+
+/// `POST /ws/v1/am/{appId}/finish` body.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FinishRequest {
+    pub final_status: FinalStatus,
+    pub exit_code: i32,
+    pub diagnostics: String,
+}
+
+/// Finish answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FinishResponse {
+    pub is_unregistered: bool,
+}
+
+/// `POST /ws/v1/node/{host}/containers/{id}/start` body.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LaunchContext {
+    /// Run in order by one bash script; the first failing command ends the container.
+    pub commands: Vec<String>,
+    pub env: BTreeMap<String, String>,
+}
+
+/// Executor-side container states.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ContainerState {
+    /// Granted, not started.
+    Allocated,
+    Running,
+    Complete,
+}
+
+/// `GET /ws/v1/node/{host}/containers/{id}/status` answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerStatus {
+    pub container_id: String,
+    pub state: ContainerState,
+    pub exit_status: Option<i32>,
+    pub diagnostics: String,
+    pub pid: Option<u32>,
+}
+
+/// Error body of every REST endpoint: a machine code and a message.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ErrorBody {
+    pub code: String,
+    pub message: String,
+}

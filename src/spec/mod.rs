@@ -1,0 +1,163 @@
+//! Job specs: YAML task roles (DESIGN.md §8) and OpenPAI job protocol v2 files.
+//!
+//! PLACEHOLDER SKELETON — the real parser and validator replace the stub below.
+
+use std::fmt;
+
+use crate::resources::{GpuMask, PortSet, Resources};
+
+/// A validated job.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobSpec {
+    pub name: String,
+    /// All tasks must hold a container before any starts.
+    pub gang: bool,
+    /// Task roles in file order.
+    pub task_roles: Vec<TaskRole>,
+}
+
+/// One task role: `instances` identical tasks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TaskRole {
+    pub name: String,
+    pub instances: u32,
+    pub resources: TaskResources,
+    /// Acceptable GPU types (the spec's comma list); empty = any.
+    pub gpu_types: Vec<String>,
+    pub node_label: Option<String>,
+    pub same_port_allocation: bool,
+    pub commands: Vec<String>,
+    /// frameworklauncher semantics: n ≥ 0 retries; -1 = unlimited for failures; -2 = always.
+    pub task_retry_count: i32,
+    pub completion: Completion,
+}
+
+/// Per-instance resources of a role.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskResources {
+    pub cpu: u32,
+    pub memory_mb: u64,
+    pub gpus: u32,
+    /// Explicit GPU mask (`resourcePerInstance.gpuMask`); popcount == gpus.
+    pub gpu_mask: Option<GpuMask>,
+    /// Port requests in file order.
+    pub ports: Vec<PortRequest>,
+}
+
+/// A labelled port request: `label: count` (dynamic) or `label: {start, count}` (static).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortRequest {
+    pub label: String,
+    pub count: u16,
+    /// First port of a static range; `None` = dynamic.
+    pub start: Option<u16>,
+}
+
+/// Per-role completion policy (reference/frameworklauncher.md §5.3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The job fails once this many tasks of the role failed for good; `None` = never.
+    pub min_failed_instances: Option<u32>,
+    /// The job succeeds once this many tasks of the role succeeded; `None` = only when all tasks end.
+    pub min_succeeded_instances: Option<u32>,
+}
+
+impl Default for Completion {
+    fn default() -> Self {
+        Completion {
+            min_failed_instances: Some(1),
+            min_succeeded_instances: None,
+        }
+    }
+}
+
+impl TaskResources {
+    /// The static ports of the role.
+    pub fn static_ports(&self) -> PortSet {
+        PortSet::from_ranges(self.ports.iter().filter_map(|p| {
+            p.start
+                .map(|s| crate::resources::PortRange::new(s, s.saturating_add(p.count.saturating_sub(1))))
+        }))
+    }
+
+    /// How many dynamic ports the role needs.
+    pub fn dynamic_port_count(&self) -> u32 {
+        self.ports.iter().filter(|p| p.start.is_none()).map(|p| u32::from(p.count)).sum()
+    }
+
+    /// The request as a resource amount: static ports and explicit mask included,
+    /// dynamic ports not yet chosen.
+    pub fn as_request(&self) -> Resources {
+        Resources {
+            cpu: self.cpu,
+            memory_mb: self.memory_mb,
+            gpus: self.gpus,
+            gpu_mask: self.gpu_mask.unwrap_or(0),
+            ports: self.static_ports(),
+        }
+    }
+}
+
+impl JobSpec {
+    pub fn total_tasks(&self) -> u32 {
+        self.task_roles.iter().map(|r| r.instances).sum()
+    }
+    pub fn role(&self, name: &str) -> Option<&TaskRole> {
+        self.task_roles.iter().find(|r| r.name == name)
+    }
+}
+
+/// One problem in a job spec, located in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecError {
+    /// Source name (file path or "<stdin>").
+    pub source: String,
+    /// 1-based line and column; 0 when the problem has no position (e.g. unreadable file).
+    pub line: usize,
+    pub col: usize,
+    /// Dotted field path, e.g. `taskRoles.worker.resourcePerInstance.gpu`.
+    pub field: String,
+    pub message: String,
+    /// How to fix it.
+    pub fix: String,
+}
+
+/// Every problem found in a job spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecErrors(pub Vec<SpecError>);
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: {}: {}", self.source, self.line, self.col, self.field, self.message)?;
+        if !self.fix.is_empty() {
+            write!(f, "\n  fix: {}", self.fix)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for SpecErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for SpecErrors {}
+
+/// Parses and validates a job spec.
+pub fn parse_job_spec(_text: &str, source: &str) -> Result<JobSpec, SpecErrors> {
+    Err(SpecErrors(vec![SpecError {
+        source: source.to_string(),
+        line: 0,
+        col: 0,
+        field: String::new(),
+        message: "not implemented".into(),
+        fix: String::new(),
+    }]))
+}
