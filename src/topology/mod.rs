@@ -24,6 +24,11 @@ pub struct Topology {
     links: Vec<Link>,
 }
 
+/// A topology that could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TopologyError(pub String);
+
 /// Result of choosing GPUs on a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuChoice {
@@ -43,6 +48,16 @@ impl Topology {
     }
     pub fn preset(_name: &str) -> Option<Topology> {
         None
+    }
+    /// A preset name (`pcie8`, `dgx1v`, ...; `none` = no topology → `Ok(None)`) or the
+    /// text of `nvidia-smi topo -m`.
+    pub fn from_spec(text: &str) -> Result<Option<Topology>, TopologyError> {
+        if text.trim() == "none" || text.trim().is_empty() {
+            return Ok(None);
+        }
+        Topology::preset(text.trim())
+            .map(Some)
+            .ok_or_else(|| TopologyError(format!("unknown topology `{text}`")))
     }
     pub fn link(&self, a: u32, b: u32) -> Link {
         self.links[(a * self.n + b) as usize]

@@ -1,0 +1,3 @@
+//! The resource manager: REST server, scheduler ledger, applications, node executor.
+
+pub mod executor;
