@@ -1,1 +1,252 @@
-//! placeholder
+//! Settings: `conf/gpuam.yaml` (or built-in defaults) overridden by environment
+//! variables `GPUAM__<SECTION>__<KEY>` (e.g. `GPUAM__SELECT__CANDIDATE_NODES_FACTOR=3`).
+//!
+//! Keys are snake_case in the file too, so a file key and its environment variable
+//! are the same words; README.md documents every key in one table.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// How the select pipeline treats racks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RackPolicy {
+    /// Keep a job's tasks in the racks it already uses, or in one rack that can hold
+    /// all it still needs (never emptying the candidate set).
+    #[default]
+    Pack,
+    /// No rack preference.
+    None,
+}
+
+/// Select pipeline settings (DESIGN.md §4).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SelectSettings {
+    /// Candidates kept after ranking = waiting tasks × this factor.
+    pub candidate_nodes_factor: u32,
+    /// Lowest port ever chosen for a dynamic port.
+    pub container_min_port: u16,
+    /// Let a job that asks for no GPU at all use GPU nodes.
+    pub allow_none_gpu_job_on_gpu_node: bool,
+    /// Treat resources of recently rejected or timed-out asks as taken.
+    pub skip_local_tried_resource: bool,
+    /// How long a tried-and-failed ask keeps its resources marked as taken.
+    pub tried_resource_ttl_sec: u64,
+    pub rack_policy: RackPolicy,
+    /// Seed of the tie-breaking RNG; unset = random per AM (so concurrent AMs differ).
+    pub seed: Option<u64>,
+}
+
+impl Default for SelectSettings {
+    fn default() -> Self {
+        SelectSettings {
+            candidate_nodes_factor: 2,
+            container_min_port: 2000,
+            allow_none_gpu_job_on_gpu_node: true,
+            skip_local_tried_resource: true,
+            tried_resource_ttl_sec: 30,
+            rack_policy: RackPolicy::Pack,
+            seed: None,
+        }
+    }
+}
+
+/// AM control-loop settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AmSettings {
+    /// Allocate heartbeat interval while asks or containers are outstanding.
+    pub heartbeat_interval_ms: u64,
+    /// Full node-listing refresh interval.
+    pub node_refresh_interval_ms: u64,
+    /// Back-off range (with jitter) when no node fits a task now.
+    pub not_available_retry_min_ms: u64,
+    pub not_available_retry_max_ms: u64,
+    /// Gang jobs: release everything held if the gang is not complete within this time.
+    /// Must stay below the RM's `container_expiry_sec`.
+    pub gang_timeout_sec: u64,
+    /// Back-off before a gang tries again after a timeout.
+    pub gang_retry_backoff_ms: u64,
+    /// Most transient-failure retries of one task (transient exits do not use up
+    /// `taskRetryCount`, but are not retried forever either).
+    pub max_transient_retries: u32,
+    /// Exit codes (1..=255) to classify, overriding the defaults of
+    /// reference/frameworklauncher.md §5.4: lists of codes per class.
+    pub transient_exit_codes: Vec<i32>,
+    pub permanent_exit_codes: Vec<i32>,
+    /// Grace between SIGTERM and SIGKILL when stopping containers.
+    pub stop_grace_ms: u64,
+}
+
+impl Default for AmSettings {
+    fn default() -> Self {
+        AmSettings {
+            heartbeat_interval_ms: 100,
+            node_refresh_interval_ms: 2000,
+            not_available_retry_min_ms: 500,
+            not_available_retry_max_ms: 3000,
+            gang_timeout_sec: 300,
+            gang_retry_backoff_ms: 2000,
+            max_transient_retries: 10,
+            transient_exit_codes: Vec::new(),
+            permanent_exit_codes: Vec::new(),
+            stop_grace_ms: 3000,
+        }
+    }
+}
+
+/// RM settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RmSettings {
+    /// Containers granted but never started are taken back after this long.
+    pub container_expiry_sec: u64,
+}
+
+impl Default for RmSettings {
+    fn default() -> Self {
+        RmSettings { container_expiry_sec: 600 }
+    }
+}
+
+/// All settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub select: SelectSettings,
+    pub am: AmSettings,
+    pub rm: RmSettings,
+}
+
+/// Settings that could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid settings{}: {message}", file.as_ref().map(|f| format!(" in {}", f.display())).unwrap_or_default())]
+pub struct SettingsError {
+    pub file: Option<PathBuf>,
+    pub message: String,
+}
+
+/// The default settings file, if present: `$GPUAM_CONFIG`, else `conf/gpuam.yaml`.
+pub fn default_settings_path() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("GPUAM_CONFIG") {
+        return Some(PathBuf::from(p));
+    }
+    let p = PathBuf::from("conf/gpuam.yaml");
+    p.exists().then_some(p)
+}
+
+impl Settings {
+    /// Loads defaults, then `file` (if any), then `GPUAM__…` environment overrides.
+    pub fn load(file: Option<&Path>) -> Result<Settings, SettingsError> {
+        Self::load_with_env(file, std::env::vars())
+    }
+
+    /// As [`Settings::load`], with the environment given explicitly (for tests).
+    pub fn load_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Settings, SettingsError> {
+        let err = |message: String| SettingsError {
+            file: file.map(Path::to_path_buf),
+            message,
+        };
+        let mut builder = config::Config::builder();
+        if let Some(f) = file {
+            if !f.exists() {
+                return Err(err("file not found".into()));
+            }
+            builder = builder.add_source(config::File::from(f).format(config::FileFormat::Yaml));
+        }
+        let env: config::Map<String, String> = env.into_iter().filter(|(k, _)| k.starts_with("GPUAM__")).collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix("GPUAM")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("am.transient_exit_codes")
+                .with_list_parse_key("am.permanent_exit_codes")
+                .source(Some(env)),
+        );
+        let cfg = builder.build().map_err(|e| err(e.to_string()))?;
+        let s: Settings = cfg
+            .try_deserialize()
+            .map_err(|e| err(format!("{e} (see the settings table in README.md)")))?;
+        s.validate().map_err(err)?;
+        Ok(s)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.select.candidate_nodes_factor == 0 {
+            return Err("select.candidate_nodes_factor must be at least 1".into());
+        }
+        if self.am.not_available_retry_min_ms > self.am.not_available_retry_max_ms {
+            return Err("am.not_available_retry_min_ms must not exceed am.not_available_retry_max_ms".into());
+        }
+        if self.am.gang_timeout_sec >= self.rm.container_expiry_sec {
+            return Err(format!(
+                "am.gang_timeout_sec ({}) must be shorter than rm.container_expiry_sec ({}), or held containers expire before the gang gives them back",
+                self.am.gang_timeout_sec, self.rm.container_expiry_sec
+            ));
+        }
+        for c in self.am.transient_exit_codes.iter().chain(&self.am.permanent_exit_codes) {
+            if !(1..=255).contains(c) {
+                return Err(format!("exit code {c} in am.*_exit_codes is outside 1..=255"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_match_the_original() {
+        let s = Settings::load_with_env(None, env(&[])).unwrap();
+        assert_eq!(s.select.candidate_nodes_factor, 2);
+        assert_eq!(s.select.container_min_port, 2000);
+        assert!(s.select.allow_none_gpu_job_on_gpu_node);
+        assert!(s.select.skip_local_tried_resource);
+        assert_eq!(s.select.rack_policy, RackPolicy::Pack);
+    }
+
+    #[test]
+    fn bundled_file_loads_and_env_overrides_it() {
+        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/gpuam.yaml");
+        let s = Settings::load_with_env(Some(&file), env(&[])).unwrap();
+        assert_eq!(s, Settings::default(), "conf/gpuam.yaml restates the defaults");
+        let s = Settings::load_with_env(
+            Some(&file),
+            env(&[
+                ("GPUAM__SELECT__CANDIDATE_NODES_FACTOR", "3"),
+                ("GPUAM__SELECT__RACK_POLICY", "none"),
+                ("GPUAM__AM__TRANSIENT_EXIT_CODES", "3,4"),
+                ("UNRELATED", "x"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.select.candidate_nodes_factor, 3);
+        assert_eq!(s.select.rack_policy, RackPolicy::None);
+        assert_eq!(s.am.transient_exit_codes, vec![3, 4]);
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = Settings::load_with_env(None, env(&[("GPUAM__SELECT__CANDIDATE_NODES_FACTOR", "0")])).unwrap_err();
+        assert!(e.to_string().contains("candidate_nodes_factor"), "{e}");
+        let e = Settings::load_with_env(None, env(&[("GPUAM__AM__GANG_TIMEOUT_SEC", "900")])).unwrap_err();
+        assert!(e.to_string().contains("container_expiry_sec"), "{e}");
+        let e = Settings::load_with_env(None, env(&[("GPUAM__SELECT__RACK_POLICY", "sideways")])).unwrap_err();
+        assert!(e.to_string().contains("rack_policy") || e.to_string().contains("sideways"), "{e}");
+        let e = Settings::load_with_env(Some(Path::new("/nonexistent/gpuam.yaml")), env(&[])).unwrap_err();
+        assert!(e.to_string().contains("not found"), "{e}");
+    }
+}

@@ -207,6 +207,15 @@ impl PortSet {
         self.ranges.iter().flat_map(|r| r.begin..=r.end)
     }
 
+    /// Number of ports `>= min`, without building the restricted set.
+    pub fn count_at_least(&self, min: u16) -> u32 {
+        self.ranges
+            .iter()
+            .filter(|r| r.end >= min)
+            .map(|r| u32::from(r.end) - u32::from(r.begin.max(min)) + 1)
+            .sum()
+    }
+
     /// The set restricted to ports `>= min`.
     pub fn at_least(&self, min: u16) -> PortSet {
         if min == 0 {
@@ -373,6 +382,7 @@ mod tests {
             prop_assert_eq!(a.is_subset(&b), na.is_subset(&nb));
             prop_assert_eq!(a.intersects(&b), !na.is_disjoint(&nb));
             prop_assert_eq!(a.count() as usize, na.len());
+            prop_assert_eq!(a.count_at_least(150) as usize, na.iter().filter(|p| **p >= 150).count());
             // Canonical form: sorted, disjoint, non-adjacent.
             for w in a.union(&b).ranges().windows(2) {
                 prop_assert!(u32::from(w[0].end) + 1 < u32::from(w[1].begin));

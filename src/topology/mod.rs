@@ -59,6 +59,15 @@ impl Topology {
             .map(Some)
             .ok_or_else(|| TopologyError(format!("unknown topology `{text}`")))
     }
+    pub fn tier(&self, _mask: GpuMask) -> u8 {
+        0
+    }
+    pub fn weight(&self, _mask: GpuMask) -> u32 {
+        0
+    }
+    pub fn best_tier(&self, _k: u32) -> u8 {
+        0
+    }
     pub fn link(&self, a: u32, b: u32) -> Link {
         self.links[(a * self.n + b) as usize]
     }

@@ -1,0 +1,151 @@
+//! Planning a whole job: every task through the select pipeline in the order the AM
+//! requests them, each placement booked before the next choice, exactly as the AM does.
+//! Used by `gpuam plan` and the simulator.
+
+use serde::Serialize;
+
+use super::{JobDemand, Outcome, Placement, SelectionTrace, Selector, TaskAsk, TaskShape};
+use crate::resources::{mask_hex, mask_indices, PortSet};
+use crate::spec::{JobSpec, TaskResources};
+
+/// A task that found a place.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlannedTask {
+    pub role: String,
+    pub index: u32,
+    pub host: String,
+    pub rack: String,
+    /// GPU indices, ascending.
+    pub gpus: Vec<u32>,
+    /// The mask as a hex string ("0x3").
+    pub gpu_mask: String,
+    /// Ports by label, in the spec's label order.
+    pub ports: Vec<(String, Vec<u16>)>,
+    pub gpu_tier: u8,
+    pub gpu_tier_ideal: bool,
+    #[serde(skip)]
+    pub placement: Placement,
+}
+
+/// A task that found none.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UnplacedTask {
+    pub role: String,
+    pub index: u32,
+    pub reason: String,
+    /// True when it can never fit this cluster (not merely "not now").
+    pub impossible: bool,
+    pub trace: SelectionTrace,
+}
+
+/// The plan of a whole job.
+#[derive(Clone, Debug, PartialEq, Serialize, Default)]
+pub struct JobPlan {
+    pub placements: Vec<PlannedTask>,
+    pub unplaced: Vec<UnplacedTask>,
+}
+
+/// The AM's request order: by task index, roles interleaved in file order
+/// (role A 0, role B 0, role A 1, ...), as the original sorted waiting tasks.
+pub fn request_order(job: &JobSpec) -> Vec<(usize, u32)> {
+    let max = job.task_roles.iter().map(|r| r.instances).max().unwrap_or(0);
+    (0..max)
+        .flat_map(|i| {
+            job.task_roles
+                .iter()
+                .enumerate()
+                .filter(move |(_, r)| i < r.instances)
+                .map(move |(ri, _)| (ri, i))
+        })
+        .collect()
+}
+
+/// Splits a container's ports among the role's labels (reference/frameworklauncher.md
+/// §4.4): static labels take their own ranges, dynamic labels take the lowest of the
+/// rest in label order. `None` when the ports do not cover the request.
+pub fn assign_port_labels(res: &TaskResources, ports: &PortSet) -> Option<Vec<(String, Vec<u16>)>> {
+    let statics = res.static_ports();
+    if !statics.is_subset(ports) {
+        return None;
+    }
+    let dynamic_pool = ports.subtract(&statics);
+    let mut rest = dynamic_pool.iter();
+    let mut out = Vec::with_capacity(res.ports.len());
+    for p in &res.ports {
+        let list: Vec<u16> = match p.start {
+            Some(s) => (0..p.count).map(|i| s + i).collect(),
+            None => rest.by_ref().take(usize::from(p.count)).collect(),
+        };
+        if list.len() != usize::from(p.count) {
+            return None;
+        }
+        out.push((p.label.clone(), list));
+    }
+    Some(out)
+}
+
+/// Places every task of `job`, booking each placement on the selector's view.
+pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
+    let mut demand = JobDemand::for_job(job);
+    let mut plan = JobPlan::default();
+    let mut role_ports: Vec<Option<PortSet>> = vec![None; job.task_roles.len()];
+    let order = request_order(job);
+    let total = order.len() as u32;
+    for (n, (ri, index)) in order.into_iter().enumerate() {
+        let role = &job.task_roles[ri];
+        let shape = TaskShape::of(&role.resources);
+        let reuse = if role.same_port_allocation { role_ports[ri].as_ref() } else { None };
+        let ask = TaskAsk {
+            role: &role.name,
+            resources: &role.resources,
+            node_label: role.node_label.as_deref(),
+            gpu_types: &role.gpu_types,
+            reuse_ports: reuse,
+            waiting_tasks: total - n as u32,
+        };
+        let sel = selector.select_and_reserve(&ask, &demand);
+        match sel.outcome {
+            Outcome::Placed(p) => {
+                demand.placed(&shape, &p.host);
+                if role.same_port_allocation && role_ports[ri].is_none() {
+                    role_ports[ri] = Some(p.resources.ports.clone());
+                }
+                plan.placements.push(PlannedTask {
+                    role: role.name.clone(),
+                    index,
+                    host: p.host.clone(),
+                    rack: p.rack.clone(),
+                    gpus: mask_indices(p.resources.gpu_mask),
+                    gpu_mask: mask_hex(p.resources.gpu_mask),
+                    ports: assign_port_labels(&role.resources, &p.resources.ports).unwrap_or_default(),
+                    gpu_tier: p.gpu_tier,
+                    gpu_tier_ideal: p.gpu_tier_ideal,
+                    placement: p,
+                });
+            }
+            Outcome::NotNow { reason } => {
+                demand.remove_waiting(&shape);
+                plan.unplaced.push(UnplacedTask {
+                    role: role.name.clone(),
+                    index,
+                    reason,
+                    impossible: false,
+                    trace: sel.trace,
+                });
+            }
+            Outcome::Impossible { reason } => {
+                demand.remove_waiting(&shape);
+                plan.unplaced.push(UnplacedTask {
+                    role: role.name.clone(),
+                    index,
+                    reason,
+                    impossible: true,
+                    trace: sel.trace,
+                });
+            }
+        }
+    }
+    plan
+}

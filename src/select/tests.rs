@@ -1,0 +1,492 @@
+//! Tests of each stage on its own and of the pipeline end to end.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::cluster::NodeState;
+use crate::config::RackPolicy;
+use crate::spec::{Completion, JobSpec, PortRequest, TaskRole};
+
+fn node(host: &str, rack: &str, gpus: u32, used_mask: u64) -> Node {
+    let mut n = Node::new(
+        host,
+        rack,
+        Resources::with_mask(64, 256_000, crate::resources::mask_of_count(gpus), PortSet::range(20000, 29999)),
+    );
+    let used_gpus = used_mask.count_ones();
+    n.set_used(Resources::with_mask(4 * used_gpus, 8192 * u64::from(used_gpus), used_mask, PortSet::new()));
+    n
+}
+
+fn res(cpu: u32, mem: u64, gpus: u32) -> TaskResources {
+    TaskResources {
+        cpu,
+        memory_mb: mem,
+        gpus,
+        gpu_mask: None,
+        ports: Vec::new(),
+    }
+}
+
+fn role(name: &str, instances: u32, r: TaskResources) -> TaskRole {
+    TaskRole {
+        name: name.into(),
+        instances,
+        resources: r,
+        gpu_types: Vec::new(),
+        node_label: None,
+        same_port_allocation: false,
+        commands: vec!["true".into()],
+        task_retry_count: 0,
+        completion: Completion::default(),
+    }
+}
+
+fn job(roles: Vec<TaskRole>) -> JobSpec {
+    JobSpec {
+        name: "j".into(),
+        gang: false,
+        task_roles: roles,
+    }
+}
+
+fn settings() -> SelectSettings {
+    SelectSettings {
+        seed: Some(1),
+        ..SelectSettings::default()
+    }
+}
+
+fn selector(nodes: Vec<Node>) -> Selector {
+    Selector::new(ClusterView::new(nodes), settings())
+}
+
+fn ask<'a>(r: &'a TaskResources) -> TaskAsk<'a> {
+    TaskAsk {
+        role: "worker",
+        resources: r,
+        node_label: None,
+        gpu_types: &[],
+        reuse_ports: None,
+        waiting_tasks: 1,
+    }
+}
+
+fn placed(sel: &Selection) -> &Placement {
+    match &sel.outcome {
+        Outcome::Placed(p) => p,
+        other => panic!("expected a placement, got {other:?}\n{}", sel.trace.render()),
+    }
+}
+
+fn stage<'a>(sel: &'a Selection, name: &str) -> &'a StageTrace {
+    sel.trace.stages.iter().find(|s| s.stage == name).unwrap()
+}
+
+#[test]
+fn packing_order_prefers_fewest_free_gpus_then_smallest_machine() {
+    // Free GPUs: a=6, b=2, c=2 on a 4-GPU machine.
+    let nodes = vec![
+        node("a", "/r", 8, 0x03),
+        node("b", "/r", 8, 0x3f),
+        node("c", "/r", 4, 0x03),
+    ];
+    let s = selector(nodes);
+    let r = res(1, 1000, 1);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    assert_eq!(placed(&sel).host, "c", "2 free on the smaller machine wins");
+    let p = placed(&sel);
+    assert_eq!(p.resources.gpu_mask.count_ones(), 1);
+    assert_eq!(p.resources.gpu_mask & 0x03, 0, "never a used GPU");
+}
+
+#[test]
+fn candidates_stage_drops_nodes_that_are_not_running() {
+    let mut down = node("down", "/r", 8, 0);
+    down.state = NodeState::New;
+    let s = selector(vec![down, node("up", "/r", 8, 0xff)]);
+    let r = res(1, 1000, 1);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    let st = stage(&sel, "candidates");
+    assert_eq!((st.nodes_in, st.nodes_out), (2, 1));
+    assert_eq!(st.dropped[0].hosts, vec!["down".to_string()]);
+    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "up is full: not now");
+}
+
+#[test]
+fn labels_are_partitions() {
+    let mut gpu = node("labelled", "/r", 8, 0);
+    gpu.labels = vec!["gpu".into()];
+    let s = selector(vec![gpu, node("plain", "/r", 8, 0)]);
+    let r = res(1, 1000, 1);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    assert_eq!(placed(&sel).host, "plain", "no label = default partition only");
+    let mut a = ask(&r);
+    a.node_label = Some(" gpu ");
+    assert_eq!(placed(&s.select(&a, &JobDemand::new(true))).host, "labelled");
+    a.node_label = Some("nope");
+    assert!(matches!(s.select(&a, &JobDemand::new(true)).outcome, Outcome::Impossible { .. }));
+}
+
+#[test]
+fn gpu_type_filter_is_never_relaxed() {
+    let mut v = node("v100", "/r", 8, 0xff);
+    v.gpu_type = Some("V100".into());
+    let mut a = node("a100", "/r", 8, 0);
+    a.gpu_type = Some("A100".into());
+    let s = selector(vec![v, a]);
+    let r = res(1, 1000, 1);
+    let types = vec!["V100".to_string(), "K80".to_string()];
+    let mut t = ask(&r);
+    t.gpu_types = &types;
+    let sel = s.select(&t, &JobDemand::new(true));
+    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "V100 node is full; A100 is never used");
+    assert_eq!(stage(&sel, "gpu-type").nodes_out, 1);
+    let none = vec!["H200".to_string()];
+    t.gpu_types = &none;
+    match s.select(&t, &JobDemand::new(true)).outcome {
+        Outcome::Impossible { reason } => assert!(reason.contains("GPU type"), "{reason}"),
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn none_gpu_jobs_skip_gpu_nodes_only_when_configured() {
+    let nodes = vec![node("gpu", "/r", 8, 0), node("cpu", "/r", 0, 0)];
+    let r = res(1, 1000, 0);
+    let mut st = settings();
+    st.allow_none_gpu_job_on_gpu_node = false;
+    let s = Selector::new(ClusterView::new(nodes.clone()), st);
+    let sel = s.select(&ask(&r), &JobDemand::new(false));
+    assert_eq!(placed(&sel).host, "cpu");
+    assert_eq!(stage(&sel, "none-gpu").nodes_out, 1);
+    // A job that has GPU tasks elsewhere may put its CPU task on a GPU node.
+    let s = Selector::new(ClusterView::new(vec![node("gpu", "/r", 8, 0)]), settings());
+    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(false))).host, "gpu");
+}
+
+#[test]
+fn explicit_masks_are_honoured_exactly() {
+    let s = selector(vec![node("a", "/r", 8, 0x01)]);
+    let mut r = res(1, 1000, 2);
+    r.gpu_mask = Some(0x0c);
+    let p = placed(&s.select(&ask(&r), &JobDemand::new(true))).clone();
+    assert_eq!(p.resources.gpu_mask, 0x0c);
+    r.gpu_mask = Some(0x03);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "bit 0 is used");
+    assert_eq!(stage(&sel, "resources").dropped[0].reason, "the requested GPU mask is not free");
+    r.gpu_mask = Some(0x300);
+    assert!(matches!(s.select(&ask(&r), &JobDemand::new(true)).outcome, Outcome::Impossible { .. }));
+}
+
+#[test]
+fn static_dynamic_and_mixed_ports() {
+    let mut busy = node("busy", "/r", 8, 0);
+    busy.set_used(Resources::with_mask(0, 0, 0, PortSet::range(20000, 20010)));
+    let s = selector(vec![busy, node("free", "/r", 8, 0)]);
+    let mut r = res(1, 1000, 1);
+    r.ports = vec![PortRequest {
+        label: "http".into(),
+        count: 2,
+        start: Some(20005),
+    }];
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    assert_eq!(placed(&sel).host, "free", "static port busy on the other node");
+    assert_eq!(placed(&sel).resources.ports.to_string(), "20005-20006");
+    r.ports.push(PortRequest {
+        label: "nccl".into(),
+        count: 3,
+        start: None,
+    });
+    for _ in 0..20 {
+        let p = placed(&s.select(&ask(&r), &JobDemand::new(true))).clone();
+        assert_eq!(p.resources.ports.count(), 5);
+        let labelled = assign_port_labels(&r, &p.resources.ports).unwrap();
+        assert_eq!(labelled[0], ("http".to_string(), vec![20005, 20006]));
+        assert_eq!(labelled[1].1.len(), 3);
+        assert!(labelled[1].1.iter().all(|p| *p >= 20000 && !(20005..=20006).contains(p)));
+    }
+}
+
+#[test]
+fn dynamic_ports_fall_back_to_per_node_when_no_common_pool() {
+    let mut a = node("a", "/r", 8, 0);
+    a.set_total(Resources::with_mask(64, 256_000, 0xff, PortSet::range(3000, 3001)));
+    let mut b = node("b", "/r", 8, 0);
+    b.set_total(Resources::with_mask(64, 256_000, 0xff, PortSet::range(4000, 4001)));
+    let s = selector(vec![a, b]);
+    let mut r = res(1, 1000, 1);
+    r.ports = vec![PortRequest {
+        label: "p".into(),
+        count: 2,
+        start: None,
+    }];
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    let p = placed(&sel);
+    let expect = if p.host == "a" { "3000-3001" } else { "4000-4001" };
+    assert_eq!(p.resources.ports.to_string(), expect);
+    assert!(stage(&sel, "ports").note.as_deref().unwrap().contains("per node"));
+}
+
+#[test]
+fn dynamic_ports_respect_container_min_port() {
+    let mut a = node("a", "/r", 8, 0);
+    a.set_total(Resources::with_mask(64, 256_000, 0xff, PortSet::range(1000, 2001)));
+    let s = selector(vec![a]);
+    let mut r = res(1, 1000, 1);
+    r.ports = vec![PortRequest {
+        label: "p".into(),
+        count: 2,
+        start: None,
+    }];
+    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).resources.ports.to_string(), "2000-2001");
+    r.ports[0].count = 3;
+    match s.select(&ask(&r), &JobDemand::new(true)).outcome {
+        Outcome::Impossible { reason } => assert!(reason.contains("ports"), "{reason}"),
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn same_port_allocation_reuses_the_roles_ports() {
+    let mut r = res(1, 1000, 1);
+    r.ports = vec![PortRequest {
+        label: "p".into(),
+        count: 2,
+        start: None,
+    }];
+    let mut j = job(vec![role("w", 3, r)]);
+    j.task_roles[0].same_port_allocation = true;
+    let s = selector((0..3).map(|i| node(&format!("n{i}"), "/r", 1, 0)).collect());
+    let plan = plan_job(&s, &j);
+    assert!(plan.unplaced.is_empty(), "{:?}", plan.unplaced);
+    let ports: Vec<_> = plan.placements.iter().map(|p| p.placement.resources.ports.clone()).collect();
+    assert!(ports.iter().all(|p| *p == ports[0]), "{ports:?}");
+    let hosts: std::collections::HashSet<_> = plan.placements.iter().map(|p| p.host.clone()).collect();
+    assert_eq!(hosts.len(), 3, "one GPU each: three nodes");
+}
+
+#[test]
+fn requested_bookkeeping_reduces_and_restores_availability() {
+    let s = selector(vec![node("a", "/r", 2, 0)]);
+    let r = res(1, 1000, 2);
+    let p = placed(&s.select_and_reserve(&ask(&r), &JobDemand::new(true))).clone();
+    assert_eq!(p.resources.gpu_mask, 0x3);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "booked GPUs are not free");
+    assert!(!s.add_requested("a", &p.resources), "double booking is refused");
+    s.remove_requested("a", &p.resources, false);
+    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a");
+}
+
+#[test]
+fn tried_resources_are_avoided_until_their_time_is_up() {
+    let s = selector(vec![node("a", "/r", 2, 0)]);
+    let r = res(1, 1000, 2);
+    let p = placed(&s.select_and_reserve(&ask(&r), &JobDemand::new(true))).clone();
+    s.remove_requested("a", &p.resources, true);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "just tried: skip");
+    let mut st = settings();
+    st.tried_resource_ttl_sec = 0;
+    let s = Selector::new(ClusterView::new(vec![node("a", "/r", 2, 0)]), st);
+    s.remove_requested("a", &p.resources, true);
+    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a", "expired at once");
+}
+
+#[test]
+fn a_job_that_fits_one_node_goes_onto_one_node() {
+    // Partly used nodes (packing would pick them first) and one empty node.
+    let mut nodes: Vec<Node> = (0..6).map(|i| node(&format!("busy{i}"), "/r", 8, 0x0f)).collect();
+    nodes.push(node("empty", "/r", 8, 0));
+    let s = selector(nodes);
+    let j = job(vec![role("w", 4, res(4, 8192, 2))]);
+    let plan = plan_job(&s, &j);
+    assert!(plan.unplaced.is_empty());
+    assert!(plan.placements.iter().all(|p| p.host == "empty"), "{:?}", plan.placements);
+    let masks: u64 = plan.placements.iter().fold(0, |m, p| {
+        assert_eq!(m & p.placement.resources.gpu_mask, 0);
+        m | p.placement.resources.gpu_mask
+    });
+    assert_eq!(masks, 0xff);
+}
+
+#[test]
+fn a_single_task_packs_into_a_partly_used_node() {
+    let s = selector(vec![node("empty", "/r", 8, 0), node("half", "/r", 8, 0x0f)]);
+    let j = job(vec![role("w", 1, res(4, 8192, 2))]);
+    assert_eq!(plan_job(&s, &j).placements[0].host, "half");
+}
+
+#[test]
+fn a_job_too_big_for_a_node_uses_fewest_nodes_in_one_rack() {
+    let mut nodes = Vec::new();
+    for i in 0..4 {
+        nodes.push(node(&format!("a{i}"), "/rack-a", 8, 0));
+        nodes.push(node(&format!("b{i}"), "/rack-b", 8, 0));
+    }
+    let s = selector(nodes);
+    // 6 tasks × 4 GPUs = 24 GPUs: three whole nodes, one rack.
+    let j = job(vec![role("w", 6, res(4, 8192, 4))]);
+    let plan = plan_job(&s, &j);
+    assert!(plan.unplaced.is_empty());
+    let hosts: std::collections::BTreeSet<_> = plan.placements.iter().map(|p| p.host.as_str()).collect();
+    let racks: std::collections::BTreeSet<_> = plan.placements.iter().map(|p| p.rack.as_str()).collect();
+    assert_eq!(hosts.len(), 3, "{hosts:?}");
+    assert_eq!(racks.len(), 1, "{racks:?}");
+}
+
+#[test]
+fn rack_policy_keeps_the_racks_the_job_uses_unless_turned_off() {
+    // The job already runs on a0 (rack a, now full). Packing alone prefers b0 (fewer
+    // free GPUs); the rack policy keeps the task in rack a.
+    let nodes = vec![
+        node("a0", "/rack-a", 8, 0xff),
+        node("a1", "/rack-a", 8, 0),
+        node("b0", "/rack-b", 8, 0x3f),
+    ];
+    let r = res(1, 1000, 1);
+    let mut demand = JobDemand::new(true);
+    demand.add_waiting(TaskShape::of(&r), 1);
+    demand.add_host("a0");
+    let s = selector(nodes.clone());
+    let sel = s.select(&ask(&r), &demand);
+    assert_eq!(placed(&sel).host, "a1");
+    assert_eq!(stage(&sel, "rack-policy").dropped[0].hosts, vec!["b0".to_string()]);
+    let mut st = settings();
+    st.rack_policy = RackPolicy::None;
+    let s = Selector::new(ClusterView::new(nodes), st);
+    assert_eq!(placed(&s.select(&ask(&r), &demand)).host, "b0");
+}
+
+#[test]
+fn impossible_is_distinct_from_not_now() {
+    let s = selector(vec![node("a", "/r", 8, 0xff)]);
+    let r = res(1, 1000, 16);
+    match s.select(&ask(&r), &JobDemand::new(true)).outcome {
+        Outcome::Impossible { reason } => assert!(reason.contains("largest node has 8"), "{reason}"),
+        o => panic!("{o:?}"),
+    }
+    let r = res(128, 1000, 0);
+    match s.select(&ask(&r), &JobDemand::new(true)).outcome {
+        Outcome::Impossible { reason } => assert!(reason.contains("CPU"), "{reason}"),
+        o => panic!("{o:?}"),
+    }
+    let r = res(1, 1000, 1);
+    match s.select(&ask(&r), &JobDemand::new(true)).outcome {
+        Outcome::NotNow { reason } => assert!(reason.contains("resources"), "{reason}"),
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn trace_counts_every_stage_in_order() {
+    let s = selector((0..10).map(|i| node(&format!("n{i}"), "/r", 8, if i < 4 { 0xff } else { 0 })).collect());
+    let r = res(1, 1000, 1);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    let names: Vec<_> = sel.trace.stages.iter().map(|s| s.stage).collect();
+    assert_eq!(
+        names,
+        ["candidates", "node-label", "gpu-type", "none-gpu", "ports", "resources", "rack-policy", "job-packing"]
+    );
+    let res_stage = stage(&sel, "resources");
+    assert_eq!((res_stage.nodes_in, res_stage.nodes_out), (10, 6));
+    assert_eq!(res_stage.dropped[0].count, 4);
+    let pack = stage(&sel, "job-packing");
+    assert_eq!(pack.nodes_out, 2, "waiting 1 × factor 2");
+    for w in sel.trace.stages.windows(2) {
+        assert_eq!(w[0].nodes_out, w[1].nodes_in);
+    }
+}
+
+#[test]
+fn roles_interleave_by_index() {
+    let j = job(vec![role("ps", 2, res(1, 1, 0)), role("w", 3, res(1, 1, 1))]);
+    let order: Vec<_> = request_order(&j).into_iter().map(|(r, i)| (j.task_roles[r].name.clone(), i)).collect();
+    let expect: Vec<_> = [("ps", 0), ("w", 0), ("ps", 1), ("w", 1), ("w", 2)]
+        .iter()
+        .map(|(r, i)| (r.to_string(), *i))
+        .collect();
+    assert_eq!(order, expect);
+}
+
+#[test]
+fn node_reports_keep_bookings_and_unusable_nodes_leave() {
+    let s = selector(vec![node("a", "/r", 8, 0), node("b", "/r", 8, 0)]);
+    let booked = Resources::with_mask(1, 1, 0x3, PortSet::new());
+    assert!(s.add_requested("a", &booked));
+    s.replace_nodes(vec![node("a", "/r", 8, 0x30)]);
+    s.with_view(|v| {
+        assert_eq!(v.len(), 1);
+        let a = v.get("a").unwrap();
+        assert_eq!(a.free().gpu_mask, 0xff & !0x33);
+    });
+    let mut lost = node("a", "/r", 8, 0);
+    lost.state = NodeState::Lost;
+    s.apply_node_report(lost);
+    s.with_view(|v| assert!(v.is_empty()));
+}
+
+#[test]
+fn topologies_are_shared_between_nodes() {
+    let t = crate::topology::Topology::preset("pcie8").unwrap();
+    let mut a = node("a", "/r", 8, 0);
+    a.topology = Some(Arc::new(t.clone()));
+    let mut b = node("b", "/r", 8, 0);
+    b.topology = Some(Arc::new(t));
+    let s = selector(vec![a, b]);
+    s.with_view(|v| {
+        let ta = v.get("a").unwrap().topology.as_ref().unwrap();
+        let tb = v.get("b").unwrap().topology.as_ref().unwrap();
+        assert!(Arc::ptr_eq(ta, tb), "one copy, so the GPU choice cache hits across nodes");
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Whatever the cluster and job, a plan never books a GPU bit or port twice on a
+    /// node, never more CPU or memory than is free, and every mask has exactly the
+    /// requested number of bits.
+    #[test]
+    fn plans_never_overbook(
+        used in prop::collection::vec(any::<u8>(), 1..8),
+        tasks in prop::collection::vec((1u32..4, 0u32..5, 0u16..3), 1..12),
+        seed in any::<u64>(),
+    ) {
+        let nodes: Vec<Node> = used.iter().enumerate().map(|(i, m)| {
+            let mut n = node(&format!("n{i}"), if i % 2 == 0 { "/a" } else { "/b" }, 8, u64::from(*m));
+            n.set_total(Resources::with_mask(16, 64_000, 0xff, PortSet::range(2000, 2009)));
+            n.set_used(Resources::with_mask(u32::from(m.count_ones()), 1000, u64::from(*m), PortSet::new()));
+            n
+        }).collect();
+        let mut st = settings();
+        st.seed = Some(seed);
+        let s = Selector::new(ClusterView::new(nodes.clone()), st);
+        let roles: Vec<TaskRole> = tasks.iter().enumerate().map(|(i, (cpu, gpus, ports))| {
+            let mut r = res(*cpu, 4000, *gpus);
+            if *ports > 0 {
+                r.ports = vec![PortRequest { label: "p".into(), count: *ports, start: None }];
+            }
+            role(&format!("r{i}"), 1, r)
+        }).collect();
+        let j = job(roles);
+        let plan = plan_job(&s, &j);
+        prop_assert_eq!(plan.placements.len() + plan.unplaced.len(), tasks.len());
+        let mut booked: HashMap<String, Resources> = HashMap::new();
+        for p in &plan.placements {
+            let want = j.role(&p.role).unwrap().resources.gpus;
+            prop_assert_eq!(p.placement.resources.gpu_mask.count_ones(), want);
+            let n = nodes.iter().find(|n| n.host == p.host).unwrap();
+            prop_assert_eq!(p.placement.resources.gpu_mask & n.used().gpu_mask, 0);
+            let cur = booked.remove(&p.host).unwrap_or_default();
+            let sum = cur.try_add(&p.placement.resources);
+            prop_assert!(sum.is_ok(), "double booking on {}", p.host);
+            let sum = sum.unwrap();
+            prop_assert!(sum.fits_in(n.free()), "over-booked {}", p.host);
+            booked.insert(p.host.clone(), sum);
+        }
+    }
+}
