@@ -1,0 +1,335 @@
+//! The AM's published status: a snapshot of the job, its tasks, the node view and the
+//! recent selection traces, plus a numbered event stream. The control loop writes it;
+//! the dashboard, the status API, `/metrics` and `gpuam run`'s progress read it.
+//!
+//! Events are numbered so a reconnecting SSE client resumes after the last id it saw
+//! (Last-Event-ID); the hub keeps the most recent ones for that.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use serde::Serialize;
+use tokio::sync::{broadcast, mpsc};
+
+use crate::select::SelectionTrace;
+
+/// Job states as users see them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Hash)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum JobState {
+    Starting,
+    Waiting,
+    Running,
+    Succeeded,
+    Failed,
+    Killed,
+}
+
+impl JobState {
+    pub fn is_final(self) -> bool {
+        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Killed)
+    }
+}
+
+/// Task states (reference/frameworklauncher.md §5.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Hash, PartialOrd, Ord)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum TaskState {
+    TaskWaiting,
+    ContainerRequested,
+    ContainerAllocated,
+    ContainerLaunched,
+    ContainerRunning,
+    ContainerCompleted,
+    TaskCompleted,
+}
+
+impl TaskState {
+    pub const ALL: [TaskState; 7] = [
+        TaskState::TaskWaiting,
+        TaskState::ContainerRequested,
+        TaskState::ContainerAllocated,
+        TaskState::ContainerLaunched,
+        TaskState::ContainerRunning,
+        TaskState::ContainerCompleted,
+        TaskState::TaskCompleted,
+    ];
+}
+
+/// Exit classes (reference/frameworklauncher.md §5.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Hash)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ExitType {
+    Succeeded,
+    TransientNormal,
+    TransientConflict,
+    NonTransient,
+    Unknown,
+}
+
+/// One task as published.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskStatus {
+    pub role: String,
+    pub index: u32,
+    pub state: TaskState,
+    /// 1 for the first try; +1 per retry.
+    pub attempt: u32,
+    /// Retries that counted against `taskRetryCount`.
+    pub retried_count: u32,
+    pub host: Option<String>,
+    pub gpus: Vec<u32>,
+    pub gpu_mask: Option<String>,
+    /// Ports by label.
+    pub ports: Vec<(String, Vec<u16>)>,
+    pub container_id: Option<String>,
+    pub exit_code: Option<i32>,
+    pub exit_type: Option<ExitType>,
+    pub exit_diagnostics: Option<String>,
+    /// Why the task is waiting (last selection outcome), when it is.
+    pub waiting_reason: Option<String>,
+    /// Milliseconds since the epoch.
+    pub created_ms: u64,
+    pub launched_ms: Option<u64>,
+    pub completed_ms: Option<u64>,
+}
+
+/// Counts per state for one role.
+#[derive(Clone, Debug, PartialEq, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RoleCounts {
+    pub role: String,
+    pub instances: u32,
+    pub waiting: u32,
+    pub requested: u32,
+    pub allocated: u32,
+    pub running: u32,
+    pub succeeded: u32,
+    pub failed: u32,
+}
+
+/// One node of the AM's view, as published.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeStatus {
+    pub host: String,
+    pub rack: String,
+    pub labels: Vec<String>,
+    pub gpu_type: Option<String>,
+    pub state: String,
+    /// Preset name, or "custom" for a parsed matrix; None = unknown topology.
+    pub topology: Option<String>,
+    pub gpu_count: u32,
+    /// GPU islands per tier, best tier first (for grouping the GPU boxes): each a list
+    /// of masks as hex strings.
+    pub gpu_groups: Vec<Vec<String>>,
+    pub total_cpu: u32,
+    pub used_cpu: u32,
+    pub requested_cpu: u32,
+    pub free_cpu: u32,
+    pub total_memory_mb: u64,
+    pub used_memory_mb: u64,
+    pub requested_memory_mb: u64,
+    pub free_memory_mb: u64,
+    pub total_gpu_mask: String,
+    pub used_gpu_mask: String,
+    pub requested_gpu_mask: String,
+    pub free_gpu_mask: String,
+    /// GPUs of this node held by this job's containers.
+    pub job_gpu_mask: String,
+    pub total_ports: String,
+    pub used_ports: String,
+    pub free_ports: String,
+}
+
+/// One selection, as published.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SelectionRecord {
+    pub role: String,
+    pub index: u32,
+    pub at_ms: u64,
+    /// "placed", "notNow" or "impossible".
+    pub outcome: String,
+    pub reason: Option<String>,
+    pub host: Option<String>,
+    pub gpu_mask: Option<String>,
+    pub gpus: Vec<u32>,
+    pub ports: Option<String>,
+    pub gpu_tier: Option<u8>,
+    pub gpu_tier_ideal: Option<bool>,
+    pub gpu_weight: Option<u32>,
+    pub trace: SelectionTrace,
+}
+
+/// The job as published.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct JobStatus {
+    pub name: String,
+    pub app_id: String,
+    pub state: JobState,
+    pub attempt: u32,
+    pub gang: bool,
+    pub started_ms: u64,
+    pub finished_ms: Option<u64>,
+    pub exit_code: Option<i32>,
+    pub diagnostics: Option<String>,
+    pub total_tasks: u32,
+    pub completed_tasks: u32,
+    pub roles: Vec<RoleCounts>,
+    pub rm_url: String,
+}
+
+/// Everything the AM publishes, in one consistent snapshot.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    pub job: JobStatus,
+    pub tasks: Vec<TaskStatus>,
+    pub nodes: Vec<NodeStatus>,
+    /// Most recent last.
+    pub selections: VecDeque<SelectionRecord>,
+    /// Milliseconds since the epoch of the last full node refresh.
+    pub nodes_refreshed_ms: u64,
+    pub registered: bool,
+    pub rm_reachable: bool,
+    /// The effective settings.
+    pub config: serde_json::Value,
+}
+
+/// A numbered change notification.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Event {
+    pub id: u64,
+    /// "job", "task", "selection" or "nodes".
+    pub kind: &'static str,
+    pub data: serde_json::Value,
+}
+
+/// A request from the dashboard to the control loop.
+#[derive(Debug)]
+pub enum Command {
+    Kill { reason: String },
+}
+
+/// Counters for `/metrics` that are not derivable from the snapshot.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub rm_errors: AtomicU64,
+    pub retries_transient: AtomicU64,
+    pub retries_permanent: AtomicU64,
+    pub retries_unknown: AtomicU64,
+    /// Allocate round-trip latencies in microseconds (bounded ring for quantiles and
+    /// a histogram).
+    pub allocate_latency_us: Mutex<Vec<u64>>,
+    /// Nodes filtered per stage name, summed over all selections.
+    pub filtered_per_stage: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+}
+
+/// Where the dashboard reads container logs from.
+pub trait LogSource: Send + Sync {
+    /// The last `tail` bytes of a container's stream ("stdout" or "stderr").
+    fn read(
+        &self,
+        container_id: &str,
+        stream: &str,
+        tail: u64,
+    ) -> futures::future::BoxFuture<'static, Result<String, String>>;
+}
+
+/// How many events a reconnecting client can catch up on.
+const EVENT_HISTORY: usize = 4096;
+/// How many selection records the snapshot keeps.
+pub const SELECTION_HISTORY: usize = 200;
+
+/// The shared status hub.
+pub struct StatusHub {
+    snapshot: RwLock<Snapshot>,
+    seq: AtomicU64,
+    history: Mutex<VecDeque<Event>>,
+    events: broadcast::Sender<Event>,
+    commands: mpsc::UnboundedSender<Command>,
+    /// Token that mutating dashboard calls must present.
+    pub job_token: String,
+    pub counters: Counters,
+    pub logs: Arc<dyn LogSource>,
+}
+
+impl StatusHub {
+    pub fn new(
+        snapshot: Snapshot,
+        job_token: String,
+        logs: Arc<dyn LogSource>,
+    ) -> (Arc<StatusHub>, mpsc::UnboundedReceiver<Command>) {
+        let (tx, _) = broadcast::channel(1024);
+        let (ctx, crx) = mpsc::unbounded_channel();
+        let hub = StatusHub {
+            snapshot: RwLock::new(snapshot),
+            seq: AtomicU64::new(0),
+            history: Mutex::new(VecDeque::new()),
+            events: tx,
+            commands: ctx,
+            job_token,
+            counters: Counters::default(),
+            logs,
+        };
+        (Arc::new(hub), crx)
+    }
+
+    /// A copy of the current snapshot.
+    pub fn snapshot(&self) -> Snapshot {
+        self.snapshot.read().clone()
+    }
+
+    /// Reads the snapshot without copying it.
+    pub fn read<R>(&self, f: impl FnOnce(&Snapshot) -> R) -> R {
+        f(&self.snapshot.read())
+    }
+
+    /// Changes the snapshot and publishes one event describing the change.
+    pub fn update(&self, kind: &'static str, data: serde_json::Value, f: impl FnOnce(&mut Snapshot)) {
+        f(&mut self.snapshot.write());
+        self.publish(kind, data);
+    }
+
+    /// Publishes an event without changing the snapshot.
+    pub fn publish(&self, kind: &'static str, data: serde_json::Value) {
+        let mut hist = self.history.lock();
+        let id = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
+        let ev = Event { id, kind, data };
+        hist.push_back(ev.clone());
+        if hist.len() > EVENT_HISTORY {
+            hist.pop_front();
+        }
+        // No receiver is fine: nobody is watching.
+        let _ = self.events.send(ev);
+    }
+
+    /// Subscribes to new events, returning the events after `last_id` that are still
+    /// kept (for Last-Event-ID) and a receiver for the ones to come. The two never
+    /// miss or repeat an event: both are taken under the history lock.
+    pub fn subscribe(&self, last_id: Option<u64>) -> (Vec<Event>, broadcast::Receiver<Event>) {
+        let hist = self.history.lock();
+        let rx = self.events.subscribe();
+        let missed = match last_id {
+            Some(id) => hist.iter().filter(|e| e.id > id).cloned().collect(),
+            None => Vec::new(),
+        };
+        (missed, rx)
+    }
+
+    /// The id of the newest event.
+    pub fn last_event_id(&self) -> u64 {
+        self.seq.load(Ordering::SeqCst)
+    }
+
+    /// Sends a command to the control loop; false if the loop has ended.
+    pub fn command(&self, c: Command) -> bool {
+        self.commands.send(c).is_ok()
+    }
+}

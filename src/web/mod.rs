@@ -1,0 +1,1 @@
+//! The AM's web dashboard and status API (placeholder).
