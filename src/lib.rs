@@ -5,6 +5,7 @@
 //! `cli → am / rm / web → select → cluster / topology / spec → resources`.
 
 pub mod am;
+pub mod bench;
 pub mod cli;
 pub mod cluster;
 pub mod config;

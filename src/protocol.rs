@@ -74,6 +74,10 @@ pub struct SubmitApplication {
     /// Address the AM's dashboard should listen on (`127.0.0.1:0` = any free port).
     #[serde(default)]
     pub dashboard_listen: Option<String>,
+    /// Token for the dashboard's mutating calls (kill), chosen by the submitter and
+    /// handed to the AM in its environment (`GPUAM_JOB_TOKEN`), never on a command line.
+    #[serde(default)]
+    pub job_token: Option<String>,
 }
 
 /// `GET /ws/v1/cluster/apps/{id}` answer (inside `{"app": ...}`).

@@ -1,4 +1,227 @@
 //! The application master: one per job. Registers with the RM, keeps the node view,
 //! places and requests one task at a time, launches, watches, retries, finishes.
+//!
+//! `run` wires the parts: the RM client, the selector over the node view, the status
+//! hub and dashboard, and the control loop that owns every task.
 
+pub mod control;
+pub mod exits;
+pub mod rm_client;
 pub mod status;
+pub mod tasks;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use rand::Rng;
+use tokio::sync::mpsc;
+
+use crate::cluster::ClusterView;
+use crate::config::Settings;
+use crate::exit;
+use crate::protocol::{FinalStatus, FinishRequest, RegisterRequest};
+use crate::select::Selector;
+use crate::spec::JobSpec;
+use control::{Control, JobEnd};
+use rm_client::RmClient;
+use status::{JobState, JobStatus, LogSource, Snapshot, StatusHub};
+
+/// What `gpuam am` needs.
+#[derive(Clone, Debug)]
+pub struct AmOptions {
+    pub job: JobSpec,
+    pub rm_url: String,
+    pub app_id: String,
+    pub token: String,
+    /// The dashboard's address.
+    pub listen: SocketAddr,
+    pub settings: Settings,
+    /// Token for mutating dashboard calls; random when not given.
+    pub job_token: Option<String>,
+}
+
+/// Reads container logs from the executor that runs the container.
+struct ExecutorLogs {
+    rm: RmClient,
+    addrs: Arc<parking_lot::Mutex<HashMap<String, (String, String)>>>,
+}
+
+impl LogSource for ExecutorLogs {
+    fn read(&self, container_id: &str, stream: &str, tail: u64) -> BoxFuture<'static, Result<String, String>> {
+        let addr = self.addrs.lock().get(container_id).cloned();
+        let rm = self.rm.clone();
+        let (id, stream) = (container_id.to_string(), stream.to_string());
+        Box::pin(async move {
+            let (node, host) = addr.ok_or_else(|| format!("container {id} is not known to this AM"))?;
+            rm.container_logs(&node, &host, &id, &stream, tail).await.map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// A random hex token of 128 bits.
+pub fn random_token() -> String {
+    let mut rng = rand::thread_rng();
+    (0..2).map(|_| format!("{:016x}", rng.gen::<u64>())).collect()
+}
+
+async fn with_retries<T, F, Fut>(what: &str, attempts: u32, mut f: F) -> Result<T, rm_client::RmError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, rm_client::RmError>>,
+{
+    let mut delay = Duration::from_millis(200);
+    let mut last = None;
+    for _ in 0..attempts {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_unreachable() || e.status() == Some(503) => {
+                tracing::warn!(error = %e, "{what} failed; retrying");
+                last = Some(e);
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or(rm_client::RmError::BadAnswer {
+        what: what.into(),
+        why: "no attempt made".into(),
+    }))
+}
+
+/// Runs one AM to the end of its job; returns the process exit code (DESIGN.md §7).
+pub async fn run(opts: AmOptions) -> i32 {
+    let job = Arc::new(opts.job);
+    let rm = RmClient::for_app(&opts.rm_url, &opts.app_id, &opts.token);
+
+    // The node view first: the selector needs it before any task is placed.
+    let nodes = match with_retries("node listing", 10, || rm.nodes()).await {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return if e.is_unreachable() { exit::RM_UNREACHABLE } else { exit::INTERNAL };
+        }
+    };
+    let selector = Arc::new(Selector::new(ClusterView::new(nodes), opts.settings.select.clone()));
+
+    let addrs: Arc<parking_lot::Mutex<HashMap<String, (String, String)>>> = Arc::default();
+    let logs = Arc::new(ExecutorLogs {
+        rm: rm.clone(),
+        addrs: addrs.clone(),
+    });
+    let job_token = opts.job_token.clone().unwrap_or_else(random_token);
+    let snapshot = Snapshot {
+        job: JobStatus {
+            name: job.name.clone(),
+            app_id: opts.app_id.clone(),
+            state: JobState::Starting,
+            attempt: 1,
+            gang: job.gang,
+            started_ms: tasks::now_ms(),
+            finished_ms: None,
+            exit_code: None,
+            diagnostics: None,
+            total_tasks: job.total_tasks(),
+            completed_tasks: 0,
+            roles: Vec::new(),
+            rm_url: opts.rm_url.clone(),
+        },
+        tasks: Vec::new(),
+        nodes: Vec::new(),
+        selections: VecDeque::new(),
+        nodes_refreshed_ms: tasks::now_ms(),
+        registered: false,
+        rm_reachable: true,
+        config: serde_json::to_value(&opts.settings).unwrap_or_default(),
+    };
+    let (hub, commands) = StatusHub::new(snapshot, job_token, logs);
+    let (dash_addr, _dash) = match crate::web::serve(hub.clone(), opts.listen).await {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: cannot serve the dashboard on {}: {e}", opts.listen);
+            return exit::USAGE;
+        }
+    };
+    let tracking_url = format!("http://{dash_addr}/");
+    tracing::info!(%tracking_url, "dashboard listening");
+
+    let reg = RegisterRequest {
+        host: dash_addr.ip().to_string(),
+        tracking_url: tracking_url.clone(),
+    };
+    let registered = match with_retries("register", 10, || rm.register(&reg)).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return if e.is_unreachable() { exit::RM_UNREACHABLE } else { exit::INTERNAL };
+        }
+    };
+    let mut control = Control::new(
+        job.clone(),
+        opts.app_id.clone(),
+        rm.clone(),
+        selector,
+        hub.clone(),
+        opts.settings.am.clone(),
+        commands,
+    );
+    control.container_addrs = addrs;
+    let initial = control.initial_statuses();
+    hub.update("job", serde_json::json!({"registered": true}), |s| {
+        s.registered = true;
+        s.job.attempt = registered.attempt;
+        s.tasks = initial;
+    });
+
+    // SIGINT / SIGTERM kill the job cleanly.
+    let (stop_tx, stop_rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let term = async {
+            #[cfg(unix)]
+            {
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(mut s) => {
+                        s.recv().await;
+                    }
+                    Err(_) => futures::future::pending::<()>().await,
+                }
+            }
+            #[cfg(not(unix))]
+            futures::future::pending::<()>().await
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => { let _ = stop_tx.send("SIGINT".to_string()); }
+            _ = term => { let _ = stop_tx.send("SIGTERM".to_string()); }
+        }
+    });
+
+    let end: JobEnd = control.run(stop_rx).await;
+    let final_status = match end.state {
+        JobState::Succeeded => FinalStatus::Succeeded,
+        JobState::Killed => FinalStatus::Killed,
+        _ => FinalStatus::Failed,
+    };
+    let finish = FinishRequest {
+        final_status,
+        exit_code: end.exit_code,
+        diagnostics: end.diagnostics.clone(),
+    };
+    if let Err(e) = with_retries("finish", 20, || rm.finish(&finish)).await {
+        eprintln!("warning: could not tell the RM the job ended: {e}");
+    }
+    eprintln!("job {} {:?}: {}", job.name, end.state, end.diagnostics);
+    if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC").ok().and_then(|v| v.parse::<u64>().ok()) {
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+    }
+    end.exit_code
+}
+
+/// Where the AM's settings and job spec come from on the command line.
+#[derive(Clone, Debug)]
+pub struct AmCommandLine {
+    pub job_path: PathBuf,
+}

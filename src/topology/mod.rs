@@ -65,6 +65,9 @@ impl Topology {
     pub fn weight(&self, _mask: GpuMask) -> u32 {
         0
     }
+    pub fn islands(&self, _tier: u8) -> Vec<GpuMask> {
+        Vec::new()
+    }
     pub fn best_tier(&self, _k: u32) -> u8 {
         0
     }

@@ -1,0 +1,867 @@
+//! The AM control loop: a single task that owns the task table and, once per
+//! heartbeat, places waiting tasks, talks to the RM (asks, cancels, releases in one
+//! allocate call), applies what comes back, launches, and decides retries and the
+//! job's end. Everything that changes a task's state happens here, in order, which
+//! is the original's single-threaded transition queue made into one loop.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use super::exits::{check_completion, classify, decide_retry, ExitInfo, JobVerdict, RetryDecision, RoleTally};
+use super::rm_client::{RmClient, RmError};
+use super::status::{
+    Command, ExitType, JobState, NodeStatus, RoleCounts, SelectionRecord, StatusHub, TaskState, SELECTION_HISTORY,
+};
+use super::tasks::{now_ms, peer_address, task_env, Outstanding, Task};
+use crate::cluster::rm_json::parse_node_value;
+use crate::config::AmSettings;
+use crate::protocol::{exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, LaunchContext};
+use crate::resources::{mask_hex, mask_indices};
+use crate::select::{assign_port_labels, request_order, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
+use crate::spec::JobSpec;
+
+/// How the job ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobEnd {
+    pub state: JobState,
+    pub exit_code: i32,
+    pub diagnostics: String,
+}
+
+/// Asks not answered within this time are withdrawn and placed again.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most tasks placed per heartbeat, so a huge job still heartbeats regularly.
+const MAX_ASKS_PER_HEARTBEAT: usize = 2000;
+
+pub struct Control {
+    pub job: Arc<JobSpec>,
+    pub app_id: String,
+    pub rm: RmClient,
+    pub selector: Arc<Selector>,
+    pub hub: Arc<StatusHub>,
+    pub settings: AmSettings,
+    pub commands: mpsc::UnboundedReceiver<Command>,
+    /// container id → (executor address, host), for reading logs.
+    pub container_addrs: Arc<parking_lot::Mutex<HashMap<String, (String, String)>>>,
+    tasks: Vec<Task>,
+    /// Request order (indices into `tasks`).
+    order: Vec<usize>,
+    by_request: HashMap<u64, usize>,
+    by_container: HashMap<String, usize>,
+    /// Asks the RM has seen (an answer to each comes in the same heartbeat).
+    sent_asks: HashSet<u64>,
+    next_request_id: u64,
+    response_id: u64,
+    cancels: Vec<u64>,
+    releases: Vec<String>,
+    last_refresh: Option<Instant>,
+    /// Gang: when the gang started waiting with some containers held.
+    gang_wait_since: Option<Instant>,
+    gang_backoff_until: Option<Instant>,
+    gang_launched: bool,
+    rng: rand::rngs::StdRng,
+    end: Option<JobEnd>,
+    nodes_dirty: bool,
+}
+
+impl Control {
+    pub fn new(
+        job: Arc<JobSpec>,
+        app_id: String,
+        rm: RmClient,
+        selector: Arc<Selector>,
+        hub: Arc<StatusHub>,
+        settings: AmSettings,
+        commands: mpsc::UnboundedReceiver<Command>,
+    ) -> Self {
+        let mut tasks = Vec::new();
+        let mut index_of = HashMap::new();
+        for (ri, role) in job.task_roles.iter().enumerate() {
+            for i in 0..role.instances {
+                index_of.insert((ri, i), tasks.len());
+                tasks.push(Task::new(ri, i));
+            }
+        }
+        let order = request_order(&job).into_iter().filter_map(|k| index_of.get(&k).copied()).collect();
+        Control {
+            job,
+            app_id,
+            rm,
+            selector,
+            hub,
+            settings,
+            commands,
+            container_addrs: Arc::default(),
+            tasks,
+            order,
+            by_request: HashMap::new(),
+            by_container: HashMap::new(),
+            sent_asks: HashSet::new(),
+            next_request_id: 1,
+            response_id: 0,
+            cancels: Vec::new(),
+            releases: Vec::new(),
+            last_refresh: None,
+            gang_wait_since: None,
+            gang_backoff_until: None,
+            gang_launched: false,
+            rng: rand::SeedableRng::from_entropy(),
+            end: None,
+            nodes_dirty: true,
+        }
+    }
+
+    /// Runs until the job ends (or is killed); returns how it ended.
+    pub async fn run(mut self, mut shutdown: mpsc::UnboundedReceiver<String>) -> JobEnd {
+        self.publish_job(JobState::Waiting);
+        let heartbeat = Duration::from_millis(self.settings.heartbeat_interval_ms.max(10));
+        let mut rm_down_since: Option<Instant> = None;
+        while self.end.is_none() {
+            let tick = Instant::now();
+            while let Ok(c) = self.commands.try_recv() {
+                match c {
+                    Command::Kill { reason } => self.kill(&reason),
+                }
+            }
+            if let Ok(reason) = shutdown.try_recv() {
+                self.kill(&reason);
+            }
+            if self.end.is_some() {
+                break;
+            }
+            self.refresh_nodes_if_due().await;
+            self.place_waiting();
+            match self.heartbeat().await {
+                Ok(()) => rm_down_since = None,
+                Err(e) => {
+                    self.hub.counters.rm_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let since = *rm_down_since.get_or_insert(tick);
+                    tracing::warn!(error = %e, "allocate failed; retrying");
+                    self.hub.update("job", json!({"rmReachable": false}), |s| s.rm_reachable = false);
+                    if !e.is_unreachable() && e.status() != Some(503) {
+                        self.end = Some(JobEnd {
+                            state: JobState::Failed,
+                            exit_code: 1,
+                            diagnostics: format!("the RM refused the heartbeat: {e}"),
+                        });
+                        break;
+                    }
+                    // Keep retrying with a capped, jittered back-off; running tasks keep running.
+                    let waited = since.elapsed().as_millis() as u64;
+                    let backoff = (200 + waited / 4).min(5000);
+                    let jitter = self.rng.gen_range(0..=backoff / 2);
+                    tokio::time::sleep(Duration::from_millis(backoff + jitter)).await;
+                    continue;
+                }
+            }
+            self.gang_and_launch().await;
+            self.publish();
+            if self.end.is_none() {
+                let busy = self.tasks.iter().any(|t| t.state == TaskState::TaskWaiting && t.not_before.is_none());
+                let pause = if busy { Duration::from_millis(5) } else { heartbeat };
+                tokio::select! {
+                    _ = tokio::time::sleep(pause.saturating_sub(tick.elapsed())) => {}
+                    Some(r) = shutdown.recv() => self.kill(&r),
+                }
+            }
+        }
+        let end = self.end.clone().unwrap_or(JobEnd {
+            state: JobState::Failed,
+            exit_code: 1,
+            diagnostics: "control loop ended without a verdict".into(),
+        });
+        self.finish_tasks(&end);
+        self.publish();
+        end
+    }
+
+    fn kill(&mut self, reason: &str) {
+        if self.end.is_none() {
+            self.end = Some(JobEnd {
+                state: JobState::Killed,
+                exit_code: 1,
+                diagnostics: format!("killed: {reason}"),
+            });
+        }
+    }
+
+    async fn refresh_nodes_if_due(&mut self) {
+        let due = self
+            .last_refresh
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(self.settings.node_refresh_interval_ms));
+        if !due {
+            return;
+        }
+        self.last_refresh = Some(Instant::now());
+        match self.rm.nodes().await {
+            Ok(nodes) => {
+                self.selector.replace_nodes(nodes);
+                self.nodes_dirty = true;
+                self.hub.update("nodes", json!({"refreshed": true}), |s| {
+                    s.nodes_refreshed_ms = now_ms();
+                    s.rm_reachable = true;
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "node refresh failed"),
+        }
+    }
+
+    /// The job's still-unplaced demand and where its tasks are.
+    fn demand(&self) -> JobDemand {
+        let mut d = JobDemand::new(self.job.task_roles.iter().any(|r| r.resources.gpus > 0));
+        for t in &self.tasks {
+            let role = &self.job.task_roles[t.role];
+            match t.state {
+                TaskState::TaskWaiting => d.add_waiting(TaskShape::of(&role.resources), 1),
+                TaskState::ContainerRequested => {
+                    if let Some(r) = &t.request {
+                        d.add_host(&r.host);
+                    }
+                }
+                _ if t.holds_container() => {
+                    if let Some(c) = &t.container {
+                        d.add_host(&c.host);
+                    }
+                }
+                _ => {}
+            }
+        }
+        d
+    }
+
+    fn place_waiting(&mut self) {
+        if self.gang_backoff_until.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        self.gang_backoff_until = None;
+        let now = Instant::now();
+        let mut demand = self.demand();
+        let mut waiting = self.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count() as u32;
+        let mut asked = 0;
+        for oi in 0..self.order.len() {
+            let ti = self.order[oi];
+            let t = &self.tasks[ti];
+            if t.state != TaskState::TaskWaiting || t.not_before.is_some_and(|nb| now < nb) {
+                continue;
+            }
+            if asked >= MAX_ASKS_PER_HEARTBEAT {
+                break;
+            }
+            let role = &self.job.task_roles[t.role];
+            let reuse = if role.same_port_allocation {
+                self.tasks
+                    .iter()
+                    .find(|o| o.role == t.role && (o.holds_container() || o.request.is_some()))
+                    .and_then(|o| {
+                        o.container
+                            .as_ref()
+                            .map(|c| c.resources.ports.clone())
+                            .or_else(|| o.request.as_ref().map(|r| r.resources.ports.clone()))
+                    })
+            } else {
+                None
+            };
+            let ask = TaskAsk {
+                role: &role.name,
+                resources: &role.resources,
+                node_label: role.node_label.as_deref(),
+                gpu_types: &role.gpu_types,
+                reuse_ports: reuse.as_ref(),
+                waiting_tasks: waiting,
+            };
+            let sel = self.selector.select_and_reserve(&ask, &demand);
+            {
+                let mut filtered = self.hub.counters.filtered_per_stage.lock();
+                for st in &sel.trace.stages {
+                    *filtered.entry(st.stage).or_insert(0) += st.dropped.iter().map(|g| g.count as u64).sum::<u64>();
+                }
+            }
+            let role_name = role.name.clone();
+            let shape = TaskShape::of(&role.resources);
+            let index = t.index;
+            let record = selection_record(&role_name, index, &sel);
+            match sel.outcome {
+                Outcome::Placed(p) => {
+                    let id = self.next_request_id;
+                    self.next_request_id += 1;
+                    demand.placed(&shape, &p.host);
+                    waiting = waiting.saturating_sub(1);
+                    asked += 1;
+                    let t = &mut self.tasks[ti];
+                    t.request = Some(Outstanding {
+                        request_id: id,
+                        host: p.host.clone(),
+                        resources: p.resources.clone(),
+                        sent: now,
+                    });
+                    t.waiting_reason = None;
+                    t.not_before = None;
+                    t.set_state(TaskState::ContainerRequested);
+                    self.by_request.insert(id, ti);
+                }
+                Outcome::NotNow { reason } => {
+                    let (lo, hi) = (self.settings.not_available_retry_min_ms, self.settings.not_available_retry_max_ms);
+                    let wait = self.rng.gen_range(lo..=hi.max(lo));
+                    let t = &mut self.tasks[ti];
+                    t.not_before = Some(now + Duration::from_millis(wait));
+                    if t.waiting_reason.as_deref() != Some(reason.as_str()) {
+                        t.waiting_reason = Some(reason);
+                        t.dirty = true;
+                    }
+                }
+                Outcome::Impossible { reason } => {
+                    let t = &mut self.tasks[ti];
+                    t.waiting_reason = Some(format!("can never fit this cluster: {reason}"));
+                    t.dirty = true;
+                    self.end = Some(JobEnd {
+                        state: JobState::Failed,
+                        exit_code: 1,
+                        diagnostics: format!("task {role_name}/{index} can never be placed on this cluster: {reason}"),
+                    });
+                }
+            }
+            self.hub.update("selection", json!({"role": role_name, "index": index}), |s| {
+                s.selections.push_back(record);
+                while s.selections.len() > SELECTION_HISTORY {
+                    s.selections.pop_front();
+                }
+            });
+            if self.end.is_some() {
+                return;
+            }
+        }
+    }
+
+    async fn heartbeat(&mut self) -> Result<(), RmError> {
+        let now = Instant::now();
+        // Withdraw asks the RM has not answered in time and place them again.
+        for ti in 0..self.tasks.len() {
+            let timed_out = self.tasks[ti]
+                .request
+                .as_ref()
+                .filter(|r| self.tasks[ti].state == TaskState::ContainerRequested && now.duration_since(r.sent) > REQUEST_TIMEOUT)
+                .cloned();
+            if let Some(r) = timed_out {
+                self.sent_asks.remove(&r.request_id);
+                self.cancels.push(r.request_id);
+                self.by_request.remove(&r.request_id);
+                self.selector.remove_requested(&r.host, &r.resources, true);
+                let t = &mut self.tasks[ti];
+                t.waiting_reason = Some(format!("the ask on {} timed out", r.host));
+                t.reset_to_waiting();
+            }
+        }
+        let asks: Vec<Ask> = self
+            .tasks
+            .iter()
+            .filter(|t| t.state == TaskState::ContainerRequested)
+            .filter_map(|t| t.request.as_ref())
+            .filter(|r| !self.sent_asks.contains(&r.request_id))
+            .map(|r| Ask {
+                request_id: r.request_id,
+                host: r.host.clone(),
+                cpu: r.resources.cpu,
+                memory_mb: r.resources.memory_mb,
+                gpu_mask: r.resources.gpu_mask,
+                ports: r.resources.ports.clone(),
+            })
+            .collect();
+        let req = AllocateRequest {
+            response_id: self.response_id,
+            progress: self.progress(),
+            asks,
+            cancels: std::mem::take(&mut self.cancels),
+            releases: std::mem::take(&mut self.releases),
+        };
+        let started = Instant::now();
+        let resp = match self.rm.allocate(&req).await {
+            Ok(r) => r,
+            Err(e) => {
+                // Keep the cancels and releases for the retry; asks are rebuilt.
+                self.cancels.extend(req.cancels);
+                self.releases.extend(req.releases);
+                return Err(e);
+            }
+        };
+        for a in &req.asks {
+            self.sent_asks.insert(a.request_id);
+        }
+        {
+            let mut lat = self.hub.counters.allocate_latency_us.lock();
+            lat.push(started.elapsed().as_micros() as u64);
+            if lat.len() > 10_000 {
+                lat.drain(..5_000);
+            }
+        }
+        self.response_id = resp.response_id;
+        for v in &resp.updated_nodes {
+            match parse_node_value(v) {
+                Ok(n) => {
+                    self.selector.apply_node_report(n);
+                    self.nodes_dirty = true;
+                }
+                Err(e) => tracing::warn!(error = %e, "ignoring an updated node the AM cannot read"),
+            }
+        }
+        for rej in resp.rejected {
+            self.sent_asks.remove(&rej.request_id);
+            let Some(ti) = self.by_request.remove(&rej.request_id) else { continue };
+            let t = &mut self.tasks[ti];
+            if let Some(r) = t.request.take() {
+                self.selector.remove_requested(&r.host, &r.resources, true);
+                t.waiting_reason = Some(format!("ask on {} rejected: {}", r.host, rej.reason));
+            }
+            t.reset_to_waiting();
+            if !rej.retryable {
+                // The RM says this exact ask can never be granted; a fresh selection
+                // with the node view refreshed will choose differently.
+                self.last_refresh = None;
+            }
+        }
+        for c in resp.allocated {
+            self.accept_container(c);
+        }
+        for c in resp.completed {
+            self.container_completed(c);
+        }
+        if resp.command == Some(AmCommand::Shutdown) {
+            self.kill("the application was killed at the RM");
+        }
+        self.hub.read(|s| s.rm_reachable).then_some(()).unwrap_or_else(|| {
+            self.hub.update("job", json!({"rmReachable": true}), |s| s.rm_reachable = true);
+        });
+        Ok(())
+    }
+
+    /// Checks a granted container against its ask and takes it, or gives it back.
+    fn accept_container(&mut self, c: Container) {
+        let Some(ti) = self.by_request.remove(&c.request_id) else {
+            tracing::warn!(container = %c.container_id, "container for no outstanding ask; releasing");
+            self.releases.push(c.container_id);
+            return;
+        };
+        self.sent_asks.remove(&c.request_id);
+        let t = &mut self.tasks[ti];
+        let Some(req) = t.request.take() else {
+            self.releases.push(c.container_id);
+            return;
+        };
+        let role = &self.job.task_roles[t.role];
+        let same = c.host == req.host
+            && c.resources.gpu_mask == req.resources.gpu_mask
+            && c.resources.gpu_count() == req.resources.gpu_mask.count_ones()
+            && c.resources.ports == req.resources.ports
+            && c.resources.cpu == req.resources.cpu
+            && c.resources.memory_mb == req.resources.memory_mb;
+        let labelled = assign_port_labels(&role.resources, &c.resources.ports);
+        self.selector.remove_requested(&req.host, &req.resources, !same);
+        match (same, labelled) {
+            (true, Some(ports)) => {
+                t.ports = ports;
+                t.waiting_reason = None;
+                self.by_container.insert(c.container_id.clone(), ti);
+                self.container_addrs
+                    .lock()
+                    .insert(c.container_id.clone(), (c.node_http_address.clone(), c.host.clone()));
+                t.container = Some(c);
+                t.set_state(TaskState::ContainerAllocated);
+            }
+            _ => {
+                tracing::warn!(container = %c.container_id, host = %c.host, "granted container differs from the ask; releasing");
+                t.waiting_reason = Some(format!(
+                    "the RM granted {} on {} instead of what was asked on {}; released",
+                    mask_hex(c.resources.gpu_mask),
+                    c.host,
+                    req.host
+                ));
+                self.releases.push(c.container_id);
+                t.reset_to_waiting();
+            }
+        }
+    }
+
+    fn container_completed(&mut self, c: CompletedContainer) {
+        let Some(ti) = self.by_container.remove(&c.container_id) else { return };
+        let exit = classify(c.exit_status, &c.diagnostics, &self.settings);
+        self.task_exited(ti, exit, c.diagnostics);
+    }
+
+    fn task_exited(&mut self, ti: usize, exit: ExitInfo, diagnostics: String) {
+        let max_retry = self.job.task_roles[self.tasks[ti].role].task_retry_count;
+        let max_transient = self.settings.max_transient_retries;
+        let t = &mut self.tasks[ti];
+        t.set_state(TaskState::ContainerCompleted);
+        let decision = decide_retry(&exit, max_retry, &mut t.retry, max_transient);
+        let counter = match exit.exit_type {
+            ExitType::TransientNormal | ExitType::TransientConflict => &self.hub.counters.retries_transient,
+            ExitType::NonTransient => &self.hub.counters.retries_permanent,
+            _ => &self.hub.counters.retries_unknown,
+        };
+        let succeeded = exit.exit_type == ExitType::Succeeded;
+        t.exit = Some((exit, diagnostics));
+        match decision {
+            RetryDecision::Retry => {
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                t.attempt += 1;
+                t.reset_to_waiting();
+                t.waiting_reason = Some("retrying after the last attempt ended".into());
+            }
+            RetryDecision::Complete => {
+                t.succeeded = Some(succeeded);
+                t.completed_ms = Some(now_ms());
+                t.set_state(TaskState::TaskCompleted);
+                let role = self.job.task_roles[t.role].name.clone();
+                let trigger_task = format!("{role}/{}", t.index);
+                let code = t.exit.as_ref().map(|(e, _)| e.code).unwrap_or(1);
+                let verdict = check_completion(&self.tallies(), &role, succeeded);
+                match verdict {
+                    JobVerdict::Running => {}
+                    JobVerdict::Succeeded { trigger } => {
+                        self.end = Some(JobEnd {
+                            state: JobState::Succeeded,
+                            exit_code: 0,
+                            diagnostics: trigger,
+                        })
+                    }
+                    JobVerdict::Failed { trigger } => {
+                        self.end = Some(JobEnd {
+                            state: JobState::Failed,
+                            exit_code: 1,
+                            diagnostics: format!("{trigger}; task {trigger_task} exited with {code}"),
+                        })
+                    }
+                }
+            }
+        }
+    }
+
+    fn tallies(&self) -> Vec<(String, RoleTally)> {
+        self.job
+            .task_roles
+            .iter()
+            .enumerate()
+            .map(|(ri, r)| {
+                let mut t = RoleTally {
+                    instances: r.instances,
+                    min_failed: r.completion.min_failed_instances,
+                    min_succeeded: r.completion.min_succeeded_instances,
+                    ..Default::default()
+                };
+                for task in self.tasks.iter().filter(|x| x.role == ri) {
+                    match task.succeeded {
+                        Some(true) => t.succeeded += 1,
+                        Some(false) => t.failed += 1,
+                        None => {}
+                    }
+                }
+                (r.name.clone(), t)
+            })
+            .collect()
+    }
+
+    /// Gang rule and launching: without gang, launch every allocated task at once;
+    /// with gang, launch only when every unfinished task holds a container, and give
+    /// everything back if that takes longer than the gang timeout.
+    async fn gang_and_launch(&mut self) {
+        if self.end.is_some() {
+            return;
+        }
+        let to_launch: Vec<usize> = if self.job.gang && !self.gang_launched {
+            let open: Vec<&Task> = self.tasks.iter().filter(|t| t.state != TaskState::TaskCompleted).collect();
+            let complete = !open.is_empty() && open.iter().all(|t| t.holds_container());
+            if complete {
+                self.gang_wait_since = None;
+                self.gang_launched = true;
+                (0..self.tasks.len()).filter(|&i| self.tasks[i].state == TaskState::ContainerAllocated).collect()
+            } else {
+                let holding = open.iter().any(|t| t.holds_container() || t.state == TaskState::ContainerRequested);
+                if holding {
+                    let since = *self.gang_wait_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= Duration::from_secs(self.settings.gang_timeout_sec) {
+                        self.release_gang();
+                    }
+                } else {
+                    self.gang_wait_since = None;
+                }
+                Vec::new()
+            }
+        } else {
+            (0..self.tasks.len()).filter(|&i| self.tasks[i].state == TaskState::ContainerAllocated).collect()
+        };
+        if to_launch.is_empty() {
+            return;
+        }
+        let peers = if self.job.gang { Some(self.peers()) } else { None };
+        let mut launches = Vec::with_capacity(to_launch.len());
+        for &ti in &to_launch {
+            let t = &self.tasks[ti];
+            let Some(c) = t.container.clone() else { continue };
+            let role = &self.job.task_roles[t.role];
+            let ctx = LaunchContext {
+                commands: role.commands.clone(),
+                env: task_env(&self.job, t, &self.app_id, peers.as_ref()),
+            };
+            let rm = self.rm.clone();
+            launches.push(async move {
+                let r = rm.start_container(&c.node_http_address, &c.host, &c.container_id, &ctx).await;
+                (ti, r)
+            });
+        }
+        // Launch concurrently: a 1,000-task job must not wait for 1,000 round trips in a row.
+        let results = futures::future::join_all(launches).await;
+        for (ti, r) in results {
+            match r {
+                Ok(_) => {
+                    let t = &mut self.tasks[ti];
+                    t.launched_ms = Some(now_ms());
+                    t.set_state(TaskState::ContainerRunning);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "container launch failed");
+                    if let Some(c) = self.tasks[ti].container.clone() {
+                        self.by_container.remove(&c.container_id);
+                        self.releases.push(c.container_id);
+                    }
+                    let exit = classify(super::exits::code::CONTAINER_NM_LAUNCH_FAILED, "", &self.settings);
+                    self.task_exited(ti, exit, e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Gives back every container a gang holds and waits before trying again.
+    fn release_gang(&mut self) {
+        tracing::info!("gang not complete within the gang timeout; releasing what it holds");
+        for ti in 0..self.tasks.len() {
+            let t = &mut self.tasks[ti];
+            match t.state {
+                TaskState::ContainerAllocated => {
+                    if let Some(c) = t.container.take() {
+                        self.by_container.remove(&c.container_id);
+                        self.releases.push(c.container_id);
+                    }
+                    t.waiting_reason = Some("gang timeout: released and waiting to try again".into());
+                    t.reset_to_waiting();
+                }
+                TaskState::ContainerRequested => {
+                    if let Some(r) = t.request.take() {
+                        self.cancels.push(r.request_id);
+                        self.by_request.remove(&r.request_id);
+                        self.selector.remove_requested(&r.host, &r.resources, false);
+                    }
+                    t.waiting_reason = Some("gang timeout: waiting to try again".into());
+                    t.reset_to_waiting();
+                }
+                _ => {}
+            }
+        }
+        self.gang_wait_since = None;
+        let backoff = self.settings.gang_retry_backoff_ms;
+        let jitter = self.rng.gen_range(0..=backoff / 2);
+        self.gang_backoff_until = Some(Instant::now() + Duration::from_millis(backoff + jitter));
+    }
+
+    /// role → ["host:firstPort", ...] in index order.
+    fn peers(&self) -> BTreeMap<String, Vec<String>> {
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (ri, r) in self.job.task_roles.iter().enumerate() {
+            let mut v: Vec<(u32, String)> = self
+                .tasks
+                .iter()
+                .filter(|t| t.role == ri)
+                .filter_map(|t| peer_address(t).map(|a| (t.index, a)))
+                .collect();
+            v.sort();
+            out.insert(r.name.clone(), v.into_iter().map(|(_, a)| a).collect());
+        }
+        out
+    }
+
+    fn progress(&self) -> f32 {
+        let total = self.tasks.len().max(1) as f32;
+        self.tasks.iter().filter(|t| t.state == TaskState::TaskCompleted).count() as f32 / total
+    }
+
+    /// At the end: tasks still open are marked completed (stopped on job end).
+    fn finish_tasks(&mut self, end: &JobEnd) {
+        for ti in 0..self.tasks.len() {
+            let t = &mut self.tasks[ti];
+            if let Some(r) = t.request.take() {
+                self.selector.remove_requested(&r.host, &r.resources, false);
+            }
+            if t.state != TaskState::TaskCompleted {
+                if t.holds_container() {
+                    t.exit = Some((
+                        classify(exit_status::KILLED_AFTER_APP_COMPLETION, "", &self.settings),
+                        "stopped when the job ended".into(),
+                    ));
+                }
+                t.completed_ms = Some(now_ms());
+                t.set_state(TaskState::TaskCompleted);
+            }
+        }
+        let state = end.state;
+        self.publish_job(state);
+    }
+
+    fn publish_job(&self, state: JobState) {
+        let roles = self.role_counts();
+        let completed = self.tasks.iter().filter(|t| t.state == TaskState::TaskCompleted).count() as u32;
+        let end = self.end.clone();
+        self.hub.update("job", json!({"state": state}), |s| {
+            s.job.state = state;
+            s.job.roles = roles;
+            s.job.completed_tasks = completed;
+            if let Some(e) = &end {
+                if state.is_final() {
+                    s.job.exit_code = Some(e.exit_code);
+                    s.job.diagnostics = Some(e.diagnostics.clone());
+                    s.job.finished_ms = Some(now_ms());
+                }
+            }
+        });
+    }
+
+    fn role_counts(&self) -> Vec<RoleCounts> {
+        self.job
+            .task_roles
+            .iter()
+            .enumerate()
+            .map(|(ri, r)| {
+                let mut c = RoleCounts {
+                    role: r.name.clone(),
+                    instances: r.instances,
+                    ..Default::default()
+                };
+                for t in self.tasks.iter().filter(|t| t.role == ri) {
+                    match t.state {
+                        TaskState::TaskWaiting | TaskState::ContainerCompleted => c.waiting += 1,
+                        TaskState::ContainerRequested => c.requested += 1,
+                        TaskState::ContainerAllocated | TaskState::ContainerLaunched => c.allocated += 1,
+                        TaskState::ContainerRunning => c.running += 1,
+                        TaskState::TaskCompleted => match t.succeeded {
+                            Some(true) => c.succeeded += 1,
+                            _ => c.failed += 1,
+                        },
+                    }
+                }
+                c
+            })
+            .collect()
+    }
+
+    /// Publishes changed tasks, the job counters and (if changed) the node view.
+    fn publish(&mut self) {
+        let changed: Vec<usize> = (0..self.tasks.len()).filter(|&i| self.tasks[i].dirty).collect();
+        if !changed.is_empty() {
+            let statuses: Vec<_> = changed.iter().map(|&i| (i, self.tasks[i].status(&self.job))).collect();
+            for &i in &changed {
+                self.tasks[i].dirty = false;
+            }
+            let brief: Vec<_> = statuses
+                .iter()
+                .take(64)
+                .map(|(_, s)| json!({"role": s.role, "index": s.index, "state": s.state}))
+                .collect();
+            self.hub.update("task", json!({"changed": statuses.len(), "tasks": brief}), |s| {
+                for (i, st) in statuses {
+                    if i < s.tasks.len() {
+                        s.tasks[i] = st;
+                    }
+                }
+            });
+            let running = self.tasks.iter().any(|t| t.state == TaskState::ContainerRunning);
+            let state = if self.end.is_some() {
+                self.hub.read(|s| s.job.state)
+            } else if running {
+                JobState::Running
+            } else {
+                JobState::Waiting
+            };
+            self.publish_job(state);
+        }
+        if self.nodes_dirty {
+            self.nodes_dirty = false;
+            let job_masks = self.job_gpu_masks();
+            let nodes = self.selector.with_view(|v| v.nodes().map(|n| node_status(n, &job_masks)).collect::<Vec<_>>());
+            self.hub.update("nodes", json!({"count": nodes.len()}), |s| s.nodes = nodes);
+        }
+    }
+
+    fn job_gpu_masks(&self) -> HashMap<String, u64> {
+        let mut m: HashMap<String, u64> = HashMap::new();
+        for t in &self.tasks {
+            if let (true, Some(c)) = (t.holds_container(), &t.container) {
+                *m.entry(c.host.clone()).or_insert(0) |= c.resources.gpu_mask;
+            }
+        }
+        m
+    }
+
+    /// The initial task list for the snapshot.
+    pub fn initial_statuses(&self) -> Vec<super::status::TaskStatus> {
+        self.tasks.iter().map(|t| t.status(&self.job)).collect()
+    }
+}
+
+fn selection_record(role: &str, index: u32, sel: &crate::select::Selection) -> SelectionRecord {
+    let (outcome, reason, p) = match &sel.outcome {
+        Outcome::Placed(p) => ("placed", None, Some(p)),
+        Outcome::NotNow { reason } => ("notNow", Some(reason.clone()), None),
+        Outcome::Impossible { reason } => ("impossible", Some(reason.clone()), None),
+    };
+    SelectionRecord {
+        role: role.to_string(),
+        index,
+        at_ms: now_ms(),
+        outcome: outcome.into(),
+        reason,
+        host: p.map(|p| p.host.clone()),
+        gpu_mask: p.map(|p| mask_hex(p.resources.gpu_mask)),
+        gpus: p.map(|p| mask_indices(p.resources.gpu_mask)).unwrap_or_default(),
+        ports: p.map(|p| p.resources.ports.to_string()),
+        gpu_tier: p.map(|p| p.gpu_tier),
+        gpu_tier_ideal: p.map(|p| p.gpu_tier_ideal),
+        gpu_weight: p.map(|p| p.gpu_weight),
+        trace: sel.trace.clone(),
+    }
+}
+
+/// A node of the view as the dashboard shows it.
+pub fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -> NodeStatus {
+    let groups = match &n.topology {
+        Some(t) => (0..=2u8).rev().map(|tier| t.islands(tier).into_iter().map(mask_hex).collect()).collect(),
+        None => Vec::new(),
+    };
+    NodeStatus {
+        host: n.host.clone(),
+        rack: n.rack.clone(),
+        labels: n.labels.clone(),
+        gpu_type: n.gpu_type.clone(),
+        state: format!("{:?}", n.state).to_uppercase(),
+        topology: n.topology.as_ref().map(|t| t.name().to_string()),
+        gpu_count: n.total().gpu_count(),
+        gpu_groups: groups,
+        total_cpu: n.total().cpu,
+        used_cpu: n.used().cpu,
+        requested_cpu: n.requested().cpu,
+        free_cpu: n.free().cpu,
+        total_memory_mb: n.total().memory_mb,
+        used_memory_mb: n.used().memory_mb,
+        requested_memory_mb: n.requested().memory_mb,
+        free_memory_mb: n.free().memory_mb,
+        total_gpu_mask: mask_hex(n.total().gpu_mask),
+        used_gpu_mask: mask_hex(n.used().gpu_mask),
+        requested_gpu_mask: mask_hex(n.requested().gpu_mask),
+        free_gpu_mask: mask_hex(n.free().gpu_mask),
+        job_gpu_mask: mask_hex(job_masks.get(&n.host).copied().unwrap_or(0)),
+        total_ports: n.total().ports.to_string(),
+        used_ports: n.used().ports.to_string(),
+        free_ports: n.free().ports.to_string(),
+    }
+}

@@ -1,0 +1,264 @@
+//! Exit classification, the task retry policy and the per-role completion policy
+//! (reference/frameworklauncher.md §5.2–§5.4), as pure functions.
+
+use super::status::ExitType;
+use crate::config::AmSettings;
+use crate::protocol::exit_status as yarn;
+
+/// Launcher codes for container exits that the RM, not the task, caused (§5.4).
+pub mod code {
+    pub const CONTAINER_INVALID_EXIT_STATUS: i32 = -7100;
+    pub const CONTAINER_NODE_DISKS_FAILED: i32 = -7102;
+    pub const CONTAINER_ABORTED: i32 = -7110;
+    pub const CONTAINER_NODE_LOST: i32 = -7111;
+    pub const CONTAINER_EXPIRED: i32 = -7112;
+    pub const CONTAINER_PREEMPTED: i32 = -7120;
+    pub const CONTAINER_KILLED_BY_AM: i32 = -7123;
+    pub const CONTAINER_KILLED_BY_RM: i32 = -7124;
+    pub const CONTAINER_KILLED_ON_APP_COMPLETION: i32 = -7125;
+    pub const CONTAINER_NM_LAUNCH_FAILED: i32 = -7150;
+    pub const CONTAINER_RM_RESYNC_LOST: i32 = -7151;
+}
+
+/// How an exit is classified.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExitInfo {
+    /// The launcher code (YARN statuses mapped to -71xx), or the process's own code.
+    pub code: i32,
+    pub exit_type: ExitType,
+    pub description: &'static str,
+}
+
+/// Classifies a raw container exit status with its diagnostics.
+pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo {
+    use ExitType::*;
+    let d = diagnostics.to_ascii_lowercase();
+    let info = |code, exit_type, description| ExitInfo {
+        code,
+        exit_type,
+        description,
+    };
+    match raw {
+        0 => info(0, Succeeded, "succeeded"),
+        yarn::INVALID => info(code::CONTAINER_INVALID_EXIT_STATUS, TransientNormal, "invalid exit status"),
+        yarn::DISKS_FAILED => info(code::CONTAINER_NODE_DISKS_FAILED, TransientNormal, "node disks failed"),
+        yarn::ABORTED if d.contains("container released on a *lost* node") => {
+            info(code::CONTAINER_NODE_LOST, TransientNormal, "node lost")
+        }
+        yarn::ABORTED if d.contains("container expired since it was unused") => {
+            info(code::CONTAINER_EXPIRED, TransientConflict, "container expired unused")
+        }
+        yarn::ABORTED => info(code::CONTAINER_ABORTED, TransientNormal, "container aborted"),
+        yarn::PREEMPTED => info(code::CONTAINER_PREEMPTED, TransientNormal, "preempted"),
+        yarn::KILLED_BY_APPMASTER => info(code::CONTAINER_KILLED_BY_AM, TransientNormal, "killed by the AM"),
+        yarn::KILLED_BY_RESOURCEMANAGER => info(code::CONTAINER_KILLED_BY_RM, TransientNormal, "killed by the RM"),
+        yarn::KILLED_AFTER_APP_COMPLETION => info(
+            code::CONTAINER_KILLED_ON_APP_COMPLETION,
+            TransientNormal,
+            "stopped on job completion",
+        ),
+        code::CONTAINER_NM_LAUNCH_FAILED => info(raw, TransientNormal, "launch failed"),
+        code::CONTAINER_RM_RESYNC_LOST => info(raw, TransientNormal, "container lost"),
+        c if settings.transient_exit_codes.contains(&c) => info(c, TransientNormal, "user-configured transient"),
+        c if settings.permanent_exit_codes.contains(&c) => info(c, NonTransient, "user-configured permanent"),
+        154 | 193 => info(raw, TransientNormal, "transient failure"),
+        130 => info(raw, TransientNormal, "interrupted (SIGINT)"),
+        137 => info(raw, TransientNormal, "killed (SIGKILL)"),
+        143 => info(raw, TransientNormal, "terminated (SIGTERM)"),
+        132 => info(raw, NonTransient, "illegal instruction (SIGILL)"),
+        134 => info(raw, Unknown, "aborted (SIGABRT)"),
+        135 => info(raw, NonTransient, "bus error (SIGBUS)"),
+        136 => info(raw, NonTransient, "floating-point exception (SIGFPE)"),
+        139 => info(raw, NonTransient, "segmentation fault (SIGSEGV)"),
+        141 => info(raw, NonTransient, "broken pipe (SIGPIPE)"),
+        194 => info(raw, NonTransient, "permanent failure"),
+        c if c < 0 => info(c, Unknown, "issued by the RM"),
+        c => info(c, Unknown, "exited with an error"),
+    }
+}
+
+/// A task's retry counters (frameworklauncher's RetryPolicyState).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RetryState {
+    /// Retries counted against `taskRetryCount`.
+    pub retried: u32,
+    /// Transient retries (not counted against `taskRetryCount`, capped separately).
+    pub transient_retried: u32,
+}
+
+/// What to do after a container ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryDecision {
+    Retry,
+    Complete,
+}
+
+/// The retry policy: transient exits retry without using up `taskRetryCount` (up to
+/// `max_transient`), permanent ones never retry, success and unknown follow
+/// `taskRetryCount` (−1 = unlimited for failures, −2 = always, even after success).
+pub fn decide_retry(exit: &ExitInfo, max_retry: i32, state: &mut RetryState, max_transient: u32) -> RetryDecision {
+    match exit.exit_type {
+        ExitType::TransientNormal | ExitType::TransientConflict => {
+            if state.transient_retried < max_transient {
+                state.transient_retried += 1;
+                return RetryDecision::Retry;
+            }
+        }
+        ExitType::NonTransient => return RetryDecision::Complete,
+        ExitType::Succeeded | ExitType::Unknown => {}
+    }
+    let succeeded = exit.exit_type == ExitType::Succeeded;
+    let retry = max_retry == -2 || (!succeeded && (max_retry == -1 || (state.retried as i64) < i64::from(max_retry)));
+    if retry {
+        state.retried += 1;
+        RetryDecision::Retry
+    } else {
+        RetryDecision::Complete
+    }
+}
+
+/// Outcome of the completion check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JobVerdict {
+    Running,
+    Succeeded { trigger: String },
+    Failed { trigger: String },
+}
+
+/// Counts of one role's completed tasks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RoleTally {
+    pub instances: u32,
+    pub succeeded: u32,
+    pub failed: u32,
+    pub min_failed: Option<u32>,
+    pub min_succeeded: Option<u32>,
+}
+
+/// The completion policy, checked after a task of `role` completed with `succeeded`.
+/// (1) enough failures of the role fail the job; (2) enough successes of the role
+/// succeed it; (3) when every task of every role is completed, the job succeeds.
+pub fn check_completion(roles: &[(String, RoleTally)], role: &str, succeeded: bool) -> JobVerdict {
+    if let Some((_, t)) = roles.iter().find(|(n, _)| n == role) {
+        if !succeeded {
+            if let Some(m) = t.min_failed {
+                if t.failed >= m {
+                    return JobVerdict::Failed {
+                        trigger: format!("{} failed tasks reached minFailedInstances {} in task role [{}]", t.failed, m, role),
+                    };
+                }
+            }
+        } else if let Some(m) = t.min_succeeded {
+            if t.succeeded >= m {
+                return JobVerdict::Succeeded {
+                    trigger: format!(
+                        "{} succeeded tasks reached minSucceededInstances {} in task role [{}]",
+                        t.succeeded, m, role
+                    ),
+                };
+            }
+        }
+    }
+    if roles.iter().all(|(_, t)| t.succeeded + t.failed >= t.instances) {
+        return JobVerdict::Succeeded {
+            trigger: "all tasks completed".into(),
+        };
+    }
+    JobVerdict::Running
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s() -> AmSettings {
+        AmSettings::default()
+    }
+
+    #[test]
+    fn yarn_statuses_map_to_launcher_codes() {
+        let c = classify(-100, "Container released on a *lost* node", &s());
+        assert_eq!((c.code, c.exit_type), (code::CONTAINER_NODE_LOST, ExitType::TransientNormal));
+        let c = classify(-100, "Container expired since it was unused", &s());
+        assert_eq!((c.code, c.exit_type), (code::CONTAINER_EXPIRED, ExitType::TransientConflict));
+        assert_eq!(classify(-100, "", &s()).code, code::CONTAINER_ABORTED);
+        assert_eq!(classify(-102, "", &s()).exit_type, ExitType::TransientNormal);
+        assert_eq!(classify(0, "", &s()).exit_type, ExitType::Succeeded);
+    }
+
+    #[test]
+    fn user_codes_follow_the_default_spec_and_overrides() {
+        assert_eq!(classify(1, "", &s()).exit_type, ExitType::Unknown);
+        assert_eq!(classify(139, "", &s()).exit_type, ExitType::NonTransient);
+        assert_eq!(classify(143, "", &s()).exit_type, ExitType::TransientNormal);
+        let mut st = s();
+        st.transient_exit_codes = vec![1];
+        st.permanent_exit_codes = vec![2];
+        assert_eq!(classify(1, "", &st).exit_type, ExitType::TransientNormal);
+        assert_eq!(classify(2, "", &st).exit_type, ExitType::NonTransient);
+    }
+
+    fn exit(t: ExitType) -> ExitInfo {
+        ExitInfo {
+            code: 1,
+            exit_type: t,
+            description: "",
+        }
+    }
+
+    #[test]
+    fn unknown_failures_retry_up_to_the_count() {
+        let mut st = RetryState::default();
+        assert_eq!(decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10), RetryDecision::Retry);
+        assert_eq!(decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10), RetryDecision::Retry);
+        assert_eq!(decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10), RetryDecision::Complete);
+        assert_eq!(st.retried, 2);
+    }
+
+    #[test]
+    fn success_never_retries_unless_always() {
+        let mut st = RetryState::default();
+        assert_eq!(decide_retry(&exit(ExitType::Succeeded), 5, &mut st, 10), RetryDecision::Complete);
+        assert_eq!(decide_retry(&exit(ExitType::Succeeded), -2, &mut st, 10), RetryDecision::Retry);
+        assert_eq!(decide_retry(&exit(ExitType::Unknown), -1, &mut st, 10), RetryDecision::Retry);
+    }
+
+    #[test]
+    fn transient_retries_do_not_use_the_count_but_are_capped() {
+        let mut st = RetryState::default();
+        for _ in 0..3 {
+            assert_eq!(decide_retry(&exit(ExitType::TransientNormal), 0, &mut st, 3), RetryDecision::Retry);
+        }
+        assert_eq!(st.retried, 0);
+        assert_eq!(decide_retry(&exit(ExitType::TransientNormal), 0, &mut st, 3), RetryDecision::Complete);
+        assert_eq!(decide_retry(&exit(ExitType::NonTransient), -2, &mut st, 3), RetryDecision::Complete);
+    }
+
+    fn tally(instances: u32, succeeded: u32, failed: u32, min_failed: Option<u32>, min_succeeded: Option<u32>) -> RoleTally {
+        RoleTally {
+            instances,
+            succeeded,
+            failed,
+            min_failed,
+            min_succeeded,
+        }
+    }
+
+    #[test]
+    fn completion_policy_rules_in_order() {
+        // Default: the first failure fails the job.
+        let roles = vec![("w".to_string(), tally(4, 1, 1, Some(1), None))];
+        assert!(matches!(check_completion(&roles, "w", false), JobVerdict::Failed { .. }));
+        // PS never ends; workers' minSucceeded completes the job.
+        let roles = vec![
+            ("ps".to_string(), tally(1, 0, 0, Some(1), None)),
+            ("w".to_string(), tally(2, 2, 0, Some(1), Some(2))),
+        ];
+        assert!(matches!(check_completion(&roles, "w", true), JobVerdict::Succeeded { .. }));
+        // Failures below the threshold: done when everything is done.
+        let roles = vec![("w".to_string(), tally(2, 1, 1, None, None))];
+        assert!(matches!(check_completion(&roles, "w", false), JobVerdict::Succeeded { .. }));
+        let roles = vec![("w".to_string(), tally(3, 1, 1, None, None))];
+        assert_eq!(check_completion(&roles, "w", true), JobVerdict::Running);
+    }
+}

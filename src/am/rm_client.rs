@@ -1,0 +1,254 @@
+//! HTTP client of the RM's REST contract (DESIGN.md §3): the application API used by
+//! `gpuam run`/`submit`, the AM protocol behind the application's bearer token, the
+//! node listing, and the node executors' container endpoints.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::cluster::rm_json::parse_nodes_json;
+use crate::cluster::Node;
+use crate::protocol::{
+    AllocateRequest, AllocateResponse, AppReport, AppState, AppStateUpdate, ContainerStatus, ErrorBody, FinishRequest,
+    FinishResponse, LaunchContext, NewApplication, RegisterRequest, RegisterResponse, SubmitApplication,
+};
+
+/// Why a call to the RM failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RmError {
+    /// No answer (connection refused, timeout): worth retrying.
+    #[error("the RM at {url} is unreachable: {why}")]
+    Unreachable { url: String, why: String },
+    /// The RM answered with an error.
+    #[error("the RM refused {what} ({status}): {message}")]
+    Refused {
+        what: String,
+        status: u16,
+        code: String,
+        message: String,
+    },
+    /// The RM answered something that is not what the contract says.
+    #[error("unexpected answer to {what}: {why}")]
+    BadAnswer { what: String, why: String },
+}
+
+impl RmError {
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, RmError::Unreachable { .. })
+    }
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            RmError::Refused { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A client of one RM (and of the executors it names).
+#[derive(Clone)]
+pub struct RmClient {
+    http: reqwest::Client,
+    base: String,
+    /// Application id and bearer token for the AM protocol.
+    app: Option<(String, String)>,
+}
+
+fn trim_base(url: &str) -> String {
+    url.trim_end_matches('/').to_string()
+}
+
+impl RmClient {
+    /// A client without application credentials (submit, status, kill, nodes).
+    pub fn new(base: &str) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .connect_timeout(Duration::from_secs(5))
+            .pool_max_idle_per_host(64)
+            .build()
+            .unwrap_or_default();
+        RmClient {
+            http,
+            base: trim_base(base),
+            app: None,
+        }
+    }
+
+    /// A client that speaks the AM protocol for `app_id`.
+    pub fn for_app(base: &str, app_id: &str, token: &str) -> Self {
+        let mut c = RmClient::new(base);
+        c.app = Some((app_id.to_string(), token.to_string()));
+        c
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    async fn send<T: DeserializeOwned>(&self, what: &str, req: reqwest::RequestBuilder) -> Result<T, RmError> {
+        let resp = req.send().await.map_err(|e| RmError::Unreachable {
+            url: self.base.clone(),
+            why: e.to_string(),
+        })?;
+        let status = resp.status();
+        let body = resp.bytes().await.map_err(|e| RmError::Unreachable {
+            url: self.base.clone(),
+            why: e.to_string(),
+        })?;
+        if !status.is_success() {
+            let (code, message) = match serde_json::from_slice::<ErrorBody>(&body) {
+                Ok(e) => (e.code, e.message),
+                Err(_) => (status.as_str().to_string(), String::from_utf8_lossy(&body).into_owned()),
+            };
+            return Err(RmError::Refused {
+                what: what.to_string(),
+                status: status.as_u16(),
+                code,
+                message,
+            });
+        }
+        serde_json::from_slice(&body).map_err(|e| RmError::BadAnswer {
+            what: what.to_string(),
+            why: e.to_string(),
+        })
+    }
+
+    fn am_post<B: Serialize>(&self, verb: &str, body: &B) -> Result<reqwest::RequestBuilder, RmError> {
+        let Some((app, token)) = &self.app else {
+            return Err(RmError::BadAnswer {
+                what: verb.into(),
+                why: "this client has no application credentials".into(),
+            });
+        };
+        Ok(self
+            .http
+            .post(format!("{}/ws/v1/am/{app}/{verb}", self.base))
+            .bearer_auth(token)
+            .json(body))
+    }
+
+    fn app_token(&self) -> Option<&str> {
+        self.app.as_ref().map(|(_, t)| t.as_str())
+    }
+
+    pub async fn new_application(&self) -> Result<NewApplication, RmError> {
+        self.send(
+            "new-application",
+            self.http.post(format!("{}/ws/v1/cluster/apps/new-application", self.base)),
+        )
+        .await
+    }
+
+    pub async fn submit(&self, app: &SubmitApplication) -> Result<AppReport, RmError> {
+        #[derive(serde::Deserialize)]
+        struct Wrapped {
+            app: AppReport,
+        }
+        let w: Wrapped = self
+            .send("submit", self.http.post(format!("{}/ws/v1/cluster/apps", self.base)).json(app))
+            .await?;
+        Ok(w.app)
+    }
+
+    pub async fn app(&self, id: &str) -> Result<AppReport, RmError> {
+        #[derive(serde::Deserialize)]
+        struct Wrapped {
+            app: AppReport,
+        }
+        let w: Wrapped = self
+            .send("application status", self.http.get(format!("{}/ws/v1/cluster/apps/{id}", self.base)))
+            .await?;
+        Ok(w.app)
+    }
+
+    pub async fn kill(&self, id: &str) -> Result<serde_json::Value, RmError> {
+        self.send(
+            "kill",
+            self.http
+                .put(format!("{}/ws/v1/cluster/apps/{id}/state", self.base))
+                .json(&AppStateUpdate { state: AppState::Killed }),
+        )
+        .await
+    }
+
+    /// The full node listing, parsed into the AM's node model.
+    pub async fn nodes(&self) -> Result<Vec<Node>, RmError> {
+        let url = format!("{}/ws/v1/cluster/nodes", self.base);
+        let resp = self.http.get(&url).send().await.map_err(|e| RmError::Unreachable {
+            url: self.base.clone(),
+            why: e.to_string(),
+        })?;
+        if resp.status() != StatusCode::OK {
+            return Err(RmError::Refused {
+                what: "node listing".into(),
+                status: resp.status().as_u16(),
+                code: String::new(),
+                message: String::new(),
+            });
+        }
+        let text = resp.text().await.map_err(|e| RmError::Unreachable {
+            url: self.base.clone(),
+            why: e.to_string(),
+        })?;
+        parse_nodes_json(&text).map_err(|e| RmError::BadAnswer {
+            what: "node listing".into(),
+            why: e.to_string(),
+        })
+    }
+
+    pub async fn register(&self, req: &RegisterRequest) -> Result<RegisterResponse, RmError> {
+        self.send("register", self.am_post("register", req)?).await
+    }
+
+    pub async fn allocate(&self, req: &AllocateRequest) -> Result<AllocateResponse, RmError> {
+        self.send("allocate", self.am_post("allocate", req)?).await
+    }
+
+    pub async fn finish(&self, req: &FinishRequest) -> Result<FinishResponse, RmError> {
+        self.send("finish", self.am_post("finish", req)?).await
+    }
+
+    fn container_url(node_http: &str, host: &str, id: &str, verb: &str) -> String {
+        format!("{}/ws/v1/node/{host}/containers/{id}/{verb}", trim_base(node_http))
+    }
+
+    pub async fn start_container(
+        &self,
+        node_http: &str,
+        host: &str,
+        id: &str,
+        ctx: &LaunchContext,
+    ) -> Result<ContainerStatus, RmError> {
+        let mut req = self.http.post(Self::container_url(node_http, host, id, "start")).json(ctx);
+        if let Some(t) = self.app_token() {
+            req = req.bearer_auth(t);
+        }
+        self.send("container start", req).await
+    }
+
+    pub async fn container_logs(&self, node_http: &str, host: &str, id: &str, stream: &str, tail: u64) -> Result<String, RmError> {
+        let mut req = self
+            .http
+            .get(format!("{}?stream={stream}&tail={tail}", Self::container_url(node_http, host, id, "logs")));
+        if let Some(t) = self.app_token() {
+            req = req.bearer_auth(t);
+        }
+        let resp = req.send().await.map_err(|e| RmError::Unreachable {
+            url: node_http.to_string(),
+            why: e.to_string(),
+        })?;
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        if status.is_success() {
+            Ok(text)
+        } else {
+            Err(RmError::Refused {
+                what: "container logs".into(),
+                status: status.as_u16(),
+                code: String::new(),
+                message: text,
+            })
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The AM's task table: one entry per task of the job, its state, its outstanding
+//! request or container, its retry counters; and the container environment
+//! (DESIGN.md §6) built from it.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::exits::{ExitInfo, RetryState};
+use super::status::{TaskState, TaskStatus};
+use crate::protocol::Container;
+use crate::resources::{mask_hex, mask_indices, Resources};
+use crate::spec::JobSpec;
+
+/// An ask sent to the RM and not yet answered.
+#[derive(Clone, Debug)]
+pub struct Outstanding {
+    pub request_id: u64,
+    pub host: String,
+    pub resources: Resources,
+    pub sent: Instant,
+}
+
+/// One task.
+#[derive(Clone, Debug)]
+pub struct Task {
+    pub role: usize,
+    pub index: u32,
+    pub state: TaskState,
+    pub attempt: u32,
+    pub retry: RetryState,
+    pub request: Option<Outstanding>,
+    pub container: Option<Container>,
+    /// Ports of the container, by label.
+    pub ports: Vec<(String, Vec<u16>)>,
+    /// Do not try to place before this time (back-off after "nothing fits now").
+    pub not_before: Option<Instant>,
+    pub waiting_reason: Option<String>,
+    pub exit: Option<(ExitInfo, String)>,
+    pub succeeded: Option<bool>,
+    pub created_ms: u64,
+    pub launched_ms: Option<u64>,
+    pub completed_ms: Option<u64>,
+    /// Changed since the status was last published.
+    pub dirty: bool,
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Task {
+    pub fn new(role: usize, index: u32) -> Self {
+        Task {
+            role,
+            index,
+            state: TaskState::TaskWaiting,
+            attempt: 1,
+            retry: RetryState::default(),
+            request: None,
+            container: None,
+            ports: Vec::new(),
+            not_before: None,
+            waiting_reason: None,
+            exit: None,
+            succeeded: None,
+            created_ms: now_ms(),
+            launched_ms: None,
+            completed_ms: None,
+            dirty: true,
+        }
+    }
+
+    pub fn set_state(&mut self, s: TaskState) {
+        if self.state != s {
+            self.state = s;
+            self.dirty = true;
+        }
+    }
+
+    /// Holds a container that is not finished (allocated, launched or running).
+    pub fn holds_container(&self) -> bool {
+        matches!(
+            self.state,
+            TaskState::ContainerAllocated | TaskState::ContainerLaunched | TaskState::ContainerRunning
+        )
+    }
+
+    /// Back to waiting for a new container (a retry, or a lost ask).
+    pub fn reset_to_waiting(&mut self) {
+        self.request = None;
+        self.container = None;
+        self.ports.clear();
+        self.launched_ms = None;
+        self.set_state(TaskState::TaskWaiting);
+    }
+
+    pub fn status(&self, job: &JobSpec) -> TaskStatus {
+        let role = &job.task_roles[self.role];
+        let mask = self.container.as_ref().map(|c| c.resources.gpu_mask);
+        TaskStatus {
+            role: role.name.clone(),
+            index: self.index,
+            state: self.state,
+            attempt: self.attempt,
+            retried_count: self.retry.retried,
+            host: self.container.as_ref().map(|c| c.host.clone()),
+            gpus: mask.map(mask_indices).unwrap_or_default(),
+            gpu_mask: mask.map(mask_hex),
+            ports: self.ports.clone(),
+            container_id: self.container.as_ref().map(|c| c.container_id.clone()),
+            exit_code: self.exit.as_ref().map(|(e, _)| e.code),
+            exit_type: self.exit.as_ref().map(|(e, _)| e.exit_type),
+            exit_diagnostics: self.exit.as_ref().map(|(e, d)| {
+                if d.is_empty() {
+                    e.description.to_string()
+                } else {
+                    format!("{}: {d}", e.description)
+                }
+            }),
+            waiting_reason: self.waiting_reason.clone(),
+            created_ms: self.created_ms,
+            launched_ms: self.launched_ms,
+            completed_ms: self.completed_ms,
+        }
+    }
+}
+
+/// An environment variable name made from a label or role: upper case, anything
+/// other than letters, digits and `_` becomes `_`.
+pub fn env_name(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
+        .collect()
+}
+
+/// `CONTAINER_PORTS` in frameworklauncher's format: `label:p1,p2;label2:p3;`.
+pub fn container_ports_string(ports: &[(String, Vec<u16>)]) -> String {
+    ports
+        .iter()
+        .map(|(l, ps)| format!("{l}:{};", ps.iter().map(u16::to_string).collect::<Vec<_>>().join(",")))
+        .collect()
+}
+
+/// The AM's part of a container's environment (the executor adds the GPU variables,
+/// the container id and the host). `peers` maps role → "host:firstPort" per index,
+/// given for gang jobs.
+pub fn task_env(
+    job: &JobSpec,
+    task: &Task,
+    app_id: &str,
+    peers: Option<&BTreeMap<String, Vec<String>>>,
+) -> BTreeMap<String, String> {
+    let role = &job.task_roles[task.role];
+    let mut env = BTreeMap::new();
+    env.insert("GPUAM_JOB".into(), job.name.clone());
+    env.insert("GPUAM_APP_ID".into(), app_id.to_string());
+    env.insert("GPUAM_TASK_ROLE".into(), role.name.clone());
+    env.insert("GPUAM_TASK_INDEX".into(), task.index.to_string());
+    env.insert("GPUAM_ATTEMPT".into(), task.attempt.to_string());
+    env.insert("CONTAINER_PORTS".into(), container_ports_string(&task.ports));
+    for (label, ps) in &task.ports {
+        env.insert(
+            format!("GPUAM_PORT_{}", env_name(label)),
+            ps.iter().map(u16::to_string).collect::<Vec<_>>().join(","),
+        );
+    }
+    if let Some(peers) = peers {
+        for (r, hosts) in peers {
+            env.insert(format!("GPUAM_HOSTS_{}", env_name(r)), hosts.join(","));
+        }
+    }
+    env
+}
+
+/// "host:firstPort" (or just "host") of a task holding a container.
+pub fn peer_address(task: &Task) -> Option<String> {
+    let c = task.container.as_ref()?;
+    Some(match task.ports.first().and_then(|(_, ps)| ps.first()) {
+        Some(p) => format!("{}:{p}", c.host),
+        None => c.host.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{Completion, TaskResources, TaskRole};
+
+    #[test]
+    fn env_follows_the_contract() {
+        let job = JobSpec {
+            name: "resnet".into(),
+            gang: true,
+            task_roles: vec![TaskRole {
+                name: "worker-a".into(),
+                instances: 2,
+                resources: TaskResources {
+                    cpu: 1,
+                    memory_mb: 1,
+                    gpus: 0,
+                    gpu_mask: None,
+                    ports: vec![],
+                },
+                gpu_types: vec![],
+                node_label: None,
+                same_port_allocation: false,
+                commands: vec![],
+                task_retry_count: 0,
+                completion: Completion::default(),
+            }],
+        };
+        let mut t = Task::new(0, 1);
+        t.attempt = 2;
+        t.ports = vec![("http".into(), vec![2001]), ("ssh.x".into(), vec![2002, 2003])];
+        let mut peers = BTreeMap::new();
+        peers.insert("worker-a".to_string(), vec!["h1:2001".to_string(), "h2:2001".to_string()]);
+        let env = task_env(&job, &t, "app_1", Some(&peers));
+        assert_eq!(env["CONTAINER_PORTS"], "http:2001;ssh.x:2002,2003;");
+        assert_eq!(env["GPUAM_PORT_SSH_X"], "2002,2003");
+        assert_eq!(env["GPUAM_TASK_INDEX"], "1");
+        assert_eq!(env["GPUAM_ATTEMPT"], "2");
+        assert_eq!(env["GPUAM_HOSTS_WORKER_A"], "h1:2001,h2:2001");
+        assert_eq!(env["GPUAM_JOB"], "resnet");
+    }
+}

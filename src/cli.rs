@@ -1,4 +1,0 @@
-//! placeholder
-pub fn main() -> i32 {
-    0
-}

@@ -1,0 +1,233 @@
+//! The `gpuam` command line (DESIGN.md §7): argument parsing, logging set-up, and
+//! one function per command. Every command returns its exit code from `crate::exit`.
+
+mod plan;
+mod run;
+mod servers;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{default_settings_path, Settings};
+use crate::exit;
+use crate::spec::JobSpec;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpuam",
+    version,
+    about = "A per-job application master for GPU deep-learning jobs",
+    after_help = "Exit codes: 0 success; 1 job failed or killed; 2 not placeable (plan); 64 usage; \
+                  65 invalid job spec or cluster file; 69 RM unreachable; 70 internal error.\n\
+                  Settings: conf/gpuam.yaml (or $GPUAM_CONFIG), overridden by GPUAM__SECTION__KEY variables."
+)]
+struct Cli {
+    /// Settings file (default: $GPUAM_CONFIG, else conf/gpuam.yaml if present, else built-in defaults).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run a job end to end: embedded RM on loopback, the AM, the executor, the dashboard.
+    Run {
+        job: PathBuf,
+        /// Cluster file (default conf/cluster.yaml).
+        #[arg(long, value_name = "FILE")]
+        cluster: Option<PathBuf>,
+        /// The dashboard's address.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+        /// Where containers' working directories and logs go (default: a new temporary directory).
+        #[arg(long, value_name = "DIR")]
+        work_dir: Option<PathBuf>,
+    },
+    /// Dry run of the whole job's placement.
+    Plan {
+        job: PathBuf,
+        #[arg(long, value_name = "FILE", conflicts_with = "rm", required_unless_present = "rm")]
+        cluster: Option<PathBuf>,
+        /// Plan against a running RM's node view instead of a cluster file.
+        #[arg(long, value_name = "URL")]
+        rm: Option<String>,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check a job spec and report every problem with its line and column.
+    Validate { job: PathBuf },
+    /// The resource manager server.
+    Rm {
+        #[arg(long, value_name = "FILE")]
+        cluster: Option<PathBuf>,
+        #[arg(long, default_value = "127.0.0.1:8088")]
+        listen: SocketAddr,
+        #[arg(long, value_name = "DIR")]
+        work_dir: Option<PathBuf>,
+    },
+    /// One application master (what the RM launches per job).
+    Am {
+        job: PathBuf,
+        #[arg(long, value_name = "URL")]
+        rm: String,
+        #[arg(long)]
+        app_id: String,
+        /// The application's bearer token (also read from GPUAM_APP_TOKEN).
+        #[arg(long, env = "GPUAM_APP_TOKEN", hide_env_values = true)]
+        token: String,
+        /// The dashboard's address.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+    },
+    /// Submit a job to a running RM.
+    Submit {
+        job: PathBuf,
+        #[arg(long, value_name = "URL")]
+        rm: String,
+        /// Follow the job and exit with its exit code.
+        #[arg(long)]
+        wait: bool,
+        /// The dashboard's address (on the AM's machine).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+    },
+    /// Benchmarks that print their figures (see docs/BENCHMARKS.md).
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCmd {
+    /// The select pipeline at 100, 1,000 and 10,000 nodes, and a 1,000-task job plan.
+    Select {
+        /// Timed selects per cluster size.
+        #[arg(long, default_value_t = 2000)]
+        iterations: usize,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Cluster sizes to measure.
+        #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
+        nodes: Vec<usize>,
+    },
+}
+
+/// Entry point: parses the command line and runs the command.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = match e.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => exit::SUCCESS,
+                _ => exit::USAGE,
+            };
+            let _ = e.print();
+            return code;
+        }
+    };
+    init_logging();
+    let settings = match load_settings(cli.config.as_deref()) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return exit::INTERNAL;
+        }
+    };
+    match cli.command {
+        Cmd::Validate { job } => plan::validate(&job),
+        Cmd::Plan { job, cluster, rm, json } => runtime.block_on(plan::plan(&job, cluster.as_deref(), rm.as_deref(), json, &settings)),
+        Cmd::Run {
+            job,
+            cluster,
+            listen,
+            work_dir,
+        } => runtime.block_on(run::run(&job, cluster.as_deref(), listen, work_dir, &settings)),
+        Cmd::Submit { job, rm, wait, listen } => runtime.block_on(run::submit(&job, &rm, wait, listen)),
+        Cmd::Rm {
+            cluster,
+            listen,
+            work_dir,
+        } => runtime.block_on(servers::rm(cluster.as_deref(), listen, work_dir, &settings)),
+        Cmd::Am {
+            job,
+            rm,
+            app_id,
+            token,
+            listen,
+        } => runtime.block_on(servers::am(&job, &rm, &app_id, &token, listen, settings)),
+        Cmd::Bench { what } => match what {
+            BenchCmd::Select { iterations, seed, nodes } => crate::bench::select_bench(&nodes, iterations, seed),
+        },
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUAM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn load_settings(path: Option<&Path>) -> Result<Settings, i32> {
+    let file = path.map(Path::to_path_buf).or_else(default_settings_path);
+    Settings::load(file.as_deref()).map_err(|e| {
+        eprintln!("error: {e}");
+        exit::INVALID_INPUT
+    })
+}
+
+/// Loads and validates a job spec, printing every problem; exit 65 on failure.
+pub(crate) fn load_job(path: &Path) -> Result<(JobSpec, String), i32> {
+    let text = match read_limited(path) {
+        Ok(t) => t,
+        Err(msg) => {
+            eprintln!("error: {msg}");
+            return Err(exit::INVALID_INPUT);
+        }
+    };
+    match crate::spec::parse_job_spec(&text, &path.display().to_string()) {
+        Ok(j) => Ok((j, text)),
+        Err(errs) => {
+            eprintln!("{errs}");
+            eprintln!("error: {} problem(s) in {}", errs.0.len(), path.display());
+            Err(exit::INVALID_INPUT)
+        }
+    }
+}
+
+/// Loads a cluster file (default conf/cluster.yaml); exit 65 on failure.
+pub(crate) fn load_cluster(path: Option<&Path>) -> Result<Vec<crate::cluster::Node>, i32> {
+    let path = path.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("conf/cluster.yaml"));
+    crate::cluster::file::load_cluster_file(&path).map_err(|errs| {
+        eprintln!("{errs}");
+        eprintln!("error: the cluster file {} is not valid", path.display());
+        exit::INVALID_INPUT
+    })
+}
+
+/// Job specs larger than this are refused before parsing.
+const MAX_SPEC_BYTES: u64 = 1 << 20;
+
+fn read_limited(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if meta.len() > MAX_SPEC_BYTES {
+        return Err(format!(
+            "{} is {} bytes; job specs are limited to {} bytes",
+            path.display(),
+            meta.len(),
+            MAX_SPEC_BYTES
+        ));
+    }
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}

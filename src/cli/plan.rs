@@ -1,0 +1,158 @@
+//! `gpuam validate` and `gpuam plan`.
+
+use std::path::Path;
+
+use serde_json::{json, Map, Value};
+
+use crate::cluster::ClusterView;
+use crate::config::Settings;
+use crate::exit;
+use crate::select::{plan_job, JobPlan, Selector};
+
+pub fn validate(job: &Path) -> i32 {
+    match super::load_job(job) {
+        Ok((j, _)) => {
+            println!(
+                "ok: job `{}`: {} task role(s), {} task(s){}",
+                j.name,
+                j.task_roles.len(),
+                j.total_tasks(),
+                if j.gang { ", gang" } else { "" }
+            );
+            exit::SUCCESS
+        }
+        Err(code) => code,
+    }
+}
+
+pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json: bool, settings: &Settings) -> i32 {
+    let (spec, _) = match super::load_job(job) {
+        Ok(v) => v,
+        Err(code) => return code,
+    };
+    let nodes = match rm {
+        Some(url) => match crate::am::rm_client::RmClient::new(url).nodes().await {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return if e.is_unreachable() { exit::RM_UNREACHABLE } else { exit::INTERNAL };
+            }
+        },
+        None => match super::load_cluster(cluster) {
+            Ok(n) => n,
+            Err(code) => return code,
+        },
+    };
+    let mut select = settings.select.clone();
+    // A plan is reproducible: the same inputs give the same answer.
+    select.seed = Some(select.seed.unwrap_or(0));
+    let selector = Selector::new(ClusterView::new(nodes), select);
+    let plan = plan_job(&selector, &spec);
+    if as_json {
+        println!("{}", plan_json(&plan));
+    } else {
+        print!("{}", plan_table(&spec.name, &plan));
+    }
+    if plan.unplaced.is_empty() {
+        exit::SUCCESS
+    } else {
+        exit::NOT_PLACEABLE
+    }
+}
+
+/// The JSON of DESIGN.md §7.
+pub fn plan_json(plan: &JobPlan) -> Value {
+    let placements: Vec<Value> = plan
+        .placements
+        .iter()
+        .map(|p| {
+            let ports: Map<String, Value> = p.ports.iter().map(|(l, ps)| (l.clone(), json!(ps))).collect();
+            json!({
+                "role": p.role,
+                "index": p.index,
+                "host": p.host,
+                "rack": p.rack,
+                "gpus": p.gpus,
+                "gpuMask": p.gpu_mask,
+                "ports": ports,
+                "gpuTier": p.gpu_tier,
+                "gpuTierIdeal": p.gpu_tier_ideal,
+            })
+        })
+        .collect();
+    let unplaced: Vec<Value> = plan
+        .unplaced
+        .iter()
+        .map(|u| {
+            json!({
+                "role": u.role,
+                "index": u.index,
+                "reason": u.reason,
+                "impossible": u.impossible,
+                "trace": u.trace,
+            })
+        })
+        .collect();
+    json!({ "placements": placements, "unplaced": unplaced })
+}
+
+/// The readable table: one line per placed task, then the stage trace of each
+/// task that found no place.
+pub fn plan_table(job: &str, plan: &JobPlan) -> String {
+    let mut out = String::new();
+    let hosts: std::collections::BTreeSet<&str> = plan.placements.iter().map(|p| p.host.as_str()).collect();
+    let racks: std::collections::BTreeSet<&str> = plan.placements.iter().map(|p| p.rack.as_str()).collect();
+    out.push_str(&format!(
+        "plan for job `{job}`: {} placed on {} node(s) in {} rack(s), {} unplaced\n\n",
+        plan.placements.len(),
+        hosts.len(),
+        racks.len(),
+        plan.unplaced.len()
+    ));
+    if !plan.placements.is_empty() {
+        out.push_str(&format!(
+            "{:<14} {:>5}  {:<16} {:<10} {:<16} {:<5} {}\n",
+            "ROLE", "INDEX", "HOST", "RACK", "GPUS", "TIER", "PORTS"
+        ));
+        for p in &plan.placements {
+            let gpus = if p.gpus.is_empty() {
+                "-".to_string()
+            } else {
+                p.gpus.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            };
+            let tier = if p.gpus.len() < 2 {
+                "-".to_string()
+            } else {
+                format!("{}{}", p.gpu_tier, if p.gpu_tier_ideal { "" } else { "*" })
+            };
+            let ports = p
+                .ports
+                .iter()
+                .map(|(l, ps)| format!("{l}={}", ps.iter().map(u16::to_string).collect::<Vec<_>>().join(",")))
+                .collect::<Vec<_>>()
+                .join(" ");
+            out.push_str(&format!(
+                "{:<14} {:>5}  {:<16} {:<10} {:<16} {:<5} {}\n",
+                p.role,
+                p.index,
+                p.host,
+                p.rack,
+                gpus,
+                tier,
+                if ports.is_empty() { "-".into() } else { ports }
+            ));
+        }
+        out.push_str("\nTIER: 2 = NVLink, 1 = one PCIe switch tree, 0 = through the host; * = below the node's best for that size\n");
+    }
+    for u in &plan.unplaced {
+        out.push_str(&format!(
+            "\n{}/{}: {} — {}\n",
+            u.role,
+            u.index,
+            if u.impossible { "IMPOSSIBLE on this cluster" } else { "no place now" },
+            u.reason
+        ));
+        out.push_str(&u.trace.render());
+    }
+    out
+}

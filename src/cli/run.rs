@@ -1,0 +1,268 @@
+//! `gpuam run` and `gpuam submit`: submit a job over the RM's REST API and follow it
+//! on the terminal (progress, each task's exit, the dashboard's address, the job's
+//! exit code).
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+
+use crate::am::random_token;
+use crate::am::rm_client::RmClient;
+use crate::config::Settings;
+use crate::exit;
+use crate::protocol::{AppState, SubmitApplication};
+
+pub async fn run(job: &Path, cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<PathBuf>, settings: &Settings) -> i32 {
+    let (spec, text) = match super::load_job(job) {
+        Ok(v) => v,
+        Err(code) => return code,
+    };
+    let nodes = match super::load_cluster(cluster) {
+        Ok(n) => n,
+        Err(code) => return code,
+    };
+    let work_dir = work_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("gpuam-run-{}", std::process::id())));
+    let rm = match crate::rm::start(crate::rm::RmOptions {
+        nodes,
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        work_dir: work_dir.clone(),
+        am_program: None,
+        launch_am: true,
+        container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
+    })
+    .await
+    {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("error: cannot start the embedded RM: {e:#}");
+            return exit::INTERNAL;
+        }
+    };
+    println!("rm: {} (containers and logs under {})", rm.base_url(), work_dir.display());
+    let code = submit_and_follow(&rm.base_url(), &spec.name, &text, &job.display().to_string(), true, listen).await;
+    rm.shutdown().await;
+    code
+}
+
+pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr) -> i32 {
+    let (spec, text) = match super::load_job(job) {
+        Ok(v) => v,
+        Err(code) => return code,
+    };
+    submit_and_follow(rm, &spec.name, &text, &job.display().to_string(), wait, listen).await
+}
+
+async fn submit_and_follow(rm_url: &str, name: &str, text: &str, source: &str, wait: bool, listen: SocketAddr) -> i32 {
+    let rm = RmClient::new(rm_url);
+    let rm_code = |e: &crate::am::rm_client::RmError| {
+        if e.is_unreachable() {
+            exit::RM_UNREACHABLE
+        } else if e.status() == Some(400) {
+            exit::INVALID_INPUT
+        } else {
+            exit::INTERNAL
+        }
+    };
+    let app = match rm.new_application().await {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return rm_code(&e);
+        }
+    };
+    let job_token = random_token();
+    let report = match rm
+        .submit(&SubmitApplication {
+            application_id: app.application_id.clone(),
+            job_spec: text.to_string(),
+            job_spec_name: Some(source.to_string()),
+            dashboard_listen: Some(listen.to_string()),
+            job_token: Some(job_token.clone()),
+        })
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return rm_code(&e);
+        }
+    };
+    println!("submitted job `{name}` as {}", report.id);
+    if !wait {
+        println!("follow it with: curl {rm_url}/ws/v1/cluster/apps/{}", report.id);
+        return exit::SUCCESS;
+    }
+    follow(&rm, &report.id, &job_token).await
+}
+
+/// Counts of tasks per coarse state, from the AM's snapshot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
+    waiting: u64,
+    running: u64,
+    succeeded: u64,
+    failed: u64,
+    total: u64,
+}
+
+fn counts(job: &Value) -> Counts {
+    let mut c = Counts {
+        total: job["totalTasks"].as_u64().unwrap_or(0),
+        ..Default::default()
+    };
+    for r in job["roles"].as_array().into_iter().flatten() {
+        let n = |k: &str| r[k].as_u64().unwrap_or(0);
+        c.waiting += n("waiting") + n("requested") + n("allocated");
+        c.running += n("running");
+        c.succeeded += n("succeeded");
+        c.failed += n("failed");
+    }
+    c
+}
+
+/// Follows an application to its end: progress, each task's exit, the final state.
+async fn follow(rm: &RmClient, app_id: &str, job_token: &str) -> i32 {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap_or_default();
+    let tty = std::io::stderr().is_terminal();
+    let bar = tty.then(|| {
+        let b = ProgressBar::new(0);
+        b.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} done  {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b.enable_steady_tick(Duration::from_millis(120));
+        b
+    });
+    let say = |line: String| match &bar {
+        Some(b) => b.println(line),
+        None => eprintln!("{line}"),
+    };
+    let started = Instant::now();
+    let mut dashboard: Option<String> = None;
+    let mut last_counts = Counts::default();
+    // (role/index) → (attempt, state) seen last.
+    let mut seen: HashMap<String, (u64, String)> = HashMap::new();
+    let mut unreachable_since: Option<Instant> = None;
+    let mut interrupted = false;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        let report = match rm.app(app_id).await {
+            Ok(r) => {
+                unreachable_since = None;
+                r
+            }
+            Err(e) if e.is_unreachable() => {
+                let since = *unreachable_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > Duration::from_secs(30) {
+                    eprintln!("error: {e}");
+                    return exit::RM_UNREACHABLE;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                return exit::INTERNAL;
+            }
+        };
+        if dashboard.is_none() && !report.tracking_url.is_empty() {
+            let url = report.tracking_url.clone();
+            println!("dashboard: {url}#token={job_token}");
+            dashboard = Some(url);
+        }
+        if let Some(url) = &dashboard {
+            if let Ok(resp) = http.get(format!("{url}api/v1/snapshot")).send().await {
+                if let Ok(snap) = resp.json::<Value>().await {
+                    let c = counts(&snap["job"]);
+                    if let Some(b) = &bar {
+                        b.set_length(c.total);
+                        b.set_position(c.succeeded + c.failed);
+                        b.set_message(format!(
+                            "waiting {} running {} succeeded {} failed {}",
+                            c.waiting, c.running, c.succeeded, c.failed
+                        ));
+                    } else if c != last_counts {
+                        eprintln!(
+                            "[{:>6.1}s] waiting {} running {} succeeded {} failed {} (of {})",
+                            started.elapsed().as_secs_f64(),
+                            c.waiting,
+                            c.running,
+                            c.succeeded,
+                            c.failed,
+                            c.total
+                        );
+                    }
+                    last_counts = c;
+                    for t in snap["tasks"].as_array().into_iter().flatten() {
+                        report_task_change(t, &mut seen, &say);
+                    }
+                }
+            }
+        }
+        if report.state.is_final() {
+            if let Some(b) = &bar {
+                b.finish_and_clear();
+            }
+            let code = report.exit_code.unwrap_or(if report.state == AppState::Finished { 0 } else { 1 });
+            println!(
+                "job {} {:?} after {:.1}s (exit {code}){}",
+                report.id,
+                report.final_status,
+                started.elapsed().as_secs_f64(),
+                if report.diagnostics.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", report.diagnostics)
+                }
+            );
+            return if code == 0 { exit::SUCCESS } else { exit::JOB_FAILED };
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+            _ = &mut ctrl_c, if !interrupted => {
+                interrupted = true;
+                say("interrupted: killing the job".to_string());
+                if let Err(e) = rm.kill(app_id).await {
+                    eprintln!("error: could not kill {app_id}: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Prints a line when a task completes an attempt (its exit) or finishes for good.
+fn report_task_change(t: &Value, seen: &mut HashMap<String, (u64, String)>, say: &impl Fn(String)) {
+    let key = format!("{}/{}", t["role"].as_str().unwrap_or("?"), t["index"].as_u64().unwrap_or(0));
+    let attempt = t["attempt"].as_u64().unwrap_or(1);
+    let state = t["state"].as_str().unwrap_or("").to_string();
+    let prev = seen.insert(key.clone(), (attempt, state.clone()));
+    let gpus = t["gpus"]
+        .as_array()
+        .map(|g| g.iter().filter_map(Value::as_u64).map(|x| x.to_string()).collect::<Vec<_>>().join(","))
+        .unwrap_or_default();
+    let host = t["host"].as_str().unwrap_or("-");
+    match prev {
+        Some((a, _)) if a < attempt => say(format!(
+            "task {key} attempt {a} ended ({}); retrying as attempt {attempt}",
+            t["exitDiagnostics"].as_str().unwrap_or("exited")
+        )),
+        Some((_, s)) if s != "TASK_COMPLETED" && state == "TASK_COMPLETED" => say(format!(
+            "task {key} on {host} GPUs [{gpus}] finished: exit {} {}",
+            t["exitCode"].as_i64().map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+            t["exitDiagnostics"].as_str().unwrap_or("")
+        )),
+        Some((_, s)) if s != "CONTAINER_RUNNING" && state == "CONTAINER_RUNNING" => {
+            say(format!("task {key} running on {host} GPUs [{gpus}]"))
+        }
+        _ => {}
+    }
+}

@@ -1,0 +1,56 @@
+//! `gpuam rm` and `gpuam am`: the two long-running processes.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::am::{self, AmOptions};
+use crate::config::Settings;
+use crate::exit;
+
+pub async fn rm(cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<PathBuf>, settings: &Settings) -> i32 {
+    let nodes = match super::load_cluster(cluster) {
+        Ok(n) => n,
+        Err(code) => return code,
+    };
+    let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
+    let handle = match crate::rm::start(crate::rm::RmOptions {
+        nodes,
+        listen,
+        work_dir: work_dir.clone(),
+        am_program: None,
+        launch_am: true,
+        container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
+    })
+    .await
+    {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("error: cannot start the RM on {listen}: {e:#}");
+            return exit::USAGE;
+        }
+    };
+    println!("gpuam rm listening on {} (work dir {})", handle.base_url(), work_dir.display());
+    let _ = tokio::signal::ctrl_c().await;
+    eprintln!("stopping: containers and AMs are being stopped");
+    handle.shutdown().await;
+    exit::SUCCESS
+}
+
+pub async fn am(job: &Path, rm: &str, app_id: &str, token: &str, listen: SocketAddr, settings: Settings) -> i32 {
+    let (spec, _) = match super::load_job(job) {
+        Ok(v) => v,
+        Err(code) => return code,
+    };
+    let job_token = std::env::var("GPUAM_JOB_TOKEN").ok().filter(|t| !t.is_empty());
+    am::run(AmOptions {
+        job: spec,
+        rm_url: rm.to_string(),
+        app_id: app_id.to_string(),
+        token: token.to_string(),
+        listen,
+        settings,
+        job_token,
+    })
+    .await
+}
