@@ -1,3 +1,8 @@
 //! The resource manager: REST server, scheduler ledger, applications, node executor.
 
+pub mod apps;
 pub mod executor;
+pub mod ledger;
+pub mod server;
+
+pub use server::{start, RmHandle, RmOptions};
