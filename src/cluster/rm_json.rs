@@ -12,7 +12,9 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value};
 
 use crate::cluster::{Node, NodeState};
-use crate::resources::{lowest_bits, mask_hex, mask_of_count, parse_mask, GpuMask, PortRange, PortSet, Resources};
+use crate::resources::{
+    lowest_bits, mask_hex, mask_of_count, parse_mask, GpuMask, PortRange, PortSet, Resources,
+};
 use crate::topology::Topology;
 
 /// The NodeManager RPC port our node ids carry (`host:8041`), as in YARN 3.
@@ -72,7 +74,10 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
 }
 
 /// `{"nodes":{"node":[...]}}` for a list of (node, live container count).
-pub fn nodes_to_json<'a>(nodes: impl IntoIterator<Item = (&'a Node, u32)>, last_health_update_ms: u64) -> Value {
+pub fn nodes_to_json<'a>(
+    nodes: impl IntoIterator<Item = (&'a Node, u32)>,
+    last_health_update_ms: u64,
+) -> Value {
     let list: Vec<Value> = nodes
         .into_iter()
         .map(|(n, c)| node_to_json(n, c, last_health_update_ms))
@@ -183,7 +188,9 @@ impl<'a> Fields<'a> {
             None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.clone())),
             Some(Value::Number(n)) => Ok(Some(n.to_string())),
-            Some(other) => Err(self.err(field, format!("expected a string, found {}", kind(other)))),
+            Some(other) => {
+                Err(self.err(field, format!("expected a string, found {}", kind(other))))
+            }
         }
     }
 
@@ -206,18 +213,26 @@ impl<'a> Fields<'a> {
             gpus: None,
         };
         let infos = match present(o.get("resourceInformations")) {
-            Some(Value::Object(ri)) => list_items(ri.get("resourceInformation"), "")
-                .map_err(|_| self.err(&sub("resourceInformations.resourceInformation"), "expected a list"))?,
-            Some(other) => list_items(Some(other), "")
-                .map_err(|_| self.err(&sub("resourceInformations"), "expected an object or a list"))?,
+            Some(Value::Object(ri)) => {
+                list_items(ri.get("resourceInformation"), "").map_err(|_| {
+                    self.err(
+                        &sub("resourceInformations.resourceInformation"),
+                        "expected a list",
+                    )
+                })?
+            }
+            Some(other) => list_items(Some(other), "").map_err(|_| {
+                self.err(&sub("resourceInformations"), "expected an object or a list")
+            })?,
             None => Vec::new(),
         };
         for info in infos {
             let Value::Object(e) = info else { continue };
             let name = e.get("name").and_then(Value::as_str).unwrap_or("");
             let value = || {
-                number_of(present(e.get("value")))
-                    .map_err(|m| self.err(&format!("{field}.resourceInformations[{name}].value"), m))
+                number_of(present(e.get("value"))).map_err(|m| {
+                    self.err(&format!("{field}.resourceInformations[{name}].value"), m)
+                })
             };
             match name {
                 YARN_GPU => out.gpus = value()?,
@@ -232,14 +247,22 @@ impl<'a> Fields<'a> {
     fn mask(&self, field: &str) -> Result<Option<GpuMask>, NodeJsonError> {
         match self.get(field) {
             None => Ok(None),
-            Some(Value::Number(n)) => n
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| self.err(field, format!("`{n}` is not a GPU mask (write it like \"0x3f\")"))),
-            Some(Value::String(s)) => parse_mask(s)
-                .map(Some)
-                .ok_or_else(|| self.err(field, format!("`{s}` is not a GPU mask (write it like \"0x3f\")"))),
-            Some(other) => Err(self.err(field, format!("expected a hex GPU mask string, found {}", kind(other)))),
+            Some(Value::Number(n)) => n.as_u64().map(Some).ok_or_else(|| {
+                self.err(
+                    field,
+                    format!("`{n}` is not a GPU mask (write it like \"0x3f\")"),
+                )
+            }),
+            Some(Value::String(s)) => parse_mask(s).map(Some).ok_or_else(|| {
+                self.err(
+                    field,
+                    format!("`{s}` is not a GPU mask (write it like \"0x3f\")"),
+                )
+            }),
+            Some(other) => Err(self.err(
+                field,
+                format!("expected a hex GPU mask string, found {}", kind(other)),
+            )),
         }
     }
 
@@ -251,7 +274,10 @@ impl<'a> Fields<'a> {
             Some(Value::Array(items)) => {
                 let mut ranges = Vec::new();
                 for it in items {
-                    let port = |v: Option<&Value>| v.and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok());
+                    let port = |v: Option<&Value>| {
+                        v.and_then(Value::as_u64)
+                            .and_then(|p| u16::try_from(p).ok())
+                    };
                     let r = match it {
                         Value::Object(o) => match (port(o.get("begin")), port(o.get("end"))) {
                             (Some(b), Some(e)) if b <= e => Some(PortRange::new(b, e)),
@@ -261,12 +287,18 @@ impl<'a> Fields<'a> {
                         _ => None,
                     };
                     ranges.push(r.ok_or_else(|| {
-                        self.err(field, format!("`{it}` is not a port range (write \"20000-29999,31000\")"))
+                        self.err(
+                            field,
+                            format!("`{it}` is not a port range (write \"20000-29999,31000\")"),
+                        )
                     })?);
                 }
                 Ok(PortSet::from_ranges(ranges))
             }
-            Some(other) => Err(self.err(field, format!("expected a port-range string, found {}", kind(other)))),
+            Some(other) => Err(self.err(
+                field,
+                format!("expected a port-range string, found {}", kind(other)),
+            )),
         }
     }
 
@@ -285,13 +317,23 @@ impl<'a> Fields<'a> {
                     match l {
                         Value::String(s) if !s.trim().is_empty() => v.push(s.trim().to_string()),
                         Value::String(_) | Value::Null => {}
-                        other => return Err(self.err(field, format!("expected label strings, found {}", kind(other)))),
+                        other => {
+                            return Err(self.err(
+                                field,
+                                format!("expected label strings, found {}", kind(other)),
+                            ))
+                        }
                     }
                 }
                 v
             }
             Some(Value::Object(o)) if o.is_empty() => Vec::new(),
-            Some(other) => return Err(self.err(field, format!("expected a list of strings, found {}", kind(other)))),
+            Some(other) => {
+                return Err(self.err(
+                    field,
+                    format!("expected a list of strings, found {}", kind(other)),
+                ))
+            }
         };
         out.dedup();
         Ok(out)
@@ -370,7 +412,12 @@ fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
                 .unwrap_or(id)
                 .trim_matches(|c| c == '[' || c == ']')
                 .to_string(),
-            None => return Err(f.err("nodeHostName", "missing (and no `id` to take the host from)")),
+            None => {
+                return Err(f.err(
+                    "nodeHostName",
+                    "missing (and no `id` to take the host from)",
+                ))
+            }
         },
     };
     f.host = host.clone();
@@ -386,7 +433,10 @@ fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
         })?,
     };
     let labels = f.labels("nodeLabels")?;
-    let gpu_type = f.string("gpuType")?.map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    let gpu_type = f
+        .string("gpuType")?
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty());
     let http_address = f.string("nodeHTTPAddress")?.unwrap_or_default();
 
     let total_ri = f.resource("totalResource")?;
@@ -395,10 +445,20 @@ fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
 
     let used_mem = f.number("usedMemoryMB")?.or(used_ri.memory).unwrap_or(0);
     let avail_mem = f.number("availMemoryMB")?.or(avail_ri.memory).unwrap_or(0);
-    let used_cpu = f.number("usedVirtualCores")?.or(used_ri.vcores).unwrap_or(0);
-    let avail_cpu = f.number("availableVirtualCores")?.or(avail_ri.vcores).unwrap_or(0);
-    let total_mem = total_ri.memory.unwrap_or_else(|| used_mem.saturating_add(avail_mem));
-    let total_cpu = total_ri.vcores.unwrap_or_else(|| used_cpu.saturating_add(avail_cpu));
+    let used_cpu = f
+        .number("usedVirtualCores")?
+        .or(used_ri.vcores)
+        .unwrap_or(0);
+    let avail_cpu = f
+        .number("availableVirtualCores")?
+        .or(avail_ri.vcores)
+        .unwrap_or(0);
+    let total_mem = total_ri
+        .memory
+        .unwrap_or_else(|| used_mem.saturating_add(avail_mem));
+    let total_cpu = total_ri
+        .vcores
+        .unwrap_or_else(|| used_cpu.saturating_add(avail_cpu));
 
     // GPUs: our mask extension when present; otherwise YARN's count means GPUs 0..n-1.
     let gpu_count = total_ri
@@ -453,24 +513,41 @@ mod tests {
         let mut n = Node::new(
             "gpu-1",
             "/rack-a",
-            Resources::with_mask(32, 262_144, 0xff, PortSet::parse("20000-29999,31000").unwrap()),
+            Resources::with_mask(
+                32,
+                262_144,
+                0xff,
+                PortSet::parse("20000-29999,31000").unwrap(),
+            ),
         );
         n.labels = vec!["gpu".into()];
         n.gpu_type = Some("V100".into());
         n.http_address = "http://127.0.0.1:8088".into();
-        n.set_used(Resources::with_mask(8, 65_536, 0x0c, PortSet::parse("20001-20002").unwrap()));
+        n.set_used(Resources::with_mask(
+            8,
+            65_536,
+            0x0c,
+            PortSet::parse("20001-20002").unwrap(),
+        ));
         n
     }
 
     #[test]
     fn round_trip_own_output() {
         let a = sample_node();
-        let mut b = Node::new("cpu-1", "/rack-b", Resources::with_mask(4, 8192, 0, PortSet::new()));
+        let mut b = Node::new(
+            "cpu-1",
+            "/rack-b",
+            Resources::with_mask(4, 8192, 0, PortSet::new()),
+        );
         b.state = NodeState::Lost;
         let text = nodes_to_json([(&a, 2), (&b, 0)], 1_700_000_000_000).to_string();
         let back = parse_nodes_json(&text).unwrap();
         assert_eq!(back.len(), 2);
-        assert_eq!(back[0], a, "every field of the node survives the round trip");
+        assert_eq!(
+            back[0], a,
+            "every field of the node survives the round trip"
+        );
         assert_eq!(back[1].total(), b.total());
         assert_eq!(back[1].used(), b.used());
         assert_eq!(back[1].state, NodeState::Lost);
@@ -493,7 +570,10 @@ mod tests {
         let gpu = &v["totalResource"]["resourceInformations"]["resourceInformation"][2];
         assert_eq!(gpu["name"], YARN_GPU);
         assert_eq!(gpu["value"], 8);
-        assert_eq!(v["usedResource"]["resourceInformations"]["resourceInformation"][2]["value"], 2);
+        assert_eq!(
+            v["usedResource"]["resourceInformations"]["resourceInformation"][2]["value"],
+            2
+        );
     }
 
     /// A stock YARN 3 RM answer (ecosystem.md §1.1): GPU count only, no mask, no ports.
@@ -549,8 +629,16 @@ mod tests {
         assert_eq!(n.labels, vec!["gpu".to_string()]);
         assert_eq!(n.http_address, "gpu-node-03.example:8042");
         assert_eq!((n.total().cpu, n.total().memory_mb), (64, 262_144));
-        assert_eq!((n.total().gpus, n.total().gpu_mask), (8, 0xff), "count only → GPUs 0..n-1");
-        assert_eq!((n.used().gpus, n.used().gpu_mask), (3, 0x7), "used count → lowest bits");
+        assert_eq!(
+            (n.total().gpus, n.total().gpu_mask),
+            (8, 0xff),
+            "count only → GPUs 0..n-1"
+        );
+        assert_eq!(
+            (n.used().gpus, n.used().gpu_mask),
+            (3, 0x7),
+            "used count → lowest bits"
+        );
         assert_eq!((n.used().cpu, n.used().memory_mb), (24, 98_304));
         assert!(n.topology.is_none());
         assert!(n.total().ports.is_empty());
@@ -564,7 +652,10 @@ mod tests {
             "usedResource":{"resourceInformations":{"resourceInformation":{"name":"yarn.io/gpu","value":1}}},
             "availableResource":{"resourceInformations":{"resourceInformation":[{"name":"yarn.io/gpu","value":3}]}}}]}}"#;
         let n = &parse_nodes_json(t).unwrap()[0];
-        assert_eq!((n.total().cpu, n.total().memory_mb, n.total().gpu_mask), (8, 1000, 0xf));
+        assert_eq!(
+            (n.total().cpu, n.total().memory_mb, n.total().gpu_mask),
+            (8, 1000, 0xf)
+        );
         assert_eq!(n.used().gpu_mask, 0x1);
         assert_eq!(n.rack, "/default-rack");
         assert_eq!(n.state, NodeState::Running);
@@ -583,7 +674,11 @@ mod tests {
             r#"{"nodes":{"node":{}}}"#,
             "",
         ] {
-            assert_eq!(parse_nodes_json(t).unwrap(), Vec::<Node>::new(), "input {t}");
+            assert_eq!(
+                parse_nodes_json(t).unwrap(),
+                Vec::<Node>::new(),
+                "input {t}"
+            );
         }
     }
 
@@ -592,7 +687,10 @@ mod tests {
         let one = r#"{"nodes":{"node":{"id":"h1:45454","usedMemoryMB":1,"availMemoryMB":1}}}"#;
         let n = parse_nodes_json(one).unwrap();
         assert_eq!(n.len(), 1);
-        assert_eq!(n[0].host, "h1", "host taken from id when nodeHostName is absent");
+        assert_eq!(
+            n[0].host, "h1",
+            "host taken from id when nodeHostName is absent"
+        );
         let single = r#"{"node":{"nodeHostName":"h2","nodeLabels":null,"gpuType":""}}"#;
         let n = parse_nodes_json(single).unwrap();
         assert_eq!(n[0].host, "h2");
@@ -638,20 +736,36 @@ mod tests {
     fn errors_name_node_and_field() {
         let t = r#"{"nodes":{"node":[{"nodeHostName":"ok"},{"nodeHostName":"bad-1","usedMemoryMB":"lots"}]}}"#;
         let e = parse_nodes_json(t).unwrap_err();
-        assert!(matches!(&e, NodeJsonError::Node { index: 1, host, field, .. } if host == "bad-1" && field == "usedMemoryMB"), "{e}");
+        assert!(
+            matches!(&e, NodeJsonError::Node { index: 1, host, field, .. } if host == "bad-1" && field == "usedMemoryMB"),
+            "{e}"
+        );
         assert!(e.to_string().contains("node #1 (bad-1)"), "{e}");
 
-        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","gpuAttribute":"0xZZ"}]}}"#).unwrap_err();
+        let e =
+            parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","gpuAttribute":"0xZZ"}]}}"#)
+                .unwrap_err();
         assert!(e.to_string().contains("gpuAttribute"), "{e}");
-        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","portRanges":"9-1"}]}}"#).unwrap_err();
+        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","portRanges":"9-1"}]}}"#)
+            .unwrap_err();
         assert!(e.to_string().contains("portRanges"), "{e}");
-        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","state":"ASLEEP"}]}}"#).unwrap_err();
+        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","state":"ASLEEP"}]}}"#)
+            .unwrap_err();
         assert!(e.to_string().contains("state"), "{e}");
         let e = parse_nodes_json(r#"{"nodes":{"node":[{"rack":"/r"}]}}"#).unwrap_err();
         assert!(e.to_string().contains("nodeHostName"), "{e}");
-        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","totalResource":{"memory":"x"}}]}}"#).unwrap_err();
+        let e = parse_nodes_json(
+            r#"{"nodes":{"node":[{"nodeHostName":"h","totalResource":{"memory":"x"}}]}}"#,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("totalResource.memory"), "{e}");
-        assert!(matches!(parse_nodes_json("{not json"), Err(NodeJsonError::Json(_))));
-        assert!(matches!(parse_nodes_json(r#"{"nodes":5}"#), Err(NodeJsonError::Listing { .. })));
+        assert!(matches!(
+            parse_nodes_json("{not json"),
+            Err(NodeJsonError::Json(_))
+        ));
+        assert!(matches!(
+            parse_nodes_json(r#"{"nodes":5}"#),
+            Err(NodeJsonError::Listing { .. })
+        ));
     }
 }

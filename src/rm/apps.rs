@@ -97,7 +97,13 @@ impl App {
     }
 
     /// Moves to a final state once; later calls change nothing.
-    pub fn finish(&mut self, state: AppState, final_status: FinalStatus, exit_code: i32, diagnostics: String) -> bool {
+    pub fn finish(
+        &mut self,
+        state: AppState,
+        final_status: FinalStatus,
+        exit_code: i32,
+        diagnostics: String,
+    ) -> bool {
         if self.state.is_final() {
             return false;
         }
@@ -159,9 +165,12 @@ mod tests {
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"abcd"));
         let app = App::new("application_1_0001".into(), "x".into());
-        assert!(app.token_matches(&app.token().to_string()));
+        assert!(app.token_matches(app.token()));
         assert!(!app.token_matches(""));
-        assert!(!format!("{app:?}").contains(app.token()), "Debug never shows the token");
+        assert!(
+            !format!("{app:?}").contains(app.token()),
+            "Debug never shows the token"
+        );
     }
 
     #[test]
@@ -171,7 +180,10 @@ mod tests {
         assert!(app.finish(AppState::Killed, FinalStatus::Killed, 1, "killed".into()));
         assert!(!app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new()));
         let r = app.report();
-        assert_eq!((r.state, r.final_status, r.exit_code), (AppState::Killed, FinalStatus::Killed, Some(1)));
+        assert_eq!(
+            (r.state, r.final_status, r.exit_code),
+            (AppState::Killed, FinalStatus::Killed, Some(1))
+        );
         assert!(r.finished_time > 0);
     }
 }

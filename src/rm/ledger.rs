@@ -151,7 +151,10 @@ impl Ledger {
 
     /// Ids of every live container.
     pub fn live_containers(&self) -> Vec<String> {
-        self.nodes.values().flat_map(|n| n.live.iter().cloned()).collect()
+        self.nodes
+            .values()
+            .flat_map(|n| n.live.iter().cloned())
+            .collect()
     }
 
     /// The componentwise largest node total (YARN's maximum allocation).
@@ -172,13 +175,24 @@ impl Ledger {
 
     /// True when no container is live and every node's used amount is zero.
     pub fn all_free(&self) -> bool {
-        self.nodes.values().all(|n| n.live.is_empty() && n.node.used().is_zero())
-            && self.containers.values().all(|c| c.state == ContainerState::Complete)
+        self.nodes
+            .values()
+            .all(|n| n.live.is_empty() && n.node.used().is_zero())
+            && self
+                .containers
+                .values()
+                .all(|c| c.state == ContainerState::Complete)
     }
 
     /// Grants `ask` to `app_id`/`attempt` if every requested unit is free on its host
     /// right now, exactly as asked; otherwise rejects with the reason.
-    pub fn grant(&mut self, app_id: &str, attempt: u32, ask: &Ask, now: Instant) -> Result<Container, Rejection> {
+    pub fn grant(
+        &mut self,
+        app_id: &str,
+        attempt: u32,
+        ask: &Ask,
+        now: Instant,
+    ) -> Result<Container, Rejection> {
         let reject = |retryable: bool, reason: String| Rejection {
             request_id: ask.request_id,
             reason,
@@ -190,21 +204,36 @@ impl Ledger {
         let node = &ln.node;
         match node.state {
             NodeState::Running => {}
-            s @ (NodeState::Lost | NodeState::Decommissioned | NodeState::Decommissioning | NodeState::Shutdown) => {
-                return Err(reject(false, format!("host `{}` is {s:?} and takes no new containers", ask.host)));
+            s @ (NodeState::Lost
+            | NodeState::Decommissioned
+            | NodeState::Decommissioning
+            | NodeState::Shutdown) => {
+                return Err(reject(
+                    false,
+                    format!("host `{}` is {s:?} and takes no new containers", ask.host),
+                ));
             }
             s => {
-                return Err(reject(true, format!("host `{}` is {s:?}, not RUNNING", ask.host)));
+                return Err(reject(
+                    true,
+                    format!("host `{}` is {s:?}, not RUNNING", ask.host),
+                ));
             }
         }
         let want = ask.resources();
         let total = node.total();
         let mut never = Vec::new();
         if want.cpu > total.cpu {
-            never.push(format!("{} CPUs asked, the node has {}", want.cpu, total.cpu));
+            never.push(format!(
+                "{} CPUs asked, the node has {}",
+                want.cpu, total.cpu
+            ));
         }
         if want.memory_mb > total.memory_mb {
-            never.push(format!("{} MB asked, the node has {}", want.memory_mb, total.memory_mb));
+            never.push(format!(
+                "{} MB asked, the node has {}",
+                want.memory_mb, total.memory_mb
+            ));
         }
         let missing_gpus = want.gpu_mask & !total.gpu_mask;
         if missing_gpus != 0 {
@@ -216,10 +245,15 @@ impl Ledger {
         }
         let missing_ports = want.ports.subtract(&total.ports);
         if !missing_ports.is_empty() {
-            never.push(format!("ports [{missing_ports}] are not offered by the node"));
+            never.push(format!(
+                "ports [{missing_ports}] are not offered by the node"
+            ));
         }
         if !never.is_empty() {
-            return Err(reject(false, format!("host `{}`: {}", ask.host, never.join("; "))));
+            return Err(reject(
+                false,
+                format!("host `{}`: {}", ask.host, never.join("; ")),
+            ));
         }
         let free = total.subtract(node.used());
         let mut busy = Vec::new();
@@ -227,7 +261,10 @@ impl Ledger {
             busy.push(format!("{} CPUs asked, {} free", want.cpu, free.cpu));
         }
         if want.memory_mb > free.memory_mb {
-            busy.push(format!("{} MB asked, {} free", want.memory_mb, free.memory_mb));
+            busy.push(format!(
+                "{} MB asked, {} free",
+                want.memory_mb, free.memory_mb
+            ));
         }
         let taken_gpus = want.gpu_mask & node.used().gpu_mask;
         if taken_gpus != 0 {
@@ -238,7 +275,10 @@ impl Ledger {
             busy.push(format!("ports [{taken_ports}] are in use"));
         }
         if !busy.is_empty() {
-            return Err(reject(true, format!("host `{}`: {}", ask.host, busy.join("; "))));
+            return Err(reject(
+                true,
+                format!("host `{}`: {}", ask.host, busy.join("; ")),
+            ));
         }
 
         let seq = self.next_container;
@@ -318,7 +358,10 @@ impl Ledger {
         let mut due: Vec<String> = self
             .containers
             .values()
-            .filter(|c| c.state == ContainerState::Allocated && now.saturating_duration_since(c.allocated_at) > self.expiry)
+            .filter(|c| {
+                c.state == ContainerState::Allocated
+                    && now.saturating_duration_since(c.allocated_at) > self.expiry
+            })
             .map(|c| c.container.container_id.clone())
             .collect();
         due.sort();
@@ -355,7 +398,9 @@ impl Ledger {
 
     /// used = the sum of the node's live containers.
     fn recompute(&mut self, host: &str) {
-        let Some(ln) = self.nodes.get_mut(host) else { return };
+        let Some(ln) = self.nodes.get_mut(host) else {
+            return;
+        };
         let mut used = Resources::default();
         for id in &ln.live {
             if let Some(c) = self.containers.get(id) {
@@ -390,12 +435,19 @@ mod tests {
     use proptest::prelude::*;
 
     fn node(host: &str, cpu: u32, mem: u64, mask: u64, ports: &str) -> Node {
-        Node::new(host, "/r", Resources::with_mask(cpu, mem, mask, PortSet::parse(ports).unwrap()))
+        Node::new(
+            host,
+            "/r",
+            Resources::with_mask(cpu, mem, mask, PortSet::parse(ports).unwrap()),
+        )
     }
 
     fn ledger() -> Ledger {
         Ledger::new(
-            [node("a", 8, 1000, 0xf, "2000-2009"), node("b", 4, 500, 0x3, "3000-3001")],
+            [
+                node("a", 8, 1000, 0xf, "2000-2009"),
+                node("b", 4, 500, 0x3, "3000-3001"),
+            ],
             Duration::from_secs(10),
         )
     }
@@ -415,7 +467,14 @@ mod tests {
     fn grants_exactly_what_was_asked() {
         let mut l = ledger();
         let now = Instant::now();
-        let c = l.grant("application_1_0001", 1, &ask(7, "a", 2, 100, 0x6, "2003,2005"), now).unwrap();
+        let c = l
+            .grant(
+                "application_1_0001",
+                1,
+                &ask(7, "a", 2, 100, 0x6, "2003,2005"),
+                now,
+            )
+            .unwrap();
         assert_eq!(c.request_id, 7);
         assert_eq!(c.host, "a");
         assert_eq!(c.container_id, "container_1_0001_01_000001");
@@ -432,14 +491,26 @@ mod tests {
     fn busy_is_retryable_impossible_is_not() {
         let mut l = ledger();
         let now = Instant::now();
-        l.grant("app1", 1, &ask(1, "a", 2, 100, 0x1, "2000"), now).unwrap();
-        let r = l.grant("app2", 1, &ask(2, "a", 1, 1, 0x3, ""), now).unwrap_err();
-        assert!(r.retryable && r.reason.contains("GPU bits 0x1 are in use"), "{r:?}");
-        let r = l.grant("app2", 1, &ask(3, "a", 1, 1, 0, "2000"), now).unwrap_err();
+        l.grant("app1", 1, &ask(1, "a", 2, 100, 0x1, "2000"), now)
+            .unwrap();
+        let r = l
+            .grant("app2", 1, &ask(2, "a", 1, 1, 0x3, ""), now)
+            .unwrap_err();
+        assert!(
+            r.retryable && r.reason.contains("GPU bits 0x1 are in use"),
+            "{r:?}"
+        );
+        let r = l
+            .grant("app2", 1, &ask(3, "a", 1, 1, 0, "2000"), now)
+            .unwrap_err();
         assert!(r.retryable && r.reason.contains("ports [2000]"), "{r:?}");
-        let r = l.grant("app2", 1, &ask(4, "a", 7, 1, 0, ""), now).unwrap_err();
+        let r = l
+            .grant("app2", 1, &ask(4, "a", 7, 1, 0, ""), now)
+            .unwrap_err();
         assert!(r.retryable && r.reason.contains("CPUs"), "{r:?}");
-        let r = l.grant("app2", 1, &ask(5, "a", 1, 901, 0, ""), now).unwrap_err();
+        let r = l
+            .grant("app2", 1, &ask(5, "a", 1, 901, 0, ""), now)
+            .unwrap_err();
         assert!(r.retryable && r.reason.contains("MB"), "{r:?}");
 
         for (a, what) in [
@@ -447,10 +518,16 @@ mod tests {
             (ask(7, "b", 1, 1, 0x4, ""), "GPU bits 0x4 do not exist"),
             (ask(8, "b", 5, 1, 0, ""), "5 CPUs asked, the node has 4"),
             (ask(9, "b", 1, 501, 0, ""), "501 MB asked"),
-            (ask(10, "b", 1, 1, 0, "2000"), "ports [2000] are not offered"),
+            (
+                ask(10, "b", 1, 1, 0, "2000"),
+                "ports [2000] are not offered",
+            ),
         ] {
             let r = l.grant("app2", 1, &a, now).unwrap_err();
-            assert!(!r.retryable && r.reason.contains(what), "{r:?} should say {what}");
+            assert!(
+                !r.retryable && r.reason.contains(what),
+                "{r:?} should say {what}"
+            );
             assert_eq!(r.request_id, a.request_id);
         }
         assert_eq!(l.num_containers("b"), 0, "rejections leave nothing behind");
@@ -460,21 +537,35 @@ mod tests {
     fn complete_frees_exactly_and_only_once() {
         let mut l = ledger();
         let now = Instant::now();
-        let c1 = l.grant("app", 1, &ask(1, "a", 2, 100, 0x1, "2000"), now).unwrap();
-        let c2 = l.grant("app", 1, &ask(2, "a", 3, 200, 0x6, "2001-2002"), now).unwrap();
+        let c1 = l
+            .grant("app", 1, &ask(1, "a", 2, 100, 0x1, "2000"), now)
+            .unwrap();
+        let c2 = l
+            .grant("app", 1, &ask(2, "a", 3, 200, 0x6, "2001-2002"), now)
+            .unwrap();
         let e = l.complete(&c1.container_id, 0, "done").unwrap();
-        assert_eq!((e.exit_status, e.was, e.app_id.as_str()), (0, ContainerState::Allocated, "app"));
+        assert_eq!(
+            (e.exit_status, e.was, e.app_id.as_str()),
+            (0, ContainerState::Allocated, "app")
+        );
         let used = l.node("a").unwrap().used();
         assert_eq!((used.cpu, used.memory_mb, used.gpu_mask), (3, 200, 0x6));
         assert_eq!(used.ports, PortSet::parse("2001-2002").unwrap());
         assert_eq!(l.complete(&c1.container_id, 0, "again"), None);
         assert_eq!(l.container(&c1.container_id).unwrap().exit_status, Some(0));
         l.mark_running(&c2.container_id).unwrap();
-        assert!(matches!(l.mark_running(&c2.container_id), Err(LedgerError::WrongState { .. })));
-        assert_eq!(l.complete(&c2.container_id, 1, "x").unwrap().was, ContainerState::Running);
+        assert!(matches!(
+            l.mark_running(&c2.container_id),
+            Err(LedgerError::WrongState { .. })
+        ));
+        assert_eq!(
+            l.complete(&c2.container_id, 1, "x").unwrap().was,
+            ContainerState::Running
+        );
         assert!(l.all_free());
         // The freed bits can be granted again.
-        l.grant("other", 1, &ask(3, "a", 8, 1000, 0xf, "2000-2009"), now).unwrap();
+        l.grant("other", 1, &ask(3, "a", 8, 1000, 0xf, "2000-2009"), now)
+            .unwrap();
     }
 
     #[test]
@@ -503,12 +594,17 @@ mod tests {
         let ended = l.mark_node_lost("b").unwrap();
         assert_eq!(ended.len(), 1);
         assert_eq!(ended[0].container_id, c.container_id);
-        assert_eq!((ended[0].exit_status, ended[0].diagnostics.as_str()), (-100, DIAG_LOST_NODE));
+        assert_eq!(
+            (ended[0].exit_status, ended[0].diagnostics.as_str()),
+            (-100, DIAG_LOST_NODE)
+        );
         assert_eq!(l.node("b").unwrap().state, NodeState::Lost);
         assert!(l.node("b").unwrap().used().is_zero());
         let changed: Vec<&str> = l.changed_since(e0).map(|(n, _)| n.host.as_str()).collect();
         assert_eq!(changed, vec!["b"]);
-        let r = l.grant("app", 1, &ask(3, "b", 1, 1, 0, ""), now).unwrap_err();
+        let r = l
+            .grant("app", 1, &ask(3, "b", 1, 1, 0, ""), now)
+            .unwrap_err();
         assert!(!r.retryable);
         assert!(l.mark_node_lost("nope").is_none());
         assert_eq!(l.live_containers_of("app").len(), 1);
@@ -523,7 +619,14 @@ mod tests {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Ask { app: u8, host: u8, cpu: u32, mem: u64, mask: u64, ports: Vec<u16> },
+        Ask {
+            app: u8,
+            host: u8,
+            cpu: u32,
+            mem: u64,
+            mask: u64,
+            ports: Vec<u16>,
+        },
         Release(usize),
         Start(usize),
         Expire(u64),

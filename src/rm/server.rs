@@ -37,9 +37,10 @@ use tokio::task::JoinHandle;
 use crate::cluster::rm_json::{node_to_json, nodes_to_json};
 use crate::cluster::{Node, NodeState};
 use crate::protocol::{
-    exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
-    ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
-    NewApplication, RegisterRequest, RegisterResponse, SubmitApplication,
+    exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate,
+    CompletedContainer, ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest,
+    FinishResponse, LaunchContext, NewApplication, RegisterRequest, RegisterResponse,
+    SubmitApplication,
 };
 use crate::rm::apps::{app_id, now_ms, App};
 use crate::rm::executor::{ExecError, ExecEvent, Executor, LogStream};
@@ -122,7 +123,12 @@ pub struct RmHandle {
 pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     tokio::fs::create_dir_all(&opts.work_dir)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot create the RM work dir {}: {e}", opts.work_dir.display()))?;
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot create the RM work dir {}: {e}",
+                opts.work_dir.display()
+            )
+        })?;
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
@@ -270,7 +276,13 @@ impl RmHandle {
 
     /// Stops every container and AM process, then the server.
     pub async fn shutdown(self) {
-        let procs: Vec<AmProc> = self.shared.am_procs.lock().drain().map(|(_, p)| p).collect();
+        let procs: Vec<AmProc> = self
+            .shared
+            .am_procs
+            .lock()
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
         for mut p in procs {
             if let Some(k) = p.kill.take() {
                 let _ = k.send(());
@@ -282,8 +294,11 @@ impl RmHandle {
             let ids = st.ledger.live_containers();
             ids.iter()
                 .filter_map(|id| {
-                    st.ledger
-                        .complete(id, exit_status::KILLED_BY_RESOURCEMANAGER, "the RM is shutting down")
+                    st.ledger.complete(
+                        id,
+                        exit_status::KILLED_BY_RESOURCEMANAGER,
+                        "the RM is shutting down",
+                    )
                 })
                 .collect()
         };
@@ -313,7 +328,11 @@ async fn stop_running(shared: &Shared, ended: &[Ended]) {
         .iter()
         .filter(|e| e.was == ContainerState::Running)
         .map(|e| async move {
-            if let Err(err) = shared.executor.stop(&e.container_id, CONTAINER_STOP_GRACE).await {
+            if let Err(err) = shared
+                .executor
+                .stop(&e.container_id, CONTAINER_STOP_GRACE)
+                .await
+            {
                 tracing::warn!(container = %e.container_id, "stop failed: {err}");
             }
         });
@@ -394,11 +413,19 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             } else {
                 "BAD_REQUEST"
             };
-            ApiError::new(status, code, format!("{} (limit {MAX_BODY_BYTES} bytes)", rej.body_text()))
+            ApiError::new(
+                status,
+                code,
+                format!("{} (limit {MAX_BODY_BYTES} bytes)", rej.body_text()),
+            )
         })?;
-        serde_json::from_slice(&bytes)
-            .map(ApiJson)
-            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JSON", format!("invalid request body: {e}")))
+        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "INVALID_JSON",
+                format!("invalid request body: {e}"),
+            )
+        })
     }
 }
 
@@ -436,14 +463,29 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/apps", get(list_apps).post(submit_app))
         .route("/ws/v1/cluster/apps/new-application", post(new_application))
         .route("/ws/v1/cluster/apps/{id}", get(get_app))
-        .route("/ws/v1/cluster/apps/{id}/state", get(get_app_state).put(put_app_state))
+        .route(
+            "/ws/v1/cluster/apps/{id}/state",
+            get(get_app_state).put(put_app_state),
+        )
         .route("/ws/v1/am/{id}/register", post(am_register))
         .route("/ws/v1/am/{id}/allocate", post(am_allocate))
         .route("/ws/v1/am/{id}/finish", post(am_finish))
-        .route("/ws/v1/node/{host}/containers/{id}/start", post(container_start))
-        .route("/ws/v1/node/{host}/containers/{id}/stop", post(container_stop))
-        .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
-        .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))
+        .route(
+            "/ws/v1/node/{host}/containers/{id}/start",
+            post(container_start),
+        )
+        .route(
+            "/ws/v1/node/{host}/containers/{id}/stop",
+            post(container_stop),
+        )
+        .route(
+            "/ws/v1/node/{host}/containers/{id}/status",
+            get(container_status),
+        )
+        .route(
+            "/ws/v1/node/{host}/containers/{id}/logs",
+            get(container_logs),
+        )
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
@@ -464,7 +506,8 @@ async fn cluster_info(State(rm): Rm) -> Json<Value> {
 async fn cluster_metrics(State(rm): Rm) -> Json<Value> {
     let st = rm.state.lock();
     let count = |f: &dyn Fn(&App) -> bool| st.apps.values().filter(|a| f(a)).count();
-    let (mut total_mb, mut used_mb, mut total_vc, mut used_vc, mut total_gpu, mut used_gpu) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut total_mb, mut used_mb, mut total_vc, mut used_vc, mut total_gpu, mut used_gpu) =
+        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
     let mut by_state: HashMap<NodeState, u32> = HashMap::new();
     let mut containers = 0u32;
     for (n, c) in st.ledger.nodes() {
@@ -519,17 +562,20 @@ struct NodesQuery {
 }
 
 async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Json<Value>, ApiError> {
-    let wanted: Option<Vec<NodeState>> = match q.states.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
-        None => None,
-        Some(s) => Some(
-            s.split(',')
-                .map(|x| {
-                    serde_json::from_value(Value::String(x.trim().to_ascii_uppercase()))
-                        .map_err(|_| ApiError::bad_request(format!("`states`: unknown node state `{x}`")))
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-    };
+    let wanted: Option<Vec<NodeState>> =
+        match q.states.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            None => None,
+            Some(s) => Some(
+                s.split(',')
+                    .map(|x| {
+                        serde_json::from_value(Value::String(x.trim().to_ascii_uppercase()))
+                            .map_err(|_| {
+                                ApiError::bad_request(format!("`states`: unknown node state `{x}`"))
+                            })
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+        };
     let st = rm.state.lock();
     let nodes = st
         .ledger
@@ -538,7 +584,10 @@ async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Json<V
     Ok(Json(nodes_to_json(nodes, now_ms())))
 }
 
-async fn get_node(State(rm): Rm, UrlPath(nodeid): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+async fn get_node(
+    State(rm): Rm,
+    UrlPath(nodeid): UrlPath<String>,
+) -> Result<Json<Value>, ApiError> {
     let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
     let st = rm.state.lock();
     let node = st
@@ -546,7 +595,9 @@ async fn get_node(State(rm): Rm, UrlPath(nodeid): UrlPath<String>) -> Result<Jso
         .node(host)
         .or_else(|| st.ledger.node(&nodeid))
         .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
-    Ok(Json(json!({ "node": node_to_json(node, st.ledger.num_containers(&node.host), now_ms()) })))
+    Ok(Json(
+        json!({ "node": node_to_json(node, st.ledger.num_containers(&node.host), now_ms()) }),
+    ))
 }
 
 async fn new_application(State(rm): Rm) -> Json<NewApplication> {
@@ -572,19 +623,27 @@ async fn get_app(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Val
     Ok(Json(json!({ "app": app.report() })))
 }
 
-async fn get_app_state(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+async fn get_app_state(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<Value>, ApiError> {
     let mut st = rm.state.lock();
     let app = app_mut(&mut st.apps, &id)?;
     Ok(Json(json!({ "state": app.state })))
 }
 
-async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> Result<Response, ApiError> {
+async fn submit_app(
+    State(rm): Rm,
+    ApiJson(req): ApiJson<SubmitApplication>,
+) -> Result<Response, ApiError> {
     let id = req.application_id.clone();
     // Validate before claiming anything, so a rejected submit leaves nothing behind.
     {
         let st = rm.state.lock();
         if st.apps.contains_key(&id) {
-            return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
+            return Err(ApiError::conflict(format!(
+                "application `{id}` was already submitted"
+            )));
         }
         if !st.reserved.contains(&id) {
             return Err(ApiError::bad_request(format!(
@@ -592,13 +651,23 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
             )));
         }
     }
-    let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
-    let spec = crate::spec::parse_job_spec(&req.job_spec, &source)
-        .map_err(|errs| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC", errs.to_string()))?;
+    let source = req
+        .job_spec_name
+        .clone()
+        .unwrap_or_else(|| "job.yaml".into());
+    let spec = crate::spec::parse_job_spec(&req.job_spec, &source).map_err(|errs| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "INVALID_JOB_SPEC",
+            errs.to_string(),
+        )
+    })?;
 
     // Claim the id (a concurrent submit of the same id loses here).
     if !rm.state.lock().reserved.remove(&id) {
-        return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
+        return Err(ApiError::conflict(format!(
+            "application `{id}` was already submitted"
+        )));
     }
     let unclaim = |rm: &Shared, dir: &Path| {
         let _ = std::fs::remove_dir_all(dir);
@@ -606,7 +675,8 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
     };
     let dir = rm.work_dir.join(&id);
     let job_path = dir.join("job.yaml");
-    let written = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&job_path, &req.job_spec));
+    let written =
+        std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&job_path, &req.job_spec));
     if let Err(e) = written {
         unclaim(&rm, &dir);
         return Err(ApiError::new(
@@ -643,7 +713,13 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
 
 /// Starts `<am_program> am <job.yaml> --rm URL --app-id ID --token T [--listen ADDR]`
 /// with its output in the app's directory, and watches it.
-fn launch_am(rm: &Arc<Shared>, id: &str, token: &str, job_path: &Path, listen: Option<&str>) -> std::io::Result<()> {
+fn launch_am(
+    rm: &Arc<Shared>,
+    id: &str,
+    token: &str,
+    job_path: &Path,
+    listen: Option<&str>,
+) -> std::io::Result<()> {
     let dir = rm.work_dir.join(id);
     let stdout = std::fs::File::create(dir.join("am.stdout"))?;
     let stderr = std::fs::File::create(dir.join("am.stderr"))?;
@@ -708,7 +784,9 @@ async fn on_am_exit(rm: &Arc<Shared>, id: &str, status: std::io::Result<std::pro
     let tail = stderr_tail(&rm.work_dir.join(id).join("am.stderr"), STDERR_TAIL_LINES);
     let ended = {
         let mut st = rm.state.lock();
-        let Some(app) = st.apps.get_mut(id) else { return };
+        let Some(app) = st.apps.get_mut(id) else {
+            return;
+        };
         if app.unregistered || app.state.is_final() {
             tracing::info!(app = %id, "AM exited ({how})");
             return;
@@ -719,8 +797,18 @@ async fn on_am_exit(rm: &Arc<Shared>, id: &str, status: std::io::Result<std::pro
             diag.push_str(&tail);
         }
         tracing::warn!(app = %id, "AM exited without finishing ({how})");
-        app.finish(AppState::Failed, FinalStatus::Failed, crate::exit::JOB_FAILED, diag);
-        release_all(&mut st, id, exit_status::KILLED_BY_RESOURCEMANAGER, "the application's AM died")
+        app.finish(
+            AppState::Failed,
+            FinalStatus::Failed,
+            crate::exit::JOB_FAILED,
+            diag,
+        );
+        release_all(
+            &mut st,
+            id,
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            "the application's AM died",
+        )
     };
     stop_running(rm, &ended).await;
 }
@@ -743,7 +831,10 @@ fn stderr_tail(path: &Path, n: usize) -> String {
 /// Completes every live container of `app_id`, queueing them for the app.
 fn release_all(st: &mut RmState, app_id: &str, exit: i32, why: &str) -> Vec<Ended> {
     let ids = st.ledger.live_containers_of(app_id);
-    let ended: Vec<Ended> = ids.iter().filter_map(|c| st.ledger.complete(c, exit, why)).collect();
+    let ended: Vec<Ended> = ids
+        .iter()
+        .filter_map(|c| st.ledger.complete(c, exit, why))
+        .collect();
     for e in &ended {
         queue_completed(&mut st.apps, e);
     }
@@ -756,7 +847,9 @@ async fn put_app_state(
     ApiJson(req): ApiJson<AppStateUpdate>,
 ) -> Result<Json<Value>, ApiError> {
     if req.state != AppState::Killed {
-        return Err(ApiError::bad_request("Only 'KILLED' is allowed as the target state"));
+        return Err(ApiError::bad_request(
+            "Only 'KILLED' is allowed as the target state",
+        ));
     }
     let ended = {
         let mut st = rm.state.lock();
@@ -771,7 +864,12 @@ async fn put_app_state(
             "Application killed by user".into(),
         );
         app.shutdown = true;
-        release_all(&mut st, &id, exit_status::KILLED_BY_RESOURCEMANAGER, "the application was killed")
+        release_all(
+            &mut st,
+            &id,
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            "the application was killed",
+        )
     };
     tracing::info!(app = %id, "application killed");
     stop_running(&rm, &ended).await;
@@ -780,7 +878,11 @@ async fn put_app_state(
     let app = id.clone();
     tokio::spawn(async move {
         tokio::time::sleep(AM_KILL_GRACE).await;
-        let proc = rm2.am_procs.lock().get_mut(&app).and_then(|p| p.kill.take());
+        let proc = rm2
+            .am_procs
+            .lock()
+            .get_mut(&app)
+            .and_then(|p| p.kill.take());
         if let Some(kill) = proc {
             tracing::warn!(app = %app, "AM did not exit after kill; killing it");
             let _ = kill.send(());
@@ -805,7 +907,10 @@ async fn am_register(
     let app = app_mut(&mut st.apps, &id)?;
     authorize(app, &headers)?;
     if app.state.is_final() {
-        return Err(ApiError::conflict(format!("application `{id}` is already {:?}", app.state)));
+        return Err(ApiError::conflict(format!(
+            "application `{id}` is already {:?}",
+            app.state
+        )));
     }
     // Registering again (a retried request) is harmless.
     if !app.registered {
@@ -869,11 +974,17 @@ async fn am_allocate(
         for cid in &req.releases {
             match st.ledger.container(cid) {
                 Some(c) if c.app_id == id => {
-                    if let Some(e) = st.ledger.complete(cid, exit_status::ABORTED, "Container released by application") {
+                    if let Some(e) = st.ledger.complete(
+                        cid,
+                        exit_status::ABORTED,
+                        "Container released by application",
+                    ) {
                         ended.push(e);
                     }
                 }
-                _ => tracing::debug!(app = %id, container = %cid, "release of a container this app does not hold"),
+                _ => {
+                    tracing::debug!(app = %id, container = %cid, "release of a container this app does not hold")
+                }
             }
         }
         // Cancels need no work: asks never stay pending (see the module doc).
@@ -932,23 +1043,29 @@ async fn am_finish(
         )
     };
     stop_running(&rm, &ended).await;
-    Ok(Json(FinishResponse { is_unregistered: true }))
+    Ok(Json(FinishResponse {
+        is_unregistered: true,
+    }))
 }
 
 // ---------------------------------------------------------------------------
 // Executor endpoints (the simulated nodes' NodeManager)
 
 /// Checks that `id` is a container on `host` and that the caller holds its app's token.
-fn container_access(st: &RmState, host: &str, id: &str, headers: &HeaderMap) -> Result<ContainerInfo, ApiError> {
+fn container_access(
+    st: &RmState,
+    host: &str,
+    id: &str,
+    headers: &HeaderMap,
+) -> Result<ContainerInfo, ApiError> {
     let c = st
         .ledger
         .container(id)
         .filter(|c| c.container.host == host)
         .ok_or_else(|| ApiError::not_found(format!("no container `{id}` on host `{host}`")))?;
-    let app = st
-        .apps
-        .get(&c.app_id)
-        .ok_or_else(|| ApiError::not_found(format!("container `{id}` belongs to no known application")))?;
+    let app = st.apps.get(&c.app_id).ok_or_else(|| {
+        ApiError::not_found(format!("container `{id}` belongs to no known application"))
+    })?;
     authorize(app, headers)?;
     Ok(ContainerInfo {
         state: c.state,
@@ -1005,9 +1122,9 @@ async fn container_start(
         })),
         Err(e) => {
             let mut st = rm.state.lock();
-            if let Some(ended) = st
-                .ledger
-                .complete(&id, exit_status::INVALID, &format!("launch failed: {e}"))
+            if let Some(ended) =
+                st.ledger
+                    .complete(&id, exit_status::INVALID, &format!("launch failed: {e}"))
             {
                 queue_completed(&mut st.apps, &ended);
             }
@@ -1032,13 +1149,16 @@ async fn container_stop(
         if let Some(e) = &ended {
             queue_completed(&mut st.apps, e);
         }
-        let status = st.ledger.container(&id).map_or(info.status, |c| ContainerStatus {
-            container_id: id.clone(),
-            state: c.state,
-            exit_status: c.exit_status,
-            diagnostics: c.diagnostics.clone(),
-            pid: None,
-        });
+        let status = st
+            .ledger
+            .container(&id)
+            .map_or(info.status, |c| ContainerStatus {
+                container_id: id.clone(),
+                state: c.state,
+                exit_status: c.exit_status,
+                diagnostics: c.diagnostics.clone(),
+                pid: None,
+            });
         (ended, status)
     };
     if let Some(e) = ended {
@@ -1055,7 +1175,11 @@ async fn container_status(
     let info = container_access(&rm.state.lock(), &host, &id, &headers)?;
     // The executor knows the pid and the real exit; the ledger knows RM-side endings.
     let status = match rm.executor.status(&id) {
-        Some(s) if info.state != ContainerState::Complete || s.state == ContainerState::Complete => s,
+        Some(s)
+            if info.state != ContainerState::Complete || s.state == ContainerState::Complete =>
+        {
+            s
+        }
         _ => info.status,
     };
     Ok(Json(status))
@@ -1093,8 +1217,16 @@ mod tests {
     use crate::resources::{PortSet, Resources};
 
     async fn rm_with(am_program: Option<PathBuf>, dir: &Path) -> RmHandle {
-        let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
-        let mut opts = RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.to_path_buf());
+        let node = Node::new(
+            "n1",
+            "/r",
+            Resources::with_mask(4, 1000, 0x3, PortSet::new()),
+        );
+        let mut opts = RmOptions::new(
+            vec![node],
+            "127.0.0.1:0".parse().unwrap(),
+            dir.to_path_buf(),
+        );
         opts.am_program = am_program;
         start(opts).await.unwrap()
     }
@@ -1103,8 +1235,13 @@ mod tests {
     async fn am_dying_without_finish_fails_the_app() {
         let dir = tempfile::tempdir().unwrap();
         let script = dir.path().join("fake-am.sh");
-        std::fs::write(&script, "#!/bin/sh\necho \"starting $1\"\necho 'boom: no GPUs today' >&2\nexit 3\n").unwrap();
-        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        std::fs::write(
+            &script,
+            "#!/bin/sh\necho \"starting $1\"\necho 'boom: no GPUs today' >&2\nexit 3\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
         let rm = rm_with(Some(script), &dir.path().join("work")).await;
         let (id, token) = rm.register_test_app("fake");
         let app_dir = rm.shared.work_dir.join(&id);
@@ -1120,10 +1257,21 @@ mod tests {
         }
         assert_eq!(report.state, AppState::Failed);
         assert_eq!(report.exit_code, Some(1));
-        assert!(report.diagnostics.contains("exit code 3"), "{}", report.diagnostics);
-        assert!(report.diagnostics.contains("boom: no GPUs today"), "{}", report.diagnostics);
+        assert!(
+            report.diagnostics.contains("exit code 3"),
+            "{}",
+            report.diagnostics
+        );
+        assert!(
+            report.diagnostics.contains("boom: no GPUs today"),
+            "{}",
+            report.diagnostics
+        );
         let out = std::fs::read_to_string(app_dir.join("am.stdout")).unwrap();
-        assert!(out.contains("starting am"), "the AM got the `am` subcommand: {out}");
+        assert!(
+            out.contains("starting am"),
+            "the AM got the `am` subcommand: {out}"
+        );
         assert!(rm.shared.am_procs.lock().is_empty());
         rm.shutdown().await;
     }
@@ -1142,23 +1290,47 @@ mod tests {
         let (id, token) = rm.register_test_app("x");
         let app_dir = rm.shared.work_dir.join(&id);
         std::fs::create_dir_all(&app_dir).unwrap();
-        rm.shared.state.lock().apps.get_mut(&id).unwrap().unregistered = true;
-        launch_am(&rm.shared, &id, &token, &app_dir.join("job.yaml"), Some("127.0.0.1:0")).unwrap();
+        rm.shared
+            .state
+            .lock()
+            .apps
+            .get_mut(&id)
+            .unwrap()
+            .unregistered = true;
+        launch_am(
+            &rm.shared,
+            &id,
+            &token,
+            &app_dir.join("job.yaml"),
+            Some("127.0.0.1:0"),
+        )
+        .unwrap();
         for _ in 0..100 {
             if rm.shared.am_procs.lock().is_empty() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert!(rm.shared.am_procs.lock().is_empty(), "the watcher saw the exit");
-        assert_eq!(rm.app_report(&id).unwrap().state, AppState::Accepted, "not failed");
+        assert!(
+            rm.shared.am_procs.lock().is_empty(),
+            "the watcher saw the exit"
+        );
+        assert_eq!(
+            rm.app_report(&id).unwrap().state,
+            AppState::Accepted,
+            "not failed"
+        );
         rm.shutdown().await;
     }
 
     #[tokio::test]
     async fn shutdown_kills_the_am() {
         let dir = tempfile::tempdir().unwrap();
-        let rm = rm_with(Some(script(dir.path(), "exec sleep 30")), &dir.path().join("work")).await;
+        let rm = rm_with(
+            Some(script(dir.path(), "exec sleep 30")),
+            &dir.path().join("work"),
+        )
+        .await;
         let (id, token) = rm.register_test_app("x");
         let app_dir = rm.shared.work_dir.join(&id);
         std::fs::create_dir_all(&app_dir).unwrap();
@@ -1167,9 +1339,16 @@ mod tests {
         let shared = rm.shared.clone();
         let t0 = Instant::now();
         rm.shutdown().await;
-        assert!(t0.elapsed() < Duration::from_secs(4), "killed, not waited for");
+        assert!(
+            t0.elapsed() < Duration::from_secs(4),
+            "killed, not waited for"
+        );
         assert!(shared.am_procs.lock().is_empty());
-        assert_eq!(shared.state.lock().apps[&id].state, AppState::Failed, "an AM killed before finishing fails its app");
+        assert_eq!(
+            shared.state.lock().apps[&id].state,
+            AppState::Failed,
+            "an AM killed before finishing fails its app"
+        );
     }
 
     #[test]
