@@ -4,8 +4,9 @@
 //!
 //! The one rule it exists for: an ask is granted only when every GPU bit, port, CPU
 //! and MB it names is free on its host at that moment, and then exactly as asked.
-//! A node's `used` is always recomputed as the sum of its live containers, so it can
-//! never drift from the container list.
+//! A node's `used` is always recomputed as its baseline (what the cluster file says is
+//! already taken by others) plus the sum of its live containers, so it can never drift
+//! from the container list.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -60,6 +61,8 @@ pub enum LedgerError {
 
 struct LedgerNode {
     node: Node,
+    /// Taken by something outside this RM (the cluster file's `used:`); never freed.
+    baseline: Resources,
     live: BTreeSet<String>,
     /// Value of `Ledger::epoch` when this node's used resources or state last changed.
     changed_at: u64,
@@ -75,18 +78,18 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    /// Starts with every node empty: any `used` in the input is ignored, because the
-    /// ledger's `used` is by definition the sum of its own live containers.
+    /// Starts with no containers. A node's `used` in the input is kept as its
+    /// baseline: taken by others, never granted, never freed.
     pub fn new(nodes: impl IntoIterator<Item = Node>, expiry: Duration) -> Self {
         let nodes = nodes
             .into_iter()
             .map(|mut n| {
-                n.set_used(Resources::default());
                 n.set_requested(Resources::default());
                 let host = n.host.clone();
                 (
                     host,
                     LedgerNode {
+                        baseline: n.used().clone(),
                         node: n,
                         live: BTreeSet::new(),
                         changed_at: 0,
@@ -173,11 +176,11 @@ impl Ledger {
         best
     }
 
-    /// True when no container is live and every node's used amount is zero.
+    /// True when no container is live and every node's used amount is its baseline.
     pub fn all_free(&self) -> bool {
         self.nodes
             .values()
-            .all(|n| n.live.is_empty() && n.node.used().is_zero())
+            .all(|n| n.live.is_empty() && *n.node.used() == n.baseline)
             && self
                 .containers
                 .values()
@@ -401,7 +404,7 @@ impl Ledger {
         let Some(ln) = self.nodes.get_mut(host) else {
             return;
         };
-        let mut used = Resources::default();
+        let mut used = ln.baseline.clone();
         for id in &ln.live {
             if let Some(c) = self.containers.get(id) {
                 // Grants never overlap, so this cannot fail; if it ever did, keep the
@@ -608,6 +611,36 @@ mod tests {
         assert!(!r.retryable);
         assert!(l.mark_node_lost("nope").is_none());
         assert_eq!(l.live_containers_of("app").len(), 1);
+    }
+
+    #[test]
+    fn baseline_used_is_never_granted_nor_freed() {
+        let mut n = node("a", 8, 1000, 0xf, "2000-2009");
+        n.set_used(Resources::with_mask(
+            2,
+            100,
+            0x1,
+            PortSet::parse("2000").unwrap(),
+        ));
+        let mut l = Ledger::new([n], Duration::from_secs(10));
+        assert!(l.all_free(), "nothing of ours is live");
+        let now = Instant::now();
+        let r = l
+            .grant("app", 1, &ask(1, "a", 1, 1, 0x1, ""), now)
+            .unwrap_err();
+        assert!(r.retryable && r.reason.contains("0x1 are in use"), "{r:?}");
+        let r = l
+            .grant("app", 1, &ask(2, "a", 7, 1, 0, ""), now)
+            .unwrap_err();
+        assert!(r.retryable, "6 CPUs free, 7 asked: {r:?}");
+        let c = l
+            .grant("app", 1, &ask(3, "a", 6, 900, 0xe, "2001"), now)
+            .unwrap();
+        assert_eq!(l.node("a").unwrap().used().gpu_mask, 0xf);
+        l.complete(&c.container_id, 0, "");
+        let used = l.node("a").unwrap().used();
+        assert_eq!((used.cpu, used.memory_mb, used.gpu_mask), (2, 100, 0x1));
+        assert!(l.all_free());
     }
 
     #[test]

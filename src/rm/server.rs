@@ -322,6 +322,15 @@ fn queue_completed(apps: &mut BTreeMap<String, App>, e: &Ended) {
     }
 }
 
+/// Stops the started ones among `ended` in the background, so heartbeats and
+/// finish answers never wait for a process's grace period.
+fn spawn_stops(shared: &Arc<Shared>, ended: Vec<Ended>) {
+    if ended.iter().any(|e| e.was == ContainerState::Running) {
+        let shared = shared.clone();
+        tokio::spawn(async move { stop_running(&shared, &ended).await });
+    }
+}
+
 /// Stops, through the executor, the ended containers that had been started.
 async fn stop_running(shared: &Shared, ended: &[Ended]) {
     let stops = ended
@@ -413,11 +422,11 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             } else {
                 "BAD_REQUEST"
             };
-            ApiError::new(
-                status,
-                code,
-                format!("{} (limit {MAX_BODY_BYTES} bytes)", rej.body_text()),
-            )
+            let mut message = rej.body_text();
+            if status == StatusCode::PAYLOAD_TOO_LARGE {
+                message.push_str(&format!(" (limit {MAX_BODY_BYTES} bytes)"));
+            }
+            ApiError::new(status, code, message)
         })?;
         serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
             ApiError::new(
@@ -810,7 +819,7 @@ async fn on_am_exit(rm: &Arc<Shared>, id: &str, status: std::io::Result<std::pro
             "the application's AM died",
         )
     };
-    stop_running(rm, &ended).await;
+    spawn_stops(rm, ended);
 }
 
 /// The last `n` lines of a file (reading at most its last 16 KiB).
@@ -872,7 +881,7 @@ async fn put_app_state(
         )
     };
     tracing::info!(app = %id, "application killed");
-    stop_running(&rm, &ended).await;
+    spawn_stops(&rm, ended);
     // The AM sees SHUTDOWN on its next heartbeat; kill it if it does not exit.
     let rm2 = rm.clone();
     let app = id.clone();
@@ -1006,7 +1015,7 @@ async fn am_allocate(
         app.last_allocate = Some((req.response_id, out.clone()));
         (out, ended)
     };
-    stop_running(&rm, &ended).await;
+    spawn_stops(&rm, ended);
     Ok(Json(answer))
 }
 
@@ -1042,7 +1051,7 @@ async fn am_finish(
             "Container killed after the application finished",
         )
     };
-    stop_running(&rm, &ended).await;
+    spawn_stops(&rm, ended);
     Ok(Json(FinishResponse {
         is_unregistered: true,
     }))
