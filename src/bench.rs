@@ -74,7 +74,10 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
         ..SelectSettings::default()
     };
     println!("gpuam bench select (seed {seed}, {iterations} timed selects per row, cluster unchanged between calls)");
-    println!("{:>8} {:>6} {:>12} {:>12} {:>12}", "nodes", "ports", "median", "p99", "max");
+    println!(
+        "{:>8} {:>6} {:>12} {:>12} {:>12}",
+        "nodes", "ports", "median", "p99", "max"
+    );
     for &n in sizes {
         let selector = Selector::new(ClusterView::new(bench_cluster(n, seed)), settings.clone());
         for ports in [false, true] {

@@ -107,7 +107,9 @@ pub struct RmSettings {
 
 impl Default for RmSettings {
     fn default() -> Self {
-        RmSettings { container_expiry_sec: 600 }
+        RmSettings {
+            container_expiry_sec: 600,
+        }
     }
 }
 
@@ -245,7 +247,10 @@ mod tests {
         let e = Settings::load_with_env(None, env(&[("GPUAM__AM__GANG_TIMEOUT_SEC", "900")])).unwrap_err();
         assert!(e.to_string().contains("container_expiry_sec"), "{e}");
         let e = Settings::load_with_env(None, env(&[("GPUAM__SELECT__RACK_POLICY", "sideways")])).unwrap_err();
-        assert!(e.to_string().contains("rack_policy") || e.to_string().contains("sideways"), "{e}");
+        assert!(
+            e.to_string().contains("rack_policy") || e.to_string().contains("sideways"),
+            "{e}"
+        );
         let e = Settings::load_with_env(Some(Path::new("/nonexistent/gpuam.yaml")), env(&[])).unwrap_err();
         assert!(e.to_string().contains("not found"), "{e}");
     }

@@ -87,7 +87,10 @@ impl Control {
                 tasks.push(Task::new(ri, i));
             }
         }
-        let order = request_order(&job).into_iter().filter_map(|k| index_of.get(&k).copied()).collect();
+        let order = request_order(&job)
+            .into_iter()
+            .filter_map(|k| index_of.get(&k).copied())
+            .collect();
         Control {
             job,
             app_id,
@@ -139,10 +142,14 @@ impl Control {
             match self.heartbeat().await {
                 Ok(()) => rm_down_since = None,
                 Err(e) => {
-                    self.hub.counters.rm_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.hub
+                        .counters
+                        .rm_errors
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let since = *rm_down_since.get_or_insert(tick);
                     tracing::warn!(error = %e, "allocate failed; retrying");
-                    self.hub.update("job", json!({"rmReachable": false}), |s| s.rm_reachable = false);
+                    self.hub
+                        .update("job", json!({"rmReachable": false}), |s| s.rm_reachable = false);
                     if !e.is_unreachable() && e.status() != Some(503) {
                         self.end = Some(JobEnd {
                             state: JobState::Failed,
@@ -162,7 +169,10 @@ impl Control {
             self.gang_and_launch().await;
             self.publish();
             if self.end.is_none() {
-                let busy = self.tasks.iter().any(|t| t.state == TaskState::TaskWaiting && t.not_before.is_none());
+                let busy = self
+                    .tasks
+                    .iter()
+                    .any(|t| t.state == TaskState::TaskWaiting && t.not_before.is_none());
                 let pause = if busy { Duration::from_millis(5) } else { heartbeat };
                 tokio::select! {
                     _ = tokio::time::sleep(pause.saturating_sub(tick.elapsed())) => {}
@@ -305,7 +315,10 @@ impl Control {
                     self.by_request.insert(id, ti);
                 }
                 Outcome::NotNow { reason } => {
-                    let (lo, hi) = (self.settings.not_available_retry_min_ms, self.settings.not_available_retry_max_ms);
+                    let (lo, hi) = (
+                        self.settings.not_available_retry_min_ms,
+                        self.settings.not_available_retry_max_ms,
+                    );
                     let wait = self.rng.gen_range(lo..=hi.max(lo));
                     let t = &mut self.tasks[ti];
                     t.not_before = Some(now + Duration::from_millis(wait));
@@ -325,12 +338,13 @@ impl Control {
                     });
                 }
             }
-            self.hub.update("selection", json!({"role": role_name, "index": index}), |s| {
-                s.selections.push_back(record);
-                while s.selections.len() > SELECTION_HISTORY {
-                    s.selections.pop_front();
-                }
-            });
+            self.hub
+                .update("selection", json!({"role": role_name, "index": index}), |s| {
+                    s.selections.push_back(record);
+                    while s.selections.len() > SELECTION_HISTORY {
+                        s.selections.pop_front();
+                    }
+                });
             if self.end.is_some() {
                 return;
             }
@@ -344,7 +358,10 @@ impl Control {
             let timed_out = self.tasks[ti]
                 .request
                 .as_ref()
-                .filter(|r| self.tasks[ti].state == TaskState::ContainerRequested && now.duration_since(r.sent) > REQUEST_TIMEOUT)
+                .filter(|r| {
+                    self.tasks[ti].state == TaskState::ContainerRequested
+                        && now.duration_since(r.sent) > REQUEST_TIMEOUT
+                })
                 .cloned();
             if let Some(r) = timed_out {
                 self.sent_asks.remove(&r.request_id);
@@ -410,7 +427,9 @@ impl Control {
         }
         for rej in resp.rejected {
             self.sent_asks.remove(&rej.request_id);
-            let Some(ti) = self.by_request.remove(&rej.request_id) else { continue };
+            let Some(ti) = self.by_request.remove(&rej.request_id) else {
+                continue;
+            };
             let t = &mut self.tasks[ti];
             if let Some(r) = t.request.take() {
                 self.selector.remove_requested(&r.host, &r.resources, true);
@@ -432,9 +451,10 @@ impl Control {
         if resp.command == Some(AmCommand::Shutdown) {
             self.kill("the application was killed at the RM");
         }
-        self.hub.read(|s| s.rm_reachable).then_some(()).unwrap_or_else(|| {
-            self.hub.update("job", json!({"rmReachable": true}), |s| s.rm_reachable = true);
-        });
+        if !self.hub.read(|s| s.rm_reachable) {
+            self.hub
+                .update("job", json!({"rmReachable": true}), |s| s.rm_reachable = true);
+        }
         Ok(())
     }
 
@@ -486,7 +506,9 @@ impl Control {
     }
 
     fn container_completed(&mut self, c: CompletedContainer) {
-        let Some(ti) = self.by_container.remove(&c.container_id) else { return };
+        let Some(ti) = self.by_container.remove(&c.container_id) else {
+            return;
+        };
         let exit = classify(c.exit_status, &c.diagnostics, &self.settings);
         self.task_exited(ti, exit, c.diagnostics);
     }
@@ -572,14 +594,22 @@ impl Control {
             return;
         }
         let to_launch: Vec<usize> = if self.job.gang && !self.gang_launched {
-            let open: Vec<&Task> = self.tasks.iter().filter(|t| t.state != TaskState::TaskCompleted).collect();
+            let open: Vec<&Task> = self
+                .tasks
+                .iter()
+                .filter(|t| t.state != TaskState::TaskCompleted)
+                .collect();
             let complete = !open.is_empty() && open.iter().all(|t| t.holds_container());
             if complete {
                 self.gang_wait_since = None;
                 self.gang_launched = true;
-                (0..self.tasks.len()).filter(|&i| self.tasks[i].state == TaskState::ContainerAllocated).collect()
+                (0..self.tasks.len())
+                    .filter(|&i| self.tasks[i].state == TaskState::ContainerAllocated)
+                    .collect()
             } else {
-                let holding = open.iter().any(|t| t.holds_container() || t.state == TaskState::ContainerRequested);
+                let holding = open
+                    .iter()
+                    .any(|t| t.holds_container() || t.state == TaskState::ContainerRequested);
                 if holding {
                     let since = *self.gang_wait_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= Duration::from_secs(self.settings.gang_timeout_sec) {
@@ -591,7 +621,9 @@ impl Control {
                 Vec::new()
             }
         } else {
-            (0..self.tasks.len()).filter(|&i| self.tasks[i].state == TaskState::ContainerAllocated).collect()
+            (0..self.tasks.len())
+                .filter(|&i| self.tasks[i].state == TaskState::ContainerAllocated)
+                .collect()
         };
         if to_launch.is_empty() {
             return;
@@ -608,7 +640,9 @@ impl Control {
             };
             let rm = self.rm.clone();
             launches.push(async move {
-                let r = rm.start_container(&c.node_http_address, &c.host, &c.container_id, &ctx).await;
+                let r = rm
+                    .start_container(&c.node_http_address, &c.host, &c.container_id, &ctx)
+                    .await;
                 (ti, r)
             });
         }
@@ -684,7 +718,11 @@ impl Control {
 
     fn progress(&self) -> f32 {
         let total = self.tasks.len().max(1) as f32;
-        self.tasks.iter().filter(|t| t.state == TaskState::TaskCompleted).count() as f32 / total
+        self.tasks
+            .iter()
+            .filter(|t| t.state == TaskState::TaskCompleted)
+            .count() as f32
+            / total
     }
 
     /// At the end: tasks still open are marked completed (stopped on job end).
@@ -711,7 +749,11 @@ impl Control {
 
     fn publish_job(&self, state: JobState) {
         let roles = self.role_counts();
-        let completed = self.tasks.iter().filter(|t| t.state == TaskState::TaskCompleted).count() as u32;
+        let completed = self
+            .tasks
+            .iter()
+            .filter(|t| t.state == TaskState::TaskCompleted)
+            .count() as u32;
         let end = self.end.clone();
         self.hub.update("job", json!({"state": state}), |s| {
             s.job.state = state;
@@ -768,13 +810,14 @@ impl Control {
                 .take(64)
                 .map(|(_, s)| json!({"role": s.role, "index": s.index, "state": s.state}))
                 .collect();
-            self.hub.update("task", json!({"changed": statuses.len(), "tasks": brief}), |s| {
-                for (i, st) in statuses {
-                    if i < s.tasks.len() {
-                        s.tasks[i] = st;
+            self.hub
+                .update("task", json!({"changed": statuses.len(), "tasks": brief}), |s| {
+                    for (i, st) in statuses {
+                        if i < s.tasks.len() {
+                            s.tasks[i] = st;
+                        }
                     }
-                }
-            });
+                });
             let running = self.tasks.iter().any(|t| t.state == TaskState::ContainerRunning);
             let state = if self.end.is_some() {
                 self.hub.read(|s| s.job.state)
@@ -788,8 +831,11 @@ impl Control {
         if self.nodes_dirty {
             self.nodes_dirty = false;
             let job_masks = self.job_gpu_masks();
-            let nodes = self.selector.with_view(|v| v.nodes().map(|n| node_status(n, &job_masks)).collect::<Vec<_>>());
-            self.hub.update("nodes", json!({"count": nodes.len()}), |s| s.nodes = nodes);
+            let nodes = self
+                .selector
+                .with_view(|v| v.nodes().map(|n| node_status(n, &job_masks)).collect::<Vec<_>>());
+            self.hub
+                .update("nodes", json!({"count": nodes.len()}), |s| s.nodes = nodes);
         }
     }
 
@@ -835,7 +881,10 @@ fn selection_record(role: &str, index: u32, sel: &crate::select::Selection) -> S
 /// A node of the view as the dashboard shows it.
 pub fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -> NodeStatus {
     let groups = match &n.topology {
-        Some(t) => (0..=2u8).rev().map(|tier| t.islands(tier).into_iter().map(mask_hex).collect()).collect(),
+        Some(t) => (0..=2u8)
+            .rev()
+            .map(|tier| t.islands(tier).into_iter().map(mask_hex).collect())
+            .collect(),
         None => Vec::new(),
     };
     NodeStatus {

@@ -40,7 +40,11 @@ pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo 
     };
     match raw {
         0 => info(0, Succeeded, "succeeded"),
-        yarn::INVALID => info(code::CONTAINER_INVALID_EXIT_STATUS, TransientNormal, "invalid exit status"),
+        yarn::INVALID => info(
+            code::CONTAINER_INVALID_EXIT_STATUS,
+            TransientNormal,
+            "invalid exit status",
+        ),
         yarn::DISKS_FAILED => info(code::CONTAINER_NODE_DISKS_FAILED, TransientNormal, "node disks failed"),
         yarn::ABORTED if d.contains("container released on a *lost* node") => {
             info(code::CONTAINER_NODE_LOST, TransientNormal, "node lost")
@@ -144,7 +148,10 @@ pub fn check_completion(roles: &[(String, RoleTally)], role: &str, succeeded: bo
             if let Some(m) = t.min_failed {
                 if t.failed >= m {
                     return JobVerdict::Failed {
-                        trigger: format!("{} failed tasks reached minFailedInstances {} in task role [{}]", t.failed, m, role),
+                        trigger: format!(
+                            "{} failed tasks reached minFailedInstances {} in task role [{}]",
+                            t.failed, m, role
+                        ),
                     };
                 }
             }
@@ -178,9 +185,15 @@ mod tests {
     #[test]
     fn yarn_statuses_map_to_launcher_codes() {
         let c = classify(-100, "Container released on a *lost* node", &s());
-        assert_eq!((c.code, c.exit_type), (code::CONTAINER_NODE_LOST, ExitType::TransientNormal));
+        assert_eq!(
+            (c.code, c.exit_type),
+            (code::CONTAINER_NODE_LOST, ExitType::TransientNormal)
+        );
         let c = classify(-100, "Container expired since it was unused", &s());
-        assert_eq!((c.code, c.exit_type), (code::CONTAINER_EXPIRED, ExitType::TransientConflict));
+        assert_eq!(
+            (c.code, c.exit_type),
+            (code::CONTAINER_EXPIRED, ExitType::TransientConflict)
+        );
         assert_eq!(classify(-100, "", &s()).code, code::CONTAINER_ABORTED);
         assert_eq!(classify(-102, "", &s()).exit_type, ExitType::TransientNormal);
         assert_eq!(classify(0, "", &s()).exit_type, ExitType::Succeeded);
@@ -209,32 +222,65 @@ mod tests {
     #[test]
     fn unknown_failures_retry_up_to_the_count() {
         let mut st = RetryState::default();
-        assert_eq!(decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10), RetryDecision::Retry);
-        assert_eq!(decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10), RetryDecision::Retry);
-        assert_eq!(decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10), RetryDecision::Complete);
+        assert_eq!(
+            decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10),
+            RetryDecision::Retry
+        );
+        assert_eq!(
+            decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10),
+            RetryDecision::Retry
+        );
+        assert_eq!(
+            decide_retry(&exit(ExitType::Unknown), 2, &mut st, 10),
+            RetryDecision::Complete
+        );
         assert_eq!(st.retried, 2);
     }
 
     #[test]
     fn success_never_retries_unless_always() {
         let mut st = RetryState::default();
-        assert_eq!(decide_retry(&exit(ExitType::Succeeded), 5, &mut st, 10), RetryDecision::Complete);
-        assert_eq!(decide_retry(&exit(ExitType::Succeeded), -2, &mut st, 10), RetryDecision::Retry);
-        assert_eq!(decide_retry(&exit(ExitType::Unknown), -1, &mut st, 10), RetryDecision::Retry);
+        assert_eq!(
+            decide_retry(&exit(ExitType::Succeeded), 5, &mut st, 10),
+            RetryDecision::Complete
+        );
+        assert_eq!(
+            decide_retry(&exit(ExitType::Succeeded), -2, &mut st, 10),
+            RetryDecision::Retry
+        );
+        assert_eq!(
+            decide_retry(&exit(ExitType::Unknown), -1, &mut st, 10),
+            RetryDecision::Retry
+        );
     }
 
     #[test]
     fn transient_retries_do_not_use_the_count_but_are_capped() {
         let mut st = RetryState::default();
         for _ in 0..3 {
-            assert_eq!(decide_retry(&exit(ExitType::TransientNormal), 0, &mut st, 3), RetryDecision::Retry);
+            assert_eq!(
+                decide_retry(&exit(ExitType::TransientNormal), 0, &mut st, 3),
+                RetryDecision::Retry
+            );
         }
         assert_eq!(st.retried, 0);
-        assert_eq!(decide_retry(&exit(ExitType::TransientNormal), 0, &mut st, 3), RetryDecision::Complete);
-        assert_eq!(decide_retry(&exit(ExitType::NonTransient), -2, &mut st, 3), RetryDecision::Complete);
+        assert_eq!(
+            decide_retry(&exit(ExitType::TransientNormal), 0, &mut st, 3),
+            RetryDecision::Complete
+        );
+        assert_eq!(
+            decide_retry(&exit(ExitType::NonTransient), -2, &mut st, 3),
+            RetryDecision::Complete
+        );
     }
 
-    fn tally(instances: u32, succeeded: u32, failed: u32, min_failed: Option<u32>, min_succeeded: Option<u32>) -> RoleTally {
+    fn tally(
+        instances: u32,
+        succeeded: u32,
+        failed: u32,
+        min_failed: Option<u32>,
+        min_succeeded: Option<u32>,
+    ) -> RoleTally {
         RoleTally {
             instances,
             succeeded,
@@ -248,16 +294,25 @@ mod tests {
     fn completion_policy_rules_in_order() {
         // Default: the first failure fails the job.
         let roles = vec![("w".to_string(), tally(4, 1, 1, Some(1), None))];
-        assert!(matches!(check_completion(&roles, "w", false), JobVerdict::Failed { .. }));
+        assert!(matches!(
+            check_completion(&roles, "w", false),
+            JobVerdict::Failed { .. }
+        ));
         // PS never ends; workers' minSucceeded completes the job.
         let roles = vec![
             ("ps".to_string(), tally(1, 0, 0, Some(1), None)),
             ("w".to_string(), tally(2, 2, 0, Some(1), Some(2))),
         ];
-        assert!(matches!(check_completion(&roles, "w", true), JobVerdict::Succeeded { .. }));
+        assert!(matches!(
+            check_completion(&roles, "w", true),
+            JobVerdict::Succeeded { .. }
+        ));
         // Failures below the threshold: done when everything is done.
         let roles = vec![("w".to_string(), tally(2, 1, 1, None, None))];
-        assert!(matches!(check_completion(&roles, "w", false), JobVerdict::Succeeded { .. }));
+        assert!(matches!(
+            check_completion(&roles, "w", false),
+            JobVerdict::Succeeded { .. }
+        ));
         let roles = vec![("w".to_string(), tally(3, 1, 1, None, None))];
         assert_eq!(check_completion(&roles, "w", true), JobVerdict::Running);
     }

@@ -57,7 +57,9 @@ impl LogSource for ExecutorLogs {
         let (id, stream) = (container_id.to_string(), stream.to_string());
         Box::pin(async move {
             let (node, host) = addr.ok_or_else(|| format!("container {id} is not known to this AM"))?;
-            rm.container_logs(&node, &host, &id, &stream, tail).await.map_err(|e| e.to_string())
+            rm.container_logs(&node, &host, &id, &stream, tail)
+                .await
+                .map_err(|e| e.to_string())
         })
     }
 }
@@ -103,7 +105,11 @@ pub async fn run(opts: AmOptions) -> i32 {
         Ok(n) => n,
         Err(e) => {
             eprintln!("error: {e}");
-            return if e.is_unreachable() { exit::RM_UNREACHABLE } else { exit::INTERNAL };
+            return if e.is_unreachable() {
+                exit::RM_UNREACHABLE
+            } else {
+                exit::INTERNAL
+            };
         }
     };
     let selector = Arc::new(Selector::new(ClusterView::new(nodes), opts.settings.select.clone()));
@@ -157,7 +163,11 @@ pub async fn run(opts: AmOptions) -> i32 {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
-            return if e.is_unreachable() { exit::RM_UNREACHABLE } else { exit::INTERNAL };
+            return if e.is_unreachable() {
+                exit::RM_UNREACHABLE
+            } else {
+                exit::INTERNAL
+            };
         }
     };
     let mut control = Control::new(
@@ -214,7 +224,10 @@ pub async fn run(opts: AmOptions) -> i32 {
         eprintln!("warning: could not tell the RM the job ended: {e}");
     }
     eprintln!("job {} {:?}: {}", job.name, end.state, end.diagnostics);
-    if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC").ok().and_then(|v| v.parse::<u64>().ok()) {
+    if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
         tokio::time::sleep(Duration::from_secs(secs)).await;
     }
     end.exit_code

@@ -135,7 +135,8 @@ impl RmClient {
     pub async fn new_application(&self) -> Result<NewApplication, RmError> {
         self.send(
             "new-application",
-            self.http.post(format!("{}/ws/v1/cluster/apps/new-application", self.base)),
+            self.http
+                .post(format!("{}/ws/v1/cluster/apps/new-application", self.base)),
         )
         .await
     }
@@ -146,7 +147,10 @@ impl RmClient {
             app: AppReport,
         }
         let w: Wrapped = self
-            .send("submit", self.http.post(format!("{}/ws/v1/cluster/apps", self.base)).json(app))
+            .send(
+                "submit",
+                self.http.post(format!("{}/ws/v1/cluster/apps", self.base)).json(app),
+            )
             .await?;
         Ok(w.app)
     }
@@ -157,7 +161,10 @@ impl RmClient {
             app: AppReport,
         }
         let w: Wrapped = self
-            .send("application status", self.http.get(format!("{}/ws/v1/cluster/apps/{id}", self.base)))
+            .send(
+                "application status",
+                self.http.get(format!("{}/ws/v1/cluster/apps/{id}", self.base)),
+            )
             .await?;
         Ok(w.app)
     }
@@ -167,7 +174,9 @@ impl RmClient {
             "kill",
             self.http
                 .put(format!("{}/ws/v1/cluster/apps/{id}/state", self.base))
-                .json(&AppStateUpdate { state: AppState::Killed }),
+                .json(&AppStateUpdate {
+                    state: AppState::Killed,
+                }),
         )
         .await
     }
@@ -220,17 +229,28 @@ impl RmClient {
         id: &str,
         ctx: &LaunchContext,
     ) -> Result<ContainerStatus, RmError> {
-        let mut req = self.http.post(Self::container_url(node_http, host, id, "start")).json(ctx);
+        let mut req = self
+            .http
+            .post(Self::container_url(node_http, host, id, "start"))
+            .json(ctx);
         if let Some(t) = self.app_token() {
             req = req.bearer_auth(t);
         }
         self.send("container start", req).await
     }
 
-    pub async fn container_logs(&self, node_http: &str, host: &str, id: &str, stream: &str, tail: u64) -> Result<String, RmError> {
-        let mut req = self
-            .http
-            .get(format!("{}?stream={stream}&tail={tail}", Self::container_url(node_http, host, id, "logs")));
+    pub async fn container_logs(
+        &self,
+        node_http: &str,
+        host: &str,
+        id: &str,
+        stream: &str,
+        tail: u64,
+    ) -> Result<String, RmError> {
+        let mut req = self.http.get(format!(
+            "{}?stream={stream}&tail={tail}",
+            Self::container_url(node_http, host, id, "logs")
+        ));
         if let Some(t) = self.app_token() {
             req = req.bearer_auth(t);
         }

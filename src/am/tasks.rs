@@ -132,7 +132,13 @@ impl Task {
 /// other than letters, digits and `_` becomes `_`.
 pub fn env_name(s: &str) -> String {
     s.chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 
@@ -216,7 +222,10 @@ mod tests {
         t.attempt = 2;
         t.ports = vec![("http".into(), vec![2001]), ("ssh.x".into(), vec![2002, 2003])];
         let mut peers = BTreeMap::new();
-        peers.insert("worker-a".to_string(), vec!["h1:2001".to_string(), "h2:2001".to_string()]);
+        peers.insert(
+            "worker-a".to_string(),
+            vec!["h1:2001".to_string(), "h2:2001".to_string()],
+        );
         let env = task_env(&job, &t, "app_1", Some(&peers));
         assert_eq!(env["CONTAINER_PORTS"], "http:2001;ssh.x:2002,2003;");
         assert_eq!(env["GPUAM_PORT_SSH_X"], "2002,2003");

@@ -144,7 +144,9 @@ pub fn main() -> i32 {
     };
     match cli.command {
         Cmd::Validate { job } => plan::validate(&job),
-        Cmd::Plan { job, cluster, rm, json } => runtime.block_on(plan::plan(&job, cluster.as_deref(), rm.as_deref(), json, &settings)),
+        Cmd::Plan { job, cluster, rm, json } => {
+            runtime.block_on(plan::plan(&job, cluster.as_deref(), rm.as_deref(), json, &settings))
+        }
         Cmd::Run {
             job,
             cluster,
@@ -165,7 +167,11 @@ pub fn main() -> i32 {
             listen,
         } => runtime.block_on(servers::am(&job, &rm, &app_id, &token, listen, settings)),
         Cmd::Bench { what } => match what {
-            BenchCmd::Select { iterations, seed, nodes } => crate::bench::select_bench(&nodes, iterations, seed),
+            BenchCmd::Select {
+                iterations,
+                seed,
+                nodes,
+            } => crate::bench::select_bench(&nodes, iterations, seed),
         },
     }
 }
@@ -208,7 +214,9 @@ pub(crate) fn load_job(path: &Path) -> Result<(JobSpec, String), i32> {
 
 /// Loads a cluster file (default conf/cluster.yaml); exit 65 on failure.
 pub(crate) fn load_cluster(path: Option<&Path>) -> Result<Vec<crate::cluster::Node>, i32> {
-    let path = path.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("conf/cluster.yaml"));
+    let path = path
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("conf/cluster.yaml"));
     crate::cluster::file::load_cluster_file(&path).map_err(|errs| {
         eprintln!("{errs}");
         eprintln!("error: the cluster file {} is not valid", path.display());

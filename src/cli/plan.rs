@@ -35,7 +35,11 @@ pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json:
             Ok(n) => n,
             Err(e) => {
                 eprintln!("error: {e}");
-                return if e.is_unreachable() { exit::RM_UNREACHABLE } else { exit::INTERNAL };
+                return if e.is_unreachable() {
+                    exit::RM_UNREACHABLE
+                } else {
+                    exit::INTERNAL
+                };
             }
         },
         None => match super::load_cluster(cluster) {
@@ -149,7 +153,11 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
             "\n{}/{}: {} — {}\n",
             u.role,
             u.index,
-            if u.impossible { "IMPOSSIBLE on this cluster" } else { "no place now" },
+            if u.impossible {
+                "IMPOSSIBLE on this cluster"
+            } else {
+                "no place now"
+            },
             u.reason
         ));
         out.push_str(&u.trace.render());

@@ -17,7 +17,13 @@ use crate::config::Settings;
 use crate::exit;
 use crate::protocol::{AppState, SubmitApplication};
 
-pub async fn run(job: &Path, cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<PathBuf>, settings: &Settings) -> i32 {
+pub async fn run(
+    job: &Path,
+    cluster: Option<&Path>,
+    listen: SocketAddr,
+    work_dir: Option<PathBuf>,
+    settings: &Settings,
+) -> i32 {
     let (spec, text) = match super::load_job(job) {
         Ok(v) => v,
         Err(code) => return code,
@@ -43,8 +49,20 @@ pub async fn run(job: &Path, cluster: Option<&Path>, listen: SocketAddr, work_di
             return exit::INTERNAL;
         }
     };
-    println!("rm: {} (containers and logs under {})", rm.base_url(), work_dir.display());
-    let code = submit_and_follow(&rm.base_url(), &spec.name, &text, &job.display().to_string(), true, listen).await;
+    println!(
+        "rm: {} (containers and logs under {})",
+        rm.base_url(),
+        work_dir.display()
+    );
+    let code = submit_and_follow(
+        &rm.base_url(),
+        &spec.name,
+        &text,
+        &job.display().to_string(),
+        true,
+        listen,
+    )
+    .await;
     rm.shutdown().await;
     code
 }
@@ -212,7 +230,9 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str) -> i32 {
             if let Some(b) = &bar {
                 b.finish_and_clear();
             }
-            let code = report.exit_code.unwrap_or(if report.state == AppState::Finished { 0 } else { 1 });
+            let code = report
+                .exit_code
+                .unwrap_or(if report.state == AppState::Finished { 0 } else { 1 });
             println!(
                 "job {} {:?} after {:.1}s (exit {code}){}",
                 report.id,
@@ -241,13 +261,23 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str) -> i32 {
 
 /// Prints a line when a task completes an attempt (its exit) or finishes for good.
 fn report_task_change(t: &Value, seen: &mut HashMap<String, (u64, String)>, say: &impl Fn(String)) {
-    let key = format!("{}/{}", t["role"].as_str().unwrap_or("?"), t["index"].as_u64().unwrap_or(0));
+    let key = format!(
+        "{}/{}",
+        t["role"].as_str().unwrap_or("?"),
+        t["index"].as_u64().unwrap_or(0)
+    );
     let attempt = t["attempt"].as_u64().unwrap_or(1);
     let state = t["state"].as_str().unwrap_or("").to_string();
     let prev = seen.insert(key.clone(), (attempt, state.clone()));
     let gpus = t["gpus"]
         .as_array()
-        .map(|g| g.iter().filter_map(Value::as_u64).map(|x| x.to_string()).collect::<Vec<_>>().join(","))
+        .map(|g| {
+            g.iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
         .unwrap_or_default();
     let host = t["host"].as_str().unwrap_or("-");
     match prev {
@@ -257,7 +287,10 @@ fn report_task_change(t: &Value, seen: &mut HashMap<String, (u64, String)>, say:
         )),
         Some((_, s)) if s != "TASK_COMPLETED" && state == "TASK_COMPLETED" => say(format!(
             "task {key} on {host} GPUs [{gpus}] finished: exit {} {}",
-            t["exitCode"].as_i64().map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+            t["exitCode"]
+                .as_i64()
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "-".into()),
             t["exitDiagnostics"].as_str().unwrap_or("")
         )),
         Some((_, s)) if s != "CONTAINER_RUNNING" && state == "CONTAINER_RUNNING" => {

@@ -30,7 +30,11 @@ pub async fn rm(cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<Pat
             return exit::USAGE;
         }
     };
-    println!("gpuam rm listening on {} (work dir {})", handle.base_url(), work_dir.display());
+    println!(
+        "gpuam rm listening on {} (work dir {})",
+        handle.base_url(),
+        work_dir.display()
+    );
     let _ = tokio::signal::ctrl_c().await;
     eprintln!("stopping: containers and AMs are being stopped");
     handle.shutdown().await;

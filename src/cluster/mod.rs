@@ -36,7 +36,11 @@ impl NodeState {
     pub fn is_unusable(self) -> bool {
         matches!(
             self,
-            NodeState::Unhealthy | NodeState::Decommissioned | NodeState::Lost | NodeState::Rebooted | NodeState::Shutdown
+            NodeState::Unhealthy
+                | NodeState::Decommissioned
+                | NodeState::Lost
+                | NodeState::Rebooted
+                | NodeState::Shutdown
         )
     }
 }

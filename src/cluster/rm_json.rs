@@ -1,14 +1,682 @@
-//! PLACEHOLDER — replaced by the RM branch.
-use super::Node;
+//! The RM's node JSON (DESIGN.md §3): writing a [`Node`] as a YARN node object with
+//! gpuam's GPU-mask / port / topology extensions, and reading node listings back —
+//! our own, and a stock YARN 3 RM's (GPU count only under `yarn.io/gpu`).
+//!
+//! The reader works on `serde_json::Value` by hand rather than through derived
+//! structs because real RMs write empty lists as `null`, `{}`, `""` or nothing at
+//! all, single-element lists as bare objects, and `i64::MAX` limits; every such
+//! shape must be accepted, and a genuinely wrong field must be named in the error.
 
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct NodeJsonError(pub String);
+use std::sync::Arc;
 
-pub fn parse_nodes_json(_text: &str) -> Result<Vec<Node>, NodeJsonError> {
-    Err(NodeJsonError("not implemented".into()))
+use serde_json::{json, Map, Value};
+
+use crate::cluster::{Node, NodeState};
+use crate::resources::{lowest_bits, mask_hex, mask_of_count, parse_mask, GpuMask, PortRange, PortSet, Resources};
+use crate::topology::Topology;
+
+/// The NodeManager RPC port our node ids carry (`host:8041`), as in YARN 3.
+pub const NM_PORT: u16 = 8041;
+
+/// YARN's resource name for GPUs in `resourceInformations`.
+pub const YARN_GPU: &str = "yarn.io/gpu";
+
+/// A node listing (or one node) that could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeJsonError {
+    #[error("node listing is not valid JSON: {0}")]
+    Json(String),
+    #[error("node listing: `{field}`: {message}")]
+    Listing { field: String, message: String },
+    #[error("node #{index} ({host}): field `{field}`: {message}")]
+    Node {
+        index: usize,
+        host: String,
+        field: String,
+        message: String,
+    },
 }
 
-pub fn parse_node_value(_v: &serde_json::Value) -> Result<Node, NodeJsonError> {
-    Err(NodeJsonError("not implemented".into()))
+/// Writes one node as a YARN node object. `num_containers` is the number of live
+/// containers on it; `last_health_update_ms` milliseconds since the epoch.
+pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64) -> Value {
+    let total = node.total();
+    let used = node.used();
+    let avail = total.subtract(used);
+    json!({
+        "id": format!("{}:{}", node.host, NM_PORT),
+        "rack": node.rack,
+        "state": node.state,
+        "nodeHostName": node.host,
+        "nodeHTTPAddress": node.http_address,
+        "lastHealthUpdate": last_health_update_ms,
+        "version": concat!("gpuam-", env!("CARGO_PKG_VERSION")),
+        "healthReport": "",
+        "numContainers": num_containers,
+        "usedMemoryMB": used.memory_mb,
+        "availMemoryMB": avail.memory_mb,
+        "usedVirtualCores": used.cpu,
+        "availableVirtualCores": avail.cpu,
+        "nodeLabels": node.labels,
+        "gpuType": node.gpu_type.clone().unwrap_or_default(),
+        "gpuAttribute": mask_hex(total.gpu_mask),
+        "usedGpuAttribute": mask_hex(used.gpu_mask),
+        "portRanges": total.ports.to_string(),
+        "usedPortRanges": used.ports.to_string(),
+        // TODO(merge): emit `to_topo_text()` for non-preset topologies once it exists.
+        "gpuTopology": node.topology.as_ref().map(|t| t.name().to_string()).unwrap_or_else(|| "none".into()),
+        "totalResource": resource_info(total),
+        "usedResource": resource_info(used),
+        "availableResource": resource_info(&avail),
+    })
+}
+
+/// `{"nodes":{"node":[...]}}` for a list of (node, live container count).
+pub fn nodes_to_json<'a>(nodes: impl IntoIterator<Item = (&'a Node, u32)>, last_health_update_ms: u64) -> Value {
+    let list: Vec<Value> = nodes
+        .into_iter()
+        .map(|(n, c)| node_to_json(n, c, last_health_update_ms))
+        .collect();
+    json!({ "nodes": { "node": list } })
+}
+
+/// YARN 3 `ResourceInfo`: memory, vCores and the resource-types list with `yarn.io/gpu`.
+fn resource_info(r: &Resources) -> Value {
+    let entry = |name: &str, units: &str, value: u64| {
+        json!({
+            "name": name, "resourceType": "COUNTABLE", "units": units, "value": value,
+            "minimumAllocation": 0, "maximumAllocation": i64::MAX,
+        })
+    };
+    json!({
+        "memory": r.memory_mb,
+        "vCores": r.cpu,
+        "resourceInformations": { "resourceInformation": [
+            entry("memory-mb", "Mi", r.memory_mb),
+            entry("vcores", "", u64::from(r.cpu)),
+            entry(YARN_GPU, "", u64::from(r.gpu_count())),
+        ]},
+    })
+}
+
+/// Reads a node listing: `{"nodes":{"node":[...]}}` in every tolerated spelling, a
+/// single `{"node":{...}}` answer, or a bare array of node objects.
+pub fn parse_nodes_json(text: &str) -> Result<Vec<Node>, NodeJsonError> {
+    let v: Value = if text.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(text).map_err(|e| NodeJsonError::Json(e.to_string()))?
+    };
+    let items = match &v {
+        Value::Object(top) => match top.get("nodes") {
+            Some(nodes) => match nodes {
+                Value::Object(inner) => list_items(inner.get("node"), "nodes.node")?,
+                other => list_items(Some(other), "nodes")?,
+            },
+            // `GET /ws/v1/cluster/nodes/{id}` answers `{"node": {...}}`.
+            None => list_items(top.get("node"), "node")?,
+        },
+        other => list_items(Some(other), "(top level)")?,
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| parse_node_at(i, item))
+        .collect()
+}
+
+/// Reads one node object (e.g. an `updatedNodes` entry of an allocate answer).
+pub fn parse_node_value(v: &Value) -> Result<Node, NodeJsonError> {
+    parse_node_at(0, v)
+}
+
+/// A tolerant list: absent, `null`, `{}`, `""` → empty; a bare object → one item.
+fn list_items<'a>(v: Option<&'a Value>, field: &str) -> Result<Vec<&'a Value>, NodeJsonError> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) if s.trim().is_empty() => Ok(Vec::new()),
+        Some(Value::Object(o)) if o.is_empty() => Ok(Vec::new()),
+        Some(Value::Array(a)) => Ok(a.iter().collect()),
+        Some(o @ Value::Object(_)) => Ok(vec![o]),
+        Some(other) => Err(NodeJsonError::Listing {
+            field: field.to_string(),
+            message: format!("expected a list of node objects, found {}", kind(other)),
+        }),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Field reader for one node object, remembering where it is for error messages.
+struct Fields<'a> {
+    index: usize,
+    host: String,
+    obj: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn err(&self, field: &str, message: impl Into<String>) -> NodeJsonError {
+        NodeJsonError::Node {
+            index: self.index,
+            host: self.host.clone(),
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+
+    /// A present, non-null, non-empty-string value.
+    fn get(&self, field: &str) -> Option<&'a Value> {
+        present(self.obj.get(field))
+    }
+
+    fn string(&self, field: &str) -> Result<Option<String>, NodeJsonError> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(Value::Number(n)) => Ok(Some(n.to_string())),
+            Some(other) => Err(self.err(field, format!("expected a string, found {}", kind(other)))),
+        }
+    }
+
+    fn number(&self, field: &str) -> Result<Option<u64>, NodeJsonError> {
+        number_of(self.get(field)).map_err(|m| self.err(field, m))
+    }
+
+    /// A `ResourceInfo` object's memory, vCores and GPU count (each optional).
+    fn resource(&self, field: &str) -> Result<ResourceCounts, NodeJsonError> {
+        let Some(v) = self.get(field) else {
+            return Ok(ResourceCounts::default());
+        };
+        let Value::Object(o) = v else {
+            return Err(self.err(field, format!("expected an object, found {}", kind(v))));
+        };
+        let sub = |name: &str| format!("{field}.{name}");
+        let mut out = ResourceCounts {
+            memory: number_of(present(o.get("memory"))).map_err(|m| self.err(&sub("memory"), m))?,
+            vcores: number_of(present(o.get("vCores"))).map_err(|m| self.err(&sub("vCores"), m))?,
+            gpus: None,
+        };
+        let infos = match present(o.get("resourceInformations")) {
+            Some(Value::Object(ri)) => list_items(ri.get("resourceInformation"), "")
+                .map_err(|_| self.err(&sub("resourceInformations.resourceInformation"), "expected a list"))?,
+            Some(other) => list_items(Some(other), "")
+                .map_err(|_| self.err(&sub("resourceInformations"), "expected an object or a list"))?,
+            None => Vec::new(),
+        };
+        for info in infos {
+            let Value::Object(e) = info else { continue };
+            let name = e.get("name").and_then(Value::as_str).unwrap_or("");
+            let value = || {
+                number_of(present(e.get("value")))
+                    .map_err(|m| self.err(&format!("{field}.resourceInformations[{name}].value"), m))
+            };
+            match name {
+                YARN_GPU => out.gpus = value()?,
+                "memory-mb" if out.memory.is_none() => out.memory = value()?,
+                "vcores" if out.vcores.is_none() => out.vcores = value()?,
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    fn mask(&self, field: &str) -> Result<Option<GpuMask>, NodeJsonError> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Number(n)) => n
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("`{n}` is not a GPU mask (write it like \"0x3f\")"))),
+            Some(Value::String(s)) => parse_mask(s)
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("`{s}` is not a GPU mask (write it like \"0x3f\")"))),
+            Some(other) => Err(self.err(field, format!("expected a hex GPU mask string, found {}", kind(other)))),
+        }
+    }
+
+    /// `"20000-29999,31000"`, or a list of `{begin, end}` objects / numbers.
+    fn ports(&self, field: &str) -> Result<PortSet, NodeJsonError> {
+        match self.get(field) {
+            None => Ok(PortSet::new()),
+            Some(Value::String(s)) => PortSet::parse(s).map_err(|e| self.err(field, e.to_string())),
+            Some(Value::Array(items)) => {
+                let mut ranges = Vec::new();
+                for it in items {
+                    let port = |v: Option<&Value>| v.and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok());
+                    let r = match it {
+                        Value::Object(o) => match (port(o.get("begin")), port(o.get("end"))) {
+                            (Some(b), Some(e)) if b <= e => Some(PortRange::new(b, e)),
+                            _ => None,
+                        },
+                        n @ Value::Number(_) => port(Some(n)).map(|p| PortRange::new(p, p)),
+                        _ => None,
+                    };
+                    ranges.push(r.ok_or_else(|| {
+                        self.err(
+                            field,
+                            format!("`{it}` is not a port range (write \"20000-29999,31000\")"),
+                        )
+                    })?);
+                }
+                Ok(PortSet::from_ranges(ranges))
+            }
+            Some(other) => Err(self.err(field, format!("expected a port-range string, found {}", kind(other)))),
+        }
+    }
+
+    fn labels(&self, field: &str) -> Result<Vec<String>, NodeJsonError> {
+        let mut out = match self.get(field) {
+            None => Vec::new(),
+            Some(Value::String(s)) => s
+                .split(',')
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(String::from)
+                .collect(),
+            Some(Value::Array(a)) => {
+                let mut v = Vec::new();
+                for l in a {
+                    match l {
+                        Value::String(s) if !s.trim().is_empty() => v.push(s.trim().to_string()),
+                        Value::String(_) | Value::Null => {}
+                        other => return Err(self.err(field, format!("expected label strings, found {}", kind(other)))),
+                    }
+                }
+                v
+            }
+            Some(Value::Object(o)) if o.is_empty() => Vec::new(),
+            Some(other) => return Err(self.err(field, format!("expected a list of strings, found {}", kind(other)))),
+        };
+        out.dedup();
+        Ok(out)
+    }
+}
+
+#[derive(Default)]
+struct ResourceCounts {
+    memory: Option<u64>,
+    vcores: Option<u64>,
+    gpus: Option<u64>,
+}
+
+/// `null`, `""` and `{}` mean "not there".
+fn present(v: Option<&Value>) -> Option<&Value> {
+    match v {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.trim().is_empty() => None,
+        Some(Value::Object(o)) if o.is_empty() => None,
+        other => other,
+    }
+}
+
+/// A count: integers up to u64 (negative ones, which overcommitted RMs print for
+/// "available", read as 0), integral floats, or a decimal string.
+fn number_of(v: Option<&Value>) -> Result<Option<u64>, String> {
+    match v {
+        None => Ok(None),
+        Some(Value::Number(n)) => {
+            if let Some(u) = n.as_u64() {
+                Ok(Some(u))
+            } else if n.as_i64().is_some() {
+                Ok(Some(0))
+            } else {
+                match n.as_f64() {
+                    Some(f) if f.is_finite() => Ok(Some(if f <= 0.0 { 0 } else { f as u64 })),
+                    _ => Err(format!("`{n}` is not a count")),
+                }
+            }
+        }
+        Some(Value::String(s)) => s
+            .trim()
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| format!("`{s}` is not a count (expected a whole number)")),
+        Some(other) => Err(format!("expected a number, found {}", kind(other))),
+    }
+}
+
+fn to_u32(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
+    let Value::Object(obj) = v else {
+        return Err(NodeJsonError::Node {
+            index,
+            host: "?".into(),
+            field: "(node)".into(),
+            message: format!("expected a node object, found {}", kind(v)),
+        });
+    };
+    let mut f = Fields {
+        index,
+        host: "?".into(),
+        obj,
+    };
+    let id = f.string("id")?;
+    let host = match f.string("nodeHostName")? {
+        Some(h) => h,
+        None => match id.as_deref() {
+            // `host:port`; a bracketed IPv6 id keeps its brackets off.
+            Some(id) => id
+                .rsplit_once(':')
+                .map(|(h, _)| h)
+                .unwrap_or(id)
+                .trim_matches(|c| c == '[' || c == ']')
+                .to_string(),
+            None => return Err(f.err("nodeHostName", "missing (and no `id` to take the host from)")),
+        },
+    };
+    f.host = host.clone();
+
+    let rack = f.string("rack")?.unwrap_or_else(|| "/default-rack".into());
+    let state = match f.string("state")? {
+        None => NodeState::Running,
+        Some(s) => serde_json::from_value::<NodeState>(Value::String(s.trim().to_ascii_uppercase())).map_err(|_| {
+            f.err(
+                "state",
+                format!("unknown node state `{s}` (expected NEW, RUNNING, UNHEALTHY, DECOMMISSIONING, DECOMMISSIONED, LOST, REBOOTED or SHUTDOWN)"),
+            )
+        })?,
+    };
+    let labels = f.labels("nodeLabels")?;
+    let gpu_type = f
+        .string("gpuType")?
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty());
+    let http_address = f.string("nodeHTTPAddress")?.unwrap_or_default();
+
+    let total_ri = f.resource("totalResource")?;
+    let used_ri = f.resource("usedResource")?;
+    let avail_ri = f.resource("availableResource")?;
+
+    let used_mem = f.number("usedMemoryMB")?.or(used_ri.memory).unwrap_or(0);
+    let avail_mem = f.number("availMemoryMB")?.or(avail_ri.memory).unwrap_or(0);
+    let used_cpu = f.number("usedVirtualCores")?.or(used_ri.vcores).unwrap_or(0);
+    let avail_cpu = f.number("availableVirtualCores")?.or(avail_ri.vcores).unwrap_or(0);
+    let total_mem = total_ri.memory.unwrap_or_else(|| used_mem.saturating_add(avail_mem));
+    let total_cpu = total_ri.vcores.unwrap_or_else(|| used_cpu.saturating_add(avail_cpu));
+
+    // GPUs: our mask extension when present; otherwise YARN's count means GPUs 0..n-1.
+    let gpu_count = total_ri
+        .gpus
+        .or_else(|| match (used_ri.gpus, avail_ri.gpus) {
+            (None, None) => None,
+            (u, a) => Some(u.unwrap_or(0).saturating_add(a.unwrap_or(0))),
+        })
+        .unwrap_or(0);
+    let total_mask = match f.mask("gpuAttribute")? {
+        Some(m) if m != 0 || gpu_count == 0 => m,
+        _ => mask_of_count(to_u32(gpu_count)),
+    };
+    let used_mask = match f.mask("usedGpuAttribute")? {
+        Some(m) => m & total_mask,
+        None => {
+            let n = to_u32(used_ri.gpus.unwrap_or(0)).min(total_mask.count_ones());
+            lowest_bits(total_mask, n).unwrap_or(0)
+        }
+    };
+    let total_ports = f.ports("portRanges")?;
+    let used_ports = f.ports("usedPortRanges")?;
+
+    let topology = match f.string("gpuTopology")? {
+        None => None,
+        Some(text) => match Topology::from_spec(&text) {
+            Ok(t) => t.map(Arc::new),
+            Err(e) => {
+                tracing::debug!(host = %host, "node #{index}: ignoring gpuTopology: {e}");
+                None
+            }
+        },
+    };
+
+    let total = Resources::with_mask(to_u32(total_cpu), total_mem, total_mask, total_ports);
+    let used = Resources::with_mask(to_u32(used_cpu), used_mem, used_mask, used_ports);
+    let mut node = Node::new(host, rack, total);
+    node.labels = labels;
+    node.gpu_type = gpu_type;
+    node.topology = topology;
+    node.state = state;
+    node.http_address = http_address;
+    node.set_used(used);
+    Ok(node)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_node() -> Node {
+        let mut n = Node::new(
+            "gpu-1",
+            "/rack-a",
+            Resources::with_mask(32, 262_144, 0xff, PortSet::parse("20000-29999,31000").unwrap()),
+        );
+        n.labels = vec!["gpu".into()];
+        n.gpu_type = Some("V100".into());
+        n.http_address = "http://127.0.0.1:8088".into();
+        n.set_used(Resources::with_mask(
+            8,
+            65_536,
+            0x0c,
+            PortSet::parse("20001-20002").unwrap(),
+        ));
+        n
+    }
+
+    #[test]
+    fn round_trip_own_output() {
+        let a = sample_node();
+        let mut b = Node::new("cpu-1", "/rack-b", Resources::with_mask(4, 8192, 0, PortSet::new()));
+        b.state = NodeState::Lost;
+        let text = nodes_to_json([(&a, 2), (&b, 0)], 1_700_000_000_000).to_string();
+        let back = parse_nodes_json(&text).unwrap();
+        assert_eq!(back.len(), 2);
+        assert_eq!(back[0], a, "every field of the node survives the round trip");
+        assert_eq!(back[1].total(), b.total());
+        assert_eq!(back[1].used(), b.used());
+        assert_eq!(back[1].state, NodeState::Lost);
+        assert_eq!(back[1].gpu_type, None);
+        assert!(back[1].labels.is_empty());
+    }
+
+    #[test]
+    fn own_output_has_yarn_fields_and_extensions() {
+        let v = node_to_json(&sample_node(), 2, 5);
+        assert_eq!(v["id"], "gpu-1:8041");
+        assert_eq!(v["numContainers"], 2);
+        assert_eq!(v["availMemoryMB"], 262_144 - 65_536);
+        assert_eq!(v["availableVirtualCores"], 24);
+        assert_eq!(v["gpuAttribute"], "0xff");
+        assert_eq!(v["usedGpuAttribute"], "0xc");
+        assert_eq!(v["portRanges"], "20000-29999,31000");
+        assert_eq!(v["usedPortRanges"], "20001-20002");
+        assert_eq!(v["gpuTopology"], "none");
+        let gpu = &v["totalResource"]["resourceInformations"]["resourceInformation"][2];
+        assert_eq!(gpu["name"], YARN_GPU);
+        assert_eq!(gpu["value"], 8);
+        assert_eq!(
+            v["usedResource"]["resourceInformations"]["resourceInformation"][2]["value"],
+            2
+        );
+    }
+
+    /// A stock YARN 3 RM answer (ecosystem.md §1.1): GPU count only, no mask, no ports.
+    const YARN3: &str = r#"{
+      "nodes": {
+        "node": [
+          {
+            "id": "gpu-node-03.example:45454",
+            "rack": "/dc1/rack2",
+            "state": "RUNNING",
+            "nodeHostName": "gpu-node-03.example",
+            "nodeHTTPAddress": "gpu-node-03.example:8042",
+            "lastHealthUpdate": 1763700000000,
+            "version": "3.4.1",
+            "healthReport": "",
+            "numContainers": 3,
+            "usedMemoryMB": 98304,
+            "availMemoryMB": 163840,
+            "usedVirtualCores": 24,
+            "availableVirtualCores": 40,
+            "numRunningOpportContainers": 0,
+            "nodeLabels": ["gpu"],
+            "resourceUtilization": {"nodePhysicalMemoryMB": 101000, "nodeCPUUsage": 0.37},
+            "totalResource": {
+              "memory": 262144,
+              "vCores": 64,
+              "resourceInformations": {
+                "resourceInformation": [
+                  {"name": "memory-mb", "resourceType": "COUNTABLE", "units": "Mi",
+                   "value": 262144, "minimumAllocation": 0, "maximumAllocation": 9223372036854775807},
+                  {"name": "vcores", "resourceType": "COUNTABLE", "units": "",
+                   "value": 64, "minimumAllocation": 0, "maximumAllocation": 9223372036854775807},
+                  {"name": "yarn.io/gpu", "resourceType": "COUNTABLE", "units": "",
+                   "value": 8, "minimumAllocation": 0, "maximumAllocation": 9223372036854775807}
+                ]
+              }
+            },
+            "usedResource": {"memory": 98304, "vCores": 24, "resourceInformations": {"resourceInformation": [{"name": "yarn.io/gpu", "resourceType": "COUNTABLE", "units": "", "value": 3}]}},
+            "availableResource": {"memory": 163840, "vCores": 40, "resourceInformations": {"resourceInformation": [{"name": "yarn.io/gpu", "resourceType": "COUNTABLE", "units": "", "value": 5}]}}
+          }
+        ]
+      }
+    }"#;
+
+    #[test]
+    fn stock_yarn3_answer() {
+        let nodes = parse_nodes_json(YARN3).unwrap();
+        assert_eq!(nodes.len(), 1);
+        let n = &nodes[0];
+        assert_eq!(n.host, "gpu-node-03.example");
+        assert_eq!(n.rack, "/dc1/rack2");
+        assert_eq!(n.state, NodeState::Running);
+        assert_eq!(n.labels, vec!["gpu".to_string()]);
+        assert_eq!(n.http_address, "gpu-node-03.example:8042");
+        assert_eq!((n.total().cpu, n.total().memory_mb), (64, 262_144));
+        assert_eq!(
+            (n.total().gpus, n.total().gpu_mask),
+            (8, 0xff),
+            "count only → GPUs 0..n-1"
+        );
+        assert_eq!((n.used().gpus, n.used().gpu_mask), (3, 0x7), "used count → lowest bits");
+        assert_eq!((n.used().cpu, n.used().memory_mb), (24, 98_304));
+        assert!(n.topology.is_none());
+        assert!(n.total().ports.is_empty());
+        assert_eq!(n.free().gpu_mask, 0xf8);
+    }
+
+    #[test]
+    fn totals_from_used_plus_avail_without_total_resource() {
+        let t = r#"{"nodes":{"node":[{"nodeHostName":"h","usedMemoryMB":100,"availMemoryMB":900,
+            "usedVirtualCores":1,"availableVirtualCores":7,
+            "usedResource":{"resourceInformations":{"resourceInformation":{"name":"yarn.io/gpu","value":1}}},
+            "availableResource":{"resourceInformations":{"resourceInformation":[{"name":"yarn.io/gpu","value":3}]}}}]}}"#;
+        let n = &parse_nodes_json(t).unwrap()[0];
+        assert_eq!((n.total().cpu, n.total().memory_mb, n.total().gpu_mask), (8, 1000, 0xf));
+        assert_eq!(n.used().gpu_mask, 0x1);
+        assert_eq!(n.rack, "/default-rack");
+        assert_eq!(n.state, NodeState::Running);
+    }
+
+    #[test]
+    fn empty_listings_in_every_spelling() {
+        for t in [
+            r#"{"nodes":null}"#,
+            r#"{"nodes":{}}"#,
+            r#"{"nodes":""}"#,
+            r#"{}"#,
+            r#"{"nodes":{"node":null}}"#,
+            r#"{"nodes":{"node":[]}}"#,
+            r#"{"nodes":{"node":""}}"#,
+            r#"{"nodes":{"node":{}}}"#,
+            "",
+        ] {
+            assert_eq!(parse_nodes_json(t).unwrap(), Vec::<Node>::new(), "input {t}");
+        }
+    }
+
+    #[test]
+    fn single_object_instead_of_array_and_node_answer() {
+        let one = r#"{"nodes":{"node":{"id":"h1:45454","usedMemoryMB":1,"availMemoryMB":1}}}"#;
+        let n = parse_nodes_json(one).unwrap();
+        assert_eq!(n.len(), 1);
+        assert_eq!(n[0].host, "h1", "host taken from id when nodeHostName is absent");
+        let single = r#"{"node":{"nodeHostName":"h2","nodeLabels":null,"gpuType":""}}"#;
+        let n = parse_nodes_json(single).unwrap();
+        assert_eq!(n[0].host, "h2");
+        assert!(n[0].labels.is_empty());
+        assert_eq!(n[0].gpu_type, None);
+    }
+
+    #[test]
+    fn huge_and_odd_numbers() {
+        let t = format!(
+            r#"{{"nodes":{{"node":[{{"nodeHostName":"h","usedMemoryMB":-5,"availMemoryMB":{max},
+               "usedVirtualCores":"2","availableVirtualCores":{max},"gpuAttribute":255,"usedGpuAttribute":"0x1"}}]}}}}"#,
+            max = i64::MAX
+        );
+        let n = &parse_nodes_json(&t).unwrap()[0];
+        assert_eq!(n.total().memory_mb, i64::MAX as u64);
+        assert_eq!(n.total().cpu, u32::MAX, "saturates instead of failing");
+        assert_eq!(n.used().memory_mb, 0, "negative counts read as 0");
+        assert_eq!(n.used().cpu, 2);
+        assert_eq!(n.total().gpu_mask, 0xff);
+        assert_eq!(n.used().gpu_mask, 0x1);
+    }
+
+    #[test]
+    fn unknown_topology_is_not_an_error() {
+        let t = r#"{"nodes":{"node":[{"nodeHostName":"h","gpuTopology":"warp-drive-9000"}]}}"#;
+        let n = parse_nodes_json(t).unwrap();
+        assert!(n[0].topology.is_none());
+    }
+
+    #[test]
+    fn updated_node_value_and_port_lists() {
+        let v: Value = serde_json::from_str(
+            r#"{"nodeHostName":"h","x":1,"portRanges":[{"begin":2000,"end":2010},3000],"usedPortRanges":"2000"}"#,
+        )
+        .unwrap();
+        let n = parse_node_value(&v).unwrap();
+        assert_eq!(n.total().ports, PortSet::parse("2000-2010,3000").unwrap());
+        assert_eq!(n.used().ports, PortSet::parse("2000").unwrap());
+    }
+
+    #[test]
+    fn errors_name_node_and_field() {
+        let t = r#"{"nodes":{"node":[{"nodeHostName":"ok"},{"nodeHostName":"bad-1","usedMemoryMB":"lots"}]}}"#;
+        let e = parse_nodes_json(t).unwrap_err();
+        assert!(
+            matches!(&e, NodeJsonError::Node { index: 1, host, field, .. } if host == "bad-1" && field == "usedMemoryMB"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("node #1 (bad-1)"), "{e}");
+
+        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","gpuAttribute":"0xZZ"}]}}"#).unwrap_err();
+        assert!(e.to_string().contains("gpuAttribute"), "{e}");
+        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","portRanges":"9-1"}]}}"#).unwrap_err();
+        assert!(e.to_string().contains("portRanges"), "{e}");
+        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","state":"ASLEEP"}]}}"#).unwrap_err();
+        assert!(e.to_string().contains("state"), "{e}");
+        let e = parse_nodes_json(r#"{"nodes":{"node":[{"rack":"/r"}]}}"#).unwrap_err();
+        assert!(e.to_string().contains("nodeHostName"), "{e}");
+        let e = parse_nodes_json(r#"{"nodes":{"node":[{"nodeHostName":"h","totalResource":{"memory":"x"}}]}}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("totalResource.memory"), "{e}");
+        assert!(matches!(parse_nodes_json("{not json"), Err(NodeJsonError::Json(_))));
+        assert!(matches!(
+            parse_nodes_json(r#"{"nodes":5}"#),
+            Err(NodeJsonError::Listing { .. })
+        ));
+    }
 }

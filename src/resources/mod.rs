@@ -289,7 +289,10 @@ mod tests {
     fn wire_form_uses_hex_masks() {
         let r = Resources::with_mask(4, 8192, 0x3, PortSet::parse("2000,2005-2006").unwrap());
         let j = serde_json::to_string(&r).unwrap();
-        assert_eq!(j, r#"{"cpu":4,"memoryMB":8192,"gpus":2,"gpuMask":"0x3","ports":"2000,2005-2006"}"#);
+        assert_eq!(
+            j,
+            r#"{"cpu":4,"memoryMB":8192,"gpus":2,"gpuMask":"0x3","ports":"2000,2005-2006"}"#
+        );
         let back: Resources = serde_json::from_str(&j).unwrap();
         assert_eq!(back, r);
     }

@@ -24,6 +24,8 @@ impl PortRange {
         PortRange { begin, end }
     }
 
+    /// Number of ports in the range (never zero: a range holds at least `begin`).
+    #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> u32 {
         u32::from(self.end) - u32::from(self.begin) + 1
     }
@@ -244,11 +246,7 @@ impl PortSet {
             return None;
         }
         // Starts of contiguous runs of length k: each range of length L offers L-k+1.
-        let runs: u32 = pool
-            .ranges
-            .iter()
-            .map(|r| r.len().saturating_sub(k - 1))
-            .sum();
+        let runs: u32 = pool.ranges.iter().map(|r| r.len().saturating_sub(k - 1)).sum();
         if runs > 0 {
             let mut pick = rng.gen_range(0..runs);
             for r in &pool.ranges {
@@ -312,7 +310,10 @@ mod tests {
     #[test]
     fn coalesce_matches_original_examples() {
         assert_eq!(ps("6-7,10-100,3-5,90-102").to_string(), "3-7,10-102");
-        assert_eq!(ps("80,80-81,100-103").iter().collect::<Vec<_>>(), vec![80, 81, 100, 101, 102, 103]);
+        assert_eq!(
+            ps("80,80-81,100-103").iter().collect::<Vec<_>>(),
+            vec![80, 81, 100, 101, 102, 103]
+        );
     }
 
     #[test]

@@ -59,7 +59,13 @@ impl Executor {
     /// Starts `ctx.commands` for a granted container; returns the process-group id.
     /// The executor adds the GPU environment (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES,
     /// GPUAM_GPU_MASK, CONTAINER_GPUS) and GPUAM_CONTAINER_ID / GPUAM_HOST itself.
-    pub fn start(&self, _container_id: &str, _host: &str, _granted: &Resources, _ctx: LaunchContext) -> Result<u32, ExecError> {
+    pub fn start(
+        &self,
+        _container_id: &str,
+        _host: &str,
+        _granted: &Resources,
+        _ctx: LaunchContext,
+    ) -> Result<u32, ExecError> {
         Err(ExecError::StartFailed {
             id: _container_id.into(),
             why: "not implemented".into(),
@@ -76,7 +82,12 @@ impl Executor {
     }
 
     /// Reads a captured stream; `tail_bytes` limits to the last N bytes.
-    pub fn read_log(&self, container_id: &str, _stream: LogStream, _tail_bytes: Option<u64>) -> Result<String, ExecError> {
+    pub fn read_log(
+        &self,
+        container_id: &str,
+        _stream: LogStream,
+        _tail_bytes: Option<u64>,
+    ) -> Result<String, ExecError> {
         Err(ExecError::UnknownContainer(container_id.into()))
     }
 }

@@ -106,19 +106,16 @@ impl JobDemand {
         let mut ports = free.ports.count_at_least(min_port);
         let mut total = 0;
         for (s, count) in &self.remaining {
-            let mut fit = *count;
-            if s.cpu > 0 {
-                fit = fit.min(cpu / s.cpu);
-            }
-            if s.memory_mb > 0 {
-                fit = fit.min(u32::try_from(mem / s.memory_mb).unwrap_or(u32::MAX));
-            }
-            if s.gpus > 0 {
-                fit = fit.min(gpus / s.gpus);
-            }
-            if s.ports > 0 {
-                fit = fit.min(ports / s.ports);
-            }
+            let fit = [
+                cpu.checked_div(s.cpu),
+                mem.checked_div(s.memory_mb)
+                    .map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
+                gpus.checked_div(s.gpus),
+                ports.checked_div(s.ports),
+            ]
+            .into_iter()
+            .flatten()
+            .fold(*count, u32::min);
             cpu -= fit * s.cpu;
             mem -= u64::from(fit) * s.memory_mb;
             gpus -= fit * s.gpus;

@@ -65,9 +65,13 @@ pub struct Placement {
 pub enum Outcome {
     Placed(Placement),
     /// Nothing fits now; it may later.
-    NotNow { reason: String },
+    NotNow {
+        reason: String,
+    },
     /// Nothing in this cluster could ever take it.
-    Impossible { reason: String },
+    Impossible {
+        reason: String,
+    },
 }
 
 /// An outcome with its trace.
@@ -223,7 +227,10 @@ impl Selector {
             n.set_requested(left);
         }
         if tried && st.settings.skip_local_tried_resource {
-            st.tried.entry(host.to_string()).or_default().push((r.clone(), Instant::now()));
+            st.tried
+                .entry(host.to_string())
+                .or_default()
+                .push((r.clone(), Instant::now()));
         }
     }
 
@@ -416,58 +423,104 @@ fn not_now_reason(trace: &SelectionTrace) -> String {
     }
 }
 
+/// A rule an empty node must pass to ever take the task, and what to say when no
+/// node passes it.
+struct NeverFits<'a> {
+    why: &'static str,
+    passes: Box<dyn Fn(&Node) -> bool + 'a>,
+    /// Detail for the message, from the whole cluster (e.g. the largest node).
+    detail: Box<dyn Fn(&ClusterView) -> String + 'a>,
+}
+
 /// Why no node of this cluster could ever take the task, even if empty; `None` when
-/// some node could.
-fn impossible_reason(ask: &TaskAsk<'_>, demand: &JobDemand, settings: &SelectSettings, view: &ClusterView) -> Option<String> {
+/// some node could. The rules follow the stage order so the first failing one is the
+/// most basic reason.
+fn impossible_reason(
+    ask: &TaskAsk<'_>,
+    demand: &JobDemand,
+    settings: &SelectSettings,
+    view: &ClusterView,
+) -> Option<String> {
     let r = ask.resources;
     let want_label = ask.node_label.map(str::trim).unwrap_or("");
     let statics = match ask.reuse_ports {
         Some(p) => p.clone(),
         None => r.static_ports(),
     };
-    let dynamic = if ask.reuse_ports.is_some() { 0 } else { r.dynamic_port_count() };
-    let checks: [(&str, &dyn Fn(&Node) -> bool); 7] = [
-        ("no node is in the task's label partition", &|n| n.partition() == want_label),
-        ("no node has one of the GPU types asked for", &|n| {
-            ask.gpu_types.is_empty() || n.gpu_type.as_ref().is_some_and(|t| ask.gpu_types.contains(t))
-        }),
-        ("the job asks for no GPU and only GPU nodes remain (allow_none_gpu_job_on_gpu_node is off)", &|n| {
-            demand.job_uses_gpus || settings.allow_none_gpu_job_on_gpu_node || n.total().gpu_count() == 0
-        }),
-        ("no node has that many CPUs", &|n| r.cpu <= n.total().cpu),
-        ("no node has that much memory", &|n| r.memory_mb <= n.total().memory_mb),
-        ("no node has that many GPUs (or the explicit GPU mask)", &|n| {
-            let t = n.total();
-            r.gpus <= t.gpu_count() && r.gpu_mask.unwrap_or(0) & t.gpu_mask == r.gpu_mask.unwrap_or(0)
-        }),
-        ("no node offers those ports", &|n| {
-            let t = &n.total().ports;
-            statics.is_subset(t) && t.subtract(&statics).count_at_least(settings.container_min_port) >= dynamic
-        }),
-    ];
-    let mut nodes: Vec<&Node> = view.nodes().collect();
-    for (why, ok) in checks {
-        nodes.retain(|n| ok(n));
-        if nodes.is_empty() {
-            let detail = match why {
-                "no node has that many CPUs" => {
-                    format!(" (asks {}, largest node has {})", r.cpu, view.nodes().map(|n| n.total().cpu).max().unwrap_or(0))
-                }
-                "no node has that much memory" => format!(
+    let dynamic = if ask.reuse_ports.is_some() {
+        0
+    } else {
+        r.dynamic_port_count()
+    };
+    let explicit = r.gpu_mask.unwrap_or(0);
+    let largest = |f: fn(&Node) -> u64| move |v: &ClusterView| v.nodes().map(f).max().unwrap_or(0);
+    let rules = [
+        NeverFits {
+            why: "no node is in the task's label partition",
+            passes: Box::new(|n: &Node| n.partition() == want_label),
+            detail: Box::new(|_: &ClusterView| format!(" (asks `{want_label}`)")),
+        },
+        NeverFits {
+            why: "no node has one of the GPU types asked for",
+            passes: Box::new(|n: &Node| {
+                ask.gpu_types.is_empty() || n.gpu_type.as_ref().is_some_and(|t| ask.gpu_types.contains(t))
+            }),
+            detail: Box::new(|_: &ClusterView| format!(" (asks {})", ask.gpu_types.join(","))),
+        },
+        NeverFits {
+            why: "the job asks for no GPU and only GPU nodes remain (allow_none_gpu_job_on_gpu_node is off)",
+            passes: Box::new(|n: &Node| {
+                demand.job_uses_gpus || settings.allow_none_gpu_job_on_gpu_node || n.total().gpu_count() == 0
+            }),
+            detail: Box::new(|_: &ClusterView| String::new()),
+        },
+        NeverFits {
+            why: "no node has that many CPUs",
+            passes: Box::new(|n: &Node| r.cpu <= n.total().cpu),
+            detail: Box::new(move |v: &ClusterView| {
+                format!(
+                    " (asks {}, largest node has {})",
+                    r.cpu,
+                    largest(|n| u64::from(n.total().cpu))(v)
+                )
+            }),
+        },
+        NeverFits {
+            why: "no node has that much memory",
+            passes: Box::new(|n: &Node| r.memory_mb <= n.total().memory_mb),
+            detail: Box::new(move |v: &ClusterView| {
+                format!(
                     " (asks {} MB, largest node has {} MB)",
                     r.memory_mb,
-                    view.nodes().map(|n| n.total().memory_mb).max().unwrap_or(0)
-                ),
-                "no node has that many GPUs (or the explicit GPU mask)" => format!(
+                    largest(|n| n.total().memory_mb)(v)
+                )
+            }),
+        },
+        NeverFits {
+            why: "no node has that many GPUs (or the explicit GPU mask)",
+            passes: Box::new(|n: &Node| r.gpus <= n.total().gpu_count() && explicit & n.total().gpu_mask == explicit),
+            detail: Box::new(move |v: &ClusterView| {
+                format!(
                     " (asks {}, largest node has {})",
                     r.gpus,
-                    view.nodes().map(|n| n.total().gpu_count()).max().unwrap_or(0)
-                ),
-                "no node has one of the GPU types asked for" => format!(" (asks {})", ask.gpu_types.join(",")),
-                "no node is in the task's label partition" => format!(" (asks `{want_label}`)"),
-                _ => String::new(),
-            };
-            return Some(format!("{why}{detail}"));
+                    largest(|n| u64::from(n.total().gpu_count()))(v)
+                )
+            }),
+        },
+        NeverFits {
+            why: "no node offers those ports",
+            passes: Box::new(|n: &Node| {
+                let t = &n.total().ports;
+                statics.is_subset(t) && t.subtract(&statics).count_at_least(settings.container_min_port) >= dynamic
+            }),
+            detail: Box::new(|_: &ClusterView| String::new()),
+        },
+    ];
+    let mut nodes: Vec<&Node> = view.nodes().collect();
+    for rule in &rules {
+        nodes.retain(|n| (rule.passes)(n));
+        if nodes.is_empty() {
+            return Some(format!("{}{}", rule.why, (rule.detail)(view)));
         }
     }
     None

@@ -96,7 +96,11 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
     for (n, (ri, index)) in order.into_iter().enumerate() {
         let role = &job.task_roles[ri];
         let shape = TaskShape::of(&role.resources);
-        let reuse = if role.same_port_allocation { role_ports[ri].as_ref() } else { None };
+        let reuse = if role.same_port_allocation {
+            role_ports[ri].as_ref()
+        } else {
+            None
+        };
         let ask = TaskAsk {
             role: &role.name,
             resources: &role.resources,

@@ -344,7 +344,10 @@ impl Stage for JobPacking {
         if cands.len() > keep {
             cands.select_nth_unstable_by(keep - 1, |a, b| rank_key(a).cmp(&rank_key(b)));
             for c in cands.drain(keep..) {
-                trace.drop_node("ranked below the candidate cut (waiting tasks × candidate_nodes_factor)", &c.node.host);
+                trace.drop_node(
+                    "ranked below the candidate cut (waiting tasks × candidate_nodes_factor)",
+                    &c.node.host,
+                );
             }
         }
         cands.sort_unstable_by(|a, b| rank_key(a).cmp(&rank_key(b)).then_with(|| Ordering::Equal));

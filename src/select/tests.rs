@@ -13,10 +13,20 @@ fn node(host: &str, rack: &str, gpus: u32, used_mask: u64) -> Node {
     let mut n = Node::new(
         host,
         rack,
-        Resources::with_mask(64, 256_000, crate::resources::mask_of_count(gpus), PortSet::range(20000, 29999)),
+        Resources::with_mask(
+            64,
+            256_000,
+            crate::resources::mask_of_count(gpus),
+            PortSet::range(20000, 29999),
+        ),
     );
     let used_gpus = used_mask.count_ones();
-    n.set_used(Resources::with_mask(4 * used_gpus, 8192 * u64::from(used_gpus), used_mask, PortSet::new()));
+    n.set_used(Resources::with_mask(
+        4 * used_gpus,
+        8192 * u64::from(used_gpus),
+        used_mask,
+        PortSet::new(),
+    ));
     n
 }
 
@@ -127,7 +137,10 @@ fn labels_are_partitions() {
     a.node_label = Some(" gpu ");
     assert_eq!(placed(&s.select(&a, &JobDemand::new(true))).host, "labelled");
     a.node_label = Some("nope");
-    assert!(matches!(s.select(&a, &JobDemand::new(true)).outcome, Outcome::Impossible { .. }));
+    assert!(matches!(
+        s.select(&a, &JobDemand::new(true)).outcome,
+        Outcome::Impossible { .. }
+    ));
 }
 
 #[test]
@@ -142,7 +155,10 @@ fn gpu_type_filter_is_never_relaxed() {
     let mut t = ask(&r);
     t.gpu_types = &types;
     let sel = s.select(&t, &JobDemand::new(true));
-    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "V100 node is full; A100 is never used");
+    assert!(
+        matches!(sel.outcome, Outcome::NotNow { .. }),
+        "V100 node is full; A100 is never used"
+    );
     assert_eq!(stage(&sel, "gpu-type").nodes_out, 1);
     let none = vec!["H200".to_string()];
     t.gpu_types = &none;
@@ -177,9 +193,15 @@ fn explicit_masks_are_honoured_exactly() {
     r.gpu_mask = Some(0x03);
     let sel = s.select(&ask(&r), &JobDemand::new(true));
     assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "bit 0 is used");
-    assert_eq!(stage(&sel, "resources").dropped[0].reason, "the requested GPU mask is not free");
+    assert_eq!(
+        stage(&sel, "resources").dropped[0].reason,
+        "the requested GPU mask is not free"
+    );
     r.gpu_mask = Some(0x300);
-    assert!(matches!(s.select(&ask(&r), &JobDemand::new(true)).outcome, Outcome::Impossible { .. }));
+    assert!(matches!(
+        s.select(&ask(&r), &JobDemand::new(true)).outcome,
+        Outcome::Impossible { .. }
+    ));
 }
 
 #[test]
@@ -207,7 +229,10 @@ fn static_dynamic_and_mixed_ports() {
         let labelled = assign_port_labels(&r, &p.resources.ports).unwrap();
         assert_eq!(labelled[0], ("http".to_string(), vec![20005, 20006]));
         assert_eq!(labelled[1].1.len(), 3);
-        assert!(labelled[1].1.iter().all(|p| *p >= 20000 && !(20005..=20006).contains(p)));
+        assert!(labelled[1]
+            .1
+            .iter()
+            .all(|p| *p >= 20000 && !(20005..=20006).contains(p)));
     }
 }
 
@@ -242,7 +267,13 @@ fn dynamic_ports_respect_container_min_port() {
         count: 2,
         start: None,
     }];
-    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).resources.ports.to_string(), "2000-2001");
+    assert_eq!(
+        placed(&s.select(&ask(&r), &JobDemand::new(true)))
+            .resources
+            .ports
+            .to_string(),
+        "2000-2001"
+    );
     r.ports[0].count = 3;
     match s.select(&ask(&r), &JobDemand::new(true)).outcome {
         Outcome::Impossible { reason } => assert!(reason.contains("ports"), "{reason}"),
@@ -263,7 +294,11 @@ fn same_port_allocation_reuses_the_roles_ports() {
     let s = selector((0..3).map(|i| node(&format!("n{i}"), "/r", 1, 0)).collect());
     let plan = plan_job(&s, &j);
     assert!(plan.unplaced.is_empty(), "{:?}", plan.unplaced);
-    let ports: Vec<_> = plan.placements.iter().map(|p| p.placement.resources.ports.clone()).collect();
+    let ports: Vec<_> = plan
+        .placements
+        .iter()
+        .map(|p| p.placement.resources.ports.clone())
+        .collect();
     assert!(ports.iter().all(|p| *p == ports[0]), "{ports:?}");
     let hosts: std::collections::HashSet<_> = plan.placements.iter().map(|p| p.host.clone()).collect();
     assert_eq!(hosts.len(), 3, "one GPU each: three nodes");
@@ -276,7 +311,10 @@ fn requested_bookkeeping_reduces_and_restores_availability() {
     let p = placed(&s.select_and_reserve(&ask(&r), &JobDemand::new(true))).clone();
     assert_eq!(p.resources.gpu_mask, 0x3);
     let sel = s.select(&ask(&r), &JobDemand::new(true));
-    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "booked GPUs are not free");
+    assert!(
+        matches!(sel.outcome, Outcome::NotNow { .. }),
+        "booked GPUs are not free"
+    );
     assert!(!s.add_requested("a", &p.resources), "double booking is refused");
     s.remove_requested("a", &p.resources, false);
     assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a");
@@ -294,7 +332,11 @@ fn tried_resources_are_avoided_until_their_time_is_up() {
     st.tried_resource_ttl_sec = 0;
     let s = Selector::new(ClusterView::new(vec![node("a", "/r", 2, 0)]), st);
     s.remove_requested("a", &p.resources, true);
-    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a", "expired at once");
+    assert_eq!(
+        placed(&s.select(&ask(&r), &JobDemand::new(true))).host,
+        "a",
+        "expired at once"
+    );
 }
 
 #[test]
@@ -306,7 +348,11 @@ fn a_job_that_fits_one_node_goes_onto_one_node() {
     let j = job(vec![role("w", 4, res(4, 8192, 2))]);
     let plan = plan_job(&s, &j);
     assert!(plan.unplaced.is_empty());
-    assert!(plan.placements.iter().all(|p| p.host == "empty"), "{:?}", plan.placements);
+    assert!(
+        plan.placements.iter().all(|p| p.host == "empty"),
+        "{:?}",
+        plan.placements
+    );
     let masks: u64 = plan.placements.iter().fold(0, |m, p| {
         assert_eq!(m & p.placement.resources.gpu_mask, 0);
         m | p.placement.resources.gpu_mask
@@ -384,13 +430,26 @@ fn impossible_is_distinct_from_not_now() {
 
 #[test]
 fn trace_counts_every_stage_in_order() {
-    let s = selector((0..10).map(|i| node(&format!("n{i}"), "/r", 8, if i < 4 { 0xff } else { 0 })).collect());
+    let s = selector(
+        (0..10)
+            .map(|i| node(&format!("n{i}"), "/r", 8, if i < 4 { 0xff } else { 0 }))
+            .collect(),
+    );
     let r = res(1, 1000, 1);
     let sel = s.select(&ask(&r), &JobDemand::new(true));
     let names: Vec<_> = sel.trace.stages.iter().map(|s| s.stage).collect();
     assert_eq!(
         names,
-        ["candidates", "node-label", "gpu-type", "none-gpu", "ports", "resources", "rack-policy", "job-packing"]
+        [
+            "candidates",
+            "node-label",
+            "gpu-type",
+            "none-gpu",
+            "ports",
+            "resources",
+            "rack-policy",
+            "job-packing"
+        ]
     );
     let res_stage = stage(&sel, "resources");
     assert_eq!((res_stage.nodes_in, res_stage.nodes_out), (10, 6));
@@ -405,7 +464,10 @@ fn trace_counts_every_stage_in_order() {
 #[test]
 fn roles_interleave_by_index() {
     let j = job(vec![role("ps", 2, res(1, 1, 0)), role("w", 3, res(1, 1, 1))]);
-    let order: Vec<_> = request_order(&j).into_iter().map(|(r, i)| (j.task_roles[r].name.clone(), i)).collect();
+    let order: Vec<_> = request_order(&j)
+        .into_iter()
+        .map(|(r, i)| (j.task_roles[r].name.clone(), i))
+        .collect();
     let expect: Vec<_> = [("ps", 0), ("w", 0), ("ps", 1), ("w", 1), ("w", 2)]
         .iter()
         .map(|(r, i)| (r.to_string(), *i))
@@ -441,7 +503,10 @@ fn topologies_are_shared_between_nodes() {
     s.with_view(|v| {
         let ta = v.get("a").unwrap().topology.as_ref().unwrap();
         let tb = v.get("b").unwrap().topology.as_ref().unwrap();
-        assert!(Arc::ptr_eq(ta, tb), "one copy, so the GPU choice cache hits across nodes");
+        assert!(
+            Arc::ptr_eq(ta, tb),
+            "one copy, so the GPU choice cache hits across nodes"
+        );
     });
 }
 
@@ -459,7 +524,7 @@ proptest! {
         let nodes: Vec<Node> = used.iter().enumerate().map(|(i, m)| {
             let mut n = node(&format!("n{i}"), if i % 2 == 0 { "/a" } else { "/b" }, 8, u64::from(*m));
             n.set_total(Resources::with_mask(16, 64_000, 0xff, PortSet::range(2000, 2009)));
-            n.set_used(Resources::with_mask(u32::from(m.count_ones()), 1000, u64::from(*m), PortSet::new()));
+            n.set_used(Resources::with_mask(m.count_ones(), 1000, u64::from(*m), PortSet::new()));
             n
         }).collect();
         let mut st = settings();

@@ -82,7 +82,11 @@ impl TaskResources {
 
     /// How many dynamic ports the role needs.
     pub fn dynamic_port_count(&self) -> u32 {
-        self.ports.iter().filter(|p| p.start.is_none()).map(|p| u32::from(p.count)).sum()
+        self.ports
+            .iter()
+            .filter(|p| p.start.is_none())
+            .map(|p| u32::from(p.count))
+            .sum()
     }
 
     /// The request as a resource amount: static ports and explicit mask included,
@@ -128,7 +132,11 @@ pub struct SpecErrors(pub Vec<SpecError>);
 
 impl fmt::Display for SpecError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}: {}: {}", self.source, self.line, self.col, self.field, self.message)?;
+        write!(
+            f,
+            "{}:{}:{}: {}: {}",
+            self.source, self.line, self.col, self.field, self.message
+        )?;
         if !self.fix.is_empty() {
             write!(f, "\n  fix: {}", self.fix)?;
         }

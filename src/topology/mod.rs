@@ -79,5 +79,9 @@ impl Topology {
 /// Chooses `k` GPUs among `free`. `None` when `free` has fewer than `k` bits.
 pub fn choose(topo: Option<&Topology>, free: GpuMask, k: u32) -> Option<GpuChoice> {
     let _ = topo;
-    lowest_bits(free, k).map(|mask| GpuChoice { mask, tier: 0, weight: 0 })
+    lowest_bits(free, k).map(|mask| GpuChoice {
+        mask,
+        tier: 0,
+        weight: 0,
+    })
 }

@@ -1,0 +1,180 @@
+//! Applications as the RM tracks them: ids, per-app bearer tokens, the state machine
+//! (ACCEPTED → RUNNING → FINISHED / FAILED / KILLED), the allocate heartbeat's memory
+//! (last answer for idempotent retries, containers completed since the last answer,
+//! which node changes this app has already seen).
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rand::RngCore;
+
+use crate::protocol::{AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus};
+
+/// Milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A fresh 128-bit random token as 32 hex digits (from the OS generator).
+pub fn new_token() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Compares two secrets in time that depends only on their lengths.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// YARN-style application id.
+pub fn app_id(cluster_ts: u64, seq: u32) -> String {
+    format!("application_{cluster_ts}_{seq:04}")
+}
+
+/// One application.
+pub struct App {
+    pub id: String,
+    pub name: String,
+    token: String,
+    pub state: AppState,
+    pub final_status: FinalStatus,
+    pub exit_code: Option<i32>,
+    pub diagnostics: String,
+    pub tracking_url: String,
+    pub progress: f32,
+    pub started_time: u64,
+    pub finished_time: u64,
+    pub attempt: u32,
+    pub registered: bool,
+    /// The AM called finish (its process exiting afterwards is expected).
+    pub unregistered: bool,
+    /// Answers carry `command: SHUTDOWN` (the application was killed).
+    pub shutdown: bool,
+    /// The last allocate request's responseId and the answer given to it.
+    pub last_allocate: Option<(u64, AllocateResponse)>,
+    /// Containers of this app that ended since the last allocate answer.
+    pub pending_completed: Vec<CompletedContainer>,
+    /// Ledger epoch this app's last answer covered (for `updatedNodes`).
+    pub nodes_seen: u64,
+}
+
+impl App {
+    pub fn new(id: String, name: String) -> Self {
+        App {
+            id,
+            name,
+            token: new_token(),
+            state: AppState::Accepted,
+            final_status: FinalStatus::Undefined,
+            exit_code: None,
+            diagnostics: String::new(),
+            tracking_url: String::new(),
+            progress: 0.0,
+            started_time: now_ms(),
+            finished_time: 0,
+            attempt: 1,
+            registered: false,
+            unregistered: false,
+            shutdown: false,
+            last_allocate: None,
+            pending_completed: Vec::new(),
+            nodes_seen: 0,
+        }
+    }
+
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    pub fn token_matches(&self, presented: &str) -> bool {
+        constant_time_eq(self.token.as_bytes(), presented.as_bytes())
+    }
+
+    /// Moves to a final state once; later calls change nothing.
+    pub fn finish(&mut self, state: AppState, final_status: FinalStatus, exit_code: i32, diagnostics: String) -> bool {
+        if self.state.is_final() {
+            return false;
+        }
+        self.state = state;
+        self.final_status = final_status;
+        self.exit_code = Some(exit_code);
+        self.diagnostics = diagnostics;
+        self.finished_time = now_ms();
+        if state == AppState::Finished {
+            self.progress = 1.0;
+        }
+        true
+    }
+
+    pub fn report(&self) -> AppReport {
+        AppReport {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            state: self.state,
+            final_status: self.final_status,
+            exit_code: self.exit_code,
+            diagnostics: self.diagnostics.clone(),
+            tracking_url: self.tracking_url.clone(),
+            progress: self.progress,
+            started_time: self.started_time,
+            finished_time: self.finished_time,
+            attempt: self.attempt,
+        }
+    }
+}
+
+impl std::fmt::Debug for App {
+    /// Never prints the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_long_random_hex() {
+        let a = new_token();
+        let b = new_token();
+        assert_eq!(a.len(), 32);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn constant_time_eq_compares() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        let app = App::new("application_1_0001".into(), "x".into());
+        assert!(app.token_matches(app.token()));
+        assert!(!app.token_matches(""));
+        assert!(!format!("{app:?}").contains(app.token()), "Debug never shows the token");
+    }
+
+    #[test]
+    fn finish_happens_once() {
+        let mut app = App::new(app_id(17, 3), "x".into());
+        assert_eq!(app.id, "application_17_0003");
+        assert!(app.finish(AppState::Killed, FinalStatus::Killed, 1, "killed".into()));
+        assert!(!app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new()));
+        let r = app.report();
+        assert_eq!(
+            (r.state, r.final_status, r.exit_code),
+            (AppState::Killed, FinalStatus::Killed, Some(1))
+        );
+        assert!(r.finished_time > 0);
+    }
+}

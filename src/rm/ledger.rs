@@ -1,0 +1,672 @@
+//! The scheduler ledger: every node's total and used resources and every container's
+//! life (Allocated → Running → Complete). Pure bookkeeping — no I/O, no clocks of its
+//! own (callers pass `now`) — so it can be property-tested.
+//!
+//! The one rule it exists for: an ask is granted only when every GPU bit, port, CPU
+//! and MB it names is free on its host at that moment, and then exactly as asked.
+//! A node's `used` is always recomputed as its baseline (what the cluster file says is
+//! already taken by others) plus the sum of its live containers, so it can never drift
+//! from the container list.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use crate::cluster::{Node, NodeState};
+use crate::protocol::{exit_status, Ask, Container, ContainerState, Rejection};
+use crate::resources::{mask_hex, Resources};
+
+/// Default time a granted container may stay unstarted (YARN's 10 minutes).
+pub const DEFAULT_CONTAINER_EXPIRY: Duration = Duration::from_secs(600);
+
+pub const DIAG_EXPIRED: &str = "Container expired since it was unused";
+pub const DIAG_LOST_NODE: &str = "Container released on a *lost* node";
+
+/// One container as the ledger tracks it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LedgerContainer {
+    pub container: Container,
+    pub app_id: String,
+    pub attempt: u32,
+    pub state: ContainerState,
+    pub allocated_at: Instant,
+    pub exit_status: Option<i32>,
+    pub diagnostics: String,
+}
+
+/// A container that just ended, for the RM to report to its application.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ended {
+    pub container_id: String,
+    pub app_id: String,
+    pub attempt: u32,
+    pub host: String,
+    /// The state it was in before it ended (Running ones need stopping).
+    pub was: ContainerState,
+    pub exit_status: i32,
+    pub diagnostics: String,
+}
+
+/// Misuse of a container's life cycle.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    #[error("container {0} is not known")]
+    UnknownContainer(String),
+    #[error("container {id} is {state:?}, not {expected:?}")]
+    WrongState {
+        id: String,
+        state: ContainerState,
+        expected: ContainerState,
+    },
+}
+
+struct LedgerNode {
+    node: Node,
+    /// Taken by something outside this RM (the cluster file's `used:`); never freed.
+    baseline: Resources,
+    live: BTreeSet<String>,
+    /// Value of `Ledger::epoch` when this node's used resources or state last changed.
+    changed_at: u64,
+}
+
+/// Nodes and containers of the RM.
+pub struct Ledger {
+    nodes: BTreeMap<String, LedgerNode>,
+    containers: HashMap<String, LedgerContainer>,
+    next_container: u64,
+    expiry: Duration,
+    epoch: u64,
+}
+
+impl Ledger {
+    /// Starts with no containers. A node's `used` in the input is kept as its
+    /// baseline: taken by others, never granted, never freed.
+    pub fn new(nodes: impl IntoIterator<Item = Node>, expiry: Duration) -> Self {
+        let nodes = nodes
+            .into_iter()
+            .map(|mut n| {
+                n.set_requested(Resources::default());
+                let host = n.host.clone();
+                (
+                    host,
+                    LedgerNode {
+                        baseline: n.used().clone(),
+                        node: n,
+                        live: BTreeSet::new(),
+                        changed_at: 0,
+                    },
+                )
+            })
+            .collect();
+        Ledger {
+            nodes,
+            containers: HashMap::new(),
+            next_container: 1,
+            expiry,
+            epoch: 0,
+        }
+    }
+
+    pub fn expiry(&self) -> Duration {
+        self.expiry
+    }
+
+    pub fn node(&self, host: &str) -> Option<&Node> {
+        self.nodes.get(host).map(|n| &n.node)
+    }
+
+    /// Every node with its number of live containers, ordered by host.
+    pub fn nodes(&self) -> impl Iterator<Item = (&Node, u32)> {
+        self.nodes.values().map(|n| (&n.node, n.live.len() as u32))
+    }
+
+    pub fn num_containers(&self, host: &str) -> u32 {
+        self.nodes.get(host).map_or(0, |n| n.live.len() as u32)
+    }
+
+    /// A change counter: it grows whenever some node's used resources or state change.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Nodes that changed after epoch `since`, with their live container counts.
+    pub fn changed_since(&self, since: u64) -> impl Iterator<Item = (&Node, u32)> {
+        self.nodes
+            .values()
+            .filter(move |n| n.changed_at > since)
+            .map(|n| (&n.node, n.live.len() as u32))
+    }
+
+    pub fn container(&self, id: &str) -> Option<&LedgerContainer> {
+        self.containers.get(id)
+    }
+
+    /// Ids of the live (Allocated or Running) containers of an application.
+    pub fn live_containers_of(&self, app_id: &str) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .containers
+            .values()
+            .filter(|c| c.app_id == app_id && c.state != ContainerState::Complete)
+            .map(|c| c.container.container_id.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Ids of every live container.
+    pub fn live_containers(&self) -> Vec<String> {
+        self.nodes.values().flat_map(|n| n.live.iter().cloned()).collect()
+    }
+
+    /// The componentwise largest node total (YARN's maximum allocation).
+    pub fn max_capability(&self) -> Resources {
+        let mut best = Resources::default();
+        for n in self.nodes.values() {
+            let t = n.node.total();
+            best.cpu = best.cpu.max(t.cpu);
+            best.memory_mb = best.memory_mb.max(t.memory_mb);
+            if t.gpu_count() > best.gpu_count() {
+                best.gpus = t.gpu_count();
+                best.gpu_mask = t.gpu_mask;
+            }
+            best.ports = best.ports.union(&t.ports);
+        }
+        best
+    }
+
+    /// True when no container is live and every node's used amount is its baseline.
+    pub fn all_free(&self) -> bool {
+        self.nodes
+            .values()
+            .all(|n| n.live.is_empty() && *n.node.used() == n.baseline)
+            && self.containers.values().all(|c| c.state == ContainerState::Complete)
+    }
+
+    /// Grants `ask` to `app_id`/`attempt` if every requested unit is free on its host
+    /// right now, exactly as asked; otherwise rejects with the reason.
+    pub fn grant(&mut self, app_id: &str, attempt: u32, ask: &Ask, now: Instant) -> Result<Container, Rejection> {
+        let reject = |retryable: bool, reason: String| Rejection {
+            request_id: ask.request_id,
+            reason,
+            retryable,
+        };
+        let Some(ln) = self.nodes.get(&ask.host) else {
+            return Err(reject(false, format!("unknown host `{}`", ask.host)));
+        };
+        let node = &ln.node;
+        match node.state {
+            NodeState::Running => {}
+            s @ (NodeState::Lost | NodeState::Decommissioned | NodeState::Decommissioning | NodeState::Shutdown) => {
+                return Err(reject(
+                    false,
+                    format!("host `{}` is {s:?} and takes no new containers", ask.host),
+                ));
+            }
+            s => {
+                return Err(reject(true, format!("host `{}` is {s:?}, not RUNNING", ask.host)));
+            }
+        }
+        let want = ask.resources();
+        let total = node.total();
+        let mut never = Vec::new();
+        if want.cpu > total.cpu {
+            never.push(format!("{} CPUs asked, the node has {}", want.cpu, total.cpu));
+        }
+        if want.memory_mb > total.memory_mb {
+            never.push(format!("{} MB asked, the node has {}", want.memory_mb, total.memory_mb));
+        }
+        let missing_gpus = want.gpu_mask & !total.gpu_mask;
+        if missing_gpus != 0 {
+            never.push(format!(
+                "GPU bits {} do not exist on the node (it has {})",
+                mask_hex(missing_gpus),
+                mask_hex(total.gpu_mask)
+            ));
+        }
+        let missing_ports = want.ports.subtract(&total.ports);
+        if !missing_ports.is_empty() {
+            never.push(format!("ports [{missing_ports}] are not offered by the node"));
+        }
+        if !never.is_empty() {
+            return Err(reject(false, format!("host `{}`: {}", ask.host, never.join("; "))));
+        }
+        let free = total.subtract(node.used());
+        let mut busy = Vec::new();
+        if want.cpu > free.cpu {
+            busy.push(format!("{} CPUs asked, {} free", want.cpu, free.cpu));
+        }
+        if want.memory_mb > free.memory_mb {
+            busy.push(format!("{} MB asked, {} free", want.memory_mb, free.memory_mb));
+        }
+        let taken_gpus = want.gpu_mask & node.used().gpu_mask;
+        if taken_gpus != 0 {
+            busy.push(format!("GPU bits {} are in use", mask_hex(taken_gpus)));
+        }
+        let taken_ports = want.ports.intersect(&node.used().ports);
+        if !taken_ports.is_empty() {
+            busy.push(format!("ports [{taken_ports}] are in use"));
+        }
+        if !busy.is_empty() {
+            return Err(reject(true, format!("host `{}`: {}", ask.host, busy.join("; "))));
+        }
+
+        let seq = self.next_container;
+        self.next_container += 1;
+        let container = Container {
+            container_id: container_id(app_id, attempt, seq),
+            request_id: ask.request_id,
+            host: ask.host.clone(),
+            node_http_address: node.http_address.clone(),
+            resources: want,
+        };
+        self.containers.insert(
+            container.container_id.clone(),
+            LedgerContainer {
+                container: container.clone(),
+                app_id: app_id.to_string(),
+                attempt,
+                state: ContainerState::Allocated,
+                allocated_at: now,
+                exit_status: None,
+                diagnostics: String::new(),
+            },
+        );
+        if let Some(ln) = self.nodes.get_mut(&ask.host) {
+            ln.live.insert(container.container_id.clone());
+        }
+        self.recompute(&ask.host);
+        Ok(container)
+    }
+
+    /// Allocated → Running (the executor started it).
+    pub fn mark_running(&mut self, id: &str) -> Result<(), LedgerError> {
+        let c = self
+            .containers
+            .get_mut(id)
+            .ok_or_else(|| LedgerError::UnknownContainer(id.to_string()))?;
+        if c.state != ContainerState::Allocated {
+            return Err(LedgerError::WrongState {
+                id: id.to_string(),
+                state: c.state,
+                expected: ContainerState::Allocated,
+            });
+        }
+        c.state = ContainerState::Running;
+        Ok(())
+    }
+
+    /// Ends a live container and frees exactly its resources. `None` when it is
+    /// unknown or already complete (completing twice is harmless).
+    pub fn complete(&mut self, id: &str, exit: i32, diagnostics: &str) -> Option<Ended> {
+        let c = self.containers.get_mut(id)?;
+        if c.state == ContainerState::Complete {
+            return None;
+        }
+        let was = c.state;
+        c.state = ContainerState::Complete;
+        c.exit_status = Some(exit);
+        c.diagnostics = diagnostics.to_string();
+        let ended = Ended {
+            container_id: id.to_string(),
+            app_id: c.app_id.clone(),
+            attempt: c.attempt,
+            host: c.container.host.clone(),
+            was,
+            exit_status: exit,
+            diagnostics: diagnostics.to_string(),
+        };
+        if let Some(ln) = self.nodes.get_mut(&ended.host) {
+            ln.live.remove(id);
+        }
+        self.recompute(&ended.host);
+        Some(ended)
+    }
+
+    /// Completes every container that stayed Allocated longer than the expiry.
+    pub fn expire(&mut self, now: Instant) -> Vec<Ended> {
+        let mut due: Vec<String> = self
+            .containers
+            .values()
+            .filter(|c| {
+                c.state == ContainerState::Allocated && now.saturating_duration_since(c.allocated_at) > self.expiry
+            })
+            .map(|c| c.container.container_id.clone())
+            .collect();
+        due.sort();
+        due.iter()
+            .filter_map(|id| self.complete(id, exit_status::ABORTED, DIAG_EXPIRED))
+            .collect()
+    }
+
+    /// Sets a node's state. Unusable states (LOST, UNHEALTHY, ...) end its containers
+    /// with -100, as YARN does. Unknown hosts give `None`.
+    pub fn set_node_state(&mut self, host: &str, state: NodeState) -> Option<Vec<Ended>> {
+        let ln = self.nodes.get_mut(host)?;
+        ln.node.state = state;
+        let ids: Vec<String> = if state.is_unusable() {
+            ln.live.iter().cloned().collect()
+        } else {
+            Vec::new()
+        };
+        self.epoch += 1;
+        if let Some(ln) = self.nodes.get_mut(host) {
+            ln.changed_at = self.epoch;
+        }
+        Some(
+            ids.iter()
+                .filter_map(|id| self.complete(id, exit_status::ABORTED, DIAG_LOST_NODE))
+                .collect(),
+        )
+    }
+
+    /// Marks a node LOST (its containers complete with -100).
+    pub fn mark_node_lost(&mut self, host: &str) -> Option<Vec<Ended>> {
+        self.set_node_state(host, NodeState::Lost)
+    }
+
+    /// used = the sum of the node's live containers.
+    fn recompute(&mut self, host: &str) {
+        let Some(ln) = self.nodes.get_mut(host) else {
+            return;
+        };
+        let mut used = ln.baseline.clone();
+        for id in &ln.live {
+            if let Some(c) = self.containers.get(id) {
+                // Grants never overlap, so this cannot fail; if it ever did, keep the
+                // larger claim rather than under-count.
+                used = match used.try_add(&c.container.resources) {
+                    Ok(u) => u,
+                    Err(_) => {
+                        tracing::error!(container = %id, "ledger: overlapping containers on {host}");
+                        used
+                    }
+                };
+            }
+        }
+        ln.node.set_used(used);
+        self.epoch += 1;
+        ln.changed_at = self.epoch;
+    }
+}
+
+/// YARN-style id: `container_<clusterTs>_<appSeq>_<attempt:02>_<seq:06>` for
+/// `application_<clusterTs>_<appSeq>` ids; other ids are embedded as they are.
+pub fn container_id(app_id: &str, attempt: u32, seq: u64) -> String {
+    let base = app_id.strip_prefix("application_").unwrap_or(app_id);
+    format!("container_{base}_{attempt:02}_{seq:06}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::PortSet;
+    use proptest::prelude::*;
+
+    fn node(host: &str, cpu: u32, mem: u64, mask: u64, ports: &str) -> Node {
+        Node::new(
+            host,
+            "/r",
+            Resources::with_mask(cpu, mem, mask, PortSet::parse(ports).unwrap()),
+        )
+    }
+
+    fn ledger() -> Ledger {
+        Ledger::new(
+            [
+                node("a", 8, 1000, 0xf, "2000-2009"),
+                node("b", 4, 500, 0x3, "3000-3001"),
+            ],
+            Duration::from_secs(10),
+        )
+    }
+
+    fn ask(id: u64, host: &str, cpu: u32, mem: u64, mask: u64, ports: &str) -> Ask {
+        Ask {
+            request_id: id,
+            host: host.into(),
+            cpu,
+            memory_mb: mem,
+            gpu_mask: mask,
+            ports: PortSet::parse(ports).unwrap(),
+        }
+    }
+
+    #[test]
+    fn grants_exactly_what_was_asked() {
+        let mut l = ledger();
+        let now = Instant::now();
+        let c = l
+            .grant("application_1_0001", 1, &ask(7, "a", 2, 100, 0x6, "2003,2005"), now)
+            .unwrap();
+        assert_eq!(c.request_id, 7);
+        assert_eq!(c.host, "a");
+        assert_eq!(c.container_id, "container_1_0001_01_000001");
+        assert_eq!(c.resources.gpu_mask, 0x6);
+        assert_eq!(c.resources.gpus, 2);
+        assert_eq!(c.resources.ports, PortSet::parse("2003,2005").unwrap());
+        let used = l.node("a").unwrap().used();
+        assert_eq!((used.cpu, used.memory_mb, used.gpu_mask), (2, 100, 0x6));
+        assert_eq!(l.num_containers("a"), 1);
+        assert!(!l.all_free());
+    }
+
+    #[test]
+    fn busy_is_retryable_impossible_is_not() {
+        let mut l = ledger();
+        let now = Instant::now();
+        l.grant("app1", 1, &ask(1, "a", 2, 100, 0x1, "2000"), now).unwrap();
+        let r = l.grant("app2", 1, &ask(2, "a", 1, 1, 0x3, ""), now).unwrap_err();
+        assert!(r.retryable && r.reason.contains("GPU bits 0x1 are in use"), "{r:?}");
+        let r = l.grant("app2", 1, &ask(3, "a", 1, 1, 0, "2000"), now).unwrap_err();
+        assert!(r.retryable && r.reason.contains("ports [2000]"), "{r:?}");
+        let r = l.grant("app2", 1, &ask(4, "a", 7, 1, 0, ""), now).unwrap_err();
+        assert!(r.retryable && r.reason.contains("CPUs"), "{r:?}");
+        let r = l.grant("app2", 1, &ask(5, "a", 1, 901, 0, ""), now).unwrap_err();
+        assert!(r.retryable && r.reason.contains("MB"), "{r:?}");
+
+        for (a, what) in [
+            (ask(6, "zz", 1, 1, 0, ""), "unknown host"),
+            (ask(7, "b", 1, 1, 0x4, ""), "GPU bits 0x4 do not exist"),
+            (ask(8, "b", 5, 1, 0, ""), "5 CPUs asked, the node has 4"),
+            (ask(9, "b", 1, 501, 0, ""), "501 MB asked"),
+            (ask(10, "b", 1, 1, 0, "2000"), "ports [2000] are not offered"),
+        ] {
+            let r = l.grant("app2", 1, &a, now).unwrap_err();
+            assert!(!r.retryable && r.reason.contains(what), "{r:?} should say {what}");
+            assert_eq!(r.request_id, a.request_id);
+        }
+        assert_eq!(l.num_containers("b"), 0, "rejections leave nothing behind");
+    }
+
+    #[test]
+    fn complete_frees_exactly_and_only_once() {
+        let mut l = ledger();
+        let now = Instant::now();
+        let c1 = l.grant("app", 1, &ask(1, "a", 2, 100, 0x1, "2000"), now).unwrap();
+        let c2 = l.grant("app", 1, &ask(2, "a", 3, 200, 0x6, "2001-2002"), now).unwrap();
+        let e = l.complete(&c1.container_id, 0, "done").unwrap();
+        assert_eq!(
+            (e.exit_status, e.was, e.app_id.as_str()),
+            (0, ContainerState::Allocated, "app")
+        );
+        let used = l.node("a").unwrap().used();
+        assert_eq!((used.cpu, used.memory_mb, used.gpu_mask), (3, 200, 0x6));
+        assert_eq!(used.ports, PortSet::parse("2001-2002").unwrap());
+        assert_eq!(l.complete(&c1.container_id, 0, "again"), None);
+        assert_eq!(l.container(&c1.container_id).unwrap().exit_status, Some(0));
+        l.mark_running(&c2.container_id).unwrap();
+        assert!(matches!(
+            l.mark_running(&c2.container_id),
+            Err(LedgerError::WrongState { .. })
+        ));
+        assert_eq!(
+            l.complete(&c2.container_id, 1, "x").unwrap().was,
+            ContainerState::Running
+        );
+        assert!(l.all_free());
+        // The freed bits can be granted again.
+        l.grant("other", 1, &ask(3, "a", 8, 1000, 0xf, "2000-2009"), now)
+            .unwrap();
+    }
+
+    #[test]
+    fn unused_containers_expire() {
+        let mut l = ledger();
+        let t0 = Instant::now();
+        let c1 = l.grant("app", 1, &ask(1, "a", 1, 1, 0x1, ""), t0).unwrap();
+        let c2 = l.grant("app", 1, &ask(2, "a", 1, 1, 0x2, ""), t0).unwrap();
+        l.mark_running(&c2.container_id).unwrap();
+        assert!(l.expire(t0 + Duration::from_secs(5)).is_empty());
+        let ended = l.expire(t0 + Duration::from_secs(11));
+        assert_eq!(ended.len(), 1, "only the never-started one");
+        assert_eq!(ended[0].container_id, c1.container_id);
+        assert_eq!(ended[0].exit_status, -100);
+        assert_eq!(ended[0].diagnostics, DIAG_EXPIRED);
+        assert_eq!(l.node("a").unwrap().used().gpu_mask, 0x2);
+    }
+
+    #[test]
+    fn lost_node_releases_its_containers() {
+        let mut l = ledger();
+        let now = Instant::now();
+        let c = l.grant("app", 1, &ask(1, "b", 1, 1, 0x1, ""), now).unwrap();
+        l.grant("app", 1, &ask(2, "a", 1, 1, 0x1, ""), now).unwrap();
+        let e0 = l.epoch();
+        let ended = l.mark_node_lost("b").unwrap();
+        assert_eq!(ended.len(), 1);
+        assert_eq!(ended[0].container_id, c.container_id);
+        assert_eq!(
+            (ended[0].exit_status, ended[0].diagnostics.as_str()),
+            (-100, DIAG_LOST_NODE)
+        );
+        assert_eq!(l.node("b").unwrap().state, NodeState::Lost);
+        assert!(l.node("b").unwrap().used().is_zero());
+        let changed: Vec<&str> = l.changed_since(e0).map(|(n, _)| n.host.as_str()).collect();
+        assert_eq!(changed, vec!["b"]);
+        let r = l.grant("app", 1, &ask(3, "b", 1, 1, 0, ""), now).unwrap_err();
+        assert!(!r.retryable);
+        assert!(l.mark_node_lost("nope").is_none());
+        assert_eq!(l.live_containers_of("app").len(), 1);
+    }
+
+    #[test]
+    fn baseline_used_is_never_granted_nor_freed() {
+        let mut n = node("a", 8, 1000, 0xf, "2000-2009");
+        n.set_used(Resources::with_mask(2, 100, 0x1, PortSet::parse("2000").unwrap()));
+        let mut l = Ledger::new([n], Duration::from_secs(10));
+        assert!(l.all_free(), "nothing of ours is live");
+        let now = Instant::now();
+        let r = l.grant("app", 1, &ask(1, "a", 1, 1, 0x1, ""), now).unwrap_err();
+        assert!(r.retryable && r.reason.contains("0x1 are in use"), "{r:?}");
+        let r = l.grant("app", 1, &ask(2, "a", 7, 1, 0, ""), now).unwrap_err();
+        assert!(r.retryable, "6 CPUs free, 7 asked: {r:?}");
+        let c = l.grant("app", 1, &ask(3, "a", 6, 900, 0xe, "2001"), now).unwrap();
+        assert_eq!(l.node("a").unwrap().used().gpu_mask, 0xf);
+        l.complete(&c.container_id, 0, "");
+        let used = l.node("a").unwrap().used();
+        assert_eq!((used.cpu, used.memory_mb, used.gpu_mask), (2, 100, 0x1));
+        assert!(l.all_free());
+    }
+
+    #[test]
+    fn max_capability_is_componentwise() {
+        let l = ledger();
+        let m = l.max_capability();
+        assert_eq!((m.cpu, m.memory_mb, m.gpus, m.gpu_mask), (8, 1000, 4, 0xf));
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Ask {
+            app: u8,
+            host: u8,
+            cpu: u32,
+            mem: u64,
+            mask: u64,
+            ports: Vec<u16>,
+        },
+        Release(usize),
+        Start(usize),
+        Expire(u64),
+        Lose(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u8..3, 0u8..3, 0u32..5, 0u64..400, 0u64..0x20, proptest::collection::vec(1998u16..2008, 0..3))
+                .prop_map(|(app, host, cpu, mem, mask, ports)| Op::Ask { app, host, cpu, mem, mask, ports }),
+            2 => any::<usize>().prop_map(Op::Release),
+            1 => any::<usize>().prop_map(Op::Start),
+            1 => (0u64..20).prop_map(Op::Expire),
+            1 => (0u8..4).prop_map(Op::Lose),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn never_over_allocates(ops in proptest::collection::vec(op(), 1..80)) {
+            let hosts = ["a", "b", "c"];
+            let mut l = Ledger::new(
+                [node("a", 8, 1000, 0xf, "2000-2005"), node("b", 4, 500, 0x3, "2003-2007"), node("c", 2, 300, 0x1f, "")],
+                Duration::from_secs(10),
+            );
+            let t0 = Instant::now();
+            let mut granted: Vec<String> = Vec::new();
+            let mut clock = 0u64;
+            for (i, o) in ops.into_iter().enumerate() {
+                let now = t0 + Duration::from_secs(clock);
+                match o {
+                    Op::Ask { app, host, cpu, mem, mask, ports } => {
+                        let a = Ask { request_id: i as u64, host: hosts[host as usize].into(), cpu, memory_mb: mem, gpu_mask: mask, ports: PortSet::from_ports(ports) };
+                        let free_before = l.node(&a.host).map(|n| n.total().subtract(n.used()));
+                        match l.grant(&format!("app{app}"), 1, &a, now) {
+                            Ok(c) => {
+                                prop_assert_eq!(&c.resources, &a.resources());
+                                prop_assert!(a.resources().fits_in(&free_before.unwrap()));
+                                granted.push(c.container_id);
+                            }
+                            Err(r) => prop_assert_eq!(r.request_id, a.request_id),
+                        }
+                    }
+                    Op::Release(k) if !granted.is_empty() => {
+                        let id = granted[k % granted.len()].clone();
+                        l.complete(&id, -100, "released");
+                    }
+                    Op::Start(k) if !granted.is_empty() => {
+                        let id = granted[k % granted.len()].clone();
+                        let _ = l.mark_running(&id);
+                    }
+                    Op::Expire(dt) => { clock += dt; l.expire(t0 + Duration::from_secs(clock)); }
+                    Op::Lose(h) if (h as usize) < hosts.len() => { l.mark_node_lost(hosts[h as usize]); }
+                    _ => {}
+                }
+                // Invariant: no GPU bit or port in two live containers; CPU/MB ≤ total.
+                for (n, count) in l.nodes() {
+                    let live: Vec<&LedgerContainer> = l.containers.values()
+                        .filter(|c| c.container.host == n.host && c.state != ContainerState::Complete).collect();
+                    prop_assert_eq!(live.len() as u32, count);
+                    let mut mask = 0u64;
+                    let mut ports = PortSet::new();
+                    let (mut cpu, mut mem) = (0u32, 0u64);
+                    for c in &live {
+                        let r = &c.container.resources;
+                        prop_assert_eq!(mask & r.gpu_mask, 0);
+                        prop_assert!(!ports.intersects(&r.ports));
+                        mask |= r.gpu_mask;
+                        ports = ports.union(&r.ports);
+                        cpu += r.cpu;
+                        mem += r.memory_mb;
+                    }
+                    prop_assert!(cpu <= n.total().cpu && mem <= n.total().memory_mb);
+                    prop_assert_eq!(mask & !n.total().gpu_mask, 0);
+                    prop_assert!(ports.is_subset(&n.total().ports));
+                    prop_assert_eq!((n.used().cpu, n.used().memory_mb, n.used().gpu_mask), (cpu, mem, mask));
+                    prop_assert_eq!(&n.used().ports, &ports);
+                }
+            }
+            for id in l.live_containers() {
+                l.complete(&id, 0, "end");
+            }
+            prop_assert!(l.all_free());
+        }
+    }
+}

@@ -1,0 +1,1281 @@
+//! The RM's REST server (DESIGN.md §3): node listing, cluster info and metrics,
+//! applications (submit, report, kill), the AM protocol (register / allocate /
+//! finish behind per-application bearer tokens), and the embedded executor's
+//! container endpoints. Also launches and watches one AM process per application.
+//!
+//! All state lives in one `parking_lot::Mutex<RmState>`; handlers take it, decide,
+//! drop it, and only then await (executor stops, process kills).
+//!
+//! Protocol choices worth knowing:
+//! - Every ask is answered in the heartbeat that carries it, either `allocated` or
+//!   `rejected`; asks never stay pending, so `cancels` are accepted and ignored.
+//! - Containers the AM `releases` are freed at once and are NOT reported back in
+//!   `completed` (the AM already knows); containers that end any other way (exit,
+//!   AM `stop` via the executor endpoint, expiry, node loss, kill) are.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, FromRequest, Path as UrlPath, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::cluster::rm_json::{node_to_json, nodes_to_json};
+use crate::cluster::{Node, NodeState};
+use crate::protocol::{
+    exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
+    ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
+    NewApplication, RegisterRequest, RegisterResponse, SubmitApplication,
+};
+use crate::rm::apps::{app_id, now_ms, App};
+use crate::rm::executor::{ExecError, ExecEvent, Executor, LogStream};
+use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
+
+/// Largest request body accepted (413 beyond).
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+/// How long a killed application's AM gets to exit by itself before it is killed.
+pub const AM_KILL_GRACE: Duration = Duration::from_secs(5);
+/// SIGTERM → SIGKILL grace for containers the RM stops.
+pub const CONTAINER_STOP_GRACE: Duration = Duration::from_secs(3);
+/// Lines of am.stderr quoted when an AM dies without finishing.
+const STDERR_TAIL_LINES: usize = 20;
+
+/// How to run an RM.
+#[derive(Clone, Debug)]
+pub struct RmOptions {
+    pub nodes: Vec<Node>,
+    pub listen: SocketAddr,
+    /// Holds `<appId>/job.yaml`, the AM's output and the containers' directories.
+    pub work_dir: PathBuf,
+    /// The program launched as `<am_program> am ...`; default: this executable.
+    pub am_program: Option<PathBuf>,
+    /// False: submitted applications get no AM process (tests drive the AM protocol).
+    pub launch_am: bool,
+    /// Granted containers never started within this time are taken back.
+    pub container_expiry: Duration,
+}
+
+impl RmOptions {
+    /// Defaults: AM launch on, this executable as the AM, 600 s container expiry.
+    pub fn new(nodes: Vec<Node>, listen: SocketAddr, work_dir: PathBuf) -> Self {
+        RmOptions {
+            nodes,
+            listen,
+            work_dir,
+            am_program: None,
+            launch_am: true,
+            container_expiry: DEFAULT_CONTAINER_EXPIRY,
+        }
+    }
+}
+
+struct RmState {
+    ledger: Ledger,
+    apps: BTreeMap<String, App>,
+    /// Ids handed out by new-application and not yet submitted.
+    reserved: HashSet<String>,
+    next_app_seq: u32,
+}
+
+struct AmProc {
+    /// Sending (or dropping) kills the AM process.
+    kill: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+struct Shared {
+    state: Mutex<RmState>,
+    executor: Executor,
+    base_url: String,
+    work_dir: PathBuf,
+    am_program: Option<PathBuf>,
+    launch_am: bool,
+    cluster_ts: u64,
+    am_procs: Mutex<HashMap<String, AmProc>>,
+}
+
+/// A running RM.
+pub struct RmHandle {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    server: JoinHandle<()>,
+    stop_server: oneshot::Sender<()>,
+    background: Vec<JoinHandle<()>>,
+}
+
+/// Starts the RM: binds `opts.listen`, serves, and runs the executor-event and
+/// container-expiry tasks.
+pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
+    tokio::fs::create_dir_all(&opts.work_dir)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot create the RM work dir {}: {e}", opts.work_dir.display()))?;
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
+    let addr = listener.local_addr()?;
+    let base_url = base_url_of(addr);
+
+    // Simulated nodes run their containers in this process's executor.
+    let nodes = opts.nodes.into_iter().map(|mut n| {
+        if n.http_address.is_empty() {
+            n.http_address = base_url.clone();
+        }
+        n
+    });
+    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let cluster_ts = now_ms();
+    let shared = Arc::new(Shared {
+        state: Mutex::new(RmState {
+            ledger: Ledger::new(nodes, opts.container_expiry),
+            apps: BTreeMap::new(),
+            reserved: HashSet::new(),
+            next_app_seq: 0,
+        }),
+        executor: Executor::new(opts.work_dir.join("containers"), events_tx),
+        base_url: base_url.clone(),
+        work_dir: opts.work_dir,
+        am_program: opts.am_program,
+        launch_am: opts.launch_am,
+        cluster_ts,
+        am_procs: Mutex::new(HashMap::new()),
+    });
+
+    let mut background = Vec::new();
+    let s = shared.clone();
+    background.push(tokio::spawn(async move {
+        while let Some(ev) = events_rx.recv().await {
+            let ExecEvent::Exited {
+                container_id,
+                exit_status,
+                diagnostics,
+            } = ev;
+            let mut st = s.state.lock();
+            if let Some(ended) = st.ledger.complete(&container_id, exit_status, &diagnostics) {
+                queue_completed(&mut st.apps, &ended);
+            }
+        }
+    }));
+    let s = shared.clone();
+    let tick = (opts.container_expiry / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
+    background.push(tokio::spawn(async move {
+        let mut every = tokio::time::interval(tick);
+        loop {
+            every.tick().await;
+            let mut st = s.state.lock();
+            let ended = st.ledger.expire(Instant::now());
+            for e in &ended {
+                tracing::info!(container = %e.container_id, app = %e.app_id, "container expired unused");
+                queue_completed(&mut st.apps, e);
+            }
+        }
+    }));
+
+    let router = router(shared.clone());
+    let (stop_server, stop_rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let serve = axum::serve(listener, router).with_graceful_shutdown(async {
+            let _ = stop_rx.await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!("RM server stopped: {e}");
+        }
+    });
+    tracing::info!(%base_url, "RM listening");
+    Ok(RmHandle {
+        addr,
+        shared,
+        server,
+        stop_server,
+        background,
+    })
+}
+
+fn base_url_of(addr: SocketAddr) -> String {
+    let ip = if addr.ip().is_unspecified() {
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        addr.ip()
+    };
+    format!("http://{}", SocketAddr::new(ip, addr.port()))
+}
+
+impl RmHandle {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://host:port` (loopback when listening on all interfaces).
+    pub fn base_url(&self) -> String {
+        self.shared.base_url.clone()
+    }
+
+    /// True when no container is live anywhere (for tests).
+    pub fn ledger_all_free(&self) -> bool {
+        self.shared.state.lock().ledger.all_free()
+    }
+
+    /// The nodes as the ledger sees them now, with live container counts.
+    pub fn nodes_snapshot(&self) -> Vec<(Node, u32)> {
+        let st = self.shared.state.lock();
+        st.ledger.nodes().map(|(n, c)| (n.clone(), c)).collect()
+    }
+
+    pub fn app_report(&self, app_id: &str) -> Option<crate::protocol::AppReport> {
+        self.shared.state.lock().apps.get(app_id).map(App::report)
+    }
+
+    /// Test support: creates an ACCEPTED application without a job spec and without
+    /// an AM process, returning `(app id, bearer token)`, so tests can speak the AM
+    /// protocol themselves.
+    pub fn register_test_app(&self, name: &str) -> (String, String) {
+        let mut st = self.shared.state.lock();
+        st.next_app_seq += 1;
+        let id = app_id(self.shared.cluster_ts, st.next_app_seq);
+        let app = App::new(id.clone(), name.to_string());
+        let token = app.token().to_string();
+        st.apps.insert(id.clone(), app);
+        (id, token)
+    }
+
+    /// Changes a node's state (e.g. LOST: its containers complete with -100 and are
+    /// reported to their applications). False for an unknown host.
+    pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
+        let ended = {
+            let mut st = self.shared.state.lock();
+            let Some(ended) = st.ledger.set_node_state(host, state) else {
+                return false;
+            };
+            for e in &ended {
+                queue_completed(&mut st.apps, e);
+            }
+            ended
+        };
+        stop_running(&self.shared, &ended).await;
+        true
+    }
+
+    /// Stops every container and AM process, then the server.
+    pub async fn shutdown(self) {
+        let procs: Vec<AmProc> = self.shared.am_procs.lock().drain().map(|(_, p)| p).collect();
+        for mut p in procs {
+            if let Some(k) = p.kill.take() {
+                let _ = k.send(());
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(5), p.task).await;
+        }
+        let ended: Vec<Ended> = {
+            let mut st = self.shared.state.lock();
+            let ids = st.ledger.live_containers();
+            ids.iter()
+                .filter_map(|id| {
+                    st.ledger
+                        .complete(id, exit_status::KILLED_BY_RESOURCEMANAGER, "the RM is shutting down")
+                })
+                .collect()
+        };
+        stop_running(&self.shared, &ended).await;
+        let _ = self.stop_server.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.server).await;
+        for b in self.background {
+            b.abort();
+        }
+    }
+}
+
+/// Queues an ended container for its application's next allocate answer.
+fn queue_completed(apps: &mut BTreeMap<String, App>, e: &Ended) {
+    if let Some(app) = apps.get_mut(&e.app_id) {
+        app.pending_completed.push(CompletedContainer {
+            container_id: e.container_id.clone(),
+            exit_status: e.exit_status,
+            diagnostics: e.diagnostics.clone(),
+        });
+    }
+}
+
+/// Stops the started ones among `ended` in the background, so heartbeats and
+/// finish answers never wait for a process's grace period.
+fn spawn_stops(shared: &Arc<Shared>, ended: Vec<Ended>) {
+    if ended.iter().any(|e| e.was == ContainerState::Running) {
+        let shared = shared.clone();
+        tokio::spawn(async move { stop_running(&shared, &ended).await });
+    }
+}
+
+/// Stops, through the executor, the ended containers that had been started.
+async fn stop_running(shared: &Shared, ended: &[Ended]) {
+    let stops = ended
+        .iter()
+        .filter(|e| e.was == ContainerState::Running)
+        .map(|e| async move {
+            if let Err(err) = shared.executor.stop(&e.container_id, CONTAINER_STOP_GRACE).await {
+                tracing::warn!(container = %e.container_id, "stop failed: {err}");
+            }
+        });
+    futures::future::join_all(stops).await;
+}
+
+// ---------------------------------------------------------------------------
+// Errors and extractors
+
+/// Every error answer: an HTTP status with an [`ErrorBody`].
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+    fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "NOT_FOUND", message)
+    }
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "BAD_REQUEST", message)
+    }
+    fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "CONFLICT", message)
+    }
+    fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "UNAUTHORIZED",
+            "missing or invalid `Authorization: Bearer <application token>`",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            code: self.code.to_string(),
+            message: self.message,
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<ExecError> for ApiError {
+    fn from(e: ExecError) -> Self {
+        let (status, code) = match &e {
+            ExecError::UnknownContainer(_) => (StatusCode::NOT_FOUND, "UNKNOWN_CONTAINER"),
+            ExecError::AlreadyStarted(_) => (StatusCode::CONFLICT, "ALREADY_STARTED"),
+            ExecError::StartFailed { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "START_FAILED"),
+            ExecError::Io(_) => (StatusCode::INTERNAL_SERVER_ERROR, "IO_ERROR"),
+        };
+        ApiError::new(status, code, e.to_string())
+    }
+}
+
+/// A JSON body whose failures are [`ApiError`]s: 413 over the size limit, 400 for
+/// anything that is not the expected JSON (the Content-Type is not required).
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|rej| {
+            let status = rej.status();
+            let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                "PAYLOAD_TOO_LARGE"
+            } else {
+                "BAD_REQUEST"
+            };
+            let mut message = rej.body_text();
+            if status == StatusCode::PAYLOAD_TOO_LARGE {
+                message.push_str(&format!(" (limit {MAX_BODY_BYTES} bytes)"));
+            }
+            ApiError::new(status, code, message)
+        })?;
+        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "INVALID_JSON",
+                format!("invalid request body: {e}"),
+            )
+        })
+    }
+}
+
+/// The presented bearer token, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    match bearer(headers) {
+        Some(t) if app.token_matches(t) => Ok(()),
+        _ => Err(ApiError::unauthorized()),
+    }
+}
+
+fn app_mut<'a>(apps: &'a mut BTreeMap<String, App>, id: &str) -> Result<&'a mut App, ApiError> {
+    apps.get_mut(id)
+        .ok_or_else(|| ApiError::not_found(format!("unknown application `{id}`")))
+}
+
+// ---------------------------------------------------------------------------
+// Routes
+
+type Rm = State<Arc<Shared>>;
+
+fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/ws/v1/cluster", get(cluster_info))
+        .route("/ws/v1/cluster/info", get(cluster_info))
+        .route("/ws/v1/cluster/metrics", get(cluster_metrics))
+        .route("/ws/v1/cluster/nodes", get(list_nodes))
+        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node))
+        .route("/ws/v1/cluster/apps", get(list_apps).post(submit_app))
+        .route("/ws/v1/cluster/apps/new-application", post(new_application))
+        .route("/ws/v1/cluster/apps/{id}", get(get_app))
+        .route("/ws/v1/cluster/apps/{id}/state", get(get_app_state).put(put_app_state))
+        .route("/ws/v1/am/{id}/register", post(am_register))
+        .route("/ws/v1/am/{id}/allocate", post(am_allocate))
+        .route("/ws/v1/am/{id}/finish", post(am_finish))
+        .route("/ws/v1/node/{host}/containers/{id}/start", post(container_start))
+        .route("/ws/v1/node/{host}/containers/{id}/stop", post(container_stop))
+        .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
+        .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+async fn cluster_info(State(rm): Rm) -> Json<Value> {
+    Json(json!({ "clusterInfo": {
+        "id": rm.cluster_ts,
+        "startedOn": rm.cluster_ts,
+        "state": "STARTED",
+        "haState": "ACTIVE",
+        "rmStateStoreName": "memory",
+        "resourceManagerVersion": concat!("gpuam-", env!("CARGO_PKG_VERSION")),
+        "hadoopVersion": "3.4.1 (gpuam compatible)",
+    }}))
+}
+
+async fn cluster_metrics(State(rm): Rm) -> Json<Value> {
+    let st = rm.state.lock();
+    let count = |f: &dyn Fn(&App) -> bool| st.apps.values().filter(|a| f(a)).count();
+    let (mut total_mb, mut used_mb, mut total_vc, mut used_vc, mut total_gpu, mut used_gpu) =
+        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut by_state: HashMap<NodeState, u32> = HashMap::new();
+    let mut containers = 0u32;
+    for (n, c) in st.ledger.nodes() {
+        *by_state.entry(n.state).or_default() += 1;
+        containers += c;
+        if n.state.is_unusable() {
+            continue;
+        }
+        total_mb += n.total().memory_mb;
+        used_mb += n.used().memory_mb;
+        total_vc += u64::from(n.total().cpu);
+        used_vc += u64::from(n.used().cpu);
+        total_gpu += u64::from(n.total().gpu_count());
+        used_gpu += u64::from(n.used().gpu_count());
+    }
+    let nodes = |s: NodeState| by_state.get(&s).copied().unwrap_or(0);
+    Json(json!({ "clusterMetrics": {
+        "appsSubmitted": st.apps.len(),
+        "appsCompleted": count(&|a| a.state.is_final()),
+        "appsPending": count(&|a| matches!(a.state, AppState::New | AppState::Submitted | AppState::Accepted)),
+        "appsRunning": count(&|a| a.state == AppState::Running),
+        "appsFailed": count(&|a| a.state == AppState::Failed),
+        "appsKilled": count(&|a| a.state == AppState::Killed),
+        "reservedMB": 0,
+        "availableMB": total_mb.saturating_sub(used_mb),
+        "allocatedMB": used_mb,
+        "totalMB": total_mb,
+        "reservedVirtualCores": 0,
+        "availableVirtualCores": total_vc.saturating_sub(used_vc),
+        "allocatedVirtualCores": used_vc,
+        "totalVirtualCores": total_vc,
+        "containersAllocated": containers,
+        "containersReserved": 0,
+        "containersPending": 0,
+        "totalNodes": st.ledger.nodes().count(),
+        "activeNodes": nodes(NodeState::Running),
+        "lostNodes": nodes(NodeState::Lost),
+        "unhealthyNodes": nodes(NodeState::Unhealthy),
+        "decommissioningNodes": nodes(NodeState::Decommissioning),
+        "decommissionedNodes": nodes(NodeState::Decommissioned),
+        "rebootedNodes": nodes(NodeState::Rebooted),
+        "shutdownNodes": nodes(NodeState::Shutdown),
+        "totalGpus": total_gpu,
+        "allocatedGpus": used_gpu,
+        "availableGpus": total_gpu.saturating_sub(used_gpu),
+    }}))
+}
+
+#[derive(Deserialize)]
+struct NodesQuery {
+    states: Option<String>,
+}
+
+async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Json<Value>, ApiError> {
+    let wanted: Option<Vec<NodeState>> = match q.states.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+        None => None,
+        Some(s) => Some(
+            s.split(',')
+                .map(|x| {
+                    serde_json::from_value(Value::String(x.trim().to_ascii_uppercase()))
+                        .map_err(|_| ApiError::bad_request(format!("`states`: unknown node state `{x}`")))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+    };
+    let st = rm.state.lock();
+    let nodes = st
+        .ledger
+        .nodes()
+        .filter(|(n, _)| wanted.as_ref().is_none_or(|w| w.contains(&n.state)));
+    Ok(Json(nodes_to_json(nodes, now_ms())))
+}
+
+async fn get_node(State(rm): Rm, UrlPath(nodeid): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+    let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
+    let st = rm.state.lock();
+    let node = st
+        .ledger
+        .node(host)
+        .or_else(|| st.ledger.node(&nodeid))
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
+    Ok(Json(
+        json!({ "node": node_to_json(node, st.ledger.num_containers(&node.host), now_ms()) }),
+    ))
+}
+
+async fn new_application(State(rm): Rm) -> Json<NewApplication> {
+    let mut st = rm.state.lock();
+    st.next_app_seq += 1;
+    let id = app_id(rm.cluster_ts, st.next_app_seq);
+    st.reserved.insert(id.clone());
+    Json(NewApplication {
+        application_id: id,
+        maximum_resource_capability: st.ledger.max_capability(),
+    })
+}
+
+async fn list_apps(State(rm): Rm) -> Json<Value> {
+    let st = rm.state.lock();
+    let apps: Vec<_> = st.apps.values().map(App::report).collect();
+    Json(json!({ "apps": { "app": apps } }))
+}
+
+async fn get_app(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+    let mut st = rm.state.lock();
+    let app = app_mut(&mut st.apps, &id)?;
+    Ok(Json(json!({ "app": app.report() })))
+}
+
+async fn get_app_state(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+    let mut st = rm.state.lock();
+    let app = app_mut(&mut st.apps, &id)?;
+    Ok(Json(json!({ "state": app.state })))
+}
+
+async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> Result<Response, ApiError> {
+    let id = req.application_id.clone();
+    // Validate before claiming anything, so a rejected submit leaves nothing behind.
+    {
+        let st = rm.state.lock();
+        if st.apps.contains_key(&id) {
+            return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
+        }
+        if !st.reserved.contains(&id) {
+            return Err(ApiError::bad_request(format!(
+                "unknown application id `{id}`: get one from POST /ws/v1/cluster/apps/new-application"
+            )));
+        }
+    }
+    let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
+    let spec = crate::spec::parse_job_spec(&req.job_spec, &source)
+        .map_err(|errs| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC", errs.to_string()))?;
+
+    // Claim the id (a concurrent submit of the same id loses here).
+    if !rm.state.lock().reserved.remove(&id) {
+        return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
+    }
+    let unclaim = |rm: &Shared, dir: &Path| {
+        let _ = std::fs::remove_dir_all(dir);
+        rm.state.lock().reserved.insert(id.clone());
+    };
+    let dir = rm.work_dir.join(&id);
+    let job_path = dir.join("job.yaml");
+    let written = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&job_path, &req.job_spec));
+    if let Err(e) = written {
+        unclaim(&rm, &dir);
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "IO_ERROR",
+            format!("cannot write {}: {e}", job_path.display()),
+        ));
+    }
+    let app = App::new(id.clone(), spec.name.clone());
+    let token = app.token().to_string();
+    let report = app.report();
+    rm.state.lock().apps.insert(id.clone(), app);
+
+    if rm.launch_am {
+        if let Err(e) = launch_am(
+            &rm,
+            &id,
+            &token,
+            &job_path,
+            req.dashboard_listen.as_deref(),
+            req.job_token.as_deref(),
+        ) {
+            rm.state.lock().apps.remove(&id);
+            unclaim(&rm, &dir);
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "AM_LAUNCH_FAILED",
+                format!("could not launch the AM: {e}"),
+            ));
+        }
+    }
+    tracing::info!(app = %id, name = %spec.name, "application accepted");
+    let location = format!("/ws/v1/cluster/apps/{id}");
+    Ok((
+        StatusCode::ACCEPTED,
+        [(header::LOCATION, location)],
+        Json(json!({ "app": report })),
+    )
+        .into_response())
+}
+
+/// Starts `<am_program> am <job.yaml> --rm URL --app-id ID [--listen ADDR]` with its
+/// output in the app's directory, and watches it. The app token and the job token go
+/// in the environment (`GPUAM_APP_TOKEN`, `GPUAM_JOB_TOKEN`), not on the command line
+/// where other local users could read them; the RM's settings file goes along as
+/// `GPUAM_CONFIG` so the AM runs with the same settings.
+fn launch_am(
+    rm: &Arc<Shared>,
+    id: &str,
+    token: &str,
+    job_path: &Path,
+    listen: Option<&str>,
+    job_token: Option<&str>,
+) -> std::io::Result<()> {
+    let dir = rm.work_dir.join(id);
+    let stdout = std::fs::File::create(dir.join("am.stdout"))?;
+    let stderr = std::fs::File::create(dir.join("am.stderr"))?;
+    let program = match &rm.am_program {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?,
+    };
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.arg("am")
+        .arg(job_path)
+        .arg("--rm")
+        .arg(&rm.base_url)
+        .arg("--app-id")
+        .arg(id)
+        .env("GPUAM_APP_TOKEN", token);
+    if let Some(t) = job_token {
+        cmd.env("GPUAM_JOB_TOKEN", t);
+    }
+    if std::env::var_os("GPUAM_CONFIG").is_none() {
+        if let Some(p) = crate::config::default_settings_path().and_then(|p| std::fs::canonicalize(p).ok()) {
+            cmd.env("GPUAM_CONFIG", p);
+        }
+    }
+    if let Some(l) = listen {
+        cmd.arg("--listen").arg(l);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .current_dir(&dir)
+        .kill_on_drop(true);
+    // Hold the table while spawning so the watcher cannot finish before it is listed.
+    let mut procs = rm.am_procs.lock();
+    let mut child = cmd.spawn()?;
+    let (kill_tx, kill_rx) = oneshot::channel::<()>();
+    let watcher_rm = rm.clone();
+    let app = id.to_string();
+    let task = tokio::spawn(async move {
+        let status = tokio::select! {
+            s = child.wait() => s,
+            _ = kill_rx => {
+                let _ = child.start_kill();
+                child.wait().await
+            }
+        };
+        on_am_exit(&watcher_rm, &app, status).await;
+    });
+    procs.insert(
+        id.to_string(),
+        AmProc {
+            kill: Some(kill_tx),
+            task,
+        },
+    );
+    tracing::info!(app = %id, "AM launched");
+    Ok(())
+}
+
+/// The AM process ended: if it never finished the application, the application failed.
+async fn on_am_exit(rm: &Arc<Shared>, id: &str, status: std::io::Result<std::process::ExitStatus>) {
+    rm.am_procs.lock().remove(id);
+    let how = match &status {
+        Ok(s) => match s.code() {
+            Some(c) => format!("exit code {c}"),
+            None => format!("{s}"),
+        },
+        Err(e) => format!("unknown exit ({e})"),
+    };
+    let tail = stderr_tail(&rm.work_dir.join(id).join("am.stderr"), STDERR_TAIL_LINES);
+    let ended = {
+        let mut st = rm.state.lock();
+        let Some(app) = st.apps.get_mut(id) else {
+            return;
+        };
+        if app.unregistered || app.state.is_final() {
+            tracing::info!(app = %id, "AM exited ({how})");
+            return;
+        }
+        let mut diag = format!("the AM process exited ({how}) without finishing the application");
+        if !tail.is_empty() {
+            diag.push_str("; last lines of am.stderr:\n");
+            diag.push_str(&tail);
+        }
+        tracing::warn!(app = %id, "AM exited without finishing ({how})");
+        app.finish(AppState::Failed, FinalStatus::Failed, crate::exit::JOB_FAILED, diag);
+        release_all(
+            &mut st,
+            id,
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            "the application's AM died",
+        )
+    };
+    spawn_stops(rm, ended);
+}
+
+/// The last `n` lines of a file (reading at most its last 16 KiB).
+fn stderr_tail(path: &Path, n: usize) -> String {
+    let read = || -> std::io::Result<String> {
+        let mut f = std::fs::File::open(path)?;
+        let len = f.metadata()?.len();
+        f.seek(SeekFrom::Start(len.saturating_sub(16 * 1024)))?;
+        let mut buf = Vec::new();
+        f.read_to_end(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    };
+    let text = read().unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Completes every live container of `app_id`, queueing them for the app.
+fn release_all(st: &mut RmState, app_id: &str, exit: i32, why: &str) -> Vec<Ended> {
+    let ids = st.ledger.live_containers_of(app_id);
+    let ended: Vec<Ended> = ids.iter().filter_map(|c| st.ledger.complete(c, exit, why)).collect();
+    for e in &ended {
+        queue_completed(&mut st.apps, e);
+    }
+    ended
+}
+
+async fn put_app_state(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+    ApiJson(req): ApiJson<AppStateUpdate>,
+) -> Result<Json<Value>, ApiError> {
+    if req.state != AppState::Killed {
+        return Err(ApiError::bad_request("Only 'KILLED' is allowed as the target state"));
+    }
+    let ended = {
+        let mut st = rm.state.lock();
+        let app = app_mut(&mut st.apps, &id)?;
+        if app.state.is_final() {
+            return Ok(Json(json!({ "state": app.state })));
+        }
+        app.finish(
+            AppState::Killed,
+            FinalStatus::Killed,
+            crate::exit::JOB_FAILED,
+            "Application killed by user".into(),
+        );
+        app.shutdown = true;
+        release_all(
+            &mut st,
+            &id,
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            "the application was killed",
+        )
+    };
+    tracing::info!(app = %id, "application killed");
+    spawn_stops(&rm, ended);
+    // The AM sees SHUTDOWN on its next heartbeat; kill it if it does not exit.
+    let rm2 = rm.clone();
+    let app = id.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(AM_KILL_GRACE).await;
+        let proc = rm2.am_procs.lock().get_mut(&app).and_then(|p| p.kill.take());
+        if let Some(kill) = proc {
+            tracing::warn!(app = %app, "AM did not exit after kill; killing it");
+            let _ = kill.send(());
+        }
+    });
+    Ok(Json(json!({ "state": AppState::Killed })))
+}
+
+// ---------------------------------------------------------------------------
+// AM protocol
+
+async fn am_register(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<RegisterRequest>,
+) -> Result<Json<RegisterResponse>, ApiError> {
+    let mut st = rm.state.lock();
+    let epoch = st.ledger.epoch();
+    let max = st.ledger.max_capability();
+    let expiry = st.ledger.expiry().as_secs();
+    let app = app_mut(&mut st.apps, &id)?;
+    authorize(app, &headers)?;
+    if app.state.is_final() {
+        return Err(ApiError::conflict(format!(
+            "application `{id}` is already {:?}",
+            app.state
+        )));
+    }
+    // Registering again (a retried request) is harmless.
+    if !app.registered {
+        app.registered = true;
+        app.state = AppState::Running;
+        app.nodes_seen = epoch;
+    }
+    app.tracking_url = req.tracking_url;
+    Ok(Json(RegisterResponse {
+        maximum_capability: max,
+        containers_from_previous_attempts: Vec::new(),
+        attempt: app.attempt,
+        container_expiry_sec: expiry,
+    }))
+}
+
+async fn am_allocate(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<AllocateRequest>,
+) -> Result<Json<AllocateResponse>, ApiError> {
+    let (answer, ended) = {
+        let mut st = rm.state.lock();
+        let st = &mut *st;
+        let app = app_mut(&mut st.apps, &id)?;
+        authorize(app, &headers)?;
+        if let Some((last_req, last)) = &app.last_allocate {
+            if req.response_id == *last_req {
+                return Ok(Json(last.clone()));
+            }
+            if req.response_id != last.response_id {
+                return Err(ApiError::bad_request(format!(
+                    "responseId {} is out of order: the last answer was {}",
+                    req.response_id, last.response_id
+                )));
+            }
+        }
+        let num_cluster_nodes = st.ledger.nodes().count() as u32;
+        let mut out = AllocateResponse {
+            response_id: req.response_id + 1,
+            num_cluster_nodes,
+            ..Default::default()
+        };
+        if app.shutdown || app.state.is_final() {
+            out.command = Some(AmCommand::Shutdown);
+            out.completed = std::mem::take(&mut app.pending_completed);
+            app.last_allocate = Some((req.response_id, out.clone()));
+            return Ok(Json(out));
+        }
+        if !app.registered {
+            return Err(ApiError::conflict(format!(
+                "application `{id}` has not registered: POST /ws/v1/am/{id}/register first"
+            )));
+        }
+        app.progress = req.progress.clamp(0.0, 1.0);
+        let attempt = app.attempt;
+
+        // Releases: freed now, not reported back (the AM asked for it).
+        let mut ended = Vec::new();
+        for cid in &req.releases {
+            match st.ledger.container(cid) {
+                Some(c) if c.app_id == id => {
+                    if let Some(e) = st
+                        .ledger
+                        .complete(cid, exit_status::ABORTED, "Container released by application")
+                    {
+                        ended.push(e);
+                    }
+                }
+                _ => {
+                    tracing::debug!(app = %id, container = %cid, "release of a container this app does not hold")
+                }
+            }
+        }
+        // Cancels need no work: asks never stay pending (see the module doc).
+        let now = Instant::now();
+        for ask in &req.asks {
+            match st.ledger.grant(&id, attempt, ask, now) {
+                Ok(c) => out.allocated.push(c),
+                Err(r) => out.rejected.push(r),
+            }
+        }
+        let app = app_mut(&mut st.apps, &id)?;
+        out.completed = std::mem::take(&mut app.pending_completed);
+        out.updated_nodes = st
+            .ledger
+            .changed_since(app.nodes_seen)
+            .map(|(n, c)| node_to_json(n, c, now_ms()))
+            .collect();
+        app.nodes_seen = st.ledger.epoch();
+        app.last_allocate = Some((req.response_id, out.clone()));
+        (out, ended)
+    };
+    spawn_stops(&rm, ended);
+    Ok(Json(answer))
+}
+
+async fn am_finish(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<FinishRequest>,
+) -> Result<Json<FinishResponse>, ApiError> {
+    let ended = {
+        let mut st = rm.state.lock();
+        let app = app_mut(&mut st.apps, &id)?;
+        authorize(app, &headers)?;
+        if !app.unregistered {
+            let state = match req.final_status {
+                FinalStatus::Succeeded => AppState::Finished,
+                FinalStatus::Failed => AppState::Failed,
+                FinalStatus::Killed => AppState::Killed,
+                FinalStatus::Undefined => {
+                    return Err(ApiError::bad_request(
+                        "`finalStatus` must be SUCCEEDED, FAILED or KILLED",
+                    ))
+                }
+            };
+            app.finish(state, req.final_status, req.exit_code, req.diagnostics);
+            app.unregistered = true;
+            tracing::info!(app = %id, ?state, "application finished");
+        }
+        release_all(
+            &mut st,
+            &id,
+            exit_status::KILLED_AFTER_APP_COMPLETION,
+            "Container killed after the application finished",
+        )
+    };
+    spawn_stops(&rm, ended);
+    Ok(Json(FinishResponse { is_unregistered: true }))
+}
+
+// ---------------------------------------------------------------------------
+// Executor endpoints (the simulated nodes' NodeManager)
+
+/// Checks that `id` is a container on `host` and that the caller holds its app's token.
+fn container_access(st: &RmState, host: &str, id: &str, headers: &HeaderMap) -> Result<ContainerInfo, ApiError> {
+    let c = st
+        .ledger
+        .container(id)
+        .filter(|c| c.container.host == host)
+        .ok_or_else(|| ApiError::not_found(format!("no container `{id}` on host `{host}`")))?;
+    let app = st
+        .apps
+        .get(&c.app_id)
+        .ok_or_else(|| ApiError::not_found(format!("container `{id}` belongs to no known application")))?;
+    authorize(app, headers)?;
+    Ok(ContainerInfo {
+        state: c.state,
+        app_final: app.state.is_final(),
+        status: ContainerStatus {
+            container_id: id.to_string(),
+            state: c.state,
+            exit_status: c.exit_status,
+            diagnostics: c.diagnostics.clone(),
+            pid: None,
+        },
+        resources: c.container.resources.clone(),
+    })
+}
+
+struct ContainerInfo {
+    state: ContainerState,
+    app_final: bool,
+    status: ContainerStatus,
+    resources: crate::resources::Resources,
+}
+
+async fn container_start(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+    ApiJson(ctx): ApiJson<LaunchContext>,
+) -> Result<Json<ContainerStatus>, ApiError> {
+    let granted = {
+        let mut st = rm.state.lock();
+        let info = container_access(&st, &host, &id, &headers)?;
+        if info.app_final {
+            return Err(ApiError::conflict("the container's application has ended"));
+        }
+        if info.state != ContainerState::Allocated {
+            return Err(ApiError::conflict(format!(
+                "container `{id}` is {:?}; only ALLOCATED containers can be started",
+                info.state
+            )));
+        }
+        // Running before the process exists, so its exit event always finds it live.
+        st.ledger
+            .mark_running(&id)
+            .map_err(|e| ApiError::conflict(e.to_string()))?;
+        info.resources
+    };
+    match rm.executor.start(&id, &host, &granted, ctx) {
+        Ok(pid) => Ok(Json(ContainerStatus {
+            container_id: id,
+            state: ContainerState::Running,
+            exit_status: None,
+            diagnostics: String::new(),
+            pid: Some(pid),
+        })),
+        Err(e) => {
+            let mut st = rm.state.lock();
+            if let Some(ended) = st
+                .ledger
+                .complete(&id, exit_status::INVALID, &format!("launch failed: {e}"))
+            {
+                queue_completed(&mut st.apps, &ended);
+            }
+            Err(e.into())
+        }
+    }
+}
+
+async fn container_stop(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Json<ContainerStatus>, ApiError> {
+    let (ended, status) = {
+        let mut st = rm.state.lock();
+        let info = container_access(&st, &host, &id, &headers)?;
+        let ended = st.ledger.complete(
+            &id,
+            exit_status::KILLED_BY_APPMASTER,
+            "Container stopped by the application master",
+        );
+        if let Some(e) = &ended {
+            queue_completed(&mut st.apps, e);
+        }
+        let status = st.ledger.container(&id).map_or(info.status, |c| ContainerStatus {
+            container_id: id.clone(),
+            state: c.state,
+            exit_status: c.exit_status,
+            diagnostics: c.diagnostics.clone(),
+            pid: None,
+        });
+        (ended, status)
+    };
+    if let Some(e) = ended {
+        stop_running(&rm, &[e]).await;
+    }
+    Ok(Json(status))
+}
+
+async fn container_status(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Json<ContainerStatus>, ApiError> {
+    let info = container_access(&rm.state.lock(), &host, &id, &headers)?;
+    // The executor knows the pid and the real exit; the ledger knows RM-side endings.
+    let status = match rm.executor.status(&id) {
+        Some(s) if info.state != ContainerState::Complete || s.state == ContainerState::Complete => s,
+        _ => info.status,
+    };
+    Ok(Json(status))
+}
+
+#[derive(Deserialize)]
+struct LogsQuery {
+    stream: Option<String>,
+    tail: Option<u64>,
+}
+
+async fn container_logs(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    Query(q): Query<LogsQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    container_access(&rm.state.lock(), &host, &id, &headers)?;
+    let stream = match q.stream.as_deref().unwrap_or("stdout") {
+        "stdout" => LogStream::Stdout,
+        "stderr" => LogStream::Stderr,
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "`stream` must be stdout or stderr, not `{other}`"
+            )))
+        }
+    };
+    let text = rm.executor.read_log(&id, stream, q.tail)?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::{PortSet, Resources};
+
+    async fn rm_with(am_program: Option<PathBuf>, dir: &Path) -> RmHandle {
+        let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+        let mut opts = RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.to_path_buf());
+        opts.am_program = am_program;
+        start(opts).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn am_dying_without_finish_fails_the_app() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("fake-am.sh");
+        std::fs::write(
+            &script,
+            "#!/bin/sh\necho \"starting $1\"\necho 'boom: no GPUs today' >&2\nexit 3\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let rm = rm_with(Some(script), &dir.path().join("work")).await;
+        let (id, token) = rm.register_test_app("fake");
+        let app_dir = rm.shared.work_dir.join(&id);
+        std::fs::create_dir_all(&app_dir).unwrap();
+        launch_am(&rm.shared, &id, &token, &app_dir.join("job.yaml"), None, None).unwrap();
+        let mut report = rm.app_report(&id).unwrap();
+        for _ in 0..100 {
+            if report.state.is_final() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            report = rm.app_report(&id).unwrap();
+        }
+        assert_eq!(report.state, AppState::Failed);
+        assert_eq!(report.exit_code, Some(1));
+        assert!(report.diagnostics.contains("exit code 3"), "{}", report.diagnostics);
+        assert!(
+            report.diagnostics.contains("boom: no GPUs today"),
+            "{}",
+            report.diagnostics
+        );
+        let out = std::fs::read_to_string(app_dir.join("am.stdout")).unwrap();
+        assert!(out.contains("starting am"), "the AM got the `am` subcommand: {out}");
+        assert!(rm.shared.am_procs.lock().is_empty());
+        rm.shutdown().await;
+    }
+
+    fn script(dir: &Path, body: &str) -> PathBuf {
+        let p = dir.join("fake-am.sh");
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        p
+    }
+
+    #[tokio::test]
+    async fn am_exit_after_finish_is_expected() {
+        let dir = tempfile::tempdir().unwrap();
+        let rm = rm_with(Some(script(dir.path(), "exit 0")), &dir.path().join("work")).await;
+        let (id, token) = rm.register_test_app("x");
+        let app_dir = rm.shared.work_dir.join(&id);
+        std::fs::create_dir_all(&app_dir).unwrap();
+        rm.shared.state.lock().apps.get_mut(&id).unwrap().unregistered = true;
+        launch_am(
+            &rm.shared,
+            &id,
+            &token,
+            &app_dir.join("job.yaml"),
+            Some("127.0.0.1:0"),
+            None,
+        )
+        .unwrap();
+        for _ in 0..100 {
+            if rm.shared.am_procs.lock().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(rm.shared.am_procs.lock().is_empty(), "the watcher saw the exit");
+        assert_eq!(rm.app_report(&id).unwrap().state, AppState::Accepted, "not failed");
+        rm.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn shutdown_kills_the_am() {
+        let dir = tempfile::tempdir().unwrap();
+        let rm = rm_with(Some(script(dir.path(), "exec sleep 30")), &dir.path().join("work")).await;
+        let (id, token) = rm.register_test_app("x");
+        let app_dir = rm.shared.work_dir.join(&id);
+        std::fs::create_dir_all(&app_dir).unwrap();
+        launch_am(&rm.shared, &id, &token, &app_dir.join("job.yaml"), None, None).unwrap();
+        assert_eq!(rm.shared.am_procs.lock().len(), 1);
+        let shared = rm.shared.clone();
+        let t0 = Instant::now();
+        rm.shutdown().await;
+        assert!(t0.elapsed() < Duration::from_secs(4), "killed, not waited for");
+        assert!(shared.am_procs.lock().is_empty());
+        assert_eq!(
+            shared.state.lock().apps[&id].state,
+            AppState::Failed,
+            "an AM killed before finishing fails its app"
+        );
+    }
+
+    #[test]
+    fn bearer_parsing() {
+        let mut h = HeaderMap::new();
+        assert_eq!(bearer(&h), None);
+        h.insert(header::AUTHORIZATION, "Bearer abc".parse().unwrap());
+        assert_eq!(bearer(&h), Some("abc"));
+        h.insert(header::AUTHORIZATION, "bearer  abc ".parse().unwrap());
+        assert_eq!(bearer(&h), Some("abc"));
+        h.insert(header::AUTHORIZATION, "Basic abc".parse().unwrap());
+        assert_eq!(bearer(&h), None);
+    }
+
+    #[test]
+    fn stderr_tail_keeps_last_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e");
+        let text: String = (0..50).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&p, text).unwrap();
+        let t = stderr_tail(&p, 3);
+        assert_eq!(t, "line 47\nline 48\nline 49");
+        assert_eq!(stderr_tail(&dir.path().join("missing"), 3), "");
+    }
+}
