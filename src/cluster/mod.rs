@@ -5,6 +5,8 @@
 //! one of its inputs changes, because the select pipeline reads it for every node on
 //! every call and must stay fast at 10,000 nodes.
 
+pub mod file;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
