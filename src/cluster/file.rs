@@ -112,17 +112,34 @@ pub fn load_cluster_file(path: &Path) -> Result<Vec<ClusterNode>, SpecErrors> {
 }
 
 fn read_cluster(d: &mut Diags, root: &Node) -> Option<Vec<ClusterNode>> {
-    if d.map(root, "", "start the file with `nodes:` and a list of nodes; see conf/cluster.yaml").is_none() {
-        return None;
-    }
-    d.unknown_fields(root, "", &["nodes"], &[("node", "nodes"), ("hosts", "nodes")]);
+    d.map(
+        root,
+        "",
+        "start the file with `nodes:` and a list of nodes; see conf/cluster.yaml",
+    )?;
+    d.unknown_fields(
+        root,
+        "",
+        &["nodes"],
+        &[("node", "nodes"), ("hosts", "nodes")],
+    );
     let Some(list) = root.get("nodes") else {
-        d.missing(root, "", "nodes", "add `nodes:` with a list of nodes; see conf/cluster.yaml");
+        d.missing(
+            root,
+            "",
+            "nodes",
+            "add `nodes:` with a list of nodes; see conf/cluster.yaml",
+        );
         return None;
     };
     let items = d.seq(list, "nodes", "write `nodes:` as a list: `- host: node-01`")?;
     if items.is_empty() {
-        d.at(list.pos, "nodes", "`nodes` is empty", "add at least one node");
+        d.at(
+            list.pos,
+            "nodes",
+            "`nodes` is empty",
+            "add at least one node",
+        );
         return None;
     }
     if items.len() > limits::MAX_NODES {
@@ -146,7 +163,10 @@ fn read_cluster(d: &mut Diags, root: &Node) -> Option<Vec<ClusterNode>> {
                     d.at(
                         pos,
                         &join(&path, "host"),
-                        format!("host \"{}\" is listed twice (first as nodes[{first}])", clip(&n.host)),
+                        format!(
+                            "host \"{}\" is listed twice (first as nodes[{first}])",
+                            clip(&n.host)
+                        ),
                         "give every node a unique host name",
                     );
                     ok = false;
@@ -173,7 +193,12 @@ fn read_ports_field(d: &mut Diags, n: &Node, path: &str) -> Option<PortSet> {
             v
         }
         Value::Map(_) => {
-            d.at(n.pos, path, format!("expected port ranges, found {}", n.describe()), fix);
+            d.at(
+                n.pos,
+                path,
+                format!("expected port ranges, found {}", n.describe()),
+                fix,
+            );
             return None;
         }
         _ => vec![(d.text(n, path)?, n)],
@@ -183,7 +208,12 @@ fn read_ports_field(d: &mut Diags, n: &Node, path: &str) -> Option<PortSet> {
         match PortSet::parse(&text) {
             Ok(p) => set = set.union(&p),
             Err(e) => {
-                d.at(node.pos, path, format!("invalid port range \"{}\": {}", clip(&e.text), e.why), fix);
+                d.at(
+                    node.pos,
+                    path,
+                    format!("invalid port range \"{}\": {}", clip(&e.text), e.why),
+                    fix,
+                );
                 return None;
             }
         }
@@ -201,13 +231,16 @@ fn read_node(d: &mut Diags, n: &Node, path: &str) -> Option<ClusterNode> {
             d.missing(n, path, "host", "add `host: node-01`");
             None
         }
-        Some(h) => d.text(h, &join(path, "host")).and_then(|s| match validate::check_host_name(&s) {
-            Ok(()) => Some(s),
-            Err((m, f)) => {
-                d.at(h.pos, &join(path, "host"), m, f);
-                None
-            }
-        }),
+        Some(h) => {
+            d.text(h, &join(path, "host"))
+                .and_then(|s| match validate::check_host_name(&s) {
+                    Ok(()) => Some(s),
+                    Err((m, f)) => {
+                        d.at(h.pos, &join(path, "host"), m, f);
+                        None
+                    }
+                })
+        }
     };
     let rack = match n.get("rack") {
         None => Some(DEFAULT_RACK.to_string()),
@@ -215,7 +248,8 @@ fn read_node(d: &mut Diags, n: &Node, path: &str) -> Option<ClusterNode> {
         Some(r) => d.text(r, &join(path, "rack")).and_then(|s| {
             let valid = s.starts_with('/')
                 && s.len() <= 255
-                && s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-".contains(c));
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "/._-".contains(c));
             if valid {
                 Some(s)
             } else {
@@ -243,7 +277,11 @@ fn read_node(d: &mut Diags, n: &Node, path: &str) -> Option<ClusterNode> {
                 .collect(),
             _ => d
                 .text(l, &lp)
-                .map(|t| t.split(',').map(|p| (p.trim().to_string(), l.pos)).collect())
+                .map(|t| {
+                    t.split(',')
+                        .map(|p| (p.trim().to_string(), l.pos))
+                        .collect()
+                })
                 .unwrap_or_default(),
         };
         for (label, pos) in items {
@@ -270,14 +308,23 @@ fn read_node(d: &mut Diags, n: &Node, path: &str) -> Option<ClusterNode> {
             d.missing(n, path, "cpu", "add `cpu: 64` (the node's CPU cores)");
             None
         }
-        Some(v) => d.int(v, &join(path, "cpu"), 1, limits::MAX_NODE_CPU).map(|x| x as u32),
+        Some(v) => d
+            .int(v, &join(path, "cpu"), 1, limits::MAX_NODE_CPU)
+            .map(|x| x as u32),
     };
     let memory_mb = match n.get("memoryMB") {
         None => {
-            d.missing(n, path, "memoryMB", "add `memoryMB: 256000` (the node's memory in MB)");
+            d.missing(
+                n,
+                path,
+                "memoryMB",
+                "add `memoryMB: 256000` (the node's memory in MB)",
+            );
             None
         }
-        Some(v) => d.int(v, &join(path, "memoryMB"), 1, limits::MAX_NODE_MEMORY_MB).map(|x| x as u64),
+        Some(v) => d
+            .int(v, &join(path, "memoryMB"), 1, limits::MAX_NODE_MEMORY_MB)
+            .map(|x| x as u64),
     };
     let mask: Option<GpuMask> = match (n.get("gpus"), n.get("gpuMask")) {
         (Some(_), Some(m)) => {
@@ -420,8 +467,17 @@ fn valid_http_address(s: &str) -> bool {
 }
 
 fn read_used(d: &mut Diags, u: &Node, path: &str, total: &Resources) -> Option<Resources> {
-    d.map(u, path, "write `used: {cpu: 8, memoryMB: 1000, gpuMask: \"0x3\", ports: \"20000-20009\"}`")?;
-    d.unknown_fields(u, path, USED_FIELDS, &[("gpus", "gpuMask"), ("memory", "memoryMB")]);
+    d.map(
+        u,
+        path,
+        "write `used: {cpu: 8, memoryMB: 1000, gpuMask: \"0x3\", ports: \"20000-20009\"}`",
+    )?;
+    d.unknown_fields(
+        u,
+        path,
+        USED_FIELDS,
+        &[("gpus", "gpuMask"), ("memory", "memoryMB")],
+    );
     let mut ok = true;
     // An absent field counts as 0 used; a bad one is reported and fails the node.
     let mut field_int = |d: &mut Diags, key: &str, max: u64| -> u64 {
@@ -452,7 +508,11 @@ fn read_used(d: &mut Diags, u: &Node, path: &str, total: &Resources) -> Option<R
                 d.at(
                     m.pos,
                     &join(path, "gpuMask"),
-                    format!("used GPUs {} are not all on the node (its GPUs: {})", mask_hex(x), mask_hex(total.gpu_mask)),
+                    format!(
+                        "used GPUs {} are not all on the node (its GPUs: {})",
+                        mask_hex(x),
+                        mask_hex(total.gpu_mask)
+                    ),
                     "use only bits of the node's GPUs",
                 );
                 ok = false;
@@ -518,7 +578,10 @@ mod tests {
         assert_eq!(nodes.len(), 1);
         let n = &nodes[0];
         assert_eq!((n.host.as_str(), n.rack.as_str()), ("n1", "/default-rack"));
-        assert_eq!((n.total().cpu, n.total().memory_mb, n.total().gpu_mask), (8, 1000, 0));
+        assert_eq!(
+            (n.total().cpu, n.total().memory_mb, n.total().gpu_mask),
+            (8, 1000, 0)
+        );
         assert!(n.labels.is_empty() && n.topology.is_none() && !n.local);
         assert!(n.total().ports.is_empty());
     }
@@ -562,7 +625,9 @@ mod tests {
 
     #[test]
     fn duplicate_host() {
-        let e = one_error(&format!("{BASE}  - host: n1\n    cpu: 8\n    memoryMB: 1000\n"));
+        let e = one_error(&format!(
+            "{BASE}  - host: n1\n    cpu: 8\n    memoryMB: 1000\n"
+        ));
         assert_eq!((e.field.as_str(), e.line, e.col), ("nodes[1].host", 5, 11));
         assert!(e.message.contains("listed twice"), "{e}");
     }
@@ -597,12 +662,18 @@ mod tests {
 
     #[test]
     fn used_beyond_total() {
-        let e = one_error(&format!("{BASE}    gpus: 2\n    used: {{cpu: 9, gpuMask: \"0x3\"}}\n"));
+        let e = one_error(&format!(
+            "{BASE}    gpus: 2\n    used: {{cpu: 9, gpuMask: \"0x3\"}}\n"
+        ));
         assert_eq!((e.field.as_str(), e.line), ("nodes[0].used.cpu", 6));
         assert!(e.message.contains("more than the node's total"), "{e}");
-        let e = one_error(&format!("{BASE}    gpus: 2\n    used: {{gpuMask: \"0x4\"}}\n"));
+        let e = one_error(&format!(
+            "{BASE}    gpus: 2\n    used: {{gpuMask: \"0x4\"}}\n"
+        ));
         assert_eq!(e.field, "nodes[0].used.gpuMask");
-        let e = one_error(&format!("{BASE}    ports: \"100-200\"\n    used: {{ports: \"150-250\"}}\n"));
+        let e = one_error(&format!(
+            "{BASE}    ports: \"100-200\"\n    used: {{ports: \"150-250\"}}\n"
+        ));
         assert_eq!(e.field, "nodes[0].used.ports");
         assert!(e.message.contains("201-250"), "{e}");
     }
@@ -616,9 +687,15 @@ mod tests {
 
     #[test]
     fn bad_rack_label_and_address() {
-        let e = parse(&format!("{BASE}    rack: rack a\n    labels: [\"a b\"]\n    httpAddress: nowhere\n")).unwrap_err();
+        let e = parse(&format!(
+            "{BASE}    rack: rack a\n    labels: [\"a b\"]\n    httpAddress: nowhere\n"
+        ))
+        .unwrap_err();
         let fields: Vec<_> = e.0.iter().map(|e| e.field.as_str()).collect();
-        assert_eq!(fields, vec!["nodes[0].rack", "nodes[0].labels", "nodes[0].httpAddress"]);
+        assert_eq!(
+            fields,
+            vec!["nodes[0].rack", "nodes[0].labels", "nodes[0].httpAddress"]
+        );
     }
 
     #[test]
@@ -662,10 +739,16 @@ mod tests {
         let nodes = load_cluster_file(&path).unwrap_or_else(|e| panic!("{e}"));
         assert!(nodes.len() >= 8);
         let racks: std::collections::BTreeSet<_> = nodes.iter().map(|n| n.rack.as_str()).collect();
-        assert_eq!(racks.into_iter().collect::<Vec<_>>(), vec!["/rack-a", "/rack-b"]);
+        assert_eq!(
+            racks.into_iter().collect::<Vec<_>>(),
+            vec!["/rack-a", "/rack-b"]
+        );
         assert!(nodes.iter().any(|n| n.total().gpu_count() == 0));
         for n in nodes.iter().filter(|n| n.total().gpu_count() > 0) {
-            let t = n.topology.as_ref().unwrap_or_else(|| panic!("{} has no topology", n.host));
+            let t = n
+                .topology
+                .as_ref()
+                .unwrap_or_else(|| panic!("{} has no topology", n.host));
             assert_eq!(t.gpu_count(), n.total().gpu_count(), "{}", n.host);
         }
     }
@@ -683,7 +766,13 @@ mod tests {
         assert_eq!(nodes.len(), 9);
         let busy = nodes.iter().find(|n| n.host == "b-a100-bridge").unwrap();
         assert_eq!((busy.free().gpu_mask, busy.free().cpu), (0xfc, 48));
-        assert_eq!(nodes.iter().filter(|n| n.labels.iter().any(|l| l == "gpu")).count(), 5);
+        assert_eq!(
+            nodes
+                .iter()
+                .filter(|n| n.labels.iter().any(|l| l == "gpu"))
+                .count(),
+            5
+        );
     }
 
     proptest::proptest! {

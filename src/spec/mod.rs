@@ -97,14 +97,19 @@ impl TaskResources {
     /// The static ports of the role.
     pub fn static_ports(&self) -> PortSet {
         PortSet::from_ranges(self.ports.iter().filter_map(|p| {
-            p.start
-                .map(|s| crate::resources::PortRange::new(s, s.saturating_add(p.count.saturating_sub(1))))
+            p.start.map(|s| {
+                crate::resources::PortRange::new(s, s.saturating_add(p.count.saturating_sub(1)))
+            })
         }))
     }
 
     /// How many dynamic ports the role needs.
     pub fn dynamic_port_count(&self) -> u32 {
-        self.ports.iter().filter(|p| p.start.is_none()).map(|p| u32::from(p.count)).sum()
+        self.ports
+            .iter()
+            .filter(|p| p.start.is_none())
+            .map(|p| u32::from(p.count))
+            .sum()
     }
 
     /// The request as a resource amount: static ports and explicit mask included,
@@ -150,7 +155,11 @@ pub struct SpecErrors(pub Vec<SpecError>);
 
 impl fmt::Display for SpecError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}: {}: {}", self.source, self.line, self.col, self.field, self.message)?;
+        write!(
+            f,
+            "{}:{}:{}: {}: {}",
+            self.source, self.line, self.col, self.field, self.message
+        )?;
         if !self.fix.is_empty() {
             write!(f, "\n  fix: {}", self.fix)?;
         }
@@ -171,3 +180,6 @@ impl fmt::Display for SpecErrors {
 }
 
 impl std::error::Error for SpecErrors {}
+
+#[cfg(test)]
+mod tests;

@@ -170,12 +170,14 @@ pub fn read_limited(path: &Path, max: usize) -> Result<String, (String, String)>
         )
     })?;
     let mut buf = Vec::new();
-    file.take(max as u64 + 1).read_to_end(&mut buf).map_err(|e| {
-        (
-            format!("cannot read {}: {e}", path.display()),
-            "check the path and its permissions".to_string(),
-        )
-    })?;
+    file.take(max as u64 + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| {
+            (
+                format!("cannot read {}: {e}", path.display()),
+                "check the path and its permissions".to_string(),
+            )
+        })?;
     if buf.len() > max {
         return Err((
             format!("{} is larger than the limit of {max} bytes", path.display()),
@@ -184,7 +186,11 @@ pub fn read_limited(path: &Path, max: usize) -> Result<String, (String, String)>
     }
     String::from_utf8(buf).map_err(|e| {
         (
-            format!("{} is not UTF-8 text (byte {})", path.display(), e.utf8_error().valid_up_to()),
+            format!(
+                "{} is not UTF-8 text (byte {})",
+                path.display(),
+                e.utf8_error().valid_up_to()
+            ),
             "save the file as UTF-8".to_string(),
         )
     })
@@ -202,7 +208,10 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         d.at(
             root.pos,
             "",
-            format!("a job spec must be a mapping of fields, found {}", root.describe()),
+            format!(
+                "a job spec must be a mapping of fields, found {}",
+                root.describe()
+            ),
             "start the file with `name: my-job` and `taskRoles:`; see examples/single-gpu.yaml",
         );
         return None;
@@ -224,13 +233,15 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
             d.missing(root, "", "name", "add `name: my-job` at the top level");
             None
         }
-        Some(n) => d.text(n, "name").and_then(|s| match validate::check_job_name(&s) {
-            Ok(()) => Some(s),
-            Err((m, f)) => {
-                d.at(n.pos, "name", m, f);
-                None
-            }
-        }),
+        Some(n) => d
+            .text(n, "name")
+            .and_then(|s| match validate::check_job_name(&s) {
+                Ok(()) => Some(s),
+                Err((m, f)) => {
+                    d.at(n.pos, "name", m, f);
+                    None
+                }
+            }),
     };
     if let Some(n) = root.get("description") {
         if !n.is_null() {
@@ -245,7 +256,10 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
     let (gang, gang_timeout_sec) = if v2 {
         read_v2_top(d, root, &mut v2ctx)
     } else {
-        let gang = root.get("gang").and_then(|n| d.bool(n, "gang")).unwrap_or(false);
+        let gang = root
+            .get("gang")
+            .and_then(|n| d.bool(n, "gang"))
+            .unwrap_or(false);
         let timeout = read_gang_timeout(d, root.get("gangTimeoutSec"), "gangTimeoutSec");
         if let (Some(_), Some(n)) = (timeout, root.get("gangTimeoutSec")) {
             if !gang {
@@ -275,24 +289,34 @@ fn read_gang_timeout(d: &mut Diags, node: Option<&Node>, path: &str) -> Option<u
     if n.is_null() {
         return None;
     }
-    d.int(n, path, 1, limits::MAX_GANG_TIMEOUT_SEC).map(|v| v as u64)
+    d.int(n, path, 1, limits::MAX_GANG_TIMEOUT_SEC)
+        .map(|v| v as u64)
 }
 
 /// Reads the v2 top-level fields; returns (gang, gang timeout).
 fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Option<u64>) {
     if let Some(n) = root.get("protocolVersion") {
-        let ok = matches!(&n.value, Value::Int(2)) || matches!(&n.value, Value::Str(s) if s.trim() == "2");
+        let ok = matches!(&n.value, Value::Int(2))
+            || matches!(&n.value, Value::Str(s) if s.trim() == "2");
         if !ok {
             d.at(
                 n.pos,
                 "protocolVersion",
-                format!("unknown protocolVersion {}; gpuam reads OpenPAI protocol version 2", n.describe()),
+                format!(
+                    "unknown protocolVersion {}; gpuam reads OpenPAI protocol version 2",
+                    n.describe()
+                ),
                 "write `protocolVersion: 2`, or remove it to use gpuam's native format",
             );
         }
     }
     match root.get("type") {
-        None => d.missing(root, "", "type", "add `type: job` (protocol v2 requires it)"),
+        None => d.missing(
+            root,
+            "",
+            "type",
+            "add `type: job` (protocol v2 requires it)",
+        ),
         Some(n) => {
             if let Some(t) = d.text(n, "type") {
                 if t != "job" {
@@ -322,7 +346,10 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
         read_prerequisites(d, n);
     }
     if let Some(n) = root.get("parameters") {
-        if !n.is_null() && d.map(n, "parameters", "write parameters as `name: value` pairs").is_some() {
+        if !n.is_null()
+            && d.map(n, "parameters", "write parameters as `name: value` pairs")
+                .is_some()
+        {
             ctx.parameters = Some(n);
         }
     }
@@ -333,7 +360,10 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
     }
     let mut deployment_name = None;
     if let Some(n) = root.get("defaults") {
-        if !n.is_null() && d.map(n, "defaults", "write `defaults: {virtualCluster: default}`").is_some() {
+        if !n.is_null()
+            && d.map(n, "defaults", "write `defaults: {virtualCluster: default}`")
+                .is_some()
+        {
             d.unknown_fields(n, "defaults", &["virtualCluster", "deployment"], &[]);
             if let Some(v) = n.get("virtualCluster") {
                 d.text(v, "defaults.virtualCluster");
@@ -346,10 +376,16 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
     let deployments = root.get("deployments");
     if let Some(n) = deployments {
         if !n.is_null() {
-            if let Some(items) = d.seq(n, "deployments", "write a list of `{name, taskRoles}` entries") {
+            if let Some(items) = d.seq(
+                n,
+                "deployments",
+                "write a list of `{name, taskRoles}` entries",
+            ) {
                 for (i, item) in items.iter().enumerate() {
                     let p = format!("deployments[{i}]");
-                    if d.map(item, &p, "write `{name: NAME, taskRoles: {...}}`").is_none() {
+                    if d.map(item, &p, "write `{name: NAME, taskRoles: {...}}`")
+                        .is_none()
+                    {
                         continue;
                     }
                     d.unknown_fields(item, &p, &["name", "taskRoles"], &[]);
@@ -367,21 +403,30 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
                         }
                     }
                     if let Some(tr) = item.get("taskRoles") {
-                        d.map(tr, &join(&p, "taskRoles"), "map role names to `{preCommands, postCommands}`");
+                        d.map(
+                            tr,
+                            &join(&p, "taskRoles"),
+                            "map role names to `{preCommands, postCommands}`",
+                        );
                     }
                 }
             }
         }
     }
     if let Some((want, pos)) = &deployment_name {
-        let found = deployments
-            .and_then(Node::as_seq)
-            .is_some_and(|items| items.iter().any(|i| i.get("name").is_some_and(|n| &n.raw == want)));
+        let found = deployments.and_then(Node::as_seq).is_some_and(|items| {
+            items
+                .iter()
+                .any(|i| i.get("name").is_some_and(|n| &n.raw == want))
+        });
         if !found {
             d.at(
                 *pos,
                 "defaults.deployment",
-                format!("deployment \"{}\" is not defined under `deployments`", clip(want)),
+                format!(
+                    "deployment \"{}\" is not defined under `deployments`",
+                    clip(want)
+                ),
                 "name a deployment listed under `deployments`, or remove `defaults.deployment`",
             );
         }
@@ -389,7 +434,10 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
     let mut gang = true;
     let mut timeout = None;
     if let Some(n) = root.get("extras") {
-        if !n.is_null() && d.map(n, "extras", "write extras as `name: value` pairs").is_some() {
+        if !n.is_null()
+            && d.map(n, "extras", "write extras as `name: value` pairs")
+                .is_some()
+        {
             if let Some(g) = n.get("gangAllocation") {
                 gang = d.bool(g, "extras.gangAllocation").unwrap_or(true);
             }
@@ -403,12 +451,22 @@ fn read_prerequisites(d: &mut Diags, n: &Node) {
     if n.is_null() {
         return;
     }
-    let Some(items) = d.seq(n, "prerequisites", "write a list of `{name, type, uri}` entries") else {
+    let Some(items) = d.seq(
+        n,
+        "prerequisites",
+        "write a list of `{name, type, uri}` entries",
+    ) else {
         return;
     };
     for (i, item) in items.iter().enumerate() {
         let p = format!("prerequisites[{i}]");
-        if d.map(item, &p, "write `{name: NAME, type: dockerimage, uri: IMAGE}`").is_none() {
+        if d.map(
+            item,
+            &p,
+            "write `{name: NAME, type: dockerimage, uri: IMAGE}`",
+        )
+        .is_none()
+        {
             continue;
         }
         match item.get("name") {
@@ -418,7 +476,12 @@ fn read_prerequisites(d: &mut Diags, n: &Node) {
             }
         }
         match item.get("type") {
-            None => d.missing(item, &p, "type", "add `type:` (script, output, data or dockerimage)"),
+            None => d.missing(
+                item,
+                &p,
+                "type",
+                "add `type:` (script, output, data or dockerimage)",
+            ),
             Some(v) => {
                 if let Some(t) = d.text(v, &join(&p, "type")) {
                     if !["script", "output", "data", "dockerimage"].contains(&t.as_str()) {
@@ -429,7 +492,12 @@ fn read_prerequisites(d: &mut Diags, n: &Node) {
                             "use one of: script, output, data, dockerimage",
                         );
                     } else if t == "dockerimage" && item.get("uri").is_none() {
-                        d.missing(item, &p, "uri", "add the image, e.g. `uri: example/pytorch:latest`");
+                        d.missing(
+                            item,
+                            &p,
+                            "uri",
+                            "add the image, e.g. `uri: example/pytorch:latest`",
+                        );
                     }
                 }
             }
@@ -437,21 +505,44 @@ fn read_prerequisites(d: &mut Diags, n: &Node) {
     }
 }
 
-fn read_roles(d: &mut Diags, root: &Node, format: SpecFormat, v2: &V2<'_>) -> Option<Vec<TaskRole>> {
+fn read_roles(
+    d: &mut Diags,
+    root: &Node,
+    format: SpecFormat,
+    v2: &V2<'_>,
+) -> Option<Vec<TaskRole>> {
     let Some(tr) = root.get("taskRoles") else {
-        d.missing(root, "", "taskRoles", "add `taskRoles:` with at least one role; see examples/single-gpu.yaml");
+        d.missing(
+            root,
+            "",
+            "taskRoles",
+            "add `taskRoles:` with at least one role; see examples/single-gpu.yaml",
+        );
         return None;
     };
-    let entries = d.map(tr, "taskRoles", "write `taskRoles:` as a mapping from role name to role, e.g. `worker: {...}`")?;
+    let entries = d.map(
+        tr,
+        "taskRoles",
+        "write `taskRoles:` as a mapping from role name to role, e.g. `worker: {...}`",
+    )?;
     if entries.is_empty() {
-        d.at(tr.pos, "taskRoles", "`taskRoles` is empty", "add at least one task role, e.g. `worker:`");
+        d.at(
+            tr.pos,
+            "taskRoles",
+            "`taskRoles` is empty",
+            "add at least one task role, e.g. `worker:`",
+        );
         return None;
     }
     if entries.len() > limits::MAX_TASK_ROLES {
         d.at(
             tr.pos,
             "taskRoles",
-            format!("{} task roles; the limit is {}", entries.len(), limits::MAX_TASK_ROLES),
+            format!(
+                "{} task roles; the limit is {}",
+                entries.len(),
+                limits::MAX_TASK_ROLES
+            ),
             "merge roles that run the same command",
         );
         return None;
@@ -474,7 +565,10 @@ fn read_roles(d: &mut Diags, root: &Node, format: SpecFormat, v2: &V2<'_>) -> Op
         d.at(
             tr.pos,
             "taskRoles",
-            format!("the job has {total} tasks; the limit is {}", limits::MAX_TOTAL_TASKS),
+            format!(
+                "the job has {total} tasks; the limit is {}",
+                limits::MAX_TOTAL_TASKS
+            ),
             "reduce `instances`",
         );
         ok = false;
@@ -482,19 +576,33 @@ fn read_roles(d: &mut Diags, root: &Node, format: SpecFormat, v2: &V2<'_>) -> Op
     ok.then_some(roles)
 }
 
-fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFormat, v2: &V2<'_>) -> Option<TaskRole> {
+fn read_role(
+    d: &mut Diags,
+    name: &str,
+    node: &Node,
+    path: &str,
+    format: SpecFormat,
+    v2: &V2<'_>,
+) -> Option<TaskRole> {
     let is_v2 = format == SpecFormat::PaiV2;
     d.map(
         node,
         path,
         "write the role as a mapping with `instances`, `resourcePerInstance` and `commands`",
     )?;
-    d.unknown_fields(node, path, if is_v2 { V2_ROLE } else { NATIVE_ROLE }, ROLE_HINTS);
+    d.unknown_fields(
+        node,
+        path,
+        if is_v2 { V2_ROLE } else { NATIVE_ROLE },
+        ROLE_HINTS,
+    );
     let mut ok = true;
 
     let instances = match node.get("instances") {
         None => Some(1),
-        Some(n) => d.int(n, &join(path, "instances"), 1, limits::MAX_INSTANCES).map(|v| v as u32),
+        Some(n) => d
+            .int(n, &join(path, "instances"), 1, limits::MAX_INSTANCES)
+            .map(|v| v as u32),
     };
     ok &= instances.is_some();
 
@@ -528,7 +636,12 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
             let p = join(path, "nodeLabel");
             match d.text(n, &p) {
                 Some(s) if s.trim().is_empty() => {
-                    d.at(n.pos, &p, "`nodeLabel` is empty", "write a label such as `gpu`, or remove the field");
+                    d.at(
+                        n.pos,
+                        &p,
+                        "`nodeLabel` is empty",
+                        "write a label such as `gpu`, or remove the field",
+                    );
                     ok = false;
                     None
                 }
@@ -602,7 +715,12 @@ fn read_gpu_types(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<String>> {
         for part in text.split(',') {
             let t = part.trim();
             if t.is_empty() {
-                d.at(pos, path, format!("empty GPU type in \"{}\"", clip(&text)), fix);
+                d.at(
+                    pos,
+                    path,
+                    format!("empty GPU type in \"{}\"", clip(&text)),
+                    fix,
+                );
                 return None;
             }
             out.push(t.to_string());
@@ -612,7 +730,11 @@ fn read_gpu_types(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<String>> {
 }
 
 fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<TaskResources> {
-    d.map(n, path, "write `resourcePerInstance: {cpu: 4, memoryMB: 8192, gpu: 1}`")?;
+    d.map(
+        n,
+        path,
+        "write `resourcePerInstance: {cpu: 4, memoryMB: 8192, gpu: 1}`",
+    )?;
     d.unknown_fields(n, path, RESOURCE, RESOURCE_HINTS);
     let mut ok = true;
     let cpu = match n.get("cpu") {
@@ -620,14 +742,23 @@ fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<Ta
             d.missing(n, path, "cpu", "add `cpu: 1` (CPU cores per task)");
             None
         }
-        Some(v) => d.int(v, &join(path, "cpu"), 1, limits::MAX_TASK_CPU).map(|x| x as u32),
+        Some(v) => d
+            .int(v, &join(path, "cpu"), 1, limits::MAX_TASK_CPU)
+            .map(|x| x as u32),
     };
     let memory_mb = match n.get("memoryMB") {
         None => {
-            d.missing(n, path, "memoryMB", "add `memoryMB: 4096` (memory per task in MB)");
+            d.missing(
+                n,
+                path,
+                "memoryMB",
+                "add `memoryMB: 4096` (memory per task in MB)",
+            );
             None
         }
-        Some(v) => d.int(v, &join(path, "memoryMB"), 1, limits::MAX_TASK_MEMORY_MB).map(|x| x as u64),
+        Some(v) => d
+            .int(v, &join(path, "memoryMB"), 1, limits::MAX_TASK_MEMORY_MB)
+            .map(|x| x as u64),
     };
     let mask = match n.get("gpuMask") {
         None => None,
@@ -643,12 +774,19 @@ fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<Ta
     };
     let gpus = match n.get("gpu") {
         None if is_v2 => {
-            d.missing(n, path, "gpu", "add `gpu: 0` or the number of GPUs per task (protocol v2 requires it)");
+            d.missing(
+                n,
+                path,
+                "gpu",
+                "add `gpu: 0` or the number of GPUs per task (protocol v2 requires it)",
+            );
             None
         }
         // Native: gpu defaults to the mask's popcount, else 0.
         None => Some(mask.map_or(0, |(m, _)| m.count_ones())),
-        Some(v) => d.int(v, &join(path, "gpu"), 0, limits::MAX_GPUS).map(|x| x as u32),
+        Some(v) => d
+            .int(v, &join(path, "gpu"), 0, limits::MAX_GPUS)
+            .map(|x| x as u32),
     };
     if let (Some(g), Some((m, v))) = (gpus, mask) {
         if m.count_ones() != g {
@@ -660,7 +798,10 @@ fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<Ta
                     crate::resources::mask_hex(m),
                     m.count_ones()
                 ),
-                format!("make `gpu` equal the number of bits set in the mask ({}), or fix the mask", m.count_ones()),
+                format!(
+                    "make `gpu` equal the number of bits set in the mask ({}), or fix the mask",
+                    m.count_ones()
+                ),
             );
             ok = false;
         }
@@ -692,7 +833,11 @@ fn read_ports(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<PortRequest>> {
         d.at(
             n.pos,
             path,
-            format!("{} port labels; the limit is {}", entries.len(), limits::MAX_PORT_LABELS),
+            format!(
+                "{} port labels; the limit is {}",
+                entries.len(),
+                limits::MAX_PORT_LABELS
+            ),
             "use fewer labels with larger counts",
         );
         return None;
@@ -716,11 +861,17 @@ fn read_ports(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<PortRequest>> {
                 );
                 return None;
             }
-            d.int(c, cp, 1, limits::MAX_PORTS_PER_TASK).map(|x| x as u16)
+            d.int(c, cp, 1, limits::MAX_PORTS_PER_TASK)
+                .map(|x| x as u16)
         };
         let req = match &v.value {
             Value::Map(_) => {
-                d.unknown_fields(v, &p, &["start", "count"], &[("port", "start"), ("number", "count")]);
+                d.unknown_fields(
+                    v,
+                    &p,
+                    &["start", "count"],
+                    &[("port", "start"), ("number", "count")],
+                );
                 let count = match v.get("count") {
                     None => {
                         d.missing(v, &p, "count", "add `count: 1`");
@@ -771,7 +922,10 @@ fn read_ports(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<PortRequest>> {
         d.at(
             nodes[j].pos,
             &join(path, &b.label),
-            format!("static ports of `{}` overlap those of `{}`", b.label, a.label),
+            format!(
+                "static ports of `{}` overlap those of `{}`",
+                b.label, a.label
+            ),
             "give each label its own range of ports",
         );
         ok = false;
@@ -781,7 +935,10 @@ fn read_ports(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<PortRequest>> {
         d.at(
             n.pos,
             path,
-            format!("{total} ports per task; the limit is {}", limits::MAX_PORTS_PER_TASK),
+            format!(
+                "{total} ports per task; the limit is {}",
+                limits::MAX_PORTS_PER_TASK
+            ),
             "request fewer ports",
         );
         ok = false;
@@ -789,7 +946,14 @@ fn read_ports(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<PortRequest>> {
     ok.then_some(out)
 }
 
-fn read_command_list(d: &mut Diags, n: &Node, path: &str, v2: &V2<'_>, is_v2: bool, out: &mut Vec<String>) -> bool {
+fn read_command_list(
+    d: &mut Diags,
+    n: &Node,
+    path: &str,
+    v2: &V2<'_>,
+    is_v2: bool,
+    out: &mut Vec<String>,
+) -> bool {
     let Some(items) = d.seq(
         n,
         path,
@@ -806,14 +970,23 @@ fn read_command_list(d: &mut Diags, n: &Node, path: &str, v2: &V2<'_>, is_v2: bo
         };
         match text {
             Some(t) if !t.trim().is_empty() => {
-                let t = if is_v2 { render(d, &t, it, &p, v2.parameters) } else { Some(t) };
+                let t = if is_v2 {
+                    render(d, &t, it, &p, v2.parameters)
+                } else {
+                    Some(t)
+                };
                 match t {
                     Some(t) => out.push(t),
                     None => ok = false,
                 }
             }
             Some(_) | None if matches!(it.value, Value::Null | Value::Str(_)) => {
-                d.at(it.pos, &p, "empty command", "write a command, or remove the entry");
+                d.at(
+                    it.pos,
+                    &p,
+                    "empty command",
+                    "write a command, or remove the entry",
+                );
                 ok = false;
             }
             _ => ok = false,
@@ -822,7 +995,14 @@ fn read_command_list(d: &mut Diags, n: &Node, path: &str, v2: &V2<'_>, is_v2: bo
     ok
 }
 
-fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>, is_v2: bool) -> Option<Vec<String>> {
+fn read_commands(
+    d: &mut Diags,
+    node: &Node,
+    role: &str,
+    path: &str,
+    v2: &V2<'_>,
+    is_v2: bool,
+) -> Option<Vec<String>> {
     let p = join(path, "commands");
     let Some(n) = node.get("commands") else {
         d.missing(node, path, "commands", "add `commands: [\"echo hello\"]`");
@@ -831,9 +1011,14 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
     let mut out = Vec::new();
     let mut ok = true;
     // Deployment pre/post commands (v2) wrap the role's own.
-    let dep = v2.deployment.as_ref().and_then(|(tr, tp)| tr.get(role).map(|r| (r, join(tp, role))));
+    let dep = v2
+        .deployment
+        .as_ref()
+        .and_then(|(tr, tp)| tr.get(role).map(|r| (r, join(tp, role))));
     if let Some((r, rp)) = &dep {
-        if d.map(r, rp, "write `{preCommands: [...], postCommands: [...]}`").is_some() {
+        if d.map(r, rp, "write `{preCommands: [...], postCommands: [...]}`")
+            .is_some()
+        {
             d.unknown_fields(r, rp, &["preCommands", "postCommands"], &[]);
             if let Some(pre) = r.get("preCommands") {
                 ok &= read_command_list(d, pre, &join(rp, "preCommands"), v2, is_v2, &mut out);
@@ -843,7 +1028,12 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
     let before = out.len();
     ok &= read_command_list(d, n, &p, v2, is_v2, &mut out);
     if ok && out.len() == before && n.as_seq().is_some_and(|s| s.is_empty()) {
-        d.at(n.pos, &p, "`commands` is empty", "add at least one command, e.g. `- echo hello`");
+        d.at(
+            n.pos,
+            &p,
+            "`commands` is empty",
+            "add at least one command, e.g. `- echo hello`",
+        );
         ok = false;
     }
     if let Some((r, rp)) = &dep {
@@ -855,7 +1045,11 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
         d.at(
             n.pos,
             &p,
-            format!("{} commands; the limit is {}", out.len(), limits::MAX_COMMANDS),
+            format!(
+                "{} commands; the limit is {}",
+                out.len(),
+                limits::MAX_COMMANDS
+            ),
             "move the commands into a script and run it",
         );
         ok = false;
@@ -865,7 +1059,13 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
 
 /// Renders `<% $parameters.NAME %>` placeholders (v2). Nested parameters are reached with
 /// dots: `<% $parameters.opt.lr %>`.
-fn render(d: &mut Diags, text: &str, node: &Node, path: &str, params: Option<&Node>) -> Option<String> {
+fn render(
+    d: &mut Diags,
+    text: &str,
+    node: &Node,
+    path: &str,
+    params: Option<&Node>,
+) -> Option<String> {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     let mut ok = true;
@@ -889,7 +1089,12 @@ fn render(d: &mut Diags, text: &str, node: &Node, path: &str, params: Option<&No
             } else {
                 format!("unsupported placeholder `<% {} %>`", clip(expr))
             };
-            d.at(node.pos, path, why, "use `<% $parameters.NAME %>` with NAME defined under `parameters:`");
+            d.at(
+                node.pos,
+                path,
+                why,
+                "use `<% $parameters.NAME %>` with NAME defined under `parameters:`",
+            );
             ok = false;
             continue;
         };
@@ -921,7 +1126,12 @@ fn render(d: &mut Diags, text: &str, node: &Node, path: &str, params: Option<&No
                     Some(s) => format!("did you mean `$parameters.{s}`?"),
                     None => format!("define it: `parameters: {{{}: VALUE}}`", clip(name)),
                 };
-                d.at(node.pos, path, format!("undefined parameter `{}`", clip(name)), fix);
+                d.at(
+                    node.pos,
+                    path,
+                    format!("undefined parameter `{}`", clip(name)),
+                    fix,
+                );
                 ok = false;
             }
         }
@@ -930,7 +1140,13 @@ fn render(d: &mut Diags, text: &str, node: &Node, path: &str, params: Option<&No
     ok.then_some(out)
 }
 
-fn read_completion(d: &mut Diags, node: &Node, path: &str, instances: Option<u32>, is_v2: bool) -> Option<Completion> {
+fn read_completion(
+    d: &mut Diags,
+    node: &Node,
+    path: &str,
+    instances: Option<u32>,
+    is_v2: bool,
+) -> Option<Completion> {
     let default_succeeded = if is_v2 { instances } else { None };
     let Some(n) = node.get("completion") else {
         return Some(Completion {
@@ -952,7 +1168,9 @@ fn read_completion(d: &mut Diags, node: &Node, path: &str, instances: Option<u32
     )?;
     d.unknown_fields(n, &p, COMPLETION, COMPLETION_HINTS);
     let mut read = |key: &str, default: Option<u32>| -> Result<Option<u32>, ()> {
-        let Some(v) = n.get(key) else { return Ok(default) };
+        let Some(v) = n.get(key) else {
+            return Ok(default);
+        };
         let fp = join(&p, key);
         match &v.value {
             Value::Null | Value::Int(-1) => Ok(None),

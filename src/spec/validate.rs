@@ -49,7 +49,8 @@ pub mod limits {
 pub type Problem = (String, String);
 
 fn chars_ok(s: &str, extra: &str) -> bool {
-    s.chars().all(|c| c.is_ascii_alphanumeric() || extra.contains(c))
+    s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || extra.contains(c))
 }
 
 /// Job names: `^[a-zA-Z0-9_-]{1,255}$`.
@@ -66,7 +67,10 @@ pub fn check_job_name(name: &str) -> Result<(), Problem> {
 /// Role names: `^[a-zA-Z_][a-zA-Z0-9_]{0,63}$`. They become environment variable
 /// suffixes (`GPUAM_HOSTS_<ROLE>`), hence no `-` or `.`.
 pub fn check_role_name(name: &str) -> Result<(), Problem> {
-    let first_ok = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let first_ok = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
     if !first_ok || name.len() > 64 || !chars_ok(name, "_") {
         let hint = name.replace(['-', '.', ' '], "_");
         let fix = if !hint.is_empty() && hint != name && check_role_name(&hint).is_ok() {
@@ -114,7 +118,8 @@ pub fn check_node_label(label: &str) -> Result<(), Problem> {
 
 /// A GPU mask node: an integer or a hex string such as `"0x3f"`.
 pub fn read_mask(node: &Node) -> Result<GpuMask, Problem> {
-    let fix = "write the mask as a hex string such as \"0x3f\" (bit i = GPU i, at most 64 bits)".to_string();
+    let fix = "write the mask as a hex string such as \"0x3f\" (bit i = GPU i, at most 64 bits)"
+        .to_string();
     match &node.value {
         Value::Int(i) if *i >= 0 => Ok(*i as u64),
         Value::Int(i) => Err((format!("a GPU mask cannot be negative (found {i})"), fix)),
@@ -133,10 +138,19 @@ pub fn read_mask(node: &Node) -> Result<GpuMask, Problem> {
             parse_mask(t).ok_or_else(|| (format!("\"{}\" is not a GPU mask", clip(t)), fix))
         }
         Value::Float(_) => Err((
-            format!("GPU mask `{}` is out of range (more than 64 bits)", clip(&node.raw)),
+            format!(
+                "GPU mask `{}` is out of range (more than 64 bits)",
+                clip(&node.raw)
+            ),
             fix,
         )),
-        _ => Err((format!("a GPU mask must be a hex string or a number, found {}", node.describe()), fix)),
+        _ => Err((
+            format!(
+                "a GPU mask must be a hex string or a number, found {}",
+                node.describe()
+            ),
+            fix,
+        )),
     }
 }
 
@@ -146,7 +160,10 @@ pub fn static_range_end(start: u16, count: u16) -> Result<u16, Problem> {
     u16::try_from(end).map_err(|_| {
         (
             format!("static ports {start}..{end} run past 65535"),
-            format!("lower `start` to at most {} or reduce `count`", 65536 - u32::from(count)),
+            format!(
+                "lower `start` to at most {} or reduce `count`",
+                65536 - u32::from(count)
+            ),
         )
     })
 }
@@ -200,7 +217,12 @@ mod tests {
             count,
             start,
         };
-        let ports = [p(Some(100), 10), p(None, 5), p(Some(110), 1), p(Some(105), 1)];
+        let ports = [
+            p(Some(100), 10),
+            p(None, 5),
+            p(Some(110), 1),
+            p(Some(105), 1),
+        ];
         assert_eq!(overlapping_static(&ports), vec![(0, 3)]);
     }
 }

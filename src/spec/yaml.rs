@@ -294,7 +294,12 @@ impl Builder {
                 self.push_node(node, anchor);
             }
             Event::Alias(id) => {
-                let target = self.anchors.iter().rev().find(|(a, _)| *a == id).map(|(_, n)| n.clone());
+                let target = self
+                    .anchors
+                    .iter()
+                    .rev()
+                    .find(|(a, _)| *a == id)
+                    .map(|(_, n)| n.clone());
                 let node = match target {
                     Some(n) if n.count_within(&mut self.alias_budget) => n,
                     Some(_) => {
@@ -302,7 +307,9 @@ impl Builder {
                         self.issue(
                             pos,
                             &path,
-                            format!("aliases (`*name`) expand to more than {MAX_ALIAS_NODES} nodes"),
+                            format!(
+                                "aliases (`*name`) expand to more than {MAX_ALIAS_NODES} nodes"
+                            ),
                             "write the repeated parts out instead of using anchors and aliases",
                         );
                         self.alias_budget = 0;
@@ -315,7 +322,13 @@ impl Builder {
         }
     }
 
-    fn scalar(&mut self, text: Cow<'_, str>, style: ScalarStyle, tag: Option<Cow<'_, Tag>>, pos: Pos) -> Node {
+    fn scalar(
+        &mut self,
+        text: Cow<'_, str>,
+        style: ScalarStyle,
+        tag: Option<Cow<'_, Tag>>,
+        pos: Pos,
+    ) -> Node {
         let raw = text.to_string();
         let quoted = style != ScalarStyle::Plain;
         let value = match Scalar::parse_from_cow_and_metadata(text, style, tag.as_ref()) {
@@ -353,7 +366,10 @@ impl Builder {
             None => self.docs.push(node),
             Some(Frame::Seq { items, .. }) => items.push(node),
             Some(Frame::Map {
-                entries, pending, path, ..
+                entries,
+                pending,
+                path,
+                ..
             }) => match pending.take() {
                 None => {
                     let text = match &node.value {
@@ -361,21 +377,29 @@ impl Builder {
                             issue = Some((
                                 node.pos,
                                 path.clone(),
-                                "a mapping key must be a plain word, not a list or mapping".to_string(),
+                                "a mapping key must be a plain word, not a list or mapping"
+                                    .to_string(),
                                 "write the key as text, e.g. `name: value`",
                             ));
                             "?".to_string()
                         }
                         _ => node.raw.clone(),
                     };
-                    *pending = Some(Key { text, pos: node.pos });
+                    *pending = Some(Key {
+                        text,
+                        pos: node.pos,
+                    });
                 }
                 Some(key) => {
                     if let Some((first, _)) = entries.iter().find(|(k, _)| k.text == key.text) {
                         issue = Some((
                             key.pos,
                             join(path, &key.text),
-                            format!("duplicate key `{}` (first given on line {})", clip(&key.text), first.pos.line),
+                            format!(
+                                "duplicate key `{}` (first given on line {})",
+                                clip(&key.text),
+                                first.pos.line
+                            ),
                             "keep one of the two entries",
                         ));
                     } else {
@@ -394,7 +418,10 @@ fn close(frame: Frame) -> Node {
     match frame {
         Frame::Seq { pos, items, .. } => Node::new(pos, Value::Seq(items)),
         Frame::Map {
-            pos, mut entries, pending, ..
+            pos,
+            mut entries,
+            pending,
+            ..
         } => {
             // A key without a value cannot come from the parser; keep it as null.
             if let Some(k) = pending {
@@ -462,7 +489,10 @@ pub fn parse(text: &str) -> Document {
         doc.issues.push(YamlIssue {
             pos,
             field: String::new(),
-            message: format!("the file holds {} YAML documents (separated by `---`); expected one", b.docs.len()),
+            message: format!(
+                "the file holds {} YAML documents (separated by `---`); expected one",
+                b.docs.len()
+            ),
             fix: "keep one document per file".into(),
         });
     }
@@ -485,7 +515,13 @@ impl Diags {
         }
     }
 
-    pub fn at(&mut self, pos: Pos, field: &str, message: impl Into<String>, fix: impl Into<String>) {
+    pub fn at(
+        &mut self,
+        pos: Pos,
+        field: &str,
+        message: impl Into<String>,
+        fix: impl Into<String>,
+    ) {
         self.errors.push(SpecError {
             source: self.source.clone(),
             line: pos.line,
@@ -528,14 +564,23 @@ impl Diags {
 
     /// Reports the keys of `node` (a mapping at `path`) that are not in `allowed`, with a
     /// "did you mean" hint where one is close.
-    pub fn unknown_fields(&mut self, node: &Node, path: &str, allowed: &[&str], hints: &[(&str, &str)]) {
+    pub fn unknown_fields(
+        &mut self,
+        node: &Node,
+        path: &str,
+        allowed: &[&str],
+        hints: &[(&str, &str)],
+    ) {
         let Some(entries) = node.as_map() else { return };
         for (k, _) in entries {
             if allowed.contains(&k.text.as_str()) {
                 continue;
             }
             let field = join(path, &k.text);
-            let hinted = hints.iter().find(|(from, _)| *from == k.text).map(|(_, to)| *to);
+            let hinted = hints
+                .iter()
+                .find(|(from, _)| *from == k.text)
+                .map(|(_, to)| *to);
             let fix = if k.text == "<<" {
                 "YAML merge keys (`<<`) are not supported; write the fields out".to_string()
             } else if let Some(s) = hinted.or_else(|| suggest(&k.text, allowed)) {
@@ -543,20 +588,35 @@ impl Diags {
             } else {
                 format!("remove it; allowed here: {}", allowed.join(", "))
             };
-            self.at(k.pos, &field, format!("unknown field `{}`", clip(&k.text)), fix);
+            self.at(
+                k.pos,
+                &field,
+                format!("unknown field `{}`", clip(&k.text)),
+                fix,
+            );
         }
     }
 
     /// Reports a missing required field, located at the parent mapping.
     pub fn missing(&mut self, parent: &Node, path: &str, key: &str, fix: impl Into<String>) {
-        self.at(parent.pos, &join(path, key), format!("missing required field `{key}`"), fix);
+        self.at(
+            parent.pos,
+            &join(path, key),
+            format!("missing required field `{key}`"),
+            fix,
+        );
     }
 
     /// Requires `node` to be a mapping.
     pub fn map<'a>(&mut self, node: &'a Node, path: &str, fix: &str) -> Option<&'a [(Key, Node)]> {
         let m = node.as_map();
         if m.is_none() {
-            self.at(node.pos, path, format!("expected a mapping, found {}", node.describe()), fix);
+            self.at(
+                node.pos,
+                path,
+                format!("expected a mapping, found {}", node.describe()),
+                fix,
+            );
         }
         m
     }
@@ -565,7 +625,12 @@ impl Diags {
     pub fn seq<'a>(&mut self, node: &'a Node, path: &str, fix: &str) -> Option<&'a [Node]> {
         let s = node.as_seq();
         if s.is_none() {
-            self.at(node.pos, path, format!("expected a list, found {}", node.describe()), fix);
+            self.at(
+                node.pos,
+                path,
+                format!("expected a list, found {}", node.describe()),
+                fix,
+            );
         }
         s
     }
@@ -577,13 +642,23 @@ impl Diags {
         match &node.value {
             Value::Int(i) if (min..=max).contains(i) => Some(*i),
             Value::Int(i) if *i < min && *i < 0 && min >= 0 => {
-                self.at(node.pos, path, format!("must not be negative (found {i})"), range_fix);
+                self.at(
+                    node.pos,
+                    path,
+                    format!("must not be negative (found {i})"),
+                    range_fix,
+                );
                 None
             }
             Value::Int(i) => {
                 let side = if *i < min { "at least" } else { "at most" };
                 let bound = if *i < min { min } else { max };
-                self.at(node.pos, path, format!("must be {side} {bound} (found {i})"), range_fix);
+                self.at(
+                    node.pos,
+                    path,
+                    format!("must be {side} {bound} (found {i})"),
+                    range_fix,
+                );
                 None
             }
             Value::Float(f) if is_digits(&node.raw) => {
@@ -615,7 +690,12 @@ impl Diags {
                 None
             }
             _ => {
-                self.at(node.pos, path, format!("must be a whole number, found {}", node.describe()), range_fix);
+                self.at(
+                    node.pos,
+                    path,
+                    format!("must be a whole number, found {}", node.describe()),
+                    range_fix,
+                );
                 None
             }
         }
@@ -660,20 +740,31 @@ fn is_digits(s: &str) -> bool {
     !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit())
 }
 
-/// Levenshtein distance, for "did you mean".
+/// Edit distance counting a swap of two neighbours as one edit (optimal string
+/// alignment), for "did you mean": `nmae` is one edit from `name`.
 fn distance(a: &str, b: &str) -> usize {
     let a: Vec<char> = a.chars().collect();
     let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.iter().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != cb);
-            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+    let w = b.len() + 1;
+    let mut t = vec![0usize; (a.len() + 1) * w];
+    for i in 0..=a.len() {
+        for j in 0..=b.len() {
+            t[i * w + j] = if i == 0 {
+                j
+            } else if j == 0 {
+                i
+            } else {
+                let mut v = (t[(i - 1) * w + j - 1] + usize::from(a[i - 1] != b[j - 1]))
+                    .min(t[(i - 1) * w + j] + 1)
+                    .min(t[i * w + j - 1] + 1);
+                if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                    v = v.min(t[(i - 2) * w + j - 2] + 1);
+                }
+                v
+            };
         }
-        prev = cur;
     }
-    prev[b.len()]
+    t[a.len() * w + b.len()]
 }
 
 /// The allowed name closest to `word`, if it is close (same word in another case, or at
@@ -716,7 +807,11 @@ mod tests {
     #[test]
     fn duplicates_are_all_reported_with_paths() {
         let d = parse("a: 1\nb:\n  c: 1\n  c: 2\na: 3\n");
-        let fields: Vec<_> = d.issues.iter().map(|i| (i.field.as_str(), i.pos.line)).collect();
+        let fields: Vec<_> = d
+            .issues
+            .iter()
+            .map(|i| (i.field.as_str(), i.pos.line))
+            .collect();
         assert_eq!(fields, vec![("b.c", 4), ("a", 5)]);
         assert!(!d.fatal);
     }
@@ -738,7 +833,11 @@ mod tests {
             prev = c;
         }
         let d = parse(&text);
-        assert!(d.issues.iter().any(|i| i.message.contains("aliases")), "{:?}", d.issues);
+        assert!(
+            d.issues.iter().any(|i| i.message.contains("aliases")),
+            "{:?}",
+            d.issues
+        );
     }
 
     #[test]
@@ -746,7 +845,10 @@ mod tests {
         let d = parse("base: &r {cpu: 1}\nother: *r\n");
         assert!(d.issues.is_empty());
         let root = d.root.unwrap();
-        assert_eq!(root.get("other").unwrap().get("cpu").unwrap().value, Value::Int(1));
+        assert_eq!(
+            root.get("other").unwrap().get("cpu").unwrap().value,
+            Value::Int(1)
+        );
     }
 
     #[test]
@@ -754,10 +856,22 @@ mod tests {
         let text = format!("{}{}", "[".repeat(200_000), "]".repeat(200_000));
         let d = parse(&text);
         // The scanner stops runaway flow nesting itself; block nesting reaches our limit.
-        assert!(d.issues.iter().any(|i| i.message.contains("recursion limit")), "{:?}", d.issues);
+        assert!(
+            d.issues
+                .iter()
+                .any(|i| i.message.contains("recursion limit")),
+            "{:?}",
+            d.issues
+        );
         let text = format!("{}{}", "[".repeat(100), "]".repeat(100));
         let d = parse(&text);
-        assert!(d.issues.iter().any(|i| i.message.contains("nested more than")), "{:?}", d.issues);
+        assert!(
+            d.issues
+                .iter()
+                .any(|i| i.message.contains("nested more than")),
+            "{:?}",
+            d.issues
+        );
         let text = "a:\n".to_string() + &"- ".repeat(10_000) + "x\n";
         let d = parse(&text);
         assert!(!d.issues.is_empty());
@@ -777,7 +891,10 @@ mod tests {
     #[test]
     fn multiple_documents_are_reported() {
         let d = parse("a: 1\n---\nb: 2\n");
-        assert!(d.issues.iter().any(|i| i.message.contains("2 YAML documents")));
+        assert!(d
+            .issues
+            .iter()
+            .any(|i| i.message.contains("2 YAML documents")));
     }
 
     #[test]
@@ -787,5 +904,6 @@ mod tests {
         assert_eq!(suggest("memoryMb", &allowed), Some("memoryMB"));
         assert_eq!(suggest("gpus", &allowed), Some("gpu"));
         assert_eq!(suggest("zzzzzz", &allowed), None);
+        assert_eq!(suggest("nmae", &["name", "gang"]), Some("name"));
     }
 }
