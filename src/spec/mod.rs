@@ -14,8 +14,8 @@ use std::fmt;
 
 use crate::resources::{GpuMask, PortSet, Resources};
 
-/// A validated job.
-#[derive(Clone, Debug, PartialEq)]
+/// A validated job. `Default` exists for building test values, not as a valid job.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct JobSpec {
     pub name: String,
     /// All tasks must hold a container before any starts.
@@ -39,7 +39,7 @@ pub enum SpecFormat {
 }
 
 /// One task role: `instances` identical tasks.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct TaskRole {
     pub name: String,
     pub instances: u32,
@@ -55,7 +55,7 @@ pub struct TaskRole {
 }
 
 /// Per-instance resources of a role.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TaskResources {
     pub cpu: u32,
     pub memory_mb: u64,

@@ -1184,3 +1184,61 @@ mod no_panic {
         }
     }
 }
+
+#[test]
+fn crlf_line_endings_and_bom_are_accepted() {
+    let text = format!(
+        "\u{feff}{}",
+        ok_role("    instance: 2\n").replace('\n', "\r\n")
+    );
+    let e = errors(&text);
+    assert_eq!(
+        (e[0].field.as_str(), e[0].line, e[0].col),
+        ("taskRoles.worker.instance", 6, 5)
+    );
+    assert!(parse(&format!("\u{feff}{}", ok_role("").replace('\n', "\r\n"))).is_ok());
+}
+
+#[test]
+fn full_64_bit_mask() {
+    let s = parse(&role(&format!("    resourcePerInstance: {{cpu: 1, memoryMB: 1, gpu: 64, gpuMask: 0xffffffffffffffff}}\n{CMD}"))).unwrap();
+    assert_eq!(s.task_roles[0].resources.gpu_mask, Some(u64::MAX));
+}
+
+#[test]
+fn tabs_in_indentation_are_a_syntax_error_with_position() {
+    let e = errors("name: job\ntaskRoles:\n\tworker: {}\n");
+    assert_eq!(e.len(), 1);
+    assert!(
+        e[0].message.contains("syntax") && e[0].line == 3,
+        "{}",
+        e[0]
+    );
+}
+
+#[test]
+fn error_count_is_capped() {
+    let keys: String = (0..300).map(|i| format!("bad{i}: 1\n")).collect();
+    let e = errors(&format!("{}{keys}", ok_role("")));
+    assert_eq!(e.len(), yaml::MAX_ERRORS + 1);
+    assert!(
+        e.last().unwrap().message.contains("200 more errors"),
+        "{}",
+        e.last().unwrap()
+    );
+}
+
+#[test]
+fn huge_mappings_stay_fast() {
+    let keys: String = (0..60_000).map(|i| format!("  k{i}: 1\n")).collect();
+    let start = std::time::Instant::now();
+    let e = errors(&v2(&format!("parameters:\n{keys}  k7: 2\n{V2_ROLE}")));
+    assert_eq!(e.len(), 1);
+    assert!(
+        e[0].message
+            .contains("duplicate key `k7` (first given on line 12)"),
+        "{}",
+        e[0]
+    );
+    assert!(start.elapsed().as_secs() < 5, "took {:?}", start.elapsed());
+}

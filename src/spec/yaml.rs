@@ -11,6 +11,7 @@
 //! nested input cannot overflow the stack either.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use saphyr::{Scalar, ScalarStyle, Tag};
@@ -22,6 +23,9 @@ use super::SpecError;
 pub const MAX_DEPTH: usize = 64;
 /// The most nodes that alias expansions (`*name`) may copy in one document.
 pub const MAX_ALIAS_NODES: usize = 10_000;
+
+/// At most this many errors are reported for one file.
+pub const MAX_ERRORS: usize = 100;
 
 /// A 1-based position in the source; `line == 0` means "no position".
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -178,6 +182,9 @@ enum Frame {
     Map {
         pos: Pos,
         entries: Vec<(Key, Node)>,
+        /// Key text → line of its first occurrence, so duplicate checks stay O(1) even
+        /// for a hostile mapping with 100 000 keys.
+        seen: HashMap<String, usize>,
         pending: Option<Key>,
         anchor: usize,
         path: String,
@@ -275,6 +282,7 @@ impl Builder {
                 self.stack.push(Frame::Map {
                     pos,
                     entries: Vec::new(),
+                    seen: HashMap::new(),
                     pending: None,
                     anchor,
                     path,
@@ -367,6 +375,7 @@ impl Builder {
             Some(Frame::Seq { items, .. }) => items.push(node),
             Some(Frame::Map {
                 entries,
+                seen,
                 pending,
                 path,
                 ..
@@ -391,18 +400,18 @@ impl Builder {
                     });
                 }
                 Some(key) => {
-                    if let Some((first, _)) = entries.iter().find(|(k, _)| k.text == key.text) {
+                    if let Some(first_line) = seen.get(&key.text) {
                         issue = Some((
                             key.pos,
                             join(path, &key.text),
                             format!(
-                                "duplicate key `{}` (first given on line {})",
+                                "duplicate key `{}` (first given on line {first_line})",
                                 clip(&key.text),
-                                first.pos.line
                             ),
                             "keep one of the two entries",
                         ));
                     } else {
+                        seen.insert(key.text.clone(), key.pos.line);
                         entries.push((key, node));
                     }
                 }
@@ -543,9 +552,20 @@ impl Diags {
         }
     }
 
-    /// The errors sorted by position (unpositioned first), as the result of a parse.
+    /// The errors sorted by position (unpositioned first), as the result of a parse. At
+    /// most [`MAX_ERRORS`] are kept, followed by one line counting the rest.
     pub fn into_result<T>(mut self, value: Option<T>) -> Result<T, super::SpecErrors> {
         self.errors.sort_by_key(|e| (e.line, e.col));
+        if self.errors.len() > MAX_ERRORS {
+            let more = self.errors.len() - MAX_ERRORS;
+            self.errors.truncate(MAX_ERRORS);
+            self.at(
+                Pos::default(),
+                "",
+                format!("... and {more} more errors"),
+                "fix the errors above and validate again",
+            );
+        }
         match value {
             Some(v) if self.errors.is_empty() => Ok(v),
             _ => {
@@ -636,7 +656,7 @@ impl Diags {
     }
 
     /// A whole number in `min..=max`. Quoted numbers, decimals, booleans and nulls are
-    /// reported as wrong types; `what` completes "must be ..." in messages.
+    /// reported as wrong types.
     pub fn int(&mut self, node: &Node, path: &str, min: i64, max: i64) -> Option<i64> {
         let range_fix = format!("write a whole number from {min} to {max}");
         match &node.value {
@@ -770,7 +790,8 @@ fn distance(a: &str, b: &str) -> usize {
 /// The allowed name closest to `word`, if it is close (same word in another case, or at
 /// most 2 edits for longer words, 1 for short ones).
 pub fn suggest<'a>(word: &str, allowed: &[&'a str]) -> Option<&'a str> {
-    if word.chars().count() > 64 {
+    // Bounded work: long words or huge candidate lists get no suggestion.
+    if word.chars().count() > 64 || allowed.len() > 256 {
         return None;
     }
     let lower = word.to_ascii_lowercase();
