@@ -136,6 +136,7 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
             task_retry_count: 0,
             completion: Completion::default(),
         }],
+        ..Default::default()
     };
     let t = Instant::now();
     let plan = plan_job(&selector, &job);

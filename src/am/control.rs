@@ -612,7 +612,8 @@ impl Control {
                     .any(|t| t.holds_container() || t.state == TaskState::ContainerRequested);
                 if holding {
                     let since = *self.gang_wait_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= Duration::from_secs(self.settings.gang_timeout_sec) {
+                    let timeout = self.job.gang_timeout_sec.unwrap_or(self.settings.gang_timeout_sec);
+                    if since.elapsed() >= Duration::from_secs(timeout) {
                         self.release_gang();
                     }
                 } else {

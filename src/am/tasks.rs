@@ -217,6 +217,7 @@ mod tests {
                 task_retry_count: 0,
                 completion: Completion::default(),
             }],
+            ..Default::default()
         };
         let mut t = Task::new(0, 1);
         t.attempt = 2;

@@ -59,6 +59,7 @@ fn job(roles: Vec<TaskRole>) -> JobSpec {
         name: "j".into(),
         gang: false,
         task_roles: roles,
+        ..Default::default()
     }
 }
 

@@ -1,23 +1,45 @@
 //! Job specs: YAML task roles (DESIGN.md §8) and OpenPAI job protocol v2 files.
 //!
-//! PLACEHOLDER SKELETON — the real parser and validator replace the stub below.
+//! The types of a validated job live here; `parse` reads both formats, `validate` holds
+//! the limits and name rules, `yaml` is the located-YAML layer shared with the cluster file.
+
+pub mod parse;
+pub mod validate;
+pub mod yaml;
+
+pub use parse::{load_job_spec, parse_job_spec};
+pub use validate::limits;
 
 use std::fmt;
 
 use crate::resources::{GpuMask, PortSet, Resources};
 
-/// A validated job.
-#[derive(Clone, Debug, PartialEq)]
+/// A validated job. `Default` exists for building test values, not as a valid job.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct JobSpec {
     pub name: String,
     /// All tasks must hold a container before any starts.
     pub gang: bool,
+    /// How long a gang job may wait for all its containers (`gangTimeoutSec`); `None` = no limit.
+    pub gang_timeout_sec: Option<u64>,
+    /// Which format the spec was written in.
+    pub format: SpecFormat,
     /// Task roles in file order.
     pub task_roles: Vec<TaskRole>,
 }
 
+/// The format a job spec was written in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SpecFormat {
+    /// gpuam's own format (DESIGN.md §8).
+    #[default]
+    Native,
+    /// OpenPAI job protocol v2 (`protocolVersion: 2`).
+    PaiV2,
+}
+
 /// One task role: `instances` identical tasks.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct TaskRole {
     pub name: String,
     pub instances: u32,
@@ -33,7 +55,7 @@ pub struct TaskRole {
 }
 
 /// Per-instance resources of a role.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TaskResources {
     pub cpu: u32,
     pub memory_mb: u64,
@@ -158,14 +180,5 @@ impl fmt::Display for SpecErrors {
 
 impl std::error::Error for SpecErrors {}
 
-/// Parses and validates a job spec.
-pub fn parse_job_spec(_text: &str, source: &str) -> Result<JobSpec, SpecErrors> {
-    Err(SpecErrors(vec![SpecError {
-        source: source.to_string(),
-        line: 0,
-        col: 0,
-        field: String::new(),
-        message: "not implemented".into(),
-        fix: String::new(),
-    }]))
-}
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1065 @@
+//! Reads a job spec — gpuam's native format (DESIGN.md §8) or OpenPAI job protocol v2
+//! (reference/frameworklauncher.md §7) — into a [`JobSpec`], collecting every problem with
+//! its position, dotted field path and fix instead of stopping at the first.
+//!
+//! The format is chosen by the presence of `protocolVersion` at the top level. Both are
+//! mapped to the same [`JobSpec`]; the differences are defaults (v2: gang on, every role's
+//! `minSucceededInstances` = `instances`, `gpu` required) and v2's extras: `<% $parameters.x %>`
+//! placeholders, deployments' pre/post commands, `extras.gangAllocation`.
+
+use std::path::Path;
+
+use super::validate::{self, limits};
+use super::yaml::{self, clip, join, Diags, Node, Pos, Value};
+use super::{Completion, JobSpec, PortRequest, SpecErrors, SpecFormat, TaskResources, TaskRole};
+
+const NATIVE_TOP: &[&str] = &["name", "description", "gang", "gangTimeoutSec", "taskRoles"];
+const V2_TOP: &[&str] = &[
+    "protocolVersion",
+    "name",
+    "type",
+    "version",
+    "contributor",
+    "description",
+    "prerequisites",
+    "parameters",
+    "secrets",
+    "jobRetryCount",
+    "deployments",
+    "defaults",
+    "extras",
+    "taskRoles",
+];
+const TOP_HINTS: &[(&str, &str)] = &[
+    ("jobName", "name"),
+    ("gangAllocation", "gang"),
+    ("roles", "taskRoles"),
+    ("tasks", "taskRoles"),
+    ("taskRole", "taskRoles"),
+];
+const V2_TOP_HINTS: &[(&str, &str)] = &[
+    ("gang", "extras.gangAllocation"),
+    ("gangAllocation", "extras.gangAllocation"),
+    ("jobName", "name"),
+    ("roles", "taskRoles"),
+];
+const NATIVE_ROLE: &[&str] = &[
+    "instances",
+    "resourcePerInstance",
+    "gpuType",
+    "nodeLabel",
+    "samePortAllocation",
+    "commands",
+    "taskRetryCount",
+    "completion",
+];
+/// v2 role fields, plus gpuam's `gpuType`, `nodeLabel` and `samePortAllocation`.
+const V2_ROLE: &[&str] = &[
+    "instances",
+    "completion",
+    "taskRetryCount",
+    "dockerImage",
+    "data",
+    "output",
+    "script",
+    "prerequisites",
+    "extraContainerOptions",
+    "resourcePerInstance",
+    "commands",
+    "gpuType",
+    "nodeLabel",
+    "samePortAllocation",
+];
+const ROLE_HINTS: &[(&str, &str)] = &[
+    ("taskNumber", "instances"),
+    ("replicas", "instances"),
+    ("resource", "resourcePerInstance"),
+    ("resources", "resourcePerInstance"),
+    ("command", "commands"),
+    ("cmd", "commands"),
+    ("minFailedInstances", "completion.minFailedInstances"),
+    ("minSucceededInstances", "completion.minSucceededInstances"),
+    ("retryCount", "taskRetryCount"),
+    ("gpu", "resourcePerInstance.gpu"),
+    ("cpu", "resourcePerInstance.cpu"),
+    ("memoryMB", "resourcePerInstance.memoryMB"),
+    ("ports", "resourcePerInstance.ports"),
+    ("label", "nodeLabel"),
+];
+const RESOURCE: &[&str] = &["cpu", "memoryMB", "gpu", "gpuMask", "ports"];
+const RESOURCE_HINTS: &[(&str, &str)] = &[
+    ("gpus", "gpu"),
+    ("gpuNumber", "gpu"),
+    ("cpuNumber", "cpu"),
+    ("cpus", "cpu"),
+    ("memory", "memoryMB"),
+    ("mem", "memoryMB"),
+    ("memoryMiB", "memoryMB"),
+    ("portDefinitions", "ports"),
+    ("gpuAttribute", "gpuMask"),
+];
+const COMPLETION: &[&str] = &["minFailedInstances", "minSucceededInstances"];
+const COMPLETION_HINTS: &[(&str, &str)] = &[
+    ("minFailedTaskCount", "minFailedInstances"),
+    ("minSucceededTaskCount", "minSucceededInstances"),
+];
+
+/// Parses and validates a job spec; `source` names it in errors (a path or `<stdin>`).
+///
+/// Limits (see [`limits`]): spec text ≤ 1 MiB; ≤ 64 task roles; `instances` 1..=10 000 per
+/// role and ≤ 100 000 tasks in all; per task `cpu` 1..=4096, `memoryMB` 1..=16 777 216,
+/// `gpu` 0..=64; ≤ 256 port labels and ≤ 1000 ports per task; ≤ 1000 commands per role;
+/// `taskRetryCount` -2..=10 000; `gangTimeoutSec` 1..=2 592 000; YAML nesting ≤ 64 levels
+/// and alias expansion ≤ 10 000 nodes.
+pub fn parse_job_spec(text: &str, source: &str) -> Result<JobSpec, SpecErrors> {
+    let mut d = Diags::new(source);
+    if text.len() > limits::MAX_SPEC_BYTES {
+        d.at(
+            Pos::default(),
+            "",
+            format!(
+                "the job spec is {} bytes; the limit is {} (1 MiB)",
+                text.len(),
+                limits::MAX_SPEC_BYTES
+            ),
+            "shorten the spec: move long scripts into files and call them from `commands`",
+        );
+        return d.into_result(None);
+    }
+    let doc = yaml::parse(text);
+    d.extend_yaml(&doc.issues);
+    if doc.fatal {
+        return d.into_result(None);
+    }
+    let spec = match &doc.root {
+        None => {
+            d.at(
+                Pos { line: 1, col: 1 },
+                "",
+                "the job spec is empty",
+                "write a job spec; see examples/single-gpu.yaml",
+            );
+            None
+        }
+        Some(root) => read_job(&mut d, root),
+    };
+    d.into_result(spec)
+}
+
+/// Reads and parses a job spec file; a read error is reported at line 0.
+pub fn load_job_spec(path: &Path) -> Result<JobSpec, SpecErrors> {
+    let source = path.display().to_string();
+    match read_limited(path, limits::MAX_SPEC_BYTES) {
+        Ok(text) => parse_job_spec(&text, &source),
+        Err((message, fix)) => {
+            let mut d = Diags::new(&source);
+            d.at(Pos::default(), "", message, fix);
+            d.into_result(None)
+        }
+    }
+}
+
+/// Reads a UTF-8 file of at most `max` bytes (one more is read so that a larger file is
+/// reported as too large rather than truncated).
+pub fn read_limited(path: &Path, max: usize) -> Result<String, (String, String)> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| {
+        (
+            format!("cannot read {}: {e}", path.display()),
+            "check the path and its permissions".to_string(),
+        )
+    })?;
+    let mut buf = Vec::new();
+    file.take(max as u64 + 1).read_to_end(&mut buf).map_err(|e| {
+        (
+            format!("cannot read {}: {e}", path.display()),
+            "check the path and its permissions".to_string(),
+        )
+    })?;
+    if buf.len() > max {
+        return Err((
+            format!("{} is larger than the limit of {max} bytes", path.display()),
+            "shorten the file".to_string(),
+        ));
+    }
+    String::from_utf8(buf).map_err(|e| {
+        (
+            format!(
+                "{} is not UTF-8 text (byte {})",
+                path.display(),
+                e.utf8_error().valid_up_to()
+            ),
+            "save the file as UTF-8".to_string(),
+        )
+    })
+}
+
+/// v2-only context for reading roles.
+struct V2<'a> {
+    parameters: Option<&'a Node>,
+    /// Deployment chosen by `defaults.deployment`: its `taskRoles` mapping.
+    deployment: Option<(&'a Node, String)>,
+}
+
+fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
+    if root.as_map().is_none() {
+        d.at(
+            root.pos,
+            "",
+            format!("a job spec must be a mapping of fields, found {}", root.describe()),
+            "start the file with `name: my-job` and `taskRoles:`; see examples/single-gpu.yaml",
+        );
+        return None;
+    }
+    let format = if root.get("protocolVersion").is_some() {
+        SpecFormat::PaiV2
+    } else {
+        SpecFormat::Native
+    };
+    let v2 = format == SpecFormat::PaiV2;
+    if v2 {
+        d.unknown_fields(root, "", V2_TOP, V2_TOP_HINTS);
+    } else {
+        d.unknown_fields(root, "", NATIVE_TOP, TOP_HINTS);
+    }
+
+    let name = match root.get("name") {
+        None => {
+            d.missing(root, "", "name", "add `name: my-job` at the top level");
+            None
+        }
+        Some(n) => d.text(n, "name").and_then(|s| match validate::check_job_name(&s) {
+            Ok(()) => Some(s),
+            Err((m, f)) => {
+                d.at(n.pos, "name", m, f);
+                None
+            }
+        }),
+    };
+    if let Some(n) = root.get("description") {
+        if !n.is_null() {
+            d.text(n, "description");
+        }
+    }
+
+    let mut v2ctx = V2 {
+        parameters: None,
+        deployment: None,
+    };
+    let (gang, gang_timeout_sec) = if v2 {
+        read_v2_top(d, root, &mut v2ctx)
+    } else {
+        let gang = root.get("gang").and_then(|n| d.bool(n, "gang")).unwrap_or(false);
+        let timeout = read_gang_timeout(d, root.get("gangTimeoutSec"), "gangTimeoutSec");
+        if let (Some(_), Some(n)) = (timeout, root.get("gangTimeoutSec")) {
+            if !gang {
+                d.at(
+                    n.pos,
+                    "gangTimeoutSec",
+                    "`gangTimeoutSec` only applies to gang jobs",
+                    "set `gang: true` or remove `gangTimeoutSec`",
+                );
+            }
+        }
+        (gang, timeout)
+    };
+
+    let roles = read_roles(d, root, format, &v2ctx);
+    Some(JobSpec {
+        name: name?,
+        gang,
+        gang_timeout_sec,
+        format,
+        task_roles: roles?,
+    })
+}
+
+fn read_gang_timeout(d: &mut Diags, node: Option<&Node>, path: &str) -> Option<u64> {
+    let n = node?;
+    if n.is_null() {
+        return None;
+    }
+    d.int(n, path, 1, limits::MAX_GANG_TIMEOUT_SEC).map(|v| v as u64)
+}
+
+/// Reads the v2 top-level fields; returns (gang, gang timeout).
+fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Option<u64>) {
+    if let Some(n) = root.get("protocolVersion") {
+        let ok = matches!(&n.value, Value::Int(2)) || matches!(&n.value, Value::Str(s) if s.trim() == "2");
+        if !ok {
+            d.at(
+                n.pos,
+                "protocolVersion",
+                format!(
+                    "unknown protocolVersion {}; gpuam reads OpenPAI protocol version 2",
+                    n.describe()
+                ),
+                "write `protocolVersion: 2`, or remove it to use gpuam's native format",
+            );
+        }
+    }
+    match root.get("type") {
+        None => d.missing(root, "", "type", "add `type: job` (protocol v2 requires it)"),
+        Some(n) => {
+            if let Some(t) = d.text(n, "type") {
+                if t != "job" {
+                    d.at(
+                        n.pos,
+                        "type",
+                        format!("unsupported type \"{}\"; only `job` can be run", clip(&t)),
+                        "write `type: job`",
+                    );
+                }
+            }
+        }
+    }
+    for f in ["version", "contributor"] {
+        if let Some(n) = root.get(f) {
+            if !n.is_null() {
+                d.text(n, f);
+            }
+        }
+    }
+    if let Some(n) = root.get("jobRetryCount") {
+        if !n.is_null() {
+            d.int(n, "jobRetryCount", -2, limits::MAX_RETRY);
+        }
+    }
+    if let Some(n) = root.get("prerequisites") {
+        read_prerequisites(d, n);
+    }
+    if let Some(n) = root.get("parameters") {
+        if !n.is_null()
+            && d.map(n, "parameters", "write parameters as `name: value` pairs")
+                .is_some()
+        {
+            ctx.parameters = Some(n);
+        }
+    }
+    if let Some(n) = root.get("secrets") {
+        if !n.is_null() {
+            d.map(n, "secrets", "write secrets as `name: value` pairs");
+        }
+    }
+    let mut deployment_name = None;
+    if let Some(n) = root.get("defaults") {
+        if !n.is_null()
+            && d.map(n, "defaults", "write `defaults: {virtualCluster: default}`")
+                .is_some()
+        {
+            d.unknown_fields(n, "defaults", &["virtualCluster", "deployment"], &[]);
+            if let Some(v) = n.get("virtualCluster") {
+                d.text(v, "defaults.virtualCluster");
+            }
+            if let Some(v) = n.get("deployment") {
+                deployment_name = d.text(v, "defaults.deployment").map(|s| (s, v.pos));
+            }
+        }
+    }
+    let deployments = root.get("deployments");
+    if let Some(n) = deployments {
+        if !n.is_null() {
+            if let Some(items) = d.seq(n, "deployments", "write a list of `{name, taskRoles}` entries") {
+                for (i, item) in items.iter().enumerate() {
+                    let p = format!("deployments[{i}]");
+                    if d.map(item, &p, "write `{name: NAME, taskRoles: {...}}`").is_none() {
+                        continue;
+                    }
+                    d.unknown_fields(item, &p, &["name", "taskRoles"], &[]);
+                    match item.get("name") {
+                        None => d.missing(item, &p, "name", "give the deployment a `name`"),
+                        Some(nm) => {
+                            let name = d.text(nm, &join(&p, "name"));
+                            if let (Some(name), Some((want, _))) = (name, &deployment_name) {
+                                if &name == want {
+                                    if let Some(tr) = item.get("taskRoles") {
+                                        ctx.deployment = Some((tr, join(&p, "taskRoles")));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    if let Some(tr) = item.get("taskRoles") {
+                        d.map(
+                            tr,
+                            &join(&p, "taskRoles"),
+                            "map role names to `{preCommands, postCommands}`",
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if let Some((want, pos)) = &deployment_name {
+        let found = deployments
+            .and_then(Node::as_seq)
+            .is_some_and(|items| items.iter().any(|i| i.get("name").is_some_and(|n| &n.raw == want)));
+        if !found {
+            d.at(
+                *pos,
+                "defaults.deployment",
+                format!("deployment \"{}\" is not defined under `deployments`", clip(want)),
+                "name a deployment listed under `deployments`, or remove `defaults.deployment`",
+            );
+        }
+    }
+    let mut gang = true;
+    let mut timeout = None;
+    if let Some(n) = root.get("extras") {
+        if !n.is_null() && d.map(n, "extras", "write extras as `name: value` pairs").is_some() {
+            if let Some(g) = n.get("gangAllocation") {
+                gang = d.bool(g, "extras.gangAllocation").unwrap_or(true);
+            }
+            timeout = read_gang_timeout(d, n.get("gangTimeoutSec"), "extras.gangTimeoutSec");
+        }
+    }
+    (gang, timeout)
+}
+
+fn read_prerequisites(d: &mut Diags, n: &Node) {
+    if n.is_null() {
+        return;
+    }
+    let Some(items) = d.seq(n, "prerequisites", "write a list of `{name, type, uri}` entries") else {
+        return;
+    };
+    for (i, item) in items.iter().enumerate() {
+        let p = format!("prerequisites[{i}]");
+        if d.map(item, &p, "write `{name: NAME, type: dockerimage, uri: IMAGE}`")
+            .is_none()
+        {
+            continue;
+        }
+        match item.get("name") {
+            None => d.missing(item, &p, "name", "give the prerequisite a `name`"),
+            Some(v) => {
+                d.text(v, &join(&p, "name"));
+            }
+        }
+        match item.get("type") {
+            None => d.missing(item, &p, "type", "add `type:` (script, output, data or dockerimage)"),
+            Some(v) => {
+                if let Some(t) = d.text(v, &join(&p, "type")) {
+                    if !["script", "output", "data", "dockerimage"].contains(&t.as_str()) {
+                        d.at(
+                            v.pos,
+                            &join(&p, "type"),
+                            format!("unknown prerequisite type \"{}\"", clip(&t)),
+                            "use one of: script, output, data, dockerimage",
+                        );
+                    } else if t == "dockerimage" && item.get("uri").is_none() {
+                        d.missing(item, &p, "uri", "add the image, e.g. `uri: example/pytorch:latest`");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn read_roles(d: &mut Diags, root: &Node, format: SpecFormat, v2: &V2<'_>) -> Option<Vec<TaskRole>> {
+    let Some(tr) = root.get("taskRoles") else {
+        d.missing(
+            root,
+            "",
+            "taskRoles",
+            "add `taskRoles:` with at least one role; see examples/single-gpu.yaml",
+        );
+        return None;
+    };
+    let entries = d.map(
+        tr,
+        "taskRoles",
+        "write `taskRoles:` as a mapping from role name to role, e.g. `worker: {...}`",
+    )?;
+    if entries.is_empty() {
+        d.at(
+            tr.pos,
+            "taskRoles",
+            "`taskRoles` is empty",
+            "add at least one task role, e.g. `worker:`",
+        );
+        return None;
+    }
+    if entries.len() > limits::MAX_TASK_ROLES {
+        d.at(
+            tr.pos,
+            "taskRoles",
+            format!("{} task roles; the limit is {}", entries.len(), limits::MAX_TASK_ROLES),
+            "merge roles that run the same command",
+        );
+        return None;
+    }
+    let mut roles = Vec::new();
+    let mut ok = true;
+    for (key, node) in entries {
+        let path = join("taskRoles", &key.text);
+        if let Err((m, f)) = validate::check_role_name(&key.text) {
+            d.at(key.pos, &path, m, f);
+            ok = false;
+        }
+        match read_role(d, &key.text, node, &path, format, v2) {
+            Some(r) => roles.push(r),
+            None => ok = false,
+        }
+    }
+    let total: u64 = roles.iter().map(|r| u64::from(r.instances)).sum();
+    if total > limits::MAX_TOTAL_TASKS {
+        d.at(
+            tr.pos,
+            "taskRoles",
+            format!("the job has {total} tasks; the limit is {}", limits::MAX_TOTAL_TASKS),
+            "reduce `instances`",
+        );
+        ok = false;
+    }
+    ok.then_some(roles)
+}
+
+fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFormat, v2: &V2<'_>) -> Option<TaskRole> {
+    let is_v2 = format == SpecFormat::PaiV2;
+    d.map(
+        node,
+        path,
+        "write the role as a mapping with `instances`, `resourcePerInstance` and `commands`",
+    )?;
+    d.unknown_fields(node, path, if is_v2 { V2_ROLE } else { NATIVE_ROLE }, ROLE_HINTS);
+    let mut ok = true;
+
+    let instances = match node.get("instances") {
+        None => Some(1),
+        Some(n) => d
+            .int(n, &join(path, "instances"), 1, limits::MAX_INSTANCES)
+            .map(|v| v as u32),
+    };
+    ok &= instances.is_some();
+
+    let resources = match node.get("resourcePerInstance") {
+        None => {
+            d.missing(
+                node,
+                path,
+                "resourcePerInstance",
+                "add `resourcePerInstance: {cpu: 4, memoryMB: 8192, gpu: 1}`",
+            );
+            None
+        }
+        Some(n) => read_resources(d, n, &join(path, "resourcePerInstance"), is_v2),
+    };
+
+    let gpu_types = match node.get("gpuType") {
+        None => Vec::new(),
+        Some(n) => match read_gpu_types(d, n, &join(path, "gpuType")) {
+            Some(v) => v,
+            None => {
+                ok = false;
+                Vec::new()
+            }
+        },
+    };
+    let node_label = match node.get("nodeLabel") {
+        None => None,
+        Some(n) if n.is_null() => None,
+        Some(n) => {
+            let p = join(path, "nodeLabel");
+            match d.text(n, &p) {
+                Some(s) if s.trim().is_empty() => {
+                    d.at(
+                        n.pos,
+                        &p,
+                        "`nodeLabel` is empty",
+                        "write a label such as `gpu`, or remove the field",
+                    );
+                    ok = false;
+                    None
+                }
+                Some(s) => Some(s.trim().to_string()),
+                None => {
+                    ok = false;
+                    None
+                }
+            }
+        }
+    };
+    let same_port_allocation = match node.get("samePortAllocation") {
+        None => false,
+        Some(n) => match d.bool(n, &join(path, "samePortAllocation")) {
+            Some(b) => b,
+            None => {
+                ok = false;
+                false
+            }
+        },
+    };
+    let commands = read_commands(d, node, name, path, v2, is_v2);
+    ok &= commands.is_some();
+
+    let task_retry_count = match node.get("taskRetryCount") {
+        None => 0,
+        Some(n) if n.is_null() => 0,
+        Some(n) => match d.int(n, &join(path, "taskRetryCount"), -2, limits::MAX_RETRY) {
+            Some(v) => v as i32,
+            None => {
+                ok = false;
+                0
+            }
+        },
+    };
+    let completion = read_completion(d, node, path, instances, is_v2);
+    ok &= completion.is_some();
+
+    let resources = resources?;
+    if !ok {
+        return None;
+    }
+    Some(TaskRole {
+        name: name.to_string(),
+        instances: instances?,
+        resources,
+        gpu_types,
+        node_label,
+        same_port_allocation,
+        commands: commands?,
+        task_retry_count,
+        completion: completion?,
+    })
+}
+
+fn read_gpu_types(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<String>> {
+    let fix = "write a comma list of GPU types, e.g. `gpuType: V100,A100`";
+    let items: Vec<(String, Pos)> = match &n.value {
+        Value::Null => return Some(Vec::new()),
+        Value::Seq(items) => {
+            let mut out = Vec::new();
+            for (i, it) in items.iter().enumerate() {
+                out.push((d.text(it, &format!("{path}[{i}]"))?, it.pos));
+            }
+            out
+        }
+        _ => vec![(d.text(n, path)?, n.pos)],
+    };
+    let mut out = Vec::new();
+    for (text, pos) in items {
+        for part in text.split(',') {
+            let t = part.trim();
+            if t.is_empty() {
+                d.at(pos, path, format!("empty GPU type in \"{}\"", clip(&text)), fix);
+                return None;
+            }
+            out.push(t.to_string());
+        }
+    }
+    Some(out)
+}
+
+fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<TaskResources> {
+    d.map(n, path, "write `resourcePerInstance: {cpu: 4, memoryMB: 8192, gpu: 1}`")?;
+    d.unknown_fields(n, path, RESOURCE, RESOURCE_HINTS);
+    let mut ok = true;
+    let cpu = match n.get("cpu") {
+        None => {
+            d.missing(n, path, "cpu", "add `cpu: 1` (CPU cores per task)");
+            None
+        }
+        Some(v) => d.int(v, &join(path, "cpu"), 1, limits::MAX_TASK_CPU).map(|x| x as u32),
+    };
+    let memory_mb = match n.get("memoryMB") {
+        None => {
+            d.missing(n, path, "memoryMB", "add `memoryMB: 4096` (memory per task in MB)");
+            None
+        }
+        Some(v) => d
+            .int(v, &join(path, "memoryMB"), 1, limits::MAX_TASK_MEMORY_MB)
+            .map(|x| x as u64),
+    };
+    let mask = match n.get("gpuMask") {
+        None => None,
+        Some(v) if v.is_null() => None,
+        Some(v) => match validate::read_mask(v) {
+            Ok(m) => Some((m, v)),
+            Err((msg, fix)) => {
+                d.at(v.pos, &join(path, "gpuMask"), msg, fix);
+                ok = false;
+                None
+            }
+        },
+    };
+    let gpus = match n.get("gpu") {
+        None if is_v2 => {
+            d.missing(
+                n,
+                path,
+                "gpu",
+                "add `gpu: 0` or the number of GPUs per task (protocol v2 requires it)",
+            );
+            None
+        }
+        // Native: gpu defaults to the mask's popcount, else 0.
+        None => Some(mask.map_or(0, |(m, _)| m.count_ones())),
+        Some(v) => d.int(v, &join(path, "gpu"), 0, limits::MAX_GPUS).map(|x| x as u32),
+    };
+    if let (Some(g), Some((m, v))) = (gpus, mask) {
+        if m.count_ones() != g {
+            d.at(
+                v.pos,
+                &join(path, "gpuMask"),
+                format!(
+                    "gpuMask {} selects {} GPU(s) but `gpu` is {g}",
+                    crate::resources::mask_hex(m),
+                    m.count_ones()
+                ),
+                format!(
+                    "make `gpu` equal the number of bits set in the mask ({}), or fix the mask",
+                    m.count_ones()
+                ),
+            );
+            ok = false;
+        }
+    }
+    let ports = match n.get("ports") {
+        None => Some(Vec::new()),
+        Some(v) if v.is_null() => Some(Vec::new()),
+        Some(v) => read_ports(d, v, &join(path, "ports")),
+    };
+    if !ok {
+        return None;
+    }
+    Some(TaskResources {
+        cpu: cpu?,
+        memory_mb: memory_mb?,
+        gpus: gpus?,
+        gpu_mask: mask.map(|(m, _)| m).filter(|m| *m != 0),
+        ports: ports?,
+    })
+}
+
+fn read_ports(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<PortRequest>> {
+    let entries = d.map(
+        n,
+        path,
+        "write ports as `label: count` (dynamic) or `label: {start: 9000, count: 2}` (static)",
+    )?;
+    if entries.len() > limits::MAX_PORT_LABELS {
+        d.at(
+            n.pos,
+            path,
+            format!(
+                "{} port labels; the limit is {}",
+                entries.len(),
+                limits::MAX_PORT_LABELS
+            ),
+            "use fewer labels with larger counts",
+        );
+        return None;
+    }
+    let mut ok = true;
+    let mut out: Vec<PortRequest> = Vec::new();
+    let mut nodes: Vec<&Node> = Vec::new();
+    for (key, v) in entries {
+        let p = join(path, &key.text);
+        if let Err((m, f)) = validate::check_port_label(&key.text) {
+            d.at(key.pos, &p, m, f);
+            ok = false;
+        }
+        let count_range = |d: &mut Diags, c: &Node, cp: &str| -> Option<u16> {
+            if matches!(c.value, Value::Int(0)) {
+                d.at(
+                    c.pos,
+                    cp,
+                    "a port count must be at least 1",
+                    "request 1 or more ports, or remove the label",
+                );
+                return None;
+            }
+            d.int(c, cp, 1, limits::MAX_PORTS_PER_TASK).map(|x| x as u16)
+        };
+        let req = match &v.value {
+            Value::Map(_) => {
+                d.unknown_fields(v, &p, &["start", "count"], &[("port", "start"), ("number", "count")]);
+                let count = match v.get("count") {
+                    None => {
+                        d.missing(v, &p, "count", "add `count: 1`");
+                        None
+                    }
+                    Some(c) => count_range(d, c, &join(&p, "count")),
+                };
+                let start = match v.get("start") {
+                    None => Some(0),
+                    Some(s) => d.int(s, &join(&p, "start"), 0, 65535).map(|x| x as u16),
+                };
+                match (start, count) {
+                    (Some(0), Some(c)) => Some(PortRequest {
+                        label: key.text.clone(),
+                        count: c,
+                        start: None,
+                    }),
+                    (Some(s), Some(c)) => match validate::static_range_end(s, c) {
+                        Ok(_) => Some(PortRequest {
+                            label: key.text.clone(),
+                            count: c,
+                            start: Some(s),
+                        }),
+                        Err((m, f)) => {
+                            d.at(v.pos, &p, m, f);
+                            None
+                        }
+                    },
+                    _ => None,
+                }
+            }
+            _ => count_range(d, v, &p).map(|c| PortRequest {
+                label: key.text.clone(),
+                count: c,
+                start: None,
+            }),
+        };
+        match req {
+            Some(r) => {
+                out.push(r);
+                nodes.push(v);
+            }
+            None => ok = false,
+        }
+    }
+    for (i, j) in validate::overlapping_static(&out) {
+        let (a, b) = (&out[i], &out[j]);
+        d.at(
+            nodes[j].pos,
+            &join(path, &b.label),
+            format!("static ports of `{}` overlap those of `{}`", b.label, a.label),
+            "give each label its own range of ports",
+        );
+        ok = false;
+    }
+    let total: i64 = out.iter().map(|p| i64::from(p.count)).sum();
+    if total > limits::MAX_PORTS_PER_TASK {
+        d.at(
+            n.pos,
+            path,
+            format!("{total} ports per task; the limit is {}", limits::MAX_PORTS_PER_TASK),
+            "request fewer ports",
+        );
+        ok = false;
+    }
+    ok.then_some(out)
+}
+
+fn read_command_list(d: &mut Diags, n: &Node, path: &str, v2: &V2<'_>, is_v2: bool, out: &mut Vec<String>) -> bool {
+    let Some(items) = d.seq(
+        n,
+        path,
+        "write commands as a list, e.g. `commands: [\"python train.py\"]`",
+    ) else {
+        return false;
+    };
+    let mut ok = true;
+    for (i, it) in items.iter().enumerate() {
+        let p = format!("{path}[{i}]");
+        let text = match &it.value {
+            Value::Null => None,
+            _ => d.text(it, &p),
+        };
+        match text {
+            Some(t) if !t.trim().is_empty() => {
+                let t = if is_v2 {
+                    render(d, &t, it, &p, v2.parameters)
+                } else {
+                    Some(t)
+                };
+                match t {
+                    Some(t) => out.push(t),
+                    None => ok = false,
+                }
+            }
+            Some(_) | None if matches!(it.value, Value::Null | Value::Str(_)) => {
+                d.at(it.pos, &p, "empty command", "write a command, or remove the entry");
+                ok = false;
+            }
+            _ => ok = false,
+        }
+    }
+    ok
+}
+
+fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>, is_v2: bool) -> Option<Vec<String>> {
+    let p = join(path, "commands");
+    let Some(n) = node.get("commands") else {
+        d.missing(node, path, "commands", "add `commands: [\"echo hello\"]`");
+        return None;
+    };
+    let mut out = Vec::new();
+    let mut ok = true;
+    // Deployment pre/post commands (v2) wrap the role's own.
+    let dep = v2
+        .deployment
+        .as_ref()
+        .and_then(|(tr, tp)| tr.get(role).map(|r| (r, join(tp, role))));
+    if let Some((r, rp)) = &dep {
+        if d.map(r, rp, "write `{preCommands: [...], postCommands: [...]}`")
+            .is_some()
+        {
+            d.unknown_fields(r, rp, &["preCommands", "postCommands"], &[]);
+            if let Some(pre) = r.get("preCommands") {
+                ok &= read_command_list(d, pre, &join(rp, "preCommands"), v2, is_v2, &mut out);
+            }
+        }
+    }
+    let before = out.len();
+    ok &= read_command_list(d, n, &p, v2, is_v2, &mut out);
+    if ok && out.len() == before && n.as_seq().is_some_and(|s| s.is_empty()) {
+        d.at(
+            n.pos,
+            &p,
+            "`commands` is empty",
+            "add at least one command, e.g. `- echo hello`",
+        );
+        ok = false;
+    }
+    if let Some((r, rp)) = &dep {
+        if let Some(post) = r.get("postCommands") {
+            ok &= read_command_list(d, post, &join(rp, "postCommands"), v2, is_v2, &mut out);
+        }
+    }
+    if out.len() > limits::MAX_COMMANDS {
+        d.at(
+            n.pos,
+            &p,
+            format!("{} commands; the limit is {}", out.len(), limits::MAX_COMMANDS),
+            "move the commands into a script and run it",
+        );
+        ok = false;
+    }
+    ok.then_some(out)
+}
+
+/// Renders `<% $parameters.NAME %>` placeholders (v2). Nested parameters are reached with
+/// dots: `<% $parameters.opt.lr %>`.
+fn render(d: &mut Diags, text: &str, node: &Node, path: &str, params: Option<&Node>) -> Option<String> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    let mut ok = true;
+    while let Some(open) = rest.find("<%") {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 2..];
+        let Some(close) = after.find("%>") else {
+            d.at(
+                node.pos,
+                path,
+                "unclosed placeholder `<%`",
+                "close it with `%>`, e.g. `<% $parameters.epochs %>`",
+            );
+            return None;
+        };
+        let expr = after[..close].trim();
+        rest = &after[close + 2..];
+        let Some(name) = expr.strip_prefix("$parameters.") else {
+            let why = if expr.starts_with("$secrets") {
+                "secrets can only be used in docker registry auth, not in commands".to_string()
+            } else {
+                format!("unsupported placeholder `<% {} %>`", clip(expr))
+            };
+            d.at(
+                node.pos,
+                path,
+                why,
+                "use `<% $parameters.NAME %>` with NAME defined under `parameters:`",
+            );
+            ok = false;
+            continue;
+        };
+        let mut cur = params;
+        for seg in name.split('.') {
+            cur = cur.and_then(|c| c.get(seg.trim()));
+        }
+        match cur {
+            Some(v) if matches!(v.value, Value::Map(_) | Value::Seq(_)) => {
+                d.at(
+                    node.pos,
+                    path,
+                    format!("parameter `{}` is not a single value", clip(name)),
+                    "refer to a parameter that holds text or a number",
+                );
+                ok = false;
+            }
+            Some(v) => match &v.value {
+                Value::Str(s) => out.push_str(s),
+                Value::Null => {}
+                _ => out.push_str(&v.raw),
+            },
+            None => {
+                let keys: Vec<&str> = params
+                    .and_then(Node::as_map)
+                    .map(|m| m.iter().map(|(k, _)| k.text.as_str()).collect())
+                    .unwrap_or_default();
+                let fix = match yaml::suggest(name, &keys) {
+                    Some(s) => format!("did you mean `$parameters.{s}`?"),
+                    None => format!("define it: `parameters: {{{}: VALUE}}`", clip(name)),
+                };
+                d.at(node.pos, path, format!("undefined parameter `{}`", clip(name)), fix);
+                ok = false;
+            }
+        }
+    }
+    out.push_str(rest);
+    ok.then_some(out)
+}
+
+fn read_completion(d: &mut Diags, node: &Node, path: &str, instances: Option<u32>, is_v2: bool) -> Option<Completion> {
+    let default_succeeded = if is_v2 { instances } else { None };
+    let Some(n) = node.get("completion") else {
+        return Some(Completion {
+            min_failed_instances: Some(1),
+            min_succeeded_instances: default_succeeded,
+        });
+    };
+    let p = join(path, "completion");
+    if n.is_null() {
+        return Some(Completion {
+            min_failed_instances: Some(1),
+            min_succeeded_instances: default_succeeded,
+        });
+    }
+    d.map(
+        n,
+        &p,
+        "write `completion: {minFailedInstances: 1, minSucceededInstances: null}`",
+    )?;
+    d.unknown_fields(n, &p, COMPLETION, COMPLETION_HINTS);
+    let mut read = |key: &str, default: Option<u32>| -> Result<Option<u32>, ()> {
+        let Some(v) = n.get(key) else {
+            return Ok(default);
+        };
+        let fp = join(&p, key);
+        match &v.value {
+            Value::Null | Value::Int(-1) => Ok(None),
+            Value::Int(0) => {
+                d.at(
+                    v.pos,
+                    &fp,
+                    format!("`{key}` must be at least 1"),
+                    "write a count from 1 to `instances`, or null (or -1) for \"never\"",
+                );
+                Err(())
+            }
+            Value::Int(x) if *x > 0 && instances.is_some_and(|i| *x > i64::from(i)) => {
+                let i = instances.unwrap_or(0);
+                d.at(
+                    v.pos,
+                    &fp,
+                    format!("`{key}` is {x} but the role has only {i} instance(s)"),
+                    format!("write a count from 1 to {i}, or null for \"never\""),
+                );
+                Err(())
+            }
+            _ => match d.int(v, &fp, 1, limits::MAX_INSTANCES) {
+                Some(x) => Ok(Some(x as u32)),
+                None => Err(()),
+            },
+        }
+    };
+    let failed = read("minFailedInstances", Some(1));
+    let succeeded = read("minSucceededInstances", default_succeeded);
+    Some(Completion {
+        min_failed_instances: failed.ok()?,
+        min_succeeded_instances: succeeded.ok()?,
+    })
+}
