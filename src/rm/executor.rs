@@ -395,6 +395,17 @@ impl Executor {
         }
     }
 
+    /// Drops a Complete container from the table (its directory stays); `true` if it was
+    /// removed. Lets a long-running RM bound the executor's memory once it has reported
+    /// the container's end.
+    pub fn forget(&self, container_id: &str) -> bool {
+        let mut table = self.table.lock();
+        match table.get(container_id) {
+            Some(e) if e.phase == Phase::Complete => table.remove(container_id).is_some(),
+            _ => false,
+        }
+    }
+
     /// The container's state, exit status, pid (= pgid) and diagnostics; `None` if unknown.
     pub fn status(&self, container_id: &str) -> Option<ContainerStatus> {
         let table = self.table.lock();
@@ -1269,6 +1280,30 @@ mod tests {
             .start("rt", "h", &no_gpus(), ctx(&["true"]))
             .unwrap_err();
         assert!(err.to_string().contains("tokio runtime"), "{err}");
+    }
+
+    #[test]
+    fn executor_and_its_futures_are_send() {
+        fn send_sync<T: Send + Sync>(_: &T) {}
+        fn send<T: Send>(_: T) {}
+        let (_t, exec, _rx) = setup();
+        send_sync(&exec);
+        // axum handlers need Send futures: no lock guard may live across an await.
+        send(exec.stop("x", Duration::from_millis(1)));
+        send(exec.stop_all(Duration::from_millis(1)));
+    }
+
+    #[tokio::test]
+    async fn forget_only_completed() {
+        let (_t, exec, mut rx) = setup();
+        exec.start("f", "h", &no_gpus(), ctx(&["sleep 0.2"]))
+            .unwrap();
+        assert!(!exec.forget("f"));
+        next_exit(&mut rx).await;
+        assert!(exec.forget("f"));
+        assert!(exec.status("f").is_none());
+        // The logs stay readable from the directory.
+        assert_eq!(exec.read_log("f", LogStream::Stdout, None).unwrap(), "");
     }
 
     #[test]
