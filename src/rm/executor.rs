@@ -1,14 +1,36 @@
 //! Node executor: runs each container's commands as a real process group.
 //!
-//! PLACEHOLDER SKELETON — API only; the real implementation replaces the bodies.
+//! Owns the container working directories (`root/<containerId>/`), the generated
+//! `launch.sh`, the captured `stdout` / `stderr` files, the container environment of
+//! DESIGN.md §6 that the executor itself is responsible for (GPU variables, container id,
+//! host, directory), stopping (SIGTERM → grace → SIGKILL to the whole group) and the one
+//! `ExecEvent::Exited` per started container.
+//!
+//! Runtime: every method that spawns or waits uses tokio (`tokio::process`, `tokio::spawn`),
+//! so the executor must be called from within a tokio runtime — the RM always calls it from
+//! its axum handlers. [`Executor::start`] checks this and fails cleanly instead of panicking.
+//!
+//! Process model: `bash launch.sh` is started in a new session (`setsid` in `pre_exec`), so
+//! it leads its own process group (pgid = pid) and has no controlling terminal. Signals go
+//! to the whole group (`kill(-pgid)`), which reaches the background children of the task's
+//! commands too. A new session (rather than only a new group) also detaches the task from
+//! the RM's terminal and session, so a later RM restart can re-attach to live containers
+//! instead of taking them down with it (DESIGN.md §9).
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, watch};
 
-use crate::protocol::{ContainerStatus, LaunchContext};
-use crate::resources::Resources;
+use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
+use crate::resources::{mask_hex, mask_indices, Resources};
 
 /// Something that happened to a container, pushed to whoever owns the executor (the RM).
 #[derive(Clone, Debug, PartialEq)]
@@ -28,7 +50,20 @@ pub enum LogStream {
     Stderr,
 }
 
+impl LogStream {
+    /// The fixed file name of the stream inside the container directory.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            LogStream::Stdout => "stdout",
+            LogStream::Stderr => "stderr",
+        }
+    }
+}
+
 /// Executor failures (each maps to an HTTP status in the RM server).
+///
+/// An id that is not a valid container id is reported as `StartFailed` by [`Executor::start`]
+/// and as `UnknownContainer` everywhere else (such an id can never name a container).
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     #[error("container {0} is not known to this executor")]
@@ -41,24 +76,127 @@ pub enum ExecError {
     Io(#[from] std::io::Error),
 }
 
+/// The most a single `read_log` returns: a larger file (or a larger tail) is cut to its
+/// last `MAX_LOG_BYTES` bytes, so a huge log never ends up in memory whole.
+pub const MAX_LOG_BYTES: u64 = 8 * 1024 * 1024;
+
+/// How long processes left behind by a container whose main script already exited get
+/// after SIGTERM before SIGKILL.
+const LEFTOVER_GRACE: Duration = Duration::from_secs(2);
+/// How long to wait for a group to vanish after SIGKILL before giving up on it.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How often group liveness is polled.
+const POLL: Duration = Duration::from_millis(20);
+/// How much of stderr's tail goes into a failed container's diagnostics.
+const DIAG_STDERR_BYTES: u64 = 512;
+
+/// Variables copied from the executor's own environment; nothing else leaks into a task.
+const BASE_ENV: [&str; 3] = ["PATH", "HOME", "LANG"];
+const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Announced with [`Executor::allocate`], not started.
+    Allocated,
+    /// `start` is creating the directory and spawning; reported as Allocated.
+    Starting,
+    Running,
+    Complete,
+}
+
+#[derive(Debug)]
+struct Entry {
+    dir: PathBuf,
+    phase: Phase,
+    pid: Option<u32>,
+    exit_status: Option<i32>,
+    diagnostics: String,
+    stop_requested: bool,
+    /// Turns `true` once the container is Complete (set by its waiter task).
+    done: Option<watch::Receiver<bool>>,
+}
+
+impl Entry {
+    fn new(dir: PathBuf, phase: Phase) -> Self {
+        Entry {
+            dir,
+            phase,
+            pid: None,
+            exit_status: None,
+            diagnostics: String::new(),
+            stop_requested: false,
+            done: None,
+        }
+    }
+}
+
+type Table = Arc<Mutex<HashMap<String, Entry>>>;
+
 /// Runs containers of all simulated hosts (and `local: true` hosts) on this machine.
+///
+/// Cheap to share behind an `Arc`; its state sits behind a `parking_lot::Mutex` that is
+/// never held across an `.await`.
 pub struct Executor {
-    _root: PathBuf,
-    _events: mpsc::UnboundedSender<ExecEvent>,
+    root: PathBuf,
+    events: mpsc::UnboundedSender<ExecEvent>,
+    table: Table,
+}
+
+/// `[A-Za-z0-9_.-]+`, and not `.` / `..` (which would name the root or its parent).
+/// Ids longer than 255 bytes are refused too (they cannot be directory names).
+pub fn valid_container_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 255
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
 }
 
 impl Executor {
-    /// `root` holds one working directory per container (`root/<containerId>/`).
+    /// `root` holds one working directory per container (`root/<containerId>/`); it is
+    /// created on the first start.
     pub fn new(root: PathBuf, events: mpsc::UnboundedSender<ExecEvent>) -> Self {
         Executor {
-            _root: root,
-            _events: events,
+            root,
+            events,
+            table: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// The directory that holds all container directories.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Records a granted, not yet started container so that `status` reports it as
+    /// Allocated. Optional: `start` works without it. A container that is already known
+    /// and past Allocated gives `AlreadyStarted`.
+    pub fn allocate(&self, container_id: &str) -> Result<(), ExecError> {
+        if !valid_container_id(container_id) {
+            return Err(ExecError::UnknownContainer(container_id.into()));
+        }
+        let mut table = self.table.lock();
+        match table.get(container_id) {
+            Some(e) if e.phase != Phase::Allocated => {
+                Err(ExecError::AlreadyStarted(container_id.into()))
+            }
+            Some(_) => Ok(()),
+            None => {
+                table.insert(
+                    container_id.into(),
+                    Entry::new(self.root.join(container_id), Phase::Allocated),
+                );
+                Ok(())
+            }
         }
     }
 
     /// Starts `ctx.commands` for a granted container; returns the process-group id.
     /// The executor adds the GPU environment (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES,
     /// GPUAM_GPU_MASK, CONTAINER_GPUS) and GPUAM_CONTAINER_ID / GPUAM_HOST itself.
+<<<<<<< HEAD
     pub fn start(
         &self,
         _container_id: &str,
@@ -70,18 +208,263 @@ impl Executor {
             id: _container_id.into(),
             why: "not implemented".into(),
         })
+=======
+    ///
+    /// Environment: a clean base (PATH, HOME, LANG from the executor's environment), then
+    /// `ctx.env`, then the executor's variables, which win over `ctx.env` for their names:
+    /// - `CUDA_VISIBLE_DEVICES`: ascending GPU indices of `granted.gpu_mask` (`"1,3"`); for
+    ///   no GPUs the empty string, which makes CUDA frameworks see no device at all (unset
+    ///   would expose every GPU of a local node);
+    /// - `NVIDIA_VISIBLE_DEVICES`: the same list; for no GPUs `none`, the NVIDIA container
+    ///   toolkit's explicit "no GPU" value (empty means "not set" to it);
+    /// - `GPUAM_GPU_MASK` (`"0xa"`), `CONTAINER_GPUS` (the mask in decimal, `"10"`);
+    /// - `GPUAM_CONTAINER_ID`, `GPUAM_HOST`, `GPUAM_CONTAINER_DIR`.
+    ///
+    /// The process runs `bash launch.sh` in `root/<containerId>/` as the leader of a new
+    /// session and process group, stdin from /dev/null, stdout and stderr to the files
+    /// `stdout` and `stderr` there. One `ExecEvent::Exited` follows when it ends; when the
+    /// start itself fails this returns `Err` and no event is sent.
+    ///
+    /// Must be called within a tokio runtime (see the module doc).
+    pub fn start(
+        &self,
+        container_id: &str,
+        host: &str,
+        granted: &Resources,
+        ctx: LaunchContext,
+    ) -> Result<u32, ExecError> {
+        let fail = |why: String| ExecError::StartFailed {
+            id: container_id.into(),
+            why,
+        };
+        if !valid_container_id(container_id) {
+            return Err(fail(format!(
+                "`{container_id}` is not a valid container id (use 1-255 characters of A-Z, a-z, 0-9, `_`, `.`, `-`, \
+                 not `.` or `..`)"
+            )));
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(fail(
+                "the executor must be called from within a tokio runtime".into(),
+            ));
+        }
+        if granted.gpus > 0 && granted.gpu_mask == 0 {
+            return Err(fail(format!(
+                "the granted resources name {} GPUs but no GPU mask; a container needs exact GPUs (gpuMask)",
+                granted.gpus
+            )));
+        }
+        validate_context(&ctx).map_err(&fail)?;
+
+        let dir = self.root.join(container_id);
+        let was_allocated = {
+            let mut table = self.table.lock();
+            match table.get_mut(container_id) {
+                Some(e) if e.phase != Phase::Allocated => {
+                    return Err(ExecError::AlreadyStarted(container_id.into()))
+                }
+                Some(e) => {
+                    e.phase = Phase::Starting;
+                    true
+                }
+                None => {
+                    table.insert(
+                        container_id.into(),
+                        Entry::new(dir.clone(), Phase::Starting),
+                    );
+                    false
+                }
+            }
+        };
+
+        let env = container_env(container_id, host, granted, &dir, &ctx);
+        match spawn_launch(&dir, container_id, &ctx.commands, &env) {
+            Err(why) => {
+                let mut table = self.table.lock();
+                if was_allocated {
+                    if let Some(e) = table.get_mut(container_id) {
+                        e.phase = Phase::Allocated;
+                    }
+                } else {
+                    table.remove(container_id);
+                }
+                Err(fail(why))
+            }
+            Ok((child, pid)) => {
+                let (done_tx, done_rx) = watch::channel(false);
+                {
+                    let mut table = self.table.lock();
+                    if let Some(e) = table.get_mut(container_id) {
+                        e.phase = Phase::Running;
+                        e.pid = Some(pid);
+                        e.done = Some(done_rx);
+                    }
+                }
+                tokio::spawn(wait_container(
+                    self.table.clone(),
+                    self.events.clone(),
+                    container_id.to_string(),
+                    dir,
+                    child,
+                    pid,
+                    done_tx,
+                ));
+                Ok(pid)
+            }
+        }
+>>>>>>> exec
     }
 
     /// Stops the container's whole process group: SIGTERM, then SIGKILL after `grace`.
-    pub async fn stop(&self, _container_id: &str, _grace: Duration) -> Result<(), ExecError> {
+    ///
+    /// Returns once the container is Complete and its group is gone (or, in the worst case,
+    /// `KILL_WAIT` after SIGKILL). Idempotent: stopping a completed container does nothing.
+    /// A container that was only allocated becomes Complete with `ABORTED` (-100) and gets
+    /// its `Exited` event. The `Exited` event of a stopped container says "stopped by
+    /// request" and carries 143 (SIGTERM), 137 (SIGKILL) or the code it exited with.
+    pub async fn stop(&self, container_id: &str, grace: Duration) -> Result<(), ExecError> {
+        if !valid_container_id(container_id) {
+            return Err(ExecError::UnknownContainer(container_id.into()));
+        }
+        // A concurrent `start` is spawning: wait (briefly) until it knows the pid.
+        let give_up = Instant::now() + KILL_WAIT;
+        let (pgid, mut done) = loop {
+            {
+                let mut table = self.table.lock();
+                let entry = table
+                    .get_mut(container_id)
+                    .ok_or_else(|| ExecError::UnknownContainer(container_id.into()))?;
+                match entry.phase {
+                    Phase::Complete => return Ok(()),
+                    Phase::Allocated => {
+                        entry.phase = Phase::Complete;
+                        entry.stop_requested = true;
+                        entry.exit_status = Some(exit_status::ABORTED);
+                        entry.diagnostics = "stopped by request before it started".into();
+                        let _ = self.events.send(ExecEvent::Exited {
+                            container_id: container_id.into(),
+                            exit_status: exit_status::ABORTED,
+                            diagnostics: entry.diagnostics.clone(),
+                        });
+                        return Ok(());
+                    }
+                    Phase::Running => {
+                        entry.stop_requested = true;
+                        match (entry.pid, entry.done.clone()) {
+                            (Some(pid), Some(done)) => break (pid, done),
+                            _ => return Ok(()),
+                        }
+                    }
+                    Phase::Starting => {}
+                }
+            }
+            if Instant::now() >= give_up {
+                return Err(ExecError::StartFailed {
+                    id: container_id.into(),
+                    why: "the container is still being started; try stopping it again".into(),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        };
+
+        signal_group(pgid, libc::SIGTERM);
+        if tokio::time::timeout(grace, done.wait_for(|d| *d))
+            .await
+            .is_err()
+        {
+            tracing::info!(
+                container = container_id,
+                "still running after {grace:?}: SIGKILL to its group"
+            );
+            signal_group(pgid, libc::SIGKILL);
+            if tokio::time::timeout(KILL_WAIT, done.wait_for(|d| *d))
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    container = container_id,
+                    pgid,
+                    "process group did not end after SIGKILL"
+                );
+            }
+        }
         Ok(())
     }
 
-    pub fn status(&self, _container_id: &str) -> Option<ContainerStatus> {
-        None
+    /// Stops every running container (RM shutdown), all at once, each with `grace`.
+    pub async fn stop_all(&self, grace: Duration) {
+        let ids: Vec<String> = {
+            let table = self.table.lock();
+            table
+                .iter()
+                .filter(|(_, e)| matches!(e.phase, Phase::Running | Phase::Starting))
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        let stops = ids.iter().map(|id| self.stop(id, grace));
+        for (id, result) in ids.iter().zip(futures::future::join_all(stops).await) {
+            if let Err(e) = result {
+                tracing::warn!(container = id.as_str(), "stop at shutdown failed: {e}");
+            }
+        }
+    }
+
+    /// Drops a Complete container from the table (its directory stays); `true` if it was
+    /// removed. Lets a long-running RM bound the executor's memory once it has reported
+    /// the container's end.
+    pub fn forget(&self, container_id: &str) -> bool {
+        let mut table = self.table.lock();
+        match table.get(container_id) {
+            Some(e) if e.phase == Phase::Complete => table.remove(container_id).is_some(),
+            _ => false,
+        }
+    }
+
+    /// The container's state, exit status, pid (= pgid) and diagnostics; `None` if unknown.
+    pub fn status(&self, container_id: &str) -> Option<ContainerStatus> {
+        let table = self.table.lock();
+        let e = table.get(container_id)?;
+        let state = match e.phase {
+            Phase::Allocated | Phase::Starting => ContainerState::Allocated,
+            Phase::Running => ContainerState::Running,
+            Phase::Complete => ContainerState::Complete,
+        };
+        Some(ContainerStatus {
+            container_id: container_id.into(),
+            state,
+            exit_status: e.exit_status,
+            diagnostics: e.diagnostics.clone(),
+            pid: e.pid,
+        })
+    }
+
+    /// The working directory of a known container (or of one whose directory exists from an
+    /// earlier executor run); `None` for unknown or invalid ids.
+    pub fn container_dir(&self, container_id: &str) -> Option<PathBuf> {
+        if !valid_container_id(container_id) {
+            return None;
+        }
+        if let Some(e) = self.table.lock().get(container_id) {
+            return Some(e.dir.clone());
+        }
+        let dir = self.root.join(container_id);
+        dir.is_dir().then_some(dir)
+    }
+
+    /// Ids of the containers whose process is running now, sorted.
+    pub fn running_ids(&self) -> Vec<String> {
+        let table = self.table.lock();
+        let mut ids: Vec<String> = table
+            .iter()
+            .filter(|(_, e)| e.phase == Phase::Running)
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort();
+        ids
     }
 
     /// Reads a captured stream; `tail_bytes` limits to the last N bytes.
+<<<<<<< HEAD
     pub fn read_log(
         &self,
         container_id: &str,
@@ -89,5 +472,867 @@ impl Executor {
         _tail_bytes: Option<u64>,
     ) -> Result<String, ExecError> {
         Err(ExecError::UnknownContainer(container_id.into()))
+=======
+    ///
+    /// Only `root/<validated id>/stdout|stderr` can be read. The text is lossy UTF-8; a tail
+    /// starts on a character boundary (so it can be up to 3 bytes shorter than asked). At
+    /// most [`MAX_LOG_BYTES`] come back (the file's end); the file is seeked, never read
+    /// whole. A known container that has written nothing yet gives `""`.
+    pub fn read_log(
+        &self,
+        container_id: &str,
+        stream: LogStream,
+        tail_bytes: Option<u64>,
+    ) -> Result<String, ExecError> {
+        let dir = self
+            .container_dir(container_id)
+            .ok_or_else(|| ExecError::UnknownContainer(container_id.into()))?;
+        let want = tail_bytes.unwrap_or(MAX_LOG_BYTES).min(MAX_LOG_BYTES);
+        match read_tail(&dir.join(stream.file_name()), want) {
+            Ok(text) => Ok(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// Rejects what bash or `execve` cannot carry, naming the field.
+fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
+    for (i, c) in ctx.commands.iter().enumerate() {
+        if c.contains('\0') {
+            return Err(format!("commands[{i}] contains a NUL character; remove it"));
+        }
+    }
+    for (k, v) in &ctx.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(format!(
+                "env name `{}` is not a valid variable name (non-empty, without `=` or NUL)",
+                k.escape_debug()
+            ));
+        }
+        if v.contains('\0') {
+            return Err(format!(
+                "env `{k}` has a NUL character in its value; remove it"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The task's whole environment: base, then `ctx.env`, then the executor's (which win).
+fn container_env(
+    id: &str,
+    host: &str,
+    granted: &Resources,
+    dir: &Path,
+    ctx: &LaunchContext,
+) -> Vec<(String, String)> {
+    let mut env: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
+    for name in BASE_ENV {
+        if let Some(v) = std::env::var_os(name) {
+            env.insert(name.into(), v.to_string_lossy().into_owned());
+        }
+    }
+    env.entry("PATH".into())
+        .or_insert_with(|| DEFAULT_PATH.into());
+    for (k, v) in &ctx.env {
+        env.insert(k.clone(), v.clone());
+    }
+    let mask = granted.gpu_mask;
+    let list = mask_indices(mask)
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let nvidia = if mask == 0 {
+        "none".to_string()
+    } else {
+        list.clone()
+    };
+    let own = [
+        ("CUDA_VISIBLE_DEVICES", list),
+        ("NVIDIA_VISIBLE_DEVICES", nvidia),
+        ("GPUAM_GPU_MASK", mask_hex(mask)),
+        ("CONTAINER_GPUS", mask.to_string()),
+        ("GPUAM_CONTAINER_ID", id.to_string()),
+        ("GPUAM_HOST", host.to_string()),
+        ("GPUAM_CONTAINER_DIR", dir.to_string_lossy().into_owned()),
+    ];
+    for (k, v) in own {
+        env.insert(k.into(), v);
+    }
+    env.into_iter().collect()
+}
+
+/// Quotes any text for bash: `'...'` with each `'` written as `'\''`.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The launch script.
+///
+/// Each command runs through `eval` of its single-quoted text, in the script's own shell
+/// (so `cd`, `export` and variables carry over to the next command, as in one script), and
+/// `$?` is checked after it: the first non-zero status ends the script with that status.
+/// `set -e` is not used because it is ignored inside `if`/`&&`/`||` contexts, looks only at
+/// a pipeline's last command anyway, and would change the meaning of a multi-statement
+/// command by aborting it at an inner failure. `eval` also confines a syntax error to its
+/// own command (status 2) instead of breaking the whole script.
+///
+/// The TERM trap makes the leader reap its own children before it exits with 143, so a
+/// stop leaves no zombies behind even under an init that does not reap orphans.
+fn launch_script(id: &str, commands: &[String]) -> String {
+    let mut s = String::new();
+    s.push_str("#!/usr/bin/env bash\n");
+    s.push_str(&format!(
+        "# Generated by gpuam for container {id}: runs the task's commands in order,\n"
+    ));
+    s.push_str("# ending at the first that fails, with its exit status.\n");
+    s.push_str("trap 'trap \"\" TERM; kill -TERM 0 2>/dev/null; wait; exit 143' TERM\n");
+    for (i, c) in commands.iter().enumerate() {
+        s.push_str(&format!("# command {i}\n"));
+        s.push_str(&format!("eval {}\n", shell_quote(c)));
+        s.push_str("__gpuam_rc=$?; if [ \"$__gpuam_rc\" -ne 0 ]; then exit \"$__gpuam_rc\"; fi\n");
+    }
+    s.push_str("exit 0\n");
+    s
+}
+
+/// Creates the directory and files and spawns `bash launch.sh`; returns the child and pid.
+fn spawn_launch(
+    dir: &Path,
+    id: &str,
+    commands: &[String],
+    env: &[(String, String)],
+) -> Result<(tokio::process::Child, u32), String> {
+    let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
+    std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
+    let script = dir.join("launch.sh");
+    File::create(&script)
+        .and_then(|mut f| f.write_all(launch_script(id, commands).as_bytes()))
+        .map_err(|e| where_("cannot write", &script, e))?;
+    let out_path = dir.join(LogStream::Stdout.file_name());
+    let err_path = dir.join(LogStream::Stderr.file_name());
+    let out = File::create(&out_path).map_err(|e| where_("cannot create", &out_path, e))?;
+    let err = File::create(&err_path).map_err(|e| where_("cannot create", &err_path, e))?;
+
+    let mut cmd = std::process::Command::new("bash");
+    cmd.arg("launch.sh")
+        .current_dir(dir)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err));
+    // SAFETY: the closure runs in the forked child before exec and only calls setsid(2),
+    // which is async-signal-safe; it allocates nothing and touches no locks.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut cmd = tokio::process::Command::from(cmd);
+    // The task must outlive a dropped handle (an RM restart re-attaches; DESIGN.md §9).
+    cmd.kill_on_drop(false);
+    let child = cmd.spawn().map_err(|e| format!("cannot run bash: {e}"))?;
+    let pid = child
+        .id()
+        .ok_or_else(|| "the process ended before its pid was known".to_string())?;
+    Ok((child, pid))
+}
+
+/// Waits for the leader, cleans up what it left in its group, records the end and sends
+/// the one `Exited` event.
+async fn wait_container(
+    table: Table,
+    events: mpsc::UnboundedSender<ExecEvent>,
+    id: String,
+    dir: PathBuf,
+    mut child: tokio::process::Child,
+    pgid: u32,
+    done: watch::Sender<bool>,
+) {
+    let (code, how) = match child.wait().await {
+        Ok(st) => describe_exit(st),
+        Err(e) => (
+            exit_status::INVALID,
+            format!("lost track of the process: {e}"),
+        ),
+    };
+    // Background processes the commands left behind must not outlive the container: their
+    // GPUs and ports go back to the scheduler with it.
+    let mut diagnostics = how;
+    if group_alive(pgid) {
+        signal_group(pgid, libc::SIGTERM);
+        if !wait_group_gone(pgid, LEFTOVER_GRACE).await {
+            signal_group(pgid, libc::SIGKILL);
+            if !wait_group_gone(pgid, KILL_WAIT).await {
+                diagnostics.push_str("; some processes of its group survived SIGKILL");
+            }
+        }
+    }
+    let stop_requested = table.lock().get(&id).is_some_and(|e| e.stop_requested);
+    if stop_requested {
+        diagnostics = format!("stopped by request; {diagnostics}");
+    } else if code != 0 {
+        if let Ok(tail) = read_tail(&dir.join(LogStream::Stderr.file_name()), DIAG_STDERR_BYTES) {
+            let tail = tail.trim();
+            if !tail.is_empty() {
+                diagnostics.push_str(&format!("; end of stderr: {tail}"));
+            }
+        }
+    }
+    {
+        let mut table = table.lock();
+        if let Some(e) = table.get_mut(&id) {
+            e.phase = Phase::Complete;
+            e.exit_status = Some(code);
+            e.diagnostics = diagnostics.clone();
+        }
+    }
+    let _ = done.send(true);
+    // The receiver is gone only when the RM is shutting down; nothing to tell then.
+    let _ = events.send(ExecEvent::Exited {
+        container_id: id,
+        exit_status: code,
+        diagnostics,
+    });
+}
+
+/// Exit code and a sentence: a code as is; killed by signal N → 128 + N (bash's convention).
+fn describe_exit(st: ExitStatus) -> (i32, String) {
+    if let Some(code) = st.code() {
+        (code, format!("exited with code {code}"))
+    } else if let Some(sig) = st.signal() {
+        (
+            128 + sig,
+            format!("killed by signal {sig} ({})", signal_name(sig)),
+        )
+    } else {
+        (
+            exit_status::INVALID,
+            format!("ended without an exit code ({st})"),
+        )
+    }
+}
+
+fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        _ => return format!("SIG{sig}"),
+    };
+    name.into()
+}
+
+/// Sends `sig` to the whole process group. Never to group 0 or 1 (`kill(0)` / `kill(-1)`
+/// would hit the RM's own group or every process).
+fn signal_group(pgid: u32, sig: i32) {
+    let Ok(p) = libc::pid_t::try_from(pgid) else {
+        return;
+    };
+    if p <= 1 {
+        return;
+    }
+    // SAFETY: plain syscall; a stale group gives ESRCH, which is fine.
+    unsafe {
+        libc::kill(-p, sig);
+    }
+}
+
+/// Whether the group still has a live (non-zombie) process.
+///
+/// `kill(-pgid, 0)` answers "no" precisely; when it says "yes", the members may all be
+/// zombies that an init which does not reap orphans keeps forever (containers without a
+/// real init), so on Linux `/proc` is checked for a member that is not a zombie.
+pub(crate) fn group_alive(pgid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pgid) else {
+        return false;
+    };
+    if p <= 1 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks existence and permission.
+    let r = unsafe { libc::kill(-p, 0) };
+    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    live_member_in_proc(p).unwrap_or(true)
+}
+
+/// `Some(true)` if `/proc` shows a non-zombie process in group `pgid`; `None` without `/proc`.
+fn live_member_in_proc(pgid: libc::pid_t) -> Option<bool> {
+    let entries = std::fs::read_dir("/proc").ok()?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // Fields after the parenthesised command name: state ppid pgrp ...
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let mut fields = stat[close + 1..].split_whitespace();
+        let state = fields.next();
+        let pgrp = fields.nth(1).and_then(|f| f.parse::<libc::pid_t>().ok());
+        if pgrp == Some(pgid) && state != Some("Z") && state != Some("X") {
+            return Some(true);
+        }
+    }
+    Some(false)
+}
+
+/// Polls until the group has no live process; `false` if `limit` passed first.
+async fn wait_group_gone(pgid: u32, limit: Duration) -> bool {
+    let until = Instant::now() + limit;
+    loop {
+        if !group_alive(pgid) {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The last `want` bytes of a file (seeking, not reading it whole), lossy UTF-8, starting
+/// on a character boundary when cut.
+fn read_tail(path: &Path, want: u64) -> std::io::Result<String> {
+    let mut f = File::open(path)?;
+    let len = f.metadata()?.len();
+    let start = len.saturating_sub(want);
+    f.seek(SeekFrom::Start(start))?;
+    let mut buf = Vec::with_capacity(usize::try_from(want.min(len)).unwrap_or(0));
+    f.take(want).read_to_end(&mut buf)?;
+    let mut skip = 0;
+    if start > 0 {
+        // Drop the continuation bytes of a character cut in half (at most 3).
+        while skip < 3 && skip < buf.len() && (buf[skip] & 0xC0) == 0x80 {
+            skip += 1;
+        }
+    }
+    Ok(String::from_utf8_lossy(&buf[skip..]).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn setup() -> (
+        tempfile::TempDir,
+        Executor,
+        mpsc::UnboundedReceiver<ExecEvent>,
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let exec = Executor::new(tmp.path().join("containers"), tx);
+        (tmp, exec, rx)
+    }
+
+    fn ctx(commands: &[&str]) -> LaunchContext {
+        LaunchContext {
+            commands: commands.iter().map(|s| s.to_string()).collect(),
+            env: BTreeMap::new(),
+        }
+    }
+
+    fn no_gpus() -> Resources {
+        Resources::with_mask(1, 100, 0, Default::default())
+    }
+
+    async fn next_exit(rx: &mut mpsc::UnboundedReceiver<ExecEvent>) -> (String, i32, String) {
+        let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("no Exited event within 10 s")
+            .expect("channel closed");
+        let ExecEvent::Exited {
+            container_id,
+            exit_status,
+            diagnostics,
+        } = ev;
+        (container_id, exit_status, diagnostics)
+    }
+
+    #[tokio::test]
+    async fn commands_run_in_order_and_stop_at_first_failure() {
+        let (_t, exec, mut rx) = setup();
+        exec.start(
+            "c1",
+            "h",
+            &no_gpus(),
+            ctx(&["echo a", "exit 3", "echo never"]),
+        )
+        .unwrap();
+        let (id, code, diag) = next_exit(&mut rx).await;
+        assert_eq!((id.as_str(), code), ("c1", 3));
+        assert!(diag.contains("exited with code 3"), "{diag}");
+        let out = exec.read_log("c1", LogStream::Stdout, None).unwrap();
+        assert_eq!(out, "a\n");
+        let st = exec.status("c1").unwrap();
+        assert_eq!(st.state, ContainerState::Complete);
+        assert_eq!(st.exit_status, Some(3));
+        assert!(st.pid.is_some());
+    }
+
+    #[tokio::test]
+    async fn failing_command_inside_a_list_and_state_carries_over() {
+        let (_t, exec, mut rx) = setup();
+        // `false; echo x` succeeds as a command (its last statement), like in any script;
+        // a syntax error fails its own command (status 2) without breaking the script.
+        exec.start(
+            "c2",
+            "h",
+            &no_gpus(),
+            ctx(&[
+                "false; echo x",
+                "export V=7; mkdir sub; cd sub",
+                "echo \"v=$V\" > ../v.txt; pwd",
+                "if then",
+                "echo never",
+            ]),
+        )
+        .unwrap();
+        let (_, code, _) = next_exit(&mut rx).await;
+        assert_eq!(code, 2);
+        let dir = exec.container_dir("c2").unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("v.txt")).unwrap(), "v=7\n");
+        let out = exec.read_log("c2", LogStream::Stdout, None).unwrap();
+        assert!(out.starts_with("x\n"), "{out}");
+        assert!(
+            out.contains(&format!("{}\n", dir.join("sub").display())),
+            "{out}"
+        );
+        assert!(!out.contains("never"));
+    }
+
+    #[tokio::test]
+    async fn success_exits_zero_and_quoting_survives() {
+        let (_t, exec, mut rx) = setup();
+        exec.start(
+            "ok",
+            "h",
+            &no_gpus(),
+            ctx(&["echo 'it'\"'\"'s' \"$((1+2))\" '$HOME'"]),
+        )
+        .unwrap();
+        let (_, code, _) = next_exit(&mut rx).await;
+        assert_eq!(code, 0);
+        assert_eq!(
+            exec.read_log("ok", LogStream::Stdout, None).unwrap(),
+            "it's 3 $HOME\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn environment_contract() {
+        let (_t, exec, mut rx) = setup();
+        let mut c = ctx(&["env > env.txt"]);
+        c.env.insert("MY_VAR".into(), "hello world".into());
+        c.env.insert("GPUAM_TASK_INDEX".into(), "2".into());
+        c.env.insert("CUDA_VISIBLE_DEVICES".into(), "7".into());
+        c.env.insert("GPUAM_HOST".into(), "spoofed".into());
+        std::env::set_var("GPUAM_TEST_LEAK_CHECK", "1");
+        let granted = Resources::with_mask(2, 100, 0xa, Default::default());
+        exec.start("env1", "node-3", &granted, c).unwrap();
+        let (_, code, _) = next_exit(&mut rx).await;
+        assert_eq!(code, 0);
+        let dir = exec.container_dir("env1").unwrap();
+        let text = std::fs::read_to_string(dir.join("env.txt")).unwrap();
+        let vars: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
+        assert_eq!(vars["CUDA_VISIBLE_DEVICES"], "1,3");
+        assert_eq!(vars["NVIDIA_VISIBLE_DEVICES"], "1,3");
+        assert_eq!(vars["GPUAM_GPU_MASK"], "0xa");
+        assert_eq!(vars["CONTAINER_GPUS"], "10");
+        assert_eq!(vars["GPUAM_CONTAINER_ID"], "env1");
+        assert_eq!(vars["GPUAM_HOST"], "node-3");
+        assert_eq!(vars["GPUAM_CONTAINER_DIR"], dir.to_str().unwrap());
+        assert_eq!(vars["MY_VAR"], "hello world");
+        assert_eq!(vars["GPUAM_TASK_INDEX"], "2");
+        assert!(vars.contains_key("PATH"));
+        assert!(
+            !vars.contains_key("GPUAM_TEST_LEAK_CHECK"),
+            "executor env leaked into the task"
+        );
+    }
+
+    #[tokio::test]
+    async fn no_gpus_hides_all_devices() {
+        let (_t, exec, mut rx) = setup();
+        exec.start(
+            "env0",
+            "h",
+            &no_gpus(),
+            ctx(&["echo \"[${CUDA_VISIBLE_DEVICES-unset}] [$NVIDIA_VISIBLE_DEVICES] [$GPUAM_GPU_MASK] [$CONTAINER_GPUS]\""]),
+        )
+        .unwrap();
+        next_exit(&mut rx).await;
+        assert_eq!(
+            exec.read_log("env0", LogStream::Stdout, None).unwrap(),
+            "[] [none] [0x0] [0]\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn working_directory_and_separate_streams() {
+        let (_t, exec, mut rx) = setup();
+        exec.start(
+            "wd",
+            "h",
+            &no_gpus(),
+            ctx(&["pwd", "echo oops >&2", "echo out"]),
+        )
+        .unwrap();
+        next_exit(&mut rx).await;
+        let dir = exec.container_dir("wd").unwrap();
+        assert_eq!(dir, exec.root().join("wd"));
+        let out = exec.read_log("wd", LogStream::Stdout, None).unwrap();
+        assert_eq!(out, format!("{}\nout\n", dir.display()));
+        assert_eq!(
+            exec.read_log("wd", LogStream::Stderr, None).unwrap(),
+            "oops\n"
+        );
+        assert!(dir.join("launch.sh").is_file());
+    }
+
+    #[tokio::test]
+    async fn tail_cuts_on_char_boundary() {
+        let (_t, exec, mut rx) = setup();
+        // "héllo wörld\n": ö is 2 bytes; the last 5 bytes start inside it.
+        exec.start("tail", "h", &no_gpus(), ctx(&["printf 'héllo wörld\\n'"]))
+            .unwrap();
+        next_exit(&mut rx).await;
+        assert_eq!(
+            exec.read_log("tail", LogStream::Stdout, Some(5)).unwrap(),
+            "rld\n"
+        );
+        assert_eq!(
+            exec.read_log("tail", LogStream::Stdout, Some(6)).unwrap(),
+            "örld\n"
+        );
+        assert_eq!(
+            exec.read_log("tail", LogStream::Stdout, Some(7)).unwrap(),
+            "wörld\n"
+        );
+        assert_eq!(
+            exec.read_log("tail", LogStream::Stdout, Some(0)).unwrap(),
+            ""
+        );
+        assert_eq!(
+            exec.read_log("tail", LogStream::Stdout, Some(1000))
+                .unwrap(),
+            "héllo wörld\n"
+        );
+    }
+
+    #[test]
+    fn read_tail_of_a_large_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let p = tmp.path().join("big");
+        let mut f = File::create(&p).unwrap();
+        for i in 0..100_000 {
+            writeln!(f, "line {i:06}").unwrap();
+        }
+        drop(f);
+        assert_eq!(read_tail(&p, 24).unwrap(), "line 099998\nline 099999\n");
+        let lossy = tmp.path().join("lossy");
+        std::fs::write(&lossy, b"ab\xffcd").unwrap();
+        assert_eq!(read_tail(&lossy, 100).unwrap(), "ab\u{fffd}cd");
+    }
+
+    #[tokio::test]
+    async fn stop_kills_the_whole_group() {
+        let (_t, exec, mut rx) = setup();
+        let pgid = exec
+            .start(
+                "bg",
+                "h",
+                &no_gpus(),
+                ctx(&["sleep 100 & sleep 100 & wait"]),
+            )
+            .unwrap();
+        // Let the background children start.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(group_alive(pgid));
+        assert_eq!(exec.running_ids(), vec!["bg".to_string()]);
+        let t0 = Instant::now();
+        exec.stop("bg", Duration::from_secs(5)).await.unwrap();
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "stop took {:?}",
+            t0.elapsed()
+        );
+        // Strictly: no process at all, not even a zombie, is left in the group.
+        let r = unsafe { libc::kill(-(pgid as libc::pid_t), 0) };
+        assert_eq!(r, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::ESRCH)
+        );
+        let (_, code, diag) = next_exit(&mut rx).await;
+        assert_eq!(code, 143);
+        assert!(diag.contains("stopped by request"), "{diag}");
+        assert_eq!(exec.status("bg").unwrap().state, ContainerState::Complete);
+        assert!(exec.running_ids().is_empty());
+        // Idempotent, and no second event.
+        exec.stop("bg", Duration::from_secs(1)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn stop_escalates_to_sigkill_after_grace() {
+        let (_t, exec, mut rx) = setup();
+        let pgid = exec
+            .start(
+                "stubborn",
+                "h",
+                &no_gpus(),
+                ctx(&["trap '' TERM; sleep 100 & sleep 100; wait"]),
+            )
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t0 = Instant::now();
+        exec.stop("stubborn", Duration::from_millis(300))
+            .await
+            .unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(300));
+        assert!(!group_alive(pgid));
+        let (_, code, diag) = next_exit(&mut rx).await;
+        assert_eq!(code, 137, "{diag}");
+        assert!(
+            diag.contains("stopped by request") && diag.contains("SIGKILL"),
+            "{diag}"
+        );
+    }
+
+    #[tokio::test]
+    async fn leftovers_of_a_finished_container_are_killed() {
+        let (_t, exec, mut rx) = setup();
+        let pgid = exec
+            .start("left", "h", &no_gpus(), ctx(&["sleep 100 &", "echo done"]))
+            .unwrap();
+        let (_, code, _) = next_exit(&mut rx).await;
+        assert_eq!(code, 0);
+        assert!(
+            !group_alive(pgid),
+            "a background process outlived its container"
+        );
+    }
+
+    #[tokio::test]
+    async fn killed_by_signal_maps_to_128_plus_n() {
+        let (_t, exec, mut rx) = setup();
+        exec.start("sig", "h", &no_gpus(), ctx(&["kill -KILL $$"]))
+            .unwrap();
+        let (_, code, diag) = next_exit(&mut rx).await;
+        assert_eq!(code, 137);
+        assert!(diag.contains("signal 9 (SIGKILL)"), "{diag}");
+        assert!(!diag.contains("stopped by request"));
+
+        exec.start("seg", "h", &no_gpus(), ctx(&["kill -SEGV $$"]))
+            .unwrap();
+        let (_, code, diag) = next_exit(&mut rx).await;
+        assert_eq!(code, 128 + libc::SIGSEGV);
+        assert!(diag.contains("SIGSEGV"), "{diag}");
+    }
+
+    #[test]
+    fn describe_exit_codes() {
+        assert_eq!(describe_exit(ExitStatus::from_raw(3 << 8)).0, 3);
+        assert_eq!(describe_exit(ExitStatus::from_raw(libc::SIGTERM)).0, 143);
+        assert_eq!(
+            describe_exit(ExitStatus::from_raw(libc::SIGKILL)).1,
+            "killed by signal 9 (SIGKILL)"
+        );
+    }
+
+    #[tokio::test]
+    async fn invalid_ids_are_rejected() {
+        let (t, exec, mut rx) = setup();
+        std::fs::write(t.path().join("x"), "secret").unwrap();
+        for bad in ["../x", "..", ".", "", "a/b", "a b", "/etc", "c\0"] {
+            let err = exec
+                .start(bad, "h", &no_gpus(), ctx(&["true"]))
+                .unwrap_err();
+            assert!(
+                matches!(err, ExecError::StartFailed { .. }),
+                "{bad:?}: {err}"
+            );
+            assert!(matches!(
+                exec.read_log(bad, LogStream::Stdout, None),
+                Err(ExecError::UnknownContainer(_))
+            ));
+            assert!(matches!(
+                exec.stop(bad, Duration::from_millis(10)).await,
+                Err(ExecError::UnknownContainer(_))
+            ));
+            assert!(exec.container_dir(bad).is_none());
+            assert!(exec.status(bad).is_none());
+        }
+        assert!(valid_container_id("container_e01_000001.01-x"));
+        assert!(
+            !t.path().join("containers").exists()
+                || std::fs::read_dir(t.path().join("containers"))
+                    .unwrap()
+                    .count()
+                    == 0
+        );
+        assert!(
+            rx.try_recv().is_err(),
+            "a rejected start must send no event"
+        );
+    }
+
+    #[tokio::test]
+    async fn unknown_container() {
+        let (_t, exec, _rx) = setup();
+        assert!(matches!(
+            exec.stop("nope", Duration::from_millis(10)).await,
+            Err(ExecError::UnknownContainer(_))
+        ));
+        assert!(matches!(
+            exec.read_log("nope", LogStream::Stderr, None),
+            Err(ExecError::UnknownContainer(_))
+        ));
+        assert!(exec.status("nope").is_none());
+    }
+
+    #[tokio::test]
+    async fn same_id_twice_and_exactly_one_event() {
+        let (_t, exec, mut rx) = setup();
+        exec.start("dup", "h", &no_gpus(), ctx(&["sleep 0.2"]))
+            .unwrap();
+        assert!(matches!(
+            exec.start("dup", "h", &no_gpus(), ctx(&["true"])),
+            Err(ExecError::AlreadyStarted(_))
+        ));
+        let (id, code, _) = next_exit(&mut rx).await;
+        assert_eq!((id.as_str(), code), ("dup", 0));
+        assert!(matches!(
+            exec.start("dup", "h", &no_gpus(), ctx(&["true"])),
+            Err(ExecError::AlreadyStarted(_))
+        ));
+        // A stop after completion must not produce a second event either.
+        exec.stop("dup", Duration::from_millis(10)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn allocated_then_started_or_stopped() {
+        let (_t, exec, mut rx) = setup();
+        exec.allocate("a1").unwrap();
+        exec.allocate("a2").unwrap();
+        assert_eq!(exec.status("a1").unwrap().state, ContainerState::Allocated);
+        assert_eq!(exec.read_log("a1", LogStream::Stdout, None).unwrap(), "");
+        exec.start("a1", "h", &no_gpus(), ctx(&["true"])).unwrap();
+        assert_eq!(next_exit(&mut rx).await.1, 0);
+        exec.stop("a2", Duration::from_millis(10)).await.unwrap();
+        let (id, code, _) = next_exit(&mut rx).await;
+        assert_eq!((id.as_str(), code), ("a2", exit_status::ABORTED));
+        assert!(matches!(
+            exec.allocate("a1"),
+            Err(ExecError::AlreadyStarted(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn bad_launch_context_fails_without_event() {
+        let (_t, exec, mut rx) = setup();
+        let mut c = ctx(&["true"]);
+        c.env.insert("A=B".into(), "x".into());
+        let err = exec.start("badenv", "h", &no_gpus(), c).unwrap_err();
+        assert!(err.to_string().contains("A=B"), "{err}");
+        let count_only = Resources::with_count(1, 1, 2, Default::default());
+        assert!(exec
+            .start("nomask", "h", &count_only, ctx(&["true"]))
+            .is_err());
+        assert!(exec.status("badenv").is_none());
+        // The id is free again after a failed start.
+        exec.start("badenv", "h", &no_gpus(), ctx(&["true"]))
+            .unwrap();
+        assert_eq!(next_exit(&mut rx).await.0, "badenv");
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn stop_all_stops_every_running_container() {
+        let (_t, exec, mut rx) = setup();
+        let p1 = exec
+            .start("s1", "h", &no_gpus(), ctx(&["sleep 100"]))
+            .unwrap();
+        let p2 = exec
+            .start("s2", "h", &no_gpus(), ctx(&["sleep 100"]))
+            .unwrap();
+        assert_eq!(exec.running_ids(), vec!["s1".to_string(), "s2".to_string()]);
+        exec.stop_all(Duration::from_secs(2)).await;
+        assert!(!group_alive(p1) && !group_alive(p2));
+        let mut ids = vec![next_exit(&mut rx).await.0, next_exit(&mut rx).await.0];
+        ids.sort();
+        assert_eq!(ids, vec!["s1", "s2"]);
+    }
+
+    #[test]
+    fn start_outside_a_runtime_fails_cleanly() {
+        let (_t, exec, _rx) = setup();
+        let err = exec
+            .start("rt", "h", &no_gpus(), ctx(&["true"]))
+            .unwrap_err();
+        assert!(err.to_string().contains("tokio runtime"), "{err}");
+    }
+
+    #[test]
+    fn executor_and_its_futures_are_send() {
+        fn send_sync<T: Send + Sync>(_: &T) {}
+        fn send<T: Send>(_: T) {}
+        let (_t, exec, _rx) = setup();
+        send_sync(&exec);
+        // axum handlers need Send futures: no lock guard may live across an await.
+        send(exec.stop("x", Duration::from_millis(1)));
+        send(exec.stop_all(Duration::from_millis(1)));
+    }
+
+    #[tokio::test]
+    async fn forget_only_completed() {
+        let (_t, exec, mut rx) = setup();
+        exec.start("f", "h", &no_gpus(), ctx(&["sleep 0.2"]))
+            .unwrap();
+        assert!(!exec.forget("f"));
+        next_exit(&mut rx).await;
+        assert!(exec.forget("f"));
+        assert!(exec.status("f").is_none());
+        // The logs stay readable from the directory.
+        assert_eq!(exec.read_log("f", LogStream::Stdout, None).unwrap(), "");
+    }
+
+    #[test]
+    fn shell_quote_round_trips() {
+        assert_eq!(shell_quote("a'b"), r"'a'\''b'");
+        assert_eq!(shell_quote(""), "''");
+>>>>>>> exec
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod apps;
 pub mod executor;
+pub mod gpu_discovery;
 pub mod ledger;
 pub mod server;
 
