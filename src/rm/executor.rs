@@ -179,9 +179,7 @@ impl Executor {
         }
         let mut table = self.table.lock();
         match table.get(container_id) {
-            Some(e) if e.phase != Phase::Allocated => {
-                Err(ExecError::AlreadyStarted(container_id.into()))
-            }
+            Some(e) if e.phase != Phase::Allocated => Err(ExecError::AlreadyStarted(container_id.into())),
             Some(_) => Ok(()),
             None => {
                 table.insert(
@@ -196,19 +194,6 @@ impl Executor {
     /// Starts `ctx.commands` for a granted container; returns the process-group id.
     /// The executor adds the GPU environment (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES,
     /// GPUAM_GPU_MASK, CONTAINER_GPUS) and GPUAM_CONTAINER_ID / GPUAM_HOST itself.
-<<<<<<< HEAD
-    pub fn start(
-        &self,
-        _container_id: &str,
-        _host: &str,
-        _granted: &Resources,
-        _ctx: LaunchContext,
-    ) -> Result<u32, ExecError> {
-        Err(ExecError::StartFailed {
-            id: _container_id.into(),
-            why: "not implemented".into(),
-        })
-=======
     ///
     /// Environment: a clean base (PATH, HOME, LANG from the executor's environment), then
     /// `ctx.env`, then the executor's variables, which win over `ctx.env` for their names:
@@ -244,9 +229,7 @@ impl Executor {
             )));
         }
         if tokio::runtime::Handle::try_current().is_err() {
-            return Err(fail(
-                "the executor must be called from within a tokio runtime".into(),
-            ));
+            return Err(fail("the executor must be called from within a tokio runtime".into()));
         }
         if granted.gpus > 0 && granted.gpu_mask == 0 {
             return Err(fail(format!(
@@ -260,18 +243,13 @@ impl Executor {
         let was_allocated = {
             let mut table = self.table.lock();
             match table.get_mut(container_id) {
-                Some(e) if e.phase != Phase::Allocated => {
-                    return Err(ExecError::AlreadyStarted(container_id.into()))
-                }
+                Some(e) if e.phase != Phase::Allocated => return Err(ExecError::AlreadyStarted(container_id.into())),
                 Some(e) => {
                     e.phase = Phase::Starting;
                     true
                 }
                 None => {
-                    table.insert(
-                        container_id.into(),
-                        Entry::new(dir.clone(), Phase::Starting),
-                    );
+                    table.insert(container_id.into(), Entry::new(dir.clone(), Phase::Starting));
                     false
                 }
             }
@@ -312,7 +290,6 @@ impl Executor {
                 Ok(pid)
             }
         }
->>>>>>> exec
     }
 
     /// Stops the container's whole process group: SIGTERM, then SIGKILL after `grace`.
@@ -368,19 +345,13 @@ impl Executor {
         };
 
         signal_group(pgid, libc::SIGTERM);
-        if tokio::time::timeout(grace, done.wait_for(|d| *d))
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(grace, done.wait_for(|d| *d)).await.is_err() {
             tracing::info!(
                 container = container_id,
                 "still running after {grace:?}: SIGKILL to its group"
             );
             signal_group(pgid, libc::SIGKILL);
-            if tokio::time::timeout(KILL_WAIT, done.wait_for(|d| *d))
-                .await
-                .is_err()
-            {
+            if tokio::time::timeout(KILL_WAIT, done.wait_for(|d| *d)).await.is_err() {
                 tracing::warn!(
                     container = container_id,
                     pgid,
@@ -464,15 +435,6 @@ impl Executor {
     }
 
     /// Reads a captured stream; `tail_bytes` limits to the last N bytes.
-<<<<<<< HEAD
-    pub fn read_log(
-        &self,
-        container_id: &str,
-        _stream: LogStream,
-        _tail_bytes: Option<u64>,
-    ) -> Result<String, ExecError> {
-        Err(ExecError::UnknownContainer(container_id.into()))
-=======
     ///
     /// Only `root/<validated id>/stdout|stderr` can be read. The text is lossy UTF-8; a tail
     /// starts on a character boundary (so it can be up to 3 bytes shorter than asked). At
@@ -511,30 +473,21 @@ fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
             ));
         }
         if v.contains('\0') {
-            return Err(format!(
-                "env `{k}` has a NUL character in its value; remove it"
-            ));
+            return Err(format!("env `{k}` has a NUL character in its value; remove it"));
         }
     }
     Ok(())
 }
 
 /// The task's whole environment: base, then `ctx.env`, then the executor's (which win).
-fn container_env(
-    id: &str,
-    host: &str,
-    granted: &Resources,
-    dir: &Path,
-    ctx: &LaunchContext,
-) -> Vec<(String, String)> {
+fn container_env(id: &str, host: &str, granted: &Resources, dir: &Path, ctx: &LaunchContext) -> Vec<(String, String)> {
     let mut env: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
     for name in BASE_ENV {
         if let Some(v) = std::env::var_os(name) {
             env.insert(name.into(), v.to_string_lossy().into_owned());
         }
     }
-    env.entry("PATH".into())
-        .or_insert_with(|| DEFAULT_PATH.into());
+    env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
     for (k, v) in &ctx.env {
         env.insert(k.clone(), v.clone());
     }
@@ -544,11 +497,7 @@ fn container_env(
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let nvidia = if mask == 0 {
-        "none".to_string()
-    } else {
-        list.clone()
-    };
+    let nvidia = if mask == 0 { "none".to_string() } else { list.clone() };
     let own = [
         ("CUDA_VISIBLE_DEVICES", list),
         ("NVIDIA_VISIBLE_DEVICES", nvidia),
@@ -657,10 +606,7 @@ async fn wait_container(
 ) {
     let (code, how) = match child.wait().await {
         Ok(st) => describe_exit(st),
-        Err(e) => (
-            exit_status::INVALID,
-            format!("lost track of the process: {e}"),
-        ),
+        Err(e) => (exit_status::INVALID, format!("lost track of the process: {e}")),
     };
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
@@ -707,15 +653,9 @@ fn describe_exit(st: ExitStatus) -> (i32, String) {
     if let Some(code) = st.code() {
         (code, format!("exited with code {code}"))
     } else if let Some(sig) = st.signal() {
-        (
-            128 + sig,
-            format!("killed by signal {sig} ({})", signal_name(sig)),
-        )
+        (128 + sig, format!("killed by signal {sig} ({})", signal_name(sig)))
     } else {
-        (
-            exit_status::INVALID,
-            format!("ended without an exit code ({st})"),
-        )
+        (exit_status::INVALID, format!("ended without an exit code ({st})"))
     }
 }
 
@@ -842,11 +782,7 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    fn setup() -> (
-        tempfile::TempDir,
-        Executor,
-        mpsc::UnboundedReceiver<ExecEvent>,
-    ) {
+    fn setup() -> (tempfile::TempDir, Executor, mpsc::UnboundedReceiver<ExecEvent>) {
         let tmp = tempfile::tempdir().unwrap();
         let (tx, rx) = mpsc::unbounded_channel();
         let exec = Executor::new(tmp.path().join("containers"), tx);
@@ -880,13 +816,8 @@ mod tests {
     #[tokio::test]
     async fn commands_run_in_order_and_stop_at_first_failure() {
         let (_t, exec, mut rx) = setup();
-        exec.start(
-            "c1",
-            "h",
-            &no_gpus(),
-            ctx(&["echo a", "exit 3", "echo never"]),
-        )
-        .unwrap();
+        exec.start("c1", "h", &no_gpus(), ctx(&["echo a", "exit 3", "echo never"]))
+            .unwrap();
         let (id, code, diag) = next_exit(&mut rx).await;
         assert_eq!((id.as_str(), code), ("c1", 3));
         assert!(diag.contains("exited with code 3"), "{diag}");
@@ -922,29 +853,18 @@ mod tests {
         assert_eq!(std::fs::read_to_string(dir.join("v.txt")).unwrap(), "v=7\n");
         let out = exec.read_log("c2", LogStream::Stdout, None).unwrap();
         assert!(out.starts_with("x\n"), "{out}");
-        assert!(
-            out.contains(&format!("{}\n", dir.join("sub").display())),
-            "{out}"
-        );
+        assert!(out.contains(&format!("{}\n", dir.join("sub").display())), "{out}");
         assert!(!out.contains("never"));
     }
 
     #[tokio::test]
     async fn success_exits_zero_and_quoting_survives() {
         let (_t, exec, mut rx) = setup();
-        exec.start(
-            "ok",
-            "h",
-            &no_gpus(),
-            ctx(&["echo 'it'\"'\"'s' \"$((1+2))\" '$HOME'"]),
-        )
-        .unwrap();
+        exec.start("ok", "h", &no_gpus(), ctx(&["echo 'it'\"'\"'s' \"$((1+2))\" '$HOME'"]))
+            .unwrap();
         let (_, code, _) = next_exit(&mut rx).await;
         assert_eq!(code, 0);
-        assert_eq!(
-            exec.read_log("ok", LogStream::Stdout, None).unwrap(),
-            "it's 3 $HOME\n"
-        );
+        assert_eq!(exec.read_log("ok", LogStream::Stdout, None).unwrap(), "it's 3 $HOME\n");
     }
 
     #[tokio::test]
@@ -999,22 +919,14 @@ mod tests {
     #[tokio::test]
     async fn working_directory_and_separate_streams() {
         let (_t, exec, mut rx) = setup();
-        exec.start(
-            "wd",
-            "h",
-            &no_gpus(),
-            ctx(&["pwd", "echo oops >&2", "echo out"]),
-        )
-        .unwrap();
+        exec.start("wd", "h", &no_gpus(), ctx(&["pwd", "echo oops >&2", "echo out"]))
+            .unwrap();
         next_exit(&mut rx).await;
         let dir = exec.container_dir("wd").unwrap();
         assert_eq!(dir, exec.root().join("wd"));
         let out = exec.read_log("wd", LogStream::Stdout, None).unwrap();
         assert_eq!(out, format!("{}\nout\n", dir.display()));
-        assert_eq!(
-            exec.read_log("wd", LogStream::Stderr, None).unwrap(),
-            "oops\n"
-        );
+        assert_eq!(exec.read_log("wd", LogStream::Stderr, None).unwrap(), "oops\n");
         assert!(dir.join("launch.sh").is_file());
     }
 
@@ -1025,25 +937,12 @@ mod tests {
         exec.start("tail", "h", &no_gpus(), ctx(&["printf 'héllo wörld\\n'"]))
             .unwrap();
         next_exit(&mut rx).await;
+        assert_eq!(exec.read_log("tail", LogStream::Stdout, Some(5)).unwrap(), "rld\n");
+        assert_eq!(exec.read_log("tail", LogStream::Stdout, Some(6)).unwrap(), "örld\n");
+        assert_eq!(exec.read_log("tail", LogStream::Stdout, Some(7)).unwrap(), "wörld\n");
+        assert_eq!(exec.read_log("tail", LogStream::Stdout, Some(0)).unwrap(), "");
         assert_eq!(
-            exec.read_log("tail", LogStream::Stdout, Some(5)).unwrap(),
-            "rld\n"
-        );
-        assert_eq!(
-            exec.read_log("tail", LogStream::Stdout, Some(6)).unwrap(),
-            "örld\n"
-        );
-        assert_eq!(
-            exec.read_log("tail", LogStream::Stdout, Some(7)).unwrap(),
-            "wörld\n"
-        );
-        assert_eq!(
-            exec.read_log("tail", LogStream::Stdout, Some(0)).unwrap(),
-            ""
-        );
-        assert_eq!(
-            exec.read_log("tail", LogStream::Stdout, Some(1000))
-                .unwrap(),
+            exec.read_log("tail", LogStream::Stdout, Some(1000)).unwrap(),
             "héllo wörld\n"
         );
     }
@@ -1067,12 +966,7 @@ mod tests {
     async fn stop_kills_the_whole_group() {
         let (_t, exec, mut rx) = setup();
         let pgid = exec
-            .start(
-                "bg",
-                "h",
-                &no_gpus(),
-                ctx(&["sleep 100 & sleep 100 & wait"]),
-            )
+            .start("bg", "h", &no_gpus(), ctx(&["sleep 100 & sleep 100 & wait"]))
             .unwrap();
         // Let the background children start.
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1080,18 +974,11 @@ mod tests {
         assert_eq!(exec.running_ids(), vec!["bg".to_string()]);
         let t0 = Instant::now();
         exec.stop("bg", Duration::from_secs(5)).await.unwrap();
-        assert!(
-            t0.elapsed() < Duration::from_secs(3),
-            "stop took {:?}",
-            t0.elapsed()
-        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "stop took {:?}", t0.elapsed());
         // Strictly: no process at all, not even a zombie, is left in the group.
         let r = unsafe { libc::kill(-(pgid as libc::pid_t), 0) };
         assert_eq!(r, -1);
-        assert_eq!(
-            std::io::Error::last_os_error().raw_os_error(),
-            Some(libc::ESRCH)
-        );
+        assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::ESRCH));
         let (_, code, diag) = next_exit(&mut rx).await;
         assert_eq!(code, 143);
         assert!(diag.contains("stopped by request"), "{diag}");
@@ -1116,9 +1003,7 @@ mod tests {
             .unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
         let t0 = Instant::now();
-        exec.stop("stubborn", Duration::from_millis(300))
-            .await
-            .unwrap();
+        exec.stop("stubborn", Duration::from_millis(300)).await.unwrap();
         assert!(t0.elapsed() >= Duration::from_millis(300));
         assert!(!group_alive(pgid));
         let (_, code, diag) = next_exit(&mut rx).await;
@@ -1137,24 +1022,19 @@ mod tests {
             .unwrap();
         let (_, code, _) = next_exit(&mut rx).await;
         assert_eq!(code, 0);
-        assert!(
-            !group_alive(pgid),
-            "a background process outlived its container"
-        );
+        assert!(!group_alive(pgid), "a background process outlived its container");
     }
 
     #[tokio::test]
     async fn killed_by_signal_maps_to_128_plus_n() {
         let (_t, exec, mut rx) = setup();
-        exec.start("sig", "h", &no_gpus(), ctx(&["kill -KILL $$"]))
-            .unwrap();
+        exec.start("sig", "h", &no_gpus(), ctx(&["kill -KILL $$"])).unwrap();
         let (_, code, diag) = next_exit(&mut rx).await;
         assert_eq!(code, 137);
         assert!(diag.contains("signal 9 (SIGKILL)"), "{diag}");
         assert!(!diag.contains("stopped by request"));
 
-        exec.start("seg", "h", &no_gpus(), ctx(&["kill -SEGV $$"]))
-            .unwrap();
+        exec.start("seg", "h", &no_gpus(), ctx(&["kill -SEGV $$"])).unwrap();
         let (_, code, diag) = next_exit(&mut rx).await;
         assert_eq!(code, 128 + libc::SIGSEGV);
         assert!(diag.contains("SIGSEGV"), "{diag}");
@@ -1175,13 +1055,8 @@ mod tests {
         let (t, exec, mut rx) = setup();
         std::fs::write(t.path().join("x"), "secret").unwrap();
         for bad in ["../x", "..", ".", "", "a/b", "a b", "/etc", "c\0"] {
-            let err = exec
-                .start(bad, "h", &no_gpus(), ctx(&["true"]))
-                .unwrap_err();
-            assert!(
-                matches!(err, ExecError::StartFailed { .. }),
-                "{bad:?}: {err}"
-            );
+            let err = exec.start(bad, "h", &no_gpus(), ctx(&["true"])).unwrap_err();
+            assert!(matches!(err, ExecError::StartFailed { .. }), "{bad:?}: {err}");
             assert!(matches!(
                 exec.read_log(bad, LogStream::Stdout, None),
                 Err(ExecError::UnknownContainer(_))
@@ -1196,15 +1071,9 @@ mod tests {
         assert!(valid_container_id("container_e01_000001.01-x"));
         assert!(
             !t.path().join("containers").exists()
-                || std::fs::read_dir(t.path().join("containers"))
-                    .unwrap()
-                    .count()
-                    == 0
+                || std::fs::read_dir(t.path().join("containers")).unwrap().count() == 0
         );
-        assert!(
-            rx.try_recv().is_err(),
-            "a rejected start must send no event"
-        );
+        assert!(rx.try_recv().is_err(), "a rejected start must send no event");
     }
 
     #[tokio::test]
@@ -1224,8 +1093,7 @@ mod tests {
     #[tokio::test]
     async fn same_id_twice_and_exactly_one_event() {
         let (_t, exec, mut rx) = setup();
-        exec.start("dup", "h", &no_gpus(), ctx(&["sleep 0.2"]))
-            .unwrap();
+        exec.start("dup", "h", &no_gpus(), ctx(&["sleep 0.2"])).unwrap();
         assert!(matches!(
             exec.start("dup", "h", &no_gpus(), ctx(&["true"])),
             Err(ExecError::AlreadyStarted(_))
@@ -1254,10 +1122,7 @@ mod tests {
         exec.stop("a2", Duration::from_millis(10)).await.unwrap();
         let (id, code, _) = next_exit(&mut rx).await;
         assert_eq!((id.as_str(), code), ("a2", exit_status::ABORTED));
-        assert!(matches!(
-            exec.allocate("a1"),
-            Err(ExecError::AlreadyStarted(_))
-        ));
+        assert!(matches!(exec.allocate("a1"), Err(ExecError::AlreadyStarted(_))));
     }
 
     #[tokio::test]
@@ -1268,13 +1133,10 @@ mod tests {
         let err = exec.start("badenv", "h", &no_gpus(), c).unwrap_err();
         assert!(err.to_string().contains("A=B"), "{err}");
         let count_only = Resources::with_count(1, 1, 2, Default::default());
-        assert!(exec
-            .start("nomask", "h", &count_only, ctx(&["true"]))
-            .is_err());
+        assert!(exec.start("nomask", "h", &count_only, ctx(&["true"])).is_err());
         assert!(exec.status("badenv").is_none());
         // The id is free again after a failed start.
-        exec.start("badenv", "h", &no_gpus(), ctx(&["true"]))
-            .unwrap();
+        exec.start("badenv", "h", &no_gpus(), ctx(&["true"])).unwrap();
         assert_eq!(next_exit(&mut rx).await.0, "badenv");
         assert!(rx.try_recv().is_err());
     }
@@ -1282,12 +1144,8 @@ mod tests {
     #[tokio::test]
     async fn stop_all_stops_every_running_container() {
         let (_t, exec, mut rx) = setup();
-        let p1 = exec
-            .start("s1", "h", &no_gpus(), ctx(&["sleep 100"]))
-            .unwrap();
-        let p2 = exec
-            .start("s2", "h", &no_gpus(), ctx(&["sleep 100"]))
-            .unwrap();
+        let p1 = exec.start("s1", "h", &no_gpus(), ctx(&["sleep 100"])).unwrap();
+        let p2 = exec.start("s2", "h", &no_gpus(), ctx(&["sleep 100"])).unwrap();
         assert_eq!(exec.running_ids(), vec!["s1".to_string(), "s2".to_string()]);
         exec.stop_all(Duration::from_secs(2)).await;
         assert!(!group_alive(p1) && !group_alive(p2));
@@ -1299,9 +1157,7 @@ mod tests {
     #[test]
     fn start_outside_a_runtime_fails_cleanly() {
         let (_t, exec, _rx) = setup();
-        let err = exec
-            .start("rt", "h", &no_gpus(), ctx(&["true"]))
-            .unwrap_err();
+        let err = exec.start("rt", "h", &no_gpus(), ctx(&["true"])).unwrap_err();
         assert!(err.to_string().contains("tokio runtime"), "{err}");
     }
 
@@ -1319,8 +1175,7 @@ mod tests {
     #[tokio::test]
     async fn forget_only_completed() {
         let (_t, exec, mut rx) = setup();
-        exec.start("f", "h", &no_gpus(), ctx(&["sleep 0.2"]))
-            .unwrap();
+        exec.start("f", "h", &no_gpus(), ctx(&["sleep 0.2"])).unwrap();
         assert!(!exec.forget("f"));
         next_exit(&mut rx).await;
         assert!(exec.forget("f"));
@@ -1333,6 +1188,5 @@ mod tests {
     fn shell_quote_round_trips() {
         assert_eq!(shell_quote("a'b"), r"'a'\''b'");
         assert_eq!(shell_quote(""), "''");
->>>>>>> exec
     }
 }

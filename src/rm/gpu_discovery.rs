@@ -38,18 +38,11 @@ pub fn discover() -> Option<LocalGpus> {
 
 /// [`discover`] with an explicit `nvidia-smi` program and time limit.
 pub fn discover_with(program: &Path, timeout: Duration) -> Option<LocalGpus> {
-    let csv = run_with_timeout(
-        program,
-        &["--query-gpu=index,name", "--format=csv,noheader"],
-        timeout,
-    )?;
+    let csv = run_with_timeout(program, &["--query-gpu=index,name", "--format=csv,noheader"], timeout)?;
     let gpus = match parse_query_gpu(&csv) {
         Ok(g) => g,
         Err(e) => {
-            tracing::warn!(
-                "ignoring the output of {} --query-gpu: {e}",
-                program.display()
-            );
+            tracing::warn!("ignoring the output of {} --query-gpu: {e}", program.display());
             return None;
         }
     };
@@ -82,12 +75,10 @@ pub fn parse_query_gpu(csv: &str) -> Result<Vec<(u32, String)>, String> {
         let (index, name) = line
             .split_once(',')
             .ok_or_else(|| format!("line {lineno}: `{line}` is not `index, name`"))?;
-        let index: u32 = index.trim().parse().map_err(|_| {
-            format!(
-                "line {lineno}: GPU index `{}` is not a number",
-                index.trim()
-            )
-        })?;
+        let index: u32 = index
+            .trim()
+            .parse()
+            .map_err(|_| format!("line {lineno}: GPU index `{}` is not a number", index.trim()))?;
         let name = name.trim();
         if name.is_empty() {
             return Err(format!("line {lineno}: GPU {index} has no name"));
@@ -145,9 +136,7 @@ fn find_on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|dir| dir.join(name))
-        .find(|p| {
-            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
 /// Runs `program args`, returning its stdout if it exits with 0 within `timeout`; a
@@ -192,9 +181,7 @@ fn run_with_timeout(program: &Path, args: &[&str], timeout: Duration) -> Option<
         }
     };
     match (finished, output) {
-        (Some(status), Ok(buf)) if status.success() => {
-            Some(String::from_utf8_lossy(&buf).into_owned())
-        }
+        (Some(status), Ok(buf)) if status.success() => Some(String::from_utf8_lossy(&buf).into_owned()),
         (Some(status), _) => {
             tracing::info!("{} {} failed: {status}", program.display(), args.join(" "));
             None
@@ -370,15 +357,9 @@ Legend:
             t0.elapsed()
         );
 
-        let smi = fake_smi(
-            tmp.path(),
-            "if [ \"$1\" = topo ]; then exit 1; fi; echo '0, Tesla T4'",
-        );
+        let smi = fake_smi(tmp.path(), "if [ \"$1\" = topo ]; then exit 1; fi; echo '0, Tesla T4'");
         let gpus = discover_with(&smi, Duration::from_secs(5)).unwrap();
-        assert_eq!(
-            (gpus.count, gpus.gpu_type.as_str(), gpus.topo_text),
-            (1, "T4", None)
-        );
+        assert_eq!((gpus.count, gpus.gpu_type.as_str(), gpus.topo_text), (1, "T4", None));
 
         assert!(discover_with(&tmp.path().join("missing"), Duration::from_secs(1)).is_none());
     }
