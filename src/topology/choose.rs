@@ -11,10 +11,11 @@
 //! 1. c* = the highest tier with a component of G_c[F] of ≥ k GPUs; only those components
 //!    ("candidates") can hold a set of tier c*.
 //! 2. **Enumeration** (exact on the whole objective): all k-subsets of the candidates, with W
-//!    updated incrementally from per-class adjacency popcounts. Used when the number of subsets
-//!    is within [`ENUM_BUDGET`], always for k = 1, and always for non-tree nodes of ≤ 16 GPUs
-//!    (so it is exact there whatever the size: at most C(16,8) = 12 870 subsets).
-//! 3. **Tree DP** on tree-shaped (ultrametric) nodes beyond the budget: a knapsack over the
+//!    updated incrementally from per-class adjacency popcounts. Used for k = 1, on
+//!    tree nodes when the number of subsets is within [`TREE_ENUM_BUDGET`] (so always on 8-GPU
+//!    trees), on non-tree nodes of ≤ 16 GPUs whatever the size (at most C(16,8) = 12 870
+//!    subsets, so they are exact), and on larger non-tree nodes within [`ENUM_BUDGET`].
+//! 3. **Tree DP** on tree-shaped (ultrametric) nodes beyond that budget: a knapsack over the
 //!    island tree, exact on (T, W). Its tie-break is the reference's best fit: the smallest
 //!    total size of fully-free islands split by the choice, then the smallest mask (Cap itself
 //!    does not decompose over the tree).
@@ -26,8 +27,11 @@ use crate::resources::{lowest_bits, GpuMask};
 
 use super::{GpuChoice, Link, Topology};
 
-/// Largest number of k-subsets enumerated on a node where another exact-on-(T, W) path exists.
+/// Largest number of k-subsets enumerated on a large (> 16 GPUs) non-tree node.
 const ENUM_BUDGET: u64 = 2_000;
+/// Largest number of k-subsets enumerated on a tree node (the DP is exact on (T, W) and much
+/// cheaper there). 128 ≥ C(8, 4), so every request on an 8-GPU tree gets the full tie-break.
+const TREE_ENUM_BUDGET: u64 = 128;
 /// Non-tree nodes up to this size are always enumerated (exact).
 const ALWAYS_EXACT_GPUS: u32 = 16;
 /// Greedy seeds per candidate component.
@@ -47,6 +51,8 @@ pub(crate) struct Tables {
     adj: [Vec<u64>; 3],
     /// Components of G_c over all GPUs, ordered by lowest GPU.
     pub(crate) islands: [Vec<u64>; 3],
+    /// The islands of ≥ 2 GPUs (singletons add nothing to a largest-component search).
+    big_islands: [Vec<u64>; 3],
     /// `clique[c]`: every island of G_c is a clique of G_c, so the components of G_c[F] are the
     /// islands intersected with F and every subset of an island is connected.
     clique: [bool; 3],
@@ -140,6 +146,7 @@ impl Tables {
             all,
             adj,
             islands: [Vec::new(), Vec::new(), Vec::new()],
+            big_islands: [Vec::new(), Vec::new(), Vec::new()],
             clique: [false; 3],
             cls_w,
             cls_adj,
@@ -150,6 +157,11 @@ impl Tables {
             t.clique[c] = isl
                 .iter()
                 .all(|&m| bits(m).all(|i| (t.adj[c][i as usize] | (1 << i)) & m == m));
+            t.big_islands[c] = isl
+                .iter()
+                .copied()
+                .filter(|m| m.count_ones() >= 2)
+                .collect();
             t.islands[c] = isl;
         }
         t.tree = t.build_tree(links);
@@ -311,7 +323,8 @@ impl Tables {
     fn max_component(&self, c: usize, set: u64) -> u32 {
         let mut best = 0;
         if self.clique[c] {
-            for &m in &self.islands[c] {
+            best = u32::from(set != 0);
+            for &m in &self.big_islands[c] {
                 best = best.max((m & set).count_ones());
             }
         } else {
@@ -383,14 +396,13 @@ impl Tables {
         let count = comps
             .iter()
             .fold(0u64, |acc, m| acc.saturating_add(binom(m.count_ones(), k)));
-        let (mask, w) =
-            if count <= ENUM_BUDGET || (self.tree.is_none() && self.n <= ALWAYS_EXACT_GPUS) {
-                self.enumerate(free, k, cstar, &comps)
-            } else if let Some(tree) = &self.tree {
-                self.tree_dp(tree, free, k, cstar)
-            } else {
+        let (mask, w) = match &self.tree {
+            Some(tree) if count > TREE_ENUM_BUDGET => self.tree_dp(tree, free, k, cstar),
+            None if count > ENUM_BUDGET && self.n > ALWAYS_EXACT_GPUS => {
                 self.greedy(free, k, cstar, &comps)
-            };
+            }
+            _ => self.enumerate(free, k, cstar, &comps),
+        };
         (mask, cstar, w)
     }
 

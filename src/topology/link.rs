@@ -6,9 +6,9 @@ use std::str::FromStr;
 
 /// Link class between two GPUs, as `nvidia-smi topo -m` prints it.
 ///
-/// Ordered ladder, best first: `NV#` (more links better) > `PIX` > `PXB` > `PHB` > `NODE`
-/// > `SYS`. [`Link::weight`] is strictly increasing along that ladder, so it doubles as the
-/// rank of a class.
+/// Ordered ladder, best first: `NV#` (more links better), `PIX`, `PXB`, `PHB`, `NODE`,
+/// `SYS`. [`Link::weight`] strictly decreases along that ladder, so it doubles as the rank of
+/// a class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Link {
     /// Bonded NVLinks (`NV#`), with the number of links (≥ 1 for a real link).

@@ -130,12 +130,12 @@ impl Topology {
                 }
             }
         }
-        for a in 0..cols {
-            for b in a + 1..cols {
-                if matrix[a][b] != matrix[b][a] {
+        for (a, row) in matrix.iter().enumerate() {
+            for (b, &ab) in row.iter().enumerate().skip(a + 1) {
+                let ba = matrix[b][a];
+                if ab != ba {
                     return err(format!(
-                        "not symmetric: GPU{a}→GPU{b} is {} but GPU{b}→GPU{a} is {}; fix the damaged cell",
-                        matrix[a][b], matrix[b][a]
+                        "not symmetric: GPU{a}→GPU{b} is {ab} but GPU{b}→GPU{a} is {ba}; fix the damaged cell"
                     ));
                 }
             }

@@ -8,81 +8,121 @@ use super::*;
 
 // ---------- an independent reference, straight from the definitions ----------
 
-/// T(S) from the link matrix: highest c such that S is connected by links of tier ≥ c.
-fn ref_tier(t: &Topology, s: u64) -> u8 {
-    let idx: Vec<u32> = (0..64).filter(|i| s >> i & 1 == 1).collect();
-    if idx.len() <= 1 {
-        return 2;
+/// The link matrix read once through `Topology::link`, with naive set metrics over it.
+struct Ref {
+    tier: Vec<u8>,
+    weight: Vec<u32>,
+    n: usize,
+}
+
+fn idx_of(s: u64) -> Vec<usize> {
+    let mut out = Vec::with_capacity(s.count_ones() as usize);
+    let mut m = s;
+    while m != 0 {
+        out.push(m.trailing_zeros() as usize);
+        m &= m - 1;
     }
-    for c in (0..=2u8).rev() {
-        if ref_max_comp(t, c, &idx) == idx.len() {
-            return c;
+    out
+}
+
+impl Ref {
+    fn new(t: &Topology) -> Ref {
+        let n = t.gpu_count() as usize;
+        let mut tier = vec![0; n * n];
+        let mut weight = vec![0; n * n];
+        for a in 0..n {
+            for b in 0..n {
+                let l = t.link(a as u32, b as u32);
+                tier[a * n + b] = l.tier();
+                weight[a * n + b] = l.weight();
+            }
         }
+        Ref { tier, weight, n }
     }
-    unreachable!("G_0 is complete")
+
+    /// Size of the largest component of the graph of links of tier ≥ c over `idx`.
+    fn max_comp(&self, c: u8, idx: &[usize]) -> usize {
+        let mut seen = vec![false; idx.len()];
+        let mut best = 0;
+        for start in 0..idx.len() {
+            if seen[start] {
+                continue;
+            }
+            let mut stack = vec![start];
+            seen[start] = true;
+            let mut size = 0;
+            while let Some(a) = stack.pop() {
+                size += 1;
+                for b in 0..idx.len() {
+                    if !seen[b] && self.tier[idx[a] * self.n + idx[b]] >= c {
+                        seen[b] = true;
+                        stack.push(b);
+                    }
+                }
+            }
+            best = best.max(size);
+        }
+        best
+    }
+
+    /// T(S): highest c such that S is connected by links of tier ≥ c.
+    fn tier(&self, s: u64) -> u8 {
+        let idx = idx_of(s);
+        if idx.len() <= 1 {
+            return 2;
+        }
+        (0..=2u8)
+            .rev()
+            .find(|&c| self.max_comp(c, &idx) == idx.len())
+            .unwrap()
+    }
+
+    fn weight(&self, s: u64) -> u32 {
+        let idx = idx_of(s);
+        let mut w = 0;
+        for (x, &a) in idx.iter().enumerate() {
+            for &b in &idx[x + 1..] {
+                w += self.weight[a * self.n + b];
+            }
+        }
+        w
+    }
+
+    fn cap(&self, f: u64) -> [i8; 3] {
+        let idx = idx_of(f);
+        [8usize, 4, 2].map(|s| {
+            (0..=2u8)
+                .rev()
+                .find(|&c| self.max_comp(c, &idx) >= s)
+                .map_or(-1, |c| c as i8)
+        })
+    }
 }
 
 fn ref_max_comp(t: &Topology, c: u8, idx: &[u32]) -> usize {
-    let mut seen = vec![false; idx.len()];
-    let mut best = 0;
-    for start in 0..idx.len() {
-        if seen[start] {
-            continue;
-        }
-        let mut stack = vec![start];
-        seen[start] = true;
-        let mut size = 0;
-        while let Some(a) = stack.pop() {
-            size += 1;
-            for b in 0..idx.len() {
-                if !seen[b] && t.link(idx[a], idx[b]).tier() >= c {
-                    seen[b] = true;
-                    stack.push(b);
-                }
-            }
-        }
-        best = best.max(size);
-    }
-    best
+    let idx: Vec<usize> = idx.iter().map(|&i| i as usize).collect();
+    Ref::new(t).max_comp(c, &idx)
 }
 
-fn ref_weight(t: &Topology, s: u64) -> u32 {
-    let idx: Vec<u32> = (0..64).filter(|i| s >> i & 1 == 1).collect();
-    let mut w = 0;
-    for (x, &a) in idx.iter().enumerate() {
-        for &b in &idx[x + 1..] {
-            w += t.link(a, b).weight();
-        }
-    }
-    w
-}
-
-fn ref_cap(t: &Topology, f: u64) -> [i8; 3] {
-    let idx: Vec<u32> = (0..64).filter(|i| f >> i & 1 == 1).collect();
-    [8usize, 4, 2].map(|s| {
-        (0..=2u8)
-            .rev()
-            .find(|&c| ref_max_comp(t, c, &idx) >= s)
-            .map_or(-1, |c| c as i8)
-    })
-}
+/// (T, W, Cap of what is left, mask).
+type RefBest = (u8, u32, [i8; 3], u64);
 
 /// Best (T, W, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
 /// With `full = false` only (T, W) are compared (the mask returned is then any optimum).
-fn ref_all_k(t: &Topology, f: u64, full: bool) -> Vec<(u8, u32, [i8; 3], u64)> {
+fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
     let nf = f.count_ones() as usize;
-    let mut best: Vec<Option<(u8, u32, [i8; 3], u64)>> = vec![None; nf + 1];
+    let mut best: Vec<Option<RefBest>> = vec![None; nf + 1];
     let mut s = f;
     loop {
         let k = s.count_ones() as usize;
-        let tw = (ref_tier(t, s), ref_weight(t, s));
+        let tw = (r.tier(s), r.weight(s));
         let replace = match best[k] {
             None => true,
             Some((bt, bw, bc, bm)) => {
                 if tw != (bt, bw) {
                     tw > (bt, bw)
                 } else if full {
-                    let cap = ref_cap(t, f & !s);
+                    let cap = r.cap(f & !s);
                     cap > bc || (cap == bc && s < bm)
                 } else {
                     false
@@ -90,7 +130,7 @@ fn ref_all_k(t: &Topology, f: u64, full: bool) -> Vec<(u8, u32, [i8; 3], u64)> {
             }
         };
         if replace {
-            let cap = if full { ref_cap(t, f & !s) } else { [0; 3] };
+            let cap = if full { r.cap(f & !s) } else { [0; 3] };
             best[k] = Some((tw.0, tw.1, cap, s));
         }
         if s == 0 {
@@ -102,7 +142,8 @@ fn ref_all_k(t: &Topology, f: u64, full: bool) -> Vec<(u8, u32, [i8; 3], u64)> {
 }
 
 fn check_against_reference(t: &Topology, f: u64, full: bool) {
-    let reference = ref_all_k(t, f, full);
+    let r = Ref::new(t);
+    let reference = ref_all_k(&r, f, full);
     for (k, &(rt, rw, rc, rm)) in reference.iter().enumerate() {
         let got = choose(Some(t), f, k as u32).unwrap();
         assert_eq!(
@@ -119,13 +160,13 @@ fn check_against_reference(t: &Topology, f: u64, full: bool) {
         );
         assert_eq!(
             got.tier,
-            ref_tier(t, got.mask),
+            r.tier(got.mask),
             "{} F={f:#x} k={k}: reported tier",
             t.name()
         );
         assert_eq!(
             got.weight,
-            ref_weight(t, got.mask),
+            r.weight(got.mask),
             "{} F={f:#x} k={k}: reported weight",
             t.name()
         );
@@ -137,12 +178,7 @@ fn check_against_reference(t: &Topology, f: u64, full: bool) {
             got.mask
         );
         if full {
-            assert_eq!(
-                ref_cap(t, f & !got.mask),
-                rc,
-                "{} F={f:#x} k={k}: Cap",
-                t.name()
-            );
+            assert_eq!(r.cap(f & !got.mask), rc, "{} F={f:#x} k={k}: Cap", t.name());
             assert_eq!(got.mask, rm, "{} F={f:#x} k={k}: mask", t.name());
         }
     }
@@ -517,8 +553,8 @@ fn exact_on_16_gpu_presets_and_random_nodes() {
             check_against_reference(t, f, full);
         }
     }
-    // A few fully free nodes (the biggest searches).
-    for t in topos.iter().take(4) {
+    // Fully free nodes (the biggest searches): the two 16-GPU presets and a 12-GPU mesh.
+    for t in topos.iter().take(3) {
         check_against_reference(t, t.all_mask(), !t.is_tree());
     }
 }
