@@ -649,7 +649,10 @@ impl Enum<'_> {
 }
 
 /// Chooses `k` GPUs among `free` (DESIGN.md §5; see the module docs for the objective and the
-/// tie-break). `None` when `free` has fewer than `k` bits; `k = 0` → the empty mask. Without a
+/// tie-break). `None` when `free` has fewer than `k` bits; `k = 0` → the empty mask (tier 2
+/// with a topology, the zero/one-GPU convention of [`Topology::tier`]). Exact on the whole
+/// objective for 8-GPU nodes and non-tree nodes of ≤ 16 GPUs, exact on (T, W) for every tree
+/// node, exact on T everywhere; the result always has exactly `k` bits inside `free`. Without a
 /// topology, or when `free` has bits beyond the topology's GPUs, the lowest free bits are taken
 /// (tier 0, weight 0).
 pub fn choose(topo: Option<&Topology>, free: GpuMask, k: u32) -> Option<GpuChoice> {
