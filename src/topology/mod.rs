@@ -1,30 +1,46 @@
-//! GPU interconnect topology of a node and the topology-aware choice of GPU sets.
+//! GPU interconnect topology of a node and the topology-aware choice of GPU sets
+//! (DESIGN.md §5, reference/gpu-topology.md §6–§7).
 //!
-//! PLACEHOLDER SKELETON — the real implementation replaces this file (see the brief).
+//! Owns: the link-class matrix of a node ([`Topology`]), built from a preset name or the text of
+//! `nvidia-smi topo -m` (`parse`), rendered back to that text for the wire; the set metrics
+//! T(S) ([`Topology::tier`]) and W(S) ([`Topology::weight`]); the islands the dashboard groups
+//! GPU boxes by ([`Topology::islands`]); and [`choose`], the exact-or-bounded search for the best
+//! free GPU set of a given size.
+//!
+//! Conventions used throughout:
+//! - bit `i` of a [`GpuMask`] is GPU `i`; bits at or above [`Topology::gpu_count`] are ignored by
+//!   the metrics;
+//! - a set of zero or one GPU is connected at every tier, so its tier is 2 (the best);
+//! - G_c is the graph whose edges are the links of tier ≥ c. G_0 is complete (every pair has a
+//!   link), so every set has tier ≥ 0.
 
-use crate::resources::{lowest_bits, GpuMask};
+mod choose;
+mod link;
+mod parse;
+mod presets;
+#[cfg(test)]
+mod tests;
 
-/// Link class between two GPUs, as `nvidia-smi topo -m` prints it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Link {
-    /// Bonded NVLinks (`NV#`), with the number of links.
-    Nv(u8),
-    Pix,
-    Pxb,
-    Phb,
-    Node,
-    Sys,
-}
+pub use choose::choose;
+pub use link::Link;
 
-/// A node's GPU topology: the link class of every GPU pair.
+use crate::resources::GpuMask;
+use choose::Tables;
+
+/// A node's GPU topology: the link class of every GPU pair, plus lookup tables computed once
+/// when it is built (adjacency masks per tier and per link class, islands, the island tree of
+/// tree-shaped nodes) so that [`choose`] does no per-topology work per call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     name: String,
     n: u32,
+    /// Row-major `n × n`; the diagonal holds `Link::Nv(0)` (the `X` cell) and is never used.
     links: Vec<Link>,
+    tables: Tables,
 }
 
-/// A topology that could not be read.
+/// A topology that could not be read or built; the message names the line, cell or pair at
+/// fault and how to fix it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct TopologyError(pub String);
@@ -39,49 +55,96 @@ pub struct GpuChoice {
     pub weight: u32,
 }
 
+/// Most GPUs a topology may describe (one `u64` mask).
+pub const MAX_GPUS: u32 = 64;
+
 impl Topology {
+    /// Builds a topology of `n` GPUs (1..=64) from a link function. `link(a, b)` is asked only
+    /// for `a < b` and the matrix is made symmetric from it. `Nv(0)` is rejected (a pair that
+    /// has no NVLink has a PCIe class).
+    pub fn new(name: &str, n: u32, link: impl Fn(u32, u32) -> Link) -> Result<Topology, TopologyError> {
+        if n == 0 || n > MAX_GPUS {
+            return Err(TopologyError(format!("a topology has 1 to {MAX_GPUS} GPUs, not {n}")));
+        }
+        let mut links = vec![Link::Nv(0); (n * n) as usize];
+        for a in 0..n {
+            for b in a + 1..n {
+                let l = link(a, b);
+                if l == Link::Nv(0) {
+                    return Err(TopologyError(format!(
+                        "GPU{a}–GPU{b}: NV0 is not a link class (use the PCIe class of the pair)"
+                    )));
+                }
+                links[(a * n + b) as usize] = l;
+                links[(b * n + a) as usize] = l;
+            }
+        }
+        let tables = Tables::build(n, &links);
+        Ok(Topology {
+            name: name.to_string(),
+            n,
+            links,
+            tables,
+        })
+    }
+
+    /// Preset name, or `"custom"` for a topology parsed from `nvidia-smi topo -m` text.
     pub fn name(&self) -> &str {
         &self.name
     }
+
     pub fn gpu_count(&self) -> u32 {
         self.n
     }
-    pub fn preset(_name: &str) -> Option<Topology> {
-        None
-    }
-    /// A preset name (`pcie8`, `dgx1v`, ...; `none` = no topology → `Ok(None)`) or the
-    /// text of `nvidia-smi topo -m`.
-    pub fn from_spec(text: &str) -> Result<Option<Topology>, TopologyError> {
-        if text.trim() == "none" || text.trim().is_empty() {
-            return Ok(None);
-        }
-        Topology::preset(text.trim())
-            .map(Some)
-            .ok_or_else(|| TopologyError(format!("unknown topology `{text}`")))
-    }
-    pub fn tier(&self, _mask: GpuMask) -> u8 {
-        0
-    }
-    pub fn weight(&self, _mask: GpuMask) -> u32 {
-        0
-    }
-    pub fn islands(&self, _tier: u8) -> Vec<GpuMask> {
-        Vec::new()
-    }
-    pub fn best_tier(&self, _k: u32) -> u8 {
-        0
-    }
+
+    /// Link class between GPUs `a` and `b`. `a == b` (the `X` cell) gives `Link::Nv(0)`; a GPU
+    /// index outside the node gives `Link::Sys` (nothing better is known about it).
     pub fn link(&self, a: u32, b: u32) -> Link {
+        if a >= self.n || b >= self.n {
+            return Link::Sys;
+        }
         self.links[(a * self.n + b) as usize]
     }
-}
 
-/// Chooses `k` GPUs among `free`. `None` when `free` has fewer than `k` bits.
-pub fn choose(topo: Option<&Topology>, free: GpuMask, k: u32) -> Option<GpuChoice> {
-    let _ = topo;
-    lowest_bits(free, k).map(|mask| GpuChoice {
-        mask,
-        tier: 0,
-        weight: 0,
-    })
+    /// The mask of all GPUs of the node (bits `0..gpu_count`).
+    pub fn all_mask(&self) -> GpuMask {
+        self.tables.all
+    }
+
+    /// T(S): the highest tier c such that the GPUs of `mask` are connected using only links of
+    /// tier ≥ c. Zero or one GPU → 2 by convention (nothing to connect). Bits outside the node
+    /// are ignored.
+    pub fn tier(&self, mask: GpuMask) -> u8 {
+        self.tables.tier(mask & self.tables.all)
+    }
+
+    /// W(S): the sum of the pair weights of the GPUs of `mask` (bits outside the node ignored).
+    pub fn weight(&self, mask: GpuMask) -> u32 {
+        self.tables.weight(mask & self.tables.all)
+    }
+
+    /// T*(k): the best tier a set of `k` GPUs can reach on the empty node. `k ≤ 1` → 2;
+    /// `k` above the GPU count → 0 (no such set; callers check the count first).
+    pub fn best_tier(&self, k: u32) -> u8 {
+        if k <= 1 {
+            return 2;
+        }
+        (0..=2u8)
+            .rev()
+            .find(|&c| self.tables.islands[c as usize].iter().any(|m| m.count_ones() >= k))
+            .unwrap_or(0)
+    }
+
+    /// Connected components of G_tier over all GPUs (tier above 2 is read as 2), ordered by
+    /// lowest GPU. Tier 2: NVLink islands; tier 1: PCIe switch groups (and NVLink islands
+    /// joined through them); tier 0: the whole node. Every GPU is in exactly one island.
+    pub fn islands(&self, tier: u8) -> Vec<GpuMask> {
+        self.tables.islands[tier.min(2) as usize].clone()
+    }
+
+    /// True when the node is tree-shaped (ultrametric): every pair's link is the one of their
+    /// lowest common island, e.g. PCIe trees, NVSwitch boxes, aligned NVLink bridges.
+    pub fn is_tree(&self) -> bool {
+        self.tables.tree.is_some()
+    }
 }
