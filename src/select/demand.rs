@@ -1,7 +1,7 @@
 //! What the rest of a job still needs, so that each per-task choice can look ahead:
 //! the unplaced tasks by shape, and the hosts already holding the job's tasks.
 
-use std::collections::HashMap;
+use super::fast_hash::FastMap;
 
 use crate::resources::Resources;
 use crate::spec::{JobSpec, TaskResources};
@@ -35,7 +35,7 @@ pub struct JobDemand {
     /// Unplaced tasks (the one being placed included), by shape, in job order.
     remaining: Vec<(TaskShape, u32)>,
     /// Tasks of this job per host (holding or asking for a container).
-    hosts: HashMap<String, u32>,
+    hosts: FastMap<String, u32>,
 }
 
 impl JobDemand {
@@ -88,6 +88,11 @@ impl JobDemand {
     /// Unplaced tasks, the current one included.
     pub fn remaining_tasks(&self) -> u32 {
         self.remaining.iter().map(|(_, c)| c).sum()
+    }
+
+    /// Whether any of the job's tasks has a host yet.
+    pub fn has_hosts(&self) -> bool {
+        !self.hosts.is_empty()
     }
 
     pub fn tasks_on(&self, host: &str) -> u32 {

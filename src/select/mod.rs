@@ -7,6 +7,7 @@
 //! The stages themselves are in `stages.rs`, in order, with the reasons for that order.
 
 mod demand;
+mod fast_hash;
 mod plan;
 mod stages;
 mod trace;
@@ -100,13 +101,15 @@ pub(crate) struct Cand<'a> {
     pub choice: Option<GpuChoice>,
     pub ideal: bool,
     pub tie: u32,
+    /// Ranking key, computed once by job packing.
+    pub key: stages::Key,
 }
 
 /// Memoised GPU choices: nodes of one topology with one free mask share the answer,
 /// which makes ranking every candidate by GPU-set quality cheap at 10,000 nodes.
 #[derive(Default)]
 pub(crate) struct ChoiceCache {
-    map: HashMap<(usize, GpuMask, u32), Option<GpuChoice>>,
+    map: fast_hash::FastMap<(usize, GpuMask, u32), Option<GpuChoice>>,
 }
 
 impl ChoiceCache {
@@ -329,9 +332,20 @@ impl SelectorState {
             choices,
             ports: PortPlan::Fixed(PortSet::new()),
         };
-        let mut cands: Vec<Cand<'_>> = view
-            .nodes()
-            .map(|node| Cand {
+        let mut trace = SelectionTrace::default();
+        let mut cands: Vec<Cand<'_>> = Vec::new();
+        let filters = stages::NODE_FILTERS;
+        trace.stages = filters.iter().map(|f| StageTrace::new(f.name(), 0)).collect();
+        'nodes: for node in view.nodes() {
+            for (f, st) in filters.iter().zip(trace.stages.iter_mut()) {
+                st.nodes_in += 1;
+                if let Err(reason) = f.check(&cx, node) {
+                    st.drop_node(reason, &node.host);
+                    continue 'nodes;
+                }
+                st.nodes_out += 1;
+            }
+            cands.push(Cand {
                 node,
                 avail: Cow::Borrowed(node.free()),
                 fits: 0,
@@ -339,10 +353,19 @@ impl SelectorState {
                 choice: None,
                 ideal: false,
                 tie: 0,
-            })
-            .collect();
-        let mut trace = SelectionTrace::default();
-        for stage in stages::PIPELINE {
+                key: Default::default(),
+            });
+        }
+        if cands.is_empty() {
+            let outcome = match impossible_reason(ask, demand, cx.settings, view) {
+                Some(reason) => Outcome::Impossible { reason },
+                None => Outcome::NotNow {
+                    reason: not_now_reason(&trace),
+                },
+            };
+            return Selection { outcome, trace };
+        }
+        for stage in stages::SET_STAGES {
             let mut st = StageTrace::new(stage.name(), cands.len());
             stage.run(&mut cx, &mut cands, &mut st);
             st.nodes_out = cands.len();

@@ -20,13 +20,14 @@
 //! `Selector::select`.
 
 use std::borrow::Cow;
-use std::cmp::{Ordering, Reverse};
-use std::collections::HashMap;
+use std::cmp::Reverse;
 
 use rand::Rng;
 
+use super::fast_hash::{FastMap, FastSet};
 use super::trace::{CandidateSummary, StageTrace};
 use super::{Cand, Cx, PortPlan};
+use crate::cluster::Node;
 use crate::config::RackPolicy;
 use crate::resources::{PortSet, Resources};
 
@@ -51,76 +52,79 @@ fn retain<'a>(
     });
 }
 
+/// A stage that judges each node on its own. These run fused in one pass over the
+/// view (one memory walk instead of four at 10,000 nodes), each still keeping its own
+/// trace, in order.
+pub(crate) trait NodeFilter: Sync {
+    fn name(&self) -> &'static str;
+    fn check(&self, cx: &Cx<'_>, node: &Node) -> Result<(), &'static str>;
+}
+
 pub(crate) struct RunningNodes;
-impl Stage for RunningNodes {
+impl NodeFilter for RunningNodes {
     fn name(&self) -> &'static str {
         "candidates"
     }
-    fn run<'a>(&self, _cx: &mut Cx<'a>, cands: &mut Vec<Cand<'a>>, trace: &mut StageTrace) {
-        retain(cands, trace, |c| {
-            if c.node.state == crate::cluster::NodeState::Running {
-                Ok(())
-            } else {
-                Err("node is not RUNNING")
-            }
-        });
+    fn check(&self, _cx: &Cx<'_>, node: &Node) -> Result<(), &'static str> {
+        if node.state == crate::cluster::NodeState::Running {
+            Ok(())
+        } else {
+            Err("node is not RUNNING")
+        }
     }
 }
 
 pub(crate) struct NodeLabel;
-impl Stage for NodeLabel {
+impl NodeFilter for NodeLabel {
     fn name(&self) -> &'static str {
         "node-label"
     }
-    fn run<'a>(&self, cx: &mut Cx<'a>, cands: &mut Vec<Cand<'a>>, trace: &mut StageTrace) {
+    fn check(&self, cx: &Cx<'_>, node: &Node) -> Result<(), &'static str> {
         // A task without a label belongs to the default (unlabelled) partition, as in
         // YARN; the original let it onto labelled nodes (frameworklauncher.md §10.13).
         let want = cx.ask.node_label.map(str::trim).unwrap_or("");
-        retain(cands, trace, |c| {
-            if c.node.partition() == want {
-                Ok(())
-            } else if want.is_empty() {
-                Err("node is in a labelled partition; the task asks for none")
-            } else {
-                Err("node is not in the task's label partition")
-            }
-        });
+        // Most nodes and tasks have no label: settle that case without a string compare.
+        let same = if want.is_empty() {
+            node.labels.is_empty() || node.partition().is_empty()
+        } else {
+            node.partition() == want
+        };
+        if same {
+            Ok(())
+        } else if want.is_empty() {
+            Err("node is in a labelled partition; the task asks for none")
+        } else {
+            Err("node is not in the task's label partition")
+        }
     }
 }
 
 pub(crate) struct GpuType;
-impl Stage for GpuType {
+impl NodeFilter for GpuType {
     fn name(&self) -> &'static str {
         "gpu-type"
     }
-    fn run<'a>(&self, cx: &mut Cx<'a>, cands: &mut Vec<Cand<'a>>, trace: &mut StageTrace) {
+    fn check(&self, cx: &Cx<'_>, node: &Node) -> Result<(), &'static str> {
         let types = cx.ask.gpu_types;
-        if types.is_empty() {
-            return;
-        }
-        retain(cands, trace, |c| match &c.node.gpu_type {
+        match &node.gpu_type {
+            _ if types.is_empty() => Ok(()),
             Some(t) if types.iter().any(|w| w == t) => Ok(()),
             _ => Err("GPU type not among those asked for"),
-        });
+        }
     }
 }
 
 pub(crate) struct NoneGpu;
-impl Stage for NoneGpu {
+impl NodeFilter for NoneGpu {
     fn name(&self) -> &'static str {
         "none-gpu"
     }
-    fn run<'a>(&self, cx: &mut Cx<'a>, cands: &mut Vec<Cand<'a>>, trace: &mut StageTrace) {
-        if cx.demand.job_uses_gpus || cx.settings.allow_none_gpu_job_on_gpu_node {
-            return;
+    fn check(&self, cx: &Cx<'_>, node: &Node) -> Result<(), &'static str> {
+        if cx.demand.job_uses_gpus || cx.settings.allow_none_gpu_job_on_gpu_node || node.total().gpu_count() == 0 {
+            Ok(())
+        } else {
+            Err("GPU node kept for GPU jobs (allow_none_gpu_job_on_gpu_node is off)")
         }
-        retain(cands, trace, |c| {
-            if c.node.total().gpu_count() == 0 {
-                Ok(())
-            } else {
-                Err("GPU node kept for GPU jobs (allow_none_gpu_job_on_gpu_node is off)")
-            }
-        });
     }
 }
 
@@ -225,7 +229,7 @@ impl Stage for RackPacking {
             return;
         }
         // Racks already holding this job's tasks come first.
-        let job_racks: Vec<&str> = cx
+        let job_racks: FastSet<&str> = cx
             .demand
             .hosts()
             .filter_map(|(h, _)| cx.view.get(h).map(|n| n.rack.as_str()))
@@ -243,7 +247,7 @@ impl Stage for RackPacking {
         }
         // Otherwise the racks that can hold everything the job still needs; if none
         // can, the rack that holds the most of it (fewest racks overall).
-        let mut per_rack: HashMap<&str, u32> = HashMap::new();
+        let mut per_rack: FastMap<&str, u32> = FastMap::default();
         for c in cands.iter() {
             *per_rack.entry(c.node.rack.as_str()).or_insert(0) += c.fits;
         }
@@ -284,6 +288,8 @@ type RankKey = (
     u32,           // random tie-break
 );
 
+pub(crate) type Key = RankKey;
+
 fn rank_key(c: &Cand<'_>) -> RankKey {
     (
         Reverse(c.affinity),
@@ -307,10 +313,14 @@ impl Stage for JobPacking {
         let need = cx.demand.remaining_tasks().max(1);
         let k = cx.ask.resources.gpus;
         let explicit = cx.ask.resources.gpu_mask;
-        for c in cands.iter_mut() {
-            c.affinity = cx.demand.tasks_on(&c.node.host) > 0;
+        // One random draw per call; per-candidate tie-breaks are derived from it, which
+        // is as random across calls and far cheaper than a draw per node.
+        let salt: u64 = cx.rng.gen::<u64>() | 1;
+        let any_placed = cx.demand.has_hosts();
+        for (i, c) in cands.iter_mut().enumerate() {
+            c.affinity = any_placed && cx.demand.tasks_on(&c.node.host) > 0;
             c.fits = c.fits.min(need);
-            c.tie = cx.rng.gen();
+            c.tie = ((i as u64 + 1).wrapping_mul(salt) >> 32) as u32;
             if k == 0 {
                 c.ideal = true;
                 continue;
@@ -339,10 +349,13 @@ impl Stage for JobPacking {
                 Err("no GPU set of the requested size on this node")
             }
         });
+        for c in cands.iter_mut() {
+            c.key = rank_key(c);
+        }
         let keep = (cx.ask.waiting_tasks.max(1) as usize).saturating_mul(cx.settings.candidate_nodes_factor as usize);
         let keep = keep.clamp(1, cands.len().max(1));
         if cands.len() > keep {
-            cands.select_nth_unstable_by(keep - 1, |a, b| rank_key(a).cmp(&rank_key(b)));
+            cands.select_nth_unstable_by(keep - 1, |a, b| a.key.cmp(&b.key));
             for c in cands.drain(keep..) {
                 trace.drop_node(
                     "ranked below the candidate cut (waiting tasks × candidate_nodes_factor)",
@@ -350,7 +363,7 @@ impl Stage for JobPacking {
                 );
             }
         }
-        cands.sort_unstable_by(|a, b| rank_key(a).cmp(&rank_key(b)).then_with(|| Ordering::Equal));
+        cands.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     }
 }
 
@@ -367,14 +380,8 @@ pub(crate) fn summarize(c: &Cand<'_>, k: u32) -> CandidateSummary {
     }
 }
 
-/// The pipeline, in order.
-pub(crate) const PIPELINE: &[&dyn Stage] = &[
-    &RunningNodes,
-    &NodeLabel,
-    &GpuType,
-    &NoneGpu,
-    &Ports,
-    &ResourceFit,
-    &RackPacking,
-    &JobPacking,
-];
+/// Stages 1–4: per-node filters, run fused, in order.
+pub(crate) const NODE_FILTERS: &[&dyn NodeFilter] = &[&RunningNodes, &NodeLabel, &GpuType, &NoneGpu];
+
+/// Stages 5–8: they need the whole surviving set, in order.
+pub(crate) const SET_STAGES: &[&dyn Stage] = &[&Ports, &ResourceFit, &RackPacking, &JobPacking];

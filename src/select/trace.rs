@@ -44,7 +44,9 @@ impl StageTrace {
 
     /// Records one dropped node.
     pub fn drop_node(&mut self, reason: &'static str, host: &str) {
-        let group = match self.dropped.iter_mut().position(|g| g.reason == reason) {
+        // Reasons are literals: comparing addresses first spares a string compare per node.
+        let same = |g: &DropGroup| std::ptr::eq(g.reason, reason) || g.reason == reason;
+        let group = match self.dropped.iter().position(same) {
             Some(i) => &mut self.dropped[i],
             None => {
                 self.dropped.push(DropGroup {
