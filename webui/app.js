@@ -114,6 +114,7 @@ async function loadTasks() {
   state.order = all.map(key);
   renderRoleFilter();
   renderTasks();
+  renderNodes();
   if (state.selected) renderDetail();
 }
 
@@ -159,7 +160,7 @@ function renderJob() {
   $('progress-bar').dataset.state = j.state;
   $('progress-text').textContent = done + ' / ' + total + ' tasks done';
   $('job-started').textContent = fmtTime(j.startedMs);
-  $('job-finished').textContent = j.finishedMs ? fmtTime(j.finishedMs) + ' (' + fmtDur(j.finishedMs - j.startedMs) + ')' : (j.startedMs ? 'running for ' + fmtDur(Date.now() - j.startedMs) : '–');
+  $('job-finished').textContent = j.finishedMs ? fmtTime(j.finishedMs) + ' (took ' + fmtDur(j.finishedMs - j.startedMs) + ')' : (j.startedMs ? 'not yet (running ' + fmtDur(Date.now() - j.startedMs) + ')' : '–');
   $('job-exit').textContent = (j.exitCode === null || j.exitCode === undefined) ? '–' : j.exitCode;
   const roles = $('job-roles');
   roles.replaceChildren(...(j.roles || []).map(r => h('span', { class: 'role-chip', title: 'waiting ' + r.waiting + ', requested ' + r.requested + ', allocated ' + r.allocated + ', running ' + r.running + ', succeeded ' + r.succeeded + ', failed ' + r.failed },
