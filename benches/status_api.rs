@@ -19,13 +19,21 @@ const ENDPOINTS: [&str; 5] = [
 ];
 
 fn bench_router(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let app = router(demo_hub(1000, 1000));
     for ep in ENDPOINTS {
         c.bench_function(&format!("oneshot {ep}"), |b| {
             b.iter(|| {
                 rt.block_on(async {
-                    let r = app.clone().oneshot(Request::get(ep).body(Body::empty()).unwrap()).await.unwrap();
+                    let r = app
+                        .clone()
+                        .oneshot(Request::get(ep).body(Body::empty()).unwrap())
+                        .await
+                        .unwrap();
                     assert!(r.status().is_success());
                     to_bytes(r.into_body(), usize::MAX).await.unwrap().len()
                 })
@@ -40,15 +48,30 @@ fn quantile(sorted: &[Duration], q: f64) -> Duration {
 }
 
 fn loopback_percentiles(_c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
-        let (addr, server) = serve(demo_hub(1000, 1000), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let (addr, server) = serve(demo_hub(1000, 1000), "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
         let client = reqwest::Client::new();
-        println!("\nloopback latency, 1,000 tasks and 1,000 nodes, 2,000 sequential requests each:");
+        println!(
+            "\nloopback latency, 1,000 tasks and 1,000 nodes, 2,000 sequential requests each:"
+        );
         for ep in ENDPOINTS {
             let url = format!("http://{addr}{ep}");
             for _ in 0..50 {
-                client.get(&url).send().await.unwrap().bytes().await.unwrap();
+                client
+                    .get(&url)
+                    .send()
+                    .await
+                    .unwrap()
+                    .bytes()
+                    .await
+                    .unwrap();
             }
             let mut lat = Vec::with_capacity(2000);
             let mut bytes = 0;
@@ -66,7 +89,11 @@ fn loopback_percentiles(_c: &mut Criterion) {
                 quantile(&lat, 0.5).as_secs_f64() * 1e3,
                 p99.as_secs_f64() * 1e3,
                 lat[lat.len() - 1].as_secs_f64() * 1e3,
-                if p99 < Duration::from_millis(10) { "ok (< 10 ms)" } else { "OVER 10 ms" }
+                if p99 < Duration::from_millis(10) {
+                    "ok (< 10 ms)"
+                } else {
+                    "OVER 10 ms"
+                }
             );
         }
         server.abort();

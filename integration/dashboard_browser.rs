@@ -33,7 +33,11 @@ fn chromedriver_path() -> PathBuf {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A chromedriver process plus one browser session; both end on drop.
@@ -67,7 +71,10 @@ impl Browser {
                     break;
                 }
             }
-            assert!(Instant::now() < deadline, "chromedriver did not come up on port {port}");
+            assert!(
+                Instant::now() < deadline,
+                "chromedriver did not come up on port {port}"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let profile = tempfile::tempdir().unwrap();
@@ -91,12 +98,39 @@ impl Browser {
             "browserName": "chrome",
             "goog:chromeOptions": {"binary": CHROMIUM, "args": args}
         }}});
-        let r: Value = http.post(format!("{base}/session")).json(&caps).send().await.unwrap().json().await.unwrap();
+        let r: Value = http
+            .post(format!("{base}/session"))
+            .json(&caps)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         let session = r["value"]["sessionId"]
             .as_str()
             .unwrap_or_else(|| panic!("chromedriver could not start chromium: {r}"))
             .to_string();
-        Browser { driver, base, session, http, _profile: profile }
+        let b = Browser {
+            driver,
+            base,
+            session,
+            http,
+            _profile: profile,
+        };
+        // Make the viewport (not the window) 1366×768, a common laptop screen.
+        let inner = b.js("return [window.outerWidth - window.innerWidth, window.outerHeight - window.innerHeight];").await;
+        let (dw, dh) = (
+            inner[0].as_i64().unwrap_or(0),
+            inner[1].as_i64().unwrap_or(0),
+        );
+        b.cmd(
+            reqwest::Method::POST,
+            "/window/rect",
+            Some(json!({"width": 1366 + dw, "height": 768 + dh})),
+        )
+        .await;
+        b
     }
 
     async fn cmd(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
@@ -113,12 +147,18 @@ impl Browser {
     }
 
     async fn goto(&self, url: &str) {
-        self.cmd(reqwest::Method::POST, "/url", Some(json!({"url": url}))).await;
+        self.cmd(reqwest::Method::POST, "/url", Some(json!({"url": url})))
+            .await;
     }
 
     /// Runs `body` as a function body in the page and returns its value.
     async fn js(&self, body: &str) -> Value {
-        self.cmd(reqwest::Method::POST, "/execute/sync", Some(json!({"script": body, "args": []}))).await
+        self.cmd(
+            reqwest::Method::POST,
+            "/execute/sync",
+            Some(json!({"script": body, "args": []})),
+        )
+        .await
     }
 
     /// Polls `body` until it returns a truthy value.
@@ -140,12 +180,26 @@ impl Browser {
 
     async fn click(&self, css: &str) {
         let url = format!("{}/session/{}/element", self.base, self.session);
-        let r: Value = self.http.post(url).json(&json!({"using": "css selector", "value": css})).send().await.unwrap().json().await.unwrap();
+        let r: Value = self
+            .http
+            .post(url)
+            .json(&json!({"using": "css selector", "value": css}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         let Some(id) = r["value"][ELEMENT_KEY].as_str().map(str::to_string) else {
             let _ = self.screenshot("target/dashboard-failure.png").await;
             panic!("no element {css} to click: {r} (screenshot: target/dashboard-failure.png)");
         };
-        self.cmd(reqwest::Method::POST, &format!("/element/{id}/click"), Some(json!({}))).await;
+        self.cmd(
+            reqwest::Method::POST,
+            &format!("/element/{id}/click"),
+            Some(json!({})),
+        )
+        .await;
     }
 
     async fn screenshot(&self, path: &str) -> PathBuf {
@@ -162,7 +216,12 @@ impl Drop for Browser {
     fn drop(&mut self) {
         // Ends chromium too: chromedriver owns it. Best effort on the way out.
         let _ = std::process::Command::new("curl")
-            .args(["-s", "-X", "DELETE", &format!("{}/session/{}", self.base, self.session)])
+            .args([
+                "-s",
+                "-X",
+                "DELETE",
+                &format!("{}/session/{}", self.base, self.session),
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
@@ -202,10 +261,21 @@ const MARKED_GPUS: &str = "return [...document.querySelectorAll('[data-gpu-box][
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_renders_demo_hub() {
     let (hub, mut commands) = gpuam::web::demo::demo_hub_with_commands(40, 16);
-    let (addr, server) = gpuam::web::serve(hub.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let (addr, server) = gpuam::web::serve(hub.clone(), "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
     let b = Browser::start().await;
-    b.goto(&format!("http://{addr}/#token={}", gpuam::web::demo::DEMO_TOKEN)).await;
-    b.wait_for("the page to load", "return document.body.dataset.ready === 'true';", Duration::from_secs(15)).await;
+    b.goto(&format!(
+        "http://{addr}/#token={}",
+        gpuam::web::demo::DEMO_TOKEN
+    ))
+    .await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(15),
+    )
+    .await;
 
     // Task table: one page of 50 rows, each with a state.
     let rows = b.js("return [...document.querySelectorAll('tr[data-task]')].map(r => r.dataset.task + '=' + r.dataset.state);").await;
@@ -213,7 +283,9 @@ async fn dashboard_renders_demo_hub() {
     assert_eq!(rows.len(), 40, "{rows:?}");
     assert!(rows.iter().any(|r| r.ends_with("=RUNNING")));
     assert!(rows.iter().any(|r| r.ends_with("=SUCCEEDED")));
-    let page = b.js("return document.getElementById('t-page').textContent;").await;
+    let page = b
+        .js("return document.getElementById('t-page').textContent;")
+        .await;
     assert!(page.as_str().unwrap().contains("of 40"), "{page}");
 
     // GPU boxes: every look appears; 8 boxes per node card.
@@ -224,18 +296,40 @@ async fn dashboard_renders_demo_hub() {
 
     // Clicking a running worker marks exactly its GPUs on its node, and shows its log.
     let (role, index, host, gpus, container) = hub.read(|s| {
-        let t = s.tasks.iter().find(|t| t.role == "worker" && t.gpus.len() == 2 && t.state == gpuam::am::status::TaskState::ContainerRunning).unwrap();
-        (t.role.clone(), t.index, t.host.clone().unwrap(), t.gpus.clone(), t.container_id.clone().unwrap())
+        let t = s
+            .tasks
+            .iter()
+            .find(|t| {
+                t.role == "worker"
+                    && t.gpus.len() == 2
+                    && t.state == gpuam::am::status::TaskState::ContainerRunning
+            })
+            .unwrap();
+        (
+            t.role.clone(),
+            t.index,
+            t.host.clone().unwrap(),
+            t.gpus.clone(),
+            t.container_id.clone().unwrap(),
+        )
     });
     b.click(&format!("tr[data-task=\"{role}/{index}\"]")).await;
-    let marked = b.wait_for("the task's GPUs to be marked", MARKED_GPUS, Duration::from_secs(5)).await;
+    let marked = b
+        .wait_for(
+            "the task's GPUs to be marked",
+            MARKED_GPUS,
+            Duration::from_secs(5),
+        )
+        .await;
     let mut marked: Vec<String> = serde_json::from_value(marked).unwrap();
     marked.sort();
     let want: Vec<String> = gpus.iter().map(|g| format!("{host}:{g}")).collect();
     assert_eq!(marked, want);
     let looks = b.js("return [...document.querySelectorAll('[data-gpu-box][data-task-gpus]')].map(b => b.dataset.look);").await;
     assert_eq!(looks, json!(["job", "job"]));
-    let card = b.js("return document.querySelector('.node-card.selected').dataset.host;").await;
+    let card = b
+        .js("return document.querySelector('.node-card.selected').dataset.host;")
+        .await;
     assert_eq!(card, json!(host));
     b.wait_for(
         "the log",
@@ -253,19 +347,40 @@ async fn dashboard_renders_demo_hub() {
         Duration::from_secs(5),
     )
     .await;
-    let text = b.js("return document.getElementById('waiting-panel').textContent;").await;
+    let text = b
+        .js("return document.getElementById('waiting-panel').textContent;")
+        .await;
     let text = text.as_str().unwrap();
     assert!(text.contains("Why is this task waiting?"), "{text}");
-    assert!(text.contains("not enough free GPUs") && text.contains("→ 0"), "{text}");
-    let log = b.js("return document.getElementById('log-view').textContent;").await;
+    assert!(
+        text.contains("not enough free GPUs") && text.contains("→ 0"),
+        "{text}"
+    );
+    let log = b
+        .js("return document.getElementById('log-view').textContent;")
+        .await;
     assert!(log.as_str().unwrap().contains("no container yet"), "{log}");
+    b.js("document.getElementById('waiting-panel').scrollIntoView();")
+        .await;
+    b.screenshot("target/dashboard-demo-waiting.png").await;
     b.js("const s = document.getElementById('f-state'); s.value = ''; s.dispatchEvent(new Event('change'));").await;
+    b.click(&format!("tr[data-task=\"{role}/{index}\"]")).await;
+    b.js("window.scrollTo(0, 0);").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     b.screenshot("target/dashboard-demo.png").await;
 
     // Kill: asks first; cancelling sends nothing; confirming sends the token.
-    assert_eq!(b.js("return document.getElementById('kill').disabled;").await, json!(false));
+    assert_eq!(
+        b.js("return document.getElementById('kill').disabled;")
+            .await,
+        json!(false)
+    );
     b.click("#kill").await;
-    assert_eq!(b.js("return document.getElementById('kill-dialog').open;").await, json!(true));
+    assert_eq!(
+        b.js("return document.getElementById('kill-dialog').open;")
+            .await,
+        json!(true)
+    );
     b.click("#kill-cancel").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(commands.try_recv().is_err(), "cancel must not kill");
@@ -277,17 +392,32 @@ async fn dashboard_renders_demo_hub() {
         Duration::from_secs(5),
     )
     .await;
-    assert!(matches!(commands.try_recv(), Ok(gpuam::am::status::Command::Kill { .. })));
+    assert!(matches!(
+        commands.try_recv(),
+        Ok(gpuam::am::status::Command::Kill { .. })
+    ));
 
     // Without the token the button is disabled and says why.
     b.goto(&format!("http://{addr}/")).await;
-    b.wait_for("reload", "return document.body.dataset.ready === 'true';", Duration::from_secs(15)).await;
-    let k = b.js("const k = document.getElementById('kill'); return [k.disabled, k.title];").await;
+    b.wait_for(
+        "reload",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(15),
+    )
+    .await;
+    let k = b
+        .js("const k = document.getElementById('kill'); return [k.disabled, k.title];")
+        .await;
     assert_eq!(k[0], json!(true));
     assert!(k[1].as_str().unwrap().contains("token"));
 
     // Live update over SSE: a task changes state and the row follows.
-    let first = hub.read(|s| s.tasks.iter().position(|t| t.state == gpuam::am::status::TaskState::ContainerRunning).unwrap());
+    let first = hub.read(|s| {
+        s.tasks
+            .iter()
+            .position(|t| t.state == gpuam::am::status::TaskState::ContainerRunning)
+            .unwrap()
+    });
     let (r, i) = hub.read(|s| (s.tasks[first].role.clone(), s.tasks[first].index));
     hub.update("task", json!({"role": r, "index": i}), |s| {
         let t = &mut s.tasks[first];
@@ -338,9 +468,17 @@ fn start_job() -> (Child, String) {
 async fn dashboard_follows_a_real_job() {
     let b = Browser::start().await;
     let (mut child, url) = start_job();
-    assert!(url.starts_with("http://127.0.0.1:") && url.contains("#token="), "{url}");
+    assert!(
+        url.starts_with("http://127.0.0.1:") && url.contains("#token="),
+        "{url}"
+    );
     b.goto(&url).await;
-    b.wait_for("the page to load", "return document.body.dataset.ready === 'true';", Duration::from_secs(20)).await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(20),
+    )
+    .await;
 
     // A running task with two GPUs.
     let row = b
@@ -352,12 +490,23 @@ async fn dashboard_follows_a_real_job() {
         .await;
     let task = row.as_str().unwrap().to_string();
     b.click(&format!("tr[data-task=\"{task}\"]")).await;
-    let marked = b.wait_for("the task's GPUs to be marked", MARKED_GPUS, Duration::from_secs(5)).await;
+    let marked = b
+        .wait_for(
+            "the task's GPUs to be marked",
+            MARKED_GPUS,
+            Duration::from_secs(5),
+        )
+        .await;
     let marked: Vec<String> = serde_json::from_value(marked).unwrap();
     assert_eq!(marked.len(), 2, "exactly the task's two GPUs: {marked:?}");
     let facts = b.js(&format!("const r = document.querySelector('tr[data-task=\"{task}\"]'); return [r.cells[2].textContent, r.cells[3].textContent];")).await;
     let host = facts[0].as_str().unwrap();
-    let mut want: Vec<String> = facts[1].as_str().unwrap().split(',').map(|g| format!("{host}:{g}")).collect();
+    let mut want: Vec<String> = facts[1]
+        .as_str()
+        .unwrap()
+        .split(',')
+        .map(|g| format!("{host}:{g}"))
+        .collect();
     want.sort();
     let mut got = marked.clone();
     got.sort();

@@ -213,7 +213,7 @@ function taskRow(t) {
     h('td', { class: 'mono small' }, ports || '–'),
     h('td', null, t.attempt),
     h('td', { class: 'mono' }, t.exitCode === null || t.exitCode === undefined ? '' : t.exitCode),
-    h('td', { class: 'note', title: note }, note));
+    h('td', { class: 'note', title: note }, h('span', { class: 'note-text' }, note)));
 }
 
 function renderTasks() {
@@ -261,8 +261,7 @@ function renderDetail() {
     ...fact('attempt', t.attempt + (t.retriedCount ? ' (' + t.retriedCount + ' retries counted)' : '')),
     ...fact('launched', fmtTime(t.launchedMs)),
     ...fact('completed', t.completedMs ? fmtTime(t.completedMs) : '–'),
-    ...(t.exitCode !== null && t.exitCode !== undefined ? fact('exit', t.exitCode + (t.exitType ? ' · ' + t.exitType : '') + (t.exitDiagnostics ? ' · ' + t.exitDiagnostics : '')) : []),
-    ...(t.waitingReason ? fact('waiting', t.waitingReason) : []));
+    ...(t.exitCode !== null && t.exitCode !== undefined ? fact('exit', t.exitCode + (t.exitType ? ' · ' + t.exitType : '') + (t.exitDiagnostics ? ' · ' + t.exitDiagnostics : '')) : []));
 }
 
 async function loadSelection() {
@@ -393,7 +392,7 @@ function nodeCard(node, sel) {
       unhealthy ? h('span', { class: 'state', 'data-state': 'FAILED' }, node.state) : ''),
     h('div', { class: 'gpus', 'aria-label': 'GPUs of ' + node.host }, draw(gpuTree(node))),
     h('div', { class: 'meta small' }, 'CPU ' + node.usedCpu + '/' + node.totalCpu + (node.requestedCpu ? ' (+' + node.requestedCpu + ' req)' : '') +
-      ' · mem ' + Math.round(node.usedMemoryMb / 1024) + '/' + Math.round(node.totalMemoryMb / 1024) + ' GiB · free ports ', h('span', { class: 'mono' }, node.freePorts || '–')));
+      ' · mem ' + Math.round(node.usedMemoryMb / 1024) + '/' + Math.round(node.totalMemoryMb / 1024) + ' GiB · ', h('span', { class: 'ports', title: 'free ports ' + (node.freePorts || '') }, 'free ports ', h('span', { class: 'mono' }, node.freePorts || '–'))));
 }
 
 function renderNodes() {

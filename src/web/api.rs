@@ -85,7 +85,10 @@ fn parse_state(v: &str) -> Result<TaskState, ApiError> {
             let all: Vec<&str> = TaskState::ALL.iter().map(|s| state_name(*s)).collect();
             ApiError::bad_request(
                 "invalid_parameter",
-                format!("query parameter `state` must be one of {}, got {v:?}", all.join(", ")),
+                format!(
+                    "query parameter `state` must be one of {}, got {v:?}",
+                    all.join(", ")
+                ),
             )
         })
 }
@@ -175,7 +178,7 @@ pub(crate) async fn config(State(hub): Hub) -> Response {
 
 pub(crate) async fn snapshot(State(hub): Hub) -> Response {
     let last = hub.last_event_id();
-    with_event_id(last, hub.read(|s| json_ok(s)))
+    with_event_id(last, hub.read(json_ok))
 }
 
 pub(crate) async fn tasks(State(hub): Hub, Query(q): Params) -> Response {
@@ -214,12 +217,12 @@ pub(crate) async fn task(State(hub): Hub, Path((role, index)): Path<(String, Str
         Ok(i) => i,
         Err(e) => return e.into_response(),
     };
-    hub.read(|s| {
-        match s.tasks.iter().find(|t| t.role == role && t.index == index) {
+    hub.read(
+        |s| match s.tasks.iter().find(|t| t.role == role && t.index == index) {
             Some(t) => json_ok(t),
             None => task_not_found(&role, index).into_response(),
-        }
-    })
+        },
+    )
 }
 
 pub(crate) async fn task_logs(
@@ -343,7 +346,9 @@ pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
     let ok = match presented {
-        Some(t) => !hub.job_token.is_empty() && constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()),
+        Some(t) => {
+            !hub.job_token.is_empty() && constant_time_eq(t.as_bytes(), hub.job_token.as_bytes())
+        }
         None => false,
     };
     if !ok {
@@ -387,7 +392,10 @@ pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
 pub(crate) async fn fallback(uri: Uri) -> Response {
     ApiError::not_found(
         "not_found",
-        format!("no such endpoint {} (the API is under /api/v1/)", uri.path()),
+        format!(
+            "no such endpoint {} (the API is under /api/v1/)",
+            uri.path()
+        ),
     )
     .into_response()
 }

@@ -20,7 +20,12 @@ fn etag(body: &'static str, cell: &'static OnceLock<String>) -> &'static str {
     })
 }
 
-fn serve(headers: &HeaderMap, body: &'static str, ctype: &'static str, tag: &'static str) -> Response {
+fn serve(
+    headers: &HeaderMap,
+    body: &'static str,
+    ctype: &'static str,
+    tag: &'static str,
+) -> Response {
     let matches = headers
         .get(header::IF_NONE_MATCH)
         .and_then(|v| v.to_str().ok())
@@ -33,7 +38,10 @@ fn serve(headers: &HeaderMap, body: &'static str, ctype: &'static str, tag: &'st
     let h = r.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ctype));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    h.insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
     if let Ok(v) = HeaderValue::from_str(tag) {
         h.insert(header::ETAG, v);
     }
@@ -45,7 +53,12 @@ static APP_TAG: OnceLock<String> = OnceLock::new();
 static CSS_TAG: OnceLock<String> = OnceLock::new();
 
 pub(crate) async fn index(headers: HeaderMap) -> Response {
-    let mut r = serve(&headers, INDEX_HTML, "text/html; charset=utf-8", etag(INDEX_HTML, &INDEX_TAG));
+    let mut r = serve(
+        &headers,
+        INDEX_HTML,
+        "text/html; charset=utf-8",
+        etag(INDEX_HTML, &INDEX_TAG),
+    );
     // The page talks only to its own origin.
     r.headers_mut().insert(
         "content-security-policy",
@@ -55,9 +68,19 @@ pub(crate) async fn index(headers: HeaderMap) -> Response {
 }
 
 pub(crate) async fn app_js(headers: HeaderMap) -> Response {
-    serve(&headers, APP_JS, "text/javascript; charset=utf-8", etag(APP_JS, &APP_TAG))
+    serve(
+        &headers,
+        APP_JS,
+        "text/javascript; charset=utf-8",
+        etag(APP_JS, &APP_TAG),
+    )
 }
 
 pub(crate) async fn style_css(headers: HeaderMap) -> Response {
-    serve(&headers, STYLE_CSS, "text/css; charset=utf-8", etag(STYLE_CSS, &CSS_TAG))
+    serve(
+        &headers,
+        STYLE_CSS,
+        "text/css; charset=utf-8",
+        etag(STYLE_CSS, &CSS_TAG),
+    )
 }

@@ -21,10 +21,18 @@ pub const DEMO_TOKEN: &str = "demo-token";
 struct DemoLogs;
 
 impl LogSource for DemoLogs {
-    fn read(&self, container_id: &str, stream: &str, tail: u64) -> BoxFuture<'static, Result<String, String>> {
+    fn read(
+        &self,
+        container_id: &str,
+        stream: &str,
+        tail: u64,
+    ) -> BoxFuture<'static, Result<String, String>> {
         let mut text = String::new();
         for i in 0..40 {
-            text.push_str(&format!("[{stream}] {container_id} step {i}: loss={:.3}\n", 2.0 / (i as f64 + 1.0)));
+            text.push_str(&format!(
+                "[{stream}] {container_id} step {i}: loss={:.3}\n",
+                2.0 / (i as f64 + 1.0)
+            ));
         }
         let tail = tail as usize;
         let start = text.len().saturating_sub(tail);
@@ -43,7 +51,10 @@ fn host_name(i: usize) -> String {
 fn pcie8_groups() -> Vec<Vec<String>> {
     vec![
         vec![],
-        ["0x3", "0xc", "0x30", "0xc0"].iter().map(|s| s.to_string()).collect(),
+        ["0x3", "0xc", "0x30", "0xc0"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         vec!["0xff".to_string()],
     ]
 }
@@ -51,7 +62,10 @@ fn pcie8_groups() -> Vec<Vec<String>> {
 /// The `nvbridge8` grouping: NVLink-bridged pairs, two pairs per PCIe switch.
 fn nvbridge8_groups() -> Vec<Vec<String>> {
     vec![
-        ["0x3", "0xc", "0x30", "0xc0"].iter().map(|s| s.to_string()).collect(),
+        ["0x3", "0xc", "0x30", "0xc0"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         ["0xf", "0xf0"].iter().map(|s| s.to_string()).collect(),
         vec!["0xff".to_string()],
     ]
@@ -83,12 +97,16 @@ fn demo_trace(nodes: usize, waiting_for_gpus: bool) -> SelectionTrace {
     let mut res = StageTrace::new("resources", left);
     if waiting_for_gpus {
         for i in 0..left {
-            let reason = if i % 5 == 0 { "not enough free CPU" } else { "not enough free GPUs" };
+            let reason = if i % 5 == 0 {
+                "not enough free CPU"
+            } else {
+                "not enough free GPUs"
+            };
             res.drop_node(reason, &host_name(i));
         }
         res.nodes_out = 0;
     } else {
-        let keep = left.min(3).max(1);
+        let keep = left.clamp(1, 3);
         for i in 0..left - keep {
             res.drop_node("not enough free GPUs", &host_name(i));
         }
@@ -139,20 +157,37 @@ pub fn demo_hub(tasks: usize, nodes: usize) -> Arc<StatusHub> {
 pub fn demo_hub_with_commands(
     tasks: usize,
     nodes: usize,
-) -> (Arc<StatusHub>, tokio::sync::mpsc::UnboundedReceiver<crate::am::status::Command>) {
+) -> (
+    Arc<StatusHub>,
+    tokio::sync::mpsc::UnboundedReceiver<crate::am::status::Command>,
+) {
     let now = super::api::now_ms();
     let nodes = nodes.max(1);
     let ps = (tasks / 10).max(usize::from(tasks > 1));
     let workers = tasks - ps;
     // Per node: GPUs used by other jobs, by this job, requested by this AM.
-    let mut used_other: Vec<GpuMask> = (0..nodes).map(|i| if i % 3 == 1 { 0xc0 } else if i % 3 == 2 { 0xf0 } else { 0 }).collect();
+    let mut used_other: Vec<GpuMask> = (0..nodes)
+        .map(|i| {
+            if i % 3 == 1 {
+                0xc0
+            } else if i % 3 == 2 {
+                0xf0
+            } else {
+                0
+            }
+        })
+        .collect();
     let mut job_mask: Vec<GpuMask> = vec![0; nodes];
     let mut req_mask: Vec<GpuMask> = vec![0; nodes];
     let mut task_list = Vec::with_capacity(tasks);
     let mut selections = VecDeque::new();
     let mut cursor = 0usize; // next node to place on
     for k in 0..tasks {
-        let (role, index, gpus_per) = if k < ps { ("ps", k, 0u32) } else { ("worker", k - ps, 2u32) };
+        let (role, index, gpus_per) = if k < ps {
+            ("ps", k, 0u32)
+        } else {
+            ("worker", k - ps, 2u32)
+        };
         // States: mostly running, some done, a few waiting/requested at the end.
         let frac = k as f64 / tasks.max(1) as f64;
         let state = if role == "ps" {
@@ -178,7 +213,11 @@ pub fn demo_hub_with_commands(
             loop {
                 let n = cursor % nodes;
                 let free = 0xffu64 & !used_other[n] & !job_mask[n] & !req_mask[n];
-                let pick = if gpus_per == 0 { Some(0) } else { lowest_pair(free) };
+                let pick = if gpus_per == 0 {
+                    Some(0)
+                } else {
+                    lowest_pair(free)
+                };
                 if let Some(m) = pick {
                     host = Some(host_name(n));
                     if state == TaskState::ContainerRequested {
@@ -201,13 +240,20 @@ pub fn demo_hub_with_commands(
                 }
             }
         }
-        let state = if placed && host.is_none() { TaskState::TaskWaiting } else { state };
+        let state = if placed && host.is_none() {
+            TaskState::TaskWaiting
+        } else {
+            state
+        };
         let done = state == TaskState::TaskCompleted;
         let failed = done && index % 7 == 3;
         let waiting = state == TaskState::TaskWaiting;
         let has_container = matches!(
             state,
-            TaskState::ContainerAllocated | TaskState::ContainerLaunched | TaskState::ContainerRunning | TaskState::TaskCompleted
+            TaskState::ContainerAllocated
+                | TaskState::ContainerLaunched
+                | TaskState::ContainerRunning
+                | TaskState::TaskCompleted
         );
         let reason = waiting.then(|| "no node has 2 free GPUs with 8 CPUs and 32768 MB (resources dropped 7 nodes: not enough free GPUs x5, not enough free CPU x2)".to_string());
         task_list.push(TaskStatus {
@@ -219,11 +265,23 @@ pub fn demo_hub_with_commands(
             host: host.clone(),
             gpus: gpus.clone(),
             gpu_mask: gpu_mask.clone(),
-            ports: if placed { vec![("nccl".into(), vec![31000 + (k % 500) as u16]), ("http".into(), vec![32000 + (k % 500) as u16])] } else { vec![] },
+            ports: if placed {
+                vec![
+                    ("nccl".into(), vec![31000 + (k % 500) as u16]),
+                    ("http".into(), vec![32000 + (k % 500) as u16]),
+                ]
+            } else {
+                vec![]
+            },
             container_id: has_container.then(|| format!("container_demo_{:06}", k)),
             exit_code: done.then_some(if failed { 1 } else { 0 }),
-            exit_type: done.then_some(if failed { ExitType::NonTransient } else { ExitType::Succeeded }),
-            exit_diagnostics: failed.then(|| "command `python train.py` exited with code 1".to_string()),
+            exit_type: done.then_some(if failed {
+                ExitType::NonTransient
+            } else {
+                ExitType::Succeeded
+            }),
+            exit_diagnostics: failed
+                .then(|| "command `python train.py` exited with code 1".to_string()),
             waiting_reason: reason.clone(),
             created_ms: now - 600_000,
             launched_ms: has_container.then_some(now - 500_000),
@@ -235,7 +293,11 @@ pub fn demo_hub_with_commands(
                 role: role.to_string(),
                 index: index as u32,
                 at_ms: now - 1000 + k as u64,
-                outcome: if waiting { "notNow".into() } else { "placed".into() },
+                outcome: if waiting {
+                    "notNow".into()
+                } else {
+                    "placed".into()
+                },
                 reason: reason.clone(),
                 host: host.clone(),
                 gpu_mask: gpu_mask.clone(),
@@ -270,10 +332,22 @@ pub fn demo_hub_with_commands(
                 rack: format!("rack-{}", i / 16),
                 labels: vec!["gpu".into()],
                 gpu_type: Some(if dgx { "V100".into() } else { "A100".into() }),
-                state: if i == nodes - 1 && nodes > 3 { "UNHEALTHY".into() } else { "RUNNING".into() },
-                topology: Some(if dgx { "nvbridge8".into() } else { "pcie8".into() }),
+                state: if i == nodes - 1 && nodes > 3 {
+                    "UNHEALTHY".into()
+                } else {
+                    "RUNNING".into()
+                },
+                topology: Some(if dgx {
+                    "nvbridge8".into()
+                } else {
+                    "pcie8".into()
+                }),
                 gpu_count: 8,
-                gpu_groups: if dgx { nvbridge8_groups() } else { pcie8_groups() },
+                gpu_groups: if dgx {
+                    nvbridge8_groups()
+                } else {
+                    pcie8_groups()
+                },
                 total_cpu: ncpu,
                 used_cpu,
                 requested_cpu: req_cpu,
@@ -304,13 +378,25 @@ pub fn demo_hub_with_commands(
             instances: *n as u32,
             waiting: count(r, &|t| t.state == TaskState::TaskWaiting),
             requested: count(r, &|t| t.state == TaskState::ContainerRequested),
-            allocated: count(r, &|t| matches!(t.state, TaskState::ContainerAllocated | TaskState::ContainerLaunched)),
+            allocated: count(r, &|t| {
+                matches!(
+                    t.state,
+                    TaskState::ContainerAllocated | TaskState::ContainerLaunched
+                )
+            }),
             running: count(r, &|t| t.state == TaskState::ContainerRunning),
-            succeeded: count(r, &|t| t.state == TaskState::TaskCompleted && t.exit_code == Some(0)),
-            failed: count(r, &|t| t.state == TaskState::TaskCompleted && t.exit_code != Some(0)),
+            succeeded: count(r, &|t| {
+                t.state == TaskState::TaskCompleted && t.exit_code == Some(0)
+            }),
+            failed: count(r, &|t| {
+                t.state == TaskState::TaskCompleted && t.exit_code != Some(0)
+            }),
         })
         .collect();
-    let completed = task_list.iter().filter(|t| t.state == TaskState::TaskCompleted).count() as u32;
+    let completed = task_list
+        .iter()
+        .filter(|t| t.state == TaskState::TaskCompleted)
+        .count() as u32;
     let snapshot = Snapshot {
         job: JobStatus {
             name: "resnet-ddp".into(),

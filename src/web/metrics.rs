@@ -38,7 +38,9 @@ fn job_state_name(s: JobState) -> &'static str {
 
 /// Escapes a label value (backslash, quote, newline).
 fn esc(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Renders all series.
@@ -79,7 +81,11 @@ pub(crate) fn render(hub: &StatusHub) -> String {
 
     let c = &hub.counters;
     out.push_str("# HELP gpuam_rm_errors_total Failed calls to the RM.\n# TYPE gpuam_rm_errors_total counter\n");
-    let _ = writeln!(out, "gpuam_rm_errors_total {}", c.rm_errors.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "gpuam_rm_errors_total {}",
+        c.rm_errors.load(Ordering::Relaxed)
+    );
 
     out.push_str("# HELP gpuam_task_retries_total Task retries per exit class.\n# TYPE gpuam_task_retries_total counter\n");
     for (class, v) in [
@@ -87,12 +93,20 @@ pub(crate) fn render(hub: &StatusHub) -> String {
         ("permanent", &c.retries_permanent),
         ("unknown", &c.retries_unknown),
     ] {
-        let _ = writeln!(out, "gpuam_task_retries_total{{exit_class=\"{class}\"}} {}", v.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "gpuam_task_retries_total{{exit_class=\"{class}\"}} {}",
+            v.load(Ordering::Relaxed)
+        );
     }
 
     out.push_str("# HELP gpuam_selection_filtered_total Nodes filtered out per select stage.\n# TYPE gpuam_selection_filtered_total counter\n");
     for (stage, n) in c.filtered_per_stage.lock().iter() {
-        let _ = writeln!(out, "gpuam_selection_filtered_total{{stage=\"{}\"}} {n}", esc(stage));
+        let _ = writeln!(
+            out,
+            "gpuam_selection_filtered_total{{stage=\"{}\"}} {n}",
+            esc(stage)
+        );
     }
 
     // The latencies kept are a bounded ring, so this histogram covers the recent window.
@@ -101,10 +115,21 @@ pub(crate) fn render(hub: &StatusHub) -> String {
     let secs: Vec<f64> = lat.iter().map(|us| *us as f64 / 1e6).collect();
     for b in LATENCY_BUCKETS {
         let n = secs.iter().filter(|v| **v <= b).count();
-        let _ = writeln!(out, "gpuam_allocate_latency_seconds_bucket{{le=\"{b}\"}} {n}");
+        let _ = writeln!(
+            out,
+            "gpuam_allocate_latency_seconds_bucket{{le=\"{b}\"}} {n}"
+        );
     }
-    let _ = writeln!(out, "gpuam_allocate_latency_seconds_bucket{{le=\"+Inf\"}} {}", secs.len());
-    let _ = writeln!(out, "gpuam_allocate_latency_seconds_sum {}", secs.iter().sum::<f64>());
+    let _ = writeln!(
+        out,
+        "gpuam_allocate_latency_seconds_bucket{{le=\"+Inf\"}} {}",
+        secs.len()
+    );
+    let _ = writeln!(
+        out,
+        "gpuam_allocate_latency_seconds_sum {}",
+        secs.iter().sum::<f64>()
+    );
     let _ = writeln!(out, "gpuam_allocate_latency_seconds_count {}", secs.len());
     out
 }

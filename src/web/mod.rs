@@ -121,9 +121,9 @@ pub async fn serve(
     hub: Arc<StatusHub>,
     listen: SocketAddr,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("dashboard: cannot listen on {listen}: {e} (pick another --listen address)"))?;
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+        anyhow::anyhow!("dashboard: cannot listen on {listen}: {e} (pick another --listen address)")
+    })?;
     let addr = listener.local_addr()?;
     let app = router(hub);
     let handle = tokio::spawn(async move {

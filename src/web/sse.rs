@@ -31,9 +31,9 @@ fn to_sse(e: &Event) -> SseEvent {
 
 fn resync(hub: &StatusHub, why: &str) -> SseEvent {
     // No `id:` so the browser keeps its last id.
-    SseEvent::default().event("resync").data(
-        serde_json::json!({"reason": why, "lastEventId": hub.last_event_id()}).to_string(),
-    )
+    SseEvent::default()
+        .event("resync")
+        .data(serde_json::json!({"reason": why, "lastEventId": hub.last_event_id()}).to_string())
 }
 
 /// The last event id the client saw: the header wins over the query parameter.

@@ -31,7 +31,10 @@ async fn get(app: &Router, uri: &str) -> (StatusCode, String, String) {
 
 async fn get_json(app: &Router, uri: &str) -> (StatusCode, serde_json::Value) {
     let (s, ctype, body) = get(app, uri).await;
-    assert!(ctype.starts_with("application/json"), "{uri}: content type {ctype}");
+    assert!(
+        ctype.starts_with("application/json"),
+        "{uri}: content type {ctype}"
+    );
     (s, serde_json::from_str(&body).unwrap())
 }
 
@@ -49,7 +52,11 @@ async fn job_and_snapshot_shapes() {
     assert_eq!(job["name"], "resnet-ddp");
     assert_eq!(job["state"], "RUNNING");
     assert_eq!(job["totalTasks"], 40);
-    assert!(job["roles"].as_array().unwrap().iter().any(|r| r["role"] == "worker"));
+    assert!(job["roles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["role"] == "worker"));
     let (s, snap) = get_json(&app, "/api/v1/snapshot").await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(snap["tasks"].as_array().unwrap().len(), 40);
@@ -74,14 +81,27 @@ async fn tasks_paging_and_filters() {
     let (_, ps) = get_json(&app, "/api/v1/tasks?role=ps&limit=1000").await;
     let n_ps = hub.read(|s| s.tasks.iter().filter(|t| t.role == "ps").count());
     assert_eq!(ps["total"], n_ps);
-    assert!(ps["tasks"].as_array().unwrap().iter().all(|t| t["role"] == "ps"));
+    assert!(ps["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["role"] == "ps"));
     let (_, w) = get_json(&app, "/api/v1/tasks?state=task_waiting&limit=1000").await;
-    let n_wait = hub.read(|s| s.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count());
+    let n_wait = hub.read(|s| {
+        s.tasks
+            .iter()
+            .filter(|t| t.state == TaskState::TaskWaiting)
+            .count()
+    });
     assert!(n_wait > 0);
     assert_eq!(w["total"], n_wait);
     let (_, h) = get_json(&app, "/api/v1/tasks?host=gpu-0001&limit=1000").await;
     assert!(h["total"].as_u64().unwrap() > 0);
-    assert!(h["tasks"].as_array().unwrap().iter().all(|t| t["host"] == "gpu-0001"));
+    assert!(h["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["host"] == "gpu-0001"));
 
     let (s, e) = get_json(&app, "/api/v1/tasks?limit=1001").await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
@@ -124,16 +144,33 @@ async fn task_logs() {
             (w.role.clone(), w.index),
         )
     });
-    let uri = format!("/api/v1/tasks/{}/{}/logs?stream=stderr&tail=200", running.0, running.1);
+    let uri = format!(
+        "/api/v1/tasks/{}/{}/logs?stream=stderr&tail=200",
+        running.0, running.1
+    );
     let (s, ctype, body) = get(&app, &uri).await;
     assert_eq!(s, StatusCode::OK);
     assert!(ctype.starts_with("text/plain"));
     assert!(body.len() <= 200);
-    assert!(body.contains(&running.2) && body.contains("[stderr]"), "{body}");
-    let (s, e) = get_json(&app, &format!("/api/v1/tasks/{}/{}/logs?stream=stdin", running.0, running.1)).await;
+    assert!(
+        body.contains(&running.2) && body.contains("[stderr]"),
+        "{body}"
+    );
+    let (s, e) = get_json(
+        &app,
+        &format!(
+            "/api/v1/tasks/{}/{}/logs?stream=stdin",
+            running.0, running.1
+        ),
+    )
+    .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_error(&e, "invalid_parameter");
-    let (s, e) = get_json(&app, &format!("/api/v1/tasks/{}/{}/logs", waiting.0, waiting.1)).await;
+    let (s, e) = get_json(
+        &app,
+        &format!("/api/v1/tasks/{}/{}/logs", waiting.0, waiting.1),
+    )
+    .await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     assert_error(&e, "no_container");
 }
@@ -157,13 +194,29 @@ async fn nodes_and_selections() {
     assert_eq!(recs.len(), 5);
     let at: Vec<u64> = recs.iter().map(|r| r["atMs"].as_u64().unwrap()).collect();
     assert!(at.windows(2).all(|w| w[0] >= w[1]), "newest first: {at:?}");
-    let w = hub.read(|s| s.tasks.iter().find(|t| t.state == TaskState::TaskWaiting).map(|t| (t.role.clone(), t.index)).unwrap());
-    let (_, sel) = get_json(&app, &format!("/api/v1/selections?role={}&index={}", w.0, w.1)).await;
+    let w = hub.read(|s| {
+        s.tasks
+            .iter()
+            .find(|t| t.state == TaskState::TaskWaiting)
+            .map(|t| (t.role.clone(), t.index))
+            .unwrap()
+    });
+    let (_, sel) = get_json(
+        &app,
+        &format!("/api/v1/selections?role={}&index={}", w.0, w.1),
+    )
+    .await;
     let recs = sel["selections"].as_array().unwrap();
     assert!(!recs.is_empty());
-    assert!(recs.iter().all(|r| r["role"] == w.0.as_str() && r["index"] == w.1));
+    assert!(recs
+        .iter()
+        .all(|r| r["role"] == w.0.as_str() && r["index"] == w.1));
     assert_eq!(recs[0]["outcome"], "notNow");
-    assert!(recs[0]["trace"]["stages"].as_array().unwrap().iter().any(|s| s["nodesOut"] == 0));
+    assert!(recs[0]["trace"]["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["nodesOut"] == 0));
 }
 
 fn kill_req(auth: Option<&str>) -> Request<Body> {
@@ -184,14 +237,23 @@ async fn kill_needs_the_token() {
     let (s, _, _) = call(&app, kill_req(Some("Bearer wrong-token"))).await;
     assert_eq!(s, StatusCode::UNAUTHORIZED);
     let (s, _, _) = call(&app, kill_req(Some(DEMO_TOKEN))).await;
-    assert_eq!(s, StatusCode::UNAUTHORIZED, "token without the Bearer scheme");
+    assert_eq!(
+        s,
+        StatusCode::UNAUTHORIZED,
+        "token without the Bearer scheme"
+    );
     assert!(rx.try_recv().is_err(), "no command for refused calls");
     let (s, _, body) = call(&app, kill_req(Some(&format!("Bearer {DEMO_TOKEN}")))).await;
     assert_eq!(s, StatusCode::ACCEPTED);
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&body).unwrap()["accepted"], true);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["accepted"],
+        true
+    );
     assert!(matches!(rx.try_recv(), Ok(Command::Kill { .. })));
     // A final job cannot be killed.
-    hub.update("job", serde_json::json!({}), |s| s.job.state = JobState::Succeeded);
+    hub.update("job", serde_json::json!({}), |s| {
+        s.job.state = JobState::Succeeded
+    });
     let (s, _, body) = call(&app, kill_req(Some(&format!("Bearer {DEMO_TOKEN}")))).await;
     assert_eq!(s, StatusCode::CONFLICT);
     assert!(body.contains("job_final"));
@@ -234,7 +296,9 @@ async fn health_probes() {
     assert_eq!(get(&app, "/livez").await.0, StatusCode::OK);
     assert_eq!(get(&app, "/healthz").await.0, StatusCode::OK);
     assert_eq!(get(&app, "/readyz").await.0, StatusCode::OK);
-    hub.update("nodes", serde_json::json!({}), |s| s.nodes_refreshed_ms -= 31_000);
+    hub.update("nodes", serde_json::json!({}), |s| {
+        s.nodes_refreshed_ms -= 31_000
+    });
     let (s, e) = get_json(&app, "/readyz").await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
     assert_error(&e, "not_ready");
@@ -260,26 +324,45 @@ async fn static_assets() {
     assert_eq!(s, StatusCode::OK);
     assert!(ctype.starts_with("text/javascript"));
     assert!(body.contains("EventSource"));
-    let r = app.clone().oneshot(Request::get("/style.css").body(Body::empty()).unwrap()).await.unwrap();
+    let r = app
+        .clone()
+        .oneshot(Request::get("/style.css").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/css"));
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/css"));
     assert_eq!(r.headers()["cache-control"], "no-cache");
     let tag = r.headers()["etag"].clone();
     let r = app
         .clone()
-        .oneshot(Request::get("/style.css").header("if-none-match", tag).body(Body::empty()).unwrap())
+        .oneshot(
+            Request::get("/style.css")
+                .header("if-none-match", tag)
+                .body(Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::NOT_MODIFIED);
 }
 
 /// Reads SSE frames from a loopback server until `n` events (not comments) arrived.
-async fn read_events(mut resp: reqwest::Response, n: usize) -> Vec<(Option<String>, String, String)> {
+async fn read_events(
+    mut resp: reqwest::Response,
+    n: usize,
+) -> Vec<(Option<String>, String, String)> {
     let mut buf = String::new();
     let mut out = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while out.len() < n {
-        let chunk = tokio::time::timeout_at(deadline, resp.chunk()).await.expect("events in time").unwrap().unwrap();
+        let chunk = tokio::time::timeout_at(deadline, resp.chunk())
+            .await
+            .expect("events in time")
+            .unwrap()
+            .unwrap();
         buf.push_str(std::str::from_utf8(&chunk).unwrap());
         while let Some(end) = buf.find("\n\n") {
             let frame: String = buf.drain(..end + 2).collect();
@@ -307,7 +390,9 @@ async fn sse_resumes_after_last_event_id() {
     for i in 1..=5 {
         hub.publish("task", serde_json::json!({"n": i}));
     }
-    let (addr, server) = super::serve(hub.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let (addr, server) = super::serve(hub.clone(), "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
     let client = reqwest::Client::new();
     let resp = client
         .get(format!("http://{addr}/api/v1/events"))
@@ -316,7 +401,10 @@ async fn sse_resumes_after_last_event_id() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
     let publisher = {
         let hub = hub.clone();
         tokio::spawn(async move {
@@ -329,11 +417,18 @@ async fn sse_resumes_after_last_event_id() {
     assert_eq!(ids, ["4", "5", "6"]);
     assert_eq!(evs[0].1, "task");
     assert_eq!(evs[2].1, "job");
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&evs[2].2).unwrap()["n"], 6);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&evs[2].2).unwrap()["n"],
+        6
+    );
     publisher.await.unwrap();
 
     // The query parameter works too; the header wins over it.
-    let resp = client.get(format!("http://{addr}/api/v1/events?lastEventId=5")).send().await.unwrap();
+    let resp = client
+        .get(format!("http://{addr}/api/v1/events?lastEventId=5"))
+        .send()
+        .await
+        .unwrap();
     let evs = read_events(resp, 1).await;
     assert_eq!(evs[0].0.as_deref(), Some("6"));
     let (s, _, _) = get(&router(hub.clone()), "/api/v1/events?lastEventId=abc").await;
@@ -350,7 +445,11 @@ async fn sse_lagging_client_gets_resync() {
     for i in 0..1100 {
         hub.publish("task", serde_json::json!({"n": i}));
     }
-    let first = tokio::time::timeout(Duration::from_secs(2), stream.next()).await.unwrap().unwrap().unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(2), stream.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     let text = format!("{first:?}");
     assert!(text.contains("resync"), "{text}");
 }
