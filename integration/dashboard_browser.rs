@@ -458,8 +458,12 @@ fn start_job() -> (Child, String) {
     match rx.recv_timeout(Duration::from_secs(30)) {
         Ok(url) => (child, url),
         Err(_) => {
+            let status = child.try_wait().ok().flatten();
             let _ = child.kill();
-            panic!("`gpuam run` printed no `dashboard: URL` line within 30 s");
+            panic!(
+                "`gpuam run examples/ddp-4x2.yaml --listen 127.0.0.1:0` printed no `dashboard: URL` line \
+                 within 30 s (exit status so far: {status:?})"
+            );
         }
     }
 }

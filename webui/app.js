@@ -302,6 +302,7 @@ async function loadSelection() {
 
 async function loadLog(reset) {
   clearTimeout(state.logTimer);
+  state.logTimer = null;
   const view = $('log-view');
   const t = state.selected && state.tasks.get(state.selected);
   if (!t) return;
