@@ -363,7 +363,7 @@ impl Stage for JobPacking {
                 );
             }
         }
-        cands.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+        cands.sort_unstable_by_key(|c| c.key);
     }
 }
 

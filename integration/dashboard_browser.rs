@@ -1,0 +1,510 @@
+//! Headless-Chromium tests of the dashboard, driven through chromedriver with the W3C
+//! WebDriver HTTP protocol (spoken with reqwest; no extra crates).
+//!
+//! - `dashboard_renders_demo_hub`: the page over a demo hub served by `web::serve`:
+//!   task table, GPU boxes and their looks, the waiting panel, logs, kill confirmation.
+//! - `dashboard_follows_a_real_job`: `gpuam run examples/ddp-4x2.yaml` end to end:
+//!   tasks go RUNNING then SUCCEEDED, a task's two GPUs are marked, its log shows.
+//!
+//! Chromium and chromedriver must be installed (`apt-get install chromium
+//! chromium-driver`); without them these tests fail rather than skip.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+const ELEMENT_KEY: &str = "element-6066-11e4-a52e-4f735466cecf";
+
+fn chromedriver_path() -> PathBuf {
+    for p in ["/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver"] {
+        if Path::new(p).exists() {
+            return PathBuf::from(p);
+        }
+    }
+    panic!(
+        "chromedriver not found (looked in /usr/bin and /usr/lib/chromium): install it with \
+         `apt-get update && apt-get install -y chromium chromium-driver`"
+    );
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A chromedriver process plus one browser session; both end on drop.
+struct Browser {
+    driver: Child,
+    base: String,
+    session: String,
+    http: reqwest::Client,
+    _profile: tempfile::TempDir,
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        assert!(
+            Path::new(CHROMIUM).exists(),
+            "{CHROMIUM} not found: install it with `apt-get update && apt-get install -y chromium chromium-driver`"
+        );
+        let port = free_port();
+        let driver = Command::new(chromedriver_path())
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start chromedriver");
+        let base = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(r) = http.get(format!("{base}/status")).send().await {
+                if r.status().is_success() {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "chromedriver did not come up on port {port}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let profile = tempfile::tempdir().unwrap();
+        let args = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--disable-quic",
+            "--disable-dev-shm-usage",
+            "--window-size=1366,768",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("--user-data-dir={}", profile.path().display())])
+        .collect::<Vec<_>>();
+        let caps = json!({"capabilities": {"alwaysMatch": {
+            "browserName": "chrome",
+            "goog:chromeOptions": {"binary": CHROMIUM, "args": args}
+        }}});
+        let r: Value = http
+            .post(format!("{base}/session"))
+            .json(&caps)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let session = r["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("chromedriver could not start chromium: {r}"))
+            .to_string();
+        let b = Browser {
+            driver,
+            base,
+            session,
+            http,
+            _profile: profile,
+        };
+        // Make the viewport (not the window) 1366×768, a common laptop screen.
+        let inner = b
+            .js("return [window.outerWidth - window.innerWidth, window.outerHeight - window.innerHeight];")
+            .await;
+        let (dw, dh) = (inner[0].as_i64().unwrap_or(0), inner[1].as_i64().unwrap_or(0));
+        b.cmd(
+            reqwest::Method::POST,
+            "/window/rect",
+            Some(json!({"width": 1366 + dw, "height": 768 + dh})),
+        )
+        .await;
+        b
+    }
+
+    async fn cmd(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let url = format!("{}/session/{}{}", self.base, self.session, path);
+        let mut req = self.http.request(method, url);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let r: Value = req.send().await.unwrap().json().await.unwrap();
+        if r["value"].get("error").is_some() {
+            panic!("webdriver {path}: {}", r["value"]);
+        }
+        r["value"].clone()
+    }
+
+    async fn goto(&self, url: &str) {
+        self.cmd(reqwest::Method::POST, "/url", Some(json!({"url": url}))).await;
+    }
+
+    /// Runs `body` as a function body in the page and returns its value.
+    async fn js(&self, body: &str) -> Value {
+        self.cmd(
+            reqwest::Method::POST,
+            "/execute/sync",
+            Some(json!({"script": body, "args": []})),
+        )
+        .await
+    }
+
+    /// Polls `body` until it returns a truthy value.
+    async fn wait_for(&self, what: &str, body: &str, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let v = self.js(body).await;
+            let truthy = !(v.is_null() || v == json!(false) || v == json!(0) || v == json!(""));
+            if truthy {
+                return v;
+            }
+            if Instant::now() > deadline {
+                let _ = self.screenshot("target/dashboard-failure.png").await;
+                panic!("timed out waiting for {what} (screenshot: target/dashboard-failure.png)");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn click(&self, css: &str) {
+        let url = format!("{}/session/{}/element", self.base, self.session);
+        let r: Value = self
+            .http
+            .post(url)
+            .json(&json!({"using": "css selector", "value": css}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let Some(id) = r["value"][ELEMENT_KEY].as_str().map(str::to_string) else {
+            let _ = self.screenshot("target/dashboard-failure.png").await;
+            panic!("no element {css} to click: {r} (screenshot: target/dashboard-failure.png)");
+        };
+        self.cmd(reqwest::Method::POST, &format!("/element/{id}/click"), Some(json!({})))
+            .await;
+    }
+
+    async fn screenshot(&self, path: &str) -> PathBuf {
+        let v = self.cmd(reqwest::Method::GET, "/screenshot", None).await;
+        let png = base64_decode(v.as_str().unwrap());
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, png).unwrap();
+        p
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        // Ends chromium too: chromedriver owns it. Best effort on the way out.
+        let _ = std::process::Command::new("curl")
+            .args(["-s", "-X", "DELETE", &format!("{}/session/{}", self.base, self.session)])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+fn base64_decode(s: &str) -> Vec<u8> {
+    let val = |c: u8| -> u32 {
+        match c {
+            b'A'..=b'Z' => (c - b'A') as u32,
+            b'a'..=b'z' => (c - b'a' + 26) as u32,
+            b'0'..=b'9' => (c - b'0' + 52) as u32,
+            b'+' => 62,
+            b'/' => 63,
+            _ => panic!("bad base64 byte {c}"),
+        }
+    };
+    let bytes: Vec<u8> = s.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
+    for chunk in bytes.chunks(4) {
+        let pad = chunk.iter().filter(|&&b| b == b'=').count();
+        let mut n = 0u32;
+        for (i, &b) in chunk.iter().enumerate() {
+            n |= if b == b'=' { 0 } else { val(b) } << (18 - 6 * i);
+        }
+        let three = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        out.extend_from_slice(&three[..3 - pad]);
+    }
+    out
+}
+
+/// The GPU indices of the boxes marked as the selected task's, on `host`.
+const MARKED_GPUS: &str = "return [...document.querySelectorAll('[data-gpu-box][data-task-gpus]')].map(b => b.dataset.host + ':' + b.dataset.gpu);";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_renders_demo_hub() {
+    let (hub, mut commands) = gpuam::web::demo::demo_hub_with_commands(40, 16);
+    let (addr, server) = gpuam::web::serve(hub.clone(), "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let b = Browser::start().await;
+    b.goto(&format!("http://{addr}/#token={}", gpuam::web::demo::DEMO_TOKEN))
+        .await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(15),
+    )
+    .await;
+
+    // Task table: one page of 50 rows, each with a state.
+    let rows = b
+        .js("return [...document.querySelectorAll('tr[data-task]')].map(r => r.dataset.task + '=' + r.dataset.state);")
+        .await;
+    let rows: Vec<String> = serde_json::from_value(rows).unwrap();
+    assert_eq!(rows.len(), 40, "{rows:?}");
+    assert!(rows.iter().any(|r| r.ends_with("=RUNNING")));
+    assert!(rows.iter().any(|r| r.ends_with("=SUCCEEDED")));
+    let page = b.js("return document.getElementById('t-page').textContent;").await;
+    assert!(page.as_str().unwrap().contains("of 40"), "{page}");
+
+    // GPU boxes: every look appears; 8 boxes per node card.
+    let looks = b
+        .js("return [...new Set([...document.querySelectorAll('[data-gpu-box]')].map(b => b.dataset.look))].sort();")
+        .await;
+    assert_eq!(looks, json!(["free", "job", "other", "requested"]));
+    let frames = b.js("return document.querySelectorAll('.gframe[data-group=\"NVLink\"]').length + document.querySelectorAll('.gframe[data-group=\"PCIe switch\"]').length;").await;
+    assert!(frames.as_u64().unwrap() > 0, "topology frames drawn");
+
+    // Clicking a running worker marks exactly its GPUs on its node, and shows its log.
+    let (role, index, host, gpus, container) = hub.read(|s| {
+        let t = s
+            .tasks
+            .iter()
+            .find(|t| {
+                t.role == "worker" && t.gpus.len() == 2 && t.state == gpuam::am::status::TaskState::ContainerRunning
+            })
+            .unwrap();
+        (
+            t.role.clone(),
+            t.index,
+            t.host.clone().unwrap(),
+            t.gpus.clone(),
+            t.container_id.clone().unwrap(),
+        )
+    });
+    b.click(&format!("tr[data-task=\"{role}/{index}\"]")).await;
+    let marked = b
+        .wait_for("the task's GPUs to be marked", MARKED_GPUS, Duration::from_secs(5))
+        .await;
+    let mut marked: Vec<String> = serde_json::from_value(marked).unwrap();
+    marked.sort();
+    let want: Vec<String> = gpus.iter().map(|g| format!("{host}:{g}")).collect();
+    assert_eq!(marked, want);
+    let looks = b
+        .js("return [...document.querySelectorAll('[data-gpu-box][data-task-gpus]')].map(b => b.dataset.look);")
+        .await;
+    assert_eq!(looks, json!(["job", "job"]));
+    let card = b
+        .js("return document.querySelector('.node-card.selected').dataset.host;")
+        .await;
+    assert_eq!(card, json!(host));
+    b.wait_for(
+        "the log",
+        &format!("return document.getElementById('log-view').textContent.includes('{container}');"),
+        Duration::from_secs(5),
+    )
+    .await;
+
+    // A waiting task: the panel shows the stage that emptied the candidates.
+    b.js("const s = document.getElementById('f-state'); s.value = 'WAITING'; s.dispatchEvent(new Event('change'));")
+        .await;
+    b.click("tr[data-task][data-state=\"WAITING\"]").await;
+    b.wait_for(
+        "the waiting panel",
+        "const p = document.getElementById('waiting-panel'); return !p.hidden && p.querySelector('tr[data-stage=\"resources\"]') !== null;",
+        Duration::from_secs(5),
+    )
+    .await;
+    let text = b
+        .js("return document.getElementById('waiting-panel').textContent;")
+        .await;
+    let text = text.as_str().unwrap();
+    assert!(text.contains("Why is this task waiting?"), "{text}");
+    assert!(text.contains("not enough free GPUs") && text.contains("→ 0"), "{text}");
+    let log = b.js("return document.getElementById('log-view').textContent;").await;
+    assert!(log.as_str().unwrap().contains("no container yet"), "{log}");
+    b.js("document.getElementById('waiting-panel').scrollIntoView();").await;
+    b.screenshot("target/dashboard-demo-waiting.png").await;
+    b.js("const s = document.getElementById('f-state'); s.value = ''; s.dispatchEvent(new Event('change'));")
+        .await;
+    b.click(&format!("tr[data-task=\"{role}/{index}\"]")).await;
+    b.js("window.scrollTo(0, 0);").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b.screenshot("target/dashboard-demo.png").await;
+
+    // Kill: asks first; cancelling sends nothing; confirming sends the token.
+    assert_eq!(
+        b.js("return document.getElementById('kill').disabled;").await,
+        json!(false)
+    );
+    b.click("#kill").await;
+    assert_eq!(
+        b.js("return document.getElementById('kill-dialog').open;").await,
+        json!(true)
+    );
+    b.click("#kill-cancel").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(commands.try_recv().is_err(), "cancel must not kill");
+    b.click("#kill").await;
+    b.click("#kill-confirm").await;
+    b.wait_for(
+        "the kill answer",
+        "return document.getElementById('kill-result').textContent.includes('Kill requested');",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(matches!(
+        commands.try_recv(),
+        Ok(gpuam::am::status::Command::Kill { .. })
+    ));
+
+    // Without the token the button is disabled and says why.
+    b.goto(&format!("http://{addr}/")).await;
+    b.wait_for(
+        "reload",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(15),
+    )
+    .await;
+    let k = b
+        .js("const k = document.getElementById('kill'); return [k.disabled, k.title];")
+        .await;
+    assert_eq!(k[0], json!(true));
+    assert!(k[1].as_str().unwrap().contains("token"));
+
+    // Live update over SSE: a task changes state and the row follows.
+    let first = hub.read(|s| {
+        s.tasks
+            .iter()
+            .position(|t| t.state == gpuam::am::status::TaskState::ContainerRunning)
+            .unwrap()
+    });
+    let (r, i) = hub.read(|s| (s.tasks[first].role.clone(), s.tasks[first].index));
+    hub.update("task", json!({"role": r, "index": i}), |s| {
+        let t = &mut s.tasks[first];
+        t.state = gpuam::am::status::TaskState::TaskCompleted;
+        t.exit_code = Some(0);
+        t.exit_type = Some(gpuam::am::status::ExitType::Succeeded);
+    });
+    b.wait_for(
+        "the SSE update",
+        &format!("const r = document.querySelector('tr[data-task=\"{r}/{i}\"]'); return r && r.dataset.state === 'SUCCEEDED';"),
+        Duration::from_secs(5),
+    )
+    .await;
+    drop(b);
+    server.abort();
+}
+
+/// Starts `gpuam run` and returns the child and the dashboard URL it printed.
+fn start_job() -> (Child, String) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpuam"))
+        .args(["run", "examples/ddp-4x2.yaml", "--listen", "127.0.0.1:0"])
+        .current_dir(root)
+        .env("GPUAM_DASHBOARD_LINGER_SEC", "30")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start gpuam run");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("dashboard: ") {
+                let _ = tx.send(line[i + "dashboard: ".len()..].trim().to_string());
+            }
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(url) => (child, url),
+        Err(_) => {
+            let status = child.try_wait().ok().flatten();
+            let _ = child.kill();
+            panic!(
+                "`gpuam run examples/ddp-4x2.yaml --listen 127.0.0.1:0` printed no `dashboard: URL` line \
+                 within 30 s (exit status so far: {status:?})"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_follows_a_real_job() {
+    let b = Browser::start().await;
+    let (mut child, url) = start_job();
+    assert!(url.starts_with("http://127.0.0.1:") && url.contains("#token="), "{url}");
+    b.goto(&url).await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(20),
+    )
+    .await;
+
+    // A running task with two GPUs.
+    let row = b
+        .wait_for(
+            "a task with 2 GPUs to be RUNNING",
+            "const r = [...document.querySelectorAll('tr[data-task][data-state=\"RUNNING\"]')].find(r => r.cells[3].textContent.split(',').length === 2); return r ? r.dataset.task : null;",
+            Duration::from_secs(60),
+        )
+        .await;
+    let task = row.as_str().unwrap().to_string();
+    b.click(&format!("tr[data-task=\"{task}\"]")).await;
+    let marked = b
+        .wait_for("the task's GPUs to be marked", MARKED_GPUS, Duration::from_secs(5))
+        .await;
+    let marked: Vec<String> = serde_json::from_value(marked).unwrap();
+    assert_eq!(marked.len(), 2, "exactly the task's two GPUs: {marked:?}");
+    let facts = b.js(&format!("const r = document.querySelector('tr[data-task=\"{task}\"]'); return [r.cells[2].textContent, r.cells[3].textContent];")).await;
+    let host = facts[0].as_str().unwrap();
+    let mut want: Vec<String> = facts[1]
+        .as_str()
+        .unwrap()
+        .split(',')
+        .map(|g| format!("{host}:{g}"))
+        .collect();
+    want.sort();
+    let mut got = marked.clone();
+    got.sort();
+    assert_eq!(got, want);
+    // The log shows what the task printed.
+    b.wait_for(
+        "the task's log line",
+        &format!("return document.getElementById('log-view').textContent.includes('task {task}');"),
+        Duration::from_secs(30),
+    )
+    .await;
+
+    // Every task ends SUCCEEDED and the job says so.
+    b.wait_for(
+        "all tasks SUCCEEDED",
+        "const rows = [...document.querySelectorAll('tr[data-task]')]; return rows.length > 0 && rows.every(r => r.dataset.state === 'SUCCEEDED');",
+        Duration::from_secs(90),
+    )
+    .await;
+    b.wait_for(
+        "the job to succeed",
+        "return document.getElementById('job-state').dataset.state === 'SUCCEEDED';",
+        Duration::from_secs(30),
+    )
+    .await;
+    b.click(&format!("tr[data-task=\"{task}\"]")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let png = b.screenshot("target/dashboard.png").await;
+    assert!(std::fs::metadata(png).unwrap().len() > 10_000);
+    drop(b);
+    let _ = child.kill();
+    let _ = child.wait();
+}

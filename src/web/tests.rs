@@ -1,0 +1,397 @@
+//! Endpoint tests over the router (no sockets) and one loopback SSE test.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{to_bytes, Body};
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use futures::StreamExt;
+use tower::ServiceExt;
+
+use super::demo::{demo_hub, demo_hub_with_commands, DEMO_TOKEN};
+use super::router;
+use crate::am::status::{Command, JobState, StatusHub, TaskState};
+
+async fn call(app: &Router, req: Request<Body>) -> (StatusCode, String, String) {
+    let r = app.clone().oneshot(req).await.unwrap();
+    let status = r.status();
+    let ctype = r
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body = to_bytes(r.into_body(), usize::MAX).await.unwrap();
+    (status, ctype, String::from_utf8(body.to_vec()).unwrap())
+}
+
+async fn get(app: &Router, uri: &str) -> (StatusCode, String, String) {
+    call(app, Request::get(uri).body(Body::empty()).unwrap()).await
+}
+
+async fn get_json(app: &Router, uri: &str) -> (StatusCode, serde_json::Value) {
+    let (s, ctype, body) = get(app, uri).await;
+    assert!(ctype.starts_with("application/json"), "{uri}: content type {ctype}");
+    (s, serde_json::from_str(&body).unwrap())
+}
+
+fn assert_error(v: &serde_json::Value, code: &str) {
+    assert_eq!(v["code"], code, "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+}
+
+#[tokio::test]
+async fn job_and_snapshot_shapes() {
+    let hub = demo_hub(40, 10);
+    let app = router(hub.clone());
+    let (s, job) = get_json(&app, "/api/v1/job").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(job["name"], "resnet-ddp");
+    assert_eq!(job["state"], "RUNNING");
+    assert_eq!(job["totalTasks"], 40);
+    assert!(job["roles"].as_array().unwrap().iter().any(|r| r["role"] == "worker"));
+    let (s, snap) = get_json(&app, "/api/v1/snapshot").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(snap["tasks"].as_array().unwrap().len(), 40);
+    assert_eq!(snap["nodes"].as_array().unwrap().len(), 10);
+    assert_eq!(snap["nodes"][0]["gpuGroups"].as_array().unwrap().len(), 3);
+    let (s, cfg) = get_json(&app, "/api/v1/config").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(cfg["select"]["candidateNodesFactor"], 3);
+}
+
+#[tokio::test]
+async fn tasks_paging_and_filters() {
+    let hub = demo_hub(300, 100);
+    let app = router(hub.clone());
+    let (_, all) = get_json(&app, "/api/v1/tasks").await;
+    assert_eq!(all["total"], 300);
+    assert_eq!(all["offset"], 0);
+    assert_eq!(all["tasks"].as_array().unwrap().len(), 100, "default limit");
+    let (_, page) = get_json(&app, "/api/v1/tasks?offset=290&limit=50").await;
+    assert_eq!(page["tasks"].as_array().unwrap().len(), 10);
+    assert_eq!(page["offset"], 290);
+    let (_, ps) = get_json(&app, "/api/v1/tasks?role=ps&limit=1000").await;
+    let n_ps = hub.read(|s| s.tasks.iter().filter(|t| t.role == "ps").count());
+    assert_eq!(ps["total"], n_ps);
+    assert!(ps["tasks"].as_array().unwrap().iter().all(|t| t["role"] == "ps"));
+    let (_, w) = get_json(&app, "/api/v1/tasks?state=task_waiting&limit=1000").await;
+    let n_wait = hub.read(|s| s.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count());
+    assert!(n_wait > 0);
+    assert_eq!(w["total"], n_wait);
+    let (_, h) = get_json(&app, "/api/v1/tasks?host=gpu-0001&limit=1000").await;
+    assert!(h["total"].as_u64().unwrap() > 0);
+    assert!(h["tasks"].as_array().unwrap().iter().all(|t| t["host"] == "gpu-0001"));
+
+    let (s, e) = get_json(&app, "/api/v1/tasks?limit=1001").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&e, "invalid_parameter");
+    let (s, e) = get_json(&app, "/api/v1/tasks?offset=-1").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&e, "invalid_parameter");
+    let (s, e) = get_json(&app, "/api/v1/tasks?state=SLEEPING").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(e["message"].as_str().unwrap().contains("CONTAINER_RUNNING"));
+}
+
+#[tokio::test]
+async fn one_task_and_errors() {
+    let app = router(demo_hub(20, 5));
+    let (s, t) = get_json(&app, "/api/v1/tasks/worker/3").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(t["role"], "worker");
+    assert_eq!(t["index"], 3);
+    let (s, e) = get_json(&app, "/api/v1/tasks/worker/999").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&e, "task_not_found");
+    let (s, e) = get_json(&app, "/api/v1/tasks/worker/x").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&e, "invalid_parameter");
+    let (s, e) = get_json(&app, "/api/v1/nope").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&e, "not_found");
+}
+
+#[tokio::test]
+async fn task_logs() {
+    let hub = demo_hub(20, 5);
+    let app = router(hub.clone());
+    let (running, waiting) = hub.read(|s| {
+        let r = s.tasks.iter().find(|t| t.container_id.is_some()).unwrap();
+        let w = s.tasks.iter().find(|t| t.container_id.is_none()).unwrap();
+        (
+            (r.role.clone(), r.index, r.container_id.clone().unwrap()),
+            (w.role.clone(), w.index),
+        )
+    });
+    let uri = format!("/api/v1/tasks/{}/{}/logs?stream=stderr&tail=200", running.0, running.1);
+    let (s, ctype, body) = get(&app, &uri).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(ctype.starts_with("text/plain"));
+    assert!(body.len() <= 200);
+    assert!(body.contains(&running.2) && body.contains("[stderr]"), "{body}");
+    let (s, e) = get_json(
+        &app,
+        &format!("/api/v1/tasks/{}/{}/logs?stream=stdin", running.0, running.1),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&e, "invalid_parameter");
+    let (s, e) = get_json(&app, &format!("/api/v1/tasks/{}/{}/logs", waiting.0, waiting.1)).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&e, "no_container");
+}
+
+#[tokio::test]
+async fn nodes_and_selections() {
+    let hub = demo_hub(50, 150);
+    let app = router(hub.clone());
+    let (_, n) = get_json(&app, "/api/v1/nodes?offset=100&limit=30").await;
+    assert_eq!(n["total"], 150);
+    assert_eq!(n["nodes"].as_array().unwrap().len(), 30);
+    assert_eq!(n["nodes"][0]["host"], "gpu-0100");
+    let (_, n) = get_json(&app, "/api/v1/nodes?host=gpu-000").await;
+    assert_eq!(n["total"], 10);
+    let (s, e) = get_json(&app, "/api/v1/nodes?limit=abc").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&e, "invalid_parameter");
+
+    let (_, sel) = get_json(&app, "/api/v1/selections?limit=5").await;
+    let recs = sel["selections"].as_array().unwrap();
+    assert_eq!(recs.len(), 5);
+    let at: Vec<u64> = recs.iter().map(|r| r["atMs"].as_u64().unwrap()).collect();
+    assert!(at.windows(2).all(|w| w[0] >= w[1]), "newest first: {at:?}");
+    let w = hub.read(|s| {
+        s.tasks
+            .iter()
+            .find(|t| t.state == TaskState::TaskWaiting)
+            .map(|t| (t.role.clone(), t.index))
+            .unwrap()
+    });
+    let (_, sel) = get_json(&app, &format!("/api/v1/selections?role={}&index={}", w.0, w.1)).await;
+    let recs = sel["selections"].as_array().unwrap();
+    assert!(!recs.is_empty());
+    assert!(recs.iter().all(|r| r["role"] == w.0.as_str() && r["index"] == w.1));
+    assert_eq!(recs[0]["outcome"], "notNow");
+    assert!(recs[0]["trace"]["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["nodesOut"] == 0));
+}
+
+fn kill_req(auth: Option<&str>) -> Request<Body> {
+    let mut b = Request::post("/api/v1/job/kill");
+    if let Some(a) = auth {
+        b = b.header("authorization", a);
+    }
+    b.body(Body::empty()).unwrap()
+}
+
+#[tokio::test]
+async fn kill_needs_the_token() {
+    let (hub, mut rx) = demo_hub_with_commands(10, 3);
+    let app = router(hub.clone());
+    let (s, _, body) = call(&app, kill_req(None)).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert!(body.contains("\"unauthorized\""));
+    let (s, _, _) = call(&app, kill_req(Some("Bearer wrong-token"))).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = call(&app, kill_req(Some(DEMO_TOKEN))).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "token without the Bearer scheme");
+    assert!(rx.try_recv().is_err(), "no command for refused calls");
+    let (s, _, body) = call(&app, kill_req(Some(&format!("Bearer {DEMO_TOKEN}")))).await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["accepted"],
+        true
+    );
+    assert!(matches!(rx.try_recv(), Ok(Command::Kill { .. })));
+    // A final job cannot be killed.
+    hub.update("job", serde_json::json!({}), |s| s.job.state = JobState::Succeeded);
+    let (s, _, body) = call(&app, kill_req(Some(&format!("Bearer {DEMO_TOKEN}")))).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert!(body.contains("job_final"));
+    assert!(rx.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn metrics_series() {
+    let app = router(demo_hub(30, 6));
+    let (s, ctype, text) = get(&app, "/metrics").await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(ctype.starts_with("text/plain; version=0.0.4"));
+    for series in [
+        "gpuam_tasks{role=\"worker\",state=\"CONTAINER_RUNNING\"} ",
+        "gpuam_requests_outstanding ",
+        "gpuam_allocate_latency_seconds_bucket{le=\"+Inf\"} 200",
+        "gpuam_allocate_latency_seconds_count 200",
+        "gpuam_rm_errors_total 2",
+        "gpuam_node_refresh_age_seconds ",
+        "gpuam_selection_filtered_total{stage=\"resources\"} 1200",
+        "gpuam_task_retries_total{exit_class=\"transient\"} 1",
+        "gpuam_job_state{state=\"RUNNING\"} 1",
+        "gpuam_job_state{state=\"FAILED\"} 0",
+    ] {
+        assert!(text.contains(series), "missing {series} in\n{text}");
+    }
+    // Buckets are cumulative.
+    let counts: Vec<u64> = text
+        .lines()
+        .filter(|l| l.starts_with("gpuam_allocate_latency_seconds_bucket"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{counts:?}");
+}
+
+#[tokio::test]
+async fn health_probes() {
+    let hub = demo_hub(5, 2);
+    let app = router(hub.clone());
+    assert_eq!(get(&app, "/livez").await.0, StatusCode::OK);
+    assert_eq!(get(&app, "/healthz").await.0, StatusCode::OK);
+    assert_eq!(get(&app, "/readyz").await.0, StatusCode::OK);
+    hub.update("nodes", serde_json::json!({}), |s| s.nodes_refreshed_ms -= 31_000);
+    let (s, e) = get_json(&app, "/readyz").await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    assert_error(&e, "not_ready");
+    assert!(e["message"].as_str().unwrap().contains("node view"));
+    hub.update("nodes", serde_json::json!({}), |s| {
+        s.nodes_refreshed_ms += 31_000;
+        s.registered = false;
+    });
+    let (s, e) = get_json(&app, "/readyz").await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(e["message"].as_str().unwrap().contains("not registered"));
+    assert_eq!(get(&app, "/livez").await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn static_assets() {
+    let app = router(demo_hub(1, 1));
+    let (s, ctype, body) = get(&app, "/").await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(ctype.starts_with("text/html"));
+    assert!(body.contains("id=\"log-view\"") && body.contains("/app.js"));
+    let (s, ctype, body) = get(&app, "/app.js").await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(ctype.starts_with("text/javascript"));
+    assert!(body.contains("EventSource"));
+    let r = app
+        .clone()
+        .oneshot(Request::get("/style.css").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/css"));
+    assert_eq!(r.headers()["cache-control"], "no-cache");
+    let tag = r.headers()["etag"].clone();
+    let r = app
+        .clone()
+        .oneshot(
+            Request::get("/style.css")
+                .header("if-none-match", tag)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_MODIFIED);
+}
+
+/// Reads SSE frames from a loopback server until `n` events (not comments) arrived.
+async fn read_events(mut resp: reqwest::Response, n: usize) -> Vec<(Option<String>, String, String)> {
+    let mut buf = String::new();
+    let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while out.len() < n {
+        let chunk = tokio::time::timeout_at(deadline, resp.chunk())
+            .await
+            .expect("events in time")
+            .unwrap()
+            .unwrap();
+        buf.push_str(std::str::from_utf8(&chunk).unwrap());
+        while let Some(end) = buf.find("\n\n") {
+            let frame: String = buf.drain(..end + 2).collect();
+            let (mut id, mut ev, mut data) = (None, String::new(), String::new());
+            for line in frame.lines() {
+                if let Some(v) = line.strip_prefix("id:") {
+                    id = Some(v.trim().to_string());
+                } else if let Some(v) = line.strip_prefix("event:") {
+                    ev = v.trim().to_string();
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data = v.trim().to_string();
+                }
+            }
+            if !ev.is_empty() {
+                out.push((id, ev, data));
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn sse_resumes_after_last_event_id() {
+    let hub: Arc<StatusHub> = demo_hub(5, 2);
+    for i in 1..=5 {
+        hub.publish("task", serde_json::json!({"n": i}));
+    }
+    let (addr, server) = super::serve(hub.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let client = reqwest::Client::new();
+    let resp = client
+        .get(format!("http://{addr}/api/v1/events"))
+        .header("Last-Event-ID", "3")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let publisher = {
+        let hub = hub.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            hub.publish("job", serde_json::json!({"n": 6}));
+        })
+    };
+    let evs = read_events(resp, 3).await;
+    let ids: Vec<_> = evs.iter().map(|e| e.0.clone().unwrap()).collect();
+    assert_eq!(ids, ["4", "5", "6"]);
+    assert_eq!(evs[0].1, "task");
+    assert_eq!(evs[2].1, "job");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&evs[2].2).unwrap()["n"], 6);
+    publisher.await.unwrap();
+
+    // The query parameter works too; the header wins over it.
+    let resp = client
+        .get(format!("http://{addr}/api/v1/events?lastEventId=5"))
+        .send()
+        .await
+        .unwrap();
+    let evs = read_events(resp, 1).await;
+    assert_eq!(evs[0].0.as_deref(), Some("6"));
+    let (s, _, _) = get(&router(hub.clone()), "/api/v1/events?lastEventId=abc").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    server.abort();
+}
+
+#[tokio::test]
+async fn sse_lagging_client_gets_resync() {
+    let hub = demo_hub(2, 1);
+    let stream = super::sse::event_stream(hub.clone(), None);
+    futures::pin_mut!(stream);
+    // More than the broadcast channel holds, before the client reads anything.
+    for i in 0..1100 {
+        hub.publish("task", serde_json::json!({"n": i}));
+    }
+    let first = tokio::time::timeout(Duration::from_secs(2), stream.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let text = format!("{first:?}");
+    assert!(text.contains("resync"), "{text}");
+}
