@@ -168,6 +168,7 @@ function renderJob() {
   const diag = $('job-diagnostics');
   diag.hidden = !j.diagnostics;
   diag.textContent = j.diagnostics || '';
+  diag.dataset.state = j.state;
   const kill = $('kill');
   const final = ['SUCCEEDED', 'FAILED', 'KILLED'].includes(j.state);
   if (!state.token) {
