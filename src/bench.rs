@@ -151,3 +151,158 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
     );
     exit::SUCCESS
 }
+
+/// Peak resident memory (VmHWM) of a process, in MiB, from /proc.
+fn peak_rss_mib(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
+}
+
+/// The pid of the AM process of `app_id` (its command line names the app id).
+fn am_pid(app_id: &str) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd);
+        (cmd.contains("\0am\0") && cmd.contains(app_id)).then_some(pid)
+    })
+}
+
+/// `gpuam bench job`: a job of `tasks` one-GPU tasks that exit at once, on a cluster of
+/// `nodes` 8-GPU nodes, through the real RM, AM process and executor. Prints the time
+/// from submit to all tasks launched and to the job's end, and the AM's and RM's peak
+/// memory.
+pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::SubmitApplication;
+    // The AM keeps its status API up briefly after the job so the final figures can be
+    // read; it inherits this from the RM, which is this process.
+    std::env::set_var("GPUAM_DASHBOARD_LINGER_SEC", "5");
+    let work = std::env::temp_dir().join(format!("gpuam-bench-job-{}", std::process::id()));
+    let mut cluster = bench_cluster(nodes, seed);
+    for n in &mut cluster {
+        n.set_used(Resources::default());
+    }
+    let rm = match crate::rm::start(crate::rm::RmOptions::new(
+        cluster,
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        work.clone(),
+    ))
+    .await
+    {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("error: cannot start the RM: {e:#}");
+            return exit::INTERNAL;
+        }
+    };
+    let spec = format!(
+        "name: bench-{tasks}\ntaskRoles:\n  worker:\n    instances: {tasks}\n    resourcePerInstance: {{cpu: 1, memoryMB: 1024, gpu: 1}}\n    commands: [\"true\"]\n"
+    );
+    let client = RmClient::new(&rm.base_url());
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    let submit_ms = crate::am::tasks::now_ms();
+    let app = match client.new_application().await {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit::INTERNAL;
+        }
+    };
+    if let Err(e) = client
+        .submit(&SubmitApplication {
+            application_id: app.application_id.clone(),
+            job_spec: spec,
+            job_spec_name: Some("bench".into()),
+            dashboard_listen: None,
+            job_token: None,
+        })
+        .await
+    {
+        eprintln!("error: {e}");
+        return exit::INTERNAL;
+    }
+    let id = app.application_id;
+    let mut am_peak: f64 = 0.0;
+    let mut last_snapshot: Option<serde_json::Value> = None;
+    let report = loop {
+        if started.elapsed() > Duration::from_secs(300) {
+            eprintln!("error: the job did not finish within 300 s");
+            return exit::INTERNAL;
+        }
+        if let Some(p) = am_pid(&id).and_then(peak_rss_mib) {
+            am_peak = am_peak.max(p);
+        }
+        let Ok(report) = client.app(&id).await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        if !report.tracking_url.is_empty() {
+            if let Ok(r) = http.get(format!("{}api/v1/snapshot", report.tracking_url)).send().await {
+                if let Ok(v) = r.json::<serde_json::Value>().await {
+                    last_snapshot = Some(v);
+                }
+            }
+        }
+        if report.state.is_final() {
+            break report;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // The AM lingers: read its final snapshot and memory once more.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    if let Some(p) = am_pid(&id).and_then(peak_rss_mib) {
+        am_peak = am_peak.max(p);
+    }
+    if let Ok(r) = http.get(format!("{}api/v1/snapshot", report.tracking_url)).send().await {
+        if let Ok(v) = r.json::<serde_json::Value>().await {
+            last_snapshot = Some(v);
+        }
+    }
+    let launched: Vec<u64> = last_snapshot
+        .as_ref()
+        .and_then(|s| s["tasks"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|t| t["launchedMs"].as_u64())
+        .collect();
+    let rm_peak = peak_rss_mib(std::process::id()).unwrap_or(0.0);
+    let all_free = rm.ledger_all_free();
+    rm.shutdown().await;
+    let _ = std::fs::remove_dir_all(&work);
+    println!("gpuam bench job: {tasks} one-GPU tasks that exit at once, {nodes} nodes × 8 GPUs (seed {seed})");
+    println!(
+        "  final state            {:?} (exit {:?})",
+        report.final_status, report.exit_code
+    );
+    match launched.iter().max() {
+        Some(last) if launched.len() == tasks as usize => println!(
+            "  submit → all launched  {:.2} s",
+            last.saturating_sub(submit_ms) as f64 / 1000.0
+        ),
+        _ => println!(
+            "  submit → all launched  unknown ({} of {tasks} launch times seen)",
+            launched.len()
+        ),
+    }
+    println!(
+        "  submit → job finished  {:.2} s",
+        report.finished_time.saturating_sub(submit_ms) as f64 / 1000.0
+    );
+    println!("  AM peak RSS            {am_peak:.1} MiB");
+    println!("  RM peak RSS            {rm_peak:.1} MiB (this process: embedded RM + executor + the bench's client)");
+    println!("  ledger all free after  {all_free}");
+    if all_free && report.exit_code == Some(0) {
+        exit::SUCCESS
+    } else {
+        exit::INTERNAL
+    }
+}

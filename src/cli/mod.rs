@@ -115,6 +115,15 @@ enum BenchCmd {
         #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
         nodes: Vec<usize>,
     },
+    /// A job of many one-GPU tasks through the real RM, AM and executor.
+    Job {
+        #[arg(long, default_value_t = 1000)]
+        tasks: u32,
+        #[arg(long, default_value_t = 200)]
+        nodes: usize,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
 }
 
 /// Entry point: parses the command line and runs the command.
@@ -172,6 +181,7 @@ pub fn main() -> i32 {
                 seed,
                 nodes,
             } => crate::bench::select_bench(&nodes, iterations, seed),
+            BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(crate::bench::job_bench(tasks, nodes, seed)),
         },
     }
 }

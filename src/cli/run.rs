@@ -65,7 +65,10 @@ pub async fn run(
     .await;
     // The AM keeps its dashboard up this long after the job ends; the embedded RM (which
     // serves the task logs) stays too, so the page remains whole.
-    if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC").ok().and_then(|v| v.parse::<u64>().ok()) {
+    if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
         println!("the dashboard stays up for {secs} s (GPUAM_DASHBOARD_LINGER_SEC); Ctrl-C to leave now");
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(secs)) => {}
