@@ -39,6 +39,17 @@ pub enum NodeJsonError {
 
 /// Writes one node as a YARN node object. `num_containers` is the number of live
 /// containers on it; `last_health_update_ms` milliseconds since the epoch.
+/// A preset travels by name; a parsed matrix (named "custom") as its
+/// `nvidia-smi topo -m` text. Names are compared, not matrices: this runs for every
+/// node of every listing.
+fn topology_wire(t: &crate::topology::Topology) -> String {
+    if crate::topology::Topology::preset_names().contains(&t.name()) {
+        t.name().to_string()
+    } else {
+        t.to_topo_text()
+    }
+}
+
 pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64) -> Value {
     let total = node.total();
     let used = node.used();
@@ -63,8 +74,7 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
         "usedGpuAttribute": mask_hex(used.gpu_mask),
         "portRanges": total.ports.to_string(),
         "usedPortRanges": used.ports.to_string(),
-        // TODO(merge): emit `to_topo_text()` for non-preset topologies once it exists.
-        "gpuTopology": node.topology.as_ref().map(|t| t.name().to_string()).unwrap_or_else(|| "none".into()),
+        "gpuTopology": node.topology.as_ref().map(|t| topology_wire(t)).unwrap_or_else(|| "none".into()),
         "totalResource": resource_info(total),
         "usedResource": resource_info(used),
         "availableResource": resource_info(&avail),
@@ -678,5 +688,27 @@ mod tests {
             parse_nodes_json(r#"{"nodes":5}"#),
             Err(NodeJsonError::Listing { .. })
         ));
+    }
+}
+
+#[cfg(test)]
+mod topology_wire_tests {
+    use super::*;
+    use crate::resources::{PortSet, Resources};
+    use std::sync::Arc;
+
+    #[test]
+    fn custom_topologies_travel_as_matrix_text_and_come_back_equal() {
+        let text = crate::topology::Topology::preset("dgx1v").unwrap().to_topo_text();
+        let custom = crate::topology::Topology::parse_nvidia_smi(&text).unwrap();
+        let mut n = Node::new("h", "/r", Resources::with_mask(8, 100, 0xff, PortSet::new()));
+        n.topology = Some(Arc::new(custom.clone()));
+        let v = node_to_json(&n, 0, 0);
+        assert!(v["gpuTopology"].as_str().unwrap().contains("GPU0"), "sent as text");
+        let back = parse_node_value(&v).unwrap();
+        assert_eq!(back.topology.as_deref(), Some(&custom));
+        let mut p = n.clone();
+        p.topology = crate::topology::Topology::preset("pcie8").map(Arc::new);
+        assert_eq!(node_to_json(&p, 0, 0)["gpuTopology"], "pcie8", "presets travel by name");
     }
 }

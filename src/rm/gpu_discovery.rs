@@ -374,3 +374,57 @@ Legend:
         }
     }
 }
+
+/// Gives nodes marked `local: true` this machine's real GPUs: count, type and
+/// topology from `nvidia-smi`. Without `nvidia-smi` (or when it fails) the node keeps
+/// what its cluster file says and runs simulated, with a warning.
+pub fn apply_to_local_nodes(nodes: &mut [crate::cluster::Node], found: Option<&LocalGpus>) {
+    use std::sync::Arc;
+    for n in nodes.iter_mut().filter(|n| n.local) {
+        let Some(g) = found else {
+            tracing::warn!(host = %n.host, "local: true, but no nvidia-smi answered; the node keeps its configured GPUs");
+            continue;
+        };
+        let mut total = n.total().clone();
+        total.gpu_mask = crate::resources::mask_of_count(g.count.min(64));
+        total.gpus = total.gpu_mask.count_ones();
+        n.set_total(total);
+        n.gpu_type = Some(g.gpu_type.clone());
+        n.topology = g
+            .topo_text
+            .as_deref()
+            .and_then(|t| crate::topology::Topology::parse_nvidia_smi(t).ok())
+            .filter(|t| t.gpu_count() == g.count)
+            .map(Arc::new);
+        tracing::info!(host = %n.host, gpus = g.count, gpu_type = %g.gpu_type, "local node uses this machine's GPUs");
+    }
+}
+
+#[cfg(test)]
+mod apply_tests {
+    use super::*;
+    use crate::cluster::Node;
+    use crate::resources::{PortSet, Resources};
+
+    #[test]
+    fn local_nodes_take_the_discovered_gpus_and_others_are_untouched() {
+        let mut local = Node::new("me", "/r", Resources::with_mask(8, 1000, 0x3, PortSet::new()));
+        local.local = true;
+        let other = Node::new("sim", "/r", Resources::with_mask(8, 1000, 0xff, PortSet::new()));
+        let mut nodes = vec![local, other];
+        let topo = crate::topology::Topology::preset("pcie4").map(|t| t.to_topo_text());
+        let g = LocalGpus {
+            count: 4,
+            gpu_type: "H100".into(),
+            names: vec!["NVIDIA H100 80GB HBM3".into(); 4],
+            topo_text: topo,
+        };
+        apply_to_local_nodes(&mut nodes, Some(&g));
+        assert_eq!(nodes[0].total().gpu_mask, 0xf);
+        assert_eq!(nodes[0].gpu_type.as_deref(), Some("H100"));
+        assert_eq!(nodes[0].topology.as_ref().map(|t| t.gpu_count()), Some(4));
+        assert_eq!(nodes[1].total().gpu_mask, 0xff);
+        apply_to_local_nodes(&mut nodes, None);
+        assert_eq!(nodes[0].total().gpu_mask, 0xf, "no nvidia-smi: unchanged");
+    }
+}

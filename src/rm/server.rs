@@ -129,8 +129,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let addr = listener.local_addr()?;
     let base_url = base_url_of(addr);
 
+    // `local: true` nodes get this machine's real GPUs (nvidia-smi blocks: off the runtime).
+    let mut nodes = opts.nodes;
+    if nodes.iter().any(|n| n.local) {
+        let found = tokio::task::spawn_blocking(super::gpu_discovery::discover)
+            .await
+            .ok()
+            .flatten();
+        super::gpu_discovery::apply_to_local_nodes(&mut nodes, found.as_ref());
+    }
     // Simulated nodes run their containers in this process's executor.
-    let nodes = opts.nodes.into_iter().map(|mut n| {
+    let nodes = nodes.into_iter().map(|mut n| {
         if n.http_address.is_empty() {
             n.http_address = base_url.clone();
         }
