@@ -12,7 +12,6 @@ pub mod tasks;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -112,6 +111,18 @@ pub async fn run(opts: AmOptions) -> i32 {
             };
         }
     };
+    if let Some(why) = gang_never_fits(&job, &nodes, &opts.settings) {
+        eprintln!("error: {why}");
+        let finish = FinishRequest {
+            final_status: FinalStatus::Failed,
+            exit_code: exit::JOB_FAILED,
+            diagnostics: why,
+        };
+        // Register first so the RM records the verdict as this attempt's.
+        let _ = rm.register(&RegisterRequest::default()).await;
+        let _ = with_retries("finish", 5, || rm.finish(&finish)).await;
+        return exit::JOB_FAILED;
+    }
     let selector = Arc::new(Selector::new(ClusterView::new(nodes), opts.settings.select.clone()));
 
     let addrs: Arc<parking_lot::Mutex<HashMap<String, (String, String)>>> = Arc::default();
@@ -233,8 +244,33 @@ pub async fn run(opts: AmOptions) -> i32 {
     end.exit_code
 }
 
-/// Where the AM's settings and job spec come from on the command line.
-#[derive(Clone, Debug)]
-pub struct AmCommandLine {
-    pub job_path: PathBuf,
+/// A gang holds everything it is given until all of it is there, so a gang that could
+/// not be placed even on the empty cluster would wait and time out forever: say so at
+/// once instead. (Tasks of other jobs can finish; the cluster's own size cannot grow.)
+pub fn gang_never_fits(job: &JobSpec, nodes: &[crate::cluster::Node], settings: &Settings) -> Option<String> {
+    if !job.gang {
+        return None;
+    }
+    let empty: Vec<_> = nodes
+        .iter()
+        .cloned()
+        .map(|mut n| {
+            n.set_used(crate::resources::Resources::default());
+            n
+        })
+        .collect();
+    let mut select = settings.select.clone();
+    select.seed = Some(0);
+    let plan = crate::select::plan_job(&Selector::new(ClusterView::new(empty), select), job);
+    plan.unplaced.first().map(|u| {
+        format!(
+            "the gang of {} tasks cannot fit this cluster even when it is empty: {} of them find no place \
+             (first: {}/{}: {})",
+            job.total_tasks(),
+            plan.unplaced.len(),
+            u.role,
+            u.index,
+            u.reason
+        )
+    })
 }
