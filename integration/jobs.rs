@@ -460,10 +460,16 @@ nodes:
             );
             subs.push(rm.submit(&job));
         }
+        let round_start = Instant::now();
         for s in subs {
             let out = s.wait(JOB_TIMEOUT);
+            eprintln!("round {round}: a job ended after {:?} {:?}", round_start.elapsed(), shapes);
             assert_eq!(out.code, 0, "round {round}: {out:?}\n{}", rm.logs());
         }
+        // At most 16 GPUs of work in 0.5 s slices on 10 free GPUs: a few seconds, unless
+        // an AM idles beside free resources.
+        let took = round_start.elapsed();
+        assert!(took < Duration::from_secs(12), "round {round}: both jobs took {took:?}");
 
         let mut recs = Vec::new();
         for e in fs::read_dir(rm.root()).unwrap().flatten() {
