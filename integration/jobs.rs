@@ -71,7 +71,10 @@ nodes:
     let out = rm.run_job(&job, JOB_TIMEOUT);
     assert_eq!(out.code, 0, "{out:?}\n{}", rm.logs());
     let last = out.stdout.lines().last().unwrap_or("");
-    assert!(last.starts_with("job application_") && last.contains("Succeeded"), "{last}");
+    assert!(
+        last.starts_with("job application_") && last.contains("Succeeded"),
+        "{last}"
+    );
 
     let expected_labels: BTreeMap<&str, Vec<&str>> =
         BTreeMap::from([("ps", vec!["rpc"]), ("worker", vec!["nccl", "http"])]);
@@ -93,7 +96,11 @@ nodes:
         assert_eq!(env["GPUAM_GPU_MASK"], format!("{mask:#x}"), "{ctx}");
         assert_eq!(env["CONTAINER_GPUS"], mask.to_string(), "{ctx}");
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], gpus.join(","), "{ctx}");
-        let nvidia = if gpus.is_empty() { "none".to_string() } else { gpus.join(",") };
+        let nvidia = if gpus.is_empty() {
+            "none".to_string()
+        } else {
+            gpus.join(",")
+        };
         assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], nvidia, "{ctx}");
         assert_eq!(mask.count_ones() as usize, if role == "ps" { 0 } else { 2 }, "{ctx}");
         // Ports: GPUAM_PORT_<LABEL> and CONTAINER_PORTS (labels in spec order) equal the plan's.
@@ -119,7 +126,11 @@ nodes:
         assert_eq!(env["GPUAM_JOB"], "placement", "{ctx}");
         // The task's stdout log holds what it printed.
         let dir = std::path::PathBuf::from(&env["GPUAM_CONTAINER_DIR"]);
-        assert!(dir.starts_with(rm.work_dir.join("containers")), "{ctx}: {}", dir.display());
+        assert!(
+            dir.starts_with(rm.work_dir.join("containers")),
+            "{ctx}: {}",
+            dir.display()
+        );
         assert!(dir.ends_with(&env["GPUAM_CONTAINER_ID"]), "{ctx}");
         let stdout = fs::read_to_string(dir.join("stdout")).unwrap();
         assert!(
@@ -147,13 +158,7 @@ nodes:
 
     // Independent of the plan: no two tasks on one host share a GPU bit or a port, and
     // nobody got the node's baseline `used` resources.
-    assert_disjoint(
-        &envs
-            .values()
-            .map(|e| Rec::from_env(e, 0, 1))
-            .collect::<Vec<_>>(),
-        &rm,
-    );
+    assert_disjoint(&envs.values().map(|e| Rec::from_env(e, 0, 1)).collect::<Vec<_>>(), &rm);
     rm.assert_all_free(FREE_TIMEOUT);
 }
 
@@ -181,7 +186,11 @@ fn failing_task_retries_then_the_job_fails() {
     let last = out.stdout.lines().last().unwrap_or("");
     assert!(last.starts_with(&format!("job {app} Failed")), "{last}");
 
-    let lines: Vec<String> = fs::read_to_string(&attempts).unwrap().lines().map(str::to_string).collect();
+    let lines: Vec<String> = fs::read_to_string(&attempts)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
     assert_eq!(lines.len(), 3, "the task ran {} times: {lines:?}", lines.len());
     let nums: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
     assert_eq!(nums, ["1", "2", "3"]);
@@ -278,9 +287,11 @@ fn gang_releases_on_timeout_and_completes_once_resources_free_up() {
     let hold_at = wait_for(Duration::from_secs(10), "job B to hold the other node", || {
         (rm.node(other).gpu_used == 0xf).then(Instant::now)
     });
-    let release_at = wait_for(Duration::from_secs(10), "job B to release after its gang timeout", || {
-        (rm.node(other).gpu_used == 0).then(Instant::now)
-    });
+    let release_at = wait_for(
+        Duration::from_secs(10),
+        "job B to release after its gang timeout",
+        || (rm.node(other).gpu_used == 0).then(Instant::now),
+    );
     let held_for = release_at - hold_at;
     assert!(
         held_for >= Duration::from_millis(1500),
@@ -291,7 +302,10 @@ fn gang_releases_on_timeout_and_completes_once_resources_free_up() {
     wait_for(Duration::from_secs(10), "job B to try again", || {
         (rm.node(other).gpu_used == 0xf).then_some(())
     });
-    assert!(!started.exists(), "a gang task started before the whole gang was placed");
+    assert!(
+        !started.exists(),
+        "a gang task started before the whole gang was placed"
+    );
     assert_eq!(rm.node(&held).gpu_used, 0xf, "job A still holds its node");
 
     rm.kill_app(&app_a);
@@ -302,7 +316,11 @@ fn gang_releases_on_timeout_and_completes_once_resources_free_up() {
     let out_b = sub_b.wait(JOB_TIMEOUT);
     assert_eq!(out_b.code, 0, "{out_b:?}\n{}", rm.logs());
     assert_eq!(rm.app(&app_b)["finalStatus"], "SUCCEEDED");
-    let mut idx: Vec<String> = fs::read_to_string(&started).unwrap().lines().map(str::to_string).collect();
+    let mut idx: Vec<String> = fs::read_to_string(&started)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
     idx.sort();
     assert_eq!(idx, ["0", "1", "2"]);
     rm.assert_all_free(FREE_TIMEOUT);
@@ -448,7 +466,11 @@ nodes:
         let mut shapes = BTreeMap::new();
         let mut subs = Vec::new();
         for name in ["a", "b"] {
-            let (instances, gpu, ports) = (rng.gen_range(2..=4u32), rng.gen_range(1..=2u32), rng.gen_range(1..=2u32));
+            let (instances, gpu, ports) = (
+                rng.gen_range(2..=4u32),
+                rng.gen_range(1..=2u32),
+                rng.gen_range(1..=2u32),
+            );
             let job_name = format!("r{round}{name}");
             shapes.insert(job_name.clone(), (instances, gpu, ports));
             let job = rm.write_job(
@@ -463,7 +485,11 @@ nodes:
         let round_start = Instant::now();
         for s in subs {
             let out = s.wait(JOB_TIMEOUT);
-            eprintln!("round {round}: a job ended after {:?} {:?}", round_start.elapsed(), shapes);
+            eprintln!(
+                "round {round}: a job ended after {:?} {:?}",
+                round_start.elapsed(),
+                shapes
+            );
             assert_eq!(out.code, 0, "round {round}: {out:?}\n{}", rm.logs());
         }
         // At most 16 GPUs of work in 0.5 s slices on 10 free GPUs: a few seconds, unless
@@ -487,7 +513,11 @@ nodes:
         for r in &recs {
             let (_, gpu, ports) = shapes[&r.job];
             assert_eq!(r.mask.count_ones(), gpu, "round {round}: {r:?}");
-            assert_eq!(r.port_labels, vec![("p".to_string(), ports as usize)], "round {round}: {r:?}");
+            assert_eq!(
+                r.port_labels,
+                vec![("p".to_string(), ports as usize)],
+                "round {round}: {r:?}"
+            );
             seen.insert((r.job.clone(), r.index));
         }
         let want: BTreeSet<(String, u32)> = shapes

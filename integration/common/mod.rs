@@ -73,7 +73,10 @@ pub fn parse_container_ports(s: &str) -> Vec<(String, Vec<u16>)> {
                 .unwrap_or_else(|| panic!("bad CONTAINER_PORTS entry `{p}` in `{s}`"));
             (
                 l.to_string(),
-                ps.split(',').filter(|x| !x.is_empty()).map(|x| x.parse().unwrap()).collect(),
+                ps.split(',')
+                    .filter(|x| !x.is_empty())
+                    .map(|x| x.parse().unwrap())
+                    .collect(),
             )
         })
         .collect()
@@ -146,7 +149,10 @@ impl Submission {
         wait_for(timeout, "the `submitted job` line", || {
             self.stdout()
                 .lines()
-                .find_map(|l| l.starts_with("submitted job ").then(|| l.rsplit(' ').next().map(str::to_string)))
+                .find_map(|l| {
+                    l.starts_with("submitted job ")
+                        .then(|| l.rsplit(' ').next().map(str::to_string))
+                })
                 .flatten()
         })
     }
@@ -221,8 +227,14 @@ impl Rm {
         scrub_env(&mut cmd, &config, &env);
         cmd.env("GPUAM_LOG", "info");
         let child = cmd.spawn().unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
         let mut rm = Rm {
             child: Some(child),
             url: String::new(),
