@@ -346,14 +346,20 @@ fn a_newer_node_report_supersedes_tried_resources() {
     let s = selector(vec![node("a", "/r", 2, 0)]);
     let p = placed(&s.select_and_reserve(&ask(&r), &JobDemand::new(true))).clone();
     s.remove_requested("a", &p.resources, true);
-    assert!(matches!(s.select(&ask(&r), &JobDemand::new(true)).outcome, Outcome::NotNow { .. }));
+    assert!(matches!(
+        s.select(&ask(&r), &JobDemand::new(true)).outcome,
+        Outcome::NotNow { .. }
+    ));
     // The report shows the GPUs free again: they are no longer skipped.
     s.apply_node_report(node("a", "/r", 2, 0));
     assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a");
     // Same for a full listing.
     let p = placed(&s.select_and_reserve(&ask(&r), &JobDemand::new(true))).clone();
     s.remove_requested("a", &p.resources, true);
-    assert!(matches!(s.select(&ask(&r), &JobDemand::new(true)).outcome, Outcome::NotNow { .. }));
+    assert!(matches!(
+        s.select(&ask(&r), &JobDemand::new(true)).outcome,
+        Outcome::NotNow { .. }
+    ));
     s.replace_nodes(vec![node("a", "/r", 2, 0)]);
     assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a");
 }
