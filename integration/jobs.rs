@@ -287,17 +287,21 @@ fn gang_releases_on_timeout_and_completes_once_resources_free_up() {
     let hold_at = wait_for(Duration::from_secs(10), "job B to hold the other node", || {
         (rm.node(other).gpu_used == 0xf).then(Instant::now)
     });
-    let release_at = wait_for(
+    let (release_at, released) = wait_for(
         Duration::from_secs(10),
         "job B to release after its gang timeout",
-        || (rm.node(other).gpu_used == 0).then(Instant::now),
+        || {
+            let n = rm.node(other);
+            (n.gpu_used == 0).then(|| (Instant::now(), n))
+        },
     );
     let held_for = release_at - hold_at;
     assert!(
         held_for >= Duration::from_millis(1500),
         "released after {held_for:?}, before the 2 s gang timeout"
     );
-    assert_eq!(rm.node(other).containers, 0);
+    assert_eq!(released.containers, 0, "{released:?}");
+    assert_eq!((released.cpu_used, released.mem_used), (0, 0), "{released:?}");
     // It tries again after the back-off.
     wait_for(Duration::from_secs(10), "job B to try again", || {
         (rm.node(other).gpu_used == 0xf).then_some(())
