@@ -238,13 +238,21 @@ impl Selector {
     }
 
     /// Replaces the view with a full node listing (keeps bookings of known hosts).
+    /// A listing fetched after an ask was rejected already shows whoever holds what the
+    /// ask wanted, so it supersedes the tried marks; keeping them for their whole TTL
+    /// would hide resources that were freed meanwhile (a job then idled ~30 s beside
+    /// free GPUs after losing a race with another AM).
     pub fn replace_nodes(&self, nodes: Vec<Node>) {
-        self.state.lock().replace_nodes(nodes);
+        let mut st = self.state.lock();
+        st.tried.clear();
+        st.replace_nodes(nodes);
     }
 
-    /// Applies one node report (an unusable state removes the node).
+    /// Applies one node report (an unusable state removes the node); like a full
+    /// listing, it supersedes the node's tried marks.
     pub fn apply_node_report(&self, mut node: Node) {
         let mut st = self.state.lock();
+        st.tried.remove(&node.host);
         st.share_topology(&mut node);
         st.view.apply_report(node);
     }

@@ -341,6 +341,30 @@ fn tried_resources_are_avoided_until_their_time_is_up() {
 }
 
 #[test]
+fn a_newer_node_report_supersedes_tried_resources() {
+    let r = res(1, 1000, 2);
+    let s = selector(vec![node("a", "/r", 2, 0)]);
+    let p = placed(&s.select_and_reserve(&ask(&r), &JobDemand::new(true))).clone();
+    s.remove_requested("a", &p.resources, true);
+    assert!(matches!(
+        s.select(&ask(&r), &JobDemand::new(true)).outcome,
+        Outcome::NotNow { .. }
+    ));
+    // The report shows the GPUs free again: they are no longer skipped.
+    s.apply_node_report(node("a", "/r", 2, 0));
+    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a");
+    // Same for a full listing.
+    let p = placed(&s.select_and_reserve(&ask(&r), &JobDemand::new(true))).clone();
+    s.remove_requested("a", &p.resources, true);
+    assert!(matches!(
+        s.select(&ask(&r), &JobDemand::new(true)).outcome,
+        Outcome::NotNow { .. }
+    ));
+    s.replace_nodes(vec![node("a", "/r", 2, 0)]);
+    assert_eq!(placed(&s.select(&ask(&r), &JobDemand::new(true))).host, "a");
+}
+
+#[test]
 fn a_job_that_fits_one_node_goes_onto_one_node() {
     // Partly used nodes (packing would pick them first) and one empty node.
     let mut nodes: Vec<Node> = (0..6).map(|i| node(&format!("busy{i}"), "/r", 8, 0x0f)).collect();

@@ -1,0 +1,547 @@
+//! Shared helpers of the end-to-end tests: start a real `gpuam rm` process (which
+//! launches real `gpuam am` processes, which start real task process groups), write
+//! cluster and job files into a per-test temporary directory, submit jobs with
+//! `gpuam submit --wait`, talk to the RM's REST API, and check process liveness.
+//!
+//! Every process a helper starts is stopped when its guard is dropped (the RM gets
+//! SIGINT, which stops its AMs and containers, then SIGKILL if it lingers), so a failing
+//! test leaves nothing behind. When a test panics, the RM's and AMs' logs are printed and
+//! the temporary directory is kept for inspection.
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The `gpuam` binary built by cargo for this test run.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_gpuam")
+}
+
+/// Polls `f` every 25 ms until it returns `Some`, or panics with `what` after `timeout`.
+pub fn wait_for<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if start.elapsed() > timeout {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// A YAML single-quoted scalar (so `$VAR`, `"` and `:` reach bash unchanged).
+pub fn sq(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Parses `0x3f` (or decimal).
+pub fn parse_mask(s: &str) -> u64 {
+    let s = s.trim();
+    match s.strip_prefix("0x") {
+        Some(h) => u64::from_str_radix(h, 16).unwrap_or_else(|e| panic!("bad mask `{s}`: {e}")),
+        None => s.parse().unwrap_or_else(|e| panic!("bad mask `{s}`: {e}")),
+    }
+}
+
+/// Parses "20000-20003,20010" into the list of ports ("" = none).
+pub fn parse_ranges(s: &str) -> Vec<u16> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(a.parse::<u16>().unwrap()..=b.parse::<u16>().unwrap()),
+            None => out.push(part.parse().unwrap()),
+        }
+    }
+    out
+}
+
+/// Parses `CONTAINER_PORTS` ("http:2001;ssh:2002,2003;") into (label, ports) in order.
+pub fn parse_container_ports(s: &str) -> Vec<(String, Vec<u16>)> {
+    s.split(';')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (l, ps) = p
+                .split_once(':')
+                .unwrap_or_else(|| panic!("bad CONTAINER_PORTS entry `{p}` in `{s}`"));
+            (
+                l.to_string(),
+                ps.split(',')
+                    .filter(|x| !x.is_empty())
+                    .map(|x| x.parse().unwrap())
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// Reads a `env | sort` dump into a map (multi-line values are ignored).
+pub fn read_env_file(path: &Path) -> BTreeMap<String, String> {
+    let text = fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// One node of the RM's listing, reduced to what the tests compare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeUse {
+    pub host: String,
+    pub gpu_total: u64,
+    pub gpu_used: u64,
+    pub ports_total: String,
+    pub ports_used: String,
+    pub cpu_used: u64,
+    pub mem_used: u64,
+    pub containers: u64,
+}
+
+fn node_use(n: &Value) -> NodeUse {
+    let s = |k: &str| n[k].as_str().unwrap_or("").to_string();
+    NodeUse {
+        host: s("nodeHostName"),
+        gpu_total: parse_mask(&s("gpuAttribute")),
+        gpu_used: parse_mask(&s("usedGpuAttribute")),
+        ports_total: s("portRanges"),
+        ports_used: s("usedPortRanges"),
+        cpu_used: n["usedVirtualCores"].as_u64().unwrap_or(0),
+        mem_used: n["usedMemoryMB"].as_u64().unwrap_or(0),
+        containers: n["numContainers"].as_u64().unwrap_or(0),
+    }
+}
+
+/// Output of a finished command.
+#[derive(Debug)]
+pub struct Finished {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+/// A running `gpuam submit --wait`, with its output going to files.
+pub struct Submission {
+    child: Option<Child>,
+    stdout: PathBuf,
+    stderr: PathBuf,
+    started: Instant,
+}
+
+impl Submission {
+    pub fn stdout(&self) -> String {
+        fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    pub fn stderr(&self) -> String {
+        fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// The application id from the `submitted job `x` as ID` line.
+    pub fn app_id(&self, timeout: Duration) -> String {
+        wait_for(timeout, "the `submitted job` line", || {
+            self.stdout()
+                .lines()
+                .find_map(|l| {
+                    l.starts_with("submitted job ")
+                        .then(|| l.rsplit(' ').next().map(str::to_string))
+                })
+                .flatten()
+        })
+    }
+
+    /// Waits for the command to exit; panics (after killing it) on timeout.
+    pub fn wait(mut self, timeout: Duration) -> Finished {
+        let child = self.child.as_mut().unwrap();
+        let status = wait_for(timeout, "`gpuam submit --wait` to exit", || child.try_wait().unwrap());
+        self.child = None;
+        Finished {
+            code: status.code().unwrap_or(-1),
+            stdout: self.stdout(),
+            stderr: self.stderr(),
+            elapsed: self.started.elapsed(),
+        }
+    }
+}
+
+impl Drop for Submission {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A standalone `gpuam rm` process on 127.0.0.1 (port chosen by the OS) with its own
+/// temporary directory for the cluster file, settings, job files, the RM's work dir and
+/// whatever the tasks write.
+pub struct Rm {
+    child: Option<Child>,
+    pub url: String,
+    pub work_dir: PathBuf,
+    dir: Option<tempfile::TempDir>,
+    config: PathBuf,
+    env: Vec<(String, String)>,
+    /// The node listing before any job ran.
+    pub baseline: Vec<NodeUse>,
+    rt: tokio::runtime::Runtime,
+    http: reqwest::Client,
+    seq: std::cell::Cell<u32>,
+}
+
+impl Rm {
+    /// Starts an RM serving `cluster_yaml`, with `env` (e.g. `GPUAM__SELECT__SEED`)
+    /// in its environment, which the AMs it launches inherit.
+    pub fn start(cluster_yaml: &str, env: &[(&str, &str)]) -> Rm {
+        let dir = tempfile::Builder::new().prefix("gpuam-itest-").tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let cluster = root.join("cluster.yaml");
+        fs::write(&cluster, cluster_yaml).unwrap();
+        // Own settings file, so the tests do not depend on conf/gpuam.yaml.
+        let config = root.join("gpuam.yaml");
+        fs::write(&config, "rm:\n  container_expiry_sec: 600\n").unwrap();
+        let work_dir = root.join("rm-work");
+        let stdout = root.join("rm.stdout");
+        let stderr = root.join("rm.stderr");
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut cmd = Command::new(bin());
+        cmd.arg("rm")
+            .arg("--cluster")
+            .arg(&cluster)
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--work-dir")
+            .arg(&work_dir)
+            .current_dir(&root)
+            .stdin(Stdio::null())
+            .stdout(fs::File::create(&stdout).unwrap())
+            .stderr(fs::File::create(&stderr).unwrap());
+        scrub_env(&mut cmd, &config, &env);
+        cmd.env("GPUAM_LOG", "info");
+        let child = cmd.spawn().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        let mut rm = Rm {
+            child: Some(child),
+            url: String::new(),
+            work_dir,
+            dir: Some(dir),
+            config,
+            env,
+            baseline: Vec::new(),
+            rt,
+            http,
+            seq: std::cell::Cell::new(0),
+        };
+        // "gpuam rm listening on URL (work dir DIR)"
+        rm.url = wait_for(Duration::from_secs(20), "the RM's `listening on` line", || {
+            if let Some(status) = rm.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "the RM exited ({status}) before listening:\n{}",
+                    fs::read_to_string(&stderr).unwrap_or_default()
+                );
+            }
+            let out = fs::read_to_string(&stdout).unwrap_or_default();
+            out.lines()
+                .find_map(|l| l.strip_prefix("gpuam rm listening on "))
+                .and_then(|rest| rest.split_whitespace().next())
+                .map(str::to_string)
+        });
+        rm.baseline = wait_for(Duration::from_secs(10), "the RM to answer", || rm.try_nodes());
+        rm
+    }
+
+    /// The test's temporary directory (absolute).
+    pub fn root(&self) -> &Path {
+        self.dir.as_ref().unwrap().path()
+    }
+
+    /// A path in the temporary directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.root().join(name)
+    }
+
+    /// Writes a job file; returns its path.
+    pub fn write_job(&self, name: &str, yaml: &str) -> PathBuf {
+        let p = self.path(&format!("{name}.yaml"));
+        fs::write(&p, yaml).unwrap();
+        p
+    }
+
+    /// A `gpuam` command with the test's settings and environment.
+    pub fn gpuam(&self) -> Command {
+        let mut cmd = Command::new(bin());
+        cmd.current_dir(self.root()).stdin(Stdio::null());
+        scrub_env(&mut cmd, &self.config, &self.env);
+        cmd
+    }
+
+    /// Runs `gpuam plan JOB --cluster <this RM's cluster file> --json`.
+    pub fn plan_json(&self, job: &Path) -> Value {
+        let out = self
+            .gpuam()
+            .arg("plan")
+            .arg(job)
+            .arg("--cluster")
+            .arg(self.path("cluster.yaml"))
+            .arg("--json")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "plan failed: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("plan --json is not JSON ({e}): {stdout}"))
+    }
+
+    /// Starts `gpuam submit JOB --rm URL --wait` in the background.
+    pub fn submit(&self, job: &Path) -> Submission {
+        let n = self.seq.get() + 1;
+        self.seq.set(n);
+        let stdout = self.path(&format!("submit-{n}.stdout"));
+        let stderr = self.path(&format!("submit-{n}.stderr"));
+        let child = self
+            .gpuam()
+            .arg("submit")
+            .arg(job)
+            .arg("--rm")
+            .arg(&self.url)
+            .arg("--wait")
+            .stdout(fs::File::create(&stdout).unwrap())
+            .stderr(fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        Submission {
+            child: Some(child),
+            stdout,
+            stderr,
+            started: Instant::now(),
+        }
+    }
+
+    /// Submits and waits for the end.
+    pub fn run_job(&self, job: &Path, timeout: Duration) -> Finished {
+        self.submit(job).wait(timeout)
+    }
+
+    fn get(&self, path: &str) -> Result<Value, String> {
+        let url = format!("{}{path}", self.url);
+        self.rt.block_on(async {
+            let r = self.http.get(&url).send().await.map_err(|e| e.to_string())?;
+            let status = r.status();
+            let v: Value = r.json().await.map_err(|e| e.to_string())?;
+            if status.is_success() {
+                Ok(v)
+            } else {
+                Err(format!("GET {path}: {status}: {v}"))
+            }
+        })
+    }
+
+    fn try_nodes(&self) -> Option<Vec<NodeUse>> {
+        let v = self.get("/ws/v1/cluster/nodes").ok()?;
+        let mut out: Vec<NodeUse> = v["nodes"]["node"].as_array()?.iter().map(node_use).collect();
+        out.sort_by(|a, b| a.host.cmp(&b.host));
+        Some(out)
+    }
+
+    /// `GET /ws/v1/cluster/nodes`, sorted by host.
+    pub fn nodes(&self) -> Vec<NodeUse> {
+        self.try_nodes().expect("GET /ws/v1/cluster/nodes")
+    }
+
+    /// One node of the listing.
+    pub fn node(&self, host: &str) -> NodeUse {
+        self.nodes()
+            .into_iter()
+            .find(|n| n.host == host)
+            .unwrap_or_else(|| panic!("no node `{host}` in the RM's listing"))
+    }
+
+    /// `GET /ws/v1/cluster/apps/{id}` → the `app` object.
+    pub fn app(&self, id: &str) -> Value {
+        let v = self.get(&format!("/ws/v1/cluster/apps/{id}")).unwrap();
+        v["app"].clone()
+    }
+
+    /// `PUT /ws/v1/cluster/apps/{id}/state {"state":"KILLED"}`.
+    pub fn kill_app(&self, id: &str) {
+        let url = format!("{}/ws/v1/cluster/apps/{id}/state", self.url);
+        let status = self.rt.block_on(async {
+            self.http
+                .put(&url)
+                .json(&serde_json::json!({"state": "KILLED"}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        });
+        assert!(status.is_success(), "kill {id}: HTTP {status}");
+    }
+
+    /// Waits until the app reaches a final state; returns the app object.
+    pub fn wait_app_final(&self, id: &str, timeout: Duration) -> Value {
+        wait_for(timeout, &format!("app {id} to end"), || {
+            let a = self.app(id);
+            matches!(a["state"].as_str(), Some("FINISHED" | "FAILED" | "KILLED")).then_some(a)
+        })
+    }
+
+    /// Container directories (`<work_dir>/containers/<id>`) of an application.
+    pub fn container_dirs(&self, app_id: &str) -> Vec<PathBuf> {
+        let suffix = app_id.strip_prefix("application_").unwrap_or(app_id);
+        let prefix = format!("container_{suffix}_");
+        let mut out: Vec<PathBuf> = fs::read_dir(self.work_dir.join("containers"))
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .map(|e| e.path())
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort();
+        out
+    }
+
+    /// Asserts that, within `timeout`, every node is back at its baseline use: no
+    /// container, GPU bit, port, CPU or memory left booked by any job.
+    pub fn assert_all_free(&self, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let now = self.nodes();
+            if now == self.baseline {
+                return;
+            }
+            if start.elapsed() > timeout {
+                panic!(
+                    "the RM's ledger is not back to its baseline after {timeout:?}:\nnow:      {now:#?}\nbaseline: {:#?}",
+                    self.baseline
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The RM's and every AM's stderr (for failure messages).
+    pub fn logs(&self) -> String {
+        let mut out = format!(
+            "--- rm.stderr\n{}",
+            fs::read_to_string(self.path("rm.stderr")).unwrap_or_default()
+        );
+        if let Ok(rd) = fs::read_dir(&self.work_dir) {
+            let mut apps: Vec<PathBuf> = rd.filter_map(Result::ok).map(|e| e.path()).collect();
+            apps.sort();
+            for a in apps {
+                if let Ok(t) = fs::read_to_string(a.join("am.stderr")) {
+                    out.push_str(&format!("--- {}/am.stderr\n{t}", a.display()));
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Rm {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SIGINT: the RM stops its AMs and containers, then exits.
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGINT);
+            }
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(10) {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("{}", self.logs());
+            if let Some(d) = self.dir.take() {
+                eprintln!("test files kept in {}", d.keep().display());
+            }
+        }
+    }
+}
+
+/// The test's settings file and environment, and none of the caller's `GPUAM_*`.
+fn scrub_env(cmd: &mut Command, config: &Path, env: &[(String, String)]) {
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GPUAM") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("GPUAM_CONFIG", config);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+}
+
+/// Whether a process is alive (zombies count as dead: nothing here reaps orphans,
+/// so a killed task's orphaned children may linger as zombies under PID 1).
+pub fn pid_alive(pid: i32) -> bool {
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::ESRCH));
+        return false;
+    }
+    proc_state(pid).is_some_and(|s| s != 'Z')
+}
+
+/// The live (non-zombie) members of process group `pgid`.
+pub fn group_members(pgid: i32) -> Vec<i32> {
+    if unsafe { libc::kill(-pgid, 0) } != 0 {
+        let err = std::io::Error::last_os_error().raw_os_error();
+        assert_eq!(err, Some(libc::ESRCH), "kill(-{pgid}, 0)");
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for e in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid pgrp ...; comm may hold spaces, so split after ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.len() > 2 && f[2].parse::<i32>().ok() == Some(pgid) && f[0] != "Z" {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+/// Waits until no live process remains in any of `pgids`.
+pub fn wait_groups_gone(pgids: &[i32], timeout: Duration) {
+    wait_for(timeout, &format!("process groups {pgids:?} to be gone"), || {
+        pgids.iter().all(|&g| group_members(g).is_empty()).then_some(())
+    });
+}

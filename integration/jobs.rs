@@ -1,0 +1,535 @@
+//! End-to-end tests of whole jobs on the running system: a real `gpuam rm` process,
+//! the real `gpuam am` processes it launches, and real task process groups (small bash
+//! snippets that record their environment, pids and timings into the test's temporary
+//! directory). Covered: placement equal to `gpuam plan`, the environment contract,
+//! retries, completion policies, gang timeout and release, kill, and two concurrent
+//! jobs never sharing a GPU bit or a port. Every test ends by checking that the RM's
+//! ledger is back to its baseline.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::time::{Duration, Instant};
+
+use common::{
+    group_members, parse_container_ports, parse_mask, parse_ranges, pid_alive, read_env_file, sq, wait_for,
+    wait_groups_gone, Rm,
+};
+use rand::{Rng, SeedableRng};
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(40);
+const FREE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A block list of commands for a job file.
+fn commands(cmds: &[&str]) -> String {
+    cmds.iter().map(|c| format!("      - {}\n", sq(c))).collect()
+}
+
+#[test]
+fn placement_and_environment_match_the_plan() {
+    let rm = Rm::start(
+        r#"
+nodes:
+  - host: gpu-a
+    rack: /r1
+    cpu: 32
+    memoryMB: 64000
+    gpus: 4
+    ports: "20000-20015"
+  - host: gpu-b
+    rack: /r1
+    cpu: 32
+    memoryMB: 64000
+    gpus: 4
+    ports: "20000-20015"
+    used: {cpu: 2, memoryMB: 1000, gpuMask: "0x1", ports: "20000-20001"}
+  - host: cpu-c
+    rack: /r2
+    cpu: 16
+    memoryMB: 32000
+    ports: "20000-20015"
+"#,
+        &[("GPUAM__SELECT__SEED", "0")],
+    );
+    let root = rm.root().display().to_string();
+    let record = format!("env | sort > {root}/env.$GPUAM_TASK_ROLE.$GPUAM_TASK_INDEX");
+    let hello = "echo \"hello from $GPUAM_TASK_ROLE $GPUAM_TASK_INDEX on $GPUAM_HOST\"";
+    let job = rm.write_job(
+        "placement",
+        &format!(
+            "name: placement\ngang: true\ntaskRoles:\n  ps:\n    instances: 1\n    resourcePerInstance: {{cpu: 2, memoryMB: 1000, gpu: 0, ports: {{rpc: 1}}}}\n    commands:\n{}  worker:\n    instances: 3\n    resourcePerInstance: {{cpu: 4, memoryMB: 2000, gpu: 2, ports: {{nccl: 1, http: 2}}}}\n    commands:\n{}",
+            commands(&[&record, hello]),
+            commands(&[&record, hello]),
+        ),
+    );
+    let plan = rm.plan_json(&job);
+    assert_eq!(plan["unplaced"].as_array().map(Vec::len), Some(0), "{plan}");
+    let placements = plan["placements"].as_array().unwrap().clone();
+    assert_eq!(placements.len(), 4, "{plan}");
+
+    let out = rm.run_job(&job, JOB_TIMEOUT);
+    assert_eq!(out.code, 0, "{out:?}\n{}", rm.logs());
+    let last = out.stdout.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with("job application_") && last.contains("Succeeded"),
+        "{last}"
+    );
+
+    let expected_labels: BTreeMap<&str, Vec<&str>> =
+        BTreeMap::from([("ps", vec!["rpc"]), ("worker", vec!["nccl", "http"])]);
+    let mut envs: BTreeMap<(String, u64), BTreeMap<String, String>> = BTreeMap::new();
+    for p in &placements {
+        let role = p["role"].as_str().unwrap();
+        let index = p["index"].as_u64().unwrap();
+        let env = read_env_file(&rm.path(&format!("env.{role}.{index}")));
+        let host = p["host"].as_str().unwrap();
+        let gpus: Vec<String> = p["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g.as_u64().unwrap().to_string())
+            .collect();
+        let mask = parse_mask(p["gpuMask"].as_str().unwrap());
+        let ctx = format!("task {role}/{index}: plan {p}");
+        assert_eq!(env["GPUAM_HOST"], host, "{ctx}");
+        assert_eq!(env["GPUAM_GPU_MASK"], format!("{mask:#x}"), "{ctx}");
+        assert_eq!(env["CONTAINER_GPUS"], mask.to_string(), "{ctx}");
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], gpus.join(","), "{ctx}");
+        let nvidia = if gpus.is_empty() {
+            "none".to_string()
+        } else {
+            gpus.join(",")
+        };
+        assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], nvidia, "{ctx}");
+        assert_eq!(mask.count_ones() as usize, if role == "ps" { 0 } else { 2 }, "{ctx}");
+        // Ports: GPUAM_PORT_<LABEL> and CONTAINER_PORTS (labels in spec order) equal the plan's.
+        let cports = parse_container_ports(&env["CONTAINER_PORTS"]);
+        let labels: Vec<&str> = cports.iter().map(|(l, _)| l.as_str()).collect();
+        assert_eq!(labels, expected_labels[role], "{ctx}");
+        for (label, ports) in &cports {
+            let planned: Vec<u16> = p["ports"][label]
+                .as_array()
+                .unwrap_or_else(|| panic!("{ctx}: no ports `{label}` in the plan"))
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u16)
+                .collect();
+            assert_eq!(ports, &planned, "{ctx}: CONTAINER_PORTS {label}");
+            let var = format!("GPUAM_PORT_{}", label.to_uppercase());
+            let joined: Vec<String> = planned.iter().map(u16::to_string).collect();
+            assert_eq!(env[&var], joined.join(","), "{ctx}: {var}");
+        }
+        assert_eq!(p["ports"].as_object().unwrap().len(), cports.len(), "{ctx}");
+        assert_eq!(env["GPUAM_TASK_ROLE"], role, "{ctx}");
+        assert_eq!(env["GPUAM_TASK_INDEX"], index.to_string(), "{ctx}");
+        assert_eq!(env["GPUAM_ATTEMPT"], "1", "{ctx}");
+        assert_eq!(env["GPUAM_JOB"], "placement", "{ctx}");
+        // The task's stdout log holds what it printed.
+        let dir = std::path::PathBuf::from(&env["GPUAM_CONTAINER_DIR"]);
+        assert!(
+            dir.starts_with(rm.work_dir.join("containers")),
+            "{ctx}: {}",
+            dir.display()
+        );
+        assert!(dir.ends_with(&env["GPUAM_CONTAINER_ID"]), "{ctx}");
+        let stdout = fs::read_to_string(dir.join("stdout")).unwrap();
+        assert!(
+            stdout.contains(&format!("hello from {role} {index} on {host}")),
+            "{ctx}: stdout log is {stdout:?}"
+        );
+        envs.insert((role.to_string(), index), env);
+    }
+
+    // Peers: GPUAM_HOSTS_<ROLE> is "host:firstPort" in index order, the same in every task.
+    for role in ["ps", "worker"] {
+        let expect: Vec<String> = envs
+            .iter()
+            .filter(|((r, _), _)| r == role)
+            .map(|(_, env)| {
+                let first = parse_container_ports(&env["CONTAINER_PORTS"])[0].1[0];
+                format!("{}:{first}", env["GPUAM_HOST"])
+            })
+            .collect();
+        let var = format!("GPUAM_HOSTS_{}", role.to_uppercase());
+        for ((r, i), env) in &envs {
+            assert_eq!(env[&var], expect.join(","), "{var} in task {r}/{i}");
+        }
+    }
+
+    // Independent of the plan: no two tasks on one host share a GPU bit or a port, and
+    // nobody got the node's baseline `used` resources.
+    assert_disjoint(&envs.values().map(|e| Rec::from_env(e, 0, 1)).collect::<Vec<_>>(), &rm);
+    rm.assert_all_free(FREE_TIMEOUT);
+}
+
+#[test]
+fn failing_task_retries_then_the_job_fails() {
+    let rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n    ports: \"20000-20009\"\n",
+        &[],
+    );
+    let attempts = rm.path("attempts");
+    let job = rm.write_job(
+        "retry",
+        &format!(
+            "name: retry\ntaskRoles:\n  flaky:\n    instances: 1\n    taskRetryCount: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[
+                &format!("echo \"$GPUAM_ATTEMPT $GPUAM_CONTAINER_ID\" >> {}", attempts.display()),
+                "exit 1",
+            ])
+        ),
+    );
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    let out = sub.wait(JOB_TIMEOUT);
+    assert_eq!(out.code, 1, "{out:?}\n{}", rm.logs());
+    let last = out.stdout.lines().last().unwrap_or("");
+    assert!(last.starts_with(&format!("job {app} Failed")), "{last}");
+
+    let lines: Vec<String> = fs::read_to_string(&attempts)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(lines.len(), 3, "the task ran {} times: {lines:?}", lines.len());
+    let nums: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
+    assert_eq!(nums, ["1", "2", "3"]);
+    let ids: BTreeSet<&str> = lines.iter().map(|l| l.split(' ').nth(1).unwrap()).collect();
+    assert_eq!(ids.len(), 3, "each attempt has its own container: {lines:?}");
+    assert_eq!(rm.container_dirs(&app).len(), 3);
+
+    let a = rm.app(&app);
+    assert_eq!(a["finalStatus"], "FAILED", "{a}");
+    assert_eq!(a["exitCode"], 1, "{a}");
+    rm.assert_all_free(FREE_TIMEOUT);
+}
+
+#[test]
+fn never_ending_ps_is_stopped_when_workers_succeed() {
+    let rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n    ports: \"20000-20009\"\n  - host: c1\n    cpu: 8\n    memoryMB: 8000\n    ports: \"20000-20009\"\n",
+        &[],
+    );
+    let root = rm.root().display().to_string();
+    // Workers wait (bounded) until both PS wrote their pid, so the PS surely run.
+    let wait_ps = format!(
+        "for i in $(seq 200); do [ -s {root}/ps.0.pid ] && [ -s {root}/ps.1.pid ] && exit 0; sleep 0.05; done; exit 3"
+    );
+    let job = rm.write_job(
+        "psw",
+        &format!(
+            "name: psw\ntaskRoles:\n  ps:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0, ports: {{grpc: 1}}}}\n    commands:\n{}  worker:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    completion: {{minSucceededInstances: 2}}\n    commands:\n{}",
+            commands(&[
+                &format!("echo $$ > {root}/ps.$GPUAM_TASK_INDEX.tmp && mv {root}/ps.$GPUAM_TASK_INDEX.tmp {root}/ps.$GPUAM_TASK_INDEX.pid"),
+                "sleep 300",
+            ]),
+            commands(&[&format!("( {wait_ps} )"), "sleep 0.3"]),
+        ),
+    );
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    let out = sub.wait(JOB_TIMEOUT);
+    assert_eq!(out.code, 0, "{out:?}\n{}", rm.logs());
+    assert!(out.elapsed < Duration::from_secs(15), "took {:?}", out.elapsed);
+    assert_eq!(rm.app(&app)["finalStatus"], "SUCCEEDED");
+
+    let pids: Vec<i32> = (0..2)
+        .map(|i| {
+            fs::read_to_string(rm.path(&format!("ps.{i}.pid")))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    // Each container leads its own process group, so the group is the PS and its `sleep`.
+    wait_groups_gone(&pids, Duration::from_secs(5));
+    for p in &pids {
+        assert!(!pid_alive(*p), "PS pid {p} still alive");
+    }
+    rm.assert_all_free(FREE_TIMEOUT);
+}
+
+#[test]
+fn gang_releases_on_timeout_and_completes_once_resources_free_up() {
+    let rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 4\n    ports: \"20000-20009\"\n  - host: n2\n    cpu: 8\n    memoryMB: 8000\n    gpus: 4\n    ports: \"20000-20009\"\n",
+        &[("GPUAM__AM__GANG_RETRY_BACKOFF_MS", "500")],
+    );
+    let holder = rm.write_job(
+        "holder",
+        &format!(
+            "name: holder\ntaskRoles:\n  hold:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 4}}\n    commands:\n{}",
+            commands(&["sleep 300"])
+        ),
+    );
+    let sub_a = rm.submit(&holder);
+    let app_a = sub_a.app_id(Duration::from_secs(10));
+    let held = wait_for(Duration::from_secs(10), "job A to hold a whole node", || {
+        rm.nodes().into_iter().find(|n| n.gpu_used == 0xf).map(|n| n.host)
+    });
+    let other = if held == "n1" { "n2" } else { "n1" };
+
+    // Job B: a gang of 3 × 2 GPUs; only 2 fit beside job A.
+    let started = rm.path("b.started");
+    let gang = rm.write_job(
+        "gang",
+        &format!(
+            "name: gang\ngang: true\ngangTimeoutSec: 2\ntaskRoles:\n  w:\n    instances: 3\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 2}}\n    commands:\n{}",
+            commands(&[
+                &format!("echo $GPUAM_TASK_INDEX >> {}", started.display()),
+                "sleep 0.2"
+            ])
+        ),
+    );
+    let sub_b = rm.submit(&gang);
+    let app_b = sub_b.app_id(Duration::from_secs(10));
+    let hold_at = wait_for(Duration::from_secs(10), "job B to hold the other node", || {
+        (rm.node(other).gpu_used == 0xf).then(Instant::now)
+    });
+    let (release_at, released) = wait_for(
+        Duration::from_secs(10),
+        "job B to release after its gang timeout",
+        || {
+            let n = rm.node(other);
+            (n.gpu_used == 0).then(|| (Instant::now(), n))
+        },
+    );
+    let held_for = release_at - hold_at;
+    assert!(
+        held_for >= Duration::from_millis(1500),
+        "released after {held_for:?}, before the 2 s gang timeout"
+    );
+    assert_eq!(released.containers, 0, "{released:?}");
+    assert_eq!((released.cpu_used, released.mem_used), (0, 0), "{released:?}");
+    // It tries again after the back-off.
+    wait_for(Duration::from_secs(10), "job B to try again", || {
+        (rm.node(other).gpu_used == 0xf).then_some(())
+    });
+    assert!(
+        !started.exists(),
+        "a gang task started before the whole gang was placed"
+    );
+    assert_eq!(rm.node(&held).gpu_used, 0xf, "job A still holds its node");
+
+    rm.kill_app(&app_a);
+    let out_a = sub_a.wait(Duration::from_secs(15));
+    assert_eq!(out_a.code, 1, "{out_a:?}");
+    assert_eq!(rm.app(&app_a)["state"], "KILLED");
+
+    let out_b = sub_b.wait(JOB_TIMEOUT);
+    assert_eq!(out_b.code, 0, "{out_b:?}\n{}", rm.logs());
+    assert_eq!(rm.app(&app_b)["finalStatus"], "SUCCEEDED");
+    let mut idx: Vec<String> = fs::read_to_string(&started)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    idx.sort();
+    assert_eq!(idx, ["0", "1", "2"]);
+    rm.assert_all_free(FREE_TIMEOUT);
+}
+
+#[test]
+fn kill_stops_every_process_of_the_job() {
+    let rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n    ports: \"20000-20009\"\n",
+        &[],
+    );
+    let root = rm.root().display().to_string();
+    let job = rm.write_job(
+        "killme",
+        &format!(
+            "name: killme\ntaskRoles:\n  bg:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[
+                &format!("echo $$ $(awk '{{print $5}}' /proc/$$/stat) > {root}/pg.$GPUAM_TASK_INDEX.tmp && mv {root}/pg.$GPUAM_TASK_INDEX.tmp {root}/pg.$GPUAM_TASK_INDEX"),
+                "sleep 300 & sleep 300 & wait",
+            ])
+        ),
+    );
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    let pgids: Vec<i32> = (0..2)
+        .map(|i| {
+            let text = wait_for(Duration::from_secs(15), "the tasks to record their group", || {
+                fs::read_to_string(rm.path(&format!("pg.{i}"))).ok()
+            });
+            let f: Vec<i32> = text.split_whitespace().map(|x| x.parse().unwrap()).collect();
+            assert_eq!(f[0], f[1], "task {i}: its shell leads its own process group");
+            f[1]
+        })
+        .collect();
+    for &g in &pgids {
+        // The shell and its two background sleeps.
+        wait_for(Duration::from_secs(10), "the background children to start", || {
+            (group_members(g).len() >= 3).then_some(())
+        });
+    }
+
+    rm.kill_app(&app);
+    wait_groups_gone(&pgids, Duration::from_secs(5));
+    let out = sub.wait(Duration::from_secs(15));
+    assert_eq!(out.code, 1, "{out:?}");
+    let a = rm.app(&app);
+    assert_eq!(a["state"], "KILLED", "{a}");
+    assert_eq!(a["finalStatus"], "KILLED", "{a}");
+    rm.assert_all_free(FREE_TIMEOUT);
+}
+
+/// What a task recorded about itself.
+#[derive(Clone, Debug)]
+struct Rec {
+    job: String,
+    index: u32,
+    host: String,
+    mask: u64,
+    ports: Vec<u16>,
+    port_labels: Vec<(String, usize)>,
+    start: u128,
+    end: u128,
+}
+
+impl Rec {
+    fn from_env(env: &BTreeMap<String, String>, start: u128, end: u128) -> Rec {
+        let cports = parse_container_ports(&env["CONTAINER_PORTS"]);
+        Rec {
+            job: env["GPUAM_JOB"].clone(),
+            index: env["GPUAM_TASK_INDEX"].parse().unwrap(),
+            host: env["GPUAM_HOST"].clone(),
+            mask: parse_mask(&env["GPUAM_GPU_MASK"]),
+            ports: cports.iter().flat_map(|(_, p)| p.iter().copied()).collect(),
+            port_labels: cports.iter().map(|(l, p)| (l.clone(), p.len())).collect(),
+            start,
+            end,
+        }
+    }
+}
+
+/// No two tasks whose lifetimes overlapped on one host share a GPU bit or a port, and
+/// none got what the node's baseline already uses or what the node does not have.
+fn assert_disjoint(recs: &[Rec], rm: &Rm) {
+    for r in recs {
+        let node = rm
+            .baseline
+            .iter()
+            .find(|n| n.host == r.host)
+            .unwrap_or_else(|| panic!("{r:?}: unknown host"));
+        assert_eq!(r.mask & !node.gpu_total, 0, "{r:?}: GPU outside the node");
+        assert_eq!(r.mask & node.gpu_used, 0, "{r:?}: GPU of the baseline");
+        let total = parse_ranges(&node.ports_total);
+        let used = parse_ranges(&node.ports_used);
+        for p in &r.ports {
+            assert!(total.contains(p), "{r:?}: port {p} outside the node");
+            assert!(!used.contains(p), "{r:?}: port {p} of the baseline");
+        }
+    }
+    for (i, a) in recs.iter().enumerate() {
+        for b in &recs[i + 1..] {
+            let overlap = a.host == b.host && a.start < b.end && b.start < a.end;
+            if !overlap {
+                continue;
+            }
+            assert_eq!(a.mask & b.mask, 0, "GPU bit shared:\n{a:?}\n{b:?}");
+            let shared: Vec<&u16> = a.ports.iter().filter(|p| b.ports.contains(p)).collect();
+            assert!(shared.is_empty(), "ports {shared:?} shared:\n{a:?}\n{b:?}");
+        }
+    }
+}
+
+#[test]
+fn two_concurrent_jobs_never_share_a_gpu_or_a_port() {
+    const CLUSTER: &str = r#"
+nodes:
+  - host: n1
+    cpu: 16
+    memoryMB: 16000
+    gpus: 4
+    ports: "20000-20015"
+    used: {gpuMask: "0x1", ports: "20000-20003"}
+  - host: n2
+    cpu: 16
+    memoryMB: 16000
+    gpus: 4
+    ports: "20000-20015"
+    used: {cpu: 2, memoryMB: 1000, gpuMask: "0x8", ports: "20010-20011"}
+  - host: n3
+    cpu: 16
+    memoryMB: 16000
+    gpus: 4
+    ports: "20000-20015"
+"#;
+    for round in 0..5u64 {
+        let seed = round.to_string();
+        // Both AMs get the same seed: the most collisions the RM must refuse.
+        let rm = Rm::start(CLUSTER, &[("GPUAM__SELECT__SEED", &seed)]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(round);
+        let root = rm.root().display().to_string();
+        let record = format!(
+            "s=$(date +%s%N); sleep 0.5; e=$(date +%s%N); env | sort > {root}/rec.$GPUAM_JOB.$GPUAM_TASK_INDEX.$GPUAM_ATTEMPT.tmp && echo \"$s $e\" > {root}/time.$GPUAM_JOB.$GPUAM_TASK_INDEX.$GPUAM_ATTEMPT && mv {root}/rec.$GPUAM_JOB.$GPUAM_TASK_INDEX.$GPUAM_ATTEMPT.tmp {root}/rec.$GPUAM_JOB.$GPUAM_TASK_INDEX.$GPUAM_ATTEMPT"
+        );
+        let mut shapes = BTreeMap::new();
+        let mut subs = Vec::new();
+        for name in ["a", "b"] {
+            let (instances, gpu, ports) = (
+                rng.gen_range(2..=4u32),
+                rng.gen_range(1..=2u32),
+                rng.gen_range(1..=2u32),
+            );
+            let job_name = format!("r{round}{name}");
+            shapes.insert(job_name.clone(), (instances, gpu, ports));
+            let job = rm.write_job(
+                &job_name,
+                &format!(
+                    "name: {job_name}\ntaskRoles:\n  t:\n    instances: {instances}\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: {gpu}, ports: {{p: {ports}}}}}\n    commands:\n{}",
+                    commands(&[&record])
+                ),
+            );
+            subs.push(rm.submit(&job));
+        }
+        let round_start = Instant::now();
+        for s in subs {
+            let out = s.wait(JOB_TIMEOUT);
+            eprintln!(
+                "round {round}: a job ended after {:?} {:?}",
+                round_start.elapsed(),
+                shapes
+            );
+            assert_eq!(out.code, 0, "round {round}: {out:?}\n{}", rm.logs());
+        }
+        // At most 16 GPUs of work in 0.5 s slices on 10 free GPUs: a few seconds, unless
+        // an AM idles beside free resources.
+        let took = round_start.elapsed();
+        assert!(took < Duration::from_secs(12), "round {round}: both jobs took {took:?}");
+
+        let mut recs = Vec::new();
+        for e in fs::read_dir(rm.root()).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(key) = name.strip_prefix("rec.").filter(|k| !k.ends_with(".tmp")) else {
+                continue;
+            };
+            let env = read_env_file(&e.path());
+            let times = fs::read_to_string(rm.path(&format!("time.{key}"))).unwrap();
+            let t: Vec<u128> = times.split_whitespace().map(|x| x.parse().unwrap()).collect();
+            recs.push(Rec::from_env(&env, t[0], t[1]));
+        }
+        // Every task ran and got exactly what its role asks for.
+        let mut seen = BTreeSet::new();
+        for r in &recs {
+            let (_, gpu, ports) = shapes[&r.job];
+            assert_eq!(r.mask.count_ones(), gpu, "round {round}: {r:?}");
+            assert_eq!(
+                r.port_labels,
+                vec![("p".to_string(), ports as usize)],
+                "round {round}: {r:?}"
+            );
+            seen.insert((r.job.clone(), r.index));
+        }
+        let want: BTreeSet<(String, u32)> = shapes
+            .iter()
+            .flat_map(|(j, (n, _, _))| (0..*n).map(move |i| (j.clone(), i)))
+            .collect();
+        assert_eq!(seen, want, "round {round}: tasks that ran");
+        assert_disjoint(&recs, &rm);
+        rm.assert_all_free(FREE_TIMEOUT);
+    }
+}
