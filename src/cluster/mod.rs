@@ -46,22 +46,27 @@ impl NodeState {
 }
 
 /// One node as the AM sees it.
+///
+/// `repr(C)` keeps the fields in this order: the ones the select pipeline reads for
+/// every node on every call come first, so they share a few cache lines (at 10,000
+/// nodes the pipeline is bound by memory, not arithmetic).
 #[derive(Clone, Debug, PartialEq)]
+#[repr(C)]
 pub struct Node {
-    pub host: String,
-    pub rack: String,
-    pub labels: Vec<String>,
-    pub gpu_type: Option<String>,
-    pub topology: Option<Arc<Topology>>,
     pub state: NodeState,
-    /// Where this node's executor listens (`host:port`); empty when unknown.
-    pub http_address: String,
     /// Use this machine's real GPUs (executor side only).
     pub local: bool,
+    pub topology: Option<Arc<Topology>>,
+    free: Resources,
     total: Resources,
+    pub labels: Vec<String>,
+    pub gpu_type: Option<String>,
+    pub rack: String,
+    pub host: String,
     used: Resources,
     requested: Resources,
-    free: Resources,
+    /// Where this node's executor listens (`host:port`); empty when unknown.
+    pub http_address: String,
 }
 
 impl Node {
