@@ -163,8 +163,8 @@ function renderJob() {
   $('job-finished').textContent = j.finishedMs ? fmtTime(j.finishedMs) + ' (took ' + fmtDur(j.finishedMs - j.startedMs) + ')' : (j.startedMs ? 'not yet (running ' + fmtDur(Date.now() - j.startedMs) + ')' : '–');
   $('job-exit').textContent = (j.exitCode === null || j.exitCode === undefined) ? '–' : j.exitCode;
   const roles = $('job-roles');
-  roles.replaceChildren(...(j.roles || []).map(r => h('span', { class: 'role-chip', title: 'waiting ' + r.waiting + ', requested ' + r.requested + ', allocated ' + r.allocated + ', running ' + r.running + ', succeeded ' + r.succeeded + ', failed ' + r.failed },
-    h('b', { text: r.role }), ' ', r.running + ' run · ' + r.succeeded + ' ok' + (r.failed ? ' · ' + r.failed + ' failed' : '') + ((r.waiting + r.requested) ? ' · ' + (r.waiting + r.requested) + ' wait' : '') + ' / ' + r.instances)));
+  roles.replaceChildren(...(j.roles || []).map(r => h('span', { class: 'role-chip', title: 'waiting ' + r.waiting + ', requested ' + r.requested + ', allocated ' + r.allocated + ', running ' + r.running + ', succeeded ' + r.succeeded + ', failed ' + r.failed + ', stopped ' + (r.stopped || 0) },
+    h('b', { text: r.role }), ' ', r.running + ' run · ' + r.succeeded + ' ok' + (r.failed ? ' · ' + r.failed + ' failed' : '') + (r.stopped ? ' · ' + r.stopped + ' stopped' : '') + ((r.waiting + r.requested) ? ' · ' + (r.waiting + r.requested) + ' wait' : '') + ' / ' + r.instances)));
   const diag = $('job-diagnostics');
   diag.hidden = !j.diagnostics;
   diag.textContent = j.diagnostics || '';

@@ -253,10 +253,22 @@ impl Control {
         let mut demand = self.demand();
         let mut waiting = self.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count() as u32;
         let mut asked = 0;
+        // Tasks of a role are alike: once one finds no place this round, the others
+        // wait for the same back-off instead of running the pipeline again.
+        let mut full_roles: HashMap<usize, (Instant, String)> = HashMap::new();
         for oi in 0..self.order.len() {
             let ti = self.order[oi];
             let t = &self.tasks[ti];
             if t.state != TaskState::TaskWaiting || t.not_before.is_some_and(|nb| now < nb) {
+                continue;
+            }
+            if let Some((until, reason)) = full_roles.get(&t.role) {
+                let t = &mut self.tasks[ti];
+                t.not_before = Some(*until);
+                if t.waiting_reason.as_deref() != Some(reason.as_str()) {
+                    t.waiting_reason = Some(reason.clone());
+                    t.dirty = true;
+                }
                 continue;
             }
             if asked >= MAX_ASKS_PER_HEARTBEAT {
@@ -322,6 +334,7 @@ impl Control {
                     let wait = self.rng.gen_range(lo..=hi.max(lo));
                     let t = &mut self.tasks[ti];
                     t.not_before = Some(now + Duration::from_millis(wait));
+                    full_roles.insert(t.role, (now + Duration::from_millis(wait), reason.clone()));
                     if t.waiting_reason.as_deref() != Some(reason.as_str()) {
                         t.waiting_reason = Some(reason);
                         t.dirty = true;
@@ -789,7 +802,8 @@ impl Control {
                         TaskState::ContainerRunning => c.running += 1,
                         TaskState::TaskCompleted => match t.succeeded {
                             Some(true) => c.succeeded += 1,
-                            _ => c.failed += 1,
+                            Some(false) => c.failed += 1,
+                            None => c.stopped += 1,
                         },
                     }
                 }

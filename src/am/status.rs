@@ -109,6 +109,8 @@ pub struct RoleCounts {
     pub running: u32,
     pub succeeded: u32,
     pub failed: u32,
+    /// Stopped because the job ended first (e.g. a parameter server).
+    pub stopped: u32,
 }
 
 /// One node of the AM's view, as published.

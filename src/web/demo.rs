@@ -356,6 +356,7 @@ pub fn demo_hub_with_commands(
             running: count(r, &|t| t.state == TaskState::ContainerRunning),
             succeeded: count(r, &|t| t.state == TaskState::TaskCompleted && t.exit_code == Some(0)),
             failed: count(r, &|t| t.state == TaskState::TaskCompleted && t.exit_code != Some(0)),
+            stopped: 0,
         })
         .collect();
     let completed = task_list.iter().filter(|t| t.state == TaskState::TaskCompleted).count() as u32;
