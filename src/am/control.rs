@@ -288,14 +288,7 @@ impl Control {
             } else {
                 None
             };
-            let ask = TaskAsk {
-                role: &role.name,
-                resources: &role.resources,
-                node_label: role.node_label.as_deref(),
-                gpu_types: &role.gpu_types,
-                reuse_ports: reuse.as_ref(),
-                waiting_tasks: waiting,
-            };
+            let ask = TaskAsk::for_role(role, reuse.as_ref(), waiting);
             let sel = self.selector.select_and_reserve(&ask, &demand);
             {
                 let mut filtered = self.hub.counters.filtered_per_stage.lock();

@@ -104,11 +104,7 @@ pub async fn run(opts: AmOptions) -> i32 {
         Ok(n) => n,
         Err(e) => {
             eprintln!("error: {e}");
-            return if e.is_unreachable() {
-                exit::RM_UNREACHABLE
-            } else {
-                exit::INTERNAL
-            };
+            return e.exit_code();
         }
     };
     if let Some(why) = gang_never_fits(&job, &nodes, &opts.settings) {
@@ -174,11 +170,7 @@ pub async fn run(opts: AmOptions) -> i32 {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
-            return if e.is_unreachable() {
-                exit::RM_UNREACHABLE
-            } else {
-                exit::INTERNAL
-            };
+            return e.exit_code();
         }
     };
     let mut control = Control::new(

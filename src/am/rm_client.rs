@@ -38,6 +38,15 @@ impl RmError {
     pub fn is_unreachable(&self) -> bool {
         matches!(self, RmError::Unreachable { .. })
     }
+    /// The process exit code a command reports for this failure (DESIGN.md §7).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RmError::Unreachable { .. } => crate::exit::RM_UNREACHABLE,
+            RmError::Refused { status: 400, .. } => crate::exit::INVALID_INPUT,
+            _ => crate::exit::INTERNAL,
+        }
+    }
+
     pub fn status(&self) -> Option<u16> {
         match self {
             RmError::Refused { status, .. } => Some(*status),

@@ -35,11 +35,7 @@ pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json:
             Ok(n) => n,
             Err(e) => {
                 eprintln!("error: {e}");
-                return if e.is_unreachable() {
-                    exit::RM_UNREACHABLE
-                } else {
-                    exit::INTERNAL
-                };
+                return e.exit_code();
             }
         },
         None => match super::load_cluster(cluster) {

@@ -34,12 +34,8 @@ pub async fn run(
     };
     let work_dir = work_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("gpuam-run-{}", std::process::id())));
     let rm = match crate::rm::start(crate::rm::RmOptions {
-        nodes,
-        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        work_dir: work_dir.clone(),
-        am_program: None,
-        launch_am: true,
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
+        ..crate::rm::RmOptions::new(nodes, SocketAddr::from(([127, 0, 0, 1], 0)), work_dir.clone())
     })
     .await
     {
@@ -89,20 +85,11 @@ pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr) -> i32
 
 async fn submit_and_follow(rm_url: &str, name: &str, text: &str, source: &str, wait: bool, listen: SocketAddr) -> i32 {
     let rm = RmClient::new(rm_url);
-    let rm_code = |e: &crate::am::rm_client::RmError| {
-        if e.is_unreachable() {
-            exit::RM_UNREACHABLE
-        } else if e.status() == Some(400) {
-            exit::INVALID_INPUT
-        } else {
-            exit::INTERNAL
-        }
-    };
     let app = match rm.new_application().await {
         Ok(a) => a,
         Err(e) => {
             eprintln!("error: {e}");
-            return rm_code(&e);
+            return e.exit_code();
         }
     };
     let job_token = random_token();
@@ -119,7 +106,7 @@ async fn submit_and_follow(rm_url: &str, name: &str, text: &str, source: &str, w
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
-            return rm_code(&e);
+            return e.exit_code();
         }
     };
     println!("submitted job `{name}` as {}", report.id);

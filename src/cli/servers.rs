@@ -15,12 +15,8 @@ pub async fn rm(cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<Pat
     };
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
     let handle = match crate::rm::start(crate::rm::RmOptions {
-        nodes,
-        listen,
-        work_dir: work_dir.clone(),
-        am_program: None,
-        launch_am: true,
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
+        ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })
     .await
     {

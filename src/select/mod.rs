@@ -46,6 +46,20 @@ pub struct TaskAsk<'a> {
     pub waiting_tasks: u32,
 }
 
+impl<'a> TaskAsk<'a> {
+    /// The ask of one task of `role`.
+    pub fn for_role(role: &'a crate::spec::TaskRole, reuse_ports: Option<&'a PortSet>, waiting_tasks: u32) -> Self {
+        TaskAsk {
+            role: &role.name,
+            resources: &role.resources,
+            node_label: role.node_label.as_deref(),
+            gpu_types: &role.gpu_types,
+            reuse_ports,
+            waiting_tasks,
+        }
+    }
+}
+
 /// Where a task goes.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -101,14 +101,7 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
         } else {
             None
         };
-        let ask = TaskAsk {
-            role: &role.name,
-            resources: &role.resources,
-            node_label: role.node_label.as_deref(),
-            gpu_types: &role.gpu_types,
-            reuse_ports: reuse,
-            waiting_tasks: total - n as u32,
-        };
+        let ask = TaskAsk::for_role(role, reuse, total - n as u32);
         let sel = selector.select_and_reserve(&ask, &demand);
         match sel.outcome {
             Outcome::Placed(p) => {
