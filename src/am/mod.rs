@@ -29,6 +29,10 @@ use control::{Control, JobEnd};
 use rm_client::RmClient;
 use status::{JobState, JobStatus, LogSource, Snapshot, StatusHub};
 
+/// Seconds the dashboard stays up after the job ends, unless
+/// `GPUAM_DASHBOARD_LINGER_SEC` says otherwise.
+const DEFAULT_LINGER_SEC: u64 = 2;
+
 /// What `gpuam am` needs.
 #[derive(Clone, Debug)]
 pub struct AmOptions {
@@ -227,12 +231,13 @@ pub async fn run(opts: AmOptions) -> i32 {
         eprintln!("warning: could not tell the RM the job ended: {e}");
     }
     eprintln!("job {} {:?}: {}", job.name, end.state, end.diagnostics);
-    if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC")
+    // Keep the dashboard and status API up a little after the end, so followers
+    // (`gpuam run`, `submit --wait`, an open page) can read the final state.
+    let linger = std::env::var("GPUAM_DASHBOARD_LINGER_SEC")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
-    {
-        tokio::time::sleep(Duration::from_secs(secs)).await;
-    }
+        .unwrap_or(DEFAULT_LINGER_SEC);
+    tokio::time::sleep(Duration::from_secs(linger)).await;
     end.exit_code
 }
 
