@@ -263,7 +263,8 @@ pub fn trace_cluster(dir: &Path, trace: Trace, eight: Option<&Topology>) -> Resu
 /// Philly: `total_gpus` split by [`split_tasks`] over 8-GPU nodes, 4 cores and 16 GiB
 /// per GPU. Alibaba: one task per pod with `gpus_per_task`, `cpu_milli_per_task`
 /// (rounded up to cores), `mem_mib_per_task`; GPU-sharing pods (gpu_milli < 1000) count
-/// as one whole GPU; pods asking for no GPU are skipped; GPU-type constraints ignored.
+/// as one whole GPU; pods asking for no GPU, and pending pods (no duration), are skipped;
+/// GPU-type constraints ignored.
 pub fn trace_jobs(dir: &Path, trace: Trace) -> Result<Vec<Job>, TraceError> {
     let csv = Csv::read(&dir.join(trace.files().1))?;
     let (c_sub, c_dur, c_tot, c_gpt, c_cpu, c_mem) = (
@@ -280,7 +281,12 @@ pub fn trace_jobs(dir: &Path, trace: Trace) -> Result<Vec<Job>, TraceError> {
             v.ok_or_else(|| TraceError(format!("{} line {line}: column `{name}` is empty", csv.path)))
         };
         let arrival = need(csv.num(*line, row, c_sub, "submit_s")?, "submit_s")?;
-        let duration = need(csv.num(*line, row, c_dur, "duration_s")?, "duration_s")?.max(1.0);
+        let duration = match (csv.num(*line, row, c_dur, "duration_s")?, trace) {
+            (Some(d), _) => d.max(1.0),
+            // Pending pods were never scheduled: nothing to replay.
+            (None, Trace::Alibaba2023) => continue,
+            (None, Trace::Philly) => return Err(TraceError(format!("{} line {line}: column `duration_s` is empty", csv.path))),
+        };
         let tasks = match trace {
             Trace::Philly => {
                 let total = need(csv.num(*line, row, c_tot, "total_gpus")?, "total_gpus")? as u32;
