@@ -124,7 +124,11 @@ struct SimArgs {
     /// Offered load (GPU-time asked / available); traces: arrivals rescaled to it, 0 = recorded times.
     #[arg(long, default_value_t = 0.8)]
     load: f64,
-    #[arg(long, value_delimiter = ',', default_value = "original,random,besteffort,hived,gpuam")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "original,random,besteffort,hived,gpuam"
+    )]
     policies: Vec<String>,
     /// Request-size mix of the synthetic stream (A or B).
     #[arg(long, default_value = "A")]

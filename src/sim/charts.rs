@@ -10,7 +10,9 @@ const L: f64 = 60.0; // left margin
 const B: f64 = 60.0; // bottom margin
 const T: f64 = 40.0; // top margin
 const R: f64 = 150.0; // right margin (legend)
-const COLORS: &[&str] = &["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1"];
+const COLORS: &[&str] = &[
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
+];
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
@@ -188,14 +190,20 @@ pub fn decision_time(points: &[ScalingPoint]) -> String {
             None => series.push((key, vec![p])),
         }
     }
-    let (nmin, nmax) = points
-        .iter()
-        .fold((f64::MAX, 1.0f64), |(a, b), p| (a.min(p.nodes as f64), b.max(p.nodes as f64)));
-    let (tmin, tmax) = points
-        .iter()
-        .fold((f64::MAX, 1.0f64), |(a, b), p| (a.min(p.p99_us.max(0.1)), b.max(p.p99_us)));
-    let (lx0, lx1) = (nmin.max(1.0).log10().floor(), nmax.log10().ceil().max(nmin.log10().floor() + 1.0));
-    let (ly0, ly1) = (tmin.log10().floor(), tmax.log10().ceil().max(tmin.log10().floor() + 1.0));
+    let (nmin, nmax) = points.iter().fold((f64::MAX, 1.0f64), |(a, b), p| {
+        (a.min(p.nodes as f64), b.max(p.nodes as f64))
+    });
+    let (tmin, tmax) = points.iter().fold((f64::MAX, 1.0f64), |(a, b), p| {
+        (a.min(p.p99_us.max(0.1)), b.max(p.p99_us))
+    });
+    let (lx0, lx1) = (
+        nmin.max(1.0).log10().floor(),
+        nmax.log10().ceil().max(nmin.log10().floor() + 1.0),
+    );
+    let (ly0, ly1) = (
+        tmin.log10().floor(),
+        tmax.log10().ceil().max(tmin.log10().floor() + 1.0),
+    );
     let plot_w = W - R - L;
     let plot_h = H - B - T;
     let x = |n: f64| L + (n.log10() - lx0) / (lx1 - lx0) * plot_w;

@@ -38,7 +38,10 @@ pub const POLICIES: &[&str] = &["original", "random", "besteffort", "hived", "gp
 /// One policy instance for one run.
 pub enum Placer {
     /// The real select pipeline over its own copy of the nodes.
-    Gpuam { selector: Selector, hosts: HashMap<String, usize> },
+    Gpuam {
+        selector: Box<Selector>,
+        hosts: HashMap<String, usize>,
+    },
     Other(Box<dyn NodePolicy>),
 }
 
@@ -53,7 +56,7 @@ impl Placer {
                     ..SelectSettings::default()
                 };
                 Placer::Gpuam {
-                    selector: Selector::new(ClusterView::new(cl.to_nodes()), settings),
+                    selector: Box::new(Selector::new(ClusterView::new(cl.to_nodes()), settings)),
                     hosts: cl.nodes.iter().enumerate().map(|(i, n)| (n.host.clone(), i)).collect(),
                 }
             }
@@ -339,7 +342,11 @@ pub fn simulate(cl: &SimCluster, jobs: &[Job], policy: &str, seed: u64) -> Optio
     let mut next = 0usize;
     loop {
         let arr = jobs.get(next).map(|j| j.arrival).unwrap_or(f64::INFINITY);
-        let end = e.done.peek().map(|Reverse((t, _))| f64::from_bits(*t)).unwrap_or(f64::INFINITY);
+        let end = e
+            .done
+            .peek()
+            .map(|Reverse((t, _))| f64::from_bits(*t))
+            .unwrap_or(f64::INFINITY);
         if arr.is_infinite() && end.is_infinite() {
             break;
         }
@@ -411,7 +418,9 @@ pub fn scaling(presets: &[&str], sizes: &[usize], policies: &[String], calls: us
             let mut cl = cluster::generated(&topo, n, 40);
             half_used(&mut cl, seed);
             for pol in policies {
-                let Some(mut placer) = Placer::new(pol, &cl, seed) else { continue };
+                let Some(mut placer) = Placer::new(pol, &cl, seed) else {
+                    continue;
+                };
                 if let Placer::Gpuam { selector, .. } = &placer {
                     selector.replace_nodes(used_nodes(&cl));
                 }
@@ -564,7 +573,10 @@ fn topologies_for(opts: &SimOptions, trace: bool) -> Result<Vec<Option<Topology>
 pub fn run(opts: &SimOptions) -> i32 {
     for p in &opts.policies {
         if !POLICIES.contains(&p.as_str()) {
-            eprintln!("error: --policies: unknown policy `{p}` (known: {})", POLICIES.join(","));
+            eprintln!(
+                "error: --policies: unknown policy `{p}` (known: {})",
+                POLICIES.join(",")
+            );
             return crate::exit::USAGE;
         }
     }
@@ -609,7 +621,11 @@ pub fn run(opts: &SimOptions) -> i32 {
         let (label, cl) = match (trace, topo) {
             (Some(t), _) => match workload::trace_cluster(&dir, t, topo.as_ref()) {
                 Ok(cl) => (
-                    format!("{}:{}", opts.workload, topo.as_ref().map(|t| t.name()).unwrap_or("default")),
+                    format!(
+                        "{}:{}",
+                        opts.workload,
+                        topo.as_ref().map(|t| t.name()).unwrap_or("default")
+                    ),
                     cl,
                 ),
                 Err(e) => {
@@ -617,7 +633,10 @@ pub fn run(opts: &SimOptions) -> i32 {
                     return crate::exit::INVALID_INPUT;
                 }
             },
-            (None, Some(t)) => (t.name().to_string(), cluster::generated(t, opts.nodes.max(1), opts.rack_size)),
+            (None, Some(t)) => (
+                t.name().to_string(),
+                cluster::generated(t, opts.nodes.max(1), opts.rack_size),
+            ),
             (None, None) => continue,
         };
         let gpus = cl.total_gpus();

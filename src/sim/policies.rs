@@ -33,7 +33,9 @@ pub const CANDIDATE_FACTOR: u32 = 2;
 
 /// The original packing order: fewest free GPUs, fewest total GPUs, least free CPU, least
 /// free memory; the random `tie` stands for the original's shuffle before a stable sort.
-fn packing_key(n: &SimNode, tie: u32) -> (u32, u32, u32, u64, u32) {
+type PackKey = (u32, u32, u32, u64, u32);
+
+fn packing_key(n: &SimNode, tie: u32) -> PackKey {
     (n.free_gpus(), n.gpus_total(), n.free_cpu, n.free_mem, tie)
 }
 
@@ -45,7 +47,7 @@ pub struct Original {
 
 impl NodePolicy for Original {
     fn choose(&mut self, cl: &SimCluster, task: &Task, remaining: u32) -> Option<(usize, GpuMask)> {
-        let mut cands: Vec<((u32, u32, u32, u64, u32), usize)> = cl
+        let mut cands: Vec<(PackKey, usize)> = cl
             .nodes
             .iter()
             .enumerate()
@@ -245,7 +247,9 @@ pub fn besteffort_choose(topo: &Topology, free: GpuMask, k: u32) -> Option<BestE
         padded_won = true;
     }
     let (_, g) = best?;
-    let mask = (0..n).filter(|p| g >> p & 1 == 1).fold(0u64, |m, p| m | 1 << devs[p as usize]);
+    let mask = (0..n)
+        .filter(|p| g >> p & 1 == 1)
+        .fold(0u64, |m, p| m | 1 << devs[p as usize]);
     Some(BestEffortPick {
         mask,
         fallback: false,

@@ -29,7 +29,10 @@ pub fn to_json(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint]
     if runs.len() == 1 {
         let r = &runs[0];
         top.insert("topology".into(), json!(r.topology));
-        top.insert("cluster".into(), serde_json::to_value(&r.cluster).unwrap_or(Value::Null));
+        top.insert(
+            "cluster".into(),
+            serde_json::to_value(&r.cluster).unwrap_or(Value::Null),
+        );
         top.insert("jobs".into(), json!(r.jobs));
         top.insert("policies".into(), policies_json(r));
     } else {
@@ -112,11 +115,7 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
                 fmt(p.get("utilization"), 3),
                 fmt(p.get("decisionP50Us"), 1),
                 fmt(p.get("decisionP99Us"), 1),
-                format!(
-                    "{}/{}",
-                    fmt(p.get("fallbacks"), 0),
-                    fmt(p.get("invalid"), 0)
-                ),
+                format!("{}/{}", fmt(p.get("fallbacks"), 0), fmt(p.get("invalid"), 0)),
             ));
         }
     }

@@ -30,7 +30,11 @@ fn every_policy_places_a_synthetic_stream_and_frees_everything() {
         assert!(s.multi_placed > 0 && s.multi_ideal <= s.multi_placed, "{p}");
         let u = s.summary()["utilization"];
         assert!(u > 0.1 && u <= 1.0, "{p}: utilization {u}");
-        assert_eq!(s.decision_ns.len() as u64, s.placed_jobs, "one task per job on 8-GPU nodes");
+        assert_eq!(
+            s.decision_ns.len() as u64,
+            s.placed_jobs,
+            "one task per job on 8-GPU nodes"
+        );
     }
 }
 
@@ -75,7 +79,9 @@ fn gpuam_bookings_through_the_selector_match_the_node_model() {
             live.push((j.clone(), p));
         }
     }
-    let Placer::Gpuam { selector, .. } = &placer else { panic!() };
+    let Placer::Gpuam { selector, .. } = &placer else {
+        panic!()
+    };
     selector.with_view(|v| {
         for n in &c2.nodes {
             let node = v.get(&n.host).unwrap();
@@ -85,9 +91,14 @@ fn gpuam_bookings_through_the_selector_match_the_node_model() {
     for (j, p) in &live {
         placer.release(&mut c2, j, p);
     }
-    let Placer::Gpuam { selector, .. } = &placer else { panic!() };
+    let Placer::Gpuam { selector, .. } = &placer else {
+        panic!()
+    };
     selector.with_view(|v| assert!(v.nodes().all(|n| n.free() == n.total())));
-    assert!(c2.nodes.iter().all(|n| n.free_mask == n.all_mask && n.free_cpu == n.cpu_total));
+    assert!(c2
+        .nodes
+        .iter()
+        .all(|n| n.free_mask == n.all_mask && n.free_cpu == n.cpu_total));
 }
 
 #[test]
@@ -244,7 +255,15 @@ fn json_and_charts_have_the_documented_shape() {
     let r = run_topology(&opts, "pcie4", &c, &stream);
     let j = report::to_json(&opts, std::slice::from_ref(&r), &[]);
     let g = &j["policies"]["gpuam"];
-    for k in ["tierIdeal", "tierAvail", "wRatio", "queueDelayP50", "utilization", "decisionP99Us", "tierIdealCi"] {
+    for k in [
+        "tierIdeal",
+        "tierAvail",
+        "wRatio",
+        "queueDelayP50",
+        "utilization",
+        "decisionP99Us",
+        "tierIdealCi",
+    ] {
         assert!(g.get(k).is_some(), "missing {k} in {g}");
     }
     let svg = charts::tier_ideal_bars(std::slice::from_ref(&r));

@@ -82,7 +82,7 @@ fn exp_sample(rng: &mut StdRng, mean: f64) -> f64 {
 /// Seeded Poisson stream at offered load `load` (GPU-time asked / GPU-time available),
 /// sizes from `mix`, exponential durations of mean [`SYNTH_MEAN_DURATION`].
 pub fn synthetic(mix: Mix, jobs: usize, load: f64, cluster_gpus: u64, per_node: u32, seed: u64) -> Vec<Job> {
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_0f_10b5);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_0f10_b5e5);
     let mean_size: f64 = mix.iter().map(|(s, p)| f64::from(*s) * p).sum();
     let rate = load.max(1e-6) * cluster_gpus as f64 / (mean_size * SYNTH_MEAN_DURATION);
     let mut t = 0.0;
@@ -189,7 +189,10 @@ impl Trace {
     fn files(self) -> (&'static str, &'static str) {
         match self {
             Trace::Philly => ("replay/philly_machines.csv", "replay/philly_pass_ge4gpu_jobs.csv"),
-            Trace::Alibaba2023 => ("replay/alibaba_v2023_machines.csv", "replay/alibaba_v2023_default_jobs.csv"),
+            Trace::Alibaba2023 => (
+                "replay/alibaba_v2023_machines.csv",
+                "replay/alibaba_v2023_default_jobs.csv",
+            ),
         }
     }
 }
@@ -285,7 +288,12 @@ pub fn trace_jobs(dir: &Path, trace: Trace) -> Result<Vec<Job>, TraceError> {
             (Some(d), _) => d.max(1.0),
             // Pending pods were never scheduled: nothing to replay.
             (None, Trace::Alibaba2023) => continue,
-            (None, Trace::Philly) => return Err(TraceError(format!("{} line {line}: column `duration_s` is empty", csv.path))),
+            (None, Trace::Philly) => {
+                return Err(TraceError(format!(
+                    "{} line {line}: column `duration_s` is empty",
+                    csv.path
+                )))
+            }
         };
         let tasks = match trace {
             Trace::Philly => {
