@@ -14,6 +14,7 @@ pub mod protocol;
 pub mod resources;
 pub mod rm;
 pub mod select;
+pub mod sim;
 pub mod spec;
 pub mod topology;
 pub mod web;

@@ -95,11 +95,59 @@ enum Cmd {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
     },
+    /// Trace-driven placement simulator: policies compared on one job stream (docs/BENCHMARKS.md).
+    Sim(SimArgs),
     /// Benchmarks that print their figures (see docs/BENCHMARKS.md).
     Bench {
         #[command(subcommand)]
         what: BenchCmd,
     },
+}
+
+#[derive(clap::Args, Debug)]
+struct SimArgs {
+    /// Job stream: philly, alibaba2023 or synthetic.
+    #[arg(long, default_value = "synthetic")]
+    workload: String,
+    /// Node topology preset, or `all` (synthetic: every preset of ≤ 16 GPUs; traces: every
+    /// 8-GPU preset for the 8-GPU machines). Default: pcie8 (synthetic), per-trace defaults.
+    #[arg(long)]
+    topology: Option<String>,
+    /// Nodes of the generated cluster (synthetic only).
+    #[arg(long, default_value_t = 32)]
+    nodes: usize,
+    /// Jobs per seed (traces: a window of this many jobs per seed).
+    #[arg(long, default_value_t = 2000)]
+    jobs: usize,
+    #[arg(long, default_value_t = 5)]
+    seeds: usize,
+    /// Offered load (GPU-time asked / available); traces: arrivals rescaled to it, 0 = recorded times.
+    #[arg(long, default_value_t = 0.8)]
+    load: f64,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "original,random,besteffort,hived,gpuam"
+    )]
+    policies: Vec<String>,
+    /// Request-size mix of the synthetic stream (A or B).
+    #[arg(long, default_value = "A")]
+    mix: String,
+    /// Nodes per rack of the generated cluster.
+    #[arg(long, default_value_t = 8)]
+    rack_size: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Write results.json, results.csv and SVG charts here.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Also measure decision time as clusters grow (100 → 10,000 nodes, pcie8 → pcie64).
+    #[arg(long)]
+    scaling: bool,
+    /// Trace directory (default $GPUAM_TRACES, else ../shared/data/traces).
+    #[arg(long, value_name = "DIR")]
+    traces: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -175,6 +223,21 @@ pub fn main() -> i32 {
             token,
             listen,
         } => runtime.block_on(servers::am(&job, &rm, &app_id, &token, listen, settings)),
+        Cmd::Sim(a) => crate::sim::run(&crate::sim::SimOptions {
+            workload: a.workload,
+            topology: a.topology,
+            nodes: a.nodes,
+            jobs: a.jobs,
+            seeds: a.seeds,
+            load: a.load,
+            policies: a.policies,
+            mix: a.mix,
+            rack_size: a.rack_size,
+            json: a.json,
+            out: a.out,
+            scaling: a.scaling,
+            traces: a.traces,
+        }),
         Cmd::Bench { what } => match what {
             BenchCmd::Select {
                 iterations,

@@ -1,0 +1,95 @@
+//! Placement costs: the GPU choice per preset and request size, one select at 1,000 and
+//! 10,000 nodes (half-used pcie8 cluster), and one RM ledger grant.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use gpuam::bench::bench_cluster;
+use gpuam::cluster::ClusterView;
+use gpuam::config::SelectSettings;
+use gpuam::protocol::Ask;
+use gpuam::resources::PortSet;
+use gpuam::rm::ledger::Ledger;
+use gpuam::select::{JobDemand, Selector, TaskAsk, TaskShape};
+use gpuam::spec::TaskResources;
+use gpuam::topology::{choose, Topology};
+
+fn gpu_choice(c: &mut Criterion) {
+    for p in ["pcie8", "dgx1v", "nvbridge8x", "pcie16", "pcie64"] {
+        let Some(t) = Topology::preset(p) else { continue };
+        let n = t.gpu_count();
+        // A fragmented free mask: every third GPU used.
+        let free = (0..n).filter(|i| i % 3 != 0).fold(0u64, |m, i| m | 1 << i);
+        for k in [1u32, 2, 4, 8] {
+            if k > free.count_ones() {
+                continue;
+            }
+            c.bench_function(&format!("choose/{p}/k{k}"), |b| {
+                b.iter(|| choose(Some(black_box(&t)), black_box(free), black_box(k)))
+            });
+        }
+    }
+}
+
+fn select(c: &mut Criterion) {
+    let settings = SelectSettings {
+        seed: Some(1),
+        ..SelectSettings::default()
+    };
+    let r = TaskResources {
+        cpu: 4,
+        memory_mb: 8192,
+        gpus: 2,
+        gpu_mask: None,
+        ports: Vec::new(),
+    };
+    let mut demand = JobDemand::new(true);
+    demand.add_waiting(TaskShape::of(&r), 1);
+    for n in [1000usize, 10_000] {
+        let sel = Selector::new(ClusterView::new(bench_cluster(n, 42)), settings.clone());
+        let ask = TaskAsk {
+            role: "w",
+            resources: &r,
+            node_label: None,
+            gpu_types: &[],
+            reuse_ports: None,
+            waiting_tasks: 1,
+        };
+        c.bench_function(&format!("select/{n}-nodes"), |b| {
+            b.iter(|| sel.select(black_box(&ask), &demand))
+        });
+    }
+}
+
+fn ledger_grant(c: &mut Criterion) {
+    let nodes = bench_cluster(1000, 7);
+    let host = nodes
+        .iter()
+        .find(|n| n.free().gpu_count() >= 2)
+        .map(|n| (n.host.clone(), n.free().gpu_mask))
+        .unwrap();
+    let mask = gpuam::resources::lowest_bits(host.1, 2).unwrap();
+    let ask = Ask {
+        request_id: 1,
+        host: host.0.clone(),
+        cpu: 4,
+        memory_mb: 8192,
+        gpu_mask: mask,
+        ports: PortSet::new(),
+    };
+    c.bench_function("ledger/grant+complete", |b| {
+        let mut ledger = Ledger::new(nodes.clone(), Duration::from_secs(600));
+        b.iter(|| {
+            let ct = ledger.grant("app", 1, black_box(&ask), Instant::now()).unwrap();
+            ledger.complete(&ct.container_id, 0, "");
+        })
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
+    targets = gpu_choice, select, ledger_grant
+}
+criterion_main!(benches);

@@ -1,0 +1,222 @@
+//! What one simulated run measures (per policy and seed), and the mean ± 95 % interval
+//! over seeds (Student t, n − 1 degrees of freedom).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// Raw counters of one run.
+#[derive(Clone, Debug, Default)]
+pub struct RunStats {
+    /// Multi-GPU tasks placed, at the ideal tier, and the sum of their W/W*.
+    pub multi_placed: u64,
+    pub multi_ideal: u64,
+    pub w_ratio_sum: f64,
+    /// Multi-GPU task arrivals, and those for which an ideal-tier set existed somewhere.
+    pub multi_arrivals: u64,
+    pub multi_avail: u64,
+    /// Multi-task jobs placed; nodes and racks used above the minimum; at the minimum.
+    pub multi_task_jobs: u64,
+    pub nodes_over_min: u64,
+    pub racks_over_min: u64,
+    pub at_min_nodes: u64,
+    /// Seconds from arrival to start, per placed job.
+    pub delays: Vec<f64>,
+    /// Wall clock of each choice call that placed a task (ns).
+    pub decision_ns: Vec<u64>,
+    pub gpu_seconds: f64,
+    pub first_arrival: f64,
+    pub last_end: f64,
+    pub cluster_gpus: u64,
+    pub placed_jobs: u64,
+    /// Jobs that could never fit this cluster (dropped, not queued).
+    pub dropped_jobs: u64,
+    pub fallbacks: u64,
+    pub invalid: u64,
+    /// Choices the node model refused (GPU not free, CPU/memory short): policy bugs.
+    pub refused: u64,
+}
+
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        f64::NAN
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Metric names, in report order (JSON keys).
+pub const METRICS: &[&str] = &[
+    "tierIdeal",
+    "tierAvail",
+    "wRatio",
+    "nodesOverMin",
+    "racksOverMin",
+    "atMinNodes",
+    "queueDelayP50",
+    "queueDelayP95",
+    "utilization",
+    "makespan",
+    "decisionP50Us",
+    "decisionP99Us",
+    "placedJobs",
+    "droppedJobs",
+    "fallbacks",
+    "invalid",
+    "refused",
+];
+
+impl RunStats {
+    /// The scalar metrics of this run (NaN where nothing was measured, e.g. no
+    /// multi-task job).
+    pub fn summary(&self) -> BTreeMap<&'static str, f64> {
+        let mut d = self.delays.clone();
+        d.sort_by(f64::total_cmp);
+        let mut t: Vec<f64> = self.decision_ns.iter().map(|&n| n as f64 / 1000.0).collect();
+        t.sort_by(f64::total_cmp);
+        let makespan = (self.last_end - self.first_arrival).max(0.0);
+        let util = if makespan > 0.0 && self.cluster_gpus > 0 {
+            self.gpu_seconds / (self.cluster_gpus as f64 * makespan)
+        } else {
+            f64::NAN
+        };
+        let per_job = |x: u64| {
+            if self.multi_task_jobs == 0 {
+                f64::NAN
+            } else {
+                x as f64 / self.multi_task_jobs as f64
+            }
+        };
+        let vals = [
+            ratio(self.multi_ideal, self.multi_placed),
+            ratio(self.multi_avail, self.multi_arrivals),
+            if self.multi_placed == 0 {
+                f64::NAN
+            } else {
+                self.w_ratio_sum / self.multi_placed as f64
+            },
+            per_job(self.nodes_over_min),
+            per_job(self.racks_over_min),
+            per_job(self.at_min_nodes),
+            percentile(&d, 0.5),
+            percentile(&d, 0.95),
+            util,
+            makespan,
+            percentile(&t, 0.5),
+            percentile(&t, 0.99),
+            self.placed_jobs as f64,
+            self.dropped_jobs as f64,
+            self.fallbacks as f64,
+            self.invalid as f64,
+            self.refused as f64,
+        ];
+        METRICS.iter().copied().zip(vals).collect()
+    }
+}
+
+/// Two-sided 97.5 % quantile of Student's t for `df` degrees of freedom.
+pub fn t975(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+    ];
+    match df {
+        0 => f64::NAN,
+        d if d <= 30 => T[d - 1],
+        _ => 1.96,
+    }
+}
+
+/// Mean and 95 % half-width over seeds (NaN values skipped; one value → half-width 0).
+pub fn mean_ci(values: &[f64]) -> (f64, f64) {
+    let v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    if v.len() == 1 {
+        return (mean, 0.0);
+    }
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, t975(v.len() - 1) * (var / n).sqrt())
+}
+
+/// One policy's results over all seeds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PolicyResult {
+    /// metric → mean over seeds; `<metric>Ci` → 95 % half-width.
+    #[serde(flatten)]
+    pub values: BTreeMap<String, Option<f64>>,
+    #[serde(skip)]
+    pub delays: Vec<f64>,
+}
+
+impl PolicyResult {
+    pub fn from_runs(runs: &[RunStats]) -> PolicyResult {
+        let sums: Vec<_> = runs.iter().map(RunStats::summary).collect();
+        let mut values = BTreeMap::new();
+        let fin = |x: f64| x.is_finite().then_some(x);
+        for m in METRICS {
+            let v: Vec<f64> = sums.iter().map(|s| s[m]).collect();
+            let (mean, ci) = mean_ci(&v);
+            values.insert((*m).to_string(), fin(mean));
+            values.insert(format!("{m}Ci"), fin(ci));
+        }
+        values.insert("seeds".into(), Some(runs.len() as f64));
+        let mut delays: Vec<f64> = runs.iter().flat_map(|r| r.delays.iter().copied()).collect();
+        delays.sort_by(f64::total_cmp);
+        PolicyResult { values, delays }
+    }
+
+    pub fn get(&self, m: &str) -> Option<f64> {
+        self.values.get(m).copied().flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_ci_uses_t_quantiles_and_skips_nan() {
+        let (m, h) = mean_ci(&[1.0, 2.0, 3.0, f64::NAN]);
+        assert!((m - 2.0).abs() < 1e-12);
+        // sd = 1, n = 3, t(2) = 4.303 → 4.303 / sqrt(3)
+        assert!((h - 4.303 / 3f64.sqrt()).abs() < 1e-9);
+        assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
+        assert!(mean_ci(&[]).0.is_nan());
+    }
+
+    #[test]
+    fn summary_ratios_and_percentiles() {
+        let r = RunStats {
+            multi_placed: 4,
+            multi_ideal: 3,
+            multi_arrivals: 5,
+            multi_avail: 5,
+            w_ratio_sum: 3.0,
+            delays: vec![0.0, 10.0, 20.0, 30.0, 40.0],
+            gpu_seconds: 50.0,
+            first_arrival: 0.0,
+            last_end: 10.0,
+            cluster_gpus: 10,
+            ..Default::default()
+        };
+        let s = r.summary();
+        assert_eq!(s["tierIdeal"], 0.75);
+        assert_eq!(s["tierAvail"], 1.0);
+        assert_eq!(s["wRatio"], 0.75);
+        assert_eq!(s["queueDelayP50"], 20.0);
+        assert_eq!(s["utilization"], 0.5);
+        assert!(s["nodesOverMin"].is_nan(), "no multi-task job measured");
+    }
+}

@@ -1,0 +1,665 @@
+//! `gpuam sim`: a trace-driven, discrete-event placement simulator. A stream of gang jobs
+//! (all tasks or none) waits in one FIFO queue (head-of-line blocking: a job that does
+//! not fit blocks those behind it), holds its resources for its duration and frees them.
+//! Each policy places the same stream (paired design); the `gpuam` policy is the real
+//! select pipeline ([`Selector::select_and_reserve`] with a [`JobDemand`], bookings
+//! undone with [`Selector::remove_requested`]), the baselines are in `policies.rs`.
+
+pub mod charts;
+pub mod cluster;
+pub mod metrics;
+pub mod policies;
+pub mod report;
+pub mod workload;
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::cluster::ClusterView;
+use crate::config::SelectSettings;
+use crate::resources::{GpuMask, PortSet, Resources};
+use crate::select::{JobDemand, Outcome, Selector, TaskAsk, TaskShape};
+use crate::spec::TaskResources;
+use crate::topology::{choose, Topology};
+
+use cluster::{SimCluster, Task};
+use metrics::{PolicyResult, RunStats};
+use policies::NodePolicy;
+use workload::Job;
+
+/// Every policy the simulator knows, in report order.
+pub const POLICIES: &[&str] = &["original", "random", "besteffort", "hived", "gpuam"];
+
+/// One policy instance for one run.
+pub enum Placer {
+    /// The real select pipeline over its own copy of the nodes.
+    Gpuam {
+        selector: Box<Selector>,
+        hosts: HashMap<String, usize>,
+    },
+    Other(Box<dyn NodePolicy>),
+}
+
+impl Placer {
+    pub fn new(name: &str, cl: &SimCluster, seed: u64) -> Option<Placer> {
+        let rng = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
+        Some(match name {
+            "gpuam" => {
+                let settings = SelectSettings {
+                    seed: Some(seed),
+                    skip_local_tried_resource: false,
+                    ..SelectSettings::default()
+                };
+                Placer::Gpuam {
+                    selector: Box::new(Selector::new(ClusterView::new(cl.to_nodes()), settings)),
+                    hosts: cl.nodes.iter().enumerate().map(|(i, n)| (n.host.clone(), i)).collect(),
+                }
+            }
+            "original" => Placer::Other(Box::new(policies::Original { rng })),
+            "random" => Placer::Other(Box::new(policies::RandomPolicy { rng })),
+            "besteffort" => Placer::Other(Box::new(policies::BestEffort {
+                rng,
+                fallbacks: 0,
+                invalid: 0,
+            })),
+            "hived" => Placer::Other(Box::new(policies::Hived { trees: HashMap::new() })),
+            _ => return None,
+        })
+    }
+
+    fn resources(t: &Task, mask: GpuMask) -> Resources {
+        Resources::with_mask(t.cpu, t.mem_mb, mask, PortSet::new())
+    }
+
+    /// Places every task of `job` or none (gang); bookings go to `cl` (and, for gpuam,
+    /// to the selector's view). Records the decision time of every placing call.
+    pub fn place(&mut self, cl: &mut SimCluster, job: &Job, stats: &mut RunStats) -> Option<Vec<(usize, GpuMask)>> {
+        let mut done: Vec<(usize, GpuMask)> = Vec::with_capacity(job.tasks.len());
+        let mut ok = true;
+        match self {
+            Placer::Other(p) => {
+                for (i, t) in job.tasks.iter().enumerate() {
+                    let start = Instant::now();
+                    let pick = p.choose(cl, t, (job.tasks.len() - i) as u32);
+                    let took = start.elapsed().as_nanos() as u64;
+                    match pick {
+                        Some((node, mask)) if cl.book(node, mask, t) => {
+                            stats.decision_ns.push(took);
+                            done.push((node, mask));
+                        }
+                        Some(_) => {
+                            stats.refused += 1;
+                            ok = false;
+                            break;
+                        }
+                        None => {
+                            ok = false;
+                            break;
+                        }
+                    }
+                }
+                if !ok {
+                    for ((node, mask), t) in done.iter().zip(&job.tasks) {
+                        cl.free(*node, *mask, t);
+                    }
+                }
+            }
+            Placer::Gpuam { selector, hosts } => {
+                let mut demand = JobDemand::new(true);
+                for t in &job.tasks {
+                    demand.add_waiting(shape(t), 1);
+                }
+                for (i, t) in job.tasks.iter().enumerate() {
+                    let res = TaskResources {
+                        cpu: t.cpu,
+                        memory_mb: t.mem_mb,
+                        gpus: t.gpus,
+                        gpu_mask: None,
+                        ports: Vec::new(),
+                    };
+                    let ask = TaskAsk {
+                        role: "task",
+                        resources: &res,
+                        node_label: None,
+                        gpu_types: &[],
+                        reuse_ports: None,
+                        waiting_tasks: (job.tasks.len() - i) as u32,
+                    };
+                    let start = Instant::now();
+                    let sel = selector.select_and_reserve(&ask, &demand);
+                    let took = start.elapsed().as_nanos() as u64;
+                    let Outcome::Placed(p) = sel.outcome else {
+                        ok = false;
+                        break;
+                    };
+                    let node = hosts.get(&p.host).copied();
+                    let mask = p.resources.gpu_mask;
+                    match node {
+                        Some(n) if cl.book(n, mask, t) => {
+                            stats.decision_ns.push(took);
+                            demand.placed(&shape(t), &p.host);
+                            done.push((n, mask));
+                        }
+                        _ => {
+                            stats.refused += 1;
+                            selector.remove_requested(&p.host, &p.resources, false);
+                            ok = false;
+                            break;
+                        }
+                    }
+                }
+                if !ok {
+                    for ((node, mask), t) in done.iter().zip(&job.tasks) {
+                        selector.remove_requested(&cl.nodes[*node].host, &Self::resources(t, *mask), false);
+                        cl.free(*node, *mask, t);
+                    }
+                }
+            }
+        }
+        ok.then_some(done)
+    }
+
+    /// Frees a finished job's tasks.
+    pub fn release(&mut self, cl: &mut SimCluster, job: &Job, placed: &[(usize, GpuMask)]) {
+        for ((node, mask), t) in placed.iter().zip(&job.tasks) {
+            if let Placer::Gpuam { selector, .. } = self {
+                selector.remove_requested(&cl.nodes[*node].host, &Self::resources(t, *mask), false);
+            }
+            cl.free(*node, *mask, t);
+        }
+    }
+
+    fn finish(&self, stats: &mut RunStats) {
+        if let Placer::Other(p) = self {
+            stats.fallbacks = p.fallbacks();
+            stats.invalid = p.invalid();
+        }
+    }
+}
+
+fn shape(t: &Task) -> TaskShape {
+    TaskShape {
+        cpu: t.cpu,
+        memory_mb: t.mem_mb,
+        gpus: t.gpus,
+        ports: 0,
+    }
+}
+
+/// Per-topology reference values: T*(k) and W*(k) on the empty node, and whether a free
+/// mask still holds a T*(k) set (memoised: many nodes share a free mask).
+#[derive(Default)]
+pub struct Ideal {
+    best: HashMap<(usize, u32), (u8, u32)>,
+    avail: HashMap<(usize, GpuMask, u32), bool>,
+}
+
+impl Ideal {
+    pub fn best(&mut self, ti: usize, t: &Topology, k: u32) -> (u8, u32) {
+        *self.best.entry((ti, k)).or_insert_with(|| {
+            let w = choose(Some(t), t.all_mask(), k).map(|c| c.weight).unwrap_or(0);
+            (t.best_tier(k), w)
+        })
+    }
+
+    pub fn available(&mut self, ti: usize, t: &Topology, free: GpuMask, k: u32) -> bool {
+        if free.count_ones() < k {
+            return false;
+        }
+        let (tier, _) = self.best(ti, t, k);
+        *self
+            .avail
+            .entry((ti, free, k))
+            .or_insert_with(|| choose(Some(t), free, k).is_some_and(|c| c.tier >= tier))
+    }
+}
+
+/// A job that no empty node set could ever hold: a task larger than every node.
+fn never_fits(cl: &SimCluster, job: &Job) -> bool {
+    job.tasks.iter().any(|t| {
+        !cl.nodes
+            .iter()
+            .any(|n| n.gpus_total() >= t.gpus && n.cpu_total >= t.cpu && n.mem_total >= t.mem_mb)
+    })
+}
+
+/// The simulation state of one run.
+struct Engine<'a> {
+    jobs: &'a [Job],
+    cl: SimCluster,
+    placer: Placer,
+    stats: RunStats,
+    ideal: Ideal,
+    done: BinaryHeap<Reverse<(u64, usize)>>,
+    running: HashMap<usize, Vec<(usize, GpuMask)>>,
+    queue: VecDeque<usize>,
+    max_node: f64,
+    max_rack: f64,
+}
+
+impl Engine<'_> {
+    /// FIFO with head-of-line blocking: place jobs in arrival order until one does not fit.
+    fn drain_queue(&mut self, now: f64) {
+        while let Some(&jid) = self.queue.front() {
+            let job = &self.jobs[jid];
+            match self.placer.place(&mut self.cl, job, &mut self.stats) {
+                Some(placed) => {
+                    self.queue.pop_front();
+                    self.record(job, &placed, now);
+                    let end = now + job.duration;
+                    self.stats.last_end = self.stats.last_end.max(end);
+                    self.done.push(Reverse((end.to_bits(), jid)));
+                    self.running.insert(jid, placed);
+                }
+                None if self.running.is_empty() => {
+                    // Nothing runs and it still does not fit: it never will.
+                    self.queue.pop_front();
+                    self.stats.dropped_jobs += 1;
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn arrive(&mut self, j: &Job) {
+        if never_fits(&self.cl, j) {
+            self.stats.dropped_jobs += 1;
+            return;
+        }
+        for t in j.tasks.iter().filter(|t| t.gpus >= 2) {
+            self.stats.multi_arrivals += 1;
+            let cl = &self.cl;
+            let ideal = &mut self.ideal;
+            let exists = cl
+                .nodes
+                .iter()
+                .any(|n| n.fits(t) && ideal.available(n.topo, &cl.topos[n.topo], n.free_mask, t.gpus));
+            self.stats.multi_avail += u64::from(exists);
+        }
+        self.queue.push_back(j.id);
+    }
+
+    fn record(&mut self, job: &Job, placed: &[(usize, GpuMask)], now: f64) {
+        let st = &mut self.stats;
+        st.placed_jobs += 1;
+        st.delays.push(now - job.arrival);
+        st.gpu_seconds += f64::from(job.gpus()) * job.duration;
+        for ((node, mask), t) in placed.iter().zip(&job.tasks) {
+            if t.gpus < 2 {
+                continue;
+            }
+            let ti = self.cl.nodes[*node].topo;
+            let topo = &self.cl.topos[ti];
+            let (best_tier, best_w) = self.ideal.best(ti, topo, t.gpus);
+            st.multi_placed += 1;
+            st.multi_ideal += u64::from(topo.tier(*mask) >= best_tier);
+            st.w_ratio_sum += if best_w > 0 {
+                f64::from(topo.weight(*mask)) / f64::from(best_w)
+            } else {
+                1.0
+            };
+        }
+        if job.tasks.len() > 1 {
+            let nodes: HashSet<usize> = placed.iter().map(|(n, _)| *n).collect();
+            let racks: HashSet<usize> = nodes.iter().map(|&n| self.cl.nodes[n].rack).collect();
+            let g = f64::from(job.gpus());
+            let min_nodes = (g / self.max_node).ceil() as u64;
+            let min_racks = (g / self.max_rack).ceil() as u64;
+            st.multi_task_jobs += 1;
+            st.nodes_over_min += (nodes.len() as u64).saturating_sub(min_nodes);
+            st.racks_over_min += (racks.len() as u64).saturating_sub(min_racks);
+            st.at_min_nodes += u64::from(nodes.len() as u64 <= min_nodes);
+        }
+    }
+}
+
+/// Replays `jobs` (sorted by arrival, ids = positions) on a fresh copy of `cl` with one
+/// policy. `None` for an unknown policy name.
+pub fn simulate(cl: &SimCluster, jobs: &[Job], policy: &str, seed: u64) -> Option<RunStats> {
+    let cl = cl.clone();
+    let placer = Placer::new(policy, &cl, seed)?;
+    let mut e = Engine {
+        jobs,
+        stats: RunStats {
+            cluster_gpus: cl.total_gpus(),
+            first_arrival: jobs.first().map(|j| j.arrival).unwrap_or(0.0),
+            ..Default::default()
+        },
+        max_node: f64::from(cl.max_node_gpus().max(1)),
+        max_rack: f64::from(cl.max_rack_gpus().max(1)),
+        cl,
+        placer,
+        ideal: Ideal::default(),
+        done: BinaryHeap::new(),
+        running: HashMap::new(),
+        queue: VecDeque::new(),
+    };
+    let mut next = 0usize;
+    loop {
+        let arr = jobs.get(next).map(|j| j.arrival).unwrap_or(f64::INFINITY);
+        let end = e
+            .done
+            .peek()
+            .map(|Reverse((t, _))| f64::from_bits(*t))
+            .unwrap_or(f64::INFINITY);
+        if arr.is_infinite() && end.is_infinite() {
+            break;
+        }
+        // Completions first at equal times: their resources are free for the arrival.
+        let now = if end <= arr {
+            if let Some(Reverse((_, jid))) = e.done.pop() {
+                if let Some(p) = e.running.remove(&jid) {
+                    e.placer.release(&mut e.cl, &jobs[jid], &p);
+                }
+            }
+            end
+        } else {
+            e.arrive(&jobs[next]);
+            next += 1;
+            arr
+        };
+        e.drain_queue(now);
+    }
+    e.placer.finish(&mut e.stats);
+    Some(e.stats)
+}
+
+/// Draws a random half-used state (each GPU used with probability ½, CPU and memory in
+/// proportion) for the scaling run.
+pub fn half_used(cl: &mut SimCluster, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    for n in &mut cl.nodes {
+        let mut used = 0u64;
+        for b in 0..64 {
+            if n.all_mask >> b & 1 == 1 && rng.gen_bool(0.5) {
+                used |= 1 << b;
+            }
+        }
+        let k = used.count_ones();
+        let g = n.gpus_total().max(1);
+        n.free_mask = n.all_mask & !used;
+        n.free_cpu = n.cpu_total - n.cpu_total * k / g;
+        n.free_mem = n.mem_total - n.mem_total * u64::from(k) / u64::from(g);
+    }
+}
+
+/// One point of the decision-time scaling run.
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingPoint {
+    pub topology: String,
+    pub gpus_per_node: u32,
+    pub nodes: usize,
+    pub policy: String,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// The first call (cold caches).
+    pub first_us: f64,
+}
+
+/// Decision time of each policy for a 4-GPU task on half-used clusters of `sizes` nodes
+/// of each preset (nothing booked between calls, so gpuam's choice cache is warm after
+/// the first call, as in a running AM).
+pub fn scaling(presets: &[&str], sizes: &[usize], policies: &[String], calls: usize, seed: u64) -> Vec<ScalingPoint> {
+    let mut out = Vec::new();
+    let task = Task {
+        gpus: 4,
+        cpu: 4 * workload::TASK_CPU_PER_GPU,
+        mem_mb: 4 * workload::TASK_MEM_MB_PER_GPU,
+    };
+    for p in presets {
+        let Some(topo) = Topology::preset(p) else { continue };
+        for &n in sizes {
+            let mut cl = cluster::generated(&topo, n, 40);
+            half_used(&mut cl, seed);
+            for pol in policies {
+                let Some(mut placer) = Placer::new(pol, &cl, seed) else {
+                    continue;
+                };
+                if let Placer::Gpuam { selector, .. } = &placer {
+                    selector.replace_nodes(used_nodes(&cl));
+                }
+                let mut times = Vec::with_capacity(calls);
+                for _ in 0..calls {
+                    let start = Instant::now();
+                    match &mut placer {
+                        Placer::Other(pp) => {
+                            let _ = pp.choose(&cl, &task, 1);
+                        }
+                        Placer::Gpuam { selector, .. } => {
+                            let res = TaskResources {
+                                cpu: task.cpu,
+                                memory_mb: task.mem_mb,
+                                gpus: task.gpus,
+                                gpu_mask: None,
+                                ports: Vec::new(),
+                            };
+                            let mut d = JobDemand::new(true);
+                            d.add_waiting(shape(&task), 1);
+                            let ask = TaskAsk {
+                                role: "task",
+                                resources: &res,
+                                node_label: None,
+                                gpu_types: &[],
+                                reuse_ports: None,
+                                waiting_tasks: 1,
+                            };
+                            let _ = selector.select(&ask, &d);
+                        }
+                    }
+                    times.push(start.elapsed().as_secs_f64() * 1e6);
+                }
+                let first = times.first().copied().unwrap_or(0.0);
+                times.sort_by(f64::total_cmp);
+                out.push(ScalingPoint {
+                    topology: (*p).to_string(),
+                    gpus_per_node: topo.gpu_count(),
+                    nodes: n,
+                    policy: pol.clone(),
+                    p50_us: metrics::percentile(&times, 0.5),
+                    p99_us: metrics::percentile(&times, 0.99),
+                    first_us: first,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The cluster's current state as select-pipeline nodes (`used` = total − free).
+fn used_nodes(cl: &SimCluster) -> Vec<crate::cluster::Node> {
+    let mut nodes = cl.to_nodes();
+    for (node, n) in nodes.iter_mut().zip(&cl.nodes) {
+        node.set_used(Resources::with_mask(
+            n.cpu_total - n.free_cpu,
+            n.mem_total - n.free_mem,
+            n.all_mask & !n.free_mask,
+            PortSet::new(),
+        ));
+    }
+    nodes
+}
+
+/// Options of one `gpuam sim` invocation (the CLI flags).
+#[derive(Clone, Debug)]
+pub struct SimOptions {
+    pub workload: String,
+    /// A preset, `all`, or none (trace default).
+    pub topology: Option<String>,
+    pub nodes: usize,
+    pub jobs: usize,
+    pub seeds: usize,
+    pub load: f64,
+    pub policies: Vec<String>,
+    pub mix: String,
+    pub rack_size: usize,
+    pub json: bool,
+    pub out: Option<PathBuf>,
+    pub scaling: bool,
+    pub traces: Option<PathBuf>,
+}
+
+/// Results of one topology (one cluster).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TopologyRun {
+    pub topology: String,
+    pub cluster: cluster::ClusterSummary,
+    pub jobs: usize,
+    pub policies: Vec<(String, PolicyResult)>,
+}
+
+/// Runs every (seed, policy) pair on one cluster and one stream family.
+pub fn run_topology(
+    opts: &SimOptions,
+    label: &str,
+    cl: &SimCluster,
+    stream: &dyn Fn(usize) -> Vec<Job>,
+) -> TopologyRun {
+    let mut per: Vec<(String, Vec<RunStats>)> = opts.policies.iter().map(|p| (p.clone(), Vec::new())).collect();
+    let mut njobs = 0;
+    for s in 0..opts.seeds {
+        let jobs = stream(s);
+        njobs = jobs.len();
+        for (p, runs) in per.iter_mut() {
+            if let Some(r) = simulate(cl, &jobs, p, 1000 + s as u64) {
+                runs.push(r);
+            }
+        }
+    }
+    TopologyRun {
+        topology: label.to_string(),
+        cluster: cl.summary(),
+        jobs: njobs,
+        policies: per.into_iter().map(|(p, r)| (p, PolicyResult::from_runs(&r))).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests;
+
+/// Presets `--topology all` runs over (8-GPU ones only for the traces, whose 8-GPU
+/// machines take the preset).
+fn topologies_for(opts: &SimOptions, trace: bool) -> Result<Vec<Option<Topology>>, String> {
+    match opts.topology.as_deref() {
+        None if trace => Ok(vec![None]),
+        None => Ok(vec![Topology::preset("pcie8")]),
+        Some(t) if t.eq_ignore_ascii_case("all") => Ok(Topology::preset_names()
+            .iter()
+            .filter_map(|n| Topology::preset(n))
+            .filter(|t| !trace || t.gpu_count() == 8)
+            .filter(|t| trace || t.gpu_count() <= 16)
+            .map(Some)
+            .collect()),
+        Some(t) => match Topology::preset(t) {
+            Some(topo) if trace && topo.gpu_count() != 8 => Err(format!(
+                "--topology {t}: with a trace, the preset replaces the 8-GPU machines' topology, so it needs 8 GPUs"
+            )),
+            Some(topo) => Ok(vec![Some(topo)]),
+            None => Err(format!(
+                "--topology {t}: unknown preset (one of: all, {})",
+                Topology::preset_names().join(", ")
+            )),
+        },
+    }
+}
+
+/// `gpuam sim`: runs the simulation, prints the table or JSON, writes `--out`. Returns
+/// the exit code (64 bad flags, 65 trace files missing or malformed).
+pub fn run(opts: &SimOptions) -> i32 {
+    for p in &opts.policies {
+        if !POLICIES.contains(&p.as_str()) {
+            eprintln!(
+                "error: --policies: unknown policy `{p}` (known: {})",
+                POLICIES.join(",")
+            );
+            return crate::exit::USAGE;
+        }
+    }
+    if opts.seeds == 0 || opts.jobs == 0 {
+        eprintln!("error: --seeds and --jobs must be at least 1");
+        return crate::exit::USAGE;
+    }
+    let trace = match opts.workload.as_str() {
+        "synthetic" => None,
+        "philly" => Some(workload::Trace::Philly),
+        "alibaba2023" => Some(workload::Trace::Alibaba2023),
+        w => {
+            eprintln!("error: --workload {w}: use philly, alibaba2023 or synthetic");
+            return crate::exit::USAGE;
+        }
+    };
+    let Some(mix) = workload::mix_by_name(&opts.mix) else {
+        eprintln!("error: --mix {}: use A or B", opts.mix);
+        return crate::exit::USAGE;
+    };
+    let topos = match topologies_for(opts, trace.is_some()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return crate::exit::USAGE;
+        }
+    };
+    let started = Instant::now();
+    let mut runs = Vec::new();
+    let dir = workload::traces_dir(opts.traces.as_deref());
+    let all_jobs = match trace {
+        Some(t) => match workload::trace_jobs(&dir, t) {
+            Ok(j) => j,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return crate::exit::INVALID_INPUT;
+            }
+        },
+        None => Vec::new(),
+    };
+    for topo in &topos {
+        let (label, cl) = match (trace, topo) {
+            (Some(t), _) => match workload::trace_cluster(&dir, t, topo.as_ref()) {
+                Ok(cl) => (
+                    format!(
+                        "{}:{}",
+                        opts.workload,
+                        topo.as_ref().map(|t| t.name()).unwrap_or("default")
+                    ),
+                    cl,
+                ),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return crate::exit::INVALID_INPUT;
+                }
+            },
+            (None, Some(t)) => (
+                t.name().to_string(),
+                cluster::generated(t, opts.nodes.max(1), opts.rack_size),
+            ),
+            (None, None) => continue,
+        };
+        let gpus = cl.total_gpus();
+        let per_node = cl.max_node_gpus();
+        let stream = |s: usize| -> Vec<Job> {
+            match trace {
+                Some(_) => workload::trace_window(&all_jobs, opts.jobs, s, opts.seeds, opts.load, gpus),
+                None => workload::synthetic(mix, opts.jobs, opts.load, gpus, per_node, 1000 + s as u64),
+            }
+        };
+        runs.push(run_topology(opts, &label, &cl, &stream));
+    }
+    let scaling_points = if opts.scaling {
+        scaling(
+            &["pcie8", "pcie16", "pcie32", "pcie64"],
+            &[100, 1000, 10_000],
+            &opts.policies,
+            50,
+            7,
+        )
+    } else {
+        Vec::new()
+    };
+    let elapsed = started.elapsed().as_secs_f64();
+    report::emit(opts, &runs, &scaling_points, elapsed)
+}

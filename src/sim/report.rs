@@ -1,0 +1,202 @@
+//! Output of `gpuam sim`: the readable table, the JSON object (`--json`, and
+//! `results.json`), `results.csv`, and the SVG charts under `--out`.
+
+use std::path::Path;
+
+use serde_json::{json, Map, Value};
+
+use super::charts;
+use super::metrics::METRICS;
+use super::{ScalingPoint, SimOptions, TopologyRun};
+use crate::exit;
+
+fn policies_json(run: &TopologyRun) -> Value {
+    let mut m = Map::new();
+    for (name, r) in &run.policies {
+        m.insert(name.clone(), serde_json::to_value(r).unwrap_or(Value::Null));
+    }
+    Value::Object(m)
+}
+
+/// The JSON object: `{"policies": {...}}` for one topology, `{"topologies": {label:
+/// {"policies": ...}}}` for several; plus the run parameters and the scaling points.
+pub fn to_json(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint]) -> Value {
+    let mut top = Map::new();
+    top.insert("workload".into(), json!(opts.workload));
+    top.insert("seeds".into(), json!(opts.seeds));
+    top.insert("load".into(), json!(opts.load));
+    top.insert("mix".into(), json!(opts.mix));
+    if runs.len() == 1 {
+        let r = &runs[0];
+        top.insert("topology".into(), json!(r.topology));
+        top.insert(
+            "cluster".into(),
+            serde_json::to_value(&r.cluster).unwrap_or(Value::Null),
+        );
+        top.insert("jobs".into(), json!(r.jobs));
+        top.insert("policies".into(), policies_json(r));
+    } else {
+        let mut t = Map::new();
+        for r in runs {
+            t.insert(
+                r.topology.clone(),
+                json!({
+                    "cluster": r.cluster,
+                    "jobs": r.jobs,
+                    "policies": policies_json(r),
+                }),
+            );
+        }
+        top.insert("topologies".into(), Value::Object(t));
+    }
+    if !scaling.is_empty() {
+        top.insert("scaling".into(), serde_json::to_value(scaling).unwrap_or(Value::Null));
+    }
+    Value::Object(top)
+}
+
+fn fmt(v: Option<f64>, prec: usize) -> String {
+    match v {
+        Some(x) => format!("{x:.prec$}"),
+        None => "-".into(),
+    }
+}
+
+fn pm(r: &super::metrics::PolicyResult, m: &str, prec: usize) -> String {
+    match (r.get(m), r.get(&format!("{m}Ci"))) {
+        (Some(v), Some(c)) => format!("{v:.prec$}±{c:.prec$}"),
+        (Some(v), None) => format!("{v:.prec$}"),
+        _ => "-".into(),
+    }
+}
+
+/// The readable table.
+pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint]) -> String {
+    let mut s = String::new();
+    for r in runs {
+        s.push_str(&format!(
+            "\n== {} | workload {} | {} nodes, {} GPUs, {} racks | {} jobs × {} seeds | load {} | mix {}\n",
+            r.topology,
+            opts.workload,
+            r.cluster.nodes,
+            r.cluster.gpus,
+            r.cluster.racks,
+            r.jobs,
+            opts.seeds,
+            opts.load,
+            opts.mix
+        ));
+        s.push_str(&format!(
+            "{:<11} {:>13} {:>13} {:>13} {:>11} {:>11} {:>10} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+            "policy",
+            "tierIdeal",
+            "tierAvail",
+            "wRatio",
+            "nodesOver",
+            "racksOver",
+            "qP50 s",
+            "qP95 s",
+            "util",
+            "dP50 µs",
+            "dP99 µs",
+            "fb/inv"
+        ));
+        for (name, p) in &r.policies {
+            s.push_str(&format!(
+                "{:<11} {:>13} {:>13} {:>13} {:>11} {:>11} {:>10} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+                name,
+                pm(p, "tierIdeal", 3),
+                pm(p, "tierAvail", 3),
+                pm(p, "wRatio", 3),
+                fmt(p.get("nodesOverMin"), 3),
+                fmt(p.get("racksOverMin"), 3),
+                fmt(p.get("queueDelayP50"), 0),
+                fmt(p.get("queueDelayP95"), 0),
+                fmt(p.get("utilization"), 3),
+                fmt(p.get("decisionP50Us"), 1),
+                fmt(p.get("decisionP99Us"), 1),
+                format!("{}/{}", fmt(p.get("fallbacks"), 0), fmt(p.get("invalid"), 0)),
+            ));
+        }
+    }
+    if !scaling.is_empty() {
+        s.push_str("\n== decision time per call, 4-GPU task, half-used cluster (µs)\n");
+        s.push_str(&format!(
+            "{:<8} {:>7} {:<11} {:>10} {:>10} {:>10}\n",
+            "preset", "nodes", "policy", "p50", "p99", "first"
+        ));
+        for p in scaling {
+            s.push_str(&format!(
+                "{:<8} {:>7} {:<11} {:>10.1} {:>10.1} {:>10.1}\n",
+                p.topology, p.nodes, p.policy, p.p50_us, p.p99_us, p.first_us
+            ));
+        }
+    }
+    s
+}
+
+/// `results.csv`: one row per (topology, policy), every metric and its half-width.
+pub fn to_csv(runs: &[TopologyRun]) -> String {
+    let mut s = String::from("topology,policy");
+    for m in METRICS {
+        s.push_str(&format!(",{m},{m}Ci"));
+    }
+    s.push('\n');
+    for r in runs {
+        for (name, p) in &r.policies {
+            s.push_str(&format!("{},{}", r.topology, name));
+            for m in METRICS {
+                let f = |v: Option<f64>| v.map(|x| format!("{x}")).unwrap_or_default();
+                s.push_str(&format!(",{},{}", f(p.get(m)), f(p.get(&format!("{m}Ci")))));
+            }
+            s.push('\n');
+        }
+    }
+    s
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> Result<(), String> {
+    let p = dir.join(name);
+    std::fs::write(&p, text).map_err(|e| format!("cannot write {}: {e}", p.display()))
+}
+
+fn write_out(dir: &Path, opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint]) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create --out {}: {e}", dir.display()))?;
+    let j = to_json(opts, runs, scaling);
+    write(
+        dir,
+        "results.json",
+        &serde_json::to_string_pretty(&j).map_err(|e| e.to_string())?,
+    )?;
+    write(dir, "results.csv", &to_csv(runs))?;
+    write(dir, "tier_ideal.svg", &charts::tier_ideal_bars(runs))?;
+    for r in runs {
+        let safe: String = r
+            .topology
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .collect();
+        write(dir, &format!("queue_delay_cdf_{safe}.svg"), &charts::delay_cdf(r))?;
+    }
+    if !scaling.is_empty() {
+        write(dir, "decision_time.svg", &charts::decision_time(scaling))?;
+    }
+    Ok(())
+}
+
+/// Prints the results and writes `--out`; returns the exit code.
+pub fn emit(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint], elapsed_s: f64) -> i32 {
+    if opts.json {
+        println!("{}", to_json(opts, runs, scaling));
+    } else {
+        print!("{}", to_table(opts, runs, scaling));
+        println!("\n(simulated in {elapsed_s:.1} s; ± = 95 % interval over seeds; fb/inv = besteffort fallbacks / padded-set cases)");
+    }
+    if let Some(dir) = &opts.out {
+        if let Err(e) = write_out(dir, opts, runs, scaling) {
+            eprintln!("error: {e}");
+            return exit::INTERNAL;
+        }
+    }
+    exit::SUCCESS
+}

@@ -1,0 +1,274 @@
+//! Unit tests of the simulator: engine invariants, gang undo, policies' choices on
+//! known cases, the trace readers and the CLI-level outputs.
+
+use super::cluster::{generated, SimCluster, Task};
+use super::policies::{besteffort_choose, partition_count, CellTree};
+use super::workload::{split_tasks, synthetic, Job, MIX_A, MIX_B};
+use super::*;
+use crate::topology::Topology;
+
+fn task(g: u32) -> Task {
+    Task {
+        gpus: g,
+        cpu: 4 * g,
+        mem_mb: 1024 * u64::from(g),
+    }
+}
+
+fn cl(preset: &str, n: usize) -> SimCluster {
+    generated(&Topology::preset(preset).unwrap(), n, 4)
+}
+
+#[test]
+fn every_policy_places_a_synthetic_stream_and_frees_everything() {
+    let c = cl("pcie8", 6);
+    let jobs = synthetic(MIX_B, 300, 0.9, c.total_gpus(), 8, 3);
+    for p in POLICIES {
+        let s = simulate(&c, &jobs, p, 1).unwrap();
+        assert_eq!(s.placed_jobs + s.dropped_jobs, 300, "{p}");
+        assert_eq!(s.refused, 0, "{p} chose something not free");
+        assert!(s.multi_placed > 0 && s.multi_ideal <= s.multi_placed, "{p}");
+        let u = s.summary()["utilization"];
+        assert!(u > 0.1 && u <= 1.0, "{p}: utilization {u}");
+        assert_eq!(
+            s.decision_ns.len() as u64,
+            s.placed_jobs,
+            "one task per job on 8-GPU nodes"
+        );
+    }
+}
+
+#[test]
+fn gang_job_waits_until_all_tasks_fit_and_bookings_are_undone() {
+    // 2 nodes of 4 GPUs; job 0 holds 6 GPUs (2 tasks of 3... split as 4+2), job 1 needs 2 × 4.
+    let c = cl("pcie4", 2);
+    let jobs = vec![
+        Job {
+            id: 0,
+            arrival: 0.0,
+            duration: 100.0,
+            tasks: vec![task(3)],
+        },
+        Job {
+            id: 1,
+            arrival: 1.0,
+            duration: 10.0,
+            tasks: vec![task(4), task(4)],
+        },
+    ];
+    for p in POLICIES {
+        let s = simulate(&c, &jobs, p, 1).unwrap();
+        assert_eq!(s.placed_jobs, 2, "{p}");
+        // Job 1 could take one node at t=1 but not both: it must wait for job 0 (t=100).
+        assert!((s.delays[1] - 99.0).abs() < 1e-9, "{p}: delay {}", s.delays[1]);
+        assert_eq!(s.nodes_over_min, 0, "{p}");
+        assert!((s.last_end - 110.0).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn gpuam_bookings_through_the_selector_match_the_node_model() {
+    let c = cl("dgx1v", 3);
+    let jobs = synthetic(MIX_A, 200, 0.95, c.total_gpus(), 8, 9);
+    let mut c2 = c.clone();
+    let mut placer = Placer::new("gpuam", &c2, 5).unwrap();
+    let mut st = RunStats::default();
+    let mut live = Vec::new();
+    for j in jobs.iter().take(12) {
+        if let Some(p) = placer.place(&mut c2, j, &mut st) {
+            live.push((j.clone(), p));
+        }
+    }
+    let Placer::Gpuam { selector, .. } = &placer else {
+        panic!()
+    };
+    selector.with_view(|v| {
+        for n in &c2.nodes {
+            let node = v.get(&n.host).unwrap();
+            assert_eq!(node.free().gpu_mask, n.free_mask, "{}", n.host);
+        }
+    });
+    for (j, p) in &live {
+        placer.release(&mut c2, j, p);
+    }
+    let Placer::Gpuam { selector, .. } = &placer else {
+        panic!()
+    };
+    selector.with_view(|v| assert!(v.nodes().all(|n| n.free() == n.total())));
+    assert!(c2
+        .nodes
+        .iter()
+        .all(|n| n.free_mask == n.all_mask && n.free_cpu == n.cpu_total));
+}
+
+#[test]
+fn task_split_rules() {
+    assert_eq!(split_tasks(4, 8), vec![4]);
+    assert_eq!(split_tasks(16, 8), vec![8, 8]);
+    assert_eq!(split_tasks(12, 8), vec![6, 6]);
+    assert_eq!(split_tasks(20, 8), vec![8, 8, 4]);
+    assert_eq!(split_tasks(8, 4), vec![4, 4]);
+}
+
+#[test]
+fn besteffort_reproduces_the_reference_cross_socket_triple() {
+    // Reference §1.6: pcie8, free {1,2,4,5,6,7}, k = 3 → {1,4,5} (the partition objective
+    // sacrifices the current request).
+    let t = Topology::preset("pcie8").unwrap();
+    let r = besteffort_choose(&t, 0b1111_0110, 3).unwrap();
+    assert_eq!(r.mask, 0b0011_0010);
+    assert!(!r.fallback);
+    // All free, k = 2 on pcie8: a PIX pair.
+    let r = besteffort_choose(&t, 0xff, 2).unwrap();
+    assert_eq!(t.tier(r.mask), 1);
+    assert_eq!(partition_count(16, 2), 2_027_025.0);
+    // 64 free GPUs: the search is capped and a greedy set is returned.
+    let t64 = Topology::preset("pcie64").unwrap();
+    let r = besteffort_choose(&t64, u64::MAX, 4).unwrap();
+    assert!(r.fallback);
+    assert_eq!(r.mask.count_ones(), 4);
+    assert_eq!(t64.tier(r.mask), 1, "greedy still finds one switch's 4 GPUs");
+}
+
+#[test]
+fn besteffort_never_returns_the_padded_set() {
+    // Reference §1.6: nvbridge8 (#546 pattern), free {0,1,4,5,6}, k = 3: the faithful code
+    // returns [4 5 nil]; we return a real set and count the case.
+    let t = Topology::preset("nvbridge8").unwrap();
+    let r = besteffort_choose(&t, 0b0111_0011, 3).unwrap();
+    assert_eq!(r.mask.count_ones(), 3);
+    assert_eq!(r.mask & !0b0111_0011, 0);
+    assert!(r.padded_won);
+}
+
+#[test]
+fn hived_cell_tree_follows_links_and_best_fits() {
+    let t = Topology::preset("pcie8").unwrap();
+    let tree = CellTree::of(&t);
+    // GPUs, switches, sockets, node.
+    assert_eq!(tree.levels.len(), 4);
+    assert_eq!(tree.levels[1], vec![0x3, 0xc, 0x30, 0xc0]);
+    // One GPU: take the one whose switch buddy is already used (best fit).
+    let (m, _, _) = tree.choose(0b1111_1101, 1).unwrap();
+    assert_eq!(m, 0b01, "GPU 0: its switch buddy (GPU 1) is used");
+    // Two GPUs spanning: with switches {2,3} and {6,7} free, and GPU 0 free, choose a switch.
+    let (m, level, _) = tree.choose(0b1100_1101, 2).unwrap();
+    assert_eq!(level, 1);
+    assert!(m == 0xc || m == 0xc0, "{m:#x}");
+    // dgx1v's NV2 links already connect all 8 GPUs: the tree is flat (a known limit).
+    let d = CellTree::of(&Topology::preset("dgx1v").unwrap());
+    assert!(d.levels.len() <= 3);
+}
+
+#[test]
+fn gpuam_is_at_least_as_good_as_baselines_on_pcie8() {
+    let c = cl("pcie8", 8);
+    let jobs = synthetic(MIX_A, 600, 0.8, c.total_gpus(), 8, 11);
+    let ideal = |p: &str| simulate(&c, &jobs, p, 2).unwrap().summary()["tierIdeal"];
+    let g = ideal("gpuam");
+    for p in ["original", "random"] {
+        assert!(g > ideal(p), "gpuam {g} vs {p}");
+    }
+}
+
+#[test]
+fn trace_files_missing_is_a_clear_error() {
+    let dir = std::path::Path::new("/nonexistent-gpuam-traces");
+    let e = workload::trace_jobs(dir, workload::Trace::Philly).unwrap_err();
+    assert!(e.0.contains("GPUAM_TRACES"), "{e}");
+    let opts = SimOptions {
+        workload: "philly".into(),
+        topology: None,
+        nodes: 4,
+        jobs: 10,
+        seeds: 1,
+        load: 0.8,
+        policies: vec!["gpuam".into()],
+        mix: "A".into(),
+        rack_size: 4,
+        json: true,
+        out: None,
+        scaling: false,
+        traces: Some(dir.to_path_buf()),
+    };
+    assert_eq!(run(&opts), crate::exit::INVALID_INPUT);
+}
+
+#[test]
+fn trace_readers_parse_the_replay_tables() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(d.path().join("replay")).unwrap();
+    std::fs::write(
+        d.path().join("replay/philly_machines.csv"),
+        "machine_id,num_gpus,gpu_type,gpu_mem_gb,cpu_cores,mem_gb,topo_1,topo_2,topo_3\nm0,2,,12,,,,,\nm1,8,,24,,,,,\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.path().join("replay/philly_pass_ge4gpu_jobs.csv"),
+        "job_id,submit_s,start_s,end_s,duration_s,total_gpus,num_tasks,gpus_per_task,gpu_milli_per_task,gpu_type_constraint,cpu_milli_per_task,mem_mib_per_task,status,extra\n\
+         a,10,,,100,16,,,,,,,Pass,x\nb,0,,,50,4,,,,,,,Pass,x\nc,oops,,,50,4,,,,,,,Pass,x\n",
+    )
+    .unwrap();
+    let c = workload::trace_cluster(d.path(), workload::Trace::Philly, None).unwrap();
+    assert_eq!(c.total_gpus(), 10);
+    assert_eq!(c.topo_of(1).name(), "pcie8");
+    let e = workload::trace_jobs(d.path(), workload::Trace::Philly).unwrap_err();
+    assert!(e.0.contains("line 4") && e.0.contains("submit_s"), "{e}");
+}
+
+#[test]
+fn trace_window_rescales_to_the_offered_load() {
+    let jobs: Vec<Job> = (0..10)
+        .map(|i| Job {
+            id: i,
+            arrival: 100.0 + 10.0 * i as f64,
+            duration: 100.0,
+            tasks: vec![task(2)],
+        })
+        .collect();
+    let w = workload::trace_window(&jobs, 5, 1, 2, 0.5, 4);
+    assert_eq!(w.len(), 5);
+    assert_eq!(w[0].arrival, 0.0);
+    // work = 5 × 200 GPU·s; at load 0.5 on 4 GPUs the span is 500 s.
+    assert!((w[4].arrival - 500.0).abs() < 1e-9);
+}
+
+#[test]
+fn json_and_charts_have_the_documented_shape() {
+    let c = cl("pcie4", 4);
+    let opts = SimOptions {
+        workload: "synthetic".into(),
+        topology: Some("pcie4".into()),
+        nodes: 4,
+        jobs: 50,
+        seeds: 2,
+        load: 0.8,
+        policies: vec!["original".into(), "gpuam".into()],
+        mix: "A".into(),
+        rack_size: 4,
+        json: true,
+        out: None,
+        scaling: false,
+        traces: None,
+    };
+    let stream = |s: usize| synthetic(MIX_A, 50, 0.8, c.total_gpus(), 4, s as u64);
+    let r = run_topology(&opts, "pcie4", &c, &stream);
+    let j = report::to_json(&opts, std::slice::from_ref(&r), &[]);
+    let g = &j["policies"]["gpuam"];
+    for k in [
+        "tierIdeal",
+        "tierAvail",
+        "wRatio",
+        "queueDelayP50",
+        "utilization",
+        "decisionP99Us",
+        "tierIdealCi",
+    ] {
+        assert!(g.get(k).is_some(), "missing {k} in {g}");
+    }
+    let svg = charts::tier_ideal_bars(std::slice::from_ref(&r));
+    assert!(svg.starts_with("<svg") && svg.contains("<rect") && svg.trim_end().ends_with("</svg>"));
+    assert!(charts::delay_cdf(&r).contains("<polyline"));
+    let csv = report::to_csv(std::slice::from_ref(&r));
+    assert_eq!(csv.lines().count(), 3);
+}
