@@ -113,6 +113,9 @@ pub(crate) struct Cand<'a> {
     pub fits: u32,
     pub affinity: bool,
     pub choice: Option<GpuChoice>,
+    /// The set reaches the node's best tier for its size.
+    pub tier_ideal: bool,
+    /// The set reaches the node's best (tier, weight) for its size.
     pub ideal: bool,
     pub tie: u32,
     /// Ranking key, computed once by job packing.
@@ -152,7 +155,7 @@ pub(crate) struct Cx<'a> {
     pub demand: &'a JobDemand,
     pub settings: &'a SelectSettings,
     pub view: &'a ClusterView,
-    pub tried: HashMap<&'a str, Resources>,
+    pub tried: fast_hash::FastMap<&'a str, Resources>,
     pub rng: &'a mut StdRng,
     pub choices: &'a mut ChoiceCache,
     pub ports: PortPlan,
@@ -373,6 +376,7 @@ impl SelectorState {
                 fits: 0,
                 affinity: false,
                 choice: None,
+                tier_ideal: false,
                 ideal: false,
                 tie: 0,
                 key: Default::default(),
@@ -435,7 +439,7 @@ impl SelectorState {
             resources: Resources::with_mask(ask.resources.cpu, ask.resources.memory_mb, choice.mask, ports),
             gpu_tier: choice.tier,
             gpu_weight: choice.weight,
-            gpu_tier_ideal: k == 0 || best.ideal,
+            gpu_tier_ideal: k == 0 || best.tier_ideal,
         };
         Selection {
             outcome: Outcome::Placed(placement),

@@ -192,7 +192,13 @@ impl Stage for ResourceFit {
         let tried = &cx.tried;
         let demand = cx.demand;
         retain(cands, trace, |c| {
-            let avail: Cow<'a, Resources> = match tried.get(c.node.host.as_str()) {
+            // Usually nothing was tried recently: skip hashing the host name then.
+            let recent = if tried.is_empty() {
+                None
+            } else {
+                tried.get(c.node.host.as_str())
+            };
+            let avail: Cow<'a, Resources> = match recent {
                 Some(t) => Cow::Owned(c.node.free().subtract(t)),
                 None => Cow::Borrowed(c.node.free()),
             };
@@ -279,7 +285,7 @@ impl Stage for RackPacking {
 type RankKey = (
     Reverse<bool>, // job affinity
     Reverse<u32>,  // unplaced tasks that fit, capped at what is unplaced
-    Reverse<bool>, // GPU set reaches the node's best tier for this size
+    Reverse<bool>, // GPU set is as good as the node's best (T, W) for this size
     u32,           // free GPUs (pack into busy nodes)
     u32,           // total GPUs (smaller machines first)
     u32,           // free CPU
@@ -317,12 +323,13 @@ impl Stage for JobPacking {
         // is as random across calls and far cheaper than a draw per node.
         let salt: u64 = cx.rng.gen::<u64>() | 1;
         let any_placed = cx.demand.has_hosts();
+        let mut last_best: Option<(*const crate::topology::Topology, u8, u32)> = None;
         for (i, c) in cands.iter_mut().enumerate() {
             c.affinity = any_placed && cx.demand.tasks_on(&c.node.host) > 0;
             c.fits = c.fits.min(need);
             c.tie = ((i as u64 + 1).wrapping_mul(salt) >> 32) as u32;
             if k == 0 {
-                c.ideal = true;
+                (c.tier_ideal, c.ideal) = (true, true);
                 continue;
             }
             let topo = c.node.topology.as_deref();
@@ -334,10 +341,27 @@ impl Stage for JobPacking {
                 }),
                 None => cx.choices.choose(topo, c.avail.gpu_mask, k),
             };
-            c.ideal = match (c.choice, topo) {
-                (Some(g), Some(t)) => g.tier >= t.best_tier(k),
-                (Some(_), None) => true,
-                (None, _) => false,
+            // Ideal = the set is as good as this node's best set of that size when
+            // empty, in both tier and pair weight (the (T, W) objective of DESIGN §5).
+            // Tier alone cannot tell a socket-local quad from a cross-socket one on a
+            // PCIe tree: both are tier 0.
+            (c.tier_ideal, c.ideal) = match (c.choice, topo) {
+                (Some(g), Some(t)) => {
+                    // Nodes share topologies: remember the last one's best.
+                    let (best_tier, best_weight) = match last_best {
+                        Some((p, bt, bw)) if std::ptr::eq(p, t) => (bt, bw),
+                        _ => {
+                            let bw = cx.choices.choose(Some(t), t.all_mask(), k).map_or(0, |b| b.weight);
+                            let bt = t.best_tier(k);
+                            last_best = Some((t as *const _, bt, bw));
+                            (bt, bw)
+                        }
+                    };
+                    let tier_ok = g.tier >= best_tier;
+                    (tier_ok, tier_ok && g.weight >= best_weight)
+                }
+                (Some(_), None) => (true, true),
+                (None, _) => (false, false),
             };
         }
         // A candidate whose GPU choice failed cannot take the task (count-only free
@@ -375,7 +399,7 @@ pub(crate) fn summarize(c: &Cand<'_>, k: u32) -> CandidateSummary {
         fits_tasks: c.fits,
         free_gpus: c.avail.gpu_count(),
         gpu_tier: c.choice.map(|g| g.tier).unwrap_or(0),
-        gpu_tier_ideal: k == 0 || c.ideal,
+        gpu_tier_ideal: k == 0 || c.tier_ideal,
         gpu_weight: c.choice.map(|g| g.weight).unwrap_or(0),
     }
 }
