@@ -123,14 +123,33 @@ pub(crate) struct Cand<'a> {
 }
 
 /// Memoised GPU choices: nodes of one topology with one free mask share the answer,
-/// which makes ranking every candidate by GPU-set quality cheap at 10,000 nodes.
+/// and the "can this node offer its best set" test per (topology, size) is built once.
+/// Both keep ranking every candidate by GPU-set quality cheap at 10,000 nodes.
 #[derive(Default)]
 pub(crate) struct ChoiceCache {
     map: fast_hash::FastMap<(usize, GpuMask, u32), Option<GpuChoice>>,
+    ideal: fast_hash::FastMap<(usize, u32), IdealTest>,
+}
+
+/// How to tell, from a node's free mask alone, whether it can offer a GPU set as good
+/// as the best set of that size on the empty node.
+enum IdealTest {
+    /// Every optimal (T, W) set of the empty node, when there are few: a node is ideal
+    /// when one of them is entirely free. Exact.
+    Sets(Vec<GpuMask>),
+    /// Nodes too large to enumerate (> 16 GPUs): some island of the best tier has `k`
+    /// free GPUs. Checks the tier only; the weight is checked exactly after the cut.
+    Islands(Vec<GpuMask>),
+    /// Too many optimal sets to list: run the (memoised) choice and compare.
+    Choose { tier: u8, weight: u32 },
+    /// The node has fewer than `k` GPUs.
+    Never,
 }
 
 impl ChoiceCache {
     const MAX_ENTRIES: usize = 200_000;
+    /// Most optimal sets listed per (topology, size) before falling back to `Choose`.
+    const MAX_SETS: usize = 64;
 
     pub fn choose(&mut self, topo: Option<&Topology>, free: GpuMask, k: u32) -> Option<GpuChoice> {
         let Some(t) = topo else {
@@ -146,6 +165,54 @@ impl ChoiceCache {
         let c = topology::choose(Some(t), free, k);
         self.map.insert(key, c);
         c
+    }
+
+    /// The best (tier, weight) of a `k`-set on the empty node.
+    pub fn best(&mut self, t: &Topology, k: u32) -> Option<(u8, u32)> {
+        self.choose(Some(t), t.all_mask(), k).map(|g| (g.tier, g.weight))
+    }
+
+    /// Whether a node of topology `t` with `free` GPUs can offer a `k`-set as good as
+    /// the empty node's best (see [`IdealTest`] for the one approximation).
+    pub fn can_be_ideal(&mut self, t: &Topology, free: GpuMask, k: u32) -> bool {
+        let key = (t as *const Topology as usize, k);
+        if !self.ideal.contains_key(&key) {
+            let test = self.ideal_test(t, k);
+            self.ideal.insert(key, test);
+        }
+        let (tier, weight) = match self.ideal.get(&key) {
+            Some(IdealTest::Sets(sets)) => return sets.iter().any(|&s| s & free == s),
+            Some(IdealTest::Islands(isl)) => return isl.iter().any(|&i| (i & free).count_ones() >= k),
+            Some(IdealTest::Choose { tier, weight }) => (*tier, *weight),
+            Some(IdealTest::Never) | None => return false,
+        };
+        self.choose(Some(t), free, k)
+            .is_some_and(|g| g.tier >= tier && g.weight >= weight)
+    }
+
+    fn ideal_test(&mut self, t: &Topology, k: u32) -> IdealTest {
+        let Some((tier, weight)) = self.best(t, k) else {
+            return IdealTest::Never;
+        };
+        let n = t.gpu_count();
+        if n > 16 {
+            return IdealTest::Islands(t.islands(tier));
+        }
+        // Every k-subset of n ≤ 16 GPUs, in increasing order (Gosper's hack).
+        let mut sets = Vec::new();
+        let mut s: u64 = (1u64 << k) - 1;
+        while s < (1u64 << n) {
+            if t.tier(s) == tier && t.weight(s) == weight {
+                if sets.len() == Self::MAX_SETS {
+                    return IdealTest::Choose { tier, weight };
+                }
+                sets.push(s);
+            }
+            let c = s & s.wrapping_neg();
+            let r = s + c;
+            s = (((r ^ s) >> 2) / c) | r;
+        }
+        IdealTest::Sets(sets)
     }
 }
 

@@ -323,59 +323,27 @@ impl Stage for JobPacking {
         // is as random across calls and far cheaper than a draw per node.
         let salt: u64 = cx.rng.gen::<u64>() | 1;
         let any_placed = cx.demand.has_hosts();
-        let mut last_best: Option<(*const crate::topology::Topology, u8, u32)> = None;
         for (i, c) in cands.iter_mut().enumerate() {
             c.affinity = any_placed && cx.demand.tasks_on(&c.node.host) > 0;
             c.fits = c.fits.min(need);
             c.tie = ((i as u64 + 1).wrapping_mul(salt) >> 32) as u32;
-            if k == 0 {
-                (c.tier_ideal, c.ideal) = (true, true);
-                continue;
-            }
-            let topo = c.node.topology.as_deref();
-            c.choice = match explicit {
-                Some(m) => Some(crate::topology::GpuChoice {
-                    mask: m,
-                    tier: topo.map(|t| t.tier(m)).unwrap_or(0),
-                    weight: topo.map(|t| t.weight(m)).unwrap_or(0),
-                }),
-                None => cx.choices.choose(topo, c.avail.gpu_mask, k),
+            // Ideal = the node can offer a set as good as its best set of that size when
+            // empty, in both tier and pair weight (the (T, W) objective of DESIGN §5):
+            // tier alone cannot tell a socket-local quad from a cross-socket one on a
+            // PCIe tree. Decided from the free mask without choosing the set.
+            c.ideal = match (k, c.node.topology.as_deref(), explicit) {
+                (0, _, _) => true,
+                (_, None, _) => c.avail.gpu_count() >= k,
+                (_, Some(t), Some(m)) => cx
+                    .choices
+                    .best(t, k)
+                    .is_some_and(|(bt, bw)| t.tier(m) >= bt && t.weight(m) >= bw),
+                (_, Some(t), None) => cx.choices.can_be_ideal(t, c.avail.gpu_mask, k),
             };
-            // Ideal = the set is as good as this node's best set of that size when
-            // empty, in both tier and pair weight (the (T, W) objective of DESIGN §5).
-            // Tier alone cannot tell a socket-local quad from a cross-socket one on a
-            // PCIe tree: both are tier 0.
-            (c.tier_ideal, c.ideal) = match (c.choice, topo) {
-                (Some(g), Some(t)) => {
-                    // Nodes share topologies: remember the last one's best.
-                    let (best_tier, best_weight) = match last_best {
-                        Some((p, bt, bw)) if std::ptr::eq(p, t) => (bt, bw),
-                        _ => {
-                            let bw = cx.choices.choose(Some(t), t.all_mask(), k).map_or(0, |b| b.weight);
-                            let bt = t.best_tier(k);
-                            last_best = Some((t as *const _, bt, bw));
-                            (bt, bw)
-                        }
-                    };
-                    let tier_ok = g.tier >= best_tier;
-                    (tier_ok, tier_ok && g.weight >= best_weight)
-                }
-                (Some(_), None) => (true, true),
-                (None, _) => (false, false),
-            };
-        }
-        // A candidate whose GPU choice failed cannot take the task (count-only free
-        // amounts can disagree with masks only on malformed nodes).
-        retain(cands, trace, |c| {
-            if k == 0 || c.choice.is_some() {
-                Ok(())
-            } else {
-                Err("no GPU set of the requested size on this node")
-            }
-        });
-        for c in cands.iter_mut() {
             c.key = rank_key(c);
         }
+        // Cut to the best `waiting tasks × factor` on the cheap key, then choose the
+        // GPU sets of those only (the original chose masks for its candidates only too).
         let keep = (cx.ask.waiting_tasks.max(1) as usize).saturating_mul(cx.settings.candidate_nodes_factor as usize);
         let keep = keep.clamp(1, cands.len().max(1));
         if cands.len() > keep {
@@ -387,6 +355,39 @@ impl Stage for JobPacking {
                 );
             }
         }
+        for c in cands.iter_mut() {
+            if k == 0 {
+                c.tier_ideal = true;
+                continue;
+            }
+            let topo = c.node.topology.as_deref();
+            c.choice = match explicit {
+                Some(m) => Some(crate::topology::GpuChoice {
+                    mask: m,
+                    tier: topo.map(|t| t.tier(m)).unwrap_or(0),
+                    weight: topo.map(|t| t.weight(m)).unwrap_or(0),
+                }),
+                None => cx.choices.choose(topo, c.avail.gpu_mask, k),
+            };
+            (c.tier_ideal, c.ideal) = match (c.choice, topo) {
+                (Some(g), Some(t)) => match cx.choices.best(t, k) {
+                    Some((bt, bw)) => (g.tier >= bt, g.tier >= bt && g.weight >= bw),
+                    None => (false, false),
+                },
+                (Some(_), None) => (true, true),
+                (None, _) => (false, false),
+            };
+            c.key = rank_key(c);
+        }
+        // A candidate whose GPU choice failed cannot take the task (count-only free
+        // amounts can disagree with masks only on malformed nodes).
+        retain(cands, trace, |c| {
+            if k == 0 || c.choice.is_some() {
+                Ok(())
+            } else {
+                Err("no GPU set of the requested size on this node")
+            }
+        });
         cands.sort_unstable_by_key(|c| c.key);
     }
 }
