@@ -181,7 +181,7 @@ impl ChoiceCache {
             self.ideal.insert(key, test);
         }
         let (tier, weight) = match self.ideal.get(&key) {
-            Some(IdealTest::Sets(sets)) => return sets.iter().any(|&s| s & free == s),
+            Some(IdealTest::Sets(sets)) => return sets.iter().any(|&s| s & !free == 0),
             Some(IdealTest::Islands(isl)) => return isl.iter().any(|&i| (i & free).count_ones() >= k),
             Some(IdealTest::Choose { tier, weight }) => (*tier, *weight),
             Some(IdealTest::Never) | None => return false,
