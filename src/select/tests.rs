@@ -580,3 +580,40 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_node_offering_the_best_gpu_set_beats_a_fuller_node() {
+    // pcie8, 4 GPUs: the best quad is one socket (2 PIX pairs + NODE links). "busy" has
+    // fewer free GPUs (packing would pick it) but only cross-socket quads.
+    let topo = Arc::new(crate::topology::Topology::preset("pcie8").unwrap());
+    let mut busy = node("busy", "/r", 8, 0b1000_1100);
+    busy.topology = Some(topo.clone());
+    let mut roomy = node("roomy", "/r", 8, 0);
+    roomy.topology = Some(topo);
+    let s = selector(vec![busy, roomy]);
+    let r = res(1, 1000, 4);
+    let p = placed(&s.select(&ask(&r), &JobDemand::new(true))).clone();
+    assert_eq!(p.host, "roomy");
+    assert!(
+        p.resources.gpu_mask == 0x0f || p.resources.gpu_mask == 0xf0,
+        "{:#x}",
+        p.resources.gpu_mask
+    );
+}
+
+proptest! {
+    /// The free-mask test that ranks nodes agrees with choosing the set and comparing it
+    /// with the empty node's best, on every preset small enough to list optimal sets.
+    #[test]
+    fn can_be_ideal_matches_the_choice(free in any::<u8>(), k in 1u32..9, preset in prop::sample::select(vec!["pcie8", "dgx1v", "nvbridge8x", "nvswitch8", "pcie4"])) {
+        let t = crate::topology::Topology::preset(preset).unwrap();
+        let free = u64::from(free) & t.all_mask();
+        let mut cache = ChoiceCache::default();
+        let best = cache.best(&t, k);
+        let expect = match (crate::topology::choose(Some(&t), free, k), best) {
+            (Some(g), Some((bt, bw))) => g.tier >= bt && g.weight >= bw,
+            _ => false,
+        };
+        prop_assert_eq!(cache.can_be_ideal(&t, free, k), expect);
+    }
+}
