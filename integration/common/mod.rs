@@ -381,12 +381,36 @@ impl Rm {
         v["app"].clone()
     }
 
-    /// `PUT /ws/v1/cluster/apps/{id}/state {"state":"KILLED"}`.
+    /// The admin token the RM generated into its work dir.
+    pub fn admin_token(&self) -> String {
+        fs::read_to_string(self.work_dir.join("admin.token"))
+            .expect("the RM writes <work_dir>/admin.token")
+            .trim()
+            .to_string()
+    }
+
+    /// `PUT {path}` with a JSON body and an optional bearer token → (status, body).
+    pub fn put_json(&self, path: &str, token: Option<&str>, body: &Value) -> (u16, Value) {
+        let url = format!("{}{path}", self.url);
+        self.rt.block_on(async {
+            let mut req = self.http.put(&url).json(body);
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json().await.unwrap_or(Value::Null))
+        })
+    }
+
+    /// `PUT /ws/v1/cluster/apps/{id}/state {"state":"KILLED"}` with the admin token.
     pub fn kill_app(&self, id: &str) {
         let url = format!("{}/ws/v1/cluster/apps/{id}/state", self.url);
+        let token = self.admin_token();
         let status = self.rt.block_on(async {
             self.http
                 .put(&url)
+                .bearer_auth(&token)
                 .json(&serde_json::json!({"state": "KILLED"}))
                 .send()
                 .await
