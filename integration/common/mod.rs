@@ -381,6 +381,42 @@ impl Rm {
         v["app"].clone()
     }
 
+    /// `GET url` (absolute) → its text, `None` on any failure.
+    pub fn get_text(&self, url: &str) -> Option<String> {
+        self.rt.block_on(async {
+            let r = self.http.get(url).send().await.ok()?;
+            if !r.status().is_success() {
+                return None;
+            }
+            r.text().await.ok()
+        })
+    }
+
+    /// `GET {path}` → the JSON answer (Err with the status on failure).
+    pub fn get_json(&self, path: &str) -> Result<Value, String> {
+        self.get(path)
+    }
+
+    /// Any request: `method path` with an optional bearer token and raw body →
+    /// (status, body as JSON or `Value::String` of the text).
+    pub fn request(&self, method: &str, path: &str, token: Option<&str>, body: Option<Vec<u8>>) -> (u16, Value) {
+        let url = format!("{}{path}", self.url);
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        self.rt.block_on(async {
+            let mut req = self.http.request(method, &url);
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            if let Some(b) = body {
+                req = req.header("content-type", "application/json").body(b);
+            }
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            let text = r.text().await.unwrap_or_default();
+            (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        })
+    }
+
     /// The admin token the RM generated into its work dir.
     pub fn admin_token(&self) -> String {
         fs::read_to_string(self.work_dir.join("admin.token"))
