@@ -225,7 +225,9 @@ impl Rm {
             .stdout(fs::File::create(&stdout).unwrap())
             .stderr(fs::File::create(&stderr).unwrap());
         scrub_env(&mut cmd, &config, &env);
-        cmd.env("GPUAM_LOG", "info");
+        if !env.iter().any(|(k, _)| k == "GPUAM_LOG") {
+            cmd.env("GPUAM_LOG", "info");
+        }
         let child = cmd.spawn().unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -397,10 +399,14 @@ impl Rm {
         self.get(path)
     }
 
-    /// Any request: `method path` with an optional bearer token and raw body →
+    /// Any request: `method path` (or an absolute URL) with an optional bearer token and raw body →
     /// (status, body as JSON or `Value::String` of the text).
     pub fn request(&self, method: &str, path: &str, token: Option<&str>, body: Option<Vec<u8>>) -> (u16, Value) {
-        let url = format!("{}{path}", self.url);
+        let url = if path.starts_with("http") {
+            path.to_string()
+        } else {
+            format!("{}{path}", self.url)
+        };
         let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         self.rt.block_on(async {
             let mut req = self.http.request(method, &url);
