@@ -279,6 +279,16 @@ impl RmHandle {
         self.admin_token_file.as_deref()
     }
 
+    /// Starts the ledger's grant audit log (tests and load runs).
+    pub fn enable_grant_audit(&self) {
+        self.shared.state.lock().ledger.enable_audit();
+    }
+
+    /// The grant audit log so far (see [`crate::rm::ledger::verify_audit`]).
+    pub fn grant_audit(&self) -> Vec<crate::rm::ledger::AuditEvent> {
+        self.shared.state.lock().ledger.audit_log().to_vec()
+    }
+
     /// True when no container is live anywhere (for tests).
     pub fn ledger_all_free(&self) -> bool {
         self.shared.state.lock().ledger.all_free()
