@@ -478,8 +478,8 @@ async fn container_logs_stay_inside_the_container_directory() {
     }
     // Traversal in the path or the query never reaches the file system.
     for p in [
-        format!("/ws/v1/node/n1/containers/..%2F..%2Fsecret.txt/logs"),
-        format!("/ws/v1/node/n1/containers/%2Fetc%2Fpasswd/logs"),
+        "/ws/v1/node/n1/containers/..%2F..%2Fsecret.txt/logs".to_string(),
+        "/ws/v1/node/n1/containers/%2Fetc%2Fpasswd/logs".to_string(),
         format!("{base}/logs?stream=../../secret.txt"),
         format!("{base}/logs?stream=%2Fetc%2Fpasswd"),
     ] {
