@@ -840,7 +840,9 @@ fn launch_am(
         .arg(&rm.base_url)
         .arg("--app-id")
         .arg(id)
-        .env("GPUAM_APP_TOKEN", token);
+        .env("GPUAM_APP_TOKEN", token)
+        // The AM has no use for the RM's admin token.
+        .env_remove("GPUAM_ADMIN_TOKEN");
     if let Some(t) = job_token {
         cmd.env("GPUAM_JOB_TOKEN", t);
     }
