@@ -475,12 +475,32 @@ async fn kill_shuts_the_am_down_and_frees() {
     let r = rm
         .http
         .put(&url)
+        .bearer_auth(rm.handle.admin_token())
         .json(&json!({"state":"RUNNING"}))
         .send()
         .await
         .unwrap();
     error_body(r, StatusCode::BAD_REQUEST).await;
     let r = rm.http.put(&url).json(&json!({"state":"KILLED"})).send().await.unwrap();
+    error_body(r, StatusCode::UNAUTHORIZED).await;
+    let r = rm
+        .http
+        .put(&url)
+        .bearer_auth(&a.token)
+        .json(&json!({"state":"KILLED"}))
+        .send()
+        .await
+        .unwrap();
+    error_body(r, StatusCode::UNAUTHORIZED).await;
+    assert!(!rm.ledger_all_free(), "refused kills change nothing");
+    let r = rm
+        .http
+        .put(&url)
+        .bearer_auth(rm.handle.admin_token())
+        .json(&json!({"state":"KILLED"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     assert!(rm.ledger_all_free());
     let out = rm.allocate(&mut a, vec![ask(2, "n1", 0x4, "")], vec![]).await;

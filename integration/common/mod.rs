@@ -225,7 +225,9 @@ impl Rm {
             .stdout(fs::File::create(&stdout).unwrap())
             .stderr(fs::File::create(&stderr).unwrap());
         scrub_env(&mut cmd, &config, &env);
-        cmd.env("GPUAM_LOG", "info");
+        if !env.iter().any(|(k, _)| k == "GPUAM_LOG") {
+            cmd.env("GPUAM_LOG", "info");
+        }
         let child = cmd.spawn().unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -381,12 +383,76 @@ impl Rm {
         v["app"].clone()
     }
 
-    /// `PUT /ws/v1/cluster/apps/{id}/state {"state":"KILLED"}`.
+    /// `GET url` (absolute) → its text, `None` on any failure.
+    pub fn get_text(&self, url: &str) -> Option<String> {
+        self.rt.block_on(async {
+            let r = self.http.get(url).send().await.ok()?;
+            if !r.status().is_success() {
+                return None;
+            }
+            r.text().await.ok()
+        })
+    }
+
+    /// `GET {path}` → the JSON answer (Err with the status on failure).
+    pub fn get_json(&self, path: &str) -> Result<Value, String> {
+        self.get(path)
+    }
+
+    /// Any request: `method path` (or an absolute URL) with an optional bearer token and raw body →
+    /// (status, body as JSON or `Value::String` of the text).
+    pub fn request(&self, method: &str, path: &str, token: Option<&str>, body: Option<Vec<u8>>) -> (u16, Value) {
+        let url = if path.starts_with("http") {
+            path.to_string()
+        } else {
+            format!("{}{path}", self.url)
+        };
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        self.rt.block_on(async {
+            let mut req = self.http.request(method, &url);
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            if let Some(b) = body {
+                req = req.header("content-type", "application/json").body(b);
+            }
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            let text = r.text().await.unwrap_or_default();
+            (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        })
+    }
+
+    /// The admin token the RM generated into its work dir.
+    pub fn admin_token(&self) -> String {
+        fs::read_to_string(self.work_dir.join("admin.token"))
+            .expect("the RM writes <work_dir>/admin.token")
+            .trim()
+            .to_string()
+    }
+
+    /// `PUT {path}` with a JSON body and an optional bearer token → (status, body).
+    pub fn put_json(&self, path: &str, token: Option<&str>, body: &Value) -> (u16, Value) {
+        let url = format!("{}{path}", self.url);
+        self.rt.block_on(async {
+            let mut req = self.http.put(&url).json(body);
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json().await.unwrap_or(Value::Null))
+        })
+    }
+
+    /// `PUT /ws/v1/cluster/apps/{id}/state {"state":"KILLED"}` with the admin token.
     pub fn kill_app(&self, id: &str) {
         let url = format!("{}/ws/v1/cluster/apps/{id}/state", self.url);
+        let token = self.admin_token();
         let status = self.rt.block_on(async {
             self.http
                 .put(&url)
+                .bearer_auth(&token)
                 .json(&serde_json::json!({"state": "KILLED"}))
                 .send()
                 .await

@@ -178,11 +178,13 @@ impl RmClient {
         Ok(w.app)
     }
 
-    pub async fn kill(&self, id: &str) -> Result<serde_json::Value, RmError> {
+    /// Kills an application; `token` is the RM's admin token or the job's job token.
+    pub async fn kill(&self, id: &str, token: &str) -> Result<serde_json::Value, RmError> {
         self.send(
             "kill",
             self.http
                 .put(format!("{}/ws/v1/cluster/apps/{id}/state", self.base))
+                .bearer_auth(token)
                 .json(&AppStateUpdate {
                     state: AppState::Killed,
                 }),

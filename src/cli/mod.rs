@@ -64,10 +64,15 @@ enum Cmd {
     Rm {
         #[arg(long, value_name = "FILE")]
         cluster: Option<PathBuf>,
+        /// Listen address (loopback by default; give 0.0.0.0:PORT to serve other hosts).
         #[arg(long, default_value = "127.0.0.1:8088")]
         listen: SocketAddr,
         #[arg(long, value_name = "DIR")]
         work_dir: Option<PathBuf>,
+        /// File holding the admin token (default: $GPUAM_ADMIN_TOKEN, else a fresh token
+        /// written to WORK_DIR/admin.token with mode 0600).
+        #[arg(long, value_name = "FILE")]
+        admin_token_file: Option<PathBuf>,
     },
     /// One application master (what the RM launches per job).
     Am {
@@ -94,6 +99,10 @@ enum Cmd {
         /// The dashboard's address (on the AM's machine).
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
+        /// File holding the RM's admin token, used to kill the job on Ctrl-C (default:
+        /// $GPUAM_ADMIN_TOKEN; without either, the job token the CLI generates is used).
+        #[arg(long, value_name = "FILE")]
+        admin_token_file: Option<PathBuf>,
     },
     /// Trace-driven placement simulator: policies compared on one job stream (docs/BENCHMARKS.md).
     Sim(SimArgs),
@@ -210,12 +219,25 @@ pub fn main() -> i32 {
             listen,
             work_dir,
         } => runtime.block_on(run::run(&job, cluster.as_deref(), listen, work_dir, &settings)),
-        Cmd::Submit { job, rm, wait, listen } => runtime.block_on(run::submit(&job, &rm, wait, listen)),
+        Cmd::Submit {
+            job,
+            rm,
+            wait,
+            listen,
+            admin_token_file,
+        } => match admin_token(admin_token_file.as_deref()) {
+            Ok(admin) => runtime.block_on(run::submit(&job, &rm, wait, listen, admin)),
+            Err(code) => code,
+        },
         Cmd::Rm {
             cluster,
             listen,
             work_dir,
-        } => runtime.block_on(servers::rm(cluster.as_deref(), listen, work_dir, &settings)),
+            admin_token_file,
+        } => match admin_token(admin_token_file.as_deref()) {
+            Ok(admin) => runtime.block_on(servers::rm(cluster.as_deref(), listen, work_dir, admin, &settings)),
+            Err(code) => code,
+        },
         Cmd::Am {
             job,
             rm,
@@ -247,6 +269,27 @@ pub fn main() -> i32 {
             BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(crate::bench::job_bench(tasks, nodes, seed)),
         },
     }
+}
+
+/// The admin token from `--admin-token-file` or `GPUAM_ADMIN_TOKEN` (`None` if
+/// neither is given); exit 64 when the file cannot be read or is empty.
+fn admin_token(file: Option<&Path>) -> Result<Option<String>, i32> {
+    if let Some(f) = file {
+        let text = std::fs::read_to_string(f).map_err(|e| {
+            eprintln!("error: cannot read the admin token file {}: {e}", f.display());
+            exit::USAGE
+        })?;
+        let t = text.trim();
+        if t.is_empty() {
+            eprintln!("error: the admin token file {} is empty", f.display());
+            return Err(exit::USAGE);
+        }
+        return Ok(Some(t.to_string()));
+    }
+    Ok(std::env::var("GPUAM_ADMIN_TOKEN")
+        .ok()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty()))
 }
 
 fn init_logging() {

@@ -57,6 +57,7 @@ pub async fn run(
         &job.display().to_string(),
         true,
         listen,
+        Some(rm.admin_token().to_string()),
     )
     .await;
     // The AM keeps its dashboard up this long after the job ends; the embedded RM (which
@@ -75,15 +76,32 @@ pub async fn run(
     code
 }
 
-pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr) -> i32 {
+pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr, admin_token: Option<String>) -> i32 {
     let (spec, text) = match super::load_job(job) {
         Ok(v) => v,
         Err(code) => return code,
     };
-    submit_and_follow(rm, &spec.name, &text, &job.display().to_string(), wait, listen).await
+    submit_and_follow(
+        rm,
+        &spec.name,
+        &text,
+        &job.display().to_string(),
+        wait,
+        listen,
+        admin_token,
+    )
+    .await
 }
 
-async fn submit_and_follow(rm_url: &str, name: &str, text: &str, source: &str, wait: bool, listen: SocketAddr) -> i32 {
+async fn submit_and_follow(
+    rm_url: &str,
+    name: &str,
+    text: &str,
+    source: &str,
+    wait: bool,
+    listen: SocketAddr,
+    admin_token: Option<String>,
+) -> i32 {
     let rm = RmClient::new(rm_url);
     let app = match rm.new_application().await {
         Ok(a) => a,
@@ -114,7 +132,7 @@ async fn submit_and_follow(rm_url: &str, name: &str, text: &str, source: &str, w
         println!("follow it with: curl {rm_url}/ws/v1/cluster/apps/{}", report.id);
         return exit::SUCCESS;
     }
-    follow(&rm, &report.id, &job_token).await
+    follow(&rm, &report.id, &job_token, admin_token.as_deref()).await
 }
 
 /// Counts of tasks per coarse state, from the AM's snapshot.
@@ -143,7 +161,7 @@ fn counts(job: &Value) -> Counts {
 }
 
 /// Follows an application to its end: progress, each task's exit, the final state.
-async fn follow(rm: &RmClient, app_id: &str, job_token: &str) -> i32 {
+async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Option<&str>) -> i32 {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()
@@ -250,12 +268,38 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str) -> i32 {
             _ = &mut ctrl_c, if !interrupted => {
                 interrupted = true;
                 say("interrupted: killing the job".to_string());
-                if let Err(e) = rm.kill(app_id).await {
-                    eprintln!("error: could not kill {app_id}: {e}");
-                }
+                kill_job(rm, &http, app_id, job_token, admin_token, dashboard.as_deref()).await;
             }
         }
     }
+}
+
+/// Kills the job at the RM with the admin token when known, else with the job token
+/// (the RM accepts the token given at submission); if the RM refuses, through the
+/// dashboard's job-token kill.
+async fn kill_job(
+    rm: &RmClient,
+    http: &reqwest::Client,
+    app_id: &str,
+    job_token: &str,
+    admin_token: Option<&str>,
+    dashboard: Option<&str>,
+) {
+    let err = match rm.kill(app_id, admin_token.unwrap_or(job_token)).await {
+        Ok(_) => return,
+        Err(e) => e,
+    };
+    if let Some(url) = dashboard {
+        let via_dashboard = http
+            .post(format!("{url}api/v1/job/kill"))
+            .bearer_auth(job_token)
+            .send()
+            .await;
+        if matches!(&via_dashboard, Ok(r) if r.status().is_success()) {
+            return;
+        }
+    }
+    eprintln!("error: could not kill {app_id}: {err}");
 }
 
 /// Prints a line when a task completes an attempt (its exit) or finishes for good.

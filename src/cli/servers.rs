@@ -8,7 +8,13 @@ use crate::am::{self, AmOptions};
 use crate::config::Settings;
 use crate::exit;
 
-pub async fn rm(cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<PathBuf>, settings: &Settings) -> i32 {
+pub async fn rm(
+    cluster: Option<&Path>,
+    listen: SocketAddr,
+    work_dir: Option<PathBuf>,
+    admin_token: Option<String>,
+    settings: &Settings,
+) -> i32 {
     let nodes = match super::load_cluster(cluster) {
         Ok(n) => n,
         Err(code) => return code,
@@ -16,6 +22,7 @@ pub async fn rm(cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<Pat
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
+        admin_token,
         ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })
     .await
@@ -31,6 +38,10 @@ pub async fn rm(cluster: Option<&Path>, listen: SocketAddr, work_dir: Option<Pat
         handle.base_url(),
         work_dir.display()
     );
+    match handle.admin_token_file() {
+        Some(f) => println!("admin token written to {} (mode 0600)", f.display()),
+        None => println!("admin token: as configured (--admin-token-file or GPUAM_ADMIN_TOKEN)"),
+    }
     let _ = tokio::signal::ctrl_c().await;
     eprintln!("stopping: containers and AMs are being stopped");
     handle.shutdown().await;

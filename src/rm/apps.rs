@@ -62,6 +62,8 @@ pub struct App {
     pub pending_completed: Vec<CompletedContainer>,
     /// Ledger epoch this app's last answer covered (for `updatedNodes`).
     pub nodes_seen: u64,
+    /// The submitter's job token (also accepted for killing this application).
+    job_token: Option<String>,
 }
 
 impl App {
@@ -85,7 +87,20 @@ impl App {
             last_allocate: None,
             pending_completed: Vec::new(),
             nodes_seen: 0,
+            job_token: None,
         }
+    }
+
+    /// Records the submitter's job token (empty = none).
+    pub fn set_job_token(&mut self, token: Option<&str>) {
+        self.job_token = token.filter(|t| !t.is_empty()).map(str::to_string);
+    }
+
+    /// True when `presented` is this application's job token (constant time).
+    pub fn job_token_matches(&self, presented: &str) -> bool {
+        self.job_token
+            .as_deref()
+            .is_some_and(|t| constant_time_eq(t.as_bytes(), presented.as_bytes()))
     }
 
     pub fn token(&self) -> &str {

@@ -450,6 +450,13 @@ impl Executor {
             .container_dir(container_id)
             .ok_or_else(|| ExecError::UnknownContainer(container_id.into()))?;
         let want = tail_bytes.unwrap_or(MAX_LOG_BYTES).min(MAX_LOG_BYTES);
+        // The container's directory itself must not have been swapped for a link.
+        if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
+            return Err(ExecError::Io(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("{} is not a directory; refusing to read logs through it", dir.display()),
+            )));
+        }
         match read_tail(&dir.join(stream.file_name()), want) {
             Ok(text) => Ok(text),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
@@ -760,9 +767,34 @@ async fn wait_group_gone(pgid: u32, limit: Duration) -> bool {
 
 /// The last `want` bytes of a file (seeking, not reading it whole), lossy UTF-8, starting
 /// on a character boundary when cut.
+/// Reads the last `want` bytes of a log file that must be a regular file in place:
+/// a task may replace its `stdout` with a symlink (to /etc/passwd, say) or a FIFO, so
+/// the file is opened with `O_NOFOLLOW | O_NONBLOCK` and anything but a regular file
+/// is refused rather than followed.
 fn read_tail(path: &Path, want: u64) -> std::io::Result<String> {
-    let mut f = File::open(path)?;
-    let len = f.metadata()?.len();
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{} is a symbolic link; log files must be regular files", path.display()),
+                )
+            } else {
+                e
+            }
+        })?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    let len = meta.len();
     let start = len.saturating_sub(want);
     f.seek(SeekFrom::Start(start))?;
     let mut buf = Vec::with_capacity(usize::try_from(want.min(len)).unwrap_or(0));
@@ -960,6 +992,33 @@ mod tests {
         let lossy = tmp.path().join("lossy");
         std::fs::write(&lossy, b"ab\xffcd").unwrap();
         assert_eq!(read_tail(&lossy, 100).unwrap(), "ab\u{fffd}cd");
+    }
+
+    #[test]
+    fn read_log_refuses_symlinks_and_fifos() {
+        let (t, exec, _rx) = setup();
+        let secret = t.path().join("secret");
+        std::fs::write(&secret, "root:x:0:0\n").unwrap();
+        let dir = t.path().join("containers").join("container_1_0001_01_000001");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::symlink(&secret, dir.join("stdout")).unwrap();
+        let err = exec
+            .read_log("container_1_0001_01_000001", LogStream::Stdout, None)
+            .unwrap_err();
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        let c = std::ffi::CString::new(dir.join("stderr").to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = exec
+            .read_log("container_1_0001_01_000001", LogStream::Stderr, None)
+            .unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        // Ids that are paths never reach the file system.
+        for bad in ["../secret", "/etc/passwd", "container_1/../../secret"] {
+            assert!(matches!(
+                exec.read_log(bad, LogStream::Stdout, None),
+                Err(ExecError::UnknownContainer(_))
+            ));
+        }
     }
 
     #[tokio::test]

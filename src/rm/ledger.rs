@@ -68,6 +68,19 @@ struct LedgerNode {
     changed_at: u64,
 }
 
+/// One entry of the grant audit log (see [`Ledger::enable_audit`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum AuditEvent {
+    Grant {
+        container_id: String,
+        host: String,
+        resources: Resources,
+    },
+    Free {
+        container_id: String,
+    },
+}
+
 /// Nodes and containers of the RM.
 pub struct Ledger {
     nodes: BTreeMap<String, LedgerNode>,
@@ -75,6 +88,8 @@ pub struct Ledger {
     next_container: u64,
     expiry: Duration,
     epoch: u64,
+    /// Every grant and free in ledger order, when auditing is on (tests, load runs).
+    audit: Option<Vec<AuditEvent>>,
 }
 
 impl Ledger {
@@ -103,7 +118,19 @@ impl Ledger {
             next_container: 1,
             expiry,
             epoch: 0,
+            audit: None,
         }
+    }
+
+    /// Starts recording every grant and free (in the order the ledger applied them),
+    /// so a test can check independently that no GPU bit or port was ever held twice.
+    pub fn enable_audit(&mut self) {
+        self.audit.get_or_insert_with(Vec::new);
+    }
+
+    /// The audit log so far (empty when auditing is off).
+    pub fn audit_log(&self) -> &[AuditEvent] {
+        self.audit.as_deref().unwrap_or(&[])
     }
 
     pub fn expiry(&self) -> Duration {
@@ -273,6 +300,13 @@ impl Ledger {
         if let Some(ln) = self.nodes.get_mut(&ask.host) {
             ln.live.insert(container.container_id.clone());
         }
+        if let Some(a) = &mut self.audit {
+            a.push(AuditEvent::Grant {
+                container_id: container.container_id.clone(),
+                host: container.host.clone(),
+                resources: container.resources.clone(),
+            });
+        }
         self.recompute(&ask.host);
         Ok(container)
     }
@@ -316,6 +350,11 @@ impl Ledger {
         };
         if let Some(ln) = self.nodes.get_mut(&ended.host) {
             ln.live.remove(id);
+        }
+        if let Some(a) = &mut self.audit {
+            a.push(AuditEvent::Free {
+                container_id: id.to_string(),
+            });
         }
         self.recompute(&ended.host);
         Some(ended)
@@ -388,6 +427,46 @@ impl Ledger {
     }
 }
 
+/// Replays an audit log and checks, independently of the ledger's own accounting,
+/// that no GPU bit or port was granted while another live container on the same host
+/// held it, and that every grant was freed at most once. Returns (grants, frees).
+pub fn verify_audit(log: &[AuditEvent]) -> Result<(usize, usize), String> {
+    let mut live: HashMap<&str, (&str, &Resources)> = HashMap::new();
+    let (mut grants, mut frees) = (0, 0);
+    for (i, e) in log.iter().enumerate() {
+        match e {
+            AuditEvent::Grant {
+                container_id,
+                host,
+                resources,
+            } => {
+                for (other, (h, r)) in &live {
+                    if h == host && (r.gpu_mask & resources.gpu_mask != 0 || r.ports.intersects(&resources.ports)) {
+                        return Err(format!(
+                            "event {i}: {container_id} on {host} overlaps live {other} (GPUs {} vs {}, ports [{}] vs [{}])",
+                            mask_hex(resources.gpu_mask),
+                            mask_hex(r.gpu_mask),
+                            resources.ports,
+                            r.ports
+                        ));
+                    }
+                }
+                if live.insert(container_id, (host, resources)).is_some() {
+                    return Err(format!("event {i}: {container_id} granted twice"));
+                }
+                grants += 1;
+            }
+            AuditEvent::Free { container_id } => {
+                if live.remove(container_id.as_str()).is_none() {
+                    return Err(format!("event {i}: {container_id} freed while not live"));
+                }
+                frees += 1;
+            }
+        }
+    }
+    Ok((grants, frees))
+}
+
 /// YARN-style id: `container_<clusterTs>_<appSeq>_<attempt:02>_<seq:06>` for
 /// `application_<clusterTs>_<appSeq>` ids; other ids are embedded as they are.
 pub fn container_id(app_id: &str, attempt: u32, seq: u64) -> String {
@@ -428,6 +507,26 @@ mod tests {
             gpu_mask: mask,
             ports: PortSet::parse(ports).unwrap(),
         }
+    }
+
+    #[test]
+    fn audit_log_records_grants_and_frees_and_the_verifier_catches_overlap() {
+        let mut l = ledger();
+        l.enable_audit();
+        let now = Instant::now();
+        let c1 = l.grant("app", 1, &ask(1, "a", 1, 10, 0x1, "2000"), now).unwrap();
+        assert!(l.grant("app", 1, &ask(2, "a", 1, 10, 0x1, ""), now).is_err());
+        l.complete(&c1.container_id, 0, "");
+        let _c2 = l.grant("app", 1, &ask(3, "a", 1, 10, 0x1, "2000"), now).unwrap();
+        let log = l.audit_log().to_vec();
+        assert_eq!(log.len(), 3, "rejections are not grants: {log:?}");
+        assert_eq!(verify_audit(&log), Ok((2, 1)));
+        // A forged log with the second grant before the free: caught.
+        let forged = vec![log[0].clone(), log[2].clone(), log[1].clone()];
+        let err = verify_audit(&forged).unwrap_err();
+        assert!(err.contains("overlaps"), "{err}");
+        let twice = vec![log[0].clone(), log[1].clone(), log[1].clone()];
+        assert!(verify_audit(&twice).unwrap_err().contains("freed while not live"));
     }
 
     #[test]

@@ -67,10 +67,14 @@ pub struct RmOptions {
     pub launch_am: bool,
     /// Granted containers never started within this time are taken back.
     pub container_expiry: Duration,
+    /// Bearer token for administrative calls (node state, kill). `None`: a fresh one
+    /// is generated at start and written to `<work_dir>/admin.token` (mode 0600).
+    pub admin_token: Option<String>,
 }
 
 impl RmOptions {
-    /// Defaults: AM launch on, this executable as the AM, 600 s container expiry.
+    /// Defaults: AM launch on, this executable as the AM, 600 s container expiry, a
+    /// generated admin token.
     pub fn new(nodes: Vec<Node>, listen: SocketAddr, work_dir: PathBuf) -> Self {
         RmOptions {
             nodes,
@@ -79,6 +83,7 @@ impl RmOptions {
             am_program: None,
             launch_am: true,
             container_expiry: DEFAULT_CONTAINER_EXPIRY,
+            admin_token: None,
         }
     }
 }
@@ -106,11 +111,13 @@ struct Shared {
     launch_am: bool,
     cluster_ts: u64,
     am_procs: Mutex<HashMap<String, AmProc>>,
+    admin_token: String,
 }
 
 /// A running RM.
 pub struct RmHandle {
     addr: SocketAddr,
+    admin_token_file: Option<PathBuf>,
     shared: Arc<Shared>,
     server: JoinHandle<()>,
     stop_server: oneshot::Sender<()>,
@@ -128,6 +135,16 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let addr = listener.local_addr()?;
     let base_url = base_url_of(addr);
+    let (admin_token, admin_token_file) = match opts.admin_token.filter(|t| !t.trim().is_empty()) {
+        Some(t) => (t.trim().to_string(), None),
+        None => {
+            let t = super::apps::new_token();
+            let path = opts.work_dir.join(ADMIN_TOKEN_FILE);
+            write_secret(&path, &t)
+                .map_err(|e| anyhow::anyhow!("cannot write the admin token to {}: {e}", path.display()))?;
+            (t, Some(path))
+        }
+    };
 
     // `local: true` nodes get this machine's real GPUs (nvidia-smi blocks: off the runtime).
     let mut nodes = opts.nodes;
@@ -161,6 +178,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         launch_am: opts.launch_am,
         cluster_ts,
         am_procs: Mutex::new(HashMap::new()),
+        admin_token,
     });
 
     let mut background = Vec::new();
@@ -206,11 +224,30 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     tracing::info!(%base_url, "RM listening");
     Ok(RmHandle {
         addr,
+        admin_token_file,
         shared,
         server,
         stop_server,
         background,
     })
+}
+
+/// Name of the generated admin token's file in the work dir.
+pub const ADMIN_TOKEN_FILE: &str = "admin.token";
+
+/// Writes a secret to a fresh file readable by its owner only (0600 from creation,
+/// so there is no window where others could read it).
+fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(secret.as_bytes())?;
+    f.write_all(b"\n")
 }
 
 fn base_url_of(addr: SocketAddr) -> String {
@@ -230,6 +267,26 @@ impl RmHandle {
     /// `http://host:port` (loopback when listening on all interfaces).
     pub fn base_url(&self) -> String {
         self.shared.base_url.clone()
+    }
+
+    /// The bearer token of administrative calls (node state changes, kill).
+    pub fn admin_token(&self) -> &str {
+        &self.shared.admin_token
+    }
+
+    /// Where the generated admin token was written (`None` when it was configured).
+    pub fn admin_token_file(&self) -> Option<&Path> {
+        self.admin_token_file.as_deref()
+    }
+
+    /// Starts the ledger's grant audit log (tests and load runs).
+    pub fn enable_grant_audit(&self) {
+        self.shared.state.lock().ledger.enable_audit();
+    }
+
+    /// The grant audit log so far (see [`crate::rm::ledger::verify_audit`]).
+    pub fn grant_audit(&self) -> Vec<crate::rm::ledger::AuditEvent> {
+        self.shared.state.lock().ledger.audit_log().to_vec()
     }
 
     /// True when no container is live anywhere (for tests).
@@ -263,18 +320,7 @@ impl RmHandle {
     /// Changes a node's state (e.g. LOST: its containers complete with -100 and are
     /// reported to their applications). False for an unknown host.
     pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
-        let ended = {
-            let mut st = self.shared.state.lock();
-            let Some(ended) = st.ledger.set_node_state(host, state) else {
-                return false;
-            };
-            for e in &ended {
-                queue_completed(&mut st.apps, e);
-            }
-            ended
-        };
-        stop_running(&self.shared, &ended).await;
-        true
+        change_node_state(&self.shared, host, state).await.is_some()
     }
 
     /// Stops every container and AM process, then the server.
@@ -303,6 +349,23 @@ impl RmHandle {
             b.abort();
         }
     }
+}
+
+/// Sets a node's state; unusable states end its containers (completed to their apps
+/// with -100 and the lost-node diagnostics) and kill their process groups through the
+/// executor. Returns how many containers ended; `None` for an unknown host.
+async fn change_node_state(shared: &Shared, host: &str, state: NodeState) -> Option<usize> {
+    let ended = {
+        let mut st = shared.state.lock();
+        let ended = st.ledger.set_node_state(host, state)?;
+        for e in &ended {
+            queue_completed(&mut st.apps, e);
+        }
+        ended
+    };
+    tracing::warn!(%host, ?state, containers = ended.len(), "node state changed by an administrator");
+    stop_running(shared, &ended).await;
+    Some(ended.len())
 }
 
 /// Queues an ended container for its application's next allocate answer.
@@ -391,6 +454,9 @@ impl From<ExecError> for ApiError {
             ExecError::UnknownContainer(_) => (StatusCode::NOT_FOUND, "UNKNOWN_CONTAINER"),
             ExecError::AlreadyStarted(_) => (StatusCode::CONFLICT, "ALREADY_STARTED"),
             ExecError::StartFailed { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "START_FAILED"),
+            ExecError::Io(io) if io.kind() == std::io::ErrorKind::PermissionDenied => {
+                (StatusCode::FORBIDDEN, "FORBIDDEN")
+            }
             ExecError::Io(_) => (StatusCode::INTERNAL_SERVER_ERROR, "IO_ERROR"),
         };
         ApiError::new(status, code, e.to_string())
@@ -435,6 +501,18 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
+/// Admin calls: `Authorization: Bearer <admin token>`, compared in constant time.
+fn authorize_admin(rm: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    match bearer(headers) {
+        Some(t) if super::apps::constant_time_eq(rm.admin_token.as_bytes(), t.as_bytes()) => Ok(()),
+        _ => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "UNAUTHORIZED",
+            "missing or invalid `Authorization: Bearer <admin token>` (see the RM's admin.token file or GPUAM_ADMIN_TOKEN)",
+        )),
+    }
+}
+
 fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     match bearer(headers) {
         Some(t) if app.token_matches(t) => Ok(()),
@@ -459,6 +537,10 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/metrics", get(cluster_metrics))
         .route("/ws/v1/cluster/nodes", get(list_nodes))
         .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node))
+        .route(
+            "/ws/v1/cluster/nodes/{nodeid}/state",
+            axum::routing::put(put_node_state),
+        )
         .route("/ws/v1/cluster/apps", get(list_apps).post(submit_app))
         .route("/ws/v1/cluster/apps/new-application", post(new_application))
         .route("/ws/v1/cluster/apps/{id}", get(get_app))
@@ -578,6 +660,59 @@ async fn get_node(State(rm): Rm, UrlPath(nodeid): UrlPath<String>) -> Result<Jso
     ))
 }
 
+/// `PUT /ws/v1/cluster/nodes/{host}/state` body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeStateUpdate {
+    state: NodeState,
+}
+
+/// Admin: changes a node's state. LOST / UNHEALTHY / DECOMMISSIONED end its
+/// containers (exit -100, "Container released on a *lost* node") and take its
+/// resources out of the schedulable view; RUNNING brings it back. Simulated nodes
+/// live in this process and cannot stop answering by themselves, so this call is
+/// also how "a node that stops answering" is modelled.
+async fn put_node_state(
+    State(rm): Rm,
+    UrlPath(nodeid): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<NodeStateUpdate>,
+) -> Result<Json<Value>, ApiError> {
+    authorize_admin(&rm, &headers)?;
+    if !matches!(
+        req.state,
+        NodeState::Running | NodeState::Lost | NodeState::Unhealthy | NodeState::Decommissioned
+    ) {
+        return Err(ApiError::bad_request(format!(
+            "`state` {:?} cannot be set: use RUNNING, LOST, UNHEALTHY or DECOMMISSIONED",
+            req.state
+        )));
+    }
+    let host = {
+        let st = rm.state.lock();
+        let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
+        if st.ledger.node(host).is_some() {
+            host.to_string()
+        } else if st.ledger.node(&nodeid).is_some() {
+            nodeid.clone()
+        } else {
+            return Err(ApiError::not_found(format!("unknown node `{nodeid}`")));
+        }
+    };
+    let ended = change_node_state(&rm, &host, req.state)
+        .await
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
+    let st = rm.state.lock();
+    let node = st
+        .ledger
+        .node(&host)
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
+    Ok(Json(json!({
+        "node": node_to_json(node, st.ledger.num_containers(&host), now_ms()),
+        "containersEnded": ended,
+    })))
+}
+
 async fn new_application(State(rm): Rm) -> Json<NewApplication> {
     let mut st = rm.state.lock();
     st.next_app_seq += 1;
@@ -644,7 +779,8 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
             format!("cannot write {}: {e}", job_path.display()),
         ));
     }
-    let app = App::new(id.clone(), spec.name.clone());
+    let mut app = App::new(id.clone(), spec.name.clone());
+    app.set_job_token(req.job_token.as_deref());
     let token = app.token().to_string();
     let report = app.report();
     rm.state.lock().apps.insert(id.clone(), app);
@@ -704,7 +840,9 @@ fn launch_am(
         .arg(&rm.base_url)
         .arg("--app-id")
         .arg(id)
-        .env("GPUAM_APP_TOKEN", token);
+        .env("GPUAM_APP_TOKEN", token)
+        // The AM has no use for the RM's admin token.
+        .env_remove("GPUAM_ADMIN_TOKEN");
     if let Some(t) = job_token {
         cmd.env("GPUAM_JOB_TOKEN", t);
     }
@@ -810,17 +948,30 @@ fn release_all(st: &mut RmState, app_id: &str, exit: i32, why: &str) -> Vec<Ende
     ended
 }
 
+/// Kill: needs the admin token or the job token given when the job was submitted
+/// (never the AM's application token: that one only speaks the AM protocol).
 async fn put_app_state(
     State(rm): Rm,
     UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<AppStateUpdate>,
 ) -> Result<Json<Value>, ApiError> {
-    if req.state != AppState::Killed {
-        return Err(ApiError::bad_request("Only 'KILLED' is allowed as the target state"));
-    }
     let ended = {
         let mut st = rm.state.lock();
         let app = app_mut(&mut st.apps, &id)?;
+        let job_token_ok = bearer(&headers).is_some_and(|t| app.job_token_matches(t));
+        if !job_token_ok {
+            authorize_admin(&rm, &headers).map_err(|_| {
+                ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "UNAUTHORIZED",
+                    "killing an application needs `Authorization: Bearer <admin token or the job's job token>`",
+                )
+            })?;
+        }
+        if req.state != AppState::Killed {
+            return Err(ApiError::bad_request("Only 'KILLED' is allowed as the target state"));
+        }
         if app.state.is_final() {
             return Ok(Json(json!({ "state": app.state })));
         }
