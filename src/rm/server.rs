@@ -325,6 +325,9 @@ impl RmHandle {
 
     /// Stops every container and AM process, then the server.
     pub async fn shutdown(self) {
+        // Stop taking requests first, so no container can be started while we stop them.
+        let _ = self.stop_server.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.server).await;
         let procs: Vec<AmProc> = self.shared.am_procs.lock().drain().map(|(_, p)| p).collect();
         for mut p in procs {
             if let Some(k) = p.kill.take() {
@@ -343,8 +346,8 @@ impl RmHandle {
                 .collect()
         };
         stop_running(&self.shared, &ended).await;
-        let _ = self.stop_server.send(());
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.server).await;
+        // Anything the executor still runs goes too: no task outlives an orderly shutdown.
+        self.shared.executor.stop_all(Duration::from_secs(3)).await;
         for b in self.background {
             b.abort();
         }
