@@ -12,7 +12,6 @@ mod plan;
 mod stages;
 mod trace;
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,8 +107,9 @@ pub(crate) enum PortPlan {
 /// A node under consideration.
 pub(crate) struct Cand<'a> {
     pub node: &'a Node,
-    /// Free resources as the pipeline sees them (minus recently tried asks).
-    pub avail: Cow<'a, Resources>,
+    /// Free resources minus recently tried asks, when any were tried on this node
+    /// (rare; boxed so the candidate stays small: candidates are moved a lot).
+    pub adjusted: Option<Box<Resources>>,
     pub fits: u32,
     pub affinity: bool,
     pub choice: Option<GpuChoice>,
@@ -120,6 +120,13 @@ pub(crate) struct Cand<'a> {
     pub tie: u32,
     /// Ranking key, computed once by job packing.
     pub key: stages::Key,
+}
+
+impl Cand<'_> {
+    /// Free resources as the pipeline sees them.
+    pub fn avail(&self) -> &Resources {
+        self.adjusted.as_deref().unwrap_or(self.node.free())
+    }
 }
 
 /// Memoised GPU choices: nodes of one topology with one free mask share the answer,
@@ -176,15 +183,18 @@ impl ChoiceCache {
     /// the empty node's best (see [`IdealTest`] for the one approximation).
     pub fn can_be_ideal(&mut self, t: &Topology, free: GpuMask, k: u32) -> bool {
         let key = (t as *const Topology as usize, k);
-        if !self.ideal.contains_key(&key) {
-            let test = self.ideal_test(t, k);
-            self.ideal.insert(key, test);
-        }
-        let (tier, weight) = match self.ideal.get(&key) {
-            Some(IdealTest::Sets(sets)) => return sets.iter().any(|&s| s & !free == 0),
-            Some(IdealTest::Islands(isl)) => return isl.iter().any(|&i| (i & free).count_ones() >= k),
-            Some(IdealTest::Choose { tier, weight }) => (*tier, *weight),
-            Some(IdealTest::Never) | None => return false,
+        let test = match self.ideal.get(&key) {
+            Some(test) => test,
+            None => {
+                let test = self.ideal_test(t, k);
+                self.ideal.entry(key).or_insert(test)
+            }
+        };
+        let (tier, weight) = match test {
+            IdealTest::Sets(sets) => return sets.iter().any(|&s| s & !free == 0),
+            IdealTest::Islands(isl) => return isl.iter().any(|&i| (i & free).count_ones() >= k),
+            IdealTest::Choose { tier, weight } => (*tier, *weight),
+            IdealTest::Never => return false,
         };
         self.choose(Some(t), free, k)
             .is_some_and(|g| g.tier >= tier && g.weight >= weight)
@@ -439,7 +449,7 @@ impl SelectorState {
             }
             cands.push(Cand {
                 node,
-                avail: Cow::Borrowed(node.free()),
+                adjusted: None,
                 fits: 0,
                 affinity: false,
                 choice: None,
@@ -480,7 +490,7 @@ impl SelectorState {
         let ports = match &cx.ports {
             PortPlan::Fixed(p) => Some(p.clone()),
             PortPlan::PerNode { statics, dynamic } => best
-                .avail
+                .avail()
                 .ports
                 .subtract(statics)
                 .random_subset(*dynamic, settings.container_min_port, cx.rng)

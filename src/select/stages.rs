@@ -19,7 +19,6 @@
 //! The pick (best candidate, random tie-break) and the final port choice follow in
 //! `Selector::select`.
 
-use std::borrow::Cow;
 use std::cmp::Reverse;
 
 use rand::Rng;
@@ -29,7 +28,7 @@ use super::trace::{CandidateSummary, StageTrace};
 use super::{Cand, Cx, PortPlan};
 use crate::cluster::Node;
 use crate::config::RackPolicy;
-use crate::resources::{PortSet, Resources};
+use crate::resources::PortSet;
 
 /// One stage of the pipeline.
 pub(crate) trait Stage {
@@ -198,10 +197,8 @@ impl Stage for ResourceFit {
             } else {
                 tried.get(c.node.host.as_str())
             };
-            let avail: Cow<'a, Resources> = match recent {
-                Some(t) => Cow::Owned(c.node.free().subtract(t)),
-                None => Cow::Borrowed(c.node.free()),
-            };
+            let adjusted = recent.map(|t| Box::new(c.node.free().subtract(t)));
+            let avail = adjusted.as_deref().unwrap_or(c.node.free());
             if req.cpu > avail.cpu {
                 return Err("not enough free CPU");
             }
@@ -218,8 +215,8 @@ impl Stage for ResourceFit {
             if !req.ports.is_subset(&avail.ports) {
                 return Err("requested ports are not free");
             }
-            c.fits = demand.capacity_in(&avail, min_port).max(1);
-            c.avail = avail;
+            c.fits = demand.capacity_in(avail, min_port).max(1);
+            c.adjusted = adjusted;
             Ok(())
         });
     }
@@ -301,10 +298,10 @@ fn rank_key(c: &Cand<'_>) -> RankKey {
         Reverse(c.affinity),
         Reverse(c.fits),
         Reverse(c.ideal),
-        c.avail.gpu_count(),
+        c.avail().gpu_count(),
         c.node.total().gpu_count(),
-        c.avail.cpu,
-        c.avail.memory_mb,
+        c.avail().cpu,
+        c.avail().memory_mb,
         Reverse(c.choice.map(|g| g.weight).unwrap_or(0)),
         c.tie,
     )
@@ -333,12 +330,12 @@ impl Stage for JobPacking {
             // PCIe tree. Decided from the free mask without choosing the set.
             c.ideal = match (k, c.node.topology.as_deref(), explicit) {
                 (0, _, _) => true,
-                (_, None, _) => c.avail.gpu_count() >= k,
+                (_, None, _) => c.avail().gpu_count() >= k,
                 (_, Some(t), Some(m)) => cx
                     .choices
                     .best(t, k)
                     .is_some_and(|(bt, bw)| t.tier(m) >= bt && t.weight(m) >= bw),
-                (_, Some(t), None) => cx.choices.can_be_ideal(t, c.avail.gpu_mask, k),
+                (_, Some(t), None) => cx.choices.can_be_ideal(t, c.avail().gpu_mask, k),
             };
             c.key = rank_key(c);
         }
@@ -367,7 +364,7 @@ impl Stage for JobPacking {
                     tier: topo.map(|t| t.tier(m)).unwrap_or(0),
                     weight: topo.map(|t| t.weight(m)).unwrap_or(0),
                 }),
-                None => cx.choices.choose(topo, c.avail.gpu_mask, k),
+                None => cx.choices.choose(topo, c.avail().gpu_mask, k),
             };
             (c.tier_ideal, c.ideal) = match (c.choice, topo) {
                 (Some(g), Some(t)) => match cx.choices.best(t, k) {
@@ -398,7 +395,7 @@ pub(crate) fn summarize(c: &Cand<'_>, k: u32) -> CandidateSummary {
         rack: c.node.rack.clone(),
         job_affinity: c.affinity,
         fits_tasks: c.fits,
-        free_gpus: c.avail.gpu_count(),
+        free_gpus: c.avail().gpu_count(),
         gpu_tier: c.choice.map(|g| g.tier).unwrap_or(0),
         gpu_tier_ideal: k == 0 || c.tier_ideal,
         gpu_weight: c.choice.map(|g| g.weight).unwrap_or(0),
