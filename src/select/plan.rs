@@ -103,6 +103,7 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
         };
         let ask = TaskAsk::for_role(role, reuse, total - n as u32);
         let sel = selector.select_and_reserve(&ask, &demand);
+        let impossible = matches!(sel.outcome, Outcome::Impossible { .. });
         match sel.outcome {
             Outcome::Placed(p) => {
                 demand.placed(&shape, &p.host);
@@ -122,23 +123,13 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
                     placement: p,
                 });
             }
-            Outcome::NotNow { reason } => {
+            Outcome::NotNow { reason } | Outcome::Impossible { reason } => {
                 demand.remove_waiting(&shape);
                 plan.unplaced.push(UnplacedTask {
                     role: role.name.clone(),
                     index,
                     reason,
-                    impossible: false,
-                    trace: sel.trace,
-                });
-            }
-            Outcome::Impossible { reason } => {
-                demand.remove_waiting(&shape);
-                plan.unplaced.push(UnplacedTask {
-                    role: role.name.clone(),
-                    index,
-                    reason,
-                    impossible: true,
+                    impossible,
                     trace: sel.trace,
                 });
             }
