@@ -682,10 +682,8 @@ mod tests {
         assert!(e.0[0].message.contains("cannot read"), "{}", e);
     }
 
-    // DEPENDS ON THE TOPOLOGY PRESETS (src/topology, implemented on another branch): with the
-    // skeleton's `Topology::from_spec`, which knows only "none", this test fails.
     #[test]
-    fn pcie8_topology_preset_needs_topology_branch() {
+    fn topology_presets_are_read_by_name() {
         let n = &parse(&format!("{BASE}    gpus: 8\n    topology: pcie8\n")).unwrap()[0];
         assert_eq!(n.topology.as_ref().map(|t| t.gpu_count()), Some(8));
     }
