@@ -336,6 +336,7 @@ fn report_task_change(t: &Value, seen: &mut HashMap<String, (u64, String)>, say:
                 .unwrap_or_else(|| "-".into()),
             t["exitDiagnostics"].as_str().unwrap_or("")
         )),
+        None if state == "CONTAINER_RUNNING" => say(format!("task {key} running on {host} GPUs [{gpus}]")),
         Some((_, s)) if s != "CONTAINER_RUNNING" && state == "CONTAINER_RUNNING" => {
             say(format!("task {key} running on {host} GPUs [{gpus}]"))
         }
