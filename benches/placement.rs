@@ -77,6 +77,7 @@ fn ledger_grant(c: &mut Criterion) {
         memory_mb: 8192,
         gpu_mask: mask,
         ports: PortSet::new(),
+        ..Default::default()
     };
     c.bench_function("ledger/grant+complete", |b| {
         let mut ledger = Ledger::new(nodes.clone(), Duration::from_secs(600));

@@ -98,6 +98,7 @@ async fn one_am(base: String, id: String, token: String, tasks: usize, seed: u64
                     memory_mb: 64,
                     gpu_mask: 1 << bit,
                     ports: PortSet::from_ports([port]),
+                    ..Default::default()
                 });
             }
         }

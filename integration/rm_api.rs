@@ -68,6 +68,7 @@ fn ask(id: u64, host: &str, mask: u64, ports: &str) -> Ask {
         memory_mb: 1024,
         gpu_mask: mask,
         ports: PortSet::parse(ports).unwrap(),
+        ..Default::default()
     }
 }
 

@@ -103,12 +103,16 @@ impl Default for AmSettings {
 pub struct RmSettings {
     /// Containers granted but never started are taken back after this long.
     pub container_expiry_sec: u64,
+    /// AM attempts per job: an AM that dies without finishing is started again, keeping
+    /// the job's containers, until this many attempts have run.
+    pub max_am_attempts: u32,
 }
 
 impl Default for RmSettings {
     fn default() -> Self {
         RmSettings {
             container_expiry_sec: 600,
+            max_am_attempts: 3,
         }
     }
 }
@@ -181,6 +185,9 @@ impl Settings {
     }
 
     fn validate(&self) -> Result<(), String> {
+        if self.rm.max_am_attempts == 0 {
+            return Err("rm.max_am_attempts must be at least 1".into());
+        }
         if self.select.candidate_nodes_factor == 0 {
             return Err("select.candidate_nodes_factor must be at least 1".into());
         }

@@ -120,15 +120,16 @@ pub struct RegisterRequest {
 #[serde(rename_all = "camelCase")]
 pub struct RegisterResponse {
     pub maximum_capability: Resources,
-    /// Live containers of earlier attempts of this application (work-preserving restart).
-    pub containers_from_previous_attempts: Vec<Container>,
+    /// Containers of earlier attempts of this application, live or completed
+    /// (work-preserving restart).
+    pub containers_from_previous_attempts: Vec<PreviousContainer>,
     pub attempt: u32,
     /// Containers granted but never started expire after this many seconds.
     pub container_expiry_sec: u64,
 }
 
 /// One container ask: exactly one container, pinned to a host, a GPU mask and ports.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Ask {
     pub request_id: u64,
@@ -140,6 +141,13 @@ pub struct Ask {
     pub gpu_mask: GpuMask,
     #[serde(default)]
     pub ports: PortSet,
+    /// Which task the container is for ("role/index"), kept with the container so that
+    /// a later AM attempt can re-adopt it (work-preserving AM restart).
+    #[serde(default)]
+    pub task: Option<String>,
+    /// The task's attempt number this container serves.
+    #[serde(default)]
+    pub task_attempt: u32,
 }
 
 impl Ask {
@@ -176,6 +184,24 @@ pub struct Container {
     /// Where the node's executor listens (base URL, e.g. `http://127.0.0.1:8088`).
     pub node_http_address: String,
     pub resources: Resources,
+    /// The task it was asked for ("role/index"), from the ask.
+    #[serde(default)]
+    pub task: Option<String>,
+    #[serde(default)]
+    pub task_attempt: u32,
+}
+
+/// A container of an earlier attempt of this application, as a new AM attempt receives
+/// it at registration: live ones to re-adopt, completed ones to learn how tasks ended.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PreviousContainer {
+    #[serde(flatten)]
+    pub container: Container,
+    pub state: ContainerState,
+    pub exit_status: Option<i32>,
+    #[serde(default)]
+    pub diagnostics: String,
 }
 
 /// An ask the RM refused.

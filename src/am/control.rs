@@ -383,15 +383,17 @@ impl Control {
             .tasks
             .iter()
             .filter(|t| t.state == TaskState::ContainerRequested)
-            .filter_map(|t| t.request.as_ref())
-            .filter(|r| !self.sent_asks.contains(&r.request_id))
-            .map(|r| Ask {
+            .filter_map(|t| t.request.as_ref().map(|r| (t, r)))
+            .filter(|(_, r)| !self.sent_asks.contains(&r.request_id))
+            .map(|(t, r)| Ask {
                 request_id: r.request_id,
                 host: r.host.clone(),
                 cpu: r.resources.cpu,
                 memory_mb: r.resources.memory_mb,
                 gpu_mask: r.resources.gpu_mask,
                 ports: r.resources.ports.clone(),
+                task: Some(format!("{}/{}", self.job.task_roles[t.role].name, t.index)),
+                task_attempt: t.attempt,
             })
             .collect();
         let req = AllocateRequest {
@@ -855,6 +857,94 @@ impl Control {
             }
         }
         m
+    }
+
+    /// Takes over the containers of earlier AM attempts (work-preserving restart): a
+    /// task's newest live container is re-adopted as it is (running or allocated); a task
+    /// whose newest container already ended is judged by that exit, exactly as the
+    /// earlier attempt would have; containers no task claims are released. Retry counts
+    /// are not kept by the RM: every earlier attempt of a task counts as a retry, so a
+    /// task never runs more often than its policy allows.
+    pub fn adopt(&mut self, previous: &[crate::protocol::PreviousContainer]) {
+        use crate::protocol::ContainerState;
+        let mut newest: HashMap<usize, &crate::protocol::PreviousContainer> = HashMap::new();
+        for p in previous {
+            let task = p.container.task.as_deref().and_then(|t| {
+                let (role, index) = t.rsplit_once('/')?;
+                let index: u32 = index.parse().ok()?;
+                self.tasks
+                    .iter()
+                    .position(|x| x.index == index && self.job.task_roles[x.role].name == role)
+            });
+            match task {
+                Some(ti) => {
+                    let keep = match newest.get(&ti) {
+                        Some(q) => {
+                            (p.container.task_attempt, &p.container.container_id)
+                                > (q.container.task_attempt, &q.container.container_id)
+                        }
+                        None => true,
+                    };
+                    if keep {
+                        if let Some(old) = newest.insert(ti, p) {
+                            if old.state != ContainerState::Complete {
+                                self.releases.push(old.container.container_id.clone());
+                            }
+                        }
+                    } else if p.state != ContainerState::Complete {
+                        self.releases.push(p.container.container_id.clone());
+                    }
+                }
+                None if p.state != ContainerState::Complete => self.releases.push(p.container.container_id.clone()),
+                None => {}
+            }
+        }
+        let mut adopted = 0;
+        for (ti, p) in newest {
+            let c = p.container.clone();
+            let role = &self.job.task_roles[self.tasks[ti].role];
+            let ports = assign_port_labels(&role.resources, &c.resources.ports).unwrap_or_default();
+            let t = &mut self.tasks[ti];
+            t.attempt = c.task_attempt.max(1);
+            t.retry.retried = t.attempt - 1;
+            match p.state {
+                ContainerState::Complete => {
+                    let raw = p.exit_status.unwrap_or(crate::protocol::exit_status::ABORTED);
+                    let exit = classify(raw, &p.diagnostics, &self.settings);
+                    self.task_exited_adopted(ti, c, exit, p.diagnostics.clone());
+                }
+                live => {
+                    t.ports = ports;
+                    t.launched_ms = (live == ContainerState::Running).then(now_ms);
+                    self.by_container.insert(c.container_id.clone(), ti);
+                    self.container_addrs
+                        .lock()
+                        .insert(c.container_id.clone(), (c.node_http_address.clone(), c.host.clone()));
+                    t.container = Some(c);
+                    t.set_state(if live == ContainerState::Running {
+                        TaskState::ContainerRunning
+                    } else {
+                        TaskState::ContainerAllocated
+                    });
+                    adopted += 1;
+                }
+            }
+        }
+        if self.job.gang && self.tasks.iter().any(|t| t.state == TaskState::ContainerRunning) {
+            // The gang had started: a new attempt does not hold back its relaunched tasks.
+            self.gang_launched = true;
+        }
+        tracing::info!(
+            adopted,
+            released = self.releases.len(),
+            "re-adopted containers of earlier attempts"
+        );
+    }
+
+    /// A task whose newest container ended while no AM was there to see it.
+    fn task_exited_adopted(&mut self, ti: usize, c: Container, exit: ExitInfo, diagnostics: String) {
+        self.tasks[ti].container = Some(c);
+        self.task_exited(ti, exit, diagnostics);
     }
 
     /// The initial task list for the snapshot.

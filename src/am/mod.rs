@@ -187,6 +187,9 @@ pub async fn run(opts: AmOptions) -> i32 {
         commands,
     );
     control.container_addrs = addrs;
+    if !registered.containers_from_previous_attempts.is_empty() {
+        control.adopt(&registered.containers_from_previous_attempts);
+    }
     let initial = control.initial_statuses();
     hub.update("job", serde_json::json!({"registered": true}), |s| {
         s.registered = true;

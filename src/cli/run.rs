@@ -35,6 +35,7 @@ pub async fn run(
     let work_dir = work_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("gpuam-run-{}", std::process::id())));
     let rm = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
+        max_am_attempts: settings.rm.max_am_attempts,
         ..crate::rm::RmOptions::new(nodes, SocketAddr::from(([127, 0, 0, 1], 0)), work_dir.clone())
     })
     .await
@@ -209,8 +210,15 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
                 return exit::INTERNAL;
             }
         };
-        if dashboard.is_none() && !report.tracking_url.is_empty() {
+        // A new AM attempt (after the AM died) serves its dashboard elsewhere.
+        if !report.tracking_url.is_empty() && dashboard.as_deref() != Some(report.tracking_url.as_str()) {
             let url = report.tracking_url.clone();
+            if dashboard.is_some() {
+                say(format!(
+                    "the AM restarted (attempt {}); new dashboard below",
+                    report.attempt
+                ));
+            }
             println!("dashboard: {url}#token={job_token}");
             dashboard = Some(url);
         }

@@ -22,6 +22,7 @@ pub async fn rm(
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
+        max_am_attempts: settings.rm.max_am_attempts,
         admin_token,
         ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })

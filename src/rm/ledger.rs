@@ -167,6 +167,17 @@ impl Ledger {
         self.containers.get(id)
     }
 
+    /// Every container (live or completed) an application's attempts before `attempt` got.
+    pub fn containers_before_attempt(&self, app_id: &str, attempt: u32) -> Vec<&LedgerContainer> {
+        let mut v: Vec<&LedgerContainer> = self
+            .containers
+            .values()
+            .filter(|c| c.app_id == app_id && c.attempt < attempt)
+            .collect();
+        v.sort_by(|a, b| a.container.container_id.cmp(&b.container.container_id));
+        v
+    }
+
     /// Ids of the live (Allocated or Running) containers of an application.
     pub fn live_containers_of(&self, app_id: &str) -> Vec<String> {
         let mut v: Vec<String> = self
@@ -284,6 +295,8 @@ impl Ledger {
             host: ask.host.clone(),
             node_http_address: node.http_address.clone(),
             resources: want,
+            task: ask.task.clone(),
+            task_attempt: ask.task_attempt,
         };
         self.containers.insert(
             container.container_id.clone(),
@@ -506,6 +519,7 @@ mod tests {
             memory_mb: mem,
             gpu_mask: mask,
             ports: PortSet::parse(ports).unwrap(),
+            ..Default::default()
         }
     }
 
@@ -715,7 +729,7 @@ mod tests {
                 let now = t0 + Duration::from_secs(clock);
                 match o {
                     Op::Ask { app, host, cpu, mem, mask, ports } => {
-                        let a = Ask { request_id: i as u64, host: hosts[host as usize].into(), cpu, memory_mb: mem, gpu_mask: mask, ports: PortSet::from_ports(ports) };
+                        let a = Ask { request_id: i as u64, host: hosts[host as usize].into(), cpu, memory_mb: mem, gpu_mask: mask, ports: PortSet::from_ports(ports), ..Default::default() };
                         let free_before = l.node(&a.host).map(|n| n.total().subtract(n.used()));
                         match l.grant(&format!("app{app}"), 1, &a, now) {
                             Ok(c) => {

@@ -39,7 +39,7 @@ use crate::cluster::{Node, NodeState};
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
-    NewApplication, RegisterRequest, RegisterResponse, SubmitApplication,
+    NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
 use crate::rm::apps::{app_id, now_ms, App};
 use crate::rm::executor::{ExecError, ExecEvent, Executor, LogStream};
@@ -70,7 +70,13 @@ pub struct RmOptions {
     /// Bearer token for administrative calls (node state, kill). `None`: a fresh one
     /// is generated at start and written to `<work_dir>/admin.token` (mode 0600).
     pub admin_token: Option<String>,
+    /// AM attempts per application: an AM that dies without finishing is started again
+    /// (keeping the job's containers) until this many attempts have run.
+    pub max_am_attempts: u32,
 }
+
+/// frameworklauncher's `amAttemptMaxCount`.
+pub const DEFAULT_MAX_AM_ATTEMPTS: u32 = 3;
 
 impl RmOptions {
     /// Defaults: AM launch on, this executable as the AM, 600 s container expiry, a
@@ -84,6 +90,7 @@ impl RmOptions {
             launch_am: true,
             container_expiry: DEFAULT_CONTAINER_EXPIRY,
             admin_token: None,
+            max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
         }
     }
 }
@@ -112,6 +119,20 @@ struct Shared {
     cluster_ts: u64,
     am_procs: Mutex<HashMap<String, AmProc>>,
     admin_token: String,
+    max_am_attempts: u32,
+    /// Set when an orderly shutdown begins: AMs stopped then are not started again.
+    shutting_down: std::sync::atomic::AtomicBool,
+    /// How each application's AM is started (kept to start later attempts the same way).
+    am_launches: Mutex<HashMap<String, AmLaunch>>,
+}
+
+/// The arguments an application's AM was started with.
+#[derive(Clone)]
+struct AmLaunch {
+    token: String,
+    job_path: PathBuf,
+    listen: Option<String>,
+    job_token: Option<String>,
 }
 
 /// A running RM.
@@ -179,6 +200,9 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         cluster_ts,
         am_procs: Mutex::new(HashMap::new()),
         admin_token,
+        max_am_attempts: opts.max_am_attempts.max(1),
+        shutting_down: std::sync::atomic::AtomicBool::new(false),
+        am_launches: Mutex::new(HashMap::new()),
     });
 
     let mut background = Vec::new();
@@ -325,6 +349,9 @@ impl RmHandle {
 
     /// Stops every container and AM process, then the server.
     pub async fn shutdown(self) {
+        self.shared
+            .shutting_down
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         // Stop taking requests first, so no container can be started while we stop them.
         let _ = self.stop_server.send(());
         let _ = tokio::time::timeout(Duration::from_secs(5), self.server).await;
@@ -789,6 +816,15 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
     rm.state.lock().apps.insert(id.clone(), app);
 
     if rm.launch_am {
+        rm.am_launches.lock().insert(
+            id.clone(),
+            AmLaunch {
+                token: token.clone(),
+                job_path: job_path.clone(),
+                listen: req.dashboard_listen.clone(),
+                job_token: req.job_token.clone(),
+            },
+        );
         if let Err(e) = launch_am(
             &rm,
             &id,
@@ -909,6 +945,36 @@ async fn on_am_exit(rm: &Arc<Shared>, id: &str, status: std::io::Result<std::pro
             tracing::info!(app = %id, "AM exited ({how})");
             return;
         }
+        // Work-preserving restart: a new attempt re-adopts the job's containers.
+        let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
+        if app.attempt < rm.max_am_attempts && !app.shutdown && !stopping {
+            if let Some(l) = rm.am_launches.lock().get(id).cloned() {
+                app.attempt += 1;
+                app.registered = false;
+                app.state = AppState::Accepted;
+                app.last_allocate = None;
+                let attempt = app.attempt;
+                drop(st);
+                tracing::warn!(app = %id, attempt, "AM exited without finishing ({how}); starting attempt {attempt}");
+                match launch_am(
+                    rm,
+                    id,
+                    &l.token,
+                    &l.job_path,
+                    l.listen.as_deref(),
+                    l.job_token.as_deref(),
+                ) {
+                    Ok(()) => return,
+                    Err(e) => {
+                        tracing::warn!(app = %id, error = %e, "could not start a new AM attempt");
+                        st = rm.state.lock();
+                    }
+                }
+            }
+        }
+        let Some(app) = st.apps.get_mut(id) else {
+            return;
+        };
         let mut diag = format!("the AM process exited ({how}) without finishing the application");
         if !tail.is_empty() {
             diag.push_str("; last lines of am.stderr:\n");
@@ -1036,10 +1102,22 @@ async fn am_register(
         app.nodes_seen = epoch;
     }
     app.tracking_url = req.tracking_url;
+    let attempt = app.attempt;
+    let previous = st
+        .ledger
+        .containers_before_attempt(&id, attempt)
+        .into_iter()
+        .map(|c| PreviousContainer {
+            container: c.container.clone(),
+            state: c.state,
+            exit_status: c.exit_status,
+            diagnostics: c.diagnostics.clone(),
+        })
+        .collect();
     Ok(Json(RegisterResponse {
         maximum_capability: max,
-        containers_from_previous_attempts: Vec::new(),
-        attempt: app.attempt,
+        containers_from_previous_attempts: previous,
+        attempt,
         container_expiry_sec: expiry,
     }))
 }
