@@ -866,8 +866,15 @@ fn launch_am(
     job_token: Option<&str>,
 ) -> std::io::Result<()> {
     let dir = rm.work_dir.join(id);
-    let stdout = std::fs::File::create(dir.join("am.stdout"))?;
-    let stderr = std::fs::File::create(dir.join("am.stderr"))?;
+    // Appended: a later attempt's output follows the earlier one's, which tells why it died.
+    let append = |name: &str| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(name))
+    };
+    let stdout = append("am.stdout")?;
+    let stderr = append("am.stderr")?;
     let program = match &rm.am_program {
         Some(p) => p.clone(),
         None => std::env::current_exe()?,
