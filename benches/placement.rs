@@ -48,14 +48,7 @@ fn select(c: &mut Criterion) {
     demand.add_waiting(TaskShape::of(&r), 1);
     for n in [1000usize, 10_000] {
         let sel = Selector::new(ClusterView::new(bench_cluster(n, 42)), settings.clone());
-        let ask = TaskAsk {
-            role: "w",
-            resources: &r,
-            node_label: None,
-            gpu_types: &[],
-            reuse_ports: None,
-            waiting_tasks: 1,
-        };
+        let ask = TaskAsk::plain("w", &r, 1);
         c.bench_function(&format!("select/{n}-nodes"), |b| {
             b.iter(|| sel.select(black_box(&ask), &demand))
         });

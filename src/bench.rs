@@ -13,7 +13,7 @@ use crate::config::SelectSettings;
 use crate::exit;
 use crate::resources::{PortSet, Resources};
 use crate::select::{plan_job, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
-use crate::spec::{Completion, JobSpec, PortRequest, TaskResources, TaskRole};
+use crate::spec::{JobSpec, PortRequest, TaskResources, TaskRole};
 use crate::topology::Topology;
 
 /// N nodes of 64 CPU, 256000 MB, 8 GPUs (pcie8 topology), ports 20000–29999, 40
@@ -84,14 +84,7 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
             let r = request(ports);
             let mut demand = JobDemand::new(true);
             demand.add_waiting(TaskShape::of(&r), 1);
-            let ask = TaskAsk {
-                role: "worker",
-                resources: &r,
-                node_label: None,
-                gpu_types: &[],
-                reuse_ports: None,
-                waiting_tasks: 1,
-            };
+            let ask = TaskAsk::plain("worker", &r, 1);
             // Warm-up (also fills the GPU-choice cache, as a running AM's would be).
             for _ in 0..20 {
                 let _ = selector.select(&ask, &demand);
@@ -129,12 +122,8 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
             name: "worker".into(),
             instances: 1000,
             resources: request(false),
-            gpu_types: Vec::new(),
-            node_label: None,
-            same_port_allocation: false,
             commands: vec!["true".into()],
-            task_retry_count: 0,
-            completion: Completion::default(),
+            ..Default::default()
         }],
         ..Default::default()
     };

@@ -193,7 +193,7 @@ pub fn peer_address(task: &Task) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{Completion, TaskResources, TaskRole};
+    use crate::spec::{TaskResources, TaskRole};
 
     #[test]
     fn env_follows_the_contract() {
@@ -210,12 +210,8 @@ mod tests {
                     gpu_mask: None,
                     ports: vec![],
                 },
-                gpu_types: vec![],
-                node_label: None,
-                same_port_allocation: false,
                 commands: vec![],
-                task_retry_count: 0,
-                completion: Completion::default(),
+                ..Default::default()
             }],
             ..Default::default()
         };

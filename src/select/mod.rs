@@ -46,6 +46,18 @@ pub struct TaskAsk<'a> {
 }
 
 impl<'a> TaskAsk<'a> {
+    /// An ask with only resources: no label, any GPU type, no port reuse.
+    pub fn plain(role: &'a str, resources: &'a TaskResources, waiting_tasks: u32) -> Self {
+        TaskAsk {
+            role,
+            resources,
+            node_label: None,
+            gpu_types: &[],
+            reuse_ports: None,
+            waiting_tasks,
+        }
+    }
+
     /// The ask of one task of `role`.
     pub fn for_role(role: &'a crate::spec::TaskRole, reuse_ports: Option<&'a PortSet>, waiting_tasks: u32) -> Self {
         TaskAsk {

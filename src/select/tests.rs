@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::cluster::NodeState;
 use crate::config::RackPolicy;
-use crate::spec::{Completion, JobSpec, PortRequest, TaskRole};
+use crate::spec::{JobSpec, PortRequest, TaskRole};
 
 fn node(host: &str, rack: &str, gpus: u32, used_mask: u64) -> Node {
     let mut n = Node::new(
@@ -45,12 +45,8 @@ fn role(name: &str, instances: u32, r: TaskResources) -> TaskRole {
         name: name.into(),
         instances,
         resources: r,
-        gpu_types: Vec::new(),
-        node_label: None,
-        same_port_allocation: false,
         commands: vec!["true".into()],
-        task_retry_count: 0,
-        completion: Completion::default(),
+        ..Default::default()
     }
 }
 
@@ -75,14 +71,7 @@ fn selector(nodes: Vec<Node>) -> Selector {
 }
 
 fn ask<'a>(r: &'a TaskResources) -> TaskAsk<'a> {
-    TaskAsk {
-        role: "worker",
-        resources: r,
-        node_label: None,
-        gpu_types: &[],
-        reuse_ports: None,
-        waiting_tasks: 1,
-    }
+    TaskAsk::plain("worker", r, 1)
 }
 
 fn placed(sel: &Selection) -> &Placement {

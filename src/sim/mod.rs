@@ -122,14 +122,7 @@ impl Placer {
                         gpu_mask: None,
                         ports: Vec::new(),
                     };
-                    let ask = TaskAsk {
-                        role: "task",
-                        resources: &res,
-                        node_label: None,
-                        gpu_types: &[],
-                        reuse_ports: None,
-                        waiting_tasks: (job.tasks.len() - i) as u32,
-                    };
+                    let ask = TaskAsk::plain("task", &res, (job.tasks.len() - i) as u32);
                     let start = Instant::now();
                     let sel = selector.select_and_reserve(&ask, &demand);
                     let took = start.elapsed().as_nanos() as u64;
@@ -441,14 +434,7 @@ pub fn scaling(presets: &[&str], sizes: &[usize], policies: &[String], calls: us
                             };
                             let mut d = JobDemand::new(true);
                             d.add_waiting(shape(&task), 1);
-                            let ask = TaskAsk {
-                                role: "task",
-                                resources: &res,
-                                node_label: None,
-                                gpu_types: &[],
-                                reuse_ports: None,
-                                waiting_tasks: 1,
-                            };
+                            let ask = TaskAsk::plain("task", &res, 1);
                             let _ = selector.select(&ask, &d);
                         }
                     }
