@@ -37,20 +37,12 @@ pub fn app_id(cluster_ts: u64, seq: u32) -> String {
     format!("application_{cluster_ts}_{seq:04}")
 }
 
-/// One application.
+/// One application: what its report says, plus what only the RM needs.
 pub struct App {
-    pub id: String,
-    pub name: String,
+    /// Id, name, state, final status, exit code, diagnostics, tracking URL, progress,
+    /// times and attempt: exactly what `GET /apps/{id}` answers.
+    pub report: AppReport,
     token: String,
-    pub state: AppState,
-    pub final_status: FinalStatus,
-    pub exit_code: Option<i32>,
-    pub diagnostics: String,
-    pub tracking_url: String,
-    pub progress: f32,
-    pub started_time: u64,
-    pub finished_time: u64,
-    pub attempt: u32,
     pub registered: bool,
     /// The AM called finish (its process exiting afterwards is expected).
     pub unregistered: bool,
@@ -69,18 +61,20 @@ pub struct App {
 impl App {
     pub fn new(id: String, name: String) -> Self {
         App {
-            id,
-            name,
+            report: AppReport {
+                id,
+                name,
+                state: AppState::Accepted,
+                final_status: FinalStatus::Undefined,
+                exit_code: None,
+                diagnostics: String::new(),
+                tracking_url: String::new(),
+                progress: 0.0,
+                started_time: now_ms(),
+                finished_time: 0,
+                attempt: 1,
+            },
             token: new_token(),
-            state: AppState::Accepted,
-            final_status: FinalStatus::Undefined,
-            exit_code: None,
-            diagnostics: String::new(),
-            tracking_url: String::new(),
-            progress: 0.0,
-            started_time: now_ms(),
-            finished_time: 0,
-            attempt: 1,
             registered: false,
             unregistered: false,
             shutdown: false,
@@ -113,34 +107,18 @@ impl App {
 
     /// Moves to a final state once; later calls change nothing.
     pub fn finish(&mut self, state: AppState, final_status: FinalStatus, exit_code: i32, diagnostics: String) -> bool {
-        if self.state.is_final() {
+        if self.report.state.is_final() {
             return false;
         }
-        self.state = state;
-        self.final_status = final_status;
-        self.exit_code = Some(exit_code);
-        self.diagnostics = diagnostics;
-        self.finished_time = now_ms();
+        self.report.state = state;
+        self.report.final_status = final_status;
+        self.report.exit_code = Some(exit_code);
+        self.report.diagnostics = diagnostics;
+        self.report.finished_time = now_ms();
         if state == AppState::Finished {
-            self.progress = 1.0;
+            self.report.progress = 1.0;
         }
         true
-    }
-
-    pub fn report(&self) -> AppReport {
-        AppReport {
-            id: self.id.clone(),
-            name: self.name.clone(),
-            state: self.state,
-            final_status: self.final_status,
-            exit_code: self.exit_code,
-            diagnostics: self.diagnostics.clone(),
-            tracking_url: self.tracking_url.clone(),
-            progress: self.progress,
-            started_time: self.started_time,
-            finished_time: self.finished_time,
-            attempt: self.attempt,
-        }
     }
 }
 
@@ -148,9 +126,9 @@ impl std::fmt::Debug for App {
     /// Never prints the token.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("App")
-            .field("id", &self.id)
-            .field("name", &self.name)
-            .field("state", &self.state)
+            .field("id", &self.report.id)
+            .field("name", &self.report.name)
+            .field("state", &self.report.state)
             .finish_non_exhaustive()
     }
 }
@@ -182,10 +160,10 @@ mod tests {
     #[test]
     fn finish_happens_once() {
         let mut app = App::new(app_id(17, 3), "x".into());
-        assert_eq!(app.id, "application_17_0003");
+        assert_eq!(app.report.id, "application_17_0003");
         assert!(app.finish(AppState::Killed, FinalStatus::Killed, 1, "killed".into()));
         assert!(!app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new()));
-        let r = app.report();
+        let r = app.report.clone();
         assert_eq!(
             (r.state, r.final_status, r.exit_code),
             (AppState::Killed, FinalStatus::Killed, Some(1))

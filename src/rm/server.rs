@@ -325,7 +325,7 @@ impl RmHandle {
     }
 
     pub fn app_report(&self, app_id: &str) -> Option<crate::protocol::AppReport> {
-        self.shared.state.lock().apps.get(app_id).map(App::report)
+        self.shared.state.lock().apps.get(app_id).map(|a| a.report.clone())
     }
 
     /// Test support: creates an ACCEPTED application without a job spec and without
@@ -622,11 +622,11 @@ async fn cluster_metrics(State(rm): Rm) -> Json<Value> {
     let nodes = |s: NodeState| by_state.get(&s).copied().unwrap_or(0);
     Json(json!({ "clusterMetrics": {
         "appsSubmitted": st.apps.len(),
-        "appsCompleted": count(&|a| a.state.is_final()),
-        "appsPending": count(&|a| matches!(a.state, AppState::New | AppState::Submitted | AppState::Accepted)),
-        "appsRunning": count(&|a| a.state == AppState::Running),
-        "appsFailed": count(&|a| a.state == AppState::Failed),
-        "appsKilled": count(&|a| a.state == AppState::Killed),
+        "appsCompleted": count(&|a| a.report.state.is_final()),
+        "appsPending": count(&|a| matches!(a.report.state, AppState::New | AppState::Submitted | AppState::Accepted)),
+        "appsRunning": count(&|a| a.report.state == AppState::Running),
+        "appsFailed": count(&|a| a.report.state == AppState::Failed),
+        "appsKilled": count(&|a| a.report.state == AppState::Killed),
         "reservedMB": 0,
         "availableMB": total_mb.saturating_sub(used_mb),
         "allocatedMB": used_mb,
@@ -756,20 +756,20 @@ async fn new_application(State(rm): Rm) -> Json<NewApplication> {
 
 async fn list_apps(State(rm): Rm) -> Json<Value> {
     let st = rm.state.lock();
-    let apps: Vec<_> = st.apps.values().map(App::report).collect();
+    let apps: Vec<_> = st.apps.values().map(|a| a.report.clone()).collect();
     Json(json!({ "apps": { "app": apps } }))
 }
 
 async fn get_app(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
     let mut st = rm.state.lock();
     let app = app_mut(&mut st.apps, &id)?;
-    Ok(Json(json!({ "app": app.report() })))
+    Ok(Json(json!({ "app": app.report.clone() })))
 }
 
 async fn get_app_state(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
     let mut st = rm.state.lock();
     let app = app_mut(&mut st.apps, &id)?;
-    Ok(Json(json!({ "state": app.state })))
+    Ok(Json(json!({ "state": app.report.state })))
 }
 
 async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> Result<Response, ApiError> {
@@ -812,7 +812,7 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
     let mut app = App::new(id.clone(), spec.name.clone());
     app.set_job_token(req.job_token.as_deref());
     let token = app.token().to_string();
-    let report = app.report();
+    let report = app.report.clone();
     rm.state.lock().apps.insert(id.clone(), app);
 
     if rm.launch_am {
@@ -948,19 +948,19 @@ async fn on_am_exit(rm: &Arc<Shared>, id: &str, status: std::io::Result<std::pro
         let Some(app) = st.apps.get_mut(id) else {
             return;
         };
-        if app.unregistered || app.state.is_final() {
+        if app.unregistered || app.report.state.is_final() {
             tracing::info!(app = %id, "AM exited ({how})");
             return;
         }
         // Work-preserving restart: a new attempt re-adopts the job's containers.
         let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
-        if app.attempt < rm.max_am_attempts && !app.shutdown && !stopping {
+        if app.report.attempt < rm.max_am_attempts && !app.shutdown && !stopping {
             if let Some(l) = rm.am_launches.lock().get(id).cloned() {
-                app.attempt += 1;
+                app.report.attempt += 1;
                 app.registered = false;
-                app.state = AppState::Accepted;
+                app.report.state = AppState::Accepted;
                 app.last_allocate = None;
-                let attempt = app.attempt;
+                let attempt = app.report.attempt;
                 drop(st);
                 tracing::warn!(app = %id, attempt, "AM exited without finishing ({how}); starting attempt {attempt}");
                 match launch_am(
@@ -1048,8 +1048,8 @@ async fn put_app_state(
         if req.state != AppState::Killed {
             return Err(ApiError::bad_request("Only 'KILLED' is allowed as the target state"));
         }
-        if app.state.is_final() {
-            return Ok(Json(json!({ "state": app.state })));
+        if app.report.state.is_final() {
+            return Ok(Json(json!({ "state": app.report.state })));
         }
         app.finish(
             AppState::Killed,
@@ -1096,20 +1096,20 @@ async fn am_register(
     let expiry = st.ledger.expiry().as_secs();
     let app = app_mut(&mut st.apps, &id)?;
     authorize(app, &headers)?;
-    if app.state.is_final() {
+    if app.report.state.is_final() {
         return Err(ApiError::conflict(format!(
             "application `{id}` is already {:?}",
-            app.state
+            app.report.state
         )));
     }
     // Registering again (a retried request) is harmless.
     if !app.registered {
         app.registered = true;
-        app.state = AppState::Running;
+        app.report.state = AppState::Running;
         app.nodes_seen = epoch;
     }
-    app.tracking_url = req.tracking_url;
-    let attempt = app.attempt;
+    app.report.tracking_url = req.tracking_url;
+    let attempt = app.report.attempt;
     let previous = st
         .ledger
         .containers_before_attempt(&id, attempt)
@@ -1157,7 +1157,7 @@ async fn am_allocate(
             num_cluster_nodes,
             ..Default::default()
         };
-        if app.shutdown || app.state.is_final() {
+        if app.shutdown || app.report.state.is_final() {
             out.command = Some(AmCommand::Shutdown);
             out.completed = std::mem::take(&mut app.pending_completed);
             app.last_allocate = Some((req.response_id, out.clone()));
@@ -1168,8 +1168,8 @@ async fn am_allocate(
                 "application `{id}` has not registered: POST /ws/v1/am/{id}/register first"
             )));
         }
-        app.progress = req.progress.clamp(0.0, 1.0);
-        let attempt = app.attempt;
+        app.report.progress = req.progress.clamp(0.0, 1.0);
+        let attempt = app.report.attempt;
 
         // Releases: freed now, not reported back (the AM asked for it).
         let mut ended = Vec::new();
@@ -1264,7 +1264,7 @@ fn container_access(st: &RmState, host: &str, id: &str, headers: &HeaderMap) -> 
     authorize(app, headers)?;
     Ok(ContainerInfo {
         state: c.state,
-        app_final: app.state.is_final(),
+        app_final: app.report.state.is_final(),
         status: ContainerStatus {
             container_id: id.to_string(),
             state: c.state,
@@ -1498,7 +1498,7 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(4), "killed, not waited for");
         assert!(shared.am_procs.lock().is_empty());
         assert_eq!(
-            shared.state.lock().apps[&id].state,
+            shared.state.lock().apps[&id].report.state,
             AppState::Failed,
             "an AM killed before finishing fails its app"
         );
