@@ -120,8 +120,9 @@ pub struct RegisterRequest {
 #[serde(rename_all = "camelCase")]
 pub struct RegisterResponse {
     pub maximum_capability: Resources,
-    /// Containers of earlier attempts of this application, live or completed
-    /// (work-preserving restart).
+    /// Every container the RM holds for this application, live or completed: for a
+    /// new attempt, its earlier attempts' (work-preserving AM restart); for an AM that
+    /// registers again after `RESYNC`, its own as well (RM restart).
     pub containers_from_previous_attempts: Vec<PreviousContainer>,
     pub attempt: u32,
     /// Containers granted but never started expire after this many seconds.

@@ -20,7 +20,10 @@ use super::status::{
 use super::tasks::{now_ms, peer_address, task_env, Outstanding, Task};
 use crate::cluster::rm_json::parse_node_value;
 use crate::config::AmSettings;
-use crate::protocol::{exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, LaunchContext};
+use crate::protocol::{
+    exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState, LaunchContext,
+    PreviousContainer, RegisterRequest,
+};
 use crate::resources::{mask_hex, mask_indices};
 use crate::select::{assign_port_labels, request_order, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
 use crate::spec::JobSpec;
@@ -48,6 +51,8 @@ pub struct Control {
     pub commands: mpsc::UnboundedReceiver<Command>,
     /// container id → (executor address, host), for reading logs.
     pub container_addrs: Arc<parking_lot::Mutex<HashMap<String, (String, String)>>>,
+    /// What this AM registered with (sent again when the RM asks for a resync).
+    pub registration: RegisterRequest,
     tasks: Vec<Task>,
     /// Request order (indices into `tasks`).
     order: Vec<usize>,
@@ -100,6 +105,7 @@ impl Control {
             settings,
             commands,
             container_addrs: Arc::default(),
+            registration: RegisterRequest::default(),
             tasks,
             order,
             by_request: HashMap::new(),
@@ -405,6 +411,13 @@ impl Control {
         };
         let started = Instant::now();
         let resp = match self.rm.allocate(&req).await {
+            Ok(r) if r.command == Some(AmCommand::Resync) => {
+                // The RM acted on nothing in this request: all of it goes again after
+                // registering (asks are rebuilt from the tasks still requesting).
+                self.cancels.extend(req.cancels);
+                self.releases.extend(req.releases);
+                return self.resync().await;
+            }
             Ok(r) => r,
             Err(e) => {
                 // Keep the cancels and releases for the retry; asks are rebuilt.
@@ -464,6 +477,79 @@ impl Control {
                 .update("job", json!({"rmReachable": true}), |s| s.rm_reachable = true);
         }
         Ok(())
+    }
+
+    /// The RM restarted (its heartbeat said RESYNC): register again and line up what
+    /// this AM believes with what the RM recovered. Running tasks are not touched.
+    async fn resync(&mut self) -> Result<(), RmError> {
+        tracing::warn!("the RM asked this AM to register again (it restarted); resyncing");
+        let registered = self.rm.register(&self.registration).await?;
+        self.hub
+            .counters
+            .rm_resyncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.reconcile(&registered.containers_from_previous_attempts);
+        // The node view may have changed while the RM was away.
+        self.last_refresh = None;
+        self.hub
+            .update("job", json!({"rmReachable": true, "resynced": true}), |s| {
+                s.rm_reachable = true
+            });
+        Ok(())
+    }
+
+    /// Lines up this AM's containers with the RM's list of the application's
+    /// containers (after a resync):
+    /// - one the RM granted for an ask still outstanding here (the answer was lost when
+    ///   the RM went down) is taken as if that answer had arrived;
+    /// - other live ones unknown here are released;
+    /// - one held here that the RM reports completed ends now with the RM's exit status
+    ///   (the same completion arriving later in a heartbeat finds nothing to do);
+    /// - one held here that the RM does not know at all is lost: -7151
+    ///   (CONTAINER_RM_RESYNC_LOST, transient), as frameworklauncher's resync does.
+    fn reconcile(&mut self, rm_view: &[PreviousContainer]) {
+        let by_id: HashMap<&str, &PreviousContainer> =
+            rm_view.iter().map(|p| (p.container.container_id.as_str(), p)).collect();
+        let mut answered = 0;
+        for p in rm_view {
+            let c = &p.container;
+            if p.state == ContainerState::Complete || self.by_container.contains_key(&c.container_id) {
+                continue;
+            }
+            let ours = self.by_request.get(&c.request_id).is_some_and(|&ti| {
+                let t = &self.tasks[ti];
+                c.task.as_deref() == Some(&format!("{}/{}", self.job.task_roles[t.role].name, t.index))
+                    && c.task_attempt == t.attempt
+            });
+            if ours {
+                answered += 1;
+                self.accept_container(c.clone());
+            } else if !self.releases.contains(&c.container_id) {
+                self.releases.push(c.container_id.clone());
+            }
+        }
+        let held: Vec<String> = self.by_container.keys().cloned().collect();
+        let mut lost = 0;
+        for cid in held {
+            let completed = match by_id.get(cid.as_str()) {
+                Some(p) if p.state == ContainerState::Complete => CompletedContainer {
+                    container_id: cid,
+                    exit_status: p.exit_status.unwrap_or(exit_status::ABORTED),
+                    diagnostics: p.diagnostics.clone(),
+                },
+                Some(_) => continue,
+                None => {
+                    lost += 1;
+                    CompletedContainer {
+                        container_id: cid,
+                        exit_status: super::exits::code::CONTAINER_RM_RESYNC_LOST,
+                        diagnostics: "the RM does not know this container after its restart".into(),
+                    }
+                }
+            };
+            self.container_completed(completed);
+        }
+        tracing::info!(answered, lost, released = self.releases.len(), "resync done");
     }
 
     /// Checks a granted container against its ask and takes it, or gives it back.

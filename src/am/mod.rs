@@ -187,6 +187,7 @@ pub async fn run(opts: AmOptions) -> i32 {
         commands,
     );
     control.container_addrs = addrs;
+    control.registration = reg.clone();
     if !registered.containers_from_previous_attempts.is_empty() {
         control.adopt(&registered.containers_from_previous_attempts);
     }

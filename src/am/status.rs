@@ -223,6 +223,8 @@ pub enum Command {
 #[derive(Debug, Default)]
 pub struct Counters {
     pub rm_errors: AtomicU64,
+    /// Times the RM asked this AM to register again (it had restarted).
+    pub rm_resyncs: AtomicU64,
     pub retries_transient: AtomicU64,
     pub retries_permanent: AtomicU64,
     pub retries_unknown: AtomicU64,

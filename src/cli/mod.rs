@@ -73,6 +73,13 @@ enum Cmd {
         /// written to WORK_DIR/admin.token with mode 0600).
         #[arg(long, value_name = "FILE")]
         admin_token_file: Option<PathBuf>,
+        /// Directory of the state database (rm-state.db, SQLite): applications,
+        /// containers and node states survive an RM restart (default: WORK_DIR).
+        #[arg(long, value_name = "DIR", conflicts_with = "in_memory")]
+        state_dir: Option<PathBuf>,
+        /// Keep the state in memory only: a restarted RM starts empty.
+        #[arg(long)]
+        in_memory: bool,
     },
     /// One application master (what the RM launches per job).
     Am {
@@ -234,8 +241,20 @@ pub fn main() -> i32 {
             listen,
             work_dir,
             admin_token_file,
+            state_dir,
+            in_memory,
         } => match admin_token(admin_token_file.as_deref()) {
-            Ok(admin) => runtime.block_on(servers::rm(cluster.as_deref(), listen, work_dir, admin, &settings)),
+            Ok(admin) => {
+                let state = servers::StateOption::from_flags(state_dir, in_memory);
+                runtime.block_on(servers::rm(
+                    cluster.as_deref(),
+                    listen,
+                    work_dir,
+                    admin,
+                    state,
+                    &settings,
+                ))
+            }
             Err(code) => code,
         },
         Cmd::Am {

@@ -36,6 +36,8 @@ pub async fn run(
     let rm = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
+        // The embedded RM lives and dies with this one job: nothing to recover later.
+        state_dir: None,
         ..crate::rm::RmOptions::new(nodes, SocketAddr::from(([127, 0, 0, 1], 0)), work_dir.clone())
     })
     .await

@@ -8,11 +8,29 @@ use crate::am::{self, AmOptions};
 use crate::config::Settings;
 use crate::exit;
 
+/// Where `gpuam rm` keeps its state.
+pub enum StateOption {
+    /// SQLite in this directory (`None`: the work dir).
+    Sqlite(Option<PathBuf>),
+    Memory,
+}
+
+impl StateOption {
+    pub fn from_flags(state_dir: Option<PathBuf>, in_memory: bool) -> Self {
+        if in_memory {
+            StateOption::Memory
+        } else {
+            StateOption::Sqlite(state_dir)
+        }
+    }
+}
+
 pub async fn rm(
     cluster: Option<&Path>,
     listen: SocketAddr,
     work_dir: Option<PathBuf>,
     admin_token: Option<String>,
+    state: StateOption,
     settings: &Settings,
 ) -> i32 {
     let nodes = match super::load_cluster(cluster) {
@@ -20,10 +38,19 @@ pub async fn rm(
         Err(code) => return code,
     };
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
+    let state_dir = match state {
+        StateOption::Sqlite(dir) => Some(dir.unwrap_or_else(|| work_dir.clone())),
+        StateOption::Memory => None,
+    };
+    let state_text = match &state_dir {
+        Some(d) => format!("state in {}", d.join(crate::rm::store::STATE_FILE).display()),
+        None => "state in memory only".to_string(),
+    };
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
         admin_token,
+        state_dir,
         ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })
     .await
@@ -35,7 +62,7 @@ pub async fn rm(
         }
     };
     println!(
-        "gpuam rm listening on {} (work dir {})",
+        "gpuam rm listening on {} (work dir {}; {state_text})",
         handle.base_url(),
         work_dir.display()
     );

@@ -1,12 +1,18 @@
 //! Applications as the RM tracks them: ids, per-app bearer tokens, the state machine
 //! (ACCEPTED → RUNNING → FINISHED / FAILED / KILLED), the allocate heartbeat's memory
 //! (last answer for idempotent retries, containers completed since the last answer,
-//! which node changes this app has already seen).
+//! which node changes this app has already seen), how its AM is started and each AM
+//! attempt's history. `Apps` is the table of them that notes which ones changed, so
+//! the RM's store writes exactly those.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rand::RngCore;
+use serde::{Deserialize, Serialize};
 
+use super::procs::ProcessId;
 use crate::protocol::{AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus};
 
 /// Milliseconds since the epoch.
@@ -37,25 +43,59 @@ pub fn app_id(cluster_ts: u64, seq: u32) -> String {
     format!("application_{cluster_ts}_{seq:04}")
 }
 
-/// One application: what its report says, plus what only the RM needs.
+/// How an application's AM is started (kept so later attempts start the same way).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AmLaunch {
+    pub job_path: PathBuf,
+    /// `--listen` of the AM's dashboard.
+    pub listen: Option<String>,
+}
+
+/// One AM attempt, as `GET /apps/{id}/appattempts` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptRecord {
+    pub attempt: u32,
+    pub started_time: u64,
+    /// 0 while it runs.
+    pub finished_time: u64,
+    /// How the attempt's AM process ended ("" while it runs).
+    pub diagnostics: String,
+    /// The AM process (pid and start time), so a restarted RM can re-attach to it.
+    pub process: Option<ProcessId>,
+}
+
+/// One application: what its report says, plus what only the RM needs. Serialized
+/// whole into the RM's store, but for the heartbeat's memory, which a restarted RM
+/// starts without (the AM re-registers: resync).
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct App {
     /// Id, name, state, final status, exit code, diagnostics, tracking URL, progress,
     /// times and attempt: exactly what `GET /apps/{id}` answers.
     pub report: AppReport,
     token: String,
+    #[serde(skip)]
     pub registered: bool,
     /// The AM called finish (its process exiting afterwards is expected).
     pub unregistered: bool,
     /// Answers carry `command: SHUTDOWN` (the application was killed).
     pub shutdown: bool,
     /// The last allocate request's responseId and the answer given to it.
+    #[serde(skip)]
     pub last_allocate: Option<(u64, AllocateResponse)>,
     /// Containers of this app that ended since the last allocate answer.
     pub pending_completed: Vec<CompletedContainer>,
     /// Ledger epoch this app's last answer covered (for `updatedNodes`).
+    #[serde(skip)]
     pub nodes_seen: u64,
     /// The submitter's job token (also accepted for killing this application).
     job_token: Option<String>,
+    /// `None` when the RM launches no AM for it (tests that speak the AM protocol).
+    pub launch: Option<AmLaunch>,
+    /// Every AM attempt so far, oldest first.
+    pub attempts: Vec<AttemptRecord>,
 }
 
 impl App {
@@ -82,7 +122,41 @@ impl App {
             pending_completed: Vec::new(),
             nodes_seen: 0,
             job_token: None,
+            launch: None,
+            attempts: Vec::new(),
         }
+    }
+
+    /// The job token, for the AM's environment.
+    pub fn job_token(&self) -> Option<&str> {
+        self.job_token.as_deref()
+    }
+
+    /// Records that the current attempt's AM process started.
+    pub fn attempt_started(&mut self, process: Option<ProcessId>) {
+        self.attempts.push(AttemptRecord {
+            attempt: self.report.attempt,
+            started_time: now_ms(),
+            finished_time: 0,
+            diagnostics: String::new(),
+            process,
+        });
+    }
+
+    /// Records how the current attempt's AM process ended.
+    pub fn attempt_ended(&mut self, how: &str) {
+        if let Some(a) = self.attempts.iter_mut().rev().find(|a| a.finished_time == 0) {
+            a.finished_time = now_ms();
+            a.diagnostics = how.to_string();
+        }
+    }
+
+    /// The AM process of the attempt that is running, if any.
+    pub fn running_am(&self) -> Option<ProcessId> {
+        self.attempts
+            .last()
+            .filter(|a| a.finished_time == 0)
+            .and_then(|a| a.process)
     }
 
     /// Records the submitter's job token (empty = none).
@@ -119,6 +193,63 @@ impl App {
             self.report.progress = 1.0;
         }
         true
+    }
+}
+
+/// All applications by id, remembering which ones changed (or went) since the last
+/// [`Apps::take_dirty`]: mutable access is only through `get_mut`/`insert`/`remove`,
+/// so nothing can change without being persisted.
+#[derive(Default)]
+pub struct Apps {
+    map: BTreeMap<String, App>,
+    dirty: BTreeSet<String>,
+}
+
+impl Apps {
+    pub fn get(&self, id: &str) -> Option<&App> {
+        self.map.get(id)
+    }
+
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut App> {
+        let app = self.map.get_mut(id)?;
+        self.dirty.insert(id.to_string());
+        Some(app)
+    }
+
+    pub fn insert(&mut self, app: App) {
+        self.dirty.insert(app.report.id.clone());
+        self.map.insert(app.report.id.clone(), app);
+    }
+
+    pub fn remove(&mut self, id: &str) -> Option<App> {
+        self.dirty.insert(id.to_string());
+        self.map.remove(id)
+    }
+
+    pub fn contains_key(&self, id: &str) -> bool {
+        self.map.contains_key(id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &App> {
+        self.map.values()
+    }
+
+    /// Ids changed or removed since the last call.
+    pub fn take_dirty(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.dirty).into_iter().collect()
+    }
+
+    /// Puts back an application recovered from the store (not marked changed).
+    pub fn restore(&mut self, app: App) {
+        self.map.insert(app.report.id.clone(), app);
     }
 }
 

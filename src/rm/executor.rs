@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
+use super::procs::ProcessId;
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
 
@@ -89,6 +90,10 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(20);
 /// How much of stderr's tail goes into a failed container's diagnostics.
 const DIAG_STDERR_BYTES: u64 = 512;
+/// In a container's directory: the leader's exit status, written by `launch.sh` itself.
+pub const EXIT_CODE_FILE: &str = "exit_code";
+/// In a container's directory: the leader's [`ProcessId`] (JSON), for re-attaching.
+pub const PROCESS_FILE: &str = "process.json";
 
 /// Variables copied from the executor's own environment; nothing else leaks into a task.
 const BASE_ENV: [&str; 3] = ["PATH", "HOME", "LANG"];
@@ -269,6 +274,16 @@ impl Executor {
                 Err(fail(why))
             }
             Ok((child, pid)) => {
+                // Written before anything else can happen to it: without this record a
+                // restarted executor could not find the process again.
+                if let Some(p) = ProcessId::of(pid) {
+                    let written = serde_json::to_vec(&p)
+                        .map_err(std::io::Error::other)
+                        .and_then(|b| std::fs::write(dir.join(PROCESS_FILE), b));
+                    if let Err(e) = written {
+                        tracing::warn!(container = container_id, "cannot record the process: {e}");
+                    }
+                }
                 let (done_tx, done_rx) = watch::channel(false);
                 {
                     let mut table = self.table.lock();
@@ -288,6 +303,41 @@ impl Executor {
                     done_tx,
                 ));
                 Ok(pid)
+            }
+        }
+    }
+
+    /// Takes a container that an earlier executor (an RM before a restart) started, and
+    /// that the RM's records say is running, back under watch: if its leader still runs
+    /// (the pid and start time in `process.json` match), it is watched and can be stopped
+    /// as if started here; if not, the container ends now with the exit status its
+    /// script recorded. Either way exactly one `Exited` event follows.
+    pub fn reattach(&self, container_id: &str) {
+        let dir = self.root.join(container_id);
+        let leader = valid_container_id(container_id)
+            .then(|| std::fs::read(dir.join(PROCESS_FILE)).ok())
+            .flatten()
+            .and_then(|b| serde_json::from_slice::<ProcessId>(&b).ok());
+        let (done_tx, done_rx) = watch::channel(false);
+        let mut entry = Entry::new(dir.clone(), Phase::Running);
+        entry.pid = leader.map(|p| p.pid);
+        entry.done = Some(done_rx);
+        self.table.lock().insert(container_id.to_string(), entry);
+        let (table, events, id) = (self.table.clone(), self.events.clone(), container_id.to_string());
+        match leader.filter(ProcessId::alive) {
+            Some(p) => {
+                tracing::info!(
+                    container = container_id,
+                    pid = p.pid,
+                    "re-attached to a running container"
+                );
+                tokio::spawn(wait_inherited(table, events, id, dir, p, done_tx));
+            }
+            None => {
+                let (code, how) = recorded_exit(&dir);
+                // The group id is the leader's pid; leftovers of a dead leader still go.
+                let pgid = leader.map_or(0, |p| p.pid);
+                tokio::spawn(container_ended(table, events, id, dir, pgid, code, how, done_tx));
             }
         }
     }
@@ -537,7 +587,12 @@ fn shell_quote(s: &str) -> String {
 ///
 /// The TERM trap makes the leader reap its own children before it exits with 143, so a
 /// stop leaves no zombies behind even under an init that does not reap orphans.
-fn launch_script(id: &str, commands: &[String]) -> String {
+///
+/// The EXIT trap writes the exit status to `exit_code` in the container's directory
+/// (an absolute path: the commands may `cd`), with builtins only (the commands may
+/// change PATH): a restarted executor, which is not the process's parent and cannot
+/// wait for it, reads the status there.
+fn launch_script(id: &str, dir: &Path, commands: &[String]) -> String {
     let mut s = String::new();
     s.push_str("#!/usr/bin/env bash\n");
     s.push_str(&format!(
@@ -545,6 +600,11 @@ fn launch_script(id: &str, commands: &[String]) -> String {
     ));
     s.push_str("# ending at the first that fails, with its exit status.\n");
     s.push_str("trap 'trap \"\" TERM; kill -TERM 0 2>/dev/null; wait; exit 143' TERM\n");
+    s.push_str(&format!(
+        "readonly __gpuam_exit_file={}\n",
+        shell_quote(&dir.join(EXIT_CODE_FILE).display().to_string())
+    ));
+    s.push_str("trap '__gpuam_rc=$?; printf \"%s\\n\" \"$__gpuam_rc\" > \"$__gpuam_exit_file\"' EXIT\n");
     for (i, c) in commands.iter().enumerate() {
         s.push_str(&format!("# command {i}\n"));
         s.push_str(&format!("eval {}\n", shell_quote(c)));
@@ -565,7 +625,7 @@ fn spawn_launch(
     std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
     let script = dir.join("launch.sh");
     File::create(&script)
-        .and_then(|mut f| f.write_all(launch_script(id, commands).as_bytes()))
+        .and_then(|mut f| f.write_all(launch_script(id, dir, commands).as_bytes()))
         .map_err(|e| where_("cannot write", &script, e))?;
     let out_path = dir.join(LogStream::Stdout.file_name());
     let err_path = dir.join(LogStream::Stderr.file_name());
@@ -600,8 +660,7 @@ fn spawn_launch(
     Ok((child, pid))
 }
 
-/// Waits for the leader, cleans up what it left in its group, records the end and sends
-/// the one `Exited` event.
+/// Waits for the leader, then ends the container (see [`container_ended`]).
 async fn wait_container(
     table: Table,
     events: mpsc::UnboundedSender<ExecEvent>,
@@ -615,6 +674,52 @@ async fn wait_container(
         Ok(st) => describe_exit(st),
         Err(e) => (exit_status::INVALID, format!("lost track of the process: {e}")),
     };
+    container_ended(table, events, id, dir, pgid, code, how, done).await;
+}
+
+/// Waits for a leader this executor did not start (an earlier RM did), then ends the
+/// container with the status the leader's script wrote, if it got to write one.
+async fn wait_inherited(
+    table: Table,
+    events: mpsc::UnboundedSender<ExecEvent>,
+    id: String,
+    dir: PathBuf,
+    leader: ProcessId,
+    done: watch::Sender<bool>,
+) {
+    leader.ended().await;
+    let (code, how) = recorded_exit(&dir);
+    container_ended(table, events, id, dir, leader.pid, code, how, done).await;
+}
+
+/// The exit status `launch.sh` wrote, with a sentence; ABORTED when there is none (the
+/// leader was killed with SIGKILL, or never ran).
+fn recorded_exit(dir: &Path) -> (i32, String) {
+    match std::fs::read_to_string(dir.join(EXIT_CODE_FILE))
+        .ok()
+        .and_then(|t| t.trim().parse::<i32>().ok())
+    {
+        Some(code) => (code, format!("exited with code {code} (seen after an RM restart)")),
+        None => (
+            exit_status::ABORTED,
+            "the container's process ended while the RM was down and left no exit status".into(),
+        ),
+    }
+}
+
+/// Cleans up what the leader left in its group, records the end and sends the one
+/// `Exited` event.
+#[allow(clippy::too_many_arguments)]
+async fn container_ended(
+    table: Table,
+    events: mpsc::UnboundedSender<ExecEvent>,
+    id: String,
+    dir: PathBuf,
+    pgid: u32,
+    code: i32,
+    how: String,
+    done: watch::Sender<bool>,
+) {
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
     let mut diagnostics = how;
@@ -843,6 +948,83 @@ mod tests {
             diagnostics,
         } = ev;
         (container_id, exit_status, diagnostics)
+    }
+
+    /// A second executor over the same directory stands for the executor of a
+    /// restarted RM: it did not spawn the processes it re-attaches to.
+    #[tokio::test]
+    async fn a_new_executor_reattaches_to_running_and_ended_containers() {
+        let (tmp, first, mut first_rx) = setup();
+        let marker = tmp.path().join("go");
+        first
+            .start(
+                "c-run",
+                "h",
+                &no_gpus(),
+                ctx(&[&format!(
+                    "while [ ! -f {} ]; do sleep 0.02; done; exit 7",
+                    marker.display()
+                )]),
+            )
+            .unwrap();
+        first.start("c-done", "h", &no_gpus(), ctx(&["exit 5"])).unwrap();
+        first.start("c-killed", "h", &no_gpus(), ctx(&["sleep 30"])).unwrap();
+        let killed_pgid = first.status("c-killed").unwrap().pid.unwrap();
+        // c-done ends while "the RM is down"; c-killed dies without a word.
+        assert_eq!(next_exit(&mut first_rx).await.0, "c-done");
+        signal_group(killed_pgid, libc::SIGKILL);
+        assert_eq!(next_exit(&mut first_rx).await.0, "c-killed");
+
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let second = Executor::new(tmp.path().join("containers"), tx);
+        for id in ["c-run", "c-done", "c-killed", "c-never-started"] {
+            second.reattach(id);
+        }
+        let mut ended = std::collections::HashMap::new();
+        for _ in 0..3 {
+            let (id, code, diag) = next_exit(&mut rx).await;
+            ended.insert(id, (code, diag));
+        }
+        assert_eq!(ended["c-done"].0, 5, "the recorded exit status: {:?}", ended["c-done"]);
+        // SIGKILL: the script never got to write a status.
+        assert_eq!(ended["c-killed"].0, exit_status::ABORTED, "{:?}", ended["c-killed"]);
+        assert!(ended["c-killed"].1.contains("left no exit status"));
+        assert_eq!(ended["c-never-started"].0, exit_status::ABORTED);
+        assert_eq!(second.status("c-run").unwrap().state, ContainerState::Running);
+        std::fs::write(&marker, "").unwrap();
+        let (id, code, diag) = next_exit(&mut rx).await;
+        assert_eq!((id.as_str(), code), ("c-run", 7), "{diag}");
+        assert_eq!(second.status("c-run").unwrap().state, ContainerState::Complete);
+    }
+
+    #[tokio::test]
+    async fn a_reattached_container_can_be_stopped() {
+        let (tmp, first, _first_rx) = setup();
+        let started = tmp.path().join("started");
+        first
+            .start(
+                "c1",
+                "h",
+                &no_gpus(),
+                ctx(&[&format!("touch {}; sleep 30", started.display())]),
+            )
+            .unwrap();
+        let pgid = first.status("c1").unwrap().pid.unwrap();
+        // Its traps are set once its commands run.
+        for _ in 0..200 {
+            if started.exists() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let second = Executor::new(first.root().to_path_buf(), tx);
+        second.reattach("c1");
+        second.stop("c1", Duration::from_secs(2)).await.unwrap();
+        let (_, code, diag) = next_exit(&mut rx).await;
+        assert_eq!(code, 143, "{diag}");
+        assert!(diag.contains("stopped by request"), "{diag}");
+        assert!(!group_alive(pgid));
     }
 
     #[tokio::test]

@@ -11,6 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
+
 use crate::cluster::{Node, NodeState};
 use crate::protocol::{exit_status, Ask, Container, ContainerState, Rejection};
 use crate::resources::{mask_hex, Resources};
@@ -21,16 +23,36 @@ pub const DEFAULT_CONTAINER_EXPIRY: Duration = Duration::from_secs(600);
 pub const DIAG_EXPIRED: &str = "Container expired since it was unused";
 pub const DIAG_LOST_NODE: &str = "Container released on a *lost* node";
 
-/// One container as the ledger tracks it.
-#[derive(Clone, Debug, PartialEq)]
+/// One container as the ledger tracks it (and as the RM's store persists it).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct LedgerContainer {
     pub container: Container,
     pub app_id: String,
     pub attempt: u32,
     pub state: ContainerState,
+    /// For the expiry clock; rebuilt from `allocated_ms` when the RM restarts.
+    #[serde(skip, default = "Instant::now")]
     pub allocated_at: Instant,
+    /// Wall-clock grant time (milliseconds since the epoch).
+    #[serde(default)]
+    pub allocated_ms: u64,
     pub exit_status: Option<i32>,
     pub diagnostics: String,
+}
+
+/// What changed in the ledger since the last [`Ledger::take_changes`]: the RM's store
+/// writes exactly these.
+#[derive(Debug, Default, PartialEq)]
+pub struct LedgerChanges {
+    pub containers: Vec<String>,
+    pub nodes: Vec<String>,
+}
+
+impl LedgerChanges {
+    pub fn is_empty(&self) -> bool {
+        self.containers.is_empty() && self.nodes.is_empty()
+    }
 }
 
 /// A container that just ended, for the RM to report to its application.
@@ -90,6 +112,9 @@ pub struct Ledger {
     epoch: u64,
     /// Every grant and free in ledger order, when auditing is on (tests, load runs).
     audit: Option<Vec<AuditEvent>>,
+    /// Containers and nodes changed since the last `take_changes`.
+    touched: BTreeSet<String>,
+    touched_nodes: BTreeSet<String>,
 }
 
 impl Ledger {
@@ -119,7 +144,84 @@ impl Ledger {
             expiry,
             epoch: 0,
             audit: None,
+            touched: BTreeSet::new(),
+            touched_nodes: BTreeSet::new(),
         }
+    }
+
+    /// The containers and node states changed since the last call (for persisting).
+    pub fn take_changes(&mut self) -> LedgerChanges {
+        LedgerChanges {
+            containers: std::mem::take(&mut self.touched).into_iter().collect(),
+            nodes: std::mem::take(&mut self.touched_nodes).into_iter().collect(),
+        }
+    }
+
+    /// The sequence number the next grant's container id gets.
+    pub fn next_container_seq(&self) -> u64 {
+        self.next_container
+    }
+
+    /// Puts back a container recovered from the store (RM restart), after the node
+    /// states were restored. A live container whose host is gone from the cluster, is
+    /// no longer usable, or whose resources collide with what is already restored there
+    /// cannot be honoured: it is completed (ABORTED, with the reason) and returned so
+    /// its application hears of it. `allocated_at` is rebuilt from `allocated_ms`.
+    pub fn restore(&mut self, mut c: LedgerContainer, now: Instant, now_ms: u64) -> Option<Ended> {
+        let id = c.container.container_id.clone();
+        let age = Duration::from_millis(now_ms.saturating_sub(c.allocated_ms));
+        c.allocated_at = now.checked_sub(age).unwrap_or(now);
+        let live = c.state != ContainerState::Complete;
+        let host = c.container.host.clone();
+        self.containers.insert(id.clone(), c);
+        if !live {
+            return None;
+        }
+        let problem = match self.nodes.get(&host) {
+            None => Some(format!("host `{host}` is no longer in the cluster")),
+            Some(ln) if ln.node.state.is_unusable() => Some(DIAG_LOST_NODE.to_string()),
+            Some(ln) => {
+                let res = &self.containers[&id].container.resources;
+                match ln.node.used().try_add(res) {
+                    Ok(sum) if within(&sum, ln.node.total()) => None,
+                    _ => Some(format!(
+                        "its resources on `{host}` collide with another container's or exceed the node"
+                    )),
+                }
+            }
+        };
+        match problem {
+            None => {
+                if let Some(ln) = self.nodes.get_mut(&host) {
+                    ln.live.insert(id);
+                }
+                self.recompute(&host);
+                None
+            }
+            Some(why) => {
+                // Not live anywhere yet: only its record changes.
+                let c = self.containers.get_mut(&id)?;
+                let was = c.state;
+                c.state = ContainerState::Complete;
+                c.exit_status = Some(exit_status::ABORTED);
+                c.diagnostics = format!("could not be restored after an RM restart: {why}");
+                self.touched.insert(id.clone());
+                Some(Ended {
+                    container_id: id,
+                    app_id: c.app_id.clone(),
+                    attempt: c.attempt,
+                    host,
+                    was,
+                    exit_status: exit_status::ABORTED,
+                    diagnostics: c.diagnostics.clone(),
+                })
+            }
+        }
+    }
+
+    /// Continues container numbering after a restart (never below what is in use).
+    pub fn set_next_container_seq(&mut self, seq: u64) {
+        self.next_container = self.next_container.max(seq);
     }
 
     /// Starts recording every grant and free (in the order the ledger applied them),
@@ -167,13 +269,9 @@ impl Ledger {
         self.containers.get(id)
     }
 
-    /// Every container (live or completed) an application's attempts before `attempt` got.
-    pub fn containers_before_attempt(&self, app_id: &str, attempt: u32) -> Vec<&LedgerContainer> {
-        let mut v: Vec<&LedgerContainer> = self
-            .containers
-            .values()
-            .filter(|c| c.app_id == app_id && c.attempt < attempt)
-            .collect();
+    /// Every container (live or completed) of an application, by id.
+    pub fn containers_of(&self, app_id: &str) -> Vec<&LedgerContainer> {
+        let mut v: Vec<&LedgerContainer> = self.containers.values().filter(|c| c.app_id == app_id).collect();
         v.sort_by(|a, b| a.container.container_id.cmp(&b.container.container_id));
         v
     }
@@ -306,6 +404,7 @@ impl Ledger {
                 attempt,
                 state: ContainerState::Allocated,
                 allocated_at: now,
+                allocated_ms: crate::rm::apps::now_ms(),
                 exit_status: None,
                 diagnostics: String::new(),
             },
@@ -313,6 +412,7 @@ impl Ledger {
         if let Some(ln) = self.nodes.get_mut(&ask.host) {
             ln.live.insert(container.container_id.clone());
         }
+        self.touched.insert(container.container_id.clone());
         if let Some(a) = &mut self.audit {
             a.push(AuditEvent::Grant {
                 container_id: container.container_id.clone(),
@@ -338,6 +438,7 @@ impl Ledger {
             });
         }
         c.state = ContainerState::Running;
+        self.touched.insert(id.to_string());
         Ok(())
     }
 
@@ -364,6 +465,7 @@ impl Ledger {
         if let Some(ln) = self.nodes.get_mut(&ended.host) {
             ln.live.remove(id);
         }
+        self.touched.insert(id.to_string());
         if let Some(a) = &mut self.audit {
             a.push(AuditEvent::Free {
                 container_id: id.to_string(),
@@ -394,6 +496,7 @@ impl Ledger {
     pub fn set_node_state(&mut self, host: &str, state: NodeState) -> Option<Vec<Ended>> {
         let ln = self.nodes.get_mut(host)?;
         ln.node.state = state;
+        self.touched_nodes.insert(host.to_string());
         let ids: Vec<String> = if state.is_unusable() {
             ln.live.iter().cloned().collect()
         } else {
@@ -438,6 +541,14 @@ impl Ledger {
         self.epoch += 1;
         ln.changed_at = self.epoch;
     }
+}
+
+/// Whether `used` stays inside `total` in every dimension.
+fn within(used: &Resources, total: &Resources) -> bool {
+    used.cpu <= total.cpu
+        && used.memory_mb <= total.memory_mb
+        && used.gpu_mask & !total.gpu_mask == 0
+        && used.ports.subtract(&total.ports).is_empty()
 }
 
 /// Replays an audit log and checks, independently of the ledger's own accounting,

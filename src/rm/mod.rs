@@ -4,6 +4,8 @@ pub mod apps;
 pub mod executor;
 pub mod gpu_discovery;
 pub mod ledger;
+pub mod procs;
 pub mod server;
+pub mod store;
 
 pub use server::{start, RmHandle, RmOptions};

@@ -3,8 +3,16 @@
 //! finish behind per-application bearer tokens), and the embedded executor's
 //! container endpoints. Also launches and watches one AM process per application.
 //!
-//! All state lives in one `parking_lot::Mutex<RmState>`; handlers take it, decide,
-//! drop it, and only then await (executor stops, process kills).
+//! All state lives in one `parking_lot::Mutex<RmState>`; handlers take it (through
+//! [`Shared::lock`]), decide, drop it, and only then await (executor stops, process
+//! kills). Dropping the guard writes what changed to the state store (SQLite) before
+//! the lock is released, so the store sees changes in the order they happened and a
+//! restarted RM recovers exactly what had been answered.
+//!
+//! RM restart: the store gives back applications, containers and node states; the
+//! executor re-attaches to container processes still running, the RM to AM processes
+//! still running (or starts the next attempt of an AM that died meanwhile), and each
+//! AM, whose heartbeat now gets `command: RESYNC`, registers again and carries on.
 //!
 //! Protocol choices worth knowing:
 //! - Every ask is answered in the heartbeat that carries it, either `allocated` or
@@ -13,7 +21,7 @@
 //!   `completed` (the AM already knows); containers that end any other way (exit,
 //!   AM `stop` via the executor endpoint, expiry, node loss, kill) are.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -41,9 +49,11 @@ use crate::protocol::{
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
-use crate::rm::apps::{app_id, now_ms, App};
+use crate::rm::apps::{app_id, now_ms, AmLaunch, App, Apps};
 use crate::rm::executor::{ExecError, ExecEvent, Executor, LogStream};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
+use crate::rm::procs::ProcessId;
+use crate::rm::store::{Batch, Meta, Store};
 
 /// Largest request body accepted (413 beyond).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -73,16 +83,25 @@ pub struct RmOptions {
     /// AM attempts per application: an AM that dies without finishing is started again
     /// (keeping the job's containers) until this many attempts have run.
     pub max_am_attempts: u32,
+    /// Where the state database lives (`<dir>/rm-state.db`); `None`: in memory only, a
+    /// restarted RM starts empty.
+    pub state_dir: Option<PathBuf>,
 }
+
+/// Most application ids handed out by new-application and not yet submitted that are
+/// remembered (the oldest are forgotten first), so that calling new-application in a
+/// loop cannot grow the RM without bound.
+const MAX_RESERVED_IDS: usize = 10_000;
 
 /// frameworklauncher's `amAttemptMaxCount`.
 pub const DEFAULT_MAX_AM_ATTEMPTS: u32 = 3;
 
 impl RmOptions {
     /// Defaults: AM launch on, this executable as the AM, 600 s container expiry, a
-    /// generated admin token.
+    /// generated admin token, state kept in SQLite in the work dir.
     pub fn new(nodes: Vec<Node>, listen: SocketAddr, work_dir: PathBuf) -> Self {
         RmOptions {
+            state_dir: Some(work_dir.clone()),
             nodes,
             listen,
             work_dir,
@@ -97,10 +116,99 @@ impl RmOptions {
 
 struct RmState {
     ledger: Ledger,
-    apps: BTreeMap<String, App>,
+    apps: Apps,
     /// Ids handed out by new-application and not yet submitted.
-    reserved: HashSet<String>,
+    reserved: BTreeSet<String>,
     next_app_seq: u32,
+    /// `next_app_seq` or `reserved` changed since the last write.
+    meta_dirty: bool,
+    store: Store,
+    /// Writes to the store that failed (the RM keeps serving from memory).
+    store_errors: u64,
+}
+
+impl RmState {
+    /// Remembers an id handed out by new-application (forgetting the oldest beyond
+    /// [`MAX_RESERVED_IDS`]).
+    fn reserve(&mut self, id: String) {
+        self.reserved.insert(id);
+        while self.reserved.len() > MAX_RESERVED_IDS {
+            self.reserved.pop_first();
+        }
+        self.meta_dirty = true;
+    }
+
+    /// A fresh application id.
+    fn next_app_id(&mut self, cluster_ts: u64) -> String {
+        self.next_app_seq += 1;
+        self.meta_dirty = true;
+        app_id(cluster_ts, self.next_app_seq)
+    }
+
+    /// Claims a reserved id; false when it was not reserved.
+    fn unreserve(&mut self, id: &str) -> bool {
+        let had = self.reserved.remove(id);
+        self.meta_dirty |= had;
+        had
+    }
+
+    /// Writes what changed since the last call in one transaction.
+    fn persist(&mut self, cluster_ts: u64) {
+        let apps = self.apps.take_dirty();
+        let changes = self.ledger.take_changes();
+        let meta_dirty = std::mem::take(&mut self.meta_dirty) || !changes.containers.is_empty();
+        if !self.store.is_durable() || (apps.is_empty() && changes.is_empty() && !meta_dirty) {
+            return;
+        }
+        let batch = Batch {
+            meta: meta_dirty.then(|| Meta {
+                cluster_ts,
+                next_app_seq: self.next_app_seq,
+                next_container_seq: self.ledger.next_container_seq(),
+                reserved: self.reserved.iter().cloned().collect(),
+            }),
+            apps: apps.iter().map(|id| (id.as_str(), self.apps.get(id))).collect(),
+            containers: changes
+                .containers
+                .iter()
+                .filter_map(|id| self.ledger.container(id))
+                .collect(),
+            nodes: changes
+                .nodes
+                .iter()
+                .filter_map(|h| self.ledger.node(h).map(|n| (h.as_str(), n.state)))
+                .collect(),
+        };
+        if let Err(e) = self.store.write(&batch) {
+            self.store_errors += 1;
+            tracing::error!(error = %e, "the RM's state could not be saved; a restart now would lose it");
+        }
+    }
+}
+
+/// The state lock; dropping it persists what changed (see the module doc).
+struct StateGuard<'a> {
+    st: parking_lot::MutexGuard<'a, RmState>,
+    cluster_ts: u64,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = RmState;
+    fn deref(&self) -> &RmState {
+        &self.st
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut RmState {
+        &mut self.st
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        self.st.persist(self.cluster_ts);
+    }
 }
 
 struct AmProc {
@@ -122,17 +230,16 @@ struct Shared {
     max_am_attempts: u32,
     /// Set when an orderly shutdown begins: AMs stopped then are not started again.
     shutting_down: std::sync::atomic::AtomicBool,
-    /// How each application's AM is started (kept to start later attempts the same way).
-    am_launches: Mutex<HashMap<String, AmLaunch>>,
 }
 
-/// The arguments an application's AM was started with.
-#[derive(Clone)]
-struct AmLaunch {
-    token: String,
-    job_path: PathBuf,
-    listen: Option<String>,
-    job_token: Option<String>,
+impl Shared {
+    /// Takes the state lock (see [`StateGuard`]).
+    fn lock(&self) -> StateGuard<'_> {
+        StateGuard {
+            st: self.state.lock(),
+            cluster_ts: self.cluster_ts,
+        }
+    }
 }
 
 /// A running RM.
@@ -151,6 +258,9 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     tokio::fs::create_dir_all(&opts.work_dir)
         .await
         .map_err(|e| anyhow::anyhow!("cannot create the RM work dir {}: {e}", opts.work_dir.display()))?;
+    // Absolute: AMs run in their application's directory and are handed paths in here.
+    let work_dir = std::fs::canonicalize(&opts.work_dir)
+        .map_err(|e| anyhow::anyhow!("cannot resolve the RM work dir {}: {e}", opts.work_dir.display()))?;
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
@@ -160,7 +270,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         Some(t) => (t.trim().to_string(), None),
         None => {
             let t = super::apps::new_token();
-            let path = opts.work_dir.join(ADMIN_TOKEN_FILE);
+            let path = work_dir.join(ADMIN_TOKEN_FILE);
             write_secret(&path, &t)
                 .map_err(|e| anyhow::anyhow!("cannot write the admin token to {}: {e}", path.display()))?;
             (t, Some(path))
@@ -183,18 +293,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         }
         n
     });
+    let store = match &opts.state_dir {
+        Some(dir) => Store::open(dir)?,
+        None => Store::memory(),
+    };
+    let (state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
-    let cluster_ts = now_ms();
     let shared = Arc::new(Shared {
-        state: Mutex::new(RmState {
-            ledger: Ledger::new(nodes, opts.container_expiry),
-            apps: BTreeMap::new(),
-            reserved: HashSet::new(),
-            next_app_seq: 0,
-        }),
-        executor: Executor::new(opts.work_dir.join("containers"), events_tx),
+        state: Mutex::new(state),
+        executor: Executor::new(work_dir.join("containers"), events_tx),
         base_url: base_url.clone(),
-        work_dir: opts.work_dir,
+        work_dir,
         am_program: opts.am_program,
         launch_am: opts.launch_am,
         cluster_ts,
@@ -202,7 +311,6 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         admin_token,
         max_am_attempts: opts.max_am_attempts.max(1),
         shutting_down: std::sync::atomic::AtomicBool::new(false),
-        am_launches: Mutex::new(HashMap::new()),
     });
 
     let mut background = Vec::new();
@@ -214,7 +322,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
                 exit_status,
                 diagnostics,
             } = ev;
-            let mut st = s.state.lock();
+            let mut st = s.lock();
             if let Some(ended) = st.ledger.complete(&container_id, exit_status, &diagnostics) {
                 queue_completed(&mut st.apps, &ended);
             }
@@ -226,7 +334,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         let mut every = tokio::time::interval(tick);
         loop {
             every.tick().await;
-            let mut st = s.state.lock();
+            let mut st = s.lock();
             let ended = st.ledger.expire(Instant::now());
             for e in &ended {
                 tracing::info!(container = %e.container_id, app = %e.app_id, "container expired unused");
@@ -246,6 +354,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         }
     });
     tracing::info!(%base_url, "RM listening");
+    reattach(&shared);
     Ok(RmHandle {
         addr,
         admin_token_file,
@@ -254,6 +363,104 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         stop_server,
         background,
     })
+}
+
+/// Builds the RM's state from what the store kept (a fresh state when it kept nothing);
+/// returns it with the cluster timestamp to use in ids.
+fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u64)> {
+    let mut apps = Apps::default();
+    let Some(r) = store.recover()? else {
+        let state = RmState {
+            ledger,
+            apps,
+            reserved: BTreeSet::new(),
+            next_app_seq: 0,
+            meta_dirty: true,
+            store,
+            store_errors: 0,
+        };
+        return Ok((state, now_ms()));
+    };
+    for (host, state) in &r.node_states {
+        if ledger.set_node_state(host, *state).is_none() {
+            tracing::warn!(%host, "a node of the saved state is no longer in the cluster");
+        }
+    }
+    ledger.set_next_container_seq(r.meta.next_container_seq);
+    let (now, wall) = (Instant::now(), now_ms());
+    let not_restored: Vec<Ended> = r
+        .containers
+        .into_iter()
+        .filter_map(|c| ledger.restore(c, now, wall))
+        .collect();
+    let live = r.apps.iter().filter(|a| !a.report.state.is_final()).count();
+    for app in r.apps {
+        apps.restore(app);
+    }
+    for e in &not_restored {
+        tracing::warn!(container = %e.container_id, "{}", e.diagnostics);
+        queue_completed(&mut apps, e);
+    }
+    tracing::info!(
+        apps = apps.len(),
+        unfinished = live,
+        containers = ledger.live_containers().len(),
+        "RM state recovered"
+    );
+    let state = RmState {
+        ledger,
+        apps,
+        reserved: r.meta.reserved.into_iter().collect(),
+        next_app_seq: r.meta.next_app_seq,
+        meta_dirty: true,
+        store,
+        store_errors: 0,
+    };
+    Ok((state, r.meta.cluster_ts))
+}
+
+/// After a restart: the executor watches the containers that were running again (a
+/// container whose process is gone completes with what it left behind), and each
+/// unfinished application's AM is watched again, or, if it died meanwhile, replaced by
+/// its next attempt.
+fn reattach(rm: &Arc<Shared>) {
+    let (running, ams) = {
+        let st = rm.lock();
+        let running: Vec<String> = st
+            .ledger
+            .live_containers()
+            .into_iter()
+            .filter(|id| {
+                st.ledger
+                    .container(id)
+                    .is_some_and(|c| c.state == ContainerState::Running)
+            })
+            .collect();
+        let ams: Vec<(String, Option<ProcessId>)> = st
+            .apps
+            .values()
+            .filter(|a| !a.report.state.is_final() && !a.unregistered && a.launch.is_some())
+            .map(|a| (a.report.id.clone(), a.running_am()))
+            .collect();
+        (running, ams)
+    };
+    for id in &running {
+        rm.executor.reattach(id);
+    }
+    if !rm.launch_am {
+        return;
+    }
+    for (id, process) in ams {
+        match process.filter(ProcessId::alive) {
+            Some(p) => watch_inherited_am(rm, &id, p),
+            None => {
+                let rm = rm.clone();
+                tokio::spawn(async move {
+                    on_am_exit(&rm, &id, "it ended while the RM was down".into()).await;
+                });
+            }
+        }
+    }
 }
 
 /// Name of the generated admin token's file in the work dir.
@@ -305,39 +512,38 @@ impl RmHandle {
 
     /// Starts the ledger's grant audit log (tests and load runs).
     pub fn enable_grant_audit(&self) {
-        self.shared.state.lock().ledger.enable_audit();
+        self.shared.lock().ledger.enable_audit();
     }
 
     /// The grant audit log so far (see [`crate::rm::ledger::verify_audit`]).
     pub fn grant_audit(&self) -> Vec<crate::rm::ledger::AuditEvent> {
-        self.shared.state.lock().ledger.audit_log().to_vec()
+        self.shared.lock().ledger.audit_log().to_vec()
     }
 
     /// True when no container is live anywhere (for tests).
     pub fn ledger_all_free(&self) -> bool {
-        self.shared.state.lock().ledger.all_free()
+        self.shared.lock().ledger.all_free()
     }
 
     /// The nodes as the ledger sees them now, with live container counts.
     pub fn nodes_snapshot(&self) -> Vec<(Node, u32)> {
-        let st = self.shared.state.lock();
+        let st = self.shared.lock();
         st.ledger.nodes().map(|(n, c)| (n.clone(), c)).collect()
     }
 
     pub fn app_report(&self, app_id: &str) -> Option<crate::protocol::AppReport> {
-        self.shared.state.lock().apps.get(app_id).map(|a| a.report.clone())
+        self.shared.lock().apps.get(app_id).map(|a| a.report.clone())
     }
 
     /// Test support: creates an ACCEPTED application without a job spec and without
     /// an AM process, returning `(app id, bearer token)`, so tests can speak the AM
     /// protocol themselves.
     pub fn register_test_app(&self, name: &str) -> (String, String) {
-        let mut st = self.shared.state.lock();
-        st.next_app_seq += 1;
-        let id = app_id(self.shared.cluster_ts, st.next_app_seq);
+        let mut st = self.shared.lock();
+        let id = st.next_app_id(self.shared.cluster_ts);
         let app = App::new(id.clone(), name.to_string());
         let token = app.token().to_string();
-        st.apps.insert(id.clone(), app);
+        st.apps.insert(app);
         (id, token)
     }
 
@@ -363,7 +569,7 @@ impl RmHandle {
             let _ = tokio::time::timeout(Duration::from_secs(5), p.task).await;
         }
         let ended: Vec<Ended> = {
-            let mut st = self.shared.state.lock();
+            let mut st = self.shared.lock();
             let ids = st.ledger.live_containers();
             ids.iter()
                 .filter_map(|id| {
@@ -386,7 +592,7 @@ impl RmHandle {
 /// executor. Returns how many containers ended; `None` for an unknown host.
 async fn change_node_state(shared: &Shared, host: &str, state: NodeState) -> Option<usize> {
     let ended = {
-        let mut st = shared.state.lock();
+        let mut st = shared.lock();
         let ended = st.ledger.set_node_state(host, state)?;
         for e in &ended {
             queue_completed(&mut st.apps, e);
@@ -399,7 +605,7 @@ async fn change_node_state(shared: &Shared, host: &str, state: NodeState) -> Opt
 }
 
 /// Queues an ended container for its application's next allocate answer.
-fn queue_completed(apps: &mut BTreeMap<String, App>, e: &Ended) {
+fn queue_completed(apps: &mut Apps, e: &Ended) {
     if let Some(app) = apps.get_mut(&e.app_id) {
         app.pending_completed.push(CompletedContainer {
             container_id: e.container_id.clone(),
@@ -550,7 +756,7 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn app_mut<'a>(apps: &'a mut BTreeMap<String, App>, id: &str) -> Result<&'a mut App, ApiError> {
+fn app_mut<'a>(apps: &'a mut Apps, id: &str) -> Result<&'a mut App, ApiError> {
     apps.get_mut(id)
         .ok_or_else(|| ApiError::not_found(format!("unknown application `{id}`")))
 }
@@ -575,6 +781,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/apps/new-application", post(new_application))
         .route("/ws/v1/cluster/apps/{id}", get(get_app))
         .route("/ws/v1/cluster/apps/{id}/state", get(get_app_state).put(put_app_state))
+        .route("/ws/v1/cluster/apps/{id}/appattempts", get(get_app_attempts))
         .route("/ws/v1/am/{id}/register", post(am_register))
         .route("/ws/v1/am/{id}/allocate", post(am_allocate))
         .route("/ws/v1/am/{id}/finish", post(am_finish))
@@ -593,14 +800,14 @@ async fn cluster_info(State(rm): Rm) -> Json<Value> {
         "startedOn": rm.cluster_ts,
         "state": "STARTED",
         "haState": "ACTIVE",
-        "rmStateStoreName": "memory",
+        "rmStateStoreName": rm.lock().store.kind(),
         "resourceManagerVersion": concat!("gpuam-", env!("CARGO_PKG_VERSION")),
         "hadoopVersion": "3.4.1 (gpuam compatible)",
     }}))
 }
 
 async fn cluster_metrics(State(rm): Rm) -> Json<Value> {
-    let st = rm.state.lock();
+    let st = rm.lock();
     let count = |f: &dyn Fn(&App) -> bool| st.apps.values().filter(|a| f(a)).count();
     let (mut total_mb, mut used_mb, mut total_vc, mut used_vc, mut total_gpu, mut used_gpu) =
         (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
@@ -669,7 +876,7 @@ async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Json<V
                 .collect::<Result<_, _>>()?,
         ),
     };
-    let st = rm.state.lock();
+    let st = rm.lock();
     let nodes = st
         .ledger
         .nodes()
@@ -679,7 +886,7 @@ async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Json<V
 
 async fn get_node(State(rm): Rm, UrlPath(nodeid): UrlPath<String>) -> Result<Json<Value>, ApiError> {
     let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
-    let st = rm.state.lock();
+    let st = rm.lock();
     let node = st
         .ledger
         .node(host)
@@ -719,7 +926,7 @@ async fn put_node_state(
         )));
     }
     let host = {
-        let st = rm.state.lock();
+        let st = rm.lock();
         let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
         if st.ledger.node(host).is_some() {
             host.to_string()
@@ -732,7 +939,7 @@ async fn put_node_state(
     let ended = change_node_state(&rm, &host, req.state)
         .await
         .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
-    let st = rm.state.lock();
+    let st = rm.lock();
     let node = st
         .ledger
         .node(&host)
@@ -744,10 +951,9 @@ async fn put_node_state(
 }
 
 async fn new_application(State(rm): Rm) -> Json<NewApplication> {
-    let mut st = rm.state.lock();
-    st.next_app_seq += 1;
-    let id = app_id(rm.cluster_ts, st.next_app_seq);
-    st.reserved.insert(id.clone());
+    let mut st = rm.lock();
+    let id = st.next_app_id(rm.cluster_ts);
+    st.reserve(id.clone());
     Json(NewApplication {
         application_id: id,
         maximum_resource_capability: st.ledger.max_capability(),
@@ -755,28 +961,54 @@ async fn new_application(State(rm): Rm) -> Json<NewApplication> {
 }
 
 async fn list_apps(State(rm): Rm) -> Json<Value> {
-    let st = rm.state.lock();
+    let st = rm.lock();
     let apps: Vec<_> = st.apps.values().map(|a| a.report.clone()).collect();
     Json(json!({ "apps": { "app": apps } }))
 }
 
+/// Reads one application (no change, nothing to persist).
+fn with_app<T>(rm: &Shared, id: &str, f: impl FnOnce(&App) -> T) -> Result<T, ApiError> {
+    let st = rm.lock();
+    let app = st
+        .apps
+        .get(id)
+        .ok_or_else(|| ApiError::not_found(format!("unknown application `{id}`")))?;
+    Ok(f(app))
+}
+
 async fn get_app(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
-    let mut st = rm.state.lock();
-    let app = app_mut(&mut st.apps, &id)?;
-    Ok(Json(json!({ "app": app.report.clone() })))
+    with_app(&rm, &id, |a| Json(json!({ "app": a.report })))
 }
 
 async fn get_app_state(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
-    let mut st = rm.state.lock();
-    let app = app_mut(&mut st.apps, &id)?;
-    Ok(Json(json!({ "state": app.report.state })))
+    with_app(&rm, &id, |a| Json(json!({ "state": a.report.state })))
+}
+
+/// YARN's `appattempts`: every AM attempt with its start, end and how it ended.
+async fn get_app_attempts(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+    with_app(&rm, &id, |a| {
+        let attempts: Vec<Value> = a
+            .attempts
+            .iter()
+            .map(|t| {
+                json!({
+                    "id": t.attempt,
+                    "startTime": t.started_time,
+                    "finishedTime": t.finished_time,
+                    "diagnostics": t.diagnostics,
+                    "pid": t.process.map(|p| p.pid),
+                })
+            })
+            .collect();
+        Json(json!({ "appAttempts": { "appAttempt": attempts } }))
+    })
 }
 
 async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> Result<Response, ApiError> {
     let id = req.application_id.clone();
     // Validate before claiming anything, so a rejected submit leaves nothing behind.
     {
-        let st = rm.state.lock();
+        let st = rm.lock();
         if st.apps.contains_key(&id) {
             return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
         }
@@ -791,12 +1023,12 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
         .map_err(|errs| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC", errs.to_string()))?;
 
     // Claim the id (a concurrent submit of the same id loses here).
-    if !rm.state.lock().reserved.remove(&id) {
+    if !rm.lock().unreserve(&id) {
         return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
     }
     let unclaim = |rm: &Shared, dir: &Path| {
         let _ = std::fs::remove_dir_all(dir);
-        rm.state.lock().reserved.insert(id.clone());
+        rm.lock().reserve(id.clone());
     };
     let dir = rm.work_dir.join(&id);
     let job_path = dir.join("job.yaml");
@@ -811,29 +1043,18 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
     }
     let mut app = App::new(id.clone(), spec.name.clone());
     app.set_job_token(req.job_token.as_deref());
-    let token = app.token().to_string();
+    if rm.launch_am {
+        app.launch = Some(AmLaunch {
+            job_path,
+            listen: req.dashboard_listen.clone(),
+        });
+    }
     let report = app.report.clone();
-    rm.state.lock().apps.insert(id.clone(), app);
+    rm.lock().apps.insert(app);
 
     if rm.launch_am {
-        rm.am_launches.lock().insert(
-            id.clone(),
-            AmLaunch {
-                token: token.clone(),
-                job_path: job_path.clone(),
-                listen: req.dashboard_listen.clone(),
-                job_token: req.job_token.clone(),
-            },
-        );
-        if let Err(e) = launch_am(
-            &rm,
-            &id,
-            &token,
-            &job_path,
-            req.dashboard_listen.as_deref(),
-            req.job_token.as_deref(),
-        ) {
-            rm.state.lock().apps.remove(&id);
+        if let Err(e) = launch_am(&rm, &id) {
+            rm.lock().apps.remove(&id);
             unclaim(&rm, &dir);
             return Err(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -852,19 +1073,27 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
         .into_response())
 }
 
-/// Starts `<am_program> am <job.yaml> --rm URL --app-id ID [--listen ADDR]` with its
-/// output in the app's directory, and watches it. The app token and the job token go
-/// in the environment (`GPUAM_APP_TOKEN`, `GPUAM_JOB_TOKEN`), not on the command line
-/// where other local users could read them; the RM's settings file goes along as
-/// `GPUAM_CONFIG` so the AM runs with the same settings.
-fn launch_am(
-    rm: &Arc<Shared>,
-    id: &str,
-    token: &str,
-    job_path: &Path,
-    listen: Option<&str>,
-    job_token: Option<&str>,
-) -> std::io::Result<()> {
+/// Starts `<am_program> am <job.yaml> --rm URL --app-id ID [--listen ADDR]` for the
+/// application's current attempt, with its output in the app's directory, and watches
+/// it. The app token and the job token go in the environment (`GPUAM_APP_TOKEN`,
+/// `GPUAM_JOB_TOKEN`), not on the command line where other local users could read
+/// them; the RM's settings file goes along as `GPUAM_CONFIG` so the AM runs with the
+/// same settings. The attempt is recorded with the process's identity, so a restarted
+/// RM can find it again.
+fn launch_am(rm: &Arc<Shared>, id: &str) -> std::io::Result<()> {
+    let (token, job_token, launch) = {
+        let mut st = rm.lock();
+        let app = st
+            .apps
+            .get_mut(id)
+            .ok_or_else(|| std::io::Error::other(format!("unknown application `{id}`")))?;
+        let launch = app
+            .launch
+            .clone()
+            .ok_or_else(|| std::io::Error::other(format!("application `{id}` has no AM to launch")))?;
+        app.attempt_started(None);
+        (app.token().to_string(), app.job_token().map(str::to_string), launch)
+    };
     let dir = rm.work_dir.join(id);
     // Appended: a later attempt's output follows the earlier one's, which tells why it died.
     let append = |name: &str| {
@@ -881,15 +1110,15 @@ fn launch_am(
     };
     let mut cmd = tokio::process::Command::new(program);
     cmd.arg("am")
-        .arg(job_path)
+        .arg(&launch.job_path)
         .arg("--rm")
         .arg(&rm.base_url)
         .arg("--app-id")
         .arg(id)
-        .env("GPUAM_APP_TOKEN", token)
+        .env("GPUAM_APP_TOKEN", &token)
         // The AM has no use for the RM's admin token.
         .env_remove("GPUAM_ADMIN_TOKEN");
-    if let Some(t) = job_token {
+    if let Some(t) = &job_token {
         cmd.env("GPUAM_JOB_TOKEN", t);
     }
     if std::env::var_os("GPUAM_CONFIG").is_none() {
@@ -897,29 +1126,83 @@ fn launch_am(
             cmd.env("GPUAM_CONFIG", p);
         }
     }
-    if let Some(l) = listen {
+    if let Some(l) = &launch.listen {
         cmd.arg("--listen").arg(l);
     }
+    // `kill_on_drop` only matters for an orderly stop; an RM that dies leaves its AMs
+    // running, and the next RM re-attaches to them.
     cmd.stdin(Stdio::null())
         .stdout(stdout)
         .stderr(stderr)
         .current_dir(&dir)
         .kill_on_drop(true);
-    // Hold the table while spawning so the watcher cannot finish before it is listed.
-    let mut procs = rm.am_procs.lock();
-    let mut child = cmd.spawn()?;
+    let pid = {
+        // Hold the table while spawning so the watcher cannot finish before it is listed.
+        let mut procs = rm.am_procs.lock();
+        let mut child = cmd.spawn()?;
+        let pid = child.id();
+        let (kill_tx, kill_rx) = oneshot::channel::<()>();
+        let watcher_rm = rm.clone();
+        let app = id.to_string();
+        let task = tokio::spawn(async move {
+            let status = tokio::select! {
+                s = child.wait() => s,
+                _ = kill_rx => {
+                    let _ = child.start_kill();
+                    child.wait().await
+                }
+            };
+            let how = match &status {
+                Ok(s) => match s.code() {
+                    Some(c) => format!("exit code {c}"),
+                    None => format!("{s}"),
+                },
+                Err(e) => format!("unknown exit ({e})"),
+            };
+            on_am_exit(&watcher_rm, &app, how).await;
+        });
+        procs.insert(
+            id.to_string(),
+            AmProc {
+                kill: Some(kill_tx),
+                task,
+            },
+        );
+        pid
+    };
+    if let Some(p) = pid.and_then(ProcessId::of) {
+        let mut st = rm.lock();
+        if let Some(a) = st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
+            if a.finished_time == 0 && a.process.is_none() {
+                a.process = Some(p);
+            }
+        }
+    }
+    tracing::info!(app = %id, "AM launched");
+    Ok(())
+}
+
+/// Watches an AM process that an earlier RM started (RM restart): it is not our child,
+/// so its end is polled for and its exit status is unknown.
+fn watch_inherited_am(rm: &Arc<Shared>, id: &str, process: ProcessId) {
     let (kill_tx, kill_rx) = oneshot::channel::<()>();
     let watcher_rm = rm.clone();
     let app = id.to_string();
+    let mut procs = rm.am_procs.lock();
     let task = tokio::spawn(async move {
-        let status = tokio::select! {
-            s = child.wait() => s,
+        tokio::select! {
+            _ = process.ended() => {}
             _ = kill_rx => {
-                let _ = child.start_kill();
-                child.wait().await
+                process.signal(libc::SIGKILL);
+                let _ = tokio::time::timeout(AM_KILL_GRACE, process.ended()).await;
             }
-        };
-        on_am_exit(&watcher_rm, &app, status).await;
+        }
+        on_am_exit(
+            &watcher_rm,
+            &app,
+            "exit status unknown: it was started by an earlier RM".into(),
+        )
+        .await;
     });
     procs.insert(
         id.to_string(),
@@ -928,54 +1211,39 @@ fn launch_am(
             task,
         },
     );
-    tracing::info!(app = %id, "AM launched");
-    Ok(())
+    tracing::info!(app = %id, pid = process.pid, "re-attached to the running AM");
 }
 
-/// The AM process ended: if it never finished the application, the application failed.
-async fn on_am_exit(rm: &Arc<Shared>, id: &str, status: std::io::Result<std::process::ExitStatus>) {
+/// The AM process ended: if it never finished the application, a new attempt starts
+/// (work-preserving: it re-adopts the job's containers) while attempts remain;
+/// otherwise the application failed.
+async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
     rm.am_procs.lock().remove(id);
-    let how = match &status {
-        Ok(s) => match s.code() {
-            Some(c) => format!("exit code {c}"),
-            None => format!("{s}"),
-        },
-        Err(e) => format!("unknown exit ({e})"),
-    };
     let tail = stderr_tail(&rm.work_dir.join(id).join("am.stderr"), STDERR_TAIL_LINES);
     let ended = {
-        let mut st = rm.state.lock();
+        let mut st = rm.lock();
         let Some(app) = st.apps.get_mut(id) else {
             return;
         };
+        app.attempt_ended(&how);
         if app.unregistered || app.report.state.is_final() {
             tracing::info!(app = %id, "AM exited ({how})");
             return;
         }
-        // Work-preserving restart: a new attempt re-adopts the job's containers.
         let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
-        if app.report.attempt < rm.max_am_attempts && !app.shutdown && !stopping {
-            if let Some(l) = rm.am_launches.lock().get(id).cloned() {
-                app.report.attempt += 1;
-                app.registered = false;
-                app.report.state = AppState::Accepted;
-                app.last_allocate = None;
-                let attempt = app.report.attempt;
-                drop(st);
-                tracing::warn!(app = %id, attempt, "AM exited without finishing ({how}); starting attempt {attempt}");
-                match launch_am(
-                    rm,
-                    id,
-                    &l.token,
-                    &l.job_path,
-                    l.listen.as_deref(),
-                    l.job_token.as_deref(),
-                ) {
-                    Ok(()) => return,
-                    Err(e) => {
-                        tracing::warn!(app = %id, error = %e, "could not start a new AM attempt");
-                        st = rm.state.lock();
-                    }
+        if app.report.attempt < rm.max_am_attempts && !app.shutdown && !stopping && app.launch.is_some() {
+            app.report.attempt += 1;
+            app.registered = false;
+            app.report.state = AppState::Accepted;
+            app.last_allocate = None;
+            let attempt = app.report.attempt;
+            drop(st);
+            tracing::warn!(app = %id, attempt, "AM exited without finishing ({how}); starting attempt {attempt}");
+            match launch_am(rm, id) {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(app = %id, error = %e, "could not start a new AM attempt");
+                    st = rm.lock();
                 }
             }
         }
@@ -1033,7 +1301,7 @@ async fn put_app_state(
     ApiJson(req): ApiJson<AppStateUpdate>,
 ) -> Result<Json<Value>, ApiError> {
     let ended = {
-        let mut st = rm.state.lock();
+        let mut st = rm.lock();
         let app = app_mut(&mut st.apps, &id)?;
         let job_token_ok = bearer(&headers).is_some_and(|t| app.job_token_matches(t));
         if !job_token_ok {
@@ -1090,7 +1358,7 @@ async fn am_register(
     headers: HeaderMap,
     ApiJson(req): ApiJson<RegisterRequest>,
 ) -> Result<Json<RegisterResponse>, ApiError> {
-    let mut st = rm.state.lock();
+    let mut st = rm.lock();
     let epoch = st.ledger.epoch();
     let max = st.ledger.max_capability();
     let expiry = st.ledger.expiry().as_secs();
@@ -1102,7 +1370,7 @@ async fn am_register(
             app.report.state
         )));
     }
-    // Registering again (a retried request) is harmless.
+    // Registering again (a retried request, or a resync after an RM restart) is harmless.
     if !app.registered {
         app.registered = true;
         app.report.state = AppState::Running;
@@ -1110,9 +1378,12 @@ async fn am_register(
     }
     app.report.tracking_url = req.tracking_url;
     let attempt = app.report.attempt;
+    // All of the application's containers: a new attempt has none of its own yet, so
+    // these are the earlier attempts'; an AM that resyncs gets its own too, including
+    // grants whose answer the RM never got to send.
     let previous = st
         .ledger
-        .containers_before_attempt(&id, attempt)
+        .containers_of(&id)
         .into_iter()
         .map(|c| PreviousContainer {
             container: c.container.clone(),
@@ -1136,7 +1407,7 @@ async fn am_allocate(
     ApiJson(req): ApiJson<AllocateRequest>,
 ) -> Result<Json<AllocateResponse>, ApiError> {
     let (answer, ended) = {
-        let mut st = rm.state.lock();
+        let mut st = rm.lock();
         let st = &mut *st;
         let app = app_mut(&mut st.apps, &id)?;
         authorize(app, &headers)?;
@@ -1164,9 +1435,10 @@ async fn am_allocate(
             return Ok(Json(out));
         }
         if !app.registered {
-            return Err(ApiError::conflict(format!(
-                "application `{id}` has not registered: POST /ws/v1/am/{id}/register first"
-            )));
+            // Not registered (never, or not since this RM restarted): YARN's AM_RESYNC.
+            // Nothing in this request is acted on; the AM registers and sends it again.
+            out.command = Some(AmCommand::Resync);
+            return Ok(Json(out));
         }
         app.report.progress = req.progress.clamp(0.0, 1.0);
         let attempt = app.report.attempt;
@@ -1218,7 +1490,7 @@ async fn am_finish(
     ApiJson(req): ApiJson<FinishRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
     let ended = {
-        let mut st = rm.state.lock();
+        let mut st = rm.lock();
         let app = app_mut(&mut st.apps, &id)?;
         authorize(app, &headers)?;
         if !app.unregistered {
@@ -1290,7 +1562,7 @@ async fn container_start(
     ApiJson(ctx): ApiJson<LaunchContext>,
 ) -> Result<Json<ContainerStatus>, ApiError> {
     let granted = {
-        let mut st = rm.state.lock();
+        let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
         if info.app_final {
             return Err(ApiError::conflict("the container's application has ended"));
@@ -1316,7 +1588,7 @@ async fn container_start(
             pid: Some(pid),
         })),
         Err(e) => {
-            let mut st = rm.state.lock();
+            let mut st = rm.lock();
             if let Some(ended) = st
                 .ledger
                 .complete(&id, exit_status::INVALID, &format!("launch failed: {e}"))
@@ -1334,7 +1606,7 @@ async fn container_stop(
     headers: HeaderMap,
 ) -> Result<Json<ContainerStatus>, ApiError> {
     let (ended, status) = {
-        let mut st = rm.state.lock();
+        let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
         let ended = st.ledger.complete(
             &id,
@@ -1364,7 +1636,7 @@ async fn container_status(
     UrlPath((host, id)): UrlPath<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let info = container_access(&rm.state.lock(), &host, &id, &headers)?;
+    let info = container_access(&rm.lock(), &host, &id, &headers)?;
     // The executor knows the pid and the real exit; the ledger knows RM-side endings.
     let status = match rm.executor.status(&id) {
         Some(s) if info.state != ContainerState::Complete || s.state == ContainerState::Complete => s,
@@ -1385,7 +1657,7 @@ async fn container_logs(
     Query(q): Query<LogsQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    container_access(&rm.state.lock(), &host, &id, &headers)?;
+    container_access(&rm.lock(), &host, &id, &headers)?;
     let stream = match q.stream.as_deref().unwrap_or("stdout") {
         "stdout" => LogStream::Stdout,
         "stderr" => LogStream::Stderr,
@@ -1422,10 +1694,11 @@ mod tests {
         .unwrap();
         std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let rm = rm_with(Some(script), &dir.path().join("work")).await;
-        let (id, token) = rm.register_test_app("fake");
+        let (id, _token) = rm.register_test_app("fake");
         let app_dir = rm.shared.work_dir.join(&id);
         std::fs::create_dir_all(&app_dir).unwrap();
-        launch_am(&rm.shared, &id, &token, &app_dir.join("job.yaml"), None, None).unwrap();
+        set_launch(&rm, &id, &app_dir, None);
+        launch_am(&rm.shared, &id).unwrap();
         let mut report = rm.app_report(&id).unwrap();
         for _ in 0..100 {
             if report.state.is_final() {
@@ -1448,6 +1721,13 @@ mod tests {
         rm.shutdown().await;
     }
 
+    fn set_launch(rm: &RmHandle, id: &str, app_dir: &Path, listen: Option<&str>) {
+        rm.shared.lock().apps.get_mut(id).unwrap().launch = Some(AmLaunch {
+            job_path: app_dir.join("job.yaml"),
+            listen: listen.map(str::to_string),
+        });
+    }
+
     fn script(dir: &Path, body: &str) -> PathBuf {
         let p = dir.join("fake-am.sh");
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
@@ -1459,19 +1739,12 @@ mod tests {
     async fn am_exit_after_finish_is_expected() {
         let dir = tempfile::tempdir().unwrap();
         let rm = rm_with(Some(script(dir.path(), "exit 0")), &dir.path().join("work")).await;
-        let (id, token) = rm.register_test_app("x");
+        let (id, _token) = rm.register_test_app("x");
         let app_dir = rm.shared.work_dir.join(&id);
         std::fs::create_dir_all(&app_dir).unwrap();
-        rm.shared.state.lock().apps.get_mut(&id).unwrap().unregistered = true;
-        launch_am(
-            &rm.shared,
-            &id,
-            &token,
-            &app_dir.join("job.yaml"),
-            Some("127.0.0.1:0"),
-            None,
-        )
-        .unwrap();
+        rm.shared.lock().apps.get_mut(&id).unwrap().unregistered = true;
+        set_launch(&rm, &id, &app_dir, Some("127.0.0.1:0"));
+        launch_am(&rm.shared, &id).unwrap();
         for _ in 0..100 {
             if rm.shared.am_procs.lock().is_empty() {
                 break;
@@ -1487,10 +1760,11 @@ mod tests {
     async fn shutdown_kills_the_am() {
         let dir = tempfile::tempdir().unwrap();
         let rm = rm_with(Some(script(dir.path(), "exec sleep 30")), &dir.path().join("work")).await;
-        let (id, token) = rm.register_test_app("x");
+        let (id, _token) = rm.register_test_app("x");
         let app_dir = rm.shared.work_dir.join(&id);
         std::fs::create_dir_all(&app_dir).unwrap();
-        launch_am(&rm.shared, &id, &token, &app_dir.join("job.yaml"), None, None).unwrap();
+        set_launch(&rm, &id, &app_dir, None);
+        launch_am(&rm.shared, &id).unwrap();
         assert_eq!(rm.shared.am_procs.lock().len(), 1);
         let shared = rm.shared.clone();
         let t0 = Instant::now();
@@ -1498,7 +1772,7 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(4), "killed, not waited for");
         assert!(shared.am_procs.lock().is_empty());
         assert_eq!(
-            shared.state.lock().apps[&id].report.state,
+            shared.lock().apps.get(&id).unwrap().report.state,
             AppState::Failed,
             "an AM killed before finishing fails its app"
         );
@@ -1514,6 +1788,190 @@ mod tests {
         assert_eq!(bearer(&h), Some("abc"));
         h.insert(header::AUTHORIZATION, "Basic abc".parse().unwrap());
         assert_eq!(bearer(&h), None);
+    }
+
+    /// Stops an RM the way SIGKILL would, as far as the state goes: no container or AM
+    /// is stopped, nothing more is written.
+    fn crash(rm: RmHandle) {
+        rm.server.abort();
+        for b in &rm.background {
+            b.abort();
+        }
+    }
+
+    fn ask(request_id: u64, host: &str, mask: u64) -> crate::protocol::Ask {
+        crate::protocol::Ask {
+            request_id,
+            host: host.into(),
+            cpu: 1,
+            memory_mb: 10,
+            gpu_mask: mask,
+            task: Some(format!("w/{request_id}")),
+            task_attempt: 1,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_restarted_rm_recovers_apps_grants_and_node_states() {
+        use crate::am::rm_client::RmClient;
+        use crate::protocol::{Ask, RegisterRequest};
+        let dir = tempfile::tempdir().unwrap();
+        let nodes: Vec<Node> = ["n1", "n2"]
+            .iter()
+            .map(|h| Node::new(*h, "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new())))
+            .collect();
+        let opts = RmOptions {
+            launch_am: false,
+            ..RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+        };
+        let rm = start(opts.clone()).await.unwrap();
+        let (id, token) = rm.register_test_app("job");
+        let am = RmClient::for_app(&rm.base_url(), &id, &token);
+        am.register(&RegisterRequest::default()).await.unwrap();
+        let asks: Vec<Ask> = vec![ask(1, "n1", 0x1), ask(2, "n1", 0x2)];
+        let granted = am
+            .allocate(&AllocateRequest {
+                asks,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .allocated;
+        assert_eq!(granted.len(), 2);
+        let running = &granted[0];
+        let status = am
+            .start_container(
+                &running.node_http_address,
+                "n1",
+                &running.container_id,
+                &LaunchContext {
+                    commands: vec!["sleep 30".into()],
+                    env: Default::default(),
+                },
+            )
+            .await
+            .unwrap();
+        let pgid = status.pid.unwrap() as i32;
+        assert!(rm.set_node_state("n2", NodeState::Lost).await);
+        let reserved = RmClient::new(&rm.base_url())
+            .new_application()
+            .await
+            .unwrap()
+            .application_id;
+        let addr = rm.addr();
+        crash(rm);
+
+        // The task's process group outlives the RM.
+        assert_eq!(unsafe { libc::kill(-pgid, 0) }, 0, "the container still runs");
+        let mut rm2 = None;
+        for _ in 0..50 {
+            match start(RmOptions {
+                listen: addr,
+                ..opts.clone()
+            })
+            .await
+            {
+                Ok(r) => {
+                    rm2 = Some(r);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        let rm2 = rm2.expect("the RM restarts on its port");
+        let report = rm2.app_report(&id).expect("the application is recovered");
+        assert_eq!(report.state, AppState::Running);
+        // The old heartbeat memory is gone: the AM is told to register again.
+        let again = am
+            .allocate(&AllocateRequest {
+                response_id: 1,
+                asks: vec![ask(3, "n1", 0x1)],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(again.command, Some(AmCommand::Resync));
+        assert!(
+            again.allocated.is_empty() && again.rejected.is_empty(),
+            "nothing acted on"
+        );
+        let reg = am.register(&RegisterRequest::default()).await.unwrap();
+        let mut held: Vec<(String, ContainerState)> = reg
+            .containers_from_previous_attempts
+            .iter()
+            .map(|p| (p.container.container_id.clone(), p.state))
+            .collect();
+        held.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            held,
+            vec![
+                (granted[0].container_id.clone(), ContainerState::Running),
+                (granted[1].container_id.clone(), ContainerState::Allocated)
+            ]
+        );
+        // The grants still hold their GPUs; the lost node stays lost.
+        let snap = rm2.nodes_snapshot();
+        let n1 = snap.iter().find(|(n, _)| n.host == "n1").unwrap();
+        assert_eq!((n1.0.used().gpu_mask, n1.1), (0x3, 2));
+        let n2 = snap.iter().find(|(n, _)| n.host == "n2").unwrap();
+        assert_eq!(n2.0.state, NodeState::Lost);
+        let after = am
+            .allocate(&AllocateRequest {
+                response_id: 0,
+                asks: vec![ask(4, "n1", 0x1)],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(after.rejected.len(), 1, "GPU 0 of n1 is still granted: {after:?}");
+        // Ids go on from where they were; the reserved one can still be submitted.
+        assert!(rm2.shared.lock().reserved.contains(&reserved));
+        let next = RmClient::new(&rm2.base_url())
+            .new_application()
+            .await
+            .unwrap()
+            .application_id;
+        assert!(next > reserved, "{next} after {reserved}");
+        // The re-attached container can be stopped like any other.
+        let released = am
+            .allocate(&AllocateRequest {
+                response_id: after.response_id,
+                releases: vec![granted[0].container_id.clone(), granted[1].container_id.clone()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(released.rejected.is_empty());
+        let mut gone = false;
+        for _ in 0..100 {
+            if unsafe { libc::kill(-pgid, 0) } != 0 {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(gone, "the released container's group was stopped");
+        assert!(rm2.ledger_all_free());
+        rm2.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn an_in_memory_rm_keeps_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+        let opts = RmOptions {
+            launch_am: false,
+            state_dir: None,
+            ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+        };
+        let rm = start(opts.clone()).await.unwrap();
+        rm.register_test_app("job");
+        rm.shutdown().await;
+        assert!(!dir.path().join("work").join(crate::rm::store::STATE_FILE).exists());
+        let rm = start(opts).await.unwrap();
+        assert!(rm.shared.lock().apps.is_empty());
+        rm.shutdown().await;
     }
 
     #[test]

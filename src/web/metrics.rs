@@ -78,6 +78,10 @@ pub(crate) fn render(hub: &StatusHub) -> String {
     let c = &hub.counters;
     out.push_str("# HELP gpuam_rm_errors_total Failed calls to the RM.\n# TYPE gpuam_rm_errors_total counter\n");
     let _ = writeln!(out, "gpuam_rm_errors_total {}", c.rm_errors.load(Ordering::Relaxed));
+    out.push_str(
+        "# HELP gpuam_rm_resyncs_total Times the AM registered again after an RM restart.\n# TYPE gpuam_rm_resyncs_total counter\n",
+    );
+    let _ = writeln!(out, "gpuam_rm_resyncs_total {}", c.rm_resyncs.load(Ordering::Relaxed));
 
     out.push_str(
         "# HELP gpuam_task_retries_total Task retries per exit class.\n# TYPE gpuam_task_retries_total counter\n",
