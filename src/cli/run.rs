@@ -79,6 +79,10 @@ pub async fn run(
     code
 }
 
+/// How long `submit --wait` keeps following a job while the RM does not answer (an RM
+/// restart keeps the job running).
+const RM_OUTAGE_WAIT: Duration = Duration::from_secs(300);
+
 pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr, admin_token: Option<String>) -> i32 {
     let (spec, text) = match super::load_job(job) {
         Ok(v) => v,
@@ -195,13 +199,22 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
     loop {
         let report = match rm.app(app_id).await {
             Ok(r) => {
-                unreachable_since = None;
+                if unreachable_since.take().is_some() {
+                    say("the RM is back".to_string());
+                }
                 r
             }
             Err(e) if e.is_unreachable() => {
-                let since = *unreachable_since.get_or_insert_with(Instant::now);
-                if since.elapsed() > Duration::from_secs(30) {
-                    eprintln!("error: {e}");
+                // An RM restart keeps the job running: wait for it to come back.
+                let since = *unreachable_since.get_or_insert_with(|| {
+                    say(format!(
+                        "the RM is unreachable ({e}); the job keeps running, waiting up to {} s for the RM",
+                        RM_OUTAGE_WAIT.as_secs()
+                    ));
+                    Instant::now()
+                });
+                if since.elapsed() > RM_OUTAGE_WAIT {
+                    eprintln!("error: {e}; job {app_id} may still be running: `gpuam submit` can no longer follow it");
                     return exit::RM_UNREACHABLE;
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;

@@ -66,7 +66,7 @@ pub fn split_tasks(total: u32, per_node: u32) -> Vec<u32> {
         return vec![total];
     }
     let n = total.div_ceil(per_node);
-    if total % n == 0 {
+    if total.is_multiple_of(n) {
         return vec![total / n; n as usize];
     }
     let mut v = vec![per_node; (total / per_node) as usize];
