@@ -1098,3 +1098,101 @@ pub fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -
         free_ports: n.free().ports.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::{ClusterView, Node};
+    use crate::protocol::PreviousContainer;
+    use crate::resources::{PortSet, Resources};
+
+    fn control(yaml: &str) -> Control {
+        let job = crate::spec::parse_job_spec(yaml, "t.yaml").unwrap();
+        let nodes = vec![Node::new(
+            "n1",
+            "/r",
+            Resources::with_mask(8, 8000, 0xf, PortSet::new()),
+        )];
+        let selector = Arc::new(Selector::new(ClusterView::new(nodes), Default::default()));
+        let (hub, commands) = crate::web::demo::demo_hub_with_commands(1, 1);
+        Control::new(
+            Arc::new(job),
+            "application_1_0001".into(),
+            RmClient::new("http://127.0.0.1:9"),
+            selector,
+            hub,
+            AmSettings::default(),
+            commands,
+        )
+    }
+
+    /// The container the RM would grant for task `ti`'s outstanding ask.
+    fn grant_for(c: &Control, ti: usize, id: &str) -> Container {
+        let t = &c.tasks[ti];
+        let r = t.request.as_ref().unwrap();
+        Container {
+            container_id: id.into(),
+            request_id: r.request_id,
+            host: r.host.clone(),
+            node_http_address: "http://127.0.0.1:9".into(),
+            resources: r.resources.clone(),
+            task: Some(format!("worker/{}", t.index)),
+            task_attempt: t.attempt,
+        }
+    }
+
+    fn seen(c: Container, state: ContainerState, exit: Option<i32>) -> PreviousContainer {
+        PreviousContainer {
+            container: c,
+            state,
+            exit_status: exit,
+            diagnostics: String::new(),
+        }
+    }
+
+    #[test]
+    fn resync_lines_up_the_am_with_what_the_rm_recovered() {
+        let mut c = control(
+            "name: j\ntaskRoles:\n  worker:\n    instances: 3\n    taskRetryCount: 0\n    \
+             resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+        );
+        c.place_waiting();
+        assert!(c.tasks.iter().all(|t| t.state == TaskState::ContainerRequested));
+        let (c0, c1, c2) = (grant_for(&c, 0, "c0"), grant_for(&c, 1, "c1"), grant_for(&c, 2, "c2"));
+        for (ti, g) in [(0, &c0), (1, &c1)] {
+            c.accept_container(g.clone());
+            c.tasks[ti].set_state(TaskState::ContainerRunning);
+        }
+        // While the RM was away: c1 ended (exit 0), c2 was granted but its answer was
+        // lost, some other live container appeared, and c0 is unknown to the RM.
+        let stray = Container {
+            container_id: "c-stray".into(),
+            task: Some("worker/7".into()),
+            ..c2.clone()
+        };
+        c.reconcile(&[
+            seen(c1, ContainerState::Complete, Some(0)),
+            seen(c2, ContainerState::Allocated, None),
+            seen(stray, ContainerState::Allocated, None),
+        ]);
+        let t = &c.tasks;
+        assert_eq!(t[1].state, TaskState::TaskCompleted, "the RM's exit status counts");
+        assert_eq!(t[1].succeeded, Some(true));
+        assert_eq!(t[2].state, TaskState::ContainerAllocated, "the lost answer is taken");
+        assert_eq!(t[2].container.as_ref().unwrap().container_id, "c2");
+        // c0: lost (-7151, transient): retried without using taskRetryCount 0.
+        assert_eq!(t[0].state, TaskState::TaskWaiting);
+        assert_eq!(t[0].attempt, 2);
+        let exit = &t[0].exit.as_ref().unwrap().0;
+        assert_eq!(exit.code, super::super::exits::code::CONTAINER_RM_RESYNC_LOST);
+        assert_eq!(c.releases, vec!["c-stray".to_string()]);
+        assert!(c.end.is_none());
+        // The same completion arriving later in a heartbeat changes nothing.
+        c.container_completed(CompletedContainer {
+            container_id: "c1".into(),
+            exit_status: 0,
+            diagnostics: String::new(),
+        });
+        assert_eq!(c.tasks[1].state, TaskState::TaskCompleted);
+    }
+}
