@@ -10,6 +10,8 @@ use serde::Serialize;
 
 use crate::cluster::rm_json::parse_nodes_json;
 use crate::cluster::Node;
+use crate::config::TlsSettings;
+use crate::tls::TlsError;
 use crate::protocol::{
     AllocateRequest, AllocateResponse, AppReport, AppState, AppStateUpdate, ContainerStatus, ErrorBody, FinishRequest,
     FinishResponse, LaunchContext, NewApplication, RegisterRequest, RegisterResponse, SubmitApplication,
@@ -69,9 +71,30 @@ fn trim_base(url: &str) -> String {
 }
 
 impl RmClient {
-    /// A client without application credentials (submit, status, kill, nodes).
+    /// A client without application credentials (submit, status, kill, nodes); HTTPS
+    /// trusts the system's roots.
     pub fn new(base: &str) -> Self {
-        let http = reqwest::Client::builder()
+        let builder = crate::tls::http_client_builder(None).unwrap_or_else(|_| reqwest::Client::builder());
+        Self::from_builder(base, builder)
+    }
+
+    /// A client without application credentials whose HTTPS trusts `tls.ca_file`
+    /// (when set; the system's roots otherwise).
+    pub fn with_tls(base: &str, tls: &TlsSettings) -> Result<Self, TlsError> {
+        let builder = crate::tls::http_client_builder(tls.ca_file.as_deref())?;
+        Ok(Self::from_builder(base, builder))
+    }
+
+    /// As [`RmClient::for_app`], trusting `tls.ca_file` as [`RmClient::with_tls`] does.
+    pub fn for_app_with_tls(base: &str, app_id: &str, token: &str, tls: &TlsSettings) -> Result<Self, TlsError> {
+        let mut c = RmClient::with_tls(base, tls)?;
+        c.app = Some((app_id.to_string(), token.to_string()));
+        Ok(c)
+    }
+
+    fn from_builder(base: &str, builder: reqwest::ClientBuilder) -> Self {
+        crate::tls::install_default_provider();
+        let http = builder
             .timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(5))
             .pool_max_idle_per_host(64)
@@ -82,6 +105,12 @@ impl RmClient {
             base: trim_base(base),
             app: None,
         }
+    }
+
+    /// The HTTP client (with this client's TLS trust), for calls outside the RM
+    /// contract such as the AM's dashboard.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
     }
 
     /// A client that speaks the AM protocol for `app_id`.

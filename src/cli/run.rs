@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::am::random_token;
 use crate::am::rm_client::RmClient;
-use crate::config::Settings;
+use crate::config::{Settings, TlsSettings};
 use crate::exit;
 use crate::protocol::{AppState, SubmitApplication};
 
@@ -33,9 +33,17 @@ pub async fn run(
         Err(code) => return code,
     };
     let work_dir = work_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("gpuam-run-{}", std::process::id())));
+    let tls = match crate::tls::server_config_from_settings(&settings.tls) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: TLS: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
     let rm = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
+        tls,
         ..crate::rm::RmOptions::new(nodes, SocketAddr::from(([127, 0, 0, 1], 0)), work_dir.clone())
     })
     .await
@@ -59,6 +67,7 @@ pub async fn run(
         true,
         listen,
         Some(rm.admin_token().to_string()),
+        &settings.tls,
     )
     .await;
     // The AM keeps its dashboard up this long after the job ends; the embedded RM (which
@@ -77,7 +86,14 @@ pub async fn run(
     code
 }
 
-pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr, admin_token: Option<String>) -> i32 {
+pub async fn submit(
+    job: &Path,
+    rm: &str,
+    wait: bool,
+    listen: SocketAddr,
+    admin_token: Option<String>,
+    tls: &TlsSettings,
+) -> i32 {
     let (spec, text) = match super::load_job(job) {
         Ok(v) => v,
         Err(code) => return code,
@@ -90,6 +106,7 @@ pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr, admin_
         wait,
         listen,
         admin_token,
+        tls,
     )
     .await
 }
@@ -102,8 +119,15 @@ async fn submit_and_follow(
     wait: bool,
     listen: SocketAddr,
     admin_token: Option<String>,
+    tls: &TlsSettings,
 ) -> i32 {
-    let rm = RmClient::new(rm_url);
+    let rm = match RmClient::with_tls(rm_url, tls) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: TLS: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
     let app = match rm.new_application().await {
         Ok(a) => a,
         Err(e) => {
@@ -133,7 +157,7 @@ async fn submit_and_follow(
         println!("follow it with: curl {rm_url}/ws/v1/cluster/apps/{}", report.id);
         return exit::SUCCESS;
     }
-    follow(&rm, &report.id, &job_token, admin_token.as_deref()).await
+    follow(&rm, &report.id, &job_token, admin_token.as_deref(), tls).await
 }
 
 /// Counts of tasks per coarse state, from the AM's snapshot.
@@ -162,11 +186,12 @@ fn counts(job: &Value) -> Counts {
 }
 
 /// Follows an application to its end: progress, each task's exit, the final state.
-async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Option<&str>) -> i32 {
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap_or_default();
+async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Option<&str>, tls: &TlsSettings) -> i32 {
+    // The dashboard is served with the same TLS settings as the RM.
+    let http = crate::tls::http_client_builder(tls.ca_file.as_deref())
+        .ok()
+        .and_then(|b| b.timeout(Duration::from_secs(10)).build().ok())
+        .unwrap_or_else(|| rm.http().clone());
     let tty = std::io::stderr().is_terminal();
     let bar = tty.then(|| {
         let b = ProgressBar::new(0);

@@ -20,10 +20,18 @@ pub async fn rm(
         Err(code) => return code,
     };
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
+    let tls = match crate::tls::server_config_from_settings(&settings.tls) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: TLS: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
         admin_token,
+        tls,
         ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })
     .await

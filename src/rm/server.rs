@@ -73,6 +73,8 @@ pub struct RmOptions {
     /// AM attempts per application: an AM that dies without finishing is started again
     /// (keeping the job's containers) until this many attempts have run.
     pub max_am_attempts: u32,
+    /// Serve HTTPS with this config (`None`: plain HTTP).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -91,6 +93,7 @@ impl RmOptions {
             container_expiry: DEFAULT_CONTAINER_EXPIRY,
             admin_token: None,
             max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
+            tls: None,
         }
     }
 }
@@ -155,7 +158,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let addr = listener.local_addr()?;
-    let base_url = base_url_of(addr);
+    let base_url = base_url_of(addr, opts.tls.is_some());
     let (admin_token, admin_token_file) = match opts.admin_token.filter(|t| !t.trim().is_empty()) {
         Some(t) => (t.trim().to_string(), None),
         None => {
@@ -238,7 +241,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let router = router(shared.clone());
     let (stop_server, stop_rx) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async {
+        let serve = crate::tls::serve(listener, router, opts.tls, async {
             let _ = stop_rx.await;
         });
         if let Err(e) = serve.await {
@@ -274,13 +277,13 @@ fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
     f.write_all(b"\n")
 }
 
-fn base_url_of(addr: SocketAddr) -> String {
+fn base_url_of(addr: SocketAddr, tls: bool) -> String {
     let ip = if addr.ip().is_unspecified() {
         std::net::IpAddr::from([127, 0, 0, 1])
     } else {
         addr.ip()
     };
-    format!("http://{}", SocketAddr::new(ip, addr.port()))
+    format!("{}://{}", crate::tls::scheme(tls), SocketAddr::new(ip, addr.port()))
 }
 
 impl RmHandle {
@@ -288,7 +291,7 @@ impl RmHandle {
         self.addr
     }
 
-    /// `http://host:port` (loopback when listening on all interfaces).
+    /// `http://host:port` or `https://…` (loopback when listening on all interfaces).
     pub fn base_url(&self) -> String {
         self.shared.base_url.clone()
     }
