@@ -253,10 +253,10 @@ pub async fn serve(
     tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    install_default_provider();
     match tls {
         None => axum::serve(listener, app).with_graceful_shutdown(shutdown).await,
         Some(config) => {
-            install_default_provider();
             let listener = TlsListener::new(listener, config)?;
             axum::serve(listener, app).with_graceful_shutdown(shutdown).await
         }
