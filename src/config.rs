@@ -328,7 +328,11 @@ mod tests {
     fn tls_paths_resolve_against_the_file_or_the_working_directory() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("gpuam.yaml");
-        std::fs::write(&file, "tls:\n  cert_file: certs/c.pem\n  key_file: /abs/k.pem\n  ca_file: ca.pem\n").unwrap();
+        std::fs::write(
+            &file,
+            "tls:\n  cert_file: certs/c.pem\n  key_file: /abs/k.pem\n  ca_file: ca.pem\n",
+        )
+        .unwrap();
         let s = Settings::load_with_env(Some(&file), env(&[])).unwrap();
         assert_eq!(s.tls.cert_file, Some(dir.path().join("certs/c.pem")));
         assert_eq!(s.tls.key_file, Some(PathBuf::from("/abs/k.pem")));

@@ -301,7 +301,10 @@ mod tests {
         let (cert, key) = self_signed(dir.path());
         let missing = dir.path().join("nope.pem");
         let e = server_config(&missing, &key).unwrap_err().to_string();
-        assert!(e.contains("cannot read certificate file") && e.contains("nope.pem"), "{e}");
+        assert!(
+            e.contains("cannot read certificate file") && e.contains("nope.pem"),
+            "{e}"
+        );
         let e = server_config(&cert, &missing).unwrap_err().to_string();
         assert!(e.contains("cannot read key file") && e.contains("nope.pem"), "{e}");
         let e = client_config(&missing).unwrap_err().to_string();
@@ -359,7 +362,10 @@ mod tests {
         assert!(e.to_string().contains("tls.cert_file"), "{e}");
         let s = Settings::load_with_env(None, env(&[("GPUAM__TLS__CA_FILE", "/x/ca.pem")])).unwrap();
         assert_eq!(s.tls.ca_file.as_deref(), Some(Path::new("/x/ca.pem")));
-        assert!(server_config_from_settings(&s.tls).unwrap().is_none(), "a CA alone serves plain HTTP");
+        assert!(
+            server_config_from_settings(&s.tls).unwrap().is_none(),
+            "a CA alone serves plain HTTP"
+        );
     }
 
     async fn get(client: &reqwest::Client, url: &str) -> Result<String, reqwest::Error> {

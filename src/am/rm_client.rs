@@ -11,11 +11,11 @@ use serde::Serialize;
 use crate::cluster::rm_json::parse_nodes_json;
 use crate::cluster::Node;
 use crate::config::TlsSettings;
-use crate::tls::TlsError;
 use crate::protocol::{
     AllocateRequest, AllocateResponse, AppReport, AppState, AppStateUpdate, ContainerStatus, ErrorBody, FinishRequest,
     FinishResponse, LaunchContext, NewApplication, RegisterRequest, RegisterResponse, SubmitApplication,
 };
+use crate::tls::TlsError;
 
 /// Why a call to the RM failed.
 #[derive(Debug, thiserror::Error)]

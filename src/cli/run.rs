@@ -17,6 +17,9 @@ use crate::config::{Settings, TlsSettings};
 use crate::exit;
 use crate::protocol::{AppState, SubmitApplication};
 
+/// Longest wait for an answer from the AM's dashboard.
+const DASHBOARD_TIMEOUT: Duration = Duration::from_secs(10);
+
 pub async fn run(
     job: &Path,
     cluster: Option<&Path>,
@@ -59,17 +62,21 @@ pub async fn run(
         rm.base_url(),
         work_dir.display()
     );
-    let code = submit_and_follow(
-        &rm.base_url(),
-        &spec.name,
-        &text,
-        &job.display().to_string(),
-        true,
-        listen,
-        Some(rm.admin_token().to_string()),
-        &settings.tls,
-    )
-    .await;
+    let code = match rm_client(&rm.base_url(), &settings.tls) {
+        Ok(client) => {
+            submit_and_follow(
+                client,
+                &spec.name,
+                &text,
+                &job.display().to_string(),
+                true,
+                listen,
+                Some(rm.admin_token().to_string()),
+            )
+            .await
+        }
+        Err(code) => code,
+    };
     // The AM keeps its dashboard up this long after the job ends; the embedded RM (which
     // serves the task logs) stays too, so the page remains whole.
     if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC")
@@ -98,6 +105,10 @@ pub async fn submit(
         Ok(v) => v,
         Err(code) => return code,
     };
+    let rm = match rm_client(rm, tls) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     submit_and_follow(
         rm,
         &spec.name,
@@ -106,28 +117,28 @@ pub async fn submit(
         wait,
         listen,
         admin_token,
-        tls,
     )
     .await
 }
 
+/// An RM client trusting the settings' CA; `Err` is the exit code.
+fn rm_client(rm_url: &str, tls: &TlsSettings) -> Result<RmClient, i32> {
+    RmClient::with_tls(rm_url, tls).map_err(|e| {
+        eprintln!("error: TLS: {e}");
+        exit::INVALID_INPUT
+    })
+}
+
 async fn submit_and_follow(
-    rm_url: &str,
+    rm: RmClient,
     name: &str,
     text: &str,
     source: &str,
     wait: bool,
     listen: SocketAddr,
     admin_token: Option<String>,
-    tls: &TlsSettings,
 ) -> i32 {
-    let rm = match RmClient::with_tls(rm_url, tls) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: TLS: {e}");
-            return exit::INVALID_INPUT;
-        }
-    };
+    let rm_url = rm.base_url();
     let app = match rm.new_application().await {
         Ok(a) => a,
         Err(e) => {
@@ -157,7 +168,7 @@ async fn submit_and_follow(
         println!("follow it with: curl {rm_url}/ws/v1/cluster/apps/{}", report.id);
         return exit::SUCCESS;
     }
-    follow(&rm, &report.id, &job_token, admin_token.as_deref(), tls).await
+    follow(&rm, &report.id, &job_token, admin_token.as_deref()).await
 }
 
 /// Counts of tasks per coarse state, from the AM's snapshot.
@@ -186,12 +197,9 @@ fn counts(job: &Value) -> Counts {
 }
 
 /// Follows an application to its end: progress, each task's exit, the final state.
-async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Option<&str>, tls: &TlsSettings) -> i32 {
-    // The dashboard is served with the same TLS settings as the RM.
-    let http = crate::tls::http_client_builder(tls.ca_file.as_deref())
-        .ok()
-        .and_then(|b| b.timeout(Duration::from_secs(10)).build().ok())
-        .unwrap_or_else(|| rm.http().clone());
+async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Option<&str>) -> i32 {
+    // The dashboard is served with the same TLS settings as the RM: the same trust.
+    let http = rm.http().clone();
     let tty = std::io::stderr().is_terminal();
     let bar = tty.then(|| {
         let b = ProgressBar::new(0);
@@ -248,7 +256,12 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
             dashboard = Some(url);
         }
         if let Some(url) = &dashboard {
-            if let Ok(resp) = http.get(format!("{url}api/v1/snapshot")).send().await {
+            if let Ok(resp) = http
+                .get(format!("{url}api/v1/snapshot"))
+                .timeout(DASHBOARD_TIMEOUT)
+                .send()
+                .await
+            {
                 if let Ok(snap) = resp.json::<Value>().await {
                     let c = counts(&snap["job"]);
                     if let Some(b) = &bar {
@@ -325,6 +338,7 @@ async fn kill_job(
     if let Some(url) = dashboard {
         let via_dashboard = http
             .post(format!("{url}api/v1/job/kill"))
+            .timeout(DASHBOARD_TIMEOUT)
             .bearer_auth(job_token)
             .send()
             .await;
