@@ -66,6 +66,19 @@ pub struct RmClient {
     app: Option<(String, String)>,
 }
 
+/// An error with its causes: reqwest's own text omits them, and the cause (e.g. a
+/// certificate the client does not trust) is what the user needs to see.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
 fn trim_base(url: &str) -> String {
     url.trim_end_matches('/').to_string()
 }
@@ -127,12 +140,12 @@ impl RmClient {
     async fn send<T: DeserializeOwned>(&self, what: &str, req: reqwest::RequestBuilder) -> Result<T, RmError> {
         let resp = req.send().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         let status = resp.status();
         let body = resp.bytes().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         if !status.is_success() {
             let (code, message) = match serde_json::from_slice::<ErrorBody>(&body) {
@@ -226,7 +239,7 @@ impl RmClient {
         let url = format!("{}/ws/v1/cluster/nodes", self.base);
         let resp = self.http.get(&url).send().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         if resp.status() != StatusCode::OK {
             return Err(RmError::Refused {
@@ -238,7 +251,7 @@ impl RmClient {
         }
         let text = resp.text().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         parse_nodes_json(&text).map_err(|e| RmError::BadAnswer {
             what: "node listing".into(),
@@ -296,7 +309,7 @@ impl RmClient {
         }
         let resp = req.send().await.map_err(|e| RmError::Unreachable {
             url: node_http.to_string(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
