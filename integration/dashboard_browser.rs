@@ -59,6 +59,7 @@ impl Browser {
             .spawn()
             .expect("start chromedriver");
         let base = format!("http://127.0.0.1:{port}");
+        gpuam::tls::install_default_provider(); // reqwest is built without a default TLS provider
         let http = reqwest::Client::new();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {

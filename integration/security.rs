@@ -4,7 +4,8 @@
 //! the job's job token); tokens never reach the logs; container logs cannot be read
 //! outside the container's directory; listeners default to loopback; huge bodies get
 //! 413; malformed, mistyped or unknown-field bodies get 400 with an ErrorBody; absurd
-//! numbers are refused, never a panic or an over-allocation.
+//! numbers are refused, never a panic or an over-allocation; with the `tls` settings the
+//! RM and the AM dashboard serve HTTPS only, and a whole job runs over it.
 //!
 //! Protocol rules run against an in-process RM (no AM launched, the test speaks the AM
 //! protocol); the log rule runs a whole job on a real `gpuam rm` process.
@@ -184,7 +185,8 @@ async fn admin_calls_need_the_admin_token() {
     assert_eq!(fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
 
     let lost = json!({"state": "LOST"});
-    let wrong = format!("{}0", &admin[..31]);
+    // The admin token with its last digit changed (appending "0" matched it 1 time in 16).
+    let wrong = format!("{}{}", &admin[..31], if admin.ends_with('0') { '1' } else { '0' });
     for token in [None, Some(wrong.as_str()), Some(ta.as_str()), Some("")] {
         error_body(
             rm.json("PUT", "/ws/v1/cluster/nodes/n1/state", token, lost.clone())
@@ -601,4 +603,133 @@ fn tokens_never_appear_in_logs() {
         seen_lines > 5,
         "the logs were written at debug level ({seen_lines} lines)"
     );
+}
+
+/// A test CA and a server certificate for 127.0.0.1/localhost signed by it, written
+/// into `dir` as `ca.pem`, `server.pem` and `server.key`; also `other-ca.pem`, a CA that
+/// signed nothing here.
+fn write_test_pki(dir: &std::path::Path) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+    let ca = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key).unwrap();
+        (cert, Issuer::new(params, key))
+    };
+    let (ca_cert, issuer) = ca("gpuam test CA");
+    let (other_ca, _) = ca("gpuam other CA");
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    params.distinguished_name.push(DnType::CommonName, "gpuam test server");
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    fs::write(dir.join("ca.pem"), ca_cert.pem()).unwrap();
+    fs::write(dir.join("other-ca.pem"), other_ca.pem()).unwrap();
+    fs::write(dir.join("server.pem"), cert.pem()).unwrap();
+    fs::write(dir.join("server.key"), key.serialize_pem()).unwrap();
+}
+
+/// What a plain-HTTP request to `host:port` gets back: the raw bytes until the server
+/// closes (or 10 s pass).
+fn plain_http_answer(host_port: &str) -> Vec<u8> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(host_port).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /ws/v1/cluster/nodes HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    out
+}
+
+#[test]
+fn tls_listeners_serve_https_only_and_a_job_runs_over_them() {
+    let dir = common::Rm::temp_dir();
+    write_test_pki(dir.path());
+    // Relative paths: relative to the settings file's directory (the AM runs elsewhere).
+    let rm = common::Rm::start_in(
+        dir,
+        "nodes:\n  - host: n1\n    cpu: 4\n    memoryMB: 4000\n    gpus: 1\n",
+        "tls:\n  cert_file: server.pem\n  key_file: server.key\n  ca_file: ca.pem\n",
+        &[],
+    );
+    assert!(rm.url.starts_with("https://127.0.0.1:"), "the RM hands out {}", rm.url);
+    let host_port = rm.url.trim_start_matches("https://").to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let get = |client: &reqwest::Client, url: String| {
+        rt.block_on(async { client.get(url).send().await?.error_for_status()?.text().await })
+    };
+    // (a) HTTPS trusting the test CA.
+    let info = rm.get_json("/ws/v1/cluster/info").unwrap();
+    assert!(info.is_object(), "{info}");
+    // (b) Plain HTTP to the same port gets no HTTP answer.
+    let answer = plain_http_answer(&host_port);
+    assert!(
+        !answer.starts_with(b"HTTP/"),
+        "plain HTTP was answered: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    let ca = rm.path("ca.pem");
+    let trusting = gpuam::tls::http_client_builder(Some(&ca)).unwrap().build().unwrap();
+    assert!(get(&trusting, format!("http://{host_port}/ws/v1/cluster/info")).is_err());
+    // (c) Clients that do not trust the CA are refused with a certificate error.
+    let other = gpuam::tls::http_client_builder(Some(&rm.path("other-ca.pem")))
+        .unwrap()
+        .build()
+        .unwrap();
+    let system_roots = gpuam::tls::http_client_builder(None).unwrap().build().unwrap();
+    for client in [&other, &system_roots] {
+        let e = get(client, format!("{}/ws/v1/cluster/info", rm.url)).unwrap_err();
+        assert!(format!("{e:?}").to_lowercase().contains("certificate"), "{e:?}");
+    }
+    assert!(get(&trusting, format!("{}/ws/v1/cluster/info", rm.url)).is_ok());
+
+    // (d) A real job: `gpuam submit --wait` over HTTPS, its AM (launched by the RM, in
+    // another directory) reaches the RM over TLS and serves its dashboard over HTTPS.
+    let root = rm.root().display().to_string();
+    let job = rm.write_job(
+        "secure",
+        &format!(
+            "name: secure\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 10, gpu: 1}}\n    commands:\n      - {}\n",
+            common::sq(&format!("while [ ! -f {root}/go ]; do sleep 0.05; done"))
+        ),
+    );
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    let dashboard = common::wait_for(Duration::from_secs(20), "the dashboard line", || {
+        sub.stdout()
+            .lines()
+            .find_map(|l| l.strip_prefix("dashboard: ").map(str::to_string))
+    });
+    assert!(dashboard.starts_with("https://127.0.0.1:"), "{dashboard}");
+    let tracking = rm.app(&app)["trackingUrl"].as_str().unwrap().to_string();
+    assert!(tracking.starts_with("https://"), "{tracking}");
+    let job_json = rm
+        .get_text(&format!("{tracking}api/v1/job"))
+        .expect("the dashboard answers HTTPS trusting the CA");
+    assert!(job_json.contains("secure"), "{job_json}");
+    let dash_host_port = tracking.trim_start_matches("https://").trim_end_matches('/');
+    let answer = plain_http_answer(dash_host_port);
+    assert!(
+        !answer.starts_with(b"HTTP/"),
+        "the dashboard answered plain HTTP: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert!(get(&other, format!("{tracking}api/v1/job")).is_err());
+    fs::write(rm.path("go"), "").unwrap();
+    let out = sub.wait(Duration::from_secs(60));
+    assert_eq!(out.code, 0, "{out:?}\n{}", rm.logs());
+    let end = rm.wait_app_final(&app, Duration::from_secs(10));
+    assert_eq!(end["finalStatus"], "SUCCEEDED", "{end}");
 }

@@ -117,6 +117,56 @@ impl Default for RmSettings {
     }
 }
 
+/// TLS of the RM's and the AM dashboard's listeners, and of the clients that call them.
+/// Relative paths in the settings file are relative to that file's directory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsSettings {
+    /// PEM certificate chain (leaf first); with `key_file`, listeners serve HTTPS.
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of the certificate.
+    pub key_file: Option<PathBuf>,
+    /// PEM CA certificate(s) clients trust (instead of the system's roots).
+    pub ca_file: Option<PathBuf>,
+}
+
+impl TlsSettings {
+    /// Whether listeners serve HTTPS.
+    pub fn serves_https(&self) -> bool {
+        self.cert_file.is_some() && self.key_file.is_some()
+    }
+
+    /// `GPUAM__TLS__…` variables carrying these (absolute) paths, for child processes
+    /// whose working directory differs.
+    pub fn env_vars(&self) -> Vec<(&'static str, PathBuf)> {
+        [
+            ("GPUAM__TLS__CERT_FILE", &self.cert_file),
+            ("GPUAM__TLS__KEY_FILE", &self.key_file),
+            ("GPUAM__TLS__CA_FILE", &self.ca_file),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.clone().map(|v| (k, v)))
+        .collect()
+    }
+
+    /// Makes relative paths absolute: those from the environment against the working
+    /// directory, the others against `base` (the settings file's directory).
+    fn resolve(&mut self, file_dir: Option<&Path>, from_env: impl Fn(&str) -> bool) {
+        let cwd = std::env::current_dir().unwrap_or_default();
+        let base = cwd.join(file_dir.unwrap_or(Path::new("")));
+        for (key, path) in [
+            ("cert_file", &mut self.cert_file),
+            ("key_file", &mut self.key_file),
+            ("ca_file", &mut self.ca_file),
+        ] {
+            if let Some(p) = path.as_mut().filter(|p| p.is_relative()) {
+                let dir = if from_env(key) { &cwd } else { &base };
+                *p = dir.join(&*p);
+            }
+        }
+    }
+}
+
 /// All settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
@@ -124,6 +174,7 @@ pub struct Settings {
     pub select: SelectSettings,
     pub am: AmSettings,
     pub rm: RmSettings,
+    pub tls: TlsSettings,
 }
 
 /// Settings that could not be loaded.
@@ -166,6 +217,11 @@ impl Settings {
             builder = builder.add_source(config::File::from(f).format(config::FileFormat::Yaml));
         }
         let env: config::Map<String, String> = env.into_iter().filter(|(k, _)| k.starts_with("GPUAM__")).collect();
+        // Which TLS paths the environment sets (they resolve against the working directory).
+        let tls_env: Vec<&str> = ["cert_file", "key_file", "ca_file"]
+            .into_iter()
+            .filter(|k| env.contains_key(&format!("GPUAM__TLS__{}", k.to_uppercase())))
+            .collect();
         builder = builder.add_source(
             config::Environment::with_prefix("GPUAM")
                 .prefix_separator("__")
@@ -177,9 +233,10 @@ impl Settings {
                 .source(Some(env)),
         );
         let cfg = builder.build().map_err(|e| err(e.to_string()))?;
-        let s: Settings = cfg
+        let mut s: Settings = cfg
             .try_deserialize()
             .map_err(|e| err(format!("{e} (see the settings table in README.md)")))?;
+        s.tls.resolve(file.and_then(Path::parent), |key| tls_env.contains(&key));
         s.validate().map_err(err)?;
         Ok(s)
     }
@@ -199,6 +256,11 @@ impl Settings {
                 "am.gang_timeout_sec ({}) must be shorter than rm.container_expiry_sec ({}), or held containers expire before the gang gives them back",
                 self.am.gang_timeout_sec, self.rm.container_expiry_sec
             ));
+        }
+        match (&self.tls.cert_file, &self.tls.key_file) {
+            (Some(_), None) => return Err("tls.cert_file is set but tls.key_file is not (set both, or neither)".into()),
+            (None, Some(_)) => return Err("tls.key_file is set but tls.cert_file is not (set both, or neither)".into()),
+            _ => {}
         }
         for c in self.am.transient_exit_codes.iter().chain(&self.am.permanent_exit_codes) {
             if !(1..=255).contains(c) {
@@ -260,5 +322,25 @@ mod tests {
         );
         let e = Settings::load_with_env(Some(Path::new("/nonexistent/gpuam.yaml")), env(&[])).unwrap_err();
         assert!(e.to_string().contains("not found"), "{e}");
+    }
+
+    #[test]
+    fn tls_paths_resolve_against_the_file_or_the_working_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("gpuam.yaml");
+        std::fs::write(
+            &file,
+            "tls:\n  cert_file: certs/c.pem\n  key_file: /abs/k.pem\n  ca_file: ca.pem\n",
+        )
+        .unwrap();
+        let s = Settings::load_with_env(Some(&file), env(&[])).unwrap();
+        assert_eq!(s.tls.cert_file, Some(dir.path().join("certs/c.pem")));
+        assert_eq!(s.tls.key_file, Some(PathBuf::from("/abs/k.pem")));
+        assert_eq!(s.tls.ca_file, Some(dir.path().join("ca.pem")));
+        assert!(s.tls.serves_https());
+        let s = Settings::load_with_env(Some(&file), env(&[("GPUAM__TLS__CA_FILE", "mine.pem")])).unwrap();
+        assert_eq!(s.tls.ca_file, Some(std::env::current_dir().unwrap().join("mine.pem")));
+        assert_eq!(s.tls.env_vars().len(), 3);
+        assert!(!Settings::default().tls.serves_https());
     }
 }

@@ -16,5 +16,6 @@ pub mod rm;
 pub mod select;
 pub mod sim;
 pub mod spec;
+pub mod tls;
 pub mod topology;
 pub mod web;

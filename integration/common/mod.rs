@@ -201,13 +201,34 @@ impl Rm {
     /// Starts an RM serving `cluster_yaml`, with `env` (e.g. `GPUAM__SELECT__SEED`)
     /// in its environment, which the AMs it launches inherit.
     pub fn start(cluster_yaml: &str, env: &[(&str, &str)]) -> Rm {
-        let dir = tempfile::Builder::new().prefix("gpuam-itest-").tempdir().unwrap();
+        Rm::start_with_settings(cluster_yaml, "", env)
+    }
+
+    /// As [`Rm::start`], with `extra_settings_yaml` appended to the settings file (which
+    /// already has an `rm:` section; relative paths in it are relative to the temporary
+    /// directory).
+    pub fn start_with_settings(cluster_yaml: &str, extra_settings_yaml: &str, env: &[(&str, &str)]) -> Rm {
+        Rm::start_in(Rm::temp_dir(), cluster_yaml, extra_settings_yaml, env)
+    }
+
+    /// A fresh temporary directory for [`Rm::start_in`] (to put files in before the RM starts).
+    pub fn temp_dir() -> tempfile::TempDir {
+        tempfile::Builder::new().prefix("gpuam-itest-").tempdir().unwrap()
+    }
+
+    /// As [`Rm::start_with_settings`], in a temporary directory the test prepared. When
+    /// the settings name a `tls.ca_file`, this helper's own client trusts it.
+    pub fn start_in(dir: tempfile::TempDir, cluster_yaml: &str, extra_settings_yaml: &str, env: &[(&str, &str)]) -> Rm {
         let root = dir.path().to_path_buf();
         let cluster = root.join("cluster.yaml");
         fs::write(&cluster, cluster_yaml).unwrap();
         // Own settings file, so the tests do not depend on conf/gpuam.yaml.
         let config = root.join("gpuam.yaml");
-        fs::write(&config, "rm:\n  container_expiry_sec: 600\n").unwrap();
+        fs::write(
+            &config,
+            format!("rm:\n  container_expiry_sec: 600\n{extra_settings_yaml}"),
+        )
+        .unwrap();
         let work_dir = root.join("rm-work");
         let stdout = root.join("rm.stdout");
         let stderr = root.join("rm.stderr");
@@ -233,7 +254,13 @@ impl Rm {
             .enable_all()
             .build()
             .unwrap();
-        let http = reqwest::Client::builder()
+        // The settings as the RM reads them (without the caller's environment), for the CA.
+        // (Invalid settings are the RM's to report, below.)
+        let ca_file = gpuam::config::Settings::load_with_env(Some(&config), env.clone())
+            .ok()
+            .and_then(|s| s.tls.ca_file);
+        let http = gpuam::tls::http_client_builder(ca_file.as_deref())
+            .unwrap()
             .timeout(Duration::from_secs(10))
             .build()
             .unwrap();

@@ -101,7 +101,21 @@ where
 /// Runs one AM to the end of its job; returns the process exit code (DESIGN.md §7).
 pub async fn run(opts: AmOptions) -> i32 {
     let job = Arc::new(opts.job);
-    let rm = RmClient::for_app(&opts.rm_url, &opts.app_id, &opts.token);
+    let rm = match RmClient::for_app_with_tls(&opts.rm_url, &opts.app_id, &opts.token, &opts.settings.tls) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: TLS: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
+    let dash_tls = match crate::tls::server_config_from_settings(&opts.settings.tls) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: TLS: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
+    let dash_scheme = crate::tls::scheme(dash_tls.is_some());
 
     // The node view first: the selector needs it before any task is placed.
     let nodes = match with_retries("node listing", 10, || rm.nodes()).await {
@@ -156,14 +170,14 @@ pub async fn run(opts: AmOptions) -> i32 {
         config: serde_json::to_value(&opts.settings).unwrap_or_default(),
     };
     let (hub, commands) = StatusHub::new(snapshot, job_token, logs);
-    let (dash_addr, _dash) = match crate::web::serve(hub.clone(), opts.listen).await {
+    let (dash_addr, _dash) = match crate::web::serve_tls(hub.clone(), opts.listen, dash_tls).await {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: cannot serve the dashboard on {}: {e}", opts.listen);
             return exit::USAGE;
         }
     };
-    let tracking_url = format!("http://{dash_addr}/");
+    let tracking_url = format!("{dash_scheme}://{dash_addr}/");
     tracing::info!(%tracking_url, "dashboard listening");
 
     let reg = RegisterRequest {

@@ -10,10 +10,12 @@ use serde::Serialize;
 
 use crate::cluster::rm_json::parse_nodes_json;
 use crate::cluster::Node;
+use crate::config::TlsSettings;
 use crate::protocol::{
     AllocateRequest, AllocateResponse, AppReport, AppState, AppStateUpdate, ContainerStatus, ErrorBody, FinishRequest,
     FinishResponse, LaunchContext, NewApplication, RegisterRequest, RegisterResponse, SubmitApplication,
 };
+use crate::tls::TlsError;
 
 /// Why a call to the RM failed.
 #[derive(Debug, thiserror::Error)]
@@ -64,14 +66,48 @@ pub struct RmClient {
     app: Option<(String, String)>,
 }
 
+/// An error with its causes: reqwest's own text omits them, and the cause (e.g. a
+/// certificate the client does not trust) is what the user needs to see.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
 fn trim_base(url: &str) -> String {
     url.trim_end_matches('/').to_string()
 }
 
 impl RmClient {
-    /// A client without application credentials (submit, status, kill, nodes).
+    /// A client without application credentials (submit, status, kill, nodes); HTTPS
+    /// trusts the system's roots.
     pub fn new(base: &str) -> Self {
-        let http = reqwest::Client::builder()
+        let builder = crate::tls::http_client_builder(None).unwrap_or_else(|_| reqwest::Client::builder());
+        Self::from_builder(base, builder)
+    }
+
+    /// A client without application credentials whose HTTPS trusts `tls.ca_file`
+    /// (when set; the system's roots otherwise).
+    pub fn with_tls(base: &str, tls: &TlsSettings) -> Result<Self, TlsError> {
+        let builder = crate::tls::http_client_builder(tls.ca_file.as_deref())?;
+        Ok(Self::from_builder(base, builder))
+    }
+
+    /// As [`RmClient::for_app`], trusting `tls.ca_file` as [`RmClient::with_tls`] does.
+    pub fn for_app_with_tls(base: &str, app_id: &str, token: &str, tls: &TlsSettings) -> Result<Self, TlsError> {
+        let mut c = RmClient::with_tls(base, tls)?;
+        c.app = Some((app_id.to_string(), token.to_string()));
+        Ok(c)
+    }
+
+    fn from_builder(base: &str, builder: reqwest::ClientBuilder) -> Self {
+        crate::tls::install_default_provider();
+        let http = builder
             .timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(5))
             .pool_max_idle_per_host(64)
@@ -82,6 +118,12 @@ impl RmClient {
             base: trim_base(base),
             app: None,
         }
+    }
+
+    /// The HTTP client (with this client's TLS trust), for calls outside the RM
+    /// contract such as the AM's dashboard.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
     }
 
     /// A client that speaks the AM protocol for `app_id`.
@@ -98,12 +140,12 @@ impl RmClient {
     async fn send<T: DeserializeOwned>(&self, what: &str, req: reqwest::RequestBuilder) -> Result<T, RmError> {
         let resp = req.send().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         let status = resp.status();
         let body = resp.bytes().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         if !status.is_success() {
             let (code, message) = match serde_json::from_slice::<ErrorBody>(&body) {
@@ -197,7 +239,7 @@ impl RmClient {
         let url = format!("{}/ws/v1/cluster/nodes", self.base);
         let resp = self.http.get(&url).send().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         if resp.status() != StatusCode::OK {
             return Err(RmError::Refused {
@@ -209,7 +251,7 @@ impl RmClient {
         }
         let text = resp.text().await.map_err(|e| RmError::Unreachable {
             url: self.base.clone(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         parse_nodes_json(&text).map_err(|e| RmError::BadAnswer {
             what: "node listing".into(),
@@ -267,7 +309,7 @@ impl RmClient {
         }
         let resp = req.send().await.map_err(|e| RmError::Unreachable {
             url: node_http.to_string(),
-            why: e.to_string(),
+            why: error_chain(&e),
         })?;
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();

@@ -208,6 +208,12 @@ pub fn main() -> i32 {
         Ok(s) => s,
         Err(code) => return code,
     };
+    crate::tls::install_default_provider();
+    // AMs (and other children) run in other directories: hand them the TLS paths made
+    // absolute. Set before the runtime starts, while this is the only thread.
+    for (k, v) in settings.tls.env_vars() {
+        std::env::set_var(k, v);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -233,7 +239,7 @@ pub fn main() -> i32 {
             listen,
             admin_token_file,
         } => match admin_token(admin_token_file.as_deref()) {
-            Ok(admin) => runtime.block_on(run::submit(&job, &rm, wait, listen, admin)),
+            Ok(admin) => runtime.block_on(run::submit(&job, &rm, wait, listen, admin, &settings.tls)),
             Err(code) => code,
         },
         Cmd::Rm {

@@ -31,13 +31,22 @@ pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json:
         Err(code) => return code,
     };
     let nodes = match rm {
-        Some(url) => match crate::am::rm_client::RmClient::new(url).nodes().await {
-            Ok(n) => n,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return e.exit_code();
+        Some(url) => {
+            let client = match crate::am::rm_client::RmClient::with_tls(url, &settings.tls) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: TLS: {e}");
+                    return exit::INVALID_INPUT;
+                }
+            };
+            match client.nodes().await {
+                Ok(n) => n,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return e.exit_code();
+                }
             }
-        },
+        }
         None => match super::load_cluster(cluster) {
             Ok(n) => n,
             Err(code) => return code,

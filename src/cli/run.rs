@@ -13,9 +13,12 @@ use serde_json::Value;
 
 use crate::am::random_token;
 use crate::am::rm_client::RmClient;
-use crate::config::Settings;
+use crate::config::{Settings, TlsSettings};
 use crate::exit;
 use crate::protocol::{AppState, SubmitApplication};
+
+/// Longest wait for an answer from the AM's dashboard.
+const DASHBOARD_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub async fn run(
     job: &Path,
@@ -33,11 +36,19 @@ pub async fn run(
         Err(code) => return code,
     };
     let work_dir = work_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("gpuam-run-{}", std::process::id())));
+    let tls = match crate::tls::server_config_from_settings(&settings.tls) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: TLS: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
     let rm = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
         // The embedded RM lives and dies with this one job: nothing to recover later.
         state_dir: None,
+        tls,
         ..crate::rm::RmOptions::new(nodes, SocketAddr::from(([127, 0, 0, 1], 0)), work_dir.clone())
     })
     .await
@@ -53,16 +64,21 @@ pub async fn run(
         rm.base_url(),
         work_dir.display()
     );
-    let code = submit_and_follow(
-        &rm.base_url(),
-        &spec.name,
-        &text,
-        &job.display().to_string(),
-        true,
-        listen,
-        Some(rm.admin_token().to_string()),
-    )
-    .await;
+    let code = match rm_client(&rm.base_url(), &settings.tls) {
+        Ok(client) => {
+            submit_and_follow(
+                client,
+                &spec.name,
+                &text,
+                &job.display().to_string(),
+                true,
+                listen,
+                Some(rm.admin_token().to_string()),
+            )
+            .await
+        }
+        Err(code) => code,
+    };
     // The AM keeps its dashboard up this long after the job ends; the embedded RM (which
     // serves the task logs) stays too, so the page remains whole.
     if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC")
@@ -83,9 +99,20 @@ pub async fn run(
 /// restart keeps the job running).
 const RM_OUTAGE_WAIT: Duration = Duration::from_secs(300);
 
-pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr, admin_token: Option<String>) -> i32 {
+pub async fn submit(
+    job: &Path,
+    rm: &str,
+    wait: bool,
+    listen: SocketAddr,
+    admin_token: Option<String>,
+    tls: &TlsSettings,
+) -> i32 {
     let (spec, text) = match super::load_job(job) {
         Ok(v) => v,
+        Err(code) => return code,
+    };
+    let rm = match rm_client(rm, tls) {
+        Ok(c) => c,
         Err(code) => return code,
     };
     submit_and_follow(
@@ -100,8 +127,16 @@ pub async fn submit(job: &Path, rm: &str, wait: bool, listen: SocketAddr, admin_
     .await
 }
 
+/// An RM client trusting the settings' CA; `Err` is the exit code.
+fn rm_client(rm_url: &str, tls: &TlsSettings) -> Result<RmClient, i32> {
+    RmClient::with_tls(rm_url, tls).map_err(|e| {
+        eprintln!("error: TLS: {e}");
+        exit::INVALID_INPUT
+    })
+}
+
 async fn submit_and_follow(
-    rm_url: &str,
+    rm: RmClient,
     name: &str,
     text: &str,
     source: &str,
@@ -109,7 +144,7 @@ async fn submit_and_follow(
     listen: SocketAddr,
     admin_token: Option<String>,
 ) -> i32 {
-    let rm = RmClient::new(rm_url);
+    let rm_url = rm.base_url();
     let app = match rm.new_application().await {
         Ok(a) => a,
         Err(e) => {
@@ -169,10 +204,8 @@ fn counts(job: &Value) -> Counts {
 
 /// Follows an application to its end: progress, each task's exit, the final state.
 async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Option<&str>) -> i32 {
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap_or_default();
+    // The dashboard is served with the same TLS settings as the RM: the same trust.
+    let http = rm.http().clone();
     let tty = std::io::stderr().is_terminal();
     let bar = tty.then(|| {
         let b = ProgressBar::new(0);
@@ -238,7 +271,12 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
             dashboard = Some(url);
         }
         if let Some(url) = &dashboard {
-            if let Ok(resp) = http.get(format!("{url}api/v1/snapshot")).send().await {
+            if let Ok(resp) = http
+                .get(format!("{url}api/v1/snapshot"))
+                .timeout(DASHBOARD_TIMEOUT)
+                .send()
+                .await
+            {
                 if let Ok(snap) = resp.json::<Value>().await {
                     let c = counts(&snap["job"]);
                     if let Some(b) = &bar {
@@ -315,6 +353,7 @@ async fn kill_job(
     if let Some(url) = dashboard {
         let via_dashboard = http
             .post(format!("{url}api/v1/job/kill"))
+            .timeout(DASHBOARD_TIMEOUT)
             .bearer_auth(job_token)
             .send()
             .await;

@@ -38,6 +38,13 @@ pub async fn rm(
         Err(code) => return code,
     };
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
+    let tls = match crate::tls::server_config_from_settings(&settings.tls) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: TLS: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
     let state_dir = match state {
         StateOption::Sqlite(dir) => Some(dir.unwrap_or_else(|| work_dir.clone())),
         StateOption::Memory => None,
@@ -51,6 +58,7 @@ pub async fn rm(
         max_am_attempts: settings.rm.max_am_attempts,
         admin_token,
         state_dir,
+        tls,
         ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })
     .await

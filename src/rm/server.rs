@@ -86,6 +86,8 @@ pub struct RmOptions {
     /// Where the state database lives (`<dir>/rm-state.db`); `None`: in memory only, a
     /// restarted RM starts empty.
     pub state_dir: Option<PathBuf>,
+    /// Serve HTTPS with this config (`None`: plain HTTP).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Most application ids handed out by new-application and not yet submitted that are
@@ -110,6 +112,7 @@ impl RmOptions {
             container_expiry: DEFAULT_CONTAINER_EXPIRY,
             admin_token: None,
             max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
+            tls: None,
         }
     }
 }
@@ -265,7 +268,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let addr = listener.local_addr()?;
-    let base_url = base_url_of(addr);
+    let base_url = base_url_of(addr, opts.tls.is_some());
     let (admin_token, admin_token_file) = match opts.admin_token.filter(|t| !t.trim().is_empty()) {
         Some(t) => (t.trim().to_string(), None),
         None => {
@@ -345,8 +348,10 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
 
     let router = router(shared.clone());
     let (stop_server, stop_rx) = oneshot::channel::<()>();
+    // Before returning, so callers' own reqwest clients can be built (see crate::tls).
+    crate::tls::install_default_provider();
     let server = tokio::spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async {
+        let serve = crate::tls::serve(listener, router, opts.tls, async {
             let _ = stop_rx.await;
         });
         if let Err(e) = serve.await {
@@ -481,13 +486,13 @@ fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
     f.write_all(b"\n")
 }
 
-fn base_url_of(addr: SocketAddr) -> String {
+fn base_url_of(addr: SocketAddr, tls: bool) -> String {
     let ip = if addr.ip().is_unspecified() {
         std::net::IpAddr::from([127, 0, 0, 1])
     } else {
         addr.ip()
     };
-    format!("http://{}", SocketAddr::new(ip, addr.port()))
+    format!("{}://{}", crate::tls::scheme(tls), SocketAddr::new(ip, addr.port()))
 }
 
 impl RmHandle {
@@ -495,7 +500,7 @@ impl RmHandle {
         self.addr
     }
 
-    /// `http://host:port` (loopback when listening on all interfaces).
+    /// `http://host:port` or `https://…` (loopback when listening on all interfaces).
     pub fn base_url(&self) -> String {
         self.shared.base_url.clone()
     }

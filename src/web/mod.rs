@@ -119,13 +119,24 @@ pub async fn serve(
     hub: Arc<StatusHub>,
     listen: SocketAddr,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    serve_tls(hub, listen, None).await
+}
+
+/// As [`serve`], over HTTPS when `tls` is given.
+pub async fn serve_tls(
+    hub: Arc<StatusHub>,
+    listen: SocketAddr,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("dashboard: cannot listen on {listen}: {e} (pick another --listen address)"))?;
     let addr = listener.local_addr()?;
     let app = router(hub);
+    // Before returning, so callers' own reqwest clients can be built (see crate::tls).
+    crate::tls::install_default_provider();
     let handle = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        if let Err(e) = crate::tls::serve(listener, app, tls, std::future::pending()).await {
             tracing::error!(error = %e, "dashboard server stopped");
         }
     });

@@ -1,0 +1,411 @@
+//! TLS for every listener and client (DESIGN.md §9): loading the server's certificate
+//! chain and key, building clients that trust an extra CA, and [`serve`], the one
+//! function the RM and the AM dashboard serve HTTP or HTTPS with.
+//!
+//! Everything uses rustls with the ring provider (no aws-lc: its C build is slow).
+//! reqwest is built with `rustls-no-provider`, which panics on `Client::new()` unless a
+//! process-wide provider is installed, so [`install_default_provider`] is called by
+//! every entry point here (it is idempotent and cheap).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+use crate::config::TlsSettings;
+
+/// A TLS handshake that takes longer than this is dropped (a silent or plain-HTTP
+/// client must not hold a slot for ever).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in progress at once; accepting waits beyond this.
+const MAX_PENDING_HANDSHAKES: usize = 256;
+
+/// Why a certificate, key or CA file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no certificate found in {} (expected PEM `-----BEGIN CERTIFICATE-----` blocks)", .0.display())]
+    NoCertificate(PathBuf),
+    #[error("{}: not a PEM private key (expected a `-----BEGIN PRIVATE KEY-----`, `RSA PRIVATE KEY` or `EC PRIVATE KEY` block)", .0.display())]
+    NotAKey(PathBuf),
+    #[error("{}: bad PEM: {why}", path.display())]
+    BadPem { path: PathBuf, why: String },
+    #[error("{}: {why}", path.display())]
+    Unusable { path: PathBuf, why: String },
+}
+
+/// The ring provider every config here is built with.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Makes ring the process-wide rustls provider, unless one is installed already.
+pub fn install_default_provider() {
+    if CryptoProvider::get_default().is_none() {
+        // Losing a race to another thread installing one is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn bad_pem(path: &Path, e: rustls::pki_types::pem::Error) -> TlsError {
+    TlsError::BadPem {
+        path: path.to_path_buf(),
+        why: e.to_string(),
+    }
+}
+
+/// The certificates of a PEM file (at least one).
+pub fn load_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read(what, path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad_pem(path, e))?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate(path.to_path_buf()));
+    }
+    Ok(certs)
+}
+
+/// The first private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let pem = read("key file", path)?;
+    match PrivateKeyDer::from_pem_slice(&pem) {
+        Ok(k) => Ok(k),
+        Err(rustls::pki_types::pem::Error::NoItemsFound) => Err(TlsError::NotAKey(path.to_path_buf())),
+        Err(e) => Err(bad_pem(path, e)),
+    }
+}
+
+/// A server config from a PEM certificate chain (leaf first) and its PEM private key.
+pub fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    install_default_provider();
+    let certs = load_certs("certificate file", cert_file)?;
+    let key = load_key(key_file)?;
+    let unusable = |why: String| TlsError::Unusable {
+        path: key_file.to_path_buf(),
+        why,
+    };
+    let config = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| unusable(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| {
+            unusable(format!(
+                "cannot be used with the certificate in {}: {e}",
+                cert_file.display()
+            ))
+        })?;
+    Ok(Arc::new(config))
+}
+
+/// The server config the settings ask for: `None` (plain HTTP) unless both
+/// `tls.cert_file` and `tls.key_file` are set.
+pub fn server_config_from_settings(tls: &TlsSettings) -> Result<Option<Arc<rustls::ServerConfig>>, TlsError> {
+    match (&tls.cert_file, &tls.key_file) {
+        (Some(c), Some(k)) => server_config(c, k).map(Some),
+        // Settings validation refuses one without the other.
+        _ => Ok(None),
+    }
+}
+
+/// A client config trusting exactly the CA certificates in `ca_file` (PEM).
+pub fn client_config(ca_file: &Path) -> Result<rustls::ClientConfig, TlsError> {
+    install_default_provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in load_certs("CA file", ca_file)? {
+        roots.add(cert).map_err(|e| TlsError::Unusable {
+            path: ca_file.to_path_buf(),
+            why: format!("not a usable CA certificate: {e}"),
+        })?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Unusable {
+            path: ca_file.to_path_buf(),
+            why: e.to_string(),
+        })?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(config)
+}
+
+/// A reqwest client builder for gpuam's servers: with `ca_file`, HTTPS trusts only
+/// the CAs in it; without, the operating system's roots. Plain `http://` works either way.
+pub fn http_client_builder(ca_file: Option<&Path>) -> Result<reqwest::ClientBuilder, TlsError> {
+    install_default_provider();
+    let builder = reqwest::Client::builder();
+    Ok(match ca_file {
+        Some(ca) => builder.tls_backend_preconfigured(client_config(ca)?),
+        None => builder,
+    })
+}
+
+/// `https` with TLS, else `http`.
+pub fn scheme(tls: bool) -> &'static str {
+    if tls {
+        "https"
+    } else {
+        "http"
+    }
+}
+
+/// A listener whose connections have completed a TLS handshake. Handshakes run in
+/// their own tasks (with [`HANDSHAKE_TIMEOUT`]), so a slow client never holds up
+/// accepting others; failed handshakes (plain HTTP, untrusted clients) are dropped.
+pub struct TlsListener {
+    addr: SocketAddr,
+    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    /// Stops the accept loop when the listener is dropped.
+    accept_task: tokio::task::JoinHandle<()>,
+}
+
+impl TlsListener {
+    pub fn new(listener: TcpListener, config: Arc<rustls::ServerConfig>) -> std::io::Result<Self> {
+        let addr = listener.local_addr()?;
+        let (tx, rx) = mpsc::channel(64);
+        let acceptor = TlsAcceptor::from(config);
+        let accept_task = tokio::spawn(accept_loop(listener, acceptor, tx));
+        Ok(TlsListener { addr, rx, accept_task })
+    }
+}
+
+impl Drop for TlsListener {
+    fn drop(&mut self) {
+        self.accept_task.abort();
+    }
+}
+
+async fn accept_loop(
+    mut listener: TcpListener,
+    acceptor: TlsAcceptor,
+    tx: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
+) {
+    let pending = Arc::new(Semaphore::new(MAX_PENDING_HANDSHAKES));
+    loop {
+        let Ok(permit) = pending.clone().acquire_owned().await else {
+            return;
+        };
+        // axum's accept retries (and logs) errors itself.
+        let (tcp, peer) = axum::serve::Listener::accept(&mut listener).await;
+        let (acceptor, conn_tx) = (acceptor.clone(), tx.clone());
+        tokio::spawn(async move {
+            let done = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+            drop(permit);
+            match done {
+                Ok(Ok(tls)) => {
+                    let _ = conn_tx.send((tls, peer)).await;
+                }
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+            }
+        });
+        if tx.is_closed() {
+            return;
+        }
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.rx.recv().await {
+            Some(conn) => conn,
+            // The accept loop never ends while the listener lives.
+            None => futures::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.addr)
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` completes (then lets open requests
+/// finish): plain HTTP when `tls` is `None`, HTTPS otherwise.
+pub async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    install_default_provider();
+    match tls {
+        None => axum::serve(listener, app).with_graceful_shutdown(shutdown).await,
+        Some(config) => {
+            let listener = TlsListener::new(listener, config)?;
+            axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    /// A self-signed certificate for 127.0.0.1 and its key, as PEM files.
+    fn self_signed(dir: &Path) -> (PathBuf, PathBuf) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".into(), "localhost".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        (
+            write(dir, "cert.pem", &cert.pem()),
+            write(dir, "key.pem", &key.serialize_pem()),
+        )
+    }
+
+    #[test]
+    fn a_good_pair_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = self_signed(dir.path());
+        server_config(&cert, &key).unwrap();
+        client_config(&cert).unwrap();
+    }
+
+    #[test]
+    fn missing_files_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = self_signed(dir.path());
+        let missing = dir.path().join("nope.pem");
+        let e = server_config(&missing, &key).unwrap_err().to_string();
+        assert!(
+            e.contains("cannot read certificate file") && e.contains("nope.pem"),
+            "{e}"
+        );
+        let e = server_config(&cert, &missing).unwrap_err().to_string();
+        assert!(e.contains("cannot read key file") && e.contains("nope.pem"), "{e}");
+        let e = client_config(&missing).unwrap_err().to_string();
+        assert!(e.contains("cannot read CA file") && e.contains("nope.pem"), "{e}");
+    }
+
+    #[test]
+    fn empty_pem_has_no_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, key) = self_signed(dir.path());
+        let empty = write(dir.path(), "empty.pem", "");
+        let e = server_config(&empty, &key).unwrap_err();
+        assert!(matches!(e, TlsError::NoCertificate(_)), "{e}");
+        assert!(e.to_string().contains("no certificate found in") && e.to_string().contains("empty.pem"));
+        // A key file is not a certificate either.
+        let e = client_config(&key).unwrap_err();
+        assert!(matches!(e, TlsError::NoCertificate(_)), "{e}");
+    }
+
+    #[test]
+    fn a_certificate_is_not_a_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, _) = self_signed(dir.path());
+        let e = server_config(&cert, &cert).unwrap_err();
+        assert!(matches!(e, TlsError::NotAKey(_)), "{e}");
+        assert!(e.to_string().contains("cert.pem: not a PEM private key"), "{e}");
+        let garbage = write(dir.path(), "garbage.pem", "hello\n");
+        assert!(matches!(server_config(&cert, &garbage), Err(TlsError::NotAKey(_))));
+    }
+
+    #[test]
+    fn a_key_of_another_certificate_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, _) = self_signed(dir.path());
+        let other = write(
+            dir.path(),
+            "other.pem",
+            &rcgen::KeyPair::generate().unwrap().serialize_pem(),
+        );
+        let e = server_config(&cert, &other).unwrap_err().to_string();
+        assert!(e.contains("other.pem") && e.contains("cert.pem"), "{e}");
+    }
+
+    #[test]
+    fn settings_need_both_cert_and_key() {
+        let env = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let e = Settings::load_with_env(None, env(&[("GPUAM__TLS__CERT_FILE", "/x/cert.pem")])).unwrap_err();
+        assert!(e.to_string().contains("tls.key_file"), "{e}");
+        let e = Settings::load_with_env(None, env(&[("GPUAM__TLS__KEY_FILE", "/x/key.pem")])).unwrap_err();
+        assert!(e.to_string().contains("tls.cert_file"), "{e}");
+        let s = Settings::load_with_env(None, env(&[("GPUAM__TLS__CA_FILE", "/x/ca.pem")])).unwrap();
+        assert_eq!(s.tls.ca_file.as_deref(), Some(Path::new("/x/ca.pem")));
+        assert!(
+            server_config_from_settings(&s.tls).unwrap().is_none(),
+            "a CA alone serves plain HTTP"
+        );
+    }
+
+    async fn get(client: &reqwest::Client, url: &str) -> Result<String, reqwest::Error> {
+        client.get(url).send().await?.text().await
+    }
+
+    #[tokio::test]
+    async fn serves_https_and_refuses_plain_http() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = self_signed(dir.path());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().route("/", axum::routing::get(|| async { "hello" }));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            listener,
+            app,
+            Some(server_config(&cert, &key).unwrap()),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        // A silent client holding a handshake open does not stop others being served.
+        let _silent = TcpStream::connect(addr).await.unwrap();
+        let trusting = http_client_builder(Some(&cert)).unwrap().build().unwrap();
+        assert_eq!(get(&trusting, &format!("https://{addr}/")).await.unwrap(), "hello");
+        let plain = http_client_builder(None).unwrap().build().unwrap();
+        assert!(get(&plain, &format!("http://{addr}/")).await.is_err());
+        let other_dir = tempfile::tempdir().unwrap();
+        let (other_ca, _) = self_signed(other_dir.path());
+        let distrusting = http_client_builder(Some(&other_ca)).unwrap().build().unwrap();
+        let e = get(&distrusting, &format!("https://{addr}/")).await.unwrap_err();
+        assert!(format!("{e:?}").to_lowercase().contains("certificate"), "{e:?}");
+        // Still serving after the failures.
+        assert_eq!(get(&trusting, &format!("https://{addr}/")).await.unwrap(), "hello");
+        stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+}
