@@ -209,8 +209,17 @@ pub fn main() -> i32 {
         Err(code) => return code,
     };
     crate::tls::install_default_provider();
-    // AMs (and other children) run in other directories: hand them the TLS paths made
-    // absolute. Set before the runtime starts, while this is the only thread.
+    // AMs (and other children) run in other directories with the same settings: hand
+    // them the settings file and the TLS paths made absolute. Set before the runtime
+    // starts, while this is the only thread.
+    if let Some(file) = cli
+        .config
+        .clone()
+        .or_else(default_settings_path)
+        .and_then(|p| std::fs::canonicalize(p).ok())
+    {
+        std::env::set_var("GPUAM_CONFIG", file);
+    }
     for (k, v) in settings.tls.env_vars() {
         std::env::set_var(k, v);
     }
