@@ -948,12 +948,13 @@ impl Control {
     /// Takes over the containers of earlier AM attempts (work-preserving restart): a
     /// task's newest live container is re-adopted as it is (running or allocated); a task
     /// whose newest container already ended is judged by that exit, exactly as the
-    /// earlier attempt would have; containers no task claims are released. Retry counts
-    /// are not kept by the RM: every earlier attempt of a task counts as a retry, so a
-    /// task never runs more often than its policy allows.
-    pub fn adopt(&mut self, previous: &[crate::protocol::PreviousContainer]) {
-        use crate::protocol::ContainerState;
-        let mut newest: HashMap<usize, &crate::protocol::PreviousContainer> = HashMap::new();
+    /// earlier attempt would have; containers no task claims are released. A task's retry
+    /// counts are rebuilt from its history: the container that ended each earlier task
+    /// attempt is judged again (transient or counted), as the earlier AM judged it.
+    pub fn adopt(&mut self, previous: &[PreviousContainer]) {
+        let mut newest: HashMap<usize, &PreviousContainer> = HashMap::new();
+        // task → task attempt → the container that ended that attempt (the last one).
+        let mut history: HashMap<usize, BTreeMap<u32, &PreviousContainer>> = HashMap::new();
         for p in previous {
             let task = p.container.task.as_deref().and_then(|t| {
                 let (role, index) = t.rsplit_once('/')?;
@@ -962,6 +963,16 @@ impl Control {
                     .iter()
                     .position(|x| x.index == index && self.job.task_roles[x.role].name == role)
             });
+            if let (Some(ti), ContainerState::Complete) = (task, p.state) {
+                let last = history
+                    .entry(ti)
+                    .or_default()
+                    .entry(p.container.task_attempt)
+                    .or_insert(p);
+                if p.container.container_id > last.container.container_id {
+                    *last = p;
+                }
+            }
             match task {
                 Some(ti) => {
                     let keep = match newest.get(&ti) {
@@ -986,13 +997,28 @@ impl Control {
             }
         }
         let mut adopted = 0;
+        let max_transient = self.settings.max_transient_retries;
         for (ti, p) in newest {
             let c = p.container.clone();
             let role = &self.job.task_roles[self.tasks[ti].role];
             let ports = assign_port_labels(&role.resources, &c.resources.ports).unwrap_or_default();
+            let max_retry = role.task_retry_count;
+            let attempt = c.task_attempt.max(1);
+            let mut retry = super::exits::RetryState::default();
+            for k in 1..attempt {
+                match history.get(&ti).and_then(|h| h.get(&k)) {
+                    Some(ended) => {
+                        let raw = ended.exit_status.unwrap_or(exit_status::ABORTED);
+                        let exit = classify(raw, &ended.diagnostics, &self.settings);
+                        decide_retry(&exit, max_retry, &mut retry, max_transient);
+                    }
+                    // No record of how it ended: count it, so the policy is never exceeded.
+                    None => retry.retried += 1,
+                }
+            }
             let t = &mut self.tasks[ti];
-            t.attempt = c.task_attempt.max(1);
-            t.retry.retried = t.attempt - 1;
+            t.attempt = attempt;
+            t.retry = retry;
             match p.state {
                 ContainerState::Complete => {
                     let raw = p.exit_status.unwrap_or(crate::protocol::exit_status::ABORTED);
@@ -1194,5 +1220,43 @@ mod tests {
             diagnostics: String::new(),
         });
         assert_eq!(c.tasks[1].state, TaskState::TaskCompleted);
+    }
+
+    #[test]
+    fn adoption_rebuilds_retry_counts_from_the_task_history() {
+        let mut c = control(
+            "name: j\ntaskRoles:\n  worker:\n    instances: 1\n    taskRetryCount: 1\n    \
+             resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+        );
+        let container = |id: &str, attempt: u32| Container {
+            container_id: id.into(),
+            request_id: 1,
+            host: "n1".into(),
+            node_http_address: "http://127.0.0.1:9".into(),
+            resources: Resources::with_mask(1, 10, 0x1, PortSet::new()),
+            task: Some("worker/0".into()),
+            task_attempt: attempt,
+        };
+        // Attempt 1 was lost with its node (transient); attempt 2 runs.
+        let lost = PreviousContainer {
+            diagnostics: crate::rm::ledger::DIAG_LOST_NODE.into(),
+            ..seen(container("c1", 1), ContainerState::Complete, Some(exit_status::ABORTED))
+        };
+        c.adopt(&[lost, seen(container("c2", 2), ContainerState::Running, None)]);
+        let t = &c.tasks[0];
+        assert_eq!((t.attempt, t.state), (2, TaskState::ContainerRunning));
+        assert_eq!(
+            (t.retry.retried, t.retry.transient_retried),
+            (0, 1),
+            "the node loss was transient"
+        );
+        // So a failure of attempt 2 still has its one counted retry.
+        c.container_completed(CompletedContainer {
+            container_id: "c2".into(),
+            exit_status: 1,
+            diagnostics: String::new(),
+        });
+        assert_eq!((c.tasks[0].attempt, c.tasks[0].state), (3, TaskState::TaskWaiting));
+        assert!(c.end.is_none());
     }
 }
