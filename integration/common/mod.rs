@@ -157,6 +157,12 @@ impl Submission {
         })
     }
 
+    /// The exit code if the command has exited (-1 for a signal), without waiting.
+    pub fn try_exit(&mut self) -> Option<i32> {
+        let status = self.child.as_mut()?.try_wait().unwrap()?;
+        Some(status.code().unwrap_or(-1))
+    }
+
     /// Waits for the command to exit; panics (after killing it) on timeout.
     pub fn wait(mut self, timeout: Duration) -> Finished {
         let child = self.child.as_mut().unwrap();
@@ -348,7 +354,9 @@ impl Rm {
         }
         let url = self.wait_listening();
         assert_eq!(url, self.url, "the restarted RM listens on the old URL");
-        wait_for(Duration::from_secs(10), "the restarted RM to answer", || self.try_nodes());
+        wait_for(Duration::from_secs(10), "the restarted RM to answer", || {
+            self.try_nodes()
+        });
     }
 
     /// `PUT /ws/v1/cluster/nodes/{host}/state {"state": STATE}` with the admin token →
@@ -364,7 +372,9 @@ impl Rm {
     /// `GET /ws/v1/cluster/apps/{id}` → the `app` object, `None` on any failure (for
     /// polling while the RM may be down).
     pub fn try_app(&self, id: &str) -> Option<Value> {
-        self.get(&format!("/ws/v1/cluster/apps/{id}")).ok().map(|v| v["app"].clone())
+        self.get(&format!("/ws/v1/cluster/apps/{id}"))
+            .ok()
+            .map(|v| v["app"].clone())
     }
 
     /// The node listing, `None` on any failure (for polling while the RM may be down).
