@@ -93,8 +93,9 @@ struct TaskPlan {
     job: usize,
     role: usize,
     index: u32,
-    /// Runs that exit 1 (at once) before the first run that does the work.
+    /// Runs that exit 1 (after `fail_ms`) before the first run that does the work.
     fails: u32,
+    fail_ms: u64,
     sleep_ms: u64,
     /// The working run waits for its job's release marker after sleeping.
     long: bool,
@@ -224,7 +225,7 @@ fn plan_jobs(rng: &mut StdRng) -> (Vec<JobPlan>, Vec<TaskPlan>) {
             let retry = rng.gen_range(0..=2);
             // Mostly the default (the first failed task fails the job); sometimes the
             // role tolerates failures until all its tasks failed.
-            let min_failed = if rng.gen_bool(0.7) { 1 } else { instances };
+            let min_failed = if rng.gen_bool(0.6) { 1 } else { instances };
             roles.push(RolePlan {
                 name: format!("r{r}"),
                 instances,
@@ -238,7 +239,7 @@ fn plan_jobs(rng: &mut StdRng) -> (Vec<JobPlan>, Vec<TaskPlan>) {
                 let p: f64 = rng.gen();
                 let fails = if p < 0.55 {
                     0
-                } else if p < 0.92 {
+                } else if p < 0.93 {
                     if retry == 0 {
                         0
                     } else {
@@ -252,6 +253,7 @@ fn plan_jobs(rng: &mut StdRng) -> (Vec<JobPlan>, Vec<TaskPlan>) {
                     role: r,
                     index,
                     fails,
+                    fail_ms: rng.gen_range(300..1500),
                     sleep_ms: rng.gen_range(300..2500),
                     long: rng.gen_bool(0.4),
                 });
@@ -290,14 +292,16 @@ fn task_key(jobs: &[JobPlan], t: &TaskPlan) -> String {
 
 fn job_yaml(root: &str, job: &JobPlan) -> String {
     let name = &job.name;
-    // One bash command: read the plan, fail (exit 1) while this task still has planned
-    // failures (counted in its own file, so faults do not use them up), else record an
-    // `ok` run, work, optionally wait for the release marker, and record the end.
+    // One bash command: read the plan; while this task still has planned failures,
+    // record a `fail` run, sleep, count the failure in the task's own file and exit 1
+    // (a run killed by a fault before that point has not used the failure up, so the
+    // next run fails again); else record an `ok` run, work, optionally wait for the
+    // release marker, and record the end.
     let script = format!(
         "P={root}/plan/{name}.$GPUAM_TASK_ROLE.$GPUAM_TASK_INDEX; R={root}/rec/{name}.$GPUAM_TASK_ROLE.$GPUAM_TASK_INDEX; \
-         read F S L < $P; n=$(cat $R.fails 2>/dev/null || echo 0); pg=$(awk '{{print $5}}' /proc/$$/stat); \
+         read F E S L < $P; n=$(cat $R.fails 2>/dev/null || echo 0); pg=$(awk '{{print $5}}' /proc/$$/stat); \
          info=\"$GPUAM_ATTEMPT $GPUAM_HOST $pg $(date +%s%3N)\"; dev=${{CUDA_VISIBLE_DEVICES:--}}; pp=${{CONTAINER_PORTS:--}}; \
-         if [ $n -lt $F ]; then echo $((n+1)) > $R.fails; echo \"start $info fail $dev $pp\" >> $R; exit 1; fi; \
+         if [ $n -lt $F ]; then echo \"start $info fail $dev $pp\" >> $R; sleep $E; echo $((n+1)) > $R.fails; exit 1; fi; \
          echo \"start $info ok $dev $pp\" >> $R; sleep $S; \
          if [ $L = 1 ]; then while [ ! -f {root}/release.{name} ]; do sleep 0.05; done; fi; \
          echo \"end $GPUAM_ATTEMPT $pg $(date +%s%3N)\" >> $R"
@@ -526,8 +530,7 @@ impl Chaos {
                 });
             }
             Kind::Task => {
-                // Runs in their working phase (a failing run exits at once by itself).
-                let mut cands: Vec<(usize, Run)> = self.live_runs().into_iter().filter(|(_, r)| !r.fail).collect();
+                let mut cands: Vec<(usize, Run)> = self.live_runs();
                 cands.sort_by_key(|(i, r)| (*i, r.pgid));
                 let Some((i, run)) = self.pick(&cands) else {
                     return false;
@@ -633,8 +636,10 @@ fn seeded_faults_keep_every_job_correct() {
         fs::write(
             c.rm.path(&format!("plan/{}", task_key(&c.jobs, t))),
             format!(
-                "{} {}.{:03} {}\n",
+                "{} {}.{:03} {}.{:03} {}\n",
                 t.fails,
+                t.fail_ms / 1000,
+                t.fail_ms % 1000,
                 t.sleep_ms / 1000,
                 t.sleep_ms % 1000,
                 u8::from(t.long)
@@ -654,8 +659,8 @@ fn seeded_faults_keep_every_job_correct() {
                     .map(|t| t.fails)
                     .collect();
                 format!(
-                    "{}×{} gpu={} retry={} minFailed={} fails={fails:?}",
-                    r.name, r.instances, r.gpus, r.retry, r.min_failed
+                    "{}×{} gpu={} ports={} retry={} minFailed={} fails={fails:?}",
+                    r.name, r.instances, r.gpus, r.ports, r.retry, r.min_failed
                 )
             })
             .collect();
@@ -826,9 +831,15 @@ fn seeded_faults_keep_every_job_correct() {
             if fail_runs + ok_runs > 1 + role.retry + hits {
                 failures.push(format!("ran more often than its retry policy allows: {why}"));
             }
-            // Finer: exit-1 runs never exceed 1 + taskRetryCount; working runs only
-            // repeat after a transient hit; no task succeeds twice.
-            if fail_runs > t.fails.min(role.retry + 1) {
+            // Finer: without faults a task runs exactly min(F, 1 + taskRetryCount)
+            // failing runs (exit 1 is Unknown: retried while retried < taskRetryCount)
+            // plus one working run if F ≤ taskRetryCount; every transient hit can add
+            // one run (of either phase) and nothing else can; no task succeeds twice.
+            let base = t.fails.min(role.retry + 1) + u32::from(recovers);
+            if fail_runs + ok_runs > base + hits {
+                failures.push(format!("more runs than planned failures + transient hits: {why}"));
+            }
+            if fail_runs > t.fails.min(role.retry + 1) + hits {
                 failures.push(format!("too many failing runs: {why}"));
             }
             if ok_runs > u32::from(recovers) + hits {
@@ -839,7 +850,7 @@ fn seeded_faults_keep_every_job_correct() {
             }
             if !expect_fail {
                 // The job ran to its end: every task has its final record.
-                let complete = fail_runs == t.fails.min(role.retry + 1) && ends == u32::from(recovers);
+                let complete = fail_runs >= t.fails.min(role.retry + 1) && ends == u32::from(recovers);
                 if !complete {
                     losses += 1;
                     failures.push(format!("task lost (no final record) in a finished job: {why}"));

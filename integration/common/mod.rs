@@ -280,6 +280,11 @@ impl Rm {
         self.child.as_ref().map(|c| c.id() as i32)
     }
 
+    /// The current RM process's exit status if it has exited (it is reaped then).
+    pub fn try_exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut()?.try_wait().unwrap()
+    }
+
     /// The TCP port of the RM's URL.
     pub fn port(&self) -> u16 {
         self.url
