@@ -486,12 +486,10 @@ impl Chaos {
                 let Some((app, pid, attempt)) = self.pick(&cands) else {
                     return false;
                 };
-                assert_eq!(
-                    unsafe { libc::kill(pid, libc::SIGKILL) },
-                    0,
-                    "{} kill AM {pid}",
-                    self.ctx()
-                );
+                // The AM may have finished its job and exited since it was found.
+                if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+                    return false;
+                }
                 *self.am_kills.entry(app.clone()).or_insert(0) += 1;
                 self.injected.push(Injected {
                     kind,
@@ -695,6 +693,13 @@ fn seeded_faults_keep_every_job_correct() {
             "{ctx} jobs still running after {JOBS_DEADLINE:?}; faults so far: {:#?}",
             c.injected
         );
+        if let Some(status) = c.rm.try_exited() {
+            panic!(
+                "{ctx} the RM process exited by itself ({status}) at {:.2}s; faults so far: {:#?}",
+                t0.elapsed().as_secs_f64(),
+                c.injected
+            );
+        }
         c.sample();
         c.node_back_if_due();
         for (j, job) in c.jobs.iter().enumerate() {
