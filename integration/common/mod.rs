@@ -157,6 +157,12 @@ impl Submission {
         })
     }
 
+    /// The exit code if the command has exited (-1 for a signal), without waiting.
+    pub fn try_exit(&mut self) -> Option<i32> {
+        let status = self.child.as_mut()?.try_wait().unwrap()?;
+        Some(status.code().unwrap_or(-1))
+    }
+
     /// Waits for the command to exit; panics (after killing it) on timeout.
     pub fn wait(mut self, timeout: Duration) -> Finished {
         let child = self.child.as_mut().unwrap();
@@ -195,6 +201,8 @@ pub struct Rm {
     rt: tokio::runtime::Runtime,
     http: reqwest::Client,
     seq: std::cell::Cell<u32>,
+    /// How many `gpuam rm` processes this guard has started (1 after `start`).
+    incarnation: u32,
 }
 
 impl Rm {
@@ -230,26 +238,8 @@ impl Rm {
         )
         .unwrap();
         let work_dir = root.join("rm-work");
-        let stdout = root.join("rm.stdout");
-        let stderr = root.join("rm.stderr");
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let mut cmd = Command::new(bin());
-        cmd.arg("rm")
-            .arg("--cluster")
-            .arg(&cluster)
-            .arg("--listen")
-            .arg("127.0.0.1:0")
-            .arg("--work-dir")
-            .arg(&work_dir)
-            .current_dir(&root)
-            .stdin(Stdio::null())
-            .stdout(fs::File::create(&stdout).unwrap())
-            .stderr(fs::File::create(&stderr).unwrap());
-        scrub_env(&mut cmd, &config, &env);
-        if !env.iter().any(|(k, _)| k == "GPUAM_LOG") {
-            cmd.env("GPUAM_LOG", "info");
-        }
-        let child = cmd.spawn().unwrap();
+        let child = spawn_rm(&root, &cluster, &config, &work_dir, &env, "127.0.0.1:0", 1);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -275,10 +265,30 @@ impl Rm {
             rt,
             http,
             seq: std::cell::Cell::new(0),
+            incarnation: 1,
         };
-        // "gpuam rm listening on URL (work dir DIR)"
-        rm.url = wait_for(Duration::from_secs(20), "the RM's `listening on` line", || {
-            if let Some(status) = rm.child.as_mut().unwrap().try_wait().unwrap() {
+        rm.url = rm.wait_listening();
+        rm.baseline = wait_for(Duration::from_secs(10), "the RM to answer", || rm.try_nodes());
+        rm
+    }
+
+    /// Stdout and stderr file names of RM incarnation `n` (1: `rm.stdout`, `rm.stderr`;
+    /// later: `rm-N.stdout`, `rm-N.stderr`, so each start's `listening on` line is its own).
+    fn rm_output_names(n: u32) -> (String, String) {
+        if n == 1 {
+            ("rm.stdout".into(), "rm.stderr".into())
+        } else {
+            (format!("rm-{n}.stdout"), format!("rm-{n}.stderr"))
+        }
+    }
+
+    /// Waits for the current RM process's "gpuam rm listening on URL (work dir DIR)" line.
+    fn wait_listening(&mut self) -> String {
+        let (out, err) = Self::rm_output_names(self.incarnation);
+        let (stdout, stderr) = (self.path(&out), self.path(&err));
+        let child = self.child.as_mut().unwrap();
+        wait_for(Duration::from_secs(20), "the RM's `listening on` line", || {
+            if let Some(status) = child.try_wait().unwrap() {
                 panic!(
                     "the RM exited ({status}) before listening:\n{}",
                     fs::read_to_string(&stderr).unwrap_or_default()
@@ -289,9 +299,119 @@ impl Rm {
                 .find_map(|l| l.strip_prefix("gpuam rm listening on "))
                 .and_then(|rest| rest.split_whitespace().next())
                 .map(str::to_string)
+        })
+    }
+
+    /// The pid of the current RM process (`None` after `kill_hard`).
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.id() as i32)
+    }
+
+    /// The current RM process's exit status if it has exited (it is reaped then).
+    pub fn try_exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut()?.try_wait().unwrap()
+    }
+
+    /// The TCP port of the RM's URL.
+    pub fn port(&self) -> u16 {
+        self.url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches('/').parse().ok())
+            .unwrap_or_else(|| panic!("no port in the RM url `{}`", self.url))
+    }
+
+    /// How many RM processes this guard has started so far.
+    pub fn incarnation(&self) -> u32 {
+        self.incarnation
+    }
+
+    /// Kills the RM process with SIGKILL (no shutdown: its AMs and task processes are
+    /// left running, as after a crash) and reaps it.
+    pub fn kill_hard(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGKILL);
+            }
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts `gpuam rm` again with the same cluster file, settings, environment and
+    /// `--work-dir`, listening on the old URL's port; waits until it prints its
+    /// `listening on` line (read from this incarnation's own stdout file) and answers
+    /// the node listing. Kills a still-running RM first.
+    pub fn restart(&mut self) {
+        self.kill_hard();
+        self.incarnation += 1;
+        let listen = format!("127.0.0.1:{}", self.port());
+        let root = self.root().to_path_buf();
+        // The old socket may linger for a moment: retry a start that fails to bind.
+        let start = Instant::now();
+        loop {
+            let child = spawn_rm(
+                &root,
+                &root.join("cluster.yaml"),
+                &self.config,
+                &self.work_dir,
+                &self.env,
+                &listen,
+                self.incarnation,
+            );
+            self.child = Some(child);
+            let (out, _) = Self::rm_output_names(self.incarnation);
+            let stdout = self.path(&out);
+            let up = wait_for(Duration::from_secs(20), "the restarted RM to listen or exit", || {
+                let c = self.child.as_mut().unwrap();
+                if fs::read_to_string(&stdout)
+                    .unwrap_or_default()
+                    .contains("gpuam rm listening on ")
+                {
+                    return Some(true);
+                }
+                c.try_wait().unwrap().map(|_| false)
+            });
+            if up {
+                break;
+            }
+            self.child = None;
+            if start.elapsed() > Duration::from_secs(10) {
+                let (_, err) = Self::rm_output_names(self.incarnation);
+                panic!(
+                    "the RM could not be restarted on {listen}:\n{}",
+                    fs::read_to_string(self.path(&err)).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let url = self.wait_listening();
+        assert_eq!(url, self.url, "the restarted RM listens on the old URL");
+        wait_for(Duration::from_secs(10), "the restarted RM to answer", || {
+            self.try_nodes()
         });
-        rm.baseline = wait_for(Duration::from_secs(10), "the RM to answer", || rm.try_nodes());
-        rm
+    }
+
+    /// `PUT /ws/v1/cluster/nodes/{host}/state {"state": STATE}` with the admin token →
+    /// (status, body).
+    pub fn set_node_state(&self, host: &str, state: &str) -> (u16, Value) {
+        self.put_json(
+            &format!("/ws/v1/cluster/nodes/{host}/state"),
+            Some(&self.admin_token()),
+            &serde_json::json!({ "state": state }),
+        )
+    }
+
+    /// `GET /ws/v1/cluster/apps/{id}` → the `app` object, `None` on any failure (for
+    /// polling while the RM may be down).
+    pub fn try_app(&self, id: &str) -> Option<Value> {
+        self.get(&format!("/ws/v1/cluster/apps/{id}"))
+            .ok()
+            .map(|v| v["app"].clone())
+    }
+
+    /// The node listing, `None` on any failure (for polling while the RM may be down).
+    pub fn try_node_list(&self) -> Option<Vec<NodeUse>> {
+        self.try_nodes()
     }
 
     /// The test's temporary directory (absolute).
@@ -534,10 +654,14 @@ impl Rm {
 
     /// The RM's and every AM's stderr (for failure messages).
     pub fn logs(&self) -> String {
-        let mut out = format!(
-            "--- rm.stderr\n{}",
-            fs::read_to_string(self.path("rm.stderr")).unwrap_or_default()
-        );
+        let mut out = String::new();
+        for n in 1..=self.incarnation.max(1) {
+            let (_, err) = Self::rm_output_names(n);
+            out.push_str(&format!(
+                "--- {err}\n{}",
+                fs::read_to_string(self.path(&err)).unwrap_or_default()
+            ));
+        }
         if let Ok(rd) = fs::read_dir(&self.work_dir) {
             let mut apps: Vec<PathBuf> = rd.filter_map(Result::ok).map(|e| e.path()).collect();
             apps.sort();
@@ -575,6 +699,81 @@ impl Drop for Rm {
             }
         }
     }
+}
+
+/// Starts one `gpuam rm` process (incarnation `n` writes its own stdout/stderr files).
+fn spawn_rm(
+    root: &Path,
+    cluster: &Path,
+    config: &Path,
+    work_dir: &Path,
+    env: &[(String, String)],
+    listen: &str,
+    n: u32,
+) -> Child {
+    let (out, err) = Rm::rm_output_names(n);
+    let mut cmd = Command::new(bin());
+    cmd.arg("rm")
+        .arg("--cluster")
+        .arg(cluster)
+        .arg("--listen")
+        .arg(listen)
+        .arg("--work-dir")
+        .arg(work_dir)
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .stdout(fs::File::create(root.join(out)).unwrap())
+        .stderr(fs::File::create(root.join(err)).unwrap());
+    scrub_env(&mut cmd, config, env);
+    if !env.iter().any(|(k, _)| k == "GPUAM_LOG") {
+        cmd.env("GPUAM_LOG", "info");
+    }
+    cmd.spawn().unwrap()
+}
+
+/// Pids of live processes whose command line contains every one of `needles`
+/// (arguments joined by spaces), e.g. `[" am ", app_id]` for a job's AM.
+pub fn pids_with_cmdline(needles: &[&str]) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(raw) = fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if needles.iter().all(|n| cmd.contains(n)) && pid_alive(pid) {
+            out.push(pid);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The pid of the live `gpuam am` process of application `app`, if any.
+pub fn am_pid(app: &str) -> Option<i32> {
+    pids_with_cmdline(&[" am ", app]).into_iter().next()
+}
+
+/// Sends `sig` to every process of group `pgid`; true when the group existed.
+pub fn signal_group(pgid: i32, sig: i32) -> bool {
+    assert!(pgid > 1, "refusing to signal process group {pgid}");
+    unsafe { libc::kill(-pgid, sig) == 0 }
+}
+
+/// Cumulative histogram buckets `(le, count)` of metric `name` in a Prometheus text
+/// exposition (`+Inf` as `f64::INFINITY`), in the order given.
+pub fn prom_histogram(text: &str, name: &str) -> Vec<(f64, u64)> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (le, rest) = rest.split_once("\"}")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, rest.trim().parse().ok()?))
+        })
+        .collect()
 }
 
 /// The test's settings file and environment, and none of the caller's `GPUAM_*`.
