@@ -1,0 +1,140 @@
+//! RM restart on the real processes: the `gpuam rm` process is killed with SIGKILL in the
+//! middle of a job and started again with the same work dir and port. The tasks and the
+//! AM keep running while it is down; the new RM recovers the application and its grants
+//! from SQLite, re-attaches to the task processes (and learns how those that ended
+//! meanwhile ended), the AM registers again, and no task runs twice.
+
+mod common;
+
+use std::fs;
+use std::time::Duration;
+
+use common::{am_pid, pid_alive, sq, wait_for, Rm};
+
+const CLUSTER: &str = "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n  - host: n2\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n";
+
+/// Lines in a file (0 when it does not exist).
+fn lines(rm: &Rm, name: &str) -> Vec<String> {
+    fs::read_to_string(rm.path(name))
+        .map(|t| t.lines().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// A role whose tasks append "attempt pgid" to `<role>-<index>.runs`, then wait for the
+/// file `marker` and exit with `code`.
+fn role(rm: &Rm, name: &str, instances: u32, marker: &str, code: i32) -> String {
+    let root = rm.root().display().to_string();
+    let cmd = format!(
+        "echo $GPUAM_ATTEMPT $(awk '{{print $5}}' /proc/$$/stat) >> {root}/{name}-$GPUAM_TASK_INDEX.runs; \
+         while [ ! -f {root}/{marker} ]; do sleep 0.05; done; exit {code}"
+    );
+    format!(
+        "  {name}:\n    instances: {instances}\n    taskRetryCount: 0\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n      - {}\n",
+        sq(&cmd)
+    )
+}
+
+fn pgid_of(run_line: &str) -> i32 {
+    run_line.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap()
+}
+
+#[test]
+fn a_killed_rm_comes_back_and_no_task_restarts() {
+    let mut rm = Rm::start(CLUSTER, &[]);
+    let job = rm.write_job(
+        "survive",
+        &format!(
+            "name: survive\ntaskRoles:\n{}{}",
+            role(&rm, "long", 2, "go", 0),
+            role(&rm, "ender", 1, "end-now", 0)
+        ),
+    );
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    wait_for(Duration::from_secs(20), "all three tasks to run", || {
+        (["long-0.runs", "long-1.runs", "ender-0.runs"]
+            .iter()
+            .all(|f| lines(&rm, f).len() == 1))
+        .then_some(())
+    });
+    let am = wait_for(Duration::from_secs(10), "the AM process", || am_pid(&app));
+    let groups: Vec<i32> = ["long-0.runs", "long-1.runs"]
+        .iter()
+        .map(|f| pgid_of(&lines(&rm, f)[0]))
+        .collect();
+
+    rm.kill_hard();
+    // While the RM is down: one task ends (with status 0, which only the status file
+    // it leaves behind can tell); the others and the AM keep running.
+    fs::write(rm.path("end-now"), "").unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(pid_alive(am), "the AM outlives the RM");
+    for g in &groups {
+        assert!(pid_alive(*g), "task group {g} outlives the RM");
+    }
+    assert!(rm.try_app(&app).is_none(), "the RM is really down (no answer)");
+
+    rm.restart();
+    let report = rm.app(&app);
+    assert_eq!(report["state"], "RUNNING", "{report}");
+    assert_eq!(report["attempt"], 1, "the AM was not restarted: {report}");
+    // The AM registers again; the task that ended is reported to it as a success.
+    wait_for(Duration::from_secs(20), "the AM to resync and see `ender` finish", || {
+        let p = rm.app(&app)["progress"].as_f64().unwrap_or(0.0);
+        (p > 0.3).then_some(())
+    });
+    for g in &groups {
+        assert!(pid_alive(*g), "task group {g} still runs after the restart");
+    }
+    fs::write(rm.path("go"), "").unwrap();
+    let out = sub.wait(Duration::from_secs(60));
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr.contains("seen after an RM restart"),
+        "the ended task's status came from its status file: {}",
+        out.stderr
+    );
+    for f in ["long-0.runs", "long-1.runs", "ender-0.runs"] {
+        assert_eq!(lines(&rm, f), vec![format!("1 {}", pgid_of(&lines(&rm, f)[0]))], "{f}: ran once");
+    }
+    let attempts = rm.get_json(&format!("/ws/v1/cluster/apps/{app}/appattempts")).unwrap();
+    let attempts = attempts["appAttempts"]["appAttempt"].as_array().unwrap().clone();
+    assert_eq!(attempts.len(), 1, "{attempts:?}");
+    let a = rm.app(&app);
+    assert_eq!((a["state"].as_str(), a["finalStatus"].as_str()), (Some("FINISHED"), Some("SUCCEEDED")));
+    rm.assert_all_free(Duration::from_secs(10));
+}
+
+#[test]
+fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
+    let mut rm = Rm::start(CLUSTER, &[]);
+    let job = rm.write_job("orphan", &format!("name: orphan\ntaskRoles:\n{}", role(&rm, "long", 2, "go", 0)));
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    wait_for(Duration::from_secs(20), "both tasks to run", || {
+        (lines(&rm, "long-0.runs").len() == 1 && lines(&rm, "long-1.runs").len() == 1).then_some(())
+    });
+    let am = wait_for(Duration::from_secs(10), "the AM process", || am_pid(&app));
+    rm.kill_hard();
+    assert_eq!(unsafe { libc::kill(am, libc::SIGKILL) }, 0);
+    wait_for(Duration::from_secs(10), "the AM to be gone", || (!pid_alive(am)).then_some(()));
+
+    rm.restart();
+    wait_for(Duration::from_secs(30), "attempt 2 to register", || {
+        let a = rm.app(&app);
+        (a["attempt"] == 2 && a["state"] == "RUNNING").then_some(())
+    });
+    let attempts = rm.get_json(&format!("/ws/v1/cluster/apps/{app}/appattempts")).unwrap();
+    let first = &attempts["appAttempts"]["appAttempt"][0];
+    assert!(
+        first["diagnostics"].as_str().unwrap_or("").contains("while the RM was down"),
+        "{attempts}"
+    );
+    fs::write(rm.path("go"), "").unwrap();
+    let out = sub.wait(Duration::from_secs(60));
+    assert_eq!(out.code, 0, "{out:?}");
+    for f in ["long-0.runs", "long-1.runs"] {
+        assert_eq!(lines(&rm, f).len(), 1, "{f}: ran once across the RM restart and both AM attempts");
+    }
+    rm.assert_all_free(Duration::from_secs(10));
+}
