@@ -7,14 +7,6 @@ mod common;
 use std::fs;
 use std::time::Duration;
 
-fn am_pid(app: &str) -> Option<i32> {
-    fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-        let cmd = String::from_utf8_lossy(&fs::read(e.path().join("cmdline")).ok()?).replace('\0', " ");
-        (cmd.contains(" am ") && cmd.contains(app)).then_some(pid)
-    })
-}
-
 fn runs(path: &std::path::Path) -> usize {
     fs::read_to_string(path).map(|t| t.lines().count()).unwrap_or(0)
 }
@@ -44,7 +36,7 @@ fn a_killed_am_is_restarted_and_re_adopts_its_tasks() {
             .then_some(())
     });
     std::thread::sleep(Duration::from_millis(500));
-    let first = common::wait_for(Duration::from_secs(10), "the AM process", || am_pid(&app));
+    let first = common::wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     assert_eq!(rm.app(&app)["attempt"], 1);
     // The AM dies without a word.
     assert_eq!(unsafe { libc::kill(first, libc::SIGKILL) }, 0);
@@ -52,7 +44,7 @@ fn a_killed_am_is_restarted_and_re_adopts_its_tasks() {
         let a = rm.app(&app);
         (a["attempt"] == 2 && a["state"] == "RUNNING").then_some(())
     });
-    let second = common::wait_for(Duration::from_secs(10), "the new AM process", || am_pid(&app));
+    let second = common::wait_for(Duration::from_secs(10), "the new AM process", || rm.am_pid(&app));
     assert_ne!(first, second);
     // The new attempt releases the tasks it re-adopted; none started again meanwhile.
     std::thread::sleep(Duration::from_millis(500));

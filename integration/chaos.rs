@@ -37,9 +37,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{
-    am_pid, parse_container_ports, pid_alive, pids_with_cmdline, prom_histogram, signal_group, sq, Rm, Submission,
-};
+use common::{parse_container_ports, pid_alive, pids_with_cmdline, prom_histogram, signal_group, sq, Rm, Submission};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -477,7 +475,7 @@ impl Chaos {
                         continue;
                     };
                     if a["state"] == "RUNNING" && a["attempt"].as_u64().unwrap_or(MAX_AM_ATTEMPTS) < MAX_AM_ATTEMPTS {
-                        if let Some(pid) = am_pid(app) {
+                        if let Some(pid) = self.rm.am_pid(app) {
                             cands.push((app.clone(), pid, a["attempt"].as_u64().unwrap()));
                         }
                     }

@@ -9,7 +9,7 @@ mod common;
 use std::fs;
 use std::time::Duration;
 
-use common::{am_pid, pid_alive, sq, wait_for, Rm};
+use common::{pid_alive, sq, wait_for, Rm};
 
 const CLUSTER: &str = "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n  - host: n2\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n";
 
@@ -57,7 +57,7 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
             .all(|f| lines(&rm, f).len() == 1))
         .then_some(())
     });
-    let am = wait_for(Duration::from_secs(10), "the AM process", || am_pid(&app));
+    let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     let groups: Vec<i32> = ["long-0.runs", "long-1.runs"]
         .iter()
         .map(|f| pgid_of(&lines(&rm, f)[0]))
@@ -79,10 +79,14 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
     assert_eq!(report["state"], "RUNNING", "{report}");
     assert_eq!(report["attempt"], 1, "the AM was not restarted: {report}");
     // The AM registers again; the task that ended is reported to it as a success.
-    wait_for(Duration::from_secs(20), "the AM to resync and see `ender` finish", || {
-        let p = rm.app(&app)["progress"].as_f64().unwrap_or(0.0);
-        (p > 0.3).then_some(())
-    });
+    wait_for(
+        Duration::from_secs(20),
+        "the AM to resync and see `ender` finish",
+        || {
+            let p = rm.app(&app)["progress"].as_f64().unwrap_or(0.0);
+            (p > 0.3).then_some(())
+        },
+    );
     for g in &groups {
         assert!(pid_alive(*g), "task group {g} still runs after the restart");
     }
@@ -95,29 +99,41 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
         out.stderr
     );
     for f in ["long-0.runs", "long-1.runs", "ender-0.runs"] {
-        assert_eq!(lines(&rm, f), vec![format!("1 {}", pgid_of(&lines(&rm, f)[0]))], "{f}: ran once");
+        assert_eq!(
+            lines(&rm, f),
+            vec![format!("1 {}", pgid_of(&lines(&rm, f)[0]))],
+            "{f}: ran once"
+        );
     }
     let attempts = rm.get_json(&format!("/ws/v1/cluster/apps/{app}/appattempts")).unwrap();
     let attempts = attempts["appAttempts"]["appAttempt"].as_array().unwrap().clone();
     assert_eq!(attempts.len(), 1, "{attempts:?}");
     let a = rm.app(&app);
-    assert_eq!((a["state"].as_str(), a["finalStatus"].as_str()), (Some("FINISHED"), Some("SUCCEEDED")));
+    assert_eq!(
+        (a["state"].as_str(), a["finalStatus"].as_str()),
+        (Some("FINISHED"), Some("SUCCEEDED"))
+    );
     rm.assert_all_free(Duration::from_secs(10));
 }
 
 #[test]
 fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
     let mut rm = Rm::start(CLUSTER, &[]);
-    let job = rm.write_job("orphan", &format!("name: orphan\ntaskRoles:\n{}", role(&rm, "long", 2, "go", 0)));
+    let job = rm.write_job(
+        "orphan",
+        &format!("name: orphan\ntaskRoles:\n{}", role(&rm, "long", 2, "go", 0)),
+    );
     let sub = rm.submit(&job);
     let app = sub.app_id(Duration::from_secs(10));
     wait_for(Duration::from_secs(20), "both tasks to run", || {
         (lines(&rm, "long-0.runs").len() == 1 && lines(&rm, "long-1.runs").len() == 1).then_some(())
     });
-    let am = wait_for(Duration::from_secs(10), "the AM process", || am_pid(&app));
+    let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     rm.kill_hard();
     assert_eq!(unsafe { libc::kill(am, libc::SIGKILL) }, 0);
-    wait_for(Duration::from_secs(10), "the AM to be gone", || (!pid_alive(am)).then_some(()));
+    wait_for(Duration::from_secs(10), "the AM to be gone", || {
+        (!pid_alive(am)).then_some(())
+    });
 
     rm.restart();
     wait_for(Duration::from_secs(30), "attempt 2 to register", || {
@@ -127,14 +143,21 @@ fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
     let attempts = rm.get_json(&format!("/ws/v1/cluster/apps/{app}/appattempts")).unwrap();
     let first = &attempts["appAttempts"]["appAttempt"][0];
     assert!(
-        first["diagnostics"].as_str().unwrap_or("").contains("while the RM was down"),
+        first["diagnostics"]
+            .as_str()
+            .unwrap_or("")
+            .contains("while the RM was down"),
         "{attempts}"
     );
     fs::write(rm.path("go"), "").unwrap();
     let out = sub.wait(Duration::from_secs(60));
     assert_eq!(out.code, 0, "{out:?}");
     for f in ["long-0.runs", "long-1.runs"] {
-        assert_eq!(lines(&rm, f).len(), 1, "{f}: ran once across the RM restart and both AM attempts");
+        assert_eq!(
+            lines(&rm, f).len(),
+            1,
+            "{f}: ran once across the RM restart and both AM attempts"
+        );
     }
     rm.assert_all_free(Duration::from_secs(10));
 }

@@ -321,6 +321,14 @@ impl Rm {
             .unwrap_or_else(|| panic!("no port in the RM url `{}`", self.url))
     }
 
+    /// The pid of the live `gpuam am` process of this RM's application `app`, if any
+    /// (matched by its job file in this RM's work dir: RMs started in the same
+    /// millisecond by parallel tests hand out the same application ids).
+    pub fn am_pid(&self, app: &str) -> Option<i32> {
+        let job = format!("{}/{app}/job.yaml", self.work_dir.display());
+        pids_with_cmdline(&[" am ", &job]).into_iter().next()
+    }
+
     /// How many RM processes this guard has started so far.
     pub fn incarnation(&self) -> u32 {
         self.incarnation
@@ -749,11 +757,6 @@ pub fn pids_with_cmdline(needles: &[&str]) -> Vec<i32> {
     }
     out.sort();
     out
-}
-
-/// The pid of the live `gpuam am` process of application `app`, if any.
-pub fn am_pid(app: &str) -> Option<i32> {
-    pids_with_cmdline(&[" am ", app]).into_iter().next()
 }
 
 /// Sends `sig` to every process of group `pgid`; true when the group existed.
