@@ -9,7 +9,8 @@
 //! latency (p50 / p99 / max) as the AMs measured it.
 //!
 //! Default size: 20 AMs × 20 tasks (fits a 2-core machine in well under 90 s);
-//! `GPUAM_LOAD_FULL=1` runs the issue's 50 AMs × 40 tasks. Figures: docs/RELIABILITY.md.
+//! `GPUAM_LOAD_FULL=1` runs the issue's 50 AMs × 40 tasks; `GPUAM_LOAD_STORE=memory`
+//! runs the RM without its SQLite state store (to compare). Figures: docs/RELIABILITY.md.
 
 mod common;
 
@@ -194,6 +195,11 @@ async fn many_ams_on_a_nearly_full_cluster_never_share_a_gpu_or_port() {
         .collect();
     let mut opts = RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.path().join("work"));
     opts.launch_am = false;
+    let in_memory = std::env::var("GPUAM_LOAD_STORE").is_ok_and(|v| v == "memory");
+    if in_memory {
+        opts.state_dir = None;
+    }
+    let store = if in_memory { "memory" } else { "sqlite" };
     let rm = start(opts).await.unwrap();
     rm.enable_grant_audit();
     let base = rm.base_url();
@@ -232,7 +238,7 @@ async fn many_ams_on_a_nearly_full_cluster_never_share_a_gpu_or_port() {
     let mut lat: Vec<u64> = results.iter().flat_map(|r| r.latencies_us.iter().copied()).collect();
     lat.sort_unstable();
     println!(
-        "load: {ams} AMs x {tasks} tasks = {} tasks in {:.1}s on {NODES} nodes (75% of GPUs pre-used); \
+        "load: {ams} AMs x {tasks} tasks = {} tasks in {:.1}s on {NODES} nodes (75% of GPUs pre-used, store {store}); \
          {granted} grants, {rejected} rejected asks (collisions refused), conflicts 0, lost 0; \
          allocate latency over {} calls: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
         ams * tasks,
