@@ -157,11 +157,6 @@ impl Ledger {
         }
     }
 
-    /// The sequence number the next grant's container id gets.
-    pub fn next_container_seq(&self) -> u64 {
-        self.next_container
-    }
-
     /// Puts back a container recovered from the store (RM restart), after the node
     /// states were restored. A live container whose host is gone from the cluster, is
     /// no longer usable, or whose resources collide with what is already restored there
@@ -173,6 +168,10 @@ impl Ledger {
         c.allocated_at = now.checked_sub(age).unwrap_or(now);
         let live = c.state != ContainerState::Complete;
         let host = c.container.host.clone();
+        // Numbering goes on after the highest id restored (ids end in `_<seq>`).
+        if let Some(seq) = id.rsplit('_').next().and_then(|s| s.parse::<u64>().ok()) {
+            self.next_container = self.next_container.max(seq + 1);
+        }
         self.containers.insert(id.clone(), c);
         if !live {
             return None;
@@ -217,11 +216,6 @@ impl Ledger {
                 })
             }
         }
-    }
-
-    /// Continues container numbering after a restart (never below what is in use).
-    pub fn set_next_container_seq(&mut self, seq: u64) {
-        self.next_container = self.next_container.max(seq);
     }
 
     /// Starts recording every grant and free (in the order the ledger applied them),
@@ -632,6 +626,61 @@ mod tests {
             ports: PortSet::parse(ports).unwrap(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn restore_puts_back_live_grants_and_refuses_what_no_longer_fits() {
+        let now = Instant::now();
+        let mut first = Ledger::new(
+            [node("n1", 4, 1000, 0x3, "100-101"), node("n2", 4, 1000, 0x3, "")],
+            DEFAULT_CONTAINER_EXPIRY,
+        );
+        let a = first
+            .grant("application_1_0001", 1, &ask(1, "n1", 1, 10, 0x1, "100"), now)
+            .unwrap();
+        let b = first
+            .grant("application_1_0001", 1, &ask(2, "n2", 1, 10, 0x1, ""), now)
+            .unwrap();
+        let done = first
+            .grant("application_1_0001", 1, &ask(3, "n1", 1, 10, 0x2, ""), now)
+            .unwrap();
+        first.complete(&done.container_id, 0, "");
+        let saved: Vec<LedgerContainer> = [&a, &b, &done]
+            .iter()
+            .map(|c| first.container(&c.container_id).unwrap().clone())
+            .collect();
+
+        // The restarted RM's cluster file no longer has n2.
+        let mut second = Ledger::new([node("n1", 4, 1000, 0x3, "100-101")], DEFAULT_CONTAINER_EXPIRY);
+        let ended: Vec<Ended> = saved
+            .into_iter()
+            .filter_map(|c| second.restore(c, now, crate::rm::apps::now_ms()))
+            .collect();
+        assert_eq!(ended.len(), 1);
+        assert_eq!(ended[0].container_id, b.container_id);
+        assert!(
+            ended[0].diagnostics.contains("no longer in the cluster"),
+            "{:?}",
+            ended[0]
+        );
+        let n1 = second.node("n1").unwrap();
+        assert_eq!(
+            (n1.used().gpu_mask, n1.used().ports.to_string()),
+            (0x1, "100".to_string())
+        );
+        assert!(second
+            .grant("application_1_0001", 1, &ask(4, "n1", 1, 10, 0x1, ""), now)
+            .is_err());
+        // Numbering goes on after the restored ids.
+        let next = second
+            .grant("application_1_0001", 1, &ask(5, "n1", 1, 10, 0x2, ""), now)
+            .unwrap();
+        assert_eq!(next.container_id, container_id("application_1_0001", 1, 4));
+        assert_eq!(
+            second.take_changes().containers.len(),
+            2,
+            "the refused one and the new grant"
+        );
     }
 
     #[test]

@@ -159,7 +159,7 @@ impl RmState {
     fn persist(&mut self, cluster_ts: u64) {
         let apps = self.apps.take_dirty();
         let changes = self.ledger.take_changes();
-        let meta_dirty = std::mem::take(&mut self.meta_dirty) || !changes.containers.is_empty();
+        let meta_dirty = std::mem::take(&mut self.meta_dirty);
         if !self.store.is_durable() || (apps.is_empty() && changes.is_empty() && !meta_dirty) {
             return;
         }
@@ -167,7 +167,6 @@ impl RmState {
             meta: meta_dirty.then(|| Meta {
                 cluster_ts,
                 next_app_seq: self.next_app_seq,
-                next_container_seq: self.ledger.next_container_seq(),
                 reserved: self.reserved.iter().cloned().collect(),
             }),
             apps: apps.iter().map(|id| (id.as_str(), self.apps.get(id))).collect(),
@@ -391,7 +390,6 @@ fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u
             tracing::warn!(%host, "a node of the saved state is no longer in the cluster");
         }
     }
-    ledger.set_next_container_seq(r.meta.next_container_seq);
     let (now, wall) = (Instant::now(), now_ms());
     let not_restored: Vec<Ended> = r
         .containers

@@ -46,7 +46,6 @@ pub struct Meta {
     /// The cluster timestamp in application and container ids.
     pub cluster_ts: u64,
     pub next_app_seq: u32,
-    pub next_container_seq: u64,
     /// Ids handed out by new-application and not submitted yet.
     pub reserved: Vec<String>,
 }
@@ -305,7 +304,6 @@ mod tests {
         let meta = Meta {
             cluster_ts: 1,
             next_app_seq: 2,
-            next_container_seq: 2,
             reserved: vec!["application_1_0003".into()],
         };
         store
