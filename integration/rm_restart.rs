@@ -93,11 +93,19 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
     fs::write(rm.path("go"), "").unwrap();
     let out = sub.wait(Duration::from_secs(60));
     assert_eq!(out.code, 0, "{out:?}");
-    assert!(
-        out.stderr.contains("seen after an RM restart"),
-        "the ended task's status came from its status file: {}",
-        out.stderr
-    );
+    // The RM's own record of how `ender` ended: from the status file its script left.
+    let saved = gpuam::rm::store::Store::open(&rm.work_dir)
+        .unwrap()
+        .recover()
+        .unwrap()
+        .unwrap();
+    let ender = saved
+        .containers
+        .iter()
+        .find(|c| c.container.task.as_deref() == Some("ender/0"))
+        .unwrap();
+    assert_eq!(ender.exit_status, Some(0), "{ender:?}");
+    assert!(ender.diagnostics.contains("seen after an RM restart"), "{ender:?}");
     for f in ["long-0.runs", "long-1.runs", "ender-0.runs"] {
         assert_eq!(
             lines(&rm, f),
