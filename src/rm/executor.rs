@@ -114,6 +114,8 @@ struct Entry {
     dir: PathBuf,
     phase: Phase,
     pid: Option<u32>,
+    /// The leader's identity (pid and start time), to tell it from a reused pid.
+    leader: Option<ProcessId>,
     exit_status: Option<i32>,
     diagnostics: String,
     stop_requested: bool,
@@ -127,6 +129,7 @@ impl Entry {
             dir,
             phase,
             pid: None,
+            leader: None,
             exit_status: None,
             diagnostics: String::new(),
             stop_requested: false,
@@ -276,7 +279,8 @@ impl Executor {
             Ok((child, pid)) => {
                 // Written before anything else can happen to it: without this record a
                 // restarted executor could not find the process again.
-                if let Some(p) = ProcessId::of(pid) {
+                let leader = ProcessId::of(pid);
+                if let Some(p) = leader {
                     let written = serde_json::to_vec(&p)
                         .map_err(std::io::Error::other)
                         .and_then(|b| std::fs::write(dir.join(PROCESS_FILE), b));
@@ -290,18 +294,18 @@ impl Executor {
                     if let Some(e) = table.get_mut(container_id) {
                         e.phase = Phase::Running;
                         e.pid = Some(pid);
+                        e.leader = leader;
                         e.done = Some(done_rx);
                     }
                 }
-                tokio::spawn(wait_container(
-                    self.table.clone(),
-                    self.events.clone(),
-                    container_id.to_string(),
+                let ending = Ending {
+                    table: self.table.clone(),
+                    events: self.events.clone(),
+                    id: container_id.to_string(),
                     dir,
-                    child,
-                    pid,
-                    done_tx,
-                ));
+                    done: done_tx,
+                };
+                tokio::spawn(wait_container(ending, child, pid, leader));
                 Ok(pid)
             }
         }
@@ -321,9 +325,16 @@ impl Executor {
         let (done_tx, done_rx) = watch::channel(false);
         let mut entry = Entry::new(dir.clone(), Phase::Running);
         entry.pid = leader.map(|p| p.pid);
+        entry.leader = leader;
         entry.done = Some(done_rx);
         self.table.lock().insert(container_id.to_string(), entry);
-        let (table, events, id) = (self.table.clone(), self.events.clone(), container_id.to_string());
+        let ending = Ending {
+            table: self.table.clone(),
+            events: self.events.clone(),
+            id: container_id.to_string(),
+            dir,
+            done: done_tx,
+        };
         match leader.filter(ProcessId::alive) {
             Some(p) => {
                 tracing::info!(
@@ -331,13 +342,13 @@ impl Executor {
                     pid = p.pid,
                     "re-attached to a running container"
                 );
-                tokio::spawn(wait_inherited(table, events, id, dir, p, done_tx));
+                tokio::spawn(wait_inherited(ending, p));
             }
             None => {
-                let (code, how) = recorded_exit(&dir);
+                let (code, how) = recorded_exit(&ending.dir);
                 // The group id is the leader's pid; leftovers of a dead leader still go.
                 let pgid = leader.map_or(0, |p| p.pid);
-                tokio::spawn(container_ended(table, events, id, dir, pgid, code, how, done_tx));
+                tokio::spawn(container_ended(ending, pgid, leader, code, how));
             }
         }
     }
@@ -355,7 +366,7 @@ impl Executor {
         }
         // A concurrent `start` is spawning: wait (briefly) until it knows the pid.
         let give_up = Instant::now() + KILL_WAIT;
-        let (pgid, mut done) = loop {
+        let (pgid, leader, mut done) = loop {
             {
                 let mut table = self.table.lock();
                 let entry = table
@@ -378,7 +389,7 @@ impl Executor {
                     Phase::Running => {
                         entry.stop_requested = true;
                         match (entry.pid, entry.done.clone()) {
-                            (Some(pid), Some(done)) => break (pid, done),
+                            (Some(pid), Some(done)) => break (pid, entry.leader, done),
                             _ => return Ok(()),
                         }
                     }
@@ -394,13 +405,13 @@ impl Executor {
             tokio::time::sleep(POLL).await;
         };
 
-        signal_group(pgid, libc::SIGTERM);
+        signal_own_group(pgid, leader, libc::SIGTERM);
         if tokio::time::timeout(grace, done.wait_for(|d| *d)).await.is_err() {
             tracing::info!(
                 container = container_id,
                 "still running after {grace:?}: SIGKILL to its group"
             );
-            signal_group(pgid, libc::SIGKILL);
+            signal_own_group(pgid, leader, libc::SIGKILL);
             if tokio::time::timeout(KILL_WAIT, done.wait_for(|d| *d)).await.is_err() {
                 tracing::warn!(
                     container = container_id,
@@ -660,36 +671,31 @@ fn spawn_launch(
     Ok((child, pid))
 }
 
-/// Waits for the leader, then ends the container (see [`container_ended`]).
-async fn wait_container(
+/// Where a container's end is recorded and whom it is told to.
+struct Ending {
     table: Table,
     events: mpsc::UnboundedSender<ExecEvent>,
     id: String,
     dir: PathBuf,
-    mut child: tokio::process::Child,
-    pgid: u32,
+    /// Turned `true` once the container is Complete.
     done: watch::Sender<bool>,
-) {
+}
+
+/// Waits for the leader, then ends the container (see [`container_ended`]).
+async fn wait_container(ending: Ending, mut child: tokio::process::Child, pgid: u32, leader: Option<ProcessId>) {
     let (code, how) = match child.wait().await {
         Ok(st) => describe_exit(st),
         Err(e) => (exit_status::INVALID, format!("lost track of the process: {e}")),
     };
-    container_ended(table, events, id, dir, pgid, code, how, done).await;
+    container_ended(ending, pgid, leader, code, how).await;
 }
 
 /// Waits for a leader this executor did not start (an earlier RM did), then ends the
 /// container with the status the leader's script wrote, if it got to write one.
-async fn wait_inherited(
-    table: Table,
-    events: mpsc::UnboundedSender<ExecEvent>,
-    id: String,
-    dir: PathBuf,
-    leader: ProcessId,
-    done: watch::Sender<bool>,
-) {
+async fn wait_inherited(ending: Ending, leader: ProcessId) {
     leader.ended().await;
-    let (code, how) = recorded_exit(&dir);
-    container_ended(table, events, id, dir, leader.pid, code, how, done).await;
+    let (code, how) = recorded_exit(&ending.dir);
+    container_ended(ending, leader.pid, Some(leader), code, how).await;
 }
 
 /// The exit status `launch.sh` wrote, with a sentence; ABORTED when there is none (the
@@ -709,24 +715,27 @@ fn recorded_exit(dir: &Path) -> (i32, String) {
 
 /// Cleans up what the leader left in its group, records the end and sends the one
 /// `Exited` event.
-#[allow(clippy::too_many_arguments)]
-async fn container_ended(
-    table: Table,
-    events: mpsc::UnboundedSender<ExecEvent>,
-    id: String,
-    dir: PathBuf,
-    pgid: u32,
-    code: i32,
-    how: String,
-    done: watch::Sender<bool>,
-) {
+///
+/// The group is the leader's pid. Linux does not hand out a pid while a process group
+/// of that number has members, so leftovers keep the number ours; but once the group is
+/// empty the pid can go to a new process (pid_max can be as low as 32768), which may
+/// lead a group of its own, another container's. So a live process with the leader's
+/// pid that is not the leader means the group is not ours to signal.
+async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, code: i32, how: String) {
+    let Ending {
+        table,
+        events,
+        id,
+        dir,
+        done,
+    } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
     let mut diagnostics = how;
-    if group_alive(pgid) {
-        signal_group(pgid, libc::SIGTERM);
+    if !pid_reused(pgid, leader) && group_alive(pgid) {
+        signal_own_group(pgid, leader, libc::SIGTERM);
         if !wait_group_gone(pgid, LEFTOVER_GRACE).await {
-            signal_group(pgid, libc::SIGKILL);
+            signal_own_group(pgid, leader, libc::SIGKILL);
             if !wait_group_gone(pgid, KILL_WAIT).await {
                 diagnostics.push_str("; some processes of its group survived SIGKILL");
             }
@@ -793,6 +802,20 @@ fn signal_name(sig: i32) -> String {
         _ => return format!("SIG{sig}"),
     };
     name.into()
+}
+
+/// True when a live process other than `leader` now has the leader's pid: the group of
+/// that number is then not the container's (see [`container_ended`]). Without a known
+/// leader nothing can be told apart, and the group is taken as the container's.
+fn pid_reused(pgid: u32, leader: Option<ProcessId>) -> bool {
+    leader.is_some_and(|l| ProcessId::of(pgid).is_some_and(|now| now.alive() && now != l))
+}
+
+/// Sends `sig` to the container's group, unless its number went to another process.
+fn signal_own_group(pgid: u32, leader: Option<ProcessId>, sig: i32) {
+    if !pid_reused(pgid, leader) {
+        signal_group(pgid, sig);
+    }
 }
 
 /// Sends `sig` to the whole process group. Never to group 0 or 1 (`kill(0)` / `kill(-1)`
@@ -995,6 +1018,25 @@ mod tests {
         let (id, code, diag) = next_exit(&mut rx).await;
         assert_eq!((id.as_str(), code), ("c-run", 7), "{diag}");
         assert_eq!(second.status("c-run").unwrap().state, ContainerState::Complete);
+    }
+
+    #[test]
+    fn a_reused_pid_is_not_the_containers_group() {
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        let real = ProcessId::of(child.id()).unwrap();
+        let earlier = ProcessId {
+            start_ticks: real.start_ticks.saturating_sub(1),
+            ..real
+        };
+        assert!(!pid_reused(child.id(), Some(real)), "the leader itself");
+        assert!(
+            pid_reused(child.id(), Some(earlier)),
+            "another process with the leader's pid"
+        );
+        assert!(!pid_reused(child.id(), None), "unknown leader: nothing to tell apart");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!pid_reused(child.id(), Some(earlier)), "nobody has the pid now");
     }
 
     #[tokio::test]
