@@ -237,6 +237,8 @@ async fn metrics_and_cluster_info() {
     let (s, info) = rm.get_json("/ws/v1/cluster").await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(info["clusterInfo"]["haState"], "ACTIVE");
+    assert_eq!(info["clusterInfo"]["rmStateStoreName"], "sqlite");
+    assert_eq!(info["clusterInfo"]["rmStateStoreWriteErrors"], 0);
     rm.handle.shutdown().await;
 }
 

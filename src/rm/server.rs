@@ -798,12 +798,18 @@ fn router(shared: Arc<Shared>) -> Router {
 }
 
 async fn cluster_info(State(rm): Rm) -> Json<Value> {
+    let (store, store_errors) = {
+        let st = rm.lock();
+        (st.store.kind(), st.store_errors)
+    };
     Json(json!({ "clusterInfo": {
         "id": rm.cluster_ts,
         "startedOn": rm.cluster_ts,
         "state": "STARTED",
         "haState": "ACTIVE",
-        "rmStateStoreName": rm.lock().store.kind(),
+        "rmStateStoreName": store,
+        // Writes to the state store that failed (a restart now would lose their changes).
+        "rmStateStoreWriteErrors": store_errors,
         "resourceManagerVersion": concat!("gpuam-", env!("CARGO_PKG_VERSION")),
         "hadoopVersion": "3.4.1 (gpuam compatible)",
     }}))
