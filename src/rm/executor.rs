@@ -850,33 +850,7 @@ pub(crate) fn group_alive(pgid: u32) -> bool {
     if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
         return false;
     }
-    live_member_in_proc(p).unwrap_or(true)
-}
-
-/// `Some(true)` if `/proc` shows a non-zombie process in group `pgid`; `None` without `/proc`.
-fn live_member_in_proc(pgid: libc::pid_t) -> Option<bool> {
-    let entries = std::fs::read_dir("/proc").ok()?;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !name.bytes().all(|b| b.is_ascii_digit()) {
-            continue;
-        }
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // Fields after the parenthesised command name: state ppid pgrp ...
-        let Some(close) = stat.rfind(')') else {
-            continue;
-        };
-        let mut fields = stat[close + 1..].split_whitespace();
-        let state = fields.next();
-        let pgrp = fields.nth(1).and_then(|f| f.parse::<libc::pid_t>().ok());
-        if pgrp == Some(pgid) && state != Some("Z") && state != Some("X") {
-            return Some(true);
-        }
-    }
-    Some(false)
+    super::procs::group_has_live_member(pgid).unwrap_or(true)
 }
 
 /// Polls until the group has no live process; `false` if `limit` passed first.

@@ -1,8 +1,10 @@
-//! Naming a process so that a later RM can find it again: a pid alone is not enough
-//! (pids are reused), so the pid goes with the kernel's start time of that process
-//! (`/proc/<pid>/stat` field 22, in clock ticks since boot). The pair is what the RM
-//! persists for AM processes and the executor for container leaders, and what lets a
-//! restarted RM re-attach to processes it did not spawn.
+//! What `/proc` says about processes, read in one place: whether a process group still
+//! has a live member, and [`ProcessId`], which names a process so that a later RM can
+//! find it again. A pid alone is not enough (pids are reused), so the pid goes with the
+//! kernel's start time of that process (`/proc/<pid>/stat` field 22, in clock ticks
+//! since boot). The pair is what the RM persists for AM processes and the executor for
+//! container leaders, and what lets a restarted RM re-attach to processes it did not
+//! spawn.
 
 use std::time::Duration;
 
@@ -19,12 +21,43 @@ pub struct ProcessId {
 /// How often a re-attached (not our child) process is checked for having ended.
 pub const FOREIGN_POLL: Duration = Duration::from_millis(100);
 
-/// Fields of `/proc/<pid>/stat` after the parenthesised command name (which may itself
-/// contain spaces and parentheses, hence the search for the last `)`).
+/// Fields of a `/proc/<pid>/stat` text after the parenthesised command name (which may
+/// itself contain spaces and parentheses, hence the search for the last `)`): state(0)
+/// ppid(1) pgrp(2) ... starttime(19).
+fn fields_of(stat: &str) -> Option<Vec<&str>> {
+    let close = stat.rfind(')')?;
+    Some(stat[close + 1..].split_whitespace().collect())
+}
+
 fn stat_fields(pid: u32) -> Option<Vec<String>> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let close = stat.rfind(')')?;
-    Some(stat[close + 1..].split_whitespace().map(str::to_string).collect())
+    Some(fields_of(&stat)?.into_iter().map(str::to_string).collect())
+}
+
+/// A zombie (`Z`) or dead (`X`) process has finished for every purpose here.
+fn finished(state: Option<&str>) -> bool {
+    matches!(state, Some("Z") | Some("X"))
+}
+
+/// `Some(true)` if some process of group `pgid` is live (not a zombie); `None` without
+/// `/proc`.
+pub fn group_has_live_member(pgid: u32) -> Option<bool> {
+    let entries = std::fs::read_dir("/proc").ok()?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(f) = fields_of(&stat) else { continue };
+        let pgrp = f.get(2).and_then(|g| g.parse::<u32>().ok());
+        if pgrp == Some(pgid) && !finished(f.first().copied()) {
+            return Some(true);
+        }
+    }
+    Some(false)
 }
 
 impl ProcessId {
@@ -42,9 +75,8 @@ impl ProcessId {
         let Some(f) = stat_fields(self.pid) else {
             return false;
         };
-        let state = f.first().map(String::as_str);
         let same = f.get(19).and_then(|s| s.parse::<u64>().ok()) == Some(self.start_ticks);
-        same && state != Some("Z") && state != Some("X")
+        same && !finished(f.first().map(String::as_str))
     }
 
     /// Sends `sig` to this process if it is still the same process.

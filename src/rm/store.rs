@@ -70,13 +70,12 @@ pub struct Batch<'a> {
 /// The RM's state store (see the module doc).
 pub struct Store {
     conn: Option<Connection>,
-    path: Option<PathBuf>,
 }
 
 impl Store {
     /// Keeps nothing: a restarted RM starts empty.
     pub fn memory() -> Store {
-        Store { conn: None, path: None }
+        Store { conn: None }
     }
 
     /// Opens (creating if needed) `dir/rm-state.db`.
@@ -133,10 +132,7 @@ impl Store {
                 )))
             }
         }
-        Ok(Store {
-            conn: Some(conn),
-            path: Some(path),
-        })
+        Ok(Store { conn: Some(conn) })
     }
 
     /// "sqlite" or "memory" (the RM's `clusterInfo.rmStateStoreName`).
@@ -146,10 +142,6 @@ impl Store {
         } else {
             "memory"
         }
-    }
-
-    pub fn path(&self) -> Option<&Path> {
-        self.path.as_deref()
     }
 
     /// True when writes go somewhere (callers skip building batches otherwise).
@@ -224,9 +216,8 @@ impl Store {
             match app {
                 Some(app) => {
                     let doc = serde_json::to_string(app).map_err(|e| fail(&e))?;
-                    let state = serde_json::to_value(app.report.state).map_err(|e| fail(&e))?;
                     tx.prepare_cached("INSERT OR REPLACE INTO apps (id, state, doc) VALUES (?1, ?2, ?3)")
-                        .and_then(|mut s| s.execute(params![id, state.as_str().unwrap_or(""), doc]))
+                        .and_then(|mut s| s.execute(params![id, name_of(&app.report.state), doc]))
                         .map_err(|e| fail(&e))?;
                 }
                 None => {
@@ -238,7 +229,6 @@ impl Store {
         }
         for c in &batch.containers {
             let doc = serde_json::to_string(c).map_err(|e| fail(&e))?;
-            let state = serde_json::to_value(c.state).map_err(|e| fail(&e))?;
             tx.prepare_cached(
                 "INSERT OR REPLACE INTO containers (id, app_id, host, state, doc) VALUES (?1, ?2, ?3, ?4, ?5)",
             )
@@ -247,19 +237,26 @@ impl Store {
                     c.container.container_id,
                     c.app_id,
                     c.container.host,
-                    state.as_str().unwrap_or(""),
+                    name_of(&c.state),
                     doc
                 ])
             })
             .map_err(|e| fail(&e))?;
         }
         for (host, state) in &batch.nodes {
-            let state = serde_json::to_value(state).map_err(|e| fail(&e))?;
             tx.prepare_cached("INSERT OR REPLACE INTO nodes (host, state) VALUES (?1, ?2)")
-                .and_then(|mut s| s.execute(params![host, state.as_str().unwrap_or("")]))
+                .and_then(|mut s| s.execute(params![host, name_of(state)]))
                 .map_err(|e| fail(&e))?;
         }
         tx.commit().map_err(|e| fail(&e))
+    }
+}
+
+/// A state enum's wire name (`RUNNING`, `COMPLETE`, ...), as the columns hold it.
+fn name_of<T: Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        _ => String::new(),
     }
 }
 
