@@ -66,6 +66,11 @@ pub struct AttemptRecord {
     pub process: Option<ProcessId>,
 }
 
+/// The sequence number of an id made by [`app_id`] (`None` for other ids).
+pub fn app_seq(id: &str) -> Option<u32> {
+    id.strip_prefix("application_")?.rsplit_once('_')?.1.parse().ok()
+}
+
 /// One application: what its report says, plus what only the RM needs. Serialized
 /// whole into the RM's store, but for the heartbeat's memory, which a restarted RM
 /// starts without (the AM re-registers: resync).
@@ -292,6 +297,8 @@ mod tests {
     fn finish_happens_once() {
         let mut app = App::new(app_id(17, 3), "x".into());
         assert_eq!(app.report.id, "application_17_0003");
+        assert_eq!(app_seq(&app_id(17, 12_345)), Some(12_345));
+        assert_eq!(app_seq("container_1_0001"), None);
         assert!(app.finish(AppState::Killed, FinalStatus::Killed, 1, "killed".into()));
         assert!(!app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new()));
         let r = app.report.clone();

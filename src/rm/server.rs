@@ -21,7 +21,7 @@
 //!   `completed` (the AM already knows); containers that end any other way (exit,
 //!   AM `stop` via the executor endpoint, expiry, node loss, kill) are.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -49,7 +49,7 @@ use crate::protocol::{
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
-use crate::rm::apps::{app_id, now_ms, AmLaunch, App, Apps};
+use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
 use crate::rm::executor::{ExecError, ExecEvent, Executor, LogStream};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
 use crate::rm::procs::ProcessId;
@@ -121,7 +121,8 @@ struct RmState {
     ledger: Ledger,
     apps: Apps,
     /// Ids handed out by new-application and not yet submitted.
-    reserved: BTreeSet<String>,
+    /// By sequence number, so the oldest are the first ones.
+    reserved: BTreeMap<u32, String>,
     next_app_seq: u32,
     /// `next_app_seq` or `reserved` changed since the last write.
     meta_dirty: bool,
@@ -134,7 +135,10 @@ impl RmState {
     /// Remembers an id handed out by new-application (forgetting the oldest beyond
     /// [`MAX_RESERVED_IDS`]).
     fn reserve(&mut self, id: String) {
-        self.reserved.insert(id);
+        let Some(seq) = app_seq(&id) else {
+            return;
+        };
+        self.reserved.insert(seq, id);
         while self.reserved.len() > MAX_RESERVED_IDS {
             self.reserved.pop_first();
         }
@@ -148,9 +152,16 @@ impl RmState {
         app_id(cluster_ts, self.next_app_seq)
     }
 
+    fn is_reserved(&self, id: &str) -> bool {
+        app_seq(id).is_some_and(|seq| self.reserved.get(&seq).is_some_and(|r| r == id))
+    }
+
     /// Claims a reserved id; false when it was not reserved.
     fn unreserve(&mut self, id: &str) -> bool {
-        let had = self.reserved.remove(id);
+        let had = self.is_reserved(id);
+        if let Some(seq) = app_seq(id).filter(|_| had) {
+            self.reserved.remove(&seq);
+        }
         self.meta_dirty |= had;
         had
     }
@@ -167,7 +178,7 @@ impl RmState {
             meta: meta_dirty.then(|| Meta {
                 cluster_ts,
                 next_app_seq: self.next_app_seq,
-                reserved: self.reserved.iter().cloned().collect(),
+                reserved: self.reserved.values().cloned().collect(),
             }),
             apps: apps.iter().map(|id| (id.as_str(), self.apps.get(id))).collect(),
             containers: changes
@@ -377,7 +388,7 @@ fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u
         let state = RmState {
             ledger,
             apps,
-            reserved: BTreeSet::new(),
+            reserved: BTreeMap::new(),
             next_app_seq: 0,
             meta_dirty: true,
             store,
@@ -413,7 +424,12 @@ fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u
     let state = RmState {
         ledger,
         apps,
-        reserved: r.meta.reserved.into_iter().collect(),
+        reserved: r
+            .meta
+            .reserved
+            .into_iter()
+            .filter_map(|id| Some((app_seq(&id)?, id)))
+            .collect(),
         next_app_seq: r.meta.next_app_seq,
         meta_dirty: true,
         store,
@@ -1021,7 +1037,7 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
         if st.apps.contains_key(&id) {
             return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
         }
-        if !st.reserved.contains(&id) {
+        if !st.is_reserved(&id) {
             return Err(ApiError::bad_request(format!(
                 "unknown application id `{id}`: get one from POST /ws/v1/cluster/apps/new-application"
             )));
@@ -1935,7 +1951,7 @@ mod tests {
             .unwrap();
         assert_eq!(after.rejected.len(), 1, "GPU 0 of n1 is still granted: {after:?}");
         // Ids go on from where they were; the reserved one can still be submitted.
-        assert!(rm2.shared.lock().reserved.contains(&reserved));
+        assert!(rm2.shared.lock().is_reserved(&reserved));
         let next = RmClient::new(&rm2.base_url())
             .new_application()
             .await
@@ -1981,6 +1997,33 @@ mod tests {
         let rm = start(opts).await.unwrap();
         assert!(rm.shared.lock().apps.is_empty());
         rm.shutdown().await;
+    }
+
+    #[test]
+    fn reserved_ids_are_forgotten_oldest_first() {
+        let mut st = RmState {
+            ledger: Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
+            apps: Apps::default(),
+            reserved: BTreeMap::new(),
+            // Across 9999 → 10000, where the ids' text order is not their age.
+            next_app_seq: 9_990,
+            meta_dirty: false,
+            store: Store::memory(),
+            store_errors: 0,
+        };
+        let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
+            .map(|_| {
+                let id = st.next_app_id(1);
+                st.reserve(id.clone());
+                id
+            })
+            .collect();
+        assert_eq!(st.reserved.len(), MAX_RESERVED_IDS);
+        assert!(!st.is_reserved(&ids[19]), "the 20 oldest went");
+        assert!(st.is_reserved(&ids[20]) && st.is_reserved(&ids[ids.len() - 1]));
+        assert!(st.unreserve(&ids[20]));
+        assert!(!st.unreserve(&ids[20]), "claimed once");
+        assert!(!st.unreserve("application_1_99999999"));
     }
 
     #[test]
