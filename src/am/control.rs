@@ -227,6 +227,20 @@ impl Control {
         }
     }
 
+    /// A task's identity as asks and containers carry it: `role/index`.
+    fn task_name(&self, t: &Task) -> String {
+        format!("{}/{}", self.job.task_roles[t.role].name, t.index)
+    }
+
+    /// The task a `role/index` name stands for.
+    fn task_named(&self, name: &str) -> Option<usize> {
+        let (role, index) = name.rsplit_once('/')?;
+        let index: u32 = index.parse().ok()?;
+        self.tasks
+            .iter()
+            .position(|x| x.index == index && self.job.task_roles[x.role].name == role)
+    }
+
     /// The job's still-unplaced demand and where its tasks are.
     fn demand(&self) -> JobDemand {
         let mut d = JobDemand::new(self.job.task_roles.iter().any(|r| r.resources.gpus > 0));
@@ -398,7 +412,7 @@ impl Control {
                 memory_mb: r.resources.memory_mb,
                 gpu_mask: r.resources.gpu_mask,
                 ports: r.resources.ports.clone(),
-                task: Some(format!("{}/{}", self.job.task_roles[t.role].name, t.index)),
+                task: Some(self.task_name(t)),
                 task_attempt: t.attempt,
             })
             .collect();
@@ -518,7 +532,7 @@ impl Control {
             }
             let ours = self.by_request.get(&c.request_id).is_some_and(|&ti| {
                 let t = &self.tasks[ti];
-                c.task.as_deref() == Some(&format!("{}/{}", self.job.task_roles[t.role].name, t.index))
+                c.task.as_deref() == Some(self.task_name(t).as_str())
                     && c.task_attempt == t.attempt
             });
             if ours {
@@ -956,13 +970,7 @@ impl Control {
         // task → task attempt → the container that ended that attempt (the last one).
         let mut history: HashMap<usize, BTreeMap<u32, &PreviousContainer>> = HashMap::new();
         for p in previous {
-            let task = p.container.task.as_deref().and_then(|t| {
-                let (role, index) = t.rsplit_once('/')?;
-                let index: u32 = index.parse().ok()?;
-                self.tasks
-                    .iter()
-                    .position(|x| x.index == index && self.job.task_roles[x.role].name == role)
-            });
+            let task = p.container.task.as_deref().and_then(|t| self.task_named(t));
             if let (Some(ti), ContainerState::Complete) = (task, p.state) {
                 let last = history
                     .entry(ti)
