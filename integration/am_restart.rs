@@ -7,16 +7,9 @@ mod common;
 use std::fs;
 use std::time::Duration;
 
-fn runs(path: &std::path::Path) -> usize {
-    fs::read_to_string(path).map(|t| t.lines().count()).unwrap_or(0)
-}
-
 #[test]
 fn a_killed_am_is_restarted_and_re_adopts_its_tasks() {
-    let rm = common::Rm::start(
-        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n  - host: n2\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
-        &[],
-    );
+    let rm = common::Rm::start(common::TWO_NODES_TWO_GPUS, &[]);
     let root = rm.root().display().to_string();
     let job = rm.write_job(
         "restart",
@@ -32,7 +25,7 @@ fn a_killed_am_is_restarted_and_re_adopts_its_tasks() {
     let app = sub.app_id(Duration::from_secs(10));
     // Both long tasks run and the quick one has finished (its completion is reported).
     common::wait_for(Duration::from_secs(20), "the tasks to start", || {
-        (runs(&rm.path("long-0.runs")) == 1 && runs(&rm.path("long-1.runs")) == 1 && runs(&rm.path("quick.runs")) == 1)
+        (rm.lines("long-0.runs").len() == 1 && rm.lines("long-1.runs").len() == 1 && rm.lines("quick.runs").len() == 1)
             .then_some(())
     });
     std::thread::sleep(Duration::from_millis(500));
@@ -56,7 +49,7 @@ fn a_killed_am_is_restarted_and_re_adopts_its_tasks() {
     assert_eq!(a["attempt"], 2);
     for f in ["quick.runs", "long-0.runs", "long-1.runs"] {
         assert_eq!(
-            runs(&rm.path(f)),
+            rm.lines(f).len(),
             1,
             "{f}: every task ran exactly once across both AM attempts"
         );

@@ -11,15 +11,6 @@ use std::time::Duration;
 
 use common::{pid_alive, sq, wait_for, Rm};
 
-const CLUSTER: &str = "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n  - host: n2\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n";
-
-/// Lines in a file (0 when it does not exist).
-fn lines(rm: &Rm, name: &str) -> Vec<String> {
-    fs::read_to_string(rm.path(name))
-        .map(|t| t.lines().map(str::to_string).collect())
-        .unwrap_or_default()
-}
-
 /// A role whose tasks append "attempt pgid" to `<role>-<index>.runs`, then wait for the
 /// file `marker` and exit with `code`.
 fn role(rm: &Rm, name: &str, instances: u32, marker: &str, code: i32) -> String {
@@ -40,7 +31,7 @@ fn pgid_of(run_line: &str) -> i32 {
 
 #[test]
 fn a_killed_rm_comes_back_and_no_task_restarts() {
-    let mut rm = Rm::start(CLUSTER, &[]);
+    let mut rm = Rm::start(common::TWO_NODES_TWO_GPUS, &[]);
     let job = rm.write_job(
         "survive",
         &format!(
@@ -54,13 +45,13 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
     wait_for(Duration::from_secs(20), "all three tasks to run", || {
         (["long-0.runs", "long-1.runs", "ender-0.runs"]
             .iter()
-            .all(|f| lines(&rm, f).len() == 1))
+            .all(|f| rm.lines(f).len() == 1))
         .then_some(())
     });
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     let groups: Vec<i32> = ["long-0.runs", "long-1.runs"]
         .iter()
-        .map(|f| pgid_of(&lines(&rm, f)[0]))
+        .map(|f| pgid_of(&rm.lines(f)[0]))
         .collect();
 
     rm.kill_hard();
@@ -108,8 +99,8 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
     assert!(ender.diagnostics.contains("seen after an RM restart"), "{ender:?}");
     for f in ["long-0.runs", "long-1.runs", "ender-0.runs"] {
         assert_eq!(
-            lines(&rm, f),
-            vec![format!("1 {}", pgid_of(&lines(&rm, f)[0]))],
+            rm.lines(f),
+            vec![format!("1 {}", pgid_of(&rm.lines(f)[0]))],
             "{f}: ran once"
         );
     }
@@ -126,7 +117,7 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
 
 #[test]
 fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
-    let mut rm = Rm::start(CLUSTER, &[]);
+    let mut rm = Rm::start(common::TWO_NODES_TWO_GPUS, &[]);
     let job = rm.write_job(
         "orphan",
         &format!("name: orphan\ntaskRoles:\n{}", role(&rm, "long", 2, "go", 0)),
@@ -134,7 +125,7 @@ fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
     let sub = rm.submit(&job);
     let app = sub.app_id(Duration::from_secs(10));
     wait_for(Duration::from_secs(20), "both tasks to run", || {
-        (lines(&rm, "long-0.runs").len() == 1 && lines(&rm, "long-1.runs").len() == 1).then_some(())
+        (rm.lines("long-0.runs").len() == 1 && rm.lines("long-1.runs").len() == 1).then_some(())
     });
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     rm.kill_hard();
@@ -162,7 +153,7 @@ fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
     assert_eq!(out.code, 0, "{out:?}");
     for f in ["long-0.runs", "long-1.runs"] {
         assert_eq!(
-            lines(&rm, f).len(),
+            rm.lines(f).len(),
             1,
             "{f}: ran once across the RM restart and both AM attempts"
         );

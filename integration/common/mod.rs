@@ -186,6 +186,9 @@ impl Drop for Submission {
     }
 }
 
+/// Two nodes of 8 CPUs, 8000 MB and 2 GPUs each.
+pub const TWO_NODES_TWO_GPUS: &str = "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n  - host: n2\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n";
+
 /// A standalone `gpuam rm` process on 127.0.0.1 (port chosen by the OS) with its own
 /// temporary directory for the cluster file, settings, job files, the RM's work dir and
 /// whatever the tasks write.
@@ -425,6 +428,14 @@ impl Rm {
     /// The test's temporary directory (absolute).
     pub fn root(&self) -> &Path {
         self.dir.as_ref().unwrap().path()
+    }
+
+    /// The lines of a file in the temporary directory (none when it does not exist), e.g.
+    /// a task's record of its runs.
+    pub fn lines(&self, name: &str) -> Vec<String> {
+        fs::read_to_string(self.path(name))
+            .map(|t| t.lines().map(str::to_string).collect())
+            .unwrap_or_default()
     }
 
     /// A path in the temporary directory.

@@ -532,8 +532,7 @@ impl Control {
             }
             let ours = self.by_request.get(&c.request_id).is_some_and(|&ti| {
                 let t = &self.tasks[ti];
-                c.task.as_deref() == Some(self.task_name(t).as_str())
-                    && c.task_attempt == t.attempt
+                c.task.as_deref() == Some(self.task_name(t).as_str()) && c.task_attempt == t.attempt
             });
             if ours {
                 answered += 1;
