@@ -57,7 +57,7 @@ fn loopback_percentiles(_c: &mut Criterion) {
         let (addr, server) = serve(demo_hub(1000, 1000), "127.0.0.1:0".parse().unwrap())
             .await
             .unwrap();
-        let client = reqwest::Client::new();
+        let client = gpuam::tls::http_client();
         println!("\nloopback latency, 1,000 tasks and 1,000 nodes, 2,000 sequential requests each:");
         for ep in ENDPOINTS {
             let url = format!("http://{addr}{ep}");

@@ -59,8 +59,7 @@ impl Browser {
             .spawn()
             .expect("start chromedriver");
         let base = format!("http://127.0.0.1:{port}");
-        gpuam::tls::install_default_provider(); // reqwest is built without a default TLS provider
-        let http = reqwest::Client::new();
+        let http = gpuam::tls::http_client();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok(r) = http.get(format!("{base}/status")).send().await {

@@ -49,7 +49,7 @@ async fn rm_with_expiry(expiry: Duration) -> Rm {
     let base = handle.base_url();
     Rm {
         handle,
-        http: reqwest::Client::new(),
+        http: gpuam::tls::http_client(),
         base,
         expiry_secs: expiry.as_secs(),
         _dir: dir,

@@ -46,7 +46,7 @@ async fn rm() -> Rm {
     let handle = start(opts).await.unwrap();
     Rm {
         handle,
-        http: reqwest::Client::new(),
+        http: gpuam::tls::http_client(),
         _dir: dir,
     }
 }

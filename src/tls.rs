@@ -2,10 +2,11 @@
 //! chain and key, building clients that trust an extra CA, and [`serve`], the one
 //! function the RM and the AM dashboard serve HTTP or HTTPS with.
 //!
-//! Everything uses rustls with the ring provider (no aws-lc: its C build is slow).
-//! reqwest is built with `rustls-no-provider`, which panics on `Client::new()` unless a
-//! process-wide provider is installed, so [`install_default_provider`] is called by
-//! every entry point here (it is idempotent and cheap).
+//! Everything uses rustls with the ring provider (no aws-lc: its C build is slow). Server
+//! and CA-trusting configs name the provider explicitly. reqwest is built with
+//! `rustls-no-provider`, which panics on `Client::new()` unless a process-wide provider
+//! is installed: every HTTP client is therefore made by [`http_client_builder`] (or
+//! [`http_client`]), the one place that installs it.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -54,7 +55,7 @@ pub fn provider() -> Arc<CryptoProvider> {
 }
 
 /// Makes ring the process-wide rustls provider, unless one is installed already.
-pub fn install_default_provider() {
+fn install_default_provider() {
     if CryptoProvider::get_default().is_none() {
         // Losing a race to another thread installing one is fine.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -100,7 +101,6 @@ pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 
 /// A server config from a PEM certificate chain (leaf first) and its PEM private key.
 pub fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<rustls::ServerConfig>, TlsError> {
-    install_default_provider();
     let certs = load_certs("certificate file", cert_file)?;
     let key = load_key(key_file)?;
     let unusable = |why: String| TlsError::Unusable {
@@ -133,7 +133,6 @@ pub fn server_config_from_settings(tls: &TlsSettings) -> Result<Option<Arc<rustl
 
 /// A client config trusting exactly the CA certificates in `ca_file` (PEM).
 pub fn client_config(ca_file: &Path) -> Result<rustls::ClientConfig, TlsError> {
-    install_default_provider();
     let mut roots = rustls::RootCertStore::empty();
     for cert in load_certs("CA file", ca_file)? {
         roots.add(cert).map_err(|e| TlsError::Unusable {
@@ -161,6 +160,14 @@ pub fn http_client_builder(ca_file: Option<&Path>) -> Result<reqwest::ClientBuil
         Some(ca) => builder.tls_backend_preconfigured(client_config(ca)?),
         None => builder,
     })
+}
+
+/// A client with no extra CA (plain HTTP, or HTTPS trusting the system's roots).
+pub fn http_client() -> reqwest::Client {
+    http_client_builder(None)
+        .ok()
+        .and_then(|b| b.build().ok())
+        .unwrap_or_default()
 }
 
 /// `https` with TLS, else `http`.
@@ -253,7 +260,6 @@ pub async fn serve(
     tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    install_default_provider();
     match tls {
         None => axum::serve(listener, app).with_graceful_shutdown(shutdown).await,
         Some(config) => {

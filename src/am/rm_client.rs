@@ -87,8 +87,11 @@ impl RmClient {
     /// A client without application credentials (submit, status, kill, nodes); HTTPS
     /// trusts the system's roots.
     pub fn new(base: &str) -> Self {
-        let builder = crate::tls::http_client_builder(None).unwrap_or_else(|_| reqwest::Client::builder());
-        Self::from_builder(base, builder)
+        match crate::tls::http_client_builder(None) {
+            Ok(builder) => Self::from_builder(base, builder),
+            // Cannot happen without a CA file; a client with reqwest's defaults then.
+            Err(_) => Self::from_builder(base, reqwest::Client::builder()),
+        }
     }
 
     /// A client without application credentials whose HTTPS trusts `tls.ca_file`
@@ -106,7 +109,6 @@ impl RmClient {
     }
 
     fn from_builder(base: &str, builder: reqwest::ClientBuilder) -> Self {
-        crate::tls::install_default_provider();
         let http = builder
             .timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(5))

@@ -208,7 +208,6 @@ pub fn main() -> i32 {
         Ok(s) => s,
         Err(code) => return code,
     };
-    crate::tls::install_default_provider();
     // AMs (and other children) run in other directories with the same settings: hand
     // them the settings file and the TLS paths made absolute. Set before the runtime
     // starts, while this is the only thread.

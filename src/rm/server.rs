@@ -358,8 +358,6 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
 
     let router = router(shared.clone());
     let (stop_server, stop_rx) = oneshot::channel::<()>();
-    // Before returning, so callers' own reqwest clients can be built (see crate::tls).
-    crate::tls::install_default_provider();
     let server = tokio::spawn(async move {
         let serve = crate::tls::serve(listener, router, opts.tls, async {
             let _ = stop_rx.await;

@@ -133,8 +133,6 @@ pub async fn serve_tls(
         .map_err(|e| anyhow::anyhow!("dashboard: cannot listen on {listen}: {e} (pick another --listen address)"))?;
     let addr = listener.local_addr()?;
     let app = router(hub);
-    // Before returning, so callers' own reqwest clients can be built (see crate::tls).
-    crate::tls::install_default_provider();
     let handle = tokio::spawn(async move {
         if let Err(e) = crate::tls::serve(listener, app, tls, std::future::pending()).await {
             tracing::error!(error = %e, "dashboard server stopped");

@@ -338,7 +338,7 @@ async fn sse_resumes_after_last_event_id() {
         hub.publish("task", serde_json::json!({"n": i}));
     }
     let (addr, server) = super::serve(hub.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let client = reqwest::Client::new();
+    let client = crate::tls::http_client();
     let resp = client
         .get(format!("http://{addr}/api/v1/events"))
         .header("Last-Event-ID", "3")
