@@ -86,6 +86,8 @@ pub fn plan_json(plan: &JobPlan) -> Value {
                 "ports": ports,
                 "gpuTier": p.gpu_tier,
                 "gpuTierIdeal": p.gpu_tier_ideal,
+                "unionTier": p.union_tier,
+                "nextBest": p.next_best,
             })
         })
         .collect();
@@ -152,6 +154,13 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
             ));
         }
         out.push_str("\nTIER: 2 = NVLink, 1 = one PCIe switch tree, 0 = through the host; * = below the node's best for that size\n");
+        out.push_str("\nNext-best node per task and why it lost (the order of docs/DESIGN-NOTES.md, issue 13):\n");
+        for p in &plan.placements {
+            match &p.next_best {
+                Some(a) => out.push_str(&format!("  {}/{}: {} — lost on {}\n", p.role, p.index, a.host, a.lost_on)),
+                None => out.push_str(&format!("  {}/{}: no other node could take it\n", p.role, p.index)),
+            }
+        }
     }
     for u in &plan.unplaced {
         out.push_str(&format!(

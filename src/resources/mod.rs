@@ -113,6 +113,67 @@ pub struct Resources {
     pub ports: PortSet,
 }
 
+/// A dimension in which a request does not fit, in the order the rule checks them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shortfall {
+    /// Some requested GPU bit is not free (or does not exist).
+    GpuBits,
+    /// More GPUs than are free.
+    Gpus,
+    Cpu,
+    Memory,
+    /// Some requested concrete port is not free (or not offered).
+    Ports,
+    /// Too few free ports at or above the minimum for the dynamic ports.
+    DynamicPorts,
+}
+
+impl Shortfall {
+    const ALL: [Shortfall; 6] = [
+        Shortfall::GpuBits,
+        Shortfall::Gpus,
+        Shortfall::Cpu,
+        Shortfall::Memory,
+        Shortfall::Ports,
+        Shortfall::DynamicPorts,
+    ];
+
+    /// The reason as the select trace groups it.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Shortfall::GpuBits => "the requested GPU mask is not free",
+            Shortfall::Gpus => "not enough free GPUs",
+            Shortfall::Cpu => "not enough free CPU",
+            Shortfall::Memory => "not enough free memory",
+            Shortfall::Ports => "requested ports are not free",
+            Shortfall::DynamicPorts => "too few free ports at or above container_min_port",
+        }
+    }
+}
+
+/// A set of [`Shortfall`]s (empty = fits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Shortfalls(u8);
+
+impl Shortfalls {
+    fn add(&mut self, s: Shortfall) {
+        self.0 |= 1 << s as u8;
+    }
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    pub fn contains(self, s: Shortfall) -> bool {
+        self.0 & (1 << s as u8) != 0
+    }
+    /// The first in rule order.
+    pub fn first(self) -> Option<Shortfall> {
+        self.iter().next()
+    }
+    pub fn iter(self) -> impl Iterator<Item = Shortfall> {
+        Shortfall::ALL.into_iter().filter(move |s| self.contains(*s))
+    }
+}
+
 /// Two amounts that cannot be added because they claim the same GPU or port.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("resources overlap: GPU bits {gpus:#x}, ports [{ports}]")]
@@ -148,14 +209,48 @@ impl Resources {
         self.cpu == 0 && self.memory_mb == 0 && self.gpus == 0 && self.gpu_mask == 0 && self.ports.is_empty()
     }
 
-    /// True when `self` (a request) fits in `avail`: CPU, memory and GPU count are no
-    /// larger, any requested GPU bits are all free, and every concrete port is free.
+    /// True when `self` (a request) fits in `avail` (see [`Resources::shortfalls`]).
     pub fn fits_in(&self, avail: &Resources) -> bool {
-        self.cpu <= avail.cpu
-            && self.memory_mb <= avail.memory_mb
-            && self.gpus <= avail.gpu_count()
-            && self.gpu_mask & avail.gpu_mask == self.gpu_mask
-            && self.ports.is_subset(&avail.ports)
+        self.shortfalls(avail, 0, 0).is_empty()
+    }
+
+    /// The first dimension in which `self` (a request) does not fit in `avail`, in the
+    /// order of [`Shortfall`].
+    pub fn shortfall(&self, avail: &Resources) -> Option<Shortfall> {
+        self.shortfalls(avail, 0, 0).first()
+    }
+
+    /// [`Resources::shortfall`] for a request that also needs `dynamic` ports of its
+    /// choosing at or above `min_port`, besides its concrete ones.
+    pub fn shortfall_with_dynamic(&self, avail: &Resources, dynamic: u32, min_port: u16) -> Option<Shortfall> {
+        self.shortfalls(avail, dynamic, min_port).first()
+    }
+
+    /// THE "does it fit" rule, used by the select pipeline (per node and per index
+    /// bucket), its "can never fit" reasons (against a node's total) and the RM's ledger:
+    /// every dimension in which `self` (a request) does not fit in `avail`. A request fits
+    /// when its GPU bits are all free (or, count-only, no more GPUs than are free), its CPU
+    /// and memory are no larger, its concrete ports are all free and `dynamic` more ports
+    /// at or above `min_port` are free beside them.
+    pub fn shortfalls(&self, avail: &Resources, dynamic: u32, min_port: u16) -> Shortfalls {
+        let mut s = Shortfalls(0);
+        if self.gpu_mask & avail.gpu_mask != self.gpu_mask {
+            s.add(Shortfall::GpuBits);
+        } else if self.gpus > avail.gpu_count() {
+            s.add(Shortfall::Gpus);
+        }
+        if self.cpu > avail.cpu {
+            s.add(Shortfall::Cpu);
+        }
+        if self.memory_mb > avail.memory_mb {
+            s.add(Shortfall::Memory);
+        }
+        if !self.ports.is_subset(&avail.ports) {
+            s.add(Shortfall::Ports);
+        } else if dynamic > 0 && avail.ports.subtract(&self.ports).count_at_least(min_port) < dynamic {
+            s.add(Shortfall::DynamicPorts);
+        }
+        s
     }
 
     /// The GPU count, derived from the mask where one is known.

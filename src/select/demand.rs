@@ -3,7 +3,7 @@
 
 use super::fast_hash::FastMap;
 
-use crate::resources::Resources;
+use crate::resources::{GpuMask, Resources};
 use crate::spec::{JobSpec, TaskResources};
 
 /// The size of one task, as far as "how many fit on this node" is concerned.
@@ -36,6 +36,9 @@ pub struct JobDemand {
     remaining: Vec<(TaskShape, u32)>,
     /// Tasks of this job per host (holding or asking for a container).
     hosts: FastMap<String, u32>,
+    /// The GPUs those tasks hold or asked for, per host, where known (the union of
+    /// the placement order).
+    gpus: FastMap<String, GpuMask>,
 }
 
 impl JobDemand {
@@ -69,6 +72,27 @@ impl JobDemand {
         *self.hosts.entry(host.to_string()).or_insert(0) += 1;
     }
 
+    /// GPUs the job holds (or asked for) on `host`, on top of [`JobDemand::add_host`].
+    pub fn add_held(&mut self, host: &str, mask: GpuMask) {
+        if mask != 0 {
+            *self.gpus.entry(host.to_string()).or_insert(0) |= mask;
+        }
+    }
+
+    /// The job's known GPUs on `host`.
+    pub fn held_on(&self, host: &str) -> GpuMask {
+        if self.gpus.is_empty() {
+            return 0;
+        }
+        self.gpus.get(host).copied().unwrap_or(0)
+    }
+
+    /// One task of `shape` got a place on `host` with GPUs `mask`.
+    pub fn placed_with_gpus(&mut self, shape: &TaskShape, host: &str, mask: GpuMask) {
+        self.placed(shape, host);
+        self.add_held(host, mask);
+    }
+
     /// One task of `shape` got a place on `host`.
     pub fn placed(&mut self, shape: &TaskShape, host: &str) {
         self.remove_waiting(shape);
@@ -96,6 +120,9 @@ impl JobDemand {
     }
 
     pub fn tasks_on(&self, host: &str) -> u32 {
+        if self.hosts.is_empty() {
+            return 0;
+        }
         self.hosts.get(host).copied().unwrap_or(0)
     }
 
@@ -105,10 +132,16 @@ impl JobDemand {
 
     /// How many of the unplaced tasks fit in `free` (greedy, shape by shape).
     pub fn capacity_in(&self, free: &Resources, min_port: u16) -> u32 {
-        let mut cpu = free.cpu;
-        let mut mem = free.memory_mb;
-        let mut gpus = free.gpu_count();
-        let mut ports = free.ports.count_at_least(min_port);
+        let ports = if self.remaining.iter().any(|(s, _)| s.ports > 0) {
+            free.ports.count_at_least(min_port)
+        } else {
+            u32::MAX
+        };
+        self.capacity_with(free.cpu, free.memory_mb, free.gpu_count(), ports)
+    }
+
+    /// [`JobDemand::capacity_in`] from plain amounts (`u32::MAX` = unlimited).
+    pub fn capacity_with(&self, mut cpu: u32, mut mem: u64, mut gpus: u32, mut ports: u32) -> u32 {
         let mut total = 0;
         for (s, count) in &self.remaining {
             let fit = [

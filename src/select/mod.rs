@@ -8,12 +8,13 @@
 
 mod demand;
 mod fast_hash;
+mod index;
+mod objective;
 mod plan;
 mod stages;
 mod trace;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -23,13 +24,18 @@ use serde::Serialize;
 
 pub use demand::{JobDemand, TaskShape};
 pub use plan::{assign_port_labels, plan_job, request_order, JobPlan, PlannedTask, UnplacedTask};
+pub use objective::Alternative;
 pub use trace::{CandidateSummary, DropGroup, SelectionTrace, StageTrace};
 
+use fast_hash::{FastMap, FastSet};
+use index::NodeIndex;
+use rand::Rng;
+
 use crate::cluster::{ClusterView, Node};
-use crate::config::SelectSettings;
-use crate::resources::{GpuMask, PortSet, Resources};
+use crate::config::{RackPolicy, SelectSettings};
+use crate::resources::{GpuMask, PortSet, Resources, Shortfall};
 use crate::spec::TaskResources;
-use crate::topology::{self, GpuChoice, Topology};
+use crate::topology::Topology;
 
 /// What one task asks the pipeline for.
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +89,8 @@ pub struct Placement {
     pub gpu_weight: u32,
     /// The GPU set reaches the best tier this node's topology offers for its size.
     pub gpu_tier_ideal: bool,
+    /// Tier of the job's GPUs on this node once the task is there (the union).
+    pub union_tier: u8,
 }
 
 /// The pipeline's answer.
@@ -116,125 +124,37 @@ pub(crate) enum PortPlan {
     PerNode { statics: PortSet, dynamic: u32 },
 }
 
-/// A node under consideration.
-pub(crate) struct Cand<'a> {
-    pub node: &'a Node,
-    /// Free resources minus recently tried asks, when any were tried on this node
-    /// (rare; boxed so the candidate stays small: candidates are moved a lot).
-    pub adjusted: Option<Box<Resources>>,
-    pub fits: u32,
-    pub affinity: bool,
-    pub choice: Option<GpuChoice>,
-    /// The set reaches the node's best tier for its size.
-    pub tier_ideal: bool,
-    /// The set reaches the node's best (tier, weight) for its size.
-    pub ideal: bool,
-    pub tie: u32,
-    /// Ranking key, computed once by job packing.
-    pub key: stages::Key,
-}
-
-impl Cand<'_> {
-    /// Free resources as the pipeline sees them.
-    pub fn avail(&self) -> &Resources {
-        self.adjusted.as_deref().unwrap_or(self.node.free())
-    }
-}
-
-/// Memoised GPU choices: nodes of one topology with one free mask share the answer,
-/// and the "can this node offer its best set" test per (topology, size) is built once.
-/// Both keep ranking every candidate by GPU-set quality cheap at 10,000 nodes.
+/// Memoised GPU picks: nodes of one topology (by content) with one free mask share the
+/// answer, which keeps scoring a bucket of the index cheap.
 #[derive(Default)]
 pub(crate) struct ChoiceCache {
-    map: fast_hash::FastMap<(usize, GpuMask, u32), Option<GpuChoice>>,
-    ideal: fast_hash::FastMap<(usize, u32), IdealTest>,
-}
-
-/// How to tell, from a node's free mask alone, whether it can offer a GPU set as good
-/// as the best set of that size on the empty node.
-enum IdealTest {
-    /// Every optimal (T, W) set of the empty node, when there are few: a node is ideal
-    /// when one of them is entirely free. Exact.
-    Sets(Vec<GpuMask>),
-    /// Nodes too large to enumerate (> 16 GPUs): some island of the best tier has `k`
-    /// free GPUs. Checks the tier only; the weight is checked exactly after the cut.
-    Islands(Vec<GpuMask>),
-    /// Too many optimal sets to list: run the (memoised) choice and compare.
-    Choose { tier: u8, weight: u32 },
-    /// The node has fewer than `k` GPUs.
-    Never,
+    map: fast_hash::FastMap<(u32, GpuMask, GpuMask, u32, u32), Option<objective::GpuPick>>,
 }
 
 impl ChoiceCache {
     const MAX_ENTRIES: usize = 200_000;
-    /// Most optimal sets listed per (topology, size) before falling back to `Choose`.
-    const MAX_SETS: usize = 64;
 
-    pub fn choose(&mut self, topo: Option<&Topology>, free: GpuMask, k: u32) -> Option<GpuChoice> {
-        let Some(t) = topo else {
-            return topology::choose(None, free, k);
-        };
-        let key = (t as *const Topology as usize, free, k);
+    /// [`objective::pick`], memoised by (topology id, free, held, k, f). `topo_id` is the
+    /// index's content id of `topo` (0 = none).
+    pub fn pick(
+        &mut self,
+        topo_id: u32,
+        topo: Option<&Topology>,
+        free: GpuMask,
+        held: GpuMask,
+        k: u32,
+        f: u32,
+    ) -> Option<objective::GpuPick> {
+        let key = (topo_id, free, held, k, f);
         if let Some(c) = self.map.get(&key) {
             return *c;
         }
         if self.map.len() >= Self::MAX_ENTRIES {
             self.map.clear();
         }
-        let c = topology::choose(Some(t), free, k);
+        let c = objective::pick(topo, free, held, k, f);
         self.map.insert(key, c);
         c
-    }
-
-    /// The best (tier, weight) of a `k`-set on the empty node.
-    pub fn best(&mut self, t: &Topology, k: u32) -> Option<(u8, u32)> {
-        self.choose(Some(t), t.all_mask(), k).map(|g| (g.tier, g.weight))
-    }
-
-    /// Whether a node of topology `t` with `free` GPUs can offer a `k`-set as good as
-    /// the empty node's best (see [`IdealTest`] for the one approximation).
-    pub fn can_be_ideal(&mut self, t: &Topology, free: GpuMask, k: u32) -> bool {
-        let key = (t as *const Topology as usize, k);
-        let test = match self.ideal.get(&key) {
-            Some(test) => test,
-            None => {
-                let test = self.ideal_test(t, k);
-                self.ideal.entry(key).or_insert(test)
-            }
-        };
-        let (tier, weight) = match test {
-            IdealTest::Sets(sets) => return sets.iter().any(|&s| s & !free == 0),
-            IdealTest::Islands(isl) => return isl.iter().any(|&i| (i & free).count_ones() >= k),
-            IdealTest::Choose { tier, weight } => (*tier, *weight),
-            IdealTest::Never => return false,
-        };
-        self.choose(Some(t), free, k)
-            .is_some_and(|g| g.tier >= tier && g.weight >= weight)
-    }
-
-    fn ideal_test(&mut self, t: &Topology, k: u32) -> IdealTest {
-        let Some((tier, weight)) = self.best(t, k) else {
-            return IdealTest::Never;
-        };
-        let n = t.gpu_count();
-        if n > 16 {
-            return IdealTest::Islands(t.islands(tier));
-        }
-        // Every k-subset of n ≤ 16 GPUs, in increasing order (Gosper's hack).
-        let mut sets = Vec::new();
-        let mut s: u64 = (1u64 << k) - 1;
-        while s < (1u64 << n) {
-            if t.tier(s) == tier && t.weight(s) == weight {
-                if sets.len() == Self::MAX_SETS {
-                    return IdealTest::Choose { tier, weight };
-                }
-                sets.push(s);
-            }
-            let c = s & s.wrapping_neg();
-            let r = s + c;
-            s = (((r ^ s) >> 2) / c) | r;
-        }
-        IdealTest::Sets(sets)
     }
 }
 
@@ -243,7 +163,6 @@ pub(crate) struct Cx<'a> {
     pub ask: &'a TaskAsk<'a>,
     pub demand: &'a JobDemand,
     pub settings: &'a SelectSettings,
-    pub view: &'a ClusterView,
     pub tried: fast_hash::FastMap<&'a str, Resources>,
     pub rng: &'a mut StdRng,
     pub choices: &'a mut ChoiceCache,
@@ -275,9 +194,13 @@ struct SelectorState {
     tried: HashMap<String, Vec<(Resources, Instant)>>,
     rng: StdRng,
     choices: ChoiceCache,
-    /// Topologies by name, shared between nodes so the choice cache hits.
-    topologies: HashMap<String, Arc<Topology>>,
+    /// The view's nodes by bucket and by rack, updated with every change of the view.
+    index: NodeIndex,
 }
+
+/// Most candidates job packing keeps (the pick needs the best and the next best; the
+/// trace shows a few).
+const MAX_KEEP: usize = 16;
 
 /// The select pipeline and the node view it works on.
 pub struct Selector {
@@ -286,17 +209,18 @@ pub struct Selector {
 
 impl Selector {
     pub fn new(view: ClusterView, settings: SelectSettings) -> Self {
-        let rng = match settings.seed {
+        let mut rng = match settings.seed {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_entropy(),
         };
+        let salt: u64 = rng.gen();
         let mut state = SelectorState {
             view: ClusterView::default(),
             settings,
             tried: HashMap::new(),
             rng,
             choices: ChoiceCache::default(),
-            topologies: HashMap::new(),
+            index: NodeIndex::new(salt),
         };
         state.replace_nodes(view.nodes().cloned().collect());
         Selector {
@@ -331,9 +255,11 @@ impl Selector {
     /// or timed-out ask), so the next choices avoid them for a while.
     pub fn remove_requested(&self, host: &str, r: &Resources, tried: bool) {
         let mut st = self.state.lock();
-        if let Some(n) = st.view.get_mut(host) {
+        let SelectorState { view, index, .. } = &mut *st;
+        if let Some(n) = view.get_mut(host) {
             let left = n.requested().subtract(r);
             n.set_requested(left);
+            index.upsert(n);
         }
         if tried && st.settings.skip_local_tried_resource {
             st.tried
@@ -360,7 +286,13 @@ impl Selector {
         let mut st = self.state.lock();
         st.tried.remove(&node.host);
         st.share_topology(&mut node);
-        st.view.apply_report(node);
+        let host = node.host.clone();
+        let SelectorState { view, index, .. } = &mut *st;
+        view.apply_report(node);
+        match view.get(&host) {
+            Some(n) => index.upsert(n),
+            None => index.remove(&host),
+        }
     }
 
     /// Reads the view under the lock.
@@ -373,14 +305,37 @@ impl Selector {
     }
 }
 
+/// A node that passed the resource check, with its place in the order.
+struct Scored<'a> {
+    key: objective::RankKey,
+    node: &'a Node,
+    /// Free resources minus recently tried asks, when some were tried on this node.
+    adjusted: Option<Resources>,
+    pick: objective::GpuPick,
+    fits: u32,
+}
+
+impl Scored<'_> {
+    fn avail(&self) -> &Resources {
+        self.adjusted.as_ref().unwrap_or(self.node.free())
+    }
+}
+
+/// Inserts `c` into `cands` (sorted best first) and keeps the best `want`.
+fn keep_best<'a>(cands: &mut Vec<Scored<'a>>, c: Scored<'a>, want: usize) {
+    let at = cands.partition_point(|x| x.key <= c.key);
+    if at < want {
+        cands.insert(at, c);
+        cands.truncate(want);
+    }
+}
+
 impl SelectorState {
+    /// Makes nodes with equal link matrices share one topology (by content).
     fn share_topology(&mut self, node: &mut Node) {
         if let Some(t) = &node.topology {
-            let shared = self
-                .topologies
-                .entry(format!("{}/{}", t.name(), t.gpu_count()))
-                .or_insert_with(|| t.clone());
-            if **shared == **t {
+            let id = self.index.topo_id(t);
+            if let Some(shared) = self.index.topology(id) {
                 node.topology = Some(shared.clone());
             }
         }
@@ -391,6 +346,7 @@ impl SelectorState {
             self.share_topology(n);
         }
         self.view.replace_all(nodes);
+        self.index.rebuild(self.view.nodes());
     }
 
     fn add_requested(&mut self, host: &str, r: &Resources) -> bool {
@@ -400,6 +356,7 @@ impl SelectorState {
         match n.requested().try_add(r) {
             Ok(sum) => {
                 n.set_requested(sum);
+                self.index.upsert(n);
                 true
             }
             Err(_) => false,
@@ -424,7 +381,7 @@ impl SelectorState {
     }
 
     fn select(&mut self, ask: &TaskAsk<'_>, demand: &JobDemand) -> Selection {
-        let tried_owned = if self.settings.skip_local_tried_resource {
+        let tried_owned = if self.settings.skip_local_tried_resource && !self.tried.is_empty() {
             self.live_tried()
         } else {
             HashMap::new()
@@ -434,43 +391,280 @@ impl SelectorState {
             settings,
             rng,
             choices,
+            index,
             ..
         } = self;
         let mut cx = Cx {
             ask,
             demand,
             settings,
-            view,
             tried: tried_owned.iter().map(|(h, r)| (h.as_str(), r.clone())).collect(),
             rng,
             choices,
             ports: PortPlan::Fixed(PortSet::new()),
         };
-        let mut trace = SelectionTrace::default();
-        let mut cands: Vec<Cand<'_>> = Vec::new();
+        let (ports, port_note) = stages::port_plan(&cx);
+        cx.ports = ports;
+        let req = cx.request();
+        let k = ask.resources.gpus;
+        let need = demand.remaining_tasks().max(1);
+        let keep = (ask.waiting_tasks.max(1) as usize)
+            .saturating_mul(settings.candidate_nodes_factor as usize)
+            .clamp(1, MAX_KEEP);
+        let want = keep.max(2);
         let filters = stages::NODE_FILTERS;
-        trace.stages = filters.iter().map(|f| StageTrace::new(f.name(), 0)).collect();
-        'nodes: for node in view.nodes() {
-            for (f, st) in filters.iter().zip(trace.stages.iter_mut()) {
-                st.nodes_in += 1;
-                if let Err(reason) = f.check(&cx, node) {
-                    st.drop_node(reason, &node.host);
-                    continue 'nodes;
-                }
-                st.nodes_out += 1;
+        let mut fstages: Vec<StageTrace> = filters.iter().map(|f| StageTrace::new(f.name(), 0)).collect();
+        let mut res_stage = StageTrace::new("resources", 0);
+
+        // Nodes judged one by one: recently tried ones (their availability is adjusted),
+        // the job's hosts (the union of its GPUs) and the racks holding the job
+        // (criterion 3). Every other node is judged through its index bucket.
+        let rack_on = settings.rack_policy != RackPolicy::None;
+        let mut job_racks: FastSet<&str> = FastSet::default();
+        let mut special: FastMap<u32, ()> = FastMap::default();
+        for (h, _) in demand.hosts() {
+            if let Some(n) = view.get(h) {
+                job_racks.insert(n.rack.as_str());
             }
-            cands.push(Cand {
-                node,
-                adjusted: None,
-                fits: 0,
-                affinity: false,
-                choice: None,
-                tier_ideal: false,
-                ideal: false,
-                tie: 0,
-                key: Default::default(),
-            });
+            if let Some(s) = index.slot(h) {
+                special.insert(s, ());
+            }
         }
+        for h in cx.tried.keys() {
+            if let Some(s) = index.slot(h) {
+                special.insert(s, ());
+            }
+        }
+        if rack_on {
+            for r in &job_racks {
+                for &s in index.rack_slots(r) {
+                    special.insert(s, ());
+                }
+            }
+        }
+        let mut excluded: FastMap<u32, usize> = FastMap::default();
+        for &s in special.keys() {
+            if let Some(b) = index.bucket_of_slot(s) {
+                *excluded.entry(b).or_insert(0) += 1;
+            }
+        }
+
+        // Per bucket: the filters, then the GPU and CPU parts of the shortfall rule, then
+        // a bound on the key of its best node (the order's GPU half is the bucket's).
+        let gpu_req = Resources {
+            cpu: 0,
+            memory_mb: 0,
+            gpus: req.gpus,
+            gpu_mask: req.gpu_mask,
+            ports: PortSet::new(),
+        };
+        let no_ports = PortSet::new();
+        let mut live: Vec<(objective::RankKey, u32, u32)> = Vec::new();
+        for (bi, b) in index.buckets().iter().enumerate() {
+            let bi = bi as u32;
+            let count = b.nodes.len() - excluded.get(&bi).copied().unwrap_or(0);
+            if count == 0 {
+                continue;
+            }
+            let members = || b.nodes.iter().filter(|m| !special.contains_key(&m.3));
+            let examples = || members().take(trace::EXAMPLE_HOSTS).map(|m| index.host(m.3).to_string());
+            let facts = stages::Facts {
+                running: b.key.running,
+                partition: index.partition_name(b.key.partition),
+                gpu_type: index.gpu_type_name(b.key.gpu_type),
+                total_gpus: b.key.total_gpus,
+            };
+            let failed = filters
+                .iter()
+                .enumerate()
+                .find_map(|(i, f)| f.check(&cx, &facts).err().map(|r| (i, r)));
+            if let Some((i, reason)) = failed {
+                fstages[i].drop_many(reason, count, examples());
+                continue;
+            }
+            let free = Resources {
+                cpu: u32::MAX,
+                memory_mb: u64::MAX,
+                gpus: b.key.free_gpus,
+                gpu_mask: b.key.free_mask,
+                ports: no_ports.clone(),
+            };
+            if let Some(sf) = gpu_req.shortfall(&free) {
+                res_stage.drop_many(sf.reason(), count, examples());
+                continue;
+            }
+            let mut low = 0;
+            for m in b.nodes.range(..(req.cpu, 0, 0, 0)) {
+                if !special.contains_key(&m.3) {
+                    res_stage.drop_node(Shortfall::Cpu.reason(), index.host(m.3));
+                    low += 1;
+                }
+            }
+            let Some(first) = b.nodes.range((req.cpu, 0, 0, 0)..).find(|m| !special.contains_key(&m.3)) else {
+                continue;
+            };
+            let fits = demand
+                .capacity_with(u32::MAX, u64::MAX, b.key.free_gpus, u32::MAX)
+                .max(1)
+                .min(need);
+            let topo = index.topology(b.key.topo).map(|t| &**t);
+            let pick = match ask.resources.gpu_mask {
+                Some(m) => Some(objective::given(topo, b.key.free_mask, 0, m)),
+                None => cx.choices.pick(b.key.topo, topo, b.key.free_mask, 0, k, fits),
+            };
+            let Some(pick) = pick else {
+                res_stage.drop_many(
+                    "no GPU set of the requested size on this node",
+                    count - low,
+                    members().skip(low).take(trace::EXAMPLE_HOSTS).map(|m| index.host(m.3).to_string()),
+                );
+                continue;
+            };
+            let probe = Resources {
+                cpu: first.0,
+                memory_mb: 0,
+                gpus: b.key.free_gpus,
+                gpu_mask: b.key.free_mask,
+                ports: no_ports.clone(),
+            };
+            let bound = stages::rank_key(false, fits, false, &pick, &probe, b.key.total_gpus, 0);
+            live.push((bound, bi, fits));
+        }
+
+        // The nodes judged one by one.
+        let mut cands: Vec<Scored<'_>> = Vec::new();
+        let mut scored_ok = 0usize;
+        let mut specials: Vec<u32> = special.keys().copied().collect();
+        specials.sort_unstable();
+        for slot in specials {
+            let Some(node) = view.get(index.host(slot)) else {
+                continue;
+            };
+            let facts = stages::Facts::of(node);
+            let failed = filters
+                .iter()
+                .enumerate()
+                .find_map(|(i, f)| f.check(&cx, &facts).err().map(|r| (i, r)));
+            if let Some((i, reason)) = failed {
+                fstages[i].drop_node(reason, &node.host);
+                continue;
+            }
+            let adjusted = cx.tried.get(node.host.as_str()).map(|t| node.free().subtract(t));
+            let topo_id = index
+                .bucket_of_slot(slot)
+                .map_or(0, |b| index.buckets()[b as usize].key.topo);
+            let rack = rack_on && job_racks.contains(node.rack.as_str());
+            let avail = adjusted.clone().unwrap_or_else(|| node.free().clone());
+            match stages::score(&mut cx, &req, node, topo_id, &avail, rack) {
+                Err(r) => res_stage.drop_node(r, &node.host),
+                Ok((mut key, pick, fits)) => {
+                    key.tie = index.tie(slot);
+                    scored_ok += 1;
+                    keep_best(
+                        &mut cands,
+                        Scored {
+                            key,
+                            node,
+                            adjusted,
+                            pick,
+                            fits,
+                        },
+                        want,
+                    );
+                }
+            }
+        }
+
+        // The walk: buckets in the order of their bound; inside a bucket, nodes in the
+        // order of the key's tail (free CPU, memory, tie). It stops once `want` nodes are
+        // known to beat everything not yet visited.
+        live.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        for (bound, bi, fits_b) in &live {
+            if cands.len() >= want && cands[want - 1].key <= *bound {
+                break;
+            }
+            let b = &index.buckets()[*bi as usize];
+            let mut full = 0;
+            for m in b.nodes.range((req.cpu, 0, 0, 0)..) {
+                if special.contains_key(&m.3) {
+                    continue;
+                }
+                let Some(node) = view.get(index.host(m.3)) else {
+                    continue;
+                };
+                match stages::score(&mut cx, &req, node, b.key.topo, node.free(), false) {
+                    Err(r) => res_stage.drop_node(r, &node.host),
+                    Ok((mut key, pick, fits)) => {
+                        key.tie = m.2;
+                        scored_ok += 1;
+                        full += usize::from(fits == *fits_b);
+                        keep_best(
+                            &mut cands,
+                            Scored {
+                                key,
+                                node,
+                                adjusted: None,
+                                pick,
+                                fits,
+                            },
+                            want,
+                        );
+                        if full >= want {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+
+        // The trace, counted from the index.
+        let mut trace = SelectionTrace::default();
+        let mut alive = index.len();
+        for mut st in fstages {
+            st.nodes_in = alive;
+            alive -= st.dropped_count().min(alive);
+            st.nodes_out = alive;
+            trace.stages.push(st);
+        }
+        let mut ports_stage = StageTrace::new("ports", alive);
+        ports_stage.note = port_note;
+        trace.stages.push(ports_stage);
+        res_stage.nodes_in = alive;
+        alive -= res_stage.dropped_count().min(alive);
+        res_stage.nodes_out = alive;
+        trace.stages.push(res_stage);
+        let mut rack_stage = StageTrace::new("rack-policy", alive);
+        if rack_on && !job_racks.is_empty() {
+            rack_stage.note = Some("racks already holding the job rank first after node count (criterion 3)".into());
+        }
+        trace.stages.push(rack_stage);
+        let mut pack = StageTrace::new("job-packing", alive);
+        let kept = keep.min(cands.len());
+        for c in cands.iter().skip(kept) {
+            pack.drop_node(
+                "ranked below the candidate cut (waiting tasks × candidate_nodes_factor)",
+                &c.node.host,
+            );
+        }
+        let cut = scored_ok.saturating_sub(cands.len());
+        if cut > 0 {
+            pack.drop_many(
+                "ranked below the candidate cut (waiting tasks × candidate_nodes_factor)",
+                cut,
+                std::iter::empty(),
+            );
+        }
+        let unvisited = alive.saturating_sub(scored_ok);
+        if unvisited > 0 {
+            pack.drop_many(
+                "not visited: the node index ranks it below the candidates kept",
+                unvisited,
+                std::iter::empty(),
+            );
+        }
+        pack.nodes_out = kept;
+        trace.stages.push(pack);
+
         if cands.is_empty() {
             let outcome = match impossible_reason(ask, demand, cx.settings, view) {
                 Some(reason) => Outcome::Impossible { reason },
@@ -480,25 +674,35 @@ impl SelectorState {
             };
             return Selection { outcome, trace };
         }
-        for stage in stages::SET_STAGES {
-            let mut st = StageTrace::new(stage.name(), cands.len());
-            stage.run(&mut cx, &mut cands, &mut st);
-            st.nodes_out = cands.len();
-            let emptied = cands.is_empty();
-            trace.stages.push(st);
-            if emptied {
-                let outcome = match impossible_reason(ask, demand, cx.settings, view) {
-                    Some(reason) => Outcome::Impossible { reason },
-                    None => Outcome::NotNow {
-                        reason: not_now_reason(&trace),
-                    },
-                };
-                return Selection { outcome, trace };
-            }
-        }
-        let k = ask.resources.gpus;
-        trace.candidates = cands.iter().take(5).map(|c| stages::summarize(c, k)).collect();
+        let tier_ideal = |c: &Scored<'_>| {
+            k <= 1
+                || c
+                    .node
+                    .topology
+                    .as_deref()
+                    .is_none_or(|t| c.pick.task_tier >= t.best_tier(k))
+        };
+        trace.candidates = cands
+            .iter()
+            .take(kept.min(5))
+            .map(|c| CandidateSummary {
+                host: c.node.host.clone(),
+                rack: c.node.rack.clone(),
+                job_affinity: c.key.affinity.0,
+                fits_tasks: c.fits,
+                free_gpus: c.avail().gpu_count(),
+                gpu_tier: c.pick.task_tier,
+                gpu_tier_ideal: tier_ideal(c),
+                gpu_weight: c.pick.task_weight,
+                union_tier: c.pick.union_tier,
+                union_weight: c.pick.union_weight,
+            })
+            .collect();
         let best = &cands[0];
+        trace.alternative = cands.get(1).map(|c| Alternative {
+            host: c.node.host.clone(),
+            lost_on: c.key.lost_on(&best.key),
+        });
         let ports = match &cx.ports {
             PortPlan::Fixed(p) => Some(p.clone()),
             PortPlan::PerNode { statics, dynamic } => best
@@ -509,7 +713,7 @@ impl SelectorState {
                 .map(|d| statics.union(&d)),
         };
         let Some(ports) = ports else {
-            // The ports stage kept only nodes with enough free ports, so this is a bug.
+            // The resource check kept only nodes with enough free ports, so this is a bug.
             return Selection {
                 outcome: Outcome::NotNow {
                     reason: format!("no free ports left on {}", best.node.host),
@@ -517,18 +721,14 @@ impl SelectorState {
                 trace,
             };
         };
-        let choice = best.choice.unwrap_or(GpuChoice {
-            mask: 0,
-            tier: 0,
-            weight: 0,
-        });
         let placement = Placement {
             host: best.node.host.clone(),
             rack: best.node.rack.clone(),
-            resources: Resources::with_mask(ask.resources.cpu, ask.resources.memory_mb, choice.mask, ports),
-            gpu_tier: choice.tier,
-            gpu_weight: choice.weight,
-            gpu_tier_ideal: k == 0 || best.tier_ideal,
+            resources: Resources::with_mask(ask.resources.cpu, ask.resources.memory_mb, best.pick.task, ports),
+            gpu_tier: best.pick.task_tier,
+            gpu_weight: best.pick.task_weight,
+            gpu_tier_ideal: tier_ideal(best),
+            union_tier: best.pick.union_tier,
         };
         Selection {
             outcome: Outcome::Placed(placement),
@@ -561,18 +761,10 @@ fn not_now_reason(trace: &SelectionTrace) -> String {
     }
 }
 
-/// A rule an empty node must pass to ever take the task, and what to say when no
-/// node passes it.
-struct NeverFits<'a> {
-    why: &'static str,
-    passes: Box<dyn Fn(&Node) -> bool + 'a>,
-    /// Detail for the message, from the whole cluster (e.g. the largest node).
-    detail: Box<dyn Fn(&ClusterView) -> String + 'a>,
-}
-
 /// Why no node of this cluster could ever take the task, even if empty; `None` when
-/// some node could. The rules follow the stage order so the first failing one is the
-/// most basic reason.
+/// some node could. The partition, type and none-GPU rules first (the stage order), then
+/// the shortfall rule against each node's total: the reason is the dimension that
+/// empties the set when the rule's dimensions are applied in order.
 fn impossible_reason(
     ask: &TaskAsk<'_>,
     demand: &JobDemand,
@@ -590,78 +782,59 @@ fn impossible_reason(
     } else {
         r.dynamic_port_count()
     };
-    let explicit = r.gpu_mask.unwrap_or(0);
-    let largest = |f: fn(&Node) -> u64| move |v: &ClusterView| v.nodes().map(f).max().unwrap_or(0);
-    let rules = [
-        NeverFits {
-            why: "no node is in the task's label partition",
-            passes: Box::new(|n: &Node| n.partition() == want_label),
-            detail: Box::new(|_: &ClusterView| format!(" (asks `{want_label}`)")),
-        },
-        NeverFits {
-            why: "no node has one of the GPU types asked for",
-            passes: Box::new(|n: &Node| {
-                ask.gpu_types.is_empty() || n.gpu_type.as_ref().is_some_and(|t| ask.gpu_types.contains(t))
-            }),
-            detail: Box::new(|_: &ClusterView| format!(" (asks {})", ask.gpu_types.join(","))),
-        },
-        NeverFits {
-            why: "the job asks for no GPU and only GPU nodes remain (allow_none_gpu_job_on_gpu_node is off)",
-            passes: Box::new(|n: &Node| {
-                demand.job_uses_gpus || settings.allow_none_gpu_job_on_gpu_node || n.total().gpu_count() == 0
-            }),
-            detail: Box::new(|_: &ClusterView| String::new()),
-        },
-        NeverFits {
-            why: "no node has that many CPUs",
-            passes: Box::new(|n: &Node| r.cpu <= n.total().cpu),
-            detail: Box::new(move |v: &ClusterView| {
-                format!(
-                    " (asks {}, largest node has {})",
-                    r.cpu,
-                    largest(|n| u64::from(n.total().cpu))(v)
-                )
-            }),
-        },
-        NeverFits {
-            why: "no node has that much memory",
-            passes: Box::new(|n: &Node| r.memory_mb <= n.total().memory_mb),
-            detail: Box::new(move |v: &ClusterView| {
-                format!(
-                    " (asks {} MB, largest node has {} MB)",
-                    r.memory_mb,
-                    largest(|n| n.total().memory_mb)(v)
-                )
-            }),
-        },
-        NeverFits {
-            why: "no node has that many GPUs (or the explicit GPU mask)",
-            passes: Box::new(|n: &Node| r.gpus <= n.total().gpu_count() && explicit & n.total().gpu_mask == explicit),
-            detail: Box::new(move |v: &ClusterView| {
-                format!(
-                    " (asks {}, largest node has {})",
-                    r.gpus,
-                    largest(|n| u64::from(n.total().gpu_count()))(v)
-                )
-            }),
-        },
-        NeverFits {
-            why: "no node offers those ports",
-            passes: Box::new(|n: &Node| {
-                let t = &n.total().ports;
-                statics.is_subset(t) && t.subtract(&statics).count_at_least(settings.container_min_port) >= dynamic
-            }),
-            detail: Box::new(|_: &ClusterView| String::new()),
-        },
-    ];
     let mut nodes: Vec<&Node> = view.nodes().collect();
-    for rule in &rules {
-        nodes.retain(|n| (rule.passes)(n));
-        if nodes.is_empty() {
-            return Some(format!("{}{}", rule.why, (rule.detail)(view)));
+    nodes.retain(|n| n.partition() == want_label);
+    if nodes.is_empty() {
+        return Some(format!(
+            "no node is in the task's label partition (asks `{want_label}`)"
+        ));
+    }
+    nodes.retain(|n| ask.gpu_types.is_empty() || n.gpu_type.as_ref().is_some_and(|t| ask.gpu_types.contains(t)));
+    if nodes.is_empty() {
+        return Some(format!(
+            "no node has one of the GPU types asked for (asks {})",
+            ask.gpu_types.join(",")
+        ));
+    }
+    nodes.retain(|n| demand.job_uses_gpus || settings.allow_none_gpu_job_on_gpu_node || n.total().gpu_count() == 0);
+    if nodes.is_empty() {
+        return Some(
+            "the job asks for no GPU and only GPU nodes remain (allow_none_gpu_job_on_gpu_node is off)".into(),
+        );
+    }
+    let req = Resources {
+        cpu: r.cpu,
+        memory_mb: r.memory_mb,
+        gpus: r.gpus,
+        gpu_mask: r.gpu_mask.unwrap_or(0),
+        ports: statics,
+    };
+    let mut worst: Option<Shortfall> = None;
+    for n in &nodes {
+        match req.shortfall_with_dynamic(n.total(), dynamic, settings.container_min_port) {
+            None => return None,
+            Some(s) => worst = Some(worst.map_or(s, |w| if (s as u8) > (w as u8) { s } else { w })),
         }
     }
-    None
+    let largest = |f: fn(&Node) -> u64| view.nodes().map(f).max().unwrap_or(0);
+    Some(match worst? {
+        Shortfall::GpuBits | Shortfall::Gpus => format!(
+            "no node has that many GPUs (or the explicit GPU mask) (asks {}, largest node has {})",
+            r.gpus,
+            largest(|n| u64::from(n.total().gpu_count()))
+        ),
+        Shortfall::Cpu => format!(
+            "no node has that many CPUs (asks {}, largest node has {})",
+            r.cpu,
+            largest(|n| u64::from(n.total().cpu))
+        ),
+        Shortfall::Memory => format!(
+            "no node has that much memory (asks {} MB, largest node has {} MB)",
+            r.memory_mb,
+            largest(|n| n.total().memory_mb)
+        ),
+        Shortfall::Ports | Shortfall::DynamicPorts => "no node offers those ports".into(),
+    })
 }
 
 #[cfg(test)]

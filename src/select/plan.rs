@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::{JobDemand, Outcome, Placement, SelectionTrace, Selector, TaskAsk, TaskShape};
+use super::{Alternative, JobDemand, Outcome, Placement, SelectionTrace, Selector, TaskAsk, TaskShape};
 use crate::resources::{mask_hex, mask_indices, PortSet};
 use crate::spec::{JobSpec, TaskResources};
 
@@ -24,6 +24,10 @@ pub struct PlannedTask {
     pub ports: Vec<(String, Vec<u16>)>,
     pub gpu_tier: u8,
     pub gpu_tier_ideal: bool,
+    /// Tier of the job's GPUs on this host once this task is there (the union).
+    pub union_tier: u8,
+    /// The next-best node for this task and the criterion on which it lost.
+    pub next_best: Option<Alternative>,
     #[serde(skip)]
     pub placement: Placement,
 }
@@ -106,7 +110,7 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
         let impossible = matches!(sel.outcome, Outcome::Impossible { .. });
         match sel.outcome {
             Outcome::Placed(p) => {
-                demand.placed(&shape, &p.host);
+                demand.placed_with_gpus(&shape, &p.host, p.resources.gpu_mask);
                 if role.same_port_allocation && role_ports[ri].is_none() {
                     role_ports[ri] = Some(p.resources.ports.clone());
                 }
@@ -120,6 +124,8 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
                     ports: assign_port_labels(&role.resources, &p.resources.ports).unwrap_or_default(),
                     gpu_tier: p.gpu_tier,
                     gpu_tier_ideal: p.gpu_tier_ideal,
+                    union_tier: p.union_tier,
+                    next_best: sel.trace.alternative.clone(),
                     placement: p,
                 });
             }

@@ -7,7 +7,7 @@
 use serde::Serialize;
 
 /// How many example hosts a drop group keeps.
-const EXAMPLE_HOSTS: usize = 5;
+pub(crate) const EXAMPLE_HOSTS: usize = 5;
 
 /// Nodes a stage dropped for one reason.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -65,6 +65,35 @@ impl StageTrace {
         }
     }
 
+    /// Records `count` nodes dropped for one reason at once (counted from the node index),
+    /// with a few example hosts.
+    pub fn drop_many(&mut self, reason: &'static str, count: usize, hosts: impl Iterator<Item = String>) {
+        if count == 0 {
+            return;
+        }
+        let same = |g: &DropGroup| std::ptr::eq(g.reason, reason) || g.reason == reason;
+        let i = match self.dropped.iter().position(same) {
+            Some(i) => i,
+            None => {
+                self.dropped.push(DropGroup {
+                    reason,
+                    count: 0,
+                    hosts: Vec::new(),
+                });
+                self.dropped.len() - 1
+            }
+        };
+        let group = &mut self.dropped[i];
+        group.count += count;
+        let room = EXAMPLE_HOSTS.saturating_sub(group.hosts.len());
+        group.hosts.extend(hosts.take(room));
+    }
+
+    /// Nodes this stage dropped.
+    pub fn dropped_count(&self) -> usize {
+        self.dropped.iter().map(|g| g.count).sum()
+    }
+
     /// The most common drop reason, if any node was dropped.
     pub fn main_reason(&self) -> Option<&'static str> {
         self.dropped.iter().max_by_key(|g| g.count).map(|g| g.reason)
@@ -78,6 +107,9 @@ pub struct SelectionTrace {
     pub stages: Vec<StageTrace>,
     /// The ranked candidates kept by job packing (best first), at most a few shown.
     pub candidates: Vec<CandidateSummary>,
+    /// The next-best node and the criterion of the order on which it lost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alternative: Option<super::Alternative>,
 }
 
 /// One ranked candidate, as shown to people.
@@ -94,6 +126,9 @@ pub struct CandidateSummary {
     pub gpu_tier: u8,
     pub gpu_tier_ideal: bool,
     pub gpu_weight: u32,
+    /// Tier and weight of the job's GPUs on the node with this task (the union).
+    pub union_tier: u8,
+    pub union_weight: u32,
 }
 
 impl SelectionTrace {
@@ -114,6 +149,9 @@ impl SelectionTrace {
                 out.push_str(&format!(" [{n}]"));
             }
             out.push('\n');
+        }
+        if let Some(a) = &self.alternative {
+            out.push_str(&format!("  next best: {} (lost on {})\n", a.host, a.lost_on));
         }
         out
     }

@@ -148,3 +148,28 @@ impl Topology {
         self.tables.tree.is_some()
     }
 }
+
+impl Topology {
+    /// The fragmentation vector of a free set: [cap(8), cap(4), cap(2)], where cap(s) is the
+    /// best tier of a component of ≥ s GPUs (−1 when there are fewer than s GPUs). Larger is
+    /// better: more room for well-connected future sets.
+    pub fn cap(&self, set: GpuMask) -> [i8; 3] {
+        self.tables.cap(set & self.tables.all)
+    }
+}
+
+/// Content hash: the GPU count and the link matrix (not the name, so a parsed matrix equal to a
+/// preset hashes alike; equal topologies hash equal as `Eq` requires).
+impl std::hash::Hash for Topology {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.n.hash(state);
+        self.links.hash(state);
+    }
+}
+
+impl Topology {
+    /// Same GPU count and link matrix, whatever the names (the content a GPU choice depends on).
+    pub fn same_links(&self, other: &Topology) -> bool {
+        self.n == other.n && self.links == other.links
+    }
+}

@@ -121,13 +121,17 @@ fn demo_trace(nodes: usize, waiting_for_gpus: bool) -> SelectionTrace {
                 gpu_tier: 1,
                 gpu_tier_ideal: true,
                 gpu_weight: 12,
+                union_tier: 1,
+                union_weight: 12,
             }],
+            alternative: None,
         };
     }
     stages.push(res);
     SelectionTrace {
         stages,
         candidates: Vec::new(),
+        alternative: None,
     }
 }
 

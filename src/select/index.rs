@@ -1,0 +1,278 @@
+//! Incremental indexes of the node view, so that one select visits the nodes it needs and
+//! not every node (issue 13).
+//!
+//! Owns: the buckets of nodes that look alike to every filter and to the GPU half of the
+//! placement order, keyed by (RUNNING, partition, GPU type, topology, total mask, free mask),
+//! each ordered inside by (free CPU, free memory, a per-AM random tie, slot); the nodes of
+//! each rack; the interned partitions, GPU types and topologies (topologies by content, so a
+//! cache keyed by a topology id never mixes two matrices). Updated on every node change by
+//! [`NodeIndex::upsert`] / [`NodeIndex::remove`]; no I/O.
+//!
+//! With 8-GPU nodes there are at most 256 free masks per (partition, type, topology), so the
+//! number of buckets does not grow with the node count: a select scores each bucket once and
+//! walks nodes only in the best buckets.
+
+use std::collections::BTreeSet;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use super::fast_hash::{FastMap, FxHasher};
+use crate::cluster::{Node, NodeState};
+use crate::resources::GpuMask;
+use crate::topology::Topology;
+
+/// What every node of a bucket has in common.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BucketKey {
+    pub running: bool,
+    /// Interned partition ("" is id 0).
+    pub partition: u32,
+    /// Interned GPU type; 0 = none.
+    pub gpu_type: u32,
+    /// Interned topology (by content); 0 = none.
+    pub topo: u32,
+    pub total_mask: GpuMask,
+    pub total_gpus: u32,
+    pub free_mask: GpuMask,
+    pub free_gpus: u32,
+}
+
+/// One node's place inside its bucket; the order is the walk order.
+pub(crate) type Member = (u32, u64, u32, u32); // (free cpu, free memory, tie, slot)
+
+pub(crate) struct Bucket {
+    pub key: BucketKey,
+    pub nodes: BTreeSet<Member>,
+}
+
+struct Entry {
+    bucket: u32,
+    member: Member,
+    rack: String,
+}
+
+/// Strings to small ids, both ways.
+#[derive(Default)]
+struct Interner {
+    ids: FastMap<String, u32>,
+    names: Vec<String>,
+}
+
+impl Interner {
+    fn id(&mut self, s: &str) -> u32 {
+        if let Some(&i) = self.ids.get(s) {
+            return i;
+        }
+        let i = self.names.len() as u32;
+        self.names.push(s.to_string());
+        self.ids.insert(s.to_string(), i);
+        i
+    }
+    fn name(&self, i: u32) -> &str {
+        self.names.get(i as usize).map_or("", String::as_str)
+    }
+}
+
+/// The indexes. Slots are stable per host until the host leaves.
+pub(crate) struct NodeIndex {
+    slots: FastMap<String, u32>,
+    hosts: Vec<String>,
+    entries: Vec<Option<Entry>>,
+    free_slots: Vec<u32>,
+    buckets: Vec<Bucket>,
+    bucket_of: FastMap<BucketKey, u32>,
+    partitions: Interner,
+    /// GPU types; id 0 is reserved for "none".
+    gpu_types: Interner,
+    /// Topologies by content; index 0 is unused ("none").
+    topologies: Vec<Arc<Topology>>,
+    topo_by_hash: FastMap<u64, Vec<u32>>,
+    racks: FastMap<String, Vec<u32>>,
+    salt: u64,
+}
+
+impl NodeIndex {
+    pub fn new(salt: u64) -> Self {
+        let mut gpu_types = Interner::default();
+        gpu_types.id("\u{0}none");
+        let mut partitions = Interner::default();
+        partitions.id("");
+        NodeIndex {
+            slots: FastMap::default(),
+            hosts: Vec::new(),
+            entries: Vec::new(),
+            free_slots: Vec::new(),
+            buckets: Vec::new(),
+            bucket_of: FastMap::default(),
+            partitions,
+            gpu_types,
+            topologies: Vec::new(),
+            topo_by_hash: FastMap::default(),
+            racks: FastMap::default(),
+            salt: salt | 1,
+        }
+    }
+
+    /// The id of a topology, equal for equal link matrices whatever their names.
+    pub fn topo_id(&mut self, t: &Arc<Topology>) -> u32 {
+        let mut h = FxHasher::default();
+        t.hash(&mut h);
+        let hash = h.finish();
+        if let Some(ids) = self.topo_by_hash.get(&hash) {
+            for &i in ids {
+                if self.topologies[i as usize - 1].same_links(t) {
+                    return i;
+                }
+            }
+        }
+        self.topologies.push(t.clone());
+        let id = self.topologies.len() as u32;
+        self.topo_by_hash.entry(hash).or_default().push(id);
+        id
+    }
+
+    /// The shared topology of an id (the first one seen with that content).
+    pub fn topology(&self, id: u32) -> Option<&Arc<Topology>> {
+        id.checked_sub(1).and_then(|i| self.topologies.get(i as usize))
+    }
+
+    pub fn partition_name(&self, id: u32) -> &str {
+        self.partitions.name(id)
+    }
+    pub fn gpu_type_name(&self, id: u32) -> Option<&str> {
+        (id != 0).then(|| self.gpu_types.name(id))
+    }
+
+    pub fn host(&self, slot: u32) -> &str {
+        self.hosts.get(slot as usize).map_or("", String::as_str)
+    }
+    pub fn slot(&self, host: &str) -> Option<u32> {
+        self.slots.get(host).copied()
+    }
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+    /// The bucket a slot sits in.
+    pub fn bucket_of_slot(&self, slot: u32) -> Option<u32> {
+        self.entries.get(slot as usize)?.as_ref().map(|e| e.bucket)
+    }
+    /// Slots of the nodes of a rack.
+    pub fn rack_slots(&self, rack: &str) -> &[u32] {
+        self.racks.get(rack).map_or(&[], Vec::as_slice)
+    }
+
+    /// The key a node files under (its topology must already be interned or is interned now).
+    fn key_of(&mut self, node: &Node) -> BucketKey {
+        let free = node.free();
+        let total = node.total();
+        BucketKey {
+            running: node.state == NodeState::Running,
+            partition: self.partitions.id(node.partition()),
+            gpu_type: node.gpu_type.as_deref().map_or(0, |t| self.gpu_types.id(t)),
+            topo: node.topology.as_ref().map_or(0, |t| self.topo_id(t)),
+            total_mask: total.gpu_mask,
+            total_gpus: total.gpu_count(),
+            free_mask: free.gpu_mask,
+            free_gpus: free.gpu_count(),
+        }
+    }
+
+    /// Files `node` (new or changed) under its current key.
+    pub fn upsert(&mut self, node: &Node) {
+        let key = self.key_of(node);
+        let slot = match self.slots.get(node.host.as_str()) {
+            Some(&s) => s,
+            None => {
+                let s = match self.free_slots.pop() {
+                    Some(s) => {
+                        self.hosts[s as usize] = node.host.clone();
+                        s
+                    }
+                    None => {
+                        self.hosts.push(node.host.clone());
+                        self.entries.push(None);
+                        (self.hosts.len() - 1) as u32
+                    }
+                };
+                self.slots.insert(node.host.clone(), s);
+                s
+            }
+        };
+        let tie = ((u64::from(slot) + 1).wrapping_mul(self.salt) >> 32) as u32;
+        let member = (node.free().cpu, node.free().memory_mb, tie, slot);
+        let bucket = match self.bucket_of.get(&key) {
+            Some(&b) => b,
+            None => {
+                self.buckets.push(Bucket {
+                    key,
+                    nodes: BTreeSet::new(),
+                });
+                let b = (self.buckets.len() - 1) as u32;
+                self.bucket_of.insert(key, b);
+                b
+            }
+        };
+        if let Some(old) = &self.entries[slot as usize] {
+            if old.bucket == bucket && old.member == member && old.rack == node.rack {
+                return;
+            }
+        }
+        self.unfile(slot);
+        self.buckets[bucket as usize].nodes.insert(member);
+        self.racks.entry(node.rack.clone()).or_default().push(slot);
+        self.entries[slot as usize] = Some(Entry {
+            bucket,
+            member,
+            rack: node.rack.clone(),
+        });
+    }
+
+    /// Takes a slot out of its bucket and rack (the slot stays assigned).
+    fn unfile(&mut self, slot: u32) {
+        if let Some(old) = self.entries[slot as usize].take() {
+            self.buckets[old.bucket as usize].nodes.remove(&old.member);
+            if let Some(r) = self.racks.get_mut(&old.rack) {
+                r.retain(|&s| s != slot);
+                if r.is_empty() {
+                    self.racks.remove(&old.rack);
+                }
+            }
+        }
+    }
+
+    /// Forgets a host.
+    pub fn remove(&mut self, host: &str) {
+        if let Some(slot) = self.slots.remove(host) {
+            self.unfile(slot);
+            self.hosts[slot as usize].clear();
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// Rebuilds from scratch (a full listing); interned names and topologies are kept.
+    pub fn rebuild<'a>(&mut self, nodes: impl Iterator<Item = &'a Node>) {
+        self.slots.clear();
+        self.hosts.clear();
+        self.entries.clear();
+        self.free_slots.clear();
+        self.buckets.clear();
+        self.bucket_of.clear();
+        self.racks.clear();
+        for n in nodes {
+            self.upsert(n);
+        }
+    }
+
+    /// The random tie-break of a slot (fixed per AM, so concurrent AMs spread).
+    pub fn tie(&self, slot: u32) -> u32 {
+        self.entries
+            .get(slot as usize)
+            .and_then(|e| e.as_ref())
+            .map_or(0, |e| e.member.2)
+    }
+
+    /// Number of indexed nodes.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+}

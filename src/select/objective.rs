@@ -1,0 +1,265 @@
+//! The placement objective (docs/DESIGN-NOTES.md, "Placement objective (issue 13)"): ONE
+//! lexicographic order over the (node, GPU set) pairs a task of a job can take, and the search
+//! on one node that the order needs.
+//!
+//! Owns: [`RankKey`] (the order, field by field, smaller is better), [`pick`] (on one node, the
+//! task's GPU set together with the union of the job's GPUs there), and the sentence saying on
+//! which field a candidate lost to the chosen one ([`RankKey::lost_on`]). No I/O, no node view:
+//! the select pipeline fills the key from a node's free amounts and calls these.
+
+use std::cmp::Reverse;
+
+use serde::Serialize;
+
+use crate::resources::{lowest_bits, GpuMask};
+use crate::topology::{self, Topology};
+
+/// Non-tree nodes up to this many GPUs get the exact (union, task) search; above it the union is
+/// the §5 choice of its size and the task's set the §5 choice inside it.
+const EXACT_UNION_GPUS: u32 = 8;
+
+/// The GPU half of the order on one node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GpuPick {
+    /// The task's own GPU set.
+    pub task: GpuMask,
+    pub task_tier: u8,
+    pub task_weight: u32,
+    /// The job's GPUs on this node after this choice: those it already holds there plus the
+    /// sets planned for its tasks that will go there (this one included).
+    pub union: GpuMask,
+    pub union_tier: u8,
+    pub union_weight: u32,
+    /// Cap of the free GPUs the job leaves on the node (DESIGN §5 fragmentation vector).
+    pub left: [i8; 3],
+}
+
+/// Tier a set of `n` GPUs gets on a node whose topology is unknown: one GPU needs no link,
+/// anything else is assumed to cross the host.
+fn unknown_tier(n: u32) -> u8 {
+    if n <= 1 {
+        2
+    } else {
+        0
+    }
+}
+
+fn count_cap(n: u32) -> [i8; 3] {
+    [8u32, 4, 2].map(|s| if n >= s { 0 } else { -1 })
+}
+
+/// Calls `f` with every `k`-subset of `set` (as masks).
+pub(crate) fn subsets(set: GpuMask, k: u32, f: &mut impl FnMut(GpuMask)) {
+    fn rec(rest: GpuMask, k: u32, acc: GpuMask, f: &mut impl FnMut(GpuMask)) {
+        if k == 0 {
+            f(acc);
+            return;
+        }
+        if rest.count_ones() < k {
+            return;
+        }
+        let low = rest & rest.wrapping_neg();
+        rec(rest & !low, k - 1, acc | low, f);
+        rec(rest & !low, k, acc, f);
+    }
+    rec(set, k, 0, f);
+}
+
+/// The best `k`-GPU set for one task on a node with `free` GPUs, when the job already holds
+/// `held` there and `f` of its tasks (this one included, each of `k` GPUs) are planned to go
+/// there. The union U = held ∪ X, X ⊆ free of `f·k` GPUs (fewer when fewer are free), and the
+/// task's set S ⊆ X maximise, in this order: T(U), T(S), W(U), W(S), then leave the best
+/// Cap(free ∖ X), then Cap(free ∖ S), then the lowest S, then the lowest X. With no other task
+/// planned there (f = 1, held = ∅) this is exactly DESIGN §5's choice. `None` when fewer than `k`
+/// GPUs are free.
+pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32, f: u32) -> Option<GpuPick> {
+    let avail = free.count_ones();
+    if avail < k {
+        return None;
+    }
+    if k == 0 {
+        let left = topo.map_or(count_cap(avail), |t| t.cap(free));
+        return Some(GpuPick {
+            task: 0,
+            task_tier: 2,
+            task_weight: 0,
+            union: held,
+            union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
+            union_weight: topo.map_or(0, |t| t.weight(held)),
+            left,
+        });
+    }
+    let u = f.max(1).min(avail / k) * k;
+    let Some(t) = topo else {
+        let task = lowest_bits(free, k)?;
+        let x = lowest_bits(free, u).unwrap_or(task);
+        let union = held | x;
+        return Some(GpuPick {
+            task,
+            task_tier: unknown_tier(k),
+            task_weight: 0,
+            union,
+            union_tier: unknown_tier(union.count_ones()),
+            union_weight: 0,
+            left: count_cap((free & !x).count_ones()),
+        });
+    };
+    if u == k && held == 0 {
+        let g = topology::choose(Some(t), free, k)?;
+        return Some(GpuPick {
+            task: g.mask,
+            task_tier: g.tier,
+            task_weight: g.weight,
+            union: g.mask,
+            union_tier: g.tier,
+            union_weight: g.weight,
+            left: t.cap(free & !g.mask),
+        });
+    }
+    if t.gpu_count() <= EXACT_UNION_GPUS {
+        return Some(exact(t, free, held, k, u));
+    }
+    let x = topology::choose(Some(t), free, u)?.mask;
+    let g = topology::choose(Some(t), x, k)?;
+    let union = held | x;
+    Some(GpuPick {
+        task: g.mask,
+        task_tier: g.tier,
+        task_weight: g.weight,
+        union,
+        union_tier: t.tier(union),
+        union_weight: t.weight(union),
+        left: t.cap(free & !x),
+    })
+}
+
+/// The pick for an explicitly requested mask `m` (the caller checked it is free).
+pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: GpuMask) -> GpuPick {
+    let union = held | m;
+    let n = m.count_ones();
+    match topo {
+        Some(t) => GpuPick {
+            task: m,
+            task_tier: t.tier(m),
+            task_weight: t.weight(m),
+            union,
+            union_tier: t.tier(union),
+            union_weight: t.weight(union),
+            left: t.cap(free & !m),
+        },
+        None => GpuPick {
+            task: m,
+            task_tier: unknown_tier(n),
+            task_weight: 0,
+            union,
+            union_tier: unknown_tier(union.count_ones()),
+            union_weight: 0,
+            left: count_cap((free & !m).count_ones()),
+        },
+    }
+}
+
+/// The exhaustive (union, task) search of [`pick`] on a small node.
+fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick {
+    let mut sets: Vec<(GpuMask, u8, u32, [i8; 3])> = Vec::new();
+    subsets(free, k, &mut |s| sets.push((s, t.tier(s), t.weight(s), t.cap(free & !s))));
+    type Score = (u8, u8, u32, u32, [i8; 3], [i8; 3], Reverse<GpuMask>, Reverse<GpuMask>);
+    let mut best: Option<(Score, GpuPick)> = None;
+    subsets(free, u, &mut |x| {
+        let union = held | x;
+        let (ut, uw) = (t.tier(union), t.weight(union));
+        let left = t.cap(free & !x);
+        for &(s, st, sw, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
+            let score = (ut, st, uw, sw, left, scap, Reverse(s), Reverse(x));
+            if best.as_ref().is_none_or(|(b, _)| score > *b) {
+                let p = GpuPick {
+                    task: s,
+                    task_tier: st,
+                    task_weight: sw,
+                    union,
+                    union_tier: ut,
+                    union_weight: uw,
+                    left,
+                };
+                best = Some((score, p));
+            }
+        }
+    });
+    // `free` holds at least `u ≥ k` GPUs, so some (X, S) was scored.
+    best.map(|(_, p)| p).unwrap_or(GpuPick {
+        task: 0,
+        task_tier: 0,
+        task_weight: 0,
+        union: held,
+        union_tier: 0,
+        union_weight: 0,
+        left: [-1; 3],
+    })
+}
+
+/// The order, one field per criterion, smaller is better (see the module doc and
+/// DESIGN-NOTES). Fields compare in declaration order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct RankKey {
+    /// 1. The node already holds tasks of this job (adds no node).
+    pub affinity: Reverse<bool>,
+    /// 2. How many of the job's unplaced tasks the node can take (fewest nodes).
+    pub fits: Reverse<u32>,
+    /// 3. The node's rack already holds tasks of this job (fewest racks).
+    pub rack: Reverse<bool>,
+    /// 4. Tier of the job's GPUs on the node (the union).
+    pub union_tier: Reverse<u8>,
+    /// 5. Tier of the task's own set.
+    pub task_tier: Reverse<u8>,
+    /// 6. Pair weight of the union.
+    pub union_weight: Reverse<u32>,
+    /// 7. Pair weight of the task's set.
+    pub task_weight: Reverse<u32>,
+    /// 8. Free GPUs on the node (best fit: pack busy nodes, keep empty ones whole).
+    pub free_gpus: u32,
+    /// 9. What the job leaves there for future jobs (Cap of the rest, larger is better).
+    pub left: Reverse<[i8; 3]>,
+    /// 10. Total GPUs (smaller machines first).
+    pub total_gpus: u32,
+    /// 11. Free CPU, then 12. free memory (best fit).
+    pub cpu: u32,
+    pub memory_mb: u64,
+    /// 13. Random tie-break (per AM, so concurrent AMs spread).
+    pub tie: u32,
+}
+
+/// Why the next-best node lost to the chosen one.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Alternative {
+    pub host: String,
+    /// The first criterion of the order on which it differs, with both values.
+    pub lost_on: String,
+}
+
+impl RankKey {
+    /// The first field on which `self` (a losing candidate) differs from `best`, as
+    /// "criterion: this vs best".
+    pub(crate) fn lost_on(&self, best: &RankKey) -> String {
+        let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
+        let diffs: [(bool, &str, String, String); 13] = [
+            (self.affinity != best.affinity, "holds job tasks", b(self.affinity).into(), b(best.affinity).into()),
+            (self.fits != best.fits, "job tasks it can take", self.fits.0.to_string(), best.fits.0.to_string()),
+            (self.rack != best.rack, "rack holds job tasks", b(self.rack).into(), b(best.rack).into()),
+            (self.union_tier != best.union_tier, "job's GPU union tier", self.union_tier.0.to_string(), best.union_tier.0.to_string()),
+            (self.task_tier != best.task_tier, "task's GPU set tier", self.task_tier.0.to_string(), best.task_tier.0.to_string()),
+            (self.union_weight != best.union_weight, "job's GPU union weight", self.union_weight.0.to_string(), best.union_weight.0.to_string()),
+            (self.task_weight != best.task_weight, "task's GPU set weight", self.task_weight.0.to_string(), best.task_weight.0.to_string()),
+            (self.free_gpus != best.free_gpus, "free GPUs (fewer packs better)", self.free_gpus.to_string(), best.free_gpus.to_string()),
+            (self.left != best.left, "GPUs left for other jobs (cap 8/4/2)", format!("{:?}", self.left.0), format!("{:?}", best.left.0)),
+            (self.total_gpus != best.total_gpus, "total GPUs (smaller first)", self.total_gpus.to_string(), best.total_gpus.to_string()),
+            (self.cpu != best.cpu, "free CPU (less packs better)", self.cpu.to_string(), best.cpu.to_string()),
+            (self.memory_mb != best.memory_mb, "free memory MB (less packs better)", self.memory_mb.to_string(), best.memory_mb.to_string()),
+            (self.tie != best.tie, "random tie-break", self.tie.to_string(), best.tie.to_string()),
+        ];
+        match diffs.into_iter().find(|d| d.0) {
+            Some((_, what, mine, theirs)) => format!("{what}: {mine} vs {theirs}"),
+            None => "equal on every criterion".into(),
+        }
+    }
+}
