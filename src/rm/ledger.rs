@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cluster::{Node, NodeState};
 use crate::protocol::{exit_status, Ask, Container, ContainerState, Rejection};
-use crate::resources::{mask_hex, Resources};
+use crate::resources::{mask_hex, Resources, Shortfall};
 
 /// Default time a granted container may stay unstarted (YARN's 10 minutes).
 pub const DEFAULT_CONTAINER_EXPIRY: Duration = Duration::from_secs(600);
@@ -337,44 +337,47 @@ impl Ledger {
         }
         let want = ask.resources();
         let total = node.total();
-        let mut never = Vec::new();
-        if want.cpu > total.cpu {
-            never.push(format!("{} CPUs asked, the node has {}", want.cpu, total.cpu));
-        }
-        if want.memory_mb > total.memory_mb {
-            never.push(format!("{} MB asked, the node has {}", want.memory_mb, total.memory_mb));
-        }
-        let missing_gpus = want.gpu_mask & !total.gpu_mask;
-        if missing_gpus != 0 {
-            never.push(format!(
-                "GPU bits {} do not exist on the node (it has {})",
-                mask_hex(missing_gpus),
-                mask_hex(total.gpu_mask)
-            ));
-        }
-        let missing_ports = want.ports.subtract(&total.ports);
-        if !missing_ports.is_empty() {
-            never.push(format!("ports [{missing_ports}] are not offered by the node"));
-        }
+        // The one shortfall rule (Resources::shortfalls), against the total (never fits)
+        // and then against what is free now (busy).
+        let never: Vec<String> = want
+            .shortfalls(total, 0, 0)
+            .iter()
+            .map(|s| match s {
+                Shortfall::GpuBits => format!(
+                    "GPU bits {} do not exist on the node (it has {})",
+                    mask_hex(want.gpu_mask & !total.gpu_mask),
+                    mask_hex(total.gpu_mask)
+                ),
+                Shortfall::Gpus => format!("{} GPUs asked, the node has {}", want.gpus, total.gpu_count()),
+                Shortfall::Cpu => format!("{} CPUs asked, the node has {}", want.cpu, total.cpu),
+                Shortfall::Memory => format!("{} MB asked, the node has {}", want.memory_mb, total.memory_mb),
+                Shortfall::Ports | Shortfall::DynamicPorts => format!(
+                    "ports [{}] are not offered by the node",
+                    want.ports.subtract(&total.ports)
+                ),
+            })
+            .collect();
         if !never.is_empty() {
             return Err(reject(false, format!("host `{}`: {}", ask.host, never.join("; "))));
         }
         let free = total.subtract(node.used());
-        let mut busy = Vec::new();
-        if want.cpu > free.cpu {
-            busy.push(format!("{} CPUs asked, {} free", want.cpu, free.cpu));
-        }
-        if want.memory_mb > free.memory_mb {
-            busy.push(format!("{} MB asked, {} free", want.memory_mb, free.memory_mb));
-        }
-        let taken_gpus = want.gpu_mask & node.used().gpu_mask;
-        if taken_gpus != 0 {
-            busy.push(format!("GPU bits {} are in use", mask_hex(taken_gpus)));
-        }
-        let taken_ports = want.ports.intersect(&node.used().ports);
-        if !taken_ports.is_empty() {
-            busy.push(format!("ports [{taken_ports}] are in use"));
-        }
+        let busy: Vec<String> = want
+            .shortfalls(&free, 0, 0)
+            .iter()
+            .map(|s| match s {
+                Shortfall::GpuBits => format!(
+                    "GPU bits {} are in use",
+                    mask_hex(want.gpu_mask & node.used().gpu_mask)
+                ),
+                Shortfall::Gpus => format!("{} GPUs asked, {} free", want.gpus, free.gpu_count()),
+                Shortfall::Cpu => format!("{} CPUs asked, {} free", want.cpu, free.cpu),
+                Shortfall::Memory => format!("{} MB asked, {} free", want.memory_mb, free.memory_mb),
+                Shortfall::Ports | Shortfall::DynamicPorts => format!(
+                    "ports [{}] are in use",
+                    want.ports.intersect(&node.used().ports)
+                ),
+            })
+            .collect();
         if !busy.is_empty() {
             return Err(reject(true, format!("host `{}`: {}", ask.host, busy.join("; "))));
         }
