@@ -78,6 +78,7 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
         "{:>8} {:>6} {:>12} {:>12} {:>12}",
         "nodes", "ports", "median", "p99", "max"
     );
+    let mut medians: Vec<(usize, bool, Duration)> = Vec::new();
     for &n in sizes {
         let selector = Selector::new(ClusterView::new(bench_cluster(n, seed)), settings.clone());
         for ports in [false, true] {
@@ -102,6 +103,7 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
                 return exit::INTERNAL;
             }
             times.sort();
+            medians.push((n, ports, percentile(&times, 0.5)));
             println!(
                 "{:>8} {:>6} {:>12} {:>12} {:>12}",
                 n,
@@ -110,6 +112,21 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
                 us(percentile(&times, 0.99)),
                 us(*times.last().unwrap_or(&Duration::ZERO))
             );
+        }
+    }
+    // Ratios between sizes, from this one run (the machine's noise cancels out in part).
+    let median_of = |n: usize, ports: bool| medians.iter().find(|m| m.0 == n && m.1 == ports).map(|m| m.2);
+    for ports in [false, true] {
+        for w in sizes.windows(2) {
+            if let (Some(a), Some(b)) = (median_of(w[0], ports), median_of(w[1], ports)) {
+                println!(
+                    "ratio of medians {} / {} nodes ({} ports): {:.2}",
+                    w[1],
+                    w[0],
+                    if ports { 2 } else { 0 },
+                    b.as_secs_f64() / a.as_secs_f64().max(1e-12)
+                );
+            }
         }
     }
     // A 1,000-task job, 2 GPUs each, on 1,000 nodes, each choice booked before the next.

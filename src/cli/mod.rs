@@ -168,7 +168,7 @@ struct SimArgs {
 
 #[derive(Subcommand, Debug)]
 enum BenchCmd {
-    /// The select pipeline at 100, 1,000 and 10,000 nodes, and a 1,000-task job plan.
+    /// The select pipeline at 100, 1,000, 10,000 and 100,000 nodes, and a 1,000-task job plan.
     Select {
         /// Timed selects per cluster size.
         #[arg(long, default_value_t = 2000)]
@@ -176,7 +176,7 @@ enum BenchCmd {
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Cluster sizes to measure.
-        #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
+        #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,100000")]
         nodes: Vec<usize>,
     },
     /// A job of many one-GPU tasks through the real RM, AM and executor.

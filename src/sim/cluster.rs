@@ -219,3 +219,37 @@ pub fn small_topology(gpus: u32) -> Option<Topology> {
         _ => None,
     }
 }
+
+/// Mixed-topology clusters (issue 13), by name: the GPU machines of the demo cluster
+/// (`conf/cluster.yaml`: pcie8, dgx1v, pcie4, pcie8, nvswitch8 ×2, nvbridge8, pcie4,
+/// repeated), and old PCIe boxes beside NVLink and NVSwitch ones (pcie8 ×2, pcie4, dgx1v,
+/// nvbridge8x, nvswitch8, repeated).
+pub const MIXED: &[(&str, &[&str])] = &[
+    (
+        "mixed-demo",
+        &["pcie8", "dgx1v", "pcie4", "pcie8", "nvswitch8", "nvswitch8", "nvbridge8", "pcie4"],
+    ),
+    (
+        "mixed-old-new",
+        &["pcie8", "pcie8", "pcie4", "dgx1v", "nvbridge8x", "nvswitch8"],
+    ),
+];
+
+/// `n` nodes of a [`MIXED`] cluster, `rack_size` a rack; `None` for an unknown name.
+pub fn mixed(name: &str, n: usize, rack_size: usize) -> Option<SimCluster> {
+    let (_, cycle) = MIXED.iter().find(|(m, _)| *m == name)?;
+    let topos: Vec<Topology> = cycle.iter().filter_map(|p| Topology::preset(p)).collect();
+    let mut c = SimCluster::new();
+    for i in 0..n {
+        let t = &topos[i % topos.len()];
+        let g = t.gpu_count();
+        c.add_node(
+            format!("node{i:05}"),
+            &format!("/rack{:03}", i / rack_size.max(1)),
+            t,
+            CPU_PER_GPU * g,
+            MEM_MB_PER_GPU * u64::from(g),
+        );
+    }
+    Some(c)
+}

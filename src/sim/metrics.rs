@@ -17,6 +17,10 @@ pub struct RunStats {
     pub multi_avail: u64,
     /// Multi-task jobs placed; nodes and racks used above the minimum; at the minimum.
     pub multi_task_jobs: u64,
+    /// A job's GPUs on one node (the union, ≥ 2 GPUs) placed, and how many reached the
+    /// best tier a node offered for a set of that size at the moment of placement.
+    pub union_placed: u64,
+    pub union_ideal: u64,
     pub nodes_over_min: u64,
     pub racks_over_min: u64,
     pub at_min_nodes: u64,
@@ -58,6 +62,7 @@ pub const METRICS: &[&str] = &[
     "tierIdeal",
     "tierAvail",
     "wRatio",
+    "unionIdeal",
     "nodesOverMin",
     "racksOverMin",
     "atMinNodes",
@@ -103,6 +108,7 @@ impl RunStats {
             } else {
                 self.w_ratio_sum / self.multi_placed as f64
             },
+            ratio(self.union_ideal, self.union_placed),
             per_job(self.nodes_over_min),
             per_job(self.racks_over_min),
             per_job(self.at_min_nodes),

@@ -135,7 +135,7 @@ impl Placer {
                     match node {
                         Some(n) if cl.book(n, mask, t) => {
                             stats.decision_ns.push(took);
-                            demand.placed(&shape(t), &p.host);
+                            demand.placed_with_gpus(&shape(t), &p.host, p.resources.gpu_mask);
                             done.push((n, mask));
                         }
                         _ => {
@@ -190,6 +190,7 @@ fn shape(t: &Task) -> TaskShape {
 pub struct Ideal {
     best: HashMap<(usize, u32), (u8, u32)>,
     avail: HashMap<(usize, GpuMask, u32), bool>,
+    tier_in: HashMap<(usize, GpuMask, u32), Option<u8>>,
 }
 
 impl Ideal {
@@ -198,6 +199,17 @@ impl Ideal {
             let w = choose(Some(t), t.all_mask(), k).map(|c| c.weight).unwrap_or(0);
             (t.best_tier(k), w)
         })
+    }
+
+    /// The best tier of a `k`-set among `free` GPUs (0 when fewer are free).
+    pub fn tier_in(&mut self, ti: usize, t: &Topology, free: GpuMask, k: u32) -> Option<u8> {
+        if free.count_ones() < k {
+            return None;
+        }
+        *self
+            .tier_in
+            .entry((ti, free, k))
+            .or_insert_with(|| choose(Some(t), free, k).map(|c| c.tier))
     }
 
     pub fn available(&mut self, ti: usize, t: &Topology, free: GpuMask, k: u32) -> bool {
@@ -296,6 +308,41 @@ impl Engine<'_> {
             } else {
                 1.0
             };
+        }
+        // The job-level metric: each node's union of the job's GPUs against the best tier
+        // any node offered for a set of that size just before the job was placed.
+        let mut unions: HashMap<usize, GpuMask> = HashMap::new();
+        for (node, mask) in placed {
+            *unions.entry(*node).or_insert(0) |= *mask;
+        }
+        if unions.values().any(|u| u.count_ones() >= 2) {
+            let before = |n: usize| self.cl.nodes[n].free_mask | unions.get(&n).copied().unwrap_or(0);
+            let mut size_best: HashMap<u32, u8> = HashMap::new();
+            for (&node, &u) in &unions {
+                let k = u.count_ones();
+                if k < 2 {
+                    continue;
+                }
+                let best = match size_best.get(&k) {
+                    Some(&b) => b,
+                    None => {
+                        let mut b = 0;
+                        for (i, n) in self.cl.nodes.iter().enumerate() {
+                            if b == 2 {
+                                break;
+                            }
+                            if let Some(t) = self.ideal.tier_in(n.topo, &self.cl.topos[n.topo], before(i), k) {
+                                b = b.max(t);
+                            }
+                        }
+                        size_best.insert(k, b);
+                        b
+                    }
+                };
+                let topo = &self.cl.topos[self.cl.nodes[node].topo];
+                st.union_placed += 1;
+                st.union_ideal += u64::from(topo.tier(u) >= best);
+            }
         }
         if job.tasks.len() > 1 {
             let nodes: HashSet<usize> = placed.iter().map(|(n, _)| *n).collect();
@@ -541,14 +588,16 @@ fn topologies_for(opts: &SimOptions, trace: bool) -> Result<Vec<Option<Topology>
             .filter(|t| trace || t.gpu_count() <= 16)
             .map(Some)
             .collect()),
+        Some(t) if !trace && cluster::MIXED.iter().any(|(m, _)| *m == t) => Ok(Vec::new()),
         Some(t) => match Topology::preset(t) {
             Some(topo) if trace && topo.gpu_count() != 8 => Err(format!(
                 "--topology {t}: with a trace, the preset replaces the 8-GPU machines' topology, so it needs 8 GPUs"
             )),
             Some(topo) => Ok(vec![Some(topo)]),
             None => Err(format!(
-                "--topology {t}: unknown preset (one of: all, {})",
-                Topology::preset_names().join(", ")
+                "--topology {t}: unknown preset (one of: all, {}, {})",
+                Topology::preset_names().join(", "),
+                cluster::MIXED.iter().map(|(m, _)| *m).collect::<Vec<_>>().join(", ")
             )),
         },
     }
@@ -634,6 +683,20 @@ pub fn run(opts: &SimOptions) -> i32 {
             }
         };
         runs.push(run_topology(opts, &label, &cl, &stream));
+    }
+    // Mixed-topology clusters (synthetic streams only: a trace brings its own machines).
+    if trace.is_none() {
+        for (name, _) in cluster::MIXED {
+            let wanted = opts.topology.as_deref().is_some_and(|t| t.eq_ignore_ascii_case("all") || t == *name);
+            let Some(cl) = cluster::mixed(name, opts.nodes.max(1), opts.rack_size).filter(|_| wanted) else {
+                continue;
+            };
+            let gpus = cl.total_gpus();
+            let per_node = cl.max_node_gpus();
+            let stream =
+                |s: usize| -> Vec<Job> { workload::synthetic(mix, opts.jobs, opts.load, gpus, per_node, 1000 + s as u64) };
+            runs.push(run_topology(opts, name, &cl, &stream));
+        }
     }
     let scaling_points = if opts.scaling {
         scaling(
