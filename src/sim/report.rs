@@ -87,9 +87,10 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
             opts.mix
         ));
         s.push_str(&format!(
-            "{:<11} {:>13} {:>13} {:>13} {:>11} {:>11} {:>10} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+            "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
             "policy",
             "tierIdeal",
+            "unionIdeal",
             "tierAvail",
             "wRatio",
             "nodesOver",
@@ -103,14 +104,15 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
         ));
         for (name, p) in &r.policies {
             s.push_str(&format!(
-                "{:<11} {:>13} {:>13} {:>13} {:>11} {:>11} {:>10} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+                "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
                 name,
                 pm(p, "tierIdeal", 3),
+                pm(p, "unionIdeal", 3),
                 pm(p, "tierAvail", 3),
                 pm(p, "wRatio", 3),
                 fmt(p.get("nodesOverMin"), 3),
                 fmt(p.get("racksOverMin"), 3),
-                fmt(p.get("queueDelayP50"), 0),
+                pm(p, "queueDelayP50", 0),
                 fmt(p.get("queueDelayP95"), 0),
                 fmt(p.get("utilization"), 3),
                 fmt(p.get("decisionP50Us"), 1),
