@@ -298,7 +298,9 @@ async function loadSelection() {
   panel.querySelector('tbody').replaceChildren(...rows);
   const cands = rec.trace.candidates || [];
   $('waiting-candidates').replaceChildren(...(cands.length ? [h('div', { class: 'meta' }, 'best candidates: ',
-    ...cands.map(c => h('span', { class: 'mono cand' }, c.host + ' (' + c.freeGpus + ' free GPUs, tier ' + c.gpuTier + (c.gpuTierIdeal ? ' ideal' : '') + (c.jobAffinity ? ', job affinity' : '') + ')')))] : []));
+    ...cands.map(c => h('span', { class: 'mono cand' }, c.host + ' (' + c.freeGpus + ' free GPUs, tier ' + c.gpuTier + (c.gpuTierIdeal ? ' ideal' : '') + (c.jobAffinity ? ', job affinity' : '') + ')')))] : []),
+    ...(rec.trace.alternative ? [h('div', { class: 'meta next-best' }, 'next best: ',
+      h('span', { class: 'mono' }, rec.trace.alternative.host), ' — lost on ' + rec.trace.alternative.lostOn)] : []));
 }
 
 async function loadLog(reset) {

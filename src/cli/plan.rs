@@ -157,7 +157,10 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
         out.push_str("\nNext-best node per task and why it lost (the order of docs/DESIGN-NOTES.md, issue 13):\n");
         for p in &plan.placements {
             match &p.next_best {
-                Some(a) => out.push_str(&format!("  {}/{}: {} — lost on {}\n", p.role, p.index, a.host, a.lost_on)),
+                Some(a) => out.push_str(&format!(
+                    "  {}/{}: {} — lost on {}\n",
+                    p.role, p.index, a.host, a.lost_on
+                )),
                 None => out.push_str(&format!("  {}/{}: no other node could take it\n", p.role, p.index)),
             }
         }

@@ -365,17 +365,13 @@ impl Ledger {
             .shortfalls(&free, 0, 0)
             .iter()
             .map(|s| match s {
-                Shortfall::GpuBits => format!(
-                    "GPU bits {} are in use",
-                    mask_hex(want.gpu_mask & node.used().gpu_mask)
-                ),
+                Shortfall::GpuBits => format!("GPU bits {} are in use", mask_hex(want.gpu_mask & node.used().gpu_mask)),
                 Shortfall::Gpus => format!("{} GPUs asked, {} free", want.gpus, free.gpu_count()),
                 Shortfall::Cpu => format!("{} CPUs asked, {} free", want.cpu, free.cpu),
                 Shortfall::Memory => format!("{} MB asked, {} free", want.memory_mb, free.memory_mb),
-                Shortfall::Ports | Shortfall::DynamicPorts => format!(
-                    "ports [{}] are in use",
-                    want.ports.intersect(&node.used().ports)
-                ),
+                Shortfall::Ports | Shortfall::DynamicPorts => {
+                    format!("ports [{}] are in use", want.ports.intersect(&node.used().ports))
+                }
             })
             .collect();
         if !busy.is_empty() {

@@ -23,8 +23,8 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 pub use demand::{JobDemand, TaskShape};
-pub use plan::{assign_port_labels, plan_job, request_order, JobPlan, PlannedTask, UnplacedTask};
 pub use objective::Alternative;
+pub use plan::{assign_port_labels, plan_job, request_order, JobPlan, PlannedTask, UnplacedTask};
 pub use trace::{CandidateSummary, DropGroup, SelectionTrace, StageTrace};
 
 use fast_hash::{FastMap, FastSet};
@@ -467,7 +467,11 @@ impl SelectorState {
                 continue;
             }
             let members = || b.nodes.iter().filter(|m| !special.contains_key(&m.3));
-            let examples = || members().take(trace::EXAMPLE_HOSTS).map(|m| index.host(m.3).to_string());
+            let examples = || {
+                members()
+                    .take(trace::EXAMPLE_HOSTS)
+                    .map(|m| index.host(m.3).to_string())
+            };
             let facts = stages::Facts {
                 running: b.key.running,
                 partition: index.partition_name(b.key.partition),
@@ -500,7 +504,11 @@ impl SelectorState {
                     low += 1;
                 }
             }
-            let Some(first) = b.nodes.range((req.cpu, 0, 0, 0)..).find(|m| !special.contains_key(&m.3)) else {
+            let Some(first) = b
+                .nodes
+                .range((req.cpu, 0, 0, 0)..)
+                .find(|m| !special.contains_key(&m.3))
+            else {
                 continue;
             };
             let fits = demand
@@ -516,7 +524,10 @@ impl SelectorState {
                 res_stage.drop_many(
                     "no GPU set of the requested size on this node",
                     count - low,
-                    members().skip(low).take(trace::EXAMPLE_HOSTS).map(|m| index.host(m.3).to_string()),
+                    members()
+                        .skip(low)
+                        .take(trace::EXAMPLE_HOSTS)
+                        .map(|m| index.host(m.3).to_string()),
                 );
                 continue;
             };
@@ -676,8 +687,7 @@ impl SelectorState {
         }
         let tier_ideal = |c: &Scored<'_>| {
             k <= 1
-                || c
-                    .node
+                || c.node
                     .topology
                     .as_deref()
                     .is_none_or(|t| c.pick.task_tier >= t.best_tier(k))

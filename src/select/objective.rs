@@ -162,7 +162,9 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
 /// The exhaustive (union, task) search of [`pick`] on a small node.
 fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick {
     let mut sets: Vec<(GpuMask, u8, u32, [i8; 3])> = Vec::new();
-    subsets(free, k, &mut |s| sets.push((s, t.tier(s), t.weight(s), t.cap(free & !s))));
+    subsets(free, k, &mut |s| {
+        sets.push((s, t.tier(s), t.weight(s), t.cap(free & !s)))
+    });
     type Score = (u8, u8, u32, u32, [i8; 3], [i8; 3], Reverse<GpuMask>, Reverse<GpuMask>);
     let mut best: Option<(Score, GpuPick)> = None;
     subsets(free, u, &mut |x| {
@@ -243,19 +245,84 @@ impl RankKey {
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
         let diffs: [(bool, &str, String, String); 13] = [
-            (self.affinity != best.affinity, "holds job tasks", b(self.affinity).into(), b(best.affinity).into()),
-            (self.fits != best.fits, "job tasks it can take", self.fits.0.to_string(), best.fits.0.to_string()),
-            (self.rack != best.rack, "rack holds job tasks", b(self.rack).into(), b(best.rack).into()),
-            (self.union_tier != best.union_tier, "job's GPU union tier", self.union_tier.0.to_string(), best.union_tier.0.to_string()),
-            (self.task_tier != best.task_tier, "task's GPU set tier", self.task_tier.0.to_string(), best.task_tier.0.to_string()),
-            (self.union_weight != best.union_weight, "job's GPU union weight", self.union_weight.0.to_string(), best.union_weight.0.to_string()),
-            (self.task_weight != best.task_weight, "task's GPU set weight", self.task_weight.0.to_string(), best.task_weight.0.to_string()),
-            (self.free_gpus != best.free_gpus, "free GPUs (fewer packs better)", self.free_gpus.to_string(), best.free_gpus.to_string()),
-            (self.left != best.left, "GPUs left for other jobs (cap 8/4/2)", format!("{:?}", self.left.0), format!("{:?}", best.left.0)),
-            (self.total_gpus != best.total_gpus, "total GPUs (smaller first)", self.total_gpus.to_string(), best.total_gpus.to_string()),
-            (self.cpu != best.cpu, "free CPU (less packs better)", self.cpu.to_string(), best.cpu.to_string()),
-            (self.memory_mb != best.memory_mb, "free memory MB (less packs better)", self.memory_mb.to_string(), best.memory_mb.to_string()),
-            (self.tie != best.tie, "random tie-break", self.tie.to_string(), best.tie.to_string()),
+            (
+                self.affinity != best.affinity,
+                "holds job tasks",
+                b(self.affinity).into(),
+                b(best.affinity).into(),
+            ),
+            (
+                self.fits != best.fits,
+                "job tasks it can take",
+                self.fits.0.to_string(),
+                best.fits.0.to_string(),
+            ),
+            (
+                self.rack != best.rack,
+                "rack holds job tasks",
+                b(self.rack).into(),
+                b(best.rack).into(),
+            ),
+            (
+                self.union_tier != best.union_tier,
+                "job's GPU union tier",
+                self.union_tier.0.to_string(),
+                best.union_tier.0.to_string(),
+            ),
+            (
+                self.task_tier != best.task_tier,
+                "task's GPU set tier",
+                self.task_tier.0.to_string(),
+                best.task_tier.0.to_string(),
+            ),
+            (
+                self.union_weight != best.union_weight,
+                "job's GPU union weight",
+                self.union_weight.0.to_string(),
+                best.union_weight.0.to_string(),
+            ),
+            (
+                self.task_weight != best.task_weight,
+                "task's GPU set weight",
+                self.task_weight.0.to_string(),
+                best.task_weight.0.to_string(),
+            ),
+            (
+                self.free_gpus != best.free_gpus,
+                "free GPUs (fewer packs better)",
+                self.free_gpus.to_string(),
+                best.free_gpus.to_string(),
+            ),
+            (
+                self.left != best.left,
+                "GPUs left for other jobs (cap 8/4/2)",
+                format!("{:?}", self.left.0),
+                format!("{:?}", best.left.0),
+            ),
+            (
+                self.total_gpus != best.total_gpus,
+                "total GPUs (smaller first)",
+                self.total_gpus.to_string(),
+                best.total_gpus.to_string(),
+            ),
+            (
+                self.cpu != best.cpu,
+                "free CPU (less packs better)",
+                self.cpu.to_string(),
+                best.cpu.to_string(),
+            ),
+            (
+                self.memory_mb != best.memory_mb,
+                "free memory MB (less packs better)",
+                self.memory_mb.to_string(),
+                best.memory_mb.to_string(),
+            ),
+            (
+                self.tie != best.tie,
+                "random tie-break",
+                self.tie.to_string(),
+                best.tie.to_string(),
+            ),
         ];
         match diffs.into_iter().find(|d| d.0) {
             Some((_, what, mine, theirs)) => format!("{what}: {mine} vs {theirs}"),

@@ -157,7 +157,11 @@ pub(crate) fn score(
         return Err(s.reason());
     }
     let need = cx.demand.remaining_tasks().max(1);
-    let fits = cx.demand.capacity_in(avail, cx.settings.container_min_port).max(1).min(need);
+    let fits = cx
+        .demand
+        .capacity_in(avail, cx.settings.container_min_port)
+        .max(1)
+        .min(need);
     let held = cx.demand.held_on(&node.host);
     let affinity = cx.demand.tasks_on(&node.host) > 0;
     let k = cx.ask.resources.gpus;
@@ -169,7 +173,15 @@ pub(crate) fn score(
     let Some(pick) = pick else {
         return Err("no GPU set of the requested size on this node");
     };
-    let key = rank_key(affinity, fits, rack_holds_job, &pick, avail, node.total().gpu_count(), 0);
+    let key = rank_key(
+        affinity,
+        fits,
+        rack_holds_job,
+        &pick,
+        avail,
+        node.total().gpu_count(),
+        0,
+    );
     Ok((key, pick, fits))
 }
 

@@ -800,7 +800,10 @@ fn the_index_walk_finds_the_best_node_and_counts_every_drop() {
     // Booking and un-booking keep the index in step with the view.
     assert!(s.add_requested(&p.host, &p.resources));
     let again = s.select(&ask(&r), &demand);
-    assert_ne!(placed(&again).resources.gpu_mask & p.resources.gpu_mask & u64::from(placed(&again).host == p.host) * u64::MAX, p.resources.gpu_mask);
+    assert_ne!(
+        placed(&again).resources.gpu_mask & p.resources.gpu_mask & u64::from(placed(&again).host == p.host) * u64::MAX,
+        p.resources.gpu_mask
+    );
     s.remove_requested(&p.host, &p.resources, false);
     assert_eq!(placed(&s.select(&ask(&r), &demand)).host, p.host);
 }

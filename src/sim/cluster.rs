@@ -227,7 +227,16 @@ pub fn small_topology(gpus: u32) -> Option<Topology> {
 pub const MIXED: &[(&str, &[&str])] = &[
     (
         "mixed-demo",
-        &["pcie8", "dgx1v", "pcie4", "pcie8", "nvswitch8", "nvswitch8", "nvbridge8", "pcie4"],
+        &[
+            "pcie8",
+            "dgx1v",
+            "pcie4",
+            "pcie8",
+            "nvswitch8",
+            "nvswitch8",
+            "nvbridge8",
+            "pcie4",
+        ],
     ),
     (
         "mixed-old-new",

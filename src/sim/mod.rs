@@ -687,14 +687,18 @@ pub fn run(opts: &SimOptions) -> i32 {
     // Mixed-topology clusters (synthetic streams only: a trace brings its own machines).
     if trace.is_none() {
         for (name, _) in cluster::MIXED {
-            let wanted = opts.topology.as_deref().is_some_and(|t| t.eq_ignore_ascii_case("all") || t == *name);
+            let wanted = opts
+                .topology
+                .as_deref()
+                .is_some_and(|t| t.eq_ignore_ascii_case("all") || t == *name);
             let Some(cl) = cluster::mixed(name, opts.nodes.max(1), opts.rack_size).filter(|_| wanted) else {
                 continue;
             };
             let gpus = cl.total_gpus();
             let per_node = cl.max_node_gpus();
-            let stream =
-                |s: usize| -> Vec<Job> { workload::synthetic(mix, opts.jobs, opts.load, gpus, per_node, 1000 + s as u64) };
+            let stream = |s: usize| -> Vec<Job> {
+                workload::synthetic(mix, opts.jobs, opts.load, gpus, per_node, 1000 + s as u64)
+            };
             runs.push(run_topology(opts, name, &cl, &stream));
         }
     }
