@@ -48,7 +48,7 @@ pub(crate) struct Bucket {
 struct Entry {
     bucket: u32,
     member: Member,
-    rack: String,
+    rack: u32,
 }
 
 /// Strings to small ids, both ways.
@@ -87,7 +87,9 @@ pub(crate) struct NodeIndex {
     /// Topologies by content; index 0 is unused ("none").
     topologies: Vec<Arc<Topology>>,
     topo_by_hash: FastMap<u64, Vec<u32>>,
-    racks: FastMap<String, Vec<u32>>,
+    rack_ids: Interner,
+    /// Per rack id: its nodes by bucket, ordered as in the bucket.
+    racks: Vec<FastMap<u32, BTreeSet<Member>>>,
     salt: u64,
 }
 
@@ -108,7 +110,8 @@ impl NodeIndex {
             gpu_types,
             topologies: Vec::new(),
             topo_by_hash: FastMap::default(),
-            racks: FastMap::default(),
+            rack_ids: Interner::default(),
+            racks: Vec::new(),
             salt: salt | 1,
         }
     }
@@ -156,9 +159,24 @@ impl NodeIndex {
     pub fn bucket_of_slot(&self, slot: u32) -> Option<u32> {
         self.entries.get(slot as usize)?.as_ref().map(|e| e.bucket)
     }
-    /// Slots of the nodes of a rack.
-    pub fn rack_slots(&self, rack: &str) -> &[u32] {
-        self.racks.get(rack).map_or(&[], Vec::as_slice)
+    /// The id of a rack, if any node is or was in it.
+    pub fn rack_id(&self, rack: &str) -> Option<u32> {
+        self.rack_ids.ids.get(rack).copied()
+    }
+    /// The rack id of a slot.
+    pub fn slot_rack(&self, slot: u32) -> Option<u32> {
+        self.entries.get(slot as usize)?.as_ref().map(|e| e.rack)
+    }
+    /// A rack's nodes by bucket.
+    pub fn rack_buckets(&self, rack: u32) -> impl Iterator<Item = (u32, &BTreeSet<Member>)> {
+        self.racks
+            .get(rack as usize)
+            .into_iter()
+            .flat_map(|m| m.iter().map(|(b, s)| (*b, s)))
+    }
+    /// The nodes of one rack in one bucket.
+    pub fn rack_set(&self, rack: u32, bucket: u32) -> Option<&BTreeSet<Member>> {
+        self.racks.get(rack as usize)?.get(&bucket)
     }
 
     /// The key a node files under (its topology must already be interned or is interned now).
@@ -212,29 +230,31 @@ impl NodeIndex {
                 b
             }
         };
+        let rack = self.rack_ids.id(&node.rack);
         if let Some(old) = &self.entries[slot as usize] {
-            if old.bucket == bucket && old.member == member && old.rack == node.rack {
+            if old.bucket == bucket && old.member == member && old.rack == rack {
                 return;
             }
         }
         self.unfile(slot);
         self.buckets[bucket as usize].nodes.insert(member);
-        self.racks.entry(node.rack.clone()).or_default().push(slot);
-        self.entries[slot as usize] = Some(Entry {
-            bucket,
-            member,
-            rack: node.rack.clone(),
-        });
+        if self.racks.len() <= rack as usize {
+            self.racks.resize_with(rack as usize + 1, FastMap::default);
+        }
+        self.racks[rack as usize].entry(bucket).or_default().insert(member);
+        self.entries[slot as usize] = Some(Entry { bucket, member, rack });
     }
 
     /// Takes a slot out of its bucket and rack (the slot stays assigned).
     fn unfile(&mut self, slot: u32) {
         if let Some(old) = self.entries[slot as usize].take() {
             self.buckets[old.bucket as usize].nodes.remove(&old.member);
-            if let Some(r) = self.racks.get_mut(&old.rack) {
-                r.retain(|&s| s != slot);
-                if r.is_empty() {
-                    self.racks.remove(&old.rack);
+            if let Some(r) = self.racks.get_mut(old.rack as usize) {
+                if let Some(set) = r.get_mut(&old.bucket) {
+                    set.remove(&old.member);
+                    if set.is_empty() {
+                        r.remove(&old.bucket);
+                    }
                 }
             }
         }

@@ -435,19 +435,35 @@ impl SelectorState {
                 special.insert(s, ());
             }
         }
-        if rack_on {
-            for r in &job_racks {
-                for &s in index.rack_slots(r) {
-                    special.insert(s, ());
-                }
-            }
-        }
-        let mut excluded: FastMap<u32, usize> = FastMap::default();
+        // Racks holding the job are walked through their own per-rack buckets, with
+        // criterion 3 set; the global buckets skip their nodes.
+        let job_rack_ids: Vec<u32> = if rack_on {
+            job_racks.iter().filter_map(|r| index.rack_id(r)).collect()
+        } else {
+            Vec::new()
+        };
+        let in_job_rack =
+            |slot: u32| !job_rack_ids.is_empty() && index.slot_rack(slot).is_some_and(|r| job_rack_ids.contains(&r));
+        // Nodes of each source (global bucket, or a job rack's part of it) judged apart.
+        let mut excluded: FastMap<(u32, Option<u32>), usize> = FastMap::default();
         for &s in special.keys() {
             if let Some(b) = index.bucket_of_slot(s) {
-                *excluded.entry(b).or_insert(0) += 1;
+                let rack = index.slot_rack(s).filter(|_| in_job_rack(s));
+                *excluded.entry((b, rack)).or_insert(0) += 1;
             }
         }
+        let mut sources: Vec<(u32, Option<u32>)> = (0..index.buckets().len() as u32).map(|b| (b, None)).collect();
+        for &r in &job_rack_ids {
+            for (b, set) in index.rack_buckets(r) {
+                *excluded.entry((b, None)).or_insert(0) += set.len();
+                sources.push((b, Some(r)));
+            }
+        }
+        let set_of = |b: u32, rack: Option<u32>| match rack {
+            None => Some(&index.buckets()[b as usize].nodes),
+            Some(r) => index.rack_set(r, b),
+        };
+        let skip = |m: &index::Member, rack: Option<u32>| special.contains_key(&m.3) || (rack.is_none() && in_job_rack(m.3));
 
         // Per bucket: the filters, then the GPU and CPU parts of the shortfall rule, then
         // a bound on the key of its best node (the order's GPU half is the bucket's).
@@ -459,14 +475,17 @@ impl SelectorState {
             ports: PortSet::new(),
         };
         let no_ports = PortSet::new();
-        let mut live: Vec<(objective::RankKey, u32, u32)> = Vec::new();
-        for (bi, b) in index.buckets().iter().enumerate() {
-            let bi = bi as u32;
-            let count = b.nodes.len() - excluded.get(&bi).copied().unwrap_or(0);
+        let mut live: Vec<(objective::RankKey, u32, Option<u32>, u32)> = Vec::new();
+        for &(bi, rack) in &sources {
+            let b = &index.buckets()[bi as usize];
+            let Some(set) = set_of(bi, rack) else {
+                continue;
+            };
+            let count = set.len().saturating_sub(excluded.get(&(bi, rack)).copied().unwrap_or(0));
             if count == 0 {
                 continue;
             }
-            let members = || b.nodes.iter().filter(|m| !special.contains_key(&m.3));
+            let members = || set.iter().filter(|m| !skip(m, rack));
             let examples = || {
                 members()
                     .take(trace::EXAMPLE_HOSTS)
@@ -498,17 +517,13 @@ impl SelectorState {
                 continue;
             }
             let mut low = 0;
-            for m in b.nodes.range(..(req.cpu, 0, 0, 0)) {
-                if !special.contains_key(&m.3) {
+            for m in set.range(..(req.cpu, 0, 0, 0)) {
+                if !skip(m, rack) {
                     res_stage.drop_node(Shortfall::Cpu.reason(), index.host(m.3));
                     low += 1;
                 }
             }
-            let Some(first) = b
-                .nodes
-                .range((req.cpu, 0, 0, 0)..)
-                .find(|m| !special.contains_key(&m.3))
-            else {
+            let Some(first) = set.range((req.cpu, 0, 0, 0)..).find(|m| !skip(m, rack)) else {
                 continue;
             };
             let fits = demand
@@ -538,8 +553,8 @@ impl SelectorState {
                 gpu_mask: b.key.free_mask,
                 ports: no_ports.clone(),
             };
-            let bound = stages::rank_key(false, fits, false, &pick, &probe, b.key.total_gpus, 0);
-            live.push((bound, bi, fits));
+            let bound = stages::rank_key(false, fits, rack.is_some(), &pick, &probe, b.key.total_gpus, 0);
+            live.push((bound, bi, rack, fits));
         }
 
         // The nodes judged one by one.
@@ -548,25 +563,44 @@ impl SelectorState {
         let mut specials: Vec<u32> = special.keys().copied().collect();
         specials.sort_unstable();
         for slot in specials {
-            let Some(node) = view.get(index.host(slot)) else {
+            let Some(bkey) = index.bucket_of_slot(slot).map(|b| index.buckets()[b as usize].key) else {
                 continue;
             };
-            let facts = stages::Facts::of(node);
+            // Screened on its bucket's key first (no node lookup): most nodes of a large
+            // job's racks are full.
+            let facts = stages::Facts {
+                running: bkey.running,
+                partition: index.partition_name(bkey.partition),
+                gpu_type: index.gpu_type_name(bkey.gpu_type),
+                total_gpus: bkey.total_gpus,
+            };
             let failed = filters
                 .iter()
                 .enumerate()
                 .find_map(|(i, f)| f.check(&cx, &facts).err().map(|r| (i, r)));
             if let Some((i, reason)) = failed {
-                fstages[i].drop_node(reason, &node.host);
+                fstages[i].drop_node(reason, index.host(slot));
                 continue;
             }
+            let bucket_free = Resources {
+                cpu: u32::MAX,
+                memory_mb: u64::MAX,
+                gpus: bkey.free_gpus,
+                gpu_mask: bkey.free_mask,
+                ports: no_ports.clone(),
+            };
+            if let Some(sf) = gpu_req.shortfall(&bucket_free) {
+                res_stage.drop_node(sf.reason(), index.host(slot));
+                continue;
+            }
+            let Some(node) = view.get(index.host(slot)) else {
+                continue;
+            };
             let adjusted = cx.tried.get(node.host.as_str()).map(|t| node.free().subtract(t));
-            let topo_id = index
-                .bucket_of_slot(slot)
-                .map_or(0, |b| index.buckets()[b as usize].key.topo);
+            let topo_id = bkey.topo;
             let rack = rack_on && job_racks.contains(node.rack.as_str());
-            let avail = adjusted.clone().unwrap_or_else(|| node.free().clone());
-            match stages::score(&mut cx, &req, node, topo_id, &avail, rack) {
+            let avail = adjusted.as_ref().unwrap_or(node.free());
+            match stages::score(&mut cx, &req, node, topo_id, avail, rack) {
                 Err(r) => res_stage.drop_node(r, &node.host),
                 Ok((mut key, pick, fits)) => {
                     key.tie = index.tie(slot);
@@ -590,25 +624,28 @@ impl SelectorState {
         // order of the key's tail (free CPU, memory, tie). It stops once `want` nodes are
         // known to beat everything not yet visited.
         live.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        for (bound, bi, fits_b) in &live {
-            if cands.len() >= want && cands[want - 1].key <= *bound {
+        for &(bound, bi, rack, fits_b) in &live {
+            if cands.len() >= want && cands[want - 1].key <= bound {
                 break;
             }
-            let b = &index.buckets()[*bi as usize];
+            let b = &index.buckets()[bi as usize];
+            let Some(set) = set_of(bi, rack) else {
+                continue;
+            };
             let mut full = 0;
-            for m in b.nodes.range((req.cpu, 0, 0, 0)..) {
-                if special.contains_key(&m.3) {
+            for m in set.range((req.cpu, 0, 0, 0)..) {
+                if skip(m, rack) {
                     continue;
                 }
                 let Some(node) = view.get(index.host(m.3)) else {
                     continue;
                 };
-                match stages::score(&mut cx, &req, node, b.key.topo, node.free(), false) {
+                match stages::score(&mut cx, &req, node, b.key.topo, node.free(), rack.is_some()) {
                     Err(r) => res_stage.drop_node(r, &node.host),
                     Ok((mut key, pick, fits)) => {
                         key.tie = m.2;
                         scored_ok += 1;
-                        full += usize::from(fits == *fits_b);
+                        full += usize::from(fits == fits_b);
                         keep_best(
                             &mut cands,
                             Scored {

@@ -35,17 +35,6 @@ pub(crate) struct Facts<'a> {
     pub total_gpus: u32,
 }
 
-impl<'a> Facts<'a> {
-    pub fn of(node: &'a Node) -> Self {
-        Facts {
-            running: node.state == crate::cluster::NodeState::Running,
-            partition: node.partition(),
-            gpu_type: node.gpu_type.as_deref(),
-            total_gpus: node.total().gpu_count(),
-        }
-    }
-}
-
 /// A stage that judges each node on its own, from its [`Facts`]; decided once per index
 /// bucket, each still keeping its own trace, in order.
 pub(crate) trait NodeFilter: Sync {
