@@ -463,7 +463,8 @@ impl SelectorState {
             None => Some(&index.buckets()[b as usize].nodes),
             Some(r) => index.rack_set(r, b),
         };
-        let skip = |m: &index::Member, rack: Option<u32>| special.contains_key(&m.3) || (rack.is_none() && in_job_rack(m.3));
+        let skip =
+            |m: &index::Member, rack: Option<u32>| special.contains_key(&m.3) || (rack.is_none() && in_job_rack(m.3));
 
         // Per bucket: the filters, then the GPU and CPU parts of the shortfall rule, then
         // a bound on the key of its best node (the order's GPU half is the bucket's).
@@ -481,7 +482,9 @@ impl SelectorState {
             let Some(set) = set_of(bi, rack) else {
                 continue;
             };
-            let count = set.len().saturating_sub(excluded.get(&(bi, rack)).copied().unwrap_or(0));
+            let count = set
+                .len()
+                .saturating_sub(excluded.get(&(bi, rack)).copied().unwrap_or(0));
             if count == 0 {
                 continue;
             }
@@ -623,7 +626,7 @@ impl SelectorState {
         // The walk: buckets in the order of their bound; inside a bucket, nodes in the
         // order of the key's tail (free CPU, memory, tie). It stops once `want` nodes are
         // known to beat everything not yet visited.
-        live.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        live.sort_unstable_by_key(|a| a.0);
         for &(bound, bi, rack, fits_b) in &live {
             if cands.len() >= want && cands[want - 1].key <= bound {
                 break;
