@@ -15,8 +15,9 @@ Run by examples/jax-ddp.yaml (see README.md, "A real training job: JAX"). Every 
    the all-reduce in place every replica ends with the same parameters, so the same hash.
 
 A peer that never comes makes the job fail within the timeout, with a message naming the
-missing task and its address, rather than hang. Exit codes: 0 done; 3 bad environment;
-4 the rendezvous failed (peer missing or unreachable).
+missing task and its address, rather than hang; a peer that dies during training ends the
+others at their next step. Exit codes: 0 done; 3 bad environment; 4 the rendezvous failed
+(a peer missing or unreachable); 5 a peer left during training.
 """
 
 import argparse
@@ -151,12 +152,16 @@ def roll_call(rank, peers, bind_ip, coord_ip, port, seconds):
     conn.sendall(f"{rank}\n".encode())
     conn.settimeout(max(1.0, deadline - time.monotonic() + 10))
     try:
-        answer = conn.recv(256).decode().strip()
+        answer = conn.recv(256).decode("utf-8", "replace").strip()
     except OSError:
         answer = ""
     conn.close()
     if answer == "go":
         return
+    if answer and not answer.startswith("missing "):
+        # Something else (JAX's gRPC coordinator) holds the port: the rendezvous is over.
+        fail(4, f"the coordinator, task 0 at {peers[0]}, is past its roll call: the other workers have "
+                f"started already, and a restarted worker cannot rejoin a running JAX job")
     if answer.startswith("missing "):
         ks = [int(k) for k in answer.split()[1].split(",") if k.isdigit()]
         who = ", ".join(f"task {k} ({peers[k]})" for k in ks if k < n)
@@ -248,15 +253,23 @@ def main():
         loss = jax.lax.pmean(loss, "data")
         return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
 
+    # check_vma=False: JAX would otherwise sum the gradients of the replicated parameters
+    # by itself; here the all-reduce is the explicit pmean above.
     train_step = jax.jit(jax.shard_map(
-        step_on_shard, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P())))
+        step_on_shard, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()),
+        check_vma=False))
 
     for step in range(1, args.steps + 1):
         x, y = local_batch()
         gx = jax.make_array_from_process_local_data(by_worker, x)
         gy = jax.make_array_from_process_local_data(by_worker, y)
-        params, loss = train_step(params, gx, gy)
-        say(f"step {step} loss {float(np.asarray(loss.addressable_data(0))):.6f}")
+        try:
+            params, loss = train_step(params, gx, gy)
+            value = float(np.asarray(loss.addressable_data(0)))
+        except Exception as e:  # JAX's runtime errors (a gloo peer gone) have no common base
+            fail(5, f"training stopped at step {step}: a peer left the all-reduce (died or was stopped; "
+                    f"its own log says why): {str(e).splitlines()[0]}")
+        say(f"step {step} loss {value:.6f}")
         if args.step_sleep > 0:
             time.sleep(args.step_sleep)
 
