@@ -273,9 +273,15 @@ fn every_worker_ends_with_the_same_parameters() {
     let ranks: Vec<usize> = workers.iter().map(|(r, _)| *r).collect();
     assert_eq!(ranks, (0..WORKERS).collect::<Vec<_>>(), "{}", sb.worker_logs());
     let hs = hashes(&workers);
-    assert_eq!(hs.len(), WORKERS, "every worker prints PARAMS_SHA256:\n{}", sb.worker_logs());
+    assert_eq!(
+        hs.len(),
+        WORKERS,
+        "every worker prints PARAMS_SHA256:\n{}",
+        sb.worker_logs()
+    );
     assert!(
-        hs.iter().all(|h| h.len() == 64 && h.chars().all(|c| c.is_ascii_hexdigit())),
+        hs.iter()
+            .all(|h| h.len() == 64 && h.chars().all(|c| c.is_ascii_hexdigit())),
         "{hs:?}"
     );
     assert!(hs.iter().all(|h| *h == hs[0]), "replicas differ: {hs:?}");
@@ -353,14 +359,19 @@ fn a_killed_worker_fails_the_job_and_leaves_no_worker_behind() {
     assert_eq!(code, 1, "the job must fail:\n{output}\n{}", sb.worker_logs());
     assert!(
         output.contains("task worker/1 attempt 1 ended (killed (SIGKILL)")
-            || output.lines().any(|l| l.starts_with("task worker/1 ") && l.contains("SIGKILL")),
+            || output
+                .lines()
+                .any(|l| l.starts_with("task worker/1 ") && l.contains("SIGKILL")),
         "worker 1's kill is reported:\n{output}"
     );
     let job_line = output
         .lines()
         .find(|l| l.starts_with("job ") && l.contains("Failed"))
         .unwrap_or_else(|| panic!("no `job ... Failed` line:\n{output}"));
-    assert!(job_line.contains("task worker/"), "the job's end names the task: {job_line}");
+    assert!(
+        job_line.contains("task worker/"),
+        "the job's end names the task: {job_line}"
+    );
     // `gpuam run` returns after its RM has stopped every container: nothing left running.
     sb.assert_nothing_left();
     for p in all_before {
@@ -376,7 +387,10 @@ fn a_peer_that_never_comes_fails_the_job_naming_it() {
     let job = sb.job_variant(
         "missing.yaml",
         &[
-            ("'\"$py\" -u", "'if [ \"$GPUAM_TASK_INDEX\" = 2 ]; then sleep 600; else \"$py\" -u"),
+            (
+                "'\"$py\" -u",
+                "'if [ \"$GPUAM_TASK_INDEX\" = 2 ]; then sleep 600; else \"$py\" -u",
+            ),
             ("--init-timeout 60'", "--init-timeout 8; fi'"),
         ],
     );
@@ -387,9 +401,21 @@ fn a_peer_that_never_comes_fails_the_job_naming_it() {
     let logs = sb.worker_logs();
     let port_of_2 = logs
         .lines()
-        .find_map(|l| l.split("missing peer: task 2 (").nth(1)?.split(')').next().map(str::to_string))
+        .find_map(|l| {
+            l.split("missing peer: task 2 (")
+                .nth(1)?
+                .split(')')
+                .next()
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| panic!("no worker names the missing task 2:\n{output}\n{logs}"));
-    assert!(port_of_2.contains(':'), "the missing peer is named with its host:port: {port_of_2}");
-    assert!(output.contains("missing peer: task 2"), "`gpuam run` shows the message:\n{output}");
+    assert!(
+        port_of_2.contains(':'),
+        "the missing peer is named with its host:port: {port_of_2}"
+    );
+    assert!(
+        output.contains("missing peer: task 2"),
+        "`gpuam run` shows the message:\n{output}"
+    );
     sb.assert_nothing_left();
 }
