@@ -275,7 +275,7 @@ async fn metrics_series() {
     let app = router(demo_hub(30, 6));
     let (s, ctype, text) = get(&app, "/metrics").await;
     assert_eq!(s, StatusCode::OK);
-    assert!(ctype.starts_with("text/plain; version=0.0.4"));
+    assert!(ctype.starts_with("application/openmetrics-text"), "{ctype}");
     for series in [
         "gpuam_tasks{role=\"worker\",state=\"CONTAINER_RUNNING\"} ",
         "gpuam_requests_outstanding ",
