@@ -191,6 +191,9 @@ def main():
     coord_host, coord_port = peers[0].rsplit(":", 1)
     coord_ip, resolved = address_of(coord_host)
     coordinator = f"{coord_ip}:{coord_port}"
+    # On NVIDIA machines with jax[cuda12], JAX uses exactly these GPUs: gpuam's granted mask.
+    say(f"worker {rank}/{n}: GPUs {os.environ.get('CUDA_VISIBLE_DEVICES', '(not set)') or '(none)'}"
+        f" (CUDA_VISIBLE_DEVICES, granted by gpuam)")
     say(f"worker {rank}/{n}: coordinator task 0 at {peers[0]} -> {coordinator}"
         f"{'' if resolved else ' (simulated host: this machine)'}; peers from {source}")
 

@@ -286,6 +286,22 @@ fn every_worker_ends_with_the_same_parameters() {
     );
     assert!(hs.iter().all(|h| *h == hs[0]), "replicas differ: {hs:?}");
     for (rank, text) in &workers {
+        // Its CUDA_VISIBLE_DEVICES is the GPU gpuam granted it.
+        let granted = output
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("task worker/{rank} running on "))?
+                    .split_once(" GPUs [")
+                    .map(|(_, g)| g.trim_end_matches(']').to_string())
+            })
+            .unwrap_or_else(|| panic!("no `task worker/{rank} running` line:\n{output}"));
+        assert_eq!(granted.split(',').count(), 1, "one GPU each: {granted}");
+        assert!(
+            text.contains(&format!(
+                "worker {rank}/{WORKERS}: GPUs {granted} (CUDA_VISIBLE_DEVICES"
+            )),
+            "worker {rank} sees its granted GPU {granted}:\n{text}"
+        );
         let l = losses(text);
         assert_eq!(l.len(), 40, "worker {rank} ran 40 steps:\n{text}");
         assert!(l[l.len() - 1] < l[0] / 2.0, "worker {rank}'s loss did not fall: {l:?}");
