@@ -16,15 +16,17 @@ Run by examples/jax-ddp.yaml (see README.md, "A real training job: JAX"). Every 
 
 A peer that never comes makes the job fail within the timeout, with a message naming the
 missing task and its address, rather than hang; a peer that dies during training ends the
-others at their next step. Exit codes: 0 done; 3 bad environment; 4 the rendezvous failed
+others at their next step, each naming the task that left. Exit codes: 0 done; 3 bad environment; 4 the rendezvous failed
 (a peer missing or unreachable); 5 a peer left during training.
 """
 
 import argparse
 import hashlib
 import os
+import select
 import socket
 import sys
+import threading
 import time
 
 # Proxy variables can hang gRPC's start-up (the coordinator is reached through them);
@@ -89,14 +91,75 @@ def address_of(host):
         return "127.0.0.1", False
 
 
-def roll_call(rank, peers, bind_ip, coord_ip, port, seconds):
+class Departures:
+    """Which peers have left, learnt from the roll-call connections, which stay open while
+    the job runs: a process that dies closes its end at once. Task 0 watches every peer's
+    connection and tells the others `left K`; the others watch theirs to task 0."""
+
+    def __init__(self):
+        self.left = []
+        self.changed = threading.Event()
+
+    def record(self, k):
+        if k not in self.left:
+            self.left.append(k)
+        self.changed.set()
+
+    def wait(self, seconds):
+        """The peers known to have left, waiting up to `seconds` for the first news."""
+        self.changed.wait(seconds)
+        return list(self.left)
+
+
+def watch_peers(conns, departures):
+    """Task 0: a peer's connection ending means that peer left; tell the rest."""
+    def run():
+        live = dict(conns)
+        while live:
+            ready, _, _ = select.select(list(live.values()), [], [])
+            for k, c in list(live.items()):
+                if c not in ready:
+                    continue
+                try:
+                    data = c.recv(64)
+                except OSError:
+                    data = b""
+                if data:
+                    continue
+                del live[k]
+                c.close()
+                departures.record(k)
+                for other in live.values():
+                    try:
+                        other.sendall(f"left {k}\n".encode())
+                    except OSError:
+                        pass
+    threading.Thread(target=run, daemon=True).start()
+
+
+def watch_coordinator(reader, departures):
+    """Tasks 1..n-1: `left K` lines from task 0; the connection ending means task 0 left."""
+    def run():
+        try:
+            for line in reader:
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == "left" and parts[1].isdigit():
+                    departures.record(int(parts[1]))
+        except (OSError, ValueError):
+            pass
+        departures.record(0)
+    threading.Thread(target=run, daemon=True).start()
+
+
+def roll_call(rank, peers, bind_ip, coord_ip, port, seconds, departures):
     """Before JAX starts: every task checks in with task 0 over TCP on the coordinator's
     port, so that a peer that never comes is named (JAX itself aborts without naming it).
 
     Task 0 listens on its own address, waits up to `seconds` for tasks 1..n-1 to send
-    their index, then answers each `go` (or `missing i,j`) and closes, freeing the port for
-    JAX's coordinator. The others connect (retrying while task 0 is not up yet), send
-    their index and wait for the answer. Ends the process (exit 4) on failure."""
+    their index, then answers each `go` (or `missing i,j`) and stops listening, freeing
+    the port for JAX's coordinator. The others connect (retrying while task 0 is not up
+    yet), send their index and wait for the answer. The connections stay open to report
+    departures (see Departures). Ends the process (exit 4) on failure."""
     deadline = time.monotonic() + seconds
     n = len(peers)
     if rank == 0:
@@ -126,19 +189,19 @@ def roll_call(rank, peers, bind_ip, coord_ip, port, seconds):
                 joined[k] = conn
             else:
                 conn.close()
+        srv.close()
         missing = [k for k in range(1, n) if k not in joined]
         answer = "go" if not missing else "missing " + ",".join(map(str, missing))
         for conn in joined.values():
             try:
                 conn.sendall((answer + "\n").encode())
-                conn.recv(1)  # wait for the peer to close first (no TIME_WAIT on our side)
             except OSError:
                 pass
-            conn.close()
-        srv.close()
+            conn.settimeout(None)
         if missing:
             who = ", ".join(f"task {k} ({peers[k]})" for k in missing)
             fail(4, f"missing peer: {who} did not join within {seconds} s")
+        watch_peers(joined, departures)
         return
     while True:
         try:
@@ -151,12 +214,14 @@ def roll_call(rank, peers, bind_ip, coord_ip, port, seconds):
             time.sleep(0.2)
     conn.sendall(f"{rank}\n".encode())
     conn.settimeout(max(1.0, deadline - time.monotonic() + 10))
+    reader = conn.makefile("r", encoding="utf-8", errors="replace", newline="\n")
     try:
-        answer = conn.recv(256).decode("utf-8", "replace").strip()
+        answer = reader.readline().strip()
     except OSError:
         answer = ""
-    conn.close()
     if answer == "go":
+        conn.settimeout(None)
+        watch_coordinator(reader, departures)
         return
     if answer and not answer.startswith("missing "):
         # Something else (JAX's gRPC coordinator) holds the port: the rendezvous is over.
@@ -204,7 +269,8 @@ def main():
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     my_ip = coord_ip if rank == 0 else None
-    roll_call(rank, peers, my_ip, coord_ip, int(coord_port), args.init_timeout)
+    departures = Departures()
+    roll_call(rank, peers, my_ip, coord_ip, int(coord_port), args.init_timeout, departures)
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=n,
@@ -270,8 +336,11 @@ def main():
             params, loss = train_step(params, gx, gy)
             value = float(np.asarray(loss.addressable_data(0)))
         except Exception as e:  # JAX's runtime errors (a gloo peer gone) have no common base
-            fail(5, f"training stopped at step {step}: a peer left the all-reduce (died or was stopped; "
-                    f"its own log says why): {str(e).splitlines()[0]}")
+            # Which peer: the roll-call connections say within moments.
+            gone = [k for k in departures.wait(3.0) if k != rank]
+            who = ", ".join(f"task {k} ({peers[k]})" for k in gone) or "a peer"
+            fail(5, f"training stopped at step {step}: {who} left the job (died or was stopped; its own "
+                    f"log says why): {str(e).splitlines()[0]}")
         say(f"step {step} loss {value:.6f}")
         if args.step_sleep > 0:
             time.sleep(args.step_sleep)
