@@ -8,6 +8,9 @@
 //! - `dashboard_shows_the_end_of_a_job`: `gpuam run examples/ps-worker.yaml`: the workers'
 //!   latest output in the table, parameter servers STOPPED (not FAILED) when the job
 //!   completes, and a "job ended" badge (not "reconnecting…") once the AM has gone.
+//! - `dashboard_shows_the_loss_falling`: `gpuam run examples/jax-ddp.yaml` (real JAX; run
+//!   `bash examples/jax-setup.sh` first): the workers' `step N loss X` lines in the table,
+//!   the loss lower at the end than at the first look.
 //!
 //! Chromium and chromedriver must be installed (`apt-get install chromium
 //! chromium-driver`); without them these tests fail rather than skip.
@@ -458,11 +461,17 @@ fn start_job() -> (Child, String) {
 /// Starts `gpuam run SPEC` (the AM's dashboard lingering `linger_sec` after the job) and
 /// returns the child and the dashboard URL it printed.
 fn start_job_with(spec: &str, linger_sec: u32) -> (Child, String) {
+    start_job_env(spec, linger_sec, &[])
+}
+
+/// As [`start_job_with`], with extra environment variables for `gpuam run`.
+fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Child, String) {
     let root = env!("CARGO_MANIFEST_DIR");
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuam"))
         .args(["run", spec, "--listen", "127.0.0.1:0"])
         .current_dir(root)
         .env("GPUAM_DASHBOARD_LINGER_SEC", linger_sec.to_string())
+        .envs(env.iter().map(|(k, v)| (*k, *v)))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -631,6 +640,79 @@ async fn dashboard_shows_the_end_of_a_job() {
     let badge = b.js("return document.getElementById('conn').textContent;").await;
     assert!(!badge.as_str().unwrap().contains("reconnecting"), "{badge}");
     b.screenshot("target/dashboard-ended.png").await;
+    drop(b);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// `examples/jax-ddp.yaml` (real JAX training; needs `bash examples/jax-setup.sh`): the
+/// task table's latest-output column follows each worker's `step N loss X` lines, so a
+/// person sees the loss fall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_the_loss_falling() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = root.join("target/jax-venv/bin/python");
+    let has_jax = Command::new(&python)
+        .args(["-c", "import jax"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        has_jax,
+        "JAX is not installed in {}: run `bash examples/jax-setup.sh` first (.ci/run does)",
+        python.display()
+    );
+    // A HOME of its own for the link jax-setup.sh makes (the job's commands follow it).
+    let home = tempfile::Builder::new()
+        .prefix(&format!("jax-dash-{}-", std::process::id()))
+        .tempdir()
+        .unwrap();
+    let setup = Command::new("bash")
+        .arg(root.join("examples/jax-setup.sh"))
+        .env("HOME", home.path())
+        .output()
+        .unwrap();
+    assert!(setup.status.success(), "{}", String::from_utf8_lossy(&setup.stderr));
+
+    let b = Browser::start().await;
+    let (mut child, url) = start_job_env("examples/jax-ddp.yaml", 10, &[("HOME", home.path())]);
+    b.goto(&url).await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(20),
+    )
+    .await;
+    // Each worker's latest `step N loss X`, as the table shows it.
+    const STEPS: &str = "return [...document.querySelectorAll('td.tail[data-tail^=\"worker/\"]')].map(c => { const ms = [...c.children].map(d => /^step (\\d+) loss ([0-9.]+)$/.exec(d.textContent.trim())).filter(m => m); const m = ms[ms.length - 1]; return m ? [c.dataset.tail, +m[1], +m[2]] : null; });";
+    let early = b
+        .wait_for(
+            "every worker's first loss lines",
+            &format!("const v = (() => {{ {STEPS} }})(); return v.length === 3 && v.every(x => x) ? v : null;"),
+            Duration::from_secs(120),
+        )
+        .await;
+    b.wait_for(
+        "the job to succeed",
+        "return document.getElementById('job-state').dataset.state === 'SUCCEEDED';",
+        Duration::from_secs(120),
+    )
+    .await;
+    let late = b
+        .wait_for(
+            "every worker's last step",
+            &format!("const v = (() => {{ {STEPS} }})(); return v.length === 3 && v.every(x => x && x[1] === 40) ? v : null;"),
+            Duration::from_secs(20),
+        )
+        .await;
+    for (e, l) in early.as_array().unwrap().iter().zip(late.as_array().unwrap()) {
+        assert_eq!(e[0], l[0]);
+        let (e_step, e_loss) = (e[1].as_u64().unwrap(), e[2].as_f64().unwrap());
+        let l_loss = l[2].as_f64().unwrap();
+        assert!(e_step < 40, "the first look came before the end: {e}");
+        assert!(l_loss < e_loss, "the loss fell on the page: {e} then {l}");
+    }
+    b.screenshot("target/dashboard-jax.png").await;
     drop(b);
     let _ = child.kill();
     let _ = child.wait();

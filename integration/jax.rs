@@ -338,7 +338,7 @@ fn a_killed_worker_fails_the_job_and_leaves_no_worker_behind() {
     // Long enough that the kill lands mid-training.
     let job = sb.job_variant(
         "long.yaml",
-        &[("--steps 40 --step-sleep 0.1", "--steps 100000 --step-sleep 0.05")],
+        &[("--steps 40 --step-sleep 0.25", "--steps 100000 --step-sleep 0.05")],
     );
     let mut run = sb.spawn_run(&job);
 
@@ -380,12 +380,18 @@ fn a_killed_worker_fails_the_job_and_leaves_no_worker_behind() {
         .lines()
         .filter(|l| l.starts_with("task worker/") && l.contains("finished: exit 5"))
         .find(|l| l.contains("training stopped at step") && l.contains(": task 1 (") && l.contains(") left the job"));
-    assert!(named.is_some(), "a survivor names task 1 as the one that left:\n{output}");
+    assert!(
+        named.is_some(),
+        "a survivor names task 1 as the one that left:\n{output}"
+    );
     let job_line = output
         .lines()
         .find(|l| l.starts_with("job ") && l.contains("Failed"))
         .unwrap_or_else(|| panic!("no `job ... Failed` line:\n{output}"));
-    assert!(job_line.contains("task worker/"), "the job's end names the task: {job_line}");
+    assert!(
+        job_line.contains("task worker/"),
+        "the job's end names the task: {job_line}"
+    );
     // `gpuam run` returns after its RM has stopped every container: nothing left running.
     sb.assert_nothing_left();
     for p in all_before {
