@@ -27,7 +27,10 @@ if have_jax && [ "$(cat "$venv/.gpuam-extra" 2>/dev/null)" = "$extra" ]; then
 else
   echo "== creating $venv with jax[$extra]==$jax_version (about 140 MB to download for cpu)"
   mkdir -p "$repo/target"
-  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  command -v "$python" >/dev/null 2>&1 ||
+    { echo "error: $python not found: install Python 3.10 or newer (or set PYTHON=...)" >&2; exit 1; }
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv" ||
+    { echo "error: $python -m venv failed: on Debian/Ubuntu install python3-venv" >&2; exit 1; }
   # Proxies, if the environment needs them, are for pip only; the job clears its own.
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
     --cache-dir "$repo/target/pip-cache" "jax[$extra]==$jax_version"
