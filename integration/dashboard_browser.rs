@@ -712,6 +712,12 @@ async fn dashboard_shows_the_loss_falling() {
         assert!(e_step < 40, "the first look came before the end: {e}");
         assert!(l_loss < e_loss, "the loss fell on the page: {e} then {l}");
     }
+    b.wait_for(
+        "every row SUCCEEDED",
+        "const rows = [...document.querySelectorAll('tr[data-task]')]; return rows.length === 3 && rows.every(r => r.dataset.state === 'SUCCEEDED');",
+        Duration::from_secs(20),
+    )
+    .await;
     b.screenshot("target/dashboard-jax.png").await;
     drop(b);
     let _ = child.kill();
