@@ -5,6 +5,12 @@
 //!   task table, GPU boxes and their looks, the waiting panel, logs, kill confirmation.
 //! - `dashboard_follows_a_real_job`: `gpuam run examples/ddp-4x2.yaml` end to end:
 //!   tasks go RUNNING then SUCCEEDED, a task's two GPUs are marked, its log shows.
+//! - `dashboard_shows_the_end_of_a_job`: `gpuam run examples/ps-worker.yaml`: the workers'
+//!   latest output in the table, parameter servers STOPPED (not FAILED) when the job
+//!   completes, and a "job ended" badge (not "reconnecting…") once the AM has gone.
+//! - `dashboard_shows_the_loss_falling`: `gpuam run examples/jax-ddp.yaml` (real JAX; run
+//!   `bash examples/jax-setup.sh` first): the workers' `step N loss X` lines in the table,
+//!   the loss lower at the end than at the first look.
 //!
 //! Chromium and chromedriver must be installed (`apt-get install chromium
 //! chromium-driver`); without them these tests fail rather than skip.
@@ -314,6 +320,22 @@ async fn dashboard_renders_demo_hub() {
         Duration::from_secs(5),
     )
     .await;
+    // The table shows each placed task's latest output (the demo log's last lines).
+    let tail = b
+        .wait_for(
+            "the task's latest output",
+            &format!("const c = document.querySelector('td.tail[data-tail=\"{role}/{index}\"]'); return c && c.children.length === 3 ? [...c.children].map(d => d.textContent) : null;"),
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(
+        tail,
+        json!([
+            format!("[stdout] {container} step 37: loss=0.053"),
+            format!("[stdout] {container} step 38: loss=0.051"),
+            format!("[stdout] {container} step 39: loss=0.050")
+        ])
+    );
 
     // A waiting task: the panel shows the stage that emptied the candidates.
     b.js("const s = document.getElementById('f-state'); s.value = 'WAITING'; s.dispatchEvent(new Event('change'));")
@@ -402,17 +424,54 @@ async fn dashboard_renders_demo_hub() {
         Duration::from_secs(5),
     )
     .await;
+
+    // A task stopped because the job completed (a parameter server) is STOPPED, not FAILED.
+    let second = hub.read(|s| {
+        s.tasks
+            .iter()
+            .position(|t| t.state == gpuam::am::status::TaskState::ContainerRunning)
+            .unwrap()
+    });
+    let (r, i) = hub.read(|s| (s.tasks[second].role.clone(), s.tasks[second].index));
+    hub.update("task", json!({"role": r, "index": i}), |s| {
+        let t = &mut s.tasks[second];
+        t.state = gpuam::am::status::TaskState::TaskCompleted;
+        t.exit_code = Some(-7125);
+        t.exit_type = Some(gpuam::am::status::ExitType::TransientNormal);
+        t.exit_diagnostics = Some("stopped on job completion: stopped when the job ended".into());
+    });
+    b.wait_for(
+        "the stopped task",
+        &format!(
+            "const r = document.querySelector('tr[data-task=\"{r}/{i}\"]'); return r && r.dataset.state === 'STOPPED';"
+        ),
+        Duration::from_secs(5),
+    )
+    .await;
     drop(b);
     server.abort();
 }
 
-/// Starts `gpuam run` and returns the child and the dashboard URL it printed.
+/// Starts `gpuam run examples/ddp-4x2.yaml` and returns the child and the dashboard URL
+/// it printed.
 fn start_job() -> (Child, String) {
+    start_job_with("examples/ddp-4x2.yaml", 30)
+}
+
+/// Starts `gpuam run SPEC` (the AM's dashboard lingering `linger_sec` after the job) and
+/// returns the child and the dashboard URL it printed.
+fn start_job_with(spec: &str, linger_sec: u32) -> (Child, String) {
+    start_job_env(spec, linger_sec, &[])
+}
+
+/// As [`start_job_with`], with extra environment variables for `gpuam run`.
+fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Child, String) {
     let root = env!("CARGO_MANIFEST_DIR");
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuam"))
-        .args(["run", "examples/ddp-4x2.yaml", "--listen", "127.0.0.1:0"])
+        .args(["run", spec, "--listen", "127.0.0.1:0"])
         .current_dir(root)
-        .env("GPUAM_DASHBOARD_LINGER_SEC", "30")
+        .env("GPUAM_DASHBOARD_LINGER_SEC", linger_sec.to_string())
+        .envs(env.iter().map(|(k, v)| (*k, *v)))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -432,7 +491,7 @@ fn start_job() -> (Child, String) {
             let status = child.try_wait().ok().flatten();
             let _ = child.kill();
             panic!(
-                "`gpuam run examples/ddp-4x2.yaml --listen 127.0.0.1:0` printed no `dashboard: URL` line \
+                "`gpuam run {spec} --listen 127.0.0.1:0` printed no `dashboard: URL` line \
                  within 30 s (exit status so far: {status:?})"
             );
         }
@@ -504,6 +563,162 @@ async fn dashboard_follows_a_real_job() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let png = b.screenshot("target/dashboard.png").await;
     assert!(std::fs::metadata(png).unwrap().len() > 10_000);
+    drop(b);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// `examples/ps-worker.yaml`: the parameter servers, stopped when the workers complete the
+/// job, show as STOPPED (not FAILED); the workers' rows show their latest output; once
+/// the finished job's AM has gone, the connection badge says the job ended instead of
+/// "reconnecting…".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_the_end_of_a_job() {
+    let b = Browser::start().await;
+    let (mut child, url) = start_job_with("examples/ps-worker.yaml", 4);
+    b.goto(&url).await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(20),
+    )
+    .await;
+    // The workers' output appears in the table while they run (they print one line, then
+    // sleep 2 s).
+    let tails = b
+        .wait_for(
+            "the workers' latest output",
+            "const cs = [...document.querySelectorAll('td.tail[data-tail^=\"worker/\"]')].filter(c => c.textContent.includes('on ')); return cs.length === 3 ? cs.map(c => c.dataset.tail + ' ' + c.textContent) : null;",
+            Duration::from_secs(60),
+        )
+        .await;
+    for t in tails.as_array().unwrap() {
+        let t = t.as_str().unwrap();
+        let task = t.split(' ').next().unwrap();
+        assert!(t.contains(&format!("task {task} on ")), "{t}");
+    }
+    b.wait_for(
+        "the job to succeed",
+        "return document.getElementById('job-state').dataset.state === 'SUCCEEDED';",
+        Duration::from_secs(60),
+    )
+    .await;
+    let states = b
+        .wait_for(
+            "every task to end",
+            "const rows = [...document.querySelectorAll('tr[data-task]')]; return rows.length === 5 && rows.every(r => r.dataset.rawState === 'TASK_COMPLETED') ? rows.map(r => r.dataset.task + '=' + r.dataset.state).sort() : null;",
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(
+        states,
+        json!([
+            "ps/0=STOPPED",
+            "ps/1=STOPPED",
+            "worker/0=SUCCEEDED",
+            "worker/1=SUCCEEDED",
+            "worker/2=SUCCEEDED"
+        ])
+    );
+    let ps_colour = b
+        .js("return getComputedStyle(document.querySelector('tr[data-task=\"ps/0\"] .state')).color;")
+        .await;
+    let failed_colour = b
+        .js("const s = document.createElement('span'); s.className = 'state'; s.dataset.state = 'FAILED'; document.body.append(s); const c = getComputedStyle(s).color; s.remove(); return c;")
+        .await;
+    assert_ne!(ps_colour, failed_colour, "STOPPED is not drawn as a failure");
+    // The AM stops serving 4 s after the job; the badge then says the job ended.
+    let badge = b
+        .wait_for(
+            "the ended badge",
+            "const c = document.getElementById('conn'); return !c.hidden && c.dataset.conn === 'ended' ? c.textContent : null;",
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(badge.as_str().unwrap().contains("job ended"), "{badge}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let badge = b.js("return document.getElementById('conn').textContent;").await;
+    assert!(!badge.as_str().unwrap().contains("reconnecting"), "{badge}");
+    b.screenshot("target/dashboard-ended.png").await;
+    drop(b);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// `examples/jax-ddp.yaml` (real JAX training; needs `bash examples/jax-setup.sh`): the
+/// task table's latest-output column follows each worker's `step N loss X` lines, so a
+/// person sees the loss fall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_the_loss_falling() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = root.join("target/jax-venv/bin/python");
+    let has_jax = Command::new(&python)
+        .args(["-c", "import jax"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        has_jax,
+        "JAX is not installed in {}: run `bash examples/jax-setup.sh` first (.ci/run does)",
+        python.display()
+    );
+    // A HOME of its own for the link jax-setup.sh makes (the job's commands follow it).
+    let home = tempfile::Builder::new()
+        .prefix(&format!("jax-dash-{}-", std::process::id()))
+        .tempdir()
+        .unwrap();
+    let setup = Command::new("bash")
+        .arg(root.join("examples/jax-setup.sh"))
+        .env("HOME", home.path())
+        .output()
+        .unwrap();
+    assert!(setup.status.success(), "{}", String::from_utf8_lossy(&setup.stderr));
+
+    let b = Browser::start().await;
+    let (mut child, url) = start_job_env("examples/jax-ddp.yaml", 10, &[("HOME", home.path())]);
+    b.goto(&url).await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(20),
+    )
+    .await;
+    // Each worker's latest `step N loss X`, as the table shows it.
+    const STEPS: &str = "return [...document.querySelectorAll('td.tail[data-tail^=\"worker/\"]')].map(c => { const ms = [...c.children].map(d => /^step (\\d+) loss ([0-9.]+)$/.exec(d.textContent.trim())).filter(m => m); const m = ms[ms.length - 1]; return m ? [c.dataset.tail, +m[1], +m[2]] : null; });";
+    let early = b
+        .wait_for(
+            "every worker's first loss lines",
+            &format!("const v = (() => {{ {STEPS} }})(); return v.length === 3 && v.every(x => x) ? v : null;"),
+            Duration::from_secs(120),
+        )
+        .await;
+    b.wait_for(
+        "the job to succeed",
+        "return document.getElementById('job-state').dataset.state === 'SUCCEEDED';",
+        Duration::from_secs(120),
+    )
+    .await;
+    let late = b
+        .wait_for(
+            "every worker's last step",
+            &format!("const v = (() => {{ {STEPS} }})(); return v.length === 3 && v.every(x => x && x[1] === 40) ? v : null;"),
+            Duration::from_secs(20),
+        )
+        .await;
+    for (e, l) in early.as_array().unwrap().iter().zip(late.as_array().unwrap()) {
+        assert_eq!(e[0], l[0]);
+        let (e_step, e_loss) = (e[1].as_u64().unwrap(), e[2].as_f64().unwrap());
+        let l_loss = l[2].as_f64().unwrap();
+        assert!(e_step < 40, "the first look came before the end: {e}");
+        assert!(l_loss < e_loss, "the loss fell on the page: {e} then {l}");
+    }
+    b.wait_for(
+        "every row SUCCEEDED",
+        "const rows = [...document.querySelectorAll('tr[data-task]')]; return rows.length === 3 && rows.every(r => r.dataset.state === 'SUCCEEDED');",
+        Duration::from_secs(20),
+    )
+    .await;
+    b.screenshot("target/dashboard-jax.png").await;
     drop(b);
     let _ = child.kill();
     let _ = child.wait();

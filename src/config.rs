@@ -185,6 +185,37 @@ pub struct SettingsError {
     pub message: String,
 }
 
+/// `conf/gpuam.yaml` as built into the binary: the settings when no file is given or
+/// found, so that an installed `gpuam` works from any directory.
+pub const BUILT_IN_SETTINGS: &str = include_str!("../conf/gpuam.yaml");
+
+/// `conf/cluster.yaml` as built into the binary: the demo cluster of `gpuam run` /
+/// `gpuam rm` when neither `--cluster` is given nor `conf/cluster.yaml` is found.
+pub const BUILT_IN_CLUSTER: &str = include_str!("../conf/cluster.yaml");
+
+/// Where the cluster of `gpuam run` / `gpuam rm` comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClusterSource {
+    /// A cluster file: `--cluster FILE`, else `conf/cluster.yaml` in the working directory.
+    File(PathBuf),
+    /// [`BUILT_IN_CLUSTER`].
+    BuiltIn,
+}
+
+/// `explicit` if given, else `conf/cluster.yaml` under `cwd` if it exists (named
+/// relative, as before), else the built-in demo cluster.
+pub fn cluster_source(explicit: Option<&Path>, cwd: &Path) -> ClusterSource {
+    if let Some(p) = explicit {
+        return ClusterSource::File(p.to_path_buf());
+    }
+    let rel = Path::new("conf/cluster.yaml");
+    if cwd.join(rel).exists() {
+        ClusterSource::File(rel.to_path_buf())
+    } else {
+        ClusterSource::BuiltIn
+    }
+}
+
 /// The default settings file, if present: `$GPUAM_CONFIG`, else `conf/gpuam.yaml`.
 pub fn default_settings_path() -> Option<PathBuf> {
     if let Ok(p) = std::env::var("GPUAM_CONFIG") {
@@ -210,11 +241,17 @@ impl Settings {
             message,
         };
         let mut builder = config::Config::builder();
-        if let Some(f) = file {
-            if !f.exists() {
-                return Err(err("file not found".into()));
+        match file {
+            Some(f) => {
+                if !f.exists() {
+                    return Err(err("file not found".into()));
+                }
+                builder = builder.add_source(config::File::from(f).format(config::FileFormat::Yaml));
             }
-            builder = builder.add_source(config::File::from(f).format(config::FileFormat::Yaml));
+            // Only without a file: maps (queues) in a file replace the defaults, not merge.
+            None => {
+                builder = builder.add_source(config::File::from_str(BUILT_IN_SETTINGS, config::FileFormat::Yaml));
+            }
         }
         let env: config::Map<String, String> = env.into_iter().filter(|(k, _)| k.starts_with("GPUAM__")).collect();
         // Which TLS paths the environment sets (they resolve against the working directory).
@@ -307,6 +344,40 @@ mod tests {
         assert_eq!(s.select.candidate_nodes_factor, 3);
         assert_eq!(s.select.rack_policy, RackPolicy::None);
         assert_eq!(s.am.transient_exit_codes, vec![3, 4]);
+    }
+
+    #[test]
+    fn built_in_settings_and_cluster_are_the_bundled_files() {
+        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/gpuam.yaml");
+        assert_eq!(
+            Settings::load_with_env(None, env(&[])).unwrap(),
+            Settings::load_with_env(Some(&file), env(&[])).unwrap()
+        );
+        let on_disk = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/cluster.yaml")).unwrap();
+        assert_eq!(BUILT_IN_CLUSTER, on_disk);
+        let nodes = crate::cluster::file::parse_cluster_file(BUILT_IN_CLUSTER, "built-in").unwrap();
+        assert!(nodes.len() >= 2 && nodes.iter().any(|n| n.gpu_type.is_some()));
+        // The environment still overrides the built-in settings.
+        let s = Settings::load_with_env(None, env(&[("GPUAM__SELECT__CANDIDATE_NODES_FACTOR", "7")])).unwrap();
+        assert_eq!(s.select.candidate_nodes_factor, 7);
+    }
+
+    #[test]
+    fn the_cluster_comes_from_the_flag_then_the_directory_then_the_binary() {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("jax-{}-", std::process::id()))
+            .tempdir()
+            .unwrap();
+        let flag = Path::new("/somewhere/c.yaml");
+        assert_eq!(cluster_source(Some(flag), dir.path()), ClusterSource::File(flag.into()));
+        assert_eq!(cluster_source(None, dir.path()), ClusterSource::BuiltIn);
+        std::fs::create_dir_all(dir.path().join("conf")).unwrap();
+        std::fs::write(dir.path().join("conf/cluster.yaml"), "nodes: []\n").unwrap();
+        assert_eq!(
+            cluster_source(None, dir.path()),
+            ClusterSource::File("conf/cluster.yaml".into())
+        );
+        assert_eq!(cluster_source(Some(flag), dir.path()), ClusterSource::File(flag.into()));
     }
 
     #[test]

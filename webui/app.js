@@ -7,6 +7,10 @@ const TASK_PAGE = 50;
 const NODE_PAGE = 24;
 const LOG_POLL_MS = 1500;
 const LOG_TAIL = 65536;
+const TAIL_POLL_MS = 2000;
+const TAIL_LINES = 3;
+// frameworklauncher's code for a container stopped because its job completed.
+const KILLED_ON_JOB_END = -7125;
 
 const state = {
   job: null,
@@ -21,6 +25,9 @@ const state = {
   lastEventId: null,
   logTimer: null,
   stream: 'stdout',
+  tails: new Map(),      // "role/index" -> { containerId, lines }
+  tailTimer: null,
+  ended: false,          // the job is final and the live stream is closed
 };
 
 // ---------- helpers ----------
@@ -87,6 +94,9 @@ function displayState(t) {
     case 'CONTAINER_COMPLETED':
     case 'TASK_COMPLETED':
       if (t.exitCode === 0 || t.exitType === 'SUCCEEDED') return 'SUCCEEDED';
+      // Stopped because the job ended (parameter servers, the rest of a failed gang):
+      // not a failure of this task.
+      if (t.exitCode === KILLED_ON_JOB_END) return t.state === 'TASK_COMPLETED' ? 'STOPPED' : 'COMPLETING';
       if (t.exitCode === null || t.exitCode === undefined) return t.state === 'TASK_COMPLETED' ? 'STOPPED' : 'COMPLETING';
       return t.state === 'TASK_COMPLETED' ? 'FAILED' : 'COMPLETING';
     default: return t.state;
@@ -214,7 +224,48 @@ function taskRow(t) {
     h('td', { class: 'mono small' }, ports || '–'),
     h('td', null, t.attempt),
     h('td', { class: 'mono' }, t.exitCode === null || t.exitCode === undefined ? '' : t.exitCode),
-    h('td', { class: 'note', title: note }, h('span', { class: 'note-text' }, note)));
+    h('td', { class: 'note', title: note }, h('span', { class: 'note-text' }, note)),
+    tailCell(t));
+}
+
+// The task's latest output lines, if its container still matches.
+function tailCell(t) {
+  const tl = state.tails.get(key(t));
+  const lines = tl && tl.containerId === t.containerId ? tl.lines : [];
+  return h('td', { class: 'tail', 'data-tail': key(t), title: lines.join('\n') }, ...lines.map(l => h('div', null, l)));
+}
+
+// ---------- latest output of the tasks on the page ----------
+function jobFinal() { return !!state.job && ['SUCCEEDED', 'FAILED', 'KILLED'].includes(state.job.state); }
+
+// One round at a time: state.tailTimer is set while a round is scheduled or running.
+async function loadTails() {
+  state.tailTimer = 'running';
+  const list = filteredTasks();
+  const start = state.taskPage * TASK_PAGE;
+  const keys = list.slice(start, start + TASK_PAGE).filter(t => t.containerId).map(key);
+  const wasFinal = jobFinal();
+  if (keys.length) {
+    try {
+      const { body } = await getJSON('/api/v1/tails?lines=' + TAIL_LINES + '&tasks=' + encodeURIComponent(keys.join(',')));
+      let changed = false;
+      for (const tl of body.tails) {
+        if (!tl.lines.length && tl.error) continue; // keep what was shown (the AM may be gone)
+        const k = tl.role + '/' + tl.index, old = state.tails.get(k);
+        if (!old || old.containerId !== tl.containerId || old.lines.join('\n') !== tl.lines.join('\n')) {
+          state.tails.set(k, { containerId: tl.containerId, lines: tl.lines });
+          changed = true;
+        }
+      }
+      if (changed) for (const td of document.querySelectorAll('td.tail[data-tail]')) {
+        const t = state.tasks.get(td.dataset.tail);
+        if (t) td.replaceWith(tailCell(t));
+      }
+    } catch (_) { /* the next round tries again */ }
+  }
+  // A round that began after the job ended read the last lines: stop there (a page
+  // change starts one more round through renderTasks).
+  state.tailTimer = wasFinal ? null : setTimeout(loadTails, TAIL_POLL_MS);
 }
 
 function renderTasks() {
@@ -227,6 +278,7 @@ function renderTasks() {
   $('t-page').textContent = list.length ? (start + 1) + '–' + (start + page.length) + ' of ' + list.length + (list.length !== state.order.length ? ' (of ' + state.order.length + ')' : '') : 'no tasks match';
   $('t-prev').disabled = state.taskPage === 0;
   $('t-next').disabled = state.taskPage >= pages - 1;
+  if (!state.tailTimer && !state.ended) state.tailTimer = setTimeout(loadTails, 0);
 }
 
 function selectTask(k) {
@@ -452,7 +504,11 @@ function onEvent(kind, ev) {
     if (data && data.role !== undefined && data.index !== undefined) dirty.tasks.add(data.role + '/' + data.index);
     else dirty.all = true;
     dirty.job = true;
-  } else if (kind === 'job') dirty.job = true;
+  } else if (kind === 'job') {
+    dirty.job = true;
+    // Known at once: the AM of a finished job may be gone before the reload below.
+    if (data && data.state && state.job) { state.job.state = data.state; renderJob(); }
+  }
   else if (kind === 'nodes') dirty.nodes = true;
   else if (kind === 'selection') {
     dirty.selection = true;
@@ -466,7 +522,22 @@ function connect() {
   const es = new EventSource(url);
   const conn = $('conn');
   es.onopen = () => { conn.hidden = true; };
-  es.onerror = () => { conn.hidden = false; };
+  es.onerror = () => {
+    conn.hidden = false;
+    // A finished job's AM goes away after a while: nothing will change any more, so
+    // say so rather than try to reconnect forever.
+    if (jobFinal()) {
+      es.close();
+      state.ended = true;
+      conn.dataset.conn = 'ended';
+      conn.textContent = 'job ended · no longer live';
+      conn.title = 'The job has finished and its AM has stopped serving; this page shows the final state.';
+    } else {
+      conn.dataset.conn = 'reconnecting';
+      conn.textContent = 'reconnecting…';
+      conn.title = 'The live connection to the AM dropped; retrying.';
+    }
+  };
   for (const k of ['job', 'task', 'nodes', 'selection']) es.addEventListener(k, ev => onEvent(k, ev));
   es.addEventListener('resync', () => { dirty.all = true; schedule(); });
   es.onmessage = () => { dirty.all = true; schedule(); };

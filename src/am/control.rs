@@ -443,13 +443,7 @@ impl Control {
         for a in &req.asks {
             self.sent_asks.insert(a.request_id);
         }
-        {
-            let mut lat = self.hub.counters.allocate_latency_us.lock();
-            lat.push(started.elapsed().as_micros() as u64);
-            if lat.len() > 10_000 {
-                lat.drain(..5_000);
-            }
-        }
+        self.hub.counters.allocate_latency.observe(started.elapsed());
         self.response_id = resp.response_id;
         for v in &resp.updated_nodes {
             match parse_node_value(v) {

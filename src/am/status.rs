@@ -228,11 +228,34 @@ pub struct Counters {
     pub retries_transient: AtomicU64,
     pub retries_permanent: AtomicU64,
     pub retries_unknown: AtomicU64,
-    /// Allocate round-trip latencies in microseconds (bounded ring for quantiles and
-    /// a histogram).
-    pub allocate_latency_us: Mutex<Vec<u64>>,
+    /// Allocate round-trip latencies: a cumulative histogram (every sample counted,
+    /// none ever dropped, so its counts only grow).
+    pub allocate_latency: LatencyHistogram,
     /// Nodes filtered per stage name, summed over all selections.
     pub filtered_per_stage: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+}
+
+/// Upper bounds (seconds) of the allocate-latency histogram's buckets.
+pub const ALLOCATE_LATENCY_BUCKETS: [f64; 12] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
+
+/// A Prometheus histogram (`prometheus-client`) of durations in seconds over
+/// [`ALLOCATE_LATENCY_BUCKETS`]; clones share the same counts.
+#[derive(Clone, Debug)]
+pub struct LatencyHistogram(pub prometheus_client::metrics::histogram::Histogram);
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        LatencyHistogram(prometheus_client::metrics::histogram::Histogram::new(
+            ALLOCATE_LATENCY_BUCKETS,
+        ))
+    }
+}
+
+impl LatencyHistogram {
+    pub fn observe(&self, d: std::time::Duration) {
+        self.0.observe(d.as_secs_f64());
+    }
 }
 
 /// Where the dashboard reads container logs from.

@@ -36,7 +36,7 @@ enum Cmd {
     /// Run a job end to end: embedded RM on loopback, the AM, the executor, the dashboard.
     Run {
         job: PathBuf,
-        /// Cluster file (default conf/cluster.yaml).
+        /// Cluster file (default conf/cluster.yaml if present, else the built-in demo cluster).
         #[arg(long, value_name = "FILE")]
         cluster: Option<PathBuf>,
         /// The dashboard's address.
@@ -361,14 +361,23 @@ pub(crate) fn load_job(path: &Path) -> Result<(JobSpec, String), i32> {
     }
 }
 
-/// Loads a cluster file (default conf/cluster.yaml); exit 65 on failure.
+/// Loads the cluster: `--cluster FILE`, else conf/cluster.yaml if present here, else the
+/// demo cluster built into the binary (config::cluster_source); exit 65 on failure.
 pub(crate) fn load_cluster(path: Option<&Path>) -> Result<Vec<crate::cluster::Node>, i32> {
-    let path = path
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("conf/cluster.yaml"));
-    crate::cluster::file::load_cluster_file(&path).map_err(|errs| {
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+    let (loaded, source) = match crate::config::cluster_source(path, &cwd) {
+        crate::config::ClusterSource::File(p) => (crate::cluster::file::load_cluster_file(&p), p.display().to_string()),
+        crate::config::ClusterSource::BuiltIn => {
+            eprintln!("note: no --cluster and no conf/cluster.yaml here: using the built-in demo cluster");
+            (
+                crate::cluster::file::parse_cluster_file(crate::config::BUILT_IN_CLUSTER, "built-in demo cluster"),
+                "the built-in demo cluster".to_string(),
+            )
+        }
+    };
+    loaded.map_err(|errs| {
         eprintln!("{errs}");
-        eprintln!("error: the cluster file {} is not valid", path.display());
+        eprintln!("error: the cluster file {source} is not valid");
         exit::INVALID_INPUT
     })
 }

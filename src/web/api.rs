@@ -13,8 +13,8 @@ use serde::Serialize;
 use super::{json_bytes, json_ok, ApiError};
 use crate::am::status::{Command, NodeStatus, SelectionRecord, StatusHub, TaskState, TaskStatus};
 
-type Hub = State<Arc<StatusHub>>;
-type Params = Query<HashMap<String, String>>;
+pub(crate) type Hub = State<Arc<StatusHub>>;
+pub(crate) type Params = Query<HashMap<String, String>>;
 
 /// Default and largest page sizes for lists.
 const DEFAULT_LIMIT: usize = 100;

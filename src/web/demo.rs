@@ -394,7 +394,11 @@ pub fn demo_hub_with_commands(
     let (hub, rx) = StatusHub::new(snapshot, DEMO_TOKEN.to_string(), Arc::new(DemoLogs));
     hub.counters.rm_errors.store(2, Ordering::Relaxed);
     hub.counters.retries_transient.store(1, Ordering::Relaxed);
-    *hub.counters.allocate_latency_us.lock() = (0..200).map(|i| 800 + i * 37).collect();
+    for i in 0..200u64 {
+        hub.counters
+            .allocate_latency
+            .observe(std::time::Duration::from_micros(800 + i * 37));
+    }
     {
         let mut f = hub.counters.filtered_per_stage.lock();
         f.insert("gpuType", 250);

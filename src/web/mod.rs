@@ -9,6 +9,7 @@ mod assets;
 pub mod demo;
 mod metrics;
 mod sse;
+mod tails;
 #[cfg(test)]
 mod tests;
 
@@ -103,6 +104,7 @@ pub fn router(hub: Arc<StatusHub>) -> Router {
         .route("/api/v1/tasks", get(api::tasks))
         .route("/api/v1/tasks/{role}/{index}", get(api::task))
         .route("/api/v1/tasks/{role}/{index}/logs", get(api::task_logs))
+        .route("/api/v1/tails", get(tails::tails))
         .route("/api/v1/nodes", get(api::nodes))
         .route("/api/v1/selections", get(api::selections))
         .route("/api/v1/config", get(api::config))

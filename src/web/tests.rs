@@ -143,6 +143,61 @@ async fn task_logs() {
 }
 
 #[tokio::test]
+async fn tails_give_each_tasks_last_lines() {
+    let hub = demo_hub(20, 5);
+    let app = router(hub.clone());
+    let (placed, waiting) = hub.read(|s| {
+        let p: Vec<(String, u32, String)> = s
+            .tasks
+            .iter()
+            .filter_map(|t| Some((t.role.clone(), t.index, t.container_id.clone()?)))
+            .collect();
+        let w = s.tasks.iter().find(|t| t.container_id.is_none()).unwrap();
+        (p, (w.role.clone(), w.index))
+    });
+    assert!(placed.len() >= 2);
+    // Named tasks, in the order asked; a task without a container is left out.
+    let ask = format!(
+        "{}/{},{}/{},{}/{}",
+        placed[1].0, placed[1].1, waiting.0, waiting.1, placed[0].0, placed[0].1
+    );
+    let (s, v) = get_json(&app, &format!("/api/v1/tails?lines=2&tasks={ask}")).await;
+    assert_eq!(s, StatusCode::OK);
+    let tails = v["tails"].as_array().unwrap();
+    assert_eq!(tails.len(), 2, "{v}");
+    for (t, want) in tails.iter().zip([&placed[1], &placed[0]]) {
+        assert_eq!(t["role"], want.0.as_str());
+        assert_eq!(t["index"], want.1);
+        assert_eq!(t["containerId"], want.2.as_str());
+        // The demo log's last two lines, from this task's stdout.
+        let lines: Vec<&str> = t["lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_str().unwrap())
+            .collect();
+        assert_eq!(
+            lines,
+            vec![
+                format!("[stdout] {} step 38: loss=0.051", want.2),
+                format!("[stdout] {} step 39: loss=0.050", want.2)
+            ],
+            "{t}"
+        );
+    }
+    // Without `tasks`: every task with a container, default 3 lines.
+    let (_, all) = get_json(&app, "/api/v1/tails").await;
+    let all = all["tails"].as_array().unwrap();
+    assert_eq!(all.len(), placed.len());
+    assert!(all.iter().all(|t| t["lines"].as_array().unwrap().len() == 3));
+    for bad in ["lines=0", "lines=21", "lines=x", "tasks=worker", "tasks=worker/x"] {
+        let (s, e) = get_json(&app, &format!("/api/v1/tails?{bad}")).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}");
+        assert_error(&e, "invalid_parameter");
+    }
+}
+
+#[tokio::test]
 async fn nodes_and_selections() {
     let hub = demo_hub(50, 150);
     let app = router(hub.clone());
@@ -220,7 +275,7 @@ async fn metrics_series() {
     let app = router(demo_hub(30, 6));
     let (s, ctype, text) = get(&app, "/metrics").await;
     assert_eq!(s, StatusCode::OK);
-    assert!(ctype.starts_with("text/plain; version=0.0.4"));
+    assert!(ctype.starts_with("application/openmetrics-text"), "{ctype}");
     for series in [
         "gpuam_tasks{role=\"worker\",state=\"CONTAINER_RUNNING\"} ",
         "gpuam_requests_outstanding ",
