@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use super::exits::{ExitInfo, RetryState};
 use super::status::{TaskState, TaskStatus};
-use crate::protocol::Container;
+use crate::protocol::{Container, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
-use crate::spec::JobSpec;
+use crate::spec::{JobSpec, SpecFormat};
 
 /// An ask sent to the RM and not yet answered.
 #[derive(Clone, Debug)]
@@ -179,6 +179,53 @@ pub fn task_env(
         }
     }
     env
+}
+
+/// What the node gets to start `task`: its role's commands and the whole environment —
+/// DESIGN.md §6, plus OpenPAI's `PAI_*` variables for protocol v2 jobs (built from every
+/// task of the job that holds a container, `all`), plus `GPUAM_IMAGE` / `GPUAM_SHM_MB`
+/// when the role names an image (the node runs the task in it; see `node_image`).
+pub fn launch_context(
+    job: &JobSpec,
+    task: &Task,
+    app_id: &str,
+    peers: Option<&BTreeMap<String, Vec<String>>>,
+    all: &[Task],
+) -> LaunchContext {
+    let role = &job.task_roles[task.role];
+    let mut env = task_env(job, task, app_id, peers);
+    if job.format == SpecFormat::PaiV2 {
+        let views: Vec<super::pai_env::TaskView<'_>> = all
+            .iter()
+            .filter(|t| t.holds_container())
+            .filter_map(|t| {
+                let c = t.container.as_ref()?;
+                Some(super::pai_env::TaskView {
+                    role: &job.task_roles[t.role].name,
+                    index: t.index,
+                    ip: Some(super::pai_env::node_ip(c)),
+                    ports: &t.ports,
+                })
+            })
+            .collect();
+        let current = super::pai_env::Current {
+            role_index: task.role,
+            index: task.index,
+            container_id: task.container.as_ref().map_or("", |c| c.container_id.as_str()),
+        };
+        let user = super::pai_env::user_name();
+        env.extend(super::pai_env::pai_env(job, &user, &current, &views));
+    }
+    if let Some(image) = &role.image {
+        env.insert("GPUAM_IMAGE".into(), image.clone());
+        if let Some(shm) = role.shm_mb {
+            env.insert("GPUAM_SHM_MB".into(), shm.to_string());
+        }
+    }
+    LaunchContext {
+        commands: role.commands.clone(),
+        env,
+    }
 }
 
 /// "host:firstPort" (or just "host") of a task holding a container.

@@ -49,7 +49,25 @@ fn ok_role(extra: &str) -> String {
     role(&format!("{RES}{CMD}{extra}"))
 }
 
+/// A protocol v2 spec: the header (3 lines), then `body`. Unless `body` lists its own
+/// prerequisites, every role (its `commands:` line) gets `dockerImage: img`, added on the
+/// line after `commands`, and a matching prerequisite is appended at the end, so the lines
+/// of the body up to each `commands:` keep their numbers.
 fn v2(body: &str) -> String {
+    let body = if body.contains("prerequisites:") {
+        body.to_string()
+    } else {
+        let mut out = String::new();
+        for line in body.lines() {
+            out.push_str(line);
+            out.push('\n');
+            if line.starts_with("    commands:") {
+                out.push_str("    dockerImage: img\n");
+            }
+        }
+        out.push_str("prerequisites: [{name: img, type: dockerimage, uri: busybox}]\n");
+        out
+    };
     format!("protocolVersion: 2\nname: job\ntype: job\n{body}")
 }
 
@@ -204,7 +222,8 @@ fn v2_defaults() {
 
 #[test]
 fn v2_protocol_version_as_string_and_gang_off() {
-    let text = format!("protocolVersion: \"2\"\nname: job\ntype: job\nextras: {{gangAllocation: false, gangTimeoutSec: 30}}\n{V2_ROLE}");
+    let text = v2(&format!("extras: {{gangAllocation: false, gangTimeoutSec: 30}}\n{V2_ROLE}"))
+        .replacen("protocolVersion: 2", "protocolVersion: \"2\"", 1);
     let s = parse(&text).unwrap();
     assert!(!s.gang);
     assert_eq!(s.gang_timeout_sec, Some(30));
@@ -242,10 +261,8 @@ fn v2_renders_parameters() {
 #[test]
 fn v2_deployment_wraps_commands() {
     let text = v2("deployments:\n  - name: d\n    taskRoles:\n      w: {preCommands: [pre], postCommands: [post]}\ndefaults: {deployment: d}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [main]\n");
-    assert_eq!(
-        parse(&text).unwrap().task_roles[0].commands,
-        vec!["pre", "main", "post"]
-    );
+    // One newline-joined script, as OpenPAI runs it.
+    assert_eq!(parse(&text).unwrap().task_roles[0].commands, vec!["pre\nmain\npost"]);
 }
 
 #[test]
@@ -930,14 +947,20 @@ fn v2_missing_type() {
 #[test]
 fn v2_undefined_parameter() {
     let text = v2("parameters: {epochs: 1}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [\"train <% $parameters.epoch %>\"]\n");
-    let e = one(&text, "taskRoles.w.commands[0]", 8, "undefined parameter `epoch`");
-    assert!(e.fix.contains("$parameters.epochs"), "{e}");
+    // OpenPAI renders an undefined name as empty text; gpuam does the same and warns.
+    let s = parse(&text).unwrap();
+    assert_eq!(s.task_roles[0].commands, vec!["train"]);
+    assert_eq!(s.warnings.len(), 1, "{:?}", s.warnings);
+    assert_eq!((s.warnings[0].line, s.warnings[0].field.as_str()), (8, "taskRoles.w.commands[0]"));
+    assert!(s.warnings[0].message.contains("$parameters.epoch"), "{}", s.warnings[0]);
 }
 
 #[test]
 fn v2_secret_in_command() {
-    let text = v2("taskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [\"login <% $secrets.pw %>\"]\n");
-    one(&text, "taskRoles.w.commands[0]", 7, "secrets");
+    let text = v2("secrets: {pw: hunter22}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [\"login <% $secrets.pw %> now\"]\n");
+    let s = parse(&text).unwrap();
+    assert_eq!(s.task_roles[0].commands, vec!["login hunter22 now"]);
+    assert_eq!(s.pai.unwrap().secret_values, vec!["hunter22"]);
 }
 
 #[test]
@@ -960,7 +983,7 @@ fn v2_unknown_deployment() {
 
 #[test]
 fn v2_bad_prerequisite_type() {
-    let text = v2(&format!("prerequisites:\n  - {{name: x, type: blob}}\n{V2_ROLE}"));
+    let text = v2(&format!("prerequisites:\n  - {{name: x, type: blob, uri: u}}\n  - {{name: img, type: dockerimage, uri: b}}\n{V2_ROLE}    dockerImage: img\n"));
     one(&text, "prerequisites[0].type", 5, "unknown prerequisite type");
 }
 
