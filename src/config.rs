@@ -175,6 +175,22 @@ pub struct Settings {
     pub am: AmSettings,
     pub rm: RmSettings,
     pub tls: TlsSettings,
+    pub node: NodeSettings,
+}
+
+/// Node settings (DESIGN.md §10).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeSettings {
+    /// A task that names an image runs on the host when the node has no OCI runtime
+    /// (podman with runc), with a warning in its stderr; false refuses to start it.
+    pub run_without_image: bool,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        NodeSettings { run_without_image: true }
+    }
 }
 
 /// Settings that could not be loaded.

@@ -643,8 +643,10 @@ fn spawn_launch(
     let out = File::create(&out_path).map_err(|e| where_("cannot create", &out_path, e))?;
     let err = File::create(&err_path).map_err(|e| where_("cannot create", &err_path, e))?;
 
-    let mut cmd = std::process::Command::new("bash");
-    cmd.arg("launch.sh")
+    // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
+    let spawn = crate::rm::image::program_for(dir, id, env)?;
+    let mut cmd = std::process::Command::new(&spawn.program);
+    cmd.args(&spawn.args)
         .current_dir(dir)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
