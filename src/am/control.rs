@@ -21,8 +21,8 @@ use super::tasks::{launch_context, now_ms, peer_address, Outstanding, Task};
 use crate::cluster::rm_json::parse_node_value;
 use crate::config::AmSettings;
 use crate::protocol::{
-    exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState,
-    PreviousContainer, RegisterRequest,
+    exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState, PreviousContainer,
+    RegisterRequest,
 };
 use crate::resources::{mask_hex, mask_indices};
 use crate::select::{assign_port_labels, request_order, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
@@ -781,7 +781,10 @@ impl Control {
     /// `jobRetryCount`: the failed job starts again — containers given back (the RM stops
     /// them), requests withdrawn, every task waiting for a new container.
     fn restart_job(&mut self, why: &str) {
-        tracing::warn!(retry = self.job_retry.used(), "job failed ({why}); restarting it (jobRetryCount)");
+        tracing::warn!(
+            retry = self.job_retry.used(),
+            "job failed ({why}); restarting it (jobRetryCount)"
+        );
         for t in &mut self.tasks {
             if let Some(r) = t.request.take() {
                 self.cancels.push(r.request_id);

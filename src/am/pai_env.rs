@@ -163,19 +163,31 @@ pub fn pai_env(job: &JobSpec, user: &str, current: &Current<'_>, tasks: &[TaskVi
     set("PAI_CONTAINER_ID".into(), current.container_id.into());
     set("PAI_CURRENT_TASK_ROLE_TASK_COUNT".into(), role.instances.to_string());
     set("PAI_CURRENT_TASK_ROLE_CPU_COUNT".into(), role.resources.cpu.to_string());
-    set("PAI_CURRENT_TASK_ROLE_MEM_MB".into(), role.resources.memory_mb.to_string());
+    set(
+        "PAI_CURRENT_TASK_ROLE_MEM_MB".into(),
+        role.resources.memory_mb.to_string(),
+    );
     set(
         "PAI_CURRENT_TASK_ROLE_SHM_MB".into(),
         role.shm_mb.unwrap_or(0).to_string(),
     );
-    set("PAI_CURRENT_TASK_ROLE_GPU_COUNT".into(), role.resources.gpus.to_string());
+    set(
+        "PAI_CURRENT_TASK_ROLE_GPU_COUNT".into(),
+        role.resources.gpus.to_string(),
+    );
     set("PAI_CURRENT_TASK_ROLE_MIN_FAILED_TASK_COUNT".into(), min_failed(role));
-    set("PAI_CURRENT_TASK_ROLE_MIN_SUCCEEDED_TASK_COUNT".into(), min_succeeded(role));
+    set(
+        "PAI_CURRENT_TASK_ROLE_MIN_SUCCEEDED_TASK_COUNT".into(),
+        min_succeeded(role),
+    );
     env
 }
 
 fn first_port(ports: &[(String, Vec<u16>)], label: &str) -> Option<u16> {
-    ports.iter().find(|(l, _)| l == label).and_then(|(_, ps)| ps.first().copied())
+    ports
+        .iter()
+        .find(|(l, _)| l == label)
+        .and_then(|(_, ps)| ps.first().copied())
 }
 
 /// `minFailedInstances` as OpenPAI passes it: the count, or -1 for "never".
@@ -187,10 +199,7 @@ fn min_failed(r: &crate::spec::TaskRole) -> String {
 
 /// `minSucceededInstances`, defaulting to the role's instances.
 fn min_succeeded(r: &crate::spec::TaskRole) -> String {
-    r.completion
-        .min_succeeded_instances
-        .unwrap_or(r.instances)
-        .to_string()
+    r.completion.min_succeeded_instances.unwrap_or(r.instances).to_string()
 }
 
 #[cfg(test)]
@@ -215,11 +224,30 @@ mod tests {
         let w0 = ports(&[("ssh", 4001), ("http", 4002)]);
         let w1 = ports(&[("ssh", 5001), ("http", 5002)]);
         let tasks = vec![
-            TaskView { role: "Master", index: 0, ip: Some("10.0.0.1".into()), ports: &m0 },
-            TaskView { role: "worker", index: 1, ip: Some("10.0.0.3".into()), ports: &w1 },
-            TaskView { role: "worker", index: 0, ip: Some("10.0.0.2".into()), ports: &w0 },
+            TaskView {
+                role: "Master",
+                index: 0,
+                ip: Some("10.0.0.1".into()),
+                ports: &m0,
+            },
+            TaskView {
+                role: "worker",
+                index: 1,
+                ip: Some("10.0.0.3".into()),
+                ports: &w1,
+            },
+            TaskView {
+                role: "worker",
+                index: 0,
+                ip: Some("10.0.0.2".into()),
+                ports: &w0,
+            },
         ];
-        let cur = Current { role_index: 1, index: 1, container_id: "c_7" };
+        let cur = Current {
+            role_index: 1,
+            index: 1,
+            container_id: "c_7",
+        };
         let env = pai_env(&job, "alice", &cur, &tasks);
         let want = [
             ("PAI_JOB_NAME", "alice~dist"),

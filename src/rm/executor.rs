@@ -635,7 +635,14 @@ fn spawn_launch(
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
     std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
     let script = dir.join("launch.sh");
-    File::create(&script)
+    // 0600: the commands may hold rendered secrets (OpenPAI `<% $secrets.x %>`).
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&script)
         .and_then(|mut f| f.write_all(launch_script(id, dir, commands).as_bytes()))
         .map_err(|e| where_("cannot write", &script, e))?;
     let out_path = dir.join(LogStream::Stdout.file_name());

@@ -114,7 +114,11 @@ pub fn podman_command(l: &ImageLaunch<'_>) -> Spawn {
         a.push(format!("--shm-size={shm}m"));
     }
     for d in granted_devices(l.devices, l.gpu_mask) {
-        let name = d.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = d
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let host = d.path.display();
         if d.is_char_device {
             a.push(format!("--device={host}:/dev/{name}"));
@@ -159,7 +163,7 @@ pub fn decide(image: &str, runtime: Option<&Runtime>, run_without_image: bool) -
     if runtime.is_some() {
         return Decision::Image;
     }
-    let missing = "this node has no OCI runtime (podman with runc)";
+    let missing = "this node has no OCI runtime (podman with runc, and node.image_runtime `auto`)";
     if run_without_image {
         Decision::Host {
             note: format!(
@@ -248,17 +252,20 @@ pub fn hard_limits() -> (u64, u64) {
             (r.rlim_max as u64).min(1 << 20)
         }
     };
-    (hard(libc::RLIMIT_NPROC).min(PODMAN_NPROC_CAP), hard(libc::RLIMIT_NOFILE))
+    (
+        hard(libc::RLIMIT_NPROC).min(PODMAN_NPROC_CAP),
+        hard(libc::RLIMIT_NOFILE),
+    )
 }
 
-/// `node.run_without_image` of this process's settings (default true), read once.
-fn run_without_image() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
+/// This process's node settings (defaults when they cannot be read), read once.
+fn node_settings() -> &'static crate::config::NodeSettings {
+    static V: std::sync::OnceLock<crate::config::NodeSettings> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
         let file = crate::config::default_settings_path();
         crate::config::Settings::load(file.as_deref())
-            .map(|s| s.node.run_without_image)
-            .unwrap_or(true)
+            .map(|s| s.node)
+            .unwrap_or_default()
     })
 }
 
@@ -268,8 +275,8 @@ fn env_get<'a>(env: &'a [(String, String)], k: &str) -> Option<&'a str> {
 
 /// What the executor spawns for container `id` in `dir` with environment `env`:
 /// `bash launch.sh` on the host, or podman running it in the task's image. A task that
-/// names an image on a node without a runtime runs on the host (with a note in its stderr)
-/// or is refused, as `node.run_without_image` says.
+/// names an image on a node without a runtime runs on the host (its stderr starts with a
+/// note saying so) or is refused, as `node.run_without_image` says.
 pub fn program_for(dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spawn, String> {
     let host = Spawn {
         program: PathBuf::from("bash"),
@@ -278,19 +285,26 @@ pub fn program_for(dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spa
     let Some(image) = env_get(env, IMAGE_ENV).filter(|s| !s.is_empty()) else {
         return Ok(host);
     };
-    let runtime = find_runtime();
-    match decide(image, runtime.as_ref(), run_without_image()) {
+    let settings = node_settings();
+    let runtime = if settings.image_runtime == "none" {
+        None
+    } else {
+        find_runtime()
+    };
+    match decide(image, runtime.as_ref(), settings.run_without_image) {
         Decision::Refuse { why } => Err(why),
         Decision::Host { note } => {
-            use std::io::Write;
             tracing::warn!(container = id, "{note}");
-            let mut f = std::fs::OpenOptions::new()
-                .append(true)
-                .create(true)
-                .open(dir.join("stderr"))
-                .map_err(|e| format!("cannot write {}/stderr: {e}", dir.display()))?;
-            let _ = writeln!(f, "{note}");
-            Ok(host)
+            // The task's own stderr starts with the note.
+            Ok(Spawn {
+                program: PathBuf::from("bash"),
+                args: vec![
+                    "-c".into(),
+                    "printf '%s\\n' \"$1\" >&2; exec bash launch.sh".into(),
+                    "gpuam".into(),
+                    note,
+                ],
+            })
         }
         Decision::Image => {
             let runtime = runtime.ok_or("no runtime")?;
@@ -412,7 +426,15 @@ mod tests {
     #[test]
     fn device_nodes_are_found_by_name() {
         let d = tempfile::tempdir().unwrap();
-        for f in ["nvidia0", "nvidia12", "nvidiactl", "nvidia-uvm", "nvidia-caps", "nvme0", "nvidiafoo"] {
+        for f in [
+            "nvidia0",
+            "nvidia12",
+            "nvidiactl",
+            "nvidia-uvm",
+            "nvidia-caps",
+            "nvme0",
+            "nvidiafoo",
+        ] {
             std::fs::write(d.path().join(f), b"").unwrap();
         }
         let found: Vec<(String, Option<u32>)> = find_devices(d.path())

@@ -62,7 +62,11 @@ pub struct SpecWarning {
 
 impl fmt::Display for SpecWarning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}: {}: warning: {}", self.line, self.col, self.field, self.message)
+        write!(
+            f,
+            "{}:{}: {}: warning: {}",
+            self.line, self.col, self.field, self.message
+        )
     }
 }
 

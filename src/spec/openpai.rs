@@ -102,6 +102,13 @@ pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prere
                 );
             }
         }
+        if let Some((k, _)) = item.entry("auth") {
+            w.add(
+                k.pos,
+                &join(&p, "auth"),
+                "registry `auth` is not used: gpuam runs images from the node's local store (pulling is podman's business)",
+            );
+        }
         let name = match item.get("name") {
             None => {
                 d.missing(item, &p, "name", "give the prerequisite a `name`");
@@ -129,7 +136,12 @@ pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prere
             }),
         };
         match item.get("uri") {
-            None => d.missing(item, &p, "uri", "add `uri:` (for an image, e.g. `uri: example/pytorch:latest`)"),
+            None => d.missing(
+                item,
+                &p,
+                "uri",
+                "add `uri:` (for an image, e.g. `uri: example/pytorch:latest`)",
+            ),
             Some(u) => match (&u.value, kind.as_ref().map(|(k, _)| k.as_str())) {
                 (Value::Seq(_), Some("data")) | (Value::Str(_), Some(_)) => {}
                 (Value::Seq(_), Some(_)) => d.at(
@@ -169,7 +181,12 @@ pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prere
 
 /// Checks a role's `dockerImage`, `data`, `script` and `output` name prerequisites of
 /// their type ("Prerequisite X does not exist" on OpenPAI); returns the image's uri.
-pub fn check_references<'a>(d: &mut Diags, role: &'a Node, path: &str, prereqs: &Prereqs<'a>) -> (bool, Option<String>) {
+pub fn check_references<'a>(
+    d: &mut Diags,
+    role: &'a Node,
+    path: &str,
+    prereqs: &Prereqs<'a>,
+) -> (bool, Option<String>) {
     let mut ok = true;
     let mut image = None;
     for (kind, field) in PREREQ_TYPES {
@@ -302,7 +319,10 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
                 w.add(
                     node.pos,
                     path,
-                    format!("`<% {} %>` is not defined; it renders as empty text, as on OpenPAI", clip(expr)),
+                    format!(
+                        "`<% {} %>` is not defined; it renders as empty text, as on OpenPAI",
+                        clip(expr)
+                    ),
                 );
             }
             Some(Value::Str(s)) => out.push_str(s),
@@ -337,7 +357,13 @@ fn scalar_text(n: &Node) -> String {
 /// OpenPAI's entrypoint: the commands, each trimmed, joined by newlines into ONE bash
 /// script that goes on after a failing line and ends with the last line's status.
 pub fn join_commands(commands: &[String]) -> String {
-    commands.iter().map(|c| c.trim()).collect::<Vec<_>>().join("\n").trim().to_string()
+    commands
+        .iter()
+        .map(|c| c.trim())
+        .collect::<Vec<_>>()
+        .join("\n")
+        .trim()
+        .to_string()
 }
 
 /// Every text value under `secrets`, for masking.
@@ -390,12 +416,19 @@ pub fn warn_extras(extras: &Node, w: &Warnings) {
                     w.add(
                         item.pos,
                         &format!("{p}[{i}]"),
-                        format!("runtime plugin `{}` is accepted but not run by gpuam: {what}", clip(&name)),
+                        format!(
+                            "runtime plugin `{}` is accepted but not run by gpuam: {what}",
+                            clip(&name)
+                        ),
                     );
                 }
             }
             "hivedScheduler" => warn_hived(v, &p, w),
-            _ => w.add(k.pos, &p, format!("`extras.{}` is accepted but not honoured by gpuam", clip(&k.text))),
+            _ => w.add(
+                k.pos,
+                &p,
+                format!("`extras.{}` is accepted but not honoured by gpuam", clip(&k.text)),
+            ),
         }
     }
 }
@@ -413,7 +446,10 @@ fn warn_hived(h: &Node, p: &str, w: &Warnings) {
                         other => w.add(
                             fk.pos,
                             &join(&rp, other),
-                            format!("hivedScheduler `{}` is accepted but not honoured (gpuam places by its own pipeline)", clip(other)),
+                            format!(
+                                "hivedScheduler `{}` is accepted but not honoured (gpuam places by its own pipeline)",
+                                clip(other)
+                            ),
                         ),
                     }
                 }
@@ -458,7 +494,11 @@ pub fn read_container_options(d: &mut Diags, role: &Node, path: &str, w: &Warnin
                 // Honoured where the task runs in its image (the node sizes /dev/shm).
                 shm = Some(d.int(v, &kp, 1, 16 * 1024 * 1024)? as u32);
             }
-            "infiniband" => w.add(k.pos, &kp, "`infiniband` is accepted but no InfiniBand device is passed"),
+            "infiniband" => w.add(
+                k.pos,
+                &kp,
+                "`infiniband` is accepted but no InfiniBand device is passed",
+            ),
             other => w.add(k.pos, &kp, format!("`{}` is accepted but not honoured", clip(other))),
         }
     }

@@ -608,8 +608,13 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
             Some(s) => shm_mb = s,
             None => ok = false,
         }
+        let ports_node = node.get("resourcePerInstance").and_then(|r| r.get("ports"));
         for p in &resources.ports {
-            ok &= openpai::check_pai_name(d, node.pos, &join(path, "resourcePerInstance.ports"), &p.label, "port label");
+            let pos = ports_node
+                .and_then(|n| n.entry(&p.label))
+                .map_or(node.pos, |(k, _)| k.pos);
+            let fp = join(path, &format!("resourcePerInstance.ports.{}", p.label));
+            ok &= openpai::check_pai_name(d, pos, &fp, &p.label, "port label");
         }
         // OpenPAI gives every role an `ssh` and an `http` port.
         for label in ["ssh", "http"] {
@@ -941,11 +946,10 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
     };
     let v2 = (v2, &ctx);
     // Deployment pre/post commands (v2) wrap the role's own.
-    let dep = v2
-        .0
-        .deployment
-        .as_ref()
-        .and_then(|(tr, tp)| tr.get(role).map(|r| (r, join(tp, role))));
+    let dep =
+        v2.0.deployment
+            .as_ref()
+            .and_then(|(tr, tp)| tr.get(role).map(|r| (r, join(tp, role))));
     if let Some((r, rp)) = &dep {
         if d.map(r, rp, "write `{preCommands: [...], postCommands: [...]}`")
             .is_some()

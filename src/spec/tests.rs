@@ -222,8 +222,10 @@ fn v2_defaults() {
 
 #[test]
 fn v2_protocol_version_as_string_and_gang_off() {
-    let text = v2(&format!("extras: {{gangAllocation: false, gangTimeoutSec: 30}}\n{V2_ROLE}"))
-        .replacen("protocolVersion: 2", "protocolVersion: \"2\"", 1);
+    let text = v2(&format!(
+        "extras: {{gangAllocation: false, gangTimeoutSec: 30}}\n{V2_ROLE}"
+    ))
+    .replacen("protocolVersion: 2", "protocolVersion: \"2\"", 1);
     let s = parse(&text).unwrap();
     assert!(!s.gang);
     assert_eq!(s.gang_timeout_sec, Some(30));
@@ -951,7 +953,10 @@ fn v2_undefined_parameter() {
     let s = parse(&text).unwrap();
     assert_eq!(s.task_roles[0].commands, vec!["train"]);
     assert_eq!(s.warnings.len(), 1, "{:?}", s.warnings);
-    assert_eq!((s.warnings[0].line, s.warnings[0].field.as_str()), (8, "taskRoles.w.commands[0]"));
+    assert_eq!(
+        (s.warnings[0].line, s.warnings[0].field.as_str()),
+        (8, "taskRoles.w.commands[0]")
+    );
     assert!(s.warnings[0].message.contains("$parameters.epoch"), "{}", s.warnings[0]);
 }
 
