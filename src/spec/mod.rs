@@ -5,6 +5,7 @@
 
 pub mod openpai;
 pub mod parse;
+pub mod syntax;
 pub mod validate;
 pub mod yaml;
 

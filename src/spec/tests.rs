@@ -277,8 +277,30 @@ fn native_does_not_render_placeholders() {
 
 #[test]
 fn yaml_syntax_error() {
-    let e = one("name: job\ntaskRoles: [a, b\n", "", 3, "syntax");
-    assert!(e.col >= 1);
+    // The unclosed `[` is on line 2, not where the parser noticed it (line 3).
+    let e = one("name: job\ntaskRoles: [a, b\n", "taskRoles", 2, "`[` is not closed");
+    assert_eq!(e.col, 12);
+    assert!(e.fix.contains("`]`"), "{e}");
+}
+
+#[test]
+fn key_without_colon_is_blamed_on_its_own_line() {
+    let e = one(
+        "name: job\ntaskRoles:\n  worker:\n    instances 2\n    commands: [x]\n",
+        "taskRoles",
+        4,
+        "`instances 2` has no `:`",
+    );
+    assert_eq!(e.fix, "write `instances: 2`");
+}
+
+#[test]
+fn yaml_errors_never_have_an_empty_field() {
+    for text in ["a: [1\n", "\"x\n", "a: b: c\n", "a:\n  b: 1\n c: 2\n", "- a\nb: 1\n"] {
+        for e in errors(text) {
+            assert!(!e.field.is_empty(), "{text:?}: {e}");
+        }
+    }
 }
 
 #[test]
