@@ -97,6 +97,7 @@ pub fn podman_command(l: &ImageLaunch<'_>) -> Spawn {
     let mut a: Vec<String> = vec![
         "run".into(),
         "--rm".into(),
+        "--pull=never".into(),
         format!("--name=gpuam-{}", l.container_id),
         "--runtime".into(),
         l.runtime.runc.display().to_string(),
@@ -158,24 +159,26 @@ pub enum Decision {
     Refuse { why: String },
 }
 
-/// The rule of `node.run_without_image`.
-pub fn decide(image: &str, runtime: Option<&Runtime>, run_without_image: bool) -> Decision {
-    if runtime.is_some() {
-        return Decision::Image;
-    }
-    let missing = "this node has no OCI runtime (podman with runc, and node.image_runtime `auto`)";
+/// The rule of `node.run_without_image`: `runtime` is the node's runtime, `present` says
+/// whether the image is in its local store.
+pub fn decide(image: &str, runtime: Option<&Runtime>, present: bool, run_without_image: bool) -> Decision {
+    let missing = match (runtime, present) {
+        (Some(_), true) => return Decision::Image,
+        (Some(_), false) => "it is not in this node's local image store (`podman pull` it on the node)",
+        (None, _) => "this node has no OCI runtime (podman with runc, and node.image_runtime `auto`)",
+    };
     if run_without_image {
         Decision::Host {
             note: format!(
                 "gpuam: warning: the task names the image `{image}` but {missing}; it runs on the host \
-                 (node.run_without_image is true). Install podman and runc to run it in its image."
+                 (node.run_without_image is true)."
             ),
         }
     } else {
         Decision::Refuse {
             why: format!(
                 "the task names the image `{image}` but {missing}, and node.run_without_image is false: \
-                 install podman and runc on the node, or set GPUAM__NODE__RUN_WITHOUT_IMAGE=true"
+                 make the image runnable on the node, or set GPUAM__NODE__RUN_WITHOUT_IMAGE=true"
             ),
         }
     }
@@ -197,6 +200,18 @@ pub fn find_runtime() -> Option<Runtime> {
         podman: find_in_path("podman")?,
         runc: find_in_path("runc")?,
     })
+}
+
+/// Whether `image` is in the node's local store (`podman image exists`; no registry is
+/// contacted).
+pub fn image_present(runtime: &Runtime, image: &str) -> bool {
+    std::process::Command::new(&runtime.podman)
+        .args(["image", "exists", image])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// The NVIDIA device nodes under `dir` (`/dev` unless `GPUAM_NVIDIA_DEV_DIR` says otherwise).
@@ -291,7 +306,8 @@ pub fn program_for(dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spa
     } else {
         find_runtime()
     };
-    match decide(image, runtime.as_ref(), settings.run_without_image) {
+    let present = runtime.as_ref().is_some_and(|r| image_present(r, image));
+    match decide(image, runtime.as_ref(), present, settings.run_without_image) {
         Decision::Refuse { why } => Err(why),
         Decision::Host { note } => {
             tracing::warn!(container = id, "{note}");
@@ -416,10 +432,13 @@ mod tests {
 
     #[test]
     fn without_a_runtime_the_setting_decides() {
-        assert_eq!(decide("img", Some(&runtime()), false), Decision::Image);
-        assert!(matches!(decide("img", None, true), Decision::Host { note } if note.contains("`img`")));
+        assert_eq!(decide("img", Some(&runtime()), true, false), Decision::Image);
+        assert!(matches!(decide("img", None, false, true), Decision::Host { note } if note.contains("`img`")));
         assert!(
-            matches!(decide("img", None, false), Decision::Refuse { why } if why.contains("GPUAM__NODE__RUN_WITHOUT_IMAGE"))
+            matches!(decide("img", None, false, false), Decision::Refuse { why } if why.contains("GPUAM__NODE__RUN_WITHOUT_IMAGE"))
+        );
+        assert!(
+            matches!(decide("img", Some(&runtime()), false, true), Decision::Host { note } if note.contains("local image store"))
         );
     }
 

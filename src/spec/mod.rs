@@ -47,8 +47,6 @@ pub struct PaiJob {
     /// `extras.gangAllocation` as written (default true): `taskRetryCount` applies only
     /// when it is false, as on OpenPAI.
     pub gang_allocation: bool,
-    /// The values of `secrets` (flattened), kept so that logs can mask them.
-    pub secret_values: Vec<String>,
 }
 
 /// A field that is accepted but not honoured, located in the file.

@@ -366,28 +366,6 @@ pub fn join_commands(commands: &[String]) -> String {
         .to_string()
 }
 
-/// Every text value under `secrets`, for masking.
-pub fn secret_values(secrets: Option<&Node>) -> Vec<String> {
-    fn walk(n: &Node, out: &mut Vec<String>) {
-        match &n.value {
-            Value::Map(entries) => entries.iter().for_each(|(_, v)| walk(v, out)),
-            Value::Seq(items) => items.iter().for_each(|v| walk(v, out)),
-            Value::Null => {}
-            _ => {
-                let t = scalar_text(n);
-                if t.len() >= 4 {
-                    out.push(t);
-                }
-            }
-        }
-    }
-    let mut out = Vec::new();
-    if let Some(s) = secrets {
-        walk(s, &mut out);
-    }
-    out
-}
-
 /// Warns about `extras` keys gpuam does not honour: runtime plugins (each plugin with its
 /// line), `hivedScheduler` fields other than `skuType`/`gpuType`, storages and the rest.
 pub fn warn_extras(extras: &Node, w: &Warnings) {

@@ -275,7 +275,6 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         job_retry_count: v2ctx.job_retry_count,
         virtual_cluster: v2ctx.virtual_cluster.clone().unwrap_or_else(|| "default".into()),
         gang_allocation: v2ctx.gang_allocation,
-        secret_values: openpai::secret_values(v2ctx.secrets),
     });
     Some(JobSpec {
         name: name?,
