@@ -446,3 +446,72 @@ fn a_task_in_its_image_sees_only_its_gpus_device_nodes() {
         .unwrap_or(0);
     assert_eq!(shm_mb, 32);
 }
+
+/// Runs a one-role v2 job of 2 tasks under `gpuam run` (on the host); `extra` goes at
+/// the top level, `role` into the role. Returns the exit code and, per task index, how
+/// many times the task ran. Task 0 fails (exit 3) on its first run, or on every run when
+/// `always_fail`.
+fn retry_job(extra: &str, role: &str, always_fail: bool) -> (i32, [usize; 2], String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = dir.path().display().to_string();
+    let cluster = dir.path().join("cluster.yaml");
+    std::fs::write(&cluster, CLUSTER).expect("cluster");
+    let fail = if always_fail {
+        "if [ $PAI_TASK_INDEX = 0 ]; then exit 3; fi".to_string()
+    } else {
+        format!("if [ $PAI_TASK_INDEX = 0 ] && [ ! -e {root}/failed ]; then touch {root}/failed; exit 3; fi")
+    };
+    let job = format!(
+        "protocolVersion: 2\nname: retries\ntype: job\n{extra}\
+         prerequisites:\n  - {{name: img, type: dockerimage, uri: none}}\n\
+         taskRoles:\n  w:\n    instances: 2\n    dockerImage: img\n{role}\
+         \x20   resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0}}\n    commands:\n\
+         \x20     - {}\n      - {}\n      - sleep 0.3\n",
+        sq(&format!("echo run >> {root}/runs.$PAI_TASK_INDEX")),
+        sq(&fail),
+    );
+    let job_path = dir.path().join("job.yaml");
+    std::fs::write(&job_path, job).expect("job");
+    let out = gpuam(
+        &[
+            "run",
+            &job_path.display().to_string(),
+            "--cluster",
+            &cluster.display().to_string(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        &[("GPUAM__NODE__IMAGE_RUNTIME", "none")],
+        Duration::from_secs(120),
+    );
+    let runs = |i: usize| {
+        std::fs::read_to_string(dir.path().join(format!("runs.{i}")))
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    (out.code, [runs(0), runs(1)], format!("{}\n{}", out.stdout, out.stderr))
+}
+
+#[test]
+fn job_retry_count_restarts_the_whole_job() {
+    let (code, runs, log) = retry_job("jobRetryCount: 1\n", "", false);
+    assert_eq!(code, 0, "{log}");
+    // Both tasks ran twice: the failure of task 0 restarted task 1 too.
+    assert_eq!(runs, [2, 2], "{log}");
+}
+
+#[test]
+fn task_retry_count_is_ignored_under_gang_allocation() {
+    let (code, runs, log) = retry_job("", "    taskRetryCount: 3\n", true);
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(runs[0], 1, "{log}");
+    assert!(log.contains("taskRetryCount") && log.contains("warning"), "{log}");
+}
+
+#[test]
+fn task_retry_count_retries_one_task_without_gang_allocation() {
+    let (code, runs, log) = retry_job("extras: {gangAllocation: false}\n", "    taskRetryCount: 1\n", false);
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(runs, [2, 1], "{log}");
+}
