@@ -264,7 +264,7 @@ pub fn hard_limits() -> (u64, u64) {
         if !ok || r.rlim_max == libc::RLIM_INFINITY {
             1 << 20
         } else {
-            (r.rlim_max as u64).min(1 << 20)
+            r.rlim_max.min(1 << 20)
         }
     };
     (
