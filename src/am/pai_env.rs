@@ -284,6 +284,60 @@ mod tests {
         assert!(env.keys().all(|k| k.starts_with("PAI_")));
     }
 
+    proptest::proptest! {
+        /// Whatever the job's shape and which tasks are placed: every role has its count,
+        /// every placed task its host and each of its labels, the current task its own
+        /// view, and every name starts with PAI_.
+        #[test]
+        fn every_placed_task_and_label_is_there(
+            shape in proptest::collection::vec((1u32..4, proptest::collection::vec("[a-zA-Z_][a-zA-Z0-9_]{0,5}", 0..3)), 1..4),
+            placed_mask in proptest::num::u64::ANY,
+        ) {
+            let mut yaml = String::from("protocolVersion: 2\nname: p\ntype: job\nprerequisites: [{name: i, type: dockerimage, uri: x}]\ntaskRoles:\n");
+            for (ri, (n, labels)) in shape.iter().enumerate() {
+                let mut ls: Vec<&String> = labels.iter().filter(|l| *l != "ssh" && *l != "http").collect();
+                ls.sort();
+                ls.dedup();
+                let ports: Vec<String> = ls.iter().map(|l| format!("{l}: 1")).collect();
+                yaml.push_str(&format!(
+                    "  Role{ri}:\n    instances: {n}\n    dockerImage: i\n    resourcePerInstance: {{cpu: 1, memoryMB: 1, gpu: 0, ports: {{{}}}}}\n    commands: [x]\n",
+                    ports.join(", ")
+                ));
+            }
+            let job = parse_job_spec(&yaml, "p.yaml").map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
+            let all_ports: Vec<Vec<(String, Vec<u16>)>> = job
+                .task_roles
+                .iter()
+                .map(|r| r.resources.ports.iter().enumerate().map(|(i, p)| (p.label.clone(), vec![20000 + i as u16])).collect())
+                .collect();
+            let mut views = Vec::new();
+            let mut bit = 0;
+            for (ri, r) in job.task_roles.iter().enumerate() {
+                for i in 0..r.instances {
+                    if placed_mask & (1 << (bit % 64)) != 0 || (ri == 0 && i == 0) {
+                        views.push(TaskView { role: &r.name, index: i, ip: Some(format!("10.0.{ri}.{i}")), ports: &all_ports[ri] });
+                    }
+                    bit += 1;
+                }
+            }
+            let env = pai_env(&job, "u", &Current { role_index: 0, index: 0, container_id: "c" }, &views);
+            for r in &job.task_roles {
+                proptest::prop_assert_eq!(env.get(&format!("PAI_TASK_ROLE_TASK_COUNT_{}", r.name)), Some(&r.instances.to_string()));
+            }
+            for v in &views {
+                let host = format!("PAI_HOST_IP_{}_{}", v.role, v.index);
+                proptest::prop_assert!(env.contains_key(&host), "{} missing", host);
+                for (l, _) in v.ports {
+                    let key = format!("PAI_{}_{}_{}_PORT", v.role, v.index, l);
+                    proptest::prop_assert!(env.contains_key(&key), "{} missing", key);
+                }
+            }
+            proptest::prop_assert_eq!(env.get("PAI_CONTAINER_HOST_IP").map(String::as_str), Some("10.0.0.0"));
+            proptest::prop_assert!(env.get("PAI_CONTAINER_SSH_PORT").is_some_and(|p| !p.is_empty()));
+            proptest::prop_assert!(env.keys().all(|k| k.starts_with("PAI_")));
+        }
+    }
+
     #[test]
     fn node_ip_comes_from_the_executor_address_else_the_host() {
         let c = |addr: &str, host: &str| Container {

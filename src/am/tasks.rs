@@ -218,7 +218,9 @@ pub fn launch_context(
     }
     if let Some(image) = &role.image {
         env.insert("GPUAM_IMAGE".into(), image.clone());
-        if let Some(shm) = role.shm_mb {
+        // OpenPAI's /dev/shm is 512 MB unless `extraContainerOptions.shmMB` says otherwise.
+        let shm = role.shm_mb.or((job.format == SpecFormat::PaiV2).then_some(512));
+        if let Some(shm) = shm {
             env.insert("GPUAM_SHM_MB".into(), shm.to_string());
         }
     }
