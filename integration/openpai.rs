@@ -515,3 +515,85 @@ fn task_retry_count_retries_one_task_without_gang_allocation() {
     assert_eq!(code, 0, "{log}");
     assert_eq!(runs, [2, 1], "{log}");
 }
+
+#[test]
+fn stopping_a_job_removes_its_tasks_containers() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let image = format!("localhost/gpuam-openpai-stop-{}:1", std::process::id());
+    if let Err(why) = busybox_image(dir.path(), &image) {
+        assert!(
+            std::env::var("GPUAM_REQUIRE_PODMAN").is_err(),
+            "GPUAM_REQUIRE_PODMAN is set but {why}"
+        );
+        eprintln!("not run: {why} (install podman, runc and busybox-static)");
+        return;
+    }
+    let cluster = dir.path().join("cluster.yaml");
+    std::fs::write(&cluster, CLUSTER).expect("cluster");
+    // The task ignores nothing: a foreground `sleep` that only a signal to every process
+    // of the container ends early.
+    let job = format!(
+        "protocolVersion: 2\nname: stop_me\ntype: job\n\
+         prerequisites:\n  - {{name: img, type: dockerimage, uri: {image}}}\n\
+         taskRoles:\n  w:\n    instances: 2\n    dockerImage: img\n\
+         \x20   resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0}}\n    commands:\n      - sleep 300\n"
+    );
+    let job_path = dir.path().join("job.yaml");
+    std::fs::write(&job_path, job).expect("job");
+    let work = dir.path().join("work");
+    let mut child = Command::new(bin())
+        .args([
+            "run",
+            &job_path.display().to_string(),
+            "--cluster",
+            &cluster.display().to_string(),
+        ])
+        .args(["--listen", "127.0.0.1:0", "--work-dir", &work.display().to_string()])
+        .env("GPUAM_DASHBOARD_LINGER_SEC", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn gpuam run");
+    // Both tasks are in their containers once podman lists them.
+    let names = |all: bool| -> Vec<String> {
+        let mut args = vec!["ps", "--format", "{{.Names}}"];
+        if all {
+            args.push("-a");
+        }
+        let out = Command::new("podman").args(&args).output().expect("podman ps");
+        let marks = files_named(&work, "image-container");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|n| marks.iter().any(|m| m.trim() == *n))
+            .map(str::to_string)
+            .collect()
+    };
+    let start = Instant::now();
+    while names(false).len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the containers did not start"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SAFETY: kill(2) on the pid of the child this test started.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let start = Instant::now();
+    let code = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st.code();
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("gpuam run did not end after SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let left = names(true);
+    let _ = Command::new("podman").args(["rmi", "-f", &image]).output();
+    assert_eq!(code, Some(1), "a killed job exits 1");
+    assert!(left.is_empty(), "containers left behind: {left:?}");
+}

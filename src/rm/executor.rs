@@ -750,6 +750,8 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
             }
         }
     }
+    // A task in an image: its container is gone too (see image::reap).
+    crate::rm::image::reap(&dir).await;
     let stop_requested = table.lock().get(&id).is_some_and(|e| e.stop_requested);
     if stop_requested {
         diagnostics = format!("stopped by request; {diagnostics}");

@@ -25,6 +25,9 @@
 //! - every variable of the task's environment except PATH and HOME (the image's own) is
 //!   passed by name (`--env NAME`), so values never appear on a command line.
 //!
+//! - the container's first process passes a stop's SIGTERM to everything in it, and
+//!   [`reap`] removes the container when the executor declares the task ended.
+//!
 //! Images come from the node's local store (`podman images`); pulling from a registry is
 //! podman's own business.
 
@@ -77,6 +80,51 @@ pub struct Spawn {
     pub args: Vec<String>,
 }
 
+/// The container's first process: runs `launch.sh` with bash where the image has it
+/// (OpenPAI's commands are bash), else POSIX sh, which the launch script is written for.
+/// It runs the script in the background and waits, so that the SIGTERM podman forwards
+/// (a stop) is handled at once: everything in the container gets it (`kill -1`), which a
+/// shell waiting for a foreground command would delay until that command ended.
+const CONTAINER_INIT: &str = "trap 'kill -TERM -1 2>/dev/null; wait; exit 143' TERM INT; \
+if command -v bash >/dev/null 2>&1; then bash launch.sh & else sh launch.sh & fi; \
+wait $!";
+
+/// The file in a container's directory that says it runs in an image (holding the podman
+/// container's name).
+const IMAGE_MARK: &str = "image-container";
+
+/// podman's name for gpuam's container `id`.
+pub fn container_name(id: &str) -> String {
+    format!("gpuam-{id}")
+}
+
+/// Makes sure a task's podman container is gone once the executor considers the task
+/// ended: a podman client killed with SIGKILL (a stop past its grace, an RM going down)
+/// leaves the container running under conmon, holding GPUs and ports the ledger is about
+/// to give back. No-op for tasks that ran on the host.
+pub async fn reap(dir: &Path) {
+    let Ok(name) = std::fs::read_to_string(dir.join(IMAGE_MARK)) else {
+        return;
+    };
+    let Some(runtime) = find_runtime() else { return };
+    let out = tokio::process::Command::new(&runtime.podman)
+        .args(["rm", "--force", "--ignore", "--time", "2", name.trim()])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .await;
+    match out {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => tracing::warn!(
+            container = name.trim(),
+            "podman rm failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => tracing::warn!(container = name.trim(), "cannot run podman rm: {e}"),
+    }
+}
+
 /// The device nodes a task with `mask` gets: its GPUs' and, if it has any, the shared ones.
 pub fn granted_devices(devices: &[DeviceNode], mask: u64) -> Vec<&DeviceNode> {
     if mask == 0 {
@@ -98,7 +146,7 @@ pub fn podman_command(l: &ImageLaunch<'_>) -> Spawn {
         "run".into(),
         "--rm".into(),
         "--pull=never".into(),
-        format!("--name=gpuam-{}", l.container_id),
+        format!("--name={}", container_name(l.container_id)),
         "--runtime".into(),
         l.runtime.runc.display().to_string(),
         "--network=host".into(),
@@ -135,13 +183,7 @@ pub fn podman_command(l: &ImageLaunch<'_>) -> Spawn {
     }
     a.push("--entrypoint=".into());
     a.push(l.image.into());
-    // bash where the image has it (OpenPAI's commands are bash); else POSIX sh, which the
-    // launch script is written for.
-    a.extend([
-        "/bin/sh".into(),
-        "-c".into(),
-        "if command -v bash >/dev/null 2>&1; then exec bash launch.sh; else exec sh launch.sh; fi".into(),
-    ]);
+    a.extend(["/bin/sh".into(), "-c".into(), CONTAINER_INIT.into()]);
     Spawn {
         program: l.runtime.podman.clone(),
         args: a,
@@ -324,6 +366,9 @@ pub fn program_for(dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spa
         }
         Decision::Image => {
             let runtime = runtime.ok_or("no runtime")?;
+            // The mark `reap` looks for when the container ends.
+            std::fs::write(dir.join(IMAGE_MARK), container_name(id))
+                .map_err(|e| format!("cannot write {}: {e}", dir.join(IMAGE_MARK).display()))?;
             let dev_dir = std::env::var_os(DEV_DIR_ENV).map_or_else(|| PathBuf::from("/dev"), PathBuf::from);
             let devices = find_devices(&dev_dir);
             let mask = env_get(env, "GPUAM_GPU_MASK")
