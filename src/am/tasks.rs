@@ -280,4 +280,42 @@ mod tests {
         assert_eq!(env["GPUAM_HOSTS_WORKER_A"], "h1:2001,h2:2001");
         assert_eq!(env["GPUAM_JOB"], "resnet");
     }
+
+    #[test]
+    fn launch_context_adds_pai_env_and_the_image_for_v2_only() {
+        let v2 = crate::spec::parse_job_spec(
+            "protocolVersion: 2\nname: j\ntype: job\nprerequisites: [{name: i, type: dockerimage, uri: 'img:1'}]\n\
+             taskRoles:\n  w:\n    dockerImage: i\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [a, b]\n",
+            "j.yaml",
+        )
+        .unwrap();
+        let mut t = Task::new(0, 0);
+        t.state = super::TaskState::ContainerAllocated;
+        t.container = Some(Container {
+            container_id: "c1".into(),
+            request_id: 1,
+            host: "n1".into(),
+            node_http_address: "http://10.1.2.3:8088".into(),
+            resources: Default::default(),
+            task: None,
+            task_attempt: 1,
+        });
+        t.ports = vec![("ssh".into(), vec![3001]), ("http".into(), vec![3002])];
+        let ctx = launch_context(&v2, &t, "app_1", None, std::slice::from_ref(&t));
+        assert_eq!(ctx.commands, vec!["a\nb"]);
+        assert_eq!(ctx.env["GPUAM_IMAGE"], "img:1");
+        assert_eq!(ctx.env["GPUAM_SHM_MB"], "512", "OpenPAI's default /dev/shm");
+        assert_eq!(ctx.env["PAI_HOST_IP_w_0"], "10.1.2.3");
+        assert_eq!(ctx.env["PAI_CONTAINER_SSH_PORT"], "3001");
+        assert_eq!(ctx.env["GPUAM_TASK_INDEX"], "0", "gpuam's own variables stay");
+
+        let native = crate::spec::parse_job_spec(
+            "name: j\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1}\n    commands: [a, b]\n",
+            "j.yaml",
+        )
+        .unwrap();
+        let ctx = launch_context(&native, &t, "app_1", None, std::slice::from_ref(&t));
+        assert_eq!(ctx.commands, vec!["a", "b"]);
+        assert!(ctx.env.keys().all(|k| !k.starts_with("PAI_") && k != "GPUAM_IMAGE"));
+    }
 }

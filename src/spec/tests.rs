@@ -1216,3 +1216,104 @@ fn huge_mappings_stay_fast() {
     );
     assert!(start.elapsed().as_secs() < 5, "took {:?}", start.elapsed());
 }
+
+// ---- OpenPAI v2: references, mapping, warnings ----
+
+const PAI_FULL: &str = "protocolVersion: 2
+name: full
+type: job
+prerequisites:
+  - {name: img, type: dockerimage, uri: 'x/y:1'}
+  - {name: d, type: data, uri: [a, b]}
+taskRoles:
+  w:
+    instances: 2
+    taskRetryCount: 4
+    dockerImage: img
+    data: d
+    extraContainerOptions: {shmMB: 256, infiniband: true}
+    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 1, ports: {ssh: 2, nccl: 1}}
+    commands:
+      - echo <% $data.uri[1] %> \\
+      - continued
+      - false
+defaults: {virtualCluster: research}
+extras:
+  hivedScheduler:
+    taskRoles:
+      w: {skuType: V100, skuNum: 1}
+  com.microsoft.pai.runtimeplugin:
+    - plugin: ssh
+    - plugin: tensorboard
+";
+
+#[test]
+fn v2_maps_image_shm_gpu_type_queue_and_ports() {
+    let s = parse(PAI_FULL).unwrap();
+    let w = &s.task_roles[0];
+    assert_eq!(w.image.as_deref(), Some("x/y:1"));
+    assert_eq!(w.shm_mb, Some(256));
+    assert_eq!(w.gpu_types, vec!["V100"]);
+    assert_eq!(s.queue.as_deref(), Some("research"));
+    let labels: Vec<(&str, u16)> = w.resources.ports.iter().map(|p| (p.label.as_str(), p.count)).collect();
+    // `ssh` as written; `http` added, as OpenPAI adds both to every role.
+    assert_eq!(labels, vec![("ssh", 2), ("nccl", 1), ("http", 1)]);
+    // One script, the `\` continuation kept, the failing line kept.
+    assert_eq!(w.commands, vec!["echo b \\\ncontinued\nfalse"]);
+    // Under gang allocation taskRetryCount is ignored, as on OpenPAI.
+    assert_eq!(w.task_retry_count, 0);
+}
+
+#[test]
+fn v2_warns_about_what_it_does_not_honour_with_lines() {
+    let s = parse(PAI_FULL).unwrap();
+    let got: Vec<(usize, &str)> = s.warnings.iter().map(|w| (w.line, w.field.as_str())).collect();
+    assert_eq!(
+        got,
+        vec![
+            (10, "taskRoles.w.taskRetryCount"),
+            (13, "taskRoles.w.extraContainerOptions.infiniband"),
+            (23, "extras.hivedScheduler.taskRoles.w.skuNum"),
+            (25, "extras.com.microsoft.pai.runtimeplugin[0]"),
+            (26, "extras.com.microsoft.pai.runtimeplugin[1]"),
+        ],
+        "{:#?}",
+        s.warnings
+    );
+    assert!(s.warnings[3].message.contains("`ssh`"), "{}", s.warnings[3]);
+}
+
+#[test]
+fn v2_task_retry_count_is_kept_without_gang() {
+    let text = PAI_FULL.replace("extras:\n", "extras:\n  gangAllocation: false\n");
+    let s = parse(&text).unwrap();
+    assert_eq!(s.task_roles[0].task_retry_count, 4);
+    assert!(!s.gang);
+    assert!(s.warnings.iter().all(|w| w.field != "taskRoles.w.taskRetryCount"));
+}
+
+#[test]
+fn v2_dangling_references_are_refused_at_their_line() {
+    let text = PAI_FULL.replace("    data: d\n", "    data: nope\n    script: s\n");
+    let e = errors(&text);
+    let got: Vec<(usize, &str)> = e.iter().map(|e| (e.line, e.field.as_str())).collect();
+    assert_eq!(got, vec![(12, "taskRoles.w.data"), (13, "taskRoles.w.script")]);
+    assert!(
+        e[0].message.contains("prerequisite \"nope\" does not exist"),
+        "{}",
+        e[0]
+    );
+}
+
+#[test]
+fn v2_job_retry_count_and_version_in_deployments() {
+    let text = v2("jobRetryCount: 3\ndeployments:\n  - name: d\n    version: 2\n    taskRoles:\n      w: {preCommands: [pre]}\ndefaults: {deployment: d}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [main]\n");
+    let s = parse(&text).unwrap();
+    assert_eq!(s.pai.as_ref().map(|p| p.job_retry_count), Some(3));
+    assert_eq!(s.task_roles[0].commands, vec!["pre\nmain"]);
+    assert_eq!(s.warnings.len(), 1);
+    assert_eq!(
+        (s.warnings[0].line, s.warnings[0].field.as_str()),
+        (7, "deployments[0].version")
+    );
+}
