@@ -143,7 +143,8 @@ pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prere
                 "add `uri:` (for an image, e.g. `uri: example/pytorch:latest`)",
             ),
             Some(u) => match (&u.value, kind.as_ref().map(|(k, _)| k.as_str())) {
-                (Value::Seq(_), Some("data")) | (Value::Str(_), Some(_)) => {}
+                (Value::Seq(_), Some("data")) => {}
+                (Value::Str(_), Some(k)) if k != "data" => {}
                 (Value::Seq(_), Some(_)) => d.at(
                     u.pos,
                     &join(&p, "uri"),
