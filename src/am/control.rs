@@ -778,31 +778,21 @@ impl Control {
         }
     }
 
-    /// `jobRetryCount`: the failed job starts again — containers given back (the RM stops
-    /// them), requests withdrawn, every task waiting for a new container.
+    /// `jobRetryCount`: the failed job starts again (see `job_retry::reset_for_restart`).
     fn restart_job(&mut self, why: &str) {
         tracing::warn!(
             retry = self.job_retry.used(),
             "job failed ({why}); restarting it (jobRetryCount)"
         );
-        for t in &mut self.tasks {
-            if let Some(r) = t.request.take() {
-                self.cancels.push(r.request_id);
-                self.by_request.remove(&r.request_id);
-                self.selector.remove_requested(&r.host, &r.resources, false);
-            }
-            if let Some(c) = t.container.take() {
-                if t.holds_container() {
-                    self.by_container.remove(&c.container_id);
-                    self.releases.push(c.container_id);
-                }
-            }
-            t.succeeded = None;
-            t.completed_ms = None;
-            t.attempt += 1;
-            t.retry = Default::default();
-            t.waiting_reason = Some(format!("job restarted after a failure ({why})"));
-            t.reset_to_waiting();
+        let back = super::job_retry::reset_for_restart(&mut self.tasks, why);
+        for r in back.requests {
+            self.cancels.push(r.request_id);
+            self.by_request.remove(&r.request_id);
+            self.selector.remove_requested(&r.host, &r.resources, false);
+        }
+        for c in back.containers {
+            self.by_container.remove(&c);
+            self.releases.push(c);
         }
         self.gang_launched = false;
         self.gang_wait_since = None;
