@@ -171,6 +171,15 @@ pub fn explain(text: &str, at: Pos, info: &str) -> Explained {
             fix,
         };
     }
+    // `[echo a[0] b]`: the item's own `]` ended the flow list early.
+    let before: String = line_text.chars().take(at.col.saturating_sub(1)).collect();
+    if before.contains('[') || before.contains('{') {
+        return Explained {
+            pos: at,
+            message: msg(format!("{info} (a `[...]` or `{{...}}` on this line ended early)")),
+            fix: "quote items that contain `[`, `]`, `{`, `}`, `,` or `#`, e.g. `commands: [\"echo <% $data.uri[0] %>\"]`, or write one `- item` per line".into(),
+        };
+    }
     Explained {
         pos: at,
         message: msg(info.to_string()),
@@ -235,6 +244,14 @@ mod tests {
         let e = explain(t, at(2, 7), "invalid indentation in quoted scalar");
         assert_eq!(e.pos, at(2, 7));
         assert!(e.message.contains("not closed"), "{e:?}");
+    }
+
+    #[test]
+    fn a_bracket_inside_an_unquoted_flow_item() {
+        let t = "a:\n  c: [echo <% $x[0] %>]\n";
+        let e = explain(t, at(2, 22), "unexpected character: `%'");
+        assert_eq!(e.pos, at(2, 22));
+        assert!(e.fix.contains("quote items"), "{e:?}");
     }
 
     #[test]
