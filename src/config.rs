@@ -175,6 +175,28 @@ pub struct Settings {
     pub am: AmSettings,
     pub rm: RmSettings,
     pub tls: TlsSettings,
+    pub node: NodeSettings,
+}
+
+/// Node settings (DESIGN.md §10).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeSettings {
+    /// A task that names an image runs on the host when the node has no OCI runtime
+    /// (podman with runc), with a warning in its stderr; false refuses to start it.
+    pub run_without_image: bool,
+    /// `auto`: run tasks that name an image in it when podman and runc are installed;
+    /// `none`: never (every task runs on the host, as without a runtime).
+    pub image_runtime: String,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        NodeSettings {
+            run_without_image: true,
+            image_runtime: "auto".into(),
+        }
+    }
 }
 
 /// Settings that could not be loaded.
@@ -281,6 +303,12 @@ impl Settings {
     fn validate(&self) -> Result<(), String> {
         if self.rm.max_am_attempts == 0 {
             return Err("rm.max_am_attempts must be at least 1".into());
+        }
+        if !["auto", "none"].contains(&self.node.image_runtime.as_str()) {
+            return Err(format!(
+                "node.image_runtime must be `auto` or `none`, not `{}`",
+                self.node.image_runtime
+            ));
         }
         if self.select.candidate_nodes_factor == 0 {
             return Err("select.candidate_nodes_factor must be at least 1".into());

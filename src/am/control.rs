@@ -17,12 +17,12 @@ use super::rm_client::{RmClient, RmError};
 use super::status::{
     Command, ExitType, JobState, NodeStatus, RoleCounts, SelectionRecord, StatusHub, TaskState, SELECTION_HISTORY,
 };
-use super::tasks::{now_ms, peer_address, task_env, Outstanding, Task};
+use super::tasks::{launch_context, now_ms, peer_address, Outstanding, Task};
 use crate::cluster::rm_json::parse_node_value;
 use crate::config::AmSettings;
 use crate::protocol::{
-    exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState, LaunchContext,
-    PreviousContainer, RegisterRequest,
+    exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState, PreviousContainer,
+    RegisterRequest,
 };
 use crate::resources::{mask_hex, mask_indices};
 use crate::select::{assign_port_labels, request_order, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
@@ -72,6 +72,7 @@ pub struct Control {
     rng: rand::rngs::StdRng,
     end: Option<JobEnd>,
     nodes_dirty: bool,
+    job_retry: super::job_retry::JobRetry,
 }
 
 impl Control {
@@ -92,6 +93,7 @@ impl Control {
                 tasks.push(Task::new(ri, i));
             }
         }
+        let job_retry = super::job_retry::JobRetry::new(&job);
         let order = request_order(&job)
             .into_iter()
             .filter_map(|k| index_of.get(&k).copied())
@@ -122,6 +124,7 @@ impl Control {
             rng: rand::SeedableRng::from_entropy(),
             end: None,
             nodes_dirty: true,
+            job_retry,
         }
     }
 
@@ -651,6 +654,9 @@ impl Control {
                             diagnostics: trigger,
                         })
                     }
+                    JobVerdict::Failed { trigger } if self.job_retry.should_restart() => {
+                        self.restart_job(&format!("{trigger}; task {trigger_task} exited with {code}"));
+                    }
                     JobVerdict::Failed { trigger } => {
                         self.end = Some(JobEnd {
                             state: JobState::Failed,
@@ -735,11 +741,7 @@ impl Control {
         for &ti in &to_launch {
             let t = &self.tasks[ti];
             let Some(c) = t.container.clone() else { continue };
-            let role = &self.job.task_roles[t.role];
-            let ctx = LaunchContext {
-                commands: role.commands.clone(),
-                env: task_env(&self.job, t, &self.app_id, peers.as_ref()),
-            };
+            let ctx = launch_context(&self.job, t, &self.app_id, peers.as_ref(), &self.tasks);
             let rm = self.rm.clone();
             launches.push(async move {
                 let r = rm
@@ -768,6 +770,26 @@ impl Control {
                 }
             }
         }
+    }
+
+    /// `jobRetryCount`: the failed job starts again (see `job_retry::reset_for_restart`).
+    fn restart_job(&mut self, why: &str) {
+        tracing::warn!(
+            retry = self.job_retry.used(),
+            "job failed ({why}); restarting it (jobRetryCount)"
+        );
+        let back = super::job_retry::reset_for_restart(&mut self.tasks, why);
+        for r in back.requests {
+            self.cancels.push(r.request_id);
+            self.by_request.remove(&r.request_id);
+            self.selector.remove_requested(&r.host, &r.resources, false);
+        }
+        for c in back.containers {
+            self.by_container.remove(&c);
+            self.releases.push(c);
+        }
+        self.gang_launched = false;
+        self.gang_wait_since = None;
     }
 
     /// Gives back every container a gang holds and waits before trying again.

@@ -6,6 +6,8 @@
 
 pub mod control;
 pub mod exits;
+pub mod job_retry;
+pub mod pai_env;
 pub mod rm_client;
 pub mod status;
 pub mod tasks;

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use super::exits::{ExitInfo, RetryState};
 use super::status::{TaskState, TaskStatus};
-use crate::protocol::Container;
+use crate::protocol::{Container, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
-use crate::spec::JobSpec;
+use crate::spec::{JobSpec, SpecFormat};
 
 /// An ask sent to the RM and not yet answered.
 #[derive(Clone, Debug)]
@@ -181,6 +181,55 @@ pub fn task_env(
     env
 }
 
+/// What the node gets to start `task`: its role's commands and the whole environment —
+/// DESIGN.md §6, plus OpenPAI's `PAI_*` variables for protocol v2 jobs (built from every
+/// task of the job that holds a container, `all`), plus `GPUAM_IMAGE` / `GPUAM_SHM_MB`
+/// when the role names an image (the node runs the task in it; see `node_image`).
+pub fn launch_context(
+    job: &JobSpec,
+    task: &Task,
+    app_id: &str,
+    peers: Option<&BTreeMap<String, Vec<String>>>,
+    all: &[Task],
+) -> LaunchContext {
+    let role = &job.task_roles[task.role];
+    let mut env = task_env(job, task, app_id, peers);
+    if job.format == SpecFormat::PaiV2 {
+        let views: Vec<super::pai_env::TaskView<'_>> = all
+            .iter()
+            .filter(|t| t.holds_container())
+            .filter_map(|t| {
+                let c = t.container.as_ref()?;
+                Some(super::pai_env::TaskView {
+                    role: &job.task_roles[t.role].name,
+                    index: t.index,
+                    ip: Some(super::pai_env::node_ip(c)),
+                    ports: &t.ports,
+                })
+            })
+            .collect();
+        let current = super::pai_env::Current {
+            role_index: task.role,
+            index: task.index,
+            container_id: task.container.as_ref().map_or("", |c| c.container_id.as_str()),
+        };
+        let user = super::pai_env::user_name();
+        env.extend(super::pai_env::pai_env(job, &user, &current, &views));
+    }
+    if let Some(image) = &role.image {
+        env.insert("GPUAM_IMAGE".into(), image.clone());
+        // OpenPAI's /dev/shm is 512 MB unless `extraContainerOptions.shmMB` says otherwise.
+        let shm = role.shm_mb.or((job.format == SpecFormat::PaiV2).then_some(512));
+        if let Some(shm) = shm {
+            env.insert("GPUAM_SHM_MB".into(), shm.to_string());
+        }
+    }
+    LaunchContext {
+        commands: role.commands.clone(),
+        env,
+    }
+}
+
 /// "host:firstPort" (or just "host") of a task holding a container.
 pub fn peer_address(task: &Task) -> Option<String> {
     let c = task.container.as_ref()?;
@@ -230,5 +279,43 @@ mod tests {
         assert_eq!(env["GPUAM_ATTEMPT"], "2");
         assert_eq!(env["GPUAM_HOSTS_WORKER_A"], "h1:2001,h2:2001");
         assert_eq!(env["GPUAM_JOB"], "resnet");
+    }
+
+    #[test]
+    fn launch_context_adds_pai_env_and_the_image_for_v2_only() {
+        let v2 = crate::spec::parse_job_spec(
+            "protocolVersion: 2\nname: j\ntype: job\nprerequisites: [{name: i, type: dockerimage, uri: 'img:1'}]\n\
+             taskRoles:\n  w:\n    dockerImage: i\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [a, b]\n",
+            "j.yaml",
+        )
+        .unwrap();
+        let mut t = Task::new(0, 0);
+        t.state = super::TaskState::ContainerAllocated;
+        t.container = Some(Container {
+            container_id: "c1".into(),
+            request_id: 1,
+            host: "n1".into(),
+            node_http_address: "http://10.1.2.3:8088".into(),
+            resources: Default::default(),
+            task: None,
+            task_attempt: 1,
+        });
+        t.ports = vec![("ssh".into(), vec![3001]), ("http".into(), vec![3002])];
+        let ctx = launch_context(&v2, &t, "app_1", None, std::slice::from_ref(&t));
+        assert_eq!(ctx.commands, vec!["a\nb"]);
+        assert_eq!(ctx.env["GPUAM_IMAGE"], "img:1");
+        assert_eq!(ctx.env["GPUAM_SHM_MB"], "512", "OpenPAI's default /dev/shm");
+        assert_eq!(ctx.env["PAI_HOST_IP_w_0"], "10.1.2.3");
+        assert_eq!(ctx.env["PAI_CONTAINER_SSH_PORT"], "3001");
+        assert_eq!(ctx.env["GPUAM_TASK_INDEX"], "0", "gpuam's own variables stay");
+
+        let native = crate::spec::parse_job_spec(
+            "name: j\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1}\n    commands: [a, b]\n",
+            "j.yaml",
+        )
+        .unwrap();
+        let ctx = launch_context(&native, &t, "app_1", None, std::slice::from_ref(&t));
+        assert_eq!(ctx.commands, vec!["a", "b"]);
+        assert!(ctx.env.keys().all(|k| !k.starts_with("PAI_") && k != "GPUAM_IMAGE"));
     }
 }

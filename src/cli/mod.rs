@@ -352,7 +352,13 @@ pub(crate) fn load_job(path: &Path) -> Result<(JobSpec, String), i32> {
         }
     };
     match crate::spec::parse_job_spec(&text, &path.display().to_string()) {
-        Ok(j) => Ok((j, text)),
+        Ok(j) => {
+            // Accepted but not honoured: said once, where the user reads (validate, plan, run).
+            for w in &j.warnings {
+                eprintln!("{}:{w}", path.display());
+            }
+            Ok((j, text))
+        }
         Err(errs) => {
             eprintln!("{errs}");
             eprintln!("error: {} problem(s) in {}", errs.0.len(), path.display());

@@ -635,7 +635,14 @@ fn spawn_launch(
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
     std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
     let script = dir.join("launch.sh");
-    File::create(&script)
+    // 0600: the commands may hold rendered secrets (OpenPAI `<% $secrets.x %>`).
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&script)
         .and_then(|mut f| f.write_all(launch_script(id, dir, commands).as_bytes()))
         .map_err(|e| where_("cannot write", &script, e))?;
     let out_path = dir.join(LogStream::Stdout.file_name());
@@ -643,8 +650,10 @@ fn spawn_launch(
     let out = File::create(&out_path).map_err(|e| where_("cannot create", &out_path, e))?;
     let err = File::create(&err_path).map_err(|e| where_("cannot create", &err_path, e))?;
 
-    let mut cmd = std::process::Command::new("bash");
-    cmd.arg("launch.sh")
+    // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
+    let spawn = crate::rm::image::program_for(dir, id, env)?;
+    let mut cmd = std::process::Command::new(&spawn.program);
+    cmd.args(&spawn.args)
         .current_dir(dir)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -741,6 +750,8 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
             }
         }
     }
+    // A task in an image: its container is gone too (see image::reap).
+    crate::rm::image::reap(&dir).await;
     let stop_requested = table.lock().get(&id).is_some_and(|e| e.stop_requested);
     if stop_requested {
         diagnostics = format!("stopped by request; {diagnostics}");

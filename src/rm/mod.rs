@@ -3,6 +3,7 @@
 pub mod apps;
 pub mod executor;
 pub mod gpu_discovery;
+pub mod image;
 pub mod ledger;
 pub mod procs;
 pub mod server;

@@ -1055,7 +1055,18 @@ async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> 
     };
     let dir = rm.work_dir.join(&id);
     let job_path = dir.join("job.yaml");
-    let written = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&job_path, &req.job_spec));
+    // 0600: an OpenPAI job spec may carry `secrets`.
+    let written = std::fs::create_dir_all(&dir).and_then(|_| {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&job_path)
+            .and_then(|mut f| f.write_all(req.job_spec.as_bytes()))
+    });
     if let Err(e) = written {
         unclaim(&rm, &dir);
         return Err(ApiError::new(

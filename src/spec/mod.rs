@@ -3,7 +3,9 @@
 //! The types of a validated job live here; `parse` reads both formats, `validate` holds
 //! the limits and name rules, `yaml` is the located-YAML layer shared with the cluster file.
 
+pub mod openpai;
 pub mod parse;
+pub mod syntax;
 pub mod validate;
 pub mod yaml;
 
@@ -26,6 +28,45 @@ pub struct JobSpec {
     pub format: SpecFormat,
     /// Task roles in file order.
     pub task_roles: Vec<TaskRole>,
+    /// The queue the job asks for (DESIGN.md §10); OpenPAI v2: `defaults.virtualCluster`.
+    pub queue: Option<String>,
+    /// OpenPAI v2 job-level settings (`None` for gpuam's own format).
+    pub pai: Option<PaiJob>,
+    /// Fields accepted but not honoured (or honoured differently), with their positions;
+    /// `validate`, `plan` and `run` print them.
+    pub warnings: Vec<SpecWarning>,
+}
+
+/// What an OpenPAI protocol v2 job carries beyond the task roles.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PaiJob {
+    /// `jobRetryCount`: how many times the whole job is restarted after it failed.
+    pub job_retry_count: u32,
+    /// `defaults.virtualCluster` (`default` when absent), as `PAI_VIRTUAL_CLUSTER`.
+    pub virtual_cluster: String,
+    /// `extras.gangAllocation` as written (default true): `taskRetryCount` applies only
+    /// when it is false, as on OpenPAI.
+    pub gang_allocation: bool,
+}
+
+/// A field that is accepted but not honoured, located in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecWarning {
+    pub line: usize,
+    pub col: usize,
+    /// Dotted field path.
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for SpecWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}: {}: warning: {}",
+            self.line, self.col, self.field, self.message
+        )
+    }
 }
 
 /// The format a job spec was written in.
@@ -52,6 +93,10 @@ pub struct TaskRole {
     /// frameworklauncher semantics: n ≥ 0 retries; -1 = unlimited for failures; -2 = always.
     pub task_retry_count: i32,
     pub completion: Completion,
+    /// The image the role's tasks run in (OpenPAI `dockerImage` → its prerequisite's `uri`).
+    pub image: Option<String>,
+    /// Size of `/dev/shm` in the image, MB (OpenPAI `extraContainerOptions.shmMB`).
+    pub shm_mb: Option<u32>,
 }
 
 /// Per-instance resources of a role.

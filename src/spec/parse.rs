@@ -9,9 +9,10 @@
 
 use std::path::Path;
 
+use super::openpai::{self, Prereqs, RenderCtx, Warnings};
 use super::validate::{self, limits};
 use super::yaml::{self, clip, join, Diags, Node, Pos, Value};
-use super::{Completion, JobSpec, PortRequest, SpecErrors, SpecFormat, TaskResources, TaskRole};
+use super::{Completion, JobSpec, PaiJob, PortRequest, SpecErrors, SpecFormat, TaskResources, TaskRole};
 
 const NATIVE_TOP: &[&str] = &["name", "description", "gang", "gangTimeoutSec", "taskRoles"];
 const V2_TOP: &[&str] = &[
@@ -195,10 +196,18 @@ pub fn read_limited(path: &Path, max: usize) -> Result<String, (String, String)>
 }
 
 /// v2-only context for reading roles.
+#[derive(Default)]
 struct V2<'a> {
     parameters: Option<&'a Node>,
+    secrets: Option<&'a Node>,
+    prereqs: Prereqs<'a>,
+    extras: Option<&'a Node>,
     /// Deployment chosen by `defaults.deployment`: its `taskRoles` mapping.
     deployment: Option<(&'a Node, String)>,
+    job_retry_count: u32,
+    virtual_cluster: Option<String>,
+    gang_allocation: bool,
+    warnings: Warnings,
 }
 
 fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
@@ -242,10 +251,7 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         }
     }
 
-    let mut v2ctx = V2 {
-        parameters: None,
-        deployment: None,
-    };
+    let mut v2ctx = V2::default();
     let (gang, gang_timeout_sec) = if v2 {
         read_v2_top(d, root, &mut v2ctx)
     } else {
@@ -265,12 +271,20 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
     };
 
     let roles = read_roles(d, root, format, &v2ctx);
+    let pai = v2.then(|| PaiJob {
+        job_retry_count: v2ctx.job_retry_count,
+        virtual_cluster: v2ctx.virtual_cluster.clone().unwrap_or_else(|| "default".into()),
+        gang_allocation: v2ctx.gang_allocation,
+    });
     Some(JobSpec {
         name: name?,
         gang,
         gang_timeout_sec,
         format,
         task_roles: roles?,
+        queue: v2ctx.virtual_cluster.clone(),
+        pai,
+        warnings: v2ctx.warnings.into_sorted(),
     })
 }
 
@@ -322,11 +336,12 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
     }
     if let Some(n) = root.get("jobRetryCount") {
         if !n.is_null() {
-            d.int(n, "jobRetryCount", -2, limits::MAX_RETRY);
+            // OpenPAI's schema: an integer ≥ 0.
+            ctx.job_retry_count = d.int(n, "jobRetryCount", 0, limits::MAX_RETRY).unwrap_or(0) as u32;
         }
     }
     if let Some(n) = root.get("prerequisites") {
-        read_prerequisites(d, n);
+        ctx.prereqs = openpai::read_prerequisites(d, n, &ctx.warnings);
     }
     if let Some(n) = root.get("parameters") {
         if !n.is_null()
@@ -337,8 +352,8 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
         }
     }
     if let Some(n) = root.get("secrets") {
-        if !n.is_null() {
-            d.map(n, "secrets", "write secrets as `name: value` pairs");
+        if !n.is_null() && d.map(n, "secrets", "write secrets as `name: value` pairs").is_some() {
+            ctx.secrets = Some(n);
         }
     }
     let mut deployment_name = None;
@@ -349,7 +364,7 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
         {
             d.unknown_fields(n, "defaults", &["virtualCluster", "deployment"], &[]);
             if let Some(v) = n.get("virtualCluster") {
-                d.text(v, "defaults.virtualCluster");
+                ctx.virtual_cluster = d.text(v, "defaults.virtualCluster");
             }
             if let Some(v) = n.get("deployment") {
                 deployment_name = d.text(v, "defaults.deployment").map(|s| (s, v.pos));
@@ -365,7 +380,17 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
                     if d.map(item, &p, "write `{name: NAME, taskRoles: {...}}`").is_none() {
                         continue;
                     }
-                    d.unknown_fields(item, &p, &["name", "taskRoles"], &[]);
+                    // OpenPAI's schema does not close deployment items: `version` and the
+                    // like are accepted; gpuam has no use for them.
+                    for (k, _) in item.as_map().unwrap_or_default() {
+                        if k.text != "name" && k.text != "taskRoles" {
+                            ctx.warnings.add(
+                                k.pos,
+                                &join(&p, &k.text),
+                                format!("`{}` of a deployment is accepted and ignored", clip(&k.text)),
+                            );
+                        }
+                    }
                     match item.get("name") {
                         None => d.missing(item, &p, "name", "give the deployment a `name`"),
                         Some(nm) => {
@@ -411,49 +436,12 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
                 gang = d.bool(g, "extras.gangAllocation").unwrap_or(true);
             }
             timeout = read_gang_timeout(d, n.get("gangTimeoutSec"), "extras.gangTimeoutSec");
+            openpai::warn_extras(n, &ctx.warnings);
+            ctx.extras = Some(n);
         }
     }
+    ctx.gang_allocation = gang;
     (gang, timeout)
-}
-
-fn read_prerequisites(d: &mut Diags, n: &Node) {
-    if n.is_null() {
-        return;
-    }
-    let Some(items) = d.seq(n, "prerequisites", "write a list of `{name, type, uri}` entries") else {
-        return;
-    };
-    for (i, item) in items.iter().enumerate() {
-        let p = format!("prerequisites[{i}]");
-        if d.map(item, &p, "write `{name: NAME, type: dockerimage, uri: IMAGE}`")
-            .is_none()
-        {
-            continue;
-        }
-        match item.get("name") {
-            None => d.missing(item, &p, "name", "give the prerequisite a `name`"),
-            Some(v) => {
-                d.text(v, &join(&p, "name"));
-            }
-        }
-        match item.get("type") {
-            None => d.missing(item, &p, "type", "add `type:` (script, output, data or dockerimage)"),
-            Some(v) => {
-                if let Some(t) = d.text(v, &join(&p, "type")) {
-                    if !["script", "output", "data", "dockerimage"].contains(&t.as_str()) {
-                        d.at(
-                            v.pos,
-                            &join(&p, "type"),
-                            format!("unknown prerequisite type \"{}\"", clip(&t)),
-                            "use one of: script, output, data, dockerimage",
-                        );
-                    } else if t == "dockerimage" && item.get("uri").is_none() {
-                        d.missing(item, &p, "uri", "add the image, e.g. `uri: example/pytorch:latest`");
-                    }
-                }
-            }
-        }
-    }
 }
 
 fn read_roles(d: &mut Diags, root: &Node, format: SpecFormat, v2: &V2<'_>) -> Option<Vec<TaskRole>> {
@@ -547,7 +535,8 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
     };
 
     let gpu_types = match node.get("gpuType") {
-        None => Vec::new(),
+        // v2: hivedScheduler's skuType names the GPU type.
+        None => openpai::hived_gpu_type(v2.extras, name).into_iter().collect(),
         Some(n) => match read_gpu_types(d, n, &join(path, "gpuType")) {
             Some(v) => v,
             None => {
@@ -607,7 +596,47 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
     let completion = read_completion(d, node, path, instances, is_v2);
     ok &= completion.is_some();
 
-    let resources = resources?;
+    let (mut image, mut shm_mb) = (None, None);
+    let mut resources = resources?;
+    let mut task_retry_count = task_retry_count;
+    if is_v2 {
+        let (refs_ok, uri) = openpai::check_references(d, node, path, &v2.prereqs);
+        ok &= refs_ok;
+        image = uri;
+        match openpai::read_container_options(d, node, path, &v2.warnings) {
+            Some(s) => shm_mb = s,
+            None => ok = false,
+        }
+        let ports_node = node.get("resourcePerInstance").and_then(|r| r.get("ports"));
+        for p in &resources.ports {
+            let pos = ports_node
+                .and_then(|n| n.entry(&p.label))
+                .map_or(node.pos, |(k, _)| k.pos);
+            let fp = join(path, &format!("resourcePerInstance.ports.{}", p.label));
+            ok &= openpai::check_pai_name(d, pos, &fp, &p.label, "port label");
+        }
+        // OpenPAI gives every role an `ssh` and an `http` port.
+        for label in ["ssh", "http"] {
+            if !resources.ports.iter().any(|p| p.label == label) {
+                resources.ports.push(PortRequest {
+                    label: label.into(),
+                    count: 1,
+                    start: None,
+                });
+            }
+        }
+        // taskRetryCount counts only without gang allocation; with it, the job is retried.
+        if v2.gang_allocation && task_retry_count != 0 {
+            if let Some((k, _)) = node.entry("taskRetryCount") {
+                v2.warnings.add(
+                    k.pos,
+                    &join(path, "taskRetryCount"),
+                    "`taskRetryCount` is ignored under gang allocation, as on OpenPAI; `jobRetryCount` restarts the whole job",
+                );
+            }
+            task_retry_count = 0;
+        }
+    }
     if !ok {
         return None;
     }
@@ -621,6 +650,8 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
         commands: commands?,
         task_retry_count,
         completion: completion?,
+        image,
+        shm_mb,
     })
 }
 
@@ -843,7 +874,14 @@ fn read_ports(d: &mut Diags, n: &Node, path: &str) -> Option<Vec<PortRequest>> {
     ok.then_some(out)
 }
 
-fn read_command_list(d: &mut Diags, n: &Node, path: &str, v2: &V2<'_>, is_v2: bool, out: &mut Vec<String>) -> bool {
+fn read_command_list(
+    d: &mut Diags,
+    n: &Node,
+    path: &str,
+    v2: (&V2<'_>, &RenderCtx<'_>),
+    is_v2: bool,
+    out: &mut Vec<String>,
+) -> bool {
     let Some(items) = d.seq(
         n,
         path,
@@ -859,9 +897,9 @@ fn read_command_list(d: &mut Diags, n: &Node, path: &str, v2: &V2<'_>, is_v2: bo
             _ => d.text(it, &p),
         };
         match text {
-            Some(t) if !t.trim().is_empty() => {
+            Some(t) if is_v2 || !t.trim().is_empty() => {
                 let t = if is_v2 {
-                    render(d, &t, it, &p, v2.parameters)
+                    openpai::render(d, &v2.0.warnings, &t, it, &p, v2.1)
                 } else {
                     Some(t)
                 };
@@ -888,11 +926,29 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
     };
     let mut out = Vec::new();
     let mut ok = true;
+    let prereq = |kind: &str| {
+        PREREQ_FIELD
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .and_then(|(_, field)| node.get(field))
+            .and_then(|v| match &v.value {
+                Value::Str(s) => v2.prereqs.get(kind, s),
+                _ => None,
+            })
+    };
+    let ctx = RenderCtx {
+        parameters: v2.parameters,
+        secrets: v2.secrets,
+        data: prereq("data"),
+        script: prereq("script"),
+        output: prereq("output"),
+    };
+    let v2 = (v2, &ctx);
     // Deployment pre/post commands (v2) wrap the role's own.
-    let dep = v2
-        .deployment
-        .as_ref()
-        .and_then(|(tr, tp)| tr.get(role).map(|r| (r, join(tp, role))));
+    let dep =
+        v2.0.deployment
+            .as_ref()
+            .and_then(|(tr, tp)| tr.get(role).map(|r| (r, join(tp, role))));
     if let Some((r, rp)) = &dep {
         if d.map(r, rp, "write `{preCommands: [...], postCommands: [...]}`")
             .is_some()
@@ -928,80 +984,14 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
         );
         ok = false;
     }
+    if is_v2 {
+        // OpenPAI runs a role's commands as one newline-joined bash script.
+        out = vec![openpai::join_commands(&out)];
+    }
     ok.then_some(out)
 }
 
-/// Renders `<% $parameters.NAME %>` placeholders (v2). Nested parameters are reached with
-/// dots: `<% $parameters.opt.lr %>`.
-fn render(d: &mut Diags, text: &str, node: &Node, path: &str, params: Option<&Node>) -> Option<String> {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    let mut ok = true;
-    while let Some(open) = rest.find("<%") {
-        out.push_str(&rest[..open]);
-        let after = &rest[open + 2..];
-        let Some(close) = after.find("%>") else {
-            d.at(
-                node.pos,
-                path,
-                "unclosed placeholder `<%`",
-                "close it with `%>`, e.g. `<% $parameters.epochs %>`",
-            );
-            return None;
-        };
-        let expr = after[..close].trim();
-        rest = &after[close + 2..];
-        let Some(name) = expr.strip_prefix("$parameters.") else {
-            let why = if expr.starts_with("$secrets") {
-                "secrets can only be used in docker registry auth, not in commands".to_string()
-            } else {
-                format!("unsupported placeholder `<% {} %>`", clip(expr))
-            };
-            d.at(
-                node.pos,
-                path,
-                why,
-                "use `<% $parameters.NAME %>` with NAME defined under `parameters:`",
-            );
-            ok = false;
-            continue;
-        };
-        let mut cur = params;
-        for seg in name.split('.') {
-            cur = cur.and_then(|c| c.get(seg.trim()));
-        }
-        match cur {
-            Some(v) if matches!(v.value, Value::Map(_) | Value::Seq(_)) => {
-                d.at(
-                    node.pos,
-                    path,
-                    format!("parameter `{}` is not a single value", clip(name)),
-                    "refer to a parameter that holds text or a number",
-                );
-                ok = false;
-            }
-            Some(v) => match &v.value {
-                Value::Str(s) => out.push_str(s),
-                Value::Null => {}
-                _ => out.push_str(&v.raw),
-            },
-            None => {
-                let keys: Vec<&str> = params
-                    .and_then(Node::as_map)
-                    .map(|m| m.iter().map(|(k, _)| k.text.as_str()).collect())
-                    .unwrap_or_default();
-                let fix = match yaml::suggest(name, &keys) {
-                    Some(s) => format!("did you mean `$parameters.{s}`?"),
-                    None => format!("define it: `parameters: {{{}: VALUE}}`", clip(name)),
-                };
-                d.at(node.pos, path, format!("undefined parameter `{}`", clip(name)), fix);
-                ok = false;
-            }
-        }
-    }
-    out.push_str(rest);
-    ok.then_some(out)
-}
+const PREREQ_FIELD: &[(&str, &str)] = openpai::PREREQ_TYPES;
 
 fn read_completion(d: &mut Diags, node: &Node, path: &str, instances: Option<u32>, is_v2: bool) -> Option<Completion> {
     let default_succeeded = if is_v2 { instances } else { None };

@@ -49,7 +49,25 @@ fn ok_role(extra: &str) -> String {
     role(&format!("{RES}{CMD}{extra}"))
 }
 
+/// A protocol v2 spec: the header (3 lines), then `body`. Unless `body` lists its own
+/// prerequisites, every role (its `commands:` line) gets `dockerImage: img`, added on the
+/// line after `commands`, and a matching prerequisite is appended at the end, so the lines
+/// of the body up to each `commands:` keep their numbers.
 fn v2(body: &str) -> String {
+    let body = if body.contains("prerequisites:") {
+        body.to_string()
+    } else {
+        let mut out = String::new();
+        for line in body.lines() {
+            out.push_str(line);
+            out.push('\n');
+            if line.starts_with("    commands:") {
+                out.push_str("    dockerImage: img\n");
+            }
+        }
+        out.push_str("prerequisites: [{name: img, type: dockerimage, uri: busybox}]\n");
+        out
+    };
     format!("protocolVersion: 2\nname: job\ntype: job\n{body}")
 }
 
@@ -204,7 +222,10 @@ fn v2_defaults() {
 
 #[test]
 fn v2_protocol_version_as_string_and_gang_off() {
-    let text = format!("protocolVersion: \"2\"\nname: job\ntype: job\nextras: {{gangAllocation: false, gangTimeoutSec: 30}}\n{V2_ROLE}");
+    let text = v2(&format!(
+        "extras: {{gangAllocation: false, gangTimeoutSec: 30}}\n{V2_ROLE}"
+    ))
+    .replacen("protocolVersion: 2", "protocolVersion: \"2\"", 1);
     let s = parse(&text).unwrap();
     assert!(!s.gang);
     assert_eq!(s.gang_timeout_sec, Some(30));
@@ -242,10 +263,8 @@ fn v2_renders_parameters() {
 #[test]
 fn v2_deployment_wraps_commands() {
     let text = v2("deployments:\n  - name: d\n    taskRoles:\n      w: {preCommands: [pre], postCommands: [post]}\ndefaults: {deployment: d}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [main]\n");
-    assert_eq!(
-        parse(&text).unwrap().task_roles[0].commands,
-        vec!["pre", "main", "post"]
-    );
+    // One newline-joined script, as OpenPAI runs it.
+    assert_eq!(parse(&text).unwrap().task_roles[0].commands, vec!["pre\nmain\npost"]);
 }
 
 #[test]
@@ -258,8 +277,30 @@ fn native_does_not_render_placeholders() {
 
 #[test]
 fn yaml_syntax_error() {
-    let e = one("name: job\ntaskRoles: [a, b\n", "", 3, "syntax");
-    assert!(e.col >= 1);
+    // The unclosed `[` is on line 2, not where the parser noticed it (line 3).
+    let e = one("name: job\ntaskRoles: [a, b\n", "taskRoles", 2, "`[` is not closed");
+    assert_eq!(e.col, 12);
+    assert!(e.fix.contains("`]`"), "{e}");
+}
+
+#[test]
+fn key_without_colon_is_blamed_on_its_own_line() {
+    let e = one(
+        "name: job\ntaskRoles:\n  worker:\n    instances 2\n    commands: [x]\n",
+        "taskRoles",
+        4,
+        "`instances 2` has no `:`",
+    );
+    assert_eq!(e.fix, "write `instances: 2`");
+}
+
+#[test]
+fn yaml_errors_never_have_an_empty_field() {
+    for text in ["a: [1\n", "\"x\n", "a: b: c\n", "a:\n  b: 1\n c: 2\n", "- a\nb: 1\n"] {
+        for e in errors(text) {
+            assert!(!e.field.is_empty(), "{text:?}: {e}");
+        }
+    }
 }
 
 #[test]
@@ -930,14 +971,22 @@ fn v2_missing_type() {
 #[test]
 fn v2_undefined_parameter() {
     let text = v2("parameters: {epochs: 1}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [\"train <% $parameters.epoch %>\"]\n");
-    let e = one(&text, "taskRoles.w.commands[0]", 8, "undefined parameter `epoch`");
-    assert!(e.fix.contains("$parameters.epochs"), "{e}");
+    // OpenPAI renders an undefined name as empty text; gpuam does the same and warns.
+    let s = parse(&text).unwrap();
+    assert_eq!(s.task_roles[0].commands, vec!["train"]);
+    assert_eq!(s.warnings.len(), 1, "{:?}", s.warnings);
+    assert_eq!(
+        (s.warnings[0].line, s.warnings[0].field.as_str()),
+        (8, "taskRoles.w.commands[0]")
+    );
+    assert!(s.warnings[0].message.contains("$parameters.epoch"), "{}", s.warnings[0]);
 }
 
 #[test]
 fn v2_secret_in_command() {
-    let text = v2("taskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [\"login <% $secrets.pw %>\"]\n");
-    one(&text, "taskRoles.w.commands[0]", 7, "secrets");
+    let text = v2("secrets: {pw: hunter22}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [\"login <% $secrets.pw %> now\"]\n");
+    let s = parse(&text).unwrap();
+    assert_eq!(s.task_roles[0].commands, vec!["login hunter22 now"]);
 }
 
 #[test]
@@ -960,7 +1009,7 @@ fn v2_unknown_deployment() {
 
 #[test]
 fn v2_bad_prerequisite_type() {
-    let text = v2(&format!("prerequisites:\n  - {{name: x, type: blob}}\n{V2_ROLE}"));
+    let text = v2(&format!("prerequisites:\n  - {{name: x, type: blob, uri: u}}\n  - {{name: img, type: dockerimage, uri: b}}\n{V2_ROLE}    dockerImage: img\n"));
     one(&text, "prerequisites[0].type", 5, "unknown prerequisite type");
 }
 
@@ -1166,4 +1215,105 @@ fn huge_mappings_stay_fast() {
         e[0]
     );
     assert!(start.elapsed().as_secs() < 5, "took {:?}", start.elapsed());
+}
+
+// ---- OpenPAI v2: references, mapping, warnings ----
+
+const PAI_FULL: &str = "protocolVersion: 2
+name: full
+type: job
+prerequisites:
+  - {name: img, type: dockerimage, uri: 'x/y:1'}
+  - {name: d, type: data, uri: [a, b]}
+taskRoles:
+  w:
+    instances: 2
+    taskRetryCount: 4
+    dockerImage: img
+    data: d
+    extraContainerOptions: {shmMB: 256, infiniband: true}
+    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 1, ports: {ssh: 2, nccl: 1}}
+    commands:
+      - echo <% $data.uri[1] %> \\
+      - continued
+      - false
+defaults: {virtualCluster: research}
+extras:
+  hivedScheduler:
+    taskRoles:
+      w: {skuType: V100, skuNum: 1}
+  com.microsoft.pai.runtimeplugin:
+    - plugin: ssh
+    - plugin: tensorboard
+";
+
+#[test]
+fn v2_maps_image_shm_gpu_type_queue_and_ports() {
+    let s = parse(PAI_FULL).unwrap();
+    let w = &s.task_roles[0];
+    assert_eq!(w.image.as_deref(), Some("x/y:1"));
+    assert_eq!(w.shm_mb, Some(256));
+    assert_eq!(w.gpu_types, vec!["V100"]);
+    assert_eq!(s.queue.as_deref(), Some("research"));
+    let labels: Vec<(&str, u16)> = w.resources.ports.iter().map(|p| (p.label.as_str(), p.count)).collect();
+    // `ssh` as written; `http` added, as OpenPAI adds both to every role.
+    assert_eq!(labels, vec![("ssh", 2), ("nccl", 1), ("http", 1)]);
+    // One script, the `\` continuation kept, the failing line kept.
+    assert_eq!(w.commands, vec!["echo b \\\ncontinued\nfalse"]);
+    // Under gang allocation taskRetryCount is ignored, as on OpenPAI.
+    assert_eq!(w.task_retry_count, 0);
+}
+
+#[test]
+fn v2_warns_about_what_it_does_not_honour_with_lines() {
+    let s = parse(PAI_FULL).unwrap();
+    let got: Vec<(usize, &str)> = s.warnings.iter().map(|w| (w.line, w.field.as_str())).collect();
+    assert_eq!(
+        got,
+        vec![
+            (10, "taskRoles.w.taskRetryCount"),
+            (13, "taskRoles.w.extraContainerOptions.infiniband"),
+            (23, "extras.hivedScheduler.taskRoles.w.skuNum"),
+            (25, "extras.com.microsoft.pai.runtimeplugin[0]"),
+            (26, "extras.com.microsoft.pai.runtimeplugin[1]"),
+        ],
+        "{:#?}",
+        s.warnings
+    );
+    assert!(s.warnings[3].message.contains("`ssh`"), "{}", s.warnings[3]);
+}
+
+#[test]
+fn v2_task_retry_count_is_kept_without_gang() {
+    let text = PAI_FULL.replace("extras:\n", "extras:\n  gangAllocation: false\n");
+    let s = parse(&text).unwrap();
+    assert_eq!(s.task_roles[0].task_retry_count, 4);
+    assert!(!s.gang);
+    assert!(s.warnings.iter().all(|w| w.field != "taskRoles.w.taskRetryCount"));
+}
+
+#[test]
+fn v2_dangling_references_are_refused_at_their_line() {
+    let text = PAI_FULL.replace("    data: d\n", "    data: nope\n    script: s\n");
+    let e = errors(&text);
+    let got: Vec<(usize, &str)> = e.iter().map(|e| (e.line, e.field.as_str())).collect();
+    assert_eq!(got, vec![(12, "taskRoles.w.data"), (13, "taskRoles.w.script")]);
+    assert!(
+        e[0].message.contains("prerequisite \"nope\" does not exist"),
+        "{}",
+        e[0]
+    );
+}
+
+#[test]
+fn v2_job_retry_count_and_version_in_deployments() {
+    let text = v2("jobRetryCount: 3\ndeployments:\n  - name: d\n    version: 2\n    taskRoles:\n      w: {preCommands: [pre]}\ndefaults: {deployment: d}\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [main]\n");
+    let s = parse(&text).unwrap();
+    assert_eq!(s.pai.as_ref().map(|p| p.job_retry_count), Some(3));
+    assert_eq!(s.task_roles[0].commands, vec!["pre\nmain"]);
+    assert_eq!(s.warnings.len(), 1);
+    assert_eq!(
+        (s.warnings[0].line, s.warnings[0].field.as_str()),
+        (7, "deployments[0].version")
+    );
 }

@@ -223,6 +223,19 @@ impl Builder {
         });
     }
 
+    /// The path of the innermost open collection, `(document)` at the top.
+    fn open_collection_path(&self) -> String {
+        let path = match self.stack.last() {
+            Some(Frame::Seq { path, .. } | Frame::Map { path, .. }) => path.clone(),
+            None => String::new(),
+        };
+        if path.is_empty() {
+            "(document)".into()
+        } else {
+            path
+        }
+    }
+
     /// The path of the next child of the innermost open collection.
     fn child_path(&self) -> String {
         match self.stack.last() {
@@ -442,15 +455,14 @@ pub fn parse(text: &str) -> Document {
                 Ok((ev, span)) => b.on_event(ev, span),
                 Err(e) => {
                     let m = e.marker();
-                    b.issue(
-                        Pos {
-                            line: m.line().max(1),
-                            col: m.col() + 1,
-                        },
-                        "",
-                        format!("YAML syntax error: {}", e.info()),
-                        "fix the YAML syntax at this position (check indentation, colons and quotes)",
-                    );
+                    let at = Pos {
+                        line: m.line().max(1),
+                        col: m.col() + 1,
+                    };
+                    // The parser notices many mistakes a line late; blame the line at fault.
+                    let x = super::syntax::explain(text, at, e.info());
+                    let field = b.open_collection_path();
+                    b.issue(x.pos, &field, x.message, &x.fix);
                     b.fatal = true;
                     break;
                 }

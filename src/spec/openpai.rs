@@ -1,0 +1,485 @@
+//! OpenPAI job protocol v2 specifics that `parse.rs` calls for `protocolVersion: 2` files:
+//! the prerequisites table and its references (`dockerImage`, `data`, `script`, `output`),
+//! placeholder rendering (`<% $parameters.x %>`, `$secrets`, `$data`, `$script`, `$output`),
+//! the one-script command semantics, OpenPAI's name rules, and the list of fields gpuam
+//! accepts but does not honour (each becomes a located [`SpecWarning`]).
+//!
+//! The rules follow OpenPAI's rest-server (protocol schema, submit middleware, k8s job
+//! model); docs/OPENPAI.md lists them with their sources. Nothing here does I/O.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use super::yaml::{clip, join, Diags, Node, Pos, Value};
+use super::SpecWarning;
+
+/// The prerequisite types of protocol v2 and the role field that names each.
+pub const PREREQ_TYPES: &[(&str, &str)] = &[
+    ("dockerimage", "dockerImage"),
+    ("data", "data"),
+    ("script", "script"),
+    ("output", "output"),
+];
+
+/// Fields of a prerequisite item. `callbacks`, `plugin`, `require` and `failurePolicy`
+/// belong to openpai-runtime's prerequisite callbacks: accepted, warned about.
+const PREREQ_FIELDS: &[&str] = &[
+    "protocolVersion",
+    "name",
+    "type",
+    "version",
+    "contributor",
+    "description",
+    "uri",
+    "auth",
+    "callbacks",
+    "plugin",
+    "require",
+    "failurePolicy",
+];
+const PREREQ_NOT_HONOURED: &[&str] = &["callbacks", "plugin", "require", "failurePolicy"];
+
+/// `extras` keys gpuam honours; every other key is warned about.
+const EXTRAS_HONOURED: &[&str] = &["gangAllocation", "gangTimeoutSec"];
+
+/// Collected warnings (shared by the readers through `&V2`).
+#[derive(Debug, Default)]
+pub struct Warnings(RefCell<Vec<SpecWarning>>);
+
+impl Warnings {
+    pub fn add(&self, pos: Pos, field: &str, message: impl Into<String>) {
+        self.0.borrow_mut().push(SpecWarning {
+            line: pos.line,
+            col: pos.col,
+            field: field.to_string(),
+            message: message.into(),
+        });
+    }
+
+    pub fn into_sorted(self) -> Vec<SpecWarning> {
+        let mut w = self.0.into_inner();
+        w.sort_by_key(|w| (w.line, w.col));
+        w
+    }
+}
+
+/// Prerequisites by (type, name).
+#[derive(Debug, Default)]
+pub struct Prereqs<'a> {
+    items: HashMap<(String, String), &'a Node>,
+}
+
+impl<'a> Prereqs<'a> {
+    pub fn get(&self, kind: &str, name: &str) -> Option<&'a Node> {
+        self.items.get(&(kind.to_string(), name.to_string())).copied()
+    }
+}
+
+/// Reads `prerequisites` (a list of `{name, type, uri, ...}`), refusing duplicates of a
+/// type and name as OpenPAI's server does.
+pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prereqs<'a> {
+    let mut out = Prereqs::default();
+    if n.is_null() {
+        return out;
+    }
+    let Some(items) = d.seq(n, "prerequisites", "write a list of `{name, type, uri}` entries") else {
+        return out;
+    };
+    for (i, item) in items.iter().enumerate() {
+        let p = format!("prerequisites[{i}]");
+        if d.map(item, &p, "write `{name: NAME, type: dockerimage, uri: IMAGE}`")
+            .is_none()
+        {
+            continue;
+        }
+        d.unknown_fields(item, &p, PREREQ_FIELDS, &[("image", "uri"), ("url", "uri")]);
+        for f in PREREQ_NOT_HONOURED {
+            if let Some((k, _)) = item.entry(f) {
+                w.add(
+                    k.pos,
+                    &join(&p, f),
+                    format!("prerequisite `{f}` (an openpai-runtime callback) is accepted but not run by gpuam"),
+                );
+            }
+        }
+        if let Some((k, _)) = item.entry("auth") {
+            w.add(
+                k.pos,
+                &join(&p, "auth"),
+                "registry `auth` is not used: gpuam runs images from the node's local store (pulling is podman's business)",
+            );
+        }
+        let name = match item.get("name") {
+            None => {
+                d.missing(item, &p, "name", "give the prerequisite a `name`");
+                None
+            }
+            Some(v) => d.text(v, &join(&p, "name")),
+        };
+        let kind = match item.get("type") {
+            None => {
+                d.missing(item, &p, "type", "add `type:` (script, output, data or dockerimage)");
+                None
+            }
+            Some(v) => d.text(v, &join(&p, "type")).and_then(|t| {
+                if PREREQ_TYPES.iter().any(|(k, _)| *k == t) {
+                    Some((t, v.pos))
+                } else {
+                    d.at(
+                        v.pos,
+                        &join(&p, "type"),
+                        format!("unknown prerequisite type \"{}\"", clip(&t)),
+                        "use one of: script, output, data, dockerimage",
+                    );
+                    None
+                }
+            }),
+        };
+        match item.get("uri") {
+            None => d.missing(
+                item,
+                &p,
+                "uri",
+                "add `uri:` (for an image, e.g. `uri: example/pytorch:latest`)",
+            ),
+            Some(u) => match (&u.value, kind.as_ref().map(|(k, _)| k.as_str())) {
+                (Value::Seq(_), Some("data")) => {}
+                (Value::Str(_), Some(k)) if k != "data" => {}
+                (Value::Seq(_), Some(_)) => d.at(
+                    u.pos,
+                    &join(&p, "uri"),
+                    "`uri` must be one text here (only `data` prerequisites take a list)",
+                    "write `uri: VALUE`",
+                ),
+                (_, Some("data")) => {
+                    // OpenPAI's schema wants a list for data; one text is the common mistake.
+                    d.at(
+                        u.pos,
+                        &join(&p, "uri"),
+                        "the `uri` of a `data` prerequisite must be a list",
+                        "write `uri: [VALUE]`",
+                    )
+                }
+                (_, Some(_)) => {
+                    d.text(u, &join(&p, "uri"));
+                }
+                (_, None) => {}
+            },
+        }
+        if let (Some(name), Some((kind, pos))) = (name, kind) {
+            if out.items.insert((kind.clone(), name.clone()), item).is_some() {
+                d.at(
+                    pos,
+                    &p,
+                    format!("duplicate {kind} prerequisite \"{}\"", clip(&name)),
+                    "give each prerequisite of a type its own `name`",
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Checks a role's `dockerImage`, `data`, `script` and `output` name prerequisites of
+/// their type ("Prerequisite X does not exist" on OpenPAI); returns the image's uri.
+pub fn check_references<'a>(
+    d: &mut Diags,
+    role: &'a Node,
+    path: &str,
+    prereqs: &Prereqs<'a>,
+) -> (bool, Option<String>) {
+    let mut ok = true;
+    let mut image = None;
+    for (kind, field) in PREREQ_TYPES {
+        let Some(v) = role.get(field) else { continue };
+        let fp = join(path, field);
+        let Some(name) = d.text(v, &fp) else {
+            ok = false;
+            continue;
+        };
+        match prereqs.get(kind, &name) {
+            Some(item) => {
+                if *kind == "dockerimage" {
+                    image = item.get("uri").and_then(|u| match &u.value {
+                        Value::Str(s) => Some(s.clone()),
+                        _ => None,
+                    });
+                }
+            }
+            None => {
+                d.at(
+                    v.pos,
+                    &fp,
+                    format!("prerequisite \"{}\" does not exist", clip(&name)),
+                    format!(
+                        "add `{{name: {}, type: {kind}, uri: ...}}` under `prerequisites`, or name one that is listed there",
+                        clip(&name)
+                    ),
+                );
+                ok = false;
+            }
+        }
+    }
+    if role.get("dockerImage").is_none() {
+        d.missing(
+            role,
+            path,
+            "dockerImage",
+            "add `dockerImage: NAME` naming a `type: dockerimage` prerequisite (protocol v2 requires it)",
+        );
+        ok = false;
+    }
+    (ok, image)
+}
+
+/// OpenPAI's name rule for roles and port labels: `^[a-zA-Z_][a-zA-Z0-9_]*$`.
+pub fn check_pai_name(d: &mut Diags, pos: Pos, path: &str, name: &str, what: &str) -> bool {
+    let first = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    if first && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return true;
+    }
+    d.at(
+        pos,
+        path,
+        format!("invalid {what} \"{}\" for protocol v2", clip(name)),
+        format!(
+            "use letters, digits and `_`, not starting with a digit (OpenPAI's pattern ^[a-zA-Z_][a-zA-Z0-9_]*$), e.g. `{}`",
+            name.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
+        ),
+    );
+    false
+}
+
+/// The values a role's placeholders can refer to.
+pub struct RenderCtx<'a> {
+    pub parameters: Option<&'a Node>,
+    pub secrets: Option<&'a Node>,
+    pub data: Option<&'a Node>,
+    pub script: Option<&'a Node>,
+    pub output: Option<&'a Node>,
+}
+
+/// Renders OpenPAI's `<% ... %>` placeholders in one command. `$parameters`, `$secrets`,
+/// `$data`, `$script` and `$output` are looked up with dots (`$data.uri[0]` =
+/// `$data.uri.0`); a name that is not defined renders as empty text, as on OpenPAI, with a
+/// warning. Mustache comments (`<%! %>`) vanish; other mustache tags are not supported.
+pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, ctx: &RenderCtx<'_>) -> Option<String> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    let mut ok = true;
+    while let Some(open) = rest.find("<%") {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 2..];
+        let Some(close) = after.find("%>") else {
+            d.at(
+                node.pos,
+                path,
+                "unclosed placeholder `<%`",
+                "close it with `%>`, e.g. `<% $parameters.epochs %>`",
+            );
+            return None;
+        };
+        let raw = after[..close].trim();
+        rest = &after[close + 2..];
+        if raw.starts_with('!') {
+            continue;
+        }
+        let expr = raw.strip_prefix('&').map(str::trim).unwrap_or(raw);
+        let (root, tail) = match expr.find('.') {
+            Some(i) => (&expr[..i], &expr[i + 1..]),
+            None => (expr, ""),
+        };
+        let base = match root {
+            "$parameters" => ctx.parameters,
+            "$secrets" => ctx.secrets,
+            "$data" => ctx.data,
+            "$script" => ctx.script,
+            "$output" => ctx.output,
+            _ => {
+                d.at(
+                    node.pos,
+                    path,
+                    format!("unsupported placeholder `<% {} %>`", clip(raw)),
+                    "use `<% $parameters.NAME %>`, `$secrets.NAME`, `$data.uri[0]`, `$script.uri` or `$output.uri`",
+                );
+                ok = false;
+                continue;
+            }
+        };
+        let key = tail.replace('[', ".").replace(']', "");
+        let mut cur = base;
+        for seg in key.split('.').filter(|s| !s.is_empty()) {
+            let seg = seg.trim();
+            cur = cur.and_then(|c| match &c.value {
+                Value::Seq(items) => seg.parse::<usize>().ok().and_then(|i| items.get(i)),
+                _ => c.get(seg),
+            });
+        }
+        match cur.map(|v| &v.value) {
+            None | Some(Value::Null) => {
+                w.add(
+                    node.pos,
+                    path,
+                    format!(
+                        "`<% {} %>` is not defined; it renders as empty text, as on OpenPAI",
+                        clip(expr)
+                    ),
+                );
+            }
+            Some(Value::Str(s)) => out.push_str(s),
+            Some(Value::Seq(items)) if items.iter().all(|i| !matches!(i.value, Value::Map(_) | Value::Seq(_))) => {
+                let parts: Vec<String> = items.iter().map(scalar_text).collect();
+                out.push_str(&parts.join(","));
+            }
+            Some(Value::Map(_) | Value::Seq(_)) => {
+                d.at(
+                    node.pos,
+                    path,
+                    format!("`{}` is not a single value", clip(expr)),
+                    "refer to a field that holds text or a number",
+                );
+                ok = false;
+            }
+            Some(_) => out.push_str(&cur.map(scalar_text).unwrap_or_default()),
+        }
+    }
+    out.push_str(rest);
+    ok.then_some(out)
+}
+
+fn scalar_text(n: &Node) -> String {
+    match &n.value {
+        Value::Str(s) => s.clone(),
+        Value::Null => String::new(),
+        _ => n.raw.clone(),
+    }
+}
+
+/// OpenPAI's entrypoint: the commands, each trimmed, joined by newlines into ONE bash
+/// script that goes on after a failing line and ends with the last line's status.
+pub fn join_commands(commands: &[String]) -> String {
+    commands
+        .iter()
+        .map(|c| c.trim())
+        .collect::<Vec<_>>()
+        .join("\n")
+        .trim()
+        .to_string()
+}
+
+/// Warns about `extras` keys gpuam does not honour: runtime plugins (each plugin with its
+/// line), `hivedScheduler` fields other than `skuType`/`gpuType`, storages and the rest.
+pub fn warn_extras(extras: &Node, w: &Warnings) {
+    let Some(entries) = extras.as_map() else { return };
+    for (k, v) in entries {
+        let p = join("extras", &k.text);
+        if EXTRAS_HONOURED.contains(&k.text.as_str()) {
+            continue;
+        }
+        match k.text.as_str() {
+            "com.microsoft.pai.runtimeplugin" => {
+                let plugins = v.as_seq().unwrap_or_default();
+                if plugins.is_empty() {
+                    w.add(k.pos, &p, "runtime plugins are accepted but not run by gpuam");
+                }
+                for (i, item) in plugins.iter().enumerate() {
+                    let name = item.get("plugin").map(scalar_text).unwrap_or_else(|| "?".into());
+                    let what = match name.as_str() {
+                        "ssh" => "no sshd is started and no ssh keys are set up",
+                        "tensorboard" => "no TensorBoard is started",
+                        "teamwise_storage" => "no storage is mounted",
+                        "cmd" => "its callbacks are not run",
+                        "git" => "no repository is cloned",
+                        _ => "it is not run",
+                    };
+                    w.add(
+                        item.pos,
+                        &format!("{p}[{i}]"),
+                        format!(
+                            "runtime plugin `{}` is accepted but not run by gpuam: {what}",
+                            clip(&name)
+                        ),
+                    );
+                }
+            }
+            "hivedScheduler" => warn_hived(v, &p, w),
+            _ => w.add(
+                k.pos,
+                &p,
+                format!("`extras.{}` is accepted but not honoured by gpuam", clip(&k.text)),
+            ),
+        }
+    }
+}
+
+fn warn_hived(h: &Node, p: &str, w: &Warnings) {
+    let Some(entries) = h.as_map() else { return };
+    for (k, v) in entries {
+        let kp = join(p, &k.text);
+        if k.text == "taskRoles" {
+            for (rk, rv) in v.as_map().unwrap_or_default() {
+                let rp = join(&kp, &rk.text);
+                for (fk, _) in rv.as_map().unwrap_or_default() {
+                    match fk.text.as_str() {
+                        "skuType" | "gpuType" => {}
+                        other => w.add(
+                            fk.pos,
+                            &join(&rp, other),
+                            format!(
+                                "hivedScheduler `{}` is accepted but not honoured (gpuam places by its own pipeline)",
+                                clip(other)
+                            ),
+                        ),
+                    }
+                }
+            }
+        } else {
+            w.add(
+                k.pos,
+                &kp,
+                format!("hivedScheduler `{}` is accepted but not honoured", clip(&k.text)),
+            );
+        }
+    }
+}
+
+/// `extras.hivedScheduler.taskRoles.<role>.skuType` (or the older `gpuType`): the GPU
+/// type the role asks for.
+pub fn hived_gpu_type(extras: Option<&Node>, role: &str) -> Option<String> {
+    let r = extras?.get("hivedScheduler")?.get("taskRoles")?.get(role)?;
+    let t = r.get("skuType").or_else(|| r.get("gpuType"))?;
+    match &t.value {
+        Value::Str(s) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        _ => None,
+    }
+}
+
+/// Reads `extraContainerOptions`: `shmMB` (honoured in an image), `infiniband` and
+/// anything else warned about.
+pub fn read_container_options(d: &mut Diags, role: &Node, path: &str, w: &Warnings) -> Option<Option<u32>> {
+    let Some(n) = role.get("extraContainerOptions") else {
+        return Some(None);
+    };
+    let p = join(path, "extraContainerOptions");
+    if n.is_null() {
+        return Some(None);
+    }
+    d.map(n, &p, "write `extraContainerOptions: {shmMB: 1024}`")?;
+    let mut shm = None;
+    for (k, v) in n.as_map().unwrap_or_default() {
+        let kp = join(&p, &k.text);
+        match k.text.as_str() {
+            "shmMB" => {
+                // Honoured where the task runs in its image (the node sizes /dev/shm).
+                shm = Some(d.int(v, &kp, 1, 16 * 1024 * 1024)? as u32);
+            }
+            "infiniband" => w.add(
+                k.pos,
+                &kp,
+                "`infiniband` is accepted but no InfiniBand device is passed",
+            ),
+            other => w.add(k.pos, &kp, format!("`{}` is accepted but not honoured", clip(other))),
+        }
+    }
+    Some(shm)
+}
