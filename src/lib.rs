@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod config;
 pub mod exit;
 pub mod protocol;
+pub mod ray;
 pub mod resources;
 pub mod rm;
 pub mod select;
