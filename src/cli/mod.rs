@@ -80,6 +80,29 @@ enum Cmd {
         /// Keep the state in memory only: a restarted RM starts empty.
         #[arg(long)]
         in_memory: bool,
+        #[command(flatten)]
+        ray: RayBackendArgs,
+    },
+    /// Print the extra `ray start` arguments that make this machine a gpuam node of a Ray cluster.
+    RayNodeArgs {
+        /// The node's gpuam host name.
+        #[arg(long)]
+        host: String,
+        /// GPUs: auto (nvidia-smi) or a count.
+        #[arg(long, default_value = "auto")]
+        gpus: String,
+        /// GPU topology: auto (nvidia-smi topo -m), none, or a preset.
+        #[arg(long, default_value = "auto")]
+        topology: String,
+        /// Rack path, e.g. /dc1/rack7.
+        #[arg(long)]
+        rack: Option<String>,
+        /// GPU type for gpuType filters (default: from nvidia-smi).
+        #[arg(long)]
+        gpu_type: Option<String>,
+        /// Port ranges gpuam may hand to containers on this node.
+        #[arg(long, default_value = crate::ray::scheme::DEFAULT_PORTS)]
+        ports: String,
     },
     /// One application master (what the RM launches per job).
     Am {
@@ -118,6 +141,24 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+}
+
+/// `gpuam rm --backend ray`: run containers on an existing Ray cluster.
+#[derive(clap::Args, Debug)]
+pub(crate) struct RayBackendArgs {
+    /// Where containers run: `local` (this process, the cluster file's nodes) or `ray`.
+    #[arg(long, default_value = "local", value_parser = ["local", "ray"])]
+    pub backend: String,
+    /// The Ray dashboard's URL (with --backend ray), e.g. http://HOST:8265.
+    #[arg(long, value_name = "URL", required_if_eq("backend", "ray"))]
+    pub ray_address: Option<String>,
+    /// Where the cancel gate that Ray jobs ask before they start listens (default: the RM's
+    /// listen address, any port).
+    #[arg(long, value_name = "ADDR")]
+    pub ray_gate_listen: Option<SocketAddr>,
+    /// The gate's URL as Ray nodes reach it (default: http://<gate listen address>).
+    #[arg(long, value_name = "URL")]
+    pub ray_gate_url: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -257,6 +298,7 @@ pub fn main() -> i32 {
             admin_token_file,
             state_dir,
             in_memory,
+            ray,
         } => match admin_token(admin_token_file.as_deref()) {
             Ok(admin) => {
                 let state = servers::StateOption::from_flags(state_dir, in_memory);
@@ -267,10 +309,26 @@ pub fn main() -> i32 {
                     admin,
                     state,
                     &settings,
+                    &ray,
                 ))
             }
             Err(code) => code,
         },
+        Cmd::RayNodeArgs {
+            host,
+            gpus,
+            topology,
+            rack,
+            gpu_type,
+            ports,
+        } => crate::ray::args::main(&crate::ray::args::NodeArgsRequest {
+            host,
+            gpus,
+            topology,
+            rack,
+            gpu_type,
+            ports,
+        }),
         Cmd::Am {
             job,
             rm,

@@ -26,11 +26,28 @@ struct Table {
     gates: HashMap<String, (String, bool)>,
 }
 
-/// A running gate server.
+/// A running gate server (clones share it; it stops when the last clone is dropped).
+#[derive(Clone)]
 pub struct Gate {
     table: Arc<Mutex<Table>>,
     base_url: String,
-    stop: Mutex<Option<oneshot::Sender<()>>>,
+    stop: Arc<StopOnDrop>,
+}
+
+struct StopOnDrop(Mutex<Option<oneshot::Sender<()>>>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.lock().take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate").field("base_url", &self.base_url).finish()
+    }
 }
 
 impl Gate {
@@ -63,7 +80,7 @@ impl Gate {
         Ok(Gate {
             table,
             base_url,
-            stop: Mutex::new(Some(stop)),
+            stop: Arc::new(StopOnDrop(Mutex::new(Some(stop)))),
         })
     }
 
@@ -94,16 +111,11 @@ impl Gate {
         self.table.lock().gates.remove(container_id);
     }
 
+    /// Stops serving (every clone).
     pub fn shutdown(&self) {
-        if let Some(s) = self.stop.lock().take() {
+        if let Some(s) = self.stop.0.lock().take() {
             let _ = s.send(());
         }
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.shutdown();
     }
 }
 

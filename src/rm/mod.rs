@@ -1,6 +1,7 @@
 //! The resource manager: REST server, scheduler ledger, applications, node executor.
 
 pub mod apps;
+pub mod backend;
 pub mod executor;
 pub mod gpu_discovery;
 pub mod ledger;

@@ -88,6 +88,9 @@ pub struct RmOptions {
     pub state_dir: Option<PathBuf>,
     /// Serve HTTPS with this config (`None`: plain HTTP).
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Run containers on a Ray cluster instead of this process's executor (its dashboard
+    /// client and the cancel gate its jobs ask; see `crate::ray`).
+    pub ray: Option<(crate::ray::client::RayClient, crate::ray::gate::Gate)>,
 }
 
 /// Most application ids handed out by new-application and not yet submitted that are
@@ -113,6 +116,7 @@ impl RmOptions {
             admin_token: None,
             max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
             tls: None,
+            ray: None,
         }
     }
 }
@@ -232,7 +236,7 @@ struct AmProc {
 
 struct Shared {
     state: Mutex<RmState>,
-    executor: Executor,
+    executor: crate::rm::backend::Nodes,
     base_url: String,
     work_dir: PathBuf,
     am_program: Option<PathBuf>,
@@ -252,6 +256,17 @@ impl Shared {
             st: self.state.lock(),
             cluster_ts: self.cluster_ts,
         }
+    }
+}
+
+/// Changes node states of a running RM (see [`RmHandle::node_control`]).
+#[derive(Clone)]
+pub struct NodeControl(Arc<Shared>);
+
+impl NodeControl {
+    /// As [`RmHandle::set_node_state`].
+    pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
+        change_node_state(&self.0, host, state).await.is_some()
     }
 }
 
@@ -314,7 +329,12 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         state: Mutex::new(state),
-        executor: Executor::new(work_dir.join("containers"), events_tx),
+        executor: match opts.ray {
+            None => crate::rm::backend::Nodes::Local(Executor::new(work_dir.join("containers"), events_tx)),
+            Some((client, gate)) => {
+                crate::rm::backend::Nodes::Ray(crate::ray::launcher::RayLauncher::new(client, gate, events_tx))
+            }
+        },
         base_url: base_url.clone(),
         work_dir,
         am_program: opts.am_program,
@@ -443,14 +463,13 @@ fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u
 fn reattach(rm: &Arc<Shared>) {
     let (running, ams) = {
         let st = rm.lock();
-        let running: Vec<String> = st
+        let running: Vec<(String, String)> = st
             .ledger
             .live_containers()
             .into_iter()
-            .filter(|id| {
-                st.ledger
-                    .container(id)
-                    .is_some_and(|c| c.state == ContainerState::Running)
+            .filter_map(|id| {
+                let c = st.ledger.container(&id)?;
+                (c.state == ContainerState::Running).then(|| (c.container.host.clone(), id))
             })
             .collect();
         let ams: Vec<(String, Option<ProcessId>)> = st
@@ -461,8 +480,8 @@ fn reattach(rm: &Arc<Shared>) {
             .collect();
         (running, ams)
     };
-    for id in &running {
-        rm.executor.reattach(id);
+    for (host, id) in &running {
+        rm.executor.reattach(host, id);
     }
     if !rm.launch_am {
         return;
@@ -568,6 +587,11 @@ impl RmHandle {
     /// reported to their applications). False for an unknown host.
     pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
         change_node_state(&self.shared, host, state).await.is_some()
+    }
+
+    /// A handle that changes node states from another task (the Ray node watch).
+    pub fn node_control(&self) -> NodeControl {
+        NodeControl(self.shared.clone())
     }
 
     /// Stops every container and AM process, then the server.
@@ -1602,13 +1626,13 @@ async fn container_start(
             .map_err(|e| ApiError::conflict(e.to_string()))?;
         info.resources
     };
-    match rm.executor.start(&id, &host, &granted, ctx) {
+    match rm.executor.start(&id, &host, &granted, ctx).await {
         Ok(pid) => Ok(Json(ContainerStatus {
             container_id: id,
             state: ContainerState::Running,
             exit_status: None,
             diagnostics: String::new(),
-            pid: Some(pid),
+            pid,
         })),
         Err(e) => {
             let mut st = rm.lock();
@@ -1690,7 +1714,7 @@ async fn container_logs(
             )))
         }
     };
-    let text = rm.executor.read_log(&id, stream, q.tail)?;
+    let text = rm.executor.read_log(&id, stream, q.tail).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
 }
 
