@@ -90,12 +90,15 @@ fn gpuam_places_on_a_real_three_node_ray_cluster() {
     }
     ensure_venv();
     let ns = Netns::create(&format!("ray-{}", std::process::id()));
+    // Ray's temp dir (short: Ray puts unix sockets in it), removed with the namespace.
+    let temp = PathBuf::from(format!("/tmp/rayray-{}", std::process::id()));
+    fs::create_dir_all(&temp).unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new("ip")
         .args(["netns", "exec", &ns.0])
         .arg(&exe)
         .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
-        .env(INNER, "1")
+        .env(INNER, &temp)
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(540);
@@ -111,6 +114,7 @@ fn gpuam_places_on_a_real_three_node_ray_cluster() {
         std::thread::sleep(Duration::from_millis(200));
     };
     drop(ns);
+    let _ = fs::remove_dir_all(&temp);
     let status = status.expect("the test inside the namespace ran past 540 s");
     assert!(status.success(), "the test inside the namespace failed: {status}");
 }
@@ -303,26 +307,32 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
             .filter(|i| u64::from_str_radix(s.mask.trim_start_matches("0x"), 16).unwrap() >> i & 1 == 1)
             .collect();
         assert_eq!(s.gpus, from_mask, "CUDA_VISIBLE_DEVICES vs granted mask of {}", s.container);
-        let job: Value = rt
+        // Ray runs each job's supervisor as an actor holding the job's resources.
+        let actors: Value = rt
             .block_on(async {
                 gpuam::tls::http_client()
-                    .get(format!("{DASHBOARD}/api/jobs/{}", s.container))
+                    .get(format!(
+                        "{DASHBOARD}/api/v0/actors?detail=true&limit=10000&filter_keys=name&filter_predicates=%3D&filter_values=_ray_internal_job_actor_{}",
+                        s.container
+                    ))
                     .send()
                     .await?
                     .json()
                     .await
             })
             .unwrap();
-        let res: BTreeMap<String, f64> = serde_json::from_value(job["entrypoint_resources"].clone()).unwrap();
+        let actor = &actors["data"]["result"]["result"][0];
+        let res: BTreeMap<String, f64> = serde_json::from_value(actor["required_resources"].clone())
+            .unwrap_or_else(|e| panic!("the job actor of {}: {e}: {actors}", s.container));
         let ray_gpus: BTreeSet<u32> = res
             .keys()
             .filter_map(|k| k.strip_prefix("gpuam-gpu-").and_then(|i| i.parse().ok()))
             .collect();
         assert_eq!(ray_gpus, s.gpus, "Ray resources of {}: {res:?}", s.container);
         assert_eq!(res.get(&format!("gpuam-node-{}", s.host)), Some(&0.001), "{res:?}");
-        assert_eq!(job["entrypoint_num_gpus"].as_f64().unwrap_or(0.0), 0.0);
+        assert!(!res.contains_key("GPU"), "no Ray GPU: {res:?}");
         // The driver ran on the Ray node that carries this host's resource.
-        let driver = job["driver_node_id"].as_str().unwrap_or_default().to_string();
+        let driver = actor["node_id"].as_str().unwrap_or_default().to_string();
         let nodes = rt.block_on(ray.nodes()).unwrap();
         let node = nodes.iter().find(|n| n.node_id == driver).expect("driver node");
         assert_eq!(node.gpuam_host(), Some(s.host.as_str()), "{} ran on {}", s.container, driver);
@@ -331,8 +341,7 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
 
 fn inner() {
     let dir = Rm::temp_dir();
-    let temp = PathBuf::from(format!("/tmp/rayray-{}", std::process::id()));
-    fs::create_dir_all(&temp).unwrap();
+    let temp = PathBuf::from(std::env::var_os(INNER).unwrap());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -351,7 +360,13 @@ fn inner() {
     wait_for(Duration::from_secs(120), "the Ray head's dashboard", || {
         rt.block_on(ray.version()).ok()
     });
+    // Workers one after another: two raylets registering at once can time out here.
     for (host, port, gpus, topo) in [("n2", 52366, "4", "pcie4"), ("n3", 52367, "2", "none")] {
+        let before = nodes.len();
+        wait_for(Duration::from_secs(120), "the Ray nodes started so far to be ALIVE", || {
+            let n = rt.block_on(ray.nodes()).ok()?;
+            (n.iter().filter(|n| n.is_alive()).count() == before).then_some(())
+        });
         nodes.push(start_node(
             &temp,
             dir.path(),
@@ -415,12 +430,28 @@ fn inner() {
     // 3. Killing a job: 3 tasks of 2 GPUs on n1 (2 run, 1 waits); no task runs afterwards.
     let k = rm.write_job(
         "k.yaml",
-        &job_yaml("killed", false, 3, 2, "A100", 0, &[record_cmd("start", &rec), "sleep 120".into()]),
+        &job_yaml(
+            "killed",
+            false,
+            3,
+            2,
+            "A100",
+            0,
+            // The end record comes from the EXIT trap when the stop's SIGTERM ends the task.
+            &[
+                format!("trap {} EXIT", sq(&record_cmd("end", &rec))),
+                record_cmd("start", &rec),
+                "sleep 120".into(),
+            ],
+        ),
     );
     let sk = rm.submit(&k);
     let app = sk.app_id(Duration::from_secs(60));
     let running = wait_for(Duration::from_secs(120), "2 tasks of the job to be killed to start", || {
-        let r: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "killed").collect();
+        let r: Vec<Record> = records(&rec)
+            .into_iter()
+            .filter(|r| r.job == "killed" && r.kind == "start")
+            .collect();
         (r.len() >= 2).then_some(r)
     });
     rm.kill_app(&app);
@@ -438,7 +469,10 @@ fn inner() {
     });
     rm.assert_all_free(Duration::from_secs(30));
     std::thread::sleep(Duration::from_secs(5));
-    let after: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "killed").collect();
+    let after: Vec<Record> = records(&rec)
+        .into_iter()
+        .filter(|r| r.job == "killed" && r.kind == "start")
+        .collect();
     assert_eq!(after.len(), running.len(), "a task of the killed job ran after the kill: {after:?}");
     drop(sk);
 
@@ -498,6 +532,7 @@ fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
         commands: vec![
             record_cmd("start", rec).replace("$GPUAM_JOB", job),
             format!("sleep {secs}"),
+            record_cmd("end", rec).replace("$GPUAM_JOB", job),
         ],
         env: BTreeMap::new(),
     };
