@@ -85,6 +85,21 @@ impl Drop for Netns {
 
 #[test]
 fn gpuam_places_on_a_real_three_node_ray_cluster() {
+    in_namespace(TEST_NAME, inner);
+}
+
+/// Benchmark (docs/BENCHMARKS.md): time from submit to all tasks running for a 16-task job,
+/// on a 3-node Ray cluster and on gpuam's own RM. Prints figures; run with
+/// `cargo test --release --test ray -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark: prints figures (docs/BENCHMARKS.md)"]
+fn bench_submit_to_all_running_16_tasks() {
+    in_namespace("bench_submit_to_all_running_16_tasks", bench_inner);
+}
+
+/// Runs `inner` in a fresh network namespace (this test binary again, filtered to `test`),
+/// then removes everything it left there.
+fn in_namespace(test: &str, inner: fn()) {
     if std::env::var_os(INNER).is_some() {
         return inner();
     }
@@ -97,7 +112,7 @@ fn gpuam_places_on_a_real_three_node_ray_cluster() {
     let mut child = Command::new("ip")
         .args(["netns", "exec", &ns.0])
         .arg(&exe)
-        .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
+        .args(["--exact", test, "--nocapture", "--test-threads=1", "--include-ignored"])
         .env(INNER, &temp)
         .spawn()
         .unwrap();
@@ -339,6 +354,49 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
     }
 }
 
+/// Starts one Ray node per `(host, gpus, topology, rack, gpu type)`, the first as the head,
+/// the others one after another (two raylets registering at once can time out here), and
+/// waits until all are ALIVE.
+fn start_cluster(
+    rt: &tokio::runtime::Runtime,
+    ray: &RayClient,
+    temp: &Path,
+    log_dir: &Path,
+    specs: &[(&str, &str, &str, &str, &str)],
+) -> Vec<RayNode> {
+    let t0 = Instant::now();
+    let mut nodes = Vec::new();
+    for (i, (host, gpus, topo, rack, gpu_type)) in specs.iter().enumerate() {
+        let before = nodes.len();
+        wait_for(Duration::from_secs(120), "the Ray nodes started so far to be ALIVE", || {
+            if before == 0 {
+                return Some(());
+            }
+            let n = rt.block_on(ray.nodes()).ok()?;
+            (n.iter().filter(|n| n.is_alive()).count() == before).then_some(())
+        });
+        nodes.push(start_node(
+            temp,
+            log_dir,
+            host,
+            i == 0,
+            52365 + i as u16,
+            &["--gpus", gpus, "--topology", topo, "--rack", rack, "--gpu-type", gpu_type],
+        ));
+        if i == 0 {
+            wait_for(Duration::from_secs(120), "the Ray head's dashboard", || {
+                rt.block_on(ray.version()).ok()
+            });
+        }
+    }
+    wait_for(Duration::from_secs(120), "every Ray node ALIVE", || {
+        let n = rt.block_on(ray.nodes()).ok()?;
+        (n.iter().filter(|n| n.is_alive()).count() == specs.len()).then_some(())
+    });
+    println!("ray: {} nodes ALIVE after {:.1} s", specs.len(), t0.elapsed().as_secs_f64());
+    nodes
+}
+
 fn inner() {
     let dir = Rm::temp_dir();
     let temp = PathBuf::from(std::env::var_os(INNER).unwrap());
@@ -348,39 +406,17 @@ fn inner() {
         .build()
         .unwrap();
     let ray = RayClient::new(DASHBOARD).unwrap();
-    let t0 = Instant::now();
-    let mut nodes = vec![start_node(
+    let mut nodes = start_cluster(
+        &rt,
+        &ray,
         &temp,
         dir.path(),
-        "n1",
-        true,
-        52365,
-        &["--gpus", "4", "--topology", "pcie4", "--rack", "/r1", "--gpu-type", "A100"],
-    )];
-    wait_for(Duration::from_secs(120), "the Ray head's dashboard", || {
-        rt.block_on(ray.version()).ok()
-    });
-    // Workers one after another: two raylets registering at once can time out here.
-    for (host, port, gpus, topo) in [("n2", 52366, "4", "pcie4"), ("n3", 52367, "2", "none")] {
-        let before = nodes.len();
-        wait_for(Duration::from_secs(120), "the Ray nodes started so far to be ALIVE", || {
-            let n = rt.block_on(ray.nodes()).ok()?;
-            (n.iter().filter(|n| n.is_alive()).count() == before).then_some(())
-        });
-        nodes.push(start_node(
-            &temp,
-            dir.path(),
-            host,
-            false,
-            port,
-            &["--gpus", gpus, "--topology", topo, "--rack", "/r2", "--gpu-type", "V100"],
-        ));
-    }
-    wait_for(Duration::from_secs(120), "3 ALIVE Ray nodes", || {
-        let n = rt.block_on(ray.nodes()).ok()?;
-        (n.iter().filter(|n| n.is_alive()).count() == 3).then_some(())
-    });
-    println!("ray: 3 nodes ALIVE after {:.1} s", t0.elapsed().as_secs_f64());
+        &[
+            ("n1", "4", "pcie4", "/r1", "A100"),
+            ("n2", "4", "pcie4", "/r2", "V100"),
+            ("n3", "2", "none", "/r2", "V100"),
+        ],
+    );
 
     let venv_path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
     let rm = Rm::start_in(
@@ -567,4 +603,70 @@ fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
         records(rec).iter().all(|r| r.container != c2),
         "the stopped pending job ran its task"
     );
+}
+
+/// Submit → every one of 16 one-GPU tasks has written its start record.
+fn time_to_all_running(rm: &Rm, name: &str) -> f64 {
+    let rec = rm.path(&format!("records-{name}"));
+    let job = rm.write_job(
+        &format!("{name}.yaml"),
+        &job_yaml(name, false, 16, 1, "V100", 0, &[record_cmd("start", &rec), "sleep 3".into()]),
+    );
+    let t = Instant::now();
+    let sub = rm.submit(&job);
+    wait_for(Duration::from_secs(300), "16 tasks running", || {
+        (records(&rec).len() >= 16).then_some(())
+    });
+    let secs = t.elapsed().as_secs_f64();
+    let f = sub.wait(Duration::from_secs(300));
+    assert_eq!(f.code, 0, "{}\n{}", f.stderr, rm.logs());
+    secs
+}
+
+fn bench_inner() {
+    let dir = Rm::temp_dir();
+    let temp = PathBuf::from(std::env::var_os(INNER).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ray = RayClient::new(DASHBOARD).unwrap();
+    let mut nodes = start_cluster(
+        &rt,
+        &ray,
+        &temp,
+        dir.path(),
+        &[
+            ("n1", "8", "pcie8", "/r1", "V100"),
+            ("n2", "8", "pcie8", "/r1", "V100"),
+            ("n3", "8", "pcie8", "/r1", "V100"),
+        ],
+    );
+    let venv_path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
+    let on_ray = Rm::start_in(
+        dir,
+        "nodes: []\n",
+        "",
+        &[
+            ("GPUAM_RM_BACKEND", "ray"),
+            ("GPUAM_RAY_ADDRESS", DASHBOARD),
+            ("PATH", &venv_path),
+        ],
+    );
+    let ray_runs: Vec<f64> = (0..3).map(|i| time_to_all_running(&on_ray, &format!("ray{i}"))).collect();
+    drop(on_ray);
+    for n in &mut nodes {
+        let _ = n.child.kill();
+        let _ = n.child.wait();
+    }
+    let cluster = "nodes:\n".to_string()
+        + &["n1", "n2", "n3"]
+            .iter()
+            .map(|h| format!("  - host: {h}\n    cpu: 8\n    memoryMB: 8192\n    gpus: 8\n    gpuType: V100\n    topology: pcie8\n"))
+            .collect::<String>();
+    let own = Rm::start(&cluster, &[]);
+    let own_runs: Vec<f64> = (0..3).map(|i| time_to_all_running(&own, &format!("own{i}"))).collect();
+    let fmt = |v: &[f64]| v.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
+    println!("bench: 16 one-GPU tasks, submit -> all running (s): Ray backend [{}]; gpuam RM [{}]", fmt(&ray_runs), fmt(&own_runs));
 }
