@@ -41,7 +41,10 @@ fn ensure_venv() {
         .arg(repo().join("scripts/ray-setup.sh"))
         .status()
         .expect("run scripts/ray-setup.sh");
-    assert!(status.success(), "scripts/ray-setup.sh failed: Ray could not be installed");
+    assert!(
+        status.success(),
+        "scripts/ray-setup.sh failed: Ray could not be installed"
+    );
 }
 
 /// The namespace, and on drop every process in it (by pid) and the namespace itself.
@@ -147,7 +150,11 @@ fn node_args(args: &[&str]) -> Vec<String> {
         .args(args)
         .output()
         .unwrap();
-    assert!(out.status.success(), "ray-node-args: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ray-node-args: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let line = String::from_utf8(out.stdout).unwrap();
     line.trim()
         .strip_prefix('\'')
@@ -173,7 +180,12 @@ fn start_node(temp: &Path, log_dir: &Path, host: &str, head: bool, agent_port: u
     let mut cmd = Command::new(venv_bin().join("ray"));
     cmd.arg("start").arg("--block");
     if head {
-        cmd.args(["--head", "--port=6379", "--dashboard-host=127.0.0.1", "--dashboard-port=8265"]);
+        cmd.args([
+            "--head",
+            "--port=6379",
+            "--dashboard-host=127.0.0.1",
+            "--dashboard-port=8265",
+        ]);
     } else {
         cmd.arg("--address=127.0.0.1:6379");
     }
@@ -260,7 +272,11 @@ fn records(file: &Path) -> Vec<Record> {
                 kind: f[0].into(),
                 time: f[1].parse().unwrap(),
                 host: f[2].into(),
-                gpus: f[3].split(',').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap()).collect(),
+                gpus: f[3]
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.parse().unwrap())
+                    .collect(),
                 container: f[4].into(),
                 job: f[5].into(),
                 pid: f[6].parse().unwrap(),
@@ -278,7 +294,15 @@ fn record_cmd(kind: &str, file: &Path) -> String {
     )
 }
 
-fn job_yaml(name: &str, gang: bool, instances: u32, gpus: u32, gpu_type: &str, retries: u32, body: &[String]) -> String {
+fn job_yaml(
+    name: &str,
+    gang: bool,
+    instances: u32,
+    gpus: u32,
+    gpu_type: &str,
+    retries: u32,
+    body: &[String],
+) -> String {
     let cmds: String = body.iter().map(|c| format!("      - {}\n", sq(c))).collect();
     format!(
         "name: {name}\ngang: {gang}\ntaskRoles:\n  worker:\n    instances: {instances}\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: {gpus}}}\n    gpuType: {gpu_type}\n    taskRetryCount: {retries}\n    commands:\n{cmds}"
@@ -288,7 +312,9 @@ fn job_yaml(name: &str, gang: bool, instances: u32, gpus: u32, gpu_type: &str, r
 /// Asserts that no GPU of any host was held by two tasks at once, from the tasks' own
 /// start/end records (a task without an end record holds its GPUs until `now`).
 fn assert_no_gpu_shared(recs: &[Record], now: f64) {
-    let mut spans: BTreeMap<(String, u32), Vec<(f64, f64, String)>> = BTreeMap::new();
+    // (host, GPU) → every (start, end, container) that held it.
+    type Spans = BTreeMap<(String, u32), Vec<(f64, f64, String)>>;
+    let mut spans: Spans = BTreeMap::new();
     for s in recs.iter().filter(|r| r.kind == "start") {
         let end = recs
             .iter()
@@ -321,7 +347,11 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
         let from_mask: BTreeSet<u32> = (0..64)
             .filter(|i| u64::from_str_radix(s.mask.trim_start_matches("0x"), 16).unwrap() >> i & 1 == 1)
             .collect();
-        assert_eq!(s.gpus, from_mask, "CUDA_VISIBLE_DEVICES vs granted mask of {}", s.container);
+        assert_eq!(
+            s.gpus, from_mask,
+            "CUDA_VISIBLE_DEVICES vs granted mask of {}",
+            s.container
+        );
         // Ray runs each job's supervisor as an actor holding the job's resources.
         let actors: Value = rt
             .block_on(async {
@@ -350,7 +380,13 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
         let driver = actor["node_id"].as_str().unwrap_or_default().to_string();
         let nodes = rt.block_on(ray.nodes()).unwrap();
         let node = nodes.iter().find(|n| n.node_id == driver).expect("driver node");
-        assert_eq!(node.gpuam_host(), Some(s.host.as_str()), "{} ran on {}", s.container, driver);
+        assert_eq!(
+            node.gpuam_host(),
+            Some(s.host.as_str()),
+            "{} ran on {}",
+            s.container,
+            driver
+        );
     }
 }
 
@@ -368,20 +404,33 @@ fn start_cluster(
     let mut nodes = Vec::new();
     for (i, (host, gpus, topo, rack, gpu_type)) in specs.iter().enumerate() {
         let before = nodes.len();
-        wait_for(Duration::from_secs(120), "the Ray nodes started so far to be ALIVE", || {
-            if before == 0 {
-                return Some(());
-            }
-            let n = rt.block_on(ray.nodes()).ok()?;
-            (n.iter().filter(|n| n.is_alive()).count() == before).then_some(())
-        });
+        wait_for(
+            Duration::from_secs(120),
+            "the Ray nodes started so far to be ALIVE",
+            || {
+                if before == 0 {
+                    return Some(());
+                }
+                let n = rt.block_on(ray.nodes()).ok()?;
+                (n.iter().filter(|n| n.is_alive()).count() == before).then_some(())
+            },
+        );
         nodes.push(start_node(
             temp,
             log_dir,
             host,
             i == 0,
             52365 + i as u16,
-            &["--gpus", gpus, "--topology", topo, "--rack", rack, "--gpu-type", gpu_type],
+            &[
+                "--gpus",
+                gpus,
+                "--topology",
+                topo,
+                "--rack",
+                rack,
+                "--gpu-type",
+                gpu_type,
+            ],
         ));
         if i == 0 {
             wait_for(Duration::from_secs(120), "the Ray head's dashboard", || {
@@ -393,7 +442,11 @@ fn start_cluster(
         let n = rt.block_on(ray.nodes()).ok()?;
         (n.iter().filter(|n| n.is_alive()).count() == specs.len()).then_some(())
     });
-    println!("ray: {} nodes ALIVE after {:.1} s", specs.len(), t0.elapsed().as_secs_f64());
+    println!(
+        "ray: {} nodes ALIVE after {:.1} s",
+        specs.len(),
+        t0.elapsed().as_secs_f64()
+    );
     nodes
 }
 
@@ -436,14 +489,27 @@ fn inner() {
         "the RM's nodes come from Ray"
     );
     let rec = rm.path("records");
-    let task = |secs: &str| vec![record_cmd("start", &rec), format!("sleep {secs}"), record_cmd("end", &rec)];
+    let task = |secs: &str| {
+        vec![
+            record_cmd("start", &rec),
+            format!("sleep {secs}"),
+            record_cmd("end", &rec),
+        ]
+    };
 
     // 1. Two concurrent jobs that both want n1's GPUs (the only A100 node): 4 tasks of 2.
     let a = rm.write_job("a.yaml", &job_yaml("joba", false, 2, 2, "A100", 0, &task("2")));
     let b = rm.write_job("b.yaml", &job_yaml("jobb", false, 2, 2, "A100", 0, &task("2")));
     let (sa, sb) = (rm.submit(&a), rm.submit(&b));
     let (fa, fb) = (sa.wait(Duration::from_secs(180)), sb.wait(Duration::from_secs(180)));
-    assert_eq!((fa.code, fb.code), (0, 0), "jobs a/b:\n{}\n{}\n{}", fa.stderr, fb.stderr, rm.logs());
+    assert_eq!(
+        (fa.code, fb.code),
+        (0, 0),
+        "jobs a/b:\n{}\n{}\n{}",
+        fa.stderr,
+        fb.stderr,
+        rm.logs()
+    );
     let recs = records(&rec);
     let starts: Vec<&Record> = recs.iter().filter(|r| r.kind == "start").collect();
     assert_eq!(starts.len(), 4, "{recs:?}");
@@ -456,9 +522,15 @@ fn inner() {
     let g = rm.write_job("g.yaml", &job_yaml("gang", true, 2, 2, "V100", 0, &task("1")));
     let fg = rm.run_job(&g, Duration::from_secs(180));
     assert_eq!(fg.code, 0, "gang: {}\n{}", fg.stderr, rm.logs());
-    let gang: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "gang" && r.kind == "start").collect();
+    let gang: Vec<Record> = records(&rec)
+        .into_iter()
+        .filter(|r| r.job == "gang" && r.kind == "start")
+        .collect();
     assert_eq!(gang.len(), 2, "{gang:?}");
-    assert!(gang.iter().all(|r| r.host == "n2"), "the gang was split or misplaced: {gang:?}");
+    assert!(
+        gang.iter().all(|r| r.host == "n2"),
+        "the gang was split or misplaced: {gang:?}"
+    );
     assert_eq!(gang[0].gpus.union(&gang[1].gpus).count(), 4, "{gang:?}");
     assert_no_gpu_shared(&records(&rec), f64::MAX);
     rm.assert_all_free(Duration::from_secs(30));
@@ -483,13 +555,17 @@ fn inner() {
     );
     let sk = rm.submit(&k);
     let app = sk.app_id(Duration::from_secs(60));
-    let running = wait_for(Duration::from_secs(120), "2 tasks of the job to be killed to start", || {
-        let r: Vec<Record> = records(&rec)
-            .into_iter()
-            .filter(|r| r.job == "killed" && r.kind == "start")
-            .collect();
-        (r.len() >= 2).then_some(r)
-    });
+    let running = wait_for(
+        Duration::from_secs(120),
+        "2 tasks of the job to be killed to start",
+        || {
+            let r: Vec<Record> = records(&rec)
+                .into_iter()
+                .filter(|r| r.job == "killed" && r.kind == "start")
+                .collect();
+            (r.len() >= 2).then_some(r)
+        },
+    );
     rm.kill_app(&app);
     rm.wait_app_final(&app, Duration::from_secs(60));
     let containers: BTreeSet<String> = running.iter().map(|r| r.container.clone()).collect();
@@ -500,16 +576,22 @@ fn inner() {
             .all(|c| jobs.get(c).is_some_and(|j| j.status.is_terminal()))
             .then_some(())
     });
-    wait_for(Duration::from_secs(30), "the killed job's task processes to be gone", || {
-        running.iter().all(|r| !pid_alive(r.pid)).then_some(())
-    });
+    wait_for(
+        Duration::from_secs(30),
+        "the killed job's task processes to be gone",
+        || running.iter().all(|r| !pid_alive(r.pid)).then_some(()),
+    );
     rm.assert_all_free(Duration::from_secs(30));
     std::thread::sleep(Duration::from_secs(5));
     let after: Vec<Record> = records(&rec)
         .into_iter()
         .filter(|r| r.job == "killed" && r.kind == "start")
         .collect();
-    assert_eq!(after.len(), running.len(), "a task of the killed job ran after the kill: {after:?}");
+    assert_eq!(
+        after.len(),
+        running.len(),
+        "a task of the killed job ran after the kill: {after:?}"
+    );
     drop(sk);
 
     // 4. A Ray job stopped while PENDING never runs its task: the gate refuses it.
@@ -518,7 +600,11 @@ fn inner() {
     // 5. A Ray node killed mid-job: LOST in the RM, its task retried on the other V100 node.
     let first = rm.path("lost-first");
     let body = vec![
-        format!("if [ -e {0} ]; then {1}; exit 0; fi", first.display(), record_cmd("start", &rec)),
+        format!(
+            "if [ -e {0} ]; then {1}; exit 0; fi",
+            first.display(),
+            record_cmd("start", &rec)
+        ),
         format!("touch {}", first.display()),
         record_cmd("start", &rec),
         "sleep 300".into(),
@@ -539,7 +625,11 @@ fn inner() {
             .any(|n| n["nodeHostName"] == victim.host.as_str() && n["state"] == "LOST")
             .then_some(())
     });
-    println!("ray: node {} LOST after {:.1} s", victim.host, killed_at.elapsed().as_secs_f64());
+    println!(
+        "ray: node {} LOST after {:.1} s",
+        victim.host,
+        killed_at.elapsed().as_secs_f64()
+    );
     let fl = sl.wait(Duration::from_secs(240));
     assert_eq!(fl.code, 0, "lost job: {}\n{}", fl.stderr, rm.logs());
     let lost: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "lost").collect();
@@ -560,7 +650,9 @@ fn inner() {
 fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let launcher = rt.block_on(async {
-        let gate = gpuam::ray::gate::Gate::start("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let gate = gpuam::ray::gate::Gate::start("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
         gpuam::ray::launcher::RayLauncher::new(RayClient::new(DASHBOARD).unwrap(), gate, tx)
     });
     let granted = Resources::with_mask(1, 100, 0x1, PortSet::new());
@@ -573,12 +665,17 @@ fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
         env: BTreeMap::new(),
     };
     let suffix = std::process::id();
-    let (c1, c2) = (format!("container_gate_{suffix}_1"), format!("container_gate_{suffix}_2"));
-    rt.block_on(launcher.start(&c1, "n1", &granted, ctx("gate1", "6"))).unwrap();
+    let (c1, c2) = (
+        format!("container_gate_{suffix}_1"),
+        format!("container_gate_{suffix}_2"),
+    );
+    rt.block_on(launcher.start(&c1, "n1", &granted, ctx("gate1", "6")))
+        .unwrap();
     wait_for(Duration::from_secs(120), "c1 to start", || {
         records(rec).into_iter().find(|r| r.container == c1)
     });
-    rt.block_on(launcher.start(&c2, "n1", &granted, ctx("gate2", "1"))).unwrap();
+    rt.block_on(launcher.start(&c2, "n1", &granted, ctx("gate2", "1")))
+        .unwrap();
     wait_for(Duration::from_secs(30), "c2 to be PENDING in Ray", || {
         let j = rt.block_on(launcher.client().job(&c2)).ok()??;
         (j.status == JobStatus::Pending).then_some(())
@@ -598,7 +695,11 @@ fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
         ended.insert(container_id, exit_status);
     }
     assert_eq!(ended[&c1], 0);
-    assert_eq!(ended[&c2], gpuam::protocol::exit_status::KILLED_BY_APPMASTER, "{ended:?}");
+    assert_eq!(
+        ended[&c2],
+        gpuam::protocol::exit_status::KILLED_BY_APPMASTER,
+        "{ended:?}"
+    );
     assert!(
         records(rec).iter().all(|r| r.container != c2),
         "the stopped pending job ran its task"
@@ -610,7 +711,15 @@ fn time_to_all_running(rm: &Rm, name: &str) -> f64 {
     let rec = rm.path(&format!("records-{name}"));
     let job = rm.write_job(
         &format!("{name}.yaml"),
-        &job_yaml(name, false, 16, 1, "V100", 0, &[record_cmd("start", &rec), "sleep 3".into()]),
+        &job_yaml(
+            name,
+            false,
+            16,
+            1,
+            "V100",
+            0,
+            &[record_cmd("start", &rec), "sleep 3".into()],
+        ),
     );
     let t = Instant::now();
     let sub = rm.submit(&job);
@@ -654,7 +763,9 @@ fn bench_inner() {
             ("PATH", &venv_path),
         ],
     );
-    let ray_runs: Vec<f64> = (0..3).map(|i| time_to_all_running(&on_ray, &format!("ray{i}"))).collect();
+    let ray_runs: Vec<f64> = (0..3)
+        .map(|i| time_to_all_running(&on_ray, &format!("ray{i}")))
+        .collect();
     drop(on_ray);
     for n in &mut nodes {
         let _ = n.child.kill();
@@ -668,5 +779,9 @@ fn bench_inner() {
     let own = Rm::start(&cluster, &[]);
     let own_runs: Vec<f64> = (0..3).map(|i| time_to_all_running(&own, &format!("own{i}"))).collect();
     let fmt = |v: &[f64]| v.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
-    println!("bench: 16 one-GPU tasks, submit -> all running (s): Ray backend [{}]; gpuam RM [{}]", fmt(&ray_runs), fmt(&own_runs));
+    println!(
+        "bench: 16 one-GPU tasks, submit -> all running (s): Ray backend [{}]; gpuam RM [{}]",
+        fmt(&ray_runs),
+        fmt(&own_runs)
+    );
 }

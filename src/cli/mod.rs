@@ -150,7 +150,12 @@ pub(crate) struct RayBackendArgs {
     #[arg(long, env = "GPUAM_RM_BACKEND", default_value = "local", value_parser = ["local", "ray"])]
     pub backend: String,
     /// The Ray dashboard's URL (with --backend ray), e.g. http://HOST:8265.
-    #[arg(long, env = "GPUAM_RAY_ADDRESS", value_name = "URL", required_if_eq("backend", "ray"))]
+    #[arg(
+        long,
+        env = "GPUAM_RAY_ADDRESS",
+        value_name = "URL",
+        required_if_eq("backend", "ray")
+    )]
     pub ray_address: Option<String>,
     /// Where the cancel gate that Ray jobs ask before they start listens (default: the RM's
     /// listen address, any port).

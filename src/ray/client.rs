@@ -96,9 +96,15 @@ impl RayClient {
         if a.is_empty() {
             return Err("--ray-address is empty: give the Ray dashboard's URL, e.g. http://HOST:8265".into());
         }
-        let base = if a.contains("://") { a.to_string() } else { format!("http://{a}") };
+        let base = if a.contains("://") {
+            a.to_string()
+        } else {
+            format!("http://{a}")
+        };
         if !(base.starts_with("http://") || base.starts_with("https://")) {
-            return Err(format!("--ray-address `{address}`: use http://HOST:PORT or https://HOST:PORT"));
+            return Err(format!(
+                "--ray-address `{address}`: use http://HOST:PORT or https://HOST:PORT"
+            ));
         }
         let http = crate::tls::http_client_builder(None)
             .map_err(|e| e.to_string())?
@@ -124,7 +130,10 @@ impl RayClient {
     async fn call(&self, req: reqwest::RequestBuilder, path: &str) -> Result<String, RayError> {
         let resp = req.send().await.map_err(|e| self.err(path, e, None))?;
         let status = resp.status();
-        let body = resp.text().await.map_err(|e| self.err(path, e, Some(status.as_u16())))?;
+        let body = resp
+            .text()
+            .await
+            .map_err(|e| self.err(path, e, Some(status.as_u16())))?;
         if !status.is_success() {
             let first = body.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
             return Err(self.err(path, format!("HTTP {status}: {first}"), Some(status.as_u16())));
@@ -140,7 +149,10 @@ impl RayClient {
     /// `GET /api/version`: reachable and a Ray dashboard.
     pub async fn version(&self) -> Result<String, RayError> {
         let v: Value = self.get_json("/api/version").await?;
-        Ok(v.get("ray_version").and_then(Value::as_str).unwrap_or("unknown").to_string())
+        Ok(v.get("ray_version")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown")
+            .to_string())
     }
 
     /// Submits a job. A duplicate `submission_id` (Ray answers 500 "already exists") is
@@ -178,9 +190,7 @@ impl RayClient {
     /// `POST /api/jobs/{id}/stop`: true when the job was still live.
     pub async fn stop(&self, id: &str) -> Result<bool, RayError> {
         let path = format!("/api/jobs/{id}/stop");
-        let body = self
-            .call(self.http.post(format!("{}{path}", self.base)), &path)
-            .await?;
+        let body = self.call(self.http.post(format!("{}{path}", self.base)), &path).await?;
         let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
         Ok(v.get("stopped").and_then(Value::as_bool).unwrap_or(false))
     }

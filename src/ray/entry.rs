@@ -194,7 +194,10 @@ mod tests {
             .envs(patience_env.iter().copied())
             .output()
             .unwrap();
-        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
     }
 
     #[test]
@@ -207,14 +210,21 @@ mod tests {
 
     #[tokio::test]
     async fn an_open_gate_runs_the_commands_in_order_and_stops_at_the_first_failure() {
-        let gate = super::super::gate::Gate::start("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let gate = super::super::gate::Gate::start("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
         let key = gate.open("c_test");
         let url = gate.url_of("c_test");
         let (code, out) = tokio::task::spawn_blocking(move || {
             let dir = tempfile::tempdir().unwrap();
             let s = script(
                 "c_test",
-                &["echo one; echo err >&2".into(), "pwd".into(), "exit 7".into(), "echo never".into()],
+                &[
+                    "echo one; echo err >&2".into(),
+                    "pwd".into(),
+                    "exit 7".into(),
+                    "echo never".into(),
+                ],
             );
             let out = Command::new("bash")
                 .arg("-c")
@@ -224,7 +234,10 @@ mod tests {
                 .env(ENV_GATE_KEY, key)
                 .output()
                 .unwrap();
-            (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
+            (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
         })
         .await
         .unwrap();
@@ -237,7 +250,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_closed_gate_runs_no_command() {
-        let gate = super::super::gate::Gate::start("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let gate = super::super::gate::Gate::start("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
         let key = gate.open("c_test");
         gate.close("c_test");
         let url = gate.url_of("c_test");

@@ -62,9 +62,7 @@ impl Gate {
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let table = Arc::new(Mutex::new(Table::default()));
-        let router = Router::new()
-            .route("/gate/{id}", get(answer))
-            .with_state(table.clone());
+        let router = Router::new().route("/gate/{id}", get(answer)).with_state(table.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(async move {
             let serve = axum::serve(listener, router).with_graceful_shutdown(async {

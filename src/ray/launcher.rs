@@ -50,10 +50,7 @@ pub fn exit_of(info: &JobInfo) -> (i32, String) {
     let short: String = message.lines().take(3).collect::<Vec<_>>().join(" | ");
     match (info.status, info.driver_exit_code) {
         (JobStatus::Succeeded, _) => (exit_status::SUCCESS, String::new()),
-        (JobStatus::Stopped, _) => (
-            exit_status::KILLED_BY_APPMASTER,
-            "the Ray job was stopped".to_string(),
-        ),
+        (JobStatus::Stopped, _) => (exit_status::KILLED_BY_APPMASTER, "the Ray job was stopped".to_string()),
         (_, Some(c)) if c == EXIT_GATE_REFUSED => (
             exit_status::KILLED_BY_APPMASTER,
             "cancelled before it started (the gate was closed)".to_string(),
@@ -196,7 +193,12 @@ impl RayLauncher {
     }
 
     /// The job's log (Ray keeps stdout and stderr as one stream: `stderr` is empty).
-    pub async fn read_log(&self, container_id: &str, stream: LogStream, tail: Option<u64>) -> Result<String, ExecError> {
+    pub async fn read_log(
+        &self,
+        container_id: &str,
+        stream: LogStream,
+        tail: Option<u64>,
+    ) -> Result<String, ExecError> {
         if stream == LogStream::Stderr {
             return Ok(String::new());
         }
@@ -266,7 +268,11 @@ impl RayLauncher {
                         e.last = Some(info.clone());
                     }
                     None if e.submitted.elapsed() > Duration::from_secs(60) => {
-                        ended.push((id.clone(), exit_status::ABORTED, "Ray does not know this job".to_string()));
+                        ended.push((
+                            id.clone(),
+                            exit_status::ABORTED,
+                            "Ray does not know this job".to_string(),
+                        ));
                     }
                     None => {}
                 }

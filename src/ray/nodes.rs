@@ -32,16 +32,22 @@ pub async fn read_states(client: &RayClient) -> Result<BTreeMap<String, NodeStat
     let ray_nodes = client.nodes().await.map_err(|e| e.to_string())?;
     Ok(merge_by_host(&ray_nodes)
         .into_iter()
-        .map(|(h, r)| (h, if r.is_alive() { NodeState::Running } else { NodeState::Lost }))
+        .map(|(h, r)| {
+            (
+                h,
+                if r.is_alive() {
+                    NodeState::Running
+                } else {
+                    NodeState::Lost
+                },
+            )
+        })
         .collect())
 }
 
 /// Which hosts changed state between two readings (hosts only in `now` are new nodes,
 /// which the RM does not take while running: they are reported separately by the caller).
-pub fn changes(
-    before: &BTreeMap<String, NodeState>,
-    now: &BTreeMap<String, NodeState>,
-) -> Vec<(String, NodeState)> {
+pub fn changes(before: &BTreeMap<String, NodeState>, now: &BTreeMap<String, NodeState>) -> Vec<(String, NodeState)> {
     now.iter()
         .filter(|(h, s)| before.get(*h).is_some_and(|b| b != *s))
         .map(|(h, s)| (h.clone(), *s))

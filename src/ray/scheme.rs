@@ -235,7 +235,11 @@ pub fn ray_start_args(d: &NodeDescription) -> Result<Vec<String>, String> {
         labels.push((LABEL_PORTS.into(), encode_ports(&d.ports)));
     }
     labels.extend(topology_labels(d.topology.as_ref())?);
-    let labels = labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
+    let labels = labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
     Ok(vec![
         "--num-gpus=0".into(),
         format!("--resources={}", serde_json::Value::Object(resources)),
@@ -303,7 +307,11 @@ pub fn node_from_ray(r: &RayNode) -> Option<Result<Node, String>> {
         if let Some(i) = k.strip_prefix(GPU_RESOURCE_PREFIX) {
             match i.parse::<u32>() {
                 Ok(i) if i < MAX_GPUS && *v >= 1.0 => mask |= 1 << i,
-                _ => return Some(Err(fail(format!("resource `{k}` = {v}: want {GPU_RESOURCE_PREFIX}<0-63> = 1")))),
+                _ => {
+                    return Some(Err(fail(format!(
+                        "resource `{k}` = {v}: want {GPU_RESOURCE_PREFIX}<0-63> = 1"
+                    ))))
+                }
             }
         }
     }
@@ -316,7 +324,10 @@ pub fn node_from_ray(r: &RayNode) -> Option<Result<Node, String>> {
     };
     let cpu = r.resources_total.get("CPU").copied().unwrap_or(0.0).max(0.0) as u32;
     let memory_mb = (r.resources_total.get("memory").copied().unwrap_or(0.0).max(0.0) / 1048576.0) as u64;
-    let rack = r.labels.get(LABEL_RACK).map_or_else(|| DEFAULT_RACK.to_string(), |v| decode_rack(v));
+    let rack = r
+        .labels
+        .get(LABEL_RACK)
+        .map_or_else(|| DEFAULT_RACK.to_string(), |v| decode_rack(v));
     let mut node = Node::new(host.clone(), rack, Resources::with_mask(cpu, memory_mb, mask, ports));
     node.gpu_type = r.labels.get(LABEL_GPU_TYPE).cloned();
     // GPUs must be 0..n-1 for a topology to apply to them.
@@ -326,7 +337,11 @@ pub fn node_from_ray(r: &RayNode) -> Option<Result<Node, String>> {
         Ok(_) => None,
         Err(e) => return Some(Err(fail(e))),
     };
-    node.state = if r.is_alive() { NodeState::Running } else { NodeState::Lost };
+    node.state = if r.is_alive() {
+        NodeState::Running
+    } else {
+        NodeState::Lost
+    };
     Some(Ok(node))
 }
 
@@ -430,8 +445,17 @@ mod tests {
     fn bad_labels_are_named() {
         let r = ray_node("x", "ALIVE", "n1", 2, &[(LABEL_TOPOLOGY.into(), "warp9".into())]);
         let e = node_from_ray(&r).unwrap().unwrap_err();
-        assert!(e.contains("n1") && e.contains(LABEL_TOPOLOGY) && e.contains("warp9"), "{e}");
-        let r = ray_node("x", "ALIVE", "n1", 4, &[(LABEL_TOPOLOGY.into(), TOPOLOGY_MATRIX.into())]);
+        assert!(
+            e.contains("n1") && e.contains(LABEL_TOPOLOGY) && e.contains("warp9"),
+            "{e}"
+        );
+        let r = ray_node(
+            "x",
+            "ALIVE",
+            "n1",
+            4,
+            &[(LABEL_TOPOLOGY.into(), TOPOLOGY_MATRIX.into())],
+        );
         let e = node_from_ray(&r).unwrap().unwrap_err();
         assert!(e.contains("0 link codes for 4 GPUs"), "{e}");
         assert!(encode_rack("/r.1").is_err());
@@ -455,7 +479,10 @@ mod tests {
         let mut alive = ray_node("new", "ALIVE", "n1", 2, &[]);
         alive.start_time_ms = 9;
         let other = ray_node("o", "ALIVE", "n2", 2, &[]);
-        for order in [vec![dead.clone(), alive.clone(), other.clone()], vec![alive.clone(), dead.clone(), other]] {
+        for order in [
+            vec![dead.clone(), alive.clone(), other.clone()],
+            vec![alive.clone(), dead.clone(), other],
+        ] {
             let m = merge_by_host(&order);
             assert_eq!(m.len(), 2);
             assert_eq!(m["n1"].node_id, "new");
