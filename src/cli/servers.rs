@@ -26,6 +26,7 @@ impl StateOption {
 }
 
 pub async fn rm(
+    node_token_file: Option<&Path>,
     cluster: Option<&Path>,
     listen: SocketAddr,
     work_dir: Option<PathBuf>,
@@ -33,9 +34,26 @@ pub async fn rm(
     state: StateOption,
     settings: &Settings,
 ) -> i32 {
-    let nodes = match super::load_cluster(cluster) {
-        Ok(n) => n,
-        Err(code) => return code,
+    let node_token = match node_token_file.map(std::fs::read_to_string) {
+        None => None,
+        Some(Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
+        Some(Ok(_)) => {
+            eprintln!("error: --node-token-file is empty");
+            return exit::USAGE;
+        }
+        Some(Err(e)) => {
+            eprintln!("error: --node-token-file: {e}");
+            return exit::USAGE;
+        }
+    };
+    // An RM for real machines invents no nodes: without --cluster, the agents alone.
+    let nodes = if node_token.is_some() && cluster.is_none() {
+        Vec::new()
+    } else {
+        match super::load_cluster(cluster) {
+            Ok(n) => n,
+            Err(code) => return code,
+        }
     };
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
     let tls = match crate::tls::server_config_from_settings(&settings.tls) {
@@ -56,6 +74,8 @@ pub async fn rm(
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
+        node_expiry: Duration::from_secs(settings.rm.node_expiry_sec.max(1)),
+        node_token,
         admin_token,
         state_dir,
         tls,

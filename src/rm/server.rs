@@ -88,6 +88,10 @@ pub struct RmOptions {
     pub state_dir: Option<PathBuf>,
     /// Serve HTTPS with this config (`None`: plain HTTP).
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// The node token node agents present (`None`: no agents accepted).
+    pub node_token: Option<String>,
+    /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
+    pub node_expiry: Duration,
 }
 
 /// Most application ids handed out by new-application and not yet submitted that are
@@ -113,6 +117,8 @@ impl RmOptions {
             admin_token: None,
             max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
             tls: None,
+            node_token: None,
+            node_expiry: Duration::from_secs(15),
         }
     }
 }
@@ -711,6 +717,8 @@ impl From<ExecError> for ApiError {
                 (StatusCode::FORBIDDEN, "FORBIDDEN")
             }
             ExecError::Io(_) => (StatusCode::INTERNAL_SERVER_ERROR, "IO_ERROR"),
+            ExecError::Unreachable { .. } => (StatusCode::BAD_GATEWAY, "NODE_UNREACHABLE"),
+            ExecError::Refused(_) => (StatusCode::BAD_GATEWAY, "NODE_REFUSED"),
         };
         ApiError::new(status, code, e.to_string())
     }
