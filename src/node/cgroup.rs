@@ -248,6 +248,16 @@ impl Containment {
         )
     }
 
+    /// Removes this node's parent cgroups (when empty; errors ignored).
+    pub fn remove_parents(&self) {
+        for d in [&self.v2, &self.v1_pids, &self.v1_freezer, &self.v1_memory, &self.v1_cpu]
+            .into_iter()
+            .flatten()
+        {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+
     /// The cgroup of container `id` (not created): for a restarted node to find it again.
     pub fn cgroup(&self, id: &str) -> Cgroup {
         Cgroup {

@@ -1633,4 +1633,83 @@ mod tests {
         assert_eq!(shell_quote("a'b"), r"'a'\''b'");
         assert_eq!(shell_quote(""), "''");
     }
+
+    /// The escapes a task can try: a new session (`setsid`), a double fork (orphaned to
+    /// init), `nohup` in a new process group (`set -m`), python's `os.setsid()` + fork. Each writes its pid
+    /// to `pids`.
+    fn escapes(pids: &Path) -> Vec<String> {
+        let p = pids.display();
+        vec![
+            format!("setsid sleep 1000 & echo $! >> {p}"),
+            format!("( sleep 1001 & echo $! >> {p} ) "),
+            format!("set -m; nohup sleep 1002 >/dev/null 2>&1 & echo $! >> {p}; set +m"),
+            format!(
+                "python3 -c 'import os,time\nif os.fork()==0:\n os.setsid()\n if os.fork()==0:\n  open(\"{p}\",\"a\").write(str(os.getpid())+\"\\n\"); time.sleep(1003)\n os._exit(0)\nos.wait()' "
+            ),
+            // Let every daemon write its pid.
+            format!("while [ $(wc -l < {p}) -lt 4 ]; do sleep 0.02; done"),
+        ]
+    }
+
+    fn alive_pids(pids: &Path) -> Vec<i32> {
+        std::fs::read_to_string(pids)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+            .filter(|p| ProcessId::of(*p as u32).is_some_and(|id| id.alive()))
+            .collect()
+    }
+
+    fn contained(name: &str) -> (tempfile::TempDir, Executor, mpsc::UnboundedReceiver<NodeEvent>, Containment) {
+        let tmp = tempfile::tempdir().unwrap();
+        let containment = Containment::detect(&format!("node-{}-{name}", std::process::id()));
+        assert_ne!(
+            containment.mechanism(),
+            super::super::cgroup::Mechanism::ProcessGroup,
+            "this test needs a cgroup the test can create (run it as root): {}",
+            containment.describe()
+        );
+        let (tx, rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                containment: containment.clone(),
+                run_as: None,
+            },
+        );
+        (tmp, exec, rx, containment)
+    }
+
+    /// Daemons of every kind die with their container, on stop and on a normal end, and
+    /// the `Exited` event comes only once none is left.
+    #[tokio::test]
+    async fn no_daemon_survives_its_container() {
+        let (tmp, exec, mut rx, containment) = contained("escape");
+        for (id, stop) in [("c-stopped", true), ("c-ended", false)] {
+            let pids = tmp.path().join(format!("{id}.pids"));
+            std::fs::write(&pids, "").unwrap();
+            let mut cmds = escapes(&pids);
+            if stop {
+                cmds.push("sleep 1000".into());
+            }
+            let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+            exec.start(id, "h", &no_gpus(), ctx(&cmds)).unwrap();
+            if stop {
+                for _ in 0..500 {
+                    if std::fs::read_to_string(&pids).unwrap().lines().count() >= 4 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                assert_eq!(alive_pids(&pids).len(), 4, "the daemons started");
+                exec.stop(id, Duration::from_millis(300)).await.unwrap();
+            }
+            let (got, _, diag) = next_exit(&mut rx).await;
+            assert_eq!(got, id);
+            assert_eq!(alive_pids(&pids), Vec::<i32>::new(), "{id}: survivors after Exited ({diag})");
+            assert!(containment.cgroup(id).is_empty());
+        }
+        containment.remove_parents();
+    }
 }
