@@ -687,7 +687,7 @@ fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
             .block_on(async { tokio::time::timeout(Duration::from_secs(120), rx.recv()).await })
             .expect("both gate containers end")
             .unwrap();
-        let gpuam::rm::executor::ExecEvent::Exited {
+        let gpuam::node::NodeEvent::Exited {
             container_id,
             exit_status,
             ..

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod exit;
+pub mod node;
 pub mod protocol;
 pub mod ray;
 pub mod resources;

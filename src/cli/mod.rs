@@ -1,6 +1,7 @@
 //! The `gpuam` command line (DESIGN.md §7): argument parsing, logging set-up, and
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
+mod node;
 mod plan;
 mod run;
 mod servers;
@@ -80,6 +81,10 @@ enum Cmd {
         /// Keep the state in memory only: a restarted RM starts empty.
         #[arg(long)]
         in_memory: bool,
+        /// File holding the node token that node agents (`gpuam node`) present; without
+        /// --cluster the node view is then the registered agents alone.
+        #[arg(long, value_name = "FILE")]
+        node_token_file: Option<PathBuf>,
         #[command(flatten)]
         ray: RayBackendArgs,
     },
@@ -104,6 +109,9 @@ enum Cmd {
         #[arg(long, default_value = crate::ray::scheme::DEFAULT_PORTS)]
         ports: String,
     },
+    /// The node agent of this machine: registers with the RM, runs granted containers
+    /// (each in its own cgroup, as an unprivileged user).
+    Node(node::NodeArgs),
     /// One application master (what the RM launches per job).
     Am {
         job: PathBuf,
@@ -303,11 +311,13 @@ pub fn main() -> i32 {
             admin_token_file,
             state_dir,
             in_memory,
+            node_token_file,
             ray,
         } => match admin_token(admin_token_file.as_deref()) {
             Ok(admin) => {
                 let state = servers::StateOption::from_flags(state_dir, in_memory);
                 runtime.block_on(servers::rm(
+                    node_token_file.as_deref(),
                     cluster.as_deref(),
                     listen,
                     work_dir,
@@ -319,6 +329,7 @@ pub fn main() -> i32 {
             }
             Err(code) => code,
         },
+        Cmd::Node(args) => runtime.block_on(node::node(args)),
         Cmd::RayNodeArgs {
             host,
             gpus,

@@ -26,6 +26,7 @@ impl StateOption {
 }
 
 pub async fn rm(
+    node_token_file: Option<&Path>,
     cluster: Option<&Path>,
     listen: SocketAddr,
     work_dir: Option<PathBuf>,
@@ -34,11 +35,26 @@ pub async fn rm(
     settings: &Settings,
     ray_args: &super::RayBackendArgs,
 ) -> i32 {
+    let node_token = match node_token_file.map(std::fs::read_to_string) {
+        None => None,
+        Some(Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
+        Some(Ok(_)) => {
+            eprintln!("error: --node-token-file is empty");
+            return exit::USAGE;
+        }
+        Some(Err(e)) => {
+            eprintln!("error: --node-token-file: {e}");
+            return exit::USAGE;
+        }
+    };
     let (nodes, ray) = if ray_args.backend == "ray" {
         match ray_backend(ray_args, listen).await {
             Ok((nodes, client, gate)) => (nodes, Some((client, gate))),
             Err(code) => return code,
         }
+    } else if node_token.is_some() && cluster.is_none() {
+        // An RM for real machines invents no nodes: without --cluster, the agents alone.
+        (Vec::new(), None)
     } else {
         match super::load_cluster(cluster) {
             Ok(n) => (n, None),
@@ -67,6 +83,8 @@ pub async fn rm(
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
+        node_expiry: Duration::from_secs(settings.rm.node_expiry_sec.max(1)),
+        node_token,
         admin_token,
         state_dir,
         tls,

@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
@@ -23,7 +24,7 @@ use super::entry::{job_submit, EXIT_GATE_REFUSED, EXIT_GATE_UNREACHABLE};
 use super::gate::Gate;
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
 use crate::resources::Resources;
-use crate::rm::executor::{ExecError, ExecEvent, LogStream};
+use crate::node::{Grant, LogStream, NodeBackend, NodeError as ExecError, NodeEvent as ExecEvent};
 
 /// How often Ray's job list is read while containers are live.
 pub const POLL: Duration = Duration::from_millis(500);
@@ -125,7 +126,7 @@ impl RayLauncher {
         granted: &Resources,
         ctx: LaunchContext,
     ) -> Result<ContainerStatus, ExecError> {
-        if !crate::rm::executor::valid_container_id(container_id) {
+        if !crate::node::executor::valid_container_id(container_id) {
             return Err(ExecError::StartFailed {
                 id: container_id.into(),
                 why: format!("`{container_id}` is not a valid container id"),
@@ -335,5 +336,48 @@ mod tests {
         assert_eq!(status_of("c", None).state, ContainerState::Running);
         let s = status_of("c", Some(&info(JobStatus::Failed, Some(2), "")));
         assert_eq!((s.state, s.exit_status), (ContainerState::Complete, Some(2)));
+    }
+}
+
+/// The node interface (DESIGN.md §9) over the methods above: every host is a Ray node.
+impl NodeBackend for RayLauncher {
+    fn kind(&self) -> &'static str {
+        "ray"
+    }
+
+    fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, ExecError>> {
+        Box::pin(async move {
+            RayLauncher::start(self, &grant.container_id, &grant.host, &grant.resources, ctx).await
+        })
+    }
+
+    fn stop<'a>(&'a self, _host: &'a str, container_id: &'a str, grace: Duration) -> BoxFuture<'a, Result<(), ExecError>> {
+        Box::pin(RayLauncher::stop(self, container_id, grace))
+    }
+
+    fn status<'a>(&'a self, _host: &'a str, container_id: &'a str) -> BoxFuture<'a, Option<ContainerStatus>> {
+        Box::pin(async move { RayLauncher::status(self, container_id) })
+    }
+
+    fn read_log<'a>(
+        &'a self,
+        _host: &'a str,
+        container_id: &'a str,
+        stream: LogStream,
+        tail: Option<u64>,
+    ) -> BoxFuture<'a, Result<String, ExecError>> {
+        Box::pin(RayLauncher::read_log(self, container_id, stream, tail))
+    }
+
+    fn reattach(&self, host: &str, container_id: &str) {
+        RayLauncher::reattach(self, host, container_id)
+    }
+
+    fn running(&self, host: &str) -> Vec<String> {
+        RayLauncher::running(self, host)
+    }
+
+    fn forget(&self, container_id: &str) {
+        self.gate.forget(container_id);
     }
 }
