@@ -22,9 +22,9 @@ use tokio::sync::mpsc;
 use super::client::{JobInfo, JobStatus, RayClient};
 use super::entry::{job_submit, EXIT_GATE_REFUSED, EXIT_GATE_UNREACHABLE};
 use super::gate::Gate;
+use crate::node::{Grant, LogStream, NodeBackend, NodeError as ExecError, NodeEvent as ExecEvent};
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
 use crate::resources::Resources;
-use crate::node::{Grant, LogStream, NodeBackend, NodeError as ExecError, NodeEvent as ExecEvent};
 
 /// How often Ray's job list is read while containers are live.
 pub const POLL: Duration = Duration::from_millis(500);
@@ -346,12 +346,15 @@ impl NodeBackend for RayLauncher {
     }
 
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, ExecError>> {
-        Box::pin(async move {
-            RayLauncher::start(self, &grant.container_id, &grant.host, &grant.resources, ctx).await
-        })
+        Box::pin(async move { RayLauncher::start(self, &grant.container_id, &grant.host, &grant.resources, ctx).await })
     }
 
-    fn stop<'a>(&'a self, _host: &'a str, container_id: &'a str, grace: Duration) -> BoxFuture<'a, Result<(), ExecError>> {
+    fn stop<'a>(
+        &'a self,
+        _host: &'a str,
+        container_id: &'a str,
+        grace: Duration,
+    ) -> BoxFuture<'a, Result<(), ExecError>> {
         Box::pin(RayLauncher::stop(self, container_id, grace))
     }
 
