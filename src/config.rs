@@ -106,6 +106,9 @@ pub struct RmSettings {
     /// AM attempts per job: an AM that dies without finishing is started again, keeping
     /// the job's containers, until this many attempts have run.
     pub max_am_attempts: u32,
+    /// A node agent silent for this long becomes LOST (its containers end for their jobs;
+    /// their resources stay held until the agent returns and reports them dead).
+    pub node_expiry_sec: u64,
 }
 
 impl Default for RmSettings {
@@ -113,6 +116,7 @@ impl Default for RmSettings {
         RmSettings {
             container_expiry_sec: 600,
             max_am_attempts: 3,
+            node_expiry_sec: 15,
         }
     }
 }

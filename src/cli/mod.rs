@@ -1,6 +1,7 @@
 //! The `gpuam` command line (DESIGN.md §7): argument parsing, logging set-up, and
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
+mod node;
 mod plan;
 mod run;
 mod servers;
@@ -80,7 +81,37 @@ enum Cmd {
         /// Keep the state in memory only: a restarted RM starts empty.
         #[arg(long)]
         in_memory: bool,
+        /// File holding the node token that node agents (`gpuam node`) present; without
+        /// --cluster the node view is then the registered agents alone.
+        #[arg(long, value_name = "FILE")]
+        node_token_file: Option<PathBuf>,
+        #[command(flatten)]
+        ray: RayBackendArgs,
     },
+    /// Print the extra `ray start` arguments that make this machine a gpuam node of a Ray cluster.
+    RayNodeArgs {
+        /// The node's gpuam host name.
+        #[arg(long)]
+        host: String,
+        /// GPUs: auto (nvidia-smi) or a count.
+        #[arg(long, default_value = "auto")]
+        gpus: String,
+        /// GPU topology: auto (nvidia-smi topo -m), none, or a preset.
+        #[arg(long, default_value = "auto")]
+        topology: String,
+        /// Rack path, e.g. /dc1/rack7.
+        #[arg(long)]
+        rack: Option<String>,
+        /// GPU type for gpuType filters (default: from nvidia-smi).
+        #[arg(long)]
+        gpu_type: Option<String>,
+        /// Port ranges gpuam may hand to containers on this node.
+        #[arg(long, default_value = crate::ray::scheme::DEFAULT_PORTS)]
+        ports: String,
+    },
+    /// The node agent of this machine: registers with the RM, runs granted containers
+    /// (each in its own cgroup, as an unprivileged user).
+    Node(node::NodeArgs),
     /// One application master (what the RM launches per job).
     Am {
         job: PathBuf,
@@ -118,6 +149,29 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+}
+
+/// `gpuam rm --backend ray`: run containers on an existing Ray cluster.
+#[derive(clap::Args, Debug)]
+pub(crate) struct RayBackendArgs {
+    /// Where containers run: `local` (this process, the cluster file's nodes) or `ray`.
+    #[arg(long, env = "GPUAM_RM_BACKEND", default_value = "local", value_parser = ["local", "ray"])]
+    pub backend: String,
+    /// The Ray dashboard's URL (with --backend ray), e.g. http://HOST:8265.
+    #[arg(
+        long,
+        env = "GPUAM_RAY_ADDRESS",
+        value_name = "URL",
+        required_if_eq("backend", "ray")
+    )]
+    pub ray_address: Option<String>,
+    /// Where the cancel gate that Ray jobs ask before they start listens (default: the RM's
+    /// listen address, any port).
+    #[arg(long, value_name = "ADDR")]
+    pub ray_gate_listen: Option<SocketAddr>,
+    /// The gate's URL as Ray nodes reach it (default: http://<gate listen address>).
+    #[arg(long, value_name = "URL")]
+    pub ray_gate_url: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -257,20 +311,40 @@ pub fn main() -> i32 {
             admin_token_file,
             state_dir,
             in_memory,
+            node_token_file,
+            ray,
         } => match admin_token(admin_token_file.as_deref()) {
             Ok(admin) => {
                 let state = servers::StateOption::from_flags(state_dir, in_memory);
                 runtime.block_on(servers::rm(
+                    node_token_file.as_deref(),
                     cluster.as_deref(),
                     listen,
                     work_dir,
                     admin,
                     state,
                     &settings,
+                    &ray,
                 ))
             }
             Err(code) => code,
         },
+        Cmd::Node(args) => runtime.block_on(node::node(args)),
+        Cmd::RayNodeArgs {
+            host,
+            gpus,
+            topology,
+            rack,
+            gpu_type,
+            ports,
+        } => crate::ray::args::main(&crate::ray::args::NodeArgsRequest {
+            host,
+            gpus,
+            topology,
+            rack,
+            gpu_type,
+            ports,
+        }),
         Cmd::Am {
             job,
             rm,

@@ -26,17 +26,44 @@ impl StateOption {
 }
 
 pub async fn rm(
+    node_token_file: Option<&Path>,
     cluster: Option<&Path>,
     listen: SocketAddr,
     work_dir: Option<PathBuf>,
     admin_token: Option<String>,
     state: StateOption,
     settings: &Settings,
+    ray_args: &super::RayBackendArgs,
 ) -> i32 {
-    let nodes = match super::load_cluster(cluster) {
-        Ok(n) => n,
-        Err(code) => return code,
+    let node_token = match node_token_file.map(std::fs::read_to_string) {
+        None => None,
+        Some(Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
+        Some(Ok(_)) => {
+            eprintln!("error: --node-token-file is empty");
+            return exit::USAGE;
+        }
+        Some(Err(e)) => {
+            eprintln!("error: --node-token-file: {e}");
+            return exit::USAGE;
+        }
     };
+    let (nodes, ray) = if ray_args.backend == "ray" {
+        match ray_backend(ray_args, listen).await {
+            Ok((nodes, client, gate)) => (nodes, Some((client, gate))),
+            Err(code) => return code,
+        }
+    } else if node_token.is_some() && cluster.is_none() {
+        // An RM for real machines invents no nodes: without --cluster, the agents alone.
+        (Vec::new(), None)
+    } else {
+        match super::load_cluster(cluster) {
+            Ok(n) => (n, None),
+            Err(code) => return code,
+        }
+    };
+    let ray_watch = ray.as_ref().map(|(client, _)| client.clone());
+    let initial_states: std::collections::BTreeMap<String, crate::cluster::NodeState> =
+        nodes.iter().map(|n| (n.host.clone(), n.state)).collect();
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
     let tls = match crate::tls::server_config_from_settings(&settings.tls) {
         Ok(t) => t,
@@ -56,9 +83,12 @@ pub async fn rm(
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
+        node_expiry: Duration::from_secs(settings.rm.node_expiry_sec.max(1)),
+        node_token,
         admin_token,
         state_dir,
         tls,
+        ray,
         ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })
     .await
@@ -78,7 +108,19 @@ pub async fn rm(
         Some(f) => println!("admin token written to {} (mode 0600)", f.display()),
         None => println!("admin token: as configured (--admin-token-file or GPUAM_ADMIN_TOKEN)"),
     }
+    let watch = ray_watch.map(|client| {
+        let control = handle.node_control();
+        tokio::spawn(crate::ray::nodes::watch(client, initial_states, move |host, state| {
+            let control = control.clone();
+            async move {
+                control.set_node_state(&host, state).await;
+            }
+        }))
+    });
     let _ = tokio::signal::ctrl_c().await;
+    if let Some(w) = watch {
+        w.abort();
+    }
     eprintln!("stopping: containers and AMs are being stopped");
     handle.shutdown().await;
     exit::SUCCESS
@@ -100,4 +142,61 @@ pub async fn am(job: &Path, rm: &str, app_id: &str, token: &str, listen: SocketA
         job_token,
     })
     .await
+}
+
+/// `--backend ray`: reaches the Ray dashboard, reads its gpuam nodes and starts the cancel
+/// gate. Exit 69 when Ray cannot be reached, 65 when its nodes cannot be read or none is a
+/// gpuam node, 64 for a bad address.
+async fn ray_backend(
+    args: &super::RayBackendArgs,
+    rm_listen: SocketAddr,
+) -> Result<
+    (
+        Vec<crate::cluster::Node>,
+        crate::ray::client::RayClient,
+        crate::ray::gate::Gate,
+    ),
+    i32,
+> {
+    let address = args.ray_address.as_deref().unwrap_or("");
+    let client = crate::ray::client::RayClient::new(address).map_err(|e| {
+        eprintln!("error: {e}");
+        exit::USAGE
+    })?;
+    let version = client.version().await.map_err(|e| {
+        eprintln!("error: cannot reach Ray: {e}");
+        exit::RM_UNREACHABLE
+    })?;
+    if version != crate::ray::RAY_VERSION {
+        eprintln!(
+            "warning: Ray {version} at {address}; gpuam's Ray backend is tested with Ray {}",
+            crate::ray::RAY_VERSION
+        );
+    }
+    let nodes = crate::ray::nodes::read_nodes(&client).await.map_err(|e| {
+        eprintln!("error: {e}");
+        exit::INVALID_INPUT
+    })?;
+    if nodes.is_empty() {
+        eprintln!(
+            "error: the Ray cluster at {address} has no gpuam node: start each Ray node with the arguments \
+             `gpuam ray-node-args --host NAME` prints"
+        );
+        return Err(exit::INVALID_INPUT);
+    }
+    let gate_listen = args
+        .ray_gate_listen
+        .unwrap_or_else(|| SocketAddr::new(rm_listen.ip(), 0));
+    let gate = crate::ray::gate::Gate::start_as(gate_listen, args.ray_gate_url.clone())
+        .await
+        .map_err(|e| {
+            eprintln!("error: cannot listen on {gate_listen} for the Ray gate: {e}");
+            exit::USAGE
+        })?;
+    println!(
+        "gpuam rm: Ray {version} at {address}, {} gpuam node(s): {}",
+        nodes.len(),
+        nodes.iter().map(|n| n.host.as_str()).collect::<Vec<_>>().join(", ")
+    );
+    Ok((nodes, client, gate))
 }

@@ -7,6 +7,11 @@
 //! A node's `used` is always recomputed as its baseline (what the cluster file says is
 //! already taken by others) plus the sum of its live containers, so it can never drift
 //! from the container list.
+//!
+//! Freed only when dead (DESIGN.md §9): a container the RM ends while it runs (AM release,
+//! kill, node LOST) is [`Ledger::stop`]ped — Complete for its application, but `held`: its
+//! resources stay used until its node reports it dead ([`Ledger::complete`]), so the next
+//! grant on those GPUs can never overlap a process that still runs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -39,6 +44,10 @@ pub struct LedgerContainer {
     pub allocated_ms: u64,
     pub exit_status: Option<i32>,
     pub diagnostics: String,
+    /// Complete for its application, but its processes may still run: its resources stay
+    /// used until the node reports it dead (see the module doc).
+    #[serde(default)]
+    pub held: bool,
 }
 
 /// What changed in the ledger since the last [`Ledger::take_changes`]: the RM's store
@@ -166,8 +175,9 @@ impl Ledger {
         let id = c.container.container_id.clone();
         let age = Duration::from_millis(now_ms.saturating_sub(c.allocated_ms));
         c.allocated_at = now.checked_sub(age).unwrap_or(now);
-        let live = c.state != ContainerState::Complete;
+        let live = c.state != ContainerState::Complete || c.held;
         let host = c.container.host.clone();
+        let held = c.held;
         // Numbering goes on after the highest id restored (ids end in `_<seq>`).
         if let Some(seq) = id.rsplit('_').next().and_then(|s| s.parse::<u64>().ok()) {
             self.next_container = self.next_container.max(seq + 1);
@@ -177,7 +187,10 @@ impl Ledger {
             return None;
         }
         let problem = match self.nodes.get(&host) {
+            None if held => None,
             None => Some(format!("host `{host}` is no longer in the cluster")),
+            // Still held: whatever runs there keeps its resources, usable node or not.
+            Some(_) if held => None,
             Some(ln) if ln.node.state.is_unusable() => Some(DIAG_LOST_NODE.to_string()),
             Some(ln) => {
                 let res = &self.containers[&id].container.resources;
@@ -400,6 +413,7 @@ impl Ledger {
                 allocated_ms: crate::rm::apps::now_ms(),
                 exit_status: None,
                 diagnostics: String::new(),
+                held: false,
             },
         );
         if let Some(ln) = self.nodes.get_mut(&ask.host) {
@@ -437,9 +451,17 @@ impl Ledger {
 
     /// Ends a live container and frees exactly its resources. `None` when it is
     /// unknown or already complete (completing twice is harmless).
+    ///
+    /// This is the "it is dead" call: a container [`Ledger::stop`] held is freed now (and
+    /// `None` returned: its application already heard of its end).
     pub fn complete(&mut self, id: &str, exit: i32, diagnostics: &str) -> Option<Ended> {
         let c = self.containers.get_mut(id)?;
         if c.state == ContainerState::Complete {
+            if c.held {
+                c.held = false;
+                let host = c.container.host.clone();
+                self.free(id, &host);
+            }
             return None;
         }
         let was = c.state;
@@ -455,7 +477,79 @@ impl Ledger {
             exit_status: exit,
             diagnostics: diagnostics.to_string(),
         };
-        if let Some(ln) = self.nodes.get_mut(&ended.host) {
+        self.free(id, &ended.host);
+        Some(ended)
+    }
+
+    /// Ends a live container for its application. One that was only Allocated (no
+    /// process) is freed at once, as by [`Ledger::complete`]; a Running one becomes
+    /// Complete but `held`: its resources stay used until `complete` says it is dead.
+    /// `None` when it is unknown or already complete.
+    pub fn stop(&mut self, id: &str, exit: i32, diagnostics: &str) -> Option<Ended> {
+        let c = self.containers.get_mut(id)?;
+        if c.state != ContainerState::Running {
+            return self.complete(id, exit, diagnostics);
+        }
+        c.state = ContainerState::Complete;
+        c.held = true;
+        c.exit_status = Some(exit);
+        c.diagnostics = diagnostics.to_string();
+        self.touched.insert(id.to_string());
+        Some(Ended {
+            container_id: id.to_string(),
+            app_id: c.app_id.clone(),
+            attempt: c.attempt,
+            host: c.container.host.clone(),
+            was: ContainerState::Running,
+            exit_status: exit,
+            diagnostics: diagnostics.to_string(),
+        })
+    }
+
+    /// Ids of the containers held on `host` (ended, not yet reported dead), sorted.
+    pub fn held_on(&self, host: &str) -> Vec<String> {
+        self.nodes.get(host).map_or_else(Vec::new, |ln| {
+            ln.live
+                .iter()
+                .filter(|id| self.containers.get(*id).is_some_and(|c| c.held))
+                .cloned()
+                .collect()
+        })
+    }
+
+    /// Adds a node that registered (a node agent), or, for a known host, takes its new
+    /// description (address, totals, labels) and marks it RUNNING again; its containers
+    /// stay as they are. Returns true for a new host.
+    pub fn add_node(&mut self, mut node: Node) -> bool {
+        node.set_requested(Resources::default());
+        node.state = NodeState::Running;
+        let host = node.host.clone();
+        let new = match self.nodes.get_mut(&host) {
+            Some(ln) => {
+                ln.node = node;
+                false
+            }
+            None => {
+                self.nodes.insert(
+                    host.clone(),
+                    LedgerNode {
+                        baseline: node.used().clone(),
+                        node,
+                        live: BTreeSet::new(),
+                        changed_at: 0,
+                    },
+                );
+                true
+            }
+        };
+        self.touched_nodes.insert(host.clone());
+        self.recompute(&host);
+        new
+    }
+
+    /// Drops a container from its node's used resources (it is dead).
+    fn free(&mut self, id: &str, host: &str) {
+        if let Some(ln) = self.nodes.get_mut(host) {
             ln.live.remove(id);
         }
         self.touched.insert(id.to_string());
@@ -464,8 +558,7 @@ impl Ledger {
                 container_id: id.to_string(),
             });
         }
-        self.recompute(&ended.host);
-        Some(ended)
+        self.recompute(host);
     }
 
     /// Completes every container that stayed Allocated longer than the expiry.
@@ -485,13 +578,19 @@ impl Ledger {
     }
 
     /// Sets a node's state. Unusable states (LOST, UNHEALTHY, ...) end its containers
-    /// with -100, as YARN does. Unknown hosts give `None`.
+    /// with -100, as YARN does ([`Ledger::stop`]: running ones stay held until the node
+    /// reports them dead). Unknown hosts give `None`.
     pub fn set_node_state(&mut self, host: &str, state: NodeState) -> Option<Vec<Ended>> {
         let ln = self.nodes.get_mut(host)?;
         ln.node.state = state;
         self.touched_nodes.insert(host.to_string());
         let ids: Vec<String> = if state.is_unusable() {
-            ln.live.iter().cloned().collect()
+            let containers = &self.containers;
+            ln.live
+                .iter()
+                .filter(|id| containers.get(*id).is_some_and(|c| !c.held))
+                .cloned()
+                .collect()
         } else {
             Vec::new()
         };
@@ -501,7 +600,7 @@ impl Ledger {
         }
         Some(
             ids.iter()
-                .filter_map(|id| self.complete(id, exit_status::ABORTED, DIAG_LOST_NODE))
+                .filter_map(|id| self.stop(id, exit_status::ABORTED, DIAG_LOST_NODE))
                 .collect(),
         )
     }
@@ -857,6 +956,7 @@ mod tests {
             ports: Vec<u16>,
         },
         Release(usize),
+        Dead(usize),
         Start(usize),
         Expire(u64),
         Lose(u8),
@@ -867,6 +967,7 @@ mod tests {
             4 => (0u8..3, 0u8..3, 0u32..5, 0u64..400, 0u64..0x20, proptest::collection::vec(1998u16..2008, 0..3))
                 .prop_map(|(app, host, cpu, mem, mask, ports)| Op::Ask { app, host, cpu, mem, mask, ports }),
             2 => any::<usize>().prop_map(Op::Release),
+            1 => any::<usize>().prop_map(Op::Dead),
             1 => any::<usize>().prop_map(Op::Start),
             1 => (0u64..20).prop_map(Op::Expire),
             1 => (0u8..4).prop_map(Op::Lose),
@@ -901,7 +1002,11 @@ mod tests {
                     }
                     Op::Release(k) if !granted.is_empty() => {
                         let id = granted[k % granted.len()].clone();
-                        l.complete(&id, -100, "released");
+                        l.stop(&id, -100, "released");
+                    }
+                    Op::Dead(k) if !granted.is_empty() => {
+                        let id = granted[k % granted.len()].clone();
+                        l.complete(&id, 0, "dead");
                     }
                     Op::Start(k) if !granted.is_empty() => {
                         let id = granted[k % granted.len()].clone();
@@ -914,7 +1019,7 @@ mod tests {
                 // Invariant: no GPU bit or port in two live containers; CPU/MB ≤ total.
                 for (n, count) in l.nodes() {
                     let live: Vec<&LedgerContainer> = l.containers.values()
-                        .filter(|c| c.container.host == n.host && c.state != ContainerState::Complete).collect();
+                        .filter(|c| c.container.host == n.host && (c.state != ContainerState::Complete || c.held)).collect();
                     prop_assert_eq!(live.len() as u32, count);
                     let mut mask = 0u64;
                     let mut ports = PortSet::new();
@@ -939,6 +1044,40 @@ mod tests {
                 l.complete(&id, 0, "end");
             }
             prop_assert!(l.all_free());
+        }
+    }
+
+    proptest! {
+        /// Freed only when dead: after `stop`, a running container's GPUs and ports are
+        /// granted to no one until `complete` reports it dead; an allocated one (no
+        /// process) is free at once.
+        #[test]
+        fn a_stopped_running_container_is_held_until_dead(
+            start in any::<bool>(),
+            asks_before_dead in 1usize..4,
+        ) {
+            let mut l = ledger();
+            let now = Instant::now();
+            let c = l.grant("app1", 1, &ask(1, "a", 1, 10, 0x3, "2000"), now).unwrap();
+            if start {
+                l.mark_running(&c.container_id).unwrap();
+            }
+            let ended = l.stop(&c.container_id, -100, "killed").unwrap();
+            prop_assert_eq!(ended.was, if start { ContainerState::Running } else { ContainerState::Allocated });
+            prop_assert_eq!(l.container(&c.container_id).unwrap().state, ContainerState::Complete);
+            prop_assert!(l.live_containers_of("app1").is_empty(), "ended for its application");
+            for i in 0..asks_before_dead {
+                let got = l.grant("app2", 1, &ask(10 + i as u64, "a", 1, 10, 0x1, "2000"), now);
+                prop_assert_eq!(got.is_ok(), !start, "held resources must not be granted: {:?}", got);
+                if let Ok(g) = got {
+                    l.complete(&g.container_id, 0, "");
+                }
+            }
+            prop_assert_eq!(l.held_on("a").len(), usize::from(start));
+            // Dead: freed, and not reported a second time.
+            prop_assert!(l.complete(&c.container_id, 137, "dead").is_none());
+            prop_assert!(l.held_on("a").is_empty());
+            prop_assert!(l.grant("app2", 1, &ask(99, "a", 1, 10, 0x1, "2000"), now).is_ok());
         }
     }
 }

@@ -1,12 +1,13 @@
 //! The resource manager: REST server, scheduler ledger, applications, node executor.
 
 pub mod apps;
-pub mod executor;
 pub mod gpu_discovery;
 pub mod image;
 pub mod ledger;
-pub mod procs;
 pub mod server;
 pub mod store;
+
+/// The executor and process identities moved to the node component (`crate::node`).
+pub use crate::node::{executor, procs};
 
 pub use server::{start, RmHandle, RmOptions};

@@ -50,10 +50,13 @@ use crate::protocol::{
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
 use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
-use crate::rm::executor::{ExecError, ExecEvent, Executor, LogStream};
+use crate::rm::executor::{ExecError, LogStream};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
 use crate::rm::procs::ProcessId;
 use crate::rm::store::{Batch, Meta, Store};
+
+mod nodes;
+use nodes::*;
 
 /// Largest request body accepted (413 beyond).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -88,6 +91,13 @@ pub struct RmOptions {
     pub state_dir: Option<PathBuf>,
     /// Serve HTTPS with this config (`None`: plain HTTP).
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Run containers on a Ray cluster instead of this process's executor (its dashboard
+    /// client and the cancel gate its jobs ask; see `crate::ray`).
+    pub ray: Option<(crate::ray::client::RayClient, crate::ray::gate::Gate)>,
+    /// The node token node agents present (`None`: no agents accepted).
+    pub node_token: Option<String>,
+    /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
+    pub node_expiry: Duration,
 }
 
 /// Most application ids handed out by new-application and not yet submitted that are
@@ -113,6 +123,9 @@ impl RmOptions {
             admin_token: None,
             max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
             tls: None,
+            ray: None,
+            node_token: None,
+            node_expiry: Duration::from_secs(15),
         }
     }
 }
@@ -232,7 +245,7 @@ struct AmProc {
 
 struct Shared {
     state: Mutex<RmState>,
-    executor: Executor,
+    nodes: Nodes,
     base_url: String,
     work_dir: PathBuf,
     am_program: Option<PathBuf>,
@@ -252,6 +265,17 @@ impl Shared {
             st: self.state.lock(),
             cluster_ts: self.cluster_ts,
         }
+    }
+}
+
+/// Changes node states of a running RM (see [`RmHandle::node_control`]).
+#[derive(Clone)]
+pub struct NodeControl(Arc<Shared>);
+
+impl NodeControl {
+    /// As [`RmHandle::set_node_state`].
+    pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
+        change_node_state(&self.0, host, state).await.is_some()
     }
 }
 
@@ -312,9 +336,40 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     };
     let (state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let agents = match opts.node_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
+        Some(t) => Some(Arc::new(crate::node::remote::AgentNodes::new(
+            t.to_string(),
+            events_tx.clone(),
+        )?)),
+        None => None,
+    };
+    // The in-process node's cgroups: named after the work dir, so that a restarted RM
+    // finds its containers again and two RMs on one machine do not meet.
+    let containment = crate::node::cgroup::Containment::detect(&format!("gpuam-rm-{:016x}", {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        work_dir.hash(&mut h);
+        h.finish()
+    }));
+    tracing::info!("in-process node {}", containment.describe());
+    let ray = opts
+        .ray
+        .map(|(client, gate)| crate::ray::launcher::RayLauncher::new(client, gate, events_tx.clone()));
+    let local = crate::node::InProcessNode::new(
+        work_dir.join("containers"),
+        events_tx,
+        crate::node::executor::ExecutorOptions {
+            containment,
+            run_as: None,
+        },
+    );
     let shared = Arc::new(Shared {
         state: Mutex::new(state),
-        executor: Executor::new(work_dir.join("containers"), events_tx),
+        nodes: Nodes {
+            local,
+            agents: agents.clone(),
+            ray,
+        },
         base_url: base_url.clone(),
         work_dir,
         am_program: opts.am_program,
@@ -330,17 +385,12 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let s = shared.clone();
     background.push(tokio::spawn(async move {
         while let Some(ev) = events_rx.recv().await {
-            let ExecEvent::Exited {
-                container_id,
-                exit_status,
-                diagnostics,
-            } = ev;
-            let mut st = s.lock();
-            if let Some(ended) = st.ledger.complete(&container_id, exit_status, &diagnostics) {
-                queue_completed(&mut st.apps, &ended);
-            }
+            on_node_event(&s, ev);
         }
     }));
+    if let Some(a) = &agents {
+        background.push(spawn_liveness(shared.clone(), a.clone(), opts.node_expiry));
+    }
     let s = shared.clone();
     let tick = (opts.container_expiry / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
     background.push(tokio::spawn(async move {
@@ -443,14 +493,13 @@ fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u
 fn reattach(rm: &Arc<Shared>) {
     let (running, ams) = {
         let st = rm.lock();
-        let running: Vec<String> = st
+        let running: Vec<(String, String)> = st
             .ledger
             .live_containers()
             .into_iter()
-            .filter(|id| {
-                st.ledger
-                    .container(id)
-                    .is_some_and(|c| c.state == ContainerState::Running)
+            .filter_map(|id| {
+                let c = st.ledger.container(&id)?;
+                (c.state == ContainerState::Running).then(|| (c.container.host.clone(), id))
             })
             .collect();
         let ams: Vec<(String, Option<ProcessId>)> = st
@@ -461,8 +510,8 @@ fn reattach(rm: &Arc<Shared>) {
             .collect();
         (running, ams)
     };
-    for id in &running {
-        rm.executor.reattach(id);
+    for (host, id) in &running {
+        rm.nodes.for_host(host).reattach(host, id);
     }
     if !rm.launch_am {
         return;
@@ -570,6 +619,11 @@ impl RmHandle {
         change_node_state(&self.shared, host, state).await.is_some()
     }
 
+    /// A handle that changes node states from another task (the Ray node watch).
+    pub fn node_control(&self) -> NodeControl {
+        NodeControl(self.shared.clone())
+    }
+
     /// Stops every container and AM process, then the server.
     pub async fn shutdown(self) {
         self.shared
@@ -597,7 +651,13 @@ impl RmHandle {
         };
         stop_running(&self.shared, &ended).await;
         // Anything the executor still runs goes too: no task outlives an orderly shutdown.
-        self.shared.executor.stop_all(Duration::from_secs(3)).await;
+        self.shared
+            .nodes
+            .local
+            .executor()
+            .stop_all(Duration::from_secs(3))
+            .await;
+        self.shared.nodes.local.executor().containment().remove_parents();
         for b in self.background {
             b.abort();
         }
@@ -647,7 +707,8 @@ async fn stop_running(shared: &Shared, ended: &[Ended]) {
         .iter()
         .filter(|e| e.was == ContainerState::Running)
         .map(|e| async move {
-            if let Err(err) = shared.executor.stop(&e.container_id, CONTAINER_STOP_GRACE).await {
+            let node = shared.nodes.for_host(&e.host);
+            if let Err(err) = node.stop(&e.host, &e.container_id, CONTAINER_STOP_GRACE).await {
                 tracing::warn!(container = %e.container_id, "stop failed: {err}");
             }
         });
@@ -711,6 +772,8 @@ impl From<ExecError> for ApiError {
                 (StatusCode::FORBIDDEN, "FORBIDDEN")
             }
             ExecError::Io(_) => (StatusCode::INTERNAL_SERVER_ERROR, "IO_ERROR"),
+            ExecError::Unreachable { .. } => (StatusCode::BAD_GATEWAY, "NODE_UNREACHABLE"),
+            ExecError::Refused(_) => (StatusCode::BAD_GATEWAY, "NODE_REFUSED"),
         };
         ApiError::new(status, code, e.to_string())
     }
@@ -802,6 +865,8 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/am/{id}/register", post(am_register))
         .route("/ws/v1/am/{id}/allocate", post(am_allocate))
         .route("/ws/v1/am/{id}/finish", post(am_finish))
+        .route("/ws/v1/node-agents/register", post(agent_register))
+        .route("/ws/v1/node-agents/{host}/heartbeat", post(agent_heartbeat))
         .route("/ws/v1/node/{host}/containers/{id}/start", post(container_start))
         .route("/ws/v1/node/{host}/containers/{id}/stop", post(container_stop))
         .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
@@ -1319,7 +1384,7 @@ fn stderr_tail(path: &Path, n: usize) -> String {
 /// Completes every live container of `app_id`, queueing them for the app.
 fn release_all(st: &mut RmState, app_id: &str, exit: i32, why: &str) -> Vec<Ended> {
     let ids = st.ledger.live_containers_of(app_id);
-    let ended: Vec<Ended> = ids.iter().filter_map(|c| st.ledger.complete(c, exit, why)).collect();
+    let ended: Vec<Ended> = ids.iter().filter_map(|c| st.ledger.stop(c, exit, why)).collect();
     for e in &ended {
         queue_completed(&mut st.apps, e);
     }
@@ -1484,7 +1549,7 @@ async fn am_allocate(
                 Some(c) if c.app_id == id => {
                     if let Some(e) = st
                         .ledger
-                        .complete(cid, exit_status::ABORTED, "Container released by application")
+                        .stop(cid, exit_status::ABORTED, "Container released by application")
                     {
                         ended.push(e);
                     }
@@ -1595,7 +1660,7 @@ async fn container_start(
     headers: HeaderMap,
     ApiJson(ctx): ApiJson<LaunchContext>,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let granted = {
+    let (granted, app_id) = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
         if info.app_final {
@@ -1611,16 +1676,17 @@ async fn container_start(
         st.ledger
             .mark_running(&id)
             .map_err(|e| ApiError::conflict(e.to_string()))?;
-        info.resources
+        let app_id = st.ledger.container(&id).map(|c| c.app_id.clone()).unwrap_or_default();
+        (info.resources, app_id)
     };
-    match rm.executor.start(&id, &host, &granted, ctx) {
-        Ok(pid) => Ok(Json(ContainerStatus {
-            container_id: id,
-            state: ContainerState::Running,
-            exit_status: None,
-            diagnostics: String::new(),
-            pid: Some(pid),
-        })),
+    let grant = crate::node::Grant {
+        container_id: id.clone(),
+        app_id,
+        host: host.clone(),
+        resources: granted,
+    };
+    match rm.nodes.for_host(&host).start(grant, ctx).await {
+        Ok(status) => Ok(Json(status)),
         Err(e) => {
             let mut st = rm.lock();
             if let Some(ended) = st
@@ -1642,7 +1708,7 @@ async fn container_stop(
     let (ended, status) = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
-        let ended = st.ledger.complete(
+        let ended = st.ledger.stop(
             &id,
             exit_status::KILLED_BY_APPMASTER,
             "Container stopped by the application master",
@@ -1672,7 +1738,7 @@ async fn container_status(
 ) -> Result<Json<ContainerStatus>, ApiError> {
     let info = container_access(&rm.lock(), &host, &id, &headers)?;
     // The executor knows the pid and the real exit; the ledger knows RM-side endings.
-    let status = match rm.executor.status(&id) {
+    let status = match rm.nodes.for_host(&host).status(&host, &id).await {
         Some(s) if info.state != ContainerState::Complete || s.state == ContainerState::Complete => s,
         _ => info.status,
     };
@@ -1701,7 +1767,7 @@ async fn container_logs(
             )))
         }
     };
-    let text = rm.executor.read_log(&id, stream, q.tail)?;
+    let text = rm.nodes.for_host(&host).read_log(&host, &id, stream, q.tail).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
 }
 
@@ -1986,7 +2052,16 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert!(gone, "the released container's group was stopped");
-        assert!(rm2.ledger_all_free());
+        // Freed only when dead: the node's report of its death frees it.
+        let mut free = false;
+        for _ in 0..100 {
+            if rm2.ledger_all_free() {
+                free = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(free, "the released container's resources return once it is dead");
         rm2.shutdown().await;
     }
 

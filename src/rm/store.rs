@@ -284,6 +284,7 @@ mod tests {
             allocated_ms: 1234,
             exit_status: None,
             diagnostics: String::new(),
+            held: false,
         }
     }
 

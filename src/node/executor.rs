@@ -1,10 +1,12 @@
-//! Node executor: runs each container's commands as a real process group.
+//! Node executor: runs each container's commands as real processes, each container in a
+//! cgroup of its own (see [`super::cgroup`]) when the machine allows, as an unprivileged
+//! user when one is configured ([`RunAs`]).
 //!
 //! Owns the container working directories (`root/<containerId>/`), the generated
 //! `launch.sh`, the captured `stdout` / `stderr` files, the container environment of
 //! DESIGN.md §6 that the executor itself is responsible for (GPU variables, container id,
 //! host, directory), stopping (SIGTERM → grace → SIGKILL to the whole group) and the one
-//! `ExecEvent::Exited` per started container.
+//! `NodeEvent::Exited` per started container.
 //!
 //! Runtime: every method that spawns or waits uses tokio (`tokio::process`, `tokio::spawn`),
 //! so the executor must be called from within a tokio runtime — the RM always calls it from
@@ -16,6 +18,15 @@
 //! commands too. A new session (rather than only a new group) also detaches the task from
 //! the RM's terminal and session, so a later RM restart can re-attach to live containers
 //! instead of taking them down with it (DESIGN.md §9).
+//!
+//! Containment: the process joins the container's cgroup in the forked child, before
+//! `exec`. Stopping signals every member of the cgroup (a daemon that left the session with
+//! `setsid` included) and ends with `cgroup.kill`; a container is Complete, and its `Exited`
+//! event sent, only once its cgroup is empty. Without a cgroup, the process group is all
+//! there is (and a process that leaves it escapes).
+//!
+//! The one place that builds the command running a task is [`task_command`]: a runner that
+//! wraps tasks (an image runner, say) changes that function only.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -29,20 +40,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
+use super::cgroup::{Cgroup, Containment, Limits};
 use super::procs::ProcessId;
+use super::{NodeError, NodeEvent};
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
-
-/// Something that happened to a container, pushed to whoever owns the executor (the RM).
-#[derive(Clone, Debug, PartialEq)]
-pub enum ExecEvent {
-    /// The container's process group ended (or could not start).
-    Exited {
-        container_id: String,
-        exit_status: i32,
-        diagnostics: String,
-    },
-}
 
 /// Which captured stream to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,21 +63,9 @@ impl LogStream {
     }
 }
 
-/// Executor failures (each maps to an HTTP status in the RM server).
-///
-/// An id that is not a valid container id is reported as `StartFailed` by [`Executor::start`]
-/// and as `UnknownContainer` everywhere else (such an id can never name a container).
-#[derive(Debug, thiserror::Error)]
-pub enum ExecError {
-    #[error("container {0} is not known to this executor")]
-    UnknownContainer(String),
-    #[error("container {0} was already started")]
-    AlreadyStarted(String),
-    #[error("could not start container {id}: {why}")]
-    StartFailed { id: String, why: String },
-    #[error("i/o error: {0}")]
-    Io(#[from] std::io::Error),
-}
+/// Old names, kept for the RM server's imports.
+pub type ExecError = NodeError;
+pub type ExecEvent = NodeEvent;
 
 /// The most a single `read_log` returns: a larger file (or a larger tail) is cut to its
 /// last `MAX_LOG_BYTES` bytes, so a huge log never ends up in memory whole.
@@ -121,6 +111,8 @@ struct Entry {
     stop_requested: bool,
     /// Turns `true` once the container is Complete (set by its waiter task).
     done: Option<watch::Receiver<bool>>,
+    /// Its cgroup (empty when the node has none).
+    cgroup: Cgroup,
 }
 
 impl Entry {
@@ -134,6 +126,7 @@ impl Entry {
             diagnostics: String::new(),
             stop_requested: false,
             done: None,
+            cgroup: Cgroup::default(),
         }
     }
 }
@@ -146,8 +139,63 @@ type Table = Arc<Mutex<HashMap<String, Entry>>>;
 /// never held across an `.await`.
 pub struct Executor {
     root: PathBuf,
-    events: mpsc::UnboundedSender<ExecEvent>,
+    events: mpsc::UnboundedSender<NodeEvent>,
     table: Table,
+    opts: ExecutorOptions,
+}
+
+/// The unprivileged user tasks run as.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunAs {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl RunAs {
+    /// Looks `name` up in the user database.
+    pub fn lookup(name: &str) -> Result<RunAs, String> {
+        match nix::unistd::User::from_name(name) {
+            Ok(Some(u)) => Ok(RunAs {
+                name: name.to_string(),
+                uid: u.uid.as_raw(),
+                gid: u.gid.as_raw(),
+            }),
+            Ok(None) => Err(format!("there is no user `{name}` on this machine")),
+            Err(e) => Err(format!("cannot look up user `{name}`: {e}")),
+        }
+    }
+
+    /// `name`, created as a system user without a login shell when it does not exist yet
+    /// and this process may create users (root). Used for the default task user.
+    pub fn ensure(name: &str) -> Result<RunAs, String> {
+        if let Ok(u) = RunAs::lookup(name) {
+            return Ok(u);
+        }
+        if !nix::unistd::geteuid().is_root() {
+            return Err(format!(
+                "user `{name}` does not exist and only root can create it; create it or pass --run-as USER"
+            ));
+        }
+        let out = std::process::Command::new("useradd")
+            .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
+            .output()
+            .map_err(|e| format!("cannot run useradd to create user `{name}`: {e}"))?;
+        // A concurrent node may have created it meanwhile; the lookup decides.
+        RunAs::lookup(name).map_err(|e| format!("{e} (useradd said: {})", String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// The default task user a root node creates.
+pub const DEFAULT_TASK_USER: &str = "gpuam-task";
+
+/// How an executor contains and runs its tasks.
+#[derive(Clone, Debug, Default)]
+pub struct ExecutorOptions {
+    /// Where containers' cgroups go ([`Containment::none`]: process groups only).
+    pub containment: Containment,
+    /// Run tasks as this user (`None`: as this process's user).
+    pub run_as: Option<RunAs>,
 }
 
 /// `[A-Za-z0-9_.-]+`, and not `.` / `..` (which would name the root or its parent).
@@ -165,12 +213,23 @@ pub fn valid_container_id(id: &str) -> bool {
 impl Executor {
     /// `root` holds one working directory per container (`root/<containerId>/`); it is
     /// created on the first start.
-    pub fn new(root: PathBuf, events: mpsc::UnboundedSender<ExecEvent>) -> Self {
+    pub fn new(root: PathBuf, events: mpsc::UnboundedSender<NodeEvent>) -> Self {
+        Executor::with_options(root, events, ExecutorOptions::default())
+    }
+
+    /// As [`Executor::new`], with containment and a task user.
+    pub fn with_options(root: PathBuf, events: mpsc::UnboundedSender<NodeEvent>, opts: ExecutorOptions) -> Self {
         Executor {
             root,
             events,
             table: Arc::new(Mutex::new(HashMap::new())),
+            opts,
         }
+    }
+
+    /// The containment its containers get.
+    pub fn containment(&self) -> &Containment {
+        &self.opts.containment
     }
 
     /// The directory that holds all container directories.
@@ -181,13 +240,13 @@ impl Executor {
     /// Records a granted, not yet started container so that `status` reports it as
     /// Allocated. Optional: `start` works without it. A container that is already known
     /// and past Allocated gives `AlreadyStarted`.
-    pub fn allocate(&self, container_id: &str) -> Result<(), ExecError> {
+    pub fn allocate(&self, container_id: &str) -> Result<(), NodeError> {
         if !valid_container_id(container_id) {
-            return Err(ExecError::UnknownContainer(container_id.into()));
+            return Err(NodeError::UnknownContainer(container_id.into()));
         }
         let mut table = self.table.lock();
         match table.get(container_id) {
-            Some(e) if e.phase != Phase::Allocated => Err(ExecError::AlreadyStarted(container_id.into())),
+            Some(e) if e.phase != Phase::Allocated => Err(NodeError::AlreadyStarted(container_id.into())),
             Some(_) => Ok(()),
             None => {
                 table.insert(
@@ -215,7 +274,7 @@ impl Executor {
     ///
     /// The process runs `bash launch.sh` in `root/<containerId>/` as the leader of a new
     /// session and process group, stdin from /dev/null, stdout and stderr to the files
-    /// `stdout` and `stderr` there. One `ExecEvent::Exited` follows when it ends; when the
+    /// `stdout` and `stderr` there. One `NodeEvent::Exited` follows when it ends; when the
     /// start itself fails this returns `Err` and no event is sent.
     ///
     /// Must be called within a tokio runtime (see the module doc).
@@ -225,8 +284,8 @@ impl Executor {
         host: &str,
         granted: &Resources,
         ctx: LaunchContext,
-    ) -> Result<u32, ExecError> {
-        let fail = |why: String| ExecError::StartFailed {
+    ) -> Result<u32, NodeError> {
+        let fail = |why: String| NodeError::StartFailed {
             id: container_id.into(),
             why,
         };
@@ -251,7 +310,7 @@ impl Executor {
         let was_allocated = {
             let mut table = self.table.lock();
             match table.get_mut(container_id) {
-                Some(e) if e.phase != Phase::Allocated => return Err(ExecError::AlreadyStarted(container_id.into())),
+                Some(e) if e.phase != Phase::Allocated => return Err(NodeError::AlreadyStarted(container_id.into())),
                 Some(e) => {
                     e.phase = Phase::Starting;
                     true
@@ -263,8 +322,23 @@ impl Executor {
             }
         };
 
-        let env = container_env(container_id, host, granted, &dir, &ctx);
-        match spawn_launch(&dir, container_id, &ctx.commands, &env) {
+        let env = container_env(container_id, host, granted, &dir, &ctx, self.opts.run_as.is_some());
+        let limits = Limits {
+            memory_mb: Some(granted.memory_mb).filter(|m| *m > 0),
+            cpu: Some(u64::from(granted.cpu)).filter(|c| *c > 0),
+            pids: None,
+        };
+        let spawned = self
+            .opts
+            .containment
+            .create(container_id, limits)
+            .map_err(|e| format!("cannot create the container's cgroup: {e}"))
+            .and_then(|cg| {
+                spawn_launch(&dir, container_id, &ctx.commands, &env, &cg, self.opts.run_as.as_ref())
+                    .map(|(child, pid)| (child, pid, cg.clone()))
+                    .inspect_err(|_| cg.remove())
+            });
+        match spawned {
             Err(why) => {
                 let mut table = self.table.lock();
                 if was_allocated {
@@ -276,7 +350,7 @@ impl Executor {
                 }
                 Err(fail(why))
             }
-            Ok((child, pid)) => {
+            Ok((child, pid, cgroup)) => {
                 // Written before anything else can happen to it: without this record a
                 // restarted executor could not find the process again.
                 let leader = ProcessId::of(pid);
@@ -296,6 +370,7 @@ impl Executor {
                         e.pid = Some(pid);
                         e.leader = leader;
                         e.done = Some(done_rx);
+                        e.cgroup = cgroup.clone();
                     }
                 }
                 let ending = Ending {
@@ -304,6 +379,7 @@ impl Executor {
                     id: container_id.to_string(),
                     dir,
                     done: done_tx,
+                    cgroup,
                 };
                 tokio::spawn(wait_container(ending, child, pid, leader));
                 Ok(pid)
@@ -323,10 +399,16 @@ impl Executor {
             .flatten()
             .and_then(|b| serde_json::from_slice::<ProcessId>(&b).ok());
         let (done_tx, done_rx) = watch::channel(false);
+        let cgroup = if valid_container_id(container_id) {
+            self.opts.containment.cgroup(container_id)
+        } else {
+            Cgroup::default()
+        };
         let mut entry = Entry::new(dir.clone(), Phase::Running);
         entry.pid = leader.map(|p| p.pid);
         entry.leader = leader;
         entry.done = Some(done_rx);
+        entry.cgroup = cgroup.clone();
         self.table.lock().insert(container_id.to_string(), entry);
         let ending = Ending {
             table: self.table.clone(),
@@ -334,6 +416,7 @@ impl Executor {
             id: container_id.to_string(),
             dir,
             done: done_tx,
+            cgroup,
         };
         match leader.filter(ProcessId::alive) {
             Some(p) => {
@@ -360,18 +443,18 @@ impl Executor {
     /// A container that was only allocated becomes Complete with `ABORTED` (-100) and gets
     /// its `Exited` event. The `Exited` event of a stopped container says "stopped by
     /// request" and carries 143 (SIGTERM), 137 (SIGKILL) or the code it exited with.
-    pub async fn stop(&self, container_id: &str, grace: Duration) -> Result<(), ExecError> {
+    pub async fn stop(&self, container_id: &str, grace: Duration) -> Result<(), NodeError> {
         if !valid_container_id(container_id) {
-            return Err(ExecError::UnknownContainer(container_id.into()));
+            return Err(NodeError::UnknownContainer(container_id.into()));
         }
         // A concurrent `start` is spawning: wait (briefly) until it knows the pid.
         let give_up = Instant::now() + KILL_WAIT;
-        let (pgid, leader, mut done) = loop {
+        let (pgid, leader, mut done, cgroup) = loop {
             {
                 let mut table = self.table.lock();
                 let entry = table
                     .get_mut(container_id)
-                    .ok_or_else(|| ExecError::UnknownContainer(container_id.into()))?;
+                    .ok_or_else(|| NodeError::UnknownContainer(container_id.into()))?;
                 match entry.phase {
                     Phase::Complete => return Ok(()),
                     Phase::Allocated => {
@@ -379,7 +462,7 @@ impl Executor {
                         entry.stop_requested = true;
                         entry.exit_status = Some(exit_status::ABORTED);
                         entry.diagnostics = "stopped by request before it started".into();
-                        let _ = self.events.send(ExecEvent::Exited {
+                        let _ = self.events.send(NodeEvent::Exited {
                             container_id: container_id.into(),
                             exit_status: exit_status::ABORTED,
                             diagnostics: entry.diagnostics.clone(),
@@ -389,7 +472,8 @@ impl Executor {
                     Phase::Running => {
                         entry.stop_requested = true;
                         match (entry.pid, entry.done.clone()) {
-                            (Some(pid), Some(done)) => break (pid, entry.leader, done),
+                            (Some(pid), Some(done)) => break (pid, entry.leader, done, entry.cgroup.clone()),
+                            (None, Some(done)) => break (0, None, done, entry.cgroup.clone()),
                             _ => return Ok(()),
                         }
                     }
@@ -397,7 +481,7 @@ impl Executor {
                 }
             }
             if Instant::now() >= give_up {
-                return Err(ExecError::StartFailed {
+                return Err(NodeError::StartFailed {
                     id: container_id.into(),
                     why: "the container is still being started; try stopping it again".into(),
                 });
@@ -406,12 +490,14 @@ impl Executor {
         };
 
         signal_own_group(pgid, leader, libc::SIGTERM);
+        cgroup.signal(libc::SIGTERM);
         if tokio::time::timeout(grace, done.wait_for(|d| *d)).await.is_err() {
             tracing::info!(
                 container = container_id,
-                "still running after {grace:?}: SIGKILL to its group"
+                "still running after {grace:?}: SIGKILL to its group and cgroup"
             );
             signal_own_group(pgid, leader, libc::SIGKILL);
+            cgroup.kill();
             if tokio::time::timeout(KILL_WAIT, done.wait_for(|d| *d)).await.is_err() {
                 tracing::warn!(
                     container = container_id,
@@ -506,14 +592,14 @@ impl Executor {
         container_id: &str,
         stream: LogStream,
         tail_bytes: Option<u64>,
-    ) -> Result<String, ExecError> {
+    ) -> Result<String, NodeError> {
         let dir = self
             .container_dir(container_id)
-            .ok_or_else(|| ExecError::UnknownContainer(container_id.into()))?;
+            .ok_or_else(|| NodeError::UnknownContainer(container_id.into()))?;
         let want = tail_bytes.unwrap_or(MAX_LOG_BYTES).min(MAX_LOG_BYTES);
         // The container's directory itself must not have been swapped for a link.
         if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
-            return Err(ExecError::Io(std::io::Error::new(
+            return Err(NodeError::Io(std::io::Error::new(
                 std::io::ErrorKind::PermissionDenied,
                 format!("{} is not a directory; refusing to read logs through it", dir.display()),
             )));
@@ -548,7 +634,14 @@ fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
 }
 
 /// The task's whole environment: base, then `ctx.env`, then the executor's (which win).
-fn container_env(id: &str, host: &str, granted: &Resources, dir: &Path, ctx: &LaunchContext) -> Vec<(String, String)> {
+fn container_env(
+    id: &str,
+    host: &str,
+    granted: &Resources,
+    dir: &Path,
+    ctx: &LaunchContext,
+    other_user: bool,
+) -> Vec<(String, String)> {
     let mut env: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
     for name in BASE_ENV {
         if let Some(v) = std::env::var_os(name) {
@@ -556,6 +649,10 @@ fn container_env(id: &str, host: &str, granted: &Resources, dir: &Path, ctx: &La
         }
     }
     env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
+    if other_user {
+        // The node's own home is not the task user's.
+        env.insert("HOME".into(), dir.to_string_lossy().into_owned());
+    }
     for (k, v) in &ctx.env {
         env.insert(k.clone(), v.clone());
     }
@@ -625,12 +722,28 @@ fn launch_script(id: &str, dir: &Path, commands: &[String]) -> String {
     s
 }
 
-/// Creates the directory and files and spawns `bash launch.sh`; returns the child and pid.
+/// The command that runs a task: `bash launch.sh` in the container's directory with
+/// exactly `env`, stdin from /dev/null. The one place to change how a task is run (a
+/// runner that wraps it in an image, say); [`spawn_launch`] adds the containment.
+pub fn task_command(dir: &Path, env: &[(String, String)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new("bash");
+    cmd.arg("launch.sh")
+        .current_dir(dir)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// Creates the directory and files and spawns the task (see [`task_command`]) in a new
+/// session, inside `cgroup`, as `run_as`; returns the child and pid.
 fn spawn_launch(
     dir: &Path,
     id: &str,
     commands: &[String],
     env: &[(String, String)],
+    cgroup: &Cgroup,
+    run_as: Option<&RunAs>,
 ) -> Result<(tokio::process::Child, u32), String> {
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
     std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
@@ -649,6 +762,13 @@ fn spawn_launch(
     let err_path = dir.join(LogStream::Stderr.file_name());
     let out = File::create(&out_path).map_err(|e| where_("cannot create", &out_path, e))?;
     let err = File::create(&err_path).map_err(|e| where_("cannot create", &err_path, e))?;
+    if let Some(u) = run_as {
+        // The task writes its exit status and whatever it likes into its directory; the
+        // node reads the logs without following links (see `read_tail`).
+        for p in [dir, &script, &out_path, &err_path] {
+            std::os::unix::fs::chown(p, Some(u.uid), Some(u.gid)).map_err(|e| where_("cannot chown", p, e))?;
+        }
+    }
 
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
     let spawn = crate::rm::image::program_for(dir, id, env)?;
@@ -657,15 +777,34 @@ fn spawn_launch(
         .current_dir(dir)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(out))
-        .stderr(Stdio::from(err));
-    // SAFETY: the closure runs in the forked child before exec and only calls setsid(2),
-    // which is async-signal-safe; it allocates nothing and touches no locks.
+        .stdin(Stdio::null());
+    cmd.stdout(Stdio::from(out)).stderr(Stdio::from(err));
+    let joins = cgroup.join_paths();
+    let ids = run_as.map(|u| (u.uid, u.gid));
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe syscalls (setsid, open, write, close, setgroups, setgid, setuid)
+    // on data prepared before the fork; it allocates nothing and touches no locks.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::setsid() == -1 {
                 return Err(std::io::Error::last_os_error());
+            }
+            for path in &joins {
+                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let n = libc::write(fd, b"0\n".as_ptr().cast(), 2);
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                if n < 0 {
+                    return Err(e);
+                }
+            }
+            if let Some((uid, gid)) = ids {
+                if libc::setgroups(0, std::ptr::null()) == -1 || libc::setgid(gid) == -1 || libc::setuid(uid) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });
@@ -683,11 +822,12 @@ fn spawn_launch(
 /// Where a container's end is recorded and whom it is told to.
 struct Ending {
     table: Table,
-    events: mpsc::UnboundedSender<ExecEvent>,
+    events: mpsc::UnboundedSender<NodeEvent>,
     id: String,
     dir: PathBuf,
     /// Turned `true` once the container is Complete.
     done: watch::Sender<bool>,
+    cgroup: Cgroup,
 }
 
 /// Waits for the leader, then ends the container (see [`container_ended`]).
@@ -737,6 +877,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         id,
         dir,
         done,
+        cgroup,
     } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
@@ -752,6 +893,12 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     }
     // A task in an image: its container is gone too (see image::reap).
     crate::rm::image::reap(&dir).await;
+    if cgroup.is_real() {
+        if let Some(why) = empty_cgroup(&cgroup, &id).await {
+            diagnostics.push_str(why);
+        }
+        cgroup.remove();
+    }
     let stop_requested = table.lock().get(&id).is_some_and(|e| e.stop_requested);
     if stop_requested {
         diagnostics = format!("stopped by request; {diagnostics}");
@@ -773,11 +920,48 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     }
     let _ = done.send(true);
     // The receiver is gone only when the RM is shutting down; nothing to tell then.
-    let _ = events.send(ExecEvent::Exited {
+    let _ = events.send(NodeEvent::Exited {
         container_id: id,
         exit_status: code,
         diagnostics,
     });
+}
+
+/// Ends whatever is left in the container's cgroup (daemons that left its session): SIGTERM
+/// to every member, [`LEFTOVER_GRACE`], then a kill of the whole cgroup, repeated until it
+/// is empty. Never gives up: the container is not dead, and its resources not free, while a
+/// process of it runs. Returns a note for the diagnostics when something had to be killed.
+async fn empty_cgroup(cgroup: &Cgroup, id: &str) -> Option<&'static str> {
+    if cgroup.is_empty() {
+        return None;
+    }
+    cgroup.signal(libc::SIGTERM);
+    let until = Instant::now() + LEFTOVER_GRACE;
+    while Instant::now() < until {
+        if cgroup.is_empty() {
+            return Some("; processes it left behind ended on SIGTERM");
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let mut warned = Instant::now();
+    loop {
+        cgroup.kill();
+        let until = Instant::now() + KILL_WAIT;
+        while Instant::now() < until {
+            if cgroup.is_empty() {
+                return Some("; processes it left behind were killed");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        if warned.elapsed() >= KILL_WAIT {
+            tracing::warn!(
+                container = id,
+                pids = ?cgroup.pids(),
+                "processes of the container survive SIGKILL; its resources stay held until they are gone"
+            );
+            warned = Instant::now();
+        }
+    }
 }
 
 /// Exit code and a sentence: a code as is; killed by signal N → 128 + N (bash's convention).
@@ -927,7 +1111,7 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    fn setup() -> (tempfile::TempDir, Executor, mpsc::UnboundedReceiver<ExecEvent>) {
+    fn setup() -> (tempfile::TempDir, Executor, mpsc::UnboundedReceiver<NodeEvent>) {
         let tmp = tempfile::tempdir().unwrap();
         let (tx, rx) = mpsc::unbounded_channel();
         let exec = Executor::new(tmp.path().join("containers"), tx);
@@ -945,12 +1129,12 @@ mod tests {
         Resources::with_mask(1, 100, 0, Default::default())
     }
 
-    async fn next_exit(rx: &mut mpsc::UnboundedReceiver<ExecEvent>) -> (String, i32, String) {
+    async fn next_exit(rx: &mut mpsc::UnboundedReceiver<NodeEvent>) -> (String, i32, String) {
         let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await
             .expect("no Exited event within 10 s")
             .expect("channel closed");
-        let ExecEvent::Exited {
+        let NodeEvent::Exited {
             container_id,
             exit_status,
             diagnostics,
@@ -1225,7 +1409,7 @@ mod tests {
         for bad in ["../secret", "/etc/passwd", "container_1/../../secret"] {
             assert!(matches!(
                 exec.read_log(bad, LogStream::Stdout, None),
-                Err(ExecError::UnknownContainer(_))
+                Err(NodeError::UnknownContainer(_))
             ));
         }
     }
@@ -1324,14 +1508,14 @@ mod tests {
         std::fs::write(t.path().join("x"), "secret").unwrap();
         for bad in ["../x", "..", ".", "", "a/b", "a b", "/etc", "c\0"] {
             let err = exec.start(bad, "h", &no_gpus(), ctx(&["true"])).unwrap_err();
-            assert!(matches!(err, ExecError::StartFailed { .. }), "{bad:?}: {err}");
+            assert!(matches!(err, NodeError::StartFailed { .. }), "{bad:?}: {err}");
             assert!(matches!(
                 exec.read_log(bad, LogStream::Stdout, None),
-                Err(ExecError::UnknownContainer(_))
+                Err(NodeError::UnknownContainer(_))
             ));
             assert!(matches!(
                 exec.stop(bad, Duration::from_millis(10)).await,
-                Err(ExecError::UnknownContainer(_))
+                Err(NodeError::UnknownContainer(_))
             ));
             assert!(exec.container_dir(bad).is_none());
             assert!(exec.status(bad).is_none());
@@ -1349,11 +1533,11 @@ mod tests {
         let (_t, exec, _rx) = setup();
         assert!(matches!(
             exec.stop("nope", Duration::from_millis(10)).await,
-            Err(ExecError::UnknownContainer(_))
+            Err(NodeError::UnknownContainer(_))
         ));
         assert!(matches!(
             exec.read_log("nope", LogStream::Stderr, None),
-            Err(ExecError::UnknownContainer(_))
+            Err(NodeError::UnknownContainer(_))
         ));
         assert!(exec.status("nope").is_none());
     }
@@ -1364,13 +1548,13 @@ mod tests {
         exec.start("dup", "h", &no_gpus(), ctx(&["sleep 0.2"])).unwrap();
         assert!(matches!(
             exec.start("dup", "h", &no_gpus(), ctx(&["true"])),
-            Err(ExecError::AlreadyStarted(_))
+            Err(NodeError::AlreadyStarted(_))
         ));
         let (id, code, _) = next_exit(&mut rx).await;
         assert_eq!((id.as_str(), code), ("dup", 0));
         assert!(matches!(
             exec.start("dup", "h", &no_gpus(), ctx(&["true"])),
-            Err(ExecError::AlreadyStarted(_))
+            Err(NodeError::AlreadyStarted(_))
         ));
         // A stop after completion must not produce a second event either.
         exec.stop("dup", Duration::from_millis(10)).await.unwrap();
@@ -1390,7 +1574,7 @@ mod tests {
         exec.stop("a2", Duration::from_millis(10)).await.unwrap();
         let (id, code, _) = next_exit(&mut rx).await;
         assert_eq!((id.as_str(), code), ("a2", exit_status::ABORTED));
-        assert!(matches!(exec.allocate("a1"), Err(ExecError::AlreadyStarted(_))));
+        assert!(matches!(exec.allocate("a1"), Err(NodeError::AlreadyStarted(_))));
     }
 
     #[tokio::test]
@@ -1456,5 +1640,95 @@ mod tests {
     fn shell_quote_round_trips() {
         assert_eq!(shell_quote("a'b"), r"'a'\''b'");
         assert_eq!(shell_quote(""), "''");
+    }
+
+    /// The escapes a task can try: a new session (`setsid`), a double fork (orphaned to
+    /// init), `nohup` in a new process group (`set -m`), python's `os.setsid()` + fork. Each writes its pid
+    /// to `pids`.
+    fn escapes(pids: &Path) -> Vec<String> {
+        let p = pids.display();
+        vec![
+            format!("setsid sleep 1000 & echo $! >> {p}"),
+            format!("( sleep 1001 & echo $! >> {p} ) "),
+            format!("set -m; nohup sleep 1002 >/dev/null 2>&1 & echo $! >> {p}; set +m"),
+            format!(
+                "python3 -c 'import os,time\nif os.fork()==0:\n os.setsid()\n if os.fork()==0:\n  open(\"{p}\",\"a\").write(str(os.getpid())+\"\\n\"); time.sleep(1003)\n os._exit(0)\nos.wait()' "
+            ),
+            // Let every daemon write its pid.
+            format!("while [ $(wc -l < {p}) -lt 4 ]; do sleep 0.02; done"),
+        ]
+    }
+
+    fn alive_pids(pids: &Path) -> Vec<i32> {
+        std::fs::read_to_string(pids)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+            .filter(|p| ProcessId::of(*p as u32).is_some_and(|id| id.alive()))
+            .collect()
+    }
+
+    fn contained(
+        name: &str,
+    ) -> (
+        tempfile::TempDir,
+        Executor,
+        mpsc::UnboundedReceiver<NodeEvent>,
+        Containment,
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        let containment = Containment::detect(&format!("node-{}-{name}", std::process::id()));
+        assert_ne!(
+            containment.mechanism(),
+            super::super::cgroup::Mechanism::ProcessGroup,
+            "this test needs a cgroup the test can create (run it as root): {}",
+            containment.describe()
+        );
+        let (tx, rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                containment: containment.clone(),
+                run_as: None,
+            },
+        );
+        (tmp, exec, rx, containment)
+    }
+
+    /// Daemons of every kind die with their container, on stop and on a normal end, and
+    /// the `Exited` event comes only once none is left.
+    #[tokio::test]
+    async fn no_daemon_survives_its_container() {
+        let (tmp, exec, mut rx, containment) = contained("escape");
+        for (id, stop) in [("c-stopped", true), ("c-ended", false)] {
+            let pids = tmp.path().join(format!("{id}.pids"));
+            std::fs::write(&pids, "").unwrap();
+            let mut cmds = escapes(&pids);
+            if stop {
+                cmds.push("sleep 1000".into());
+            }
+            let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+            exec.start(id, "h", &no_gpus(), ctx(&cmds)).unwrap();
+            if stop {
+                for _ in 0..500 {
+                    if std::fs::read_to_string(&pids).unwrap().lines().count() >= 4 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                assert_eq!(alive_pids(&pids).len(), 4, "the daemons started");
+                exec.stop(id, Duration::from_millis(300)).await.unwrap();
+            }
+            let (got, _, diag) = next_exit(&mut rx).await;
+            assert_eq!(got, id);
+            assert_eq!(
+                alive_pids(&pids),
+                Vec::<i32>::new(),
+                "{id}: survivors after Exited ({diag})"
+            );
+            assert!(containment.cgroup(id).is_empty());
+        }
+        containment.remove_parents();
     }
 }

@@ -1,0 +1,787 @@
+//! gpuam on a real Ray cluster (`gpuam rm --backend ray`, DESIGN.md §9).
+//!
+//! Installs Ray into `target/ray-venv` (scripts/ray-setup.sh, cached), makes a network
+//! namespace `ray-<pid>` with only loopback, and re-runs this test binary inside it (`ip netns
+//! exec`), where it starts a 3-node Ray cluster (head then workers, one `ray start --block` each,
+//! with the arguments `gpuam ray-node-args` prints), the RM with `--backend ray`, and real jobs
+//! whose tasks append start/end records to a file. Outside, a guard kills every process of the
+//! namespace by pid and deletes it, whatever happened inside.
+//!
+//! Nodes: n1 (4 GPUs, pcie4, type A100, the head), n2 (4 GPUs, pcie4, V100), n3 (2 GPUs, V100).
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{pid_alive, sq, wait_for, Rm};
+use gpuam::protocol::LaunchContext;
+use gpuam::ray::client::{JobStatus, RayClient};
+use gpuam::resources::{PortSet, Resources};
+use serde_json::Value;
+
+const INNER: &str = "GPUAM_RAY_ITEST_INNER";
+const DASHBOARD: &str = "http://127.0.0.1:8265";
+const TEST_NAME: &str = "gpuam_places_on_a_real_three_node_ray_cluster";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn venv_bin() -> PathBuf {
+    repo().join("target/ray-venv/bin")
+}
+
+/// Runs scripts/ray-setup.sh (a no-op when the venv already has the supported Ray).
+fn ensure_venv() {
+    let status = Command::new("bash")
+        .arg(repo().join("scripts/ray-setup.sh"))
+        .status()
+        .expect("run scripts/ray-setup.sh");
+    assert!(
+        status.success(),
+        "scripts/ray-setup.sh failed: Ray could not be installed"
+    );
+}
+
+/// The namespace, and on drop every process in it (by pid) and the namespace itself.
+struct Netns(String);
+
+impl Netns {
+    fn create(name: &str) -> Netns {
+        let ok = |args: &[&str]| Command::new("ip").args(args).status().is_ok_and(|s| s.success());
+        assert!(ok(&["netns", "add", name]), "ip netns add {name} (needs root)");
+        let ns = Netns(name.to_string());
+        assert!(ok(&["-n", name, "link", "set", "lo", "up"]), "lo up in {name}");
+        ns
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        let out = Command::new("ip").args(["netns", "pids", &self.0]).output();
+        out.map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for sig in [libc::SIGTERM, libc::SIGKILL] {
+            for p in self.pids() {
+                unsafe { libc::kill(p, sig) };
+            }
+            let until = Instant::now() + Duration::from_secs(5);
+            while !self.pids().is_empty() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+#[test]
+fn gpuam_places_on_a_real_three_node_ray_cluster() {
+    in_namespace(TEST_NAME, inner);
+}
+
+/// Benchmark (docs/BENCHMARKS.md): time from submit to all tasks running for a 16-task job,
+/// on a 3-node Ray cluster and on gpuam's own RM. Prints figures; run with
+/// `cargo test --release --test ray -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark: prints figures (docs/BENCHMARKS.md)"]
+fn bench_submit_to_all_running_16_tasks() {
+    in_namespace("bench_submit_to_all_running_16_tasks", bench_inner);
+}
+
+/// Runs `inner` in a fresh network namespace (this test binary again, filtered to `test`),
+/// then removes everything it left there.
+fn in_namespace(test: &str, inner: fn()) {
+    if std::env::var_os(INNER).is_some() {
+        return inner();
+    }
+    ensure_venv();
+    let ns = Netns::create(&format!("ray-{}", std::process::id()));
+    // Ray's temp dir (short: Ray puts unix sockets in it), removed with the namespace.
+    let temp = PathBuf::from(format!("/tmp/rayray-{}", std::process::id()));
+    fs::create_dir_all(&temp).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &ns.0])
+        .arg(&exe)
+        .args(["--exact", test, "--nocapture", "--test-threads=1", "--include-ignored"])
+        .env(INNER, &temp)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(540);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    drop(ns);
+    let _ = fs::remove_dir_all(&temp);
+    let status = status.expect("the test inside the namespace ran past 540 s");
+    assert!(status.success(), "the test inside the namespace failed: {status}");
+}
+
+/// One `ray start --block` process (a Ray node).
+struct RayNode {
+    host: String,
+    child: Child,
+}
+
+/// The arguments `gpuam ray-node-args` prints, split back into words (each is `'...'`).
+fn node_args(args: &[&str]) -> Vec<String> {
+    let out = Command::new(common::bin())
+        .arg("ray-node-args")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ray-node-args: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8(out.stdout).unwrap();
+    line.trim()
+        .strip_prefix('\'')
+        .and_then(|l| l.strip_suffix('\''))
+        .unwrap()
+        .split("' '")
+        .map(str::to_string)
+        .collect()
+}
+
+fn ray_env(cmd: &mut Command) {
+    let path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
+    cmd.env("PATH", path)
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .env("RAY_enable_worker_prestart", "0")
+        .env("RAY_prestart_worker_first_driver", "0");
+}
+
+fn start_node(temp: &Path, log_dir: &Path, host: &str, head: bool, agent_port: u16, gpu_args: &[&str]) -> RayNode {
+    let mut a = vec!["--host", host];
+    a.extend_from_slice(gpu_args);
+    let extra = node_args(&a);
+    let mut cmd = Command::new(venv_bin().join("ray"));
+    cmd.arg("start").arg("--block");
+    if head {
+        cmd.args([
+            "--head",
+            "--port=6379",
+            "--dashboard-host=127.0.0.1",
+            "--dashboard-port=8265",
+        ]);
+    } else {
+        cmd.arg("--address=127.0.0.1:6379");
+    }
+    cmd.args([
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=8",
+        "--memory=8589934592",
+        "--object-store-memory=80000000",
+        "--disable-usage-stats",
+    ])
+    .arg(format!("--dashboard-agent-listen-port={agent_port}"))
+    .arg(format!("--temp-dir={}", temp.display()))
+    .args(&extra)
+    .stdin(Stdio::null())
+    .stdout(fs::File::create(log_dir.join(format!("ray-{host}.log"))).unwrap())
+    .stderr(Stdio::inherit());
+    ray_env(&mut cmd);
+    RayNode {
+        host: host.to_string(),
+        child: cmd.spawn().unwrap(),
+    }
+}
+
+/// Every descendant of `pid` (by the parent pids in /proc), and `pid` itself.
+fn process_tree(pid: i32) -> Vec<i32> {
+    let mut parent: Vec<(i32, i32)> = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().flatten() {
+        let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // The fields after the `(comm)`: state, ppid, ...
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        if let Some(pp) = rest.split_whitespace().nth(1).and_then(|s| s.parse().ok()) {
+            parent.push((p, pp));
+        }
+    }
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let t = tree[i];
+        tree.extend(parent.iter().filter(|(_, pp)| *pp == t).map(|(p, _)| *p));
+        i += 1;
+    }
+    tree
+}
+
+/// Kills a Ray node as a machine failure would: every process of it at once.
+fn kill_node(node: &mut RayNode) {
+    let tree = process_tree(node.child.id() as i32);
+    for p in &tree {
+        unsafe { libc::kill(*p, libc::SIGSTOP) };
+    }
+    for p in &tree {
+        unsafe { libc::kill(*p, libc::SIGKILL) };
+    }
+    let _ = node.child.wait();
+}
+
+/// One line a task appended: `start|end TIME HOST CVD CONTAINER JOB PID MASK`.
+#[derive(Clone, Debug)]
+struct Record {
+    kind: String,
+    time: f64,
+    host: String,
+    gpus: BTreeSet<u32>,
+    container: String,
+    job: String,
+    pid: i32,
+    mask: String,
+}
+
+fn records(file: &Path) -> Vec<Record> {
+    fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f.len() == 8).then(|| Record {
+                kind: f[0].into(),
+                time: f[1].parse().unwrap(),
+                host: f[2].into(),
+                gpus: f[3]
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.parse().unwrap())
+                    .collect(),
+                container: f[4].into(),
+                job: f[5].into(),
+                pid: f[6].parse().unwrap(),
+                mask: f[7].into(),
+            })
+        })
+        .collect()
+}
+
+/// The shell line a task runs to append one record.
+fn record_cmd(kind: &str, file: &Path) -> String {
+    format!(
+        "echo \"{kind} $(date +%s.%N) $GPUAM_HOST $CUDA_VISIBLE_DEVICES $GPUAM_CONTAINER_ID $GPUAM_JOB $$ $GPUAM_GPU_MASK\" >> {}",
+        file.display()
+    )
+}
+
+fn job_yaml(
+    name: &str,
+    gang: bool,
+    instances: u32,
+    gpus: u32,
+    gpu_type: &str,
+    retries: u32,
+    body: &[String],
+) -> String {
+    let cmds: String = body.iter().map(|c| format!("      - {}\n", sq(c))).collect();
+    format!(
+        "name: {name}\ngang: {gang}\ntaskRoles:\n  worker:\n    instances: {instances}\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: {gpus}}}\n    gpuType: {gpu_type}\n    taskRetryCount: {retries}\n    commands:\n{cmds}"
+    )
+}
+
+/// Asserts that no GPU of any host was held by two tasks at once, from the tasks' own
+/// start/end records (a task without an end record holds its GPUs until `now`).
+fn assert_no_gpu_shared(recs: &[Record], now: f64) {
+    // (host, GPU) → every (start, end, container) that held it.
+    type Spans = BTreeMap<(String, u32), Vec<(f64, f64, String)>>;
+    let mut spans: Spans = BTreeMap::new();
+    for s in recs.iter().filter(|r| r.kind == "start") {
+        let end = recs
+            .iter()
+            .find(|r| r.kind == "end" && r.container == s.container && r.pid == s.pid)
+            .map_or(now, |e| e.time);
+        for g in &s.gpus {
+            spans
+                .entry((s.host.clone(), *g))
+                .or_default()
+                .push((s.time, end, s.container.clone()));
+        }
+    }
+    for ((host, gpu), mut v) in spans {
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for w in v.windows(2) {
+            assert!(
+                w[0].1 <= w[1].0,
+                "GPU {gpu} of {host} was held by {} and {} at once: {w:?}",
+                w[0].2,
+                w[1].2
+            );
+        }
+    }
+}
+
+/// Each task saw CUDA_VISIBLE_DEVICES = its granted mask, and Ray pinned its job to exactly
+/// those GPUs' resources on the node of that host.
+fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record]) {
+    for s in recs.iter().filter(|r| r.kind == "start") {
+        let from_mask: BTreeSet<u32> = (0..64)
+            .filter(|i| u64::from_str_radix(s.mask.trim_start_matches("0x"), 16).unwrap() >> i & 1 == 1)
+            .collect();
+        assert_eq!(
+            s.gpus, from_mask,
+            "CUDA_VISIBLE_DEVICES vs granted mask of {}",
+            s.container
+        );
+        // Ray runs each job's supervisor as an actor holding the job's resources.
+        let actors: Value = rt
+            .block_on(async {
+                gpuam::tls::http_client()
+                    .get(format!(
+                        "{DASHBOARD}/api/v0/actors?detail=true&limit=10000&filter_keys=name&filter_predicates=%3D&filter_values=_ray_internal_job_actor_{}",
+                        s.container
+                    ))
+                    .send()
+                    .await?
+                    .json()
+                    .await
+            })
+            .unwrap();
+        let actor = &actors["data"]["result"]["result"][0];
+        let res: BTreeMap<String, f64> = serde_json::from_value(actor["required_resources"].clone())
+            .unwrap_or_else(|e| panic!("the job actor of {}: {e}: {actors}", s.container));
+        let ray_gpus: BTreeSet<u32> = res
+            .keys()
+            .filter_map(|k| k.strip_prefix("gpuam-gpu-").and_then(|i| i.parse().ok()))
+            .collect();
+        assert_eq!(ray_gpus, s.gpus, "Ray resources of {}: {res:?}", s.container);
+        assert_eq!(res.get(&format!("gpuam-node-{}", s.host)), Some(&0.001), "{res:?}");
+        assert!(!res.contains_key("GPU"), "no Ray GPU: {res:?}");
+        // The driver ran on the Ray node that carries this host's resource.
+        let driver = actor["node_id"].as_str().unwrap_or_default().to_string();
+        let nodes = rt.block_on(ray.nodes()).unwrap();
+        let node = nodes.iter().find(|n| n.node_id == driver).expect("driver node");
+        assert_eq!(
+            node.gpuam_host(),
+            Some(s.host.as_str()),
+            "{} ran on {}",
+            s.container,
+            driver
+        );
+    }
+}
+
+/// Starts one Ray node per `(host, gpus, topology, rack, gpu type)`, the first as the head,
+/// the others one after another (two raylets registering at once can time out here), and
+/// waits until all are ALIVE.
+fn start_cluster(
+    rt: &tokio::runtime::Runtime,
+    ray: &RayClient,
+    temp: &Path,
+    log_dir: &Path,
+    specs: &[(&str, &str, &str, &str, &str)],
+) -> Vec<RayNode> {
+    let t0 = Instant::now();
+    let mut nodes = Vec::new();
+    for (i, (host, gpus, topo, rack, gpu_type)) in specs.iter().enumerate() {
+        let before = nodes.len();
+        wait_for(
+            Duration::from_secs(120),
+            "the Ray nodes started so far to be ALIVE",
+            || {
+                if before == 0 {
+                    return Some(());
+                }
+                let n = rt.block_on(ray.nodes()).ok()?;
+                (n.iter().filter(|n| n.is_alive()).count() == before).then_some(())
+            },
+        );
+        nodes.push(start_node(
+            temp,
+            log_dir,
+            host,
+            i == 0,
+            52365 + i as u16,
+            &[
+                "--gpus",
+                gpus,
+                "--topology",
+                topo,
+                "--rack",
+                rack,
+                "--gpu-type",
+                gpu_type,
+            ],
+        ));
+        if i == 0 {
+            wait_for(Duration::from_secs(120), "the Ray head's dashboard", || {
+                rt.block_on(ray.version()).ok()
+            });
+        }
+    }
+    wait_for(Duration::from_secs(120), "every Ray node ALIVE", || {
+        let n = rt.block_on(ray.nodes()).ok()?;
+        (n.iter().filter(|n| n.is_alive()).count() == specs.len()).then_some(())
+    });
+    println!(
+        "ray: {} nodes ALIVE after {:.1} s",
+        specs.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    nodes
+}
+
+fn inner() {
+    let dir = Rm::temp_dir();
+    let temp = PathBuf::from(std::env::var_os(INNER).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ray = RayClient::new(DASHBOARD).unwrap();
+    let mut nodes = start_cluster(
+        &rt,
+        &ray,
+        &temp,
+        dir.path(),
+        &[
+            ("n1", "4", "pcie4", "/r1", "A100"),
+            ("n2", "4", "pcie4", "/r2", "V100"),
+            ("n3", "2", "none", "/r2", "V100"),
+        ],
+    );
+
+    let venv_path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
+    let rm = Rm::start_in(
+        dir,
+        "nodes: []\n",
+        "",
+        &[
+            ("GPUAM_RM_BACKEND", "ray"),
+            ("GPUAM_RAY_ADDRESS", DASHBOARD),
+            ("PATH", &venv_path),
+        ],
+    );
+    let hosts: Vec<(String, u64)> = rm.baseline.iter().map(|n| (n.host.clone(), n.gpu_total)).collect();
+    assert_eq!(
+        hosts,
+        vec![("n1".into(), 0xf), ("n2".into(), 0xf), ("n3".into(), 0x3)],
+        "the RM's nodes come from Ray"
+    );
+    let rec = rm.path("records");
+    let task = |secs: &str| {
+        vec![
+            record_cmd("start", &rec),
+            format!("sleep {secs}"),
+            record_cmd("end", &rec),
+        ]
+    };
+
+    // 1. Two concurrent jobs that both want n1's GPUs (the only A100 node): 4 tasks of 2.
+    let a = rm.write_job("a.yaml", &job_yaml("joba", false, 2, 2, "A100", 0, &task("2")));
+    let b = rm.write_job("b.yaml", &job_yaml("jobb", false, 2, 2, "A100", 0, &task("2")));
+    let (sa, sb) = (rm.submit(&a), rm.submit(&b));
+    let (fa, fb) = (sa.wait(Duration::from_secs(180)), sb.wait(Duration::from_secs(180)));
+    assert_eq!(
+        (fa.code, fb.code),
+        (0, 0),
+        "jobs a/b:\n{}\n{}\n{}",
+        fa.stderr,
+        fb.stderr,
+        rm.logs()
+    );
+    let recs = records(&rec);
+    let starts: Vec<&Record> = recs.iter().filter(|r| r.kind == "start").collect();
+    assert_eq!(starts.len(), 4, "{recs:?}");
+    assert!(starts.iter().all(|r| r.host == "n1" && r.gpus.len() == 2), "{starts:?}");
+    assert_no_gpu_shared(&recs, f64::MAX);
+    assert_pinned(&rt, &ray, &recs);
+    rm.assert_all_free(Duration::from_secs(30));
+
+    // 2. A gang of 2 × 2 GPUs on V100 lands on one Ray node (n2, the one it fits on whole).
+    let g = rm.write_job("g.yaml", &job_yaml("gang", true, 2, 2, "V100", 0, &task("1")));
+    let fg = rm.run_job(&g, Duration::from_secs(180));
+    assert_eq!(fg.code, 0, "gang: {}\n{}", fg.stderr, rm.logs());
+    let gang: Vec<Record> = records(&rec)
+        .into_iter()
+        .filter(|r| r.job == "gang" && r.kind == "start")
+        .collect();
+    assert_eq!(gang.len(), 2, "{gang:?}");
+    assert!(
+        gang.iter().all(|r| r.host == "n2"),
+        "the gang was split or misplaced: {gang:?}"
+    );
+    assert_eq!(gang[0].gpus.union(&gang[1].gpus).count(), 4, "{gang:?}");
+    assert_no_gpu_shared(&records(&rec), f64::MAX);
+    rm.assert_all_free(Duration::from_secs(30));
+
+    // 3. Killing a job: 3 tasks of 2 GPUs on n1 (2 run, 1 waits); no task runs afterwards.
+    let k = rm.write_job(
+        "k.yaml",
+        &job_yaml(
+            "killed",
+            false,
+            3,
+            2,
+            "A100",
+            0,
+            // The end record comes from the EXIT trap when the stop's SIGTERM ends the task.
+            &[
+                format!("trap {} EXIT", sq(&record_cmd("end", &rec))),
+                record_cmd("start", &rec),
+                "sleep 120".into(),
+            ],
+        ),
+    );
+    let sk = rm.submit(&k);
+    let app = sk.app_id(Duration::from_secs(60));
+    let running = wait_for(
+        Duration::from_secs(120),
+        "2 tasks of the job to be killed to start",
+        || {
+            let r: Vec<Record> = records(&rec)
+                .into_iter()
+                .filter(|r| r.job == "killed" && r.kind == "start")
+                .collect();
+            (r.len() >= 2).then_some(r)
+        },
+    );
+    rm.kill_app(&app);
+    rm.wait_app_final(&app, Duration::from_secs(60));
+    let containers: BTreeSet<String> = running.iter().map(|r| r.container.clone()).collect();
+    wait_for(Duration::from_secs(60), "the killed job's Ray jobs to end", || {
+        let jobs = rt.block_on(ray.jobs()).ok()?;
+        containers
+            .iter()
+            .all(|c| jobs.get(c).is_some_and(|j| j.status.is_terminal()))
+            .then_some(())
+    });
+    wait_for(
+        Duration::from_secs(30),
+        "the killed job's task processes to be gone",
+        || running.iter().all(|r| !pid_alive(r.pid)).then_some(()),
+    );
+    rm.assert_all_free(Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(5));
+    let after: Vec<Record> = records(&rec)
+        .into_iter()
+        .filter(|r| r.job == "killed" && r.kind == "start")
+        .collect();
+    assert_eq!(
+        after.len(),
+        running.len(),
+        "a task of the killed job ran after the kill: {after:?}"
+    );
+    drop(sk);
+
+    // 4. A Ray job stopped while PENDING never runs its task: the gate refuses it.
+    gate_stops_a_pending_job(&rt, &rec);
+
+    // 5. A Ray node killed mid-job: LOST in the RM, its task retried on the other V100 node.
+    let first = rm.path("lost-first");
+    let body = vec![
+        format!(
+            "if [ -e {0} ]; then {1}; exit 0; fi",
+            first.display(),
+            record_cmd("start", &rec)
+        ),
+        format!("touch {}", first.display()),
+        record_cmd("start", &rec),
+        "sleep 300".into(),
+    ];
+    let l = rm.write_job("l.yaml", &job_yaml("lost", false, 1, 2, "V100", 3, &body));
+    let sl = rm.submit(&l);
+    let victim = wait_for(Duration::from_secs(120), "the task on a V100 node to start", || {
+        records(&rec).into_iter().find(|r| r.job == "lost")
+    });
+    let node = nodes.iter_mut().find(|n| n.host == victim.host).unwrap();
+    let killed_at = Instant::now();
+    kill_node(node);
+    wait_for(Duration::from_secs(120), "the RM to mark the killed node LOST", || {
+        let v = rm.get_json("/ws/v1/cluster/nodes").ok()?;
+        v["nodes"]["node"]
+            .as_array()?
+            .iter()
+            .any(|n| n["nodeHostName"] == victim.host.as_str() && n["state"] == "LOST")
+            .then_some(())
+    });
+    println!(
+        "ray: node {} LOST after {:.1} s",
+        victim.host,
+        killed_at.elapsed().as_secs_f64()
+    );
+    let fl = sl.wait(Duration::from_secs(240));
+    assert_eq!(fl.code, 0, "lost job: {}\n{}", fl.stderr, rm.logs());
+    let lost: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "lost").collect();
+    assert_eq!(lost.len(), 2, "{lost:?}");
+    assert_ne!(lost[1].host, victim.host, "the retry ran on the lost node: {lost:?}");
+    assert_ne!(lost[1].host, "n1", "V100 only: {lost:?}");
+    assert_no_gpu_shared(&records(&rec), f64::MAX);
+    drop(rm);
+    for n in &mut nodes {
+        let _ = n.child.kill();
+        let _ = n.child.wait();
+    }
+}
+
+/// Straight through the Ray backend: c1 holds GPU 0 of n1; c2 asks for the same GPU and
+/// stays PENDING in Ray; c2 is stopped (gate closed), then c1 ends. Ray then starts c2's
+/// entrypoint, which must run no command, and c2 must end as killed.
+fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let launcher = rt.block_on(async {
+        let gate = gpuam::ray::gate::Gate::start("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        gpuam::ray::launcher::RayLauncher::new(RayClient::new(DASHBOARD).unwrap(), gate, tx)
+    });
+    let granted = Resources::with_mask(1, 100, 0x1, PortSet::new());
+    let ctx = |job: &str, secs: &str| LaunchContext {
+        commands: vec![
+            record_cmd("start", rec).replace("$GPUAM_JOB", job),
+            format!("sleep {secs}"),
+            record_cmd("end", rec).replace("$GPUAM_JOB", job),
+        ],
+        env: BTreeMap::new(),
+    };
+    let suffix = std::process::id();
+    let (c1, c2) = (
+        format!("container_gate_{suffix}_1"),
+        format!("container_gate_{suffix}_2"),
+    );
+    rt.block_on(launcher.start(&c1, "n1", &granted, ctx("gate1", "6")))
+        .unwrap();
+    wait_for(Duration::from_secs(120), "c1 to start", || {
+        records(rec).into_iter().find(|r| r.container == c1)
+    });
+    rt.block_on(launcher.start(&c2, "n1", &granted, ctx("gate2", "1")))
+        .unwrap();
+    wait_for(Duration::from_secs(30), "c2 to be PENDING in Ray", || {
+        let j = rt.block_on(launcher.client().job(&c2)).ok()??;
+        (j.status == JobStatus::Pending).then_some(())
+    });
+    rt.block_on(launcher.stop(&c2, Duration::from_secs(1))).unwrap();
+    let mut ended = BTreeMap::new();
+    while ended.len() < 2 {
+        let ev = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(120), rx.recv()).await })
+            .expect("both gate containers end")
+            .unwrap();
+        let gpuam::node::NodeEvent::Exited {
+            container_id,
+            exit_status,
+            ..
+        } = ev;
+        ended.insert(container_id, exit_status);
+    }
+    assert_eq!(ended[&c1], 0);
+    assert_eq!(
+        ended[&c2],
+        gpuam::protocol::exit_status::KILLED_BY_APPMASTER,
+        "{ended:?}"
+    );
+    assert!(
+        records(rec).iter().all(|r| r.container != c2),
+        "the stopped pending job ran its task"
+    );
+}
+
+/// Submit → every one of 16 one-GPU tasks has written its start record.
+fn time_to_all_running(rm: &Rm, name: &str) -> f64 {
+    let rec = rm.path(&format!("records-{name}"));
+    let job = rm.write_job(
+        &format!("{name}.yaml"),
+        &job_yaml(
+            name,
+            false,
+            16,
+            1,
+            "V100",
+            0,
+            &[record_cmd("start", &rec), "sleep 3".into()],
+        ),
+    );
+    let t = Instant::now();
+    let sub = rm.submit(&job);
+    wait_for(Duration::from_secs(300), "16 tasks running", || {
+        (records(&rec).len() >= 16).then_some(())
+    });
+    let secs = t.elapsed().as_secs_f64();
+    let f = sub.wait(Duration::from_secs(300));
+    assert_eq!(f.code, 0, "{}\n{}", f.stderr, rm.logs());
+    secs
+}
+
+fn bench_inner() {
+    let dir = Rm::temp_dir();
+    let temp = PathBuf::from(std::env::var_os(INNER).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ray = RayClient::new(DASHBOARD).unwrap();
+    let mut nodes = start_cluster(
+        &rt,
+        &ray,
+        &temp,
+        dir.path(),
+        &[
+            ("n1", "8", "pcie8", "/r1", "V100"),
+            ("n2", "8", "pcie8", "/r1", "V100"),
+            ("n3", "8", "pcie8", "/r1", "V100"),
+        ],
+    );
+    let venv_path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
+    let on_ray = Rm::start_in(
+        dir,
+        "nodes: []\n",
+        "",
+        &[
+            ("GPUAM_RM_BACKEND", "ray"),
+            ("GPUAM_RAY_ADDRESS", DASHBOARD),
+            ("PATH", &venv_path),
+        ],
+    );
+    let ray_runs: Vec<f64> = (0..3)
+        .map(|i| time_to_all_running(&on_ray, &format!("ray{i}")))
+        .collect();
+    drop(on_ray);
+    for n in &mut nodes {
+        let _ = n.child.kill();
+        let _ = n.child.wait();
+    }
+    let cluster = "nodes:\n".to_string()
+        + &["n1", "n2", "n3"]
+            .iter()
+            .map(|h| format!("  - host: {h}\n    cpu: 8\n    memoryMB: 8192\n    gpus: 8\n    gpuType: V100\n    topology: pcie8\n"))
+            .collect::<String>();
+    let own = Rm::start(&cluster, &[]);
+    let own_runs: Vec<f64> = (0..3).map(|i| time_to_all_running(&own, &format!("own{i}"))).collect();
+    let fmt = |v: &[f64]| v.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
+    println!(
+        "bench: 16 one-GPU tasks, submit -> all running (s): Ray backend [{}]; gpuam RM [{}]",
+        fmt(&ray_runs),
+        fmt(&own_runs)
+    );
+}

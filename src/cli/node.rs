@@ -1,0 +1,153 @@
+//! `gpuam node`: the node agent of one machine (see `crate::node::agent`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use crate::exit;
+use crate::node::agent::{self, AgentOptions};
+use crate::resources::{PortSet, Resources};
+
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    /// The RM's base URL.
+    #[arg(long, value_name = "URL")]
+    pub rm: String,
+    /// This node's host name in the RM's node view.
+    #[arg(long)]
+    pub host: String,
+    /// Where the agent serves the container endpoints (the RM must reach it).
+    #[arg(long, default_value = "0.0.0.0:8042")]
+    pub listen: SocketAddr,
+    /// The address the RM reaches this agent at (default: http://LISTEN).
+    #[arg(long, value_name = "URL")]
+    pub advertise: Option<String>,
+    /// File holding the node token the RM was given with --node-token-file.
+    #[arg(long, value_name = "FILE")]
+    pub node_token_file: PathBuf,
+    #[arg(long, default_value = "/default-rack")]
+    pub rack: String,
+    /// Comma list of node labels.
+    #[arg(long, value_delimiter = ',')]
+    pub labels: Vec<String>,
+    #[arg(long)]
+    pub gpu_type: Option<String>,
+    /// `auto` (nvidia-smi) or a count (for testing on a machine without GPUs).
+    #[arg(long, default_value = "auto")]
+    pub gpus: String,
+    /// `auto` (nvidia-smi topo -m), a preset name (pcie4, pcie8, dgx1v, ...) or a file with
+    /// `nvidia-smi topo -m` text.
+    #[arg(long, default_value = "auto")]
+    pub topology: String,
+    /// CPUs offered (default: this machine's).
+    #[arg(long)]
+    pub cpu: Option<u32>,
+    /// Memory offered in MB (default: this machine's).
+    #[arg(long)]
+    pub memory_mb: Option<u64>,
+    #[arg(long, default_value = "20000-29999")]
+    pub ports: String,
+    #[arg(long, value_name = "DIR", default_value = "gpuam-node-work")]
+    pub work_dir: PathBuf,
+    /// Tasks run as this user (default: `gpuam-task`, created when the agent runs as root).
+    #[arg(long, value_name = "USER")]
+    pub run_as: Option<String>,
+}
+
+fn machine_memory_mb() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<u64>().ok()))
+        })
+        .map_or(1024, |kb| kb / 1024)
+}
+
+/// GPU count, type and topology text from the flags (and nvidia-smi for `auto`).
+fn gpus_of(args: &NodeArgs) -> Result<(u32, Option<String>, String), String> {
+    let found = (args.gpus == "auto" || args.topology == "auto")
+        .then(crate::rm::gpu_discovery::discover)
+        .flatten();
+    let count = if args.gpus == "auto" {
+        found.as_ref().map_or(0, |g| g.count)
+    } else {
+        args.gpus
+            .parse::<u32>()
+            .ok()
+            .filter(|n| *n <= 64)
+            .ok_or_else(|| format!("--gpus `{}`: give `auto` or a number from 0 to 64", args.gpus))?
+    };
+    let topology = match args.topology.as_str() {
+        "auto" => found.as_ref().and_then(|g| g.topo_text.clone()).unwrap_or_default(),
+        t if Path::new(t).is_file() => std::fs::read_to_string(t).map_err(|e| format!("--topology {t}: {e}"))?,
+        t => t.to_string(),
+    };
+    if !topology.is_empty() {
+        crate::topology::Topology::from_spec(&topology).map_err(|e| format!("--topology: {e}"))?;
+    }
+    let gpu_type = args
+        .gpu_type
+        .clone()
+        .or_else(|| found.as_ref().map(|g| g.gpu_type.clone()).filter(|t| !t.is_empty()));
+    Ok((count, gpu_type, topology))
+}
+
+pub async fn node(args: NodeArgs) -> i32 {
+    let token = match std::fs::read_to_string(&args.node_token_file) {
+        Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
+        Ok(_) => {
+            eprintln!("error: --node-token-file {} is empty", args.node_token_file.display());
+            return exit::USAGE;
+        }
+        Err(e) => {
+            eprintln!("error: --node-token-file {}: {e}", args.node_token_file.display());
+            return exit::USAGE;
+        }
+    };
+    let (count, gpu_type, topology) = match gpus_of(&args) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit::USAGE;
+        }
+    };
+    let ports = match PortSet::parse(&args.ports) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!(
+                "error: --ports `{}`: {e} (give ranges like 20000-29999,31000)",
+                args.ports
+            );
+            return exit::USAGE;
+        }
+    };
+    let cpu = args
+        .cpu
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)));
+    let mask = if count >= 64 { u64::MAX } else { (1u64 << count) - 1 };
+    let total = Resources::with_mask(cpu, args.memory_mb.unwrap_or_else(machine_memory_mb), mask, ports);
+    let opts = AgentOptions {
+        rm_url: args.rm,
+        host: args.host,
+        listen: args.listen,
+        advertise: args.advertise,
+        node_token: token,
+        rack: args.rack,
+        labels: args.labels.into_iter().filter(|l| !l.is_empty()).collect(),
+        gpu_type,
+        total,
+        topology,
+        work_dir: args.work_dir,
+        run_as: args.run_as,
+    };
+    match agent::run(opts).await {
+        Ok(()) => exit::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            exit::USAGE
+        }
+    }
+}

@@ -1,0 +1,469 @@
+//! Containment: each container's processes in a cgroup of their own, so that stopping a
+//! container reaches every process it started (daemons in new sessions, double forks,
+//! `nohup`), and "dead" means "its cgroup is empty".
+//!
+//! Mechanisms, best first (chosen once per node by [`Containment::detect`], logged):
+//! - **cgroup v2** (a `cgroup2` mount in `/proc/self/mountinfo` where the node can create
+//!   a directory and the kernel has `cgroup.kill`): membership, `cgroup.kill`, and
+//!   `cgroup.events` `populated 0` as "empty". Limits (`memory.max`, `cpu.max`,
+//!   `pids.max`) where the v2 hierarchy offers those controllers.
+//! - **cgroup v1** `pids` (+ `freezer` when mounted): membership from `pids`'s
+//!   `cgroup.procs`; kill = freeze, SIGKILL every member, thaw, until empty.
+//! - On a hybrid layout (v2 without controllers beside v1 controllers, as on many hosts)
+//!   both are used: v2 for membership and kill, the v1 `memory`, `cpu` and `pids`
+//!   controllers for limits (`memory.limit_in_bytes`, `cpu.cfs_quota_us`, `pids.max`).
+//! - **process group** only, when no cgroup can be created (an unprivileged node without a
+//!   delegated cgroup): a process that leaves the container's session escapes; the node
+//!   logs this at start.
+//!
+//! Processes join their cgroups in the forked child before `exec` ([`Cgroup::join_paths`]),
+//! so nothing of a container ever runs outside it. Pure file I/O on cgroupfs; no state.
+
+use std::ffi::CString;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Most processes a container may have (`pids.max`): a fork bomb stops here.
+pub const DEFAULT_PIDS_MAX: u64 = 4096;
+
+/// Which mechanism a node uses (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mechanism {
+    V2,
+    V1,
+    ProcessGroup,
+}
+
+impl std::fmt::Display for Mechanism {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mechanism::V2 => "cgroup v2",
+            Mechanism::V1 => "cgroup v1 (pids+freezer)",
+            Mechanism::ProcessGroup => "process group only (no cgroup could be created)",
+        })
+    }
+}
+
+/// Per-container limits; `None`: not limited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_mb: Option<u64>,
+    /// Whole CPUs.
+    pub cpu: Option<u64>,
+    pub pids: Option<u64>,
+}
+
+/// The parent directories a node creates its containers' cgroups in.
+#[derive(Clone, Debug, Default)]
+pub struct Containment {
+    v2: Option<PathBuf>,
+    v1_pids: Option<PathBuf>,
+    v1_freezer: Option<PathBuf>,
+    v1_memory: Option<PathBuf>,
+    v1_cpu: Option<PathBuf>,
+}
+
+/// One mount of a cgroup hierarchy.
+#[derive(Clone, Debug, PartialEq)]
+struct CgroupMount {
+    /// `cgroup2`, or the v1 controllers of the mount (`["cpu"]`, `["memory"]`, ...).
+    v2: bool,
+    controllers: Vec<String>,
+    /// The hierarchy path mounted there (4th field), usually `/`.
+    root: String,
+    mount_point: PathBuf,
+}
+
+/// Parses `/proc/self/mountinfo` lines into cgroup mounts.
+fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let fields: Vec<&str> = left.split(' ').collect();
+        let right: Vec<&str> = right.split(' ').collect();
+        if fields.len() < 5 || right.len() < 3 {
+            continue;
+        }
+        let fstype = right[0];
+        let mount_point = PathBuf::from(unescape_mount(fields[4]));
+        let root = unescape_mount(fields[3]);
+        match fstype {
+            "cgroup2" => out.push(CgroupMount {
+                v2: true,
+                controllers: Vec::new(),
+                root,
+                mount_point,
+            }),
+            "cgroup" => out.push(CgroupMount {
+                v2: false,
+                controllers: right[2]
+                    .split(',')
+                    .filter(|o| !matches!(*o, "rw" | "ro") && !o.contains('='))
+                    .map(str::to_string)
+                    .collect(),
+                root,
+                mount_point,
+            }),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mount(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// This process's cgroup path per hierarchy from `/proc/self/cgroup`: ("" for v2 or the
+/// v1 controller list, path).
+fn parse_proc_cgroup(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| {
+            let mut it = l.splitn(3, ':');
+            let _id = it.next()?;
+            let ctrl = it.next()?;
+            let path = it.next()?;
+            Some((ctrl.to_string(), path.to_string()))
+        })
+        .collect()
+}
+
+/// The directory of this process's own cgroup in `m`.
+fn own_dir(m: &CgroupMount, own: &[(String, String)]) -> Option<PathBuf> {
+    let path = if m.v2 {
+        own.iter().find(|(c, _)| c.is_empty())?.1.clone()
+    } else {
+        own.iter()
+            .find(|(c, _)| c.split(',').any(|c| m.controllers.iter().any(|mc| mc == c)))?
+            .1
+            .clone()
+    };
+    let rel = path.strip_prefix(m.root.trim_end_matches('/')).unwrap_or(&path);
+    Some(m.mount_point.join(rel.trim_start_matches('/')))
+}
+
+/// Creates `dir` (and parents); true if it exists as a directory afterwards.
+fn make_dir(dir: &Path) -> bool {
+    std::fs::create_dir_all(dir).is_ok() && dir.is_dir()
+}
+
+impl Containment {
+    /// No cgroups at all: process groups only.
+    pub fn none() -> Self {
+        Containment::default()
+    }
+
+    /// Finds the cgroup mounts and creates `<own cgroup>/<parent>` in each usable one.
+    /// `parent` names this node's containers' parent cgroup (e.g. `gpuam-<host>`).
+    pub fn detect(parent: &str) -> Self {
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo")
+            .map(|t| parse_mountinfo(&t))
+            .unwrap_or_default();
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .map(|t| parse_proc_cgroup(&t))
+            .unwrap_or_default();
+        let mut c = Containment::default();
+        for m in &mounts {
+            let Some(base) = own_dir(m, &own) else {
+                continue;
+            };
+            let dir = base.join(parent);
+            if m.v2 {
+                if c.v2.is_none() && make_dir(&dir) && dir.join("cgroup.kill").exists() {
+                    // Limits need the controllers delegated to the children (best effort).
+                    let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+memory +cpu +pids");
+                    c.v2 = Some(dir);
+                }
+                continue;
+            }
+            let has = |name: &str| m.controllers.iter().any(|x| x == name);
+            let slot = if has("pids") {
+                &mut c.v1_pids
+            } else if has("freezer") {
+                &mut c.v1_freezer
+            } else if has("memory") {
+                &mut c.v1_memory
+            } else if has("cpu") {
+                &mut c.v1_cpu
+            } else {
+                continue;
+            };
+            if slot.is_none() && make_dir(&dir) {
+                *slot = Some(dir);
+            }
+        }
+        c
+    }
+
+    /// The mechanism containers of this node get.
+    pub fn mechanism(&self) -> Mechanism {
+        if self.v2.is_some() {
+            Mechanism::V2
+        } else if self.v1_pids.is_some() {
+            Mechanism::V1
+        } else {
+            Mechanism::ProcessGroup
+        }
+    }
+
+    /// One line for the node's log: the mechanism and where limits come from.
+    pub fn describe(&self) -> String {
+        let limits = |name: &str, v1: &Option<PathBuf>| -> Option<String> {
+            if self.v2.as_ref().is_some_and(|d| v2_has_controller(d, name)) {
+                Some(format!("{name} (v2)"))
+            } else {
+                v1.as_ref().map(|_| format!("{name} (v1)"))
+            }
+        };
+        let l: Vec<String> = [
+            limits("memory", &self.v1_memory),
+            limits("cpu", &self.v1_cpu),
+            limits("pids", &self.v1_pids),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let dir = self.v2.as_ref().or(self.v1_pids.as_ref());
+        format!(
+            "containment: {}{}; limits: {}",
+            self.mechanism(),
+            dir.map(|d| format!(" under {}", d.display())).unwrap_or_default(),
+            if l.is_empty() { "none".into() } else { l.join(", ") }
+        )
+    }
+
+    /// Removes this node's parent cgroups (when empty; errors ignored).
+    pub fn remove_parents(&self) {
+        for d in [&self.v2, &self.v1_pids, &self.v1_freezer, &self.v1_memory, &self.v1_cpu]
+            .into_iter()
+            .flatten()
+        {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+
+    /// The cgroup of container `id` (not created): for a restarted node to find it again.
+    pub fn cgroup(&self, id: &str) -> Cgroup {
+        Cgroup {
+            v2: self.v2.as_ref().map(|d| d.join(id)),
+            v1_pids: self.v1_pids.as_ref().map(|d| d.join(id)),
+            v1_freezer: self.v1_freezer.as_ref().map(|d| d.join(id)),
+            v1_memory: self.v1_memory.as_ref().map(|d| d.join(id)),
+            v1_cpu: self.v1_cpu.as_ref().map(|d| d.join(id)),
+        }
+    }
+
+    /// Creates container `id`'s cgroup with `limits`. A limit that cannot be written is
+    /// logged, not fatal; a cgroup that cannot be created is an error.
+    pub fn create(&self, id: &str, limits: Limits) -> io::Result<Cgroup> {
+        let cg = self.cgroup(id);
+        for d in cg.dirs() {
+            std::fs::create_dir_all(d)?;
+        }
+        let write = |dir: &Option<PathBuf>, file: &str, value: String| {
+            if let Some(d) = dir {
+                if let Err(e) = std::fs::write(d.join(file), &value) {
+                    tracing::warn!(container = id, "cannot set {file} = {value}: {e}");
+                }
+            }
+        };
+        let v2_mem = cg.v2.as_ref().filter(|d| d.join("memory.max").exists()).cloned();
+        let v2_cpu = cg.v2.as_ref().filter(|d| d.join("cpu.max").exists()).cloned();
+        let v2_pids = cg.v2.as_ref().filter(|d| d.join("pids.max").exists()).cloned();
+        if let Some(mb) = limits.memory_mb.filter(|m| *m > 0) {
+            let bytes = mb.saturating_mul(1024 * 1024);
+            if v2_mem.is_some() {
+                write(&v2_mem, "memory.max", bytes.to_string());
+            } else {
+                write(&cg.v1_memory, "memory.limit_in_bytes", bytes.to_string());
+            }
+        }
+        if let Some(cpu) = limits.cpu.filter(|c| *c > 0) {
+            let period = 100_000u64;
+            let quota = cpu.saturating_mul(period);
+            if v2_cpu.is_some() {
+                write(&v2_cpu, "cpu.max", format!("{quota} {period}"));
+            } else {
+                write(&cg.v1_cpu, "cpu.cfs_period_us", period.to_string());
+                write(&cg.v1_cpu, "cpu.cfs_quota_us", quota.to_string());
+            }
+        }
+        let pids = limits.pids.unwrap_or(DEFAULT_PIDS_MAX);
+        if v2_pids.is_some() {
+            write(&v2_pids, "pids.max", pids.to_string());
+        } else {
+            write(&cg.v1_pids, "pids.max", pids.to_string());
+        }
+        Ok(cg)
+    }
+}
+
+fn v2_has_controller(dir: &Path, name: &str) -> bool {
+    std::fs::read_to_string(dir.join("cgroup.subtree_control")).is_ok_and(|t| t.split_whitespace().any(|c| c == name))
+}
+
+/// One container's cgroup (one directory per hierarchy in use).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Cgroup {
+    v2: Option<PathBuf>,
+    v1_pids: Option<PathBuf>,
+    v1_freezer: Option<PathBuf>,
+    v1_memory: Option<PathBuf>,
+    v1_cpu: Option<PathBuf>,
+}
+
+impl Cgroup {
+    fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
+        [&self.v2, &self.v1_pids, &self.v1_freezer, &self.v1_memory, &self.v1_cpu]
+            .into_iter()
+            .flatten()
+    }
+
+    /// Whether any cgroup is in use (false: process group only).
+    pub fn is_real(&self) -> bool {
+        self.v2.is_some() || self.v1_pids.is_some()
+    }
+
+    /// The `cgroup.procs` files a new process writes `0` to before `exec`, prepared as C
+    /// strings so that the forked child only makes syscalls.
+    pub fn join_paths(&self) -> Vec<CString> {
+        self.dirs()
+            .filter_map(|d| CString::new(d.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok())
+            .collect()
+    }
+
+    /// The members (pids) now; empty when there is no cgroup.
+    pub fn pids(&self) -> Vec<i32> {
+        let Some(d) = self.v2.as_ref().or(self.v1_pids.as_ref()) else {
+            return Vec::new();
+        };
+        std::fs::read_to_string(d.join("cgroup.procs"))
+            .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Whether no process is left (v2: `populated 0`; v1: no member). A cgroup that does
+    /// not exist (removed, or never created) is empty.
+    pub fn is_empty(&self) -> bool {
+        if let Some(d) = &self.v2 {
+            return match std::fs::read_to_string(d.join("cgroup.events")) {
+                Ok(t) => !t.lines().any(|l| l.trim() == "populated 1"),
+                Err(_) => true,
+            };
+        }
+        self.pids().is_empty()
+    }
+
+    /// Sends `sig` to every member.
+    pub fn signal(&self, sig: i32) {
+        for p in self.pids() {
+            if p > 1 {
+                // SAFETY: plain syscall on a pid read from the cgroup; ESRCH is fine.
+                unsafe {
+                    libc::kill(p, sig);
+                }
+            }
+        }
+    }
+
+    /// Kills every member at once: `cgroup.kill` (v2), else freeze + SIGKILL + thaw (v1).
+    pub fn kill(&self) {
+        if let Some(d) = &self.v2 {
+            if std::fs::write(d.join("cgroup.kill"), "1").is_ok() {
+                return;
+            }
+        }
+        let frozen = self
+            .v1_freezer
+            .as_ref()
+            .is_some_and(|d| std::fs::write(d.join("freezer.state"), "FROZEN").is_ok());
+        self.signal(libc::SIGKILL);
+        if frozen {
+            if let Some(d) = &self.v1_freezer {
+                let _ = std::fs::write(d.join("freezer.state"), "THAWED");
+            }
+        }
+    }
+
+    /// Removes the (empty) cgroup directories; errors are logged.
+    pub fn remove(&self) {
+        for d in self.dirs() {
+            if let Err(e) = std::fs::remove_dir(d) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::debug!("cannot remove cgroup {}: {e}", d.display());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/un\\040ified rw,relatime - cgroup2 cgroup2 rw
+";
+
+    #[test]
+    fn mountinfo_of_a_hybrid_layout() {
+        let m = parse_mountinfo(HYBRID);
+        assert_eq!(m.len(), 6, "{m:?}");
+        let v2: Vec<_> = m.iter().filter(|m| m.v2).collect();
+        assert_eq!(v2.len(), 1);
+        assert_eq!(v2[0].mount_point, PathBuf::from("/sys/fs/cgroup/un ified"));
+        let mem = m.iter().find(|m| m.controllers == ["memory"]).unwrap();
+        assert_eq!(mem.mount_point, PathBuf::from("/sys/fs/cgroup/memory"));
+        let sysd = m.iter().find(|m| m.mount_point.ends_with("systemd")).unwrap();
+        assert!(sysd.controllers.is_empty(), "name= options are no controllers");
+    }
+
+    #[test]
+    fn own_cgroup_dirs_follow_proc_self_cgroup() {
+        let m = parse_mountinfo(HYBRID);
+        let own = parse_proc_cgroup("8:pids:/\n4:memory:/process_api/abc\n0::/user.slice/x\n");
+        let mem = m.iter().find(|m| m.controllers == ["memory"]).unwrap();
+        assert_eq!(
+            own_dir(mem, &own),
+            Some(PathBuf::from("/sys/fs/cgroup/memory/process_api/abc"))
+        );
+        let v2 = m.iter().find(|m| m.v2).unwrap();
+        assert_eq!(
+            own_dir(v2, &own),
+            Some(PathBuf::from("/sys/fs/cgroup/un ified/user.slice/x"))
+        );
+        let cpu = m.iter().find(|m| m.controllers == ["cpu"]).unwrap();
+        assert_eq!(own_dir(cpu, &own), None, "no cpu line: not this process's hierarchy");
+    }
+
+    #[test]
+    fn no_cgroup_is_empty_and_has_no_members() {
+        let cg = Containment::none().cgroup("c1");
+        assert!(!cg.is_real());
+        assert!(cg.is_empty());
+        assert!(cg.pids().is_empty());
+        assert!(cg.join_paths().is_empty());
+    }
+}

@@ -1,0 +1,89 @@
+//! The in-process node backend: the simulated nodes of a cluster file (and `gpuam run`)
+//! run their containers on this machine, in this process's [`Executor`]. Every host it
+//! serves shares the one executor; container ids are unique across hosts.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt as _;
+use tokio::sync::mpsc;
+
+use super::executor::{Executor, ExecutorOptions, LogStream};
+use super::{Grant, NodeBackend, NodeError, NodeEvent};
+use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
+
+/// Runs the containers of simulated hosts on this machine.
+pub struct InProcessNode {
+    executor: Arc<Executor>,
+}
+
+impl InProcessNode {
+    /// Container directories go under `root`; events go to `events`.
+    pub fn new(root: PathBuf, events: mpsc::UnboundedSender<NodeEvent>, opts: ExecutorOptions) -> Self {
+        InProcessNode {
+            executor: Arc::new(Executor::with_options(root, events, opts)),
+        }
+    }
+
+    /// The executor itself (shutdown: `stop_all`).
+    pub fn executor(&self) -> &Arc<Executor> {
+        &self.executor
+    }
+}
+
+impl NodeBackend for InProcessNode {
+    fn kind(&self) -> &'static str {
+        "in-process"
+    }
+
+    fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
+        let started = self
+            .executor
+            .start(&grant.container_id, &grant.host, &grant.resources, ctx)
+            .map(|pid| ContainerStatus {
+                container_id: grant.container_id.clone(),
+                state: ContainerState::Running,
+                exit_status: None,
+                diagnostics: String::new(),
+                pid: Some(pid),
+            });
+        futures::future::ready(started).boxed()
+    }
+
+    fn stop<'a>(
+        &'a self,
+        _host: &'a str,
+        container_id: &'a str,
+        grace: Duration,
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
+        self.executor.stop(container_id, grace).boxed()
+    }
+
+    fn status<'a>(&'a self, _host: &'a str, container_id: &'a str) -> BoxFuture<'a, Option<ContainerStatus>> {
+        futures::future::ready(self.executor.status(container_id)).boxed()
+    }
+
+    fn read_log<'a>(
+        &'a self,
+        _host: &'a str,
+        container_id: &'a str,
+        stream: LogStream,
+        tail: Option<u64>,
+    ) -> BoxFuture<'a, Result<String, NodeError>> {
+        futures::future::ready(self.executor.read_log(container_id, stream, tail)).boxed()
+    }
+
+    fn reattach(&self, _host: &str, container_id: &str) {
+        self.executor.reattach(container_id);
+    }
+
+    fn running(&self, _host: &str) -> Vec<String> {
+        self.executor.running_ids()
+    }
+
+    fn forget(&self, container_id: &str) {
+        self.executor.forget(container_id);
+    }
+}

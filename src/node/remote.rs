@@ -1,0 +1,246 @@
+//! Node agents on other machines (`gpuam node`), reached over HTTP: the RM side of
+//! [`super::wire`], as a [`NodeBackend`].
+//!
+//! Holds the registry of agents (host → base URL, last heartbeat, containers reported
+//! running). Calls to an agent carry the node token; `start` also the container token
+//! signed for exactly the grant. Deaths reach the RM through heartbeats
+//! ([`AgentNodes::heartbeat`]), which turn each reported dead container into one
+//! [`NodeEvent::Exited`] (repeats are harmless: the ledger frees once).
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use futures::FutureExt as _;
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+
+use super::wire::{AgentStart, ContainerReport, CONTAINER_TOKEN_HEADER};
+use super::{token, Grant, LogStream, NodeBackend, NodeError, NodeEvent};
+use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
+
+/// One registered agent.
+#[derive(Clone, Debug)]
+pub struct AgentEntry {
+    pub address: String,
+    pub last_heard: Instant,
+    /// Declared LOST: its heartbeats are answered "register again".
+    pub lost: bool,
+    pub running: BTreeSet<String>,
+}
+
+/// The agents registered with this RM.
+pub struct AgentNodes {
+    secret: String,
+    http: reqwest::Client,
+    events: mpsc::UnboundedSender<NodeEvent>,
+    agents: Mutex<HashMap<String, AgentEntry>>,
+}
+
+impl AgentNodes {
+    /// `secret`: the node token agents present and that signs container tokens.
+    pub fn new(secret: String, events: mpsc::UnboundedSender<NodeEvent>) -> anyhow::Result<Self> {
+        let http = crate::tls::http_client_builder(None)
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .timeout(Duration::from_secs(70))
+            .build()
+            .map_err(|e| anyhow::anyhow!("cannot build an HTTP client: {e}"))?;
+        Ok(AgentNodes {
+            secret: secret.trim().to_string(),
+            http,
+            events,
+            agents: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Whether `token` is the node token.
+    pub fn is_node_token(&self, token: &str) -> bool {
+        let (a, b) = (token.trim().as_bytes(), self.secret.as_bytes());
+        !a.is_empty() && a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+
+    /// Whether `host` is a registered agent (LOST or not).
+    pub fn knows(&self, host: &str) -> bool {
+        self.agents.lock().contains_key(host)
+    }
+
+    /// Whether `host` is registered and not LOST.
+    pub fn is_live(&self, host: &str) -> bool {
+        self.agents.lock().get(host).is_some_and(|a| !a.lost)
+    }
+
+    /// Records a (re-)registration.
+    pub fn register(&self, host: &str, address: &str, now: Instant) {
+        self.agents.lock().insert(
+            host.to_string(),
+            AgentEntry {
+                address: address.trim_end_matches('/').to_string(),
+                last_heard: now,
+                lost: false,
+                running: BTreeSet::new(),
+            },
+        );
+    }
+
+    /// Records a heartbeat's reports: running ids are remembered, each dead container
+    /// becomes an `Exited` event. False when `host` must register (unknown or LOST).
+    pub fn heartbeat(&self, host: &str, reports: &[ContainerReport], now: Instant) -> bool {
+        {
+            let mut agents = self.agents.lock();
+            let Some(a) = agents.get_mut(host).filter(|a| !a.lost) else {
+                return false;
+            };
+            a.last_heard = now;
+            a.running = reports
+                .iter()
+                .filter(|r| r.state != ContainerState::Complete)
+                .map(|r| r.container_id.clone())
+                .collect();
+        }
+        for r in reports.iter().filter(|r| r.state == ContainerState::Complete) {
+            let _ = self.events.send(NodeEvent::Exited {
+                container_id: r.container_id.clone(),
+                exit_status: r.exit_status.unwrap_or(crate::protocol::exit_status::ABORTED),
+                diagnostics: r.diagnostics.clone(),
+            });
+        }
+        true
+    }
+
+    /// Hosts silent for longer than `expiry` and not yet LOST: now marked LOST.
+    pub fn expire(&self, now: Instant, expiry: Duration) -> Vec<String> {
+        let mut agents = self.agents.lock();
+        let mut lost: Vec<String> = agents
+            .iter_mut()
+            .filter(|(_, a)| !a.lost && now.saturating_duration_since(a.last_heard) > expiry)
+            .map(|(h, a)| {
+                a.lost = true;
+                h.clone()
+            })
+            .collect();
+        lost.sort();
+        lost
+    }
+
+    fn address(&self, host: &str) -> Result<String, NodeError> {
+        self.agents
+            .lock()
+            .get(host)
+            .filter(|a| !a.lost)
+            .map(|a| a.address.clone())
+            .ok_or_else(|| NodeError::Unreachable {
+                host: host.to_string(),
+                why: "no live agent is registered for this host".into(),
+            })
+    }
+
+    fn url(&self, host: &str, id: &str, verb: &str) -> Result<String, NodeError> {
+        Ok(format!(
+            "{}/ws/v1/node/{host}/containers/{id}/{verb}",
+            self.address(host)?
+        ))
+    }
+
+    async fn call(&self, host: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, NodeError> {
+        let resp = req
+            .bearer_auth(&self.secret)
+            .send()
+            .await
+            .map_err(|e| NodeError::Unreachable {
+                host: host.to_string(),
+                why: e.to_string(),
+            })?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            let text = resp.text().await.unwrap_or_default();
+            return Err(NodeError::UnknownContainer(text));
+        }
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let text = resp.text().await.unwrap_or_default();
+            return Err(NodeError::Refused(format!("{status}: {text}")));
+        }
+        Ok(resp)
+    }
+}
+
+impl NodeBackend for AgentNodes {
+    fn kind(&self) -> &'static str {
+        "agent"
+    }
+
+    fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
+        async move {
+            let url = self.url(&grant.host, &grant.container_id, "start")?;
+            let token = token::sign(self.secret.as_bytes(), &grant);
+            let host = grant.host.clone();
+            let body = AgentStart {
+                grant,
+                launch_context: ctx,
+            };
+            let req = self.http.post(url).header(CONTAINER_TOKEN_HEADER, token).json(&body);
+            let resp = self.call(&host, req).await?;
+            resp.json::<ContainerStatus>()
+                .await
+                .map_err(|e| NodeError::Refused(e.to_string()))
+        }
+        .boxed()
+    }
+
+    fn stop<'a>(
+        &'a self,
+        host: &'a str,
+        container_id: &'a str,
+        grace: Duration,
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
+        async move {
+            let url = self.url(host, container_id, "stop")?;
+            let req = self.http.post(format!("{url}?graceMs={}", grace.as_millis()));
+            self.call(host, req).await.map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn status<'a>(&'a self, host: &'a str, container_id: &'a str) -> BoxFuture<'a, Option<ContainerStatus>> {
+        async move {
+            let url = self.url(host, container_id, "status").ok()?;
+            let resp = self.call(host, self.http.get(url)).await.ok()?;
+            resp.json::<ContainerStatus>().await.ok()
+        }
+        .boxed()
+    }
+
+    fn read_log<'a>(
+        &'a self,
+        host: &'a str,
+        container_id: &'a str,
+        stream: LogStream,
+        tail: Option<u64>,
+    ) -> BoxFuture<'a, Result<String, NodeError>> {
+        async move {
+            let mut url = format!(
+                "{}?stream={}",
+                self.url(host, container_id, "logs")?,
+                stream.file_name()
+            );
+            if let Some(t) = tail {
+                url.push_str(&format!("&tail={t}"));
+            }
+            let resp = self.call(host, self.http.get(url)).await?;
+            resp.text().await.map_err(|e| NodeError::Refused(e.to_string()))
+        }
+        .boxed()
+    }
+
+    /// Agents re-attach by themselves and report in their registration.
+    fn reattach(&self, _host: &str, _container_id: &str) {}
+
+    fn running(&self, host: &str) -> Vec<String> {
+        self.agents
+            .lock()
+            .get(host)
+            .map(|a| a.running.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn forget(&self, _container_id: &str) {}
+}

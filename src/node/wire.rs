@@ -1,0 +1,95 @@
+//! The wire between the RM and its node agents (JSON, camelCase).
+//!
+//! Agent → RM (Bearer: the node token):
+//! - `POST /ws/v1/node-agents/register` [`AgentRegister`] → [`AgentReply`]
+//! - `POST /ws/v1/node-agents/{host}/heartbeat` [`AgentHeartbeat`] → [`AgentReply`]
+//!
+//! RM → agent, at the agent's `nodeHTTPAddress` (Bearer: the node token; `start` also
+//! carries the container token, [`CONTAINER_TOKEN_HEADER`]):
+//! - `POST /ws/v1/node/{host}/containers/{id}/start` [`AgentStart`] → `ContainerStatus`
+//! - `POST /ws/v1/node/{host}/containers/{id}/stop?graceMs=N` → `ContainerStatus`
+//! - `GET  /ws/v1/node/{host}/containers/{id}/status` → `ContainerStatus`
+//! - `GET  /ws/v1/node/{host}/containers/{id}/logs?stream=stdout|stderr&tail=N` → text
+
+use serde::{Deserialize, Serialize};
+
+use super::Grant;
+use crate::protocol::{ContainerState, LaunchContext};
+use crate::resources::Resources;
+
+/// Header carrying the RM-signed container token on `start`.
+pub const CONTAINER_TOKEN_HEADER: &str = "x-gpuam-container-token";
+
+/// One container as an agent reports it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerReport {
+    pub container_id: String,
+    /// RUNNING, or COMPLETE (dead: its cgroup is empty).
+    pub state: ContainerState,
+    #[serde(default)]
+    pub exit_status: Option<i32>,
+    #[serde(default)]
+    pub diagnostics: String,
+}
+
+/// What an agent offers: the node it is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentRegister {
+    pub host: String,
+    pub rack: String,
+    #[serde(default)]
+    pub labels: Vec<String>,
+    #[serde(default)]
+    pub gpu_type: Option<String>,
+    /// CPU, memory, GPU mask and port ranges offered.
+    pub total: Resources,
+    /// A topology preset name or the text of `nvidia-smi topo -m`; empty: none.
+    #[serde(default)]
+    pub topology: String,
+    /// Base URL where the agent serves the container endpoints.
+    pub http_address: String,
+    /// Every container the agent knows: running ones and dead ones not yet acknowledged.
+    /// A container the RM holds on this host and the agent does not list is gone.
+    #[serde(default)]
+    pub containers: Vec<ContainerReport>,
+    /// Which containment the agent uses (for the node's health report).
+    #[serde(default)]
+    pub containment: String,
+}
+
+/// A heartbeat: the agent's containers now.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentHeartbeat {
+    #[serde(default)]
+    pub containers: Vec<ContainerReport>,
+}
+
+/// The RM's answer to a registration or heartbeat.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentReply {
+    /// Containers to kill (unknown to the RM, or ended there).
+    #[serde(default)]
+    pub stop: Vec<String>,
+    /// Dead containers whose end the RM recorded: the agent may stop reporting them.
+    #[serde(default)]
+    pub acknowledged: Vec<String>,
+    /// The RM does not know this agent (it restarted, or declared the node LOST):
+    /// register again.
+    #[serde(default)]
+    pub reregister: bool,
+    /// How often to heartbeat.
+    #[serde(default)]
+    pub heartbeat_ms: u64,
+}
+
+/// `start` body, RM → agent.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentStart {
+    pub grant: Grant,
+    pub launch_context: LaunchContext,
+}

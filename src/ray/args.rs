@@ -1,0 +1,146 @@
+//! `gpuam ray-node-args`: the extra `ray start` arguments that make a machine a gpuam node
+//! of a Ray cluster (see `scheme.rs` for what they mean).
+//!
+//! `auto` values come from this machine's `nvidia-smi` (GPU count, type, `topo -m`); a
+//! machine without it has no GPUs unless told (`--gpus N`, `--topology PRESET`).
+
+use crate::resources::PortSet;
+use crate::rm::gpu_discovery::LocalGpus;
+use crate::topology::Topology;
+
+use super::entry::shell_quote;
+use super::scheme::{ray_start_args, NodeDescription};
+
+/// What the operator asked for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeArgsRequest {
+    pub host: String,
+    /// `auto` or a count.
+    pub gpus: String,
+    /// `auto`, `none` or a preset name.
+    pub topology: String,
+    pub rack: Option<String>,
+    pub gpu_type: Option<String>,
+    pub ports: String,
+}
+
+/// Resolves `auto` against `found` (this machine's GPUs, if any) into a node description.
+pub fn describe(req: &NodeArgsRequest, found: Option<&LocalGpus>) -> Result<NodeDescription, String> {
+    let topology = match req.topology.trim() {
+        "auto" => found
+            .and_then(|g| g.topo_text.as_deref())
+            .map(Topology::parse_nvidia_smi)
+            .transpose()
+            .map_err(|e| format!("--topology auto: {e}"))?,
+        spec if Topology::preset(spec).is_some() || spec.eq_ignore_ascii_case("none") => {
+            Topology::from_spec(spec).map_err(|e| format!("--topology: {e}"))?
+        }
+        other => {
+            return Err(format!(
+                "--topology `{other}`: use auto, none or a preset ({})",
+                Topology::preset_names().join(", ")
+            ))
+        }
+    };
+    let gpus = match req.gpus.trim() {
+        "auto" => match (found, &topology) {
+            (Some(g), _) => g.count,
+            (None, Some(t)) => t.gpu_count(),
+            (None, None) => 0,
+        },
+        n => n
+            .parse::<u32>()
+            .map_err(|_| format!("--gpus `{n}`: use auto or a number of GPUs"))?,
+    };
+    // A discovered topology that disagrees with an explicit count is dropped, not guessed.
+    let topology = topology.filter(|t| t.gpu_count() == gpus || req.topology.trim() != "auto");
+    let gpu_type = req
+        .gpu_type
+        .clone()
+        .or_else(|| found.map(|g| g.gpu_type.clone()).filter(|t| !t.is_empty()));
+    let ports = PortSet::parse(&req.ports).map_err(|e| format!("--ports `{}`: {e}", req.ports))?;
+    Ok(NodeDescription {
+        host: req.host.clone(),
+        gpus,
+        topology,
+        rack: req.rack.clone(),
+        gpu_type,
+        ports,
+    })
+}
+
+/// The arguments as one line of shell words.
+pub fn render(d: &NodeDescription) -> Result<String, String> {
+    Ok(ray_start_args(d)?
+        .iter()
+        .map(|a| shell_quote(a))
+        .collect::<Vec<_>>()
+        .join(" "))
+}
+
+/// `gpuam ray-node-args`: prints the line; exit 0, or 64 with the reason on bad input.
+pub fn main(req: &NodeArgsRequest) -> i32 {
+    let needs_discovery = req.gpus.trim() == "auto" || req.topology.trim() == "auto";
+    let found = if needs_discovery {
+        crate::rm::gpu_discovery::discover()
+    } else {
+        None
+    };
+    match describe(req, found.as_ref()).and_then(|d| render(&d)) {
+        Ok(line) => {
+            println!("{line}");
+            crate::exit::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            crate::exit::USAGE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(gpus: &str, topology: &str) -> NodeArgsRequest {
+        NodeArgsRequest {
+            host: "n1".into(),
+            gpus: gpus.into(),
+            topology: topology.into(),
+            rack: Some("/r1".into()),
+            gpu_type: None,
+            ports: "20000-29999".into(),
+        }
+    }
+
+    #[test]
+    fn auto_takes_the_discovered_gpus_and_topology() {
+        let g = LocalGpus {
+            count: 4,
+            gpu_type: "H100".into(),
+            names: vec!["NVIDIA H100 80GB HBM3".into(); 4],
+            topo_text: Topology::preset("pcie4").map(|t| t.to_topo_text()),
+        };
+        let d = describe(&req("auto", "auto"), Some(&g)).unwrap();
+        assert_eq!(d.gpus, 4);
+        assert_eq!(d.gpu_type.as_deref(), Some("H100"));
+        assert_eq!(d.topology.as_ref().map(|t| t.gpu_count()), Some(4));
+        let line = render(&d).unwrap();
+        assert!(line.contains("gpuam.io/topology=matrix"), "{line}");
+        assert!(line.starts_with("'--num-gpus=0' '--resources={"), "{line}");
+    }
+
+    #[test]
+    fn without_nvidia_smi_a_preset_gives_the_count_and_auto_gives_none() {
+        let d = describe(&req("auto", "dgx1v"), None).unwrap();
+        assert_eq!(d.gpus, 8);
+        let line = render(&d).unwrap();
+        assert!(line.contains("gpuam.io/topology=dgx1v"), "{line}");
+        let d = describe(&req("auto", "auto"), None).unwrap();
+        assert_eq!((d.gpus, d.topology.is_none()), (0, true));
+        let e = describe(&req("many", "none"), None).unwrap_err();
+        assert!(e.contains("--gpus `many`"), "{e}");
+        let e = describe(&req("2", "warp"), None).unwrap_err();
+        assert!(e.contains("--topology `warp`"), "{e}");
+    }
+}
