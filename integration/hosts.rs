@@ -26,7 +26,10 @@ use common::{bin, pid_alive, sq, wait_for};
 const RM_IP: &str = "10.213.0.1";
 
 fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip (install iproute2)");
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .expect("run ip (install iproute2)");
     assert!(
         out.status.success(),
         "ip {}: {}",
@@ -66,7 +69,9 @@ impl Hosts {
             let ns = h.ns(name);
             ip(&["netns", "add", &ns]);
             let (a, b) = (format!("v{name}a"), format!("v{name}b"));
-            ip(&["-n", &ns, "link", "add", &a, "type", "veth", "peer", "name", &b, "netns", &br]);
+            ip(&[
+                "-n", &ns, "link", "add", &a, "type", "veth", "peer", "name", &b, "netns", &br,
+            ]);
             ip(&["-n", &br, "link", "set", &b, "master", "br0", "up"]);
             ip(&["-n", &ns, "addr", "add", &format!("10.213.0.{}/24", i + 1), "dev", &a]);
             ip(&["-n", &ns, "link", "set", &a, "up"]);
@@ -109,7 +114,16 @@ impl Hosts {
         self.spawn(
             "rm",
             "rm",
-            &["rm", "--listen", &listen, "--work-dir", &work, "--node-token-file", &token, "--in-memory"],
+            &[
+                "rm",
+                "--listen",
+                &listen,
+                "--work-dir",
+                &work,
+                "--node-token-file",
+                &token,
+                "--in-memory",
+            ],
         );
         wait_for(Duration::from_secs(30), "the RM's admin token", || {
             self.path("rm/admin.token").exists().then_some(())
@@ -127,9 +141,27 @@ impl Hosts {
             host,
             host,
             &[
-                "node", "--rm", &rm, "--host", &name, "--listen", &listen, "--node-token-file", &token,
-                "--gpus", "2", "--topology", "none", "--cpu", "4", "--memory-mb", "4096", "--ports",
-                "20000-20100", "--work-dir", &work,
+                "node",
+                "--rm",
+                &rm,
+                "--host",
+                &name,
+                "--listen",
+                &listen,
+                "--node-token-file",
+                &token,
+                "--gpus",
+                "2",
+                "--topology",
+                "none",
+                "--cpu",
+                "4",
+                "--memory-mb",
+                "4096",
+                "--ports",
+                "20000-20100",
+                "--work-dir",
+                &work,
             ],
         );
     }
@@ -178,7 +210,10 @@ impl Hosts {
             .arg(&job)
             .args(["--rm", &format!("http://{RM_IP}:8088"), "--admin-token-file"])
             .arg(self.path("rm/admin.token"))
-            .env("GPUAM_TOKEN", fs::read_to_string(self.path("rm/admin.token")).unwrap().trim())
+            .env(
+                "GPUAM_TOKEN",
+                fs::read_to_string(self.path("rm/admin.token")).unwrap().trim(),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         if wait {
@@ -198,7 +233,14 @@ impl Hosts {
             for e in fs::read_dir(self.path(sub)).into_iter().flatten().flatten() {
                 for f in ["am.stderr", "stderr"] {
                     if let Ok(t) = fs::read_to_string(e.path().join(f)) {
-                        let tail: String = t.chars().rev().take(3000).collect::<Vec<_>>().into_iter().rev().collect();
+                        let tail: String = t
+                            .chars()
+                            .rev()
+                            .take(3000)
+                            .collect::<Vec<_>>()
+                            .into_iter()
+                            .rev()
+                            .collect();
                         s.push_str(&format!("--- {}/{f}\n{tail}\n", e.path().display()));
                     }
                 }
@@ -288,11 +330,17 @@ fn three_hosts_in_network_namespaces() {
     }
     hosts.sort();
     assert_eq!(
-        hosts.iter().map(|l| l.split(' ').next().unwrap().to_string()).collect::<Vec<_>>(),
+        hosts
+            .iter()
+            .map(|l| l.split(' ').next().unwrap().to_string())
+            .collect::<Vec<_>>(),
         vec![h1.clone(), h2.clone()],
         "one task per host"
     );
-    assert!(!h.path("out/gang-token-0").exists() && !h.path("out/gang-token-1").exists(), "a task read the admin token");
+    assert!(
+        !h.path("out/gang-token-0").exists() && !h.path("out/gang-token-1").exists(),
+        "a task read the admin token"
+    );
 
     // 2. Daemons of a killed job: none survives, and the next job on the same GPUs starts
     //    only after the last one is gone.
@@ -313,7 +361,10 @@ fn three_hosts_in_network_namespaces() {
     wait_for(Duration::from_secs(60), "6 daemons started", || {
         (lines(&h.path("out/daemons")).len() >= 6).then_some(())
     });
-    let daemons: Vec<i32> = lines(&h.path("out/daemons")).iter().filter_map(|l| l.parse().ok()).collect();
+    let daemons: Vec<i32> = lines(&h.path("out/daemons"))
+        .iter()
+        .filter_map(|l| l.parse().ok())
+        .collect();
     assert!(daemons.iter().all(|p| pid_alive(*p)));
     // Ctrl-C on `gpuam submit --wait` kills the job with the admin token.
     unsafe {
@@ -330,7 +381,11 @@ fn three_hosts_in_network_namespaces() {
     );
     let status = h.submit("next", &next, true).wait().unwrap();
     assert!(status.success(), "the next job succeeds");
-    assert!(!h.path("out/alive-at-next").exists(), "daemons alive when the next job started: {:?}", lines(&h.path("out/alive-at-next")));
+    assert!(
+        !h.path("out/alive-at-next").exists(),
+        "daemons alive when the next job started: {:?}",
+        lines(&h.path("out/alive-at-next"))
+    );
     assert!(daemons.iter().all(|p| !pid_alive(*p)), "no daemon survives its job");
     let last_beat: u128 = fs::read_dir(h.path("out"))
         .unwrap()
@@ -339,10 +394,17 @@ fn three_hosts_in_network_namespaces() {
         .filter_map(|e| fs::read_to_string(e.path()).ok()?.trim().parse().ok())
         .max()
         .unwrap();
-    let first_next: u128 = lines(&h.path("out/next-start")).iter().filter_map(|l| l.parse().ok()).min().unwrap();
+    let first_next: u128 = lines(&h.path("out/next-start"))
+        .iter()
+        .filter_map(|l| l.parse().ok())
+        .min()
+        .unwrap();
     let overlap_ms = (last_beat as i128 - first_next as i128) as f64 / 1e6;
     println!("overlap between the killed job's last daemon beat and the next job's start: {overlap_ms:.1} ms (negative: none)");
-    assert!(last_beat < first_next, "the next job started while a daemon of the killed one still ran");
+    assert!(
+        last_beat < first_next,
+        "the next job started while a daemon of the killed one still ran"
+    );
 
     // 3. Node loss: the task is retried on the other host; the agent restarted kills the
     //    orphan the RM no longer wants.
@@ -353,22 +415,40 @@ fn three_hosts_in_network_namespaces() {
         &[format!("echo $GPUAM_HOST $BASHPID >> {out}/lost-runs; sleep 1000")],
     );
     let mut follower = h.submit("lost", &lost, true);
-    let first = wait_for(Duration::from_secs(60), "the task runs", || lines(&h.path("out/lost-runs")).first().cloned());
-    let (first_host, first_pid) = first.split_once(' ').map(|(a, b)| (a.to_string(), b.parse::<i32>().unwrap())).unwrap();
+    let first = wait_for(Duration::from_secs(60), "the task runs", || {
+        lines(&h.path("out/lost-runs")).first().cloned()
+    });
+    let (first_host, first_pid) = first
+        .split_once(' ')
+        .map(|(a, b)| (a.to_string(), b.parse::<i32>().unwrap()))
+        .unwrap();
     let victim = if first_host == h1 { "h1" } else { "h2" };
     let t0 = now_ns();
     h.kill(victim);
     wait_for(Duration::from_secs(30), "the node LOST", || {
-        h.node_states().iter().any(|(n, s)| *n == first_host && s == "LOST").then_some(())
+        h.node_states()
+            .iter()
+            .any(|(n, s)| *n == first_host && s == "LOST")
+            .then_some(())
     });
-    println!("node LOST {:.1} s after its agent was killed", (now_ns() - t0) as f64 / 1e9);
-    let second = wait_for(Duration::from_secs(60), "the retry", || lines(&h.path("out/lost-runs")).get(1).cloned());
+    println!(
+        "node LOST {:.1} s after its agent was killed",
+        (now_ns() - t0) as f64 / 1e9
+    );
+    let second = wait_for(Duration::from_secs(60), "the retry", || {
+        lines(&h.path("out/lost-runs")).get(1).cloned()
+    });
     assert!(!second.starts_with(&first_host), "retried on the other host: {second}");
-    assert!(pid_alive(first_pid), "the lost node's task still runs (nobody could stop it)");
+    assert!(
+        pid_alive(first_pid),
+        "the lost node's task still runs (nobody could stop it)"
+    );
     h.start_agent(victim);
-    wait_for(Duration::from_secs(30), "the orphan killed after the agent came back", || {
-        (!pid_alive(first_pid)).then_some(())
-    });
+    wait_for(
+        Duration::from_secs(30),
+        "the orphan killed after the agent came back",
+        || (!pid_alive(first_pid)).then_some(()),
+    );
     unsafe {
         libc::kill(follower.id() as i32, libc::SIGINT);
     }

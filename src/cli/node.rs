@@ -117,13 +117,16 @@ pub async fn node(args: NodeArgs) -> i32 {
     let ports = match PortSet::parse(&args.ports) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("error: --ports `{}`: {e} (give ranges like 20000-29999,31000)", args.ports);
+            eprintln!(
+                "error: --ports `{}`: {e} (give ranges like 20000-29999,31000)",
+                args.ports
+            );
             return exit::USAGE;
         }
     };
-    let cpu = args.cpu.unwrap_or_else(|| {
-        std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1))
-    });
+    let cpu = args
+        .cpu
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)));
     let mask = if count >= 64 { u64::MAX } else { (1u64 << count) - 1 };
     let total = Resources::with_mask(cpu, args.memory_mb.unwrap_or_else(machine_memory_mb), mask, ports);
     let opts = AgentOptions {

@@ -128,7 +128,10 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     };
     if let Some(u) = &run_as {
         if u.uid == 0 {
-            anyhow::bail!("--run-as {}: tasks must not run as root; name an unprivileged user", u.name);
+            anyhow::bail!(
+                "--run-as {}: tasks must not run as root; name an unprivileged user",
+                u.name
+            );
         }
     }
     let containment = Containment::detect(&cgroup_parent(&opts.host));
@@ -193,7 +196,12 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         containers: Vec::new(),
         containment: describe,
     };
-    let beat = tokio::spawn(heartbeat_loop(agent, opts.rm_url.clone(), opts.node_token.clone(), register));
+    let beat = tokio::spawn(heartbeat_loop(
+        agent,
+        opts.rm_url.clone(),
+        opts.node_token.clone(),
+        register,
+    ));
     Ok((addr, beat))
 }
 
@@ -201,7 +209,13 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
 fn cgroup_parent(host: &str) -> String {
     let clean: String = host
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || "_.-".contains(c) { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
     format!("gpuam-{clean}")
 }
@@ -258,7 +272,10 @@ fn reports(agent: &Agent) -> Vec<ContainerReport> {
 }
 
 async fn heartbeat_loop(agent: Arc<Agent>, rm_url: String, node_token: String, register: AgentRegister) {
-    let http = match crate::tls::http_client_builder(None).map_err(|e| e.to_string()).and_then(|b| b.timeout(Duration::from_secs(5)).build().map_err(|e| e.to_string())) {
+    let http = match crate::tls::http_client_builder(None)
+        .map_err(|e| e.to_string())
+        .and_then(|b| b.timeout(Duration::from_secs(5)).build().map_err(|e| e.to_string()))
+    {
         Ok(h) => h,
         Err(e) => {
             tracing::error!("cannot build an HTTP client: {e}");

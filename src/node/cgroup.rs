@@ -315,8 +315,7 @@ impl Containment {
 }
 
 fn v2_has_controller(dir: &Path, name: &str) -> bool {
-    std::fs::read_to_string(dir.join("cgroup.subtree_control"))
-        .is_ok_and(|t| t.split_whitespace().any(|c| c == name))
+    std::fs::read_to_string(dir.join("cgroup.subtree_control")).is_ok_and(|t| t.split_whitespace().any(|c| c == name))
 }
 
 /// One container's cgroup (one directory per hierarchy in use).

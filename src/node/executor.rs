@@ -182,12 +182,7 @@ impl RunAs {
             .output()
             .map_err(|e| format!("cannot run useradd to create user `{name}`: {e}"))?;
         // A concurrent node may have created it meanwhile; the lookup decides.
-        RunAs::lookup(name).map_err(|e| {
-            format!(
-                "{e} (useradd said: {})",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )
-        })
+        RunAs::lookup(name).map_err(|e| format!("{e} (useradd said: {})", String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
@@ -793,10 +788,7 @@ fn spawn_launch(
                 }
             }
             if let Some((uid, gid)) = ids {
-                if libc::setgroups(0, std::ptr::null()) == -1
-                    || libc::setgid(gid) == -1
-                    || libc::setuid(uid) == -1
-                {
+                if libc::setgroups(0, std::ptr::null()) == -1 || libc::setgid(gid) == -1 || libc::setuid(uid) == -1 {
                     return Err(std::io::Error::last_os_error());
                 }
             }
@@ -1660,7 +1652,14 @@ mod tests {
             .collect()
     }
 
-    fn contained(name: &str) -> (tempfile::TempDir, Executor, mpsc::UnboundedReceiver<NodeEvent>, Containment) {
+    fn contained(
+        name: &str,
+    ) -> (
+        tempfile::TempDir,
+        Executor,
+        mpsc::UnboundedReceiver<NodeEvent>,
+        Containment,
+    ) {
         let tmp = tempfile::tempdir().unwrap();
         let containment = Containment::detect(&format!("node-{}-{name}", std::process::id()));
         assert_ne!(
@@ -1707,7 +1706,11 @@ mod tests {
             }
             let (got, _, diag) = next_exit(&mut rx).await;
             assert_eq!(got, id);
-            assert_eq!(alive_pids(&pids), Vec::<i32>::new(), "{id}: survivors after Exited ({diag})");
+            assert_eq!(
+                alive_pids(&pids),
+                Vec::<i32>::new(),
+                "{id}: survivors after Exited ({diag})"
+            );
             assert!(containment.cgroup(id).is_empty());
         }
         containment.remove_parents();

@@ -109,8 +109,12 @@ pub trait NodeBackend: Send + Sync + 'static {
     /// Stops the container and everything it started: SIGTERM, then after `grace` a kill
     /// of the whole container. Idempotent. Returns once the container is dead (or the
     /// backend gave up waiting; the `Exited` event still only comes when it is dead).
-    fn stop<'a>(&'a self, host: &'a str, container_id: &'a str, grace: Duration)
-        -> BoxFuture<'a, Result<(), NodeError>>;
+    fn stop<'a>(
+        &'a self,
+        host: &'a str,
+        container_id: &'a str,
+        grace: Duration,
+    ) -> BoxFuture<'a, Result<(), NodeError>>;
 
     /// The node's view of the container; `None` when the node does not know it.
     fn status<'a>(&'a self, host: &'a str, container_id: &'a str) -> BoxFuture<'a, Option<ContainerStatus>>;

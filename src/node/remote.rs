@@ -135,7 +135,10 @@ impl AgentNodes {
     }
 
     fn url(&self, host: &str, id: &str, verb: &str) -> Result<String, NodeError> {
-        Ok(format!("{}/ws/v1/node/{host}/containers/{id}/{verb}", self.address(host)?))
+        Ok(format!(
+            "{}/ws/v1/node/{host}/containers/{id}/{verb}",
+            self.address(host)?
+        ))
     }
 
     async fn call(&self, host: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, NodeError> {
@@ -176,7 +179,9 @@ impl NodeBackend for AgentNodes {
             };
             let req = self.http.post(url).header(CONTAINER_TOKEN_HEADER, token).json(&body);
             let resp = self.call(&host, req).await?;
-            resp.json::<ContainerStatus>().await.map_err(|e| NodeError::Refused(e.to_string()))
+            resp.json::<ContainerStatus>()
+                .await
+                .map_err(|e| NodeError::Refused(e.to_string()))
         }
         .boxed()
     }
@@ -212,7 +217,11 @@ impl NodeBackend for AgentNodes {
         tail: Option<u64>,
     ) -> BoxFuture<'a, Result<String, NodeError>> {
         async move {
-            let mut url = format!("{}?stream={}", self.url(host, container_id, "logs")?, stream.file_name());
+            let mut url = format!(
+                "{}?stream={}",
+                self.url(host, container_id, "logs")?,
+                stream.file_name()
+            );
             if let Some(t) = tail {
                 url.push_str(&format!("&tail={t}"));
             }

@@ -322,20 +322,20 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let (state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let agents = match opts.node_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
-        Some(t) => Some(Arc::new(crate::node::remote::AgentNodes::new(t.to_string(), events_tx.clone())?)),
+        Some(t) => Some(Arc::new(crate::node::remote::AgentNodes::new(
+            t.to_string(),
+            events_tx.clone(),
+        )?)),
         None => None,
     };
     // The in-process node's cgroups: named after the work dir, so that a restarted RM
     // finds its containers again and two RMs on one machine do not meet.
-    let containment = crate::node::cgroup::Containment::detect(&format!(
-        "gpuam-rm-{:016x}",
-        {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            work_dir.hash(&mut h);
-            h.finish()
-        }
-    ));
+    let containment = crate::node::cgroup::Containment::detect(&format!("gpuam-rm-{:016x}", {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        work_dir.hash(&mut h);
+        h.finish()
+    }));
     tracing::info!("in-process node {}", containment.describe());
     let local = crate::node::InProcessNode::new(
         work_dir.join("containers"),
@@ -493,7 +493,12 @@ fn reattach(rm: &Arc<Shared>) {
         (running, ams)
     };
     for id in &running {
-        let host = rm.lock().ledger.container(id).map(|c| c.container.host.clone()).unwrap_or_default();
+        let host = rm
+            .lock()
+            .ledger
+            .container(id)
+            .map(|c| c.container.host.clone())
+            .unwrap_or_default();
         rm.nodes.for_host(&host).reattach(&host, id);
     }
     if !rm.launch_am {
@@ -629,7 +634,12 @@ impl RmHandle {
         };
         stop_running(&self.shared, &ended).await;
         // Anything the executor still runs goes too: no task outlives an orderly shutdown.
-        self.shared.nodes.local.executor().stop_all(Duration::from_secs(3)).await;
+        self.shared
+            .nodes
+            .local
+            .executor()
+            .stop_all(Duration::from_secs(3))
+            .await;
         self.shared.nodes.local.executor().containment().remove_parents();
         for b in self.background {
             b.abort();

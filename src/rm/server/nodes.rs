@@ -156,9 +156,10 @@ fn reconcile(st: &mut RmState, host: &str, reports: &[ContainerReport], register
             reply.acknowledged.push(r.container_id.clone());
             continue;
         }
-        let wanted = st.ledger.container(&r.container_id).is_some_and(|c| {
-            c.container.host == host && c.state == ContainerState::Running && !c.held
-        });
+        let wanted = st
+            .ledger
+            .container(&r.container_id)
+            .is_some_and(|c| c.container.host == host && c.state == ContainerState::Running && !c.held);
         if !wanted {
             reply.stop.push(r.container_id.clone());
         }
