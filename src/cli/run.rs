@@ -227,7 +227,9 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
     let mut seen: HashMap<String, (u64, String)> = HashMap::new();
     let mut unreachable_since: Option<Instant> = None;
     let mut interrupted = false;
-    let ctrl_c = tokio::signal::ctrl_c();
+    // Ctrl-C, SIGTERM or SIGHUP: kill the job and follow it to its end, so that `gpuam
+    // run` leaves no task and no AM behind (its embedded RM then shuts down).
+    let ctrl_c = crate::node::agent::shutdown_signal();
     tokio::pin!(ctrl_c);
     loop {
         let report = match rm.app(app_id).await {
