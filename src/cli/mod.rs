@@ -317,14 +317,16 @@ pub fn main() -> i32 {
             Ok(admin) => {
                 let state = servers::StateOption::from_flags(state_dir, in_memory);
                 runtime.block_on(servers::rm(
-                    node_token_file.as_deref(),
+                    servers::NodeSources {
+                        node_token_file: node_token_file.as_deref(),
+                        ray: &ray,
+                    },
                     cluster.as_deref(),
                     listen,
                     work_dir,
                     admin,
                     state,
                     &settings,
-                    &ray,
                 ))
             }
             Err(code) => code,

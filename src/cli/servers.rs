@@ -25,16 +25,26 @@ impl StateOption {
     }
 }
 
+/// Where the RM's nodes come from besides the cluster file: registered node agents
+/// (their shared token) or a Ray cluster.
+pub struct NodeSources<'a> {
+    pub node_token_file: Option<&'a Path>,
+    pub ray: &'a super::RayBackendArgs,
+}
+
 pub async fn rm(
-    node_token_file: Option<&Path>,
+    sources: NodeSources<'_>,
     cluster: Option<&Path>,
     listen: SocketAddr,
     work_dir: Option<PathBuf>,
     admin_token: Option<String>,
     state: StateOption,
     settings: &Settings,
-    ray_args: &super::RayBackendArgs,
 ) -> i32 {
+    let NodeSources {
+        node_token_file,
+        ray: ray_args,
+    } = sources;
     let node_token = match node_token_file.map(std::fs::read_to_string) {
         None => None,
         Some(Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),

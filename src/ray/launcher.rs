@@ -294,51 +294,6 @@ impl RayLauncher {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn info(status: JobStatus, code: Option<i32>, message: &str) -> JobInfo {
-        JobInfo {
-            submission_id: Some("c".into()),
-            status,
-            message: Some(message.into()),
-            driver_exit_code: code,
-            driver_node_id: None,
-            start_time: None,
-            end_time: None,
-        }
-    }
-
-    #[test]
-    fn ray_job_endings_map_to_container_exits() {
-        assert_eq!(exit_of(&info(JobStatus::Succeeded, Some(0), "")).0, 0);
-        assert_eq!(exit_of(&info(JobStatus::Failed, Some(3), "")).0, 3);
-        assert_eq!(exit_of(&info(JobStatus::Failed, Some(-15), "")).0, 143);
-        assert_eq!(
-            exit_of(&info(JobStatus::Stopped, None, "")).0,
-            exit_status::KILLED_BY_APPMASTER
-        );
-        assert_eq!(
-            exit_of(&info(JobStatus::Failed, Some(EXIT_GATE_REFUSED), "")).0,
-            exit_status::KILLED_BY_APPMASTER
-        );
-        let (code, diag) = exit_of(&info(JobStatus::Failed, None, "Job supervisor actor died\nnode dead"));
-        assert_eq!(code, exit_status::ABORTED);
-        assert!(diag.contains("supervisor actor died"), "{diag}");
-    }
-
-    #[test]
-    fn pending_and_running_jobs_are_running_containers() {
-        let s = status_of("c", Some(&info(JobStatus::Pending, None, "")));
-        assert_eq!(s.state, ContainerState::Running);
-        assert!(s.diagnostics.contains("pending"));
-        assert_eq!(status_of("c", None).state, ContainerState::Running);
-        let s = status_of("c", Some(&info(JobStatus::Failed, Some(2), "")));
-        assert_eq!((s.state, s.exit_status), (ContainerState::Complete, Some(2)));
-    }
-}
-
 /// The node interface (DESIGN.md §9) over the methods above: every host is a Ray node.
 impl NodeBackend for RayLauncher {
     fn kind(&self) -> &'static str {
@@ -382,5 +337,50 @@ impl NodeBackend for RayLauncher {
 
     fn forget(&self, container_id: &str) {
         self.gate.forget(container_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(status: JobStatus, code: Option<i32>, message: &str) -> JobInfo {
+        JobInfo {
+            submission_id: Some("c".into()),
+            status,
+            message: Some(message.into()),
+            driver_exit_code: code,
+            driver_node_id: None,
+            start_time: None,
+            end_time: None,
+        }
+    }
+
+    #[test]
+    fn ray_job_endings_map_to_container_exits() {
+        assert_eq!(exit_of(&info(JobStatus::Succeeded, Some(0), "")).0, 0);
+        assert_eq!(exit_of(&info(JobStatus::Failed, Some(3), "")).0, 3);
+        assert_eq!(exit_of(&info(JobStatus::Failed, Some(-15), "")).0, 143);
+        assert_eq!(
+            exit_of(&info(JobStatus::Stopped, None, "")).0,
+            exit_status::KILLED_BY_APPMASTER
+        );
+        assert_eq!(
+            exit_of(&info(JobStatus::Failed, Some(EXIT_GATE_REFUSED), "")).0,
+            exit_status::KILLED_BY_APPMASTER
+        );
+        let (code, diag) = exit_of(&info(JobStatus::Failed, None, "Job supervisor actor died\nnode dead"));
+        assert_eq!(code, exit_status::ABORTED);
+        assert!(diag.contains("supervisor actor died"), "{diag}");
+    }
+
+    #[test]
+    fn pending_and_running_jobs_are_running_containers() {
+        let s = status_of("c", Some(&info(JobStatus::Pending, None, "")));
+        assert_eq!(s.state, ContainerState::Running);
+        assert!(s.diagnostics.contains("pending"));
+        assert_eq!(status_of("c", None).state, ContainerState::Running);
+        let s = status_of("c", Some(&info(JobStatus::Failed, Some(2), "")));
+        assert_eq!((s.state, s.exit_status), (ContainerState::Complete, Some(2)));
     }
 }
