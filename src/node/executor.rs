@@ -177,12 +177,27 @@ impl RunAs {
                 "user `{name}` does not exist and only root can create it; create it or pass --run-as USER"
             ));
         }
-        let out = std::process::Command::new("useradd")
-            .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
-            .output()
-            .map_err(|e| format!("cannot run useradd to create user `{name}`: {e}"))?;
-        // A concurrent node may have created it meanwhile; the lookup decides.
-        RunAs::lookup(name).map_err(|e| format!("{e} (useradd said: {})", String::from_utf8_lossy(&out.stderr).trim()))
+        // Several agents on one machine (test hosts) may start at once: useradd then fails
+        // for all but one ("cannot lock /etc/passwd", "user already exists"), and the user
+        // may appear only a moment later. Try again for up to 5 s; the lookup decides.
+        let mut said = String::new();
+        for attempt in 0..50 {
+            if attempt > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                if let Ok(u) = RunAs::lookup(name) {
+                    return Ok(u);
+                }
+            }
+            let out = std::process::Command::new("useradd")
+                .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
+                .output()
+                .map_err(|e| format!("cannot run useradd to create user `{name}`: {e}"))?;
+            said = String::from_utf8_lossy(&out.stderr).trim().to_string();
+            if let Ok(u) = RunAs::lookup(name) {
+                return Ok(u);
+            }
+        }
+        Err(format!("cannot create user `{name}` (useradd said: {said}); create it or pass --run-as USER"))
     }
 }
 
