@@ -53,6 +53,7 @@ fn request(ports: bool) -> TaskResources {
         } else {
             Vec::new()
         },
+        ..Default::default()
     }
 }
 

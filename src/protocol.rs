@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::resources::{mask_serde, GpuMask, PortSet, Resources};
+use crate::resources::{mask_serde, CustomResources, GpuMask, GpuShares, PortSet, Resources};
 
 /// YARN ContainerExitStatus values the RM reports.
 pub mod exit_status {
@@ -140,8 +140,15 @@ pub struct Ask {
     pub memory_mb: u64,
     #[serde(with = "mask_serde", default)]
     pub gpu_mask: GpuMask,
+    /// A fractional ask: its one GPU's share, `{"2": "0.25"}` (the index is the mask's
+    /// bit); absent for whole GPUs.
+    #[serde(default, skip_serializing_if = "GpuShares::is_empty")]
+    pub gpu_shares: GpuShares,
     #[serde(default)]
     pub ports: PortSet,
+    /// Custom resources, `{"nvme": 1}`; absent when none.
+    #[serde(default, skip_serializing_if = "CustomResources::is_empty")]
+    pub custom_resources: CustomResources,
     /// Which task the container is for ("role/index"), kept with the container so that
     /// a later AM attempt can re-adopt it (work-preserving AM restart).
     #[serde(default)]
@@ -152,8 +159,27 @@ pub struct Ask {
 }
 
 impl Ask {
+    /// An ask for exactly `r` on `host`.
+    pub fn for_resources(request_id: u64, host: &str, r: &Resources) -> Ask {
+        Ask {
+            request_id,
+            host: host.to_string(),
+            cpu: r.cpu,
+            memory_mb: r.memory_mb,
+            gpu_mask: r.gpu_mask,
+            gpu_shares: r.gpu_shares.clone(),
+            ports: r.ports.clone(),
+            custom_resources: r.custom.clone(),
+            task: None,
+            task_attempt: 0,
+        }
+    }
+
     pub fn resources(&self) -> Resources {
-        Resources::with_mask(self.cpu, self.memory_mb, self.gpu_mask, self.ports.clone())
+        let mut r = Resources::with_mask(self.cpu, self.memory_mb, self.gpu_mask, self.ports.clone());
+        r.gpu_shares = self.gpu_shares.clone();
+        r.custom = self.custom_resources.clone();
+        r
     }
 }
 

@@ -409,14 +409,9 @@ impl Control {
             .filter_map(|t| t.request.as_ref().map(|r| (t, r)))
             .filter(|(_, r)| !self.sent_asks.contains(&r.request_id))
             .map(|(t, r)| Ask {
-                request_id: r.request_id,
-                host: r.host.clone(),
-                cpu: r.resources.cpu,
-                memory_mb: r.resources.memory_mb,
-                gpu_mask: r.resources.gpu_mask,
-                ports: r.resources.ports.clone(),
                 task: Some(self.task_name(t)),
                 task_attempt: t.attempt,
+                ..Ask::for_resources(r.request_id, &r.host, &r.resources)
             })
             .collect();
         let req = AllocateRequest {
@@ -579,9 +574,11 @@ impl Control {
         let same = c.host == req.host
             && c.resources.gpu_mask == req.resources.gpu_mask
             && c.resources.gpu_count() == req.resources.gpu_mask.count_ones()
+            && c.resources.gpu_shares == req.resources.gpu_shares
             && c.resources.ports == req.resources.ports
             && c.resources.cpu == req.resources.cpu
-            && c.resources.memory_mb == req.resources.memory_mb;
+            && c.resources.memory_mb == req.resources.memory_mb
+            && c.resources.custom == req.resources.custom;
         let labelled = assign_port_labels(&role.resources, &c.resources.ports);
         self.selector.remove_requested(&req.host, &req.resources, !same);
         match (same, labelled) {

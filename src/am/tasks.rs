@@ -258,6 +258,7 @@ mod tests {
                     gpus: 0,
                     gpu_mask: None,
                     ports: vec![],
+                    ..Default::default()
                 },
                 commands: vec![],
                 ..Default::default()

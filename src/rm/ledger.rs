@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cluster::{Node, NodeState};
 use crate::protocol::{exit_status, Ask, Container, ContainerState, Rejection};
-use crate::resources::{mask_hex, Resources, Shortfall};
+use crate::resources::{format_hundredths, mask_hex, Resources, Shortfall};
 
 /// Default time a granted container may stay unstarted (YARN's 10 minutes).
 pub const DEFAULT_CONTAINER_EXPIRY: Duration = Duration::from_secs(600);
@@ -312,6 +312,11 @@ impl Ledger {
                 best.gpu_mask = t.gpu_mask;
             }
             best.ports = best.ports.union(&t.ports);
+            for (name, units) in t.custom.iter() {
+                if units > best.custom.get(name) {
+                    best.custom.set(name, units);
+                }
+            }
         }
         best
     }
@@ -349,6 +354,9 @@ impl Ledger {
             }
         }
         let want = ask.resources();
+        if let Some(why) = malformed_shares(&want) {
+            return Err(reject(false, format!("host `{}`: {why}", ask.host)));
+        }
         let total = node.total();
         // The one shortfall rule (Resources::shortfalls), against the total (never fits)
         // and then against what is free now (busy).
@@ -362,8 +370,18 @@ impl Ledger {
                     mask_hex(total.gpu_mask)
                 ),
                 Shortfall::Gpus => format!("{} GPUs asked, the node has {}", want.gpus, total.gpu_count()),
+                Shortfall::GpuShare => format!(
+                    "a share of GPU {} asked, the node has GPUs {}",
+                    want.gpu_shares,
+                    mask_hex(total.gpu_mask)
+                ),
                 Shortfall::Cpu => format!("{} CPUs asked, the node has {}", want.cpu, total.cpu),
                 Shortfall::Memory => format!("{} MB asked, the node has {}", want.memory_mb, total.memory_mb),
+                Shortfall::Custom => format!(
+                    "custom resources {} asked, the node offers {}",
+                    want.custom.to_text(),
+                    none_if_empty(total.custom.to_text())
+                ),
                 Shortfall::Ports | Shortfall::DynamicPorts => format!(
                     "ports [{}] are not offered by the node",
                     want.ports.subtract(&total.ports)
@@ -378,10 +396,27 @@ impl Ledger {
             .shortfalls(&free, 0, 0)
             .iter()
             .map(|s| match s {
-                Shortfall::GpuBits => format!("GPU bits {} are in use", mask_hex(want.gpu_mask & node.used().gpu_mask)),
-                Shortfall::Gpus => format!("{} GPUs asked, {} free", want.gpus, free.gpu_count()),
+                Shortfall::GpuBits => format!(
+                    "GPU bits {} are in use",
+                    mask_hex(want.whole_gpu_mask() & !free.whole_gpu_mask())
+                ),
+                Shortfall::Gpus => format!("{} GPUs asked, {} wholly free", want.gpus, free.whole_gpu_count()),
+                Shortfall::GpuShare => format!(
+                    "GPU share {} asked, {} left",
+                    want.gpu_shares,
+                    match want.gpu_shares.single() {
+                        Some((i, _)) if i < crate::resources::ANY_GPU =>
+                            format_hundredths(free.gpu_hundredths(u32::from(i))),
+                        _ => format_hundredths(free.largest_gpu_room()),
+                    }
+                ),
                 Shortfall::Cpu => format!("{} CPUs asked, {} free", want.cpu, free.cpu),
                 Shortfall::Memory => format!("{} MB asked, {} free", want.memory_mb, free.memory_mb),
+                Shortfall::Custom => format!(
+                    "custom resources {} asked, {} free",
+                    want.custom.to_text(),
+                    none_if_empty(free.custom.to_text())
+                ),
                 Shortfall::Ports | Shortfall::DynamicPorts => {
                     format!("ports [{}] are in use", want.ports.intersect(&node.used().ports))
                 }
@@ -635,17 +670,44 @@ impl Ledger {
     }
 }
 
-/// Whether `used` stays inside `total` in every dimension.
+/// Whether `used` stays inside `total` in every dimension (per GPU, at most what the
+/// node has of it: a used amount's hundredths never pass 100, [`Resources::try_add`]).
 fn within(used: &Resources, total: &Resources) -> bool {
     used.cpu <= total.cpu
         && used.memory_mb <= total.memory_mb
         && used.gpu_mask & !total.gpu_mask == 0
+        && used.custom.fits_in(&total.custom)
         && used.ports.subtract(&total.ports).is_empty()
+}
+
+/// An ask's shares must be one share on the one GPU of its mask (a fractional container);
+/// anything else is refused as written.
+fn malformed_shares(want: &Resources) -> Option<String> {
+    if want.gpu_shares.is_empty() {
+        return None;
+    }
+    match want.gpu_shares.single() {
+        Some((i, _)) if i < crate::resources::ANY_GPU && want.gpu_mask == 1u64 << i => None,
+        _ => Some(format!(
+            "gpuShares {} must be one share of the one GPU in gpuMask {}",
+            want.gpu_shares,
+            mask_hex(want.gpu_mask)
+        )),
+    }
+}
+
+fn none_if_empty(s: String) -> String {
+    if s.is_empty() {
+        "none".into()
+    } else {
+        s
+    }
 }
 
 /// Replays an audit log and checks, independently of the ledger's own accounting,
 /// that no GPU bit or port was granted while another live container on the same host
-/// held it, and that every grant was freed at most once. Returns (grants, frees).
+/// held it, that the shares of one GPU never passed one GPU, and that every grant was
+/// freed at most once. Returns (grants, frees).
 pub fn verify_audit(log: &[AuditEvent]) -> Result<(usize, usize), String> {
     let mut live: HashMap<&str, (&str, &Resources)> = HashMap::new();
     let (mut grants, mut frees) = (0, 0);
@@ -656,16 +718,25 @@ pub fn verify_audit(log: &[AuditEvent]) -> Result<(usize, usize), String> {
                 host,
                 resources,
             } => {
+                // The live containers of the host together, then this grant on top: a GPU
+                // bit held twice, shares above one GPU or a port held twice all fail.
+                let mut held = Resources::default();
+                let mut others = Vec::new();
                 for (other, (h, r)) in &live {
-                    if h == host && (r.gpu_mask & resources.gpu_mask != 0 || r.ports.intersects(&resources.ports)) {
-                        return Err(format!(
-                            "event {i}: {container_id} on {host} overlaps live {other} (GPUs {} vs {}, ports [{}] vs [{}])",
-                            mask_hex(resources.gpu_mask),
-                            mask_hex(r.gpu_mask),
-                            resources.ports,
-                            r.ports
-                        ));
+                    if h == host {
+                        held = held.try_add(r).unwrap_or(held);
+                        others.push(*other);
                     }
+                }
+                if let Err(o) = held.try_add(resources) {
+                    others.sort_unstable();
+                    return Err(format!(
+                        "event {i}: {container_id} on {host} overlaps live {} (GPUs {} vs {}, ports [{}])",
+                        others.join(", "),
+                        resources.gpu_text(),
+                        held.gpu_text(),
+                        o.ports
+                    ));
                 }
                 if live.insert(container_id, (host, resources)).is_some() {
                     return Err(format!("event {i}: {container_id} granted twice"));
@@ -953,6 +1024,9 @@ mod tests {
             cpu: u32,
             mem: u64,
             mask: u64,
+            /// A share of the mask's lowest GPU, in hundredths (0 = whole GPUs).
+            share: u32,
+            nvme: u64,
             ports: Vec<u16>,
         },
         Release(usize),
@@ -960,36 +1034,168 @@ mod tests {
         Start(usize),
         Expire(u64),
         Lose(u8),
+        /// The RM restarts: a new ledger recovers from the store.
+        Restart,
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            4 => (0u8..3, 0u8..3, 0u32..5, 0u64..400, 0u64..0x20, proptest::collection::vec(1998u16..2008, 0..3))
-                .prop_map(|(app, host, cpu, mem, mask, ports)| Op::Ask { app, host, cpu, mem, mask, ports }),
+            4 => (0u8..3, 0u8..3, 0u32..5, 0u64..400, 0u64..0x20, prop_oneof![Just(0u32), 1u32..100], 0u64..3, proptest::collection::vec(1998u16..2008, 0..3))
+                .prop_map(|(app, host, cpu, mem, mask, share, nvme, ports)| Op::Ask { app, host, cpu, mem, mask, share, nvme, ports }),
             2 => any::<usize>().prop_map(Op::Release),
             1 => any::<usize>().prop_map(Op::Dead),
             1 => any::<usize>().prop_map(Op::Start),
             1 => (0u64..20).prop_map(Op::Expire),
             1 => (0u8..4).prop_map(Op::Lose),
+            1 => Just(Op::Restart),
         ]
     }
 
+    fn nvme(n: u64) -> crate::resources::CustomResources {
+        crate::resources::CustomResources::from_pairs([("nvme", n)])
+    }
+
+    /// The nodes of the property tests: `a` and `c` offer NVMe drives, `b` none.
+    fn prop_nodes() -> Vec<Node> {
+        let mut a = node("a", 8, 1000, 0xf, "2000-2005");
+        a.set_total(a.total().clone().with_custom(nvme(2)));
+        let mut c = node("c", 2, 300, 0x1f, "");
+        c.set_total(c.total().clone().with_custom(nvme(1)));
+        vec![a, node("b", 4, 500, 0x3, "2003-2007"), c]
+    }
+
+    fn prop_ask(i: usize, host: &str, cpu: u32, mem: u64, mask: u64, share: u32, n: u64, ports: Vec<u16>) -> Ask {
+        let gpu_mask = if share > 0 && mask != 0 {
+            mask & mask.wrapping_neg()
+        } else {
+            mask
+        };
+        Ask {
+            request_id: i as u64,
+            host: host.into(),
+            cpu,
+            memory_mb: mem,
+            gpu_mask,
+            gpu_shares: if share > 0 && gpu_mask != 0 {
+                crate::resources::GpuShares::one(gpu_mask.trailing_zeros() as u8, share)
+            } else {
+                Default::default()
+            },
+            custom_resources: nvme(n),
+            ports: PortSet::from_ports(ports),
+            ..Default::default()
+        }
+    }
+
+    /// Every node's books, from its live containers alone: per GPU index the hundredths
+    /// held (whole = 100), NVMe drives, CPU, memory, ports. Checks on the way that no GPU
+    /// passes one GPU, that no whole holder shares its GPU, and that nothing passes the
+    /// node's total; and that the ledger's own `used` says the same.
+    fn check_books(l: &Ledger) -> Result<(), TestCaseError> {
+        for (n, count) in l.nodes() {
+            let live: Vec<&LedgerContainer> = l
+                .containers
+                .values()
+                .filter(|c| c.container.host == n.host && (c.state != ContainerState::Complete || c.held))
+                .collect();
+            prop_assert_eq!(live.len() as u32, count);
+            let mut ports = PortSet::new();
+            let (mut cpu, mut mem, mut drives) = (0u32, 0u64, 0u64);
+            for g in 0..64u32 {
+                let holders: Vec<u32> = live
+                    .iter()
+                    .map(|c| c.container.resources.gpu_hundredths(g))
+                    .filter(|h| *h > 0)
+                    .collect();
+                let sum: u32 = holders.iter().sum();
+                prop_assert!(sum <= 100, "GPU {} of {} holds {} hundredths", g, n.host, sum);
+                prop_assert!(
+                    holders.len() <= 1 || holders.iter().all(|h| *h < 100),
+                    "a whole-GPU container shares GPU {} of {}: {:?}",
+                    g,
+                    n.host,
+                    holders
+                );
+                prop_assert_eq!(n.used().gpu_hundredths(g), sum, "used GPU {} of {}", g, n.host);
+                prop_assert!(sum == 0 || n.total().gpu_hundredths(g) == 100);
+            }
+            for c in &live {
+                let r = &c.container.resources;
+                prop_assert!(!ports.intersects(&r.ports));
+                ports = ports.union(&r.ports);
+                cpu += r.cpu;
+                mem += r.memory_mb;
+                drives += r.custom.get("nvme");
+            }
+            prop_assert!(cpu <= n.total().cpu && mem <= n.total().memory_mb);
+            prop_assert!(drives <= n.total().custom.get("nvme"), "{} nvme on {}", drives, n.host);
+            prop_assert!(ports.is_subset(&n.total().ports));
+            prop_assert_eq!(
+                (n.used().cpu, n.used().memory_mb, n.used().custom.get("nvme")),
+                (cpu, mem, drives)
+            );
+            prop_assert_eq!(&n.used().ports, &ports);
+        }
+        Ok(())
+    }
+
+    /// What a node holds, per GPU index in hundredths and in custom units.
+    fn books(l: &Ledger) -> Vec<(String, Vec<u32>, u64, u32, u64)> {
+        l.nodes()
+            .map(|(n, _)| {
+                let u = n.used();
+                (
+                    n.host.clone(),
+                    (0..8).map(|g| u.gpu_hundredths(g)).collect(),
+                    u.custom.get("nvme"),
+                    u.cpu,
+                    u.memory_mb,
+                )
+            })
+            .collect()
+    }
+
+    /// Writes what changed, as the RM does after each locked step.
+    fn persist(l: &mut Ledger, store: &mut crate::rm::store::Store) {
+        let changes = l.take_changes();
+        let batch = crate::rm::store::Batch {
+            meta: Some(crate::rm::store::Meta {
+                cluster_ts: 1,
+                next_app_seq: 1,
+                reserved: Vec::new(),
+            }),
+            apps: Vec::new(),
+            containers: changes.containers.iter().filter_map(|id| l.container(id)).collect(),
+            nodes: changes
+                .nodes
+                .iter()
+                .filter_map(|h| l.node(h).map(|n| (h.as_str(), n.state)))
+                .collect(),
+        };
+        store.write(&batch).expect("the test store takes every write");
+    }
+
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        /// Grants, releases, deaths, expiries, lost nodes and RM restarts (recovery from
+        /// the SQLite store), with whole GPUs, GPU shares and custom resources: never more
+        /// than one GPU's hundredths on a GPU, never a whole-GPU container on a shared GPU,
+        /// never more of anything than the node has; a restart neither loses nor creates a
+        /// hundredth or an NVMe drive; in the end everything is free again.
         #[test]
         fn never_over_allocates(ops in proptest::collection::vec(op(), 1..80)) {
             let hosts = ["a", "b", "c"];
-            let mut l = Ledger::new(
-                [node("a", 8, 1000, 0xf, "2000-2005"), node("b", 4, 500, 0x3, "2003-2007"), node("c", 2, 300, 0x1f, "")],
-                Duration::from_secs(10),
-            );
+            let dir = tempfile::tempdir().expect("a temp dir");
+            let mut store = crate::rm::store::Store::open(dir.path()).expect("a store");
+            let mut l = Ledger::new(prop_nodes(), Duration::from_secs(10));
             let t0 = Instant::now();
             let mut granted: Vec<String> = Vec::new();
             let mut clock = 0u64;
             for (i, o) in ops.into_iter().enumerate() {
                 let now = t0 + Duration::from_secs(clock);
                 match o {
-                    Op::Ask { app, host, cpu, mem, mask, ports } => {
-                        let a = Ask { request_id: i as u64, host: hosts[host as usize].into(), cpu, memory_mb: mem, gpu_mask: mask, ports: PortSet::from_ports(ports), ..Default::default() };
+                    Op::Ask { app, host, cpu, mem, mask, share, nvme, ports } => {
+                        let a = prop_ask(i, hosts[host as usize], cpu, mem, mask, share, nvme, ports);
                         let free_before = l.node(&a.host).map(|n| n.total().subtract(n.used()));
                         match l.grant(&format!("app{app}"), 1, &a, now) {
                             Ok(c) => {
@@ -1014,37 +1220,88 @@ mod tests {
                     }
                     Op::Expire(dt) => { clock += dt; l.expire(t0 + Duration::from_secs(clock)); }
                     Op::Lose(h) if (h as usize) < hosts.len() => { l.mark_node_lost(hosts[h as usize]); }
+                    Op::Restart => {
+                        persist(&mut l, &mut store);
+                        let before = books(&l);
+                        let live_before = { let mut v = l.live_containers(); v.sort(); v };
+                        drop(store);
+                        store = crate::rm::store::Store::open(dir.path()).expect("the store opens again");
+                        let r = store.recover().expect("recovered").expect("a saved state");
+                        let mut next = Ledger::new(prop_nodes(), Duration::from_secs(10));
+                        for (h, st) in &r.node_states {
+                            next.set_node_state(h, *st);
+                        }
+                        let refused: Vec<Ended> = r.containers.into_iter()
+                            .filter_map(|c| next.restore(c, now, crate::rm::apps::now_ms()))
+                            .collect();
+                        prop_assert!(refused.is_empty(), "nothing the ledger held is refused: {:?}", refused);
+                        prop_assert_eq!(books(&next), before, "a restart keeps every hundredth and unit");
+                        let live_after = { let mut v = next.live_containers(); v.sort(); v };
+                        prop_assert_eq!(live_after, live_before);
+                        l = next;
+                    }
                     _ => {}
                 }
-                // Invariant: no GPU bit or port in two live containers; CPU/MB ≤ total.
-                for (n, count) in l.nodes() {
-                    let live: Vec<&LedgerContainer> = l.containers.values()
-                        .filter(|c| c.container.host == n.host && (c.state != ContainerState::Complete || c.held)).collect();
-                    prop_assert_eq!(live.len() as u32, count);
-                    let mut mask = 0u64;
-                    let mut ports = PortSet::new();
-                    let (mut cpu, mut mem) = (0u32, 0u64);
-                    for c in &live {
-                        let r = &c.container.resources;
-                        prop_assert_eq!(mask & r.gpu_mask, 0);
-                        prop_assert!(!ports.intersects(&r.ports));
-                        mask |= r.gpu_mask;
-                        ports = ports.union(&r.ports);
-                        cpu += r.cpu;
-                        mem += r.memory_mb;
-                    }
-                    prop_assert!(cpu <= n.total().cpu && mem <= n.total().memory_mb);
-                    prop_assert_eq!(mask & !n.total().gpu_mask, 0);
-                    prop_assert!(ports.is_subset(&n.total().ports));
-                    prop_assert_eq!((n.used().cpu, n.used().memory_mb, n.used().gpu_mask), (cpu, mem, mask));
-                    prop_assert_eq!(&n.used().ports, &ports);
-                }
+                persist(&mut l, &mut store);
+                check_books(&l)?;
             }
             for id in l.live_containers() {
                 l.complete(&id, 0, "end");
             }
             prop_assert!(l.all_free());
         }
+    }
+
+    #[test]
+    fn shares_fill_a_gpu_and_keep_whole_tasks_off_it() {
+        let mut l = Ledger::new(prop_nodes(), Duration::from_secs(10));
+        let now = Instant::now();
+        let quarter = |id| prop_ask(id, "a", 1, 10, 0x1, 25, 0, vec![]);
+        let mut held = Vec::new();
+        for id in 0..4 {
+            held.push(l.grant("app", 1, &quarter(id), now).expect("four quarters of GPU 0"));
+        }
+        let r = l.grant("app", 1, &quarter(4), now).unwrap_err();
+        assert!(
+            r.retryable && r.reason.contains("GPU share 0:0.25 asked, 0 left"),
+            "{r:?}"
+        );
+        l.complete(&held[0].container_id, 0, "");
+        let r = l.grant("app", 1, &ask(5, "a", 1, 10, 0x1, ""), now).unwrap_err();
+        assert!(
+            r.retryable && r.reason.contains("GPU bits 0x1 are in use"),
+            "whole beside shares: {r:?}"
+        );
+        let c = l.grant("app", 1, &quarter(6), now).expect("the freed quarter");
+        assert_eq!(c.resources.gpu_text(), "0x1 (0:0.25)");
+        let used = l.node("a").unwrap().used();
+        assert_eq!((used.gpu_mask, used.gpu_hundredths(0)), (0x1, 100));
+        // Malformed: a share on a GPU the mask does not name.
+        let mut bad = quarter(7);
+        bad.gpu_mask = 0x2;
+        let r = l.grant("app", 1, &bad, now).unwrap_err();
+        assert!(!r.retryable && r.reason.contains("must be one share"), "{r:?}");
+    }
+
+    #[test]
+    fn custom_resources_are_granted_only_where_free_and_impossible_where_absent() {
+        let mut l = Ledger::new(prop_nodes(), Duration::from_secs(10));
+        let now = Instant::now();
+        let drive = |id, host| prop_ask(id, host, 1, 10, 0, 0, 1, vec![]);
+        let c1 = l.grant("app", 1, &drive(1, "c"), now).expect("c has one drive");
+        let r = l.grant("app", 1, &drive(2, "c"), now).unwrap_err();
+        assert!(
+            r.retryable && r.reason.contains("custom resources nvme=1 asked, none free"),
+            "{r:?}"
+        );
+        let r = l.grant("app", 1, &drive(3, "b"), now).unwrap_err();
+        assert!(
+            !r.retryable && r.reason.contains("nvme=1 asked, the node offers none"),
+            "{r:?}"
+        );
+        l.complete(&c1.container_id, 0, "");
+        l.grant("app", 1, &drive(4, "c"), now).expect("freed again");
+        assert_eq!(l.max_capability().custom.get("nvme"), 2);
     }
 
     proptest! {

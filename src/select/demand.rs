@@ -3,17 +3,21 @@
 
 use super::fast_hash::FastMap;
 
-use crate::resources::{GpuMask, Resources};
+use crate::resources::{CustomResources, GpuMask, GpuShares, Resources, ANY_GPU, WHOLE};
 use crate::spec::{JobSpec, TaskResources};
 
 /// The size of one task, as far as "how many fit on this node" is concerned.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct TaskShape {
     pub cpu: u32,
     pub memory_mb: u64,
+    /// Whole GPUs (0 for a fractional task).
     pub gpus: u32,
+    /// A fractional task's share of one GPU in hundredths; 0 for whole-GPU tasks.
+    pub gpu_share: u32,
     /// Static and dynamic ports together.
     pub ports: u32,
+    pub custom: CustomResources,
 }
 
 impl TaskShape {
@@ -21,8 +25,10 @@ impl TaskShape {
         TaskShape {
             cpu: r.cpu,
             memory_mb: r.memory_mb,
-            gpus: r.gpus,
+            gpus: if r.gpu_share.is_some() { 0 } else { r.gpus },
+            gpu_share: r.gpu_share.unwrap_or(0),
             ports: r.static_ports().count() + r.dynamic_port_count(),
+            custom: r.custom.clone(),
         }
     }
 }
@@ -137,19 +143,56 @@ impl JobDemand {
         } else {
             u32::MAX
         };
-        self.capacity_with(free.cpu, free.memory_mb, free.gpu_count(), ports)
+        self.capacity_with(
+            free.cpu,
+            free.memory_mb,
+            free.whole_gpu_count(),
+            &free.gpu_shares,
+            ports,
+            Some(&free.custom),
+        )
     }
 
-    /// [`JobDemand::capacity_in`] from plain amounts (`u32::MAX` = unlimited).
-    pub fn capacity_with(&self, mut cpu: u32, mut mem: u64, mut gpus: u32, mut ports: u32) -> u32 {
+    /// [`JobDemand::capacity_in`] from plain amounts (`u32::MAX` = unlimited): `gpus`
+    /// wholly free GPUs, `rooms` left on shared ones, `custom` free custom resources
+    /// (`None` = unlimited).
+    pub fn capacity_with(
+        &self,
+        mut cpu: u32,
+        mut mem: u64,
+        mut gpus: u32,
+        rooms: &GpuShares,
+        mut ports: u32,
+        custom: Option<&CustomResources>,
+    ) -> u32 {
+        let mut custom = custom.cloned();
+        // Rooms on shared GPUs, only looked at when a shape is fractional.
+        let mut rooms: Vec<u32> = if self.remaining.iter().any(|(s, _)| s.gpu_share > 0) {
+            rooms.iter().filter(|(i, _)| *i < ANY_GPU).map(|(_, h)| h).collect()
+        } else {
+            Vec::new()
+        };
         let mut total = 0;
         for (s, count) in &self.remaining {
+            let by_share = (s.gpu_share > 0).then(|| {
+                let per_gpu = WHOLE / s.gpu_share;
+                let in_rooms: u32 = rooms.iter().map(|r| r / s.gpu_share).sum();
+                in_rooms.saturating_add(gpus.saturating_mul(per_gpu))
+            });
+            let by_custom = custom.as_ref().and_then(|c| {
+                s.custom
+                    .iter()
+                    .map(|(n, q)| u32::try_from(c.get(n) / q).unwrap_or(u32::MAX))
+                    .min()
+            });
             let fit = [
                 cpu.checked_div(s.cpu),
                 mem.checked_div(s.memory_mb)
                     .map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
                 gpus.checked_div(s.gpus),
+                by_share,
                 ports.checked_div(s.ports),
+                by_custom,
             ]
             .into_iter()
             .flatten()
@@ -157,11 +200,46 @@ impl JobDemand {
             cpu -= fit * s.cpu;
             mem -= u64::from(fit) * s.memory_mb;
             gpus -= fit * s.gpus;
+            if s.gpu_share > 0 {
+                gpus -= take_shares(&mut rooms, fit, s.gpu_share);
+            }
             ports -= fit * s.ports;
+            if let Some(c) = custom.as_mut() {
+                for (n, q) in s.custom.iter() {
+                    c.set(n, c.get(n).saturating_sub(q.saturating_mul(u64::from(fit))));
+                }
+            }
             total += fit;
         }
         total
     }
+}
+
+/// Places `n` shares of `share` hundredths best fit: into the fullest rooms first, then
+/// on wholly free GPUs (whose rest becomes a room). Returns the whole GPUs opened; the
+/// caller has checked that `n` fit.
+fn take_shares(rooms: &mut Vec<u32>, n: u32, share: u32) -> u32 {
+    let mut left = n;
+    rooms.sort_unstable();
+    for r in rooms.iter_mut() {
+        let k = (*r / share).min(left);
+        *r -= k * share;
+        left -= k;
+    }
+    rooms.retain(|r| *r > 0);
+    if left == 0 {
+        return 0;
+    }
+    let per_gpu = WHOLE / share;
+    let opened = left.div_ceil(per_gpu);
+    let in_last = left - (opened - 1) * per_gpu;
+    if WHOLE - in_last * share > 0 {
+        rooms.push(WHOLE - in_last * share);
+    }
+    if per_gpu > 0 {
+        rooms.extend(std::iter::repeat_n(WHOLE - per_gpu * share, opened as usize - 1).filter(|r| *r > 0));
+    }
+    opened
 }
 
 #[cfg(test)]
@@ -174,8 +252,67 @@ mod tests {
             cpu,
             memory_mb: 1000,
             gpus,
-            ports: 0,
+            ..Default::default()
         }
+    }
+
+    #[test]
+    fn capacity_counts_shares_best_fit_and_custom_units() {
+        let mut d = JobDemand::new(true);
+        d.add_waiting(
+            TaskShape {
+                cpu: 1,
+                memory_mb: 1,
+                gpu_share: 25,
+                ..Default::default()
+            },
+            10,
+        );
+        // GPU 0 has 0.5 left, GPU 1 is free: 2 + 4 quarters.
+        let free = Resources::with_mask(64, 100_000, 0x3, PortSet::new()).subtract(&Resources::with_share(
+            0,
+            0,
+            0,
+            50,
+            PortSet::new(),
+        ));
+        assert_eq!(d.capacity_in(&free, 0), 6);
+        // A 2-GPU task behind them finds no whole GPU left.
+        d.add_waiting(shape(1, 1), 1);
+        assert_eq!(d.capacity_in(&free, 0), 6);
+        let mut d = JobDemand::new(false);
+        d.add_waiting(
+            TaskShape {
+                cpu: 1,
+                memory_mb: 1,
+                custom: CustomResources::from_pairs([("nvme", 1)]),
+                ..Default::default()
+            },
+            5,
+        );
+        let free = Resources::with_mask(64, 100_000, 0, PortSet::new())
+            .with_custom(CustomResources::from_pairs([("nvme", 2)]));
+        assert_eq!(d.capacity_in(&free, 0), 2);
+        assert_eq!(
+            d.capacity_in(&Resources::with_mask(64, 100_000, 0, PortSet::new()), 0),
+            0
+        );
+    }
+
+    #[test]
+    fn shares_fill_the_fullest_rooms_first() {
+        let mut rooms = vec![50, 30];
+        assert_eq!(take_shares(&mut rooms, 1, 25), 0);
+        assert_eq!(rooms, vec![5, 50], "the 0.3 room took it");
+        assert_eq!(
+            take_shares(&mut rooms, 6, 25),
+            1,
+            "two in the 0.5 room, four on a new GPU"
+        );
+        assert_eq!(rooms, vec![5]);
+        let mut rooms = Vec::new();
+        assert_eq!(take_shares(&mut rooms, 3, 40), 2);
+        assert_eq!(rooms, vec![60, 20]);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use super::fast_hash::{FastMap, FxHasher};
 use crate::cluster::{Node, NodeState};
-use crate::resources::GpuMask;
+use crate::resources::{GpuMask, GpuShares, PortSet, Resources};
 use crate::topology::Topology;
 
 /// What every node of a bucket has in common.
@@ -33,8 +33,11 @@ pub(crate) struct BucketKey {
     pub topo: u32,
     pub total_mask: GpuMask,
     pub total_gpus: u32,
+    /// The wholly free GPUs (a GPU holding any share is not among them).
     pub free_mask: GpuMask,
     pub free_gpus: u32,
+    /// Interned room left on shared GPUs ([`GpuShares`] of the free amount); 0 = none.
+    pub free_shares: u32,
 }
 
 /// One node's place inside its bucket; the order is the walk order.
@@ -88,6 +91,9 @@ pub(crate) struct NodeIndex {
     topologies: Vec<Arc<Topology>>,
     topo_by_hash: FastMap<u64, Vec<u32>>,
     rack_ids: Interner,
+    /// Rooms left on shared GPUs, by content; id 0 is "none" (no GPU shared).
+    shares: Vec<GpuShares>,
+    share_ids: FastMap<GpuShares, u32>,
     /// Per rack id: its nodes by bucket, ordered as in the bucket.
     racks: Vec<FastMap<u32, BTreeSet<Member>>>,
     salt: u64,
@@ -111,6 +117,8 @@ impl NodeIndex {
             topologies: Vec::new(),
             topo_by_hash: FastMap::default(),
             rack_ids: Interner::default(),
+            shares: vec![GpuShares::new()],
+            share_ids: FastMap::default(),
             racks: Vec::new(),
             salt: salt | 1,
         }
@@ -179,10 +187,42 @@ impl NodeIndex {
         self.racks.get(rack as usize)?.get(&bucket)
     }
 
+    /// The id of a free amount's shared-GPU rooms (0 = none).
+    fn share_id(&mut self, s: &GpuShares) -> u32 {
+        if s.is_empty() {
+            return 0;
+        }
+        if let Some(&i) = self.share_ids.get(s) {
+            return i;
+        }
+        let i = self.shares.len() as u32;
+        self.shares.push(s.clone());
+        self.share_ids.insert(s.clone(), i);
+        i
+    }
+
+    /// The free GPUs of a bucket's nodes as an amount (wholly free GPUs and the room left
+    /// on shared ones), with unlimited CPU and memory and no ports: what the GPU part of
+    /// the shortfall rule and the GPU half of the order need.
+    pub fn free_gpus(&self, key: &BucketKey) -> Resources {
+        let shares = self.shares.get(key.free_shares as usize).cloned().unwrap_or_default();
+        let gpu_mask = key.free_mask | shares.mask();
+        Resources {
+            cpu: u32::MAX,
+            memory_mb: u64::MAX,
+            gpus: gpu_mask.count_ones(),
+            gpu_mask,
+            gpu_shares: shares,
+            ports: PortSet::new(),
+            custom: Default::default(),
+        }
+    }
+
     /// The key a node files under (its topology must already be interned or is interned now).
     fn key_of(&mut self, node: &Node) -> BucketKey {
         let free = node.free();
         let total = node.total();
+        let free_shares = self.share_id(&free.gpu_shares);
         BucketKey {
             running: node.state == NodeState::Running,
             partition: self.partitions.id(node.partition()),
@@ -190,8 +230,9 @@ impl NodeIndex {
             topo: node.topology.as_ref().map_or(0, |t| self.topo_id(t)),
             total_mask: total.gpu_mask,
             total_gpus: total.gpu_count(),
-            free_mask: free.gpu_mask,
-            free_gpus: free.gpu_count(),
+            free_mask: free.whole_gpu_mask(),
+            free_gpus: free.whole_gpu_count(),
+            free_shares,
         }
     }
 
@@ -278,6 +319,8 @@ impl NodeIndex {
         self.buckets.clear();
         self.bucket_of.clear();
         self.racks.clear();
+        self.shares.truncate(1);
+        self.share_ids.clear();
         for n in nodes {
             self.upsert(n);
         }

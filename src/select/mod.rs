@@ -33,7 +33,7 @@ use rand::Rng;
 
 use crate::cluster::{ClusterView, Node};
 use crate::config::{RackPolicy, SelectSettings};
-use crate::resources::{GpuMask, PortSet, Resources, Shortfall};
+use crate::resources::{CustomResources, GpuMask, PortSet, Resources, Shortfall};
 use crate::spec::TaskResources;
 use crate::topology::Topology;
 
@@ -172,18 +172,11 @@ pub(crate) struct Cx<'a> {
 impl Cx<'_> {
     /// The request as the resource stage checks it.
     pub fn request(&self) -> Resources {
-        let r = self.ask.resources;
         let ports = match &self.ports {
             PortPlan::Fixed(p) => p.clone(),
             PortPlan::PerNode { statics, .. } => statics.clone(),
         };
-        Resources {
-            cpu: r.cpu,
-            memory_mb: r.memory_mb,
-            gpus: r.gpus,
-            gpu_mask: r.gpu_mask.unwrap_or(0),
-            ports,
-        }
+        self.ask.resources.request_with_ports(ports)
     }
 }
 
@@ -406,7 +399,11 @@ impl SelectorState {
         let (ports, port_note) = stages::port_plan(&cx);
         cx.ports = ports;
         let req = cx.request();
-        let k = ask.resources.gpus;
+        let k = if ask.resources.gpu_share.is_some() {
+            1
+        } else {
+            ask.resources.gpus
+        };
         let need = demand.remaining_tasks().max(1);
         let keep = (ask.waiting_tasks.max(1) as usize)
             .saturating_mul(settings.candidate_nodes_factor as usize)
@@ -473,9 +470,10 @@ impl SelectorState {
             memory_mb: 0,
             gpus: req.gpus,
             gpu_mask: req.gpu_mask,
+            gpu_shares: req.gpu_shares.clone(),
             ports: PortSet::new(),
+            custom: Default::default(),
         };
-        let no_ports = PortSet::new();
         let mut live: Vec<(objective::RankKey, u32, Option<u32>, u32)> = Vec::new();
         for &(bi, rack) in &sources {
             let b = &index.buckets()[bi as usize];
@@ -508,13 +506,7 @@ impl SelectorState {
                 fstages[i].drop_many(reason, count, examples());
                 continue;
             }
-            let free = Resources {
-                cpu: u32::MAX,
-                memory_mb: u64::MAX,
-                gpus: b.key.free_gpus,
-                gpu_mask: b.key.free_mask,
-                ports: no_ports.clone(),
-            };
+            let mut free = index.free_gpus(&b.key);
             if let Some(sf) = gpu_req.shortfall(&free) {
                 res_stage.drop_many(sf.reason(), count, examples());
                 continue;
@@ -530,15 +522,11 @@ impl SelectorState {
                 continue;
             };
             let fits = demand
-                .capacity_with(u32::MAX, u64::MAX, b.key.free_gpus, u32::MAX)
+                .capacity_with(u32::MAX, u64::MAX, b.key.free_gpus, &free.gpu_shares, u32::MAX, None)
                 .max(1)
                 .min(need);
             let topo = index.topology(b.key.topo).map(|t| &**t);
-            let pick = match ask.resources.gpu_mask {
-                Some(m) => Some(objective::given(topo, b.key.free_mask, 0, m)),
-                None => cx.choices.pick(b.key.topo, topo, b.key.free_mask, 0, k, fits),
-            };
-            let Some(pick) = pick else {
+            let Some(pick) = stages::pick_gpus(&mut cx, b.key.topo, topo, &free, 0, fits) else {
                 res_stage.drop_many(
                     "no GPU set of the requested size on this node",
                     count - low,
@@ -549,14 +537,10 @@ impl SelectorState {
                 );
                 continue;
             };
-            let probe = Resources {
-                cpu: first.0,
-                memory_mb: 0,
-                gpus: b.key.free_gpus,
-                gpu_mask: b.key.free_mask,
-                ports: no_ports.clone(),
-            };
-            let bound = stages::rank_key(false, fits, rack.is_some(), &pick, &probe, b.key.total_gpus, 0);
+            // The bound: the best key any node of the bucket can have (least CPU, no memory).
+            free.cpu = first.0;
+            free.memory_mb = 0;
+            let bound = stages::rank_key(false, fits, rack.is_some(), &pick, &free, b.key.total_gpus, 0);
             live.push((bound, bi, rack, fits));
         }
 
@@ -585,14 +569,7 @@ impl SelectorState {
                 fstages[i].drop_node(reason, index.host(slot));
                 continue;
             }
-            let bucket_free = Resources {
-                cpu: u32::MAX,
-                memory_mb: u64::MAX,
-                gpus: bkey.free_gpus,
-                gpu_mask: bkey.free_mask,
-                ports: no_ports.clone(),
-            };
-            if let Some(sf) = gpu_req.shortfall(&bucket_free) {
+            if let Some(sf) = gpu_req.shortfall(&index.free_gpus(&bkey)) {
                 res_stage.drop_node(sf.reason(), index.host(slot));
                 continue;
             }
@@ -683,6 +660,10 @@ impl SelectorState {
         res_stage.nodes_in = alive;
         alive -= res_stage.dropped_count().min(alive);
         res_stage.nodes_out = alive;
+        let custom_short = res_stage.dropped.iter().any(|g| g.reason == Shortfall::Custom.reason());
+        if custom_short || (alive == 0 && !ask.resources.custom.is_empty()) {
+            res_stage.note = custom_note(&ask.resources.custom, view);
+        }
         trace.stages.push(res_stage);
         let mut rack_stage = StageTrace::new("rack-policy", alive);
         if rack_on && !job_racks.is_empty() {
@@ -720,7 +701,7 @@ impl SelectorState {
             let outcome = match impossible_reason(ask, demand, cx.settings, view) {
                 Some(reason) => Outcome::Impossible { reason },
                 None => Outcome::NotNow {
-                    reason: not_now_reason(&trace),
+                    reason: custom_wait_reason(&trace).unwrap_or_else(|| not_now_reason(&trace)),
                 },
             };
             return Selection { outcome, trace };
@@ -740,7 +721,7 @@ impl SelectorState {
                 rack: c.node.rack.clone(),
                 job_affinity: c.key.affinity.0,
                 fits_tasks: c.fits,
-                free_gpus: c.avail().gpu_count(),
+                free_gpus: c.avail().whole_gpu_count(),
                 gpu_tier: c.pick.task_tier,
                 gpu_tier_ideal: tier_ideal(c),
                 gpu_weight: c.pick.task_weight,
@@ -771,10 +752,21 @@ impl SelectorState {
                 trace,
             };
         };
+        let mut resources = match ask.resources.gpu_share {
+            Some(share) => Resources::with_share(
+                ask.resources.cpu,
+                ask.resources.memory_mb,
+                best.pick.task.trailing_zeros(),
+                share,
+                ports,
+            ),
+            None => Resources::with_mask(ask.resources.cpu, ask.resources.memory_mb, best.pick.task, ports),
+        };
+        resources.custom = ask.resources.custom.clone();
         let placement = Placement {
             host: best.node.host.clone(),
             rack: best.node.rack.clone(),
-            resources: Resources::with_mask(ask.resources.cpu, ask.resources.memory_mb, best.pick.task, ports),
+            resources,
             gpu_tier: best.pick.task_tier,
             gpu_weight: best.pick.task_weight,
             gpu_tier_ideal: tier_ideal(best),
@@ -787,7 +779,8 @@ impl SelectorState {
     }
 }
 
-/// Union of two amounts where overlaps are allowed (tried asks may repeat bits).
+/// Union of two amounts where overlaps are allowed (tried asks may repeat bits). A tried
+/// share marks its whole GPU as tried (the next choices avoid that GPU for a while).
 fn union(a: &Resources, b: &Resources) -> Resources {
     let mask = a.gpu_mask | b.gpu_mask;
     Resources {
@@ -795,8 +788,80 @@ fn union(a: &Resources, b: &Resources) -> Resources {
         memory_mb: a.memory_mb.saturating_add(b.memory_mb),
         gpus: mask.count_ones(),
         gpu_mask: mask,
+        gpu_shares: Default::default(),
         ports: a.ports.union(&b.ports),
+        custom: a.custom.add(&b.custom),
     }
+}
+
+/// Why custom resources can never fit: the first resource that no candidate node offers
+/// enough of, with the nodes that have it at all.
+fn custom_impossible(want: &CustomResources, nodes: &[&Node]) -> String {
+    for (name, units) in want.iter() {
+        let having: Vec<&Node> = nodes.iter().copied().filter(|n| n.total().custom.has(name)).collect();
+        if having.iter().any(|n| n.total().custom.get(name) >= units) {
+            continue;
+        }
+        return match having.iter().map(|n| n.total().custom.get(name)).max() {
+            None => format!("no node offers the custom resource `{name}` (asks {units})"),
+            Some(most) => format!(
+                "no node has {units} {name} (asks {units}, most on one node {most}; nodes with {name}: {})",
+                example_hosts(having.iter().map(|n| n.host.as_str()), having.len())
+            ),
+        };
+    }
+    "no node offers all the custom resources asked for together".into()
+}
+
+/// Up to five hosts, then how many more.
+fn example_hosts<'a>(hosts: impl Iterator<Item = &'a str>, total: usize) -> String {
+    let shown: Vec<&str> = hosts.take(trace::EXAMPLE_HOSTS).collect();
+    if total > shown.len() {
+        format!("{} and {} more", shown.join(", "), total - shown.len())
+    } else {
+        shown.join(", ")
+    }
+}
+
+/// For a task asking custom resources: "no node has 1 nvme free; nodes with nvme: a, b"
+/// for the first resource that no node has enough of free now, or which nodes have it
+/// free. `None` when the task asks none.
+fn custom_note(want: &CustomResources, view: &ClusterView) -> Option<String> {
+    if want.is_empty() {
+        return None;
+    }
+    let mut parts = Vec::new();
+    for (name, units) in want.iter() {
+        let having: Vec<&Node> = view.nodes().filter(|n| n.total().custom.has(name)).collect();
+        let free: Vec<&str> = having
+            .iter()
+            .filter(|n| n.free().custom.get(name) >= units)
+            .map(|n| n.host.as_str())
+            .collect();
+        if free.is_empty() {
+            let with = if having.is_empty() {
+                "none".to_string()
+            } else {
+                example_hosts(having.iter().map(|n| n.host.as_str()), having.len())
+            };
+            return Some(format!("no node has {units} {name} free; nodes with {name}: {with}"));
+        }
+        parts.push(format!(
+            "nodes with {units} {name} free: {}",
+            example_hosts(free.iter().copied(), free.len())
+        ));
+    }
+    Some(parts.join("; "))
+}
+
+/// When the resource stage emptied the set because of a custom resource no node has free,
+/// its note is the reason ("no node has 1 nvme free; nodes with nvme: a, b").
+fn custom_wait_reason(trace: &SelectionTrace) -> Option<String> {
+    let st = trace.stages.iter().find(|s| s.stage == "resources")?;
+    if st.nodes_out > 0 || st.main_reason() != Some(Shortfall::Custom.reason()) {
+        return None;
+    }
+    st.note.clone().filter(|n| n.starts_with("no node has"))
 }
 
 fn not_now_reason(trace: &SelectionTrace) -> String {
@@ -852,13 +917,7 @@ fn impossible_reason(
             "the job asks for no GPU and only GPU nodes remain (allow_none_gpu_job_on_gpu_node is off)".into(),
         );
     }
-    let req = Resources {
-        cpu: r.cpu,
-        memory_mb: r.memory_mb,
-        gpus: r.gpus,
-        gpu_mask: r.gpu_mask.unwrap_or(0),
-        ports: statics,
-    };
+    let req = r.request_with_ports(statics);
     let mut worst: Option<Shortfall> = None;
     for n in &nodes {
         match req.shortfall_with_dynamic(n.total(), dynamic, settings.container_min_port) {
@@ -868,6 +927,15 @@ fn impossible_reason(
     }
     let largest = |f: fn(&Node) -> u64| view.nodes().map(f).max().unwrap_or(0);
     Some(match worst? {
+        Shortfall::Custom => custom_impossible(&r.custom, &nodes),
+        Shortfall::GpuShare => format!(
+            "no node has a GPU for a share of {} (asks {})",
+            crate::resources::format_hundredths(r.gpu_share.unwrap_or(0)),
+            match r.gpu_mask {
+                Some(m) => format!("GPU {}", m.trailing_zeros()),
+                None => "any GPU".into(),
+            }
+        ),
         Shortfall::GpuBits | Shortfall::Gpus => format!(
             "no node has that many GPUs (or the explicit GPU mask) (asks {}, largest node has {})",
             r.gpus,

@@ -11,7 +11,7 @@ use std::cmp::Reverse;
 
 use serde::Serialize;
 
-use crate::resources::{lowest_bits, GpuMask};
+use crate::resources::{lowest_bits, GpuMask, Resources, ANY_GPU, WHOLE};
 use crate::topology::{self, Topology};
 
 /// Non-tree nodes up to this many GPUs get the exact (union, task) search; above it the union is
@@ -32,6 +32,9 @@ pub(crate) struct GpuPick {
     pub union_weight: u32,
     /// Cap of the free GPUs the job leaves on the node (DESIGN §5 fragmentation vector).
     pub left: [i8; 3],
+    /// A fractional task: hundredths left free on its GPU once it is there (best fit,
+    /// fewer is better); 0 for whole-GPU tasks.
+    pub share_left: u8,
 }
 
 /// Tier a set of `n` GPUs gets on a node whose topology is unknown: one GPU needs no link,
@@ -87,6 +90,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
             union_weight: topo.map_or(0, |t| t.weight(held)),
             left,
+            share_left: 0,
         });
     }
     let u = f.max(1).min(avail / k) * k;
@@ -102,6 +106,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
             left: count_cap((free & !x).count_ones()),
+            share_left: 0,
         });
     };
     if u == k && held == 0 {
@@ -114,6 +119,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union_tier: g.tier,
             union_weight: g.weight,
             left: t.cap(free & !g.mask),
+            share_left: 0,
         });
     }
     if t.gpu_count() <= EXACT_UNION_GPUS {
@@ -130,6 +136,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
         union_tier: t.tier(union),
         union_weight: t.weight(union),
         left: t.cap(free & !x),
+        share_left: 0,
     })
 }
 
@@ -146,6 +153,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union_tier: t.tier(union),
             union_weight: t.weight(union),
             left: t.cap(free & !m),
+            share_left: 0,
         },
         None => GpuPick {
             task: m,
@@ -155,8 +163,63 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
             left: count_cap((free & !m).count_ones()),
+            share_left: 0,
         },
     }
+}
+
+/// The GPU of a fractional task that needs `share` hundredths of one GPU, on a node with
+/// `avail` free (whole free GPUs and the room left on shared ones): best fit. Among the
+/// shared GPUs with room enough, the one with the least room (then the lowest index); only
+/// when none has room, a wholly free GPU, chosen as DESIGN §5 chooses one GPU (the one
+/// whose loss leaves the best Cap, then the lowest). `fixed` pins the GPU (an explicit
+/// `gpuMask`). The share joins no all-reduce, so the job's union stays `held`. `None` when
+/// no GPU has the room.
+pub(crate) fn pick_share(
+    topo: Option<&Topology>,
+    avail: &Resources,
+    held: GpuMask,
+    share: u32,
+    fixed: Option<u32>,
+) -> Option<GpuPick> {
+    let whole = avail.whole_gpu_mask();
+    let (index, room) = match fixed {
+        Some(i) => (i, avail.gpu_hundredths(i)),
+        None => match avail
+            .gpu_shares
+            .iter()
+            .filter(|&(i, room)| i < ANY_GPU && room >= share)
+            .min_by_key(|&(i, room)| (room, i))
+        {
+            Some((i, room)) => (u32::from(i), room),
+            None => (topology::choose(topo, whole, 1)?.mask.trailing_zeros(), WHOLE),
+        },
+    };
+    if room < share || index >= 64 {
+        return None;
+    }
+    let task = 1u64 << index;
+    let rest = whole & !task;
+    let (task_tier, task_weight, union_tier, union_weight, left) = match topo {
+        Some(t) => (t.tier(task), t.weight(task), t.tier(held), t.weight(held), t.cap(rest)),
+        None => (
+            unknown_tier(1),
+            0,
+            unknown_tier(held.count_ones()),
+            0,
+            count_cap(rest.count_ones()),
+        ),
+    };
+    Some(GpuPick {
+        task,
+        task_tier,
+        task_weight,
+        union: held,
+        union_tier,
+        union_weight,
+        left,
+        share_left: (room - share) as u8,
+    })
 }
 
 /// The exhaustive (union, task) search of [`pick`] on a small node.
@@ -182,6 +245,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick 
                     union_tier: ut,
                     union_weight: uw,
                     left,
+                    share_left: 0,
                 };
                 best = Some((score, p));
             }
@@ -196,6 +260,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick 
         union_tier: 0,
         union_weight: 0,
         left: [-1; 3],
+        share_left: 0,
     })
 }
 
@@ -217,6 +282,9 @@ pub(crate) struct RankKey {
     pub union_weight: Reverse<u32>,
     /// 7. Pair weight of the task's set.
     pub task_weight: Reverse<u32>,
+    /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
+    /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
+    pub share_left: u8,
     /// 8. Free GPUs on the node (best fit: pack busy nodes, keep empty ones whole).
     pub free_gpus: u32,
     /// 9. What the job leaves there for future jobs (Cap of the rest, larger is better).
@@ -228,6 +296,10 @@ pub(crate) struct RankKey {
     pub memory_mb: u64,
     /// 13. Random tie-break (per AM, so concurrent AMs spread).
     pub tie: u32,
+}
+
+fn format_hundredths_u8(h: u8) -> String {
+    crate::resources::format_hundredths(u32::from(h))
 }
 
 /// Why the next-best node lost to the chosen one.
@@ -244,7 +316,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 13] = [
+        let diffs: [(bool, &str, String, String); 14] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -286,6 +358,12 @@ impl RankKey {
                 "task's GPU set weight",
                 self.task_weight.0.to_string(),
                 best.task_weight.0.to_string(),
+            ),
+            (
+                self.share_left != best.share_left,
+                "share left on its GPU (less is a better fit)",
+                format_hundredths_u8(self.share_left),
+                format_hundredths_u8(best.share_left),
             ),
             (
                 self.free_gpus != best.free_gpus,

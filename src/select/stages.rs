@@ -8,7 +8,8 @@
 //! 5. `ports`       — decides how ports are chosen: static or reused ports are part of the
 //!    request; dynamic ports are counted per node and drawn on the picked node.
 //! 6. `resources`   — the one shortfall rule ([`crate::resources::Resources::shortfall`]):
-//!    GPUs (count or explicit mask), CPU, memory, ports against total − used − requested
+//!    GPUs (count, explicit mask or a share of one GPU), CPU, memory, custom resources,
+//!    ports against total − used − requested
 //!    (− recently tried); also counts how many of the job's unplaced tasks each node could hold.
 //! 7. `rack-policy` — racks holding the job are criterion 3 of the order (no node dropped).
 //! 8. `job-packing` — the placement order of `objective.rs`; keeps the best
@@ -153,13 +154,7 @@ pub(crate) fn score(
         .min(need);
     let held = cx.demand.held_on(&node.host);
     let affinity = cx.demand.tasks_on(&node.host) > 0;
-    let k = cx.ask.resources.gpus;
-    let topo = node.topology.as_deref();
-    let pick = match cx.ask.resources.gpu_mask {
-        Some(m) => Some(objective::given(topo, avail.gpu_mask, held, m)),
-        None => cx.choices.pick(topo_id, topo, avail.gpu_mask, held, k, fits),
-    };
-    let Some(pick) = pick else {
+    let Some(pick) = pick_gpus(cx, topo_id, node.topology.as_deref(), avail, held, fits) else {
         return Err("no GPU set of the requested size on this node");
     };
     let key = rank_key(
@@ -172,6 +167,27 @@ pub(crate) fn score(
         0,
     );
     Ok((key, pick, fits))
+}
+
+/// The task's GPUs on a node with `avail` free, where the job holds `held` and `fits` of
+/// its tasks go: an explicit mask as given, a share by best fit ([`objective::pick_share`]),
+/// whole GPUs by the order's search among the wholly free ones (memoised).
+pub(crate) fn pick_gpus(
+    cx: &mut Cx<'_>,
+    topo_id: u32,
+    topo: Option<&crate::topology::Topology>,
+    avail: &Resources,
+    held: crate::resources::GpuMask,
+    fits: u32,
+) -> Option<GpuPick> {
+    let r = cx.ask.resources;
+    match (r.gpu_share, r.gpu_mask) {
+        (Some(share), fixed) => objective::pick_share(topo, avail, held, share, fixed.map(|m| m.trailing_zeros())),
+        (None, Some(m)) => Some(objective::given(topo, avail.whole_gpu_mask(), held, m)),
+        (None, None) => cx
+            .choices
+            .pick(topo_id, topo, avail.whole_gpu_mask(), held, r.gpus, fits),
+    }
 }
 
 /// The key of the order for one node (see `objective.rs`).
@@ -192,7 +208,8 @@ pub(crate) fn rank_key(
         task_tier: Reverse(pick.task_tier),
         union_weight: Reverse(pick.union_weight),
         task_weight: Reverse(pick.task_weight),
-        free_gpus: avail.gpu_count(),
+        share_left: pick.share_left,
+        free_gpus: avail.whole_gpu_count(),
         left: Reverse(pick.left),
         total_gpus,
         cpu: avail.cpu,

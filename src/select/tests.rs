@@ -37,6 +37,7 @@ fn res(cpu: u32, mem: u64, gpus: u32) -> TaskResources {
         gpus,
         gpu_mask: None,
         ports: Vec::new(),
+        ..Default::default()
     }
 }
 

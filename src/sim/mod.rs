@@ -121,6 +121,7 @@ impl Placer {
                         gpus: t.gpus,
                         gpu_mask: None,
                         ports: Vec::new(),
+                        ..Default::default()
                     };
                     let ask = TaskAsk::plain("task", &res, (job.tasks.len() - i) as u32);
                     let start = Instant::now();
@@ -181,6 +182,7 @@ fn shape(t: &Task) -> TaskShape {
         memory_mb: t.mem_mb,
         gpus: t.gpus,
         ports: 0,
+        ..Default::default()
     }
 }
 
@@ -478,6 +480,7 @@ pub fn scaling(presets: &[&str], sizes: &[usize], policies: &[String], calls: us
                                 gpus: task.gpus,
                                 gpu_mask: None,
                                 ports: Vec::new(),
+                                ..Default::default()
                             };
                             let mut d = JobDemand::new(true);
                             d.add_waiting(shape(&task), 1);

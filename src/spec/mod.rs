@@ -14,7 +14,7 @@ pub use validate::limits;
 
 use std::fmt;
 
-use crate::resources::{GpuMask, PortSet, Resources};
+use crate::resources::{CustomResources, GpuMask, GpuShares, PortSet, Resources, ANY_GPU};
 
 /// A validated job. `Default` exists for building test values, not as a valid job.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -104,11 +104,17 @@ pub struct TaskRole {
 pub struct TaskResources {
     pub cpu: u32,
     pub memory_mb: u64,
+    /// GPUs per task: the whole-GPU count, or 1 for a fractional task.
     pub gpus: u32,
+    /// A fractional task's share of its one GPU in hundredths, 1..=99 (`gpu: 0.25` → 25);
+    /// `None` = whole GPUs.
+    pub gpu_share: Option<u32>,
     /// Explicit GPU mask (`resourcePerInstance.gpuMask`); popcount == gpus.
     pub gpu_mask: Option<GpuMask>,
     /// Port requests in file order.
     pub ports: Vec<PortRequest>,
+    /// Custom resources per task (`resourcePerInstance.resources: {nvme: 1}`).
+    pub custom: CustomResources,
 }
 
 /// A labelled port request: `label: count` (dynamic) or `label: {start, count}` (static).
@@ -157,15 +163,34 @@ impl TaskResources {
     }
 
     /// The request as a resource amount: static ports and explicit mask included,
-    /// dynamic ports not yet chosen.
+    /// dynamic ports not yet chosen. A fractional task's share sits on its explicit GPU,
+    /// or on [`ANY_GPU`] while its GPU is not chosen.
     pub fn as_request(&self) -> Resources {
+        self.request_with_ports(self.static_ports())
+    }
+
+    /// [`TaskResources::as_request`] with these concrete ports.
+    pub fn request_with_ports(&self, ports: PortSet) -> Resources {
+        let gpu_mask = self.gpu_mask.unwrap_or(0);
+        let gpu_shares = match self.gpu_share {
+            None => GpuShares::new(),
+            Some(h) if gpu_mask != 0 => GpuShares::one(gpu_mask.trailing_zeros() as u8, h),
+            Some(h) => GpuShares::one(ANY_GPU, h),
+        };
         Resources {
             cpu: self.cpu,
             memory_mb: self.memory_mb,
             gpus: self.gpus,
-            gpu_mask: self.gpu_mask.unwrap_or(0),
-            ports: self.static_ports(),
+            gpu_mask,
+            gpu_shares,
+            ports,
+            custom: self.custom.clone(),
         }
+    }
+
+    /// Whether the task asks for any GPU (whole or a share).
+    pub fn uses_gpus(&self) -> bool {
+        self.gpus > 0
     }
 }
 

@@ -10,7 +10,7 @@
 use std::path::Path;
 
 use super::openpai::{self, Prereqs, RenderCtx, Warnings};
-use super::validate::{self, limits};
+use super::validate::{self, limits, GpuQuantity};
 use super::yaml::{self, clip, join, Diags, Node, Pos, Value};
 use super::{Completion, JobSpec, PaiJob, PortRequest, SpecErrors, SpecFormat, TaskResources, TaskRole};
 
@@ -87,7 +87,7 @@ const ROLE_HINTS: &[(&str, &str)] = &[
     ("ports", "resourcePerInstance.ports"),
     ("label", "nodeLabel"),
 ];
-const RESOURCE: &[&str] = &["cpu", "memoryMB", "gpu", "gpuMask", "ports"];
+const RESOURCE: &[&str] = &["cpu", "memoryMB", "gpu", "gpuMask", "ports", "resources"];
 const RESOURCE_HINTS: &[(&str, &str)] = &[
     ("gpus", "gpu"),
     ("gpuNumber", "gpu"),
@@ -725,11 +725,34 @@ fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<Ta
             None
         }
         // Native: gpu defaults to the mask's popcount, else 0.
-        None => Some(mask.map_or(0, |(m, _)| m.count_ones())),
-        Some(v) => d.int(v, &join(path, "gpu"), 0, limits::MAX_GPUS).map(|x| x as u32),
+        None => Some(GpuQuantity::Whole(mask.map_or(0, |(m, _)| m.count_ones()))),
+        Some(v) => match validate::read_gpu_quantity(v, !is_v2) {
+            Ok(q) => Some(q),
+            Err((msg, fix)) => {
+                d.at(v.pos, &join(path, "gpu"), msg, fix);
+                None
+            }
+        },
+    };
+    let (gpus, gpu_share) = match gpus {
+        Some(GpuQuantity::Whole(g)) => (Some(g), None),
+        Some(GpuQuantity::Share(h)) => (Some(1), Some(h)),
+        None => (None, None),
     };
     if let (Some(g), Some((m, v))) = (gpus, mask) {
-        if m.count_ones() != g {
+        if gpu_share.is_some() && m.count_ones() != 1 {
+            d.at(
+                v.pos,
+                &join(path, "gpuMask"),
+                format!(
+                    "a GPU share goes on one GPU, but gpuMask {} selects {}",
+                    crate::resources::mask_hex(m),
+                    m.count_ones()
+                ),
+                "give a mask with one bit (e.g. \"0x2\" for GPU 1), or remove gpuMask",
+            );
+            ok = false;
+        } else if m.count_ones() != g {
             d.at(
                 v.pos,
                 &join(path, "gpuMask"),
@@ -751,6 +774,19 @@ fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<Ta
         Some(v) if v.is_null() => Some(Vec::new()),
         Some(v) => read_ports(d, v, &join(path, "ports")),
     };
+    let custom = match n.get("resources") {
+        None => Some(Default::default()),
+        Some(v) if is_v2 => {
+            d.at(
+                v.pos,
+                &join(path, "resources"),
+                "custom resources are not part of OpenPAI protocol v2",
+                "write the job in gpuam's own format (no `protocolVersion`) to ask for `resources: {nvme: 1}`",
+            );
+            None
+        }
+        Some(v) => validate::read_custom_resources(d, v, &join(path, "resources"), 1),
+    };
     if !ok {
         return None;
     }
@@ -758,8 +794,10 @@ fn read_resources(d: &mut Diags, n: &Node, path: &str, is_v2: bool) -> Option<Ta
         cpu: cpu?,
         memory_mb: memory_mb?,
         gpus: gpus?,
+        gpu_share,
         gpu_mask: mask.map(|(m, _)| m).filter(|m| *m != 0),
         ports: ports?,
+        custom: custom?,
     })
 }
 

@@ -401,13 +401,149 @@ fn quoted_number_where_int_expected() {
 fn float_where_int_expected() {
     let e = one(
         &role(&format!(
-            "    resourcePerInstance: {{cpu: 4, memoryMB: 8192, gpu: 1.5}}\n{CMD}"
+            "    resourcePerInstance: {{cpu: 4.5, memoryMB: 8192, gpu: 1}}\n{CMD}"
         )),
-        "taskRoles.worker.resourcePerInstance.gpu",
+        "taskRoles.worker.resourcePerInstance.cpu",
         4,
         "whole number",
     );
+    assert_eq!(e.col, 32);
+}
+
+fn gpu_spec(gpu: &str, extra: &str) -> String {
+    role(&format!(
+        "    resourcePerInstance: {{cpu: 4, memoryMB: 8192, gpu: {gpu}{extra}}}\n{CMD}"
+    ))
+}
+
+#[test]
+fn a_gpu_share_below_one_is_read_exactly() {
+    for (text, h) in [
+        ("0.25", 25),
+        ("0.5", 50),
+        (".75", 75),
+        ("0.01", 1),
+        ("0.99", 99),
+        ("0.10", 10),
+    ] {
+        let j = parse(&gpu_spec(text, "")).unwrap_or_else(|e| panic!("{text}: {e}"));
+        let r = &j.task_roles[0].resources;
+        assert_eq!((r.gpus, r.gpu_share), (1, Some(h)), "{text}");
+        assert!(r.uses_gpus());
+    }
+    let j = parse(&gpu_spec("2.0", "")).unwrap();
+    assert_eq!(
+        (j.task_roles[0].resources.gpus, j.task_roles[0].resources.gpu_share),
+        (2, None)
+    );
+    let j = parse(&gpu_spec("0.5", ", gpuMask: \"0x2\"")).unwrap();
+    let req = j.task_roles[0].resources.as_request();
+    assert_eq!(req.gpu_text(), "0x2 (1:0.5)", "a pinned share sits on its GPU");
+}
+
+#[test]
+fn a_gpu_fraction_above_one_is_refused_as_ray_does() {
+    let e = one(
+        &gpu_spec("1.5", ""),
+        "taskRoles.worker.resourcePerInstance.gpu",
+        4,
+        "above 1, GPUs are whole",
+    );
     assert_eq!(e.col, 56);
+    assert!(e.fix.contains("use 1 or 2"), "{e}");
+    let e = one(
+        &gpu_spec("2.25", ""),
+        "taskRoles.worker.resourcePerInstance.gpu",
+        4,
+        "2.25",
+    );
+    assert!(e.fix.contains("use 2 or 3"), "{e}");
+}
+
+#[test]
+fn a_gpu_share_finer_than_a_hundredth_is_refused() {
+    let e = one(
+        &gpu_spec("0.001", ""),
+        "taskRoles.worker.resourcePerInstance.gpu",
+        4,
+        "finer than 0.01",
+    );
+    assert!(e.fix.contains("0.25"), "{e}");
+    one(
+        &gpu_spec("-0.5", ""),
+        "taskRoles.worker.resourcePerInstance.gpu",
+        4,
+        "negative",
+    );
+    let e = one(
+        &gpu_spec("\"0.5\"", ""),
+        "taskRoles.worker.resourcePerInstance.gpu",
+        4,
+        "text",
+    );
+    assert!(e.fix.contains("remove the quotes"), "{e}");
+}
+
+#[test]
+fn a_gpu_share_takes_a_one_bit_mask_only() {
+    let e = one(
+        &gpu_spec("0.5", ", gpuMask: \"0x3\""),
+        "taskRoles.worker.resourcePerInstance.gpuMask",
+        4,
+        "one GPU",
+    );
+    assert!(e.fix.contains("one bit"), "{e}");
+}
+
+#[test]
+fn openpai_v2_keeps_gpus_whole() {
+    let e = one(
+        &v2(&V2_ROLE.replace("gpu: 1}", "gpu: 0.5}")),
+        "taskRoles.worker.resourcePerInstance.gpu",
+        7,
+        "OpenPAI protocol v2 counts whole GPUs",
+    );
+    assert!(e.fix.contains("gpuam's own job format"), "{e}");
+    let e = one(
+        &v2(&V2_ROLE.replace("gpu: 1}", "gpu: 1, resources: {nvme: 1}}")),
+        "taskRoles.worker.resourcePerInstance.resources",
+        7,
+        "not part of OpenPAI protocol v2",
+    );
+    assert!(e.fix.contains("gpuam's own format"), "{e}");
+}
+
+#[test]
+fn custom_resources_per_task() {
+    let j = parse(&gpu_spec("1", ", resources: {nvme: 1, ib_hca: 2}")).unwrap();
+    let r = &j.task_roles[0].resources;
+    assert_eq!(r.custom.to_text(), "ib_hca=2,nvme=1");
+    assert_eq!(r.as_request().custom, r.custom);
+    let e = one(
+        &gpu_spec("1", ", resources: {gpu: 1}"),
+        "taskRoles.worker.resourcePerInstance.resources.gpu",
+        4,
+        "built-in resource",
+    );
+    assert!(e.fix.contains("beside `resources`"), "{e}");
+    one(
+        &gpu_spec("1", ", resources: {nvme: 0}"),
+        "taskRoles.worker.resourcePerInstance.resources.nvme",
+        4,
+        "at least 1",
+    );
+    one(
+        &gpu_spec("1", ", resources: {\"a b\": 1}"),
+        "taskRoles.worker.resourcePerInstance.resources.a b",
+        4,
+        "not a resource name",
+    );
+    one(
+        &gpu_spec("1", ", resources: [nvme]"),
+        "taskRoles.worker.resourcePerInstance.resources",
+        4,
+        "expected a mapping",
+    );
 }
 
 #[test]

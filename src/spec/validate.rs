@@ -2,9 +2,10 @@
 //! explicit limits, name syntax, GPU masks and static port ranges. Each check returns a
 //! message and a fix; the readers in `parse.rs` and `cluster/file.rs` attach the position.
 
-use crate::resources::{parse_mask, GpuMask};
+use crate::resources::shares::HundredthsError;
+use crate::resources::{check_resource_name, parse_hundredths, parse_mask, CustomResources, GpuMask, WHOLE};
 
-use super::yaml::{clip, Node, Value};
+use super::yaml::{clip, join, Diags, Node, Value};
 use super::PortRequest;
 
 /// Explicit limits on job specs and cluster files. They keep every later stage (the
@@ -110,6 +111,124 @@ pub fn check_node_label(label: &str) -> Result<(), Problem> {
         ));
     }
     Ok(())
+}
+
+/// GPUs per task as written: a whole count, or a share of one GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuQuantity {
+    Whole(u32),
+    /// Hundredths of one GPU, 1..=99.
+    Share(u32),
+}
+
+/// `resourcePerInstance.gpu`: a whole number 0..=64, or (when `shares` is allowed) a
+/// fraction below 1 in steps of 0.01, read from its decimal text (never through a float).
+/// Above 1 GPUs are whole, as in Ray: `1.5` is refused. OpenPAI protocol v2 (`shares`
+/// false) keeps GPUs whole.
+pub fn read_gpu_quantity(node: &Node, shares: bool) -> Result<GpuQuantity, Problem> {
+    let max = limits::MAX_GPUS;
+    let whole_fix = format!("write a whole number from 0 to {max}");
+    match &node.value {
+        Value::Int(i) if (0..=max).contains(i) => Ok(GpuQuantity::Whole(*i as u32)),
+        Value::Int(i) if *i < 0 => Err((format!("must not be negative (found {i})"), whole_fix)),
+        Value::Int(i) => Err((format!("must be at most {max} (found {i})"), whole_fix)),
+        Value::Float(_) => {
+            let raw = node.raw.trim();
+            if raw.starts_with('-') {
+                return Err((format!("must not be negative (found {})", clip(raw)), whole_fix));
+            }
+            let h = match parse_hundredths(raw) {
+                Ok(h) => h,
+                Err(HundredthsError::TooFine(_)) => {
+                    return Err((
+                        format!(
+                            "GPU share `{}` is finer than 0.01 (shares go in steps of 0.01)",
+                            clip(raw)
+                        ),
+                        "write a share from 0.01 to 0.99 with at most two decimals, e.g. `gpu: 0.25`".into(),
+                    ))
+                }
+                Err(_) => return Err((format!("`{}` is not a number of GPUs", clip(raw)), whole_fix)),
+            };
+            if h % WHOLE == 0 && h / WHOLE <= max as u32 {
+                return Ok(GpuQuantity::Whole(h / WHOLE));
+            }
+            if !shares {
+                return Err((
+                    format!("OpenPAI protocol v2 counts whole GPUs (found {})", clip(raw)),
+                    "write a whole number such as `gpu: 1`; GPU shares (`gpu: 0.25`) need gpuam's own job format (no `protocolVersion`)".into(),
+                ));
+            }
+            if h > WHOLE {
+                let lo = h / WHOLE;
+                return Err((
+                    format!(
+                        "a fraction above 1 is not a GPU quantity (found {}): above 1, GPUs are whole",
+                        clip(raw)
+                    ),
+                    format!("above 1, GPUs are whole: use {lo} or {}", lo + 1),
+                ));
+            }
+            Ok(GpuQuantity::Share(h))
+        }
+        Value::Str(s) if parse_hundredths(s).is_ok() => Err((
+            format!("must be a number, found the text \"{}\"", clip(s)),
+            format!("remove the quotes: {}", s.trim()),
+        )),
+        _ => Err((
+            format!("must be a number of GPUs, found {}", node.describe()),
+            if shares {
+                format!("write a whole number from 0 to {max}, or a share below 1 such as 0.25")
+            } else {
+                whole_fix
+            },
+        )),
+    }
+}
+
+/// A map of custom resources (`resources: {nvme: 2}`) at `path`: names by
+/// [`check_resource_name`], quantities whole numbers from `min` to 2^40, at most 32.
+pub fn read_custom_resources(d: &mut Diags, node: &Node, path: &str, min: i64) -> Option<CustomResources> {
+    if node.is_null() {
+        return Some(CustomResources::new());
+    }
+    let entries = d.map(node, path, "write custom resources as `resources: {nvme: 1}`")?;
+    let mut out = CustomResources::new();
+    let mut ok = true;
+    if entries.len() > crate::resources::custom::MAX_RESOURCES {
+        d.at(
+            node.pos,
+            path,
+            format!(
+                "{} custom resources; the limit is {}",
+                entries.len(),
+                crate::resources::custom::MAX_RESOURCES
+            ),
+            "keep at most 32 names",
+        );
+        return None;
+    }
+    for (k, v) in entries {
+        let field = join(path, &k.text);
+        if let Err(why) = check_resource_name(&k.text) {
+            let fix = if matches!(
+                k.text.to_ascii_lowercase().as_str(),
+                "gpu" | "gpus" | "cpu" | "memorymb"
+            ) {
+                format!("give `{}` beside `resources`, not inside it", k.text)
+            } else {
+                "name it with letters, digits, `_`, `.` or `-`, e.g. `nvme`".to_string()
+            };
+            d.at(k.pos, &field, why, fix);
+            ok = false;
+            continue;
+        }
+        match d.int(v, &field, min, crate::resources::custom::MAX_QUANTITY as i64) {
+            Some(q) => out.set(&k.text, q as u64),
+            None => ok = false,
+        }
+    }
+    ok.then_some(out)
 }
 
 /// A GPU mask node: an integer or a hex string such as `"0x3f"`.
