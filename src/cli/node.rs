@@ -7,7 +7,7 @@ use clap::Args;
 
 use crate::exit;
 use crate::node::agent::{self, AgentOptions};
-use crate::resources::{PortSet, Resources};
+use crate::resources::{check_resource_name, CustomResources, PortSet, Resources};
 
 #[derive(Args, Debug)]
 pub struct NodeArgs {
@@ -53,6 +53,46 @@ pub struct NodeArgs {
     /// Tasks run as this user (default: `gpuam-task`, created when the agent runs as root).
     #[arg(long, value_name = "USER")]
     pub run_as: Option<String>,
+    /// A custom resource this node offers, in whole units (repeat for more), e.g.
+    /// `--resource nvme=2 --resource ib_hca=4`; tasks ask for it with
+    /// `resourcePerInstance.resources: {nvme: 1}`.
+    #[arg(long = "resource", value_name = "NAME=QTY")]
+    pub resources: Vec<String>,
+}
+
+/// `--resource NAME=QTY` flags as custom resources; a bad one is named with its fix.
+pub fn parse_resource_flags(flags: &[String]) -> Result<CustomResources, String> {
+    let mut out = CustomResources::new();
+    for f in flags {
+        let Some((name, qty)) = f.split_once('=') else {
+            return Err(format!("--resource `{f}`: write NAME=QTY, e.g. --resource nvme=2"));
+        };
+        let name = name.trim();
+        check_resource_name(name).map_err(|e| format!("--resource `{f}`: {e}"))?;
+        let units: u64 = match qty.trim().parse() {
+            Ok(u) if u <= crate::resources::custom::MAX_QUANTITY => u,
+            _ => {
+                return Err(format!(
+                    "--resource `{f}`: `{qty}` is not a whole number of units from 0 to {}",
+                    crate::resources::custom::MAX_QUANTITY
+                ))
+            }
+        };
+        if out.has(name) {
+            return Err(format!(
+                "--resource `{f}`: `{name}` is given twice; give each resource once"
+            ));
+        }
+        out.set(name, units);
+    }
+    if out.len() > crate::resources::custom::MAX_RESOURCES {
+        return Err(format!(
+            "--resource: {} resources; the limit is {}",
+            out.len(),
+            crate::resources::custom::MAX_RESOURCES
+        ));
+    }
+    Ok(out)
 }
 
 fn machine_memory_mb() -> u64 {
@@ -124,11 +164,19 @@ pub async fn node(args: NodeArgs) -> i32 {
             return exit::USAGE;
         }
     };
+    let custom = match parse_resource_flags(&args.resources) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit::USAGE;
+        }
+    };
     let cpu = args
         .cpu
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)));
     let mask = if count >= 64 { u64::MAX } else { (1u64 << count) - 1 };
-    let total = Resources::with_mask(cpu, args.memory_mb.unwrap_or_else(machine_memory_mb), mask, ports);
+    let total =
+        Resources::with_mask(cpu, args.memory_mb.unwrap_or_else(machine_memory_mb), mask, ports).with_custom(custom);
     let opts = AgentOptions {
         rm_url: args.rm,
         host: args.host,
@@ -149,5 +197,28 @@ pub async fn node(args: NodeArgs) -> i32 {
             eprintln!("error: {e:#}");
             exit::USAGE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resource_flags_are_read_and_checked() {
+        let c = parse_resource_flags(&["nvme=2".into(), "ib_hca = 4".into()]).unwrap();
+        assert_eq!(c.to_text(), "ib_hca=4,nvme=2");
+        for (bad, says) in [
+            ("nvme", "NAME=QTY"),
+            ("nvme=x", "not a whole number"),
+            ("nvme=-1", "not a whole number"),
+            ("gpu=1", "built-in"),
+            ("a b=1", "not a resource name"),
+        ] {
+            let e = parse_resource_flags(&[bad.into()]).unwrap_err();
+            assert!(e.contains(says) && e.starts_with("--resource"), "{bad}: {e}");
+        }
+        let e = parse_resource_flags(&["nvme=1".into(), "nvme=2".into()]).unwrap_err();
+        assert!(e.contains("twice"), "{e}");
     }
 }

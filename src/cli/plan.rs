@@ -19,10 +19,36 @@ pub fn validate(job: &Path) -> i32 {
                 j.total_tasks(),
                 if j.gang { ", gang" } else { "" }
             );
+            for r in &j.task_roles {
+                println!(
+                    "  {}: {} × {}",
+                    r.name,
+                    r.instances,
+                    describe_resources(&r.resources, j.format)
+                );
+            }
             exit::SUCCESS
         }
         Err(code) => code,
     }
+}
+
+/// One role's per-task resources as `validate` explains them: GPUs whole or a share of
+/// one GPU (gpuam's own format; OpenPAI protocol v2 counts whole GPUs), custom resources.
+pub fn describe_resources(r: &crate::spec::TaskResources, format: crate::spec::SpecFormat) -> String {
+    let gpus = match (r.gpu_share, format) {
+        (Some(h), _) => format!(
+            "gpu {} (a share of one GPU; it shares the GPU with other shares up to 1.0)",
+            crate::resources::format_hundredths(h)
+        ),
+        (None, crate::spec::SpecFormat::PaiV2) => format!("gpu {} (whole GPUs: OpenPAI protocol v2)", r.gpus),
+        (None, _) => format!("gpu {} (whole GPUs)", r.gpus),
+    };
+    let mut out = format!("cpu {}, memoryMB {}, {gpus}", r.cpu, r.memory_mb);
+    if !r.custom.is_empty() {
+        out.push_str(&format!(", resources {}", r.custom.to_text()));
+    }
+    out
 }
 
 pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json: bool, settings: &Settings) -> i32 {
@@ -76,7 +102,7 @@ pub fn plan_json(plan: &JobPlan) -> Value {
         .iter()
         .map(|p| {
             let ports: Map<String, Value> = p.ports.iter().map(|(l, ps)| (l.clone(), json!(ps))).collect();
-            json!({
+            let mut v = json!({
                 "role": p.role,
                 "index": p.index,
                 "host": p.host,
@@ -88,7 +114,14 @@ pub fn plan_json(plan: &JobPlan) -> Value {
                 "gpuTierIdeal": p.gpu_tier_ideal,
                 "unionTier": p.union_tier,
                 "nextBest": p.next_best,
-            })
+            });
+            if let Some(share) = &p.gpu_share {
+                v["gpuShare"] = json!(share);
+            }
+            if !p.resources.is_empty() {
+                v["resources"] = json!(p.resources);
+            }
+            v
         })
         .collect();
     let unplaced: Vec<Value> = plan
@@ -123,14 +156,17 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
     if !plan.placements.is_empty() {
         out.push_str(&format!(
             "{:<14} {:>5}  {:<16} {:<10} {:<16} {:<5} {}\n",
-            "ROLE", "INDEX", "HOST", "RACK", "GPUS", "TIER", "PORTS"
+            "ROLE", "INDEX", "HOST", "RACK", "GPUS", "TIER", "PORTS / RESOURCES"
         ));
         for p in &plan.placements {
-            let gpus = if p.gpus.is_empty() {
+            let mut gpus = if p.gpus.is_empty() {
                 "-".to_string()
             } else {
                 p.gpus.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
             };
+            if let Some(share) = &p.gpu_share {
+                gpus.push_str(&format!(" ({share})"));
+            }
             let tier = if p.gpus.len() < 2 {
                 "-".to_string()
             } else {
@@ -140,6 +176,7 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
                 .ports
                 .iter()
                 .map(|(l, ps)| format!("{l}={}", ps.iter().map(u16::to_string).collect::<Vec<_>>().join(",")))
+                .chain(p.resources.iter().map(|(n, q)| format!("{n}:{q}")))
                 .collect::<Vec<_>>()
                 .join(" ");
             out.push_str(&format!(

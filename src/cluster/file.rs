@@ -14,7 +14,8 @@
 //!     topology: pcie8            # preset name or `nvidia-smi topo -m` text
 //!     local: false               # use this machine's real GPUs
 //!     httpAddress: 127.0.0.1:8042
-//!     used: {cpu: 8, memoryMB: 1000, gpuMask: "0x3", ports: "20000-20009"}
+//!     resources: {nvme: 2}       # custom resources offered (whole units)
+//!     used: {cpu: 8, memoryMB: 1000, gpuMask: "0x3", ports: "20000-20009", resources: {nvme: 1}}
 //! ```
 //! Limits: the file ≤ 10 MiB, ≤ 100 000 nodes, `gpus` ≤ 64, node `cpu` 1..=1 048 576,
 //! `memoryMB` 1..=2^40.
@@ -45,6 +46,7 @@ const NODE_FIELDS: &[&str] = &[
     "topology",
     "local",
     "httpAddress",
+    "resources",
     "used",
 ];
 const NODE_HINTS: &[(&str, &str)] = &[
@@ -58,8 +60,10 @@ const NODE_HINTS: &[(&str, &str)] = &[
     ("nodeLabels", "labels"),
     ("portRanges", "ports"),
     ("gpuTopology", "topology"),
+    ("customResources", "resources"),
+    ("custom", "resources"),
 ];
-const USED_FIELDS: &[&str] = &["cpu", "memoryMB", "gpuMask", "ports"];
+const USED_FIELDS: &[&str] = &["cpu", "memoryMB", "gpuMask", "ports", "resources"];
 const DEFAULT_RACK: &str = "/default-rack";
 
 /// Parses a cluster file; `source` names it in errors.
@@ -407,7 +411,13 @@ fn read_node(d: &mut Diags, n: &Node, path: &str) -> Option<ClusterNode> {
         }
     };
 
-    let total = Resources::with_mask(cpu?, memory_mb?, mask?, ports?);
+    let custom = match n.get("resources") {
+        None => Some(Default::default()),
+        Some(r) => validate::read_custom_resources(d, r, &join(path, "resources"), 0),
+    };
+    ok &= custom.is_some();
+
+    let total = Resources::with_mask(cpu?, memory_mb?, mask?, ports?).with_custom(custom?);
     let used = match n.get("used") {
         None => None,
         Some(u) if u.is_null() => None,
@@ -519,10 +529,41 @@ fn read_used(d: &mut Diags, u: &Node, path: &str, total: &Resources) -> Option<R
             }
         },
     };
+    let custom = match u.get("resources") {
+        None => Default::default(),
+        Some(r) => match validate::read_custom_resources(d, r, &join(path, "resources"), 0) {
+            Some(c) => {
+                for (name, units) in c.iter() {
+                    if units > total.custom.get(name) {
+                        let p = join(&join(path, "resources"), name);
+                        let pos = r.get(name).map_or(r.pos, |v| v.pos);
+                        d.at(
+                            pos,
+                            &p,
+                            format!(
+                                "used {name} {units} is more than the node offers ({})",
+                                total.custom.get(name)
+                            ),
+                            format!(
+                                "lower it to at most {}, or offer it in the node's `resources`",
+                                total.custom.get(name)
+                            ),
+                        );
+                        ok = false;
+                    }
+                }
+                c
+            }
+            None => {
+                ok = false;
+                Default::default()
+            }
+        },
+    };
     if !ok {
         return None;
     }
-    Some(Resources::with_mask(cpu, memory_mb, mask, ports))
+    Some(Resources::with_mask(cpu, memory_mb, mask, ports).with_custom(custom))
 }
 
 #[cfg(test)]
@@ -567,6 +608,26 @@ mod tests {
         assert_eq!(n.free().gpu_mask, 0xc);
         assert_eq!(n.free().cpu, 56);
         assert_eq!(n.free().ports.to_string(), "20010-29999,31000");
+    }
+
+    #[test]
+    fn custom_resources_offered_and_used() {
+        let n = &parse(&format!(
+            "{BASE}    resources: {{nvme: 2, ib_hca: 4}}\n    used: {{resources: {{nvme: 1}}}}\n"
+        ))
+        .unwrap()[0];
+        assert_eq!(n.total().custom.to_text(), "ib_hca=4,nvme=2");
+        assert_eq!(n.free().custom.to_text(), "ib_hca=4,nvme=1");
+        let e = one_error(&format!(
+            "{BASE}    resources: {{nvme: 2}}\n    used: {{resources: {{nvme: 3}}}}\n"
+        ));
+        assert_eq!((e.field.as_str(), e.line), ("nodes[0].used.resources.nvme", 6));
+        assert!(e.message.contains("more than the node offers"), "{e}");
+        let e = one_error(&format!("{BASE}    resources: {{gpus: 2}}\n"));
+        assert_eq!(e.field, "nodes[0].resources.gpus");
+        assert!(e.message.contains("built-in"), "{e}");
+        let e = one_error(&format!("{BASE}    resources: {{nvme: -1}}\n"));
+        assert!(e.message.contains("negative"), "{e}");
     }
 
     #[test]

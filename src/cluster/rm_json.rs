@@ -12,7 +12,10 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value};
 
 use crate::cluster::{Node, NodeState};
-use crate::resources::{lowest_bits, mask_hex, mask_of_count, parse_mask, GpuMask, PortRange, PortSet, Resources};
+use crate::resources::{
+    lowest_bits, mask_hex, mask_of_count, parse_mask, CustomResources, GpuMask, GpuShares, PortRange, PortSet,
+    Resources,
+};
 use crate::topology::Topology;
 
 /// The NodeManager RPC port our node ids carry (`host:8041`), as in YARN 3.
@@ -54,7 +57,7 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
     let total = node.total();
     let used = node.used();
     let avail = total.subtract(used);
-    json!({
+    let mut v = json!({
         "id": format!("{}:{}", node.host, NM_PORT),
         "rack": node.rack,
         "state": node.state,
@@ -78,7 +81,19 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
         "totalResource": resource_info(total),
         "usedResource": resource_info(used),
         "availableResource": resource_info(&avail),
-    })
+    });
+    // Issue 15's extensions, only where there is something to say, so a node without
+    // shares or custom resources reads exactly as before.
+    if let Value::Object(o) = &mut v {
+        if !used.gpu_shares.is_empty() {
+            o.insert("usedGpuShares".into(), json!(used.gpu_shares));
+        }
+        if !total.custom.is_empty() {
+            o.insert("customResources".into(), json!(total.custom));
+            o.insert("usedCustomResources".into(), json!(used.custom));
+        }
+    }
+    v
 }
 
 /// `{"nodes":{"node":[...]}}` for a list of (node, live container count).
@@ -98,14 +113,17 @@ fn resource_info(r: &Resources) -> Value {
             "minimumAllocation": 0, "maximumAllocation": i64::MAX,
         })
     };
+    let mut infos = vec![
+        entry("memory-mb", "Mi", r.memory_mb),
+        entry("vcores", "", u64::from(r.cpu)),
+        entry(YARN_GPU, "", u64::from(r.gpu_count())),
+    ];
+    // Custom resources are YARN resource types too.
+    infos.extend(r.custom.iter().map(|(n, q)| entry(n, "", q)));
     json!({
         "memory": r.memory_mb,
         "vCores": r.cpu,
-        "resourceInformations": { "resourceInformation": [
-            entry("memory-mb", "Mi", r.memory_mb),
-            entry("vcores", "", u64::from(r.cpu)),
-            entry(YARN_GPU, "", u64::from(r.gpu_count())),
-        ]},
+        "resourceInformations": { "resourceInformation": infos },
     })
 }
 
@@ -283,6 +301,22 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// `{"0": "0.75"}`: hundredths used on shared GPUs.
+    fn shares(&self, field: &str) -> Result<GpuShares, NodeJsonError> {
+        match self.get(field) {
+            None => Ok(GpuShares::new()),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| self.err(field, e.to_string())),
+        }
+    }
+
+    /// `{"nvme": 2}`: custom resources.
+    fn custom(&self, field: &str) -> Result<CustomResources, NodeJsonError> {
+        match self.get(field) {
+            None => Ok(CustomResources::new()),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| self.err(field, e.to_string())),
+        }
+    }
+
     fn labels(&self, field: &str) -> Result<Vec<String>, NodeJsonError> {
         let mut out = match self.get(field) {
             None => Vec::new(),
@@ -449,8 +483,23 @@ fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
         },
     };
 
-    let total = Resources::with_mask(to_u32(total_cpu), total_mem, total_mask, total_ports);
-    let used = Resources::with_mask(to_u32(used_cpu), used_mem, used_mask, used_ports);
+    let used_shares = f.shares("usedGpuShares")?;
+    if used_shares.mask() & !used_mask != 0 {
+        return Err(f.err(
+            "usedGpuShares",
+            format!(
+                "names GPUs {} that usedGpuAttribute {} does not",
+                mask_hex(used_shares.mask() & !used_mask),
+                mask_hex(used_mask)
+            ),
+        ));
+    }
+    let total_custom = f.custom("customResources")?;
+    let used_custom = f.custom("usedCustomResources")?;
+
+    let total = Resources::with_mask(to_u32(total_cpu), total_mem, total_mask, total_ports).with_custom(total_custom);
+    let mut used = Resources::with_mask(to_u32(used_cpu), used_mem, used_mask, used_ports).with_custom(used_custom);
+    used.gpu_shares = used_shares;
     let mut node = Node::new(host, rack, total);
     node.labels = labels;
     node.gpu_type = gpu_type;
@@ -497,6 +546,41 @@ mod tests {
         assert_eq!(back[1].state, NodeState::Lost);
         assert_eq!(back[1].gpu_type, None);
         assert!(back[1].labels.is_empty());
+    }
+
+    #[test]
+    fn shares_and_custom_resources_round_trip_and_appear_only_when_present() {
+        let mut n = Node::new(
+            "g",
+            "/r",
+            Resources::with_mask(8, 1000, 0x3, PortSet::new()).with_custom(CustomResources::from_pairs([("nvme", 2)])),
+        );
+        let used =
+            Resources::with_share(1, 10, 0, 75, PortSet::new()).with_custom(CustomResources::from_pairs([("nvme", 1)]));
+        n.set_used(used);
+        let v = node_to_json(&n, 3, 5);
+        assert_eq!(v["usedGpuShares"], json!({"0": "0.75"}));
+        assert_eq!(v["customResources"], json!({"nvme": 2}));
+        assert_eq!(v["usedCustomResources"], json!({"nvme": 1}));
+        let infos = &v["totalResource"]["resourceInformations"]["resourceInformation"];
+        assert_eq!(
+            (infos[3]["name"].as_str(), infos[3]["value"].as_u64()),
+            (Some("nvme"), Some(2))
+        );
+        let back = parse_node_value(&v).unwrap();
+        assert_eq!(back, n, "shares and custom resources survive the round trip");
+        assert_eq!(back.free().gpu_hundredths(0), 25);
+        let plain = node_to_json(&sample_node(), 2, 5);
+        assert!(plain.get("usedGpuShares").is_none() && plain.get("customResources").is_none());
+        let mut bad = v.clone();
+        bad["usedGpuShares"] = json!({"1": "0.5"});
+        let e = parse_node_value(&bad).unwrap_err().to_string();
+        assert!(e.contains("usedGpuShares") && e.contains("0x2"), "{e}");
+        bad["usedGpuShares"] = json!({"0": "0.001"});
+        assert!(parse_node_value(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("finer than 0.01"));
     }
 
     #[test]

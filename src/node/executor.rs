@@ -287,7 +287,9 @@ impl Executor {
     /// - `NVIDIA_VISIBLE_DEVICES`: the same list; for no GPUs `none`, the NVIDIA container
     ///   toolkit's explicit "no GPU" value (empty means "not set" to it);
     /// - `GPUAM_GPU_MASK` (`"0xa"`), `CONTAINER_GPUS` (the mask in decimal, `"10"`);
-    /// - `GPUAM_CONTAINER_ID`, `GPUAM_HOST`, `GPUAM_CONTAINER_DIR`.
+    /// - `GPUAM_CONTAINER_ID`, `GPUAM_HOST`, `GPUAM_CONTAINER_DIR`;
+    /// - for a GPU share, `GPUAM_GPU_FRACTION` and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; for
+    ///   custom resources `GPUAM_RESOURCES` and `GPUAM_RESOURCE_<NAME>` (see `share_env`).
     ///
     /// The process runs `bash launch.sh` in `root/<containerId>/` as the leader of a new
     /// session and process group, stdin from /dev/null, stdout and stderr to the files
@@ -692,7 +694,43 @@ fn container_env(
     for (k, v) in own {
         env.insert(k.into(), v);
     }
+    // Ours alone: a whole-GPU task never reads a share that someone else set.
+    env.remove("GPUAM_GPU_FRACTION");
+    for (k, v) in share_env(granted) {
+        env.insert(k, v);
+    }
     env.into_iter().collect()
+}
+
+/// The environment of a GPU share and of custom resources (issue 15). A fractional
+/// container gets `GPUAM_GPU_FRACTION` ("0.25") and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`
+/// ("25"): an MPS daemon on the node, if one runs, then limits the task's share of the
+/// GPU's threads. GPU memory is not limited by this (set MPS memory limits for that).
+/// Each custom resource is `GPUAM_RESOURCE_<NAME>` (the name upper-cased, `.`/`-` as `_`)
+/// with its units, and `GPUAM_RESOURCES` lists them all (`nvme=1,ib_hca=2`).
+fn share_env(granted: &Resources) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    if let Some(h) = granted.gpu_share() {
+        out.push(("GPUAM_GPU_FRACTION".into(), crate::resources::format_hundredths(h)));
+        out.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), h.to_string()));
+    }
+    if !granted.custom.is_empty() {
+        out.push(("GPUAM_RESOURCES".into(), granted.custom.to_text()));
+        for (name, units) in granted.custom.iter() {
+            let var: String = name
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() {
+                        c.to_ascii_uppercase()
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            out.push((format!("GPUAM_RESOURCE_{var}"), units.to_string()));
+        }
+    }
+    out
 }
 
 /// Quotes any text for bash: `'...'` with each `'` written as `'\''`.
@@ -1339,6 +1377,37 @@ mod tests {
             !vars.contains_key("GPUAM_TEST_LEAK_CHECK"),
             "executor env leaked into the task"
         );
+    }
+
+    #[tokio::test]
+    async fn a_share_and_custom_resources_are_in_the_environment() {
+        let (_t, exec, mut rx) = setup();
+        let mut c = ctx(&["env > env.txt"]);
+        c.env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "100".into());
+        let granted = Resources::with_share(1, 100, 1, 25, Default::default()).with_custom(
+            crate::resources::CustomResources::from_pairs([("nvme", 1), ("ib-hca", 2)]),
+        );
+        exec.start("share1", "h", &granted, c).unwrap();
+        assert_eq!(next_exit(&mut rx).await.1, 0);
+        let text = std::fs::read_to_string(exec.container_dir("share1").unwrap().join("env.txt")).unwrap();
+        let vars: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
+        assert_eq!(vars["CUDA_VISIBLE_DEVICES"], "1");
+        assert_eq!(vars["GPUAM_GPU_MASK"], "0x2");
+        assert_eq!(vars["GPUAM_GPU_FRACTION"], "0.25");
+        assert_eq!(
+            vars["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25",
+            "the share wins over ctx.env"
+        );
+        assert_eq!(vars["GPUAM_RESOURCES"], "ib-hca=2,nvme=1");
+        assert_eq!((vars["GPUAM_RESOURCE_NVME"], vars["GPUAM_RESOURCE_IB_HCA"]), ("1", "2"));
+        // A whole-GPU task has no fraction, even one set by the caller.
+        let mut c = ctx(&["env > env.txt"]);
+        c.env.insert("GPUAM_GPU_FRACTION".into(), "0.5".into());
+        exec.start("whole1", "h", &Resources::with_mask(1, 100, 0x1, Default::default()), c)
+            .unwrap();
+        assert_eq!(next_exit(&mut rx).await.1, 0);
+        let text = std::fs::read_to_string(exec.container_dir("whole1").unwrap().join("env.txt")).unwrap();
+        assert!(!text.contains("GPUAM_GPU_FRACTION"), "{text}");
     }
 
     #[tokio::test]

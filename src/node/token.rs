@@ -11,13 +11,23 @@ use ring::hmac;
 
 use super::Grant;
 
-/// The text the MAC covers: one field per line, resources in a fixed order.
+/// The text the MAC covers: one field per line, resources in a fixed order. GPU shares
+/// and custom resources add a line each only when present, so a whole-GPU grant's text
+/// (and token) is what it always was, and an agent that does not know them cannot verify
+/// a grant that has them.
 pub fn canonical(grant: &Grant) -> String {
     let r = &grant.resources;
-    format!(
+    let mut text = format!(
         "gpuam-container-v1\nid={}\napp={}\nhost={}\ncpu={}\nmemoryMB={}\ngpus={}\ngpuMask={:#x}\nports={}\n",
         grant.container_id, grant.app_id, grant.host, r.cpu, r.memory_mb, r.gpus, r.gpu_mask, r.ports
-    )
+    );
+    if !r.gpu_shares.is_empty() {
+        text.push_str(&format!("gpuShares={}\n", r.gpu_shares));
+    }
+    if !r.custom.is_empty() {
+        text.push_str(&format!("customResources={}\n", r.custom.to_text()));
+    }
+    text
 }
 
 /// The container token of `grant` under `secret`.
@@ -59,6 +69,28 @@ mod tests {
             host: "h1".into(),
             resources: Resources::with_mask(2, 1024, mask, PortSet::default()),
         }
+    }
+
+    #[test]
+    fn shares_and_custom_resources_are_covered() {
+        let whole = grant(0x1);
+        assert!(
+            !canonical(&whole).contains("gpuShares"),
+            "a whole grant's text is unchanged"
+        );
+        let mut quarter = whole.clone();
+        quarter.resources = Resources::with_share(2, 1024, 0, 25, PortSet::default());
+        let t = sign(b"k", &quarter);
+        let mut half = quarter.clone();
+        half.resources = Resources::with_share(2, 1024, 0, 50, PortSet::default());
+        assert!(verify(b"k", &quarter, &t));
+        assert!(!verify(b"k", &half, &t), "another share");
+        assert!(!verify(b"k", &whole, &t), "the whole GPU");
+        let mut drive = whole.clone();
+        drive.resources = drive
+            .resources
+            .with_custom(crate::resources::CustomResources::from_pairs([("nvme", 1)]));
+        assert!(!verify(b"k", &drive, &sign(b"k", &whole)));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use super::{Alternative, JobDemand, Outcome, Placement, SelectionTrace, Selector, TaskAsk, TaskShape};
-use crate::resources::{mask_hex, mask_indices, PortSet};
+use crate::resources::{format_hundredths, mask_hex, mask_indices, PortSet};
 use crate::spec::{JobSpec, TaskResources};
 
 /// A task that found a place.
@@ -20,6 +20,12 @@ pub struct PlannedTask {
     pub gpus: Vec<u32>,
     /// The mask as a hex string ("0x3").
     pub gpu_mask: String,
+    /// A fractional task's share of its GPU ("0.25"); `None` for whole GPUs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_share: Option<String>,
+    /// Custom resources the task holds.
+    #[serde(skip_serializing_if = "crate::resources::CustomResources::is_empty")]
+    pub resources: crate::resources::CustomResources,
     /// Ports by label, in the spec's label order.
     pub ports: Vec<(String, Vec<u16>)>,
     pub gpu_tier: u8,
@@ -110,7 +116,8 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
         let impossible = matches!(sel.outcome, Outcome::Impossible { .. });
         match sel.outcome {
             Outcome::Placed(p) => {
-                demand.placed_with_gpus(&shape, &p.host, p.resources.gpu_mask);
+                // A share joins no all-reduce: only whole GPUs count in the job's union.
+                demand.placed_with_gpus(&shape, &p.host, p.resources.whole_gpu_mask());
                 if role.same_port_allocation && role_ports[ri].is_none() {
                     role_ports[ri] = Some(p.resources.ports.clone());
                 }
@@ -121,6 +128,8 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
                     rack: p.rack.clone(),
                     gpus: mask_indices(p.resources.gpu_mask),
                     gpu_mask: mask_hex(p.resources.gpu_mask),
+                    gpu_share: p.resources.gpu_share().map(format_hundredths),
+                    resources: p.resources.custom.clone(),
                     ports: assign_port_labels(&role.resources, &p.resources.ports).unwrap_or_default(),
                     gpu_tier: p.gpu_tier,
                     gpu_tier_ideal: p.gpu_tier_ideal,

@@ -7,6 +7,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::cluster::NodeState;
 use crate::config::RackPolicy;
+use crate::resources::CustomResources;
 use crate::spec::{JobSpec, PortRequest, TaskRole};
 
 fn node(host: &str, rack: &str, gpus: u32, used_mask: u64) -> Node {
@@ -810,4 +811,220 @@ fn the_index_walk_finds_the_best_node_and_counts_every_drop() {
     }
     s.remove_requested(&p.host, &p.resources, false);
     assert_eq!(placed(&s.select(&ask(&r), &demand)).host, p.host);
+}
+
+// ---------- GPU shares and custom resources (issue 15) ----------
+
+fn share_res(cpu: u32, share: u32) -> TaskResources {
+    TaskResources {
+        gpu_share: Some(share),
+        ..res(cpu, 1000, 1)
+    }
+}
+
+/// A node of `gpus` GPUs whose GPUs hold these shares already (index, hundredths).
+fn shared_node(host: &str, gpus: u32, shares: &[(u32, u32)]) -> Node {
+    let mut n = node(host, "/r", gpus, 0);
+    let mut used = Resources::default();
+    for &(i, h) in shares {
+        used = used
+            .try_add(&Resources::with_share(1, 100, i, h, PortSet::new()))
+            .expect("test shares fit");
+    }
+    n.set_used(used);
+    n
+}
+
+#[test]
+fn a_share_goes_best_fit_onto_an_already_shared_gpu() {
+    let s = selector(vec![
+        shared_node("half", 2, &[(0, 50)]),
+        shared_node("quarter", 2, &[(1, 75)]),
+        node("empty", "/r", 8, 0),
+    ]);
+    let d = JobDemand::new(true);
+    let r = share_res(1, 25);
+    let p = placed(&s.select(&ask(&r), &d)).clone();
+    assert_eq!(
+        (p.host.as_str(), p.resources.gpu_text()),
+        ("quarter", "0x2 (1:0.25)".to_string()),
+        "exact fit"
+    );
+    let r = share_res(1, 50);
+    let sel = s.select(&ask(&r), &d);
+    let p = placed(&sel);
+    assert_eq!(
+        (p.host.as_str(), p.resources.gpu_text()),
+        ("half", "0x1 (0:0.5)".to_string())
+    );
+    let alt = sel.trace.alternative.as_ref().expect("a next best");
+    assert!(alt.lost_on.starts_with("share left on its GPU"), "{}", alt.lost_on);
+    // 0.6 fits no shared GPU: it opens a wholly free GPU, on a busy node (fewest free GPUs).
+    let r = share_res(1, 60);
+    let p = placed(&s.select(&ask(&r), &d)).clone();
+    assert!(p.host == "half" || p.host == "quarter", "{p:?}");
+    let n = s.with_view(|v| v.get(&p.host).unwrap().free().clone());
+    assert_eq!(
+        n.gpu_hundredths(p.resources.gpu_mask.trailing_zeros()),
+        100,
+        "a wholly free GPU"
+    );
+}
+
+#[test]
+fn whole_gpu_tasks_never_get_a_shared_gpu() {
+    let s = selector(vec![shared_node("a", 2, &[(0, 10)])]);
+    let d = JobDemand::new(true);
+    let p = placed(&s.select(&ask(&res(1, 1000, 1)), &d)).clone();
+    assert_eq!(p.resources.gpu_mask, 0x2);
+    let sel = s.select(&ask(&res(1, 1000, 2)), &d);
+    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "{:?}", sel.outcome);
+    assert_eq!(stage(&sel, "resources").main_reason(), Some("not enough free GPUs"));
+    // An explicit mask on the shared GPU is refused too.
+    let pinned = TaskResources {
+        gpu_mask: Some(0x1),
+        ..res(1, 1000, 1)
+    };
+    let sel = s.select(&ask(&pinned), &d);
+    assert!(matches!(sel.outcome, Outcome::NotNow { .. }), "{:?}", sel.outcome);
+}
+
+#[test]
+fn four_quarters_of_a_job_share_one_gpu_and_a_pair_keeps_the_best_free_pair() {
+    // An NVLink-paired 4-GPU box: the 2-GPU task must still find a full pair.
+    let mut n = node("box", "/r", 4, 0);
+    n.topology = Topology::preset("pcie4").map(Arc::new);
+    let s = selector(vec![n]);
+    let j = job(vec![
+        role("small", 5, share_res(1, 25)),
+        role("big", 1, res(1, 1000, 2)),
+    ]);
+    let plan = plan_job(&s, &j);
+    assert!(plan.unplaced.is_empty(), "{:?}", plan.unplaced);
+    let small: Vec<&PlannedTask> = plan.placements.iter().filter(|p| p.role == "small").collect();
+    let on_first = small.iter().filter(|p| p.gpus == small[0].gpus).count();
+    assert_eq!(on_first, 4, "four quarters on one GPU: {small:?}");
+    let fifth = small
+        .iter()
+        .find(|p| p.gpus != small[0].gpus)
+        .expect("the fifth elsewhere");
+    let big = plan.placements.iter().find(|p| p.role == "big").unwrap();
+    let t = Topology::preset("pcie4").unwrap();
+    let used = crate::resources::parse_mask(&small[0].gpu_mask).unwrap()
+        | crate::resources::parse_mask(&fifth.gpu_mask).unwrap();
+    let pair = crate::resources::parse_mask(&big.gpu_mask).unwrap();
+    assert_eq!(pair & used, 0, "the pair shares no GPU with the quarters");
+    let best = crate::topology::choose(Some(&t), 0xf & !used, 2).unwrap();
+    assert_eq!(t.tier(pair), best.tier, "the pair is the best left: {big:?}");
+    // The shares kept a good pair free: the quarters took GPUs of one pair.
+    assert_eq!(t.tier(pair), t.best_tier(2), "{small:?} {big:?}");
+}
+
+#[test]
+fn custom_resources_filter_and_explain_in_the_trace() {
+    let mut a = node("a", "/r", 0, 0);
+    a.set_total(
+        a.total()
+            .clone()
+            .with_custom(CustomResources::from_pairs([("nvme", 2)])),
+    );
+    let mut b = node("b", "/r", 0, 0);
+    b.set_total(
+        b.total()
+            .clone()
+            .with_custom(CustomResources::from_pairs([("ib_hca", 1)])),
+    );
+    let c = node("c", "/r", 0, 0);
+    let s = selector(vec![a, b, c]);
+    let r = TaskResources {
+        custom: CustomResources::from_pairs([("nvme", 1)]),
+        ..res(1, 1000, 0)
+    };
+    let d = JobDemand::new(false);
+    for _ in 0..2 {
+        let sel = s.select_and_reserve(&ask(&r), &d);
+        assert_eq!(placed(&sel).host, "a");
+        assert_eq!(placed(&sel).resources.custom.get("nvme"), 1);
+        let st = stage(&sel, "resources");
+        assert_eq!(st.main_reason(), Some("not enough of a custom resource free"));
+        assert_eq!(st.note.as_deref(), Some("nodes with 1 nvme free: a"));
+    }
+    let sel = s.select(&ask(&r), &d);
+    match &sel.outcome {
+        Outcome::NotNow { reason } => assert_eq!(reason, "no node has 1 nvme free; nodes with nvme: a"),
+        other => panic!("{other:?}"),
+    }
+    assert!(sel
+        .trace
+        .render()
+        .contains("no node has 1 nvme free; nodes with nvme: a"));
+    let fpga = TaskResources {
+        custom: CustomResources::from_pairs([("fpga", 1)]),
+        ..res(1, 1000, 0)
+    };
+    match s.select(&ask(&fpga), &d).outcome {
+        Outcome::Impossible { reason } => {
+            assert!(reason.contains("no node offers the custom resource `fpga`"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let many = TaskResources {
+        custom: CustomResources::from_pairs([("nvme", 3)]),
+        ..res(1, 1000, 0)
+    };
+    match s.select(&ask(&many), &d).outcome {
+        Outcome::Impossible { reason } => assert!(
+            reason.contains("no node has 3 nvme") && reason.contains(": a"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+proptest! {
+    /// On random clusters with random shares already used, a share always lands where
+    /// the least room is left among every (node, GPU) that can take it (best fit), never
+    /// on a GPU without the room, and is NotNow exactly when no GPU has the room.
+    #[test]
+    fn a_share_is_placed_best_fit_over_the_whole_cluster(
+        nodes in proptest::collection::vec((1u32..5, proptest::collection::vec((0u32..4, 1u32..100), 0..5), 0u64..16), 1..6),
+        share in 1u32..100,
+    ) {
+        let mut view = Vec::new();
+        for (i, (gpus, shares, whole)) in nodes.iter().enumerate() {
+            let mut n = node(&format!("n{i}"), "/r", *gpus, 0);
+            let mut used = Resources::with_mask(0, 0, whole & crate::resources::mask_of_count(*gpus), PortSet::new());
+            for &(g, h) in shares {
+                if g < *gpus {
+                    if let Ok(u) = used.try_add(&Resources::with_share(0, 0, g, h, PortSet::new())) {
+                        used = u;
+                    }
+                }
+            }
+            n.set_used(used);
+            view.push(n);
+        }
+        let best = view
+            .iter()
+            .flat_map(|n| (0..n.total().gpu_count()).map(move |g| n.free().gpu_hundredths(g)))
+            .filter(|room| *room >= share)
+            .map(|room| room - share)
+            .min();
+        let s = selector(view.clone());
+        let r = share_res(1, share);
+        let sel = s.select(&ask(&r), &JobDemand::new(true));
+        match (&sel.outcome, best) {
+            (Outcome::Placed(p), Some(least)) => {
+                let n = view.iter().find(|n| n.host == p.host).unwrap();
+                let g = p.resources.gpu_mask.trailing_zeros();
+                prop_assert_eq!(p.resources.gpu_mask.count_ones(), 1);
+                let room = n.free().gpu_hundredths(g);
+                prop_assert!(room >= share);
+                prop_assert_eq!(room - share, least, "best fit: {:?}", p);
+                prop_assert_eq!(p.resources.gpu_share(), Some(share));
+            }
+            (Outcome::NotNow { .. }, None) => {}
+            (o, b) => prop_assert!(false, "outcome {:?} with best room {:?}", o, b),
+        }
+    }
 }
