@@ -220,7 +220,7 @@ function taskRow(t) {
     h('td', { class: 'mono' }, k),
     h('td', null, h('span', { class: 'state', 'data-state': ds }, ds)),
     h('td', { class: 'mono' }, t.host || '–'),
-    h('td', { class: 'mono', title: t.gpuMask || '' }, t.gpus && t.gpus.length ? t.gpus.join(',') : '–'),
+    h('td', { class: 'mono', title: t.gpuMask || '' }, t.gpus && t.gpus.length ? t.gpus.join(',') + (t.gpuShare ? ' (' + t.gpuShare + ')' : '') : '–'),
     h('td', { class: 'mono small' }, ports || '–'),
     h('td', null, t.attempt),
     h('td', { class: 'mono' }, t.exitCode === null || t.exitCode === undefined ? '' : t.exitCode),
@@ -308,7 +308,8 @@ function renderDetail() {
   const ports = (t.ports || []).map(([l, ps]) => l + ':' + ps.join(',')).join('  ');
   $('task-facts').replaceChildren(
     ...fact('host', t.host || 'not placed yet', 'mono'),
-    ...fact('GPUs', t.gpus && t.gpus.length ? t.gpus.join(', ') + '  (' + t.gpuMask + ')' : 'none', 'mono'),
+    ...fact('GPUs', t.gpus && t.gpus.length ? t.gpus.join(', ') + '  (' + t.gpuMask + ')' + (t.gpuShare ? '  share ' + t.gpuShare + ' of the GPU' : '') : 'none', 'mono'),
+    ...(t.resources && Object.keys(t.resources).length ? fact('resources', resText(t.resources), 'mono') : []),
     ...fact('ports', ports || '–', 'mono'),
     ...fact('container', t.containerId || '–', 'mono'),
     ...fact('attempt', t.attempt + (t.retriedCount ? ' (' + t.retriedCount + ' retries counted)' : '')),
@@ -413,6 +414,20 @@ function gpuTree(node) {
   return build(all, 0);
 }
 
+// A share "0.25" in hundredths (exact: the wire carries decimals with two places at most).
+function hundredths(text) {
+  const [u, f = ''] = String(text).split('.');
+  return parseInt(u || '0', 10) * 100 + parseInt((f + '00').slice(0, 2), 10);
+}
+function resText(r) { return Object.entries(r || {}).map(([n, q]) => n + '=' + q).join(', '); }
+
+// Hundredths of GPU i used on the node: its share where it is held in part, else 100 if used.
+function usedHundredths(node, i) {
+  const s = (node.usedGpuShares || {})[String(i)];
+  if (s !== undefined) return hundredths(s);
+  return parseMask(node.usedGpuMask) & (1n << BigInt(i)) ? 100 : 0;
+}
+
 function gpuLook(node, i) {
   const b = 1n << BigInt(i);
   if (parseMask(node.jobGpuMask) & b) return 'job';
@@ -425,13 +440,35 @@ const LOOK_TEXT = { free: 'free', other: 'used by another job', job: 'used by th
 function nodeCard(node, sel) {
   const selGpus = sel && sel.host === node.host ? new Set(sel.gpus || []) : null;
   const owners = new Map();
+  // This job's shares per GPU: [{k, h}] (a shared GPU's box is split into them).
+  const shares = new Map();
   for (const k of state.order) {
     const t = state.tasks.get(k);
-    if (t.host === node.host && isLive(t) || t.host === node.host && t.state === 'CONTAINER_REQUESTED') for (const g of t.gpus || []) owners.set(g, k);
+    if (t.host === node.host && isLive(t) || t.host === node.host && t.state === 'CONTAINER_REQUESTED') for (const g of t.gpus || []) {
+      owners.set(g, k);
+      if (t.gpuShare) { if (!shares.has(g)) shares.set(g, []); shares.get(g).push({ k, h: hundredths(t.gpuShare) }); }
+    }
+  }
+  // A GPU held in part: one segment per task of this job, one for other jobs' shares, the rest free.
+  function shareBox(i) {
+    const mine = shares.get(i) || [];
+    const used = usedHundredths(node, i);
+    const others = Math.max(0, used - mine.reduce((a, s) => a + s.h, 0));
+    const segs = mine.map(s => h('span', { class: 'seg', 'data-look': 'job', 'data-share-task': s.k, 'data-share': s.h,
+      style: 'width:' + s.h + '%', title: s.k + ': ' + (s.h / 100).toFixed(2) + ' of GPU ' + i,
+      onclick: (e) => { e.stopPropagation(); selectTask(s.k); } }));
+    if (others) segs.push(h('span', { class: 'seg', 'data-look': 'other', 'data-share': others, style: 'width:' + others + '%', title: 'other jobs: ' + (others / 100).toFixed(2) }));
+    const free = Math.max(0, 100 - used);
+    if (free) segs.push(h('span', { class: 'seg', 'data-look': 'free', 'data-share': free, style: 'width:' + free + '%', title: 'free: ' + (free / 100).toFixed(2) }));
+    const text = 'GPU ' + i + ' shared: ' + mine.map(s => s.k + ' ' + (s.h / 100).toFixed(2)).concat(others ? ['other jobs ' + (others / 100).toFixed(2)] : []).join(', ') + '; free ' + (free / 100).toFixed(2);
+    return h('span', { class: 'gpu shared', 'data-gpu-box': true, 'data-host': node.host, 'data-gpu': i, 'data-look': 'shared',
+      'data-task-gpus': selGpus && selGpus.has(i) ? key(sel) : null, title: text, 'aria-label': text },
+      h('span', { class: 'gnum' }, String(i)), h('span', { class: 'segs' }, segs));
   }
   function draw(items) {
     return items.map(it => {
       if (it.gpu !== undefined) {
+        if (shares.has(it.gpu) || (node.usedGpuShares || {})[String(it.gpu)] !== undefined) return shareBox(it.gpu);
         const look = gpuLook(node, it.gpu);
         const owner = owners.get(it.gpu);
         return h('span', { class: 'gpu', 'data-gpu-box': true, 'data-host': node.host, 'data-gpu': it.gpu, 'data-look': look,
@@ -448,7 +485,9 @@ function nodeCard(node, sel) {
       unhealthy ? h('span', { class: 'state', 'data-state': 'FAILED' }, node.state) : ''),
     h('div', { class: 'gpus', 'aria-label': 'GPUs of ' + node.host }, draw(gpuTree(node))),
     h('div', { class: 'meta small' }, 'CPU ' + node.usedCpu + '/' + node.totalCpu + (node.requestedCpu ? ' (+' + node.requestedCpu + ' req)' : '') +
-      ' · mem ' + Math.round(node.usedMemoryMb / 1024) + '/' + Math.round(node.totalMemoryMb / 1024) + ' GiB · ', h('span', { class: 'ports', title: 'free ports ' + (node.freePorts || '') }, 'free ports ', h('span', { class: 'mono' }, node.freePorts || '–'))));
+      ' · mem ' + Math.round(node.usedMemoryMb / 1024) + '/' + Math.round(node.totalMemoryMb / 1024) + ' GiB · ', h('span', { class: 'ports', title: 'free ports ' + (node.freePorts || '') }, 'free ports ', h('span', { class: 'mono' }, node.freePorts || '–')),
+      node.customResources ? h('span', { class: 'custom', 'data-custom': resText(node.customResources) }, ' · ' + Object.entries(node.customResources).map(([n, q]) =>
+        n + ' ' + ((node.usedCustomResources || {})[n] || 0) + '/' + q + ' used').join(', ')) : ''));
 }
 
 function renderNodes() {

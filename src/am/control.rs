@@ -1142,6 +1142,10 @@ pub fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -
         total_ports: n.total().ports.to_string(),
         used_ports: n.used().ports.to_string(),
         free_ports: n.free().ports.to_string(),
+        used_gpu_shares: n.used().gpu_shares.clone(),
+        custom_resources: n.total().custom.clone(),
+        used_custom_resources: n.used().custom.clone(),
+        free_custom_resources: n.free().custom.clone(),
     }
 }
 

@@ -13,6 +13,7 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 
+use crate::resources::{CustomResources, GpuShares};
 use crate::select::SelectionTrace;
 
 /// Job states as users see them.
@@ -83,6 +84,12 @@ pub struct TaskStatus {
     pub host: Option<String>,
     pub gpus: Vec<u32>,
     pub gpu_mask: Option<String>,
+    /// A fractional task's share of its GPU ("0.25").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_share: Option<String>,
+    /// Custom resources its container holds.
+    #[serde(skip_serializing_if = "CustomResources::is_empty")]
+    pub resources: CustomResources,
     /// Ports by label.
     pub ports: Vec<(String, Vec<u16>)>,
     pub container_id: Option<String>,
@@ -145,6 +152,17 @@ pub struct NodeStatus {
     pub total_ports: String,
     pub used_ports: String,
     pub free_ports: String,
+    /// Hundredths used on GPUs held in part (`{"0": "0.75"}`); a GPU filled exactly by
+    /// shares reads as used in full.
+    #[serde(skip_serializing_if = "GpuShares::is_empty")]
+    pub used_gpu_shares: GpuShares,
+    /// Custom resources: offered, used, free (`{"nvme": 2}`).
+    #[serde(skip_serializing_if = "CustomResources::is_empty")]
+    pub custom_resources: CustomResources,
+    #[serde(skip_serializing_if = "CustomResources::is_empty")]
+    pub used_custom_resources: CustomResources,
+    #[serde(skip_serializing_if = "CustomResources::is_empty")]
+    pub free_custom_resources: CustomResources,
 }
 
 /// One selection, as published.

@@ -109,6 +109,16 @@ impl Task {
             host: self.container.as_ref().map(|c| c.host.clone()),
             gpus: mask.map(mask_indices).unwrap_or_default(),
             gpu_mask: mask.map(mask_hex),
+            gpu_share: self
+                .container
+                .as_ref()
+                .and_then(|c| c.resources.gpu_share())
+                .map(crate::resources::format_hundredths),
+            resources: self
+                .container
+                .as_ref()
+                .map(|c| c.resources.custom.clone())
+                .unwrap_or_default(),
             ports: self.ports.clone(),
             container_id: self.container.as_ref().map(|c| c.container_id.clone()),
             exit_code: self.exit.as_ref().map(|(e, _)| e.code),

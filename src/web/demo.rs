@@ -254,6 +254,8 @@ pub fn demo_hub_with_commands(
             host: host.clone(),
             gpus: gpus.clone(),
             gpu_mask: gpu_mask.clone(),
+            gpu_share: None,
+            resources: Default::default(),
             ports: if placed {
                 vec![
                     ("nccl".into(), vec![31000 + (k % 500) as u16]),
@@ -340,6 +342,10 @@ pub fn demo_hub_with_commands(
                 total_ports: "20000-39999".into(),
                 used_ports: "31000-31001".into(),
                 free_ports: "20000-30999,31002-39999".into(),
+                used_gpu_shares: Default::default(),
+                custom_resources: Default::default(),
+                used_custom_resources: Default::default(),
+                free_custom_resources: Default::default(),
             }
         })
         .collect();
