@@ -102,6 +102,10 @@ pub struct NodeUse {
     pub cpu_used: u64,
     pub mem_used: u64,
     pub containers: u64,
+    /// Hundredths used on GPUs held in part (`usedGpuShares` as JSON text; "" = none).
+    pub gpu_shares_used: String,
+    /// Custom resources in use (`usedCustomResources` as JSON text; "" = none).
+    pub custom_used: String,
 }
 
 fn node_use(n: &Value) -> NodeUse {
@@ -115,6 +119,12 @@ fn node_use(n: &Value) -> NodeUse {
         cpu_used: n["usedVirtualCores"].as_u64().unwrap_or(0),
         mem_used: n["usedMemoryMB"].as_u64().unwrap_or(0),
         containers: n["numContainers"].as_u64().unwrap_or(0),
+        gpu_shares_used: n.get("usedGpuShares").map(|v| v.to_string()).unwrap_or_default(),
+        custom_used: n
+            .get("usedCustomResources")
+            .filter(|v| v.as_object().is_some_and(|o| !o.is_empty()))
+            .map(|v| v.to_string())
+            .unwrap_or_default(),
     }
 }
 
