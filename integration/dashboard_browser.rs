@@ -723,3 +723,97 @@ async fn dashboard_shows_the_loss_falling() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// `examples/fractional.yaml` (issue 15): a GPU held in part is drawn as one box split
+/// into its tasks' shares (each segment as wide as its share, clicking it selects the
+/// task) and the rest free; the node card shows its custom resources in use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_splits_a_shared_gpu_into_its_tasks_shares() {
+    let b = Browser::start().await;
+    let (mut child, url) = start_job_with("examples/fractional.yaml", 4);
+    b.goto(&url).await;
+    b.wait_for(
+        "the page to load",
+        "return document.body.dataset.ready === 'true';",
+        Duration::from_secs(20),
+    )
+    .await;
+    // The five share tasks RUNNING: [task, host, "GPU (share)"].
+    let rows = b
+        .wait_for(
+            "the share tasks to run and their boxes to be split",
+            "const rows = [...document.querySelectorAll('tr[data-task]')].filter(r => r.cells[3].textContent.includes('(0.'));
+             const boxes = document.querySelectorAll('[data-gpu-box][data-look=\"shared\"] .seg[data-share-task]').length;
+             return rows.length === 5 && rows.every(r => r.dataset.state === 'RUNNING') && boxes === 5
+               ? rows.map(r => [r.dataset.task, r.cells[2].textContent, r.cells[3].textContent]) : null;",
+            Duration::from_secs(60),
+        )
+        .await;
+    let rows: Vec<(String, String, String)> = serde_json::from_value(rows).unwrap();
+    let boxes = b
+        .js(
+            "return [...document.querySelectorAll('[data-gpu-box][data-look=\"shared\"]')].map(b => ({
+               host: b.dataset.host, gpu: b.dataset.gpu, width: b.querySelector('.segs').getBoundingClientRect().width,
+               segs: [...b.querySelectorAll('.seg')].map(s => ({look: s.dataset.look, task: s.dataset.shareTask || null,
+                 share: +s.dataset.share, width: s.getBoundingClientRect().width}))}));",
+        )
+        .await;
+    let boxes = boxes.as_array().unwrap().clone();
+    for (task, host, gpus) in &rows {
+        let (gpu, share) = gpus.split_once(" (").unwrap();
+        let share: f64 = share.trim_end_matches(')').parse().unwrap();
+        let bx = boxes
+            .iter()
+            .find(|b| b["host"] == host.as_str() && b["gpu"] == gpu)
+            .unwrap_or_else(|| panic!("no split box for {task} on {host} GPU {gpu}: {boxes:?}"));
+        let seg = bx["segs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["task"] == task.as_str())
+            .unwrap_or_else(|| panic!("no segment of {task}: {bx}"));
+        assert_eq!(seg["look"], "job", "{seg}");
+        assert_eq!(seg["share"].as_f64().unwrap(), (share * 100.0).round(), "{task}: {seg}");
+    }
+    for bx in &boxes {
+        let segs = bx["segs"].as_array().unwrap();
+        let total: f64 = segs.iter().map(|s| s["share"].as_f64().unwrap()).sum();
+        assert_eq!(total, 100.0, "a box is one GPU: {bx}");
+        let width = bx["width"].as_f64().unwrap();
+        for s in segs {
+            let want = width * s["share"].as_f64().unwrap() / 100.0;
+            assert!(
+                (s["width"].as_f64().unwrap() - want).abs() <= 2.0,
+                "segment as wide as its share: {bx}"
+            );
+        }
+    }
+    assert!(
+        boxes
+            .iter()
+            .any(|bx| bx["segs"].as_array().unwrap().iter().any(|s| s["look"] == "free")),
+        "some shared GPU has room left: {boxes:?}"
+    );
+    // The prep task's node shows its NVMe drive in use.
+    let prep_host = &rows.iter().find(|r| r.0 == "prep/0").expect("prep/0 runs").1;
+    let custom = b
+        .js(&format!(
+            "const c = document.querySelector('.node-card[data-host=\"{prep_host}\"] [data-custom]'); return c ? c.textContent : null;"
+        ))
+        .await;
+    assert!(custom.as_str().unwrap_or("").contains("nvme 1/"), "{custom}");
+    // Clicking a segment selects its task.
+    b.click("[data-gpu-box][data-look=\"shared\"] .seg[data-share-task=\"prep/0\"]")
+        .await;
+    b.wait_for(
+        "prep/0 to be selected",
+        "return document.getElementById('detail-title').textContent.includes('prep/0');",
+        Duration::from_secs(5),
+    )
+    .await;
+    let png = b.screenshot("target/dashboard-shares.png").await;
+    assert!(std::fs::metadata(png).unwrap().len() > 10_000);
+    drop(b);
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -454,12 +454,13 @@ function nodeCard(node, sel) {
     const mine = shares.get(i) || [];
     const used = usedHundredths(node, i);
     const others = Math.max(0, used - mine.reduce((a, s) => a + s.h, 0));
-    const segs = mine.map(s => h('span', { class: 'seg', 'data-look': 'job', 'data-share-task': s.k, 'data-share': s.h,
-      style: 'width:' + s.h + '%', title: s.k + ': ' + (s.h / 100).toFixed(2) + ' of GPU ' + i,
-      onclick: (e) => { e.stopPropagation(); selectTask(s.k); } }));
-    if (others) segs.push(h('span', { class: 'seg', 'data-look': 'other', 'data-share': others, style: 'width:' + others + '%', title: 'other jobs: ' + (others / 100).toFixed(2) }));
+    // Widths through the CSSOM: the page's Content-Security-Policy allows no style attributes.
+    const seg = (attrs, hh) => { const el = h('span', Object.assign({ class: 'seg', 'data-share': hh }, attrs)); el.style.flex = '0 0 ' + hh + '%'; return el; };
+    const segs = mine.map(s => seg({ 'data-look': 'job', 'data-share-task': s.k, title: s.k + ': ' + (s.h / 100).toFixed(2) + ' of GPU ' + i,
+      onclick: (e) => { e.stopPropagation(); selectTask(s.k); } }, s.h));
+    if (others) segs.push(seg({ 'data-look': 'other', title: 'other jobs: ' + (others / 100).toFixed(2) }, others));
     const free = Math.max(0, 100 - used);
-    if (free) segs.push(h('span', { class: 'seg', 'data-look': 'free', 'data-share': free, style: 'width:' + free + '%', title: 'free: ' + (free / 100).toFixed(2) }));
+    if (free) segs.push(seg({ 'data-look': 'free', title: 'free: ' + (free / 100).toFixed(2) }, free));
     const text = 'GPU ' + i + ' shared: ' + mine.map(s => s.k + ' ' + (s.h / 100).toFixed(2)).concat(others ? ['other jobs ' + (others / 100).toFixed(2)] : []).join(', ') + '; free ' + (free / 100).toFixed(2);
     return h('span', { class: 'gpu shared', 'data-gpu-box': true, 'data-host': node.host, 'data-gpu': i, 'data-look': 'shared',
       'data-task-gpus': selGpus && selGpus.has(i) ? key(sel) : null, title: text, 'aria-label': text },
