@@ -176,7 +176,8 @@ pub(crate) struct RayBackendArgs {
 
 #[derive(clap::Args, Debug)]
 struct SimArgs {
-    /// Job stream: philly, alibaba2023 or synthetic.
+    /// Job stream: philly, alibaba2023, synthetic, or fractional (30 % small jobs of 0.25 or
+    /// 0.5 GPU, placed with shares and with shares rounded up to whole GPUs).
     #[arg(long, default_value = "synthetic")]
     workload: String,
     /// Node topology preset, or `all` (synthetic: every preset of ≤ 16 GPUs; traces: every

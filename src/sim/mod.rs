@@ -7,6 +7,7 @@
 
 pub mod charts;
 pub mod cluster;
+pub mod fractional;
 pub mod metrics;
 pub mod policies;
 pub mod report;
@@ -622,12 +623,15 @@ pub fn run(opts: &SimOptions) -> i32 {
         eprintln!("error: --seeds and --jobs must be at least 1");
         return crate::exit::USAGE;
     }
+    if opts.workload == "fractional" {
+        return fractional::run(opts);
+    }
     let trace = match opts.workload.as_str() {
         "synthetic" => None,
         "philly" => Some(workload::Trace::Philly),
         "alibaba2023" => Some(workload::Trace::Alibaba2023),
         w => {
-            eprintln!("error: --workload {w}: use philly, alibaba2023 or synthetic");
+            eprintln!("error: --workload {w}: use philly, alibaba2023, synthetic or fractional");
             return crate::exit::USAGE;
         }
     };
