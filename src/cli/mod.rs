@@ -108,6 +108,9 @@ enum Cmd {
         /// Port ranges gpuam may hand to containers on this node.
         #[arg(long, default_value = crate::ray::scheme::DEFAULT_PORTS)]
         ports: String,
+        /// A custom resource the node offers (repeat for more), e.g. `--resource nvme=2`.
+        #[arg(long = "resource", value_name = "NAME=QTY")]
+        resources: Vec<String>,
     },
     /// The node agent of this machine: registers with the RM, runs granted containers
     /// (each in its own cgroup, as an unprivileged user).
@@ -340,6 +343,7 @@ pub fn main() -> i32 {
             rack,
             gpu_type,
             ports,
+            resources,
         } => crate::ray::args::main(&crate::ray::args::NodeArgsRequest {
             host,
             gpus,
@@ -347,6 +351,7 @@ pub fn main() -> i32 {
             rack,
             gpu_type,
             ports,
+            resources,
         }),
         Cmd::Am {
             job,

@@ -7,7 +7,7 @@ use clap::Args;
 
 use crate::exit;
 use crate::node::agent::{self, AgentOptions};
-use crate::resources::{check_resource_name, CustomResources, PortSet, Resources};
+use crate::resources::{CustomResources, PortSet, Resources};
 
 #[derive(Args, Debug)]
 pub struct NodeArgs {
@@ -60,40 +60,6 @@ pub struct NodeArgs {
     pub resources: Vec<String>,
 }
 
-/// `--resource NAME=QTY` flags as custom resources; a bad one is named with its fix.
-pub fn parse_resource_flags(flags: &[String]) -> Result<CustomResources, String> {
-    let mut out = CustomResources::new();
-    for f in flags {
-        let Some((name, qty)) = f.split_once('=') else {
-            return Err(format!("--resource `{f}`: write NAME=QTY, e.g. --resource nvme=2"));
-        };
-        let name = name.trim();
-        check_resource_name(name).map_err(|e| format!("--resource `{f}`: {e}"))?;
-        let units: u64 = match qty.trim().parse() {
-            Ok(u) if u <= crate::resources::custom::MAX_QUANTITY => u,
-            _ => {
-                return Err(format!(
-                    "--resource `{f}`: `{qty}` is not a whole number of units from 0 to {}",
-                    crate::resources::custom::MAX_QUANTITY
-                ))
-            }
-        };
-        if out.has(name) {
-            return Err(format!(
-                "--resource `{f}`: `{name}` is given twice; give each resource once"
-            ));
-        }
-        out.set(name, units);
-    }
-    if out.len() > crate::resources::custom::MAX_RESOURCES {
-        return Err(format!(
-            "--resource: {} resources; the limit is {}",
-            out.len(),
-            crate::resources::custom::MAX_RESOURCES
-        ));
-    }
-    Ok(out)
-}
 
 fn machine_memory_mb() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
@@ -164,7 +130,7 @@ pub async fn node(args: NodeArgs) -> i32 {
             return exit::USAGE;
         }
     };
-    let custom = match parse_resource_flags(&args.resources) {
+    let custom = match CustomResources::parse_flags(&args.resources) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -206,7 +172,7 @@ mod tests {
 
     #[test]
     fn resource_flags_are_read_and_checked() {
-        let c = parse_resource_flags(&["nvme=2".into(), "ib_hca = 4".into()]).unwrap();
+        let c = CustomResources::parse_flags(&["nvme=2".into(), "ib_hca = 4".into()]).unwrap();
         assert_eq!(c.to_text(), "ib_hca=4,nvme=2");
         for (bad, says) in [
             ("nvme", "NAME=QTY"),
@@ -215,10 +181,10 @@ mod tests {
             ("gpu=1", "built-in"),
             ("a b=1", "not a resource name"),
         ] {
-            let e = parse_resource_flags(&[bad.into()]).unwrap_err();
+            let e = CustomResources::parse_flags(&[bad.into()]).unwrap_err();
             assert!(e.contains(says) && e.starts_with("--resource"), "{bad}: {e}");
         }
-        let e = parse_resource_flags(&["nvme=1".into(), "nvme=2".into()]).unwrap_err();
+        let e = CustomResources::parse_flags(&["nvme=1".into(), "nvme=2".into()]).unwrap_err();
         assert!(e.contains("twice"), "{e}");
     }
 }

@@ -708,7 +708,7 @@ fn container_env(
 /// GPU's threads. GPU memory is not limited by this (set MPS memory limits for that).
 /// Each custom resource is `GPUAM_RESOURCE_<NAME>` (the name upper-cased, `.`/`-` as `_`)
 /// with its units, and `GPUAM_RESOURCES` lists them all (`nvme=1,ib_hca=2`).
-fn share_env(granted: &Resources) -> Vec<(String, String)> {
+pub(crate) fn share_env(granted: &Resources) -> Vec<(String, String)> {
     let mut out = Vec::new();
     if let Some(h) = granted.gpu_share() {
         out.push(("GPUAM_GPU_FRACTION".into(), crate::resources::format_hundredths(h)));

@@ -4,7 +4,7 @@
 //! `auto` values come from this machine's `nvidia-smi` (GPU count, type, `topo -m`); a
 //! machine without it has no GPUs unless told (`--gpus N`, `--topology PRESET`).
 
-use crate::resources::PortSet;
+use crate::resources::{CustomResources, PortSet};
 use crate::rm::gpu_discovery::LocalGpus;
 use crate::topology::Topology;
 
@@ -22,6 +22,8 @@ pub struct NodeArgsRequest {
     pub rack: Option<String>,
     pub gpu_type: Option<String>,
     pub ports: String,
+    /// `--resource NAME=QTY` flags.
+    pub resources: Vec<String>,
 }
 
 /// Resolves `auto` against `found` (this machine's GPUs, if any) into a node description.
@@ -66,6 +68,7 @@ pub fn describe(req: &NodeArgsRequest, found: Option<&LocalGpus>) -> Result<Node
         rack: req.rack.clone(),
         gpu_type,
         ports,
+        custom: CustomResources::parse_flags(&req.resources)?,
     })
 }
 
@@ -110,6 +113,7 @@ mod tests {
             rack: Some("/r1".into()),
             gpu_type: None,
             ports: "20000-29999".into(),
+            resources: Vec::new(),
         }
     }
 

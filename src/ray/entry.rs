@@ -111,11 +111,15 @@ pub fn container_env(
     ] {
         env.insert(k.into(), v);
     }
+    env.remove("GPUAM_GPU_FRACTION");
+    env.extend(crate::node::executor::share_env(granted));
     env
 }
 
 /// The submit body: named after the container, on the granted node (0.001 of its node
-/// resource), holding each granted GPU's resource, with no Ray GPU and no CPU (gpuam's
+/// resource), holding each granted GPU's resource (a share holds that fraction of it: Ray
+/// accounts fractional custom resources, so Ray too keeps a GPU's shares within 1), and
+/// each custom resource granted under its own name, with no Ray GPU and no CPU (gpuam's
 /// ledger accounts CPU and memory; Ray's CPUs would only limit how many jobs a node runs).
 pub fn job_submit(
     container_id: &str,
@@ -127,7 +131,10 @@ pub fn job_submit(
 ) -> JobSubmit {
     let mut resources = BTreeMap::from([(node_resource(host), NODE_RESOURCE_SHARE)]);
     for i in mask_indices(granted.gpu_mask) {
-        resources.insert(gpu_resource(i), 1.0);
+        resources.insert(gpu_resource(i), f64::from(granted.gpu_hundredths(i)) / 100.0);
+    }
+    for (name, units) in granted.custom.iter() {
+        resources.insert(name.to_string(), units as f64);
     }
     let env = container_env(container_id, host, granted, ctx, gate_url, gate_key);
     JobSubmit {
@@ -177,6 +184,26 @@ mod tests {
         assert_eq!(env["GPUAM_GPU_MASK"], "0x28");
         assert_eq!(env["GPUAM_TASK_ROLE"], "worker");
         assert_eq!(env[ENV_GATE_KEY], "k");
+    }
+
+    #[test]
+    fn a_share_holds_its_fraction_of_the_gpu_resource_and_custom_resources_by_name() {
+        let granted = Resources::with_share(1, 100, 2, 25, PortSet::new())
+            .with_custom(crate::resources::CustomResources::from_pairs([("nvme", 1)]));
+        let j = job_submit("c_1_01_000003", "n1", &granted, &ctx(&["true"]), "http://g/gate/c", "k");
+        assert_eq!(
+            j.entrypoint_resources,
+            BTreeMap::from([
+                ("gpuam-node-n1".to_string(), NODE_RESOURCE_SHARE),
+                ("gpuam-gpu-2".to_string(), 0.25),
+                ("nvme".to_string(), 1.0),
+            ])
+        );
+        let env = &j.runtime_env["env_vars"];
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "2");
+        assert_eq!(env["GPUAM_GPU_FRACTION"], "0.25");
+        assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+        assert_eq!(env["GPUAM_RESOURCE_NVME"], "1");
     }
 
     /// Runs the entrypoint's script with bash against a gate URL (nothing listens on port 9

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::cluster::{Node, NodeState};
-use crate::resources::{GpuMask, PortSet, Resources};
+use crate::resources::{CustomResources, GpuMask, PortSet, Resources};
 use crate::topology::{Link, Topology, MAX_GPUS};
 
 /// Prefix of the per-node resource; the rest is the gpuam host name.
@@ -195,6 +195,25 @@ pub struct NodeDescription {
     pub rack: Option<String>,
     pub gpu_type: Option<String>,
     pub ports: PortSet,
+    /// Custom resources offered (`--resource nvme=2`), Ray custom resources of the same name.
+    pub custom: CustomResources,
+}
+
+/// Ray's own resources (and prefixes), never read as gpuam custom resources.
+const RAY_BUILT_IN: &[&str] = &["CPU", "GPU", "memory", "object_store_memory"];
+
+/// The custom resources of a Ray node as gpuam sees them: every resource whose name is a
+/// gpuam resource name (no `node:…`, `accelerator_type:…`), that is not one of Ray's own
+/// (CPU, GPU, memory, object_store_memory) or gpuam's scheme (`gpuam-…`), in whole units
+/// (a fractional total is rounded down).
+pub fn custom_from_ray(resources_total: &BTreeMap<String, f64>) -> CustomResources {
+    CustomResources::from_pairs(
+        resources_total
+            .iter()
+            .filter(|(k, _)| !RAY_BUILT_IN.contains(&k.as_str()) && !k.starts_with("gpuam-"))
+            .filter(|(k, _)| crate::resources::check_resource_name(k).is_ok())
+            .map(|(k, v)| (k.clone(), if v.is_finite() && *v > 0.0 { v.floor() as u64 } else { 0 })),
+    )
 }
 
 /// The extra `ray start` arguments for a node: `--num-gpus=0`, `--resources=JSON` (the node
@@ -218,6 +237,12 @@ pub fn ray_start_args(d: &NodeDescription) -> Result<Vec<String>, String> {
     resources.insert(node_resource(&d.host), 1.into());
     for i in 0..d.gpus {
         resources.insert(gpu_resource(i), 1.into());
+    }
+    for (name, units) in d.custom.iter() {
+        if RAY_BUILT_IN.contains(&name) || name.starts_with("gpuam-") {
+            return Err(format!("--resource {name}: the name is Ray's or gpuam's own; choose another"));
+        }
+        resources.insert(name.to_string(), units.into());
     }
     let mut labels: Vec<(String, String)> = Vec::new();
     if let Some(r) = &d.rack {
@@ -328,7 +353,8 @@ pub fn node_from_ray(r: &RayNode) -> Option<Result<Node, String>> {
         .labels
         .get(LABEL_RACK)
         .map_or_else(|| DEFAULT_RACK.to_string(), |v| decode_rack(v));
-    let mut node = Node::new(host.clone(), rack, Resources::with_mask(cpu, memory_mb, mask, ports));
+    let total = Resources::with_mask(cpu, memory_mb, mask, ports).with_custom(custom_from_ray(&r.resources_total));
+    let mut node = Node::new(host.clone(), rack, total);
     node.gpu_type = r.labels.get(LABEL_GPU_TYPE).cloned();
     // GPUs must be 0..n-1 for a topology to apply to them.
     let gpus = mask.count_ones();
@@ -407,6 +433,7 @@ mod tests {
             rack: Some("/dc1/r7".into()),
             gpu_type: Some("V100".into()),
             ports: PortSet::parse("20000-29999,31000").unwrap(),
+            custom: Default::default(),
         };
         let args = ray_start_args(&d).unwrap();
         assert_eq!(args[0], "--num-gpus=0");
@@ -427,6 +454,33 @@ mod tests {
         assert_eq!(n.total().ports, d.ports);
         assert_eq!(n.topology.as_deref(), Topology::preset("dgx1v").as_ref());
         assert_eq!(n.state, NodeState::Running);
+    }
+
+    #[test]
+    fn custom_resources_travel_as_ray_resources_of_the_same_name() {
+        let d = NodeDescription {
+            host: "n1".into(),
+            gpus: 2,
+            topology: None,
+            rack: None,
+            gpu_type: None,
+            ports: PortSet::new(),
+            custom: CustomResources::from_pairs([("nvme", 2)]),
+        };
+        let args = ray_start_args(&d).unwrap();
+        let res: BTreeMap<String, f64> = serde_json::from_str(args[1].strip_prefix("--resources=").unwrap()).unwrap();
+        assert_eq!(res["nvme"], 2.0);
+        let mut r = ray_node("abc", "ALIVE", "n1", 2, &labels_of(&args));
+        r.resources_total.insert("nvme".into(), 2.0);
+        r.resources_total.insert("ib_hca".into(), 1.5);
+        r.resources_total.insert("object_store_memory".into(), 1e9);
+        r.resources_total.insert("node:10.0.0.1".into(), 1.0);
+        r.resources_total.insert("accelerator_type:A100".into(), 1.0);
+        let n = node_from_ray(&r).unwrap().unwrap();
+        assert_eq!(n.total().custom.to_text(), "ib_hca=1,nvme=2", "Ray's own resources are not gpuam's");
+        let mut bad = d.clone();
+        bad.custom = CustomResources::from_pairs([("object_store_memory", 1)]);
+        assert!(ray_start_args(&bad).unwrap_err().contains("Ray's or gpuam's own"));
     }
 
     #[test]
@@ -467,6 +521,7 @@ mod tests {
             rack: None,
             gpu_type: None,
             ports: PortSet::new(),
+            custom: Default::default(),
         })
         .unwrap_err()
         .contains("describes 4 GPUs"));

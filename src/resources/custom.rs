@@ -146,6 +146,35 @@ impl CustomResources {
         self.short_in(avail).next().is_none()
     }
 
+    /// `--resource NAME=QTY` flags (node agent, `ray-node-args`); a bad one is named with
+    /// its fix.
+    pub fn parse_flags(flags: &[String]) -> Result<CustomResources, String> {
+        let mut out = CustomResources::new();
+        for f in flags {
+            let Some((name, qty)) = f.split_once('=') else {
+                return Err(format!("--resource `{f}`: write NAME=QTY, e.g. --resource nvme=2"));
+            };
+            let name = name.trim();
+            check_name(name).map_err(|e| format!("--resource `{f}`: {e}"))?;
+            let units: u64 = match qty.trim().parse() {
+                Ok(u) if u <= MAX_QUANTITY => u,
+                _ => {
+                    return Err(format!(
+                        "--resource `{f}`: `{qty}` is not a whole number of units from 0 to {MAX_QUANTITY}"
+                    ))
+                }
+            };
+            if out.has(name) {
+                return Err(format!("--resource `{f}`: `{name}` is given twice; give each resource once"));
+            }
+            out.set(name, units);
+        }
+        if out.len() > MAX_RESOURCES {
+            return Err(format!("--resource: {} resources; the limit is {MAX_RESOURCES}", out.len()));
+        }
+        Ok(out)
+    }
+
     /// `nvme=1,ib_hca=2`.
     pub fn to_text(&self) -> String {
         self.iter()
