@@ -340,6 +340,27 @@ fn assert_no_gpu_shared(recs: &[Record], now: f64) {
     }
 }
 
+/// The supervisor actor Ray runs for a job (it holds the job's resources) and the
+/// resources it required.
+fn job_actor(rt: &tokio::runtime::Runtime, container: &str) -> (Value, BTreeMap<String, f64>) {
+    let actors: Value = rt
+        .block_on(async {
+            gpuam::tls::http_client()
+                .get(format!(
+                    "{DASHBOARD}/api/v0/actors?detail=true&limit=10000&filter_keys=name&filter_predicates=%3D&filter_values=_ray_internal_job_actor_{container}"
+                ))
+                .send()
+                .await?
+                .json()
+                .await
+        })
+        .unwrap();
+    let actor = actors["data"]["result"]["result"][0].clone();
+    let res: BTreeMap<String, f64> = serde_json::from_value(actor["required_resources"].clone())
+        .unwrap_or_else(|e| panic!("the job actor of {container}: {e}: {actors}"));
+    (actor, res)
+}
+
 /// Each task saw CUDA_VISIBLE_DEVICES = its granted mask, and Ray pinned its job to exactly
 /// those GPUs' resources on the node of that host.
 fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record]) {
@@ -352,23 +373,7 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
             "CUDA_VISIBLE_DEVICES vs granted mask of {}",
             s.container
         );
-        // Ray runs each job's supervisor as an actor holding the job's resources.
-        let actors: Value = rt
-            .block_on(async {
-                gpuam::tls::http_client()
-                    .get(format!(
-                        "{DASHBOARD}/api/v0/actors?detail=true&limit=10000&filter_keys=name&filter_predicates=%3D&filter_values=_ray_internal_job_actor_{}",
-                        s.container
-                    ))
-                    .send()
-                    .await?
-                    .json()
-                    .await
-            })
-            .unwrap();
-        let actor = &actors["data"]["result"]["result"][0];
-        let res: BTreeMap<String, f64> = serde_json::from_value(actor["required_resources"].clone())
-            .unwrap_or_else(|e| panic!("the job actor of {}: {e}: {actors}", s.container));
+        let (actor, res) = job_actor(rt, &s.container);
         let ray_gpus: BTreeSet<u32> = res
             .keys()
             .filter_map(|k| k.strip_prefix("gpuam-gpu-").and_then(|i| i.parse().ok()))
@@ -593,6 +598,50 @@ fn inner() {
         "a task of the killed job ran after the kill: {after:?}"
     );
     drop(sk);
+
+    // 3b. GPU shares (issue 15): four 0.25-GPU tasks of one job run at once on one GPU, and
+    // each Ray job holds 0.25 of that GPU's resource (Ray accounts fractional custom
+    // resources, so Ray too keeps a GPU's shares within one). Own records file: the checks
+    // of whole GPUs below must not see these tasks, which share a GPU by design.
+    let srec = rm.path("share-records");
+    let barrier = rm.path("share-barrier");
+    fs::create_dir_all(&barrier).unwrap();
+    let b = barrier.display();
+    let body: String = [
+        record_cmd("start", &srec),
+        format!("touch {b}/$GPUAM_TASK_INDEX"),
+        format!("for i in $(seq 600); do [ $(ls {b} | wc -l) -ge 4 ] && break; sleep 0.1; done"),
+        format!("[ $(ls {b} | wc -l) -ge 4 ]"),
+        record_cmd("end", &srec),
+    ]
+    .iter()
+    .map(|c| format!("      - {}\n", sq(c)))
+    .collect();
+    let sj = rm.write_job(
+        "s.yaml",
+        &format!("name: shares\ntaskRoles:\n  worker:\n    instances: 4\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0.25}}\n    gpuType: V100\n    commands:\n{body}"),
+    );
+    let fsh = rm.run_job(&sj, Duration::from_secs(180));
+    assert_eq!(fsh.code, 0, "shares (all four at once): {}\n{}", fsh.stderr, rm.logs());
+    let starts: Vec<Record> = records(&srec).into_iter().filter(|r| r.kind == "start").collect();
+    assert_eq!(starts.len(), 4, "{starts:?}");
+    assert!(
+        starts
+            .iter()
+            .all(|r| r.host == starts[0].host && r.gpus == starts[0].gpus && r.gpus.len() == 1),
+        "four quarters on one GPU: {starts:?}"
+    );
+    for s in &starts {
+        let (_, res) = job_actor(&rt, &s.container);
+        let g = s.gpus.iter().next().unwrap();
+        assert_eq!(
+            res.get(&format!("gpuam-gpu-{g}")),
+            Some(&0.25),
+            "{}: {res:?}",
+            s.container
+        );
+    }
+    rm.assert_all_free(Duration::from_secs(30));
 
     // 4. A Ray job stopped while PENDING never runs its task: the gate refuses it.
     gate_stops_a_pending_job(&rt, &rec);

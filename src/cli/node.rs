@@ -60,7 +60,6 @@ pub struct NodeArgs {
     pub resources: Vec<String>,
 }
 
-
 fn machine_memory_mb() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()

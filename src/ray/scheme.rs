@@ -240,7 +240,9 @@ pub fn ray_start_args(d: &NodeDescription) -> Result<Vec<String>, String> {
     }
     for (name, units) in d.custom.iter() {
         if RAY_BUILT_IN.contains(&name) || name.starts_with("gpuam-") {
-            return Err(format!("--resource {name}: the name is Ray's or gpuam's own; choose another"));
+            return Err(format!(
+                "--resource {name}: the name is Ray's or gpuam's own; choose another"
+            ));
         }
         resources.insert(name.to_string(), units.into());
     }
@@ -477,7 +479,11 @@ mod tests {
         r.resources_total.insert("node:10.0.0.1".into(), 1.0);
         r.resources_total.insert("accelerator_type:A100".into(), 1.0);
         let n = node_from_ray(&r).unwrap().unwrap();
-        assert_eq!(n.total().custom.to_text(), "ib_hca=1,nvme=2", "Ray's own resources are not gpuam's");
+        assert_eq!(
+            n.total().custom.to_text(),
+            "ib_hca=1,nvme=2",
+            "Ray's own resources are not gpuam's"
+        );
         let mut bad = d.clone();
         bad.custom = CustomResources::from_pairs([("object_store_memory", 1)]);
         assert!(ray_start_args(&bad).unwrap_err().contains("Ray's or gpuam's own"));

@@ -165,12 +165,17 @@ impl CustomResources {
                 }
             };
             if out.has(name) {
-                return Err(format!("--resource `{f}`: `{name}` is given twice; give each resource once"));
+                return Err(format!(
+                    "--resource `{f}`: `{name}` is given twice; give each resource once"
+                ));
             }
             out.set(name, units);
         }
         if out.len() > MAX_RESOURCES {
-            return Err(format!("--resource: {} resources; the limit is {MAX_RESOURCES}", out.len()));
+            return Err(format!(
+                "--resource: {} resources; the limit is {MAX_RESOURCES}",
+                out.len()
+            ));
         }
         Ok(out)
     }
