@@ -43,6 +43,7 @@ fn select(c: &mut Criterion) {
         gpus: 2,
         gpu_mask: None,
         ports: Vec::new(),
+        ..Default::default()
     };
     let mut demand = JobDemand::new(true);
     demand.add_waiting(TaskShape::of(&r), 1);

@@ -1064,7 +1064,7 @@ mod tests {
         vec![a, node("b", 4, 500, 0x3, "2003-2007"), c]
     }
 
-    fn prop_ask(i: usize, host: &str, cpu: u32, mem: u64, mask: u64, share: u32, n: u64, ports: Vec<u16>) -> Ask {
+    fn prop_ask(i: usize, host: &str, (cpu, mem): (u32, u64), mask: u64, share: u32, n: u64, ports: Vec<u16>) -> Ask {
         let gpu_mask = if share > 0 && mask != 0 {
             mask & mask.wrapping_neg()
         } else {
@@ -1195,7 +1195,7 @@ mod tests {
                 let now = t0 + Duration::from_secs(clock);
                 match o {
                     Op::Ask { app, host, cpu, mem, mask, share, nvme, ports } => {
-                        let a = prop_ask(i, hosts[host as usize], cpu, mem, mask, share, nvme, ports);
+                        let a = prop_ask(i, hosts[host as usize], (cpu, mem), mask, share, nvme, ports);
                         let free_before = l.node(&a.host).map(|n| n.total().subtract(n.used()));
                         match l.grant(&format!("app{app}"), 1, &a, now) {
                             Ok(c) => {
@@ -1256,7 +1256,7 @@ mod tests {
     fn shares_fill_a_gpu_and_keep_whole_tasks_off_it() {
         let mut l = Ledger::new(prop_nodes(), Duration::from_secs(10));
         let now = Instant::now();
-        let quarter = |id| prop_ask(id, "a", 1, 10, 0x1, 25, 0, vec![]);
+        let quarter = |id| prop_ask(id, "a", (1, 10), 0x1, 25, 0, vec![]);
         let mut held = Vec::new();
         for id in 0..4 {
             held.push(l.grant("app", 1, &quarter(id), now).expect("four quarters of GPU 0"));
@@ -1287,7 +1287,7 @@ mod tests {
     fn custom_resources_are_granted_only_where_free_and_impossible_where_absent() {
         let mut l = Ledger::new(prop_nodes(), Duration::from_secs(10));
         let now = Instant::now();
-        let drive = |id, host| prop_ask(id, host, 1, 10, 0, 0, 1, vec![]);
+        let drive = |id, host| prop_ask(id, host, (1, 10), 0, 0, 1, vec![]);
         let c1 = l.grant("app", 1, &drive(1, "c"), now).expect("c has one drive");
         let r = l.grant("app", 1, &drive(2, "c"), now).unwrap_err();
         assert!(
