@@ -290,13 +290,23 @@ impl Resources {
     /// finds that much left on its GPU (count-only: on some GPU), its CPU, memory and
     /// custom resources are no larger, its concrete ports are all free and `dynamic` more
     /// ports at or above `min_port` are free beside them.
+    #[inline]
     pub fn shortfalls(&self, avail: &Resources, dynamic: u32, min_port: u16) -> Shortfalls {
         let mut s = Shortfalls(0);
-        let whole = self.whole_gpu_mask();
-        if whole & avail.whole_gpu_mask() != whole {
-            s.add(Shortfall::GpuBits);
-        } else if self.whole_gpu_count() > avail.whole_gpu_count() {
-            s.add(Shortfall::Gpus);
+        if self.gpu_shares.is_empty() && avail.gpu_shares.is_empty() {
+            // Whole GPUs on both sides (the common case, kept cheap for the select walk).
+            if self.gpu_mask & avail.gpu_mask != self.gpu_mask {
+                s.add(Shortfall::GpuBits);
+            } else if self.gpus > avail.gpu_count() {
+                s.add(Shortfall::Gpus);
+            }
+        } else {
+            let whole = self.whole_gpu_mask();
+            if whole & avail.whole_gpu_mask() != whole {
+                s.add(Shortfall::GpuBits);
+            } else if self.whole_gpu_count() > avail.whole_gpu_count() {
+                s.add(Shortfall::Gpus);
+            }
         }
         for (i, h) in self.gpu_shares.iter() {
             let room = if i == ANY_GPU {
@@ -314,7 +324,7 @@ impl Resources {
         if self.memory_mb > avail.memory_mb {
             s.add(Shortfall::Memory);
         }
-        if !self.custom.fits_in(&avail.custom) {
+        if !self.custom.is_empty() && !self.custom.fits_in(&avail.custom) {
             s.add(Shortfall::Custom);
         }
         if !self.ports.is_subset(&avail.ports) {
@@ -336,11 +346,13 @@ impl Resources {
     }
 
     /// The GPUs held whole (the mask without the shared ones).
+    #[inline]
     pub fn whole_gpu_mask(&self) -> GpuMask {
         self.gpu_mask & !self.gpu_shares.mask()
     }
 
     /// How many GPUs are held whole (count-only: the count less its shares).
+    #[inline]
     pub fn whole_gpu_count(&self) -> u32 {
         if self.gpu_mask != 0 {
             self.whole_gpu_mask().count_ones()
@@ -351,6 +363,7 @@ impl Resources {
 
     /// Hundredths of GPU `index` this amount holds: 100 for a whole GPU, its share for
     /// a shared one, 0 otherwise.
+    #[inline]
     pub fn gpu_hundredths(&self, index: u32) -> u32 {
         if index >= 64 || self.gpu_mask & (1u64 << index) == 0 {
             return 0;

@@ -130,6 +130,7 @@ impl GpuShares {
     }
 
     /// The GPUs held in part, as a mask ([`ANY_GPU`] is not a bit).
+    #[inline]
     pub fn mask(&self) -> u64 {
         self.0
             .iter()

@@ -45,6 +45,9 @@ pub struct JobDemand {
     /// The GPUs those tasks hold or asked for, per host, where known (the union of
     /// the placement order).
     gpus: FastMap<String, GpuMask>,
+    /// Some shape asks for a GPU share or a custom resource (else `capacity_with` takes
+    /// its plain path).
+    shares_or_custom: bool,
 }
 
 impl JobDemand {
@@ -68,6 +71,7 @@ impl JobDemand {
         if n == 0 {
             return;
         }
+        self.shares_or_custom |= shape.gpu_share > 0 || !shape.custom.is_empty();
         match self.remaining.iter_mut().find(|(s, _)| *s == shape) {
             Some((_, c)) => *c += n,
             None => self.remaining.push((shape, n)),
@@ -158,6 +162,26 @@ impl JobDemand {
     /// (`None` = unlimited).
     pub fn capacity_with(
         &self,
+        cpu: u32,
+        mem: u64,
+        gpus: u32,
+        rooms: &GpuShares,
+        ports: u32,
+        custom: Option<&CustomResources>,
+    ) -> u32 {
+        // The select pipeline calls this for every bucket and scored node: without shares
+        // or custom resources in the job, the same loop compiled without those dimensions.
+        if self.shares_or_custom {
+            self.capacity_loop::<true>(cpu, mem, gpus, rooms, ports, custom)
+        } else {
+            self.capacity_loop::<false>(cpu, mem, gpus, rooms, ports, custom)
+        }
+    }
+
+    /// The greedy fill of [`JobDemand::capacity_with`]; `EXTRA` = look at shares and
+    /// custom resources too.
+    fn capacity_loop<const EXTRA: bool>(
+        &self,
         mut cpu: u32,
         mut mem: u64,
         mut gpus: u32,
@@ -165,16 +189,17 @@ impl JobDemand {
         mut ports: u32,
         custom: Option<&CustomResources>,
     ) -> u32 {
-        let mut custom = custom.cloned();
-        // Rooms on shared GPUs, only looked at when a shape is fractional.
-        let mut rooms: Vec<u32> = if self.remaining.iter().any(|(s, _)| s.gpu_share > 0) {
+        let mut custom = custom
+            .filter(|_| EXTRA && self.remaining.iter().any(|(s, _)| !s.custom.is_empty()))
+            .cloned();
+        let mut rooms: Vec<u32> = if EXTRA && self.remaining.iter().any(|(s, _)| s.gpu_share > 0) {
             rooms.iter().filter(|(i, _)| *i < ANY_GPU).map(|(_, h)| h).collect()
         } else {
             Vec::new()
         };
         let mut total = 0;
         for (s, count) in &self.remaining {
-            let by_share = (s.gpu_share > 0).then(|| {
+            let by_share = (EXTRA && s.gpu_share > 0).then(|| {
                 let per_gpu = WHOLE / s.gpu_share;
                 let in_rooms: u32 = rooms.iter().map(|r| r / s.gpu_share).sum();
                 in_rooms.saturating_add(gpus.saturating_mul(per_gpu))
@@ -200,7 +225,7 @@ impl JobDemand {
             cpu -= fit * s.cpu;
             mem -= u64::from(fit) * s.memory_mb;
             gpus -= fit * s.gpus;
-            if s.gpu_share > 0 {
+            if EXTRA && s.gpu_share > 0 {
                 gpus -= take_shares(&mut rooms, fit, s.gpu_share);
             }
             ports -= fit * s.ports;

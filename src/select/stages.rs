@@ -172,6 +172,7 @@ pub(crate) fn score(
 /// The task's GPUs on a node with `avail` free, where the job holds `held` and `fits` of
 /// its tasks go: an explicit mask as given, a share by best fit ([`objective::pick_share`]),
 /// whole GPUs by the order's search among the wholly free ones (memoised).
+#[inline]
 pub(crate) fn pick_gpus(
     cx: &mut Cx<'_>,
     topo_id: u32,
