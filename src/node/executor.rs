@@ -197,7 +197,9 @@ impl RunAs {
                 return Ok(u);
             }
         }
-        Err(format!("cannot create user `{name}` (useradd said: {said}); create it or pass --run-as USER"))
+        Err(format!(
+            "cannot create user `{name}` (useradd said: {said}); create it or pass --run-as USER"
+        ))
     }
 }
 
