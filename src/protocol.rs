@@ -98,6 +98,22 @@ pub struct AppReport {
     pub started_time: u64,
     pub finished_time: u64,
     pub attempt: u32,
+    /// Who submitted it (the user of the credential; `admin` for the admin token).
+    #[serde(default)]
+    pub user: String,
+    /// The queue it runs in (`default` when the job names none).
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// The job's priority within its queue (higher first; default 0).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// The queue of a job that names none.
+pub const DEFAULT_QUEUE: &str = "default";
+
+fn default_queue() -> String {
+    DEFAULT_QUEUE.to_string()
 }
 
 /// `PUT /ws/v1/cluster/apps/{id}/state` body.

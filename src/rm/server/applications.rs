@@ -95,6 +95,9 @@ pub(super) async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplic
         ));
     }
     let mut app = App::new(id.clone(), spec.name.clone());
+    if let Some(q) = &spec.queue {
+        app.report.queue = q.clone();
+    }
     app.set_job_token(req.job_token.as_deref());
     if rm.launch_am {
         app.launch = Some(AmLaunch {
