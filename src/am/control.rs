@@ -167,6 +167,19 @@ impl Control {
                         });
                         break;
                     }
+                    let limit = Duration::from_secs(self.settings.rm_unreachable_timeout_sec);
+                    if since.elapsed() >= limit {
+                        self.end = Some(JobEnd {
+                            state: JobState::Failed,
+                            exit_code: crate::exit::RM_UNREACHABLE,
+                            diagnostics: format!(
+                                "the RM has been unreachable for {} s (am.rm_unreachable_timeout_sec): giving up; \
+                                 last error: {e}",
+                                limit.as_secs()
+                            ),
+                        });
+                        break;
+                    }
                     // Keep retrying with a capped, jittered back-off; running tasks keep running.
                     let waited = since.elapsed().as_millis() as u64;
                     let backoff = (200 + waited / 4).min(5000);
