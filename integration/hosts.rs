@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{bin, pid_alive, sq, wait_for};
+use common::{bin, pid_alive, shell_quote, sq, wait_for};
 
 const RM_IP: &str = "10.213.0.1";
 
@@ -458,8 +458,4 @@ fn three_hosts_in_network_namespaces() {
         libc::kill(follower.id() as i32, libc::SIGINT);
     }
     let _ = follower.wait();
-}
-
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }

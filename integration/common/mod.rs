@@ -42,6 +42,11 @@ pub fn sq(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// Quotes text for bash: `'...'` with each `'` written as `'\''`.
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
 /// Parses `0x3f` (or decimal).
 pub fn parse_mask(s: &str) -> u64 {
     let s = s.trim();
