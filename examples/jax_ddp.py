@@ -83,12 +83,22 @@ def peers_from_env(role, port_label):
 
 
 def address_of(host):
-    """The IPv4 address of a host name. A name that does not resolve is one of the simulated
-    hosts of `gpuam run`'s demo cluster, whose containers all run on this machine."""
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0], True
-    except (socket.gaierror, IndexError):
-        return "127.0.0.1", False
+    """The IP address of a peer's host: gpuam gives the node's IP where the node has one
+    (IPv6 in brackets), else a host name, resolved here (IPv4 first). A name that does not
+    resolve is one of the simulated hosts of `gpuam run`'s demo cluster, whose containers
+    all run on this machine."""
+    host = host.strip("[]")
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            return socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0][4][0], True
+        except (socket.gaierror, IndexError):
+            pass
+    return "127.0.0.1", False
+
+
+def host_port(ip, port):
+    """`ip:port`, with an IPv6 address in brackets."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 class Departures:
@@ -163,7 +173,7 @@ def roll_call(rank, peers, bind_ip, coord_ip, port, seconds, departures):
     deadline = time.monotonic() + seconds
     n = len(peers)
     if rank == 0:
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv = socket.socket(socket.AF_INET6 if ":" in bind_ip else socket.AF_INET, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             srv.bind((bind_ip, port))
@@ -275,7 +285,7 @@ def main():
         fail(3, f"task index {rank} is outside the {n} peers of {source}")
     coord_host, coord_port = peers[0].rsplit(":", 1)
     coord_ip, resolved = address_of(coord_host)
-    coordinator = f"{coord_ip}:{coord_port}"
+    coordinator = host_port(coord_ip, coord_port)
     # This task's own address: its entry in the peer list (what the others reach it at).
     my_ip, _ = address_of(peers[rank].rsplit(":", 1)[0])
     # On NVIDIA machines with jax[cuda12], JAX uses exactly these GPUs: gpuam's granted mask.

@@ -3,7 +3,9 @@
 //! each of the other two, each offering 2 GPUs.
 //!
 //! - a gang of 2 tasks × 2 GPUs runs with one task on each host, as the task user, which
-//!   cannot read the RM's admin token;
+//!   cannot read the RM's admin token; each task's peers are named by their node's IP;
+//! - an OpenPAI v2 job of two roles on the two hosts sees each node's IP in
+//!   `PAI_HOST_IP_<role>_<index>` and `PAI_CONTAINER_HOST_IP`;
 //! - a job whose tasks start daemons (setsid, double fork, nohup) is killed: no daemon is
 //!   left, and the next job on the same GPUs starts only after the last one died (its
 //!   heartbeat file's last write is before the next task's start: overlap printed);
@@ -20,7 +22,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::hosts::{host_ip, Hosts};
-use common::{pid_alive, sq, wait_for};
+use common::{pid_alive, read_env_file, sq, wait_for};
 
 fn now_ns() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
@@ -93,6 +95,39 @@ fn three_hosts_in_network_namespaces() {
         !h.path("out/gang-token-0").exists() && !h.path("out/gang-token-1").exists(),
         "a task read the admin token"
     );
+
+    // 1b. An OpenPAI v2 job of two roles, one per host (2 GPUs each): PAI_HOST_IP_<role>_0
+    //     and PAI_CONTAINER_HOST_IP are the nodes' own IPs, not the RM's.
+    let record = format!("env | grep -E \"^(PAI_|GPUAM_HOST=)\" > {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME");
+    let role = |name: &str| {
+        format!(
+            "  {name}:\n    dockerImage: img\n    resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 2}}\n    commands:\n      - {}\n",
+            sq(&record)
+        )
+    };
+    let pai = format!(
+        "protocolVersion: 2\nname: pai\ntype: job\nprerequisites:\n  - {{name: img, type: dockerimage, uri: localhost/not-here:1}}\ntaskRoles:\n{}{}",
+        role("a"),
+        role("b")
+    );
+    let status = h.submit("pai", &pai, true).wait().unwrap();
+    assert!(status.success(), "the OpenPAI job succeeds: {}", h.submit_output("pai"));
+    let env_a = read_env_file(&h.path("out/pai-a"));
+    let env_b = read_env_file(&h.path("out/pai-b"));
+    let ip_of = |env: &std::collections::BTreeMap<String, String>| {
+        if env["GPUAM_HOST"] == h1 {
+            host_ip("h1")
+        } else {
+            host_ip("h2")
+        }
+    };
+    let (ip_a, ip_b) = (ip_of(&env_a), ip_of(&env_b));
+    assert_ne!(ip_a, ip_b, "one role per host");
+    for env in [&env_a, &env_b] {
+        assert_eq!(env["PAI_HOST_IP_a_0"], ip_a, "{env:?}");
+        assert_eq!(env["PAI_HOST_IP_b_0"], ip_b, "{env:?}");
+        assert_eq!(env["PAI_CONTAINER_HOST_IP"], ip_of(env), "{env:?}");
+    }
 
     // 2. Daemons of a killed job: none survives, and the next job on the same GPUs starts
     //    only after the last one is gone.
