@@ -97,8 +97,14 @@ fn three_hosts_in_network_namespaces() {
     );
 
     // 1b. An OpenPAI v2 job of two roles, one per host (2 GPUs each): PAI_HOST_IP_<role>_0
-    //     and PAI_CONTAINER_HOST_IP are the nodes' own IPs, not the RM's.
-    let record = format!("env | grep -E \"^(PAI_|GPUAM_HOST=)\" > {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME");
+    //     and PAI_CONTAINER_HOST_IP are the nodes' own IPs, not the RM's. The first role to
+    //     succeed ends an OpenPAI job (the other is stopped), so each task waits (up to 30 s)
+    //     until both have recorded their environment.
+    let record = format!(
+        "env | grep -E \"^(PAI_|GPUAM_HOST=)\" > {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME.tmp && \
+         mv {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME.tmp {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME; \
+         for i in $(seq 600); do [ -e {out}/pai-a ] && [ -e {out}/pai-b ] && break; sleep 0.05; done"
+    );
     let role = |name: &str| {
         format!(
             "  {name}:\n    dockerImage: img\n    resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 2}}\n    commands:\n      - {}\n",

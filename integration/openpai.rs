@@ -304,7 +304,8 @@ fn two_roles_rendezvous_through_pai_variables_under_gpuam_run() {
 /// `<label>` expanded; `` `_X_Y` `` after a name stands for that name with as many trailing
 /// `_` parts replaced (`PAI_CURRENT_TASK_ROLE_CPU_COUNT`, `_MEM_MB`).
 fn documented_pai_names(roles: &[(&str, u32, &[&str])], current: &str) -> std::collections::BTreeSet<String> {
-    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/OPENPAI.md")).expect("docs/OPENPAI.md");
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/OPENPAI.md"))
+        .expect("docs/OPENPAI.md");
     let section = doc
         .split("\n## The environment")
         .nth(1)
@@ -329,7 +330,13 @@ fn documented_pai_names(roles: &[(&str, u32, &[&str])], current: &str) -> std::c
             if !name.starts_with("PAI_") {
                 continue;
             }
-            let labels_of = |r: &str| roles.iter().find(|(n, _, _)| *n == r).map(|(_, _, l)| l.to_vec()).unwrap_or_default();
+            let labels_of = |r: &str| {
+                roles
+                    .iter()
+                    .find(|(n, _, _)| *n == r)
+                    .map(|(_, _, l)| l.to_vec())
+                    .unwrap_or_default()
+            };
             if name.contains("<role>") {
                 for (r, instances, labels) in roles {
                     let n = name.replace("<role>", r);
