@@ -335,7 +335,8 @@ impl Drop for Hosts {
             let _ = c.kill();
             let _ = c.wait();
         }
-        // Whatever still runs in the agents' cgroups goes too.
+        // Whatever still runs in the agents' cgroups goes too, then the cgroups themselves
+        // (these agents are gone for good; a real node keeps its parent cgroup).
         for host in ["h1", "h2"] {
             let cg = PathBuf::from(format!("/sys/fs/cgroup/unified/gpuam-{}-{host}", self.prefix));
             for e in fs::read_dir(&cg).into_iter().flatten().flatten() {
@@ -343,8 +344,37 @@ impl Drop for Hosts {
             }
         }
         std::thread::sleep(Duration::from_millis(300));
+        for host in ["h1", "h2"] {
+            remove_cgroups(&format!("gpuam-{}-{host}", self.prefix));
+        }
         for ns in ["rm", "h1", "h2", "br"] {
             let _ = Command::new("ip").args(["netns", "del", &self.ns(ns)]).status();
         }
+    }
+}
+
+/// Removes cgroup `name` and the cgroups below it from every hierarchy mounted under
+/// /sys/fs/cgroup (v2 alone, or v1 controllers beside v2's `unified`). Only empty cgroups
+/// can be removed: call it once their processes are dead.
+fn remove_cgroups(name: &str) {
+    fn remove_tree(dir: &std::path::Path) {
+        for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_tree(&e.path());
+            }
+        }
+        let _ = fs::remove_dir(dir);
+    }
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let mut dirs = vec![root.join(name)];
+    dirs.extend(
+        fs::read_dir(root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|h| h.path().join(name)),
+    );
+    for d in dirs.into_iter().filter(|d| d.is_dir()) {
+        remove_tree(&d);
     }
 }

@@ -297,7 +297,11 @@ fn prepare_work_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Re-attaches to every container directory whose end the RM has not acknowledged.
+/// Re-attaches to every container this node launched whose end the RM has not
+/// acknowledged. That includes a container whose launch began (its `launch.sh` is written
+/// before the spawn) but whose process was never recorded (the agent died in between):
+/// nothing can own it, so re-attaching ends it at once, killing whatever runs in its
+/// cgroup, and reports it dead; its resources return to the RM only then.
 fn reattach_all(agent: &Agent) {
     let Ok(entries) = std::fs::read_dir(agent.executor.root()) else {
         return;
@@ -307,10 +311,8 @@ fn reattach_all(agent: &Agent) {
         let Some(id) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else {
             continue;
         };
-        if valid_container_id(&id)
-            && path.join(super::executor::PROCESS_FILE).exists()
-            && !path.join(ACKED_FILE).exists()
-        {
+        let launched = path.join(super::executor::PROCESS_FILE).exists() || path.join("launch.sh").exists();
+        if valid_container_id(&id) && launched && !path.join(ACKED_FILE).exists() {
             agent.executor.reattach(&id);
         }
     }
@@ -627,6 +629,72 @@ mod tests {
             ip: ip.map(|s| s.parse().unwrap()),
             task_env: Vec::new(),
         }
+    }
+
+    /// An agent killed between spawning a task and recording its process leaves a task
+    /// nobody knows; the agent started again kills it (it is in the container's cgroup)
+    /// and reports the container dead, instead of leaving it to run unowned while the RM
+    /// hands its GPUs to someone else.
+    #[tokio::test]
+    async fn a_task_launched_but_never_recorded_is_killed_when_the_agent_starts_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        let host = format!("unrecorded-{}", std::process::id());
+        let containment = Containment::detect(&cgroup_parent(&host));
+        assert_ne!(
+            containment.mechanism(),
+            super::super::cgroup::Mechanism::ProcessGroup,
+            "this test needs a cgroup it can create (run it as root): {}",
+            containment.describe()
+        );
+        // What the killed agent left: the container's directory with its launch script but
+        // no process.json, and the task running in the container's cgroup.
+        let id = "container_1_0001_01_000001";
+        let dir = tmp.path().join("work/containers").join(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("launch.sh"), "sleep 1000\n").unwrap();
+        let cgroup = containment.create(id, Default::default()).unwrap();
+        /// The stand-in task, killed if the test fails.
+        struct Task(std::process::Child);
+        impl Drop for Task {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut task = Task(
+            std::process::Command::new("sleep")
+                .arg("1000")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        for procs in cgroup.join_paths() {
+            std::fs::write(procs.to_str().unwrap(), task.0.id().to_string()).unwrap();
+        }
+        assert_eq!(cgroup.pids(), vec![task.0.id() as i32]);
+
+        let mut o = opts("127.0.0.1:0", None, None, "http://127.0.0.1:9");
+        o.host = host;
+        o.work_dir = tmp.path().join("work");
+        let _agent = start(o).await.unwrap();
+        let ended = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                if let Some(status) = task.0.try_wait().unwrap() {
+                    return status;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the unrecorded task is killed");
+        assert!(!ended.success(), "{ended:?}");
+        assert!(cgroup.is_empty(), "{:?}", cgroup.pids());
+        // The agent's own clean-up of the cgroup runs on; give it a moment, then go.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cgroup.remove();
+        containment.remove_parents();
     }
 
     async fn chosen(o: &AgentOptions) -> Option<String> {
