@@ -200,12 +200,29 @@ pub struct Container {
     pub host: String,
     /// Where the node's executor listens (base URL, e.g. `http://127.0.0.1:8088`).
     pub node_http_address: String,
+    /// The address its peers reach it at: the node's IP where the node has one (node
+    /// agents, Ray nodes); absent for simulated nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_ip: Option<std::net::IpAddr>,
     pub resources: Resources,
     /// The task it was asked for ("role/index"), from the ask.
     #[serde(default)]
     pub task: Option<String>,
     #[serde(default)]
     pub task_attempt: u32,
+}
+
+impl Container {
+    /// The host part of the address its peers are given (`GPUAM_HOSTS_<ROLE>`,
+    /// "host:port"): the node's IP when the node has one (IPv6 in brackets), else the
+    /// host name.
+    pub fn peer_host(&self) -> String {
+        match self.node_ip {
+            Some(std::net::IpAddr::V6(ip)) => format!("[{ip}]"),
+            Some(ip) => ip.to_string(),
+            None => self.host.clone(),
+        }
+    }
 }
 
 /// A container of an earlier attempt of this application, as a new AM attempt receives

@@ -230,12 +230,14 @@ pub fn launch_context(
     }
 }
 
-/// "host:firstPort" (or just "host") of a task holding a container.
+/// "host:firstPort" (or just "host") of a task holding a container, where host is the
+/// address its peers reach it at ([`Container::peer_host`]: the node's IP where known).
 pub fn peer_address(task: &Task) -> Option<String> {
     let c = task.container.as_ref()?;
+    let host = c.peer_host();
     Some(match task.ports.first().and_then(|(_, ps)| ps.first()) {
-        Some(p) => format!("{}:{p}", c.host),
-        None => c.host.clone(),
+        Some(p) => format!("{host}:{p}"),
+        None => host,
     })
 }
 
@@ -296,6 +298,7 @@ mod tests {
             request_id: 1,
             host: "n1".into(),
             node_http_address: "http://10.1.2.3:8088".into(),
+            node_ip: None,
             resources: Default::default(),
             task: None,
             task_attempt: 1,
@@ -317,5 +320,31 @@ mod tests {
         let ctx = launch_context(&native, &t, "app_1", None, std::slice::from_ref(&t));
         assert_eq!(ctx.commands, vec!["a", "b"]);
         assert!(ctx.env.keys().all(|k| !k.starts_with("PAI_") && k != "GPUAM_IMAGE"));
+    }
+
+    #[test]
+    fn peers_get_the_node_ip_where_the_node_has_one_else_the_host_name() {
+        let mut t = Task::new(0, 0);
+        t.ports = vec![("coord".into(), vec![20005])];
+        let mut c = Container {
+            container_id: "c1".into(),
+            request_id: 1,
+            host: "gpu-3".into(),
+            node_http_address: "http://10.0.0.1:8088".into(),
+            node_ip: None,
+            resources: Default::default(),
+            task: None,
+            task_attempt: 1,
+        };
+        t.container = Some(c.clone());
+        assert_eq!(peer_address(&t).unwrap(), "gpu-3:20005", "a simulated node: its name");
+        c.node_ip = Some("10.0.0.7".parse().unwrap());
+        t.container = Some(c.clone());
+        assert_eq!(peer_address(&t).unwrap(), "10.0.0.7:20005", "an agent's node: its IP");
+        c.node_ip = Some("fd00::7".parse().unwrap());
+        t.container = Some(c);
+        assert_eq!(peer_address(&t).unwrap(), "[fd00::7]:20005");
+        t.ports.clear();
+        assert_eq!(peer_address(&t).unwrap(), "[fd00::7]");
     }
 }

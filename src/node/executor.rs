@@ -213,6 +213,43 @@ pub struct ExecutorOptions {
     pub containment: Containment,
     /// Run tasks as this user (`None`: as this process's user).
     pub run_as: Option<RunAs>,
+    /// Set by the node's operator for every task (`gpuam node --task-env`, YARN's
+    /// admin-env): site paths such as a shared software directory. Checked with
+    /// [`check_task_env`]; the job's and gpuam's own variables come after it.
+    pub task_env: Vec<(String, String)>,
+}
+
+/// Names a node's operator may not set with `--task-env`: gpuam sets them for each task
+/// (DESIGN.md §6, OpenPAI's `PAI_*`), and they would be replaced without a word.
+fn reserved_task_env(name: &str) -> bool {
+    name.starts_with("GPUAM_")
+        || name.starts_with("PAI_")
+        || matches!(
+            name,
+            "CUDA_VISIBLE_DEVICES" | "NVIDIA_VISIBLE_DEVICES" | "CONTAINER_GPUS" | "CONTAINER_PORTS"
+        )
+}
+
+/// Checks one `--task-env NAME=VALUE` entry; the error names the entry and the fix.
+pub fn check_task_env(name: &str, value: &str) -> Result<(), String> {
+    let valid_name = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !valid_name {
+        return Err(format!(
+            "`{}` is not a variable name: use letters, digits and `_`, not starting with a digit",
+            name.escape_debug()
+        ));
+    }
+    if reserved_task_env(name) {
+        return Err(format!(
+            "`{name}` is set by gpuam for each task (GPUAM_*, PAI_*, CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES, \
+             CONTAINER_GPUS, CONTAINER_PORTS); choose another name"
+        ));
+    }
+    if value.contains('\0') {
+        return Err(format!("`{name}` has a NUL character in its value; remove it"));
+    }
+    Ok(())
 }
 
 /// `[A-Za-z0-9_.-]+`, and not `.` / `..` (which would name the root or its parent).
@@ -339,7 +376,7 @@ impl Executor {
             }
         };
 
-        let env = container_env(container_id, host, granted, &dir, &ctx, self.opts.run_as.is_some());
+        let env = container_env(container_id, host, granted, &dir, &ctx, &self.opts);
         let limits = Limits {
             memory_mb: Some(granted.memory_mb).filter(|m| *m > 0),
             cpu: Some(u64::from(granted.cpu)).filter(|c| *c > 0),
@@ -650,14 +687,15 @@ fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
     Ok(())
 }
 
-/// The task's whole environment: base, then `ctx.env`, then the executor's (which win).
+/// The task's whole environment: base, then the node's `task_env`, then `ctx.env`, then
+/// the executor's (which win).
 fn container_env(
     id: &str,
     host: &str,
     granted: &Resources,
     dir: &Path,
     ctx: &LaunchContext,
-    other_user: bool,
+    opts: &ExecutorOptions,
 ) -> Vec<(String, String)> {
     let mut env: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
     for name in BASE_ENV {
@@ -666,9 +704,12 @@ fn container_env(
         }
     }
     env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
-    if other_user {
+    if opts.run_as.is_some() {
         // The node's own home is not the task user's.
         env.insert("HOME".into(), dir.to_string_lossy().into_owned());
+    }
+    for (k, v) in &opts.task_env {
+        env.insert(k.clone(), v.clone());
     }
     for (k, v) in &ctx.env {
         env.insert(k.clone(), v.clone());
@@ -1341,6 +1382,55 @@ mod tests {
         );
     }
 
+    /// The node's `--task-env` reaches every task; the job's variables and gpuam's own
+    /// come after it.
+    #[tokio::test]
+    async fn the_node_task_env_comes_before_the_job_and_gpuam() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                task_env: vec![
+                    ("SITE_SOFTWARE".into(), "/opt/site".into()),
+                    ("LANG".into(), "C.UTF-8".into()),
+                    ("SHARED".into(), "from-node".into()),
+                ],
+                ..Default::default()
+            },
+        );
+        let mut c = ctx(&["echo \"$SITE_SOFTWARE $LANG $SHARED\""]);
+        c.env.insert("SHARED".into(), "from-job".into());
+        exec.start("te", "h", &no_gpus(), c).unwrap();
+        let (_, code, _) = next_exit(&mut rx).await;
+        assert_eq!(code, 0);
+        assert_eq!(
+            exec.read_log("te", LogStream::Stdout, None).unwrap(),
+            "/opt/site C.UTF-8 from-job\n"
+        );
+    }
+
+    #[test]
+    fn task_env_names_gpuam_sets_or_bash_cannot_carry_are_refused() {
+        assert!(check_task_env("JAX_EXAMPLE_DIR", "/srv/gpuam").is_ok());
+        assert!(check_task_env("_X1", "").is_ok());
+        for bad in [
+            "GPUAM_HOST",
+            "PAI_TASK_INDEX",
+            "CUDA_VISIBLE_DEVICES",
+            "CONTAINER_PORTS",
+        ] {
+            let e = check_task_env(bad, "x").unwrap_err();
+            assert!(e.contains(bad) && e.contains("set by gpuam"), "{e}");
+        }
+        for bad in ["", "1X", "A-B", "A B"] {
+            let e = check_task_env(bad, "x").unwrap_err();
+            assert!(e.contains("not a variable name"), "{e}");
+        }
+        assert!(check_task_env("A", "x\0y").unwrap_err().contains("NUL"));
+    }
+
     #[tokio::test]
     async fn no_gpus_hides_all_devices() {
         let (_t, exec, mut rx) = setup();
@@ -1707,7 +1797,7 @@ mod tests {
             tx,
             ExecutorOptions {
                 containment: containment.clone(),
-                run_as: None,
+                ..Default::default()
             },
         );
         (tmp, exec, rx, containment)

@@ -255,7 +255,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         events_tx,
         crate::node::executor::ExecutorOptions {
             containment,
-            run_as: None,
+            ..Default::default()
         },
     );
     let shared = Arc::new(Shared {
