@@ -12,7 +12,7 @@ use std::cmp::Reverse;
 use serde::Serialize;
 
 use crate::resources::{lowest_bits, GpuMask};
-use crate::topology::{self, Topology};
+use crate::topology::{self, Fit, Topology};
 
 /// Non-tree nodes up to this many GPUs get the exact (union, task) search; above it the union is
 /// the §5 choice of its size and the task's set the §5 choice inside it.
@@ -30,6 +30,9 @@ pub(crate) struct GpuPick {
     pub union: GpuMask,
     pub union_tier: u8,
     pub union_weight: u32,
+    /// Free GPUs left beside the job's new GPUs in the NVLink and PCIe islands they take
+    /// from ([`Topology::fit`]; best fit, smaller is better).
+    pub fit: Fit,
     /// Cap of the free GPUs the job leaves on the node (DESIGN §5 fragmentation vector).
     pub left: [i8; 3],
 }
@@ -86,6 +89,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union: held,
             union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
             union_weight: topo.map_or(0, |t| t.weight(held)),
+            fit: [0; topology::FIT_LEVELS],
             left,
         });
     }
@@ -101,6 +105,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !x).count_ones()),
         });
     };
@@ -113,6 +118,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union: g.mask,
             union_tier: g.tier,
             union_weight: g.weight,
+            fit: t.fit(free, g.mask),
             left: t.cap(free & !g.mask),
         });
     }
@@ -129,6 +135,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
         union,
         union_tier: t.tier(union),
         union_weight: t.weight(union),
+        fit: t.fit(free, x),
         left: t.cap(free & !x),
     })
 }
@@ -145,6 +152,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: t.tier(union),
             union_weight: t.weight(union),
+            fit: t.fit(free, m),
             left: t.cap(free & !m),
         },
         None => GpuPick {
@@ -154,6 +162,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !m).count_ones()),
         },
     }
@@ -161,18 +170,30 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
 
 /// The exhaustive (union, task) search of [`pick`] on a small node.
 fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick {
-    let mut sets: Vec<(GpuMask, u8, u32, [i8; 3])> = Vec::new();
+    let mut sets: Vec<(GpuMask, u8, u32, Fit, [i8; 3])> = Vec::new();
     subsets(free, k, &mut |s| {
-        sets.push((s, t.tier(s), t.weight(s), t.cap(free & !s)))
+        sets.push((s, t.tier(s), t.weight(s), t.fit(free, s), t.cap(free & !s)))
     });
-    type Score = (u8, u8, u32, u32, [i8; 3], [i8; 3], Reverse<GpuMask>, Reverse<GpuMask>);
+    type Score = (
+        u8,
+        u8,
+        u32,
+        u32,
+        Reverse<Fit>,
+        [i8; 3],
+        Reverse<Fit>,
+        [i8; 3],
+        Reverse<GpuMask>,
+        Reverse<GpuMask>,
+    );
     let mut best: Option<(Score, GpuPick)> = None;
     subsets(free, u, &mut |x| {
         let union = held | x;
         let (ut, uw) = (t.tier(union), t.weight(union));
+        let fit = t.fit(free, x);
         let left = t.cap(free & !x);
-        for &(s, st, sw, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
-            let score = (ut, st, uw, sw, left, scap, Reverse(s), Reverse(x));
+        for &(s, st, sw, sfit, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
+            let score = (ut, st, uw, sw, Reverse(fit), left, Reverse(sfit), scap, Reverse(s), Reverse(x));
             if best.as_ref().is_none_or(|(b, _)| score > *b) {
                 let p = GpuPick {
                     task: s,
@@ -181,6 +202,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick 
                     union,
                     union_tier: ut,
                     union_weight: uw,
+                    fit,
                     left,
                 };
                 best = Some((score, p));
@@ -195,6 +217,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick 
         union: held,
         union_tier: 0,
         union_weight: 0,
+        fit: [0; topology::FIT_LEVELS],
         left: [-1; 3],
     })
 }
@@ -217,7 +240,10 @@ pub(crate) struct RankKey {
     pub union_weight: Reverse<u32>,
     /// 7. Pair weight of the task's set.
     pub task_weight: Reverse<u32>,
-    /// 8. Free GPUs on the node (best fit: pack busy nodes, keep empty ones whole).
+    /// 8. Best fit, innermost islands first: free GPUs left beside the job's new GPUs in the
+    /// NVLink islands they take from, then in the PCIe islands ([`GpuPick::fit`]) ...
+    pub fit: Fit,
+    /// ... then on the node: free GPUs (pack busy nodes, keep empty ones whole).
     pub free_gpus: u32,
     /// 9. What the job leaves there for future jobs (Cap of the rest, larger is better).
     pub left: Reverse<[i8; 3]>,
@@ -244,7 +270,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 13] = [
+        let diffs: [(bool, &str, String, String); 14] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -286,6 +312,12 @@ impl RankKey {
                 "task's GPU set weight",
                 self.task_weight.0.to_string(),
                 best.task_weight.0.to_string(),
+            ),
+            (
+                self.fit != best.fit,
+                "free GPUs left in the NVLink/PCIe islands it takes from (fewer fits better)",
+                format!("{:?}", self.fit),
+                format!("{:?}", best.fit),
             ),
             (
                 self.free_gpus != best.free_gpus,

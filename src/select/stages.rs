@@ -192,6 +192,7 @@ pub(crate) fn rank_key(
         task_tier: Reverse(pick.task_tier),
         union_weight: Reverse(pick.union_weight),
         task_weight: Reverse(pick.task_weight),
+        fit: pick.fit,
         free_gpus: avail.gpu_count(),
         left: Reverse(pick.left),
         total_gpus,
@@ -203,3 +204,4 @@ pub(crate) fn rank_key(
 
 /// Stages 1–4: per-node filters, in order.
 pub(crate) const NODE_FILTERS: &[&dyn NodeFilter] = &[&RunningNodes, &NodeLabel, &GpuType, &NoneGpu];
+

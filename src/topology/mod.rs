@@ -21,7 +21,7 @@ mod presets;
 #[cfg(test)]
 mod tests;
 
-pub use choose::choose;
+pub use choose::{choose, Fit, FIT_LEVELS};
 pub use link::Link;
 
 use crate::resources::GpuMask;
@@ -155,6 +155,18 @@ impl Topology {
     /// better: more room for well-connected future sets.
     pub fn cap(&self, set: GpuMask) -> [i8; 3] {
         self.tables.cap(set & self.tables.all)
+    }
+
+    /// Fit(F, X), the best-fit vector of taking `x` from the free set `free`: for each link
+    /// class of the ladder NV#, PIX, PXB, PHB, NODE (innermost first), the free GPUs left
+    /// beside `x` in the groups of that level it takes from (a group: a component of ≥ 2 GPUs
+    /// of the graph of links at least that good; any NV# counts as NVLink). Smaller is better:
+    /// finishing a broken group keeps whole groups whole (HiveD's buddy rule, innermost level
+    /// first). The levels mean the same on every topology, so the vectors of different
+    /// machines compare. Bits outside the node are ignored.
+    pub fn fit(&self, free: GpuMask, x: GpuMask) -> Fit {
+        let all = self.tables.all;
+        self.tables.fit(free & all, x & all)
     }
 }
 

@@ -85,6 +85,39 @@ impl Ref {
         w
     }
 
+    /// Fit(F, S) from its definition: for each class weight of the ladder NV (≥ 25), PIX,
+    /// PXB, PHB, NODE, the groups (components of ≥ 2 GPUs over all GPUs, links of at least that
+    /// weight) that meet S, and the free GPUs outside S in them.
+    fn fit(&self, f: u64, s: u64) -> [u8; 5] {
+        let all: Vec<usize> = (0..self.n).collect();
+        [25u32, 12, 10, 8, 6].map(|min_w| {
+            let mut group = vec![usize::MAX; self.n];
+            for start in 0..self.n {
+                if group[start] != usize::MAX {
+                    continue;
+                }
+                let mut stack = vec![start];
+                group[start] = start;
+                while let Some(a) = stack.pop() {
+                    for &b in &all {
+                        if group[b] == usize::MAX && a != b && self.weight[a * self.n + b] >= min_w {
+                            group[b] = start;
+                            stack.push(b);
+                        }
+                    }
+                }
+            }
+            let mut left = 0;
+            for g in 0..self.n {
+                let members: Vec<usize> = all.iter().copied().filter(|&i| group[i] == g).collect();
+                if members.len() >= 2 && members.iter().any(|&i| s >> i & 1 == 1) {
+                    left += members.iter().filter(|&&i| f >> i & 1 == 1 && s >> i & 1 == 0).count() as u8;
+                }
+            }
+            left
+        })
+    }
+
     fn cap(&self, f: u64) -> [i8; 3] {
         let idx = idx_of(f);
         [8usize, 4, 2].map(|s| {
@@ -101,10 +134,10 @@ fn ref_max_comp(t: &Topology, c: u8, idx: &[u32]) -> usize {
     Ref::new(t).max_comp(c, &idx)
 }
 
-/// (T, W, Cap of what is left, mask).
-type RefBest = (u8, u32, [i8; 3], u64);
+/// (T, W, Fit, Cap of what is left, mask).
+type RefBest = (u8, u32, [u8; 5], [i8; 3], u64);
 
-/// Best (T, W, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
+/// Best (T, W, Fit, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
 /// With `full = false` only (T, W) are compared (the mask returned is then any optimum).
 fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
     let nf = f.count_ones() as usize;
@@ -115,20 +148,21 @@ fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
         let tw = (r.tier(s), r.weight(s));
         let replace = match best[k] {
             None => true,
-            Some((bt, bw, bc, bm)) => {
+            Some((bt, bw, bfit, bc, bm)) => {
                 if tw != (bt, bw) {
                     tw > (bt, bw)
                 } else if full {
+                    let fit = r.fit(f, s);
                     let cap = r.cap(f & !s);
-                    cap > bc || (cap == bc && s < bm)
+                    fit < bfit || (fit == bfit && (cap > bc || (cap == bc && s < bm)))
                 } else {
                     false
                 }
             }
         };
         if replace {
-            let cap = if full { r.cap(f & !s) } else { [0; 3] };
-            best[k] = Some((tw.0, tw.1, cap, s));
+            let (fit, cap) = if full { (r.fit(f, s), r.cap(f & !s)) } else { ([0; 5], [0; 3]) };
+            best[k] = Some((tw.0, tw.1, fit, cap, s));
         }
         if s == 0 {
             break;
@@ -141,7 +175,7 @@ fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
 fn check_against_reference(t: &Topology, f: u64, full: bool) {
     let r = Ref::new(t);
     let reference = ref_all_k(&r, f, full);
-    for (k, &(rt, rw, rc, rm)) in reference.iter().enumerate() {
+    for (k, &(rt, rw, rfit, rc, rm)) in reference.iter().enumerate() {
         let got = choose(Some(t), f, k as u32).unwrap();
         assert_eq!(got.mask.count_ones(), k as u32, "{} F={f:#x} k={k}", t.name());
         assert_eq!(got.mask & !f, 0, "{} F={f:#x} k={k}: outside free", t.name());
@@ -160,6 +194,8 @@ fn check_against_reference(t: &Topology, f: u64, full: bool) {
             got.mask
         );
         if full {
+            assert_eq!(r.fit(f, got.mask), rfit, "{} F={f:#x} k={k}: Fit", t.name());
+            assert_eq!(t.fit(f, got.mask), rfit, "{} F={f:#x} k={k}: Topology::fit", t.name());
             assert_eq!(r.cap(f & !got.mask), rc, "{} F={f:#x} k={k}: Cap", t.name());
             assert_eq!(got.mask, rm, "{} F={f:#x} k={k}: mask", t.name());
         }
@@ -449,11 +485,16 @@ fn choose_prefers_whole_switches_and_keeps_pairs_intact() {
 #[test]
 fn k1_leaves_the_best_groups() {
     let t = Topology::preset("pcie8").unwrap();
-    // F = {0,1,2,4}: taking 2 keeps the last full switch pair {0,1}.
-    assert_eq!(choose(Some(&t), 0b1_0111, 1).unwrap().mask, 0b100);
+    // F = {0,1,2,4}: taking 2 or 4 keeps the last full switch pair {0,1}; 4 is alone in its
+    // socket too (best fit at the NUMA level), 2 is not.
+    assert_eq!(choose(Some(&t), 0b1_0111, 1).unwrap().mask, 0b1_0000);
     // F = all but 5: Cap = [cap8, cap4, cap2] is the same whichever GPU goes (a PIX pair is
-    // left either way), so the spec's last rule, the lowest bits, picks GPU 0.
-    assert_eq!(choose(Some(&t), 0xdf, 1).unwrap().mask, 0b1);
+    // left either way), but only GPU 4 leaves no free GPU alone in its switch (best fit).
+    assert_eq!(choose(Some(&t), 0xdf, 1).unwrap().mask, 0b1_0000);
+    // F = {0,1,2,4,5}: GPU 2 is alone in its switch; the pairs {0,1} and {4,5} stay whole.
+    assert_eq!(choose(Some(&t), 0b11_0111, 1).unwrap().mask, 0b100);
+    // pcie8 with everything free, k = 1: a GPU of a switch (any), inside a socket left with 3.
+    assert_eq!(choose(Some(&t), 0xff, 1).unwrap().mask, 0b1);
     let t = Topology::preset("nvbridge8").unwrap();
     // F = {0,1,2}: taking 1 keeps the bridge 0–2.
     assert_eq!(choose(Some(&t), 0b111, 1).unwrap().mask, 0b10);
