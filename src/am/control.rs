@@ -25,7 +25,7 @@ use crate::protocol::{
     RegisterRequest,
 };
 use crate::resources::{mask_hex, mask_indices};
-use crate::select::{assign_port_labels, request_order, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
+use crate::select::{assign_port_labels, Outcome, PlacementRound, Selector};
 use crate::spec::JobSpec;
 
 /// How the job ended.
@@ -54,8 +54,8 @@ pub struct Control {
     /// What this AM registered with (sent again when the RM asks for a resync).
     pub registration: RegisterRequest,
     tasks: Vec<Task>,
-    /// Request order (indices into `tasks`).
-    order: Vec<usize>,
+    /// Index in `tasks` of each role's first task (tasks are role by role, in spec order).
+    role_first: Vec<usize>,
     by_request: HashMap<u64, usize>,
     by_container: HashMap<String, usize>,
     /// Asks the RM has seen (an answer to each comes in the same heartbeat).
@@ -86,18 +86,12 @@ impl Control {
         commands: mpsc::UnboundedReceiver<Command>,
     ) -> Self {
         let mut tasks = Vec::new();
-        let mut index_of = HashMap::new();
+        let mut role_first = Vec::with_capacity(job.task_roles.len());
         for (ri, role) in job.task_roles.iter().enumerate() {
-            for i in 0..role.instances {
-                index_of.insert((ri, i), tasks.len());
-                tasks.push(Task::new(ri, i));
-            }
+            role_first.push(tasks.len());
+            tasks.extend((0..role.instances).map(|i| Task::new(ri, i)));
         }
         let job_retry = super::job_retry::JobRetry::new(&job);
-        let order = request_order(&job)
-            .into_iter()
-            .filter_map(|k| index_of.get(&k).copied())
-            .collect();
         Control {
             job,
             app_id,
@@ -109,7 +103,7 @@ impl Control {
             container_addrs: Arc::default(),
             registration: RegisterRequest::default(),
             tasks,
-            order,
+            role_first,
             by_request: HashMap::new(),
             by_container: HashMap::new(),
             sent_asks: HashSet::new(),
@@ -244,97 +238,40 @@ impl Control {
             .position(|x| x.index == index && self.job.task_roles[x.role].name == role)
     }
 
-    /// The job's still-unplaced demand and where its tasks are.
-    fn demand(&self) -> JobDemand {
-        let mut d = JobDemand::new(self.job.task_roles.iter().any(|r| r.resources.gpus > 0));
-        for t in &self.tasks {
-            let role = &self.job.task_roles[t.role];
-            match t.state {
-                TaskState::TaskWaiting => d.add_waiting(TaskShape::of(&role.resources), 1),
-                TaskState::ContainerRequested => {
-                    if let Some(r) = &t.request {
-                        d.add_host(&r.host);
-                    }
-                }
-                _ if t.holds_container() => {
-                    if let Some(c) = &t.container {
-                        d.add_host(&c.host);
-                    }
-                }
-                _ => {}
-            }
-        }
-        d
-    }
-
+    /// Asks for the waiting tasks: one [`PlacementRound`] in request order (the same round
+    /// `gpuam plan` runs), each placement becoming an outstanding ask; a role that finds no
+    /// place backs off as a whole, an impossible task fails the job.
     fn place_waiting(&mut self) {
         if self.gang_backoff_until.is_some_and(|t| Instant::now() < t) {
             return;
         }
         self.gang_backoff_until = None;
         let now = Instant::now();
-        let mut demand = self.demand();
-        let mut waiting = self.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count() as u32;
+        let job = self.job.clone();
+        let mut round = PlacementRound::new(&job, |ri, i| self.tasks[self.role_first[ri] + i as usize].slot(now));
         let mut asked = 0;
-        // Tasks of a role are alike: once one finds no place this round, the others
-        // wait for the same back-off instead of running the pipeline again.
-        let mut full_roles: HashMap<usize, (Instant, String)> = HashMap::new();
-        for oi in 0..self.order.len() {
-            let ti = self.order[oi];
-            let t = &self.tasks[ti];
-            if t.state != TaskState::TaskWaiting || t.not_before.is_some_and(|nb| now < nb) {
-                continue;
-            }
-            if let Some((until, reason)) = full_roles.get(&t.role) {
-                let t = &mut self.tasks[ti];
-                t.not_before = Some(*until);
-                if t.waiting_reason.as_deref() != Some(reason.as_str()) {
-                    t.waiting_reason = Some(reason.clone());
-                    t.dirty = true;
-                }
-                continue;
-            }
+        // One back-off per role and round: its tasks are alike.
+        let mut role_wait: HashMap<usize, Instant> = HashMap::new();
+        while let Some((ri, index)) = round.next_task() {
             if asked >= MAX_ASKS_PER_HEARTBEAT {
                 break;
             }
-            let role = &self.job.task_roles[t.role];
-            let reuse = if role.same_port_allocation {
-                self.tasks
-                    .iter()
-                    .find(|o| o.role == t.role && (o.holds_container() || o.request.is_some()))
-                    .and_then(|o| {
-                        o.container
-                            .as_ref()
-                            .map(|c| c.resources.ports.clone())
-                            .or_else(|| o.request.as_ref().map(|r| r.resources.ports.clone()))
-                    })
-            } else {
-                None
-            };
-            let ask = TaskAsk::for_role(role, reuse.as_ref(), waiting);
-            let sel = self.selector.select_and_reserve(&ask, &demand);
-            {
-                let mut filtered = self.hub.counters.filtered_per_stage.lock();
-                for st in &sel.trace.stages {
-                    *filtered.entry(st.stage).or_insert(0) += st.dropped.iter().map(|g| g.count as u64).sum::<u64>();
-                }
+            let ti = self.role_first[ri] + index as usize;
+            let step = round.place(&self.selector, (ri, index));
+            let role_name = job.task_roles[ri].name.clone();
+            if !step.repeated {
+                self.record_selection(&role_name, index, &step.selection);
             }
-            let role_name = role.name.clone();
-            let shape = TaskShape::of(&role.resources);
-            let index = t.index;
-            let record = selection_record(&role_name, index, &sel);
-            match sel.outcome {
+            match step.selection.outcome {
                 Outcome::Placed(p) => {
                     let id = self.next_request_id;
                     self.next_request_id += 1;
-                    demand.placed(&shape, &p.host);
-                    waiting = waiting.saturating_sub(1);
                     asked += 1;
                     let t = &mut self.tasks[ti];
                     t.request = Some(Outstanding {
                         request_id: id,
-                        host: p.host.clone(),
-                        resources: p.resources.clone(),
+                        host: p.host,
+                        resources: p.resources,
                         sent: now,
                     });
                     t.waiting_reason = None;
@@ -347,10 +284,12 @@ impl Control {
                         self.settings.not_available_retry_min_ms,
                         self.settings.not_available_retry_max_ms,
                     );
-                    let wait = self.rng.gen_range(lo..=hi.max(lo));
+                    let rng = &mut self.rng;
+                    let until = *role_wait
+                        .entry(ri)
+                        .or_insert_with(|| now + Duration::from_millis(rng.gen_range(lo..=hi.max(lo))));
                     let t = &mut self.tasks[ti];
-                    t.not_before = Some(now + Duration::from_millis(wait));
-                    full_roles.insert(t.role, (now + Duration::from_millis(wait), reason.clone()));
+                    t.not_before = Some(until);
                     if t.waiting_reason.as_deref() != Some(reason.as_str()) {
                         t.waiting_reason = Some(reason);
                         t.dirty = true;
@@ -365,19 +304,28 @@ impl Control {
                         exit_code: 1,
                         diagnostics: format!("task {role_name}/{index} can never be placed on this cluster: {reason}"),
                     });
+                    return;
                 }
             }
-            self.hub
-                .update("selection", json!({"role": role_name, "index": index}), |s| {
-                    s.selections.push_back(record);
-                    while s.selections.len() > SELECTION_HISTORY {
-                        s.selections.pop_front();
-                    }
-                });
-            if self.end.is_some() {
-                return;
+        }
+    }
+
+    /// Counts a selection's drops per stage and keeps it for the dashboard.
+    fn record_selection(&self, role: &str, index: u32, sel: &crate::select::Selection) {
+        {
+            let mut filtered = self.hub.counters.filtered_per_stage.lock();
+            for st in &sel.trace.stages {
+                *filtered.entry(st.stage).or_insert(0) += st.dropped.iter().map(|g| g.count as u64).sum::<u64>();
             }
         }
+        let record = selection_record(role, index, sel);
+        self.hub
+            .update("selection", json!({"role": role, "index": index}), |s| {
+                s.selections.push_back(record);
+                while s.selections.len() > SELECTION_HISTORY {
+                    s.selections.pop_front();
+                }
+            });
     }
 
     async fn heartbeat(&mut self) -> Result<(), RmError> {
@@ -1197,6 +1145,104 @@ mod tests {
             exit_status: exit,
             diagnostics: String::new(),
         }
+    }
+
+    /// A mixed cluster: PCIe, NVLink and NVSwitch boxes, some GPUs and CPUs in use.
+    fn mixed_nodes() -> Vec<Node> {
+        let specs = [
+            ("pcie", "/a", "pcie8", 0b0000_0110u64),
+            ("dgx", "/a", "dgx1v", 0b1000_0001),
+            ("hgx", "/b", "nvswitch8", 0b1111_0000),
+            ("old", "/b", "pcie4", 0),
+        ];
+        specs
+            .iter()
+            .map(|(host, rack, preset, used)| {
+                let t = Arc::new(crate::topology::Topology::preset(preset).unwrap());
+                let mut n = Node::new(
+                    *host,
+                    *rack,
+                    Resources::with_mask(64, 512_000, t.all_mask(), PortSet::range(20000, 20099)),
+                );
+                n.set_used(Resources::with_mask(8, 1000, *used, PortSet::range(20000, 20009)));
+                n.topology = Some(t);
+                n
+            })
+            .collect()
+    }
+
+    /// "plan shows what the AM will do": the same job on the same cluster (same seed) gets the
+    /// same hosts, GPUs and ports from the AM's first placement round as from `gpuam plan`, and
+    /// the same tasks stay unplaced.
+    #[test]
+    fn the_am_asks_for_exactly_what_plan_shows() {
+        let yaml = "name: j\ngang: true\ntaskRoles:\n  worker:\n    instances: 3\n    samePortAllocation: true\n    \
+                    resourcePerInstance: {cpu: 4, memoryMB: 1000, gpu: 2, ports: {nccl: 1}}\n    commands: [\"true\"]\n  \
+                    ps:\n    instances: 2\n    resourcePerInstance: {cpu: 2, memoryMB: 1000, gpu: 1}\n    commands: [\"true\"]\n  \
+                    huge:\n    instances: 2\n    resourcePerInstance: {cpu: 60, memoryMB: 1000, gpu: 8}\n    commands: [\"true\"]\n";
+        let job = crate::spec::parse_job_spec(yaml, "t.yaml").unwrap();
+        let settings = || crate::config::SelectSettings {
+            seed: Some(7),
+            ..Default::default()
+        };
+        let plan = crate::select::plan_job(&Selector::new(ClusterView::new(mixed_nodes()), settings()), &job);
+        let selector = Arc::new(Selector::new(ClusterView::new(mixed_nodes()), settings()));
+        let (hub, commands) = crate::web::demo::demo_hub_with_commands(1, 1);
+        let mut c = Control::new(
+            Arc::new(job.clone()),
+            "application_1_0001".into(),
+            RmClient::new("http://127.0.0.1:9"),
+            selector,
+            hub,
+            AmSettings::default(),
+            commands,
+        );
+        c.place_waiting();
+        let mut asked: Vec<(String, u32, String, u64, String)> = Vec::new();
+        let mut waiting: Vec<(String, u32)> = Vec::new();
+        for t in &c.tasks {
+            let role = job.task_roles[t.role].name.clone();
+            match &t.request {
+                Some(r) => asked.push((
+                    role,
+                    t.index,
+                    r.host.clone(),
+                    r.resources.gpu_mask,
+                    r.resources.ports.to_string(),
+                )),
+                None => waiting.push((role, t.index)),
+            }
+        }
+        let mut planned: Vec<(String, u32, String, u64, String)> = plan
+            .placements
+            .iter()
+            .map(|p| {
+                (
+                    p.role.clone(),
+                    p.index,
+                    p.host.clone(),
+                    p.placement.resources.gpu_mask,
+                    p.placement.resources.ports.to_string(),
+                )
+            })
+            .collect();
+        let mut unplaced: Vec<(String, u32)> = plan.unplaced.iter().map(|u| (u.role.clone(), u.index)).collect();
+        asked.sort();
+        planned.sort();
+        waiting.sort();
+        unplaced.sort();
+        assert_eq!(asked, planned);
+        assert_eq!(waiting, unplaced);
+        // The case is not trivial: tasks were placed, one role did not fit, and the workers share
+        // their port (samePortAllocation) across hosts.
+        assert_eq!(asked.len(), 5, "{asked:?}");
+        assert_eq!(unplaced, vec![("huge".to_string(), 0), ("huge".to_string(), 1)]);
+        let worker_ports: std::collections::BTreeSet<&str> = asked
+            .iter()
+            .filter(|a| a.0 == "worker")
+            .map(|a| a.4.as_str())
+            .collect();
+        assert_eq!(worker_ports.len(), 1, "{asked:?}");
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod demand;
 mod fast_hash;
 mod index;
 mod objective;
+mod placement;
 mod plan;
 mod stages;
 mod trace;
@@ -24,7 +25,8 @@ use serde::Serialize;
 
 pub use demand::{JobDemand, TaskShape};
 pub use objective::Alternative;
-pub use plan::{assign_port_labels, plan_job, request_order, JobPlan, PlannedTask, UnplacedTask};
+pub use placement::{request_order, PlacementRound, Step, TaskRef, TaskSlot};
+pub use plan::{assign_port_labels, plan_job, JobPlan, PlannedTask, UnplacedTask};
 pub use trace::{CandidateSummary, DropGroup, SelectionTrace, StageTrace};
 
 use fast_hash::{FastMap, FastSet};
