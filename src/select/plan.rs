@@ -26,6 +26,8 @@ pub struct PlannedTask {
     pub gpu_tier_ideal: bool,
     /// Tier of the job's GPUs on this host once this task is there (the union).
     pub union_tier: u8,
+    /// The NIC(s) nearest its GPUs, where the host's topology lists NICs.
+    pub nic: Option<String>,
     /// The next-best node for this task and the criterion on which it lost.
     pub next_best: Option<Alternative>,
     #[serde(skip)]
@@ -97,6 +99,7 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
                 gpu_tier: p.gpu_tier,
                 gpu_tier_ideal: p.gpu_tier_ideal,
                 union_tier: p.union_tier,
+                nic: p.nic.clone(),
                 next_best: sel.trace.alternative.clone(),
                 placement: p,
             }),
