@@ -294,7 +294,7 @@ pub(crate) struct RankKey {
     /// 8. GPUs of the task's set behind an RDMA NIC's PCIe switch, for a job spanning nodes.
     pub nic: Reverse<u8>,
     /// 9. Best fit, innermost group first: free GPUs left beside the job's new GPUs in the
-    /// NVLink, PIX, PXB, PHB and NUMA groups they take from ([`GpuPick::fit`]) ...
+    ///    NVLink, PIX, PXB, PHB and NUMA groups they take from ([`GpuPick::fit`]) ...
     pub fit: Fit,
     /// ... then on the node: free GPUs (pack busy nodes, keep empty ones whole).
     pub free_gpus: u32,

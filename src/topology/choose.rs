@@ -549,7 +549,9 @@ impl Tables {
 
     fn greedy(&self, free: u64, k: u32, cstar: u8, comps: &[u64]) -> (u64, u32) {
         let c = cstar as usize;
-        let mut best: Option<((u32, std::cmp::Reverse<Fit>, Cap), u64)> = None;
+        // (W, best fit, what is left) of a set, compared lexicographically.
+        type Key = (u32, std::cmp::Reverse<Fit>, Cap);
+        let mut best: Option<(Key, u64)> = None;
         for &x in comps {
             let mut seeds: Vec<(u32, u32)> = bits(x).map(|i| (self.delta(i, x & !(1 << i)), i)).collect();
             seeds.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
