@@ -60,7 +60,7 @@ fn build(name: &str, n: u32, link: impl Fn(u32, u32) -> Link) -> Topology {
 /// `pcie8` with one RDMA NIC per socket (see [`Topology::preset`]).
 fn pcie8_nic() -> Topology {
     let base = pcie_tree("pcie8-nic", 2, 2, 2, Link::Node);
-    // The NIC sits on switch `first_switch` (GPUs 2s, 2s+1) of its socket.
+    // The NIC sits on the PCIe switch of GPU `first_gpu` (and its pair), in that GPU's socket.
     let nic = |name: &str, first_gpu: u32| Nic {
         name: name.to_string(),
         links: (0..8)
