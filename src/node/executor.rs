@@ -1441,12 +1441,12 @@ mod tests {
         );
     }
 
-    /// A 2-GPU node whose GPU0 sits on CPU 0 behind `mlx5_0`, GPU1 on CPU `cpu1` behind an
-    /// Ethernet NIC.
-    fn small_topology(cpu1: &str) -> Topology {
+    /// A 2-GPU node whose GPU0 sits on CPUs `cpu0` behind `mlx5_0`, GPU1 on CPUs `cpu1`
+    /// behind an Ethernet NIC.
+    fn small_topology(cpu0: &str, cpu1: &str) -> Topology {
         let text = format!(
             "\tGPU0\tGPU1\tmlx5_0\teth1\tCPU Affinity\tNUMA Affinity\n\
-             GPU0\t X \tSYS\tPIX\tSYS\t0\t0\n\
+             GPU0\t X \tSYS\tPIX\tSYS\t{cpu0}\t0\n\
              GPU1\tSYS\t X \tSYS\tPIX\t{cpu1}\t1\n"
         );
         Topology::parse_nvidia_smi(&text).unwrap()
@@ -1474,17 +1474,34 @@ mod tests {
         exec.read_log(id, LogStream::Stdout, None).unwrap()
     }
 
+    /// This process's `Cpus_allowed_list` line, and the first CPU in it.
+    fn allowed_cpus() -> (String, u32) {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("Cpus_allowed_list"))
+            .unwrap()
+            .to_string();
+        let list = CpuList::parse(line.split_once(':').unwrap().1).unwrap();
+        let first = list.cpus().next().unwrap();
+        (line, first)
+    }
+
     /// Without a cgroup the task runs under `taskset -c` on its GPU's NUMA-local CPU, with
     /// its NIC named; a GPU whose CPUs this machine does not have is not pinned.
     #[tokio::test]
     async fn a_task_is_pinned_to_its_gpus_cpus_and_told_its_nic() {
         let (_t, exec, mut rx) = setup();
-        let out = locality_seen(&exec, &mut rx, "pin0", 0b01, &small_topology("1")).await;
-        assert_eq!(out, "cpus=0 nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t0\n");
+        let (allowed, cpu) = allowed_cpus();
+        let topo = small_topology(&cpu.to_string(), "1");
+        let out = locality_seen(&exec, &mut rx, "pin0", 0b01, &topo).await;
+        assert_eq!(
+            out,
+            format!("cpus={cpu} nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t{cpu}\n")
+        );
         // GPU1: an Ethernet NIC (no NCCL_IB_HCA) and CPU 4000, which no machine here has.
-        let out = locality_seen(&exec, &mut rx, "pin1", 0b10, &small_topology("4000")).await;
-        let allowed = std::fs::read_to_string("/proc/self/status").unwrap();
-        let allowed = allowed.lines().find(|l| l.starts_with("Cpus_allowed_list")).unwrap();
+        let topo = small_topology(&cpu.to_string(), "4000");
+        let out = locality_seen(&exec, &mut rx, "pin1", 0b10, &topo).await;
         assert_eq!(out, format!("cpus= nic=eth1 hca=unset numa=1\n{allowed}\n"));
     }
 
@@ -1493,16 +1510,33 @@ mod tests {
     #[tokio::test]
     async fn a_contained_task_gets_its_cpus_as_a_cpuset() {
         let (_tmp, exec, mut rx, containment) = contained("cpuset");
-        let out = locality_seen(&exec, &mut rx, "pin-cg", 0b01, &small_topology("1")).await;
-        assert_eq!(out, "cpus=0 nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t0\n");
+        let (_, cpu) = allowed_cpus();
+        let topo = small_topology(&cpu.to_string(), "4000");
+        let out = locality_seen(&exec, &mut rx, "pin-cg", 0b01, &topo).await;
+        assert_eq!(
+            out,
+            format!("cpus={cpu} nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t{cpu}\n")
+        );
         let described = containment.describe();
+        if described.contains("cpuset (v1)") {
+            // Pinned by its own v1 cpuset, not by taskset.
+            let granted = Resources::with_mask(1, 100, 0b01, Default::default());
+            exec.start_placed("pin-cg2", "h", &granted, ctx(&["cat /proc/self/cgroup"]), Some(&topo))
+                .unwrap();
+            next_exit(&mut rx).await;
+            let groups = exec.read_log("pin-cg2", LogStream::Stdout, None).unwrap();
+            assert!(
+                groups
+                    .lines()
+                    .any(|l| l.contains(":cpuset:") && l.ends_with("/pin-cg2")),
+                "{groups}"
+            );
+        }
         if described.contains("cpuset") {
             // The cpuset itself says so (the cgroup is gone with the container; pin another).
             let mut cg = containment.create("pin-probe", Limits::default()).unwrap();
-            assert!(
-                containment.pin_cpus(&mut cg, "pin-probe", &CpuList::parse("0").unwrap()),
-                "{described}"
-            );
+            let one = CpuList::parse(&cpu.to_string()).unwrap();
+            assert!(containment.pin_cpus(&mut cg, "pin-probe", &one), "{described}");
             cg.remove();
         }
         containment.remove_parents();
