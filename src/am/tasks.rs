@@ -9,6 +9,7 @@ use super::exits::{ExitInfo, RetryState};
 use super::status::{TaskState, TaskStatus};
 use crate::protocol::{Container, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
+use crate::select::TaskSlot;
 use crate::spec::{JobSpec, SpecFormat};
 
 /// An ask sent to the RM and not yet answered.
@@ -86,6 +87,23 @@ impl Task {
             self.state,
             TaskState::ContainerAllocated | TaskState::ContainerLaunched | TaskState::ContainerRunning
         )
+    }
+
+    /// Where the task stands for the placement round: waiting (ready unless backing off),
+    /// placed (an ask out, or a live container: its host and exact resources), or neither.
+    pub fn slot(&self, now: Instant) -> TaskSlot {
+        let placed = |host: &str, resources: &Resources| TaskSlot::Placed {
+            host: host.to_string(),
+            resources: resources.clone(),
+        };
+        match (&self.request, &self.container) {
+            _ if self.state == TaskState::TaskWaiting => TaskSlot::Waiting {
+                ready: self.not_before.is_none_or(|nb| now >= nb),
+            },
+            (Some(r), _) if self.state == TaskState::ContainerRequested => placed(&r.host, &r.resources),
+            (_, Some(c)) if self.holds_container() => placed(&c.host, &c.resources),
+            _ => TaskSlot::Idle,
+        }
     }
 
     /// Back to waiting for a new container (a retry, or a lost ask).

@@ -74,6 +74,8 @@ struct Agent {
     host: String,
     secret: Vec<u8>,
     total: Resources,
+    /// This machine's topology (NICs, CPU affinity): where each task's GPUs are.
+    topology: Option<crate::topology::Topology>,
     executor: Executor,
     /// Dead containers not yet acknowledged by the RM.
     exited: Mutex<BTreeMap<String, ContainerReport>>,
@@ -157,6 +159,8 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         host: opts.host.clone(),
         secret: opts.node_token.trim().as_bytes().to_vec(),
         total: opts.total.clone(),
+        // Checked by `gpuam node` before the agent starts; unreadable text means none.
+        topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
         executor,
         exited: Mutex::new(BTreeMap::new()),
         beat_now: Notify::new(),
@@ -527,7 +531,9 @@ async fn start_container(
             r.gpu_mask, r.ports
         )));
     }
-    let pid = agent.executor.start(&id, &host, r, req.launch_context)?;
+    let pid = agent
+        .executor
+        .start_placed(&id, &host, r, req.launch_context, agent.topology.as_ref())?;
     Ok(Json(ContainerStatus {
         container_id: id,
         state: ContainerState::Running,

@@ -45,6 +45,7 @@ use super::procs::ProcessId;
 use super::{NodeError, NodeEvent};
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
+use crate::topology::{task_locality, CpuList, TaskLocality, Topology};
 
 /// Which captured stream to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -339,6 +340,22 @@ impl Executor {
         granted: &Resources,
         ctx: LaunchContext,
     ) -> Result<u32, NodeError> {
+        self.start_placed(container_id, host, granted, ctx, None)
+    }
+
+    /// [`Executor::start`] on a node whose GPU topology is `topology`: the task also gets
+    /// where its GPUs are ([`crate::topology::task_locality`]): `GPUAM_NIC`, `NCCL_IB_HCA`,
+    /// `GPUAM_NUMA_NODES`, and its GPUs' NUMA-local CPUs (those this node can use) as its
+    /// cgroup's cpuset where the node has one, else through `taskset -c`; either way
+    /// `GPUAM_CPU_AFFINITY` names them.
+    pub fn start_placed(
+        &self,
+        container_id: &str,
+        host: &str,
+        granted: &Resources,
+        ctx: LaunchContext,
+        topology: Option<&Topology>,
+    ) -> Result<u32, NodeError> {
         let fail = |why: String| NodeError::StartFailed {
             id: container_id.into(),
             why,
@@ -376,7 +393,18 @@ impl Executor {
             }
         };
 
-        let env = container_env(container_id, host, granted, &dir, &ctx, &self.opts);
+        let locality = topology.map(|t| task_locality(t, granted.gpu_mask)).unwrap_or_default();
+        let cpus = locality.cpus.as_ref().and_then(usable_cpus);
+        let env = container_env(
+            container_id,
+            host,
+            granted,
+            &dir,
+            &ctx,
+            &self.opts,
+            &locality,
+            cpus.as_ref(),
+        );
         let limits = Limits {
             memory_mb: Some(granted.memory_mb).filter(|m| *m > 0),
             cpu: Some(u64::from(granted.cpu)).filter(|c| *c > 0),
@@ -387,8 +415,30 @@ impl Executor {
             .containment
             .create(container_id, limits)
             .map_err(|e| format!("cannot create the container's cgroup: {e}"))
-            .and_then(|cg| {
-                spawn_launch(&dir, container_id, &ctx.commands, &env, &cg, self.opts.run_as.as_ref())
+            .and_then(|mut cg| {
+                // The cpuset where the node has one, else `taskset` around the task.
+                let taskset = cpus
+                    .as_ref()
+                    .filter(|c| !self.opts.containment.pin_cpus(&mut cg, container_id, c))
+                    .filter(|c| {
+                        let found = taskset_found();
+                        if !found {
+                            tracing::warn!(
+                                container = container_id,
+                                "no cpuset and no `taskset` on PATH: not pinned to CPUs {c} (GPUAM_CPU_AFFINITY names them)"
+                            );
+                        }
+                        found
+                    })
+                    .map(CpuList::to_string);
+                let launch = Launch {
+                    commands: &ctx.commands,
+                    env: &env,
+                    cgroup: &cg,
+                    run_as: self.opts.run_as.as_ref(),
+                    taskset: taskset.as_deref(),
+                };
+                spawn_launch(&dir, container_id, &launch)
                     .map(|(child, pid)| (child, pid, cg.clone()))
                     .inspect_err(|_| cg.remove())
             });
@@ -689,6 +739,7 @@ fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
 
 /// The task's whole environment: base, then the node's `task_env`, then `ctx.env`, then
 /// the executor's (which win).
+#[allow(clippy::too_many_arguments)]
 fn container_env(
     id: &str,
     host: &str,
@@ -696,6 +747,8 @@ fn container_env(
     dir: &Path,
     ctx: &LaunchContext,
     opts: &ExecutorOptions,
+    locality: &TaskLocality,
+    cpus: Option<&CpuList>,
 ) -> Vec<(String, String)> {
     let mut env: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
     for name in BASE_ENV {
@@ -733,7 +786,36 @@ fn container_env(
     for (k, v) in own {
         env.insert(k.into(), v);
     }
+    // Where its GPUs are; the CPU list is the one applied (the GPUs' CPUs this node has).
+    for (k, v) in locality.env() {
+        env.insert(k, v);
+    }
+    match cpus {
+        Some(c) => env.insert("GPUAM_CPU_AFFINITY".into(), c.to_string()),
+        None => env.remove("GPUAM_CPU_AFFINITY"),
+    };
     env.into_iter().collect()
+}
+
+/// Whether `taskset` (util-linux) is on this node's PATH (looked up once).
+fn taskset_found() -> bool {
+    static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FOUND.get_or_init(|| {
+        std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).any(|d| d.join("taskset").is_file()))
+            .unwrap_or(false)
+    })
+}
+
+/// The CPUs of `wanted` this process may run on (`Cpus_allowed_list` of /proc/self/status);
+/// `None` when none of them is (a topology text from another machine), or unknown.
+fn usable_cpus(wanted: &CpuList) -> Option<CpuList> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let allowed = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .and_then(CpuList::parse)?;
+    Some(wanted.intersect(&allowed)).filter(|c| !c.is_empty())
 }
 
 /// Quotes any text for bash: `'...'` with each `'` written as `'\''`.
@@ -793,16 +875,27 @@ pub fn task_command(dir: &Path, env: &[(String, String)]) -> std::process::Comma
     cmd
 }
 
+/// What [`spawn_launch`] runs and how.
+struct Launch<'a> {
+    commands: &'a [String],
+    env: &'a [(String, String)],
+    cgroup: &'a Cgroup,
+    run_as: Option<&'a RunAs>,
+    /// Run under `taskset -c LIST` (CPUs the cgroup could not pin).
+    taskset: Option<&'a str>,
+}
+
 /// Creates the directory and files and spawns the task (see [`task_command`]) in a new
-/// session, inside `cgroup`, as `run_as`; returns the child and pid.
-fn spawn_launch(
-    dir: &Path,
-    id: &str,
-    commands: &[String],
-    env: &[(String, String)],
-    cgroup: &Cgroup,
-    run_as: Option<&RunAs>,
-) -> Result<(tokio::process::Child, u32), String> {
+/// session, inside its cgroup, as its user, under `taskset` when asked; returns the child
+/// and pid.
+fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::process::Child, u32), String> {
+    let Launch {
+        commands,
+        env,
+        cgroup,
+        run_as,
+        taskset,
+    } = *launch;
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
     std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
     let script = dir.join("launch.sh");
@@ -830,7 +923,14 @@ fn spawn_launch(
 
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
     let spawn = crate::rm::image::program_for(dir, id, env)?;
-    let mut cmd = std::process::Command::new(&spawn.program);
+    let mut cmd = match taskset {
+        Some(list) => {
+            let mut c = std::process::Command::new("taskset");
+            c.arg("-c").arg(list).arg(&spawn.program);
+            c
+        }
+        None => std::process::Command::new(&spawn.program),
+    };
     cmd.args(&spawn.args)
         .current_dir(dir)
         .env_clear()
@@ -1429,6 +1529,107 @@ mod tests {
             assert!(e.contains("not a variable name"), "{e}");
         }
         assert!(check_task_env("A", "x\0y").unwrap_err().contains("NUL"));
+    }
+
+    /// A 2-GPU node whose GPU0 sits on CPUs `cpu0` behind `mlx5_0`, GPU1 on CPUs `cpu1`
+    /// behind an Ethernet NIC.
+    fn small_topology(cpu0: &str, cpu1: &str) -> Topology {
+        let text = format!(
+            "\tGPU0\tGPU1\tmlx5_0\teth1\tCPU Affinity\tNUMA Affinity\n\
+             GPU0\t X \tSYS\tPIX\tSYS\t{cpu0}\t0\n\
+             GPU1\tSYS\t X \tSYS\tPIX\t{cpu1}\t1\n"
+        );
+        Topology::parse_nvidia_smi(&text).unwrap()
+    }
+
+    /// What the task saw: its environment's locality variables and the CPUs it may run on.
+    async fn locality_seen(
+        exec: &Executor,
+        rx: &mut mpsc::UnboundedReceiver<NodeEvent>,
+        id: &str,
+        mask: u64,
+        topo: &Topology,
+    ) -> String {
+        let granted = Resources::with_mask(1, 100, mask, Default::default());
+        let cmd = "echo \"cpus=$GPUAM_CPU_AFFINITY nic=$GPUAM_NIC hca=${NCCL_IB_HCA-unset} numa=$GPUAM_NUMA_NODES\"; \
+                   grep Cpus_allowed_list /proc/self/status";
+        exec.start_placed(id, "h", &granted, ctx(&[cmd]), Some(topo)).unwrap();
+        let (_, code, diag) = next_exit(rx).await;
+        assert_eq!(
+            code,
+            0,
+            "{diag}: {}",
+            exec.read_log(id, LogStream::Stderr, None).unwrap()
+        );
+        exec.read_log(id, LogStream::Stdout, None).unwrap()
+    }
+
+    /// This process's `Cpus_allowed_list` line, and the first CPU in it.
+    fn allowed_cpus() -> (String, u32) {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("Cpus_allowed_list"))
+            .unwrap()
+            .to_string();
+        let list = CpuList::parse(line.split_once(':').unwrap().1).unwrap();
+        let first = list.cpus().next().unwrap();
+        (line, first)
+    }
+
+    /// Without a cgroup the task runs under `taskset -c` on its GPU's NUMA-local CPU, with
+    /// its NIC named; a GPU whose CPUs this machine does not have is not pinned.
+    #[tokio::test]
+    async fn a_task_is_pinned_to_its_gpus_cpus_and_told_its_nic() {
+        let (_t, exec, mut rx) = setup();
+        let (allowed, cpu) = allowed_cpus();
+        let topo = small_topology(&cpu.to_string(), "1");
+        let out = locality_seen(&exec, &mut rx, "pin0", 0b01, &topo).await;
+        assert_eq!(
+            out,
+            format!("cpus={cpu} nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t{cpu}\n")
+        );
+        // GPU1: an Ethernet NIC (no NCCL_IB_HCA) and CPU 4000, which no machine here has.
+        let topo = small_topology(&cpu.to_string(), "4000");
+        let out = locality_seen(&exec, &mut rx, "pin1", 0b10, &topo).await;
+        assert_eq!(out, format!("cpus= nic=eth1 hca=unset numa=1\n{allowed}\n"));
+    }
+
+    /// With a cgroup that has a cpuset (v2 controller or v1 hierarchy), the pin is the
+    /// container's cpuset.
+    #[tokio::test]
+    async fn a_contained_task_gets_its_cpus_as_a_cpuset() {
+        let (_tmp, exec, mut rx, containment) = contained("cpuset");
+        let (_, cpu) = allowed_cpus();
+        let topo = small_topology(&cpu.to_string(), "4000");
+        let out = locality_seen(&exec, &mut rx, "pin-cg", 0b01, &topo).await;
+        assert_eq!(
+            out,
+            format!("cpus={cpu} nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t{cpu}\n")
+        );
+        let described = containment.describe();
+        if described.contains("cpuset (v1)") {
+            // Pinned by its own v1 cpuset, not by taskset.
+            let granted = Resources::with_mask(1, 100, 0b01, Default::default());
+            exec.start_placed("pin-cg2", "h", &granted, ctx(&["cat /proc/self/cgroup"]), Some(&topo))
+                .unwrap();
+            next_exit(&mut rx).await;
+            let groups = exec.read_log("pin-cg2", LogStream::Stdout, None).unwrap();
+            assert!(
+                groups
+                    .lines()
+                    .any(|l| l.contains(":cpuset:") && l.ends_with("/pin-cg2")),
+                "{groups}"
+            );
+        }
+        if described.contains("cpuset") {
+            // The cpuset itself says so (the cgroup is gone with the container; pin another).
+            let mut cg = containment.create("pin-probe", Limits::default()).unwrap();
+            let one = CpuList::parse(&cpu.to_string()).unwrap();
+            assert!(containment.pin_cpus(&mut cg, "pin-probe", &one), "{described}");
+            cg.remove();
+        }
+        containment.remove_parents();
     }
 
     #[tokio::test]

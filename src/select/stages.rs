@@ -152,12 +152,21 @@ pub(crate) fn score(
         .max(1)
         .min(need);
     let held = cx.demand.held_on(&node.host);
-    let affinity = cx.demand.tasks_on(&node.host) > 0;
+    let here = cx.demand.tasks_on(&node.host);
+    let affinity = here > 0;
+    // The job spans nodes: it has tasks elsewhere, or not all its unplaced tasks fit here.
+    let spread = cx.demand.tasks_elsewhere(&node.host) > 0 || fits < need;
     let k = cx.ask.resources.gpus;
     let topo = node.topology.as_deref();
     let pick = match cx.ask.resources.gpu_mask {
-        Some(m) => Some(objective::given(topo, avail.gpu_mask, held, m)),
-        None => cx.choices.pick(topo_id, topo, avail.gpu_mask, held, k, fits),
+        Some(m) => Some(objective::given(topo, avail.gpu_mask, held, m, spread)),
+        None => cx.choices.pick(
+            topo_id,
+            topo,
+            avail.gpu_mask,
+            held,
+            objective::Want { k, f: fits, spread },
+        ),
     };
     let Some(pick) = pick else {
         return Err("no GPU set of the requested size on this node");
@@ -192,6 +201,8 @@ pub(crate) fn rank_key(
         task_tier: Reverse(pick.task_tier),
         union_weight: Reverse(pick.union_weight),
         task_weight: Reverse(pick.task_weight),
+        nic: Reverse(pick.nic),
+        fit: pick.fit,
         free_gpus: avail.gpu_count(),
         left: Reverse(pick.left),
         total_gpus,

@@ -76,7 +76,7 @@ pub(super) async fn container_start(
     headers: HeaderMap,
     ApiJson(ctx): ApiJson<LaunchContext>,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let (granted, app_id) = {
+    let (granted, app_id, topology) = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
         if info.app_final {
@@ -93,13 +93,15 @@ pub(super) async fn container_start(
             .mark_running(&id)
             .map_err(|e| ApiError::conflict(e.to_string()))?;
         let app_id = st.ledger.container(&id).map(|c| c.app_id.clone()).unwrap_or_default();
-        (info.resources, app_id)
+        let topology = st.ledger.node(&host).and_then(|n| n.topology.clone());
+        (info.resources, app_id, topology)
     };
     let grant = crate::node::Grant {
         container_id: id.clone(),
         app_id,
         host: host.clone(),
         resources: granted,
+        topology,
     };
     match rm.nodes.for_host(&host).start(grant, ctx).await {
         Ok(status) => Ok(Json(status)),
