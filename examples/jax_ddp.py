@@ -83,12 +83,22 @@ def peers_from_env(role, port_label):
 
 
 def address_of(host):
-    """The IPv4 address of a host name. A name that does not resolve is one of the simulated
-    hosts of `gpuam run`'s demo cluster, whose containers all run on this machine."""
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0], True
-    except (socket.gaierror, IndexError):
-        return "127.0.0.1", False
+    """The IP address of a peer's host: gpuam gives the node's IP where the node has one
+    (IPv6 in brackets), else a host name, resolved here (IPv4 first). A name that does not
+    resolve is one of the simulated hosts of `gpuam run`'s demo cluster, whose containers
+    all run on this machine."""
+    host = host.strip("[]")
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            return socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0][4][0], True
+        except (socket.gaierror, IndexError):
+            pass
+    return "127.0.0.1", False
+
+
+def host_port(ip, port):
+    """`ip:port`, with an IPv6 address in brackets."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 class Departures:
@@ -163,7 +173,7 @@ def roll_call(rank, peers, bind_ip, coord_ip, port, seconds, departures):
     deadline = time.monotonic() + seconds
     n = len(peers)
     if rank == 0:
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv = socket.socket(socket.AF_INET6 if ":" in bind_ip else socket.AF_INET, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             srv.bind((bind_ip, port))
@@ -234,6 +244,26 @@ def roll_call(rank, peers, bind_ip, coord_ip, port, seconds, departures):
     fail(4, f"the coordinator, task 0 at {peers[0]}, ended the roll call without an answer")
 
 
+def gloo_on(ip):
+    """Makes JAX's CPU collectives (gloo over TCP) listen on `ip`, this task's own address.
+
+    Left alone, gloo listens on the address of gethostname(), which is loopback on many
+    machines (Debian's /etc/hosts maps the host name to 127.0.1.1; containers and network
+    namespaces see the machine's name too) and then tells its peers on other hosts to
+    connect to 127.0.x.x: the first all-reduce fails with "Connection refused". JAX 0.10 has
+    no public option for gloo's address, so the CPU backend is registered again, before it
+    is first used, with gloo given `ip`."""
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname=ip)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    xla_bridge.register_backend_factory("cpu", cpu_client, priority=0, fail_quietly=False)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", default=os.environ.get("GPUAM_TASK_ROLE", "worker"))
@@ -255,12 +285,15 @@ def main():
         fail(3, f"task index {rank} is outside the {n} peers of {source}")
     coord_host, coord_port = peers[0].rsplit(":", 1)
     coord_ip, resolved = address_of(coord_host)
-    coordinator = f"{coord_ip}:{coord_port}"
+    coordinator = host_port(coord_ip, coord_port)
+    # This task's own address: its entry in the peer list (what the others reach it at).
+    my_ip, _ = address_of(peers[rank].rsplit(":", 1)[0])
     # On NVIDIA machines with jax[cuda12], JAX uses exactly these GPUs: gpuam's granted mask.
     say(f"worker {rank}/{n}: GPUs {os.environ.get('CUDA_VISIBLE_DEVICES', '(not set)') or '(none)'}"
         f" (CUDA_VISIBLE_DEVICES, granted by gpuam)")
     say(f"worker {rank}/{n}: coordinator task 0 at {peers[0]} -> {coordinator}"
         f"{'' if resolved else ' (simulated host: this machine)'}; peers from {source}")
+    say(f"worker {rank}/{n}: on host {os.environ.get('GPUAM_HOST', '?')} at {my_ip}")
 
     import jax
     import jax.numpy as jnp
@@ -268,9 +301,9 @@ def main():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    my_ip = coord_ip if rank == 0 else None
     departures = Departures()
     roll_call(rank, peers, my_ip, coord_ip, int(coord_port), args.init_timeout, departures)
+    gloo_on(my_ip)
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=n,

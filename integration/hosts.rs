@@ -3,275 +3,26 @@
 //! each of the other two, each offering 2 GPUs.
 //!
 //! - a gang of 2 tasks × 2 GPUs runs with one task on each host, as the task user, which
-//!   cannot read the RM's admin token;
+//!   cannot read the RM's admin token; each task's peers are named by their node's IP;
+//! - an OpenPAI v2 job of two roles on the two hosts sees each node's IP in
+//!   `PAI_HOST_IP_<role>_<index>` and `PAI_CONTAINER_HOST_IP`;
 //! - a job whose tasks start daemons (setsid, double fork, nohup) is killed: no daemon is
 //!   left, and the next job on the same GPUs starts only after the last one died (its
 //!   heartbeat file's last write is before the next task's start: overlap printed);
 //! - killing one agent makes its node LOST after `rm.node_expiry_sec`, and the task is
 //!   retried on the other host; the agent restarted re-registers and kills the orphan.
 //!
-//! Needs root, `ip` (iproute2), `nsenter` (util-linux) and `curl`; namespaces are named `node-<pid>-*` and
-//! deleted at the end, even on failure.
+//! Needs root, `ip` (iproute2), `nsenter` (util-linux) and `curl`; the namespaces
+//! (`common::hosts`) are deleted at the end, even on failure.
 
 mod common;
 
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{bin, pid_alive, sq, wait_for};
-
-const RM_IP: &str = "10.213.0.1";
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .expect("run ip (install iproute2)");
-    assert!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The namespaces and the processes in them; dropping kills the processes and deletes
-/// the namespaces.
-struct Hosts {
-    prefix: String,
-    dir: tempfile::TempDir,
-    procs: Vec<(String, Child)>,
-}
-
-impl Hosts {
-    fn ns(&self, name: &str) -> String {
-        format!("{}-{name}", self.prefix)
-    }
-
-    fn build() -> Hosts {
-        let prefix = format!("node-{}", std::process::id());
-        let dir = tempfile::tempdir().unwrap();
-        // The task user must reach its agent's work dir (not list it).
-        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o711)).unwrap();
-        let h = Hosts {
-            prefix,
-            dir,
-            procs: Vec::new(),
-        };
-        let br = h.ns("br");
-        ip(&["netns", "add", &br]);
-        ip(&["-n", &br, "link", "add", "br0", "type", "bridge"]);
-        ip(&["-n", &br, "link", "set", "br0", "up"]);
-        for (i, name) in ["rm", "h1", "h2"].iter().enumerate() {
-            let ns = h.ns(name);
-            ip(&["netns", "add", &ns]);
-            let (a, b) = (format!("v{name}a"), format!("v{name}b"));
-            ip(&[
-                "-n", &ns, "link", "add", &a, "type", "veth", "peer", "name", &b, "netns", &br,
-            ]);
-            ip(&["-n", &br, "link", "set", &b, "master", "br0", "up"]);
-            ip(&["-n", &ns, "addr", "add", &format!("10.213.0.{}/24", i + 1), "dev", &a]);
-            ip(&["-n", &ns, "link", "set", &a, "up"]);
-            ip(&["-n", &ns, "link", "set", "lo", "up"]);
-        }
-        fs::write(h.path("node.token"), "node-secret-of-this-test\n").unwrap();
-        fs::create_dir_all(h.path("out")).unwrap();
-        fs::set_permissions(h.path("out"), fs::Permissions::from_mode(0o777)).unwrap();
-        fs::write(h.path("conf.yaml"), "rm:\n  node_expiry_sec: 3\n").unwrap();
-        h
-    }
-
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-
-    fn spawn(&mut self, label: &str, ns: &str, args: &[&str]) {
-        let log = fs::File::create(self.path(&format!("{label}.log"))).unwrap();
-        // nsenter, not `ip netns exec`: that one remounts /sys, which hides the cgroup
-        // mounts from the agent; only the network is to be separate here.
-        let child = Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", self.ns(ns)))
-            .arg(bin())
-            .env("GPUAM_LOG", "info")
-            .arg("--config")
-            .arg(self.path("conf.yaml"))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.procs.push((label.to_string(), child));
-    }
-
-    fn start_rm(&mut self) {
-        let work = self.path("rm").display().to_string();
-        let token = self.path("node.token").display().to_string();
-        let listen = format!("{RM_IP}:8088");
-        self.spawn(
-            "rm",
-            "rm",
-            &[
-                "rm",
-                "--listen",
-                &listen,
-                "--work-dir",
-                &work,
-                "--node-token-file",
-                &token,
-                "--in-memory",
-            ],
-        );
-        wait_for(Duration::from_secs(30), "the RM's admin token", || {
-            self.path("rm/admin.token").exists().then_some(())
-        });
-    }
-
-    fn start_agent(&mut self, host: &str) {
-        let work = self.path(&format!("{host}-work")).display().to_string();
-        let token = self.path("node.token").display().to_string();
-        let ip_ = if host == "h1" { "10.213.0.2" } else { "10.213.0.3" };
-        let name = format!("{}-{host}", self.prefix);
-        let listen = format!("{ip_}:8042");
-        let rm = format!("http://{RM_IP}:8088");
-        self.spawn(
-            host,
-            host,
-            &[
-                "node",
-                "--rm",
-                &rm,
-                "--host",
-                &name,
-                "--listen",
-                &listen,
-                "--node-token-file",
-                &token,
-                "--gpus",
-                "2",
-                "--topology",
-                "none",
-                "--cpu",
-                "4",
-                "--memory-mb",
-                "4096",
-                "--ports",
-                "20000-20100",
-                "--work-dir",
-                &work,
-            ],
-        );
-    }
-
-    fn kill(&mut self, label: &str) {
-        if let Some(i) = self.procs.iter().position(|(l, _)| l == label) {
-            let (_, mut c) = self.procs.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// GET on the RM, from inside its namespace.
-    fn get(&self, path: &str) -> serde_json::Value {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns("rm"), "curl", "-sf"])
-            .arg(format!("http://{RM_IP}:8088{path}"))
-            .output()
-            .expect("curl");
-        serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
-    }
-
-    fn node_states(&self) -> Vec<(String, String)> {
-        let v = self.get("/ws/v1/cluster/nodes");
-        v["nodes"]["node"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|n| {
-                        (
-                            n["nodeHostName"].as_str().unwrap_or("").to_string(),
-                            n["state"].as_str().unwrap_or("").to_string(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// `gpuam submit` in the RM's namespace; `wait`: until the job ends.
-    fn submit(&self, name: &str, yaml: &str, wait: bool) -> Child {
-        let job = self.path(&format!("{name}.yaml"));
-        fs::write(&job, yaml).unwrap();
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.ns("rm"), bin(), "submit"])
-            .arg(&job)
-            .args(["--rm", &format!("http://{RM_IP}:8088"), "--admin-token-file"])
-            .arg(self.path("rm/admin.token"))
-            .env(
-                "GPUAM_TOKEN",
-                fs::read_to_string(self.path("rm/admin.token")).unwrap().trim(),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        if wait {
-            cmd.arg("--wait");
-        }
-        cmd.spawn().unwrap()
-    }
-
-    fn logs(&self) -> String {
-        let mut s = String::new();
-        for l in ["rm", "h1", "h2", "h1-again"] {
-            if let Ok(t) = fs::read_to_string(self.path(&format!("{l}.log"))) {
-                s.push_str(&format!("--- {l}.log\n{t}\n"));
-            }
-        }
-        for sub in ["rm", "h1-work/containers", "h2-work/containers"] {
-            for e in fs::read_dir(self.path(sub)).into_iter().flatten().flatten() {
-                for f in ["am.stderr", "stderr"] {
-                    if let Ok(t) = fs::read_to_string(e.path().join(f)) {
-                        let tail: String = t
-                            .chars()
-                            .rev()
-                            .take(3000)
-                            .collect::<Vec<_>>()
-                            .into_iter()
-                            .rev()
-                            .collect();
-                        s.push_str(&format!("--- {}/{f}\n{tail}\n", e.path().display()));
-                    }
-                }
-            }
-        }
-        s
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("{}", self.logs());
-        }
-        for (_, c) in &mut self.procs {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        // Whatever still runs in the agents' cgroups goes too.
-        for host in ["h1", "h2"] {
-            let cg = PathBuf::from(format!("/sys/fs/cgroup/unified/gpuam-{}-{host}", self.prefix));
-            for e in fs::read_dir(&cg).into_iter().flatten().flatten() {
-                let _ = fs::write(e.path().join("cgroup.kill"), "1");
-            }
-        }
-        std::thread::sleep(Duration::from_millis(300));
-        for ns in ["rm", "h1", "h2", "br"] {
-            let _ = Command::new("ip").args(["netns", "del", &self.ns(ns)]).status();
-        }
-    }
-}
+use common::hosts::{host_ip, Hosts};
+use common::{pid_alive, read_env_file, shell_quote, sq, wait_for};
 
 fn now_ns() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
@@ -295,16 +46,13 @@ fn job(name: &str, instances: u32, retries: u32, commands: &[String]) -> String 
 
 #[test]
 fn three_hosts_in_network_namespaces() {
-    let mut h = Hosts::build();
+    let mut h = Hosts::build("hosts");
     h.start_rm();
     h.start_agent("h1");
     h.start_agent("h2");
-    let h1 = format!("{}-h1", h.prefix);
-    let h2 = format!("{}-h2", h.prefix);
-    wait_for(Duration::from_secs(30), "both agents registered", || {
-        let s = h.node_states();
-        (s.len() == 2 && s.iter().all(|(_, st)| st == "RUNNING")).then_some(())
-    });
+    let h1 = h.host_name("h1");
+    let h2 = h.host_name("h2");
+    h.wait_agents_running();
     let out = h.path("out").display().to_string();
     let admin = h.path("rm/admin.token").display().to_string();
 
@@ -314,7 +62,7 @@ fn three_hosts_in_network_namespaces() {
         2,
         0,
         &[format!(
-            "echo $GPUAM_HOST $CUDA_VISIBLE_DEVICES $(id -u) > {out}/gang-$GPUAM_TASK_INDEX; \
+            "echo $GPUAM_HOST $CUDA_VISIBLE_DEVICES $(id -u) $GPUAM_HOSTS_WORKER > {out}/gang-$GPUAM_TASK_INDEX; \
              if cat {admin} >/dev/null 2>&1; then echo READ > {out}/gang-token-$GPUAM_TASK_INDEX; fi"
         )],
     );
@@ -323,10 +71,16 @@ fn three_hosts_in_network_namespaces() {
     let mut hosts: Vec<String> = (0..2)
         .map(|i| lines(&h.path(&format!("out/gang-{i}")))[0].clone())
         .collect();
-    for l in &hosts {
+    for (i, l) in hosts.iter().enumerate() {
         let f: Vec<&str> = l.split_whitespace().collect();
         assert_eq!(f[1], "0,1", "each task has its host's 2 GPUs: {l}");
         assert_ne!(f[2], "0", "tasks do not run as root: {l}");
+        // Peers are named by the IP of their node (its namespace's), which they can reach.
+        let peers: Vec<&str> = f[3].split(',').collect();
+        let mine = if f[0] == h1 { host_ip("h1") } else { host_ip("h2") };
+        assert_eq!(peers.len(), 2, "GPUAM_HOSTS_WORKER lists both tasks: {l}");
+        assert_eq!(peers[i], mine, "task {i}'s own entry is its node's IP: {l}");
+        assert_ne!(peers[0], peers[1], "{l}");
     }
     hosts.sort();
     assert_eq!(
@@ -341,6 +95,45 @@ fn three_hosts_in_network_namespaces() {
         !h.path("out/gang-token-0").exists() && !h.path("out/gang-token-1").exists(),
         "a task read the admin token"
     );
+
+    // 1b. An OpenPAI v2 job of two roles, one per host (2 GPUs each): PAI_HOST_IP_<role>_0
+    //     and PAI_CONTAINER_HOST_IP are the nodes' own IPs, not the RM's. The first role to
+    //     succeed ends an OpenPAI job (the other is stopped), so each task waits (up to 30 s)
+    //     until both have recorded their environment.
+    let record = format!(
+        "env | grep -E \"^(PAI_|GPUAM_HOST=)\" > {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME.tmp && \
+         mv {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME.tmp {out}/pai-$PAI_CURRENT_TASK_ROLE_NAME; \
+         for i in $(seq 600); do [ -e {out}/pai-a ] && [ -e {out}/pai-b ] && break; sleep 0.05; done"
+    );
+    let role = |name: &str| {
+        format!(
+            "  {name}:\n    dockerImage: img\n    resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 2}}\n    commands:\n      - {}\n",
+            sq(&record)
+        )
+    };
+    let pai = format!(
+        "protocolVersion: 2\nname: pai\ntype: job\nprerequisites:\n  - {{name: img, type: dockerimage, uri: localhost/not-here:1}}\ntaskRoles:\n{}{}",
+        role("a"),
+        role("b")
+    );
+    let status = h.submit("pai", &pai, true).wait().unwrap();
+    assert!(status.success(), "the OpenPAI job succeeds: {}", h.submit_output("pai"));
+    let env_a = read_env_file(&h.path("out/pai-a"));
+    let env_b = read_env_file(&h.path("out/pai-b"));
+    let ip_of = |env: &std::collections::BTreeMap<String, String>| {
+        if env["GPUAM_HOST"] == h1 {
+            host_ip("h1")
+        } else {
+            host_ip("h2")
+        }
+    };
+    let (ip_a, ip_b) = (ip_of(&env_a), ip_of(&env_b));
+    assert_ne!(ip_a, ip_b, "one role per host");
+    for env in [&env_a, &env_b] {
+        assert_eq!(env["PAI_HOST_IP_a_0"], ip_a, "{env:?}");
+        assert_eq!(env["PAI_HOST_IP_b_0"], ip_b, "{env:?}");
+        assert_eq!(env["PAI_CONTAINER_HOST_IP"], ip_of(env), "{env:?}");
+    }
 
     // 2. Daemons of a killed job: none survives, and the next job on the same GPUs starts
     //    only after the last one is gone.
@@ -458,8 +251,4 @@ fn three_hosts_in_network_namespaces() {
         libc::kill(follower.id() as i32, libc::SIGINT);
     }
     let _ = follower.wait();
-}
-
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }

@@ -15,9 +15,13 @@
 //! Needs JAX in `target/jax-venv`: `bash examples/jax-setup.sh` (`.ci/run` runs it). When
 //! it is missing the tests fail and say so; they do not skip.
 //!
-//! Not here yet: the same job across two node-agent hosts in network namespaces, so that
-//! the rendezvous crosses a real network boundary. It needs `gpuam node` (the node agents,
-//! built on branch `node`); add it to this file once they are on main.
+//! - the same job, unchanged, submitted to an RM with two node agents in network
+//!   namespaces of their own (`common::hosts`): the workers land on both hosts, each
+//!   finds task 0 at the IP of task 0's namespace (the product hands peers node IPs, not
+//!   host names nobody can resolve), the rendezvous and every all-reduce cross the bridge,
+//!   the tasks run as the agents' task user with the repository given by the agents'
+//!   `--task-env JAX_EXAMPLE_DIR`, and every replica ends with the same hash. Needs root,
+//!   `ip`, `nsenter`, `setpriv` and `curl`, as integration/hosts.rs does.
 //!
 //! The tests share one lock: each runs 3 JAX processes, and running them one at a time
 //! keeps a small CI machine from starving them.
@@ -30,6 +34,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use common::hosts::{host_ip, Hosts};
 use common::{bin, group_members, pid_alive, pids_with_cmdline, wait_for};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -438,4 +443,137 @@ fn a_peer_that_never_comes_fails_the_job_naming_it() {
         "`gpuam run` shows the message:\n{output}"
     );
     sb.assert_nothing_left();
+}
+
+/// Panics, naming the fix, when the agents' task user cannot run the venv's python or
+/// read the training script (the tasks would fail with exit 3 saying the same).
+fn require_task_user_reaches_the_repository(user: &str) {
+    let python = repo().join("target/jax-venv/bin/python");
+    let script = repo().join("examples/jax_ddp.py");
+    let ok = Command::new("setpriv")
+        .args([
+            &format!("--reuid={user}"),
+            &format!("--regid={user}"),
+            "--clear-groups",
+            "test",
+            "-x",
+        ])
+        .arg(&python)
+        .arg("-a")
+        .arg("-r")
+        .arg(&script)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "user {user}, who runs the node agents' tasks, cannot run {} or read {}: run `bash \
+         examples/jax-setup.sh` (it builds the venv on an interpreter every user can run) and keep the \
+         checkout where other users may enter (o+x on every directory above it)",
+        python.display(),
+        script.display()
+    );
+}
+
+/// The value after `prefix` on the line of `text` that starts with it.
+fn after<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    text.lines().find_map(|l| l.strip_prefix(prefix))
+}
+
+#[test]
+fn the_job_trains_across_two_node_agent_hosts() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_jax();
+    let mut h = Hosts::build("jax");
+    // Tasks run as gpuam-task with their container as HOME: the node tells them where the
+    // example is, as an operator would.
+    h.agent_args = vec!["--task-env".into(), format!("JAX_EXAMPLE_DIR={}", repo().display())];
+    h.start_rm();
+    h.start_agent("h1");
+    h.start_agent("h2");
+    h.wait_agents_running();
+    require_task_user_reaches_the_repository("gpuam-task");
+
+    // The example exactly as README.md shows it, submitted to the RM.
+    let yaml = fs::read_to_string(repo().join("examples/jax-ddp.yaml")).unwrap();
+    let mut submit = h.submit("jax-ddp", &yaml, true);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = submit.try_wait().unwrap() {
+            break s;
+        }
+        if started.elapsed() > JOB_TIMEOUT {
+            let _ = submit.kill();
+            let _ = submit.wait();
+            panic!("the job did not end within {JOB_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    println!("the job across two hosts took {:.1} s", started.elapsed().as_secs_f64());
+    assert!(status.success(), "the job failed:\n{}", h.submit_output("jax-ddp"));
+
+    // Each worker's stdout, with the agent host that ran it, by rank.
+    let mut workers: Vec<(usize, String, String)> = h
+        .container_dirs()
+        .into_iter()
+        .filter_map(|(host, dir)| {
+            let text = fs::read_to_string(dir.join("stdout")).ok()?;
+            let rank = text
+                .lines()
+                .find_map(|l| l.strip_prefix("worker ")?.split('/').next()?.parse().ok())?;
+            Some((rank, host, text))
+        })
+        .collect();
+    workers.sort();
+    let ranks: Vec<usize> = workers.iter().map(|(r, _, _)| *r).collect();
+    assert_eq!(ranks, (0..WORKERS).collect::<Vec<_>>(), "one container per worker");
+    let by_rank: Vec<(usize, String)> = workers.iter().map(|(r, _, t)| (*r, t.clone())).collect();
+    let hs = hashes(&by_rank);
+    assert_eq!(hs.len(), WORKERS, "every worker prints PARAMS_SHA256");
+    assert!(hs.iter().all(|h| h.len() == 64), "{hs:?}");
+    assert!(hs.iter().all(|x| *x == hs[0]), "replicas differ across hosts: {hs:?}");
+
+    // Where each worker ran, as it saw it: its GPUAM_HOST and its own address (its entry
+    // in GPUAM_HOSTS_WORKER) are those of the agent whose directory holds its container.
+    let host_of_0 = &workers[0].1;
+    for (rank, host, text) in &workers {
+        let me = after(text, &format!("worker {rank}/{WORKERS}: on host "))
+            .unwrap_or_else(|| panic!("worker {rank} does not say where it runs:\n{text}"));
+        assert_eq!(
+            me,
+            format!("{} at {}", h.host_name(host), host_ip(host)),
+            "worker {rank}'s GPUAM_HOST and address"
+        );
+        // Task 0's address as every worker used it: the IP of task 0's namespace (a
+        // name that does not resolve would have meant 127.0.0.1, "simulated host").
+        let coord = after(text, &format!("worker {rank}/{WORKERS}: coordinator task 0 at "))
+            .unwrap_or_else(|| panic!("worker {rank} names no coordinator:\n{text}"));
+        let ip0 = host_ip(host_of_0);
+        assert!(
+            coord.starts_with(&format!("{ip0}:"))
+                && coord.contains(&format!("-> {ip0}:"))
+                && !coord.contains("simulated"),
+            "worker {rank} reaches task 0 at {ip0}: {coord}"
+        );
+        assert!(
+            text.contains(&format!("worker {rank}/{WORKERS}: joined; {WORKERS} devices in all")),
+            "{text}"
+        );
+        let l = losses(text);
+        assert_eq!(l.len(), 40, "worker {rank} ran 40 steps:\n{text}");
+        assert!(l[l.len() - 1] < l[0] / 2.0, "worker {rank}'s loss did not fall: {l:?}");
+    }
+    let mut hosts: Vec<&str> = workers.iter().map(|(_, host, _)| host.as_str()).collect();
+    hosts.sort();
+    hosts.dedup();
+    assert_eq!(hosts, ["h1", "h2"], "the workers ran on both agent hosts");
+    assert!(
+        workers.iter().any(|(_, host, _)| host != host_of_0),
+        "some worker is on another host than task 0, so its rendezvous crossed the bridge"
+    );
+    // Nothing of the job runs any more.
+    let script = format!("{}/examples/jax_ddp.py", repo().display());
+    wait_for(Duration::from_secs(30), "no training process left", || {
+        pids_with_cmdline(&[&script]).is_empty().then_some(())
+    });
 }

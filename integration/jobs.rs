@@ -533,3 +533,67 @@ nodes:
         rm.assert_all_free(FREE_TIMEOUT);
     }
 }
+
+/// SIGTERM (or SIGHUP, or Ctrl-C) on `gpuam run` kills the job and waits for its end:
+/// no task process, no daemon a task started in a new session, and no AM is left.
+#[test]
+fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
+    let dir = Rm::temp_dir();
+    let root = dir.path().display().to_string();
+    fs::write(
+        dir.path().join("cluster.yaml"),
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
+    )
+    .unwrap();
+    let daemon = "trap \"\" TERM HUP; while :; do sleep 0.05; done";
+    fs::write(
+        dir.path().join("job.yaml"),
+        format!(
+            "name: term\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[&format!(
+                "setsid bash -c {} & echo $! >> {root}/pids; echo $$ >> {root}/pids; sleep 300",
+                common::shell_quote(daemon)
+            )])
+        ),
+    )
+    .unwrap();
+    let work = dir.path().join("work");
+    let mut run = std::process::Command::new(common::bin())
+        .arg("run")
+        .arg(dir.path().join("job.yaml"))
+        .arg("--cluster")
+        .arg(dir.path().join("cluster.yaml"))
+        .arg("--work-dir")
+        .arg(&work)
+        .env("GPUAM_DASHBOARD_LINGER_SEC", "0")
+        .stdout(fs::File::create(dir.path().join("run.out")).unwrap())
+        .stderr(fs::File::create(dir.path().join("run.err")).unwrap())
+        .spawn()
+        .unwrap();
+    let pids: Vec<i32> = wait_for(Duration::from_secs(30), "both tasks and their daemons", || {
+        let p: Vec<i32> = fs::read_to_string(dir.path().join("pids"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        (p.len() == 4).then_some(p)
+    });
+    let am = wait_for(Duration::from_secs(10), "the AM process", || {
+        common::pids_with_cmdline(&[" am ", &work.display().to_string()])
+            .into_iter()
+            .next()
+    });
+    unsafe {
+        libc::kill(run.id() as i32, libc::SIGTERM);
+    }
+    let status = wait_for(Duration::from_secs(30), "gpuam run to exit", || run.try_wait().unwrap());
+    let err = fs::read_to_string(dir.path().join("run.err")).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "a killed job exits 1:\n{err}");
+    for p in &pids {
+        assert!(
+            !pid_alive(*p),
+            "task process or daemon {p} survived SIGTERM on gpuam run:\n{err}"
+        );
+    }
+    assert!(!pid_alive(am), "the AM {am} survived SIGTERM on gpuam run:\n{err}");
+}

@@ -251,6 +251,11 @@ fn two_roles_rendezvous_through_pai_variables_under_gpuam_run() {
             assert!(env.contains_key(k), "{k} missing: {env:?}");
         }
     }
+    // Exactly the variables docs/OPENPAI.md's table promises, no fewer and no more.
+    let roles: [(&str, u32, &[&str]); 2] = [("Server", 1, &["sync", "ssh", "http"]), ("worker", 2, &["ssh", "http"])];
+    for (env, role) in [(&server_env, "Server"), (&w0, "worker"), (&w1, "worker")] {
+        assert_documented_pai_env(env, &roles, role);
+    }
     assert_eq!(server_env["PAI_CURRENT_TASK_ROLE_NAME"], "Server");
     assert_eq!(server_env["PAI_CURRENT_TASK_ROLE_GPU_COUNT"], "1");
     assert_eq!(w1["PAI_CURRENT_TASK_ROLE_NAME"], "worker");
@@ -292,6 +297,80 @@ fn two_roles_rendezvous_through_pai_variables_under_gpuam_run() {
         .filter(|t| t.contains("names the image `openpai/standard:python_3.6`") && t.contains("runs on the host"))
         .count();
     assert_eq!(warned, 3);
+}
+
+/// The `PAI_*` names docs/OPENPAI.md's environment table lists, for a job of `roles` (name,
+/// instances, port labels) seen from a task of role `current`: `<role>`, `<index>` and
+/// `<label>` expanded; `` `_X_Y` `` after a name stands for that name with as many trailing
+/// `_` parts replaced (`PAI_CURRENT_TASK_ROLE_CPU_COUNT`, `_MEM_MB`).
+fn documented_pai_names(roles: &[(&str, u32, &[&str])], current: &str) -> std::collections::BTreeSet<String> {
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/OPENPAI.md"))
+        .expect("docs/OPENPAI.md");
+    let section = doc
+        .split("\n## The environment")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("docs/OPENPAI.md has a section `## The environment`");
+    let mut names = std::collections::BTreeSet::new();
+    for row in section.lines().filter(|l| l.starts_with("| `")) {
+        let cell = row.split('|').nth(1).unwrap_or("");
+        let mut first: Option<String> = None;
+        for name in cell.split('`').skip(1).step_by(2) {
+            let name = match (&first, name.strip_prefix('_')) {
+                (Some(f), Some(tail)) => {
+                    let keep: Vec<&str> = f.split('_').collect();
+                    let cut = keep.len() - tail.split('_').count();
+                    format!("{}_{tail}", keep[..cut].join("_"))
+                }
+                _ => {
+                    first = Some(name.to_string());
+                    name.to_string()
+                }
+            };
+            if !name.starts_with("PAI_") {
+                continue;
+            }
+            let labels_of = |r: &str| {
+                roles
+                    .iter()
+                    .find(|(n, _, _)| *n == r)
+                    .map(|(_, _, l)| l.to_vec())
+                    .unwrap_or_default()
+            };
+            if name.contains("<role>") {
+                for (r, instances, labels) in roles {
+                    let n = name.replace("<role>", r);
+                    for i in 0..*instances {
+                        let n = n.replace("<index>", &i.to_string());
+                        if n.contains("<label>") {
+                            names.extend(labels.iter().map(|l| n.replace("<label>", l)));
+                        } else {
+                            names.insert(n);
+                        }
+                    }
+                }
+            } else if name.contains("<label>") {
+                names.extend(labels_of(current).iter().map(|l| name.replace("<label>", l)));
+            } else {
+                names.insert(name);
+            }
+        }
+    }
+    names
+}
+
+/// A task's `PAI_*` variables are exactly those docs/OPENPAI.md lists (missing and extra
+/// ones named).
+fn assert_documented_pai_env(env: &BTreeMap<String, String>, roles: &[(&str, u32, &[&str])], current: &str) {
+    let want = documented_pai_names(roles, current);
+    assert!(want.len() > 40, "the table was not read: {want:?}");
+    let got: std::collections::BTreeSet<String> = env.keys().filter(|k| k.starts_with("PAI_")).cloned().collect();
+    let missing: Vec<&String> = want.difference(&got).collect();
+    let extra: Vec<&String> = got.difference(&want).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "a task of {current}: documented but not set: {missing:?}; set but not documented: {extra:?}"
+    );
 }
 
 /// The contents of every file called `name` under `dir`.

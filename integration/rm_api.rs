@@ -635,6 +635,12 @@ async fn executor_endpoints_route_and_authorize() {
         .unwrap();
     error_body(r, StatusCode::CONFLICT).await;
     rm.finish(&a, FinalStatus::Succeeded, 0).await;
+    // Finishing stops `c` if its exit has not been reported yet; its GPU returns when the
+    // executor reports it dead, a moment later (freed only when dead), not at once.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while !rm.ledger_all_free() && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(rm.ledger_all_free());
     rm.handle.shutdown().await;
 }

@@ -160,3 +160,44 @@ fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
     }
     rm.assert_all_free(Duration::from_secs(10));
 }
+
+#[test]
+fn an_am_whose_rm_stays_away_gives_up_and_the_rm_back_later_resumes_the_job() {
+    let mut rm = Rm::start(
+        common::TWO_NODES_TWO_GPUS,
+        &[("GPUAM__AM__RM_UNREACHABLE_TIMEOUT_SEC", "2")],
+    );
+    let job = rm.write_job(
+        "stranded",
+        &format!("name: stranded\ntaskRoles:\n{}", role(&rm, "long", 1, "go", 0)),
+    );
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    wait_for(Duration::from_secs(20), "the task to run", || {
+        (rm.lines("long-0.runs").len() == 1).then_some(())
+    });
+    let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
+
+    rm.kill_hard();
+    // Bounded: the AM gives up after its 2 s (plus its back-off) instead of retrying forever.
+    wait_for(Duration::from_secs(30), "the AM to give up on its RM", || {
+        (!pid_alive(am)).then_some(())
+    });
+    let am_stderr = fs::read_to_string(rm.work_dir.join(&app).join("am.stderr")).unwrap_or_default();
+    assert!(
+        am_stderr.contains("am.rm_unreachable_timeout_sec"),
+        "the AM says why it gave up:\n{am_stderr}"
+    );
+
+    // The RM back later: the job's next AM attempt re-adopts the task, which never restarts.
+    rm.restart();
+    wait_for(Duration::from_secs(30), "attempt 2 to register", || {
+        let r = rm.app(&app);
+        (r["attempt"] == 2 && r["state"] == "RUNNING").then_some(())
+    });
+    fs::write(rm.path("go"), "").unwrap();
+    let report = rm.wait_app_final(&app, Duration::from_secs(30));
+    assert_eq!(report["finalStatus"], "SUCCEEDED", "{report}");
+    assert_eq!(rm.lines("long-0.runs").len(), 1, "the task ran once");
+    rm.assert_all_free(Duration::from_secs(10));
+}

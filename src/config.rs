@@ -78,6 +78,10 @@ pub struct AmSettings {
     pub permanent_exit_codes: Vec<i32>,
     /// Grace between SIGTERM and SIGKILL when stopping containers.
     pub stop_grace_ms: u64,
+    /// An RM unreachable this long makes the AM give up: the job fails (exit 69) and
+    /// the AM exits instead of retrying forever. Longer than an RM restart takes; an RM
+    /// that comes back later starts the job's next AM attempt, which re-adopts its tasks.
+    pub rm_unreachable_timeout_sec: u64,
 }
 
 impl Default for AmSettings {
@@ -93,6 +97,7 @@ impl Default for AmSettings {
             transient_exit_codes: Vec::new(),
             permanent_exit_codes: Vec::new(),
             stop_grace_ms: 3000,
+            rm_unreachable_timeout_sec: 600,
         }
     }
 }

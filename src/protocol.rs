@@ -98,6 +98,22 @@ pub struct AppReport {
     pub started_time: u64,
     pub finished_time: u64,
     pub attempt: u32,
+    /// Who submitted it (the user of the credential; `admin` for the admin token).
+    #[serde(default)]
+    pub user: String,
+    /// The queue it runs in (`default` when the job names none).
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// The job's priority within its queue (higher first; default 0).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// The queue of a job that names none.
+pub const DEFAULT_QUEUE: &str = "default";
+
+fn default_queue() -> String {
+    DEFAULT_QUEUE.to_string()
 }
 
 /// `PUT /ws/v1/cluster/apps/{id}/state` body.
@@ -210,12 +226,29 @@ pub struct Container {
     pub host: String,
     /// Where the node's executor listens (base URL, e.g. `http://127.0.0.1:8088`).
     pub node_http_address: String,
+    /// The address its peers reach it at: the node's IP where the node has one (node
+    /// agents, Ray nodes); absent for simulated nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_ip: Option<std::net::IpAddr>,
     pub resources: Resources,
     /// The task it was asked for ("role/index"), from the ask.
     #[serde(default)]
     pub task: Option<String>,
     #[serde(default)]
     pub task_attempt: u32,
+}
+
+impl Container {
+    /// The host part of the address its peers are given (`GPUAM_HOSTS_<ROLE>`,
+    /// "host:port"): the node's IP when the node has one (IPv6 in brackets), else the
+    /// host name.
+    pub fn peer_host(&self) -> String {
+        match self.node_ip {
+            Some(std::net::IpAddr::V6(ip)) => format!("[{ip}]"),
+            Some(ip) => ip.to_string(),
+            None => self.host.clone(),
+        }
+    }
 }
 
 /// A container of an earlier attempt of this application, as a new AM attempt receives

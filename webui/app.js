@@ -340,7 +340,7 @@ async function loadSelection() {
   }
   $('waiting-outcome').replaceChildren(h('p', { class: 'outcome', 'data-outcome': rec.outcome },
     h('b', null, rec.outcome === 'placed' ? 'placed' : rec.outcome === 'impossible' ? 'impossible on this cluster' : 'not now'),
-    rec.host ? ' on ' : '', rec.host ? h('span', { class: 'mono' }, rec.host + ' GPUs ' + (rec.gpus || []).join(',')) : '',
+    rec.host ? ' on ' : '', rec.host ? h('span', { class: 'mono' }, rec.host + ' GPUs ' + (rec.gpus || []).join(',') + (rec.nic ? ' (NIC ' + rec.nic + ')' : '')) : '',
     rec.reason ? ' — ' + rec.reason : '', h('span', { class: 'meta' }, ' (' + fmtTime(rec.atMs) + ')')));
   const rows = (rec.trace.stages || []).map(s => h('tr', { 'data-stage': s.stage, class: s.nodesOut === 0 ? 'empty' : null },
     h('td', { class: 'mono' }, s.stage),

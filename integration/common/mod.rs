@@ -10,6 +10,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod hosts;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -40,6 +42,11 @@ pub fn wait_for<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<
 /// A YAML single-quoted scalar (so `$VAR`, `"` and `:` reach bash unchanged).
 pub fn sq(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Quotes text for bash: `'...'` with each `'` written as `'\''`.
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 /// Parses `0x3f` (or decimal).

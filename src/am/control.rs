@@ -25,7 +25,7 @@ use crate::protocol::{
     RegisterRequest,
 };
 use crate::resources::{mask_hex, mask_indices};
-use crate::select::{assign_port_labels, request_order, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
+use crate::select::{assign_port_labels, Outcome, PlacementRound, Selector};
 use crate::spec::JobSpec;
 
 /// How the job ended.
@@ -54,8 +54,8 @@ pub struct Control {
     /// What this AM registered with (sent again when the RM asks for a resync).
     pub registration: RegisterRequest,
     tasks: Vec<Task>,
-    /// Request order (indices into `tasks`).
-    order: Vec<usize>,
+    /// Index in `tasks` of each role's first task (tasks are role by role, in spec order).
+    role_first: Vec<usize>,
     by_request: HashMap<u64, usize>,
     by_container: HashMap<String, usize>,
     /// Asks the RM has seen (an answer to each comes in the same heartbeat).
@@ -86,18 +86,12 @@ impl Control {
         commands: mpsc::UnboundedReceiver<Command>,
     ) -> Self {
         let mut tasks = Vec::new();
-        let mut index_of = HashMap::new();
+        let mut role_first = Vec::with_capacity(job.task_roles.len());
         for (ri, role) in job.task_roles.iter().enumerate() {
-            for i in 0..role.instances {
-                index_of.insert((ri, i), tasks.len());
-                tasks.push(Task::new(ri, i));
-            }
+            role_first.push(tasks.len());
+            tasks.extend((0..role.instances).map(|i| Task::new(ri, i)));
         }
         let job_retry = super::job_retry::JobRetry::new(&job);
-        let order = request_order(&job)
-            .into_iter()
-            .filter_map(|k| index_of.get(&k).copied())
-            .collect();
         Control {
             job,
             app_id,
@@ -109,7 +103,7 @@ impl Control {
             container_addrs: Arc::default(),
             registration: RegisterRequest::default(),
             tasks,
-            order,
+            role_first,
             by_request: HashMap::new(),
             by_container: HashMap::new(),
             sent_asks: HashSet::new(),
@@ -164,6 +158,19 @@ impl Control {
                             state: JobState::Failed,
                             exit_code: 1,
                             diagnostics: format!("the RM refused the heartbeat: {e}"),
+                        });
+                        break;
+                    }
+                    let limit = Duration::from_secs(self.settings.rm_unreachable_timeout_sec);
+                    if since.elapsed() >= limit {
+                        self.end = Some(JobEnd {
+                            state: JobState::Failed,
+                            exit_code: crate::exit::RM_UNREACHABLE,
+                            diagnostics: format!(
+                                "the RM has been unreachable for {} s (am.rm_unreachable_timeout_sec): giving up; \
+                                 last error: {e}",
+                                limit.as_secs()
+                            ),
                         });
                         break;
                     }
@@ -244,97 +251,40 @@ impl Control {
             .position(|x| x.index == index && self.job.task_roles[x.role].name == role)
     }
 
-    /// The job's still-unplaced demand and where its tasks are.
-    fn demand(&self) -> JobDemand {
-        let mut d = JobDemand::new(self.job.task_roles.iter().any(|r| r.resources.gpus > 0));
-        for t in &self.tasks {
-            let role = &self.job.task_roles[t.role];
-            match t.state {
-                TaskState::TaskWaiting => d.add_waiting(TaskShape::of(&role.resources), 1),
-                TaskState::ContainerRequested => {
-                    if let Some(r) = &t.request {
-                        d.add_host(&r.host);
-                    }
-                }
-                _ if t.holds_container() => {
-                    if let Some(c) = &t.container {
-                        d.add_host(&c.host);
-                    }
-                }
-                _ => {}
-            }
-        }
-        d
-    }
-
+    /// Asks for the waiting tasks: one [`PlacementRound`] in request order (the same round
+    /// `gpuam plan` runs), each placement becoming an outstanding ask; a role that finds no
+    /// place backs off as a whole, an impossible task fails the job.
     fn place_waiting(&mut self) {
         if self.gang_backoff_until.is_some_and(|t| Instant::now() < t) {
             return;
         }
         self.gang_backoff_until = None;
         let now = Instant::now();
-        let mut demand = self.demand();
-        let mut waiting = self.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count() as u32;
+        let job = self.job.clone();
+        let mut round = PlacementRound::new(&job, |ri, i| self.tasks[self.role_first[ri] + i as usize].slot(now));
         let mut asked = 0;
-        // Tasks of a role are alike: once one finds no place this round, the others
-        // wait for the same back-off instead of running the pipeline again.
-        let mut full_roles: HashMap<usize, (Instant, String)> = HashMap::new();
-        for oi in 0..self.order.len() {
-            let ti = self.order[oi];
-            let t = &self.tasks[ti];
-            if t.state != TaskState::TaskWaiting || t.not_before.is_some_and(|nb| now < nb) {
-                continue;
-            }
-            if let Some((until, reason)) = full_roles.get(&t.role) {
-                let t = &mut self.tasks[ti];
-                t.not_before = Some(*until);
-                if t.waiting_reason.as_deref() != Some(reason.as_str()) {
-                    t.waiting_reason = Some(reason.clone());
-                    t.dirty = true;
-                }
-                continue;
-            }
+        // One back-off per role and round: its tasks are alike.
+        let mut role_wait: HashMap<usize, Instant> = HashMap::new();
+        while let Some((ri, index)) = round.next_task() {
             if asked >= MAX_ASKS_PER_HEARTBEAT {
                 break;
             }
-            let role = &self.job.task_roles[t.role];
-            let reuse = if role.same_port_allocation {
-                self.tasks
-                    .iter()
-                    .find(|o| o.role == t.role && (o.holds_container() || o.request.is_some()))
-                    .and_then(|o| {
-                        o.container
-                            .as_ref()
-                            .map(|c| c.resources.ports.clone())
-                            .or_else(|| o.request.as_ref().map(|r| r.resources.ports.clone()))
-                    })
-            } else {
-                None
-            };
-            let ask = TaskAsk::for_role(role, reuse.as_ref(), waiting);
-            let sel = self.selector.select_and_reserve(&ask, &demand);
-            {
-                let mut filtered = self.hub.counters.filtered_per_stage.lock();
-                for st in &sel.trace.stages {
-                    *filtered.entry(st.stage).or_insert(0) += st.dropped.iter().map(|g| g.count as u64).sum::<u64>();
-                }
+            let ti = self.role_first[ri] + index as usize;
+            let step = round.place(&self.selector, (ri, index));
+            let role_name = job.task_roles[ri].name.clone();
+            if !step.repeated {
+                self.record_selection(&role_name, index, &step.selection);
             }
-            let role_name = role.name.clone();
-            let shape = TaskShape::of(&role.resources);
-            let index = t.index;
-            let record = selection_record(&role_name, index, &sel);
-            match sel.outcome {
+            match step.selection.outcome {
                 Outcome::Placed(p) => {
                     let id = self.next_request_id;
                     self.next_request_id += 1;
-                    demand.placed(&shape, &p.host);
-                    waiting = waiting.saturating_sub(1);
                     asked += 1;
                     let t = &mut self.tasks[ti];
                     t.request = Some(Outstanding {
                         request_id: id,
-                        host: p.host.clone(),
-                        resources: p.resources.clone(),
+                        host: p.host,
+                        resources: p.resources,
                         sent: now,
                     });
                     t.waiting_reason = None;
@@ -347,10 +297,12 @@ impl Control {
                         self.settings.not_available_retry_min_ms,
                         self.settings.not_available_retry_max_ms,
                     );
-                    let wait = self.rng.gen_range(lo..=hi.max(lo));
+                    let rng = &mut self.rng;
+                    let until = *role_wait
+                        .entry(ri)
+                        .or_insert_with(|| now + Duration::from_millis(rng.gen_range(lo..=hi.max(lo))));
                     let t = &mut self.tasks[ti];
-                    t.not_before = Some(now + Duration::from_millis(wait));
-                    full_roles.insert(t.role, (now + Duration::from_millis(wait), reason.clone()));
+                    t.not_before = Some(until);
                     if t.waiting_reason.as_deref() != Some(reason.as_str()) {
                         t.waiting_reason = Some(reason);
                         t.dirty = true;
@@ -365,19 +317,28 @@ impl Control {
                         exit_code: 1,
                         diagnostics: format!("task {role_name}/{index} can never be placed on this cluster: {reason}"),
                     });
+                    return;
                 }
             }
-            self.hub
-                .update("selection", json!({"role": role_name, "index": index}), |s| {
-                    s.selections.push_back(record);
-                    while s.selections.len() > SELECTION_HISTORY {
-                        s.selections.pop_front();
-                    }
-                });
-            if self.end.is_some() {
-                return;
+        }
+    }
+
+    /// Counts a selection's drops per stage and keeps it for the dashboard.
+    fn record_selection(&self, role: &str, index: u32, sel: &crate::select::Selection) {
+        {
+            let mut filtered = self.hub.counters.filtered_per_stage.lock();
+            for st in &sel.trace.stages {
+                *filtered.entry(st.stage).or_insert(0) += st.dropped.iter().map(|g| g.count as u64).sum::<u64>();
             }
         }
+        let record = selection_record(role, index, sel);
+        self.hub
+            .update("selection", json!({"role": role, "index": index}), |s| {
+                s.selections.push_back(record);
+                while s.selections.len() > SELECTION_HISTORY {
+                    s.selections.pop_front();
+                }
+            });
     }
 
     async fn heartbeat(&mut self) -> Result<(), RmError> {
@@ -1104,6 +1065,7 @@ fn selection_record(role: &str, index: u32, sel: &crate::select::Selection) -> S
         gpu_tier: p.map(|p| p.gpu_tier),
         gpu_tier_ideal: p.map(|p| p.gpu_tier_ideal),
         gpu_weight: p.map(|p| p.gpu_weight),
+        nic: p.and_then(|p| p.nic.clone()),
         trace: sel.trace.clone(),
     }
 }
@@ -1150,137 +1112,5 @@ pub fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cluster::{ClusterView, Node};
-    use crate::protocol::PreviousContainer;
-    use crate::resources::{PortSet, Resources};
-
-    fn control(yaml: &str) -> Control {
-        let job = crate::spec::parse_job_spec(yaml, "t.yaml").unwrap();
-        let nodes = vec![Node::new(
-            "n1",
-            "/r",
-            Resources::with_mask(8, 8000, 0xf, PortSet::new()),
-        )];
-        let selector = Arc::new(Selector::new(ClusterView::new(nodes), Default::default()));
-        let (hub, commands) = crate::web::demo::demo_hub_with_commands(1, 1);
-        Control::new(
-            Arc::new(job),
-            "application_1_0001".into(),
-            RmClient::new("http://127.0.0.1:9"),
-            selector,
-            hub,
-            AmSettings::default(),
-            commands,
-        )
-    }
-
-    /// The container the RM would grant for task `ti`'s outstanding ask.
-    fn grant_for(c: &Control, ti: usize, id: &str) -> Container {
-        let t = &c.tasks[ti];
-        let r = t.request.as_ref().unwrap();
-        Container {
-            container_id: id.into(),
-            request_id: r.request_id,
-            host: r.host.clone(),
-            node_http_address: "http://127.0.0.1:9".into(),
-            resources: r.resources.clone(),
-            task: Some(format!("worker/{}", t.index)),
-            task_attempt: t.attempt,
-        }
-    }
-
-    fn seen(c: Container, state: ContainerState, exit: Option<i32>) -> PreviousContainer {
-        PreviousContainer {
-            container: c,
-            state,
-            exit_status: exit,
-            diagnostics: String::new(),
-        }
-    }
-
-    #[test]
-    fn resync_lines_up_the_am_with_what_the_rm_recovered() {
-        let mut c = control(
-            "name: j\ntaskRoles:\n  worker:\n    instances: 3\n    taskRetryCount: 0\n    \
-             resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
-        );
-        c.place_waiting();
-        assert!(c.tasks.iter().all(|t| t.state == TaskState::ContainerRequested));
-        let (c0, c1, c2) = (grant_for(&c, 0, "c0"), grant_for(&c, 1, "c1"), grant_for(&c, 2, "c2"));
-        for (ti, g) in [(0, &c0), (1, &c1)] {
-            c.accept_container(g.clone());
-            c.tasks[ti].set_state(TaskState::ContainerRunning);
-        }
-        // While the RM was away: c1 ended (exit 0), c2 was granted but its answer was
-        // lost, some other live container appeared, and c0 is unknown to the RM.
-        let stray = Container {
-            container_id: "c-stray".into(),
-            task: Some("worker/7".into()),
-            ..c2.clone()
-        };
-        c.reconcile(&[
-            seen(c1, ContainerState::Complete, Some(0)),
-            seen(c2, ContainerState::Allocated, None),
-            seen(stray, ContainerState::Allocated, None),
-        ]);
-        let t = &c.tasks;
-        assert_eq!(t[1].state, TaskState::TaskCompleted, "the RM's exit status counts");
-        assert_eq!(t[1].succeeded, Some(true));
-        assert_eq!(t[2].state, TaskState::ContainerAllocated, "the lost answer is taken");
-        assert_eq!(t[2].container.as_ref().unwrap().container_id, "c2");
-        // c0: lost (-7151, transient): retried without using taskRetryCount 0.
-        assert_eq!(t[0].state, TaskState::TaskWaiting);
-        assert_eq!(t[0].attempt, 2);
-        let exit = &t[0].exit.as_ref().unwrap().0;
-        assert_eq!(exit.code, super::super::exits::code::CONTAINER_RM_RESYNC_LOST);
-        assert_eq!(c.releases, vec!["c-stray".to_string()]);
-        assert!(c.end.is_none());
-        // The same completion arriving later in a heartbeat changes nothing.
-        c.container_completed(CompletedContainer {
-            container_id: "c1".into(),
-            exit_status: 0,
-            diagnostics: String::new(),
-        });
-        assert_eq!(c.tasks[1].state, TaskState::TaskCompleted);
-    }
-
-    #[test]
-    fn adoption_rebuilds_retry_counts_from_the_task_history() {
-        let mut c = control(
-            "name: j\ntaskRoles:\n  worker:\n    instances: 1\n    taskRetryCount: 1\n    \
-             resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
-        );
-        let container = |id: &str, attempt: u32| Container {
-            container_id: id.into(),
-            request_id: 1,
-            host: "n1".into(),
-            node_http_address: "http://127.0.0.1:9".into(),
-            resources: Resources::with_mask(1, 10, 0x1, PortSet::new()),
-            task: Some("worker/0".into()),
-            task_attempt: attempt,
-        };
-        // Attempt 1 was lost with its node (transient); attempt 2 runs.
-        let lost = PreviousContainer {
-            diagnostics: crate::rm::ledger::DIAG_LOST_NODE.into(),
-            ..seen(container("c1", 1), ContainerState::Complete, Some(exit_status::ABORTED))
-        };
-        c.adopt(&[lost, seen(container("c2", 2), ContainerState::Running, None)]);
-        let t = &c.tasks[0];
-        assert_eq!((t.attempt, t.state), (2, TaskState::ContainerRunning));
-        assert_eq!(
-            (t.retry.retried, t.retry.transient_retried),
-            (0, 1),
-            "the node loss was transient"
-        );
-        // So a failure of attempt 2 still has its one counted retry.
-        c.container_completed(CompletedContainer {
-            container_id: "c2".into(),
-            exit_status: 1,
-            diagnostics: String::new(),
-        });
-        assert_eq!((c.tasks[0].attempt, c.tasks[0].state), (3, TaskState::TaskWaiting));
-        assert!(c.end.is_none());
-    }
-}
+#[path = "control_tests.rs"]
+mod tests;

@@ -102,6 +102,7 @@ mod tests {
             request_id: 1,
             host: "h".into(),
             node_http_address: String::new(),
+            node_ip: None,
             resources: Default::default(),
             task: None,
             task_attempt: 1,

@@ -247,7 +247,10 @@ pub async fn run(opts: AmOptions) -> i32 {
         exit_code: end.exit_code,
         diagnostics: end.diagnostics.clone(),
     };
-    if let Err(e) = with_retries("finish", 20, || rm.finish(&finish)).await {
+    // An AM that gave up on its RM tries once more, briefly: the RM has been gone for
+    // `am.rm_unreachable_timeout_sec` already.
+    let finish_attempts = if end.exit_code == exit::RM_UNREACHABLE { 2 } else { 20 };
+    if let Err(e) = with_retries("finish", finish_attempts, || rm.finish(&finish)).await {
         eprintln!("warning: could not tell the RM the job ended: {e}");
     }
     eprintln!("job {} {:?}: {}", job.name, end.state, end.diagnostics);

@@ -30,9 +30,13 @@ pub struct Current<'a> {
     pub container_id: &'a str,
 }
 
-/// The host a task's peers reach it at: the node's IP where its address names one (the
-/// executor's `nodeHTTPAddress`, then the host name), else the host name.
+/// The host a task's peers reach it at: the node's IP where the node reported one (node
+/// agents, Ray nodes), else the IP its executor's `nodeHTTPAddress` names (simulated nodes
+/// run in the RM's process, on the RM's machine), else the host name.
 pub fn node_ip(c: &Container) -> String {
+    if let Some(ip) = c.node_ip {
+        return ip.to_string();
+    }
     let from_url = c
         .node_http_address
         .split("://")
@@ -345,6 +349,7 @@ mod tests {
             request_id: 1,
             host: host.into(),
             node_http_address: addr.into(),
+            node_ip: None,
             resources: Default::default(),
             task: None,
             task_attempt: 1,
@@ -353,5 +358,10 @@ mod tests {
         assert_eq!(node_ip(&c("https://[::1]:9", "node1")), "::1");
         assert_eq!(node_ip(&c("http://gpu7.lan:8088", "gpu7")), "gpu7");
         assert_eq!(node_ip(&c("http://0.0.0.0:8088", "10.1.1.1")), "10.1.1.1");
+        // A node agent's containers are reached through the RM (`nodeHTTPAddress`), but
+        // their peers need the node's own IP.
+        let mut agent = c("http://10.0.0.1:8088", "h1");
+        agent.node_ip = Some("10.0.0.7".parse().unwrap());
+        assert_eq!(node_ip(&agent), "10.0.0.7");
     }
 }

@@ -182,6 +182,9 @@ pub struct SelectionRecord {
     pub gpu_tier: Option<u8>,
     pub gpu_tier_ideal: Option<bool>,
     pub gpu_weight: Option<u32>,
+    /// The NIC(s) nearest the GPUs, where the node's topology lists NICs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nic: Option<String>,
     pub trace: SelectionTrace,
 }
 

@@ -9,6 +9,7 @@ use super::exits::{ExitInfo, RetryState};
 use super::status::{TaskState, TaskStatus};
 use crate::protocol::{Container, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
+use crate::select::TaskSlot;
 use crate::spec::{JobSpec, SpecFormat};
 
 /// An ask sent to the RM and not yet answered.
@@ -86,6 +87,23 @@ impl Task {
             self.state,
             TaskState::ContainerAllocated | TaskState::ContainerLaunched | TaskState::ContainerRunning
         )
+    }
+
+    /// Where the task stands for the placement round: waiting (ready unless backing off),
+    /// placed (an ask out, or a live container: its host and exact resources), or neither.
+    pub fn slot(&self, now: Instant) -> TaskSlot {
+        let placed = |host: &str, resources: &Resources| TaskSlot::Placed {
+            host: host.to_string(),
+            resources: resources.clone(),
+        };
+        match (&self.request, &self.container) {
+            _ if self.state == TaskState::TaskWaiting => TaskSlot::Waiting {
+                ready: self.not_before.is_none_or(|nb| now >= nb),
+            },
+            (Some(r), _) if self.state == TaskState::ContainerRequested => placed(&r.host, &r.resources),
+            (_, Some(c)) if self.holds_container() => placed(&c.host, &c.resources),
+            _ => TaskSlot::Idle,
+        }
     }
 
     /// Back to waiting for a new container (a retry, or a lost ask).
@@ -240,12 +258,14 @@ pub fn launch_context(
     }
 }
 
-/// "host:firstPort" (or just "host") of a task holding a container.
+/// "host:firstPort" (or just "host") of a task holding a container, where host is the
+/// address its peers reach it at ([`Container::peer_host`]: the node's IP where known).
 pub fn peer_address(task: &Task) -> Option<String> {
     let c = task.container.as_ref()?;
+    let host = c.peer_host();
     Some(match task.ports.first().and_then(|(_, ps)| ps.first()) {
-        Some(p) => format!("{}:{p}", c.host),
-        None => c.host.clone(),
+        Some(p) => format!("{host}:{p}"),
+        None => host,
     })
 }
 
@@ -307,6 +327,7 @@ mod tests {
             request_id: 1,
             host: "n1".into(),
             node_http_address: "http://10.1.2.3:8088".into(),
+            node_ip: None,
             resources: Default::default(),
             task: None,
             task_attempt: 1,
@@ -328,5 +349,31 @@ mod tests {
         let ctx = launch_context(&native, &t, "app_1", None, std::slice::from_ref(&t));
         assert_eq!(ctx.commands, vec!["a", "b"]);
         assert!(ctx.env.keys().all(|k| !k.starts_with("PAI_") && k != "GPUAM_IMAGE"));
+    }
+
+    #[test]
+    fn peers_get_the_node_ip_where_the_node_has_one_else_the_host_name() {
+        let mut t = Task::new(0, 0);
+        t.ports = vec![("coord".into(), vec![20005])];
+        let mut c = Container {
+            container_id: "c1".into(),
+            request_id: 1,
+            host: "gpu-3".into(),
+            node_http_address: "http://10.0.0.1:8088".into(),
+            node_ip: None,
+            resources: Default::default(),
+            task: None,
+            task_attempt: 1,
+        };
+        t.container = Some(c.clone());
+        assert_eq!(peer_address(&t).unwrap(), "gpu-3:20005", "a simulated node: its name");
+        c.node_ip = Some("10.0.0.7".parse().unwrap());
+        t.container = Some(c.clone());
+        assert_eq!(peer_address(&t).unwrap(), "10.0.0.7:20005", "an agent's node: its IP");
+        c.node_ip = Some("fd00::7".parse().unwrap());
+        t.container = Some(c);
+        assert_eq!(peer_address(&t).unwrap(), "[fd00::7]:20005");
+        t.ports.clear();
+        assert_eq!(peer_address(&t).unwrap(), "[fd00::7]");
     }
 }

@@ -58,6 +58,30 @@ pub struct NodeArgs {
     /// `resourcePerInstance.resources: {nvme: 1}`.
     #[arg(long = "resource", value_name = "NAME=QTY")]
     pub resources: Vec<String>,
+    /// The IP address this node's containers are reached at by their peers (given to them
+    /// in GPUAM_HOSTS_<ROLE> and PAI_HOST_IP_*). Default: the --listen address when it names
+    /// one, else the --advertise URL's when it is an IP, else the address this machine uses
+    /// to reach the RM.
+    #[arg(long, value_name = "IP")]
+    pub ip: Option<std::net::IpAddr>,
+    /// A variable every task of this node gets, e.g. a site software directory (repeat for
+    /// more). The job's and gpuam's own variables come after it; gpuam's names are refused.
+    #[arg(long = "task-env", value_name = "NAME=VALUE")]
+    pub task_env: Vec<String>,
+}
+
+/// `--task-env` entries as (name, value), or an error naming the bad entry.
+fn task_env_of(entries: &[String]) -> Result<Vec<(String, String)>, String> {
+    entries
+        .iter()
+        .map(|e| {
+            let (name, value) = e
+                .split_once('=')
+                .ok_or_else(|| format!("--task-env `{e}`: write NAME=VALUE"))?;
+            crate::node::executor::check_task_env(name, value).map_err(|why| format!("--task-env `{e}`: {why}"))?;
+            Ok((name.to_string(), value.to_string()))
+        })
+        .collect()
 }
 
 fn machine_memory_mb() -> u64 {
@@ -136,6 +160,19 @@ pub async fn node(args: NodeArgs) -> i32 {
             return exit::USAGE;
         }
     };
+    let task_env = match task_env_of(&args.task_env) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit::USAGE;
+        }
+    };
+    if let Some(ip) = args.ip {
+        if let Err(e) = crate::node::wire::check_node_ip(ip) {
+            eprintln!("error: --ip {e}");
+            return exit::USAGE;
+        }
+    }
     let cpu = args
         .cpu
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)));
@@ -155,6 +192,8 @@ pub async fn node(args: NodeArgs) -> i32 {
         topology,
         work_dir: args.work_dir,
         run_as: args.run_as,
+        ip: args.ip,
+        task_env,
     };
     match agent::run(opts).await {
         Ok(()) => exit::SUCCESS,
@@ -185,5 +224,25 @@ mod tests {
         }
         let e = CustomResources::parse_flags(&["nvme=1".into(), "nvme=2".into()]).unwrap_err();
         assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn task_env_entries_are_name_value_pairs_with_clear_errors() {
+        let ok = task_env_of(&["A=1".into(), "B=x=y".into(), "C=".into()]).unwrap();
+        assert_eq!(
+            ok,
+            vec![
+                ("A".into(), "1".into()),
+                ("B".into(), "x=y".into()),
+                ("C".into(), String::new())
+            ]
+        );
+        let e = task_env_of(&["NOVALUE".into()]).unwrap_err();
+        assert!(e.contains("--task-env `NOVALUE`") && e.contains("NAME=VALUE"), "{e}");
+        let e = task_env_of(&["GPUAM_HOST=x".into()]).unwrap_err();
+        assert!(
+            e.contains("--task-env `GPUAM_HOST=x`") && e.contains("set by gpuam"),
+            "{e}"
+        );
     }
 }

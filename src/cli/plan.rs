@@ -113,6 +113,7 @@ pub fn plan_json(plan: &JobPlan) -> Value {
                 "gpuTier": p.gpu_tier,
                 "gpuTierIdeal": p.gpu_tier_ideal,
                 "unionTier": p.union_tier,
+                "nic": p.nic,
                 "nextBest": p.next_best,
             });
             if let Some(share) = &p.gpu_share {
@@ -179,6 +180,10 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
                 .chain(p.resources.iter().map(|(n, q)| format!("{n}:{q}")))
                 .collect::<Vec<_>>()
                 .join(" ");
+            let gpus = match &p.nic {
+                Some(nic) => format!("{gpus} ({nic})"),
+                None => gpus,
+            };
             out.push_str(&format!(
                 "{:<14} {:>5}  {:<16} {:<10} {:<16} {:<5} {}\n",
                 p.role,
@@ -191,6 +196,7 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
             ));
         }
         out.push_str("\nTIER: 2 = NVLink, 1 = one PCIe switch tree, 0 = through the host; * = below the node's best for that size\n");
+        out.push_str("GPUS (nic): the NIC nearest those GPUs, where the node's topology lists NICs\n");
         out.push_str("\nNext-best node per task and why it lost (the order of docs/DESIGN-NOTES.md, issue 13):\n");
         for p in &plan.placements {
             match &p.next_best {

@@ -67,6 +67,9 @@ pub struct Node {
     requested: Resources,
     /// Where this node's executor listens (`host:port`); empty when unknown.
     pub http_address: String,
+    /// The address this node's containers are reached at by their peers (a node agent's
+    /// or a Ray node's IP); `None` for simulated nodes, whose peers get the host name.
+    pub ip: Option<std::net::IpAddr>,
 }
 
 impl Node {
@@ -80,6 +83,7 @@ impl Node {
             topology: None,
             state: NodeState::Running,
             http_address: String::new(),
+            ip: None,
             local: false,
             total,
             used: Resources::default(),

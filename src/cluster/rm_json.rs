@@ -93,6 +93,10 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
             o.insert("usedCustomResources".into(), json!(used.custom));
         }
     }
+    // gpuam's extension: the address the node's containers are reached at (agents, Ray).
+    if let (Some(ip), Some(obj)) = (node.ip, v.as_object_mut()) {
+        obj.insert("nodeIp".into(), Value::String(ip.to_string()));
+    }
     v
 }
 
@@ -438,6 +442,14 @@ fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty());
     let http_address = f.string("nodeHTTPAddress")?.unwrap_or_default();
+    let ip = match f.string("nodeIp")?.filter(|s| !s.trim().is_empty()) {
+        None => None,
+        Some(s) => Some(
+            s.trim()
+                .parse::<std::net::IpAddr>()
+                .map_err(|e| f.err("nodeIp", format!("`{s}` is not an IP address: {e}")))?,
+        ),
+    };
 
     let total_ri = f.resource("totalResource")?;
     let used_ri = f.resource("usedResource")?;
@@ -506,6 +518,7 @@ fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
     node.topology = topology;
     node.state = state;
     node.http_address = http_address;
+    node.ip = ip;
     node.set_used(used);
     Ok(node)
 }
@@ -523,6 +536,7 @@ mod tests {
         n.labels = vec!["gpu".into()];
         n.gpu_type = Some("V100".into());
         n.http_address = "http://127.0.0.1:8088".into();
+        n.ip = Some("10.1.2.3".parse().unwrap());
         n.set_used(Resources::with_mask(
             8,
             65_536,
@@ -595,6 +609,9 @@ mod tests {
         assert_eq!(v["portRanges"], "20000-29999,31000");
         assert_eq!(v["usedPortRanges"], "20001-20002");
         assert_eq!(v["gpuTopology"], "none");
+        assert_eq!(v["nodeIp"], "10.1.2.3");
+        let without = Node::new("cpu-1", "/r", Resources::default());
+        assert!(node_to_json(&without, 0, 5).get("nodeIp").is_none(), "no IP, no field");
         let gpu = &v["totalResource"]["resourceInformations"]["resourceInformation"][2];
         assert_eq!(gpu["name"], YARN_GPU);
         assert_eq!(gpu["value"], 8);
@@ -744,6 +761,18 @@ mod tests {
         let n = parse_node_value(&v).unwrap();
         assert_eq!(n.total().ports, PortSet::parse("2000-2010,3000").unwrap());
         assert_eq!(n.used().ports, PortSet::parse("2000").unwrap());
+    }
+
+    #[test]
+    fn a_node_ip_that_is_not_an_address_is_named() {
+        let t = r#"{"nodes":{"node":[{"nodeHostName":"h1","nodeIp":"h1.example"}]}}"#;
+        let e = parse_nodes_json(t).unwrap_err().to_string();
+        assert!(
+            e.contains("h1") && e.contains("nodeIp") && e.contains("not an IP address"),
+            "{e}"
+        );
+        let t = r#"{"nodes":{"node":[{"nodeHostName":"h1","nodeIp":""}]}}"#;
+        assert_eq!(parse_nodes_json(t).unwrap()[0].ip, None, "empty means unknown");
     }
 
     #[test]

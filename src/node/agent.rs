@@ -15,7 +15,7 @@
 //! agent re-attaches to every container not yet acknowledged and re-registers, listing them.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,12 +62,20 @@ pub struct AgentOptions {
     pub work_dir: PathBuf,
     /// Tasks run as this user; `None`: `gpuam-task` (created) when root, else this user.
     pub run_as: Option<String>,
+    /// The address peers of this node's containers reach them at (`--ip`); `None`: see
+    /// [`peer_ip`].
+    pub ip: Option<IpAddr>,
+    /// Variables every task of this node gets (`--task-env NAME=VALUE`), checked with
+    /// [`super::executor::check_task_env`].
+    pub task_env: Vec<(String, String)>,
 }
 
 struct Agent {
     host: String,
     secret: Vec<u8>,
     total: Resources,
+    /// This machine's topology (NICs, CPU affinity): where each task's GPUs are.
+    topology: Option<crate::topology::Topology>,
     executor: Executor,
     /// Dead containers not yet acknowledged by the RM.
     exited: Mutex<BTreeMap<String, ContainerReport>>,
@@ -141,12 +149,18 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let executor = Executor::with_options(
         work_dir.join("containers"),
         events_tx,
-        ExecutorOptions { containment, run_as },
+        ExecutorOptions {
+            containment,
+            run_as,
+            task_env: opts.task_env.clone(),
+        },
     );
     let agent = Arc::new(Agent {
         host: opts.host.clone(),
         secret: opts.node_token.trim().as_bytes().to_vec(),
         total: opts.total.clone(),
+        // Checked by `gpuam node` before the agent starts; unreadable text means none.
+        topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
         executor,
         exited: Mutex::new(BTreeMap::new()),
         beat_now: Notify::new(),
@@ -185,6 +199,16 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     });
     reattach_all(&agent);
     let advertise = opts.advertise.clone().unwrap_or_else(|| format!("http://{addr}"));
+    let ip = peer_ip(&opts, addr).await;
+    match ip {
+        Some(ip) => tracing::info!(host = %opts.host, %ip, "peers reach this node's containers at {ip}"),
+        None => tracing::warn!(
+            host = %opts.host,
+            "cannot tell this node's IP: its containers' peers get the host name `{}`, which must resolve \
+             on every node; pass --ip",
+            opts.host
+        ),
+    }
     let register = AgentRegister {
         host: opts.host.clone(),
         rack: opts.rack.clone(),
@@ -193,6 +217,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         total: opts.total.clone(),
         topology: opts.topology.clone(),
         http_address: advertise,
+        ip,
         containers: Vec::new(),
         containment: describe,
     };
@@ -203,6 +228,47 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         register,
     ));
     Ok((addr, beat))
+}
+
+/// The address this node's containers are reached at by their peers (the RM hands it to
+/// them in `GPUAM_HOSTS_<ROLE>` and `PAI_HOST_IP_*`), the first that peers can connect to
+/// of: `--ip`; the `--listen` address; the `--advertise` URL's host when it is an IP; the
+/// address this machine sends from towards the RM ([`route_ip_towards`]), which is on the
+/// network the nodes share.
+async fn peer_ip(opts: &AgentOptions, bound: SocketAddr) -> Option<IpAddr> {
+    let usable = |ip: IpAddr| super::wire::check_node_ip(ip).ok();
+    let configured = opts
+        .ip
+        .and_then(usable)
+        .or_else(|| usable(bound.ip()))
+        .or_else(|| opts.advertise.as_deref().and_then(url_ip).and_then(usable));
+    match configured {
+        Some(ip) => Some(ip),
+        None => route_ip_towards(&opts.rm_url).await.and_then(usable),
+    }
+}
+
+/// The host of `url` when it is an IP address.
+fn url_ip(url: &str) -> Option<IpAddr> {
+    let u = reqwest::Url::parse(url).ok()?;
+    u.host_str()?.trim_start_matches('[').trim_end_matches(']').parse().ok()
+}
+
+/// The source address the kernel picks for packets to the RM: a UDP socket connected to
+/// the RM's address (which sends nothing) reports it as its local address.
+async fn route_ip_towards(rm_url: &str) -> Option<IpAddr> {
+    let u = reqwest::Url::parse(rm_url).ok()?;
+    let host = u.host_str()?.trim_start_matches('[').trim_end_matches(']').to_string();
+    let port = u.port_or_known_default()?;
+    let rm = tokio::net::lookup_host((host.as_str(), port)).await.ok()?.next()?;
+    let any: IpAddr = if rm.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        Ipv6Addr::UNSPECIFIED.into()
+    };
+    let socket = std::net::UdpSocket::bind((any, 0)).ok()?;
+    socket.connect(rm).ok()?;
+    Some(socket.local_addr().ok()?.ip())
 }
 
 /// The agent's cgroup parent name: `gpuam-<host>` with anything but `[A-Za-z0-9_.-]` as `_`.
@@ -235,7 +301,11 @@ fn prepare_work_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Re-attaches to every container directory whose end the RM has not acknowledged.
+/// Re-attaches to every container this node launched whose end the RM has not
+/// acknowledged. That includes a container whose launch began (its `launch.sh` is written
+/// before the spawn) but whose process was never recorded (the agent died in between):
+/// nothing can own it, so re-attaching ends it at once, killing whatever runs in its
+/// cgroup, and reports it dead; its resources return to the RM only then.
 fn reattach_all(agent: &Agent) {
     let Ok(entries) = std::fs::read_dir(agent.executor.root()) else {
         return;
@@ -245,10 +315,8 @@ fn reattach_all(agent: &Agent) {
         let Some(id) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else {
             continue;
         };
-        if valid_container_id(&id)
-            && path.join(super::executor::PROCESS_FILE).exists()
-            && !path.join(ACKED_FILE).exists()
-        {
+        let launched = path.join(super::executor::PROCESS_FILE).exists() || path.join("launch.sh").exists();
+        if valid_container_id(&id) && launched && !path.join(ACKED_FILE).exists() {
             agent.executor.reattach(&id);
         }
     }
@@ -463,7 +531,9 @@ async fn start_container(
             r.gpu_mask, r.ports
         )));
     }
-    let pid = agent.executor.start(&id, &host, r, req.launch_context)?;
+    let pid = agent
+        .executor
+        .start_placed(&id, &host, r, req.launch_context, agent.topology.as_ref())?;
     Ok(Json(ContainerStatus {
         container_id: id,
         state: ContainerState::Running,
@@ -542,4 +612,115 @@ async fn container_logs(
     };
     let text = agent.executor.read_log(&id, stream, q.tail)?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(listen: &str, advertise: Option<&str>, ip: Option<&str>, rm: &str) -> AgentOptions {
+        AgentOptions {
+            rm_url: rm.into(),
+            host: "h1".into(),
+            listen: listen.parse().unwrap(),
+            advertise: advertise.map(str::to_string),
+            node_token: "t".into(),
+            rack: "/r".into(),
+            labels: Vec::new(),
+            gpu_type: None,
+            total: Resources::default(),
+            topology: String::new(),
+            work_dir: PathBuf::from("/nonexistent"),
+            run_as: None,
+            ip: ip.map(|s| s.parse().unwrap()),
+            task_env: Vec::new(),
+        }
+    }
+
+    /// An agent killed between spawning a task and recording its process leaves a task
+    /// nobody knows; the agent started again kills it (it is in the container's cgroup)
+    /// and reports the container dead, instead of leaving it to run unowned while the RM
+    /// hands its GPUs to someone else.
+    #[tokio::test]
+    async fn a_task_launched_but_never_recorded_is_killed_when_the_agent_starts_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        let host = format!("unrecorded-{}", std::process::id());
+        let containment = Containment::detect(&cgroup_parent(&host));
+        assert_ne!(
+            containment.mechanism(),
+            super::super::cgroup::Mechanism::ProcessGroup,
+            "this test needs a cgroup it can create (run it as root): {}",
+            containment.describe()
+        );
+        // What the killed agent left: the container's directory with its launch script but
+        // no process.json, and the task running in the container's cgroup.
+        let id = "container_1_0001_01_000001";
+        let dir = tmp.path().join("work/containers").join(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("launch.sh"), "sleep 1000\n").unwrap();
+        let cgroup = containment.create(id, Default::default()).unwrap();
+        /// The stand-in task, killed if the test fails.
+        struct Task(std::process::Child);
+        impl Drop for Task {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut task = Task(
+            std::process::Command::new("sleep")
+                .arg("1000")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        for procs in cgroup.join_paths() {
+            std::fs::write(procs.to_str().unwrap(), task.0.id().to_string()).unwrap();
+        }
+        assert_eq!(cgroup.pids(), vec![task.0.id() as i32]);
+
+        let mut o = opts("127.0.0.1:0", None, None, "http://127.0.0.1:9");
+        o.host = host;
+        o.work_dir = tmp.path().join("work");
+        let _agent = start(o).await.unwrap();
+        let ended = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                if let Some(status) = task.0.try_wait().unwrap() {
+                    return status;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the unrecorded task is killed");
+        assert!(!ended.success(), "{ended:?}");
+        assert!(cgroup.is_empty(), "{:?}", cgroup.pids());
+        // The agent's own clean-up of the cgroup runs on; give it a moment, then go.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cgroup.remove();
+        containment.remove_parents();
+    }
+
+    async fn chosen(o: &AgentOptions) -> Option<String> {
+        peer_ip(o, o.listen).await.map(|ip| ip.to_string())
+    }
+
+    #[tokio::test]
+    async fn peers_get_the_ip_given_else_the_listen_or_advertised_one_else_the_route_to_the_rm() {
+        let rm = "http://127.0.0.1:8088";
+        let o = opts("10.0.0.2:8042", Some("http://10.9.9.9:8042"), Some("10.0.0.9"), rm);
+        assert_eq!(chosen(&o).await.as_deref(), Some("10.0.0.9"), "--ip first");
+        let o = opts("10.0.0.2:8042", Some("http://10.9.9.9:8042"), None, rm);
+        assert_eq!(chosen(&o).await.as_deref(), Some("10.0.0.2"), "then --listen");
+        let o = opts("0.0.0.0:8042", Some("http://[fd00::9]:8042"), None, rm);
+        assert_eq!(chosen(&o).await.as_deref(), Some("fd00::9"), "then --advertise");
+        let o = opts("0.0.0.0:8042", Some("http://gpu-3.lan:8042"), None, rm);
+        assert_eq!(
+            chosen(&o).await.as_deref(),
+            Some("127.0.0.1"),
+            "then the address this machine uses towards the RM"
+        );
+    }
 }

@@ -16,12 +16,19 @@
 //!   delegated cgroup): a process that leaves the container's session escapes; the node
 //!   logs this at start.
 //!
+//! - **CPU pinning** ([`Containment::pin_cpus`]): a container given NUMA-local CPUs gets them as
+//!   its `cpuset.cpus`, in v2 where the hierarchy offers the `cpuset` controller, else in the
+//!   v1 `cpuset` hierarchy (memory nodes copied from the parent); where neither exists the
+//!   caller falls back to `taskset`.
+//!
 //! Processes join their cgroups in the forked child before `exec` ([`Cgroup::join_paths`]),
 //! so nothing of a container ever runs outside it. Pure file I/O on cgroupfs; no state.
 
 use std::ffi::CString;
 use std::io;
 use std::path::{Path, PathBuf};
+
+use crate::topology::CpuList;
 
 /// Most processes a container may have (`pids.max`): a fork bomb stops here.
 pub const DEFAULT_PIDS_MAX: u64 = 4096;
@@ -61,6 +68,7 @@ pub struct Containment {
     v1_freezer: Option<PathBuf>,
     v1_memory: Option<PathBuf>,
     v1_cpu: Option<PathBuf>,
+    v1_cpuset: Option<PathBuf>,
 }
 
 /// One mount of a cgroup hierarchy.
@@ -186,9 +194,20 @@ impl Containment {
             let dir = base.join(parent);
             if m.v2 {
                 if c.v2.is_none() && make_dir(&dir) && dir.join("cgroup.kill").exists() {
-                    // Limits need the controllers delegated to the children (best effort).
-                    let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+memory +cpu +pids");
+                    // Limits need the controllers delegated to the children (best effort; one
+                    // at a time, so a missing one does not keep the others off).
+                    for ctrl in ["+memory", "+cpu", "+pids", "+cpuset"] {
+                        let _ = std::fs::write(dir.join("cgroup.subtree_control"), ctrl);
+                    }
                     c.v2 = Some(dir);
+                }
+                continue;
+            }
+            if m.controllers.iter().any(|x| x == "cpuset") {
+                // A new v1 cpuset starts with no CPUs and no memory nodes: give the parent
+                // its own parent's, or leave the hierarchy unused.
+                if c.v1_cpuset.is_none() && make_dir(&dir) && inherit_cpuset(&base, &dir) {
+                    c.v1_cpuset = Some(dir);
                 }
                 continue;
             }
@@ -235,6 +254,7 @@ impl Containment {
             limits("memory", &self.v1_memory),
             limits("cpu", &self.v1_cpu),
             limits("pids", &self.v1_pids),
+            limits("cpuset", &self.v1_cpuset),
         ]
         .into_iter()
         .flatten()
@@ -250,9 +270,16 @@ impl Containment {
 
     /// Removes this node's parent cgroups (when empty; errors ignored).
     pub fn remove_parents(&self) {
-        for d in [&self.v2, &self.v1_pids, &self.v1_freezer, &self.v1_memory, &self.v1_cpu]
-            .into_iter()
-            .flatten()
+        for d in [
+            &self.v2,
+            &self.v1_pids,
+            &self.v1_freezer,
+            &self.v1_memory,
+            &self.v1_cpu,
+            &self.v1_cpuset,
+        ]
+        .into_iter()
+        .flatten()
         {
             let _ = std::fs::remove_dir(d);
         }
@@ -266,6 +293,40 @@ impl Containment {
             v1_freezer: self.v1_freezer.as_ref().map(|d| d.join(id)),
             v1_memory: self.v1_memory.as_ref().map(|d| d.join(id)),
             v1_cpu: self.v1_cpu.as_ref().map(|d| d.join(id)),
+            // Only containers that were pinned have one (see `pin_cpus`).
+            v1_cpuset: self.v1_cpuset.as_ref().map(|d| d.join(id)).filter(|d| d.is_dir()),
+        }
+    }
+
+    /// Restricts container `id` (its cgroup `cg`, created, nothing in it yet) to `cpus`: the
+    /// v2 `cpuset.cpus` where the controller is delegated, else a v1 cpuset of its own (which
+    /// `cg` then joins). False when neither could be set: the caller pins another way.
+    pub fn pin_cpus(&self, cg: &mut Cgroup, id: &str, cpus: &CpuList) -> bool {
+        let list = cpus.to_string();
+        if let Some(d) = cg.v2.as_ref().filter(|d| d.join("cpuset.cpus").exists()) {
+            match std::fs::write(d.join("cpuset.cpus"), &list) {
+                Ok(()) => return true,
+                Err(e) => tracing::warn!(container = id, "cannot set cpuset.cpus = {list} (v2): {e}"),
+            }
+        }
+        let Some(parent) = &self.v1_cpuset else {
+            return false;
+        };
+        let dir = parent.join(id);
+        let set = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::read_to_string(parent.join("cpuset.mems")))
+            .and_then(|mems| std::fs::write(dir.join("cpuset.mems"), mems.trim()))
+            .and_then(|()| std::fs::write(dir.join("cpuset.cpus"), &list));
+        match set {
+            Ok(()) => {
+                cg.v1_cpuset = Some(dir);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(container = id, "cannot set cpuset.cpus = {list} (v1): {e}");
+                let _ = std::fs::remove_dir(&dir);
+                false
+            }
         }
     }
 
@@ -314,6 +375,17 @@ impl Containment {
     }
 }
 
+/// Gives a new v1 cpuset `dir` the CPUs and memory nodes of `parent`.
+fn inherit_cpuset(parent: &Path, dir: &Path) -> bool {
+    ["cpuset.cpus", "cpuset.mems"].iter().all(|f| {
+        let mine = std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        if !mine.trim().is_empty() {
+            return true;
+        }
+        std::fs::read_to_string(parent.join(f)).is_ok_and(|v| std::fs::write(dir.join(f), v.trim()).is_ok())
+    })
+}
+
 fn v2_has_controller(dir: &Path, name: &str) -> bool {
     std::fs::read_to_string(dir.join("cgroup.subtree_control")).is_ok_and(|t| t.split_whitespace().any(|c| c == name))
 }
@@ -326,13 +398,23 @@ pub struct Cgroup {
     v1_freezer: Option<PathBuf>,
     v1_memory: Option<PathBuf>,
     v1_cpu: Option<PathBuf>,
+    /// Only when the container was pinned to CPUs in v1 (a v1 cpuset without CPUs takes no
+    /// process).
+    v1_cpuset: Option<PathBuf>,
 }
 
 impl Cgroup {
     fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
-        [&self.v2, &self.v1_pids, &self.v1_freezer, &self.v1_memory, &self.v1_cpu]
-            .into_iter()
-            .flatten()
+        [
+            &self.v2,
+            &self.v1_pids,
+            &self.v1_freezer,
+            &self.v1_memory,
+            &self.v1_cpu,
+            &self.v1_cpuset,
+        ]
+        .into_iter()
+        .flatten()
     }
 
     /// Whether any cgroup is in use (false: process group only).

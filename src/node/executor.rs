@@ -45,6 +45,7 @@ use super::procs::ProcessId;
 use super::{NodeError, NodeEvent};
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
 use crate::resources::{mask_hex, mask_indices, Resources};
+use crate::topology::{task_locality, CpuList, TaskLocality, Topology};
 
 /// Which captured stream to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,6 +214,43 @@ pub struct ExecutorOptions {
     pub containment: Containment,
     /// Run tasks as this user (`None`: as this process's user).
     pub run_as: Option<RunAs>,
+    /// Set by the node's operator for every task (`gpuam node --task-env`, YARN's
+    /// admin-env): site paths such as a shared software directory. Checked with
+    /// [`check_task_env`]; the job's and gpuam's own variables come after it.
+    pub task_env: Vec<(String, String)>,
+}
+
+/// Names a node's operator may not set with `--task-env`: gpuam sets them for each task
+/// (DESIGN.md §6, OpenPAI's `PAI_*`), and they would be replaced without a word.
+fn reserved_task_env(name: &str) -> bool {
+    name.starts_with("GPUAM_")
+        || name.starts_with("PAI_")
+        || matches!(
+            name,
+            "CUDA_VISIBLE_DEVICES" | "NVIDIA_VISIBLE_DEVICES" | "CONTAINER_GPUS" | "CONTAINER_PORTS"
+        )
+}
+
+/// Checks one `--task-env NAME=VALUE` entry; the error names the entry and the fix.
+pub fn check_task_env(name: &str, value: &str) -> Result<(), String> {
+    let valid_name = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !valid_name {
+        return Err(format!(
+            "`{}` is not a variable name: use letters, digits and `_`, not starting with a digit",
+            name.escape_debug()
+        ));
+    }
+    if reserved_task_env(name) {
+        return Err(format!(
+            "`{name}` is set by gpuam for each task (GPUAM_*, PAI_*, CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES, \
+             CONTAINER_GPUS, CONTAINER_PORTS); choose another name"
+        ));
+    }
+    if value.contains('\0') {
+        return Err(format!("`{name}` has a NUL character in its value; remove it"));
+    }
+    Ok(())
 }
 
 /// `[A-Za-z0-9_.-]+`, and not `.` / `..` (which would name the root or its parent).
@@ -304,6 +342,22 @@ impl Executor {
         granted: &Resources,
         ctx: LaunchContext,
     ) -> Result<u32, NodeError> {
+        self.start_placed(container_id, host, granted, ctx, None)
+    }
+
+    /// [`Executor::start`] on a node whose GPU topology is `topology`: the task also gets
+    /// where its GPUs are ([`crate::topology::task_locality`]): `GPUAM_NIC`, `NCCL_IB_HCA`,
+    /// `GPUAM_NUMA_NODES`, and its GPUs' NUMA-local CPUs (those this node can use) as its
+    /// cgroup's cpuset where the node has one, else through `taskset -c`; either way
+    /// `GPUAM_CPU_AFFINITY` names them.
+    pub fn start_placed(
+        &self,
+        container_id: &str,
+        host: &str,
+        granted: &Resources,
+        ctx: LaunchContext,
+        topology: Option<&Topology>,
+    ) -> Result<u32, NodeError> {
         let fail = |why: String| NodeError::StartFailed {
             id: container_id.into(),
             why,
@@ -341,7 +395,18 @@ impl Executor {
             }
         };
 
-        let env = container_env(container_id, host, granted, &dir, &ctx, self.opts.run_as.is_some());
+        let locality = topology.map(|t| task_locality(t, granted.gpu_mask)).unwrap_or_default();
+        let cpus = locality.cpus.as_ref().and_then(usable_cpus);
+        let env = container_env(
+            container_id,
+            host,
+            granted,
+            &dir,
+            &ctx,
+            &self.opts,
+            &locality,
+            cpus.as_ref(),
+        );
         let limits = Limits {
             memory_mb: Some(granted.memory_mb).filter(|m| *m > 0),
             cpu: Some(u64::from(granted.cpu)).filter(|c| *c > 0),
@@ -352,8 +417,30 @@ impl Executor {
             .containment
             .create(container_id, limits)
             .map_err(|e| format!("cannot create the container's cgroup: {e}"))
-            .and_then(|cg| {
-                spawn_launch(&dir, container_id, &ctx.commands, &env, &cg, self.opts.run_as.as_ref())
+            .and_then(|mut cg| {
+                // The cpuset where the node has one, else `taskset` around the task.
+                let taskset = cpus
+                    .as_ref()
+                    .filter(|c| !self.opts.containment.pin_cpus(&mut cg, container_id, c))
+                    .filter(|c| {
+                        let found = taskset_found();
+                        if !found {
+                            tracing::warn!(
+                                container = container_id,
+                                "no cpuset and no `taskset` on PATH: not pinned to CPUs {c} (GPUAM_CPU_AFFINITY names them)"
+                            );
+                        }
+                        found
+                    })
+                    .map(CpuList::to_string);
+                let launch = Launch {
+                    commands: &ctx.commands,
+                    env: &env,
+                    cgroup: &cg,
+                    run_as: self.opts.run_as.as_ref(),
+                    taskset: taskset.as_deref(),
+                };
+                spawn_launch(&dir, container_id, &launch)
                     .map(|(child, pid)| (child, pid, cg.clone()))
                     .inspect_err(|_| cg.remove())
             });
@@ -652,14 +739,18 @@ fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
     Ok(())
 }
 
-/// The task's whole environment: base, then `ctx.env`, then the executor's (which win).
+/// The task's whole environment: base, then the node's `task_env`, then `ctx.env`, then
+/// the executor's (which win).
+#[allow(clippy::too_many_arguments)]
 fn container_env(
     id: &str,
     host: &str,
     granted: &Resources,
     dir: &Path,
     ctx: &LaunchContext,
-    other_user: bool,
+    opts: &ExecutorOptions,
+    locality: &TaskLocality,
+    cpus: Option<&CpuList>,
 ) -> Vec<(String, String)> {
     let mut env: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
     for name in BASE_ENV {
@@ -668,9 +759,12 @@ fn container_env(
         }
     }
     env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
-    if other_user {
+    if opts.run_as.is_some() {
         // The node's own home is not the task user's.
         env.insert("HOME".into(), dir.to_string_lossy().into_owned());
+    }
+    for (k, v) in &opts.task_env {
+        env.insert(k.clone(), v.clone());
     }
     for (k, v) in &ctx.env {
         env.insert(k.clone(), v.clone());
@@ -694,12 +788,41 @@ fn container_env(
     for (k, v) in own {
         env.insert(k.into(), v);
     }
+    // Where its GPUs are; the CPU list is the one applied (the GPUs' CPUs this node has).
+    for (k, v) in locality.env() {
+        env.insert(k, v);
+    }
+    match cpus {
+        Some(c) => env.insert("GPUAM_CPU_AFFINITY".into(), c.to_string()),
+        None => env.remove("GPUAM_CPU_AFFINITY"),
+    };
     // Ours alone: a whole-GPU task never reads a share that someone else set.
     env.remove("GPUAM_GPU_FRACTION");
     for (k, v) in share_env(granted) {
         env.insert(k, v);
     }
     env.into_iter().collect()
+}
+
+/// Whether `taskset` (util-linux) is on this node's PATH (looked up once).
+fn taskset_found() -> bool {
+    static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FOUND.get_or_init(|| {
+        std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).any(|d| d.join("taskset").is_file()))
+            .unwrap_or(false)
+    })
+}
+
+/// The CPUs of `wanted` this process may run on (`Cpus_allowed_list` of /proc/self/status);
+/// `None` when none of them is (a topology text from another machine), or unknown.
+fn usable_cpus(wanted: &CpuList) -> Option<CpuList> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let allowed = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .and_then(CpuList::parse)?;
+    Some(wanted.intersect(&allowed)).filter(|c| !c.is_empty())
 }
 
 /// The environment of a GPU share and of custom resources (issue 15). A fractional
@@ -790,16 +913,27 @@ pub fn task_command(dir: &Path, env: &[(String, String)]) -> std::process::Comma
     cmd
 }
 
+/// What [`spawn_launch`] runs and how.
+struct Launch<'a> {
+    commands: &'a [String],
+    env: &'a [(String, String)],
+    cgroup: &'a Cgroup,
+    run_as: Option<&'a RunAs>,
+    /// Run under `taskset -c LIST` (CPUs the cgroup could not pin).
+    taskset: Option<&'a str>,
+}
+
 /// Creates the directory and files and spawns the task (see [`task_command`]) in a new
-/// session, inside `cgroup`, as `run_as`; returns the child and pid.
-fn spawn_launch(
-    dir: &Path,
-    id: &str,
-    commands: &[String],
-    env: &[(String, String)],
-    cgroup: &Cgroup,
-    run_as: Option<&RunAs>,
-) -> Result<(tokio::process::Child, u32), String> {
+/// session, inside its cgroup, as its user, under `taskset` when asked; returns the child
+/// and pid.
+fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::process::Child, u32), String> {
+    let Launch {
+        commands,
+        env,
+        cgroup,
+        run_as,
+        taskset,
+    } = *launch;
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
     std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
     let script = dir.join("launch.sh");
@@ -827,7 +961,14 @@ fn spawn_launch(
 
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
     let spawn = crate::rm::image::program_for(dir, id, env)?;
-    let mut cmd = std::process::Command::new(&spawn.program);
+    let mut cmd = match taskset {
+        Some(list) => {
+            let mut c = std::process::Command::new("taskset");
+            c.arg("-c").arg(list).arg(&spawn.program);
+            c
+        }
+        None => std::process::Command::new(&spawn.program),
+    };
     cmd.args(&spawn.args)
         .current_dir(dir)
         .env_clear()
@@ -1379,6 +1520,156 @@ mod tests {
         );
     }
 
+    /// The node's `--task-env` reaches every task; the job's variables and gpuam's own
+    /// come after it.
+    #[tokio::test]
+    async fn the_node_task_env_comes_before_the_job_and_gpuam() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                task_env: vec![
+                    ("SITE_SOFTWARE".into(), "/opt/site".into()),
+                    ("LANG".into(), "C.UTF-8".into()),
+                    ("SHARED".into(), "from-node".into()),
+                ],
+                ..Default::default()
+            },
+        );
+        let mut c = ctx(&["echo \"$SITE_SOFTWARE $LANG $SHARED\""]);
+        c.env.insert("SHARED".into(), "from-job".into());
+        exec.start("te", "h", &no_gpus(), c).unwrap();
+        let (_, code, _) = next_exit(&mut rx).await;
+        assert_eq!(code, 0);
+        assert_eq!(
+            exec.read_log("te", LogStream::Stdout, None).unwrap(),
+            "/opt/site C.UTF-8 from-job\n"
+        );
+    }
+
+    #[test]
+    fn task_env_names_gpuam_sets_or_bash_cannot_carry_are_refused() {
+        assert!(check_task_env("JAX_EXAMPLE_DIR", "/srv/gpuam").is_ok());
+        assert!(check_task_env("_X1", "").is_ok());
+        for bad in [
+            "GPUAM_HOST",
+            "PAI_TASK_INDEX",
+            "CUDA_VISIBLE_DEVICES",
+            "CONTAINER_PORTS",
+        ] {
+            let e = check_task_env(bad, "x").unwrap_err();
+            assert!(e.contains(bad) && e.contains("set by gpuam"), "{e}");
+        }
+        for bad in ["", "1X", "A-B", "A B"] {
+            let e = check_task_env(bad, "x").unwrap_err();
+            assert!(e.contains("not a variable name"), "{e}");
+        }
+        assert!(check_task_env("A", "x\0y").unwrap_err().contains("NUL"));
+    }
+
+    /// A 2-GPU node whose GPU0 sits on CPUs `cpu0` behind `mlx5_0`, GPU1 on CPUs `cpu1`
+    /// behind an Ethernet NIC.
+    fn small_topology(cpu0: &str, cpu1: &str) -> Topology {
+        let text = format!(
+            "\tGPU0\tGPU1\tmlx5_0\teth1\tCPU Affinity\tNUMA Affinity\n\
+             GPU0\t X \tSYS\tPIX\tSYS\t{cpu0}\t0\n\
+             GPU1\tSYS\t X \tSYS\tPIX\t{cpu1}\t1\n"
+        );
+        Topology::parse_nvidia_smi(&text).unwrap()
+    }
+
+    /// What the task saw: its environment's locality variables and the CPUs it may run on.
+    async fn locality_seen(
+        exec: &Executor,
+        rx: &mut mpsc::UnboundedReceiver<NodeEvent>,
+        id: &str,
+        mask: u64,
+        topo: &Topology,
+    ) -> String {
+        let granted = Resources::with_mask(1, 100, mask, Default::default());
+        let cmd = "echo \"cpus=$GPUAM_CPU_AFFINITY nic=$GPUAM_NIC hca=${NCCL_IB_HCA-unset} numa=$GPUAM_NUMA_NODES\"; \
+                   grep Cpus_allowed_list /proc/self/status";
+        exec.start_placed(id, "h", &granted, ctx(&[cmd]), Some(topo)).unwrap();
+        let (_, code, diag) = next_exit(rx).await;
+        assert_eq!(
+            code,
+            0,
+            "{diag}: {}",
+            exec.read_log(id, LogStream::Stderr, None).unwrap()
+        );
+        exec.read_log(id, LogStream::Stdout, None).unwrap()
+    }
+
+    /// This process's `Cpus_allowed_list` line, and the first CPU in it.
+    fn allowed_cpus() -> (String, u32) {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("Cpus_allowed_list"))
+            .unwrap()
+            .to_string();
+        let list = CpuList::parse(line.split_once(':').unwrap().1).unwrap();
+        let first = list.cpus().next().unwrap();
+        (line, first)
+    }
+
+    /// Without a cgroup the task runs under `taskset -c` on its GPU's NUMA-local CPU, with
+    /// its NIC named; a GPU whose CPUs this machine does not have is not pinned.
+    #[tokio::test]
+    async fn a_task_is_pinned_to_its_gpus_cpus_and_told_its_nic() {
+        let (_t, exec, mut rx) = setup();
+        let (allowed, cpu) = allowed_cpus();
+        let topo = small_topology(&cpu.to_string(), "1");
+        let out = locality_seen(&exec, &mut rx, "pin0", 0b01, &topo).await;
+        assert_eq!(
+            out,
+            format!("cpus={cpu} nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t{cpu}\n")
+        );
+        // GPU1: an Ethernet NIC (no NCCL_IB_HCA) and CPU 4000, which no machine here has.
+        let topo = small_topology(&cpu.to_string(), "4000");
+        let out = locality_seen(&exec, &mut rx, "pin1", 0b10, &topo).await;
+        assert_eq!(out, format!("cpus= nic=eth1 hca=unset numa=1\n{allowed}\n"));
+    }
+
+    /// With a cgroup that has a cpuset (v2 controller or v1 hierarchy), the pin is the
+    /// container's cpuset.
+    #[tokio::test]
+    async fn a_contained_task_gets_its_cpus_as_a_cpuset() {
+        let (_tmp, exec, mut rx, containment) = contained("cpuset");
+        let (_, cpu) = allowed_cpus();
+        let topo = small_topology(&cpu.to_string(), "4000");
+        let out = locality_seen(&exec, &mut rx, "pin-cg", 0b01, &topo).await;
+        assert_eq!(
+            out,
+            format!("cpus={cpu} nic=mlx5_0 hca=mlx5_0 numa=0\nCpus_allowed_list:\t{cpu}\n")
+        );
+        let described = containment.describe();
+        if described.contains("cpuset (v1)") {
+            // Pinned by its own v1 cpuset, not by taskset.
+            let granted = Resources::with_mask(1, 100, 0b01, Default::default());
+            exec.start_placed("pin-cg2", "h", &granted, ctx(&["cat /proc/self/cgroup"]), Some(&topo))
+                .unwrap();
+            next_exit(&mut rx).await;
+            let groups = exec.read_log("pin-cg2", LogStream::Stdout, None).unwrap();
+            assert!(
+                groups
+                    .lines()
+                    .any(|l| l.contains(":cpuset:") && l.ends_with("/pin-cg2")),
+                "{groups}"
+            );
+        }
+        if described.contains("cpuset") {
+            // The cpuset itself says so (the cgroup is gone with the container; pin another).
+            let mut cg = containment.create("pin-probe", Limits::default()).unwrap();
+            let one = CpuList::parse(&cpu.to_string()).unwrap();
+            assert!(containment.pin_cpus(&mut cg, "pin-probe", &one), "{described}");
+            cg.remove();
+        }
+        containment.remove_parents();
+    }
+
     #[tokio::test]
     async fn a_share_and_custom_resources_are_in_the_environment() {
         let (_t, exec, mut rx) = setup();
@@ -1776,7 +2067,7 @@ mod tests {
             tx,
             ExecutorOptions {
                 containment: containment.clone(),
-                run_as: None,
+                ..Default::default()
             },
         );
         (tmp, exec, rx, containment)

@@ -41,7 +41,13 @@ impl NodeBackend for InProcessNode {
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
         let started = self
             .executor
-            .start(&grant.container_id, &grant.host, &grant.resources, ctx)
+            .start_placed(
+                &grant.container_id,
+                &grant.host,
+                &grant.resources,
+                ctx,
+                grant.topology.as_deref(),
+            )
             .map(|pid| ContainerStatus {
                 container_id: grant.container_id.clone(),
                 state: ContainerState::Running,

@@ -65,6 +65,10 @@ pub struct Grant {
     pub app_id: String,
     pub host: String,
     pub resources: Resources,
+    /// The node's GPU topology as the RM knows it (NICs, CPU affinity), for the task's
+    /// locality; in-process only: an agent uses the topology it found itself.
+    #[serde(skip)]
+    pub topology: Option<std::sync::Arc<crate::topology::Topology>>,
 }
 
 /// Something that happened on a node, pushed to the RM.

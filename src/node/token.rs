@@ -68,6 +68,7 @@ mod tests {
             app_id: "application_1_0001".into(),
             host: "h1".into(),
             resources: Resources::with_mask(2, 1024, mask, PortSet::default()),
+            topology: None,
         }
     }
 

@@ -50,6 +50,11 @@ pub struct AgentRegister {
     pub topology: String,
     /// Base URL where the agent serves the container endpoints.
     pub http_address: String,
+    /// The address this node's containers are reached at by their peers (what the RM
+    /// hands them in `GPUAM_HOSTS_<ROLE>` and `PAI_HOST_IP_*`); see [`check_node_ip`].
+    /// Absent (an older agent): peers get the host name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<std::net::IpAddr>,
     /// Every container the agent knows: running ones and dead ones not yet acknowledged.
     /// A container the RM holds on this host and the agent does not list is gone.
     #[serde(default)]
@@ -92,4 +97,32 @@ pub struct AgentReply {
 pub struct AgentStart {
     pub grant: Grant,
     pub launch_context: LaunchContext,
+}
+
+/// A node's peer address must be one its containers' peers can connect to: not
+/// `0.0.0.0`/`::` (every interface, no address at all), multicast or broadcast.
+pub fn check_node_ip(ip: std::net::IpAddr) -> Result<std::net::IpAddr, String> {
+    let broadcast = matches!(ip, std::net::IpAddr::V4(v4) if v4.is_broadcast());
+    if ip.is_unspecified() || ip.is_multicast() || broadcast {
+        return Err(format!(
+            "{ip} is not an address peers can connect to: give the node's own IP on the network its peers share"
+        ));
+    }
+    Ok(ip)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_ip_must_be_one_peers_can_connect_to() {
+        for ok in ["10.0.0.7", "127.0.0.1", "fd00::7"] {
+            assert!(check_node_ip(ok.parse().unwrap()).is_ok(), "{ok}");
+        }
+        for bad in ["0.0.0.0", "::", "224.0.0.1", "255.255.255.255"] {
+            let e = check_node_ip(bad.parse().unwrap()).unwrap_err();
+            assert!(e.contains(bad) && e.contains("not an address"), "{e}");
+        }
+    }
 }

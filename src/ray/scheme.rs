@@ -358,6 +358,8 @@ pub fn node_from_ray(r: &RayNode) -> Option<Result<Node, String>> {
     let total = Resources::with_mask(cpu, memory_mb, mask, ports).with_custom(custom_from_ray(&r.resources_total));
     let mut node = Node::new(host.clone(), rack, total);
     node.gpu_type = r.labels.get(LABEL_GPU_TYPE).cloned();
+    // Where the node's tasks are reached by their peers (Ray's own address of the node).
+    node.ip = r.node_ip.parse().ok();
     // GPUs must be 0..n-1 for a topology to apply to them.
     let gpus = mask.count_ones();
     node.topology = match topology_from_labels(&r.labels, gpus) {
@@ -448,6 +450,7 @@ mod tests {
         let r = ray_node("abc", "ALIVE", "gpu-a1", 8, &labels);
         let n = node_from_ray(&r).unwrap().unwrap();
         assert_eq!(n.host, "gpu-a1");
+        assert_eq!(n.ip, Some("127.0.0.1".parse().unwrap()), "peers get the Ray node's IP");
         assert_eq!(n.rack, "/dc1/r7");
         assert_eq!(n.gpu_type.as_deref(), Some("V100"));
         assert_eq!(n.total().gpu_mask, 0xff);

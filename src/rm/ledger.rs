@@ -433,6 +433,7 @@ impl Ledger {
             request_id: ask.request_id,
             host: ask.host.clone(),
             node_http_address: node.http_address.clone(),
+            node_ip: node.ip,
             resources: want,
             task: ask.task.clone(),
             task_attempt: ask.task_attempt,

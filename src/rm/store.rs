@@ -273,6 +273,7 @@ mod tests {
                 request_id: 7,
                 host: "n1".into(),
                 node_http_address: "http://127.0.0.1:1".into(),
+                node_ip: None,
                 resources: Resources::with_mask(2, 100, 0b101, PortSet::parse("20000-20001").unwrap()),
                 task: Some("worker/3".into()),
                 task_attempt: 2,

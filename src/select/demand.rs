@@ -136,6 +136,15 @@ impl JobDemand {
         self.hosts.get(host).copied().unwrap_or(0)
     }
 
+    /// Tasks of this job (holding or asking for a container) on hosts other than `host`.
+    pub fn tasks_elsewhere(&self, host: &str) -> u32 {
+        self.hosts
+            .iter()
+            .filter(|(h, _)| h.as_str() != host)
+            .map(|(_, c)| c)
+            .sum()
+    }
+
     pub fn hosts(&self) -> impl Iterator<Item = (&str, u32)> {
         self.hosts.iter().map(|(h, c)| (h.as_str(), *c))
     }

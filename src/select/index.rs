@@ -124,14 +124,14 @@ impl NodeIndex {
         }
     }
 
-    /// The id of a topology, equal for equal link matrices whatever their names.
+    /// The id of a topology, equal for equal contents (matrix, NICs, affinity) whatever their names.
     pub fn topo_id(&mut self, t: &Arc<Topology>) -> u32 {
         let mut h = FxHasher::default();
         t.hash(&mut h);
         let hash = h.finish();
         if let Some(ids) = self.topo_by_hash.get(&hash) {
             for &i in ids {
-                if self.topologies[i as usize - 1].same_links(t) {
+                if self.topologies[i as usize - 1].same_content(t) {
                     return i;
                 }
             }

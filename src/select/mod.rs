@@ -10,6 +10,7 @@ mod demand;
 mod fast_hash;
 mod index;
 mod objective;
+mod placement;
 mod plan;
 mod stages;
 mod trace;
@@ -24,7 +25,8 @@ use serde::Serialize;
 
 pub use demand::{JobDemand, TaskShape};
 pub use objective::Alternative;
-pub use plan::{assign_port_labels, plan_job, request_order, JobPlan, PlannedTask, UnplacedTask};
+pub use placement::{request_order, PlacementRound, Step, TaskRef, TaskSlot};
+pub use plan::{assign_port_labels, plan_job, JobPlan, PlannedTask, UnplacedTask};
 pub use trace::{CandidateSummary, DropGroup, SelectionTrace, StageTrace};
 
 use fast_hash::{FastMap, FastSet};
@@ -91,6 +93,10 @@ pub struct Placement {
     pub gpu_tier_ideal: bool,
     /// Tier of the job's GPUs on this node once the task is there (the union).
     pub union_tier: u8,
+    /// The NIC(s) nearest the task's GPUs (comma list; what `GPUAM_NIC` will say), where the
+    /// node's topology lists NICs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nic: Option<String>,
 }
 
 /// The pipeline's answer.
@@ -128,13 +134,13 @@ pub(crate) enum PortPlan {
 /// answer, which keeps scoring a bucket of the index cheap.
 #[derive(Default)]
 pub(crate) struct ChoiceCache {
-    map: fast_hash::FastMap<(u32, GpuMask, GpuMask, u32, u32), Option<objective::GpuPick>>,
+    map: fast_hash::FastMap<(u32, GpuMask, GpuMask, objective::Want), Option<objective::GpuPick>>,
 }
 
 impl ChoiceCache {
     const MAX_ENTRIES: usize = 200_000;
 
-    /// [`objective::pick`], memoised by (topology id, free, held, k, f). `topo_id` is the
+    /// [`objective::pick`], memoised by (topology id, free, held, want). `topo_id` is the
     /// index's content id of `topo` (0 = none).
     pub fn pick(
         &mut self,
@@ -142,17 +148,16 @@ impl ChoiceCache {
         topo: Option<&Topology>,
         free: GpuMask,
         held: GpuMask,
-        k: u32,
-        f: u32,
+        want: objective::Want,
     ) -> Option<objective::GpuPick> {
-        let key = (topo_id, free, held, k, f);
+        let key = (topo_id, free, held, want);
         if let Some(c) = self.map.get(&key) {
             return *c;
         }
         if self.map.len() >= Self::MAX_ENTRIES {
             self.map.clear();
         }
-        let c = objective::pick(topo, free, held, k, f);
+        let c = objective::pick(topo, free, held, want);
         self.map.insert(key, c);
         c
     }
@@ -526,7 +531,9 @@ impl SelectorState {
                 .max(1)
                 .min(need);
             let topo = index.topology(b.key.topo).map(|t| &**t);
-            let Some(pick) = stages::pick_gpus(&mut cx, b.key.topo, topo, &free, 0, fits) else {
+            // The job's hosts are judged one by one, so a bucket's node holds none of its tasks.
+            let spread = demand.has_hosts() || fits < need;
+            let Some(pick) = stages::pick_gpus(&mut cx, b.key.topo, topo, &free, 0, fits, spread) else {
                 res_stage.drop_many(
                     "no GPU set of the requested size on this node",
                     count - low,
@@ -771,6 +778,13 @@ impl SelectorState {
             gpu_weight: best.pick.task_weight,
             gpu_tier_ideal: tier_ideal(best),
             union_tier: best.pick.union_tier,
+            nic: best
+                .node
+                .topology
+                .as_deref()
+                .map(|t| crate::topology::task_locality(t, best.pick.task).nics)
+                .filter(|n| !n.is_empty())
+                .map(|n| n.join(",")),
         };
         Selection {
             outcome: Outcome::Placed(placement),

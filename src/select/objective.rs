@@ -12,7 +12,7 @@ use std::cmp::Reverse;
 use serde::Serialize;
 
 use crate::resources::{lowest_bits, GpuMask, Resources, ANY_GPU, WHOLE};
-use crate::topology::{self, Topology};
+use crate::topology::{self, Fit, Topology};
 
 /// Non-tree nodes up to this many GPUs get the exact (union, task) search; above it the union is
 /// the §5 choice of its size and the task's set the §5 choice inside it.
@@ -30,6 +30,12 @@ pub(crate) struct GpuPick {
     pub union: GpuMask,
     pub union_tier: u8,
     pub union_weight: u32,
+    /// GPUs of the task's set behind an InfiniBand/RoCE NIC's PCIe switch (GPUDirect RDMA),
+    /// counted only when the job spans nodes (0 otherwise).
+    pub nic: u8,
+    /// Free GPUs left beside the job's new GPUs in the NVLink and PCIe islands they take
+    /// from ([`Topology::fit`]; best fit, smaller is better).
+    pub fit: Fit,
     /// Cap of the free GPUs the job leaves on the node (DESIGN §5 fragmentation vector).
     pub left: [i8; 3],
     /// A fractional task: hundredths left free on its GPU once it is there (best fit,
@@ -68,14 +74,38 @@ pub(crate) fn subsets(set: GpuMask, k: u32, f: &mut impl FnMut(GpuMask)) {
     rec(set, k, 0, f);
 }
 
-/// The best `k`-GPU set for one task on a node with `free` GPUs, when the job already holds
-/// `held` there and `f` of its tasks (this one included, each of `k` GPUs) are planned to go
-/// there. The union U = held ∪ X, X ⊆ free of `f·k` GPUs (fewer when fewer are free), and the
-/// task's set S ⊆ X maximise, in this order: T(U), T(S), W(U), W(S), then leave the best
-/// Cap(free ∖ X), then Cap(free ∖ S), then the lowest S, then the lowest X. With no other task
-/// planned there (f = 1, held = ∅) this is exactly DESIGN §5's choice. `None` when fewer than `k`
-/// GPUs are free.
-pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32, f: u32) -> Option<GpuPick> {
+/// What one task asks of a node's GPUs, job included.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Want {
+    /// The task's GPU count.
+    pub k: u32,
+    /// How many of the job's tasks (this one included, each of `k` GPUs) are planned to go to
+    /// this node.
+    pub f: u32,
+    /// The job spans more than this node (it has tasks elsewhere, or not all of it fits
+    /// here): its traffic leaves the node, so GPUs behind a NIC's PCIe switch count.
+    pub spread: bool,
+}
+
+/// GPUs of `s` that share a PCIe switch with an InfiniBand/RoCE NIC, when the job spans nodes.
+fn nic_count(t: &Topology, s: GpuMask, spread: bool) -> u8 {
+    if spread {
+        (s & t.nic_near()).count_ones() as u8
+    } else {
+        0
+    }
+}
+
+/// The best `want.k`-GPU set for one task on a node with `free` GPUs, when the job already
+/// holds `held` there and `want.f` of its tasks are planned to go there. The union U = held ∪
+/// X, X ⊆ free of `f·k` GPUs (fewer when fewer are free), and the task's set S ⊆ X maximise,
+/// in this order: T(U), T(S), W(U), W(S), then (when the job spans nodes) the GPUs of S behind
+/// an RDMA NIC's switch, then the best fit Fit(free, X) (smallest), then leave the best
+/// Cap(free ∖ X), then Fit(free, S), Cap(free ∖ S), then the lowest S, then the lowest X. With
+/// no other task planned there (f = 1, held = ∅) and no NIC term this is exactly DESIGN §5's
+/// choice ([`topology::choose`]). `None` when fewer than `k` GPUs are free.
+pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: Want) -> Option<GpuPick> {
+    let Want { k, f, spread } = want;
     let avail = free.count_ones();
     if avail < k {
         return None;
@@ -89,6 +119,8 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union: held,
             union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
             union_weight: topo.map_or(0, |t| t.weight(held)),
+            nic: 0,
+            fit: [0; topology::FIT_LEVELS],
             left,
             share_left: 0,
         });
@@ -105,11 +137,16 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            nic: 0,
+            fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !x).count_ones()),
             share_left: 0,
         });
     };
-    if u == k && held == 0 {
+    // The NIC term can only tell sets apart when some free GPUs have an RDMA NIC and some not.
+    let near = t.nic_near() & free;
+    let nic_matters = spread && near != 0 && near != free;
+    if u == k && held == 0 && !nic_matters {
         let g = topology::choose(Some(t), free, k)?;
         return Some(GpuPick {
             task: g.mask,
@@ -118,12 +155,14 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
             union: g.mask,
             union_tier: g.tier,
             union_weight: g.weight,
+            nic: nic_count(t, g.mask, spread),
+            fit: t.fit(free, g.mask),
             left: t.cap(free & !g.mask),
             share_left: 0,
         });
     }
     if t.gpu_count() <= EXACT_UNION_GPUS {
-        return Some(exact(t, free, held, k, u));
+        return Some(exact(t, free, held, k, u, spread));
     }
     let x = topology::choose(Some(t), free, u)?.mask;
     let g = topology::choose(Some(t), x, k)?;
@@ -135,13 +174,15 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, k: u32
         union,
         union_tier: t.tier(union),
         union_weight: t.weight(union),
+        nic: nic_count(t, g.mask, spread),
+        fit: t.fit(free, x),
         left: t.cap(free & !x),
         share_left: 0,
     })
 }
 
 /// The pick for an explicitly requested mask `m` (the caller checked it is free).
-pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: GpuMask) -> GpuPick {
+pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: GpuMask, spread: bool) -> GpuPick {
     let union = held | m;
     let n = m.count_ones();
     match topo {
@@ -152,6 +193,8 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: t.tier(union),
             union_weight: t.weight(union),
+            nic: nic_count(t, m, spread),
+            fit: t.fit(free, m),
             left: t.cap(free & !m),
             share_left: 0,
         },
@@ -162,6 +205,8 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            nic: 0,
+            fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !m).count_ones()),
             share_left: 0,
         },
@@ -171,10 +216,10 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
 /// The GPU of a fractional task that needs `share` hundredths of one GPU, on a node with
 /// `avail` free (whole free GPUs and the room left on shared ones): best fit. Among the
 /// shared GPUs with room enough, the one with the least room (then the lowest index); only
-/// when none has room, a wholly free GPU, chosen as DESIGN §5 chooses one GPU (the one
-/// whose loss leaves the best Cap, then the lowest). `fixed` pins the GPU (an explicit
-/// `gpuMask`). The share joins no all-reduce, so the job's union stays `held`. `None` when
-/// no GPU has the room.
+/// when none has room, a wholly free GPU, chosen as DESIGN §5 chooses one GPU. `fixed` pins
+/// the GPU (an explicit `gpuMask`). A share joins no all-reduce: the job's union stays
+/// `held` and the NIC term is 0; `fit` is that of the wholly free GPU it opens (none when it
+/// goes onto a shared one). `None` when no GPU has the room.
 pub(crate) fn pick_share(
     topo: Option<&Topology>,
     avail: &Resources,
@@ -199,14 +244,27 @@ pub(crate) fn pick_share(
         return None;
     }
     let task = 1u64 << index;
-    let rest = whole & !task;
-    let (task_tier, task_weight, union_tier, union_weight, left) = match topo {
-        Some(t) => (t.tier(task), t.weight(task), t.tier(held), t.weight(held), t.cap(rest)),
+    let opened = if room == WHOLE { task } else { 0 };
+    let rest = whole & !opened;
+    let (task_tier, task_weight, union_tier, union_weight, fit, left) = match topo {
+        Some(t) => (
+            t.tier(task),
+            t.weight(task),
+            t.tier(held),
+            t.weight(held),
+            if opened != 0 {
+                t.fit(whole, opened)
+            } else {
+                [0; topology::FIT_LEVELS]
+            },
+            t.cap(rest),
+        ),
         None => (
             unknown_tier(1),
             0,
             unknown_tier(held.count_ones()),
             0,
+            [0; topology::FIT_LEVELS],
             count_cap(rest.count_ones()),
         ),
     };
@@ -217,25 +275,52 @@ pub(crate) fn pick_share(
         union: held,
         union_tier,
         union_weight,
+        nic: 0,
+        fit,
         left,
         share_left: (room - share) as u8,
     })
 }
 
 /// The exhaustive (union, task) search of [`pick`] on a small node.
-fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick {
-    let mut sets: Vec<(GpuMask, u8, u32, [i8; 3])> = Vec::new();
+fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: bool) -> GpuPick {
+    type Set = (GpuMask, u8, u32, u8, Fit, [i8; 3]);
+    let mut sets: Vec<Set> = Vec::new();
     subsets(free, k, &mut |s| {
-        sets.push((s, t.tier(s), t.weight(s), t.cap(free & !s)))
+        sets.push((
+            s,
+            t.tier(s),
+            t.weight(s),
+            nic_count(t, s, spread),
+            t.fit(free, s),
+            t.cap(free & !s),
+        ))
     });
-    type Score = (u8, u8, u32, u32, [i8; 3], [i8; 3], Reverse<GpuMask>, Reverse<GpuMask>);
+    type Score = (
+        (u8, u8, u32, u32, u8),
+        Reverse<Fit>,
+        [i8; 3],
+        Reverse<Fit>,
+        [i8; 3],
+        Reverse<GpuMask>,
+        Reverse<GpuMask>,
+    );
     let mut best: Option<(Score, GpuPick)> = None;
     subsets(free, u, &mut |x| {
         let union = held | x;
         let (ut, uw) = (t.tier(union), t.weight(union));
+        let fit = t.fit(free, x);
         let left = t.cap(free & !x);
-        for &(s, st, sw, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
-            let score = (ut, st, uw, sw, left, scap, Reverse(s), Reverse(x));
+        for &(s, st, sw, nic, sfit, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
+            let score = (
+                (ut, st, uw, sw, nic),
+                Reverse(fit),
+                left,
+                Reverse(sfit),
+                scap,
+                Reverse(s),
+                Reverse(x),
+            );
             if best.as_ref().is_none_or(|(b, _)| score > *b) {
                 let p = GpuPick {
                     task: s,
@@ -244,6 +329,8 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick 
                     union,
                     union_tier: ut,
                     union_weight: uw,
+                    nic,
+                    fit,
                     left,
                     share_left: 0,
                 };
@@ -259,6 +346,8 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32) -> GpuPick 
         union: held,
         union_tier: 0,
         union_weight: 0,
+        nic: 0,
+        fit: [0; topology::FIT_LEVELS],
         left: [-1; 3],
         share_left: 0,
     })
@@ -285,16 +374,21 @@ pub(crate) struct RankKey {
     /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
     /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
     pub share_left: u8,
-    /// 8. Free GPUs on the node (best fit: pack busy nodes, keep empty ones whole).
+    /// 8. GPUs of the task's set behind an RDMA NIC's PCIe switch, for a job spanning nodes.
+    pub nic: Reverse<u8>,
+    /// 9. Best fit, innermost group first: free GPUs left beside the job's new GPUs in the
+    ///    NVLink, PIX, PXB, PHB and NUMA groups they take from ([`GpuPick::fit`]) ...
+    pub fit: Fit,
+    /// ... then on the node: free GPUs (pack busy nodes, keep empty ones whole).
     pub free_gpus: u32,
-    /// 9. What the job leaves there for future jobs (Cap of the rest, larger is better).
+    /// 10. What the job leaves there for future jobs (Cap of the rest, larger is better).
     pub left: Reverse<[i8; 3]>,
-    /// 10. Total GPUs (smaller machines first).
+    /// 11. Total GPUs (smaller machines first).
     pub total_gpus: u32,
-    /// 11. Free CPU, then 12. free memory (best fit).
+    /// 12. Free CPU, then 13. free memory (best fit).
     pub cpu: u32,
     pub memory_mb: u64,
-    /// 13. Random tie-break (per AM, so concurrent AMs spread).
+    /// 14. Random tie-break (per AM, so concurrent AMs spread).
     pub tie: u32,
 }
 
@@ -316,7 +410,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 14] = [
+        let diffs: [(bool, &str, String, String); 16] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -364,6 +458,18 @@ impl RankKey {
                 "share left on its GPU (less is a better fit)",
                 format_hundredths_u8(self.share_left),
                 format_hundredths_u8(best.share_left),
+            ),
+            (
+                self.nic != best.nic,
+                "task's GPUs behind an RDMA NIC's PCIe switch (job spans nodes)",
+                self.nic.0.to_string(),
+                best.nic.0.to_string(),
+            ),
+            (
+                self.fit != best.fit,
+                "free GPUs left beside it in its NVLink/PIX/PXB/PHB/NUMA groups (fewer fits better)",
+                format!("{:?}", self.fit),
+                format!("{:?}", best.fit),
             ),
             (
                 self.free_gpus != best.free_gpus,

@@ -1,10 +1,10 @@
-//! Planning a whole job: every task through the select pipeline in the order the AM
-//! requests them, each placement booked before the next choice, exactly as the AM does.
-//! Used by `gpuam plan` and the simulator.
+//! Planning a whole job (`gpuam plan`): the AM's placement round ([`PlacementRound`]) over the
+//! job with nothing placed, each step recorded, with the port labels and the next-best node.
 
 use serde::Serialize;
 
-use super::{Alternative, JobDemand, Outcome, Placement, SelectionTrace, Selector, TaskAsk, TaskShape};
+use super::placement::PlacementRound;
+use super::{Alternative, Outcome, Placement, SelectionTrace, Selector};
 use crate::resources::{format_hundredths, mask_hex, mask_indices, PortSet};
 use crate::spec::{JobSpec, TaskResources};
 
@@ -32,6 +32,8 @@ pub struct PlannedTask {
     pub gpu_tier_ideal: bool,
     /// Tier of the job's GPUs on this host once this task is there (the union).
     pub union_tier: u8,
+    /// The NIC(s) nearest its GPUs, where the host's topology lists NICs.
+    pub nic: Option<String>,
     /// The next-best node for this task and the criterion on which it lost.
     pub next_best: Option<Alternative>,
     #[serde(skip)]
@@ -55,21 +57,6 @@ pub struct UnplacedTask {
 pub struct JobPlan {
     pub placements: Vec<PlannedTask>,
     pub unplaced: Vec<UnplacedTask>,
-}
-
-/// The AM's request order: by task index, roles interleaved in file order
-/// (role A 0, role B 0, role A 1, ...), as the original sorted waiting tasks.
-pub fn request_order(job: &JobSpec) -> Vec<(usize, u32)> {
-    let max = job.task_roles.iter().map(|r| r.instances).max().unwrap_or(0);
-    (0..max)
-        .flat_map(|i| {
-            job.task_roles
-                .iter()
-                .enumerate()
-                .filter(move |(_, r)| i < r.instances)
-                .map(move |(ri, _)| (ri, i))
-        })
-        .collect()
 }
 
 /// Splits a container's ports among the role's labels (reference/frameworklauncher.md
@@ -96,58 +83,41 @@ pub fn assign_port_labels(res: &TaskResources, ports: &PortSet) -> Option<Vec<(S
     Some(out)
 }
 
-/// Places every task of `job`, booking each placement on the selector's view.
+/// Places every task of `job`, booking each placement on the selector's view: one
+/// [`PlacementRound`] over a job with nothing placed, driven exactly as the AM drives it
+/// (the AM stops at an impossible task, since its job fails; the plan goes on to show the rest).
 pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
-    let mut demand = JobDemand::for_job(job);
+    let mut round = PlacementRound::fresh(job);
     let mut plan = JobPlan::default();
-    let mut role_ports: Vec<Option<PortSet>> = vec![None; job.task_roles.len()];
-    let order = request_order(job);
-    let total = order.len() as u32;
-    for (n, (ri, index)) in order.into_iter().enumerate() {
+    while let Some((ri, index)) = round.next_task() {
         let role = &job.task_roles[ri];
-        let shape = TaskShape::of(&role.resources);
-        let reuse = if role.same_port_allocation {
-            role_ports[ri].as_ref()
-        } else {
-            None
-        };
-        let ask = TaskAsk::for_role(role, reuse, total - n as u32);
-        let sel = selector.select_and_reserve(&ask, &demand);
+        let sel = round.place(selector, (ri, index)).selection;
         let impossible = matches!(sel.outcome, Outcome::Impossible { .. });
         match sel.outcome {
-            Outcome::Placed(p) => {
-                // A share joins no all-reduce: only whole GPUs count in the job's union.
-                demand.placed_with_gpus(&shape, &p.host, p.resources.whole_gpu_mask());
-                if role.same_port_allocation && role_ports[ri].is_none() {
-                    role_ports[ri] = Some(p.resources.ports.clone());
-                }
-                plan.placements.push(PlannedTask {
-                    role: role.name.clone(),
-                    index,
-                    host: p.host.clone(),
-                    rack: p.rack.clone(),
-                    gpus: mask_indices(p.resources.gpu_mask),
-                    gpu_mask: mask_hex(p.resources.gpu_mask),
-                    gpu_share: p.resources.gpu_share().map(format_hundredths),
-                    resources: p.resources.custom.clone(),
-                    ports: assign_port_labels(&role.resources, &p.resources.ports).unwrap_or_default(),
-                    gpu_tier: p.gpu_tier,
-                    gpu_tier_ideal: p.gpu_tier_ideal,
-                    union_tier: p.union_tier,
-                    next_best: sel.trace.alternative.clone(),
-                    placement: p,
-                });
-            }
-            Outcome::NotNow { reason } | Outcome::Impossible { reason } => {
-                demand.remove_waiting(&shape);
-                plan.unplaced.push(UnplacedTask {
-                    role: role.name.clone(),
-                    index,
-                    reason,
-                    impossible,
-                    trace: sel.trace,
-                });
-            }
+            Outcome::Placed(p) => plan.placements.push(PlannedTask {
+                role: role.name.clone(),
+                index,
+                host: p.host.clone(),
+                rack: p.rack.clone(),
+                gpus: mask_indices(p.resources.gpu_mask),
+                gpu_mask: mask_hex(p.resources.gpu_mask),
+                gpu_share: p.resources.gpu_share().map(format_hundredths),
+                resources: p.resources.custom.clone(),
+                ports: assign_port_labels(&role.resources, &p.resources.ports).unwrap_or_default(),
+                gpu_tier: p.gpu_tier,
+                gpu_tier_ideal: p.gpu_tier_ideal,
+                union_tier: p.union_tier,
+                nic: p.nic.clone(),
+                next_best: sel.trace.alternative.clone(),
+                placement: p,
+            }),
+            Outcome::NotNow { reason } | Outcome::Impossible { reason } => plan.unplaced.push(UnplacedTask {
+                role: role.name.clone(),
+                index,
+                reason,
+                impossible,
+                trace: sel.trace,
+            }),
         }
     }
     plan

@@ -153,8 +153,11 @@ pub(crate) fn score(
         .max(1)
         .min(need);
     let held = cx.demand.held_on(&node.host);
-    let affinity = cx.demand.tasks_on(&node.host) > 0;
-    let Some(pick) = pick_gpus(cx, topo_id, node.topology.as_deref(), avail, held, fits) else {
+    let here = cx.demand.tasks_on(&node.host);
+    let affinity = here > 0;
+    // The job spans nodes: it has tasks elsewhere, or not all its unplaced tasks fit here.
+    let spread = cx.demand.tasks_elsewhere(&node.host) > 0 || fits < need;
+    let Some(pick) = pick_gpus(cx, topo_id, node.topology.as_deref(), avail, held, fits, spread) else {
         return Err("no GPU set of the requested size on this node");
     };
     let key = rank_key(
@@ -169,9 +172,10 @@ pub(crate) fn score(
     Ok((key, pick, fits))
 }
 
-/// The task's GPUs on a node with `avail` free, where the job holds `held` and `fits` of
-/// its tasks go: an explicit mask as given, a share by best fit ([`objective::pick_share`]),
-/// whole GPUs by the order's search among the wholly free ones (memoised).
+/// The task's GPUs on a node with `avail` free, where the job holds `held`, `fits` of its
+/// tasks go and `spread` says whether it spans nodes: an explicit mask as given, a share by
+/// best fit ([`objective::pick_share`]), whole GPUs by the order's search among the wholly
+/// free ones (memoised).
 #[inline]
 pub(crate) fn pick_gpus(
     cx: &mut Cx<'_>,
@@ -180,14 +184,23 @@ pub(crate) fn pick_gpus(
     avail: &Resources,
     held: crate::resources::GpuMask,
     fits: u32,
+    spread: bool,
 ) -> Option<GpuPick> {
     let r = cx.ask.resources;
     match (r.gpu_share, r.gpu_mask) {
         (Some(share), fixed) => objective::pick_share(topo, avail, held, share, fixed.map(|m| m.trailing_zeros())),
-        (None, Some(m)) => Some(objective::given(topo, avail.whole_gpu_mask(), held, m)),
-        (None, None) => cx
-            .choices
-            .pick(topo_id, topo, avail.whole_gpu_mask(), held, r.gpus, fits),
+        (None, Some(m)) => Some(objective::given(topo, avail.whole_gpu_mask(), held, m, spread)),
+        (None, None) => cx.choices.pick(
+            topo_id,
+            topo,
+            avail.whole_gpu_mask(),
+            held,
+            objective::Want {
+                k: r.gpus,
+                f: fits,
+                spread,
+            },
+        ),
     }
 }
 
@@ -210,6 +223,8 @@ pub(crate) fn rank_key(
         union_weight: Reverse(pick.union_weight),
         task_weight: Reverse(pick.task_weight),
         share_left: pick.share_left,
+        nic: Reverse(pick.nic),
+        fit: pick.fit,
         free_gpus: avail.whole_gpu_count(),
         left: Reverse(pick.left),
         total_gpus,

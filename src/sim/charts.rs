@@ -1,6 +1,7 @@
 //! SVG charts of `gpuam sim --out`, written by hand (no plotting crate): tierIdeal by
-//! topology (grouped bars with 95 % whiskers), queueing-delay CDF per policy, and decision
-//! time against cluster size (log–log, one line per policy and preset).
+//! topology (grouped bars with 95 % whiskers), queueing-delay CDF per policy, the trade-off
+//! of topology against delay per run (where one policy trades one for the other), and
+//! decision time against cluster size (log–log, one line per policy and preset).
 
 use super::{ScalingPoint, TopologyRun};
 
@@ -233,6 +234,102 @@ pub fn decision_time(points: &[ScalingPoint]) -> String {
             COLORS[i % COLORS.len()],
             line.join(" ")
         ));
+    }
+    s.push_str(&legend(&names));
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The trade-off of one run: each policy as a point (mean, with its 95 % intervals as
+/// whiskers) of median queueing delay (x) against tierIdeal (left panel) and unionIdeal
+/// (right panel). Up and to the left is better; a policy up and to the right of another
+/// trades delay for topology. The verdict of [`super::dominance::verdict`] is the subtitle.
+pub fn trade_off(run: &TopologyRun) -> String {
+    let mut s = head(&format!("trade-off — {}", run.topology));
+    s.push_str(&format!(
+        "<text x=\"{}\" y=\"36\" text-anchor=\"middle\" font-size=\"10\">{}</text>\n",
+        W / 2.0,
+        esc(&super::dominance::verdict(run))
+    ));
+    let names: Vec<String> = run.policies.iter().map(|(n, _)| n.clone()).collect();
+    let get = |p: &super::metrics::PolicyResult, m: &str| {
+        (p.get(m).unwrap_or(f64::NAN), p.get(&format!("{m}Ci")).unwrap_or(0.0))
+    };
+    let xmax = run
+        .policies
+        .iter()
+        .map(|(_, p)| {
+            let (v, c) = get(p, "queueDelayP50");
+            v + c
+        })
+        .filter(|v| v.is_finite())
+        .fold(1.0f64, f64::max)
+        * 1.1;
+    let gap = 40.0;
+    let panel_w = (W - R - L - gap) / 2.0;
+    let top = T + 20.0;
+    let plot_h = H - B - top;
+    for (pi, metric) in ["tierIdeal", "unionIdeal"].into_iter().enumerate() {
+        let x0 = L + pi as f64 * (panel_w + gap);
+        let (ymin, ymax) = run
+            .policies
+            .iter()
+            .map(|(_, p)| get(p, metric))
+            .filter(|(v, _)| v.is_finite())
+            .fold((1.0f64, 0.0f64), |(a, b), (v, c)| (a.min(v - c), b.max(v + c)));
+        let ymin = (ymin - 0.02).clamp(0.0, 0.98).min(ymax.clamp(0.0, 1.0) - 0.02).max(0.0);
+        let ymax = (ymax + 0.005).min(1.0).max(ymin + 0.02);
+        let x = |d: f64| x0 + d.max(0.0) / xmax * panel_w;
+        let y = |v: f64| H - B - (v.clamp(ymin, ymax) - ymin) / (ymax - ymin) * plot_h;
+        s.push_str(&format!(
+            "<line x1=\"{x0}\" y1=\"{top}\" x2=\"{x0}\" y2=\"{}\" stroke=\"black\"/>\n\
+             <line x1=\"{x0}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
+             <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{metric} vs median queueing delay (s)</text>\n",
+            H - B,
+            H - B,
+            x0 + panel_w,
+            H - B,
+            x0 + panel_w / 2.0,
+            H - 12.0,
+        ));
+        for i in 0..=4 {
+            let v = ymin + (ymax - ymin) * i as f64 / 4.0;
+            s.push_str(&format!(
+                "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{v:.3}</text>\n",
+                x0 - 4.0,
+                y(v) + 4.0
+            ));
+            let d = xmax * i as f64 / 4.0;
+            s.push_str(&format!(
+                "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{d:.0}</text>\n",
+                x(d),
+                H - B + 14.0
+            ));
+        }
+        for (i, (name, p)) in run.policies.iter().enumerate() {
+            let (v, vc) = get(p, metric);
+            let (d, dc) = get(p, "queueDelayP50");
+            if !v.is_finite() || !d.is_finite() {
+                continue;
+            }
+            let color = COLORS[i % COLORS.len()];
+            s.push_str(&format!(
+                "<line x1=\"{:.1}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"{color}\"/>\n\
+                 <line x1=\"{:.1}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"{color}\"/>\n\
+                 <circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"{color}\"><title>{}: {metric} {v:.3}±{vc:.3}, qP50 {d:.0}±{dc:.0} s</title></circle>\n",
+                x(d - dc),
+                y(v),
+                x(d + dc),
+                y(v),
+                x(d),
+                y(v - vc),
+                x(d),
+                y(v + vc),
+                x(d),
+                y(v),
+                esc(name),
+            ));
+        }
     }
     s.push_str(&legend(&names));
     s.push_str("</svg>\n");

@@ -7,6 +7,7 @@
 
 pub mod charts;
 pub mod cluster;
+pub mod dominance;
 pub mod fractional;
 pub mod metrics;
 pub mod policies;

@@ -1,12 +1,13 @@
-//! Output of `gpuam sim`: the readable table, the JSON object (`--json`, and
-//! `results.json`), `results.csv`, and the SVG charts under `--out`.
+//! Output of `gpuam sim`: the readable table (with the domination verdict of each run), the
+//! JSON object (`--json`, and `results.json`), `results.csv`, and the SVG charts under
+//! `--out` (among them `trade_off_<run>.svg`: topology against delay, per policy).
 
 use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use super::charts;
 use super::metrics::METRICS;
+use super::{charts, dominance};
 use super::{ScalingPoint, SimOptions, TopologyRun};
 use crate::exit;
 
@@ -120,6 +121,10 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
                 format!("{}/{}", fmt(p.get("fallbacks"), 0), fmt(p.get("invalid"), 0)),
             ));
         }
+        let verdict = dominance::verdict(r);
+        if !verdict.is_empty() {
+            s.push_str(&format!("{verdict}\n"));
+        }
     }
     if !scaling.is_empty() {
         s.push_str("\n== decision time per call, 4-GPU task, half-used cluster (µs)\n");
@@ -179,6 +184,7 @@ fn write_out(dir: &Path, opts: &SimOptions, runs: &[TopologyRun], scaling: &[Sca
             .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
             .collect();
         write(dir, &format!("queue_delay_cdf_{safe}.svg"), &charts::delay_cdf(r))?;
+        write(dir, &format!("trade_off_{safe}.svg"), &charts::trade_off(r))?;
     }
     if !scaling.is_empty() {
         write(dir, "decision_time.svg", &charts::decision_time(scaling))?;

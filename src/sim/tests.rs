@@ -272,3 +272,67 @@ fn json_and_charts_have_the_documented_shape() {
     let csv = report::to_csv(std::slice::from_ref(&r));
     assert_eq!(csv.lines().count(), 3);
 }
+
+fn result(vals: &[(&str, f64)]) -> super::metrics::PolicyResult {
+    let mut p = super::metrics::PolicyResult::default();
+    for (k, v) in vals {
+        p.values.insert((*k).to_string(), Some(*v));
+    }
+    p
+}
+
+/// The verdict names every metric another policy's mean beats gpuam on, and whether the
+/// intervals overlap; the trade-off chart draws each policy on both panels.
+#[test]
+fn domination_verdict_and_trade_off_chart() {
+    let run = |hived_tier: f64, hived_delay: f64| TopologyRun {
+        topology: "t".into(),
+        cluster: Default::default(),
+        jobs: 10,
+        policies: vec![
+            (
+                "hived".into(),
+                result(&[
+                    ("tierIdeal", hived_tier),
+                    ("tierIdealCi", 0.002),
+                    ("unionIdeal", 0.7),
+                    ("queueDelayP50", hived_delay),
+                    ("queueDelayP50Ci", 5.0),
+                ]),
+            ),
+            (
+                "gpuam".into(),
+                result(&[
+                    ("tierIdeal", 0.99),
+                    ("tierIdealCi", 0.002),
+                    ("unionIdeal", 1.0),
+                    ("queueDelayP50", 100.0),
+                    ("queueDelayP50Ci", 5.0),
+                ]),
+            ),
+        ],
+    };
+    let even = run(0.99, 100.2);
+    assert!(dominance::losses(&even).is_empty(), "equal at the table's precision");
+    assert!(dominance::verdict(&even).starts_with("gpuam dominates"));
+    let close = run(0.993, 100.0);
+    let l = dominance::losses(&close);
+    assert_eq!(l.len(), 1);
+    assert_eq!(
+        (l[0].policy.as_str(), l[0].metric, l[0].within),
+        ("hived", "tierIdeal", true)
+    );
+    let trade = run(0.999, 40.0);
+    let l = dominance::losses(&trade);
+    assert_eq!(l.len(), 2, "{l:?}");
+    assert!(l.iter().all(|x| !x.within));
+    let v = dominance::verdict(&trade);
+    assert!(
+        v.contains("hived tierIdeal 0.999") && v.contains("hived qP50 40") && v.contains("outside"),
+        "{v}"
+    );
+    let svg = charts::trade_off(&trade);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("<circle").count(), 4, "2 policies × 2 panels");
+    assert!(svg.contains("does not dominate"));
+}

@@ -1,7 +1,9 @@
 //! The per-topology lookup tables and [`choose`]: the best free GPU set of a given size
 //! (DESIGN.md §5; reference/gpu-topology.md §7.2 "IslandBuddy").
 //!
-//! Objective, in order: maximise T(S), then W(S), then the fragmentation vector
+//! Objective, in order: maximise T(S), then W(S), then minimise the best-fit vector Fit(F, S)
+//! (free GPUs left beside S in the NVLink, PIX, PXB, PHB and NUMA groups it takes from,
+//! innermost first; [`super::Topology::fit`]), then maximise the fragmentation vector
 //! Cap(F∖S) = [cap(8), cap(4), cap(2)] (lexicographic; cap(F, s) = the highest tier c such that
 //! some component of G_c[F] has ≥ s GPUs, −1 if none), then the **smallest mask as an
 //! integer** ("lowest bits": the set whose highest differing GPU index is lower wins, e.g.
@@ -17,8 +19,8 @@
 //!    subsets, so they are exact), and on larger non-tree nodes within [`ENUM_BUDGET`].
 //! 3. **Tree DP** on tree-shaped (ultrametric) nodes beyond that budget: a knapsack over the
 //!    island tree, exact on (T, W). Its tie-break is the reference's best fit: the smallest
-//!    total size of fully-free islands split by the choice, then the smallest mask (Cap itself
-//!    does not decompose over the tree).
+//!    total size of fully-free islands split by the choice, then the smallest mask (Fit and Cap
+//!    do not decompose over the tree).
 //! 4. **Greedy + swap** on large non-tree meshes beyond the budget: seeded growth inside a
 //!    candidate staying connected in G_c*, then 1-swap improvement of W. T is exact, W is a
 //!    local optimum.
@@ -42,6 +44,16 @@ const SWAP_ROUNDS: usize = 8;
 /// Fragmentation vector [cap(8), cap(4), cap(2)]; larger (lexicographic) is better.
 pub(crate) type Cap = [i8; 3];
 
+/// Levels of the best-fit vector.
+pub const FIT_LEVELS: usize = 5;
+/// The link classes whose groups the best-fit vector looks at, innermost first (any NV# counts
+/// as NVLink; SYS joins everything, so it is the node level, counted apart).
+const FIT_CLASSES: [Link; FIT_LEVELS] = [Link::Nv(1), Link::Pix, Link::Pxb, Link::Phb, Link::Node];
+
+/// Best-fit vector: free GPUs left in the NVLink, PIX, PXB, PHB and NUMA groups a choice takes
+/// from; smaller is better.
+pub type Fit = [u8; FIT_LEVELS];
+
 /// Lookup tables of a topology, computed once in [`Topology::new`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Tables {
@@ -53,6 +65,10 @@ pub(crate) struct Tables {
     pub(crate) islands: [Vec<u64>; 3],
     /// The islands of ≥ 2 GPUs (singletons add nothing to a largest-component search).
     big_islands: [Vec<u64>; 3],
+    /// `fit_groups[l]`: the components of ≥ 2 GPUs of the graph of links at least as good as
+    /// the l-th class of [`FIT_CLASSES`] (nested: NVLink islands, PIX, PXB, PHB and NUMA
+    /// groups).
+    fit_groups: [Vec<u64>; FIT_LEVELS],
     /// `clique[c]`: every island of G_c is a clique of G_c, so the components of G_c[F] are the
     /// islands intersected with F and every subset of an island is connected.
     clique: [bool; 3],
@@ -147,6 +163,7 @@ impl Tables {
             adj,
             islands: [Vec::new(), Vec::new(), Vec::new()],
             big_islands: [Vec::new(), Vec::new(), Vec::new()],
+            fit_groups: Default::default(),
             clique: [false; 3],
             cls_w,
             cls_adj,
@@ -159,6 +176,31 @@ impl Tables {
                 .all(|&m| bits(m).all(|i| (t.adj[c][i as usize] | (1 << i)) & m == m));
             t.big_islands[c] = isl.iter().copied().filter(|m| m.count_ones() >= 2).collect();
             t.islands[c] = isl;
+        }
+        for (l, class) in FIT_CLASSES.iter().enumerate() {
+            let min_w = class.weight();
+            let mut rest = all;
+            while rest != 0 {
+                let mut comp = rest & rest.wrapping_neg();
+                let mut frontier = comp;
+                while frontier != 0 {
+                    let mut next = 0u64;
+                    for i in bits(frontier) {
+                        for j in bits(rest & !comp) {
+                            if link(i, j).weight() >= min_w {
+                                next |= 1 << j;
+                            }
+                        }
+                    }
+                    next &= !comp;
+                    comp |= next;
+                    frontier = next;
+                }
+                if comp.count_ones() >= 2 {
+                    t.fit_groups[l].push(comp);
+                }
+                rest &= !comp;
+            }
         }
         t.tree = t.build_tree(links);
         t
@@ -349,6 +391,23 @@ impl Tables {
         })
     }
 
+    /// Fit(F, X) = [free GPUs left in the NVLink islands X takes from, the same for the PCIe
+    /// islands]: Σ over the islands I of G_c (c = 2, then 1) that meet X of |I ∩ (F ∖ X)|.
+    /// Smaller is better (best fit, innermost islands first: HiveD's buddy rule): a choice
+    /// that finishes a broken island keeps whole islands whole.
+    pub(crate) fn fit(&self, free: u64, x: u64) -> Fit {
+        let rest = free & !x;
+        std::array::from_fn(|l| {
+            let mut left = 0u32;
+            for &m in &self.fit_groups[l] {
+                if m & x != 0 {
+                    left += (m & rest).count_ones();
+                }
+            }
+            left.min(u32::from(u8::MAX)) as u8
+        })
+    }
+
     /// c* and the components of G_c*[free] with ≥ k GPUs (k ≥ 2, |free| ≥ k).
     pub(crate) fn candidates(&self, free: u64, k: u32) -> (u8, Vec<u64>) {
         for c in (1..=2u8).rev() {
@@ -367,19 +426,24 @@ impl Tables {
     /// The chosen set for `free ⊆ all`, `1 ≤ k ≤ |free|`.
     fn choose(&self, free: u64, k: u32) -> (u64, u8, u32) {
         if k == 1 {
-            // W = 0 and T = 2 for every single GPU: only Cap and the mask decide.
+            // W = 0 and T = 2 for every single GPU: only Fit, Cap and the mask decide.
             let ub = self.cap(free);
-            let mut best = (0u64, [-2i8; 3]);
+            let mut best: Option<(u64, Fit, Cap)> = None;
             for i in bits(free) {
-                let cap = self.cap(free & !(1 << i));
-                if cap > best.1 {
-                    best = (1 << i, cap);
-                    if cap == ub {
-                        break; // nothing later can leave more, and later masks are larger
+                let s = 1u64 << i;
+                let fit = self.fit(free, s);
+                if best.is_some_and(|(_, bf, _)| fit > bf) {
+                    continue;
+                }
+                let cap = self.cap(free & !s);
+                if best.is_none_or(|(_, bf, bc)| fit < bf || cap > bc) {
+                    best = Some((s, fit, cap));
+                    if fit == [0; FIT_LEVELS] && cap == ub {
+                        break; // nothing later can do better, and later masks are larger
                     }
                 }
             }
-            return (best.0, 2, 0);
+            return (best.map_or(0, |b| b.0), 2, 0);
         }
         let (cstar, comps) = self.candidates(free, k);
         let count = comps
@@ -485,7 +549,9 @@ impl Tables {
 
     fn greedy(&self, free: u64, k: u32, cstar: u8, comps: &[u64]) -> (u64, u32) {
         let c = cstar as usize;
-        let mut best: Option<(u32, Cap, u64)> = None;
+        // (W, best fit, what is left) of a set, compared lexicographically.
+        type Key = (u32, std::cmp::Reverse<Fit>, Cap);
+        let mut best: Option<(Key, u64)> = None;
         for &x in comps {
             let mut seeds: Vec<(u32, u32)> = bits(x).map(|i| (self.delta(i, x & !(1 << i)), i)).collect();
             seeds.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -535,12 +601,12 @@ impl Tables {
                 }
                 break;
             }
-            let cap = self.cap(free & !s);
-            if best.is_none_or(|(bw, bc, bm)| (w, cap) > (bw, bc) || ((w, cap) == (bw, bc) && s < bm)) {
-                best = Some((w, cap, s));
+            let key = (w, std::cmp::Reverse(self.fit(free, s)), self.cap(free & !s));
+            if best.is_none_or(|(bk, bm)| key > bk || (key == bk && s < bm)) {
+                best = Some((key, s));
             }
         }
-        best.map_or((0, 0), |(w, _, s)| (s, w))
+        best.map_or((0, 0), |((w, ..), s)| (s, w))
     }
 }
 
@@ -567,6 +633,7 @@ impl Val {
 struct Best {
     mask: u64,
     w: u32,
+    fit: Fit,
     cap: Option<Cap>,
 }
 
@@ -598,30 +665,41 @@ impl Enum<'_> {
     }
 
     fn leaf(&mut self, s: u64, w: u32) {
-        if let Some(b) = &self.best {
-            if w < b.w || (w == b.w && b.cap == Some(self.ub) && s > b.mask) {
-                return;
-            }
+        if self.best.as_ref().is_some_and(|b| w < b.w) {
+            return;
         }
         if self.check && !self.t.connected(self.cstar, s) {
             return;
         }
         let t = self.t;
         let free = self.free;
+        let fit = t.fit(free, s);
         match &mut self.best {
             Some(b) if w == b.w => {
-                let bc = *b.cap.get_or_insert_with(|| t.cap(free & !b.mask));
+                if fit > b.fit || (fit == b.fit && b.cap == Some(self.ub) && s > b.mask) {
+                    return;
+                }
                 let sc = t.cap(free & !s);
-                if sc > bc || (sc == bc && s < b.mask) {
+                let better = fit < b.fit || {
+                    let bc = *b.cap.get_or_insert_with(|| t.cap(free & !b.mask));
+                    sc > bc || (sc == bc && s < b.mask)
+                };
+                if better {
                     *b = Best {
                         mask: s,
                         w,
+                        fit,
                         cap: Some(sc),
                     };
                 }
             }
             _ => {
-                self.best = Some(Best { mask: s, w, cap: None });
+                self.best = Some(Best {
+                    mask: s,
+                    w,
+                    fit,
+                    cap: None,
+                });
             }
         }
     }

@@ -2,7 +2,8 @@
 //! (DESIGN.md §5, reference/gpu-topology.md §6–§7).
 //!
 //! Owns: the link-class matrix of a node ([`Topology`]), built from a preset name or the text of
-//! `nvidia-smi topo -m` (`parse`), rendered back to that text for the wire; the set metrics
+//! `nvidia-smi topo -m` (`parse`), rendered back to that text for the wire, with the NICs and
+//! the GPUs' CPU and NUMA affinity that text lists (`locality`); the set metrics
 //! T(S) ([`Topology::tier`]) and W(S) ([`Topology::weight`]); the islands the dashboard groups
 //! GPU boxes by ([`Topology::islands`]); and [`choose`], the exact-or-bounded search for the best
 //! free GPU set of a given size.
@@ -16,13 +17,15 @@
 
 mod choose;
 mod link;
+mod locality;
 mod parse;
 mod presets;
 #[cfg(test)]
 mod tests;
 
-pub use choose::choose;
+pub use choose::{choose, Fit, FIT_LEVELS};
 pub use link::Link;
+pub use locality::{task_locality, CpuList, GpuAffinity, Nic, TaskLocality};
 
 use crate::resources::GpuMask;
 use choose::Tables;
@@ -37,6 +40,12 @@ pub struct Topology {
     /// Row-major `n × n`; the diagonal holds `Link::Nv(0)` (the `X` cell) and is never used.
     links: Vec<Link>,
     tables: Tables,
+    /// NICs and how each GPU reaches them (empty when the text lists none).
+    nics: Vec<Nic>,
+    /// Per GPU, its CPU and NUMA affinity (empty when the text has no affinity columns).
+    affinity: Vec<GpuAffinity>,
+    /// GPUs that share a PCIe switch (PIX/PXB) with an InfiniBand/RoCE NIC.
+    nic_near: GpuMask,
 }
 
 /// A topology that could not be read or built; the message names the line, cell or pair at
@@ -85,7 +94,51 @@ impl Topology {
             n,
             links,
             tables,
+            nics: Vec::new(),
+            affinity: Vec::new(),
+            nic_near: 0,
         })
+    }
+
+    /// The same topology with its NICs (each with one link per GPU) and its GPUs' affinity
+    /// (one entry per GPU, or none at all).
+    pub fn with_locality(mut self, nics: Vec<Nic>, affinity: Vec<GpuAffinity>) -> Result<Topology, TopologyError> {
+        let n = self.n as usize;
+        if let Some(nic) = nics.iter().find(|x| x.links.len() != n) {
+            return Err(TopologyError(format!(
+                "NIC {}: {} GPU links for {n} GPUs (one per GPU)",
+                nic.name,
+                nic.links.len()
+            )));
+        }
+        if !affinity.is_empty() && affinity.len() != n {
+            return Err(TopologyError(format!(
+                "{} GPU affinity entries for {n} GPUs (one per GPU, or none)",
+                affinity.len()
+            )));
+        }
+        self.nic_near = (0..self.n)
+            .filter(|&g| nics.iter().any(|x| x.is_rdma() && x.links[g as usize].tier() >= 1))
+            .fold(0, |m, g| m | 1 << g);
+        self.nics = nics;
+        self.affinity = affinity;
+        Ok(self)
+    }
+
+    /// The NICs the topology text lists, in its column order.
+    pub fn nics(&self) -> &[Nic] {
+        &self.nics
+    }
+
+    /// Each GPU's CPU and NUMA affinity (empty when unknown).
+    pub fn affinity(&self) -> &[GpuAffinity] {
+        &self.affinity
+    }
+
+    /// The GPUs that share a PCIe switch (PIX/PXB) with an InfiniBand/RoCE NIC: their traffic
+    /// to other nodes can go GPUDirect RDMA.
+    pub fn nic_near(&self) -> GpuMask {
+        self.nic_near
     }
 
     /// Preset name, or `"custom"` for a topology parsed from `nvidia-smi topo -m` text.
@@ -156,20 +209,35 @@ impl Topology {
     pub fn cap(&self, set: GpuMask) -> [i8; 3] {
         self.tables.cap(set & self.tables.all)
     }
+
+    /// Fit(F, X), the best-fit vector of taking `x` from the free set `free`: for each link
+    /// class of the ladder NV#, PIX, PXB, PHB, NODE (innermost first), the free GPUs left
+    /// beside `x` in the groups of that level it takes from (a group: a component of ≥ 2 GPUs
+    /// of the graph of links at least that good; any NV# counts as NVLink). Smaller is better:
+    /// finishing a broken group keeps whole groups whole (HiveD's buddy rule, innermost level
+    /// first). The levels mean the same on every topology, so the vectors of different
+    /// machines compare. Bits outside the node are ignored.
+    pub fn fit(&self, free: GpuMask, x: GpuMask) -> Fit {
+        let all = self.tables.all;
+        self.tables.fit(free & all, x & all)
+    }
 }
 
-/// Content hash: the GPU count and the link matrix (not the name, so a parsed matrix equal to a
-/// preset hashes alike; equal topologies hash equal as `Eq` requires).
+/// Content hash: the GPU count, the link matrix, the NICs and the affinity (not the name, so a
+/// parsed matrix equal to a preset hashes alike; equal topologies hash equal as `Eq` requires).
 impl std::hash::Hash for Topology {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         self.n.hash(state);
         self.links.hash(state);
+        self.nics.hash(state);
+        self.affinity.hash(state);
     }
 }
 
 impl Topology {
-    /// Same GPU count and link matrix, whatever the names (the content a GPU choice depends on).
-    pub fn same_links(&self, other: &Topology) -> bool {
-        self.n == other.n && self.links == other.links
+    /// Same GPU count, link matrix, NICs and affinity, whatever the names (everything a GPU
+    /// choice and a task's locality depend on).
+    pub fn same_content(&self, other: &Topology) -> bool {
+        self.n == other.n && self.links == other.links && self.nics == other.nics && self.affinity == other.affinity
     }
 }

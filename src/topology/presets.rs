@@ -1,7 +1,7 @@
 //! Named topologies (reference/gpu-topology.md §6.3): PCIe trees, NVLink meshes and bridges,
 //! NVSwitch boxes. Choices the reference leaves open are documented per preset.
 
-use super::{Link, Topology};
+use super::{CpuList, GpuAffinity, Link, Nic, Topology};
 
 /// Every preset [`Topology::preset`] knows. `none` (no topology) is accepted by
 /// [`Topology::from_spec`] but is not listed here, since it builds no topology.
@@ -10,6 +10,7 @@ const NAMES: &[&str] = &[
     "pcie4-nvbridge",
     "hgx4",
     "pcie8",
+    "pcie8-nic",
     "pcie8-1root",
     "dgx1v",
     "dgx1p",
@@ -56,6 +57,37 @@ fn build(name: &str, n: u32, link: impl Fn(u32, u32) -> Link) -> Topology {
     }
 }
 
+/// `pcie8` with one RDMA NIC per socket (see [`Topology::preset`]).
+fn pcie8_nic() -> Topology {
+    let base = pcie_tree("pcie8-nic", 2, 2, 2, Link::Node);
+    // The NIC sits on the PCIe switch of GPU `first_gpu` (and its pair), in that GPU's socket.
+    let nic = |name: &str, first_gpu: u32| Nic {
+        name: name.to_string(),
+        links: (0..8)
+            .map(|g| {
+                if g / 2 == first_gpu / 2 {
+                    Link::Pix
+                } else if g / 4 == first_gpu / 4 {
+                    Link::Node
+                } else {
+                    Link::Sys
+                }
+            })
+            .collect(),
+    };
+    let cpus = |text: &str| CpuList::parse(text);
+    let affinity = (0..8)
+        .map(|g| GpuAffinity {
+            cpus: cpus(if g < 4 { "0-15,32-47" } else { "16-31,48-63" }),
+            numa: Some(g / 4),
+        })
+        .collect();
+    match base.with_locality(vec![nic("mlx5_0", 0), nic("mlx5_1", 4)], affinity) {
+        Ok(t) => t,
+        Err(e) => unreachable!("preset pcie8-nic is malformed: {e}"),
+    }
+}
+
 impl Topology {
     /// Names of the presets, in a stable order (see [`Topology::preset`]).
     pub fn preset_names() -> &'static [&'static str] {
@@ -68,6 +100,10 @@ impl Topology {
     /// - `hgx4`: 4 × H100 SXM, all pairs NV6.
     /// - `pcie8`: 2 sockets × 2 switches × 2 GPUs: PIX in a switch, NODE across switches of a
     ///   socket, SYS across sockets (reference §6.2).
+    /// - `pcie8-nic`: `pcie8` with one InfiniBand NIC per socket, on the socket's first switch
+    ///   (`mlx5_0` PIX to GPUs 0–1, `mlx5_1` PIX to GPUs 4–5; NODE to the socket's other switch,
+    ///   SYS across), CPUs 0–15,32–47 (NUMA 0) for GPUs 0–3 and 16–31,48–63 (NUMA 1) for 4–7: a
+    ///   commodity 8-GPU server where only half the GPUs have GPUDirect RDMA.
     /// - `pcie8-1root`: one socket, 2 switches × 4 GPUs: PIX in a switch, PXB across.
     /// - `dgx1v`: DGX-1 V100 hybrid cube mesh with the exact NV1/NV2 pairs of reference §6.3;
     ///   the 12 remaining (cross-quad) pairs are SYS, as on a real DGX-1 where they cross
@@ -96,6 +132,7 @@ impl Topology {
             }),
             "hgx4" => build("hgx4", 4, |_, _| Link::Nv(6)),
             "pcie8" => pcie_tree("pcie8", 2, 2, 2, Link::Node),
+            "pcie8-nic" => pcie8_nic(),
             "pcie8-1root" => pcie_tree("pcie8-1root", 2, 4, 1, Link::Pxb),
             "dgx1v" => build("dgx1v", 8, |a, b| {
                 if has(DGX1V_NV2, a, b) {

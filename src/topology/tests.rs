@@ -85,6 +85,39 @@ impl Ref {
         w
     }
 
+    /// Fit(F, S) from its definition: for each class weight of the ladder NV (≥ 25), PIX,
+    /// PXB, PHB, NODE, the groups (components of ≥ 2 GPUs over all GPUs, links of at least that
+    /// weight) that meet S, and the free GPUs outside S in them.
+    fn fit(&self, f: u64, s: u64) -> [u8; 5] {
+        let all: Vec<usize> = (0..self.n).collect();
+        [25u32, 12, 10, 8, 6].map(|min_w| {
+            let mut group = vec![usize::MAX; self.n];
+            for start in 0..self.n {
+                if group[start] != usize::MAX {
+                    continue;
+                }
+                let mut stack = vec![start];
+                group[start] = start;
+                while let Some(a) = stack.pop() {
+                    for &b in &all {
+                        if group[b] == usize::MAX && a != b && self.weight[a * self.n + b] >= min_w {
+                            group[b] = start;
+                            stack.push(b);
+                        }
+                    }
+                }
+            }
+            let mut left = 0;
+            for g in 0..self.n {
+                let members: Vec<usize> = all.iter().copied().filter(|&i| group[i] == g).collect();
+                if members.len() >= 2 && members.iter().any(|&i| s >> i & 1 == 1) {
+                    left += members.iter().filter(|&&i| f >> i & 1 == 1 && s >> i & 1 == 0).count() as u8;
+                }
+            }
+            left
+        })
+    }
+
     fn cap(&self, f: u64) -> [i8; 3] {
         let idx = idx_of(f);
         [8usize, 4, 2].map(|s| {
@@ -101,10 +134,10 @@ fn ref_max_comp(t: &Topology, c: u8, idx: &[u32]) -> usize {
     Ref::new(t).max_comp(c, &idx)
 }
 
-/// (T, W, Cap of what is left, mask).
-type RefBest = (u8, u32, [i8; 3], u64);
+/// (T, W, Fit, Cap of what is left, mask).
+type RefBest = (u8, u32, [u8; 5], [i8; 3], u64);
 
-/// Best (T, W, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
+/// Best (T, W, Fit, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
 /// With `full = false` only (T, W) are compared (the mask returned is then any optimum).
 fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
     let nf = f.count_ones() as usize;
@@ -115,20 +148,25 @@ fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
         let tw = (r.tier(s), r.weight(s));
         let replace = match best[k] {
             None => true,
-            Some((bt, bw, bc, bm)) => {
+            Some((bt, bw, bfit, bc, bm)) => {
                 if tw != (bt, bw) {
                     tw > (bt, bw)
                 } else if full {
+                    let fit = r.fit(f, s);
                     let cap = r.cap(f & !s);
-                    cap > bc || (cap == bc && s < bm)
+                    fit < bfit || (fit == bfit && (cap > bc || (cap == bc && s < bm)))
                 } else {
                     false
                 }
             }
         };
         if replace {
-            let cap = if full { r.cap(f & !s) } else { [0; 3] };
-            best[k] = Some((tw.0, tw.1, cap, s));
+            let (fit, cap) = if full {
+                (r.fit(f, s), r.cap(f & !s))
+            } else {
+                ([0; 5], [0; 3])
+            };
+            best[k] = Some((tw.0, tw.1, fit, cap, s));
         }
         if s == 0 {
             break;
@@ -141,7 +179,7 @@ fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
 fn check_against_reference(t: &Topology, f: u64, full: bool) {
     let r = Ref::new(t);
     let reference = ref_all_k(&r, f, full);
-    for (k, &(rt, rw, rc, rm)) in reference.iter().enumerate() {
+    for (k, &(rt, rw, rfit, rc, rm)) in reference.iter().enumerate() {
         let got = choose(Some(t), f, k as u32).unwrap();
         assert_eq!(got.mask.count_ones(), k as u32, "{} F={f:#x} k={k}", t.name());
         assert_eq!(got.mask & !f, 0, "{} F={f:#x} k={k}: outside free", t.name());
@@ -160,6 +198,8 @@ fn check_against_reference(t: &Topology, f: u64, full: bool) {
             got.mask
         );
         if full {
+            assert_eq!(r.fit(f, got.mask), rfit, "{} F={f:#x} k={k}: Fit", t.name());
+            assert_eq!(t.fit(f, got.mask), rfit, "{} F={f:#x} k={k}: Topology::fit", t.name());
             assert_eq!(r.cap(f & !got.mask), rc, "{} F={f:#x} k={k}: Cap", t.name());
             assert_eq!(got.mask, rm, "{} F={f:#x} k={k}: mask", t.name());
         }
@@ -239,6 +279,7 @@ fn presets_build_with_their_names_and_sizes() {
         ("pcie4-nvbridge", 4),
         ("hgx4", 4),
         ("pcie8", 8),
+        ("pcie8-nic", 8),
         ("pcie8-1root", 8),
         ("dgx1v", 8),
         ("dgx1p", 8),
@@ -449,11 +490,16 @@ fn choose_prefers_whole_switches_and_keeps_pairs_intact() {
 #[test]
 fn k1_leaves_the_best_groups() {
     let t = Topology::preset("pcie8").unwrap();
-    // F = {0,1,2,4}: taking 2 keeps the last full switch pair {0,1}.
-    assert_eq!(choose(Some(&t), 0b1_0111, 1).unwrap().mask, 0b100);
+    // F = {0,1,2,4}: taking 2 or 4 keeps the last full switch pair {0,1}; 4 is alone in its
+    // socket too (best fit at the NUMA level), 2 is not.
+    assert_eq!(choose(Some(&t), 0b1_0111, 1).unwrap().mask, 0b1_0000);
     // F = all but 5: Cap = [cap8, cap4, cap2] is the same whichever GPU goes (a PIX pair is
-    // left either way), so the spec's last rule, the lowest bits, picks GPU 0.
-    assert_eq!(choose(Some(&t), 0xdf, 1).unwrap().mask, 0b1);
+    // left either way), but only GPU 4 leaves no free GPU alone in its switch (best fit).
+    assert_eq!(choose(Some(&t), 0xdf, 1).unwrap().mask, 0b1_0000);
+    // F = {0,1,2,4,5}: GPU 2 is alone in its switch; the pairs {0,1} and {4,5} stay whole.
+    assert_eq!(choose(Some(&t), 0b11_0111, 1).unwrap().mask, 0b100);
+    // pcie8 with everything free, k = 1: a GPU of a switch (any), inside a socket left with 3.
+    assert_eq!(choose(Some(&t), 0xff, 1).unwrap().mask, 0b1);
     let t = Topology::preset("nvbridge8").unwrap();
     // F = {0,1,2}: taking 1 keeps the bridge 0–2.
     assert_eq!(choose(Some(&t), 0b111, 1).unwrap().mask, 0b10);
@@ -472,7 +518,7 @@ fn exact_on_every_free_mask_of_the_8_gpu_presets() {
         .map(|n| Topology::preset(n).unwrap())
         .filter(|t| t.gpu_count() <= 8)
         .collect();
-    assert_eq!(small.len(), 10, "the 4- and 8-GPU presets");
+    assert_eq!(small.len(), 11, "the 4- and 8-GPU presets");
     for t in small {
         let all = t.all_mask();
         for f in 0..=all {
@@ -706,8 +752,12 @@ fn every_preset_round_trips_through_topo_text() {
         let text = p.to_topo_text();
         let back = Topology::parse_nvidia_smi(&text).unwrap();
         assert_eq!(back.name(), "custom");
-        let renamed = Topology::new(name, back.gpu_count(), |a, b| back.link(a, b)).unwrap();
+        let renamed = Topology::new(name, back.gpu_count(), |a, b| back.link(a, b))
+            .unwrap()
+            .with_locality(back.nics().to_vec(), back.affinity().to_vec())
+            .unwrap();
         assert_eq!(renamed, p, "{name}");
+        assert!(back.same_content(&p), "{name}");
         assert_eq!(Topology::from_spec(&text).unwrap(), Some(back));
     }
 }
@@ -776,4 +826,199 @@ fn parse_errors_name_the_place() {
         s
     };
     assert!(parse_err(&big).contains("at most 64"));
+}
+
+// ---------- NICs, CPU and NUMA affinity ----------
+
+/// Shaped like a DGX A100 (`nvidia-smi topo -m`, driver 470): NVSwitch, one PCIe switch per GPU
+/// pair with its InfiniBand NIC (PXB), CPUs by NPS4 NUMA node, NIC rows, the legend.
+const DGXA100_TEXT: &str =
+    "\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tmlx5_0\tmlx5_1\tmlx5_2\tmlx5_3\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV12\tNV12\tNV12\tNV12\tNV12\tNV12\tNV12\tPXB\tSYS\tSYS\tSYS\t48-63,176-191\t3
+GPU1\tNV12\t X \tNV12\tNV12\tNV12\tNV12\tNV12\tNV12\tPXB\tSYS\tSYS\tSYS\t48-63,176-191\t3
+GPU2\tNV12\tNV12\t X \tNV12\tNV12\tNV12\tNV12\tNV12\tSYS\tPXB\tSYS\tSYS\t16-31,144-159\t1
+GPU3\tNV12\tNV12\tNV12\t X \tNV12\tNV12\tNV12\tNV12\tSYS\tPXB\tSYS\tSYS\t16-31,144-159\t1
+GPU4\tNV12\tNV12\tNV12\tNV12\t X \tNV12\tNV12\tNV12\tSYS\tSYS\tPXB\tSYS\t112-127,240-255\t7
+GPU5\tNV12\tNV12\tNV12\tNV12\tNV12\t X \tNV12\tNV12\tSYS\tSYS\tPXB\tSYS\t112-127,240-255\t7
+GPU6\tNV12\tNV12\tNV12\tNV12\tNV12\tNV12\t X \tNV12\tSYS\tSYS\tSYS\tPXB\t80-95,208-223\t5
+GPU7\tNV12\tNV12\tNV12\tNV12\tNV12\tNV12\tNV12\t X \tSYS\tSYS\tSYS\tPXB\t80-95,208-223\t5
+mlx5_0\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t X \tSYS\tSYS\tSYS
+mlx5_1\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\t X \tSYS\tSYS
+mlx5_2\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\t X \tSYS
+mlx5_3\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\t X
+
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
+  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
+  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
+  PIX  = Connection traversing at most a single PCIe bridge
+  NV#  = Connection traversing a bonded set of # NVLinks
+";
+
+fn nic_names(t: &Topology) -> Vec<&str> {
+    t.nics().iter().map(|n| n.name.as_str()).collect()
+}
+
+fn env_of(t: &Topology, mask: u64) -> Vec<(String, String)> {
+    task_locality(t, mask).env()
+}
+
+fn pairs(v: &[(&str, &str)]) -> Vec<(String, String)> {
+    v.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+}
+
+#[test]
+fn nics_and_affinity_are_read_with_the_matrix() {
+    // New driver: NIC0… in the header, named by the NIC Legend; NUMA Affinity and GPU NUMA ID.
+    let t = Topology::parse_nvidia_smi(H100_NEW_DRIVER).unwrap();
+    assert_eq!(nic_names(&t), ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]);
+    assert_eq!(t.nics()[0].links[0], Link::Pix);
+    assert_eq!(t.nics()[0].links[1], Link::Node);
+    assert_eq!(t.nics()[3].links[6], Link::Pix);
+    assert_eq!(t.affinity()[0].cpus.as_ref().unwrap().to_string(), "0-55,112-167");
+    assert_eq!(t.affinity()[5].numa, Some(1));
+    assert_eq!(t.nic_near(), 0b0101_0101, "GPUs 0, 2, 4, 6 sit behind a NIC's switch");
+    // DGX-1: NICs named in the header (in the order mlx5_0, mlx5_2, mlx5_1, mlx5_3), CPU
+    // affinity only.
+    let t = Topology::parse_nvidia_smi(DGX1V_TEXT).unwrap();
+    assert_eq!(nic_names(&t), ["mlx5_0", "mlx5_2", "mlx5_1", "mlx5_3"]);
+    assert_eq!(t.nic_near(), 0xff);
+    assert_eq!(t.affinity()[7].numa, None);
+    // Old driver: one NIC, SOC-linked to half the GPUs, PHB to the others: no GPUDirect path.
+    let t = Topology::parse_nvidia_smi(OLD_DRIVER_SOC).unwrap();
+    assert_eq!(nic_names(&t), ["mlx5_0"]);
+    assert_eq!(t.nics()[0].links, vec![Link::Sys, Link::Sys, Link::Phb, Link::Phb]);
+    assert_eq!(t.nic_near(), 0);
+    // DGX A100 shape: NUMA Affinity and NIC rows.
+    let t = Topology::parse_nvidia_smi(DGXA100_TEXT).unwrap();
+    assert_eq!(t.nics().len(), 4);
+    assert_eq!(t.affinity()[4].numa, Some(7));
+    assert_eq!(t.nic_near(), 0xff);
+    // A matrix without NICs is not near any.
+    assert_eq!(Topology::preset("pcie8").unwrap().nic_near(), 0);
+    assert_eq!(Topology::preset("pcie8-nic").unwrap().nic_near(), 0b0011_0011);
+}
+
+#[test]
+fn texts_with_nics_round_trip_and_nics_are_part_of_the_content() {
+    for text in [H100_NEW_DRIVER, DGX1V_TEXT, OLD_DRIVER_SOC, DGXA100_TEXT] {
+        let t = Topology::parse_nvidia_smi(text).unwrap();
+        let back = Topology::parse_nvidia_smi(&t.to_topo_text()).unwrap();
+        assert_eq!(back, t);
+    }
+    // The DGX-1 text's matrix is the preset's, but its NICs make it another content.
+    let text = Topology::parse_nvidia_smi(DGX1V_TEXT).unwrap();
+    let preset = Topology::preset("dgx1v").unwrap();
+    assert!(!text.same_content(&preset));
+    let bare = Topology::new("x", 8, |a, b| text.link(a, b)).unwrap();
+    assert!(bare.same_content(&preset));
+}
+
+#[test]
+fn nic_and_affinity_errors_name_the_place() {
+    let bad_nic = "\tGPU0\tGPU1\tmlx5_0\nGPU0\t X \tPIX\tNV2\nGPU1\tPIX\t X \tPIX\n";
+    let e = parse_err(bad_nic);
+    assert!(e.contains("row GPU0, column mlx5_0") && e.contains("NV2"), "{e}");
+    let short = "\tGPU0\tGPU1\tmlx5_0\nGPU0\t X \tPIX\nGPU1\tPIX\t X \tPIX\n";
+    let e = parse_err(short);
+    assert!(
+        e.contains("line 2") && e.contains("expected 3") && e.contains("GPU and NIC"),
+        "{e}"
+    );
+    let cpus = "\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tPIX\t0-7\nGPU1\tPIX\t X \t7-0\n";
+    let e = parse_err(cpus);
+    assert!(
+        e.contains("line 3") && e.contains("CPU Affinity") && e.contains("`7-0`"),
+        "{e}"
+    );
+    let numa = "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tPIX\t0-7\tzero\nGPU1\tPIX\t X \t0-7\t0\n";
+    let e = parse_err(numa);
+    assert!(e.contains("NUMA Affinity") && e.contains("`zero`"), "{e}");
+    let asym = "\tGPU0\tGPU1\tmlx5_0\nGPU0\t X \tPIX\tPIX\nGPU1\tPIX\t X \tSYS\nmlx5_0\tPIX\tPIX\t X \n";
+    let e = parse_err(asym);
+    assert!(e.contains("line 4") && e.contains("GPU1→mlx5_0 is SYS"), "{e}");
+    // N/A cells are "unknown", not errors.
+    let na = "\tGPU0\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tN/A\tN/A\n";
+    let t = Topology::parse_nvidia_smi(na).unwrap();
+    assert_eq!(t.affinity()[0], GpuAffinity::default());
+}
+
+#[test]
+fn cpu_lists_parse_merge_and_print() {
+    let a = CpuList::parse("40-59, 0-19").unwrap();
+    assert_eq!(a.to_string(), "0-19,40-59");
+    let b = CpuList::parse("20-39,60-79").unwrap();
+    assert_eq!(a.union(&b).to_string(), "0-79");
+    assert_eq!(CpuList::parse("3,1,2,7").unwrap().to_string(), "1-3,7");
+    assert_eq!(
+        a.intersect(&CpuList::parse("10-45").unwrap()).to_string(),
+        "10-19,40-45"
+    );
+    assert!(a.intersect(&b).is_empty());
+    assert_eq!(CpuList::parse("0-3").unwrap().cpus().collect::<Vec<_>>(), [0, 1, 2, 3]);
+    for bad in ["N/A", "", "5-2", "a-b", "1,,2"] {
+        assert_eq!(CpuList::parse(bad), None, "{bad}");
+    }
+}
+
+#[test]
+fn a_task_gets_its_gpus_cpus_and_nics() {
+    let dgx1 = Topology::parse_nvidia_smi(DGX1V_TEXT).unwrap();
+    // One PCIe switch, one socket: its NIC, its socket's CPUs.
+    assert_eq!(
+        env_of(&dgx1, 0b11),
+        pairs(&[
+            ("GPUAM_CPU_AFFINITY", "0-19,40-59"),
+            ("GPUAM_NIC", "mlx5_0"),
+            ("NCCL_IB_HCA", "mlx5_0"),
+        ])
+    );
+    // Two switches of socket 0: both NICs, in GPU order.
+    assert_eq!(
+        env_of(&dgx1, 0b0101),
+        pairs(&[
+            ("GPUAM_CPU_AFFINITY", "0-19,40-59"),
+            ("GPUAM_NIC", "mlx5_0,mlx5_1"),
+            ("NCCL_IB_HCA", "mlx5_0,mlx5_1"),
+        ])
+    );
+    // Across sockets: both sockets' CPUs.
+    let l = task_locality(&dgx1, 0b1_1000);
+    assert_eq!(l.cpus.unwrap().to_string(), "0-79");
+    assert_eq!(l.nics, ["mlx5_1", "mlx5_2"]);
+    // DGX A100: NUMA nodes too.
+    let a100 = Topology::parse_nvidia_smi(DGXA100_TEXT).unwrap();
+    assert_eq!(
+        env_of(&a100, 0b1100_0000),
+        pairs(&[
+            ("GPUAM_CPU_AFFINITY", "80-95,208-223"),
+            ("GPUAM_NUMA_NODES", "5"),
+            ("GPUAM_NIC", "mlx5_3"),
+            ("NCCL_IB_HCA", "mlx5_3"),
+        ])
+    );
+    assert_eq!(task_locality(&a100, 0b101).numa, [1, 3]);
+    // Old driver: the nearest NIC is across the host bridge: named, but no NCCL_IB_HCA.
+    let old = Topology::parse_nvidia_smi(OLD_DRIVER_SOC).unwrap();
+    assert_eq!(
+        env_of(&old, 0b100),
+        pairs(&[("GPUAM_CPU_AFFINITY", "12-23"), ("GPUAM_NIC", "mlx5_0")])
+    );
+    // An Ethernet NIC behind the GPU's switch is named, but NCCL_IB_HCA is for IB/RoCE only.
+    let eth = Topology::parse_nvidia_smi("\tGPU0\teth2\tCPU Affinity\nGPU0\t X \tPIX\t0-3\n").unwrap();
+    assert_eq!(
+        env_of(&eth, 1),
+        pairs(&[("GPUAM_CPU_AFFINITY", "0-3"), ("GPUAM_NIC", "eth2")])
+    );
+    // No GPU, or a topology without NICs or affinity: nothing.
+    assert!(env_of(&dgx1, 0).is_empty());
+    assert!(env_of(&Topology::preset("pcie8").unwrap(), 0b11).is_empty());
+    // One GPU's affinity unknown: no CPU list at all (a partial one would starve the task).
+    let partial =
+        Topology::parse_nvidia_smi("\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tPIX\t0-3\nGPU1\tPIX\t X \tN/A\n").unwrap();
+    assert_eq!(task_locality(&partial, 0b11).cpus, None);
+    assert_eq!(task_locality(&partial, 0b01).cpus.unwrap().to_string(), "0-3");
 }

@@ -292,6 +292,7 @@ pub fn demo_hub_with_commands(
                 gpu_tier: (!waiting).then_some(1),
                 gpu_tier_ideal: (!waiting).then_some(true),
                 gpu_weight: (!waiting).then_some(12),
+                nic: (!waiting).then(|| "mlx5_0".to_string()),
                 trace,
             });
             while selections.len() > crate::am::status::SELECTION_HISTORY {

@@ -98,12 +98,19 @@ pub(super) async fn agent_register(
     }
     let topology = crate::topology::Topology::from_spec(&req.topology)
         .map_err(|e| ApiError::bad_request(format!("topology: {e}")))?;
+    let ip = req
+        .ip
+        .map(crate::node::wire::check_node_ip)
+        .transpose()
+        .map_err(|e| ApiError::bad_request(format!("ip: {e}")))?;
     let mut node = Node::new(req.host.clone(), req.rack.clone(), req.total.clone());
     node.labels = req.labels.clone();
     node.gpu_type = req.gpu_type.clone();
     node.topology = topology.map(Arc::new);
-    // AMs reach every container through this RM (which checks their grants).
+    // AMs reach every container through this RM (which checks their grants); the
+    // containers' peers reach them at the node's own IP.
     node.http_address = rm.base_url.clone();
+    node.ip = ip;
     let host = req.host.clone();
     let reply = {
         let mut st = rm.lock();
@@ -113,6 +120,7 @@ pub(super) async fn agent_register(
         tracing::info!(
             %host,
             address = %req.http_address,
+            ip = ?req.ip,
             new,
             reported = req.containers.len(),
             stop = reply.stop.len(),

@@ -1,0 +1,172 @@
+//! The AM protocol (YARN's ApplicationMasterProtocol over REST): register, allocate
+//! (grants, rejections, releases, completions, updated nodes; idempotent by `responseId`)
+//! and finish.
+
+use super::*;
+
+pub(super) async fn am_register(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<RegisterRequest>,
+) -> Result<Json<RegisterResponse>, ApiError> {
+    let mut st = rm.lock();
+    let epoch = st.ledger.epoch();
+    let max = st.ledger.max_capability();
+    let expiry = st.ledger.expiry().as_secs();
+    let app = app_mut(&mut st.apps, &id)?;
+    authorize(app, &headers)?;
+    if app.report.state.is_final() {
+        return Err(ApiError::conflict(format!(
+            "application `{id}` is already {:?}",
+            app.report.state
+        )));
+    }
+    // Registering again (a retried request, or a resync after an RM restart) is harmless.
+    if !app.registered {
+        app.registered = true;
+        app.report.state = AppState::Running;
+        app.nodes_seen = epoch;
+    }
+    app.report.tracking_url = req.tracking_url;
+    let attempt = app.report.attempt;
+    // All of the application's containers: a new attempt has none of its own yet, so
+    // these are the earlier attempts'; an AM that resyncs gets its own too, including
+    // grants whose answer the RM never got to send.
+    let previous = st
+        .ledger
+        .containers_of(&id)
+        .into_iter()
+        .map(|c| PreviousContainer {
+            container: c.container.clone(),
+            state: c.state,
+            exit_status: c.exit_status,
+            diagnostics: c.diagnostics.clone(),
+        })
+        .collect();
+    Ok(Json(RegisterResponse {
+        maximum_capability: max,
+        containers_from_previous_attempts: previous,
+        attempt,
+        container_expiry_sec: expiry,
+    }))
+}
+
+pub(super) async fn am_allocate(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<AllocateRequest>,
+) -> Result<Json<AllocateResponse>, ApiError> {
+    let (answer, ended) = {
+        let mut st = rm.lock();
+        let st = &mut *st;
+        let app = app_mut(&mut st.apps, &id)?;
+        authorize(app, &headers)?;
+        if let Some((last_req, last)) = &app.last_allocate {
+            if req.response_id == *last_req {
+                return Ok(Json(last.clone()));
+            }
+            if req.response_id != last.response_id {
+                return Err(ApiError::bad_request(format!(
+                    "responseId {} is out of order: the last answer was {}",
+                    req.response_id, last.response_id
+                )));
+            }
+        }
+        let num_cluster_nodes = st.ledger.nodes().count() as u32;
+        let mut out = AllocateResponse {
+            response_id: req.response_id + 1,
+            num_cluster_nodes,
+            ..Default::default()
+        };
+        if app.shutdown || app.report.state.is_final() {
+            out.command = Some(AmCommand::Shutdown);
+            out.completed = std::mem::take(&mut app.pending_completed);
+            app.last_allocate = Some((req.response_id, out.clone()));
+            return Ok(Json(out));
+        }
+        if !app.registered {
+            // Not registered (never, or not since this RM restarted): YARN's AM_RESYNC.
+            // Nothing in this request is acted on; the AM registers and sends it again.
+            out.command = Some(AmCommand::Resync);
+            return Ok(Json(out));
+        }
+        app.report.progress = req.progress.clamp(0.0, 1.0);
+        let attempt = app.report.attempt;
+
+        // Releases: freed now, not reported back (the AM asked for it).
+        let mut ended = Vec::new();
+        for cid in &req.releases {
+            match st.ledger.container(cid) {
+                Some(c) if c.app_id == id => {
+                    if let Some(e) = st
+                        .ledger
+                        .stop(cid, exit_status::ABORTED, "Container released by application")
+                    {
+                        ended.push(e);
+                    }
+                }
+                _ => {
+                    tracing::debug!(app = %id, container = %cid, "release of a container this app does not hold")
+                }
+            }
+        }
+        // Cancels need no work: asks never stay pending (see the module doc).
+        let now = Instant::now();
+        for ask in &req.asks {
+            match st.ledger.grant(&id, attempt, ask, now) {
+                Ok(c) => out.allocated.push(c),
+                Err(r) => out.rejected.push(r),
+            }
+        }
+        let app = app_mut(&mut st.apps, &id)?;
+        out.completed = std::mem::take(&mut app.pending_completed);
+        out.updated_nodes = st
+            .ledger
+            .changed_since(app.nodes_seen)
+            .map(|(n, c)| node_to_json(n, c, now_ms()))
+            .collect();
+        app.nodes_seen = st.ledger.epoch();
+        app.last_allocate = Some((req.response_id, out.clone()));
+        (out, ended)
+    };
+    spawn_stops(&rm, ended);
+    Ok(Json(answer))
+}
+
+pub(super) async fn am_finish(
+    State(rm): Rm,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<FinishRequest>,
+) -> Result<Json<FinishResponse>, ApiError> {
+    let ended = {
+        let mut st = rm.lock();
+        let app = app_mut(&mut st.apps, &id)?;
+        authorize(app, &headers)?;
+        if !app.unregistered {
+            let state = match req.final_status {
+                FinalStatus::Succeeded => AppState::Finished,
+                FinalStatus::Failed => AppState::Failed,
+                FinalStatus::Killed => AppState::Killed,
+                FinalStatus::Undefined => {
+                    return Err(ApiError::bad_request(
+                        "`finalStatus` must be SUCCEEDED, FAILED or KILLED",
+                    ))
+                }
+            };
+            app.finish(state, req.final_status, req.exit_code, req.diagnostics);
+            app.unregistered = true;
+            tracing::info!(app = %id, ?state, "application finished");
+        }
+        release_all(
+            &mut st,
+            &id,
+            exit_status::KILLED_AFTER_APP_COMPLETION,
+            "Container killed after the application finished",
+        )
+    };
+    spawn_stops(&rm, ended);
+    Ok(Json(FinishResponse { is_unregistered: true }))
+}

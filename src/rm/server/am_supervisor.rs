@@ -1,0 +1,269 @@
+//! The AM supervisor: launches one AM process per application attempt, watches it (also
+//! one inherited from an earlier RM), and on its death starts the next attempt
+//! (work-preserving) or fails the application.
+
+use super::*;
+
+/// How long a killed application's AM gets to exit by itself before it is killed.
+pub const AM_KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// Lines of am.stderr quoted when an AM dies without finishing.
+pub(super) const STDERR_TAIL_LINES: usize = 20;
+
+pub(super) struct AmProc {
+    /// Sending (or dropping) kills the AM process.
+    pub(super) kill: Option<oneshot::Sender<()>>,
+    pub(super) task: JoinHandle<()>,
+}
+
+/// After a restart: the executor watches the containers that were running again (a
+/// container whose process is gone completes with what it left behind), and each
+/// unfinished application's AM is watched again, or, if it died meanwhile, replaced by
+/// its next attempt.
+pub(super) fn reattach(rm: &Arc<Shared>) {
+    let (running, ams) = {
+        let st = rm.lock();
+        let running: Vec<(String, String)> = st
+            .ledger
+            .live_containers()
+            .into_iter()
+            .filter_map(|id| {
+                let c = st.ledger.container(&id)?;
+                (c.state == ContainerState::Running).then(|| (c.container.host.clone(), id))
+            })
+            .collect();
+        let ams: Vec<(String, Option<ProcessId>)> = st
+            .apps
+            .values()
+            .filter(|a| !a.report.state.is_final() && !a.unregistered && a.launch.is_some())
+            .map(|a| (a.report.id.clone(), a.running_am()))
+            .collect();
+        (running, ams)
+    };
+    for (host, id) in &running {
+        rm.nodes.for_host(host).reattach(host, id);
+    }
+    if !rm.launch_am {
+        return;
+    }
+    for (id, process) in ams {
+        match process.filter(ProcessId::alive) {
+            Some(p) => watch_inherited_am(rm, &id, p),
+            None => {
+                let rm = rm.clone();
+                tokio::spawn(async move {
+                    on_am_exit(&rm, &id, "it ended while the RM was down".into()).await;
+                });
+            }
+        }
+    }
+}
+
+/// Starts `<am_program> am <job.yaml> --rm URL --app-id ID [--listen ADDR]` for the
+/// application's current attempt, with its output in the app's directory, and watches
+/// it. The app token and the job token go in the environment (`GPUAM_APP_TOKEN`,
+/// `GPUAM_JOB_TOKEN`), not on the command line where other local users could read
+/// them; the RM's settings file goes along as `GPUAM_CONFIG` so the AM runs with the
+/// same settings. The attempt is recorded with the process's identity, so a restarted
+/// RM can find it again.
+pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> std::io::Result<()> {
+    let (token, job_token, launch) = {
+        let mut st = rm.lock();
+        let app = st
+            .apps
+            .get_mut(id)
+            .ok_or_else(|| std::io::Error::other(format!("unknown application `{id}`")))?;
+        let launch = app
+            .launch
+            .clone()
+            .ok_or_else(|| std::io::Error::other(format!("application `{id}` has no AM to launch")))?;
+        app.attempt_started(None);
+        (app.token().to_string(), app.job_token().map(str::to_string), launch)
+    };
+    let dir = rm.work_dir.join(id);
+    // Appended: a later attempt's output follows the earlier one's, which tells why it died.
+    let append = |name: &str| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(name))
+    };
+    let stdout = append("am.stdout")?;
+    let stderr = append("am.stderr")?;
+    let program = match &rm.am_program {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?,
+    };
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.arg("am")
+        .arg(&launch.job_path)
+        .arg("--rm")
+        .arg(&rm.base_url)
+        .arg("--app-id")
+        .arg(id)
+        .env("GPUAM_APP_TOKEN", &token)
+        // The AM has no use for the RM's admin token.
+        .env_remove("GPUAM_ADMIN_TOKEN");
+    if let Some(t) = &job_token {
+        cmd.env("GPUAM_JOB_TOKEN", t);
+    }
+    if std::env::var_os("GPUAM_CONFIG").is_none() {
+        if let Some(p) = crate::config::default_settings_path().and_then(|p| std::fs::canonicalize(p).ok()) {
+            cmd.env("GPUAM_CONFIG", p);
+        }
+    }
+    if let Some(l) = &launch.listen {
+        cmd.arg("--listen").arg(l);
+    }
+    // `kill_on_drop` only matters for an orderly stop; an RM that dies leaves its AMs
+    // running, and the next RM re-attaches to them.
+    cmd.stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .current_dir(&dir)
+        .kill_on_drop(true);
+    let pid = {
+        // Hold the table while spawning so the watcher cannot finish before it is listed.
+        let mut procs = rm.am_procs.lock();
+        let mut child = cmd.spawn()?;
+        let pid = child.id();
+        let (kill_tx, kill_rx) = oneshot::channel::<()>();
+        let watcher_rm = rm.clone();
+        let app = id.to_string();
+        let task = tokio::spawn(async move {
+            let status = tokio::select! {
+                s = child.wait() => s,
+                _ = kill_rx => {
+                    let _ = child.start_kill();
+                    child.wait().await
+                }
+            };
+            let how = match &status {
+                Ok(s) => match s.code() {
+                    Some(c) => format!("exit code {c}"),
+                    None => format!("{s}"),
+                },
+                Err(e) => format!("unknown exit ({e})"),
+            };
+            on_am_exit(&watcher_rm, &app, how).await;
+        });
+        procs.insert(
+            id.to_string(),
+            AmProc {
+                kill: Some(kill_tx),
+                task,
+            },
+        );
+        pid
+    };
+    if let Some(p) = pid.and_then(ProcessId::of) {
+        let mut st = rm.lock();
+        if let Some(a) = st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
+            if a.finished_time == 0 && a.process.is_none() {
+                a.process = Some(p);
+            }
+        }
+    }
+    tracing::info!(app = %id, "AM launched");
+    Ok(())
+}
+
+/// Watches an AM process that an earlier RM started (RM restart): it is not our child,
+/// so its end is polled for and its exit status is unknown.
+pub(super) fn watch_inherited_am(rm: &Arc<Shared>, id: &str, process: ProcessId) {
+    let (kill_tx, kill_rx) = oneshot::channel::<()>();
+    let watcher_rm = rm.clone();
+    let app = id.to_string();
+    let mut procs = rm.am_procs.lock();
+    let task = tokio::spawn(async move {
+        tokio::select! {
+            _ = process.ended() => {}
+            _ = kill_rx => {
+                process.signal(libc::SIGKILL);
+                let _ = tokio::time::timeout(AM_KILL_GRACE, process.ended()).await;
+            }
+        }
+        on_am_exit(
+            &watcher_rm,
+            &app,
+            "exit status unknown: it was started by an earlier RM".into(),
+        )
+        .await;
+    });
+    procs.insert(
+        id.to_string(),
+        AmProc {
+            kill: Some(kill_tx),
+            task,
+        },
+    );
+    tracing::info!(app = %id, pid = process.pid, "re-attached to the running AM");
+}
+
+/// The AM process ended: if it never finished the application, a new attempt starts
+/// (work-preserving: it re-adopts the job's containers) while attempts remain;
+/// otherwise the application failed.
+pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
+    rm.am_procs.lock().remove(id);
+    let tail = stderr_tail(&rm.work_dir.join(id).join("am.stderr"), STDERR_TAIL_LINES);
+    let ended = {
+        let mut st = rm.lock();
+        let Some(app) = st.apps.get_mut(id) else {
+            return;
+        };
+        app.attempt_ended(&how);
+        if app.unregistered || app.report.state.is_final() {
+            tracing::info!(app = %id, "AM exited ({how})");
+            return;
+        }
+        let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
+        if app.report.attempt < rm.max_am_attempts && !app.shutdown && !stopping && app.launch.is_some() {
+            app.report.attempt += 1;
+            app.registered = false;
+            app.report.state = AppState::Accepted;
+            app.last_allocate = None;
+            let attempt = app.report.attempt;
+            drop(st);
+            tracing::warn!(app = %id, attempt, "AM exited without finishing ({how}); starting attempt {attempt}");
+            match launch_am(rm, id) {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(app = %id, error = %e, "could not start a new AM attempt");
+                    st = rm.lock();
+                }
+            }
+        }
+        let Some(app) = st.apps.get_mut(id) else {
+            return;
+        };
+        let mut diag = format!("the AM process exited ({how}) without finishing the application");
+        if !tail.is_empty() {
+            diag.push_str("; last lines of am.stderr:\n");
+            diag.push_str(&tail);
+        }
+        tracing::warn!(app = %id, "AM exited without finishing ({how})");
+        app.finish(AppState::Failed, FinalStatus::Failed, crate::exit::JOB_FAILED, diag);
+        release_all(
+            &mut st,
+            id,
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            "the application's AM died",
+        )
+    };
+    spawn_stops(rm, ended);
+}
+
+/// The last `n` lines of a file (reading at most its last 16 KiB).
+pub(super) fn stderr_tail(path: &Path, n: usize) -> String {
+    let read = || -> std::io::Result<String> {
+        let mut f = std::fs::File::open(path)?;
+        let len = f.metadata()?.len();
+        f.seek(SeekFrom::Start(len.saturating_sub(16 * 1024)))?;
+        let mut buf = Vec::new();
+        f.read_to_end(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    };
+    let text = read().unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}

@@ -1,0 +1,183 @@
+//! Cluster-wide endpoints: cluster info and metrics, the node listing (YARN's shape with
+//! gpuam's extensions, DESIGN.md §3) and the admin's node state changes.
+
+use super::*;
+
+/// Sets a node's state; unusable states end its containers (completed to their apps
+/// with -100 and the lost-node diagnostics) and kill their process groups through the
+/// executor. Returns how many containers ended; `None` for an unknown host.
+pub(super) async fn change_node_state(shared: &Shared, host: &str, state: NodeState) -> Option<usize> {
+    let ended = {
+        let mut st = shared.lock();
+        let ended = st.ledger.set_node_state(host, state)?;
+        for e in &ended {
+            queue_completed(&mut st.apps, e);
+        }
+        ended
+    };
+    tracing::warn!(%host, ?state, containers = ended.len(), "node state changed by an administrator");
+    stop_running(shared, &ended).await;
+    Some(ended.len())
+}
+
+pub(super) async fn cluster_info(State(rm): Rm) -> Json<Value> {
+    let (store, store_errors) = {
+        let st = rm.lock();
+        (st.store.kind(), st.store_errors)
+    };
+    Json(json!({ "clusterInfo": {
+        "id": rm.cluster_ts,
+        "startedOn": rm.cluster_ts,
+        "state": "STARTED",
+        "haState": "ACTIVE",
+        "rmStateStoreName": store,
+        // Writes to the state store that failed (a restart now would lose their changes).
+        "rmStateStoreWriteErrors": store_errors,
+        "resourceManagerVersion": concat!("gpuam-", env!("CARGO_PKG_VERSION")),
+        "hadoopVersion": "3.4.1 (gpuam compatible)",
+    }}))
+}
+
+pub(super) async fn cluster_metrics(State(rm): Rm) -> Json<Value> {
+    let st = rm.lock();
+    let count = |f: &dyn Fn(&App) -> bool| st.apps.values().filter(|a| f(a)).count();
+    let (mut total_mb, mut used_mb, mut total_vc, mut used_vc, mut total_gpu, mut used_gpu) =
+        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut by_state: HashMap<NodeState, u32> = HashMap::new();
+    let mut containers = 0u32;
+    for (n, c) in st.ledger.nodes() {
+        *by_state.entry(n.state).or_default() += 1;
+        containers += c;
+        if n.state.is_unusable() {
+            continue;
+        }
+        total_mb += n.total().memory_mb;
+        used_mb += n.used().memory_mb;
+        total_vc += u64::from(n.total().cpu);
+        used_vc += u64::from(n.used().cpu);
+        total_gpu += u64::from(n.total().gpu_count());
+        used_gpu += u64::from(n.used().gpu_count());
+    }
+    let nodes = |s: NodeState| by_state.get(&s).copied().unwrap_or(0);
+    Json(json!({ "clusterMetrics": {
+        "appsSubmitted": st.apps.len(),
+        "appsCompleted": count(&|a| a.report.state.is_final()),
+        "appsPending": count(&|a| matches!(a.report.state, AppState::New | AppState::Submitted | AppState::Accepted)),
+        "appsRunning": count(&|a| a.report.state == AppState::Running),
+        "appsFailed": count(&|a| a.report.state == AppState::Failed),
+        "appsKilled": count(&|a| a.report.state == AppState::Killed),
+        "reservedMB": 0,
+        "availableMB": total_mb.saturating_sub(used_mb),
+        "allocatedMB": used_mb,
+        "totalMB": total_mb,
+        "reservedVirtualCores": 0,
+        "availableVirtualCores": total_vc.saturating_sub(used_vc),
+        "allocatedVirtualCores": used_vc,
+        "totalVirtualCores": total_vc,
+        "containersAllocated": containers,
+        "containersReserved": 0,
+        "containersPending": 0,
+        "totalNodes": st.ledger.nodes().count(),
+        "activeNodes": nodes(NodeState::Running),
+        "lostNodes": nodes(NodeState::Lost),
+        "unhealthyNodes": nodes(NodeState::Unhealthy),
+        "decommissioningNodes": nodes(NodeState::Decommissioning),
+        "decommissionedNodes": nodes(NodeState::Decommissioned),
+        "rebootedNodes": nodes(NodeState::Rebooted),
+        "shutdownNodes": nodes(NodeState::Shutdown),
+        "totalGpus": total_gpu,
+        "allocatedGpus": used_gpu,
+        "availableGpus": total_gpu.saturating_sub(used_gpu),
+    }}))
+}
+
+#[derive(Deserialize)]
+pub(super) struct NodesQuery {
+    pub(super) states: Option<String>,
+}
+
+pub(super) async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Json<Value>, ApiError> {
+    let wanted: Option<Vec<NodeState>> = match q.states.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+        None => None,
+        Some(s) => Some(
+            s.split(',')
+                .map(|x| {
+                    serde_json::from_value(Value::String(x.trim().to_ascii_uppercase()))
+                        .map_err(|_| ApiError::bad_request(format!("`states`: unknown node state `{x}`")))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+    };
+    let st = rm.lock();
+    let nodes = st
+        .ledger
+        .nodes()
+        .filter(|(n, _)| wanted.as_ref().is_none_or(|w| w.contains(&n.state)));
+    Ok(Json(nodes_to_json(nodes, now_ms())))
+}
+
+pub(super) async fn get_node(State(rm): Rm, UrlPath(nodeid): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+    let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
+    let st = rm.lock();
+    let node = st
+        .ledger
+        .node(host)
+        .or_else(|| st.ledger.node(&nodeid))
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
+    Ok(Json(
+        json!({ "node": node_to_json(node, st.ledger.num_containers(&node.host), now_ms()) }),
+    ))
+}
+
+/// `PUT /ws/v1/cluster/nodes/{host}/state` body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NodeStateUpdate {
+    pub(super) state: NodeState,
+}
+
+/// Admin: changes a node's state. LOST / UNHEALTHY / DECOMMISSIONED end its
+/// containers (exit -100, "Container released on a *lost* node") and take its
+/// resources out of the schedulable view; RUNNING brings it back. Simulated nodes
+/// live in this process and cannot stop answering by themselves, so this call is
+/// also how "a node that stops answering" is modelled.
+pub(super) async fn put_node_state(
+    State(rm): Rm,
+    UrlPath(nodeid): UrlPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<NodeStateUpdate>,
+) -> Result<Json<Value>, ApiError> {
+    authorize_admin(&rm, &headers)?;
+    if !matches!(
+        req.state,
+        NodeState::Running | NodeState::Lost | NodeState::Unhealthy | NodeState::Decommissioned
+    ) {
+        return Err(ApiError::bad_request(format!(
+            "`state` {:?} cannot be set: use RUNNING, LOST, UNHEALTHY or DECOMMISSIONED",
+            req.state
+        )));
+    }
+    let host = {
+        let st = rm.lock();
+        let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
+        if st.ledger.node(host).is_some() {
+            host.to_string()
+        } else if st.ledger.node(&nodeid).is_some() {
+            nodeid.clone()
+        } else {
+            return Err(ApiError::not_found(format!("unknown node `{nodeid}`")));
+        }
+    };
+    let ended = change_node_state(&rm, &host, req.state)
+        .await
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
+    let st = rm.lock();
+    let node = st
+        .ledger
+        .node(&host)
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
+    Ok(Json(json!({
+        "node": node_to_json(node, st.ledger.num_containers(&host), now_ms()),
+        "containersEnded": ended,
+    })))
+}

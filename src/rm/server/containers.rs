@@ -1,0 +1,190 @@
+//! The RM-side container endpoints (DESIGN.md §3 start / stop / status / logs). Every
+//! node's `nodeHTTPAddress` in the RM's view is the RM itself: it checks the caller's
+//! application token against the ledger, marks the container RUNNING before its process
+//! exists, and forwards to the host's node backend (in-process, agent or Ray,
+//! `crate::node::NodeBackend`). Also the stops of ended containers through their node.
+
+use super::*;
+
+/// SIGTERM → SIGKILL grace for containers the RM stops.
+pub const CONTAINER_STOP_GRACE: Duration = Duration::from_secs(3);
+
+/// Stops the started ones among `ended` in the background, so heartbeats and
+/// finish answers never wait for a process's grace period.
+pub(super) fn spawn_stops(shared: &Arc<Shared>, ended: Vec<Ended>) {
+    if ended.iter().any(|e| e.was == ContainerState::Running) {
+        let shared = shared.clone();
+        tokio::spawn(async move { stop_running(&shared, &ended).await });
+    }
+}
+
+/// Stops, through the executor, the ended containers that had been started.
+pub(super) async fn stop_running(shared: &Shared, ended: &[Ended]) {
+    let stops = ended
+        .iter()
+        .filter(|e| e.was == ContainerState::Running)
+        .map(|e| async move {
+            let node = shared.nodes.for_host(&e.host);
+            if let Err(err) = node.stop(&e.host, &e.container_id, CONTAINER_STOP_GRACE).await {
+                tracing::warn!(container = %e.container_id, "stop failed: {err}");
+            }
+        });
+    futures::future::join_all(stops).await;
+}
+
+/// Checks that `id` is a container on `host` and that the caller holds its app's token.
+pub(super) fn container_access(
+    st: &RmState,
+    host: &str,
+    id: &str,
+    headers: &HeaderMap,
+) -> Result<ContainerInfo, ApiError> {
+    let c = st
+        .ledger
+        .container(id)
+        .filter(|c| c.container.host == host)
+        .ok_or_else(|| ApiError::not_found(format!("no container `{id}` on host `{host}`")))?;
+    let app = st
+        .apps
+        .get(&c.app_id)
+        .ok_or_else(|| ApiError::not_found(format!("container `{id}` belongs to no known application")))?;
+    authorize(app, headers)?;
+    Ok(ContainerInfo {
+        state: c.state,
+        app_final: app.report.state.is_final(),
+        status: ContainerStatus {
+            container_id: id.to_string(),
+            state: c.state,
+            exit_status: c.exit_status,
+            diagnostics: c.diagnostics.clone(),
+            pid: None,
+        },
+        resources: c.container.resources.clone(),
+    })
+}
+
+pub(super) struct ContainerInfo {
+    pub(super) state: ContainerState,
+    pub(super) app_final: bool,
+    pub(super) status: ContainerStatus,
+    pub(super) resources: crate::resources::Resources,
+}
+
+pub(super) async fn container_start(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+    ApiJson(ctx): ApiJson<LaunchContext>,
+) -> Result<Json<ContainerStatus>, ApiError> {
+    let (granted, app_id, topology) = {
+        let mut st = rm.lock();
+        let info = container_access(&st, &host, &id, &headers)?;
+        if info.app_final {
+            return Err(ApiError::conflict("the container's application has ended"));
+        }
+        if info.state != ContainerState::Allocated {
+            return Err(ApiError::conflict(format!(
+                "container `{id}` is {:?}; only ALLOCATED containers can be started",
+                info.state
+            )));
+        }
+        // Running before the process exists, so its exit event always finds it live.
+        st.ledger
+            .mark_running(&id)
+            .map_err(|e| ApiError::conflict(e.to_string()))?;
+        let app_id = st.ledger.container(&id).map(|c| c.app_id.clone()).unwrap_or_default();
+        let topology = st.ledger.node(&host).and_then(|n| n.topology.clone());
+        (info.resources, app_id, topology)
+    };
+    let grant = crate::node::Grant {
+        container_id: id.clone(),
+        app_id,
+        host: host.clone(),
+        resources: granted,
+        topology,
+    };
+    match rm.nodes.for_host(&host).start(grant, ctx).await {
+        Ok(status) => Ok(Json(status)),
+        Err(e) => {
+            let mut st = rm.lock();
+            if let Some(ended) = st
+                .ledger
+                .complete(&id, exit_status::INVALID, &format!("launch failed: {e}"))
+            {
+                queue_completed(&mut st.apps, &ended);
+            }
+            Err(e.into())
+        }
+    }
+}
+
+pub(super) async fn container_stop(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Json<ContainerStatus>, ApiError> {
+    let (ended, status) = {
+        let mut st = rm.lock();
+        let info = container_access(&st, &host, &id, &headers)?;
+        let ended = st.ledger.stop(
+            &id,
+            exit_status::KILLED_BY_APPMASTER,
+            "Container stopped by the application master",
+        );
+        if let Some(e) = &ended {
+            queue_completed(&mut st.apps, e);
+        }
+        let status = st.ledger.container(&id).map_or(info.status, |c| ContainerStatus {
+            container_id: id.clone(),
+            state: c.state,
+            exit_status: c.exit_status,
+            diagnostics: c.diagnostics.clone(),
+            pid: None,
+        });
+        (ended, status)
+    };
+    if let Some(e) = ended {
+        stop_running(&rm, &[e]).await;
+    }
+    Ok(Json(status))
+}
+
+pub(super) async fn container_status(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Json<ContainerStatus>, ApiError> {
+    let info = container_access(&rm.lock(), &host, &id, &headers)?;
+    // The executor knows the pid and the real exit; the ledger knows RM-side endings.
+    let status = match rm.nodes.for_host(&host).status(&host, &id).await {
+        Some(s) if info.state != ContainerState::Complete || s.state == ContainerState::Complete => s,
+        _ => info.status,
+    };
+    Ok(Json(status))
+}
+
+#[derive(Deserialize)]
+pub(super) struct LogsQuery {
+    pub(super) stream: Option<String>,
+    pub(super) tail: Option<u64>,
+}
+
+pub(super) async fn container_logs(
+    State(rm): Rm,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    Query(q): Query<LogsQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    container_access(&rm.lock(), &host, &id, &headers)?;
+    let stream = match q.stream.as_deref().unwrap_or("stdout") {
+        "stdout" => LogStream::Stdout,
+        "stderr" => LogStream::Stderr,
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "`stream` must be stdout or stderr, not `{other}`"
+            )))
+        }
+    };
+    let text = rm.nodes.for_host(&host).read_log(&host, &id, stream, q.tail).await?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}

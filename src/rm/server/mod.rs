@@ -1,0 +1,494 @@
+//! The RM's REST server (DESIGN.md §3): node listing, cluster info and metrics,
+//! applications (submit, report, kill), the AM protocol (register / allocate /
+//! finish behind per-application bearer tokens), and the embedded executor's
+//! container endpoints. Also launches and watches one AM process per application.
+//!
+//! All state lives in one `parking_lot::Mutex<RmState>`; handlers take it (through
+//! [`Shared::lock`]), decide, drop it, and only then await (executor stops, process
+//! kills). Dropping the guard writes what changed to the state store (SQLite) before
+//! the lock is released, so the store sees changes in the order they happened and a
+//! restarted RM recovers exactly what had been answered.
+//!
+//! RM restart: the store gives back applications, containers and node states; the
+//! executor re-attaches to container processes still running, the RM to AM processes
+//! still running (or starts the next attempt of an AM that died meanwhile), and each
+//! AM, whose heartbeat now gets `command: RESYNC`, registers again and carries on.
+//!
+//! Protocol choices worth knowing:
+//! - Every ask is answered in the heartbeat that carries it, either `allocated` or
+//!   `rejected`; asks never stay pending, so `cancels` are accepted and ignored.
+//! - Containers the AM `releases` are freed at once and are NOT reported back in
+//!   `completed` (the AM already knows); containers that end any other way (exit,
+//!   AM `stop` via the executor endpoint, expiry, node loss, kill) are.
+//!
+//! Where things are: this file starts the RM ([`start`], [`RmHandle`]) and routes;
+//! `state` holds the state and its lock (persist on drop) and recovery; `http` the error
+//! answer, the body extractor and the credential checks; `cluster` the cluster and node
+//! endpoints; `applications` submit / report / kill; `am_protocol` register / allocate /
+//! finish; `am_supervisor` the AM processes; `containers` the container endpoints that
+//! forward to the node backends; `nodes` the node agents' registration, heartbeats and
+//! liveness.
+use crate::cluster::rm_json::{node_to_json, nodes_to_json};
+use crate::cluster::{Node, NodeState};
+use crate::protocol::{
+    exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
+    ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
+    NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
+};
+use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
+use crate::rm::executor::{ExecError, LogStream};
+use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
+use crate::rm::procs::ProcessId;
+use crate::rm::store::{Batch, Meta, Store};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, FromRequest, Path as UrlPath, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+mod am_protocol;
+mod am_supervisor;
+mod applications;
+mod cluster;
+mod containers;
+mod http;
+mod nodes;
+mod state;
+use am_protocol::*;
+use am_supervisor::*;
+use applications::*;
+use cluster::*;
+use containers::*;
+use http::*;
+use nodes::*;
+use state::*;
+
+/// Largest request body accepted (413 beyond).
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// How to run an RM.
+#[derive(Clone, Debug)]
+pub struct RmOptions {
+    pub nodes: Vec<Node>,
+    pub listen: SocketAddr,
+    /// Holds `<appId>/job.yaml`, the AM's output and the containers' directories.
+    pub work_dir: PathBuf,
+    /// The program launched as `<am_program> am ...`; default: this executable.
+    pub am_program: Option<PathBuf>,
+    /// False: submitted applications get no AM process (tests drive the AM protocol).
+    pub launch_am: bool,
+    /// Granted containers never started within this time are taken back.
+    pub container_expiry: Duration,
+    /// Bearer token for administrative calls (node state, kill). `None`: a fresh one
+    /// is generated at start and written to `<work_dir>/admin.token` (mode 0600).
+    pub admin_token: Option<String>,
+    /// AM attempts per application: an AM that dies without finishing is started again
+    /// (keeping the job's containers) until this many attempts have run.
+    pub max_am_attempts: u32,
+    /// Where the state database lives (`<dir>/rm-state.db`); `None`: in memory only, a
+    /// restarted RM starts empty.
+    pub state_dir: Option<PathBuf>,
+    /// Serve HTTPS with this config (`None`: plain HTTP).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Run containers on a Ray cluster instead of this process's executor (its dashboard
+    /// client and the cancel gate its jobs ask; see `crate::ray`).
+    pub ray: Option<(crate::ray::client::RayClient, crate::ray::gate::Gate)>,
+    /// The node token node agents present (`None`: no agents accepted).
+    pub node_token: Option<String>,
+    /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
+    pub node_expiry: Duration,
+}
+
+/// frameworklauncher's `amAttemptMaxCount`.
+pub const DEFAULT_MAX_AM_ATTEMPTS: u32 = 3;
+
+impl RmOptions {
+    /// Defaults: AM launch on, this executable as the AM, 600 s container expiry, a
+    /// generated admin token, state kept in SQLite in the work dir.
+    pub fn new(nodes: Vec<Node>, listen: SocketAddr, work_dir: PathBuf) -> Self {
+        RmOptions {
+            state_dir: Some(work_dir.clone()),
+            nodes,
+            listen,
+            work_dir,
+            am_program: None,
+            launch_am: true,
+            container_expiry: DEFAULT_CONTAINER_EXPIRY,
+            admin_token: None,
+            max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
+            tls: None,
+            ray: None,
+            node_token: None,
+            node_expiry: Duration::from_secs(15),
+        }
+    }
+}
+
+struct Shared {
+    state: Mutex<RmState>,
+    nodes: Nodes,
+    base_url: String,
+    work_dir: PathBuf,
+    am_program: Option<PathBuf>,
+    launch_am: bool,
+    cluster_ts: u64,
+    am_procs: Mutex<HashMap<String, AmProc>>,
+    admin_token: String,
+    max_am_attempts: u32,
+    /// Set when an orderly shutdown begins: AMs stopped then are not started again.
+    shutting_down: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    /// Takes the state lock (see [`StateGuard`]).
+    fn lock(&self) -> StateGuard<'_> {
+        StateGuard {
+            st: self.state.lock(),
+            cluster_ts: self.cluster_ts,
+        }
+    }
+}
+
+/// Changes node states of a running RM (see [`RmHandle::node_control`]).
+#[derive(Clone)]
+pub struct NodeControl(Arc<Shared>);
+
+impl NodeControl {
+    /// As [`RmHandle::set_node_state`].
+    pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
+        change_node_state(&self.0, host, state).await.is_some()
+    }
+}
+
+/// A running RM.
+pub struct RmHandle {
+    addr: SocketAddr,
+    admin_token_file: Option<PathBuf>,
+    shared: Arc<Shared>,
+    server: JoinHandle<()>,
+    stop_server: oneshot::Sender<()>,
+    background: Vec<JoinHandle<()>>,
+}
+
+/// Starts the RM: binds `opts.listen`, serves, and runs the executor-event and
+/// container-expiry tasks.
+pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
+    tokio::fs::create_dir_all(&opts.work_dir)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot create the RM work dir {}: {e}", opts.work_dir.display()))?;
+    // Absolute: AMs run in their application's directory and are handed paths in here.
+    let work_dir = std::fs::canonicalize(&opts.work_dir)
+        .map_err(|e| anyhow::anyhow!("cannot resolve the RM work dir {}: {e}", opts.work_dir.display()))?;
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
+    let addr = listener.local_addr()?;
+    let base_url = base_url_of(addr, opts.tls.is_some());
+    let (admin_token, admin_token_file) = match opts.admin_token.filter(|t| !t.trim().is_empty()) {
+        Some(t) => (t.trim().to_string(), None),
+        None => {
+            let t = super::apps::new_token();
+            let path = work_dir.join(ADMIN_TOKEN_FILE);
+            write_secret(&path, &t)
+                .map_err(|e| anyhow::anyhow!("cannot write the admin token to {}: {e}", path.display()))?;
+            (t, Some(path))
+        }
+    };
+
+    // `local: true` nodes get this machine's real GPUs (nvidia-smi blocks: off the runtime).
+    let mut nodes = opts.nodes;
+    if nodes.iter().any(|n| n.local) {
+        let found = tokio::task::spawn_blocking(super::gpu_discovery::discover)
+            .await
+            .ok()
+            .flatten();
+        super::gpu_discovery::apply_to_local_nodes(&mut nodes, found.as_ref());
+    }
+    // Simulated nodes run their containers in this process's executor.
+    let nodes = nodes.into_iter().map(|mut n| {
+        if n.http_address.is_empty() {
+            n.http_address = base_url.clone();
+        }
+        n
+    });
+    let store = match &opts.state_dir {
+        Some(dir) => Store::open(dir)?,
+        None => Store::memory(),
+    };
+    let (state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
+    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let agents = match opts.node_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
+        Some(t) => Some(Arc::new(crate::node::remote::AgentNodes::new(
+            t.to_string(),
+            events_tx.clone(),
+        )?)),
+        None => None,
+    };
+    // The in-process node's cgroups: named after the work dir, so that a restarted RM
+    // finds its containers again and two RMs on one machine do not meet.
+    let containment = crate::node::cgroup::Containment::detect(&format!("gpuam-rm-{:016x}", {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        work_dir.hash(&mut h);
+        h.finish()
+    }));
+    tracing::info!("in-process node {}", containment.describe());
+    let ray = opts
+        .ray
+        .map(|(client, gate)| crate::ray::launcher::RayLauncher::new(client, gate, events_tx.clone()));
+    let local = crate::node::InProcessNode::new(
+        work_dir.join("containers"),
+        events_tx,
+        crate::node::executor::ExecutorOptions {
+            containment,
+            ..Default::default()
+        },
+    );
+    let shared = Arc::new(Shared {
+        state: Mutex::new(state),
+        nodes: Nodes {
+            local,
+            agents: agents.clone(),
+            ray,
+        },
+        base_url: base_url.clone(),
+        work_dir,
+        am_program: opts.am_program,
+        launch_am: opts.launch_am,
+        cluster_ts,
+        am_procs: Mutex::new(HashMap::new()),
+        admin_token,
+        max_am_attempts: opts.max_am_attempts.max(1),
+        shutting_down: std::sync::atomic::AtomicBool::new(false),
+    });
+
+    let mut background = Vec::new();
+    let s = shared.clone();
+    background.push(tokio::spawn(async move {
+        while let Some(ev) = events_rx.recv().await {
+            on_node_event(&s, ev);
+        }
+    }));
+    if let Some(a) = &agents {
+        background.push(spawn_liveness(shared.clone(), a.clone(), opts.node_expiry));
+    }
+    let s = shared.clone();
+    let tick = (opts.container_expiry / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
+    background.push(tokio::spawn(async move {
+        let mut every = tokio::time::interval(tick);
+        loop {
+            every.tick().await;
+            let mut st = s.lock();
+            let ended = st.ledger.expire(Instant::now());
+            for e in &ended {
+                tracing::info!(container = %e.container_id, app = %e.app_id, "container expired unused");
+                queue_completed(&mut st.apps, e);
+            }
+        }
+    }));
+
+    let router = router(shared.clone());
+    let (stop_server, stop_rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let serve = crate::tls::serve(listener, router, opts.tls, async {
+            let _ = stop_rx.await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!("RM server stopped: {e}");
+        }
+    });
+    tracing::info!(%base_url, "RM listening");
+    reattach(&shared);
+    Ok(RmHandle {
+        addr,
+        admin_token_file,
+        shared,
+        server,
+        stop_server,
+        background,
+    })
+}
+
+/// Name of the generated admin token's file in the work dir.
+pub const ADMIN_TOKEN_FILE: &str = "admin.token";
+
+/// Writes a secret to a fresh file readable by its owner only (0600 from creation,
+/// so there is no window where others could read it).
+fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(secret.as_bytes())?;
+    f.write_all(b"\n")
+}
+
+fn base_url_of(addr: SocketAddr, tls: bool) -> String {
+    let ip = if addr.ip().is_unspecified() {
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        addr.ip()
+    };
+    format!("{}://{}", crate::tls::scheme(tls), SocketAddr::new(ip, addr.port()))
+}
+
+impl RmHandle {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://host:port` or `https://…` (loopback when listening on all interfaces).
+    pub fn base_url(&self) -> String {
+        self.shared.base_url.clone()
+    }
+
+    /// The bearer token of administrative calls (node state changes, kill).
+    pub fn admin_token(&self) -> &str {
+        &self.shared.admin_token
+    }
+
+    /// Where the generated admin token was written (`None` when it was configured).
+    pub fn admin_token_file(&self) -> Option<&Path> {
+        self.admin_token_file.as_deref()
+    }
+
+    /// Starts the ledger's grant audit log (tests and load runs).
+    pub fn enable_grant_audit(&self) {
+        self.shared.lock().ledger.enable_audit();
+    }
+
+    /// The grant audit log so far (see [`crate::rm::ledger::verify_audit`]).
+    pub fn grant_audit(&self) -> Vec<crate::rm::ledger::AuditEvent> {
+        self.shared.lock().ledger.audit_log().to_vec()
+    }
+
+    /// True when no container is live anywhere (for tests).
+    pub fn ledger_all_free(&self) -> bool {
+        self.shared.lock().ledger.all_free()
+    }
+
+    /// The nodes as the ledger sees them now, with live container counts.
+    pub fn nodes_snapshot(&self) -> Vec<(Node, u32)> {
+        let st = self.shared.lock();
+        st.ledger.nodes().map(|(n, c)| (n.clone(), c)).collect()
+    }
+
+    pub fn app_report(&self, app_id: &str) -> Option<crate::protocol::AppReport> {
+        self.shared.lock().apps.get(app_id).map(|a| a.report.clone())
+    }
+
+    /// Test support: creates an ACCEPTED application without a job spec and without
+    /// an AM process, returning `(app id, bearer token)`, so tests can speak the AM
+    /// protocol themselves.
+    pub fn register_test_app(&self, name: &str) -> (String, String) {
+        let mut st = self.shared.lock();
+        let id = st.next_app_id(self.shared.cluster_ts);
+        let app = App::new(id.clone(), name.to_string());
+        let token = app.token().to_string();
+        st.apps.insert(app);
+        (id, token)
+    }
+
+    /// Changes a node's state (e.g. LOST: its containers complete with -100 and are
+    /// reported to their applications). False for an unknown host.
+    pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
+        change_node_state(&self.shared, host, state).await.is_some()
+    }
+
+    /// A handle that changes node states from another task (the Ray node watch).
+    pub fn node_control(&self) -> NodeControl {
+        NodeControl(self.shared.clone())
+    }
+
+    /// Stops every container and AM process, then the server.
+    pub async fn shutdown(self) {
+        self.shared
+            .shutting_down
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Stop taking requests first, so no container can be started while we stop them.
+        let _ = self.stop_server.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.server).await;
+        let procs: Vec<AmProc> = self.shared.am_procs.lock().drain().map(|(_, p)| p).collect();
+        for mut p in procs {
+            if let Some(k) = p.kill.take() {
+                let _ = k.send(());
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(5), p.task).await;
+        }
+        let ended: Vec<Ended> = {
+            let mut st = self.shared.lock();
+            let ids = st.ledger.live_containers();
+            ids.iter()
+                .filter_map(|id| {
+                    st.ledger
+                        .complete(id, exit_status::KILLED_BY_RESOURCEMANAGER, "the RM is shutting down")
+                })
+                .collect()
+        };
+        stop_running(&self.shared, &ended).await;
+        // Anything the executor still runs goes too: no task outlives an orderly shutdown.
+        self.shared
+            .nodes
+            .local
+            .executor()
+            .stop_all(Duration::from_secs(3))
+            .await;
+        self.shared.nodes.local.executor().containment().remove_parents();
+        for b in self.background {
+            b.abort();
+        }
+    }
+}
+
+type Rm = State<Arc<Shared>>;
+
+fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/ws/v1/cluster", get(cluster_info))
+        .route("/ws/v1/cluster/info", get(cluster_info))
+        .route("/ws/v1/cluster/metrics", get(cluster_metrics))
+        .route("/ws/v1/cluster/nodes", get(list_nodes))
+        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node))
+        .route(
+            "/ws/v1/cluster/nodes/{nodeid}/state",
+            axum::routing::put(put_node_state),
+        )
+        .route("/ws/v1/cluster/apps", get(list_apps).post(submit_app))
+        .route("/ws/v1/cluster/apps/new-application", post(new_application))
+        .route("/ws/v1/cluster/apps/{id}", get(get_app))
+        .route("/ws/v1/cluster/apps/{id}/state", get(get_app_state).put(put_app_state))
+        .route("/ws/v1/cluster/apps/{id}/appattempts", get(get_app_attempts))
+        .route("/ws/v1/am/{id}/register", post(am_register))
+        .route("/ws/v1/am/{id}/allocate", post(am_allocate))
+        .route("/ws/v1/am/{id}/finish", post(am_finish))
+        .route("/ws/v1/node-agents/register", post(agent_register))
+        .route("/ws/v1/node-agents/{host}/heartbeat", post(agent_heartbeat))
+        .route("/ws/v1/node/{host}/containers/{id}/start", post(container_start))
+        .route("/ws/v1/node/{host}/containers/{id}/stop", post(container_stop))
+        .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
+        .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,349 @@
+//! Unit tests of the RM server: AM supervision, restart recovery, ids.
+
+use super::*;
+use crate::resources::{PortSet, Resources};
+
+async fn rm_with(am_program: Option<PathBuf>, dir: &Path) -> RmHandle {
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let mut opts = RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.to_path_buf());
+    opts.am_program = am_program;
+    start(opts).await.unwrap()
+}
+
+#[tokio::test]
+async fn am_dying_without_finish_fails_the_app() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("fake-am.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\necho \"starting $1\"\necho 'boom: no GPUs today' >&2\nexit 3\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let rm = rm_with(Some(script), &dir.path().join("work")).await;
+    let (id, _token) = rm.register_test_app("fake");
+    let app_dir = rm.shared.work_dir.join(&id);
+    std::fs::create_dir_all(&app_dir).unwrap();
+    set_launch(&rm, &id, &app_dir, None);
+    launch_am(&rm.shared, &id).unwrap();
+    let mut report = rm.app_report(&id).unwrap();
+    for _ in 0..100 {
+        if report.state.is_final() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        report = rm.app_report(&id).unwrap();
+    }
+    assert_eq!(report.state, AppState::Failed);
+    assert_eq!(report.exit_code, Some(1));
+    assert!(report.diagnostics.contains("exit code 3"), "{}", report.diagnostics);
+    assert!(
+        report.diagnostics.contains("boom: no GPUs today"),
+        "{}",
+        report.diagnostics
+    );
+    let out = std::fs::read_to_string(app_dir.join("am.stdout")).unwrap();
+    assert!(out.contains("starting am"), "the AM got the `am` subcommand: {out}");
+    assert!(rm.shared.am_procs.lock().is_empty());
+    rm.shutdown().await;
+}
+
+fn set_launch(rm: &RmHandle, id: &str, app_dir: &Path, listen: Option<&str>) {
+    rm.shared.lock().apps.get_mut(id).unwrap().launch = Some(AmLaunch {
+        job_path: app_dir.join("job.yaml"),
+        listen: listen.map(str::to_string),
+    });
+}
+
+fn script(dir: &Path, body: &str) -> PathBuf {
+    let p = dir.join("fake-am.sh");
+    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    p
+}
+
+#[tokio::test]
+async fn am_exit_after_finish_is_expected() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_with(Some(script(dir.path(), "exit 0")), &dir.path().join("work")).await;
+    let (id, _token) = rm.register_test_app("x");
+    let app_dir = rm.shared.work_dir.join(&id);
+    std::fs::create_dir_all(&app_dir).unwrap();
+    rm.shared.lock().apps.get_mut(&id).unwrap().unregistered = true;
+    set_launch(&rm, &id, &app_dir, Some("127.0.0.1:0"));
+    launch_am(&rm.shared, &id).unwrap();
+    for _ in 0..100 {
+        if rm.shared.am_procs.lock().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(rm.shared.am_procs.lock().is_empty(), "the watcher saw the exit");
+    assert_eq!(rm.app_report(&id).unwrap().state, AppState::Accepted, "not failed");
+    rm.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_kills_the_am() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_with(Some(script(dir.path(), "exec sleep 30")), &dir.path().join("work")).await;
+    let (id, _token) = rm.register_test_app("x");
+    let app_dir = rm.shared.work_dir.join(&id);
+    std::fs::create_dir_all(&app_dir).unwrap();
+    set_launch(&rm, &id, &app_dir, None);
+    launch_am(&rm.shared, &id).unwrap();
+    assert_eq!(rm.shared.am_procs.lock().len(), 1);
+    let shared = rm.shared.clone();
+    let t0 = Instant::now();
+    rm.shutdown().await;
+    assert!(t0.elapsed() < Duration::from_secs(4), "killed, not waited for");
+    assert!(shared.am_procs.lock().is_empty());
+    assert_eq!(
+        shared.lock().apps.get(&id).unwrap().report.state,
+        AppState::Failed,
+        "an AM killed before finishing fails its app"
+    );
+}
+
+#[test]
+fn bearer_parsing() {
+    let mut h = HeaderMap::new();
+    assert_eq!(bearer(&h), None);
+    h.insert(header::AUTHORIZATION, "Bearer abc".parse().unwrap());
+    assert_eq!(bearer(&h), Some("abc"));
+    h.insert(header::AUTHORIZATION, "bearer  abc ".parse().unwrap());
+    assert_eq!(bearer(&h), Some("abc"));
+    h.insert(header::AUTHORIZATION, "Basic abc".parse().unwrap());
+    assert_eq!(bearer(&h), None);
+}
+
+/// Stops an RM the way SIGKILL would, as far as the state goes: no container or AM
+/// is stopped, nothing more is written.
+fn crash(rm: RmHandle) {
+    rm.server.abort();
+    for b in &rm.background {
+        b.abort();
+    }
+}
+
+fn ask(request_id: u64, host: &str, mask: u64) -> crate::protocol::Ask {
+    crate::protocol::Ask {
+        request_id,
+        host: host.into(),
+        cpu: 1,
+        memory_mb: 10,
+        gpu_mask: mask,
+        task: Some(format!("w/{request_id}")),
+        task_attempt: 1,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_restarted_rm_recovers_apps_grants_and_node_states() {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::{Ask, RegisterRequest};
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<Node> = ["n1", "n2"]
+        .iter()
+        .map(|h| Node::new(*h, "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new())))
+        .collect();
+    let opts = RmOptions {
+        launch_am: false,
+        ..RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+    };
+    let rm = start(opts.clone()).await.unwrap();
+    let (id, token) = rm.register_test_app("job");
+    let am = RmClient::for_app(&rm.base_url(), &id, &token);
+    am.register(&RegisterRequest::default()).await.unwrap();
+    let asks: Vec<Ask> = vec![ask(1, "n1", 0x1), ask(2, "n1", 0x2)];
+    let granted = am
+        .allocate(&AllocateRequest {
+            asks,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .allocated;
+    assert_eq!(granted.len(), 2);
+    let running = &granted[0];
+    let status = am
+        .start_container(
+            &running.node_http_address,
+            "n1",
+            &running.container_id,
+            &LaunchContext {
+                commands: vec!["sleep 30".into()],
+                env: Default::default(),
+            },
+        )
+        .await
+        .unwrap();
+    let pgid = status.pid.unwrap() as i32;
+    assert!(rm.set_node_state("n2", NodeState::Lost).await);
+    let reserved = RmClient::new(&rm.base_url())
+        .new_application()
+        .await
+        .unwrap()
+        .application_id;
+    let addr = rm.addr();
+    crash(rm);
+
+    // The task's process group outlives the RM.
+    assert_eq!(unsafe { libc::kill(-pgid, 0) }, 0, "the container still runs");
+    let mut rm2 = None;
+    for _ in 0..50 {
+        match start(RmOptions {
+            listen: addr,
+            ..opts.clone()
+        })
+        .await
+        {
+            Ok(r) => {
+                rm2 = Some(r);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    let rm2 = rm2.expect("the RM restarts on its port");
+    let report = rm2.app_report(&id).expect("the application is recovered");
+    assert_eq!(report.state, AppState::Running);
+    // The old heartbeat memory is gone: the AM is told to register again.
+    let again = am
+        .allocate(&AllocateRequest {
+            response_id: 1,
+            asks: vec![ask(3, "n1", 0x1)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(again.command, Some(AmCommand::Resync));
+    assert!(
+        again.allocated.is_empty() && again.rejected.is_empty(),
+        "nothing acted on"
+    );
+    let reg = am.register(&RegisterRequest::default()).await.unwrap();
+    let mut held: Vec<(String, ContainerState)> = reg
+        .containers_from_previous_attempts
+        .iter()
+        .map(|p| (p.container.container_id.clone(), p.state))
+        .collect();
+    held.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        held,
+        vec![
+            (granted[0].container_id.clone(), ContainerState::Running),
+            (granted[1].container_id.clone(), ContainerState::Allocated)
+        ]
+    );
+    // The grants still hold their GPUs; the lost node stays lost.
+    let snap = rm2.nodes_snapshot();
+    let n1 = snap.iter().find(|(n, _)| n.host == "n1").unwrap();
+    assert_eq!((n1.0.used().gpu_mask, n1.1), (0x3, 2));
+    let n2 = snap.iter().find(|(n, _)| n.host == "n2").unwrap();
+    assert_eq!(n2.0.state, NodeState::Lost);
+    let after = am
+        .allocate(&AllocateRequest {
+            response_id: 0,
+            asks: vec![ask(4, "n1", 0x1)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(after.rejected.len(), 1, "GPU 0 of n1 is still granted: {after:?}");
+    // Ids go on from where they were; the reserved one can still be submitted.
+    assert!(rm2.shared.lock().is_reserved(&reserved));
+    let next = RmClient::new(&rm2.base_url())
+        .new_application()
+        .await
+        .unwrap()
+        .application_id;
+    assert!(next > reserved, "{next} after {reserved}");
+    // The re-attached container can be stopped like any other.
+    let released = am
+        .allocate(&AllocateRequest {
+            response_id: after.response_id,
+            releases: vec![granted[0].container_id.clone(), granted[1].container_id.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(released.rejected.is_empty());
+    let mut gone = false;
+    for _ in 0..100 {
+        if unsafe { libc::kill(-pgid, 0) } != 0 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "the released container's group was stopped");
+    // Freed only when dead: the node's report of its death frees it.
+    let mut free = false;
+    for _ in 0..100 {
+        if rm2.ledger_all_free() {
+            free = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(free, "the released container's resources return once it is dead");
+    rm2.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_in_memory_rm_keeps_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let opts = RmOptions {
+        launch_am: false,
+        state_dir: None,
+        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+    };
+    let rm = start(opts.clone()).await.unwrap();
+    rm.register_test_app("job");
+    rm.shutdown().await;
+    assert!(!dir.path().join("work").join(crate::rm::store::STATE_FILE).exists());
+    let rm = start(opts).await.unwrap();
+    assert!(rm.shared.lock().apps.is_empty());
+    rm.shutdown().await;
+}
+
+#[test]
+fn reserved_ids_are_forgotten_oldest_first() {
+    let mut st = RmState {
+        ledger: Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
+        apps: Apps::default(),
+        reserved: BTreeMap::new(),
+        // Across 9999 → 10000, where the ids' text order is not their age.
+        next_app_seq: 9_990,
+        meta_dirty: false,
+        store: Store::memory(),
+        store_errors: 0,
+    };
+    let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
+        .map(|_| {
+            let id = st.next_app_id(1);
+            st.reserve(id.clone());
+            id
+        })
+        .collect();
+    assert_eq!(st.reserved.len(), MAX_RESERVED_IDS);
+    assert!(!st.is_reserved(&ids[19]), "the 20 oldest went");
+    assert!(st.is_reserved(&ids[20]) && st.is_reserved(&ids[ids.len() - 1]));
+    assert!(st.unreserve(&ids[20]));
+    assert!(!st.unreserve(&ids[20]), "claimed once");
+    assert!(!st.unreserve("application_1_99999999"));
+}
+
+#[test]
+fn stderr_tail_keeps_last_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("e");
+    let text: String = (0..50).map(|i| format!("line {i}\n")).collect();
+    std::fs::write(&p, text).unwrap();
+    let t = stderr_tail(&p, 3);
+    assert_eq!(t, "line 47\nline 48\nline 49");
+    assert_eq!(stderr_tail(&dir.path().join("missing"), 3), "");
+}
