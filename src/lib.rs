@@ -5,6 +5,7 @@
 //! `cli → am / rm / web → select → cluster / topology / spec → resources`.
 
 pub mod am;
+pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod cluster;
@@ -18,6 +19,7 @@ pub mod rm;
 pub mod select;
 pub mod sim;
 pub mod spec;
+pub mod text;
 pub mod tls;
 pub mod topology;
 pub mod web;

@@ -402,20 +402,10 @@ impl From<NodeError> for AgentError {
     }
 }
 
-/// Equal-time comparison of two secrets.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// The caller must hold the node token, and name this agent's host.
 fn check(agent: &Agent, host: &str, headers: &HeaderMap) -> Result<(), AgentError> {
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .unwrap_or("");
-    if given.is_empty() || !same_secret(given.as_bytes(), &agent.secret) {
+    let given = crate::auth::bearer(headers).unwrap_or("");
+    if given.is_empty() || !crate::auth::constant_time_eq(given.as_bytes(), &agent.secret) {
         return Err(AgentError(
             StatusCode::UNAUTHORIZED,
             "UNAUTHORIZED",

@@ -18,7 +18,7 @@ use axum::Router;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use crate::rm::apps::{constant_time_eq, new_token};
+use crate::auth::{constant_time_eq, new_token};
 
 #[derive(Default)]
 struct Table {
@@ -122,11 +122,7 @@ async fn answer(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> (StatusCode, &'static str) {
-    let key = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let key = crate::auth::bearer(&headers).unwrap_or("");
     let t = table.lock();
     match t.gates.get(&id) {
         Some((k, open)) if constant_time_eq(k.as_bytes(), key.as_bytes()) => {
