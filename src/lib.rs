@@ -11,6 +11,7 @@ pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod exit;
+pub mod http_guard;
 pub mod node;
 pub mod protocol;
 pub mod ray;
