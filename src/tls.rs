@@ -265,16 +265,19 @@ pub struct HttpTimeouts {
     pub read: Duration,
 }
 
-impl Default for HttpTimeouts {
-    fn default() -> Self {
+impl From<&crate::config::HttpSettings> for HttpTimeouts {
+    fn from(s: &crate::config::HttpSettings) -> Self {
         HttpTimeouts {
-            read: Duration::from_secs(DEFAULT_READ_TIMEOUT_SEC),
+            read: Duration::from_secs(s.read_timeout_sec.max(1)),
         }
     }
 }
 
-/// Default of `http.read_timeout_sec`.
-pub const DEFAULT_READ_TIMEOUT_SEC: u64 = 30;
+impl Default for HttpTimeouts {
+    fn default() -> Self {
+        (&crate::config::HttpSettings::default()).into()
+    }
+}
 
 /// Serves `app` on `listener` until `shutdown` completes (then lets open requests
 /// finish): plain HTTP when `tls` is `None`, HTTPS otherwise; with the default

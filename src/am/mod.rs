@@ -170,7 +170,14 @@ pub async fn run(opts: AmOptions) -> i32 {
         config: serde_json::to_value(&opts.settings).unwrap_or_default(),
     };
     let (hub, commands) = StatusHub::new(snapshot, job_token, logs);
-    let (dash_addr, _dash) = match crate::web::serve_tls(hub.clone(), opts.listen, dash_tls).await {
+    let (dash_addr, _dash) = match crate::web::serve_with(
+        hub.clone(),
+        opts.listen,
+        dash_tls,
+        &opts.settings.rm.public_names,
+        (&opts.settings.http).into(),
+    )
+    .await {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: cannot serve the dashboard on {}: {e}", opts.listen);

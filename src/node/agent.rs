@@ -62,6 +62,10 @@ pub struct AgentOptions {
     pub work_dir: PathBuf,
     /// Tasks run as this user; `None`: `gpuam-task` (created) when root, else this user.
     pub run_as: Option<String>,
+    /// Most bytes of each container log (`node.max_log_bytes`; `None`: no limit).
+    pub max_log_bytes: Option<u64>,
+    /// Read timeouts of the agent's listener (`http.read_timeout_sec`).
+    pub http_timeouts: crate::tls::HttpTimeouts,
 }
 
 struct Agent {
@@ -141,7 +145,11 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let executor = Executor::with_options(
         work_dir.join("containers"),
         events_tx,
-        ExecutorOptions { containment, run_as },
+        ExecutorOptions {
+            containment,
+            run_as,
+            max_log_bytes: opts.max_log_bytes,
+        },
     );
     let agent = Arc::new(Agent {
         host: opts.host.clone(),
@@ -156,8 +164,9 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let addr = listener.local_addr()?;
     let router = router(agent.clone());
+    let timeouts = opts.http_timeouts;
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
+        if let Err(e) = crate::tls::serve_with(listener, router, None, timeouts, std::future::pending()).await {
             tracing::error!("agent server stopped: {e}");
         }
     });

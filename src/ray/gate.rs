@@ -65,7 +65,7 @@ impl Gate {
         let router = Router::new().route("/gate/{id}", get(answer)).with_state(table.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(async move {
-            let serve = axum::serve(listener, router).with_graceful_shutdown(async {
+            let serve = crate::tls::serve(listener, router, None, async {
                 let _ = stopped.await;
             });
             if let Err(e) = serve.await {

@@ -103,14 +103,21 @@ pub struct RmLimits {
     pub allow_public_dashboards: bool,
 }
 
-impl Default for RmLimits {
-    fn default() -> Self {
+impl From<&crate::config::RmSettings> for RmLimits {
+    fn from(s: &crate::config::RmSettings) -> Self {
         RmLimits {
-            max_apps: 256,
-            max_apps_per_user: 32,
-            max_asks_per_allocate: 5000,
-            allow_public_dashboards: false,
+            max_apps: s.max_apps,
+            max_apps_per_user: s.max_apps_per_user,
+            max_asks_per_allocate: s.max_asks_per_allocate,
+            allow_public_dashboards: s.allow_public_dashboards,
         }
+    }
+}
+
+impl Default for RmLimits {
+    /// The settings' defaults.
+    fn default() -> Self {
+        (&crate::config::RmSettings::default()).into()
     }
 }
 
@@ -159,6 +166,8 @@ pub struct RmOptions {
     /// Repair damaged state instead of refusing it (`gpuam rm --recover-state`); what was
     /// dropped is in [`RmHandle::recovery_notes`].
     pub recover_state: bool,
+    /// Most bytes of each container log on the in-process node (`node.max_log_bytes`).
+    pub max_log_bytes: Option<u64>,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -188,6 +197,7 @@ impl RmOptions {
             public_names: Vec::new(),
             http_timeouts: crate::tls::HttpTimeouts::default(),
             recover_state: false,
+            max_log_bytes: Some(crate::config::NodeSettings::default().max_log_bytes),
         }
     }
 }
@@ -302,7 +312,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     };
     let mut users = opts.users.clone();
     if let Some(path) = &opts.users_file {
-        let mut from_file = super::users::load(path).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut from_file = super::users::load(path)?;
         from_file.merge(&opts.users);
         users = from_file;
     }
@@ -366,6 +376,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         crate::node::executor::ExecutorOptions {
             containment,
             run_as: None,
+            max_log_bytes: opts.max_log_bytes,
         },
     );
     let shared = Arc::new(Shared {
@@ -482,7 +493,7 @@ pub const ADMIN_TOKEN_FILE: &str = "admin.token";
 
 /// Writes a secret to a fresh file readable by its owner only (0600 from creation,
 /// so there is no window where others could read it).
-fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
+pub fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(path);
