@@ -25,9 +25,18 @@ struct Rm {
     handle: RmHandle,
     http: reqwest::Client,
     _dir: tempfile::TempDir,
+    /// Tokens of the users `alice` and `bob`.
+    alice: String,
+    bob: String,
 }
 
 async fn rm() -> Rm {
+    rm_with(|_| {}).await
+}
+
+/// An in-process RM (no AM launched) with users `alice` and `bob`, after `tune` changed
+/// its options.
+async fn rm_with(tune: impl FnOnce(&mut RmOptions)) -> Rm {
     let dir = tempfile::tempdir().unwrap();
     let nodes = vec![
         Node::new(
@@ -43,11 +52,17 @@ async fn rm() -> Rm {
     ];
     let mut opts = RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.path().join("work"));
     opts.launch_am = false;
+    let (alice, bob) = (gpuam::auth::new_token(), gpuam::auth::new_token());
+    opts.users.insert_token("alice", &alice).unwrap();
+    opts.users.insert_token("bob", &bob).unwrap();
+    tune(&mut opts);
     let handle = start(opts).await.unwrap();
     Rm {
         handle,
         http: gpuam::tls::http_client(),
         _dir: dir,
+        alice,
+        bob,
     }
 }
 
@@ -151,19 +166,20 @@ async fn am_protocol_needs_the_apps_own_token() {
         ("GET", "logs"),
         ("GET", "logs?stream=stderr"),
     ] {
+        let body = (m == "POST").then(|| b"{}".to_vec());
         error_body(
-            rm.call(m, &format!("{base}/{p}"), Some(&tb), None).await,
+            rm.call(m, &format!("{base}/{p}"), Some(&tb), body.clone()).await,
             StatusCode::UNAUTHORIZED,
         );
         error_body(
-            rm.call(m, &format!("{base}/{p}"), None, None).await,
+            rm.call(m, &format!("{base}/{p}"), None, body).await,
             StatusCode::UNAUTHORIZED,
         );
     }
     // The container is untouched: A can still start and stop it.
     let (s, st) = rm.json("POST", &format!("{base}/start"), Some(&ta), launch).await;
     assert_eq!(s, StatusCode::OK, "{st}");
-    let (s, _) = rm.call("POST", &format!("{base}/stop"), Some(&ta), None).await;
+    let (s, _) = rm.json("POST", &format!("{base}/stop"), Some(&ta), json!({})).await;
     assert_eq!(s, StatusCode::OK);
     // B's own protocol still works with B's token.
     let (s, _) = rm
@@ -178,7 +194,7 @@ async fn admin_calls_need_the_admin_token() {
     let rm = rm().await;
     let (a, ta) = rm.app("a").await;
     let admin = rm.handle.admin_token().to_string();
-    assert_eq!(admin.len(), 32, "a 128-bit generated token");
+    assert_eq!(admin.len(), 64, "a 256-bit generated token");
     let file = rm._dir.path().join("work").join("admin.token");
     assert_eq!(fs::read_to_string(&file).unwrap().trim(), admin);
     use std::os::unix::fs::PermissionsExt;
@@ -186,7 +202,7 @@ async fn admin_calls_need_the_admin_token() {
 
     let lost = json!({"state": "LOST"});
     // The admin token with its last digit changed (appending "0" matched it 1 time in 16).
-    let wrong = format!("{}{}", &admin[..31], if admin.ends_with('0') { '1' } else { '0' });
+    let wrong = format!("{}{}", &admin[..63], if admin.ends_with('0') { '1' } else { '0' });
     for token in [None, Some(wrong.as_str()), Some(ta.as_str()), Some("")] {
         error_body(
             rm.json("PUT", "/ws/v1/cluster/nodes/n1/state", token, lost.clone())
@@ -234,13 +250,15 @@ async fn kill_takes_the_jobs_own_job_token_only() {
     let spec = "name: t\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"true\"]\n";
     let mut apps = Vec::new();
     for jt in ["job-token-aaaa", "job-token-bbbb"] {
-        let (_, new) = rm.call("POST", "/ws/v1/cluster/apps/new-application", None, None).await;
+        let (_, new) = rm
+            .json("POST", "/ws/v1/cluster/apps/new-application", Some(&rm.alice), json!({}))
+            .await;
         let id = new["applicationId"].as_str().unwrap().to_string();
         let (s, b) = rm
             .json(
                 "POST",
                 "/ws/v1/cluster/apps",
-                None,
+                Some(&rm.alice),
                 json!({"applicationId": id, "jobSpec": spec, "jobToken": jt}),
             )
             .await;
@@ -285,7 +303,7 @@ async fn bodies_over_one_mib_are_refused_with_413() {
     };
     for (m, p, t) in [
         ("POST", format!("/ws/v1/am/{a}/allocate"), Some(ta.as_str())),
-        ("POST", "/ws/v1/cluster/apps".to_string(), None),
+        ("POST", "/ws/v1/cluster/apps".to_string(), Some(rm.alice.as_str())),
         (
             "PUT",
             "/ws/v1/cluster/nodes/n1/state".to_string(),
@@ -316,11 +334,11 @@ async fn malformed_mistyped_and_unknown_fields_get_400() {
         ("POST", &alloc, Some(&ta), b"{\"responseId\": 0, \"evil\": true}"),
         ("POST", &alloc, Some(&ta), b"{\"responseId\": 0, \"asks\": {}}"),
         ("POST", &alloc, Some(&ta), b"[]"),
-        ("POST", "/ws/v1/cluster/apps", None, b"{\"applicationId\": 5}"),
+        ("POST", "/ws/v1/cluster/apps", Some(&rm.alice), b"{\"applicationId\": 5}"),
         (
             "POST",
             "/ws/v1/cluster/apps",
-            None,
+            Some(&rm.alice),
             b"{\"applicationId\": \"x\", \"jobSpec\": \"\", \"extra\": 1}",
         ),
         (
@@ -369,13 +387,15 @@ async fn absurd_numbers_are_refused_without_panic_or_overallocation() {
         let spec = format!(
             "name: t\ntaskRoles:\n  w:\n    instances: {instances}\n    resourcePerInstance: {res}\n    commands: [\"true\"]\n"
         );
-        let (_, new) = rm.call("POST", "/ws/v1/cluster/apps/new-application", None, None).await;
+        let (_, new) = rm
+            .json("POST", "/ws/v1/cluster/apps/new-application", Some(&rm.alice), json!({}))
+            .await;
         let id = new["applicationId"].as_str().unwrap().to_string();
         let msg = error_body(
             rm.json(
                 "POST",
                 "/ws/v1/cluster/apps",
-                None,
+                Some(&rm.alice),
                 json!({"applicationId": id, "jobSpec": spec}),
             )
             .await,
@@ -592,6 +612,7 @@ fn tokens_never_appear_in_logs() {
         seen_lines += text.lines().count();
         for (what, t) in [
             ("admin", admin.as_str()),
+            ("user", rm.user_token.as_str()),
             ("app", app_token.as_str()),
             ("job", job_token.as_str()),
             ("presented", attempt),

@@ -116,6 +116,18 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let bytes = Bytes::from_request(req, state).await.map_err(|rej| {
+            // The listener's body timeout (`crate::tls::serve_with`).
+            let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rej);
+            while let Some(e) = cause {
+                if e.downcast_ref::<tower_http::timeout::TimeoutError>().is_some() {
+                    return ApiError::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "REQUEST_TIMEOUT",
+                        "the request's body did not arrive in time (setting `http.read_timeout_sec`)",
+                    );
+                }
+                cause = e.source();
+            }
             let status = rej.status();
             let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
                 "PAYLOAD_TOO_LARGE"
