@@ -754,3 +754,466 @@ fn tls_listeners_serve_https_only_and_a_job_runs_over_them() {
     let end = rm.wait_app_final(&app, Duration::from_secs(10));
     assert_eq!(end["finalStatus"], "SUCCEEDED", "{end}");
 }
+
+// ---- issue 11: credentials, browser-borne requests, limits, input ----
+
+/// A one-task job (no GPU, so it never competes for the test nodes' GPUs).
+const SPEC: &str = "name: t\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"true\"]\n";
+
+impl Rm {
+    /// new-application then submit as the holder of `token`, with `extra` fields in the
+    /// submit body: (the submit's status and body, the application id).
+    async fn submit_as(&self, token: &str, spec: &str, extra: Value) -> (StatusCode, Value, String) {
+        let (s, new) = self
+            .json("POST", "/ws/v1/cluster/apps/new-application", Some(token), json!({}))
+            .await;
+        assert_eq!(s, StatusCode::OK, "{new}");
+        let id = new["applicationId"].as_str().unwrap().to_string();
+        let mut body = json!({"applicationId": id, "jobSpec": spec});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let (s, out) = self.json("POST", "/ws/v1/cluster/apps", Some(token), body).await;
+        (s, out, id)
+    }
+
+    /// The ids of the applications `token`'s holder lists.
+    async fn listed(&self, token: &str) -> Vec<String> {
+        let (s, b) = self.call("GET", "/ws/v1/cluster/apps", Some(token), None).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let mut ids: Vec<String> = b["apps"]["app"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["id"].as_str().unwrap().to_string())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    /// A started container of `app` (registered through its AM token) running `cmd`:
+    /// (its logs URL path, the app token).
+    async fn running_container(&self, app: &str, cmd: &str) -> (String, String) {
+        let token = self.handle.app_token(app).unwrap();
+        let (s, b) = self
+            .json(
+                "POST",
+                &format!("/ws/v1/am/{app}/register"),
+                Some(&token),
+                json!({"host": "h", "trackingUrl": ""}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let (s, got) = self
+            .json(
+                "POST",
+                &format!("/ws/v1/am/{app}/allocate"),
+                Some(&token),
+                json!({"responseId": 0, "asks": [ask(1, "n1", json!(1), json!(10), "0x0", "")]}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{got}");
+        let cid = got["allocated"][0]["containerId"].as_str().unwrap().to_string();
+        let base = format!("/ws/v1/node/n1/containers/{cid}");
+        let (s, b) = self
+            .json(
+                "POST",
+                &format!("{base}/start"),
+                Some(&token),
+                json!({"commands": [cmd], "env": {}}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        (format!("{base}/logs"), token)
+    }
+}
+
+/// Polls `f` every 50 ms until it gives `Some` (panics naming `what` after `timeout`):
+/// the async `common::wait_for`, for tests whose RM runs on the test's own runtime.
+async fn poll<T, F: std::future::Future<Output = Option<T>>>(timeout: Duration, what: &str, mut f: impl FnMut() -> F) -> T {
+    let give_up = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(std::time::Instant::now() < give_up, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One HTTP/1.1 request written as it is (headers included) on a fresh connection:
+/// (status, the answer's header block, its body).
+async fn raw(addr: std::net::SocketAddr, head: &str, body: &str) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("{head}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("an answer")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = h.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, h.to_ascii_lowercase(), b.to_string())
+}
+
+#[tokio::test]
+async fn submitting_listing_killing_and_logs_need_a_user_credential() {
+    let rm = rm().await;
+    let admin = rm.handle.admin_token().to_string();
+    // The attack: no token, or one nobody has. 401, saying how to get a token.
+    for token in [None, Some("not-a-token")] {
+        for (m, p) in [
+            ("POST", "/ws/v1/cluster/apps/new-application"),
+            ("GET", "/ws/v1/cluster/apps"),
+            ("POST", "/ws/v1/cluster/apps"),
+        ] {
+            let body = json!({"applicationId": "application_1_0001", "jobSpec": SPEC});
+            let got = match m {
+                "GET" => rm.call(m, p, token, None).await,
+                _ => rm.json(m, p, token, body).await,
+            };
+            let msg = error_body(got, StatusCode::UNAUTHORIZED);
+            assert!(
+                msg.contains("gpuam token new") && msg.contains("--token-file") && msg.contains("GPUAM_TOKEN"),
+                "{m} {p}: {msg}"
+            );
+        }
+    }
+    assert!(rm.listed(&admin).await.is_empty(), "nothing was submitted");
+
+    // alice submits: the application records her; the scheme may be written in any case.
+    let (s, b, a) = rm.submit_as(&rm.alice, SPEC, json!({"jobToken": "jt-alice"})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    assert_eq!(b["app"]["user"], "alice");
+    assert_eq!(rm.handle.app_report(&a).unwrap().user, "alice");
+    let (_, _, b2) = rm.submit_as(&rm.bob, SPEC, json!({})).await;
+    let lower = rm
+        .http
+        .get(format!("{}/ws/v1/cluster/apps/{a}", rm.handle.base_url()))
+        .header("authorization", format!("bearer {}", rm.alice))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(lower.status(), StatusCode::OK, "lower-case `bearer` is accepted");
+
+    // Each user sees only their own; the admin sees all.
+    assert_eq!(rm.listed(&rm.alice).await, vec![a.clone()]);
+    assert_eq!(rm.listed(&rm.bob).await, vec![b2.clone()]);
+    let mut both = vec![a.clone(), b2.clone()];
+    both.sort();
+    assert_eq!(rm.listed(&admin).await, both);
+    for p in [
+        format!("/ws/v1/cluster/apps/{a}"),
+        format!("/ws/v1/cluster/apps/{a}/state"),
+        format!("/ws/v1/cluster/apps/{a}/appattempts"),
+    ] {
+        let msg = error_body(rm.call("GET", &p, Some(&rm.bob), None).await, StatusCode::FORBIDDEN);
+        assert!(msg.contains("another user"), "{msg}");
+    }
+
+    // Logs of alice's container: alice, the admin and her AM read them; bob does not.
+    let (logs, app_token) = rm.running_container(&a, "echo alice-private-output; sleep 30").await;
+    let got = poll(Duration::from_secs(10), "the task's output", || async {
+        let (s, b) = rm.call("GET", &logs, Some(&rm.alice), None).await;
+        (s == StatusCode::OK && b.to_string().contains("alice-private-output")).then_some(b)
+    })
+    .await;
+    assert!(got.to_string().contains("alice-private-output"));
+    for (who, token) in [("the admin", admin.as_str()), ("her AM", app_token.as_str())] {
+        let (s, b) = rm.call("GET", &logs, Some(token), None).await;
+        assert!(s == StatusCode::OK && b.to_string().contains("alice-private"), "{who}: {s} {b}");
+    }
+    let (s, b) = rm.call("GET", &logs, Some(&rm.bob), None).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{b}");
+    assert!(!b.to_string().contains("alice-private"));
+    error_body(rm.call("GET", &logs, None, None).await, StatusCode::UNAUTHORIZED);
+
+    // Kill: not bob; alice (the owner) may, as may her job token and the admin.
+    let kill = json!({"state": "KILLED"});
+    error_body(
+        rm.json("PUT", &format!("/ws/v1/cluster/apps/{a}/state"), Some(&rm.bob), kill.clone())
+            .await,
+        StatusCode::FORBIDDEN,
+    );
+    assert!(!rm.handle.app_report(&a).unwrap().state.is_final());
+    let (s, out) = rm
+        .json("PUT", &format!("/ws/v1/cluster/apps/{a}/state"), Some(&rm.alice), kill.clone())
+        .await;
+    assert_eq!((s, out["state"].as_str()), (StatusCode::OK, Some("KILLED")), "{out}");
+    let (s, _) = rm
+        .json("PUT", &format!("/ws/v1/cluster/apps/{b2}/state"), Some(&admin), kill)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    rm.handle.shutdown().await;
+
+    // An RM without users: only the admin token submits, and the 401 says so.
+    let rm = rm_with(|o| o.users = Default::default()).await;
+    let msg = error_body(
+        rm.json("POST", "/ws/v1/cluster/apps/new-application", Some(&rm.alice), json!({}))
+            .await,
+        StatusCode::UNAUTHORIZED,
+    );
+    assert!(msg.contains("no users file") && msg.contains("admin token"), "{msg}");
+    let (s, b, _) = rm.submit_as(rm.handle.admin_token(), SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    assert_eq!(b["app"]["user"], "admin");
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn browser_borne_requests_are_refused() {
+    let rm = rm_with(|o| o.public_names = vec!["rm.example.org".into()]).await;
+    let addr = rm.handle.addr();
+    let port = addr.port();
+    let submit = |host: &str, origin: Option<&str>, ctype: &str, token: Option<&str>| {
+        let mut head = format!("POST /ws/v1/cluster/apps/new-application HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n");
+        if let Some(o) = origin {
+            head.push_str(&format!("Origin: {o}\r\n"));
+        }
+        if let Some(t) = token {
+            head.push_str(&format!("Authorization: Bearer {t}\r\n"));
+        }
+        head
+    };
+    let mut answers = Vec::new();
+    // The measured attack: a page at evil.example rebinds its name to the RM and posts
+    // text/plain. Refused at the Host, with or without a stolen-looking credential.
+    let evil = format!("evil.example:{port}");
+    for token in [None, Some(rm.alice.as_str())] {
+        let a = raw(addr, &submit(&evil, Some(&format!("http://{evil}")), "text/plain", token), "{}").await;
+        assert_eq!(a.0, 421, "{a:?}");
+        assert!(a.2.contains("rm.public_names"), "the refusal says how to allow a name: {a:?}");
+        answers.push(a);
+    }
+    // The right Host, but a page of another site as the Origin: 403.
+    let local = format!("127.0.0.1:{port}");
+    let a = raw(addr, &submit(&local, Some("http://evil.example"), "application/json", Some(&rm.alice)), "{}").await;
+    assert_eq!(a.0, 403, "{a:?}");
+    answers.push(a);
+    // Bodies a page can send without asking (a form, text/plain): 415.
+    for ctype in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"] {
+        let a = raw(addr, &submit(&local, None, ctype, Some(&rm.alice)), "{}").await;
+        assert_eq!(a.0, 415, "{ctype}: {a:?}");
+        assert!(a.2.contains("application/json"), "{a:?}");
+        answers.push(a);
+    }
+    assert!(rm.handle.app_report(&gpuam::rm::apps::app_id(0, 1)).is_none());
+    // What the RM serves: loopback names, its address, the configured public name.
+    for host in [local.clone(), format!("localhost:{port}"), format!("rm.example.org:{port}")] {
+        let a = raw(addr, &submit(&host, Some(&format!("http://{host}")), "application/json; charset=utf-8", Some(&rm.alice)), "{}").await;
+        assert_eq!(a.0, 200, "{host}: {a:?}");
+        answers.push(a);
+    }
+    // A CORS preflight gets no grant; no answer ever carries one.
+    let a = raw(
+        addr,
+        &format!("OPTIONS /ws/v1/cluster/apps HTTP/1.1\r\nHost: {local}\r\nOrigin: http://{local}\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization, content-type\r\n"),
+        "",
+    )
+    .await;
+    answers.push(a);
+    for (status, head, _) in &answers {
+        assert!(!head.contains("access-control-"), "a CORS header in a {status} answer: {head}");
+    }
+
+    // A job's dashboard stays on loopback unless the operator allows more.
+    for listen in ["0.0.0.0:0", "[::]:0", "10.1.2.3:8000"] {
+        let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": listen})).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{listen}: {b}");
+        assert!(b["message"].as_str().unwrap().contains("rm.allow_public_dashboards"), "{b}");
+    }
+    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": "not an address"})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": "127.0.0.1:0"})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    rm.handle.shutdown().await;
+    let open = rm_with(|o| o.limits.allow_public_dashboards = true).await;
+    let (s, b, _) = open.submit_as(&open.alice, SPEC, json!({"dashboardListen": "0.0.0.0:0"})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "allowed by the operator: {b}");
+    open.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn limits_refuse_with_429_naming_the_setting() {
+    let rm = rm_with(|o| {
+        o.limits.max_apps_per_user = 2;
+        o.limits.max_apps = 3;
+        o.limits.max_asks_per_allocate = 10;
+    })
+    .await;
+    let admin = rm.handle.admin_token().to_string();
+    let mut alices = Vec::new();
+    for _ in 0..2 {
+        let (s, b, id) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+        alices.push(id);
+    }
+    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert!(b["message"].as_str().unwrap().contains("rm.max_apps_per_user"), "{b}");
+    let (s, b, _) = rm.submit_as(&rm.bob, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    let (s, b, _) = rm.submit_as(&rm.bob, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert!(b["message"].as_str().unwrap().contains("rm.max_apps` is 3"), "{b}");
+    // A finished application no longer counts.
+    let (s, _) = rm
+        .json("PUT", &format!("/ws/v1/cluster/apps/{}/state", alices[0]), Some(&admin), json!({"state": "KILLED"}))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+
+    // Asks per allocate.
+    let (id, token) = rm.app("asks").await;
+    let asks: Vec<Value> = (0..11).map(|i| ask(i, "n1", json!(1), json!(1), "0x0", "")).collect();
+    let (s, b) = rm
+        .json("POST", &format!("/ws/v1/am/{id}/allocate"), Some(&token), json!({"responseId": 0, "asks": asks}))
+        .await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert!(b["message"].as_str().unwrap().contains("rm.max_asks_per_allocate"), "{b}");
+    assert!(rm.handle.ledger_all_free(), "nothing granted");
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn zero_size_asks_are_refused_and_grants_keep_usage_exact() {
+    let rm = rm().await;
+    let (id, token) = rm.app("zero").await;
+    let alloc = format!("/ws/v1/am/{id}/allocate");
+    // The measured attack: asks of no CPU and no memory, granted without limit before.
+    let zero: Vec<Value> = (0..100).map(|i| ask(i, "n1", json!(0), json!(0), "0x0", "")).collect();
+    let (s, out) = rm.json("POST", &alloc, Some(&token), json!({"responseId": 0, "asks": zero})).await;
+    assert_eq!(s, StatusCode::OK, "{out}");
+    assert_eq!(out["allocated"].as_array().unwrap().len(), 0, "{out}");
+    let rejected = out["rejected"].as_array().unwrap();
+    assert_eq!(rejected.len(), 100);
+    assert!(rejected.iter().all(|r| r["retryable"] == false
+        && r["reason"].as_str().unwrap().contains("some CPU or memory")));
+    // Many small grants on one node: usage kept incrementally equals the recount.
+    let small: Vec<Value> = (0..2000).map(|i| ask(1000 + i, "n2", json!(0), json!(1), "0x0", "")).collect();
+    let (s, out) = rm.json("POST", &alloc, Some(&token), json!({"responseId": 1, "asks": small})).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(out["allocated"].as_array().unwrap().len(), 2000);
+    assert_eq!(rm.handle.audit_usage(), Ok(()));
+    let n2 = rm.handle.nodes_snapshot().into_iter().find(|(n, _)| n.host == "n2").unwrap();
+    assert_eq!((n2.0.used().memory_mb, n2.1), (2000, 2000));
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_container_log_is_kept_within_its_limit_and_says_so() {
+    let rm = rm_with(|o| o.max_log_bytes = Some(64 * 1024)).await;
+    let (_, _, a) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+    // The measured attack wrote 1 GiB in 10 s; this one writes 8 MiB and ends.
+    let (logs, _) = rm
+        .running_container(&a, "head -c 8388608 /dev/zero | tr '\\0' x; echo; echo END-OF-OUTPUT")
+        .await;
+    let text = poll(Duration::from_secs(20), "the task to end", || async {
+        let (s, b) = rm.call("GET", &logs, Some(&rm.alice), None).await;
+        let t = b.as_str().unwrap_or("").to_string();
+        (s == StatusCode::OK && t.contains("END-OF-OUTPUT")).then_some(t)
+    })
+    .await;
+    assert!(text.len() <= 64 * 1024, "the log holds {} bytes", text.len());
+    assert!(text.starts_with("[gpuam] log truncated: "), "{}", &text[..text.len().min(120)]);
+    assert!(text.contains("node.max_log_bytes = 65536"));
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn half_sent_requests_are_cut_after_the_read_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rm = rm_with(|o| o.http_timeouts.read = Duration::from_secs(1)).await;
+    let addr = rm.handle.addr();
+    // Headers that never end, and a connection that says nothing: both cut.
+    for first in ["POST /ws/v1/cluster/apps HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ", ""] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(first.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        // Bounded: a server that never cuts fails this test instead of hanging it.
+        let read = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "the RM kept a half-sent request ({first:?}) open");
+    }
+    // A body that stops halfway: 408 naming the setting.
+    let (status, _, body) = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /ws/v1/cluster/apps HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization: Bearer {}\r\nContent-Length: 1000\r\n\r\n{{\"applicationId\"",
+            rm.alice
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+            .await
+            .expect("an answer")
+            .unwrap();
+        let text = String::from_utf8_lossy(&out).to_string();
+        let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (status, (), text)
+    }
+    .await;
+    assert_eq!(status, 408, "{body}");
+    assert!(body.contains("http.read_timeout_sec"), "{body}");
+    // The RM still serves.
+    assert!(rm.listed(&rm.alice).await.is_empty());
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_where_it_enters() {
+    let rm = rm().await;
+    // A NUL in a command (it used to pass, then fail 11 times at launch as "transient").
+    let spec = "name: t\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"echo \\0 hi\"]\n";
+    let (s, b, id) = rm.submit_as(&rm.alice, spec, json!({})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    let msg = b["message"].as_str().unwrap();
+    assert!(
+        msg.contains("job.yaml:6:") && msg.contains("taskRoles.w.commands[0]") && msg.contains("U+0000"),
+        "{msg}"
+    );
+    assert!(rm.handle.app_report(&id).is_none());
+    // Ids that could not have been issued, in URL paths and bodies: 400.
+    let alice = rm.alice.clone();
+    for (m, p, body) in [
+        ("GET", "/ws/v1/cluster/apps/..%2F..".to_string(), None),
+        ("GET", "/ws/v1/cluster/apps/application_1_4294967296".to_string(), None),
+        ("POST", "/ws/v1/am/application_1_0/register".to_string(), Some(json!({"host": "h", "trackingUrl": ""}))),
+        ("POST", "/ws/v1/cluster/apps".to_string(), Some(json!({"applicationId": "../../etc", "jobSpec": SPEC}))),
+        ("GET", "/ws/v1/node/n1/containers/container_1_1_01_99999999999999999999/status".to_string(), None),
+    ] {
+        let got = match body {
+            Some(b) => rm.json(m, &p, Some(&alice), b).await,
+            None => rm.call(m, &p, Some(&alice), None).await,
+        };
+        let msg = error_body(got, StatusCode::BAD_REQUEST);
+        assert!(msg.contains("not an application id") || msg.contains("not a container id"), "{p}: {msg}");
+    }
+    // Terminal escapes an AM sends are not kept in the diagnostics.
+    let (app, token) = rm.app("colours").await;
+    let (s, _) = rm
+        .json(
+            "POST",
+            &format!("/ws/v1/am/{app}/finish"),
+            Some(&token),
+            json!({"finalStatus": "FAILED", "exitCode": 1, "diagnostics": "\u{1b}[1;31mtask failed\u{1b}[0m\u{7}"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(rm.handle.app_report(&app).unwrap().diagnostics, "task failed");
+    // The AM protocol takes the scheme in lower case too.
+    let (app2, token2) = rm.handle.register_test_app("lower");
+    let r = rm
+        .http
+        .post(format!("{}/ws/v1/am/{app2}/register", rm.handle.base_url()))
+        .header("authorization", format!("bearer {token2}"))
+        .json(&json!({"host": "h", "trackingUrl": ""}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    rm.handle.shutdown().await;
+}

@@ -221,15 +221,18 @@ pub(super) fn authenticate(rm: &Shared, headers: &HeaderMap) -> Result<Caller, A
     } else {
         "this call needs a user's credential (`Authorization: Bearer <token>`)"
     };
-    let how = match &rm.users.file {
-        Some(_) => "Ask the RM's operator for a token (`gpuam token new --user NAME --users-file FILE` on the RM's \
-                    machine) and give it to gpuam with `--token-file FILE` or the GPUAM_TOKEN variable."
-            .to_string(),
-        None => format!(
+    let has_users = rm.users.file.is_some() || !rm.users.table.read().is_empty();
+    let how = if has_users {
+        "Ask the RM's operator for a token (`gpuam token new --user NAME --users-file FILE` on the RM's machine) \
+         and give it to gpuam with `--token-file FILE` or the GPUAM_TOKEN variable."
+            .to_string()
+    } else {
+        format!(
             "This RM has no users file (`gpuam rm --users-file FILE`, setting `rm.users_file`), so only its admin \
-             token is accepted ({}); give it to gpuam with `--token-file FILE` or the GPUAM_TOKEN variable.",
+             token is accepted ({}); users get tokens with `gpuam token new --user NAME --users-file FILE`. Give a \
+             token to gpuam with `--token-file FILE` or the GPUAM_TOKEN variable.",
             rm.admin_token_hint
-        ),
+        )
     };
     Err(ApiError::new(
         StatusCode::UNAUTHORIZED,

@@ -592,6 +592,12 @@ impl RmHandle {
         (id, token)
     }
 
+    /// Test support: the bearer token of an application's AM (as the RM hands it to the AM
+    /// it launches).
+    pub fn app_token(&self, app_id: &str) -> Option<String> {
+        self.shared.lock().apps.get(app_id).map(|a| a.token().to_string())
+    }
+
     /// Changes a node's state (e.g. LOST: its containers complete with -100 and are
     /// reported to their applications). False for an unknown host.
     pub async fn set_node_state(&self, host: &str, state: NodeState) -> bool {
