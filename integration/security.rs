@@ -1217,3 +1217,274 @@ async fn bad_input_is_refused_where_it_enters() {
     assert_eq!(r.status(), StatusCode::OK);
     rm.handle.shutdown().await;
 }
+
+// ---- durable before acknowledged; damaged state (real `gpuam rm` processes, root) ----
+
+/// Files made immutable (`chattr +i`, e2fsprogs): writes fail even through descriptors the
+/// RM already has open, as on a read-only or failing disk. Cleared when dropped (also when
+/// the test fails).
+struct Immutable(Vec<std::path::PathBuf>);
+
+impl Immutable {
+    fn set(paths: &[std::path::PathBuf]) -> Immutable {
+        let guard = Immutable(paths.to_vec());
+        for p in paths {
+            let status = std::process::Command::new("chattr")
+                .arg("+i")
+                .arg(p)
+                .status()
+                .expect("chattr (e2fsprogs) runs: .ci/run installs it");
+            assert!(
+                status.success(),
+                "chattr +i {} failed: this test needs root and a file system with immutable files",
+                p.display()
+            );
+        }
+        guard
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::process::Command::new("chattr").arg("-i").arg(p).status();
+        }
+    }
+}
+
+/// One raw HTTP/1.1 request to `host_port`: (status, header block lower-cased, body).
+fn raw_sync(host_port: &str, head: &str, body: &str) -> (u16, String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(host_port).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let req = format!(
+        "{head}Host: {host_port}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = h.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, h.to_ascii_lowercase(), b.to_string())
+}
+
+const TWO_BY_TWO: &str = common::TWO_NODES_TWO_GPUS;
+
+/// A job of two one-GPU tasks that append `start <container id>` to `<name>-<index>.runs`,
+/// wait for the file `go`, then append `end`.
+fn recording_job(rm: &common::Rm, name: &str) -> std::path::PathBuf {
+    let root = rm.root().display().to_string();
+    let script = format!(
+        "echo \"start $GPUAM_CONTAINER_ID\" >> {root}/{name}-$GPUAM_TASK_INDEX.runs; \
+         while [ ! -f {root}/go ]; do sleep 0.05; done; echo end >> {root}/{name}-$GPUAM_TASK_INDEX.runs"
+    );
+    rm.write_job(
+        name,
+        &format!(
+            "name: {name}\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 10, gpu: 1}}\n    commands:\n      - {}\n",
+            common::sq(&script)
+        ),
+    )
+}
+
+/// The container ids a task recorded, one per run.
+fn runs(rm: &common::Rm, file: &str) -> Vec<String> {
+    rm.lines(file)
+        .iter()
+        .filter_map(|l| l.strip_prefix("start ").map(str::to_string))
+        .collect()
+}
+
+/// The store fault: writes fail mid-run. The RM answers 503 (with Retry-After) to every
+/// state change and grants nothing; when writes work again it writes its whole state and
+/// goes on; when it dies while they fail, the restarted RM has lost nothing it
+/// acknowledged: no task runs twice and no container id is handed out again.
+#[test]
+fn a_failing_store_gets_503_grants_nothing_and_loses_nothing() {
+    let mut rm = common::Rm::start(TWO_BY_TWO, &[]);
+    let host_port = rm.url.trim_start_matches("http://").to_string();
+    let (db, wal) = (rm.work_dir.join("rm-state.db"), rm.work_dir.join("rm-state.db-wal"));
+    let a = rm.submit(&recording_job(&rm, "a"));
+    common::wait_for(Duration::from_secs(30), "job a's two tasks", || {
+        (runs(&rm, "a-0.runs").len() == 1 && runs(&rm, "a-1.runs").len() == 1).then_some(())
+    });
+    let held = rm.nodes();
+
+    // 1. Writes fail: every change is refused with 503 and Retry-After; nothing is granted.
+    let broken = Immutable::set(&[db.clone(), wal.clone()]);
+    let (s, head, body) = raw_sync(
+        &host_port,
+        &format!(
+            "POST /ws/v1/cluster/apps/new-application HTTP/1.1\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\n",
+            rm.user_token
+        ),
+        "{}",
+    );
+    assert_eq!(s, 503, "{head}\n{body}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    assert!(body.contains("STATE_STORE_UNAVAILABLE"), "{body}");
+    let info = rm.get_json("/ws/v1/cluster/info").unwrap();
+    let failing = info["clusterInfo"]["rmStateStoreFailing"].as_str().unwrap_or("").to_string();
+    assert!(!failing.is_empty(), "the failure is shown: {info}");
+    assert!(info["clusterInfo"]["rmStateStoreWriteErrors"].as_u64().unwrap() >= 1, "{info}");
+    // A whole job submitted meanwhile: refused, said so, nothing started.
+    let out = rm.run_job(&recording_job(&rm, "refused"), Duration::from_secs(60));
+    assert_eq!(out.code, 69, "503 is `unavailable` (exit 69): {out:?}");
+    assert!(out.stderr.contains("503"), "{out:?}");
+    // The running job's heartbeats are refused too, and nothing is granted.
+    common::wait_for(Duration::from_secs(20), "job a's AM to see 503", || {
+        rm.logs().contains("the RM refused allocate (503)").then_some(())
+    });
+    assert_eq!(rm.nodes(), held, "nothing granted or freed while the store fails");
+    assert!(rm.lines("refused-0.runs").is_empty() && rm.lines("refused-1.runs").is_empty());
+    assert!(
+        fs::read_to_string(rm.path("rm.stderr"))
+            .unwrap()
+            .contains("the RM's state could not be saved"),
+        "logged"
+    );
+
+    // 2. Writes work again: the whole state is written once and the RM grants again.
+    drop(broken);
+    common::wait_for(Duration::from_secs(20), "the store to recover", || {
+        let info = rm.get_json("/ws/v1/cluster/info").ok()?;
+        let c = &info["clusterInfo"];
+        (c["rmStateStoreFailing"].is_null() && c["rmStateStoreRecoveries"].as_u64() >= Some(1)).then_some(())
+    });
+    assert!(fs::read_to_string(rm.path("rm.stderr"))
+        .unwrap()
+        .contains("the whole state was written"));
+    let b = rm.submit(&recording_job(&rm, "b"));
+    common::wait_for(Duration::from_secs(30), "job b's two tasks", || {
+        (runs(&rm, "b-0.runs").len() == 1 && runs(&rm, "b-1.runs").len() == 1).then_some(())
+    });
+
+    // 3. Writes fail again and the RM is SIGKILLed; it restarts on a working store.
+    let broken = Immutable::set(&[db.clone(), wal.clone()]);
+    common::wait_for(Duration::from_secs(20), "a write to fail", || {
+        let info = rm.get_json("/ws/v1/cluster/info").ok()?;
+        info["clusterInfo"]["rmStateStoreFailing"].is_string().then_some(())
+    });
+    rm.kill_hard();
+    drop(broken);
+    rm.restart();
+    fs::write(rm.path("go"), "").unwrap();
+    for (name, sub) in [("a", a), ("b", b)] {
+        let out = sub.wait(Duration::from_secs(60));
+        assert_eq!(out.code, 0, "job {name}: {out:?}\n{}", rm.logs());
+    }
+
+    // No task ran twice; no container id was handed out twice.
+    let mut ids = Vec::new();
+    for f in ["a-0.runs", "a-1.runs", "b-0.runs", "b-1.runs"] {
+        let r = runs(&rm, f);
+        assert_eq!(r.len(), 1, "{f} ran {r:?}");
+        assert_eq!(rm.lines(f).iter().filter(|l| *l == "end").count(), 1, "{f}");
+        ids.extend(r);
+    }
+    let c = rm.run_job(&recording_job(&rm, "c"), Duration::from_secs(60));
+    assert_eq!(c.code, 0, "{c:?}");
+    let seq = |id: &str| -> u64 { id.rsplit('_').next().unwrap().parse().unwrap() };
+    let before = ids.iter().map(|i| seq(i)).max().unwrap();
+    for f in ["c-0.runs", "c-1.runs"] {
+        for id in runs(&rm, f) {
+            assert!(!ids.contains(&id) && seq(&id) > before, "{id} re-used (before: {ids:?})");
+            ids.push(id);
+        }
+    }
+    let unique: std::collections::BTreeSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+/// Runs `cmd` (a `gpuam rm` that should refuse to start) to its exit: (code, stderr).
+fn refused_start(mut cmd: std::process::Command) -> (i32, String) {
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = common::wait_for(Duration::from_secs(30), "`gpuam rm` to exit", || {
+        child.try_wait().unwrap()
+    });
+    let mut err = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (status.code().unwrap_or(-1), err)
+}
+
+/// Damaged state is refused at start with the file and the problem (exit 65);
+/// `--recover-state` starts anyway and says what it dropped; a locked, damaged `-shm`
+/// cannot bring the RM down.
+#[test]
+fn damaged_state_is_refused_and_recovery_says_what_it_drops() {
+    let mut rm = common::Rm::start(TWO_BY_TWO, &[]);
+    let job = rm.write_job(
+        "quick",
+        "name: quick\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    let first = rm.run_job(&job, Duration::from_secs(60));
+    assert_eq!(first.code, 0, "{first:?}");
+    let app = first
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("submitted job `quick` as "))
+        .unwrap()
+        .to_string();
+    rm.kill_hard();
+    let db = rm.work_dir.join("rm-state.db");
+    let sql = |statement: &str| {
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch(statement).unwrap();
+    };
+    let listen = format!("127.0.0.1:{}", rm.port());
+
+    // A missing meta row (the id counters): refused, naming the file and the problem.
+    sql("DELETE FROM meta WHERE key = 'state';");
+    let (code, err) = refused_start(rm.rm_command(&listen));
+    assert_eq!(code, 65, "{err}");
+    assert!(err.contains(&db.display().to_string()) && err.contains("no `state` row"), "{err}");
+    assert!(err.contains("--recover-state"), "says how to go on: {err}");
+    // A missing containers table too: refused (before: an RM with no grants).
+    sql("DROP TABLE containers;");
+    let (code, err) = refused_start(rm.rm_command(&listen));
+    assert_eq!(code, 65, "{err}");
+    assert!(err.contains("table `containers`: missing"), "{err}");
+
+    // --recover-state: starts, and says what it repaired and dropped.
+    let mut recovering = rm.rm_command(&listen);
+    recovering
+        .arg("--recover-state")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = recovering.spawn().unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut said = String::new();
+    common::wait_for(Duration::from_secs(30), "the recovery notes", || {
+        use std::io::BufRead;
+        let mut line = String::new();
+        err.read_line(&mut line).ok()?;
+        said.push_str(&line);
+        (said.contains("`containers` was missing") && said.contains("rebuilt")).then_some(())
+    });
+    assert!(said.contains("grant"), "says what the dropped table held: {said}");
+    // It serves what it kept: the finished application.
+    let a = common::wait_for(Duration::from_secs(20), "the recovered RM to answer", || rm.try_app(&app));
+    assert_eq!(a["state"], "FINISHED", "{a}");
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGKILL);
+    }
+    let _ = child.wait();
+
+    // A damaged and immutable shared-memory file: the RM does not use it (exclusive
+    // locking), so it neither dies (SIGBUS) nor refuses.
+    let shm = rm.work_dir.join("rm-state.db-shm");
+    fs::write(&shm, b"\xde\xad\xbe\xef not a wal-index").unwrap();
+    let _locked = Immutable::set(std::slice::from_ref(&shm));
+    rm.restart();
+    let out = rm.run_job(&job, Duration::from_secs(60));
+    assert_eq!(out.code, 0, "a job runs beside a damaged -shm: {out:?}\n{}", rm.logs());
+    assert!(rm.try_exited().is_none(), "the RM is still up");
+}

@@ -755,6 +755,29 @@ fn spawn_rm(
     n: u32,
 ) -> Child {
     let (out, err) = Rm::rm_output_names(n);
+    let mut cmd = rm_command(root, cluster, config, work_dir, env, listen);
+    cmd.stdout(fs::File::create(root.join(out)).unwrap())
+        .stderr(fs::File::create(root.join(err)).unwrap());
+    cmd.spawn().unwrap()
+}
+
+impl Rm {
+    /// The `gpuam rm` command this guard runs (same cluster, settings, users and work dir)
+    /// on `listen`, for a test to add flags to and run itself.
+    pub fn rm_command(&self, listen: &str) -> Command {
+        let root = self.root().to_path_buf();
+        rm_command(&root, &root.join("cluster.yaml"), &self.config, &self.work_dir, &self.env, listen)
+    }
+}
+
+fn rm_command(
+    root: &Path,
+    cluster: &Path,
+    config: &Path,
+    work_dir: &Path,
+    env: &[(String, String)],
+    listen: &str,
+) -> Command {
     let mut cmd = Command::new(bin());
     cmd.arg("rm")
         .arg("--cluster")
@@ -766,14 +789,12 @@ fn spawn_rm(
         .arg("--users-file")
         .arg(root.join(USERS_FILE))
         .current_dir(root)
-        .stdin(Stdio::null())
-        .stdout(fs::File::create(root.join(out)).unwrap())
-        .stderr(fs::File::create(root.join(err)).unwrap());
+        .stdin(Stdio::null());
     scrub_env(&mut cmd, config, env);
     if !env.iter().any(|(k, _)| k == "GPUAM_LOG") {
         cmd.env("GPUAM_LOG", "info");
     }
-    cmd.spawn().unwrap()
+    cmd
 }
 
 /// Pids of live processes whose command line contains every one of `needles`

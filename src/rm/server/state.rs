@@ -27,6 +27,9 @@ pub(super) const MAX_RESERVED_IDS: usize = 10_000;
 /// between get 503 at once).
 const WHOLE_WRITE_RETRY: Duration = Duration::from_millis(250);
 
+/// While the store fails, the failure is logged again at most this often.
+const FAILING_LOG_EVERY: Duration = Duration::from_secs(10);
+
 /// How the state store is doing.
 #[derive(Debug, Default)]
 pub(super) struct StoreHealth {
@@ -38,6 +41,8 @@ pub(super) struct StoreHealth {
     /// Whole-state writes that ended a failure.
     pub(super) recoveries: u64,
     last_whole_attempt: Option<Instant>,
+    /// When a failure was last logged (while failing, at most every [`FAILING_LOG_EVERY`]).
+    last_logged: Option<Instant>,
     /// The container sequence the store has (so a grant writes the counter too).
     stored_container_seq: u64,
 }
@@ -206,17 +211,26 @@ impl RmState {
     }
 
     fn store_failed(&mut self, e: &StoreError) {
-        self.store_health.write_errors += 1;
-        if self.store_health.failing.is_none() {
-            self.store_health.last_whole_attempt = Some(Instant::now());
+        let h = &mut self.store_health;
+        h.write_errors += 1;
+        let now = Instant::now();
+        let newly = h.failing.is_none();
+        if newly {
+            h.last_whole_attempt = Some(now);
         }
-        self.store_health.failing = Some(e.to_string());
-        tracing::error!(
-            error = %e,
-            errors = self.store_health.write_errors,
-            "the RM's state could not be saved: grants and state changes are refused (503) until it can be; \
-             the whole state is written again then"
-        );
+        h.failing = Some(match e {
+            StoreError::Write(why) => why.clone(),
+            other => other.to_string(),
+        });
+        if newly || h.last_logged.is_none_or(|t| now.duration_since(t) >= FAILING_LOG_EVERY) {
+            h.last_logged = Some(now);
+            tracing::error!(
+                error = %e,
+                errors = h.write_errors,
+                "the RM's state could not be saved: grants and state changes are refused (503) until it can be; \
+                 the whole state is written again then"
+            );
+        }
     }
 }
 
