@@ -251,7 +251,12 @@ async fn kill_takes_the_jobs_own_job_token_only() {
     let mut apps = Vec::new();
     for jt in ["job-token-aaaa", "job-token-bbbb"] {
         let (_, new) = rm
-            .json("POST", "/ws/v1/cluster/apps/new-application", Some(&rm.alice), json!({}))
+            .json(
+                "POST",
+                "/ws/v1/cluster/apps/new-application",
+                Some(&rm.alice),
+                json!({}),
+            )
             .await;
         let id = new["applicationId"].as_str().unwrap().to_string();
         let (s, b) = rm
@@ -334,7 +339,12 @@ async fn malformed_mistyped_and_unknown_fields_get_400() {
         ("POST", &alloc, Some(&ta), b"{\"responseId\": 0, \"evil\": true}"),
         ("POST", &alloc, Some(&ta), b"{\"responseId\": 0, \"asks\": {}}"),
         ("POST", &alloc, Some(&ta), b"[]"),
-        ("POST", "/ws/v1/cluster/apps", Some(&rm.alice), b"{\"applicationId\": 5}"),
+        (
+            "POST",
+            "/ws/v1/cluster/apps",
+            Some(&rm.alice),
+            b"{\"applicationId\": 5}",
+        ),
         (
             "POST",
             "/ws/v1/cluster/apps",
@@ -388,7 +398,12 @@ async fn absurd_numbers_are_refused_without_panic_or_overallocation() {
             "name: t\ntaskRoles:\n  w:\n    instances: {instances}\n    resourcePerInstance: {res}\n    commands: [\"true\"]\n"
         );
         let (_, new) = rm
-            .json("POST", "/ws/v1/cluster/apps/new-application", Some(&rm.alice), json!({}))
+            .json(
+                "POST",
+                "/ws/v1/cluster/apps/new-application",
+                Some(&rm.alice),
+                json!({}),
+            )
             .await;
         let id = new["applicationId"].as_str().unwrap().to_string();
         let msg = error_body(
@@ -830,13 +845,20 @@ impl Rm {
 
 /// Polls `f` every 50 ms until it gives `Some` (panics naming `what` after `timeout`):
 /// the async `common::wait_for`, for tests whose RM runs on the test's own runtime.
-async fn poll<T, F: std::future::Future<Output = Option<T>>>(timeout: Duration, what: &str, mut f: impl FnMut() -> F) -> T {
+async fn poll<T, F: std::future::Future<Output = Option<T>>>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> T {
     let give_up = std::time::Instant::now() + timeout;
     loop {
         if let Some(v) = f().await {
             return v;
         }
-        assert!(std::time::Instant::now() < give_up, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            std::time::Instant::now() < give_up,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -846,7 +868,10 @@ async fn poll<T, F: std::future::Future<Output = Option<T>>>(timeout: Duration, 
 async fn raw(addr: std::net::SocketAddr, head: &str, body: &str) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("{head}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    let req = format!(
+        "{head}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
     s.write_all(req.as_bytes()).await.unwrap();
     let mut out = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
@@ -924,7 +949,10 @@ async fn submitting_listing_killing_and_logs_need_a_user_credential() {
     assert!(got.to_string().contains("alice-private-output"));
     for (who, token) in [("the admin", admin.as_str()), ("her AM", app_token.as_str())] {
         let (s, b) = rm.call("GET", &logs, Some(token), None).await;
-        assert!(s == StatusCode::OK && b.to_string().contains("alice-private"), "{who}: {s} {b}");
+        assert!(
+            s == StatusCode::OK && b.to_string().contains("alice-private"),
+            "{who}: {s} {b}"
+        );
     }
     let (s, b) = rm.call("GET", &logs, Some(&rm.bob), None).await;
     assert_eq!(s, StatusCode::FORBIDDEN, "{b}");
@@ -934,13 +962,23 @@ async fn submitting_listing_killing_and_logs_need_a_user_credential() {
     // Kill: not bob; alice (the owner) may, as may her job token and the admin.
     let kill = json!({"state": "KILLED"});
     error_body(
-        rm.json("PUT", &format!("/ws/v1/cluster/apps/{a}/state"), Some(&rm.bob), kill.clone())
-            .await,
+        rm.json(
+            "PUT",
+            &format!("/ws/v1/cluster/apps/{a}/state"),
+            Some(&rm.bob),
+            kill.clone(),
+        )
+        .await,
         StatusCode::FORBIDDEN,
     );
     assert!(!rm.handle.app_report(&a).unwrap().state.is_final());
     let (s, out) = rm
-        .json("PUT", &format!("/ws/v1/cluster/apps/{a}/state"), Some(&rm.alice), kill.clone())
+        .json(
+            "PUT",
+            &format!("/ws/v1/cluster/apps/{a}/state"),
+            Some(&rm.alice),
+            kill.clone(),
+        )
         .await;
     assert_eq!((s, out["state"].as_str()), (StatusCode::OK, Some("KILLED")), "{out}");
     let (s, _) = rm
@@ -952,8 +990,13 @@ async fn submitting_listing_killing_and_logs_need_a_user_credential() {
     // An RM without users: only the admin token submits, and the 401 says so.
     let rm = rm_with(|o| o.users = Default::default()).await;
     let msg = error_body(
-        rm.json("POST", "/ws/v1/cluster/apps/new-application", Some(&rm.alice), json!({}))
-            .await,
+        rm.json(
+            "POST",
+            "/ws/v1/cluster/apps/new-application",
+            Some(&rm.alice),
+            json!({}),
+        )
+        .await,
         StatusCode::UNAUTHORIZED,
     );
     assert!(msg.contains("no users file") && msg.contains("admin token"), "{msg}");
@@ -969,7 +1012,8 @@ async fn browser_borne_requests_are_refused() {
     let addr = rm.handle.addr();
     let port = addr.port();
     let submit = |host: &str, origin: Option<&str>, ctype: &str, token: Option<&str>| {
-        let mut head = format!("POST /ws/v1/cluster/apps/new-application HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n");
+        let mut head =
+            format!("POST /ws/v1/cluster/apps/new-application HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n");
         if let Some(o) = origin {
             head.push_str(&format!("Origin: {o}\r\n"));
         }
@@ -983,18 +1027,35 @@ async fn browser_borne_requests_are_refused() {
     // text/plain. Refused at the Host, with or without a stolen-looking credential.
     let evil = format!("evil.example:{port}");
     for token in [None, Some(rm.alice.as_str())] {
-        let a = raw(addr, &submit(&evil, Some(&format!("http://{evil}")), "text/plain", token), "{}").await;
+        let a = raw(
+            addr,
+            &submit(&evil, Some(&format!("http://{evil}")), "text/plain", token),
+            "{}",
+        )
+        .await;
         assert_eq!(a.0, 421, "{a:?}");
-        assert!(a.2.contains("rm.public_names"), "the refusal says how to allow a name: {a:?}");
+        assert!(
+            a.2.contains("rm.public_names"),
+            "the refusal says how to allow a name: {a:?}"
+        );
         answers.push(a);
     }
     // The right Host, but a page of another site as the Origin: 403.
     let local = format!("127.0.0.1:{port}");
-    let a = raw(addr, &submit(&local, Some("http://evil.example"), "application/json", Some(&rm.alice)), "{}").await;
+    let a = raw(
+        addr,
+        &submit(&local, Some("http://evil.example"), "application/json", Some(&rm.alice)),
+        "{}",
+    )
+    .await;
     assert_eq!(a.0, 403, "{a:?}");
     answers.push(a);
     // Bodies a page can send without asking (a form, text/plain): 415.
-    for ctype in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"] {
+    for ctype in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ] {
         let a = raw(addr, &submit(&local, None, ctype, Some(&rm.alice)), "{}").await;
         assert_eq!(a.0, 415, "{ctype}: {a:?}");
         assert!(a.2.contains("application/json"), "{a:?}");
@@ -1002,8 +1063,22 @@ async fn browser_borne_requests_are_refused() {
     }
     assert!(rm.handle.app_report(&gpuam::rm::apps::app_id(0, 1)).is_none());
     // What the RM serves: loopback names, its address, the configured public name.
-    for host in [local.clone(), format!("localhost:{port}"), format!("rm.example.org:{port}")] {
-        let a = raw(addr, &submit(&host, Some(&format!("http://{host}")), "application/json; charset=utf-8", Some(&rm.alice)), "{}").await;
+    for host in [
+        local.clone(),
+        format!("localhost:{port}"),
+        format!("rm.example.org:{port}"),
+    ] {
+        let a = raw(
+            addr,
+            &submit(
+                &host,
+                Some(&format!("http://{host}")),
+                "application/json; charset=utf-8",
+                Some(&rm.alice),
+            ),
+            "{}",
+        )
+        .await;
         assert_eq!(a.0, 200, "{host}: {a:?}");
         answers.push(a);
     }
@@ -1016,22 +1091,34 @@ async fn browser_borne_requests_are_refused() {
     .await;
     answers.push(a);
     for (status, head, _) in &answers {
-        assert!(!head.contains("access-control-"), "a CORS header in a {status} answer: {head}");
+        assert!(
+            !head.contains("access-control-"),
+            "a CORS header in a {status} answer: {head}"
+        );
     }
 
     // A job's dashboard stays on loopback unless the operator allows more.
     for listen in ["0.0.0.0:0", "[::]:0", "10.1.2.3:8000"] {
         let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": listen})).await;
         assert_eq!(s, StatusCode::FORBIDDEN, "{listen}: {b}");
-        assert!(b["message"].as_str().unwrap().contains("rm.allow_public_dashboards"), "{b}");
+        assert!(
+            b["message"].as_str().unwrap().contains("rm.allow_public_dashboards"),
+            "{b}"
+        );
     }
-    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": "not an address"})).await;
+    let (s, b, _) = rm
+        .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "not an address"}))
+        .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
-    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": "127.0.0.1:0"})).await;
+    let (s, b, _) = rm
+        .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "127.0.0.1:0"}))
+        .await;
     assert_eq!(s, StatusCode::ACCEPTED, "{b}");
     rm.handle.shutdown().await;
     let open = rm_with(|o| o.limits.allow_public_dashboards = true).await;
-    let (s, b, _) = open.submit_as(&open.alice, SPEC, json!({"dashboardListen": "0.0.0.0:0"})).await;
+    let (s, b, _) = open
+        .submit_as(&open.alice, SPEC, json!({"dashboardListen": "0.0.0.0:0"}))
+        .await;
     assert_eq!(s, StatusCode::ACCEPTED, "allowed by the operator: {b}");
     open.handle.shutdown().await;
 }
@@ -1061,7 +1148,12 @@ async fn limits_refuse_with_429_naming_the_setting() {
     assert!(b["message"].as_str().unwrap().contains("rm.max_apps` is 3"), "{b}");
     // A finished application no longer counts.
     let (s, _) = rm
-        .json("PUT", &format!("/ws/v1/cluster/apps/{}/state", alices[0]), Some(&admin), json!({"state": "KILLED"}))
+        .json(
+            "PUT",
+            &format!("/ws/v1/cluster/apps/{}/state", alices[0]),
+            Some(&admin),
+            json!({"state": "KILLED"}),
+        )
         .await;
     assert_eq!(s, StatusCode::OK);
     let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
@@ -1071,10 +1163,18 @@ async fn limits_refuse_with_429_naming_the_setting() {
     let (id, token) = rm.app("asks").await;
     let asks: Vec<Value> = (0..11).map(|i| ask(i, "n1", json!(1), json!(1), "0x0", "")).collect();
     let (s, b) = rm
-        .json("POST", &format!("/ws/v1/am/{id}/allocate"), Some(&token), json!({"responseId": 0, "asks": asks}))
+        .json(
+            "POST",
+            &format!("/ws/v1/am/{id}/allocate"),
+            Some(&token),
+            json!({"responseId": 0, "asks": asks}),
+        )
         .await;
     assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
-    assert!(b["message"].as_str().unwrap().contains("rm.max_asks_per_allocate"), "{b}");
+    assert!(
+        b["message"].as_str().unwrap().contains("rm.max_asks_per_allocate"),
+        "{b}"
+    );
     assert!(rm.handle.ledger_all_free(), "nothing granted");
     rm.handle.shutdown().await;
 }
@@ -1086,20 +1186,32 @@ async fn zero_size_asks_are_refused_and_grants_keep_usage_exact() {
     let alloc = format!("/ws/v1/am/{id}/allocate");
     // The measured attack: asks of no CPU and no memory, granted without limit before.
     let zero: Vec<Value> = (0..100).map(|i| ask(i, "n1", json!(0), json!(0), "0x0", "")).collect();
-    let (s, out) = rm.json("POST", &alloc, Some(&token), json!({"responseId": 0, "asks": zero})).await;
+    let (s, out) = rm
+        .json("POST", &alloc, Some(&token), json!({"responseId": 0, "asks": zero}))
+        .await;
     assert_eq!(s, StatusCode::OK, "{out}");
     assert_eq!(out["allocated"].as_array().unwrap().len(), 0, "{out}");
     let rejected = out["rejected"].as_array().unwrap();
     assert_eq!(rejected.len(), 100);
-    assert!(rejected.iter().all(|r| r["retryable"] == false
-        && r["reason"].as_str().unwrap().contains("some CPU or memory")));
+    assert!(rejected
+        .iter()
+        .all(|r| r["retryable"] == false && r["reason"].as_str().unwrap().contains("some CPU or memory")));
     // Many small grants on one node: usage kept incrementally equals the recount.
-    let small: Vec<Value> = (0..2000).map(|i| ask(1000 + i, "n2", json!(0), json!(1), "0x0", "")).collect();
-    let (s, out) = rm.json("POST", &alloc, Some(&token), json!({"responseId": 1, "asks": small})).await;
+    let small: Vec<Value> = (0..2000)
+        .map(|i| ask(1000 + i, "n2", json!(0), json!(1), "0x0", ""))
+        .collect();
+    let (s, out) = rm
+        .json("POST", &alloc, Some(&token), json!({"responseId": 1, "asks": small}))
+        .await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(out["allocated"].as_array().unwrap().len(), 2000);
     assert_eq!(rm.handle.audit_usage(), Ok(()));
-    let n2 = rm.handle.nodes_snapshot().into_iter().find(|(n, _)| n.host == "n2").unwrap();
+    let n2 = rm
+        .handle
+        .nodes_snapshot()
+        .into_iter()
+        .find(|(n, _)| n.host == "n2")
+        .unwrap();
     assert_eq!((n2.0.used().memory_mb, n2.1), (2000, 2000));
     rm.handle.shutdown().await;
 }
@@ -1109,17 +1221,25 @@ async fn a_container_log_is_kept_within_its_limit_and_says_so() {
     let rm = rm_with(|o| o.max_log_bytes = Some(64 * 1024)).await;
     let (_, _, a) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
     // The measured attack wrote 1 GiB in 10 s; this one writes 8 MiB and ends.
-    let (logs, _) = rm
+    let (logs, token) = rm
         .running_container(&a, "head -c 8388608 /dev/zero | tr '\\0' x; echo; echo END-OF-OUTPUT")
         .await;
-    let text = poll(Duration::from_secs(20), "the task to end", || async {
-        let (s, b) = rm.call("GET", &logs, Some(&rm.alice), None).await;
-        let t = b.as_str().unwrap_or("").to_string();
-        (s == StatusCode::OK && t.contains("END-OF-OUTPUT")).then_some(t)
+    let status = logs.replace("/logs", "/status");
+    poll(Duration::from_secs(20), "the container to end", || async {
+        let (s, b) = rm.call("GET", &status, Some(&token), None).await;
+        (s == StatusCode::OK && b["state"] == "COMPLETE").then_some(())
     })
     .await;
+    let (s, b) = rm.call("GET", &logs, Some(&rm.alice), None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let text = b.as_str().unwrap_or("").to_string();
+    assert!(text.trim_end().ends_with("END-OF-OUTPUT"), "the newest output is kept");
     assert!(text.len() <= 64 * 1024, "the log holds {} bytes", text.len());
-    assert!(text.starts_with("[gpuam] log truncated: "), "{}", &text[..text.len().min(120)]);
+    assert!(
+        text.starts_with("[gpuam] log truncated: "),
+        "{}",
+        &text[..text.len().min(120)]
+    );
     assert!(text.contains("node.max_log_bytes = 65536"));
     rm.handle.shutdown().await;
 }
@@ -1181,16 +1301,31 @@ async fn bad_input_is_refused_where_it_enters() {
     for (m, p, body) in [
         ("GET", "/ws/v1/cluster/apps/..%2F..".to_string(), None),
         ("GET", "/ws/v1/cluster/apps/application_1_4294967296".to_string(), None),
-        ("POST", "/ws/v1/am/application_1_0/register".to_string(), Some(json!({"host": "h", "trackingUrl": ""}))),
-        ("POST", "/ws/v1/cluster/apps".to_string(), Some(json!({"applicationId": "../../etc", "jobSpec": SPEC}))),
-        ("GET", "/ws/v1/node/n1/containers/container_1_1_01_99999999999999999999/status".to_string(), None),
+        (
+            "POST",
+            "/ws/v1/am/application_1_0/register".to_string(),
+            Some(json!({"host": "h", "trackingUrl": ""})),
+        ),
+        (
+            "POST",
+            "/ws/v1/cluster/apps".to_string(),
+            Some(json!({"applicationId": "../../etc", "jobSpec": SPEC})),
+        ),
+        (
+            "GET",
+            "/ws/v1/node/n1/containers/container_1_1_01_99999999999999999999/status".to_string(),
+            None,
+        ),
     ] {
         let got = match body {
             Some(b) => rm.json(m, &p, Some(&alice), b).await,
             None => rm.call(m, &p, Some(&alice), None).await,
         };
         let msg = error_body(got, StatusCode::BAD_REQUEST);
-        assert!(msg.contains("not an application id") || msg.contains("not a container id"), "{p}: {msg}");
+        assert!(
+            msg.contains("not an application id") || msg.contains("not a container id"),
+            "{p}: {msg}"
+        );
     }
     // Terminal escapes an AM sends are not kept in the diagnostics.
     let (app, token) = rm.app("colours").await;
@@ -1326,9 +1461,15 @@ fn a_failing_store_gets_503_grants_nothing_and_loses_nothing() {
     assert!(head.contains("retry-after: 1"), "{head}");
     assert!(body.contains("STATE_STORE_UNAVAILABLE"), "{body}");
     let info = rm.get_json("/ws/v1/cluster/info").unwrap();
-    let failing = info["clusterInfo"]["rmStateStoreFailing"].as_str().unwrap_or("").to_string();
+    let failing = info["clusterInfo"]["rmStateStoreFailing"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
     assert!(!failing.is_empty(), "the failure is shown: {info}");
-    assert!(info["clusterInfo"]["rmStateStoreWriteErrors"].as_u64().unwrap() >= 1, "{info}");
+    assert!(
+        info["clusterInfo"]["rmStateStoreWriteErrors"].as_u64().unwrap() >= 1,
+        "{info}"
+    );
     // A whole job submitted meanwhile: refused, said so, nothing started.
     let out = rm.run_job(&recording_job(&rm, "refused"), Duration::from_secs(60));
     assert_eq!(out.code, 69, "503 is `unavailable` (exit 69): {out:?}");
@@ -1390,7 +1531,10 @@ fn a_failing_store_gets_503_grants_nothing_and_loses_nothing() {
     let before = ids.iter().map(|i| seq(i)).max().unwrap();
     for f in ["c-0.runs", "c-1.runs"] {
         for id in runs(&rm, f) {
-            assert!(!ids.contains(&id) && seq(&id) > before, "{id} re-used (before: {ids:?})");
+            assert!(
+                !ids.contains(&id) && seq(&id) > before,
+                "{id} re-used (before: {ids:?})"
+            );
             ids.push(id);
         }
     }
@@ -1445,7 +1589,10 @@ fn damaged_state_is_refused_and_recovery_says_what_it_drops() {
     sql("DELETE FROM meta WHERE key = 'state';");
     let (code, err) = refused_start(rm.rm_command(&listen));
     assert_eq!(code, 65, "{err}");
-    assert!(err.contains(&db.display().to_string()) && err.contains("no `state` row"), "{err}");
+    assert!(
+        err.contains(&db.display().to_string()) && err.contains("no `state` row"),
+        "{err}"
+    );
     assert!(err.contains("--recover-state"), "says how to go on: {err}");
     // A missing containers table too: refused (before: an RM with no grants).
     sql("DROP TABLE containers;");
@@ -1471,7 +1618,9 @@ fn damaged_state_is_refused_and_recovery_says_what_it_drops() {
     });
     assert!(said.contains("grant"), "says what the dropped table held: {said}");
     // It serves what it kept: the finished application.
-    let a = common::wait_for(Duration::from_secs(20), "the recovered RM to answer", || rm.try_app(&app));
+    let a = common::wait_for(Duration::from_secs(20), "the recovered RM to answer", || {
+        rm.try_app(&app)
+    });
     assert_eq!(a["state"], "FINISHED", "{a}");
     unsafe {
         libc::kill(child.id() as i32, libc::SIGKILL);
@@ -1487,4 +1636,103 @@ fn damaged_state_is_refused_and_recovery_says_what_it_drops() {
     let out = rm.run_job(&job, Duration::from_secs(60));
     assert_eq!(out.code, 0, "a job runs beside a damaged -shm: {out:?}\n{}", rm.logs());
     assert!(rm.try_exited().is_none(), "the RM is still up");
+}
+
+/// The CLI side of credentials: `gpuam token new` hands a token out once and stores only
+/// its digest (0600); a running RM takes a new user without a restart; `gpuam submit`
+/// without a token exits 77 saying how to get one; with `--token-file` the job runs as
+/// that user.
+#[test]
+fn the_cli_makes_tokens_and_says_how_to_get_one() {
+    use std::os::unix::fs::PermissionsExt;
+    let rm = common::Rm::start(TWO_BY_TWO, &[]);
+    let users = rm.path(common::USERS_FILE);
+    let out = rm
+        .gpuam()
+        .args(["token", "new", "--user", "carol", "--users-file"])
+        .arg(&users)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let token = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(token.len(), 64, "one token on stdout: {token}");
+    let file = fs::read_to_string(&users).unwrap();
+    assert!(!file.contains(&token) && file.contains("carol:"), "{file}");
+    assert_eq!(fs::metadata(&users).unwrap().permissions().mode() & 0o777, 0o600);
+    let bad = rm
+        .gpuam()
+        .args(["token", "new", "--user", "admin", "--users-file"])
+        .arg(&users)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(64), "{bad:?}");
+
+    // The running RM picks carol up (file watch), no restart.
+    common::wait_for(Duration::from_secs(10), "the RM to load carol", || {
+        (rm.request("GET", "/ws/v1/cluster/apps", Some(&token), None).0 == 200).then_some(())
+    });
+
+    let job = rm.write_job(
+        "mine",
+        "name: mine\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"true\"]\n",
+    );
+    // No token at all: 77, the RM's 401 and the CLI's hint.
+    let out = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .args(["submit", job.to_str().unwrap(), "--rm", &rm.url, "--wait"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(77), "{err}");
+    assert!(err.contains("(401)") && err.contains("gpuam token new"), "{err}");
+    assert!(err.contains("--token-file") && err.contains("GPUAM_TOKEN"), "{err}");
+    // --token-file: the job runs as carol.
+    let token_file = rm.path("carol.token");
+    fs::write(&token_file, format!("{token}\n")).unwrap();
+    let out = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .args([
+            "submit",
+            job.to_str().unwrap(),
+            "--rm",
+            &rm.url,
+            "--wait",
+            "--token-file",
+        ])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let app = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("submitted job `mine` as "))
+        .unwrap()
+        .to_string();
+    let (s, v) = rm.request("GET", &format!("/ws/v1/cluster/apps/{app}"), Some(&token), None);
+    assert_eq!((s, v["app"]["user"].as_str()), (200, Some("carol")), "{v}");
+    // Another user does not see it.
+    let (s, _) = rm.request(
+        "GET",
+        &format!("/ws/v1/cluster/apps/{app}"),
+        Some(&rm.other_token),
+        None,
+    );
+    assert_eq!(s, 403);
+    // `gpuam plan --rm` takes the token too.
+    let out = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .args(["plan", job.to_str().unwrap(), "--rm", &rm.url, "--token-file"])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
 }

@@ -35,7 +35,11 @@ pub struct Served {
 impl Served {
     /// A server listening on `listen`, also known as `public_names`.
     pub fn new(listen: SocketAddr, public_names: &[String]) -> Self {
-        let mut names: Vec<String> = public_names.iter().map(|n| normal(n)).filter(|n| !n.is_empty()).collect();
+        let mut names: Vec<String> = public_names
+            .iter()
+            .map(|n| normal(n))
+            .filter(|n| !n.is_empty())
+            .collect();
         if let Some(h) = hostname() {
             names.push(normal(&h));
         }
@@ -95,7 +99,10 @@ fn hostname() -> Option<String> {
         return None;
     }
     let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    std::str::from_utf8(&buf[..end]).ok().map(str::to_string).filter(|h| !h.is_empty())
+    std::str::from_utf8(&buf[..end])
+        .ok()
+        .map(str::to_string)
+        .filter(|h| !h.is_empty())
 }
 
 /// The guard of one listener.
@@ -149,9 +156,15 @@ async fn check(State(guard): State<Arc<Guard>>, req: Request, next: Next) -> Res
             );
         }
     }
-    let mutating = matches!(*req.method(), Method::POST | Method::PUT | Method::PATCH | Method::DELETE);
+    let mutating = matches!(
+        *req.method(),
+        Method::POST | Method::PUT | Method::PATCH | Method::DELETE
+    );
     if guard.require_json && mutating {
-        let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let ct = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
         let essence = ct.split(';').next().unwrap_or("").trim();
         if !essence.eq_ignore_ascii_case("application/json") {
             return refuse(
@@ -193,7 +206,13 @@ mod tests {
         ] {
             assert!(s.allows_host(ok), "{ok}");
         }
-        for bad in ["evil.example", "evil.example:8088", "", "10.0.0.1:8088", "rm.example.org.evil.example"] {
+        for bad in [
+            "evil.example",
+            "evil.example:8088",
+            "",
+            "10.0.0.1:8088",
+            "rm.example.org.evil.example",
+        ] {
             assert!(!s.allows_host(bad), "{bad}");
         }
         // Listening on every interface: any IP literal (it cannot be rebound), no names.

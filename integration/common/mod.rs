@@ -766,7 +766,14 @@ impl Rm {
     /// on `listen`, for a test to add flags to and run itself.
     pub fn rm_command(&self, listen: &str) -> Command {
         let root = self.root().to_path_buf();
-        rm_command(&root, &root.join("cluster.yaml"), &self.config, &self.work_dir, &self.env, listen)
+        rm_command(
+            &root,
+            &root.join("cluster.yaml"),
+            &self.config,
+            &self.work_dir,
+            &self.env,
+            listen,
+        )
     }
 }
 

@@ -177,7 +177,8 @@ pub async fn run(opts: AmOptions) -> i32 {
         &opts.settings.rm.public_names,
         (&opts.settings.http).into(),
     )
-    .await {
+    .await
+    {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: cannot serve the dashboard on {}: {e}", opts.listen);

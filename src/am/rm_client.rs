@@ -272,10 +272,14 @@ impl RmClient {
     /// The full node listing, parsed into the AM's node model.
     pub async fn nodes(&self) -> Result<Vec<Node>, RmError> {
         let url = format!("{}/ws/v1/cluster/nodes", self.base);
-        let resp = self.as_user(self.http.get(&url)).send().await.map_err(|e| RmError::Unreachable {
-            url: self.base.clone(),
-            why: error_chain(&e),
-        })?;
+        let resp = self
+            .as_user(self.http.get(&url))
+            .send()
+            .await
+            .map_err(|e| RmError::Unreachable {
+                url: self.base.clone(),
+                why: error_chain(&e),
+            })?;
         if resp.status() != StatusCode::OK {
             return Err(RmError::Refused {
                 what: "node listing".into(),

@@ -333,7 +333,14 @@ pub fn main() -> i32 {
             json,
             token_file,
         } => match read_token(token_file.as_deref(), USER_TOKEN_ENV, "token") {
-            Ok(token) => runtime.block_on(plan::plan(&job, cluster.as_deref(), rm.as_deref(), token, json, &settings)),
+            Ok(token) => runtime.block_on(plan::plan(
+                &job,
+                cluster.as_deref(),
+                rm.as_deref(),
+                token,
+                json,
+                &settings,
+            )),
             Err(code) => code,
         },
         Cmd::Run {
@@ -365,7 +372,11 @@ pub fn main() -> i32 {
         },
         Cmd::Token {
             what: TokenCmd::New { user, users_file, out },
-        } => token_new(&user, users_file.or(settings.rm.users_file.clone()).as_deref(), out.as_deref()),
+        } => token_new(
+            &user,
+            users_file.or(settings.rm.users_file.clone()).as_deref(),
+            out.as_deref(),
+        ),
         Cmd::Rm {
             cluster,
             listen,
@@ -487,7 +498,10 @@ fn token_new(user: &str, users_file: Option<&Path>, out: Option<&Path>) -> i32 {
     let token = match crate::rm::users::add_token(file, user) {
         Ok(t) => t,
         Err(e @ crate::rm::users::UsersError::Invalid(_)) => {
-            eprintln!("{e}\nerror: the users file {} is not valid; nothing was changed", file.display());
+            eprintln!(
+                "{e}\nerror: the users file {} is not valid; nothing was changed",
+                file.display()
+            );
             return exit::INVALID_INPUT;
         }
         Err(e) => {

@@ -12,7 +12,10 @@ use crate::exit;
 pub enum StateOption {
     /// SQLite in this directory (`None`: the work dir); `recover`: repair damaged state
     /// instead of refusing it (`--recover-state`).
-    Sqlite { dir: Option<PathBuf>, recover: bool },
+    Sqlite {
+        dir: Option<PathBuf>,
+        recover: bool,
+    },
     Memory,
 }
 
@@ -21,7 +24,10 @@ impl StateOption {
         if in_memory {
             StateOption::Memory
         } else {
-            StateOption::Sqlite { dir: state_dir, recover }
+            StateOption::Sqlite {
+                dir: state_dir,
+                recover,
+            }
         }
     }
 }
@@ -143,9 +149,7 @@ pub async fn rm(
             handle.user_names().len(),
             f.display()
         ),
-        None => println!(
-            "users: none (no --users-file): only the admin token can submit, list and kill applications"
-        ),
+        None => println!("users: none (no --users-file): only the admin token can submit, list and kill applications"),
     }
     let watch = ray_watch.map(|client| {
         let control = handle.node_control();

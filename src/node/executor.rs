@@ -1381,7 +1381,11 @@ mod tests {
         std::fs::write(&p, "0123456789\n".repeat(1000)).unwrap();
         let dropped = cap_log(&f, 4096).unwrap();
         let text = std::fs::read_to_string(&p).unwrap();
-        assert!(text.len() <= 4096 && dropped > 10_000 - 4096, "{} {dropped}", text.len());
+        assert!(
+            text.len() <= 4096 && dropped > 10_000 - 4096,
+            "{} {dropped}",
+            text.len()
+        );
         let (note, rest) = text.split_once('\n').unwrap();
         assert!(note.contains(&format!("{dropped} bytes dropped")), "{note}");
         assert!(rest.lines().all(|l| l == "0123456789"), "cut on a line boundary");

@@ -293,12 +293,24 @@ mod tests {
         assert_eq!(app.report.id, "application_17_0003");
         assert_eq!(app_seq(&app_id(17, 12_345)), Some(12_345));
         assert_eq!(app_seq("container_1_0001"), None);
-        for bad in ["../..", "application_1_0", "application_1_4294967296", "application_x_1", "application_1_+1", "application_1_2_3"] {
+        for bad in [
+            "../..",
+            "application_1_0",
+            "application_1_4294967296",
+            "application_x_1",
+            "application_1_+1",
+            "application_1_2_3",
+        ] {
             assert_eq!(parse_app_id(bad), None, "{bad}");
         }
         assert_eq!(parse_app_id("application_17_4294967295"), Some((17, u32::MAX)));
         let mut colored = App::new(app_id(1, 1), "x".into());
-        colored.finish(AppState::Failed, FinalStatus::Failed, 1, "\u{1b}[31mboom\u{1b}[0m".into());
+        colored.finish(
+            AppState::Failed,
+            FinalStatus::Failed,
+            1,
+            "\u{1b}[31mboom\u{1b}[0m".into(),
+        );
         assert_eq!(colored.report.diagnostics, "boom");
         assert!(app.finish(AppState::Killed, FinalStatus::Killed, 1, "killed".into()));
         assert!(!app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new()));

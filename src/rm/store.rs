@@ -40,7 +40,11 @@ const SCHEMA_VERSION: i64 = 1;
 
 /// The tables and their columns, as [`Store::open`] creates them and expects them.
 const TABLES: [(&str, &[&str], &str); 4] = [
-    ("meta", &["key", "value"], "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"),
+    (
+        "meta",
+        &["key", "value"],
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    ),
     (
         "apps",
         &["id", "state", "doc"],
@@ -413,7 +417,10 @@ impl Store {
         }
 
         let max_app = apps.iter().filter_map(|a| app_seq(&a.report.id)).max();
-        let max_container = containers.iter().filter_map(|c| container_seq(&c.container.container_id)).max();
+        let max_container = containers
+            .iter()
+            .filter_map(|c| container_seq(&c.container.container_id))
+            .max();
         let anything = !apps.is_empty() || !containers.is_empty() || !node_states.is_empty();
         let meta = match meta.take() {
             Some(m) => m,
@@ -577,7 +584,9 @@ impl Store {
 fn what_a_table_held(table: &str) -> &'static str {
     match table {
         "apps" => "every application it held is forgotten; their AMs and containers are not known to the RM",
-        "containers" => "every grant it held is forgotten; processes of those containers that still run are not known to the RM",
+        "containers" => {
+            "every grant it held is forgotten; processes of those containers that still run are not known to the RM"
+        }
         "nodes" => "node states such as LOST are forgotten: every node starts RUNNING",
         _ => "the id counters are rebuilt from the rows",
     }
@@ -770,14 +779,20 @@ mod tests {
         written(dir.path());
         sql(dir.path(), "DROP TABLE containers;");
         let err = open_err(dir.path());
-        assert!(err.contains(STATE_FILE) && err.contains("table `containers`: missing"), "{err}");
+        assert!(
+            err.contains(STATE_FILE) && err.contains("table `containers`: missing"),
+            "{err}"
+        );
         assert!(err.contains("--recover-state"), "{err}");
         let mut store = Store::open_recovering(dir.path()).unwrap();
         let r = store.recover().unwrap().unwrap();
         assert_eq!(r.apps.len(), 1, "the rest is kept");
         assert!(r.containers.is_empty());
         assert!(
-            store.notes().iter().any(|n| n.contains("`containers` was missing") && n.contains("grant")),
+            store
+                .notes()
+                .iter()
+                .any(|n| n.contains("`containers` was missing") && n.contains("grant")),
             "{:?}",
             store.notes()
         );
@@ -795,9 +810,16 @@ mod tests {
         assert!(err.contains("no `state` row"), "{err}");
         let mut store = Store::open_recovering(dir.path()).unwrap();
         let r = store.recover().unwrap().unwrap();
-        assert_eq!((r.meta.cluster_ts, r.meta.next_app_seq, r.meta.next_container_seq), (1, 1, 2));
+        assert_eq!(
+            (r.meta.cluster_ts, r.meta.next_app_seq, r.meta.next_container_seq),
+            (1, 1, 2)
+        );
         assert_eq!((r.apps.len(), r.containers.len()), (1, 1));
-        assert!(store.notes().iter().any(|n| n.contains("rebuilt")), "{:?}", store.notes());
+        assert!(
+            store.notes().iter().any(|n| n.contains("rebuilt")),
+            "{:?}",
+            store.notes()
+        );
     }
 
     #[test]
@@ -818,11 +840,18 @@ mod tests {
             "INSERT INTO containers SELECT '../..', app_id, host, state, replace(doc, 'container_1_0001_01_000001', '../..') FROM containers;",
         );
         let err = open_err(dir.path());
-        assert!(err.contains("container \"../..\"") && err.contains("not an id"), "{err}");
+        assert!(
+            err.contains("container \"../..\"") && err.contains("not an id"),
+            "{err}"
+        );
         let mut store = Store::open_recovering(dir.path()).unwrap();
         let r = store.recover().unwrap().unwrap();
         assert_eq!(r.containers.len(), 1, "only the forged row is dropped");
-        assert!(store.notes().iter().any(|n| n.contains("dropped container")), "{:?}", store.notes());
+        assert!(
+            store.notes().iter().any(|n| n.contains("dropped container")),
+            "{:?}",
+            store.notes()
+        );
     }
 
     #[test]

@@ -226,7 +226,10 @@ pub fn add_token(path: &Path, user: &str) -> Result<String, UsersError> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let written = std::fs::OpenOptions::new()
         .write(true)
@@ -269,9 +272,15 @@ mod tests {
     fn problems_are_named_with_line_and_column() {
         let bad = "users:\n  alice: {token_sha256: abc}\n  admin: {token_sha256: x}\n  bob: {token: y}\n";
         let err = Users::parse(bad, "users.yaml").unwrap_err().to_string();
-        assert!(err.contains("users.yaml:2:") && err.contains("users.alice.token_sha256"), "{err}");
+        assert!(
+            err.contains("users.yaml:2:") && err.contains("users.alice.token_sha256"),
+            "{err}"
+        );
         assert!(err.contains("users.yaml:3:") && err.contains("admin token"), "{err}");
-        assert!(err.contains("users.yaml:4:") && err.contains("did you mean `token_sha256`"), "{err}");
+        assert!(
+            err.contains("users.yaml:4:") && err.contains("did you mean `token_sha256`"),
+            "{err}"
+        );
         let err = Users::parse("people: {}\n", "u").unwrap_err().to_string();
         assert!(err.contains("unknown field `people`"), "{err}");
     }
@@ -284,7 +293,10 @@ mod tests {
         let alice = add_token(&path, "alice").unwrap();
         let bob = add_token(&path, "bob").unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
-        assert!(!text.contains(&alice) && !text.contains(&bob), "tokens are never stored");
+        assert!(
+            !text.contains(&alice) && !text.contains(&bob),
+            "tokens are never stored"
+        );
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         let users = load(&path).unwrap();
         assert_eq!(users.user_of(&alice), Some("alice"));

@@ -1364,10 +1364,14 @@ fn control_characters_are_refused_with_field_line_and_column() {
     let text = format!("name: jo\0b\ntaskRoles:\n  worker:\n{RES}{CMD}");
     let e = errors(&text);
     assert!(
-        e.iter().any(|x| x.field == "name" && x.line == 1 && x.col == 9 && x.message.contains("U+0000")),
+        e.iter()
+            .any(|x| x.field == "name" && x.line == 1 && x.col == 9 && x.message.contains("U+0000")),
         "{}",
         SpecErrors(e.clone())
     );
     // Tabs and newlines stay allowed.
-    parse(&role(&format!("{RES}    commands:\n      - |\n        echo\ta\n        echo b\n"))).unwrap();
+    parse(&role(&format!(
+        "{RES}    commands:\n      - |\n        echo\ta\n        echo b\n"
+    )))
+    .unwrap();
 }

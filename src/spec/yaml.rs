@@ -494,7 +494,13 @@ pub fn parse(text: &str) -> Document {
     } else {
         replaced = text
             .chars()
-            .map(|c| if crate::text::is_unsafe(c) && c != '\r' { '\u{fffd}' } else { c })
+            .map(|c| {
+                if crate::text::is_unsafe(c) && c != '\r' {
+                    '\u{fffd}'
+                } else {
+                    c
+                }
+            })
             .collect();
         &replaced
     };

@@ -27,7 +27,11 @@ pub(super) async fn list_apps(State(rm): Rm, caller: Caller) -> Json<Value> {
     Json(json!({ "apps": { "app": apps } }))
 }
 
-pub(super) async fn get_app(State(rm): Rm, caller: Caller, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
+pub(super) async fn get_app(
+    State(rm): Rm,
+    caller: Caller,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<Value>, ApiError> {
     with_app(&rm, &id, &caller, |a| Json(json!({ "app": a.report })))
 }
 
@@ -241,13 +245,14 @@ pub(super) async fn put_app_state(
         if !job_token_ok {
             match &caller {
                 Ok(c) => c.must_own(app)?,
-                Err(e) => {
-                    return Err(ApiError::new(
-                        StatusCode::UNAUTHORIZED,
-                        "UNAUTHORIZED",
-                        format!("killing an application needs its owner's token, the admin token or the job's job token. {}", e.message),
-                    ))
-                }
+                Err(e) => return Err(ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "UNAUTHORIZED",
+                    format!(
+                        "killing an application needs its owner's token, the admin token or the job's job token. {}",
+                        e.message
+                    ),
+                )),
             }
         }
         if req.state != AppState::Killed {

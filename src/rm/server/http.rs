@@ -80,7 +80,8 @@ impl IntoResponse for ApiError {
         };
         let mut r = (status, Json(body)).into_response();
         if let Some(secs) = retry_after {
-            r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
         }
         if status == StatusCode::UNAUTHORIZED {
             r.headers_mut()

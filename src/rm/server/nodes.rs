@@ -45,7 +45,10 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         diagnostics,
     } = ev;
     let mut st = rm.lock();
-    if let Some(ended) = st.ledger.complete(&container_id, exit_status, &crate::text::clean(&diagnostics)) {
+    if let Some(ended) = st
+        .ledger
+        .complete(&container_id, exit_status, &crate::text::clean(&diagnostics))
+    {
         queue_completed(&mut st.apps, &ended);
     }
     st.commit_or_log();

@@ -131,7 +131,8 @@ impl RmState {
         let apps = self.apps.take_dirty();
         let changes = self.ledger.take_changes();
         let container_seq = self.ledger.next_container_seq();
-        let meta_dirty = std::mem::take(&mut self.meta_dirty) || container_seq != self.store_health.stored_container_seq;
+        let meta_dirty =
+            std::mem::take(&mut self.meta_dirty) || container_seq != self.store_health.stored_container_seq;
         if apps.is_empty() && changes.is_empty() && !meta_dirty {
             return Ok(());
         }

@@ -352,7 +352,10 @@ fn the_application_sequence_is_refused_at_its_end_not_wrapped() {
     };
     assert_eq!(st.next_app_id(7).unwrap(), format!("application_7_{}", u32::MAX));
     let e = st.next_app_id(7).unwrap_err();
-    assert_eq!((e.status, e.code), (StatusCode::SERVICE_UNAVAILABLE, "ID_SEQUENCE_EXHAUSTED"));
+    assert_eq!(
+        (e.status, e.code),
+        (StatusCode::SERVICE_UNAVAILABLE, "ID_SEQUENCE_EXHAUSTED")
+    );
     assert_eq!(st.next_app_seq, u32::MAX, "not wrapped to 0");
 }
 
