@@ -61,7 +61,7 @@ impl Served {
         if let Ok(ip) = name.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
             return ip.is_loopback() || ip == self.listen || self.listen.is_unspecified();
         }
-        self.names.iter().any(|n| *n == name)
+        self.names.contains(&name)
     }
 
     /// Whether an `Origin` header value (`scheme://host[:port]`) names this server.

@@ -245,14 +245,14 @@ pub(super) async fn put_app_state(
         if !job_token_ok {
             match &caller {
                 Ok(c) => c.must_own(app)?,
-                Err(e) => return Err(ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "UNAUTHORIZED",
-                    format!(
-                        "killing an application needs its owner's token, the admin token or the job's job token. {}",
-                        e.message
-                    ),
-                )),
+                Err(e) => {
+                    let why = "killing an application needs its owner's token, the admin token or its job token";
+                    return Err(ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "UNAUTHORIZED",
+                        format!("{why}. {}", e.message),
+                    ));
+                }
             }
         }
         if req.state != AppState::Killed {
