@@ -348,7 +348,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     for note in &recovery_notes {
         tracing::warn!("state recovery: {note}");
     }
-    // What was recovered (and repaired) is written back whole, before anything is served.
+    // What recovery rebuilt (the meta row, repairs) is stored before anything is served.
     state.persist(cluster_ts).map_err(|e| anyhow::anyhow!("{e}"))?;
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let agents = match opts.node_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
