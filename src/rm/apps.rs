@@ -250,6 +250,11 @@ impl Apps {
         self.map.values()
     }
 
+    /// Whether anything changed since the last [`Apps::take_dirty`].
+    pub fn has_changes(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
     /// Ids changed or removed since the last call.
     pub fn take_dirty(&mut self) -> Vec<String> {
         std::mem::take(&mut self.dirty).into_iter().collect()

@@ -166,6 +166,11 @@ impl Ledger {
         }
     }
 
+    /// Whether a container or node state changed since the last [`Ledger::take_changes`].
+    pub fn has_changes(&self) -> bool {
+        !self.touched.is_empty() || !self.touched_nodes.is_empty()
+    }
+
     /// The containers and node states changed since the last call (for persisting).
     pub fn take_changes(&mut self) -> LedgerChanges {
         LedgerChanges {

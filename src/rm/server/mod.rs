@@ -427,6 +427,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
                 queue_completed(&mut st.apps, e);
             }
             st.commit_or_log();
+            // A failing store is retried even when no request comes.
+            let _ = st.writable();
         }
     }));
     if shared.users.file.is_some() {

@@ -125,7 +125,12 @@ impl RmState {
             self.meta_dirty = false;
             return Ok(());
         }
-        if self.store_health.failing.is_some() {
+        if let Some(why) = &self.store_health.failing {
+            // A lock taken only to read does not retry the store (writers do).
+            let changed = self.apps.has_changes() || self.ledger.has_changes() || self.meta_dirty;
+            if !changed {
+                return Err(StoreError::Write(why.clone()));
+            }
             return self.write_whole(cluster_ts);
         }
         let apps = self.apps.take_dirty();
