@@ -82,9 +82,60 @@ fn ledger_grant(c: &mut Criterion) {
     });
 }
 
+/// One grant (and its completion) on a node that already holds `live` containers of 1 MB
+/// each, against a full recount of that usage (`Ledger::audit_usage`, what every grant did
+/// before usage was kept incrementally): issue 11's "one allocate took 7.3 s at 15,000
+/// containers".
+fn ledger_grant_at_scale(c: &mut Criterion) {
+    let node = gpuam::cluster::Node::new(
+        "big",
+        "/r",
+        gpuam::resources::Resources::with_mask(64, 1 << 30, 0xff, PortSet::new()),
+    );
+    let holding = |live: usize| {
+        let mut ledger = Ledger::new([node.clone()], Duration::from_secs(600));
+        let now = Instant::now();
+        for i in 0..live {
+            let small = Ask {
+                request_id: i as u64,
+                host: "big".into(),
+                memory_mb: 1,
+                ..Default::default()
+            };
+            ledger.grant("app", 1, &small, now).unwrap();
+        }
+        ledger
+    };
+    for live in [0usize, 1000, 15_000] {
+        // The recount first, on a ledger holding exactly `live` containers (the grant
+        // bench below leaves its completed ones behind).
+        if live > 0 {
+            let ledger = holding(live);
+            c.bench_function(&format!("ledger/recount/live-{live}"), |b| {
+                b.iter(|| black_box(ledger.audit_usage()))
+            });
+        }
+        let mut ledger = holding(live);
+        let ask = Ask {
+            request_id: u64::MAX,
+            host: "big".into(),
+            cpu: 1,
+            memory_mb: 1,
+            gpu_mask: 0x1,
+            ..Default::default()
+        };
+        c.bench_function(&format!("ledger/grant+complete/live-{live}"), |b| {
+            b.iter(|| {
+                let ct = ledger.grant("app", 1, black_box(&ask), Instant::now()).unwrap();
+                ledger.complete(&ct.container_id, 0, "");
+            })
+        });
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
-    targets = gpu_choice, select, ledger_grant
+    targets = gpu_choice, select, ledger_grant, ledger_grant_at_scale
 }
 criterion_main!(benches);

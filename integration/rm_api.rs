@@ -152,8 +152,15 @@ impl Rm {
         assert_eq!(v["isUnregistered"], true);
     }
 
+    /// `GET path` as the admin (application reads need a credential).
     async fn get_json(&self, path: &str) -> (StatusCode, Value) {
-        let r = self.http.get(self.url(path)).send().await.unwrap();
+        let r = self
+            .http
+            .get(self.url(path))
+            .bearer_auth(self.handle.admin_token())
+            .send()
+            .await
+            .unwrap();
         let s = r.status();
         (s, r.json().await.unwrap())
     }
@@ -248,6 +255,8 @@ async fn new_application_and_rejected_submit_leave_no_state() {
     let r = rm
         .http
         .post(rm.url("/ws/v1/cluster/apps/new-application"))
+        .bearer_auth(rm.handle.admin_token())
+        .json(&json!({}))
         .send()
         .await
         .unwrap();
@@ -260,6 +269,7 @@ async fn new_application_and_rejected_submit_leave_no_state() {
     let r = rm
         .http
         .post(rm.url("/ws/v1/cluster/apps"))
+        .bearer_auth(rm.handle.admin_token())
         .json(&bad)
         .send()
         .await
@@ -280,6 +290,7 @@ async fn new_application_and_rejected_submit_leave_no_state() {
     let r = rm
         .http
         .post(rm.url("/ws/v1/cluster/apps"))
+        .bearer_auth(rm.handle.admin_token())
         .json(&unknown)
         .send()
         .await
@@ -563,7 +574,8 @@ async fn executor_endpoints_route_and_authorize() {
         .send()
         .await
         .unwrap();
-    error_body(r, StatusCode::NOT_FOUND).await;
+    // Not an id the RM could have issued: refused before any lookup.
+    error_body(r, StatusCode::BAD_REQUEST).await;
     let r = rm
         .http
         .get(format!("{}?stream=both", node("n1", &c, "logs")))
@@ -608,6 +620,7 @@ async fn executor_endpoints_route_and_authorize() {
         .http
         .post(node("n1", &c2, "stop"))
         .bearer_auth(&a.token)
+        .json(&json!({}))
         .send()
         .await
         .unwrap();
@@ -690,6 +703,7 @@ async fn bad_bodies_get_error_json() {
     let r = rm
         .http
         .get(rm.url("/ws/v1/cluster/apps/application_0_0077"))
+        .bearer_auth(rm.handle.admin_token())
         .send()
         .await
         .unwrap();

@@ -84,19 +84,6 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
     fs::write(rm.path("go"), "").unwrap();
     let out = sub.wait(Duration::from_secs(60));
     assert_eq!(out.code, 0, "{out:?}");
-    // The RM's own record of how `ender` ended: from the status file its script left.
-    let saved = gpuam::rm::store::Store::open(&rm.work_dir)
-        .unwrap()
-        .recover()
-        .unwrap()
-        .unwrap();
-    let ender = saved
-        .containers
-        .iter()
-        .find(|c| c.container.task.as_deref() == Some("ender/0"))
-        .unwrap();
-    assert_eq!(ender.exit_status, Some(0), "{ender:?}");
-    assert!(ender.diagnostics.contains("seen after an RM restart"), "{ender:?}");
     for f in ["long-0.runs", "long-1.runs", "ender-0.runs"] {
         assert_eq!(
             rm.lines(f),
@@ -113,6 +100,21 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
         (Some("FINISHED"), Some("SUCCEEDED"))
     );
     rm.assert_all_free(Duration::from_secs(10));
+    // The RM's own record of how `ender` ended: from the status file its script left. (The
+    // RM holds its state file exclusively: read it once the RM is gone.)
+    rm.kill_hard();
+    let saved = gpuam::rm::store::Store::open(&rm.work_dir)
+        .unwrap()
+        .recover()
+        .unwrap()
+        .unwrap();
+    let ender = saved
+        .containers
+        .iter()
+        .find(|c| c.container.task.as_deref() == Some("ender/0"))
+        .unwrap();
+    assert_eq!(ender.exit_status, Some(0), "{ender:?}");
+    assert!(ender.diagnostics.contains("seen after an RM restart"), "{ender:?}");
 }
 
 #[test]

@@ -25,9 +25,18 @@ struct Rm {
     handle: RmHandle,
     http: reqwest::Client,
     _dir: tempfile::TempDir,
+    /// Tokens of the users `alice` and `bob`.
+    alice: String,
+    bob: String,
 }
 
 async fn rm() -> Rm {
+    rm_with(|_| {}).await
+}
+
+/// An in-process RM (no AM launched) with users `alice` and `bob`, after `tune` changed
+/// its options.
+async fn rm_with(tune: impl FnOnce(&mut RmOptions)) -> Rm {
     let dir = tempfile::tempdir().unwrap();
     let nodes = vec![
         Node::new(
@@ -43,11 +52,17 @@ async fn rm() -> Rm {
     ];
     let mut opts = RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.path().join("work"));
     opts.launch_am = false;
+    let (alice, bob) = (gpuam::auth::new_token(), gpuam::auth::new_token());
+    opts.users.insert_token("alice", &alice).unwrap();
+    opts.users.insert_token("bob", &bob).unwrap();
+    tune(&mut opts);
     let handle = start(opts).await.unwrap();
     Rm {
         handle,
         http: gpuam::tls::http_client(),
         _dir: dir,
+        alice,
+        bob,
     }
 }
 
@@ -151,19 +166,20 @@ async fn am_protocol_needs_the_apps_own_token() {
         ("GET", "logs"),
         ("GET", "logs?stream=stderr"),
     ] {
+        let body = (m == "POST").then(|| b"{}".to_vec());
         error_body(
-            rm.call(m, &format!("{base}/{p}"), Some(&tb), None).await,
+            rm.call(m, &format!("{base}/{p}"), Some(&tb), body.clone()).await,
             StatusCode::UNAUTHORIZED,
         );
         error_body(
-            rm.call(m, &format!("{base}/{p}"), None, None).await,
+            rm.call(m, &format!("{base}/{p}"), None, body).await,
             StatusCode::UNAUTHORIZED,
         );
     }
     // The container is untouched: A can still start and stop it.
     let (s, st) = rm.json("POST", &format!("{base}/start"), Some(&ta), launch).await;
     assert_eq!(s, StatusCode::OK, "{st}");
-    let (s, _) = rm.call("POST", &format!("{base}/stop"), Some(&ta), None).await;
+    let (s, _) = rm.json("POST", &format!("{base}/stop"), Some(&ta), json!({})).await;
     assert_eq!(s, StatusCode::OK);
     // B's own protocol still works with B's token.
     let (s, _) = rm
@@ -178,7 +194,7 @@ async fn admin_calls_need_the_admin_token() {
     let rm = rm().await;
     let (a, ta) = rm.app("a").await;
     let admin = rm.handle.admin_token().to_string();
-    assert_eq!(admin.len(), 32, "a 128-bit generated token");
+    assert_eq!(admin.len(), 64, "a 256-bit generated token");
     let file = rm._dir.path().join("work").join("admin.token");
     assert_eq!(fs::read_to_string(&file).unwrap().trim(), admin);
     use std::os::unix::fs::PermissionsExt;
@@ -186,7 +202,7 @@ async fn admin_calls_need_the_admin_token() {
 
     let lost = json!({"state": "LOST"});
     // The admin token with its last digit changed (appending "0" matched it 1 time in 16).
-    let wrong = format!("{}{}", &admin[..31], if admin.ends_with('0') { '1' } else { '0' });
+    let wrong = format!("{}{}", &admin[..63], if admin.ends_with('0') { '1' } else { '0' });
     for token in [None, Some(wrong.as_str()), Some(ta.as_str()), Some("")] {
         error_body(
             rm.json("PUT", "/ws/v1/cluster/nodes/n1/state", token, lost.clone())
@@ -234,13 +250,20 @@ async fn kill_takes_the_jobs_own_job_token_only() {
     let spec = "name: t\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"true\"]\n";
     let mut apps = Vec::new();
     for jt in ["job-token-aaaa", "job-token-bbbb"] {
-        let (_, new) = rm.call("POST", "/ws/v1/cluster/apps/new-application", None, None).await;
+        let (_, new) = rm
+            .json(
+                "POST",
+                "/ws/v1/cluster/apps/new-application",
+                Some(&rm.alice),
+                json!({}),
+            )
+            .await;
         let id = new["applicationId"].as_str().unwrap().to_string();
         let (s, b) = rm
             .json(
                 "POST",
                 "/ws/v1/cluster/apps",
-                None,
+                Some(&rm.alice),
                 json!({"applicationId": id, "jobSpec": spec, "jobToken": jt}),
             )
             .await;
@@ -285,7 +308,7 @@ async fn bodies_over_one_mib_are_refused_with_413() {
     };
     for (m, p, t) in [
         ("POST", format!("/ws/v1/am/{a}/allocate"), Some(ta.as_str())),
-        ("POST", "/ws/v1/cluster/apps".to_string(), None),
+        ("POST", "/ws/v1/cluster/apps".to_string(), Some(rm.alice.as_str())),
         (
             "PUT",
             "/ws/v1/cluster/nodes/n1/state".to_string(),
@@ -316,11 +339,16 @@ async fn malformed_mistyped_and_unknown_fields_get_400() {
         ("POST", &alloc, Some(&ta), b"{\"responseId\": 0, \"evil\": true}"),
         ("POST", &alloc, Some(&ta), b"{\"responseId\": 0, \"asks\": {}}"),
         ("POST", &alloc, Some(&ta), b"[]"),
-        ("POST", "/ws/v1/cluster/apps", None, b"{\"applicationId\": 5}"),
         (
             "POST",
             "/ws/v1/cluster/apps",
-            None,
+            Some(&rm.alice),
+            b"{\"applicationId\": 5}",
+        ),
+        (
+            "POST",
+            "/ws/v1/cluster/apps",
+            Some(&rm.alice),
             b"{\"applicationId\": \"x\", \"jobSpec\": \"\", \"extra\": 1}",
         ),
         (
@@ -369,13 +397,20 @@ async fn absurd_numbers_are_refused_without_panic_or_overallocation() {
         let spec = format!(
             "name: t\ntaskRoles:\n  w:\n    instances: {instances}\n    resourcePerInstance: {res}\n    commands: [\"true\"]\n"
         );
-        let (_, new) = rm.call("POST", "/ws/v1/cluster/apps/new-application", None, None).await;
+        let (_, new) = rm
+            .json(
+                "POST",
+                "/ws/v1/cluster/apps/new-application",
+                Some(&rm.alice),
+                json!({}),
+            )
+            .await;
         let id = new["applicationId"].as_str().unwrap().to_string();
         let msg = error_body(
             rm.json(
                 "POST",
                 "/ws/v1/cluster/apps",
-                None,
+                Some(&rm.alice),
                 json!({"applicationId": id, "jobSpec": spec}),
             )
             .await,
@@ -592,6 +627,7 @@ fn tokens_never_appear_in_logs() {
         seen_lines += text.lines().count();
         for (what, t) in [
             ("admin", admin.as_str()),
+            ("user", rm.user_token.as_str()),
             ("app", app_token.as_str()),
             ("job", job_token.as_str()),
             ("presented", attempt),
@@ -732,4 +768,971 @@ fn tls_listeners_serve_https_only_and_a_job_runs_over_them() {
     assert_eq!(out.code, 0, "{out:?}\n{}", rm.logs());
     let end = rm.wait_app_final(&app, Duration::from_secs(10));
     assert_eq!(end["finalStatus"], "SUCCEEDED", "{end}");
+}
+
+// ---- issue 11: credentials, browser-borne requests, limits, input ----
+
+/// A one-task job (no GPU, so it never competes for the test nodes' GPUs).
+const SPEC: &str = "name: t\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"true\"]\n";
+
+impl Rm {
+    /// new-application then submit as the holder of `token`, with `extra` fields in the
+    /// submit body: (the submit's status and body, the application id).
+    async fn submit_as(&self, token: &str, spec: &str, extra: Value) -> (StatusCode, Value, String) {
+        let (s, new) = self
+            .json("POST", "/ws/v1/cluster/apps/new-application", Some(token), json!({}))
+            .await;
+        assert_eq!(s, StatusCode::OK, "{new}");
+        let id = new["applicationId"].as_str().unwrap().to_string();
+        let mut body = json!({"applicationId": id, "jobSpec": spec});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let (s, out) = self.json("POST", "/ws/v1/cluster/apps", Some(token), body).await;
+        (s, out, id)
+    }
+
+    /// The ids of the applications `token`'s holder lists.
+    async fn listed(&self, token: &str) -> Vec<String> {
+        let (s, b) = self.call("GET", "/ws/v1/cluster/apps", Some(token), None).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let mut ids: Vec<String> = b["apps"]["app"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["id"].as_str().unwrap().to_string())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    /// A started container of `app` (registered through its AM token) running `cmd`:
+    /// (its logs URL path, the app token).
+    async fn running_container(&self, app: &str, cmd: &str) -> (String, String) {
+        let token = self.handle.app_token(app).unwrap();
+        let (s, b) = self
+            .json(
+                "POST",
+                &format!("/ws/v1/am/{app}/register"),
+                Some(&token),
+                json!({"host": "h", "trackingUrl": ""}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let (s, got) = self
+            .json(
+                "POST",
+                &format!("/ws/v1/am/{app}/allocate"),
+                Some(&token),
+                json!({"responseId": 0, "asks": [ask(1, "n1", json!(1), json!(10), "0x0", "")]}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{got}");
+        let cid = got["allocated"][0]["containerId"].as_str().unwrap().to_string();
+        let base = format!("/ws/v1/node/n1/containers/{cid}");
+        let (s, b) = self
+            .json(
+                "POST",
+                &format!("{base}/start"),
+                Some(&token),
+                json!({"commands": [cmd], "env": {}}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        (format!("{base}/logs"), token)
+    }
+}
+
+/// Polls `f` every 50 ms until it gives `Some` (panics naming `what` after `timeout`):
+/// the async `common::wait_for`, for tests whose RM runs on the test's own runtime.
+async fn poll<T, F: std::future::Future<Output = Option<T>>>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> T {
+    let give_up = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < give_up,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One HTTP/1.1 request written as it is (headers included) on a fresh connection:
+/// (status, the answer's header block, its body).
+async fn raw(addr: std::net::SocketAddr, head: &str, body: &str) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{head}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("an answer")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = h.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, h.to_ascii_lowercase(), b.to_string())
+}
+
+#[tokio::test]
+async fn submitting_listing_killing_and_logs_need_a_user_credential() {
+    let rm = rm().await;
+    let admin = rm.handle.admin_token().to_string();
+    // The attack: no token, or one nobody has. 401, saying how to get a token.
+    for token in [None, Some("not-a-token")] {
+        for (m, p) in [
+            ("POST", "/ws/v1/cluster/apps/new-application"),
+            ("GET", "/ws/v1/cluster/apps"),
+            ("POST", "/ws/v1/cluster/apps"),
+        ] {
+            let body = json!({"applicationId": "application_1_0001", "jobSpec": SPEC});
+            let got = match m {
+                "GET" => rm.call(m, p, token, None).await,
+                _ => rm.json(m, p, token, body).await,
+            };
+            let msg = error_body(got, StatusCode::UNAUTHORIZED);
+            assert!(
+                msg.contains("gpuam token new") && msg.contains("--token-file") && msg.contains("GPUAM_TOKEN"),
+                "{m} {p}: {msg}"
+            );
+        }
+    }
+    assert!(rm.listed(&admin).await.is_empty(), "nothing was submitted");
+
+    // alice submits: the application records her; the scheme may be written in any case.
+    let (s, b, a) = rm.submit_as(&rm.alice, SPEC, json!({"jobToken": "jt-alice"})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    assert_eq!(b["app"]["user"], "alice");
+    assert_eq!(rm.handle.app_report(&a).unwrap().user, "alice");
+    let (_, _, b2) = rm.submit_as(&rm.bob, SPEC, json!({})).await;
+    let lower = rm
+        .http
+        .get(format!("{}/ws/v1/cluster/apps/{a}", rm.handle.base_url()))
+        .header("authorization", format!("bearer {}", rm.alice))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(lower.status(), StatusCode::OK, "lower-case `bearer` is accepted");
+
+    // Each user sees only their own; the admin sees all.
+    assert_eq!(rm.listed(&rm.alice).await, vec![a.clone()]);
+    assert_eq!(rm.listed(&rm.bob).await, vec![b2.clone()]);
+    let mut both = vec![a.clone(), b2.clone()];
+    both.sort();
+    assert_eq!(rm.listed(&admin).await, both);
+    for p in [
+        format!("/ws/v1/cluster/apps/{a}"),
+        format!("/ws/v1/cluster/apps/{a}/state"),
+        format!("/ws/v1/cluster/apps/{a}/appattempts"),
+    ] {
+        let msg = error_body(rm.call("GET", &p, Some(&rm.bob), None).await, StatusCode::FORBIDDEN);
+        assert!(msg.contains("another user"), "{msg}");
+    }
+
+    // Logs of alice's container: alice, the admin and her AM read them; bob does not.
+    let (logs, app_token) = rm.running_container(&a, "echo alice-private-output; sleep 30").await;
+    let got = poll(Duration::from_secs(10), "the task's output", || async {
+        let (s, b) = rm.call("GET", &logs, Some(&rm.alice), None).await;
+        (s == StatusCode::OK && b.to_string().contains("alice-private-output")).then_some(b)
+    })
+    .await;
+    assert!(got.to_string().contains("alice-private-output"));
+    for (who, token) in [("the admin", admin.as_str()), ("her AM", app_token.as_str())] {
+        let (s, b) = rm.call("GET", &logs, Some(token), None).await;
+        assert!(
+            s == StatusCode::OK && b.to_string().contains("alice-private"),
+            "{who}: {s} {b}"
+        );
+    }
+    let (s, b) = rm.call("GET", &logs, Some(&rm.bob), None).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{b}");
+    assert!(!b.to_string().contains("alice-private"));
+    error_body(rm.call("GET", &logs, None, None).await, StatusCode::UNAUTHORIZED);
+
+    // Kill: not bob; alice (the owner) may, as may her job token and the admin.
+    let kill = json!({"state": "KILLED"});
+    error_body(
+        rm.json(
+            "PUT",
+            &format!("/ws/v1/cluster/apps/{a}/state"),
+            Some(&rm.bob),
+            kill.clone(),
+        )
+        .await,
+        StatusCode::FORBIDDEN,
+    );
+    assert!(!rm.handle.app_report(&a).unwrap().state.is_final());
+    let (s, out) = rm
+        .json(
+            "PUT",
+            &format!("/ws/v1/cluster/apps/{a}/state"),
+            Some(&rm.alice),
+            kill.clone(),
+        )
+        .await;
+    assert_eq!((s, out["state"].as_str()), (StatusCode::OK, Some("KILLED")), "{out}");
+    let (s, _) = rm
+        .json("PUT", &format!("/ws/v1/cluster/apps/{b2}/state"), Some(&admin), kill)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    rm.handle.shutdown().await;
+
+    // An RM without users: only the admin token submits, and the 401 says so.
+    let rm = rm_with(|o| o.users = Default::default()).await;
+    let msg = error_body(
+        rm.json(
+            "POST",
+            "/ws/v1/cluster/apps/new-application",
+            Some(&rm.alice),
+            json!({}),
+        )
+        .await,
+        StatusCode::UNAUTHORIZED,
+    );
+    assert!(msg.contains("no users file") && msg.contains("admin token"), "{msg}");
+    let (s, b, _) = rm.submit_as(rm.handle.admin_token(), SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    assert_eq!(b["app"]["user"], "admin");
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn browser_borne_requests_are_refused() {
+    let rm = rm_with(|o| o.public_names = vec!["rm.example.org".into()]).await;
+    let addr = rm.handle.addr();
+    let port = addr.port();
+    let submit = |host: &str, origin: Option<&str>, ctype: &str, token: Option<&str>| {
+        let mut head =
+            format!("POST /ws/v1/cluster/apps/new-application HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n");
+        if let Some(o) = origin {
+            head.push_str(&format!("Origin: {o}\r\n"));
+        }
+        if let Some(t) = token {
+            head.push_str(&format!("Authorization: Bearer {t}\r\n"));
+        }
+        head
+    };
+    let mut answers = Vec::new();
+    // The measured attack: a page at evil.example rebinds its name to the RM and posts
+    // text/plain. Refused at the Host, with or without a stolen-looking credential.
+    let evil = format!("evil.example:{port}");
+    for token in [None, Some(rm.alice.as_str())] {
+        let a = raw(
+            addr,
+            &submit(&evil, Some(&format!("http://{evil}")), "text/plain", token),
+            "{}",
+        )
+        .await;
+        assert_eq!(a.0, 421, "{a:?}");
+        assert!(
+            a.2.contains("rm.public_names"),
+            "the refusal says how to allow a name: {a:?}"
+        );
+        answers.push(a);
+    }
+    // The right Host, but a page of another site as the Origin: 403.
+    let local = format!("127.0.0.1:{port}");
+    let a = raw(
+        addr,
+        &submit(&local, Some("http://evil.example"), "application/json", Some(&rm.alice)),
+        "{}",
+    )
+    .await;
+    assert_eq!(a.0, 403, "{a:?}");
+    answers.push(a);
+    // Bodies a page can send without asking (a form, text/plain): 415.
+    for ctype in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ] {
+        let a = raw(addr, &submit(&local, None, ctype, Some(&rm.alice)), "{}").await;
+        assert_eq!(a.0, 415, "{ctype}: {a:?}");
+        assert!(a.2.contains("application/json"), "{a:?}");
+        answers.push(a);
+    }
+    assert!(rm.handle.app_report(&gpuam::rm::apps::app_id(0, 1)).is_none());
+    // What the RM serves: loopback names, its address, the configured public name.
+    for host in [
+        local.clone(),
+        format!("localhost:{port}"),
+        format!("rm.example.org:{port}"),
+    ] {
+        let a = raw(
+            addr,
+            &submit(
+                &host,
+                Some(&format!("http://{host}")),
+                "application/json; charset=utf-8",
+                Some(&rm.alice),
+            ),
+            "{}",
+        )
+        .await;
+        assert_eq!(a.0, 200, "{host}: {a:?}");
+        answers.push(a);
+    }
+    // A CORS preflight gets no grant; no answer ever carries one.
+    let a = raw(
+        addr,
+        &format!("OPTIONS /ws/v1/cluster/apps HTTP/1.1\r\nHost: {local}\r\nOrigin: http://{local}\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization, content-type\r\n"),
+        "",
+    )
+    .await;
+    answers.push(a);
+    for (status, head, _) in &answers {
+        assert!(
+            !head.contains("access-control-"),
+            "a CORS header in a {status} answer: {head}"
+        );
+    }
+
+    // A job's dashboard stays on loopback unless the operator allows more.
+    for listen in ["0.0.0.0:0", "[::]:0", "10.1.2.3:8000"] {
+        let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": listen})).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{listen}: {b}");
+        assert!(
+            b["message"].as_str().unwrap().contains("rm.allow_public_dashboards"),
+            "{b}"
+        );
+    }
+    let (s, b, _) = rm
+        .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "not an address"}))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    let (s, b, _) = rm
+        .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "127.0.0.1:0"}))
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    rm.handle.shutdown().await;
+    let open = rm_with(|o| o.limits.allow_public_dashboards = true).await;
+    let (s, b, _) = open
+        .submit_as(&open.alice, SPEC, json!({"dashboardListen": "0.0.0.0:0"}))
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "allowed by the operator: {b}");
+    open.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn limits_refuse_with_429_naming_the_setting() {
+    let rm = rm_with(|o| {
+        o.limits.max_apps_per_user = 2;
+        o.limits.max_apps = 3;
+        o.limits.max_asks_per_allocate = 10;
+    })
+    .await;
+    let admin = rm.handle.admin_token().to_string();
+    let mut alices = Vec::new();
+    for _ in 0..2 {
+        let (s, b, id) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+        alices.push(id);
+    }
+    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert!(b["message"].as_str().unwrap().contains("rm.max_apps_per_user"), "{b}");
+    let (s, b, _) = rm.submit_as(&rm.bob, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    let (s, b, _) = rm.submit_as(&rm.bob, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert!(b["message"].as_str().unwrap().contains("rm.max_apps` is 3"), "{b}");
+    // A finished application no longer counts.
+    let (s, _) = rm
+        .json(
+            "PUT",
+            &format!("/ws/v1/cluster/apps/{}/state", alices[0]),
+            Some(&admin),
+            json!({"state": "KILLED"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+
+    // Asks per allocate.
+    let (id, token) = rm.app("asks").await;
+    let asks: Vec<Value> = (0..11).map(|i| ask(i, "n1", json!(1), json!(1), "0x0", "")).collect();
+    let (s, b) = rm
+        .json(
+            "POST",
+            &format!("/ws/v1/am/{id}/allocate"),
+            Some(&token),
+            json!({"responseId": 0, "asks": asks}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert!(
+        b["message"].as_str().unwrap().contains("rm.max_asks_per_allocate"),
+        "{b}"
+    );
+    assert!(rm.handle.ledger_all_free(), "nothing granted");
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn zero_size_asks_are_refused_and_grants_keep_usage_exact() {
+    let rm = rm().await;
+    let (id, token) = rm.app("zero").await;
+    let alloc = format!("/ws/v1/am/{id}/allocate");
+    // The measured attack: asks of no CPU and no memory, granted without limit before.
+    let zero: Vec<Value> = (0..100).map(|i| ask(i, "n1", json!(0), json!(0), "0x0", "")).collect();
+    let (s, out) = rm
+        .json("POST", &alloc, Some(&token), json!({"responseId": 0, "asks": zero}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{out}");
+    assert_eq!(out["allocated"].as_array().unwrap().len(), 0, "{out}");
+    let rejected = out["rejected"].as_array().unwrap();
+    assert_eq!(rejected.len(), 100);
+    assert!(rejected
+        .iter()
+        .all(|r| r["retryable"] == false && r["reason"].as_str().unwrap().contains("some CPU or memory")));
+    // Many small grants on one node: usage kept incrementally equals the recount.
+    let small: Vec<Value> = (0..2000)
+        .map(|i| ask(1000 + i, "n2", json!(0), json!(1), "0x0", ""))
+        .collect();
+    let (s, out) = rm
+        .json("POST", &alloc, Some(&token), json!({"responseId": 1, "asks": small}))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(out["allocated"].as_array().unwrap().len(), 2000);
+    assert_eq!(rm.handle.audit_usage(), Ok(()));
+    let n2 = rm
+        .handle
+        .nodes_snapshot()
+        .into_iter()
+        .find(|(n, _)| n.host == "n2")
+        .unwrap();
+    assert_eq!((n2.0.used().memory_mb, n2.1), (2000, 2000));
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_container_log_is_kept_within_its_limit_and_says_so() {
+    let rm = rm_with(|o| o.max_log_bytes = Some(64 * 1024)).await;
+    let (_, _, a) = rm.submit_as(&rm.alice, SPEC, json!({})).await;
+    // The measured attack wrote 1 GiB in 10 s; this one writes 8 MiB and ends.
+    let (logs, token) = rm
+        .running_container(&a, "head -c 8388608 /dev/zero | tr '\\0' x; echo; echo END-OF-OUTPUT")
+        .await;
+    let status = logs.replace("/logs", "/status");
+    poll(Duration::from_secs(20), "the container to end", || async {
+        let (s, b) = rm.call("GET", &status, Some(&token), None).await;
+        (s == StatusCode::OK && b["state"] == "COMPLETE").then_some(())
+    })
+    .await;
+    let (s, b) = rm.call("GET", &logs, Some(&rm.alice), None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let text = b.as_str().unwrap_or("").to_string();
+    assert!(text.trim_end().ends_with("END-OF-OUTPUT"), "the newest output is kept");
+    assert!(text.len() <= 64 * 1024, "the log holds {} bytes", text.len());
+    assert!(
+        text.starts_with("[gpuam] log truncated: "),
+        "{}",
+        &text[..text.len().min(120)]
+    );
+    assert!(text.contains("node.max_log_bytes = 65536"));
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn half_sent_requests_are_cut_after_the_read_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rm = rm_with(|o| o.http_timeouts.read = Duration::from_secs(1)).await;
+    let addr = rm.handle.addr();
+    // Headers that never end, and a connection that says nothing: both cut.
+    for first in ["POST /ws/v1/cluster/apps HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ", ""] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(first.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        // Bounded: a server that never cuts fails this test instead of hanging it.
+        let read = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "the RM kept a half-sent request ({first:?}) open");
+    }
+    // A body that stops halfway: 408 naming the setting.
+    let (status, _, body) = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /ws/v1/cluster/apps HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization: Bearer {}\r\nContent-Length: 1000\r\n\r\n{{\"applicationId\"",
+            rm.alice
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+            .await
+            .expect("an answer")
+            .unwrap();
+        let text = String::from_utf8_lossy(&out).to_string();
+        let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (status, (), text)
+    }
+    .await;
+    assert_eq!(status, 408, "{body}");
+    assert!(body.contains("http.read_timeout_sec"), "{body}");
+    // The RM still serves.
+    assert!(rm.listed(&rm.alice).await.is_empty());
+    rm.handle.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_where_it_enters() {
+    let rm = rm().await;
+    // A NUL in a command (it used to pass, then fail 11 times at launch as "transient").
+    let spec = "name: t\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"echo \\0 hi\"]\n";
+    let (s, b, id) = rm.submit_as(&rm.alice, spec, json!({})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    let msg = b["message"].as_str().unwrap();
+    assert!(
+        msg.contains("job.yaml:6:") && msg.contains("taskRoles.w.commands[0]") && msg.contains("U+0000"),
+        "{msg}"
+    );
+    assert!(rm.handle.app_report(&id).is_none());
+    // Ids that could not have been issued, in URL paths and bodies: 400.
+    let alice = rm.alice.clone();
+    for (m, p, body) in [
+        ("GET", "/ws/v1/cluster/apps/..%2F..".to_string(), None),
+        ("GET", "/ws/v1/cluster/apps/application_1_4294967296".to_string(), None),
+        (
+            "POST",
+            "/ws/v1/am/application_1_0/register".to_string(),
+            Some(json!({"host": "h", "trackingUrl": ""})),
+        ),
+        (
+            "POST",
+            "/ws/v1/cluster/apps".to_string(),
+            Some(json!({"applicationId": "../../etc", "jobSpec": SPEC})),
+        ),
+        (
+            "GET",
+            "/ws/v1/node/n1/containers/container_1_1_01_99999999999999999999/status".to_string(),
+            None,
+        ),
+    ] {
+        let got = match body {
+            Some(b) => rm.json(m, &p, Some(&alice), b).await,
+            None => rm.call(m, &p, Some(&alice), None).await,
+        };
+        let msg = error_body(got, StatusCode::BAD_REQUEST);
+        assert!(
+            msg.contains("not an application id") || msg.contains("not a container id"),
+            "{p}: {msg}"
+        );
+    }
+    // Terminal escapes an AM sends are not kept in the diagnostics.
+    let (app, token) = rm.app("colours").await;
+    let (s, _) = rm
+        .json(
+            "POST",
+            &format!("/ws/v1/am/{app}/finish"),
+            Some(&token),
+            json!({"finalStatus": "FAILED", "exitCode": 1, "diagnostics": "\u{1b}[1;31mtask failed\u{1b}[0m\u{7}"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(rm.handle.app_report(&app).unwrap().diagnostics, "task failed");
+    // The AM protocol takes the scheme in lower case too.
+    let (app2, token2) = rm.handle.register_test_app("lower");
+    let r = rm
+        .http
+        .post(format!("{}/ws/v1/am/{app2}/register", rm.handle.base_url()))
+        .header("authorization", format!("bearer {token2}"))
+        .json(&json!({"host": "h", "trackingUrl": ""}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    rm.handle.shutdown().await;
+}
+
+// ---- durable before acknowledged; damaged state (real `gpuam rm` processes, root) ----
+
+/// Files made immutable (`chattr +i`, e2fsprogs): writes fail even through descriptors the
+/// RM already has open, as on a read-only or failing disk. Cleared when dropped (also when
+/// the test fails).
+struct Immutable(Vec<std::path::PathBuf>);
+
+impl Immutable {
+    fn set(paths: &[std::path::PathBuf]) -> Immutable {
+        let guard = Immutable(paths.to_vec());
+        for p in paths {
+            let status = std::process::Command::new("chattr")
+                .arg("+i")
+                .arg(p)
+                .status()
+                .expect("chattr (e2fsprogs) runs: .ci/run installs it");
+            assert!(
+                status.success(),
+                "chattr +i {} failed: this test needs root and a file system with immutable files",
+                p.display()
+            );
+        }
+        guard
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::process::Command::new("chattr").arg("-i").arg(p).status();
+        }
+    }
+}
+
+/// One raw HTTP/1.1 request to `host_port`: (status, header block lower-cased, body).
+fn raw_sync(host_port: &str, head: &str, body: &str) -> (u16, String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(host_port).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let req = format!(
+        "{head}Host: {host_port}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = h.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, h.to_ascii_lowercase(), b.to_string())
+}
+
+const TWO_BY_TWO: &str = common::TWO_NODES_TWO_GPUS;
+
+/// A job of two one-GPU tasks that append `start <container id>` to `<name>-<index>.runs`,
+/// wait for the file `go`, then append `end`.
+fn recording_job(rm: &common::Rm, name: &str) -> std::path::PathBuf {
+    let root = rm.root().display().to_string();
+    let script = format!(
+        "echo \"start $GPUAM_CONTAINER_ID\" >> {root}/{name}-$GPUAM_TASK_INDEX.runs; \
+         while [ ! -f {root}/go ]; do sleep 0.05; done; echo end >> {root}/{name}-$GPUAM_TASK_INDEX.runs"
+    );
+    rm.write_job(
+        name,
+        &format!(
+            "name: {name}\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 10, gpu: 1}}\n    commands:\n      - {}\n",
+            common::sq(&script)
+        ),
+    )
+}
+
+/// The container ids a task recorded, one per run.
+fn runs(rm: &common::Rm, file: &str) -> Vec<String> {
+    rm.lines(file)
+        .iter()
+        .filter_map(|l| l.strip_prefix("start ").map(str::to_string))
+        .collect()
+}
+
+/// The store fault: writes fail mid-run. The RM answers 503 (with Retry-After) to every
+/// state change and grants nothing; when writes work again it writes its whole state and
+/// goes on; when it dies while they fail, the restarted RM has lost nothing it
+/// acknowledged: no task runs twice and no container id is handed out again.
+#[test]
+fn a_failing_store_gets_503_grants_nothing_and_loses_nothing() {
+    let mut rm = common::Rm::start(TWO_BY_TWO, &[]);
+    let host_port = rm.url.trim_start_matches("http://").to_string();
+    let (db, wal) = (rm.work_dir.join("rm-state.db"), rm.work_dir.join("rm-state.db-wal"));
+    let a = rm.submit(&recording_job(&rm, "a"));
+    common::wait_for(Duration::from_secs(30), "job a's two tasks", || {
+        (runs(&rm, "a-0.runs").len() == 1 && runs(&rm, "a-1.runs").len() == 1).then_some(())
+    });
+    let held = rm.nodes();
+
+    // 1. Writes fail: every change is refused with 503 and Retry-After; nothing is granted.
+    let broken = Immutable::set(&[db.clone(), wal.clone()]);
+    let (s, head, body) = raw_sync(
+        &host_port,
+        &format!(
+            "POST /ws/v1/cluster/apps/new-application HTTP/1.1\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\n",
+            rm.user_token
+        ),
+        "{}",
+    );
+    assert_eq!(s, 503, "{head}\n{body}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    assert!(body.contains("STATE_STORE_UNAVAILABLE"), "{body}");
+    let info = rm.get_json("/ws/v1/cluster/info").unwrap();
+    let failing = info["clusterInfo"]["rmStateStoreFailing"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(!failing.is_empty(), "the failure is shown: {info}");
+    assert!(
+        info["clusterInfo"]["rmStateStoreWriteErrors"].as_u64().unwrap() >= 1,
+        "{info}"
+    );
+    // A whole job submitted meanwhile: refused, said so, nothing started.
+    let out = rm.run_job(&recording_job(&rm, "refused"), Duration::from_secs(60));
+    assert_eq!(out.code, 69, "503 is `unavailable` (exit 69): {out:?}");
+    assert!(out.stderr.contains("503"), "{out:?}");
+    // The running job's heartbeats are refused too, and nothing is granted.
+    common::wait_for(Duration::from_secs(20), "job a's AM to see 503", || {
+        rm.logs().contains("the RM refused allocate (503)").then_some(())
+    });
+    assert_eq!(rm.nodes(), held, "nothing granted or freed while the store fails");
+    assert!(rm.lines("refused-0.runs").is_empty() && rm.lines("refused-1.runs").is_empty());
+    assert!(
+        fs::read_to_string(rm.path("rm.stderr"))
+            .unwrap()
+            .contains("the RM's state could not be saved"),
+        "logged"
+    );
+
+    // 2. Writes work again: the whole state is written once and the RM grants again.
+    drop(broken);
+    common::wait_for(Duration::from_secs(20), "the store to recover", || {
+        let info = rm.get_json("/ws/v1/cluster/info").ok()?;
+        let c = &info["clusterInfo"];
+        (c["rmStateStoreFailing"].is_null() && c["rmStateStoreRecoveries"].as_u64() >= Some(1)).then_some(())
+    });
+    assert!(fs::read_to_string(rm.path("rm.stderr"))
+        .unwrap()
+        .contains("the whole state was written"));
+    let b = rm.submit(&recording_job(&rm, "b"));
+    common::wait_for(Duration::from_secs(30), "job b's two tasks", || {
+        (runs(&rm, "b-0.runs").len() == 1 && runs(&rm, "b-1.runs").len() == 1).then_some(())
+    });
+
+    // 3. Writes fail again and the RM is SIGKILLed; it restarts on a working store.
+    let broken = Immutable::set(&[db.clone(), wal.clone()]);
+    common::wait_for(Duration::from_secs(20), "a write to fail", || {
+        let info = rm.get_json("/ws/v1/cluster/info").ok()?;
+        info["clusterInfo"]["rmStateStoreFailing"].is_string().then_some(())
+    });
+    rm.kill_hard();
+    drop(broken);
+    rm.restart();
+    fs::write(rm.path("go"), "").unwrap();
+    for (name, sub) in [("a", a), ("b", b)] {
+        let out = sub.wait(Duration::from_secs(60));
+        assert_eq!(out.code, 0, "job {name}: {out:?}\n{}", rm.logs());
+    }
+
+    // No task ran twice; no container id was handed out twice.
+    let mut ids = Vec::new();
+    for f in ["a-0.runs", "a-1.runs", "b-0.runs", "b-1.runs"] {
+        let r = runs(&rm, f);
+        assert_eq!(r.len(), 1, "{f} ran {r:?}");
+        assert_eq!(rm.lines(f).iter().filter(|l| *l == "end").count(), 1, "{f}");
+        ids.extend(r);
+    }
+    let c = rm.run_job(&recording_job(&rm, "c"), Duration::from_secs(60));
+    assert_eq!(c.code, 0, "{c:?}");
+    let seq = |id: &str| -> u64 { id.rsplit('_').next().unwrap().parse().unwrap() };
+    let before = ids.iter().map(|i| seq(i)).max().unwrap();
+    for f in ["c-0.runs", "c-1.runs"] {
+        for id in runs(&rm, f) {
+            assert!(
+                !ids.contains(&id) && seq(&id) > before,
+                "{id} re-used (before: {ids:?})"
+            );
+            ids.push(id);
+        }
+    }
+    let unique: std::collections::BTreeSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+/// Runs `cmd` (a `gpuam rm` that should refuse to start) to its exit: (code, stderr).
+fn refused_start(mut cmd: std::process::Command) -> (i32, String) {
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = common::wait_for(Duration::from_secs(30), "`gpuam rm` to exit", || {
+        child.try_wait().unwrap()
+    });
+    let mut err = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (status.code().unwrap_or(-1), err)
+}
+
+/// Damaged state is refused at start with the file and the problem (exit 65);
+/// `--recover-state` starts anyway and says what it dropped; a locked, damaged `-shm`
+/// cannot bring the RM down.
+#[test]
+fn damaged_state_is_refused_and_recovery_says_what_it_drops() {
+    let mut rm = common::Rm::start(TWO_BY_TWO, &[]);
+    let job = rm.write_job(
+        "quick",
+        "name: quick\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    let first = rm.run_job(&job, Duration::from_secs(60));
+    assert_eq!(first.code, 0, "{first:?}");
+    let app = first
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("submitted job `quick` as "))
+        .unwrap()
+        .to_string();
+    rm.kill_hard();
+    let db = rm.work_dir.join("rm-state.db");
+    let sql = |statement: &str| {
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch(statement).unwrap();
+    };
+    let listen = format!("127.0.0.1:{}", rm.port());
+
+    // A missing meta row (the id counters): refused, naming the file and the problem.
+    sql("DELETE FROM meta WHERE key = 'state';");
+    let (code, err) = refused_start(rm.rm_command(&listen));
+    assert_eq!(code, 65, "{err}");
+    assert!(
+        err.contains(&db.display().to_string()) && err.contains("no `state` row"),
+        "{err}"
+    );
+    assert!(err.contains("--recover-state"), "says how to go on: {err}");
+    // A missing containers table too: refused (before: an RM with no grants).
+    sql("DROP TABLE containers;");
+    let (code, err) = refused_start(rm.rm_command(&listen));
+    assert_eq!(code, 65, "{err}");
+    assert!(err.contains("table `containers`: missing"), "{err}");
+
+    // --recover-state: starts, and says what it repaired and dropped.
+    let mut recovering = rm.rm_command(&listen);
+    recovering
+        .arg("--recover-state")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = recovering.spawn().unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut said = String::new();
+    common::wait_for(Duration::from_secs(30), "the recovery notes", || {
+        use std::io::BufRead;
+        let mut line = String::new();
+        err.read_line(&mut line).ok()?;
+        said.push_str(&line);
+        (said.contains("`containers` was missing") && said.contains("rebuilt")).then_some(())
+    });
+    assert!(said.contains("grant"), "says what the dropped table held: {said}");
+    // It serves what it kept: the finished application.
+    let a = common::wait_for(Duration::from_secs(20), "the recovered RM to answer", || {
+        rm.try_app(&app)
+    });
+    assert_eq!(a["state"], "FINISHED", "{a}");
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGKILL);
+    }
+    let _ = child.wait();
+
+    // A damaged and immutable shared-memory file: the RM does not use it (exclusive
+    // locking), so it neither dies (SIGBUS) nor refuses.
+    let shm = rm.work_dir.join("rm-state.db-shm");
+    fs::write(&shm, b"\xde\xad\xbe\xef not a wal-index").unwrap();
+    let _locked = Immutable::set(std::slice::from_ref(&shm));
+    rm.restart();
+    let out = rm.run_job(&job, Duration::from_secs(60));
+    assert_eq!(out.code, 0, "a job runs beside a damaged -shm: {out:?}\n{}", rm.logs());
+    assert!(rm.try_exited().is_none(), "the RM is still up");
+}
+
+/// The CLI side of credentials: `gpuam token new` hands a token out once and stores only
+/// its digest (0600); a running RM takes a new user without a restart; `gpuam submit`
+/// without a token exits 77 saying how to get one; with `--token-file` the job runs as
+/// that user.
+#[test]
+fn the_cli_makes_tokens_and_says_how_to_get_one() {
+    use std::os::unix::fs::PermissionsExt;
+    let rm = common::Rm::start(TWO_BY_TWO, &[]);
+    let users = rm.path(common::USERS_FILE);
+    let out = rm
+        .gpuam()
+        .args(["token", "new", "--user", "carol", "--users-file"])
+        .arg(&users)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let token = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(token.len(), 64, "one token on stdout: {token}");
+    let file = fs::read_to_string(&users).unwrap();
+    assert!(!file.contains(&token) && file.contains("carol:"), "{file}");
+    assert_eq!(fs::metadata(&users).unwrap().permissions().mode() & 0o777, 0o600);
+    let bad = rm
+        .gpuam()
+        .args(["token", "new", "--user", "admin", "--users-file"])
+        .arg(&users)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(64), "{bad:?}");
+
+    // The running RM picks carol up (file watch), no restart.
+    common::wait_for(Duration::from_secs(10), "the RM to load carol", || {
+        (rm.request("GET", "/ws/v1/cluster/apps", Some(&token), None).0 == 200).then_some(())
+    });
+
+    let job = rm.write_job(
+        "mine",
+        "name: mine\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 0}\n    commands: [\"true\"]\n",
+    );
+    // No token at all: 77, the RM's 401 and the CLI's hint.
+    let out = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .args(["submit", job.to_str().unwrap(), "--rm", &rm.url, "--wait"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(77), "{err}");
+    assert!(err.contains("(401)") && err.contains("gpuam token new"), "{err}");
+    assert!(err.contains("--token-file") && err.contains("GPUAM_TOKEN"), "{err}");
+    // --token-file: the job runs as carol.
+    let token_file = rm.path("carol.token");
+    fs::write(&token_file, format!("{token}\n")).unwrap();
+    let out = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .args([
+            "submit",
+            job.to_str().unwrap(),
+            "--rm",
+            &rm.url,
+            "--wait",
+            "--token-file",
+        ])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let app = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("submitted job `mine` as "))
+        .unwrap()
+        .to_string();
+    let (s, v) = rm.request("GET", &format!("/ws/v1/cluster/apps/{app}"), Some(&token), None);
+    assert_eq!((s, v["app"]["user"].as_str()), (200, Some("carol")), "{v}");
+    // Another user does not see it.
+    let (s, _) = rm.request(
+        "GET",
+        &format!("/ws/v1/cluster/apps/{app}"),
+        Some(&rm.other_token),
+        None,
+    );
+    assert_eq!(s, 403);
+    // `gpuam plan --rm` takes the token too.
+    let out = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .args(["plan", job.to_str().unwrap(), "--rm", &rm.url, "--token-file"])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
 }

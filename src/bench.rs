@@ -213,7 +213,7 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     let spec = format!(
         "name: bench-{tasks}\ntaskRoles:\n  worker:\n    instances: {tasks}\n    resourcePerInstance: {{cpu: 1, memoryMB: 1024, gpu: 1}}\n    commands: [\"true\"]\n"
     );
-    let client = RmClient::new(&rm.base_url());
+    let client = RmClient::new(&rm.base_url()).with_user_token(Some(rm.admin_token().to_string()));
     let http = crate::tls::http_client();
     let started = Instant::now();
     let submit_ms = crate::am::tasks::now_ms();

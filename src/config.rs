@@ -114,6 +114,20 @@ pub struct RmSettings {
     /// A node agent silent for this long becomes LOST (its containers end for their jobs;
     /// their resources stay held until the agent returns and reports them dead).
     pub node_expiry_sec: u64,
+    /// The users file (`users: {NAME: {token_sha256: HEX}}`); without one only the admin
+    /// token submits. Relative to the settings file's directory. `--users-file` wins.
+    pub users_file: Option<PathBuf>,
+    /// Names the RM (and AM dashboards) answer to in a request's `Host`, besides loopback
+    /// names, the listen address and this machine's host name.
+    pub public_names: Vec<String>,
+    /// A job may ask for a dashboard address that is not loopback (`dashboardListen`).
+    pub allow_public_dashboards: bool,
+    /// Unfinished applications at once, all users together.
+    pub max_apps: usize,
+    /// Unfinished applications at once of one user.
+    pub max_apps_per_user: usize,
+    /// Asks in one allocate request (gpuam's AM sends at most 2000).
+    pub max_asks_per_allocate: usize,
 }
 
 impl Default for RmSettings {
@@ -122,7 +136,28 @@ impl Default for RmSettings {
             container_expiry_sec: 600,
             max_am_attempts: 3,
             node_expiry_sec: 15,
+            users_file: None,
+            public_names: Vec::new(),
+            allow_public_dashboards: false,
+            max_apps: 256,
+            max_apps_per_user: 32,
+            max_asks_per_allocate: 5000,
         }
+    }
+}
+
+/// Every HTTP listener (RM, AM dashboard, node agent, Ray gate).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpSettings {
+    /// A connection must send a request's headers within this time (idle keep-alive
+    /// connections are closed after it too), then its body within it again.
+    pub read_timeout_sec: u64,
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        HttpSettings { read_timeout_sec: 30 }
     }
 }
 
@@ -185,6 +220,7 @@ pub struct Settings {
     pub rm: RmSettings,
     pub tls: TlsSettings,
     pub node: NodeSettings,
+    pub http: HttpSettings,
 }
 
 /// Node settings (DESIGN.md §10).
@@ -197,6 +233,9 @@ pub struct NodeSettings {
     /// `auto`: run tasks that name an image in it when podman and runc are installed;
     /// `none`: never (every task runs on the host, as without a runtime).
     pub image_runtime: String,
+    /// Most bytes a container's stdout, and its stderr, may hold: beyond it the node keeps
+    /// the newest quarter and writes a line saying how much it dropped.
+    pub max_log_bytes: u64,
 }
 
 impl Default for NodeSettings {
@@ -204,6 +243,7 @@ impl Default for NodeSettings {
         NodeSettings {
             run_without_image: true,
             image_runtime: "auto".into(),
+            max_log_bytes: 1 << 30,
         }
     }
 }
@@ -290,6 +330,7 @@ impl Settings {
             .into_iter()
             .filter(|k| env.contains_key(&format!("GPUAM__TLS__{}", k.to_uppercase())))
             .collect();
+        let users_file_env = env.contains_key("GPUAM__RM__USERS_FILE");
         builder = builder.add_source(
             config::Environment::with_prefix("GPUAM")
                 .prefix_separator("__")
@@ -298,6 +339,7 @@ impl Settings {
                 .list_separator(",")
                 .with_list_parse_key("am.transient_exit_codes")
                 .with_list_parse_key("am.permanent_exit_codes")
+                .with_list_parse_key("rm.public_names")
                 .source(Some(env)),
         );
         let cfg = builder.build().map_err(|e| err(e.to_string()))?;
@@ -305,6 +347,14 @@ impl Settings {
             .try_deserialize()
             .map_err(|e| err(format!("{e} (see the settings table in README.md)")))?;
         s.tls.resolve(file.and_then(Path::parent), |key| tls_env.contains(&key));
+        if let Some(p) = s.rm.users_file.as_mut().filter(|p| p.is_relative()) {
+            let cwd = std::env::current_dir().unwrap_or_default();
+            let base = match file.and_then(Path::parent) {
+                Some(dir) if !users_file_env => cwd.join(dir),
+                _ => cwd,
+            };
+            *p = base.join(&*p);
+        }
         s.validate().map_err(err)?;
         Ok(s)
     }
@@ -318,6 +368,21 @@ impl Settings {
                 "node.image_runtime must be `auto` or `none`, not `{}`",
                 self.node.image_runtime
             ));
+        }
+        if self.http.read_timeout_sec == 0 {
+            return Err("http.read_timeout_sec must be at least 1".into());
+        }
+        if self.node.max_log_bytes < 4096 {
+            return Err("node.max_log_bytes must be at least 4096".into());
+        }
+        for (key, v) in [
+            ("rm.max_apps", self.rm.max_apps),
+            ("rm.max_apps_per_user", self.rm.max_apps_per_user),
+            ("rm.max_asks_per_allocate", self.rm.max_asks_per_allocate),
+        ] {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1"));
+            }
         }
         if self.select.candidate_nodes_factor == 0 {
             return Err("select.candidate_nodes_factor must be at least 1".into());

@@ -10,7 +10,11 @@ pub const NOT_PLACEABLE: i32 = 2;
 pub const USAGE: i32 = 64;
 /// Invalid job spec or cluster file.
 pub const INVALID_INPUT: i32 = 65;
-/// The RM could not be reached.
+/// The RM could not be reached (or cannot serve now: 503).
 pub const RM_UNREACHABLE: i32 = 69;
 /// A bug or an unexpected failure inside gpuam.
 pub const INTERNAL: i32 = 70;
+/// The RM refused for a limit (429): try again later.
+pub const TRY_LATER: i32 = 75;
+/// No credential, or one the RM does not accept for this (401, 403).
+pub const NOT_PERMITTED: i32 = 77;

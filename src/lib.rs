@@ -5,11 +5,13 @@
 //! `cli → am / rm / web → select → cluster / topology / spec → resources`.
 
 pub mod am;
+pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod exit;
+pub mod http_guard;
 pub mod node;
 pub mod protocol;
 pub mod ray;
@@ -18,6 +20,7 @@ pub mod rm;
 pub mod select;
 pub mod sim;
 pub mod spec;
+pub mod text;
 pub mod tls;
 pub mod topology;
 pub mod web;

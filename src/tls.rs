@@ -1,6 +1,10 @@
 //! TLS for every listener and client (DESIGN.md §9): loading the server's certificate
 //! chain and key, building clients that trust an extra CA, and [`serve`], the one
-//! function the RM and the AM dashboard serve HTTP or HTTPS with.
+//! function every gpuam listener (RM, AM dashboard, node agent, Ray gate) serves HTTP or
+//! HTTPS with, and so the one place of its read timeouts ([`HttpTimeouts`]): a
+//! connection that does not deliver a request's headers in time (a half-sent request,
+//! or an idle keep-alive connection) is closed, and so is a request whose body does not
+//! arrive in time.
 //!
 //! Everything uses rustls with the ring provider (no aws-lc: its C build is slow). Server
 //! and CA-trusting configs name the provider explicitly. reqwest is built with
@@ -252,21 +256,115 @@ impl axum::serve::Listener for TlsListener {
     }
 }
 
+/// Read timeouts of every listener (setting `http.read_timeout_sec`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpTimeouts {
+    /// A connection must deliver a request's headers within this time, counted from
+    /// when it is ready for one (so an idle keep-alive connection is closed after it
+    /// too); then the body must arrive within the same time again.
+    pub read: Duration,
+}
+
+impl From<&crate::config::HttpSettings> for HttpTimeouts {
+    fn from(s: &crate::config::HttpSettings) -> Self {
+        HttpTimeouts {
+            read: Duration::from_secs(s.read_timeout_sec.max(1)),
+        }
+    }
+}
+
+impl Default for HttpTimeouts {
+    fn default() -> Self {
+        (&crate::config::HttpSettings::default()).into()
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown` completes (then lets open requests
-/// finish): plain HTTP when `tls` is `None`, HTTPS otherwise.
+/// finish): plain HTTP when `tls` is `None`, HTTPS otherwise; with the default
+/// [`HttpTimeouts`].
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with(listener, app, tls, HttpTimeouts::default(), shutdown).await
+}
+
+/// As [`serve`], with these timeouts.
+pub async fn serve_with(
+    listener: TcpListener,
+    app: axum::Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    timeouts: HttpTimeouts,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     match tls {
-        None => axum::serve(listener, app).with_graceful_shutdown(shutdown).await,
+        None => serve_on(listener, app, timeouts, shutdown).await,
         Some(config) => {
             let listener = TlsListener::new(listener, config)?;
-            axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+            serve_on(listener, app, timeouts, shutdown).await
         }
     }
+}
+
+/// The accept loop (axum's `serve`, which has no read timeouts, done with hyper's HTTP/1
+/// server and its header-read timer, plus a body timeout on every request).
+async fn serve_on<L>(
+    mut listener: L,
+    app: axum::Router,
+    timeouts: HttpTimeouts,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug + 'static,
+{
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    let service = tower_http::timeout::RequestBodyTimeout::new(app, timeouts.read);
+    // Dropped when serving stops: connections start their graceful shutdown then; each
+    // holds `closed` until it ends, so the loop can wait for them.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
+    let (closed_tx, closed_rx) = tokio::sync::watch::channel(());
+    tokio::pin!(shutdown);
+    loop {
+        let (io, peer) = tokio::select! {
+            conn = listener.accept() => conn,
+            _ = &mut shutdown => break,
+        };
+        let service = TowerToHyperService::new(service.clone());
+        let mut stop = stop_rx.clone();
+        let closed = closed_rx.clone();
+        let read = timeouts.read;
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.timer(TokioTimer::new()).header_read_timeout(read);
+            let conn = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
+            tokio::pin!(conn);
+            let mut stopping = false;
+            loop {
+                tokio::select! {
+                    done = conn.as_mut() => {
+                        if let Err(e) = done {
+                            tracing::trace!(?peer, error = %e, "connection ended");
+                        }
+                        break;
+                    }
+                    _ = stop.changed(), if !stopping => {
+                        stopping = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            drop(closed);
+        });
+    }
+    drop(listener);
+    drop(stop_tx);
+    drop(closed_rx);
+    closed_tx.closed().await;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -3,6 +3,10 @@
 //! cluster and job files into a per-test temporary directory, submit jobs with
 //! `gpuam submit --wait`, talk to the RM's REST API, and check process liveness.
 //!
+//! Credentials: every RM gets a users file (`users.yaml` in the test's directory) with
+//! the user `itest`, whose token every `gpuam` command of the helper carries
+//! (`GPUAM_TOKEN`) and every REST read of the helper presents; `other` is a second user.
+//!
 //! Every process a helper starts is stopped when its guard is dropped (the RM gets
 //! SIGINT, which stops its AMs and containers, then SIGKILL if it lingers), so a failing
 //! test leaves nothing behind. When a test panics, the RM's and AMs' logs are printed and
@@ -223,7 +227,14 @@ pub struct Rm {
     seq: std::cell::Cell<u32>,
     /// How many `gpuam rm` processes this guard has started (1 after `start`).
     incarnation: u32,
+    /// The token of user `itest` (in `users.yaml`).
+    pub user_token: String,
+    /// The token of user `other`.
+    pub other_token: String,
 }
+
+/// The users file of a test RM, in its directory.
+pub const USERS_FILE: &str = "users.yaml";
 
 impl Rm {
     /// Starts an RM serving `cluster_yaml`, with `env` (e.g. `GPUAM__SELECT__SEED`)
@@ -258,6 +269,8 @@ impl Rm {
         )
         .unwrap();
         let work_dir = root.join("rm-work");
+        let user_token = gpuam::rm::users::add_token(&root.join(USERS_FILE), "itest").unwrap();
+        let other_token = gpuam::rm::users::add_token(&root.join(USERS_FILE), "other").unwrap();
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let child = spawn_rm(&root, &cluster, &config, &work_dir, &env, "127.0.0.1:0", 1);
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -286,6 +299,8 @@ impl Rm {
             http,
             seq: std::cell::Cell::new(0),
             incarnation: 1,
+            user_token,
+            other_token,
         };
         rm.url = rm.wait_listening();
         rm.baseline = wait_for(Duration::from_secs(10), "the RM to answer", || rm.try_nodes());
@@ -467,11 +482,13 @@ impl Rm {
         p
     }
 
-    /// A `gpuam` command with the test's settings and environment.
+    /// A `gpuam` command with the test's settings and environment, as user `itest`
+    /// (`GPUAM_TOKEN`).
     pub fn gpuam(&self) -> Command {
         let mut cmd = Command::new(bin());
         cmd.current_dir(self.root()).stdin(Stdio::null());
         scrub_env(&mut cmd, &self.config, &self.env);
+        cmd.env("GPUAM_TOKEN", &self.user_token);
         cmd
     }
 
@@ -526,10 +543,17 @@ impl Rm {
         self.submit(job).wait(timeout)
     }
 
+    /// `GET path` as user `itest`.
     fn get(&self, path: &str) -> Result<Value, String> {
         let url = format!("{}{path}", self.url);
         self.rt.block_on(async {
-            let r = self.http.get(&url).send().await.map_err(|e| e.to_string())?;
+            let r = self
+                .http
+                .get(&url)
+                .bearer_auth(&self.user_token)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
             let status = r.status();
             let v: Value = r.json().await.map_err(|e| e.to_string())?;
             if status.is_success() {
@@ -748,6 +772,36 @@ fn spawn_rm(
     n: u32,
 ) -> Child {
     let (out, err) = Rm::rm_output_names(n);
+    let mut cmd = rm_command(root, cluster, config, work_dir, env, listen);
+    cmd.stdout(fs::File::create(root.join(out)).unwrap())
+        .stderr(fs::File::create(root.join(err)).unwrap());
+    cmd.spawn().unwrap()
+}
+
+impl Rm {
+    /// The `gpuam rm` command this guard runs (same cluster, settings, users and work dir)
+    /// on `listen`, for a test to add flags to and run itself.
+    pub fn rm_command(&self, listen: &str) -> Command {
+        let root = self.root().to_path_buf();
+        rm_command(
+            &root,
+            &root.join("cluster.yaml"),
+            &self.config,
+            &self.work_dir,
+            &self.env,
+            listen,
+        )
+    }
+}
+
+fn rm_command(
+    root: &Path,
+    cluster: &Path,
+    config: &Path,
+    work_dir: &Path,
+    env: &[(String, String)],
+    listen: &str,
+) -> Command {
     let mut cmd = Command::new(bin());
     cmd.arg("rm")
         .arg("--cluster")
@@ -756,15 +810,15 @@ fn spawn_rm(
         .arg(listen)
         .arg("--work-dir")
         .arg(work_dir)
+        .arg("--users-file")
+        .arg(root.join(USERS_FILE))
         .current_dir(root)
-        .stdin(Stdio::null())
-        .stdout(fs::File::create(root.join(out)).unwrap())
-        .stderr(fs::File::create(root.join(err)).unwrap());
+        .stdin(Stdio::null());
     scrub_env(&mut cmd, config, env);
     if !env.iter().any(|(k, _)| k == "GPUAM_LOG") {
         cmd.env("GPUAM_LOG", "info");
     }
-    cmd.spawn().unwrap()
+    cmd
 }
 
 /// Pids of live processes whose command line contains every one of `needles`

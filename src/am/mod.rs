@@ -18,7 +18,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use rand::Rng;
 use tokio::sync::mpsc;
 
 use crate::cluster::ClusterView;
@@ -69,10 +68,9 @@ impl LogSource for ExecutorLogs {
     }
 }
 
-/// A random hex token of 128 bits.
+/// A fresh random token (see [`crate::auth::new_token`]).
 pub fn random_token() -> String {
-    let mut rng = rand::thread_rng();
-    (0..2).map(|_| format!("{:016x}", rng.gen::<u64>())).collect()
+    crate::auth::new_token()
 }
 
 async fn with_retries<T, F, Fut>(what: &str, attempts: u32, mut f: F) -> Result<T, rm_client::RmError>
@@ -172,7 +170,15 @@ pub async fn run(opts: AmOptions) -> i32 {
         config: serde_json::to_value(&opts.settings).unwrap_or_default(),
     };
     let (hub, commands) = StatusHub::new(snapshot, job_token, logs);
-    let (dash_addr, _dash) = match crate::web::serve_tls(hub.clone(), opts.listen, dash_tls).await {
+    let (dash_addr, _dash) = match crate::web::serve_with(
+        hub.clone(),
+        opts.listen,
+        dash_tls,
+        &opts.settings.rm.public_names,
+        (&opts.settings.http).into(),
+    )
+    .await
+    {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: cannot serve the dashboard on {}: {e}", opts.listen);

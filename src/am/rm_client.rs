@@ -45,6 +45,9 @@ impl RmError {
         match self {
             RmError::Unreachable { .. } => crate::exit::RM_UNREACHABLE,
             RmError::Refused { status: 400, .. } => crate::exit::INVALID_INPUT,
+            RmError::Refused { status: 401 | 403, .. } => crate::exit::NOT_PERMITTED,
+            RmError::Refused { status: 429, .. } => crate::exit::TRY_LATER,
+            RmError::Refused { status: 503, .. } => crate::exit::RM_UNREACHABLE,
             _ => crate::exit::INTERNAL,
         }
     }
@@ -64,6 +67,8 @@ pub struct RmClient {
     base: String,
     /// Application id and bearer token for the AM protocol.
     app: Option<(String, String)>,
+    /// A user's (or the admin) token for the application API: submit, list, status, kill.
+    user_token: Option<String>,
 }
 
 /// An error with its causes: reqwest's own text omits them, and the cause (e.g. a
@@ -119,6 +124,31 @@ impl RmClient {
             http,
             base: trim_base(base),
             app: None,
+            user_token: None,
+        }
+    }
+
+    /// This client with a user's (or the admin) token for the application API.
+    pub fn with_user_token(mut self, token: Option<String>) -> Self {
+        self.user_token = token.filter(|t| !t.is_empty());
+        self
+    }
+
+    /// Whether a user token was given.
+    pub fn has_user_token(&self) -> bool {
+        self.user_token.is_some()
+    }
+
+    /// The user token, if given.
+    pub fn user_token(&self) -> Option<&str> {
+        self.user_token.as_deref()
+    }
+
+    /// `req` with the user token, when there is one.
+    fn as_user(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.user_token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
         }
     }
 
@@ -188,8 +218,11 @@ impl RmClient {
     pub async fn new_application(&self) -> Result<NewApplication, RmError> {
         self.send(
             "new-application",
-            self.http
-                .post(format!("{}/ws/v1/cluster/apps/new-application", self.base)),
+            self.as_user(
+                self.http
+                    .post(format!("{}/ws/v1/cluster/apps/new-application", self.base))
+                    .json(&serde_json::json!({})),
+            ),
         )
         .await
     }
@@ -202,7 +235,7 @@ impl RmClient {
         let w: Wrapped = self
             .send(
                 "submit",
-                self.http.post(format!("{}/ws/v1/cluster/apps", self.base)).json(app),
+                self.as_user(self.http.post(format!("{}/ws/v1/cluster/apps", self.base)).json(app)),
             )
             .await?;
         Ok(w.app)
@@ -216,7 +249,7 @@ impl RmClient {
         let w: Wrapped = self
             .send(
                 "application status",
-                self.http.get(format!("{}/ws/v1/cluster/apps/{id}", self.base)),
+                self.as_user(self.http.get(format!("{}/ws/v1/cluster/apps/{id}", self.base))),
             )
             .await?;
         Ok(w.app)
@@ -239,10 +272,14 @@ impl RmClient {
     /// The full node listing, parsed into the AM's node model.
     pub async fn nodes(&self) -> Result<Vec<Node>, RmError> {
         let url = format!("{}/ws/v1/cluster/nodes", self.base);
-        let resp = self.http.get(&url).send().await.map_err(|e| RmError::Unreachable {
-            url: self.base.clone(),
-            why: error_chain(&e),
-        })?;
+        let resp = self
+            .as_user(self.http.get(&url))
+            .send()
+            .await
+            .map_err(|e| RmError::Unreachable {
+                url: self.base.clone(),
+                why: error_chain(&e),
+            })?;
         if resp.status() != StatusCode::OK {
             return Err(RmError::Refused {
                 what: "node listing".into(),

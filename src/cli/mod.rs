@@ -21,7 +21,10 @@ use crate::spec::JobSpec;
     version,
     about = "A per-job application master for GPU deep-learning jobs",
     after_help = "Exit codes: 0 success; 1 job failed or killed; 2 not placeable (plan); 64 usage; \
-                  65 invalid job spec or cluster file; 69 RM unreachable; 70 internal error.\n\
+                  65 invalid job spec or cluster file; 69 RM unreachable or unavailable; 70 internal error; \
+                  75 a limit of the RM was reached (try later); 77 no or a refused credential.\n\
+                  Credentials: `gpuam submit` and `gpuam plan --rm` read a token from --token-file or GPUAM_TOKEN \
+                  (the RM's operator makes one with `gpuam token new`).\n\
                   Settings: conf/gpuam.yaml (or $GPUAM_CONFIG), overridden by GPUAM__SECTION__KEY variables."
 )]
 struct Cli {
@@ -55,6 +58,9 @@ enum Cmd {
         /// Plan against a running RM's node view instead of a cluster file.
         #[arg(long, value_name = "URL")]
         rm: Option<String>,
+        /// File holding your token for the RM (default: $GPUAM_TOKEN).
+        #[arg(long, value_name = "FILE", requires = "rm")]
+        token_file: Option<PathBuf>,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -85,8 +91,21 @@ enum Cmd {
         /// --cluster the node view is then the registered agents alone.
         #[arg(long, value_name = "FILE")]
         node_token_file: Option<PathBuf>,
+        /// The users file (users and their token digests; `gpuam token new` writes it;
+        /// default: setting rm.users_file). Without one only the admin token submits.
+        #[arg(long, value_name = "FILE")]
+        users_file: Option<PathBuf>,
+        /// Start on a damaged state database anyway: repair what can be repaired, drop what
+        /// cannot be read, and say what was dropped.
+        #[arg(long, conflicts_with = "in_memory")]
+        recover_state: bool,
         #[command(flatten)]
         ray: RayBackendArgs,
+    },
+    /// Users' credentials for the RM.
+    Token {
+        #[command(subcommand)]
+        what: TokenCmd,
     },
     /// Print the extra `ray start` arguments that make this machine a gpuam node of a Ray cluster.
     RayNodeArgs {
@@ -141,9 +160,14 @@ enum Cmd {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
         /// File holding the RM's admin token, used to kill the job on Ctrl-C (default:
-        /// $GPUAM_ADMIN_TOKEN; without either, the job token the CLI generates is used).
+        /// $GPUAM_ADMIN_TOKEN; without either, your token, then the job token the CLI
+        /// generates, is used).
         #[arg(long, value_name = "FILE")]
         admin_token_file: Option<PathBuf>,
+        /// File holding your token for the RM (default: $GPUAM_TOKEN; the RM's operator
+        /// makes one with `gpuam token new`).
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<PathBuf>,
     },
     /// Trace-driven placement simulator: policies compared on one job stream (docs/BENCHMARKS.md).
     Sim(SimArgs),
@@ -225,6 +249,23 @@ struct SimArgs {
 }
 
 #[derive(Subcommand, Debug)]
+enum TokenCmd {
+    /// Make a new token for a user: its SHA-256 goes into the users file (created with
+    /// mode 0600 if missing; the user's old token stops working), the token is printed
+    /// (or written to --out) once and kept nowhere else.
+    New {
+        #[arg(long)]
+        user: String,
+        /// The users file (default: setting rm.users_file).
+        #[arg(long, value_name = "FILE")]
+        users_file: Option<PathBuf>,
+        /// Write the token to this file (mode 0600) instead of printing it.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum BenchCmd {
     /// The select pipeline at 100, 1,000, 10,000 and 100,000 nodes, and a 1,000-task job plan.
     Select {
@@ -289,9 +330,23 @@ pub fn main() -> i32 {
     };
     match cli.command {
         Cmd::Validate { job } => plan::validate(&job),
-        Cmd::Plan { job, cluster, rm, json } => {
-            runtime.block_on(plan::plan(&job, cluster.as_deref(), rm.as_deref(), json, &settings))
-        }
+        Cmd::Plan {
+            job,
+            cluster,
+            rm,
+            json,
+            token_file,
+        } => match read_token(token_file.as_deref(), USER_TOKEN_ENV, "token") {
+            Ok(token) => runtime.block_on(plan::plan(
+                &job,
+                cluster.as_deref(),
+                rm.as_deref(),
+                token,
+                json,
+                &settings,
+            )),
+            Err(code) => code,
+        },
         Cmd::Run {
             job,
             cluster,
@@ -304,10 +359,28 @@ pub fn main() -> i32 {
             wait,
             listen,
             admin_token_file,
-        } => match admin_token(admin_token_file.as_deref()) {
-            Ok(admin) => runtime.block_on(run::submit(&job, &rm, wait, listen, admin, &settings.tls)),
-            Err(code) => code,
+            token_file,
+        } => match (
+            admin_token(admin_token_file.as_deref()),
+            read_token(token_file.as_deref(), USER_TOKEN_ENV, "token"),
+        ) {
+            (Ok(admin), Ok(user)) => runtime.block_on(run::submit(
+                &job,
+                &rm,
+                wait,
+                listen,
+                run::Credentials { user, admin },
+                &settings.tls,
+            )),
+            (Err(code), _) | (_, Err(code)) => code,
         },
+        Cmd::Token {
+            what: TokenCmd::New { user, users_file, out },
+        } => token_new(
+            &user,
+            users_file.or(settings.rm.users_file.clone()).as_deref(),
+            out.as_deref(),
+        ),
         Cmd::Rm {
             cluster,
             listen,
@@ -316,10 +389,16 @@ pub fn main() -> i32 {
             state_dir,
             in_memory,
             node_token_file,
+            users_file,
+            recover_state,
             ray,
         } => match admin_token(admin_token_file.as_deref()) {
             Ok(admin) => {
-                let state = servers::StateOption::from_flags(state_dir, in_memory);
+                let state = servers::StateOption::from_flags(state_dir, in_memory, recover_state);
+                let mut settings = settings;
+                if users_file.is_some() {
+                    settings.rm.users_file = users_file;
+                }
                 runtime.block_on(servers::rm(
                     servers::NodeSources {
                         node_token_file: node_token_file.as_deref(),
@@ -335,7 +414,7 @@ pub fn main() -> i32 {
             }
             Err(code) => code,
         },
-        Cmd::Node(args) => runtime.block_on(node::node(args)),
+        Cmd::Node(args) => runtime.block_on(node::node(args, &settings)),
         Cmd::RayNodeArgs {
             host,
             gpus,
@@ -386,25 +465,81 @@ pub fn main() -> i32 {
     }
 }
 
+/// The variable holding a user's token when no `--token-file` is given.
+pub const USER_TOKEN_ENV: &str = "GPUAM_TOKEN";
+
 /// The admin token from `--admin-token-file` or `GPUAM_ADMIN_TOKEN` (`None` if
 /// neither is given); exit 64 when the file cannot be read or is empty.
 fn admin_token(file: Option<&Path>) -> Result<Option<String>, i32> {
+    read_token(file, "GPUAM_ADMIN_TOKEN", "admin token")
+}
+
+/// A token from `file`, else from the variable `env` (`None` if neither is given); exit
+/// 64 when the file cannot be read or is empty.
+fn read_token(file: Option<&Path>, env: &str, what: &str) -> Result<Option<String>, i32> {
     if let Some(f) = file {
         let text = std::fs::read_to_string(f).map_err(|e| {
-            eprintln!("error: cannot read the admin token file {}: {e}", f.display());
+            eprintln!("error: cannot read the {what} file {}: {e}", f.display());
             exit::USAGE
         })?;
         let t = text.trim();
         if t.is_empty() {
-            eprintln!("error: the admin token file {} is empty", f.display());
+            eprintln!("error: the {what} file {} is empty", f.display());
             return Err(exit::USAGE);
         }
         return Ok(Some(t.to_string()));
     }
-    Ok(std::env::var("GPUAM_ADMIN_TOKEN")
+    Ok(std::env::var(env)
         .ok()
         .map(|t| t.trim().to_string())
         .filter(|t| !t.is_empty()))
+}
+
+/// `gpuam token new`: adds a fresh token for `user` to the users file and hands it out once.
+fn token_new(user: &str, users_file: Option<&Path>, out: Option<&Path>) -> i32 {
+    let Some(file) = users_file else {
+        eprintln!("error: name the users file: --users-file FILE (or the setting rm.users_file)");
+        return exit::USAGE;
+    };
+    let token = match crate::rm::users::add_token(file, user) {
+        Ok(t) => t,
+        Err(e @ crate::rm::users::UsersError::Invalid(_)) => {
+            eprintln!(
+                "{e}\nerror: the users file {} is not valid; nothing was changed",
+                file.display()
+            );
+            return exit::INVALID_INPUT;
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit::USAGE;
+        }
+    };
+    match out {
+        Some(path) => {
+            if let Err(e) = crate::rm::server::write_secret(path, &token) {
+                eprintln!(
+                    "error: cannot write the token to {}: {e} (the users file already has it: run again for a new one)",
+                    path.display()
+                );
+                return exit::USAGE;
+            }
+            println!(
+                "token of user `{user}` written to {} (mode 0600); its SHA-256 is in {}",
+                path.display(),
+                file.display()
+            );
+        }
+        None => {
+            println!("{token}");
+            eprintln!(
+                "token of user `{user}` above (shown once); its SHA-256 is in {}. Give it to gpuam with \
+                 --token-file FILE or {USER_TOKEN_ENV}. A running RM picks the change up within a second.",
+                file.display()
+            );
+        }
+    }
+    exit::SUCCESS
 }
 
 fn init_logging() {

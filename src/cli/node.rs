@@ -124,7 +124,7 @@ fn gpus_of(args: &NodeArgs) -> Result<(u32, Option<String>, String), String> {
     Ok((count, gpu_type, topology))
 }
 
-pub async fn node(args: NodeArgs) -> i32 {
+pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
     let token = match std::fs::read_to_string(&args.node_token_file) {
         Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
         Ok(_) => {
@@ -194,6 +194,8 @@ pub async fn node(args: NodeArgs) -> i32 {
         run_as: args.run_as,
         ip: args.ip,
         task_env,
+        max_log_bytes: Some(settings.node.max_log_bytes),
+        http_timeouts: (&settings.http).into(),
     };
     match agent::run(opts).await {
         Ok(()) => exit::SUCCESS,

@@ -51,7 +51,14 @@ pub fn describe_resources(r: &crate::spec::TaskResources, format: crate::spec::S
     out
 }
 
-pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json: bool, settings: &Settings) -> i32 {
+pub async fn plan(
+    job: &Path,
+    cluster: Option<&Path>,
+    rm: Option<&str>,
+    token: Option<String>,
+    as_json: bool,
+    settings: &Settings,
+) -> i32 {
     let (spec, _) = match super::load_job(job) {
         Ok(v) => v,
         Err(code) => return code,
@@ -59,7 +66,7 @@ pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json:
     let nodes = match rm {
         Some(url) => {
             let client = match crate::am::rm_client::RmClient::with_tls(url, &settings.tls) {
-                Ok(c) => c,
+                Ok(c) => c.with_user_token(token),
                 Err(e) => {
                     eprintln!("error: TLS: {e}");
                     return exit::INVALID_INPUT;
@@ -67,10 +74,7 @@ pub async fn plan(job: &Path, cluster: Option<&Path>, rm: Option<&str>, as_json:
             };
             match client.nodes().await {
                 Ok(n) => n,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return e.exit_code();
-                }
+                Err(e) => return super::run::refused(&client, &e),
             }
         }
         None => match super::load_cluster(cluster) {

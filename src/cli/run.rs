@@ -20,6 +20,25 @@ use crate::protocol::{AppState, SubmitApplication};
 /// Longest wait for an answer from the AM's dashboard.
 const DASHBOARD_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The tokens a command talks to the RM with.
+#[derive(Clone, Debug, Default)]
+pub struct Credentials {
+    /// The user's token (`--token-file`, `GPUAM_TOKEN`): submit, follow, kill.
+    pub user: Option<String>,
+    /// The admin token (`--admin-token-file`, `GPUAM_ADMIN_TOKEN`): kill on Ctrl-C.
+    pub admin: Option<String>,
+}
+
+/// The user `gpuam run`'s embedded RM knows the caller as: the login name, else `local`.
+fn local_user() -> String {
+    let name = std::env::var("USER").unwrap_or_default();
+    if crate::rm::users::check_user_name(&name).is_ok() {
+        name
+    } else {
+        "local".to_string()
+    }
+}
+
 pub async fn run(
     job: &Path,
     cluster: Option<&Path>,
@@ -43,12 +62,24 @@ pub async fn run(
             return exit::INVALID_INPUT;
         }
     };
+    // The embedded RM makes its own user and token, so a newcomer needs nothing.
+    let (user, token) = (local_user(), crate::auth::new_token());
+    let mut users = crate::rm::users::Users::default();
+    if let Err(e) = users.insert_token(&user, &token) {
+        eprintln!("error: {e}");
+        return exit::INTERNAL;
+    }
     let rm = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
         // The embedded RM lives and dies with this one job: nothing to recover later.
         state_dir: None,
         tls,
+        users,
+        limits: (&settings.rm).into(),
+        public_names: settings.rm.public_names.clone(),
+        http_timeouts: (&settings.http).into(),
+        max_log_bytes: Some(settings.node.max_log_bytes),
         ..crate::rm::RmOptions::new(nodes, SocketAddr::from(([127, 0, 0, 1], 0)), work_dir.clone())
     })
     .await
@@ -67,7 +98,7 @@ pub async fn run(
     let code = match rm_client(&rm.base_url(), &settings.tls) {
         Ok(client) => {
             submit_and_follow(
-                client,
+                client.with_user_token(Some(token)),
                 &spec.name,
                 &text,
                 &job.display().to_string(),
@@ -104,7 +135,7 @@ pub async fn submit(
     rm: &str,
     wait: bool,
     listen: SocketAddr,
-    admin_token: Option<String>,
+    creds: Credentials,
     tls: &TlsSettings,
 ) -> i32 {
     let (spec, text) = match super::load_job(job) {
@@ -112,7 +143,7 @@ pub async fn submit(
         Err(code) => return code,
     };
     let rm = match rm_client(rm, tls) {
-        Ok(c) => c,
+        Ok(c) => c.with_user_token(creds.user),
         Err(code) => return code,
     };
     submit_and_follow(
@@ -122,7 +153,7 @@ pub async fn submit(
         &job.display().to_string(),
         wait,
         listen,
-        admin_token,
+        creds.admin,
     )
     .await
 }
@@ -147,10 +178,7 @@ async fn submit_and_follow(
     let rm_url = rm.base_url();
     let app = match rm.new_application().await {
         Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return e.exit_code();
-        }
+        Err(e) => return refused(&rm, &e),
     };
     let job_token = random_token();
     let report = match rm
@@ -164,10 +192,7 @@ async fn submit_and_follow(
         .await
     {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return e.exit_code();
-        }
+        Err(e) => return refused(&rm, &e),
     };
     println!("submitted job `{name}` as {}", report.id);
     if !wait {
@@ -175,6 +200,18 @@ async fn submit_and_follow(
         return exit::SUCCESS;
     }
     follow(&rm, &report.id, &job_token, admin_token.as_deref()).await
+}
+
+/// Says why the RM refused (with how to get a token when that is the reason); the exit code.
+pub(crate) fn refused(rm: &RmClient, e: &crate::am::rm_client::RmError) -> i32 {
+    eprintln!("error: {e}");
+    if matches!(e.status(), Some(401)) && !rm.has_user_token() {
+        eprintln!(
+            "hint: no token was given: put yours in a file and pass --token-file FILE, or set {}",
+            super::USER_TOKEN_ENV
+        );
+    }
+    e.exit_code()
 }
 
 /// Counts of tasks per coarse state, from the AM's snapshot.
@@ -255,10 +292,7 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;
             }
-            Err(e) => {
-                eprintln!("error: {e}");
-                return exit::INTERNAL;
-            }
+            Err(e) => return refused(rm, &e),
         };
         // A new AM attempt (after the AM died) serves its dashboard elsewhere.
         if !report.tracking_url.is_empty() && dashboard.as_deref() != Some(report.tracking_url.as_str()) {
@@ -337,9 +371,9 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
     }
 }
 
-/// Kills the job at the RM with the admin token when known, else with the job token
-/// (the RM accepts the token given at submission); if the RM refuses, through the
-/// dashboard's job-token kill.
+/// Kills the job at the RM with the admin token when known, else as its owner (the user
+/// token), else with the job token (the RM accepts the token given at submission); if the
+/// RM refuses, through the dashboard's job-token kill.
 async fn kill_job(
     rm: &RmClient,
     http: &reqwest::Client,
@@ -348,7 +382,8 @@ async fn kill_job(
     admin_token: Option<&str>,
     dashboard: Option<&str>,
 ) {
-    let err = match rm.kill(app_id, admin_token.unwrap_or(job_token)).await {
+    let token = admin_token.or(rm.user_token()).unwrap_or(job_token);
+    let err = match rm.kill(app_id, token).await {
         Ok(_) => return,
         Err(e) => e,
     };

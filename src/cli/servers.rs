@@ -10,17 +10,24 @@ use crate::exit;
 
 /// Where `gpuam rm` keeps its state.
 pub enum StateOption {
-    /// SQLite in this directory (`None`: the work dir).
-    Sqlite(Option<PathBuf>),
+    /// SQLite in this directory (`None`: the work dir); `recover`: repair damaged state
+    /// instead of refusing it (`--recover-state`).
+    Sqlite {
+        dir: Option<PathBuf>,
+        recover: bool,
+    },
     Memory,
 }
 
 impl StateOption {
-    pub fn from_flags(state_dir: Option<PathBuf>, in_memory: bool) -> Self {
+    pub fn from_flags(state_dir: Option<PathBuf>, in_memory: bool, recover: bool) -> Self {
         if in_memory {
             StateOption::Memory
         } else {
-            StateOption::Sqlite(state_dir)
+            StateOption::Sqlite {
+                dir: state_dir,
+                recover,
+            }
         }
     }
 }
@@ -82,9 +89,9 @@ pub async fn rm(
             return exit::INVALID_INPUT;
         }
     };
-    let state_dir = match state {
-        StateOption::Sqlite(dir) => Some(dir.unwrap_or_else(|| work_dir.clone())),
-        StateOption::Memory => None,
+    let (state_dir, recover_state) = match state {
+        StateOption::Sqlite { dir, recover } => (Some(dir.unwrap_or_else(|| work_dir.clone())), recover),
+        StateOption::Memory => (None, false),
     };
     let state_text = match &state_dir {
         Some(d) => format!("state in {}", d.join(crate::rm::store::STATE_FILE).display()),
@@ -99,6 +106,12 @@ pub async fn rm(
         state_dir,
         tls,
         ray,
+        users_file: settings.rm.users_file.clone(),
+        limits: (&settings.rm).into(),
+        public_names: settings.rm.public_names.clone(),
+        http_timeouts: (&settings.http).into(),
+        max_log_bytes: Some(settings.node.max_log_bytes),
+        recover_state,
         ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
     })
     .await
@@ -106,9 +119,21 @@ pub async fn rm(
         Ok(h) => h,
         Err(e) => {
             eprintln!("error: cannot start the RM on {listen}: {e:#}");
-            return exit::USAGE;
+            // Damaged state and bad users files are input errors (DESIGN.md §7: 65).
+            let damaged = matches!(
+                e.downcast_ref::<crate::rm::store::StoreError>(),
+                Some(crate::rm::store::StoreError::Corrupt { .. })
+            );
+            return if damaged || e.downcast_ref::<crate::rm::users::UsersError>().is_some() {
+                exit::INVALID_INPUT
+            } else {
+                exit::USAGE
+            };
         }
     };
+    for note in handle.recovery_notes() {
+        eprintln!("recover-state: {note}");
+    }
     println!(
         "gpuam rm listening on {} (work dir {}; {state_text})",
         handle.base_url(),
@@ -117,6 +142,14 @@ pub async fn rm(
     match handle.admin_token_file() {
         Some(f) => println!("admin token written to {} (mode 0600)", f.display()),
         None => println!("admin token: as configured (--admin-token-file or GPUAM_ADMIN_TOKEN)"),
+    }
+    match &settings.rm.users_file {
+        Some(f) => println!(
+            "users: {} from {} (reloaded when it changes or on SIGHUP; `gpuam token new` adds one)",
+            handle.user_names().len(),
+            f.display()
+        ),
+        None => println!("users: none (no --users-file): only the admin token can submit, list and kill applications"),
     }
     let watch = ray_watch.map(|client| {
         let control = handle.node_control();

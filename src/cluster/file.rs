@@ -785,7 +785,16 @@ mod tests {
             let cut = cut.min(text.len());
             let cut = (0..=cut).rev().find(|i| text.is_char_boundary(*i)).unwrap_or(0);
             let mutated = format!("{}{}{}", &text[..cut], junk, &text[cut..]);
-            let _ = parse(&mutated);
+            if let Err(errs) = parse(&mutated) {
+                for e in &errs.0 {
+                    proptest::prop_assert!(
+                        !e.message.contains(crate::spec::yaml::PARSER_FAILED),
+                        "the parser panicked on {:?}: {}",
+                        mutated,
+                        e
+                    );
+                }
+            }
         }
     }
 }

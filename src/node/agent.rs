@@ -68,6 +68,10 @@ pub struct AgentOptions {
     /// Variables every task of this node gets (`--task-env NAME=VALUE`), checked with
     /// [`super::executor::check_task_env`].
     pub task_env: Vec<(String, String)>,
+    /// Most bytes of each container log (`node.max_log_bytes`; `None`: no limit).
+    pub max_log_bytes: Option<u64>,
+    /// Read timeouts of the agent's listener (`http.read_timeout_sec`).
+    pub http_timeouts: crate::tls::HttpTimeouts,
 }
 
 struct Agent {
@@ -153,6 +157,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             containment,
             run_as,
             task_env: opts.task_env.clone(),
+            max_log_bytes: opts.max_log_bytes,
         },
     );
     let agent = Arc::new(Agent {
@@ -170,8 +175,9 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let addr = listener.local_addr()?;
     let router = router(agent.clone());
+    let timeouts = opts.http_timeouts;
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
+        if let Err(e) = crate::tls::serve_with(listener, router, None, timeouts, std::future::pending()).await {
             tracing::error!("agent server stopped: {e}");
         }
     });
@@ -470,20 +476,10 @@ impl From<NodeError> for AgentError {
     }
 }
 
-/// Equal-time comparison of two secrets.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// The caller must hold the node token, and name this agent's host.
 fn check(agent: &Agent, host: &str, headers: &HeaderMap) -> Result<(), AgentError> {
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .unwrap_or("");
-    if given.is_empty() || !same_secret(given.as_bytes(), &agent.secret) {
+    let given = crate::auth::bearer(headers).unwrap_or("");
+    if given.is_empty() || !crate::auth::constant_time_eq(given.as_bytes(), &agent.secret) {
         return Err(AgentError(
             StatusCode::UNAUTHORIZED,
             "UNAUTHORIZED",
@@ -634,6 +630,8 @@ mod tests {
             run_as: None,
             ip: ip.map(|s| s.parse().unwrap()),
             task_env: Vec::new(),
+            max_log_bytes: None,
+            http_timeouts: Default::default(),
         }
     }
 

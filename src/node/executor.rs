@@ -27,6 +27,13 @@
 //!
 //! The one place that builds the command running a task is [`task_command`]: a runner that
 //! wraps tasks (an image runner, say) changes that function only.
+//!
+//! Log size: with [`ExecutorOptions::max_log_bytes`], a watcher per running container
+//! checks its `stdout` and `stderr` every [`LOG_CHECK`] and once more when it ends; a file
+//! over the limit is cut to its newest part ([`LOG_KEEP_MAX`] at most) behind a line that
+//! says how much was dropped (`node.max_log_bytes`). The files are opened `O_APPEND`, so
+//! the task's writes go on at the new end; the watcher holds its own handle of each file,
+//! so renaming or replacing them does not escape it.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -114,6 +121,8 @@ struct Entry {
     done: Option<watch::Receiver<bool>>,
     /// Its cgroup (empty when the node has none).
     cgroup: Cgroup,
+    /// Handles of its `stdout` and `stderr` for the log watcher (empty without a limit).
+    logs: Arc<Vec<File>>,
 }
 
 impl Entry {
@@ -128,6 +137,7 @@ impl Entry {
             stop_requested: false,
             done: None,
             cgroup: Cgroup::default(),
+            logs: Arc::default(),
         }
     }
 }
@@ -207,6 +217,12 @@ impl RunAs {
 /// The default task user a root node creates.
 pub const DEFAULT_TASK_USER: &str = "gpuam-task";
 
+/// How often a running container's log sizes are checked.
+pub const LOG_CHECK: Duration = Duration::from_millis(250);
+/// The most of a log's newest bytes kept when it is cut (a quarter of the limit when that
+/// is less).
+pub const LOG_KEEP_MAX: u64 = 4 << 20;
+
 /// How an executor contains and runs its tasks.
 #[derive(Clone, Debug, Default)]
 pub struct ExecutorOptions {
@@ -218,6 +234,9 @@ pub struct ExecutorOptions {
     /// admin-env): site paths such as a shared software directory. Checked with
     /// [`check_task_env`]; the job's and gpuam's own variables come after it.
     pub task_env: Vec<(String, String)>,
+    /// Most bytes each of a container's `stdout` and `stderr` may hold (`node.max_log_bytes`;
+    /// `None`: no limit). See the module doc.
+    pub max_log_bytes: Option<u64>,
 }
 
 /// Names a node's operator may not set with `--task-env`: gpuam sets them for each task
@@ -441,7 +460,7 @@ impl Executor {
                     taskset: taskset.as_deref(),
                 };
                 spawn_launch(&dir, container_id, &launch)
-                    .map(|(child, pid)| (child, pid, cg.clone()))
+                    .map(|(child, pid, logs)| (child, pid, cg.clone(), logs))
                     .inspect_err(|_| cg.remove())
             });
         match spawned {
@@ -456,7 +475,7 @@ impl Executor {
                 }
                 Err(fail(why))
             }
-            Ok((child, pid, cgroup)) => {
+            Ok((child, pid, cgroup, logs)) => {
                 // Written before anything else can happen to it: without this record a
                 // restarted executor could not find the process again.
                 let leader = ProcessId::of(pid);
@@ -469,9 +488,14 @@ impl Executor {
                     }
                 }
                 let (done_tx, done_rx) = watch::channel(false);
+                let logs = Arc::new(logs);
+                if let Some(max) = self.opts.max_log_bytes {
+                    tokio::spawn(watch_logs(logs.clone(), max, done_rx.clone()));
+                }
                 {
                     let mut table = self.table.lock();
                     if let Some(e) = table.get_mut(container_id) {
+                        e.logs = logs;
                         e.phase = Phase::Running;
                         e.pid = Some(pid);
                         e.leader = leader;
@@ -486,6 +510,7 @@ impl Executor {
                     dir,
                     done: done_tx,
                     cgroup,
+                    max_log_bytes: self.opts.max_log_bytes,
                 };
                 tokio::spawn(wait_container(ending, child, pid, leader));
                 Ok(pid)
@@ -523,6 +548,7 @@ impl Executor {
             dir,
             done: done_tx,
             cgroup,
+            max_log_bytes: self.opts.max_log_bytes,
         };
         match leader.filter(ProcessId::alive) {
             Some(p) => {
@@ -531,6 +557,24 @@ impl Executor {
                     pid = p.pid,
                     "re-attached to a running container"
                 );
+                if let Some(max) = self.opts.max_log_bytes {
+                    let logs: Arc<Vec<File>> = Arc::new(
+                        [LogStream::Stdout, LogStream::Stderr]
+                            .into_iter()
+                            .filter_map(|s| open_log_in_place(&ending.dir.join(s.file_name()), true).ok())
+                            .collect(),
+                    );
+                    let done = {
+                        let mut table = self.table.lock();
+                        table.get_mut(container_id).and_then(|e| {
+                            e.logs = logs.clone();
+                            e.done.clone()
+                        })
+                    };
+                    if let Some(done) = done {
+                        tokio::spawn(watch_logs(logs, max, done));
+                    }
+                }
                 tokio::spawn(wait_inherited(ending, p));
             }
             None => {
@@ -924,9 +968,9 @@ struct Launch<'a> {
 }
 
 /// Creates the directory and files and spawns the task (see [`task_command`]) in a new
-/// session, inside its cgroup, as its user, under `taskset` when asked; returns the child
-/// and pid.
-fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::process::Child, u32), String> {
+/// session, inside its cgroup, as its user, under `taskset` when asked; returns the child,
+/// its pid and handles of its log files (for the log watcher).
+fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::process::Child, u32, Vec<File>), String> {
     let Launch {
         commands,
         env,
@@ -949,8 +993,23 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
         .map_err(|e| where_("cannot write", &script, e))?;
     let out_path = dir.join(LogStream::Stdout.file_name());
     let err_path = dir.join(LogStream::Stderr.file_name());
-    let out = File::create(&out_path).map_err(|e| where_("cannot create", &out_path, e))?;
-    let err = File::create(&err_path).map_err(|e| where_("cannot create", &err_path, e))?;
+    // O_APPEND: when the log watcher cuts a file, the task's writes go on at its new end.
+    let create = |p: &Path| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .read(true)
+            .append(true)
+            .open(p)
+            .and_then(|f| f.set_len(0).map(|()| f))
+            .map_err(|e| where_("cannot create", p, e))
+    };
+    let out = create(&out_path)?;
+    let err = create(&err_path)?;
+    let watched = [&out, &err]
+        .into_iter()
+        .map(File::try_clone)
+        .collect::<Result<Vec<File>, _>>()
+        .map_err(|e| format!("cannot keep a handle of the log files: {e}"))?;
     if let Some(u) = run_as {
         // The task writes its exit status and whatever it likes into its directory; the
         // node reads the logs without following links (see `read_tail`).
@@ -1012,7 +1071,7 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
     let pid = child
         .id()
         .ok_or_else(|| "the process ended before its pid was known".to_string())?;
-    Ok((child, pid))
+    Ok((child, pid, watched))
 }
 
 /// Where a container's end is recorded and whom it is told to.
@@ -1024,6 +1083,7 @@ struct Ending {
     /// Turned `true` once the container is Complete.
     done: watch::Sender<bool>,
     cgroup: Cgroup,
+    max_log_bytes: Option<u64>,
 }
 
 /// Waits for the leader, then ends the container (see [`container_ended`]).
@@ -1074,6 +1134,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         dir,
         done,
         cgroup,
+        max_log_bytes,
     } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
@@ -1094,6 +1155,14 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
             diagnostics.push_str(why);
         }
         cgroup.remove();
+    }
+    // The logs are within their limit before anyone hears of the end.
+    if let Some(max) = max_log_bytes {
+        let logs = table.lock().get(&id).map(|e| e.logs.clone()).unwrap_or_default();
+        let cut = tokio::task::spawn_blocking(move || logs.iter().map(|f| cap_log(f, max)).collect::<Vec<_>>()).await;
+        for e in cut.into_iter().flatten().filter_map(Result::err) {
+            tracing::warn!(container = %id, "cannot keep a log within node.max_log_bytes: {e}");
+        }
     }
     let stop_requested = table.lock().get(&id).is_some_and(|e| e.stop_requested);
     if stop_requested {
@@ -1258,16 +1327,67 @@ async fn wait_group_gone(pgid: u32, limit: Duration) -> bool {
     }
 }
 
-/// The last `want` bytes of a file (seeking, not reading it whole), lossy UTF-8, starting
-/// on a character boundary when cut.
-/// Reads the last `want` bytes of a log file that must be a regular file in place:
-/// a task may replace its `stdout` with a symlink (to /etc/passwd, say) or a FIFO, so
-/// the file is opened with `O_NOFOLLOW | O_NONBLOCK` and anything but a regular file
-/// is refused rather than followed.
-fn read_tail(path: &Path, want: u64) -> std::io::Result<String> {
+/// Keeps the logs in `files` within `max` bytes each until the container is done (then
+/// once more): see the module doc.
+async fn watch_logs(files: Arc<Vec<File>>, max: u64, mut done: watch::Receiver<bool>) {
+    loop {
+        let finished = tokio::select! {
+            _ = tokio::time::sleep(LOG_CHECK) => *done.borrow(),
+            changed = done.changed() => changed.is_err() || *done.borrow(),
+        };
+        let f = files.clone();
+        let cut = tokio::task::spawn_blocking(move || f.iter().map(|f| cap_log(f, max)).collect::<Vec<_>>()).await;
+        for r in cut.into_iter().flatten() {
+            if let Err(e) = r {
+                tracing::warn!("cannot keep a container log within node.max_log_bytes: {e}");
+            }
+        }
+        if finished {
+            return;
+        }
+    }
+}
+
+/// Cuts one log over `max` bytes to its newest part behind a line saying so; returns the
+/// bytes dropped (0: under the limit).
+pub fn cap_log(f: &File, max: u64) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let len = f.metadata()?.len();
+    if len <= max {
+        return Ok(0);
+    }
+    let keep = (max / 4).min(LOG_KEEP_MAX);
+    let mut tail = vec![0u8; keep as usize];
+    let got = f.read_at(&mut tail, len - keep)?;
+    tail.truncate(got);
+    // Start the kept part on a line (or at least a character) boundary.
+    let start = tail
+        .iter()
+        .position(|b| *b == b'\n')
+        .map(|i| i + 1)
+        .filter(|i| *i < tail.len())
+        .unwrap_or_else(|| tail.iter().position(|b| (b & 0xC0) != 0x80).unwrap_or(0));
+    let kept = &tail[start..];
+    let dropped = len - kept.len() as u64;
+    f.set_len(0)?;
+    // The handle shares the task's O_APPEND description: these land at the new start.
+    let note = format!(
+        "[gpuam] log truncated: {dropped} bytes dropped (node.max_log_bytes = {max}); the newest {} bytes follow\n",
+        kept.len()
+    );
+    (&*f).write_all(note.as_bytes())?;
+    (&*f).write_all(kept)?;
+    Ok(dropped)
+}
+
+/// Opens a container's log file where it is, never through a link: a task may replace its
+/// `stdout` with a symlink (to /etc/passwd, say) or a FIFO, so the file is opened with
+/// `O_NOFOLLOW | O_NONBLOCK` and anything but a regular file is refused.
+fn open_log_in_place(path: &Path, write: bool) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
+    let f = std::fs::OpenOptions::new()
         .read(true)
+        .append(write)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| {
@@ -1280,13 +1400,21 @@ fn read_tail(path: &Path, want: u64) -> std::io::Result<String> {
                 e
             }
         })?;
-    let meta = f.metadata()?;
-    if !meta.is_file() {
+    if !f.metadata()?.is_file() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::PermissionDenied,
             format!("{} is not a regular file", path.display()),
         ));
     }
+    Ok(f)
+}
+
+/// The last `want` bytes of a file (seeking, not reading it whole), lossy UTF-8, starting
+/// on a character boundary when cut. The file must be a regular file in place (see
+/// [`open_log_in_place`]).
+fn read_tail(path: &Path, want: u64) -> std::io::Result<String> {
+    let mut f = open_log_in_place(path, false)?;
+    let meta = f.metadata()?;
     let len = meta.len();
     let start = len.saturating_sub(want);
     f.seek(SeekFrom::Start(start))?;
@@ -1383,6 +1511,62 @@ mod tests {
         let (id, code, diag) = next_exit(&mut rx).await;
         assert_eq!((id.as_str(), code), ("c-run", 7), "{diag}");
         assert_eq!(second.status("c-run").unwrap().state, ContainerState::Complete);
+    }
+
+    /// A task that writes far more than `max_log_bytes` (and renames its stdout away to
+    /// escape) ends with each log within the limit, a line saying what was dropped, and its
+    /// newest output kept.
+    #[tokio::test]
+    async fn logs_are_kept_within_the_limit_and_say_so() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let max = 64 * 1024;
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                max_log_bytes: Some(max),
+                ..ExecutorOptions::default()
+            },
+        );
+        // 4 MiB to stdout in lines, then the last line; 1 MiB to stderr after a rename.
+        let cmd = "yes \"$(head -c 1023 /dev/zero | tr '\\0' x)\" | head -n 4096; echo LAST-LINE; \
+                   mv stderr stderr.moved; head -c 1048576 /dev/zero >&2";
+        exec.start("c-log", "h", &no_gpus(), ctx(&[cmd])).unwrap();
+        let (_, code, diag) = next_exit(&mut rx).await;
+        assert_eq!(code, 0, "{diag}");
+        let dir = tmp.path().join("containers/c-log");
+        let out = std::fs::read_to_string(dir.join("stdout")).unwrap();
+        assert!(out.len() as u64 <= max, "stdout is {} bytes", out.len());
+        assert!(
+            out.starts_with("[gpuam] log truncated: ") && out.contains("node.max_log_bytes = 65536"),
+            "{}",
+            &out[..out.len().min(200)]
+        );
+        assert!(out.trim_end().ends_with("LAST-LINE"), "the newest output is kept");
+        // The watcher holds the file itself: a rename does not escape it.
+        let moved = std::fs::metadata(dir.join("stderr.moved")).unwrap().len();
+        assert!(moved <= max, "stderr (renamed) is {moved} bytes");
+    }
+
+    #[test]
+    fn cap_log_cuts_only_above_the_limit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let p = tmp.path().join("log");
+        std::fs::write(&p, "a\n".repeat(100)).unwrap();
+        let f = std::fs::OpenOptions::new().read(true).append(true).open(&p).unwrap();
+        assert_eq!(cap_log(&f, 200).unwrap(), 0, "exactly at the limit: kept whole");
+        std::fs::write(&p, "0123456789\n".repeat(1000)).unwrap();
+        let dropped = cap_log(&f, 4096).unwrap();
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(
+            text.len() <= 4096 && dropped > 10_000 - 4096,
+            "{} {dropped}",
+            text.len()
+        );
+        let (note, rest) = text.split_once('\n').unwrap();
+        assert!(note.contains(&format!("{dropped} bytes dropped")), "{note}");
+        assert!(rest.lines().all(|l| l == "0123456789"), "cut on a line boundary");
     }
 
     #[test]

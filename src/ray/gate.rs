@@ -18,7 +18,7 @@ use axum::Router;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use crate::rm::apps::{constant_time_eq, new_token};
+use crate::auth::{constant_time_eq, new_token};
 
 #[derive(Default)]
 struct Table {
@@ -65,7 +65,7 @@ impl Gate {
         let router = Router::new().route("/gate/{id}", get(answer)).with_state(table.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(async move {
-            let serve = axum::serve(listener, router).with_graceful_shutdown(async {
+            let serve = crate::tls::serve(listener, router, None, async {
                 let _ = stopped.await;
             });
             if let Err(e) = serve.await {
@@ -122,11 +122,7 @@ async fn answer(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> (StatusCode, &'static str) {
-    let key = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let key = crate::auth::bearer(&headers).unwrap_or("");
     let t = table.lock();
     match t.gates.get(&id) {
         Some((k, open)) if constant_time_eq(k.as_bytes(), key.as_bytes()) => {

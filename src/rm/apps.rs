@@ -9,7 +9,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
 use super::procs::ProcessId;
@@ -23,24 +22,24 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// A fresh 128-bit random token as 32 hex digits (from the OS generator).
-pub fn new_token() -> String {
-    let mut bytes = [0u8; 16];
-    rand::rngs::OsRng.fill_bytes(&mut bytes);
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Compares two secrets in time that depends only on their lengths.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
+pub use crate::auth::{constant_time_eq, new_token};
 
 /// YARN-style application id.
 pub fn app_id(cluster_ts: u64, seq: u32) -> String {
     format!("application_{cluster_ts}_{seq:04}")
+}
+
+/// The (cluster timestamp, sequence) of an id made by [`app_id`]:
+/// `application_<digits>_<digits>`, plain ASCII digits, the sequence 1..=2^32−1. `None`
+/// for anything else (`../..`, a sequence that overflows): such an id was never issued.
+pub fn parse_app_id(id: &str) -> Option<(u64, u32)> {
+    let (ts, seq) = id.strip_prefix("application_")?.split_once('_')?;
+    let digits = |p: &str| !p.is_empty() && p.len() <= 20 && p.bytes().all(|b| b.is_ascii_digit());
+    if !digits(ts) || !digits(seq) {
+        return None;
+    }
+    let seq: u32 = seq.parse().ok()?;
+    Some((ts.parse().ok()?, seq)).filter(|_| seq > 0)
 }
 
 /// How an application's AM is started (kept so later attempts start the same way).
@@ -68,7 +67,7 @@ pub struct AttemptRecord {
 
 /// The sequence number of an id made by [`app_id`] (`None` for other ids).
 pub fn app_seq(id: &str) -> Option<u32> {
-    id.strip_prefix("application_")?.rsplit_once('_')?.1.parse().ok()
+    parse_app_id(id).map(|(_, seq)| seq)
 }
 
 /// One application: what its report says, plus what only the RM needs. Serialized
@@ -195,7 +194,8 @@ impl App {
         self.report.state = state;
         self.report.final_status = final_status;
         self.report.exit_code = Some(exit_code);
-        self.report.diagnostics = diagnostics;
+        // From the AM (its finish request, its stderr): no terminal escapes kept.
+        self.report.diagnostics = crate::text::clean(&diagnostics);
         self.report.finished_time = now_ms();
         if state == AppState::Finished {
             self.report.progress = 1.0;
@@ -250,6 +250,11 @@ impl Apps {
         self.map.values()
     }
 
+    /// Whether anything changed since the last [`Apps::take_dirty`].
+    pub fn has_changes(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
     /// Ids changed or removed since the last call.
     pub fn take_dirty(&mut self) -> Vec<String> {
         std::mem::take(&mut self.dirty).into_iter().collect()
@@ -277,15 +282,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tokens_are_long_random_hex() {
-        let a = new_token();
-        let b = new_token();
-        assert_eq!(a.len(), 32);
-        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
-        assert_ne!(a, b);
-    }
-
-    #[test]
     fn constant_time_eq_compares() {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
@@ -302,6 +298,25 @@ mod tests {
         assert_eq!(app.report.id, "application_17_0003");
         assert_eq!(app_seq(&app_id(17, 12_345)), Some(12_345));
         assert_eq!(app_seq("container_1_0001"), None);
+        for bad in [
+            "../..",
+            "application_1_0",
+            "application_1_4294967296",
+            "application_x_1",
+            "application_1_+1",
+            "application_1_2_3",
+        ] {
+            assert_eq!(parse_app_id(bad), None, "{bad}");
+        }
+        assert_eq!(parse_app_id("application_17_4294967295"), Some((17, u32::MAX)));
+        let mut colored = App::new(app_id(1, 1), "x".into());
+        colored.finish(
+            AppState::Failed,
+            FinalStatus::Failed,
+            1,
+            "\u{1b}[31mboom\u{1b}[0m".into(),
+        );
+        assert_eq!(colored.report.diagnostics, "boom");
         assert!(app.finish(AppState::Killed, FinalStatus::Killed, 1, "killed".into()));
         assert!(!app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new()));
         let r = app.report.clone();

@@ -4,9 +4,14 @@
 //!
 //! The one rule it exists for: an ask is granted only when every GPU bit, port, CPU
 //! and MB it names is free on its host at that moment, and then exactly as asked.
-//! A node's `used` is always recomputed as its baseline (what the cluster file says is
-//! already taken by others) plus the sum of its live containers, so it can never drift
-//! from the container list.
+//! An ask must name some CPU or memory, so a node holds a bounded number of containers.
+//!
+//! Usage is kept incrementally: each node carries the sum of its live containers, a grant
+//! adds exactly its resources and a free takes exactly them away, so granting costs the
+//! same whatever the node's container count. A node's `used` is its baseline (what the
+//! cluster file says is already taken by others) plus that sum. [`Ledger::audit_usage`]
+//! recomputes every node's use from its containers and compares: the tests and property
+//! tests call it after every step.
 //!
 //! Freed only when dead (DESIGN.md §9): a container the RM ends while it runs (AM release,
 //! kill, node LOST) is [`Ledger::stop`]ped — Complete for its application, but `held`: its
@@ -95,6 +100,8 @@ struct LedgerNode {
     /// Taken by something outside this RM (the cluster file's `used:`); never freed.
     baseline: Resources,
     live: BTreeSet<String>,
+    /// The sum of the live containers' resources (kept incrementally; see the module doc).
+    live_sum: Resources,
     /// Value of `Ledger::epoch` when this node's used resources or state last changed.
     changed_at: u64,
 }
@@ -141,6 +148,7 @@ impl Ledger {
                         baseline: n.used().clone(),
                         node: n,
                         live: BTreeSet::new(),
+                        live_sum: Resources::default(),
                         changed_at: 0,
                     },
                 )
@@ -156,6 +164,11 @@ impl Ledger {
             touched: BTreeSet::new(),
             touched_nodes: BTreeSet::new(),
         }
+    }
+
+    /// Whether a container or node state changed since the last [`Ledger::take_changes`].
+    pub fn has_changes(&self) -> bool {
+        !self.touched.is_empty() || !self.touched_nodes.is_empty()
     }
 
     /// The containers and node states changed since the last call (for persisting).
@@ -179,8 +192,8 @@ impl Ledger {
         let host = c.container.host.clone();
         let held = c.held;
         // Numbering goes on after the highest id restored (ids end in `_<seq>`).
-        if let Some(seq) = id.rsplit('_').next().and_then(|s| s.parse::<u64>().ok()) {
-            self.next_container = self.next_container.max(seq + 1);
+        if let Some(seq) = container_seq(&id) {
+            self.next_container = self.next_container.max(seq.saturating_add(1));
         }
         self.containers.insert(id.clone(), c);
         if !live {
@@ -204,10 +217,8 @@ impl Ledger {
         };
         match problem {
             None => {
-                if let Some(ln) = self.nodes.get_mut(&host) {
-                    ln.live.insert(id);
-                }
-                self.recompute(&host);
+                let res = self.containers[&id].container.resources.clone();
+                self.add_live(&host, &id, &res);
                 None
             }
             Some(why) => {
@@ -354,6 +365,12 @@ impl Ledger {
             }
         }
         let want = ask.resources();
+        if want.cpu == 0 && want.memory_mb == 0 {
+            return Err(reject(
+                false,
+                "an ask must request some CPU or memory (cpu >= 1 or memoryMB >= 1)".to_string(),
+            ));
+        }
         if let Some(why) = malformed_shares(&want) {
             return Err(reject(false, format!("host `{}`: {why}", ask.host)));
         }
@@ -426,8 +443,10 @@ impl Ledger {
             return Err(reject(true, format!("host `{}`: {}", ask.host, busy.join("; "))));
         }
 
-        let seq = self.next_container;
-        self.next_container += 1;
+        let Some(next) = self.next_container.checked_add(1) else {
+            return Err(reject(false, "the container id sequence is exhausted".to_string()));
+        };
+        let seq = std::mem::replace(&mut self.next_container, next);
         let container = Container {
             container_id: container_id(app_id, attempt, seq),
             request_id: ask.request_id,
@@ -452,9 +471,7 @@ impl Ledger {
                 held: false,
             },
         );
-        if let Some(ln) = self.nodes.get_mut(&ask.host) {
-            ln.live.insert(container.container_id.clone());
-        }
+        self.add_live(&ask.host, &container.container_id, &container.resources);
         self.touched.insert(container.container_id.clone());
         if let Some(a) = &mut self.audit {
             a.push(AuditEvent::Grant {
@@ -463,7 +480,6 @@ impl Ledger {
                 resources: container.resources.clone(),
             });
         }
-        self.recompute(&ask.host);
         Ok(container)
     }
 
@@ -572,6 +588,7 @@ impl Ledger {
                         baseline: node.used().clone(),
                         node,
                         live: BTreeSet::new(),
+                        live_sum: Resources::default(),
                         changed_at: 0,
                     },
                 );
@@ -579,14 +596,21 @@ impl Ledger {
             }
         };
         self.touched_nodes.insert(host.clone());
-        self.recompute(&host);
+        self.refresh_used(&host);
         new
     }
 
     /// Drops a container from its node's used resources (it is dead).
     fn free(&mut self, id: &str, host: &str) {
+        let res = self
+            .containers
+            .get(id)
+            .map(|c| c.container.resources.clone())
+            .unwrap_or_default();
         if let Some(ln) = self.nodes.get_mut(host) {
-            ln.live.remove(id);
+            if ln.live.remove(id) {
+                ln.live_sum = ln.live_sum.subtract(&res);
+            }
         }
         self.touched.insert(id.to_string());
         if let Some(a) = &mut self.audit {
@@ -594,7 +618,25 @@ impl Ledger {
                 container_id: id.to_string(),
             });
         }
-        self.recompute(host);
+        self.refresh_used(host);
+    }
+
+    /// Adds a container to its node's live set and usage (O(1) in the node's containers).
+    fn add_live(&mut self, host: &str, id: &str, res: &Resources) {
+        if let Some(ln) = self.nodes.get_mut(host) {
+            if ln.live.insert(id.to_string()) {
+                // Grants never overlap (checked against `used` before), so this cannot
+                // fail; if it ever did, keep the larger claim rather than under-count.
+                ln.live_sum = match ln.live_sum.try_add(res) {
+                    Ok(sum) => sum,
+                    Err(_) => {
+                        tracing::error!(container = %id, "ledger: overlapping containers on {host}");
+                        ln.live_sum.clone()
+                    }
+                };
+            }
+        }
+        self.refresh_used(host);
     }
 
     /// Completes every container that stayed Allocated longer than the expiry.
@@ -646,28 +688,74 @@ impl Ledger {
         self.set_node_state(host, NodeState::Lost)
     }
 
-    /// used = the sum of the node's live containers.
-    fn recompute(&mut self, host: &str) {
+    /// used = baseline + the live containers' sum (kept incrementally).
+    fn refresh_used(&mut self, host: &str) {
         let Some(ln) = self.nodes.get_mut(host) else {
             return;
         };
-        let mut used = ln.baseline.clone();
-        for id in &ln.live {
-            if let Some(c) = self.containers.get(id) {
-                // Grants never overlap, so this cannot fail; if it ever did, keep the
-                // larger claim rather than under-count.
-                used = match used.try_add(&c.container.resources) {
-                    Ok(u) => u,
-                    Err(_) => {
-                        tracing::error!(container = %id, "ledger: overlapping containers on {host}");
-                        used
-                    }
-                };
-            }
-        }
+        let used = ln.baseline.try_add(&ln.live_sum).unwrap_or_else(|_| {
+            tracing::error!("ledger: the containers on {host} overlap its baseline");
+            ln.live_sum.clone()
+        });
         ln.node.set_used(used);
         self.epoch += 1;
         ln.changed_at = self.epoch;
+    }
+
+    /// The audit of the incremental usage: every node's `used` recomputed from scratch as
+    /// its baseline plus the sum of the containers it holds (live, or ended but held),
+    /// which must equal what the ledger keeps. `Err` names the first node that differs.
+    /// O(containers); tests and property tests call it after every step.
+    pub fn audit_usage(&self) -> Result<(), String> {
+        for (host, ln) in &self.nodes {
+            let mut used = ln.baseline.clone();
+            let holding: BTreeSet<&String> = self
+                .containers
+                .values()
+                .filter(|c| c.container.host == *host && (c.state != ContainerState::Complete || c.held))
+                .map(|c| &c.container.container_id)
+                .collect();
+            if holding.len() != ln.live.len() || holding.iter().any(|id| !ln.live.contains(*id)) {
+                return Err(format!(
+                    "{host}: the live set {:?} is not the containers holding resources {holding:?}",
+                    ln.live
+                ));
+            }
+            for id in &holding {
+                let res = &self.containers[*id].container.resources;
+                used = used
+                    .try_add(res)
+                    .map_err(|o| format!("{host}: container {id} overlaps others ({o:?})"))?;
+            }
+            if *ln.node.used() != used {
+                return Err(format!(
+                    "{host}: used {:?} but its containers add up to {used:?}",
+                    ln.node.used()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The sequence number the next container id gets (persisted by the RM's store, so an
+    /// id is never handed out twice, even when the grants that used it were not stored).
+    pub fn next_container_seq(&self) -> u64 {
+        self.next_container
+    }
+
+    /// Continues numbering at `seq` or later (never goes back).
+    pub fn continue_container_seq(&mut self, seq: u64) {
+        self.next_container = self.next_container.max(seq);
+    }
+
+    /// Every container the ledger knows (live and completed), in no particular order.
+    pub fn all_containers(&self) -> impl Iterator<Item = &LedgerContainer> {
+        self.containers.values()
+    }
+
+    /// Every node's host and state (for writing the whole state).
+    pub fn node_states(&self) -> impl Iterator<Item = (&str, NodeState)> {
+        self.nodes.iter().map(|(h, ln)| (h.as_str(), ln.node.state))
     }
 }
 
@@ -753,6 +841,19 @@ pub fn verify_audit(log: &[AuditEvent]) -> Result<(usize, usize), String> {
         }
     }
     Ok((grants, frees))
+}
+
+/// The sequence number of a container id made by [`container_id`] for an
+/// `application_<clusterTs>_<appSeq>` id: `container_<digits>_<digits>_<digits>_<seq>`,
+/// every part plain ASCII digits (at most 20). `None` for anything else, so an id such as
+/// `../..` or one whose sequence overflows could not have been issued.
+pub fn container_seq(id: &str) -> Option<u64> {
+    let parts: Vec<&str> = id.strip_prefix("container_")?.split('_').collect();
+    let digits = |p: &&str| !p.is_empty() && p.len() <= 20 && p.bytes().all(|b| b.is_ascii_digit());
+    if parts.len() != 4 || !parts.iter().all(digits) {
+        return None;
+    }
+    parts[3].parse().ok()
 }
 
 /// YARN-style id: `container_<clusterTs>_<appSeq>_<attempt:02>_<seq:06>` for
@@ -871,6 +972,60 @@ mod tests {
         assert!(err.contains("overlaps"), "{err}");
         let twice = vec![log[0].clone(), log[1].clone(), log[1].clone()];
         assert!(verify_audit(&twice).unwrap_err().contains("freed while not live"));
+    }
+
+    #[test]
+    fn an_ask_for_no_cpu_and_no_memory_is_refused() {
+        let mut l = ledger();
+        let now = Instant::now();
+        let r = l.grant("app", 1, &ask(1, "a", 0, 0, 0x1, "2000"), now).unwrap_err();
+        assert!(!r.retryable && r.reason.contains("some CPU or memory"), "{r:?}");
+        assert_eq!(l.num_containers("a"), 0);
+        // One CPU, or one MB, is enough.
+        l.grant("app", 1, &ask(2, "a", 1, 0, 0, ""), now).unwrap();
+        l.grant("app", 1, &ask(3, "a", 0, 1, 0, ""), now).unwrap();
+        assert_eq!(l.audit_usage(), Ok(()));
+    }
+
+    #[test]
+    fn usage_is_kept_incrementally_and_the_audit_catches_drift() {
+        let mut l = ledger();
+        let now = Instant::now();
+        let mut ids = Vec::new();
+        for i in 0..4u64 {
+            let c = l
+                .grant("app", 1, &ask(i, "a", 1, 10, 1 << i, &format!("{}", 2000 + i)), now)
+                .unwrap();
+            ids.push(c.container_id);
+        }
+        l.mark_running(&ids[1]).unwrap();
+        l.stop(&ids[1], -100, "released"); // held: still counted
+        l.complete(&ids[2], 0, "");
+        assert_eq!(l.audit_usage(), Ok(()));
+        let used = l.node("a").unwrap().used().clone();
+        assert_eq!((used.cpu, used.memory_mb, used.gpu_mask), (3, 30, 0b1011));
+        // A node whose kept usage no longer matches its containers is reported.
+        l.nodes.get_mut("a").unwrap().live_sum.cpu += 1;
+        l.refresh_used("a");
+        let err = l.audit_usage().unwrap_err();
+        assert!(err.starts_with("a: used"), "{err}");
+    }
+
+    #[test]
+    fn container_ids_that_could_not_have_been_issued_have_no_sequence() {
+        assert_eq!(container_seq(&container_id("application_17_0003", 2, 41)), Some(41));
+        for bad in [
+            "../..",
+            "container_1_2_3",
+            "container_1_2_3_x",
+            "container_1_2_3_-4",
+            "container_1_2_3_+4",
+            "container_1_2_3_99999999999999999999",
+            "container_a_2_3_4",
+            "container_1_2_3_4_5",
+        ] {
+            assert_eq!(container_seq(bad), None, "{bad}");
+        }
     }
 
     #[test]
@@ -1164,6 +1319,7 @@ mod tests {
                 cluster_ts: 1,
                 next_app_seq: 1,
                 reserved: Vec::new(),
+                next_container_seq: l.next_container_seq(),
             }),
             apps: Vec::new(),
             containers: changes.containers.iter().filter_map(|id| l.container(id)).collect(),
@@ -1172,6 +1328,7 @@ mod tests {
                 .iter()
                 .filter_map(|h| l.node(h).map(|n| (h.as_str(), n.state)))
                 .collect(),
+            whole: false,
         };
         store.write(&batch).expect("the test store takes every write");
     }
@@ -1198,7 +1355,7 @@ mod tests {
                     Op::Ask { app, host, cpu, mem, mask, share, nvme, ports } => {
                         let a = prop_ask(i, hosts[host as usize], (cpu, mem), mask, share, nvme, ports);
                         let free_before = l.node(&a.host).map(|n| n.total().subtract(n.used()));
-                        match l.grant(&format!("app{app}"), 1, &a, now) {
+                        match l.grant(&crate::rm::apps::app_id(1, u32::from(app) + 1), 1, &a, now) {
                             Ok(c) => {
                                 prop_assert_eq!(&c.resources, &a.resources());
                                 prop_assert!(a.resources().fits_in(&free_before.unwrap()));
@@ -1245,6 +1402,8 @@ mod tests {
                 }
                 persist(&mut l, &mut store);
                 check_books(&l)?;
+                // The incremental usage equals the recomputed one after every step.
+                prop_assert_eq!(l.audit_usage(), Ok(()));
             }
             for id in l.live_containers() {
                 l.complete(&id, 0, "end");

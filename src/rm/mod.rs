@@ -6,6 +6,7 @@ pub mod image;
 pub mod ledger;
 pub mod server;
 pub mod store;
+pub mod users;
 
 /// The executor and process identities moved to the node component (`crate::node`).
 pub use crate::node::{executor, procs};

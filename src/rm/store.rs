@@ -7,20 +7,30 @@
 //! disagree after a restart). Rows hold JSON documents of the in-memory records; the
 //! columns beside them are there for people inspecting the file with `sqlite3`.
 //!
-//! The RM writes through: every change made under its state lock is written in one
-//! transaction before the lock is released, in the order the changes happened.
+//! The RM writes through: every change made under its state lock is committed in one
+//! transaction before the answer that depends on it leaves, in the order the changes
+//! happened; when a write fails the RM writes the whole state again once it can
+//! ([`Store::write`] with [`Batch::whole`]).
 //! `synchronous = NORMAL` with WAL makes every committed change survive the RM process
 //! dying (SIGKILL, panic); only an operating-system crash or power loss can lose the
-//! last few commits. `Store::memory()` keeps nothing (tests, and `gpuam run`, whose
-//! embedded RM lives and dies with its one job).
+//! last few commits. `locking_mode = EXCLUSIVE` keeps WAL's index in the process's own
+//! memory instead of the shared `-shm` file: a damaged, locked or read-only `-shm` cannot
+//! bring the RM down (SIGBUS), and a second RM on the same directory is refused.
+//! `Store::memory()` keeps nothing (tests, and `gpuam run`, whose embedded RM lives and
+//! dies with its one job).
+//!
+//! A file is only taken as it was written: its tables and columns, its schema row, its
+//! `state` meta row, every row's document and every id must be what an RM writes, else
+//! opening fails with the file and the problem ([`Store::open`]). [`Store::open_recovering`]
+//! (`gpuam rm --recover-state`) repairs what it can and says what it dropped.
 
 use std::path::{Path, PathBuf};
 
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
 
-use super::apps::App;
-use super::ledger::LedgerContainer;
+use super::apps::{app_seq, parse_app_id, App};
+use super::ledger::{container_seq, LedgerContainer};
 use crate::cluster::NodeState;
 
 /// The file's name in the state directory.
@@ -28,26 +38,61 @@ pub const STATE_FILE: &str = "rm-state.db";
 /// Bumped when the layout changes incompatibly.
 const SCHEMA_VERSION: i64 = 1;
 
+/// The tables and their columns, as [`Store::open`] creates them and expects them.
+const TABLES: [(&str, &[&str], &str); 4] = [
+    (
+        "meta",
+        &["key", "value"],
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    ),
+    (
+        "apps",
+        &["id", "state", "doc"],
+        "CREATE TABLE apps (id TEXT PRIMARY KEY, state TEXT NOT NULL, doc TEXT NOT NULL)",
+    ),
+    (
+        "containers",
+        &["id", "app_id", "host", "state", "doc"],
+        "CREATE TABLE containers (id TEXT PRIMARY KEY, app_id TEXT NOT NULL, host TEXT NOT NULL,
+             state TEXT NOT NULL, doc TEXT NOT NULL);
+         CREATE INDEX containers_by_app ON containers (app_id)",
+    ),
+    (
+        "nodes",
+        &["host", "state"],
+        "CREATE TABLE nodes (host TEXT PRIMARY KEY, state TEXT NOT NULL)",
+    ),
+];
+
 /// Why the store could not be opened, read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("RM state database {path}: {why}")]
     Open { path: PathBuf, why: String },
-    #[error("RM state database: cannot read {what}: {why}; move the file away to start with an empty RM")]
-    Corrupt { what: String, why: String },
+    #[error(
+        "RM state database {path}: {what}: {why}; the RM does not start on damaged state: \
+         `gpuam rm --recover-state` drops what cannot be read (and says what), or move the file away \
+         to start with an empty RM"
+    )]
+    Corrupt { path: PathBuf, what: String, why: String },
     #[error("RM state database: write failed: {0}")]
     Write(String),
 }
 
 /// Counters and ids that outlive applications.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Meta {
     /// The cluster timestamp in application and container ids.
     pub cluster_ts: u64,
+    /// The last application sequence number handed out.
     pub next_app_seq: u32,
     /// Ids handed out by new-application and not submitted yet.
     pub reserved: Vec<String>,
+    /// The sequence number the next container id gets (0 in files of RMs that did not
+    /// keep it: then it follows the highest stored container).
+    #[serde(default)]
+    pub next_container_seq: u64,
 }
 
 /// Everything a restarted RM needs.
@@ -65,24 +110,66 @@ pub struct Batch<'a> {
     pub apps: Vec<(&'a str, Option<&'a App>)>,
     pub containers: Vec<&'a LedgerContainer>,
     pub nodes: Vec<(&'a str, NodeState)>,
+    /// The batch is the whole state: every row not in it is deleted (written after a
+    /// failed write, when what the file misses is not known).
+    pub whole: bool,
 }
 
 /// The RM's state store (see the module doc).
 pub struct Store {
     conn: Option<Connection>,
+    path: PathBuf,
+    /// What `open_recovering` dropped or repaired; `recover` adds what it drops.
+    notes: Vec<String>,
+    recovering: bool,
+}
+
+/// Whether opening repairs what it finds damaged (`--recover-state`) or refuses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Strict,
+    Recover,
 }
 
 impl Store {
     /// Keeps nothing: a restarted RM starts empty.
     pub fn memory() -> Store {
-        Store { conn: None }
+        Store {
+            conn: None,
+            path: PathBuf::new(),
+            notes: Vec::new(),
+            recovering: false,
+        }
     }
 
-    /// Opens (creating if needed) `dir/rm-state.db`.
+    /// Opens (creating if needed) `dir/rm-state.db`, refusing a file that is not what an
+    /// RM writes (see the module doc).
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        Self::open_as(dir, Mode::Strict)
+    }
+
+    /// As [`Store::open`], but repairs what it can instead of refusing: missing tables
+    /// and rows are created, unreadable rows are dropped at [`Store::recover`]; every
+    /// repair is listed by [`Store::notes`]. A file SQLite itself cannot read, or of
+    /// another schema version, is still refused.
+    pub fn open_recovering(dir: &Path) -> Result<Store, StoreError> {
+        Self::open_as(dir, Mode::Recover)
+    }
+
+    /// What recovery repaired or dropped so far (empty for [`Store::open`]).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    fn open_as(dir: &Path, mode: Mode) -> Result<Store, StoreError> {
         let path = dir.join(STATE_FILE);
         let fail = |why: String| StoreError::Open {
             path: path.clone(),
+            why,
+        };
+        let damaged = |what: &str, why: String| StoreError::Corrupt {
+            path: path.clone(),
+            what: what.to_string(),
             why,
         };
         std::fs::create_dir_all(dir).map_err(|e| fail(format!("cannot create {}: {e}", dir.display())))?;
@@ -92,47 +179,131 @@ impl Store {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
         }
-        conn.busy_timeout(std::time::Duration::from_secs(5))
+        conn.busy_timeout(std::time::Duration::from_secs(2))
             .map_err(|e| fail(e.to_string()))?;
-        let mode: String = conn
+        // Before the first access, so WAL's index never goes to the shared `-shm` file.
+        let locking: String = conn
+            .query_row("PRAGMA locking_mode = EXCLUSIVE", [], |r| r.get(0))
+            .map_err(|e| fail(format!("cannot take exclusive locking mode: {e}")))?;
+        if !locking.eq_ignore_ascii_case("exclusive") {
+            return Err(fail(format!("exclusive locking is not available (mode {locking})")));
+        }
+        let mode_now: String = conn
             .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
-            .map_err(|e| fail(format!("cannot turn on write-ahead logging: {e}")))?;
-        if !mode.eq_ignore_ascii_case("wal") {
+            .map_err(|e| match e.sqlite_error_code() {
+                Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => fail(
+                    "the file is locked: is another `gpuam rm` using this state directory? (one RM per state dir)"
+                        .into(),
+                ),
+                Some(rusqlite::ErrorCode::NotADatabase) => damaged("the file", format!("not an SQLite database ({e})")),
+                _ => fail(format!("cannot turn on write-ahead logging: {e}")),
+            })?;
+        if !mode_now.eq_ignore_ascii_case("wal") {
             return Err(fail(format!(
-                "write-ahead logging is not available (journal mode {mode})"
+                "write-ahead logging is not available (journal mode {mode_now})"
             )));
         }
-        conn.execute_batch(
-            "PRAGMA synchronous = NORMAL;
-             CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-             CREATE TABLE IF NOT EXISTS apps (id TEXT PRIMARY KEY, state TEXT NOT NULL, doc TEXT NOT NULL);
-             CREATE TABLE IF NOT EXISTS containers (
-                 id TEXT PRIMARY KEY, app_id TEXT NOT NULL, host TEXT NOT NULL,
-                 state TEXT NOT NULL, doc TEXT NOT NULL);
-             CREATE INDEX IF NOT EXISTS containers_by_app ON containers (app_id);
-             CREATE TABLE IF NOT EXISTS nodes (host TEXT PRIMARY KEY, state TEXT NOT NULL);",
-        )
-        .map_err(|e| fail(format!("cannot create the tables: {e}")))?;
-        let version: Option<String> = conn
+        conn.execute_batch("PRAGMA synchronous = NORMAL;")
+            .map_err(|e| fail(e.to_string()))?;
+        let check: String = conn
+            .query_row("PRAGMA quick_check", [], |r| r.get(0))
+            .map_err(|e| damaged("the file", format!("SQLite cannot check it: {e}")))?;
+        if check != "ok" {
+            return Err(damaged("the file", format!("SQLite's integrity check failed: {check}")));
+        }
+        let mut store = Store {
+            conn: Some(conn),
+            path: path.clone(),
+            notes: Vec::new(),
+            recovering: mode == Mode::Recover,
+        };
+        store.check_layout(mode)?;
+        Ok(store)
+    }
+
+    /// A fresh file gets the tables, the schema row and an initial meta row in one
+    /// transaction; an existing one must have all of them as written.
+    fn check_layout(&mut self, mode: Mode) -> Result<(), StoreError> {
+        let path = self.path.clone();
+        let fail = |why: String| StoreError::Open {
+            path: path.clone(),
+            why,
+        };
+        let damaged = |what: &str, why: String| StoreError::Corrupt {
+            path: path.clone(),
+            what: what.to_string(),
+            why,
+        };
+        let Some(conn) = &mut self.conn else {
+            return Ok(());
+        };
+        let existing: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .and_then(|mut st| st.query_map([], |r| r.get::<_, String>(0))?.collect())
+            .map_err(|e| damaged("the table list", e.to_string()))?;
+        let tx = conn.transaction().map_err(|e| fail(e.to_string()))?;
+        let mut notes = Vec::new();
+        if existing.is_empty() {
+            for (_, _, create) in TABLES {
+                tx.execute_batch(create)
+                    .map_err(|e| fail(format!("cannot create the tables: {e}")))?;
+            }
+            tx.execute(
+                "INSERT INTO meta (key, value) VALUES ('schema', ?1)",
+                params![SCHEMA_VERSION.to_string()],
+            )
+            .map_err(|e| fail(e.to_string()))?;
+            tx.commit().map_err(|e| fail(e.to_string()))?;
+            return Ok(());
+        }
+        for (table, columns, create) in TABLES {
+            if !existing.iter().any(|t| t == table) {
+                if mode == Mode::Strict {
+                    return Err(damaged(&format!("table `{table}`"), "missing".into()));
+                }
+                tx.execute_batch(create)
+                    .map_err(|e| fail(format!("cannot create table `{table}`: {e}")))?;
+                notes.push(format!(
+                    "table `{table}` was missing: created empty ({})",
+                    what_a_table_held(table)
+                ));
+                continue;
+            }
+            let have: Vec<String> = tx
+                .prepare(&format!("SELECT name FROM pragma_table_info('{table}')"))
+                .and_then(|mut st| st.query_map([], |r| r.get::<_, String>(0))?.collect())
+                .map_err(|e| damaged(&format!("table `{table}`"), e.to_string()))?;
+            if have.iter().map(String::as_str).ne(columns.iter().copied()) {
+                return Err(damaged(
+                    &format!("table `{table}`"),
+                    format!("columns {have:?}, expected {columns:?} (written by another program?)"),
+                ));
+            }
+        }
+        let version: Option<String> = tx
             .query_row("SELECT value FROM meta WHERE key = 'schema'", [], |r| r.get(0))
             .optional()
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| damaged("the schema row", e.to_string()))?;
         match version.as_deref().map(str::parse::<i64>) {
-            None => {
-                conn.execute(
+            Some(Ok(SCHEMA_VERSION)) => {}
+            None if mode == Mode::Recover => {
+                tx.execute(
                     "INSERT INTO meta (key, value) VALUES ('schema', ?1)",
                     params![SCHEMA_VERSION.to_string()],
                 )
                 .map_err(|e| fail(e.to_string()))?;
+                notes.push(format!("the schema row was missing: set to version {SCHEMA_VERSION}"));
             }
-            Some(Ok(SCHEMA_VERSION)) => {}
+            None => return Err(damaged("the meta table", "no `schema` row".into())),
             Some(v) => {
                 return Err(fail(format!(
                     "schema version {v:?} is not {SCHEMA_VERSION}: written by another gpuam version"
                 )))
             }
         }
-        Ok(Store { conn: Some(conn) })
+        tx.commit().map_err(|e| fail(e.to_string()))?;
+        self.notes.extend(notes);
+        Ok(())
     }
 
     /// "sqlite" or "memory" (the RM's `clusterInfo.rmStateStoreName`).
@@ -149,23 +320,21 @@ impl Store {
         self.conn.is_some()
     }
 
-    /// What an earlier RM left; `None` for a fresh (or in-memory) store.
-    pub fn recover(&self) -> Result<Option<Recovered>, StoreError> {
+    /// What an earlier RM left; `None` for a fresh (or in-memory) store. Every row must
+    /// read back, and every id must be one the stored counters could have issued; in a
+    /// store opened with [`Store::open_recovering`], rows that fail are dropped (and listed
+    /// in [`Store::notes`]) and the counters raised past every id kept.
+    pub fn recover(&mut self) -> Result<Option<Recovered>, StoreError> {
+        let recovering = self.recovering;
+        let path = self.path.clone();
         let Some(conn) = &self.conn else {
             return Ok(None);
         };
         let corrupt = |what: &str, e: &dyn std::fmt::Display| StoreError::Corrupt {
+            path: path.clone(),
             what: what.to_string(),
             why: e.to_string(),
         };
-        let meta: Option<String> = conn
-            .query_row("SELECT value FROM meta WHERE key = 'state'", [], |r| r.get(0))
-            .optional()
-            .map_err(|e| corrupt("meta", &e))?;
-        let Some(meta) = meta else {
-            return Ok(None);
-        };
-        let meta: Meta = serde_json::from_str(&meta).map_err(|e| corrupt("meta", &e))?;
         let docs = |sql: &str, what: &str| -> Result<Vec<(String, String)>, StoreError> {
             let mut stmt = conn.prepare(sql).map_err(|e| corrupt(what, &e))?;
             let rows = stmt
@@ -173,30 +342,185 @@ impl Store {
                 .map_err(|e| corrupt(what, &e))?;
             rows.collect::<Result<Vec<_>, _>>().map_err(|e| corrupt(what, &e))
         };
-        let apps = docs("SELECT id, doc FROM apps ORDER BY id", "apps")?
-            .into_iter()
-            .map(|(id, doc)| serde_json::from_str::<App>(&doc).map_err(|e| corrupt(&format!("application {id}"), &e)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let containers = docs("SELECT id, doc FROM containers ORDER BY id", "containers")?
-            .into_iter()
-            .map(|(id, doc)| {
-                serde_json::from_str::<LedgerContainer>(&doc).map_err(|e| corrupt(&format!("container {id}"), &e))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let node_states = docs("SELECT host, state FROM nodes ORDER BY host", "nodes")?
-            .into_iter()
-            .map(|(host, state)| {
-                serde_json::from_value::<NodeState>(serde_json::Value::String(state))
-                    .map(|s| (host.clone(), s))
-                    .map_err(|e| corrupt(&format!("node {host}"), &e))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Some(Recovered {
+        let mut notes: Vec<String> = Vec::new();
+        // A row that cannot be taken: an error, or (recovering) dropped with a note.
+        let mut dropped: Vec<(&'static str, String)> = Vec::new();
+        let mut refuse = |table: &'static str, key: &str, what: String, why: String| -> Result<(), StoreError> {
+            if !recovering {
+                return Err(StoreError::Corrupt {
+                    path: path.clone(),
+                    what,
+                    why,
+                });
+            }
+            notes.push(format!("dropped {what}: {why}"));
+            dropped.push((table, key.to_string()));
+            Ok(())
+        };
+
+        let meta_row: Option<String> = conn
+            .query_row("SELECT value FROM meta WHERE key = 'state'", [], |r| r.get(0))
+            .optional()
+            .map_err(|e| corrupt("the meta table", &e))?;
+        let mut meta: Option<Meta> = match meta_row.as_deref().map(serde_json::from_str::<Meta>) {
+            Some(Ok(m)) => Some(m),
+            Some(Err(e)) => {
+                refuse("meta", "state", "the `state` meta row".into(), e.to_string())?;
+                None
+            }
+            None => None,
+        };
+        let mut apps = Vec::new();
+        for (id, doc) in docs("SELECT id, doc FROM apps ORDER BY id", "table `apps`")? {
+            match serde_json::from_str::<App>(&doc) {
+                Ok(app) if app.report.id != id => refuse(
+                    "apps",
+                    &id,
+                    format!("application {id}"),
+                    format!("its document is application {}", app.report.id),
+                )?,
+                Ok(_) if parse_app_id(&id).is_none() => refuse(
+                    "apps",
+                    &id,
+                    format!("application {id:?}"),
+                    "not an id an RM issues (application_<clusterTimestamp>_<sequence>)".into(),
+                )?,
+                Ok(app) => apps.push(app),
+                Err(e) => refuse("apps", &id, format!("application {id}"), e.to_string())?,
+            }
+        }
+        let mut containers = Vec::new();
+        for (id, doc) in docs("SELECT id, doc FROM containers ORDER BY id", "table `containers`")? {
+            match serde_json::from_str::<LedgerContainer>(&doc) {
+                Ok(c) if c.container.container_id != id => refuse(
+                    "containers",
+                    &id,
+                    format!("container {id}"),
+                    format!("its document is container {}", c.container.container_id),
+                )?,
+                Ok(_) if container_seq(&id).is_none() => refuse(
+                    "containers",
+                    &id,
+                    format!("container {id:?}"),
+                    "not an id an RM issues (container_<clusterTimestamp>_<app>_<attempt>_<sequence>)".into(),
+                )?,
+                Ok(c) => containers.push(c),
+                Err(e) => refuse("containers", &id, format!("container {id}"), e.to_string())?,
+            }
+        }
+        let mut node_states = Vec::new();
+        for (host, state) in docs("SELECT host, state FROM nodes ORDER BY host", "table `nodes`")? {
+            match serde_json::from_value::<NodeState>(serde_json::Value::String(state.clone())) {
+                Ok(s) => node_states.push((host, s)),
+                Err(e) => refuse("nodes", &host, format!("node {host}"), e.to_string())?,
+            }
+        }
+
+        let max_app = apps.iter().filter_map(|a| app_seq(&a.report.id)).max();
+        let max_container = containers
+            .iter()
+            .filter_map(|c| container_seq(&c.container.container_id))
+            .max();
+        let anything = !apps.is_empty() || !containers.is_empty() || !node_states.is_empty();
+        let meta = match meta.take() {
+            Some(m) => m,
+            // A fresh store: nothing was ever written.
+            None if !anything && meta_row.is_none() => return self.finish_recover(notes, dropped, None),
+            None if !recovering => {
+                return Err(corrupt(
+                    "the meta table",
+                    &"no `state` row (the id counters), yet the file holds applications, containers or nodes",
+                ))
+            }
+            None => {
+                let ts = apps
+                    .iter()
+                    .filter_map(|a| parse_app_id(&a.report.id).map(|(ts, _)| ts))
+                    .max()
+                    .unwrap_or_else(super::apps::now_ms);
+                notes.push(format!(
+                    "the `state` meta row was missing: rebuilt from the rows (cluster timestamp {ts}, \
+                     reserved application ids forgotten)"
+                ));
+                Meta {
+                    cluster_ts: ts,
+                    next_app_seq: max_app.unwrap_or(0),
+                    reserved: Vec::new(),
+                    next_container_seq: max_container.map_or(0, |s| s.saturating_add(1)),
+                }
+            }
+        };
+        let mut meta = meta;
+        // Ids beyond the counters could not have been issued by the RM that wrote them.
+        if let Some(seq) = max_app.filter(|s| *s > meta.next_app_seq) {
+            let why = format!(
+                "application sequence {seq} is beyond the stored counter {}",
+                meta.next_app_seq
+            );
+            if !recovering {
+                return Err(corrupt("the id counters", &why));
+            }
+            notes.push(format!("{why}: counter raised"));
+            meta.next_app_seq = seq;
+        }
+        if let Some(seq) = max_container.filter(|s| meta.next_container_seq != 0 && *s >= meta.next_container_seq) {
+            let why = format!(
+                "container sequence {seq} is not below the stored counter {}",
+                meta.next_container_seq
+            );
+            if !recovering {
+                return Err(corrupt("the id counters", &why));
+            }
+            notes.push(format!("{why}: counter raised"));
+            meta.next_container_seq = seq.saturating_add(1);
+        }
+        let bad_reserved: Vec<String> = meta
+            .reserved
+            .iter()
+            .filter(|id| app_seq(id).is_none_or(|s| s > meta.next_app_seq))
+            .cloned()
+            .collect();
+        if let Some(id) = bad_reserved.first() {
+            let why = format!("reserved application id {id:?} could not have been issued");
+            if !recovering {
+                return Err(corrupt("the `state` meta row", &why));
+            }
+            notes.push(format!("{why}: forgotten"));
+            meta.reserved.retain(|r| !bad_reserved.contains(r));
+        }
+        let recovered = Recovered {
             meta,
             apps,
             containers,
             node_states,
-        }))
+        };
+        self.finish_recover(notes, dropped, Some(recovered))
+    }
+
+    /// Deletes the rows recovery dropped (so the file reads clean next time) and keeps
+    /// the notes.
+    fn finish_recover(
+        &mut self,
+        notes: Vec<String>,
+        dropped: Vec<(&'static str, String)>,
+        recovered: Option<Recovered>,
+    ) -> Result<Option<Recovered>, StoreError> {
+        if let Some(conn) = &mut self.conn {
+            let fail = |e: &dyn std::fmt::Display| StoreError::Write(e.to_string());
+            let tx = conn.transaction().map_err(|e| fail(&e))?;
+            for (table, key) in &dropped {
+                let column = match *table {
+                    "meta" => "key",
+                    "nodes" => "host",
+                    _ => "id",
+                };
+                tx.execute(&format!("DELETE FROM {table} WHERE {column} = ?1"), params![key])
+                    .map_err(|e| fail(&e))?;
+            }
+            tx.commit().map_err(|e| fail(&e))?;
+        }
+        self.notes.extend(notes);
+        Ok(recovered)
     }
 
     /// Writes one batch in one transaction (all of it or nothing).
@@ -206,6 +530,10 @@ impl Store {
         };
         let fail = |e: &dyn std::fmt::Display| StoreError::Write(e.to_string());
         let tx = conn.transaction().map_err(|e| fail(&e))?;
+        if batch.whole {
+            tx.execute_batch("DELETE FROM apps; DELETE FROM containers; DELETE FROM nodes;")
+                .map_err(|e| fail(&e))?;
+        }
         if let Some(meta) = &batch.meta {
             let doc = serde_json::to_string(meta).map_err(|e| fail(&e))?;
             tx.prepare_cached("INSERT OR REPLACE INTO meta (key, value) VALUES ('state', ?1)")
@@ -249,6 +577,18 @@ impl Store {
                 .map_err(|e| fail(&e))?;
         }
         tx.commit().map_err(|e| fail(&e))
+    }
+}
+
+/// What losing a table's rows means, for recovery's notes.
+fn what_a_table_held(table: &str) -> &'static str {
+    match table {
+        "apps" => "every application it held is forgotten; their AMs and containers are not known to the RM",
+        "containers" => {
+            "every grant it held is forgotten; processes of those containers that still run are not known to the RM"
+        }
+        "nodes" => "node states such as LOST are forgotten: every node starts RUNNING",
+        _ => "the id counters are rebuilt from the rows",
     }
 }
 
@@ -302,8 +642,9 @@ mod tests {
         let c1 = container("container_1_0001_01_000001", ContainerState::Running);
         let meta = Meta {
             cluster_ts: 1,
-            next_app_seq: 2,
+            next_app_seq: 3,
             reserved: vec!["application_1_0003".into()],
+            next_container_seq: 2,
         };
         store
             .write(&Batch {
@@ -311,6 +652,7 @@ mod tests {
                 apps: vec![("application_1_0001", Some(&app)), ("application_1_0002", Some(&gone))],
                 containers: vec![&c1],
                 nodes: vec![("n2", NodeState::Lost)],
+                whole: false,
             })
             .unwrap();
         // Later changes: one app finishes, one is deleted.
@@ -323,7 +665,7 @@ mod tests {
             .unwrap();
         drop(store);
 
-        let store = Store::open(dir.path()).unwrap();
+        let mut store = Store::open(dir.path()).unwrap();
         let r = store.recover().unwrap().unwrap();
         assert_eq!(r.meta, meta);
         assert_eq!(r.apps.len(), 1);
@@ -385,6 +727,7 @@ mod tests {
         };
         assert!(err.contains("application application_9_0001"), "{err}");
         assert!(err.contains("move the file away"), "{err}");
+        assert!(err.contains(STATE_FILE), "names the file: {err}");
     }
 
     #[test]
@@ -397,5 +740,159 @@ mod tests {
         drop(conn);
         let err = Store::open(dir.path()).err().unwrap().to_string();
         assert!(err.contains("schema version"), "{err}");
+    }
+
+    /// A store holding one app, one container and a meta row, closed again.
+    fn written(dir: &Path) {
+        let mut store = Store::open(dir).unwrap();
+        let app = App::new("application_1_0001".into(), "job".into());
+        let c = container("container_1_0001_01_000001", ContainerState::Running);
+        store
+            .write(&Batch {
+                meta: Some(Meta {
+                    cluster_ts: 1,
+                    next_app_seq: 1,
+                    reserved: Vec::new(),
+                    next_container_seq: 2,
+                }),
+                apps: vec![("application_1_0001", Some(&app))],
+                containers: vec![&c],
+                ..Batch::default()
+            })
+            .unwrap();
+    }
+
+    fn sql(dir: &Path, statement: &str) {
+        let conn = Connection::open(dir.join(STATE_FILE)).unwrap();
+        conn.execute_batch(statement).unwrap();
+    }
+
+    fn open_err(dir: &Path) -> String {
+        match Store::open(dir).and_then(|mut s| s.recover().map(|_| ())) {
+            Err(e) => e.to_string(),
+            Ok(()) => panic!("damaged state must be refused"),
+        }
+    }
+
+    #[test]
+    fn a_missing_table_is_refused_and_recovery_says_what_it_drops() {
+        let dir = tempfile::tempdir().unwrap();
+        written(dir.path());
+        sql(dir.path(), "DROP TABLE containers;");
+        let err = open_err(dir.path());
+        assert!(
+            err.contains(STATE_FILE) && err.contains("table `containers`: missing"),
+            "{err}"
+        );
+        assert!(err.contains("--recover-state"), "{err}");
+        let mut store = Store::open_recovering(dir.path()).unwrap();
+        let r = store.recover().unwrap().unwrap();
+        assert_eq!(r.apps.len(), 1, "the rest is kept");
+        assert!(r.containers.is_empty());
+        assert!(
+            store
+                .notes()
+                .iter()
+                .any(|n| n.contains("`containers` was missing") && n.contains("grant")),
+            "{:?}",
+            store.notes()
+        );
+        drop(store);
+        // Repaired: a plain open takes it now.
+        assert!(Store::open(dir.path()).unwrap().recover().unwrap().is_some());
+    }
+
+    #[test]
+    fn a_missing_meta_row_is_refused_and_recovery_rebuilds_the_counters() {
+        let dir = tempfile::tempdir().unwrap();
+        written(dir.path());
+        sql(dir.path(), "DELETE FROM meta WHERE key = 'state';");
+        let err = open_err(dir.path());
+        assert!(err.contains("no `state` row"), "{err}");
+        let mut store = Store::open_recovering(dir.path()).unwrap();
+        let r = store.recover().unwrap().unwrap();
+        assert_eq!(
+            (r.meta.cluster_ts, r.meta.next_app_seq, r.meta.next_container_seq),
+            (1, 1, 2)
+        );
+        assert_eq!((r.apps.len(), r.containers.len()), (1, 1));
+        assert!(
+            store.notes().iter().any(|n| n.contains("rebuilt")),
+            "{:?}",
+            store.notes()
+        );
+    }
+
+    #[test]
+    fn ids_that_could_not_have_been_issued_are_refused_or_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        written(dir.path());
+        // An application beyond the counter (a sequence that wrapped, say).
+        sql(
+            dir.path(),
+            "UPDATE meta SET value = replace(value, '\"nextAppSeq\":1', '\"nextAppSeq\":0') WHERE key = 'state';",
+        );
+        let err = open_err(dir.path());
+        assert!(err.contains("beyond the stored counter"), "{err}");
+        written(dir.path());
+        // A row whose key is not an id an RM issues.
+        sql(
+            dir.path(),
+            "INSERT INTO containers SELECT '../..', app_id, host, state, replace(doc, 'container_1_0001_01_000001', '../..') FROM containers;",
+        );
+        let err = open_err(dir.path());
+        assert!(
+            err.contains("container \"../..\"") && err.contains("not an id"),
+            "{err}"
+        );
+        let mut store = Store::open_recovering(dir.path()).unwrap();
+        let r = store.recover().unwrap().unwrap();
+        assert_eq!(r.containers.len(), 1, "only the forged row is dropped");
+        assert!(
+            store.notes().iter().any(|n| n.contains("dropped container")),
+            "{:?}",
+            store.notes()
+        );
+    }
+
+    #[test]
+    fn a_second_rm_on_the_same_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut first = Store::open(dir.path()).unwrap();
+        first
+            .write(&Batch {
+                meta: Some(Meta::default()),
+                ..Batch::default()
+            })
+            .unwrap();
+        let err = Store::open(dir.path()).err().expect("locked").to_string();
+        assert!(err.contains("another `gpuam rm`"), "{err}");
+        drop(first);
+        Store::open(dir.path()).unwrap();
+    }
+
+    #[test]
+    fn the_whole_state_replaces_every_row() {
+        let dir = tempfile::tempdir().unwrap();
+        written(dir.path());
+        let mut store = Store::open(dir.path()).unwrap();
+        let app = App::new("application_1_0002".into(), "other".into());
+        store
+            .write(&Batch {
+                meta: Some(Meta {
+                    cluster_ts: 1,
+                    next_app_seq: 2,
+                    reserved: Vec::new(),
+                    next_container_seq: 2,
+                }),
+                apps: vec![("application_1_0002", Some(&app))],
+                whole: true,
+                ..Batch::default()
+            })
+            .unwrap();
+        let r = store.recover().unwrap().unwrap();
+        let ids: Vec<&str> = r.apps.iter().map(|a| a.report.id.as_str()).collect();
+        assert_eq!(ids, ["application_1_0002"]);
+        assert!(r.containers.is_empty());
     }
 }

@@ -1263,6 +1263,24 @@ mod no_panic {
     use super::*;
     use proptest::prelude::*;
 
+    /// Parsing `text` ends in a spec or in errors that each have a position-bearing message,
+    /// and never in the catch-all the YAML layer reports when its parser panicked (a
+    /// panic would otherwise pass as an ordinary error).
+    fn no_catch_all(text: &str) -> Result<(), TestCaseError> {
+        if let Err(e) = parse(text) {
+            for x in &e.0 {
+                prop_assert!(!x.message.is_empty());
+                prop_assert!(
+                    !x.message.contains(crate::spec::yaml::PARSER_FAILED),
+                    "the parser panicked on {:?}: {}",
+                    text,
+                    x
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn example_texts() -> Vec<String> {
         examples().into_iter().map(|(_, t)| t).collect()
     }
@@ -1272,12 +1290,17 @@ mod no_panic {
 
         #[test]
         fn random_text(text in "\\PC{0,300}") {
-            let _ = parse(&text);
+            no_catch_all(&text)?;
         }
 
         #[test]
         fn yaml_like_text(text in "[-a-zA-Z0-9:{}\\[\\],&*!|>'\"#%@` \n]{0,300}") {
-            let _ = parse(&text);
+            no_catch_all(&text)?;
+        }
+
+        #[test]
+        fn text_with_control_characters(text in "[-a-z0-9:{}\\[\\] \n\"\\\\\u{0}\u{1b}\u{7f}\u{85}\t\r]{0,200}") {
+            no_catch_all(&text)?;
         }
 
         #[test]
@@ -1291,12 +1314,16 @@ mod no_panic {
                 while !text.is_char_boundary(end) { end -= 1; }
                 text.replace_range(at..end, &insert);
             }
-            if let Err(e) = parse(&text) {
-                for x in &e.0 {
-                    prop_assert!(!x.message.is_empty());
-                }
-            }
+            no_catch_all(&text)?;
         }
+    }
+
+    /// The check above can fail: the catch-all is what a parser panic turns into.
+    #[test]
+    fn the_catch_all_is_what_a_panic_becomes() {
+        let caught = std::panic::catch_unwind(|| panic!("a parser bug")).is_err();
+        assert!(caught);
+        assert!(crate::spec::yaml::PARSER_FAILED.contains("parser failed"));
     }
 }
 
@@ -1452,4 +1479,35 @@ fn v2_job_retry_count_and_version_in_deployments() {
         (s.warnings[0].line, s.warnings[0].field.as_str()),
         (7, "deployments[0].version")
     );
+}
+
+// ---- control characters ----
+
+#[test]
+fn control_characters_are_refused_with_field_line_and_column() {
+    // A NUL written as an escape in a double-quoted command (the issue's "transient" loop).
+    let e = one(
+        &role(&format!("{RES}    commands: [\"echo \\0 hi\"]\n")),
+        "taskRoles.worker.commands[0]",
+        5,
+        "control character U+0000",
+    );
+    assert!(e.fix.contains("printable"), "{e}");
+    // Literal ESC and NUL: reported at the character itself.
+    let text = role(&format!("{RES}    commands:\n      - \"echo \x1b[31mred\"\n"));
+    let e = one(&text, "taskRoles.worker.commands[0]", 6, "U+001B");
+    assert_eq!(e.col, 15, "{e}");
+    let text = format!("name: jo\0b\ntaskRoles:\n  worker:\n{RES}{CMD}");
+    let e = errors(&text);
+    assert!(
+        e.iter()
+            .any(|x| x.field == "name" && x.line == 1 && x.col == 9 && x.message.contains("U+0000")),
+        "{}",
+        SpecErrors(e.clone())
+    );
+    // Tabs and newlines stay allowed.
+    parse(&role(&format!(
+        "{RES}    commands:\n      - |\n        echo\ta\n        echo b\n"
+    )))
+    .unwrap();
 }

@@ -9,6 +9,11 @@
 //! source text of every scalar (so `name: 2024` or `gpuMask: 0xff` keep their spelling).
 //! Events are pulled in a loop; the parser's own recursive `load` is never used, so deeply
 //! nested input cannot overflow the stack either.
+//!
+//! Control characters (NUL, escape, the rest of C0 but tab and newline, DEL, C1) are
+//! refused in every scalar, whether written literally or as a `"\0"`-style escape, with the
+//! field and the character's own line and column where it is written literally: nothing
+//! downstream (a command line, a log, a terminal) can take them.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -23,6 +28,10 @@ use super::SpecError;
 pub const MAX_DEPTH: usize = 64;
 /// The most nodes that alias expansions (`*name`) may copy in one document.
 pub const MAX_ALIAS_NODES: usize = 10_000;
+
+/// The catch-all message of a parser panic (a bug in the parser): tests assert it never
+/// appears.
+pub const PARSER_FAILED: &str = "the YAML parser failed on this file";
 
 /// At most this many errors are reported for one file.
 pub const MAX_ERRORS: usize = 100;
@@ -192,6 +201,9 @@ enum Frame {
 }
 
 struct Builder {
+    /// Control characters written literally in the source: (char index, the character,
+    /// its position), in order. The parser reads a copy where each is U+FFFD.
+    controls: Vec<(usize, char, Pos)>,
     stack: Vec<Frame>,
     docs: Vec<Node>,
     anchors: Vec<(usize, Node)>,
@@ -307,6 +319,7 @@ impl Builder {
                 }
             }
             Event::Scalar(text, style, anchor, tag) => {
+                self.check_controls(&text, &span, pos);
                 let node = self.scalar(text, style, tag, pos);
                 self.push_node(node, anchor);
             }
@@ -335,6 +348,26 @@ impl Builder {
                 self.push_node(node, 0);
             }
         }
+    }
+
+    /// Reports a control character in a scalar's value, at its own position when it is
+    /// written literally in the source.
+    fn check_controls(&mut self, value: &str, span: &Span, pos: Pos) {
+        let (from, to) = (span.start.index(), span.end.index().max(span.start.index() + 1));
+        let literal = self.controls.iter().find(|(i, _, _)| (from..to).contains(i));
+        let (c, at) = match (literal, value.chars().find(|c| crate::text::is_unsafe(*c))) {
+            (Some((_, c, p)), _) => (*c, *p),
+            // Written as an escape (`"\0"`, `"\e"`): at the scalar.
+            (None, Some(c)) => (c, pos),
+            (None, None) => return,
+        };
+        let path = self.child_path();
+        self.issue(
+            at,
+            if path.is_empty() { "(document)" } else { &path },
+            format!("control character U+{:04X} in a value", u32::from(c)),
+            "remove it: values may hold printable text, tabs and newlines only",
+        );
     }
 
     fn scalar(&mut self, text: Cow<'_, str>, style: ScalarStyle, tag: Option<Cow<'_, Tag>>, pos: Pos) -> Node {
@@ -439,7 +472,40 @@ fn close(frame: Frame) -> Node {
 /// Reads YAML text into a located tree. Never panics; a parser panic (a bug in the
 /// parser) is reported as a syntax error at the start of the file.
 pub fn parse(text: &str) -> Document {
+    let mut controls = Vec::new();
+    let (mut line, mut col) = (1, 1);
+    for (i, c) in text.chars().enumerate() {
+        // CR ends lines in CRLF files: not a value's character.
+        if crate::text::is_unsafe(c) && c != '\r' {
+            controls.push((i, c, Pos { line, col }));
+        }
+        if c == '\n' {
+            (line, col) = (line + 1, 1);
+        } else {
+            col += 1;
+        }
+    }
+    // The parser refuses some control characters outright, without saying where they belong:
+    // it reads a copy with each replaced (one character for one, so positions stay), and
+    // the scalar that holds one is reported with its field (`check_controls`).
+    let replaced: String;
+    let text = if controls.is_empty() {
+        text
+    } else {
+        replaced = text
+            .chars()
+            .map(|c| {
+                if crate::text::is_unsafe(c) && c != '\r' {
+                    '\u{fffd}'
+                } else {
+                    c
+                }
+            })
+            .collect();
+        &replaced
+    };
     let mut b = Builder {
+        controls,
         stack: Vec::new(),
         docs: Vec::new(),
         anchors: Vec::new(),
@@ -459,11 +525,11 @@ pub fn parse(text: &str) -> Document {
                         line: m.line().max(1),
                         col: m.col() + 1,
                     };
+                    b.fatal = true;
                     // The parser notices many mistakes a line late; blame the line at fault.
                     let x = super::syntax::explain(text, at, e.info());
                     let field = b.open_collection_path();
                     b.issue(x.pos, &field, x.message, &x.fix);
-                    b.fatal = true;
                     break;
                 }
             }
@@ -473,7 +539,7 @@ pub fn parse(text: &str) -> Document {
         b.issues.push(YamlIssue {
             pos: Pos { line: 1, col: 1 },
             field: String::new(),
-            message: "the YAML parser failed on this file".into(),
+            message: PARSER_FAILED.into(),
             fix: "check the file is valid YAML".into(),
         });
         b.fatal = true;

@@ -325,22 +325,9 @@ pub(crate) async fn selections(State(hub): Hub, Query(q): Params) -> Response {
     run().unwrap_or_else(|e| e.into_response())
 }
 
-/// Compares two byte strings in time that depends only on their lengths.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
-    let presented = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    let ok = match presented {
-        Some(t) => !hub.job_token.is_empty() && constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()),
+    let ok = match crate::auth::bearer(&headers) {
+        Some(t) => !hub.job_token.is_empty() && crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()),
         None => false,
     };
     if !ok {

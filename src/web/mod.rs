@@ -130,13 +130,31 @@ pub async fn serve_tls(
     listen: SocketAddr,
     tls: Option<Arc<rustls::ServerConfig>>,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    serve_with(hub, listen, tls, &[], crate::tls::HttpTimeouts::default()).await
+}
+
+/// As [`serve_tls`]; requests must name this dashboard in `Host` (loopback names, its
+/// address, this machine's name or one of `public_names`: `crate::http_guard`), and the
+/// listener has these read timeouts.
+pub async fn serve_with(
+    hub: Arc<StatusHub>,
+    listen: SocketAddr,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    public_names: &[String],
+    timeouts: crate::tls::HttpTimeouts,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("dashboard: cannot listen on {listen}: {e} (pick another --listen address)"))?;
     let addr = listener.local_addr()?;
-    let app = router(hub);
+    let guard = crate::http_guard::Guard {
+        served: crate::http_guard::Served::new(addr, public_names),
+        // The page's kill button posts without a body; it needs the job token anyway.
+        require_json: false,
+    };
+    let app = guard.layer(router(hub));
     let handle = tokio::spawn(async move {
-        if let Err(e) = crate::tls::serve(listener, app, tls, std::future::pending()).await {
+        if let Err(e) = crate::tls::serve_with(listener, app, tls, timeouts, std::future::pending()).await {
             tracing::error!(error = %e, "dashboard server stopped");
         }
     });

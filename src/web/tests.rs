@@ -255,7 +255,8 @@ async fn kill_needs_the_token() {
     let (s, _, _) = call(&app, kill_req(Some(DEMO_TOKEN))).await;
     assert_eq!(s, StatusCode::UNAUTHORIZED, "token without the Bearer scheme");
     assert!(rx.try_recv().is_err(), "no command for refused calls");
-    let (s, _, body) = call(&app, kill_req(Some(&format!("Bearer {DEMO_TOKEN}")))).await;
+    // The scheme in any case (as the RM takes it).
+    let (s, _, body) = call(&app, kill_req(Some(&format!("bearer {DEMO_TOKEN}")))).await;
     assert_eq!(s, StatusCode::ACCEPTED);
     assert_eq!(
         serde_json::from_str::<serde_json::Value>(&body).unwrap()["accepted"],
@@ -449,4 +450,36 @@ async fn sse_lagging_client_gets_resync() {
         .unwrap();
     let text = format!("{first:?}");
     assert!(text.contains("resync"), "{text}");
+}
+
+/// The dashboard as served (`serve_with`): a request naming another host (DNS rebinding)
+/// gets 421, one from a page of another site 403; its own address is served.
+#[tokio::test]
+async fn the_served_dashboard_refuses_other_hosts_and_origins() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let hub = demo_hub(4, 2);
+    let (addr, server) = crate::web::serve_with(
+        hub,
+        "127.0.0.1:0".parse().unwrap(),
+        None,
+        &[],
+        crate::tls::HttpTimeouts::default(),
+    )
+    .await
+    .unwrap();
+    let status = |host: String, origin: Option<&'static str>| async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let origin = origin.map(|o| format!("Origin: {o}\r\n")).unwrap_or_default();
+        let req = format!("GET /api/v1/job HTTP/1.1\r\nHost: {host}\r\n{origin}Connection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.unwrap();
+        let text = String::from_utf8_lossy(&out).to_string();
+        text.split_whitespace().nth(1).unwrap_or("").to_string()
+    };
+    assert_eq!(status(format!("evil.example:{}", addr.port()), None).await, "421");
+    assert_eq!(status(addr.to_string(), Some("http://evil.example")).await, "403");
+    assert_eq!(status(addr.to_string(), None).await, "200");
+    assert_eq!(status(format!("localhost:{}", addr.port()), None).await, "200");
+    server.abort();
 }

@@ -11,11 +11,12 @@ pub(super) async fn am_register(
     ApiJson(req): ApiJson<RegisterRequest>,
 ) -> Result<Json<RegisterResponse>, ApiError> {
     let mut st = rm.lock();
+    authorize_app(&st.apps, &id, &headers)?;
+    st.writable()?;
     let epoch = st.ledger.epoch();
     let max = st.ledger.max_capability();
     let expiry = st.ledger.expiry().as_secs();
     let app = app_mut(&mut st.apps, &id)?;
-    authorize(app, &headers)?;
     if app.report.state.is_final() {
         return Err(ApiError::conflict(format!(
             "application `{id}` is already {:?}",
@@ -44,6 +45,7 @@ pub(super) async fn am_register(
             diagnostics: c.diagnostics.clone(),
         })
         .collect();
+    st.commit()?;
     Ok(Json(RegisterResponse {
         maximum_capability: max,
         containers_from_previous_attempts: previous,
@@ -58,11 +60,20 @@ pub(super) async fn am_allocate(
     headers: HeaderMap,
     ApiJson(req): ApiJson<AllocateRequest>,
 ) -> Result<Json<AllocateResponse>, ApiError> {
-    let (answer, ended) = {
-        let mut st = rm.lock();
-        let st = &mut *st;
+    if req.asks.len() > rm.limits.max_asks_per_allocate {
+        return Err(ApiError::limit(
+            "rm.max_asks_per_allocate",
+            rm.limits.max_asks_per_allocate,
+            &format!("{} asks in one allocate request", req.asks.len()),
+        ));
+    }
+    let (answer, ended, committed) = {
+        let mut guard = rm.lock();
+        authorize_app(&guard.apps, &id, &headers)?;
+        // Nothing is granted while the store fails; a replayed answer was stored already.
+        guard.writable()?;
+        let st = &mut *guard;
         let app = app_mut(&mut st.apps, &id)?;
-        authorize(app, &headers)?;
         if let Some((last_req, last)) = &app.last_allocate {
             if req.response_id == *last_req {
                 return Ok(Json(last.clone()));
@@ -76,7 +87,7 @@ pub(super) async fn am_allocate(
         }
         let num_cluster_nodes = st.ledger.nodes().count() as u32;
         let mut out = AllocateResponse {
-            response_id: req.response_id + 1,
+            response_id: req.response_id.wrapping_add(1),
             num_cluster_nodes,
             ..Default::default()
         };
@@ -84,6 +95,7 @@ pub(super) async fn am_allocate(
             out.command = Some(AmCommand::Shutdown);
             out.completed = std::mem::take(&mut app.pending_completed);
             app.last_allocate = Some((req.response_id, out.clone()));
+            guard.commit()?;
             return Ok(Json(out));
         }
         if !app.registered {
@@ -129,9 +141,12 @@ pub(super) async fn am_allocate(
             .collect();
         app.nodes_seen = st.ledger.epoch();
         app.last_allocate = Some((req.response_id, out.clone()));
-        (out, ended)
+        (out, ended, guard.commit())
     };
+    // Released containers are stopped either way; grants are acknowledged only when stored
+    // (a retry of this responseId gets the same answer once the store takes it).
     spawn_stops(&rm, ended);
+    committed?;
     Ok(Json(answer))
 }
 
@@ -141,10 +156,11 @@ pub(super) async fn am_finish(
     headers: HeaderMap,
     ApiJson(req): ApiJson<FinishRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
-    let ended = {
+    let (ended, committed) = {
         let mut st = rm.lock();
+        authorize_app(&st.apps, &id, &headers)?;
+        st.writable()?;
         let app = app_mut(&mut st.apps, &id)?;
-        authorize(app, &headers)?;
         if !app.unregistered {
             let state = match req.final_status {
                 FinalStatus::Succeeded => AppState::Finished,
@@ -160,13 +176,15 @@ pub(super) async fn am_finish(
             app.unregistered = true;
             tracing::info!(app = %id, ?state, "application finished");
         }
-        release_all(
+        let ended = release_all(
             &mut st,
             &id,
             exit_status::KILLED_AFTER_APP_COMPLETION,
             "Container killed after the application finished",
-        )
+        );
+        (ended, st.commit())
     };
     spawn_stops(&rm, ended);
+    committed?;
     Ok(Json(FinishResponse { is_unregistered: true }))
 }

@@ -10,6 +10,16 @@ pub const AM_KILL_GRACE: Duration = Duration::from_secs(5);
 /// Lines of am.stderr quoted when an AM dies without finishing.
 pub(super) const STDERR_TAIL_LINES: usize = 20;
 
+/// Why an AM could not be launched.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum LaunchError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// Its attempt could not be stored (nothing was started).
+    #[error("{0}")]
+    Store(StoreError),
+}
+
 pub(super) struct AmProc {
     /// Sending (or dropping) kills the AM process.
     pub(super) kill: Option<oneshot::Sender<()>>,
@@ -66,7 +76,7 @@ pub(super) fn reattach(rm: &Arc<Shared>) {
 /// them; the RM's settings file goes along as `GPUAM_CONFIG` so the AM runs with the
 /// same settings. The attempt is recorded with the process's identity, so a restarted
 /// RM can find it again.
-pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> std::io::Result<()> {
+pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
     let (token, job_token, launch) = {
         let mut st = rm.lock();
         let app = st
@@ -78,7 +88,12 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> std::io::Result<()> {
             .clone()
             .ok_or_else(|| std::io::Error::other(format!("application `{id}` has no AM to launch")))?;
         app.attempt_started(None);
-        (app.token().to_string(), app.job_token().map(str::to_string), launch)
+        let started = (app.token().to_string(), app.job_token().map(str::to_string), launch);
+        // The attempt is stored before its process exists, so a restarted RM never starts a
+        // second AM beside one it does not know of.
+        let ts = st.cluster_ts;
+        st.persist(ts).map_err(LaunchError::Store)?;
+        started
     };
     let dir = rm.work_dir.join(id);
     // Appended: a later attempt's output follows the earlier one's, which tells why it died.
@@ -163,6 +178,7 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> std::io::Result<()> {
                 a.process = Some(p);
             }
         }
+        st.commit_or_log();
     }
     tracing::info!(app = %id, "AM launched");
     Ok(())
@@ -214,6 +230,7 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
         app.attempt_ended(&how);
         if app.unregistered || app.report.state.is_final() {
             tracing::info!(app = %id, "AM exited ({how})");
+            st.commit_or_log();
             return;
         }
         let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
@@ -223,6 +240,7 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
             app.report.state = AppState::Accepted;
             app.last_allocate = None;
             let attempt = app.report.attempt;
+            st.commit_or_log();
             drop(st);
             tracing::warn!(app = %id, attempt, "AM exited without finishing ({how}); starting attempt {attempt}");
             match launch_am(rm, id) {
@@ -243,12 +261,14 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
         }
         tracing::warn!(app = %id, "AM exited without finishing ({how})");
         app.finish(AppState::Failed, FinalStatus::Failed, crate::exit::JOB_FAILED, diag);
-        release_all(
+        let ended = release_all(
             &mut st,
             id,
             exit_status::KILLED_BY_RESOURCEMANAGER,
             "the application's AM died",
-        )
+        );
+        st.commit_or_log();
+        ended
     };
     spawn_stops(rm, ended);
 }
@@ -263,7 +283,8 @@ pub(super) fn stderr_tail(path: &Path, n: usize) -> String {
         f.read_to_end(&mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
     };
-    let text = read().unwrap_or_default();
+    // The AM's stderr may be coloured: no terminal escapes go into diagnostics.
+    let text = crate::text::clean(&read().unwrap_or_default());
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }

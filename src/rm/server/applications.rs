@@ -2,33 +2,54 @@
 
 use super::*;
 
-pub(super) async fn new_application(State(rm): Rm) -> Json<NewApplication> {
+pub(super) async fn new_application(State(rm): Rm, caller: Caller) -> Result<Json<NewApplication>, ApiError> {
     let mut st = rm.lock();
-    let id = st.next_app_id(rm.cluster_ts);
+    st.writable()?;
+    let id = st.next_app_id(rm.cluster_ts)?;
     st.reserve(id.clone());
-    Json(NewApplication {
+    st.commit()?;
+    tracing::debug!(app = %id, user = caller.name(), "application id handed out");
+    Ok(Json(NewApplication {
         application_id: id,
         maximum_resource_capability: st.ledger.max_capability(),
-    })
+    }))
 }
 
-pub(super) async fn list_apps(State(rm): Rm) -> Json<Value> {
+/// The caller's applications (the admin's: every application).
+pub(super) async fn list_apps(State(rm): Rm, caller: Caller) -> Json<Value> {
     let st = rm.lock();
-    let apps: Vec<_> = st.apps.values().map(|a| a.report.clone()).collect();
+    let apps: Vec<_> = st
+        .apps
+        .values()
+        .filter(|a| caller.owns(a))
+        .map(|a| a.report.clone())
+        .collect();
     Json(json!({ "apps": { "app": apps } }))
 }
 
-pub(super) async fn get_app(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
-    with_app(&rm, &id, |a| Json(json!({ "app": a.report })))
+pub(super) async fn get_app(
+    State(rm): Rm,
+    caller: Caller,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<Value>, ApiError> {
+    with_app(&rm, &id, &caller, |a| Json(json!({ "app": a.report })))
 }
 
-pub(super) async fn get_app_state(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
-    with_app(&rm, &id, |a| Json(json!({ "state": a.report.state })))
+pub(super) async fn get_app_state(
+    State(rm): Rm,
+    caller: Caller,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<Value>, ApiError> {
+    with_app(&rm, &id, &caller, |a| Json(json!({ "state": a.report.state })))
 }
 
 /// YARN's `appattempts`: every AM attempt with its start, end and how it ended.
-pub(super) async fn get_app_attempts(State(rm): Rm, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
-    with_app(&rm, &id, |a| {
+pub(super) async fn get_app_attempts(
+    State(rm): Rm,
+    caller: Caller,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<Value>, ApiError> {
+    with_app(&rm, &id, &caller, |a| {
         let attempts: Vec<Value> = a
             .attempts
             .iter()
@@ -46,11 +67,61 @@ pub(super) async fn get_app_attempts(State(rm): Rm, UrlPath(id): UrlPath<String>
     })
 }
 
-pub(super) async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplication>) -> Result<Response, ApiError> {
+/// A job's `dashboardListen`: an address, on loopback unless the operator allows others.
+fn check_dashboard_listen(rm: &Shared, listen: Option<&str>) -> Result<(), ApiError> {
+    let Some(text) = listen else {
+        return Ok(());
+    };
+    let addr: SocketAddr = text.trim().parse().map_err(|_| {
+        ApiError::bad_request(format!(
+            "`dashboardListen`: `{}` is not an address (IP:PORT, e.g. 127.0.0.1:0)",
+            crate::spec::yaml::clip(text)
+        ))
+    })?;
+    if !addr.ip().is_loopback() && !rm.limits.allow_public_dashboards {
+        return Err(ApiError::forbidden(format!(
+            "`dashboardListen` {addr} is not a loopback address: a job's dashboard listens on loopback unless the \
+             RM's operator sets `rm.allow_public_dashboards: true`"
+        )));
+    }
+    Ok(())
+}
+
+/// `Err` (429) when `user` may not start another application now.
+fn check_app_limits(rm: &Shared, apps: &Apps, user: &str) -> Result<(), ApiError> {
+    let live: Vec<&App> = apps.values().filter(|a| !a.report.state.is_final()).collect();
+    let limits = &rm.limits;
+    if live.len() >= limits.max_apps {
+        return Err(ApiError::limit(
+            "rm.max_apps",
+            limits.max_apps,
+            &format!("{} applications are running or waiting", live.len()),
+        ));
+    }
+    let mine = live.iter().filter(|a| a.report.user == user).count();
+    if mine >= limits.max_apps_per_user {
+        return Err(ApiError::limit(
+            "rm.max_apps_per_user",
+            limits.max_apps_per_user,
+            &format!("user `{user}` has {mine} applications running or waiting"),
+        ));
+    }
+    Ok(())
+}
+
+pub(super) async fn submit_app(
+    State(rm): Rm,
+    caller: Caller,
+    ApiJson(req): ApiJson<SubmitApplication>,
+) -> Result<Response, ApiError> {
     let id = req.application_id.clone();
+    check_app_id(&id)?;
+    check_dashboard_listen(&rm, req.dashboard_listen.as_deref())?;
     // Validate before claiming anything, so a rejected submit leaves nothing behind.
     {
-        let st = rm.lock();
+        let mut st = rm.lock();
+        st.writable()?;
+        check_app_limits(&rm, &st.apps, caller.name())?;
         if st.apps.contains_key(&id) {
             return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
         }
@@ -65,12 +136,18 @@ pub(super) async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplic
         .map_err(|errs| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC", errs.to_string()))?;
 
     // Claim the id (a concurrent submit of the same id loses here).
-    if !rm.lock().unreserve(&id) {
-        return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
+    {
+        let mut st = rm.lock();
+        if !st.unreserve(&id) {
+            return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
+        }
+        st.commit()?;
     }
     let unclaim = |rm: &Shared, dir: &Path| {
         let _ = std::fs::remove_dir_all(dir);
-        rm.lock().reserve(id.clone());
+        let mut st = rm.lock();
+        st.reserve(id.clone());
+        st.commit_or_log();
     };
     let dir = rm.work_dir.join(&id);
     let job_path = dir.join("job.yaml");
@@ -95,6 +172,7 @@ pub(super) async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplic
         ));
     }
     let mut app = App::new(id.clone(), spec.name.clone());
+    app.report.user = caller.name().to_string();
     if let Some(q) = &spec.queue {
         app.report.queue = q.clone();
     }
@@ -106,20 +184,41 @@ pub(super) async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplic
         });
     }
     let report = app.report.clone();
-    rm.lock().apps.insert(app);
+    {
+        let mut st = rm.lock();
+        // Checked again where it counts: concurrent submits cannot pass it together.
+        let limited = check_app_limits(&rm, &st.apps, caller.name());
+        let stored = limited.and_then(|()| {
+            st.apps.insert(app);
+            st.commit()
+        });
+        if let Err(e) = stored {
+            st.apps.remove(&id);
+            drop(st);
+            unclaim(&rm, &dir);
+            return Err(e);
+        }
+    }
 
     if rm.launch_am {
         if let Err(e) = launch_am(&rm, &id) {
-            rm.lock().apps.remove(&id);
+            {
+                let mut st = rm.lock();
+                st.apps.remove(&id);
+                st.commit_or_log();
+            }
             unclaim(&rm, &dir);
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "AM_LAUNCH_FAILED",
-                format!("could not launch the AM: {e}"),
-            ));
+            return Err(match e {
+                LaunchError::Store(e) => ApiError::store_unavailable(&e),
+                LaunchError::Io(e) => ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "AM_LAUNCH_FAILED",
+                    format!("could not launch the AM: {e}"),
+                ),
+            });
         }
     }
-    tracing::info!(app = %id, name = %spec.name, "application accepted");
+    tracing::info!(app = %id, name = %spec.name, user = caller.name(), "application accepted");
     let location = format!("/ws/v1/cluster/apps/{id}");
     Ok((
         StatusCode::ACCEPTED,
@@ -129,26 +228,32 @@ pub(super) async fn submit_app(State(rm): Rm, ApiJson(req): ApiJson<SubmitApplic
         .into_response())
 }
 
-/// Kill: needs the admin token or the job token given when the job was submitted
-/// (never the AM's application token: that one only speaks the AM protocol).
+/// Kill: its owner, the admin, or the job token given when the job was submitted (the
+/// dashboard's kill button); never the AM's application token (that one only speaks the AM
+/// protocol).
 pub(super) async fn put_app_state(
     State(rm): Rm,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<AppStateUpdate>,
 ) -> Result<Json<Value>, ApiError> {
-    let ended = {
+    let caller = authenticate(&rm, &headers);
+    let (ended, committed) = {
         let mut st = rm.lock();
-        let app = app_mut(&mut st.apps, &id)?;
+        let app = app_ref(&st.apps, &id)?;
         let job_token_ok = bearer(&headers).is_some_and(|t| app.job_token_matches(t));
         if !job_token_ok {
-            authorize_admin(&rm, &headers).map_err(|_| {
-                ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "UNAUTHORIZED",
-                    "killing an application needs `Authorization: Bearer <admin token or the job's job token>`",
-                )
-            })?;
+            match &caller {
+                Ok(c) => c.must_own(app)?,
+                Err(e) => {
+                    let why = "killing an application needs its owner's token, the admin token or its job token";
+                    return Err(ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "UNAUTHORIZED",
+                        format!("{why}. {}", e.message),
+                    ));
+                }
+            }
         }
         if req.state != AppState::Killed {
             return Err(ApiError::bad_request("Only 'KILLED' is allowed as the target state"));
@@ -156,20 +261,30 @@ pub(super) async fn put_app_state(
         if app.report.state.is_final() {
             return Ok(Json(json!({ "state": app.report.state })));
         }
+        st.writable()?;
+        let who = caller.as_ref().map_or("its job token", |c| c.name()).to_string();
+        let app = app_mut(&mut st.apps, &id)?;
         app.finish(
             AppState::Killed,
             FinalStatus::Killed,
             crate::exit::JOB_FAILED,
-            "Application killed by user".into(),
+            format!("Application killed by user ({who})"),
         );
         app.shutdown = true;
-        release_all(
+        let ended = release_all(
             &mut st,
             &id,
             exit_status::KILLED_BY_RESOURCEMANAGER,
             "the application was killed",
-        )
+        );
+        (ended, st.commit())
     };
+    // What memory now says is ended is stopped either way (its processes must not outlive
+    // it); the answer waits for the store.
+    if committed.is_err() {
+        spawn_stops(&rm, ended);
+        return committed.map(|()| Json(Value::Null));
+    }
     tracing::info!(app = %id, "application killed");
     spawn_stops(&rm, ended);
     // The AM sees SHUTDOWN on its next heartbeat; kill it if it does not exit.

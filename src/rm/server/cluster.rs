@@ -13,6 +13,7 @@ pub(super) async fn change_node_state(shared: &Shared, host: &str, state: NodeSt
         for e in &ended {
             queue_completed(&mut st.apps, e);
         }
+        st.commit_or_log();
         ended
     };
     tracing::warn!(%host, ?state, containers = ended.len(), "node state changed by an administrator");
@@ -21,9 +22,10 @@ pub(super) async fn change_node_state(shared: &Shared, host: &str, state: NodeSt
 }
 
 pub(super) async fn cluster_info(State(rm): Rm) -> Json<Value> {
-    let (store, store_errors) = {
+    let (store, store_errors, failing, recoveries) = {
         let st = rm.lock();
-        (st.store.kind(), st.store_errors)
+        let h = &st.store_health;
+        (st.store.kind(), h.write_errors, h.failing.clone(), h.recoveries)
     };
     Json(json!({ "clusterInfo": {
         "id": rm.cluster_ts,
@@ -31,8 +33,12 @@ pub(super) async fn cluster_info(State(rm): Rm) -> Json<Value> {
         "state": "STARTED",
         "haState": "ACTIVE",
         "rmStateStoreName": store,
-        // Writes to the state store that failed (a restart now would lose their changes).
+        // Writes to the state store that failed; while `rmStateStoreFailing` is set the RM
+        // grants nothing and refuses state changes (503) until a write succeeds again.
         "rmStateStoreWriteErrors": store_errors,
+        "rmStateStoreFailing": failing,
+        // Failures ended by writing the whole state again.
+        "rmStateStoreRecoveries": recoveries,
         "resourceManagerVersion": concat!("gpuam-", env!("CARGO_PKG_VERSION")),
         "hadoopVersion": "3.4.1 (gpuam compatible)",
     }}))
@@ -60,6 +66,8 @@ pub(super) async fn cluster_metrics(State(rm): Rm) -> Json<Value> {
     }
     let nodes = |s: NodeState| by_state.get(&s).copied().unwrap_or(0);
     Json(json!({ "clusterMetrics": {
+        "rmStateStoreWriteErrors": st.store_health.write_errors,
+        "rmStateStoreFailing": st.store_health.failing.is_some(),
         "appsSubmitted": st.apps.len(),
         "appsCompleted": count(&|a| a.report.state.is_final()),
         "appsPending": count(&|a| matches!(a.report.state, AppState::New | AppState::Submitted | AppState::Accepted)),
@@ -158,7 +166,8 @@ pub(super) async fn put_node_state(
         )));
     }
     let host = {
-        let st = rm.lock();
+        let mut st = rm.lock();
+        st.writable()?;
         let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
         if st.ledger.node(host).is_some() {
             host.to_string()
@@ -171,7 +180,9 @@ pub(super) async fn put_node_state(
     let ended = change_node_state(&rm, &host, req.state)
         .await
         .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
-    let st = rm.lock();
+    let mut st = rm.lock();
+    // The change was committed (or not) by `change_node_state`: acknowledge it only if so.
+    st.commit()?;
     let node = st
         .ledger
         .node(&host)

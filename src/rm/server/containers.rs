@@ -39,6 +39,17 @@ pub(super) fn container_access(
     id: &str,
     headers: &HeaderMap,
 ) -> Result<ContainerInfo, ApiError> {
+    container_info(st, host, id, |app| authorize(app, headers))
+}
+
+/// The container `id` on `host`, if `allowed` accepts its application.
+fn container_info(
+    st: &RmState,
+    host: &str,
+    id: &str,
+    allowed: impl FnOnce(&App) -> Result<(), ApiError>,
+) -> Result<ContainerInfo, ApiError> {
+    check_container_id(id)?;
     let c = st
         .ledger
         .container(id)
@@ -48,7 +59,7 @@ pub(super) fn container_access(
         .apps
         .get(&c.app_id)
         .ok_or_else(|| ApiError::not_found(format!("container `{id}` belongs to no known application")))?;
-    authorize(app, headers)?;
+    allowed(app)?;
     Ok(ContainerInfo {
         state: c.state,
         app_final: app.report.state.is_final(),
@@ -79,6 +90,7 @@ pub(super) async fn container_start(
     let (granted, app_id, topology) = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
+        st.writable()?;
         if info.app_final {
             return Err(ApiError::conflict("the container's application has ended"));
         }
@@ -92,6 +104,17 @@ pub(super) async fn container_start(
         st.ledger
             .mark_running(&id)
             .map_err(|e| ApiError::conflict(e.to_string()))?;
+        // RUNNING is stored before the process exists: a restarted RM must look for it.
+        if let Err(e) = st.commit() {
+            if let Some(ended) = st.ledger.complete(
+                &id,
+                exit_status::INVALID,
+                "not launched: the RM could not save its state",
+            ) {
+                queue_completed(&mut st.apps, &ended);
+            }
+            return Err(e);
+        }
         let app_id = st.ledger.container(&id).map(|c| c.app_id.clone()).unwrap_or_default();
         let topology = st.ledger.node(&host).and_then(|n| n.topology.clone());
         (info.resources, app_id, topology)
@@ -113,6 +136,7 @@ pub(super) async fn container_start(
             {
                 queue_completed(&mut st.apps, &ended);
             }
+            st.commit_or_log();
             Err(e.into())
         }
     }
@@ -123,9 +147,10 @@ pub(super) async fn container_stop(
     UrlPath((host, id)): UrlPath<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let (ended, status) = {
+    let (ended, status, committed) = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
+        st.writable()?;
         let ended = st.ledger.stop(
             &id,
             exit_status::KILLED_BY_APPMASTER,
@@ -141,11 +166,12 @@ pub(super) async fn container_stop(
             diagnostics: c.diagnostics.clone(),
             pid: None,
         });
-        (ended, status)
+        (ended, status, st.commit())
     };
     if let Some(e) = ended {
         stop_running(&rm, &[e]).await;
     }
+    committed?;
     Ok(Json(status))
 }
 
@@ -175,7 +201,15 @@ pub(super) async fn container_logs(
     Query(q): Query<LogsQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    container_access(&rm.lock(), &host, &id, &headers)?;
+    // The AM (its application token), the application's owner, or the admin.
+    let caller = authenticate(&rm, &headers);
+    container_info(&rm.lock(), &host, &id, |app| match authorize(app, &headers) {
+        Ok(()) => Ok(()),
+        Err(not_the_am) => match &caller {
+            Ok(c) => c.must_own(app),
+            Err(_) => Err(not_the_am),
+        },
+    })?;
     let stream = match q.stream.as_deref().unwrap_or("stdout") {
         "stdout" => LogStream::Stdout,
         "stderr" => LogStream::Stderr,

@@ -4,10 +4,17 @@
 //! container endpoints. Also launches and watches one AM process per application.
 //!
 //! All state lives in one `parking_lot::Mutex<RmState>`; handlers take it (through
-//! [`Shared::lock`]), decide, drop it, and only then await (executor stops, process
-//! kills). Dropping the guard writes what changed to the state store (SQLite) before
-//! the lock is released, so the store sees changes in the order they happened and a
-//! restarted RM recovers exactly what had been answered.
+//! [`Shared::lock`]), decide, commit what changed to the state store (SQLite) before they
+//! answer, drop it, and only then await (executor stops, process kills): the store sees
+//! changes in the order they happened, nothing is acknowledged before it is stored, and a
+//! restarted RM recovers exactly what had been answered (see `state`).
+//!
+//! Credentials (DESIGN.md §10): every call about applications needs a user's token (the
+//! users file, `rm.users_file`) or the admin token ([`http::Caller`]); an application
+//! records its user, and only that user and the admin see it, kill it or read its logs.
+//! Browser-borne requests are refused by `crate::http_guard` (Host, Origin, JSON bodies);
+//! every listener has read timeouts (`crate::tls::serve_with`); limits on applications and
+//! asks answer 429 naming their setting.
 //!
 //! RM restart: the store gives back applications, containers and node states; the
 //! executor re-attaches to container processes still running, the RM to AM processes
@@ -21,7 +28,8 @@
 //!   `completed` (the AM already knows); containers that end any other way (exit,
 //!   AM `stop` via the executor endpoint, expiry, node loss, kill) are.
 //!
-//! Where things are: this file starts the RM ([`start`], [`RmHandle`]) and routes;
+//! Where things are: this file starts the RM ([`start`], [`RmHandle`]), routes, and
+//! reloads the users file;
 //! `state` holds the state and its lock (persist on drop) and recovery; `http` the error
 //! answer, the body extractor and the credential checks; `cluster` the cluster and node
 //! endpoints; `applications` submit / report / kill; `am_protocol` register / allocate /
@@ -39,7 +47,8 @@ use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
 use crate::rm::executor::{ExecError, LogStream};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
 use crate::rm::procs::ProcessId;
-use crate::rm::store::{Batch, Meta, Store};
+use crate::rm::store::{Batch, Meta, Store, StoreError};
+use crate::rm::users::Users;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, Path as UrlPath, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -80,6 +89,38 @@ use state::*;
 /// Largest request body accepted (413 beyond).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
+/// The limits every caller is held to (settings `rm.max_apps`, `rm.max_apps_per_user`,
+/// `rm.max_asks_per_allocate`, `rm.allow_public_dashboards`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RmLimits {
+    /// Unfinished applications at once, all users together (429 beyond).
+    pub max_apps: usize,
+    /// Unfinished applications at once of one user, the admin included (429 beyond).
+    pub max_apps_per_user: usize,
+    /// Asks in one allocate request (429 beyond: the AM sends the rest later).
+    pub max_asks_per_allocate: usize,
+    /// A job may ask for a dashboard address that is not loopback.
+    pub allow_public_dashboards: bool,
+}
+
+impl From<&crate::config::RmSettings> for RmLimits {
+    fn from(s: &crate::config::RmSettings) -> Self {
+        RmLimits {
+            max_apps: s.max_apps,
+            max_apps_per_user: s.max_apps_per_user,
+            max_asks_per_allocate: s.max_asks_per_allocate,
+            allow_public_dashboards: s.allow_public_dashboards,
+        }
+    }
+}
+
+impl Default for RmLimits {
+    /// The settings' defaults.
+    fn default() -> Self {
+        (&crate::config::RmSettings::default()).into()
+    }
+}
+
 /// How to run an RM.
 #[derive(Clone, Debug)]
 pub struct RmOptions {
@@ -111,6 +152,22 @@ pub struct RmOptions {
     pub node_token: Option<String>,
     /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
     pub node_expiry: Duration,
+    /// The users file (`rm.users_file`): reloaded when it changes and on SIGHUP. `None`:
+    /// only the admin token and `users` are accepted.
+    pub users_file: Option<PathBuf>,
+    /// Users known without a file (`gpuam run`'s embedded RM makes its own).
+    pub users: Users,
+    pub limits: RmLimits,
+    /// Names besides loopback and the listen address that a request's `Host` may give
+    /// (`rm.public_names`).
+    pub public_names: Vec<String>,
+    /// Read timeouts of the listener (`http.read_timeout_sec`).
+    pub http_timeouts: crate::tls::HttpTimeouts,
+    /// Repair damaged state instead of refusing it (`gpuam rm --recover-state`); what was
+    /// dropped is in [`RmHandle::recovery_notes`].
+    pub recover_state: bool,
+    /// Most bytes of each container log on the in-process node (`node.max_log_bytes`).
+    pub max_log_bytes: Option<u64>,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -134,6 +191,42 @@ impl RmOptions {
             ray: None,
             node_token: None,
             node_expiry: Duration::from_secs(15),
+            users_file: None,
+            users: Users::default(),
+            limits: RmLimits::default(),
+            public_names: Vec::new(),
+            http_timeouts: crate::tls::HttpTimeouts::default(),
+            recover_state: false,
+            max_log_bytes: Some(crate::config::NodeSettings::default().max_log_bytes),
+        }
+    }
+}
+
+/// The users the RM accepts, besides the admin.
+pub(crate) struct UsersTable {
+    pub(crate) file: Option<PathBuf>,
+    /// The file's users plus those given in `RmOptions::users`.
+    pub(crate) table: parking_lot::RwLock<Users>,
+    fixed: Users,
+}
+
+impl UsersTable {
+    /// Reads the file again; on an error the users stay as they were (logged).
+    fn reload(&self) {
+        let Some(path) = &self.file else {
+            return;
+        };
+        match crate::rm::users::load(path) {
+            Ok(mut users) => {
+                for name in self.fixed.names() {
+                    tracing::debug!(user = name, "kept from the RM's options");
+                }
+                users.merge(&self.fixed);
+                let n = users.len();
+                *self.table.write() = users;
+                tracing::info!(file = %path.display(), users = n, "users file loaded");
+            }
+            Err(e) => tracing::error!("users file not reloaded, the users stay as they were: {e}"),
         }
     }
 }
@@ -151,6 +244,10 @@ struct Shared {
     max_am_attempts: u32,
     /// Set when an orderly shutdown begins: AMs stopped then are not started again.
     shutting_down: std::sync::atomic::AtomicBool,
+    users: UsersTable,
+    /// Where the admin token is, for the 401 of an RM without users.
+    admin_token_hint: String,
+    limits: RmLimits,
 }
 
 impl Shared {
@@ -178,6 +275,7 @@ impl NodeControl {
 pub struct RmHandle {
     addr: SocketAddr,
     admin_token_file: Option<PathBuf>,
+    recovery_notes: Vec<String>,
     shared: Arc<Shared>,
     server: JoinHandle<()>,
     stop_server: oneshot::Sender<()>,
@@ -208,6 +306,21 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             (t, Some(path))
         }
     };
+    let admin_token_hint = match &admin_token_file {
+        Some(p) => format!("the RM wrote it to {}", p.display()),
+        None => "as configured with --admin-token-file or GPUAM_ADMIN_TOKEN".to_string(),
+    };
+    let mut users = opts.users.clone();
+    if let Some(path) = &opts.users_file {
+        let mut from_file = super::users::load(path)?;
+        from_file.merge(&opts.users);
+        users = from_file;
+    }
+    if users.is_empty() && opts.users_file.is_none() {
+        tracing::warn!(
+            "no users file (--users-file, rm.users_file): only the admin token can submit, list and kill applications"
+        );
+    }
 
     // `local: true` nodes get this machine's real GPUs (nvidia-smi blocks: off the runtime).
     let mut nodes = opts.nodes;
@@ -226,10 +339,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         n
     });
     let store = match &opts.state_dir {
+        Some(dir) if opts.recover_state => Store::open_recovering(dir)?,
         Some(dir) => Store::open(dir)?,
         None => Store::memory(),
     };
-    let (state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
+    let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
+    let recovery_notes = state.store.notes().to_vec();
+    for note in &recovery_notes {
+        tracing::warn!("state recovery: {note}");
+    }
+    // What recovery rebuilt (the meta row, repairs) is stored before anything is served.
+    state.persist(cluster_ts).map_err(|e| anyhow::anyhow!("{e}"))?;
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let agents = match opts.node_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
         Some(t) => Some(Arc::new(crate::node::remote::AgentNodes::new(
@@ -255,6 +375,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         events_tx,
         crate::node::executor::ExecutorOptions {
             containment,
+            max_log_bytes: opts.max_log_bytes,
             ..Default::default()
         },
     );
@@ -274,6 +395,13 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         admin_token,
         max_am_attempts: opts.max_am_attempts.max(1),
         shutting_down: std::sync::atomic::AtomicBool::new(false),
+        users: UsersTable {
+            file: opts.users_file.clone(),
+            table: parking_lot::RwLock::new(users),
+            fixed: opts.users.clone(),
+        },
+        admin_token_hint,
+        limits: opts.limits.clone(),
     });
 
     let mut background = Vec::new();
@@ -298,13 +426,24 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
                 tracing::info!(container = %e.container_id, app = %e.app_id, "container expired unused");
                 queue_completed(&mut st.apps, e);
             }
+            st.commit_or_log();
+            // A failing store is retried even when no request comes.
+            let _ = st.writable();
         }
     }));
+    if shared.users.file.is_some() {
+        background.push(spawn_users_reload(shared.clone())?);
+    }
 
-    let router = router(shared.clone());
+    let guard = crate::http_guard::Guard {
+        served: crate::http_guard::Served::new(addr, &opts.public_names),
+        require_json: true,
+    };
+    let router = guard.layer(router(shared.clone()));
     let (stop_server, stop_rx) = oneshot::channel::<()>();
+    let timeouts = opts.http_timeouts;
     let server = tokio::spawn(async move {
-        let serve = crate::tls::serve(listener, router, opts.tls, async {
+        let serve = crate::tls::serve_with(listener, router, opts.tls, timeouts, async {
             let _ = stop_rx.await;
         });
         if let Err(e) = serve.await {
@@ -316,6 +455,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     Ok(RmHandle {
         addr,
         admin_token_file,
+        recovery_notes,
         shared,
         server,
         stop_server,
@@ -323,12 +463,39 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     })
 }
 
+/// Reloads the users file when it changes (checked every second) and on SIGHUP.
+fn spawn_users_reload(rm: Arc<Shared>) -> anyhow::Result<JoinHandle<()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = signal(SignalKind::hangup()).map_err(|e| anyhow::anyhow!("cannot watch SIGHUP: {e}"))?;
+    Ok(tokio::spawn(async move {
+        let stamp = |rm: &Shared| {
+            use std::os::unix::fs::MetadataExt;
+            let path = rm.users.file.as_ref()?;
+            let m = std::fs::metadata(path).ok()?;
+            Some((m.ino(), m.mtime(), m.mtime_nsec(), m.len()))
+        };
+        let mut seen = stamp(&rm);
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            let by_signal = tokio::select! {
+                _ = every.tick() => false,
+                _ = hup.recv() => true,
+            };
+            let now = stamp(&rm);
+            if by_signal || now != seen {
+                seen = now;
+                rm.users.reload();
+            }
+        }
+    }))
+}
+
 /// Name of the generated admin token's file in the work dir.
 pub const ADMIN_TOKEN_FILE: &str = "admin.token";
 
 /// Writes a secret to a fresh file readable by its owner only (0600 from creation,
 /// so there is no window where others could read it).
-fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
+pub fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(path);
@@ -370,6 +537,22 @@ impl RmHandle {
         self.admin_token_file.as_deref()
     }
 
+    /// What `RmOptions::recover_state` repaired or dropped (empty otherwise).
+    pub fn recovery_notes(&self) -> &[String] {
+        &self.recovery_notes
+    }
+
+    /// The users the RM accepts now (besides the admin).
+    pub fn user_names(&self) -> Vec<String> {
+        self.shared.users.table.read().names().map(str::to_string).collect()
+    }
+
+    /// Test support: the ledger's incremental usage against a full recount
+    /// ([`crate::rm::ledger::Ledger::audit_usage`]).
+    pub fn audit_usage(&self) -> Result<(), String> {
+        self.shared.lock().ledger.audit_usage()
+    }
+
     /// Starts the ledger's grant audit log (tests and load runs).
     pub fn enable_grant_audit(&self) {
         self.shared.lock().ledger.enable_audit();
@@ -400,11 +583,21 @@ impl RmHandle {
     /// protocol themselves.
     pub fn register_test_app(&self, name: &str) -> (String, String) {
         let mut st = self.shared.lock();
-        let id = st.next_app_id(self.shared.cluster_ts);
-        let app = App::new(id.clone(), name.to_string());
+        let id = st
+            .next_app_id(self.shared.cluster_ts)
+            .unwrap_or_else(|e| panic!("no id for a test app: {}", e.message));
+        let mut app = App::new(id.clone(), name.to_string());
+        app.report.user = crate::rm::users::ADMIN_USER.to_string();
         let token = app.token().to_string();
         st.apps.insert(app);
+        st.commit_or_log();
         (id, token)
+    }
+
+    /// Test support: the bearer token of an application's AM (as the RM hands it to the AM
+    /// it launches).
+    pub fn app_token(&self, app_id: &str) -> Option<String> {
+        self.shared.lock().apps.get(app_id).map(|a| a.token().to_string())
     }
 
     /// Changes a node's state (e.g. LOST: its containers complete with -100 and are
@@ -436,12 +629,15 @@ impl RmHandle {
         let ended: Vec<Ended> = {
             let mut st = self.shared.lock();
             let ids = st.ledger.live_containers();
-            ids.iter()
+            let ended = ids
+                .iter()
                 .filter_map(|id| {
                     st.ledger
                         .complete(id, exit_status::KILLED_BY_RESOURCEMANAGER, "the RM is shutting down")
                 })
-                .collect()
+                .collect();
+            st.commit_or_log();
+            ended
         };
         stop_running(&self.shared, &ended).await;
         // Anything the executor still runs goes too: no task outlives an orderly shutdown.

@@ -45,9 +45,13 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         diagnostics,
     } = ev;
     let mut st = rm.lock();
-    if let Some(ended) = st.ledger.complete(&container_id, exit_status, &diagnostics) {
+    if let Some(ended) = st
+        .ledger
+        .complete(&container_id, exit_status, &crate::text::clean(&diagnostics))
+    {
         queue_completed(&mut st.apps, &ended);
     }
+    st.commit_or_log();
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications
@@ -63,6 +67,7 @@ pub(super) fn spawn_liveness(rm: Arc<Shared>, agents: Arc<AgentNodes>, expiry: D
                 for e in &ended {
                     queue_completed(&mut st.apps, e);
                 }
+                st.commit_or_log();
                 tracing::warn!(%host, containers = ended.len(), "node agent silent for {expiry:?}: LOST");
             }
         }
@@ -117,6 +122,7 @@ pub(super) async fn agent_register(
         let new = st.ledger.add_node(node);
         agents.register(&host, &req.http_address, Instant::now());
         let reply = reconcile(&mut st, &host, &req.containers, true);
+        st.commit_or_log();
         tracing::info!(
             %host,
             address = %req.http_address,
@@ -149,7 +155,9 @@ pub(super) async fn agent_heartbeat(
         }));
     }
     let mut st = rm.lock();
-    Ok(Json(reconcile(&mut st, &host, &req.containers, false)))
+    let reply = reconcile(&mut st, &host, &req.containers, false);
+    st.commit_or_log();
+    Ok(Json(reply))
 }
 
 /// frameworklauncher's rules for what a node reports: a running container the RM does

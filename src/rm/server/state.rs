@@ -1,8 +1,20 @@
 //! The RM's state and its one lock: the ledger, the applications, the reserved ids and the
-//! store. [`StateGuard`] is the only way in; dropping it writes what changed to the store
-//! in one transaction before the lock is released. Also rebuilding the state from the
-//! store at start-up, and the two small rules every ending follows (queue the completion
-//! for the application; release all of an application's containers).
+//! store. [`StateGuard`] is the only way in.
+//!
+//! Durable before acknowledged: a handler that changed something calls
+//! [`StateGuard::commit`] before it builds its answer; a failed commit is a 503 (with
+//! `Retry-After`) and the answer is not given. From then on the store counts as failing:
+//! [`StateGuard::writable`] (called first by every handler that would grant or change an
+//! application) answers 503 until a write succeeds again, and the first write that
+//! succeeds is the WHOLE state, since what the failed writes missed is not known. Every
+//! failure is logged, counted and shown (`clusterInfo.rmStateStoreWriteErrors`,
+//! `rmStateStoreFailing`). Background paths (a container's exit, expiry, an AM's death)
+//! cannot refuse anything: they commit and log ([`StateGuard::commit_or_log`]). Dropping
+//! the guard commits whatever is still uncommitted the same way, as a safety net.
+//!
+//! Also rebuilding the state from the store at start-up, and the two small rules every
+//! ending follows (queue the completion for the application; release all of an
+//! application's containers).
 
 use super::*;
 
@@ -10,6 +22,30 @@ use super::*;
 /// remembered (the oldest are forgotten first), so that calling new-application in a
 /// loop cannot grow the RM without bound.
 pub(super) const MAX_RESERVED_IDS: usize = 10_000;
+
+/// While the store fails, a whole-state write is tried at most this often (callers in
+/// between get 503 at once).
+const WHOLE_WRITE_RETRY: Duration = Duration::from_millis(250);
+
+/// While the store fails, the failure is logged again at most this often.
+const FAILING_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// How the state store is doing.
+#[derive(Debug, Default)]
+pub(super) struct StoreHealth {
+    /// The last write failed (with this error): grants and state changes are refused
+    /// until a whole-state write succeeds.
+    pub(super) failing: Option<String>,
+    /// Writes that failed since the start.
+    pub(super) write_errors: u64,
+    /// Whole-state writes that ended a failure.
+    pub(super) recoveries: u64,
+    last_whole_attempt: Option<Instant>,
+    /// When a failure was last logged (while failing, at most every [`FAILING_LOG_EVERY`]).
+    last_logged: Option<Instant>,
+    /// The container sequence the store has (so a grant writes the counter too).
+    stored_container_seq: u64,
+}
 
 pub(super) struct RmState {
     pub(super) ledger: Ledger,
@@ -21,8 +57,7 @@ pub(super) struct RmState {
     /// `next_app_seq` or `reserved` changed since the last write.
     pub(super) meta_dirty: bool,
     pub(super) store: Store,
-    /// Writes to the store that failed (the RM keeps serving from memory).
-    pub(super) store_errors: u64,
+    pub(super) store_health: StoreHealth,
 }
 
 impl RmState {
@@ -39,11 +74,23 @@ impl RmState {
         self.meta_dirty = true;
     }
 
-    /// A fresh application id.
-    pub(super) fn next_app_id(&mut self, cluster_ts: u64) -> String {
-        self.next_app_seq += 1;
+    /// A fresh application id; an error once the sequence reached 2^32−1 (it is never
+    /// wrapped: that would hand out an existing id).
+    pub(super) fn next_app_id(&mut self, cluster_ts: u64) -> Result<String, ApiError> {
+        let Some(seq) = self.next_app_seq.checked_add(1) else {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ID_SEQUENCE_EXHAUSTED",
+                format!(
+                    "the application id sequence is exhausted ({}): this RM's ids cannot go on without repeating; \
+                     start a new RM with a fresh state directory",
+                    u32::MAX
+                ),
+            ));
+        };
+        self.next_app_seq = seq;
         self.meta_dirty = true;
-        app_id(cluster_ts, self.next_app_seq)
+        Ok(app_id(cluster_ts, seq))
     }
 
     pub(super) fn is_reserved(&self, id: &str) -> bool {
@@ -60,20 +107,42 @@ impl RmState {
         had
     }
 
-    /// Writes what changed since the last call in one transaction.
-    pub(super) fn persist(&mut self, cluster_ts: u64) {
+    fn meta(&self, cluster_ts: u64) -> Meta {
+        Meta {
+            cluster_ts,
+            next_app_seq: self.next_app_seq,
+            reserved: self.reserved.values().cloned().collect(),
+            next_container_seq: self.ledger.next_container_seq(),
+        }
+    }
+
+    /// Writes what changed since the last call in one transaction (the whole state
+    /// while the store is failing). `Err` leaves the store failing (see the module doc).
+    pub(super) fn persist(&mut self, cluster_ts: u64) -> Result<(), StoreError> {
+        if !self.store.is_durable() {
+            self.apps.take_dirty();
+            self.ledger.take_changes();
+            self.meta_dirty = false;
+            return Ok(());
+        }
+        if let Some(why) = &self.store_health.failing {
+            // A lock taken only to read does not retry the store (writers do).
+            let changed = self.apps.has_changes() || self.ledger.has_changes() || self.meta_dirty;
+            if !changed {
+                return Err(StoreError::Write(why.clone()));
+            }
+            return self.write_whole(cluster_ts);
+        }
         let apps = self.apps.take_dirty();
         let changes = self.ledger.take_changes();
-        let meta_dirty = std::mem::take(&mut self.meta_dirty);
-        if !self.store.is_durable() || (apps.is_empty() && changes.is_empty() && !meta_dirty) {
-            return;
+        let container_seq = self.ledger.next_container_seq();
+        let meta_dirty =
+            std::mem::take(&mut self.meta_dirty) || container_seq != self.store_health.stored_container_seq;
+        if apps.is_empty() && changes.is_empty() && !meta_dirty {
+            return Ok(());
         }
         let batch = Batch {
-            meta: meta_dirty.then(|| Meta {
-                cluster_ts,
-                next_app_seq: self.next_app_seq,
-                reserved: self.reserved.values().cloned().collect(),
-            }),
+            meta: meta_dirty.then(|| self.meta(cluster_ts)),
             apps: apps.iter().map(|id| (id.as_str(), self.apps.get(id))).collect(),
             containers: changes
                 .containers
@@ -85,18 +154,122 @@ impl RmState {
                 .iter()
                 .filter_map(|h| self.ledger.node(h).map(|n| (h.as_str(), n.state)))
                 .collect(),
+            whole: false,
         };
-        if let Err(e) = self.store.write(&batch) {
-            self.store_errors += 1;
-            tracing::error!(error = %e, "the RM's state could not be saved; a restart now would lose it");
+        let written = self.store.write(&batch);
+        drop(batch);
+        match written {
+            Ok(()) => {
+                self.store_health.stored_container_seq = container_seq;
+                Ok(())
+            }
+            Err(e) => {
+                self.store_failed(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes the whole state in one transaction (every row not in it deleted); ends a
+    /// failure when it succeeds. Tried at most every [`WHOLE_WRITE_RETRY`].
+    fn write_whole(&mut self, cluster_ts: u64) -> Result<(), StoreError> {
+        let now = Instant::now();
+        if let Some(t) = self.store_health.last_whole_attempt {
+            if now.duration_since(t) < WHOLE_WRITE_RETRY {
+                let why = self.store_health.failing.clone().unwrap_or_default();
+                return Err(StoreError::Write(why));
+            }
+        }
+        self.store_health.last_whole_attempt = Some(now);
+        self.apps.take_dirty();
+        self.ledger.take_changes();
+        self.meta_dirty = false;
+        let container_seq = self.ledger.next_container_seq();
+        let batch = Batch {
+            meta: Some(self.meta(cluster_ts)),
+            apps: self.apps.values().map(|a| (a.report.id.as_str(), Some(a))).collect(),
+            containers: self.ledger.all_containers().collect(),
+            nodes: self.ledger.node_states().collect(),
+            whole: true,
+        };
+        let (apps, containers) = (batch.apps.len(), batch.containers.len());
+        let written = self.store.write(&batch);
+        drop(batch);
+        match written {
+            Ok(()) => {
+                let was = self.store_health.failing.take();
+                self.store_health.stored_container_seq = container_seq;
+                self.store_health.recoveries += 1;
+                self.store_health.last_whole_attempt = None;
+                tracing::warn!(
+                    apps,
+                    containers,
+                    "the RM's state store is writable again (it failed with: {}); the whole state was written",
+                    was.unwrap_or_default()
+                );
+                Ok(())
+            }
+            Err(e) => {
+                self.store_failed(&e);
+                Err(e)
+            }
+        }
+    }
+
+    fn store_failed(&mut self, e: &StoreError) {
+        let h = &mut self.store_health;
+        h.write_errors += 1;
+        let now = Instant::now();
+        let newly = h.failing.is_none();
+        if newly {
+            h.last_whole_attempt = Some(now);
+        }
+        h.failing = Some(match e {
+            StoreError::Write(why) => why.clone(),
+            other => other.to_string(),
+        });
+        if newly || h.last_logged.is_none_or(|t| now.duration_since(t) >= FAILING_LOG_EVERY) {
+            h.last_logged = Some(now);
+            tracing::error!(
+                error = %e,
+                errors = h.write_errors,
+                "the RM's state could not be saved: grants and state changes are refused (503) until it can be; \
+                 the whole state is written again then"
+            );
         }
     }
 }
 
-/// The state lock; dropping it persists what changed (see the module doc).
+/// The state lock (see the module doc).
 pub(super) struct StateGuard<'a> {
     pub(super) st: parking_lot::MutexGuard<'a, RmState>,
     pub(super) cluster_ts: u64,
+}
+
+impl StateGuard<'_> {
+    /// Commits every change made so far; `Err` (503) when the store cannot take it, and
+    /// then the caller must not acknowledge anything that depends on it.
+    pub(super) fn commit(&mut self) -> Result<(), ApiError> {
+        let ts = self.cluster_ts;
+        self.st.persist(ts).map_err(|e| ApiError::store_unavailable(&e))
+    }
+
+    /// Commits, logging a failure (for paths that cannot refuse: an exit, an expiry).
+    pub(super) fn commit_or_log(&mut self) {
+        let ts = self.cluster_ts;
+        // `persist` logged and counted the failure.
+        let _ = self.st.persist(ts);
+    }
+
+    /// `Err` (503) while the store is failing and a whole-state write does not succeed
+    /// now: nothing may be granted or changed then.
+    pub(super) fn writable(&mut self) -> Result<(), ApiError> {
+        if self.st.store_health.failing.is_none() {
+            return Ok(());
+        }
+        let ts = self.cluster_ts;
+        self.st.write_whole(ts).map_err(|e| ApiError::store_unavailable(&e))
+    }
 }
 
 impl std::ops::Deref for StateGuard<'_> {
@@ -113,14 +286,15 @@ impl std::ops::DerefMut for StateGuard<'_> {
 }
 
 impl Drop for StateGuard<'_> {
+    /// The safety net: whatever a path changed and did not commit is committed now.
     fn drop(&mut self) {
-        self.st.persist(self.cluster_ts);
+        self.commit_or_log();
     }
 }
 
 /// Builds the RM's state from what the store kept (a fresh state when it kept nothing);
 /// returns it with the cluster timestamp to use in ids.
-pub(super) fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u64)> {
+pub(super) fn recover_state(mut store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u64)> {
     let mut apps = Apps::default();
     let Some(r) = store.recover()? else {
         let state = RmState {
@@ -130,7 +304,7 @@ pub(super) fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<
             next_app_seq: 0,
             meta_dirty: true,
             store,
-            store_errors: 0,
+            store_health: StoreHealth::default(),
         };
         return Ok((state, now_ms()));
     };
@@ -145,6 +319,8 @@ pub(super) fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<
         .into_iter()
         .filter_map(|c| ledger.restore(c, now, wall))
         .collect();
+    // Never re-issue an id: not even one of a grant whose row was never written.
+    ledger.continue_container_seq(r.meta.next_container_seq);
     let live = r.apps.iter().filter(|a| !a.report.state.is_final()).count();
     for app in r.apps {
         apps.restore(app);
@@ -171,7 +347,7 @@ pub(super) fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<
         next_app_seq: r.meta.next_app_seq,
         meta_dirty: true,
         store,
-        store_errors: 0,
+        store_health: StoreHealth::default(),
     };
     Ok((state, r.meta.cluster_ts))
 }

@@ -182,6 +182,7 @@ async fn a_restarted_rm_recovers_apps_grants_and_node_states() {
     let pgid = status.pid.unwrap() as i32;
     assert!(rm.set_node_state("n2", NodeState::Lost).await);
     let reserved = RmClient::new(&rm.base_url())
+        .with_user_token(Some(rm.admin_token().to_string()))
         .new_application()
         .await
         .unwrap()
@@ -255,6 +256,7 @@ async fn a_restarted_rm_recovers_apps_grants_and_node_states() {
     // Ids go on from where they were; the reserved one can still be submitted.
     assert!(rm2.shared.lock().is_reserved(&reserved));
     let next = RmClient::new(&rm2.base_url())
+        .with_user_token(Some(rm2.admin_token().to_string()))
         .new_application()
         .await
         .unwrap()
@@ -320,11 +322,11 @@ fn reserved_ids_are_forgotten_oldest_first() {
         next_app_seq: 9_990,
         meta_dirty: false,
         store: Store::memory(),
-        store_errors: 0,
+        store_health: StoreHealth::default(),
     };
     let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
         .map(|_| {
-            let id = st.next_app_id(1);
+            let id = st.next_app_id(1).unwrap();
             st.reserve(id.clone());
             id
         })
@@ -338,12 +340,32 @@ fn reserved_ids_are_forgotten_oldest_first() {
 }
 
 #[test]
+fn the_application_sequence_is_refused_at_its_end_not_wrapped() {
+    let mut st = RmState {
+        ledger: Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
+        apps: Apps::default(),
+        reserved: BTreeMap::new(),
+        next_app_seq: u32::MAX - 1,
+        meta_dirty: false,
+        store: Store::memory(),
+        store_health: StoreHealth::default(),
+    };
+    assert_eq!(st.next_app_id(7).unwrap(), format!("application_7_{}", u32::MAX));
+    let e = st.next_app_id(7).unwrap_err();
+    assert_eq!(
+        (e.status, e.code),
+        (StatusCode::SERVICE_UNAVAILABLE, "ID_SEQUENCE_EXHAUSTED")
+    );
+    assert_eq!(st.next_app_seq, u32::MAX, "not wrapped to 0");
+}
+
+#[test]
 fn stderr_tail_keeps_last_lines() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("e");
     let text: String = (0..50).map(|i| format!("line {i}\n")).collect();
-    std::fs::write(&p, text).unwrap();
+    std::fs::write(&p, format!("{text}\u{1b}[31mred\u{1b}[0m\n")).unwrap();
     let t = stderr_tail(&p, 3);
-    assert_eq!(t, "line 47\nline 48\nline 49");
+    assert_eq!(t, "line 48\nline 49\nred", "the last lines, without colour codes");
     assert_eq!(stderr_tail(&dir.path().join("missing"), 3), "");
 }

@@ -1,0 +1,90 @@
+//! Credentials shared by every gpuam server and client: fresh tokens, the bearer header
+//! (one parser, so the scheme is case-insensitive everywhere: RM, AM dashboard, node
+//! agent, Ray gate), constant-time comparison and the SHA-256 digests a users file stores
+//! instead of tokens. No I/O; `ring` does the cryptography.
+
+use axum::http::{header, HeaderMap};
+
+/// Bytes of randomness in a token made by [`new_token`].
+pub const TOKEN_BYTES: usize = 32;
+
+/// A fresh token: [`TOKEN_BYTES`] random bytes from the operating system, as lower-case hex
+/// (64 characters, safe in headers, files and URLs).
+pub fn new_token() -> String {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; TOKEN_BYTES];
+    if ring::rand::SystemRandom::new().fill(&mut bytes).is_err() {
+        // ring's generator only fails when the OS has none; fall back to rand's OsRng,
+        // which reads the same source, rather than hand out a weak token.
+        use rand::RngCore;
+        rand::rngs::OsRng.fill_bytes(&mut bytes);
+    }
+    hex(&bytes)
+}
+
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The SHA-256 digest of a token as 64 lower-case hex digits (what a users file stores).
+pub fn sha256_hex(token: &str) -> String {
+    hex(ring::digest::digest(&ring::digest::SHA256, token.as_bytes()).as_ref())
+}
+
+/// Compares two secrets in time that depends only on their lengths.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The token of an `Authorization: Bearer <token>` header. The scheme is matched without
+/// regard to case (RFC 9110 §11.1); surrounding blanks are ignored; an empty token is none.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, token) = v.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn with_auth(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+        h
+    }
+
+    #[test]
+    fn tokens_are_long_random_hex() {
+        let (a, b) = (new_token(), new_token());
+        assert_eq!(a.len(), 2 * TOKEN_BYTES);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for v in ["Bearer abc", "bearer abc", "BEARER abc", "  bEaReR   abc  "] {
+            assert_eq!(bearer(&with_auth(v)), Some("abc"), "{v}");
+        }
+        for v in ["Basic abc", "Bearer", "Bearer   ", "abc", "Bearerabc"] {
+            assert_eq!(bearer(&with_auth(v)), None, "{v}");
+        }
+        assert_eq!(bearer(&HeaderMap::new()), None);
+    }
+
+    #[test]
+    fn digests_and_comparison() {
+        // sha256("abc"), FIPS 180-2 appendix B.1.
+        assert_eq!(
+            sha256_hex("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+    }
+}

@@ -1,0 +1,314 @@
+//! The RM's users (DESIGN.md §10): the users file (`gpuam rm --users-file FILE`, setting
+//! `rm.users_file`), who presents a token, and adding a user's token to the file (`gpuam
+//! token new`).
+//!
+//! ```yaml
+//! users:
+//!   alice: {token_sha256: 3a7bd3e2360a3d29eea436fcfb7e44c735d117c42d1c1835420b6b9942dd4f1b}
+//!   bob:   {token_sha256: ...}
+//! ```
+//!
+//! Tokens are never stored, only their SHA-256 (hex); a presented token is hashed and
+//! compared with every entry in constant time. The admin token is not in the file: it is
+//! user [`ADMIN_USER`], and that name cannot be given to anyone else. [`Users`] is the table
+//! (no I/O); [`load`] and [`add_token`] read and write the file; the RM reloads it when it
+//! changes or on SIGHUP (`rm::server`).
+
+use std::path::{Path, PathBuf};
+
+use crate::auth::{constant_time_eq, new_token, sha256_hex};
+use crate::spec::yaml::{self, Diags, Value};
+
+/// The user of the admin token.
+pub const ADMIN_USER: &str = "admin";
+
+/// Users files larger than this are refused (a few thousand users fit easily).
+pub const MAX_USERS_FILE_BYTES: u64 = 4 << 20;
+
+/// Why a users file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum UsersError {
+    #[error("users file {}: {why}", path.display())]
+    Io { path: PathBuf, why: String },
+    #[error("{0}")]
+    Invalid(crate::spec::SpecErrors),
+    #[error("user name `{0}`: use 1 to 64 letters, digits, `_`, `.` or `-`, starting with a letter or `_`")]
+    BadName(String),
+    #[error("user name `admin` is the admin token's; choose another name")]
+    Reserved,
+}
+
+/// The users and their token digests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Users {
+    /// (name, SHA-256 of the token as 32 bytes), in file order.
+    entries: Vec<(String, [u8; 32])>,
+}
+
+impl Users {
+    /// The user whose token this is, if any. Every entry is compared (in constant time),
+    /// whether or not an earlier one matched.
+    pub fn user_of(&self, token: &str) -> Option<&str> {
+        let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+        let mut found = None;
+        for (name, hash) in &self.entries {
+            if constant_time_eq(digest.as_ref(), hash) && found.is_none() {
+                found = Some(name.as_str());
+            }
+        }
+        found
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The user names, in file order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.iter().map(|(n, _)| n.as_str())
+    }
+
+    /// Adds every user of `other` (replacing one of the same name).
+    pub fn merge(&mut self, other: &Users) {
+        for (name, hash) in &other.entries {
+            match self.entries.iter_mut().find(|(n, _)| n == name) {
+                Some(e) => e.1 = *hash,
+                None => self.entries.push((name.clone(), *hash)),
+            }
+        }
+    }
+
+    /// Adds (or replaces) `name` with the digest of `token`.
+    pub fn insert_token(&mut self, name: &str, token: &str) -> Result<(), UsersError> {
+        check_user_name(name)?;
+        let hash = digest_bytes(&sha256_hex(token)).unwrap_or([0; 32]);
+        match self.entries.iter_mut().find(|(n, _)| n == name) {
+            Some(e) => e.1 = hash,
+            None => self.entries.push((name.to_string(), hash)),
+        }
+        Ok(())
+    }
+
+    /// Reads a users file's text; every problem is reported with its line and column.
+    pub fn parse(text: &str, source: &str) -> Result<Users, UsersError> {
+        let doc = yaml::parse(text);
+        let mut d = Diags::new(source);
+        d.extend_yaml(&doc.issues);
+        let fix = "write `users:` with one `NAME: {token_sha256: HEX}` per user (`gpuam token new` writes them)";
+        let mut users = Users::default();
+        let root = match (&doc.root, doc.fatal) {
+            (Some(r), false) => r,
+            _ => return d.into_result(None).map_err(UsersError::Invalid),
+        };
+        if let Some(()) = d.map(root, "(document)", fix).map(|_| ()) {
+            d.unknown_fields(root, "", &["users"], &[]);
+            match root.get("users") {
+                None => d.missing(root, "", "users", fix),
+                // `users:` with nothing under it: nobody.
+                Some(n) if n.is_null() => {}
+                Some(list) => {
+                    for (key, entry) in d.map(list, "users", fix).unwrap_or(&[]) {
+                        let path = yaml::join("users", &key.text);
+                        match check_user_name(&key.text) {
+                            Ok(()) => {}
+                            Err(e) => {
+                                d.at(key.pos, &path, e.to_string(), "rename the user");
+                                continue;
+                            }
+                        }
+                        if d.map(entry, &path, fix).is_none() {
+                            continue;
+                        }
+                        d.unknown_fields(entry, &path, &["token_sha256"], &[("token", "token_sha256")]);
+                        let field = yaml::join(&path, "token_sha256");
+                        let Some(h) = entry.get("token_sha256") else {
+                            d.missing(entry, &path, "token_sha256", "give the SHA-256 of the user's token");
+                            continue;
+                        };
+                        match (&h.value, digest_bytes(&h.raw)) {
+                            (Value::Str(_) | Value::Int(_), Some(hash)) => users.entries.push((key.text.clone(), hash)),
+                            _ => d.at(
+                                h.pos,
+                                &field,
+                                "not a SHA-256 digest (64 hex digits)",
+                                "store `sha256sum` of the token, never the token itself (`gpuam token new` does this)",
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+        d.into_result(Some(users)).map_err(UsersError::Invalid)
+    }
+
+    /// The file's text (what [`add_token`] writes).
+    pub fn to_yaml(&self) -> String {
+        let mut out = String::from(
+            "# gpuam users: each user's token is stored as its SHA-256 (never the token).\n\
+             # `gpuam token new --user NAME --users-file THIS-FILE` adds or replaces a user.\n\
+             users:\n",
+        );
+        for (name, hash) in &self.entries {
+            out.push_str(&format!("  {name}: {{token_sha256: {}}}\n", crate::auth::hex(hash)));
+        }
+        out
+    }
+}
+
+/// 64 hex digits as 32 bytes.
+fn digest_bytes(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim();
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// User names: `^[A-Za-z_][A-Za-z0-9_.-]{0,63}$`, not [`ADMIN_USER`].
+pub fn check_user_name(name: &str) -> Result<(), UsersError> {
+    let first_ok = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let rest_ok = name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+    if !first_ok || !rest_ok || name.len() > 64 {
+        return Err(UsersError::BadName(crate::spec::yaml::clip(name)));
+    }
+    if name == ADMIN_USER {
+        return Err(UsersError::Reserved);
+    }
+    Ok(())
+}
+
+/// Reads and parses a users file.
+pub fn load(path: &Path) -> Result<Users, UsersError> {
+    let io = |why: String| UsersError::Io {
+        path: path.to_path_buf(),
+        why,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| io(e.to_string()))?;
+    if meta.len() > MAX_USERS_FILE_BYTES {
+        return Err(io(format!(
+            "{} bytes; users files are limited to {MAX_USERS_FILE_BYTES} bytes",
+            meta.len()
+        )));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| io(e.to_string()))?;
+    Users::parse(&text, &path.display().to_string())
+}
+
+/// Makes a fresh token for `user`, puts its digest into the users file (created 0600 if
+/// missing; rewritten atomically: a temporary file in the same directory, synced, renamed
+/// over it) and returns the token, which exists nowhere else.
+pub fn add_token(path: &Path, user: &str) -> Result<String, UsersError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    check_user_name(user)?;
+    let io = |why: String| UsersError::Io {
+        path: path.to_path_buf(),
+        why,
+    };
+    let mut users = match std::fs::metadata(path) {
+        Ok(_) => load(path)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Users::default(),
+        Err(e) => return Err(io(e.to_string())),
+    };
+    let token = new_token();
+    users.insert_token(user, &token)?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(users.to_yaml().as_bytes())?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(format!("cannot write it: {e}")));
+    }
+    Ok(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_users_file_maps_tokens_to_users() {
+        let text = format!(
+            "users:\n  alice: {{token_sha256: {}}}\n  bob:\n    token_sha256: \"{}\"\n",
+            sha256_hex("alice-secret"),
+            sha256_hex("bob-secret").to_uppercase()
+        );
+        let users = Users::parse(&text, "users.yaml").unwrap();
+        assert_eq!(users.names().collect::<Vec<_>>(), ["alice", "bob"]);
+        assert_eq!(users.user_of("alice-secret"), Some("alice"));
+        assert_eq!(users.user_of("bob-secret"), Some("bob"));
+        assert_eq!(users.user_of("alice-secret "), None);
+        assert_eq!(users.user_of(""), None);
+        assert!(Users::parse("users:\n", "u").unwrap().is_empty());
+    }
+
+    #[test]
+    fn problems_are_named_with_line_and_column() {
+        let bad = "users:\n  alice: {token_sha256: abc}\n  admin: {token_sha256: x}\n  bob: {token: y}\n";
+        let err = Users::parse(bad, "users.yaml").unwrap_err().to_string();
+        assert!(
+            err.contains("users.yaml:2:") && err.contains("users.alice.token_sha256"),
+            "{err}"
+        );
+        assert!(err.contains("users.yaml:3:") && err.contains("admin token"), "{err}");
+        assert!(
+            err.contains("users.yaml:4:") && err.contains("did you mean `token_sha256`"),
+            "{err}"
+        );
+        let err = Users::parse("people: {}\n", "u").unwrap_err().to_string();
+        assert!(err.contains("unknown field `people`"), "{err}");
+    }
+
+    #[test]
+    fn token_new_adds_a_hashed_token_to_a_0600_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("users.yaml");
+        let alice = add_token(&path, "alice").unwrap();
+        let bob = add_token(&path, "bob").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            !text.contains(&alice) && !text.contains(&bob),
+            "tokens are never stored"
+        );
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        let users = load(&path).unwrap();
+        assert_eq!(users.user_of(&alice), Some("alice"));
+        // A new token for alice replaces the old one.
+        let alice2 = add_token(&path, "alice").unwrap();
+        let users = load(&path).unwrap();
+        assert_eq!((users.user_of(&alice), users.user_of(&alice2)), (None, Some("alice")));
+        assert_eq!(users.user_of(&bob), Some("bob"));
+        assert_eq!(users.len(), 2);
+        assert!(matches!(add_token(&path, "admin"), Err(UsersError::Reserved)));
+        assert!(matches!(add_token(&path, "../x"), Err(UsersError::BadName(_))));
+        // No temporary file is left behind.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}
