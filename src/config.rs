@@ -4,6 +4,7 @@
 //! Keys are snake_case in the file too, so a file key and its environment variable
 //! are the same words; README.md documents every key in one table.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -109,6 +110,12 @@ pub struct RmSettings {
     /// A node agent silent for this long becomes LOST (its containers end for their jobs;
     /// their resources stay held until the agent returns and reports them dead).
     pub node_expiry_sec: u64,
+    /// Notice a container gets before the RM kills it to give its GPUs to a queue below
+    /// its share (or to a higher-priority job of its queue): the task may checkpoint.
+    pub preemption_grace_sec: u64,
+    /// The queues jobs run in (`queue:` in a job spec; `default` when it names none).
+    /// Without any, every job runs in one queue named `default`.
+    pub queues: BTreeMap<String, QueueSettings>,
 }
 
 impl Default for RmSettings {
@@ -117,6 +124,48 @@ impl Default for RmSettings {
             container_expiry_sec: 600,
             max_am_attempts: 3,
             node_expiry_sec: 15,
+            preemption_grace_sec: 30,
+            queues: BTreeMap::new(),
+        }
+    }
+}
+
+/// One queue of `rm.queues` (DESIGN.md §10). Keys inside a queue are camelCase
+/// (`guaranteedGpus`), as in DESIGN.md; the environment's lower-cased spelling
+/// (`GPUAM__RM__QUEUES__PROD__GUARANTEEDGPUS`) and snake_case are accepted too.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct QueueSettings {
+    /// Its share of each GPU type, relative to its siblings, when all of them want more.
+    pub weight: f64,
+    /// GPUs it keeps when it wants them: never reclaimed below this, and its deserved
+    /// share is at least this much of what it asks for.
+    #[serde(alias = "guaranteedgpus", alias = "guaranteed_gpus")]
+    pub guaranteed_gpus: u32,
+    /// Most GPUs it may hold at once (`None`: no cap).
+    #[serde(alias = "maxgpus", alias = "max_gpus")]
+    pub max_gpus: Option<u32>,
+    /// Who may submit to it (`None`: everyone; the admin may use any queue). A queue of a
+    /// parent without its own list takes the parent's.
+    pub users: Option<Vec<String>>,
+    /// Whether a higher-priority job of this queue may preempt a lower-priority one of the
+    /// same queue (across queues, only the shares decide).
+    #[serde(alias = "prioritypreemption", alias = "priority_preemption")]
+    pub priority_preemption: bool,
+    /// Queues inside this one (one level: teams within a department). A queue with
+    /// queues takes no jobs itself.
+    pub queues: BTreeMap<String, QueueSettings>,
+}
+
+impl Default for QueueSettings {
+    fn default() -> Self {
+        QueueSettings {
+            weight: 1.0,
+            guaranteed_gpus: 0,
+            max_gpus: None,
+            users: None,
+            priority_preemption: false,
+            queues: BTreeMap::new(),
         }
     }
 }
@@ -308,6 +357,7 @@ impl Settings {
         if self.rm.max_am_attempts == 0 {
             return Err("rm.max_am_attempts must be at least 1".into());
         }
+        crate::rm::scheduler::queues::QueueTree::from_settings(&self.rm.queues)?;
         if !["auto", "none"].contains(&self.node.image_runtime.as_str()) {
             return Err(format!(
                 "node.image_runtime must be `auto` or `none`, not `{}`",

@@ -65,8 +65,10 @@ mod am_supervisor;
 mod applications;
 mod cluster;
 mod containers;
+mod dashboard;
 mod http;
 mod nodes;
+mod scheduling;
 mod state;
 use am_protocol::*;
 use am_supervisor::*;
@@ -111,6 +113,10 @@ pub struct RmOptions {
     pub node_token: Option<String>,
     /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
     pub node_expiry: Duration,
+    /// The queues jobs run in (`rm.queues`).
+    pub queues: crate::rm::scheduler::queues::QueueTree,
+    /// Notice before a preempted container is stopped (`rm.preemption_grace_sec`).
+    pub preemption_grace: Duration,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -134,6 +140,8 @@ impl RmOptions {
             ray: None,
             node_token: None,
             node_expiry: Duration::from_secs(15),
+            queues: Default::default(),
+            preemption_grace: Duration::from_secs(30),
         }
     }
 }
@@ -151,6 +159,8 @@ struct Shared {
     max_am_attempts: u32,
     /// Set when an orderly shutdown begins: AMs stopped then are not started again.
     shutting_down: std::sync::atomic::AtomicBool,
+    /// Counters and the allocate-latency histogram of `/metrics`.
+    metrics: dashboard::RmMetrics,
 }
 
 impl Shared {
@@ -229,7 +239,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         Some(dir) => Store::open(dir)?,
         None => Store::memory(),
     };
-    let (state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
+    let sched = scheduling::SchedState::new(opts.queues, opts.preemption_grace);
+    let (state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry), sched)?;
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let agents = match opts.node_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
         Some(t) => Some(Arc::new(crate::node::remote::AgentNodes::new(
@@ -274,6 +285,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         admin_token,
         max_am_attempts: opts.max_am_attempts.max(1),
         shutting_down: std::sync::atomic::AtomicBool::new(false),
+        metrics: dashboard::RmMetrics::default(),
     });
 
     let mut background = Vec::new();
@@ -301,6 +313,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         }
     }));
 
+    background.push(spawn_scheduler(shared.clone()));
+
     let router = router(shared.clone());
     let (stop_server, stop_rx) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
@@ -320,6 +334,32 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         server,
         stop_server,
         background,
+    })
+}
+
+/// The scheduling pass every [`scheduling::TICK`]: preemption deadlines, new victims (their
+/// nodes are told at once; their AMs in their next answers) and why applications wait.
+fn spawn_scheduler(shared: Arc<Shared>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(scheduling::TICK);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let work = {
+                let mut st = shared.lock();
+                scheduling::tick(&mut st, Instant::now())
+            };
+            spawn_stops(&shared, work.ended);
+            for (host, id, deadline_ms, reason) in work.notify {
+                let s = shared.clone();
+                tokio::spawn(async move {
+                    let node = s.nodes.for_host(&host);
+                    if let Err(e) = node.notify_preemption(&host, &id, deadline_ms, &reason).await {
+                        tracing::warn!(container = %id, "could not tell the container it is preempted: {e}");
+                    }
+                });
+            }
+        }
     })
 }
 
@@ -485,6 +525,13 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/node/{host}/containers/{id}/stop", post(container_stop))
         .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
         .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))
+        .route("/ws/v1/cluster/overview", get(dashboard::overview))
+        .route("/metrics", get(dashboard::metrics))
+        .route("/", get(crate::web::assets::cluster_html))
+        .route("/cluster", get(crate::web::assets::cluster_html))
+        .route("/cluster.js", get(crate::web::assets::cluster_js))
+        .route("/cluster.css", get(crate::web::assets::cluster_css))
+        .route("/style.css", get(crate::web::assets::style_css))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)

@@ -23,6 +23,9 @@ pub(super) struct RmState {
     pub(super) store: Store,
     /// Writes to the store that failed (the RM keeps serving from memory).
     pub(super) store_errors: u64,
+    /// The queues and the preemptions in progress (not persisted: a restarted RM decides
+    /// again from what runs).
+    pub(super) sched: scheduling::SchedState,
 }
 
 impl RmState {
@@ -120,7 +123,11 @@ impl Drop for StateGuard<'_> {
 
 /// Builds the RM's state from what the store kept (a fresh state when it kept nothing);
 /// returns it with the cluster timestamp to use in ids.
-pub(super) fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u64)> {
+pub(super) fn recover_state(
+    store: Store,
+    mut ledger: Ledger,
+    sched: scheduling::SchedState,
+) -> anyhow::Result<(RmState, u64)> {
     let mut apps = Apps::default();
     let Some(r) = store.recover()? else {
         let state = RmState {
@@ -131,6 +138,7 @@ pub(super) fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<
             meta_dirty: true,
             store,
             store_errors: 0,
+            sched,
         };
         return Ok((state, now_ms()));
     };
@@ -172,6 +180,7 @@ pub(super) fn recover_state(store: Store, mut ledger: Ledger) -> anyhow::Result<
         meta_dirty: true,
         store,
         store_errors: 0,
+        sched,
     };
     Ok((state, r.meta.cluster_ts))
 }

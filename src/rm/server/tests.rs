@@ -321,6 +321,7 @@ fn reserved_ids_are_forgotten_oldest_first() {
         meta_dirty: false,
         store: Store::memory(),
         store_errors: 0,
+        sched: scheduling::SchedState::new(Default::default(), Duration::from_secs(30)),
     };
     let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
         .map(|_| {
