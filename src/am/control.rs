@@ -494,10 +494,10 @@ impl Control {
         for c in resp.allocated {
             self.accept_container(c);
         }
+        self.take_preemptions(&resp.preempt);
         for c in resp.completed {
             self.container_completed(c);
         }
-        self.take_preemptions(&resp.preempt);
         self.set_queue_note(resp.waiting_reason);
         if resp.command == Some(AmCommand::Shutdown) {
             self.kill("the application was killed at the RM");

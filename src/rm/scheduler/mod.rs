@@ -289,6 +289,16 @@ impl Scratch {
         *m = m.saturating_sub(r.memory_mb);
     }
 
+    /// Adds the resources of the leaving containers `which` accepts; returns their GPUs.
+    fn give_leaving(&mut self, snap: &Snapshot, which: impl Fn(&Held) -> bool) -> u32 {
+        let mut gpus = 0;
+        for h in snap.held.iter().filter(|h| h.leaving && which(h)) {
+            self.give(h.node, h.gpus, h.cpu, h.memory_mb);
+            gpus += h.gpus.count_ones();
+        }
+        gpus
+    }
+
     fn give(&mut self, n: usize, gpus: GpuMask, cpu: u32, mem: u64) {
         let (g, c, m) = &mut self.free[n];
         *g |= gpus;
@@ -568,31 +578,53 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
 
     for p in 0..shares.pools.len() {
         let in_pool = |n: usize| shares.pool_of(&snap.nodes[n].pool) == Some(p);
-        // Starved queues (waiting work, owed GPUs), furthest below their share first.
-        let mut starved: Vec<usize> = tree
-            .leaves()
-            .filter(|&q| shares.waiting[p][q] > 0 && shares.owed(p, q) > 0)
-            .collect();
-        starved.sort_by(|&a, &b| shares.ratio(p, a).total_cmp(&shares.ratio(p, b)).then(a.cmp(&b)));
-        for s in starved {
-            let mut owed = shares.owed(p, s);
-            // The queue's applications by priority, then age; what fits the free
-            // resources needs no preemption.
+        // Queues furthest below their share first: they pack into the free room first.
+        let mut queues: Vec<usize> = tree.leaves().filter(|&q| shares.waiting[p][q] > 0).collect();
+        queues.sort_by(|&a, &b| shares.ratio(p, a).total_cmp(&shares.ratio(p, b)).then(a.cmp(&b)));
+        for s in queues {
+            // Room already being made for this queue (notices out) is its own: its tasks
+            // may take it as if it were free, so it is not made twice.
+            let incoming = scratch.give_leaving(snap, |h| h.for_queue == Some(s) && in_pool(h.node));
             let mut apps: Vec<usize> = (0..snap.apps.len())
-                .filter(|&a| snap.apps[a].queue == s && !snap.apps[a].waiting.is_empty())
+                .filter(|&a| snap.apps[a].queue == s && snap.apps[a].waiting.iter().any(|w| w.gpus > 0))
                 .collect();
             apps.sort_by(|&x, &y| rank_cmp(&rank(shares, Some(p), &snap.apps[x]), &rank(shares, Some(p), &snap.apps[y])));
-            for a in apps {
-                if owed == 0 {
-                    break;
+            // What fits the free resources needs no preemption.
+            let mut fit_total = 0;
+            let mut unmet: Vec<(usize, Vec<WaitingTasks>)> = Vec::new();
+            for &a in &apps {
+                let fit = scratch.place_app(&snap.nodes, &snap.apps[a], u32::MAX, &in_pool);
+                fit_total += fit;
+                let rest = unmet_tasks(&snap.apps[a], fit, u32::MAX, &snap.nodes, &in_pool);
+                if !rest.is_empty() {
+                    unmet.push((a, rest));
                 }
-                let fit = scratch.place_app(&snap.nodes, &snap.apps[a], owed, &in_pool);
-                owed = owed.saturating_sub(fit);
-                let unmet = unmet_tasks(&snap.apps[a], fit, owed, &snap.nodes, &in_pool);
-                if unmet.is_empty() {
-                    continue;
+            }
+            // Across queues: the queue is below its share; the rest, up to what it is owed,
+            // is made room for all at once (so a gang plus singles can add up to the need).
+            let owed = if shares.owed(p, s) > 0 {
+                (shares.owed(p, s) + incoming).saturating_sub(fit_total)
+            } else {
+                0
+            };
+            let mut budget = owed;
+            let mut cross: Vec<WaitingTasks> = Vec::new();
+            let mut cross_of: Vec<(usize, u32)> = Vec::new();
+            for (a, rest) in &unmet {
+                let mut gpus = 0;
+                for w in rest {
+                    let n = (budget / w.gpus.max(1)).min(w.count);
+                    if n > 0 {
+                        cross.push(WaitingTasks { count: n, ..w.clone() });
+                        budget -= n * w.gpus;
+                        gpus += n * w.gpus;
+                    }
                 }
-                // Candidates: other queues' containers above their share, in this pool.
+                if gpus > 0 {
+                    cross_of.push((*a, gpus));
+                }
+            }
+            if !cross.is_empty() {
                 let mut limit: BTreeMap<usize, u32> = BTreeMap::new();
                 for v in tree.leaves().filter(|&v| v != s) {
                     let cur = shares.used[p][v];
@@ -603,51 +635,60 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                     }
                 }
                 let units = victims::units(snap, &taken, |app| limit.contains_key(&snap.apps[app].queue), &in_pool);
-                let choice = victims::choose(snap, &scratch, &unmet, &units, &limit);
-                if choice.gang_blocked {
-                    protected.insert(a);
-                }
-                let freed = apply_choice(snap, &units, &choice, &mut scratch, &mut taken, &mut leaving[p], &in_pool);
-                // The room made is this queue's: its tasks take it now.
-                scratch.place_app(&snap.nodes, &snap.apps[a], freed, &in_pool);
-                owed = owed.saturating_sub(freed);
+                let choice = victims::choose(snap, &scratch, &cross, &units, &limit);
+                let mut freed = apply_choice(snap, &units, &choice, &mut scratch, &mut taken, &mut leaving[p], &in_pool);
+                let from: BTreeSet<String> = choice
+                    .units
+                    .iter()
+                    .map(|&u| tree.get(snap.apps[units[u].app].queue).path.clone())
+                    .collect();
+                let first = cross_of.first().map_or(0, |x| x.0);
                 for &u in &choice.units {
                     let unit = &units[u];
-                    let from = tree.get(snap.apps[unit.app].queue).path.clone();
+                    let vq = snap.apps[unit.app].queue;
                     out.victims.push(Victim {
                         held: unit.held.clone(),
                         app: unit.app,
                         for_queue: s,
-                        for_app: a,
+                        for_app: first,
                         reason: format!(
-                            "queue `{}` is below its share and waits ({} holds {} GPUs, deserves {:.1})",
+                            "queue `{}` is below its share and waits; queue `{}` holds {} GPUs and deserves {:.1}",
                             tree.get(s).path,
-                            from,
-                            shares.used[p][snap.apps[unit.app].queue],
-                            shares.deserved[p][snap.apps[unit.app].queue]
+                            tree.get(vq).path,
+                            shares.used[p][vq],
+                            shares.deserved[p][vq]
                         ),
                     });
-                    let e = reclaiming.entry(a).or_default();
-                    e.0 += unit.gpus;
-                    e.1.insert(from);
                     gained[p][s] += unit.gpus;
                 }
+                // The room made is the queue's, for its applications in rank order.
+                for (a, gpus) in cross_of {
+                    let got = gpus.min(freed);
+                    freed -= got;
+                    if got > 0 {
+                        let e = reclaiming.entry(a).or_default();
+                        e.0 += got;
+                        e.1.extend(from.iter().cloned());
+                    }
+                    if got < gpus && choice.gang_blocked {
+                        protected.insert(a);
+                    }
+                }
+                for (_, rest) in unmet.iter_mut() {
+                    *rest = place_rest(&snap.nodes, &mut scratch, rest, &in_pool);
+                }
             }
-        }
-        // Priority within queues that allow it: a waiting job may take the room of
-        // lower-priority jobs of its own queue.
-        for s in tree.leaves().filter(|&q| tree.get(q).priority_preemption) {
-            let mut apps: Vec<usize> = (0..snap.apps.len())
-                .filter(|&a| snap.apps[a].queue == s && snap.apps[a].waiting.iter().any(|w| w.gpus > 0))
-                .collect();
-            apps.sort_by_key(|&a| (-i64::from(snap.apps[a].priority), snap.apps[a].submitted_ms));
-            for a in apps {
-                let me = &snap.apps[a];
-                let fit = scratch.place_app(&snap.nodes, me, u32::MAX, &in_pool);
-                let unmet = unmet_tasks(me, fit, u32::MAX, &snap.nodes, &in_pool);
-                if unmet.is_empty() {
+            // Within the queue, where allowed: a job may take the room of lower-priority jobs
+            // of the same queue for what is still unmet.
+            if !tree.get(s).priority_preemption {
+                continue;
+            }
+            unmet.sort_by_key(|(a, _)| (-i64::from(snap.apps[*a].priority), snap.apps[*a].submitted_ms));
+            for (a, rest) in unmet {
+                if rest.is_empty() {
                     continue;
                 }
+                let me = &snap.apps[a];
                 let limit: BTreeMap<usize, u32> = [(s, u32::MAX)].into();
                 let units = victims::units(
                     snap,
@@ -655,9 +696,12 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                     |app| snap.apps[app].queue == s && snap.apps[app].priority < me.priority,
                     &in_pool,
                 );
-                let choice = victims::choose(snap, &scratch, &unmet, &units, &limit);
-                let freed = apply_choice(snap, &units, &choice, &mut scratch, &mut taken, &mut leaving[p], &in_pool);
-                scratch.place_app(&snap.nodes, me, freed, &in_pool);
+                let choice = victims::choose(snap, &scratch, &rest, &units, &limit);
+                if choice.units.is_empty() {
+                    continue;
+                }
+                apply_choice(snap, &units, &choice, &mut scratch, &mut taken, &mut leaving[p], &in_pool);
+                place_rest(&snap.nodes, &mut scratch, &rest, &in_pool);
                 for &u in &choice.units {
                     let unit = &units[u];
                     out.victims.push(Victim {
@@ -693,6 +737,29 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
             reclaiming.get(&a),
             protected.contains(&a),
         ));
+    }
+    out
+}
+
+/// Places what of `tasks` fits; returns what still does not.
+fn place_rest(
+    nodes: &[NodeCap],
+    scratch: &mut Scratch,
+    tasks: &[WaitingTasks],
+    in_pool: &dyn Fn(usize) -> bool,
+) -> Vec<WaitingTasks> {
+    let mut out = Vec::new();
+    for w in tasks {
+        let mut placed = 0;
+        while placed < w.count && scratch.place(nodes, w, in_pool).is_some() {
+            placed += 1;
+        }
+        if placed < w.count {
+            out.push(WaitingTasks {
+                count: w.count - placed,
+                ..w.clone()
+            });
+        }
     }
     out
 }

@@ -157,26 +157,48 @@ fn a_queue_below_its_share_reclaims_exactly_its_weighted_share() {
     // The six oldest A jobs get the GPUs; the other two wait for A's share to grow.
     assert!(p.why[8..14].iter().all(|w| matches!(w, Some(WaitReason::Reclaiming { .. }))), "{:?}", p.why);
     assert!(p.why[14..].iter().all(|w| matches!(w, Some(WaitReason::OverShare { .. }))), "{:?}", p.why);
+    // The next pass, with those leaving, takes nothing more; and once they are dead (free)
+    // it takes nothing either.
+    for v in &p.victims {
+        for &h in &v.held {
+            c.s.held[h].leaving = true;
+            c.s.held[h].for_queue = Some(0);
+        }
+    }
+    assert!(c.plan().victims.is_empty(), "{:?}", c.plan());
+    let gone: BTreeSet<usize> = p.victims.iter().flat_map(|v| v.held.clone()).collect();
+    for &h in &gone {
+        let held = c.s.held[h].clone();
+        c.s.nodes[held.node].free_gpus |= held.gpus;
+    }
+    let keep: Vec<Held> = (0..c.s.held.len()).filter(|h| !gone.contains(h)).map(|h| c.s.held[h].clone()).collect();
+    c.s.held = keep;
+    assert!(c.plan().victims.is_empty());
 }
 
 #[test]
 fn a_gang_is_taken_whole_or_not_at_all() {
     // B: a gang of four 1-GPU tasks and four single jobs; A wants 8 (deserves 6). Taking
     // singles first would stall at 4; the gang plus two singles reaches 6.
-    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
-    let gang = c.app("b", 0, true, vec![]);
-    for _ in 0..4 {
-        c.hold(gang, 0, 1, 10_000);
+    // A as one job of eight tasks, or as eight jobs of one.
+    for jobs in [1, 8] {
+        let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+        let gang = c.app("b", 0, true, vec![]);
+        for _ in 0..4 {
+            c.hold(gang, 0, 1, 10_000);
+        }
+        for _ in 0..4 {
+            let s = c.app("b", 0, false, vec![]);
+            c.hold(s, 1, 1, 10_000);
+        }
+        for _ in 0..jobs {
+            c.app("a", 0, false, vec![waiting(8 / jobs, 1)]);
+        }
+        let p = c.plan();
+        let by_app = victims_by_app(&p);
+        assert_eq!(by_app.get(&gang), Some(&4), "the whole gang: {p:?}");
+        assert_eq!(by_app.values().sum::<usize>(), 6);
     }
-    for _ in 0..4 {
-        let s = c.app("b", 0, false, vec![]);
-        c.hold(s, 1, 1, 10_000);
-    }
-    c.app("a", 0, false, vec![waiting(8, 1)]);
-    let p = c.plan();
-    let by_app = victims_by_app(&p);
-    assert_eq!(by_app.get(&gang), Some(&4), "the whole gang: {p:?}");
-    assert_eq!(by_app.values().sum::<usize>(), 6);
 }
 
 #[test]
@@ -253,6 +275,15 @@ fn priority_preempts_within_a_queue_only_where_allowed() {
         if allowed {
             assert_eq!(p.victims.iter().map(|v| v.held.len()).sum::<usize>(), 2, "{p:?}");
             assert!(p.victims.iter().all(|v| v.for_app == high && v.app == low));
+            // The next pass, with those leaving, takes nothing more.
+            let q = c.t.resolve(Some("q")).unwrap();
+            for v in &p.victims {
+                for &h in &v.held {
+                    c.s.held[h].leaving = true;
+                    c.s.held[h].for_queue = Some(q);
+                }
+            }
+            assert!(c.plan().victims.is_empty(), "{:?}", c.plan());
         } else {
             assert!(p.victims.is_empty(), "{p:?}");
         }
@@ -454,6 +485,40 @@ proptest! {
         }
     }
 
+    /// Passes add up safely: with one pass's victims leaving (notices out), the next pass
+    /// may make more room (e.g. a gang that now fits leaves a smaller job unserved) but
+    /// never takes a queue below its share or guarantee in total, and what it takes is
+    /// still for queues owed GPUs.
+    #[test]
+    fn repeated_passes_never_take_a_queue_below_its_share(w in world()) {
+        let mut c = build(&w);
+        let first = Shares::compute(&c.t, &c.s);
+        let mut removed: BTreeMap<usize, u32> = BTreeMap::new();
+        for _ in 0..3 {
+            let shares = Shares::compute(&c.t, &c.s);
+            let p = plan(&c.t, &c.s, &shares);
+            for v in &p.victims {
+                let vq = c.s.apps[v.app].queue;
+                if vq != v.for_queue {
+                    prop_assert!(shares.owed(0, v.for_queue) > 0);
+                }
+                for &h in &v.held {
+                    if vq != v.for_queue {
+                        *removed.entry(vq).or_default() += c.s.held[h].gpus.count_ones();
+                    }
+                    c.s.held[h].leaving = true;
+                    c.s.held[h].for_queue = Some(v.for_queue);
+                }
+            }
+        }
+        for (q, r) in removed {
+            let used = f64::from(first.used[0][q]);
+            let floor = first.deserved[0][q].max(f64::from(c.t.get(q).guaranteed_gpus).min(used));
+            let left = used - f64::from(r) - f64::from(first.leaving[0][q]);
+            prop_assert!(left + 1e-6 >= floor, "queue {} left at {} below {}", q, left, floor);
+        }
+    }
+
     /// Deserved shares fill the pool (or what is wanted), never exceed what a queue wants
     /// or its cap, and give at least the guarantee when the guarantees fit.
     #[test]
@@ -500,4 +565,18 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn room_that_is_free_already_is_used_before_anything_is_taken() {
+    // The pass after a priority preemption: the two containers taken are dead (their GPUs
+    // free), the high job has not asked yet. Nothing more may be taken for it.
+    let mut c = Cluster::new(tree(&[("q", 1.0, 0, None, true)]), &[4]);
+    let low = c.app("q", 0, false, vec![waiting(2, 1)]);
+    c.app("q", 0, false, vec![waiting(1, 1)]);
+    c.app("q", 10, false, vec![waiting(2, 1)]);
+    c.hold(low, 0, 2, 3000);
+    assert_eq!(c.s.nodes[0].free_gpus.count_ones(), 2);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
 }

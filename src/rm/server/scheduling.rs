@@ -247,6 +247,19 @@ pub(super) fn preempted_diagnostics(p: &Preempting) -> String {
     format!("Container preempted for queue `{}`: {}", p.for_queue, p.reason)
 }
 
+/// How a container's end is reported: one under a preemption notice was preempted (its
+/// task may have checkpointed and exited by itself, with any code), so it is retried as
+/// such whatever its application saw first.
+pub(super) fn exit_of(st: &RmState, id: &str, exit: i32, diagnostics: String) -> (i32, String) {
+    match st.sched.preempting.get(id) {
+        Some(p) => (
+            exit_status::PREEMPTED,
+            format!("{} (the task exited {exit})", preempted_diagnostics(p)),
+        ),
+        None => (exit, diagnostics),
+    }
+}
+
 /// What one pass asks the I/O side to do.
 #[derive(Default)]
 pub(super) struct TickWork {
