@@ -10,6 +10,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod browser;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};

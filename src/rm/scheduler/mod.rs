@@ -611,6 +611,11 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
             let mut cross: Vec<WaitingTasks> = Vec::new();
             let mut cross_of: Vec<(usize, u32)> = Vec::new();
             for (a, rest) in &unmet {
+                // A gang is made room for whole or not at all.
+                let all: u32 = rest.iter().map(|w| w.count * w.gpus).sum();
+                if snap.apps[*a].gang && all > budget {
+                    continue;
+                }
                 let mut gpus = 0;
                 for w in rest {
                     let n = (budget / w.gpus.max(1)).min(w.count);

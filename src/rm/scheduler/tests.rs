@@ -580,3 +580,16 @@ fn room_that_is_free_already_is_used_before_anything_is_taken() {
     let p = c.plan();
     assert!(p.victims.is_empty(), "{p:?}");
 }
+
+#[test]
+fn nothing_is_taken_for_a_gang_that_the_share_cannot_hold() {
+    // A is owed 2 GPUs but its gang needs 4: taking 2 would not start it.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+    for _ in 0..4 {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, 0, 1, 1000);
+    }
+    c.app("a", 0, true, vec![waiting(4, 1)]);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
+}
