@@ -54,20 +54,28 @@ fn the_cluster_page_shows_queues_jobs_and_the_node_grid() {
     subs.push(rm.submit(&job(&rm, "train", "research", 4, 1)));
     wait_for(Duration::from_secs(60), "six GPUs in use", || {
         let v = overview(&rm);
-        let used: u64 = v["queues"].as_array()?.iter().map(|q| q["usedGpus"].as_u64().unwrap_or(0)).sum();
+        let used: u64 = v["queues"]
+            .as_array()?
+            .iter()
+            .map(|q| q["usedGpus"].as_u64().unwrap_or(0))
+            .sum();
         (used == 6).then_some(())
     });
     subs.push(rm.submit(&job(&rm, "serve2", "prod", 1, 1)));
     subs.push(rm.submit(&job(&rm, "big", "research", 1, 4)));
-    let v = wait_for(Duration::from_secs(60), "both waiting jobs to say why they wait", || {
-        let v = overview(&rm);
-        let codes: BTreeSet<String> = v["apps"]
-            .as_array()?
-            .iter()
-            .filter_map(|a| a["whyCode"].as_str().map(str::to_string))
-            .collect();
-        (codes.contains("atCap") && codes.contains("nothingFits")).then_some(v)
-    });
+    let v = wait_for(
+        Duration::from_secs(60),
+        "both waiting jobs to say why they wait",
+        || {
+            let v = overview(&rm);
+            let codes: BTreeSet<String> = v["apps"]
+                .as_array()?
+                .iter()
+                .filter_map(|a| a["whyCode"].as_str().map(str::to_string))
+                .collect();
+            (codes.contains("atCap") && codes.contains("nothingFits")).then_some(v)
+        },
+    );
     let apps: BTreeMap<String, Value> = v["apps"]
         .as_array()
         .unwrap()
@@ -98,7 +106,11 @@ async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
     let queues = b
         .js("return [...document.querySelectorAll('tr[data-queue]')].map(r => [r.dataset.queue, r.querySelector('[data-deserved]').dataset.deserved, Number(r.querySelector('[data-used]').dataset.used)]);")
         .await;
-    assert_eq!(queues, json!([["prod", "2.00", 2], ["research", "6.00", 4]]), "{queues}");
+    assert_eq!(
+        queues,
+        json!([["prod", "2.00", 2], ["research", "6.00", 4]]),
+        "{queues}"
+    );
     // Jobs: four, each with its queue, state and link to its own dashboard.
     let rows = b
         .js("return [...document.querySelectorAll('tr[data-app]')].map(r => ({id: r.dataset.app, state: r.dataset.state, why: r.dataset.whyCode, link: (r.querySelector('a') || {}).href || null, queue: r.children[2].textContent, gpus: Number(r.querySelector('[data-gpus]').dataset.gpus), user: r.children[1].textContent}));")
@@ -127,7 +139,10 @@ async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
     let why = b
         .js("return document.querySelector('tr[data-why-code=\"atCap\"] td.why').textContent;")
         .await;
-    assert!(why.as_str().unwrap().contains("queue `prod` is at its cap (maxGpus 2)"), "{why}");
+    assert!(
+        why.as_str().unwrap().contains("queue `prod` is at its cap (maxGpus 2)"),
+        "{why}"
+    );
     // The node grid: every GPU a box; the six in use carry their job and queue, boxes of
     // one job share a colour, the two queues differ.
     let boxes = b
@@ -142,9 +157,15 @@ async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
         let app = x[2].as_str().unwrap().to_string();
         let expected_queue = if app == apps["serve"]["id"] { "prod" } else { "research" };
         assert_eq!(x[3], expected_queue, "{x}");
-        colour_of.entry(app).or_default().insert(x[4].as_str().unwrap().to_string());
+        colour_of
+            .entry(app)
+            .or_default()
+            .insert(x[4].as_str().unwrap().to_string());
     }
-    assert!(colour_of.values().all(|c| c.len() == 1), "one colour per job: {colour_of:?}");
+    assert!(
+        colour_of.values().all(|c| c.len() == 1),
+        "one colour per job: {colour_of:?}"
+    );
     let colours: BTreeSet<&String> = colour_of.values().flatten().collect();
     assert_eq!(colours.len(), 2, "two jobs, two colours: {colour_of:?}");
     b.js("window.scrollTo(0, 0);").await;

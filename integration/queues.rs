@@ -157,9 +157,8 @@ fn running(runs: &[Run], job: &str) -> usize {
 #[test]
 fn a_queue_below_its_share_takes_back_its_weighted_share() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let settings = format!(
-        "  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 3}}\n    b: {{weight: 1}}\n"
-    );
+    let settings =
+        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 3}}\n    b: {{weight: 1}}\n");
     let rm = Rm::start_with_settings(CLUSTER, &settings, ENV);
 
     // Unknown queues are refused at submit, naming the queues there are.
@@ -211,7 +210,13 @@ fn a_queue_below_its_share_takes_back_its_weighted_share() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let overview = rm.get_json("/ws/v1/cluster/overview").unwrap();
-    let b = overview["queues"].as_array().unwrap().iter().find(|q| q["name"] == "b").unwrap().clone();
+    let b = overview["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["name"] == "b")
+        .unwrap()
+        .clone();
     assert_eq!(b["preempted"].as_u64(), Some(8 - split.1), "{b}");
     assert!((b["deservedGpus"].as_f64().unwrap() - 2.0).abs() < 1e-6, "{b}");
 
@@ -270,12 +275,17 @@ fn a_higher_priority_job_preempts_within_its_queue() {
     std::thread::sleep(Duration::from_secs(GRACE_SEC + 1));
     assert_eq!(running(&runs(&rm), "low"), 4, "a same-priority job preempts nothing");
     let high = rm.submit(&job(&rm, "high", "q", 10, false, 2, "high"));
-    wait_for(Duration::from_secs(GRACE_SEC + 13), "the high job to run on two GPUs", || {
-        (running(&runs(&rm), "high") == 2).then_some(())
-    });
+    wait_for(
+        Duration::from_secs(GRACE_SEC + 13),
+        "the high job to run on two GPUs",
+        || (running(&runs(&rm), "high") == 2).then_some(()),
+    );
     let r = runs(&rm);
     assert_eq!(running(&r, "low"), 2, "{r:?}");
-    assert!(r.iter().all(|x| x.job != "mid"), "mid must not take the room made for high");
+    assert!(
+        r.iter().all(|x| x.job != "mid"),
+        "mid must not take the room made for high"
+    );
     std::fs::write(rm.path("release-high"), "").unwrap();
     std::fs::write(rm.path("release-low"), "").unwrap();
     std::fs::write(rm.path("release-mid"), "").unwrap();
@@ -284,7 +294,10 @@ fn a_higher_priority_job_preempts_within_its_queue() {
         assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
     }
     let r = runs(&rm);
-    let preempted = r.iter().filter(|x| x.job == "low" && x.attempt == 1 && x.end.as_ref().is_some_and(|e| e.1 != "done")).count();
+    let preempted = r
+        .iter()
+        .filter(|x| x.job == "low" && x.attempt == 1 && x.end.as_ref().is_some_and(|e| e.1 != "done"))
+        .count();
     assert_eq!(preempted, 2, "{r:?}");
     assert_no_gpu_held_twice(&r);
     rm.assert_all_free(Duration::from_secs(20));

@@ -230,4 +230,3 @@ pub fn base64_decode(s: &str) -> Vec<u8> {
     }
     out
 }
-

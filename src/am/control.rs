@@ -635,7 +635,11 @@ impl Control {
         // A task under a preemption notice was preempted, however it exited.
         if let Some(n) = self.preempt.remove(&c.container_id) {
             let exit = classify(exit_status::PREEMPTED, "", &self.settings);
-            self.task_exited(ti, exit, format!("preempted: {} (it exited {})", n.reason, c.exit_status));
+            self.task_exited(
+                ti,
+                exit,
+                format!("preempted: {} (it exited {})", n.reason, c.exit_status),
+            );
             return;
         }
         let exit = classify(c.exit_status, &c.diagnostics, &self.settings);
@@ -650,7 +654,10 @@ impl Control {
         let (by_container, tasks) = (&self.by_container, &self.tasks);
         let new = self.preempt.take(notices, now_ms(), self.settings.stop_grace_ms, |id| {
             let t = &tasks[*by_container.get(id)?];
-            Some(matches!(t.state, TaskState::ContainerLaunched | TaskState::ContainerRunning))
+            Some(matches!(
+                t.state,
+                TaskState::ContainerLaunched | TaskState::ContainerRunning
+            ))
         });
         for id in new {
             tracing::info!(container = %id, "the RM is taking this container back (preemption)");
@@ -665,7 +672,9 @@ impl Control {
         }
         for id in self.preempt.due(now_ms()) {
             let Some(n) = self.preempt.remove(&id) else { continue };
-            let Some(ti) = self.by_container.remove(&id) else { continue };
+            let Some(ti) = self.by_container.remove(&id) else {
+                continue;
+            };
             self.releases.push(id);
             let exit = classify(exit_status::PREEMPTED, "", &self.settings);
             self.task_exited(ti, exit, format!("preempted: {}", n.reason));
@@ -687,7 +696,11 @@ impl Control {
         if unplaced == 0 {
             return;
         }
-        let total = self.tasks.iter().filter(|t| t.state != TaskState::TaskCompleted).count();
+        let total = self
+            .tasks
+            .iter()
+            .filter(|t| t.state != TaskState::TaskCompleted)
+            .count();
         let (lo, hi) = (
             self.settings.not_available_retry_min_ms,
             self.settings.not_available_retry_max_ms,
@@ -697,7 +710,9 @@ impl Control {
             let unsent = self.tasks[ti]
                 .request
                 .as_ref()
-                .filter(|r| self.tasks[ti].state == TaskState::ContainerRequested && !self.sent_asks.contains(&r.request_id))
+                .filter(|r| {
+                    self.tasks[ti].state == TaskState::ContainerRequested && !self.sent_asks.contains(&r.request_id)
+                })
                 .cloned();
             let Some(r) = unsent else { continue };
             self.by_request.remove(&r.request_id);
@@ -1365,8 +1380,16 @@ mod tests {
         }
         assert!(c.by_request.is_empty());
         assert!(
-            c.tasks[0].waiting_reason.as_deref().unwrap_or("").contains("asked for together")
-                || c.tasks[1].waiting_reason.as_deref().unwrap_or("").contains("asked for together")
+            c.tasks[0]
+                .waiting_reason
+                .as_deref()
+                .unwrap_or("")
+                .contains("asked for together")
+                || c.tasks[1]
+                    .waiting_reason
+                    .as_deref()
+                    .unwrap_or("")
+                    .contains("asked for together")
         );
         // What the RM hears: both wait.
         let w = super::super::queueing::waiting_demand(&c.job, &c.tasks);
@@ -1399,7 +1422,10 @@ mod tests {
             let t = &c.tasks[0];
             assert_eq!(t.state, TaskState::TaskWaiting, "preempted, so retried (round {round})");
             assert_eq!((t.retry.retried, t.retry.preempted), (0, round + 1));
-            assert_eq!(t.exit.as_ref().unwrap().0.code, super::super::exits::code::CONTAINER_PREEMPTED);
+            assert_eq!(
+                t.exit.as_ref().unwrap().0.code,
+                super::super::exits::code::CONTAINER_PREEMPTED
+            );
             c.tasks[0].not_before = None;
         }
         // An unstarted container under notice goes back at once.

@@ -163,7 +163,10 @@ pub async fn run(opts: AmOptions) -> i32 {
             completed_tasks: 0,
             roles: Vec::new(),
             rm_url: opts.rm_url.clone(),
-            queue: job.queue.clone().unwrap_or_else(|| crate::protocol::DEFAULT_QUEUE.to_string()),
+            queue: job
+                .queue
+                .clone()
+                .unwrap_or_else(|| crate::protocol::DEFAULT_QUEUE.to_string()),
             priority: job.priority,
             queue_note: None,
         },

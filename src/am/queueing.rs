@@ -145,7 +145,11 @@ mod tests {
             3_000,
             started,
         );
-        assert_eq!(new, vec!["run".to_string(), "alloc".to_string()], "unknown ones are ignored");
+        assert_eq!(
+            new,
+            vec!["run".to_string(), "alloc".to_string()],
+            "unknown ones are ignored"
+        );
         assert_eq!(p.due(1_000), vec!["alloc".to_string()]);
         assert_eq!(p.get("run").unwrap().release_at_ms, 28_000, "3 s before the deadline");
         assert!(p.due(27_999).iter().all(|id| id != "run"));
@@ -174,7 +178,13 @@ mod tests {
         assert_eq!(d.len(), 2);
         assert_eq!((d[0].role.as_str(), d[0].count, d[0].gpus), ("ps", 1, 0));
         assert_eq!(
-            (d[1].role.as_str(), d[1].count, d[1].gpus, d[1].cpu, d[1].gpu_types.clone()),
+            (
+                d[1].role.as_str(),
+                d[1].count,
+                d[1].gpus,
+                d[1].cpu,
+                d[1].gpu_types.clone()
+            ),
             ("worker", 2, 2, 2, vec!["V100".to_string()])
         );
     }

@@ -705,7 +705,10 @@ fn container_env(
         ("GPUAM_CONTAINER_ID", id.to_string()),
         ("GPUAM_HOST", host.to_string()),
         ("GPUAM_CONTAINER_DIR", dir.to_string_lossy().into_owned()),
-        ("GPUAM_PREEMPT_FILE", dir.join(PREEMPT_FILE).to_string_lossy().into_owned()),
+        (
+            "GPUAM_PREEMPT_FILE",
+            dir.join(PREEMPT_FILE).to_string_lossy().into_owned(),
+        ),
     ];
     for (k, v) in own {
         env.insert(k.into(), v);

@@ -110,7 +110,7 @@ pub fn eligible(n: &NodeCap, t: &WaitingTasks) -> bool {
 pub struct Shares {
     /// Pool names (GPU types), sorted.
     pub pools: Vec<String>,
-    /// GPUs of usable nodes per pool.
+    /// GPUs of usable nodes per pool (nodes smaller than every task left out).
     pub capacity: Vec<u32>,
     /// `[pool][queue]`: GPUs held (parents: their leaves' sum).
     pub used: Vec<Vec<u32>>,
@@ -156,7 +156,17 @@ impl Shares {
             guaranteed: (0..nq).map(|q| tree.get(q).guaranteed_gpus).collect(),
             pools: Vec::new(),
         };
-        for n in snap.nodes.iter().filter(|n| n.usable) {
+        // A node smaller than every task that holds or wants GPUs (e.g. 2-GPU machines
+        // when every task takes 4) is no capacity anyone can use: it does not count.
+        let smallest = snap
+            .held
+            .iter()
+            .map(|h| h.gpus.count_ones())
+            .chain(snap.apps.iter().flat_map(|a| a.waiting.iter().map(|w| w.gpus)))
+            .filter(|&g| g > 0)
+            .min()
+            .unwrap_or(1);
+        for n in snap.nodes.iter().filter(|n| n.usable && n.total_gpus >= smallest) {
             if let Some(p) = pool_of(&n.pool) {
                 s.capacity[p] += n.total_gpus;
             }
@@ -483,7 +493,13 @@ fn reserve(
 /// Whether application `app` may be granted `asks` (node index, exact resources) now,
 /// all together; see the module doc. Fitting is the ledger's business: asks that do not
 /// fit are not this function's to refuse.
-pub fn gate(tree: &QueueTree, snap: &Snapshot, shares: &Shares, app: usize, asks: &[(usize, Resources)]) -> Result<(), WaitReason> {
+pub fn gate(
+    tree: &QueueTree,
+    snap: &Snapshot,
+    shares: &Shares,
+    app: usize,
+    asks: &[(usize, Resources)],
+) -> Result<(), WaitReason> {
     let me = &snap.apps[app];
     let gpus: u32 = asks.iter().map(|(_, r)| r.gpu_count()).sum();
     if gpus > 0 {
@@ -560,132 +576,219 @@ pub struct Plan {
     pub why: Vec<Option<WaitReason>>,
 }
 
+/// What a plan builds up as it goes.
+struct PlanState {
+    out: Plan,
+    scratch: Scratch,
+    /// Containers already chosen (by an earlier decision or in this plan).
+    taken: Vec<bool>,
+    /// `[pool][queue]`: GPUs leaving the queue (earlier decisions and this plan's).
+    leaving: Vec<Vec<u32>>,
+    /// Per application: GPUs being taken back for it, and from which queues.
+    reclaiming: BTreeMap<usize, (u32, BTreeSet<String>)>,
+    /// `[pool][queue]`: GPUs this plan takes back for each queue.
+    gained: Vec<Vec<u32>>,
+    /// Applications whose room only gangs too big to take could have made.
+    protected: BTreeSet<usize>,
+}
+
+impl PlanState {
+    /// Takes containers of other queues above their share in pool `p` so that `tasks`
+    /// (of `beneficiaries`, with their GPUs, in rank order) fit; a `whole` batch (a gang)
+    /// is served entirely or nothing is taken.
+    #[allow(clippy::too_many_arguments)]
+    fn reclaim_across(
+        &mut self,
+        tree: &QueueTree,
+        snap: &Snapshot,
+        shares: &Shares,
+        p: usize,
+        s: usize,
+        tasks: &[WaitingTasks],
+        whole: bool,
+        beneficiaries: &[(usize, u32)],
+    ) {
+        let in_pool = |n: usize| shares.pool_of(&snap.nodes[n].pool) == Some(p);
+        let mut limit: BTreeMap<usize, u32> = BTreeMap::new();
+        for v in tree.leaves().filter(|&v| v != s) {
+            let cur = shares.used[p][v];
+            let floor = shares.deserved[p][v].max(f64::from(tree.get(v).guaranteed_gpus).min(f64::from(cur)));
+            let room = (f64::from(cur) - floor - f64::from(self.leaving[p][v]) + EPS).floor();
+            if room >= 1.0 {
+                limit.insert(v, room as u32);
+            }
+        }
+        let units = victims::units(
+            snap,
+            &self.taken,
+            |app| limit.contains_key(&snap.apps[app].queue),
+            &in_pool,
+        );
+        let mut choice = victims::choose(snap, &self.scratch, tasks, &units, &limit);
+        let all: u32 = tasks.iter().map(|w| w.count).sum();
+        if whole && choice.served < all {
+            choice.units.clear();
+        }
+        if choice.units.is_empty() {
+            if choice.gang_blocked {
+                self.protected.extend(beneficiaries.iter().map(|b| b.0));
+            }
+            return;
+        }
+        let mut freed = apply_choice(
+            snap,
+            &units,
+            &choice,
+            &mut self.scratch,
+            &mut self.taken,
+            &mut self.leaving[p],
+            &in_pool,
+        );
+        let from: BTreeSet<String> = choice
+            .units
+            .iter()
+            .map(|&u| tree.get(snap.apps[units[u].app].queue).path.clone())
+            .collect();
+        let first = beneficiaries.first().map_or(0, |x| x.0);
+        for &u in &choice.units {
+            let unit = &units[u];
+            let vq = snap.apps[unit.app].queue;
+            self.out.victims.push(Victim {
+                held: unit.held.clone(),
+                app: unit.app,
+                for_queue: s,
+                for_app: first,
+                reason: format!(
+                    "queue `{}` is below its share and waits; queue `{}` holds {} GPUs and deserves {:.1}",
+                    tree.get(s).path,
+                    tree.get(vq).path,
+                    shares.used[p][vq],
+                    shares.deserved[p][vq]
+                ),
+            });
+            self.gained[p][s] += unit.gpus;
+        }
+        // The room made is the queue's, for its applications in rank order.
+        for &(a, gpus) in beneficiaries {
+            let got = gpus.min(freed);
+            freed -= got;
+            if got > 0 {
+                let e = self.reclaiming.entry(a).or_default();
+                e.0 += got;
+                e.1.extend(from.iter().cloned());
+            }
+            if got < gpus && choice.gang_blocked {
+                self.protected.insert(a);
+            }
+        }
+        place_rest(&snap.nodes, &mut self.scratch, tasks, &in_pool);
+    }
+}
+
 /// Chooses containers to take back and says why each waiting application waits (see the
 /// module doc).
 pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
-    let mut out = Plan {
-        victims: Vec::new(),
-        why: vec![None; snap.apps.len()],
+    let mut st = PlanState {
+        out: Plan {
+            victims: Vec::new(),
+            why: vec![None; snap.apps.len()],
+        },
+        scratch: Scratch::of(snap),
+        taken: snap.held.iter().map(|h| h.leaving).collect(),
+        leaving: shares.leaving.clone(),
+        reclaiming: BTreeMap::new(),
+        gained: vec![vec![0u32; tree.len()]; shares.pools.len()],
+        protected: BTreeSet::new(),
     };
-    let mut scratch = Scratch::of(snap);
-    // Containers already chosen (by an earlier decision or in this plan).
-    let mut taken: Vec<bool> = snap.held.iter().map(|h| h.leaving).collect();
-    let mut reclaiming: BTreeMap<usize, (u32, BTreeSet<String>)> = BTreeMap::new();
-    // GPUs this plan takes back for each queue, per pool.
-    let mut gained = vec![vec![0u32; tree.len()]; shares.pools.len()];
-    let mut protected: BTreeSet<usize> = BTreeSet::new();
-    let mut leaving = shares.leaving.clone();
-
     for p in 0..shares.pools.len() {
         let in_pool = |n: usize| shares.pool_of(&snap.nodes[n].pool) == Some(p);
         // Queues furthest below their share first: they pack into the free room first.
         let mut queues: Vec<usize> = tree.leaves().filter(|&q| shares.waiting[p][q] > 0).collect();
         queues.sort_by(|&a, &b| shares.ratio(p, a).total_cmp(&shares.ratio(p, b)).then(a.cmp(&b)));
         for s in queues {
+            let owed_now = shares.owed(p, s);
+            let by_priority = tree.get(s).priority_preemption;
+            if owed_now == 0 && !by_priority {
+                // Nothing can be taken for it: its jobs only pack into the free room.
+                continue;
+            }
             // Room already being made for this queue (notices out) is its own: its tasks
             // may take it as if it were free, so it is not made twice.
-            let incoming = scratch.give_leaving(snap, |h| h.for_queue == Some(s) && in_pool(h.node));
+            let incoming = st
+                .scratch
+                .give_leaving(snap, |h| h.for_queue == Some(s) && in_pool(h.node));
             let mut apps: Vec<usize> = (0..snap.apps.len())
                 .filter(|&a| snap.apps[a].queue == s && snap.apps[a].waiting.iter().any(|w| w.gpus > 0))
                 .collect();
-            apps.sort_by(|&x, &y| rank_cmp(&rank(shares, Some(p), &snap.apps[x]), &rank(shares, Some(p), &snap.apps[y])));
-            // What fits the free resources needs no preemption.
-            let mut fit_total = 0;
+            apps.sort_by(|&x, &y| {
+                rank_cmp(
+                    &rank(shares, Some(p), &snap.apps[x]),
+                    &rank(shares, Some(p), &snap.apps[y]),
+                )
+            });
+            // What fits the free resources needs no preemption. (Without priority
+            // preemption, only work up to what the queue is owed matters.)
+            let want = if owed_now > 0 { owed_now + incoming } else { 0 };
+            let (mut fit_total, mut unmet_total) = (0u32, 0u32);
             let mut unmet: Vec<(usize, Vec<WaitingTasks>)> = Vec::new();
             for &a in &apps {
-                let fit = scratch.place_app(&snap.nodes, &snap.apps[a], u32::MAX, &in_pool);
+                if !by_priority && fit_total + unmet_total >= want {
+                    break;
+                }
+                let fit = st.scratch.place_app(&snap.nodes, &snap.apps[a], u32::MAX, &in_pool);
                 fit_total += fit;
                 let rest = unmet_tasks(&snap.apps[a], fit, u32::MAX, &snap.nodes, &in_pool);
+                unmet_total += rest.iter().map(|w| w.count * w.gpus).sum::<u32>();
                 if !rest.is_empty() {
                     unmet.push((a, rest));
                 }
             }
-            // Across queues: the queue is below its share; the rest, up to what it is owed,
-            // is made room for all at once (so a gang plus singles can add up to the need).
-            let owed = if shares.owed(p, s) > 0 {
-                (shares.owed(p, s) + incoming).saturating_sub(fit_total)
-            } else {
-                0
-            };
-            let mut budget = owed;
-            let mut cross: Vec<WaitingTasks> = Vec::new();
-            let mut cross_of: Vec<(usize, u32)> = Vec::new();
+            // Across queues: the queue is below its share; its unmet work, up to what it is
+            // owed, in rank order. Single jobs are made room for together (so that a gang
+            // victim plus singles can add up to the need); each gang alone, and only whole.
+            let mut budget = want.saturating_sub(fit_total);
+            let mut batch: Vec<WaitingTasks> = Vec::new();
+            let mut batch_of: Vec<(usize, u32)> = Vec::new();
             for (a, rest) in &unmet {
-                // A gang is made room for whole or not at all.
-                let all: u32 = rest.iter().map(|w| w.count * w.gpus).sum();
-                if snap.apps[*a].gang && all > budget {
+                if budget == 0 {
+                    break;
+                }
+                if snap.apps[*a].gang {
+                    let all: u32 = rest.iter().map(|w| w.count * w.gpus).sum();
+                    if all > budget {
+                        continue;
+                    }
+                    if !batch.is_empty() {
+                        st.reclaim_across(tree, snap, shares, p, s, &batch, false, &batch_of);
+                        batch.clear();
+                        batch_of.clear();
+                    }
+                    budget -= all;
+                    st.reclaim_across(tree, snap, shares, p, s, rest, true, &[(*a, all)]);
                     continue;
                 }
                 let mut gpus = 0;
                 for w in rest {
                     let n = (budget / w.gpus.max(1)).min(w.count);
                     if n > 0 {
-                        cross.push(WaitingTasks { count: n, ..w.clone() });
+                        batch.push(WaitingTasks { count: n, ..w.clone() });
                         budget -= n * w.gpus;
                         gpus += n * w.gpus;
                     }
                 }
                 if gpus > 0 {
-                    cross_of.push((*a, gpus));
+                    batch_of.push((*a, gpus));
                 }
             }
-            if !cross.is_empty() {
-                let mut limit: BTreeMap<usize, u32> = BTreeMap::new();
-                for v in tree.leaves().filter(|&v| v != s) {
-                    let cur = shares.used[p][v];
-                    let floor = shares.deserved[p][v].max(f64::from(tree.get(v).guaranteed_gpus).min(f64::from(cur)));
-                    let room = (f64::from(cur) - floor - f64::from(leaving[p][v]) + EPS).floor();
-                    if room >= 1.0 {
-                        limit.insert(v, room as u32);
-                    }
-                }
-                let units = victims::units(snap, &taken, |app| limit.contains_key(&snap.apps[app].queue), &in_pool);
-                let choice = victims::choose(snap, &scratch, &cross, &units, &limit);
-                let mut freed = apply_choice(snap, &units, &choice, &mut scratch, &mut taken, &mut leaving[p], &in_pool);
-                let from: BTreeSet<String> = choice
-                    .units
-                    .iter()
-                    .map(|&u| tree.get(snap.apps[units[u].app].queue).path.clone())
-                    .collect();
-                let first = cross_of.first().map_or(0, |x| x.0);
-                for &u in &choice.units {
-                    let unit = &units[u];
-                    let vq = snap.apps[unit.app].queue;
-                    out.victims.push(Victim {
-                        held: unit.held.clone(),
-                        app: unit.app,
-                        for_queue: s,
-                        for_app: first,
-                        reason: format!(
-                            "queue `{}` is below its share and waits; queue `{}` holds {} GPUs and deserves {:.1}",
-                            tree.get(s).path,
-                            tree.get(vq).path,
-                            shares.used[p][vq],
-                            shares.deserved[p][vq]
-                        ),
-                    });
-                    gained[p][s] += unit.gpus;
-                }
-                // The room made is the queue's, for its applications in rank order.
-                for (a, gpus) in cross_of {
-                    let got = gpus.min(freed);
-                    freed -= got;
-                    if got > 0 {
-                        let e = reclaiming.entry(a).or_default();
-                        e.0 += got;
-                        e.1.extend(from.iter().cloned());
-                    }
-                    if got < gpus && choice.gang_blocked {
-                        protected.insert(a);
-                    }
-                }
-                for (_, rest) in unmet.iter_mut() {
-                    *rest = place_rest(&snap.nodes, &mut scratch, rest, &in_pool);
-                }
+            if !batch.is_empty() {
+                st.reclaim_across(tree, snap, shares, p, s, &batch, false, &batch_of);
+            }
+            for (_, rest) in unmet.iter_mut() {
+                *rest = place_rest(&snap.nodes, &mut st.scratch, rest, &in_pool);
             }
             // Within the queue, where allowed: a job may take the room of lower-priority jobs
             // of the same queue for what is still unmet.
-            if !tree.get(s).priority_preemption {
+            if !by_priority {
                 continue;
             }
             unmet.sort_by_key(|(a, _)| (-i64::from(snap.apps[*a].priority), snap.apps[*a].submitted_ms));
@@ -697,19 +800,30 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                 let limit: BTreeMap<usize, u32> = [(s, u32::MAX)].into();
                 let units = victims::units(
                     snap,
-                    &taken,
+                    &st.taken,
                     |app| snap.apps[app].queue == s && snap.apps[app].priority < me.priority,
                     &in_pool,
                 );
-                let choice = victims::choose(snap, &scratch, &rest, &units, &limit);
+                let mut choice = victims::choose(snap, &st.scratch, &rest, &units, &limit);
+                if me.gang && choice.served < rest.iter().map(|w| w.count).sum::<u32>() {
+                    choice.units.clear();
+                }
                 if choice.units.is_empty() {
                     continue;
                 }
-                apply_choice(snap, &units, &choice, &mut scratch, &mut taken, &mut leaving[p], &in_pool);
-                place_rest(&snap.nodes, &mut scratch, &rest, &in_pool);
+                apply_choice(
+                    snap,
+                    &units,
+                    &choice,
+                    &mut st.scratch,
+                    &mut st.taken,
+                    &mut st.leaving[p],
+                    &in_pool,
+                );
+                place_rest(&snap.nodes, &mut st.scratch, &rest, &in_pool);
                 for &u in &choice.units {
                     let unit = &units[u];
-                    out.victims.push(Victim {
+                    st.out.victims.push(Victim {
                         held: unit.held.clone(),
                         app: unit.app,
                         for_queue: s,
@@ -722,7 +836,7 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                             snap.apps[unit.app].priority
                         ),
                     });
-                    let e = reclaiming.entry(a).or_default();
+                    let e = st.reclaiming.entry(a).or_default();
                     e.0 += unit.gpus;
                     e.1.insert(tree.get(s).path.clone());
                 }
@@ -733,17 +847,17 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
         if app.waiting.iter().all(|w| w.count == 0) {
             continue;
         }
-        out.why[a] = Some(why_waiting(
+        st.out.why[a] = Some(why_waiting(
             tree,
             shares,
-            &gained,
+            &st.gained,
             snap,
             a,
-            reclaiming.get(&a),
-            protected.contains(&a),
+            st.reclaiming.get(&a),
+            st.protected.contains(&a),
         ));
     }
-    out
+    st.out
 }
 
 /// Places what of `tasks` fits; returns what still does not.
@@ -770,7 +884,13 @@ fn place_rest(
 }
 
 /// The tasks of `a` that did not fit (after `fit` GPUs of them did), at most `owed` GPUs.
-fn unmet_tasks(a: &AppDemand, fit: u32, owed: u32, nodes: &[NodeCap], in_pool: &dyn Fn(usize) -> bool) -> Vec<WaitingTasks> {
+fn unmet_tasks(
+    a: &AppDemand,
+    fit: u32,
+    owed: u32,
+    nodes: &[NodeCap],
+    in_pool: &dyn Fn(usize) -> bool,
+) -> Vec<WaitingTasks> {
     let mut skip = fit;
     let mut budget = owed;
     let mut out = Vec::new();
@@ -873,7 +993,6 @@ fn why_waiting(
     }
     WaitReason::NothingFits
 }
-
 
 #[cfg(test)]
 mod tests;

@@ -303,7 +303,11 @@ mod tests {
         let q = t.admit(None, "alice").unwrap();
         assert_eq!(t.get(q).name, "default");
         assert_eq!(t.admit(Some("default"), "bob").unwrap(), q);
-        assert_eq!(t.resolve(Some("research")).unwrap(), q, "no queues configured: all run in default");
+        assert_eq!(
+            t.resolve(Some("research")).unwrap(),
+            q,
+            "no queues configured: all run in default"
+        );
     }
 
     #[test]
@@ -315,7 +319,10 @@ mod tests {
         .unwrap();
         let research = t.resolve(Some("research")).unwrap();
         assert!(t.check_user(research, "alice").is_ok());
-        assert!(t.check_user(research, ADMIN_USER).is_ok(), "the admin may use any queue");
+        assert!(
+            t.check_user(research, ADMIN_USER).is_ok(),
+            "the admin may use any queue"
+        );
         let err = t.check_user(research, "carol").unwrap_err();
         assert!(
             matches!(&err, QueueRefusal::NotAllowed(m) if m.contains("research") && m.contains("alice, bob")),
@@ -353,7 +360,10 @@ mod tests {
             (r#"{"a": {"guaranteedGpus": 4, "maxGpus": 2}}"#, "guaranteedGpus (4)"),
             (r#"{"a b": {}}"#, "queue name `a b`"),
             (r#"{"d": {"queues": {"t": {"queues": {"x": {}}}}}}"#, "one level only"),
-            (r#"{"d": {"queues": {"t": {}}}, "e": {"queues": {"t": {}}}}"#, "two queues are named `t`"),
+            (
+                r#"{"d": {"queues": {"t": {}}}, "e": {"queues": {"t": {}}}}"#,
+                "two queues are named `t`",
+            ),
             (r#"{"a": {"users": [""]}}"#, "rm.queues.a.users"),
         ] {
             let e = QueueTree::from_settings(&settings(yaml)).unwrap_err();

@@ -166,7 +166,10 @@ mod tests {
         let d = deserved(&t, 12.0, &want);
         // dept 9, other 3; inside dept a:b = 1:2.
         assert!((d[idx("other")] - 3.0).abs() < 1e-6, "{d:?}");
-        assert!((d[idx("a")] - 3.0).abs() < 1e-6 && (d[idx("b")] - 6.0).abs() < 1e-6, "{d:?}");
+        assert!(
+            (d[idx("a")] - 3.0).abs() < 1e-6 && (d[idx("b")] - 6.0).abs() < 1e-6,
+            "{d:?}"
+        );
     }
 
     proptest! {

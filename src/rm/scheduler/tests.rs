@@ -155,8 +155,20 @@ fn a_queue_below_its_share_reclaims_exactly_its_weighted_share() {
         .collect();
     assert_eq!(runs, (60_000..60_006).collect());
     // The six oldest A jobs get the GPUs; the other two wait for A's share to grow.
-    assert!(p.why[8..14].iter().all(|w| matches!(w, Some(WaitReason::Reclaiming { .. }))), "{:?}", p.why);
-    assert!(p.why[14..].iter().all(|w| matches!(w, Some(WaitReason::OverShare { .. }))), "{:?}", p.why);
+    assert!(
+        p.why[8..14]
+            .iter()
+            .all(|w| matches!(w, Some(WaitReason::Reclaiming { .. }))),
+        "{:?}",
+        p.why
+    );
+    assert!(
+        p.why[14..]
+            .iter()
+            .all(|w| matches!(w, Some(WaitReason::OverShare { .. }))),
+        "{:?}",
+        p.why
+    );
     // The next pass, with those leaving, takes nothing more; and once they are dead (free)
     // it takes nothing either.
     for v in &p.victims {
@@ -171,7 +183,10 @@ fn a_queue_below_its_share_reclaims_exactly_its_weighted_share() {
         let held = c.s.held[h].clone();
         c.s.nodes[held.node].free_gpus |= held.gpus;
     }
-    let keep: Vec<Held> = (0..c.s.held.len()).filter(|h| !gone.contains(h)).map(|h| c.s.held[h].clone()).collect();
+    let keep: Vec<Held> = (0..c.s.held.len())
+        .filter(|h| !gone.contains(h))
+        .map(|h| c.s.held[h].clone())
+        .collect();
     c.s.held = keep;
     assert!(c.plan().victims.is_empty());
 }
@@ -212,7 +227,11 @@ fn a_gang_bigger_than_what_may_be_taken_is_protected_and_says_so() {
     let a = c.app("a", 0, false, vec![waiting(2, 1)]);
     let p = c.plan();
     assert!(p.victims.is_empty(), "{p:?}");
-    assert!(matches!(p.why[a], Some(WaitReason::GangProtected { .. })), "{:?}", p.why[a]);
+    assert!(
+        matches!(p.why[a], Some(WaitReason::GangProtected { .. })),
+        "{:?}",
+        p.why[a]
+    );
 }
 
 #[test]
@@ -247,7 +266,10 @@ fn cheapest_victims_lowest_priority_first_then_least_run_time_lost() {
 fn victims_free_room_where_the_waiting_task_fits() {
     // A waits for one 4-GPU task. n0: four B singles; n1: two B singles and 2 free. Only
     // two containers on n1 need to go.
-    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4, 4]);
+    let mut c = Cluster::new(
+        tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]),
+        &[4, 4, 4],
+    );
     for n in [0, 0, 0, 0, 1, 1, 2, 2, 2, 2] {
         let b = c.app("b", 0, false, vec![]);
         c.hold(b, n, 1, 1000);
@@ -320,7 +342,10 @@ fn the_gate_keeps_free_gpus_for_the_queue_below_its_share() {
     c.hold(b, 0, 1, 1);
     let a = c.app("a", 0, false, vec![waiting(6, 1)]);
     let refused = c.gate(b, &[(1, 1)]).unwrap_err();
-    assert!(matches!(&refused, WaitReason::Behind { ahead_queue, .. } if ahead_queue == "a"), "{refused}");
+    assert!(
+        matches!(&refused, WaitReason::Behind { ahead_queue, .. } if ahead_queue == "a"),
+        "{refused}"
+    );
     assert!(c.gate(a, &[(1, 1)]).is_ok(), "A is below its share");
     // Once A holds its share, B may use what A does not want.
     let mut c2 = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
@@ -365,7 +390,10 @@ fn within_a_queue_higher_priority_then_older_ranks_first() {
     let young = c.app("q", 0, false, vec![waiting(2, 1)]);
     assert!(c.gate(urgent, &[(0, 1)]).is_ok());
     let e = c.gate(old, &[(0, 1)]).unwrap_err();
-    assert!(matches!(&e, WaitReason::Behind { ahead_app, .. } if *ahead_app == c.s.apps[urgent].id), "{e}");
+    assert!(
+        matches!(&e, WaitReason::Behind { ahead_app, .. } if *ahead_app == c.s.apps[urgent].id),
+        "{e}"
+    );
     let e = c.gate(young, &[(0, 1)]).unwrap_err();
     assert!(matches!(&e, WaitReason::Behind { .. }));
 }
@@ -384,10 +412,7 @@ struct World {
 
 fn world() -> impl Strategy<Value = World> {
     (
-        proptest::collection::vec(
-            (1u32..5, 0u32..4, proptest::option::of(2u32..12), any::<bool>()),
-            1..4,
-        ),
+        proptest::collection::vec((1u32..5, 0u32..4, proptest::option::of(2u32..12), any::<bool>()), 1..4),
         proptest::collection::vec(prop_oneof![Just(1u32), Just(2), Just(4), Just(8)], 1..5),
     )
         .prop_flat_map(|(queues, nodes)| {
@@ -404,7 +429,10 @@ fn world() -> impl Strategy<Value = World> {
                         Just(queues),
                         Just(nodes),
                         Just(apps),
-                        proptest::collection::vec((0..na, 0..nn, 1u32..4, 0u64..100_000, prop::bool::weighted(0.1)), 0..16),
+                        proptest::collection::vec(
+                            (0..na, 0..nn, 1u32..4, 0u64..100_000, prop::bool::weighted(0.1)),
+                            0..16,
+                        ),
                     )
                 })
         })
@@ -592,4 +620,40 @@ fn nothing_is_taken_for_a_gang_that_the_share_cannot_hold() {
     c.app("a", 0, true, vec![waiting(4, 1)]);
     let p = c.plan();
     assert!(p.victims.is_empty(), "{p:?}");
+}
+
+#[test]
+fn nodes_too_small_for_every_task_are_no_capacity() {
+    // Two 2-GPU nodes and one 8-GPU node; every task takes 4: capacity is 8, not 12.
+    let mut c = Cluster::new(
+        tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]),
+        &[2, 2, 8],
+    );
+    c.app("a", 0, false, vec![waiting(4, 4)]);
+    c.app("b", 0, false, vec![waiting(4, 4)]);
+    let s = Shares::compute(&c.t, &c.s);
+    assert_eq!(s.capacity, vec![8]);
+    assert!((s.deserved[0][0] - 4.0).abs() < 1e-6 && (s.deserved[0][1] - 4.0).abs() < 1e-6);
+}
+
+#[test]
+fn nothing_is_taken_for_a_gang_that_would_only_fit_in_part() {
+    // A's gang needs two 3-GPU tasks; B may lose only 5 GPUs (it keeps 3 guaranteed):
+    // room for one task only, which would not start the gang, so nothing is taken.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 3, None, false)]), &[4, 4]);
+    for n in [0, 0, 0, 0, 1, 1, 1, 1] {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, n, 1, 1000);
+    }
+    c.app("a", 0, true, vec![waiting(2, 3)]);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
+    // With B's guarantee at 2, both tasks fit: six containers go.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 2, None, false)]), &[4, 4]);
+    for n in [0, 0, 0, 0, 1, 1, 1, 1] {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, n, 1, 1000);
+    }
+    c.app("a", 0, true, vec![waiting(2, 3)]);
+    assert_eq!(c.plan().victims.len(), 6);
 }

@@ -176,7 +176,11 @@ pub(super) fn choose(
         };
     }
     let base = units.iter().map(|u| u.priority).min().unwrap_or(0);
-    let cost = |chosen: &[usize]| chosen.iter().fold(Cost::default(), |c, &u| c.add(Cost::of(&units[u], base)));
+    let cost = |chosen: &[usize]| {
+        chosen
+            .iter()
+            .fold(Cost::default(), |c, &u| c.add(Cost::of(&units[u], base)))
+    };
     let mut plans = vec![by_node(snap, scratch, tasks, units, limit, base)];
     if let Some(p) = by_count(tasks, units, limit, base) {
         plans.push(p);
@@ -297,12 +301,17 @@ fn by_node(
                 let mut cands: Vec<usize> = here
                     .iter()
                     .copied()
-                    .filter(|u| !chosen.contains(u) && units[*u].gpus <= left.get(&units[*u].queue).copied().unwrap_or(0))
+                    .filter(|u| {
+                        !chosen.contains(u) && units[*u].gpus <= left.get(&units[*u].queue).copied().unwrap_or(0)
+                    })
                     .collect();
                 cands.sort_by_key(|&u| Cost::of(&units[u], base));
                 cands.truncate(MAX_UNITS_PER_NODE);
                 for set in 1u32..(1 << cands.len()) {
-                    let pick: Vec<usize> = (0..cands.len()).filter(|i| set >> i & 1 == 1).map(|i| cands[i]).collect();
+                    let pick: Vec<usize> = (0..cands.len())
+                        .filter(|i| set >> i & 1 == 1)
+                        .map(|i| cands[i])
+                        .collect();
                     let mut per_queue: BTreeMap<usize, u32> = BTreeMap::new();
                     for &u in &pick {
                         *per_queue.entry(units[u].queue).or_default() += units[u].gpus;
@@ -324,7 +333,9 @@ fn by_node(
                     }
                     let tier = crate::topology::choose(snap.nodes[n].topology.as_deref(), g, w.gpus)
                         .map_or(0, |c| c.tier as i8);
-                    let cost = pick.iter().fold(Cost::default(), |acc, &u| acc.add(Cost::of(&units[u], base)));
+                    let cost = pick
+                        .iter()
+                        .fold(Cost::default(), |acc, &u| acc.add(Cost::of(&units[u], base)));
                     let key = (cost, -tier, n);
                     if best.as_ref().is_none_or(|b| key < (b.0, b.1, b.2)) {
                         best = Some((cost, -tier, n, pick));

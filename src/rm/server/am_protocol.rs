@@ -151,7 +151,8 @@ pub(super) async fn am_allocate(
                 // A gang is granted whole or not at all (its fit was checked above under
                 // the same lock, so this does not happen; if it ever did, undo it).
                 for c in out.allocated.drain(granted_before..) {
-                    st.ledger.complete(&c.container_id, exit_status::ABORTED, "gang not granted whole");
+                    st.ledger
+                        .complete(&c.container_id, exit_status::ABORTED, "gang not granted whole");
                     out.rejected.push(Rejection {
                         request_id: c.request_id,
                         reason: "gang not granted whole".into(),

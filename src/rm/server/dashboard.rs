@@ -125,7 +125,11 @@ fn scrape_registry(rm: &Shared) -> Registry {
         "GPUs of the queue's waiting tasks that could use the GPU type",
         waiting_gpus,
     );
-    reg.register("queue_waiting_tasks", "Tasks of the queue's jobs waiting for a container", waiting);
+    reg.register(
+        "queue_waiting_tasks",
+        "Tasks of the queue's jobs waiting for a container",
+        waiting,
+    );
     reg.register(
         "preemptions",
         "Containers taken back from the queue since the RM started",

@@ -11,8 +11,8 @@
 
 use super::*;
 use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
-use serde::Serialize;
 use crate::rm::scheduler::{self, queues::QueueTree, AppDemand, Held, NodeCap, Shares, Snapshot};
+use serde::Serialize;
 
 /// How often the scheduling pass runs.
 pub const TICK: Duration = Duration::from_millis(250);
@@ -118,7 +118,9 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
     ids.sort();
     for id in ids {
         let Some(c) = st.ledger.container(&id) else { continue };
-        let Some(&node) = hosts.get(c.container.host.as_str()) else { continue };
+        let Some(&node) = hosts.get(c.container.host.as_str()) else {
+            continue;
+        };
         let app = match st.apps.get(&c.app_id) {
             Some(a) => add_app(&mut snap, a),
             None => continue,
@@ -159,6 +161,20 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
 pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> Result<(), String> {
     if asks.len() > 1 {
         gang_fits(&st.ledger, asks)?;
+    }
+    // Fast path: no cap on the way and nobody else waiting: nothing to keep room for.
+    let capped = st.apps.get(app_id).is_some_and(|a| {
+        let leaf = st.sched.leaf_of(&a.report);
+        st.sched
+            .tree
+            .lineage(leaf)
+            .any(|q| st.sched.tree.get(q).max_gpus.is_some())
+    });
+    let others_wait = st.apps.values().any(|a| {
+        a.report.id != app_id && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty()
+    });
+    if !capped && !others_wait {
+        return Ok(());
     }
     let built = snapshot(st, now);
     let Some(&app) = built.apps.get(app_id) else {
@@ -286,7 +302,12 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         }
         let due = st.sched.preempting.get(&id).is_some_and(|p| now >= p.deadline);
         if due && c.state != ContainerState::Complete {
-            let diag = st.sched.preempting.get(&id).map(preempted_diagnostics).unwrap_or_default();
+            let diag = st
+                .sched
+                .preempting
+                .get(&id)
+                .map(preempted_diagnostics)
+                .unwrap_or_default();
             if let Some(e) = st.ledger.stop(&id, exit_status::PREEMPTED, &diag) {
                 tracing::info!(container = %id, "preemption deadline passed: stopping the container");
                 queue_completed(&mut st.apps, &e);
@@ -304,7 +325,9 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         let for_queue = st.sched.tree.get(v.for_queue).path.clone();
         for &h in &v.held {
             let held = &built.snap.held[h];
-            let Some(c) = st.ledger.container(&held.container_id) else { continue };
+            let Some(c) = st.ledger.container(&held.container_id) else {
+                continue;
+            };
             let (host, state, app_id) = (c.container.host.clone(), c.state, c.app_id.clone());
             tracing::info!(
                 container = %held.container_id, from = %from, to = %for_queue,
@@ -393,7 +416,9 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
                     waiting: shares.waiting[p][q],
                 })
                 .collect();
-            let in_queue = |path: &str| path == queue.path || tree.resolve(Some(path)).is_ok_and(|l| tree.lineage(l).any(|x| x == q));
+            let in_queue = |path: &str| {
+                path == queue.path || tree.resolve(Some(path)).is_ok_and(|l| tree.lineage(l).any(|x| x == q))
+            };
             QueueView {
                 name: queue.path.clone(),
                 parent: queue.parent.map(|p| tree.get(p).path.clone()),
@@ -414,12 +439,7 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
                     .filter(|(from, _)| in_queue(from))
                     .map(|(_, n)| n)
                     .sum(),
-                preempting_now: st
-                    .sched
-                    .preempting
-                    .values()
-                    .filter(|p| in_queue(&p.from_queue))
-                    .count() as u32,
+                preempting_now: st.sched.preempting.values().filter(|p| in_queue(&p.from_queue)).count() as u32,
                 pools,
             }
         })
@@ -429,7 +449,10 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
 /// The waiting tasks of an allocate request, checked: counts and sizes within reason.
 pub(super) fn check_waiting(tasks: &[WaitingTasks]) -> Result<(), String> {
     if tasks.len() > crate::spec::limits::MAX_TASK_ROLES * 4 {
-        return Err(format!("`waiting` has {} entries; at most one per task role", tasks.len()));
+        return Err(format!(
+            "`waiting` has {} entries; at most one per task role",
+            tasks.len()
+        ));
     }
     for (i, t) in tasks.iter().enumerate() {
         if u64::from(t.count) > crate::spec::limits::MAX_TOTAL_TASKS || u64::from(t.gpus) > 64 {

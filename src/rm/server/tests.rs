@@ -434,7 +434,12 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
         assert!(t0.elapsed() < Duration::from_secs(5), "no preemption notice");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(b_resp.preempt.len(), 1, "one GPU for A, one stays B's: {:?}", b_resp.preempt);
+    assert_eq!(
+        b_resp.preempt.len(),
+        1,
+        "one GPU for A, one stays B's: {:?}",
+        b_resp.preempt
+    );
     assert!(notice.reason.contains("queue `a`"), "{}", notice.reason);
     assert!(notice.deadline_ms > now_ms() && notice.deadline_ms <= now_ms() + 700);
     let file = rm
@@ -456,7 +461,10 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
         .await
         .unwrap();
     assert!(
-        a_resp.waiting_reason.as_deref().is_some_and(|w| w.contains("taken back")),
+        a_resp
+            .waiting_reason
+            .as_deref()
+            .is_some_and(|w| w.contains("taken back")),
         "{:?}",
         a_resp.waiting_reason
     );
@@ -498,7 +506,10 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
         .await
         .unwrap();
     assert!(
-        b_resp.rejected.first().is_some_and(|r| r.retryable && r.reason.contains("ranks ahead")),
+        b_resp
+            .rejected
+            .first()
+            .is_some_and(|r| r.retryable && r.reason.contains("ranks ahead")),
         "{:?}",
         b_resp.rejected
     );
@@ -522,11 +533,19 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
         .json()
         .await
         .unwrap();
-    let qb = ov["queues"].as_array().unwrap().iter().find(|q| q["name"] == "b").unwrap();
+    let qb = ov["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["name"] == "b")
+        .unwrap();
     assert_eq!(qb["preempted"], 1, "{qb}");
     assert_eq!(qb["usedGpus"], 1, "{qb}");
     let gpus = ov["nodes"][0]["gpus"].as_array().unwrap();
-    assert!(gpus.iter().any(|g| g["app"] == a_id.as_str() && g["queue"] == "a"), "{gpus:?}");
+    assert!(
+        gpus.iter().any(|g| g["app"] == a_id.as_str() && g["queue"] == "a"),
+        "{gpus:?}"
+    );
     let metrics = http
         .get(format!("{}/metrics", rm.base_url()))
         .send()
