@@ -110,9 +110,12 @@ fn runs(rm: &Rm) -> Vec<Run> {
     out.into_values().collect()
 }
 
+/// One run's hold of a GPU: (start, end, which task).
+type Span = (u64, u64, String);
+
 /// No GPU of a host in two runs at once (every run ended).
 fn assert_no_gpu_held_twice(runs: &[Run]) {
-    let mut per_gpu: BTreeMap<(String, u32), Vec<(u64, u64, String)>> = BTreeMap::new();
+    let mut per_gpu: BTreeMap<(String, u32), Vec<Span>> = BTreeMap::new();
     for r in runs {
         let (end, _) = r.end.clone().unwrap_or_else(|| panic!("run without an end: {r:?}"));
         for g in &r.gpus {

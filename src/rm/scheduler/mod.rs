@@ -101,7 +101,7 @@ pub struct Snapshot {
 pub fn eligible(n: &NodeCap, t: &WaitingTasks) -> bool {
     n.usable
         && n.partition == t.node_label.as_deref().map(str::trim).unwrap_or("")
-        && (t.gpus == 0 || t.gpu_types.is_empty() || t.gpu_types.iter().any(|g| *g == n.pool))
+        && (t.gpus == 0 || t.gpu_types.is_empty() || t.gpu_types.contains(&n.pool))
         && n.total_gpus >= t.gpus
 }
 

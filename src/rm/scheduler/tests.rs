@@ -559,13 +559,15 @@ proptest! {
         let wanted: f64 = (0..c.t.len()).map(|q| c.t.get(q).max_gpus.map_or(want[q], |m| want[q].min(f64::from(m)))).sum();
         prop_assert!((total - cap.min(wanted)).abs() < 1e-6, "{} vs {}", total, cap.min(wanted));
         let lo_sum: f64 = (0..c.t.len()).map(|q| f64::from(c.t.get(q).guaranteed_gpus).min(want[q])).sum();
-        for q in 0..c.t.len() {
-            prop_assert!(s.deserved[0][q] <= want[q] + 1e-6);
-            if let Some(m) = c.t.get(q).max_gpus {
+        for (q, &wants) in want.iter().enumerate() {
+            let queue = c.t.get(q);
+            prop_assert!(s.deserved[0][q] <= wants + 1e-6);
+            if let Some(m) = queue.max_gpus {
                 prop_assert!(s.deserved[0][q] <= f64::from(m) + 1e-6);
             }
             if lo_sum <= cap {
-                prop_assert!(s.deserved[0][q] + 1e-6 >= f64::from(c.t.get(q).guaranteed_gpus).min(want[q]).min(c.t.get(q).max_gpus.map_or(f64::MAX, f64::from)));
+                let floor = f64::from(queue.guaranteed_gpus).min(wants).min(queue.max_gpus.map_or(f64::MAX, f64::from));
+                prop_assert!(s.deserved[0][q] + 1e-6 >= floor);
             }
         }
     }
