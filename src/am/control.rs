@@ -304,7 +304,8 @@ impl Control {
                 }
                 continue;
             }
-            if asked >= MAX_ASKS_PER_HEARTBEAT {
+            // A gang is asked for whole (see `hold_back_partial_gang`): never cut short.
+            if asked >= MAX_ASKS_PER_HEARTBEAT && !(self.job.gang && !self.gang_launched) {
                 break;
             }
             let role = &self.job.task_roles[t.role];
