@@ -305,7 +305,8 @@ impl Control {
                 continue;
             }
             // A gang is asked for whole (see `hold_back_partial_gang`): never cut short.
-            if asked >= MAX_ASKS_PER_HEARTBEAT && !(self.job.gang && !self.gang_launched) {
+            let whole_gang = self.job.gang && !self.gang_launched;
+            if asked >= MAX_ASKS_PER_HEARTBEAT && !whole_gang {
                 break;
             }
             let role = &self.job.task_roles[t.role];

@@ -478,7 +478,10 @@ pub fn table(run: &QueueRun) -> String {
 pub fn write_out(dir: &Path, run: &QueueRun, title: &str) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create --out {}: {e}", dir.display()))?;
     let json = serde_json::to_string_pretty(run).map_err(|e| e.to_string())?;
-    for (name, text) in [("queues.json", json), ("queues_share.svg", super::charts::queue_shares(run, title))] {
+    for (name, text) in [
+        ("queues.json", json),
+        ("queues_share.svg", super::charts::queue_shares(run, title)),
+    ] {
         let p = dir.join(name);
         std::fs::write(&p, text).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
     }
