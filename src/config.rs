@@ -4,6 +4,7 @@
 //! Keys are snake_case in the file too, so a file key and its environment variable
 //! are the same words; README.md documents every key in one table.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -128,6 +129,12 @@ pub struct RmSettings {
     pub max_apps_per_user: usize,
     /// Asks in one allocate request (gpuam's AM sends at most 2000).
     pub max_asks_per_allocate: usize,
+    /// Notice a container gets before the RM kills it to give its GPUs to a queue below
+    /// its share (or to a higher-priority job of its queue): the task may checkpoint.
+    pub preemption_grace_sec: u64,
+    /// The queues jobs run in (`queue:` in a job spec; `default` when it names none).
+    /// Without any, every job runs in one queue named `default`.
+    pub queues: BTreeMap<String, QueueSettings>,
 }
 
 impl Default for RmSettings {
@@ -142,6 +149,88 @@ impl Default for RmSettings {
             max_apps: 256,
             max_apps_per_user: 32,
             max_asks_per_allocate: 5000,
+            preemption_grace_sec: 30,
+            queues: BTreeMap::new(),
+        }
+    }
+}
+
+/// One queue of `rm.queues` (DESIGN.md §10). Keys inside a queue are camelCase
+/// (`guaranteedGpus`), as in DESIGN.md; snake_case is accepted too, and the environment's
+/// lower-cased spelling (`GPUAM__RM__QUEUES__PROD__GUARANTEEDGPUS`) overrides the file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", try_from = "RawQueueSettings")]
+pub struct QueueSettings {
+    /// Its share of each GPU type, relative to its siblings, when all of them want more.
+    pub weight: f64,
+    /// GPUs it keeps when it wants them: never reclaimed below this, and its deserved
+    /// share is at least this much of what it asks for.
+    pub guaranteed_gpus: u32,
+    /// Most GPUs it may hold at once (`None`: no cap).
+    pub max_gpus: Option<u32>,
+    /// Who may submit to it (`None`: everyone; the admin may use any queue). A queue of a
+    /// parent without its own list takes the parent's.
+    pub users: Option<Vec<String>>,
+    /// Whether a higher-priority job of this queue may preempt a lower-priority one of the
+    /// same queue (across queues, only the shares decide).
+    pub priority_preemption: bool,
+    /// Queues inside this one (one level: teams within a department). A queue with
+    /// queues takes no jobs itself.
+    pub queues: BTreeMap<String, QueueSettings>,
+}
+
+/// [`QueueSettings`] as written, with each camelCase key's lower-cased twin (what an
+/// environment override becomes), which wins.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQueueSettings {
+    #[serde(default)]
+    weight: Option<f64>,
+    #[serde(default, rename = "guaranteedGpus", alias = "guaranteed_gpus")]
+    guaranteed_gpus: Option<u32>,
+    #[serde(default, rename = "guaranteedgpus")]
+    guaranteed_gpus_env: Option<u32>,
+    #[serde(default, rename = "maxGpus", alias = "max_gpus")]
+    max_gpus: Option<u32>,
+    #[serde(default, rename = "maxgpus")]
+    max_gpus_env: Option<u32>,
+    #[serde(default)]
+    users: Option<Vec<String>>,
+    #[serde(default, rename = "priorityPreemption", alias = "priority_preemption")]
+    priority_preemption: Option<bool>,
+    #[serde(default, rename = "prioritypreemption")]
+    priority_preemption_env: Option<bool>,
+    #[serde(default)]
+    queues: BTreeMap<String, QueueSettings>,
+}
+
+impl TryFrom<RawQueueSettings> for QueueSettings {
+    type Error = String;
+    fn try_from(r: RawQueueSettings) -> Result<Self, String> {
+        let d = QueueSettings::default();
+        Ok(QueueSettings {
+            weight: r.weight.unwrap_or(d.weight),
+            guaranteed_gpus: r.guaranteed_gpus_env.or(r.guaranteed_gpus).unwrap_or(d.guaranteed_gpus),
+            max_gpus: r.max_gpus_env.or(r.max_gpus),
+            users: r.users,
+            priority_preemption: r
+                .priority_preemption_env
+                .or(r.priority_preemption)
+                .unwrap_or(d.priority_preemption),
+            queues: r.queues,
+        })
+    }
+}
+
+impl Default for QueueSettings {
+    fn default() -> Self {
+        QueueSettings {
+            weight: 1.0,
+            guaranteed_gpus: 0,
+            max_gpus: None,
+            users: None,
+            priority_preemption: false,
+            queues: BTreeMap::new(),
         }
     }
 }
@@ -363,6 +452,7 @@ impl Settings {
         if self.rm.max_am_attempts == 0 {
             return Err("rm.max_am_attempts must be at least 1".into());
         }
+        crate::rm::scheduler::queues::QueueTree::from_settings(&self.rm.queues)?;
         if !["auto", "none"].contains(&self.node.image_runtime.as_str()) {
             return Err(format!(
                 "node.image_runtime must be `auto` or `none`, not `{}`",
@@ -495,6 +585,43 @@ mod tests {
         );
         let e = Settings::load_with_env(Some(Path::new("/nonexistent/gpuam.yaml")), env(&[])).unwrap_err();
         assert!(e.to_string().contains("not found"), "{e}");
+    }
+
+    #[test]
+    fn queues_read_as_the_design_spells_them_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("gpuam.yaml");
+        std::fs::write(
+            &file,
+            "rm:\n  preemption_grace_sec: 5\n  queues:\n    research: {weight: 3, users: [alice, bob]}\n    \
+             prod:     {weight: 1, guaranteedGpus: 2, maxGpus: 64}\n    dept: {weight: 2, queues: {teamA: {priorityPreemption: true}}}\n",
+        )
+        .unwrap();
+        let s = Settings::load_with_env(Some(&file), env(&[])).unwrap();
+        assert_eq!(s.rm.preemption_grace_sec, 5);
+        let prod = &s.rm.queues["prod"];
+        assert_eq!((prod.weight, prod.guaranteed_gpus, prod.max_gpus), (1.0, 2, Some(64)));
+        assert_eq!(
+            s.rm.queues["research"].users.as_deref(),
+            Some(&["alice".to_string(), "bob".to_string()][..])
+        );
+        assert!(s.rm.queues["dept"].queues["teamA"].priority_preemption);
+        // The environment's lower-cased keys reach the same fields.
+        let s = Settings::load_with_env(Some(&file), env(&[("GPUAM__RM__QUEUES__PROD__GUARANTEEDGPUS", "3")])).unwrap();
+        assert_eq!(s.rm.queues["prod"].guaranteed_gpus, 3);
+        std::fs::write(
+            &file,
+            "rm:\n  queues:\n    a: {weight: 1, guaranteedGpus: 9, maxGpus: 4}\n",
+        )
+        .unwrap();
+        let e = Settings::load_with_env(Some(&file), env(&[])).unwrap_err();
+        assert!(
+            e.to_string().contains("rm.queues.a") && e.to_string().contains("maxGpus"),
+            "{e}"
+        );
+        std::fs::write(&file, "rm:\n  queues:\n    a: {wieght: 1}\n").unwrap();
+        let e = Settings::load_with_env(Some(&file), env(&[])).unwrap_err();
+        assert!(e.to_string().contains("wieght"), "{e}");
     }
 
     #[test]

@@ -172,6 +172,10 @@ pub struct Ask {
     /// The task's attempt number this container serves.
     #[serde(default)]
     pub task_attempt: u32,
+    /// Asks of one allocate call with the same gang id are granted all together or not
+    /// at all (a gang job's containers); `None`: this ask alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gang: Option<String>,
 }
 
 impl Ask {
@@ -188,6 +192,7 @@ impl Ask {
             custom_resources: r.custom.clone(),
             task: None,
             task_attempt: 0,
+            gang: None,
         }
     }
 
@@ -215,6 +220,48 @@ pub struct AllocateRequest {
     /// Container ids to give back (stopped if running).
     #[serde(default)]
     pub releases: Vec<String>,
+    /// Tasks this AM wants containers for but finds no room for now (YARN's resource
+    /// requests for any host), the whole list each time: the RM's queues rank and reclaim
+    /// for this demand. `None` (an AM that never sends it): no waiting demand known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Vec<WaitingTasks>>,
+}
+
+/// `count` waiting tasks of one shape (one task role): what a queue's share is computed
+/// for and what preemption frees room for.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WaitingTasks {
+    /// The task role (for display).
+    #[serde(default)]
+    pub role: String,
+    pub count: u32,
+    /// GPUs per task, all on one node.
+    #[serde(default)]
+    pub gpus: u32,
+    #[serde(default)]
+    pub cpu: u32,
+    #[serde(default, rename = "memoryMB")]
+    pub memory_mb: u64,
+    /// Acceptable GPU types (empty: any).
+    #[serde(default)]
+    pub gpu_types: Vec<String>,
+    /// The node partition (label) the tasks go to (`None`: unlabelled nodes).
+    #[serde(default)]
+    pub node_label: Option<String>,
+}
+
+/// A container the RM takes back (YARN's PreemptionMessage, strict form): the AM should
+/// let the task checkpoint (the node created `GPUAM_PREEMPT_FILE` for it) and release the
+/// container before the deadline; the RM stops it at the deadline regardless.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PreemptNotice {
+    pub container_id: String,
+    /// Milliseconds since the epoch.
+    pub deadline_ms: u64,
+    /// Why (which queue or job the GPUs go to).
+    pub reason: String,
 }
 
 /// A granted container: exactly what was asked.
@@ -311,6 +358,15 @@ pub struct AllocateResponse {
     pub num_cluster_nodes: u32,
     #[serde(default)]
     pub command: Option<AmCommand>,
+    /// Containers of this application the RM is taking back (repeated in every answer
+    /// until they end).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preempt: Vec<PreemptNotice>,
+    /// Why this application's waiting tasks wait, as the RM's queues see it (its queue is
+    /// at its cap, behind a queue below its share, reclaiming, ...); `None` when nothing
+    /// of it waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_reason: Option<String>,
 }
 
 /// `POST /ws/v1/am/{appId}/finish` body.

@@ -161,7 +161,7 @@ function renderJob() {
   st.textContent = j.state;
   st.dataset.state = j.state;
   $('job-attempt').textContent = j.attempt;
-  $('job-appid').textContent = j.appId + (j.gang ? ' · gang' : '');
+  $('job-appid').textContent = j.appId + (j.gang ? ' · gang' : '') + (j.queue ? ' · queue ' + j.queue + (j.priority ? ' (priority ' + j.priority + ')' : '') : '');
   const total = j.totalTasks || 0, done = j.completedTasks || 0;
   const p = $('progress');
   p.setAttribute('aria-valuemax', total);
@@ -179,8 +179,12 @@ function renderJob() {
   diag.hidden = !j.diagnostics;
   diag.textContent = j.diagnostics || '';
   diag.dataset.state = j.state;
-  const kill = $('kill');
   const final = ['SUCCEEDED', 'FAILED', 'KILLED'].includes(j.state);
+  // Why the RM's queues keep the job's waiting tasks waiting.
+  const note = $('job-queue-note');
+  note.hidden = final || !j.queueNote;
+  note.textContent = j.queueNote ? 'Waiting for the queue: ' + j.queueNote : '';
+  const kill = $('kill');
   if (!state.token) {
     kill.disabled = true;
   } else {

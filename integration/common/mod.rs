@@ -14,6 +14,7 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod browser;
 pub mod hosts;
 
 use std::collections::BTreeMap;

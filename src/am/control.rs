@@ -21,8 +21,8 @@ use super::tasks::{launch_context, now_ms, peer_address, Outstanding, Task};
 use crate::cluster::rm_json::parse_node_value;
 use crate::config::AmSettings;
 use crate::protocol::{
-    exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState, PreviousContainer,
-    RegisterRequest,
+    exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState, PreemptNotice,
+    PreviousContainer, RegisterRequest,
 };
 use crate::resources::{mask_hex, mask_indices};
 use crate::select::{assign_port_labels, Outcome, PlacementRound, Selector};
@@ -73,6 +73,12 @@ pub struct Control {
     end: Option<JobEnd>,
     nodes_dirty: bool,
     job_retry: super::job_retry::JobRetry,
+    /// Containers the RM is taking back (see `queueing`).
+    preempt: super::queueing::Preemptions,
+    /// Gang rounds sent so far (a gang's asks carry `gang-<round>`).
+    gang_round: u64,
+    /// Why the RM's queues keep this job waiting (last allocate answer).
+    queue_note: Option<String>,
 }
 
 impl Control {
@@ -119,6 +125,9 @@ impl Control {
             end: None,
             nodes_dirty: true,
             job_retry,
+            preempt: Default::default(),
+            gang_round: 0,
+            queue_note: None,
         }
     }
 
@@ -182,6 +191,7 @@ impl Control {
                     continue;
                 }
             }
+            self.release_preempted();
             self.gang_and_launch().await;
             self.publish();
             if self.end.is_none() {
@@ -265,8 +275,10 @@ impl Control {
         let mut asked = 0;
         // One back-off per role and round: its tasks are alike.
         let mut role_wait: HashMap<usize, Instant> = HashMap::new();
+        // A gang is asked for whole (see `hold_back_partial_gang`): never cut short.
+        let whole_gang = self.job.gang && !self.gang_launched;
         while let Some((ri, index)) = round.next_task() {
-            if asked >= MAX_ASKS_PER_HEARTBEAT {
+            if asked >= MAX_ASKS_PER_HEARTBEAT && !whole_gang {
                 break;
             }
             let ti = self.role_first[ri] + index as usize;
@@ -363,6 +375,8 @@ impl Control {
                 t.reset_to_waiting();
             }
         }
+        self.hold_back_partial_gang(now);
+        let gang = (self.job.gang && !self.gang_launched).then(|| format!("gang-{}", self.gang_round));
         let asks: Vec<Ask> = self
             .tasks
             .iter()
@@ -372,15 +386,20 @@ impl Control {
             .map(|(t, r)| Ask {
                 task: Some(self.task_name(t)),
                 task_attempt: t.attempt,
+                gang: gang.clone(),
                 ..Ask::for_resources(r.request_id, &r.host, &r.resources)
             })
             .collect();
+        if gang.is_some() && !asks.is_empty() {
+            self.gang_round += 1;
+        }
         let req = AllocateRequest {
             response_id: self.response_id,
             progress: self.progress(),
             asks,
             cancels: std::mem::take(&mut self.cancels),
             releases: std::mem::take(&mut self.releases),
+            waiting: Some(super::queueing::waiting_demand(&self.job, &self.tasks)),
         };
         let started = Instant::now();
         let resp = match self.rm.allocate(&req).await {
@@ -433,9 +452,11 @@ impl Control {
         for c in resp.allocated {
             self.accept_container(c);
         }
+        self.take_preemptions(&resp.preempt);
         for c in resp.completed {
             self.container_completed(c);
         }
+        self.set_queue_note(resp.waiting_reason);
         if resp.command == Some(AmCommand::Shutdown) {
             self.kill("the application was killed at the RM");
         }
@@ -571,8 +592,107 @@ impl Control {
         let Some(ti) = self.by_container.remove(&c.container_id) else {
             return;
         };
+        // A task under a preemption notice was preempted, however it exited.
+        if let Some(n) = self.preempt.remove(&c.container_id) {
+            let exit = classify(exit_status::PREEMPTED, "", &self.settings);
+            self.task_exited(
+                ti,
+                exit,
+                format!("preempted: {} (it exited {})", n.reason, c.exit_status),
+            );
+            return;
+        }
         let exit = classify(c.exit_status, &c.diagnostics, &self.settings);
         self.task_exited(ti, exit, c.diagnostics);
+    }
+
+    /// Takes the RM's preemption notices (see `queueing::Preemptions`).
+    fn take_preemptions(&mut self, notices: &[PreemptNotice]) {
+        if notices.is_empty() {
+            return;
+        }
+        let (by_container, tasks) = (&self.by_container, &self.tasks);
+        let new = self.preempt.take(notices, now_ms(), self.settings.stop_grace_ms, |id| {
+            let t = &tasks[*by_container.get(id)?];
+            Some(matches!(
+                t.state,
+                TaskState::ContainerLaunched | TaskState::ContainerRunning
+            ))
+        });
+        for id in new {
+            tracing::info!(container = %id, "the RM is taking this container back (preemption)");
+        }
+        self.release_preempted();
+    }
+
+    /// Gives back the preempted containers that are due; their tasks wait again.
+    fn release_preempted(&mut self) {
+        if self.preempt.is_empty() {
+            return;
+        }
+        for id in self.preempt.due(now_ms()) {
+            let Some(n) = self.preempt.remove(&id) else { continue };
+            let Some(ti) = self.by_container.remove(&id) else {
+                continue;
+            };
+            self.releases.push(id);
+            let exit = classify(exit_status::PREEMPTED, "", &self.settings);
+            self.task_exited(ti, exit, format!("preempted: {}", n.reason));
+        }
+        // A gang loses all its containers together: once none is held, it is gathered
+        // again as a whole.
+        if self.job.gang && self.gang_launched && !self.tasks.iter().any(|t| t.holds_container()) {
+            self.gang_launched = false;
+        }
+    }
+
+    /// A gang's asks go out all together (the RM grants them all or none): while some
+    /// open task of the gang found no place, the ones placed this round wait with it.
+    fn hold_back_partial_gang(&mut self, now: Instant) {
+        if !self.job.gang || self.gang_launched {
+            return;
+        }
+        let unplaced = self.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count();
+        if unplaced == 0 {
+            return;
+        }
+        let total = self
+            .tasks
+            .iter()
+            .filter(|t| t.state != TaskState::TaskCompleted)
+            .count();
+        let (lo, hi) = (
+            self.settings.not_available_retry_min_ms,
+            self.settings.not_available_retry_max_ms,
+        );
+        let wait = Duration::from_millis(self.rng.gen_range(lo..=hi.max(lo)));
+        for ti in 0..self.tasks.len() {
+            let unsent = self.tasks[ti]
+                .request
+                .as_ref()
+                .filter(|r| {
+                    self.tasks[ti].state == TaskState::ContainerRequested && !self.sent_asks.contains(&r.request_id)
+                })
+                .cloned();
+            let Some(r) = unsent else { continue };
+            self.by_request.remove(&r.request_id);
+            self.selector.remove_requested(&r.host, &r.resources, false);
+            let t = &mut self.tasks[ti];
+            t.reset_to_waiting();
+            t.not_before = Some(now + wait);
+            t.waiting_reason = Some(format!(
+                "gang: its {total} tasks are asked for together; {unplaced} of them find no place yet"
+            ));
+        }
+    }
+
+    /// Records why the RM's queues keep this job waiting, for the dashboard.
+    fn set_queue_note(&mut self, note: Option<String>) {
+        if note != self.queue_note {
+            self.queue_note = note.clone();
+            self.hub
+                .update("job", json!({"queueNote": note}), |s| s.job.queue_note = note);
+        }
     }
 
     fn task_exited(&mut self, ti: usize, exit: ExitInfo, diagnostics: String) {

@@ -228,3 +228,81 @@ fn adoption_rebuilds_retry_counts_from_the_task_history() {
     assert_eq!((c.tasks[0].attempt, c.tasks[0].state), (3, TaskState::TaskWaiting));
     assert!(c.end.is_none());
 }
+#[test]
+fn a_gang_is_asked_for_whole_or_not_at_all() {
+    // Two tasks of 3 GPUs on one node of 4: one places, the other cannot.
+    let mut c = control(
+        "name: j\ngang: true\ntaskRoles:\n  worker:\n    instances: 2\n    \
+         resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 3}\n    commands: [\"true\"]\n",
+    );
+    c.place_waiting();
+    let states: Vec<TaskState> = c.tasks.iter().map(|t| t.state).collect();
+    assert!(states.contains(&TaskState::ContainerRequested) && states.contains(&TaskState::TaskWaiting));
+    c.hold_back_partial_gang(Instant::now());
+    for t in &c.tasks {
+        assert_eq!(t.state, TaskState::TaskWaiting);
+        assert!(t.request.is_none() && t.not_before.is_some());
+    }
+    assert!(c.by_request.is_empty());
+    assert!(
+        c.tasks[0]
+            .waiting_reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("asked for together")
+            || c.tasks[1]
+                .waiting_reason
+                .as_deref()
+                .unwrap_or("")
+                .contains("asked for together")
+    );
+    // What the RM hears: both wait.
+    let w = super::super::queueing::waiting_demand(&c.job, &c.tasks);
+    assert_eq!((w.len(), w[0].count, w[0].gpus), (1, 2, 3));
+}
+
+#[test]
+fn a_preempted_task_is_retried_without_using_its_retry_count() {
+    let mut c = control(
+        "name: j\ntaskRoles:\n  worker:\n    instances: 1\n    taskRetryCount: 0\n    \
+         resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    for round in 0..3u32 {
+        c.place_waiting();
+        let g = grant_for(&c, 0, &format!("c{round}"));
+        c.accept_container(g);
+        c.tasks[0].set_state(TaskState::ContainerRunning);
+        // The notice, then the task exits by itself (0) before the release is due.
+        c.take_preemptions(&[PreemptNotice {
+            container_id: format!("c{round}"),
+            deadline_ms: now_ms() + 60_000,
+            reason: "queue a is below its share".into(),
+        }]);
+        assert_eq!(c.tasks[0].state, TaskState::ContainerRunning, "not due yet");
+        c.container_completed(CompletedContainer {
+            container_id: format!("c{round}"),
+            exit_status: 0,
+            diagnostics: String::new(),
+        });
+        let t = &c.tasks[0];
+        assert_eq!(t.state, TaskState::TaskWaiting, "preempted, so retried (round {round})");
+        assert_eq!((t.retry.retried, t.retry.preempted), (0, round + 1));
+        assert_eq!(
+            t.exit.as_ref().unwrap().0.code,
+            super::super::exits::code::CONTAINER_PREEMPTED
+        );
+        c.tasks[0].not_before = None;
+    }
+    // An unstarted container under notice goes back at once.
+    c.place_waiting();
+    let g = grant_for(&c, 0, "c9");
+    c.accept_container(g);
+    c.take_preemptions(&[PreemptNotice {
+        container_id: "c9".into(),
+        deadline_ms: now_ms() + 60_000,
+        reason: "r".into(),
+    }]);
+    assert_eq!(c.releases, vec!["c9".to_string()]);
+    assert_eq!(c.tasks[0].state, TaskState::TaskWaiting);
+    assert!(c.end.is_none());
+}

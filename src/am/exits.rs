@@ -88,6 +88,9 @@ pub struct RetryState {
     pub retried: u32,
     /// Transient retries (not counted against `taskRetryCount`, capped separately).
     pub transient_retried: u32,
+    /// Preemptions (the RM took the container back for another job): always retried,
+    /// never counted against either limit — the task did nothing wrong.
+    pub preempted: u32,
 }
 
 /// What to do after a container ended.
@@ -97,10 +100,14 @@ pub enum RetryDecision {
     Complete,
 }
 
-/// The retry policy: transient exits retry without using up `taskRetryCount` (up to
-/// `max_transient`), permanent ones never retry, success and unknown follow
+/// The retry policy: a preempted task always retries, using up nothing; transient exits
+/// retry without using up `taskRetryCount` (up to `max_transient`), permanent ones never retry, success and unknown follow
 /// `taskRetryCount` (−1 = unlimited for failures, −2 = always, even after success).
 pub fn decide_retry(exit: &ExitInfo, max_retry: i32, state: &mut RetryState, max_transient: u32) -> RetryDecision {
+    if exit.code == code::CONTAINER_PREEMPTED {
+        state.preempted += 1;
+        return RetryDecision::Retry;
+    }
     match exit.exit_type {
         ExitType::TransientNormal | ExitType::TransientConflict => {
             if state.transient_retried < max_transient {

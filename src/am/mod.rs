@@ -8,6 +8,7 @@ pub mod control;
 pub mod exits;
 pub mod job_retry;
 pub mod pai_env;
+pub mod queueing;
 pub mod rm_client;
 pub mod status;
 pub mod tasks;
@@ -160,6 +161,12 @@ pub async fn run(opts: AmOptions) -> i32 {
             completed_tasks: 0,
             roles: Vec::new(),
             rm_url: opts.rm_url.clone(),
+            queue: job
+                .queue
+                .clone()
+                .unwrap_or_else(|| crate::protocol::DEFAULT_QUEUE.to_string()),
+            priority: job.priority,
+            queue_note: None,
         },
         tasks: Vec::new(),
         nodes: Vec::new(),

@@ -205,6 +205,12 @@ pub struct JobStatus {
     pub completed_tasks: u32,
     pub roles: Vec<RoleCounts>,
     pub rm_url: String,
+    /// The RM queue the job runs in, and its priority there.
+    pub queue: String,
+    pub priority: i32,
+    /// Why the RM's queues keep the job's waiting tasks waiting (its queue at its cap,
+    /// behind a queue below its share, GPUs being taken back for it, ...).
+    pub queue_note: Option<String>,
 }
 
 /// Everything the AM publishes, in one consistent snapshot.

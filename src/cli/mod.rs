@@ -246,6 +246,14 @@ struct SimArgs {
     /// Trace directory (default $GPUAM_TRACES, else ../shared/data/traces).
     #[arg(long, value_name = "DIR")]
     traces: Option<PathBuf>,
+    /// Simulate the RM's queues instead of comparing policies: `name=weight,...` (jobs go to
+    /// the queues round robin); reports each queue's share over time against its deserved
+    /// share (table, and `queues_share.svg` under --out).
+    #[arg(long, value_name = "NAME=WEIGHT,...")]
+    queues: Option<String>,
+    /// Notice before a preempted job stops, in seconds (with --queues).
+    #[arg(long, default_value_t = 30.0)]
+    grace_sec: f64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -453,6 +461,8 @@ pub fn main() -> i32 {
             out: a.out,
             scaling: a.scaling,
             traces: a.traces,
+            queues: a.queues,
+            grace_sec: a.grace_sec,
         }),
         Cmd::Bench { what } => match what {
             BenchCmd::Select {

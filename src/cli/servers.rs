@@ -100,6 +100,14 @@ pub async fn rm(
     let handle = match crate::rm::start(crate::rm::RmOptions {
         container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
         max_am_attempts: settings.rm.max_am_attempts,
+        queues: match crate::rm::scheduler::queues::QueueTree::from_settings(&settings.rm.queues) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: invalid settings: {e}");
+                return exit::INVALID_INPUT;
+            }
+        },
+        preemption_grace: Duration::from_secs(settings.rm.preemption_grace_sec),
         node_expiry: Duration::from_secs(settings.rm.node_expiry_sec.max(1)),
         node_token,
         admin_token,

@@ -450,6 +450,7 @@ fn router(agent: Arc<Agent>) -> Router {
         .route("/ws/v1/node/{host}/containers/{id}/stop", post(stop_container))
         .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
         .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))
+        .route("/ws/v1/node/{host}/containers/{id}/preempt", post(preempt_container))
         .with_state(agent)
 }
 
@@ -554,6 +555,17 @@ async fn stop_container(
     check(&agent, &host, &headers)?;
     let grace = Duration::from_millis(q.grace_ms.unwrap_or(3000).min(60_000));
     agent.executor.stop(&id, grace).await?;
+    status_of(&agent, &id).map(Json)
+}
+
+async fn preempt_container(
+    State(agent): Ag,
+    UrlPath((host, id)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+    Json(body): Json<super::wire::AgentPreempt>,
+) -> Result<Json<ContainerStatus>, AgentError> {
+    check(&agent, &host, &headers)?;
+    agent.executor.notify_preemption(&id, body.deadline_ms, &body.reason)?;
     status_of(&agent, &id).map(Json)
 }
 

@@ -92,6 +92,10 @@ const DIAG_STDERR_BYTES: u64 = 512;
 pub const EXIT_CODE_FILE: &str = "exit_code";
 /// In a container's directory: the leader's [`ProcessId`] (JSON), for re-attaching.
 pub const PROCESS_FILE: &str = "process.json";
+/// Created in the container's directory when the RM takes the container back
+/// (`GPUAM_PREEMPT_FILE`): the task may checkpoint before it is stopped. It holds the
+/// deadline (milliseconds since the epoch) and the reason, one per line.
+pub const PREEMPT_FILE: &str = "preempt";
 
 /// Variables copied from the executor's own environment; nothing else leaks into a task.
 const BASE_ENV: [&str; 3] = ["PATH", "HOME", "LANG"];
@@ -344,7 +348,8 @@ impl Executor {
     /// - `NVIDIA_VISIBLE_DEVICES`: the same list; for no GPUs `none`, the NVIDIA container
     ///   toolkit's explicit "no GPU" value (empty means "not set" to it);
     /// - `GPUAM_GPU_MASK` (`"0xa"`), `CONTAINER_GPUS` (the mask in decimal, `"10"`);
-    /// - `GPUAM_CONTAINER_ID`, `GPUAM_HOST`, `GPUAM_CONTAINER_DIR`;
+    /// - `GPUAM_CONTAINER_ID`, `GPUAM_HOST`, `GPUAM_CONTAINER_DIR`, `GPUAM_PREEMPT_FILE`
+    ///   (a path that exists once the container is being preempted);
     /// - for a GPU share, `GPUAM_GPU_FRACTION` and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; for
     ///   custom resources `GPUAM_RESOURCES` and `GPUAM_RESOURCE_<NAME>` (see `share_env`).
     ///
@@ -719,6 +724,18 @@ impl Executor {
         dir.is_dir().then_some(dir)
     }
 
+    /// Tells a container it is being preempted: creates its `GPUAM_PREEMPT_FILE` (written
+    /// beside, then renamed, so a task never reads half of it).
+    pub fn notify_preemption(&self, container_id: &str, deadline_ms: u64, reason: &str) -> Result<(), NodeError> {
+        let dir = self
+            .container_dir(container_id)
+            .ok_or_else(|| NodeError::UnknownContainer(container_id.into()))?;
+        let tmp = dir.join(format!(".{PREEMPT_FILE}.tmp"));
+        std::fs::write(&tmp, format!("{deadline_ms}\n{}\n", reason.replace('\n', " ")))?;
+        std::fs::rename(&tmp, dir.join(PREEMPT_FILE))?;
+        Ok(())
+    }
+
     /// Ids of the containers whose process is running now, sorted.
     pub fn running_ids(&self) -> Vec<String> {
         let table = self.table.lock();
@@ -828,6 +845,10 @@ fn container_env(
         ("GPUAM_CONTAINER_ID", id.to_string()),
         ("GPUAM_HOST", host.to_string()),
         ("GPUAM_CONTAINER_DIR", dir.to_string_lossy().into_owned()),
+        (
+            "GPUAM_PREEMPT_FILE",
+            dir.join(PREEMPT_FILE).to_string_lossy().into_owned(),
+        ),
     ];
     for (k, v) in own {
         env.insert(k.into(), v);

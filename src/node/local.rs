@@ -89,6 +89,16 @@ impl NodeBackend for InProcessNode {
         self.executor.running_ids()
     }
 
+    fn notify_preemption<'a>(
+        &'a self,
+        _host: &'a str,
+        container_id: &'a str,
+        deadline_ms: u64,
+        reason: &'a str,
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
+        futures::future::ready(self.executor.notify_preemption(container_id, deadline_ms, reason)).boxed()
+    }
+
     fn forget(&self, container_id: &str) {
         self.executor.forget(container_id);
     }

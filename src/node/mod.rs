@@ -16,6 +16,7 @@
 //! | [`NodeBackend::reattach`] | after an RM restart: watch a container the RM's records say still runs |
 //! | [`NodeBackend::running`] | the ids the node runs now |
 //! | [`NodeBackend::forget`] | drop a completed container from memory (its files stay) |
+//! | [`NodeBackend::notify_preemption`] | tell a running container it is being taken back (creates its `GPUAM_PREEMPT_FILE`) |
 //!
 //! and reports back through one event stream, an `mpsc::UnboundedSender<NodeEvent>` it is
 //! constructed with:
@@ -141,4 +142,18 @@ pub trait NodeBackend: Send + Sync + 'static {
 
     /// Drops a completed container from memory (its files stay).
     fn forget(&self, container_id: &str);
+
+    /// Tells a running container that the RM is taking it back by `deadline_ms`
+    /// (milliseconds since the epoch), so its task may checkpoint: creates the file its
+    /// `GPUAM_PREEMPT_FILE` names. A backend without such a file (Ray) does nothing: the
+    /// task then only gets SIGTERM and the stop grace at the end.
+    fn notify_preemption<'a>(
+        &'a self,
+        _host: &'a str,
+        _container_id: &'a str,
+        _deadline_ms: u64,
+        _reason: &'a str,
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
+        Box::pin(async { Ok(()) })
+    }
 }

@@ -243,4 +243,23 @@ impl NodeBackend for AgentNodes {
     }
 
     fn forget(&self, _container_id: &str) {}
+
+    fn notify_preemption<'a>(
+        &'a self,
+        host: &'a str,
+        container_id: &'a str,
+        deadline_ms: u64,
+        reason: &'a str,
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
+        async move {
+            let url = self.url(host, container_id, "preempt")?;
+            let body = super::wire::AgentPreempt {
+                deadline_ms,
+                reason: reason.to_string(),
+            };
+            let req = self.http.post(url).json(&body);
+            self.call(host, req).await.map(|_| ())
+        }
+        .boxed()
+    }
 }

@@ -10,6 +10,7 @@
 //! - `POST /ws/v1/node/{host}/containers/{id}/stop?graceMs=N` → `ContainerStatus`
 //! - `GET  /ws/v1/node/{host}/containers/{id}/status` → `ContainerStatus`
 //! - `GET  /ws/v1/node/{host}/containers/{id}/logs?stream=stdout|stderr&tail=N` → text
+//! - `POST /ws/v1/node/{host}/containers/{id}/preempt` [`AgentPreempt`] → `ContainerStatus`
 
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +20,16 @@ use crate::resources::Resources;
 
 /// Header carrying the RM-signed container token on `start`.
 pub const CONTAINER_TOKEN_HEADER: &str = "x-gpuam-container-token";
+
+/// A preemption notice for a running container (the agent creates its
+/// `GPUAM_PREEMPT_FILE`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentPreempt {
+    pub deadline_ms: u64,
+    #[serde(default)]
+    pub reason: String,
+}
 
 /// One container as an agent reports it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

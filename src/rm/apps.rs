@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::procs::ProcessId;
-use crate::protocol::{AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus};
+use crate::protocol::{AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus, WaitingTasks};
 
 /// Milliseconds since the epoch.
 pub fn now_ms() -> u64 {
@@ -100,6 +100,49 @@ pub struct App {
     pub launch: Option<AmLaunch>,
     /// Every AM attempt so far, oldest first.
     pub attempts: Vec<AttemptRecord>,
+    /// A gang job: its containers are preempted all together or not at all.
+    #[serde(default)]
+    pub gang: bool,
+    /// Its waiting tasks as its AM last reported them (soft state: sent every heartbeat).
+    #[serde(skip)]
+    pub waiting: Waiting,
+}
+
+/// An application's waiting work, as its AM reports it, and why it waits.
+#[derive(Clone, Debug, Default)]
+pub struct Waiting {
+    pub tasks: Vec<WaitingTasks>,
+    /// When the AM last reported them (they are ignored once stale).
+    pub reported: Option<std::time::Instant>,
+    /// Since when (milliseconds since the epoch) some task of it has been waiting.
+    pub since_ms: Option<u64>,
+    /// Why it waits: a short code and the sentence (from the RM's last scheduling pass).
+    pub why: Option<(&'static str, String)>,
+}
+
+impl Waiting {
+    /// Takes a new report (the whole list).
+    pub fn report(&mut self, tasks: Vec<WaitingTasks>, now: std::time::Instant) {
+        let waits = tasks.iter().any(|t| t.count > 0);
+        match (waits, self.since_ms) {
+            (true, None) => self.since_ms = Some(now_ms()),
+            (false, _) => {
+                self.since_ms = None;
+                self.why = None;
+            }
+            _ => {}
+        }
+        self.tasks = tasks;
+        self.reported = Some(now);
+    }
+
+    /// The tasks still waiting, unless the last report is older than `ttl`.
+    pub fn current(&self, now: std::time::Instant, ttl: std::time::Duration) -> &[WaitingTasks] {
+        match self.reported {
+            Some(t) if now.saturating_duration_since(t) <= ttl => &self.tasks,
+            _ => &[],
+        }
+    }
 }
 
 impl App {
@@ -131,6 +174,8 @@ impl App {
             job_token: None,
             launch: None,
             attempts: Vec::new(),
+            gang: false,
+            waiting: Waiting::default(),
         }
     }
 

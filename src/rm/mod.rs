@@ -4,6 +4,7 @@ pub mod apps;
 pub mod gpu_discovery;
 pub mod image;
 pub mod ledger;
+pub mod scheduler;
 pub mod server;
 pub mod store;
 pub mod users;

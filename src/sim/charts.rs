@@ -1,7 +1,8 @@
 //! SVG charts of `gpuam sim --out`, written by hand (no plotting crate): tierIdeal by
 //! topology (grouped bars with 95 % whiskers), queueing-delay CDF per policy, the trade-off
-//! of topology against delay per run (where one policy trades one for the other), and
-//! decision time against cluster size (log–log, one line per policy and preset).
+//! of topology against delay per run (where one policy trades one for the other), decision
+//! time against cluster size (log–log, one line per policy and preset), and, for
+//! `--queues`, each queue's share over time against its deserved share.
 
 use super::{ScalingPoint, TopologyRun};
 
@@ -332,6 +333,103 @@ pub fn trade_off(run: &TopologyRun) -> String {
         }
     }
     s.push_str(&legend(&names));
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The share-over-time chart: per queue its GPUs in use (solid) and deserved (dashed).
+pub fn queue_shares(run: &super::queues::QueueRun, title: &str) -> String {
+    // Wider than the other charts: a long time axis, and a legend of two lines per queue.
+    const W: f64 = 900.0;
+    const R: f64 = 170.0;
+    let t_max = run
+        .queues
+        .iter()
+        .filter_map(|s| s.points.last().map(|p| p.0))
+        .fold(1.0_f64, f64::max);
+    let g = run.cluster_gpus.max(1) as f64;
+    let x = |t: f64| L + t / t_max * (W - L - R);
+    let y = |v: f64| H - B - (v / g).clamp(0.0, 1.0) * (H - B - T);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"22\" font-size=\"14\" text-anchor=\"middle\">{}</text>\n\
+         <line x1=\"{L}\" y1=\"{T}\" x2=\"{L}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <line x1=\"{L}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\" text-anchor=\"middle\">share of the cluster's GPUs</text>\n\
+         <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">time (hours)</text>\n",
+        (W - R + L) / 2.0,
+        title.replace('&', "&amp;").replace('<', "&lt;"),
+        H - B,
+        H - B,
+        W - R,
+        H - B,
+        (H - B + T) / 2.0,
+        (H - B + T) / 2.0,
+        (L + W - R) / 2.0,
+        H - 12.0
+    );
+    for i in 0..=4 {
+        let v = g * f64::from(i) / 4.0;
+        s.push_str(&format!(
+            "<line x1=\"{}\" y1=\"{y0:.1}\" x2=\"{}\" y2=\"{y0:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}%</text>\n",
+            L,
+            W - R,
+            L - 6.0,
+            y(v) + 4.0,
+            25 * i,
+            y0 = y(v)
+        ));
+    }
+    for i in 0..=5 {
+        let t = t_max * f64::from(i) / 5.0;
+        s.push_str(&format!(
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{:.0}</text>\n",
+            x(t),
+            H - B + 14.0,
+            t / 3600.0
+        ));
+    }
+    for (i, q) in run.queues.iter().enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        // Step lines, thinned to at most ~600 points.
+        let step = (q.points.len() / 600).max(1);
+        let pts: Vec<&(f64, f64, f64)> = q.points.iter().step_by(step).collect();
+        let line = |f: &dyn Fn(&(f64, f64, f64)) -> f64| -> String {
+            let mut out = Vec::with_capacity(pts.len() * 2);
+            for w in pts.windows(2) {
+                out.push(format!("{:.1},{:.1}", x(w[0].0), y(f(w[0]))));
+                out.push(format!("{:.1},{:.1}", x(w[1].0), y(f(w[0]))));
+            }
+            out.join(" ")
+        };
+        s.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"1.4\" points=\"{}\"/>\n",
+            line(&|p| p.1)
+        ));
+        s.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"1.4\" stroke-dasharray=\"5,3\" points=\"{}\"/>\n",
+            line(&|p| p.2)
+        ));
+        let ly = T + 34.0 * i as f64;
+        s.push_str(&format!(
+            "<line x1=\"{}\" y1=\"{ly}\" x2=\"{}\" y2=\"{ly}\" stroke=\"{c}\" stroke-width=\"2\"/><text x=\"{}\" y=\"{}\">{} used</text>\n\
+             <line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"{c}\" stroke-width=\"2\" stroke-dasharray=\"5,3\"/><text x=\"{}\" y=\"{}\">{} deserved (w {})</text>\n",
+            W - R + 10.0,
+            W - R + 30.0,
+            W - R + 34.0,
+            ly + 4.0,
+            q.name,
+            W - R + 10.0,
+            ly + 14.0,
+            W - R + 30.0,
+            ly + 14.0,
+            W - R + 34.0,
+            ly + 18.0,
+            q.name,
+            q.weight
+        ));
+    }
     s.push_str("</svg>\n");
     s
 }

@@ -11,6 +11,7 @@ pub mod dominance;
 pub mod fractional;
 pub mod metrics;
 pub mod policies;
+pub mod queues;
 pub mod report;
 pub mod workload;
 
@@ -540,6 +541,10 @@ pub struct SimOptions {
     pub out: Option<PathBuf>,
     pub scaling: bool,
     pub traces: Option<PathBuf>,
+    /// `name=weight,...`: simulate the RM's queues instead of comparing policies.
+    pub queues: Option<String>,
+    /// Notice before a preempted job stops (queue simulation).
+    pub grace_sec: f64,
 }
 
 /// Results of one topology (one cluster).
@@ -608,6 +613,79 @@ fn topologies_for(opts: &SimOptions, trace: bool) -> Result<Vec<Option<Topology>
     }
 }
 
+/// `gpuam sim --queues`: one stream (the first seed's window) through the RM's queues on
+/// the first cluster; prints the per-queue table (or JSON), writes `--out`.
+fn run_queues(
+    opts: &SimOptions,
+    queues: &str,
+    trace: Option<workload::Trace>,
+    mix: workload::Mix,
+    topos: &[Option<Topology>],
+) -> i32 {
+    let settings = match queues::parse_queues(queues) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return crate::exit::USAGE;
+        }
+    };
+    let topo = topos.first().cloned().flatten();
+    let dir = workload::traces_dir(opts.traces.as_deref());
+    let (label, cl, jobs) = match trace {
+        Some(t) => {
+            let cl = match workload::trace_cluster(&dir, t, topo.as_ref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return crate::exit::INVALID_INPUT;
+                }
+            };
+            let all = match workload::trace_jobs(&dir, t) {
+                Ok(j) => j,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return crate::exit::INVALID_INPUT;
+                }
+            };
+            let jobs = workload::trace_window(&all, opts.jobs, 0, 1, opts.load, cl.total_gpus());
+            (opts.workload.clone(), cl, jobs)
+        }
+        None => {
+            let Some(t) = topo.or_else(|| Topology::preset("pcie8")) else {
+                return crate::exit::USAGE;
+            };
+            let cl = cluster::generated(&t, opts.nodes.max(1), opts.rack_size);
+            let jobs = workload::synthetic(mix, opts.jobs, opts.load, cl.total_gpus(), cl.max_node_gpus(), 1000);
+            (format!("synthetic {}", t.name()), cl, jobs)
+        }
+    };
+    let started = Instant::now();
+    let run = queues::simulate(&cl, &jobs, &settings, opts.grace_sec.max(0.0));
+    let title = format!(
+        "{label}: {} jobs at load {}, queues {queues} — GPUs in use (solid) vs deserved (dashed)",
+        jobs.len(),
+        opts.load
+    );
+    if opts.json {
+        println!("{}", serde_json::to_string(&run).unwrap_or_default());
+    } else {
+        print!("{}", queues::table(&run));
+        println!(
+            "({label}, {} jobs, load {}, jobs spread round-robin over the queues; simulated in {:.1} s)",
+            jobs.len(),
+            opts.load,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    if let Some(out) = &opts.out {
+        if let Err(e) = queues::write_out(out, &run, &title) {
+            eprintln!("error: {e}");
+            return crate::exit::INTERNAL;
+        }
+    }
+    crate::exit::SUCCESS
+}
+
 /// `gpuam sim`: runs the simulation, prints the table or JSON, writes `--out`. Returns
 /// the exit code (64 bad flags, 65 trace files missing or malformed).
 pub fn run(opts: &SimOptions) -> i32 {
@@ -647,6 +725,9 @@ pub fn run(opts: &SimOptions) -> i32 {
             return crate::exit::USAGE;
         }
     };
+    if let Some(q) = &opts.queues {
+        return run_queues(opts, q, trace, mix, &topos);
+    }
     let started = Instant::now();
     let mut runs = Vec::new();
     let dir = workload::traces_dir(opts.traces.as_deref());

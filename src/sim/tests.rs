@@ -190,6 +190,8 @@ fn trace_files_missing_is_a_clear_error() {
         out: None,
         scaling: false,
         traces: Some(dir.to_path_buf()),
+        queues: None,
+        grace_sec: 30.0,
     };
     assert_eq!(run(&opts), crate::exit::INVALID_INPUT);
 }
@@ -250,6 +252,8 @@ fn json_and_charts_have_the_documented_shape() {
         out: None,
         scaling: false,
         traces: None,
+        queues: None,
+        grace_sec: 30.0,
     };
     let stream = |s: usize| synthetic(MIX_A, 50, 0.8, c.total_gpus(), 4, s as u64);
     let r = run_topology(&opts, "pcie4", &c, &stream);

@@ -30,6 +30,8 @@ pub struct JobSpec {
     pub task_roles: Vec<TaskRole>,
     /// The queue the job asks for (DESIGN.md §10); OpenPAI v2: `defaults.virtualCluster`.
     pub queue: Option<String>,
+    /// Its priority within its queue (`priority`; higher first, default 0).
+    pub priority: i32,
     /// OpenPAI v2 job-level settings (`None` for gpuam's own format).
     pub pai: Option<PaiJob>,
     /// Fields accepted but not honoured (or honoured differently), with their positions;

@@ -14,7 +14,15 @@ use super::validate::{self, limits, GpuQuantity};
 use super::yaml::{self, clip, join, Diags, Node, Pos, Value};
 use super::{Completion, JobSpec, PaiJob, PortRequest, SpecErrors, SpecFormat, TaskResources, TaskRole};
 
-const NATIVE_TOP: &[&str] = &["name", "description", "gang", "gangTimeoutSec", "taskRoles"];
+const NATIVE_TOP: &[&str] = &[
+    "name",
+    "description",
+    "gang",
+    "gangTimeoutSec",
+    "queue",
+    "priority",
+    "taskRoles",
+];
 const V2_TOP: &[&str] = &[
     "protocolVersion",
     "name",
@@ -270,6 +278,7 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         (gang, timeout)
     };
 
+    let (native_queue, priority) = if v2 { (None, 0) } else { read_queue(d, root) };
     let roles = read_roles(d, root, format, &v2ctx);
     let pai = v2.then(|| PaiJob {
         job_retry_count: v2ctx.job_retry_count,
@@ -282,10 +291,31 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         gang_timeout_sec,
         format,
         task_roles: roles?,
-        queue: v2ctx.virtual_cluster.clone(),
+        queue: v2ctx.virtual_cluster.clone().or(native_queue),
+        priority,
         pai,
         warnings: v2ctx.warnings.into_sorted(),
     })
+}
+
+/// `queue` and `priority` of gpuam's own format (DESIGN.md §10).
+fn read_queue(d: &mut Diags, root: &Node) -> (Option<String>, i32) {
+    let queue = root.get("queue").filter(|n| !n.is_null()).and_then(|n| {
+        let q = d.text(n, "queue")?;
+        match validate::check_queue_name(&q) {
+            Ok(()) => Some(q),
+            Err((m, f)) => {
+                d.at(n.pos, "queue", m, f);
+                None
+            }
+        }
+    });
+    let priority = root
+        .get("priority")
+        .filter(|n| !n.is_null())
+        .and_then(|n| d.int(n, "priority", -limits::MAX_PRIORITY, limits::MAX_PRIORITY))
+        .map_or(0, |p| p as i32);
+    (queue, priority)
 }
 
 fn read_gang_timeout(d: &mut Diags, node: Option<&Node>, path: &str) -> Option<u64> {

@@ -36,6 +36,8 @@ pub mod limits {
     pub const MAX_RETRY: i64 = 10_000;
     /// `gangTimeoutSec`: 1..=2 592 000 (30 days).
     pub const MAX_GANG_TIMEOUT_SEC: i64 = 30 * 24 * 3600;
+    /// `priority`: -1 000 000..=1 000 000 (higher runs first within its queue).
+    pub const MAX_PRIORITY: i64 = 1_000_000;
     /// A cluster file larger than this is rejected before it is parsed (10 MiB).
     pub const MAX_CLUSTER_BYTES: usize = 10 << 20;
     /// Nodes in a cluster file.
@@ -59,6 +61,20 @@ pub fn check_job_name(name: &str) -> Result<(), Problem> {
         return Err((
             format!("invalid job name \"{}\"", clip(name)),
             "use 1 to 255 letters, digits, `_` or `-`, e.g. `resnet-ddp`".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Queue names: one queue (`teamA`) or a department's queue (`dept.teamA`), each part
+/// `^[a-zA-Z0-9_-]{1,64}$` (the RM's settings use the same rule).
+pub fn check_queue_name(name: &str) -> Result<(), Problem> {
+    let part_ok = |p: &str| !p.is_empty() && p.len() <= 64 && chars_ok(p, "_-");
+    let parts: Vec<&str> = name.split('.').collect();
+    if parts.len() > 2 || !parts.iter().all(|p| part_ok(p)) {
+        return Err((
+            format!("invalid queue name \"{}\"", clip(name)),
+            "name a queue of the RM's settings: 1 to 64 letters, digits, `_` or `-` (or `department.queue`)".into(),
         ));
     }
     Ok(())

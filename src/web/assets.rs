@@ -1,5 +1,5 @@
-//! The dashboard's static files, embedded at build time so the AM serves them from any
-//! working directory. Served with `no-cache` plus an ETag: browsers revalidate and get
+//! The dashboards' static files, embedded at build time so the AM (job dashboard) and the
+//! RM (cluster page, which shares `style.css`) serve them from any working directory. Served with `no-cache` plus an ETag: browsers revalidate and get
 //! a 304 until the binary changes.
 
 use std::hash::{Hash, Hasher};
@@ -11,6 +11,9 @@ use axum::response::{IntoResponse, Response};
 pub(crate) const INDEX_HTML: &str = include_str!("../../webui/index.html");
 pub(crate) const APP_JS: &str = include_str!("../../webui/app.js");
 pub(crate) const STYLE_CSS: &str = include_str!("../../webui/style.css");
+pub(crate) const CLUSTER_HTML: &str = include_str!("../../webui/cluster.html");
+pub(crate) const CLUSTER_JS: &str = include_str!("../../webui/cluster.js");
+pub(crate) const CLUSTER_CSS: &str = include_str!("../../webui/cluster.css");
 
 fn etag(body: &'static str, cell: &'static OnceLock<String>) -> &'static str {
     cell.get_or_init(|| {
@@ -44,14 +47,13 @@ static INDEX_TAG: OnceLock<String> = OnceLock::new();
 static APP_TAG: OnceLock<String> = OnceLock::new();
 static CSS_TAG: OnceLock<String> = OnceLock::new();
 
-pub(crate) async fn index(headers: HeaderMap) -> Response {
-    let mut r = serve(
-        &headers,
-        INDEX_HTML,
-        "text/html; charset=utf-8",
-        etag(INDEX_HTML, &INDEX_TAG),
-    );
-    // The page talks only to its own origin.
+static CLUSTER_HTML_TAG: OnceLock<String> = OnceLock::new();
+static CLUSTER_JS_TAG: OnceLock<String> = OnceLock::new();
+static CLUSTER_CSS_TAG: OnceLock<String> = OnceLock::new();
+
+/// An HTML page that talks only to its own origin.
+fn page(headers: &HeaderMap, body: &'static str, tag: &'static str) -> Response {
+    let mut r = serve(headers, body, "text/html; charset=utf-8", tag);
     r.headers_mut().insert(
         "content-security-policy",
         HeaderValue::from_static(
@@ -59,6 +61,33 @@ pub(crate) async fn index(headers: HeaderMap) -> Response {
         ),
     );
     r
+}
+
+pub(crate) async fn index(headers: HeaderMap) -> Response {
+    page(&headers, INDEX_HTML, etag(INDEX_HTML, &INDEX_TAG))
+}
+
+/// The RM's cluster page.
+pub(crate) async fn cluster_html(headers: HeaderMap) -> Response {
+    page(&headers, CLUSTER_HTML, etag(CLUSTER_HTML, &CLUSTER_HTML_TAG))
+}
+
+pub(crate) async fn cluster_js(headers: HeaderMap) -> Response {
+    serve(
+        &headers,
+        CLUSTER_JS,
+        "text/javascript; charset=utf-8",
+        etag(CLUSTER_JS, &CLUSTER_JS_TAG),
+    )
+}
+
+pub(crate) async fn cluster_css(headers: HeaderMap) -> Response {
+    serve(
+        &headers,
+        CLUSTER_CSS,
+        "text/css; charset=utf-8",
+        etag(CLUSTER_CSS, &CLUSTER_CSS_TAG),
+    )
 }
 
 pub(crate) async fn app_js(headers: HeaderMap) -> Response {

@@ -5,7 +5,7 @@
 //! (kill) is forwarded to the control loop as a [`crate::am::status::Command`].
 
 mod api;
-mod assets;
+pub(crate) mod assets;
 pub mod demo;
 mod metrics;
 mod sse;

@@ -2,7 +2,9 @@
 //! (grants, rejections, releases, completions, updated nodes; idempotent by `responseId`)
 //! and finish.
 
+use super::dashboard::Refusal;
 use super::*;
+use crate::protocol::Rejection;
 
 pub(super) async fn am_register(
     State(rm): Rm,
@@ -60,6 +62,10 @@ pub(super) async fn am_allocate(
     headers: HeaderMap,
     ApiJson(req): ApiJson<AllocateRequest>,
 ) -> Result<Json<AllocateResponse>, ApiError> {
+    let started = Instant::now();
+    if let Some(w) = &req.waiting {
+        scheduling::check_waiting(w).map_err(ApiError::bad_request)?;
+    }
     if req.asks.len() > rm.limits.max_asks_per_allocate {
         return Err(ApiError::limit(
             "rm.max_asks_per_allocate",
@@ -107,15 +113,21 @@ pub(super) async fn am_allocate(
         app.report.progress = req.progress.clamp(0.0, 1.0);
         let attempt = app.report.attempt;
 
-        // Releases: freed now, not reported back (the AM asked for it).
+        let now = Instant::now();
+        if let Some(w) = req.waiting.clone() {
+            app.waiting.report(w, now);
+        }
+        // Releases: freed now, not reported back (the AM asked for it). A container under
+        // a preemption notice ends as preempted.
         let mut ended = Vec::new();
         for cid in &req.releases {
             match st.ledger.container(cid) {
                 Some(c) if c.app_id == id => {
-                    if let Some(e) = st
-                        .ledger
-                        .stop(cid, exit_status::ABORTED, "Container released by application")
-                    {
+                    let (exit, why) = match st.sched.preempting.get(cid) {
+                        Some(p) => (exit_status::PREEMPTED, scheduling::preempted_diagnostics(p)),
+                        None => (exit_status::ABORTED, "Container released by application".to_string()),
+                    };
+                    if let Some(e) = st.ledger.stop(cid, exit, &why) {
                         ended.push(e);
                     }
                 }
@@ -124,15 +136,47 @@ pub(super) async fn am_allocate(
                 }
             }
         }
-        // Cancels need no work: asks never stay pending (see the module doc).
-        let now = Instant::now();
-        for ask in &req.asks {
-            match st.ledger.grant(&id, attempt, ask, now) {
-                Ok(c) => out.allocated.push(c),
-                Err(r) => out.rejected.push(r),
+        // Cancels need no work: asks never stay pending (see the module doc). Each ask, or
+        // each gang of asks, passes the queue gate first, then the ledger.
+        for group in scheduling::group_asks(&req.asks) {
+            if let Err(why) = scheduling::admit(st, &id, &group, now) {
+                rm.metrics.refused(Refusal::Queue, group.len());
+                out.rejected.extend(group.iter().map(|a| Rejection {
+                    request_id: a.request_id,
+                    reason: why.clone(),
+                    retryable: true,
+                }));
+                continue;
+            }
+            let granted_before = out.allocated.len();
+            for ask in &group {
+                match st.ledger.grant(&id, attempt, ask, now) {
+                    Ok(c) => out.allocated.push(c),
+                    Err(r) => {
+                        rm.metrics
+                            .refused(if r.retryable { Refusal::Busy } else { Refusal::Never }, 1);
+                        out.rejected.push(r)
+                    }
+                }
+            }
+            if group.len() > 1 && out.allocated.len() - granted_before < group.len() {
+                // A gang is granted whole or not at all (its fit was checked above under
+                // the same lock, so this does not happen; if it ever did, undo it).
+                for c in out.allocated.drain(granted_before..) {
+                    st.ledger
+                        .complete(&c.container_id, exit_status::ABORTED, "gang not granted whole");
+                    out.rejected.push(Rejection {
+                        request_id: c.request_id,
+                        reason: "gang not granted whole".into(),
+                        retryable: true,
+                    });
+                }
             }
         }
+        rm.metrics.granted(out.allocated.len());
+        out.preempt = scheduling::notices_for(st, &id);
         let app = app_mut(&mut st.apps, &id)?;
+        out.waiting_reason = app.waiting.why.as_ref().map(|(_, t)| t.clone());
         out.completed = std::mem::take(&mut app.pending_completed);
         out.updated_nodes = st
             .ledger
@@ -146,6 +190,7 @@ pub(super) async fn am_allocate(
     // Released containers are stopped either way; grants are acknowledged only when stored
     // (a retry of this responseId gets the same answer once the store takes it).
     spawn_stops(&rm, ended);
+    rm.metrics.allocate_took(started.elapsed());
     committed?;
     Ok(Json(answer))
 }

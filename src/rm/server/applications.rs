@@ -134,6 +134,7 @@ pub(super) async fn submit_app(
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
     let spec = crate::spec::parse_job_spec(&req.job_spec, &source)
         .map_err(|errs| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC", errs.to_string()))?;
+    let queue = admit_to_queue(&rm, spec.queue.as_deref(), caller.name())?;
 
     // Claim the id (a concurrent submit of the same id loses here).
     {
@@ -173,9 +174,9 @@ pub(super) async fn submit_app(
     }
     let mut app = App::new(id.clone(), spec.name.clone());
     app.report.user = caller.name().to_string();
-    if let Some(q) = &spec.queue {
-        app.report.queue = q.clone();
-    }
+    app.report.queue = queue;
+    app.report.priority = spec.priority;
+    app.gang = spec.gang;
     app.set_job_token(req.job_token.as_deref());
     if rm.launch_am {
         app.launch = Some(AmLaunch {
@@ -226,6 +227,19 @@ pub(super) async fn submit_app(
         Json(json!({ "app": report })),
     )
         .into_response())
+}
+
+/// The queue a job names (`default` when none), if `user` may submit to it: its full name.
+/// 400 for a queue the RM does not have, 403 naming the queue's users for one the user may
+/// not use.
+fn admit_to_queue(rm: &Shared, queue: Option<&str>, user: &str) -> Result<String, ApiError> {
+    use crate::rm::scheduler::queues::QueueRefusal;
+    let st = rm.lock();
+    match st.sched.tree.admit(queue, user) {
+        Ok(q) => Ok(st.sched.tree.get(q).path.clone()),
+        Err(QueueRefusal::Unknown(m)) => Err(ApiError::new(StatusCode::BAD_REQUEST, "UNKNOWN_QUEUE", m)),
+        Err(QueueRefusal::NotAllowed(m)) => Err(ApiError::new(StatusCode::FORBIDDEN, "QUEUE_FORBIDDEN", m)),
+    }
 }
 
 /// Kill: its owner, the admin, or the job token given when the job was submitted (the

@@ -74,8 +74,10 @@ mod am_supervisor;
 mod applications;
 mod cluster;
 mod containers;
+mod dashboard;
 mod http;
 mod nodes;
+mod scheduling;
 mod state;
 use am_protocol::*;
 use am_supervisor::*;
@@ -168,6 +170,10 @@ pub struct RmOptions {
     pub recover_state: bool,
     /// Most bytes of each container log on the in-process node (`node.max_log_bytes`).
     pub max_log_bytes: Option<u64>,
+    /// The queues jobs run in (`rm.queues`).
+    pub queues: crate::rm::scheduler::queues::QueueTree,
+    /// Notice before a preempted container is stopped (`rm.preemption_grace_sec`).
+    pub preemption_grace: Duration,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -198,6 +204,8 @@ impl RmOptions {
             http_timeouts: crate::tls::HttpTimeouts::default(),
             recover_state: false,
             max_log_bytes: Some(crate::config::NodeSettings::default().max_log_bytes),
+            queues: Default::default(),
+            preemption_grace: Duration::from_secs(30),
         }
     }
 }
@@ -248,6 +256,8 @@ struct Shared {
     /// Where the admin token is, for the 401 of an RM without users.
     admin_token_hint: String,
     limits: RmLimits,
+    /// Counters and the allocate-latency histogram of `/metrics`.
+    metrics: dashboard::RmMetrics,
 }
 
 impl Shared {
@@ -343,7 +353,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         Some(dir) => Store::open(dir)?,
         None => Store::memory(),
     };
-    let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry))?;
+    let sched = scheduling::SchedState::new(opts.queues, opts.preemption_grace);
+    let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry), sched)?;
     let recovery_notes = state.store.notes().to_vec();
     for note in &recovery_notes {
         tracing::warn!("state recovery: {note}");
@@ -402,6 +413,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         },
         admin_token_hint,
         limits: opts.limits.clone(),
+        metrics: dashboard::RmMetrics::default(),
     });
 
     let mut background = Vec::new();
@@ -434,6 +446,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     if shared.users.file.is_some() {
         background.push(spawn_users_reload(shared.clone())?);
     }
+
+    background.push(spawn_scheduler(shared.clone()));
 
     let guard = crate::http_guard::Guard {
         served: crate::http_guard::Served::new(addr, &opts.public_names),
@@ -488,6 +502,32 @@ fn spawn_users_reload(rm: Arc<Shared>) -> anyhow::Result<JoinHandle<()>> {
             }
         }
     }))
+}
+
+/// The scheduling pass every [`scheduling::TICK`]: preemption deadlines, new victims (their
+/// nodes are told at once; their AMs in their next answers) and why applications wait.
+fn spawn_scheduler(shared: Arc<Shared>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(scheduling::TICK);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let work = {
+                let mut st = shared.lock();
+                scheduling::tick(&mut st, Instant::now())
+            };
+            spawn_stops(&shared, work.ended);
+            for (host, id, deadline_ms, reason) in work.notify {
+                let s = shared.clone();
+                tokio::spawn(async move {
+                    let node = s.nodes.for_host(&host);
+                    if let Err(e) = node.notify_preemption(&host, &id, deadline_ms, &reason).await {
+                        tracing::warn!(container = %id, "could not tell the container it is preempted: {e}");
+                    }
+                });
+            }
+        }
+    })
 }
 
 /// Name of the generated admin token's file in the work dir.
@@ -681,6 +721,13 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/node/{host}/containers/{id}/stop", post(container_stop))
         .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
         .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))
+        .route("/ws/v1/cluster/overview", get(dashboard::overview))
+        .route("/metrics", get(dashboard::metrics))
+        .route("/", get(crate::web::assets::cluster_html))
+        .route("/cluster", get(crate::web::assets::cluster_html))
+        .route("/cluster.js", get(crate::web::assets::cluster_js))
+        .route("/cluster.css", get(crate::web::assets::cluster_css))
+        .route("/style.css", get(crate::web::assets::style_css))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)

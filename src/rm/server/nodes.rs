@@ -45,6 +45,8 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         diagnostics,
     } = ev;
     let mut st = rm.lock();
+    // A container under a preemption notice was preempted, however its task exited.
+    let (exit_status, diagnostics) = scheduling::exit_of(&st, &container_id, exit_status, diagnostics);
     if let Some(ended) = st
         .ledger
         .complete(&container_id, exit_status, &crate::text::clean(&diagnostics))

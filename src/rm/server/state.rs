@@ -58,6 +58,9 @@ pub(super) struct RmState {
     pub(super) meta_dirty: bool,
     pub(super) store: Store,
     pub(super) store_health: StoreHealth,
+    /// The queues and the preemptions in progress (not persisted: a restarted RM decides
+    /// again from what runs).
+    pub(super) sched: scheduling::SchedState,
 }
 
 impl RmState {
@@ -294,7 +297,11 @@ impl Drop for StateGuard<'_> {
 
 /// Builds the RM's state from what the store kept (a fresh state when it kept nothing);
 /// returns it with the cluster timestamp to use in ids.
-pub(super) fn recover_state(mut store: Store, mut ledger: Ledger) -> anyhow::Result<(RmState, u64)> {
+pub(super) fn recover_state(
+    mut store: Store,
+    mut ledger: Ledger,
+    sched: scheduling::SchedState,
+) -> anyhow::Result<(RmState, u64)> {
     let mut apps = Apps::default();
     let Some(r) = store.recover()? else {
         let state = RmState {
@@ -305,6 +312,7 @@ pub(super) fn recover_state(mut store: Store, mut ledger: Ledger) -> anyhow::Res
             meta_dirty: true,
             store,
             store_health: StoreHealth::default(),
+            sched,
         };
         return Ok((state, now_ms()));
     };
@@ -348,6 +356,7 @@ pub(super) fn recover_state(mut store: Store, mut ledger: Ledger) -> anyhow::Res
         meta_dirty: true,
         store,
         store_health: StoreHealth::default(),
+        sched,
     };
     Ok((state, r.meta.cluster_ts))
 }

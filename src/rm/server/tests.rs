@@ -323,6 +323,7 @@ fn reserved_ids_are_forgotten_oldest_first() {
         meta_dirty: false,
         store: Store::memory(),
         store_health: StoreHealth::default(),
+        sched: scheduling::SchedState::new(Default::default(), Duration::from_secs(30)),
     };
     let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
         .map(|_| {
@@ -349,6 +350,7 @@ fn the_application_sequence_is_refused_at_its_end_not_wrapped() {
         meta_dirty: false,
         store: Store::memory(),
         store_health: StoreHealth::default(),
+        sched: scheduling::SchedState::new(Default::default(), Duration::from_secs(30)),
     };
     assert_eq!(st.next_app_id(7).unwrap(), format!("application_7_{}", u32::MAX));
     let e = st.next_app_id(7).unwrap_err();
@@ -368,4 +370,222 @@ fn stderr_tail_keeps_last_lines() {
     let t = stderr_tail(&p, 3);
     assert_eq!(t, "line 48\nline 49\nred", "the last lines, without colour codes");
     assert_eq!(stderr_tail(&dir.path().join("missing"), 3), "");
+}
+
+/// An RM with queues `a` and `b` (weights 1:1) on one node of 2 GPUs, a 600 ms notice,
+/// and two test applications registered in them.
+async fn rm_with_queues(dir: &Path) -> (RmHandle, [(String, String); 2]) {
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let queues: BTreeMap<String, crate::config::QueueSettings> =
+        serde_json::from_str(r#"{"a": {"weight": 1}, "b": {"weight": 1}}"#).unwrap();
+    let opts = RmOptions {
+        launch_am: false,
+        queues: crate::rm::scheduler::queues::QueueTree::from_settings(&queues).unwrap(),
+        preemption_grace: Duration::from_millis(600),
+        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.to_path_buf())
+    };
+    let rm = start(opts).await.unwrap();
+    let apps = ["a", "b"].map(|q| {
+        let (id, token) = rm.register_test_app(q);
+        rm.shared.lock().apps.get_mut(&id).unwrap().report.queue = q.to_string();
+        (id, token)
+    });
+    (rm, apps)
+}
+
+#[tokio::test]
+async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::{RegisterRequest, WaitingTasks};
+    let dir = tempfile::tempdir().unwrap();
+    let (rm, [(a_id, a_tok), (b_id, b_tok)]) = rm_with_queues(&dir.path().join("work")).await;
+    let a = RmClient::for_app(&rm.base_url(), &a_id, &a_tok);
+    let b = RmClient::for_app(&rm.base_url(), &b_id, &b_tok);
+    a.register(&RegisterRequest::default()).await.unwrap();
+    b.register(&RegisterRequest::default()).await.unwrap();
+    // B takes both GPUs and runs on them.
+    let mut b_resp = b
+        .allocate(&AllocateRequest {
+            asks: vec![ask(1, "n1", 0x1), ask(2, "n1", 0x2)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(b_resp.allocated.len(), 2);
+    for c in &b_resp.allocated {
+        b.start_container(
+            &c.node_http_address,
+            "n1",
+            &c.container_id,
+            &LaunchContext {
+                commands: vec!["sleep 30".into()],
+                env: Default::default(),
+            },
+        )
+        .await
+        .unwrap();
+    }
+    // A waits for one GPU.
+    let waiting = WaitingTasks {
+        role: "w".into(),
+        count: 1,
+        gpus: 1,
+        cpu: 1,
+        memory_mb: 10,
+        ..Default::default()
+    };
+    let mut a_resp = a
+        .allocate(&AllocateRequest {
+            waiting: Some(vec![waiting.clone()]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // B hears of the preemption (and ignores it, like an AM that predates it).
+    let t0 = Instant::now();
+    let notice = loop {
+        b_resp = b
+            .allocate(&AllocateRequest {
+                response_id: b_resp.response_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        if let Some(n) = b_resp.preempt.first() {
+            break n.clone();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "no preemption notice");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        b_resp.preempt.len(),
+        1,
+        "one GPU for A, one stays B's: {:?}",
+        b_resp.preempt
+    );
+    assert!(notice.reason.contains("queue `a`"), "{}", notice.reason);
+    assert!(notice.deadline_ms > now_ms() && notice.deadline_ms <= now_ms() + 700);
+    let file = rm
+        .shared
+        .nodes
+        .local
+        .executor()
+        .container_dir(&notice.container_id)
+        .unwrap()
+        .join(crate::node::executor::PREEMPT_FILE);
+    assert!(file.exists(), "the task's GPUAM_PREEMPT_FILE was created");
+    // Why A waits, as the cluster page and its AM see it.
+    a_resp = a
+        .allocate(&AllocateRequest {
+            response_id: a_resp.response_id,
+            waiting: Some(vec![waiting.clone()]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        a_resp
+            .waiting_reason
+            .as_deref()
+            .is_some_and(|w| w.contains("taken back")),
+        "{:?}",
+        a_resp.waiting_reason
+    );
+    // The deadline passes: the RM stops it; B hears it ended as preempted (-102).
+    let completed = loop {
+        b_resp = b
+            .allocate(&AllocateRequest {
+                response_id: b_resp.response_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        if let Some(c) = b_resp.completed.first() {
+            break c.clone();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the RM never stopped it");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(completed.container_id, notice.container_id);
+    assert_eq!(completed.exit_status, exit_status::PREEMPTED);
+    assert!(now_ms() + 100 >= notice.deadline_ms, "not before the deadline");
+    // Freed only when dead; then A's ask is granted and B's is not.
+    let t1 = Instant::now();
+    let free_bit = loop {
+        let used = rm.nodes_snapshot()[0].0.used().gpu_mask;
+        if used.count_ones() == 1 {
+            break 0x3 & !used;
+        }
+        assert!(t1.elapsed() < Duration::from_secs(10), "never freed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    b_resp = b
+        .allocate(&AllocateRequest {
+            response_id: b_resp.response_id,
+            asks: vec![ask(3, "n1", free_bit)],
+            waiting: Some(vec![waiting.clone()]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        b_resp
+            .rejected
+            .first()
+            .is_some_and(|r| r.retryable && r.reason.contains("ranks ahead")),
+        "{:?}",
+        b_resp.rejected
+    );
+    a_resp = a
+        .allocate(&AllocateRequest {
+            response_id: a_resp.response_id,
+            asks: vec![ask(4, "n1", free_bit)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(a_resp.allocated.len(), 1, "{:?}", a_resp.rejected);
+
+    // The cluster page's JSON and /metrics.
+    let http = crate::tls::http_client();
+    let ov: serde_json::Value = http
+        .get(format!("{}/ws/v1/cluster/overview", rm.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let qb = ov["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["name"] == "b")
+        .unwrap();
+    assert_eq!(qb["preempted"], 1, "{qb}");
+    assert_eq!(qb["usedGpus"], 1, "{qb}");
+    let gpus = ov["nodes"][0]["gpus"].as_array().unwrap();
+    assert!(
+        gpus.iter().any(|g| g["app"] == a_id.as_str() && g["queue"] == "a"),
+        "{gpus:?}"
+    );
+    let metrics = http
+        .get(format!("{}/metrics", rm.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "gpuam_rm_preemptions_total{queue=\"b\"} 1",
+        "gpuam_rm_queue_used_gpus{queue=\"a\",gpu_type=\"\"} 1",
+        "gpuam_rm_queue_deserved_gpus{queue=\"a\",gpu_type=\"\"} 1.0",
+        "gpuam_rm_grants_total 3",
+        "gpuam_rm_rejections_total{reason=\"queue\"} 1",
+    ] {
+        assert!(metrics.contains(line), "missing `{line}` in\n{metrics}");
+    }
+    assert!(metrics.contains("gpuam_rm_allocate_latency_seconds_count"), "{metrics}");
+    rm.shutdown().await;
 }

@@ -1,0 +1,307 @@
+//! Queues, fair share and preemption on a real `gpuam rm` (issue 16), with real AMs and
+//! real task processes. Each task records its runs (job, index, attempt, host, GPUs, start
+//! and end in ms) in `runs.log`; a task runs until its queue's release file exists, and
+//! ends early (checkpoint-and-exit) when its `GPUAM_PREEMPT_FILE` appears. Times are µs.
+//!
+//! - `a_queue_below_its_share_takes_back_its_weighted_share`: 8 GPUs, queues A (weight 3)
+//!   and B (weight 1). B fills the cluster (a gang of 4 and four single jobs), A submits 8
+//!   one-GPU jobs: within the preemption deadline plus a few seconds A holds 6 ± 1 GPUs and
+//!   B the rest, and it stays so; the gang lost all its containers or none; B's preempted
+//!   tasks run again later and finish (taskRetryCount 0: preemption uses none); no GPU was
+//!   held by two tasks at once; unknown queues are refused at submit.
+//! - `a_higher_priority_job_preempts_within_its_queue`: one queue that allows it; a
+//!   priority-10 job takes two GPUs from a priority-0 job, a same-priority job waiting
+//!   before it does not get them.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Tests here start many processes each: one at a time on small machines.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+const GRACE_SEC: u64 = 2;
+
+/// Two nodes of 4 GPUs.
+const CLUSTER: &str = "nodes:\n  - host: n1\n    cpu: 16\n    memoryMB: 16000\n    gpus: 4\n  - host: n2\n    cpu: 16\n    memoryMB: 16000\n    gpus: 4\n";
+
+/// One node of 4 GPUs.
+const ONE_NODE: &str = "nodes:\n  - host: n1\n    cpu: 16\n    memoryMB: 16000\n    gpus: 4\n";
+
+/// Faster AM retries than the defaults, so the test's waits are short.
+const ENV: &[(&str, &str)] = &[
+    ("GPUAM__AM__NOT_AVAILABLE_RETRY_MIN_MS", "200"),
+    ("GPUAM__AM__NOT_AVAILABLE_RETRY_MAX_MS", "800"),
+    ("GPUAM__AM__NODE_REFRESH_INTERVAL_MS", "500"),
+    ("GPUAM_DASHBOARD_LINGER_SEC", "0"),
+];
+
+/// A job of `n` one-GPU tasks in `queue` that run until `release-<release>` exists.
+fn job(rm: &Rm, name: &str, queue: &str, priority: i32, gang: bool, n: u32, release: &str) -> std::path::PathBuf {
+    let root = rm.root().display().to_string();
+    let rec = "$GPUAM_JOB $GPUAM_TASK_INDEX $GPUAM_ATTEMPT $GPUAM_HOST $CUDA_VISIBLE_DEVICES";
+    let script = format!(
+        "R={root}/runs.log; t() {{ echo ${{EPOCHREALTIME/./}}; }}; echo \"start {rec} $(t)\" >> $R; \
+         trap 'echo \"end {rec} $(t) term\" >> $R; exit 143' TERM; \
+         while [ ! -e {root}/release-{release} ]; do \
+           if [ -e \"$GPUAM_PREEMPT_FILE\" ]; then echo \"end {rec} $(t) notice\" >> $R; exit 0; fi; \
+           sleep 0.1; \
+         done; echo \"end {rec} $(t) done\" >> $R"
+    );
+    rm.write_job(
+        name,
+        &format!(
+            "name: {name}\nqueue: {queue}\npriority: {priority}\ngang: {gang}\ntaskRoles:\n  worker:\n    instances: {n}\n    \
+             taskRetryCount: 0\n    resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 1}}\n    commands:\n      - {}\n",
+            sq(&script)
+        ),
+    )
+}
+
+/// One run of a task, from `runs.log`.
+#[derive(Clone, Debug)]
+struct Run {
+    job: String,
+    index: u32,
+    attempt: u32,
+    host: String,
+    gpus: Vec<u32>,
+    start: u64,
+    end: Option<(u64, String)>,
+}
+
+fn runs(rm: &Rm) -> Vec<Run> {
+    let mut out: BTreeMap<(String, u32, u32), Run> = BTreeMap::new();
+    for line in rm.lines("runs.log") {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 7 {
+            continue;
+        }
+        let (Ok(index), Ok(attempt), Ok(at)) = (f[2].parse(), f[3].parse(), f[6].parse::<u64>()) else {
+            panic!("a bad line in runs.log: {line}");
+        };
+        let key = (f[1].to_string(), index, attempt);
+        match f[0] {
+            "start" => {
+                out.insert(
+                    key.clone(),
+                    Run {
+                        job: key.0.clone(),
+                        index: key.1,
+                        attempt: key.2,
+                        host: f[4].to_string(),
+                        gpus: f[5].split(',').map(|g| g.parse().unwrap()).collect(),
+                        start: at,
+                        end: None,
+                    },
+                );
+            }
+            "end" => {
+                if let Some(r) = out.get_mut(&key) {
+                    r.end = Some((at, f.get(7).unwrap_or(&"").to_string()));
+                }
+            }
+            _ => {}
+        }
+    }
+    out.into_values().collect()
+}
+
+/// One run's hold of a GPU: (start, end, which task).
+type Span = (u64, u64, String);
+
+/// No GPU of a host in two runs at once (every run ended).
+fn assert_no_gpu_held_twice(runs: &[Run]) {
+    let mut per_gpu: BTreeMap<(String, u32), Vec<Span>> = BTreeMap::new();
+    for r in runs {
+        let (end, _) = r.end.clone().unwrap_or_else(|| panic!("run without an end: {r:?}"));
+        for g in &r.gpus {
+            per_gpu.entry((r.host.clone(), *g)).or_default().push((
+                r.start,
+                end,
+                format!("{}/{} attempt {}", r.job, r.index, r.attempt),
+            ));
+        }
+    }
+    for ((host, gpu), mut spans) in per_gpu {
+        spans.sort();
+        for w in spans.windows(2) {
+            assert!(
+                w[1].0 >= w[0].1,
+                "GPU {gpu} of {host} held twice: {} [{}, {}] and {} from {}",
+                w[0].2,
+                w[0].0,
+                w[0].1,
+                w[1].2,
+                w[1].0
+            );
+        }
+    }
+}
+
+/// GPUs each queue holds now (the cluster page's JSON).
+fn queue_use(rm: &Rm) -> BTreeMap<String, u64> {
+    let v = rm.get_json("/ws/v1/cluster/overview").expect("overview");
+    v["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| (q["name"].as_str().unwrap().to_string(), q["usedGpus"].as_u64().unwrap()))
+        .collect()
+}
+
+fn running(runs: &[Run], job: &str) -> usize {
+    runs.iter().filter(|r| r.job == job && r.end.is_none()).count()
+}
+
+#[test]
+fn a_queue_below_its_share_takes_back_its_weighted_share() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let settings =
+        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 3}}\n    b: {{weight: 1}}\n");
+    let rm = Rm::start_with_settings(CLUSTER, &settings, ENV);
+
+    // Unknown queues are refused at submit, naming the queues there are.
+    let bad = job(&rm, "nowhere", "research", 0, false, 1, "x");
+    let out = rm.run_job(&bad, Duration::from_secs(30));
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr.contains("unknown queue `research`") && out.stderr.contains("a, b"),
+        "{}",
+        out.stderr
+    );
+
+    // B fills the cluster: a gang of 4, then four single jobs.
+    let mut subs = Vec::new();
+    subs.push(("bgang", rm.submit(&job(&rm, "bgang", "b", 0, true, 4, "b"))));
+    wait_for(Duration::from_secs(60), "B's gang to run", || {
+        (running(&runs(&rm), "bgang") == 4).then_some(())
+    });
+    for i in 1..=4 {
+        let name = format!("b{i}");
+        subs.push(("b", rm.submit(&job(&rm, &name, "b", 0, false, 1, "b"))));
+    }
+    wait_for(Duration::from_secs(60), "B to hold all 8 GPUs", || {
+        let r = runs(&rm);
+        (r.iter().filter(|x| x.end.is_none()).count() == 8).then_some(())
+    });
+    assert_eq!(queue_use(&rm).get("b"), Some(&8));
+
+    // A asks for 8 more.
+    let asked = Instant::now();
+    for i in 1..=8 {
+        let name = format!("a{i}");
+        subs.push(("a", rm.submit(&job(&rm, &name, "a", 0, false, 1, "a"))));
+    }
+    let deadline = Duration::from_secs(GRACE_SEC + 13);
+    let split = wait_for(deadline, "A to hold 6 ± 1 GPUs and B the rest", || {
+        let u = queue_use(&rm);
+        let (a, b) = (u["a"], u["b"]);
+        let r = runs(&rm);
+        let a_running = r.iter().filter(|x| x.job.starts_with('a') && x.end.is_none()).count() as u64;
+        ((5..=7).contains(&a) && a + b == 8 && a_running == a).then_some((a, b))
+    });
+    eprintln!("A {} / B {} after {:?}", split.0, split.1, asked.elapsed());
+    // And it stays so (no flapping).
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let u = queue_use(&rm);
+        assert!((5..=7).contains(&u["a"]) && u["a"] + u["b"] == 8, "{u:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let overview = rm.get_json("/ws/v1/cluster/overview").unwrap();
+    let b = overview["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["name"] == "b")
+        .unwrap()
+        .clone();
+    assert_eq!(b["preempted"].as_u64(), Some(8 - split.1), "{b}");
+    assert!((b["deservedGpus"].as_f64().unwrap() - 2.0).abs() < 1e-6, "{b}");
+
+    // The gang lost all its containers or none.
+    let r = runs(&rm);
+    let gang_first: Vec<&Run> = r.iter().filter(|x| x.job == "bgang" && x.attempt == 1).collect();
+    let ended = gang_first.iter().filter(|x| x.end.is_some()).count();
+    assert!(ended == 0 || ended == 4, "a gang preempted in part: {gang_first:?}");
+    assert!(
+        r.iter().filter(|x| x.job.starts_with('a')).all(|x| x.attempt == 1),
+        "nothing of A was preempted"
+    );
+
+    // A finishes; B's preempted tasks run again and finish.
+    std::fs::write(rm.path("release-a"), "").unwrap();
+    wait_for(Duration::from_secs(60), "B's preempted tasks to run again", || {
+        let r = runs(&rm);
+        let again = r.iter().filter(|x| x.job.starts_with('b') && x.attempt > 1).count();
+        (again as u64 == 8 - split.1 && r.iter().filter(|x| x.end.is_none()).count() == 8).then_some(())
+    });
+    std::fs::write(rm.path("release-b"), "").unwrap();
+    for (what, s) in subs {
+        let out = s.wait(Duration::from_secs(60));
+        assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
+    }
+    let r = runs(&rm);
+    let preempted: Vec<&Run> = r
+        .iter()
+        .filter(|x| x.end.as_ref().is_some_and(|(_, why)| why != "done"))
+        .collect();
+    assert_eq!(preempted.len() as u64, 8 - split.1, "{preempted:?}");
+    assert!(preempted.iter().all(|x| x.job.starts_with('b')));
+    for p in &preempted {
+        let again = r
+            .iter()
+            .find(|x| x.job == p.job && x.index == p.index && x.attempt > p.attempt)
+            .unwrap_or_else(|| panic!("{p:?} never ran again"));
+        assert_eq!(again.end.as_ref().map(|e| e.1.as_str()), Some("done"));
+    }
+    assert_no_gpu_held_twice(&r);
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+#[test]
+fn a_higher_priority_job_preempts_within_its_queue() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let settings =
+        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    q: {{weight: 1, priorityPreemption: true}}\n");
+    let rm = Rm::start_with_settings(ONE_NODE, &settings, ENV);
+    let low = rm.submit(&job(&rm, "low", "q", 0, false, 4, "low"));
+    wait_for(Duration::from_secs(60), "the low job to fill the node", || {
+        (running(&runs(&rm), "low") == 4).then_some(())
+    });
+    // Same priority: waits, takes nothing.
+    let mid = rm.submit(&job(&rm, "mid", "q", 0, false, 1, "mid"));
+    std::thread::sleep(Duration::from_secs(GRACE_SEC + 1));
+    assert_eq!(running(&runs(&rm), "low"), 4, "a same-priority job preempts nothing");
+    let high = rm.submit(&job(&rm, "high", "q", 10, false, 2, "high"));
+    wait_for(
+        Duration::from_secs(GRACE_SEC + 13),
+        "the high job to run on two GPUs",
+        || (running(&runs(&rm), "high") == 2).then_some(()),
+    );
+    let r = runs(&rm);
+    assert_eq!(running(&r, "low"), 2, "{r:?}");
+    assert!(
+        r.iter().all(|x| x.job != "mid"),
+        "mid must not take the room made for high"
+    );
+    std::fs::write(rm.path("release-high"), "").unwrap();
+    std::fs::write(rm.path("release-low"), "").unwrap();
+    std::fs::write(rm.path("release-mid"), "").unwrap();
+    for (what, s) in [("low", low), ("mid", mid), ("high", high)] {
+        let out = s.wait(Duration::from_secs(60));
+        assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
+    }
+    let r = runs(&rm);
+    let preempted = r
+        .iter()
+        .filter(|x| x.job == "low" && x.attempt == 1 && x.end.as_ref().is_some_and(|e| e.1 != "done"))
+        .count();
+    assert_eq!(preempted, 2, "{r:?}");
+    assert_no_gpu_held_twice(&r);
+    rm.assert_all_free(Duration::from_secs(20));
+}

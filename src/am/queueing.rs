@@ -1,0 +1,191 @@
+//! The AM's side of the RM's queues (issue 16), without I/O:
+//! - [`waiting_demand`]: the tasks waiting for a container, grouped by role, sent with every
+//!   heartbeat so the RM can rank and reclaim for them (the AM's own select pipeline finds
+//!   no node for a task when the cluster is full, so the RM would not hear of it from asks);
+//! - [`Preemptions`]: containers the RM is taking back. A container not started yet is
+//!   given back at once; a running one is given back shortly before the RM's deadline, so
+//!   that its task has the notice period to checkpoint (the node created its
+//!   `GPUAM_PREEMPT_FILE`), or as soon as it exits by itself. Either way the task is retried
+//!   as preempted, a transient exit that never uses up `taskRetryCount`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::status::TaskState;
+use super::tasks::Task;
+use crate::protocol::{PreemptNotice, WaitingTasks};
+use crate::spec::JobSpec;
+
+/// The job's tasks waiting for a container, one entry per role.
+pub fn waiting_demand(job: &JobSpec, tasks: &[Task]) -> Vec<WaitingTasks> {
+    let mut per_role: BTreeMap<usize, u32> = BTreeMap::new();
+    for t in tasks.iter().filter(|t| t.state == TaskState::TaskWaiting) {
+        *per_role.entry(t.role).or_default() += 1;
+    }
+    per_role
+        .into_iter()
+        .map(|(ri, count)| {
+            let role = &job.task_roles[ri];
+            WaitingTasks {
+                role: role.name.clone(),
+                count,
+                gpus: role.resources.gpus,
+                cpu: role.resources.cpu,
+                memory_mb: role.resources.memory_mb,
+                gpu_types: role.gpu_types.clone(),
+                node_label: role.node_label.clone(),
+            }
+        })
+        .collect()
+}
+
+/// A container under a preemption notice.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Notice {
+    /// When the AM gives it back (milliseconds since the epoch).
+    pub release_at_ms: u64,
+    pub deadline_ms: u64,
+    pub reason: String,
+}
+
+/// Containers the RM is taking back, by id.
+#[derive(Clone, Debug, Default)]
+pub struct Preemptions {
+    notices: HashMap<String, Notice>,
+}
+
+impl Preemptions {
+    /// Takes the notices of one allocate answer. `started(id)`: whether that container's
+    /// task runs (an unstarted one is given back at once). A running one is given back
+    /// `margin` before the deadline: `stop_grace_ms`, or half the notice when that is
+    /// shorter, so the RM's own stop at the deadline never has to act. Returns the ids new
+    /// to this AM.
+    pub fn take(
+        &mut self,
+        notices: &[PreemptNotice],
+        now_ms: u64,
+        stop_grace_ms: u64,
+        started: impl Fn(&str) -> Option<bool>,
+    ) -> Vec<String> {
+        let mut new = Vec::new();
+        for n in notices {
+            if self.notices.contains_key(&n.container_id) {
+                continue;
+            }
+            let Some(running) = started(&n.container_id) else {
+                continue;
+            };
+            let left = n.deadline_ms.saturating_sub(now_ms);
+            let release_at_ms = if running {
+                n.deadline_ms.saturating_sub(stop_grace_ms.min(left / 2))
+            } else {
+                now_ms
+            };
+            self.notices.insert(
+                n.container_id.clone(),
+                Notice {
+                    release_at_ms,
+                    deadline_ms: n.deadline_ms,
+                    reason: n.reason.clone(),
+                },
+            );
+            new.push(n.container_id.clone());
+        }
+        new
+    }
+
+    /// Containers to give back now, sorted.
+    pub fn due(&self, now_ms: u64) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .notices
+            .iter()
+            .filter(|(_, n)| n.release_at_ms <= now_ms)
+            .map(|(id, _)| id.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// The notice of a container (and forgets it): its end counts as preempted.
+    pub fn remove(&mut self, id: &str) -> Option<Notice> {
+        self.notices.remove(id)
+    }
+
+    pub fn get(&self, id: &str) -> Option<&Notice> {
+        self.notices.get(id)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.notices.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn notice(id: &str, deadline: u64) -> PreemptNotice {
+        PreemptNotice {
+            container_id: id.into(),
+            deadline_ms: deadline,
+            reason: "queue A is below its share".into(),
+        }
+    }
+
+    #[test]
+    fn unstarted_containers_go_back_at_once_running_ones_before_the_deadline() {
+        let mut p = Preemptions::default();
+        let started = |id: &str| match id {
+            "run" => Some(true),
+            "alloc" => Some(false),
+            _ => None,
+        };
+        let new = p.take(
+            &[notice("run", 31_000), notice("alloc", 31_000), notice("gone", 31_000)],
+            1_000,
+            3_000,
+            started,
+        );
+        assert_eq!(
+            new,
+            vec!["run".to_string(), "alloc".to_string()],
+            "unknown ones are ignored"
+        );
+        assert_eq!(p.due(1_000), vec!["alloc".to_string()]);
+        assert_eq!(p.get("run").unwrap().release_at_ms, 28_000, "3 s before the deadline");
+        assert!(p.due(27_999).iter().all(|id| id != "run"));
+        assert!(p.due(28_000).contains(&"run".to_string()));
+        // A repeated notice (every answer repeats them) changes nothing.
+        assert!(p.take(&[notice("run", 99_000)], 2_000, 3_000, started).is_empty());
+        assert_eq!(p.get("run").unwrap().deadline_ms, 31_000);
+        // A short notice: released half-way.
+        let mut q = Preemptions::default();
+        q.take(&[notice("run", 3_000)], 1_000, 3_000, started);
+        assert_eq!(q.get("run").unwrap().release_at_ms, 2_000);
+        assert!(q.remove("run").is_some() && q.is_empty());
+    }
+
+    #[test]
+    fn waiting_demand_groups_waiting_tasks_by_role() {
+        let job = crate::spec::parse_job_spec(
+            "name: j\ntaskRoles:\n  ps:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 100}\n    commands: [x]\n  \
+             worker:\n    instances: 3\n    gpuType: V100\n    resourcePerInstance: {cpu: 2, memoryMB: 200, gpu: 2}\n    commands: [x]\n",
+            "j.yaml",
+        )
+        .unwrap();
+        let mut tasks = vec![Task::new(0, 0), Task::new(1, 0), Task::new(1, 1), Task::new(1, 2)];
+        tasks[2].state = TaskState::ContainerRunning;
+        let d = waiting_demand(&job, &tasks);
+        assert_eq!(d.len(), 2);
+        assert_eq!((d[0].role.as_str(), d[0].count, d[0].gpus), ("ps", 1, 0));
+        assert_eq!(
+            (
+                d[1].role.as_str(),
+                d[1].count,
+                d[1].gpus,
+                d[1].cpu,
+                d[1].gpu_types.clone()
+            ),
+            ("worker", 2, 2, 2, vec!["V100".to_string()])
+        );
+    }
+}

@@ -1,0 +1,998 @@
+//! Queues, fair share and preemption (issue 16): the RM's scheduling decisions, without
+//! I/O. The RM's handlers build a [`Snapshot`] (nodes, the containers held, each
+//! application's queue, priority and waiting tasks) under the state lock and ask this
+//! module three things; the simulator asks the same.
+//!
+//! 1. [`Shares::compute`] — every queue's deserved GPUs per pool (one pool per GPU type):
+//!    weighted water-filling over what each queue wants (held + waiting), bounded by
+//!    `guaranteedGpus` and `maxGpus`, parents before their leaves (`share`).
+//! 2. [`gate`] — may this allocate's ask (or gang of asks, all or nothing) be granted now?
+//!    A queue at its `maxGpus` waits. Otherwise the free GPUs are kept for the waiting
+//!    work that ranks ahead: applications ordered by their queue's use/deserved ratio on
+//!    the pool asked for (furthest below its share first), then priority (higher first),
+//!    then submission time. An ask is refused (retryable) when granting it would leave
+//!    those ahead less than they could take now (their tasks packed into the free
+//!    resources, another queue's only up to what it is still owed). Only room an ahead
+//!    application could use is kept, so a task that fits nowhere holds nothing.
+//! 3. [`plan`] — what to take back: for each queue below its deserved share with
+//!    waiting tasks that do not fit the free resources, containers of queues above their
+//!    share (never below their share or `guaranteedGpus`), and, in queues that allow it,
+//!    lower-priority containers of the same queue for a higher-priority job. A gang
+//!    application is one victim (all its containers or none); victims are chosen to free
+//!    room where the waiting tasks fit, at least cost (`victims`). Also why each waiting
+//!    application waits ([`WaitReason`]).
+//!
+//! CPU and memory only have to fit: shares are counted in GPUs (on GPU clusters the
+//! dominant resource); an ask without GPUs ranks by its queue's largest ratio over the
+//! pools and never causes preemption.
+
+pub mod queues;
+pub mod share;
+mod victims;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Arc;
+
+use crate::protocol::WaitingTasks;
+use crate::resources::{lowest_bits, GpuMask, Resources};
+use crate::topology::Topology;
+use queues::QueueTree;
+pub use share::EPS;
+
+/// One node as the scheduler sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeCap {
+    pub host: String,
+    /// Its GPU type ("" when the node names none): shares are per pool.
+    pub pool: String,
+    /// Its partition (first label, "" for none).
+    pub partition: String,
+    /// RUNNING: takes containers.
+    pub usable: bool,
+    pub total_gpus: u32,
+    pub free_gpus: GpuMask,
+    pub free_cpu: u32,
+    pub free_memory_mb: u64,
+    pub topology: Option<Arc<Topology>>,
+}
+
+/// A live container (or one stopped but still holding its resources).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Held {
+    pub container_id: String,
+    /// Index into [`Snapshot::apps`].
+    pub app: usize,
+    /// Index into [`Snapshot::nodes`].
+    pub node: usize,
+    pub gpus: GpuMask,
+    pub cpu: u32,
+    pub memory_mb: u64,
+    /// How long it has run (0 when it never started): the work a preemption loses.
+    pub run_ms: u64,
+    /// Being taken back, or ended and not yet dead: not a candidate again.
+    pub leaving: bool,
+    /// The queue it is being taken back for.
+    pub for_queue: Option<usize>,
+}
+
+/// An application as the scheduler ranks it.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct AppDemand {
+    pub id: String,
+    /// Its leaf queue.
+    pub queue: usize,
+    pub priority: i32,
+    pub submitted_ms: u64,
+    /// All of its containers are one victim.
+    pub gang: bool,
+    pub waiting: Vec<WaitingTasks>,
+}
+
+/// Everything a decision needs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    pub nodes: Vec<NodeCap>,
+    pub held: Vec<Held>,
+    pub apps: Vec<AppDemand>,
+}
+
+/// Whether `t`'s tasks may run on `n` (state, partition, GPU type, size).
+pub fn eligible(n: &NodeCap, t: &WaitingTasks) -> bool {
+    n.usable
+        && n.partition == t.node_label.as_deref().map(str::trim).unwrap_or("")
+        && (t.gpus == 0 || t.gpu_types.is_empty() || t.gpu_types.contains(&n.pool))
+        && n.total_gpus >= t.gpus
+}
+
+/// Deserved shares and use, per pool and queue.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Shares {
+    /// Pool names (GPU types), sorted.
+    pub pools: Vec<String>,
+    /// GPUs of usable nodes per pool (nodes smaller than every task left out).
+    pub capacity: Vec<u32>,
+    /// `[pool][queue]`: GPUs held (parents: their leaves' sum).
+    pub used: Vec<Vec<u32>>,
+    /// `[pool][queue]`: GPUs of waiting tasks that may use the pool.
+    pub waiting: Vec<Vec<u32>>,
+    /// `[pool][queue]`: deserved GPUs.
+    pub deserved: Vec<Vec<f64>>,
+    /// `[pool][queue]`: GPUs being taken back from the queue (notices out).
+    pub leaving: Vec<Vec<u32>>,
+    /// `[pool][queue]`: GPUs being taken back for the queue.
+    pub incoming: Vec<Vec<u32>>,
+    /// `[queue]`: GPUs held over all pools.
+    pub used_total: Vec<u32>,
+    /// `[queue]`: waiting tasks.
+    pub waiting_tasks: Vec<u32>,
+    /// `[queue]`: `guaranteedGpus` (to never reclaim below).
+    guaranteed: Vec<u32>,
+}
+
+impl Shares {
+    /// Counts use and waiting demand per pool and queue and water-fills each pool.
+    pub fn compute(tree: &QueueTree, snap: &Snapshot) -> Shares {
+        let pools: Vec<String> = snap
+            .nodes
+            .iter()
+            .filter(|n| n.total_gpus > 0)
+            .map(|n| n.pool.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let pool_of = |name: &str| pools.binary_search_by(|p| p.as_str().cmp(name)).ok();
+        let nq = tree.len();
+        let grid = || vec![vec![0u32; nq]; pools.len()];
+        let mut s = Shares {
+            capacity: vec![0; pools.len()],
+            used: grid(),
+            waiting: grid(),
+            leaving: grid(),
+            incoming: grid(),
+            deserved: vec![vec![0.0; nq]; pools.len()],
+            used_total: vec![0; nq],
+            waiting_tasks: vec![0; nq],
+            guaranteed: (0..nq).map(|q| tree.get(q).guaranteed_gpus).collect(),
+            pools: Vec::new(),
+        };
+        // A node smaller than every task that holds or wants GPUs (e.g. 2-GPU machines
+        // when every task takes 4) is no capacity anyone can use: it does not count.
+        let smallest = snap
+            .held
+            .iter()
+            .map(|h| h.gpus.count_ones())
+            .chain(snap.apps.iter().flat_map(|a| a.waiting.iter().map(|w| w.gpus)))
+            .filter(|&g| g > 0)
+            .min()
+            .unwrap_or(1);
+        for n in snap.nodes.iter().filter(|n| n.usable && n.total_gpus >= smallest) {
+            if let Some(p) = pool_of(&n.pool) {
+                s.capacity[p] += n.total_gpus;
+            }
+        }
+        for h in &snap.held {
+            let Some(p) = snap.nodes.get(h.node).and_then(|n| pool_of(&n.pool)) else {
+                continue;
+            };
+            let k = h.gpus.count_ones();
+            let q = snap.apps[h.app].queue;
+            for up in tree.lineage(q) {
+                s.used[p][up] += k;
+                s.used_total[up] += k;
+                if h.leaving {
+                    s.leaving[p][up] += k;
+                }
+            }
+            if let Some(to) = h.for_queue {
+                for up in tree.lineage(to) {
+                    s.incoming[p][up] += k;
+                }
+            }
+        }
+        for a in &snap.apps {
+            for w in &a.waiting {
+                for up in tree.lineage(a.queue) {
+                    s.waiting_tasks[up] += w.count;
+                }
+                if w.gpus == 0 {
+                    continue;
+                }
+                for (p, name) in pools.iter().enumerate() {
+                    if w.gpu_types.is_empty() || w.gpu_types.iter().any(|g| g == name) {
+                        for up in tree.lineage(a.queue) {
+                            s.waiting[p][up] += w.count * w.gpus;
+                        }
+                    }
+                }
+            }
+        }
+        for p in 0..pools.len() {
+            let want: Vec<f64> = (0..nq)
+                .map(|q| f64::from(s.used[p][q]) + f64::from(s.waiting[p][q]))
+                .collect();
+            s.deserved[p] = share::deserved(tree, f64::from(s.capacity[p]), &want);
+        }
+        s.pools = pools;
+        s
+    }
+
+    pub fn pool_of(&self, name: &str) -> Option<usize> {
+        self.pools.binary_search_by(|p| p.as_str().cmp(name)).ok()
+    }
+
+    /// Use over deserved share (0 when it holds nothing; very large when it is owed
+    /// nothing but holds something).
+    pub fn ratio(&self, p: usize, q: usize) -> f64 {
+        let (u, d) = (f64::from(self.used[p][q]), self.deserved[p][q]);
+        if u <= EPS {
+            0.0
+        } else if d <= EPS {
+            1e12 * u
+        } else {
+            u / d
+        }
+    }
+
+    /// The largest ratio over the pools (for asks without GPUs).
+    pub fn dominant_ratio(&self, q: usize) -> f64 {
+        (0..self.pools.len()).map(|p| self.ratio(p, q)).fold(0.0, f64::max)
+    }
+
+    /// Whole GPUs the queue is still owed in the pool (deserved − used), counting what is
+    /// already being taken back for it.
+    pub fn owed(&self, p: usize, q: usize) -> u32 {
+        let gap = self.deserved[p][q] - f64::from(self.used[p][q] + self.incoming[p][q]);
+        (gap + EPS).floor().max(0.0) as u32
+    }
+
+    /// Whole GPUs that may be taken from the queue in the pool: its use above its share
+    /// (and above `guaranteedGpus`), less what is already leaving.
+    pub fn over(&self, p: usize, q: usize) -> u32 {
+        let used = f64::from(self.used[p][q]);
+        let floor = self.deserved[p][q].max(f64::from(self.guaranteed[q]).min(used));
+        let gap = used - floor - f64::from(self.leaving[p][q]);
+        (gap + EPS).floor().max(0.0) as u32
+    }
+}
+
+/// Free resources per node, for packing tasks without touching the snapshot.
+#[derive(Clone, Debug, PartialEq)]
+struct Scratch {
+    free: Vec<(GpuMask, u32, u64)>,
+}
+
+impl Scratch {
+    fn of(snap: &Snapshot) -> Scratch {
+        Scratch {
+            free: snap
+                .nodes
+                .iter()
+                .map(|n| (n.free_gpus, n.free_cpu, n.free_memory_mb))
+                .collect(),
+        }
+    }
+
+    fn fits(&self, n: usize, gpus: u32, cpu: u32, mem: u64) -> bool {
+        let (g, c, m) = self.free[n];
+        g.count_ones() >= gpus && c >= cpu && m >= mem
+    }
+
+    fn take(&mut self, n: usize, gpus: u32, cpu: u32, mem: u64) -> bool {
+        if !self.fits(n, gpus, cpu, mem) {
+            return false;
+        }
+        let (g, c, m) = &mut self.free[n];
+        *g &= !lowest_bits(*g, gpus).unwrap_or(0);
+        *c -= cpu;
+        *m -= mem;
+        true
+    }
+
+    fn take_exact(&mut self, n: usize, r: &Resources) {
+        let (g, c, m) = &mut self.free[n];
+        *g &= !r.gpu_mask;
+        if r.gpu_mask == 0 && r.gpus > 0 {
+            *g &= !lowest_bits(*g, r.gpus).unwrap_or(*g);
+        }
+        *c = c.saturating_sub(r.cpu);
+        *m = m.saturating_sub(r.memory_mb);
+    }
+
+    /// Adds the resources of the leaving containers `which` accepts; returns their GPUs.
+    fn give_leaving(&mut self, snap: &Snapshot, which: impl Fn(&Held) -> bool) -> u32 {
+        let mut gpus = 0;
+        for h in snap.held.iter().filter(|h| h.leaving && which(h)) {
+            self.give(h.node, h.gpus, h.cpu, h.memory_mb);
+            gpus += h.gpus.count_ones();
+        }
+        gpus
+    }
+
+    fn give(&mut self, n: usize, gpus: GpuMask, cpu: u32, mem: u64) {
+        let (g, c, m) = &mut self.free[n];
+        *g |= gpus;
+        *c = c.saturating_add(cpu);
+        *m = m.saturating_add(mem);
+    }
+
+    /// Places one task of `t` best-fit (the eligible node with the fewest free GPUs that
+    /// fits, so big holes stay whole) on a node `ok` accepts; returns the node.
+    fn place(&mut self, nodes: &[NodeCap], t: &WaitingTasks, ok: &dyn Fn(usize) -> bool) -> Option<usize> {
+        let best = (0..nodes.len())
+            .filter(|&n| ok(n) && eligible(&nodes[n], t) && self.fits(n, t.gpus, t.cpu, t.memory_mb))
+            .min_by_key(|&n| (self.free[n].0.count_ones(), n))?;
+        self.take(best, t.gpus, t.cpu, t.memory_mb);
+        Some(best)
+    }
+
+    /// Places as many of an application's waiting tasks as fit (all or none for a gang),
+    /// at most `cap` GPUs of them; returns the GPUs placed.
+    fn place_app(&mut self, nodes: &[NodeCap], a: &AppDemand, cap: u32, ok: &dyn Fn(usize) -> bool) -> u32 {
+        let mut trial = self.clone();
+        let (mut gpus, mut all) = (0u32, true);
+        'outer: for w in a.waiting.iter().filter(|w| w.gpus > 0) {
+            for _ in 0..w.count {
+                if gpus + w.gpus > cap || trial.place(nodes, w, ok).is_none() {
+                    all = false;
+                    if a.gang {
+                        break 'outer;
+                    }
+                    break;
+                }
+                gpus += w.gpus;
+            }
+        }
+        if a.gang && !all {
+            return 0;
+        }
+        *self = trial;
+        gpus
+    }
+}
+
+/// Why a waiting application waits (shown on the cluster page and sent to its AM).
+#[derive(Clone, Debug, PartialEq)]
+pub enum WaitReason {
+    /// Its queue (or the queue's parent) holds `maxGpus` already.
+    AtCap { queue: String, max: u32 },
+    /// Free GPUs are kept for an application that ranks ahead of it.
+    Behind {
+        queue: String,
+        used: u32,
+        deserved: f64,
+        ahead_app: String,
+        ahead_queue: String,
+    },
+    /// Its queue is at or above its share while another queue below its share waits.
+    OverShare { queue: String, used: u32, deserved: f64 },
+    /// GPUs are being taken back for it.
+    Reclaiming { gpus: u32, from: Vec<String> },
+    /// Below its share, but what could be taken back belongs to gangs whose whole
+    /// preemption would take their queue below its own share.
+    GangProtected { queue: String, used: u32, deserved: f64 },
+    /// Nothing else stops it: no node has room for its tasks yet.
+    NothingFits,
+}
+
+impl WaitReason {
+    /// A short machine name for the cluster page.
+    pub fn code(&self) -> &'static str {
+        match self {
+            WaitReason::AtCap { .. } => "atCap",
+            WaitReason::Behind { .. } => "behind",
+            WaitReason::OverShare { .. } => "overShare",
+            WaitReason::Reclaiming { .. } => "reclaiming",
+            WaitReason::GangProtected { .. } => "gangProtected",
+            WaitReason::NothingFits => "nothingFits",
+        }
+    }
+}
+
+impl fmt::Display for WaitReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WaitReason::AtCap { queue, max } => {
+                write!(f, "queue `{queue}` is at its cap (maxGpus {max})")
+            }
+            WaitReason::Behind {
+                queue,
+                used,
+                deserved,
+                ahead_app,
+                ahead_queue,
+            } => write!(
+                f,
+                "queue `{queue}` holds {used} of its {deserved:.1} deserved GPUs; the free GPUs are kept for \
+                 {ahead_app} (queue `{ahead_queue}`), which ranks ahead"
+            ),
+            WaitReason::OverShare { queue, used, deserved } => write!(
+                f,
+                "queue `{queue}` holds (or is getting) {used} GPUs, its deserved share is {deserved:.1}, and \
+                 other queues want the rest"
+            ),
+            WaitReason::Reclaiming { gpus, from } => write!(
+                f,
+                "below its share: {gpus} GPUs are being taken back for it from queue{} {}",
+                if from.len() > 1 { "s" } else { "" },
+                from.iter().map(|q| format!("`{q}`")).collect::<Vec<_>>().join(", ")
+            ),
+            WaitReason::GangProtected { queue, used, deserved } => write!(
+                f,
+                "queue `{queue}` holds {used} of its {deserved:.1} deserved GPUs, but the containers it could take \
+                 back belong to gangs whose preemption would take their queue below its own share"
+            ),
+            WaitReason::NothingFits => write!(f, "nothing fits yet: no node has room for its tasks"),
+        }
+    }
+}
+
+/// An application's rank: (queue ratio, −priority, submission time, id); smaller first.
+fn rank(shares: &Shares, pool: Option<usize>, a: &AppDemand) -> (f64, i64, u64, String) {
+    let ratio = match pool {
+        Some(p) => shares.ratio(p, a.queue),
+        None => shares.dominant_ratio(a.queue),
+    };
+    (ratio, -i64::from(a.priority), a.submitted_ms, a.id.clone())
+}
+
+fn rank_cmp(x: &(f64, i64, u64, String), y: &(f64, i64, u64, String)) -> std::cmp::Ordering {
+    x.0.total_cmp(&y.0)
+        .then(x.1.cmp(&y.1))
+        .then(x.2.cmp(&y.2))
+        .then(x.3.cmp(&y.3))
+}
+
+/// The queues whose caps bound `q`'s GPUs: the first of them already full, if any.
+fn at_cap(tree: &QueueTree, shares: &Shares, q: usize, more: u32) -> Option<WaitReason> {
+    tree.lineage(q).find_map(|up| {
+        let queue = tree.get(up);
+        let max = queue.max_gpus?;
+        (shares.used_total[up] + more > max).then(|| WaitReason::AtCap {
+            queue: queue.path.clone(),
+            max,
+        })
+    })
+}
+
+/// GPUs each application in `order` could take from `scratch` now, in that order; another
+/// queue than `own` only up to what it is still owed in `pool` (all pools for `None`).
+fn reserve(
+    snap: &Snapshot,
+    shares: &Shares,
+    pool: Option<usize>,
+    own: usize,
+    order: &[usize],
+    mut scratch: Scratch,
+) -> Vec<u32> {
+    let in_pool = |n: usize| pool.is_none_or(|p| shares.pool_of(&snap.nodes[n].pool) == Some(p));
+    let mut owed: BTreeMap<usize, u32> = BTreeMap::new();
+    order
+        .iter()
+        .map(|&b| {
+            let a = &snap.apps[b];
+            let cap = if a.queue == own {
+                u32::MAX
+            } else {
+                *owed.entry(a.queue).or_insert_with(|| match pool {
+                    Some(p) => shares.owed(p, a.queue),
+                    None => (0..shares.pools.len()).map(|p| shares.owed(p, a.queue)).sum(),
+                })
+            };
+            let got = scratch.place_app(&snap.nodes, a, cap, &in_pool);
+            if a.queue != own {
+                if let Some(left) = owed.get_mut(&a.queue) {
+                    *left = left.saturating_sub(got);
+                }
+            }
+            got
+        })
+        .collect()
+}
+
+/// Whether application `app` may be granted `asks` (node index, exact resources) now,
+/// all together; see the module doc. Fitting is the ledger's business: asks that do not
+/// fit are not this function's to refuse.
+pub fn gate(
+    tree: &QueueTree,
+    snap: &Snapshot,
+    shares: &Shares,
+    app: usize,
+    asks: &[(usize, Resources)],
+) -> Result<(), WaitReason> {
+    let me = &snap.apps[app];
+    let gpus: u32 = asks.iter().map(|(_, r)| r.gpu_count()).sum();
+    if gpus > 0 {
+        if let Some(cap) = at_cap(tree, shares, me.queue, gpus) {
+            return Err(cap);
+        }
+    }
+    let pool = asks
+        .iter()
+        .find(|(_, r)| r.gpu_count() > 0)
+        .and_then(|(n, _)| shares.pool_of(&snap.nodes[*n].pool));
+    let mine = rank(shares, pool, me);
+    let mut ahead: Vec<(usize, (f64, i64, u64, String))> = snap
+        .apps
+        .iter()
+        .enumerate()
+        .filter(|(b, a)| *b != app && a.waiting.iter().any(|w| w.gpus > 0 && w.count > 0))
+        .map(|(b, a)| (b, rank(shares, pool, a)))
+        .filter(|(_, r)| rank_cmp(r, &mine).is_lt())
+        .collect();
+    if ahead.is_empty() {
+        return Ok(());
+    }
+    ahead.sort_by(|x, y| rank_cmp(&x.1, &y.1));
+    let order: Vec<usize> = ahead.iter().map(|(b, _)| *b).collect();
+    let now = Scratch::of(snap);
+    let mut after = now.clone();
+    for (n, r) in asks {
+        after.take_exact(*n, r);
+    }
+    let before = reserve(snap, shares, pool, me.queue, &order, now);
+    let with = reserve(snap, shares, pool, me.queue, &order, after);
+    let loser = order.iter().zip(before.iter().zip(&with)).find(|(_, (b, w))| w < b);
+    match loser {
+        None => Ok(()),
+        Some((&b, _)) => {
+            let (used, deserved) = match pool {
+                Some(p) => (shares.used[p][me.queue], shares.deserved[p][me.queue]),
+                None => (
+                    shares.used_total[me.queue],
+                    (0..shares.pools.len()).map(|p| shares.deserved[p][me.queue]).sum(),
+                ),
+            };
+            Err(WaitReason::Behind {
+                queue: tree.get(me.queue).path.clone(),
+                used,
+                deserved,
+                ahead_app: snap.apps[b].id.clone(),
+                ahead_queue: tree.get(snap.apps[b].queue).path.clone(),
+            })
+        }
+    }
+}
+
+/// One preemption decision: containers of one application taken back for a queue.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Victim {
+    /// Indices into [`Snapshot::held`] (all of the application's live ones for a gang).
+    pub held: Vec<usize>,
+    /// The application they belong to.
+    pub app: usize,
+    /// The queue the GPUs go to.
+    pub for_queue: usize,
+    /// The application whose waiting tasks made room necessary.
+    pub for_app: usize,
+    pub reason: String,
+}
+
+/// What [`plan`] decided.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    pub victims: Vec<Victim>,
+    /// Per application (index into [`Snapshot::apps`]): why it waits (`None`: nothing waits).
+    pub why: Vec<Option<WaitReason>>,
+}
+
+/// What a plan builds up as it goes.
+struct PlanState {
+    out: Plan,
+    scratch: Scratch,
+    /// Containers already chosen (by an earlier decision or in this plan).
+    taken: Vec<bool>,
+    /// `[pool][queue]`: GPUs leaving the queue (earlier decisions and this plan's).
+    leaving: Vec<Vec<u32>>,
+    /// Per application: GPUs being taken back for it, and from which queues.
+    reclaiming: BTreeMap<usize, (u32, BTreeSet<String>)>,
+    /// `[pool][queue]`: GPUs this plan takes back for each queue.
+    gained: Vec<Vec<u32>>,
+    /// Applications whose room only gangs too big to take could have made.
+    protected: BTreeSet<usize>,
+}
+
+impl PlanState {
+    /// Takes containers of other queues above their share in pool `p` so that `tasks`
+    /// (of `beneficiaries`, with their GPUs, in rank order) fit; a `whole` batch (a gang)
+    /// is served entirely or nothing is taken.
+    #[allow(clippy::too_many_arguments)]
+    fn reclaim_across(
+        &mut self,
+        tree: &QueueTree,
+        snap: &Snapshot,
+        shares: &Shares,
+        p: usize,
+        s: usize,
+        tasks: &[WaitingTasks],
+        whole: bool,
+        beneficiaries: &[(usize, u32)],
+    ) {
+        let in_pool = |n: usize| shares.pool_of(&snap.nodes[n].pool) == Some(p);
+        let mut limit: BTreeMap<usize, u32> = BTreeMap::new();
+        for v in tree.leaves().filter(|&v| v != s) {
+            let cur = shares.used[p][v];
+            let floor = shares.deserved[p][v].max(f64::from(tree.get(v).guaranteed_gpus).min(f64::from(cur)));
+            let room = (f64::from(cur) - floor - f64::from(self.leaving[p][v]) + EPS).floor();
+            if room >= 1.0 {
+                limit.insert(v, room as u32);
+            }
+        }
+        let units = victims::units(
+            snap,
+            &self.taken,
+            |app| limit.contains_key(&snap.apps[app].queue),
+            &in_pool,
+        );
+        let mut choice = victims::choose(snap, &self.scratch, tasks, &units, &limit);
+        let all: u32 = tasks.iter().map(|w| w.count).sum();
+        if whole && choice.served < all {
+            choice.units.clear();
+        }
+        if choice.units.is_empty() {
+            if choice.gang_blocked {
+                self.protected.extend(beneficiaries.iter().map(|b| b.0));
+            }
+            return;
+        }
+        let mut freed = apply_choice(
+            snap,
+            &units,
+            &choice,
+            &mut self.scratch,
+            &mut self.taken,
+            &mut self.leaving[p],
+            &in_pool,
+        );
+        let from: BTreeSet<String> = choice
+            .units
+            .iter()
+            .map(|&u| tree.get(snap.apps[units[u].app].queue).path.clone())
+            .collect();
+        let first = beneficiaries.first().map_or(0, |x| x.0);
+        for &u in &choice.units {
+            let unit = &units[u];
+            let vq = snap.apps[unit.app].queue;
+            self.out.victims.push(Victim {
+                held: unit.held.clone(),
+                app: unit.app,
+                for_queue: s,
+                for_app: first,
+                reason: format!(
+                    "queue `{}` is below its share and waits; queue `{}` holds {} GPUs and deserves {:.1}",
+                    tree.get(s).path,
+                    tree.get(vq).path,
+                    shares.used[p][vq],
+                    shares.deserved[p][vq]
+                ),
+            });
+            self.gained[p][s] += unit.gpus;
+        }
+        // The room made is the queue's, for its applications in rank order.
+        for &(a, gpus) in beneficiaries {
+            let got = gpus.min(freed);
+            freed -= got;
+            if got > 0 {
+                let e = self.reclaiming.entry(a).or_default();
+                e.0 += got;
+                e.1.extend(from.iter().cloned());
+            }
+            if got < gpus && choice.gang_blocked {
+                self.protected.insert(a);
+            }
+        }
+        place_rest(&snap.nodes, &mut self.scratch, tasks, &in_pool);
+    }
+}
+
+/// Chooses containers to take back and says why each waiting application waits (see the
+/// module doc).
+pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
+    let mut st = PlanState {
+        out: Plan {
+            victims: Vec::new(),
+            why: vec![None; snap.apps.len()],
+        },
+        scratch: Scratch::of(snap),
+        taken: snap.held.iter().map(|h| h.leaving).collect(),
+        leaving: shares.leaving.clone(),
+        reclaiming: BTreeMap::new(),
+        gained: vec![vec![0u32; tree.len()]; shares.pools.len()],
+        protected: BTreeSet::new(),
+    };
+    for p in 0..shares.pools.len() {
+        let in_pool = |n: usize| shares.pool_of(&snap.nodes[n].pool) == Some(p);
+        // Queues furthest below their share first: they pack into the free room first.
+        let mut queues: Vec<usize> = tree.leaves().filter(|&q| shares.waiting[p][q] > 0).collect();
+        queues.sort_by(|&a, &b| shares.ratio(p, a).total_cmp(&shares.ratio(p, b)).then(a.cmp(&b)));
+        for s in queues {
+            let owed_now = shares.owed(p, s);
+            let by_priority = tree.get(s).priority_preemption;
+            if owed_now == 0 && !by_priority {
+                // Nothing can be taken for it: its jobs only pack into the free room.
+                continue;
+            }
+            // Room already being made for this queue (notices out) is its own: its tasks
+            // may take it as if it were free, so it is not made twice.
+            let incoming = st
+                .scratch
+                .give_leaving(snap, |h| h.for_queue == Some(s) && in_pool(h.node));
+            let mut apps: Vec<usize> = (0..snap.apps.len())
+                .filter(|&a| snap.apps[a].queue == s && snap.apps[a].waiting.iter().any(|w| w.gpus > 0))
+                .collect();
+            apps.sort_by(|&x, &y| {
+                rank_cmp(
+                    &rank(shares, Some(p), &snap.apps[x]),
+                    &rank(shares, Some(p), &snap.apps[y]),
+                )
+            });
+            // What fits the free resources needs no preemption. (Without priority
+            // preemption, only work up to what the queue is owed matters.)
+            let want = if owed_now > 0 { owed_now + incoming } else { 0 };
+            let (mut fit_total, mut unmet_total) = (0u32, 0u32);
+            let mut unmet: Vec<(usize, Vec<WaitingTasks>)> = Vec::new();
+            for &a in &apps {
+                if !by_priority && fit_total + unmet_total >= want {
+                    break;
+                }
+                let fit = st.scratch.place_app(&snap.nodes, &snap.apps[a], u32::MAX, &in_pool);
+                fit_total += fit;
+                let rest = unmet_tasks(&snap.apps[a], fit, u32::MAX, &snap.nodes, &in_pool);
+                unmet_total += rest.iter().map(|w| w.count * w.gpus).sum::<u32>();
+                if !rest.is_empty() {
+                    unmet.push((a, rest));
+                }
+            }
+            // Across queues: the queue is below its share; its unmet work, up to what it is
+            // owed, in rank order. Single jobs are made room for together (so that a gang
+            // victim plus singles can add up to the need); each gang alone, and only whole.
+            let mut budget = want.saturating_sub(fit_total);
+            let mut batch: Vec<WaitingTasks> = Vec::new();
+            let mut batch_of: Vec<(usize, u32)> = Vec::new();
+            for (a, rest) in &unmet {
+                if budget == 0 {
+                    break;
+                }
+                if snap.apps[*a].gang {
+                    let all: u32 = rest.iter().map(|w| w.count * w.gpus).sum();
+                    if all > budget {
+                        continue;
+                    }
+                    if !batch.is_empty() {
+                        st.reclaim_across(tree, snap, shares, p, s, &batch, false, &batch_of);
+                        batch.clear();
+                        batch_of.clear();
+                    }
+                    budget -= all;
+                    st.reclaim_across(tree, snap, shares, p, s, rest, true, &[(*a, all)]);
+                    continue;
+                }
+                let mut gpus = 0;
+                for w in rest {
+                    let n = (budget / w.gpus.max(1)).min(w.count);
+                    if n > 0 {
+                        batch.push(WaitingTasks { count: n, ..w.clone() });
+                        budget -= n * w.gpus;
+                        gpus += n * w.gpus;
+                    }
+                }
+                if gpus > 0 {
+                    batch_of.push((*a, gpus));
+                }
+            }
+            if !batch.is_empty() {
+                st.reclaim_across(tree, snap, shares, p, s, &batch, false, &batch_of);
+            }
+            for (_, rest) in unmet.iter_mut() {
+                *rest = place_rest(&snap.nodes, &mut st.scratch, rest, &in_pool);
+            }
+            // Within the queue, where allowed: a job may take the room of lower-priority jobs
+            // of the same queue for what is still unmet.
+            if !by_priority {
+                continue;
+            }
+            unmet.sort_by_key(|(a, _)| (-i64::from(snap.apps[*a].priority), snap.apps[*a].submitted_ms));
+            for (a, rest) in unmet {
+                if rest.is_empty() {
+                    continue;
+                }
+                let me = &snap.apps[a];
+                let limit: BTreeMap<usize, u32> = [(s, u32::MAX)].into();
+                let units = victims::units(
+                    snap,
+                    &st.taken,
+                    |app| snap.apps[app].queue == s && snap.apps[app].priority < me.priority,
+                    &in_pool,
+                );
+                let mut choice = victims::choose(snap, &st.scratch, &rest, &units, &limit);
+                if me.gang && choice.served < rest.iter().map(|w| w.count).sum::<u32>() {
+                    choice.units.clear();
+                }
+                if choice.units.is_empty() {
+                    continue;
+                }
+                apply_choice(
+                    snap,
+                    &units,
+                    &choice,
+                    &mut st.scratch,
+                    &mut st.taken,
+                    &mut st.leaving[p],
+                    &in_pool,
+                );
+                place_rest(&snap.nodes, &mut st.scratch, &rest, &in_pool);
+                for &u in &choice.units {
+                    let unit = &units[u];
+                    st.out.victims.push(Victim {
+                        held: unit.held.clone(),
+                        app: unit.app,
+                        for_queue: s,
+                        for_app: a,
+                        reason: format!(
+                            "{} (priority {}) of queue `{}` needs the GPUs of this priority-{} job",
+                            me.id,
+                            me.priority,
+                            tree.get(s).path,
+                            snap.apps[unit.app].priority
+                        ),
+                    });
+                    let e = st.reclaiming.entry(a).or_default();
+                    e.0 += unit.gpus;
+                    e.1.insert(tree.get(s).path.clone());
+                }
+            }
+        }
+    }
+    for (a, app) in snap.apps.iter().enumerate() {
+        if app.waiting.iter().all(|w| w.count == 0) {
+            continue;
+        }
+        st.out.why[a] = Some(why_waiting(
+            tree,
+            shares,
+            &st.gained,
+            snap,
+            a,
+            st.reclaiming.get(&a),
+            st.protected.contains(&a),
+        ));
+    }
+    st.out
+}
+
+/// Places what of `tasks` fits; returns what still does not.
+fn place_rest(
+    nodes: &[NodeCap],
+    scratch: &mut Scratch,
+    tasks: &[WaitingTasks],
+    in_pool: &dyn Fn(usize) -> bool,
+) -> Vec<WaitingTasks> {
+    let mut out = Vec::new();
+    for w in tasks {
+        let mut placed = 0;
+        while placed < w.count && scratch.place(nodes, w, in_pool).is_some() {
+            placed += 1;
+        }
+        if placed < w.count {
+            out.push(WaitingTasks {
+                count: w.count - placed,
+                ..w.clone()
+            });
+        }
+    }
+    out
+}
+
+/// The tasks of `a` that did not fit (after `fit` GPUs of them did), at most `owed` GPUs.
+fn unmet_tasks(
+    a: &AppDemand,
+    fit: u32,
+    owed: u32,
+    nodes: &[NodeCap],
+    in_pool: &dyn Fn(usize) -> bool,
+) -> Vec<WaitingTasks> {
+    let mut skip = fit;
+    let mut budget = owed;
+    let mut out = Vec::new();
+    for w in a.waiting.iter().filter(|w| w.gpus > 0) {
+        if !(0..nodes.len()).any(|n| in_pool(n) && eligible(&nodes[n], w)) {
+            continue;
+        }
+        let mut n = 0;
+        for _ in 0..w.count {
+            if skip >= w.gpus {
+                skip -= w.gpus;
+                continue;
+            }
+            if budget < w.gpus {
+                break;
+            }
+            budget -= w.gpus;
+            n += 1;
+        }
+        if n > 0 {
+            out.push(WaitingTasks { count: n, ..w.clone() });
+        }
+    }
+    out
+}
+
+/// Marks a choice's containers taken and gives their resources to `scratch`; returns the
+/// GPUs freed in the pool.
+fn apply_choice(
+    snap: &Snapshot,
+    units: &[victims::Unit],
+    choice: &victims::Choice,
+    scratch: &mut Scratch,
+    taken: &mut [bool],
+    leaving: &mut [u32],
+    in_pool: &dyn Fn(usize) -> bool,
+) -> u32 {
+    let mut freed = 0;
+    for &u in &choice.units {
+        for &h in &units[u].held {
+            let held = &snap.held[h];
+            taken[h] = true;
+            scratch.give(held.node, held.gpus, held.cpu, held.memory_mb);
+            if in_pool(held.node) {
+                freed += held.gpus.count_ones();
+                leaving[snap.apps[held.app].queue] += held.gpus.count_ones();
+            }
+        }
+    }
+    freed
+}
+
+fn why_waiting(
+    tree: &QueueTree,
+    shares: &Shares,
+    gained: &[Vec<u32>],
+    snap: &Snapshot,
+    a: usize,
+    reclaiming: Option<&(u32, BTreeSet<String>)>,
+    protected: bool,
+) -> WaitReason {
+    let app = &snap.apps[a];
+    if let Some(cap) = at_cap(tree, shares, app.queue, 1) {
+        return cap;
+    }
+    if let Some((gpus, from)) = reclaiming {
+        return WaitReason::Reclaiming {
+            gpus: *gpus,
+            from: from.iter().cloned().collect(),
+        };
+    }
+    // Incoming GPUs from earlier decisions count as reclaiming too.
+    let incoming: u32 = (0..shares.pools.len()).map(|p| shares.incoming[p][app.queue]).sum();
+    let pool = (0..shares.pools.len()).max_by(|&x, &y| shares.waiting[x][app.queue].cmp(&shares.waiting[y][app.queue]));
+    let Some(p) = pool else {
+        return WaitReason::NothingFits;
+    };
+    let (used, deserved) = (shares.used[p][app.queue], shares.deserved[p][app.queue]);
+    let queue = tree.get(app.queue).path.clone();
+    if protected {
+        return WaitReason::GangProtected { queue, used, deserved };
+    }
+    // What the queue will hold once what is being taken back for it arrives.
+    let coming = shares.incoming[p][app.queue] + gained[p][app.queue];
+    let others_want = tree
+        .leaves()
+        .any(|q| q != app.queue && shares.used[p][q] + shares.waiting[p][q] > 0);
+    if f64::from(used + coming) >= deserved - EPS && others_want {
+        return WaitReason::OverShare {
+            queue,
+            used: used + coming,
+            deserved,
+        };
+    }
+    if incoming > 0 {
+        return WaitReason::Reclaiming {
+            gpus: incoming,
+            from: Vec::new(),
+        };
+    }
+    WaitReason::NothingFits
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,661 @@
+//! The scheduler's decisions on small hand-made clusters, and its invariants on random ones.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::config::QueueSettings;
+
+fn tree(spec: &[(&str, f64, u32, Option<u32>, bool)]) -> QueueTree {
+    let map: BTreeMap<String, QueueSettings> = spec
+        .iter()
+        .map(|&(name, weight, guaranteed, max, prio)| {
+            (
+                name.to_string(),
+                QueueSettings {
+                    weight,
+                    guaranteed_gpus: guaranteed,
+                    max_gpus: max,
+                    priority_preemption: prio,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+    QueueTree::from_settings(&map).unwrap()
+}
+
+fn node(host: &str, gpus: u32) -> NodeCap {
+    NodeCap {
+        host: host.into(),
+        pool: String::new(),
+        partition: String::new(),
+        usable: true,
+        total_gpus: gpus,
+        free_gpus: crate::resources::mask_of_count(gpus),
+        free_cpu: 64,
+        free_memory_mb: 1 << 20,
+        topology: None,
+    }
+}
+
+fn waiting(count: u32, gpus: u32) -> WaitingTasks {
+    WaitingTasks {
+        role: "worker".into(),
+        count,
+        gpus,
+        cpu: 1,
+        memory_mb: 100,
+        ..Default::default()
+    }
+}
+
+/// A snapshot builder: nodes, then applications, then containers (which take GPUs).
+struct Cluster {
+    t: QueueTree,
+    s: Snapshot,
+}
+
+impl Cluster {
+    fn new(t: QueueTree, nodes: &[u32]) -> Cluster {
+        let s = Snapshot {
+            nodes: nodes
+                .iter()
+                .enumerate()
+                .map(|(i, &g)| node(&format!("n{i}"), g))
+                .collect(),
+            ..Default::default()
+        };
+        Cluster { t, s }
+    }
+
+    fn app(&mut self, queue: &str, priority: i32, gang: bool, wait: Vec<WaitingTasks>) -> usize {
+        let i = self.s.apps.len();
+        self.s.apps.push(AppDemand {
+            id: format!("app{i}"),
+            queue: self.t.resolve(Some(queue)).unwrap(),
+            priority,
+            submitted_ms: 1000 + i as u64,
+            gang,
+            waiting: wait,
+        });
+        i
+    }
+
+    /// A container of `app` with `k` GPUs on node `n` (its lowest free ones), run `run_ms`.
+    fn hold(&mut self, app: usize, n: usize, k: u32, run_ms: u64) -> usize {
+        let nd = &mut self.s.nodes[n];
+        let mask = lowest_bits(nd.free_gpus, k).expect("room on the node");
+        nd.free_gpus &= !mask;
+        nd.free_cpu -= 1;
+        nd.free_memory_mb -= 100;
+        let h = self.s.held.len();
+        self.s.held.push(Held {
+            container_id: format!("c{h}"),
+            app,
+            node: n,
+            gpus: mask,
+            cpu: 1,
+            memory_mb: 100,
+            run_ms,
+            leaving: false,
+            for_queue: None,
+        });
+        h
+    }
+
+    fn plan(&self) -> Plan {
+        plan(&self.t, &self.s, &Shares::compute(&self.t, &self.s))
+    }
+
+    fn gate(&self, app: usize, asks: &[(usize, u32)]) -> Result<(), WaitReason> {
+        let asks: Vec<(usize, Resources)> = asks
+            .iter()
+            .map(|&(n, k)| {
+                let mask = lowest_bits(self.s.nodes[n].free_gpus, k).unwrap();
+                (n, Resources::with_mask(1, 100, mask, Default::default()))
+            })
+            .collect();
+        gate(&self.t, &self.s, &Shares::compute(&self.t, &self.s), app, &asks)
+    }
+}
+
+/// Victim containers per application.
+fn victims_by_app(p: &Plan) -> BTreeMap<usize, usize> {
+    let mut m = BTreeMap::new();
+    for v in &p.victims {
+        *m.entry(v.app).or_default() += v.held.len();
+    }
+    m
+}
+
+#[test]
+fn a_queue_below_its_share_reclaims_exactly_its_weighted_share() {
+    // 8 GPUs, A:B = 3:1; B fills the cluster with eight 1-GPU jobs, A asks for 8 more.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+    for i in 0..8 {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, i / 4, 1, 60_000 + i as u64);
+    }
+    for _ in 0..8 {
+        c.app("a", 0, false, vec![waiting(1, 1)]);
+    }
+    let shares = Shares::compute(&c.t, &c.s);
+    assert!((shares.deserved[0][0] - 6.0).abs() < 1e-6 && (shares.deserved[0][1] - 2.0).abs() < 1e-6);
+    let p = c.plan();
+    let taken: usize = p.victims.iter().map(|v| v.held.len()).sum();
+    assert_eq!(taken, 6, "{p:?}");
+    assert!(p.victims.iter().all(|v| c.s.apps[v.app].queue == 1 && v.for_queue == 0));
+    // The shortest-running go first (least work lost).
+    let runs: BTreeSet<u64> = p
+        .victims
+        .iter()
+        .flat_map(|v| v.held.iter().map(|&h| c.s.held[h].run_ms))
+        .collect();
+    assert_eq!(runs, (60_000..60_006).collect());
+    // The six oldest A jobs get the GPUs; the other two wait for A's share to grow.
+    assert!(
+        p.why[8..14]
+            .iter()
+            .all(|w| matches!(w, Some(WaitReason::Reclaiming { .. }))),
+        "{:?}",
+        p.why
+    );
+    assert!(
+        p.why[14..]
+            .iter()
+            .all(|w| matches!(w, Some(WaitReason::OverShare { .. }))),
+        "{:?}",
+        p.why
+    );
+    // The next pass, with those leaving, takes nothing more; and once they are dead (free)
+    // it takes nothing either.
+    for v in &p.victims {
+        for &h in &v.held {
+            c.s.held[h].leaving = true;
+            c.s.held[h].for_queue = Some(0);
+        }
+    }
+    assert!(c.plan().victims.is_empty(), "{:?}", c.plan());
+    let gone: BTreeSet<usize> = p.victims.iter().flat_map(|v| v.held.clone()).collect();
+    for &h in &gone {
+        let held = c.s.held[h].clone();
+        c.s.nodes[held.node].free_gpus |= held.gpus;
+    }
+    let keep: Vec<Held> = (0..c.s.held.len())
+        .filter(|h| !gone.contains(h))
+        .map(|h| c.s.held[h].clone())
+        .collect();
+    c.s.held = keep;
+    assert!(c.plan().victims.is_empty());
+}
+
+#[test]
+fn a_gang_is_taken_whole_or_not_at_all() {
+    // B: a gang of four 1-GPU tasks and four single jobs; A wants 8 (deserves 6). Taking
+    // singles first would stall at 4; the gang plus two singles reaches 6.
+    // A as one job of eight tasks, or as eight jobs of one.
+    for jobs in [1, 8] {
+        let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+        let gang = c.app("b", 0, true, vec![]);
+        for _ in 0..4 {
+            c.hold(gang, 0, 1, 10_000);
+        }
+        for _ in 0..4 {
+            let s = c.app("b", 0, false, vec![]);
+            c.hold(s, 1, 1, 10_000);
+        }
+        for _ in 0..jobs {
+            c.app("a", 0, false, vec![waiting(8 / jobs, 1)]);
+        }
+        let p = c.plan();
+        let by_app = victims_by_app(&p);
+        assert_eq!(by_app.get(&gang), Some(&4), "the whole gang: {p:?}");
+        assert_eq!(by_app.values().sum::<usize>(), 6);
+    }
+}
+
+#[test]
+fn a_gang_bigger_than_what_may_be_taken_is_protected_and_says_so() {
+    // 4 GPUs, 1:1: B's gang of 4 is 2 over its share; taking it would leave B at 0.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+    let gang = c.app("b", 0, true, vec![]);
+    for _ in 0..4 {
+        c.hold(gang, 0, 1, 10_000);
+    }
+    let a = c.app("a", 0, false, vec![waiting(2, 1)]);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
+    assert!(
+        matches!(p.why[a], Some(WaitReason::GangProtected { .. })),
+        "{:?}",
+        p.why[a]
+    );
+}
+
+#[test]
+fn guaranteed_gpus_are_never_reclaimed() {
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 5, None, false)]), &[8]);
+    for _ in 0..8 {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, 0, 1, 1000);
+    }
+    c.app("a", 0, false, vec![waiting(8, 1)]);
+    let p = c.plan();
+    assert_eq!(p.victims.len(), 3, "B keeps its 5 guaranteed GPUs: {p:?}");
+}
+
+#[test]
+fn cheapest_victims_lowest_priority_first_then_least_run_time_lost() {
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+    let hi = c.app("b", 5, false, vec![]);
+    let lo = c.app("b", -5, false, vec![]);
+    c.hold(hi, 0, 1, 10);
+    c.hold(hi, 0, 1, 20);
+    let long = c.hold(lo, 0, 1, 90_000);
+    let short = c.hold(lo, 0, 1, 1_000);
+    c.app("a", 0, false, vec![waiting(1, 1)]);
+    let p = c.plan();
+    let held: Vec<usize> = p.victims.iter().flat_map(|v| v.held.clone()).collect();
+    assert_eq!(held, vec![short], "lowest priority, then least run time: {p:?}");
+    let _ = long;
+}
+
+#[test]
+fn victims_free_room_where_the_waiting_task_fits() {
+    // A waits for one 4-GPU task. n0: four B singles; n1: two B singles and 2 free. Only
+    // two containers on n1 need to go.
+    let mut c = Cluster::new(
+        tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]),
+        &[4, 4, 4],
+    );
+    for n in [0, 0, 0, 0, 1, 1, 2, 2, 2, 2] {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, n, 1, 1000);
+    }
+    c.app("a", 0, false, vec![waiting(1, 4)]);
+    let p = c.plan();
+    let nodes: Vec<usize> = p
+        .victims
+        .iter()
+        .flat_map(|v| v.held.iter().map(|&h| c.s.held[h].node))
+        .collect();
+    assert_eq!(nodes, vec![1, 1], "{p:?}");
+}
+
+#[test]
+fn priority_preempts_within_a_queue_only_where_allowed() {
+    for allowed in [false, true] {
+        let mut c = Cluster::new(tree(&[("q", 1.0, 0, None, allowed)]), &[4]);
+        let low = c.app("q", 0, false, vec![]);
+        for _ in 0..4 {
+            c.hold(low, 0, 1, 1000);
+        }
+        let high = c.app("q", 10, false, vec![waiting(2, 1)]);
+        let p = c.plan();
+        if allowed {
+            assert_eq!(p.victims.iter().map(|v| v.held.len()).sum::<usize>(), 2, "{p:?}");
+            assert!(p.victims.iter().all(|v| v.for_app == high && v.app == low));
+            // The next pass, with those leaving, takes nothing more.
+            let q = c.t.resolve(Some("q")).unwrap();
+            for v in &p.victims {
+                for &h in &v.held {
+                    c.s.held[h].leaving = true;
+                    c.s.held[h].for_queue = Some(q);
+                }
+            }
+            assert!(c.plan().victims.is_empty(), "{:?}", c.plan());
+        } else {
+            assert!(p.victims.is_empty(), "{p:?}");
+        }
+        // The lower-priority job never preempts the higher one.
+        let mut c = Cluster::new(tree(&[("q", 1.0, 0, None, allowed)]), &[4]);
+        let h = c.app("q", 10, false, vec![]);
+        for _ in 0..4 {
+            c.hold(h, 0, 1, 1000);
+        }
+        c.app("q", 0, false, vec![waiting(2, 1)]);
+        assert!(c.plan().victims.is_empty());
+    }
+}
+
+#[test]
+fn nothing_is_taken_when_the_waiting_work_fits_the_free_gpus() {
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[8]);
+    for _ in 0..4 {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, 0, 1, 1000);
+    }
+    let a = c.app("a", 0, false, vec![waiting(4, 1)]);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
+    assert_eq!(p.why[a], Some(WaitReason::NothingFits));
+}
+
+#[test]
+fn the_gate_keeps_free_gpus_for_the_queue_below_its_share() {
+    // 8 GPUs, 3:1. B holds 2 (its share), 6 are free, A waits for 6 1-GPU tasks.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+    let b = c.app("b", 0, false, vec![waiting(6, 1)]);
+    c.hold(b, 0, 1, 1);
+    c.hold(b, 0, 1, 1);
+    let a = c.app("a", 0, false, vec![waiting(6, 1)]);
+    let refused = c.gate(b, &[(1, 1)]).unwrap_err();
+    assert!(
+        matches!(&refused, WaitReason::Behind { ahead_queue, .. } if ahead_queue == "a"),
+        "{refused}"
+    );
+    assert!(c.gate(a, &[(1, 1)]).is_ok(), "A is below its share");
+    // Once A holds its share, B may use what A does not want.
+    let mut c2 = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+    let b2 = c2.app("b", 0, false, vec![waiting(6, 1)]);
+    c2.hold(b2, 0, 1, 1);
+    let a2 = c2.app("a", 0, false, vec![waiting(1, 1)]);
+    for n in [1, 1, 1, 1, 0] {
+        c2.hold(a2, n, 1, 1);
+    }
+    assert!(c2.gate(b2, &[(0, 1)]).is_ok(), "one free GPU for A, B takes another");
+}
+
+#[test]
+fn a_task_that_fits_nowhere_holds_nothing() {
+    // A waits for a 4-GPU task but no node has 4 free: B's 1-GPU ask goes through.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+    let b = c.app("b", 0, false, vec![]);
+    for n in [0, 0, 0, 1, 1, 1] {
+        c.hold(b, n, 1, 1);
+    }
+    c.app("a", 0, false, vec![waiting(1, 4)]);
+    assert!(c.gate(b, &[(0, 1)]).is_ok());
+}
+
+#[test]
+fn a_queue_at_its_cap_waits() {
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, Some(2), false)]), &[8]);
+    let a = c.app("a", 0, false, vec![waiting(4, 1)]);
+    c.hold(a, 0, 1, 1);
+    assert!(c.gate(a, &[(0, 1)]).is_ok());
+    c.hold(a, 0, 1, 1);
+    let e = c.gate(a, &[(0, 1)]).unwrap_err();
+    assert!(matches!(e, WaitReason::AtCap { max: 2, .. }), "{e}");
+    assert!(matches!(c.plan().why[a], Some(WaitReason::AtCap { .. })));
+}
+
+#[test]
+fn within_a_queue_higher_priority_then_older_ranks_first() {
+    let mut c = Cluster::new(tree(&[("q", 1.0, 0, None, false)]), &[2]);
+    let old = c.app("q", 0, false, vec![waiting(2, 1)]);
+    let urgent = c.app("q", 5, false, vec![waiting(2, 1)]);
+    let young = c.app("q", 0, false, vec![waiting(2, 1)]);
+    assert!(c.gate(urgent, &[(0, 1)]).is_ok());
+    let e = c.gate(old, &[(0, 1)]).unwrap_err();
+    assert!(
+        matches!(&e, WaitReason::Behind { ahead_app, .. } if *ahead_app == c.s.apps[urgent].id),
+        "{e}"
+    );
+    let e = c.gate(young, &[(0, 1)]).unwrap_err();
+    assert!(matches!(&e, WaitReason::Behind { .. }));
+}
+
+// ---- invariants on random clusters ------------------------------------------------------
+
+#[derive(Clone, Debug)]
+struct World {
+    queues: Vec<(f64, u32, Option<u32>, bool)>,
+    nodes: Vec<u32>,
+    /// (queue, priority, gang, waiting count, waiting gpus)
+    apps: Vec<(usize, i32, bool, u32, u32)>,
+    /// (app, node, gpus, run_ms, leaving)
+    held: Vec<(usize, usize, u32, u64, bool)>,
+}
+
+fn world() -> impl Strategy<Value = World> {
+    (
+        proptest::collection::vec((1u32..5, 0u32..4, proptest::option::of(2u32..12), any::<bool>()), 1..4),
+        proptest::collection::vec(prop_oneof![Just(1u32), Just(2), Just(4), Just(8)], 1..5),
+    )
+        .prop_flat_map(|(queues, nodes)| {
+            let nq = queues.len();
+            let nn = nodes.len();
+            (
+                Just(queues),
+                Just(nodes),
+                proptest::collection::vec((0..nq, -3i32..4, any::<bool>(), 0u32..5, 1u32..5), 1..8),
+            )
+                .prop_flat_map(move |(queues, nodes, apps)| {
+                    let na = apps.len();
+                    (
+                        Just(queues),
+                        Just(nodes),
+                        Just(apps),
+                        proptest::collection::vec(
+                            (0..na, 0..nn, 1u32..4, 0u64..100_000, prop::bool::weighted(0.1)),
+                            0..16,
+                        ),
+                    )
+                })
+        })
+        .prop_map(|(queues, nodes, apps, held)| World {
+            queues: queues
+                .into_iter()
+                .map(|(w, g, m, p)| (f64::from(w), g, m.map(|m| m.max(g)), p))
+                .collect(),
+            nodes,
+            apps,
+            held,
+        })
+}
+
+fn build(w: &World) -> Cluster {
+    let names: Vec<String> = (0..w.queues.len()).map(|i| format!("q{i}")).collect();
+    let spec: Vec<(&str, f64, u32, Option<u32>, bool)> = w
+        .queues
+        .iter()
+        .zip(&names)
+        .map(|(&(wt, g, m, p), n)| (n.as_str(), wt, g, m, p))
+        .collect();
+    let mut c = Cluster::new(tree(&spec), &w.nodes);
+    for &(q, prio, gang, count, gpus) in &w.apps {
+        let wait = if count > 0 { vec![waiting(count, gpus)] } else { vec![] };
+        c.app(&names[q], prio, gang, wait);
+    }
+    for &(app, n, k, run, leaving) in &w.held {
+        if c.s.nodes[n].free_gpus.count_ones() >= k {
+            let h = c.hold(app, n, k, run);
+            c.s.held[h].leaving = leaving;
+        }
+    }
+    c
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Preemption never takes a container twice or one already leaving; a gang goes whole
+    /// or not at all; across queues only from queues above their share, never below their
+    /// share or guaranteedGpus, and only for a queue still owed GPUs; within a queue only
+    /// where allowed and only lower priorities.
+    #[test]
+    fn preemption_respects_shares_gangs_and_priorities(w in world()) {
+        let c = build(&w);
+        let shares = Shares::compute(&c.t, &c.s);
+        let p = plan(&c.t, &c.s, &shares);
+        let mut seen = BTreeSet::new();
+        let mut removed: BTreeMap<usize, u32> = BTreeMap::new();
+        for v in &p.victims {
+            let vq = c.s.apps[v.app].queue;
+            for &h in &v.held {
+                prop_assert!(seen.insert(h), "container {} taken twice", h);
+                prop_assert!(!c.s.held[h].leaving, "container {} was already leaving", h);
+                prop_assert_eq!(c.s.held[h].app, v.app);
+                if vq != v.for_queue {
+                    *removed.entry(vq).or_default() += c.s.held[h].gpus.count_ones();
+                }
+            }
+            if c.s.apps[v.app].gang {
+                let live: BTreeSet<usize> = (0..c.s.held.len()).filter(|&h| c.s.held[h].app == v.app).collect();
+                let took: BTreeSet<usize> = v.held.iter().copied().collect();
+                prop_assert_eq!(live, took, "a gang goes whole");
+            }
+            if vq == v.for_queue {
+                prop_assert!(c.t.get(vq).priority_preemption);
+                prop_assert!(c.s.apps[v.app].priority < c.s.apps[v.for_app].priority);
+            } else {
+                prop_assert!(shares.owed(0, v.for_queue) > 0, "only for a queue still owed GPUs");
+            }
+        }
+        for (q, r) in removed {
+            let used = f64::from(shares.used[0][q]);
+            let floor = shares.deserved[0][q].max(f64::from(c.t.get(q).guaranteed_gpus).min(used));
+            let left = used - f64::from(r) - f64::from(shares.leaving[0][q]);
+            prop_assert!(left + 1e-6 >= floor, "queue {} left at {} below {}", q, left, floor);
+        }
+    }
+
+    /// Passes add up safely: with one pass's victims leaving (notices out), the next pass
+    /// may make more room (e.g. a gang that now fits leaves a smaller job unserved) but
+    /// never takes a queue below its share or guarantee in total, and what it takes is
+    /// still for queues owed GPUs.
+    #[test]
+    fn repeated_passes_never_take_a_queue_below_its_share(w in world()) {
+        let mut c = build(&w);
+        let first = Shares::compute(&c.t, &c.s);
+        let mut removed: BTreeMap<usize, u32> = BTreeMap::new();
+        for _ in 0..3 {
+            let shares = Shares::compute(&c.t, &c.s);
+            let p = plan(&c.t, &c.s, &shares);
+            for v in &p.victims {
+                let vq = c.s.apps[v.app].queue;
+                if vq != v.for_queue {
+                    prop_assert!(shares.owed(0, v.for_queue) > 0);
+                }
+                for &h in &v.held {
+                    if vq != v.for_queue {
+                        *removed.entry(vq).or_default() += c.s.held[h].gpus.count_ones();
+                    }
+                    c.s.held[h].leaving = true;
+                    c.s.held[h].for_queue = Some(v.for_queue);
+                }
+            }
+        }
+        for (q, r) in removed {
+            let used = f64::from(first.used[0][q]);
+            let floor = first.deserved[0][q].max(f64::from(c.t.get(q).guaranteed_gpus).min(used));
+            let left = used - f64::from(r) - f64::from(first.leaving[0][q]);
+            prop_assert!(left + 1e-6 >= floor, "queue {} left at {} below {}", q, left, floor);
+        }
+    }
+
+    /// Deserved shares fill the pool (or what is wanted), never exceed what a queue wants
+    /// or its cap, and give at least the guarantee when the guarantees fit.
+    #[test]
+    fn shares_are_bounded_and_fill_the_pool(w in world()) {
+        let c = build(&w);
+        let s = Shares::compute(&c.t, &c.s);
+        let want: Vec<f64> = (0..c.t.len()).map(|q| f64::from(s.used[0][q] + s.waiting[0][q])).collect();
+        let total: f64 = (0..c.t.len()).map(|q| s.deserved[0][q]).sum();
+        let cap = f64::from(s.capacity[0]);
+        let wanted: f64 = (0..c.t.len()).map(|q| c.t.get(q).max_gpus.map_or(want[q], |m| want[q].min(f64::from(m)))).sum();
+        prop_assert!((total - cap.min(wanted)).abs() < 1e-6, "{} vs {}", total, cap.min(wanted));
+        let lo_sum: f64 = (0..c.t.len()).map(|q| f64::from(c.t.get(q).guaranteed_gpus).min(want[q])).sum();
+        for (q, &wants) in want.iter().enumerate() {
+            let queue = c.t.get(q);
+            prop_assert!(s.deserved[0][q] <= wants + 1e-6);
+            if let Some(m) = queue.max_gpus {
+                prop_assert!(s.deserved[0][q] <= f64::from(m) + 1e-6);
+            }
+            if lo_sum <= cap {
+                let floor = f64::from(queue.guaranteed_gpus).min(wants).min(queue.max_gpus.map_or(f64::MAX, f64::from));
+                prop_assert!(s.deserved[0][q] + 1e-6 >= floor);
+            }
+        }
+    }
+
+    /// The gate is work-conserving and respects caps: an application alone in wanting
+    /// GPUs is refused only at its queue's cap, and never admitted past it.
+    #[test]
+    fn the_gate_refuses_only_for_caps_or_for_those_ahead(w in world(), k in 1u32..3) {
+        let c = build(&w);
+        let shares = Shares::compute(&c.t, &c.s);
+        let Some(n) = (0..c.s.nodes.len()).find(|&n| c.s.nodes[n].free_gpus.count_ones() >= k) else {
+            return Ok(());
+        };
+        let mask = lowest_bits(c.s.nodes[n].free_gpus, k).unwrap();
+        let ask = [(n, Resources::with_mask(1, 100, mask, Default::default()))];
+        for a in 0..c.s.apps.len() {
+            let q = c.s.apps[a].queue;
+            let over_cap = c.t.get(q).max_gpus.is_some_and(|m| shares.used_total[q] + k > m);
+            let others_wait = c.s.apps.iter().enumerate().any(|(b, x)| b != a && x.waiting.iter().any(|t| t.count > 0));
+            match gate(&c.t, &c.s, &shares, a, &ask) {
+                Ok(()) => prop_assert!(!over_cap, "admitted past the cap"),
+                Err(WaitReason::AtCap { .. }) => prop_assert!(over_cap),
+                Err(WaitReason::Behind { .. }) => prop_assert!(others_wait),
+                Err(other) => prop_assert!(false, "unexpected {:?}", other),
+            }
+        }
+    }
+}
+
+#[test]
+fn room_that_is_free_already_is_used_before_anything_is_taken() {
+    // The pass after a priority preemption: the two containers taken are dead (their GPUs
+    // free), the high job has not asked yet. Nothing more may be taken for it.
+    let mut c = Cluster::new(tree(&[("q", 1.0, 0, None, true)]), &[4]);
+    let low = c.app("q", 0, false, vec![waiting(2, 1)]);
+    c.app("q", 0, false, vec![waiting(1, 1)]);
+    c.app("q", 10, false, vec![waiting(2, 1)]);
+    c.hold(low, 0, 2, 3000);
+    assert_eq!(c.s.nodes[0].free_gpus.count_ones(), 2);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
+}
+
+#[test]
+fn nothing_is_taken_for_a_gang_that_the_share_cannot_hold() {
+    // A is owed 2 GPUs but its gang needs 4: taking 2 would not start it.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+    for _ in 0..4 {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, 0, 1, 1000);
+    }
+    c.app("a", 0, true, vec![waiting(4, 1)]);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
+}
+
+#[test]
+fn nodes_too_small_for_every_task_are_no_capacity() {
+    // Two 2-GPU nodes and one 8-GPU node; every task takes 4: capacity is 8, not 12.
+    let mut c = Cluster::new(
+        tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]),
+        &[2, 2, 8],
+    );
+    c.app("a", 0, false, vec![waiting(4, 4)]);
+    c.app("b", 0, false, vec![waiting(4, 4)]);
+    let s = Shares::compute(&c.t, &c.s);
+    assert_eq!(s.capacity, vec![8]);
+    assert!((s.deserved[0][0] - 4.0).abs() < 1e-6 && (s.deserved[0][1] - 4.0).abs() < 1e-6);
+}
+
+#[test]
+fn nothing_is_taken_for_a_gang_that_would_only_fit_in_part() {
+    // A's gang needs two 3-GPU tasks; B may lose only 5 GPUs (it keeps 3 guaranteed):
+    // room for one task only, which would not start the gang, so nothing is taken.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 3, None, false)]), &[4, 4]);
+    for n in [0, 0, 0, 0, 1, 1, 1, 1] {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, n, 1, 1000);
+    }
+    c.app("a", 0, true, vec![waiting(2, 3)]);
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "{p:?}");
+    // With B's guarantee at 2, both tasks fit: six containers go.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 2, None, false)]), &[4, 4]);
+    for n in [0, 0, 0, 0, 1, 1, 1, 1] {
+        let b = c.app("b", 0, false, vec![]);
+        c.hold(b, n, 1, 1000);
+    }
+    c.app("a", 0, true, vec![waiting(2, 3)]);
+    assert_eq!(c.plan().victims.len(), 6);
+}

@@ -1,0 +1,294 @@
+//! The RM's cluster view: `GET /ws/v1/cluster/overview` (the JSON behind the cluster page
+//! `/cluster`, whose files are in `webui/`) and `GET /metrics` (Prometheus, OpenMetrics text
+//! by `prometheus-client`): per-queue use, deserved share and waiting tasks; grants,
+//! rejections and preemptions; allocate latency.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use super::scheduling::{queue_view, WAITING_TTL};
+use super::*;
+
+/// Upper bounds (seconds) of the allocate-latency histogram's buckets (the RM's own time
+/// for one allocate call, lock included).
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QueueLabel {
+    queue: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QueuePoolLabel {
+    queue: String,
+    gpu_type: String,
+}
+
+/// The RM's live counters (clones share their values).
+#[derive(Clone)]
+pub(super) struct RmMetrics {
+    grants: Counter,
+    rejections: Family<ReasonLabel, Counter>,
+    allocate_latency: Histogram,
+}
+
+impl Default for RmMetrics {
+    fn default() -> Self {
+        RmMetrics {
+            grants: Counter::default(),
+            rejections: Family::default(),
+            allocate_latency: Histogram::new(LATENCY_BUCKETS),
+        }
+    }
+}
+
+/// Why an ask was refused, for `gpuam_rm_rejections_total{reason}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// The queue gate: at its cap, or the room is kept for others ahead.
+    Queue,
+    /// Its resources are taken now.
+    Busy,
+    /// It can never be granted as written.
+    Never,
+}
+
+impl RmMetrics {
+    pub(super) fn granted(&self, n: usize) {
+        self.grants.inc_by(n as u64);
+    }
+
+    pub(super) fn refused(&self, why: Refusal, n: usize) {
+        let reason = match why {
+            Refusal::Queue => "queue",
+            Refusal::Busy => "busy",
+            Refusal::Never => "never",
+        };
+        self.rejections
+            .get_or_create(&ReasonLabel { reason: reason.into() })
+            .inc_by(n as u64);
+    }
+
+    pub(super) fn allocate_took(&self, d: Duration) {
+        self.allocate_latency.observe(d.as_secs_f64());
+    }
+}
+
+/// Every series of one scrape, under the prefix `gpuam_rm`.
+fn scrape_registry(rm: &Shared) -> Registry {
+    let mut reg = Registry::with_prefix("gpuam_rm");
+    let (queues, preempted) = {
+        let st = rm.lock();
+        (queue_view(&st, Instant::now()), st.sched.preempted_from.clone())
+    };
+    let used = Family::<QueuePoolLabel, Gauge>::default();
+    let deserved = Family::<QueuePoolLabel, Gauge<f64, AtomicU64>>::default();
+    let waiting_gpus = Family::<QueuePoolLabel, Gauge>::default();
+    let waiting = Family::<QueueLabel, Gauge>::default();
+    let preemptions = Family::<QueueLabel, Counter>::default();
+    for q in &queues {
+        let ql = QueueLabel { queue: q.name.clone() };
+        waiting.get_or_create(&ql).set(i64::from(q.waiting_tasks));
+        preemptions
+            .get_or_create(&ql)
+            .inc_by(preempted.get(&q.name).copied().unwrap_or(0));
+        for p in &q.pools {
+            let l = QueuePoolLabel {
+                queue: q.name.clone(),
+                gpu_type: p.gpu_type.clone(),
+            };
+            used.get_or_create(&l).set(i64::from(p.used));
+            deserved.get_or_create(&l).set(p.deserved);
+            waiting_gpus.get_or_create(&l).set(i64::from(p.waiting));
+        }
+    }
+    reg.register("queue_used_gpus", "GPUs held by the queue's containers", used);
+    reg.register(
+        "queue_deserved_gpus",
+        "The queue's deserved share now (weighted fair share of what queues want)",
+        deserved,
+    );
+    reg.register(
+        "queue_waiting_gpus",
+        "GPUs of the queue's waiting tasks that could use the GPU type",
+        waiting_gpus,
+    );
+    reg.register(
+        "queue_waiting_tasks",
+        "Tasks of the queue's jobs waiting for a container",
+        waiting,
+    );
+    reg.register(
+        "preemptions",
+        "Containers taken back from the queue since the RM started",
+        preemptions,
+    );
+    reg.register("grants", "Containers granted", rm.metrics.grants.clone());
+    reg.register(
+        "rejections",
+        "Asks refused, by reason (queue: the queue gate; busy: taken now; never: can never fit)",
+        rm.metrics.rejections.clone(),
+    );
+    reg.register(
+        "allocate_latency_seconds",
+        "Time the RM spends answering one allocate call",
+        rm.metrics.allocate_latency.clone(),
+    );
+    reg
+}
+
+pub(super) async fn metrics(State(rm): Rm) -> Response {
+    let mut out = String::with_capacity(4096);
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &scrape_registry(&rm)) {
+        tracing::error!("metrics encoding failed: {e}");
+    }
+    let mut r = out.into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    r
+}
+
+/// Finished applications the overview lists at most (the most recent ones).
+const MAX_FINISHED_SHOWN: usize = 50;
+
+/// `GET /ws/v1/cluster/overview`: queues, applications, every node's GPUs with their
+/// owners, and the preemptions under way.
+pub(super) async fn overview(State(rm): Rm) -> Json<Value> {
+    let st = rm.lock();
+    let now = Instant::now();
+    let wall = now_ms();
+    let queues = queue_view(&st, now);
+    // Live containers by application and by node.
+    let mut per_app: HashMap<&str, (u32, u32)> = HashMap::new();
+    let mut per_node: HashMap<&str, Vec<(&str, u64, bool)>> = HashMap::new();
+    let ids = st.ledger.live_containers();
+    for id in &ids {
+        let Some(c) = st.ledger.container(id) else { continue };
+        let r = &c.container.resources;
+        let e = per_app.entry(c.app_id.as_str()).or_default();
+        e.0 += r.gpu_count();
+        e.1 += 1;
+        let leaving = c.state == ContainerState::Complete || st.sched.preempting.contains_key(id);
+        per_node
+            .entry(c.container.host.as_str())
+            .or_default()
+            .push((c.app_id.as_str(), r.gpu_mask, leaving));
+    }
+    let app_queue: HashMap<&str, &str> = st
+        .apps
+        .values()
+        .map(|a| (a.report.id.as_str(), a.report.queue.as_str()))
+        .collect();
+    let mut finished: Vec<&App> = st.apps.values().filter(|a| a.report.state.is_final()).collect();
+    finished.sort_by_key(|a| std::cmp::Reverse(a.report.finished_time));
+    let shown = st
+        .apps
+        .values()
+        .filter(|a| !a.report.state.is_final())
+        .chain(finished.into_iter().take(MAX_FINISHED_SHOWN));
+    let apps: Vec<Value> = shown
+        .map(|a| {
+            let r = &a.report;
+            let (gpus, containers) = per_app.get(r.id.as_str()).copied().unwrap_or_default();
+            let waiting: u32 = a.waiting.current(now, WAITING_TTL).iter().map(|w| w.count).sum();
+            let since = a.waiting.since_ms.filter(|_| waiting > 0);
+            json!({
+                "id": r.id,
+                "name": r.name,
+                "user": r.user,
+                "queue": r.queue,
+                "priority": r.priority,
+                "state": r.state,
+                "finalStatus": r.final_status,
+                "gang": a.gang,
+                "gpus": gpus,
+                "containers": containers,
+                "waitingTasks": waiting,
+                "waitingSinceMs": since,
+                "waitingMs": since.map(|s| wall.saturating_sub(s)),
+                "why": a.waiting.why.as_ref().filter(|_| waiting > 0).map(|(_, t)| t.clone()),
+                "whyCode": a.waiting.why.as_ref().filter(|_| waiting > 0).map(|(c, _)| *c),
+                "trackingUrl": r.tracking_url,
+                "startedTime": r.started_time,
+                "finishedTime": r.finished_time,
+            })
+        })
+        .collect();
+    let nodes: Vec<Value> = st
+        .ledger
+        .nodes()
+        .map(|(n, count)| {
+            let total = n.total();
+            let mask = if total.gpu_mask != 0 {
+                total.gpu_mask
+            } else {
+                crate::resources::mask_of_count(total.gpus)
+            };
+            let owners = per_node.get(n.host.as_str());
+            let gpus: Vec<Value> = crate::resources::mask_indices(mask)
+                .into_iter()
+                .map(|i| {
+                    let owner = owners.and_then(|v| v.iter().find(|(_, m, _)| m >> i & 1 == 1));
+                    let used_elsewhere = n.used().gpu_mask >> i & 1 == 1 && owner.is_none();
+                    json!({
+                        "index": i,
+                        "app": owner.map(|o| o.0),
+                        "queue": owner.and_then(|o| app_queue.get(o.0).copied()),
+                        "leaving": owner.is_some_and(|o| o.2),
+                        "other": used_elsewhere,
+                    })
+                })
+                .collect();
+            json!({
+                "host": n.host,
+                "rack": n.rack,
+                "state": n.state,
+                "gpuType": n.gpu_type,
+                "gpus": gpus,
+                "containers": count,
+                "totalCpu": total.cpu,
+                "usedCpu": n.used().cpu,
+                "totalMemoryMB": total.memory_mb,
+                "usedMemoryMB": n.used().memory_mb,
+            })
+        })
+        .collect();
+    let preemptions: Vec<Value> = st
+        .sched
+        .preempting
+        .iter()
+        .map(|(id, p)| {
+            json!({
+                "containerId": id,
+                "app": p.app_id,
+                "host": p.host,
+                "fromQueue": p.from_queue,
+                "forQueue": p.for_queue,
+                "deadlineMs": p.deadline_ms,
+                "reason": p.reason,
+            })
+        })
+        .collect();
+    Json(json!({
+        "time": wall,
+        "preemptionGraceSec": st.sched.grace.as_secs_f64(),
+        "queues": queues,
+        "apps": apps,
+        "nodes": nodes,
+        "preemptions": preemptions,
+    }))
+}

@@ -1,0 +1,468 @@
+//! The RM's scheduling shell (issue 16): what connects the I/O-free decisions of
+//! [`crate::rm::scheduler`] to the ledger, the applications and the nodes.
+//!
+//! - [`snapshot`]: the scheduler's view of the state (nodes, live containers, every
+//!   application's queue, priority and fresh waiting tasks);
+//! - [`admit`]: the queue gate of one ask or gang of asks in `allocate`;
+//! - [`tick`] (every [`TICK`]): preemption deadlines (the RM stops what was not given back),
+//!   new victims (their notices go out in their AMs' next allocate answers and to their
+//!   nodes, which create the tasks' `GPUAM_PREEMPT_FILE`), and why each application waits;
+//! - [`queue_view`]: shares, use and waiting per queue, for the cluster page and `/metrics`.
+
+use super::*;
+use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
+use crate::rm::scheduler::{self, queues::QueueTree, AppDemand, Held, NodeCap, Shares, Snapshot};
+use serde::Serialize;
+
+/// How often the scheduling pass runs.
+pub const TICK: Duration = Duration::from_millis(250);
+/// Waiting tasks an AM reported longer ago than this are forgotten (an AM heartbeats
+/// every few hundred milliseconds while it has work).
+pub const WAITING_TTL: Duration = Duration::from_secs(10);
+
+/// The queues and what the scheduler is doing now (part of [`RmState`]).
+pub(super) struct SchedState {
+    pub(super) tree: QueueTree,
+    pub(super) grace: Duration,
+    /// Containers under a preemption notice, by id.
+    pub(super) preempting: BTreeMap<String, Preempting>,
+    /// Containers taken back so far, per queue they were taken from.
+    pub(super) preempted_from: BTreeMap<String, u64>,
+}
+
+impl SchedState {
+    pub(super) fn new(tree: QueueTree, grace: Duration) -> Self {
+        SchedState {
+            tree,
+            grace,
+            preempting: BTreeMap::new(),
+            preempted_from: BTreeMap::new(),
+        }
+    }
+
+    /// The leaf queue an application's report names (the first leaf when the settings
+    /// no longer have it, e.g. after a restart with other queues).
+    pub(super) fn leaf_of(&self, report: &crate::protocol::AppReport) -> usize {
+        self.tree
+            .resolve(Some(&report.queue))
+            .unwrap_or_else(|_| self.tree.leaves().next().unwrap_or(0))
+    }
+}
+
+/// A container being taken back.
+#[derive(Clone, Debug)]
+pub(super) struct Preempting {
+    pub(super) app_id: String,
+    pub(super) host: String,
+    pub(super) from_queue: String,
+    pub(super) for_queue: String,
+    pub(super) deadline: Instant,
+    pub(super) deadline_ms: u64,
+    pub(super) reason: String,
+}
+
+/// A snapshot with the ids its indices stand for.
+pub(super) struct Built {
+    pub(super) snap: Snapshot,
+    pub(super) apps: HashMap<String, usize>,
+}
+
+/// The scheduler's view of the RM's state now.
+pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
+    let wall = now_ms();
+    let mut snap = Snapshot::default();
+    let mut hosts: HashMap<&str, usize> = HashMap::new();
+    for (n, _) in st.ledger.nodes() {
+        hosts.insert(&n.host, snap.nodes.len());
+        let total = n.total();
+        let free = total.subtract(n.used());
+        snap.nodes.push(NodeCap {
+            host: n.host.clone(),
+            pool: n.gpu_type.clone().unwrap_or_default(),
+            partition: n.partition().to_string(),
+            usable: n.state == crate::cluster::NodeState::Running,
+            total_gpus: total.gpu_count(),
+            free_gpus: if total.gpu_mask != 0 {
+                free.gpu_mask
+            } else {
+                crate::resources::mask_of_count(free.gpus)
+            },
+            free_cpu: free.cpu,
+            free_memory_mb: free.memory_mb,
+            topology: n.topology.clone(),
+        });
+    }
+    let mut apps: HashMap<String, usize> = HashMap::new();
+    let mut add_app = |snap: &mut Snapshot, app: &App| -> usize {
+        *apps.entry(app.report.id.clone()).or_insert_with(|| {
+            let live = !app.report.state.is_final() && app.registered;
+            snap.apps.push(AppDemand {
+                id: app.report.id.clone(),
+                queue: st.sched.leaf_of(&app.report),
+                priority: app.report.priority,
+                submitted_ms: app.report.started_time,
+                gang: app.gang,
+                waiting: if live {
+                    app.waiting.current(now, WAITING_TTL).to_vec()
+                } else {
+                    Vec::new()
+                },
+            });
+            snap.apps.len() - 1
+        })
+    };
+    for app in st.apps.values().filter(|a| !a.report.state.is_final()) {
+        add_app(&mut snap, app);
+    }
+    let mut ids = st.ledger.live_containers();
+    ids.sort();
+    for id in ids {
+        let Some(c) = st.ledger.container(&id) else { continue };
+        let Some(&node) = hosts.get(c.container.host.as_str()) else {
+            continue;
+        };
+        let app = match st.apps.get(&c.app_id) {
+            Some(a) => add_app(&mut snap, a),
+            None => continue,
+        };
+        let r = &c.container.resources;
+        let gpus = if r.gpu_mask != 0 {
+            r.gpu_mask
+        } else {
+            crate::resources::mask_of_count(r.gpus)
+        };
+        let ended = c.state == ContainerState::Complete;
+        let for_queue = st
+            .sched
+            .preempting
+            .get(&id)
+            .and_then(|p| st.sched.tree.resolve(Some(&p.for_queue)).ok());
+        snap.held.push(Held {
+            container_id: id,
+            app,
+            node,
+            gpus,
+            cpu: r.cpu,
+            memory_mb: r.memory_mb,
+            run_ms: if c.state == ContainerState::Running {
+                wall.saturating_sub(c.allocated_ms)
+            } else {
+                0
+            },
+            leaving: ended || for_queue.is_some(),
+            for_queue,
+        });
+    }
+    Built { snap, apps }
+}
+
+/// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see
+/// [`scheduler::gate`]); a gang must also fit now as a whole. `Err`: why it waits.
+pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> Result<(), String> {
+    if asks.len() > 1 {
+        gang_fits(&st.ledger, asks)?;
+    }
+    // Fast path: no cap on the way and nobody else waiting: nothing to keep room for.
+    let capped = st.apps.get(app_id).is_some_and(|a| {
+        let leaf = st.sched.leaf_of(&a.report);
+        st.sched
+            .tree
+            .lineage(leaf)
+            .any(|q| st.sched.tree.get(q).max_gpus.is_some())
+    });
+    let others_wait = st.apps.values().any(|a| {
+        a.report.id != app_id && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty()
+    });
+    if !capped && !others_wait {
+        return Ok(());
+    }
+    let built = snapshot(st, now);
+    let Some(&app) = built.apps.get(app_id) else {
+        return Ok(());
+    };
+    let hosts: HashMap<&str, usize> = built
+        .snap
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.host.as_str(), i))
+        .collect();
+    let mapped: Vec<(usize, crate::resources::Resources)> = asks
+        .iter()
+        .filter_map(|a| Some((*hosts.get(a.host.as_str())?, a.resources())))
+        .collect();
+    let shares = Shares::compute(&st.sched.tree, &built.snap);
+    scheduler::gate(&st.sched.tree, &built.snap, &shares, app, &mapped).map_err(|w| w.to_string())
+}
+
+/// Whether every ask of a gang fits now, together (each on what the earlier ones leave).
+fn gang_fits(ledger: &Ledger, asks: &[&Ask]) -> Result<(), String> {
+    let mut free: HashMap<&str, crate::resources::Resources> = HashMap::new();
+    for a in asks {
+        let Some(node) = ledger.node(&a.host) else {
+            return Err(format!("gang not granted whole: unknown host `{}`", a.host));
+        };
+        let f = free
+            .entry(a.host.as_str())
+            .or_insert_with(|| node.total().subtract(node.used()));
+        let want = a.resources();
+        if node.state != crate::cluster::NodeState::Running || !want.fits_in(f) {
+            return Err(format!(
+                "gang not granted whole: its ask {} does not fit on `{}` now",
+                a.request_id, a.host
+            ));
+        }
+        *f = f.subtract(&want);
+    }
+    Ok(())
+}
+
+/// Groups an allocate's asks: each gang id's asks together (at the place of its first),
+/// every other ask alone.
+pub(super) fn group_asks(asks: &[Ask]) -> Vec<Vec<&Ask>> {
+    let mut out: Vec<Vec<&Ask>> = Vec::new();
+    let mut gangs: HashMap<&str, usize> = HashMap::new();
+    for a in asks {
+        match a.gang.as_deref() {
+            Some(g) => match gangs.get(g) {
+                Some(&i) => out[i].push(a),
+                None => {
+                    gangs.insert(g, out.len());
+                    out.push(vec![a]);
+                }
+            },
+            None => out.push(vec![a]),
+        }
+    }
+    out
+}
+
+/// The notices an application's allocate answer carries: its containers under notice
+/// that still run for it.
+pub(super) fn notices_for(st: &RmState, app_id: &str) -> Vec<PreemptNotice> {
+    st.sched
+        .preempting
+        .iter()
+        .filter(|(id, p)| {
+            p.app_id == app_id
+                && st
+                    .ledger
+                    .container(id)
+                    .is_some_and(|c| c.state != ContainerState::Complete)
+        })
+        .map(|(id, p)| PreemptNotice {
+            container_id: id.clone(),
+            deadline_ms: p.deadline_ms,
+            reason: p.reason.clone(),
+        })
+        .collect()
+}
+
+/// Diagnostics of a preempted container's end.
+pub(super) fn preempted_diagnostics(p: &Preempting) -> String {
+    format!("Container preempted for queue `{}`: {}", p.for_queue, p.reason)
+}
+
+/// How a container's end is reported: one under a preemption notice was preempted (its
+/// task may have checkpointed and exited by itself, with any code), so it is retried as
+/// such whatever its application saw first.
+pub(super) fn exit_of(st: &RmState, id: &str, exit: i32, diagnostics: String) -> (i32, String) {
+    match st.sched.preempting.get(id) {
+        Some(p) => (
+            exit_status::PREEMPTED,
+            format!("{} (the task exited {exit})", preempted_diagnostics(p)),
+        ),
+        None => (exit, diagnostics),
+    }
+}
+
+/// What one pass asks the I/O side to do.
+#[derive(Default)]
+pub(super) struct TickWork {
+    /// Containers stopped at their deadline (or freed when never started).
+    pub(super) ended: Vec<Ended>,
+    /// (host, container, deadline, reason) of new notices for running containers.
+    pub(super) notify: Vec<(String, String, u64, String)>,
+}
+
+/// One scheduling pass under the lock (see the module doc).
+pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
+    let mut work = TickWork::default();
+    // Forget notices of containers that are dead; stop those past their deadline.
+    let ids: Vec<String> = st.sched.preempting.keys().cloned().collect();
+    for id in ids {
+        let Some(c) = st.ledger.container(&id) else {
+            st.sched.preempting.remove(&id);
+            continue;
+        };
+        let dead = c.state == ContainerState::Complete && !c.held;
+        if dead {
+            st.sched.preempting.remove(&id);
+            continue;
+        }
+        let due = st.sched.preempting.get(&id).is_some_and(|p| now >= p.deadline);
+        if due && c.state != ContainerState::Complete {
+            let diag = st
+                .sched
+                .preempting
+                .get(&id)
+                .map(preempted_diagnostics)
+                .unwrap_or_default();
+            if let Some(e) = st.ledger.stop(&id, exit_status::PREEMPTED, &diag) {
+                tracing::info!(container = %id, "preemption deadline passed: stopping the container");
+                queue_completed(&mut st.apps, &e);
+                work.ended.push(e);
+            }
+        }
+    }
+    // New victims and why each application waits.
+    let built = snapshot(st, now);
+    let shares = Shares::compute(&st.sched.tree, &built.snap);
+    let plan = scheduler::plan(&st.sched.tree, &built.snap, &shares);
+    let deadline_ms = now_ms() + st.sched.grace.as_millis() as u64;
+    for v in &plan.victims {
+        let from = st.sched.tree.get(built.snap.apps[v.app].queue).path.clone();
+        let for_queue = st.sched.tree.get(v.for_queue).path.clone();
+        for &h in &v.held {
+            let held = &built.snap.held[h];
+            let Some(c) = st.ledger.container(&held.container_id) else {
+                continue;
+            };
+            let (host, state, app_id) = (c.container.host.clone(), c.state, c.app_id.clone());
+            tracing::info!(
+                container = %held.container_id, from = %from, to = %for_queue,
+                "preempting: {}", v.reason
+            );
+            *st.sched.preempted_from.entry(from.clone()).or_default() += 1;
+            if state == ContainerState::Running {
+                work.notify
+                    .push((host.clone(), held.container_id.clone(), deadline_ms, v.reason.clone()));
+            }
+            st.sched.preempting.insert(
+                held.container_id.clone(),
+                Preempting {
+                    app_id,
+                    host,
+                    from_queue: from.clone(),
+                    for_queue: for_queue.clone(),
+                    deadline: now + st.sched.grace,
+                    deadline_ms,
+                    reason: v.reason.clone(),
+                },
+            );
+        }
+    }
+    for (id, &a) in &built.apps {
+        let why = plan.why.get(a).cloned().flatten().map(|w| (w.code(), w.to_string()));
+        if let Some(app) = st.apps.get_mut(id) {
+            if app.waiting.why != why {
+                app.waiting.why = why;
+            }
+        }
+    }
+    work
+}
+
+/// One queue as the cluster page and `/metrics` show it.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct QueueView {
+    pub(super) name: String,
+    pub(super) parent: Option<String>,
+    pub(super) leaf: bool,
+    pub(super) weight: f64,
+    pub(super) guaranteed_gpus: u32,
+    pub(super) max_gpus: Option<u32>,
+    pub(super) users: Option<Vec<String>>,
+    pub(super) priority_preemption: bool,
+    /// Summed over the pools.
+    pub(super) deserved_gpus: f64,
+    pub(super) used_gpus: u32,
+    pub(super) waiting_gpus: u32,
+    pub(super) waiting_tasks: u32,
+    /// Containers taken back from it so far, and those under notice now.
+    pub(super) preempted: u64,
+    pub(super) preempting_now: u32,
+    pub(super) pools: Vec<PoolView>,
+}
+
+/// One queue's share of one GPU type.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct PoolView {
+    pub(super) gpu_type: String,
+    pub(super) capacity: u32,
+    pub(super) deserved: f64,
+    pub(super) used: u32,
+    pub(super) waiting: u32,
+}
+
+/// Every queue's deserved share, use, waiting work and preemptions now.
+pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
+    let built = snapshot(st, now);
+    let shares = Shares::compute(&st.sched.tree, &built.snap);
+    let tree = &st.sched.tree;
+    tree.iter()
+        .map(|(q, queue)| {
+            let pools: Vec<PoolView> = shares
+                .pools
+                .iter()
+                .enumerate()
+                .map(|(p, name)| PoolView {
+                    gpu_type: name.clone(),
+                    capacity: shares.capacity[p],
+                    deserved: shares.deserved[p][q],
+                    used: shares.used[p][q],
+                    waiting: shares.waiting[p][q],
+                })
+                .collect();
+            let in_queue = |path: &str| {
+                path == queue.path || tree.resolve(Some(path)).is_ok_and(|l| tree.lineage(l).any(|x| x == q))
+            };
+            QueueView {
+                name: queue.path.clone(),
+                parent: queue.parent.map(|p| tree.get(p).path.clone()),
+                leaf: queue.is_leaf(),
+                weight: queue.weight,
+                guaranteed_gpus: queue.guaranteed_gpus,
+                max_gpus: queue.max_gpus,
+                users: queue.users.clone(),
+                priority_preemption: queue.priority_preemption,
+                deserved_gpus: pools.iter().map(|p| p.deserved).sum(),
+                used_gpus: shares.used_total[q],
+                waiting_gpus: pools.iter().map(|p| p.waiting).max().unwrap_or(0),
+                waiting_tasks: shares.waiting_tasks[q],
+                preempted: st
+                    .sched
+                    .preempted_from
+                    .iter()
+                    .filter(|(from, _)| in_queue(from))
+                    .map(|(_, n)| n)
+                    .sum(),
+                preempting_now: st.sched.preempting.values().filter(|p| in_queue(&p.from_queue)).count() as u32,
+                pools,
+            }
+        })
+        .collect()
+}
+
+/// The waiting tasks of an allocate request, checked: counts and sizes within reason.
+pub(super) fn check_waiting(tasks: &[WaitingTasks]) -> Result<(), String> {
+    if tasks.len() > crate::spec::limits::MAX_TASK_ROLES * 4 {
+        return Err(format!(
+            "`waiting` has {} entries; at most one per task role",
+            tasks.len()
+        ));
+    }
+    for (i, t) in tasks.iter().enumerate() {
+        if u64::from(t.count) > crate::spec::limits::MAX_TOTAL_TASKS || u64::from(t.gpus) > 64 {
+            return Err(format!(
+                "`waiting[{i}]`: count {} or gpus {} is out of range (count ≤ {}, gpus ≤ 64)",
+                t.count,
+                t.gpus,
+                crate::spec::limits::MAX_TOTAL_TASKS
+            ));
+        }
+    }
+    Ok(())
+}
