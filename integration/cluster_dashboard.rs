@@ -38,7 +38,7 @@ fn overview(rm: &Rm) -> Value {
 
 #[test]
 fn the_cluster_page_shows_queues_jobs_and_the_node_grid() {
-    let settings = "  preemption_grace_sec: 2\n  queues:\n    research: {weight: 3}\n    prod: {weight: 1, maxGpus: 2, users: [carol, dave]}\n";
+    let settings = "  preemption_grace_sec: 2\n  queues:\n    research: {weight: 3}\n    prod: {weight: 1, maxGpus: 2, users: [carol, itest]}\n";
     let rm = Rm::start_with_settings(
         CLUSTER,
         settings,
@@ -131,7 +131,7 @@ async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
         assert_eq!(row["queue"], queue, "{row}");
         assert_eq!(row["gpus"], gpus, "{row}");
         assert_eq!(row["why"], why, "{row}");
-        assert_eq!(row["user"], "admin", "{row}");
+        assert_eq!(row["user"], "itest", "{row}");
         let url = app["trackingUrl"].as_str().unwrap();
         assert!(url.starts_with("http://127.0.0.1:"), "{app}");
         assert_eq!(row["link"], url, "the row links to the job's dashboard");

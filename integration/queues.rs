@@ -160,9 +160,27 @@ fn running(runs: &[Run], job: &str) -> usize {
 #[test]
 fn a_queue_below_its_share_takes_back_its_weighted_share() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let settings =
-        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 3}}\n    b: {{weight: 1}}\n");
+    let settings = format!(
+        "  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 3}}\n    b: {{weight: 1, users: [itest]}}\n"
+    );
     let rm = Rm::start_with_settings(CLUSTER, &settings, ENV);
+
+    // A queue with users takes no job of anyone else: 403 naming the queue and its users.
+    let out = rm
+        .gpuam()
+        .arg("submit")
+        .arg(job(&rm, "intruder", "b", 0, false, 1, "x"))
+        .arg("--rm")
+        .arg(&rm.url)
+        .env("GPUAM_TOKEN", &rm.other_token)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(77), "not permitted (exit 77): {err}");
+    assert!(
+        err.contains("QUEUE_FORBIDDEN") || (err.contains("`b`") && err.contains("itest")),
+        "the refusal names the queue and its users: {err}"
+    );
 
     // Unknown queues are refused at submit, naming the queues there are.
     let bad = job(&rm, "nowhere", "research", 0, false, 1, "x");

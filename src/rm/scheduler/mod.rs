@@ -501,7 +501,8 @@ pub fn gate(
     asks: &[(usize, Resources)],
 ) -> Result<(), WaitReason> {
     let me = &snap.apps[app];
-    let gpus: u32 = asks.iter().map(|(_, r)| r.gpu_count()).sum();
+    // Whole GPUs only: GPU shares are outside the queues' GPU accounting (DESIGN-NOTES).
+    let gpus: u32 = asks.iter().map(|(_, r)| r.whole_gpu_count()).sum();
     if gpus > 0 {
         if let Some(cap) = at_cap(tree, shares, me.queue, gpus) {
             return Err(cap);
@@ -509,7 +510,7 @@ pub fn gate(
     }
     let pool = asks
         .iter()
-        .find(|(_, r)| r.gpu_count() > 0)
+        .find(|(_, r)| r.whole_gpu_count() > 0)
         .and_then(|(n, _)| shares.pool_of(&snap.nodes[*n].pool));
     let mine = rank(shares, pool, me);
     let mut ahead: Vec<(usize, (f64, i64, u64, String))> = snap

@@ -82,8 +82,9 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             partition: n.partition().to_string(),
             usable: n.state == crate::cluster::NodeState::Running,
             total_gpus: total.gpu_count(),
+            // GPUs free of any holder: a GPU holding shares takes no whole task.
             free_gpus: if total.gpu_mask != 0 {
-                free.gpu_mask
+                free.whole_gpu_mask()
             } else {
                 crate::resources::mask_of_count(free.gpus)
             },
@@ -126,8 +127,10 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             None => continue,
         };
         let r = &c.container.resources;
+        // Whole GPUs only: a GPU share frees no GPU when it goes, so the queues neither
+        // count shares nor take them back (DESIGN-NOTES, queues and GPU shares).
         let gpus = if r.gpu_mask != 0 {
-            r.gpu_mask
+            r.whole_gpu_mask()
         } else {
             crate::resources::mask_of_count(r.gpus)
         };
