@@ -69,26 +69,26 @@ pub async fn run(
         eprintln!("error: {e}");
         return exit::INTERNAL;
     }
+    let opts = match crate::rm::RmOptions::from_settings(
+        settings,
+        nodes,
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        work_dir.clone(),
+    ) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: invalid settings: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
     let rm = match crate::rm::start(crate::rm::RmOptions {
-        container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
-        max_am_attempts: settings.rm.max_am_attempts,
-        queues: match crate::rm::scheduler::queues::QueueTree::from_settings(&settings.rm.queues) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("error: invalid settings: {e}");
-                return exit::INVALID_INPUT;
-            }
-        },
-        preemption_grace: Duration::from_secs(settings.rm.preemption_grace_sec),
         // The embedded RM lives and dies with this one job: nothing to recover later.
         state_dir: None,
+        // Its users are the one it makes for this run, never a users file.
+        users_file: None,
         tls,
         users,
-        limits: (&settings.rm).into(),
-        public_names: settings.rm.public_names.clone(),
-        http_timeouts: (&settings.http).into(),
-        max_log_bytes: Some(settings.node.max_log_bytes),
-        ..crate::rm::RmOptions::new(nodes, SocketAddr::from(([127, 0, 0, 1], 0)), work_dir.clone())
+        ..opts
     })
     .await
     {

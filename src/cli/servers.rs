@@ -2,7 +2,6 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use crate::am::{self, AmOptions};
 use crate::config::Settings;
@@ -97,30 +96,21 @@ pub async fn rm(
         Some(d) => format!("state in {}", d.join(crate::rm::store::STATE_FILE).display()),
         None => "state in memory only".to_string(),
     };
+    let opts = match crate::rm::RmOptions::from_settings(settings, nodes, listen, work_dir.clone()) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: invalid settings: {e}");
+            return exit::INVALID_INPUT;
+        }
+    };
     let handle = match crate::rm::start(crate::rm::RmOptions {
-        container_expiry: Duration::from_secs(settings.rm.container_expiry_sec),
-        max_am_attempts: settings.rm.max_am_attempts,
-        queues: match crate::rm::scheduler::queues::QueueTree::from_settings(&settings.rm.queues) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("error: invalid settings: {e}");
-                return exit::INVALID_INPUT;
-            }
-        },
-        preemption_grace: Duration::from_secs(settings.rm.preemption_grace_sec),
-        node_expiry: Duration::from_secs(settings.rm.node_expiry_sec.max(1)),
         node_token,
         admin_token,
         state_dir,
         tls,
         ray,
-        users_file: settings.rm.users_file.clone(),
-        limits: (&settings.rm).into(),
-        public_names: settings.rm.public_names.clone(),
-        http_timeouts: (&settings.http).into(),
-        max_log_bytes: Some(settings.node.max_log_bytes),
         recover_state,
-        ..crate::rm::RmOptions::new(nodes, listen, work_dir.clone())
+        ..opts
     })
     .await
     {

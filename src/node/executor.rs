@@ -508,18 +508,23 @@ impl Executor {
                         e.cgroup = cgroup.clone();
                     }
                 }
-                let ending = Ending {
-                    table: self.table.clone(),
-                    events: self.events.clone(),
-                    id: container_id.to_string(),
-                    dir,
-                    done: done_tx,
-                    cgroup,
-                    max_log_bytes: self.opts.max_log_bytes,
-                };
+                let ending = self.ending(container_id, dir, done_tx, cgroup);
                 tokio::spawn(wait_container(ending, child, pid, leader));
                 Ok(pid)
             }
+        }
+    }
+
+    /// What ends container `id` when its leader is gone (see [`container_ended`]).
+    fn ending(&self, id: &str, dir: PathBuf, done: watch::Sender<bool>, cgroup: Cgroup) -> Ending {
+        Ending {
+            table: self.table.clone(),
+            events: self.events.clone(),
+            id: id.to_string(),
+            dir,
+            done,
+            cgroup,
+            max_log_bytes: self.opts.max_log_bytes,
         }
     }
 
@@ -546,15 +551,7 @@ impl Executor {
         entry.done = Some(done_rx);
         entry.cgroup = cgroup.clone();
         self.table.lock().insert(container_id.to_string(), entry);
-        let ending = Ending {
-            table: self.table.clone(),
-            events: self.events.clone(),
-            id: container_id.to_string(),
-            dir,
-            done: done_tx,
-            cgroup,
-            max_log_bytes: self.opts.max_log_bytes,
-        };
+        let ending = self.ending(container_id, dir, done_tx, cgroup);
         match leader.filter(ProcessId::alive) {
             Some(p) => {
                 tracing::info!(

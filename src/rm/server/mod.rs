@@ -208,6 +208,31 @@ impl RmOptions {
             preemption_grace: Duration::from_secs(30),
         }
     }
+
+    /// As [`RmOptions::new`], with everything the settings decide (`rm.*`, `http.*`,
+    /// `node.max_log_bytes`); the one place settings become RM options. `Err`: invalid
+    /// queue settings, as a message naming the key.
+    pub fn from_settings(
+        settings: &crate::config::Settings,
+        nodes: Vec<Node>,
+        listen: SocketAddr,
+        work_dir: PathBuf,
+    ) -> Result<Self, String> {
+        let rm = &settings.rm;
+        Ok(RmOptions {
+            container_expiry: Duration::from_secs(rm.container_expiry_sec),
+            max_am_attempts: rm.max_am_attempts,
+            node_expiry: Duration::from_secs(rm.node_expiry_sec.max(1)),
+            queues: crate::rm::scheduler::queues::QueueTree::from_settings(&rm.queues)?,
+            preemption_grace: Duration::from_secs(rm.preemption_grace_sec),
+            users_file: rm.users_file.clone(),
+            limits: rm.into(),
+            public_names: rm.public_names.clone(),
+            http_timeouts: (&settings.http).into(),
+            max_log_bytes: Some(settings.node.max_log_bytes),
+            ..RmOptions::new(nodes, listen, work_dir)
+        })
+    }
 }
 
 /// The users the RM accepts, besides the admin.
