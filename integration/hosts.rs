@@ -241,6 +241,23 @@ fn three_hosts_in_network_namespaces() {
         pid_alive(first_pid),
         "the lost node's task still runs (nobody could stop it)"
     );
+    // Its GPUs stay held while nobody knows the task is dead; the admin may say the
+    // machine was wiped, which frees them (a RUNNING node is refused: its agent reports).
+    let used = |host: &str| {
+        h.get("/ws/v1/cluster/nodes")["nodes"]["node"]
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["nodeHostName"] == host).cloned())
+            .map(|n| n["usedGpuAttribute"].as_str().unwrap_or("").to_string())
+            .unwrap_or_default()
+    };
+    assert_ne!(used(&first_host), "0x0", "the lost node's task keeps its GPUs held");
+    let other_host = if victim == "h1" { h2.clone() } else { h1.clone() };
+    let (code, _) = h.post_admin(&format!("/ws/v1/cluster/nodes/{other_host}/wiped"));
+    assert_eq!(code, 409, "a RUNNING node cannot be declared wiped");
+    let (code, body) = h.post_admin(&format!("/ws/v1/cluster/nodes/{first_host}/wiped"));
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["containersFreed"].as_array().map(Vec::len), Some(1), "{body}");
+    assert_eq!(used(&first_host), "0x0", "declared wiped: its GPUs are free");
     h.start_agent(victim);
     wait_for(
         Duration::from_secs(30),

@@ -207,6 +207,26 @@ impl Hosts {
         serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
     }
 
+    /// `POST path` with an empty JSON body and the admin token, from the RM's namespace →
+    /// (HTTP status, body).
+    pub fn post_admin(&self, path: &str) -> (u16, serde_json::Value) {
+        let token = fs::read_to_string(self.path("rm/admin.token")).expect("the admin token");
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns("rm"), "curl", "-s", "-w", "\\n%{http_code}"])
+            .args(["-X", "POST", "-H", "Content-Type: application/json", "-d", "{}"])
+            .arg("-H")
+            .arg(format!("Authorization: Bearer {}", token.trim()))
+            .arg(format!("http://{RM_IP}:8088{path}"))
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+        (
+            code.trim().parse().unwrap_or(0),
+            serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
     /// The RM's nodes as (host, state).
     pub fn node_states(&self) -> Vec<(String, String)> {
         let v = self.get("/ws/v1/cluster/nodes");

@@ -83,6 +83,9 @@ struct Agent {
     executor: Executor,
     /// Dead containers not yet acknowledged by the RM.
     exited: Mutex<BTreeMap<String, ContainerReport>>,
+    /// Containers stopped before they started (the RM stopped one whose start answer it
+    /// never got): a start that arrives later is refused, so it never runs.
+    stopped_unstarted: Mutex<std::collections::VecDeque<String>>,
     /// Wakes the heartbeat loop (a container died).
     beat_now: Notify,
 }
@@ -168,6 +171,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
         executor,
         exited: Mutex::new(BTreeMap::new()),
+        stopped_unstarted: Mutex::new(std::collections::VecDeque::new()),
         beat_now: Notify::new(),
     });
     let listener = tokio::net::TcpListener::bind(opts.listen)
@@ -521,6 +525,13 @@ async fn start_container(
             "no valid container token for `{id}` with exactly these resources; only the RM's grants start"
         )));
     }
+    if agent.stopped_unstarted.lock().iter().any(|g| *g == id) {
+        return Err(AgentError(
+            StatusCode::CONFLICT,
+            "STOPPED",
+            format!("container `{id}` was stopped before it started; it never runs"),
+        ));
+    }
     let r = &grant.resources;
     if r.gpu_mask & !agent.total.gpu_mask != 0 || !r.ports.is_subset(&agent.total.ports) {
         return Err(forbidden(format!(
@@ -554,8 +565,44 @@ async fn stop_container(
 ) -> Result<Json<ContainerStatus>, AgentError> {
     check(&agent, &host, &headers)?;
     let grace = Duration::from_millis(q.grace_ms.unwrap_or(3000).min(60_000));
-    agent.executor.stop(&id, grace).await?;
+    match agent.executor.stop(&id, grace).await {
+        Err(NodeError::UnknownContainer(_)) if valid_container_id(&id) && status_of(&agent, &id).is_err() => {
+            // Never started here: it never will be (a late start is refused), and the RM
+            // hears it is dead, which frees what it held for it.
+            agent.never_start(&id);
+        }
+        other => other?,
+    }
     status_of(&agent, &id).map(Json)
+}
+
+/// Most stopped-before-started container ids remembered (oldest forgotten first).
+const MAX_STOPPED_UNSTARTED: usize = 10_000;
+
+impl Agent {
+    /// Marks `id` as stopped before it started: refused if its start comes, and reported
+    /// dead to the RM.
+    fn never_start(&self, id: &str) {
+        let mut gone = self.stopped_unstarted.lock();
+        if !gone.iter().any(|g| g == id) {
+            gone.push_back(id.to_string());
+            while gone.len() > MAX_STOPPED_UNSTARTED {
+                gone.pop_front();
+            }
+        }
+        drop(gone);
+        tracing::info!(container = %id, "stopped before it started: it will never run here");
+        self.exited.lock().insert(
+            id.to_string(),
+            ContainerReport {
+                container_id: id.to_string(),
+                state: ContainerState::Complete,
+                exit_status: Some(crate::protocol::exit_status::ABORTED),
+                diagnostics: "stopped before it started on the node; it never ran".into(),
+            },
+        );
+        self.beat_now.notify_one();
+    }
 }
 
 async fn preempt_container(
@@ -645,6 +692,56 @@ mod tests {
             max_log_bytes: None,
             http_timeouts: Default::default(),
         }
+    }
+
+    /// The RM stops a container whose start answer it never got: an agent that never
+    /// started it reports it dead (so the RM frees it) and refuses the start if it comes
+    /// late, so it never runs.
+    #[tokio::test]
+    async fn a_container_stopped_before_it_started_never_runs_and_is_reported_dead() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut o = opts("127.0.0.1:0", None, None, "http://127.0.0.1:9");
+        o.work_dir = tmp.path().join("work");
+        o.run_as = None;
+        let (addr, _h) = start(o).await.unwrap();
+        let id = "container_1_0001_01_000007";
+        let url = |verb: &str| format!("http://{addr}/ws/v1/node/h1/containers/{id}/{verb}");
+        let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
+        let r = http
+            .post(url("stop"))
+            .bearer_auth("t")
+            .header("Content-Type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let s: ContainerStatus = r.json().await.unwrap();
+        assert_eq!(s.state, ContainerState::Complete, "reported dead: {s:?}");
+        let grant = crate::node::Grant {
+            container_id: id.into(),
+            app_id: "application_1_0001".into(),
+            host: "h1".into(),
+            resources: Resources::default(),
+            topology: None,
+        };
+        let start = AgentStart {
+            grant: grant.clone(),
+            launch_context: crate::protocol::LaunchContext {
+                commands: vec!["true".into()],
+                env: Default::default(),
+            },
+        };
+        let r = http
+            .post(url("start"))
+            .bearer_auth("t")
+            .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(b"t", &grant))
+            .json(&start)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 409, "a late start is refused: {}", r.text().await.unwrap());
+        assert!(!tmp.path().join("work/containers").join(id).join("launch.sh").exists());
     }
 
     /// An agent killed between spawning a task and recording its process leaves a task

@@ -107,6 +107,14 @@ pub trait NodeBackend: Send + Sync + 'static {
     /// A short name for logs: "in-process", "agent", "ray".
     fn kind(&self) -> &'static str;
 
+    /// Whether a failed start may still have started the container: true for a node
+    /// behind a network whose answer can be lost after it acted. Such a node must list
+    /// the containers it runs (agents: every heartbeat), so that one the RM holds after
+    /// such a start is freed once the node says it is dead or does not run it.
+    fn start_may_survive(&self, _error: &NodeError) -> bool {
+        false
+    }
+
     /// Starts the container's commands with exactly the granted resources. Exactly one
     /// [`NodeEvent::Exited`] follows a successful start; a failed start sends none.
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>>;

@@ -168,6 +168,12 @@ impl NodeBackend for AgentNodes {
         "agent"
     }
 
+    /// The start request may have reached the agent before the connection broke; the
+    /// agent's next heartbeat (or registration) tells whether it runs.
+    fn start_may_survive(&self, error: &NodeError) -> bool {
+        matches!(error, NodeError::Unreachable { .. })
+    }
+
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
         async move {
             let url = self.url(&grant.host, &grant.container_id, "start")?;

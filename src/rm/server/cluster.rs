@@ -168,14 +168,7 @@ pub(super) async fn put_node_state(
     let host = {
         let mut st = rm.lock();
         st.writable()?;
-        let host = nodeid.rsplit_once(':').map_or(nodeid.as_str(), |(h, _)| h);
-        if st.ledger.node(host).is_some() {
-            host.to_string()
-        } else if st.ledger.node(&nodeid).is_some() {
-            nodeid.clone()
-        } else {
-            return Err(ApiError::not_found(format!("unknown node `{nodeid}`")));
-        }
+        known_host(&st, &nodeid)?
     };
     let ended = change_node_state(&rm, &host, req.state)
         .await
@@ -190,5 +183,54 @@ pub(super) async fn put_node_state(
     Ok(Json(json!({
         "node": node_to_json(node, st.ledger.num_containers(&host), now_ms()),
         "containersEnded": ended,
+    })))
+}
+
+/// The host a node id names (`host` or `host:port`), if the ledger has it.
+fn known_host(st: &RmState, nodeid: &str) -> Result<String, ApiError> {
+    let host = nodeid.rsplit_once(':').map_or(nodeid, |(h, _)| h);
+    [host, nodeid]
+        .into_iter()
+        .find(|h| st.ledger.node(h).is_some())
+        .map(str::to_string)
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))
+}
+
+/// Admin: `POST /ws/v1/cluster/nodes/{host}/wiped` — the operator says the machine of a
+/// node that is not RUNNING (LOST, say) was wiped or will never come back: the containers
+/// it still holds (stopped, waiting for the node to report them dead) are freed now. A
+/// RUNNING node's agent reports its containers itself, so it is refused (409).
+pub(super) async fn post_node_wiped(
+    State(rm): Rm,
+    UrlPath(nodeid): UrlPath<String>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    authorize_admin(&rm, &headers)?;
+    let mut st = rm.lock();
+    st.writable()?;
+    let host = known_host(&st, &nodeid)?;
+    if st.ledger.node(&host).is_some_and(|n| n.state == NodeState::Running) {
+        return Err(ApiError::conflict(format!(
+            "node `{host}` is RUNNING: its agent reports its containers; mark it LOST or \
+             DECOMMISSIONED first (PUT /ws/v1/cluster/nodes/{host}/state)"
+        )));
+    }
+    let held = st.ledger.held_on(&host);
+    for id in &held {
+        st.ledger.complete(
+            id,
+            exit_status::ABORTED,
+            "the machine was declared wiped by an administrator",
+        );
+    }
+    st.commit()?;
+    tracing::warn!(%host, freed = held.len(), "node declared wiped by an administrator: its held containers are freed");
+    let node = st
+        .ledger
+        .node(&host)
+        .ok_or_else(|| ApiError::not_found(format!("unknown node `{nodeid}`")))?;
+    Ok(Json(json!({
+        "node": node_to_json(node, st.ledger.num_containers(&host), now_ms()),
+        "containersFreed": held,
     })))
 }

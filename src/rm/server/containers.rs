@@ -126,17 +126,31 @@ pub(super) async fn container_start(
         resources: granted,
         topology,
     };
-    match rm.nodes.for_host(&host).start(grant, ctx).await {
+    let node = rm.nodes.for_host(&host);
+    match node.start(grant, ctx).await {
         Ok(status) => Ok(Json(status)),
         Err(e) => {
             let mut st = rm.lock();
-            if let Some(ended) = st
-                .ledger
-                .complete(&id, exit_status::INVALID, &format!("launch failed: {e}"))
-            {
-                queue_completed(&mut st.apps, &ended);
+            let why = format!("launch failed: {e}");
+            // A node that may have started the container before its answer was lost: it
+            // ends for its application now, but its resources stay held until the node
+            // reports it dead, or not running at all (freed only when dead).
+            let may_run = node.start_may_survive(&e);
+            let ended = if may_run {
+                st.ledger.stop(&id, exit_status::INVALID, &why)
+            } else {
+                st.ledger.complete(&id, exit_status::INVALID, &why)
+            };
+            if let Some(ended) = &ended {
+                queue_completed(&mut st.apps, ended);
             }
             st.commit_or_log();
+            drop(st);
+            if may_run {
+                // Stop it there: a node that runs it kills it, one that never got the start
+                // refuses it from now on; either way it reports the container dead.
+                spawn_stops(&rm, ended.into_iter().collect());
+            }
             Err(e.into())
         }
     }

@@ -732,6 +732,7 @@ fn router(shared: Arc<Shared>) -> Router {
             "/ws/v1/cluster/nodes/{nodeid}/state",
             axum::routing::put(put_node_state),
         )
+        .route("/ws/v1/cluster/nodes/{nodeid}/wiped", post(post_node_wiped))
         .route("/ws/v1/cluster/apps", get(list_apps).post(submit_app))
         .route("/ws/v1/cluster/apps/new-application", post(new_application))
         .route("/ws/v1/cluster/apps/{id}", get(get_app))
