@@ -83,6 +83,25 @@ fn the_cluster_page_shows_queues_jobs_and_the_node_grid() {
         .map(|a| (a["name"].as_str().unwrap().to_string(), a.clone()))
         .collect();
 
+    // Like the application listing, the overview needs a credential, and another user sees
+    // the queues and whose queue holds each GPU, not the jobs.
+    let (code, _) = rm.request("GET", "/ws/v1/cluster/overview", None, None);
+    assert_eq!(code, 401, "no token, no overview");
+    let (code, other) = rm.request("GET", "/ws/v1/cluster/overview", Some(&rm.other_token), None);
+    assert_eq!(code, 200, "{other}");
+    assert_eq!(other["apps"].as_array().map(Vec::len), Some(0), "{other}");
+    let boxes: Vec<&Value> = other["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|n| n["gpus"].as_array().unwrap())
+        .filter(|g| g["used"] == true)
+        .collect();
+    assert_eq!(boxes.len(), 6, "{other}");
+    assert!(
+        boxes.iter().all(|g| g["app"].is_null() && g["queue"].is_string()),
+        "{other}"
+    );
     // The browser runs on its own runtime (the RM helper blocks on its own).
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(check_page(&rm, &apps));
@@ -95,7 +114,7 @@ fn the_cluster_page_shows_queues_jobs_and_the_node_grid() {
 
 async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
     let b = Browser::start().await;
-    b.goto(&format!("{}/cluster", rm.url)).await;
+    b.goto(&format!("{}/cluster#token={}", rm.url, rm.user_token)).await;
     b.wait_for(
         "the page to load",
         "return document.body.dataset.ready === 'true';",

@@ -7,7 +7,14 @@ const POLL_MS = 1000;
 // Queue colours (hues); a job's GPUs take its queue's hue at the job's own lightness.
 const HUES = [212, 28, 140, 280, 350, 50, 180, 320, 95, 250];
 
-const state = { data: null, queueFilter: '', liveOnly: true, failures: 0 };
+const state = { data: null, queueFilter: '', liveOnly: true, failures: 0, token: null };
+
+// The caller's token comes in the URL fragment (/cluster#token=...), never sent in a URL:
+// with it the RM shows the caller's jobs (the admin's token: every job).
+function readToken() {
+  const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+  state.token = m ? decodeURIComponent(m[1]) : null;
+}
 
 function $(id) { return document.getElementById(id); }
 function h(tag, attrs, ...kids) {
@@ -117,6 +124,14 @@ function renderNodes() {
   const cards = d.nodes.map(n => {
     const boxes = n.gpus.map(g => {
       const app = g.app ? byId.get(g.app) : null;
+      if (g.used && !g.app) {
+        // Another user's job: its queue shows, the job does not.
+        return h('span', {
+          class: 'gpu owned' + (g.leaving ? ' leaving' : ''), 'data-gpu-box': true, 'data-host': n.host, 'data-gpu': g.index,
+          'data-queue': g.queue || '', style: 'background-color:' + queueColour(g.queue),
+          title: 'GPU ' + g.index + ' · a job of queue ' + (g.queue || '?') + (g.leaving ? ' · being taken back' : ''),
+        });
+      }
       if (g.app) {
         const colour = app ? jobColour(app) : queueColour(g.queue);
         return h('span', {
@@ -139,7 +154,7 @@ function renderNodes() {
 function renderHeader() {
   const d = state.data;
   const total = d.nodes.reduce((s, n) => s + n.gpus.length, 0);
-  const used = d.nodes.reduce((s, n) => s + n.gpus.filter(g => g.app || g.other).length, 0);
+  const used = d.nodes.reduce((s, n) => s + n.gpus.filter(g => g.used || g.other).length, 0);
   $('c-nodes').textContent = d.nodes.length;
   $('c-gpus').textContent = used + ' / ' + total;
   $('c-progress').setAttribute('aria-valuemax', total);
@@ -155,7 +170,14 @@ function renderHeader() {
 
 async function poll() {
   try {
-    const r = await fetch('/ws/v1/cluster/overview', { cache: 'no-store' });
+    const headers = state.token ? { Authorization: 'Bearer ' + state.token } : {};
+    const r = await fetch('/ws/v1/cluster/overview', { cache: 'no-store', headers });
+    if (r.status === 401) {
+      $('conn').textContent = 'this page needs a token: open it as /cluster#token=YOUR_TOKEN (gpuam token new; the admin token shows every job)';
+      $('conn').hidden = false;
+      setTimeout(poll, 5000);
+      return;
+    }
     if (!r.ok) throw new Error(r.status + ' ' + r.statusText);
     state.data = await r.json();
     state.failures = 0;
@@ -167,13 +189,16 @@ async function poll() {
     document.body.dataset.ready = 'true';
   } catch (e) {
     state.failures++;
+    $('conn').textContent = 'RM unreachable · retrying…';
     $('conn').hidden = false;
     $('conn').title = String(e);
   }
   setTimeout(poll, Math.min(POLL_MS * (1 + state.failures), 10000));
 }
 
+window.addEventListener('hashchange', readToken);
 document.addEventListener('DOMContentLoaded', () => {
+  readToken();
   $('f-queue').addEventListener('change', e => { state.queueFilter = e.target.value; if (state.data) renderJobs(); });
   $('f-live').addEventListener('change', e => { state.liveOnly = e.target.checked; if (state.data) renderJobs(); });
   poll();

@@ -166,8 +166,10 @@ pub(super) async fn metrics(State(rm): Rm) -> Response {
 const MAX_FINISHED_SHOWN: usize = 50;
 
 /// `GET /ws/v1/cluster/overview`: queues, applications, every node's GPUs with their
-/// owners, and the preemptions under way.
-pub(super) async fn overview(State(rm): Rm) -> Json<Value> {
+/// owners, and the preemptions under way. Needs a credential, like the application
+/// listing: a user sees the queues, the node grid coloured by queue and their own jobs
+/// (other jobs' GPUs show their queue, not the job); the admin sees every job.
+pub(super) async fn overview(State(rm): Rm, caller: Caller) -> Json<Value> {
     let st = rm.lock();
     let now = Instant::now();
     let wall = now_ms();
@@ -193,12 +195,17 @@ pub(super) async fn overview(State(rm): Rm) -> Json<Value> {
         .values()
         .map(|a| (a.report.id.as_str(), a.report.queue.as_str()))
         .collect();
-    let mut finished: Vec<&App> = st.apps.values().filter(|a| a.report.state.is_final()).collect();
+    let visible = |app: &str| st.apps.get(app).is_some_and(|a| caller.owns(a));
+    let mut finished: Vec<&App> = st
+        .apps
+        .values()
+        .filter(|a| a.report.state.is_final() && caller.owns(a))
+        .collect();
     finished.sort_by_key(|a| std::cmp::Reverse(a.report.finished_time));
     let shown = st
         .apps
         .values()
-        .filter(|a| !a.report.state.is_final())
+        .filter(|a| !a.report.state.is_final() && caller.owns(a))
         .chain(finished.into_iter().take(MAX_FINISHED_SHOWN));
     let apps: Vec<Value> = shown
         .map(|a| {
@@ -246,7 +253,8 @@ pub(super) async fn overview(State(rm): Rm) -> Json<Value> {
                     let used_elsewhere = n.used().gpu_mask >> i & 1 == 1 && owner.is_none();
                     json!({
                         "index": i,
-                        "app": owner.map(|o| o.0),
+                        "app": owner.map(|o| o.0).filter(|a| visible(a)),
+                        "used": owner.is_some(),
                         "queue": owner.and_then(|o| app_queue.get(o.0).copied()),
                         "leaving": owner.is_some_and(|o| o.2),
                         "other": used_elsewhere,
@@ -271,6 +279,7 @@ pub(super) async fn overview(State(rm): Rm) -> Json<Value> {
         .sched
         .preempting
         .iter()
+        .filter(|(_, p)| visible(&p.app_id))
         .map(|(id, p)| {
             json!({
                 "containerId": id,
