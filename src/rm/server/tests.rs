@@ -550,6 +550,7 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
     let http = crate::tls::http_client();
     let ov: serde_json::Value = http
         .get(format!("{}/ws/v1/cluster/overview", rm.base_url()))
+        .bearer_auth(rm.admin_token())
         .send()
         .await
         .unwrap()
