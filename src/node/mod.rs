@@ -45,6 +45,7 @@ pub mod executor;
 pub mod local;
 pub mod procs;
 pub mod remote;
+pub mod shim;
 pub mod token;
 pub mod wire;
 
