@@ -22,8 +22,13 @@
 //! Containment: the process joins the container's cgroup in the forked child, before
 //! `exec`. Stopping signals every member of the cgroup (a daemon that left the session with
 //! `setsid` included) and ends with `cgroup.kill`; a container is Complete, and its `Exited`
-//! event sent, only once its cgroup is empty. Without a cgroup, the process group is all
-//! there is (and a process that leaves it escapes).
+//! event sent, only once its cgroup is empty. Without a cgroup but with a shim executable
+//! ([`super::cgroup::Mechanism::Subreaper`]), the process is `gpuam container-shim -- bash
+//! launch.sh` ([`super::shim`]): same session, same user; it is the recorded process (pid =
+//! pgid), a stop sends it SIGTERM (with the group) and after the grace
+//! [`super::shim::KILL_SIGNAL`], never SIGKILL, and the container is Complete once the shim
+//! has exited, which it does only when nothing it keeps is alive. Without either, the
+//! process group is all there is (and a process that leaves it escapes).
 //!
 //! The one place that builds the command running a task is [`task_command`]: a runner that
 //! wraps tasks (an image runner, say) changes that function only.
@@ -596,7 +601,9 @@ impl Executor {
         }
     }
 
-    /// Stops the container's whole process group: SIGTERM, then SIGKILL after `grace`.
+    /// Stops the container's whole process group: SIGTERM, then SIGKILL after `grace` (to
+    /// the group and cgroup; under a shim, [`super::shim::KILL_SIGNAL`] to the shim, which
+    /// kills everything it keeps).
     ///
     /// Returns once the container is Complete and its group is gone (or, in the worst case,
     /// `KILL_WAIT` after SIGKILL). Idempotent: stopping a completed container does nothing.
