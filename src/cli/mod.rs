@@ -176,6 +176,14 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// Internal: the subreaper shim a node without cgroups runs each container under
+    /// (`crate::node::shim`).
+    #[command(name = "container-shim", hide = true)]
+    ContainerShim {
+        /// The container's command and its arguments, after `--`.
+        #[arg(last = true, required = true, value_name = "COMMAND")]
+        command: Vec<std::ffi::OsString>,
+    },
 }
 
 /// `gpuam rm --backend ray`: run containers on an existing Ray cluster.
@@ -310,6 +318,11 @@ pub fn main() -> i32 {
             return code;
         }
     };
+    // The shim is a container's process: no logging set-up, no settings, no runtime (it
+    // must stay single-threaded).
+    if let Cmd::ContainerShim { command } = &cli.command {
+        return crate::node::shim::run(command);
+    }
     init_logging();
     let settings = match load_settings(cli.config.as_deref()) {
         Ok(s) => s,
@@ -472,6 +485,7 @@ pub fn main() -> i32 {
             } => crate::bench::select_bench(&nodes, iterations, seed),
             BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(crate::bench::job_bench(tasks, nodes, seed)),
         },
+        Cmd::ContainerShim { command } => crate::node::shim::run(&command),
     }
 }
 

@@ -68,6 +68,11 @@ pub struct NodeArgs {
     /// more). The job's and gpuam's own variables come after it; gpuam's names are refused.
     #[arg(long = "task-env", value_name = "NAME=VALUE")]
     pub task_env: Vec<String>,
+    /// How containers are contained: `auto` (cgroup v2, else cgroup v1 pids+freezer, else
+    /// a subreaper shim around each container) or `subreaper` (the shim even where cgroups
+    /// exist). The mechanism used is logged at start.
+    #[arg(long, env = "GPUAM_NODE_CONTAINMENT", default_value = "auto", value_parser = ["auto", "subreaper"])]
+    pub containment: String,
 }
 
 /// `--task-env` entries as (name, value), or an error naming the bad entry.
@@ -196,6 +201,14 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         task_env,
         max_log_bytes: Some(settings.node.max_log_bytes),
         http_timeouts: (&settings.http).into(),
+        containment: match args.containment.parse() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: --containment: {e}");
+                return exit::USAGE;
+            }
+        },
+        shim_exe: std::env::current_exe().ok(),
     };
     match agent::run(opts).await {
         Ok(()) => exit::SUCCESS,

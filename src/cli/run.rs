@@ -82,6 +82,8 @@ pub async fn run(
         }
     };
     let rm = match crate::rm::start(crate::rm::RmOptions {
+        // The in-process node's shim, where it has no cgroup: this very executable.
+        shim_exe: std::env::current_exe().ok(),
         // The embedded RM lives and dies with this one job: nothing to recover later.
         state_dir: None,
         // Its users are the one it makes for this run, never a users file.

@@ -104,6 +104,8 @@ pub async fn rm(
         }
     };
     let handle = match crate::rm::start(crate::rm::RmOptions {
+        // The in-process node's shim, where it has no cgroup: this very executable.
+        shim_exe: std::env::current_exe().ok(),
         node_token,
         admin_token,
         state_dir,

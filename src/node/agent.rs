@@ -72,6 +72,11 @@ pub struct AgentOptions {
     pub max_log_bytes: Option<u64>,
     /// Read timeouts of the agent's listener (`http.read_timeout_sec`).
     pub http_timeouts: crate::tls::HttpTimeouts,
+    /// Which containment mechanisms the node may use (`--containment`).
+    pub containment: super::cgroup::Choice,
+    /// The `gpuam` executable that runs the subreaper shim (`None`: no shim; without a
+    /// cgroup, process groups only).
+    pub shim_exe: Option<PathBuf>,
 }
 
 struct Agent {
@@ -149,7 +154,8 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             );
         }
     }
-    let containment = Containment::detect(&cgroup_parent(&opts.host));
+    let containment = Containment::choose(opts.containment, &cgroup_parent(&opts.host), opts.shim_exe.clone())
+        .map_err(anyhow::Error::msg)?;
     tracing::info!(host = %opts.host, "{}", containment.describe());
     let describe = containment.describe();
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
@@ -691,6 +697,8 @@ mod tests {
             task_env: Vec::new(),
             max_log_bytes: None,
             http_timeouts: Default::default(),
+            containment: Default::default(),
+            shim_exe: None,
         }
     }
 

@@ -12,9 +12,13 @@
 //! - On a hybrid layout (v2 without controllers beside v1 controllers, as on many hosts)
 //!   both are used: v2 for membership and kill, the v1 `memory`, `cpu` and `pids`
 //!   controllers for limits (`memory.limit_in_bytes`, `cpu.cfs_quota_us`, `pids.max`).
-//! - **process group** only, when no cgroup can be created (an unprivileged node without a
-//!   delegated cgroup): a process that leaves the container's session escapes; the node
-//!   logs this at start.
+//! - **subreaper shim**, when no cgroup can be created (an unprivileged node without a
+//!   delegated cgroup) and the node knows its `gpuam` executable ([`Containment::with_shim`]):
+//!   each container runs under `gpuam container-shim`, a child subreaper that keeps every
+//!   orphaned descendant and exits only once none is left (see [`super::shim`]). Chosen
+//!   also when forced ([`Choice::Subreaper`], `gpuam node --containment subreaper`).
+//! - **process group** only, when there is neither a cgroup nor a shim executable: a process
+//!   that leaves the container's session escapes; the node logs this at start.
 //!
 //! - **CPU pinning** ([`Containment::pin_cpus`]): a container given NUMA-local CPUs gets them as
 //!   its `cpuset.cpus`, in v2 where the hierarchy offers the `cpuset` controller, else in the
@@ -38,7 +42,30 @@ pub const DEFAULT_PIDS_MAX: u64 = 4096;
 pub enum Mechanism {
     V2,
     V1,
+    /// No cgroup; every container under a subreaper shim ([`super::shim`]).
+    Subreaper,
     ProcessGroup,
+}
+
+/// Which mechanisms a node may use (`gpuam node --containment`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Choice {
+    /// The best the machine offers: cgroup v2, else v1, else the subreaper shim.
+    #[default]
+    Auto,
+    /// The subreaper shim even where cgroups exist (tests, or an operator who wants none).
+    Subreaper,
+}
+
+impl std::str::FromStr for Choice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Choice::Auto),
+            "subreaper" => Ok(Choice::Subreaper),
+            _ => Err(format!("unknown containment `{s}`: use auto or subreaper")),
+        }
+    }
 }
 
 impl std::fmt::Display for Mechanism {
@@ -46,7 +73,11 @@ impl std::fmt::Display for Mechanism {
         f.write_str(match self {
             Mechanism::V2 => "cgroup v2",
             Mechanism::V1 => "cgroup v1 (pids+freezer)",
-            Mechanism::ProcessGroup => "process group only (no cgroup could be created)",
+            Mechanism::Subreaper => "subreaper shim (no cgroup; PR_SET_CHILD_SUBREAPER keeps every descendant)",
+            Mechanism::ProcessGroup => {
+                "process group only (no cgroup could be created and no shim executable is known: a process that \
+                 leaves its session escapes)"
+            }
         })
     }
 }
@@ -69,6 +100,8 @@ pub struct Containment {
     v1_memory: Option<PathBuf>,
     v1_cpu: Option<PathBuf>,
     v1_cpuset: Option<PathBuf>,
+    /// The `gpuam` executable that runs the subreaper shim, used when there is no cgroup.
+    shim: Option<PathBuf>,
 }
 
 /// One mount of a cgroup hierarchy.
@@ -177,6 +210,42 @@ impl Containment {
         Containment::default()
     }
 
+    /// No cgroups; every container under the subreaper shim run by `exe` (the `gpuam`
+    /// executable).
+    pub fn subreaper(exe: PathBuf) -> Self {
+        Containment {
+            shim: Some(exe),
+            ..Containment::default()
+        }
+    }
+
+    /// The same containment, with `exe` (the `gpuam` executable) to run the subreaper shim
+    /// where there is no cgroup; `None` leaves the shim out (process groups only then).
+    pub fn with_shim(mut self, exe: Option<PathBuf>) -> Self {
+        self.shim = exe;
+        self
+    }
+
+    /// What `choice` gives on this machine: [`Containment::detect`] with the shim as the
+    /// fallback, or the shim alone. `Err` when the shim is forced but `shim_exe` is unknown.
+    pub fn choose(choice: Choice, parent: &str, shim_exe: Option<PathBuf>) -> Result<Self, String> {
+        match (choice, shim_exe) {
+            (Choice::Auto, exe) => Ok(Containment::detect(parent).with_shim(exe)),
+            (Choice::Subreaper, Some(exe)) => Ok(Containment::subreaper(exe)),
+            (Choice::Subreaper, None) => {
+                Err("containment `subreaper` needs the path of the gpuam executable, which is not known".into())
+            }
+        }
+    }
+
+    /// The executable to run each container's shim with: `Some` exactly when the
+    /// mechanism is [`Mechanism::Subreaper`].
+    pub fn shim(&self) -> Option<&Path> {
+        (self.mechanism() == Mechanism::Subreaper)
+            .then_some(self.shim.as_deref())
+            .flatten()
+    }
+
     /// Finds the cgroup mounts and creates `<own cgroup>/<parent>` in each usable one.
     /// `parent` names this node's containers' parent cgroup (e.g. `gpuam-<host>`).
     pub fn detect(parent: &str) -> Self {
@@ -236,6 +305,8 @@ impl Containment {
             Mechanism::V2
         } else if self.v1_pids.is_some() {
             Mechanism::V1
+        } else if self.shim.is_some() {
+            Mechanism::Subreaper
         } else {
             Mechanism::ProcessGroup
         }
@@ -260,10 +331,13 @@ impl Containment {
         .flatten()
         .collect();
         let dir = self.v2.as_ref().or(self.v1_pids.as_ref());
+        let shim = self.shim().map(|e| format!(" run by {}", e.display()));
         format!(
             "containment: {}{}; limits: {}",
             self.mechanism(),
-            dir.map(|d| format!(" under {}", d.display())).unwrap_or_default(),
+            dir.map(|d| format!(" under {}", d.display()))
+                .or(shim)
+                .unwrap_or_default(),
             if l.is_empty() { "none".into() } else { l.join(", ") }
         )
     }
@@ -547,5 +621,32 @@ mod tests {
         assert!(cg.is_empty());
         assert!(cg.pids().is_empty());
         assert!(cg.join_paths().is_empty());
+    }
+
+    #[test]
+    fn the_shim_is_the_fallback_and_can_be_forced() {
+        let exe = PathBuf::from("/opt/gpuam/bin/gpuam");
+        assert_eq!(Containment::none().mechanism(), Mechanism::ProcessGroup);
+        assert_eq!(Containment::none().shim(), None);
+        let shim = Containment::none().with_shim(Some(exe.clone()));
+        assert_eq!(shim.mechanism(), Mechanism::Subreaper);
+        assert_eq!(shim.shim(), Some(exe.as_path()));
+        assert!(shim.describe().contains("subreaper shim"), "{}", shim.describe());
+        assert!(shim.describe().contains("/opt/gpuam/bin/gpuam"), "{}", shim.describe());
+        assert!(!shim.cgroup("c1").is_real(), "no cgroup under the shim");
+        // A cgroup wins over the shim; the shim is then not used.
+        let v2 = Containment {
+            v2: Some(PathBuf::from("/sys/fs/cgroup/x")),
+            ..Containment::default()
+        }
+        .with_shim(Some(exe.clone()));
+        assert_eq!(v2.mechanism(), Mechanism::V2);
+        assert_eq!(v2.shim(), None);
+        let forced = Containment::choose(Choice::Subreaper, "unused", Some(exe.clone())).unwrap();
+        assert_eq!(forced.mechanism(), Mechanism::Subreaper);
+        assert!(Containment::choose(Choice::Subreaper, "unused", None).is_err());
+        assert_eq!("subreaper".parse::<Choice>(), Ok(Choice::Subreaper));
+        assert_eq!("auto".parse::<Choice>(), Ok(Choice::Auto));
+        assert!("v3".parse::<Choice>().is_err());
     }
 }

@@ -22,8 +22,13 @@
 //! Containment: the process joins the container's cgroup in the forked child, before
 //! `exec`. Stopping signals every member of the cgroup (a daemon that left the session with
 //! `setsid` included) and ends with `cgroup.kill`; a container is Complete, and its `Exited`
-//! event sent, only once its cgroup is empty. Without a cgroup, the process group is all
-//! there is (and a process that leaves it escapes).
+//! event sent, only once its cgroup is empty. Without a cgroup but with a shim executable
+//! ([`super::cgroup::Mechanism::Subreaper`]), the process is `gpuam container-shim -- bash
+//! launch.sh` ([`super::shim`]): same session, same user; it is the recorded process (pid =
+//! pgid), a stop sends it SIGTERM (with the group) and after the grace
+//! [`super::shim::KILL_SIGNAL`], never SIGKILL, and the container is Complete once the shim
+//! has exited, which it does only when nothing it keeps is alive. Without either, the
+//! process group is all there is (and a process that leaves it escapes).
 //!
 //! The one place that builds the command running a task is [`task_command`]: a runner that
 //! wraps tasks (an image runner, say) changes that function only.
@@ -125,6 +130,9 @@ struct Entry {
     done: Option<watch::Receiver<bool>>,
     /// Its cgroup (empty when the node has none).
     cgroup: Cgroup,
+    /// The recorded process is a subreaper shim (see [`super::shim`]): stopped with
+    /// SIGTERM, then [`super::shim::KILL_SIGNAL`], never SIGKILL.
+    shim: bool,
     /// Handles of its `stdout` and `stderr` for the log watcher (empty without a limit).
     logs: Arc<Vec<File>>,
 }
@@ -141,6 +149,7 @@ impl Entry {
             stop_requested: false,
             done: None,
             cgroup: Cgroup::default(),
+            shim: false,
             logs: Arc::default(),
         }
     }
@@ -463,6 +472,7 @@ impl Executor {
                     cgroup: &cg,
                     run_as: self.opts.run_as.as_ref(),
                     taskset: taskset.as_deref(),
+                    shim: self.opts.containment.shim(),
                 };
                 spawn_launch(&dir, container_id, &launch)
                     .map(|(child, pid, logs)| (child, pid, cg.clone(), logs))
@@ -506,6 +516,7 @@ impl Executor {
                         e.leader = leader;
                         e.done = Some(done_rx);
                         e.cgroup = cgroup.clone();
+                        e.shim = self.opts.containment.shim().is_some();
                     }
                 }
                 let ending = self.ending(container_id, dir, done_tx, cgroup);
@@ -550,6 +561,8 @@ impl Executor {
         entry.leader = leader;
         entry.done = Some(done_rx);
         entry.cgroup = cgroup.clone();
+        // Whatever this executor's containment: the process an earlier one recorded says.
+        entry.shim = leader.is_some_and(|p| p.alive() && super::shim::is_shim(p.pid));
         self.table.lock().insert(container_id.to_string(), entry);
         let ending = self.ending(container_id, dir, done_tx, cgroup);
         match leader.filter(ProcessId::alive) {
@@ -588,7 +601,9 @@ impl Executor {
         }
     }
 
-    /// Stops the container's whole process group: SIGTERM, then SIGKILL after `grace`.
+    /// Stops the container's whole process group: SIGTERM, then SIGKILL after `grace` (to
+    /// the group and cgroup; under a shim, [`super::shim::KILL_SIGNAL`] to the shim, which
+    /// kills everything it keeps).
     ///
     /// Returns once the container is Complete and its group is gone (or, in the worst case,
     /// `KILL_WAIT` after SIGKILL). Idempotent: stopping a completed container does nothing.
@@ -601,7 +616,7 @@ impl Executor {
         }
         // A concurrent `start` is spawning: wait (briefly) until it knows the pid.
         let give_up = Instant::now() + KILL_WAIT;
-        let (pgid, leader, mut done, cgroup) = loop {
+        let (pgid, leader, mut done, cgroup, shim) = loop {
             {
                 let mut table = self.table.lock();
                 let entry = table
@@ -624,8 +639,10 @@ impl Executor {
                     Phase::Running => {
                         entry.stop_requested = true;
                         match (entry.pid, entry.done.clone()) {
-                            (Some(pid), Some(done)) => break (pid, entry.leader, done, entry.cgroup.clone()),
-                            (None, Some(done)) => break (0, None, done, entry.cgroup.clone()),
+                            (Some(pid), Some(done)) => {
+                                break (pid, entry.leader, done, entry.cgroup.clone(), entry.shim)
+                            }
+                            (None, Some(done)) => break (0, None, done, entry.cgroup.clone(), entry.shim),
                             _ => return Ok(()),
                         }
                     }
@@ -641,15 +658,29 @@ impl Executor {
             tokio::time::sleep(POLL).await;
         };
 
+        // Under a shim, the group's SIGTERM reaches the shim too, which passes it on to every
+        // process it keeps (those that left the group included).
         signal_own_group(pgid, leader, libc::SIGTERM);
         cgroup.signal(libc::SIGTERM);
         if tokio::time::timeout(grace, done.wait_for(|d| *d)).await.is_err() {
-            tracing::info!(
-                container = container_id,
-                "still running after {grace:?}: SIGKILL to its group and cgroup"
-            );
-            signal_own_group(pgid, leader, libc::SIGKILL);
-            cgroup.kill();
+            if shim {
+                // Never SIGKILL the shim: its descendants would go to init. It kills them
+                // all and exits once none is left.
+                tracing::info!(
+                    container = container_id,
+                    "still running after {grace:?}: its shim kills everything in it"
+                );
+                if !pid_reused(pgid, leader) {
+                    signal_process(pgid, super::shim::KILL_SIGNAL);
+                }
+            } else {
+                tracing::info!(
+                    container = container_id,
+                    "still running after {grace:?}: SIGKILL to its group and cgroup"
+                );
+                signal_own_group(pgid, leader, libc::SIGKILL);
+                cgroup.kill();
+            }
             if tokio::time::timeout(KILL_WAIT, done.wait_for(|d| *d)).await.is_err() {
                 tracing::warn!(
                     container = container_id,
@@ -983,6 +1014,8 @@ struct Launch<'a> {
     run_as: Option<&'a RunAs>,
     /// Run under `taskset -c LIST` (CPUs the cgroup could not pin).
     taskset: Option<&'a str>,
+    /// Run it all under the subreaper shim of this `gpuam` executable (no cgroup).
+    shim: Option<&'a Path>,
 }
 
 /// Creates the directory and files and spawns the task (see [`task_command`]) in a new
@@ -995,6 +1028,7 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
         cgroup,
         run_as,
         taskset,
+        shim,
     } = *launch;
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
     std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
@@ -1038,15 +1072,19 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
 
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
     let spawn = crate::rm::image::program_for(dir, id, env)?;
-    let mut cmd = match taskset {
-        Some(list) => {
-            let mut c = std::process::Command::new("taskset");
-            c.arg("-c").arg(list).arg(&spawn.program);
-            c
-        }
-        None => std::process::Command::new(&spawn.program),
-    };
-    cmd.args(&spawn.args)
+    // [shim --] [taskset -c LIST] program args
+    let mut argv: Vec<std::ffi::OsString> = Vec::new();
+    if let Some(exe) = shim {
+        argv.extend([exe.into(), super::shim::SUBCOMMAND.into(), "--".into()]);
+    }
+    if let Some(list) = taskset {
+        argv.extend(["taskset".into(), "-c".into(), list.into()]);
+    }
+    argv.push(spawn.program.clone().into());
+    argv.extend(spawn.args.iter().map(Into::into));
+    let program = argv.remove(0);
+    let mut cmd = std::process::Command::new(&program);
+    cmd.args(&argv)
         .current_dir(dir)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -1085,7 +1123,9 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
     let mut cmd = tokio::process::Command::from(cmd);
     // The task must outlive a dropped handle (an RM restart re-attaches; DESIGN.md §9).
     cmd.kill_on_drop(false);
-    let child = cmd.spawn().map_err(|e| format!("cannot run bash: {e}"))?;
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", Path::new(&program).display()))?;
     let pid = child
         .id()
         .ok_or_else(|| "the process ended before its pid was known".to_string())?;
@@ -1293,6 +1333,19 @@ fn pid_reused(pgid: u32, leader: Option<ProcessId>) -> bool {
 fn signal_own_group(pgid: u32, leader: Option<ProcessId>, sig: i32) {
     if !pid_reused(pgid, leader) {
         signal_group(pgid, sig);
+    }
+}
+
+/// Sends `sig` to process `pid` alone (never to 0 or 1).
+fn signal_process(pid: u32, sig: i32) {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    if p > 1 {
+        // SAFETY: plain syscall; a process that is gone gives ESRCH, which is fine.
+        unsafe {
+            libc::kill(p, sig);
+        }
     }
 }
 

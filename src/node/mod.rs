@@ -22,7 +22,7 @@
 //! constructed with:
 //!
 //! - [`NodeEvent::Exited`] — sent once per started container, and **only when the container is
-//!   really dead**: its cgroup (or process group) is empty, or the engine says the job ended.
+//!   really dead**: its cgroup (or subreaper shim, or process group) is empty, or the engine says the job ended.
 //!   This is the only event on which the RM returns the container's GPUs and ports to the
 //!   ledger, so a backend must never send it early (DESIGN.md §9's invariant).
 //!
@@ -45,6 +45,7 @@ pub mod executor;
 pub mod local;
 pub mod procs;
 pub mod remote;
+pub mod shim;
 pub mod token;
 pub mod wire;
 

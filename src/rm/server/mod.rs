@@ -174,6 +174,10 @@ pub struct RmOptions {
     pub queues: crate::rm::scheduler::queues::QueueTree,
     /// Notice before a preempted container is stopped (`rm.preemption_grace_sec`).
     pub preemption_grace: Duration,
+    /// The `gpuam` executable that runs the subreaper shim on the in-process node where no
+    /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
+    /// run` set it to themselves.
+    pub shim_exe: Option<PathBuf>,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -206,6 +210,7 @@ impl RmOptions {
             max_log_bytes: Some(crate::config::NodeSettings::default().max_log_bytes),
             queues: Default::default(),
             preemption_grace: Duration::from_secs(30),
+            shim_exe: None,
         }
     }
 
@@ -401,7 +406,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         work_dir.hash(&mut h);
         h.finish()
-    }));
+    }))
+    .with_shim(opts.shim_exe.clone());
     tracing::info!("in-process node {}", containment.describe());
     let ray = opts
         .ray

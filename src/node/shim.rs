@@ -1,0 +1,315 @@
+//! The subreaper shim: containment for a node where no cgroup can be created (an
+//! unprivileged agent without a delegated cgroup), the third mechanism of
+//! [`super::cgroup`] ([`super::cgroup::Mechanism::Subreaper`]).
+//!
+//! Owns one container's process tree from the inside: it is exec'd as
+//! `gpuam container-shim -- bash launch.sh` (a hidden subcommand; a process of its own,
+//! never Rust code in a forked child of the multithreaded node), marks itself a child
+//! subreaper (`PR_SET_CHILD_SUBREAPER`), and runs the real command as its child with the
+//! same stdin, stdout, stderr, directory and environment. Every process the task starts
+//! then stays its descendant: one that leaves the session (`setsid`, a double fork,
+//! `nohup`) and loses its parent is reparented to the shim, not to init.
+//!
+//! Protocol with the executor (the shim is the container's recorded process, pid = pgid):
+//! - it reaps every child; when the **main child** ends it SIGTERMs every descendant,
+//!   waits [`LEFTOVER_GRACE`], SIGKILLs what is left, and exits once it has no child left,
+//!   mirroring the main child's status (the same exit code, or the same signal raised on
+//!   itself), so the executor's exit handling is the same as without a shim;
+//! - **SIGTERM / SIGINT / SIGHUP** (a stop): SIGTERM to every descendant, once; then as
+//!   above when the main child ends;
+//! - **[`KILL_SIGNAL`]** (SIGUSR1; the executor sends it when its grace has passed):
+//!   SIGKILL to every descendant, again and again, until no child is left. A second
+//!   SIGTERM does not escalate: `launch.sh`'s own trap sends SIGTERM to its group, which
+//!   holds the shim.
+//!
+//! So the shim exits only when nothing it contains is alive, and the executor's rule
+//! "Complete once the shim has exited" is "Complete once the container is empty".
+//! Descendants are found by walking `/proc` ([`descendants`]): every process whose parent
+//! chain reaches the shim.
+//!
+//! Limits (honest ones): a task running as the shim's user can SIGKILL the shim itself;
+//! its descendants then go to the next subreaper or init and escape. A descendant that
+//! gains privileges (a setuid program) cannot be signalled by the shim. A kernel without
+//! `PR_SET_CHILD_SUBREAPER` (before Linux 3.4) gets a warning and no more than a process
+//! group.
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsString;
+use std::time::{Duration, Instant};
+
+/// The hidden `gpuam` subcommand that runs the shim.
+pub const SUBCOMMAND: &str = "container-shim";
+/// The signal that tells the shim to SIGKILL everything it contains now.
+pub const KILL_SIGNAL: i32 = libc::SIGUSR1;
+/// How long descendants get after SIGTERM once the main child has ended (the executor's
+/// grace for leftovers of a cgroup is the same).
+pub const LEFTOVER_GRACE: Duration = Duration::from_secs(2);
+/// How often the shim looks again while it kills.
+const TICK: Duration = Duration::from_millis(20);
+/// Exit code when the command could not be run (as a shell's "command not found").
+const CANNOT_RUN: i32 = 127;
+
+/// Every process whose parent chain reaches `root` (not `root` itself), from a table of
+/// `(pid, ppid)`. Pure; cycles in a torn table are ignored.
+pub fn descendants_in(root: i32, table: &[(i32, i32)]) -> Vec<i32> {
+    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+    for &(pid, ppid) in table {
+        children.entry(ppid).or_default().push(pid);
+    }
+    let mut seen = HashSet::from([root]);
+    let mut out = Vec::new();
+    let mut todo = vec![root];
+    while let Some(p) = todo.pop() {
+        for &c in children.get(&p).into_iter().flatten() {
+            if seen.insert(c) {
+                out.push(c);
+                todo.push(c);
+            }
+        }
+    }
+    out
+}
+
+/// `(pid, ppid)` of every process in `/proc` now (processes that vanish while it is read
+/// are left out).
+pub fn process_table() -> Vec<(i32, i32)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            Some((pid, ppid_of_stat(&stat)?))
+        })
+        .collect()
+}
+
+/// The parent pid in a `/proc/<pid>/stat` text (the field after the state, which follows
+/// the parenthesised name; the name may hold spaces and parentheses).
+fn ppid_of_stat(stat: &str) -> Option<i32> {
+    let close = stat.rfind(')')?;
+    stat[close + 1..].split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The descendants of `root` now (see [`descendants_in`]).
+pub fn descendants(root: i32) -> Vec<i32> {
+    descendants_in(root, &process_table())
+}
+
+/// Whether process `pid` is a shim (its command line is `<exe> container-shim ...`): a
+/// restarted executor re-attaching to a container learns so how to stop it.
+pub fn is_shim(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(SUBCOMMAND.as_bytes()))
+}
+
+/// Sends `sig` to every descendant of `root`; how many there were.
+fn signal_descendants(root: i32, sig: i32) -> usize {
+    let all = descendants(root);
+    for &p in &all {
+        if p > 1 {
+            // SAFETY: plain syscall; a process that is gone gives ESRCH, which is fine.
+            unsafe {
+                libc::kill(p, sig);
+            }
+        }
+    }
+    all.len()
+}
+
+/// The signals the shim takes synchronously (blocked, then waited for).
+fn handled_signals() -> libc::sigset_t {
+    // SAFETY: sigemptyset initialises the set; sigaddset only sets bits of valid signals.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP, KILL_SIGNAL] {
+            libc::sigaddset(&mut set, s);
+        }
+        set
+    }
+}
+
+/// Waits up to `timeout` for one of `set`; the signal, or `None` on timeout or EINTR.
+fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `set` and `ts` are valid for the call; no siginfo is asked for.
+    let s = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
+    (s > 0).then_some(s)
+}
+
+/// Runs the shim around `command` (program and arguments); returns the exit code to end
+/// with (see the module doc). Must run single-threaded, before any runtime starts.
+pub fn run(command: &[OsString]) -> i32 {
+    let Some((program, args)) = command.split_first() else {
+        eprintln!("gpuam {SUBCOMMAND}: no command to run (usage: gpuam {SUBCOMMAND} -- COMMAND [ARGS...])");
+        return crate::exit::USAGE;
+    };
+    let set = handled_signals();
+    // Blocked before the child exists, so that no stop is missed; `Command` gives the
+    // child an empty signal mask.
+    // SAFETY: plain syscall on a valid set; this process has one thread.
+    unsafe {
+        libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+    // SAFETY: plain syscall.
+    let subreaper = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } == 0;
+    let me = std::process::id() as i32;
+    if subreaper {
+        eprintln!("gpuam: containment: subreaper shim (pid {me}); every process of this container stays under it");
+    } else {
+        eprintln!(
+            "gpuam: containment: subreaper shim (pid {me}) WITHOUT PR_SET_CHILD_SUBREAPER ({}): processes that \
+             leave the session escape",
+            std::io::Error::last_os_error()
+        );
+    }
+    let main = match std::process::Command::new(program).args(args).spawn() {
+        Ok(c) => c.id() as i32,
+        Err(e) => {
+            eprintln!("gpuam {SUBCOMMAND}: cannot run {}: {e}", program.to_string_lossy());
+            return CANNOT_RUN;
+        }
+    };
+    let mut main_status: Option<i32> = None;
+    let mut stopping = false;
+    let mut killing = false;
+    let mut deadline: Option<Instant> = None;
+    loop {
+        // Reap every child that has ended (orphans reparented to the shim included).
+        loop {
+            let mut st = 0;
+            // SAFETY: plain syscall with a valid status pointer.
+            let pid = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
+            if pid > 0 {
+                if pid == main {
+                    main_status = Some(st);
+                }
+                continue;
+            }
+            if pid < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            if pid < 0 {
+                // ECHILD: nothing is left. The main child is reaped before that can be.
+                return match main_status {
+                    Some(st) => mirror(st),
+                    None => crate::exit::INTERNAL,
+                };
+            }
+            break;
+        }
+        if main_status.is_some() && deadline.is_none() {
+            signal_descendants(me, libc::SIGTERM);
+            deadline = Some(Instant::now() + LEFTOVER_GRACE);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            killing = true;
+        }
+        if killing {
+            signal_descendants(me, libc::SIGKILL);
+        }
+        let timeout = match deadline {
+            _ if killing => TICK,
+            Some(d) => d.saturating_duration_since(Instant::now()).max(TICK),
+            None => Duration::from_secs(1),
+        };
+        match wait_signal(&set, timeout) {
+            Some(libc::SIGTERM | libc::SIGINT | libc::SIGHUP) if !stopping => {
+                stopping = true;
+                signal_descendants(me, libc::SIGTERM);
+            }
+            Some(KILL_SIGNAL) => killing = true,
+            _ => {}
+        }
+    }
+}
+
+/// Ends the shim as its main child ended: the same exit code, or the same signal raised
+/// on itself (default action, no core dump); the code to exit with if that returns.
+fn mirror(status: i32) -> i32 {
+    if libc::WIFEXITED(status) {
+        return libc::WEXITSTATUS(status);
+    }
+    if libc::WIFSIGNALED(status) {
+        let sig = libc::WTERMSIG(status);
+        // SAFETY: plain syscalls on this process: no core file, the signal's default
+        // action, every signal unblocked, then the signal itself.
+        unsafe {
+            let none = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::setrlimit(libc::RLIMIT_CORE, &none);
+            libc::signal(sig, libc::SIG_DFL);
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut all);
+            libc::sigprocmask(libc::SIG_SETMASK, &all, std::ptr::null_mut());
+            libc::raise(sig);
+        }
+        return 128 + sig;
+    }
+    crate::exit::INTERNAL
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descendants_follow_parent_chains_only() {
+        // 10 → 11 → 12 → 13, 10 → 14; 20 is someone else's, 11 ↔ 30 a torn cycle.
+        let table = [
+            (11, 10),
+            (12, 11),
+            (13, 12),
+            (14, 10),
+            (20, 1),
+            (21, 20),
+            (30, 31),
+            (31, 30),
+        ];
+        let mut d = descendants_in(10, &table);
+        d.sort();
+        assert_eq!(d, vec![11, 12, 13, 14]);
+        assert_eq!(descendants_in(13, &table), Vec::<i32>::new());
+        let mut c = descendants_in(30, &table);
+        c.sort();
+        assert_eq!(c, vec![31], "a cycle ends, without the root itself");
+    }
+
+    #[test]
+    fn ppid_after_a_name_with_spaces_and_parens() {
+        assert_eq!(ppid_of_stat("42 (a) b (c)) S 7 42 42 0 -1"), Some(7));
+        assert_eq!(ppid_of_stat("garbage"), None);
+    }
+
+    /// The walk finds this test's own grandchild (a `sleep` under a `sh`), and not itself.
+    #[test]
+    fn finds_this_process_grandchildren_in_proc() {
+        let me = std::process::id() as i32;
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(sh.stdout.take().unwrap()), &mut line).unwrap();
+        let sleep: i32 = line.trim().parse().unwrap();
+        let d = descendants(me);
+        // SAFETY: test cleanup of its own processes.
+        unsafe {
+            libc::kill(sleep, libc::SIGKILL);
+        }
+        sh.wait().unwrap();
+        assert!(d.contains(&(sh.id() as i32)), "{d:?}");
+        assert!(d.contains(&sleep), "{d:?}");
+        assert!(!d.contains(&me));
+        assert!(!is_shim(sh.id()), "sh is no shim");
+    }
+}
