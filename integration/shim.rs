@@ -140,11 +140,11 @@ fn assert_runs_under_a_shim(exec: &Executor, id: &str) -> u32 {
     pid
 }
 
-#[tokio::test]
-async fn a_stopped_container_leaves_nothing_behind() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (exec, mut rx) = shim_executor(tmp.path());
-    let pids = tmp.path().join("stopped.pids");
+/// Starts container `id` running every escape and then `sleep 1000`, under a shim, and
+/// waits until every escape has written its pid; the pid file and the guard that kills
+/// whatever is left when the test ends (the shim first).
+async fn start_escapes_and_wait(exec: &Executor, dir: &Path, id: &str) -> (PathBuf, Leftovers) {
+    let pids = dir.join(format!("{id}.pids"));
     std::fs::write(&pids, "").unwrap();
     let mut guard = Leftovers {
         files: vec![pids.clone()],
@@ -152,9 +152,17 @@ async fn a_stopped_container_leaves_nothing_behind() {
     };
     let mut cmds = escapes(&pids);
     cmds.push("sleep 1000".into());
-    exec.start("c-stopped", "h", &no_gpus(), ctx(&cmds)).unwrap();
-    guard.pids.push(assert_runs_under_a_shim(&exec, "c-stopped"));
+    exec.start(id, "h", &no_gpus(), ctx(&cmds)).unwrap();
+    guard.pids.push(assert_runs_under_a_shim(exec, id));
     wait_started(&pids, ESCAPES).await;
+    (pids, guard)
+}
+
+#[tokio::test]
+async fn a_stopped_container_leaves_nothing_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (exec, mut rx) = shim_executor(tmp.path());
+    let (pids, guard) = start_escapes_and_wait(&exec, tmp.path(), "c-stopped").await;
     let started = Instant::now();
     exec.stop("c-stopped", Duration::from_millis(500)).await.unwrap();
     let (id, code, diag) = next_exit(&mut rx).await;
@@ -223,17 +231,7 @@ async fn a_task_killed_by_a_signal_is_reported_as_such() {
 async fn a_reattached_shim_is_stopped_with_everything_in_it() {
     let tmp = tempfile::tempdir().unwrap();
     let (first, _first_rx) = shim_executor(tmp.path());
-    let pids = tmp.path().join("reattached.pids");
-    std::fs::write(&pids, "").unwrap();
-    let mut guard = Leftovers {
-        files: vec![pids.clone()],
-        pids: Vec::new(),
-    };
-    let mut cmds = escapes(&pids);
-    cmds.push("sleep 1000".into());
-    first.start("c1", "h", &no_gpus(), ctx(&cmds)).unwrap();
-    guard.pids.push(assert_runs_under_a_shim(&first, "c1"));
-    wait_started(&pids, ESCAPES).await;
+    let (pids, _guard) = start_escapes_and_wait(&first, tmp.path(), "c1").await;
 
     // The second executor's own containment does not matter: the recorded process says.
     let (tx, mut rx) = mpsc::unbounded_channel();
