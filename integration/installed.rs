@@ -1,5 +1,5 @@
-//! An installed `gpuam` works from any directory: `gpuam run JOB` in a directory without
-//! `conf/` uses the demo cluster and the settings built into the binary; a
+//! An installed `gpuam` works from any directory: `gpuam run JOB` and `gpuam plan JOB` in a
+//! directory without `conf/` use the demo cluster and the settings built into the binary; a
 //! `conf/cluster.yaml` there, or `--cluster FILE`, still wins (as in the source tree).
 
 use std::fs;
@@ -88,4 +88,48 @@ fn a_cluster_file_in_the_directory_or_on_the_command_line_wins() {
     let all = text(&out);
     assert_eq!(out.status.code(), Some(0), "{all}");
     assert!(all.contains("task main/0 running on flag-node "), "{all}");
+}
+
+#[test]
+fn plan_needs_no_cluster_flag_either() {
+    let dir = temp_dir();
+    let plan = |dir: &Path| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuam"));
+        cmd.arg("plan").arg(job()).arg("--json").current_dir(dir);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("GPUAM") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.output().unwrap()
+    };
+    let out = plan(dir.path());
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    assert!(
+        all.contains("built-in demo cluster"),
+        "says where the cluster came from:\n{all}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {all}"));
+    let demo = gpuam::cluster::file::parse_cluster_file(gpuam::config::BUILT_IN_CLUSTER, "built-in").unwrap();
+    let hosts: Vec<&str> = v["placements"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no placements array: {v}"))
+        .iter()
+        .filter_map(|t| t["host"].as_str())
+        .collect();
+    assert_eq!(hosts.len(), 1, "{v}");
+    assert!(demo.iter().any(|n| n.host == hosts[0]), "{} is a demo host", hosts[0]);
+
+    // A conf/cluster.yaml in the directory wins, as for `run`.
+    fs::create_dir_all(dir.path().join("conf")).unwrap();
+    fs::write(
+        dir.path().join("conf/cluster.yaml"),
+        ONE_NODE.replace("HOST", "dir-node"),
+    )
+    .unwrap();
+    let out = plan(dir.path());
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"dir-node\""), "{all}");
 }

@@ -53,7 +53,9 @@ enum Cmd {
     /// Dry run of the whole job's placement.
     Plan {
         job: PathBuf,
-        #[arg(long, value_name = "FILE", conflicts_with = "rm", required_unless_present = "rm")]
+        /// Cluster file (default conf/cluster.yaml if present, else the built-in demo cluster,
+        /// as for `run`).
+        #[arg(long, value_name = "FILE", conflicts_with = "rm")]
         cluster: Option<PathBuf>,
         /// Plan against a running RM's node view instead of a cluster file.
         #[arg(long, value_name = "URL")]
