@@ -235,20 +235,45 @@ async fn dashboard_renders_demo_hub() {
     server.abort();
 }
 
-/// Starts `gpuam run examples/ddp-4x2.yaml` and returns the child and the dashboard URL
-/// it printed.
-fn start_job() -> (Child, String) {
+/// A `gpuam run` started by a test. Dropping it (at the test's end, or when it panics)
+/// stops the job as Ctrl-C would: SIGTERM, which stops the AM and every task, then waits
+/// for the process (SIGKILL after 30 s). A SIGKILL alone would leave the AM behind,
+/// retrying its dead embedded RM until `am.rm_unreachable_timeout_sec`.
+struct RunningJob(Child);
+
+impl Drop for RunningJob {
+    fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.0.id()) {
+            // SAFETY: plain syscall on this test's own child.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+        for _ in 0..300 {
+            if !matches!(self.0.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `gpuam run examples/ddp-4x2.yaml` and returns the running job and the dashboard
+/// URL it printed.
+fn start_job() -> (RunningJob, String) {
     start_job_with("examples/ddp-4x2.yaml", 30)
 }
 
 /// Starts `gpuam run SPEC` (the AM's dashboard lingering `linger_sec` after the job) and
-/// returns the child and the dashboard URL it printed.
-fn start_job_with(spec: &str, linger_sec: u32) -> (Child, String) {
+/// returns the running job and the dashboard URL it printed.
+fn start_job_with(spec: &str, linger_sec: u32) -> (RunningJob, String) {
     start_job_env(spec, linger_sec, &[])
 }
 
 /// As [`start_job_with`], with extra environment variables for `gpuam run`.
-fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Child, String) {
+fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (RunningJob, String) {
     let root = env!("CARGO_MANIFEST_DIR");
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuam"))
         .args(["run", spec, "--listen", "127.0.0.1:0"])
@@ -269,10 +294,10 @@ fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Child, 
         }
     });
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(url) => (child, url),
+        Ok(url) => (RunningJob(child), url),
         Err(_) => {
             let status = child.try_wait().ok().flatten();
-            let _ = child.kill();
+            drop(RunningJob(child));
             panic!(
                 "`gpuam run {spec} --listen 127.0.0.1:0` printed no `dashboard: URL` line \
                  within 30 s (exit status so far: {status:?})"
@@ -284,7 +309,7 @@ fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Child, 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_follows_a_real_job() {
     let b = Browser::start().await;
-    let (mut child, url) = start_job();
+    let (job, url) = start_job();
     assert!(url.starts_with("http://127.0.0.1:") && url.contains("#token="), "{url}");
     b.goto(&url).await;
     b.wait_for(
@@ -347,8 +372,7 @@ async fn dashboard_follows_a_real_job() {
     let png = b.screenshot("target/dashboard.png").await;
     assert!(std::fs::metadata(png).unwrap().len() > 10_000);
     drop(b);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(job);
 }
 
 /// `examples/ps-worker.yaml`: the parameter servers, stopped when the workers complete the
@@ -358,7 +382,7 @@ async fn dashboard_follows_a_real_job() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_shows_the_end_of_a_job() {
     let b = Browser::start().await;
-    let (mut child, url) = start_job_with("examples/ps-worker.yaml", 4);
+    let (job, url) = start_job_with("examples/ps-worker.yaml", 4);
     b.goto(&url).await;
     b.wait_for(
         "the page to load",
@@ -424,8 +448,7 @@ async fn dashboard_shows_the_end_of_a_job() {
     assert!(!badge.as_str().unwrap().contains("reconnecting"), "{badge}");
     b.screenshot("target/dashboard-ended.png").await;
     drop(b);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(job);
 }
 
 /// `examples/jax-ddp.yaml` (real JAX training; needs `bash examples/jax-setup.sh`): the
@@ -458,7 +481,7 @@ async fn dashboard_shows_the_loss_falling() {
     assert!(setup.status.success(), "{}", String::from_utf8_lossy(&setup.stderr));
 
     let b = Browser::start().await;
-    let (mut child, url) = start_job_env("examples/jax-ddp.yaml", 10, &[("HOME", home.path())]);
+    let (job, url) = start_job_env("examples/jax-ddp.yaml", 10, &[("HOME", home.path())]);
     b.goto(&url).await;
     b.wait_for(
         "the page to load",
@@ -503,8 +526,7 @@ async fn dashboard_shows_the_loss_falling() {
     .await;
     b.screenshot("target/dashboard-jax.png").await;
     drop(b);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(job);
 }
 
 /// `examples/fractional.yaml` (issue 15): a GPU held in part is drawn as one box split
@@ -513,7 +535,7 @@ async fn dashboard_shows_the_loss_falling() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_splits_a_shared_gpu_into_its_tasks_shares() {
     let b = Browser::start().await;
-    let (mut child, url) = start_job_with("examples/fractional.yaml", 4);
+    let (job, url) = start_job_with("examples/fractional.yaml", 4);
     b.goto(&url).await;
     b.wait_for(
         "the page to load",
@@ -597,6 +619,5 @@ async fn dashboard_splits_a_shared_gpu_into_its_tasks_shares() {
     let png = b.screenshot("target/dashboard-shares.png").await;
     assert!(std::fs::metadata(png).unwrap().len() > 10_000);
     drop(b);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(job);
 }

@@ -351,9 +351,24 @@ impl Drop for Hosts {
         if std::thread::panicking() {
             eprintln!("{}", self.logs());
         }
+        // The RM's AMs are its children; one still winding down a killed job would outlive
+        // the RM and retry it until `am.rm_unreachable_timeout_sec`. Found before the kill
+        // (afterwards they belong to init), killed after it.
+        let descendants: Vec<i32> = self
+            .procs
+            .iter()
+            .filter_map(|(_, c)| i32::try_from(c.id()).ok())
+            .flat_map(gpuam::node::shim::descendants)
+            .collect();
         for (_, c) in &mut self.procs {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        for pid in descendants {
+            // SAFETY: plain syscall; a process that is gone gives ESRCH.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
         }
         // Whatever still runs in the agents' cgroups goes too, then the cgroups themselves
         // (these agents are gone for good; a real node keeps its parent cgroup).
