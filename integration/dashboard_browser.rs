@@ -239,7 +239,8 @@ async fn dashboard_renders_demo_hub() {
 /// stops the job as Ctrl-C would: SIGTERM, which stops the AM and every task, then waits
 /// for the process (SIGKILL after 30 s). A SIGKILL alone would leave the AM behind,
 /// retrying its dead embedded RM until `am.rm_unreachable_timeout_sec`.
-struct RunningJob(Child);
+/// Its containers and logs live in its own temporary directory, removed after it.
+struct RunningJob(Child, tempfile::TempDir);
 
 impl Drop for RunningJob {
     fn drop(&mut self) {
@@ -275,8 +276,10 @@ fn start_job_with(spec: &str, linger_sec: u32) -> (RunningJob, String) {
 /// As [`start_job_with`], with extra environment variables for `gpuam run`.
 fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (RunningJob, String) {
     let root = env!("CARGO_MANIFEST_DIR");
+    let work = tempfile::tempdir().expect("a temporary work directory");
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuam"))
-        .args(["run", spec, "--listen", "127.0.0.1:0"])
+        .args(["run", spec, "--listen", "127.0.0.1:0", "--work-dir"])
+        .arg(work.path())
         .current_dir(root)
         .env("GPUAM_DASHBOARD_LINGER_SEC", linger_sec.to_string())
         .envs(env.iter().map(|(k, v)| (*k, *v)))
@@ -294,10 +297,10 @@ fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Running
         }
     });
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(url) => (RunningJob(child), url),
+        Ok(url) => (RunningJob(child, work), url),
         Err(_) => {
             let status = child.try_wait().ok().flatten();
-            drop(RunningJob(child));
+            drop(RunningJob(child, work));
             panic!(
                 "`gpuam run {spec} --listen 127.0.0.1:0` printed no `dashboard: URL` line \
                  within 30 s (exit status so far: {status:?})"
