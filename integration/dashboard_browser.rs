@@ -240,24 +240,28 @@ async fn dashboard_renders_demo_hub() {
 /// for the process (SIGKILL after 30 s). A SIGKILL alone would leave the AM behind,
 /// retrying its dead embedded RM until `am.rm_unreachable_timeout_sec`.
 /// Its containers and logs live in its own temporary directory, removed after it.
-struct RunningJob(Child, tempfile::TempDir);
+struct RunningJob {
+    child: Child,
+    /// Held so that it is removed only after the job stopped.
+    _work: tempfile::TempDir,
+}
 
 impl Drop for RunningJob {
     fn drop(&mut self) {
-        if let Ok(pid) = i32::try_from(self.0.id()) {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
             // SAFETY: plain syscall on this test's own child.
             unsafe {
                 libc::kill(pid, libc::SIGTERM);
             }
         }
         for _ in 0..300 {
-            if !matches!(self.0.try_wait(), Ok(None)) {
+            if !matches!(self.child.try_wait(), Ok(None)) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -297,10 +301,10 @@ fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Running
         }
     });
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(url) => (RunningJob(child, work), url),
+        Ok(url) => (RunningJob { child, _work: work }, url),
         Err(_) => {
             let status = child.try_wait().ok().flatten();
-            drop(RunningJob(child, work));
+            drop(RunningJob { child, _work: work });
             panic!(
                 "`gpuam run {spec} --listen 127.0.0.1:0` printed no `dashboard: URL` line \
                  within 30 s (exit status so far: {status:?})"
