@@ -551,6 +551,7 @@ fn retry_job(extra: &str, role: &str, always_fail: bool) -> (i32, [usize; 2], St
     );
     let job_path = dir.path().join("job.yaml");
     std::fs::write(&job_path, job).expect("job");
+    let work = dir.path().join("work");
     let out = gpuam(
         &[
             "run",
@@ -559,6 +560,8 @@ fn retry_job(extra: &str, role: &str, always_fail: bool) -> (i32, [usize; 2], St
             &cluster.display().to_string(),
             "--listen",
             "127.0.0.1:0",
+            "--work-dir",
+            &work.display().to_string(),
         ],
         &[("GPUAM__NODE__IMAGE_RUNTIME", "none")],
         Duration::from_secs(120),
