@@ -3,7 +3,7 @@
 //!
 //! Owns: the buckets of nodes that look alike to every filter and to the GPU half of the
 //! placement order, keyed by (RUNNING, partition, GPU type, topology, total mask, free mask),
-//! each ordered inside by (free CPU, free memory, a per-AM random tie rack by rack, slot); the nodes of
+//! each ordered inside by (free CPU, free memory, a per-AM random tie, slot); the nodes of
 //! each rack; the interned partitions, GPU types and topologies (topologies by content, so a
 //! cache keyed by a topology id never mixes two matrices). Updated on every node change by
 //! [`NodeIndex::upsert`] / [`NodeIndex::remove`]; no I/O.
@@ -257,8 +257,7 @@ impl NodeIndex {
                 s
             }
         };
-        let rack = self.rack_ids.id(&node.rack);
-        let tie = self.tie_of(rack, slot);
+        let tie = ((u64::from(slot) + 1).wrapping_mul(self.salt) >> 32) as u32;
         let member = (node.free().cpu, node.free().memory_mb, tie, slot);
         let bucket = match self.bucket_of.get(&key) {
             Some(&b) => b,
@@ -272,6 +271,7 @@ impl NodeIndex {
                 b
             }
         };
+        let rack = self.rack_ids.id(&node.rack);
         if let Some(old) = &self.entries[slot as usize] {
             if old.bucket == bucket && old.member == member && old.rack == rack {
                 return;
@@ -326,16 +326,7 @@ impl NodeIndex {
         }
     }
 
-    /// The tie-break of a node (criterion 14 of the order): the racks in a random order, then
-    /// the rack's nodes in a random order, both fixed per AM (seeded by `salt`). Concurrent
-    /// AMs start on different racks and nodes, so they spread; one AM takes equal nodes rack
-    /// by rack, so the racks it has not reached stay whole (docs/DESIGN-NOTES.md, criterion 14).
-    fn tie_of(&self, rack: u32, slot: u32) -> u32 {
-        let draw = |x: u32, salt: u64| ((u64::from(x) + 1).wrapping_mul(salt) >> 48) as u32;
-        (draw(rack, self.salt.rotate_left(32) | 1) << 16) | draw(slot, self.salt)
-    }
-
-    /// The tie-break of a slot ([`NodeIndex::tie_of`] of its rack and slot).
+    /// The random tie-break of a slot (fixed per AM, so concurrent AMs spread).
     pub fn tie(&self, slot: u32) -> u32 {
         self.entries
             .get(slot as usize)

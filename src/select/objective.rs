@@ -388,8 +388,7 @@ pub(crate) struct RankKey {
     /// 12. Free CPU, then 13. free memory (best fit).
     pub cpu: u32,
     pub memory_mb: u64,
-    /// 14. Tie-break: racks in a random order, then each rack's nodes in a random order, both
-    ///     drawn per AM (concurrent AMs spread; one AM fills racks one at a time).
+    /// 14. Random tie-break (per AM, so concurrent AMs spread).
     pub tie: u32,
 }
 

@@ -410,46 +410,6 @@ fn a_job_too_big_for_a_node_uses_fewest_nodes_in_one_rack() {
     assert_eq!(racks.len(), 1, "{racks:?}");
 }
 
-/// Criterion 14: equal nodes go rack by rack in an order drawn per AM, so one AM leaves the
-/// racks it has not reached whole, and AMs with other seeds start on other racks.
-#[test]
-fn equal_nodes_are_taken_rack_by_rack_in_an_order_drawn_per_am() {
-    let nodes = || {
-        let mut v = Vec::new();
-        for r in 0..4 {
-            for i in 0..4 {
-                v.push(node(&format!("n{r}{i}"), &format!("/rack-{r}"), 8, 0));
-            }
-        }
-        v
-    };
-    let whole = res(4, 8192, 8);
-    let mut first_racks = std::collections::BTreeSet::new();
-    for seed in 1..=8u64 {
-        let s = Selector::new(
-            ClusterView::new(nodes()),
-            SelectSettings {
-                seed: Some(seed),
-                ..SelectSettings::default()
-            },
-        );
-        let racks: Vec<String> = (0..16)
-            .map(|_| {
-                placed(&s.select_and_reserve(&ask(&whole), &JobDemand::new(true)))
-                    .rack
-                    .clone()
-            })
-            .collect();
-        for run in racks.chunks(4) {
-            assert!(run.iter().all(|r| r == &run[0]), "seed {seed}: racks taken {racks:?}");
-        }
-        let distinct: std::collections::BTreeSet<_> = racks.iter().collect();
-        assert_eq!(distinct.len(), 4, "seed {seed}: {racks:?}");
-        first_racks.insert(racks[0].clone());
-    }
-    assert!(first_racks.len() >= 2, "every seed started on {first_racks:?}");
-}
-
 #[test]
 fn rack_policy_keeps_the_racks_the_job_uses_unless_turned_off() {
     // The job already runs on a0 (rack a, now full). Packing alone prefers b0 (fewer
