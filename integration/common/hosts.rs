@@ -358,7 +358,7 @@ impl Drop for Hosts {
             .procs
             .iter()
             .filter_map(|(_, c)| i32::try_from(c.id()).ok())
-            .flat_map(gpuam::node::shim::descendants)
+            .flat_map(gpuam::node::procs::descendants)
             .collect();
         for (_, c) in &mut self.procs {
             let _ = c.kill();

@@ -85,8 +85,8 @@ pub type ExecEvent = NodeEvent;
 pub const MAX_LOG_BYTES: u64 = 8 * 1024 * 1024;
 
 /// How long processes left behind by a container whose main script already exited get
-/// after SIGTERM before SIGKILL.
-const LEFTOVER_GRACE: Duration = Duration::from_secs(2);
+/// after SIGTERM before SIGKILL (the subreaper shim gives its leftovers the same).
+pub(super) const LEFTOVER_GRACE: Duration = Duration::from_secs(2);
 /// How long to wait for a group to vanish after SIGKILL before giving up on it.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How often group liveness is polled.

@@ -1,5 +1,6 @@
 //! What `/proc` says about processes, read in one place: whether a process group still
-//! has a live member, and [`ProcessId`], which names a process so that a later RM can
+//! has a live member, the descendants of a process ([`descendants`], which the subreaper
+//! shim signals), and [`ProcessId`], which names a process so that a later RM can
 //! find it again. A pid alone is not enough (pids are reused), so the pid goes with the
 //! kernel's start time of that process (`/proc/<pid>/stat` field 22, in clock ticks
 //! since boot). The pair is what the RM persists for AM processes and the executor for
@@ -39,25 +40,63 @@ fn finished(state: Option<&str>) -> bool {
     matches!(state, Some("Z") | Some("X"))
 }
 
+/// `(pid, stat text)` of every process in `/proc` now (processes that vanish while it is
+/// read are left out); `None` without `/proc`.
+fn stats() -> Option<impl Iterator<Item = (u32, String)>> {
+    let entries = std::fs::read_dir("/proc").ok()?;
+    Some(entries.flatten().filter_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        Some((pid, stat))
+    }))
+}
+
 /// `Some(true)` if some process of group `pgid` is live (not a zombie); `None` without
 /// `/proc`.
 pub fn group_has_live_member(pgid: u32) -> Option<bool> {
-    let entries = std::fs::read_dir("/proc").ok()?;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        if !name.to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
-            continue;
-        }
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let Some(f) = fields_of(&stat) else { continue };
-        let pgrp = f.get(2).and_then(|g| g.parse::<u32>().ok());
-        if pgrp == Some(pgid) && !finished(f.first().copied()) {
-            return Some(true);
+    Some(stats()?.any(|(_, stat)| {
+        fields_of(&stat).is_some_and(|f| {
+            f.get(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid) && !finished(f.first().copied())
+        })
+    }))
+}
+
+/// `(pid, ppid)` of every process in `/proc` now (empty without `/proc`).
+pub fn process_table() -> Vec<(i32, i32)> {
+    let Some(all) = stats() else {
+        return Vec::new();
+    };
+    all.filter_map(|(pid, stat)| {
+        let ppid = fields_of(&stat)?.get(1)?.parse().ok()?;
+        Some((i32::try_from(pid).ok()?, ppid))
+    })
+    .collect()
+}
+
+/// Every process whose parent chain reaches `root` (not `root` itself), from a table of
+/// `(pid, ppid)`. Pure; cycles in a torn table are ignored.
+pub fn descendants_in(root: i32, table: &[(i32, i32)]) -> Vec<i32> {
+    let mut children: std::collections::HashMap<i32, Vec<i32>> = std::collections::HashMap::new();
+    for &(pid, ppid) in table {
+        children.entry(ppid).or_default().push(pid);
+    }
+    let mut seen = std::collections::HashSet::from([root]);
+    let mut out = Vec::new();
+    let mut todo = vec![root];
+    while let Some(p) = todo.pop() {
+        for &c in children.get(&p).into_iter().flatten() {
+            if seen.insert(c) {
+                out.push(c);
+                todo.push(c);
+            }
         }
     }
-    Some(false)
+    out
+}
+
+/// The descendants of `root` now (see [`descendants_in`]).
+pub fn descendants(root: i32) -> Vec<i32> {
+    descendants_in(root, &process_table())
 }
 
 impl ProcessId {
@@ -107,6 +146,37 @@ impl ProcessId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descendants_follow_parent_chains_only() {
+        // 10 → 11 → 12 → 13, 10 → 14; 20 is someone else's, 11 ↔ 30 a torn cycle.
+        let table = [
+            (11, 10),
+            (12, 11),
+            (13, 12),
+            (14, 10),
+            (20, 1),
+            (21, 20),
+            (30, 31),
+            (31, 30),
+        ];
+        let mut d = descendants_in(10, &table);
+        d.sort();
+        assert_eq!(d, vec![11, 12, 13, 14]);
+        assert_eq!(descendants_in(13, &table), Vec::<i32>::new());
+        let mut c = descendants_in(30, &table);
+        c.sort();
+        assert_eq!(c, vec![31], "a cycle ends, without the root itself");
+    }
+
+    #[test]
+    fn ppid_after_a_name_with_spaces_and_parens() {
+        assert_eq!(
+            fields_of("42 (a) b (c)) S 7 42 42 0 -1").and_then(|f| f.get(1).copied()),
+            Some("7")
+        );
+        assert_eq!(fields_of("garbage"), None);
+    }
 
     #[test]
     fn identifies_this_process_and_rejects_a_wrong_start_time() {

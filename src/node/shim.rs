@@ -24,8 +24,8 @@
 //!
 //! So the shim exits only when nothing it contains is alive, and the executor's rule
 //! "Complete once the shim has exited" is "Complete once the container is empty".
-//! Descendants are found by walking `/proc` ([`descendants`]): every process whose parent
-//! chain reaches the shim.
+//! Descendants are found by walking `/proc` ([`super::procs::descendants`]): every process
+//! whose parent chain reaches the shim.
 //!
 //! Limits (honest ones): a task running as the shim's user can SIGKILL the shim itself;
 //! its descendants then go to the next subreaper or init and escape. A descendant that
@@ -33,70 +33,21 @@
 //! `PR_SET_CHILD_SUBREAPER` (before Linux 3.4) gets a warning and no more than a process
 //! group.
 
-use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
+
+// How long descendants get after SIGTERM once the main child has ended: the executor's
+// grace for the leftovers of a cgroup or process group.
+use super::executor::LEFTOVER_GRACE;
 
 /// The hidden `gpuam` subcommand that runs the shim.
 pub const SUBCOMMAND: &str = "container-shim";
 /// The signal that tells the shim to SIGKILL everything it contains now.
 pub const KILL_SIGNAL: i32 = libc::SIGUSR1;
-/// How long descendants get after SIGTERM once the main child has ended (the executor's
-/// grace for leftovers of a cgroup is the same).
-pub const LEFTOVER_GRACE: Duration = Duration::from_secs(2);
 /// How often the shim looks again while it kills.
 const TICK: Duration = Duration::from_millis(20);
 /// Exit code when the command could not be run (as a shell's "command not found").
 const CANNOT_RUN: i32 = 127;
-
-/// Every process whose parent chain reaches `root` (not `root` itself), from a table of
-/// `(pid, ppid)`. Pure; cycles in a torn table are ignored.
-pub fn descendants_in(root: i32, table: &[(i32, i32)]) -> Vec<i32> {
-    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
-    for &(pid, ppid) in table {
-        children.entry(ppid).or_default().push(pid);
-    }
-    let mut seen = HashSet::from([root]);
-    let mut out = Vec::new();
-    let mut todo = vec![root];
-    while let Some(p) = todo.pop() {
-        for &c in children.get(&p).into_iter().flatten() {
-            if seen.insert(c) {
-                out.push(c);
-                todo.push(c);
-            }
-        }
-    }
-    out
-}
-
-/// `(pid, ppid)` of every process in `/proc` now (processes that vanish while it is read
-/// are left out).
-pub fn process_table() -> Vec<(i32, i32)> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-            Some((pid, ppid_of_stat(&stat)?))
-        })
-        .collect()
-}
-
-/// The parent pid in a `/proc/<pid>/stat` text (the field after the state, which follows
-/// the parenthesised name; the name may hold spaces and parentheses).
-fn ppid_of_stat(stat: &str) -> Option<i32> {
-    let close = stat.rfind(')')?;
-    stat[close + 1..].split_whitespace().nth(1)?.parse().ok()
-}
-
-/// The descendants of `root` now (see [`descendants_in`]).
-pub fn descendants(root: i32) -> Vec<i32> {
-    descendants_in(root, &process_table())
-}
 
 /// Whether process `pid` is a shim (its command line is `<exe> container-shim ...`): a
 /// restarted executor re-attaching to a container learns so how to stop it.
@@ -107,7 +58,7 @@ pub fn is_shim(pid: u32) -> bool {
 
 /// Sends `sig` to every descendant of `root`; how many there were.
 fn signal_descendants(root: i32, sig: i32) -> usize {
-    let all = descendants(root);
+    let all = super::procs::descendants(root);
     for &p in &all {
         if p > 1 {
             // SAFETY: plain syscall; a process that is gone gives ESRCH, which is fine.
@@ -261,34 +212,6 @@ fn mirror(status: i32) -> i32 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn descendants_follow_parent_chains_only() {
-        // 10 → 11 → 12 → 13, 10 → 14; 20 is someone else's, 11 ↔ 30 a torn cycle.
-        let table = [
-            (11, 10),
-            (12, 11),
-            (13, 12),
-            (14, 10),
-            (20, 1),
-            (21, 20),
-            (30, 31),
-            (31, 30),
-        ];
-        let mut d = descendants_in(10, &table);
-        d.sort();
-        assert_eq!(d, vec![11, 12, 13, 14]);
-        assert_eq!(descendants_in(13, &table), Vec::<i32>::new());
-        let mut c = descendants_in(30, &table);
-        c.sort();
-        assert_eq!(c, vec![31], "a cycle ends, without the root itself");
-    }
-
-    #[test]
-    fn ppid_after_a_name_with_spaces_and_parens() {
-        assert_eq!(ppid_of_stat("42 (a) b (c)) S 7 42 42 0 -1"), Some(7));
-        assert_eq!(ppid_of_stat("garbage"), None);
-    }
-
     /// The walk finds this test's own grandchild (a `sleep` under a `sh`), and not itself.
     #[test]
     fn finds_this_process_grandchildren_in_proc() {
@@ -301,7 +224,7 @@ mod tests {
         let mut line = String::new();
         std::io::BufRead::read_line(&mut std::io::BufReader::new(sh.stdout.take().unwrap()), &mut line).unwrap();
         let sleep: i32 = line.trim().parse().unwrap();
-        let d = descendants(me);
+        let d = crate::node::procs::descendants(me);
         // SAFETY: test cleanup of its own processes.
         unsafe {
             libc::kill(sleep, libc::SIGKILL);
