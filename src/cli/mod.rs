@@ -487,7 +487,8 @@ pub fn main() -> i32 {
             } => crate::bench::select_bench(&nodes, iterations, seed),
             BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(crate::bench::job_bench(tasks, nodes, seed)),
         },
-        Cmd::ContainerShim { command } => crate::node::shim::run(&command),
+        // Run above, before logging and the runtime (the shim must stay single-threaded).
+        Cmd::ContainerShim { .. } => exit::INTERNAL,
     }
 }
 

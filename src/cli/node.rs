@@ -71,8 +71,8 @@ pub struct NodeArgs {
     /// How containers are contained: `auto` (cgroup v2, else cgroup v1 pids+freezer, else
     /// a subreaper shim around each container) or `subreaper` (the shim even where cgroups
     /// exist). The mechanism used is logged at start.
-    #[arg(long, env = "GPUAM_NODE_CONTAINMENT", default_value = "auto", value_parser = ["auto", "subreaper"])]
-    pub containment: String,
+    #[arg(long, env = "GPUAM_NODE_CONTAINMENT", default_value = "auto")]
+    pub containment: crate::node::cgroup::Choice,
 }
 
 /// `--task-env` entries as (name, value), or an error naming the bad entry.
@@ -201,13 +201,7 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         task_env,
         max_log_bytes: Some(settings.node.max_log_bytes),
         http_timeouts: (&settings.http).into(),
-        containment: match args.containment.parse() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("error: --containment: {e}");
-                return exit::USAGE;
-            }
-        },
+        containment: args.containment,
         shim_exe: std::env::current_exe().ok(),
     };
     match agent::run(opts).await {
