@@ -213,10 +213,7 @@ impl Containment {
     /// No cgroups; every container under the subreaper shim run by `exe` (the `gpuam`
     /// executable).
     pub fn subreaper(exe: PathBuf) -> Self {
-        Containment {
-            shim: Some(exe),
-            ..Containment::default()
-        }
+        Containment::none().with_shim(Some(exe))
     }
 
     /// The same containment, with `exe` (the `gpuam` executable) to run the subreaper shim
