@@ -36,6 +36,10 @@ pub struct SelectSettings {
     /// How long a tried-and-failed ask keeps its resources marked as taken.
     pub tried_resource_ttl_sec: u64,
     pub rack_policy: RackPolicy,
+    /// How long a multi-GPU task may wait for a GPU set of its node's ideal tier when only a
+    /// lower tier is free now and GPUs held by other jobs may free a better one (0 = never
+    /// wait: take the best set available at once).
+    pub topology_wait_sec: u64,
     /// Seed of the tie-breaking RNG; unset = random per AM (so concurrent AMs differ).
     pub seed: Option<u64>,
 }
@@ -49,6 +53,7 @@ impl Default for SelectSettings {
             skip_local_tried_resource: true,
             tried_resource_ttl_sec: 30,
             rack_policy: RackPolicy::Pack,
+            topology_wait_sec: 300,
             seed: None,
         }
     }

@@ -69,6 +69,8 @@ pub struct Control {
     gang_wait_since: Option<Instant>,
     gang_backoff_until: Option<Instant>,
     gang_launched: bool,
+    /// `select.topology_wait_sec`: how long a waiting task may hold out for its ideal GPU tier.
+    topology_wait: Duration,
     rng: rand::rngs::StdRng,
     end: Option<JobEnd>,
     nodes_dirty: bool,
@@ -98,6 +100,7 @@ impl Control {
             tasks.extend((0..role.instances).map(|i| Task::new(ri, i)));
         }
         let job_retry = super::job_retry::JobRetry::new(&job);
+        let topology_wait = Duration::from_secs(selector.settings().topology_wait_sec);
         Control {
             job,
             app_id,
@@ -121,6 +124,7 @@ impl Control {
             gang_wait_since: None,
             gang_backoff_until: None,
             gang_launched: false,
+            topology_wait,
             rng: rand::SeedableRng::from_entropy(),
             end: None,
             nodes_dirty: true,
@@ -271,7 +275,9 @@ impl Control {
         self.gang_backoff_until = None;
         let now = Instant::now();
         let job = self.job.clone();
-        let mut round = PlacementRound::new(&job, |ri, i| self.tasks[self.role_first[ri] + i as usize].slot(now));
+        let mut round = PlacementRound::new(&job, |ri, i| {
+            self.tasks[self.role_first[ri] + i as usize].slot(now, self.topology_wait)
+        });
         let mut asked = 0;
         // One back-off per role and round: its tasks are alike.
         let mut role_wait: HashMap<usize, Instant> = HashMap::new();
@@ -711,8 +717,7 @@ impl Control {
         match decision {
             RetryDecision::Retry => {
                 counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                t.attempt += 1;
-                t.reset_to_waiting();
+                t.new_attempt();
                 t.waiting_reason = Some("retrying after the last attempt ended".into());
             }
             RetryDecision::Complete => {

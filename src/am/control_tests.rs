@@ -306,3 +306,47 @@ fn a_preempted_task_is_retried_without_using_its_retry_count() {
     assert_eq!(c.tasks[0].state, TaskState::TaskWaiting);
     assert!(c.end.is_none());
 }
+
+/// The topology wait in the AM: a 2-GPU task that finds only a split pair (another job holds
+/// one GPU of each pair) waits, saying why, and once `select.topology_wait_sec` has passed
+/// since it began waiting it asks for the set `gpuam plan` shows.
+#[test]
+fn a_task_waits_for_its_ideal_tier_then_asks_for_what_plan_shows() {
+    let yaml = "name: j\ntaskRoles:\n  worker:\n    instances: 1\n    \
+                resourcePerInstance: {cpu: 1, memoryMB: 1000, gpu: 2}\n    commands: [\"true\"]\n";
+    let job = crate::spec::parse_job_spec(yaml, "t.yaml").unwrap();
+    let nodes = || {
+        let t = Arc::new(crate::topology::Topology::preset("pcie4").unwrap());
+        let mut n = Node::new("old", "/r", Resources::with_mask(8, 8000, 0xf, PortSet::new()));
+        n.set_used(Resources::with_mask(2, 100, 0b0101, PortSet::new()));
+        n.topology = Some(t);
+        vec![n]
+    };
+    let plan = crate::select::plan_job(&Selector::new(ClusterView::new(nodes()), Default::default()), &job);
+    assert_eq!(plan.placements[0].topology_wait_sec, Some(300));
+    let selector = Arc::new(Selector::new(ClusterView::new(nodes()), Default::default()));
+    let (hub, commands) = crate::web::demo::demo_hub_with_commands(1, 1);
+    let mut c = Control::new(
+        Arc::new(job),
+        "application_1_0001".into(),
+        RmClient::new("http://127.0.0.1:9"),
+        selector,
+        hub,
+        AmSettings::default(),
+        commands,
+    );
+    c.place_waiting();
+    let t = &c.tasks[0];
+    assert!(t.request.is_none());
+    let why = t.waiting_reason.as_deref().unwrap_or_default();
+    assert!(why.contains("waiting for 2 GPUs of tier 1"), "{why}");
+    assert!(t.not_before.is_some(), "it backs off and tries again");
+    // Its wait spent (the wait is shortened to what has passed instead of sleeping 300 s;
+    // the clock itself is Task::slot's, tested in am::tasks).
+    c.topology_wait = c.tasks[0].waiting_since.elapsed();
+    c.tasks[0].not_before = None;
+    c.place_waiting();
+    let r = c.tasks[0].request.as_ref().expect("asked once the wait is spent");
+    assert_eq!((r.host.as_str(), r.resources.gpu_mask), ("old", 0b1010));
+    assert_eq!(r.resources.gpu_mask, plan.placements[0].placement.resources.gpu_mask);
+}

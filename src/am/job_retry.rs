@@ -35,9 +35,8 @@ pub fn reset_for_restart(tasks: &mut [Task], why: &str) -> GivenBack {
         }
         t.succeeded = None;
         t.completed_ms = None;
-        t.attempt += 1;
         t.retry = Default::default();
-        t.reset_to_waiting();
+        t.new_attempt();
         t.waiting_reason = Some(format!("job restarted after a failure ({why})"));
     }
     back

@@ -3,7 +3,7 @@
 //! (DESIGN.md §6) built from it.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::exits::{ExitInfo, RetryState};
 use super::status::{TaskState, TaskStatus};
@@ -35,6 +35,9 @@ pub struct Task {
     pub ports: Vec<(String, Vec<u16>)>,
     /// Do not try to place before this time (back-off after "nothing fits now").
     pub not_before: Option<Instant>,
+    /// When this attempt began waiting for a container (a lost, rejected or held-back ask
+    /// does not restart it): the clock of `select.topology_wait_sec`.
+    pub waiting_since: Instant,
     pub waiting_reason: Option<String>,
     pub exit: Option<(ExitInfo, String)>,
     pub succeeded: Option<bool>,
@@ -64,6 +67,7 @@ impl Task {
             container: None,
             ports: Vec::new(),
             not_before: None,
+            waiting_since: Instant::now(),
             waiting_reason: None,
             exit: None,
             succeeded: None,
@@ -89,9 +93,11 @@ impl Task {
         )
     }
 
-    /// Where the task stands for the placement round: waiting (ready unless backing off),
-    /// placed (an ask out, or a live container: its host and exact resources), or neither.
-    pub fn slot(&self, now: Instant) -> TaskSlot {
+    /// Where the task stands for the placement round: waiting (ready unless backing off; it
+    /// may wait for its ideal GPU tier until `topology_wait` has passed since it began
+    /// waiting), placed (an ask out, or a live container: its host and exact resources), or
+    /// neither.
+    pub fn slot(&self, now: Instant, topology_wait: Duration) -> TaskSlot {
         let placed = |host: &str, resources: &Resources| TaskSlot::Placed {
             host: host.to_string(),
             resources: resources.clone(),
@@ -99,11 +105,20 @@ impl Task {
         match (&self.request, &self.container) {
             _ if self.state == TaskState::TaskWaiting => TaskSlot::Waiting {
                 ready: self.not_before.is_none_or(|nb| now >= nb),
+                topology_wait: now.saturating_duration_since(self.waiting_since) < topology_wait,
             },
             (Some(r), _) if self.state == TaskState::ContainerRequested => placed(&r.host, &r.resources),
             (_, Some(c)) if self.holds_container() => placed(&c.host, &c.resources),
             _ => TaskSlot::Idle,
         }
+    }
+
+    /// A new attempt (a retry after its container ended, or the job's restart): back to
+    /// waiting, with the topology-wait clock restarted.
+    pub fn new_attempt(&mut self) {
+        self.attempt += 1;
+        self.waiting_since = Instant::now();
+        self.reset_to_waiting();
     }
 
     /// Back to waiting for a new container (a retry, or a lost ask).
@@ -273,6 +288,39 @@ pub fn peer_address(task: &Task) -> Option<String> {
 mod tests {
     use super::*;
     use crate::spec::{TaskResources, TaskRole};
+
+    /// The topology-wait clock runs from when the attempt began waiting: a lost or held-back
+    /// ask does not restart it, a new attempt does.
+    #[test]
+    fn the_topology_wait_runs_from_when_the_attempt_began_waiting() {
+        let wait = Duration::from_secs(300);
+        let mut t = Task::new(0, 0);
+        let now = Instant::now();
+        let topology_wait = |t: &Task, at: Instant| match t.slot(at, wait) {
+            TaskSlot::Waiting { topology_wait, .. } => topology_wait,
+            other => panic!("not waiting: {other:?}"),
+        };
+        assert!(topology_wait(&t, now));
+        assert!(!topology_wait(&t, now + wait), "spent after 300 s");
+        assert!(!matches!(
+            t.slot(now, Duration::ZERO),
+            TaskSlot::Waiting {
+                topology_wait: true,
+                ..
+            }
+        ));
+        // An ask lost or held back: back to waiting, the clock keeps running.
+        t.set_state(TaskState::ContainerRequested);
+        t.reset_to_waiting();
+        assert!(!topology_wait(&t, now + wait));
+        // A retry is a new attempt: a new wait.
+        let before = t.attempt;
+        t.new_attempt();
+        assert_eq!(t.attempt, before + 1);
+        assert!(t.waiting_since >= now);
+        assert!(topology_wait(&t, t.waiting_since + wait - Duration::from_millis(1)));
+        assert!(!topology_wait(&t, t.waiting_since + wait));
+    }
 
     #[test]
     fn env_follows_the_contract() {

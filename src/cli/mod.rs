@@ -2,7 +2,7 @@
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
 mod node;
-mod plan;
+pub(crate) mod plan;
 mod run;
 mod servers;
 
@@ -478,6 +478,7 @@ pub fn main() -> i32 {
             traces: a.traces,
             queues: a.queues,
             grace_sec: a.grace_sec,
+            topology_wait_sec: settings.select.topology_wait_sec,
         }),
         Cmd::Bench { what } => match what {
             BenchCmd::Select {

@@ -123,6 +123,9 @@ pub fn plan_json(plan: &JobPlan) -> Value {
             if let Some(share) = &p.gpu_share {
                 v["gpuShare"] = json!(share);
             }
+            if let Some(sec) = p.topology_wait_sec {
+                v["topologyWaitSec"] = json!(sec);
+            }
             if !p.resources.is_empty() {
                 v["resources"] = json!(p.resources);
             }
@@ -175,7 +178,12 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
             let tier = if p.gpus.len() < 2 {
                 "-".to_string()
             } else {
-                format!("{}{}", p.gpu_tier, if p.gpu_tier_ideal { "" } else { "*" })
+                let mark = match (p.gpu_tier_ideal, p.topology_wait_sec) {
+                    (true, _) => "",
+                    (false, None) => "*",
+                    (false, Some(_)) => "*w",
+                };
+                format!("{}{mark}", p.gpu_tier)
             };
             let ports = p
                 .ports
@@ -200,6 +208,11 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
             ));
         }
         out.push_str("\nTIER: 2 = NVLink, 1 = one PCIe switch tree, 0 = through the host; * = below the node's best for that size\n");
+        if let Some(sec) = plan.placements.iter().find_map(|p| p.topology_wait_sec) {
+            out.push_str(&format!(
+                "      *w = the AM first waits up to {sec} s (select.topology_wait_sec) for a set of the node's best tier, since other jobs' GPUs may free one\n"
+            ));
+        }
         out.push_str("GPUS (nic): the NIC nearest those GPUs, where the node's topology lists NICs\n");
         out.push_str("\nNext-best node per task and why it lost (the order of docs/DESIGN-NOTES.md, issue 13):\n");
         for p in &plan.placements {

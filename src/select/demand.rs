@@ -97,6 +97,11 @@ impl JobDemand {
         self.gpus.get(host).copied().unwrap_or(0)
     }
 
+    /// GPUs the job holds or asked for, on every host.
+    pub fn held_gpu_count(&self) -> u32 {
+        self.gpus.values().map(|m| m.count_ones()).sum()
+    }
+
     /// One task of `shape` got a place on `host` with GPUs `mask`.
     pub fn placed_with_gpus(&mut self, shape: &TaskShape, host: &str, mask: GpuMask) {
         self.placed(shape, host);

@@ -338,4 +338,14 @@ impl NodeIndex {
     pub fn len(&self) -> usize {
         self.slots.len()
     }
+
+    /// GPUs of running nodes not wholly free (held by containers or asks, or shared), summed
+    /// per bucket: the bucket count does not grow with the node count.
+    pub fn held_gpus(&self) -> u64 {
+        self.buckets
+            .iter()
+            .filter(|b| b.key.running)
+            .map(|b| u64::from(b.key.total_gpus.saturating_sub(b.key.free_gpus)) * b.nodes.len() as u64)
+            .sum()
+    }
 }

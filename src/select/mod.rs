@@ -51,6 +51,10 @@ pub struct TaskAsk<'a> {
     pub reuse_ports: Option<&'a PortSet>,
     /// Tasks of the job waiting for a container (sets the candidate count).
     pub waiting_tasks: u32,
+    /// The task may still wait for a GPU set of its node's ideal tier (its
+    /// `select.topology_wait_sec` is not spent): a set below it, while GPUs held by other
+    /// jobs may free a better one, is answered "not now" (see [`Placement::may_improve`]).
+    pub topology_wait: bool,
 }
 
 impl<'a> TaskAsk<'a> {
@@ -63,6 +67,7 @@ impl<'a> TaskAsk<'a> {
             gpu_types: &[],
             reuse_ports: None,
             waiting_tasks,
+            topology_wait: false,
         }
     }
 
@@ -75,7 +80,13 @@ impl<'a> TaskAsk<'a> {
             gpu_types: &role.gpu_types,
             reuse_ports,
             waiting_tasks,
+            topology_wait: false,
         }
+    }
+
+    /// The same ask, allowed (or not) to wait for its node's ideal GPU tier.
+    pub fn with_topology_wait(self, topology_wait: bool) -> Self {
+        TaskAsk { topology_wait, ..self }
     }
 }
 
@@ -93,6 +104,9 @@ pub struct Placement {
     pub gpu_tier_ideal: bool,
     /// Tier of the job's GPUs on this node once the task is there (the union).
     pub union_tier: u8,
+    /// Below the ideal tier while other jobs hold GPUs whose release may free a better set:
+    /// a task that may still wait ([`TaskAsk::topology_wait`]) waits instead of taking it.
+    pub may_improve: bool,
     /// The NIC(s) nearest the task's GPUs (comma list; what `GPUAM_NIC` will say), where the
     /// node's topology lists NICs.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -741,6 +755,42 @@ impl SelectorState {
             host: c.node.host.clone(),
             lost_on: c.key.lost_on(&best.key),
         });
+        // The topology wait (docs/DESIGN-NOTES.md, "Topology wait"): the best set is below its
+        // node's ideal tier and GPUs of other jobs are in use, so a release may free a better one.
+        let may_improve = !tier_ideal(best)
+            && ask.resources.gpu_share.is_none()
+            && index.held_gpus() > u64::from(demand.held_gpu_count());
+        if may_improve && ask.topology_wait {
+            let ideal = best.node.topology.as_deref().map_or(0, |t| t.best_tier(k));
+            let mut wait = StageTrace::new("topology-wait", kept);
+            wait.drop_many(
+                "below its node's ideal GPU tier while other jobs' GPUs may free a better set",
+                kept,
+                std::iter::empty(),
+            );
+            wait.nodes_out = 0;
+            wait.note = Some(format!(
+                "waits up to select.topology_wait_sec = {} s for tier {ideal}",
+                settings.topology_wait_sec
+            ));
+            trace.stages.push(wait);
+            return Selection {
+                outcome: Outcome::NotNow {
+                    reason: format!(
+                        "waiting for {k} GPUs of tier {ideal}: the best free now are GPUs {} on {} at tier {}, and other jobs' GPUs may free a better set; it takes the best set once select.topology_wait_sec ({} s) has passed since the task began waiting",
+                        crate::resources::mask_indices(best.pick.task)
+                            .iter()
+                            .map(u32::to_string)
+                            .collect::<Vec<_>>()
+                            .join(","),
+                        best.node.host,
+                        best.pick.task_tier,
+                        settings.topology_wait_sec
+                    ),
+                },
+                trace,
+            };
+        }
         let ports = match &cx.ports {
             PortPlan::Fixed(p) => Some(p.clone()),
             PortPlan::PerNode { statics, dynamic } => best
@@ -778,6 +828,7 @@ impl SelectorState {
             gpu_weight: best.pick.task_weight,
             gpu_tier_ideal: tier_ideal(best),
             union_tier: best.pick.union_tier,
+            may_improve,
             nic: best
                 .node
                 .topology

@@ -15,8 +15,9 @@ use crate::spec::JobSpec;
 #[derive(Clone, Debug, PartialEq)]
 pub enum TaskSlot {
     /// Needs a container. `ready`: it may be tried now (false while it waits out a back-off;
-    /// it still counts as unplaced in the job's demand).
-    Waiting { ready: bool },
+    /// it still counts as unplaced in the job's demand). `topology_wait`: it may still wait for
+    /// its node's ideal GPU tier ([`crate::select::TaskAsk::topology_wait`]).
+    Waiting { ready: bool, topology_wait: bool },
     /// Has an ask out or holds a container on `host`, with exactly `resources`.
     Placed { host: String, resources: Resources },
     /// Neither: finished, or not to be placed.
@@ -110,16 +111,21 @@ impl<'j> PlacementRound<'j> {
         }
     }
 
-    /// A round over a job none of whose tasks has a place yet (what `plan` starts from).
+    /// A round over a job none of whose tasks has a place yet (what `plan` starts from), with
+    /// no topology wait: `plan` shows where each task goes, and flags a task the AM would first
+    /// hold back for a better GPU tier ([`super::Placement::may_improve`]).
     pub fn fresh(job: &'j JobSpec) -> Self {
-        PlacementRound::new(job, |_, _| TaskSlot::Waiting { ready: true })
+        PlacementRound::new(job, |_, _| TaskSlot::Waiting {
+            ready: true,
+            topology_wait: false,
+        })
     }
 
     /// The next task to try, in request order: waiting and ready, not tried yet this round.
     pub fn next_task(&mut self) -> Option<TaskRef> {
         while let Some(&(ri, i)) = self.order.get(self.next) {
             self.next += 1;
-            if self.slots[ri][i as usize] == (TaskSlot::Waiting { ready: true }) {
+            if matches!(self.slots[ri][i as usize], TaskSlot::Waiting { ready: true, .. }) {
                 return Some((ri, i));
             }
         }
@@ -148,7 +154,14 @@ impl<'j> PlacementRound<'j> {
         } else {
             None
         };
-        let ask = TaskAsk::for_role(role, reuse, self.waiting);
+        let topology_wait = matches!(
+            self.slots[ri][index as usize],
+            TaskSlot::Waiting {
+                topology_wait: true,
+                ..
+            }
+        );
+        let ask = TaskAsk::for_role(role, reuse, self.waiting).with_topology_wait(topology_wait);
         let selection = selector.select_and_reserve(&ask, &self.demand);
         match &selection.outcome {
             Outcome::Placed(p) => {

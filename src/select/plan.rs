@@ -34,6 +34,9 @@ pub struct PlannedTask {
     pub union_tier: u8,
     /// The NIC(s) nearest its GPUs, where the host's topology lists NICs.
     pub nic: Option<String>,
+    /// The AM first waits up to this many seconds for a set of the node's ideal tier before
+    /// it takes this one (below that tier while other jobs hold GPUs; `select.topology_wait_sec`).
+    pub topology_wait_sec: Option<u64>,
     /// The next-best node for this task and the criterion on which it lost.
     pub next_best: Option<Alternative>,
     #[serde(skip)]
@@ -86,9 +89,12 @@ pub fn assign_port_labels(res: &TaskResources, ports: &PortSet) -> Option<Vec<(S
 /// Places every task of `job`, booking each placement on the selector's view: one
 /// [`PlacementRound`] over a job with nothing placed, driven exactly as the AM drives it
 /// (the AM stops at an impossible task, since its job fails; the plan goes on to show the rest).
+/// A task the AM would first hold back for a better GPU tier is placed where it goes once that
+/// wait ends, with the wait noted (`topology_wait_sec`).
 pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
     let mut round = PlacementRound::fresh(job);
     let mut plan = JobPlan::default();
+    let wait_sec = selector.settings().topology_wait_sec;
     while let Some((ri, index)) = round.next_task() {
         let role = &job.task_roles[ri];
         let sel = round.place(selector, (ri, index)).selection;
@@ -108,6 +114,7 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
                 gpu_tier_ideal: p.gpu_tier_ideal,
                 union_tier: p.union_tier,
                 nic: p.nic.clone(),
+                topology_wait_sec: (p.may_improve && wait_sec > 0).then_some(wait_sec),
                 next_best: sel.trace.alternative.clone(),
                 placement: p,
             }),

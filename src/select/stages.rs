@@ -14,6 +14,10 @@
 //! 7. `rack-policy` — racks holding the job are criterion 3 of the order (no node dropped).
 //! 8. `job-packing` — the placement order of `objective.rs`; keeps the best
 //!    `waiting tasks × candidateNodesFactor`.
+//! 9. `topology-wait` — only when it holds the task back: the best set is below its node's
+//!    ideal tier while other jobs' GPUs may free a better one, and the task may still wait
+//!    (`select.topology_wait_sec`; docs/DESIGN-NOTES.md, "Topology wait"). Last, because it
+//!    judges the winner, not each node.
 //!
 //! Stages 1–4 and the GPU and CPU parts of 6 are decided per index bucket (`index.rs`), so
 //! their counts come from the index; the rest is decided on the nodes the walk visits, in

@@ -1070,3 +1070,87 @@ proptest! {
         }
     }
 }
+
+/// A pcie4 node (pairs 0-1 and 2-3 on their own PCIe switches) with `used` held.
+fn pcie4_node(host: &str, used: u64) -> Node {
+    let mut n = node(host, "/r", 4, used);
+    n.topology = Some(Arc::new(crate::topology::Topology::preset("pcie4").unwrap()));
+    n
+}
+
+/// The topology wait (docs/DESIGN-NOTES.md): a set below its node's ideal tier, while other
+/// jobs hold GPUs, is "not now" for a task that may still wait, and taken by one whose wait
+/// is spent; the trace says why.
+#[test]
+fn a_task_below_its_ideal_tier_waits_while_other_jobs_may_free_a_better_set() {
+    // Another job holds GPUs 0 and 2: only the split pair 1 + 3 is free.
+    let s = selector(vec![pcie4_node("split", 0b0101)]);
+    let r = res(1, 1000, 2);
+    let demand = JobDemand::new(true);
+    let sel = s.select(&ask(&r).with_topology_wait(true), &demand);
+    match &sel.outcome {
+        Outcome::NotNow { reason } => {
+            assert!(reason.contains("GPUs 1,3 on split at tier 0"), "{reason}");
+            assert!(reason.contains("topology_wait_sec (300 s)"), "{reason}");
+        }
+        other => panic!("expected not now, got {other:?}"),
+    }
+    let st = stage(&sel, "topology-wait");
+    assert_eq!((st.nodes_in, st.nodes_out), (1, 0));
+    assert_eq!(
+        sel.trace.candidates[0].host, "split",
+        "the trace still shows the best candidate"
+    );
+    // Its wait spent, it takes the best set there is.
+    let p = placed(&s.select(&ask(&r), &demand)).clone();
+    assert_eq!(p.resources.gpu_mask, 0b1010);
+    assert!(!p.gpu_tier_ideal && p.may_improve);
+}
+
+#[test]
+fn no_topology_wait_when_an_ideal_set_is_free_or_only_the_job_itself_holds_gpus() {
+    let r = res(1, 1000, 2);
+    // A whole pair free elsewhere: taken at once.
+    let s = selector(vec![pcie4_node("split", 0b0101), pcie4_node("pair", 0b0011)]);
+    let p = placed(&s.select(&ask(&r).with_topology_wait(true), &JobDemand::new(true))).clone();
+    assert_eq!((p.host.as_str(), p.resources.gpu_mask), ("pair", 0b1100));
+    assert!(p.gpu_tier_ideal && !p.may_improve);
+    // The GPUs in use are the job's own: no release will come, so no wait.
+    let s = selector(vec![pcie4_node("own", 0b0101)]);
+    let mut demand = JobDemand::new(true);
+    demand.add_held("own", 0b0101);
+    let p = placed(&s.select(&ask(&r).with_topology_wait(true), &demand)).clone();
+    assert_eq!(p.resources.gpu_mask, 0b1010);
+    assert!(!p.gpu_tier_ideal && !p.may_improve);
+    // A one-GPU task has no tier to wait for.
+    let s = selector(vec![pcie4_node("split", 0b0101)]);
+    let one = res(1, 1000, 1);
+    placed(&s.select(&ask(&one).with_topology_wait(true), &JobDemand::new(true)));
+}
+
+/// The AM's round asks with the task's own wait; `plan` places the task where it goes once
+/// the wait ends and says the AM waits first.
+#[test]
+fn the_round_waits_per_task_and_plan_shows_the_wait() {
+    let j = job(vec![role("w", 1, res(1, 1000, 2))]);
+    let s = selector(vec![pcie4_node("split", 0b0101)]);
+    let mut round = placement::PlacementRound::new(&j, |_, _| TaskSlot::Waiting {
+        ready: true,
+        topology_wait: true,
+    });
+    let t = round.next_task().unwrap();
+    assert!(matches!(round.place(&s, t).selection.outcome, Outcome::NotNow { .. }));
+    let plan = plan_job(&s, &j);
+    assert_eq!(plan.placements.len(), 1);
+    assert_eq!(plan.placements[0].gpus, vec![1, 3]);
+    assert_eq!(plan.placements[0].topology_wait_sec, Some(300));
+    let table = crate::cli::plan::plan_table("j", &plan);
+    assert!(table.contains("0*w") && table.contains("waits up to 300 s"), "{table}");
+    assert_eq!(
+        crate::cli::plan::plan_json(&plan)["placements"][0]["topologyWaitSec"],
+        300
+    );
+    // Nothing held by others: no wait in the plan either.
+    let plan = plan_job(&selector(vec![pcie4_node("free", 0)]), &j);
+    assert_eq!(plan.placements[0].topology_wait_sec, None);
+}

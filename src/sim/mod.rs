@@ -49,13 +49,15 @@ pub enum Placer {
 }
 
 impl Placer {
-    pub fn new(name: &str, cl: &SimCluster, seed: u64) -> Option<Placer> {
+    /// `topology_wait_sec`: gpuam's `select.topology_wait_sec` (the other policies never wait).
+    pub fn new(name: &str, cl: &SimCluster, seed: u64, topology_wait_sec: u64) -> Option<Placer> {
         let rng = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
         Some(match name {
             "gpuam" => {
                 let settings = SelectSettings {
                     seed: Some(seed),
                     skip_local_tried_resource: false,
+                    topology_wait_sec,
                     ..SelectSettings::default()
                 };
                 Placer::Gpuam {
@@ -79,9 +81,24 @@ impl Placer {
         Resources::with_mask(t.cpu, t.mem_mb, mask, PortSet::new())
     }
 
+    /// gpuam's `select.topology_wait_sec` (0 for the other policies, which never wait).
+    pub fn topology_wait_sec(&self) -> f64 {
+        match self {
+            Placer::Gpuam { selector, .. } => selector.settings().topology_wait_sec as f64,
+            Placer::Other(_) => 0.0,
+        }
+    }
+
     /// Places every task of `job` or none (gang); bookings go to `cl` (and, for gpuam,
     /// to the selector's view). Records the decision time of every placing call.
-    pub fn place(&mut self, cl: &mut SimCluster, job: &Job, stats: &mut RunStats) -> Option<Vec<(usize, GpuMask)>> {
+    /// `topology_wait`: the job may still wait for its nodes' ideal GPU tier (gpuam only).
+    pub fn place(
+        &mut self,
+        cl: &mut SimCluster,
+        job: &Job,
+        stats: &mut RunStats,
+        topology_wait: bool,
+    ) -> Option<Vec<(usize, GpuMask)>> {
         let mut done: Vec<(usize, GpuMask)> = Vec::with_capacity(job.tasks.len());
         let mut ok = true;
         match self {
@@ -126,7 +143,8 @@ impl Placer {
                         ports: Vec::new(),
                         ..Default::default()
                     };
-                    let ask = TaskAsk::plain("task", &res, (job.tasks.len() - i) as u32);
+                    let ask =
+                        TaskAsk::plain("task", &res, (job.tasks.len() - i) as u32).with_topology_wait(topology_wait);
                     let start = Instant::now();
                     let sel = selector.select_and_reserve(&ask, &demand);
                     let took = start.elapsed().as_nanos() as u64;
@@ -250,14 +268,26 @@ struct Engine<'a> {
     queue: VecDeque<usize>,
     max_node: f64,
     max_rack: f64,
+    /// The placer's topology wait (seconds), and the time the queue's head stops waiting
+    /// for a better GPU tier (a wake-up event; infinite = none).
+    topology_wait: f64,
+    wake: f64,
 }
 
 impl Engine<'_> {
     /// FIFO with head-of-line blocking: place jobs in arrival order until one does not fit.
+    /// A job not placed while it may still wait for a better GPU tier gets a wake-up at the end
+    /// of its wait (a completion may come first).
     fn drain_queue(&mut self, now: f64) {
         while let Some(&jid) = self.queue.front() {
             let job = &self.jobs[jid];
-            match self.placer.place(&mut self.cl, job, &mut self.stats) {
+            let wait_end = job.arrival + self.topology_wait;
+            let may_wait = now < wait_end;
+            let placed = self.placer.place(&mut self.cl, job, &mut self.stats, may_wait);
+            if placed.is_none() && may_wait {
+                self.wake = self.wake.min(wait_end);
+            }
+            match placed {
                 Some(placed) => {
                     self.queue.pop_front();
                     self.record(job, &placed, now);
@@ -364,10 +394,21 @@ impl Engine<'_> {
 }
 
 /// Replays `jobs` (sorted by arrival, ids = positions) on a fresh copy of `cl` with one
-/// policy. `None` for an unknown policy name.
+/// policy, gpuam with its default settings. `None` for an unknown policy name.
 pub fn simulate(cl: &SimCluster, jobs: &[Job], policy: &str, seed: u64) -> Option<RunStats> {
+    simulate_with(cl, jobs, policy, seed, SelectSettings::default().topology_wait_sec)
+}
+
+/// [`simulate`] with gpuam's `select.topology_wait_sec` given.
+pub fn simulate_with(
+    cl: &SimCluster,
+    jobs: &[Job],
+    policy: &str,
+    seed: u64,
+    topology_wait_sec: u64,
+) -> Option<RunStats> {
     let cl = cl.clone();
-    let placer = Placer::new(policy, &cl, seed)?;
+    let placer = Placer::new(policy, &cl, seed, topology_wait_sec)?;
     let mut e = Engine {
         jobs,
         stats: RunStats {
@@ -383,7 +424,10 @@ pub fn simulate(cl: &SimCluster, jobs: &[Job], policy: &str, seed: u64) -> Optio
         done: BinaryHeap::new(),
         running: HashMap::new(),
         queue: VecDeque::new(),
+        topology_wait: 0.0,
+        wake: f64::INFINITY,
     };
+    e.topology_wait = e.placer.topology_wait_sec();
     let mut next = 0usize;
     loop {
         let arr = jobs.get(next).map(|j| j.arrival).unwrap_or(f64::INFINITY);
@@ -394,6 +438,11 @@ pub fn simulate(cl: &SimCluster, jobs: &[Job], policy: &str, seed: u64) -> Optio
             .unwrap_or(f64::INFINITY);
         if arr.is_infinite() && end.is_infinite() {
             break;
+        }
+        if e.wake < arr.min(end) {
+            let now = std::mem::replace(&mut e.wake, f64::INFINITY);
+            e.drain_queue(now);
+            continue;
         }
         // Completions first at equal times: their resources are free for the arrival.
         let now = if end <= arr {
@@ -463,7 +512,7 @@ pub fn scaling(presets: &[&str], sizes: &[usize], policies: &[String], calls: us
             let mut cl = cluster::generated(&topo, n, 40);
             half_used(&mut cl, seed);
             for pol in policies {
-                let Some(mut placer) = Placer::new(pol, &cl, seed) else {
+                let Some(mut placer) = Placer::new(pol, &cl, seed, 0) else {
                     continue;
                 };
                 if let Placer::Gpuam { selector, .. } = &placer {
@@ -545,6 +594,9 @@ pub struct SimOptions {
     pub queues: Option<String>,
     /// Notice before a preempted job stops (queue simulation).
     pub grace_sec: f64,
+    /// gpuam's `select.topology_wait_sec` (from the settings: `GPUAM__SELECT__TOPOLOGY_WAIT_SEC=0
+    /// gpuam sim` replays gpuam without the wait).
+    pub topology_wait_sec: u64,
 }
 
 /// Results of one topology (one cluster).
@@ -569,7 +621,7 @@ pub fn run_topology(
         let jobs = stream(s);
         njobs = jobs.len();
         for (p, runs) in per.iter_mut() {
-            if let Some(r) = simulate(cl, &jobs, p, 1000 + s as u64) {
+            if let Some(r) = simulate_with(cl, &jobs, p, 1000 + s as u64, opts.topology_wait_sec) {
                 runs.push(r);
             }
         }

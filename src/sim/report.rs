@@ -76,7 +76,7 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
     let mut s = String::new();
     for r in runs {
         s.push_str(&format!(
-            "\n== {} | workload {} | {} nodes, {} GPUs, {} racks | {} jobs × {} seeds | load {} | mix {}\n",
+            "\n== {} | workload {} | {} nodes, {} GPUs, {} racks | {} jobs × {} seeds | load {} | mix {} | gpuam topology wait {} s\n",
             r.topology,
             opts.workload,
             r.cluster.nodes,
@@ -85,7 +85,8 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
             r.jobs,
             opts.seeds,
             opts.load,
-            opts.mix
+            opts.mix,
+            opts.topology_wait_sec
         ));
         s.push_str(&format!(
             "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6}\n",

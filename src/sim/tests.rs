@@ -71,11 +71,11 @@ fn gpuam_bookings_through_the_selector_match_the_node_model() {
     let c = cl("dgx1v", 3);
     let jobs = synthetic(MIX_A, 200, 0.95, c.total_gpus(), 8, 9);
     let mut c2 = c.clone();
-    let mut placer = Placer::new("gpuam", &c2, 5).unwrap();
+    let mut placer = Placer::new("gpuam", &c2, 5, 0).unwrap();
     let mut st = RunStats::default();
     let mut live = Vec::new();
     for j in jobs.iter().take(12) {
-        if let Some(p) = placer.place(&mut c2, j, &mut st) {
+        if let Some(p) = placer.place(&mut c2, j, &mut st, false) {
             live.push((j.clone(), p));
         }
     }
@@ -192,6 +192,7 @@ fn trace_files_missing_is_a_clear_error() {
         traces: Some(dir.to_path_buf()),
         queues: None,
         grace_sec: 30.0,
+        topology_wait_sec: 300,
     };
     assert_eq!(run(&opts), crate::exit::INVALID_INPUT);
 }
@@ -254,6 +255,7 @@ fn json_and_charts_have_the_documented_shape() {
         traces: None,
         queues: None,
         grace_sec: 30.0,
+        topology_wait_sec: 300,
     };
     let stream = |s: usize| synthetic(MIX_A, 50, 0.8, c.total_gpus(), 4, s as u64);
     let r = run_topology(&opts, "pcie4", &c, &stream);
@@ -339,4 +341,45 @@ fn domination_verdict_and_trade_off_chart() {
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     assert_eq!(svg.matches("<circle").count(), 4, "2 policies × 2 panels");
     assert!(svg.contains("does not dominate"));
+}
+
+/// gpuam's topology wait: a 2-GPU job that finds only a split pair waits for a whole one
+/// while other jobs run, and takes the split pair when its `select.topology_wait_sec` ends.
+#[test]
+fn gpuam_waits_for_a_whole_pair_then_takes_the_best_set_when_its_wait_ends() {
+    let wait = crate::config::SelectSettings::default().topology_wait_sec as f64;
+    assert!(wait > 0.0);
+    let c = cl("pcie4", 1);
+    // GPUs 0 and 1 (one pair) go to jobs 0 and 1, GPU 2 to job 2; job 1 ends at 50 and
+    // leaves GPUs 1 and 3 free: no pair. Job 3 (2 GPUs) arrives at 60.
+    let stream = |job0_end: f64| {
+        let one = |id: usize, arrival: f64, duration: f64| Job {
+            id,
+            arrival,
+            duration,
+            tasks: vec![task(1)],
+        };
+        vec![
+            one(0, 0.0, job0_end),
+            one(1, 0.0, 50.0),
+            one(2, 1.0, 5000.0),
+            Job {
+                id: 3,
+                arrival: 60.0,
+                duration: 10.0,
+                tasks: vec![task(2)],
+            },
+        ]
+    };
+    // Job 0 ends at 200, inside the wait: job 3 gets the freed pair (0, 1) then.
+    let s = simulate(&c, &stream(200.0), "gpuam", 1).unwrap();
+    assert_eq!((s.multi_placed, s.multi_ideal), (1, 1));
+    assert!((s.delays[3] - 140.0).abs() < 1e-9, "delay {}", s.delays[3]);
+    // HiveD-like takes the split pair at once.
+    let h = simulate(&c, &stream(200.0), "hived", 1).unwrap();
+    assert_eq!((h.multi_placed, h.multi_ideal, h.delays[3]), (1, 0, 0.0));
+    // Job 0 ends after the wait: job 3 takes the split pair when its wait ends.
+    let s = simulate(&c, &stream(60.0 + wait + 500.0), "gpuam", 1).unwrap();
+    assert_eq!((s.multi_placed, s.multi_ideal), (1, 0));
+    assert!((s.delays[3] - wait).abs() < 1e-9, "delay {}", s.delays[3]);
 }
