@@ -339,7 +339,7 @@ fn a_task_waits_for_its_ideal_tier_then_asks_for_what_plan_shows() {
     let t = &c.tasks[0];
     assert!(t.request.is_none());
     let why = t.waiting_reason.as_deref().unwrap_or_default();
-    assert!(why.contains("waiting for 2 GPUs of tier 1"), "{why}");
+    assert!(why.contains("holding out for 2 GPUs of tier 1"), "{why}");
     assert!(t.not_before.is_some(), "it backs off and tries again");
     // Its wait spent (the wait is shortened to what has passed instead of sleeping 300 s;
     // the clock itself is Task::slot's, tested in am::tasks).

@@ -270,8 +270,8 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
     let started = Instant::now();
     let mut dashboard: Option<String> = None;
     let mut last_counts = Counts::default();
-    // (role/index) → (attempt, state) seen last.
-    let mut seen: HashMap<String, (u64, String)> = HashMap::new();
+    // (role/index) → what was seen of it last.
+    let mut seen: HashMap<String, SeenTask> = HashMap::new();
     let mut unreachable_since: Option<Instant> = None;
     let mut interrupted = false;
     // Ctrl-C, SIGTERM or SIGHUP: kill the job and follow it to its end, so that `gpuam
@@ -412,7 +412,15 @@ async fn kill_job(
 }
 
 /// Prints a line when a task completes an attempt (its exit) or finishes for good.
-fn report_task_change(t: &Value, seen: &mut HashMap<String, (u64, String)>, say: &impl Fn(String)) {
+/// What `gpuam run` last saw of a task: its attempt, state and why it waits.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct SeenTask {
+    attempt: u64,
+    state: String,
+    waiting: Option<String>,
+}
+
+fn report_task_change(t: &Value, seen: &mut HashMap<String, SeenTask>, say: &impl Fn(String)) {
     let key = format!(
         "{}/{}",
         t["role"].as_str().unwrap_or("?"),
@@ -420,7 +428,22 @@ fn report_task_change(t: &Value, seen: &mut HashMap<String, (u64, String)>, say:
     );
     let attempt = t["attempt"].as_u64().unwrap_or(1);
     let state = t["state"].as_str().unwrap_or("").to_string();
-    let prev = seen.insert(key.clone(), (attempt, state.clone()));
+    let waiting = (state == "TASK_WAITING")
+        .then(|| t["waitingReason"].as_str().map(str::to_string))
+        .flatten();
+    let now = SeenTask {
+        attempt,
+        state: state.clone(),
+        waiting: waiting.clone(),
+    };
+    let prev = seen.insert(key.clone(), now);
+    // A waiting task says why, once per reason (e.g. the topology wait, a full cluster).
+    if let Some(why) = &waiting {
+        if prev.as_ref().and_then(|p| p.waiting.as_ref()) != Some(why) {
+            say(format!("task {key} not placed yet: {why}"));
+        }
+    }
+    let prev = prev.map(|p| (p.attempt, p.state));
     let gpus = t["gpus"]
         .as_array()
         .map(|g| {
@@ -450,5 +473,32 @@ fn report_task_change(t: &Value, seen: &mut HashMap<String, (u64, String)>, say:
             say(format!("task {key} running on {host} GPUs [{gpus}]"))
         }
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `gpuam run` says why a task waits, once per reason, then that it runs.
+    #[test]
+    fn a_waiting_task_says_why_once_per_reason() {
+        let lines = std::cell::RefCell::new(Vec::new());
+        let say = |l: String| lines.borrow_mut().push(l);
+        let mut seen = HashMap::new();
+        let waiting = |why: &str| serde_json::json!({"role": "w", "index": 0, "attempt": 1, "state": "TASK_WAITING", "waitingReason": why});
+        report_task_change(&waiting("holding out for 2 GPUs of tier 1"), &mut seen, &say);
+        report_task_change(&waiting("holding out for 2 GPUs of tier 1"), &mut seen, &say);
+        report_task_change(&waiting("no node has 2 free GPUs"), &mut seen, &say);
+        let running = serde_json::json!({"role": "w", "index": 0, "attempt": 1, "state": "CONTAINER_RUNNING", "host": "n1", "gpus": [0, 1]});
+        report_task_change(&running, &mut seen, &say);
+        assert_eq!(
+            lines.into_inner(),
+            vec![
+                "task w/0 not placed yet: holding out for 2 GPUs of tier 1".to_string(),
+                "task w/0 not placed yet: no node has 2 free GPUs".to_string(),
+                "task w/0 running on n1 GPUs [0,1]".to_string(),
+            ]
+        );
     }
 }

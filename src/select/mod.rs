@@ -777,7 +777,7 @@ impl SelectorState {
             return Selection {
                 outcome: Outcome::NotNow {
                     reason: format!(
-                        "waiting for {k} GPUs of tier {ideal}: the best free now are GPUs {} on {} at tier {}, and other jobs' GPUs may free a better set; it takes the best set once select.topology_wait_sec ({} s) has passed since the task began waiting",
+                        "holding out for {k} GPUs of tier {ideal}: the best free now are GPUs {} on {} at tier {}, and other jobs' GPUs may free a better set; it takes the best set once select.topology_wait_sec ({} s) has passed since the task began waiting",
                         crate::resources::mask_indices(best.pick.task)
                             .iter()
                             .map(u32::to_string)
