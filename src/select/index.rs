@@ -339,12 +339,13 @@ impl NodeIndex {
         self.slots.len()
     }
 
-    /// GPUs of running nodes not wholly free (held by containers or asks, or shared), summed
-    /// per bucket: the bucket count does not grow with the node count.
-    pub fn held_gpus(&self) -> u64 {
+    /// GPUs not wholly free (held by containers or asks, or shared) on the nodes of the
+    /// buckets `keep` accepts, summed per bucket: the bucket count does not grow with the node
+    /// count.
+    pub fn held_gpus(&self, keep: impl Fn(&BucketKey) -> bool) -> u64 {
         self.buckets
             .iter()
-            .filter(|b| b.key.running)
+            .filter(|b| keep(&b.key))
             .map(|b| u64::from(b.key.total_gpus.saturating_sub(b.key.free_gpus)) * b.nodes.len() as u64)
             .sum()
     }

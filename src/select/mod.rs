@@ -756,10 +756,20 @@ impl SelectorState {
             lost_on: c.key.lost_on(&best.key),
         });
         // The topology wait (docs/DESIGN-NOTES.md, "Topology wait"): the best set is below its
-        // node's ideal tier and GPUs of other jobs are in use, so a release may free a better one.
+        // node's ideal tier and other jobs hold GPUs on nodes this task may use, so a release
+        // may free a better set.
+        let may_use = |key: &index::BucketKey| {
+            let facts = stages::Facts {
+                running: key.running,
+                partition: index.partition_name(key.partition),
+                gpu_type: index.gpu_type_name(key.gpu_type),
+                total_gpus: key.total_gpus,
+            };
+            key.total_gpus >= k && filters.iter().all(|f| f.check(&cx, &facts).is_ok())
+        };
         let may_improve = !tier_ideal(best)
             && ask.resources.gpu_share.is_none()
-            && index.held_gpus() > u64::from(demand.held_gpu_count());
+            && index.held_gpus(may_use) > u64::from(demand.held_gpu_count());
         if may_improve && ask.topology_wait {
             let ideal = best.node.topology.as_deref().map_or(0, |t| t.best_tier(k));
             let mut wait = StageTrace::new("topology-wait", kept);

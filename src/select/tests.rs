@@ -1122,6 +1122,22 @@ fn no_topology_wait_when_an_ideal_set_is_free_or_only_the_job_itself_holds_gpus(
     let p = placed(&s.select(&ask(&r).with_topology_wait(true), &demand)).clone();
     assert_eq!(p.resources.gpu_mask, 0b1010);
     assert!(!p.gpu_tier_ideal && !p.may_improve);
+    // Other jobs hold GPUs only on nodes of a type the task does not take: no release there
+    // can help it, so it does not wait; a task that takes any type does.
+    let mut own = pcie4_node("own", 0b0101);
+    own.gpu_type = Some("V100".into());
+    let mut other = pcie4_node("other", 0b1111);
+    other.gpu_type = Some("A100".into());
+    let s = selector(vec![own, other]);
+    let mut demand = JobDemand::new(true);
+    demand.add_held("own", 0b0101);
+    let v100 = vec!["V100".to_string()];
+    let mut typed = ask(&r).with_topology_wait(true);
+    typed.gpu_types = &v100;
+    let p = placed(&s.select(&typed, &demand)).clone();
+    assert!(!p.gpu_tier_ideal && !p.may_improve);
+    let any = s.select(&ask(&r).with_topology_wait(true), &demand);
+    assert!(matches!(any.outcome, Outcome::NotNow { .. }), "{:?}", any.outcome);
     // A one-GPU task has no tier to wait for.
     let s = selector(vec![pcie4_node("split", 0b0101)]);
     let one = res(1, 1000, 1);
