@@ -11,13 +11,17 @@ fn control(yaml: &str) -> Control {
         "/r",
         Resources::with_mask(8, 8000, 0xf, PortSet::new()),
     )];
-    let selector = Arc::new(Selector::new(ClusterView::new(nodes), Default::default()));
+    control_on(job, Selector::new(ClusterView::new(nodes), Default::default()))
+}
+
+/// The AM's control loop for `job` over `selector`'s view (an RM that is never reached).
+fn control_on(job: crate::spec::JobSpec, selector: Selector) -> Control {
     let (hub, commands) = crate::web::demo::demo_hub_with_commands(1, 1);
     Control::new(
         Arc::new(job),
         "application_1_0001".into(),
         RmClient::new("http://127.0.0.1:9"),
-        selector,
+        Arc::new(selector),
         hub,
         AmSettings::default(),
         commands,
@@ -88,17 +92,7 @@ fn the_am_asks_for_exactly_what_plan_shows() {
         ..Default::default()
     };
     let plan = crate::select::plan_job(&Selector::new(ClusterView::new(mixed_nodes()), settings()), &job);
-    let selector = Arc::new(Selector::new(ClusterView::new(mixed_nodes()), settings()));
-    let (hub, commands) = crate::web::demo::demo_hub_with_commands(1, 1);
-    let mut c = Control::new(
-        Arc::new(job.clone()),
-        "application_1_0001".into(),
-        RmClient::new("http://127.0.0.1:9"),
-        selector,
-        hub,
-        AmSettings::default(),
-        commands,
-    );
+    let mut c = control_on(job.clone(), Selector::new(ClusterView::new(mixed_nodes()), settings()));
     c.place_waiting();
     let mut asked: Vec<(String, u32, String, u64, String)> = Vec::new();
     let mut waiting: Vec<(String, u32)> = Vec::new();
@@ -324,17 +318,7 @@ fn a_task_waits_for_its_ideal_tier_then_asks_for_what_plan_shows() {
     };
     let plan = crate::select::plan_job(&Selector::new(ClusterView::new(nodes()), Default::default()), &job);
     assert_eq!(plan.placements[0].topology_wait_sec, Some(300));
-    let selector = Arc::new(Selector::new(ClusterView::new(nodes()), Default::default()));
-    let (hub, commands) = crate::web::demo::demo_hub_with_commands(1, 1);
-    let mut c = Control::new(
-        Arc::new(job),
-        "application_1_0001".into(),
-        RmClient::new("http://127.0.0.1:9"),
-        selector,
-        hub,
-        AmSettings::default(),
-        commands,
-    );
+    let mut c = control_on(job, Selector::new(ClusterView::new(nodes()), Default::default()));
     c.place_waiting();
     let t = &c.tasks[0];
     assert!(t.request.is_none());

@@ -2,7 +2,7 @@
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
 mod node;
-pub(crate) mod plan;
+mod plan;
 mod run;
 mod servers;
 

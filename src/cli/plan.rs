@@ -241,3 +241,29 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::Node;
+    use crate::resources::{PortSet, Resources};
+
+    /// A task the AM would first hold back for a better GPU tier is marked `*w` in the table,
+    /// with the wait explained under it, and carries `topologyWaitSec` in the JSON.
+    #[test]
+    fn the_topology_wait_shows_in_the_table_and_the_json() {
+        // pcie4: pairs 0-1 and 2-3; another job holds 0 and 2, so only the split pair is free.
+        let mut n = Node::new("split", "/r", Resources::with_mask(8, 8000, 0xf, PortSet::new()));
+        n.set_used(Resources::with_mask(2, 100, 0b0101, PortSet::new()));
+        n.topology = Some(std::sync::Arc::new(crate::topology::Topology::preset("pcie4").unwrap()));
+        let job = crate::spec::parse_job_spec(
+            "name: j\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 1000, gpu: 2}\n    commands: [\"true\"]\n",
+            "j.yaml",
+        )
+        .unwrap();
+        let plan = plan_job(&Selector::new(ClusterView::new(vec![n]), Default::default()), &job);
+        let table = plan_table("j", &plan);
+        assert!(table.contains("0*w") && table.contains("waits up to 300 s"), "{table}");
+        assert_eq!(plan_json(&plan)["placements"][0]["topologyWaitSec"], 300);
+    }
+}

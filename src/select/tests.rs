@@ -1160,12 +1160,7 @@ fn the_round_waits_per_task_and_plan_shows_the_wait() {
     assert_eq!(plan.placements.len(), 1);
     assert_eq!(plan.placements[0].gpus, vec![1, 3]);
     assert_eq!(plan.placements[0].topology_wait_sec, Some(300));
-    let table = crate::cli::plan::plan_table("j", &plan);
-    assert!(table.contains("0*w") && table.contains("waits up to 300 s"), "{table}");
-    assert_eq!(
-        crate::cli::plan::plan_json(&plan)["placements"][0]["topologyWaitSec"],
-        300
-    );
+    // (How `gpuam plan` prints it: cli::plan::tests.)
     // Nothing held by others: no wait in the plan either.
     let plan = plan_job(&selector(vec![pcie4_node("free", 0)]), &j);
     assert_eq!(plan.placements[0].topology_wait_sec, None);

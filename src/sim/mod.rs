@@ -409,6 +409,7 @@ pub fn simulate_with(
 ) -> Option<RunStats> {
     let cl = cl.clone();
     let placer = Placer::new(policy, &cl, seed, topology_wait_sec)?;
+    let topology_wait = placer.topology_wait_sec();
     let mut e = Engine {
         jobs,
         stats: RunStats {
@@ -424,10 +425,9 @@ pub fn simulate_with(
         done: BinaryHeap::new(),
         running: HashMap::new(),
         queue: VecDeque::new(),
-        topology_wait: 0.0,
+        topology_wait,
         wake: f64::INFINITY,
     };
-    e.topology_wait = e.placer.topology_wait_sec();
     let mut next = 0usize;
     loop {
         let arr = jobs.get(next).map(|j| j.arrival).unwrap_or(f64::INFINITY);
