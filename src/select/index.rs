@@ -339,6 +339,16 @@ impl NodeIndex {
         self.slots.len()
     }
 
+    /// What the node filters see of every node of a bucket.
+    pub fn facts(&self, key: &BucketKey) -> super::stages::Facts<'_> {
+        super::stages::Facts {
+            running: key.running,
+            partition: self.partition_name(key.partition),
+            gpu_type: self.gpu_type_name(key.gpu_type),
+            total_gpus: key.total_gpus,
+        }
+    }
+
     /// GPUs not wholly free (held by containers or asks, or shared) on the nodes of the
     /// buckets `keep` accepts, summed per bucket: the bucket count does not grow with the node
     /// count.

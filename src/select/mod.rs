@@ -511,12 +511,7 @@ impl SelectorState {
                     .take(trace::EXAMPLE_HOSTS)
                     .map(|m| index.host(m.3).to_string())
             };
-            let facts = stages::Facts {
-                running: b.key.running,
-                partition: index.partition_name(b.key.partition),
-                gpu_type: index.gpu_type_name(b.key.gpu_type),
-                total_gpus: b.key.total_gpus,
-            };
+            let facts = index.facts(&b.key);
             let failed = filters
                 .iter()
                 .enumerate()
@@ -576,12 +571,7 @@ impl SelectorState {
             };
             // Screened on its bucket's key first (no node lookup): most nodes of a large
             // job's racks are full.
-            let facts = stages::Facts {
-                running: bkey.running,
-                partition: index.partition_name(bkey.partition),
-                gpu_type: index.gpu_type_name(bkey.gpu_type),
-                total_gpus: bkey.total_gpus,
-            };
+            let facts = index.facts(&bkey);
             let failed = filters
                 .iter()
                 .enumerate()
@@ -759,13 +749,7 @@ impl SelectorState {
         // node's ideal tier and other jobs hold GPUs on nodes this task may use, so a release
         // may free a better set.
         let may_use = |key: &index::BucketKey| {
-            let facts = stages::Facts {
-                running: key.running,
-                partition: index.partition_name(key.partition),
-                gpu_type: index.gpu_type_name(key.gpu_type),
-                total_gpus: key.total_gpus,
-            };
-            key.total_gpus >= k && filters.iter().all(|f| f.check(&cx, &facts).is_ok())
+            key.total_gpus >= k && filters.iter().all(|f| f.check(&cx, &index.facts(key)).is_ok())
         };
         let may_improve = !tier_ideal(best)
             && ask.resources.gpu_share.is_none()
