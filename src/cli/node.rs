@@ -103,7 +103,7 @@ fn machine_memory_mb() -> u64 {
 /// GPU count, type and topology text from the flags (and nvidia-smi for `auto`).
 fn gpus_of(args: &NodeArgs) -> Result<(u32, Option<String>, String), String> {
     let found = (args.gpus == "auto" || args.topology == "auto")
-        .then(crate::rm::gpu_discovery::discover)
+        .then(crate::node::gpu_discovery::discover)
         .flatten();
     let count = if args.gpus == "auto" {
         found.as_ref().map_or(0, |g| g.count)

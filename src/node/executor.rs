@@ -1071,7 +1071,7 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
     }
 
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
-    let spawn = crate::rm::image::program_for(dir, id, env)?;
+    let spawn = super::image::program_for(dir, id, env)?;
     // [shim --] [taskset -c LIST] program args
     let mut argv: Vec<std::ffi::OsString> = Vec::new();
     if let Some(exe) = shim {
@@ -1207,7 +1207,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         }
     }
     // A task in an image: its container is gone too (see image::reap).
-    crate::rm::image::reap(&dir).await;
+    super::image::reap(&dir).await;
     if cgroup.is_real() {
         if let Some(why) = empty_cgroup(&cgroup, &id).await {
             diagnostics.push_str(why);

@@ -42,6 +42,8 @@
 pub mod agent;
 pub mod cgroup;
 pub mod executor;
+pub mod gpu_discovery;
+pub mod image;
 pub mod local;
 pub mod procs;
 pub mod remote;

@@ -4,8 +4,8 @@
 //! `auto` values come from this machine's `nvidia-smi` (GPU count, type, `topo -m`); a
 //! machine without it has no GPUs unless told (`--gpus N`, `--topology PRESET`).
 
+use crate::node::gpu_discovery::LocalGpus;
 use crate::resources::{CustomResources, PortSet};
-use crate::rm::gpu_discovery::LocalGpus;
 use crate::topology::Topology;
 
 use super::entry::shell_quote;
@@ -85,7 +85,7 @@ pub fn render(d: &NodeDescription) -> Result<String, String> {
 pub fn main(req: &NodeArgsRequest) -> i32 {
     let needs_discovery = req.gpus.trim() == "auto" || req.topology.trim() == "auto";
     let found = if needs_discovery {
-        crate::rm::gpu_discovery::discover()
+        crate::node::gpu_discovery::discover()
     } else {
         None
     };

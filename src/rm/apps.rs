@@ -11,7 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::procs::ProcessId;
+use crate::node::procs::ProcessId;
 use crate::protocol::{AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus, WaitingTasks};
 
 /// Milliseconds since the epoch.

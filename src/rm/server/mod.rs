@@ -38,15 +38,15 @@
 //! liveness.
 use crate::cluster::rm_json::{node_to_json, nodes_to_json};
 use crate::cluster::{Node, NodeState};
+use crate::node::executor::{ExecError, LogStream};
+use crate::node::procs::ProcessId;
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
 use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
-use crate::rm::executor::{ExecError, LogStream};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
-use crate::rm::procs::ProcessId;
 use crate::rm::store::{Batch, Meta, Store, StoreError};
 use crate::rm::users::Users;
 use axum::body::Bytes;
@@ -365,11 +365,11 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     // `local: true` nodes get this machine's real GPUs (nvidia-smi blocks: off the runtime).
     let mut nodes = opts.nodes;
     if nodes.iter().any(|n| n.local) {
-        let found = tokio::task::spawn_blocking(super::gpu_discovery::discover)
+        let found = tokio::task::spawn_blocking(crate::node::gpu_discovery::discover)
             .await
             .ok()
             .flatten();
-        super::gpu_discovery::apply_to_local_nodes(&mut nodes, found.as_ref());
+        crate::node::gpu_discovery::apply_to_local_nodes(&mut nodes, found.as_ref());
     }
     // Simulated nodes run their containers in this process's executor.
     let nodes = nodes.into_iter().map(|mut n| {
