@@ -44,13 +44,13 @@ RM_URL="http://127.0.0.1:$RM_PORT"
 # token the RM writes into its work dir.
 make_credentials() { head -c 32 /dev/urandom | base64 >"$W/node.token" && chmod 600 "$W/node.token"; }
 rm_args() { echo rm --listen "127.0.0.1:$RM_PORT" --work-dir "$W/rm" --node-token-file "$W/node.token" --in-memory; }
-ADMIN_TOKEN_FILE() { echo "$W/rm/admin.token"; }
+admin_token_file() { echo "$W/rm/admin.token"; }
 node_args() {
     echo node --rm "$RM_URL" --host "$NODE_HOST" --listen "127.0.0.1:$NODE_PORT" \
         --advertise "http://127.0.0.1:$NODE_PORT" --node-token-file "$W/node.token" \
         --gpus auto --topology auto --ports 21000-21099 --work-dir "$W/node"
 }
-submit_args() { echo submit "$1" --rm "$RM_URL" --token-file "$(ADMIN_TOKEN_FILE)" --admin-token-file "$(ADMIN_TOKEN_FILE)" --wait; }
+submit_args() { echo submit "$1" --rm "$RM_URL" --token-file "$(admin_token_file)" --admin-token-file "$(admin_token_file)" --wait; }
 # ------------------------------------------------------------------------------------------
 
 if [ $# -ne 1 ]; then
@@ -71,6 +71,17 @@ chmod 755 "$W"
 mkdir -p "$W/bin" "$W/shared"
 chmod 1777 "$W/shared"
 cp "$HERE"/gpu_check/*.py "$W/bin/" && chmod 644 "$W"/bin/*.py
+# Task sizes: gpuam enforces memory (cgroup); CUDA and a framework need a few GiB of host
+# memory. A quarter of this machine's memory (at most 16 GiB) for the training task, half
+# that for the others; half its CPUs (at most 8) for the training task's CPU step.
+MEM_MB=$(awk '/^MemTotal:/ { print int($2 / 1024) }' /proc/meminfo)
+TASK_MB=$((MEM_MB / 4))
+[ "$TASK_MB" -gt 16384 ] && TASK_MB=16384
+[ "$TASK_MB" -lt 1024 ] && TASK_MB=1024
+SMALL_MB=$((TASK_MB / 2))
+TRAIN_CPU=$(($(nproc) / 2))
+[ "$TRAIN_CPU" -gt 8 ] && TRAIN_CPU=8
+[ "$TRAIN_CPU" -lt 1 ] && TRAIN_CPU=1
 SECTIONS=() # section files, in report order
 RM_PID="" NODE_PID="" SHARES_PID="" WATCHDOG_PID="" FINISHED=""
 
@@ -270,7 +281,7 @@ task_env_args() {
 section 2 "2. what gpuam node --gpus auto --topology auto registered"
 say "rm:   $GPUAM_BIN $(rm_args)"
 say "node: $GPUAM_BIN $(node_args) $(task_env_args)"
-up=""
+up="" gpus=""
 if [ ! -x "$GPUAM_BIN" ]; then
     verdict FAIL registration.count "no gpuam binary at $GPUAM_BIN (build it with scripts/gpu-build.sh)"
 else
@@ -278,11 +289,13 @@ else
     # shellcheck disable=SC2046 # the argument lists above are word lists without spaces
     "$GPUAM_BIN" $(rm_args) >"$W/rm.log" 2>&1 &
     RM_PID=$!
-    for ((i = 0; i < 200; i++)); do [ -s "$(ADMIN_TOKEN_FILE)" ] && break; sleep 0.1; done
+    until_t=$(($(date +%s) + 30))
+    while [ ! -s "$(admin_token_file)" ] && [ "$(date +%s)" -lt "$until_t" ]; do sleep 0.1; done
     # shellcheck disable=SC2046
     "$GPUAM_BIN" $(node_args) $(task_env_args) >"$W/node.log" 2>&1 &
     NODE_PID=$!
-    for ((i = 0; i < 300; i++)); do
+    until_t=$(($(date +%s) + 60))
+    while [ "$(date +%s)" -lt "$until_t" ]; do
         timeout 5 "$PYV" -c '
 import json, sys, urllib.request
 v = json.load(urllib.request.urlopen(sys.argv[1] + "/ws/v1/cluster/nodes", timeout=3))
@@ -298,8 +311,10 @@ json.dump(json.load(urllib.request.urlopen(sys.argv[1] + "/ws/v1/cluster/nodes",
         "$RM_URL" >"$W/nodes.json" 2>"$W/nodes.err"
     if [ -n "$up" ]; then
         verdicts registration "$NODE_HOST" "$W/nodes.json" "$W/query.csv" "$W/topo.txt"
+        # Jobs asking for a GPU would wait for ever on a node without one.
+        grep -q '^PASS registration.count' "$W/summary.txt" && gpus=1
     else
-        verdict FAIL registration.count "the node did not register as RUNNING within 30 s"
+        verdict FAIL registration.count "the node did not register as RUNNING within 60 s"
         say "--- rm.log (tail)"
         tail -20 "$W/rm.log" >>"$CUR"
         say "--- node.log (tail)"
@@ -311,11 +326,15 @@ write_report RUNNING
 # ---- 3. can the task user run the machine's Python? ------------------------------------
 section 3 "3. the task user and the machine's Python"
 say "python: $PY ($PY_FACTS)"
-# as_task_user CMD...: the words that run CMD as the task user, from /.
-as_task_user() { echo setpriv --reuid="$TASK_USER" --regid="$(id -g "$TASK_USER")" --clear-groups env -C /; }
 if [ -n "$up" ] && id "$TASK_USER" >/dev/null 2>&1; then
+    # The words that run a command as the task user, from /.
+    if command -v setpriv >/dev/null; then
+        AS_TASK=(setpriv --reuid="$TASK_USER" --regid="$(id -g "$TASK_USER")" --clear-groups env -C /)
+    else
+        AS_TASK=(runuser -u "$TASK_USER" -- env -C /)
+    fi
     probe='import sys; print(sys.executable, sys.version.split()[0])'
-    if ! run "as $TASK_USER: $PY -c '$probe'" 30 $(as_task_user) "$PY" -c "$probe"; then
+    if ! run "as $TASK_USER: $PY -c '$probe'" 30 "${AS_TASK[@]}" "$PY" -c "$probe"; then
         # Let the task user reach the interpreter: o+x (search only) on the directories
         # above the interpreter and its prefixes. Said in the report.
         for p in $("$PYV" -c 'import os, sys; print(" ".join({os.path.realpath(x) for x in (sys.executable, sys.prefix, sys.base_prefix)}))'); do
@@ -327,9 +346,9 @@ if [ -n "$up" ] && id "$TASK_USER" >/dev/null 2>&1; then
                 d=$(dirname "$d")
             done
         done
-        run "as $TASK_USER, again" 30 $(as_task_user) "$PY" -c "$probe"
+        run "as $TASK_USER, again" 30 "${AS_TASK[@]}" "$PY" -c "$probe"
     fi
-    if run "as $TASK_USER: the framework imports" 120 $(as_task_user) "$PY" -c \
+    if run "as $TASK_USER: the framework imports" 120 "${AS_TASK[@]}" "$PY" -c \
         'import importlib.util as u; m=[n for n in ("torch","jax") if u.find_spec(n)]; print("found:", m); import sys; sys.exit(0 if m else 1)'; then
         verdict SEEN python "$TASK_USER runs $PY ($PY_FACTS)"
     else
@@ -358,17 +377,17 @@ task_cmd() { echo "'\"\$GPU_CHECK_PYTHON\" \"\$GPU_CHECK_DIR/$1\"'"; }
 
 # ---- 4. a training step on granted GPU 0 --------------------------------------------------
 section 4 "4. a training step on the GPU gpuam granted (gpu: 1 → GPU 0)"
-if [ -n "$up" ] && [ "$(left)" -gt 20 ]; then
+if [ -n "$gpus" ] && [ "$(left)" -gt 20 ]; then
     run_job train "name: gpu-check-train
 taskRoles:
   train:
     instances: 1
-    resourcePerInstance: {cpu: 1, memoryMB: 4096, gpu: 1}
+    resourcePerInstance: {cpu: $TRAIN_CPU, memoryMB: $TASK_MB, gpu: 1}
     commands:
       - $(task_cmd train.py)" 150
     verdicts train "$W/shared/train.json"
 else
-    verdict FAIL train "not run (no node, or out of time)"
+    verdict FAIL train "not run (no node with the machine's GPUs, or out of time)"
 fi
 write_report RUNNING
 
@@ -379,7 +398,7 @@ if [ -n "$up" ] && [ "$(left)" -gt 20 ]; then
 taskRoles:
   nogpu:
     instances: 1
-    resourcePerInstance: {cpu: 1, memoryMB: 2048, gpu: 0}
+    resourcePerInstance: {cpu: 1, memoryMB: $SMALL_MB, gpu: 0}
     commands:
       - $(task_cmd no_gpu.py)" 90
     verdicts no_gpu "$W/shared/no_gpu.json"
@@ -390,12 +409,12 @@ write_report RUNNING
 
 # ---- 6. two 0.5 shares of GPU 0 at once ---------------------------------------------------
 section 6 "6. two tasks of gpu: 0.5 on GPU 0 at the same time"
-if [ -n "$up" ] && [ "$(left)" -gt 30 ]; then
+if [ -n "$gpus" ] && [ "$(left)" -gt 30 ]; then
     printf '%s\n' "name: gpu-check-shares
 taskRoles:
   share:
     instances: 2
-    resourcePerInstance: {cpu: 1, memoryMB: 4096, gpu: 0.5}
+    resourcePerInstance: {cpu: 1, memoryMB: $SMALL_MB, gpu: 0.5}
     commands:
       - $(task_cmd share.py)" >"$W/shares.yaml"
     t=$(bounded 120)
@@ -422,7 +441,7 @@ taskRoles:
     awk '/^--- sample/ { h = $0; next } /^ *[0-9]+ *,/ { if (h != "") { print h; h = "" } print }' \
         "$W/shares-samples.txt" | head -40 >>"$CUR"
 else
-    verdict FAIL shares.granted "not run (no node, or out of time)"
+    verdict FAIL shares.granted "not run (no node with the machine's GPUs, or out of time)"
 fi
 write_report RUNNING
 

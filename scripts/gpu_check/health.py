@@ -19,8 +19,8 @@ def get(errors, key, fn, *args):
     try:
         v = fn(*args)
         return v.decode() if isinstance(v, bytes) else v
-    except pynvml.NVMLError as e:
-        errors[key] = str(e)
+    except Exception as e:  # noqa: BLE001 - NVMLError, or a function this pynvml lacks
+        errors[key] = f"{type(e).__name__}: {e}"
         return None
 
 
@@ -54,7 +54,10 @@ def main():
             lim = get(errs, "power_limit_w", pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
             g["power_limit_w"] = None if lim is None else lim / 1000
             g["pstate"] = get(errs, "pstate", pynvml.nvmlDeviceGetPerformanceState, h)
-            reasons = get(errs, "clock_event_reasons", pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, h)
+            reasons_fn = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+                pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+            )
+            reasons = get(errs, "clock_event_reasons", reasons_fn, h)
             g["clock_event_reasons"] = None if reasons is None else hex(reasons)
             mem = get(errs, "memory", pynvml.nvmlDeviceGetMemoryInfo, h)
             if mem is not None:

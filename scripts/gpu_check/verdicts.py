@@ -114,6 +114,18 @@ def train(path):
             f"no training step on granted GPU 0 (CUDA_VISIBLE_DEVICES={r.get('CUDA_VISIBLE_DEVICES')!r}, "
             f"framework {r.get('framework')}): {why}; CPU step {r.get('cpu_step_ms')} ms",
         )
+    also = r.get("also")
+    if also:
+        if also.get("device"):
+            line(
+                "SEEN",
+                "train.also",
+                f"{also['framework']} too, on {also['device']} ({also.get('gpu_name')}): "
+                f"{also.get('gpu_step_ms')} ms/step on the GPU, {also.get('cpu_step_ms')} ms/step on the CPU",
+            )
+        else:
+            why = also.get("error") or f"{also.get('gpus_visible')} GPUs visible"
+            line("SEEN", "train.also", f"{also.get('framework')} did not train on a GPU: {why}")
     if r.get("uid") == 0:
         line("FAIL", "train.user", "the task ran as root")
     print(json.dumps(r, indent=1, sort_keys=True))
