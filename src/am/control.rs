@@ -18,7 +18,6 @@ use super::status::{
     Command, ExitType, JobState, NodeStatus, RoleCounts, SelectionRecord, StatusHub, TaskState, SELECTION_HISTORY,
 };
 use super::tasks::{launch_context, now_ms, peer_address, Outstanding, Task};
-use crate::cluster::rm_json::parse_node_value;
 use crate::config::AmSettings;
 use crate::protocol::{
     exit_status, AllocateRequest, AmCommand, Ask, CompletedContainer, Container, ContainerState, PreemptNotice,
@@ -405,7 +404,11 @@ impl Control {
             asks,
             cancels: std::mem::take(&mut self.cancels),
             releases: std::mem::take(&mut self.releases),
-            waiting: Some(super::queueing::waiting_demand(&self.job, &self.tasks)),
+            waiting: Some(super::queueing::waiting_demand(
+                &self.job,
+                &self.tasks,
+                &self.selector.settings(),
+            )),
         };
         let started = Instant::now();
         let resp = match self.rm.allocate(&req).await {
@@ -429,14 +432,9 @@ impl Control {
         }
         self.hub.counters.allocate_latency.observe(started.elapsed());
         self.response_id = resp.response_id;
-        for v in &resp.updated_nodes {
-            match parse_node_value(v) {
-                Ok(n) => {
-                    self.selector.apply_node_report(n);
-                    self.nodes_dirty = true;
-                }
-                Err(e) => tracing::warn!(error = %e, "ignoring an updated node the AM cannot read"),
-            }
+        for r in resp.updated_nodes {
+            self.selector.apply_node_report(r.node);
+            self.nodes_dirty = true;
         }
         for rej in resp.rejected {
             self.sent_asks.remove(&rej.request_id);

@@ -251,7 +251,7 @@ fn a_gang_is_asked_for_whole_or_not_at_all() {
                 .contains("asked for together")
     );
     // What the RM hears: both wait.
-    let w = super::super::queueing::waiting_demand(&c.job, &c.tasks);
+    let w = super::super::queueing::waiting_demand(&c.job, &c.tasks, &c.selector.settings());
     assert_eq!((w.len(), w[0].count, w[0].gpus), (1, 2, 3));
 }
 

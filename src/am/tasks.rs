@@ -48,12 +48,7 @@ pub struct Task {
     pub dirty: bool,
 }
 
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use crate::protocol::now_ms;
 
 impl Task {
     pub fn new(role: usize, index: u32) -> Self {

@@ -127,7 +127,12 @@ impl Engine<'_> {
                 pool: String::new(),
                 partition: String::new(),
                 usable: true,
-                total_gpus: n.gpus_total(),
+                total: crate::resources::Resources::with_mask(
+                    n.cpu_total,
+                    n.mem_total,
+                    n.all_mask,
+                    crate::resources::PortSet::new(),
+                ),
                 free_gpus: n.free_mask,
                 free_cpu: n.free_cpu,
                 free_memory_mb: n.free_mem,

@@ -24,7 +24,10 @@
 //!
 //! CPU and memory only have to fit: shares are counted in GPUs (on GPU clusters the
 //! dominant resource); an ask without GPUs ranks by its queue's largest ratio over the
-//! pools and never causes preemption.
+//! pools and never causes preemption. Which nodes a waiting task may use at all is
+//! placement's own rule ([`eligible`] over `select::feasible`: partition, GPU type,
+//! none-GPU, and the whole request against the node's total), so room is never kept or
+//! freed on a node the AM's select would never pick for it.
 
 pub mod queues;
 pub mod share;
@@ -36,6 +39,7 @@ use std::sync::Arc;
 
 use crate::protocol::WaitingTasks;
 use crate::resources::{lowest_bits, GpuMask, Resources};
+use crate::select::feasible;
 use crate::topology::Topology;
 use queues::QueueTree;
 pub use share::EPS;
@@ -50,7 +54,8 @@ pub struct NodeCap {
     pub partition: String,
     /// RUNNING: takes containers.
     pub usable: bool,
-    pub total_gpus: u32,
+    /// Everything it has (what the feasibility rule's "never" is judged against).
+    pub total: Resources,
     pub free_gpus: GpuMask,
     pub free_cpu: u32,
     pub free_memory_mb: u64,
@@ -97,12 +102,60 @@ pub struct Snapshot {
     pub apps: Vec<AppDemand>,
 }
 
-/// Whether `t`'s tasks may run on `n` (state, partition, GPU type, size).
+impl NodeCap {
+    /// The scheduler's view of one node of the RM (free: its total less what is used).
+    pub fn of(n: &crate::cluster::Node) -> NodeCap {
+        let total = n.total();
+        let free = total.subtract(n.used());
+        NodeCap {
+            host: n.host.clone(),
+            pool: n.gpu_type.clone().unwrap_or_default(),
+            partition: n.partition().to_string(),
+            usable: n.state == crate::cluster::NodeState::Running,
+            total: total.clone(),
+            // GPUs free of any holder: a GPU holding shares takes no whole task.
+            free_gpus: if total.gpu_mask != 0 {
+                free.whole_gpu_mask()
+            } else {
+                crate::resources::mask_of_count(free.gpus)
+            },
+            free_cpu: free.cpu,
+            free_memory_mb: free.memory_mb,
+            topology: n.topology.clone(),
+        }
+    }
+
+    pub fn total_gpus(&self) -> u32 {
+        self.total.gpu_count()
+    }
+
+    /// What the feasibility rule knows of it apart from its resources.
+    pub fn facts(&self) -> feasible::NodeFacts<'_> {
+        feasible::NodeFacts {
+            running: self.usable,
+            partition: &self.partition,
+            gpu_type: Some(self.pool.as_str()).filter(|p| !p.is_empty()),
+            total_gpus: self.total_gpus(),
+        }
+    }
+}
+
+/// What the feasibility rule knows of waiting tasks apart from their request.
+pub fn task_facts(t: &WaitingTasks) -> feasible::TaskFacts<'_> {
+    feasible::TaskFacts::new(t.node_label.as_deref(), &t.gpu_types, t.keep_off_gpu_nodes)
+}
+
+/// Whether `t`'s tasks may run on `n`: the node RUNNING, and placement's own rule
+/// ([`feasible::ever`]: partition, GPU type, none-GPU, and the request — GPUs with shares
+/// and mask, CPU, memory, ports, custom resources — against the node's total).
 pub fn eligible(n: &NodeCap, t: &WaitingTasks) -> bool {
-    n.usable
-        && n.partition == t.node_label.as_deref().map(str::trim).unwrap_or("")
-        && (t.gpus == 0 || t.gpu_types.is_empty() || t.gpu_types.contains(&n.pool))
-        && n.total_gpus >= t.gpus
+    let req = t.request();
+    let ask = feasible::Ask {
+        request: &req,
+        dynamic_ports: t.dynamic_ports,
+        min_port: t.min_port,
+    };
+    n.usable && feasible::ever(&task_facts(t), &n.facts(), &ask, &n.total).is_ok()
 }
 
 /// Deserved shares and use, per pool and queue.
@@ -136,7 +189,7 @@ impl Shares {
         let pools: Vec<String> = snap
             .nodes
             .iter()
-            .filter(|n| n.total_gpus > 0)
+            .filter(|n| n.total_gpus() > 0)
             .map(|n| n.pool.clone())
             .collect::<BTreeSet<_>>()
             .into_iter()
@@ -166,9 +219,9 @@ impl Shares {
             .filter(|&g| g > 0)
             .min()
             .unwrap_or(1);
-        for n in snap.nodes.iter().filter(|n| n.usable && n.total_gpus >= smallest) {
+        for n in snap.nodes.iter().filter(|n| n.usable && n.total_gpus() >= smallest) {
             if let Some(p) = pool_of(&n.pool) {
-                s.capacity[p] += n.total_gpus;
+                s.capacity[p] += n.total_gpus();
             }
         }
         for h in &snap.held {

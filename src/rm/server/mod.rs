@@ -40,12 +40,13 @@ use crate::cluster::rm_json::{node_to_json, nodes_to_json};
 use crate::cluster::{Node, NodeState};
 use crate::node::executor::{ExecError, LogStream};
 use crate::node::procs::ProcessId;
+use crate::protocol::now_ms;
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
-use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
+use crate::rm::apps::{app_id, app_seq, AmLaunch, App, Apps};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
 use crate::rm::store::{Batch, Meta, Store, StoreError};
 use crate::rm::users::Users;
