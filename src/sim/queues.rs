@@ -136,6 +136,8 @@ impl Engine<'_> {
                 free_gpus: n.free_mask,
                 free_cpu: n.free_cpu,
                 free_memory_mb: n.free_mem,
+                free_ports: Default::default(),
+                free_custom: Default::default(),
                 topology: Some(self.cl.topos[n.topo].clone()),
             });
         }
@@ -157,6 +159,8 @@ impl Engine<'_> {
                     gpus: mask,
                     cpu: t.cpu,
                     memory_mb: t.mem_mb,
+                    ports: Default::default(),
+                    custom: Default::default(),
                     run_ms: ((now - r.since) * 1000.0) as u64,
                     leaving: r.deadline.is_some(),
                     for_queue: r.for_queue,

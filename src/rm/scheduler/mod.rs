@@ -38,7 +38,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::protocol::WaitingTasks;
-use crate::resources::{lowest_bits, GpuMask, Resources};
+use crate::resources::{lowest_bits, CustomResources, GpuMask, PortSet, Resources};
 use crate::select::feasible;
 use crate::topology::Topology;
 use queues::QueueTree;
@@ -59,6 +59,9 @@ pub struct NodeCap {
     pub free_gpus: GpuMask,
     pub free_cpu: u32,
     pub free_memory_mb: u64,
+    /// Free ports and custom resources (what else a waiting task may need).
+    pub free_ports: PortSet,
+    pub free_custom: CustomResources,
     pub topology: Option<Arc<Topology>>,
 }
 
@@ -73,6 +76,9 @@ pub struct Held {
     pub gpus: GpuMask,
     pub cpu: u32,
     pub memory_mb: u64,
+    /// Its ports and custom resources (given back with it).
+    pub ports: PortSet,
+    pub custom: CustomResources,
     /// How long it has run (0 when it never started): the work a preemption loses.
     pub run_ms: u64,
     /// Being taken back, or ended and not yet dead: not a candidate again.
@@ -121,7 +127,23 @@ impl NodeCap {
             },
             free_cpu: free.cpu,
             free_memory_mb: free.memory_mb,
+            free_ports: free.ports.clone(),
+            free_custom: free.custom.clone(),
             topology: n.topology.clone(),
+        }
+    }
+
+    /// What is free on it as the scheduler packs tasks: wholly free GPUs, CPU, memory,
+    /// ports and custom resources.
+    fn free_room(&self) -> Resources {
+        Resources {
+            cpu: self.free_cpu,
+            memory_mb: self.free_memory_mb,
+            gpus: self.free_gpus.count_ones(),
+            gpu_mask: self.free_gpus,
+            gpu_shares: Default::default(),
+            ports: self.free_ports.clone(),
+            custom: self.free_custom.clone(),
         }
     }
 
@@ -309,73 +331,115 @@ impl Shares {
     }
 }
 
-/// Free resources per node, for packing tasks without touching the snapshot.
+/// Free resources per node, for packing tasks without touching the snapshot: wholly free
+/// GPUs, CPU, memory, ports and custom resources, judged by the feasibility rule's
+/// shortfall. A GPU share takes a whole GPU here (the queues count shares as GPUs).
 #[derive(Clone, Debug, PartialEq)]
 struct Scratch {
-    free: Vec<(GpuMask, u32, u64)>,
+    free: Vec<Resources>,
+}
+
+/// Whether one task of `t` fits in `room` (the shortfall rule of `select::feasible`).
+fn fits_in(room: &Resources, t: &WaitingTasks) -> bool {
+    let req = t.request();
+    let ask = feasible::Ask {
+        request: &req,
+        dynamic_ports: t.dynamic_ports,
+        min_port: t.min_port,
+    };
+    ask.shortfall(room).is_none()
+}
+
+/// Gives `h`'s resources back to `room`.
+fn give_back(room: &mut Resources, h: &Held) {
+    room.gpu_mask |= h.gpus;
+    room.gpus = room.gpu_mask.count_ones();
+    room.cpu = room.cpu.saturating_add(h.cpu);
+    room.memory_mb = room.memory_mb.saturating_add(h.memory_mb);
+    if !h.ports.is_empty() {
+        room.ports = room.ports.union(&h.ports);
+    }
+    if !h.custom.is_empty() {
+        room.custom = room.custom.add(&h.custom);
+    }
 }
 
 impl Scratch {
     fn of(snap: &Snapshot) -> Scratch {
         Scratch {
-            free: snap
-                .nodes
-                .iter()
-                .map(|n| (n.free_gpus, n.free_cpu, n.free_memory_mb))
-                .collect(),
+            free: snap.nodes.iter().map(NodeCap::free_room).collect(),
         }
     }
 
-    fn fits(&self, n: usize, gpus: u32, cpu: u32, mem: u64) -> bool {
-        let (g, c, m) = self.free[n];
-        g.count_ones() >= gpus && c >= cpu && m >= mem
+    fn fits(&self, n: usize, t: &WaitingTasks) -> bool {
+        fits_in(&self.free[n], t)
     }
 
-    fn take(&mut self, n: usize, gpus: u32, cpu: u32, mem: u64) -> bool {
-        if !self.fits(n, gpus, cpu, mem) {
+    /// Takes one task of `t` on node `n` (its explicit GPUs or the lowest free ones, its
+    /// static ports and the lowest dynamic ones); false when it does not fit.
+    fn take(&mut self, n: usize, t: &WaitingTasks) -> bool {
+        if !self.fits(n, t) {
             return false;
         }
-        let (g, c, m) = &mut self.free[n];
-        *g &= !lowest_bits(*g, gpus).unwrap_or(0);
-        *c -= cpu;
-        *m -= mem;
+        let f = &mut self.free[n];
+        let gpus = if t.gpu_mask != 0 {
+            t.gpu_mask
+        } else {
+            lowest_bits(f.gpu_mask, t.gpus).unwrap_or(0)
+        };
+        f.gpu_mask &= !gpus;
+        f.gpus = f.gpu_mask.count_ones();
+        f.cpu -= t.cpu;
+        f.memory_mb -= t.memory_mb;
+        if !t.custom.is_empty() {
+            f.custom = f.custom.subtract(&t.custom);
+        }
+        if !t.ports.is_empty() || t.dynamic_ports > 0 {
+            let left = f.ports.subtract(&t.ports);
+            let drawn = left.lowest(t.dynamic_ports, t.min_port).unwrap_or_default();
+            f.ports = left.subtract(&drawn);
+        }
         true
     }
 
     fn take_exact(&mut self, n: usize, r: &Resources) {
-        let (g, c, m) = &mut self.free[n];
-        *g &= !r.gpu_mask;
+        let f = &mut self.free[n];
+        f.gpu_mask &= !r.gpu_mask;
         if r.gpu_mask == 0 && r.gpus > 0 {
-            *g &= !lowest_bits(*g, r.gpus).unwrap_or(*g);
+            f.gpu_mask &= !lowest_bits(f.gpu_mask, r.gpus).unwrap_or(f.gpu_mask);
         }
-        *c = c.saturating_sub(r.cpu);
-        *m = m.saturating_sub(r.memory_mb);
+        f.gpus = f.gpu_mask.count_ones();
+        f.cpu = f.cpu.saturating_sub(r.cpu);
+        f.memory_mb = f.memory_mb.saturating_sub(r.memory_mb);
+        if !r.custom.is_empty() {
+            f.custom = f.custom.subtract(&r.custom);
+        }
+        if !r.ports.is_empty() {
+            f.ports = f.ports.subtract(&r.ports);
+        }
     }
 
     /// Adds the resources of the leaving containers `which` accepts; returns their GPUs.
     fn give_leaving(&mut self, snap: &Snapshot, which: impl Fn(&Held) -> bool) -> u32 {
         let mut gpus = 0;
         for h in snap.held.iter().filter(|h| h.leaving && which(h)) {
-            self.give(h.node, h.gpus, h.cpu, h.memory_mb);
+            self.give(h);
             gpus += h.gpus.count_ones();
         }
         gpus
     }
 
-    fn give(&mut self, n: usize, gpus: GpuMask, cpu: u32, mem: u64) {
-        let (g, c, m) = &mut self.free[n];
-        *g |= gpus;
-        *c = c.saturating_add(cpu);
-        *m = m.saturating_add(mem);
+    fn give(&mut self, h: &Held) {
+        give_back(&mut self.free[h.node], h);
     }
 
     /// Places one task of `t` best-fit (the eligible node with the fewest free GPUs that
     /// fits, so big holes stay whole) on a node `ok` accepts; returns the node.
     fn place(&mut self, nodes: &[NodeCap], t: &WaitingTasks, ok: &dyn Fn(usize) -> bool) -> Option<usize> {
         let best = (0..nodes.len())
-            .filter(|&n| ok(n) && eligible(&nodes[n], t) && self.fits(n, t.gpus, t.cpu, t.memory_mb))
-            .min_by_key(|&n| (self.free[n].0.count_ones(), n))?;
-        self.take(best, t.gpus, t.cpu, t.memory_mb);
+            .filter(|&n| ok(n) && eligible(&nodes[n], t) && self.fits(n, t))
+            .min_by_key(|&n| (self.free[n].gpus, n))?;
+        self.take(best, t);
         Some(best)
     }
 
@@ -987,7 +1051,7 @@ fn apply_choice(
         for &h in &units[u].held {
             let held = &snap.held[h];
             taken[h] = true;
-            scratch.give(held.node, held.gpus, held.cpu, held.memory_mb);
+            scratch.give(held);
             if in_pool(held.node) {
                 freed += held.gpus.count_ones();
                 leaving[snap.apps[held.app].queue] += held.gpus.count_ones();

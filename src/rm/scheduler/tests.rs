@@ -41,6 +41,8 @@ fn node(host: &str, gpus: u32) -> NodeCap {
         free_gpus: crate::resources::mask_of_count(gpus),
         free_cpu: 64,
         free_memory_mb: 1 << 20,
+        free_ports: Default::default(),
+        free_custom: Default::default(),
         topology: None,
     }
 }
@@ -103,6 +105,8 @@ impl Cluster {
             gpus: mask,
             cpu: 1,
             memory_mb: 100,
+            ports: Default::default(),
+            custom: Default::default(),
             run_ms,
             leaving: false,
             for_queue: None,
@@ -802,9 +806,9 @@ mod agrees_with_select {
                         feasible::judge(&task_facts(&w), &caps[i].facts(), &ask, nodes[i].free(), &caps[i].total),
                         feasible::Verdict::Fits
                     );
-                    if role.resources.gpu_share.is_none() {
-                        prop_assert!(scratch.fits(i, w.gpus, w.cpu, w.memory_mb), "the gate would keep no room there");
-                    }
+                    // The gate's packing finds room there too (ports and custom resources
+                    // included; no GPU of these nodes is shared, so a share finds a whole one).
+                    prop_assert!(scratch.fits(i, &w), "the gate would keep no room there");
                 }
                 Outcome::Impossible { reason } => {
                     prop_assert!(!eligible_any, "select says impossible ({reason}) but the RM finds a node");
@@ -815,4 +819,43 @@ mod agrees_with_select {
             }
         }
     }
+}
+
+#[test]
+fn the_scratch_packs_ports_and_custom_resources_as_placement_counts_them() {
+    let mut n = node("a", 8);
+    n.free_custom = crate::resources::CustomResources::from_pairs([("nvme", 1)]);
+    n.free_ports = crate::resources::PortSet::range(20000, 20002);
+    n.total.custom = n.free_custom.clone();
+    n.total.ports = n.free_ports.clone();
+    let snap = Snapshot {
+        nodes: vec![n],
+        ..Default::default()
+    };
+    // Two tasks each wanting the node's one nvme: one fits, and only one.
+    let mut nvme = waiting(2, 1);
+    nvme.custom = crate::resources::CustomResources::from_pairs([("nvme", 1)]);
+    let mut s = Scratch::of(&snap);
+    assert_eq!(place_rest(&snap.nodes, &mut s, &[nvme.clone()], &|_| true)[0].count, 1);
+    // Two dynamic ports at or above 20000 each: three free, so one task.
+    let mut ports = waiting(2, 1);
+    ports.dynamic_ports = 2;
+    ports.min_port = 20000;
+    let mut s = Scratch::of(&snap);
+    assert_eq!(place_rest(&snap.nodes, &mut s, &[ports.clone()], &|_| true)[0].count, 1);
+    // A static port is taken by the first task that holds it.
+    let mut fixed = waiting(2, 0);
+    fixed.ports = crate::resources::PortSet::range(20001, 20001);
+    let mut s = Scratch::of(&snap);
+    assert_eq!(place_rest(&snap.nodes, &mut s, &[fixed], &|_| true)[0].count, 1);
+    // A node without the resource at all is not eligible (never), unlike one where it is busy.
+    let mut busy = node("b", 8);
+    busy.total.custom = crate::resources::CustomResources::from_pairs([("nvme", 1)]);
+    assert!(eligible(&busy, &nvme));
+    assert!(!eligible(&node("c", 8), &nvme));
+    assert!(!Scratch::of(&Snapshot {
+        nodes: vec![busy],
+        ..Default::default()
+    })
+    .fits(0, &nvme));
 }

@@ -130,6 +130,8 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             gpus,
             cpu: r.cpu,
             memory_mb: r.memory_mb,
+            ports: r.ports.clone(),
+            custom: r.custom.clone(),
             run_ms: if c.state == ContainerState::Running {
                 wall.saturating_sub(c.allocated_ms)
             } else {
