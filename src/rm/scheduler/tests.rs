@@ -709,7 +709,7 @@ mod agrees_with_select {
         };
         let mut total = Resources::with_mask(cpu, 64_000, mask_of_count(gpus), ports);
         total.custom = CustomResources::from_pairs([("nvme", nvme)]);
-        let mut n = Node::new(&format!("n{i}"), "/r", total);
+        let mut n = Node::new(format!("n{i}"), "/r", total);
         n.set_used(Resources::with_mask(
             used_cpu.min(cpu),
             0,
