@@ -381,24 +381,27 @@ impl Scratch {
         if !self.fits(n, t) {
             return false;
         }
-        let f = &mut self.free[n];
+        let f = &self.free[n];
         let gpus = if t.gpu_mask != 0 {
             t.gpu_mask
         } else {
             lowest_bits(f.gpu_mask, t.gpus).unwrap_or(0)
         };
-        f.gpu_mask &= !gpus;
-        f.gpus = f.gpu_mask.count_ones();
-        f.cpu -= t.cpu;
-        f.memory_mb -= t.memory_mb;
-        if !t.custom.is_empty() {
-            f.custom = f.custom.subtract(&t.custom);
+        let mut ports = t.ports.clone();
+        if t.dynamic_ports > 0 {
+            let drawn = f.ports.subtract(&t.ports).lowest(t.dynamic_ports, t.min_port);
+            ports = ports.union(&drawn.unwrap_or_default());
         }
-        if !t.ports.is_empty() || t.dynamic_ports > 0 {
-            let left = f.ports.subtract(&t.ports);
-            let drawn = left.lowest(t.dynamic_ports, t.min_port).unwrap_or_default();
-            f.ports = left.subtract(&drawn);
-        }
+        let grant = Resources {
+            cpu: t.cpu,
+            memory_mb: t.memory_mb,
+            gpus: gpus.count_ones(),
+            gpu_mask: gpus,
+            gpu_shares: Default::default(),
+            ports,
+            custom: t.custom.clone(),
+        };
+        self.take_exact(n, &grant);
         true
     }
 
