@@ -120,6 +120,10 @@ pub struct RmSettings {
     /// A node agent silent for this long becomes LOST (its containers end for their jobs;
     /// their resources stay held until the agent returns and reports them dead).
     pub node_expiry_sec: u64,
+    /// After an RM restart, how long the node agents it knew have to register again: until
+    /// then their hosts are listed NEW (AMs wait, nothing is placed there) and their
+    /// containers are kept; a host whose agent has not come back by then is LOST.
+    pub node_reregister_grace_sec: u64,
     /// The users file (`users: {NAME: {token_sha256: HEX}}`); without one only the admin
     /// token submits. Relative to the settings file's directory. `--users-file` wins.
     pub users_file: Option<PathBuf>,
@@ -148,6 +152,7 @@ impl Default for RmSettings {
             container_expiry_sec: 600,
             max_am_attempts: 3,
             node_expiry_sec: 15,
+            node_reregister_grace_sec: 45,
             users_file: None,
             public_names: Vec::new(),
             allow_public_dashboards: false,
