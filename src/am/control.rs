@@ -12,7 +12,9 @@ use rand::Rng;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use super::exits::{check_completion, classify, decide_retry, ExitInfo, JobVerdict, RetryDecision, RoleTally};
+use super::exits::{
+    check_completion, classify, decide_retry, retry_delay, ExitInfo, JobVerdict, RetryDecision, RetrySpacing, RoleTally,
+};
 use super::rm_client::{RmClient, RmError};
 use super::status::{
     Command, ExitType, JobState, NodeStatus, RoleCounts, SelectionRecord, StatusHub, TaskState, SELECTION_HISTORY,
@@ -717,8 +719,20 @@ impl Control {
         match decision {
             RetryDecision::Retry => {
                 counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let exit = t.exit.as_ref().map(|(e, _)| e.clone());
+                let delay = exit.map_or(0, |e| {
+                    retry_delay(&e, &mut t.retry, now_ms(), &RetrySpacing::from_settings(&self.settings))
+                });
                 t.new_attempt();
-                t.waiting_reason = Some("retrying after the last attempt ended".into());
+                t.not_before = (delay > 0).then(|| Instant::now() + Duration::from_millis(delay));
+                t.waiting_reason = Some(if delay > 0 {
+                    format!(
+                        "retrying in {:.1} s after the last attempt ended (back-off)",
+                        delay as f64 / 1000.0
+                    )
+                } else {
+                    "retrying after the last attempt ended".into()
+                });
             }
             RetryDecision::Complete => {
                 t.succeeded = Some(succeeded);

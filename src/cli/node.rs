@@ -203,6 +203,13 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         http_timeouts: (&settings.http).into(),
         containment: args.containment,
         shim_exe: std::env::current_exe().ok(),
+        bounds: match crate::node::bounds::NodeBounds::from_settings(&settings.node) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return exit::USAGE;
+            }
+        },
     };
     match agent::run(opts).await {
         Ok(()) => exit::SUCCESS,
