@@ -6,47 +6,21 @@
 //! MiB)`. Needs root (tmpfs mounts, cgroups); skipped otherwise. Every wait is bounded.
 
 mod common;
+#[path = "common/exec.rs"]
+mod exec;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use exec::{ctx, executor, next_exit, root};
 use gpuam::node::cgroup::{Containment, Mechanism};
-use gpuam::node::executor::{Executor, ExecutorOptions};
-use gpuam::node::NodeEvent;
-use gpuam::protocol::LaunchContext;
+use gpuam::node::executor::ExecutorOptions;
 use gpuam::resources::Resources;
-use tokio::sync::mpsc;
 
 use common::{sq, Rm};
 
-fn root() -> bool {
-    // SAFETY: plain syscall.
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn ctx(cmd: &str) -> LaunchContext {
-    LaunchContext {
-        commands: vec![cmd.to_string()],
-        env: BTreeMap::new(),
-    }
-}
-
 fn res(memory_mb: u64) -> Resources {
     Resources::with_mask(1, memory_mb, 0, Default::default())
-}
-
-async fn next_exit(rx: &mut mpsc::UnboundedReceiver<NodeEvent>) -> (String, i32, String) {
-    let ev = tokio::time::timeout(Duration::from_secs(60), rx.recv())
-        .await
-        .expect("no Exited event within 60 s")
-        .expect("channel closed");
-    let NodeEvent::Exited {
-        container_id,
-        exit_status,
-        diagnostics,
-    } = ev;
-    (container_id, exit_status, diagnostics)
 }
 
 /// A small tmpfs (the "node's disk"), unmounted when dropped.
@@ -86,10 +60,8 @@ impl Drop for Tmpfs {
 async fn fill_the_disk(containment: Containment, tag: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let disk = Tmpfs::mount(&tmp.path().join("disk"), 64);
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let exec = Executor::with_options(
-        disk.0.join("containers"),
-        tx,
+    let (exec, mut rx) = executor(
+        &disk.0,
         ExecutorOptions {
             containment,
             max_log_bytes: Some(1 << 20),
@@ -126,7 +98,6 @@ async fn fill_the_disk(containment: Containment, tag: &str) {
 #[tokio::test]
 async fn a_task_past_its_disk_bound_is_killed_and_the_next_job_runs_under_a_cgroup() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::detect("gpuam-test-23b-disk");
@@ -137,7 +108,6 @@ async fn a_task_past_its_disk_bound_is_killed_and_the_next_job_runs_under_a_cgro
 #[tokio::test]
 async fn a_task_past_its_disk_bound_is_killed_and_the_next_job_runs_under_the_shim() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::subreaper(PathBuf::from(env!("CARGO_BIN_EXE_gpuam")));
@@ -150,7 +120,6 @@ async fn a_task_past_its_disk_bound_is_killed_and_the_next_job_runs_under_the_sh
 #[tokio::test]
 async fn a_fork_bomb_over_two_containers_is_bounded_node_wide() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::detect("gpuam-test-23b-pids").with_max_pids(Some(40));
@@ -166,10 +135,8 @@ async fn a_fork_bomb_over_two_containers_is_bounded_node_wide() {
     assert_eq!(value, "40", "{}", file.display());
     let current = file.with_file_name("pids.current");
     let tmp = tempfile::tempdir().unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let exec = Executor::with_options(
-        tmp.path().join("containers"),
-        tx,
+    let (exec, mut rx) = executor(
+        tmp.path(),
         ExecutorOptions {
             containment: c.clone(),
             ..Default::default()
@@ -222,7 +189,6 @@ async fn a_fork_bomb_over_two_containers_is_bounded_node_wide() {
 #[tokio::test]
 async fn an_oom_kill_in_the_tasks_own_limit_says_so() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::detect("gpuam-test-23b-oom");
@@ -232,10 +198,8 @@ async fn an_oom_kill_in_the_tasks_own_limit_says_so() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let exec = Executor::with_options(
-        tmp.path().join("containers"),
-        tx,
+    let (exec, mut rx) = executor(
+        tmp.path(),
         ExecutorOptions {
             containment: c.clone(),
             ..Default::default()
@@ -263,7 +227,6 @@ async fn an_oom_kill_in_the_tasks_own_limit_says_so() {
 #[test]
 fn an_oom_task_with_no_retries_ends_after_one_attempt_with_the_reason() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let rm = Rm::start(

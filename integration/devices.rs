@@ -10,10 +10,13 @@
 //! on the shim's inaccessible node. Tasks run as `nobody`, as an agent's tasks run as an
 //! unprivileged user. Needs root (mknod, cgroups, mount namespaces); skipped otherwise.
 
+#[path = "common/exec.rs"]
+mod exec;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
+use exec::{ctx, executor, next_exit, root};
 use gpuam::node::cgroup::{Choice, Containment, Mechanism};
 use gpuam::node::executor::{Executor, ExecutorOptions, RunAs};
 use gpuam::node::NodeEvent;
@@ -22,11 +25,6 @@ use gpuam::resources::Resources;
 use tokio::sync::mpsc;
 
 const NODES: [&str; 5] = ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl"];
-
-fn root() -> bool {
-    // SAFETY: plain syscall.
-    unsafe { libc::geteuid() == 0 }
-}
 
 /// A directory of stand-in NVIDIA device nodes (195:0..3 and nvidiactl 195:255), 0666 as
 /// the driver makes them, in a directory `nobody` can enter.
@@ -56,10 +54,7 @@ fn probe(dev: &Path) -> LaunchContext {
         "for n in {}; do if msg=$( ( exec 3<>{d}/$n ) 2>&1 ); then echo \"$n: OPENED\"; else echo \"$n: $msg\"; fi; done",
         NODES.join(" ")
     );
-    LaunchContext {
-        commands: vec![script],
-        env: BTreeMap::new(),
-    }
+    ctx(&script)
 }
 
 /// What the probe said for each node: `ok` (the filter let it through: opened, or ENXIO
@@ -81,31 +76,16 @@ fn outcome(stdout: &str) -> BTreeMap<String, String> {
         .collect()
 }
 
-fn executor(root: &Path, containment: Containment) -> (Executor, mpsc::UnboundedReceiver<NodeEvent>) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let exec = Executor::with_options(
-        root.join("containers"),
-        tx,
+/// An executor whose tasks run as `nobody`.
+fn as_nobody(dir: &Path, containment: Containment) -> (Executor, mpsc::UnboundedReceiver<NodeEvent>) {
+    executor(
+        dir,
         ExecutorOptions {
             containment,
             run_as: Some(RunAs::lookup("nobody").unwrap()),
             ..Default::default()
         },
-    );
-    (exec, rx)
-}
-
-async fn next_exit(rx: &mut mpsc::UnboundedReceiver<NodeEvent>) -> (String, i32, String) {
-    let ev = tokio::time::timeout(Duration::from_secs(30), rx.recv())
-        .await
-        .expect("no Exited event within 30 s")
-        .expect("channel closed");
-    let NodeEvent::Exited {
-        container_id,
-        exit_status,
-        diagnostics,
-    } = ev;
-    (container_id, exit_status, diagnostics)
+    )
 }
 
 /// Runs the probe in container `id` granted the GPUs of `mask`; what it could open.
@@ -133,7 +113,7 @@ async fn attack(containment: Containment, tag: &str) {
     let tmp = tempfile::tempdir().unwrap();
     open_up(tmp.path());
     let dev = fake_dev(tmp.path());
-    let (exec, mut rx) = executor(tmp.path(), containment.with_device_dir(dev.clone()));
+    let (exec, mut rx) = as_nobody(tmp.path(), containment.with_device_dir(dev.clone()));
     std::fs::create_dir_all(tmp.path().join("containers")).unwrap();
     open_up(&tmp.path().join("containers"));
 
@@ -178,7 +158,6 @@ async fn attack(containment: Containment, tag: &str) {
 #[tokio::test]
 async fn another_gpus_node_cannot_be_opened_under_cgroup_v2() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::detect("gpuam-test-23b-dev-v2");
@@ -196,7 +175,6 @@ async fn another_gpus_node_cannot_be_opened_under_cgroup_v2() {
 #[tokio::test]
 async fn a_node_made_elsewhere_is_refused_too_under_cgroup_v2() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::detect("gpuam-test-23b-dev-v2b");
@@ -207,10 +185,8 @@ async fn a_node_made_elsewhere_is_refused_too_under_cgroup_v2() {
     let tmp = tempfile::tempdir().unwrap();
     let dev = fake_dev(tmp.path());
     // Root tasks (no run_as): mknod is allowed by the filter, opening is not.
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let exec = Executor::with_options(
-        tmp.path().join("containers"),
-        tx,
+    let (exec, mut rx) = executor(
+        tmp.path(),
         ExecutorOptions {
             containment: c.clone().with_device_dir(dev),
             ..Default::default()
@@ -218,11 +194,7 @@ async fn a_node_made_elsewhere_is_refused_too_under_cgroup_v2() {
     );
     let cmd = "mknod mine c 195 2 && if msg=$( ( exec 3<>mine ) 2>&1 ); then echo \"mine: OPENED\"; else echo \"mine: $msg\"; fi";
     let granted = Resources::with_mask(1, 0, 0b0010, Default::default());
-    let ctx = LaunchContext {
-        commands: vec![cmd.into()],
-        env: BTreeMap::new(),
-    };
-    exec.start("v2-mknod", "h", &granted, ctx).unwrap();
+    exec.start("v2-mknod", "h", &granted, ctx(cmd)).unwrap();
     let (_, code, why) = next_exit(&mut rx).await;
     assert_eq!(code, 0, "{why}");
     let out = std::fs::read_to_string(exec.container_dir("v2-mknod").unwrap().join("stdout")).unwrap();
@@ -233,7 +205,6 @@ async fn a_node_made_elsewhere_is_refused_too_under_cgroup_v2() {
 #[tokio::test]
 async fn another_gpus_node_cannot_be_opened_under_cgroup_v1() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::choose(Choice::V1, "gpuam-test-23b-dev-v1", None).unwrap();
@@ -249,10 +220,49 @@ async fn another_gpus_node_cannot_be_opened_under_cgroup_v1() {
 #[tokio::test]
 async fn another_gpus_node_cannot_be_opened_under_the_shim() {
     if !root() {
-        eprintln!("skipped: needs root");
         return;
     }
     let c = Containment::subreaper(PathBuf::from(env!("CARGO_BIN_EXE_gpuam")));
     assert!(c.describe().contains("private /dev"), "{}", c.describe());
     attack(c, "shim").await;
+}
+
+/// What a device filter adds to a container's start: `Containment::create` of 50
+/// containers with the filter (`gpus: Some(mask)`: scan, emit, `BPF_PROG_LOAD`, attach)
+/// and 50 without, timed; prints the figures, asserts nothing about time. Run with
+/// `cargo test --test devices -- --ignored --nocapture device_filter_cost`.
+#[test]
+#[ignore]
+fn device_filter_cost() {
+    if !root() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = fake_dev(tmp.path());
+    let c = Containment::detect("gpuam-test-23b-dev-cost").with_device_dir(dev);
+    let n = 50;
+    let time = |gpus: Option<u64>, tag: &str| {
+        let t = std::time::Instant::now();
+        for i in 0..n {
+            let limits = gpuam::node::cgroup::Limits {
+                gpus,
+                ..Default::default()
+            };
+            let cg = c.create(&format!("{tag}-{i}"), limits).unwrap();
+            cg.remove();
+        }
+        t.elapsed() / n
+    };
+    let without = time(None, "plain");
+    let with = time(Some(0b0010), "filtered");
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(gpuam::node::devices::scan(Path::new("/dev")));
+    }
+    let scan = t.elapsed() / n;
+    println!(
+        "device filter cost ({}): create+remove without {without:?}, with {with:?} per container; of which a scan of /dev {scan:?}",
+        c.describe()
+    );
+    c.remove_parents();
 }

@@ -119,6 +119,9 @@ pub struct Containment {
     dev_dir: Option<PathBuf>,
     /// The operator's extra device rules (`node.device_allow`).
     device_allow: Vec<Rule>,
+    /// Device programs loaded so far, by allow list (shared by clones).
+    programs:
+        std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<Vec<Rule>, std::sync::Arc<devices::Program>>>>,
 }
 
 /// One mount of a cgroup hierarchy.
@@ -397,6 +400,17 @@ impl Containment {
         }
     }
 
+    /// The loaded device program of `rules` (loaded on first use).
+    fn program(&self, rules: &[Rule]) -> io::Result<std::sync::Arc<devices::Program>> {
+        let mut progs = self.programs.lock();
+        if let Some(p) = progs.get(rules) {
+            return Ok(p.clone());
+        }
+        let p = std::sync::Arc::new(devices::Program::load(rules)?);
+        progs.insert(rules.to_vec(), p.clone());
+        Ok(p)
+    }
+
     /// Installs container `cg`'s device filter for the GPUs of `mask` (see the module doc).
     /// `Err` only where the node has NVIDIA devices and no filter could be installed.
     fn filter_devices(&self, id: &str, cg: &mut Cgroup, mask: u64) -> io::Result<()> {
@@ -404,7 +418,7 @@ impl Containment {
         let rules = devices::allow_list(mask, &found, &self.device_allow);
         let mut why = Vec::new();
         if let Some(d) = &cg.v2 {
-            match devices::attach_v2(d, &rules) {
+            match self.program(&rules).and_then(|p| devices::attach_program(d, &p)) {
                 Ok(()) => return Ok(()),
                 Err(e) => why.push(format!("v2 device program: {e}")),
             }

@@ -40,7 +40,7 @@ const NVIDIACTL_MINOR: u32 = 255;
 const MODESET_MINOR: u32 = 254;
 
 /// Which device type a rule matches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kind {
     Char,
     Block,
@@ -49,7 +49,7 @@ pub enum Kind {
 }
 
 /// One allow rule: type, major and minor (`None`: any), and the access it allows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Rule {
     pub kind: Kind,
     pub major: Option<u32>,
@@ -473,6 +473,7 @@ struct ProgAttachAttr {
 }
 
 /// An fd closed on drop.
+#[derive(Debug)]
 struct Fd(libc::c_int);
 
 impl Drop for Fd {
@@ -532,9 +533,27 @@ fn load(rules: &[Rule]) -> io::Result<Fd> {
     }
 }
 
-/// Loads the device program of `rules` and attaches it to the cgroup v2 directory `dir`
-/// (`BPF_F_ALLOW_MULTI`: programs of parent cgroups still run; all must allow).
+/// A loaded device program (its fd, closed on drop): one per allow list, attached to
+/// every container cgroup with that list (the verifier runs once, not per container).
+#[derive(Debug)]
+pub struct Program(Fd);
+
+impl Program {
+    /// Loads the device program of `rules`.
+    pub fn load(rules: &[Rule]) -> io::Result<Program> {
+        load(rules).map(Program)
+    }
+}
+
+/// Loads the device program of `rules` and attaches it to the cgroup v2 directory `dir`.
 pub fn attach_v2(dir: &Path, rules: &[Rule]) -> io::Result<()> {
+    attach_program(dir, &Program::load(rules)?)
+}
+
+/// Attaches `prog` to the cgroup v2 directory `dir` (`BPF_F_ALLOW_MULTI`: programs of
+/// parent cgroups still run; all must allow). The attachment holds the program for as
+/// long as the cgroup lives.
+pub fn attach_program(dir: &Path, prog: &Program) -> io::Result<()> {
     let path = CString::new(dir.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
     // SAFETY: plain syscall on a NUL-terminated path.
     let cg = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
@@ -542,10 +561,9 @@ pub fn attach_v2(dir: &Path, rules: &[Rule]) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     let cg = Fd(cg);
-    let prog = load(rules)?;
     let mut attr = ProgAttachAttr {
         target_fd: cg.0 as u32,
-        attach_bpf_fd: prog.0 as u32,
+        attach_bpf_fd: prog.0 .0 as u32,
         attach_type: BPF_CGROUP_DEVICE,
         attach_flags: BPF_F_ALLOW_MULTI,
         ..Default::default()
@@ -603,7 +621,7 @@ impl PrivateDev {
             if unsafe { libc::mknod(cover.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) } != 0 {
                 return Err(io::Error::last_os_error());
             }
-            std::fs::set_permissions(INACCESSIBLE, std::os::unix::fs::PermissionsExt::from_mode(0))?;
+            std::fs::set_permissions(INACCESSIBLE, std::os::unix::fs::PermissionsExt::from_mode(0o000))?;
         }
         let hide = paths
             .iter()
