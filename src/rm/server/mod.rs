@@ -183,6 +183,8 @@ pub struct RmOptions {
     /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
     /// run` set it to themselves.
     pub shim_exe: Option<PathBuf>,
+    /// Disk, pids and device bounds of the in-process node (`node.*`).
+    pub bounds: crate::node::bounds::NodeBounds,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -217,6 +219,7 @@ impl RmOptions {
             queues: Default::default(),
             preemption_grace: Duration::from_secs(30),
             shim_exe: None,
+            bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
 
@@ -242,6 +245,7 @@ impl RmOptions {
             public_names: rm.public_names.clone(),
             http_timeouts: (&settings.http).into(),
             max_log_bytes: Some(settings.node.max_log_bytes),
+            bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
     }
@@ -415,6 +419,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         h.finish()
     }))
     .with_shim(opts.shim_exe.clone());
+    let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
     tracing::info!("in-process node {}", containment.describe());
     let ray = opts
         .ray
@@ -425,6 +430,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         crate::node::executor::ExecutorOptions {
             containment,
             max_log_bytes: opts.max_log_bytes,
+            max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
         },
     );
