@@ -69,8 +69,9 @@ pub struct NodeArgs {
     #[arg(long = "task-env", value_name = "NAME=VALUE")]
     pub task_env: Vec<String>,
     /// How containers are contained: `auto` (cgroup v2, else cgroup v1 pids+freezer, else
-    /// a subreaper shim around each container) or `subreaper` (the shim even where cgroups
-    /// exist). The mechanism used is logged at start.
+    /// a subreaper shim around each container), `v1` (cgroup v1 even where v2 is mounted
+    /// beside it) or `subreaper` (the shim even where cgroups exist). The mechanism used is
+    /// logged at start.
     #[arg(long, env = "GPUAM_NODE_CONTAINMENT", default_value = "auto")]
     pub containment: crate::node::cgroup::Choice,
 }
@@ -219,6 +220,13 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         http_timeouts: (&settings.http).into(),
         containment: args.containment,
         shim_exe: std::env::current_exe().ok(),
+        bounds: match crate::node::bounds::NodeBounds::from_settings(&settings.node) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return exit::USAGE;
+            }
+        },
     };
     match agent::run(opts).await {
         Ok(()) => exit::SUCCESS,
