@@ -30,6 +30,9 @@ pub(crate) struct GpuPick {
     pub union: GpuMask,
     pub union_tier: u8,
     pub union_weight: u32,
+    /// NUMA nodes the task's set sits on beyond the first ([`Topology::numa_split`]; fewer is
+    /// better, 0 when unknown).
+    pub numa: u8,
     /// GPUs of the task's set behind an InfiniBand/RoCE NIC's PCIe switch (GPUDirect RDMA),
     /// counted only when the job spans nodes (0 otherwise).
     pub nic: u8,
@@ -99,7 +102,7 @@ fn nic_count(t: &Topology, s: GpuMask, spread: bool) -> u8 {
 /// The best `want.k`-GPU set for one task on a node with `free` GPUs, when the job already
 /// holds `held` there and `want.f` of its tasks are planned to go there. The union U = held ∪
 /// X, X ⊆ free of `f·k` GPUs (fewer when fewer are free), and the task's set S ⊆ X maximise,
-/// in this order: T(U), T(S), W(U), W(S), then (when the job spans nodes) the GPUs of S behind
+/// in this order: T(U), T(S), W(U), W(S), then the fewest NUMA nodes under S, then (when the job spans nodes) the GPUs of S behind
 /// an RDMA NIC's switch, then the best fit Fit(free, X) (smallest), then leave the best
 /// Cap(free ∖ X), then Fit(free, S), Cap(free ∖ S), then the lowest S, then the lowest X. With
 /// no other task planned there (f = 1, held = ∅) and no NIC term this is exactly DESIGN §5's
@@ -119,6 +122,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union: held,
             union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
             union_weight: topo.map_or(0, |t| t.weight(held)),
+            numa: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
             left,
@@ -137,6 +141,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            numa: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !x).count_ones()),
@@ -155,6 +160,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union: g.mask,
             union_tier: g.tier,
             union_weight: g.weight,
+            numa: t.numa_split(g.mask),
             nic: nic_count(t, g.mask, spread),
             fit: t.fit(free, g.mask),
             left: t.cap(free & !g.mask),
@@ -174,6 +180,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
         union,
         union_tier: t.tier(union),
         union_weight: t.weight(union),
+        numa: t.numa_split(g.mask),
         nic: nic_count(t, g.mask, spread),
         fit: t.fit(free, x),
         left: t.cap(free & !x),
@@ -193,6 +200,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: t.tier(union),
             union_weight: t.weight(union),
+            numa: t.numa_split(m),
             nic: nic_count(t, m, spread),
             fit: t.fit(free, m),
             left: t.cap(free & !m),
@@ -205,6 +213,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            numa: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !m).count_ones()),
@@ -275,6 +284,7 @@ pub(crate) fn pick_share(
         union: held,
         union_tier,
         union_weight,
+        numa: 0,
         nic: 0,
         fit,
         left,
@@ -284,20 +294,21 @@ pub(crate) fn pick_share(
 
 /// The exhaustive (union, task) search of [`pick`] on a small node.
 fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: bool) -> GpuPick {
-    type Set = (GpuMask, u8, u32, u8, Fit, [i8; 3]);
+    type Set = (GpuMask, u8, u32, u8, u8, Fit, [i8; 3]);
     let mut sets: Vec<Set> = Vec::new();
     subsets(free, k, &mut |s| {
         sets.push((
             s,
             t.tier(s),
             t.weight(s),
+            t.numa_split(s),
             nic_count(t, s, spread),
             t.fit(free, s),
             t.cap(free & !s),
         ))
     });
     type Score = (
-        (u8, u8, u32, u32, u8),
+        (u8, u8, u32, u32, Reverse<u8>, u8),
         Reverse<Fit>,
         [i8; 3],
         Reverse<Fit>,
@@ -311,9 +322,9 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
         let (ut, uw) = (t.tier(union), t.weight(union));
         let fit = t.fit(free, x);
         let left = t.cap(free & !x);
-        for &(s, st, sw, nic, sfit, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
+        for &(s, st, sw, numa, nic, sfit, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
             let score = (
-                (ut, st, uw, sw, nic),
+                (ut, st, uw, sw, Reverse(numa), nic),
                 Reverse(fit),
                 left,
                 Reverse(sfit),
@@ -329,6 +340,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
                     union,
                     union_tier: ut,
                     union_weight: uw,
+                    numa,
                     nic,
                     fit,
                     left,
@@ -346,6 +358,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
         union: held,
         union_tier: 0,
         union_weight: 0,
+        numa: 0,
         nic: 0,
         fit: [0; topology::FIT_LEVELS],
         left: [-1; 3],
@@ -374,6 +387,10 @@ pub(crate) struct RankKey {
     /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
     /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
     pub share_left: u8,
+    /// 7b. NUMA nodes the task's set sits on beyond the first (fewer is better: a set within
+    /// one NUMA node beats an equally linked set split over two; 0 when the affinity is
+    /// unknown).
+    pub numa: u8,
     /// 8. GPUs of the task's set behind an RDMA NIC's PCIe switch, for a job spanning nodes.
     pub nic: Reverse<u8>,
     /// 9. Best fit, innermost group first: free GPUs left beside the job's new GPUs in the
@@ -410,7 +427,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 16] = [
+        let diffs: [(bool, &str, String, String); 17] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -458,6 +475,12 @@ impl RankKey {
                 "share left on its GPU (less is a better fit)",
                 format_hundredths_u8(self.share_left),
                 format_hundredths_u8(best.share_left),
+            ),
+            (
+                self.numa != best.numa,
+                "NUMA nodes the task's GPU set spans beyond the first (fewer is better)",
+                self.numa.to_string(),
+                best.numa.to_string(),
             ),
             (
                 self.nic != best.nic,

@@ -202,6 +202,7 @@ pub(crate) fn rank_key(
         union_weight: Reverse(pick.union_weight),
         task_weight: Reverse(pick.task_weight),
         share_left: pick.share_left,
+        numa: pick.numa,
         nic: Reverse(pick.nic),
         fit: pick.fit,
         free_gpus: avail.whole_gpu_count(),

@@ -626,6 +626,7 @@ type Order = (
         std::cmp::Reverse<u8>,
         std::cmp::Reverse<u32>,
         std::cmp::Reverse<u32>,
+        u8,
         std::cmp::Reverse<u32>,
     ),
     (
@@ -665,6 +666,7 @@ fn order_of(n: &Node, s: u64, demand: &JobDemand, job_racks: &[String], k: u32) 
                 Reverse(t.tier(s)),
                 Reverse(t.weight(un)),
                 Reverse(t.weight(s)),
+                t.numa_split(s),
                 Reverse(if spread { (s & t.nic_near()).count_ones() } else { 0 }),
             ),
             (

@@ -1,7 +1,10 @@
 //! The per-topology lookup tables and [`choose`]: the best free GPU set of a given size
 //! (DESIGN.md §5; reference/gpu-topology.md §7.2 "IslandBuddy").
 //!
-//! Objective, in order: maximise T(S), then W(S), then minimise the best-fit vector Fit(F, S)
+//! Objective, in order: maximise T(S), then W(S), then minimise N(S), the number of NUMA nodes
+//! S's GPUs sit on beyond the first (the `NUMA Affinity` column of `nvidia-smi topo -m`; GPUs of
+//! unknown affinity count for none, so without the column N is 0 everywhere and changes
+//! nothing: among sets equal on the links, one whose GPUs share a NUMA node wins), then minimise the best-fit vector Fit(F, S)
 //! (free GPUs left beside S in the NVLink, PIX, PXB, PHB and NUMA groups it takes from,
 //! innermost first; [`super::Topology::fit`]), then maximise the fragmentation vector
 //! Cap(F∖S) = [cap(8), cap(4), cap(2)] (lexicographic; cap(F, s) = the highest tier c such that
@@ -15,15 +18,17 @@
 //! 2. **Enumeration** (exact on the whole objective): all k-subsets of the candidates, with W
 //!    updated incrementally from per-class adjacency popcounts. Used for k = 1, on
 //!    tree nodes when the number of subsets is within [`TREE_ENUM_BUDGET`] (so always on 8-GPU
-//!    trees), on non-tree nodes of ≤ 16 GPUs whatever the size (at most C(16,8) = 12 870
-//!    subsets, so they are exact), and on larger non-tree nodes within [`ENUM_BUDGET`].
-//! 3. **Tree DP** on tree-shaped (ultrametric) nodes beyond that budget: a knapsack over the
-//!    island tree, exact on (T, W). Its tie-break is the reference's best fit: the smallest
-//!    total size of fully-free islands split by the choice, then the smallest mask (Fit and Cap
-//!    do not decompose over the tree).
+//!    trees), on every node of ≤ 16 GPUs whose GPUs sit on more than one NUMA node and on
+//!    non-tree nodes of ≤ 16 GPUs whatever the size (at most C(16,8) = 12 870 subsets, so they
+//!    are exact, N included), and on larger non-tree nodes within [`ENUM_BUDGET`].
+//! 3. **Tree DP** on tree-shaped (ultrametric) nodes beyond that budget (so: larger than 16
+//!    GPUs, or of one NUMA node): a knapsack over the island tree, exact on (T, W). Its
+//!    tie-break is the reference's best fit: the smallest total size of fully-free islands split
+//!    by the choice, then the smallest mask (N, Fit and Cap do not decompose over the tree; on a
+//!    multi-NUMA tree of > 16 GPUs N is not applied).
 //! 4. **Greedy + swap** on large non-tree meshes beyond the budget: seeded growth inside a
 //!    candidate staying connected in G_c*, then 1-swap improvement of W. T is exact, W is a
-//!    local optimum.
+//!    local optimum; N, Fit and Cap rank the local optima (one per candidate component).
 
 use crate::resources::{lowest_bits, GpuMask};
 
@@ -78,6 +83,9 @@ pub(crate) struct Tables {
     cls_adj: Vec<u64>,
     /// The island tree when the node is ultrametric.
     pub(crate) tree: Option<Tree>,
+    /// The GPUs of each NUMA node (known affinity only), when they sit on more than one;
+    /// empty otherwise (N(S) then tells no set apart). Set by [`Tables::set_numa`].
+    numa: Vec<u64>,
 }
 
 /// Island tree of an ultrametric node: leaves are GPUs; an inner node's children are linked to
@@ -168,6 +176,7 @@ impl Tables {
             cls_w,
             cls_adj,
             tree: None,
+            numa: Vec::new(),
         };
         for c in 0..3 {
             let isl = t.bfs_components(c, all);
@@ -271,6 +280,30 @@ impl Tables {
             nodes,
             root: current[0],
         })
+    }
+
+    /// Records each GPU's NUMA node (`None` = unknown; index = GPU).
+    pub(crate) fn set_numa(&mut self, numa: &[Option<u32>]) {
+        let mut groups: Vec<(u32, u64)> = Vec::new();
+        for (g, v) in numa.iter().enumerate().take(self.n as usize) {
+            let Some(v) = *v else { continue };
+            match groups.iter_mut().find(|(x, _)| *x == v) {
+                Some((_, m)) => *m |= 1 << g,
+                None => groups.push((v, 1 << g)),
+            }
+        }
+        self.numa = if groups.len() > 1 {
+            groups.into_iter().map(|(_, m)| m).collect()
+        } else {
+            Vec::new()
+        };
+    }
+
+    /// N(S): the NUMA nodes the GPUs of `set` sit on beyond the first (0 when they share one,
+    /// when the affinity is unknown, or when the node has one NUMA node). Smaller is better.
+    #[inline]
+    pub(crate) fn numa_split(&self, set: u64) -> u8 {
+        (self.numa.iter().filter(|&&m| m & set != 0).count() as u8).saturating_sub(1)
     }
 
     /// Components of G_c[set], by repeated frontier expansion (u64 BFS).
@@ -450,7 +483,9 @@ impl Tables {
             .iter()
             .fold(0u64, |acc, m| acc.saturating_add(binom(m.count_ones(), k)));
         let (mask, w) = match &self.tree {
-            Some(tree) if count > TREE_ENUM_BUDGET => self.tree_dp(tree, free, k, cstar),
+            Some(tree) if count > TREE_ENUM_BUDGET && (self.numa.is_empty() || self.n > ALWAYS_EXACT_GPUS) => {
+                self.tree_dp(tree, free, k, cstar)
+            }
             None if count > ENUM_BUDGET && self.n > ALWAYS_EXACT_GPUS => self.greedy(free, k, cstar, &comps),
             _ => self.enumerate(free, k, cstar, &comps),
         };
@@ -549,8 +584,8 @@ impl Tables {
 
     fn greedy(&self, free: u64, k: u32, cstar: u8, comps: &[u64]) -> (u64, u32) {
         let c = cstar as usize;
-        // (W, best fit, what is left) of a set, compared lexicographically.
-        type Key = (u32, std::cmp::Reverse<Fit>, Cap);
+        // (W, NUMA nodes, best fit, what is left) of a set, compared lexicographically.
+        type Key = (u32, std::cmp::Reverse<u8>, std::cmp::Reverse<Fit>, Cap);
         let mut best: Option<(Key, u64)> = None;
         for &x in comps {
             let mut seeds: Vec<(u32, u32)> = bits(x).map(|i| (self.delta(i, x & !(1 << i)), i)).collect();
@@ -601,7 +636,12 @@ impl Tables {
                 }
                 break;
             }
-            let key = (w, std::cmp::Reverse(self.fit(free, s)), self.cap(free & !s));
+            let key = (
+                w,
+                std::cmp::Reverse(self.numa_split(s)),
+                std::cmp::Reverse(self.fit(free, s)),
+                self.cap(free & !s),
+            );
             if best.is_none_or(|(bk, bm)| key > bk || (key == bk && s < bm)) {
                 best = Some((key, s));
             }
@@ -633,6 +673,7 @@ impl Val {
 struct Best {
     mask: u64,
     w: u32,
+    numa: u8,
     fit: Fit,
     cap: Option<Cap>,
 }
@@ -673,9 +714,13 @@ impl Enum<'_> {
         }
         let t = self.t;
         let free = self.free;
+        let numa = t.numa_split(s);
+        if self.best.as_ref().is_some_and(|b| w == b.w && numa > b.numa) {
+            return;
+        }
         let fit = t.fit(free, s);
         match &mut self.best {
-            Some(b) if w == b.w => {
+            Some(b) if w == b.w && numa == b.numa => {
                 if fit > b.fit || (fit == b.fit && b.cap == Some(self.ub) && s > b.mask) {
                     return;
                 }
@@ -688,6 +733,7 @@ impl Enum<'_> {
                     *b = Best {
                         mask: s,
                         w,
+                        numa,
                         fit,
                         cap: Some(sc),
                     };
@@ -697,6 +743,7 @@ impl Enum<'_> {
                 self.best = Some(Best {
                     mask: s,
                     w,
+                    numa,
                     fit,
                     cap: None,
                 });
@@ -706,7 +753,7 @@ impl Enum<'_> {
 }
 
 /// Chooses `k` GPUs among `free` (DESIGN.md §5; see the module docs for the objective and the
-/// tie-break). `None` when `free` has fewer than `k` bits; `k = 0` → the empty mask (tier 2
+/// tie-break, NUMA term included). `None` when `free` has fewer than `k` bits; `k = 0` → the empty mask (tier 2
 /// with a topology, the zero/one-GPU convention of [`Topology::tier`]). Exact on the whole
 /// objective for 8-GPU nodes and non-tree nodes of ≤ 16 GPUs, exact on (T, W) for every tree
 /// node, exact on T everywhere; the result always has exactly `k` bits inside `free`. Without a

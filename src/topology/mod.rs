@@ -120,6 +120,8 @@ impl Topology {
         self.nic_near = (0..self.n)
             .filter(|&g| nics.iter().any(|x| x.is_rdma() && x.links[g as usize].tier() >= 1))
             .fold(0, |m, g| m | 1 << g);
+        let numa: Vec<Option<u32>> = affinity.iter().map(|a| a.numa).collect();
+        self.tables.set_numa(&numa);
         self.nics = nics;
         self.affinity = affinity;
         Ok(self)
@@ -133,6 +135,14 @@ impl Topology {
     /// Each GPU's CPU and NUMA affinity (empty when unknown).
     pub fn affinity(&self) -> &[GpuAffinity] {
         &self.affinity
+    }
+
+    /// N(S): how many NUMA nodes the GPUs of `mask` sit on beyond the first (GPUs of unknown
+    /// affinity count for none; 0 when they share one NUMA node, or the affinity is unknown).
+    /// Among sets equal on T and W, fewer is better ([`choose`]). Bits outside the node are
+    /// ignored.
+    pub fn numa_split(&self, mask: GpuMask) -> u8 {
+        self.tables.numa_split(mask & self.tables.all)
     }
 
     /// The GPUs that share a PCIe switch (PIX/PXB) with an InfiniBand/RoCE NIC: their traffic

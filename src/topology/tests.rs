@@ -13,6 +13,8 @@ struct Ref {
     tier: Vec<u8>,
     weight: Vec<u32>,
     n: usize,
+    /// Each GPU's NUMA node from the affinity columns (`None` unknown).
+    numa: Vec<Option<u32>>,
 }
 
 fn idx_of(s: u64) -> Vec<usize> {
@@ -37,7 +39,16 @@ impl Ref {
                 weight[a * n + b] = l.weight();
             }
         }
-        Ref { tier, weight, n }
+        let numa = (0..n).map(|g| t.affinity().get(g).and_then(|a| a.numa)).collect();
+        Ref { tier, weight, n, numa }
+    }
+
+    /// NUMA nodes (known ones) under `s`, beyond the first.
+    fn numa_split(&self, s: u64) -> u8 {
+        let mut seen: Vec<u32> = idx_of(s).iter().filter_map(|&g| self.numa[g]).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        seen.len().saturating_sub(1) as u8
     }
 
     /// Size of the largest component of the graph of links of tier ≥ c over `idx`.
@@ -137,7 +148,7 @@ fn ref_max_comp(t: &Topology, c: u8, idx: &[u32]) -> usize {
 /// (T, W, Fit, Cap of what is left, mask).
 type RefBest = (u8, u32, [u8; 5], [i8; 3], u64);
 
-/// Best (T, W, Fit, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
+/// Best (T, W, N, Fit, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
 /// With `full = false` only (T, W) are compared (the mask returned is then any optimum).
 fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
     let nf = f.count_ones() as usize;
@@ -151,6 +162,8 @@ fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
             Some((bt, bw, bfit, bc, bm)) => {
                 if tw != (bt, bw) {
                     tw > (bt, bw)
+                } else if full && r.numa_split(s) != r.numa_split(bm) {
+                    r.numa_split(s) < r.numa_split(bm)
                 } else if full {
                     let fit = r.fit(f, s);
                     let cap = r.cap(f & !s);
@@ -1021,4 +1034,138 @@ fn a_task_gets_its_gpus_cpus_and_nics() {
         Topology::parse_nvidia_smi("\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tPIX\t0-3\nGPU1\tPIX\t X \tN/A\n").unwrap();
     assert_eq!(task_locality(&partial, 0b11).cpus, None);
     assert_eq!(task_locality(&partial, 0b01).cpus.unwrap().to_string(), "0-3");
+}
+
+// ---------- NUMA in ties, on real `nvidia-smi topo -m` texts ----------
+
+/// 8 × RTX 4090: every GPU pair is SYS, the NUMA Affinity column splits the GPUs 0–3 / 4–7.
+/// Source: https://github.com/NVIDIA/go-gpuallocator/issues/17 (as posted; no legend).
+const RTX4090X8_TEXT: &str =
+    "\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tNIC0\tNIC1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t0-55,112-167\t0\t\tN/A
+GPU1\tSYS\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t0-55,112-167\t0\t\tN/A
+GPU2\tSYS\tSYS\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t0-55,112-167\t0\t\tN/A
+GPU3\tSYS\tSYS\tSYS\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t0-55,112-167\t0\t\tN/A
+GPU4\tSYS\tSYS\tSYS\tSYS\t X \tSYS\tSYS\tSYS\tSYS\tSYS\t56-111,168-223\t1\t\tN/A
+GPU5\tSYS\tSYS\tSYS\tSYS\tSYS\t X \tSYS\tSYS\tSYS\tSYS\t56-111,168-223\t1\t\tN/A
+GPU6\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t X \tSYS\tPHB\tPHB\t56-111,168-223\t1\t\tN/A
+GPU7\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t X \tSYS\tSYS\t56-111,168-223\t1\t\tN/A
+NIC0\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPHB\tSYS\t X \tPIX
+NIC1\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPHB\tSYS\tPIX\t X
+";
+
+/// 8 × H100/H200 SXM on NVSwitch (NV18 everywhere), nine NICs, NUMA 0 (GPUs 0–3) and 1
+/// (GPUs 4–7). Source: https://github.com/NVIDIA/nccl/issues/1453 (the GPU rows as posted; the
+/// NIC rows, which only repeat the GPU rows' NIC cells, left out).
+const HGX_NV18_TEXT: &str =
+    "\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tNIC0\tNIC1\tNIC2\tNIC3\tNIC4\tNIC5\tNIC6\tNIC7\tNIC8\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\tSYS\tSYS\tSYS\tSYS\tSYS\tNODE\tNODE\tNODE\tPIX\t0-79\t0\t\tN/A
+GPU1\tNV18\t X \tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\tSYS\tSYS\tSYS\tSYS\tSYS\tNODE\tNODE\tPIX\tNODE\t0-79\t0\t\tN/A
+GPU2\tNV18\tNV18\t X \tNV18\tNV18\tNV18\tNV18\tNV18\tSYS\tSYS\tSYS\tSYS\tSYS\tNODE\tPIX\tNODE\tNODE\t0-79\t0\t\tN/A
+GPU3\tNV18\tNV18\tNV18\t X \tNV18\tNV18\tNV18\tNV18\tSYS\tSYS\tSYS\tSYS\tSYS\tPIX\tNODE\tNODE\tNODE\t0-79\t0\t\tN/A
+GPU4\tNV18\tNV18\tNV18\tNV18\t X \tNV18\tNV18\tNV18\tSYS\tNODE\tNODE\tNODE\tPIX\tSYS\tSYS\tSYS\tSYS\t80-159\t1\t\tN/A
+GPU5\tNV18\tNV18\tNV18\tNV18\tNV18\t X \tNV18\tNV18\tSYS\tNODE\tNODE\tPIX\tNODE\tSYS\tSYS\tSYS\tSYS\t80-159\t1\t\tN/A
+GPU6\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\t X \tNV18\tSYS\tNODE\tPIX\tNODE\tNODE\tSYS\tSYS\tSYS\tSYS\t80-159\t1\t\tN/A
+GPU7\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\t X \tSYS\tPIX\tNODE\tNODE\tNODE\tSYS\tSYS\tSYS\tSYS\t80-159\t1\t\tN/A
+";
+
+/// 8 × H100 SXM on NVSwitch, no NICs listed, NUMA 0 / 1 by halves.
+/// Source: https://github.com/HazyResearch/ThunderKittens/issues/167 (as posted).
+const H100_NO_NIC_TEXT: &str = "        GPU0    GPU1    GPU2    GPU3    GPU4    GPU5    GPU6    GPU7    CPU Affinity    NUMA Affinity   GPU NUMA ID
+GPU0     X      NV18    NV18    NV18    NV18    NV18    NV18    NV18    0-47,96-143     0               N/A
+GPU1    NV18     X      NV18    NV18    NV18    NV18    NV18    NV18    0-47,96-143     0               N/A
+GPU2    NV18    NV18     X      NV18    NV18    NV18    NV18    NV18    0-47,96-143     0               N/A
+GPU3    NV18    NV18    NV18     X      NV18    NV18    NV18    NV18    0-47,96-143     0               N/A
+GPU4    NV18    NV18    NV18    NV18     X      NV18    NV18    NV18    48-95,144-191   1               N/A
+GPU5    NV18    NV18    NV18    NV18    NV18     X      NV18    NV18    48-95,144-191   1               N/A
+GPU6    NV18    NV18    NV18    NV18    NV18    NV18     X      NV18    48-95,144-191   1               N/A
+GPU7    NV18    NV18    NV18    NV18    NV18    NV18    NV18     X      48-95,144-191   1               N/A
+";
+
+/// The fewest NUMA nodes (beyond the first) of any k-subset of `f` with the best (T, W), by
+/// visiting every subset; and whether some such subset lies within one NUMA node.
+fn best_tw_numa(r: &Ref, f: u64, k: u32) -> ((u8, u32), u8) {
+    let mut best: Option<((u8, u32), u8)> = None;
+    let mut s = f;
+    loop {
+        if s.count_ones() == k {
+            let tw = (r.tier(s), r.weight(s));
+            let n = r.numa_split(s);
+            if best.is_none_or(|(btw, bn)| tw > btw || (tw == btw && n < bn)) {
+                best = Some((tw, n));
+            }
+        }
+        if s == 0 {
+            break;
+        }
+        s = (s - 1) & f;
+    }
+    best.unwrap_or(((2, 0), 0))
+}
+
+#[test]
+fn numa_decides_ties_on_real_matrices_for_every_free_mask_and_size() {
+    // The DGX A100 text's GPU rows (links, CPU and NUMA affinity 3,3,1,1,7,7,5,5) are those of
+    // https://github.com/NVIDIA/nccl/issues/1505 (a DGX A100 40GB), with four of its NICs.
+    let texts = [
+        ("8x RTX 4090", RTX4090X8_TEXT),
+        ("HGX NV18", HGX_NV18_TEXT),
+        ("H100 no NIC", H100_NO_NIC_TEXT),
+        ("DGX A100", DGXA100_TEXT),
+        ("H100 new driver", H100_NEW_DRIVER),
+    ];
+    for (name, text) in texts {
+        let t = Topology::parse_nvidia_smi(text).unwrap();
+        let r = Ref::new(&t);
+        assert!(
+            r.numa.iter().all(Option::is_some),
+            "{name}: NUMA Affinity read for every GPU"
+        );
+        let mut split_free = 0;
+        for f in 0..=t.all_mask() {
+            for k in 1..=f.count_ones() {
+                let got = choose(Some(&t), f, k).unwrap();
+                let (tw, n) = best_tw_numa(&r, f, k);
+                assert_eq!((got.tier, got.weight), tw, "{name} F={f:#x} k={k}: (T, W)");
+                assert_eq!(
+                    r.numa_split(got.mask),
+                    n,
+                    "{name} F={f:#x} k={k}: chose {:#x}, split over NUMA nodes while a set of equal (T, W) spans fewer",
+                    got.mask
+                );
+                assert_eq!(t.numa_split(got.mask), n, "{name} F={f:#x} k={k}: Topology::numa_split");
+                if n == 0 && k >= 2 && r.numa_split(f) > 0 {
+                    split_free += 1;
+                }
+            }
+            // And the whole objective (N, then Fit, Cap, lowest mask) against the reference.
+            check_against_reference(&t, f, true);
+        }
+        assert!(
+            split_free > 100,
+            "{name}: the free masks straddle NUMA nodes often ({split_free})"
+        );
+    }
+}
+
+#[test]
+fn numa_example_of_the_issue_and_the_unknown_column() {
+    // GPUs 3, 4, 5 free on the 4090 box: {3,4} and {4,5} are both SYS pairs; {4,5} shares
+    // NUMA node 1 and wins (the lowest mask, {3,4}, won before the NUMA term).
+    let t = Topology::parse_nvidia_smi(RTX4090X8_TEXT).unwrap();
+    assert_eq!(choose(Some(&t), 0b11_1000, 2).unwrap().mask, 0b11_0000);
+    assert_eq!(t.numa_split(0b1_1000), 1);
+    assert_eq!(t.numa_split(0b11_0000), 0);
+    // Three GPUs from {2,3,4,5,6}: {4,5,6}, not {2,3,4}.
+    assert_eq!(choose(Some(&t), 0b111_1100, 3).unwrap().mask, 0b111_0000);
+    // Same matrix without the affinity columns: N is 0 everywhere, the lowest mask wins.
+    let bare = Topology::new("bare", 8, |a, b| t.link(a, b)).unwrap();
+    assert_eq!(bare.numa_split(0b1_1000), 0);
+    assert_eq!(choose(Some(&bare), 0b11_1000, 2).unwrap().mask, 0b1_1000);
+    // NVSwitch box, GPUs 1, 2, 4, 5 free: {4,5} (NUMA 7) rather than {1,2} (NUMA 3 and 1).
+    let t = Topology::parse_nvidia_smi(DGXA100_TEXT).unwrap();
+    assert_eq!(choose(Some(&t), 0b11_0110, 2).unwrap().mask, 0b11_0000);
+    // NVSwitch box, GPUs 3–7 free: the four of NUMA node 1, not the lowest mask {3,4,5,6}.
+    let h = Topology::parse_nvidia_smi(HGX_NV18_TEXT).unwrap();
+    assert_eq!(choose(Some(&h), 0b1111_1000, 4).unwrap().mask, 0b1111_0000);
 }
