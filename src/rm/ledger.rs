@@ -1328,6 +1328,7 @@ mod tests {
                 .iter()
                 .filter_map(|h| l.node(h).map(|n| (h.as_str(), n.state)))
                 .collect(),
+            agent_nodes: Vec::new(),
             whole: false,
         };
         store.write(&batch).expect("the test store takes every write");
