@@ -56,7 +56,9 @@ pub fn now_ms() -> u64 {
 }
 
 impl Task {
-    /// A task waiting for its first container, created now.
+    /// A task waiting for its first container, created now (tests; the job machine passes
+    /// its time in, [`Task::at`]).
+    #[cfg(test)]
     pub fn new(role: usize, index: u32) -> Self {
         Task::at(role, index, Instant::now(), now_ms())
     }

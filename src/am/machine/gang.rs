@@ -12,7 +12,8 @@ use crate::am::tasks::{launch_context, peer_address, Task};
 
 impl JobMachine {
     /// A gang's asks go out all together (the RM grants them all or none): while some
-    /// open task of the gang found no place, the ones placed this round wait with it.
+    /// open task of the gang found no place, the ones placed this round wait with it, and
+    /// the whole gang tries again at the same time.
     pub(super) fn hold_back_partial_gang(&mut self, now: Now) {
         if !self.job.gang || self.gang_launched {
             return;
@@ -48,12 +49,16 @@ impl JobMachine {
                 "gang: its {total} tasks are asked for together; {unplaced} of them find no place yet"
             ));
         }
+        // The gang is tried again as a whole: every waiting task of it at the same time.
+        for t in self.tasks.iter_mut().filter(|t| t.state == TaskState::TaskWaiting) {
+            t.not_before = Some(now.at + wait);
+        }
     }
 
     /// The containers to launch now: without a gang every allocated task's; with a gang only
     /// when every unfinished task holds a container (and everything is given back if that
     /// takes longer than the gang timeout). `None` once the job has ended.
-    pub(super) fn to_launch(&mut self, now: Now) -> Option<Vec<Launch>> {
+    pub(super) fn launches_due(&mut self, now: Now) -> Option<Vec<Launch>> {
         if self.end.is_some() {
             return None;
         }
