@@ -31,6 +31,7 @@ impl JobMachine {
             self.settings.not_available_retry_min_ms,
             self.settings.not_available_retry_max_ms,
         );
+        let mut held_back = false;
         for ti in 0..self.tasks.len() {
             let unsent = self.tasks[ti]
                 .request
@@ -40,6 +41,7 @@ impl JobMachine {
                 })
                 .cloned();
             let Some(r) = unsent else { continue };
+            held_back = true;
             self.by_request.remove(&r.request_id);
             self.selector.remove_requested(&r.host, &r.resources, false);
             let t = &mut self.tasks[ti];
@@ -49,9 +51,12 @@ impl JobMachine {
                 "gang: its {total} tasks are asked for together; {unplaced} of them find no place yet"
             ));
         }
-        // The gang is tried again as a whole: every waiting task of it at the same time.
-        for t in self.tasks.iter_mut().filter(|t| t.state == TaskState::TaskWaiting) {
-            t.not_before = Some(now.at + wait);
+        // Some were held back: the gang is tried again as a whole, every waiting task of it
+        // at the same time.
+        if held_back {
+            for t in self.tasks.iter_mut().filter(|t| t.state == TaskState::TaskWaiting) {
+                t.not_before = Some(now.at + wait);
+            }
         }
     }
 
