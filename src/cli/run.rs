@@ -495,8 +495,10 @@ fn note_task_output(
     if !matches!(state, "CONTAINER_COMPLETED" | "TASK_COMPLETED") {
         live.insert(container.to_string());
     }
+    // A task stopped because the job ended (a worker beside the failed one) did not fail.
+    let stopped = i64::from(crate::am::exits::code::CONTAINER_KILLED_ON_APP_COMPLETION);
     match t["exitCode"].as_i64() {
-        Some(code) if code != 0 && state == "TASK_COMPLETED" => {
+        Some(code) if code != 0 && code != stopped && state == "TASK_COMPLETED" => {
             failed.insert(key, (container.to_string(), code));
         }
         _ => {
