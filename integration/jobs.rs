@@ -627,10 +627,9 @@ nodes:
     }
 }
 
-/// SIGTERM (or SIGHUP, or Ctrl-C) on `gpuam run` kills the job and waits for its end:
-/// no task process, no daemon a task started in a new session, and no AM is left.
-#[test]
-fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
+/// A temporary directory (and its path) holding `cluster.yaml`: one node `n1` of 8 CPUs,
+/// 8000 MB and 2 GPUs, for `gpuam run --cluster`.
+fn one_node_run_dir() -> (tempfile::TempDir, String) {
     let dir = Rm::temp_dir();
     let root = dir.path().display().to_string();
     fs::write(
@@ -638,6 +637,14 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
         "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
     )
     .unwrap();
+    (dir, root)
+}
+
+/// SIGTERM (or SIGHUP, or Ctrl-C) on `gpuam run` kills the job and waits for its end:
+/// no task process, no daemon a task started in a new session, and no AM is left.
+#[test]
+fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
+    let (dir, root) = one_node_run_dir();
     let daemon = "trap \"\" TERM HUP; while :; do sleep 0.05; done";
     fs::write(
         dir.path().join("job.yaml"),
@@ -752,13 +759,7 @@ fn sigterm_on_gpuam_rm_leaves_no_am_task_or_daemon() {
 /// `--quiet-tasks` keeps only the tail.
 #[test]
 fn gpuam_run_streams_task_output_and_ends_with_a_failed_tasks_stderr() {
-    let dir = Rm::temp_dir();
-    let root = dir.path().display().to_string();
-    fs::write(
-        dir.path().join("cluster.yaml"),
-        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
-    )
-    .unwrap();
+    let (dir, root) = one_node_run_dir();
     let run = |name: &str, extra: &[&str]| {
         let marks = format!("{root}/{name}");
         fs::create_dir_all(&marks).unwrap();
