@@ -127,6 +127,8 @@ impl Sandbox {
             .arg(job)
             .arg("--work-dir")
             .arg(&self.work)
+            // A failed job's dashboard would stay up 60 s: these tests read the files.
+            .args(["--linger", "0"])
             .current_dir(repo())
             .env("HOME", &self.home)
             .stdin(Stdio::null())

@@ -342,10 +342,17 @@ async function loadSelection() {
     $('waiting-candidates').replaceChildren();
     return;
   }
-  $('waiting-outcome').replaceChildren(h('p', { class: 'outcome', 'data-outcome': rec.outcome },
-    h('b', null, rec.outcome === 'placed' ? 'placed' : rec.outcome === 'impossible' ? 'impossible on this cluster' : 'not now'),
-    rec.host ? ' on ' : '', rec.host ? h('span', { class: 'mono' }, rec.host + ' GPUs ' + (rec.gpus || []).join(',') + (rec.nic ? ' (NIC ' + rec.nic + ')' : '')) : '',
-    rec.reason ? ' — ' + rec.reason : '', h('span', { class: 'meta' }, ' (' + fmtTime(rec.atMs) + ')')));
+  // A task that waits is never shown as placed: its last selection found a place, but the
+  // task was not given it (a gang held it back); its own waiting reason says why.
+  const heldBack = t.state === 'TASK_WAITING' && rec.outcome === 'placed';
+  const where = rec.host ? h('span', { class: 'mono' }, rec.host + ' GPUs ' + (rec.gpus || []).join(',') + (rec.nic ? ' (NIC ' + rec.nic + ')' : '')) : '';
+  $('waiting-outcome').replaceChildren(heldBack
+    ? h('p', { class: 'outcome', 'data-outcome': 'held' }, h('b', null, 'not placed'),
+      ' — ' + (t.waitingReason || 'waiting'), h('span', { class: 'meta' }, ' (its last selection, ' + fmtTime(rec.atMs) + ', found ', where, ')'))
+    : h('p', { class: 'outcome', 'data-outcome': rec.outcome },
+      h('b', null, rec.outcome === 'placed' ? 'placed' : rec.outcome === 'impossible' ? 'impossible on this cluster' : 'not now'),
+      rec.host ? ' on ' : '', where,
+      rec.reason ? ' — ' + rec.reason : '', h('span', { class: 'meta' }, ' (' + fmtTime(rec.atMs) + ')')));
   const rows = (rec.trace.stages || []).map(s => h('tr', { 'data-stage': s.stage, class: s.nodesOut === 0 ? 'empty' : null },
     h('td', { class: 'mono' }, s.stage),
     h('td', { class: 'mono' }, s.nodesIn + ' → ' + s.nodesOut),

@@ -6,6 +6,7 @@ mod node;
 mod plan;
 mod run;
 mod servers;
+mod task_output;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -50,6 +51,13 @@ enum Cmd {
         /// Where containers' working directories and logs go (default: a new temporary directory).
         #[arg(long, value_name = "DIR")]
         work_dir: Option<PathBuf>,
+        /// Do not stream the tasks' output (a failed task's stderr tail is still shown).
+        #[arg(long)]
+        quiet_tasks: bool,
+        /// Seconds the dashboard stays up after the job ends (default: $GPUAM_DASHBOARD_LINGER_SEC,
+        /// else 60 after a failure and 0 after a success); Ctrl-C leaves at once.
+        #[arg(long, value_name = "SECS")]
+        linger: Option<u64>,
     },
     /// Dry run of the whole job's placement.
     Plan {
@@ -254,7 +262,7 @@ struct SimArgs {
     /// Also measure decision time as clusters grow (100 → 10,000 nodes, pcie8 → pcie64).
     #[arg(long)]
     scaling: bool,
-    /// Trace directory (default $GPUAM_TRACES, else ../shared/data/traces).
+    /// Trace directory (default $GPUAM_TRACES, else data/traces: the repository's samples).
     #[arg(long, value_name = "DIR")]
     traces: Option<PathBuf>,
     /// Simulate the RM's queues instead of comparing policies: `name=weight,...` (jobs go to
@@ -345,6 +353,12 @@ pub fn main() -> i32 {
     for (k, v) in settings.tls.env_vars() {
         std::env::set_var(k, v);
     }
+    // `gpuam run` keeps its AM's dashboard up for its own linger and then stops the AM: the
+    // AM (a child) waits for that. The caller's own GPUAM_DASHBOARD_LINGER_SEC is the linger.
+    let env_linger = std::env::var(run::LINGER_ENV).ok().and_then(|v| v.parse::<u64>().ok());
+    if matches!(cli.command, Cmd::Run { .. }) {
+        std::env::set_var(run::LINGER_ENV, run::RUN_AM_LINGER_SEC.to_string());
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -376,7 +390,19 @@ pub fn main() -> i32 {
             cluster,
             listen,
             work_dir,
-        } => runtime.block_on(run::run(&job, cluster.as_deref(), listen, work_dir, &settings)),
+            quiet_tasks,
+            linger,
+        } => runtime.block_on(run::run(
+            &job,
+            cluster.as_deref(),
+            listen,
+            work_dir,
+            &settings,
+            run::RunView {
+                quiet_tasks,
+                linger: linger.or(env_linger),
+            },
+        )),
         Cmd::Submit {
             job,
             rm,

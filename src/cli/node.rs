@@ -146,6 +146,18 @@ fn gpus_of(args: &NodeArgs) -> Result<(u32, Option<String>, String), String> {
     Ok((count, gpu_type, topology))
 }
 
+/// The warning of a node that offers no GPU (`--gpus` as given).
+fn zero_gpus_warning(gpus_flag: &str) -> String {
+    let why = if gpus_flag == "auto" {
+        "--gpus auto found none (no nvidia-smi on PATH, or it lists no GPU)"
+    } else {
+        "--gpus 0"
+    };
+    format!(
+        "warning: this node offers 0 GPUs ({why}): only tasks that ask for no GPU run here; give --gpus N to offer N"
+    )
+}
+
 pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
     let token = match std::fs::read_to_string(&args.node_token_file) {
         Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
@@ -165,6 +177,9 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
             return exit::USAGE;
         }
     };
+    if count == 0 {
+        eprintln!("{}", zero_gpus_warning(&args.gpus));
+    }
     let ports = match PortSet::parse(&args.ports) {
         Ok(p) => p,
         Err(e) => {
@@ -240,6 +255,16 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zero_gpus_are_warned_with_the_reason() {
+        let w = zero_gpus_warning("auto");
+        assert!(
+            w.starts_with("warning: this node offers 0 GPUs") && w.contains("nvidia-smi"),
+            "{w}"
+        );
+        assert!(zero_gpus_warning("0").contains("(--gpus 0)"));
+    }
 
     #[test]
     fn resource_flags_are_read_and_checked() {

@@ -161,6 +161,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         .map_err(anyhow::Error::msg)?;
     tracing::info!(host = %opts.host, "{}", containment.describe());
     let describe = containment.describe();
+    let limits = containment.limits();
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let executor = Executor::with_options(
         work_dir.join("containers"),
@@ -241,6 +242,9 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         containers: Vec::new(),
         containment: describe,
     };
+    for line in startup_lines(&register, &limits, &opts.rm_url) {
+        eprintln!("{line}");
+    }
     let beat = tokio::spawn(heartbeat_loop(
         agent,
         opts.rm_url.clone(),
@@ -248,6 +252,46 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         register,
     ));
     Ok((addr, beat))
+}
+
+/// What `gpuam node` prints on start: one summary line (host, GPUs and type, topology,
+/// containment and limits, RM), then a warning when CPU or memory limits are not enforced.
+pub fn startup_lines(reg: &AgentRegister, limits: &[(&str, &str)], rm_url: &str) -> Vec<String> {
+    let gpus = reg.total.gpu_count();
+    let gpu_text = match (&reg.gpu_type, gpus) {
+        (_, 0) => "0 GPUs".to_string(),
+        (Some(t), n) => format!("{n} GPU{} ({t})", if n == 1 { "" } else { "s" }),
+        (None, n) => format!("{n} GPU{} (no type)", if n == 1 { "" } else { "s" }),
+    };
+    let topology = match reg.topology.trim() {
+        "" => "none (GPU pairs treated alike)".to_string(),
+        t if !t.contains('\n') => t.to_string(),
+        _ => "from nvidia-smi topo -m".to_string(),
+    };
+    let mut lines = vec![format!(
+        "gpuam node {}: {gpu_text}, {} CPUs, {} MB; topology {topology}; {}; RM {rm_url}; serving at {}{}",
+        reg.host,
+        reg.total.cpu,
+        reg.total.memory_mb,
+        reg.containment,
+        reg.http_address,
+        reg.ip
+            .map(|ip| format!(", peers reach its containers at {ip}"))
+            .unwrap_or_default()
+    )];
+    let missing: Vec<&str> = ["cpu", "memory"]
+        .into_iter()
+        .filter(|c| !limits.iter().any(|(n, _)| n == c))
+        .collect();
+    if !missing.is_empty() {
+        lines.push(format!(
+            "warning: node {} enforces no {} limit: a task may use more than it asked for (run the agent \
+             as root on a machine with cgroup v2, or cgroup v1's cpu and memory controllers)",
+            reg.host,
+            missing.join(" and ")
+        ));
+    }
+    lines
 }
 
 /// The address this node's containers are reached at by their peers (the RM hands it to
@@ -705,6 +749,57 @@ mod tests {
             bounds: Default::default(),
             shim_exe: None,
         }
+    }
+
+    fn register(gpus: u64, gpu_type: Option<&str>, topology: &str) -> AgentRegister {
+        AgentRegister {
+            host: "n1".into(),
+            rack: "/r".into(),
+            labels: Vec::new(),
+            gpu_type: gpu_type.map(str::to_string),
+            total: Resources::with_mask(16, 64000, (1u64 << gpus) - 1, Default::default()),
+            topology: topology.into(),
+            http_address: "http://10.0.0.5:8042".into(),
+            ip: Some("10.0.0.5".parse().unwrap()),
+            containers: Vec::new(),
+            containment: "containment: cgroup v2 under /sys/fs/cgroup/gpuam; limits: memory (v2), cpu (v2)".into(),
+        }
+    }
+
+    #[test]
+    fn the_startup_line_says_what_the_node_offers_and_warns_of_missing_limits() {
+        let full = [("memory", "v2"), ("cpu", "v2"), ("pids", "v2")];
+        let lines = startup_lines(&register(4, Some("A100"), "pcie4"), &full, "http://rm:8088");
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let l = &lines[0];
+        for part in [
+            "gpuam node n1:",
+            "4 GPUs (A100)",
+            "topology pcie4",
+            "cgroup v2",
+            "limits: memory (v2), cpu (v2)",
+            "RM http://rm:8088",
+            "10.0.0.5",
+        ] {
+            assert!(l.contains(part), "{part} missing in {l}");
+        }
+        let nvsmi = "\tGPU0\tGPU1\nGPU0\t X \tNV1\nGPU1\tNV1\t X \n";
+        let lines = startup_lines(&register(0, None, nvsmi), &[("pids", "v1")], "http://rm:8088");
+        assert!(
+            lines[0].contains("0 GPUs") && lines[0].contains("from nvidia-smi topo -m"),
+            "{lines:?}"
+        );
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(
+            lines[1].starts_with("warning: node n1 enforces no cpu and memory limit"),
+            "{lines:?}"
+        );
+        let lines = startup_lines(&register(1, None, ""), &[("cpu", "v1")], "http://rm:8088");
+        assert!(
+            lines[0].contains("1 GPU (no type)") && lines[0].contains("topology none"),
+            "{lines:?}"
+        );
+        assert!(lines[1].contains("enforces no memory limit"), "{lines:?}");
     }
 
     /// The RM stops a container whose start answer it never got: an agent that never

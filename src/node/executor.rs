@@ -803,22 +803,57 @@ impl Executor {
         stream: LogStream,
         tail_bytes: Option<u64>,
     ) -> Result<String, NodeError> {
+        let dir = self.log_dir(container_id)?;
+        let want = tail_bytes.unwrap_or(MAX_LOG_BYTES).min(MAX_LOG_BYTES);
+        match read_tail(&dir.join(stream.file_name()), want) {
+            Ok(text) => Ok(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// At most `max` bytes of a container's stream from byte `offset`, and the file's length
+    /// now (how `gpuam run` follows a task's output). A length below `offset` means the log
+    /// was cut to its newest part (`node.max_log_bytes`): read it again from 0.
+    pub fn read_log_from(
+        &self,
+        container_id: &str,
+        stream: LogStream,
+        offset: u64,
+        max: u64,
+    ) -> Result<(Vec<u8>, u64), NodeError> {
+        let dir = self.log_dir(container_id)?;
+        let read = || -> std::io::Result<(Vec<u8>, u64)> {
+            let mut f = open_log_in_place(&dir.join(stream.file_name()), false)?;
+            let len = f.metadata()?.len();
+            if offset >= len {
+                return Ok((Vec::new(), len));
+            }
+            f.seek(SeekFrom::Start(offset))?;
+            let mut buf = Vec::new();
+            f.take(max.min(MAX_LOG_BYTES)).read_to_end(&mut buf)?;
+            Ok((buf, len))
+        };
+        match read() {
+            Ok(v) => Ok(v),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vec::new(), 0)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The directory of a container whose logs are read: known, and a real directory (the
+    /// container's directory itself must not have been swapped for a link).
+    fn log_dir(&self, container_id: &str) -> Result<PathBuf, NodeError> {
         let dir = self
             .container_dir(container_id)
             .ok_or_else(|| NodeError::UnknownContainer(container_id.into()))?;
-        let want = tail_bytes.unwrap_or(MAX_LOG_BYTES).min(MAX_LOG_BYTES);
-        // The container's directory itself must not have been swapped for a link.
         if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
             return Err(NodeError::Io(std::io::Error::new(
                 std::io::ErrorKind::PermissionDenied,
                 format!("{} is not a directory; refusing to read logs through it", dir.display()),
             )));
         }
-        match read_tail(&dir.join(stream.file_name()), want) {
-            Ok(text) => Ok(text),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
-            Err(e) => Err(e.into()),
-        }
+        Ok(dir)
     }
 }
 

@@ -10,6 +10,9 @@ use super::{JobMachine, Launch, Now};
 use crate::am::status::TaskState;
 use crate::am::tasks::{launch_context, peer_address, Task};
 
+/// How a task held back by its gang's note begins.
+const GANG_NOTE: &str = "gang:";
+
 impl JobMachine {
     /// A gang's asks go out all together (the RM grants them all or none): while some
     /// open task of the gang found no place, the ones placed this round wait with it, and
@@ -27,6 +30,17 @@ impl JobMachine {
             .iter()
             .filter(|t| t.state != TaskState::TaskCompleted)
             .count();
+        // The reason shown is the one of the task that holds the gang back (its first
+        // unplaced task), not a gang's own note.
+        let holder = self
+            .tasks
+            .iter()
+            .filter(|t| t.state == TaskState::TaskWaiting)
+            .find_map(|t| {
+                let why = t.waiting_reason.as_deref().filter(|w| !w.starts_with(GANG_NOTE))?;
+                Some(format!("; {} waits: {why}", self.task_name(t)))
+            })
+            .unwrap_or_default();
         let wait = self.backoff.between(
             self.settings.not_available_retry_min_ms,
             self.settings.not_available_retry_max_ms,
@@ -48,7 +62,7 @@ impl JobMachine {
             t.reset_to_waiting();
             t.not_before = Some(now.at + wait);
             t.waiting_reason = Some(format!(
-                "gang: its {total} tasks are asked for together; {unplaced} of them find no place yet"
+                "{GANG_NOTE} its {total} tasks are asked for together; {unplaced} of them find no place yet{holder}"
             ));
         }
         // Some were held back: the gang is tried again as a whole, every waiting task of it

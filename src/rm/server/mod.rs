@@ -696,6 +696,43 @@ impl RmHandle {
         NodeControl(self.shared.clone())
     }
 
+    /// A container's output from byte `offset` on this process's own node (`gpuam run`'s
+    /// embedded RM): see [`crate::node::executor::Executor::read_log_from`].
+    pub fn read_local_log(
+        &self,
+        container_id: &str,
+        stream: crate::node::executor::LogStream,
+        offset: u64,
+        max: u64,
+    ) -> Result<(Vec<u8>, u64), crate::node::NodeError> {
+        self.shared
+            .nodes
+            .local
+            .executor()
+            .read_log_from(container_id, stream, offset, max)
+    }
+
+    /// What [`RmHandle::shutdown`] would stop now: every application not finished
+    /// (id, user, live containers) and the number of AM processes.
+    pub fn live_work(&self) -> (Vec<(String, String, usize)>, usize) {
+        let ams = self.shared.am_procs.lock().len();
+        let st = self.shared.lock();
+        let apps = st
+            .apps
+            .values()
+            .filter(|a| !a.report.state.is_final())
+            .map(|a| {
+                let id = &a.report.id;
+                (
+                    id.clone(),
+                    a.report.user.clone(),
+                    st.ledger.live_containers_of(id).len(),
+                )
+            })
+            .collect();
+        (apps, ams)
+    }
+
     /// Stops every container and AM process, then the server.
     pub async fn shutdown(self) {
         self.shared
