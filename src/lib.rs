@@ -3,6 +3,9 @@
 //!
 //! Components (DESIGN.md §2); dependencies flow one way:
 //! `cli → am / rm / web → select → cluster / topology / spec → resources`.
+//! The AM (`am`) is a pure job machine with one async driver; it knows neither the web
+//! dashboard nor the terminal: `web` observes its status hub, and `cli` wires the two,
+//! prints and picks exit codes.
 
 pub mod am;
 pub mod auth;
