@@ -278,6 +278,27 @@ fn submit_id(rm: &Rm, job: &Path) -> String {
     submit_no_wait(rm, job).0
 }
 
+/// Opens the job's dashboard with `token` in its URL, presses Kill and confirms; waits
+/// for the answer to say `answer`.
+async fn kill_from_dashboard(br: &Browser, dash: &str, token: &str, answer: &str) {
+    br.goto(&format!("{dash}#token={token}")).await;
+    br.js("location.reload(); return true;").await;
+    br.wait_for(
+        "the reloaded page's kill button",
+        "return !document.getElementById('kill').disabled && document.getElementById('kill-result').hidden;",
+        Duration::from_secs(30),
+    )
+    .await;
+    br.click("#kill").await;
+    br.click("#kill-confirm").await;
+    br.wait_for(
+        "the kill's answer",
+        &format!("return document.getElementById('kill-result').textContent.includes('{answer}');"),
+        Duration::from_secs(30),
+    )
+    .await;
+}
+
 #[test]
 fn the_owner_stops_a_job_from_its_dashboard_and_from_the_cluster_page() {
     let rm = Rm::start(TWO_NODES_TWO_GPUS, &[("GPUAM_DASHBOARD_LINGER_SEC", "0")]);
@@ -292,38 +313,9 @@ fn the_owner_stops_a_job_from_its_dashboard_and_from_the_cluster_page() {
     rt.block_on(async {
         let br = Browser::start().await;
         // The other user's token on the dashboard: refused, nothing stops.
-        br.goto(&format!("{dash}#token={}", rm.other_token)).await;
-        br.wait_for(
-            "the kill button",
-            "return !document.getElementById('kill').disabled;",
-            Duration::from_secs(30),
-        )
-        .await;
-        br.click("#kill").await;
-        br.click("#kill-confirm").await;
-        br.wait_for(
-            "the refusal",
-            "return document.getElementById('kill-result').textContent.includes('Kill refused');",
-            Duration::from_secs(30),
-        )
-        .await;
+        kill_from_dashboard(&br, &dash, &rm.other_token, "Kill refused").await;
         // The owner's own user token: the RM accepts it.
-        br.goto(&format!("{dash}#token={}", rm.user_token)).await;
-        br.js("location.reload(); return true;").await;
-        br.wait_for(
-            "the kill button",
-            "return !document.getElementById('kill').disabled;",
-            Duration::from_secs(30),
-        )
-        .await;
-        br.click("#kill").await;
-        br.click("#kill-confirm").await;
-        br.wait_for(
-            "the kill answer",
-            "return document.getElementById('kill-result').textContent.includes('Kill requested');",
-            Duration::from_secs(30),
-        )
-        .await;
+        kill_from_dashboard(&br, &dash, &rm.user_token, "Kill requested").await;
     });
     assert_eq!(rm.wait_app_final(&a, Duration::from_secs(60))["state"], "KILLED");
     assert_eq!(rm.app(&b)["state"], "RUNNING", "the other job runs on");

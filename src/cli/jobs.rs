@@ -96,6 +96,13 @@ fn api(target: &TargetArgs, tls: &TlsSettings) -> Result<(JobsApi, super::target
     Ok((JobsApi::new(&t, tls)?, t))
 }
 
+/// A client and the full id of the job `job` names, or the exit code.
+async fn job_api(target: &TargetArgs, job: &str, tls: &TlsSettings) -> Result<(JobsApi, String), i32> {
+    let (api, _) = api(target, tls)?;
+    let id = api.resolve(job).await?;
+    Ok((api, id))
+}
+
 fn print_json(v: &impl serde::Serialize) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
@@ -232,12 +239,8 @@ fn jobs_table(jobs: &[&Value], now: u64) -> String {
 
 /// `gpuam status ID`.
 pub(crate) async fn status(a: &StatusArgs, tls: &TlsSettings) -> i32 {
-    let (api, _) = match api(&a.target, tls) {
+    let (api, id) = match job_api(&a.target, &a.job, tls).await {
         Ok(v) => v,
-        Err(code) => return code,
-    };
-    let id = match api.resolve(&a.job).await {
-        Ok(id) => id,
         Err(code) => return code,
     };
     let d = match api.job(&id).await {
@@ -351,12 +354,8 @@ fn status_text(d: &super::rm_api::JobDetail, now: u64) -> String {
 /// `gpuam logs ID [ROLE/INDEX]`.
 pub(crate) async fn logs(a: &LogsArgs, tls: &TlsSettings) -> i32 {
     use std::io::Write;
-    let (api, _) = match api(&a.target, tls) {
+    let (api, id) = match job_api(&a.target, &a.job, tls).await {
         Ok(v) => v,
-        Err(code) => return code,
-    };
-    let id = match api.resolve(&a.job).await {
-        Ok(id) => id,
         Err(code) => return code,
     };
     let stream = if a.stderr { "stderr" } else { "stdout" };
@@ -448,12 +447,8 @@ fn first_task(d: &super::rm_api::JobDetail) -> Option<(String, u32)> {
 
 /// `gpuam kill ID`.
 pub(crate) async fn kill(a: &KillArgs, tls: &TlsSettings) -> i32 {
-    let (api, _) = match api(&a.target, tls) {
+    let (api, id) = match job_api(&a.target, &a.job, tls).await {
         Ok(v) => v,
-        Err(code) => return code,
-    };
-    let id = match api.resolve(&a.job).await {
-        Ok(id) => id,
         Err(code) => return code,
     };
     match api.kill(&id).await {

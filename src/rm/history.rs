@@ -230,6 +230,9 @@ pub fn last_lines(text: &str, max: usize) -> String {
         start += 1;
     }
     let cut = &t[start..];
+    if t.as_bytes()[start - 1] == b'\n' {
+        return cut.to_string();
+    }
     match cut.find('\n') {
         Some(nl) if nl + 1 < cut.len() => cut[nl + 1..].to_string(),
         _ => cut.to_string(),

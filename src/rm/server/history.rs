@@ -128,3 +128,97 @@ pub(super) fn retention_pass(rm: &Shared) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::{PortSet, Resources};
+
+    fn options(dir: &Path) -> RmOptions {
+        let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+        let mut opts = RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.to_path_buf());
+        opts.launch_am = false;
+        opts
+    }
+
+    async fn rm_in(dir: &Path) -> RmHandle {
+        start(options(dir)).await.unwrap()
+    }
+
+    /// A finished application that ended `days_ago`, with a kept log.
+    fn finished_app(rm: &RmHandle, name: &str, days_ago: u64) -> String {
+        let (id, _) = rm.register_test_app(name);
+        let mut st = rm.shared.lock();
+        let app = st.apps.get_mut(&id).unwrap();
+        app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new());
+        app.report.finished_time = now_ms() - days_ago * 86_400_000;
+        st.commit_or_log();
+        drop(st);
+        let dir = super::super::logs::logs_dir(&rm.shared, &id);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("c.stdout"), "x").unwrap();
+        id
+    }
+
+    #[tokio::test]
+    async fn retention_forgets_old_jobs_with_their_logs_durably_and_drops_old_logs() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        let rm = rm_in(&work).await;
+        let old = finished_app(&rm, "old", 31);
+        let logs_only = finished_app(&rm, "week-old", 8);
+        let fresh = finished_app(&rm, "fresh", 0);
+        retention_pass(&rm.shared);
+        assert!(rm.app_report(&old).is_none());
+        assert!(rm.app_report(&logs_only).is_some() && rm.app_report(&fresh).is_some());
+        let logs = |id: &str| super::super::logs::logs_dir(&rm.shared, id).exists();
+        assert!(!logs(&old) && !logs(&logs_only) && logs(&fresh));
+        rm.shutdown().await;
+        // The store forgot it too: a restarted RM does not bring it back (its store is
+        // free once the old RM's last references are gone).
+        let mut again = None;
+        for _ in 0..100 {
+            match start(options(&work)).await {
+                Ok(r) => {
+                    again = Some(r);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        let rm = again.expect("the RM starts again on its state");
+        assert!(rm.app_report(&old).is_none());
+        assert!(rm.app_report(&fresh).is_some());
+        rm.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_task_on_a_lost_node_says_its_logs_are_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let rm = rm_in(&dir.path().join("work")).await;
+        let (id, _) = rm.register_test_app("lost");
+        {
+            let mut st = rm.shared.lock();
+            let mut ask =
+                crate::protocol::Ask::for_resources(1, "n1", &Resources::with_mask(1, 100, 0x1, PortSet::new()));
+            ask.task = Some("worker/0".into());
+            ask.task_attempt = 1;
+            st.ledger.grant(&id, 1, &ask, Instant::now()).unwrap();
+            st.commit_or_log();
+        }
+        assert!(rm.set_node_state("n1", NodeState::Lost).await);
+        let url = format!("{}/ws/v1/cluster/apps/{id}/logs/worker/0", rm.base_url());
+        let v: Value = crate::tls::http_client()
+            .get(&url)
+            .bearer_auth(rm.admin_token())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(v["note"].as_str().unwrap().contains("node n1 is LOST"), "{v}");
+        assert_eq!(v["complete"], true, "{v}");
+        rm.shutdown().await;
+    }
+}

@@ -160,15 +160,7 @@ pub(super) async fn get_task_log(
     Query(q): Query<TaskLogQuery>,
 ) -> Result<Json<Value>, ApiError> {
     check_app_id(&id)?;
-    let stream = match q.stream.as_deref().unwrap_or("stdout") {
-        "stdout" => LogStream::Stdout,
-        "stderr" => LogStream::Stderr,
-        other => {
-            return Err(ApiError::bad_request(format!(
-                "`stream` must be stdout or stderr, not `{other}`"
-            )))
-        }
-    };
+    let stream = log_stream(q.stream.as_deref())?;
     let (row, app_final, finished, source) = {
         let st = rm.lock();
         let app = app_ref(&st.apps, &id)?;
