@@ -13,7 +13,7 @@ use super::rm_api::{job_number, report, JobsApi};
 use super::target::{resolve, TargetArgs};
 use crate::config::TlsSettings;
 use crate::exit;
-use crate::rm::apps::now_ms;
+use crate::protocol::now_ms;
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct JobsArgs {

@@ -40,12 +40,13 @@ use crate::cluster::rm_json::{node_to_json, nodes_to_json};
 use crate::cluster::{Node, NodeState};
 use crate::node::executor::{ExecError, LogStream};
 use crate::node::procs::ProcessId;
+use crate::protocol::now_ms;
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
-use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
+use crate::rm::apps::{app_id, app_seq, AmLaunch, App, Apps};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
 use crate::rm::store::{Batch, Meta, Store, StoreError};
 use crate::rm::users::Users;
@@ -157,6 +158,10 @@ pub struct RmOptions {
     pub node_token: Option<String>,
     /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
     pub node_expiry: Duration,
+    /// After a restart, how long the node agents of the stored state have to register
+    /// again before their hosts are LOST (`rm.node_reregister_grace_sec`); meanwhile their
+    /// containers are kept and the hosts are listed NEW.
+    pub node_reregister_grace: Duration,
     /// The users file (`rm.users_file`): reloaded when it changes and on SIGHUP. `None`:
     /// only the admin token and `users` are accepted.
     pub users_file: Option<PathBuf>,
@@ -183,6 +188,8 @@ pub struct RmOptions {
     /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
     /// run` set it to themselves.
     pub shim_exe: Option<PathBuf>,
+    /// Disk, pids and device bounds of the in-process node (`node.*`).
+    pub bounds: crate::node::bounds::NodeBounds,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -206,6 +213,7 @@ impl RmOptions {
             ray: None,
             node_token: None,
             node_expiry: Duration::from_secs(15),
+            node_reregister_grace: Duration::from_secs(crate::config::RmSettings::default().node_reregister_grace_sec),
             users_file: None,
             users: Users::default(),
             limits: RmLimits::default(),
@@ -217,6 +225,7 @@ impl RmOptions {
             preemption_grace: Duration::from_secs(30),
             history: HistoryOptions::default(),
             shim_exe: None,
+            bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
 
@@ -234,6 +243,7 @@ impl RmOptions {
             container_expiry: Duration::from_secs(rm.container_expiry_sec),
             max_am_attempts: rm.max_am_attempts,
             node_expiry: Duration::from_secs(rm.node_expiry_sec.max(1)),
+            node_reregister_grace: Duration::from_secs(rm.node_reregister_grace_sec.max(1)),
             queues: crate::rm::scheduler::queues::QueueTree::from_settings(&rm.queues)?,
             preemption_grace: Duration::from_secs(rm.preemption_grace_sec),
             users_file: rm.users_file.clone(),
@@ -242,6 +252,7 @@ impl RmOptions {
             http_timeouts: (&settings.http).into(),
             max_log_bytes: Some(settings.node.max_log_bytes),
             history: rm.into(),
+            bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
     }
@@ -393,7 +404,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         None => Store::memory(),
     };
     let sched = scheduling::SchedState::new(opts.queues, opts.preemption_grace);
-    let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry), sched)?;
+    let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry), sched, &base_url)?;
     let recovery_notes = state.store.notes().to_vec();
     for note in &recovery_notes {
         tracing::warn!("state recovery: {note}");
@@ -417,6 +428,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         h.finish()
     }))
     .with_shim(opts.shim_exe.clone());
+    let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
     tracing::info!("in-process node {}", containment.describe());
     let ray = opts
         .ray
@@ -427,6 +439,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         crate::node::executor::ExecutorOptions {
             containment,
             max_log_bytes: opts.max_log_bytes,
+            max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
         },
     );
@@ -467,6 +480,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             logs::spawn_collect(&s, dead);
         }
     }));
+    await_agents(&shared, Instant::now() + opts.node_reregister_grace);
     if let Some(a) = &agents {
         background.push(spawn_liveness(shared.clone(), a.clone(), opts.node_expiry));
     }
