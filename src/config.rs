@@ -153,6 +153,16 @@ pub struct RmSettings {
     /// The queues jobs run in (`queue:` in a job spec; `default` when it names none).
     /// Without any, every job runs in one queue named `default`.
     pub queues: BTreeMap<String, QueueSettings>,
+    /// Finished jobs (`gpuam history`, the cluster page) are kept this many days.
+    pub history_retention_days: u64,
+    /// At most this many finished jobs are kept (the oldest are forgotten first).
+    pub max_history: usize,
+    /// The logs the RM keeps of finished containers are deleted after this many days
+    /// (the job's history row stays).
+    pub log_retention_days: u64,
+    /// Most bytes the RM keeps of each finished container's stdout and of its stderr
+    /// (the end of each).
+    pub collected_log_bytes: u64,
 }
 
 impl Default for RmSettings {
@@ -170,6 +180,10 @@ impl Default for RmSettings {
             max_asks_per_allocate: 5000,
             preemption_grace_sec: 30,
             queues: BTreeMap::new(),
+            history_retention_days: 30,
+            max_history: 10_000,
+            log_retention_days: 7,
+            collected_log_bytes: 1 << 20,
         }
     }
 }

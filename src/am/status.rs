@@ -312,6 +312,9 @@ pub struct StatusHub {
     pub job_token: String,
     pub counters: Counters,
     pub logs: Arc<dyn LogSource>,
+    /// The AM's RM client, through which the dashboard's kill passes a user's token (the
+    /// owner's or the admin's) for the RM to judge (`crate::web::api::kill`).
+    pub rm: std::sync::OnceLock<crate::am::rm_client::RmClient>,
 }
 
 impl StatusHub {
@@ -331,6 +334,7 @@ impl StatusHub {
             job_token,
             counters: Counters::default(),
             logs,
+            rm: std::sync::OnceLock::new(),
         };
         (Arc::new(hub), crx)
     }

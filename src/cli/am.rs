@@ -126,6 +126,7 @@ pub async fn run(opts: AmOptions) -> i32 {
         config: serde_json::to_value(&opts.settings).unwrap_or_default(),
     };
     let (hub, mut commands) = StatusHub::new(snapshot, job_token, logs);
+    let _ = hub.rm.set(rm.clone());
     let (dash_addr, _dash) = match crate::web::serve_with(
         hub.clone(),
         opts.listen,

@@ -2,11 +2,14 @@
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
 mod am;
+mod jobs;
 mod node;
 mod plan;
+mod rm_api;
 mod run;
 mod servers;
 mod task_output;
+mod target;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -24,7 +27,10 @@ use crate::spec::JobSpec;
     about = "A per-job application master for GPU deep-learning jobs",
     after_help = "Exit codes: 0 success; 1 job failed or killed; 2 not placeable (plan); 64 usage; \
                   65 invalid job spec or cluster file; 69 RM unreachable or unavailable; 70 internal error; \
-                  75 a limit of the RM was reached (try later); 77 no or a refused credential.\n\
+                  75 a limit of the RM was reached (try later); 77 no or a refused credential; \
+                  66 no such job (or not yours).\n\
+                  Job commands (jobs, status, logs, kill, history) find the RM and your token in --rm/--token-file, \
+                  then GPUAM_RM/GPUAM_TOKEN, then ~/.config/gpuam/config.yaml (`gpuam login` writes it).\n\
                   Credentials: `gpuam submit` and `gpuam plan --rm` read a token from --token-file or GPUAM_TOKEN \
                   (the RM's operator makes one with `gpuam token new`).\n\
                   Settings: conf/gpuam.yaml (or $GPUAM_CONFIG), overridden by GPUAM__SECTION__KEY variables."
@@ -159,11 +165,25 @@ enum Cmd {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
     },
+    /// Your jobs that run or wait: number, name, user, queue, state, tasks, GPUs, age.
+    Jobs(jobs::JobsArgs),
+    /// One job: its state, times, why it waits or why it ended, and its tasks.
+    Status(jobs::StatusArgs),
+    /// A task's stdout (or --stderr), also after the job ended; --follow streams it.
+    Logs(jobs::LogsArgs),
+    /// Stop a job (yours; the admin: any).
+    Kill(jobs::KillArgs),
+    /// Finished jobs: times, exit, reason, GPU-hours (filter by --user, --queue, --state).
+    History(jobs::HistoryArgs),
+    /// Save the RM's address and your token in ~/.config/gpuam/config.yaml (mode 0600),
+    /// so that the job commands need neither --rm nor --token-file.
+    Login(jobs::LoginArgs),
     /// Submit a job to a running RM.
     Submit {
         job: PathBuf,
+        /// The RM's URL (default: $GPUAM_RM, else `rm:` of ~/.config/gpuam/config.yaml).
         #[arg(long, value_name = "URL")]
-        rm: String,
+        rm: Option<String>,
         /// Follow the job and exit with its exit code.
         #[arg(long)]
         wait: bool,
@@ -175,8 +195,8 @@ enum Cmd {
         /// generates, is used).
         #[arg(long, value_name = "FILE")]
         admin_token_file: Option<PathBuf>,
-        /// File holding your token for the RM (default: $GPUAM_TOKEN; the RM's operator
-        /// makes one with `gpuam token new`).
+        /// File holding your token for the RM (default: $GPUAM_TOKEN, else `token:` of
+        /// ~/.config/gpuam/config.yaml; the RM's operator makes one with `gpuam token new`).
         #[arg(long, value_name = "FILE")]
         token_file: Option<PathBuf>,
     },
@@ -412,18 +432,27 @@ pub fn main() -> i32 {
             token_file,
         } => match (
             admin_token(admin_token_file.as_deref()),
-            read_token(token_file.as_deref(), USER_TOKEN_ENV, "token"),
+            target::resolve(&target::TargetArgs { rm, token_file }),
         ) {
-            (Ok(admin), Ok(user)) => runtime.block_on(run::submit(
+            (Ok(admin), Ok(t)) => runtime.block_on(run::submit(
                 &job,
-                &rm,
+                &t,
                 wait,
                 listen,
-                run::Credentials { user, admin },
+                run::Credentials {
+                    user: t.token.clone(),
+                    admin,
+                },
                 &settings.tls,
             )),
             (Err(code), _) | (_, Err(code)) => code,
         },
+        Cmd::Jobs(a) => runtime.block_on(jobs::jobs(&a, &settings.tls)),
+        Cmd::Status(a) => runtime.block_on(jobs::status(&a, &settings.tls)),
+        Cmd::Logs(a) => runtime.block_on(jobs::logs(&a, &settings.tls)),
+        Cmd::Kill(a) => runtime.block_on(jobs::kill(&a, &settings.tls)),
+        Cmd::History(a) => runtime.block_on(jobs::history(&a, &settings.tls)),
+        Cmd::Login(a) => runtime.block_on(target::login(&a.target, &settings.tls)),
         Cmd::Token {
             what: TokenCmd::New { user, users_file, out },
         } => token_new(

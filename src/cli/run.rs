@@ -151,7 +151,7 @@ pub async fn run(
                 &spec.name,
                 &text,
                 &job.display().to_string(),
-                true,
+                None,
                 listen,
                 Some(rm.admin_token().to_string()),
                 Some(output),
@@ -187,7 +187,7 @@ const RM_OUTAGE_WAIT: Duration = Duration::from_secs(300);
 
 pub async fn submit(
     job: &Path,
-    rm: &str,
+    target: &super::target::Target,
     wait: bool,
     listen: SocketAddr,
     creds: Credentials,
@@ -197,7 +197,7 @@ pub async fn submit(
         Ok(v) => v,
         Err(code) => return code,
     };
-    let rm = match rm_client(rm, tls) {
+    let rm = match rm_client(&target.rm, tls) {
         Ok(c) => c.with_user_token(creds.user),
         Err(code) => return code,
     };
@@ -206,7 +206,7 @@ pub async fn submit(
         &spec.name,
         &text,
         &job.display().to_string(),
-        wait,
+        (!wait).then_some(target.flags.as_str()),
         listen,
         creds.admin,
         None,
@@ -223,15 +223,16 @@ fn rm_client(rm_url: &str, tls: &TlsSettings) -> Result<RmClient, i32> {
     })
 }
 
-/// Submits a job and, with `wait`, follows it to its end; the exit code and the dashboard
-/// URL (with its token) last seen.
+/// Submits the job; then follows it to its end (`print_only: None`), or prints the
+/// commands that follow it, with `print_only`'s flags, and returns: the exit code and the
+/// dashboard URL (with its token) last seen.
 #[allow(clippy::too_many_arguments)]
 async fn submit_and_follow(
     rm: RmClient,
     name: &str,
     text: &str,
     source: &str,
-    wait: bool,
+    print_only: Option<&str>,
     listen: SocketAddr,
     admin_token: Option<String>,
     output: Option<TaskOutput<'_>>,
@@ -256,8 +257,15 @@ async fn submit_and_follow(
         Err(e) => return (refused(&rm, &e), None),
     };
     println!("submitted job `{name}` as {}", report.id);
-    if !wait {
-        println!("follow it with: curl {rm_url}/ws/v1/cluster/apps/{}", report.id);
+    if let Some(flags) = print_only {
+        let n = super::rm_api::job_number(&report.id);
+        println!("  gpuam status {n}{flags}          its tasks, and why it waits");
+        println!("  gpuam logs {n} --follow{flags}  its first task's output (ROLE/INDEX for another)");
+        println!("  gpuam kill {n}{flags}            stop it");
+        println!(
+            "(REST: {rm_url}/ws/v1/cluster/apps/{} with `Authorization: Bearer <your token>`)",
+            report.id
+        );
         return (exit::SUCCESS, None);
     }
     follow(&rm, &report.id, &job_token, admin_token.as_deref(), output).await

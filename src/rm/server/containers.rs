@@ -224,15 +224,18 @@ pub(super) async fn container_logs(
             Err(_) => Err(not_the_am),
         },
     })?;
-    let stream = match q.stream.as_deref().unwrap_or("stdout") {
-        "stdout" => LogStream::Stdout,
-        "stderr" => LogStream::Stderr,
-        other => {
-            return Err(ApiError::bad_request(format!(
-                "`stream` must be stdout or stderr, not `{other}`"
-            )))
-        }
-    };
+    let stream = log_stream(q.stream.as_deref())?;
     let text = rm.nodes.for_host(&host).read_log(&host, &id, stream, q.tail).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
+/// The `stream` query parameter (stdout when absent); 400 for anything else.
+pub(super) fn log_stream(q: Option<&str>) -> Result<LogStream, ApiError> {
+    match q.unwrap_or("stdout") {
+        "stdout" => Ok(LogStream::Stdout),
+        "stderr" => Ok(LogStream::Stderr),
+        other => Err(ApiError::bad_request(format!(
+            "`stream` must be stdout or stderr, not `{other}`"
+        ))),
+    }
 }

@@ -76,7 +76,9 @@ mod applications;
 mod cluster;
 mod containers;
 mod dashboard;
+mod history;
 mod http;
+mod logs;
 mod nodes;
 mod scheduling;
 mod state;
@@ -86,6 +88,7 @@ use applications::*;
 use cluster::*;
 use containers::*;
 use http::*;
+pub use logs::HistoryOptions;
 use nodes::*;
 use state::*;
 
@@ -179,6 +182,8 @@ pub struct RmOptions {
     pub queues: crate::rm::scheduler::queues::QueueTree,
     /// Notice before a preempted container is stopped (`rm.preemption_grace_sec`).
     pub preemption_grace: Duration,
+    /// How long finished jobs and their collected logs are kept, and how much of each log.
+    pub history: HistoryOptions,
     /// The `gpuam` executable that runs the subreaper shim on the in-process node where no
     /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
     /// run` set it to themselves.
@@ -218,6 +223,7 @@ impl RmOptions {
             max_log_bytes: Some(crate::config::NodeSettings::default().max_log_bytes),
             queues: Default::default(),
             preemption_grace: Duration::from_secs(30),
+            history: HistoryOptions::default(),
             shim_exe: None,
             bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
@@ -245,6 +251,7 @@ impl RmOptions {
             public_names: rm.public_names.clone(),
             http_timeouts: (&settings.http).into(),
             max_log_bytes: Some(settings.node.max_log_bytes),
+            history: rm.into(),
             bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
@@ -299,6 +306,8 @@ struct Shared {
     limits: RmLimits,
     /// Counters and the allocate-latency histogram of `/metrics`.
     metrics: dashboard::RmMetrics,
+    /// History and log retention.
+    history: HistoryOptions,
 }
 
 impl Shared {
@@ -458,13 +467,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         admin_token_hint,
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
+        history: opts.history.clone(),
     });
 
     let mut background = Vec::new();
     let s = shared.clone();
     background.push(tokio::spawn(async move {
         while let Some(ev) = events_rx.recv().await {
+            let crate::node::NodeEvent::Exited { container_id, .. } = &ev;
+            let dead = container_id.clone();
             on_node_event(&s, ev);
+            logs::spawn_collect(&s, dead);
         }
     }));
     await_agents(&shared, Instant::now() + opts.node_reregister_grace);
@@ -493,6 +506,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     }
 
     background.push(spawn_scheduler(shared.clone()));
+    background.push(history::spawn_retention(shared.clone()));
 
     let guard = crate::http_guard::Guard {
         served: crate::http_guard::Served::new(addr, &opts.public_names),
@@ -795,6 +809,10 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/apps/{id}", get(get_app))
         .route("/ws/v1/cluster/apps/{id}/state", get(get_app_state).put(put_app_state))
         .route("/ws/v1/cluster/apps/{id}/appattempts", get(get_app_attempts))
+        .route("/ws/v1/cluster/apps/{id}/containers", get(logs::get_app_containers))
+        .route("/ws/v1/cluster/apps/{id}/logs/{role}/{index}", get(logs::get_task_log))
+        .route("/ws/v1/cluster/history", get(history::get_history))
+        .route("/ws/v1/cluster/whoami", get(history::whoami))
         .route("/ws/v1/am/{id}/register", post(am_register))
         .route("/ws/v1/am/{id}/allocate", post(am_allocate))
         .route("/ws/v1/am/{id}/finish", post(am_finish))
