@@ -426,7 +426,7 @@ fn validate_explains_shares_and_refuses_what_is_not_one() {
 }
 
 /// A node agent and an RM on loopback; dropping kills both (by pid) and removes nothing
-/// else. The agent runs tasks as `gpuam-task`.
+/// else. The agent runs each user's tasks as the user's own uid.
 struct AgentCluster {
     dir: tempfile::TempDir,
     procs: Vec<Child>,

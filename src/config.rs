@@ -330,6 +330,41 @@ pub struct NodeSettings {
     /// Most bytes a container's stdout, and its stderr, may hold: beyond it the node keeps
     /// the newest quarter and writes a line saying how much it dropped.
     pub max_log_bytes: u64,
+    /// Users whose tasks run as a local account (`alice: alice`); others get a uid of
+    /// their own from `task_uids` (see `node::identity`).
+    pub user_map: std::collections::BTreeMap<String, String>,
+    /// `FIRST-LAST`: the per-user uids of a root node.
+    pub task_uids: String,
+    /// Where the machine records which per-user uid is whose.
+    pub task_uid_registry: PathBuf,
+    /// How long a finished container's logs (its record) stay on the node after the RM
+    /// heard of its end; its work directory goes as soon as it ends.
+    pub log_retention_sec: u64,
+    /// Whether the in-process node of `gpuam rm` / `gpuam run` running as root runs each
+    /// user's tasks as its own uid, as the agents do (false: as the RM's user; only for
+    /// a single-user machine).
+    pub in_process_identity: bool,
+}
+
+impl NodeSettings {
+    /// The identity settings of a node, with `--run-as` and `--user-map` entries (which
+    /// win over the file's).
+    pub fn identity(
+        &self,
+        run_as: Option<String>,
+        cli_map: std::collections::BTreeMap<String, String>,
+    ) -> Result<crate::node::identity::IdentitySettings, String> {
+        let mut user_map = self.user_map.clone();
+        user_map.extend(cli_map);
+        Ok(crate::node::identity::IdentitySettings {
+            user_map,
+            uid_range: Some(
+                crate::node::identity::parse_uid_range(&self.task_uids).map_err(|e| format!("node.task_uids: {e}"))?,
+            ),
+            registry: Some(self.task_uid_registry.clone()),
+            run_as,
+        })
+    }
 }
 
 impl Default for NodeSettings {
@@ -338,6 +373,15 @@ impl Default for NodeSettings {
             run_without_image: true,
             image_runtime: "auto".into(),
             max_log_bytes: 1 << 30,
+            user_map: Default::default(),
+            task_uids: format!(
+                "{}-{}",
+                crate::node::identity::DEFAULT_UID_RANGE.0,
+                crate::node::identity::DEFAULT_UID_RANGE.1
+            ),
+            task_uid_registry: PathBuf::from(crate::node::identity::DEFAULT_REGISTRY),
+            log_retention_sec: crate::node::executor::DEFAULT_RETENTION.as_secs(),
+            in_process_identity: true,
         }
     }
 }
@@ -467,6 +511,7 @@ impl Settings {
         if self.http.read_timeout_sec == 0 {
             return Err("http.read_timeout_sec must be at least 1".into());
         }
+        crate::node::identity::parse_uid_range(&self.node.task_uids).map_err(|e| format!("node.task_uids: {e}"))?;
         if self.node.max_log_bytes < 4096 {
             return Err("node.max_log_bytes must be at least 4096".into());
         }

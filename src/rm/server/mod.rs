@@ -178,6 +178,13 @@ pub struct RmOptions {
     /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
     /// run` set it to themselves.
     pub shim_exe: Option<PathBuf>,
+    /// Which uid each user's tasks run as on the in-process node, as on an agent
+    /// (`node.user_map`, `node.task_uids`; see `crate::node::identity`): `gpuam rm` and
+    /// `gpuam run` set it from the settings; `None` (library use, unit tests): tasks run
+    /// as this process.
+    pub task_identity: Option<crate::node::identity::IdentitySettings>,
+    /// How long a finished container's logs stay (`node.log_retention_sec`).
+    pub log_retention: Option<Duration>,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -211,6 +218,8 @@ impl RmOptions {
             queues: Default::default(),
             preemption_grace: Duration::from_secs(30),
             shim_exe: None,
+            task_identity: None,
+            log_retention: None,
         }
     }
 
@@ -235,6 +244,11 @@ impl RmOptions {
             public_names: rm.public_names.clone(),
             http_timeouts: (&settings.http).into(),
             max_log_bytes: Some(settings.node.max_log_bytes),
+            task_identity: match settings.node.in_process_identity {
+                true => Some(settings.node.identity(None, Default::default())?),
+                false => None,
+            },
+            log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
             ..RmOptions::new(nodes, listen, work_dir)
         })
     }
@@ -412,12 +426,28 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let ray = opts
         .ray
         .map(|(client, gate)| crate::ray::launcher::RayLauncher::new(client, gate, events_tx.clone()));
+    // The in-process node runs each user's tasks as the agents do (one rule:
+    // `node::identity`); its directories are made reachable for them, nothing more.
+    let task_users = match &opts.task_identity {
+        Some(identity) => {
+            let users = crate::node::identity::TaskUsers::for_node(identity).map_err(anyhow::Error::msg)?;
+            tracing::info!("in-process node: {}", users.describe());
+            Some(Arc::new(users))
+        }
+        None => None,
+    };
+    if task_users.is_some() {
+        crate::node::identity::open_for_tasks(&work_dir, &work_dir.join("containers")).map_err(anyhow::Error::msg)?;
+    }
     let local = crate::node::InProcessNode::new(
         work_dir.join("containers"),
         events_tx,
         crate::node::executor::ExecutorOptions {
             containment,
             max_log_bytes: opts.max_log_bytes,
+            users: task_users,
+            retention: opts.log_retention,
+            ends_heard_here: true,
             ..Default::default()
         },
     );
