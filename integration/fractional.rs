@@ -103,7 +103,8 @@ fn am_tasks(rm: &Rm, app: &str) -> Option<Vec<Value>> {
     if tracking.is_empty() {
         return None;
     }
-    let text = rm.get_text(&format!("{tracking}api/v1/tasks"))?;
+    // The dashboard's API takes the owner's token (the AM asks the RM about it).
+    let text = rm.get_text(&format!("{tracking}api/v1/tasks?token={}", rm.user_token))?;
     let v: Value = serde_json::from_str(&text).ok()?;
     v.as_array().cloned().or_else(|| v["tasks"].as_array().cloned())
 }

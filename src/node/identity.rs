@@ -240,14 +240,11 @@ pub fn open_for_tasks(work_dir: &Path, containers: &Path) -> Result<PathBuf, Str
             let mode = std::fs::metadata(up).map(|m| m.permissions().mode()).unwrap_or(0);
             if mode & 0o001 == 0 {
                 tracing::warn!(
-                    "{}",
-                    format!(
-                        "tasks run as their users' own uids and cannot reach {}: {} is not searchable by others \
+                    "tasks run as their users' own uids and cannot reach {}: {} is not searchable by others \
                      (mode {:o}); make it so (chmod o+x) or choose a work dir elsewhere",
-                        dir.display(),
-                        up.display(),
-                        mode & 0o7777
-                    )
+                    dir.display(),
+                    up.display(),
+                    mode & 0o7777
                 );
                 break;
             }
