@@ -487,9 +487,12 @@ async fn container_logs_stay_inside_the_container_directory() {
         .await;
     let cid = got["allocated"][0]["containerId"].as_str().unwrap().to_string();
     let base = format!("/ws/v1/node/n1/containers/{cid}");
-    // The task swaps its stdout for a link to a secret (and its stderr for /etc/passwd).
+    // The task swaps its stdout for a link to a secret (and its stderr for /etc/passwd). The
+    // logs are in the node's record beside the task's directory, out of reach of a task of
+    // its own uid; this library RM runs tasks as itself (root), which can reach them: the
+    // node still reads them without following links.
     let cmd = format!(
-        "rm -f stdout stderr; ln -s {} stdout; ln -s /etc/passwd stderr; touch swapped; sleep 30",
+        "rm -f ../stdout ../stderr; ln -s {} ../stdout; ln -s /etc/passwd ../stderr; touch swapped; sleep 30",
         secret.display()
     );
     let (s, b) = rm
@@ -503,7 +506,7 @@ async fn container_logs_stay_inside_the_container_directory() {
     assert_eq!(s, StatusCode::OK, "{b}");
     let dir = rm._dir.path().join("work").join("containers").join(&cid);
     common::wait_for(Duration::from_secs(10), "the task to swap its logs", || {
-        dir.join("swapped").exists().then_some(())
+        dir.join("work").join("swapped").exists().then_some(())
     });
     for stream in ["stdout", "stderr"] {
         let (s, b) = rm
