@@ -21,8 +21,6 @@ fn temp_dir() -> tempfile::TempDir {
 /// GPUAM_* variables (so no GPUAM_CONFIG points back into the source tree).
 fn run_in(dir: &Path, args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuam"));
-    // Its tasks write into the test's private directory: as the RM's user.
-    cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
     cmd.arg("run")
         .arg(job())
         .args(args)
@@ -34,6 +32,8 @@ fn run_in(dir: &Path, args: &[&str]) -> Output {
             cmd.env_remove(k);
         }
     }
+    // The test's private directory is not theirs to reach: tasks run as the RM's user.
+    cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
     cmd.output().unwrap()
 }
 
@@ -97,8 +97,6 @@ fn plan_needs_no_cluster_flag_either() {
     let dir = temp_dir();
     let plan = |dir: &Path| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuam"));
-        // Its tasks write into the test's private directory: as the RM's user.
-        cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
         cmd.arg("plan").arg(job()).arg("--json").current_dir(dir);
         for (k, _) in std::env::vars() {
             if k.starts_with("GPUAM") {

@@ -123,8 +123,6 @@ impl Sandbox {
     /// `gpuam run JOB` from the repository root, output to files.
     fn spawn_run(&self, job: &Path) -> Child {
         let mut cmd = Command::new(bin());
-        // Its tasks write into the test's private directory: as the RM's user.
-        cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
         cmd.arg("run")
             .arg(job)
             .arg("--work-dir")
@@ -139,6 +137,8 @@ impl Sandbox {
                 cmd.env_remove(k);
             }
         }
+        // Its tasks write into the test's private directory: as the RM's user.
+        cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
         cmd.spawn().unwrap()
     }
 

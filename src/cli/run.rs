@@ -319,6 +319,7 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
         if let Some(url) = &dashboard {
             if let Ok(resp) = http
                 .get(format!("{url}api/v1/snapshot"))
+                .bearer_auth(job_token)
                 .timeout(DASHBOARD_TIMEOUT)
                 .send()
                 .await
