@@ -147,6 +147,29 @@ fn alice_cannot_reach_bobs_task_and_his_directory_goes_when_it_ends() {
     assert!(record.join("stdout").is_file(), "bob's logs stay in the node's record");
 }
 
+/// `curl -X METHOD -d BODY` of `url` with `token`, from namespace `ns` of `h`: the HTTP status.
+fn curl_code(h: &Hosts, ns: &str, method: &str, body: &str, token: &str, url: &str) -> String {
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &h.ns(ns),
+            "curl",
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["-X", method, "-H", "Content-Type: application/json", "-d", body])
+        .arg("-H")
+        .arg(format!("Authorization: Bearer {token}"))
+        .arg(url)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
 /// A root process the steering task names in its forged `process.json`.
 struct Victim(Child);
 
@@ -196,29 +219,18 @@ fn steer(tag: &str, agent_args: &[&str]) {
 
     // The preemption notice, straight from the agent's endpoint.
     let token = read(h.path("node.token"));
-    let notice = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &h.ns(label),
-            "curl",
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-        ])
-        .args(["-X", "POST", "-H", "Content-Type: application/json"])
-        .args(["-d", r#"{"deadlineMs": 1, "reason": "test"}"#])
-        .arg("-H")
-        .arg(format!("Authorization: Bearer {}", token.trim()))
-        .arg(format!(
+    let notice = curl_code(
+        &h,
+        label,
+        "POST",
+        r#"{"deadlineMs": 1, "reason": "test"}"#,
+        token.trim(),
+        &format!(
             "http://{}:8042/ws/v1/node/{host}/containers/{id}/preempt",
             host_ip(label)
-        ))
-        .output()
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&notice.stdout), "200", "the notice was given");
+        ),
+    );
+    assert_eq!(notice, "200", "the notice was given");
     assert_eq!(read(target.clone()), "ROOT-ONLY\n", "the notice went through no link");
 
     // The agent restarts: it re-attaches to the task from its own record.
@@ -253,32 +265,15 @@ fn steer(tag: &str, agent_args: &[&str]) {
             .flatten()
     });
     let admin = read(h.path("rm/admin.token"));
-    let killed = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &h.ns("rm"),
-            "curl",
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-        ])
-        .args([
-            "-X",
-            "PUT",
-            "-H",
-            "Content-Type: application/json",
-            "-d",
-            r#"{"state": "KILLED"}"#,
-        ])
-        .arg("-H")
-        .arg(format!("Authorization: Bearer {}", admin.trim()))
-        .arg(format!("http://{RM_IP}:8088/ws/v1/cluster/apps/{app}/state"))
-        .output()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&killed.stdout).starts_with('2'), "{killed:?}");
+    let killed = curl_code(
+        &h,
+        "rm",
+        "PUT",
+        r#"{"state": "KILLED"}"#,
+        admin.trim(),
+        &format!("http://{RM_IP}:8088/ws/v1/cluster/apps/{app}/state"),
+    );
+    assert!(killed.starts_with('2'), "{killed}");
     wait_child(&mut job, Duration::from_secs(60), "the killed job's submit");
     wait_for(Duration::from_secs(30), "the GPUs back", || {
         (metrics(&h) == Some(4)).then_some(())

@@ -398,7 +398,7 @@ impl Executor {
         granted: &Resources,
         ctx: LaunchContext,
     ) -> Result<u32, NodeError> {
-        self.start_placed(container_id, host, granted, ctx, None)
+        self.start_as(container_id, host, granted, ctx, None, None)
     }
 
     /// [`Executor::start`] on a node whose GPU topology is `topology`: the task also gets
@@ -406,20 +406,9 @@ impl Executor {
     /// `GPUAM_NUMA_NODES`, and its GPUs' NUMA-local CPUs (those this node can use) as its
     /// cgroup's cpuset where the node has one, else through `taskset -c`; either way
     /// `GPUAM_CPU_AFFINITY` names them.
-    pub fn start_placed(
-        &self,
-        container_id: &str,
-        host: &str,
-        granted: &Resources,
-        ctx: LaunchContext,
-        topology: Option<&Topology>,
-    ) -> Result<u32, NodeError> {
-        self.start_as(container_id, host, granted, ctx, topology, None)
-    }
-
-    /// [`Executor::start_placed`] for a task of `user` (the job's submitter): with
-    /// [`ExecutorOptions::users`] it runs as that user's own uid ([`super::identity`]);
-    /// `user` is the task's `GPUAM_USER`.
+    ///
+    /// For a task of `user` (the job's submitter), with [`ExecutorOptions::users`], it
+    /// runs as that user's own uid ([`super::identity`]); `user` is the task's `GPUAM_USER`.
     pub fn start_as(
         &self,
         container_id: &str,
@@ -1948,6 +1937,16 @@ mod tests {
         assert!(err <= max, "stderr is {err} bytes");
     }
 
+    /// Polls (up to 10 s) until container `id`'s stdout holds `text`.
+    async fn wait_stdout(exec: &Executor, id: &str, text: &str) {
+        for _ in 0..500 {
+            if exec.read_log(id, LogStream::Stdout, None).unwrap().contains(text) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Issue 23: the preemption notice is written into the task's directory without
     /// following what the task put there: links named `preempt` or like the old fixed
     /// temporary name leave their targets unchanged, and the notice is a new regular file.
@@ -1964,16 +1963,7 @@ mod tests {
         );
         exec.start("c-pre", "h", &no_gpus(), ctx(&[&cmd])).unwrap();
         let work = work_dir(&exec.container_dir("c-pre").unwrap());
-        for _ in 0..500 {
-            if exec
-                .read_log("c-pre", LogStream::Stdout, None)
-                .unwrap()
-                .contains("linked")
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_stdout(&exec, "c-pre", "linked").await;
         exec.notify_preemption("c-pre", 1234, "taken back").unwrap();
         assert_eq!(
             std::fs::read_to_string(&target).unwrap(),
@@ -2007,16 +1997,7 @@ mod tests {
         );
         first.start("c-steer", "h", &no_gpus(), ctx(&[&cmd])).unwrap();
         let leader = first.status("c-steer").unwrap().pid.unwrap();
-        for _ in 0..500 {
-            if first
-                .read_log("c-steer", LogStream::Stdout, None)
-                .unwrap()
-                .contains("forged")
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_stdout(&first, "c-steer", "forged").await;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let second = Executor::new(tmp.path().join("containers"), tx);
         assert_eq!(second.unacknowledged(), vec!["c-steer".to_string()]);
@@ -2298,7 +2279,7 @@ mod tests {
         let granted = Resources::with_mask(1, 100, mask, Default::default());
         let cmd = "echo \"cpus=$GPUAM_CPU_AFFINITY nic=$GPUAM_NIC hca=${NCCL_IB_HCA-unset} numa=$GPUAM_NUMA_NODES\"; \
                    grep Cpus_allowed_list /proc/self/status";
-        exec.start_placed(id, "h", &granted, ctx(&[cmd]), Some(topo)).unwrap();
+        exec.start_as(id, "h", &granted, ctx(&[cmd]), Some(topo), None).unwrap();
         let (_, code, diag) = next_exit(rx).await;
         assert_eq!(
             code,
@@ -2356,8 +2337,15 @@ mod tests {
         if described.contains("cpuset (v1)") {
             // Pinned by its own v1 cpuset, not by taskset.
             let granted = Resources::with_mask(1, 100, 0b01, Default::default());
-            exec.start_placed("pin-cg2", "h", &granted, ctx(&["cat /proc/self/cgroup"]), Some(&topo))
-                .unwrap();
+            exec.start_as(
+                "pin-cg2",
+                "h",
+                &granted,
+                ctx(&["cat /proc/self/cgroup"]),
+                Some(&topo),
+                None,
+            )
+            .unwrap();
             next_exit(&mut rx).await;
             let groups = exec.read_log("pin-cg2", LogStream::Stdout, None).unwrap();
             assert!(
