@@ -277,3 +277,90 @@ fn three_hosts_in_network_namespaces() {
     }
     let _ = follower.wait();
 }
+
+/// One task's run: `(job, task index, host, GPUs, start ns, last beat ns)`.
+type GangRun = (String, u32, String, String, u128, u128);
+
+/// RM SIGKILLed at several moments of a 4 × 2-GPU gang's start (agents on 2 hosts of 4
+/// GPUs each), started again 1 s later from its SQLite state: every acknowledged job
+/// succeeds, each task runs once, and no two runs hold a GPU at once (the tasks ignore
+/// SIGTERM, so a stop would have had to wait for the kill).
+#[test]
+fn an_rm_killed_during_a_gangs_start_comes_back_with_its_agents_and_loses_nothing() {
+    let mut h = Hosts::build("rmkill");
+    h.gpus = 4;
+    h.keep_state = true;
+    fs::write(
+        h.path("conf.yaml"),
+        "rm:\n  node_expiry_sec: 3\n  node_reregister_grace_sec: 60\n",
+    )
+    .unwrap();
+    h.start_rm();
+    h.start_agent("h1");
+    h.start_agent("h2");
+    h.wait_agents_running();
+    let out = h.path("out").display().to_string();
+    // Each run: "<index> <host> <gpus> <start ns>" in `<job>.runs`, then a beat file
+    // written every 20 ms until it ends.
+    let task = |name: &str| {
+        format!(
+            "trap \"\" TERM; s=$(date +%s%N); echo $GPUAM_TASK_INDEX $GPUAM_HOST $CUDA_VISIBLE_DEVICES $s >> {out}/{name}.runs; \
+             for i in $(seq 300); do date +%s%N > {out}/{name}-$GPUAM_TASK_INDEX-$s.beat; sleep 0.02; done"
+        )
+    };
+    let mut runs: Vec<GangRun> = Vec::new();
+    for (i, kill_after_ms) in [200u64, 1500, 4000].into_iter().enumerate() {
+        let name = format!("gang{i}");
+        let sub = h
+            .submit(&name, &job(&name, 4, 0, &[task(&name)]), false)
+            .wait()
+            .unwrap();
+        assert!(sub.success(), "{name} acknowledged: {}", h.submit_output(&name));
+        let app = h
+            .submit_output(&name)
+            .split_whitespace()
+            .find(|w| w.starts_with("application_"))
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("no application id: {}", h.submit_output(&name)));
+        std::thread::sleep(Duration::from_millis(kill_after_ms));
+        h.restart_rm(Duration::from_secs(1));
+        let report = wait_for(Duration::from_secs(180), "the job to end", || {
+            let r = h.get_admin(&format!("/ws/v1/cluster/apps/{app}"))["app"].clone();
+            matches!(r["state"].as_str(), Some("FINISHED" | "FAILED" | "KILLED")).then_some(r)
+        });
+        assert_eq!(
+            report["finalStatus"], "SUCCEEDED",
+            "{name} (RM killed {kill_after_ms} ms after the acknowledgement): {report}"
+        );
+        let mine: Vec<GangRun> = lines(&h.path(&format!("out/{name}.runs")))
+            .iter()
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let (index, start): (u32, u128) = (f[0].parse().unwrap(), f[3].parse().unwrap());
+                let beat: u128 = fs::read_to_string(h.path(&format!("out/{name}-{index}-{start}.beat")))
+                    .unwrap()
+                    .trim()
+                    .parse()
+                    .unwrap();
+                (name.clone(), index, f[1].to_string(), f[2].to_string(), start, beat)
+            })
+            .collect();
+        let mut indexes: Vec<u32> = mine.iter().map(|r| r.1).collect();
+        indexes.sort_unstable();
+        assert_eq!(indexes, vec![0, 1, 2, 3], "{name}: each task ran once: {mine:?}");
+        runs.extend(mine);
+    }
+    // GPU overlap: any two runs on one host sharing a GPU, their [start, last beat] apart.
+    let mut overlap_ms = 0f64;
+    for (i, a) in runs.iter().enumerate() {
+        for b in &runs[i + 1..] {
+            let shared = a.3.split(',').any(|g| b.3.split(',').any(|x| x == g));
+            if a.2 == b.2 && shared {
+                let both = a.5.min(b.5) as i128 - a.4.max(b.4) as i128;
+                overlap_ms += both.max(0) as f64 / 1e6;
+            }
+        }
+    }
+    println!("{} runs after 3 RM kills; GPU overlap {overlap_ms:.1} ms", runs.len());
+    assert_eq!(overlap_ms, 0.0, "two runs held one GPU at once: {runs:?}");
+}

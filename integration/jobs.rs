@@ -168,6 +168,96 @@ nodes:
     rm.assert_all_free(FREE_TIMEOUT);
 }
 
+/// `gpuam plan` runs the AM's own job machine against an RM that grants every ask as asked,
+/// so on an idle cluster the placements it prints are the ones `gpuam run` makes (the seed
+/// fixed): a gang over two roles, a task that first holds out for its ideal GPU tier (the
+/// `*w` wait, shortened to 2 s) and then takes the pair the plan shows, and a role that places
+/// after another role's tasks have taken the best nodes.
+#[test]
+fn plan_and_run_place_every_task_alike() {
+    let rm = Rm::start(
+        r#"
+nodes:
+  - host: split
+    rack: /r1
+    cpu: 32
+    memoryMB: 64000
+    gpus: 4
+    topology: pcie4
+    ports: "20000-20015"
+    used: {cpu: 2, memoryMB: 1000, gpuMask: "0x5", ports: "20000-20001"}
+  - host: eight
+    rack: /r2
+    cpu: 32
+    memoryMB: 64000
+    gpus: 8
+    topology: dgx1v
+    ports: "20000-20015"
+  - host: cpu-c
+    rack: /r2
+    cpu: 16
+    memoryMB: 32000
+    ports: "20000-20015"
+"#,
+        &[("GPUAM__SELECT__SEED", "0"), ("GPUAM__SELECT__TOPOLOGY_WAIT_SEC", "2")],
+    );
+    let root = rm.root().display().to_string();
+    let record = format!("env | sort > {root}/env.$GPUAM_JOB.$GPUAM_TASK_ROLE.$GPUAM_TASK_INDEX");
+    let role = |name: &str, n: u32, cpu: u32, gpus: u32, ports: &str| {
+        format!(
+            "  {name}:\n    instances: {n}\n    resourcePerInstance: {{cpu: {cpu}, memoryMB: 1000, gpu: {gpus}, ports: {{{ports}}}}}\n    commands:\n{}",
+            commands(&[&record])
+        )
+    };
+    let jobs = [
+        (
+            "gang",
+            format!(
+                "name: gang\ngang: true\ntaskRoles:\n{}{}",
+                role("ps", 1, 2, 0, "rpc: 1"),
+                role("worker", 3, 4, 2, "nccl: 1")
+            ),
+        ),
+        (
+            "waits",
+            format!("name: waits\ntaskRoles:\n{}", role("w", 1, 30, 2, "http: 1")),
+        ),
+        (
+            "spread",
+            format!(
+                "name: spread\ntaskRoles:\n{}{}",
+                role("big", 2, 8, 3, "a: 1"),
+                role("small", 3, 1, 1, "b: 2")
+            ),
+        ),
+    ];
+    let mut waited = false;
+    for (name, yaml) in jobs {
+        let job = rm.write_job(name, &yaml);
+        let plan = rm.plan_json(&job);
+        assert_eq!(plan["unplaced"].as_array().map(Vec::len), Some(0), "{name}: {plan}");
+        let out = rm.run_job(&job, JOB_TIMEOUT);
+        assert_eq!(out.code, 0, "{name}: {out:?}\n{}", rm.logs());
+        for p in plan["placements"].as_array().unwrap() {
+            let (r, i) = (p["role"].as_str().unwrap(), p["index"].as_u64().unwrap());
+            let env = read_env_file(&rm.path(&format!("env.{name}.{r}.{i}")));
+            let ctx = format!("{name} {r}/{i}: plan {p}");
+            assert_eq!(env["GPUAM_HOST"], p["host"].as_str().unwrap(), "{ctx}");
+            let mask = parse_mask(p["gpuMask"].as_str().unwrap());
+            assert_eq!(env["GPUAM_GPU_MASK"], format!("{mask:#x}"), "{ctx}");
+            let ports: BTreeMap<String, Vec<u16>> =
+                parse_container_ports(&env["CONTAINER_PORTS"]).into_iter().collect();
+            let planned: BTreeMap<String, Vec<u16>> = serde_json::from_value(p["ports"].clone()).unwrap();
+            assert_eq!(ports, planned, "{ctx}");
+            waited |= p["topologyWaitSec"] == 2;
+        }
+        wait_for(FREE_TIMEOUT, "the cluster to be idle again", || {
+            (rm.node("eight").gpu_used == 0 && rm.node("split").gpu_used == 0x5).then_some(())
+        });
+    }
+    assert!(waited, "one task took its pair after the topology wait");
+}
+
 #[test]
 fn failing_task_retries_then_the_job_fails() {
     let rm = Rm::start(

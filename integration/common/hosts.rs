@@ -51,6 +51,13 @@ pub struct Hosts {
     procs: Vec<(String, Child)>,
     /// Extra arguments every agent started from now on gets (e.g. `--task-env`).
     pub agent_args: Vec<String>,
+    /// GPUs each agent offers (2 unless changed before [`Hosts::start_agent`]).
+    pub gpus: u32,
+    /// The RM keeps its state in SQLite (in its work dir) with a fixed admin token, so
+    /// that it can be killed and started again ([`Hosts::restart_rm`]); else in memory.
+    pub keep_state: bool,
+    /// Processes left behind by a killed RM (its AMs), killed when the guard drops.
+    orphans: Vec<i32>,
 }
 
 impl Hosts {
@@ -76,6 +83,9 @@ impl Hosts {
             dir,
             procs: Vec::new(),
             agent_args: Vec::new(),
+            gpus: 2,
+            keep_state: false,
+            orphans: Vec::new(),
         };
         let br = h.ns("br");
         ip(&["netns", "add", &br]);
@@ -125,28 +135,52 @@ impl Hosts {
         self.procs.push((label.to_string(), child));
     }
 
-    /// `gpuam rm` in namespace `rm`, agents only; waits for its admin token.
+    /// `gpuam rm` in namespace `rm`, agents only; waits for its admin token (and, with
+    /// [`Hosts::keep_state`], until it answers).
     pub fn start_rm(&mut self) {
         let work = self.path("rm").display().to_string();
         let token = self.path("node.token").display().to_string();
+        let admin = self.path("admin.token").display().to_string();
         let listen = format!("{RM_IP}:8088");
-        self.spawn(
+        let mut args = vec![
             "rm",
-            "rm",
-            &[
-                "rm",
-                "--listen",
-                &listen,
-                "--work-dir",
-                &work,
-                "--node-token-file",
-                &token,
-                "--in-memory",
-            ],
-        );
+            "--listen",
+            &listen,
+            "--work-dir",
+            &work,
+            "--node-token-file",
+            &token,
+        ];
+        if self.keep_state {
+            // One admin token across restarts, where the helpers read it.
+            fs::create_dir_all(self.path("rm")).unwrap();
+            fs::write(self.path("admin.token"), "admin-token-of-this-test\n").unwrap();
+            fs::write(self.path("rm/admin.token"), "admin-token-of-this-test\n").unwrap();
+            args.extend(["--admin-token-file", &admin]);
+        } else {
+            args.push("--in-memory");
+        }
+        self.spawn("rm", "rm", &args);
         wait_for(Duration::from_secs(30), "the RM's admin token", || {
             self.path("rm/admin.token").exists().then_some(())
         });
+        if self.keep_state {
+            wait_for(Duration::from_secs(30), "the RM to answer", || {
+                (!self.get("/ws/v1/cluster/info").is_null()).then_some(())
+            });
+        }
+    }
+
+    /// SIGKILLs the RM (its AMs keep running) and starts it again after `down`.
+    pub fn restart_rm(&mut self, down: Duration) {
+        if let Some((_, c)) = self.procs.iter().find(|(l, _)| l == "rm") {
+            if let Ok(pid) = i32::try_from(c.id()) {
+                self.orphans.extend(gpuam::node::procs::descendants(pid));
+            }
+        }
+        self.kill("rm");
+        std::thread::sleep(down);
+        self.start_rm();
     }
 
     /// `gpuam node` for `h1` or `h2` in its namespace, listening on its IP: 2 GPUs (no
@@ -157,6 +191,7 @@ impl Hosts {
         let name = self.host_name(host);
         let listen = format!("{}:8042", host_ip(host));
         let rm = format!("http://{RM_IP}:8088");
+        let gpus = self.gpus.to_string();
         let mut args: Vec<String> = [
             "node",
             "--rm",
@@ -168,7 +203,7 @@ impl Hosts {
             "--node-token-file",
             &token,
             "--gpus",
-            "2",
+            &gpus,
             "--topology",
             "none",
             "--cpu",
@@ -201,6 +236,19 @@ impl Hosts {
     pub fn get(&self, path: &str) -> serde_json::Value {
         let out = Command::new("ip")
             .args(["netns", "exec", &self.ns("rm"), "curl", "-sf"])
+            .arg(format!("http://{RM_IP}:8088{path}"))
+            .output()
+            .expect("curl");
+        serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// GET on the RM with the admin token, from inside its namespace (`Null` when it does
+    /// not answer JSON).
+    pub fn get_admin(&self, path: &str) -> serde_json::Value {
+        let token = fs::read_to_string(self.path("rm/admin.token")).unwrap_or_default();
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns("rm"), "curl", "-sf", "-H"])
+            .arg(format!("Authorization: Bearer {}", token.trim()))
             .arg(format!("http://{RM_IP}:8088{path}"))
             .output()
             .expect("curl");
@@ -359,6 +407,7 @@ impl Drop for Hosts {
             .iter()
             .filter_map(|(_, c)| i32::try_from(c.id()).ok())
             .flat_map(gpuam::node::procs::descendants)
+            .chain(self.orphans.iter().copied())
             .collect();
         for (_, c) in &mut self.procs {
             let _ = c.kill();

@@ -5,7 +5,7 @@
 //! allocation are turned off when the spec is read (OpenPAI ignores `taskRetryCount`
 //! there), so the two never stack.
 //!
-//! State without I/O: the control loop asks [`JobRetry::should_restart`] when the job
+//! State without I/O: the job machine asks [`JobRetry::should_restart`] when the job
 //! fails, resets its tasks with [`reset_for_restart`] and gives back what that returns.
 
 use super::tasks::{Outstanding, Task};
@@ -21,7 +21,7 @@ pub struct GivenBack {
 
 /// Puts every task back to waiting for a new container, as at the job's start but with
 /// the next attempt number and fresh task-retry counters.
-pub fn reset_for_restart(tasks: &mut [Task], why: &str) -> GivenBack {
+pub fn reset_for_restart(tasks: &mut [Task], why: &str, now: std::time::Instant) -> GivenBack {
     let mut back = GivenBack::default();
     for t in tasks {
         if let Some(r) = t.request.take() {
@@ -36,7 +36,7 @@ pub fn reset_for_restart(tasks: &mut [Task], why: &str) -> GivenBack {
         t.succeeded = None;
         t.completed_ms = None;
         t.retry = Default::default();
-        t.new_attempt();
+        t.new_attempt(now);
         t.waiting_reason = Some(format!("job restarted after a failure ({why})"));
     }
     back
@@ -119,7 +119,7 @@ mod tests {
             resources: Default::default(),
             sent: std::time::Instant::now(),
         });
-        let back = reset_for_restart(&mut tasks, "w/1 failed");
+        let back = reset_for_restart(&mut tasks, "w/1 failed", std::time::Instant::now());
         assert_eq!(
             back.containers,
             vec!["c0"],

@@ -1,5 +1,5 @@
 //! The AM's published status: a snapshot of the job, its tasks, the node view and the
-//! recent selection traces, plus a numbered event stream. The control loop writes it;
+//! recent selection traces, plus a numbered event stream. The AM's publisher (`am::publish`) writes it;
 //! the dashboard, the status API, `/metrics` and `gpuam run`'s progress read it.
 //!
 //! Events are numbered so a reconnecting SSE client resumes after the last id it saw
@@ -240,7 +240,7 @@ pub struct Event {
     pub data: serde_json::Value,
 }
 
-/// A request from the dashboard to the control loop.
+/// A request from the dashboard to the AM (the binary forwards it to the driver).
 #[derive(Debug)]
 pub enum Command {
     Kill { reason: String },
@@ -399,7 +399,7 @@ impl StatusHub {
         self.seq.load(Ordering::SeqCst)
     }
 
-    /// Sends a command to the control loop; false if the loop has ended.
+    /// Sends a command to the AM; false if its driver has ended.
     pub fn command(&self, c: Command) -> bool {
         self.commands.send(c).is_ok()
     }

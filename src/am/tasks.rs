@@ -48,15 +48,16 @@ pub struct Task {
     pub dirty: bool,
 }
 
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use crate::protocol::now_ms;
 
 impl Task {
+    /// A task waiting for its first container, created now.
     pub fn new(role: usize, index: u32) -> Self {
+        Task::at(role, index, Instant::now(), now_ms())
+    }
+
+    /// A task waiting for its first container, created at `at` (`ms`: the wall clock then).
+    pub fn at(role: usize, index: u32, at: Instant, ms: u64) -> Self {
         Task {
             role,
             index,
@@ -67,11 +68,11 @@ impl Task {
             container: None,
             ports: Vec::new(),
             not_before: None,
-            waiting_since: Instant::now(),
+            waiting_since: at,
             waiting_reason: None,
             exit: None,
             succeeded: None,
-            created_ms: now_ms(),
+            created_ms: ms,
             launched_ms: None,
             completed_ms: None,
             dirty: true,
@@ -114,10 +115,10 @@ impl Task {
     }
 
     /// A new attempt (a retry after its container ended, or the job's restart): back to
-    /// waiting, with the topology-wait clock restarted.
-    pub fn new_attempt(&mut self) {
+    /// waiting (from `now`), with the topology-wait clock restarted.
+    pub fn new_attempt(&mut self, now: Instant) {
         self.attempt += 1;
-        self.waiting_since = Instant::now();
+        self.waiting_since = now;
         self.reset_to_waiting();
     }
 
@@ -315,7 +316,7 @@ mod tests {
         assert!(!topology_wait(&t, now + wait));
         // A retry is a new attempt: a new wait.
         let before = t.attempt;
-        t.new_attempt();
+        t.new_attempt(Instant::now());
         assert_eq!(t.attempt, before + 1);
         assert!(t.waiting_since >= now);
         assert!(topology_wait(&t, t.waiting_since + wait - Duration::from_millis(1)));

@@ -1,13 +1,14 @@
-//! `gpuam validate` and `gpuam plan`.
+//! `gpuam validate` and `gpuam plan`: the job read and explained; the plan (the AM's own job
+//! machine run against an in-memory RM, `am::plan_rm`) printed as the table or the JSON of
+//! DESIGN.md §7.
 
 use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use crate::cluster::ClusterView;
 use crate::config::Settings;
 use crate::exit;
-use crate::select::{plan_job, JobPlan, Selector};
+use crate::select::JobPlan;
 
 pub fn validate(job: &Path) -> i32 {
     match super::load_job(job) {
@@ -85,8 +86,8 @@ pub async fn plan(
     let mut select = settings.select.clone();
     // A plan is reproducible: the same inputs give the same answer.
     select.seed = Some(select.seed.unwrap_or(0));
-    let selector = Selector::new(ClusterView::new(nodes), select);
-    let plan = plan_job(&selector, &spec);
+    // The AM's own job machine, run against an RM that grants every ask as asked.
+    let plan = crate::am::plan_rm::plan_job(&spec, nodes, select, &settings.am);
     if as_json {
         println!("{}", plan_json(&plan));
     } else {
@@ -245,8 +246,9 @@ pub fn plan_table(job: &str, plan: &JobPlan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::Node;
+    use crate::cluster::{ClusterView, Node};
     use crate::resources::{PortSet, Resources};
+    use crate::select::{plan_job, Selector};
 
     /// A task the AM would first hold back for a better GPU tier is marked `*w` in the table,
     /// with the wait explained under it, and carries `topologyWaitSec` in the JSON.

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use crate::am::{self, AmOptions};
+use crate::am::AmOptions;
 use crate::config::Settings;
 use crate::exit;
 
@@ -175,7 +175,7 @@ pub async fn am(job: &Path, rm: &str, app_id: &str, token: &str, listen: SocketA
         Err(code) => return code,
     };
     let job_token = std::env::var("GPUAM_JOB_TOKEN").ok().filter(|t| !t.is_empty());
-    am::run(AmOptions {
+    super::am::run(AmOptions {
         job: spec,
         rm_url: rm.to_string(),
         app_id: app_id.to_string(),

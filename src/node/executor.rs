@@ -272,6 +272,9 @@ pub struct ExecutorOptions {
     /// Ends are heard in this process (the in-process node), so no acknowledgement comes:
     /// a finished record counts as acknowledged for the retention.
     pub ends_heard_here: bool,
+    /// Most MiB a container's directory may hold (`node.max_container_disk_mb`; `None`: no
+    /// bound). See [`super::bounds`].
+    pub max_disk_mb: Option<u64>,
 }
 
 /// Names a node's operator may not set with `--task-env`: gpuam sets them for each task
@@ -484,6 +487,7 @@ impl Executor {
             memory_mb: Some(granted.memory_mb).filter(|m| *m > 0),
             cpu: Some(u64::from(granted.cpu)).filter(|c| *c > 0),
             pids: None,
+            gpus: Some(granted.gpu_mask),
         };
         let spawned = self
             .opts
@@ -546,6 +550,7 @@ impl Executor {
                     }
                 }
                 let (done_tx, done_rx) = watch::channel(false);
+                let disk_done = done_rx.clone();
                 let logs = Arc::new(logs);
                 if let Some(max) = self.opts.max_log_bytes {
                     tokio::spawn(watch_logs(logs.clone(), max, done_rx.clone()));
@@ -564,6 +569,16 @@ impl Executor {
                     }
                 }
                 let ending = self.ending(container_id, dir, done_tx, cgroup);
+                if let Some(mb) = self.opts.max_disk_mb {
+                    let target = super::bounds::Target {
+                        cgroup: ending.cgroup.clone(),
+                        pid,
+                        shim: self.opts.containment.shim().is_some(),
+                    };
+                    // The task's own directory: its logs are the node's, bounded apart.
+                    let (d, v) = (work_dir(&ending.dir), ending.verdict.clone());
+                    tokio::spawn(super::bounds::watch_disk(d, mb, target, v, disk_done));
+                }
                 tokio::spawn(wait_container(ending, child, pid, leader));
                 Ok(pid)
             }
@@ -580,6 +595,7 @@ impl Executor {
             done,
             cgroup,
             max_log_bytes: self.opts.max_log_bytes,
+            verdict: Default::default(),
         }
     }
 
@@ -1368,6 +1384,7 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
         .stdin(Stdio::null());
     cmd.stdout(Stdio::from(out)).stderr(Stdio::from(err));
     let joins = cgroup.join_paths();
+    let private_dev = cgroup.private_dev().cloned();
     let ids = run_as.map(|u| (u.uid, u.gid));
     let groups: Vec<libc::gid_t> = run_as.map(|u| u.groups.clone()).unwrap_or_default();
     // SAFETY: the closure runs in the forked child before exec and only makes
@@ -1389,6 +1406,9 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
                 if n < 0 {
                     return Err(e);
                 }
+            }
+            if let Some(dev) = &private_dev {
+                dev.enter()?;
             }
             if let Some((uid, gid)) = ids {
                 if libc::setgroups(groups.len(), groups.as_ptr()) == -1
@@ -1423,6 +1443,8 @@ struct Ending {
     done: watch::Sender<bool>,
     cgroup: Cgroup,
     max_log_bytes: Option<u64>,
+    /// Why the node killed it (a bound it went past, see [`super::bounds`]).
+    verdict: Arc<Mutex<Option<String>>>,
 }
 
 /// Waits for the leader, then ends the container (see [`container_ended`]).
@@ -1490,6 +1512,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         done,
         cgroup,
         max_log_bytes,
+        verdict,
     } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
@@ -1505,11 +1528,19 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     }
     // A task in an image: its container is gone too (see image::reap).
     super::image::reap(&dir, &id).await;
+    let oom = cgroup.oom_killed();
     if cgroup.is_real() {
         if let Some(why) = empty_cgroup(&cgroup, &id).await {
             diagnostics.push_str(why);
         }
         cgroup.remove();
+    }
+    // A bound the container went past leads its diagnostics (the AM classifies on it).
+    let killed_for = verdict.lock().clone();
+    if let Some(why) = killed_for.or(oom) {
+        // Past its disk bound or not, the task's directory goes below, before anyone hears
+        // of the end; its logs (in the record) stay.
+        diagnostics = format!("{why}; {diagnostics}");
     }
     // The logs are within their limit before anyone hears of the end.
     if let Some(max) = max_log_bytes {

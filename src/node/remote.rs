@@ -27,6 +27,8 @@ pub struct AgentEntry {
     /// Declared LOST: its heartbeats are answered "register again".
     pub lost: bool,
     pub running: BTreeSet<String>,
+    /// Restored by a restarted RM and not registered since: LOST when this passes.
+    pub awaiting_until: Option<Instant>,
 }
 
 /// The agents registered with this RM.
@@ -66,7 +68,10 @@ impl AgentNodes {
 
     /// Whether `host` is registered and not LOST.
     pub fn is_live(&self, host: &str) -> bool {
-        self.agents.lock().get(host).is_some_and(|a| !a.lost)
+        self.agents
+            .lock()
+            .get(host)
+            .is_some_and(|a| !a.lost && a.awaiting_until.is_none())
     }
 
     /// Records a (re-)registration.
@@ -78,8 +83,22 @@ impl AgentNodes {
                 last_heard: now,
                 lost: false,
                 running: BTreeSet::new(),
+                awaiting_until: None,
             },
         );
+    }
+
+    /// A host a restarted RM knows from its stored state: its agent has until `deadline`
+    /// to register again (its heartbeats are answered "register again"; calls to it fail
+    /// as unreachable meanwhile).
+    pub fn expect(&self, host: &str, deadline: Instant) {
+        self.agents.lock().entry(host.to_string()).or_insert(AgentEntry {
+            address: String::new(),
+            last_heard: Instant::now(),
+            lost: false,
+            running: BTreeSet::new(),
+            awaiting_until: Some(deadline),
+        });
     }
 
     /// Records a heartbeat's reports: running ids are remembered, each dead container
@@ -87,7 +106,7 @@ impl AgentNodes {
     pub fn heartbeat(&self, host: &str, reports: &[ContainerReport], now: Instant) -> bool {
         {
             let mut agents = self.agents.lock();
-            let Some(a) = agents.get_mut(host).filter(|a| !a.lost) else {
+            let Some(a) = agents.get_mut(host).filter(|a| !a.lost && a.awaiting_until.is_none()) else {
                 return false;
             };
             a.last_heard = now;
@@ -107,12 +126,19 @@ impl AgentNodes {
         true
     }
 
-    /// Hosts silent for longer than `expiry` and not yet LOST: now marked LOST.
+    /// Hosts silent for longer than `expiry` (or, restored after an RM restart, not
+    /// registered by their deadline) and not yet LOST: now marked LOST.
     pub fn expire(&self, now: Instant, expiry: Duration) -> Vec<String> {
         let mut agents = self.agents.lock();
         let mut lost: Vec<String> = agents
             .iter_mut()
-            .filter(|(_, a)| !a.lost && now.saturating_duration_since(a.last_heard) > expiry)
+            .filter(|(_, a)| {
+                !a.lost
+                    && match a.awaiting_until {
+                        Some(deadline) => now > deadline,
+                        None => now.saturating_duration_since(a.last_heard) > expiry,
+                    }
+            })
             .map(|(h, a)| {
                 a.lost = true;
                 h.clone()
@@ -126,11 +152,11 @@ impl AgentNodes {
         self.agents
             .lock()
             .get(host)
-            .filter(|a| !a.lost)
+            .filter(|a| !a.lost && a.awaiting_until.is_none())
             .map(|a| a.address.clone())
             .ok_or_else(|| NodeError::Unreachable {
                 host: host.to_string(),
-                why: "no live agent is registered for this host".into(),
+                why: "no live agent is registered for this host (after an RM restart: not yet again)".into(),
             })
     }
 
@@ -267,5 +293,44 @@ impl NodeBackend for AgentNodes {
             self.call(host, req).await.map(|_| ())
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_restored_after_a_restart_waits_for_its_agent_until_the_deadline() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let agents = AgentNodes::new("secret".into(), tx).unwrap();
+        let t0 = Instant::now();
+        agents.expect("h", t0 + Duration::from_secs(30));
+        assert!(agents.knows("h") && !agents.is_live("h"));
+        assert!(!agents.heartbeat("h", &[], t0), "a heartbeat is told to register");
+        assert!(
+            agents
+                .expire(t0 + Duration::from_secs(20), Duration::from_secs(3))
+                .is_empty(),
+            "not LOST within the grace, however long beyond the expiry"
+        );
+        assert!(agents.address("h").is_err(), "no address before it registers");
+        assert_eq!(
+            agents.expire(t0 + Duration::from_secs(31), Duration::from_secs(3)),
+            vec!["h".to_string()],
+            "LOST once the grace ended"
+        );
+        // One that registers in time is an ordinary live agent.
+        agents.expect("g", t0 + Duration::from_secs(30));
+        agents.register("g", "http://10.0.0.2:8042/", t0 + Duration::from_secs(1));
+        assert!(agents.is_live("g"));
+        assert!(agents.heartbeat("g", &[], t0 + Duration::from_secs(2)));
+        assert!(agents
+            .expire(t0 + Duration::from_secs(4), Duration::from_secs(3))
+            .is_empty());
+        assert_eq!(agents.address("g").unwrap(), "http://10.0.0.2:8042");
+        // `expect` never demotes a registered agent.
+        agents.expect("g", t0);
+        assert!(agents.is_live("g"));
     }
 }

@@ -2,6 +2,11 @@
 //! states and the id counters, in an embedded SQLite database with write-ahead logging,
 //! so that a restarted RM recovers every application and every grant.
 //!
+//! Node agents' declarations (what each host registered with: its resources, labels,
+//! address) are kept as opaque documents in `agent_nodes`, so that a restarted RM knows
+//! the hosts its restored containers run on before their agents register again. The
+//! table came after the first layout: a file without it (an older RM's) gets it, empty.
+//!
 //! What is stored is what cannot be rebuilt: a node's `used` resources are not, because
 //! the ledger always recomputes them from the live containers (so the two can never
 //! disagree after a restart). Rows hold JSON documents of the in-memory records; the
@@ -39,7 +44,7 @@ pub const STATE_FILE: &str = "rm-state.db";
 const SCHEMA_VERSION: i64 = 1;
 
 /// The tables and their columns, as [`Store::open`] creates them and expects them.
-const TABLES: [(&str, &[&str], &str); 4] = [
+const TABLES: [(&str, &[&str], &str); 5] = [
     (
         "meta",
         &["key", "value"],
@@ -62,7 +67,15 @@ const TABLES: [(&str, &[&str], &str); 4] = [
         &["host", "state"],
         "CREATE TABLE nodes (host TEXT PRIMARY KEY, state TEXT NOT NULL)",
     ),
+    (
+        AGENT_NODES,
+        &["host", "doc"],
+        "CREATE TABLE agent_nodes (host TEXT PRIMARY KEY, doc TEXT NOT NULL)",
+    ),
 ];
+
+/// The table added after the first layout (created empty in an older file).
+const AGENT_NODES: &str = "agent_nodes";
 
 /// Why the store could not be opened, read or written.
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +114,8 @@ pub struct Recovered {
     pub apps: Vec<App>,
     pub containers: Vec<LedgerContainer>,
     pub node_states: Vec<(String, NodeState)>,
+    /// Node agents' declarations (host, document), as the RM wrote them.
+    pub agent_nodes: Vec<(String, String)>,
 }
 
 /// One transaction's worth of changes; `None` values are deletions.
@@ -110,6 +125,8 @@ pub struct Batch<'a> {
     pub apps: Vec<(&'a str, Option<&'a App>)>,
     pub containers: Vec<&'a LedgerContainer>,
     pub nodes: Vec<(&'a str, NodeState)>,
+    /// Node agents' declarations (host, document); `None`: the host is forgotten.
+    pub agent_nodes: Vec<(&'a str, Option<&'a str>)>,
     /// The batch is the whole state: every row not in it is deleted (written after a
     /// failed write, when what the file misses is not known).
     pub whole: bool,
@@ -258,6 +275,12 @@ impl Store {
         }
         for (table, columns, create) in TABLES {
             if !existing.iter().any(|t| t == table) {
+                if table == AGENT_NODES {
+                    // Written by an RM from before the table: nothing was lost.
+                    tx.execute_batch(create)
+                        .map_err(|e| fail(format!("cannot create table `{table}`: {e}")))?;
+                    continue;
+                }
                 if mode == Mode::Strict {
                     return Err(damaged(&format!("table `{table}`"), "missing".into()));
                 }
@@ -416,12 +439,14 @@ impl Store {
             }
         }
 
+        let agent_nodes = docs("SELECT host, doc FROM agent_nodes ORDER BY host", "table `agent_nodes`")?;
+
         let max_app = apps.iter().filter_map(|a| app_seq(&a.report.id)).max();
         let max_container = containers
             .iter()
             .filter_map(|c| container_seq(&c.container.container_id))
             .max();
-        let anything = !apps.is_empty() || !containers.is_empty() || !node_states.is_empty();
+        let anything = !apps.is_empty() || !containers.is_empty() || !node_states.is_empty() || !agent_nodes.is_empty();
         let meta = match meta.take() {
             Some(m) => m,
             // A fresh store: nothing was ever written.
@@ -437,7 +462,7 @@ impl Store {
                     .iter()
                     .filter_map(|a| parse_app_id(&a.report.id).map(|(ts, _)| ts))
                     .max()
-                    .unwrap_or_else(super::apps::now_ms);
+                    .unwrap_or_else(crate::protocol::now_ms);
                 notes.push(format!(
                     "the `state` meta row was missing: rebuilt from the rows (cluster timestamp {ts}, \
                      reserved application ids forgotten)"
@@ -493,6 +518,7 @@ impl Store {
             apps,
             containers,
             node_states,
+            agent_nodes,
         };
         self.finish_recover(notes, dropped, Some(recovered))
     }
@@ -511,7 +537,7 @@ impl Store {
             for (table, key) in &dropped {
                 let column = match *table {
                     "meta" => "key",
-                    "nodes" => "host",
+                    "nodes" | "agent_nodes" => "host",
                     _ => "id",
                 };
                 tx.execute(&format!("DELETE FROM {table} WHERE {column} = ?1"), params![key])
@@ -531,7 +557,7 @@ impl Store {
         let fail = |e: &dyn std::fmt::Display| StoreError::Write(e.to_string());
         let tx = conn.transaction().map_err(|e| fail(&e))?;
         if batch.whole {
-            tx.execute_batch("DELETE FROM apps; DELETE FROM containers; DELETE FROM nodes;")
+            tx.execute_batch("DELETE FROM apps; DELETE FROM containers; DELETE FROM nodes; DELETE FROM agent_nodes;")
                 .map_err(|e| fail(&e))?;
         }
         if let Some(meta) = &batch.meta {
@@ -576,6 +602,17 @@ impl Store {
                 .and_then(|mut s| s.execute(params![host, name_of(state)]))
                 .map_err(|e| fail(&e))?;
         }
+        for (host, doc) in &batch.agent_nodes {
+            match doc {
+                Some(doc) => tx
+                    .prepare_cached("INSERT OR REPLACE INTO agent_nodes (host, doc) VALUES (?1, ?2)")
+                    .and_then(|mut s| s.execute(params![host, doc])),
+                None => tx
+                    .prepare_cached("DELETE FROM agent_nodes WHERE host = ?1")
+                    .and_then(|mut s| s.execute(params![host])),
+            }
+            .map_err(|e| fail(&e))?;
+        }
         tx.commit().map_err(|e| fail(&e))
     }
 }
@@ -588,6 +625,7 @@ fn what_a_table_held(table: &str) -> &'static str {
             "every grant it held is forgotten; processes of those containers that still run are not known to the RM"
         }
         "nodes" => "node states such as LOST are forgotten: every node starts RUNNING",
+        "agent_nodes" => "node agents' hosts are forgotten until they register again",
         _ => "the id counters are rebuilt from the rows",
     }
 }
@@ -652,6 +690,7 @@ mod tests {
                 apps: vec![("application_1_0001", Some(&app)), ("application_1_0002", Some(&gone))],
                 containers: vec![&c1],
                 nodes: vec![("n2", NodeState::Lost)],
+                agent_nodes: vec![("n2", Some(r#"{"host":"n2"}"#)), ("n3", Some("{}"))],
                 whole: false,
             })
             .unwrap();
@@ -660,6 +699,7 @@ mod tests {
         store
             .write(&Batch {
                 apps: vec![("application_1_0001", Some(&app)), ("application_1_0002", None)],
+                agent_nodes: vec![("n3", None)],
                 ..Batch::default()
             })
             .unwrap();
@@ -680,6 +720,7 @@ mod tests {
         assert_eq!(r.containers[0].state, ContainerState::Running);
         assert_eq!(r.containers[0].allocated_ms, 1234);
         assert_eq!(r.node_states, vec![("n2".to_string(), NodeState::Lost)]);
+        assert_eq!(r.agent_nodes, vec![("n2".to_string(), r#"{"host":"n2"}"#.to_string())]);
         let mode: String = store
             .conn
             .as_ref()
@@ -800,6 +841,18 @@ mod tests {
         drop(store);
         // Repaired: a plain open takes it now.
         assert!(Store::open(dir.path()).unwrap().recover().unwrap().is_some());
+    }
+
+    #[test]
+    fn a_file_of_an_rm_from_before_agent_nodes_opens_with_the_table_added() {
+        let dir = tempfile::tempdir().unwrap();
+        written(dir.path());
+        sql(dir.path(), "DROP TABLE agent_nodes;");
+        let mut store = Store::open(dir.path()).unwrap();
+        let r = store.recover().unwrap().unwrap();
+        assert_eq!(r.apps.len(), 1);
+        assert!(r.agent_nodes.is_empty());
+        assert!(store.notes().is_empty(), "nothing was lost: {:?}", store.notes());
     }
 
     #[test]

@@ -3,9 +3,9 @@
 //! for per host), running the select pipeline for a task and booking the result, the ports a
 //! `samePortAllocation` role reuses, and what a "not now" means for the rest of its role.
 //!
-//! The AM's control loop (`am::control`, once per heartbeat) and [`super::plan_job`] drive
-//! the same [`PlacementRound`], so `gpuam plan` shows what the AM will do by construction; only
-//! what each does with a step differs (the AM sends asks and backs off, plan records them).
+//! The AM's job machine (`am::machine`, once per heartbeat; `gpuam plan` runs that machine
+//! too) and [`super::plan_job`] (one round over a job with nothing placed: the gang check and
+//! the select bench) drive the same [`PlacementRound`].
 
 use super::{JobDemand, Outcome, Selection, Selector, TaskAsk, TaskShape};
 use crate::resources::{PortSet, Resources};

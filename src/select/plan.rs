@@ -62,6 +62,41 @@ pub struct JobPlan {
     pub unplaced: Vec<UnplacedTask>,
 }
 
+impl JobPlan {
+    /// Adds task `index` of `role` as its selection left it: placed (with its port labels, the
+    /// next-best node and the topology wait it takes first, `wait_sec`), or not and why.
+    pub fn record(&mut self, role: &crate::spec::TaskRole, index: u32, sel: super::Selection, wait_sec: u64) {
+        let impossible = matches!(sel.outcome, Outcome::Impossible { .. });
+        match sel.outcome {
+            Outcome::Placed(p) => self.placements.push(PlannedTask {
+                role: role.name.clone(),
+                index,
+                host: p.host.clone(),
+                rack: p.rack.clone(),
+                gpus: mask_indices(p.resources.gpu_mask),
+                gpu_mask: mask_hex(p.resources.gpu_mask),
+                gpu_share: p.resources.gpu_share().map(format_hundredths),
+                resources: p.resources.custom.clone(),
+                ports: assign_port_labels(&role.resources, &p.resources.ports).unwrap_or_default(),
+                gpu_tier: p.gpu_tier,
+                gpu_tier_ideal: p.gpu_tier_ideal,
+                union_tier: p.union_tier,
+                nic: p.nic.clone(),
+                topology_wait_sec: (p.may_improve && wait_sec > 0).then_some(wait_sec),
+                next_best: sel.trace.alternative.clone(),
+                placement: p,
+            }),
+            Outcome::NotNow { reason } | Outcome::Impossible { reason } => self.unplaced.push(UnplacedTask {
+                role: role.name.clone(),
+                index,
+                reason,
+                impossible,
+                trace: sel.trace,
+            }),
+        }
+    }
+}
+
 /// Splits a container's ports among the role's labels (reference/frameworklauncher.md
 /// §4.4): static labels take their own ranges, dynamic labels take the lowest of the
 /// rest in label order. `None` when the ports do not cover the request.
@@ -96,36 +131,8 @@ pub fn plan_job(selector: &Selector, job: &JobSpec) -> JobPlan {
     let mut plan = JobPlan::default();
     let wait_sec = selector.settings().topology_wait_sec;
     while let Some((ri, index)) = round.next_task() {
-        let role = &job.task_roles[ri];
         let sel = round.place(selector, (ri, index)).selection;
-        let impossible = matches!(sel.outcome, Outcome::Impossible { .. });
-        match sel.outcome {
-            Outcome::Placed(p) => plan.placements.push(PlannedTask {
-                role: role.name.clone(),
-                index,
-                host: p.host.clone(),
-                rack: p.rack.clone(),
-                gpus: mask_indices(p.resources.gpu_mask),
-                gpu_mask: mask_hex(p.resources.gpu_mask),
-                gpu_share: p.resources.gpu_share().map(format_hundredths),
-                resources: p.resources.custom.clone(),
-                ports: assign_port_labels(&role.resources, &p.resources.ports).unwrap_or_default(),
-                gpu_tier: p.gpu_tier,
-                gpu_tier_ideal: p.gpu_tier_ideal,
-                union_tier: p.union_tier,
-                nic: p.nic.clone(),
-                topology_wait_sec: (p.may_improve && wait_sec > 0).then_some(wait_sec),
-                next_best: sel.trace.alternative.clone(),
-                placement: p,
-            }),
-            Outcome::NotNow { reason } | Outcome::Impossible { reason } => plan.unplaced.push(UnplacedTask {
-                role: role.name.clone(),
-                index,
-                reason,
-                impossible,
-                trace: sel.trace,
-            }),
-        }
+        plan.record(&job.task_roles[ri], index, sel, wait_sec);
     }
     plan
 }

@@ -4,6 +4,14 @@
 //! Each policy places the same stream (paired design); the `gpuam` policy is the real
 //! select pipeline ([`Selector::select_and_reserve`] with a [`JobDemand`], bookings
 //! undone with [`Selector::remove_requested`]), the baselines are in `policies.rs`.
+//!
+//! Why it does not drive the AM's job machine (`am::machine`, which `gpuam run` and
+//! `gpuam plan` drive): the simulator compares placement *policies* on one stream, each
+//! deciding a whole gang at once in virtual time with its decision time measured; the job
+//! machine adds what no baseline has (asks and their answers, the per-role back-off, gang
+//! hold-back and timeouts, heartbeats), which would make the paired comparison unfair and the
+//! decision times those of the machine, not of the policy. It calls the same select pipeline
+//! the machine's placement round calls, with the same topology wait.
 
 pub mod charts;
 pub mod cluster;

@@ -1,8 +1,8 @@
 //! The AM's web dashboard and status API: JSON under `/api/v1/`, live events over SSE,
 //! `/metrics` for Prometheus, health probes, and the embedded static page (`webui/`).
 //!
-//! Everything here only reads the [`StatusHub`] the control loop writes; the one action
-//! (kill) is forwarded to the control loop as a [`crate::am::status::Command`].
+//! Everything here only reads the [`StatusHub`] the AM's publisher writes; the one action
+//! (kill) is forwarded to the AM as a [`crate::am::status::Command`].
 
 pub mod access;
 mod api;

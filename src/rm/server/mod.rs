@@ -40,12 +40,13 @@ use crate::cluster::rm_json::{node_to_json, nodes_to_json};
 use crate::cluster::{Node, NodeState};
 use crate::node::executor::{ExecError, LogStream};
 use crate::node::procs::ProcessId;
+use crate::protocol::now_ms;
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
-use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
+use crate::rm::apps::{app_id, app_seq, AmLaunch, App, Apps};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
 use crate::rm::store::{Batch, Meta, Store, StoreError};
 use crate::rm::users::Users;
@@ -154,6 +155,10 @@ pub struct RmOptions {
     pub node_token: Option<String>,
     /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
     pub node_expiry: Duration,
+    /// After a restart, how long the node agents of the stored state have to register
+    /// again before their hosts are LOST (`rm.node_reregister_grace_sec`); meanwhile their
+    /// containers are kept and the hosts are listed NEW.
+    pub node_reregister_grace: Duration,
     /// The users file (`rm.users_file`): reloaded when it changes and on SIGHUP. `None`:
     /// only the admin token and `users` are accepted.
     pub users_file: Option<PathBuf>,
@@ -185,6 +190,8 @@ pub struct RmOptions {
     pub task_identity: Option<crate::node::identity::IdentitySettings>,
     /// How long a finished container's logs stay (`node.log_retention_sec`).
     pub log_retention: Option<Duration>,
+    /// Disk, pids and device bounds of the in-process node (`node.*`).
+    pub bounds: crate::node::bounds::NodeBounds,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -208,6 +215,7 @@ impl RmOptions {
             ray: None,
             node_token: None,
             node_expiry: Duration::from_secs(15),
+            node_reregister_grace: Duration::from_secs(crate::config::RmSettings::default().node_reregister_grace_sec),
             users_file: None,
             users: Users::default(),
             limits: RmLimits::default(),
@@ -220,6 +228,7 @@ impl RmOptions {
             shim_exe: None,
             task_identity: None,
             log_retention: None,
+            bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
 
@@ -237,6 +246,7 @@ impl RmOptions {
             container_expiry: Duration::from_secs(rm.container_expiry_sec),
             max_am_attempts: rm.max_am_attempts,
             node_expiry: Duration::from_secs(rm.node_expiry_sec.max(1)),
+            node_reregister_grace: Duration::from_secs(rm.node_reregister_grace_sec.max(1)),
             queues: crate::rm::scheduler::queues::QueueTree::from_settings(&rm.queues)?,
             preemption_grace: Duration::from_secs(rm.preemption_grace_sec),
             users_file: rm.users_file.clone(),
@@ -249,6 +259,7 @@ impl RmOptions {
                 false => None,
             },
             log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
+            bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
     }
@@ -398,7 +409,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         None => Store::memory(),
     };
     let sched = scheduling::SchedState::new(opts.queues, opts.preemption_grace);
-    let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry), sched)?;
+    let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry), sched, &base_url)?;
     let recovery_notes = state.store.notes().to_vec();
     for note in &recovery_notes {
         tracing::warn!("state recovery: {note}");
@@ -422,6 +433,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         h.finish()
     }))
     .with_shim(opts.shim_exe.clone());
+    let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
     tracing::info!("in-process node {}", containment.describe());
     let ray = opts
         .ray
@@ -448,6 +460,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             users: task_users,
             retention: opts.log_retention,
             ends_heard_here: true,
+            max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
         },
     );
@@ -484,6 +497,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             on_node_event(&s, ev);
         }
     }));
+    await_agents(&shared, Instant::now() + opts.node_reregister_grace);
     if let Some(a) = &agents {
         background.push(spawn_liveness(shared.clone(), a.clone(), opts.node_expiry));
     }

@@ -90,6 +90,76 @@ fn node_agents(rm: &Shared, headers: &HeaderMap) -> Result<Arc<AgentNodes>, ApiE
     }
 }
 
+/// The node an agent's registration describes (AMs reach its containers through this
+/// RM at `base_url`; their peers at the node's own IP). The one place a registration
+/// becomes a node: at registration and when a restarted RM reads its stored declaration.
+fn node_of(req: &AgentRegister, base_url: &str) -> Result<Node, String> {
+    if !crate::node::executor::valid_container_id(&req.host) {
+        return Err(format!(
+            "host `{}` is not a valid host name (use A-Z, a-z, 0-9, `_`, `.`, `-`)",
+            req.host
+        ));
+    }
+    let topology = crate::topology::Topology::from_spec(&req.topology).map_err(|e| format!("topology: {e}"))?;
+    let ip = req
+        .ip
+        .map(crate::node::wire::check_node_ip)
+        .transpose()
+        .map_err(|e| format!("ip: {e}"))?;
+    let mut node = Node::new(req.host.clone(), req.rack.clone(), req.total.clone());
+    node.labels = req.labels.clone();
+    node.gpu_type = req.gpu_type.clone();
+    node.topology = topology.map(Arc::new);
+    node.http_address = base_url.to_string();
+    node.ip = ip;
+    Ok(node)
+}
+
+/// A stored agent declaration (see [`declaration_of`]) as a node, for a restarted RM.
+pub(super) fn declared_node(doc: &str, base_url: &str) -> Result<Node, String> {
+    let req: AgentRegister = serde_json::from_str(doc).map_err(|e| e.to_string())?;
+    node_of(&req, base_url)
+}
+
+/// What the RM keeps of a registration: the node it declares, without its containers.
+fn declaration_of(req: &AgentRegister) -> Result<String, String> {
+    let decl = AgentRegister {
+        containers: Vec::new(),
+        ..req.clone()
+    };
+    serde_json::to_string(&decl).map_err(|e| e.to_string())
+}
+
+/// After an RM restart: the agent hosts restored NEW wait for their agents until
+/// `deadline`; then the liveness loop makes them LOST (LOST's rules: their containers end
+/// for their applications and stay held until the host reports them dead). Without node
+/// agents at all they are LOST at once.
+pub(super) fn await_agents(rm: &Shared, deadline: Instant) {
+    let mut st = rm.lock();
+    let waiting: Vec<String> = st
+        .agent_nodes
+        .keys()
+        .filter(|h| st.ledger.node(h).is_some_and(|n| n.state == NodeState::New))
+        .cloned()
+        .collect();
+    for host in waiting {
+        match &rm.nodes.agents {
+            Some(agents) => {
+                agents.expect(&host, deadline);
+                tracing::info!(%host, "waiting for the node agent to register again after the RM restart");
+            }
+            None => {
+                let ended = st.ledger.set_node_state(&host, NodeState::Lost).unwrap_or_default();
+                for e in &ended {
+                    queue_completed(&mut st.apps, e);
+                }
+                tracing::warn!(%host, "a node agent's host, and this RM takes no node agents: LOST");
+            }
+        }
+    }
+    st.commit_or_log();
+}
+
 /// `POST /ws/v1/node-agents/register`: (re-)adds the node, reconciles its containers.
 pub(super) async fn agent_register(
     State(rm): Rm,
@@ -97,31 +167,16 @@ pub(super) async fn agent_register(
     ApiJson(req): ApiJson<AgentRegister>,
 ) -> Result<Json<AgentReply>, ApiError> {
     let agents = node_agents(&rm, &headers)?;
-    if !crate::node::executor::valid_container_id(&req.host) {
-        return Err(ApiError::bad_request(format!(
-            "host `{}` is not a valid host name (use A-Z, a-z, 0-9, `_`, `.`, `-`)",
-            req.host
-        )));
-    }
-    let topology = crate::topology::Topology::from_spec(&req.topology)
-        .map_err(|e| ApiError::bad_request(format!("topology: {e}")))?;
-    let ip = req
-        .ip
-        .map(crate::node::wire::check_node_ip)
-        .transpose()
-        .map_err(|e| ApiError::bad_request(format!("ip: {e}")))?;
-    let mut node = Node::new(req.host.clone(), req.rack.clone(), req.total.clone());
-    node.labels = req.labels.clone();
-    node.gpu_type = req.gpu_type.clone();
-    node.topology = topology.map(Arc::new);
-    // AMs reach every container through this RM (which checks their grants); the
-    // containers' peers reach them at the node's own IP.
-    node.http_address = rm.base_url.clone();
-    node.ip = ip;
+    let node = node_of(&req, &rm.base_url).map_err(ApiError::bad_request)?;
+    let decl = declaration_of(&req).map_err(ApiError::bad_request)?;
     let host = req.host.clone();
     let reply = {
         let mut st = rm.lock();
         let new = st.ledger.add_node(node);
+        if st.agent_nodes.get(&host) != Some(&decl) {
+            st.agent_nodes.insert(host.clone(), decl);
+            st.agent_nodes_dirty.insert(host.clone());
+        }
         agents.register(&host, &req.http_address, Instant::now());
         let reply = reconcile(&mut st, &host, &req.containers, true);
         st.commit_or_log();

@@ -61,6 +61,11 @@ pub(super) struct RmState {
     /// The queues and the preemptions in progress (not persisted: a restarted RM decides
     /// again from what runs).
     pub(super) sched: scheduling::SchedState,
+    /// Node agents' declarations (host → the JSON of its first registration, see
+    /// `nodes::declared_node`), kept so that a restarted RM knows their hosts.
+    pub(super) agent_nodes: BTreeMap<String, String>,
+    /// Hosts of `agent_nodes` changed since the last write.
+    pub(super) agent_nodes_dirty: std::collections::BTreeSet<String>,
 }
 
 impl RmState {
@@ -130,7 +135,10 @@ impl RmState {
         }
         if let Some(why) = &self.store_health.failing {
             // A lock taken only to read does not retry the store (writers do).
-            let changed = self.apps.has_changes() || self.ledger.has_changes() || self.meta_dirty;
+            let changed = self.apps.has_changes()
+                || self.ledger.has_changes()
+                || self.meta_dirty
+                || !self.agent_nodes_dirty.is_empty();
             if !changed {
                 return Err(StoreError::Write(why.clone()));
             }
@@ -138,10 +146,11 @@ impl RmState {
         }
         let apps = self.apps.take_dirty();
         let changes = self.ledger.take_changes();
+        let agent_nodes = std::mem::take(&mut self.agent_nodes_dirty);
         let container_seq = self.ledger.next_container_seq();
         let meta_dirty =
             std::mem::take(&mut self.meta_dirty) || container_seq != self.store_health.stored_container_seq;
-        if apps.is_empty() && changes.is_empty() && !meta_dirty {
+        if apps.is_empty() && changes.is_empty() && !meta_dirty && agent_nodes.is_empty() {
             return Ok(());
         }
         let batch = Batch {
@@ -156,6 +165,10 @@ impl RmState {
                 .nodes
                 .iter()
                 .filter_map(|h| self.ledger.node(h).map(|n| (h.as_str(), n.state)))
+                .collect(),
+            agent_nodes: agent_nodes
+                .iter()
+                .map(|h| (h.as_str(), self.agent_nodes.get(h).map(String::as_str)))
                 .collect(),
             whole: false,
         };
@@ -187,12 +200,18 @@ impl RmState {
         self.apps.take_dirty();
         self.ledger.take_changes();
         self.meta_dirty = false;
+        self.agent_nodes_dirty.clear();
         let container_seq = self.ledger.next_container_seq();
         let batch = Batch {
             meta: Some(self.meta(cluster_ts)),
             apps: self.apps.values().map(|a| (a.report.id.as_str(), Some(a))).collect(),
             containers: self.ledger.all_containers().collect(),
             nodes: self.ledger.node_states().collect(),
+            agent_nodes: self
+                .agent_nodes
+                .iter()
+                .map(|(h, d)| (h.as_str(), Some(d.as_str())))
+                .collect(),
             whole: true,
         };
         let (apps, containers) = (batch.apps.len(), batch.containers.len());
@@ -301,6 +320,7 @@ pub(super) fn recover_state(
     mut store: Store,
     mut ledger: Ledger,
     sched: scheduling::SchedState,
+    base_url: &str,
 ) -> anyhow::Result<(RmState, u64)> {
     let mut apps = Apps::default();
     let Some(r) = store.recover()? else {
@@ -313,10 +333,35 @@ pub(super) fn recover_state(
             store,
             store_health: StoreHealth::default(),
             sched,
+            agent_nodes: BTreeMap::new(),
+            agent_nodes_dirty: Default::default(),
         };
         return Ok((state, now_ms()));
     };
+    // Node agents' hosts first, NEW (not yet registered again) until their agents
+    // register or the re-registration grace ends (`nodes::await_agents`), so that the
+    // containers restored on them are kept meanwhile.
+    let mut agent_nodes = BTreeMap::new();
+    for (host, doc) in r.agent_nodes {
+        match nodes::declared_node(&doc, base_url) {
+            Ok(node) if node.host == host => {
+                if ledger.node(&host).is_none() {
+                    ledger.add_node(node);
+                    ledger.set_node_state(&host, NodeState::New);
+                }
+                agent_nodes.insert(host, doc);
+            }
+            Ok(node) => tracing::warn!(%host, "the stored agent node names another host ({}): ignored", node.host),
+            Err(e) => tracing::warn!(%host, "the stored agent node cannot be read ({e}): ignored"),
+        }
+    }
     for (host, state) in &r.node_states {
+        // A node agent's host that was RUNNING is NEW until its agent registers again.
+        let state = if agent_nodes.contains_key(host) && *state == NodeState::Running {
+            &NodeState::New
+        } else {
+            state
+        };
         if ledger.set_node_state(host, *state).is_none() {
             tracing::warn!(%host, "a node of the saved state is no longer in the cluster");
         }
@@ -357,6 +402,8 @@ pub(super) fn recover_state(
         store,
         store_health: StoreHealth::default(),
         sched,
+        agent_nodes,
+        agent_nodes_dirty: Default::default(),
     };
     Ok((state, r.meta.cluster_ts))
 }

@@ -324,6 +324,8 @@ fn reserved_ids_are_forgotten_oldest_first() {
         store: Store::memory(),
         store_health: StoreHealth::default(),
         sched: scheduling::SchedState::new(Default::default(), Duration::from_secs(30)),
+        agent_nodes: BTreeMap::new(),
+        agent_nodes_dirty: Default::default(),
     };
     let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
         .map(|_| {
@@ -351,6 +353,8 @@ fn the_application_sequence_is_refused_at_its_end_not_wrapped() {
         store: Store::memory(),
         store_health: StoreHealth::default(),
         sched: scheduling::SchedState::new(Default::default(), Duration::from_secs(30)),
+        agent_nodes: BTreeMap::new(),
+        agent_nodes_dirty: Default::default(),
     };
     assert_eq!(st.next_app_id(7).unwrap(), format!("application_7_{}", u32::MAX));
     let e = st.next_app_id(7).unwrap_err();

@@ -1,0 +1,182 @@
+//! The job machine's gang rule and launches: a gang's asks go out all together or wait
+//! (hold-back), its containers launch only once every open task holds one, and what it holds
+//! is given back when that takes longer than the gang timeout; without a gang every granted
+//! container launches at once. The launch answers come back here.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::{JobMachine, Launch, Now};
+use crate::am::status::TaskState;
+use crate::am::tasks::{launch_context, peer_address, Task};
+
+impl JobMachine {
+    /// A gang's asks go out all together (the RM grants them all or none): while some
+    /// open task of the gang found no place, the ones placed this round wait with it.
+    pub(super) fn hold_back_partial_gang(&mut self, now: Now) {
+        if !self.job.gang || self.gang_launched {
+            return;
+        }
+        let unplaced = self.tasks.iter().filter(|t| t.state == TaskState::TaskWaiting).count();
+        if unplaced == 0 {
+            return;
+        }
+        let total = self
+            .tasks
+            .iter()
+            .filter(|t| t.state != TaskState::TaskCompleted)
+            .count();
+        let wait = self.backoff.between(
+            self.settings.not_available_retry_min_ms,
+            self.settings.not_available_retry_max_ms,
+        );
+        for ti in 0..self.tasks.len() {
+            let unsent = self.tasks[ti]
+                .request
+                .as_ref()
+                .filter(|r| {
+                    self.tasks[ti].state == TaskState::ContainerRequested && !self.sent_asks.contains(&r.request_id)
+                })
+                .cloned();
+            let Some(r) = unsent else { continue };
+            self.by_request.remove(&r.request_id);
+            self.selector.remove_requested(&r.host, &r.resources, false);
+            let t = &mut self.tasks[ti];
+            t.reset_to_waiting();
+            t.not_before = Some(now.at + wait);
+            t.waiting_reason = Some(format!(
+                "gang: its {total} tasks are asked for together; {unplaced} of them find no place yet"
+            ));
+        }
+    }
+
+    /// The containers to launch now: without a gang every allocated task's; with a gang only
+    /// when every unfinished task holds a container (and everything is given back if that
+    /// takes longer than the gang timeout). `None` once the job has ended.
+    #[allow(clippy::wrong_self_convention)]
+    pub(super) fn to_launch(&mut self, now: Now) -> Option<Vec<Launch>> {
+        if self.end.is_some() {
+            return None;
+        }
+        let allocated = |tasks: &[Task]| -> Vec<usize> {
+            (0..tasks.len())
+                .filter(|&i| tasks[i].state == TaskState::ContainerAllocated)
+                .collect()
+        };
+        let to_launch: Vec<usize> = if self.job.gang && !self.gang_launched {
+            let open: Vec<&Task> = self
+                .tasks
+                .iter()
+                .filter(|t| t.state != TaskState::TaskCompleted)
+                .collect();
+            let complete = !open.is_empty() && open.iter().all(|t| t.holds_container());
+            if complete {
+                self.gang_wait_since = None;
+                self.gang_launched = true;
+                allocated(&self.tasks)
+            } else {
+                let holding = open
+                    .iter()
+                    .any(|t| t.holds_container() || t.state == TaskState::ContainerRequested);
+                if holding {
+                    let since = *self.gang_wait_since.get_or_insert(now.at);
+                    let timeout = self.job.gang_timeout_sec.unwrap_or(self.settings.gang_timeout_sec);
+                    if now.at.saturating_duration_since(since) >= Duration::from_secs(timeout) {
+                        self.release_gang(now);
+                    }
+                } else {
+                    self.gang_wait_since = None;
+                }
+                Vec::new()
+            }
+        } else {
+            allocated(&self.tasks)
+        };
+        let peers = (self.job.gang && !to_launch.is_empty()).then(|| self.peers());
+        Some(
+            to_launch
+                .into_iter()
+                .filter_map(|ti| {
+                    let t = &self.tasks[ti];
+                    let container = t.container.clone()?;
+                    Some(Launch {
+                        task: ti,
+                        container,
+                        context: launch_context(&self.job, t, &self.app_id, peers.as_ref(), &self.tasks),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// The launch answers: running, or ended as a failed launch (and retried).
+    pub(super) fn launched(&mut self, results: Vec<(usize, Result<(), String>)>, now: Now) {
+        for (ti, r) in results {
+            if ti >= self.tasks.len() {
+                continue;
+            }
+            match r {
+                Ok(()) => {
+                    let t = &mut self.tasks[ti];
+                    t.launched_ms = Some(now.ms);
+                    t.set_state(TaskState::ContainerRunning);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "container launch failed");
+                    if let Some(c) = self.tasks[ti].container.clone() {
+                        self.by_container.remove(&c.container_id);
+                        self.releases.push(c.container_id);
+                    }
+                    let exit = self.classify(crate::am::exits::code::CONTAINER_NM_LAUNCH_FAILED, "");
+                    self.task_exited(ti, exit, e, now);
+                }
+            }
+        }
+    }
+
+    /// Gives back every container a gang holds and waits before trying again.
+    fn release_gang(&mut self, now: Now) {
+        tracing::info!("gang not complete within the gang timeout; releasing what it holds");
+        for t in &mut self.tasks {
+            match t.state {
+                TaskState::ContainerAllocated => {
+                    if let Some(c) = t.container.take() {
+                        self.by_container.remove(&c.container_id);
+                        self.releases.push(c.container_id);
+                    }
+                    t.waiting_reason = Some("gang timeout: released and waiting to try again".into());
+                    t.reset_to_waiting();
+                }
+                TaskState::ContainerRequested => {
+                    if let Some(r) = t.request.take() {
+                        self.cancels.push(r.request_id);
+                        self.by_request.remove(&r.request_id);
+                        self.selector.remove_requested(&r.host, &r.resources, false);
+                    }
+                    t.waiting_reason = Some("gang timeout: waiting to try again".into());
+                    t.reset_to_waiting();
+                }
+                _ => {}
+            }
+        }
+        self.gang_wait_since = None;
+        let wait = self.backoff.jittered(self.settings.gang_retry_backoff_ms);
+        self.gang_backoff_until = Some(now.at + wait);
+    }
+
+    /// role → ["host:firstPort", ...] in index order.
+    fn peers(&self) -> BTreeMap<String, Vec<String>> {
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (ri, r) in self.job.task_roles.iter().enumerate() {
+            let mut v: Vec<(u32, String)> = self
+                .tasks
+                .iter()
+                .filter(|t| t.role == ri)
+                .filter_map(|t| peer_address(t).map(|a| (t.index, a)))
+                .collect();
+            v.sort();
+            out.insert(r.name.clone(), v.into_iter().map(|(_, a)| a).collect());
+        }
+        out
+    }
+}
