@@ -171,8 +171,8 @@ nodes:
 /// `gpuam plan` runs the AM's own job machine against an RM that grants every ask as asked,
 /// so on an idle cluster the placements it prints are the ones `gpuam run` makes (the seed
 /// fixed): a gang over two roles, a task that first holds out for its ideal GPU tier (the
-/// `*w` wait, shortened to 2 s) and then takes the pair the plan shows, and a role that places
-/// after another role's tasks have taken the best nodes.
+/// `*w` wait, shortened to 2 s; only `split` has the CPUs for it) and then takes the pair the
+/// plan shows, and a role that places after another role's tasks have taken the best nodes.
 #[test]
 fn plan_and_run_place_every_task_alike() {
     let rm = Rm::start(
@@ -180,7 +180,7 @@ fn plan_and_run_place_every_task_alike() {
 nodes:
   - host: split
     rack: /r1
-    cpu: 32
+    cpu: 64
     memoryMB: 64000
     gpus: 4
     topology: pcie4
@@ -220,7 +220,7 @@ nodes:
         ),
         (
             "waits",
-            format!("name: waits\ntaskRoles:\n{}", role("w", 1, 30, 2, "http: 1")),
+            format!("name: waits\ntaskRoles:\n{}", role("w", 1, 40, 2, "http: 1")),
         ),
         (
             "spread",

@@ -30,8 +30,8 @@ use crate::resources::{format_hundredths, mask_hex, Resources, Shortfall};
 /// Default time a granted container may stay unstarted (YARN's 10 minutes).
 pub const DEFAULT_CONTAINER_EXPIRY: Duration = Duration::from_secs(600);
 
-pub const DIAG_EXPIRED: &str = "Container expired since it was unused";
-pub const DIAG_LOST_NODE: &str = "Container released on a *lost* node";
+pub const DIAG_EXPIRED: &str = crate::protocol::AbortCause::Expired.diagnostics();
+pub const DIAG_LOST_NODE: &str = crate::protocol::AbortCause::NodeLost.diagnostics();
 
 /// One container as the ledger tracks it (and as the RM's store persists it).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -12,7 +12,8 @@ use crate::am::tasks::{launch_context, peer_address, Task};
 
 impl JobMachine {
     /// A gang's asks go out all together (the RM grants them all or none): while some
-    /// open task of the gang found no place, the ones placed this round wait with it.
+    /// open task of the gang found no place, the ones placed this round wait with it, and
+    /// the whole gang tries again at the same time.
     pub(super) fn hold_back_partial_gang(&mut self, now: Now) {
         if !self.job.gang || self.gang_launched {
             return;
@@ -30,6 +31,7 @@ impl JobMachine {
             self.settings.not_available_retry_min_ms,
             self.settings.not_available_retry_max_ms,
         );
+        let mut held_back = false;
         for ti in 0..self.tasks.len() {
             let unsent = self.tasks[ti]
                 .request
@@ -39,6 +41,7 @@ impl JobMachine {
                 })
                 .cloned();
             let Some(r) = unsent else { continue };
+            held_back = true;
             self.by_request.remove(&r.request_id);
             self.selector.remove_requested(&r.host, &r.resources, false);
             let t = &mut self.tasks[ti];
@@ -48,13 +51,19 @@ impl JobMachine {
                 "gang: its {total} tasks are asked for together; {unplaced} of them find no place yet"
             ));
         }
+        // Some were held back: the gang is tried again as a whole, every waiting task of it
+        // at the same time.
+        if held_back {
+            for t in self.tasks.iter_mut().filter(|t| t.state == TaskState::TaskWaiting) {
+                t.not_before = Some(now.at + wait);
+            }
+        }
     }
 
     /// The containers to launch now: without a gang every allocated task's; with a gang only
     /// when every unfinished task holds a container (and everything is given back if that
     /// takes longer than the gang timeout). `None` once the job has ended.
-    #[allow(clippy::wrong_self_convention)]
-    pub(super) fn to_launch(&mut self, now: Now) -> Option<Vec<Launch>> {
+    pub(super) fn launches_due(&mut self, now: Now) -> Option<Vec<Launch>> {
         if self.end.is_some() {
             return None;
         }

@@ -229,6 +229,12 @@ fn a_gang_is_asked_for_whole_or_not_at_all() {
     // What the RM hears: both wait.
     let w = req.waiting.unwrap();
     assert_eq!((w.len(), w[0].count, w[0].gpus), (1, 2, 3));
+    // The whole gang tries again at one time, and a heartbeat in between does not put it off.
+    let again = m.tasks()[0].not_before;
+    assert!(m.tasks().iter().all(|t| t.not_before == again));
+    answer(&mut m, AllocateResponse::default(), now);
+    heartbeat(&mut m, now.after(Duration::from_millis(10)));
+    assert!(m.tasks().iter().all(|t| t.not_before == again), "not put off");
 }
 
 /// A gang whose asks all place goes out as one gang round; it launches only once every task
