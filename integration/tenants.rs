@@ -90,8 +90,8 @@ fn alice_cannot_reach_bobs_task_and_his_directory_goes_when_it_ends() {
     let (h, alice, bob) = tenant_hosts("ten23a", &[]);
     let out = h.path("out").display().to_string();
     let bob_cmd = format!(
-        ": BOB-SECRET-23a; echo $$ > {out}/bob.pid.tmp && mv {out}/bob.pid.tmp {out}/bob.pid; \
-         echo $GPUAM_CONTAINER_DIR > {out}/bob.dir; id -u > {out}/bob.uid; echo $GPUAM_USER > {out}/bob.user; \
+        ": BOB-SECRET-23a; echo $GPUAM_CONTAINER_DIR > {out}/bob.dir; id -u > {out}/bob.uid; \
+         echo $GPUAM_USER > {out}/bob.user; echo $$ > {out}/bob.pid.tmp && mv {out}/bob.pid.tmp {out}/bob.pid; \
          while [ ! -e {out}/bob-go ]; do sleep 0.1; done"
     );
     let mut bob_job = submit_as(&h, "bob", &one_task("bobs", 1, &bob_cmd), &bob);
