@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use exec::{ctx, executor, next_exit, root};
 use gpuam::node::cgroup::{Containment, Mechanism};
-use gpuam::node::executor::ExecutorOptions;
+use gpuam::node::executor::{work_dir, ExecutorOptions};
 use gpuam::resources::Resources;
 
 use common::{sq, Rm};
@@ -167,7 +167,8 @@ async fn a_fork_bomb_over_two_containers_is_bounded_node_wide() {
     let until = Instant::now() + Duration::from_secs(60);
     let mut most = 0u64;
     let refused = |id: &str| {
-        std::fs::read_to_string(exec.container_dir(id).unwrap().join("forks.err"))
+        // In the task's own directory (`work/` of the container's record).
+        std::fs::read_to_string(work_dir(&exec.container_dir(id).unwrap()).join("forks.err"))
             .unwrap_or_default()
             .contains("Resource temporarily unavailable")
     };

@@ -34,6 +34,8 @@ fn run_in(dir: &Path, args: &[&str]) -> Output {
             cmd.env_remove(k);
         }
     }
+    // The test's private directory is not theirs to reach: tasks run as the RM's user.
+    cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
     cmd.output().unwrap()
 }
 

@@ -131,8 +131,14 @@ nodes:
             "{ctx}: {}",
             dir.display()
         );
-        assert!(dir.ends_with(&env["GPUAM_CONTAINER_ID"]), "{ctx}");
-        let stdout = fs::read_to_string(dir.join("stdout")).unwrap();
+        // The task's own directory is `work/` in the node's record of the container, which
+        // holds its logs.
+        let record = dir.parent().unwrap();
+        assert!(
+            dir.ends_with("work") && record.ends_with(&env["GPUAM_CONTAINER_ID"]),
+            "{ctx}"
+        );
+        let stdout = fs::read_to_string(record.join("stdout")).unwrap();
         assert!(
             stdout.contains(&format!("hello from {role} {index} on {host}")),
             "{ctx}: stdout log is {stdout:?}"
@@ -659,6 +665,7 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
     .unwrap();
     let work = dir.path().join("work");
     let mut run = std::process::Command::new(common::bin())
+        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
         .arg("run")
         .arg(dir.path().join("job.yaml"))
         .arg("--cluster")

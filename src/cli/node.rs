@@ -50,9 +50,14 @@ pub struct NodeArgs {
     pub ports: String,
     #[arg(long, value_name = "DIR", default_value = "gpuam-node-work")]
     pub work_dir: PathBuf,
-    /// Tasks run as this user (default: `gpuam-task`, created when the agent runs as root).
+    /// Every task runs as this one account (a single-tenant node). Default: each user's
+    /// tasks as the account --user-map names, else as a uid of the user's own from
+    /// `node.task_uids` (when the agent runs as root).
     #[arg(long, value_name = "USER")]
     pub run_as: Option<String>,
+    /// Run USER's tasks as local ACCOUNT (repeat for more; added to `node.user_map`).
+    #[arg(long = "user-map", value_name = "USER=ACCOUNT")]
+    pub user_map: Vec<String>,
     /// A custom resource this node offers, in whole units (repeat for more), e.g.
     /// `--resource nvme=2 --resource ib_hca=4`; tasks ask for it with
     /// `resourcePerInstance.resources: {nvme: 1}`.
@@ -204,6 +209,15 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
             return exit::USAGE;
         }
     };
+    let identity = match crate::node::identity::parse_user_map(&args.user_map)
+        .and_then(|cli| settings.node.identity(args.run_as.clone(), cli))
+    {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit::USAGE;
+        }
+    };
     if let Some(ip) = args.ip {
         if let Err(e) = crate::node::wire::check_node_ip(ip) {
             eprintln!("error: --ip {e}");
@@ -228,7 +242,8 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         total,
         topology,
         work_dir: args.work_dir,
-        run_as: args.run_as,
+        identity,
+        retention: Some(std::time::Duration::from_secs(settings.node.log_retention_sec)),
         ip: args.ip,
         task_env,
         max_log_bytes: Some(settings.node.max_log_bytes),

@@ -400,6 +400,7 @@ async fn follow(
         if let Some(url) = &dashboard {
             if let Ok(resp) = http
                 .get(format!("{url}api/v1/snapshot"))
+                .bearer_auth(job_token)
                 .timeout(DASHBOARD_TIMEOUT)
                 .send()
                 .await

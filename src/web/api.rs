@@ -331,16 +331,8 @@ pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
     }
     if !ok {
         // The presented value is deliberately not logged.
-        tracing::warn!("dashboard kill refused: missing or wrong job token");
-        let mut r = ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "killing the job needs `Authorization: Bearer <job token>` (the token is in the dashboard URL that `gpuam run` prints)",
-        )
-        .into_response();
-        r.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        return r;
+        tracing::warn!("dashboard kill refused: missing or wrong token");
+        return super::access::refused("killing the job");
     }
     let state = hub.read(|s| s.job.state);
     if state.is_final() {

@@ -87,7 +87,7 @@ pub(super) async fn container_start(
     headers: HeaderMap,
     ApiJson(ctx): ApiJson<LaunchContext>,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let (granted, app_id, topology) = {
+    let (granted, app_id, user, topology) = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
         st.writable()?;
@@ -117,13 +117,16 @@ pub(super) async fn container_start(
         }
         let app_id = st.ledger.container(&id).map(|c| c.app_id.clone()).unwrap_or_default();
         let topology = st.ledger.node(&host).and_then(|n| n.topology.clone());
-        (info.resources, app_id, topology)
+        // The task runs as its submitter's own uid on the node (issue 23).
+        let user = st.apps.get(&app_id).map(|a| a.report.user.clone()).unwrap_or_default();
+        (info.resources, app_id, user, topology)
     };
     let grant = crate::node::Grant {
         container_id: id.clone(),
         app_id,
         host: host.clone(),
         resources: granted,
+        user,
         topology,
     };
     let node = rm.nodes.for_host(&host);

@@ -188,6 +188,13 @@ pub struct RmOptions {
     /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
     /// run` set it to themselves.
     pub shim_exe: Option<PathBuf>,
+    /// Which uid each user's tasks run as on the in-process node, as on an agent
+    /// (`node.user_map`, `node.task_uids`; see `crate::node::identity`): `gpuam rm` and
+    /// `gpuam run` set it from the settings; `None` (library use, unit tests): tasks run
+    /// as this process.
+    pub task_identity: Option<crate::node::identity::IdentitySettings>,
+    /// How long a finished container's logs stay (`node.log_retention_sec`).
+    pub log_retention: Option<Duration>,
     /// Disk, pids and device bounds of the in-process node (`node.*`).
     pub bounds: crate::node::bounds::NodeBounds,
 }
@@ -225,6 +232,8 @@ impl RmOptions {
             preemption_grace: Duration::from_secs(30),
             history: HistoryOptions::default(),
             shim_exe: None,
+            task_identity: None,
+            log_retention: None,
             bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
@@ -252,6 +261,11 @@ impl RmOptions {
             http_timeouts: (&settings.http).into(),
             max_log_bytes: Some(settings.node.max_log_bytes),
             history: rm.into(),
+            task_identity: match settings.node.in_process_identity {
+                true => Some(settings.node.identity(None, Default::default())?),
+                false => None,
+            },
+            log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
             bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
@@ -433,12 +447,28 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let ray = opts
         .ray
         .map(|(client, gate)| crate::ray::launcher::RayLauncher::new(client, gate, events_tx.clone()));
+    // The in-process node runs each user's tasks as the agents do (one rule:
+    // `node::identity`); its directories are made reachable for them, nothing more.
+    let task_users = match &opts.task_identity {
+        Some(identity) => {
+            let users = crate::node::identity::TaskUsers::for_node(identity).map_err(anyhow::Error::msg)?;
+            tracing::info!("in-process node: {}", users.describe());
+            Some(Arc::new(users))
+        }
+        None => None,
+    };
+    if task_users.is_some() {
+        crate::node::identity::open_for_tasks(&work_dir, &work_dir.join("containers")).map_err(anyhow::Error::msg)?;
+    }
     let local = crate::node::InProcessNode::new(
         work_dir.join("containers"),
         events_tx,
         crate::node::executor::ExecutorOptions {
             containment,
             max_log_bytes: opts.max_log_bytes,
+            users: task_users,
+            retention: opts.log_retention,
+            ends_heard_here: true,
             max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
         },
