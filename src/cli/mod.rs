@@ -8,8 +8,8 @@ mod plan;
 mod rm_api;
 mod run;
 mod servers;
-mod task_output;
 mod target;
+mod task_output;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

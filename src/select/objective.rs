@@ -6,6 +6,10 @@
 //! task's GPU set together with the union of the job's GPUs there), and the sentence saying on
 //! which field a candidate lost to the chosen one ([`RankKey::lost_on`]). No I/O, no node view:
 //! the select pipeline fills the key from a node's free amounts and calls these.
+//!
+//! Among candidates equal on the link terms (T, W of the union and of the task's set), the
+//! NUMA term comes next (issue 27): the fewest NUMA nodes under the task's set, so a set within
+//! one NUMA node beats an equally linked one split over two; then the NIC term, then best fit.
 
 use std::cmp::Reverse;
 
