@@ -32,9 +32,9 @@ impl StateOption {
 }
 
 /// Where the RM's nodes come from besides the cluster file: registered node agents
-/// (their shared token) or a Ray cluster.
+/// (their credentials file) or a Ray cluster.
 pub struct NodeSources<'a> {
-    pub node_token_file: Option<&'a Path>,
+    pub nodes_file: Option<&'a Path>,
     pub ray: &'a super::RayBackendArgs,
 }
 
@@ -48,27 +48,15 @@ pub async fn rm(
     settings: &Settings,
 ) -> i32 {
     let NodeSources {
-        node_token_file,
+        nodes_file,
         ray: ray_args,
     } = sources;
-    let node_token = match node_token_file.map(std::fs::read_to_string) {
-        None => None,
-        Some(Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
-        Some(Ok(_)) => {
-            eprintln!("error: --node-token-file is empty");
-            return exit::USAGE;
-        }
-        Some(Err(e)) => {
-            eprintln!("error: --node-token-file: {e}");
-            return exit::USAGE;
-        }
-    };
     let (nodes, ray) = if ray_args.backend == "ray" {
         match ray_backend(ray_args, listen).await {
             Ok((nodes, client, gate)) => (nodes, Some((client, gate))),
             Err(code) => return code,
         }
-    } else if node_token.is_some() && cluster.is_none() {
+    } else if nodes_file.is_some() && cluster.is_none() {
         // An RM for real machines invents no nodes: without --cluster, the agents alone.
         (Vec::new(), None)
     } else {
@@ -106,7 +94,7 @@ pub async fn rm(
     let handle = match crate::rm::start(crate::rm::RmOptions {
         // The in-process node's shim, where it has no cgroup: this very executable.
         shim_exe: std::env::current_exe().ok(),
-        node_token,
+        nodes_file: nodes_file.map(Path::to_path_buf),
         admin_token,
         state_dir,
         tls,
