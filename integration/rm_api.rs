@@ -440,7 +440,7 @@ async fn release_and_finish_free_everything() {
     assert!(
         rb.updated_nodes
             .iter()
-            .any(|n| n["nodeHostName"] == "n1" && n["usedGpuAttribute"] == "0x1"),
+            .any(|n| n.node.host == "n1" && n.node.used().gpu_mask == 0x1),
         "b sees the node a's grant changed: {:?}",
         rb.updated_nodes
     );
@@ -735,7 +735,7 @@ async fn unused_containers_expire_and_lost_nodes_release() {
     assert!(out
         .updated_nodes
         .iter()
-        .any(|n| n["nodeHostName"] == "n2" && n["state"] == "LOST"));
+        .any(|n| n.node.host == "n2" && n.node.state == gpuam::cluster::NodeState::Lost));
     assert!(rm.ledger_all_free());
     rm.handle.shutdown().await;
 }

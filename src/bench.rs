@@ -216,7 +216,7 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     let client = RmClient::new(&rm.base_url()).with_user_token(Some(rm.admin_token().to_string()));
     let http = crate::tls::http_client();
     let started = Instant::now();
-    let submit_ms = crate::am::tasks::now_ms();
+    let submit_ms = crate::protocol::now_ms();
     let app = match client.new_application().await {
         Ok(a) => a,
         Err(e) => {

@@ -88,6 +88,12 @@ pub struct AmSettings {
     /// the AM exits instead of retrying forever. Longer than an RM restart takes; an RM
     /// that comes back later starts the job's next AM attempt, which re-adopts its tasks.
     pub rm_unreachable_timeout_sec: u64,
+    /// Delay before the second retry in a row of failures of one task (the first is
+    /// immediate); it doubles per further failure, up to `retry_backoff_max_ms`.
+    pub retry_backoff_ms: u64,
+    pub retry_backoff_max_ms: u64,
+    /// Most retries of one task that begin within any minute (`taskRetryCount: -1` too).
+    pub max_retries_per_minute: u32,
 }
 
 impl Default for AmSettings {
@@ -104,6 +110,9 @@ impl Default for AmSettings {
             permanent_exit_codes: Vec::new(),
             stop_grace_ms: 3000,
             rm_unreachable_timeout_sec: 600,
+            retry_backoff_ms: 1000,
+            retry_backoff_max_ms: 60_000,
+            max_retries_per_minute: 10,
         }
     }
 }
@@ -168,6 +177,8 @@ impl Default for RmSettings {
 /// One queue of `rm.queues` (DESIGN.md §10). Keys inside a queue are camelCase
 /// (`guaranteedGpus`), as in DESIGN.md; snake_case is accepted too, and the environment's
 /// lower-cased spelling (`GPUAM__RM__QUEUES__PROD__GUARANTEEDGPUS`) overrides the file.
+/// Only read here: the tree is built and checked (names, weights, caps, nesting) in one
+/// place, `rm::scheduler::queues::QueueTree::from_settings`, when an RM starts.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", try_from = "RawQueueSettings")]
 pub struct QueueSettings {
@@ -335,6 +346,15 @@ pub struct NodeSettings {
     /// Most bytes a container's stdout, and its stderr, may hold: beyond it the node keeps
     /// the newest quarter and writes a line saying how much it dropped.
     pub max_log_bytes: u64,
+    /// Most MiB a container's directory may hold; beyond it the container is killed with
+    /// `disk limit exceeded (N MiB)`. 0: no bound.
+    pub max_container_disk_mb: u64,
+    /// Most processes of all containers of the node together (`pids.max` of their parent
+    /// cgroup); 0: half of the machine's `kernel.pid_max`.
+    pub max_pids: u64,
+    /// Extra devices every task may open, in the cgroup v1 syntax (`c 10:229 rw`), beside
+    /// the safe defaults and its granted GPUs.
+    pub device_allow: Vec<String>,
 }
 
 impl Default for NodeSettings {
@@ -342,7 +362,10 @@ impl Default for NodeSettings {
         NodeSettings {
             run_without_image: true,
             image_runtime: "auto".into(),
-            max_log_bytes: 1 << 30,
+            max_log_bytes: 64 << 20,
+            max_container_disk_mb: 10 << 10,
+            max_pids: 0,
+            device_allow: Vec::new(),
         }
     }
 }
@@ -462,7 +485,6 @@ impl Settings {
         if self.rm.max_am_attempts == 0 {
             return Err("rm.max_am_attempts must be at least 1".into());
         }
-        crate::rm::scheduler::queues::QueueTree::from_settings(&self.rm.queues)?;
         if !["auto", "none"].contains(&self.node.image_runtime.as_str()) {
             return Err(format!(
                 "node.image_runtime must be `auto` or `none`, not `{}`",
@@ -471,6 +493,13 @@ impl Settings {
         }
         if self.http.read_timeout_sec == 0 {
             return Err("http.read_timeout_sec must be at least 1".into());
+        }
+        if self.am.max_retries_per_minute == 0 {
+            return Err("am.max_retries_per_minute must be at least 1".into());
+        }
+        for (i, r) in self.node.device_allow.iter().enumerate() {
+            r.parse::<crate::node::devices::Rule>()
+                .map_err(|e| format!("node.device_allow[{i}]: {e}"))?;
         }
         if self.node.max_log_bytes < 4096 {
             return Err("node.max_log_bytes must be at least 4096".into());
@@ -619,16 +648,6 @@ mod tests {
         // The environment's lower-cased keys reach the same fields.
         let s = Settings::load_with_env(Some(&file), env(&[("GPUAM__RM__QUEUES__PROD__GUARANTEEDGPUS", "3")])).unwrap();
         assert_eq!(s.rm.queues["prod"].guaranteed_gpus, 3);
-        std::fs::write(
-            &file,
-            "rm:\n  queues:\n    a: {weight: 1, guaranteedGpus: 9, maxGpus: 4}\n",
-        )
-        .unwrap();
-        let e = Settings::load_with_env(Some(&file), env(&[])).unwrap_err();
-        assert!(
-            e.to_string().contains("rm.queues.a") && e.to_string().contains("maxGpus"),
-            "{e}"
-        );
         std::fs::write(&file, "rm:\n  queues:\n    a: {wieght: 1}\n").unwrap();
         let e = Settings::load_with_env(Some(&file), env(&[])).unwrap_err();
         assert!(e.to_string().contains("wieght"), "{e}");

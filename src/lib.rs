@@ -6,6 +6,11 @@
 //! The AM (`am`) is a pure job machine with one async driver; it knows neither the web
 //! dashboard nor the terminal: `web` observes its status hub, and `cli` wires the two,
 //! prints and picks exit codes.
+//! The wire types (`protocol`, with `cluster::rm_json` for node objects) and the settings
+//! (`config`) sit beside `cluster`: every component reads them and they use none of the
+//! components above (`config` only parses; the RM builds its queue tree from it). "May
+//! this task use this node" is one rule, `select::feasible`, which the RM's queue gate and
+//! preemption use too.
 
 pub mod am;
 pub mod auth;

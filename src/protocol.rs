@@ -10,6 +10,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::resources::{mask_serde, CustomResources, GpuMask, GpuShares, PortSet, Resources};
 
+/// Milliseconds since the epoch, as every timestamp of the wire is written (the one clock
+/// helper of the crate; 0 if the clock is before 1970).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 /// YARN ContainerExitStatus values the RM reports.
 pub mod exit_status {
     pub const SUCCESS: i32 = 0;
@@ -249,6 +258,55 @@ pub struct WaitingTasks {
     /// The node partition (label) the tasks go to (`None`: unlabelled nodes).
     #[serde(default)]
     pub node_label: Option<String>,
+    // What else the feasibility rule (`select::feasible`) needs, so the RM's gate and
+    // preemption keep or free only room placement can use. Optional: an older AM's
+    // waiting tasks read as whole GPUs, CPU and memory only.
+    /// A fractional task's share of its one GPU in hundredths (`None`: whole GPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_share: Option<u32>,
+    /// An explicit GPU mask per task (0: any GPUs).
+    #[serde(default, with = "mask_serde", skip_serializing_if = "is_zero")]
+    pub gpu_mask: GpuMask,
+    /// Custom resources per task.
+    #[serde(default, skip_serializing_if = "CustomResources::is_empty")]
+    pub custom: CustomResources,
+    /// Concrete ports per task (static or reused).
+    #[serde(default, skip_serializing_if = "PortSet::is_empty")]
+    pub ports: PortSet,
+    /// Ports per task drawn at or above `minPort` besides `ports`.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub dynamic_ports: u32,
+    #[serde(default, skip_serializing_if = "is_zero_u16")]
+    pub min_port: u16,
+    /// The none-GPU rule applies: the job asks no GPU and the AM keeps such jobs off GPU
+    /// nodes (`select.allow_none_gpu_job_on_gpu_node` off).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_off_gpu_nodes: bool,
+}
+
+fn is_zero(m: &GpuMask) -> bool {
+    *m == 0
+}
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
+}
+fn is_zero_u16(n: &u16) -> bool {
+    *n == 0
+}
+
+impl WaitingTasks {
+    /// One task's request as the shortfall rule reads it (concrete ports included).
+    pub fn request(&self) -> Resources {
+        Resources::request(
+            self.cpu,
+            self.memory_mb,
+            self.gpus,
+            self.gpu_mask,
+            self.gpu_share,
+            self.ports.clone(),
+            self.custom.clone(),
+        )
+    }
 }
 
 /// A container the RM takes back (YARN's PreemptionMessage, strict form): the AM should
@@ -351,9 +409,9 @@ pub struct AllocateResponse {
     pub rejected: Vec<Rejection>,
     #[serde(default)]
     pub completed: Vec<CompletedContainer>,
-    /// Node reports (the YARN node JSON objects) of nodes that changed since the last answer.
-    #[serde(default)]
-    pub updated_nodes: Vec<serde_json::Value>,
+    /// Nodes that changed since the last answer (YARN node objects on the wire).
+    #[serde(default, deserialize_with = "crate::cluster::rm_json::readable_node_reports")]
+    pub updated_nodes: Vec<crate::cluster::rm_json::NodeReport>,
     #[serde(default)]
     pub num_cluster_nodes: u32,
     #[serde(default)]

@@ -63,6 +63,10 @@ pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo 
         ),
         code::CONTAINER_NM_LAUNCH_FAILED => info(raw, TransientNormal, "launch failed"),
         code::CONTAINER_RM_RESYNC_LOST => info(raw, TransientNormal, "container lost"),
+        // A bound of its own container the task went past: its failure, counted against
+        // `taskRetryCount` (the node words these, see node::bounds).
+        c if d.contains("out of memory (limit ") => info(c, Unknown, "out of memory"),
+        c if d.contains("disk limit exceeded (") => info(c, Unknown, "disk limit exceeded"),
         c if settings.transient_exit_codes.contains(&c) => info(c, TransientNormal, "user-configured transient"),
         c if settings.permanent_exit_codes.contains(&c) => info(c, NonTransient, "user-configured permanent"),
         154 | 193 => info(raw, TransientNormal, "transient failure"),
@@ -91,6 +95,69 @@ pub struct RetryState {
     /// Preemptions (the RM took the container back for another job): always retried,
     /// never counted against either limit — the task did nothing wrong.
     pub preempted: u32,
+    /// Failed attempts since the last success (the back-off's exponent).
+    pub failures_in_a_row: u32,
+    /// When (ms) the last retries began, newest last, within [`RetrySpacing::window_ms`].
+    pub recent_ms: Vec<u64>,
+}
+
+/// How retries are spaced (`am.retry_backoff_*`, `am.max_attempts_per_window`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetrySpacing {
+    /// Delay before the second retry in a row of failures (the first is immediate); it
+    /// doubles with each further failure.
+    pub base_ms: u64,
+    /// Most delay between two attempts.
+    pub max_ms: u64,
+    /// At most `max_attempts` retries of one task start within any `window_ms`.
+    pub window_ms: u64,
+    pub max_attempts: u32,
+}
+
+impl RetrySpacing {
+    pub fn from_settings(s: &AmSettings) -> RetrySpacing {
+        RetrySpacing {
+            base_ms: s.retry_backoff_ms,
+            max_ms: s.retry_backoff_max_ms,
+            window_ms: 60_000,
+            max_attempts: s.max_retries_per_minute,
+        }
+    }
+}
+
+/// How long a task waits before the retry [`decide_retry`] just granted (called once per
+/// retry, at `now_ms`): none after a preemption or a transient exit (not the task's doing,
+/// and capped by `am.max_transient_retries`), nor after a success (`taskRetryCount: -2`) or
+/// the first failure; then `base_ms`, doubling per failure in a row up to `max_ms`; and
+/// never sooner than the window allows (at most `max_attempts` retries begin in any
+/// `window_ms`). Records the retry's start in `state`.
+pub fn retry_delay(exit: &ExitInfo, state: &mut RetryState, now_ms: u64, b: &RetrySpacing) -> u64 {
+    let transient = matches!(exit.exit_type, ExitType::TransientNormal | ExitType::TransientConflict);
+    if exit.code == code::CONTAINER_PREEMPTED || transient {
+        // Not the task's doing (and capped by `max_transient_retries`): at once.
+        return 0;
+    }
+    let failed = exit.exit_type != ExitType::Succeeded;
+    state.failures_in_a_row = if failed {
+        state.failures_in_a_row.saturating_add(1)
+    } else {
+        0
+    };
+    let backoff = match state.failures_in_a_row {
+        0 | 1 => 0,
+        n => b.base_ms.saturating_mul(1u64 << (n - 2).min(30)).min(b.max_ms),
+    };
+    state.recent_ms.retain(|t| now_ms.saturating_sub(*t) < b.window_ms);
+    let full = state.recent_ms.len() >= b.max_attempts.max(1) as usize;
+    let window = if full {
+        // The oldest retry in the window must leave it first.
+        (state.recent_ms[state.recent_ms.len() - b.max_attempts.max(1) as usize] + b.window_ms).saturating_sub(now_ms)
+    } else {
+        0
+    };
+    let delay = backoff.max(window);
+    state.recent_ms.push(now_ms + delay);
+    delay
 }
 
 /// What to do after a container ended.
@@ -207,6 +274,25 @@ mod tests {
     }
 
     #[test]
+    fn a_bound_of_its_own_is_the_tasks_failure_not_transient() {
+        let oom = classify(137, "out of memory (limit 64 MiB); killed by signal 9 (SIGKILL)", &s());
+        assert_eq!(oom.exit_type, ExitType::Unknown);
+        assert_eq!(oom.description, "out of memory");
+        let mut st = RetryState::default();
+        assert_eq!(
+            decide_retry(&oom, 0, &mut st, 10),
+            RetryDecision::Complete,
+            "taskRetryCount 0"
+        );
+        let disk = classify(137, "disk limit exceeded (16 MiB); killed by signal 9 (SIGKILL)", &s());
+        assert_eq!(disk.exit_type, ExitType::Unknown);
+        assert_eq!(
+            classify(137, "killed by signal 9 (SIGKILL)", &s()).exit_type,
+            ExitType::TransientNormal
+        );
+    }
+
+    #[test]
     fn user_codes_follow_the_default_spec_and_overrides() {
         assert_eq!(classify(1, "", &s()).exit_type, ExitType::Unknown);
         assert_eq!(classify(139, "", &s()).exit_type, ExitType::NonTransient);
@@ -278,6 +364,68 @@ mod tests {
         assert_eq!(
             decide_retry(&exit(ExitType::NonTransient), -2, &mut st, 3),
             RetryDecision::Complete
+        );
+    }
+
+    fn backoff() -> RetrySpacing {
+        RetrySpacing {
+            base_ms: 1000,
+            max_ms: 8000,
+            window_ms: 60_000,
+            max_attempts: 5,
+        }
+    }
+
+    #[test]
+    fn failures_in_a_row_back_off_exponentially_up_to_the_cap() {
+        let mut st = RetryState::default();
+        let fail = exit(ExitType::Unknown);
+        let b = RetrySpacing {
+            max_attempts: 100,
+            ..backoff()
+        };
+        let delays: Vec<u64> = (0..7).map(|i| retry_delay(&fail, &mut st, i * 100_000, &b)).collect();
+        assert_eq!(delays, [0, 1000, 2000, 4000, 8000, 8000, 8000]);
+        // A success (taskRetryCount -2) starts over; a preemption is never delayed.
+        assert_eq!(retry_delay(&exit(ExitType::Succeeded), &mut st, 800_000, &b), 0);
+        assert_eq!(retry_delay(&fail, &mut st, 900_000, &b), 0);
+        let pre = ExitInfo {
+            code: code::CONTAINER_PREEMPTED,
+            exit_type: ExitType::TransientNormal,
+            description: "",
+        };
+        assert_eq!(retry_delay(&pre, &mut st, 1_000_000, &b), 0);
+    }
+
+    /// `taskRetryCount: -1` with a task that fails at once: never more than `max_attempts`
+    /// retries begin in any window, whatever the clock says.
+    #[test]
+    fn a_retry_storm_is_bounded_per_window() {
+        let b = RetrySpacing {
+            base_ms: 0,
+            ..backoff()
+        };
+        let mut st = RetryState::default();
+        let fail = exit(ExitType::Unknown);
+        let mut now = 0u64;
+        let mut starts = Vec::new();
+        for _ in 0..40 {
+            assert_eq!(decide_retry(&fail, -1, &mut st, 10), RetryDecision::Retry);
+            let d = retry_delay(&fail, &mut st, now, &b);
+            now += d;
+            starts.push(now);
+            now += 10; // the attempt fails 10 ms after it starts
+        }
+        for (i, t) in starts.iter().enumerate() {
+            let in_window = starts[i..].iter().filter(|s| **s < t + b.window_ms).count();
+            assert!(
+                in_window <= 5,
+                "{in_window} retries within a window from {t}: {starts:?}"
+            );
+        }
+        assert!(
+            now >= 7 * b.window_ms,
+            "40 retries at 5 per minute take at least 7 minutes"
         );
     }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::machine::{Effect, Event, Input, JobMachine, Now};
-use crate::cluster::rm_json::node_to_json;
+use crate::cluster::rm_json::NodeReport;
 use crate::cluster::{ClusterView, Node};
 use crate::config::{AmSettings, SelectSettings};
 use crate::protocol::{AllocateRequest, AllocateResponse, Container, RegisterRequest, Rejection};
@@ -82,7 +82,11 @@ impl PlanRm {
         }
         resp.updated_nodes = changed
             .into_iter()
-            .map(|i| node_to_json(&self.nodes[i], 0, 0))
+            .map(|i| NodeReport {
+                node: self.nodes[i].clone(),
+                num_containers: 0,
+                last_health_update_ms: 0,
+            })
             .collect();
         resp
     }

@@ -12,30 +12,45 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::status::TaskState;
 use super::tasks::Task;
+use crate::config::SelectSettings;
 use crate::protocol::{PreemptNotice, WaitingTasks};
-use crate::spec::JobSpec;
+use crate::spec::{JobSpec, TaskRole};
 
-/// The job's tasks waiting for a container, one entry per role.
-pub fn waiting_demand(job: &JobSpec, tasks: &[Task]) -> Vec<WaitingTasks> {
+/// The job's tasks waiting for a container, one entry per role, with what the RM's
+/// feasibility rule needs (`select.allow_none_gpu_job_on_gpu_node` and
+/// `select.container_min_port` from `select`).
+pub fn waiting_demand(job: &JobSpec, tasks: &[Task], select: &SelectSettings) -> Vec<WaitingTasks> {
+    let job_uses_gpus = job.task_roles.iter().any(|r| r.resources.gpus > 0);
     let mut per_role: BTreeMap<usize, u32> = BTreeMap::new();
     for t in tasks.iter().filter(|t| t.state == TaskState::TaskWaiting) {
         *per_role.entry(t.role).or_default() += 1;
     }
     per_role
         .into_iter()
-        .map(|(ri, count)| {
-            let role = &job.task_roles[ri];
-            WaitingTasks {
-                role: role.name.clone(),
-                count,
-                gpus: role.resources.gpus,
-                cpu: role.resources.cpu,
-                memory_mb: role.resources.memory_mb,
-                gpu_types: role.gpu_types.clone(),
-                node_label: role.node_label.clone(),
-            }
-        })
+        .map(|(ri, count)| role_waiting(&job.task_roles[ri], count, job_uses_gpus, select))
         .collect()
+}
+
+/// `count` waiting tasks of `role` as the RM sees them: the role's request, partition,
+/// GPU types, and whether the none-GPU rule keeps them off GPU nodes.
+pub fn role_waiting(role: &TaskRole, count: u32, job_uses_gpus: bool, select: &SelectSettings) -> WaitingTasks {
+    let r = &role.resources;
+    WaitingTasks {
+        role: role.name.clone(),
+        count,
+        gpus: r.gpus,
+        cpu: r.cpu,
+        memory_mb: r.memory_mb,
+        gpu_types: role.gpu_types.clone(),
+        node_label: role.node_label.clone(),
+        gpu_share: r.gpu_share,
+        gpu_mask: r.gpu_mask.unwrap_or(0),
+        custom: r.custom.clone(),
+        ports: r.static_ports(),
+        dynamic_ports: r.dynamic_port_count(),
+        min_port: select.container_min_port,
+        keep_off_gpu_nodes: !job_uses_gpus && !select.allow_none_gpu_job_on_gpu_node,
+    }
 }
 
 /// A container under a preemption notice.
@@ -174,7 +189,7 @@ mod tests {
         .unwrap();
         let mut tasks = vec![Task::new(0, 0), Task::new(1, 0), Task::new(1, 1), Task::new(1, 2)];
         tasks[2].state = TaskState::ContainerRunning;
-        let d = waiting_demand(&job, &tasks);
+        let d = waiting_demand(&job, &tasks, &SelectSettings::default());
         assert_eq!(d.len(), 2);
         assert_eq!((d[0].role.as_str(), d[0].count, d[0].gpus), ("ps", 1, 0));
         assert_eq!(

@@ -48,12 +48,7 @@ pub struct Task {
     pub dirty: bool,
 }
 
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use crate::protocol::now_ms;
 
 impl Task {
     /// A task waiting for its first container, created now.

@@ -644,10 +644,10 @@ fn load_settings(path: Option<&Path>) -> Result<Settings, i32> {
 
 /// Loads and validates a job spec, printing every problem; exit 65 on failure.
 pub(crate) fn load_job(path: &Path) -> Result<(JobSpec, String), i32> {
-    let text = match read_limited(path) {
+    let text = match crate::spec::parse::read_limited(path, crate::spec::limits::MAX_SPEC_BYTES) {
         Ok(t) => t,
-        Err(msg) => {
-            eprintln!("error: {msg}");
+        Err((msg, fix)) => {
+            eprintln!("error: {msg} ({fix})");
             return Err(exit::INVALID_INPUT);
         }
     };
@@ -686,20 +686,4 @@ pub(crate) fn load_cluster(path: Option<&Path>) -> Result<Vec<crate::cluster::No
         eprintln!("error: the cluster file {source} is not valid");
         exit::INVALID_INPUT
     })
-}
-
-/// Job specs larger than this are refused before parsing.
-const MAX_SPEC_BYTES: u64 = 1 << 20;
-
-fn read_limited(path: &Path) -> Result<String, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    if meta.len() > MAX_SPEC_BYTES {
-        return Err(format!(
-            "{} is {} bytes; job specs are limited to {} bytes",
-            path.display(),
-            meta.len(),
-            MAX_SPEC_BYTES
-        ));
-    }
-    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
 }

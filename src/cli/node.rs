@@ -70,8 +70,9 @@ pub struct NodeArgs {
     #[arg(long = "task-env", value_name = "NAME=VALUE")]
     pub task_env: Vec<String>,
     /// How containers are contained: `auto` (cgroup v2, else cgroup v1 pids+freezer, else
-    /// a subreaper shim around each container) or `subreaper` (the shim even where cgroups
-    /// exist). The mechanism used is logged at start.
+    /// a subreaper shim around each container), `v1` (cgroup v1 even where v2 is mounted
+    /// beside it) or `subreaper` (the shim even where cgroups exist). The mechanism used is
+    /// logged at start.
     #[arg(long, env = "GPUAM_NODE_CONTAINMENT", default_value = "auto")]
     pub containment: crate::node::cgroup::Choice,
 }
@@ -101,6 +102,20 @@ fn machine_memory_mb() -> u64 {
         .map_or(1024, |kb| kb / 1024)
 }
 
+/// The topology text `--topology auto` registers: what this machine's `nvidia-smi topo -m`
+/// printed when gpuam reads it; text it cannot read is a warning and no topology (the node
+/// still starts with its GPUs), never a refusal to start.
+fn auto_topology(printed: Option<&str>) -> String {
+    let Some(text) = printed else { return String::new() };
+    match crate::topology::Topology::from_spec(text) {
+        Ok(_) => text.to_string(),
+        Err(e) => {
+            tracing::warn!("--topology auto: ignoring nvidia-smi topo -m ({e}); the node has no topology");
+            String::new()
+        }
+    }
+}
+
 /// GPU count, type and topology text from the flags (and nvidia-smi for `auto`).
 fn gpus_of(args: &NodeArgs) -> Result<(u32, Option<String>, String), String> {
     let found = (args.gpus == "auto" || args.topology == "auto")
@@ -116,7 +131,9 @@ fn gpus_of(args: &NodeArgs) -> Result<(u32, Option<String>, String), String> {
             .ok_or_else(|| format!("--gpus `{}`: give `auto` or a number from 0 to 64", args.gpus))?
     };
     let topology = match args.topology.as_str() {
-        "auto" => found.as_ref().and_then(|g| g.topo_text.clone()).unwrap_or_default(),
+        // What this machine's nvidia-smi printed: text gpuam cannot read is a warning (the
+        // node runs without a topology), not a refusal to start.
+        "auto" => auto_topology(found.as_ref().and_then(|g| g.topo_text.as_deref())),
         t if Path::new(t).is_file() => std::fs::read_to_string(t).map_err(|e| format!("--topology {t}: {e}"))?,
         t => t.to_string(),
     };
@@ -204,6 +221,13 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         http_timeouts: (&settings.http).into(),
         containment: args.containment,
         shim_exe: std::env::current_exe().ok(),
+        bounds: match crate::node::bounds::NodeBounds::from_settings(&settings.node) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return exit::USAGE;
+            }
+        },
     };
     match agent::run(opts).await {
         Ok(()) => exit::SUCCESS,
@@ -234,6 +258,18 @@ mod tests {
         }
         let e = CustomResources::parse_flags(&["nvme=1".into(), "nvme=2".into()]).unwrap_err();
         assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn auto_topology_keeps_readable_text_and_drops_the_rest() {
+        let good = "\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n";
+        assert_eq!(auto_topology(Some(good)), good);
+        assert_eq!(
+            auto_topology(Some("\tGPU0\tGPU1\nGPU0\t X \tNV4\n")),
+            "",
+            "row GPU1 missing"
+        );
+        assert_eq!(auto_topology(None), "");
     }
 
     #[test]

@@ -162,6 +162,53 @@ pub fn parse_node_value(v: &Value) -> Result<Node, NodeJsonError> {
     parse_node_at(0, v)
 }
 
+/// One node as an allocate answer reports it (`updatedNodes`): on the wire the YARN node
+/// object [`node_to_json`] writes, typed on both ends.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeReport {
+    pub node: Node,
+    /// Live containers on it.
+    pub num_containers: u32,
+    /// Milliseconds since the epoch.
+    pub last_health_update_ms: u64,
+}
+
+impl serde::Serialize for NodeReport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        node_to_json(&self.node, self.num_containers, self.last_health_update_ms).serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for NodeReport {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        let node = parse_node_value(&v).map_err(serde::de::Error::custom)?;
+        let num = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+        Ok(NodeReport {
+            node,
+            num_containers: u32::try_from(num("numContainers")).unwrap_or(u32::MAX),
+            last_health_update_ms: num("lastHealthUpdate"),
+        })
+    }
+}
+
+/// Reads `updatedNodes`, leaving out (with a warning) an entry that is not a readable node
+/// object, so one odd node never costs the AM the rest of an allocate answer.
+pub fn readable_node_reports<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<NodeReport>, D::Error> {
+    use serde::Deserialize;
+    let items = Vec::<Value>::deserialize(d)?;
+    Ok(items
+        .into_iter()
+        .filter_map(|v| match NodeReport::deserialize(v) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "ignoring an updated node that cannot be read");
+                None
+            }
+        })
+        .collect())
+}
+
 /// A tolerant list: absent, `null`, `{}`, `""` → empty; a bare object → one item.
 fn list_items<'a>(v: Option<&'a Value>, field: &str) -> Result<Vec<&'a Value>, NodeJsonError> {
     match v {

@@ -78,6 +78,8 @@ pub struct AgentOptions {
     /// The `gpuam` executable that runs the subreaper shim (`None`: no shim; without a
     /// cgroup, process groups only).
     pub shim_exe: Option<PathBuf>,
+    /// Disk, pids and device bounds (`node.*`, see [`super::bounds`]).
+    pub bounds: super::bounds::NodeBounds,
 }
 
 struct Agent {
@@ -156,6 +158,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         }
     }
     let containment = Containment::choose(opts.containment, &cgroup_parent(&opts.host), opts.shim_exe.clone())
+        .and_then(|c| opts.bounds.apply(c))
         .map_err(anyhow::Error::msg)?;
     tracing::info!(host = %opts.host, "{}", containment.describe());
     let describe = containment.describe();
@@ -168,6 +171,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             run_as,
             task_env: opts.task_env.clone(),
             max_log_bytes: opts.max_log_bytes,
+            max_disk_mb: opts.bounds.max_disk_mb,
         },
     );
     let agent = Arc::new(Agent {
@@ -702,6 +706,7 @@ mod tests {
             max_log_bytes: None,
             http_timeouts: Default::default(),
             containment: Default::default(),
+            bounds: Default::default(),
             shim_exe: None,
         }
     }

@@ -25,6 +25,12 @@
 //!   v1 `cpuset` hierarchy (memory nodes copied from the parent); where neither exists the
 //!   caller falls back to `taskset`.
 //!
+//! - **Devices** ([`super::devices`]): each container created with [`Limits::gpus`] may open
+//!   only its granted GPUs' device nodes (and the safe defaults): a v2 device program where
+//!   the node has a v2 cgroup, else the v1 `devices` controller; without a cgroup, a private
+//!   `/dev` in a mount namespace ([`Cgroup::private_dev`], root nodes only). Where the node
+//!   has NVIDIA devices and the filter cannot be installed, the container is not created.
+//!
 //! Processes join their cgroups in the forked child before `exec` ([`Cgroup::join_paths`]),
 //! so nothing of a container ever runs outside it. Pure file I/O on cgroupfs; no state.
 
@@ -32,6 +38,7 @@ use std::ffi::CString;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use super::devices::{self, PrivateDev, Rule};
 use crate::topology::CpuList;
 
 /// Most processes a container may have (`pids.max`): a fork bomb stops here.
@@ -55,6 +62,8 @@ pub enum Choice {
     Auto,
     /// The subreaper shim even where cgroups exist (tests, or an operator who wants none).
     Subreaper,
+    /// cgroup v1 even where a v2 hierarchy is mounted beside it (hybrid hosts; tests).
+    V1,
 }
 
 impl std::str::FromStr for Choice {
@@ -63,7 +72,8 @@ impl std::str::FromStr for Choice {
         match s {
             "auto" => Ok(Choice::Auto),
             "subreaper" => Ok(Choice::Subreaper),
-            _ => Err(format!("unknown containment `{s}`: use auto or subreaper")),
+            "v1" => Ok(Choice::V1),
+            _ => Err(format!("unknown containment `{s}`: use auto, v1 or subreaper")),
         }
     }
 }
@@ -89,6 +99,8 @@ pub struct Limits {
     /// Whole CPUs.
     pub cpu: Option<u64>,
     pub pids: Option<u64>,
+    /// The GPUs (mask) whose device nodes the container may open; `None`: no device filter.
+    pub gpus: Option<u64>,
 }
 
 /// The parent directories a node creates its containers' cgroups in.
@@ -100,8 +112,16 @@ pub struct Containment {
     v1_memory: Option<PathBuf>,
     v1_cpu: Option<PathBuf>,
     v1_cpuset: Option<PathBuf>,
+    v1_devices: Option<PathBuf>,
     /// The `gpuam` executable that runs the subreaper shim, used when there is no cgroup.
     shim: Option<PathBuf>,
+    /// Where the NVIDIA device nodes are (`None`: `GPUAM_NVIDIA_DEV_DIR`, else `/dev`).
+    dev_dir: Option<PathBuf>,
+    /// The operator's extra device rules (`node.device_allow`).
+    device_allow: Vec<Rule>,
+    /// Device programs loaded so far, by allow list (shared by clones).
+    programs:
+        std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<Vec<Rule>, std::sync::Arc<devices::Program>>>>,
 }
 
 /// One mount of a cgroup hierarchy.
@@ -228,6 +248,7 @@ impl Containment {
     pub fn choose(choice: Choice, parent: &str, shim_exe: Option<PathBuf>) -> Result<Self, String> {
         match (choice, shim_exe) {
             (Choice::Auto, exe) => Ok(Containment::detect(parent).with_shim(exe)),
+            (Choice::V1, exe) => Ok(Containment::find(parent, false).with_shim(exe)),
             (Choice::Subreaper, Some(exe)) => Ok(Containment::subreaper(exe)),
             (Choice::Subreaper, None) => {
                 Err("containment `subreaper` needs the path of the gpuam executable, which is not known".into())
@@ -246,6 +267,11 @@ impl Containment {
     /// Finds the cgroup mounts and creates `<own cgroup>/<parent>` in each usable one.
     /// `parent` names this node's containers' parent cgroup (e.g. `gpuam-<host>`).
     pub fn detect(parent: &str) -> Self {
+        Containment::find(parent, true)
+    }
+
+    /// [`Containment::detect`], with the v2 hierarchy left out unless `v2`.
+    fn find(parent: &str, v2: bool) -> Self {
         let mounts = std::fs::read_to_string("/proc/self/mountinfo")
             .map(|t| parse_mountinfo(&t))
             .unwrap_or_default();
@@ -259,7 +285,7 @@ impl Containment {
             };
             let dir = base.join(parent);
             if m.v2 {
-                if c.v2.is_none() && make_dir(&dir) && dir.join("cgroup.kill").exists() {
+                if v2 && c.v2.is_none() && make_dir(&dir) && dir.join("cgroup.kill").exists() {
                     // Limits need the controllers delegated to the children (best effort; one
                     // at a time, so a missing one does not keep the others off).
                     for ctrl in ["+memory", "+cpu", "+pids", "+cpuset"] {
@@ -286,6 +312,8 @@ impl Containment {
                 &mut c.v1_memory
             } else if has("cpu") {
                 &mut c.v1_cpu
+            } else if has("devices") {
+                &mut c.v1_devices
             } else {
                 continue;
             };
@@ -309,6 +337,127 @@ impl Containment {
         }
     }
 
+    /// Bounds every container of the node together to `max` processes (`pids.max` of their
+    /// parent cgroup, v2 where the parent has the controller, else v1): a fork bomb spread
+    /// over many containers stops there. A bound that cannot be written is logged.
+    pub fn with_max_pids(self, max: Option<u64>) -> Self {
+        if let Some(n) = max.filter(|n| *n > 0) {
+            let v2 = self.v2.as_ref().map(|d| d.join("pids.max")).filter(|f| f.exists());
+            let file = v2.or_else(|| self.v1_pids.as_ref().map(|d| d.join("pids.max")));
+            match file.map(|f| std::fs::write(&f, n.to_string()).map(|()| f)) {
+                Some(Ok(f)) => tracing::info!("node-wide pids bound {n} ({})", f.display()),
+                Some(Err(e)) => tracing::warn!("cannot bound the node's processes to {n}: {e}"),
+                None => tracing::warn!("no pids controller: the node's processes are not bounded to {n}"),
+            }
+        }
+        self
+    }
+
+    /// The node-wide pids bound's `pids.max` file and value, where one is set.
+    pub fn max_pids(&self) -> Option<(PathBuf, String)> {
+        let v2 = self.v2.as_ref().map(|d| d.join("pids.max")).filter(|f| f.exists());
+        let f = v2.or_else(|| self.v1_pids.as_ref().map(|d| d.join("pids.max")))?;
+        let v = std::fs::read_to_string(&f).ok()?.trim().to_string();
+        Some((f, v))
+    }
+
+    /// Device nodes found in `dir` instead of `GPUAM_NVIDIA_DEV_DIR` or `/dev` (tests).
+    pub fn with_device_dir(mut self, dir: PathBuf) -> Self {
+        self.dev_dir = Some(dir);
+        self
+    }
+
+    /// The operator's extra device rules (`node.device_allow`), checked: none may open an
+    /// NVIDIA device.
+    pub fn with_device_allow(mut self, rules: Vec<Rule>) -> Result<Self, String> {
+        let majors: Vec<u32> = std::fs::read_to_string("/proc/devices")
+            .map(|t| devices::char_majors(&t, "nvidia").into_iter().map(|(m, _)| m).collect())
+            .unwrap_or_default();
+        devices::check_extra(&rules, &majors)?;
+        self.device_allow = rules;
+        Ok(self)
+    }
+
+    fn dev_dir(&self) -> PathBuf {
+        self.dev_dir.clone().unwrap_or_else(|| {
+            std::env::var_os(super::image::DEV_DIR_ENV).map_or_else(|| PathBuf::from("/dev"), PathBuf::from)
+        })
+    }
+
+    /// How device isolation is enforced here (for the node's log).
+    fn describe_devices(&self) -> &'static str {
+        if self.v2.is_some() {
+            "devices: v2 device program"
+        } else if self.v1_devices.is_some() {
+            "devices: v1 devices controller"
+        } else if matches!(self.mechanism(), Mechanism::Subreaper | Mechanism::ProcessGroup)
+            // SAFETY: plain syscall.
+            && unsafe { libc::geteuid() } == 0
+        {
+            "devices: private /dev per container (path-based)"
+        } else {
+            "devices: NOT isolated (no cgroup and not root): a task can open every GPU's node"
+        }
+    }
+
+    /// The loaded device program of `rules` (loaded on first use).
+    fn program(&self, rules: &[Rule]) -> io::Result<std::sync::Arc<devices::Program>> {
+        let mut progs = self.programs.lock();
+        if let Some(p) = progs.get(rules) {
+            return Ok(p.clone());
+        }
+        let p = std::sync::Arc::new(devices::Program::load(rules)?);
+        progs.insert(rules.to_vec(), p.clone());
+        Ok(p)
+    }
+
+    /// Installs container `cg`'s device filter for the GPUs of `mask` (see the module doc).
+    /// `Err` only where the node has NVIDIA devices and no filter could be installed.
+    fn filter_devices(&self, id: &str, cg: &mut Cgroup, mask: u64) -> io::Result<()> {
+        let found = devices::scan(&self.dev_dir());
+        let rules = devices::allow_list(mask, &found, &self.device_allow);
+        let mut why = Vec::new();
+        if let Some(d) = &cg.v2 {
+            match self.program(&rules).and_then(|p| devices::attach_program(d, &p)) {
+                Ok(()) => return Ok(()),
+                Err(e) => why.push(format!("v2 device program: {e}")),
+            }
+        }
+        if let Some(d) = &cg.v1_devices {
+            match devices::write_v1(d, &rules) {
+                Ok(()) => return Ok(()),
+                Err(e) => why.push(format!("v1 devices: {e}")),
+            }
+        }
+        if !cg.is_real() {
+            let hide = devices::hidden_nodes(mask, &found);
+            if hide.is_empty() {
+                return Ok(());
+            }
+            match PrivateDev::prepare(&hide) {
+                Ok(p) => {
+                    cg.private_dev = Some(p);
+                    return Ok(());
+                }
+                Err(e) => why.push(format!("private /dev: {e}")),
+            }
+        }
+        if why.is_empty() {
+            why.push("no devices controller, no v2 cgroup".into());
+        }
+        let why = why.join("; ");
+        if found.any() {
+            return Err(io::Error::other(format!(
+                "cannot isolate the GPU devices of container {id} ({why})"
+            )));
+        }
+        tracing::debug!(
+            container = id,
+            "no device filter ({why}); the node has no NVIDIA device"
+        );
+        Ok(())
+    }
+
     /// One line for the node's log: the mechanism and where limits come from.
     pub fn describe(&self) -> String {
         let limits = |name: &str, v1: &Option<PathBuf>| -> Option<String> {
@@ -330,12 +479,13 @@ impl Containment {
         let dir = self.v2.as_ref().or(self.v1_pids.as_ref());
         let shim = self.shim().map(|e| format!(" run by {}", e.display()));
         format!(
-            "containment: {}{}; limits: {}",
+            "containment: {}{}; limits: {}; {}",
             self.mechanism(),
             dir.map(|d| format!(" under {}", d.display()))
                 .or(shim)
                 .unwrap_or_default(),
-            if l.is_empty() { "none".into() } else { l.join(", ") }
+            if l.is_empty() { "none".into() } else { l.join(", ") },
+            self.describe_devices()
         )
     }
 
@@ -348,6 +498,7 @@ impl Containment {
             &self.v1_memory,
             &self.v1_cpu,
             &self.v1_cpuset,
+            &self.v1_devices,
         ]
         .into_iter()
         .flatten()
@@ -366,6 +517,8 @@ impl Containment {
             v1_cpu: self.v1_cpu.as_ref().map(|d| d.join(id)),
             // Only containers that were pinned have one (see `pin_cpus`).
             v1_cpuset: self.v1_cpuset.as_ref().map(|d| d.join(id)).filter(|d| d.is_dir()),
+            v1_devices: self.v1_devices.as_ref().map(|d| d.join(id)),
+            private_dev: None,
         }
     }
 
@@ -404,7 +557,7 @@ impl Containment {
     /// Creates container `id`'s cgroup with `limits`. A limit that cannot be written is
     /// logged, not fatal; a cgroup that cannot be created is an error.
     pub fn create(&self, id: &str, limits: Limits) -> io::Result<Cgroup> {
-        let cg = self.cgroup(id);
+        let mut cg = self.cgroup(id);
         for d in cg.dirs() {
             std::fs::create_dir_all(d)?;
         }
@@ -442,6 +595,12 @@ impl Containment {
         } else {
             write(&cg.v1_pids, "pids.max", pids.to_string());
         }
+        if let Some(mask) = limits.gpus {
+            if let Err(e) = self.filter_devices(id, &mut cg, mask) {
+                cg.remove();
+                return Err(e);
+            }
+        }
         Ok(cg)
     }
 }
@@ -472,6 +631,9 @@ pub struct Cgroup {
     /// Only when the container was pinned to CPUs in v1 (a v1 cpuset without CPUs takes no
     /// process).
     v1_cpuset: Option<PathBuf>,
+    v1_devices: Option<PathBuf>,
+    /// Without a cgroup: the mounts that hide other GPUs' nodes ([`super::devices`]).
+    private_dev: Option<PrivateDev>,
 }
 
 impl Cgroup {
@@ -483,9 +645,42 @@ impl Cgroup {
             &self.v1_memory,
             &self.v1_cpu,
             &self.v1_cpuset,
+            &self.v1_devices,
         ]
         .into_iter()
         .flatten()
+    }
+
+    /// Whether the kernel killed a process of the container in its own memory limit (v2
+    /// `memory.events`, v1 `memory.oom_control` `oom_kill N`); then the reason, naming the
+    /// limit ([`super::bounds::oom_reason`]). Read before the cgroup is removed.
+    pub fn oom_killed(&self) -> Option<String> {
+        let count = |f: PathBuf| -> Option<u64> {
+            std::fs::read_to_string(f).ok()?.lines().find_map(|l| {
+                let (k, v) = l.split_once(' ')?;
+                (k == "oom_kill").then(|| v.trim().parse().ok()).flatten()
+            })
+        };
+        let mb = |f: PathBuf| -> Option<u64> {
+            let v: u64 = std::fs::read_to_string(f).ok()?.trim().parse().ok()?;
+            // "max" (v2) does not parse; v1's unlimited is near u64::MAX.
+            (v < 1 << 60).then_some(v >> 20)
+        };
+        let v2 = self.v2.as_ref().filter(|d| d.join("memory.events").exists());
+        let (kills, limit) = if let Some(d) = v2 {
+            (count(d.join("memory.events")), mb(d.join("memory.max")))
+        } else if let Some(d) = &self.v1_memory {
+            (count(d.join("memory.oom_control")), mb(d.join("memory.limit_in_bytes")))
+        } else {
+            return None;
+        };
+        (kills? > 0).then(|| super::bounds::oom_reason(limit))
+    }
+
+    /// Without a cgroup: the private `/dev` the forked child enters before `exec`
+    /// ([`PrivateDev::enter`]), when other GPUs' nodes must be hidden.
+    pub fn private_dev(&self) -> Option<&PrivateDev> {
+        self.private_dev.as_ref()
     }
 
     /// Whether any cgroup is in use (false: process group only).

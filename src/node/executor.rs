@@ -250,6 +250,9 @@ pub struct ExecutorOptions {
     /// Most bytes each of a container's `stdout` and `stderr` may hold (`node.max_log_bytes`;
     /// `None`: no limit). See the module doc.
     pub max_log_bytes: Option<u64>,
+    /// Most MiB a container's directory may hold (`node.max_container_disk_mb`; `None`: no
+    /// bound). See [`super::bounds`].
+    pub max_disk_mb: Option<u64>,
 }
 
 /// Names a node's operator may not set with `--task-env`: gpuam sets them for each task
@@ -444,6 +447,7 @@ impl Executor {
             memory_mb: Some(granted.memory_mb).filter(|m| *m > 0),
             cpu: Some(u64::from(granted.cpu)).filter(|c| *c > 0),
             pids: None,
+            gpus: Some(granted.gpu_mask),
         };
         let spawned = self
             .opts
@@ -503,6 +507,7 @@ impl Executor {
                     }
                 }
                 let (done_tx, done_rx) = watch::channel(false);
+                let disk_done = done_rx.clone();
                 let logs = Arc::new(logs);
                 if let Some(max) = self.opts.max_log_bytes {
                     tokio::spawn(watch_logs(logs.clone(), max, done_rx.clone()));
@@ -520,6 +525,15 @@ impl Executor {
                     }
                 }
                 let ending = self.ending(container_id, dir, done_tx, cgroup);
+                if let Some(mb) = self.opts.max_disk_mb {
+                    let target = super::bounds::Target {
+                        cgroup: ending.cgroup.clone(),
+                        pid,
+                        shim: self.opts.containment.shim().is_some(),
+                    };
+                    let (d, v) = (ending.dir.clone(), ending.verdict.clone());
+                    tokio::spawn(super::bounds::watch_disk(d, mb, target, v, disk_done));
+                }
                 tokio::spawn(wait_container(ending, child, pid, leader));
                 Ok(pid)
             }
@@ -536,6 +550,7 @@ impl Executor {
             done,
             cgroup,
             max_log_bytes: self.opts.max_log_bytes,
+            verdict: Default::default(),
         }
     }
 
@@ -1091,6 +1106,7 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
         .stdin(Stdio::null());
     cmd.stdout(Stdio::from(out)).stderr(Stdio::from(err));
     let joins = cgroup.join_paths();
+    let private_dev = cgroup.private_dev().cloned();
     let ids = run_as.map(|u| (u.uid, u.gid));
     // SAFETY: the closure runs in the forked child before exec and only makes
     // async-signal-safe syscalls (setsid, open, write, close, setgroups, setgid, setuid)
@@ -1111,6 +1127,9 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
                 if n < 0 {
                     return Err(e);
                 }
+            }
+            if let Some(dev) = &private_dev {
+                dev.enter()?;
             }
             if let Some((uid, gid)) = ids {
                 if libc::setgroups(0, std::ptr::null()) == -1 || libc::setgid(gid) == -1 || libc::setuid(uid) == -1 {
@@ -1142,6 +1161,8 @@ struct Ending {
     done: watch::Sender<bool>,
     cgroup: Cgroup,
     max_log_bytes: Option<u64>,
+    /// Why the node killed it (a bound it went past, see [`super::bounds`]).
+    verdict: Arc<Mutex<Option<String>>>,
 }
 
 /// Waits for the leader, then ends the container (see [`container_ended`]).
@@ -1193,6 +1214,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         done,
         cgroup,
         max_log_bytes,
+        verdict,
     } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
@@ -1208,11 +1230,28 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     }
     // A task in an image: its container is gone too (see image::reap).
     super::image::reap(&dir).await;
+    let oom = cgroup.oom_killed();
     if cgroup.is_real() {
         if let Some(why) = empty_cgroup(&cgroup, &id).await {
             diagnostics.push_str(why);
         }
         cgroup.remove();
+    }
+    // A bound the container went past leads its diagnostics (the AM classifies on it).
+    let killed_for = verdict.lock().clone();
+    if let Some(why) = killed_for.or(oom) {
+        if why.starts_with("disk") {
+            let keep = [
+                LogStream::Stdout.file_name(),
+                LogStream::Stderr.file_name(),
+                EXIT_CODE_FILE,
+                PROCESS_FILE,
+                "launch.sh",
+            ];
+            let d = dir.clone();
+            let _ = tokio::task::spawn_blocking(move || super::bounds::trim_dir(&d, &keep)).await;
+        }
+        diagnostics = format!("{why}; {diagnostics}");
     }
     // The logs are within their limit before anyone hears of the end.
     if let Some(max) = max_log_bytes {

@@ -288,6 +288,9 @@ Legend:
             ("Tesla K80", "K80"),
             ("Tesla T4", "T4"),
             ("NVIDIA H200", "H200"),
+            ("NVIDIA H200 NVL", "H200"),
+            ("NVIDIA H100 PCIe", "H100"),
+            ("NVIDIA H100 NVL", "H100"),
             ("NVIDIA GH200 480GB", "GH200"),
             ("NVIDIA L40S", "L40S"),
             ("NVIDIA A10G", "A10G"),
@@ -339,6 +342,46 @@ Legend:
         let topo = gpus.topo_text.unwrap();
         assert!(topo.contains("GPU1\tNV18\t X "), "{topo}");
         assert!(!topo.contains('\u{1b}'));
+    }
+
+    /// `nvidia-smi topo -m` of a one-H200 machine with one NIC, as new drivers print it
+    /// (ANSI-underlined header, `GPU NUMA ID` column, a NIC row, `NIC Legend`); the same
+    /// file the gpu_check test's fake nvidia-smi prints.
+    const H200_TOPO: &str = include_str!("../../integration/gpu_check/h200-topo.txt");
+
+    #[test]
+    fn discovers_one_h200_with_its_nic() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("topo"), H200_TOPO).unwrap();
+        let dir = tmp.path().display();
+        let smi = fake_smi(
+            tmp.path(),
+            &format!("if [ \"$1\" = topo ]; then cat '{dir}/topo'; else echo '0, NVIDIA H200'; fi"),
+        );
+        let gpus = discover_with(&smi, Duration::from_secs(5)).unwrap();
+        assert_eq!((gpus.count, gpus.gpu_type.as_str()), (1, "H200"));
+        let topo = crate::topology::Topology::from_spec(&gpus.topo_text.unwrap())
+            .unwrap()
+            .unwrap();
+        assert_eq!(topo.gpu_count(), 1);
+        assert_eq!(topo.nics().len(), 1);
+        assert_eq!(topo.nics()[0].name, "mlx5_0");
+        assert_eq!(topo.affinity()[0].numa, Some(0));
+    }
+
+    #[test]
+    fn one_gpu_vm_topologies_parse() {
+        // A VM: no NIC, the NUMA node unknown.
+        let vm = "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-15\tN/A\t\tN/A\n\nLegend:\n\n  X    = Self\n";
+        let topo = crate::topology::Topology::from_spec(vm).unwrap().unwrap();
+        assert_eq!((topo.gpu_count(), topo.nics().len()), (1, 0));
+        assert_eq!(topo.affinity()[0].numa, None);
+        // Older drivers: no NUMA columns at all.
+        let old = "\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n";
+        assert_eq!(
+            crate::topology::Topology::from_spec(old).unwrap().unwrap().gpu_count(),
+            1
+        );
     }
 
     #[test]

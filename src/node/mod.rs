@@ -40,7 +40,9 @@
 //! The trait is dyn-compatible (`Arc<dyn NodeBackend>`): async calls return boxed futures.
 
 pub mod agent;
+pub mod bounds;
 pub mod cgroup;
+pub mod devices;
 pub mod executor;
 pub mod gpu_discovery;
 pub mod image;

@@ -243,6 +243,33 @@ impl Resources {
     }
 
     /// A fractional container: `hundredths` of GPU `index` (100 or more = the whole GPU).
+    /// A task's request: `gpus` whole GPUs (exactly `gpu_mask` when not 0), or with
+    /// `share` that many hundredths of one GPU (the mask's, or any: [`ANY_GPU`]).
+    pub fn request(
+        cpu: u32,
+        memory_mb: u64,
+        gpus: u32,
+        gpu_mask: GpuMask,
+        share: Option<u32>,
+        ports: PortSet,
+        custom: CustomResources,
+    ) -> Self {
+        let gpu_shares = match share {
+            None => GpuShares::new(),
+            Some(h) if gpu_mask != 0 => GpuShares::one(gpu_mask.trailing_zeros() as u8, h),
+            Some(h) => GpuShares::one(ANY_GPU, h),
+        };
+        Resources {
+            cpu,
+            memory_mb,
+            gpus,
+            gpu_mask,
+            gpu_shares,
+            ports,
+            custom,
+        }
+    }
+
     pub fn with_share(cpu: u32, memory_mb: u64, index: u32, hundredths: u32, ports: PortSet) -> Self {
         let mut r = Resources::with_mask(cpu, memory_mb, 1u64 << index.min(63), ports);
         r.gpu_shares = GpuShares::one(index.min(63) as u8, hundredths);

@@ -7,20 +7,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
 use crate::node::procs::ProcessId;
-use crate::protocol::{AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus, WaitingTasks};
-
-/// Milliseconds since the epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use crate::protocol::{now_ms, AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus, WaitingTasks};
 
 pub use crate::auth::{constant_time_eq, new_token};
 

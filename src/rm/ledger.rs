@@ -465,7 +465,7 @@ impl Ledger {
                 attempt,
                 state: ContainerState::Allocated,
                 allocated_at: now,
-                allocated_ms: crate::rm::apps::now_ms(),
+                allocated_ms: crate::protocol::now_ms(),
                 exit_status: None,
                 diagnostics: String::new(),
                 held: false,
@@ -925,7 +925,7 @@ mod tests {
         let mut second = Ledger::new([node("n1", 4, 1000, 0x3, "100-101")], DEFAULT_CONTAINER_EXPIRY);
         let ended: Vec<Ended> = saved
             .into_iter()
-            .filter_map(|c| second.restore(c, now, crate::rm::apps::now_ms()))
+            .filter_map(|c| second.restore(c, now, crate::protocol::now_ms()))
             .collect();
         assert_eq!(ended.len(), 1);
         assert_eq!(ended[0].container_id, b.container_id);
@@ -1391,7 +1391,7 @@ mod tests {
                             next.set_node_state(h, *st);
                         }
                         let refused: Vec<Ended> = r.containers.into_iter()
-                            .filter_map(|c| next.restore(c, now, crate::rm::apps::now_ms()))
+                            .filter_map(|c| next.restore(c, now, crate::protocol::now_ms()))
                             .collect();
                         prop_assert!(refused.is_empty(), "nothing the ledger held is refused: {:?}", refused);
                         prop_assert_eq!(books(&next), before, "a restart keeps every hundredth and unit");

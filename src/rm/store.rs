@@ -462,7 +462,7 @@ impl Store {
                     .iter()
                     .filter_map(|a| parse_app_id(&a.report.id).map(|(ts, _)| ts))
                     .max()
-                    .unwrap_or_else(super::apps::now_ms);
+                    .unwrap_or_else(crate::protocol::now_ms);
                 notes.push(format!(
                     "the `state` meta row was missing: rebuilt from the rows (cluster timestamp {ts}, \
                      reserved application ids forgotten)"

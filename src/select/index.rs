@@ -340,8 +340,8 @@ impl NodeIndex {
     }
 
     /// What the node filters see of every node of a bucket.
-    pub fn facts(&self, key: &BucketKey) -> super::stages::Facts<'_> {
-        super::stages::Facts {
+    pub fn facts(&self, key: &BucketKey) -> super::feasible::NodeFacts<'_> {
+        super::feasible::NodeFacts {
             running: key.running,
             partition: self.partition_name(key.partition),
             gpu_type: self.gpu_type_name(key.gpu_type),

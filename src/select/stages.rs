@@ -21,30 +21,26 @@
 //!
 //! Stages 1–4 and the GPU and CPU parts of 6 are decided per index bucket (`index.rs`), so
 //! their counts come from the index; the rest is decided on the nodes the walk visits, in
-//! rank order. The pick (best candidate) and the final port choice follow in
-//! `Selector::select`.
+//! rank order (`walk.rs`). The pick (best candidate), the topology wait, the final port
+//! choice and the placement follow in `outcome.rs`; `Selector::select` chains the steps.
 
 use std::cmp::Reverse;
 
+use super::feasible::{self, Why};
 use super::objective::{self, GpuPick, RankKey};
 use super::{Cx, PortPlan};
 use crate::cluster::Node;
 use crate::resources::Resources;
 
 /// What the per-node filters look at: the same for every node of an index bucket.
-pub(crate) struct Facts<'a> {
-    pub running: bool,
-    /// The node's partition (first label, trimmed; "" = none).
-    pub partition: &'a str,
-    pub gpu_type: Option<&'a str>,
-    pub total_gpus: u32,
-}
+pub(crate) type Facts<'a> = feasible::NodeFacts<'a>;
 
 /// A stage that judges each node on its own, from its [`Facts`]; decided once per index
-/// bucket, each still keeping its own trace, in order.
+/// bucket, each still keeping its own trace, in order. Each is one part of the one
+/// feasibility rule (`feasible.rs`), whose [`Why`] says whether it is "never".
 pub(crate) trait NodeFilter: Sync {
     fn name(&self) -> &'static str;
-    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), &'static str>;
+    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), Why>;
 }
 
 pub(crate) struct RunningNodes;
@@ -52,12 +48,8 @@ impl NodeFilter for RunningNodes {
     fn name(&self) -> &'static str {
         "candidates"
     }
-    fn check(&self, _cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), &'static str> {
-        if node.running {
-            Ok(())
-        } else {
-            Err("node is not RUNNING")
-        }
+    fn check(&self, _cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), Why> {
+        feasible::running(node)
     }
 }
 
@@ -66,18 +58,10 @@ impl NodeFilter for NodeLabel {
     fn name(&self) -> &'static str {
         "node-label"
     }
-    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), &'static str> {
+    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), Why> {
         // A task without a label belongs to the default (unlabelled) partition, as in
         // YARN; the original let it onto labelled nodes (frameworklauncher.md §10.13).
-        let want = cx.ask.node_label.map(str::trim).unwrap_or("");
-        let same = node.partition == want;
-        if same {
-            Ok(())
-        } else if want.is_empty() {
-            Err("node is in a labelled partition; the task asks for none")
-        } else {
-            Err("node is not in the task's label partition")
-        }
+        feasible::partition(&cx.task, node)
     }
 }
 
@@ -86,13 +70,8 @@ impl NodeFilter for GpuType {
     fn name(&self) -> &'static str {
         "gpu-type"
     }
-    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), &'static str> {
-        let types = cx.ask.gpu_types;
-        match node.gpu_type {
-            _ if types.is_empty() => Ok(()),
-            Some(t) if types.iter().any(|w| w == t) => Ok(()),
-            _ => Err("GPU type not among those asked for"),
-        }
+    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), Why> {
+        feasible::gpu_type(&cx.task, node)
     }
 }
 
@@ -101,12 +80,8 @@ impl NodeFilter for NoneGpu {
     fn name(&self) -> &'static str {
         "none-gpu"
     }
-    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), &'static str> {
-        if cx.demand.job_uses_gpus || cx.settings.allow_none_gpu_job_on_gpu_node || node.total_gpus == 0 {
-            Ok(())
-        } else {
-            Err("GPU node kept for GPU jobs (allow_none_gpu_job_on_gpu_node is off)")
-        }
+    fn check(&self, cx: &Cx<'_>, node: &Facts<'_>) -> Result<(), Why> {
+        feasible::none_gpu(&cx.task, node)
     }
 }
 

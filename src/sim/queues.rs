@@ -127,10 +127,17 @@ impl Engine<'_> {
                 pool: String::new(),
                 partition: String::new(),
                 usable: true,
-                total_gpus: n.gpus_total(),
+                total: crate::resources::Resources::with_mask(
+                    n.cpu_total,
+                    n.mem_total,
+                    n.all_mask,
+                    crate::resources::PortSet::new(),
+                ),
                 free_gpus: n.free_mask,
                 free_cpu: n.free_cpu,
                 free_memory_mb: n.free_mem,
+                free_ports: Default::default(),
+                free_custom: Default::default(),
                 topology: Some(self.cl.topos[n.topo].clone()),
             });
         }
@@ -152,6 +159,8 @@ impl Engine<'_> {
                     gpus: mask,
                     cpu: t.cpu,
                     memory_mb: t.mem_mb,
+                    ports: Default::default(),
+                    custom: Default::default(),
                     run_ms: ((now - r.since) * 1000.0) as u64,
                     leaving: r.deadline.is_some(),
                     for_queue: r.for_queue,

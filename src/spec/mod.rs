@@ -14,7 +14,7 @@ pub use validate::limits;
 
 use std::fmt;
 
-use crate::resources::{CustomResources, GpuMask, GpuShares, PortSet, Resources, ANY_GPU};
+use crate::resources::{CustomResources, GpuMask, PortSet, Resources};
 
 /// A validated job. `Default` exists for building test values, not as a valid job.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -173,21 +173,15 @@ impl TaskResources {
 
     /// [`TaskResources::as_request`] with these concrete ports.
     pub fn request_with_ports(&self, ports: PortSet) -> Resources {
-        let gpu_mask = self.gpu_mask.unwrap_or(0);
-        let gpu_shares = match self.gpu_share {
-            None => GpuShares::new(),
-            Some(h) if gpu_mask != 0 => GpuShares::one(gpu_mask.trailing_zeros() as u8, h),
-            Some(h) => GpuShares::one(ANY_GPU, h),
-        };
-        Resources {
-            cpu: self.cpu,
-            memory_mb: self.memory_mb,
-            gpus: self.gpus,
-            gpu_mask,
-            gpu_shares,
+        Resources::request(
+            self.cpu,
+            self.memory_mb,
+            self.gpus,
+            self.gpu_mask.unwrap_or(0),
+            self.gpu_share,
             ports,
-            custom: self.custom.clone(),
-        }
+            self.custom.clone(),
+        )
     }
 
     /// Whether the task asks for any GPU (whole or a share).

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use super::{json_bytes, json_ok, ApiError};
 use crate::am::status::{Command, NodeStatus, SelectionRecord, StatusHub, TaskState, TaskStatus};
+use crate::protocol::now_ms;
 
 pub(crate) type Hub = State<Arc<StatusHub>>;
 pub(crate) type Params = Query<HashMap<String, String>>;
@@ -24,13 +25,6 @@ const DEFAULT_TAIL: u64 = 64 * 1024;
 const MAX_TAIL: u64 = 8 * 1024 * 1024;
 /// A node view older than this makes the AM not ready.
 const READY_MAX_REFRESH_AGE_MS: u64 = 30_000;
-
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 /// Parses an optional non-negative integer query parameter.
 fn param_usize(q: &HashMap<String, String>, name: &str) -> Result<Option<usize>, ApiError> {

@@ -154,7 +154,7 @@ pub fn demo_hub_with_commands(
     Arc<StatusHub>,
     tokio::sync::mpsc::UnboundedReceiver<crate::am::status::Command>,
 ) {
-    let now = super::api::now_ms();
+    let now = crate::protocol::now_ms();
     let nodes = nodes.max(1);
     let ps = (tasks / 10).max(usize::from(tasks > 1));
     let workers = tasks - ps;

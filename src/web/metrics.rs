@@ -20,8 +20,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::api::{now_ms, state_name};
+use super::api::state_name;
 use crate::am::status::{JobState, StatusHub, TaskState};
+use crate::protocol::now_ms;
 
 const JOB_STATES: [JobState; 6] = [
     JobState::Starting,

@@ -5,7 +5,6 @@
 
 use super::{Event, JobMachine, Now};
 use crate::am::status::TaskState;
-use crate::cluster::rm_json::parse_node_value;
 use crate::protocol::{exit_status, AllocateResponse, AmCommand, CompletedContainer, Container, PreemptNotice};
 use crate::resources::mask_hex;
 use crate::select::assign_port_labels;
@@ -13,14 +12,9 @@ use crate::select::assign_port_labels;
 impl JobMachine {
     pub(super) fn apply_answer(&mut self, resp: AllocateResponse, now: Now) {
         self.response_id = resp.response_id;
-        for v in &resp.updated_nodes {
-            match parse_node_value(v) {
-                Ok(n) => {
-                    self.selector.apply_node_report(n);
-                    self.nodes_dirty = true;
-                }
-                Err(e) => tracing::warn!(error = %e, "ignoring an updated node the AM cannot read"),
-            }
+        for r in resp.updated_nodes {
+            self.selector.apply_node_report(r.node);
+            self.nodes_dirty = true;
         }
         for rej in resp.rejected {
             self.sent_asks.remove(&rej.request_id);

@@ -53,6 +53,7 @@ impl JobMachine {
     /// The containers to launch now: without a gang every allocated task's; with a gang only
     /// when every unfinished task holds a container (and everything is given back if that
     /// takes longer than the gang timeout). `None` once the job has ended.
+    #[allow(clippy::wrong_self_convention)]
     pub(super) fn to_launch(&mut self, now: Now) -> Option<Vec<Launch>> {
         if self.end.is_some() {
             return None;

@@ -64,7 +64,7 @@ impl Now {
     pub fn real() -> Self {
         Now {
             at: Instant::now(),
-            ms: super::tasks::now_ms(),
+            ms: crate::protocol::now_ms(),
         }
     }
 

@@ -164,7 +164,11 @@ impl JobMachine {
             asks,
             cancels: std::mem::take(&mut self.cancels),
             releases: std::mem::take(&mut self.releases),
-            waiting: Some(crate::am::queueing::waiting_demand(&self.job, &self.tasks)),
+            waiting: Some(crate::am::queueing::waiting_demand(
+                &self.job,
+                &self.tasks,
+                &self.selector.settings(),
+            )),
         }
     }
 

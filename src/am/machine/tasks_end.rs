@@ -3,7 +3,9 @@
 //! job's restart (`jobRetryCount`).
 
 use super::{Event, JobEnd, JobMachine, Now};
-use crate::am::exits::{check_completion, decide_retry, ExitInfo, JobVerdict, RetryDecision, RoleTally};
+use crate::am::exits::{
+    check_completion, decide_retry, retry_delay, ExitInfo, JobVerdict, RetryDecision, RetrySpacing, RoleTally,
+};
 use crate::am::status::{ExitType, JobState, TaskState};
 
 impl JobMachine {
@@ -13,6 +15,16 @@ impl JobMachine {
         let t = &mut self.tasks[ti];
         t.set_state(TaskState::ContainerCompleted);
         let decision = decide_retry(&exit, max_retry, &mut t.retry, max_transient);
+        // Retries of a task that keeps failing are spaced (and bounded per minute).
+        let delay = match decision {
+            RetryDecision::Retry => retry_delay(
+                &exit,
+                &mut t.retry,
+                now.ms,
+                &RetrySpacing::from_settings(&self.settings),
+            ),
+            RetryDecision::Complete => 0,
+        };
         let exit_type = exit.exit_type;
         let succeeded = exit_type == ExitType::Succeeded;
         t.exit = Some((exit, diagnostics));
@@ -20,7 +32,15 @@ impl JobMachine {
             RetryDecision::Retry => {
                 self.out.events.push(Event::Retried(exit_type));
                 t.new_attempt(now.at);
-                t.waiting_reason = Some("retrying after the last attempt ended".into());
+                t.not_before = (delay > 0).then(|| now.at + std::time::Duration::from_millis(delay));
+                t.waiting_reason = Some(if delay > 0 {
+                    format!(
+                        "retrying in {:.1} s after the last attempt ended (back-off)",
+                        delay as f64 / 1000.0
+                    )
+                } else {
+                    "retrying after the last attempt ended".into()
+                });
             }
             RetryDecision::Complete => {
                 t.succeeded = Some(succeeded);

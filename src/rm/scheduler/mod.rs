@@ -24,7 +24,10 @@
 //!
 //! CPU and memory only have to fit: shares are counted in GPUs (on GPU clusters the
 //! dominant resource); an ask without GPUs ranks by its queue's largest ratio over the
-//! pools and never causes preemption.
+//! pools and never causes preemption. Which nodes a waiting task may use at all is
+//! placement's own rule ([`eligible`] over `select::feasible`: partition, GPU type,
+//! none-GPU, and the whole request against the node's total), so room is never kept or
+//! freed on a node the AM's select would never pick for it.
 
 pub mod queues;
 pub mod share;
@@ -35,7 +38,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::protocol::WaitingTasks;
-use crate::resources::{lowest_bits, GpuMask, Resources};
+use crate::resources::{lowest_bits, CustomResources, GpuMask, PortSet, Resources};
+use crate::select::feasible;
 use crate::topology::Topology;
 use queues::QueueTree;
 pub use share::EPS;
@@ -50,10 +54,14 @@ pub struct NodeCap {
     pub partition: String,
     /// RUNNING: takes containers.
     pub usable: bool,
-    pub total_gpus: u32,
+    /// Everything it has (what the feasibility rule's "never" is judged against).
+    pub total: Resources,
     pub free_gpus: GpuMask,
     pub free_cpu: u32,
     pub free_memory_mb: u64,
+    /// Free ports and custom resources (what else a waiting task may need).
+    pub free_ports: PortSet,
+    pub free_custom: CustomResources,
     pub topology: Option<Arc<Topology>>,
 }
 
@@ -68,6 +76,9 @@ pub struct Held {
     pub gpus: GpuMask,
     pub cpu: u32,
     pub memory_mb: u64,
+    /// Its ports and custom resources (given back with it).
+    pub ports: PortSet,
+    pub custom: CustomResources,
     /// How long it has run (0 when it never started): the work a preemption loses.
     pub run_ms: u64,
     /// Being taken back, or ended and not yet dead: not a candidate again.
@@ -97,12 +108,76 @@ pub struct Snapshot {
     pub apps: Vec<AppDemand>,
 }
 
-/// Whether `t`'s tasks may run on `n` (state, partition, GPU type, size).
+impl NodeCap {
+    /// The scheduler's view of one node of the RM (free: its total less what is used).
+    pub fn of(n: &crate::cluster::Node) -> NodeCap {
+        let total = n.total();
+        let free = total.subtract(n.used());
+        NodeCap {
+            host: n.host.clone(),
+            pool: n.gpu_type.clone().unwrap_or_default(),
+            partition: n.partition().to_string(),
+            usable: n.state == crate::cluster::NodeState::Running,
+            total: total.clone(),
+            // GPUs free of any holder: a GPU holding shares takes no whole task.
+            free_gpus: if total.gpu_mask != 0 {
+                free.whole_gpu_mask()
+            } else {
+                crate::resources::mask_of_count(free.gpus)
+            },
+            free_cpu: free.cpu,
+            free_memory_mb: free.memory_mb,
+            free_ports: free.ports.clone(),
+            free_custom: free.custom.clone(),
+            topology: n.topology.clone(),
+        }
+    }
+
+    /// What is free on it as the scheduler packs tasks: wholly free GPUs, CPU, memory,
+    /// ports and custom resources.
+    fn free_room(&self) -> Resources {
+        Resources {
+            cpu: self.free_cpu,
+            memory_mb: self.free_memory_mb,
+            gpus: self.free_gpus.count_ones(),
+            gpu_mask: self.free_gpus,
+            gpu_shares: Default::default(),
+            ports: self.free_ports.clone(),
+            custom: self.free_custom.clone(),
+        }
+    }
+
+    pub fn total_gpus(&self) -> u32 {
+        self.total.gpu_count()
+    }
+
+    /// What the feasibility rule knows of it apart from its resources.
+    pub fn facts(&self) -> feasible::NodeFacts<'_> {
+        feasible::NodeFacts {
+            running: self.usable,
+            partition: &self.partition,
+            gpu_type: Some(self.pool.as_str()).filter(|p| !p.is_empty()),
+            total_gpus: self.total_gpus(),
+        }
+    }
+}
+
+/// What the feasibility rule knows of waiting tasks apart from their request.
+pub fn task_facts(t: &WaitingTasks) -> feasible::TaskFacts<'_> {
+    feasible::TaskFacts::new(t.node_label.as_deref(), &t.gpu_types, t.keep_off_gpu_nodes)
+}
+
+/// Whether `t`'s tasks may run on `n`: the node RUNNING, and placement's own rule
+/// ([`feasible::ever`]: partition, GPU type, none-GPU, and the request — GPUs with shares
+/// and mask, CPU, memory, ports, custom resources — against the node's total).
 pub fn eligible(n: &NodeCap, t: &WaitingTasks) -> bool {
-    n.usable
-        && n.partition == t.node_label.as_deref().map(str::trim).unwrap_or("")
-        && (t.gpus == 0 || t.gpu_types.is_empty() || t.gpu_types.contains(&n.pool))
-        && n.total_gpus >= t.gpus
+    let req = t.request();
+    let ask = feasible::Ask {
+        request: &req,
+        dynamic_ports: t.dynamic_ports,
+        min_port: t.min_port,
+    };
+    n.usable && feasible::ever(&task_facts(t), &n.facts(), &ask, &n.total).is_ok()
 }
 
 /// Deserved shares and use, per pool and queue.
@@ -136,7 +211,7 @@ impl Shares {
         let pools: Vec<String> = snap
             .nodes
             .iter()
-            .filter(|n| n.total_gpus > 0)
+            .filter(|n| n.total_gpus() > 0)
             .map(|n| n.pool.clone())
             .collect::<BTreeSet<_>>()
             .into_iter()
@@ -166,9 +241,9 @@ impl Shares {
             .filter(|&g| g > 0)
             .min()
             .unwrap_or(1);
-        for n in snap.nodes.iter().filter(|n| n.usable && n.total_gpus >= smallest) {
+        for n in snap.nodes.iter().filter(|n| n.usable && n.total_gpus() >= smallest) {
             if let Some(p) = pool_of(&n.pool) {
-                s.capacity[p] += n.total_gpus;
+                s.capacity[p] += n.total_gpus();
             }
         }
         for h in &snap.held {
@@ -256,73 +331,118 @@ impl Shares {
     }
 }
 
-/// Free resources per node, for packing tasks without touching the snapshot.
+/// Free resources per node, for packing tasks without touching the snapshot: wholly free
+/// GPUs, CPU, memory, ports and custom resources, judged by the feasibility rule's
+/// shortfall. A GPU share takes a whole GPU here (the queues count shares as GPUs).
 #[derive(Clone, Debug, PartialEq)]
 struct Scratch {
-    free: Vec<(GpuMask, u32, u64)>,
+    free: Vec<Resources>,
+}
+
+/// Whether one task of `t` fits in `room` (the shortfall rule of `select::feasible`).
+fn fits_in(room: &Resources, t: &WaitingTasks) -> bool {
+    let req = t.request();
+    let ask = feasible::Ask {
+        request: &req,
+        dynamic_ports: t.dynamic_ports,
+        min_port: t.min_port,
+    };
+    ask.shortfall(room).is_none()
+}
+
+/// Gives `h`'s resources back to `room`.
+fn give_back(room: &mut Resources, h: &Held) {
+    room.gpu_mask |= h.gpus;
+    room.gpus = room.gpu_mask.count_ones();
+    room.cpu = room.cpu.saturating_add(h.cpu);
+    room.memory_mb = room.memory_mb.saturating_add(h.memory_mb);
+    if !h.ports.is_empty() {
+        room.ports = room.ports.union(&h.ports);
+    }
+    if !h.custom.is_empty() {
+        room.custom = room.custom.add(&h.custom);
+    }
 }
 
 impl Scratch {
     fn of(snap: &Snapshot) -> Scratch {
         Scratch {
-            free: snap
-                .nodes
-                .iter()
-                .map(|n| (n.free_gpus, n.free_cpu, n.free_memory_mb))
-                .collect(),
+            free: snap.nodes.iter().map(NodeCap::free_room).collect(),
         }
     }
 
-    fn fits(&self, n: usize, gpus: u32, cpu: u32, mem: u64) -> bool {
-        let (g, c, m) = self.free[n];
-        g.count_ones() >= gpus && c >= cpu && m >= mem
+    fn fits(&self, n: usize, t: &WaitingTasks) -> bool {
+        fits_in(&self.free[n], t)
     }
 
-    fn take(&mut self, n: usize, gpus: u32, cpu: u32, mem: u64) -> bool {
-        if !self.fits(n, gpus, cpu, mem) {
+    /// Takes one task of `t` on node `n` (its explicit GPUs or the lowest free ones, its
+    /// static ports and the lowest dynamic ones); false when it does not fit.
+    fn take(&mut self, n: usize, t: &WaitingTasks) -> bool {
+        if !self.fits(n, t) {
             return false;
         }
-        let (g, c, m) = &mut self.free[n];
-        *g &= !lowest_bits(*g, gpus).unwrap_or(0);
-        *c -= cpu;
-        *m -= mem;
+        let f = &self.free[n];
+        let gpus = if t.gpu_mask != 0 {
+            t.gpu_mask
+        } else {
+            lowest_bits(f.gpu_mask, t.gpus).unwrap_or(0)
+        };
+        let mut ports = t.ports.clone();
+        if t.dynamic_ports > 0 {
+            let drawn = f.ports.subtract(&t.ports).lowest(t.dynamic_ports, t.min_port);
+            ports = ports.union(&drawn.unwrap_or_default());
+        }
+        let grant = Resources {
+            cpu: t.cpu,
+            memory_mb: t.memory_mb,
+            gpus: gpus.count_ones(),
+            gpu_mask: gpus,
+            gpu_shares: Default::default(),
+            ports,
+            custom: t.custom.clone(),
+        };
+        self.take_exact(n, &grant);
         true
     }
 
     fn take_exact(&mut self, n: usize, r: &Resources) {
-        let (g, c, m) = &mut self.free[n];
-        *g &= !r.gpu_mask;
+        let f = &mut self.free[n];
+        f.gpu_mask &= !r.gpu_mask;
         if r.gpu_mask == 0 && r.gpus > 0 {
-            *g &= !lowest_bits(*g, r.gpus).unwrap_or(*g);
+            f.gpu_mask &= !lowest_bits(f.gpu_mask, r.gpus).unwrap_or(f.gpu_mask);
         }
-        *c = c.saturating_sub(r.cpu);
-        *m = m.saturating_sub(r.memory_mb);
+        f.gpus = f.gpu_mask.count_ones();
+        f.cpu = f.cpu.saturating_sub(r.cpu);
+        f.memory_mb = f.memory_mb.saturating_sub(r.memory_mb);
+        if !r.custom.is_empty() {
+            f.custom = f.custom.subtract(&r.custom);
+        }
+        if !r.ports.is_empty() {
+            f.ports = f.ports.subtract(&r.ports);
+        }
     }
 
     /// Adds the resources of the leaving containers `which` accepts; returns their GPUs.
     fn give_leaving(&mut self, snap: &Snapshot, which: impl Fn(&Held) -> bool) -> u32 {
         let mut gpus = 0;
         for h in snap.held.iter().filter(|h| h.leaving && which(h)) {
-            self.give(h.node, h.gpus, h.cpu, h.memory_mb);
+            self.give(h);
             gpus += h.gpus.count_ones();
         }
         gpus
     }
 
-    fn give(&mut self, n: usize, gpus: GpuMask, cpu: u32, mem: u64) {
-        let (g, c, m) = &mut self.free[n];
-        *g |= gpus;
-        *c = c.saturating_add(cpu);
-        *m = m.saturating_add(mem);
+    fn give(&mut self, h: &Held) {
+        give_back(&mut self.free[h.node], h);
     }
 
     /// Places one task of `t` best-fit (the eligible node with the fewest free GPUs that
     /// fits, so big holes stay whole) on a node `ok` accepts; returns the node.
     fn place(&mut self, nodes: &[NodeCap], t: &WaitingTasks, ok: &dyn Fn(usize) -> bool) -> Option<usize> {
         let best = (0..nodes.len())
-            .filter(|&n| ok(n) && eligible(&nodes[n], t) && self.fits(n, t.gpus, t.cpu, t.memory_mb))
-            .min_by_key(|&n| (self.free[n].0.count_ones(), n))?;
-        self.take(best, t.gpus, t.cpu, t.memory_mb);
+            .filter(|&n| ok(n) && eligible(&nodes[n], t) && self.fits(n, t))
+            .min_by_key(|&n| (self.free[n].gpus, n))?;
+        self.take(best, t);
         Some(best)
     }
 
@@ -934,7 +1054,7 @@ fn apply_choice(
         for &h in &units[u].held {
             let held = &snap.held[h];
             taken[h] = true;
-            scratch.give(held.node, held.gpus, held.cpu, held.memory_mb);
+            scratch.give(held);
             if in_pool(held.node) {
                 freed += held.gpus.count_ones();
                 leaving[snap.apps[held.app].queue] += held.gpus.count_ones();

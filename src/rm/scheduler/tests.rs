@@ -32,10 +32,17 @@ fn node(host: &str, gpus: u32) -> NodeCap {
         pool: String::new(),
         partition: String::new(),
         usable: true,
-        total_gpus: gpus,
+        total: crate::resources::Resources::with_mask(
+            64,
+            1 << 20,
+            crate::resources::mask_of_count(gpus),
+            Default::default(),
+        ),
         free_gpus: crate::resources::mask_of_count(gpus),
         free_cpu: 64,
         free_memory_mb: 1 << 20,
+        free_ports: Default::default(),
+        free_custom: Default::default(),
         topology: None,
     }
 }
@@ -98,6 +105,8 @@ impl Cluster {
             gpus: mask,
             cpu: 1,
             memory_mb: 100,
+            ports: Default::default(),
+            custom: Default::default(),
             run_ms,
             leaving: false,
             for_queue: None,
@@ -658,4 +667,195 @@ fn nothing_is_taken_for_a_gang_that_would_only_fit_in_part() {
     }
     c.app("a", 0, true, vec![waiting(2, 3)]);
     assert_eq!(c.plan().victims.len(), 6);
+}
+
+// The RM's gate and preemption judge a waiting task with placement's own rule
+// (`select::feasible`): on random nodes and asks, select places ⇒ the RM finds the node
+// eligible and the task fitting its free room; the RM finds no node eligible ⇔ select
+// answers "impossible".
+mod agrees_with_select {
+    use super::*;
+    use crate::am::queueing::role_waiting;
+    use crate::cluster::{ClusterView, Node};
+    use crate::config::SelectSettings;
+    use crate::resources::{mask_of_count, CustomResources, PortSet};
+    use crate::select::{JobDemand, Outcome, Selector, TaskAsk, TaskShape};
+    use crate::spec::{PortRequest, TaskResources, TaskRole};
+
+    const LABELS: [&str; 2] = ["", "gold"];
+    const TYPES: [&str; 2] = ["V100", "K80"];
+
+    #[allow(clippy::type_complexity)]
+    fn arb_node() -> impl Strategy<Value = (usize, Option<usize>, u32, u32, u32, u32, u64, bool)> {
+        // (label, type, GPUs, used GPUs, CPUs, used CPUs, nvme, ports)
+        (
+            0..LABELS.len(),
+            proptest::option::of(0..TYPES.len()),
+            0u32..=8,
+            0u32..=8,
+            1u32..=32,
+            0u32..=32,
+            0u64..=2,
+            any::<bool>(),
+        )
+    }
+
+    fn make_node(i: usize, spec: (usize, Option<usize>, u32, u32, u32, u32, u64, bool)) -> Node {
+        let (label, ty, gpus, used_gpus, cpu, used_cpu, nvme, ports) = spec;
+        let ports = if ports {
+            PortSet::range(20000, 20009)
+        } else {
+            PortSet::new()
+        };
+        let mut total = Resources::with_mask(cpu, 64_000, mask_of_count(gpus), ports);
+        total.custom = CustomResources::from_pairs([("nvme", nvme)]);
+        let mut n = Node::new(format!("n{i}"), "/r", total);
+        n.set_used(Resources::with_mask(
+            used_cpu.min(cpu),
+            0,
+            mask_of_count(used_gpus.min(gpus)),
+            PortSet::new(),
+        ));
+        if !LABELS[label].is_empty() {
+            n.labels = vec![LABELS[label].to_string()];
+        }
+        n.gpu_type = ty.map(|t| TYPES[t].to_string());
+        n
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn arb_role() -> impl Strategy<Value = (usize, Vec<usize>, u32, Option<u32>, u32, u64, u16, bool)> {
+        // (label, types, GPUs, share, CPUs, nvme, ports, static ports)
+        (
+            0..LABELS.len(),
+            proptest::collection::vec(0..TYPES.len(), 0..=1),
+            0u32..=4,
+            proptest::option::of(10u32..=90),
+            1u32..=16,
+            0u64..=2,
+            0u16..=2,
+            any::<bool>(),
+        )
+    }
+
+    fn make_role(spec: (usize, Vec<usize>, u32, Option<u32>, u32, u64, u16, bool)) -> TaskRole {
+        let (label, types, gpus, share, cpu, nvme, ports, fixed) = spec;
+        let share = share.filter(|_| gpus == 1);
+        let mut custom = CustomResources::new();
+        if nvme > 0 {
+            custom.set("nvme", nvme);
+        }
+        TaskRole {
+            name: "worker".into(),
+            instances: 1,
+            node_label: Some(LABELS[label].to_string()).filter(|l| !l.is_empty()),
+            gpu_types: types.iter().map(|&t| TYPES[t].to_string()).collect(),
+            resources: TaskResources {
+                cpu,
+                memory_mb: 1000,
+                gpus,
+                gpu_share: share,
+                custom,
+                ports: (0..ports)
+                    .map(|i| PortRequest {
+                        label: format!("p{i}"),
+                        count: 1,
+                        start: fixed.then_some(20000 + i),
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+            commands: vec!["true".into()],
+            ..Default::default()
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn the_rm_gate_and_select_agree(
+            nodes in proptest::collection::vec(arb_node(), 1..5),
+            role in arb_role(),
+            allow_none in any::<bool>(),
+        ) {
+            let nodes: Vec<Node> = nodes.into_iter().enumerate().map(|(i, s)| make_node(i, s)).collect();
+            let role = make_role(role);
+            let settings = SelectSettings {
+                seed: Some(1),
+                allow_none_gpu_job_on_gpu_node: allow_none,
+                container_min_port: 20000,
+                ..SelectSettings::default()
+            };
+            let sel = Selector::new(ClusterView::new(nodes.clone()), settings.clone());
+            let uses_gpus = role.resources.gpus > 0;
+            let mut demand = JobDemand::new(uses_gpus);
+            demand.add_waiting(TaskShape::of(&role.resources), 1);
+            let out = sel.select(&TaskAsk::for_role(&role, None, 1), &demand);
+            let w = role_waiting(&role, 1, uses_gpus, &settings);
+            let caps: Vec<NodeCap> = nodes.iter().map(NodeCap::of).collect();
+            let snap = Snapshot { nodes: caps.clone(), ..Default::default() };
+            let scratch = Scratch::of(&snap);
+            let eligible_any = caps.iter().any(|c| eligible(c, &w));
+            match &out.outcome {
+                Outcome::Placed(p) => {
+                    let i = caps.iter().position(|c| c.host == p.host).unwrap();
+                    prop_assert!(eligible(&caps[i], &w), "placed on {} but the RM finds it ineligible", p.host);
+                    let req = w.request();
+                    let ask = feasible::Ask { request: &req, dynamic_ports: w.dynamic_ports, min_port: w.min_port };
+                    prop_assert_eq!(
+                        feasible::judge(&task_facts(&w), &caps[i].facts(), &ask, nodes[i].free(), &caps[i].total),
+                        feasible::Verdict::Fits
+                    );
+                    // The gate's packing finds room there too (ports and custom resources
+                    // included; no GPU of these nodes is shared, so a share finds a whole one).
+                    prop_assert!(scratch.fits(i, &w), "the gate would keep no room there");
+                }
+                Outcome::Impossible { reason } => {
+                    prop_assert!(!eligible_any, "select says impossible ({reason}) but the RM finds a node");
+                }
+                Outcome::NotNow { reason } => {
+                    prop_assert!(eligible_any, "select says not now ({reason}) but the RM finds no node");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_scratch_packs_ports_and_custom_resources_as_placement_counts_them() {
+    let mut n = node("a", 8);
+    n.free_custom = crate::resources::CustomResources::from_pairs([("nvme", 1)]);
+    n.free_ports = crate::resources::PortSet::range(20000, 20002);
+    n.total.custom = n.free_custom.clone();
+    n.total.ports = n.free_ports.clone();
+    let snap = Snapshot {
+        nodes: vec![n],
+        ..Default::default()
+    };
+    // Two tasks each wanting the node's one nvme: one fits, and only one.
+    let mut nvme = waiting(2, 1);
+    nvme.custom = crate::resources::CustomResources::from_pairs([("nvme", 1)]);
+    let mut s = Scratch::of(&snap);
+    assert_eq!(place_rest(&snap.nodes, &mut s, &[nvme.clone()], &|_| true)[0].count, 1);
+    // Two dynamic ports at or above 20000 each: three free, so one task.
+    let mut ports = waiting(2, 1);
+    ports.dynamic_ports = 2;
+    ports.min_port = 20000;
+    let mut s = Scratch::of(&snap);
+    assert_eq!(place_rest(&snap.nodes, &mut s, &[ports.clone()], &|_| true)[0].count, 1);
+    // A static port is taken by the first task that holds it.
+    let mut fixed = waiting(2, 0);
+    fixed.ports = crate::resources::PortSet::range(20001, 20001);
+    let mut s = Scratch::of(&snap);
+    assert_eq!(place_rest(&snap.nodes, &mut s, &[fixed], &|_| true)[0].count, 1);
+    // A node without the resource at all is not eligible (never), unlike one where it is busy.
+    let mut busy = node("b", 8);
+    busy.total.custom = crate::resources::CustomResources::from_pairs([("nvme", 1)]);
+    assert!(eligible(&busy, &nvme));
+    assert!(!eligible(&node("c", 8), &nvme));
+    assert!(!Scratch::of(&Snapshot {
+        nodes: vec![busy],
+        ..Default::default()
+    })
+    .fits(0, &nvme));
 }

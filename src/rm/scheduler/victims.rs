@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{eligible, Scratch, Snapshot};
+use super::{eligible, fits_in, give_back, Scratch, Snapshot};
 use crate::protocol::WaitingTasks;
 
 /// Largest victim set enumerated on one node by the node plan.
@@ -144,7 +144,7 @@ fn served(snap: &Snapshot, scratch: &Scratch, tasks: &[WaitingTasks], units: &[U
     for &u in chosen {
         for &h in &units[u].held {
             let held = &snap.held[h];
-            s.give(held.node, held.gpus, held.cpu, held.memory_mb);
+            s.give(held);
         }
     }
     let mut n = 0;
@@ -319,19 +319,16 @@ fn by_node(
                     if per_queue.iter().any(|(q, g)| *g > left.get(q).copied().unwrap_or(0)) {
                         continue;
                     }
-                    let (mut g, mut c, mut m) = s.free[n];
+                    let mut room = s.free[n].clone();
                     for &u in &pick {
                         for &h in units[u].held.iter().filter(|&&h| snap.held[h].node == n) {
-                            let held = &snap.held[h];
-                            g |= held.gpus;
-                            c += held.cpu;
-                            m += held.memory_mb;
+                            give_back(&mut room, &snap.held[h]);
                         }
                     }
-                    if g.count_ones() < w.gpus || c < w.cpu || m < w.memory_mb {
+                    if !fits_in(&room, w) {
                         continue;
                     }
-                    let tier = crate::topology::choose(snap.nodes[n].topology.as_deref(), g, w.gpus)
+                    let tier = crate::topology::choose(snap.nodes[n].topology.as_deref(), room.gpu_mask, w.gpus)
                         .map_or(0, |c| c.tier as i8);
                     let cost = pick
                         .iter()
@@ -352,10 +349,10 @@ fn by_node(
                 }
                 for &h in &units[u].held {
                     let held = &snap.held[h];
-                    s.give(held.node, held.gpus, held.cpu, held.memory_mb);
+                    s.give(held);
                 }
             }
-            s.take(n, w.gpus, w.cpu, w.memory_mb);
+            s.take(n, w);
         }
     }
     chosen

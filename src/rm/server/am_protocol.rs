@@ -4,6 +4,7 @@
 
 use super::dashboard::Refusal;
 use super::*;
+use crate::cluster::rm_json::NodeReport;
 use crate::protocol::Rejection;
 
 pub(super) async fn am_register(
@@ -181,7 +182,11 @@ pub(super) async fn am_allocate(
         out.updated_nodes = st
             .ledger
             .changed_since(app.nodes_seen)
-            .map(|(n, c)| node_to_json(n, c, now_ms()))
+            .map(|(n, c)| NodeReport {
+                node: n.clone(),
+                num_containers: c,
+                last_health_update_ms: now_ms(),
+            })
             .collect();
         app.nodes_seen = st.ledger.epoch();
         app.last_allocate = Some((req.response_id, out.clone()));

@@ -40,12 +40,13 @@ use crate::cluster::rm_json::{node_to_json, nodes_to_json};
 use crate::cluster::{Node, NodeState};
 use crate::node::executor::{ExecError, LogStream};
 use crate::node::procs::ProcessId;
+use crate::protocol::now_ms;
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
     ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
     NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
 };
-use crate::rm::apps::{app_id, app_seq, now_ms, AmLaunch, App, Apps};
+use crate::rm::apps::{app_id, app_seq, AmLaunch, App, Apps};
 use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
 use crate::rm::store::{Batch, Meta, Store, StoreError};
 use crate::rm::users::Users;
@@ -183,6 +184,8 @@ pub struct RmOptions {
     /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
     /// run` set it to themselves.
     pub shim_exe: Option<PathBuf>,
+    /// Disk, pids and device bounds of the in-process node (`node.*`).
+    pub bounds: crate::node::bounds::NodeBounds,
 }
 
 /// frameworklauncher's `amAttemptMaxCount`.
@@ -217,6 +220,7 @@ impl RmOptions {
             queues: Default::default(),
             preemption_grace: Duration::from_secs(30),
             shim_exe: None,
+            bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
 
@@ -242,6 +246,7 @@ impl RmOptions {
             public_names: rm.public_names.clone(),
             http_timeouts: (&settings.http).into(),
             max_log_bytes: Some(settings.node.max_log_bytes),
+            bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
     }
@@ -419,6 +424,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         h.finish()
     }))
     .with_shim(opts.shim_exe.clone());
+    let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
     tracing::info!("in-process node {}", containment.describe());
     let ray = opts
         .ray
@@ -429,6 +435,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         crate::node::executor::ExecutorOptions {
             containment,
             max_log_bytes: opts.max_log_bytes,
+            max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
         },
     );

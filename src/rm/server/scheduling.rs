@@ -74,24 +74,7 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
     let mut hosts: HashMap<&str, usize> = HashMap::new();
     for (n, _) in st.ledger.nodes() {
         hosts.insert(&n.host, snap.nodes.len());
-        let total = n.total();
-        let free = total.subtract(n.used());
-        snap.nodes.push(NodeCap {
-            host: n.host.clone(),
-            pool: n.gpu_type.clone().unwrap_or_default(),
-            partition: n.partition().to_string(),
-            usable: n.state == crate::cluster::NodeState::Running,
-            total_gpus: total.gpu_count(),
-            // GPUs free of any holder: a GPU holding shares takes no whole task.
-            free_gpus: if total.gpu_mask != 0 {
-                free.whole_gpu_mask()
-            } else {
-                crate::resources::mask_of_count(free.gpus)
-            },
-            free_cpu: free.cpu,
-            free_memory_mb: free.memory_mb,
-            topology: n.topology.clone(),
-        });
+        snap.nodes.push(NodeCap::of(n));
     }
     let mut apps: HashMap<String, usize> = HashMap::new();
     let mut add_app = |snap: &mut Snapshot, app: &App| -> usize {
@@ -147,6 +130,8 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             gpus,
             cpu: r.cpu,
             memory_mb: r.memory_mb,
+            ports: r.ports.clone(),
+            custom: r.custom.clone(),
             run_ms: if c.state == ContainerState::Running {
                 wall.saturating_sub(c.allocated_ms)
             } else {

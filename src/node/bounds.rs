@@ -1,0 +1,298 @@
+//! Bounded nodes: what one container may take of its node beyond its cgroup limits.
+//!
+//! - **Disk** (`node.max_container_disk_mb`): the container's directory is measured every
+//!   [`DISK_CHECK`] ([`disk_usage`]: allocated blocks, walked by directory handles with
+//!   `O_NOFOLLOW`, never leaving through a link); beyond the bound every process of the
+//!   container is killed ([`watch_disk`]) and it ends with `disk limit exceeded (N MiB)`; its
+//!   directory is then emptied of the task's files ([`trim_dir`]: the logs and gpuam's own
+//!   files stay), so a node the task filled runs the next job. Measurement, not a quota: it
+//!   works under every containment (cgroup v2, v1, the shim), on every filesystem; a task
+//!   can overshoot by what it writes in one interval (or fill a small disk first), which
+//!   the trim gives back. Files the task writes outside its directory (`/tmp`) are not
+//!   counted (see docs/RELIABILITY.md).
+//! - **Out of memory**: [`oom_reason`] words an OOM kill inside the container's own memory
+//!   limit (read by [`super::cgroup::Cgroup::oom_kills`]) as `out of memory (limit N MiB)`,
+//!   which the AM counts as the task's failure (see `am::exits::classify`).
+//!
+//! The node-wide pids bound is the parent cgroup's `pids.max` ([`super::cgroup`]).
+
+use std::ffi::CStr;
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use super::cgroup::{Cgroup, Containment};
+use super::devices::Rule;
+
+/// A node's bounds from its settings (`node.max_container_disk_mb`, `node.max_pids`,
+/// `node.device_allow`), for the agent and the in-process node alike.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeBounds {
+    pub max_disk_mb: Option<u64>,
+    pub max_pids: Option<u64>,
+    pub device_allow: Vec<Rule>,
+}
+
+/// Half of the machine's `kernel.pid_max`: what `node.max_pids: 0` bounds a node's
+/// containers to, so that they never take every pid of the machine.
+fn auto_max_pids() -> Option<u64> {
+    let max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some((max / 2).max(64))
+}
+
+impl NodeBounds {
+    /// The bounds the settings give (0: none); `Err` names a device rule that does not
+    /// parse (`Settings` checks them on load already).
+    pub fn from_settings(n: &crate::config::NodeSettings) -> Result<NodeBounds, String> {
+        Ok(NodeBounds {
+            max_disk_mb: Some(n.max_container_disk_mb).filter(|v| *v > 0),
+            max_pids: Some(n.max_pids).filter(|v| *v > 0).or_else(auto_max_pids),
+            device_allow: n
+                .device_allow
+                .iter()
+                .map(|r| r.parse())
+                .collect::<Result<_, String>>()?,
+        })
+    }
+
+    /// `c` with the node-wide pids bound set and the extra device rules checked.
+    pub fn apply(&self, c: Containment) -> Result<Containment, String> {
+        c.with_max_pids(self.max_pids)
+            .with_device_allow(self.device_allow.clone())
+    }
+}
+
+/// How often a running container's directory is measured.
+pub const DISK_CHECK: Duration = Duration::from_secs(1);
+/// Deepest directory level and most entries one measurement visits (a task cannot make
+/// the node walk forever; beyond them the rest is not counted).
+const MAX_DEPTH: u32 = 64;
+const MAX_ENTRIES: u64 = 1_000_000;
+
+/// The diagnostics of a container killed for its disk.
+pub fn disk_reason(limit_mb: u64) -> String {
+    format!("disk limit exceeded ({limit_mb} MiB)")
+}
+
+/// The diagnostics of a container whose process the kernel killed in its memory limit.
+pub fn oom_reason(limit_mb: Option<u64>) -> String {
+    match limit_mb {
+        Some(mb) => format!("out of memory (limit {mb} MiB)"),
+        None => "out of memory (limit unknown MiB)".into(),
+    }
+}
+
+fn open_dir(path: &Path) -> Option<OwnedFd> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: plain syscall on a NUL-terminated path.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    // SAFETY: a fresh fd this function owns.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Bytes allocated under the directory `dir` (itself excluded), not following links.
+pub fn disk_usage(dir: &Path) -> u64 {
+    let mut entries = 0;
+    open_dir(dir).map_or(0, |fd| walk(&fd, 0, &mut entries))
+}
+
+fn walk(fd: &OwnedFd, depth: u32, entries: &mut u64) -> u64 {
+    let mut total = 0u64;
+    // SAFETY: `dup` of an fd we hold; `fdopendir` takes the copy, `closedir` frees it;
+    // `readdir` entries are read before the next call.
+    unsafe {
+        let copy = libc::dup(fd.as_raw_fd());
+        if copy < 0 {
+            return 0;
+        }
+        let dirp = libc::fdopendir(copy);
+        if dirp.is_null() {
+            libc::close(copy);
+            return 0;
+        }
+        loop {
+            let ent = libc::readdir(dirp);
+            if ent.is_null() {
+                break;
+            }
+            let name = CStr::from_ptr((*ent).d_name.as_ptr());
+            if name.to_bytes() == b"." || name.to_bytes() == b".." {
+                continue;
+            }
+            *entries += 1;
+            if *entries > MAX_ENTRIES {
+                break;
+            }
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstatat(fd.as_raw_fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) != 0 {
+                continue;
+            }
+            total = total.saturating_add((st.st_blocks as u64).saturating_mul(512));
+            if st.st_mode & libc::S_IFMT == libc::S_IFDIR && depth < MAX_DEPTH {
+                let child = libc::openat(
+                    fd.as_raw_fd(),
+                    name.as_ptr(),
+                    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                );
+                if child >= 0 {
+                    let child = OwnedFd::from_raw_fd(child);
+                    total = total.saturating_add(walk(&child, depth + 1, entries));
+                }
+            }
+        }
+        libc::closedir(dirp);
+    }
+    total
+}
+
+/// Whether `used` bytes are beyond a bound of `limit_mb` MiB.
+pub fn over(used: u64, limit_mb: u64) -> bool {
+    used > limit_mb.saturating_mul(1 << 20)
+}
+
+/// How a container is killed from outside (the watcher's view of it).
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub cgroup: Cgroup,
+    /// The recorded process (its group's leader, or the shim).
+    pub pid: u32,
+    pub shim: bool,
+}
+
+impl Target {
+    /// Kills every process of the container: its cgroup, else its shim (which kills its
+    /// descendants), else its process group.
+    pub fn kill(&self) {
+        if self.cgroup.is_real() {
+            self.cgroup.kill();
+            return;
+        }
+        let Ok(pid) = i32::try_from(self.pid) else {
+            return;
+        };
+        // SAFETY: plain syscalls on the container's own recorded process (group).
+        unsafe {
+            if self.shim {
+                libc::kill(pid, super::shim::KILL_SIGNAL);
+            } else {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Measures `dir` every [`DISK_CHECK`] until the container is done; beyond `limit_mb` MiB
+/// it records [`disk_reason`] in `verdict` and kills the container.
+pub async fn watch_disk(
+    dir: std::path::PathBuf,
+    limit_mb: u64,
+    target: Target,
+    verdict: Arc<Mutex<Option<String>>>,
+    mut done: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(DISK_CHECK) => {}
+            _ = done.changed() => return,
+        }
+        if *done.borrow() {
+            return;
+        }
+        let d = dir.clone();
+        let Ok(used) = tokio::task::spawn_blocking(move || disk_usage(&d)).await else {
+            return;
+        };
+        if over(used, limit_mb) {
+            tracing::warn!(dir = %dir.display(), used, "{}: killing the container", disk_reason(limit_mb));
+            *verdict.lock() = Some(disk_reason(limit_mb));
+            target.kill();
+            return;
+        }
+    }
+}
+
+/// Removes everything in the container directory `dir` but the names in `keep` (its logs
+/// and gpuam's own files), without following links (`remove_dir_all` does not).
+pub fn trim_dir(dir: &Path, keep: &[&str]) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        if keep.iter().any(|k| name == std::ffi::OsStr::new(k)) {
+            continue;
+        }
+        let p = e.path();
+        let gone = match e.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
+            _ => std::fs::remove_file(&p),
+        };
+        if let Err(err) = gone {
+            tracing::warn!("cannot remove {}: {err}", p.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_counts_files_and_subdirectories_but_not_through_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("c");
+        std::fs::create_dir_all(d.join("sub/deeper")).unwrap();
+        std::fs::write(d.join("a"), vec![1u8; 1 << 20]).unwrap();
+        std::fs::write(d.join("sub/deeper/b"), vec![1u8; 2 << 20]).unwrap();
+        // Outside: 4 MiB behind a link, which must not count.
+        std::fs::write(tmp.path().join("outside"), vec![1u8; 4 << 20]).unwrap();
+        std::os::unix::fs::symlink(tmp.path(), d.join("link")).unwrap();
+        let used = disk_usage(&d);
+        assert!(used >= 3 << 20, "{used}");
+        assert!(used < 7 << 20, "counted through the link: {used}");
+        assert!(over(used, 2));
+        assert!(!over(used, 8));
+        assert_eq!(disk_usage(&d.join("link")), 0, "the directory itself is not followed");
+    }
+
+    #[test]
+    fn trim_keeps_the_logs_and_removes_the_rest_without_following_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("c");
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        std::fs::write(d.join("stdout"), "log").unwrap();
+        std::fs::write(d.join("big"), vec![0u8; 1 << 20]).unwrap();
+        std::fs::write(d.join("sub/x"), "x").unwrap();
+        let victim = tmp.path().join("victim");
+        std::fs::create_dir_all(&victim).unwrap();
+        std::fs::write(victim.join("keep-me"), "x").unwrap();
+        std::os::unix::fs::symlink(&victim, d.join("link")).unwrap();
+        trim_dir(&d, &["stdout"]);
+        let left: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("stdout")]);
+        assert!(victim.join("keep-me").exists(), "a link's target is not touched");
+    }
+
+    #[test]
+    fn reasons_name_the_bound() {
+        assert_eq!(disk_reason(16), "disk limit exceeded (16 MiB)");
+        assert_eq!(oom_reason(Some(64)), "out of memory (limit 64 MiB)");
+    }
+}
