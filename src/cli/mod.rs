@@ -349,6 +349,18 @@ pub fn main() -> i32 {
             return code;
         }
     };
+    // A command that prints and exits dies quietly when its reader goes away (`gpuam
+    // validate F | head -1`), as Unix tools do, instead of panicking in `println!`. The
+    // servers keep Rust's default (ignored; their sockets never raise it anyway).
+    if !matches!(
+        cli.command,
+        Cmd::Rm { .. } | Cmd::Node(_) | Cmd::Am { .. } | Cmd::Run { .. } | Cmd::ContainerShim { .. }
+    ) {
+        // SAFETY: plain syscall at start-up, before any other thread exists.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // The shim is a container's process: no logging set-up, no settings, no runtime (it
     // must stay single-threaded).
     if let Cmd::ContainerShim { command } = &cli.command {
