@@ -51,6 +51,7 @@ pub async fn rm(
         nodes_file,
         ray: ray_args,
     } = sources;
+    raise_open_file_limit();
     let (nodes, ray) = if ray_args.backend == "ray" {
         match ray_backend(ray_args, listen).await {
             Ok((nodes, client, gate)) => (nodes, Some((client, gate))),
@@ -230,4 +231,26 @@ async fn ray_backend(
         nodes.iter().map(|n| n.host.as_str()).collect::<Vec<_>>().join(", ")
     );
     Ok((nodes, client, gate))
+}
+
+/// Raises this process's open-file limit to its hard limit (a default soft limit of 1,024
+/// is soon reached by an RM's connections); logged, never fatal.
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a local struct.
+    let raised = unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 || lim.rlim_cur >= lim.rlim_max {
+            None
+        } else {
+            let was = lim.rlim_cur;
+            lim.rlim_cur = lim.rlim_max;
+            (libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0).then_some((was, lim.rlim_max))
+        }
+    };
+    if let Some((was, now)) = raised {
+        tracing::info!("open-file limit raised from {was} to {now}");
+    }
 }

@@ -186,8 +186,9 @@ pub(super) async fn agent_register(
         if let Some(why) = st.agent_nodes.get(&host).and_then(|old| declaration_change(old, &req)) {
             tracing::warn!(%host, "node agent registration refused: {why}");
             return Err(ApiError::conflict(format!(
-                "host `{host}` registered before with other resources: {why}; what a host offers is changed \
-                 only by the admin: remove the host first (`gpuam node remove {host}`), then start its agent again"
+                "host `{host}` registered before with other resources: {why}; what a host offers is fixed at \
+                 its first registration: start its agent with the same resources, labels, GPU type, rack and \
+                 topology, or register the changed machine under a new host name (with its own token)"
             )));
         }
         let own = own_reports(&st, &host, &req.containers);
