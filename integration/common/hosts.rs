@@ -268,20 +268,7 @@ impl Hosts {
     /// (HTTP status, body).
     pub fn post_admin(&self, path: &str) -> (u16, serde_json::Value) {
         let token = fs::read_to_string(self.path("rm/admin.token")).expect("the admin token");
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns("rm"), "curl", "-s", "-w", "\\n%{http_code}"])
-            .args(["-X", "POST", "-H", "Content-Type: application/json", "-d", "{}"])
-            .arg("-H")
-            .arg(format!("Authorization: Bearer {}", token.trim()))
-            .arg(format!("http://{RM_IP}:8088{path}"))
-            .output()
-            .expect("curl");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
-        (
-            code.trim().parse().unwrap_or(0),
-            serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
-        )
+        self.post_as("rm", &token, path, &serde_json::json!({}))
     }
 
     /// `POST path` with `body` and bearer `token`, from namespace `ns` → (HTTP status, body).
