@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 use axum::body::{to_bytes, Body};
 use axum::http::Request;
 use criterion::{criterion_group, criterion_main, Criterion};
-use gpuam::web::{demo::demo_hub, router, serve};
+use gpuam::web::{
+    demo::{demo_hub, DEMO_TOKEN},
+    router, serve,
+};
 use tower::ServiceExt;
 
 const ENDPOINTS: [&str; 5] = [
@@ -31,7 +34,12 @@ fn bench_router(c: &mut Criterion) {
                 rt.block_on(async {
                     let r = app
                         .clone()
-                        .oneshot(Request::get(ep).body(Body::empty()).unwrap())
+                        .oneshot(
+                            Request::get(ep)
+                                .header("authorization", format!("Bearer {DEMO_TOKEN}"))
+                                .body(Body::empty())
+                                .unwrap(),
+                        )
                         .await
                         .unwrap();
                     assert!(r.status().is_success());
@@ -62,13 +70,21 @@ fn loopback_percentiles(_c: &mut Criterion) {
         for ep in ENDPOINTS {
             let url = format!("http://{addr}{ep}");
             for _ in 0..50 {
-                client.get(&url).send().await.unwrap().bytes().await.unwrap();
+                client
+                    .get(&url)
+                    .bearer_auth(DEMO_TOKEN)
+                    .send()
+                    .await
+                    .unwrap()
+                    .bytes()
+                    .await
+                    .unwrap();
             }
             let mut lat = Vec::with_capacity(2000);
             let mut bytes = 0;
             for _ in 0..2000 {
                 let t = Instant::now();
-                let r = client.get(&url).send().await.unwrap();
+                let r = client.get(&url).bearer_auth(DEMO_TOKEN).send().await.unwrap();
                 assert!(r.status().is_success());
                 bytes = r.bytes().await.unwrap().len();
                 lat.push(t.elapsed());

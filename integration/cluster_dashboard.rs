@@ -153,7 +153,11 @@ async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
         assert_eq!(row["user"], "itest", "{row}");
         let url = app["trackingUrl"].as_str().unwrap();
         assert!(url.starts_with("http://127.0.0.1:"), "{app}");
-        assert_eq!(row["link"], url, "the row links to the job's dashboard");
+        assert_eq!(
+            row["link"].as_str().unwrap_or(""),
+            format!("{url}#token={}", rm.user_token),
+            "the row links to the job's dashboard, with the page's token (the AM asks the RM about it)"
+        );
     }
     let why = b
         .js("return document.querySelector('tr[data-why-code=\"atCap\"] td.why').textContent;")

@@ -282,6 +282,7 @@ fn start_job_env(spec: &str, linger_sec: u32, env: &[(&str, &Path)]) -> (Running
     let root = env!("CARGO_MANIFEST_DIR");
     let work = tempfile::tempdir().expect("a temporary work directory");
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuam"))
+        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
         .args(["run", spec, "--listen", "127.0.0.1:0", "--work-dir"])
         .arg(work.path())
         .current_dir(root)

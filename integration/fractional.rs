@@ -103,7 +103,8 @@ fn am_tasks(rm: &Rm, app: &str) -> Option<Vec<Value>> {
     if tracking.is_empty() {
         return None;
     }
-    let text = rm.get_text(&format!("{tracking}api/v1/tasks"))?;
+    // The dashboard's API takes the owner's token (the AM asks the RM about it).
+    let text = rm.get_text(&format!("{tracking}api/v1/tasks?token={}", rm.user_token))?;
     let v: Value = serde_json::from_str(&text).ok()?;
     v.as_array().cloned().or_else(|| v["tasks"].as_array().cloned())
 }
@@ -426,7 +427,7 @@ fn validate_explains_shares_and_refuses_what_is_not_one() {
 }
 
 /// A node agent and an RM on loopback; dropping kills both (by pid) and removes nothing
-/// else. The agent runs tasks as `gpuam-task`.
+/// else. The agent runs each user's tasks as the user's own uid.
 struct AgentCluster {
     dir: tempfile::TempDir,
     procs: Vec<Child>,

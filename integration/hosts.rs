@@ -151,8 +151,16 @@ fn three_hosts_in_network_namespaces() {
         )],
     );
     let mut killer = h.submit("escapes", &escapes, true);
-    wait_for(Duration::from_secs(60), "6 daemons started", || {
-        (lines(&h.path("out/daemons")).len() >= 6).then_some(())
+    // Started, and each has written its first beat (on a busy machine the kill below could
+    // otherwise come before any did, leaving no beat to compare with).
+    wait_for(Duration::from_secs(60), "6 daemons started and beating", || {
+        let beats = fs::read_dir(h.path("out"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("beat-"))
+            .count();
+        (lines(&h.path("out/daemons")).len() >= 6 && beats >= 6).then_some(())
     });
     let daemons: Vec<i32> = lines(&h.path("out/daemons"))
         .iter()

@@ -127,6 +127,8 @@ impl Sandbox {
             .arg(job)
             .arg("--work-dir")
             .arg(&self.work)
+            // A failed job's dashboard would stay up 60 s: these tests read the files.
+            .args(["--linger", "0"])
             .current_dir(repo())
             .env("HOME", &self.home)
             .stdin(Stdio::null())
@@ -137,6 +139,8 @@ impl Sandbox {
                 cmd.env_remove(k);
             }
         }
+        // Its tasks write into the test's private directory: as the RM's user.
+        cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
         cmd.spawn().unwrap()
     }
 
@@ -485,14 +489,15 @@ fn the_job_trains_across_two_node_agent_hosts() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     require_jax();
     let mut h = Hosts::build("jax");
-    // Tasks run as gpuam-task with their container as HOME: the node tells them where the
+    // Tasks run as their user's own uid with their container as HOME: the node tells them where the
     // example is, as an operator would.
     h.agent_args = vec!["--task-env".into(), format!("JAX_EXAMPLE_DIR={}", repo().display())];
     h.start_rm();
     h.start_agent("h1");
     h.start_agent("h2");
     h.wait_agents_running();
-    require_task_user_reaches_the_repository("gpuam-task");
+    // Any unprivileged uid (here nobody's) stands for the submitter's own.
+    require_task_user_reaches_the_repository("65534");
 
     // The example exactly as README.md shows it, submitted to the RM.
     let yaml = fs::read_to_string(repo().join("examples/jax-ddp.yaml")).unwrap();

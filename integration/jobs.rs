@@ -131,8 +131,14 @@ nodes:
             "{ctx}: {}",
             dir.display()
         );
-        assert!(dir.ends_with(&env["GPUAM_CONTAINER_ID"]), "{ctx}");
-        let stdout = fs::read_to_string(dir.join("stdout")).unwrap();
+        // The task's own directory is `work/` in the node's record of the container, which
+        // holds its logs.
+        let record = dir.parent().unwrap();
+        assert!(
+            dir.ends_with("work") && record.ends_with(&env["GPUAM_CONTAINER_ID"]),
+            "{ctx}"
+        );
+        let stdout = fs::read_to_string(record.join("stdout")).unwrap();
         assert!(
             stdout.contains(&format!("hello from {role} {index} on {host}")),
             "{ctx}: stdout log is {stdout:?}"
@@ -165,8 +171,8 @@ nodes:
 /// `gpuam plan` runs the AM's own job machine against an RM that grants every ask as asked,
 /// so on an idle cluster the placements it prints are the ones `gpuam run` makes (the seed
 /// fixed): a gang over two roles, a task that first holds out for its ideal GPU tier (the
-/// `*w` wait, shortened to 2 s) and then takes the pair the plan shows, and a role that places
-/// after another role's tasks have taken the best nodes.
+/// `*w` wait, shortened to 2 s; only `split` has the CPUs for it) and then takes the pair the
+/// plan shows, and a role that places after another role's tasks have taken the best nodes.
 #[test]
 fn plan_and_run_place_every_task_alike() {
     let rm = Rm::start(
@@ -174,7 +180,7 @@ fn plan_and_run_place_every_task_alike() {
 nodes:
   - host: split
     rack: /r1
-    cpu: 32
+    cpu: 64
     memoryMB: 64000
     gpus: 4
     topology: pcie4
@@ -214,7 +220,7 @@ nodes:
         ),
         (
             "waits",
-            format!("name: waits\ntaskRoles:\n{}", role("w", 1, 30, 2, "http: 1")),
+            format!("name: waits\ntaskRoles:\n{}", role("w", 1, 40, 2, "http: 1")),
         ),
         (
             "spread",
@@ -627,10 +633,9 @@ nodes:
     }
 }
 
-/// SIGTERM (or SIGHUP, or Ctrl-C) on `gpuam run` kills the job and waits for its end:
-/// no task process, no daemon a task started in a new session, and no AM is left.
-#[test]
-fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
+/// A temporary directory (and its path) holding `cluster.yaml`: one node `n1` of 8 CPUs,
+/// 8000 MB and 2 GPUs, for `gpuam run --cluster`.
+fn one_node_run_dir() -> (tempfile::TempDir, String) {
     let dir = Rm::temp_dir();
     let root = dir.path().display().to_string();
     fs::write(
@@ -638,6 +643,14 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
         "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
     )
     .unwrap();
+    (dir, root)
+}
+
+/// SIGTERM (or SIGHUP, or Ctrl-C) on `gpuam run` kills the job and waits for its end:
+/// no task process, no daemon a task started in a new session, and no AM is left.
+#[test]
+fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
+    let (dir, root) = one_node_run_dir();
     let daemon = "trap \"\" TERM HUP; while :; do sleep 0.05; done";
     fs::write(
         dir.path().join("job.yaml"),
@@ -652,6 +665,7 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
     .unwrap();
     let work = dir.path().join("work");
     let mut run = std::process::Command::new(common::bin())
+        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
         .arg("run")
         .arg(dir.path().join("job.yaml"))
         .arg("--cluster")
@@ -689,4 +703,156 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
         );
     }
     assert!(!pid_alive(am), "the AM {am} survived SIGTERM on gpuam run:\n{err}");
+}
+
+/// SIGTERM on `gpuam rm` (what systemd and `docker stop` send) stops every job as Ctrl-C
+/// does: no AM, task process or daemon a task started in a new session is left, and the RM
+/// says what it stopped.
+#[test]
+fn sigterm_on_gpuam_rm_leaves_no_am_task_or_daemon() {
+    let mut rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
+        &[],
+    );
+    let root = rm.root().display().to_string();
+    let daemon = "trap \"\" TERM HUP; while :; do sleep 0.05; done";
+    let job = rm.write_job(
+        "rmterm",
+        &format!(
+            "name: rmterm\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[&format!(
+                "setsid bash -c {} & echo $! >> {root}/pids; echo $$ >> {root}/pids; sleep 300",
+                common::shell_quote(daemon)
+            )])
+        ),
+    );
+    let sub = rm.submit(&job);
+    let app = sub.app_id(Duration::from_secs(10));
+    let pids: Vec<i32> = wait_for(Duration::from_secs(30), "both tasks and their daemons", || {
+        let p: Vec<i32> = fs::read_to_string(rm.path("pids"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        (p.len() == 4).then_some(p)
+    });
+    let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
+    let rm_pid = rm.pid().unwrap();
+    unsafe {
+        libc::kill(rm_pid, libc::SIGTERM);
+    }
+    let status = wait_for(Duration::from_secs(30), "gpuam rm to exit", || rm.try_exited());
+    let err = fs::read_to_string(rm.path("rm.stderr")).unwrap_or_default();
+    assert_eq!(status.code(), Some(0), "SIGTERM is an orderly stop:\n{err}");
+    assert!(
+        err.contains(&format!(
+            "SIGTERM: stopping 1 application and 1 AM process: {app} of itest (2 containers)"
+        )),
+        "the RM says what it stops:\n{err}"
+    );
+    for p in &pids {
+        assert!(
+            !pid_alive(*p),
+            "task process or daemon {p} survived SIGTERM on gpuam rm:\n{err}"
+        );
+    }
+    assert!(!pid_alive(am), "the AM {am} survived SIGTERM on gpuam rm:\n{err}");
+    drop(sub);
+}
+
+/// `gpuam run` streams each task's output behind its `[role/index]` (stdout to stdout,
+/// stderr to stderr), ends a failed job with the failed task's stderr tail (a mistyped
+/// command says `command not found`), and keeps the dashboard for the linger it names;
+/// `--quiet-tasks` keeps only the tail.
+#[test]
+fn gpuam_run_streams_task_output_and_ends_with_a_failed_tasks_stderr() {
+    let (dir, root) = one_node_run_dir();
+    let run = |name: &str, extra: &[&str]| {
+        let marks = format!("{root}/{name}");
+        fs::create_dir_all(&marks).unwrap();
+        // The workers speak first; the mistyped command runs once both have.
+        let job = format!(
+            "name: {name}\ntaskRoles:\n  worker:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0}}\n    commands:\n{}  main:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[
+                "echo \"hello from worker $GPUAM_TASK_INDEX\"",
+                "printf '\\033[31mwarn %s\\033[0m\\n' $GPUAM_TASK_INDEX >&2",
+                &format!("touch {marks}/ready.$GPUAM_TASK_INDEX"),
+                "sleep 300",
+            ]),
+            commands(&[
+                &format!("until [ -e {marks}/ready.0 ] && [ -e {marks}/ready.1 ]; do sleep 0.1; done"),
+                "pythn train.py",
+            ]),
+        );
+        let path = dir.path().join(format!("{name}.yaml"));
+        fs::write(&path, job).unwrap();
+        let (out, err) = (
+            dir.path().join(format!("{name}.out")),
+            dir.path().join(format!("{name}.err")),
+        );
+        let mut child = std::process::Command::new(common::bin())
+            .arg("run")
+            .arg(&path)
+            .arg("--cluster")
+            .arg(dir.path().join("cluster.yaml"))
+            .arg("--work-dir")
+            .arg(dir.path().join(format!("{name}-work")))
+            .args(extra)
+            .env_remove("GPUAM_DASHBOARD_LINGER_SEC")
+            .stdin(std::process::Stdio::null())
+            .stdout(fs::File::create(&out).unwrap())
+            .stderr(fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        let status = wait_for(Duration::from_secs(60), "gpuam run to exit", || {
+            child.try_wait().unwrap()
+        });
+        (
+            status.code(),
+            fs::read_to_string(out).unwrap(),
+            fs::read_to_string(err).unwrap(),
+        )
+    };
+
+    let (code, out, err) = run("loud", &["--linger", "1"]);
+    let all = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, Some(1), "{all}");
+    for i in 0..2 {
+        assert!(out.contains(&format!("[worker/{i}] hello from worker {i}\n")), "{all}");
+        // Stderr lines go to stderr, without the task's terminal escapes.
+        assert!(err.contains(&format!("[worker/{i}] warn {i}\n")), "{all}");
+    }
+    assert!(!out.contains("warn") && !all.contains('\u{1b}'), "{all}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("[main/0] ") && l.contains("pythn: command not found")),
+        "the failing task's stderr streams too:\n{all}"
+    );
+    // The final lines: the job's end, then the failed task's stderr tail.
+    let tail_at = err
+        .find("task main/0 exited with 127; the last lines of its stderr:\n")
+        .unwrap_or_else(|| panic!("no stderr tail:\n{all}"));
+    let tail = &err[tail_at..];
+    assert!(
+        tail.lines()
+            .nth(1)
+            .is_some_and(|l| l.starts_with("  ") && l.contains("pythn: command not found")),
+        "{all}"
+    );
+    assert!(!tail.contains("task worker/"), "only the failed task's tail: {all}");
+    assert!(out.contains("the dashboard stays up for 1 s at http"), "{all}");
+
+    let (code, out, err) = run("quiet", &["--quiet-tasks", "--linger", "0"]);
+    let all = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, Some(1), "{all}");
+    assert!(
+        !all.contains("[worker/") && !all.contains("[main/0]"),
+        "--quiet-tasks: {all}"
+    );
+    assert!(
+        err.contains("task main/0 exited with 127; the last lines of its stderr:\n")
+            && err.contains("pythn: command not found"),
+        "the tail stays with --quiet-tasks: {all}"
+    );
+    assert!(!out.contains("dashboard stays up"), "{all}");
 }

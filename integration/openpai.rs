@@ -48,6 +48,8 @@ fn gpuam(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Out {
     let dir = tempfile::tempdir().expect("temp dir");
     let (out_path, err_path) = (dir.path().join("out"), dir.path().join("err"));
     let mut cmd = Command::new(bin());
+    // Its tasks write into the test's private directory: as the RM's user.
+    cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out_path).expect("out file"))
@@ -482,10 +484,10 @@ fn a_task_in_its_image_sees_only_its_gpus_device_nodes() {
          prerequisites:\n  - {{name: img, type: dockerimage, uri: {image}}}\n\
          taskRoles:\n  worker:\n    dockerImage: img\n    extraContainerOptions: {{shmMB: 32}}\n\
          \x20   resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 2}}\n    commands:\n\
-         \x20     - ls /dev | grep nvidia > $GPUAM_CONTAINER_DIR/devs\n\
-         \x20     - cat /dev/nvidia* > $GPUAM_CONTAINER_DIR/contents\n\
-         \x20     - echo \"$NVIDIA_VISIBLE_DEVICES $PAI_CURRENT_TASK_ROLE_NAME $PAI_CONTAINER_HOST_IP\" > $GPUAM_CONTAINER_DIR/env\n\
-         \x20     - df -m /dev/shm | tail -1 > $GPUAM_CONTAINER_DIR/shm\n\
+         \x20     - ls /dev | grep nvidia | sed 's/^/devs=/'\n\
+         \x20     - echo \"contents=$(cat /dev/nvidia*)\"\n\
+         \x20     - echo \"env=$NVIDIA_VISIBLE_DEVICES $PAI_CURRENT_TASK_ROLE_NAME $PAI_CONTAINER_HOST_IP\"\n\
+         \x20     - df -m /dev/shm | tail -1 | sed 's/^/shm=/'\n\
          \x20     - test -x /bin/busybox && ! test -e /usr/bin/podman\n"
     );
     let job_path = dir.path().join("job.yaml");
@@ -508,10 +510,17 @@ fn a_task_in_its_image_sees_only_its_gpus_device_nodes() {
     );
     let _ = Command::new("podman").args(["rmi", "-f", &image]).output();
     assert_eq!(out.code, 0, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
+    // What the task saw, from its stdout (its directory is gone once it ended).
+    let logs = files_named(&work, "stdout").join("");
     let find = |name: &str| -> String {
-        let mut found = files_named(&work, name);
-        assert_eq!(found.len(), 1, "one `{name}` under {}", work.display());
-        found.pop().unwrap_or_default()
+        let prefix = format!("{name}=");
+        let found: Vec<&str> = logs.lines().filter_map(|l| l.strip_prefix(prefix.as_str())).collect();
+        assert!(
+            !found.is_empty(),
+            "`{name}=` lines in the task's stdout under {}: {logs}",
+            work.display()
+        );
+        found.join("\n")
     };
     // GPU 0 is used on the node: the two granted are 1 and 2 (lowest free bits).
     let seen: Vec<String> = find("devs").lines().map(str::to_string).collect();
@@ -624,6 +633,7 @@ fn stopping_a_job_removes_its_tasks_containers() {
     std::fs::write(&job_path, job).expect("job");
     let work = dir.path().join("work");
     let mut child = Command::new(bin())
+        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
         .args([
             "run",
             &job_path.display().to_string(),

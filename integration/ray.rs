@@ -143,7 +143,7 @@ struct RayNode {
     child: Child,
 }
 
-/// The arguments `gpuam ray-node-args` prints, split back into words (each is `'...'`).
+/// The arguments `gpuam ray-node-args` prints, split back into words as `$(...)` splits them.
 fn node_args(args: &[&str]) -> Vec<String> {
     let out = Command::new(common::bin())
         .arg("ray-node-args")
@@ -156,13 +156,7 @@ fn node_args(args: &[&str]) -> Vec<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     let line = String::from_utf8(out.stdout).unwrap();
-    line.trim()
-        .strip_prefix('\'')
-        .and_then(|l| l.strip_suffix('\''))
-        .unwrap()
-        .split("' '")
-        .map(str::to_string)
-        .collect()
+    line.split_whitespace().map(str::to_string).collect()
 }
 
 fn ray_env(cmd: &mut Command) {

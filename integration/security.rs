@@ -487,9 +487,12 @@ async fn container_logs_stay_inside_the_container_directory() {
         .await;
     let cid = got["allocated"][0]["containerId"].as_str().unwrap().to_string();
     let base = format!("/ws/v1/node/n1/containers/{cid}");
-    // The task swaps its stdout for a link to a secret (and its stderr for /etc/passwd).
+    // The task swaps its stdout for a link to a secret (and its stderr for /etc/passwd). The
+    // logs are in the node's record beside the task's directory, out of reach of a task of
+    // its own uid; this library RM runs tasks as itself (root), which can reach them: the
+    // node still reads them without following links.
     let cmd = format!(
-        "rm -f stdout stderr; ln -s {} stdout; ln -s /etc/passwd stderr; touch swapped; sleep 30",
+        "rm -f ../stdout ../stderr; ln -s {} ../stdout; ln -s /etc/passwd ../stderr; touch swapped; sleep 30",
         secret.display()
     );
     let (s, b) = rm
@@ -503,7 +506,7 @@ async fn container_logs_stay_inside_the_container_directory() {
     assert_eq!(s, StatusCode::OK, "{b}");
     let dir = rm._dir.path().join("work").join("containers").join(&cid);
     common::wait_for(Duration::from_secs(10), "the task to swap its logs", || {
-        dir.join("swapped").exists().then_some(())
+        dir.join("work").join("swapped").exists().then_some(())
     });
     for stream in ["stdout", "stderr"] {
         let (s, b) = rm
@@ -752,8 +755,8 @@ fn tls_listeners_serve_https_only_and_a_job_runs_over_them() {
     let tracking = rm.app(&app)["trackingUrl"].as_str().unwrap().to_string();
     assert!(tracking.starts_with("https://"), "{tracking}");
     let job_json = rm
-        .get_text(&format!("{tracking}api/v1/job"))
-        .expect("the dashboard answers HTTPS trusting the CA");
+        .get_text(&format!("{tracking}api/v1/job?token={}", rm.user_token))
+        .expect("the dashboard answers HTTPS trusting the CA (and takes the owner's token)");
     assert!(job_json.contains("secure"), "{job_json}");
     let dash_host_port = tracking.trim_start_matches("https://").trim_end_matches('/');
     let answer = plain_http_answer(dash_host_port);

@@ -8,10 +8,14 @@
 //! Every wait is bounded; every process a test may leave is killed by pid when the test
 //! ends (also when it fails).
 
+#[path = "common/exec.rs"]
+mod exec;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use exec::next_exit;
 use gpuam::node::cgroup::{Containment, Mechanism};
 use gpuam::node::executor::{Executor, ExecutorOptions};
 use gpuam::node::procs::ProcessId;
@@ -109,19 +113,6 @@ fn shim_executor(root: &Path) -> (Executor, mpsc::UnboundedReceiver<NodeEvent>) 
         },
     );
     (exec, rx)
-}
-
-async fn next_exit(rx: &mut mpsc::UnboundedReceiver<NodeEvent>) -> (String, i32, String) {
-    let ev = tokio::time::timeout(Duration::from_secs(20), rx.recv())
-        .await
-        .expect("no Exited event within 20 s")
-        .expect("channel closed");
-    let NodeEvent::Exited {
-        container_id,
-        exit_status,
-        diagnostics,
-    } = ev;
-    (container_id, exit_status, diagnostics)
 }
 
 /// Waits (at most 10 s) until `n` pids are in `file` and alive.

@@ -34,7 +34,7 @@ i=0
 for h in n1 n2 n3; do
   if [ $i = 0 ]; then role="--head --port=6379 --dashboard-host=127.0.0.1 --dashboard-port=8265"; else role="--address=127.0.0.1:6379"; fi
   # shellcheck disable=SC2046
-  eval "set -- $($gpuam ray-node-args --host $h --gpus 8 --topology pcie8)"
+  set -- $($gpuam ray-node-args --host $h --gpus 8 --topology pcie8)
   ip netns exec "$ns" "$V/ray" start --block $role --node-ip-address=127.0.0.1 --num-cpus=8 \
     --memory=8589934592 --object-store-memory=80000000 --disable-usage-stats \
     --dashboard-agent-listen-port=$((52365 + i)) --temp-dir="$tmp" "$@" >"$tmp/$h.log" 2>&1 &

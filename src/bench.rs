@@ -253,7 +253,12 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
             continue;
         };
         if !report.tracking_url.is_empty() {
-            if let Ok(r) = http.get(format!("{}api/v1/snapshot", report.tracking_url)).send().await {
+            if let Ok(r) = http
+                .get(format!("{}api/v1/snapshot", report.tracking_url))
+                .bearer_auth(rm.admin_token())
+                .send()
+                .await
+            {
                 if let Ok(v) = r.json::<serde_json::Value>().await {
                     last_snapshot = Some(v);
                 }
@@ -269,7 +274,12 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     if let Some(p) = am_pid(&id).and_then(peak_rss_mib) {
         am_peak = am_peak.max(p);
     }
-    if let Ok(r) = http.get(format!("{}api/v1/snapshot", report.tracking_url)).send().await {
+    if let Ok(r) = http
+        .get(format!("{}api/v1/snapshot", report.tracking_url))
+        .bearer_auth(rm.admin_token())
+        .send()
+        .await
+    {
         if let Ok(v) = r.json::<serde_json::Value>().await {
             last_snapshot = Some(v);
         }

@@ -153,6 +153,16 @@ pub struct RmSettings {
     /// The queues jobs run in (`queue:` in a job spec; `default` when it names none).
     /// Without any, every job runs in one queue named `default`.
     pub queues: BTreeMap<String, QueueSettings>,
+    /// Finished jobs (`gpuam history`, the cluster page) are kept this many days.
+    pub history_retention_days: u64,
+    /// At most this many finished jobs are kept (the oldest are forgotten first).
+    pub max_history: usize,
+    /// The logs the RM keeps of finished containers are deleted after this many days
+    /// (the job's history row stays).
+    pub log_retention_days: u64,
+    /// Most bytes the RM keeps of each finished container's stdout and of its stderr
+    /// (the end of each).
+    pub collected_log_bytes: u64,
 }
 
 impl Default for RmSettings {
@@ -170,6 +180,10 @@ impl Default for RmSettings {
             max_asks_per_allocate: 5000,
             preemption_grace_sec: 30,
             queues: BTreeMap::new(),
+            history_retention_days: 30,
+            max_history: 10_000,
+            log_retention_days: 7,
+            collected_log_bytes: 1 << 20,
         }
     }
 }
@@ -346,6 +360,20 @@ pub struct NodeSettings {
     /// Most bytes a container's stdout, and its stderr, may hold: beyond it the node keeps
     /// the newest quarter and writes a line saying how much it dropped.
     pub max_log_bytes: u64,
+    /// Users whose tasks run as a local account (`alice: alice`); others get a uid of
+    /// their own from `task_uids` (see `node::identity`).
+    pub user_map: std::collections::BTreeMap<String, String>,
+    /// `FIRST-LAST`: the per-user uids of a root node.
+    pub task_uids: String,
+    /// Where the machine records which per-user uid is whose.
+    pub task_uid_registry: PathBuf,
+    /// How long a finished container's logs (its record) stay on the node after the RM
+    /// heard of its end; its work directory goes as soon as it ends.
+    pub log_retention_sec: u64,
+    /// Whether the in-process node of `gpuam rm` / `gpuam run` running as root runs each
+    /// user's tasks as its own uid, as the agents do (false: as the RM's user; only for
+    /// a single-user machine).
+    pub in_process_identity: bool,
     /// Most MiB a container's directory may hold; beyond it the container is killed with
     /// `disk limit exceeded (N MiB)`. 0: no bound.
     pub max_container_disk_mb: u64,
@@ -357,6 +385,27 @@ pub struct NodeSettings {
     pub device_allow: Vec<String>,
 }
 
+impl NodeSettings {
+    /// The identity settings of a node, with `--run-as` and `--user-map` entries (which
+    /// win over the file's).
+    pub fn identity(
+        &self,
+        run_as: Option<String>,
+        cli_map: std::collections::BTreeMap<String, String>,
+    ) -> Result<crate::node::identity::IdentitySettings, String> {
+        let mut user_map = self.user_map.clone();
+        user_map.extend(cli_map);
+        Ok(crate::node::identity::IdentitySettings {
+            user_map,
+            uid_range: Some(
+                crate::node::identity::parse_uid_range(&self.task_uids).map_err(|e| format!("node.task_uids: {e}"))?,
+            ),
+            registry: Some(self.task_uid_registry.clone()),
+            run_as,
+        })
+    }
+}
+
 impl Default for NodeSettings {
     fn default() -> Self {
         NodeSettings {
@@ -366,6 +415,15 @@ impl Default for NodeSettings {
             max_container_disk_mb: 10 << 10,
             max_pids: 0,
             device_allow: Vec::new(),
+            user_map: Default::default(),
+            task_uids: format!(
+                "{}-{}",
+                crate::node::identity::DEFAULT_UID_RANGE.0,
+                crate::node::identity::DEFAULT_UID_RANGE.1
+            ),
+            task_uid_registry: PathBuf::from(crate::node::identity::DEFAULT_REGISTRY),
+            log_retention_sec: crate::node::executor::DEFAULT_RETENTION.as_secs(),
+            in_process_identity: true,
         }
     }
 }
@@ -494,6 +552,7 @@ impl Settings {
         if self.http.read_timeout_sec == 0 {
             return Err("http.read_timeout_sec must be at least 1".into());
         }
+        crate::node::identity::parse_uid_range(&self.node.task_uids).map_err(|e| format!("node.task_uids: {e}"))?;
         if self.am.max_retries_per_minute == 0 {
             return Err("am.max_retries_per_minute must be at least 1".into());
         }

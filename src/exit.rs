@@ -10,6 +10,8 @@ pub const NOT_PLACEABLE: i32 = 2;
 pub const USAGE: i32 = 64;
 /// Invalid job spec or cluster file.
 pub const INVALID_INPUT: i32 = 65;
+/// No such job, or not one of yours (`gpuam status/logs/kill` of an unknown job or task).
+pub const NO_SUCH_JOB: i32 = 66;
 /// The RM could not be reached (or cannot serve now: 503).
 pub const RM_UNREACHABLE: i32 = 69;
 /// A bug or an unexpected failure inside gpuam.

@@ -32,6 +32,37 @@ pub mod exit_status {
     pub const KILLED_AFTER_APP_COMPLETION: i32 = -107;
 }
 
+/// Why the RM aborted a container (exit [`exit_status::ABORTED`]), typed: the RM writes the
+/// cause's diagnostics (YARN's words, which the wire keeps) and the AM reads the cause back
+/// from them here, the one place either side spells them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortCause {
+    /// The container's node was lost.
+    NodeLost,
+    /// Granted but never started within the expiry.
+    Expired,
+}
+
+impl AbortCause {
+    const ALL: [AbortCause; 2] = [AbortCause::NodeLost, AbortCause::Expired];
+
+    /// The diagnostics the RM reports for this cause.
+    pub const fn diagnostics(self) -> &'static str {
+        match self {
+            AbortCause::NodeLost => "Container released on a *lost* node",
+            AbortCause::Expired => "Container expired since it was unused",
+        }
+    }
+
+    /// The cause that a container's diagnostics report, if any (case aside).
+    pub fn of(diagnostics: &str) -> Option<AbortCause> {
+        let d = diagnostics.to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|c| d.contains(&c.diagnostics().to_ascii_lowercase()))
+    }
+}
+
 /// Application states (YARN's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Hash)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]

@@ -72,8 +72,19 @@ function bits(mask) {
 function popcount(mask) { return bits(mask).length; }
 function lowestBit(mask) { const b = bits(mask); return b.length ? b[0] : 1e9; }
 
+// The API needs the token of the link gpuam printed (#token=...): the job token, the
+// owner's user token or the admin token.
+function pageToken() {
+  const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+  return m ? decodeURIComponent(m[1]) : null;
+}
+function authHeaders() {
+  const t = pageToken();
+  return t ? { Authorization: 'Bearer ' + t } : {};
+}
+
 async function getJSON(url) {
-  const r = await fetch(url, { cache: 'no-store' });
+  const r = await fetch(url, { cache: 'no-store', headers: authHeaders() });
   if (!r.ok) {
     let msg = r.status + ' ' + r.statusText;
     try { const e = await r.json(); msg = e.message || msg; } catch (_) { /* not JSON */ }
@@ -342,10 +353,17 @@ async function loadSelection() {
     $('waiting-candidates').replaceChildren();
     return;
   }
-  $('waiting-outcome').replaceChildren(h('p', { class: 'outcome', 'data-outcome': rec.outcome },
-    h('b', null, rec.outcome === 'placed' ? 'placed' : rec.outcome === 'impossible' ? 'impossible on this cluster' : 'not now'),
-    rec.host ? ' on ' : '', rec.host ? h('span', { class: 'mono' }, rec.host + ' GPUs ' + (rec.gpus || []).join(',') + (rec.nic ? ' (NIC ' + rec.nic + ')' : '')) : '',
-    rec.reason ? ' — ' + rec.reason : '', h('span', { class: 'meta' }, ' (' + fmtTime(rec.atMs) + ')')));
+  // A task that waits is never shown as placed: its last selection found a place, but the
+  // task was not given it (a gang held it back); its own waiting reason says why.
+  const heldBack = t.state === 'TASK_WAITING' && rec.outcome === 'placed';
+  const where = rec.host ? h('span', { class: 'mono' }, rec.host + ' GPUs ' + (rec.gpus || []).join(',') + (rec.nic ? ' (NIC ' + rec.nic + ')' : '')) : '';
+  $('waiting-outcome').replaceChildren(heldBack
+    ? h('p', { class: 'outcome', 'data-outcome': 'held' }, h('b', null, 'not placed'),
+      ' — ' + (t.waitingReason || 'waiting'), h('span', { class: 'meta' }, ' (its last selection, ' + fmtTime(rec.atMs) + ', found ', where, ')'))
+    : h('p', { class: 'outcome', 'data-outcome': rec.outcome },
+      h('b', null, rec.outcome === 'placed' ? 'placed' : rec.outcome === 'impossible' ? 'impossible on this cluster' : 'not now'),
+      rec.host ? ' on ' : '', where,
+      rec.reason ? ' — ' + rec.reason : '', h('span', { class: 'meta' }, ' (' + fmtTime(rec.atMs) + ')')));
   const rows = (rec.trace.stages || []).map(s => h('tr', { 'data-stage': s.stage, class: s.nodesOut === 0 ? 'empty' : null },
     h('td', { class: 'mono' }, s.stage),
     h('td', { class: 'mono' }, s.nodesIn + ' → ' + s.nodesOut),
@@ -370,7 +388,7 @@ async function loadLog(reset) {
   const stream = state.stream;
   if (reset) view.textContent = '';
   try {
-    const r = await fetch('/api/v1/tasks/' + encodeURIComponent(t.role) + '/' + t.index + '/logs?stream=' + stream + '&tail=' + LOG_TAIL, { cache: 'no-store' });
+    const r = await fetch('/api/v1/tasks/' + encodeURIComponent(t.role) + '/' + t.index + '/logs?stream=' + stream + '&tail=' + LOG_TAIL, { cache: 'no-store', headers: authHeaders() });
     if (state.selected !== k || state.stream !== stream) return;
     let text;
     if (r.ok) text = await r.text();
@@ -562,7 +580,11 @@ function onEvent(kind, ev) {
 }
 
 function connect() {
-  const url = '/api/v1/events' + (state.lastEventId ? '?lastEventId=' + encodeURIComponent(state.lastEventId) : '');
+  // EventSource sends no header: the token goes as a query parameter.
+  const q = [];
+  if (state.lastEventId) q.push('lastEventId=' + encodeURIComponent(state.lastEventId));
+  if (pageToken()) q.push('token=' + encodeURIComponent(pageToken()));
+  const url = '/api/v1/events' + (q.length ? '?' + q.join('&') : '');
   const es = new EventSource(url);
   const conn = $('conn');
   es.onopen = () => { conn.hidden = true; };
@@ -589,8 +611,7 @@ function connect() {
 
 // ---------- kill ----------
 function setupKill() {
-  const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
-  state.token = m ? decodeURIComponent(m[1]) : null;
+  state.token = pageToken();
   const kill = $('kill');
   if (state.token) { kill.disabled = false; kill.title = 'Kill this job (asks for confirmation)'; }
   kill.addEventListener('click', () => {

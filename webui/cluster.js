@@ -101,7 +101,8 @@ function renderJobs() {
     const waiting = a.waitingTasks > 0;
     const st = final.includes(a.state) ? (a.finalStatus === 'SUCCEEDED' ? 'SUCCEEDED' : a.state) : (waiting && !a.gpus ? 'WAITING' : a.state);
     const link = a.trackingUrl
-      ? h('a', { href: a.trackingUrl, target: '_blank', rel: 'noopener', title: 'the job\'s dashboard' }, a.name)
+      // The job's dashboard takes the same token (the RM vouches for it), in its fragment.
+      ? h('a', { href: a.trackingUrl + (state.token ? '#token=' + encodeURIComponent(state.token) : ''), target: '_blank', rel: 'noopener', title: 'the job\'s dashboard' }, a.name)
       : h('span', { title: 'no dashboard yet' }, a.name);
     return h('tr', { 'data-app': a.id, 'data-state': a.state, 'data-waiting': waiting, 'data-why-code': a.whyCode || '' },
       h('td', null, h('span', { class: 'gpu owned', style: 'background:' + jobColour(a) + ';width:auto;padding:0 4px;height:18px;margin-right:6px', text: seq(a.id) }), link, h('div', { class: 'meta small mono', text: a.id })),
@@ -111,10 +112,77 @@ function renderJobs() {
       h('td', null, h('span', { class: 'state', 'data-state': st, text: st })),
       h('td', { class: 'num', 'data-gpus': a.gpus, text: a.gpus }),
       h('td', { class: 'num', text: waiting ? a.waitingTasks + (a.waitingTasks === 1 ? ' task · ' : ' tasks · ') + fmtDur(a.waitingMs || 0) : '–' }),
-      h('td', { class: 'why', text: waiting ? (a.why || 'placing…') : '' }));
+      h('td', { class: 'why', text: waiting ? (a.why || 'placing…') : '' }),
+      h('td', null, final.includes(a.state) ? null : stopButton(a)));
   });
-  if (!rows.length) rows.push(h('tr', null, h('td', { colspan: 8, class: 'hint', text: 'No jobs.' })));
+  if (!rows.length) rows.push(h('tr', null, h('td', { colspan: 9, class: 'hint', text: 'No jobs.' })));
   $('job-rows').replaceChildren(...rows);
+}
+
+// ---------- stop ----------
+let stopping = null;
+function stopButton(app) {
+  const b = h('button', { type: 'button', class: 'danger stop', 'data-stop': app.id, title: 'Stop this job (asks for confirmation)' }, 'Stop');
+  b.addEventListener('click', () => askStop(app));
+  return b;
+}
+
+function askStop(app) {
+  stopping = app;
+  $('stop-job-name').textContent = app.name;
+  $('stop-job-id').textContent = app.id;
+  $('stop-dialog').showModal();
+}
+
+async function onStopClosed() {
+  if ($('stop-dialog').returnValue !== 'stop' || !stopping) return;
+  const app = stopping;
+  stopping = null;
+  const out = $('stop-result');
+  out.hidden = false;
+  try {
+    // The caller's own credential: the RM lets the job's owner and the admin stop it.
+    const r = await fetch('/ws/v1/cluster/apps/' + encodeURIComponent(app.id) + '/state', {
+      method: 'PUT',
+      headers: { Authorization: 'Bearer ' + (state.token || ''), 'Content-Type': 'application/json' },
+      body: JSON.stringify({ state: 'KILLED' }),
+    });
+    let body = {};
+    try { body = await r.json(); } catch (_) { /* empty */ }
+    out.dataset.ok = r.ok ? 'true' : 'false';
+    out.textContent = r.ok ? 'Job ' + seq(app.id) + ' is stopping.' : 'Stop refused: ' + (body.message || r.status);
+  } catch (e) {
+    out.dataset.ok = 'false';
+    out.textContent = 'Stop failed: ' + e.message;
+  }
+}
+
+// ---------- history ----------
+function fmtTime(ms) { return ms ? new Date(ms).toISOString().slice(5, 16).replace('T', ' ') : '–'; }
+
+async function pollHistory() {
+  if (!state.token) return;
+  const q = new URLSearchParams({ limit: '50' });
+  for (const [k, id] of [['user', 'h-user'], ['queue', 'h-queue'], ['state', 'h-state']]) {
+    const v = $(id).value.trim();
+    if (v) q.set(k, v);
+  }
+  const r = await fetch('/ws/v1/cluster/history?' + q, { cache: 'no-store', headers: { Authorization: 'Bearer ' + state.token } });
+  if (!r.ok) return;
+  const rows = (await r.json()).history.map(x => h('tr', { 'data-app': x.id, 'data-state': x.state },
+    h('td', null, h('b', { text: seq(x.id) + ' ' }), x.name, h('div', { class: 'meta small mono', text: x.id })),
+    h('td', { text: x.user }),
+    h('td', null, h('span', { class: 'chip', style: 'background:' + queueColour(x.queue) }, x.queue)),
+    h('td', null, h('span', { class: 'state', 'data-state': x.state, text: x.state })),
+    h('td', { class: 'num', 'data-exit': x.exitCode, text: x.exitCode === null ? '–' : x.exitCode }),
+    h('td', { class: 'mono small', text: fmtTime(x.submittedTime) }),
+    h('td', { class: 'mono small', text: fmtTime(x.startedTime) }),
+    h('td', { class: 'mono small', text: fmtTime(x.finishedTime) }),
+    h('td', { class: 'num', text: fmtDur(x.durationSec * 1000) }),
+    h('td', { class: 'num', 'data-gpu-hours': x.gpuHours, text: num(x.gpuHours, 3) }),
+    h('td', { class: 'why', text: x.reason })));
+  if (!rows.length) rows.push(h('tr', null, h('td', { colspan: 11, class: 'hint', text: 'No finished jobs.' })));
+  $('history-rows').replaceChildren(...rows);
 }
 
 // ---------- node grid ----------
@@ -186,6 +254,7 @@ async function poll() {
     renderQueues();
     renderJobs();
     renderNodes();
+    await pollHistory();
     document.body.dataset.ready = 'true';
   } catch (e) {
     state.failures++;
@@ -201,5 +270,7 @@ document.addEventListener('DOMContentLoaded', () => {
   readToken();
   $('f-queue').addEventListener('change', e => { state.queueFilter = e.target.value; if (state.data) renderJobs(); });
   $('f-live').addEventListener('change', e => { state.liveOnly = e.target.checked; if (state.data) renderJobs(); });
+  for (const id of ['h-user', 'h-queue', 'h-state']) $(id).addEventListener('change', () => { pollHistory(); });
+  $('stop-dialog').addEventListener('close', onStopClosed);
   poll();
 });

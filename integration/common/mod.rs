@@ -870,6 +870,10 @@ fn scrub_env(cmd: &mut Command, config: &Path, env: &[(String, String)]) {
         }
     }
     cmd.env("GPUAM_CONFIG", config);
+    // The tasks of these tests write into the test's private directory, which their own
+    // uid could not reach: the in-process node runs them as the RM's user, unless a test
+    // asks otherwise (`tenants::in_process_*` runs the default).
+    cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false");
     for (k, v) in env {
         cmd.env(k, v);
     }

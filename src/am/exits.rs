@@ -3,7 +3,7 @@
 
 use super::status::ExitType;
 use crate::config::AmSettings;
-use crate::protocol::exit_status as yarn;
+use crate::protocol::{exit_status as yarn, AbortCause};
 
 /// Launcher codes for container exits that the RM, not the task, caused (§5.4).
 pub mod code {
@@ -32,6 +32,7 @@ pub struct ExitInfo {
 /// Classifies a raw container exit status with its diagnostics.
 pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo {
     use ExitType::*;
+    let cause = AbortCause::of(diagnostics);
     let d = diagnostics.to_ascii_lowercase();
     let info = |code, exit_type, description| ExitInfo {
         code,
@@ -46,10 +47,10 @@ pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo 
             "invalid exit status",
         ),
         yarn::DISKS_FAILED => info(code::CONTAINER_NODE_DISKS_FAILED, TransientNormal, "node disks failed"),
-        yarn::ABORTED if d.contains("container released on a *lost* node") => {
+        yarn::ABORTED if cause == Some(AbortCause::NodeLost) => {
             info(code::CONTAINER_NODE_LOST, TransientNormal, "node lost")
         }
-        yarn::ABORTED if d.contains("container expired since it was unused") => {
+        yarn::ABORTED if cause == Some(AbortCause::Expired) => {
             info(code::CONTAINER_EXPIRED, TransientConflict, "container expired unused")
         }
         yarn::ABORTED => info(code::CONTAINER_ABORTED, TransientNormal, "container aborted"),
@@ -258,12 +259,12 @@ mod tests {
 
     #[test]
     fn yarn_statuses_map_to_launcher_codes() {
-        let c = classify(-100, "Container released on a *lost* node", &s());
+        let c = classify(-100, AbortCause::NodeLost.diagnostics(), &s());
         assert_eq!(
             (c.code, c.exit_type),
             (code::CONTAINER_NODE_LOST, ExitType::TransientNormal)
         );
-        let c = classify(-100, "Container expired since it was unused", &s());
+        let c = classify(-100, "container EXPIRED since it was unused", &s());
         assert_eq!(
             (c.code, c.exit_type),
             (code::CONTAINER_EXPIRED, ExitType::TransientConflict)

@@ -183,3 +183,114 @@ pub fn plan_job(job: &JobSpec, nodes: Vec<Node>, select: SelectSettings, am: &Am
     }
     plan
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::Ask;
+    use crate::resources::{PortSet, Resources};
+
+    fn job(yaml: &str) -> JobSpec {
+        crate::spec::parse_job_spec(yaml, "t.yaml").unwrap()
+    }
+
+    fn seeded() -> SelectSettings {
+        SelectSettings {
+            seed: Some(3),
+            ..Default::default()
+        }
+    }
+
+    fn cluster() -> Vec<Node> {
+        (0..3)
+            .map(|i| {
+                let mut n = Node::new(
+                    format!("n{i}"),
+                    "/r",
+                    Resources::with_mask(16, 64_000, 0xff, PortSet::range(20000, 20019)),
+                );
+                n.set_used(Resources::with_mask(0, 0, 0x1 << i, PortSet::new()));
+                n
+            })
+            .collect()
+    }
+
+    /// (role, index, host, GPU mask) per placement; (role, index, impossible) per unplaced task.
+    type Keys = (Vec<(String, u32, String, String)>, Vec<(String, u32, bool)>);
+
+    fn keys(plan: &JobPlan) -> Keys {
+        (
+            plan.placements
+                .iter()
+                .map(|p| (p.role.clone(), p.index, p.host.clone(), p.gpu_mask.clone()))
+                .collect(),
+            plan.unplaced
+                .iter()
+                .map(|u| (u.role.clone(), u.index, u.impossible))
+                .collect(),
+        )
+    }
+
+    /// Where no wait applies, the machine's plan is the single round over the job (the order,
+    /// the hosts and GPUs), a role that never fits included: it is shown, and so is the rest.
+    #[test]
+    fn without_waits_the_plan_is_the_round_and_an_impossible_role_does_not_hide_the_rest() {
+        let j = job(
+            "name: j\ntaskRoles:\n  never:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 9}\n    commands: [x]\n  \
+             w:\n    instances: 5\n    resourcePerInstance: {cpu: 2, memoryMB: 100, gpu: 2, ports: {p: 1}}\n    commands: [x]\n",
+        );
+        let plan = plan_job(&j, cluster(), seeded(), &AmSettings::default());
+        let round = crate::select::plan_job(&Selector::new(ClusterView::new(cluster()), seeded()), &j);
+        assert_eq!(keys(&plan), keys(&round));
+        assert_eq!(plan.placements.len(), 5);
+        assert_eq!(keys(&plan).1, vec![("never".to_string(), 0, true)]);
+    }
+
+    /// A job over the 2,000-ask cap is planned whole: the rest goes out in the next heartbeats.
+    #[test]
+    fn a_job_over_the_ask_cap_is_planned_whole() {
+        let big = vec![Node::new(
+            "big",
+            "/r",
+            Resources::with_mask(4000, 4_000_000, 0, PortSet::new()),
+        )];
+        let j = job("name: j\ntaskRoles:\n  w:\n    instances: 2100\n    resourcePerInstance: {cpu: 1, memoryMB: 1}\n    commands: [x]\n");
+        let plan = plan_job(&j, big, seeded(), &AmSettings::default());
+        assert_eq!((plan.placements.len(), plan.unplaced.len()), (2100, 0));
+        let mut indices: Vec<u32> = plan.placements.iter().map(|p| p.index).collect();
+        indices.sort();
+        assert_eq!(indices, (0..2100).collect::<Vec<_>>());
+    }
+
+    /// A gang with a task that finds no place is held back whole; the plan shows where the
+    /// others would go and why the last one waits.
+    #[test]
+    fn a_held_back_gang_shows_its_places_and_what_blocks_it() {
+        let j = job(
+            "name: j\ngang: true\ntaskRoles:\n  w:\n    instances: 4\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 6}\n    commands: [x]\n",
+        );
+        let plan = plan_job(&j, cluster(), seeded(), &AmSettings::default());
+        assert_eq!((plan.placements.len(), plan.unplaced.len()), (3, 1), "{plan:?}");
+        assert!(!plan.unplaced[0].impossible);
+    }
+
+    /// The plan's RM grants what fits and rejects what no longer does.
+    #[test]
+    fn the_plan_rm_grants_what_fits_and_rejects_the_rest() {
+        let mut rm = PlanRm::new(cluster());
+        let ask = |id, mask| Ask {
+            task: Some("w/0".into()),
+            ..Ask::for_resources(id, "n0", &Resources::with_mask(1, 1, mask, PortSet::new()))
+        };
+        let req = AllocateRequest {
+            asks: vec![ask(1, 0b110), ask(2, 0b100), ask(3, 0b1)],
+            ..Default::default()
+        };
+        let resp = rm.allocate(&req);
+        assert_eq!(resp.allocated.len(), 1);
+        assert_eq!(resp.allocated[0].resources.gpu_mask, 0b110);
+        let rejected: Vec<u64> = resp.rejected.iter().map(|r| r.request_id).collect();
+        assert_eq!(rejected, vec![2, 3], "a GPU held by the plan, and one held before");
+        assert_eq!(resp.updated_nodes.len(), 1);
+    }
+}

@@ -48,7 +48,12 @@ pub fn role_waiting(role: &TaskRole, count: u32, job_uses_gpus: bool, select: &S
         custom: r.custom.clone(),
         ports: r.static_ports(),
         dynamic_ports: r.dynamic_port_count(),
-        min_port: select.container_min_port,
+        // Sent only where it matters: an older RM refuses fields it does not know.
+        min_port: if r.dynamic_port_count() > 0 {
+            select.container_min_port
+        } else {
+            0
+        },
         keep_off_gpu_nodes: !job_uses_gpus && !select.allow_none_gpu_job_on_gpu_node,
     }
 }
@@ -202,5 +207,38 @@ mod tests {
             ),
             ("worker", 2, 2, 2, vec!["V100".to_string()])
         );
+        // A whole-GPU role without ports or custom resources is sent as before (an older
+        // RM refuses unknown fields); what the feasibility rule needs is added only where
+        // it matters, and an older AM's waiting tasks still read.
+        let keys = |w: &WaitingTasks| -> Vec<String> {
+            let v = serde_json::to_value(w).unwrap();
+            v.as_object().unwrap().keys().cloned().collect()
+        };
+        let old = ["count", "cpu", "gpuTypes", "gpus", "memoryMB", "nodeLabel", "role"];
+        assert_eq!(keys(&d[1]), old);
+        // The none-GPU rule is the job's, and only with allow_none_gpu_job_on_gpu_node off:
+        // this job uses GPUs, so its CPU role may use GPU nodes; in a job without GPUs it
+        // keeps off them.
+        let strict = SelectSettings {
+            allow_none_gpu_job_on_gpu_node: false,
+            ..SelectSettings::default()
+        };
+        assert!(!waiting_demand(&job, &tasks, &strict)[0].keep_off_gpu_nodes);
+        assert!(role_waiting(&job.task_roles[0], 1, false, &strict).keep_off_gpu_nodes);
+        assert!(!role_waiting(&job.task_roles[0], 1, false, &SelectSettings::default()).keep_off_gpu_nodes);
+        let r: WaitingTasks = serde_json::from_str(r#"{"count":1,"gpus":2,"cpu":1,"memoryMB":10}"#).unwrap();
+        assert_eq!((r.gpu_share, r.dynamic_ports, r.keep_off_gpu_nodes), (None, 0, false));
+        let mut ported = job.task_roles[1].clone();
+        ported.resources.ports = vec![crate::spec::PortRequest {
+            label: "http".into(),
+            count: 2,
+            start: None,
+        }];
+        let w = role_waiting(&ported, 1, true, &SelectSettings::default());
+        assert_eq!(
+            (w.dynamic_ports, w.min_port),
+            (2, SelectSettings::default().container_min_port)
+        );
+        assert!(keys(&w).contains(&"dynamicPorts".to_string()) && keys(&w).contains(&"minPort".to_string()));
     }
 }

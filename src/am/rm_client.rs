@@ -255,6 +255,13 @@ impl RmClient {
         Ok(w.app)
     }
 
+    /// `GET {base}{path}` (path with its query) as the user, its JSON answer; for the
+    /// job commands (`crate::cli::rm_api`).
+    pub async fn get_json<T: DeserializeOwned>(&self, what: &str, path: &str) -> Result<T, RmError> {
+        self.send(what, self.as_user(self.http.get(format!("{}{path}", self.base))))
+            .await
+    }
+
     /// Kills an application; `token` is the RM's admin token or the job's job token.
     pub async fn kill(&self, id: &str, token: &str) -> Result<serde_json::Value, RmError> {
         self.send(

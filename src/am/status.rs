@@ -312,9 +312,27 @@ pub struct StatusHub {
     pub job_token: String,
     pub counters: Counters,
     pub logs: Arc<dyn LogSource>,
+    /// The AM's RM client, through which the dashboard's kill passes a user's token (the
+    /// owner's or the admin's) for the RM to judge (`crate::web::api::kill`).
+    pub rm: std::sync::OnceLock<crate::am::rm_client::RmClient>,
+    /// Asks the RM about tokens other than the job token (`crate::web::access`).
+    token_check: std::sync::OnceLock<crate::web::access::TokenCheck>,
+    /// Tokens the RM accepted lately.
+    pub(crate) accepted: crate::web::access::Accepted,
 }
 
 impl StatusHub {
+    /// Lets the dashboard accept tokens the RM accepts for this job (its owner's, the
+    /// admin's) besides the job token; set once.
+    pub fn set_token_check(&self, check: crate::web::access::TokenCheck) {
+        let _ = self.token_check.set(check);
+    }
+
+    /// See [`StatusHub::set_token_check`].
+    pub fn token_check(&self) -> Option<&crate::web::access::TokenCheck> {
+        self.token_check.get()
+    }
+
     pub fn new(
         snapshot: Snapshot,
         job_token: String,
@@ -331,6 +349,9 @@ impl StatusHub {
             job_token,
             counters: Counters::default(),
             logs,
+            rm: std::sync::OnceLock::new(),
+            token_check: std::sync::OnceLock::new(),
+            accepted: Default::default(),
         };
         (Arc::new(hub), crx)
     }

@@ -48,12 +48,12 @@ pub struct Task {
     pub dirty: bool,
 }
 
-use crate::protocol::now_ms;
-
 impl Task {
-    /// A task waiting for its first container, created now.
+    /// A task waiting for its first container, created now (tests; the job machine passes
+    /// its time in, [`Task::at`]).
+    #[cfg(test)]
     pub fn new(role: usize, index: u32) -> Self {
-        Task::at(role, index, Instant::now(), now_ms())
+        Task::at(role, index, Instant::now(), crate::protocol::now_ms())
     }
 
     /// A task waiting for its first container, created at `at` (`ms`: the wall clock then).

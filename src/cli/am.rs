@@ -126,6 +126,15 @@ pub async fn run(opts: AmOptions) -> i32 {
         config: serde_json::to_value(&opts.settings).unwrap_or_default(),
     };
     let (hub, mut commands) = StatusHub::new(snapshot, job_token, logs);
+    let _ = hub.rm.set(rm.clone());
+    // The dashboard also takes the tokens the RM takes for this job (owner, admin).
+    if let Ok(client) = RmClient::with_tls(&opts.rm_url, &opts.settings.tls) {
+        let app_id = opts.app_id.clone();
+        hub.set_token_check(Arc::new(move |token: String| {
+            let (client, app_id) = (client.clone(), app_id.clone());
+            Box::pin(async move { client.with_user_token(Some(token)).app(&app_id).await.is_ok() })
+        }));
+    }
     let (dash_addr, _dash) = match crate::web::serve_with(
         hub.clone(),
         opts.listen,

@@ -2,10 +2,14 @@
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
 mod am;
+mod jobs;
 mod node;
 mod plan;
+mod rm_api;
 mod run;
 mod servers;
+mod target;
+mod task_output;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -23,7 +27,10 @@ use crate::spec::JobSpec;
     about = "A per-job application master for GPU deep-learning jobs",
     after_help = "Exit codes: 0 success; 1 job failed or killed; 2 not placeable (plan); 64 usage; \
                   65 invalid job spec or cluster file; 69 RM unreachable or unavailable; 70 internal error; \
-                  75 a limit of the RM was reached (try later); 77 no or a refused credential.\n\
+                  75 a limit of the RM was reached (try later); 77 no or a refused credential; \
+                  66 no such job (or not yours).\n\
+                  Job commands (jobs, status, logs, kill, history) find the RM and your token in --rm/--token-file, \
+                  then GPUAM_RM/GPUAM_TOKEN, then ~/.config/gpuam/config.yaml (`gpuam login` writes it).\n\
                   Credentials: `gpuam submit` and `gpuam plan --rm` read a token from --token-file or GPUAM_TOKEN \
                   (the RM's operator makes one with `gpuam token new`).\n\
                   Settings: conf/gpuam.yaml (or $GPUAM_CONFIG), overridden by GPUAM__SECTION__KEY variables."
@@ -50,6 +57,13 @@ enum Cmd {
         /// Where containers' working directories and logs go (default: a new temporary directory).
         #[arg(long, value_name = "DIR")]
         work_dir: Option<PathBuf>,
+        /// Do not stream the tasks' output (a failed task's stderr tail is still shown).
+        #[arg(long)]
+        quiet_tasks: bool,
+        /// Seconds the dashboard stays up after the job ends (default: $GPUAM_DASHBOARD_LINGER_SEC,
+        /// else 60 after a failure and 0 after a success); Ctrl-C leaves at once.
+        #[arg(long, value_name = "SECS")]
+        linger: Option<u64>,
     },
     /// Dry run of the whole job's placement.
     Plan {
@@ -161,11 +175,25 @@ enum Cmd {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
     },
+    /// Your jobs that run or wait: number, name, user, queue, state, tasks, GPUs, age.
+    Jobs(jobs::JobsArgs),
+    /// One job: its state, times, why it waits or why it ended, and its tasks.
+    Status(jobs::StatusArgs),
+    /// A task's stdout (or --stderr), also after the job ended; --follow streams it.
+    Logs(jobs::LogsArgs),
+    /// Stop a job (yours; the admin: any).
+    Kill(jobs::KillArgs),
+    /// Finished jobs: times, exit, reason, GPU-hours (filter by --user, --queue, --state).
+    History(jobs::HistoryArgs),
+    /// Save the RM's address and your token in ~/.config/gpuam/config.yaml (mode 0600),
+    /// so that the job commands need neither --rm nor --token-file.
+    Login(jobs::LoginArgs),
     /// Submit a job to a running RM.
     Submit {
         job: PathBuf,
+        /// The RM's URL (default: $GPUAM_RM, else `rm:` of ~/.config/gpuam/config.yaml).
         #[arg(long, value_name = "URL")]
-        rm: String,
+        rm: Option<String>,
         /// Follow the job and exit with its exit code.
         #[arg(long)]
         wait: bool,
@@ -177,8 +205,8 @@ enum Cmd {
         /// generates, is used).
         #[arg(long, value_name = "FILE")]
         admin_token_file: Option<PathBuf>,
-        /// File holding your token for the RM (default: $GPUAM_TOKEN; the RM's operator
-        /// makes one with `gpuam token new`).
+        /// File holding your token for the RM (default: $GPUAM_TOKEN, else `token:` of
+        /// ~/.config/gpuam/config.yaml; the RM's operator makes one with `gpuam token new`).
         #[arg(long, value_name = "FILE")]
         token_file: Option<PathBuf>,
     },
@@ -264,7 +292,7 @@ struct SimArgs {
     /// Also measure decision time as clusters grow (100 → 10,000 nodes, pcie8 → pcie64).
     #[arg(long)]
     scaling: bool,
-    /// Trace directory (default $GPUAM_TRACES, else ../shared/data/traces).
+    /// Trace directory (default $GPUAM_TRACES, else data/traces: the repository's samples).
     #[arg(long, value_name = "DIR")]
     traces: Option<PathBuf>,
     /// Simulate the RM's queues instead of comparing policies: `name=weight,...` (jobs go to
@@ -385,6 +413,12 @@ pub fn main() -> i32 {
     for (k, v) in settings.tls.env_vars() {
         std::env::set_var(k, v);
     }
+    // `gpuam run` keeps its AM's dashboard up for its own linger and then stops the AM: the
+    // AM (a child) waits for that. The caller's own GPUAM_DASHBOARD_LINGER_SEC is the linger.
+    let env_linger = std::env::var(run::LINGER_ENV).ok().and_then(|v| v.parse::<u64>().ok());
+    if matches!(cli.command, Cmd::Run { .. }) {
+        std::env::set_var(run::LINGER_ENV, run::RUN_AM_LINGER_SEC.to_string());
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -416,7 +450,19 @@ pub fn main() -> i32 {
             cluster,
             listen,
             work_dir,
-        } => runtime.block_on(run::run(&job, cluster.as_deref(), listen, work_dir, &settings)),
+            quiet_tasks,
+            linger,
+        } => runtime.block_on(run::run(
+            &job,
+            cluster.as_deref(),
+            listen,
+            work_dir,
+            &settings,
+            run::RunView {
+                quiet_tasks,
+                linger: linger.or(env_linger),
+            },
+        )),
         Cmd::Submit {
             job,
             rm,
@@ -426,18 +472,27 @@ pub fn main() -> i32 {
             token_file,
         } => match (
             admin_token(admin_token_file.as_deref()),
-            read_token(token_file.as_deref(), USER_TOKEN_ENV, "token"),
+            target::resolve(&target::TargetArgs { rm, token_file }),
         ) {
-            (Ok(admin), Ok(user)) => runtime.block_on(run::submit(
+            (Ok(admin), Ok(t)) => runtime.block_on(run::submit(
                 &job,
-                &rm,
+                &t,
                 wait,
                 listen,
-                run::Credentials { user, admin },
+                run::Credentials {
+                    user: t.token.clone(),
+                    admin,
+                },
                 &settings.tls,
             )),
             (Err(code), _) | (_, Err(code)) => code,
         },
+        Cmd::Jobs(a) => runtime.block_on(jobs::jobs(&a, &settings.tls)),
+        Cmd::Status(a) => runtime.block_on(jobs::status(&a, &settings.tls)),
+        Cmd::Logs(a) => runtime.block_on(jobs::logs(&a, &settings.tls)),
+        Cmd::Kill(a) => runtime.block_on(jobs::kill(&a, &settings.tls)),
+        Cmd::History(a) => runtime.block_on(jobs::history(&a, &settings.tls)),
+        Cmd::Login(a) => runtime.block_on(target::login(&a.target, &settings.tls)),
         Cmd::Token {
             what: TokenCmd::New { user, users_file, out },
         } => token_new(

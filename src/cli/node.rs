@@ -51,9 +51,14 @@ pub struct NodeArgs {
     pub ports: String,
     #[arg(long, value_name = "DIR", default_value = "gpuam-node-work")]
     pub work_dir: PathBuf,
-    /// Tasks run as this user (default: `gpuam-task`, created when the agent runs as root).
+    /// Every task runs as this one account (a single-tenant node). Default: each user's
+    /// tasks as the account --user-map names, else as a uid of the user's own from
+    /// `node.task_uids` (when the agent runs as root).
     #[arg(long, value_name = "USER")]
     pub run_as: Option<String>,
+    /// Run USER's tasks as local ACCOUNT (repeat for more; added to `node.user_map`).
+    #[arg(long = "user-map", value_name = "USER=ACCOUNT")]
+    pub user_map: Vec<String>,
     /// A custom resource this node offers, in whole units (repeat for more), e.g.
     /// `--resource nvme=2 --resource ib_hca=4`; tasks ask for it with
     /// `resourcePerInstance.resources: {nvme: 1}`.
@@ -147,6 +152,18 @@ fn gpus_of(args: &NodeArgs) -> Result<(u32, Option<String>, String), String> {
     Ok((count, gpu_type, topology))
 }
 
+/// The warning of a node that offers no GPU (`--gpus` as given).
+fn zero_gpus_warning(gpus_flag: &str) -> String {
+    let why = if gpus_flag == "auto" {
+        "--gpus auto found none (no nvidia-smi on PATH, or it lists no GPU)"
+    } else {
+        "--gpus 0"
+    };
+    format!(
+        "warning: this node offers 0 GPUs ({why}): only tasks that ask for no GPU run here; give --gpus N to offer N"
+    )
+}
+
 pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
     let token = match std::fs::read_to_string(&args.node_token_file) {
         Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
@@ -166,6 +183,9 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
             return exit::USAGE;
         }
     };
+    if count == 0 {
+        eprintln!("{}", zero_gpus_warning(&args.gpus));
+    }
     let ports = match PortSet::parse(&args.ports) {
         Ok(p) => p,
         Err(e) => {
@@ -185,6 +205,15 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
     };
     let task_env = match task_env_of(&args.task_env) {
         Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit::USAGE;
+        }
+    };
+    let identity = match crate::node::identity::parse_user_map(&args.user_map)
+        .and_then(|cli| settings.node.identity(args.run_as.clone(), cli))
+    {
+        Ok(i) => i,
         Err(e) => {
             eprintln!("error: {e}");
             return exit::USAGE;
@@ -214,7 +243,8 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         total,
         topology,
         work_dir: args.work_dir,
-        run_as: args.run_as,
+        identity,
+        retention: Some(std::time::Duration::from_secs(settings.node.log_retention_sec)),
         ip: args.ip,
         task_env,
         max_log_bytes: Some(settings.node.max_log_bytes),
@@ -241,6 +271,16 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zero_gpus_are_warned_with_the_reason() {
+        let w = zero_gpus_warning("auto");
+        assert!(
+            w.starts_with("warning: this node offers 0 GPUs") && w.contains("nvidia-smi"),
+            "{w}"
+        );
+        assert!(zero_gpus_warning("0").contains("(--gpus 0)"));
+    }
 
     #[test]
     fn resource_flags_are_read_and_checked() {

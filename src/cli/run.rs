@@ -2,7 +2,7 @@
 //! on the terminal (progress, each task's exit, the dashboard's address, the job's
 //! exit code).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -15,7 +15,10 @@ use crate::am::random_token;
 use crate::am::rm_client::RmClient;
 use crate::config::{Settings, TlsSettings};
 use crate::exit;
+use crate::node::executor::LogStream;
 use crate::protocol::{AppState, SubmitApplication};
+
+use super::task_output::{prefix, stderr_tail, Follow, ReadLog};
 
 /// Longest wait for an answer from the AM's dashboard.
 const DASHBOARD_TIMEOUT: Duration = Duration::from_secs(10);
@@ -39,12 +42,42 @@ fn local_user() -> String {
     }
 }
 
+/// How `gpuam run` shows a job: its tasks' output, and how long the dashboard stays up.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunView {
+    /// Do not stream the tasks' output (`--quiet-tasks`); a failed task's stderr tail is
+    /// still shown.
+    pub quiet_tasks: bool,
+    /// Seconds the dashboard stays up after the job ends (`--linger`, else
+    /// `GPUAM_DASHBOARD_LINGER_SEC`); `None`: [`linger_after`]'s default.
+    pub linger: Option<u64>,
+}
+
+/// The name of the variable that sets how long a dashboard stays up after its job.
+pub const LINGER_ENV: &str = "GPUAM_DASHBOARD_LINGER_SEC";
+/// How long `gpuam run`'s AM may keep its dashboard up: `gpuam run` ends it sooner, when
+/// its own linger is over (its embedded RM stops the AM).
+pub const RUN_AM_LINGER_SEC: u64 = 24 * 3600;
+/// The default linger after a failed job: time to open the dashboard and read why.
+pub const FAILED_LINGER_SEC: u64 = 60;
+
+/// Seconds `gpuam run` keeps the dashboard after the job: as asked, else
+/// [`FAILED_LINGER_SEC`] after a failure and none after a success.
+pub fn linger_after(asked: Option<u64>, exit_code: i32) -> u64 {
+    asked.unwrap_or(if exit_code == exit::SUCCESS {
+        0
+    } else {
+        FAILED_LINGER_SEC
+    })
+}
+
 pub async fn run(
     job: &Path,
     cluster: Option<&Path>,
     listen: SocketAddr,
     work_dir: Option<PathBuf>,
     settings: &Settings,
+    view: RunView,
 ) -> i32 {
     let (spec, text) = match super::load_job(job) {
         Ok(v) => v,
@@ -105,35 +138,47 @@ pub async fn run(
         rm.base_url(),
         work_dir.display()
     );
-    let code = match rm_client(&rm.base_url(), &settings.tls) {
+    // The tasks run on this process's own node: their output is read where it is written.
+    let read = |id: &str, stream, offset, max| rm.read_local_log(id, stream, offset, max).map_err(|e| e.to_string());
+    let output = TaskOutput {
+        read: &read,
+        quiet: view.quiet_tasks,
+    };
+    let (code, dashboard) = match rm_client(&rm.base_url(), &settings.tls) {
         Ok(client) => {
             submit_and_follow(
                 client.with_user_token(Some(token)),
                 &spec.name,
                 &text,
                 &job.display().to_string(),
-                true,
+                None,
                 listen,
                 Some(rm.admin_token().to_string()),
+                Some(output),
             )
             .await
         }
-        Err(code) => code,
+        Err(code) => (code, None),
     };
-    // The AM keeps its dashboard up this long after the job ends; the embedded RM (which
-    // serves the task logs) stays too, so the page remains whole.
-    if let Some(secs) = std::env::var("GPUAM_DASHBOARD_LINGER_SEC")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        println!("the dashboard stays up for {secs} s (GPUAM_DASHBOARD_LINGER_SEC); Ctrl-C to leave now");
+    // The AM keeps its dashboard up until the embedded RM (which serves the task logs)
+    // stops it, so the page stays whole for as long as we wait here.
+    let secs = linger_after(view.linger, code);
+    if let (Some(url), true) = (dashboard, secs > 0) {
+        println!("the dashboard stays up for {secs} s at {url} (--linger SECS); Ctrl-C to leave now");
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(secs)) => {}
-            _ = tokio::signal::ctrl_c() => {}
+            _ = crate::node::agent::shutdown_signal() => {}
         }
     }
     rm.shutdown().await;
     code
+}
+
+/// Where `gpuam run` reads its tasks' output, and whether it streams it.
+#[derive(Clone, Copy)]
+pub struct TaskOutput<'a> {
+    pub read: ReadLog<'a>,
+    pub quiet: bool,
 }
 
 /// How long `submit --wait` keeps following a job while the RM does not answer (an RM
@@ -142,7 +187,7 @@ const RM_OUTAGE_WAIT: Duration = Duration::from_secs(300);
 
 pub async fn submit(
     job: &Path,
-    rm: &str,
+    target: &super::target::Target,
     wait: bool,
     listen: SocketAddr,
     creds: Credentials,
@@ -152,7 +197,7 @@ pub async fn submit(
         Ok(v) => v,
         Err(code) => return code,
     };
-    let rm = match rm_client(rm, tls) {
+    let rm = match rm_client(&target.rm, tls) {
         Ok(c) => c.with_user_token(creds.user),
         Err(code) => return code,
     };
@@ -161,11 +206,13 @@ pub async fn submit(
         &spec.name,
         &text,
         &job.display().to_string(),
-        wait,
+        (!wait).then_some(target.flags.as_str()),
         listen,
         creds.admin,
+        None,
     )
     .await
+    .0
 }
 
 /// An RM client trusting the settings' CA; `Err` is the exit code.
@@ -176,19 +223,24 @@ fn rm_client(rm_url: &str, tls: &TlsSettings) -> Result<RmClient, i32> {
     })
 }
 
+/// Submits the job; then follows it to its end (`print_only: None`), or prints the
+/// commands that follow it, with `print_only`'s flags, and returns: the exit code and the
+/// dashboard URL (with its token) last seen.
+#[allow(clippy::too_many_arguments)]
 async fn submit_and_follow(
     rm: RmClient,
     name: &str,
     text: &str,
     source: &str,
-    wait: bool,
+    print_only: Option<&str>,
     listen: SocketAddr,
     admin_token: Option<String>,
-) -> i32 {
+    output: Option<TaskOutput<'_>>,
+) -> (i32, Option<String>) {
     let rm_url = rm.base_url();
     let app = match rm.new_application().await {
         Ok(a) => a,
-        Err(e) => return refused(&rm, &e),
+        Err(e) => return (refused(&rm, &e), None),
     };
     let job_token = random_token();
     let report = match rm
@@ -202,14 +254,21 @@ async fn submit_and_follow(
         .await
     {
         Ok(r) => r,
-        Err(e) => return refused(&rm, &e),
+        Err(e) => return (refused(&rm, &e), None),
     };
     println!("submitted job `{name}` as {}", report.id);
-    if !wait {
-        println!("follow it with: curl {rm_url}/ws/v1/cluster/apps/{}", report.id);
-        return exit::SUCCESS;
+    if let Some(flags) = print_only {
+        let n = super::rm_api::job_number(&report.id);
+        println!("  gpuam status {n}{flags}          its tasks, and why it waits");
+        println!("  gpuam logs {n} --follow{flags}  its first task's output (ROLE/INDEX for another)");
+        println!("  gpuam kill {n}{flags}            stop it");
+        println!(
+            "(REST: {rm_url}/ws/v1/cluster/apps/{} with `Authorization: Bearer <your token>`)",
+            report.id
+        );
+        return (exit::SUCCESS, None);
     }
-    follow(&rm, &report.id, &job_token, admin_token.as_deref()).await
+    follow(&rm, &report.id, &job_token, admin_token.as_deref(), output).await
 }
 
 /// Says why the RM refused (with how to get a token when that is the reason); the exit code.
@@ -249,8 +308,15 @@ fn counts(job: &Value) -> Counts {
     c
 }
 
-/// Follows an application to its end: progress, each task's exit, the final state.
-async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Option<&str>) -> i32 {
+/// Follows an application to its end: progress, each task's exit (and, with `output`, its
+/// output as it comes), the final state; the exit code and the dashboard URL.
+async fn follow(
+    rm: &RmClient,
+    app_id: &str,
+    job_token: &str,
+    admin_token: Option<&str>,
+    output: Option<TaskOutput<'_>>,
+) -> (i32, Option<String>) {
     // The dashboard is served with the same TLS settings as the RM: the same trust.
     let http = rm.http().clone();
     let tty = std::io::stderr().is_terminal();
@@ -267,6 +333,18 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
         Some(b) => b.println(line),
         None => eprintln!("{line}"),
     };
+    // A task's line: above the progress bar on a terminal, else stdout to stdout and
+    // stderr to stderr.
+    let print_task_line = |stream: LogStream, line: String| match (&bar, stream) {
+        (Some(b), _) => b.println(line),
+        (None, LogStream::Stdout) => println!("{line}"),
+        (None, LogStream::Stderr) => eprintln!("{line}"),
+    };
+    let mut streams = Follow::default();
+    // Containers of tasks whose container has not ended, from the last snapshot.
+    let mut live: HashSet<String> = HashSet::new();
+    // role/index → (container, exit code) of tasks whose last attempt failed.
+    let mut failed: BTreeMap<String, (String, i64)> = BTreeMap::new();
     let started = Instant::now();
     let mut dashboard: Option<String> = None;
     let mut last_counts = Counts::default();
@@ -297,12 +375,15 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
                 });
                 if since.elapsed() > RM_OUTAGE_WAIT {
                     eprintln!("error: {e}; job {app_id} may still be running: `gpuam submit` can no longer follow it");
-                    return exit::RM_UNREACHABLE;
+                    return (
+                        exit::RM_UNREACHABLE,
+                        dashboard.map(|u| format!("{u}#token={job_token}")),
+                    );
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;
             }
-            Err(e) => return refused(rm, &e),
+            Err(e) => return (refused(rm, &e), dashboard.map(|u| format!("{u}#token={job_token}"))),
         };
         // A new AM attempt (after the AM died) serves its dashboard elsewhere.
         if !report.tracking_url.is_empty() && dashboard.as_deref() != Some(report.tracking_url.as_str()) {
@@ -319,6 +400,7 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
         if let Some(url) = &dashboard {
             if let Ok(resp) = http
                 .get(format!("{url}api/v1/snapshot"))
+                .bearer_auth(job_token)
                 .timeout(DASHBOARD_TIMEOUT)
                 .send()
                 .await
@@ -344,13 +426,26 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
                         );
                     }
                     last_counts = c;
+                    live.clear();
                     for t in snap["tasks"].as_array().into_iter().flatten() {
                         report_task_change(t, &mut seen, &say);
+                        if output.is_some() {
+                            note_task_output(t, &mut streams, &mut live, &mut failed);
+                        }
                     }
                 }
             }
         }
-        if report.state.is_final() {
+        let job_over = report.state.is_final();
+        if let Some(out) = &output {
+            let ended = |id: &str| job_over || !live.contains(id);
+            for (stream, line) in streams.poll(out.read, &ended) {
+                if !out.quiet {
+                    print_task_line(stream, line);
+                }
+            }
+        }
+        if job_over {
             if let Some(b) = &bar {
                 b.finish_and_clear();
             }
@@ -368,7 +463,13 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
                     format!(": {}", report.diagnostics)
                 }
             );
-            return if code == 0 { exit::SUCCESS } else { exit::JOB_FAILED };
+            if let (Some(out), false, false) = (&output, code == 0, interrupted) {
+                for line in failed_tails(out.read, &failed) {
+                    eprintln!("{line}");
+                }
+            }
+            let code = if code == 0 { exit::SUCCESS } else { exit::JOB_FAILED };
+            return (code, dashboard.map(|u| format!("{u}#token={job_token}")));
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(300)) => {}
@@ -379,6 +480,62 @@ async fn follow(rm: &RmClient, app_id: &str, job_token: &str, admin_token: Optio
             }
         }
     }
+}
+
+/// Most failed tasks whose stderr tail `gpuam run` shows at the end.
+const FAILED_TASKS_SHOWN: usize = 3;
+
+/// From one task of a snapshot: follows its container's output, marks it live while its
+/// container runs, and remembers it when its last attempt failed.
+fn note_task_output(
+    t: &Value,
+    streams: &mut Follow,
+    live: &mut HashSet<String>,
+    failed: &mut BTreeMap<String, (String, i64)>,
+) {
+    let Some(container) = t["containerId"].as_str() else {
+        return;
+    };
+    let role = t["role"].as_str().unwrap_or("?");
+    let index = t["index"].as_u64().unwrap_or(0);
+    let key = format!("{role}/{index}");
+    streams.watch(container, &prefix(role, index, t["attempt"].as_u64().unwrap_or(1)));
+    let state = t["state"].as_str().unwrap_or("");
+    if !matches!(state, "CONTAINER_COMPLETED" | "TASK_COMPLETED") {
+        live.insert(container.to_string());
+    }
+    // A task stopped because the job ended (a worker beside the failed one) did not fail.
+    let stopped = i64::from(crate::am::exits::code::CONTAINER_KILLED_ON_APP_COMPLETION);
+    match t["exitCode"].as_i64() {
+        Some(code) if code != 0 && code != stopped && state == "TASK_COMPLETED" => {
+            failed.insert(key, (container.to_string(), code));
+        }
+        _ => {
+            failed.remove(&key);
+        }
+    }
+}
+
+/// The final lines of a failed job: the last lines of each failed task's stderr (the first
+/// few tasks), so that a mistyped command says why at once.
+fn failed_tails(read: ReadLog<'_>, failed: &BTreeMap<String, (String, i64)>) -> Vec<String> {
+    let mut out = Vec::new();
+    for (task, (container, code)) in failed.iter().take(FAILED_TASKS_SHOWN) {
+        let tail = stderr_tail(read, container);
+        if tail.is_empty() {
+            out.push(format!("task {task} exited with {code}; its stderr is empty"));
+            continue;
+        }
+        out.push(format!("task {task} exited with {code}; the last lines of its stderr:"));
+        out.extend(tail.into_iter().map(|l| format!("  {l}")));
+    }
+    if failed.len() > FAILED_TASKS_SHOWN {
+        out.push(format!(
+            "({} more failed tasks; their logs are in the dashboard)",
+            failed.len() - FAILED_TASKS_SHOWN
+        ));
+    }
+    out
 }
 
 /// Kills the job at the RM with the admin token when known, else as its owner (the user

@@ -149,13 +149,50 @@ pub async fn rm(
             }
         }))
     });
-    let _ = tokio::signal::ctrl_c().await;
+    let by = stop_signal().await;
     if let Some(w) = watch {
         w.abort();
     }
-    eprintln!("stopping: containers and AMs are being stopped");
+    let (apps, ams) = handle.live_work();
+    eprintln!("{}", stopping_line(by, &apps, ams));
     handle.shutdown().await;
+    eprintln!("gpuam rm stopped");
     exit::SUCCESS
+}
+
+/// Waits for Ctrl-C (SIGINT) or SIGTERM (systemd, `docker stop`, `kill`): both stop every job.
+/// SIGHUP is not a stop: it reloads the users file. Returns the signal's name.
+async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => tokio::select! {
+            _ = tokio::signal::ctrl_c() => "Ctrl-C",
+            _ = term.recv() => "SIGTERM",
+        },
+        Err(e) => {
+            eprintln!("warning: cannot watch SIGTERM ({e}); only Ctrl-C stops the RM's jobs");
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
+    }
+}
+
+/// The line `gpuam rm` prints when a signal stops it: what it is stopping, by application.
+fn stopping_line(by: &str, apps: &[(String, String, usize)], ams: usize) -> String {
+    if apps.is_empty() && ams == 0 {
+        return format!("{by}: stopping the RM (no application running)");
+    }
+    let list: Vec<String> = apps
+        .iter()
+        .map(|(id, user, n)| format!("{id} of {user} ({n} container{})", if *n == 1 { "" } else { "s" }))
+        .collect();
+    format!(
+        "{by}: stopping {} application{} and {ams} AM process{}: {}",
+        apps.len(),
+        if apps.len() == 1 { "" } else { "s" },
+        if ams == 1 { "" } else { "es" },
+        list.join(", ")
+    )
 }
 
 pub async fn am(job: &Path, rm: &str, app_id: &str, token: &str, listen: SocketAddr, settings: Settings) -> i32 {
@@ -252,5 +289,27 @@ fn raise_open_file_limit() {
     };
     if let Some((was, now)) = raised {
         tracing::info!("open-file limit raised from {was} to {now}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stopping_line;
+
+    #[test]
+    fn the_stopping_line_names_every_application_and_counts() {
+        let apps = vec![
+            ("application_1_0001".to_string(), "alice".to_string(), 3),
+            ("application_1_0002".to_string(), "bob".to_string(), 1),
+        ];
+        assert_eq!(
+            stopping_line("SIGTERM", &apps, 2),
+            "SIGTERM: stopping 2 applications and 2 AM processes: application_1_0001 of alice \
+             (3 containers), application_1_0002 of bob (1 container)"
+        );
+        assert_eq!(
+            stopping_line("Ctrl-C", &[], 0),
+            "Ctrl-C: stopping the RM (no application running)"
+        );
     }
 }

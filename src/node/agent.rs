@@ -4,20 +4,21 @@
 //! file binds to the host name), heartbeats its
 //! containers' states, and serves the container endpoints (see [`super::wire`]) at its
 //! `nodeHTTPAddress`. It runs each container with the [`Executor`]: in a cgroup of its own
-//! ([`super::cgroup`]), as an unprivileged task user (`--run-as`, default `gpuam-task`,
-//! created when the agent runs as root).
+//! ([`super::cgroup`]), as its submitter's own unprivileged uid when the agent runs as
+//! root ([`super::identity`]: `--user-map`, else a uid of the user's own).
 //!
 //! Only granted containers start: `start` needs the RM's call token for this host and the
 //! RM's container token for exactly the grant in the request ([`super::token`]).
 //!
 //! A container's end is reported (heartbeat, at once) only once it is dead, and again on
-//! every heartbeat until the RM acknowledges it (an `acked` file in its directory then
-//! records that). The agent stopping (SIGTERM) leaves its containers running; a restarted
-//! agent re-attaches to every container not yet acknowledged and re-registers, listing them.
+//! every heartbeat until the RM acknowledges it (its record, which the task cannot write,
+//! then says so: [`super::executor::ACKED_FILE`]). The agent stopping (SIGTERM) leaves its
+//! containers running; a restarted agent re-attaches to every container whose record is
+//! not acknowledged, and re-registers, listing them.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,14 +32,12 @@ use serde::Deserialize;
 use tokio::sync::{mpsc, Notify};
 
 use super::cgroup::Containment;
-use super::executor::{valid_container_id, Executor, ExecutorOptions, LogStream, RunAs};
+use super::executor::{valid_container_id, Executor, ExecutorOptions, LogStream};
 use super::wire::{AgentHeartbeat, AgentRegister, AgentReply, AgentStart, ContainerReport, CONTAINER_TOKEN_HEADER};
 use super::{token, NodeError, NodeEvent};
 use crate::protocol::{ContainerState, ContainerStatus, ErrorBody};
 use crate::resources::Resources;
 
-/// Marks a container whose end the RM acknowledged (not re-attached after a restart).
-const ACKED_FILE: &str = "acked";
 /// Heartbeat interval when the RM does not say.
 const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 /// SIGTERM → kill grace for containers the RM's heartbeat answer says to stop.
@@ -61,8 +60,11 @@ pub struct AgentOptions {
     /// Preset name or `nvidia-smi topo -m` text; empty: none.
     pub topology: String,
     pub work_dir: PathBuf,
-    /// Tasks run as this user; `None`: `gpuam-task` (created) when root, else this user.
-    pub run_as: Option<String>,
+    /// Which uid each user's tasks run as (`--user-map`, `--run-as`, `node.task_uids`):
+    /// see [`super::identity`].
+    pub identity: super::identity::IdentitySettings,
+    /// How long a finished container's record (its logs) stays (`node.log_retention_sec`).
+    pub retention: Option<Duration>,
     /// The address peers of this node's containers reach them at (`--ip`); `None`: see
     /// [`peer_ip`].
     pub ip: Option<IpAddr>,
@@ -138,39 +140,28 @@ pub async fn shutdown_signal() {
 
 /// Starts an agent: the HTTP server and the heartbeat loop; returns the bound address.
 pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let work_dir = prepare_work_dir(&opts.work_dir)?;
-    let run_as = match &opts.run_as {
-        Some(name) => Some(RunAs::lookup(name).map_err(anyhow::Error::msg)?),
-        None if nix::unistd::geteuid().is_root() => {
-            Some(RunAs::ensure(super::executor::DEFAULT_TASK_USER).map_err(anyhow::Error::msg)?)
-        }
-        None => {
-            tracing::warn!("not root and no --run-as: tasks run as this agent's user");
-            None
-        }
-    };
-    if let Some(u) = &run_as {
-        if u.uid == 0 {
-            anyhow::bail!(
-                "--run-as {}: tasks must not run as root; name an unprivileged user",
-                u.name
-            );
-        }
-    }
+    let work_dir = super::identity::open_for_tasks(&opts.work_dir, &opts.work_dir.join("containers"))
+        .map_err(anyhow::Error::msg)?;
+    let users = super::identity::TaskUsers::for_node(&opts.identity).map_err(anyhow::Error::msg)?;
+    tracing::info!(host = %opts.host, "{}", users.describe());
     let containment = Containment::choose(opts.containment, &cgroup_parent(&opts.host), opts.shim_exe.clone())
         .and_then(|c| opts.bounds.apply(c))
         .map_err(anyhow::Error::msg)?;
     tracing::info!(host = %opts.host, "{}", containment.describe());
     let describe = containment.describe();
+    let limits = containment.limits();
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let executor = Executor::with_options(
         work_dir.join("containers"),
         events_tx,
         ExecutorOptions {
             containment,
-            run_as,
+            run_as: None,
+            users: Some(Arc::new(users)),
             task_env: opts.task_env.clone(),
             max_log_bytes: opts.max_log_bytes,
+            retention: opts.retention,
+            ends_heard_here: false,
             max_disk_mb: opts.bounds.max_disk_mb,
         },
     );
@@ -242,6 +233,9 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         containers: Vec::new(),
         containment: describe,
     };
+    for line in startup_lines(&register, &limits, &opts.rm_url) {
+        eprintln!("{line}");
+    }
     let beat = tokio::spawn(heartbeat_loop(
         agent,
         opts.rm_url.clone(),
@@ -249,6 +243,46 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         register,
     ));
     Ok((addr, beat))
+}
+
+/// What `gpuam node` prints on start: one summary line (host, GPUs and type, topology,
+/// containment and limits, RM), then a warning when CPU or memory limits are not enforced.
+pub fn startup_lines(reg: &AgentRegister, limits: &[(&str, &str)], rm_url: &str) -> Vec<String> {
+    let gpus = reg.total.gpu_count();
+    let gpu_text = match (&reg.gpu_type, gpus) {
+        (_, 0) => "0 GPUs".to_string(),
+        (Some(t), n) => format!("{n} GPU{} ({t})", if n == 1 { "" } else { "s" }),
+        (None, n) => format!("{n} GPU{} (no type)", if n == 1 { "" } else { "s" }),
+    };
+    let topology = match reg.topology.trim() {
+        "" => "none (GPU pairs treated alike)".to_string(),
+        t if !t.contains('\n') => t.to_string(),
+        _ => "from nvidia-smi topo -m".to_string(),
+    };
+    let mut lines = vec![format!(
+        "gpuam node {}: {gpu_text}, {} CPUs, {} MB; topology {topology}; {}; RM {rm_url}; serving at {}{}",
+        reg.host,
+        reg.total.cpu,
+        reg.total.memory_mb,
+        reg.containment,
+        reg.http_address,
+        reg.ip
+            .map(|ip| format!(", peers reach its containers at {ip}"))
+            .unwrap_or_default()
+    )];
+    let missing: Vec<&str> = ["cpu", "memory"]
+        .into_iter()
+        .filter(|c| !limits.iter().any(|(n, _)| n == c))
+        .collect();
+    if !missing.is_empty() {
+        lines.push(format!(
+            "warning: node {} enforces no {} limit: a task may use more than it asked for (run the agent \
+             as root on a machine with cgroup v2, or cgroup v1's cpu and memory controllers)",
+            reg.host,
+            missing.join(" and ")
+        ));
+    }
+    lines
 }
 
 /// The address this node's containers are reached at by their peers (the RM hands it to
@@ -307,39 +341,14 @@ fn cgroup_parent(host: &str) -> String {
     format!("gpuam-{clean}")
 }
 
-/// Creates the work dir and its `containers/`: both 0711, so the task user reaches its own
-/// container directory without listing anyone else's.
-fn prepare_work_dir(dir: &Path) -> anyhow::Result<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let containers = dir.join("containers");
-    std::fs::create_dir_all(&containers)
-        .map_err(|e| anyhow::anyhow!("cannot create the work dir {}: {e}", containers.display()))?;
-    let dir = std::fs::canonicalize(dir)?;
-    for d in [dir.clone(), dir.join("containers")] {
-        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711))
-            .map_err(|e| anyhow::anyhow!("cannot set mode 0711 on {}: {e}", d.display()))?;
-    }
-    Ok(dir)
-}
-
 /// Re-attaches to every container this node launched whose end the RM has not
-/// acknowledged. That includes a container whose launch began (its `launch.sh` is written
+/// acknowledged. That includes a container whose launch began (its log files are created
 /// before the spawn) but whose process was never recorded (the agent died in between):
 /// nothing can own it, so re-attaching ends it at once, killing whatever runs in its
 /// cgroup, and reports it dead; its resources return to the RM only then.
 fn reattach_all(agent: &Agent) {
-    let Ok(entries) = std::fs::read_dir(agent.executor.root()) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let path = e.path();
-        let Some(id) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else {
-            continue;
-        };
-        let launched = path.join(super::executor::PROCESS_FILE).exists() || path.join("launch.sh").exists();
-        if valid_container_id(&id) && launched && !path.join(ACKED_FILE).exists() {
-            agent.executor.reattach(&id);
-        }
+    for id in agent.executor.unacknowledged() {
+        agent.executor.reattach(&id);
     }
 }
 
@@ -436,9 +445,6 @@ fn apply(agent: &Arc<Agent>, reply: AgentReply) {
         let mut exited = agent.exited.lock();
         for id in &reply.acknowledged {
             if exited.remove(id).is_some() {
-                if let Some(dir) = agent.executor.container_dir(id) {
-                    let _ = std::fs::write(dir.join(ACKED_FILE), "");
-                }
                 agent.executor.forget(id);
             }
         }
@@ -553,9 +559,14 @@ async fn start_container(
             r.gpu_mask, r.ports
         )));
     }
-    let pid = agent
-        .executor
-        .start_placed(&id, &host, r, req.launch_context, agent.topology.as_ref())?;
+    let pid = agent.executor.start_as(
+        &id,
+        &host,
+        r,
+        req.launch_context,
+        agent.topology.as_ref(),
+        Some(grant.user.as_str()).filter(|u| !u.is_empty()),
+    )?;
     Ok(Json(ContainerStatus {
         container_id: id,
         state: ContainerState::Running,
@@ -700,7 +711,8 @@ mod tests {
             total: Resources::default(),
             topology: String::new(),
             work_dir: PathBuf::from("/nonexistent"),
-            run_as: None,
+            identity: Default::default(),
+            retention: None,
             ip: ip.map(|s| s.parse().unwrap()),
             task_env: Vec::new(),
             max_log_bytes: None,
@@ -711,6 +723,57 @@ mod tests {
         }
     }
 
+    fn register(gpus: u64, gpu_type: Option<&str>, topology: &str) -> AgentRegister {
+        AgentRegister {
+            host: "n1".into(),
+            rack: "/r".into(),
+            labels: Vec::new(),
+            gpu_type: gpu_type.map(str::to_string),
+            total: Resources::with_mask(16, 64000, (1u64 << gpus) - 1, Default::default()),
+            topology: topology.into(),
+            http_address: "http://10.0.0.5:8042".into(),
+            ip: Some("10.0.0.5".parse().unwrap()),
+            containers: Vec::new(),
+            containment: "containment: cgroup v2 under /sys/fs/cgroup/gpuam; limits: memory (v2), cpu (v2)".into(),
+        }
+    }
+
+    #[test]
+    fn the_startup_line_says_what_the_node_offers_and_warns_of_missing_limits() {
+        let full = [("memory", "v2"), ("cpu", "v2"), ("pids", "v2")];
+        let lines = startup_lines(&register(4, Some("A100"), "pcie4"), &full, "http://rm:8088");
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let l = &lines[0];
+        for part in [
+            "gpuam node n1:",
+            "4 GPUs (A100)",
+            "topology pcie4",
+            "cgroup v2",
+            "limits: memory (v2), cpu (v2)",
+            "RM http://rm:8088",
+            "10.0.0.5",
+        ] {
+            assert!(l.contains(part), "{part} missing in {l}");
+        }
+        let nvsmi = "\tGPU0\tGPU1\nGPU0\t X \tNV1\nGPU1\tNV1\t X \n";
+        let lines = startup_lines(&register(0, None, nvsmi), &[("pids", "v1")], "http://rm:8088");
+        assert!(
+            lines[0].contains("0 GPUs") && lines[0].contains("from nvidia-smi topo -m"),
+            "{lines:?}"
+        );
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(
+            lines[1].starts_with("warning: node n1 enforces no cpu and memory limit"),
+            "{lines:?}"
+        );
+        let lines = startup_lines(&register(1, None, ""), &[("cpu", "v1")], "http://rm:8088");
+        assert!(
+            lines[0].contains("1 GPU (no type)") && lines[0].contains("topology none"),
+            "{lines:?}"
+        );
+        assert!(lines[1].contains("enforces no memory limit"), "{lines:?}");
+    }
+
     /// The RM stops a container whose start answer it never got: an agent that never
     /// started it reports it dead (so the RM frees it) and refuses the start if it comes
     /// late, so it never runs.
@@ -719,7 +782,6 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let mut o = opts("127.0.0.1:0", None, None, "http://127.0.0.1:9");
         o.work_dir = tmp.path().join("work");
-        o.run_as = None;
         let (addr, _h) = start(o).await.unwrap();
         let id = "container_1_0001_01_000007";
         let url = |verb: &str| format!("http://{addr}/ws/v1/node/h1/containers/{id}/{verb}");
@@ -742,6 +804,7 @@ mod tests {
             app_id: "application_1_0001".into(),
             host: "h1".into(),
             resources: Resources::default(),
+            user: "alice".into(),
             topology: None,
         };
         let start = AgentStart {
@@ -783,7 +846,7 @@ mod tests {
         let id = "container_1_0001_01_000001";
         let dir = tmp.path().join("work/containers").join(id);
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("launch.sh"), "sleep 1000\n").unwrap();
+        std::fs::write(dir.join("stdout"), "").unwrap();
         let cgroup = containment.create(id, Default::default()).unwrap();
         /// The stand-in task, killed if the test fails.
         struct Task(std::process::Child);

@@ -458,16 +458,17 @@ impl Containment {
         Ok(())
     }
 
-    /// One line for the node's log: the mechanism and where limits come from.
-    pub fn describe(&self) -> String {
-        let limits = |name: &str, v1: &Option<PathBuf>| -> Option<String> {
+    /// The limits containers of this node get, as (controller, cgroup version): `memory`,
+    /// `cpu`, `pids`, `cpuset` where a controller enforces them; empty: none is enforced.
+    pub fn limits(&self) -> Vec<(&'static str, &'static str)> {
+        let limits = |name: &'static str, v1: &Option<PathBuf>| -> Option<(&'static str, &'static str)> {
             if self.v2.as_ref().is_some_and(|d| v2_has_controller(d, name)) {
-                Some(format!("{name} (v2)"))
+                Some((name, "v2"))
             } else {
-                v1.as_ref().map(|_| format!("{name} (v1)"))
+                v1.as_ref().map(|_| (name, "v1"))
             }
         };
-        let l: Vec<String> = [
+        [
             limits("memory", &self.v1_memory),
             limits("cpu", &self.v1_cpu),
             limits("pids", &self.v1_pids),
@@ -475,7 +476,12 @@ impl Containment {
         ]
         .into_iter()
         .flatten()
-        .collect();
+        .collect()
+    }
+
+    /// One line for the node's log: the mechanism and where limits come from.
+    pub fn describe(&self) -> String {
+        let l: Vec<String> = self.limits().iter().map(|(n, v)| format!("{n} ({v})")).collect();
         let dir = self.v2.as_ref().or(self.v1_pids.as_ref());
         let shim = self.shim().map(|e| format!(" run by {}", e.display()));
         format!(

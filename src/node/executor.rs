@@ -1,9 +1,21 @@
 //! Node executor: runs each container's commands as real processes, each container in a
-//! cgroup of its own (see [`super::cgroup`]) when the machine allows, as an unprivileged
-//! user when one is configured ([`RunAs`]).
+//! cgroup of its own (see [`super::cgroup`]) when the machine allows, as its user's own
+//! unprivileged uid when the node has one for it ([`super::identity`], [`RunAs`]).
 //!
-//! Owns the container working directories (`root/<containerId>/`), the generated
-//! `launch.sh`, the captured `stdout` / `stderr` files, the container environment of
+//! Owns each container's record (`root/<containerId>/`, the node's: 0711, nothing in it
+//! writable by the task) and in it the task's own directory (`work/`, 0700, owned by the
+//! task's uid: `GPUAM_CONTAINER_DIR`, holding `launch.sh`). The record holds the captured
+//! `stdout` / `stderr` (the task writes them through the handles it is given), what was
+//! launched (`process.json`: pid and start time), how it ended (`end.json`), that the RM
+//! acknowledged the end (`acked`) and whether it ran in an image; a restarted node reads
+//! only the record ([`Executor::unacknowledged`], [`Executor::reattach`]). Nothing in the
+//! task's directory is ever opened or followed by the node, except the preemption notice
+//! it creates there ([`create_new_in`]: relative to a directory handle, `O_EXCL |
+//! O_NOFOLLOW`, renamed into place) and the leader's own exit code read without following
+//! links. The task's directory is removed when the container ends; the record (its logs)
+//! after [`ExecutorOptions::retention`] once the end was acknowledged ([`Executor::sweep`]).
+//!
+//! Also owns the generated `launch.sh`, the container environment of
 //! DESIGN.md §6 that the executor itself is responsible for (GPU variables, container id,
 //! host, directory), stopping (SIGTERM → grace → SIGKILL to the whole group) and the one
 //! `NodeEvent::Exited` per started container.
@@ -93,14 +105,40 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(20);
 /// How much of stderr's tail goes into a failed container's diagnostics.
 const DIAG_STDERR_BYTES: u64 = 512;
-/// In a container's directory: the leader's exit status, written by `launch.sh` itself.
+/// In a container's work directory: the leader's exit status, written by `launch.sh`
+/// itself (the task's own word, read only when the node did not see the end itself).
 pub const EXIT_CODE_FILE: &str = "exit_code";
-/// In a container's directory: the leader's [`ProcessId`] (JSON), for re-attaching.
+/// In a container's record: the leader's [`ProcessId`] (JSON), for re-attaching.
 pub const PROCESS_FILE: &str = "process.json";
-/// Created in the container's directory when the RM takes the container back
+/// In a container's record: how it ended ([`RecordedEnd`], JSON), written by the node.
+pub const END_FILE: &str = "end.json";
+/// In a container's record: the RM acknowledged its end (not re-attached after a restart;
+/// removed after [`ExecutorOptions::retention`]).
+pub const ACKED_FILE: &str = "acked";
+/// In a container's record: the task's own directory (`GPUAM_CONTAINER_DIR`).
+pub const WORK_DIR: &str = "work";
+/// Created in the container's work directory when the RM takes the container back
 /// (`GPUAM_PREEMPT_FILE`): the task may checkpoint before it is stopped. It holds the
 /// deadline (milliseconds since the epoch) and the reason, one per line.
 pub const PREEMPT_FILE: &str = "preempt";
+/// How long a finished container's record (its logs) is kept by default
+/// (`node.log_retention_sec`).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Finished records are looked for at most this often (on a start).
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// The task's own directory inside container record `record`.
+pub fn work_dir(record: &Path) -> PathBuf {
+    record.join(WORK_DIR)
+}
+
+/// How a container ended, as the node saw it (its record's [`END_FILE`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordedEnd {
+    pub exit_status: i32,
+    pub diagnostics: String,
+}
 
 /// Variables copied from the executor's own environment; nothing else leaks into a task.
 const BASE_ENV: [&str; 3] = ["PATH", "HOME", "LANG"];
@@ -135,6 +173,8 @@ struct Entry {
     shim: bool,
     /// Handles of its `stdout` and `stderr` for the log watcher (empty without a limit).
     logs: Arc<Vec<File>>,
+    /// The uid and gid its task runs as, when not this process's.
+    owner: Option<(u32, u32)>,
 }
 
 impl Entry {
@@ -151,6 +191,7 @@ impl Entry {
             cgroup: Cgroup::default(),
             shim: false,
             logs: Arc::default(),
+            owner: None,
         }
     }
 }
@@ -166,14 +207,20 @@ pub struct Executor {
     events: mpsc::UnboundedSender<NodeEvent>,
     table: Table,
     opts: ExecutorOptions,
+    /// When finished records were last looked for ([`Executor::sweep`]).
+    last_sweep: Mutex<Option<Instant>>,
 }
 
-/// The unprivileged user tasks run as.
+/// The unprivileged user a task runs as.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunAs {
+    /// The account's name, or the user's for a per-user uid without an account (the
+    /// task's `USER` and `LOGNAME`).
     pub name: String,
     pub uid: u32,
     pub gid: u32,
+    /// Supplementary groups (an account's, from the group database); none for a per-user uid.
+    pub groups: Vec<u32>,
 }
 
 impl RunAs {
@@ -184,51 +231,17 @@ impl RunAs {
                 name: name.to_string(),
                 uid: u.uid.as_raw(),
                 gid: u.gid.as_raw(),
+                groups: std::ffi::CString::new(name)
+                    .ok()
+                    .and_then(|c| nix::unistd::getgrouplist(&c, u.gid).ok())
+                    .map(|gs| gs.into_iter().map(nix::unistd::Gid::as_raw).collect())
+                    .unwrap_or_default(),
             }),
             Ok(None) => Err(format!("there is no user `{name}` on this machine")),
             Err(e) => Err(format!("cannot look up user `{name}`: {e}")),
         }
     }
-
-    /// `name`, created as a system user without a login shell when it does not exist yet
-    /// and this process may create users (root). Used for the default task user.
-    pub fn ensure(name: &str) -> Result<RunAs, String> {
-        if let Ok(u) = RunAs::lookup(name) {
-            return Ok(u);
-        }
-        if !nix::unistd::geteuid().is_root() {
-            return Err(format!(
-                "user `{name}` does not exist and only root can create it; create it or pass --run-as USER"
-            ));
-        }
-        // Several agents on one machine (test hosts) may start at once: useradd then fails
-        // for all but one ("cannot lock /etc/passwd", "user already exists"), and the user
-        // may appear only a moment later. Try again for up to 5 s; the lookup decides.
-        let mut said = String::new();
-        for attempt in 0..50 {
-            if attempt > 0 {
-                std::thread::sleep(std::time::Duration::from_millis(100));
-                if let Ok(u) = RunAs::lookup(name) {
-                    return Ok(u);
-                }
-            }
-            let out = std::process::Command::new("useradd")
-                .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
-                .output()
-                .map_err(|e| format!("cannot run useradd to create user `{name}`: {e}"))?;
-            said = String::from_utf8_lossy(&out.stderr).trim().to_string();
-            if let Ok(u) = RunAs::lookup(name) {
-                return Ok(u);
-            }
-        }
-        Err(format!(
-            "cannot create user `{name}` (useradd said: {said}); create it or pass --run-as USER"
-        ))
-    }
 }
-
-/// The default task user a root node creates.
-pub const DEFAULT_TASK_USER: &str = "gpuam-task";
 
 /// How often a running container's log sizes are checked.
 pub const LOG_CHECK: Duration = Duration::from_millis(250);
@@ -241,8 +254,11 @@ pub const LOG_KEEP_MAX: u64 = 4 << 20;
 pub struct ExecutorOptions {
     /// Where containers' cgroups go ([`Containment::none`]: process groups only).
     pub containment: Containment,
-    /// Run tasks as this user (`None`: as this process's user).
+    /// Run tasks as this user (`None`: as this process's user), unless `users` says.
     pub run_as: Option<RunAs>,
+    /// Which uid each user's tasks run as ([`super::identity`]); consulted for every start
+    /// that names its user ([`Executor::start_as`]); `None`: `run_as`.
+    pub users: Option<Arc<super::identity::TaskUsers>>,
     /// Set by the node's operator for every task (`gpuam node --task-env`, YARN's
     /// admin-env): site paths such as a shared software directory. Checked with
     /// [`check_task_env`]; the job's and gpuam's own variables come after it.
@@ -250,6 +266,12 @@ pub struct ExecutorOptions {
     /// Most bytes each of a container's `stdout` and `stderr` may hold (`node.max_log_bytes`;
     /// `None`: no limit). See the module doc.
     pub max_log_bytes: Option<u64>,
+    /// How long a finished, acknowledged container's record (its logs) is kept
+    /// (`node.log_retention_sec`; `None`: [`DEFAULT_RETENTION`]).
+    pub retention: Option<Duration>,
+    /// Ends are heard in this process (the in-process node), so no acknowledgement comes:
+    /// a finished record counts as acknowledged for the retention.
+    pub ends_heard_here: bool,
     /// Most MiB a container's directory may hold (`node.max_container_disk_mb`; `None`: no
     /// bound). See [`super::bounds`].
     pub max_disk_mb: Option<u64>,
@@ -314,6 +336,7 @@ impl Executor {
             events,
             table: Arc::new(Mutex::new(HashMap::new())),
             opts,
+            last_sweep: Mutex::new(None),
         }
     }
 
@@ -378,7 +401,7 @@ impl Executor {
         granted: &Resources,
         ctx: LaunchContext,
     ) -> Result<u32, NodeError> {
-        self.start_placed(container_id, host, granted, ctx, None)
+        self.start_as(container_id, host, granted, ctx, None, None)
     }
 
     /// [`Executor::start`] on a node whose GPU topology is `topology`: the task also gets
@@ -386,13 +409,17 @@ impl Executor {
     /// `GPUAM_NUMA_NODES`, and its GPUs' NUMA-local CPUs (those this node can use) as its
     /// cgroup's cpuset where the node has one, else through `taskset -c`; either way
     /// `GPUAM_CPU_AFFINITY` names them.
-    pub fn start_placed(
+    ///
+    /// For a task of `user` (the job's submitter), with [`ExecutorOptions::users`], it
+    /// runs as that user's own uid ([`super::identity`]); `user` is the task's `GPUAM_USER`.
+    pub fn start_as(
         &self,
         container_id: &str,
         host: &str,
         granted: &Resources,
         ctx: LaunchContext,
         topology: Option<&Topology>,
+        user: Option<&str>,
     ) -> Result<u32, NodeError> {
         let fail = |why: String| NodeError::StartFailed {
             id: container_id.into(),
@@ -414,6 +441,17 @@ impl Executor {
             )));
         }
         validate_context(&ctx).map_err(&fail)?;
+        let run_as = match (&self.opts.users, user) {
+            (Some(users), Some(user)) => users.resolve(user).map_err(&fail)?,
+            (Some(users), None) if users.per_user() => {
+                return Err(fail(
+                    "the start names no user; a per-user node runs every task as its user's uid".into(),
+                ))
+            }
+            (Some(users), None) => users.resolve("").map_err(&fail)?,
+            (None, _) => self.opts.run_as.clone(),
+        };
+        self.sweep_now_and_then();
 
         let dir = self.root.join(container_id);
         let was_allocated = {
@@ -437,9 +475,11 @@ impl Executor {
             container_id,
             host,
             granted,
-            &dir,
+            &work_dir(&dir),
             &ctx,
             &self.opts,
+            run_as.as_ref(),
+            user,
             &locality,
             cpus.as_ref(),
         );
@@ -474,7 +514,7 @@ impl Executor {
                     commands: &ctx.commands,
                     env: &env,
                     cgroup: &cg,
-                    run_as: self.opts.run_as.as_ref(),
+                    run_as: run_as.as_ref(),
                     taskset: taskset.as_deref(),
                     shim: self.opts.containment.shim(),
                 };
@@ -484,6 +524,9 @@ impl Executor {
             });
         match spawned {
             Err(why) => {
+                // Nothing ran: no record of it stays (a restarted node would take it for
+                // a launch it has to end).
+                let _ = std::fs::remove_dir_all(&dir);
                 let mut table = self.table.lock();
                 if was_allocated {
                     if let Some(e) = table.get_mut(container_id) {
@@ -522,6 +565,7 @@ impl Executor {
                         e.done = Some(done_rx);
                         e.cgroup = cgroup.clone();
                         e.shim = self.opts.containment.shim().is_some();
+                        e.owner = run_as.as_ref().map(|u| (u.uid, u.gid));
                     }
                 }
                 let ending = self.ending(container_id, dir, done_tx, cgroup);
@@ -531,7 +575,8 @@ impl Executor {
                         pid,
                         shim: self.opts.containment.shim().is_some(),
                     };
-                    let (d, v) = (ending.dir.clone(), ending.verdict.clone());
+                    // The task's own directory: its logs are the node's, bounded apart.
+                    let (d, v) = (work_dir(&ending.dir), ending.verdict.clone());
                     tokio::spawn(super::bounds::watch_disk(d, mb, target, v, disk_done));
                 }
                 tokio::spawn(wait_container(ending, child, pid, leader));
@@ -555,14 +600,29 @@ impl Executor {
     }
 
     /// Takes a container that an earlier executor (an RM before a restart) started, and
-    /// that the RM's records say is running, back under watch: if its leader still runs
-    /// (the pid and start time in `process.json` match), it is watched and can be stopped
-    /// as if started here; if not, the container ends now with the exit status its
-    /// script recorded. Either way exactly one `Exited` event follows.
+    /// that the RM's records say is running, back under watch: if the node recorded its
+    /// end ([`END_FILE`]), it ends now with that; else if its leader still runs (the pid
+    /// and start time in `process.json` match), it is watched and can be stopped as if
+    /// started here; if not, the container ends now with the exit status its script
+    /// recorded. Either way exactly one `Exited` event follows. Only the container's
+    /// record is read, which its task cannot write (see the module doc).
     pub fn reattach(&self, container_id: &str) {
         let dir = self.root.join(container_id);
-        let leader = valid_container_id(container_id)
-            .then(|| std::fs::read(dir.join(PROCESS_FILE)).ok())
+        let valid = valid_container_id(container_id);
+        if let Some(end) = valid.then(|| recorded_end(&dir)).flatten() {
+            let mut entry = Entry::new(dir, Phase::Complete);
+            entry.exit_status = Some(end.exit_status);
+            entry.diagnostics = end.diagnostics.clone();
+            self.table.lock().insert(container_id.to_string(), entry);
+            let _ = self.events.send(NodeEvent::Exited {
+                container_id: container_id.into(),
+                exit_status: end.exit_status,
+                diagnostics: end.diagnostics,
+            });
+            return;
+        }
+        let leader = valid
+            .then(|| read_small_in_place(&dir.join(PROCESS_FILE), 64 << 10).ok())
             .flatten()
             .and_then(|b| serde_json::from_slice::<ProcessId>(&b).ok());
         let (done_tx, done_rx) = watch::channel(false);
@@ -608,7 +668,7 @@ impl Executor {
                 tokio::spawn(wait_inherited(ending, p));
             }
             None => {
-                let (code, how) = recorded_exit(&ending.dir);
+                let (code, how) = recorded_exit(&work_dir(&ending.dir));
                 // The group id is the leader's pid; leftovers of a dead leader still go.
                 let pgid = leader.map_or(0, |p| p.pid);
                 tokio::spawn(container_ended(ending, pgid, leader, code, how));
@@ -725,15 +785,73 @@ impl Executor {
         }
     }
 
-    /// Drops a Complete container from the table (its directory stays); `true` if it was
-    /// removed. Lets a long-running RM bound the executor's memory once it has reported
-    /// the container's end.
+    /// Drops a Complete container from the table once its end was acknowledged; `true` if
+    /// it was removed. Its record says so ([`ACKED_FILE`]): it is not re-attached after a
+    /// restart, and its record (the logs) goes after [`ExecutorOptions::retention`]. Lets
+    /// a long-running RM bound the executor's memory once it has reported the end.
     pub fn forget(&self, container_id: &str) -> bool {
         let mut table = self.table.lock();
         match table.get(container_id) {
-            Some(e) if e.phase == Phase::Complete => table.remove(container_id).is_some(),
+            Some(e) if e.phase == Phase::Complete => {
+                if let Err(e) = create_new_in(&e.dir, ACKED_FILE, b"", None) {
+                    if e.kind() != std::io::ErrorKind::AlreadyExists && e.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(container = container_id, "cannot record the acknowledgement: {e}");
+                    }
+                }
+                table.remove(container_id).is_some()
+            }
             _ => false,
         }
+    }
+
+    /// Ids of the containers launched here whose end the RM has not acknowledged, from
+    /// their records alone (what a restarted agent re-attaches to). That includes one
+    /// whose launch began (its log files are created before the spawn) but whose process
+    /// was never recorded: re-attaching ends it. Sorted.
+    pub fn unacknowledged(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut out: Vec<String> = entries
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|id| valid_container_id(id))
+            .filter(|id| {
+                let record = self.root.join(id);
+                let launched = [PROCESS_FILE, LogStream::Stdout.file_name()]
+                    .iter()
+                    .any(|f| std::fs::symlink_metadata(record.join(f)).is_ok());
+                launched && std::fs::symlink_metadata(record.join(ACKED_FILE)).is_err()
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Removes the records of acknowledged containers that ended longer than the retention
+    /// ago (their logs included), and the work directory of any ended one still there.
+    /// Returns how many records went.
+    pub fn sweep(&self, now: std::time::SystemTime) -> usize {
+        let retention = self.opts.retention.unwrap_or(DEFAULT_RETENTION);
+        sweep_records(&self.root, &self.table, retention, self.opts.ends_heard_here, now)
+    }
+
+    /// [`Executor::sweep`], at most every [`SWEEP_EVERY`], in the background.
+    fn sweep_now_and_then(&self) {
+        {
+            let mut last = self.last_sweep.lock();
+            if last.is_some_and(|t| t.elapsed() < SWEEP_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let (root, table) = (self.root.clone(), self.table.clone());
+        let retention = self.opts.retention.unwrap_or(DEFAULT_RETENTION);
+        let heard = self.opts.ends_heard_here;
+        tokio::task::spawn_blocking(move || {
+            sweep_records(&root, &table, retention, heard, std::time::SystemTime::now())
+        });
     }
 
     /// The container's state, exit status, pid (= pgid) and diagnostics; `None` if unknown.
@@ -754,8 +872,9 @@ impl Executor {
         })
     }
 
-    /// The working directory of a known container (or of one whose directory exists from an
-    /// earlier executor run); `None` for unknown or invalid ids.
+    /// The record directory of a known container (or of one whose record exists from an
+    /// earlier executor run); `None` for unknown or invalid ids. The task's own directory
+    /// is [`work_dir`] of it.
     pub fn container_dir(&self, container_id: &str) -> Option<PathBuf> {
         if !valid_container_id(container_id) {
             return None;
@@ -767,15 +886,17 @@ impl Executor {
         dir.is_dir().then_some(dir)
     }
 
-    /// Tells a container it is being preempted: creates its `GPUAM_PREEMPT_FILE` (written
-    /// beside, then renamed, so a task never reads half of it).
+    /// Tells a container it is being preempted: creates its `GPUAM_PREEMPT_FILE` (a new
+    /// file written beside, then renamed, so a task never reads half of it). The task's
+    /// directory is the task's: nothing in it is opened or followed (see [`create_new_in`]),
+    /// and the file is given to the task's user.
     pub fn notify_preemption(&self, container_id: &str, deadline_ms: u64, reason: &str) -> Result<(), NodeError> {
         let dir = self
             .container_dir(container_id)
             .ok_or_else(|| NodeError::UnknownContainer(container_id.into()))?;
-        let tmp = dir.join(format!(".{PREEMPT_FILE}.tmp"));
-        std::fs::write(&tmp, format!("{deadline_ms}\n{}\n", reason.replace('\n', " ")))?;
-        std::fs::rename(&tmp, dir.join(PREEMPT_FILE))?;
+        let owner = self.table.lock().get(container_id).and_then(|e| e.owner);
+        let text = format!("{deadline_ms}\n{}\n", reason.replace('\n', " "));
+        create_new_in(&work_dir(&dir), PREEMPT_FILE, text.as_bytes(), owner)?;
         Ok(())
     }
 
@@ -803,23 +924,177 @@ impl Executor {
         stream: LogStream,
         tail_bytes: Option<u64>,
     ) -> Result<String, NodeError> {
-        let dir = self
-            .container_dir(container_id)
-            .ok_or_else(|| NodeError::UnknownContainer(container_id.into()))?;
+        let dir = self.log_dir(container_id)?;
         let want = tail_bytes.unwrap_or(MAX_LOG_BYTES).min(MAX_LOG_BYTES);
-        // The container's directory itself must not have been swapped for a link.
-        if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
-            return Err(NodeError::Io(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!("{} is not a directory; refusing to read logs through it", dir.display()),
-            )));
-        }
         match read_tail(&dir.join(stream.file_name()), want) {
             Ok(text) => Ok(text),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
             Err(e) => Err(e.into()),
         }
     }
+
+    /// At most `max` bytes of a container's stream from byte `offset`, and the file's length
+    /// now (how `gpuam run` follows a task's output). A length below `offset` means the log
+    /// was cut to its newest part (`node.max_log_bytes`): read it again from 0.
+    pub fn read_log_from(
+        &self,
+        container_id: &str,
+        stream: LogStream,
+        offset: u64,
+        max: u64,
+    ) -> Result<(Vec<u8>, u64), NodeError> {
+        let dir = self.log_dir(container_id)?;
+        let read = || -> std::io::Result<(Vec<u8>, u64)> {
+            let mut f = open_log_in_place(&dir.join(stream.file_name()), false)?;
+            let len = f.metadata()?.len();
+            if offset >= len {
+                return Ok((Vec::new(), len));
+            }
+            f.seek(SeekFrom::Start(offset))?;
+            let mut buf = Vec::new();
+            f.take(max.min(MAX_LOG_BYTES)).read_to_end(&mut buf)?;
+            Ok((buf, len))
+        };
+        match read() {
+            Ok(v) => Ok(v),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vec::new(), 0)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The directory of a container whose logs are read: known, and a real directory (the
+    /// container's directory itself must not have been swapped for a link).
+    fn log_dir(&self, container_id: &str) -> Result<PathBuf, NodeError> {
+        let dir = self
+            .container_dir(container_id)
+            .ok_or_else(|| NodeError::UnknownContainer(container_id.into()))?;
+        if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
+            return Err(NodeError::Io(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("{} is not a directory; refusing to read logs through it", dir.display()),
+            )));
+        }
+        Ok(dir)
+    }
+}
+
+/// See [`Executor::sweep`].
+fn sweep_records(root: &Path, table: &Table, retention: Duration, heard: bool, now: std::time::SystemTime) -> usize {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let Some(id) = e.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if !valid_container_id(&id) || table.lock().get(&id).is_some_and(|e| e.phase != Phase::Complete) {
+            continue;
+        }
+        let record = root.join(&id);
+        let Ok(ended) = std::fs::symlink_metadata(record.join(END_FILE)).and_then(|m| m.modified()) else {
+            continue;
+        };
+        let acked = heard || std::fs::symlink_metadata(record.join(ACKED_FILE)).is_ok();
+        if acked && now.duration_since(ended).is_ok_and(|age| age >= retention) {
+            match std::fs::remove_dir_all(&record) {
+                Ok(()) => removed += 1,
+                Err(e) => tracing::warn!(container = %id, "cannot remove the finished record: {e}"),
+            }
+        } else {
+            remove_work_dir(&record, &id);
+        }
+    }
+    removed
+}
+
+/// Removes the task's own directory of an ended container (its record stays). The
+/// removal does not follow links (`remove_dir_all` opens each level relative to its
+/// parent without following).
+fn remove_work_dir(record: &Path, id: &str) {
+    match std::fs::remove_dir_all(work_dir(record)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(container = id, "cannot remove the finished container's directory: {e}"),
+    }
+}
+
+/// Reads at most `max` bytes of a regular file where it is, never through a link (see
+/// [`open_log_in_place`]).
+fn read_small_in_place(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let f = open_log_in_place(path, false)?;
+    let mut out = Vec::new();
+    f.take(max).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Creates `name` in directory `dir` holding `text`, owned by `owner` when given, without
+/// opening or following anything already in `dir`: the directory is opened with
+/// `O_NOFOLLOW`, a new file of a fresh name is created in it with `O_CREAT | O_EXCL |
+/// O_NOFOLLOW` (relative to the directory's handle), written, and renamed over `name`
+/// (which replaces a link rather than following it). So a task that owns `dir` cannot
+/// make root write anywhere else.
+pub fn create_new_in(dir: &Path, name: &str, text: &[u8], owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    use std::ffi::CString;
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    let c = |s: &str| CString::new(s).map_err(|_| std::io::Error::other("a NUL in a file name"));
+    let cdir =
+        CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| std::io::Error::other("a NUL in a path"))?;
+    // SAFETY: plain syscalls on NUL-terminated strings; every fd returned is owned at once.
+    let dfd = unsafe {
+        libc::open(
+            cdir.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if dfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `dfd` is a fresh descriptor nobody else owns.
+    let dfd = unsafe { OwnedFd::from_raw_fd(dfd) };
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = c(&format!(
+        ".{name}.{}.{nanos}.{}.tmp",
+        std::process::id(),
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ))?;
+    let target = c(name)?;
+    // SAFETY: as above.
+    let fd = unsafe {
+        libc::openat(
+            dfd.as_raw_fd(),
+            tmp.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644 as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let unlink = || {
+        // SAFETY: as above; removes our own temporary name.
+        unsafe { libc::unlinkat(dfd.as_raw_fd(), tmp.as_ptr(), 0) };
+    };
+    let written = (|| {
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
+        }
+        (&file).write_all(text)?;
+        // SAFETY: as above.
+        if unsafe { libc::renameat(dfd.as_raw_fd(), tmp.as_ptr(), dfd.as_raw_fd(), target.as_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    })();
+    if written.is_err() {
+        unlink();
+    }
+    written
 }
 
 /// Rejects what bash or `execve` cannot carry, naming the field.
@@ -853,6 +1128,8 @@ fn container_env(
     dir: &Path,
     ctx: &LaunchContext,
     opts: &ExecutorOptions,
+    run_as: Option<&RunAs>,
+    user: Option<&str>,
     locality: &TaskLocality,
     cpus: Option<&CpuList>,
 ) -> Vec<(String, String)> {
@@ -863,9 +1140,11 @@ fn container_env(
         }
     }
     env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
-    if opts.run_as.is_some() {
+    if let Some(u) = run_as {
         // The node's own home is not the task user's.
         env.insert("HOME".into(), dir.to_string_lossy().into_owned());
+        env.insert("USER".into(), u.name.clone());
+        env.insert("LOGNAME".into(), u.name.clone());
     }
     for (k, v) in &opts.task_env {
         env.insert(k.clone(), v.clone());
@@ -895,6 +1174,13 @@ fn container_env(
     ];
     for (k, v) in own {
         env.insert(k.into(), v);
+    }
+    if let Some(user) = user {
+        // Who submitted the job, as the RM knows it (an OpenPAI job's `PAI_USER_NAME` too).
+        env.insert("GPUAM_USER".into(), user.to_string());
+        if let Some(pai) = env.get_mut("PAI_USER_NAME") {
+            *pai = user.to_string();
+        }
     }
     // Where its GPUs are; the CPU list is the one applied (the GPUs' CPUs this node has).
     for (k, v) in locality.env() {
@@ -1046,18 +1332,50 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
         shim,
     } = *launch;
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
-    std::fs::create_dir_all(dir).map_err(|e| where_("cannot create directory", dir, e))?;
-    let script = dir.join("launch.sh");
-    // 0600: the commands may hold rendered secrets (OpenPAI `<% $secrets.x %>`).
-    use std::os::unix::fs::OpenOptionsExt as _;
+    use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
+    // The record (this node's, 0711: the task passes through to its work directory but
+    // cannot list or change it) and in it the task's own directory (0700, the task's).
+    let work = work_dir(dir);
+    if let Some(root) = dir.parent() {
+        std::fs::create_dir_all(root).map_err(|e| where_("cannot create directory", root, e))?;
+    }
+    // A start tried again after a failed one begins with a fresh work directory.
+    match std::fs::remove_dir_all(&work) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(where_("cannot clear", &work, e)),
+        _ => {}
+    }
+    for (d, mode) in [(dir, 0o711), (work.as_path(), 0o700)] {
+        match std::fs::DirBuilder::new().mode(mode).create(d) {
+            Ok(()) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AlreadyExists
+                    && std::fs::symlink_metadata(d).is_ok_and(|m| m.is_dir()) => {}
+            Err(e) => return Err(where_("cannot create directory", d, e)),
+        }
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| where_("cannot set the mode of", d, e))?;
+    }
+    if let Some(u) = run_as {
+        std::os::unix::fs::chown(&work, Some(u.uid), Some(u.gid)).map_err(|e| where_("cannot chown", &work, e))?;
+    }
+    let script = work.join("launch.sh");
+    // 0600 and the task's alone: the commands may hold rendered secrets (OpenPAI
+    // `<% $secrets.x %>`). The directory is new, so nothing of the task's is there yet.
     std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(&script)
-        .and_then(|mut f| f.write_all(launch_script(id, dir, commands).as_bytes()))
+        .and_then(|f| {
+            if let Some(u) = run_as {
+                std::os::unix::fs::fchown(&f, Some(u.uid), Some(u.gid))?;
+            }
+            (&f).write_all(launch_script(id, &work, commands).as_bytes())
+        })
         .map_err(|e| where_("cannot write", &script, e))?;
+    // The logs are the node's, in the record: the task writes them through the handles it
+    // is given and can neither reach nor replace them by name.
     let out_path = dir.join(LogStream::Stdout.file_name());
     let err_path = dir.join(LogStream::Stderr.file_name());
     // O_APPEND: when the log watcher cuts a file, the task's writes go on at its new end.
@@ -1066,6 +1384,8 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
             .create(true)
             .read(true)
             .append(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(p)
             .and_then(|f| f.set_len(0).map(|()| f))
             .map_err(|e| where_("cannot create", p, e))
@@ -1077,16 +1397,9 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
         .map(File::try_clone)
         .collect::<Result<Vec<File>, _>>()
         .map_err(|e| format!("cannot keep a handle of the log files: {e}"))?;
-    if let Some(u) = run_as {
-        // The task writes its exit status and whatever it likes into its directory; the
-        // node reads the logs without following links (see `read_tail`).
-        for p in [dir, &script, &out_path, &err_path] {
-            std::os::unix::fs::chown(p, Some(u.uid), Some(u.gid)).map_err(|e| where_("cannot chown", p, e))?;
-        }
-    }
 
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
-    let spawn = super::image::program_for(dir, id, env)?;
+    let spawn = super::image::program_for(dir, &work, id, env)?;
     // [shim --] [taskset -c LIST] program args
     let mut argv: Vec<std::ffi::OsString> = Vec::new();
     if let Some(exe) = shim {
@@ -1100,7 +1413,7 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
     let program = argv.remove(0);
     let mut cmd = std::process::Command::new(&program);
     cmd.args(&argv)
-        .current_dir(dir)
+        .current_dir(&work)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdin(Stdio::null());
@@ -1108,6 +1421,7 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
     let joins = cgroup.join_paths();
     let private_dev = cgroup.private_dev().cloned();
     let ids = run_as.map(|u| (u.uid, u.gid));
+    let groups: Vec<libc::gid_t> = run_as.map(|u| u.groups.clone()).unwrap_or_default();
     // SAFETY: the closure runs in the forked child before exec and only makes
     // async-signal-safe syscalls (setsid, open, write, close, setgroups, setgid, setuid)
     // on data prepared before the fork; it allocates nothing and touches no locks.
@@ -1132,7 +1446,10 @@ fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<(tokio::pro
                 dev.enter()?;
             }
             if let Some((uid, gid)) = ids {
-                if libc::setgroups(0, std::ptr::null()) == -1 || libc::setgid(gid) == -1 || libc::setuid(uid) == -1 {
+                if libc::setgroups(groups.len(), groups.as_ptr()) == -1
+                    || libc::setgid(gid) == -1
+                    || libc::setuid(uid) == -1
+                {
                     return Err(std::io::Error::last_os_error());
                 }
             }
@@ -1178,15 +1495,31 @@ async fn wait_container(ending: Ending, mut child: tokio::process::Child, pgid: 
 /// container with the status the leader's script wrote, if it got to write one.
 async fn wait_inherited(ending: Ending, leader: ProcessId) {
     leader.ended().await;
-    let (code, how) = recorded_exit(&ending.dir);
+    let (code, how) = match recorded_exit(&work_dir(&ending.dir)) {
+        // Another watcher of it (the executor that started it, still alive in tests) may
+        // have recorded the end, and removed the directory, first.
+        (exit_status::ABORTED, how) => {
+            recorded_end(&ending.dir).map_or((exit_status::ABORTED, how), |e| (e.exit_status, e.diagnostics))
+        }
+        other => other,
+    };
     container_ended(ending, leader.pid, Some(leader), code, how).await;
 }
 
-/// The exit status `launch.sh` wrote, with a sentence; ABORTED when there is none (the
-/// leader was killed with SIGKILL, or never ran).
-fn recorded_exit(dir: &Path) -> (i32, String) {
-    match std::fs::read_to_string(dir.join(EXIT_CODE_FILE))
+/// The end the node recorded in container record `record` ([`END_FILE`]), if any.
+fn recorded_end(record: &Path) -> Option<RecordedEnd> {
+    read_small_in_place(&record.join(END_FILE), 64 << 10)
         .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+}
+
+/// The exit status `launch.sh` wrote in the work directory `work`, with a sentence;
+/// ABORTED when there is none (the leader was killed with SIGKILL, or never ran). The
+/// file is the task's: read without following a link, at most 32 bytes, only a number kept.
+fn recorded_exit(work: &Path) -> (i32, String) {
+    match read_small_in_place(&work.join(EXIT_CODE_FILE), 32)
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok())
         .and_then(|t| t.trim().parse::<i32>().ok())
     {
         Some(code) => (code, format!("exited with code {code} (seen after an RM restart)")),
@@ -1229,7 +1562,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         }
     }
     // A task in an image: its container is gone too (see image::reap).
-    super::image::reap(&dir).await;
+    super::image::reap(&dir, &id).await;
     let oom = cgroup.oom_killed();
     if cgroup.is_real() {
         if let Some(why) = empty_cgroup(&cgroup, &id).await {
@@ -1240,17 +1573,8 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     // A bound the container went past leads its diagnostics (the AM classifies on it).
     let killed_for = verdict.lock().clone();
     if let Some(why) = killed_for.or(oom) {
-        if why.starts_with("disk") {
-            let keep = [
-                LogStream::Stdout.file_name(),
-                LogStream::Stderr.file_name(),
-                EXIT_CODE_FILE,
-                PROCESS_FILE,
-                "launch.sh",
-            ];
-            let d = dir.clone();
-            let _ = tokio::task::spawn_blocking(move || super::bounds::trim_dir(&d, &keep)).await;
-        }
+        // Past its disk bound or not, the task's directory goes below, before anyone hears
+        // of the end; its logs (in the record) stay.
         diagnostics = format!("{why}; {diagnostics}");
     }
     // The logs are within their limit before anyone hears of the end.
@@ -1272,6 +1596,19 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
             }
         }
     }
+    // Recorded before anyone hears of it (a restarted node reports this end), and the
+    // task's own directory goes: its logs stay in the record.
+    let end = RecordedEnd {
+        exit_status: code,
+        diagnostics: diagnostics.clone(),
+    };
+    let recorded = serde_json::to_vec(&end)
+        .map_err(std::io::Error::other)
+        .and_then(|b| create_new_in(&dir, END_FILE, &b, None));
+    if let Err(e) = recorded {
+        tracing::warn!(container = %id, "cannot record the container's end: {e}");
+    }
+    remove_work_dir(&dir, &id);
     {
         let mut table = table.lock();
         if let Some(e) = table.get_mut(&id) {
@@ -1601,6 +1938,9 @@ mod tests {
         signal_group(killed_pgid, libc::SIGKILL);
         assert_eq!(next_exit(&mut first_rx).await.0, "c-killed");
 
+        // c-killed's end was seen here, but stands for one the node never saw (it was down):
+        // without the node's record of it, the script's own word is all there is.
+        std::fs::remove_file(tmp.path().join("containers/c-killed").join(END_FILE)).unwrap();
         let (tx, mut rx) = mpsc::unbounded_channel();
         let second = Executor::new(tmp.path().join("containers"), tx);
         for id in ["c-run", "c-done", "c-killed", "c-never-started"] {
@@ -1611,7 +1951,12 @@ mod tests {
             let (id, code, diag) = next_exit(&mut rx).await;
             ended.insert(id, (code, diag));
         }
-        assert_eq!(ended["c-done"].0, 5, "the recorded exit status: {:?}", ended["c-done"]);
+        assert_eq!(ended["c-done"].0, 5, "the recorded end: {:?}", ended["c-done"]);
+        assert!(
+            ended["c-done"].1.contains("exited with code 5"),
+            "{:?}",
+            ended["c-done"]
+        );
         // SIGKILL: the script never got to write a status.
         assert_eq!(ended["c-killed"].0, exit_status::ABORTED, "{:?}", ended["c-killed"]);
         assert!(ended["c-killed"].1.contains("left no exit status"));
@@ -1623,9 +1968,9 @@ mod tests {
         assert_eq!(second.status("c-run").unwrap().state, ContainerState::Complete);
     }
 
-    /// A task that writes far more than `max_log_bytes` (and renames its stdout away to
-    /// escape) ends with each log within the limit, a line saying what was dropped, and its
-    /// newest output kept.
+    /// A task that writes far more than `max_log_bytes` ends with each log within the
+    /// limit, a line saying what was dropped, and its newest output kept. (Its logs are in
+    /// the node's record, out of its reach: it cannot rename them away.)
     #[tokio::test]
     async fn logs_are_kept_within_the_limit_and_say_so() {
         let tmp = tempfile::tempdir().unwrap();
@@ -1639,9 +1984,9 @@ mod tests {
                 ..ExecutorOptions::default()
             },
         );
-        // 4 MiB to stdout in lines, then the last line; 1 MiB to stderr after a rename.
+        // 4 MiB to stdout in lines, then the last line; 1 MiB to stderr.
         let cmd = "yes \"$(head -c 1023 /dev/zero | tr '\\0' x)\" | head -n 4096; echo LAST-LINE; \
-                   mv stderr stderr.moved; head -c 1048576 /dev/zero >&2";
+                   head -c 1048576 /dev/zero >&2";
         exec.start("c-log", "h", &no_gpus(), ctx(&[cmd])).unwrap();
         let (_, code, diag) = next_exit(&mut rx).await;
         assert_eq!(code, 0, "{diag}");
@@ -1654,9 +1999,125 @@ mod tests {
             &out[..out.len().min(200)]
         );
         assert!(out.trim_end().ends_with("LAST-LINE"), "the newest output is kept");
-        // The watcher holds the file itself: a rename does not escape it.
-        let moved = std::fs::metadata(dir.join("stderr.moved")).unwrap().len();
-        assert!(moved <= max, "stderr (renamed) is {moved} bytes");
+        let err = std::fs::metadata(dir.join("stderr")).unwrap().len();
+        assert!(err <= max, "stderr is {err} bytes");
+    }
+
+    /// Polls (up to 10 s) until container `id`'s stdout holds `text`.
+    async fn wait_stdout(exec: &Executor, id: &str, text: &str) {
+        for _ in 0..500 {
+            if exec.read_log(id, LogStream::Stdout, None).unwrap().contains(text) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Issue 23: the preemption notice is written into the task's directory without
+    /// following what the task put there: links named `preempt` or like the old fixed
+    /// temporary name leave their targets unchanged, and the notice is a new regular file.
+    #[tokio::test]
+    async fn the_preemption_notice_never_follows_the_tasks_links() {
+        let (tmp, exec, mut rx) = setup();
+        let target = tmp.path().join("root-owned");
+        std::fs::write(&target, "root:x:0:0\n").unwrap();
+        let go = tmp.path().join("go");
+        let cmd = format!(
+            "ln -s {t} .preempt.tmp; ln -s {t} preempt; echo linked; while [ ! -f {go} ]; do sleep 0.02; done",
+            t = target.display(),
+            go = go.display()
+        );
+        exec.start("c-pre", "h", &no_gpus(), ctx(&[&cmd])).unwrap();
+        let work = work_dir(&exec.container_dir("c-pre").unwrap());
+        wait_stdout(&exec, "c-pre", "linked").await;
+        exec.notify_preemption("c-pre", 1234, "taken back").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&target).unwrap(),
+            "root:x:0:0\n",
+            "the target is unchanged"
+        );
+        let notice = std::fs::symlink_metadata(work.join(PREEMPT_FILE)).unwrap();
+        assert!(notice.is_file(), "the notice replaced the link: {notice:?}");
+        assert_eq!(
+            std::fs::read_to_string(work.join(PREEMPT_FILE)).unwrap(),
+            "1234\ntaken back\n"
+        );
+        std::fs::write(&go, "").unwrap();
+        assert_eq!(next_exit(&mut rx).await.1, 0);
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "root:x:0:0\n");
+    }
+
+    /// Issue 23: what a restarted node re-attaches to comes from the container's record
+    /// alone. A task that creates `acked`, deletes its launch.sh, and writes a
+    /// `process.json` naming another process (this test's own) in its directory is still
+    /// re-attached to, as itself, and stopping it signals no one else.
+    #[tokio::test]
+    async fn a_task_cannot_steer_the_reattach() {
+        let (tmp, first, _rx) = setup();
+        let me = ProcessId::of(std::process::id()).unwrap();
+        let forged = serde_json::to_string(&me).unwrap();
+        let cmd = format!(
+            "touch acked; rm -f launch.sh; printf '%s' {forged} > process.json; \
+             echo forged; sleep 30",
+            forged = shell_quote(&forged)
+        );
+        first.start("c-steer", "h", &no_gpus(), ctx(&[&cmd])).unwrap();
+        let leader = first.status("c-steer").unwrap().pid.unwrap();
+        wait_stdout(&first, "c-steer", "forged").await;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let second = Executor::new(tmp.path().join("containers"), tx);
+        assert_eq!(second.unacknowledged(), vec!["c-steer".to_string()]);
+        second.reattach("c-steer");
+        let s = second.status("c-steer").unwrap();
+        assert_eq!((s.state, s.pid), (ContainerState::Running, Some(leader)), "{s:?}");
+        second.stop("c-steer", Duration::from_millis(200)).await.unwrap();
+        let (id, _, _) = next_exit(&mut rx).await;
+        assert_eq!(id, "c-steer");
+        assert!(me.alive(), "this process was not signalled");
+    }
+
+    /// Finished records go after the retention once acknowledged; unacknowledged ones stay
+    /// (a restarted node reports them), and so does a running container's.
+    #[tokio::test]
+    async fn finished_records_are_removed_after_the_retention_once_acknowledged() {
+        let (tmp, exec, mut rx) = setup();
+        exec.start("c-old", "h", &no_gpus(), ctx(&["echo bye"])).unwrap();
+        exec.start("c-unacked", "h", &no_gpus(), ctx(&["true"])).unwrap();
+        for _ in 0..2 {
+            next_exit(&mut rx).await;
+        }
+        let root = tmp.path().join("containers");
+        assert!(
+            !work_dir(&root.join("c-old")).exists(),
+            "the work directory went at the end"
+        );
+        assert!(exec.forget("c-old"));
+        assert!(root.join("c-old").join(ACKED_FILE).exists());
+        let now = std::time::SystemTime::now();
+        assert_eq!(exec.sweep(now), 0, "within the retention");
+        assert_eq!(exec.read_log("c-old", LogStream::Stdout, None).unwrap(), "bye\n");
+        assert_eq!(exec.sweep(now + DEFAULT_RETENTION + Duration::from_secs(1)), 1);
+        assert!(!root.join("c-old").exists());
+        assert!(root.join("c-unacked").join(END_FILE).exists());
+        assert_eq!(exec.unacknowledged(), vec!["c-unacked".to_string()]);
+    }
+
+    /// [`create_new_in`] refuses a directory that is a link, and never writes through one.
+    #[test]
+    fn create_new_in_never_follows() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert!(create_new_in(&link, "x", b"1", None).is_err());
+        assert!(!real.join("x").exists());
+        let target = tmp.path().join("target");
+        std::fs::write(&target, "keep").unwrap();
+        std::os::unix::fs::symlink(&target, real.join("x")).unwrap();
+        create_new_in(&real, "x", b"new", None).unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
+        assert_eq!(std::fs::read_to_string(real.join("x")).unwrap(), "new");
     }
 
     #[test]
@@ -1756,7 +2217,7 @@ mod tests {
             ctx(&[
                 "false; echo x",
                 "export V=7; mkdir sub; cd sub",
-                "echo \"v=$V\" > ../v.txt; pwd",
+                "echo \"v=$V\"; pwd",
                 "if then",
                 "echo never",
             ]),
@@ -1764,10 +2225,9 @@ mod tests {
         .unwrap();
         let (_, code, _) = next_exit(&mut rx).await;
         assert_eq!(code, 2);
-        let dir = exec.container_dir("c2").unwrap();
-        assert_eq!(std::fs::read_to_string(dir.join("v.txt")).unwrap(), "v=7\n");
+        let dir = work_dir(&exec.container_dir("c2").unwrap());
         let out = exec.read_log("c2", LogStream::Stdout, None).unwrap();
-        assert!(out.starts_with("x\n"), "{out}");
+        assert!(out.starts_with("x\nv=7\n"), "{out}");
         assert!(out.contains(&format!("{}\n", dir.join("sub").display())), "{out}");
         assert!(!out.contains("never"));
     }
@@ -1785,7 +2245,7 @@ mod tests {
     #[tokio::test]
     async fn environment_contract() {
         let (_t, exec, mut rx) = setup();
-        let mut c = ctx(&["env > env.txt"]);
+        let mut c = ctx(&["env"]);
         c.env.insert("MY_VAR".into(), "hello world".into());
         c.env.insert("GPUAM_TASK_INDEX".into(), "2".into());
         c.env.insert("CUDA_VISIBLE_DEVICES".into(), "7".into());
@@ -1795,8 +2255,8 @@ mod tests {
         exec.start("env1", "node-3", &granted, c).unwrap();
         let (_, code, _) = next_exit(&mut rx).await;
         assert_eq!(code, 0);
-        let dir = exec.container_dir("env1").unwrap();
-        let text = std::fs::read_to_string(dir.join("env.txt")).unwrap();
+        let dir = work_dir(&exec.container_dir("env1").unwrap());
+        let text = exec.read_log("env1", LogStream::Stdout, None).unwrap();
         let vars: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
         assert_eq!(vars["CUDA_VISIBLE_DEVICES"], "1,3");
         assert_eq!(vars["NVIDIA_VISIBLE_DEVICES"], "1,3");
@@ -1885,7 +2345,7 @@ mod tests {
         let granted = Resources::with_mask(1, 100, mask, Default::default());
         let cmd = "echo \"cpus=$GPUAM_CPU_AFFINITY nic=$GPUAM_NIC hca=${NCCL_IB_HCA-unset} numa=$GPUAM_NUMA_NODES\"; \
                    grep Cpus_allowed_list /proc/self/status";
-        exec.start_placed(id, "h", &granted, ctx(&[cmd]), Some(topo)).unwrap();
+        exec.start_as(id, "h", &granted, ctx(&[cmd]), Some(topo), None).unwrap();
         let (_, code, diag) = next_exit(rx).await;
         assert_eq!(
             code,
@@ -1943,8 +2403,15 @@ mod tests {
         if described.contains("cpuset (v1)") {
             // Pinned by its own v1 cpuset, not by taskset.
             let granted = Resources::with_mask(1, 100, 0b01, Default::default());
-            exec.start_placed("pin-cg2", "h", &granted, ctx(&["cat /proc/self/cgroup"]), Some(&topo))
-                .unwrap();
+            exec.start_as(
+                "pin-cg2",
+                "h",
+                &granted,
+                ctx(&["cat /proc/self/cgroup"]),
+                Some(&topo),
+                None,
+            )
+            .unwrap();
             next_exit(&mut rx).await;
             let groups = exec.read_log("pin-cg2", LogStream::Stdout, None).unwrap();
             assert!(
@@ -1967,14 +2434,14 @@ mod tests {
     #[tokio::test]
     async fn a_share_and_custom_resources_are_in_the_environment() {
         let (_t, exec, mut rx) = setup();
-        let mut c = ctx(&["env > env.txt"]);
+        let mut c = ctx(&["env"]);
         c.env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "100".into());
         let granted = Resources::with_share(1, 100, 1, 25, Default::default()).with_custom(
             crate::resources::CustomResources::from_pairs([("nvme", 1), ("ib-hca", 2)]),
         );
         exec.start("share1", "h", &granted, c).unwrap();
         assert_eq!(next_exit(&mut rx).await.1, 0);
-        let text = std::fs::read_to_string(exec.container_dir("share1").unwrap().join("env.txt")).unwrap();
+        let text = exec.read_log("share1", LogStream::Stdout, None).unwrap();
         let vars: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
         assert_eq!(vars["CUDA_VISIBLE_DEVICES"], "1");
         assert_eq!(vars["GPUAM_GPU_MASK"], "0x2");
@@ -1986,12 +2453,12 @@ mod tests {
         assert_eq!(vars["GPUAM_RESOURCES"], "ib-hca=2,nvme=1");
         assert_eq!((vars["GPUAM_RESOURCE_NVME"], vars["GPUAM_RESOURCE_IB_HCA"]), ("1", "2"));
         // A whole-GPU task has no fraction, even one set by the caller.
-        let mut c = ctx(&["env > env.txt"]);
+        let mut c = ctx(&["env"]);
         c.env.insert("GPUAM_GPU_FRACTION".into(), "0.5".into());
         exec.start("whole1", "h", &Resources::with_mask(1, 100, 0x1, Default::default()), c)
             .unwrap();
         assert_eq!(next_exit(&mut rx).await.1, 0);
-        let text = std::fs::read_to_string(exec.container_dir("whole1").unwrap().join("env.txt")).unwrap();
+        let text = exec.read_log("whole1", LogStream::Stdout, None).unwrap();
         assert!(!text.contains("GPUAM_GPU_FRACTION"), "{text}");
     }
 
@@ -2018,12 +2485,15 @@ mod tests {
         exec.start("wd", "h", &no_gpus(), ctx(&["pwd", "echo oops >&2", "echo out"]))
             .unwrap();
         next_exit(&mut rx).await;
-        let dir = exec.container_dir("wd").unwrap();
-        assert_eq!(dir, exec.root().join("wd"));
+        let record = exec.container_dir("wd").unwrap();
+        assert_eq!(record, exec.root().join("wd"));
         let out = exec.read_log("wd", LogStream::Stdout, None).unwrap();
-        assert_eq!(out, format!("{}\nout\n", dir.display()));
+        assert_eq!(out, format!("{}\nout\n", work_dir(&record).display()));
         assert_eq!(exec.read_log("wd", LogStream::Stderr, None).unwrap(), "oops\n");
-        assert!(dir.join("launch.sh").is_file());
+        // The task's directory (its launch.sh with it) is gone once it ended; its logs and
+        // the node's record of its end stay.
+        assert!(!work_dir(&record).exists());
+        assert!(record.join("stdout").is_file() && record.join(END_FILE).is_file());
     }
 
     #[tokio::test]

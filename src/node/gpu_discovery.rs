@@ -325,17 +325,23 @@ Legend:
         p
     }
 
-    #[test]
-    fn discovers_with_a_fake_nvidia_smi() {
+    /// Discovery through a fake `nvidia-smi` printing `csv` for the GPU query and `topo` for
+    /// `topo -m`.
+    fn discover_fake(csv: &str, topo: &str) -> LocalGpus {
         let tmp = tempfile::tempdir().unwrap();
-        std::fs::write(tmp.path().join("csv"), H100_CSV).unwrap();
-        std::fs::write(tmp.path().join("topo"), TOPO_2GPU).unwrap();
+        std::fs::write(tmp.path().join("csv"), csv).unwrap();
+        std::fs::write(tmp.path().join("topo"), topo).unwrap();
         let dir = tmp.path().display();
         let smi = fake_smi(
             tmp.path(),
             &format!("if [ \"$1\" = topo ]; then cat '{dir}/topo'; else cat '{dir}/csv'; fi"),
         );
-        let gpus = discover_with(&smi, Duration::from_secs(5)).unwrap();
+        discover_with(&smi, Duration::from_secs(5)).unwrap()
+    }
+
+    #[test]
+    fn discovers_with_a_fake_nvidia_smi() {
+        let gpus = discover_fake(H100_CSV, TOPO_2GPU);
         assert_eq!(gpus.count, 2);
         assert_eq!(gpus.gpu_type, "H100");
         assert_eq!(gpus.names[1], "NVIDIA H100 80GB HBM3");
@@ -351,14 +357,7 @@ Legend:
 
     #[test]
     fn discovers_one_h200_with_its_nic() {
-        let tmp = tempfile::tempdir().unwrap();
-        std::fs::write(tmp.path().join("topo"), H200_TOPO).unwrap();
-        let dir = tmp.path().display();
-        let smi = fake_smi(
-            tmp.path(),
-            &format!("if [ \"$1\" = topo ]; then cat '{dir}/topo'; else echo '0, NVIDIA H200'; fi"),
-        );
-        let gpus = discover_with(&smi, Duration::from_secs(5)).unwrap();
+        let gpus = discover_fake("0, NVIDIA H200\n", H200_TOPO);
         assert_eq!((gpus.count, gpus.gpu_type.as_str()), (1, "H200"));
         let topo = crate::topology::Topology::from_spec(&gpus.topo_text.unwrap())
             .unwrap()

@@ -102,13 +102,18 @@ pub fn container_name(id: &str) -> String {
 /// ended: a podman client killed with SIGKILL (a stop past its grace, an RM going down)
 /// leaves the container running under conmon, holding GPUs and ports the ledger is about
 /// to give back. No-op for tasks that ran on the host.
-pub async fn reap(dir: &Path) {
-    let Ok(name) = std::fs::read_to_string(dir.join(IMAGE_MARK)) else {
+///
+/// `record` is the container's record (the node's, which its task cannot write): the
+/// mark there only says that it ran in an image; the name is made from the container id
+/// (checked when it started), never read from a file, and follows `--`.
+pub async fn reap(record: &Path, id: &str) {
+    if std::fs::symlink_metadata(record.join(IMAGE_MARK)).is_err() || !super::executor::valid_container_id(id) {
         return;
-    };
+    }
+    let name = container_name(id);
     let Some(runtime) = find_runtime() else { return };
     let out = tokio::process::Command::new(&runtime.podman)
-        .args(["rm", "--force", "--ignore", "--time", "2", name.trim()])
+        .args(["rm", "--force", "--ignore", "--time", "2", "--", name.as_str()])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -117,11 +122,11 @@ pub async fn reap(dir: &Path) {
     match out {
         Ok(o) if o.status.success() => {}
         Ok(o) => tracing::warn!(
-            container = name.trim(),
+            container = name.as_str(),
             "podman rm failed: {}",
             String::from_utf8_lossy(&o.stderr)
         ),
-        Err(e) => tracing::warn!(container = name.trim(), "cannot run podman rm: {e}"),
+        Err(e) => tracing::warn!(container = name.as_str(), "cannot run podman rm: {e}"),
     }
 }
 
@@ -330,11 +335,12 @@ fn env_get<'a>(env: &'a [(String, String)], k: &str) -> Option<&'a str> {
     env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str())
 }
 
-/// What the executor spawns for container `id` in `dir` with environment `env`:
+/// What the executor spawns for container `id` with record `record` and work directory
+/// `dir` (the task's), with environment `env`:
 /// `bash launch.sh` on the host, or podman running it in the task's image. A task that
 /// names an image on a node without a runtime runs on the host (its stderr starts with a
 /// note saying so) or is refused, as `node.run_without_image` says.
-pub fn program_for(dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spawn, String> {
+pub fn program_for(record: &Path, dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spawn, String> {
     let host = Spawn {
         program: PathBuf::from("bash"),
         args: vec!["launch.sh".into()],
@@ -367,8 +373,8 @@ pub fn program_for(dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spa
         Decision::Image => {
             let runtime = runtime.ok_or("no runtime")?;
             // The mark `reap` looks for when the container ends.
-            std::fs::write(dir.join(IMAGE_MARK), container_name(id))
-                .map_err(|e| format!("cannot write {}: {e}", dir.join(IMAGE_MARK).display()))?;
+            std::fs::write(record.join(IMAGE_MARK), container_name(id))
+                .map_err(|e| format!("cannot write {}: {e}", record.join(IMAGE_MARK).display()))?;
             let dev_dir = std::env::var_os(DEV_DIR_ENV).map_or_else(|| PathBuf::from("/dev"), PathBuf::from);
             let devices = find_devices(&dev_dir);
             let mask = env_get(env, "GPUAM_GPU_MASK")

@@ -41,12 +41,13 @@ impl NodeBackend for InProcessNode {
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
         let started = self
             .executor
-            .start_placed(
+            .start_as(
                 &grant.container_id,
                 &grant.host,
                 &grant.resources,
                 ctx,
                 grant.topology.as_deref(),
+                Some(grant.user.as_str()).filter(|u| !u.is_empty()),
             )
             .map(|pid| ContainerStatus {
                 container_id: grant.container_id.clone(),

@@ -45,6 +45,7 @@ pub mod cgroup;
 pub mod devices;
 pub mod executor;
 pub mod gpu_discovery;
+pub mod identity;
 pub mod image;
 pub mod local;
 pub mod procs;
@@ -71,6 +72,10 @@ pub struct Grant {
     pub app_id: String,
     pub host: String,
     pub resources: Resources,
+    /// Who submitted the job (the RM's user of its credential): the node runs the task as
+    /// that user's own uid ([`identity`]). Empty from an older RM.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub user: String,
     /// The node's GPU topology as the RM knows it (NICs, CPU affinity), for the task's
     /// locality; in-process only: an agent uses the topology it found itself.
     #[serde(skip)]

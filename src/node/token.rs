@@ -2,7 +2,8 @@
 //! before they start (or stop, or show) anything.
 //!
 //! A token is `hex(HMAC-SHA256(host key, canonical grant))`, where the canonical grant
-//! names the container id, application, host and the exact resources (CPU, memory, GPU
+//! names the container id, application, host, the submitting user (whose uid the task
+//! gets) and the exact resources (CPU, memory, GPU
 //! mask, ports). Each host has its own key: the SHA-256 of its agent's own token
 //! ([`host_key`]; the agent hashes the token in its `--node-token-file`, the RM reads the
 //! digest from its nodes file, `gpuam node-token new`). An AM, which holds only its
@@ -27,6 +28,10 @@ pub fn canonical(grant: &Grant) -> String {
         "gpuam-container-v1\nid={}\napp={}\nhost={}\ncpu={}\nmemoryMB={}\ngpus={}\ngpuMask={:#x}\nports={}\n",
         grant.container_id, grant.app_id, grant.host, r.cpu, r.memory_mb, r.gpus, r.gpu_mask, r.ports
     );
+    if !grant.user.is_empty() {
+        // Whose uid the task gets: an AM cannot start its task as another user.
+        text.push_str(&format!("user={}\n", grant.user));
+    }
     if !r.gpu_shares.is_empty() {
         text.push_str(&format!("gpuShares={}\n", r.gpu_shares));
     }
@@ -88,8 +93,26 @@ mod tests {
             app_id: "application_1_0001".into(),
             host: "h1".into(),
             resources: Resources::with_mask(2, 1024, mask, PortSet::default()),
+            user: String::new(),
             topology: None,
         }
+    }
+
+    /// The user is covered: a token for alice's task does not start it as bob's, and a
+    /// grant without a user keeps the token it always had.
+    #[test]
+    fn the_user_is_covered() {
+        let g = grant(1);
+        let plain = sign(b"s", &g);
+        let mut alice = g.clone();
+        alice.user = "alice".into();
+        let t = sign(b"s", &alice);
+        assert_ne!(t, plain);
+        assert!(verify(b"s", &alice, &t));
+        let mut bob = alice.clone();
+        bob.user = "bob".into();
+        assert!(!verify(b"s", &bob, &t));
+        assert!(!canonical(&g).contains("user="));
     }
 
     #[test]

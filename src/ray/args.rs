@@ -8,7 +8,6 @@ use crate::node::gpu_discovery::LocalGpus;
 use crate::resources::{CustomResources, PortSet};
 use crate::topology::Topology;
 
-use super::entry::shell_quote;
 use super::scheme::{ray_start_args, NodeDescription};
 
 /// What the operator asked for.
@@ -72,13 +71,28 @@ pub fn describe(req: &NodeArgsRequest, found: Option<&LocalGpus>) -> Result<Node
     })
 }
 
-/// The arguments as one line of shell words.
+/// The arguments as one line of words separated by spaces, written so that
+/// `ray start ... $(gpuam ray-node-args ...)` passes each as one argument: a command
+/// substitution's result is split at blanks and globbed, but no quote is removed, so the
+/// words carry no quotes of their own and none holds a blank or a glob character (host,
+/// rack, type and resource names are already limited to letters, digits, `.`, `_`, `-`).
 pub fn render(d: &NodeDescription) -> Result<String, String> {
-    Ok(ray_start_args(d)?
-        .iter()
-        .map(|a| shell_quote(a))
-        .collect::<Vec<_>>()
-        .join(" "))
+    let words = ray_start_args(d)?;
+    if let Some(bad) = words.iter().find(|w| !substitution_safe(w)) {
+        return Err(format!(
+            "`{bad}` would not survive $(...) as one word; use names of letters, digits, `.`, `_`, `-`"
+        ));
+    }
+    Ok(words.join(" "))
+}
+
+/// True when `$(...)` in a POSIX shell yields `word` as itself: not empty, no blank (field
+/// splitting with the default IFS) and no `*`, `?`, `[` (pathname expansion).
+fn substitution_safe(word: &str) -> bool {
+    !word.is_empty()
+        && !word
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || "*?[".contains(c))
 }
 
 /// `gpuam ray-node-args`: prints the line; exit 0, or 64 with the reason on bad input.
@@ -131,7 +145,11 @@ mod tests {
         assert_eq!(d.topology.as_ref().map(|t| t.gpu_count()), Some(4));
         let line = render(&d).unwrap();
         assert!(line.contains("gpuam.io/topology=matrix"), "{line}");
-        assert!(line.starts_with("'--num-gpus=0' '--resources={"), "{line}");
+        assert!(
+            line.starts_with("--num-gpus=0 --resources={\"gpuam-gpu-0\":1,"),
+            "{line}"
+        );
+        assert!(!line.contains('\''), "no literal quotes: {line}");
     }
 
     #[test]
@@ -146,5 +164,49 @@ mod tests {
         assert!(e.contains("--gpus `many`"), "{e}");
         let e = describe(&req("2", "warp"), None).unwrap_err();
         assert!(e.contains("--topology `warp`"), "{e}");
+    }
+
+    #[test]
+    fn words_that_a_command_substitution_would_change_are_refused() {
+        for ok in [
+            "--num-gpus=0",
+            "--resources={\"gpuam-gpu-0\":1}",
+            "--labels=gpuam.io/rack=dc1.r7",
+        ] {
+            assert!(substitution_safe(ok), "{ok}");
+        }
+        for bad in ["", "a b", "a\tb", "gpu*", "x?", "[a]", "a\nb"] {
+            assert!(!substitution_safe(bad), "{bad:?}");
+        }
+    }
+
+    /// The line goes through a real shell's `$(...)` into the same words `ray start` gets
+    /// (README's and docs/RAY.md's form), quotes in the JSON kept, none added.
+    #[test]
+    fn a_shell_command_substitution_passes_every_word_as_it_is() {
+        let mut r = req("4", "dgx1v");
+        r.gpus = "8".into();
+        r.gpu_type = Some("V100".into());
+        r.resources = vec!["nvme=2".into()];
+        let d = describe(&r, None).unwrap();
+        let words = ray_start_args(&d).unwrap();
+        let line = render(&d).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        // Globbing is live: a file named like a word's pieces must not change anything.
+        std::fs::write(dir.path().join("--num-gpus=0"), "").unwrap();
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg("set -- $(printf '%s\n' \"$LINE\"); printf '%s\n' \"$@\"")
+            .env("LINE", &line)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let got: Vec<String> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        assert_eq!(got, words, "the line: {line}");
     }
 }

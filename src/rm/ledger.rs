@@ -30,8 +30,8 @@ use crate::resources::{format_hundredths, mask_hex, Resources, Shortfall};
 /// Default time a granted container may stay unstarted (YARN's 10 minutes).
 pub const DEFAULT_CONTAINER_EXPIRY: Duration = Duration::from_secs(600);
 
-pub const DIAG_EXPIRED: &str = "Container expired since it was unused";
-pub const DIAG_LOST_NODE: &str = "Container released on a *lost* node";
+pub const DIAG_EXPIRED: &str = crate::protocol::AbortCause::Expired.diagnostics();
+pub const DIAG_LOST_NODE: &str = crate::protocol::AbortCause::NodeLost.diagnostics();
 
 /// One container as the ledger tracks it (and as the RM's store persists it).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,6 +53,10 @@ pub struct LedgerContainer {
     /// used until the node reports it dead (see the module doc).
     #[serde(default)]
     pub held: bool,
+    /// Wall-clock time it ended for its application (milliseconds since the epoch; 0
+    /// while live): with `allocated_ms`, the GPU time a job's history row counts.
+    #[serde(default)]
+    pub ended_ms: u64,
 }
 
 /// What changed in the ledger since the last [`Ledger::take_changes`]: the RM's store
@@ -469,6 +473,7 @@ impl Ledger {
                 exit_status: None,
                 diagnostics: String::new(),
                 held: false,
+                ended_ms: 0,
             },
         );
         self.add_live(&ask.host, &container.container_id, &container.resources);
@@ -518,6 +523,7 @@ impl Ledger {
         }
         let was = c.state;
         c.state = ContainerState::Complete;
+        c.ended_ms = crate::protocol::now_ms();
         c.exit_status = Some(exit);
         c.diagnostics = diagnostics.to_string();
         let ended = Ended {
@@ -544,6 +550,7 @@ impl Ledger {
         }
         c.state = ContainerState::Complete;
         c.held = true;
+        c.ended_ms = crate::protocol::now_ms();
         c.exit_status = Some(exit);
         c.diagnostics = diagnostics.to_string();
         self.touched.insert(id.to_string());
@@ -751,6 +758,16 @@ impl Ledger {
     /// Every container the ledger knows (live and completed), in no particular order.
     pub fn all_containers(&self) -> impl Iterator<Item = &LedgerContainer> {
         self.containers.values()
+    }
+
+    /// Drops the completed containers of a finished application that the history no
+    /// longer keeps (history retention); their store rows go with the application's
+    /// (`Batch::forget_apps`). Held or live ones stay. Returns how many were dropped.
+    pub fn forget_app(&mut self, app_id: &str) -> usize {
+        let before = self.containers.len();
+        self.containers
+            .retain(|_, c| c.app_id != app_id || c.state != ContainerState::Complete || c.held);
+        before - self.containers.len()
     }
 
     /// Every node's host and state (for writing the whole state).

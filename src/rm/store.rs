@@ -583,6 +583,10 @@ impl Store {
                     tx.prepare_cached("DELETE FROM apps WHERE id = ?1")
                         .and_then(|mut s| s.execute(params![id]))
                         .map_err(|e| fail(&e))?;
+                    // A forgotten application's containers go with it (history retention).
+                    tx.prepare_cached("DELETE FROM containers WHERE app_id = ?1")
+                        .and_then(|mut s| s.execute(params![id]))
+                        .map_err(|e| fail(&e))?;
                 }
             }
         }
@@ -666,6 +670,7 @@ mod tests {
             state,
             allocated_at: std::time::Instant::now(),
             allocated_ms: 1234,
+            ended_ms: 0,
             exit_status: None,
             diagnostics: String::new(),
             held: false,

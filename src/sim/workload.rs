@@ -114,7 +114,8 @@ pub fn synthetic(mix: Mix, jobs: usize, load: f64, cluster_gpus: u64, per_node: 
 #[error("{0}")]
 pub struct TraceError(pub String);
 
-/// The trace directory: `--traces`, else $GPUAM_TRACES, else `../shared/data/traces`.
+/// The trace directory: `--traces`, else $GPUAM_TRACES, else [`DEFAULT_TRACES`] (the samples
+/// kept in the repository, relative to the working directory: run from the repository root).
 pub fn traces_dir(flag: Option<&Path>) -> PathBuf {
     if let Some(p) = flag {
         return p.to_path_buf();
@@ -124,8 +125,11 @@ pub fn traces_dir(flag: Option<&Path>) -> PathBuf {
             return PathBuf::from(p);
         }
     }
-    PathBuf::from("../shared/data/traces")
+    PathBuf::from(DEFAULT_TRACES)
 }
+
+/// The repository's trace samples (`data/traces/`, README there names each source and licence).
+pub const DEFAULT_TRACES: &str = "data/traces";
 
 /// Rows of a replay CSV as (line number, header-name → cell lookup).
 struct Csv {
@@ -138,7 +142,7 @@ impl Csv {
     fn read(path: &Path) -> Result<Csv, TraceError> {
         let text = std::fs::read_to_string(path).map_err(|e| {
             TraceError(format!(
-                "cannot read trace file {}: {e} (point --traces or GPUAM_TRACES at the directory holding replay/)",
+                "cannot read trace file {}: {e} (run from the repository root, which holds data/traces/, or point --traces or GPUAM_TRACES at the directory holding replay/)",
                 path.display()
             ))
         })?;

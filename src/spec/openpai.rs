@@ -21,22 +21,24 @@ pub const PREREQ_TYPES: &[(&str, &str)] = &[
     ("output", "output"),
 ];
 
-/// Fields of a prerequisite item. `callbacks`, `plugin`, `require` and `failurePolicy`
-/// belong to openpai-runtime's prerequisite callbacks: accepted, warned about.
-const PREREQ_FIELDS: &[&str] = &[
+/// Fields every prerequisite may have (OpenPAI's `base.json`) besides `type`.
+const PREREQ_BASE: &[&str] = &[
     "protocolVersion",
     "name",
     "type",
     "version",
     "contributor",
     "description",
-    "uri",
-    "auth",
-    "callbacks",
-    "plugin",
-    "require",
-    "failurePolicy",
 ];
+/// A `dockerimage` prerequisite's own fields: nothing else is allowed (OpenPAI's schema
+/// sets `additionalProperties: false` there).
+const IMAGE_FIELDS: &[&str] = &["uri", "auth"];
+/// The fields OpenPAI's schema names for `script`, `data` and `output` prerequisites: `uri`
+/// optional (text; a list for `data`), `plugin` (text), `require` (list of names); the
+/// runtime plugin's own (`callbacks`, `failurePolicy`) and any other field are allowed
+/// (`additionalProperties: true`).
+const PLUGIN_FIELDS: &[&str] = &["uri", "plugin", "require", "callbacks", "failurePolicy"];
+/// openpai-runtime's prerequisite callbacks: accepted, warned about (gpuam runs none).
 const PREREQ_NOT_HONOURED: &[&str] = &["callbacks", "plugin", "require", "failurePolicy"];
 
 /// `extras` keys gpuam honours; every other key is warned about.
@@ -73,16 +75,23 @@ impl<'a> Prereqs<'a> {
     pub fn get(&self, kind: &str, name: &str) -> Option<&'a Node> {
         self.items.get(&(kind.to_string(), name.to_string())).copied()
     }
+
+    /// True when a prerequisite of any type has this name (a role's `prerequisites` list).
+    pub fn has_name(&self, name: &str) -> bool {
+        self.items.keys().any(|(_, n)| n == name)
+    }
 }
 
-/// Reads `prerequisites` (a list of `{name, type, uri, ...}`), refusing duplicates of a
-/// type and name as OpenPAI's server does.
+/// Reads `prerequisites` (a list of `{name, type, ...}`) as OpenPAI's rest-server schema
+/// has them: a `dockerimage` needs `uri` and takes nothing but `auth` besides; `script`,
+/// `data` and `output` need only `name` and `type`. Duplicates of a type and name are
+/// refused as OpenPAI's server does.
 pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prereqs<'a> {
     let mut out = Prereqs::default();
     if n.is_null() {
         return out;
     }
-    let Some(items) = d.seq(n, "prerequisites", "write a list of `{name, type, uri}` entries") else {
+    let Some(items) = d.seq(n, "prerequisites", "write a list of `{name, type}` entries") else {
         return out;
     };
     for (i, item) in items.iter().enumerate() {
@@ -91,23 +100,6 @@ pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prere
             .is_none()
         {
             continue;
-        }
-        d.unknown_fields(item, &p, PREREQ_FIELDS, &[("image", "uri"), ("url", "uri")]);
-        for f in PREREQ_NOT_HONOURED {
-            if let Some((k, _)) = item.entry(f) {
-                w.add(
-                    k.pos,
-                    &join(&p, f),
-                    format!("prerequisite `{f}` (an openpai-runtime callback) is accepted but not run by gpuam"),
-                );
-            }
-        }
-        if let Some((k, _)) = item.entry("auth") {
-            w.add(
-                k.pos,
-                &join(&p, "auth"),
-                "registry `auth` is not used: gpuam runs images from the node's local store (pulling is podman's business)",
-            );
         }
         let name = match item.get("name") {
             None => {
@@ -135,36 +127,10 @@ pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prere
                 }
             }),
         };
-        match item.get("uri") {
-            None => d.missing(
-                item,
-                &p,
-                "uri",
-                "add `uri:` (for an image, e.g. `uri: example/pytorch:latest`)",
-            ),
-            Some(u) => match (&u.value, kind.as_ref().map(|(k, _)| k.as_str())) {
-                (Value::Seq(_), Some("data")) => {}
-                (Value::Str(_), Some(k)) if k != "data" => {}
-                (Value::Seq(_), Some(_)) => d.at(
-                    u.pos,
-                    &join(&p, "uri"),
-                    "`uri` must be one text here (only `data` prerequisites take a list)",
-                    "write `uri: VALUE`",
-                ),
-                (_, Some("data")) => {
-                    // OpenPAI's schema wants a list for data; one text is the common mistake.
-                    d.at(
-                        u.pos,
-                        &join(&p, "uri"),
-                        "the `uri` of a `data` prerequisite must be a list",
-                        "write `uri: [VALUE]`",
-                    )
-                }
-                (_, Some(_)) => {
-                    d.text(u, &join(&p, "uri"));
-                }
-                (_, None) => {}
-            },
+        match kind.as_ref().map(|(k, _)| k.as_str()) {
+            Some("dockerimage") => read_image_fields(d, item, &p, w),
+            Some(k) => read_plugin_fields(d, item, &p, k == "data", w),
+            None => {}
         }
         if let (Some(name), Some((kind, pos))) = (name, kind) {
             if out.items.insert((kind.clone(), name.clone()), item).is_some() {
@@ -180,6 +146,96 @@ pub fn read_prerequisites<'a>(d: &mut Diags, n: &'a Node, w: &Warnings) -> Prere
     out
 }
 
+/// A `dockerimage` prerequisite: `uri` (one text) required, `auth` allowed (not used).
+fn read_image_fields(d: &mut Diags, item: &Node, p: &str, w: &Warnings) {
+    let allowed: Vec<&str> = PREREQ_BASE.iter().chain(IMAGE_FIELDS).copied().collect();
+    d.unknown_fields(item, p, &allowed, &[("image", "uri"), ("url", "uri")]);
+    if let Some((k, _)) = item.entry("auth") {
+        w.add(
+            k.pos,
+            &join(p, "auth"),
+            "registry `auth` is not used: gpuam runs images from the node's local store (pulling is podman's business)",
+        );
+    }
+    match item.get("uri") {
+        None => d.missing(
+            item,
+            p,
+            "uri",
+            "add `uri:` naming the image, e.g. `uri: example/pytorch:latest`",
+        ),
+        Some(u) if matches!(u.value, Value::Seq(_)) => d.at(
+            u.pos,
+            &join(p, "uri"),
+            "`uri` must be one text here (only `data` prerequisites take a list)",
+            "write `uri: IMAGE`",
+        ),
+        Some(u) => {
+            d.text(u, &join(p, "uri"));
+        }
+    }
+}
+
+/// A `script`, `data` or `output` prerequisite: `uri` optional (a list for `data`, else
+/// one text), `plugin` one text, `require` a list of names; the runtime plugin's fields
+/// and any other field are accepted (OpenPAI passes them to the plugin), with a warning.
+fn read_plugin_fields(d: &mut Diags, item: &Node, p: &str, data: bool, w: &Warnings) {
+    for (k, _) in item.as_map().unwrap_or(&[]) {
+        let f = k.text.as_str();
+        if PREREQ_NOT_HONOURED.contains(&f) {
+            w.add(
+                k.pos,
+                &join(p, f),
+                format!("prerequisite `{f}` (an openpai-runtime callback) is accepted but not run by gpuam"),
+            );
+        } else if !PREREQ_BASE.contains(&f) && !PLUGIN_FIELDS.contains(&f) {
+            w.add(
+                k.pos,
+                &join(p, f),
+                format!(
+                    "`{}` (a runtime plugin's parameter) is accepted but not used by gpuam",
+                    clip(f)
+                ),
+            );
+        }
+    }
+    if let Some(u) = item.get("uri") {
+        match (&u.value, data) {
+            (Value::Seq(items), true) => {
+                for (i, v) in items.iter().enumerate() {
+                    d.text(v, &format!("{}[{i}]", join(p, "uri")));
+                }
+            }
+            // OpenPAI's schema wants a list for data; one text is the common mistake.
+            (_, true) => d.at(
+                u.pos,
+                &join(p, "uri"),
+                "the `uri` of a `data` prerequisite must be a list",
+                "write `uri: [VALUE]`",
+            ),
+            (Value::Seq(_), false) => d.at(
+                u.pos,
+                &join(p, "uri"),
+                "`uri` must be one text here (only `data` prerequisites take a list)",
+                "write `uri: VALUE`",
+            ),
+            (_, false) => {
+                d.text(u, &join(p, "uri"));
+            }
+        }
+    }
+    if let Some(v) = item.get("plugin") {
+        d.text(v, &join(p, "plugin"));
+    }
+    if let Some(v) = item.get("require") {
+        if let Some(names) = d.seq(v, &join(p, "require"), "write `require: [NAME, ...]`") {
+            for (i, n) in names.iter().enumerate() {
+                d.text(n, &format!("{}[{i}]", join(p, "require")));
+            }
+        }
+    }
+}
+
 /// Checks a role's `dockerImage`, `data`, `script` and `output` name prerequisites of
 /// their type ("Prerequisite X does not exist" on OpenPAI); returns the image's uri.
 pub fn check_references<'a>(
@@ -190,6 +246,35 @@ pub fn check_references<'a>(
 ) -> (bool, Option<String>) {
     let mut ok = true;
     let mut image = None;
+    // `prerequisites: [NAME, ...]`: names of prerequisites of any type, run in order.
+    if let Some(v) = role.get("prerequisites") {
+        let fp = join(path, "prerequisites");
+        match d.seq(
+            v,
+            &fp,
+            "write `prerequisites: [NAME, ...]` naming entries of the top-level `prerequisites`",
+        ) {
+            None => ok = false,
+            Some(names) => {
+                for (i, n) in names.iter().enumerate() {
+                    let at = format!("{fp}[{i}]");
+                    let Some(name) = d.text(n, &at) else {
+                        ok = false;
+                        continue;
+                    };
+                    if !prereqs.has_name(&name) {
+                        d.at(
+                            n.pos,
+                            &at,
+                            format!("prerequisite \"{}\" does not exist", clip(&name)),
+                            "name an entry of the top-level `prerequisites`, or add one with this `name`",
+                        );
+                        ok = false;
+                    }
+                }
+            }
+        }
+    }
     for (kind, field) in PREREQ_TYPES {
         let Some(v) = role.get(field) else { continue };
         let fp = join(path, field);
@@ -212,8 +297,9 @@ pub fn check_references<'a>(
                     &fp,
                     format!("prerequisite \"{}\" does not exist", clip(&name)),
                     format!(
-                        "add `{{name: {}, type: {kind}, uri: ...}}` under `prerequisites`, or name one that is listed there",
-                        clip(&name)
+                        "add `{{name: {}, type: {kind}{}}}` under `prerequisites`, or name one that is listed there",
+                        clip(&name),
+                        if *kind == "dockerimage" { ", uri: IMAGE" } else { "" }
                     ),
                 );
                 ok = false;

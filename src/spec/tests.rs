@@ -1511,3 +1511,50 @@ fn control_characters_are_refused_with_field_line_and_column() {
     )))
     .unwrap();
 }
+
+/// OpenPAI's current rest-server schema: script/data/output prerequisites need only `name`
+/// and `type` (`plugin`, `require`, `callbacks`, plugin fields allowed, warned as not run);
+/// a `dockerimage` still needs `uri` and takes no plugin field; a role's `prerequisites`
+/// list must name existing ones.
+#[test]
+fn v2_prerequisites_follow_openpais_current_schema() {
+    let prereqs = "prerequisites:\n  - {name: img, type: dockerimage, uri: busybox}\n  - name: setup\n    type: script\n    plugin: com.microsoft.pai.runtimeplugin.cmd\n    require: [data1]\n    callbacks: [{event: taskStarts, commands: [echo hi]}]\n    workdir: /tmp\n  - {name: data1, type: data}\n  - {name: out, type: output}\n";
+    let role = "taskRoles:\n  worker:\n    dockerImage: img\n    script: setup\n    data: data1\n    output: out\n    prerequisites: [setup, data1]\n    resourcePerInstance: {cpu: 1, memoryMB: 1, gpu: 0}\n    commands: [\"echo <% $script.uri %>\"]\n";
+    let s = parse(&v2(&format!("{prereqs}{role}"))).unwrap_or_else(|e| panic!("{e}"));
+    let warned: Vec<&str> = s.warnings.iter().map(|w| w.field.as_str()).collect();
+    for f in [
+        "prerequisites[1].plugin",
+        "prerequisites[1].require",
+        "prerequisites[1].callbacks",
+        "prerequisites[1].workdir",
+    ] {
+        assert!(warned.contains(&f), "{f} not warned: {warned:?}");
+    }
+    // A role's list names a prerequisite that does not exist: OpenPAI's reason, its line.
+    let text = v2(&format!("{prereqs}{}", role.replace("[setup, data1]", "[setup, nope]")));
+    let e = one(
+        &text,
+        "taskRoles.worker.prerequisites[1]",
+        20,
+        "prerequisite \"nope\" does not exist",
+    );
+    assert!(e.fix.contains("top-level `prerequisites`"), "{e}");
+    // A dockerimage keeps OpenPAI's closed schema: `uri` required, no plugin fields.
+    let text = v2(&format!(
+        "prerequisites:\n  - {{name: img, type: dockerimage, plugin: cmd}}\n{V2_ROLE}    dockerImage: img\n"
+    ));
+    let e = errors(&text);
+    let mut got: Vec<&str> = e.iter().map(|e| e.field.as_str()).collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec!["prerequisites[0].plugin", "prerequisites[0].uri"],
+        "{}",
+        SpecErrors(e.clone())
+    );
+    // Types still hold where a field is given.
+    let text = v2(&format!("prerequisites:\n  - {{name: img, type: dockerimage, uri: b}}\n  - {{name: s, type: script, require: x, uri: [a]}}\n{V2_ROLE}    dockerImage: img\n"));
+    let mut got: Vec<String> = errors(&text).iter().map(|e| e.field.clone()).collect();
+    got.sort();
+    assert_eq!(got, vec!["prerequisites[1].require", "prerequisites[1].uri"]);
+}

@@ -320,22 +320,19 @@ pub(crate) async fn selections(State(hub): Hub, Query(q): Params) -> Response {
 }
 
 pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
-    let ok = match crate::auth::bearer(&headers) {
+    let presented = crate::auth::bearer(&headers);
+    let ok = match presented {
         Some(t) => !hub.job_token.is_empty() && crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()),
         None => false,
     };
+    // Not the job token: the owner's or the admin's user token, which the RM judges.
+    if let (false, Some(token), Some(rm)) = (ok, presented, hub.rm.get()) {
+        return kill_through_rm(&hub, rm, token).await;
+    }
     if !ok {
         // The presented value is deliberately not logged.
-        tracing::warn!("dashboard kill refused: missing or wrong job token");
-        let mut r = ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "killing the job needs `Authorization: Bearer <job token>` (the token is in the dashboard URL that `gpuam run` prints)",
-        )
-        .into_response();
-        r.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        return r;
+        tracing::warn!("dashboard kill refused: missing or wrong token");
+        return super::access::refused("killing the job");
     }
     let state = hub.read(|s| s.job.state);
     if state.is_final() {
@@ -360,6 +357,39 @@ pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
     let mut r = json_ok(&serde_json::json!({"accepted": true}));
     *r.status_mut() = StatusCode::ACCEPTED;
     r
+}
+
+/// The dashboard's kill with a user's token: the RM kills the job if the token is its
+/// owner's or the admin's (the AM then hears SHUTDOWN), and its refusal is the answer.
+async fn kill_through_rm(hub: &StatusHub, rm: &crate::am::rm_client::RmClient, token: &str) -> Response {
+    let app_id = hub.read(|s| s.job.app_id.clone());
+    match rm.kill(&app_id, token).await {
+        Ok(_) => {
+            tracing::info!("dashboard kill accepted by the RM (a user's token)");
+            let mut r = json_ok(&serde_json::json!({"accepted": true}));
+            *r.status_mut() = StatusCode::ACCEPTED;
+            r
+        }
+        Err(e) => {
+            let status = e
+                .status()
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .unwrap_or(StatusCode::BAD_GATEWAY);
+            let message = match &e {
+                crate::am::rm_client::RmError::Refused { message, .. } => message.clone(),
+                other => other.to_string(),
+            };
+            tracing::warn!("dashboard kill refused by the RM: {message}");
+            ApiError::new(
+                status,
+                "refused",
+                format!(
+                    "killing the job needs its job token (in the dashboard URL), its owner's token or the admin's: {message}"
+                ),
+            )
+            .into_response()
+        }
+    }
 }
 
 pub(crate) async fn fallback(uri: Uri) -> Response {

@@ -4,6 +4,7 @@
 //! Everything here only reads the [`StatusHub`] the AM's publisher writes; the one action
 //! (kill) is forwarded to the AM as a [`crate::am::status::Command`].
 
+pub mod access;
 mod api;
 pub(crate) mod assets;
 pub mod demo;
@@ -88,19 +89,11 @@ pub(crate) fn json_ok<T: Serialize + ?Sized>(v: &T) -> Response {
     }
 }
 
-/// The dashboard's routes over a hub.
+/// The dashboard's routes over a hub: the API behind credentials ([`access`]), the page,
+/// its assets, health probes and `/metrics` open.
 pub fn router(hub: Arc<StatusHub>) -> Router {
-    Router::new()
-        .route("/", get(assets::index))
-        .route("/index.html", get(assets::index))
-        .route("/app.js", get(assets::app_js))
-        .route("/style.css", get(assets::style_css))
-        .route("/livez", get(api::livez))
-        .route("/healthz", get(api::livez))
-        .route("/readyz", get(api::readyz))
-        .route("/metrics", get(metrics::metrics))
+    let api = Router::new()
         .route("/api/v1/job", get(api::job))
-        .route("/api/v1/job/kill", post(api::kill))
         .route("/api/v1/tasks", get(api::tasks))
         .route("/api/v1/tasks/{role}/{index}", get(api::task))
         .route("/api/v1/tasks/{role}/{index}/logs", get(api::task_logs))
@@ -110,6 +103,18 @@ pub fn router(hub: Arc<StatusHub>) -> Router {
         .route("/api/v1/config", get(api::config))
         .route("/api/v1/snapshot", get(api::snapshot))
         .route("/api/v1/events", get(sse::events))
+        .route_layer(axum::middleware::from_fn_with_state(hub.clone(), access::readers_only));
+    Router::new()
+        .route("/", get(assets::index))
+        .route("/index.html", get(assets::index))
+        .route("/app.js", get(assets::app_js))
+        .route("/style.css", get(assets::style_css))
+        .route("/livez", get(api::livez))
+        .route("/healthz", get(api::livez))
+        .route("/readyz", get(api::readyz))
+        .route("/metrics", get(metrics::metrics))
+        .route("/api/v1/job/kill", post(api::kill))
+        .merge(api)
         .fallback(api::fallback)
         .with_state(hub)
 }

@@ -25,8 +25,102 @@ async fn call(app: &Router, req: Request<Body>) -> (StatusCode, String, String) 
     (status, ctype, String::from_utf8(body.to_vec()).unwrap())
 }
 
+/// `GET uri` with the job token (the API is behind credentials: see `access`).
 async fn get(app: &Router, uri: &str) -> (StatusCode, String, String) {
-    call(app, Request::get(uri).body(Body::empty()).unwrap()).await
+    call(
+        app,
+        Request::get(uri)
+            .header("authorization", format!("Bearer {DEMO_TOKEN}"))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await
+}
+
+/// `GET uri` with `auth` as the Authorization header, or none.
+async fn get_as(app: &Router, uri: &str, auth: Option<&str>) -> StatusCode {
+    let mut req = Request::get(uri);
+    if let Some(a) = auth {
+        req = req.header("authorization", a);
+    }
+    call(app, req.body(Body::empty()).unwrap()).await.0
+}
+
+/// The API answers only the job token, a token the RM accepts for the job (owner,
+/// admin), or the job token as `?token=` (the page's event stream); the page, health
+/// probes and metrics stay open.
+#[tokio::test]
+async fn the_api_needs_the_job_owner_or_admin_token() {
+    let hub = demo_hub(4, 1);
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let a = asked.clone();
+    hub.set_token_check(Arc::new(move |t: String| {
+        a.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move { t == "owner-token" || t == "admin-token" })
+    }));
+    let app = router(hub);
+    let (role, index) = ("worker", 0);
+    let logs = format!("/api/v1/tasks/{role}/{index}/logs");
+    for uri in [
+        "/api/v1/job",
+        "/api/v1/tasks",
+        "/api/v1/snapshot",
+        "/api/v1/tails",
+        logs.as_str(),
+    ] {
+        assert_eq!(get_as(&app, uri, None).await, StatusCode::UNAUTHORIZED, "{uri}");
+        assert_eq!(
+            get_as(&app, uri, Some("Bearer bob-token")).await,
+            StatusCode::UNAUTHORIZED,
+            "{uri}"
+        );
+        assert_ne!(
+            get_as(&app, uri, Some("Bearer owner-token")).await,
+            StatusCode::UNAUTHORIZED,
+            "{uri}"
+        );
+        assert_ne!(
+            get_as(&app, uri, Some("Bearer admin-token")).await,
+            StatusCode::UNAUTHORIZED,
+            "{uri}"
+        );
+        assert_ne!(
+            get_as(&app, uri, Some(&format!("Bearer {DEMO_TOKEN}"))).await,
+            StatusCode::UNAUTHORIZED,
+            "{uri}"
+        );
+    }
+    assert_eq!(
+        get_as(&app, &format!("/api/v1/job?token={DEMO_TOKEN}"), None).await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get_as(&app, "/api/v1/job?token=bob-token", None).await,
+        StatusCode::UNAUTHORIZED
+    );
+    // An accepted token is remembered for a while, not asked again on every call.
+    let before = asked.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        get_as(&app, "/api/v1/job", Some("Bearer owner-token")).await,
+        StatusCode::OK
+    );
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), before);
+    for open in ["/", "/app.js", "/livez", "/readyz", "/metrics"] {
+        assert_eq!(get_as(&app, open, None).await, StatusCode::OK, "{open}");
+    }
+    // The kill takes the same credentials.
+    let kill = |auth: Option<&'static str>| {
+        let mut req = Request::post("/api/v1/job/kill");
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        req.body(Body::empty()).unwrap()
+    };
+    assert_eq!(call(&app, kill(None)).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        call(&app, kill(Some("Bearer bob-token"))).await.0,
+        StatusCode::UNAUTHORIZED
+    );
 }
 
 async fn get_json(app: &Router, uri: &str) -> (StatusCode, serde_json::Value) {
@@ -397,6 +491,7 @@ async fn sse_resumes_after_last_event_id() {
     let client = crate::tls::http_client();
     let resp = client
         .get(format!("http://{addr}/api/v1/events"))
+        .bearer_auth(DEMO_TOKEN)
         .header("Last-Event-ID", "3")
         .send()
         .await
@@ -423,7 +518,7 @@ async fn sse_resumes_after_last_event_id() {
 
     // The query parameter works too; the header wins over it.
     let resp = client
-        .get(format!("http://{addr}/api/v1/events?lastEventId=5"))
+        .get(format!("http://{addr}/api/v1/events?lastEventId=5&token={DEMO_TOKEN}"))
         .send()
         .await
         .unwrap();
@@ -470,7 +565,10 @@ async fn the_served_dashboard_refuses_other_hosts_and_origins() {
     let status = |host: String, origin: Option<&'static str>| async move {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         let origin = origin.map(|o| format!("Origin: {o}\r\n")).unwrap_or_default();
-        let req = format!("GET /api/v1/job HTTP/1.1\r\nHost: {host}\r\n{origin}Connection: close\r\n\r\n");
+        let req = format!(
+            "GET /api/v1/job HTTP/1.1\r\nHost: {host}\r\n{origin}Authorization: Bearer {DEMO_TOKEN}\r\n\
+             Connection: close\r\n\r\n"
+        );
         s.write_all(req.as_bytes()).await.unwrap();
         let mut out = Vec::new();
         s.read_to_end(&mut out).await.unwrap();

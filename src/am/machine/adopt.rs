@@ -91,11 +91,7 @@ impl JobMachine {
                     t.ports = ports;
                     t.launched_ms = (live == ContainerState::Running).then_some(now.ms);
                     self.by_container.insert(c.container_id.clone(), ti);
-                    self.out.events.push(Event::ContainerAt {
-                        container_id: c.container_id.clone(),
-                        node_http_address: c.node_http_address.clone(),
-                        host: c.host.clone(),
-                    });
+                    self.out.events.push(Event::container_at(&c));
                     t.container = Some(c);
                     t.set_state(if live == ContainerState::Running {
                         TaskState::ContainerRunning

@@ -78,11 +78,7 @@ impl JobMachine {
                 t.ports = ports;
                 t.waiting_reason = None;
                 self.by_container.insert(c.container_id.clone(), ti);
-                self.out.events.push(Event::ContainerAt {
-                    container_id: c.container_id.clone(),
-                    node_http_address: c.node_http_address.clone(),
-                    host: c.host.clone(),
-                });
+                self.out.events.push(Event::container_at(&c));
                 t.container = Some(c);
                 t.set_state(TaskState::ContainerAllocated);
             }

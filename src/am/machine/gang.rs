@@ -10,9 +10,13 @@ use super::{JobMachine, Launch, Now};
 use crate::am::status::TaskState;
 use crate::am::tasks::{launch_context, peer_address, Task};
 
+/// How a task held back by its gang's note begins.
+const GANG_NOTE: &str = "gang:";
+
 impl JobMachine {
     /// A gang's asks go out all together (the RM grants them all or none): while some
-    /// open task of the gang found no place, the ones placed this round wait with it.
+    /// open task of the gang found no place, the ones placed this round wait with it, and
+    /// the whole gang tries again at the same time.
     pub(super) fn hold_back_partial_gang(&mut self, now: Now) {
         if !self.job.gang || self.gang_launched {
             return;
@@ -26,10 +30,22 @@ impl JobMachine {
             .iter()
             .filter(|t| t.state != TaskState::TaskCompleted)
             .count();
+        // The reason shown is the one of the task that holds the gang back (its first
+        // unplaced task), not a gang's own note.
+        let holder = self
+            .tasks
+            .iter()
+            .filter(|t| t.state == TaskState::TaskWaiting)
+            .find_map(|t| {
+                let why = t.waiting_reason.as_deref().filter(|w| !w.starts_with(GANG_NOTE))?;
+                Some(format!("; {} waits: {why}", self.task_name(t)))
+            })
+            .unwrap_or_default();
         let wait = self.backoff.between(
             self.settings.not_available_retry_min_ms,
             self.settings.not_available_retry_max_ms,
         );
+        let mut held_back = false;
         for ti in 0..self.tasks.len() {
             let unsent = self.tasks[ti]
                 .request
@@ -39,22 +55,29 @@ impl JobMachine {
                 })
                 .cloned();
             let Some(r) = unsent else { continue };
+            held_back = true;
             self.by_request.remove(&r.request_id);
             self.selector.remove_requested(&r.host, &r.resources, false);
             let t = &mut self.tasks[ti];
             t.reset_to_waiting();
             t.not_before = Some(now.at + wait);
             t.waiting_reason = Some(format!(
-                "gang: its {total} tasks are asked for together; {unplaced} of them find no place yet"
+                "{GANG_NOTE} its {total} tasks are asked for together; {unplaced} of them find no place yet{holder}"
             ));
+        }
+        // Some were held back: the gang is tried again as a whole, every waiting task of it
+        // at the same time.
+        if held_back {
+            for t in self.tasks.iter_mut().filter(|t| t.state == TaskState::TaskWaiting) {
+                t.not_before = Some(now.at + wait);
+            }
         }
     }
 
     /// The containers to launch now: without a gang every allocated task's; with a gang only
     /// when every unfinished task holds a container (and everything is given back if that
     /// takes longer than the gang timeout). `None` once the job has ended.
-    #[allow(clippy::wrong_self_convention)]
-    pub(super) fn to_launch(&mut self, now: Now) -> Option<Vec<Launch>> {
+    pub(super) fn launches_due(&mut self, now: Now) -> Option<Vec<Launch>> {
         if self.end.is_some() {
             return None;
         }

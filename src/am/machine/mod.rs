@@ -189,6 +189,17 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The container `c` this job now holds, on its node.
+    fn container_at(c: &Container) -> Event {
+        Event::ContainerAt {
+            container_id: c.container_id.clone(),
+            node_http_address: c.node_http_address.clone(),
+            host: c.host.clone(),
+        }
+    }
+}
+
 /// What one step gives back.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Output {
@@ -501,7 +512,7 @@ impl JobMachine {
     /// the launches.
     fn after_answer(&mut self, now: Now) {
         self.release_preempted(now);
-        match self.to_launch(now) {
+        match self.launches_due(now) {
             Some(launches) if !launches.is_empty() => self.out.effects.push(Effect::Launch(launches)),
             _ => self.end_heartbeat(now),
         }

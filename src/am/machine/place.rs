@@ -51,6 +51,7 @@ impl JobMachine {
             let step = round.place(&self.selector, (ri, index));
             let role_name = &job.task_roles[ri].name;
             let outcome = step.selection.outcome.clone();
+            let impossible = matches!(outcome, Outcome::Impossible { .. });
             self.out.events.push(Event::Selection {
                 role: role_name.clone(),
                 index,
@@ -75,7 +76,25 @@ impl JobMachine {
                     t.set_state(TaskState::ContainerRequested);
                     self.by_request.insert(id, ti);
                 }
-                Outcome::NotNow { reason } => {
+                Outcome::Impossible { reason } if self.impossible_fails => {
+                    let t = &mut self.tasks[ti];
+                    t.waiting_reason = Some(format!("can never fit this cluster: {reason}"));
+                    t.dirty = true;
+                    self.end = Some(JobEnd {
+                        state: JobState::Failed,
+                        exit_code: 1,
+                        diagnostics: format!("task {role_name}/{index} can never be placed on this cluster: {reason}"),
+                    });
+                    return;
+                }
+                // Not now: the role backs off. (Planning, an impossible task waits the same
+                // way, saying it never fits, so the rest of the job is still shown.)
+                Outcome::NotNow { reason } | Outcome::Impossible { reason } => {
+                    let reason = if impossible {
+                        format!("can never fit this cluster: {reason}")
+                    } else {
+                        reason
+                    };
                     let (lo, hi) = (
                         self.settings.not_available_retry_min_ms,
                         self.settings.not_available_retry_max_ms,
@@ -88,31 +107,6 @@ impl JobMachine {
                         t.waiting_reason = Some(reason);
                         t.dirty = true;
                     }
-                }
-                Outcome::Impossible { reason } if !self.impossible_fails => {
-                    // Planning: the rest of the job is still shown; this task waits as if
-                    // not now, saying it never fits.
-                    let (lo, hi) = (
-                        self.settings.not_available_retry_min_ms,
-                        self.settings.not_available_retry_max_ms,
-                    );
-                    let backoff = &mut self.backoff;
-                    let until = *role_wait.entry(ri).or_insert_with(|| now.at + backoff.between(lo, hi));
-                    let t = &mut self.tasks[ti];
-                    t.not_before = Some(until);
-                    t.waiting_reason = Some(format!("can never fit this cluster: {reason}"));
-                    t.dirty = true;
-                }
-                Outcome::Impossible { reason } => {
-                    let t = &mut self.tasks[ti];
-                    t.waiting_reason = Some(format!("can never fit this cluster: {reason}"));
-                    t.dirty = true;
-                    self.end = Some(JobEnd {
-                        state: JobState::Failed,
-                        exit_code: 1,
-                        diagnostics: format!("task {role_name}/{index} can never be placed on this cluster: {reason}"),
-                    });
-                    return;
                 }
             }
         }

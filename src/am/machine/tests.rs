@@ -222,13 +222,26 @@ fn a_gang_is_asked_for_whole_or_not_at_all() {
         assert!(t.request.is_none() && t.not_before.is_some());
     }
     assert!(m.by_request.is_empty());
-    assert!(m
-        .tasks()
+    // The placed task waits with the gang and says why: the other task's own reason.
+    let notes: Vec<&str> = m.tasks().iter().filter_map(|t| t.waiting_reason.as_deref()).collect();
+    let gang = notes
         .iter()
-        .any(|t| t.waiting_reason.as_deref().unwrap_or("").contains("asked for together")));
+        .find(|n| n.contains("asked for together"))
+        .unwrap_or_else(|| panic!("{notes:?}"));
+    let (_, holder) = gang
+        .split_once("; worker/")
+        .unwrap_or_else(|| panic!("no holder in {gang}"));
+    let (_, why) = holder.split_once(" waits: ").unwrap_or_else(|| panic!("{gang}"));
+    assert!(notes.contains(&why) && !why.starts_with("gang:"), "{gang} / {notes:?}");
     // What the RM hears: both wait.
     let w = req.waiting.unwrap();
     assert_eq!((w.len(), w[0].count, w[0].gpus), (1, 2, 3));
+    // The whole gang tries again at one time, and a heartbeat in between does not put it off.
+    let again = m.tasks()[0].not_before;
+    assert!(m.tasks().iter().all(|t| t.not_before == again));
+    answer(&mut m, AllocateResponse::default(), now);
+    heartbeat(&mut m, now.after(Duration::from_millis(10)));
+    assert!(m.tasks().iter().all(|t| t.not_before == again), "not put off");
 }
 
 /// A gang whose asks all place goes out as one gang round; it launches only once every task

@@ -87,7 +87,7 @@ pub(super) async fn container_start(
     headers: HeaderMap,
     ApiJson(ctx): ApiJson<LaunchContext>,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let (granted, app_id, topology) = {
+    let (granted, app_id, user, topology) = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
         st.writable()?;
@@ -123,13 +123,16 @@ pub(super) async fn container_start(
         }
         let app_id = st.ledger.container(&id).map(|c| c.app_id.clone()).unwrap_or_default();
         let topology = st.ledger.node(&host).and_then(|n| n.topology.clone());
-        (info.resources, app_id, topology)
+        // The task runs as its submitter's own uid on the node (issue 23).
+        let user = st.apps.get(&app_id).map(|a| a.report.user.clone()).unwrap_or_default();
+        (info.resources, app_id, user, topology)
     };
     let grant = crate::node::Grant {
         container_id: id.clone(),
         app_id,
         host: host.clone(),
         resources: granted,
+        user,
         topology,
     };
     let node = rm.nodes.for_host(&host);
@@ -230,15 +233,18 @@ pub(super) async fn container_logs(
             Err(_) => Err(not_the_am),
         },
     })?;
-    let stream = match q.stream.as_deref().unwrap_or("stdout") {
-        "stdout" => LogStream::Stdout,
-        "stderr" => LogStream::Stderr,
-        other => {
-            return Err(ApiError::bad_request(format!(
-                "`stream` must be stdout or stderr, not `{other}`"
-            )))
-        }
-    };
+    let stream = log_stream(q.stream.as_deref())?;
     let text = rm.nodes.for_host(&host).read_log(&host, &id, stream, q.tail).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
+/// The `stream` query parameter (stdout when absent); 400 for anything else.
+pub(super) fn log_stream(q: Option<&str>) -> Result<LogStream, ApiError> {
+    match q.unwrap_or("stdout") {
+        "stdout" => Ok(LogStream::Stdout),
+        "stderr" => Ok(LogStream::Stderr),
+        other => Err(ApiError::bad_request(format!(
+            "`stream` must be stdout or stderr, not `{other}`"
+        ))),
+    }
 }

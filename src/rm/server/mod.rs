@@ -76,7 +76,9 @@ mod applications;
 mod cluster;
 mod containers;
 mod dashboard;
+mod history;
 mod http;
+mod logs;
 mod nodes;
 mod scheduling;
 mod state;
@@ -86,6 +88,7 @@ use applications::*;
 use cluster::*;
 use containers::*;
 use http::*;
+pub use logs::HistoryOptions;
 use nodes::*;
 use state::*;
 
@@ -180,10 +183,19 @@ pub struct RmOptions {
     pub queues: crate::rm::scheduler::queues::QueueTree,
     /// Notice before a preempted container is stopped (`rm.preemption_grace_sec`).
     pub preemption_grace: Duration,
+    /// How long finished jobs and their collected logs are kept, and how much of each log.
+    pub history: HistoryOptions,
     /// The `gpuam` executable that runs the subreaper shim on the in-process node where no
     /// cgroup can be created (`None`: process groups only there). `gpuam rm` and `gpuam
     /// run` set it to themselves.
     pub shim_exe: Option<PathBuf>,
+    /// Which uid each user's tasks run as on the in-process node, as on an agent
+    /// (`node.user_map`, `node.task_uids`; see `crate::node::identity`): `gpuam rm` and
+    /// `gpuam run` set it from the settings; `None` (library use, unit tests): tasks run
+    /// as this process.
+    pub task_identity: Option<crate::node::identity::IdentitySettings>,
+    /// How long a finished container's logs stay (`node.log_retention_sec`).
+    pub log_retention: Option<Duration>,
     /// Disk, pids and device bounds of the in-process node (`node.*`).
     pub bounds: crate::node::bounds::NodeBounds,
 }
@@ -219,7 +231,10 @@ impl RmOptions {
             max_log_bytes: Some(crate::config::NodeSettings::default().max_log_bytes),
             queues: Default::default(),
             preemption_grace: Duration::from_secs(30),
+            history: HistoryOptions::default(),
             shim_exe: None,
+            task_identity: None,
+            log_retention: None,
             bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
@@ -246,6 +261,12 @@ impl RmOptions {
             public_names: rm.public_names.clone(),
             http_timeouts: (&settings.http).into(),
             max_log_bytes: Some(settings.node.max_log_bytes),
+            history: rm.into(),
+            task_identity: match settings.node.in_process_identity {
+                true => Some(settings.node.identity(None, Default::default())?),
+                false => None,
+            },
+            log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
             bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
@@ -300,6 +321,8 @@ struct Shared {
     limits: RmLimits,
     /// Counters and the allocate-latency histogram of `/metrics`.
     metrics: dashboard::RmMetrics,
+    /// History and log retention.
+    history: HistoryOptions,
 }
 
 impl Shared {
@@ -429,12 +452,28 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let ray = opts
         .ray
         .map(|(client, gate)| crate::ray::launcher::RayLauncher::new(client, gate, events_tx.clone()));
+    // The in-process node runs each user's tasks as the agents do (one rule:
+    // `node::identity`); its directories are made reachable for them, nothing more.
+    let task_users = match &opts.task_identity {
+        Some(identity) => {
+            let users = crate::node::identity::TaskUsers::for_node(identity).map_err(anyhow::Error::msg)?;
+            tracing::info!("in-process node: {}", users.describe());
+            Some(Arc::new(users))
+        }
+        None => None,
+    };
+    if task_users.is_some() {
+        crate::node::identity::open_for_tasks(&work_dir, &work_dir.join("containers")).map_err(anyhow::Error::msg)?;
+    }
     let local = crate::node::InProcessNode::new(
         work_dir.join("containers"),
         events_tx,
         crate::node::executor::ExecutorOptions {
             containment,
             max_log_bytes: opts.max_log_bytes,
+            users: task_users,
+            retention: opts.log_retention,
+            ends_heard_here: true,
             max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
         },
@@ -463,13 +502,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         admin_token_hint,
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
+        history: opts.history.clone(),
     });
 
     let mut background = Vec::new();
     let s = shared.clone();
     background.push(tokio::spawn(async move {
         while let Some(ev) = events_rx.recv().await {
+            let crate::node::NodeEvent::Exited { container_id, .. } = &ev;
+            let dead = container_id.clone();
             on_node_event(&s, ev);
+            logs::spawn_collect(&s, dead);
         }
     }));
     await_agents(&shared, Instant::now() + opts.node_reregister_grace);
@@ -501,6 +544,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     }
 
     background.push(spawn_scheduler(shared.clone()));
+    background.push(history::spawn_retention(shared.clone()));
 
     let guard = crate::http_guard::Guard {
         served: crate::http_guard::Served::new(addr, &opts.public_names),
@@ -731,6 +775,43 @@ impl RmHandle {
         NodeControl(self.shared.clone())
     }
 
+    /// A container's output from byte `offset` on this process's own node (`gpuam run`'s
+    /// embedded RM): see [`crate::node::executor::Executor::read_log_from`].
+    pub fn read_local_log(
+        &self,
+        container_id: &str,
+        stream: crate::node::executor::LogStream,
+        offset: u64,
+        max: u64,
+    ) -> Result<(Vec<u8>, u64), crate::node::NodeError> {
+        self.shared
+            .nodes
+            .local
+            .executor()
+            .read_log_from(container_id, stream, offset, max)
+    }
+
+    /// What [`RmHandle::shutdown`] would stop now: every application not finished
+    /// (id, user, live containers) and the number of AM processes.
+    pub fn live_work(&self) -> (Vec<(String, String, usize)>, usize) {
+        let ams = self.shared.am_procs.lock().len();
+        let st = self.shared.lock();
+        let apps = st
+            .apps
+            .values()
+            .filter(|a| !a.report.state.is_final())
+            .map(|a| {
+                let id = &a.report.id;
+                (
+                    id.clone(),
+                    a.report.user.clone(),
+                    st.ledger.live_containers_of(id).len(),
+                )
+            })
+            .collect();
+        (apps, ams)
+    }
+
     /// Stops every container and AM process, then the server.
     pub async fn shutdown(self) {
         self.shared
@@ -793,6 +874,10 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/apps/{id}", get(get_app))
         .route("/ws/v1/cluster/apps/{id}/state", get(get_app_state).put(put_app_state))
         .route("/ws/v1/cluster/apps/{id}/appattempts", get(get_app_attempts))
+        .route("/ws/v1/cluster/apps/{id}/containers", get(logs::get_app_containers))
+        .route("/ws/v1/cluster/apps/{id}/logs/{role}/{index}", get(logs::get_task_log))
+        .route("/ws/v1/cluster/history", get(history::get_history))
+        .route("/ws/v1/cluster/whoami", get(history::whoami))
         .route("/ws/v1/am/{id}/register", post(am_register))
         .route("/ws/v1/am/{id}/allocate", post(am_allocate))
         .route("/ws/v1/am/{id}/finish", post(am_finish))

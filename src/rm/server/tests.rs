@@ -471,14 +471,14 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
     );
     assert!(notice.reason.contains("queue `a`"), "{}", notice.reason);
     assert!(notice.deadline_ms > now_ms() && notice.deadline_ms <= now_ms() + 700);
-    let file = rm
+    let record = rm
         .shared
         .nodes
         .local
         .executor()
         .container_dir(&notice.container_id)
-        .unwrap()
-        .join(crate::node::executor::PREEMPT_FILE);
+        .unwrap();
+    let file = crate::node::executor::work_dir(&record).join(crate::node::executor::PREEMPT_FILE);
     assert!(file.exists(), "the task's GPUAM_PREEMPT_FILE was created");
     // Why A waits, as the cluster page and its AM see it.
     a_resp = a

@@ -1,0 +1,378 @@
+//! The job commands as a user drives them against a standalone `gpuam rm` with a users
+//! file and two users (`itest`, the owner, and `other`): `gpuam submit` without `--wait`
+//! prints follow-up commands that work; `gpuam jobs`, `status`, `logs --follow`, `kill`
+//! and `history` (tables and `--json`), with the RM and token from flags, the
+//! environment or the file `gpuam login` writes; the other user sees and stops nothing
+//! of the owner's job; after the job ends its logs and history row (times, exit, reason,
+//! GPU-hours) are still served, also after an RM restart. Then the same stop from the
+//! pages, in headless Chromium: the job's dashboard with the owner's token, the cluster
+//! page's Stop with its confirmation, and its history table.
+//!
+//! Chromium and chromedriver must be installed for the second test (`apt-get install
+//! chromium chromium-driver`); without them it fails rather than skips.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use common::browser::Browser;
+use common::*;
+use serde_json::Value;
+
+/// A task that writes to both streams, then ticks until `release` exists.
+fn chatty_job(rm: &Rm, name: &str) -> std::path::PathBuf {
+    let release = rm.path("release").display().to_string();
+    let script = format!(
+        "echo hello-out; echo hello-err >&2; i=0; while [ ! -e {release} ]; do echo tick $i; i=$((i+1)); sleep 0.3; done"
+    );
+    rm.write_job(
+        name,
+        &format!(
+            "name: {name}\ntaskRoles:\n  worker:\n    instances: 1\n    \
+             resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 1}}\n    commands:\n      - {}\n",
+            sq(&script)
+        ),
+    )
+}
+
+/// `gpuam ARGS` as user `itest` (token in GPUAM_TOKEN, RM in GPUAM_RM).
+fn run(rm: &Rm, args: &[&str]) -> Output {
+    as_user(rm, &rm.user_token, args)
+}
+
+fn as_user(rm: &Rm, token: &str, args: &[&str]) -> Output {
+    let mut cmd = rm.gpuam();
+    cmd.env("GPUAM_TOKEN", token).env("GPUAM_RM", &rm.url);
+    cmd.env("GPUAM_CLIENT_CONFIG", rm.path("no-client-config.yaml"));
+    cmd.args(args).output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn json_of(o: &Output) -> Value {
+    assert_eq!(o.status.code(), Some(0), "{}", text(o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(o)))
+}
+
+/// Submits without `--wait`; returns (application id, job number, stdout).
+fn submit_no_wait(rm: &Rm, job: &Path) -> (String, String, String) {
+    let out = rm
+        .gpuam()
+        .arg("submit")
+        .arg(job)
+        .arg("--rm")
+        .arg(&rm.url)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let s = stdout(&out);
+    let id = s
+        .lines()
+        .find_map(|l| l.strip_prefix("submitted job ").and_then(|r| r.rsplit(' ').next()))
+        .unwrap_or_else(|| panic!("no `submitted job` line: {s}"))
+        .to_string();
+    let n = id.rsplit('_').next().unwrap().trim_start_matches('0').to_string();
+    (id, n, s)
+}
+
+fn history_row(rm: &Rm, id: &str) -> Value {
+    let rows = json_of(&run(rm, &["history", "--json"]));
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("no history row of {id}: {rows}"))
+}
+
+#[test]
+fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() {
+    let mut rm = Rm::start(TWO_NODES_TWO_GPUS, &[("GPUAM_DASHBOARD_LINGER_SEC", "0")]);
+    let (id, n, printed) = submit_no_wait(&rm, &chatty_job(&rm, "chatty"));
+
+    // The follow-up commands printed by submit work as printed (here with the --rm flag
+    // that submit was given; the token comes from GPUAM_TOKEN).
+    let status_line = printed
+        .lines()
+        .find(|l| l.trim_start().starts_with("gpuam status "))
+        .unwrap_or_else(|| panic!("no `gpuam status` follow-up: {printed}"));
+    let words: Vec<&str> = status_line.split_whitespace().take_while(|w| *w != "its").collect();
+    assert_eq!(words[..3], ["gpuam", "status", n.as_str()], "{printed}");
+    assert!(
+        words.contains(&"--rm"),
+        "the printed command names the RM given by flag: {printed}"
+    );
+    assert!(!printed.contains("curl"), "{printed}");
+    let mut cmd = rm.gpuam();
+    cmd.env("GPUAM_CLIENT_CONFIG", rm.path("no-client-config.yaml"));
+    let out = cmd.args(&words[1..]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    // Running: jobs lists it (table within 80 columns), status shows the task on a host.
+    wait_for(Duration::from_secs(60), "the task to run", || {
+        let s = stdout(&run(&rm, &["status", &n]));
+        s.contains("worker/0").then_some(()).filter(|_| s.contains("RUNNING"))
+    });
+    let jobs = run(&rm, &["jobs"]);
+    let table = stdout(&jobs);
+    assert!(table.lines().all(|l| l.chars().count() <= 80), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.split_whitespace().next() == Some(n.as_str()) && l.contains("chatty")),
+        "{table}"
+    );
+    let listed = json_of(&run(&rm, &["jobs", "--json"]));
+    assert_eq!(listed[0]["id"], id.as_str(), "{listed}");
+    let detail = json_of(&run(&rm, &["status", &id, "--json"]));
+    let c = &detail["containers"][0];
+    assert_eq!(c["task"], "worker/0", "{detail}");
+    assert_eq!(c["gpus"].as_array().map(Vec::len), Some(1), "{detail}");
+
+    // The other user sees nothing of it and stops nothing of it.
+    let other_jobs = as_user(&rm, &rm.other_token, &["jobs", "--json"]);
+    assert_eq!(json_of(&other_jobs), serde_json::json!([]));
+    let o = as_user(&rm, &rm.other_token, &["status", &id]);
+    assert_eq!(o.status.code(), Some(77), "{}", text(&o));
+    let o = as_user(&rm, &rm.other_token, &["kill", &id]);
+    assert_eq!(o.status.code(), Some(77), "{}", text(&o));
+    let o = as_user(&rm, &rm.other_token, &["kill", &n]);
+    assert_eq!(
+        o.status.code(),
+        Some(66),
+        "a job number names the caller's own jobs: {}",
+        text(&o)
+    );
+    let o = as_user(&rm, &rm.other_token, &["logs", &id]);
+    assert_eq!(o.status.code(), Some(77), "{}", text(&o));
+    assert_eq!(rm.app(&id)["state"], "RUNNING");
+
+    // `gpuam login` writes the client file; then no flag and no variable is needed.
+    let token_file = rm.path("itest.token");
+    std::fs::write(&token_file, &rm.user_token).unwrap();
+    let client = rm.path("client.yaml");
+    let login = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .env("GPUAM_CLIENT_CONFIG", &client)
+        .args(["login", "--rm", &rm.url, "--token-file"])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    assert_eq!(login.status.code(), Some(0), "{}", text(&login));
+    assert!(stdout(&login).contains("as itest"), "{}", text(&login));
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&client).unwrap().permissions().mode() & 0o777, 0o600);
+    let follow_out = rm.path("follow.stdout");
+    let mut follow = rm
+        .gpuam()
+        .env_remove("GPUAM_TOKEN")
+        .env("GPUAM_CLIENT_CONFIG", &client)
+        .args(["logs", &n, "--follow"])
+        .stdout(std::fs::File::create(&follow_out).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(30), "logs --follow to stream ticks", || {
+        std::fs::read_to_string(&follow_out)
+            .ok()
+            .filter(|s| s.contains("tick 3"))
+    });
+
+    // The owner stops it; the follower ends on its own once the task is dead.
+    let k = run(&rm, &["kill", &n]);
+    assert_eq!(k.status.code(), Some(0), "{}", text(&k));
+    assert!(stdout(&k).contains("killed"), "{}", text(&k));
+    let code = wait_for(Duration::from_secs(60), "logs --follow to end", || {
+        follow.try_wait().unwrap()
+    });
+    assert_eq!(code.code(), Some(0));
+    let followed = std::fs::read_to_string(&follow_out).unwrap();
+    assert!(followed.starts_with("hello-out\ntick 0\n"), "{followed}");
+    rm.wait_app_final(&id, Duration::from_secs(60));
+
+    // A job that fails: its reason names the task, its exit and its stderr.
+    let bad = rm.write_job(
+        "typo",
+        "name: typo\ntaskRoles:\n  main:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 256, gpu: 1}\n    commands:\n      - pythn train.py\n",
+    );
+    let failed = rm.run_job(&bad, Duration::from_secs(90));
+    assert_eq!(failed.code, 1, "{}\n{}", failed.stdout, failed.stderr);
+    let bad_id = failed
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("submitted job ").and_then(|r| r.rsplit(' ').next()))
+        .unwrap()
+        .to_string();
+
+    let check_after_the_end = |rm: &Rm| {
+        // Logs outlive the job: stdout, stderr and the other task's stderr.
+        let o = run(rm, &["logs", &n, "worker/0"]);
+        assert!(stdout(&o).starts_with("hello-out\ntick 0\n"), "{}", text(&o));
+        let o = run(rm, &["logs", &id, "--stderr"]);
+        assert!(stdout(&o).starts_with("hello-err\n"), "{}", text(&o));
+        let o = run(rm, &["logs", &bad_id, "main/0", "--stderr"]);
+        assert!(stdout(&o).contains("pythn"), "{}", text(&o));
+        let o = run(rm, &["logs", &id, "worker/7"]);
+        assert_eq!(o.status.code(), Some(66), "{}", text(&o));
+
+        let killed = history_row(rm, &id);
+        assert_eq!(killed["state"], "KILLED", "{killed}");
+        assert_eq!(killed["user"], "itest", "{killed}");
+        assert!(
+            killed["reason"].as_str().unwrap().contains("killed by user (itest)"),
+            "{killed}"
+        );
+        let (sub, start, end) = (
+            killed["submittedTime"].as_u64().unwrap(),
+            killed["startedTime"].as_u64().unwrap(),
+            killed["finishedTime"].as_u64().unwrap(),
+        );
+        assert!(sub > 0 && sub <= start && start <= end, "{killed}");
+        assert!(killed["durationSec"].as_f64().unwrap() > 0.0, "{killed}");
+        assert!(killed["gpuHours"].as_f64().unwrap() > 0.0, "{killed}");
+        assert_eq!(killed["exitCode"], 1, "{killed}");
+
+        let typo = history_row(rm, &bad_id);
+        assert_eq!(typo["state"], "FAILED", "{typo}");
+        let reason = typo["reason"].as_str().unwrap();
+        assert!(reason.contains("main/0") && reason.contains("127"), "{typo}");
+        assert!(reason.contains("pythn") && reason.contains("not found"), "{typo}");
+
+        let failed_only = json_of(&run(rm, &["history", "--state", "failed", "--json"]));
+        assert_eq!(failed_only.as_array().unwrap().len(), 1, "{failed_only}");
+        let table = stdout(&run(rm, &["history"]));
+        assert!(table.lines().all(|l| l.chars().count() <= 80), "{table}");
+        assert!(table.contains("KILLED") && table.contains("FAILED"), "{table}");
+
+        // The other user has no history and no logs of them.
+        assert_eq!(
+            json_of(&as_user(rm, &rm.other_token, &["history", "--json"])),
+            serde_json::json!([])
+        );
+        let o = as_user(rm, &rm.other_token, &["logs", &bad_id, "--stderr"]);
+        assert_eq!(o.status.code(), Some(77), "{}", text(&o));
+        (killed, typo)
+    };
+    let before = check_after_the_end(&rm);
+    rm.restart();
+    let after = check_after_the_end(&rm);
+    assert_eq!(before, after, "the history survives an RM restart unchanged");
+}
+
+/// `gpuam submit` without `--wait`, as `itest`, returning the application id.
+fn submit_id(rm: &Rm, job: &Path) -> String {
+    submit_no_wait(rm, job).0
+}
+
+/// Opens the job's dashboard with `token` in its URL, presses Kill and confirms; waits
+/// for the answer to say `answer`.
+async fn kill_from_dashboard(br: &Browser, dash: &str, token: &str, answer: &str) {
+    br.goto(&format!("{dash}#token={token}")).await;
+    br.js("location.reload(); return true;").await;
+    br.wait_for(
+        "the reloaded page's kill button",
+        "return !document.getElementById('kill').disabled && document.getElementById('kill-result').hidden;",
+        Duration::from_secs(30),
+    )
+    .await;
+    br.click("#kill").await;
+    br.click("#kill-confirm").await;
+    br.wait_for(
+        "the kill's answer",
+        &format!("return document.getElementById('kill-result').textContent.includes('{answer}');"),
+        Duration::from_secs(30),
+    )
+    .await;
+}
+
+#[test]
+fn the_owner_stops_a_job_from_its_dashboard_and_from_the_cluster_page() {
+    let rm = Rm::start(TWO_NODES_TWO_GPUS, &[("GPUAM_DASHBOARD_LINGER_SEC", "0")]);
+    let a = submit_id(&rm, &chatty_job(&rm, "from-dashboard"));
+    let b = submit_id(&rm, &chatty_job(&rm, "from-cluster-page"));
+    let dash = wait_for(Duration::from_secs(60), "both jobs to run", || {
+        let (x, y) = (rm.app(&a), rm.app(&b));
+        (x["state"] == "RUNNING" && y["state"] == "RUNNING" && x["trackingUrl"].as_str() != Some(""))
+            .then(|| x["trackingUrl"].as_str().unwrap().to_string())
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let br = Browser::start().await;
+        // The other user's token on the dashboard: refused, nothing stops.
+        kill_from_dashboard(&br, &dash, &rm.other_token, "Kill refused").await;
+        // The owner's own user token: the RM accepts it.
+        kill_from_dashboard(&br, &dash, &rm.user_token, "Kill requested").await;
+    });
+    assert_eq!(rm.wait_app_final(&a, Duration::from_secs(60))["state"], "KILLED");
+    assert_eq!(rm.app(&b)["state"], "RUNNING", "the other job runs on");
+    rt.block_on(async {
+        let br = Browser::start().await;
+        // The other user's cluster page has no Stop for it.
+        br.goto(&format!("{}/cluster#token={}", rm.url, rm.other_token)).await;
+        br.wait_for(
+            "the page",
+            "return document.body.dataset.ready === 'true';",
+            Duration::from_secs(30),
+        )
+        .await;
+        let stops = br
+            .js("return document.querySelectorAll('button[data-stop]').length;")
+            .await;
+        assert_eq!(stops, 0);
+        // The owner's: Stop asks first; Cancel stops nothing; Stop the job does.
+        br.goto(&format!("{}/cluster#token={}", rm.url, rm.user_token)).await;
+        br.js("location.reload(); return true;").await;
+        let sel = format!("button[data-stop='{b}']");
+        br.wait_for(
+            "the Stop button",
+            &format!("return document.querySelector(\"{sel}\") !== null;"),
+            Duration::from_secs(30),
+        )
+        .await;
+        br.click(&sel).await;
+        assert_eq!(br.js("return document.getElementById('stop-dialog').open;").await, true);
+        br.click("#stop-cancel").await;
+        br.click(&sel).await;
+        br.click("#stop-confirm").await;
+        br.wait_for(
+            "the stop answer",
+            "return document.getElementById('stop-result').textContent.includes('is stopping');",
+            Duration::from_secs(30),
+        )
+        .await;
+    });
+    assert_eq!(rm.wait_app_final(&b, Duration::from_secs(60))["state"], "KILLED");
+    rt.block_on(async {
+        let br = Browser::start().await;
+        br.goto(&format!("{}/cluster#token={}", rm.url, rm.user_token)).await;
+        // The history table: both jobs, KILLED, with their GPU-hours and who killed them.
+        let rows = br
+            .wait_for(
+                "two history rows",
+                "const r = [...document.querySelectorAll('#history-rows tr[data-app]')]; \
+                 return r.length === 2 ? r.map(x => [x.dataset.state, x.querySelector('.why').textContent, \
+                 Number(x.querySelector('[data-gpu-hours]').dataset.gpuHours)]) : null;",
+                Duration::from_secs(30),
+            )
+            .await;
+        for r in rows.as_array().unwrap() {
+            assert_eq!(r[0], "KILLED", "{rows}");
+            assert!(r[1].as_str().unwrap().contains("itest"), "{rows}");
+            assert!(r[2].as_f64().unwrap() > 0.0, "{rows}");
+        }
+    });
+}

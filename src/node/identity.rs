@@ -1,0 +1,406 @@
+//! Task identities: which uid a user's tasks run as on a node (issue 23), one rule for
+//! the node agents and the in-process node of `gpuam rm` / `gpuam run`.
+//!
+//! A node that runs as root never runs a task as root, and never runs two users' tasks
+//! under one uid:
+//! - a user the operator maps to a local account (`node.user_map`, `gpuam node --user-map
+//!   alice=alice`, as YARN's LinuxContainerExecutor runs a job as its submitter) runs as
+//!   that account, with its groups;
+//! - any other user runs as a uid of its own from a range (`node.task_uids`), as systemd's
+//!   `DynamicUser=` does: the uid (and a gid of the same number) has no passwd entry, so
+//!   nothing is written to `/etc/passwd` and nothing collides with an account (a uid or gid
+//!   that exists in the user or group database is never taken). The allocation is
+//!   deterministic and recorded machine-wide (`node.task_uid_registry`, one file per uid
+//!   holding the user's name, claimed with an atomic `link`): a user keeps its uid across
+//!   restarts and on every node of the machine (test hosts share one kernel), and two
+//!   users never get one.
+//!
+//! `gpuam node --run-as USER` runs every task as USER instead (one uid for all: a
+//! single-tenant node). A node that is not root runs tasks as itself.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+
+use super::executor::RunAs;
+
+/// The default range of per-user uids: 0x70000000 + 64 Ki, a block systemd's uid map
+/// leaves unused (below it: containers' ranges; above 0x7fffffff: nothing is assigned).
+pub const DEFAULT_UID_RANGE: (u32, u32) = (0x7000_0000, 0x7000_ffff);
+/// Where a machine records which per-user uid belongs to whom.
+pub const DEFAULT_REGISTRY: &str = "/var/lib/gpuam/task-uids";
+
+/// The identity settings of a node (`node.user_map`, `node.task_uids`,
+/// `node.task_uid_registry`, `gpuam node --user-map` / `--run-as`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IdentitySettings {
+    /// User → local account.
+    pub user_map: BTreeMap<String, String>,
+    /// `(first, last)` uid of the per-user range; `None`: [`DEFAULT_UID_RANGE`].
+    pub uid_range: Option<(u32, u32)>,
+    /// `None`: [`DEFAULT_REGISTRY`].
+    pub registry: Option<PathBuf>,
+    /// `--run-as`: every task as this one account.
+    pub run_as: Option<String>,
+}
+
+/// Parses `FIRST-LAST` (a uid range); the error names the fix.
+pub fn parse_uid_range(text: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("`{text}` is not a uid range: write FIRST-LAST, e.g. 1879048192-1879113727");
+    let (a, b) = text.trim().split_once('-').ok_or_else(bad)?;
+    let a: u32 = a.trim().parse().map_err(|_| bad())?;
+    let b: u32 = b.trim().parse().map_err(|_| bad())?;
+    if a < 1000 || b < a || b == u32::MAX {
+        return Err(format!(
+            "uid range `{text}`: FIRST must be at least 1000 and LAST at least FIRST and below 4294967295"
+        ));
+    }
+    Ok((a, b))
+}
+
+/// Parses `USER=ACCOUNT` entries (`--user-map`); the error names the entry.
+pub fn parse_user_map(entries: &[String]) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for e in entries {
+        let (u, a) = e
+            .split_once('=')
+            .filter(|(u, a)| !u.is_empty() && !a.is_empty())
+            .ok_or_else(|| format!("--user-map `{e}`: write USER=ACCOUNT, e.g. alice=alice"))?;
+        out.insert(u.to_string(), a.to_string());
+    }
+    Ok(out)
+}
+
+/// Whether `name` may be a user's name here: 1-64 of `[A-Za-z0-9_.@-]`, not starting with
+/// `-` or `.` (it is recorded in a file and shown in `USER`).
+pub fn valid_user_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with(['-', '.'])
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'@' | b'-'))
+}
+
+/// How a node picks each task's uid (see the module doc).
+#[derive(Debug)]
+pub enum TaskUsers {
+    /// Tasks run as this process's user (a node that is not root).
+    Same,
+    /// Every task as one account (`--run-as`).
+    Fixed(RunAs),
+    /// Each user as its own account or uid.
+    PerUser {
+        map: BTreeMap<String, RunAs>,
+        range: (u32, u32),
+        registry: PathBuf,
+        /// Uids already found, by user.
+        found: Mutex<HashMap<String, RunAs>>,
+    },
+}
+
+impl TaskUsers {
+    /// The identities of a node running with `settings`: per user when this process is
+    /// root (unless `--run-as` names one account), else [`TaskUsers::Same`]. Every mapped
+    /// account must exist, must not be root, and no two users may share one.
+    pub fn for_node(settings: &IdentitySettings) -> Result<TaskUsers, String> {
+        let root = nix::unistd::geteuid().is_root();
+        if let Some(name) = &settings.run_as {
+            let u = RunAs::lookup(name)?;
+            if u.uid == 0 {
+                return Err(format!(
+                    "--run-as {name}: tasks must not run as root; name an unprivileged user"
+                ));
+            }
+            return Ok(TaskUsers::Fixed(u));
+        }
+        if !root {
+            if !settings.user_map.is_empty() {
+                return Err(
+                    "node.user_map needs a node that runs as root (only root can run a task as another account)".into(),
+                );
+            }
+            return Ok(TaskUsers::Same);
+        }
+        let mut map = BTreeMap::new();
+        let mut owner_of: BTreeMap<u32, &str> = BTreeMap::new();
+        for (user, account) in &settings.user_map {
+            if !valid_user_name(user) {
+                return Err(format!(
+                    "node.user_map: `{user}` is not a user name ([A-Za-z0-9_.@-], up to 64)"
+                ));
+            }
+            let u = RunAs::lookup(account).map_err(|e| format!("node.user_map {user}={account}: {e}"))?;
+            if u.uid == 0 {
+                return Err(format!(
+                    "node.user_map {user}={account}: tasks must not run as root; map to an unprivileged account"
+                ));
+            }
+            if let Some(other) = owner_of.insert(u.uid, user) {
+                return Err(format!(
+                    "node.user_map maps both `{other}` and `{user}` to uid {}: different users never share a uid",
+                    u.uid
+                ));
+            }
+            map.insert(user.clone(), u);
+        }
+        let range = settings.uid_range.unwrap_or(DEFAULT_UID_RANGE);
+        if let Some((uid, user)) = owner_of.iter().find(|(uid, _)| (range.0..=range.1).contains(*uid)) {
+            return Err(format!(
+                "node.user_map: `{user}`'s account has uid {uid}, inside node.task_uids {}-{}; choose a range apart",
+                range.0, range.1
+            ));
+        }
+        let registry = settings
+            .registry
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_REGISTRY));
+        Ok(TaskUsers::PerUser {
+            map,
+            range,
+            registry,
+            found: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Says how tasks run, for the node's log.
+    pub fn describe(&self) -> String {
+        match self {
+            TaskUsers::Same => "tasks run as this node's user (it is not root)".into(),
+            TaskUsers::Fixed(u) => format!("every task runs as `{}` (uid {}; --run-as)", u.name, u.uid),
+            TaskUsers::PerUser { map, range, .. } => format!(
+                "each user's tasks run as its own uid: {} mapped account(s), others from uids {}-{}",
+                map.len(),
+                range.0,
+                range.1
+            ),
+        }
+    }
+
+    /// Whether each user gets its own uid.
+    pub fn per_user(&self) -> bool {
+        matches!(self, TaskUsers::PerUser { .. })
+    }
+
+    /// The account `user`'s task runs as (`None`: this process's user).
+    pub fn resolve(&self, user: &str) -> Result<Option<RunAs>, String> {
+        match self {
+            TaskUsers::Same => Ok(None),
+            TaskUsers::Fixed(u) => Ok(Some(u.clone())),
+            TaskUsers::PerUser {
+                map,
+                range,
+                registry,
+                found,
+            } => {
+                if let Some(u) = map.get(user) {
+                    return Ok(Some(u.clone()));
+                }
+                if !valid_user_name(user) {
+                    return Err(format!(
+                        "the grant's user `{}` is not a user name this node can give a uid (an RM older than \
+                         this node sends none); upgrade the RM",
+                        user.escape_debug()
+                    ));
+                }
+                if let Some(u) = found.lock().get(user) {
+                    return Ok(Some(u.clone()));
+                }
+                let uid = allocate(registry, *range, user)?;
+                let u = RunAs {
+                    name: user.to_string(),
+                    uid,
+                    gid: uid,
+                    groups: Vec::new(),
+                };
+                found.lock().insert(user.to_string(), u.clone());
+                Ok(Some(u))
+            }
+        }
+    }
+}
+
+/// Creates a node's work dir and its `containers/` (the executor's root), both 0711 so
+/// that a task passes through to its own directory without listing anyone else's, and
+/// warns when a directory above is not searchable by others (a task could not reach its
+/// directory then). Returns the work dir, canonical. Used by the agents and the
+/// in-process node alike.
+pub fn open_for_tasks(work_dir: &Path, containers: &Path) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::create_dir_all(containers)
+        .map_err(|e| format!("cannot create the work dir {}: {e}", containers.display()))?;
+    let dir = std::fs::canonicalize(work_dir).map_err(|e| format!("cannot resolve {}: {e}", work_dir.display()))?;
+    for d in [dir.as_path(), containers] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| format!("cannot set mode 0711 on {}: {e}", d.display()))?;
+    }
+    if nix::unistd::geteuid().is_root() {
+        for up in dir.ancestors().skip(1) {
+            let mode = std::fs::metadata(up).map(|m| m.permissions().mode()).unwrap_or(0);
+            if mode & 0o001 == 0 {
+                tracing::warn!(
+                    "tasks run as their users' own uids and cannot reach {}: {} is not searchable by others \
+                     (mode {:o}); make it so (chmod o+x) or choose a work dir elsewhere",
+                    dir.display(),
+                    up.display(),
+                    mode & 0o7777
+                );
+                break;
+            }
+        }
+    }
+    Ok(dir)
+}
+
+/// Whether `uid` is an account, or `uid` as a gid a group, of this machine.
+fn taken_by_account(uid: u32) -> bool {
+    let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid));
+    let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(uid));
+    !matches!((user, group), (Ok(None), Ok(None)))
+}
+
+/// 64-bit FNV-1a of `s`: where `user`'s search for a free uid starts (the same on every
+/// node and every run).
+fn slot_of(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// `user`'s uid in `range`, recorded in `registry` (see the module doc): the first slot
+/// from `user`'s own that is recorded for `user`, or free (no record, no account), which
+/// it then claims.
+pub fn allocate(registry: &Path, range: (u32, u32), user: &str) -> Result<u32, String> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let len = u64::from(range.1 - range.0) + 1;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(registry)
+        .map_err(|e| format!("cannot create the uid registry {}: {e}", registry.display()))?;
+    let start = slot_of(user) % len;
+    // Far fewer users than slots: a short probe finds a free one.
+    for k in 0..len.min(1 << 16) {
+        let uid = range.0 + u32::try_from((start + k) % len).unwrap_or(0);
+        let path = registry.join(uid.to_string());
+        match std::fs::read_to_string(&path) {
+            Ok(owner) if owner == user => {
+                if taken_by_account(uid) {
+                    // An account got this number since: never share it; look further.
+                    continue;
+                }
+                return Ok(uid);
+            }
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot read the uid registry {}: {e}", path.display())),
+        }
+        if taken_by_account(uid) {
+            continue;
+        }
+        // Claim: a complete file under a name of our own, linked to the uid's name (which
+        // fails if another node claimed it first; then whoever did is read back).
+        let tmp = registry.join(format!(".{uid}.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, user).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => return Ok(uid),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                if std::fs::read_to_string(&path).is_ok_and(|o| o == user) {
+                    return Ok(uid);
+                }
+            }
+            Err(e) => return Err(format!("cannot record uid {uid} in {}: {e}", registry.display())),
+        }
+    }
+    Err(format!(
+        "no free uid left in node.task_uids {}-{} (recorded in {})",
+        range.0,
+        range.1,
+        registry.display()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn users_get_distinct_stable_uids_that_no_account_has() {
+        let tmp = tempfile::tempdir().unwrap();
+        let range = (DEFAULT_UID_RANGE.0, DEFAULT_UID_RANGE.0 + 3);
+        let a = allocate(tmp.path(), range, "alice").unwrap();
+        let b = allocate(tmp.path(), range, "bob").unwrap();
+        assert_ne!(a, b);
+        assert_eq!(allocate(tmp.path(), range, "alice").unwrap(), a, "stable");
+        // Another node of the machine (same registry) agrees.
+        assert_eq!(allocate(tmp.path(), range, "bob").unwrap(), b);
+        let c = allocate(tmp.path(), range, "carol").unwrap();
+        let d = allocate(tmp.path(), range, "dave").unwrap();
+        let mut all = vec![a, b, c, d];
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), 4, "{all:?}");
+        let e = allocate(tmp.path(), range, "eve").unwrap_err();
+        assert!(e.contains("no free uid"), "{e}");
+        for uid in all {
+            assert!(!taken_by_account(uid), "{uid}");
+        }
+    }
+
+    #[test]
+    fn an_accounts_uid_is_never_allocated() {
+        let tmp = tempfile::tempdir().unwrap();
+        // uid 0..=2 are accounts on every machine (root, daemon, bin).
+        let e = allocate(tmp.path(), (0, 0), "alice").unwrap_err();
+        assert!(e.contains("no free uid"), "{e}");
+        assert!(allocate(tmp.path(), (0, 1), "alice").is_err());
+    }
+
+    #[test]
+    fn ranges_maps_and_names_are_checked() {
+        assert_eq!(parse_uid_range("70000-70010"), Ok((70000, 70010)));
+        assert!(parse_uid_range("10-20").unwrap_err().contains("at least 1000"));
+        assert!(parse_uid_range("abc").unwrap_err().contains("FIRST-LAST"));
+        assert_eq!(
+            parse_user_map(&["alice=al".into()])
+                .unwrap()
+                .get("alice")
+                .map(String::as_str),
+            Some("al")
+        );
+        assert!(parse_user_map(&["alice".into()]).unwrap_err().contains("USER=ACCOUNT"));
+        assert!(valid_user_name("alice.b@x"));
+        for bad in ["", "-rf", "../x", "a/b", "a b", ".hidden"] {
+            assert!(!valid_user_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_root_node_refuses_maps_to_root_or_shared_accounts() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let mut s = IdentitySettings::default();
+        s.user_map.insert("alice".into(), "root".into());
+        assert!(TaskUsers::for_node(&s).unwrap_err().contains("must not run as root"));
+        s.user_map.clear();
+        s.user_map.insert("alice".into(), "daemon".into());
+        s.user_map.insert("bob".into(), "daemon".into());
+        assert!(TaskUsers::for_node(&s).unwrap_err().contains("never share a uid"));
+        s.user_map.remove("bob");
+        s.user_map.insert("bob".into(), "no-such-account-23a".into());
+        assert!(TaskUsers::for_node(&s).unwrap_err().contains("bob=no-such-account-23a"));
+        let tmp = tempfile::tempdir().unwrap();
+        s.user_map.remove("bob");
+        s.registry = Some(tmp.path().to_path_buf());
+        let users = TaskUsers::for_node(&s).unwrap();
+        assert!(users.per_user());
+        assert_eq!(users.resolve("alice").unwrap().unwrap().name, "daemon");
+        let bob = users.resolve("bob").unwrap().unwrap();
+        assert!((DEFAULT_UID_RANGE.0..=DEFAULT_UID_RANGE.1).contains(&bob.uid));
+        assert!(users.resolve("").is_err(), "no user: refused");
+    }
+}

@@ -1,0 +1,224 @@
+//! Job history: `GET /ws/v1/cluster/history` (finished applications, newest first, with
+//! times, duration, final state, exit code, reason, attempts and GPU-hours; filtered by
+//! `user`, `queue`, `state`, at most `limit`), for the caller's own applications (the
+//! admin's: everyone's). Finished applications stay in the RM's store until the
+//! retention pass forgets them (`rm.history_retention_days`, `rm.max_history`), and
+//! their kept logs go after `rm.log_retention_days`. The rows are computed by
+//! `crate::rm::history`.
+
+use super::*;
+use crate::rm::history::{history_row, to_forget, HistoryFilter, HistoryRow};
+use crate::rm::ledger::LedgerContainer;
+
+/// How often the retention pass runs.
+const RETENTION_EVERY: Duration = Duration::from_secs(60);
+
+#[derive(Deserialize)]
+pub(super) struct HistoryQuery {
+    user: Option<String>,
+    queue: Option<String>,
+    state: Option<String>,
+    limit: Option<usize>,
+}
+
+/// The history row of one application (finished or not), from its containers.
+pub(super) fn row_of(rm: &Shared, app: &App, containers: &[&LedgerContainer]) -> HistoryRow {
+    let id = &app.report.id;
+    history_row(app, containers, now_ms(), |c| super::logs::kept_stderr(rm, id, c))
+}
+
+/// Every application's containers, in one pass over the ledger.
+pub(super) fn containers_by_app(st: &RmState) -> HashMap<&str, Vec<&LedgerContainer>> {
+    let mut by_app: HashMap<&str, Vec<&LedgerContainer>> = HashMap::new();
+    for c in st.ledger.all_containers() {
+        by_app.entry(c.app_id.as_str()).or_default().push(c);
+    }
+    by_app
+}
+
+/// `GET /ws/v1/cluster/history`.
+pub(super) async fn get_history(State(rm): Rm, caller: Caller, Query(q): Query<HistoryQuery>) -> Json<Value> {
+    let filter = HistoryFilter {
+        user: q.user.filter(|u| !u.is_empty()),
+        queue: q.queue.filter(|u| !u.is_empty()),
+        state: q.state.filter(|u| !u.is_empty()),
+    };
+    let st = rm.lock();
+    let mut apps: Vec<&App> = st
+        .apps
+        .values()
+        .filter(|a| a.report.state.is_final() && caller.owns(a) && filter.accepts(a))
+        .collect();
+    apps.sort_by(|a, b| {
+        b.report
+            .finished_time
+            .cmp(&a.report.finished_time)
+            .then_with(|| b.report.id.cmp(&a.report.id))
+    });
+    let by_app = containers_by_app(&st);
+    let rows: Vec<HistoryRow> = apps
+        .into_iter()
+        .take(q.limit.unwrap_or(usize::MAX))
+        .map(|a| row_of(&rm, a, by_app.get(a.report.id.as_str()).map_or(&[], Vec::as_slice)))
+        .collect();
+    Json(json!({ "history": rows }))
+}
+
+/// `GET /ws/v1/cluster/whoami`: the caller's user name and whether it is the admin (for
+/// `gpuam login` and the job commands).
+pub(super) async fn whoami(caller: Caller) -> Json<Value> {
+    Json(json!({ "user": caller.name(), "admin": caller.is_admin() }))
+}
+
+/// Runs the retention pass now and then every [`RETENTION_EVERY`].
+pub(super) fn spawn_retention(rm: Arc<Shared>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(RETENTION_EVERY);
+        loop {
+            every.tick().await;
+            retention_pass(&rm);
+        }
+    })
+}
+
+/// Forgets the finished applications beyond the history's bounds (their containers and
+/// kept logs with them) and deletes kept logs older than `rm.log_retention_days`.
+pub(super) fn retention_pass(rm: &Shared) {
+    let now = now_ms();
+    let (forgotten, old_logs) = {
+        let mut st = rm.lock();
+        // Only applications whose containers are all dead: a held one still counts its GPUs.
+        let busy: std::collections::HashSet<&str> = st
+            .ledger
+            .all_containers()
+            .filter(|c| c.state != ContainerState::Complete || c.held)
+            .map(|c| c.app_id.as_str())
+            .collect();
+        let finished: Vec<(String, u64)> = st
+            .apps
+            .values()
+            .filter(|a| a.report.state.is_final() && !busy.contains(a.report.id.as_str()))
+            .map(|a| (a.report.id.clone(), a.report.finished_time))
+            .collect();
+        drop(busy);
+        let max_age = rm.history.max_age.as_millis() as u64;
+        let gone = to_forget(&finished, now, max_age, rm.history.max_apps);
+        for id in &gone {
+            st.apps.remove(id);
+            st.ledger.forget_app(id);
+        }
+        if !gone.is_empty() {
+            st.commit_or_log();
+            tracing::info!(apps = gone.len(), "history retention: finished applications forgotten");
+        }
+        let log_age = rm.history.log_max_age.as_millis() as u64;
+        let old_logs: Vec<String> = finished
+            .iter()
+            .filter(|(id, t)| !gone.contains(id) && now.saturating_sub(*t) > log_age)
+            .map(|(id, _)| id.clone())
+            .collect();
+        (gone, old_logs)
+    };
+    for id in forgotten.iter().chain(&old_logs) {
+        let dir = super::logs::logs_dir(rm, id);
+        if dir.is_dir() {
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!(app = %id, "kept logs not deleted: {e}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::{PortSet, Resources};
+
+    fn options(dir: &Path) -> RmOptions {
+        let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+        let mut opts = RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.to_path_buf());
+        opts.launch_am = false;
+        opts
+    }
+
+    async fn rm_in(dir: &Path) -> RmHandle {
+        start(options(dir)).await.unwrap()
+    }
+
+    /// A finished application that ended `days_ago`, with a kept log.
+    fn finished_app(rm: &RmHandle, name: &str, days_ago: u64) -> String {
+        let (id, _) = rm.register_test_app(name);
+        let mut st = rm.shared.lock();
+        let app = st.apps.get_mut(&id).unwrap();
+        app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new());
+        app.report.finished_time = now_ms() - days_ago * 86_400_000;
+        st.commit_or_log();
+        drop(st);
+        let dir = super::super::logs::logs_dir(&rm.shared, &id);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("c.stdout"), "x").unwrap();
+        id
+    }
+
+    #[tokio::test]
+    async fn retention_forgets_old_jobs_with_their_logs_durably_and_drops_old_logs() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        let rm = rm_in(&work).await;
+        let old = finished_app(&rm, "old", 31);
+        let logs_only = finished_app(&rm, "week-old", 8);
+        let fresh = finished_app(&rm, "fresh", 0);
+        retention_pass(&rm.shared);
+        assert!(rm.app_report(&old).is_none());
+        assert!(rm.app_report(&logs_only).is_some() && rm.app_report(&fresh).is_some());
+        let logs = |id: &str| super::super::logs::logs_dir(&rm.shared, id).exists();
+        assert!(!logs(&old) && !logs(&logs_only) && logs(&fresh));
+        rm.shutdown().await;
+        // The store forgot it too: a restarted RM does not bring it back (its store is
+        // free once the old RM's last references are gone).
+        let mut again = None;
+        for _ in 0..100 {
+            match start(options(&work)).await {
+                Ok(r) => {
+                    again = Some(r);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        let rm = again.expect("the RM starts again on its state");
+        assert!(rm.app_report(&old).is_none());
+        assert!(rm.app_report(&fresh).is_some());
+        rm.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_task_on_a_lost_node_says_its_logs_are_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let rm = rm_in(&dir.path().join("work")).await;
+        let (id, _) = rm.register_test_app("lost");
+        {
+            let mut st = rm.shared.lock();
+            let mut ask =
+                crate::protocol::Ask::for_resources(1, "n1", &Resources::with_mask(1, 100, 0x1, PortSet::new()));
+            ask.task = Some("worker/0".into());
+            ask.task_attempt = 1;
+            st.ledger.grant(&id, 1, &ask, Instant::now()).unwrap();
+            st.commit_or_log();
+        }
+        assert!(rm.set_node_state("n1", NodeState::Lost).await);
+        let url = format!("{}/ws/v1/cluster/apps/{id}/logs/worker/0", rm.base_url());
+        let v: Value = crate::tls::http_client()
+            .get(&url)
+            .bearer_auth(rm.admin_token())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(v["note"].as_str().unwrap().contains("node n1 is LOST"), "{v}");
+        assert_eq!(v["complete"], true, "{v}");
+        rm.shutdown().await;
+    }
+}
