@@ -442,7 +442,14 @@ impl AgentCluster {
     fn start(agent_args: &[&str]) -> AgentCluster {
         let dir = tempfile::Builder::new().prefix("gpuam-itest-agent-").tempdir().unwrap();
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o711)).unwrap();
-        fs::write(dir.path().join("node.token"), "fractional-test-node-token\n").unwrap();
+        let made = std::process::Command::new(common::bin())
+            .args(["node-token", "new", "--host", "agent-1", "--nodes-file"])
+            .arg(dir.path().join("nodes.yaml"))
+            .arg("--out")
+            .arg(dir.path().join("node.token"))
+            .output()
+            .unwrap();
+        assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
         fs::write(dir.path().join("gpuam.yaml"), "rm:\n  container_expiry_sec: 600\n").unwrap();
         let mut c = AgentCluster {
             dir,
@@ -457,8 +464,8 @@ impl AgentCluster {
                 "127.0.0.1:0",
                 "--work-dir",
                 &c.path("rm").display().to_string(),
-                "--node-token-file",
-                &c.path("node.token").display().to_string(),
+                "--nodes-file",
+                &c.path("nodes.yaml").display().to_string(),
                 "--in-memory",
             ],
         );

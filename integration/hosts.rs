@@ -1,5 +1,5 @@
 //! Real hosts: three Linux network namespaces joined by a bridge (in a fourth), the RM
-//! (`gpuam rm --node-token-file`, no cluster file) in one, a node agent (`gpuam node`) in
+//! (`gpuam rm --nodes-file`, no cluster file) in one, a node agent (`gpuam node`) in
 //! each of the other two, each offering 2 GPUs.
 //!
 //! - a gang of 2 tasks × 2 GPUs runs with one task on each host, as the task user, which
@@ -363,4 +363,141 @@ fn an_rm_killed_during_a_gangs_start_comes_back_with_its_agents_and_loses_nothin
     }
     println!("{} runs after 3 RM kills; GPU overlap {overlap_ms:.1} ms", runs.len());
     assert_eq!(overlap_ms, 0.0, "two runs held one GPU at once: {runs:?}");
+}
+
+/// Each agent has its own credential, bound to its host (`gpuam node-token new`):
+/// - another host's valid credential cannot register a live host (nor heartbeat for it),
+///   and the live host keeps working;
+/// - no credential, no node: a fake node cannot join;
+/// - a host cannot report another host's container dead (its GPUs stay held, it runs on);
+/// - a credential taken out of the nodes file is refused from then on.
+#[test]
+fn agent_credentials_bind_each_agent_to_its_host() {
+    let mut h = Hosts::build("ident");
+    h.start_rm();
+    h.start_agent("h1");
+    h.start_agent("h2");
+    h.wait_agents_running();
+    let (h1, h2) = (h.host_name("h1"), h.host_name("h2"));
+    let out = h.path("out").display().to_string();
+    let token = |host: &str| fs::read_to_string(h.path(&format!("{host}.token"))).unwrap();
+    let register = |host: &str, gpus: u64| {
+        serde_json::json!({
+            "host": host, "rack": "/r",
+            "total": {"cpu": 64, "memoryMB": 1_000_000, "gpus": gpus, "gpuMask": (1u128 << gpus) - 1, "ports": "20000-20100"},
+            "httpAddress": "http://10.213.0.3:9999",
+        })
+    };
+
+    // A job holding both GPUs of one host (the victim).
+    let mut holder = h.submit(
+        "holder",
+        &job(
+            "holder",
+            1,
+            0,
+            &[format!(
+                "echo $GPUAM_HOST $GPUAM_CONTAINER_ID > {out}/holder; sleep 1000"
+            )],
+        ),
+        true,
+    );
+    let line = wait_for(Duration::from_secs(60), "the holder to run", || {
+        lines(&h.path("out/holder")).first().cloned()
+    });
+    let (victim, container) = line
+        .split_once(' ')
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .unwrap();
+    let (other, other_label) = if victim == h1 {
+        (h2.clone(), "h2")
+    } else {
+        (h1.clone(), "h1")
+    };
+
+    // Another host's credential registering the victim: refused; heartbeating for it too.
+    let (code, body) = h.post_as(
+        other_label,
+        &token(other_label),
+        "/ws/v1/node-agents/register",
+        &register(&victim, 2),
+    );
+    assert_eq!(code, 403, "{body}");
+    let (code, body) = h.post_as(
+        other_label,
+        &token(other_label),
+        &format!("/ws/v1/node-agents/{victim}/heartbeat"),
+        &serde_json::json!({"containers": [{"containerId": container, "state": "COMPLETE", "exitStatus": 0}]}),
+    );
+    assert_eq!(code, 403, "{body}");
+    // No credential (or a made-up one): no node.
+    for t in ["", "made-up-token"] {
+        let (code, body) = h.post_as("h2", t, "/ws/v1/node-agents/register", &register("fake64", 64));
+        assert_eq!(code, 401, "{body}");
+    }
+    // The other host reports the victim's container dead in its own heartbeat: ignored.
+    let (code, body) = h.post_as(
+        other_label,
+        &token(other_label),
+        &format!("/ws/v1/node-agents/{other}/heartbeat"),
+        &serde_json::json!({"containers": [{"containerId": container, "state": "COMPLETE", "exitStatus": 0}]}),
+    );
+    assert_eq!(code, 200, "{body}");
+    std::thread::sleep(Duration::from_secs(2));
+    let nodes = h.get("/ws/v1/cluster/nodes");
+    let node = |host: &str| {
+        nodes["nodes"]["node"]
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["nodeHostName"] == host).cloned())
+            .unwrap()
+    };
+    assert_eq!(node(&victim)["state"], "RUNNING", "{nodes}");
+    assert_eq!(
+        node(&victim)["usedGpuAttribute"],
+        "0x3",
+        "the victim's GPUs stay held: {nodes}"
+    );
+    assert!(
+        nodes["nodes"]["node"].as_array().unwrap().len() == 2,
+        "no fake node: {nodes}"
+    );
+
+    // Revoked: the other host's entry taken out of the nodes file; its agent is refused.
+    let nodes_file = fs::read_to_string(h.path("nodes.yaml")).unwrap();
+    let kept: String = nodes_file
+        .lines()
+        .filter(|l| !l.trim_start().starts_with(&format!("{other}:")))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_ne!(kept, nodes_file);
+    fs::write(h.path("nodes.yaml"), kept).unwrap();
+    wait_for(Duration::from_secs(20), "the revoked agent refused", || {
+        let (code, _) = h.post_as(
+            other_label,
+            &token(other_label),
+            &format!("/ws/v1/node-agents/{other}/heartbeat"),
+            &serde_json::json!({"containers": []}),
+        );
+        (code == 401).then_some(())
+    });
+    wait_for(Duration::from_secs(30), "the revoked host LOST", || {
+        h.node_states()
+            .iter()
+            .any(|(n, s)| *n == other && s == "LOST")
+            .then_some(())
+    });
+    // The victim's agent works on: its job is killed and its GPUs come back.
+    unsafe {
+        libc::kill(holder.id() as i32, libc::SIGINT);
+    }
+    let _ = holder.wait();
+    wait_for(Duration::from_secs(30), "the victim's GPUs free", || {
+        let n = h.get("/ws/v1/cluster/nodes");
+        n["nodes"]["node"]
+            .as_array()?
+            .iter()
+            .find(|n| n["nodeHostName"] == victim.as_str())
+            .filter(|n| n["usedGpuAttribute"] == "0x0" && n["state"] == "RUNNING")
+            .map(|_| ())
+    });
 }

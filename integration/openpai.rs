@@ -689,3 +689,31 @@ fn stopping_a_job_removes_its_tasks_containers() {
     assert_eq!(code, Some(1), "a killed job exits 1");
     assert!(left.is_empty(), "containers left behind: {left:?}");
 }
+
+/// A command whose reader went away (`gpuam validate FILE | head -1`) ends quietly, killed
+/// by SIGPIPE as Unix tools are, never with a panic.
+#[test]
+fn a_command_whose_output_pipe_closed_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let job = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ddp-4x2.yaml");
+    for _ in 0..3 {
+        let mut child = Command::new(bin())
+            .args(["validate", job])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "{stderr}"
+        );
+        assert!(
+            out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+            "{:?}: {stderr}",
+            out.status
+        );
+    }
+}

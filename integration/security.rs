@@ -1739,3 +1739,31 @@ fn the_cli_makes_tokens_and_says_how_to_get_one() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{out:?}");
 }
+
+/// An application id belongs to the user who reserved it: another user's submit of it is
+/// refused (403) and leaves it to its owner, who can still submit it.
+#[tokio::test]
+async fn a_reserved_application_id_is_submitted_only_by_who_reserved_it() {
+    let rm = rm().await;
+    let (s, new) = rm
+        .json(
+            "POST",
+            "/ws/v1/cluster/apps/new-application",
+            Some(&rm.alice),
+            json!({}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{new}");
+    let id = new["applicationId"].as_str().unwrap().to_string();
+    let body = json!({"applicationId": id, "jobSpec": SPEC});
+    let msg = error_body(
+        rm.json("POST", "/ws/v1/cluster/apps", Some(&rm.bob), body.clone())
+            .await,
+        StatusCode::FORBIDDEN,
+    );
+    assert!(msg.contains("another user"), "{msg}");
+    let (s, out) = rm.json("POST", "/ws/v1/cluster/apps", Some(&rm.alice), body).await;
+    assert!(s.is_success(), "{out}");
+    assert_eq!(rm.listed(&rm.alice).await, vec![id.clone()]);
+    assert!(rm.listed(&rm.bob).await.is_empty());
+}

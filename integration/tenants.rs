@@ -218,7 +218,9 @@ fn steer(tag: &str, agent_args: &[&str]) {
     assert_eq!(metrics(&h), Some(2), "the task holds its host's 2 GPUs");
 
     // The preemption notice, straight from the agent's endpoint.
-    let token = read(h.path("node.token"));
+    // The RM's call token for that host (derived from the host's own agent token).
+    let token =
+        gpuam::node::token::rm_call_token(&gpuam::node::token::host_key(&read(h.path(&format!("{label}.token")))));
     let notice = curl_code(
         &h,
         label,

@@ -1,5 +1,5 @@
 //! Real hosts for the end-to-end tests: three Linux network namespaces joined by a bridge
-//! (in a fourth), the RM (`gpuam rm --node-token-file`, no cluster file) in one, a node
+//! (in a fourth), the RM (`gpuam rm --nodes-file`, no cluster file) in one, a node
 //! agent (`gpuam node`) in each of the other two, each with its own IP on the bridge's
 //! network (`10.213.0.0/24`: the RM `.1`, `h1` `.2`, `h2` `.3`).
 //!
@@ -104,11 +104,28 @@ impl Hosts {
             ip(&["-n", &ns, "link", "set", &a, "up"]);
             ip(&["-n", &ns, "link", "set", "lo", "up"]);
         }
-        fs::write(h.path("node.token"), "node-secret-of-this-test\n").unwrap();
+        // Each host's agent its own token (`gpuam node-token new`), and one for a host that
+        // never runs an agent (`rogue`), for the tests of stolen credentials.
+        for host in ["h1", "h2", "rogue"] {
+            h.node_token_new(host);
+        }
         fs::create_dir_all(h.path("out")).unwrap();
         fs::set_permissions(h.path("out"), fs::Permissions::from_mode(0o777)).unwrap();
         fs::write(h.path("conf.yaml"), "rm:\n  node_expiry_sec: 3\n").unwrap();
         h
+    }
+
+    /// `gpuam node-token new` for the host name of `host`: its token in `<host>.token`, its
+    /// digest in `nodes.yaml` (the RM's nodes file; a running RM reloads it).
+    pub fn node_token_new(&self, host: &str) {
+        let out = Command::new(bin())
+            .args(["node-token", "new", "--host", &self.host_name(host), "--nodes-file"])
+            .arg(self.path("nodes.yaml"))
+            .arg("--out")
+            .arg(self.path(&format!("{host}.token")))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
     /// A path in the test's temporary directory.
@@ -139,18 +156,10 @@ impl Hosts {
     /// [`Hosts::keep_state`], until it answers).
     pub fn start_rm(&mut self) {
         let work = self.path("rm").display().to_string();
-        let token = self.path("node.token").display().to_string();
+        let nodes = self.path("nodes.yaml").display().to_string();
         let admin = self.path("admin.token").display().to_string();
         let listen = format!("{RM_IP}:8088");
-        let mut args = vec![
-            "rm",
-            "--listen",
-            &listen,
-            "--work-dir",
-            &work,
-            "--node-token-file",
-            &token,
-        ];
+        let mut args = vec!["rm", "--listen", &listen, "--work-dir", &work, "--nodes-file", &nodes];
         if self.keep_state {
             // One admin token across restarts, where the helpers read it.
             fs::create_dir_all(self.path("rm")).unwrap();
@@ -187,7 +196,7 @@ impl Hosts {
     /// topology), 4 CPUs, 8192 MB, ports 20000-20100, plus [`Hosts::agent_args`].
     pub fn start_agent(&mut self, host: &str) {
         let work = self.path(&format!("{host}-work")).display().to_string();
-        let token = self.path("node.token").display().to_string();
+        let token = self.path(&format!("{host}.token")).display().to_string();
         let name = self.host_name(host);
         let listen = format!("{}:8042", host_ip(host));
         let rm = format!("http://{RM_IP}:8088");
@@ -259,9 +268,15 @@ impl Hosts {
     /// (HTTP status, body).
     pub fn post_admin(&self, path: &str) -> (u16, serde_json::Value) {
         let token = fs::read_to_string(self.path("rm/admin.token")).expect("the admin token");
+        self.post_as("rm", &token, path, &serde_json::json!({}))
+    }
+
+    /// `POST path` with `body` and bearer `token`, from namespace `ns` → (HTTP status, body).
+    pub fn post_as(&self, ns: &str, token: &str, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
         let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns("rm"), "curl", "-s", "-w", "\\n%{http_code}"])
-            .args(["-X", "POST", "-H", "Content-Type: application/json", "-d", "{}"])
+            .args(["netns", "exec", &self.ns(ns), "curl", "-s", "-w", "\\n%{http_code}"])
+            .args(["-X", "POST", "-H", "Content-Type: application/json", "-d"])
+            .arg(body.to_string())
             .arg("-H")
             .arg(format!("Authorization: Bearer {}", token.trim()))
             .arg(format!("http://{RM_IP}:8088{path}"))

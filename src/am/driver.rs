@@ -24,6 +24,9 @@ pub trait AmRm: Sync {
     fn start(&self, c: &Container, ctx: &LaunchContext) -> impl Future<Output = Result<(), RmError>> + Send;
 }
 
+/// How long a container start is sent again while the RM does not answer.
+const START_UNREACHABLE_FOR: Duration = Duration::from_secs(120);
+
 impl AmRm for RmClient {
     fn nodes(&self) -> impl Future<Output = Result<Vec<Node>, RmError>> + Send {
         RmClient::nodes(self)
@@ -34,10 +37,23 @@ impl AmRm for RmClient {
     fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send {
         RmClient::register(self, req)
     }
+    /// A start whose answer never came (the RM went down meanwhile) may have started the
+    /// task: it is sent again until the RM answers (the RM answers a repeated start of a
+    /// running container with its status), so a task is never run twice because one
+    /// answer was lost. Given up after [`START_UNREACHABLE_FOR`].
     async fn start(&self, c: &Container, ctx: &LaunchContext) -> Result<(), RmError> {
-        self.start_container(&c.node_http_address, &c.host, &c.container_id, ctx)
-            .await
-            .map(|_| ())
+        let since = Instant::now();
+        loop {
+            match self
+                .start_container(&c.node_http_address, &c.host, &c.container_id, ctx)
+                .await
+            {
+                Err(e) if e.is_unreachable() && since.elapsed() < START_UNREACHABLE_FOR => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                r => return r.map(|_| ()),
+            }
+        }
     }
 }
 

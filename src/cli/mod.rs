@@ -104,9 +104,14 @@ enum Cmd {
         /// Keep the state in memory only: a restarted RM starts empty.
         #[arg(long)]
         in_memory: bool,
-        /// File holding the node token that node agents (`gpuam node`) present; without
-        /// --cluster the node view is then the registered agents alone.
+        /// The node agents' credentials file (`nodes:`, one token digest per host; `gpuam
+        /// node-token new` writes it; reloaded when it changes): agents (`gpuam node`) are
+        /// accepted, each for its own host only; without --cluster the node view is then
+        /// the registered agents alone.
         #[arg(long, value_name = "FILE")]
+        nodes_file: Option<PathBuf>,
+        /// Gone: one token shared by every agent bound nothing to a host. Use --nodes-file.
+        #[arg(long, value_name = "FILE", hide = true)]
         node_token_file: Option<PathBuf>,
         /// The users file (users and their token digests; `gpuam token new` writes it;
         /// default: setting rm.users_file). Without one only the admin token submits.
@@ -123,6 +128,11 @@ enum Cmd {
     Token {
         #[command(subcommand)]
         what: TokenCmd,
+    },
+    /// Node agents' credentials for the RM: one per host.
+    NodeToken {
+        #[command(subcommand)]
+        what: NodeTokenCmd,
     },
     /// Print the extra `ray start` arguments that make this machine a gpuam node of a Ray cluster.
     RayNodeArgs {
@@ -313,6 +323,24 @@ enum TokenCmd {
 }
 
 #[derive(Subcommand, Debug)]
+enum NodeTokenCmd {
+    /// Make a new token for the agent of one host: its SHA-256 goes into the nodes file
+    /// (created with mode 0600 if missing; the host's old token stops working), the token
+    /// is printed (or written to --out) once; give it to that host's `gpuam node
+    /// --node-token-file`. It lets its holder act as that host only.
+    New {
+        #[arg(long)]
+        host: String,
+        /// The RM's nodes file (`gpuam rm --nodes-file`).
+        #[arg(long, value_name = "FILE")]
+        nodes_file: PathBuf,
+        /// Write the token to this file (mode 0600) instead of printing it.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum BenchCmd {
     /// The select pipeline at 100, 1,000, 10,000 and 100,000 nodes, and a 1,000-task job plan.
     Select {
@@ -349,6 +377,18 @@ pub fn main() -> i32 {
             return code;
         }
     };
+    // A command that prints and exits dies quietly when its reader goes away (`gpuam
+    // validate F | head -1`), as Unix tools do, instead of panicking in `println!`. The
+    // servers keep Rust's default (ignored; their sockets never raise it anyway).
+    if !matches!(
+        cli.command,
+        Cmd::Rm { .. } | Cmd::Node(_) | Cmd::Am { .. } | Cmd::Run { .. } | Cmd::ContainerShim { .. }
+    ) {
+        // SAFETY: plain syscall at start-up, before any other thread exists.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // The shim is a container's process: no logging set-up, no settings, no runtime (it
     // must stay single-threaded).
     if let Cmd::ContainerShim { command } = &cli.command {
@@ -456,10 +496,14 @@ pub fn main() -> i32 {
         Cmd::Token {
             what: TokenCmd::New { user, users_file, out },
         } => token_new(
+            crate::rm::users::Table::Users,
             &user,
             users_file.or(settings.rm.users_file.clone()).as_deref(),
             out.as_deref(),
         ),
+        Cmd::NodeToken {
+            what: NodeTokenCmd::New { host, nodes_file, out },
+        } => token_new(crate::rm::users::Table::Nodes, &host, Some(&nodes_file), out.as_deref()),
         Cmd::Rm {
             cluster,
             listen,
@@ -467,11 +511,21 @@ pub fn main() -> i32 {
             admin_token_file,
             state_dir,
             in_memory,
+            nodes_file,
             node_token_file,
             users_file,
             recover_state,
             ray,
         } => match admin_token(admin_token_file.as_deref()) {
+            Ok(_) if node_token_file.is_some() => {
+                eprintln!(
+                    "error: --node-token-file is gone from `gpuam rm`: a token shared by every agent bound nothing \
+                     to a host. Give each host its own: `gpuam node-token new --host HOST --nodes-file nodes.yaml \
+                     --out HOST.token`, start the RM with --nodes-file nodes.yaml and each agent with \
+                     --node-token-file HOST.token"
+                );
+                exit::USAGE
+            }
             Ok(admin) => {
                 let state = servers::StateOption::from_flags(state_dir, in_memory, recover_state);
                 let mut settings = settings;
@@ -480,7 +534,7 @@ pub fn main() -> i32 {
                 }
                 runtime.block_on(servers::rm(
                     servers::NodeSources {
-                        node_token_file: node_token_file.as_deref(),
+                        nodes_file: nodes_file.as_deref(),
                         ray: &ray,
                     },
                     cluster.as_deref(),
@@ -579,17 +633,29 @@ fn read_token(file: Option<&Path>, env: &str, what: &str) -> Result<Option<Strin
         .filter(|t| !t.is_empty()))
 }
 
-/// `gpuam token new`: adds a fresh token for `user` to the users file and hands it out once.
-fn token_new(user: &str, users_file: Option<&Path>, out: Option<&Path>) -> i32 {
+/// `gpuam token new` / `gpuam node-token new`: adds a fresh token for `user` (a host for
+/// [`Table::Nodes`](crate::rm::users::Table)) to the credentials file and hands it out once.
+fn token_new(table: crate::rm::users::Table, user: &str, users_file: Option<&Path>, out: Option<&Path>) -> i32 {
+    use crate::rm::users::Table;
     let Some(file) = users_file else {
         eprintln!("error: name the users file: --users-file FILE (or the setting rm.users_file)");
         return exit::USAGE;
     };
-    let token = match crate::rm::users::add_token(file, user) {
+    let (who, how) = match table {
+        Table::Users => (
+            format!("user `{user}`"),
+            format!("Give it to gpuam with --token-file FILE or {USER_TOKEN_ENV}"),
+        ),
+        Table::Nodes => (
+            format!("host `{user}`'s agent"),
+            format!("Give it to that host's agent only: gpuam node --host {user} --node-token-file FILE"),
+        ),
+    };
+    let token = match crate::rm::users::add_token_to(file, user, table) {
         Ok(t) => t,
         Err(e @ crate::rm::users::UsersError::Invalid(_)) => {
             eprintln!(
-                "{e}\nerror: the users file {} is not valid; nothing was changed",
+                "{e}\nerror: the credentials file {} is not valid; nothing was changed",
                 file.display()
             );
             return exit::INVALID_INPUT;
@@ -603,13 +669,13 @@ fn token_new(user: &str, users_file: Option<&Path>, out: Option<&Path>) -> i32 {
         Some(path) => {
             if let Err(e) = crate::rm::server::write_secret(path, &token) {
                 eprintln!(
-                    "error: cannot write the token to {}: {e} (the users file already has it: run again for a new one)",
+                    "error: cannot write the token to {}: {e} (the credentials file already has it: run again for a new one)",
                     path.display()
                 );
                 return exit::USAGE;
             }
             println!(
-                "token of user `{user}` written to {} (mode 0600); its SHA-256 is in {}",
+                "token of {who} written to {} (mode 0600); its SHA-256 is in {}",
                 path.display(),
                 file.display()
             );
@@ -617,8 +683,8 @@ fn token_new(user: &str, users_file: Option<&Path>, out: Option<&Path>) -> i32 {
         None => {
             println!("{token}");
             eprintln!(
-                "token of user `{user}` above (shown once); its SHA-256 is in {}. Give it to gpuam with \
-                 --token-file FILE or {USER_TOKEN_ENV}. A running RM picks the change up within a second.",
+                "token of {who} above (shown once); its SHA-256 is in {}. {how}. A running RM picks the change \
+                 up within a second.",
                 file.display()
             );
         }

@@ -23,7 +23,8 @@ pub struct NodeArgs {
     /// The address the RM reaches this agent at (default: http://LISTEN).
     #[arg(long, value_name = "URL")]
     pub advertise: Option<String>,
-    /// File holding the node token the RM was given with --node-token-file.
+    /// File holding this host's own agent token (`gpuam node-token new --host HOST` on the
+    /// RM's side makes it; the RM's nodes file binds it to this host name).
     #[arg(long, value_name = "FILE")]
     pub node_token_file: PathBuf,
     #[arg(long, default_value = "/default-rack")]

@@ -32,9 +32,9 @@ impl StateOption {
 }
 
 /// Where the RM's nodes come from besides the cluster file: registered node agents
-/// (their shared token) or a Ray cluster.
+/// (their credentials file) or a Ray cluster.
 pub struct NodeSources<'a> {
-    pub node_token_file: Option<&'a Path>,
+    pub nodes_file: Option<&'a Path>,
     pub ray: &'a super::RayBackendArgs,
 }
 
@@ -48,27 +48,16 @@ pub async fn rm(
     settings: &Settings,
 ) -> i32 {
     let NodeSources {
-        node_token_file,
+        nodes_file,
         ray: ray_args,
     } = sources;
-    let node_token = match node_token_file.map(std::fs::read_to_string) {
-        None => None,
-        Some(Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
-        Some(Ok(_)) => {
-            eprintln!("error: --node-token-file is empty");
-            return exit::USAGE;
-        }
-        Some(Err(e)) => {
-            eprintln!("error: --node-token-file: {e}");
-            return exit::USAGE;
-        }
-    };
+    raise_open_file_limit();
     let (nodes, ray) = if ray_args.backend == "ray" {
         match ray_backend(ray_args, listen).await {
             Ok((nodes, client, gate)) => (nodes, Some((client, gate))),
             Err(code) => return code,
         }
-    } else if node_token.is_some() && cluster.is_none() {
+    } else if nodes_file.is_some() && cluster.is_none() {
         // An RM for real machines invents no nodes: without --cluster, the agents alone.
         (Vec::new(), None)
     } else {
@@ -106,7 +95,7 @@ pub async fn rm(
     let handle = match crate::rm::start(crate::rm::RmOptions {
         // The in-process node's shim, where it has no cgroup: this very executable.
         shim_exe: std::env::current_exe().ok(),
-        node_token,
+        nodes_file: nodes_file.map(Path::to_path_buf),
         admin_token,
         state_dir,
         tls,
@@ -279,6 +268,28 @@ async fn ray_backend(
         nodes.iter().map(|n| n.host.as_str()).collect::<Vec<_>>().join(", ")
     );
     Ok((nodes, client, gate))
+}
+
+/// Raises this process's open-file limit to its hard limit (a default soft limit of 1,024
+/// is soon reached by an RM's connections); logged, never fatal.
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a local struct.
+    let raised = unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 || lim.rlim_cur >= lim.rlim_max {
+            None
+        } else {
+            let was = lim.rlim_cur;
+            lim.rlim_cur = lim.rlim_max;
+            (libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0).then_some((was, lim.rlim_max))
+        }
+    };
+    if let Some((was, now)) = raised {
+        tracing::info!("open-file limit raised from {was} to {now}");
+    }
 }
 
 #[cfg(test)]

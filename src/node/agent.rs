@@ -1,13 +1,14 @@
 //! The node agent (`gpuam node`): one per machine, YARN's NodeManager.
 //!
-//! It registers with the RM (bearer: the node token both share), heartbeats its
+//! It registers with the RM (bearer: this host's own agent token, which the RM's nodes
+//! file binds to the host name), heartbeats its
 //! containers' states, and serves the container endpoints (see [`super::wire`]) at its
 //! `nodeHTTPAddress`. It runs each container with the [`Executor`]: in a cgroup of its own
 //! ([`super::cgroup`]), as its submitter's own unprivileged uid when the agent runs as
 //! root ([`super::identity`]: `--user-map`, else a uid of the user's own).
 //!
-//! Only granted containers start: `start` needs the node token and the RM's container token
-//! for exactly the grant in the request ([`super::token`]).
+//! Only granted containers start: `start` needs the RM's call token for this host and the
+//! RM's container token for exactly the grant in the request ([`super::token`]).
 //!
 //! A container's end is reported (heartbeat, at once) only once it is dead, and again on
 //! every heartbeat until the RM acknowledges it (its record, which the task cannot write,
@@ -166,7 +167,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     );
     let agent = Arc::new(Agent {
         host: opts.host.clone(),
-        secret: opts.node_token.trim().as_bytes().to_vec(),
+        secret: token::host_key(&opts.node_token).to_vec(),
         total: opts.total.clone(),
         // Checked by `gpuam node` before the agent starts; unreadable text means none.
         topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
@@ -500,11 +501,14 @@ impl From<NodeError> for AgentError {
 /// The caller must hold the node token, and name this agent's host.
 fn check(agent: &Agent, host: &str, headers: &HeaderMap) -> Result<(), AgentError> {
     let given = crate::auth::bearer(headers).unwrap_or("");
-    if given.is_empty() || !crate::auth::constant_time_eq(given.as_bytes(), &agent.secret) {
+    let expected = token::rm_call_token(&agent.secret);
+    if given.is_empty() || !crate::auth::constant_time_eq(given.as_bytes(), expected.as_bytes()) {
         return Err(AgentError(
             StatusCode::UNAUTHORIZED,
             "UNAUTHORIZED",
-            "this endpoint needs the node token (Authorization: Bearer ...); only the RM calls it".into(),
+            "this endpoint needs the RM's call token for this host (Authorization: Bearer ...); only the RM \
+             calls it"
+                .into(),
         ));
     }
     if host != agent.host {
@@ -782,9 +786,11 @@ mod tests {
         let id = "container_1_0001_01_000007";
         let url = |verb: &str| format!("http://{addr}/ws/v1/node/h1/containers/{id}/{verb}");
         let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
+        let key = super::super::token::host_key("t");
+        let rm_call = super::super::token::rm_call_token(&key);
         let r = http
             .post(url("stop"))
-            .bearer_auth("t")
+            .bearer_auth(&rm_call)
             .header("Content-Type", "application/json")
             .body("{}")
             .send()
@@ -810,8 +816,8 @@ mod tests {
         };
         let r = http
             .post(url("start"))
-            .bearer_auth("t")
-            .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(b"t", &grant))
+            .bearer_auth(&rm_call)
+            .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(&key, &grant))
             .json(&start)
             .send()
             .await

@@ -2,8 +2,10 @@
 //! [`super::wire`], as a [`NodeBackend`].
 //!
 //! Holds the registry of agents (host → base URL, last heartbeat, containers reported
-//! running). Calls to an agent carry the node token; `start` also the container token
-//! signed for exactly the grant. Deaths reach the RM through heartbeats
+//! running) and their credentials (the nodes file: each host's token digest, from which
+//! its keys derive, `super::token`). An agent's token names its host ([`AgentNodes::host_of`]);
+//! calls to an agent carry the RM's call token for that host; `start` also the container
+//! token signed with that host's key for exactly the grant. Deaths reach the RM through heartbeats
 //! ([`AgentNodes::heartbeat`]), which turn each reported dead container into one
 //! [`NodeEvent::Exited`] (repeats are harmless: the ledger frees once).
 
@@ -33,32 +35,49 @@ pub struct AgentEntry {
 
 /// The agents registered with this RM.
 pub struct AgentNodes {
-    secret: String,
+    /// Each host's agent token digest (the nodes file).
+    credentials: parking_lot::RwLock<crate::rm::users::Users>,
     http: reqwest::Client,
     events: mpsc::UnboundedSender<NodeEvent>,
     agents: Mutex<HashMap<String, AgentEntry>>,
 }
 
 impl AgentNodes {
-    /// `secret`: the node token agents present and that signs container tokens.
-    pub fn new(secret: String, events: mpsc::UnboundedSender<NodeEvent>) -> anyhow::Result<Self> {
+    /// `credentials`: the hosts and their agents' token digests (the nodes file).
+    pub fn new(credentials: crate::rm::users::Users, events: mpsc::UnboundedSender<NodeEvent>) -> anyhow::Result<Self> {
         let http = crate::tls::http_client_builder(None)
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .timeout(Duration::from_secs(70))
             .build()
             .map_err(|e| anyhow::anyhow!("cannot build an HTTP client: {e}"))?;
         Ok(AgentNodes {
-            secret: secret.trim().to_string(),
+            credentials: parking_lot::RwLock::new(credentials),
             http,
             events,
             agents: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Whether `token` is the node token.
-    pub fn is_node_token(&self, token: &str) -> bool {
-        let (a, b) = (token.trim().as_bytes(), self.secret.as_bytes());
-        !a.is_empty() && a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    /// The host whose agent token this is (`None`: no host's, or revoked).
+    pub fn host_of(&self, token: &str) -> Option<String> {
+        let token = token.trim();
+        if token.is_empty() {
+            return None;
+        }
+        self.credentials.read().user_of(token).map(str::to_string)
+    }
+
+    /// Takes a new nodes file (reloaded): a host no longer in it is refused from now on.
+    pub fn set_credentials(&self, credentials: crate::rm::users::Users) {
+        *self.credentials.write() = credentials;
+    }
+
+    /// `host`'s key (see `super::token`); an error for a host without a credential.
+    fn key(&self, host: &str) -> Result<[u8; 32], NodeError> {
+        self.credentials
+            .read()
+            .digest_of(host)
+            .ok_or_else(|| NodeError::Refused(format!("host `{host}` has no agent credential (revoked?)")))
     }
 
     /// Whether `host` is a registered agent (LOST or not).
@@ -169,7 +188,7 @@ impl AgentNodes {
 
     async fn call(&self, host: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, NodeError> {
         let resp = req
-            .bearer_auth(&self.secret)
+            .bearer_auth(token::rm_call_token(&self.key(host)?))
             .send()
             .await
             .map_err(|e| NodeError::Unreachable {
@@ -203,7 +222,7 @@ impl NodeBackend for AgentNodes {
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
         async move {
             let url = self.url(&grant.host, &grant.container_id, "start")?;
-            let token = token::sign(self.secret.as_bytes(), &grant);
+            let token = token::sign(&self.key(&grant.host)?, &grant);
             let host = grant.host.clone();
             let body = AgentStart {
                 grant,
@@ -303,7 +322,7 @@ mod tests {
     #[test]
     fn a_host_restored_after_a_restart_waits_for_its_agent_until_the_deadline() {
         let (tx, _rx) = mpsc::unbounded_channel();
-        let agents = AgentNodes::new("secret".into(), tx).unwrap();
+        let agents = AgentNodes::new(Default::default(), tx).unwrap();
         let t0 = Instant::now();
         agents.expect("h", t0 + Duration::from_secs(30));
         assert!(agents.knows("h") && !agents.is_live("h"));

@@ -1,11 +1,18 @@
 //! Container tokens: the RM's proof that it granted a container, checked by node agents
 //! before they start (or stop, or show) anything.
 //!
-//! A token is `hex(HMAC-SHA256(node secret, canonical grant))`, where the canonical grant
+//! A token is `hex(HMAC-SHA256(host key, canonical grant))`, where the canonical grant
 //! names the container id, application, host, the submitting user (whose uid the task
-//! gets) and the exact resources (CPU, memory, GPU mask, ports). The node secret is the shared node token (`--node-token-file` on both the
-//! RM and its agents). An AM, which holds only its application token, can neither forge a
-//! token nor reuse one for other GPUs: any change to the grant changes the MAC.
+//! gets) and the exact resources (CPU, memory, GPU
+//! mask, ports). Each host has its own key: the SHA-256 of its agent's own token
+//! ([`host_key`]; the agent hashes the token in its `--node-token-file`, the RM reads the
+//! digest from its nodes file, `gpuam node-token new`). An AM, which holds only its
+//! application token, can neither forge a token nor reuse one for other GPUs: any change
+//! to the grant changes the MAC; an agent's stolen token signs starts for its own host
+//! only (the agent checks the grant names it).
+//!
+//! The RM's calls to an agent carry [`rm_call_token`] of the host key (a MAC of a fixed
+//! text), so a captured call does not give away the key that signs starts.
 
 use ring::hmac;
 
@@ -32,6 +39,20 @@ pub fn canonical(grant: &Grant) -> String {
         text.push_str(&format!("customResources={}\n", r.custom.to_text()));
     }
     text
+}
+
+/// A host's key: the SHA-256 of its agent's token (what the RM's nodes file stores).
+pub fn host_key(agent_token: &str) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, agent_token.trim().as_bytes());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// The bearer token the RM's calls to a host's agent carry.
+pub fn rm_call_token(host_key: &[u8]) -> String {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, host_key);
+    crate::auth::hex(hmac::sign(&key, b"gpuam-rm-to-agent-v1").as_ref())
 }
 
 /// The container token of `grant` under `secret`.

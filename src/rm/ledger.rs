@@ -1337,6 +1337,7 @@ mod tests {
                 next_app_seq: 1,
                 reserved: Vec::new(),
                 next_container_seq: l.next_container_seq(),
+                reserved_by: Default::default(),
             }),
             apps: Vec::new(),
             containers: changes.containers.iter().filter_map(|id| l.container(id)).collect(),

@@ -106,6 +106,10 @@ pub struct Meta {
     /// keep it: then it follows the highest stored container).
     #[serde(default)]
     pub next_container_seq: u64,
+    /// Who reserved each id of `reserved` (only they may submit it); absent in files of
+    /// RMs that did not keep it (then anyone may).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub reserved_by: std::collections::BTreeMap<String, String>,
 }
 
 /// Everything a restarted RM needs.
@@ -472,6 +476,7 @@ impl Store {
                     next_app_seq: max_app.unwrap_or(0),
                     reserved: Vec::new(),
                     next_container_seq: max_container.map_or(0, |s| s.saturating_add(1)),
+                    reserved_by: Default::default(),
                 }
             }
         };
@@ -688,6 +693,7 @@ mod tests {
             next_app_seq: 3,
             reserved: vec!["application_1_0003".into()],
             next_container_seq: 2,
+            reserved_by: [("application_1_0003".to_string(), "alice".to_string())].into(),
         };
         store
             .write(&Batch {
@@ -800,6 +806,7 @@ mod tests {
                     next_app_seq: 1,
                     reserved: Vec::new(),
                     next_container_seq: 2,
+                    reserved_by: Default::default(),
                 }),
                 apps: vec![("application_1_0001", Some(&app))],
                 containers: vec![&c],
@@ -942,6 +949,7 @@ mod tests {
                     next_app_seq: 2,
                     reserved: Vec::new(),
                     next_container_seq: 2,
+                    reserved_by: Default::default(),
                 }),
                 apps: vec![("application_1_0002", Some(&app))],
                 whole: true,

@@ -8,6 +8,10 @@
 //!   bob:   {token_sha256: ...}
 //! ```
 //!
+//! The node agents' credentials file (`gpuam rm --nodes-file FILE`, written by `gpuam
+//! node-token new`) has the same form with `nodes:` and one entry per host name
+//! ([`Table::Nodes`]): each agent has its own token, bound to its host.
+//!
 //! Tokens are never stored, only their SHA-256 (hex); a presented token is hashed and
 //! compared with every entry in constant time. The admin token is not in the file: it is
 //! user [`ADMIN_USER`], and that name cannot be given to anyone else. [`Users`] is the table
@@ -36,6 +40,40 @@ pub enum UsersError {
     BadName(String),
     #[error("user name `admin` is the admin token's; choose another name")]
     Reserved,
+    #[error("host name `{0}`: use 1 to 253 letters, digits, `_`, `.` or `-`")]
+    BadHost(String),
+}
+
+/// Which credentials a file holds: users' (`users:`) or node agents' (`nodes:`, by host).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Table {
+    Users,
+    Nodes,
+}
+
+impl Table {
+    /// The file's one top-level key.
+    pub fn key(self) -> &'static str {
+        match self {
+            Table::Users => "users",
+            Table::Nodes => "nodes",
+        }
+    }
+
+    fn check_name(self, name: &str) -> Result<(), UsersError> {
+        match self {
+            Table::Users => check_user_name(name),
+            Table::Nodes if crate::node::executor::valid_container_id(name) && name.len() <= 253 => Ok(()),
+            Table::Nodes => Err(UsersError::BadHost(crate::spec::yaml::clip(name))),
+        }
+    }
+
+    fn command(self) -> &'static str {
+        match self {
+            Table::Users => "`gpuam token new --user NAME --users-file THIS-FILE` adds or replaces a user",
+            Table::Nodes => "`gpuam node-token new --host HOST --nodes-file THIS-FILE` adds or replaces a host",
+        }
+    }
 }
 
 /// The users and their token digests.
@@ -82,9 +120,19 @@ impl Users {
         }
     }
 
+    /// The token digest of `name` (a node agent's: what the RM derives its per-host keys
+    /// from, see `crate::node::token`).
+    pub fn digest_of(&self, name: &str) -> Option<[u8; 32]> {
+        self.entries.iter().find(|(n, _)| n == name).map(|(_, h)| *h)
+    }
+
     /// Adds (or replaces) `name` with the digest of `token`.
     pub fn insert_token(&mut self, name: &str, token: &str) -> Result<(), UsersError> {
-        check_user_name(name)?;
+        self.insert_token_in(Table::Users, name, token)
+    }
+
+    fn insert_token_in(&mut self, table: Table, name: &str, token: &str) -> Result<(), UsersError> {
+        table.check_name(name)?;
         let hash = digest_bytes(&sha256_hex(token)).unwrap_or([0; 32]);
         match self.entries.iter_mut().find(|(n, _)| n == name) {
             Some(e) => e.1 = hash,
@@ -95,28 +143,37 @@ impl Users {
 
     /// Reads a users file's text; every problem is reported with its line and column.
     pub fn parse(text: &str, source: &str) -> Result<Users, UsersError> {
+        Self::parse_table(text, source, Table::Users)
+    }
+
+    /// Reads a credentials file of `table`'s kind.
+    pub fn parse_table(text: &str, source: &str, table: Table) -> Result<Users, UsersError> {
         let doc = yaml::parse(text);
         let mut d = Diags::new(source);
         d.extend_yaml(&doc.issues);
-        let fix = "write `users:` with one `NAME: {token_sha256: HEX}` per user (`gpuam token new` writes them)";
+        let key_name = table.key();
+        let fix = &format!(
+            "write `{key_name}:` with one `NAME: {{token_sha256: HEX}}` per entry ({})",
+            table.command()
+        );
         let mut users = Users::default();
         let root = match (&doc.root, doc.fatal) {
             (Some(r), false) => r,
             _ => return d.into_result(None).map_err(UsersError::Invalid),
         };
         if let Some(()) = d.map(root, "(document)", fix).map(|_| ()) {
-            d.unknown_fields(root, "", &["users"], &[]);
-            match root.get("users") {
-                None => d.missing(root, "", "users", fix),
+            d.unknown_fields(root, "", &[key_name], &[]);
+            match root.get(key_name) {
+                None => d.missing(root, "", key_name, fix),
                 // `users:` with nothing under it: nobody.
                 Some(n) if n.is_null() => {}
                 Some(list) => {
-                    for (key, entry) in d.map(list, "users", fix).unwrap_or(&[]) {
-                        let path = yaml::join("users", &key.text);
-                        match check_user_name(&key.text) {
+                    for (key, entry) in d.map(list, key_name, fix).unwrap_or(&[]) {
+                        let path = yaml::join(key_name, &key.text);
+                        match table.check_name(&key.text) {
                             Ok(()) => {}
                             Err(e) => {
-                                d.at(key.pos, &path, e.to_string(), "rename the user");
+                                d.at(key.pos, &path, e.to_string(), "rename the entry");
                                 continue;
                             }
                         }
@@ -126,7 +183,7 @@ impl Users {
                         d.unknown_fields(entry, &path, &["token_sha256"], &[("token", "token_sha256")]);
                         let field = yaml::join(&path, "token_sha256");
                         let Some(h) = entry.get("token_sha256") else {
-                            d.missing(entry, &path, "token_sha256", "give the SHA-256 of the user's token");
+                            d.missing(entry, &path, "token_sha256", "give the SHA-256 of the token");
                             continue;
                         };
                         match (&h.value, digest_bytes(&h.raw)) {
@@ -135,7 +192,8 @@ impl Users {
                                 h.pos,
                                 &field,
                                 "not a SHA-256 digest (64 hex digits)",
-                                "store `sha256sum` of the token, never the token itself (`gpuam token new` does this)",
+                                "store `sha256sum` of the token, never the token itself (`gpuam token new` and \
+                                 `gpuam node-token new` do this)",
                             ),
                         }
                     }
@@ -147,10 +205,14 @@ impl Users {
 
     /// The file's text (what [`add_token`] writes).
     pub fn to_yaml(&self) -> String {
-        let mut out = String::from(
-            "# gpuam users: each user's token is stored as its SHA-256 (never the token).\n\
-             # `gpuam token new --user NAME --users-file THIS-FILE` adds or replaces a user.\n\
-             users:\n",
+        self.to_yaml_table(Table::Users)
+    }
+
+    fn to_yaml_table(&self, table: Table) -> String {
+        let mut out = format!(
+            "# gpuam {key}: each token is stored as its SHA-256 (never the token).\n# {}.\n{key}:\n",
+            table.command(),
+            key = table.key()
         );
         for (name, hash) in &self.entries {
             out.push_str(&format!("  {name}: {{token_sha256: {}}}\n", crate::auth::hex(hash)));
@@ -189,6 +251,11 @@ pub fn check_user_name(name: &str) -> Result<(), UsersError> {
 
 /// Reads and parses a users file.
 pub fn load(path: &Path) -> Result<Users, UsersError> {
+    load_table(path, Table::Users)
+}
+
+/// Reads and parses a credentials file of `table`'s kind.
+pub fn load_table(path: &Path, table: Table) -> Result<Users, UsersError> {
     let io = |why: String| UsersError::Io {
         path: path.to_path_buf(),
         why,
@@ -201,27 +268,32 @@ pub fn load(path: &Path) -> Result<Users, UsersError> {
         )));
     }
     let text = std::fs::read_to_string(path).map_err(|e| io(e.to_string()))?;
-    Users::parse(&text, &path.display().to_string())
+    Users::parse_table(&text, &path.display().to_string(), table)
 }
 
 /// Makes a fresh token for `user`, puts its digest into the users file (created 0600 if
 /// missing; rewritten atomically: a temporary file in the same directory, synced, renamed
 /// over it) and returns the token, which exists nowhere else.
 pub fn add_token(path: &Path, user: &str) -> Result<String, UsersError> {
+    add_token_to(path, user, Table::Users)
+}
+
+/// [`add_token`] for a credentials file of `table`'s kind (`gpuam node-token new`: a host).
+pub fn add_token_to(path: &Path, user: &str, table: Table) -> Result<String, UsersError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    check_user_name(user)?;
+    table.check_name(user)?;
     let io = |why: String| UsersError::Io {
         path: path.to_path_buf(),
         why,
     };
     let mut users = match std::fs::metadata(path) {
-        Ok(_) => load(path)?,
+        Ok(_) => load_table(path, table)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Users::default(),
         Err(e) => return Err(io(e.to_string())),
     };
     let token = new_token();
-    users.insert_token(user, &token)?;
+    users.insert_token_in(table, user, &token)?;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -237,7 +309,7 @@ pub fn add_token(path: &Path, user: &str) -> Result<String, UsersError> {
         .mode(0o600)
         .open(&tmp)
         .and_then(|mut f| {
-            f.write_all(users.to_yaml().as_bytes())?;
+            f.write_all(users.to_yaml_table(table).as_bytes())?;
             f.sync_all()
         })
         .and_then(|()| std::fs::rename(&tmp, path));
@@ -310,5 +382,31 @@ mod tests {
         assert!(matches!(add_token(&path, "../x"), Err(UsersError::BadName(_))));
         // No temporary file is left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_nodes_file_binds_each_token_to_a_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        let gpu1 = add_token_to(&path, "gpu1", Table::Nodes).unwrap();
+        let gpu2 = add_token_to(&path, "10-gpu2.rack", Table::Nodes).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\nnodes:\n") && !text.contains(&gpu1), "{text}");
+        let nodes = load_table(&path, Table::Nodes).unwrap();
+        assert_eq!(nodes.user_of(&gpu1), Some("gpu1"));
+        assert_eq!(nodes.user_of(&gpu2), Some("10-gpu2.rack"));
+        assert_eq!(
+            nodes.digest_of("gpu1").map(|d| crate::auth::hex(&d)),
+            Some(sha256_hex(&gpu1))
+        );
+        assert!(matches!(
+            add_token_to(&path, "a/b", Table::Nodes),
+            Err(UsersError::BadHost(_))
+        ));
+        let err = load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("unknown field `nodes`"),
+            "a nodes file is no users file: {err}"
+        );
     }
 }

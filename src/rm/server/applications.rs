@@ -6,7 +6,7 @@ pub(super) async fn new_application(State(rm): Rm, caller: Caller) -> Result<Jso
     let mut st = rm.lock();
     st.writable()?;
     let id = st.next_app_id(rm.cluster_ts)?;
-    st.reserve(id.clone());
+    st.reserve(id.clone(), caller.name());
     st.commit()?;
     tracing::debug!(app = %id, user = caller.name(), "application id handed out");
     Ok(Json(NewApplication {
@@ -130,6 +130,14 @@ pub(super) async fn submit_app(
                 "unknown application id `{id}`: get one from POST /ws/v1/cluster/apps/new-application"
             )));
         }
+        if let Some(owner) = st.reserved_user(&id).filter(|u| *u != caller.name()) {
+            tracing::warn!(app = %id, %owner, caller = caller.name(), "submit of an id another user reserved: refused");
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "NOT_YOUR_APPLICATION_ID",
+                format!("application id `{id}` was handed out to another user; get your own from POST /ws/v1/cluster/apps/new-application"),
+            ));
+        }
     }
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
     let spec = crate::spec::parse_job_spec(&req.job_spec, &source)
@@ -147,7 +155,7 @@ pub(super) async fn submit_app(
     let unclaim = |rm: &Shared, dir: &Path| {
         let _ = std::fs::remove_dir_all(dir);
         let mut st = rm.lock();
-        st.reserve(id.clone());
+        st.reserve(id.clone(), caller.name());
         st.commit_or_log();
     };
     let dir = rm.work_dir.join(&id);

@@ -94,6 +94,12 @@ pub(super) async fn container_start(
         if info.app_final {
             return Err(ApiError::conflict("the container's application has ended"));
         }
+        let started = st.ledger.container(&id).is_some_and(|c| !c.held);
+        if info.state == ContainerState::Running && started {
+            // A start sent again because its answer was lost (the RM restarted meanwhile):
+            // it was started once; the node reports what became of it.
+            return Ok(Json(info.status));
+        }
         if info.state != ContainerState::Allocated {
             return Err(ApiError::conflict(format!(
                 "container `{id}` is {:?}; only ALLOCATED containers can be started",

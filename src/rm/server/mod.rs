@@ -154,8 +154,9 @@ pub struct RmOptions {
     /// Run containers on a Ray cluster instead of this process's executor (its dashboard
     /// client and the cancel gate its jobs ask; see `crate::ray`).
     pub ray: Option<(crate::ray::client::RayClient, crate::ray::gate::Gate)>,
-    /// The node token node agents present (`None`: no agents accepted).
-    pub node_token: Option<String>,
+    /// The node agents' credentials file (`nodes:` host → token digest, `gpuam node-token
+    /// new`; reloaded when it changes): `None`, no agents accepted.
+    pub nodes_file: Option<PathBuf>,
     /// A node agent silent this long is LOST (`rm.node_expiry_sec`).
     pub node_expiry: Duration,
     /// After a restart, how long the node agents of the stored state have to register
@@ -218,7 +219,7 @@ impl RmOptions {
             max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
             tls: None,
             ray: None,
-            node_token: None,
+            nodes_file: None,
             node_expiry: Duration::from_secs(15),
             node_reregister_grace: Duration::from_secs(crate::config::RmSettings::default().node_reregister_grace_sec),
             users_file: None,
@@ -426,11 +427,15 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     // What recovery rebuilt (the meta row, repairs) is stored before anything is served.
     state.persist(cluster_ts).map_err(|e| anyhow::anyhow!("{e}"))?;
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
-    let agents = match opts.node_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
-        Some(t) => Some(Arc::new(crate::node::remote::AgentNodes::new(
-            t.to_string(),
-            events_tx.clone(),
-        )?)),
+    let agents = match &opts.nodes_file {
+        Some(path) => {
+            let credentials = crate::rm::users::load_table(path, crate::rm::users::Table::Nodes)?;
+            tracing::info!(hosts = credentials.len(), file = %path.display(), "node agents' credentials");
+            Some(Arc::new(crate::node::remote::AgentNodes::new(
+                credentials,
+                events_tx.clone(),
+            )?))
+        }
         None => None,
     };
     // The in-process node's cgroups: named after the work dir, so that a restarted RM
@@ -534,6 +539,9 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     if shared.users.file.is_some() {
         background.push(spawn_users_reload(shared.clone())?);
     }
+    if let (Some(path), Some(a)) = (opts.nodes_file.clone(), &agents) {
+        background.push(spawn_nodes_reload(path, a.clone()));
+    }
 
     background.push(spawn_scheduler(shared.clone()));
     background.push(history::spawn_retention(shared.clone()));
@@ -571,12 +579,7 @@ fn spawn_users_reload(rm: Arc<Shared>) -> anyhow::Result<JoinHandle<()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut hup = signal(SignalKind::hangup()).map_err(|e| anyhow::anyhow!("cannot watch SIGHUP: {e}"))?;
     Ok(tokio::spawn(async move {
-        let stamp = |rm: &Shared| {
-            use std::os::unix::fs::MetadataExt;
-            let path = rm.users.file.as_ref()?;
-            let m = std::fs::metadata(path).ok()?;
-            Some((m.ino(), m.mtime(), m.mtime_nsec(), m.len()))
-        };
+        let stamp = |rm: &Shared| file_stamp(rm.users.file.as_ref()?);
         let mut seen = stamp(&rm);
         let mut every = tokio::time::interval(Duration::from_secs(1));
         loop {
@@ -591,6 +594,38 @@ fn spawn_users_reload(rm: Arc<Shared>) -> anyhow::Result<JoinHandle<()>> {
             }
         }
     }))
+}
+
+/// What tells a file changed: inode, modification time and length.
+fn file_stamp(path: &Path) -> Option<(u64, i64, i64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.ino(), m.mtime(), m.mtime_nsec(), m.len()))
+}
+
+/// Reloads the node agents' credentials file when it changes (checked every second): a
+/// host taken out of it is refused from its next call on. A file that does not read
+/// leaves the credentials as they were (logged).
+fn spawn_nodes_reload(path: PathBuf, agents: Arc<crate::node::remote::AgentNodes>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut seen = file_stamp(&path);
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            every.tick().await;
+            let now = file_stamp(&path);
+            if now == seen {
+                continue;
+            }
+            seen = now;
+            match crate::rm::users::load_table(&path, crate::rm::users::Table::Nodes) {
+                Ok(c) => {
+                    tracing::info!(hosts = c.len(), "node agents' credentials reloaded");
+                    agents.set_credentials(c);
+                }
+                Err(e) => tracing::error!("node agents' credentials not reloaded (kept as they were): {e}"),
+            }
+        }
+    })
 }
 
 /// The scheduling pass every [`scheduling::TICK`]: preemption deadlines, new victims (their

@@ -76,18 +76,29 @@ pub(super) fn spawn_liveness(rm: Arc<Shared>, agents: Arc<AgentNodes>, expiry: D
     })
 }
 
-fn node_agents(rm: &Shared, headers: &HeaderMap) -> Result<Arc<AgentNodes>, ApiError> {
+/// The agents and the host whose agent token the caller presents; `claimed` (the host the
+/// request is about) must be that host (Kubernetes' NodeRestriction: an agent acts for
+/// its own node only).
+fn node_agents(rm: &Shared, headers: &HeaderMap, claimed: &str) -> Result<Arc<AgentNodes>, ApiError> {
     let agents = rm.nodes.agents.clone().ok_or_else(|| {
         ApiError::new(
             StatusCode::FORBIDDEN,
             "NO_NODE_AGENTS",
-            "this RM accepts no node agents; start it with --node-token-file FILE",
+            "this RM accepts no node agents; start it with --nodes-file FILE (`gpuam node-token new` writes it)",
         )
     })?;
-    match bearer(headers) {
-        Some(t) if agents.is_node_token(t) => Ok(agents),
-        _ => Err(ApiError::unauthorized()),
+    let Some(host) = bearer(headers).and_then(|t| agents.host_of(t)) else {
+        return Err(ApiError::unauthorized());
+    };
+    if host != claimed {
+        tracing::warn!(credential = %host, %claimed, "a node agent's credential used for another host: refused");
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "NOT_THIS_HOST",
+            format!("this agent credential is host `{host}`'s, not `{claimed}`'s; each host has its own (`gpuam node-token new --host {claimed}`)"),
+        ));
     }
+    Ok(agents)
 }
 
 /// The node an agent's registration describes (AMs reach its containers through this
@@ -166,19 +177,28 @@ pub(super) async fn agent_register(
     headers: HeaderMap,
     ApiJson(req): ApiJson<AgentRegister>,
 ) -> Result<Json<AgentReply>, ApiError> {
-    let agents = node_agents(&rm, &headers)?;
+    let agents = node_agents(&rm, &headers, &req.host)?;
     let node = node_of(&req, &rm.base_url).map_err(ApiError::bad_request)?;
     let decl = declaration_of(&req).map_err(ApiError::bad_request)?;
     let host = req.host.clone();
-    let reply = {
+    let (reply, own) = {
         let mut st = rm.lock();
+        if let Some(why) = st.agent_nodes.get(&host).and_then(|old| declaration_change(old, &req)) {
+            tracing::warn!(%host, "node agent registration refused: {why}");
+            return Err(ApiError::conflict(format!(
+                "host `{host}` registered before with other resources: {why}; what a host offers is fixed at \
+                 its first registration: start its agent with the same resources, labels, GPU type, rack and \
+                 topology, or register the changed machine under a new host name (with its own token)"
+            )));
+        }
+        let own = own_reports(&st, &host, &req.containers);
         let new = st.ledger.add_node(node);
         if st.agent_nodes.get(&host) != Some(&decl) {
             st.agent_nodes.insert(host.clone(), decl);
             st.agent_nodes_dirty.insert(host.clone());
         }
         agents.register(&host, &req.http_address, Instant::now());
-        let reply = reconcile(&mut st, &host, &req.containers, true);
+        let reply = reconcile(&mut st, &host, &own, true);
         st.commit_or_log();
         tracing::info!(
             %host,
@@ -190,10 +210,10 @@ pub(super) async fn agent_register(
             "node agent registered ({})",
             req.containment
         );
-        reply
+        (reply, own)
     };
     // Dead ones reported at registration free their resources now.
-    agents.heartbeat(&host, &req.containers, Instant::now());
+    agents.heartbeat(&host, &own, Instant::now());
     Ok(Json(reply))
 }
 
@@ -204,17 +224,68 @@ pub(super) async fn agent_heartbeat(
     headers: HeaderMap,
     ApiJson(req): ApiJson<AgentHeartbeat>,
 ) -> Result<Json<AgentReply>, ApiError> {
-    let agents = node_agents(&rm, &headers)?;
-    if !agents.heartbeat(&host, &req.containers, Instant::now()) {
+    let agents = node_agents(&rm, &headers, &host)?;
+    let own = own_reports(&rm.lock(), &host, &req.containers);
+    if !agents.heartbeat(&host, &own, Instant::now()) {
         return Ok(Json(AgentReply {
             reregister: true,
             ..Default::default()
         }));
     }
     let mut st = rm.lock();
-    let reply = reconcile(&mut st, &host, &req.containers, false);
+    let reply = reconcile(&mut st, &host, &own, false);
     st.commit_or_log();
     Ok(Json(reply))
+}
+
+/// What of `reports` a host may report: containers the ledger places on `host`, or does
+/// not know at all. Another host's container is dropped (a host cannot end, keep or
+/// acknowledge what runs elsewhere).
+fn own_reports(st: &RmState, host: &str, reports: &[ContainerReport]) -> Vec<ContainerReport> {
+    reports
+        .iter()
+        .filter(|r| {
+            let own = st
+                .ledger
+                .container(&r.container_id)
+                .is_none_or(|c| c.container.host == host);
+            if !own {
+                tracing::warn!(%host, container = %r.container_id, "a node agent reported another host's container: ignored");
+            }
+            own
+        })
+        .cloned()
+        .collect()
+}
+
+/// What changed between a host's stored declaration and a new registration in what it
+/// offers (resources, labels, GPU type, rack, topology); `None` when nothing did (its
+/// address and IP may change).
+fn declaration_change(stored: &str, new: &AgentRegister) -> Option<String> {
+    let old: AgentRegister = serde_json::from_str(stored).ok()?;
+    let mut changed = Vec::new();
+    if old.total != new.total {
+        let r = |r: &crate::resources::Resources| {
+            format!(
+                "cpu {}, memoryMB {}, GPU mask {:#x}, ports {}",
+                r.cpu, r.memory_mb, r.gpu_mask, r.ports
+            )
+        };
+        changed.push(format!("resources ({}) → ({})", r(&old.total), r(&new.total)));
+    }
+    if old.labels != new.labels {
+        changed.push(format!("labels {:?} → {:?}", old.labels, new.labels));
+    }
+    if old.gpu_type != new.gpu_type {
+        changed.push(format!("GPU type {:?} → {:?}", old.gpu_type, new.gpu_type));
+    }
+    if old.rack != new.rack {
+        changed.push(format!("rack {} → {}", old.rack, new.rack));
+    }
+    if old.topology != new.topology {
+        changed.push("topology".to_string());
+    }
+    (!changed.is_empty()).then(|| changed.join(", "))
 }
 
 /// frameworklauncher's rules for what a node reports: a running container the RM does

@@ -53,6 +53,8 @@ pub(super) struct RmState {
     /// Ids handed out by new-application and not yet submitted.
     /// By sequence number, so the oldest are the first ones.
     pub(super) reserved: BTreeMap<u32, String>,
+    /// Who reserved each id of `reserved` (only they may submit it).
+    pub(super) reserved_by: BTreeMap<String, String>,
     pub(super) next_app_seq: u32,
     /// `next_app_seq` or `reserved` changed since the last write.
     pub(super) meta_dirty: bool,
@@ -71,13 +73,16 @@ pub(super) struct RmState {
 impl RmState {
     /// Remembers an id handed out by new-application (forgetting the oldest beyond
     /// [`MAX_RESERVED_IDS`]).
-    pub(super) fn reserve(&mut self, id: String) {
+    pub(super) fn reserve(&mut self, id: String, user: &str) {
         let Some(seq) = app_seq(&id) else {
             return;
         };
+        self.reserved_by.insert(id.clone(), user.to_string());
         self.reserved.insert(seq, id);
         while self.reserved.len() > MAX_RESERVED_IDS {
-            self.reserved.pop_first();
+            if let Some((_, old)) = self.reserved.pop_first() {
+                self.reserved_by.remove(&old);
+            }
         }
         self.meta_dirty = true;
     }
@@ -101,6 +106,11 @@ impl RmState {
         Ok(app_id(cluster_ts, seq))
     }
 
+    /// Who reserved `id` (`None`: nobody known, e.g. reserved by an older RM).
+    pub(super) fn reserved_user(&self, id: &str) -> Option<&str> {
+        self.reserved_by.get(id).map(String::as_str)
+    }
+
     pub(super) fn is_reserved(&self, id: &str) -> bool {
         app_seq(id).is_some_and(|seq| self.reserved.get(&seq).is_some_and(|r| r == id))
     }
@@ -110,6 +120,7 @@ impl RmState {
         let had = self.is_reserved(id);
         if let Some(seq) = app_seq(id).filter(|_| had) {
             self.reserved.remove(&seq);
+            self.reserved_by.remove(id);
         }
         self.meta_dirty |= had;
         had
@@ -121,6 +132,7 @@ impl RmState {
             next_app_seq: self.next_app_seq,
             reserved: self.reserved.values().cloned().collect(),
             next_container_seq: self.ledger.next_container_seq(),
+            reserved_by: self.reserved_by.clone(),
         }
     }
 
@@ -328,6 +340,7 @@ pub(super) fn recover_state(
             ledger,
             apps,
             reserved: BTreeMap::new(),
+            reserved_by: BTreeMap::new(),
             next_app_seq: 0,
             meta_dirty: true,
             store,
@@ -397,6 +410,7 @@ pub(super) fn recover_state(
             .into_iter()
             .filter_map(|id| Some((app_seq(&id)?, id)))
             .collect(),
+        reserved_by: r.meta.reserved_by,
         next_app_seq: r.meta.next_app_seq,
         meta_dirty: true,
         store,

@@ -318,6 +318,7 @@ fn reserved_ids_are_forgotten_oldest_first() {
         ledger: Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
         apps: Apps::default(),
         reserved: BTreeMap::new(),
+        reserved_by: BTreeMap::new(),
         // Across 9999 → 10000, where the ids' text order is not their age.
         next_app_seq: 9_990,
         meta_dirty: false,
@@ -330,7 +331,7 @@ fn reserved_ids_are_forgotten_oldest_first() {
     let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
         .map(|_| {
             let id = st.next_app_id(1).unwrap();
-            st.reserve(id.clone());
+            st.reserve(id.clone(), "alice");
             id
         })
         .collect();
@@ -348,6 +349,7 @@ fn the_application_sequence_is_refused_at_its_end_not_wrapped() {
         ledger: Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
         apps: Apps::default(),
         reserved: BTreeMap::new(),
+        reserved_by: BTreeMap::new(),
         next_app_seq: u32::MAX - 1,
         meta_dirty: false,
         store: Store::memory(),
