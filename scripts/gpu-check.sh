@@ -38,12 +38,15 @@ GPUAM_BIN=${GPUAM_BIN:-target/gpu/gpuam}
 RM_PORT=${GPU_CHECK_RM_PORT:-18088}
 NODE_PORT=${GPU_CHECK_NODE_PORT:-18042}
 NODE_HOST=${GPU_CHECK_HOST:-gpu-check}
-TASK_USER=gpuam-task # the agent's default --run-as user, created by the agent as root
+# Tasks run as a uid of their submitter's own (node.task_uids), which no account names; the
+# check of step 3 runs as `nobody`, an unprivileged uid like those.
+TASK_USER=nobody
 RM_URL="http://127.0.0.1:$RM_PORT"
-# Credentials: the node token shared by RM and agent; jobs are submitted with the admin
+# Credentials: the node's own token (`gpuam node-token new`, its digest in the RM's nodes
+# file); jobs are submitted with the admin
 # token the RM writes into its work dir.
-make_credentials() { head -c 32 /dev/urandom | base64 >"$W/node.token" && chmod 600 "$W/node.token"; }
-rm_args() { echo rm --listen "127.0.0.1:$RM_PORT" --work-dir "$W/rm" --node-token-file "$W/node.token" --in-memory; }
+make_credentials() { "$GPUAM_BIN" node-token new --host "$NODE_HOST" --nodes-file "$W/nodes.yaml" --out "$W/node.token" >/dev/null; }
+rm_args() { echo rm --listen "127.0.0.1:$RM_PORT" --work-dir "$W/rm" --nodes-file "$W/nodes.yaml" --in-memory; }
 admin_token_file() { echo "$W/rm/admin.token"; }
 node_args() {
     echo node --rm "$RM_URL" --host "$NODE_HOST" --listen "127.0.0.1:$NODE_PORT" \
