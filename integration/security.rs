@@ -644,32 +644,6 @@ fn tokens_never_appear_in_logs() {
     );
 }
 
-/// A test CA and a server certificate for 127.0.0.1/localhost signed by it, written
-/// into `dir` as `ca.pem`, `server.pem` and `server.key`; also `other-ca.pem`, a CA that
-/// signed nothing here.
-fn write_test_pki(dir: &std::path::Path) {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-    let ca = |name: &str| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let cert = params.self_signed(&key).unwrap();
-        (cert, Issuer::new(params, key))
-    };
-    let (ca_cert, issuer) = ca("gpuam test CA");
-    let (other_ca, _) = ca("gpuam other CA");
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-    params.distinguished_name.push(DnType::CommonName, "gpuam test server");
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    fs::write(dir.join("ca.pem"), ca_cert.pem()).unwrap();
-    fs::write(dir.join("other-ca.pem"), other_ca.pem()).unwrap();
-    fs::write(dir.join("server.pem"), cert.pem()).unwrap();
-    fs::write(dir.join("server.key"), key.serialize_pem()).unwrap();
-}
-
 /// What a plain-HTTP request to `host:port` gets back: the raw bytes until the server
 /// closes (or 10 s pass).
 fn plain_http_answer(host_port: &str) -> Vec<u8> {
@@ -692,7 +666,7 @@ fn plain_http_answer(host_port: &str) -> Vec<u8> {
 #[test]
 fn tls_listeners_serve_https_only_and_a_job_runs_over_them() {
     let dir = common::Rm::temp_dir();
-    write_test_pki(dir.path());
+    common::write_test_pki(dir.path(), &["127.0.0.1", "localhost"]);
     // Relative paths: relative to the settings file's directory (the AM runs elsewhere).
     let rm = common::Rm::start_in(
         dir,
