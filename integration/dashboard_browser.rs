@@ -186,6 +186,27 @@ async fn dashboard_renders_demo_hub() {
         .await;
     assert_eq!(k[0], json!(true));
     assert!(k[1].as_str().unwrap().contains("token"));
+    // ... and the job's API answers nothing without it: the page says what it needs.
+    let said = b
+        .js("return [document.body.dataset.auth, document.getElementById('conn').textContent, document.querySelectorAll('tr[data-task]').length];")
+        .await;
+    assert_eq!(said[0], json!("needed"), "{said}");
+    assert!(said[1].as_str().unwrap_or("").contains("token"), "{said}");
+    assert_eq!(said[2], json!(0), "no task may show without a credential: {said}");
+
+    // Back with the token for the live updates (a query, so that it is a new page load and
+    // not only a new fragment).
+    b.goto(&format!(
+        "http://{addr}/?again=1#token={}",
+        gpuam::web::demo::DEMO_TOKEN
+    ))
+    .await;
+    b.wait_for(
+        "reload with the token",
+        "return document.body.dataset.ready === 'true' && document.body.dataset.auth !== 'needed' && document.querySelectorAll('tr[data-task]').length > 0;",
+        Duration::from_secs(15),
+    )
+    .await;
 
     // Live update over SSE: a task changes state and the row follows.
     let first = hub.read(|s| {

@@ -664,6 +664,17 @@ async function start() {
       await Promise.all([loadTasks(), loadNodes()]);
       break;
     } catch (e) {
+      if (e.status === 401 || e.status === 403) {
+        // No (or a wrong) token: retrying will not help. Say what the page needs.
+        const conn = $('conn');
+        conn.hidden = false;
+        conn.dataset.conn = 'auth';
+        conn.textContent = 'this page needs its token: open the link gpuam printed (…/#token=…)';
+        conn.title = 'The job\'s API answers only the job token, its owner\'s user token or the admin token (' + e.message + ').';
+        document.body.dataset.auth = 'needed';
+        document.body.dataset.ready = 'true';
+        return;
+      }
       $('conn').hidden = false;
       $('conn').textContent = 'AM unreachable, retrying…';
       await new Promise(r => setTimeout(r, 2000));
