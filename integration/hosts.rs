@@ -501,3 +501,79 @@ fn agent_credentials_bind_each_agent_to_its_host() {
             .map(|_| ())
     });
 }
+
+/// What `curl` run in namespace `ns` gets from `url`: (exit code, HTTP status, `000` when
+/// no HTTP answer came). `ca`: the CA file it trusts.
+fn curl_code(h: &Hosts, ns: &str, url: &str, ca: Option<&Path>) -> (i32, String) {
+    let mut c = std::process::Command::new("ip");
+    c.args([
+        "netns",
+        "exec",
+        &h.ns(ns),
+        "curl",
+        "-s",
+        "-m",
+        "10",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+    ]);
+    if let Some(ca) = ca {
+        c.arg("--cacert").arg(ca);
+    }
+    let out = c.arg(url).output().expect("curl");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+    )
+}
+
+#[test]
+fn with_tls_the_agents_serve_https_only_and_a_gang_runs_over_it() {
+    let mut h = Hosts::build("tls");
+    h.use_tls();
+    h.start_rm();
+    h.start_agent("h1");
+    h.start_agent("h2");
+    // Both agents registered over HTTPS, trusting `tls.ca_file` (no SSL_CERT_FILE).
+    h.wait_agents_running();
+    // A gang of 2 × 2 GPUs, one task per host: the RM starts each over HTTPS.
+    let out = h.path("out").display().to_string();
+    let gang = job(
+        "gang",
+        2,
+        0,
+        &[format!("echo $GPUAM_HOST > {out}/tls-$GPUAM_TASK_INDEX")],
+    );
+    let status = h.submit("gang", &gang, true).wait().unwrap();
+    assert!(
+        status.success(),
+        "the gang job succeeds over TLS: {}\n{}",
+        h.submit_output("gang"),
+        h.logs()
+    );
+    let mut ran: Vec<String> = (0..2)
+        .map(|i| lines(&h.path(&format!("out/tls-{i}"))).join(""))
+        .collect();
+    ran.sort();
+    assert_eq!(ran, vec![h.host_name("h1"), h.host_name("h2")], "one task per host");
+
+    let ca = h.path("ca.pem");
+    for host in ["h1", "h2"] {
+        let path = format!("{}:8042/ws/v1/node/{}/containers", host_ip(host), h.host_name(host));
+        // Plain HTTP to an agent's port gets no HTTP answer.
+        let (_, code) = curl_code(&h, "rm", &format!("http://{path}"), None);
+        assert_eq!(code, "000", "{host}'s agent answered plain HTTP with {code}");
+        // HTTPS trusting the CA is answered (whatever the status, without a token).
+        let (_, code) = curl_code(&h, "rm", &format!("https://{path}"), Some(&ca));
+        assert_ne!(code, "000", "{host}'s agent did not answer HTTPS");
+        // A client trusting another CA is refused at the handshake (curl 60: certificate).
+        let (rc, code) = curl_code(&h, "rm", &format!("https://{path}"), Some(&h.path("other-ca.pem")));
+        assert_eq!(
+            (rc, code.as_str()),
+            (60, "000"),
+            "{host}'s certificate was accepted under another CA"
+        );
+    }
+}

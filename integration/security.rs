@@ -644,32 +644,6 @@ fn tokens_never_appear_in_logs() {
     );
 }
 
-/// A test CA and a server certificate for 127.0.0.1/localhost signed by it, written
-/// into `dir` as `ca.pem`, `server.pem` and `server.key`; also `other-ca.pem`, a CA that
-/// signed nothing here.
-fn write_test_pki(dir: &std::path::Path) {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-    let ca = |name: &str| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let cert = params.self_signed(&key).unwrap();
-        (cert, Issuer::new(params, key))
-    };
-    let (ca_cert, issuer) = ca("gpuam test CA");
-    let (other_ca, _) = ca("gpuam other CA");
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-    params.distinguished_name.push(DnType::CommonName, "gpuam test server");
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    fs::write(dir.join("ca.pem"), ca_cert.pem()).unwrap();
-    fs::write(dir.join("other-ca.pem"), other_ca.pem()).unwrap();
-    fs::write(dir.join("server.pem"), cert.pem()).unwrap();
-    fs::write(dir.join("server.key"), key.serialize_pem()).unwrap();
-}
-
 /// What a plain-HTTP request to `host:port` gets back: the raw bytes until the server
 /// closes (or 10 s pass).
 fn plain_http_answer(host_port: &str) -> Vec<u8> {
@@ -692,7 +666,7 @@ fn plain_http_answer(host_port: &str) -> Vec<u8> {
 #[test]
 fn tls_listeners_serve_https_only_and_a_job_runs_over_them() {
     let dir = common::Rm::temp_dir();
-    write_test_pki(dir.path());
+    common::write_test_pki(dir.path(), &["127.0.0.1", "localhost"]);
     // Relative paths: relative to the settings file's directory (the AM runs elsewhere).
     let rm = common::Rm::start_in(
         dir,
@@ -1283,6 +1257,81 @@ async fn half_sent_requests_are_cut_after_the_read_timeout() {
     assert!(body.contains("http.read_timeout_sec"), "{body}");
     // The RM still serves.
     assert!(rm.listed(&rm.alice).await.is_empty());
+    rm.handle.shutdown().await;
+}
+
+/// p50 and p99 of `ms` (sorted in place).
+fn p50_p99(ms: &mut [f64]) -> (f64, f64) {
+    ms.sort_by(f64::total_cmp);
+    let at = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_idle_connections_from_one_peer_leaves_the_status_api_answering() {
+    const CAP: usize = 16;
+    const FLOOD: usize = 200;
+    let rm = rm_with(|o| o.http_timeouts.max_connections_per_peer = CAP).await;
+    let addr = rm.handle.addr();
+    let status = |http: reqwest::Client| async move {
+        let t = std::time::Instant::now();
+        let ok = http
+            .get(format!("http://{addr}/ws/v1/cluster/info"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        (ok, t.elapsed().as_secs_f64() * 1000.0)
+    };
+    // Fresh connections each call (no pool), as a new client would.
+    let fresh = || {
+        gpuam::tls::http_client_builder(None)
+            .unwrap()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap()
+    };
+    let mut idle = Vec::new();
+    for _ in 0..50 {
+        let (ok, ms) = status(fresh()).await;
+        assert!(ok, "status before the flood");
+        idle.push(ms);
+    }
+    // The flood: FLOOD idle connections from 127.0.0.2, sending nothing, kept open.
+    let mut flood = Vec::new();
+    for _ in 0..FLOOD {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        if let Ok(s) = sock.connect(addr).await {
+            flood.push(s);
+        }
+    }
+    assert!(flood.len() > CAP, "the flood opened {} connections", flood.len());
+    // Connections past the cap are closed by the RM at once: reading one gives EOF.
+    let mut closed = 0;
+    for s in &mut flood {
+        use tokio::io::AsyncReadExt;
+        let mut b = [0u8; 1];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(200), s.read(&mut b)).await {
+            closed += 1;
+        }
+    }
+    assert!(
+        closed >= FLOOD - CAP,
+        "{closed} of {FLOOD} flood connections were closed (cap {CAP})"
+    );
+    // Status from 127.0.0.1 keeps answering while the flood's connections stay open.
+    let mut during = Vec::new();
+    for i in 0..50 {
+        let (ok, ms) = status(fresh()).await;
+        assert!(ok, "status call {i} during the flood failed");
+        during.push(ms);
+    }
+    let ((i50, i99), (d50, d99)) = (p50_p99(&mut idle), p50_p99(&mut during));
+    println!(
+        "status /ws/v1/cluster/info, new connection each: idle p50 {i50:.2} ms p99 {i99:.2} ms; \
+         with {FLOOD} idle connections from 127.0.0.2 (cap {CAP}/peer): p50 {d50:.2} ms p99 {d99:.2} ms"
+    );
+    drop(flood);
     rm.handle.shutdown().await;
 }
 

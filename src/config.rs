@@ -277,11 +277,21 @@ pub struct HttpSettings {
     /// A connection must send a request's headers within this time (idle keep-alive
     /// connections are closed after it too), then its body within it again.
     pub read_timeout_sec: u64,
+    /// Open connections a listener keeps in all; beyond, new ones are closed at once.
+    /// Below the usual open-file limit (1,024) so that a flood never exhausts it.
+    pub max_connections: usize,
+    /// Open connections from one peer IP; beyond, its new ones are closed at once (so
+    /// that one peer's idle connections cannot take the others' places).
+    pub max_connections_per_peer: usize,
 }
 
 impl Default for HttpSettings {
     fn default() -> Self {
-        HttpSettings { read_timeout_sec: 30 }
+        HttpSettings {
+            read_timeout_sec: 30,
+            max_connections: 768,
+            max_connections_per_peer: 256,
+        }
     }
 }
 

@@ -263,13 +263,63 @@ pub struct HttpTimeouts {
     /// when it is ready for one (so an idle keep-alive connection is closed after it
     /// too); then the body must arrive within the same time again.
     pub read: Duration,
+    /// Open connections in all (`http.max_connections`).
+    pub max_connections: usize,
+    /// Open connections from one peer IP (`http.max_connections_per_peer`).
+    pub max_connections_per_peer: usize,
 }
 
 impl From<&crate::config::HttpSettings> for HttpTimeouts {
     fn from(s: &crate::config::HttpSettings) -> Self {
         HttpTimeouts {
             read: Duration::from_secs(s.read_timeout_sec.max(1)),
+            max_connections: s.max_connections.max(1),
+            max_connections_per_peer: s.max_connections_per_peer.max(1),
         }
+    }
+}
+
+/// The open connections of one listener, per peer IP and in all: the decision whether
+/// one more is admitted under the caps.
+#[derive(Debug, Default)]
+struct OpenConnections {
+    total: usize,
+    per_peer: std::collections::HashMap<std::net::IpAddr, usize>,
+}
+
+impl OpenConnections {
+    /// Counts a connection from `ip` in and answers true, unless a cap is reached.
+    fn admit(&mut self, ip: std::net::IpAddr, max_total: usize, max_per_peer: usize) -> bool {
+        let mine = self.per_peer.get(&ip).copied().unwrap_or(0);
+        if self.total >= max_total || mine >= max_per_peer {
+            return false;
+        }
+        self.total += 1;
+        self.per_peer.insert(ip, mine + 1);
+        true
+    }
+
+    /// Counts an admitted connection from `ip` out.
+    fn release(&mut self, ip: std::net::IpAddr) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(n) = self.per_peer.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_peer.remove(&ip);
+            }
+        }
+    }
+}
+
+/// Releases its connection's place when the connection ends.
+struct Admitted {
+    open: Arc<parking_lot::Mutex<OpenConnections>>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.open.lock().release(self.ip);
     }
 }
 
@@ -317,8 +367,7 @@ async fn serve_on<L>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()>
 where
-    L: axum::serve::Listener,
-    L::Addr: std::fmt::Debug + 'static,
+    L: axum::serve::Listener<Addr = SocketAddr>,
 {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
@@ -328,10 +377,24 @@ where
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
     let (closed_tx, closed_rx) = tokio::sync::watch::channel(());
     tokio::pin!(shutdown);
+    let open = Arc::new(parking_lot::Mutex::new(OpenConnections::default()));
     loop {
         let (io, peer) = tokio::select! {
             conn = listener.accept() => conn,
             _ = &mut shutdown => break,
+        };
+        let admitted = open
+            .lock()
+            .admit(peer.ip(), timeouts.max_connections, timeouts.max_connections_per_peer);
+        if !admitted {
+            // Closed at once: a peer over its cap (or a full listener) holds no more.
+            tracing::debug!(%peer, "connection refused: http.max_connections(_per_peer) reached");
+            drop(io);
+            continue;
+        }
+        let place = Admitted {
+            open: open.clone(),
+            ip: peer.ip(),
         };
         let service = TowerToHyperService::new(service.clone());
         let mut stop = stop_rx.clone();
@@ -358,6 +421,7 @@ where
                 }
             }
             drop(closed);
+            drop(place);
         });
     }
     drop(listener);
@@ -389,6 +453,27 @@ mod tests {
             write(dir, "cert.pem", &cert.pem()),
             write(dir, "key.pem", &key.serialize_pem()),
         )
+    }
+
+    #[test]
+    fn connections_are_capped_per_peer_and_in_all_and_places_come_back() {
+        let (a, b, c): (std::net::IpAddr, std::net::IpAddr, std::net::IpAddr) = (
+            "127.0.0.2".parse().unwrap(),
+            "127.0.0.1".parse().unwrap(),
+            "10.0.0.1".parse().unwrap(),
+        );
+        let mut open = OpenConnections::default();
+        assert!(open.admit(a, 3, 2) && open.admit(a, 3, 2));
+        assert!(!open.admit(a, 3, 2), "a third from one peer over a per-peer cap of 2");
+        assert!(open.admit(b, 3, 2), "another peer still gets in");
+        assert!(!open.admit(c, 3, 2), "nobody over the total of 3");
+        open.release(a);
+        assert!(open.admit(c, 3, 2), "a released place is free again");
+        for ip in [a, b, c] {
+            open.release(ip);
+        }
+        assert_eq!(open.total, 0);
+        assert!(open.per_peer.is_empty(), "{open:?}");
     }
 
     #[test]

@@ -58,6 +58,8 @@ pub struct Hosts {
     pub keep_state: bool,
     /// Processes left behind by a killed RM (its AMs), killed when the guard drops.
     orphans: Vec<i32>,
+    /// `tls.*` set for the RM and the agents ([`Hosts::use_tls`]): every call is HTTPS.
+    tls: bool,
 }
 
 impl Hosts {
@@ -86,6 +88,7 @@ impl Hosts {
             gpus: 2,
             keep_state: false,
             orphans: Vec::new(),
+            tls: false,
         };
         let br = h.ns("br");
         ip(&["netns", "add", &br]);
@@ -126,6 +129,34 @@ impl Hosts {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// From now on the RM and the agents serve HTTPS (one certificate for the RM's and both
+    /// hosts' IPs, signed by a test CA in `ca.pem`) and trust that CA (`tls.*` in the
+    /// settings); the helpers here call over HTTPS trusting it.
+    pub fn use_tls(&mut self) {
+        super::write_test_pki(self.dir.path(), &[RM_IP, host_ip("h1"), host_ip("h2")]);
+        fs::write(
+            self.path("conf.yaml"),
+            "rm:\n  node_expiry_sec: 3\ntls:\n  cert_file: server.pem\n  key_file: server.key\n  ca_file: ca.pem\n",
+        )
+        .unwrap();
+        self.tls = true;
+    }
+
+    /// The RM's URL on the bridge (`https` with [`Hosts::use_tls`]).
+    pub fn rm_url(&self) -> String {
+        format!("{}://{RM_IP}:8088", if self.tls { "https" } else { "http" })
+    }
+
+    /// `curl` in namespace `ns`, trusting the test CA with [`Hosts::use_tls`].
+    fn curl(&self, ns: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns(ns), "curl"]);
+        if self.tls {
+            c.arg("--cacert").arg(self.path("ca.pem"));
+        }
+        c
     }
 
     /// A path in the test's temporary directory.
@@ -199,7 +230,7 @@ impl Hosts {
         let token = self.path(&format!("{host}.token")).display().to_string();
         let name = self.host_name(host);
         let listen = format!("{}:8042", host_ip(host));
-        let rm = format!("http://{RM_IP}:8088");
+        let rm = self.rm_url();
         let gpus = self.gpus.to_string();
         let mut args: Vec<String> = [
             "node",
@@ -243,9 +274,10 @@ impl Hosts {
 
     /// GET on the RM, from inside its namespace (`Null` when it does not answer JSON).
     pub fn get(&self, path: &str) -> serde_json::Value {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns("rm"), "curl", "-sf"])
-            .arg(format!("http://{RM_IP}:8088{path}"))
+        let out = self
+            .curl("rm")
+            .arg("-sf")
+            .arg(format!("{}{path}", self.rm_url()))
             .output()
             .expect("curl");
         serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
@@ -255,10 +287,11 @@ impl Hosts {
     /// not answer JSON).
     pub fn get_admin(&self, path: &str) -> serde_json::Value {
         let token = fs::read_to_string(self.path("rm/admin.token")).unwrap_or_default();
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns("rm"), "curl", "-sf", "-H"])
+        let out = self
+            .curl("rm")
+            .args(["-sf", "-H"])
             .arg(format!("Authorization: Bearer {}", token.trim()))
-            .arg(format!("http://{RM_IP}:8088{path}"))
+            .arg(format!("{}{path}", self.rm_url()))
             .output()
             .expect("curl");
         serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
@@ -273,13 +306,14 @@ impl Hosts {
 
     /// `POST path` with `body` and bearer `token`, from namespace `ns` → (HTTP status, body).
     pub fn post_as(&self, ns: &str, token: &str, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns(ns), "curl", "-s", "-w", "\\n%{http_code}"])
+        let out = self
+            .curl(ns)
+            .args(["-s", "-w", "\\n%{http_code}"])
             .args(["-X", "POST", "-H", "Content-Type: application/json", "-d"])
             .arg(body.to_string())
             .arg("-H")
             .arg(format!("Authorization: Bearer {}", token.trim()))
-            .arg(format!("http://{RM_IP}:8088{path}"))
+            .arg(format!("{}{path}", self.rm_url()))
             .output()
             .expect("curl");
         let text = String::from_utf8_lossy(&out.stdout);
@@ -325,7 +359,7 @@ impl Hosts {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.ns("rm"), bin(), "submit"])
             .arg(&job)
-            .args(["--rm", &format!("http://{RM_IP}:8088"), "--admin-token-file"])
+            .args(["--rm", &self.rm_url(), "--admin-token-file"])
             .arg(self.path("rm/admin.token"))
             .env(
                 "GPUAM_TOKEN",
@@ -333,6 +367,9 @@ impl Hosts {
             )
             .stdout(out.try_clone().unwrap())
             .stderr(out);
+        if self.tls {
+            cmd.env("GPUAM__TLS__CA_FILE", self.path("ca.pem"));
+        }
         if wait {
             cmd.arg("--wait");
         }

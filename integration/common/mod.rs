@@ -927,3 +927,29 @@ pub fn wait_groups_gone(pgids: &[i32], timeout: Duration) {
         pgids.iter().all(|&g| group_members(g).is_empty()).then_some(())
     });
 }
+
+/// A test CA and a server certificate for `names` (IP addresses or DNS names) signed by
+/// it, written into `dir` as `ca.pem`, `server.pem` and `server.key`; also
+/// `other-ca.pem`, a CA that signed nothing here.
+pub fn write_test_pki(dir: &Path, names: &[&str]) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+    let ca = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key).unwrap();
+        (cert, Issuer::new(params, key))
+    };
+    let (ca_cert, issuer) = ca("gpuam test CA");
+    let (other_ca, _) = ca("gpuam other CA");
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
+    params.distinguished_name.push(DnType::CommonName, "gpuam test server");
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    fs::write(dir.join("ca.pem"), ca_cert.pem()).unwrap();
+    fs::write(dir.join("other-ca.pem"), other_ca.pem()).unwrap();
+    fs::write(dir.join("server.pem"), cert.pem()).unwrap();
+    fs::write(dir.join("server.key"), key.serialize_pem()).unwrap();
+}

@@ -20,7 +20,7 @@ pub struct NodeArgs {
     /// Where the agent serves the container endpoints (the RM must reach it).
     #[arg(long, default_value = "0.0.0.0:8042")]
     pub listen: SocketAddr,
-    /// The address the RM reaches this agent at (default: http://LISTEN).
+    /// The address the RM reaches this agent at (default: http://LISTEN, https:// with tls.*).
     #[arg(long, value_name = "URL")]
     pub advertise: Option<String>,
     /// File holding this host's own agent token (`gpuam node-token new --host HOST` on the
@@ -251,6 +251,7 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         http_timeouts: (&settings.http).into(),
         containment: args.containment,
         shim_exe: std::env::current_exe().ok(),
+        tls: settings.tls.clone(),
         bounds: match crate::node::bounds::NodeBounds::from_settings(&settings.node) {
             Ok(b) => b,
             Err(e) => {

@@ -99,6 +99,7 @@ pub async fn rm(
         admin_token,
         state_dir,
         tls,
+        agent_ca_file: settings.tls.ca_file.clone(),
         ray,
         recover_state,
         ..opts

@@ -49,7 +49,8 @@ pub struct AgentOptions {
     pub rm_url: String,
     pub host: String,
     pub listen: SocketAddr,
-    /// The address the RM reaches this agent at; default `http://<listen>`.
+    /// The address the RM reaches this agent at; default `http://<listen>` (`https://`
+    /// with `tls.*`).
     pub advertise: Option<String>,
     pub node_token: String,
     pub rack: String,
@@ -82,6 +83,9 @@ pub struct AgentOptions {
     pub shim_exe: Option<PathBuf>,
     /// Disk, pids and device bounds (`node.*`, see [`super::bounds`]).
     pub bounds: super::bounds::NodeBounds,
+    /// `tls.*`: with a certificate and key the agent serves HTTPS (and advertises an
+    /// `https://` address); its client to the RM trusts `tls.ca_file`.
+    pub tls: crate::config::TlsSettings,
 }
 
 struct Agent {
@@ -176,6 +180,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         stopped_unstarted: Mutex::new(std::collections::VecDeque::new()),
         beat_now: Notify::new(),
     });
+    let server_tls = crate::tls::server_config_from_settings(&opts.tls)?;
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
@@ -183,7 +188,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let router = router(agent.clone());
     let timeouts = opts.http_timeouts;
     tokio::spawn(async move {
-        if let Err(e) = crate::tls::serve_with(listener, router, None, timeouts, std::future::pending()).await {
+        if let Err(e) = crate::tls::serve_with(listener, router, server_tls, timeouts, std::future::pending()).await {
             tracing::error!("agent server stopped: {e}");
         }
     });
@@ -210,7 +215,10 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         }
     });
     reattach_all(&agent);
-    let advertise = opts.advertise.clone().unwrap_or_else(|| format!("http://{addr}"));
+    let advertise = opts
+        .advertise
+        .clone()
+        .unwrap_or_else(|| format!("{}://{addr}", crate::tls::scheme(opts.tls.serves_https())));
     let ip = peer_ip(&opts, addr).await;
     match ip {
         Some(ip) => tracing::info!(host = %opts.host, %ip, "peers reach this node's containers at {ip}"),
@@ -236,8 +244,14 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     for line in startup_lines(&register, &limits, &opts.rm_url) {
         eprintln!("{line}");
     }
+    // HTTPS to the RM trusts `tls.ca_file` (else the system's roots).
+    let http = crate::tls::http_client_builder(opts.tls.ca_file.as_deref())?
+        .timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| anyhow::anyhow!("cannot build an HTTP client: {e}"))?;
     let beat = tokio::spawn(heartbeat_loop(
         agent,
+        http,
         opts.rm_url.clone(),
         opts.node_token.clone(),
         register,
@@ -369,17 +383,13 @@ fn reports(agent: &Agent) -> Vec<ContainerReport> {
     out
 }
 
-async fn heartbeat_loop(agent: Arc<Agent>, rm_url: String, node_token: String, register: AgentRegister) {
-    let http = match crate::tls::http_client_builder(None)
-        .map_err(|e| e.to_string())
-        .and_then(|b| b.timeout(Duration::from_secs(5)).build().map_err(|e| e.to_string()))
-    {
-        Ok(h) => h,
-        Err(e) => {
-            tracing::error!("cannot build an HTTP client: {e}");
-            return;
-        }
-    };
+async fn heartbeat_loop(
+    agent: Arc<Agent>,
+    http: reqwest::Client,
+    rm_url: String,
+    node_token: String,
+    register: AgentRegister,
+) {
     let base = rm_url.trim_end_matches('/').to_string();
     let mut registered = false;
     let mut every = DEFAULT_HEARTBEAT;
@@ -720,6 +730,7 @@ mod tests {
             containment: Default::default(),
             bounds: Default::default(),
             shim_exe: None,
+            tls: Default::default(),
         }
     }
 

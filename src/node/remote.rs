@@ -43,9 +43,14 @@ pub struct AgentNodes {
 }
 
 impl AgentNodes {
-    /// `credentials`: the hosts and their agents' token digests (the nodes file).
-    pub fn new(credentials: crate::rm::users::Users, events: mpsc::UnboundedSender<NodeEvent>) -> anyhow::Result<Self> {
-        let http = crate::tls::http_client_builder(None)
+    /// `credentials`: the hosts and their agents' token digests (the nodes file);
+    /// `ca_file` (`tls.ca_file`): the CAs HTTPS to the agents trusts (else the system's).
+    pub fn new(
+        credentials: crate::rm::users::Users,
+        events: mpsc::UnboundedSender<NodeEvent>,
+        ca_file: Option<&std::path::Path>,
+    ) -> anyhow::Result<Self> {
+        let http = crate::tls::http_client_builder(ca_file)
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .timeout(Duration::from_secs(70))
             .build()
@@ -322,7 +327,7 @@ mod tests {
     #[test]
     fn a_host_restored_after_a_restart_waits_for_its_agent_until_the_deadline() {
         let (tx, _rx) = mpsc::unbounded_channel();
-        let agents = AgentNodes::new(Default::default(), tx).unwrap();
+        let agents = AgentNodes::new(Default::default(), tx, None).unwrap();
         let t0 = Instant::now();
         agents.expect("h", t0 + Duration::from_secs(30));
         assert!(agents.knows("h") && !agents.is_live("h"));

@@ -151,6 +151,8 @@ pub struct RmOptions {
     pub state_dir: Option<PathBuf>,
     /// Serve HTTPS with this config (`None`: plain HTTP).
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// `tls.ca_file`: the CAs the client to node agents trusts for their HTTPS.
+    pub agent_ca_file: Option<PathBuf>,
     /// Run containers on a Ray cluster instead of this process's executor (its dashboard
     /// client and the cancel gate its jobs ask; see `crate::ray`).
     pub ray: Option<(crate::ray::client::RayClient, crate::ray::gate::Gate)>,
@@ -218,6 +220,7 @@ impl RmOptions {
             admin_token: None,
             max_am_attempts: DEFAULT_MAX_AM_ATTEMPTS,
             tls: None,
+            agent_ca_file: None,
             ray: None,
             nodes_file: None,
             node_expiry: Duration::from_secs(15),
@@ -434,6 +437,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             Some(Arc::new(crate::node::remote::AgentNodes::new(
                 credentials,
                 events_tx.clone(),
+                opts.agent_ca_file.as_deref(),
             )?))
         }
         None => None,
