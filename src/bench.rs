@@ -184,19 +184,27 @@ fn am_pid(app_id: &str) -> Option<u32> {
     })
 }
 
-/// A standalone RM (in-process executor, state in memory) on `nodes` empty 8-GPU nodes.
-async fn start_bench_rm(nodes: usize, seed: u64, work: &std::path::Path) -> Option<crate::rm::RmHandle> {
+/// A standalone RM (in-process executor; its state in memory when `in_memory`, else in
+/// its SQLite store under `work`) on `nodes` empty 8-GPU nodes.
+async fn start_bench_rm(
+    nodes: usize,
+    seed: u64,
+    work: &std::path::Path,
+    in_memory: bool,
+) -> Option<crate::rm::RmHandle> {
     let mut cluster = bench_cluster(nodes, seed);
     for n in &mut cluster {
         n.set_used(Resources::default());
     }
-    match crate::rm::start(crate::rm::RmOptions::new(
+    let mut opts = crate::rm::RmOptions::new(
         cluster,
         std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         work.to_path_buf(),
-    ))
-    .await
-    {
+    );
+    if in_memory {
+        opts.state_dir = None;
+    }
+    match crate::rm::start(opts).await {
         Ok(h) => Some(h),
         Err(e) => {
             eprintln!("error: cannot start the RM: {e:#}");
@@ -216,7 +224,7 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     // read; it inherits this from the RM, which is this process.
     std::env::set_var("GPUAM_DASHBOARD_LINGER_SEC", "5");
     let work = std::env::temp_dir().join(format!("gpuam-bench-job-{}", std::process::id()));
-    let rm = match start_bench_rm(nodes, seed, &work).await {
+    let rm = match start_bench_rm(nodes, seed, &work, false).await {
         Some(h) => h,
         None => return exit::INTERNAL,
     };
@@ -346,11 +354,12 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     Some(ticks / if hz > 0 { hz as f64 } else { 100.0 })
 }
 
-/// What the bench knows of one job: its id, when it was submitted, its AM's status API
-/// and its tasks' launch times.
+/// What the bench knows of one job: its id, when it was submitted, its job token, its
+/// AM's status API and its tasks' launch times.
 struct BenchJob {
     id: String,
     submit_ms: u64,
+    token: String,
     tracking_url: String,
     launched: Vec<u64>,
 }
@@ -362,7 +371,7 @@ struct BenchJob {
 /// and CPU, then stops every AM and task it started.
 pub async fn cluster_bench(jobs: u32, tasks: u32, nodes: usize, seed: u64) -> i32 {
     let work = std::env::temp_dir().join(format!("gpuam-bench-cluster-{}", std::process::id()));
-    let Some(rm) = start_bench_rm(nodes, seed, &work).await else {
+    let Some(rm) = start_bench_rm(nodes, seed, &work, true).await else {
         return exit::INTERNAL;
     };
     let mut ids = Vec::new();
@@ -408,20 +417,25 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
                 job_spec: spec.clone(),
                 job_spec_name: Some("bench".into()),
                 dashboard_listen: None,
-                job_token: None,
+                // The bench reads each AM's status API with its job token, which the AM
+                // checks itself (another token would be checked with the RM, whose time
+                // is what is measured).
+                job_token: Some(format!("{:032x}", rand::random::<u128>())),
             };
             tokio::spawn(async move {
                 let at = crate::protocol::now_ms();
-                client.submit(&submit).await.map(|_| at)
+                let token = submit.job_token.clone().unwrap_or_default();
+                client.submit(&submit).await.map(|_| (at, token))
             })
         })
         .collect();
     let mut state = Vec::new();
     for (id, s) in ids.iter().zip(submits) {
         match s.await {
-            Ok(Ok(at)) => state.push(BenchJob {
+            Ok(Ok((at, token))) => state.push(BenchJob {
                 id: id.clone(),
                 submit_ms: at,
+                token,
                 tracking_url: String::new(),
                 launched: Vec::new(),
             }),
@@ -463,7 +477,7 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
             }
             let Ok(r) = http
                 .get(format!("{}api/v1/snapshot", job.tracking_url))
-                .bearer_auth(rm.admin_token())
+                .bearer_auth(&job.token)
                 .send()
                 .await
             else {
