@@ -250,3 +250,25 @@ async fn many_ams_on_a_nearly_full_cluster_never_share_a_gpu_or_port() {
     );
     rm.shutdown().await;
 }
+
+/// `gpuam bench cluster` at a tiny size through the real binary: several jobs at once,
+/// each with its own AM process, all their tasks run, the table is printed, and the
+/// bench stops every AM it started (it fails otherwise).
+#[test]
+fn bench_cluster_runs_every_job_and_stops_what_it_started() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpuam"))
+        .args(["bench", "cluster", "--jobs", "2", "--tasks", "2", "--nodes", "10"])
+        .output()
+        .expect("run gpuam bench cluster");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench cluster failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("| 2 × 2 | 10 |"))
+        .unwrap_or_else(|| panic!("no result row in: {stdout}"));
+    assert!(row.contains(" s / "), "no first-task percentiles in {row}");
+}

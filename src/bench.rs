@@ -1,6 +1,8 @@
 //! `gpuam bench select`: the select pipeline on the scenario the original AM was
 //! measured on (issue 2), printing median and p99 per call, and the time to plan a
-//! 1,000-task job on 1,000 nodes. Figures go to docs/BENCHMARKS.md.
+//! 1,000-task job on 1,000 nodes. `gpuam bench job` and `gpuam bench cluster`: one
+//! job, or many jobs at once, through the real RM, AM processes and executor.
+//! Figures go to docs/BENCHMARKS.md.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -182,6 +184,35 @@ fn am_pid(app_id: &str) -> Option<u32> {
     })
 }
 
+/// A standalone RM (in-process executor; its state in memory when `in_memory`, else in
+/// its SQLite store under `work`) on `nodes` empty 8-GPU nodes.
+async fn start_bench_rm(
+    nodes: usize,
+    seed: u64,
+    work: &std::path::Path,
+    in_memory: bool,
+) -> Option<crate::rm::RmHandle> {
+    let mut cluster = bench_cluster(nodes, seed);
+    for n in &mut cluster {
+        n.set_used(Resources::default());
+    }
+    let mut opts = crate::rm::RmOptions::new(
+        cluster,
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        work.to_path_buf(),
+    );
+    if in_memory {
+        opts.state_dir = None;
+    }
+    match crate::rm::start(opts).await {
+        Ok(h) => Some(h),
+        Err(e) => {
+            eprintln!("error: cannot start the RM: {e:#}");
+            None
+        }
+    }
+}
+
 /// `gpuam bench job`: a job of `tasks` one-GPU tasks that exit at once, on a cluster of
 /// `nodes` 8-GPU nodes, through the real RM, AM process and executor. Prints the time
 /// from submit to all tasks launched and to the job's end, and the AM's and RM's peak
@@ -193,22 +224,9 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     // read; it inherits this from the RM, which is this process.
     std::env::set_var("GPUAM_DASHBOARD_LINGER_SEC", "5");
     let work = std::env::temp_dir().join(format!("gpuam-bench-job-{}", std::process::id()));
-    let mut cluster = bench_cluster(nodes, seed);
-    for n in &mut cluster {
-        n.set_used(Resources::default());
-    }
-    let rm = match crate::rm::start(crate::rm::RmOptions::new(
-        cluster,
-        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        work.clone(),
-    ))
-    .await
-    {
-        Ok(h) => h,
-        Err(e) => {
-            eprintln!("error: cannot start the RM: {e:#}");
-            return exit::INTERNAL;
-        }
+    let rm = match start_bench_rm(nodes, seed, &work, false).await {
+        Some(h) => h,
+        None => return exit::INTERNAL,
     };
     let spec = format!(
         "name: bench-{tasks}\ntaskRoles:\n  worker:\n    instances: {tasks}\n    resourcePerInstance: {{cpu: 1, memoryMB: 1024, gpu: 1}}\n    commands: [\"true\"]\n"
@@ -322,4 +340,191 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     } else {
         exit::INTERNAL
     }
+}
+
+/// CPU seconds (user + system) a process has used so far, from /proc.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    Some(ticks / if hz > 0 { hz as f64 } else { 100.0 })
+}
+
+/// What the bench knows of one job: its id, when it was submitted, its job token, its
+/// AM's status API and its tasks' launch times.
+struct BenchJob {
+    id: String,
+    submit_ms: u64,
+    token: String,
+    tracking_url: String,
+    launched: Vec<u64>,
+}
+
+/// `gpuam bench cluster`: `jobs` jobs of `tasks` one-GPU `sleep 60` tasks submitted at
+/// once by the admin to a standalone RM (in-process executor, state in memory) on
+/// `nodes` 8-GPU nodes, each job with its own AM process. Prints submit → all tasks
+/// running, containers/s, submit → a job's first task (p50/p99) and the RM's peak memory
+/// and CPU, then stops every AM and task it started.
+pub async fn cluster_bench(jobs: u32, tasks: u32, nodes: usize, seed: u64) -> i32 {
+    let work = std::env::temp_dir().join(format!("gpuam-bench-cluster-{}", std::process::id()));
+    let Some(rm) = start_bench_rm(nodes, seed, &work, true).await else {
+        return exit::INTERNAL;
+    };
+    let mut ids = Vec::new();
+    let code = cluster_bench_on(&rm, jobs, tasks, nodes, &mut ids).await;
+    rm.shutdown().await;
+    let _ = std::fs::remove_dir_all(&work);
+    let left: Vec<&String> = ids.iter().filter(|id| am_pid(id).is_some()).collect();
+    if !left.is_empty() {
+        eprintln!("error: the AMs of {left:?} still run after the RM's shutdown");
+        return exit::INTERNAL;
+    }
+    code
+}
+
+async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes: usize, ids: &mut Vec<String>) -> i32 {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::SubmitApplication;
+    let client = RmClient::new(&rm.base_url()).with_user_token(Some(rm.admin_token().to_string()));
+    let http = crate::tls::http_client();
+    let spec = format!(
+        "name: bench\ntaskRoles:\n  worker:\n    instances: {tasks}\n    resourcePerInstance: {{cpu: 1, memoryMB: 1024, gpu: 1}}\n    commands: [\"sleep 60\"]\n"
+    );
+    for _ in 0..jobs {
+        match client.new_application().await {
+            Ok(a) => ids.push(a.application_id),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return exit::INTERNAL;
+            }
+        }
+    }
+    let me = std::process::id();
+    let cpu_before = cpu_seconds(me).unwrap_or(0.0);
+    let first_submit_ms = crate::protocol::now_ms();
+    let started = Instant::now();
+    // All submits at once, each on its own connection task.
+    let submits: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let client = client.clone();
+            let submit = SubmitApplication {
+                application_id: id.clone(),
+                job_spec: spec.clone(),
+                job_spec_name: Some("bench".into()),
+                dashboard_listen: None,
+                // The bench reads each AM's status API with its job token, which the AM
+                // checks itself (another token would be checked with the RM, whose time
+                // is what is measured).
+                job_token: Some(format!("{:032x}", rand::random::<u128>())),
+            };
+            tokio::spawn(async move {
+                let at = crate::protocol::now_ms();
+                let token = submit.job_token.clone().unwrap_or_default();
+                client.submit(&submit).await.map(|_| (at, token))
+            })
+        })
+        .collect();
+    let mut state = Vec::new();
+    for (id, s) in ids.iter().zip(submits) {
+        match s.await {
+            Ok(Ok((at, token))) => state.push(BenchJob {
+                id: id.clone(),
+                submit_ms: at,
+                token,
+                tracking_url: String::new(),
+                launched: Vec::new(),
+            }),
+            Ok(Err(e)) => {
+                eprintln!("error: submit of {id}: {e}");
+                return exit::INTERNAL;
+            }
+            Err(e) => {
+                eprintln!("error: submit of {id}: {e}");
+                return exit::INTERNAL;
+            }
+        }
+    }
+    // Poll each AM's status API (not the RM, whose time is what is measured) for its
+    // tasks' launch times, which the AMs record themselves.
+    let mut am_cpu: f64 = 0.0;
+    loop {
+        if started.elapsed() > Duration::from_secs(600) {
+            eprintln!("error: not all tasks ran within 600 s");
+            return exit::INTERNAL;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for job in state.iter_mut().filter(|j| j.launched.len() < tasks as usize) {
+            if job.tracking_url.is_empty() {
+                match client.app(&job.id).await {
+                    Ok(r) if r.state.is_final() => {
+                        eprintln!(
+                            "error: job {} ended before all its tasks ran: {}",
+                            job.id, r.diagnostics
+                        );
+                        return exit::INTERNAL;
+                    }
+                    Ok(r) => job.tracking_url = r.tracking_url,
+                    Err(_) => continue,
+                }
+                if job.tracking_url.is_empty() {
+                    continue;
+                }
+            }
+            let Ok(r) = http
+                .get(format!("{}api/v1/snapshot", job.tracking_url))
+                .bearer_auth(&job.token)
+                .send()
+                .await
+            else {
+                continue;
+            };
+            if let Ok(v) = r.json::<serde_json::Value>().await {
+                job.launched = v["tasks"]
+                    .as_array()
+                    .map(|ts| ts.iter().filter_map(|t| t["launchedMs"].as_u64()).collect())
+                    .unwrap_or_default();
+            }
+        }
+        if state.iter().all(|j| j.launched.len() >= tasks as usize) {
+            break;
+        }
+    }
+    let rm_cpu = cpu_seconds(me).unwrap_or(0.0) - cpu_before;
+    for job in &state {
+        if let Some(c) = am_pid(&job.id).and_then(cpu_seconds) {
+            am_cpu += c;
+        }
+    }
+    let all_ms = state
+        .iter()
+        .flat_map(|j| j.launched.iter())
+        .max()
+        .map_or(0, |m| m.saturating_sub(first_submit_ms));
+    let mut firsts: Vec<Duration> = state
+        .iter()
+        .filter_map(|j| j.launched.iter().min().map(|m| m.saturating_sub(j.submit_ms)))
+        .map(Duration::from_millis)
+        .collect();
+    firsts.sort();
+    let secs = all_ms as f64 / 1000.0;
+    let containers = u64::from(jobs) * u64::from(tasks);
+    let rm_peak = peak_rss_mib(me).unwrap_or(0.0);
+    println!(
+        "gpuam bench cluster: {jobs} jobs × {tasks} one-GPU `sleep 60` tasks submitted at once, {nodes} nodes × 8 GPUs"
+    );
+    println!("| jobs × tasks | nodes | submit → all tasks running | containers/s | submit → a job's first task, p50 / p99 | RM peak RSS | RM CPU | AMs' CPU |");
+    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| {jobs} × {tasks} | {nodes} | {secs:.2} s | {:.0} | {:.2} s / {:.2} s | {rm_peak:.0} MiB | {rm_cpu:.1} s | {am_cpu:.1} s |",
+        containers as f64 / secs.max(1e-3),
+        percentile(&firsts, 0.5).as_secs_f64(),
+        percentile(&firsts, 0.99).as_secs_f64(),
+    );
+    println!("(RM = this process: the RM, its in-process executor and the bench's polling client; CPU counted from submit to all running)");
+    exit::SUCCESS
 }

@@ -362,6 +362,17 @@ enum BenchCmd {
         #[arg(long, default_value_t = 42)]
         seed: u64,
     },
+    /// Many jobs at once, each with its own AM, through the real RM and executor.
+    Cluster {
+        #[arg(long, default_value_t = 20)]
+        jobs: u32,
+        #[arg(long, default_value_t = 10)]
+        tasks: u32,
+        #[arg(long, default_value_t = 1000)]
+        nodes: usize,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
 }
 
 /// Entry point: parses the command line and runs the command.
@@ -597,6 +608,12 @@ pub fn main() -> i32 {
                 nodes,
             } => crate::bench::select_bench(&nodes, iterations, seed),
             BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(crate::bench::job_bench(tasks, nodes, seed)),
+            BenchCmd::Cluster {
+                jobs,
+                tasks,
+                nodes,
+                seed,
+            } => runtime.block_on(crate::bench::cluster_bench(jobs, tasks, nodes, seed)),
         },
         // Run above, before logging and the runtime (the shim must stay single-threaded).
         Cmd::ContainerShim { .. } => exit::INTERNAL,
