@@ -798,6 +798,8 @@ fn gpuam_run_streams_task_output_and_ends_with_a_failed_tasks_stderr() {
             .arg("--work-dir")
             .arg(dir.path().join(format!("{name}-work")))
             .args(extra)
+            // The tasks write their marks into this test's private directory.
+            .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
             .env_remove("GPUAM_DASHBOARD_LINGER_SEC")
             .stdin(std::process::Stdio::null())
             .stdout(fs::File::create(&out).unwrap())

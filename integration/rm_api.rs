@@ -542,7 +542,9 @@ async fn executor_endpoints_route_and_authorize() {
     let c2 = got.allocated[1].container_id.clone();
     let node = |host: &str, id: &str, what: &str| rm.url(&format!("/ws/v1/node/{host}/containers/{id}/{what}"));
     let ctx = LaunchContext {
-        commands: vec!["echo hi".into()],
+        // Lasts past the second start below (a task that ended at once would make that start
+        // race its exit); finishing the application stops it.
+        commands: vec!["sleep 30".into()],
         ..Default::default()
     };
 
