@@ -2,7 +2,8 @@
 //! manager and node executor it runs against.
 //!
 //! Components (DESIGN.md §2); dependencies flow one way:
-//! `cli → am / rm / web → select → cluster / topology / spec → resources`.
+//! `cli → am / rm / web → select → cluster / topology / spec → resources` (web reads the
+//! AM's status hub, never the other way).
 //! The AM (`am`) is a pure job machine with one async driver; it knows neither the web
 //! dashboard nor the terminal: `web` observes its status hub, and `cli` wires the two,
 //! prints and picks exit codes.

@@ -316,20 +316,20 @@ pub struct StatusHub {
     /// owner's or the admin's) for the RM to judge (`crate::web::api::kill`).
     pub rm: std::sync::OnceLock<crate::am::rm_client::RmClient>,
     /// Asks the RM about tokens other than the job token (`crate::web::access`).
-    token_check: std::sync::OnceLock<crate::web::access::TokenCheck>,
+    token_check: std::sync::OnceLock<TokenCheck>,
     /// Tokens the RM accepted lately.
-    pub(crate) accepted: crate::web::access::Accepted,
+    pub(crate) accepted: Accepted,
 }
 
 impl StatusHub {
     /// Lets the dashboard accept tokens the RM accepts for this job (its owner's, the
     /// admin's) besides the job token; set once.
-    pub fn set_token_check(&self, check: crate::web::access::TokenCheck) {
+    pub fn set_token_check(&self, check: TokenCheck) {
         let _ = self.token_check.set(check);
     }
 
     /// See [`StatusHub::set_token_check`].
-    pub fn token_check(&self) -> Option<&crate::web::access::TokenCheck> {
+    pub fn token_check(&self) -> Option<&TokenCheck> {
         self.token_check.get()
     }
 
@@ -406,5 +406,36 @@ impl StatusHub {
     /// Sends a command to the AM; false if its driver has ended.
     pub fn command(&self, c: Command) -> bool {
         self.commands.send(c).is_ok()
+    }
+}
+
+// ---- tokens the dashboard takes besides the job token (checked by `web::access`) ----
+
+/// Asks the RM whether a token may read this job (owner or admin).
+pub type TokenCheck = Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, bool> + Send + Sync>;
+
+/// How long a token the RM accepted is taken without asking again.
+pub const ACCEPTED_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+/// Most accepted tokens remembered.
+const MAX_REMEMBERED: usize = 256;
+
+/// Tokens the RM accepted, by digest, with when.
+#[derive(Default)]
+pub struct Accepted(parking_lot::Mutex<std::collections::HashMap<String, std::time::Instant>>);
+
+impl Accepted {
+    pub(crate) fn fresh(&self, digest: &str, now: std::time::Instant) -> bool {
+        self.0
+            .lock()
+            .get(digest)
+            .is_some_and(|t| now.duration_since(*t) < ACCEPTED_FOR)
+    }
+
+    pub(crate) fn remember(&self, digest: String, now: std::time::Instant) {
+        let mut m = self.0.lock();
+        m.retain(|_, t| now.duration_since(*t) < ACCEPTED_FOR);
+        if m.len() < MAX_REMEMBERED {
+            m.insert(digest, now);
+        }
     }
 }

@@ -6,49 +6,19 @@
 //! The token comes as `Authorization: Bearer ...`, or as the `token` query parameter (the
 //! page's event stream: a browser's `EventSource` sends no header). Tokens other than the
 //! job token are checked with the RM ([`StatusHub::set_token_check`]); an accepted one is
-//! remembered (by its SHA-256) for [`ACCEPTED_FOR`].
+//! remembered (by its SHA-256) for [`crate::am::status::ACCEPTED_FOR`] (the hub keeps them: [`crate::am::status::Accepted`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use futures::future::BoxFuture;
 
 use super::ApiError;
 use crate::am::status::StatusHub;
-
-/// Asks the RM whether a token may read this job (owner or admin).
-pub type TokenCheck = Arc<dyn Fn(String) -> BoxFuture<'static, bool> + Send + Sync>;
-
-/// How long a token the RM accepted is taken without asking again.
-pub const ACCEPTED_FOR: Duration = Duration::from_secs(30);
-/// Most accepted tokens remembered.
-const MAX_REMEMBERED: usize = 256;
-
-/// Tokens the RM accepted, by digest, with when.
-#[derive(Default)]
-pub struct Accepted(parking_lot::Mutex<HashMap<String, Instant>>);
-
-impl Accepted {
-    fn fresh(&self, digest: &str, now: Instant) -> bool {
-        self.0
-            .lock()
-            .get(digest)
-            .is_some_and(|t| now.duration_since(*t) < ACCEPTED_FOR)
-    }
-
-    fn remember(&self, digest: String, now: Instant) {
-        let mut m = self.0.lock();
-        m.retain(|_, t| now.duration_since(*t) < ACCEPTED_FOR);
-        if m.len() < MAX_REMEMBERED {
-            m.insert(digest, now);
-        }
-    }
-}
 
 /// The token a request presents: its bearer, else its `token` query parameter.
 fn presented(req: &Request) -> Option<String> {
