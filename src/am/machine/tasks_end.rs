@@ -49,6 +49,15 @@ impl JobMachine {
                 let role = self.job.task_roles[t.role].name.clone();
                 let trigger_task = format!("{role}/{}", t.index);
                 let code = t.exit.as_ref().map(|(e, _)| e.code).unwrap_or(1);
+                // The node's own word on how the task ended (out of memory, a disk bound, a
+                // signal) goes into the job's reason, so history and status say why.
+                let how = t
+                    .exit
+                    .as_ref()
+                    .map(|(_, d)| d.lines().next().unwrap_or("").trim())
+                    .filter(|d| !d.is_empty())
+                    .map(|d| format!(" ({})", d.chars().take(200).collect::<String>()))
+                    .unwrap_or_default();
                 match check_completion(&self.tallies(), &role, succeeded) {
                     JobVerdict::Running => {}
                     JobVerdict::Succeeded { trigger } => {
@@ -59,13 +68,13 @@ impl JobMachine {
                         })
                     }
                     JobVerdict::Failed { trigger } if self.job_retry.should_restart() => {
-                        self.restart_job(&format!("{trigger}; task {trigger_task} exited with {code}"), now);
+                        self.restart_job(&format!("{trigger}; task {trigger_task} exited with {code}{how}"), now);
                     }
                     JobVerdict::Failed { trigger } => {
                         self.end = Some(JobEnd {
                             state: JobState::Failed,
                             exit_code: 1,
-                            diagnostics: format!("{trigger}; task {trigger_task} exited with {code}"),
+                            diagnostics: format!("{trigger}; task {trigger_task} exited with {code}{how}"),
                         })
                     }
                 }
