@@ -1521,6 +1521,9 @@ fn recorded_exit(work: &Path) -> (i32, String) {
         .ok()
         .and_then(|b| String::from_utf8(b).ok())
         .and_then(|t| t.trim().parse::<i32>().ok())
+        // The task wrote this file: only a real exit code (0-255) is taken, never one of the
+        // node's own statuses (negative), which it could use to pass as preempted.
+        .filter(|c| (0..=255).contains(c))
     {
         Some(code) => (code, format!("exited with code {code} (seen after an RM restart)")),
         None => (

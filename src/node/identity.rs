@@ -273,6 +273,10 @@ fn slot_of(s: &str) -> u64 {
 /// it then claims.
 pub fn allocate(registry: &Path, range: (u32, u32), user: &str) -> Result<u32, String> {
     use std::os::unix::fs::DirBuilderExt as _;
+    // One claim at a time in this process (the temporary name below is per process); other
+    // processes are kept apart by the hard link and the read-back after it.
+    static CLAIMING: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    let _one = CLAIMING.lock();
     let len = u64::from(range.1 - range.0) + 1;
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -306,7 +310,8 @@ pub fn allocate(registry: &Path, range: (u32, u32), user: &str) -> Result<u32, S
         let linked = std::fs::hard_link(&tmp, &path);
         let _ = std::fs::remove_file(&tmp);
         match linked {
-            Ok(()) => return Ok(uid),
+            Ok(()) if std::fs::read_to_string(&path).is_ok_and(|o| o == user) => return Ok(uid),
+            Ok(()) => continue,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                 if std::fs::read_to_string(&path).is_ok_and(|o| o == user) {
                     return Ok(uid);

@@ -252,8 +252,12 @@ pub fn find_runtime() -> Option<Runtime> {
 /// Whether `image` is in the node's local store (`podman image exists`; no registry is
 /// contacted).
 pub fn image_present(runtime: &Runtime, image: &str) -> bool {
+    // The image name comes from the task's environment: never an option of root's podman.
+    if image.is_empty() || image.starts_with('-') || image.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return false;
+    }
     std::process::Command::new(&runtime.podman)
-        .args(["image", "exists", image])
+        .args(["image", "exists", "--", image])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

@@ -21,6 +21,9 @@ use super::wire::{AgentStart, ContainerReport, CONTAINER_TOKEN_HEADER};
 use super::{token, Grant, LogStream, NodeBackend, NodeError, NodeEvent};
 use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
 
+/// Most bytes of a container log the RM takes from an agent in one answer.
+const MAX_LOG_ANSWER: u64 = 8 << 20;
+
 /// One registered agent.
 #[derive(Clone, Debug)]
 pub struct AgentEntry {
@@ -281,8 +284,18 @@ impl NodeBackend for AgentNodes {
             if let Some(t) = tail {
                 url.push_str(&format!("&tail={t}"));
             }
-            let resp = self.call(host, self.http.get(url)).await?;
-            resp.text().await.map_err(|e| NodeError::Refused(e.to_string()))
+            let mut resp = self.call(host, self.http.get(url)).await?;
+            // An agent's answer is read up to the tail asked for (or MAX_LOG_ANSWER), keeping
+            // its newest bytes: an agent that sends more cannot fill the RM's memory.
+            let limit = usize::try_from(tail.unwrap_or(MAX_LOG_ANSWER).min(MAX_LOG_ANSWER)).unwrap_or(usize::MAX);
+            let mut body: Vec<u8> = Vec::new();
+            while let Some(chunk) = resp.chunk().await.map_err(|e| NodeError::Refused(e.to_string()))? {
+                body.extend_from_slice(&chunk);
+                if body.len() > limit {
+                    body.drain(..body.len() - limit);
+                }
+            }
+            Ok(String::from_utf8_lossy(&body).into_owned())
         }
         .boxed()
     }

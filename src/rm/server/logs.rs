@@ -90,7 +90,8 @@ async fn collect(rm: &Shared, host: &str, app: &str, id: &str) -> Result<(), Str
             .await
             .map_err(|e| e.to_string())?;
         let path = log_file(rm, app, id, stream);
-        let tmp = path.with_extension("part");
+        // Per stream (`cid.stdout.part`, `cid.stderr.part`): two streams never share one.
+        let tmp = std::path::PathBuf::from(format!("{}.part", path.display()));
         std::fs::write(&tmp, text.as_bytes())
             .and_then(|()| std::fs::rename(&tmp, &path))
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
