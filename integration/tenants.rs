@@ -182,6 +182,12 @@ impl Drop for Victim {
 
 fn steer(tag: &str, agent_args: &[&str]) {
     let (mut h, alice, _bob) = tenant_hosts(tag, agent_args);
+    // The agent restarted below removes an ended task's directory 1 s after its end (the
+    // default grace is 30 s, see `node.work_dir_grace_sec`).
+    let conf = read(h.path("conf.yaml"));
+    assert!(conf.contains("\nnode:\n"), "{conf}");
+    let conf = conf.replacen("\nnode:\n", "\nnode:\n  work_dir_grace_sec: 1\n", 1);
+    fs::write(h.path("conf.yaml"), conf).unwrap();
     let out = h.path("out").display().to_string();
     let target = h.path("root-only");
     fs::write(&target, "ROOT-ONLY\n").unwrap();
@@ -294,7 +300,11 @@ fn steer(tag: &str, agent_args: &[&str]) {
         "",
         "the task could not write the node's record"
     );
-    assert!(!record.join("work").exists(), "the task's directory is gone");
+    wait_for(
+        Duration::from_secs(30),
+        "the task's directory gone after the grace",
+        || (!record.join("work").exists()).then_some(()),
+    );
     let _ = victim.0.kill();
 }
 

@@ -198,6 +198,8 @@ pub struct RmOptions {
     pub task_identity: Option<crate::node::identity::IdentitySettings>,
     /// How long a finished container's logs stay (`node.log_retention_sec`).
     pub log_retention: Option<Duration>,
+    /// How long after its end a container's work directory goes (`node.work_dir_grace_sec`).
+    pub work_dir_grace: Option<Duration>,
     /// Disk, pids and device bounds of the in-process node (`node.*`).
     pub bounds: crate::node::bounds::NodeBounds,
 }
@@ -238,6 +240,7 @@ impl RmOptions {
             shim_exe: None,
             task_identity: None,
             log_retention: None,
+            work_dir_grace: None,
             bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
@@ -270,6 +273,7 @@ impl RmOptions {
                 false => None,
             },
             log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
+            work_dir_grace: Some(Duration::from_secs(settings.node.work_dir_grace_sec)),
             bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
@@ -477,6 +481,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             max_log_bytes: opts.max_log_bytes,
             users: task_users,
             retention: opts.log_retention,
+            work_dir_grace: opts.work_dir_grace,
             ends_heard_here: true,
             max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
