@@ -28,7 +28,8 @@ use common::hosts::{host_ip, Hosts, RM_IP};
 use common::{bin, pid_alive, sq, wait_for};
 
 /// The hosts with users alice and bob in the RM's users file, a private uid registry and
-/// a long node expiry (an agent restarted here must not be taken for lost).
+/// a long node expiry (an agent restarted here must not be taken for lost); an ended
+/// task's directory goes 1 s after its end (`node.work_dir_grace_sec`, 30 s by default).
 fn tenant_hosts(tag: &str, agent_args: &[&str]) -> (Hosts, String, String) {
     let mut h = Hosts::build(tag);
     let users = h.path("users");
@@ -37,7 +38,7 @@ fn tenant_hosts(tag: &str, agent_args: &[&str]) -> (Hosts, String, String) {
     fs::write(
         h.path("conf.yaml"),
         format!(
-            "rm:\n  node_expiry_sec: 60\n  users_file: {}\nnode:\n  task_uid_registry: {}\n",
+            "rm:\n  node_expiry_sec: 60\n  users_file: {}\nnode:\n  task_uid_registry: {}\n  work_dir_grace_sec: 1\n",
             users.display(),
             h.path("uids").display()
         ),
@@ -182,12 +183,6 @@ impl Drop for Victim {
 
 fn steer(tag: &str, agent_args: &[&str]) {
     let (mut h, alice, _bob) = tenant_hosts(tag, agent_args);
-    // The agent restarted below removes an ended task's directory 1 s after its end (the
-    // default grace is 30 s, see `node.work_dir_grace_sec`).
-    let conf = read(h.path("conf.yaml"));
-    assert!(conf.contains("\nnode:\n"), "{conf}");
-    let conf = conf.replacen("\nnode:\n", "\nnode:\n  work_dir_grace_sec: 1\n", 1);
-    fs::write(h.path("conf.yaml"), conf).unwrap();
     let out = h.path("out").display().to_string();
     let target = h.path("root-only");
     fs::write(&target, "ROOT-ONLY\n").unwrap();
