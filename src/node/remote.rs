@@ -88,6 +88,23 @@ impl AgentNodes {
             .ok_or_else(|| NodeError::Refused(format!("host `{host}` has no agent credential (revoked?)")))
     }
 
+    /// A fingerprint of `host`'s current credential (a hash of its digest, which reveals
+    /// neither the token nor the digest), so that a removal can refuse exactly the
+    /// credential the host had; `None` when the host has none.
+    pub fn fingerprint(&self, host: &str) -> Option<String> {
+        let digest = self.credentials.read().digest_of(host)?;
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(b"gpuam-agent-credential-fingerprint-v1\n");
+        ctx.update(&digest);
+        Some(crate::auth::hex(ctx.finish().as_ref()))
+    }
+
+    /// Forgets a removed host's agent: its heartbeats are answered "register again"
+    /// (which the RM refuses while the removal holds).
+    pub fn forget(&self, host: &str) {
+        self.agents.lock().remove(host);
+    }
+
     /// Whether `host` is a registered agent (LOST or not).
     pub fn knows(&self, host: &str) -> bool {
         self.agents.lock().contains_key(host)

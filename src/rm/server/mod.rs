@@ -867,7 +867,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/info", get(cluster_info))
         .route("/ws/v1/cluster/metrics", get(cluster_metrics))
         .route("/ws/v1/cluster/nodes", get(list_nodes))
-        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node))
+        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node).delete(delete_node))
         .route(
             "/ws/v1/cluster/nodes/{nodeid}/state",
             axum::routing::put(put_node_state),
