@@ -5,8 +5,8 @@
 //! machine (`gpuam submit` in h1's namespace, the user's token), the admin makes a call
 //! from there too, and the RM starts the job's container on an agent (the launch script
 //! with the rendered secret). The TCP streams are put back together (by sequence number)
-//! and searched, with the raw frames, for the agent tokens, the admin and user tokens and
-//! the secret:
+//! and searched, with the raw frames, for the agent tokens, the host keys the RM hands the
+//! agents, the admin and user tokens and the secret:
 //!
 //! - with TLS configured (README's multi-machine form: `tls.*` on the RM and the agents,
 //!   `https://` URLs) none of them appears;
@@ -268,9 +268,21 @@ fn scenario(tls: bool) -> (Vec<(String, bool)>, usize, usize) {
             .trim()
             .to_string()
     };
+    // Each host's key, as the RM hands it to the agent in the answer to its registration.
+    let secret_text = fs::read_to_string(h.path("rm").join(gpuam::node::remote::HOST_KEYS_SECRET_FILE)).unwrap();
+    let key = |host: &str| {
+        let digest = gpuam::node::token::token_digest(&token(host));
+        gpuam::auth::hex(&gpuam::node::token::host_key(
+            secret_text.trim().as_bytes(),
+            &h.host_name(host),
+            &digest,
+        ))
+    };
     let needles = [
         ("agent token h1", token("h1")),
         ("agent token h2", token("h2")),
+        ("host key h1", key("h1")),
+        ("host key h2", key("h2")),
         ("admin token", admin),
         ("user token", alice),
         ("OpenPAI secret", secret),

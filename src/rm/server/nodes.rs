@@ -249,7 +249,8 @@ pub(super) async fn agent_register(
             st.agent_nodes_dirty.insert(host.clone());
         }
         agents.register(&host, &req.http_address, Instant::now());
-        let reply = reconcile(&mut st, &host, &own, true);
+        let mut reply = reconcile(&mut st, &host, &own, true);
+        reply.host_key = agents.host_key_hex(&host);
         st.commit_or_log();
         tracing::info!(
             %host,
