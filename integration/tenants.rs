@@ -219,9 +219,11 @@ fn steer(tag: &str, agent_args: &[&str]) {
     assert_eq!(metrics(&h), Some(2), "the task holds its host's 2 GPUs");
 
     // The preemption notice, straight from the agent's endpoint.
-    // The RM's call token for that host (derived from the host's own agent token).
+    // The RM's call token for that host (its key: the RM's secret, the host, its token).
+    let digest = gpuam::node::token::token_digest(&read(h.path(&format!("{label}.token"))));
+    let secret = read(h.path("rm").join(gpuam::node::remote::HOST_KEYS_SECRET_FILE));
     let token =
-        gpuam::node::token::rm_call_token(&gpuam::node::token::host_key(&read(h.path(&format!("{label}.token")))));
+        gpuam::node::token::rm_call_token(&gpuam::node::token::host_key(secret.trim().as_bytes(), &host, &digest));
     let notice = curl_code(
         &h,
         label,

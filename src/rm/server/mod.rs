@@ -438,8 +438,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         Some(path) => {
             let credentials = crate::rm::users::load_table(path, crate::rm::users::Table::Nodes)?;
             tracing::info!(hosts = credentials.len(), file = %path.display(), "node agents' credentials");
+            // Beside the state (what keeps the agents' hosts), else in the work dir.
+            let secret = crate::node::remote::load_or_create_secret(
+                &opts
+                    .state_dir
+                    .as_deref()
+                    .unwrap_or(&work_dir)
+                    .join(crate::node::remote::HOST_KEYS_SECRET_FILE),
+            )?;
             Some(Arc::new(crate::node::remote::AgentNodes::new(
                 credentials,
+                secret,
                 events_tx.clone(),
                 opts.agent_ca_file.as_deref(),
             )?))
@@ -872,7 +881,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/info", get(cluster_info))
         .route("/ws/v1/cluster/metrics", get(cluster_metrics))
         .route("/ws/v1/cluster/nodes", get(list_nodes))
-        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node))
+        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node).delete(delete_node))
         .route(
             "/ws/v1/cluster/nodes/{nodeid}/state",
             axum::routing::put(put_node_state),
