@@ -36,7 +36,7 @@
 //! finish; `am_supervisor` the AM processes; `containers` the container endpoints that
 //! forward to the node backends; `nodes` the node agents' registration, heartbeats and
 //! liveness.
-use crate::cluster::rm_json::{node_to_json, nodes_to_json};
+use crate::cluster::rm_json::node_to_json;
 use crate::cluster::{Node, NodeState};
 use crate::node::executor::{ExecError, LogStream};
 use crate::node::procs::ProcessId;
@@ -330,6 +330,8 @@ struct Shared {
     metrics: dashboard::RmMetrics,
     /// History and log retention.
     history: HistoryOptions,
+    /// The node listing's bytes (`cluster::NodeView`; locked after `state`).
+    node_view: Mutex<NodeView>,
 }
 
 impl Shared {
@@ -521,6 +523,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
         history: opts.history.clone(),
+        node_view: Mutex::new(NodeView::new()),
     });
 
     let mut background = Vec::new();
