@@ -117,6 +117,7 @@ pub(super) async fn am_allocate(
         let now = Instant::now();
         if let Some(w) = req.waiting.clone() {
             app.waiting.report(w, now);
+            app.waiting.placement = req.wait_reason.clone();
         }
         // Releases: freed now, not reported back (the AM asked for it). A container under
         // a preemption notice ends as preempted.
@@ -178,6 +179,7 @@ pub(super) async fn am_allocate(
         out.preempt = scheduling::notices_for(st, &id);
         let app = app_mut(&mut st.apps, &id)?;
         out.waiting_reason = app.waiting.why.as_ref().map(|(_, t)| t.clone());
+        out.wait_reason = app.waiting.queue_reason();
         out.completed = std::mem::take(&mut app.pending_completed);
         out.updated_nodes = st
             .ledger

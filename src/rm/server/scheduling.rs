@@ -341,11 +341,8 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         }
     }
     for (id, &a) in &built.apps {
-        let why = plan.why.get(a).cloned().flatten().map(|w| (w.code(), w.to_string()));
         if let Some(app) = st.apps.get_mut(id) {
-            if app.waiting.why != why {
-                app.waiting.why = why;
-            }
+            app.waiting.set_why(plan.why.get(a).and_then(Option::as_ref));
         }
     }
     work
