@@ -413,6 +413,10 @@ pub struct Rejection {
     pub reason: String,
     /// False when the ask can never be granted as written (unknown host, bigger than the node).
     pub retryable: bool,
+    /// Why, typed (`reason::Reason`), when the RM's queue gate refused it: the task waits
+    /// for its queue (`QueueShare`, `Priority`, `Reclaiming`), not for another try.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<Box<crate::reason::Reason>>,
 }
 
 /// A container that ended.

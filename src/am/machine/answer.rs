@@ -25,7 +25,12 @@ impl JobMachine {
             let t = &mut self.tasks[ti];
             if let Some(r) = t.request.take() {
                 self.selector.remove_requested(&r.host, &r.resources, true);
-                t.waits(Kind::Retry, format!("ask on {} rejected: {}", r.host, rej.reason));
+                // The queue gate's refusal says what the task waits for (its queue); any
+                // other is tried again.
+                match rej.wait {
+                    Some(why) => t.set_reason(Some(why.since(t.waiting_since_ms))),
+                    None => t.waits(Kind::Retry, format!("ask on {} rejected: {}", r.host, rej.reason)),
+                }
             }
             t.reset_to_waiting();
             if !rej.retryable {

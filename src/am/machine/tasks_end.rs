@@ -45,6 +45,10 @@ impl JobMachine {
                         "retrying after the last attempt ended".into()
                     },
                 );
+                // The back-off's end is known: until then it is not tried.
+                if let Some(r) = t.reason.as_mut().filter(|_| delay > 0) {
+                    r.until_ms = Some(now.ms + delay);
+                }
             }
             RetryDecision::Complete => {
                 t.succeeded = Some(succeeded);

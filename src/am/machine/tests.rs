@@ -331,6 +331,7 @@ fn a_rejected_ask_waits_again_and_a_final_rejection_refreshes_the_node_view() {
             request_id: req.asks[0].request_id,
             reason: "no such GPU".into(),
             retryable: false,
+            wait: None,
         }],
         ..Default::default()
     };
@@ -717,4 +718,34 @@ fn an_ask_not_yet_granted_is_not_a_place() {
         s.host.is_some() && s.reason.is_none() && s.waiting_reason.is_none(),
         "{s:?}"
     );
+}
+
+/// An ask the RM's queue gate refused waits for the queue, typed as the gate said (not a
+/// retry); any other refusal is tried again.
+#[test]
+fn a_refusal_by_the_queue_gate_waits_for_the_queue() {
+    let yaml = "name: j\ntaskRoles:\n  w:\n    instances: 2\n    \
+                resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n";
+    let (mut m, now) = machine(yaml);
+    let req = heartbeat(&mut m, now);
+    let cap = Reason::new(Kind::QueueShare, "queue `a` is at its cap (maxGpus 1)");
+    let rejected = |i: usize, wait: Option<Reason>| Rejection {
+        request_id: req.asks[i].request_id,
+        reason: "refused".into(),
+        retryable: true,
+        wait: wait.map(Box::new),
+    };
+    let resp = AllocateResponse {
+        rejected: vec![rejected(0, Some(cap.clone())), rejected(1, None)],
+        ..Default::default()
+    };
+    answer(&mut m, resp, now);
+    let kinds: Vec<(Kind, String)> = m
+        .tasks()
+        .iter()
+        .map(|t| t.reason.clone().map(|r| (r.kind, r.detail)).unwrap())
+        .collect();
+    assert_eq!(kinds[0], (Kind::QueueShare, cap.detail.clone()));
+    assert_eq!(kinds[1].0, Kind::Retry, "{kinds:?}");
+    assert_eq!(m.placement_reason(), Some(cap.since(now.ms).of_task("w/0")));
 }

@@ -145,8 +145,9 @@ pub(super) async fn am_allocate(
                 rm.metrics.refused(Refusal::Queue, group.len());
                 out.rejected.extend(group.iter().map(|a| Rejection {
                     request_id: a.request_id,
-                    reason: why.clone(),
+                    reason: why.detail.clone(),
                     retryable: true,
+                    wait: Some(Box::new(why.clone())).filter(|w| w.kind.is_queue()),
                 }));
                 continue;
             }
@@ -171,6 +172,7 @@ pub(super) async fn am_allocate(
                         request_id: c.request_id,
                         reason: "gang not granted whole".into(),
                         retryable: true,
+                        wait: None,
                     });
                 }
             }
