@@ -581,6 +581,16 @@ fn a_preempted_task_is_retried_without_using_its_retry_count() {
     assert!(m.ended().is_none());
 }
 
+/// One PCIe-paired node of 4 GPUs where another job holds one GPU of each pair (0 and 2):
+/// only the split pair 1+3 is free.
+fn split_pairs() -> Vec<Node> {
+    let t = Arc::new(crate::topology::Topology::preset("pcie4").unwrap());
+    let mut n = Node::new("old", "/r", Resources::with_mask(8, 8000, 0xf, PortSet::new()));
+    n.set_used(Resources::with_mask(2, 100, 0b0101, PortSet::new()));
+    n.topology = Some(t);
+    vec![n]
+}
+
 /// The topology wait in the AM: a 2-GPU task that finds only a split pair (another job holds
 /// one GPU of each pair) waits, saying why, and once `select.topology_wait_sec` has passed
 /// since it began waiting it asks for the set `gpuam plan` shows.
@@ -588,13 +598,7 @@ fn a_preempted_task_is_retried_without_using_its_retry_count() {
 fn a_task_waits_for_its_ideal_tier_then_asks_for_what_plan_shows() {
     let yaml = "name: j\ntaskRoles:\n  worker:\n    instances: 1\n    \
                 resourcePerInstance: {cpu: 1, memoryMB: 1000, gpu: 2}\n    commands: [\"true\"]\n";
-    let nodes = || {
-        let t = Arc::new(crate::topology::Topology::preset("pcie4").unwrap());
-        let mut n = Node::new("old", "/r", Resources::with_mask(8, 8000, 0xf, PortSet::new()));
-        n.set_used(Resources::with_mask(2, 100, 0b0101, PortSet::new()));
-        n.topology = Some(t);
-        vec![n]
-    };
+    let nodes = split_pairs;
     let (mut m, now) = machine_on(yaml, nodes(), Default::default());
     let plan = crate::am::plan_rm::plan_job(m.job(), nodes(), Default::default(), &AmSettings::default());
     assert_eq!(plan.placements[0].topology_wait_sec, Some(300));
@@ -636,13 +640,7 @@ fn a_gang_held_by_the_topology_wait_shows_the_topology_wait_with_its_deadline() 
                 resourcePerInstance: {cpu: 1, memoryMB: 100, gpu: 0}\n    commands: [\"true\"]\n  \
                 worker:\n    instances: 1\n    \
                 resourcePerInstance: {cpu: 1, memoryMB: 1000, gpu: 2}\n    commands: [\"true\"]\n";
-    let nodes = || {
-        let t = Arc::new(crate::topology::Topology::preset("pcie4").unwrap());
-        let mut n = Node::new("old", "/r", Resources::with_mask(8, 8000, 0xf, PortSet::new()));
-        n.set_used(Resources::with_mask(2, 100, 0b0101, PortSet::new()));
-        n.topology = Some(t);
-        vec![n]
-    };
+    let nodes = split_pairs;
     let (mut m, now) = machine_on(yaml, nodes(), Default::default());
     assert!(m
         .statuses()
