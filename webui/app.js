@@ -352,7 +352,9 @@ async function loadSelection() {
   if (panel.hidden) return;
   panel.querySelector('h3').textContent = waiting ? 'Why is this task waiting?' : 'How this task was placed';
   if (!rec) {
-    $('waiting-outcome').replaceChildren(h('p', null, reasonText(t.reason) || 'No selection has run for this task yet.'));
+    $('waiting-outcome').replaceChildren(waiting && t.reason
+      ? h('p', { class: 'outcome', 'data-outcome': 'waiting', 'data-kind': t.reason.kind }, h('b', null, 'not placed'), ' — ', h('span', { class: 'reason' }, reasonText(t.reason)))
+      : h('p', null, 'No selection has run for this task yet.'));
     panel.querySelector('tbody').replaceChildren();
     $('waiting-candidates').replaceChildren();
     return;

@@ -162,6 +162,12 @@ impl JobMachine {
     /// Gives back every container a gang holds and waits before trying again.
     fn release_gang(&mut self, now: Now) {
         tracing::info!("gang not complete within the gang timeout; releasing what it holds");
+        let wait = self.backoff.jittered(self.settings.gang_retry_backoff_ms);
+        // Every task it resets says so, until the gang is tried again.
+        let again = |t: &Task, detail: &str| {
+            let r = Reason::new(Kind::Gang, detail).since(t.waiting_since_ms);
+            Some(r.until(now.ms + wait.as_millis() as u64))
+        };
         for t in &mut self.tasks {
             match t.state {
                 TaskState::ContainerAllocated => {
@@ -170,7 +176,7 @@ impl JobMachine {
                         self.releases.push(c.container_id);
                     }
                     t.reset_to_waiting();
-                    t.waits(Kind::Gang, "gang timeout: released and waiting to try again");
+                    t.set_reason(again(t, "gang timeout: released and waiting to try again"));
                 }
                 TaskState::ContainerRequested => {
                     if let Some(r) = t.request.take() {
@@ -179,13 +185,12 @@ impl JobMachine {
                         self.selector.remove_requested(&r.host, &r.resources, false);
                     }
                     t.reset_to_waiting();
-                    t.waits(Kind::Gang, "gang timeout: waiting to try again");
+                    t.set_reason(again(t, "gang timeout: waiting to try again"));
                 }
                 _ => {}
             }
         }
         self.gang_wait_since = None;
-        let wait = self.backoff.jittered(self.settings.gang_retry_backoff_ms);
         self.gang_backoff_until = Some(now.at + wait);
     }
 

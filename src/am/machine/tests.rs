@@ -271,6 +271,11 @@ fn a_gang_launches_whole_or_gives_back_after_its_timeout() {
     assert!(req2.asks.is_empty());
     answer(&mut m, AllocateResponse::default(), later);
     assert!(m.tasks().iter().all(|t| t.state == TaskState::TaskWaiting));
+    // The task whose container went back says it waits for its gang, until the gang is
+    // tried again (the other's ask had timed out before).
+    let why = m.tasks()[0].reason.clone().unwrap();
+    assert_eq!(why.kind, Kind::Gang, "{why:?}");
+    assert!(why.until_ms.is_some_and(|u| u > later.ms), "{why:?}");
     let req3 = heartbeat(&mut m, later);
     assert!(req3.asks.is_empty(), "it backs off before trying again");
     let (cancels, releases): (Vec<u64>, Vec<String>) = (
