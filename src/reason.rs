@@ -38,6 +38,19 @@ pub enum Kind {
 }
 
 impl Kind {
+    pub const ALL: [Kind; 10] = [
+        Kind::Starting,
+        Kind::Resources,
+        Kind::Topology,
+        Kind::Gang,
+        Kind::QueueShare,
+        Kind::Priority,
+        Kind::Reclaiming,
+        Kind::Impossible,
+        Kind::Requested,
+        Kind::Retry,
+    ];
+
     /// The words the surfaces show for it (`webui/reason.js` has the same table).
     pub fn label(self) -> &'static str {
         match self {
@@ -171,6 +184,18 @@ mod tests {
             serde_json::json!({"kind": "Resources", "detail": "no room", "sinceMs": 5})
         );
         assert_eq!(serde_json::from_value::<Reason>(v).unwrap(), r);
+    }
+
+    /// The pages' table of words (`webui/reason.js`) is this one: every kind, by its wire
+    /// name, has the label the terminal shows.
+    #[test]
+    fn the_pages_label_every_kind_as_the_terminal_does() {
+        let js = include_str!("../webui/reason.js");
+        for k in Kind::ALL {
+            let name = serde_json::to_value(k).unwrap();
+            let entry = format!("{}: '{}'", name.as_str().unwrap(), k.label());
+            assert!(js.contains(&entry), "webui/reason.js lacks `{entry}`");
+        }
     }
 
     /// The table of [`combine`]: a queue cause wins; else the AM's reason; else the RM's guess.
