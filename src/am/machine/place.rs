@@ -95,6 +95,12 @@ impl JobMachine {
                     );
                     let backoff = &mut self.backoff;
                     let until = *role_wait.entry(ri).or_insert_with(|| now.at + backoff.between(lo, hi));
+                    // Not now while the RM's queues name a cause: the task waits for its
+                    // queue (a node it was refused on is only skipped for a while).
+                    let why = match matches!(outcome, Outcome::NotNow { .. }) {
+                        true => crate::reason::combine(self.queue_reason.as_ref(), why.as_ref()),
+                        false => why,
+                    };
                     let t = &mut self.tasks[ti];
                     t.not_before = Some(until);
                     t.set_reason(why);

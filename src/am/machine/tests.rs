@@ -752,3 +752,35 @@ fn a_refusal_by_the_queue_gate_waits_for_the_queue() {
     assert_eq!(kinds[1].0, Kind::Retry, "{kinds:?}");
     assert_eq!(m.placement_reason(), Some(cap.since(now.ms).of_task("w/0")));
 }
+
+/// While the RM's queues name a cause, a task that finds no node now (here: the one it was
+/// refused on is skipped for a while) waits for its queue, as the job does; without one it
+/// waits for resources.
+#[test]
+fn not_now_while_the_queue_names_a_cause_is_the_queues_wait() {
+    let yaml = "name: j\ntaskRoles:\n  w:\n    instances: 1\n    \
+                resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 4}\n    commands: [\"true\"]\n";
+    let cap = Reason::new(Kind::QueueShare, "queue `a` is at its cap (maxGpus 1)").since(7);
+    for (queue, kind) in [(Some(cap.clone()), Kind::QueueShare), (None, Kind::Resources)] {
+        let (mut m, now) = machine(yaml);
+        let req = heartbeat(&mut m, now);
+        let resp = AllocateResponse {
+            rejected: vec![Rejection {
+                request_id: req.asks[0].request_id,
+                reason: "refused".into(),
+                retryable: true,
+                wait: queue.clone().map(Box::new),
+            }],
+            wait_reason: queue.clone(),
+            ..Default::default()
+        };
+        answer(&mut m, resp, now);
+        let req = heartbeat(&mut m, now);
+        assert!(req.asks.is_empty(), "the refused GPUs are skipped for a while");
+        let why = m.tasks()[0].reason.clone().unwrap();
+        assert_eq!(why.kind, kind, "{why:?}");
+        if let Some(q) = &queue {
+            assert_eq!(&why, q);
+        }
+    }
+}
