@@ -1,4 +1,5 @@
-//! The AM's task table: one entry per task of the job, its state, its outstanding
+//! The AM's task table: one entry per task of the job, its state, why it waits (the one
+//! `reason::Reason`, with since and the topology wait's deadline), its outstanding
 //! request or container, its retry counters; and the container environment
 //! (DESIGN.md §6) built from it.
 
