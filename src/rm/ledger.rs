@@ -385,6 +385,7 @@ impl Ledger {
             request_id: ask.request_id,
             reason,
             retryable,
+            wait: None,
         };
         let Some(ln) = self.nodes.get(&ask.host) else {
             return Err(reject(false, format!("unknown host `{}`", ask.host)));

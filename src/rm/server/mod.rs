@@ -915,6 +915,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/cluster.js", get(crate::web::assets::cluster_js))
         .route("/cluster.css", get(crate::web::assets::cluster_css))
         .route("/style.css", get(crate::web::assets::style_css))
+        .route("/reason.js", get(crate::web::assets::reason_js))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
