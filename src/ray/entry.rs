@@ -1,5 +1,7 @@
-//! The Ray job that runs one container: its entrypoint (the gate check, then the task's
-//! commands) and the submit body pinning it to the granted node and GPUs. Pure: no I/O.
+//! What runs one container on a Ray node, for both ways gpuam launches there: the
+//! container's environment ([`contract_env`]), its Ray resources ([`ray_resources`]) and
+//! its script on the node ([`node_script`]); and for a Ray job (`--ray-launch jobs`) the
+//! entrypoint (the gate check, then the node script) and the submit body. Pure: no I/O.
 //!
 //! Why a gate: Ray does not cancel a PENDING job that is stopped; its supervisor still
 //! starts the entrypoint once the resources free, and only then delivers the stop. So the
@@ -54,10 +56,8 @@ while True:
         time.sleep(1)
 "#;
 
-/// The bash script the entrypoint runs: the gate, the container's directory, its CPUs
-/// (`GPUAM_CPU_AFFINITY`, applied with `taskset` to the task's own shell where the node
-/// has it, as the executor does without a cpuset), then the commands as the container
-/// contract runs them.
+/// The bash script the entrypoint runs: the gate, then [`node_script`], stderr joined to
+/// stdout (Ray keeps one log of a job).
 pub fn script(container_id: &str, commands: &[String]) -> String {
     let mut s = String::new();
     s.push_str(&format!("# gpuam container {container_id}\n"));
@@ -67,13 +67,24 @@ pub fn script(container_id: &str, commands: &[String]) -> String {
         "\"$__gpuam_py\" -c {} {GATE_PATIENCE_SEC} {EXIT_GATE_UNREACHABLE} {EXIT_GATE_REFUSED} || exit $?\n",
         shell_quote(GATE_PY)
     ));
+    s.push_str("unset GPUAM_RAY_GATE_KEY\n");
+    s.push_str(&node_script(container_id, commands));
+    s
+}
+
+/// What runs a container on a Ray node, whichever way it got there: its directory
+/// `${TMPDIR:-/tmp}/gpuam-ray/<containerId>` (`GPUAM_CONTAINER_DIR`), its CPUs
+/// (`GPUAM_CPU_AFFINITY`, applied with `taskset` to the task's own shell where the node
+/// has it, as the executor does without a cpuset), then the commands as the container
+/// contract runs them.
+pub fn node_script(container_id: &str, commands: &[String]) -> String {
+    let mut s = String::new();
     s.push_str(&format!(
         "GPUAM_CONTAINER_DIR=\"${{TMPDIR:-/tmp}}/gpuam-ray/\"{}\n",
         shell_quote(container_id)
     ));
     s.push_str("export GPUAM_CONTAINER_DIR\n");
     s.push_str("mkdir -p \"$GPUAM_CONTAINER_DIR\" && cd \"$GPUAM_CONTAINER_DIR\" || exit 70\n");
-    s.push_str("unset GPUAM_RAY_GATE_KEY\n");
     s.push_str(PIN_CPUS);
     s.push_str(&commands_script(commands));
     s
@@ -84,8 +95,8 @@ const PIN_CPUS: &str = "if [ -n \"${GPUAM_CPU_AFFINITY:-}\" ]; then taskset -cp 
 
 /// The environment of the container (DESIGN.md §6, [`crate::node::contract`]) as the RM
 /// side sets it for the grant: everything but the directory (the script sets it on the
-/// node), and the gate.
-pub fn container_env(grant: &Grant, ctx: &LaunchContext, gate_url: &str, gate_key: &str) -> BTreeMap<String, String> {
+/// node).
+pub fn contract_env(grant: &Grant, ctx: &LaunchContext) -> BTreeMap<String, String> {
     let locality = grant
         .topology
         .as_deref()
@@ -100,26 +111,38 @@ pub fn container_env(grant: &Grant, ctx: &LaunchContext, gate_url: &str, gate_ke
         cpus: locality.cpus.as_ref(),
         dir: None,
     };
-    let mut env = contract::container_env(BTreeMap::new(), ctx, &side);
+    contract::container_env(BTreeMap::new(), ctx, &side)
+}
+
+/// [`contract_env`] and the gate of a Ray job.
+pub fn container_env(grant: &Grant, ctx: &LaunchContext, gate_url: &str, gate_key: &str) -> BTreeMap<String, String> {
+    let mut env = contract_env(grant, ctx);
     env.insert(ENV_GATE_URL.into(), gate_url.to_string());
     env.insert(ENV_GATE_KEY.into(), gate_key.to_string());
     env
 }
 
-/// The submit body: named after the container, on the granted node (0.001 of its node
-/// resource), holding each granted GPU's resource (a share holds that fraction of it: Ray
-/// accounts fractional custom resources, so Ray too keeps a GPU's shares within 1), and
-/// each custom resource granted under its own name, with no Ray GPU and no CPU (gpuam's
-/// ledger accounts CPU and memory; Ray's CPUs would only limit how many jobs a node runs).
-pub fn job_submit(grant: &Grant, ctx: &LaunchContext, gate_url: &str, gate_key: &str) -> JobSubmit {
-    let (container_id, host, granted) = (grant.container_id.as_str(), grant.host.as_str(), &grant.resources);
-    let mut resources = BTreeMap::from([(node_resource(host), NODE_RESOURCE_SHARE)]);
+/// The Ray resources a container holds: 0.001 of its node's resource, each granted GPU's
+/// resource (a share holds that fraction of it: Ray accounts fractional custom resources,
+/// so Ray too keeps a GPU's shares within 1), and each custom resource granted under its
+/// own name; no Ray GPU and no CPU (gpuam's ledger accounts CPU and memory; Ray's CPUs
+/// would only limit how many containers a node runs).
+pub fn ray_resources(grant: &Grant) -> BTreeMap<String, f64> {
+    let granted = &grant.resources;
+    let mut resources = BTreeMap::from([(node_resource(&grant.host), NODE_RESOURCE_SHARE)]);
     for i in mask_indices(granted.gpu_mask) {
         resources.insert(gpu_resource(i), f64::from(granted.gpu_hundredths(i)) / 100.0);
     }
     for (name, units) in granted.custom.iter() {
         resources.insert(name.to_string(), units as f64);
     }
+    resources
+}
+
+/// The submit body: named after the container, holding its [`ray_resources`].
+pub fn job_submit(grant: &Grant, ctx: &LaunchContext, gate_url: &str, gate_key: &str) -> JobSubmit {
+    let (container_id, host, granted) = (grant.container_id.as_str(), grant.host.as_str(), &grant.resources);
+    let resources = ray_resources(grant);
     let env = container_env(grant, ctx, gate_url, gate_key);
     JobSubmit {
         entrypoint: format!("bash -c {}", shell_quote(&script(container_id, &ctx.commands))),
