@@ -91,7 +91,7 @@ class NodeProxy:
                     p = subprocess.Popen(["bash", "-c", script], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                          env=full, cwd="/", start_new_session=True, close_fds=True)
             except OSError as e:
-                self.ended[cid] = ("exit", 127, "cannot start bash: %s" % e)
+                self.ended[cid] = ("exit", 127, "cannot start bash: %s" % e, time.time())
                 self.cv.notify_all()
                 return "failed"
             with open(os.path.join(self.run, cid), "w") as f:
@@ -120,7 +120,7 @@ class NodeProxy:
             if how == "stopped":
                 diag = "stopped by request" + ("" if not diag else " (%s)" % diag)
             self.procs.pop(cid, None)
-            self.ended[cid] = (how, code, diag)
+            self.ended[cid] = (how, code, diag, time.time())
             try:
                 os.unlink(os.path.join(self.run, cid))
             except OSError:
@@ -160,13 +160,17 @@ class NodeProxy:
         with self.cv:
             for a in ack:
                 self.ended.pop(a, None)
+            # Ends no driver claimed for an hour (their RM is gone) are dropped.
+            old = time.time() - 3600
+            for cid in [c for c, v in self.ended.items() if v[3] < old]:
+                del self.ended[cid]
             if not self.ended:
                 self.cv.wait(timeout)
-            return {k: list(v) for k, v in self.ended.items()}
+            return {k: list(v[:3]) for k, v in self.ended.items()}
 
     def known(self):
         with self.cv:
-            return sorted(self.procs), {k: list(v) for k, v in self.ended.items()}
+            return sorted(self.procs), {k: list(v[:3]) for k, v in self.ended.items()}
 
     def claim(self, ids):
         """After a driver restart: which of `ids` run or ended here; any other is refused
@@ -226,8 +230,7 @@ class Driver:
         with self.lock:
             e = self.c.get(cid)
             if e is None or e["state"] == "done":
-                return
-            e["state"] = "done"
+                return False
             pg = e.get("pg")
             del self.c[cid]
         if pg is not None:
@@ -236,6 +239,7 @@ class Driver:
             except Exception as ex:  # already gone
                 say("remove group of %s: %s" % (cid, ex))
         emit({"ev": "exited", "id": cid, "how": how, "code": code, "diag": diag})
+        return True
 
     # --- requests -------------------------------------------------------------------------
     def start(self, r):
@@ -309,9 +313,9 @@ class Driver:
             except Exception as ex:
                 self.proxy_died(host, proxy, ex)
                 return
-            for cid, (how, code, diag) in ended.items():
-                self.report(cid, how, code, diag)
-            ack = list(ended)
+            # Only what this driver reported is acknowledged: another driver (another RM on
+            # the same cluster) shares the node's actor and must see its own containers' ends.
+            ack = [cid for cid, (how, code, diag) in ended.items() if self.report(cid, how, code, diag)]
 
     def proxy_died(self, host, proxy, ex):
         with self.lock:
