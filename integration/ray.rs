@@ -179,7 +179,15 @@ fn ray_env(cmd: &mut Command) {
         .env("RAY_prestart_worker_first_driver", "0");
 }
 
-fn start_node(temp: &Path, log_dir: &Path, host: &str, head: bool, agent_port: u16, gpu_args: &[&str]) -> RayNode {
+fn start_node(
+    temp: &Path,
+    log_dir: &Path,
+    host: &str,
+    head: bool,
+    agent_port: u16,
+    cpus: u32,
+    gpu_args: &[&str],
+) -> RayNode {
     let mut a = vec!["--host", host];
     a.extend_from_slice(gpu_args);
     let extra = node_args(&a);
@@ -197,11 +205,11 @@ fn start_node(temp: &Path, log_dir: &Path, host: &str, head: bool, agent_port: u
     }
     cmd.args([
         "--node-ip-address=127.0.0.1",
-        "--num-cpus=8",
         "--memory=8589934592",
         "--object-store-memory=80000000",
         "--disable-usage-stats",
     ])
+    .arg(format!("--num-cpus={cpus}"))
     .arg(format!("--dashboard-agent-listen-port={agent_port}"))
     .arg(format!("--temp-dir={}", temp.display()))
     .args(&extra)
@@ -440,6 +448,7 @@ fn start_cluster(
     ray: &RayClient,
     temp: &Path,
     log_dir: &Path,
+    cpus: u32,
     specs: &[(&str, &str, &str, &str, &str)],
 ) -> Vec<RayNode> {
     let t0 = Instant::now();
@@ -463,6 +472,7 @@ fn start_cluster(
             host,
             i == 0,
             52365 + i as u16,
+            cpus,
             &[
                 "--gpus",
                 gpus,
@@ -515,6 +525,7 @@ fn scenarios(launch: &str) {
         &ray,
         &temp,
         dir.path(),
+        8,
         &[
             ("n1", "4", "pcie4", "/r1", "A100"),
             ("n2", "4", "pcie4", "/r2", "V100"),
@@ -708,6 +719,40 @@ fn scenarios(launch: &str) {
         gate_stops_a_pending_job(&rt, &rec);
     }
 
+    // 4b. The driver killed mid-job: the RM starts a new one, which finds the running
+    // container on its node again and reports its end; the task runs once, to its end.
+    if launch == "driver" {
+        let r = rm.write_job("r.yaml", &job_yaml("restart", false, 1, 1, "A100", 0, &task("8")));
+        let sr = rm.submit(&r);
+        wait_for(Duration::from_secs(120), "the task to start", || {
+            records(&rec).into_iter().find(|r| r.job == "restart")
+        });
+        let tree = process_tree(rm.pid().expect("the RM's pid"));
+        let drivers: Vec<i32> = common::pids_with_cmdline(&["long-lived Ray driver"])
+            .into_iter()
+            .filter(|p| tree.contains(p))
+            .collect();
+        assert_eq!(drivers.len(), 1, "one driver: {drivers:?}");
+        unsafe { libc::kill(drivers[0], libc::SIGKILL) };
+        let fr = sr.wait(Duration::from_secs(180));
+        assert_eq!(fr.code, 0, "restart: {}\n{}", fr.stderr, rm.logs());
+        let seen: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "restart").collect();
+        assert_eq!(
+            seen.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
+            ["start", "end"],
+            "{seen:?}"
+        );
+        let again: Vec<i32> = common::pids_with_cmdline(&["long-lived Ray driver"])
+            .into_iter()
+            .filter(|p| process_tree(rm.pid().unwrap()).contains(p))
+            .collect();
+        assert!(
+            again.len() == 1 && again[0] != drivers[0],
+            "a new driver runs: {again:?}"
+        );
+        rm.assert_all_free(Duration::from_secs(30));
+    }
+
     // 5. A Ray node killed mid-job: LOST in the RM, its task retried on the other V100 node.
     let first = rm.path("lost-first");
     let body = vec![
@@ -827,6 +872,7 @@ fn driver_stops_a_pending_container(rt: &tokio::runtime::Runtime, rec: &Path) {
             gpuam::ray::driver::DriverConfig {
                 python: venv_bin().join("python").display().to_string(),
                 gcs_address: "127.0.0.1:6379".into(),
+                hosts: vec!["n1".into()],
             },
             tx,
         )
@@ -895,30 +941,52 @@ fn driver_stops_a_pending_container(rt: &tokio::runtime::Runtime, rec: &Path) {
     assert_eq!(log(gpuam::node::LogStream::Stderr), "pg1-err\n");
 }
 
-/// Submit → every one of 16 one-GPU tasks has written its start record.
-fn time_to_all_running(rm: &Rm, name: &str) -> f64 {
+/// Submit → every task of a job of `instances` tasks of `gpu` GPUs each has written its
+/// start record (`gang`: all granted before any starts).
+fn time_to_all_running(rm: &Rm, name: &str, instances: u32, gpu: &str, gang: bool) -> f64 {
     let rec = rm.path(&format!("records-{name}"));
+    let cmds: String = [record_cmd("start", &rec), "sleep 3".into()]
+        .iter()
+        .map(|c| format!("      - {}\n", sq(c)))
+        .collect();
     let job = rm.write_job(
         &format!("{name}.yaml"),
-        &job_yaml(
-            name,
-            false,
-            16,
-            1,
-            "V100",
-            0,
-            &[record_cmd("start", &rec), "sleep 3".into()],
+        &format!(
+            "name: {name}\ngang: {gang}\ntaskRoles:\n  worker:\n    instances: {instances}\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: {gpu}}}\n    gpuType: V100\n    commands:\n{cmds}"
         ),
     );
     let t = Instant::now();
     let sub = rm.submit(&job);
-    wait_for(Duration::from_secs(300), "16 tasks running", || {
-        (records(&rec).len() >= 16).then_some(())
+    wait_for(Duration::from_secs(300), "every task running", || {
+        (records(&rec).len() >= instances as usize).then_some(())
     });
     let secs = t.elapsed().as_secs_f64();
     let f = sub.wait(Duration::from_secs(300));
     assert_eq!(f.code, 0, "{}\n{}", f.stderr, rm.logs());
     secs
+}
+
+/// Ray's own placement-group path on the same cluster (scripts/ray-launch-bench.py, a
+/// fresh driver each time): its warm figure, in seconds, for `tasks` tasks (`mode`: `pg`,
+/// one group per one-GPU task; `gang:4`, one group of quarter-GPU bundles).
+fn ray_own(tasks: u32, mode: &str, dir: &Path) -> f64 {
+    let out = Command::new(venv_bin().join("python"))
+        .arg(repo().join("scripts/ray-launch-bench.py"))
+        .args([&tasks.to_string(), "n1,n2,n3", "8"])
+        .arg(dir.join(format!("ray-own-{mode}")))
+        .arg(mode)
+        .env("RAY_ADDRESS", "127.0.0.1:6379")
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    print!("{text}");
+    text.lines()
+        .find(|l| l.contains("(warm)"))
+        .and_then(|l| l.split("after ").nth(1))
+        .and_then(|r| r.trim_end_matches(" s").trim().parse().ok())
+        .unwrap_or_else(|| panic!("ray-launch-bench.py {mode}: {text}"))
 }
 
 fn bench_inner() {
@@ -930,11 +998,13 @@ fn bench_inner() {
         .build()
         .unwrap();
     let ray = RayClient::new(DASHBOARD).unwrap();
+    // 32 declared CPUs a node: a 64-task gang of one CPU each fits gpuam's ledger.
     let mut nodes = start_cluster(
         &rt,
         &ray,
         &temp,
         dir.path(),
+        32,
         &[
             ("n1", "8", "pcie8", "/r1", "V100"),
             ("n2", "8", "pcie8", "/r1", "V100"),
@@ -942,6 +1012,7 @@ fn bench_inner() {
         ],
     );
     let venv_path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
+    let launch = std::env::var("GPUAM_BENCH_RAY_LAUNCH").unwrap_or_else(|_| "driver".into());
     let on_ray = Rm::start_in(
         dir,
         "nodes: []\n",
@@ -949,28 +1020,32 @@ fn bench_inner() {
         &[
             ("GPUAM_RM_BACKEND", "ray"),
             ("GPUAM_RAY_ADDRESS", DASHBOARD),
+            ("GPUAM_RAY_LAUNCH", &launch),
             ("PATH", &venv_path),
         ],
     );
-    let ray_runs: Vec<f64> = (0..3)
-        .map(|i| time_to_all_running(&on_ray, &format!("ray{i}")))
-        .collect();
+    let rounds: usize = std::env::var("GPUAM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(2);
+    let (mut ours16, mut own16, mut ours64, mut own64) = (vec![], vec![], vec![], vec![]);
+    for i in 0..rounds {
+        ours16.push(time_to_all_running(&on_ray, &format!("r16x{i}"), 16, "1", false));
+        own16.push(ray_own(16, "pg", &on_ray.path("")));
+        ours64.push(time_to_all_running(&on_ray, &format!("g64x{i}"), 64, "0.25", true));
+        own64.push(ray_own(64, "gang:4", &on_ray.path("")));
+    }
     drop(on_ray);
     for n in &mut nodes {
         let _ = n.child.kill();
         let _ = n.child.wait();
     }
-    let cluster = "nodes:\n".to_string()
-        + &["n1", "n2", "n3"]
-            .iter()
-            .map(|h| format!("  - host: {h}\n    cpu: 8\n    memoryMB: 8192\n    gpus: 8\n    gpuType: V100\n    topology: pcie8\n"))
-            .collect::<String>();
-    let own = Rm::start(&cluster, &[]);
-    let own_runs: Vec<f64> = (0..3).map(|i| time_to_all_running(&own, &format!("own{i}"))).collect();
     let fmt = |v: &[f64]| v.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
     println!(
-        "bench: 16 one-GPU tasks, submit -> all running (s): Ray backend [{}]; gpuam RM [{}]",
-        fmt(&ray_runs),
-        fmt(&own_runs)
+        "bench ({launch}): submit -> all running (s), alternating: 16 one-GPU tasks: gpuam on Ray [{}], Ray's own warm PG [{}]; 64-task gang of 0.25 GPU: gpuam on Ray [{}], Ray's own warm gang PG [{}]",
+        fmt(&ours16),
+        fmt(&own16),
+        fmt(&ours64),
+        fmt(&own64)
     );
 }

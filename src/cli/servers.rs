@@ -61,6 +61,7 @@ pub async fn rm(
                         gcs_address: ray_args.ray_gcs_address.clone().unwrap_or_else(|| {
                             crate::ray::driver::default_gcs_address(ray_args.ray_address.as_deref().unwrap_or(""))
                         }),
+                        hosts: nodes.iter().map(|n| n.host.clone()).collect(),
                     }),
                     _ => crate::ray::Launch::Jobs,
                 };

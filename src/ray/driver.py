@@ -276,6 +276,13 @@ class Driver:
         self.add_wait(ref, "log", r["re"])
         return None
 
+    def prepare(self, r):
+        """Creates the actors of the hosts gpuam knows now, so the first containers do not
+        wait for them."""
+        for host in r["hosts"]:
+            self.proxy(host)
+        return {"ok": True}
+
     def adopt(self, r):
         """Containers the RM knows as live (after a driver or RM restart): watched again, or
         reported lost when their node's actor does not know them."""
@@ -408,7 +415,7 @@ def main():
     d = Driver()
     threading.Thread(target=d.loop, daemon=True).start()
     emit({"ev": "ready", "ray": ray.__version__})
-    ops = {"start": d.start, "stop": d.stop, "log": d.log, "adopt": d.adopt}
+    ops = {"start": d.start, "stop": d.stop, "log": d.log, "adopt": d.adopt, "prepare": d.prepare}
     for line in sys.stdin:
         line = line.strip()
         if not line:

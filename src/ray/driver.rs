@@ -52,6 +52,8 @@ pub struct DriverConfig {
     pub python: String,
     /// Ray's GCS address (`--ray-gcs-address`, default the dashboard's host, port 6379).
     pub gcs_address: String,
+    /// The gpuam hosts of the cluster: each driver creates their actors when it starts.
+    pub hosts: Vec<String>,
 }
 
 /// The GCS address of the cluster whose dashboard is at `dashboard` (`http://HOST:8265`):
@@ -206,7 +208,7 @@ impl RayDriver {
 
     /// Connects a new driver: it first adopts every container a driver was sent (or the
     /// RM reattached), then takes requests.
-    async fn connect(&self, mut stdin: ChildStdin) -> Result<(), String> {
+    async fn connect(&self, mut stdin: ChildStdin, hosts: &[String]) -> Result<(), String> {
         let mut link = self.link.lock().await;
         let list: Vec<Value> = self
             .table
@@ -227,6 +229,9 @@ impl RayDriver {
                 }
             });
         }
+        // Its answer is not awaited (an answer nobody waits for is dropped).
+        self.write(&mut stdin, json!({ "op": "prepare", "hosts": hosts }))
+            .await?;
         *link = Some(stdin);
         Ok(())
     }
@@ -342,7 +347,7 @@ async fn supervise(me: Weak<RayDriver>, cfg: DriverConfig) {
                     Ok(Ok(Some(l))) if l.contains("\"ready\"") => {
                         let Some(d) = me.upgrade() else { return };
                         d.on_line(&l);
-                        if let Err(e) = d.connect(stdin).await {
+                        if let Err(e) = d.connect(stdin, &cfg.hosts).await {
                             tracing::error!("Ray driver: {e}");
                         } else {
                             drop(d);
