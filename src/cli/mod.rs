@@ -250,7 +250,7 @@ pub(crate) struct RayBackendArgs {
     pub ray_gate_url: Option<String>,
     /// How containers run on Ray: `jobs` (one Ray job per container) or `driver` (one
     /// long-lived Ray driver, a placement group per container; docs/RAY.md).
-    #[arg(long, env = "GPUAM_RAY_LAUNCH", default_value = "jobs", value_parser = ["jobs", "driver"])]
+    #[arg(long, env = "GPUAM_RAY_LAUNCH", default_value = "driver", value_parser = ["driver", "jobs"])]
     pub ray_launch: String,
     /// The Python of the Ray installation that runs the driver (`--ray-launch driver`).
     #[arg(long, env = "GPUAM_RAY_PYTHON", default_value = "python3", value_name = "PATH")]

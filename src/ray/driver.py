@@ -20,6 +20,7 @@ running; the next driver adopts them).
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,15 @@ from ray.util.placement_group import get_placement_group, placement_group, remov
 NS = "gpuam"
 BASE_ENV = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME")
 _out = threading.Lock()
+
+
+def start_time(pid):
+    """The start time of process `pid` (field 22 of /proc/PID/stat), "" when gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def emit(obj):
@@ -53,8 +63,13 @@ class NodeProxy:
 
     def __init__(self, host):
         self.host = host
-        self.base = os.path.join(os.environ.get("TMPDIR") or "/tmp", "gpuam-ray")
-        self.run = os.path.join(self.base, "run")
+        tmp = os.environ.get("TMPDIR") or "/tmp"
+        # The containers' own directories (the node script makes them), and this host's
+        # records: `run/<id>` (the process group and its leader's start time) and
+        # `logs/<id>/{stdout,stderr}`, per host (several Ray nodes may share a /tmp).
+        self.work = os.path.join(tmp, "gpuam-ray")
+        self.home = os.path.join(tmp, "gpuam-ray-node", host)
+        self.run = os.path.join(self.home, "run")
         os.makedirs(self.run, exist_ok=True)
         self.procs = {}
         self.ended = {}
@@ -62,17 +77,20 @@ class NodeProxy:
         self.stopping = set()
         self.cv = threading.Condition()
         # Containers a dead predecessor left running: nobody watches them, so they are
-        # killed (their ends are then reported as lost).
+        # killed (their ends are then reported as lost). Only a group whose leader is the
+        # recorded process (same pid and start time) is killed, never a reused pid.
         for name in os.listdir(self.run):
+            path = os.path.join(self.run, name)
             try:
-                with open(os.path.join(self.run, name)) as f:
-                    pgid = int(f.read().strip() or "0")
-                if pgid > 1:
+                with open(path) as f:
+                    pgid, started = f.read().split()
+                pgid = int(pgid)
+                if pgid > 1 and start_time(pgid) == started:
                     os.killpg(pgid, signal.SIGKILL)
             except (OSError, ValueError):
                 pass
             try:
-                os.unlink(os.path.join(self.run, name))
+                os.unlink(path)
             except OSError:
                 pass
 
@@ -82,7 +100,7 @@ class NodeProxy:
                 return "refused"
             if cid in self.procs or cid in self.ended:
                 return "again"
-            logs = os.path.join(self.base, "logs", cid)
+            logs = os.path.join(self.home, "logs", cid)
             os.makedirs(logs, exist_ok=True)
             full = {k: os.environ[k] for k in BASE_ENV if k in os.environ}
             full.update(env)
@@ -95,7 +113,7 @@ class NodeProxy:
                 self.cv.notify_all()
                 return "failed"
             with open(os.path.join(self.run, cid), "w") as f:
-                f.write(str(p.pid))
+                f.write("%d %s" % (p.pid, start_time(p.pid)))
             self.procs[cid] = p
         threading.Thread(target=self._wait, args=(cid, p), daemon=True).start()
         return "started"
@@ -115,6 +133,8 @@ class NodeProxy:
             code, diag = 128 - rc, "killed by signal %d" % -rc
         else:
             code, diag = rc, ("" if rc == 0 else "exited with %d" % rc)
+        # The task's own directory goes with it, as on gpuam's own nodes (its logs stay).
+        shutil.rmtree(os.path.join(self.work, cid), ignore_errors=True)
         with self.cv:
             how = "stopped" if cid in self.stopping else "exit"
             if how == "stopped":
@@ -188,7 +208,7 @@ class NodeProxy:
             return out
 
     def read_log(self, cid, stream, tail):
-        path = os.path.join(self.base, "logs", cid, "stderr" if stream == "stderr" else "stdout")
+        path = os.path.join(self.home, "logs", cid, "stderr" if stream == "stderr" else "stdout")
         try:
             with open(path, "rb") as f:
                 if tail is not None:

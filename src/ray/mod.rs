@@ -1,11 +1,14 @@
 //! The Ray node backend (DESIGN.md §9): gpuam's placement on an existing Ray cluster.
 //!
 //! `gpuam rm --backend ray --ray-address http://HOST:8265` builds its node view from the Ray
-//! cluster's nodes and runs every granted container as one Ray job on the Ray node it was
-//! granted on, pinned to exactly the granted GPUs through per-GPU custom resources.
+//! cluster's nodes and runs every granted container on the Ray node it was granted on,
+//! pinned to exactly the granted GPUs through per-GPU custom resources: through one
+//! long-lived driver with a placement group per container (`driver`, the default), or as
+//! one Ray job per container (`launcher`, `--ray-launch jobs`).
 //!
 //! - `scheme`: how a Ray node describes itself (resources and labels), both ways; pure.
-//! - `entry`: the job of one container (entrypoint with its cancel gate, submit body); pure.
+//! - `entry`: what runs one container there (environment, Ray resources, node script) and
+//!   its Ray job (entrypoint with its cancel gate, submit body); pure.
 //! - `client`: the Ray dashboard's REST API.
 //! - `gate`: the cancel gate a job's entrypoint asks before it runs anything.
 //! - `launcher`: submits, stops and watches the jobs; ends containers when Ray says so
