@@ -800,6 +800,34 @@ fn scenarios(launch: &str) {
     }
 }
 
+/// Waits for the ends of `c1` and `c2`: `c1` exited 0, `c2` was killed (never started).
+fn assert_first_ran_second_killed(
+    rt: &tokio::runtime::Runtime,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<gpuam::node::NodeEvent>,
+    c1: &str,
+    c2: &str,
+) {
+    let mut ended = BTreeMap::new();
+    while ended.len() < 2 {
+        let ev = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(120), rx.recv()).await })
+            .expect("both containers end")
+            .unwrap();
+        let gpuam::node::NodeEvent::Exited {
+            container_id,
+            exit_status,
+            ..
+        } = ev;
+        ended.insert(container_id, exit_status);
+    }
+    assert_eq!(ended[c1], 0);
+    assert_eq!(
+        ended[c2],
+        gpuam::protocol::exit_status::KILLED_BY_APPMASTER,
+        "{ended:?}"
+    );
+}
+
 /// Straight through the Ray backend: c1 holds GPU 0 of n1; c2 asks for the same GPU and
 /// stays PENDING in Ray; c2 is stopped (gate closed), then c1 ends. Ray then starts c2's
 /// entrypoint, which must run no command, and c2 must end as killed.
@@ -837,25 +865,7 @@ fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
         (j.status == JobStatus::Pending).then_some(())
     });
     rt.block_on(launcher.stop(&c2, Duration::from_secs(1))).unwrap();
-    let mut ended = BTreeMap::new();
-    while ended.len() < 2 {
-        let ev = rt
-            .block_on(async { tokio::time::timeout(Duration::from_secs(120), rx.recv()).await })
-            .expect("both gate containers end")
-            .unwrap();
-        let gpuam::node::NodeEvent::Exited {
-            container_id,
-            exit_status,
-            ..
-        } = ev;
-        ended.insert(container_id, exit_status);
-    }
-    assert_eq!(ended[&c1], 0);
-    assert_eq!(
-        ended[&c2],
-        gpuam::protocol::exit_status::KILLED_BY_APPMASTER,
-        "{ended:?}"
-    );
+    assert_first_ran_second_killed(rt, &mut rx, &c1, &c2);
     assert!(
         records(rec).iter().all(|r| r.container != c2),
         "the stopped pending job ran its task"
@@ -907,25 +917,7 @@ fn driver_stops_a_pending_container(rt: &tokio::runtime::Runtime, rec: &Path) {
         || (group_of(rt, &c2)?["state"] == "PENDING").then_some(()),
     );
     rt.block_on(driver.stop(&c2, Duration::from_secs(1))).unwrap();
-    let mut ended = BTreeMap::new();
-    while ended.len() < 2 {
-        let ev = rt
-            .block_on(async { tokio::time::timeout(Duration::from_secs(120), rx.recv()).await })
-            .expect("both containers end")
-            .unwrap();
-        let gpuam::node::NodeEvent::Exited {
-            container_id,
-            exit_status,
-            ..
-        } = ev;
-        ended.insert(container_id, exit_status);
-    }
-    assert_eq!(ended[&c1], 0);
-    assert_eq!(
-        ended[&c2],
-        gpuam::protocol::exit_status::KILLED_BY_APPMASTER,
-        "{ended:?}"
-    );
+    assert_first_ran_second_killed(rt, &mut rx, &c1, &c2);
     // Its group is gone, and nothing of it ran (not even after c1 freed the GPU).
     wait_for(Duration::from_secs(30), "c2's group to be removed", || {
         (group_of(rt, &c2)?["state"] == "REMOVED").then_some(())

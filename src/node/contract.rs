@@ -233,19 +233,16 @@ mod tests {
         };
         let locality = TaskLocality::default();
         let base = BTreeMap::from([("MINE".to_string(), "base".to_string())]);
-        let env = container_env(
-            base,
-            &ctx,
-            &NodeSide {
-                container_id: "c1",
-                host: "h",
-                granted: &granted,
-                user: Some("alice"),
-                locality: &locality,
-                cpus: None,
-                dir: None,
-            },
-        );
+        let side = |granted, user| NodeSide {
+            container_id: "c1",
+            host: "h",
+            granted,
+            user,
+            locality: &locality,
+            cpus: None,
+            dir: None,
+        };
+        let env = container_env(base, &ctx, &side(&granted, Some("alice")));
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "1,3");
         assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "1,3");
         assert_eq!(env["GPUAM_GPU_MASK"], "0xa");
@@ -257,19 +254,7 @@ mod tests {
         assert!(!env.contains_key("GPUAM_GPU_FRACTION"), "a whole GPU has no fraction");
         assert!(!env.contains_key("GPUAM_CONTAINER_DIR"));
         let none = Resources::with_mask(0, 100, 0, PortSet::new());
-        let env = container_env(
-            BTreeMap::new(),
-            &ctx,
-            &NodeSide {
-                container_id: "c1",
-                host: "h",
-                granted: &none,
-                user: None,
-                locality: &locality,
-                cpus: None,
-                dir: None,
-            },
-        );
+        let env = container_env(BTreeMap::new(), &ctx, &side(&none, None));
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "");
         assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "none");
         assert_eq!(env["PAI_USER_NAME"], "x");
