@@ -72,7 +72,9 @@ class NodeProxy:
         self.run = os.path.join(self.home, "run")
         os.makedirs(self.run, exist_ok=True)
         self.procs = {}
+        # id -> (how, code, diag, when, sequence number), until its driver acknowledges it.
         self.ended = {}
+        self.seq = 0
         self.refused = set()
         self.stopping = set()
         self.cv = threading.Condition()
@@ -109,7 +111,8 @@ class NodeProxy:
                     p = subprocess.Popen(["bash", "-c", script], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                          env=full, cwd="/", start_new_session=True, close_fds=True)
             except OSError as e:
-                self.ended[cid] = ("exit", 127, "cannot start bash: %s" % e, time.time())
+                self.seq += 1
+                self.ended[cid] = ("exit", 127, "cannot start bash: %s" % e, time.time(), self.seq)
                 self.cv.notify_all()
                 return "failed"
             with open(os.path.join(self.run, cid), "w") as f:
@@ -140,7 +143,8 @@ class NodeProxy:
             if how == "stopped":
                 diag = "stopped by request" + ("" if not diag else " (%s)" % diag)
             self.procs.pop(cid, None)
-            self.ended[cid] = (how, code, diag, time.time())
+            self.seq += 1
+            self.ended[cid] = (how, code, diag, time.time(), self.seq)
             try:
                 os.unlink(os.path.join(self.run, cid))
             except OSError:
@@ -176,7 +180,9 @@ class NodeProxy:
                 self.cv.wait(0.1)
         return "ended" if cid not in self.procs else "alive"
 
-    def wait_ended(self, ack, timeout):
+    def wait_ended(self, ack, after, timeout):
+        """Forgets the ends in `ack` (reported by their driver); returns the ends recorded
+        after sequence number `after` (waiting up to `timeout` for one) and the last number."""
         with self.cv:
             for a in ack:
                 self.ended.pop(a, None)
@@ -184,9 +190,14 @@ class NodeProxy:
             old = time.time() - 3600
             for cid in [c for c, v in self.ended.items() if v[3] < old]:
                 del self.ended[cid]
-            if not self.ended:
+            if self.seq <= after:
                 self.cv.wait(timeout)
-            return {k: list(v[:3]) for k, v in self.ended.items()}
+            return {k: list(v[:3]) for k, v in self.ended.items() if v[4] > after}, self.seq
+
+    def ack(self, ids):
+        with self.cv:
+            for a in ids:
+                self.ended.pop(a, None)
 
     def known(self):
         with self.cv:
@@ -201,7 +212,7 @@ class NodeProxy:
                 if cid in self.procs:
                     out[cid] = "running"
                 elif cid in self.ended:
-                    out[cid] = "ended"
+                    out[cid] = ["ended"] + list(self.ended[cid][:3])
                 else:
                     self.refused.add(cid)
                     out[cid] = "unknown"
@@ -323,18 +334,24 @@ class Driver:
                 for cid in ids:
                     self.report(cid, "lost", None, "the gpuam actor of %s cannot be reached: %s" % (host, short(ex)))
                 continue
+            reported = []
             for cid in ids:
-                if found.get(cid) == "unknown":
+                f = found.get(cid)
+                if f == "unknown":
                     self.report(cid, "lost", None, "not found on %s after the driver restarted" % host)
+                elif isinstance(f, list) and self.report(cid, f[1], f[2], f[3]):
+                    reported.append(cid)
+            if reported:
+                self.proxy(host).ack.remote(reported)
         return {"ok": True}
 
     # --- background -----------------------------------------------------------------------
     def watch(self, host, proxy):
         """Reports the ends of `host`'s containers as its actor tells them."""
-        ack = []
+        ack, after = [], 0
         while True:
             try:
-                ended = ray.get(proxy.wait_ended.remote(ack, 1.0), timeout=60)
+                ended, after = ray.get(proxy.wait_ended.remote(ack, after, 1.0), timeout=60)
             except ray.exceptions.GetTimeoutError:
                 continue
             except Exception as ex:
