@@ -65,10 +65,11 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
 use super::cgroup::{Cgroup, Containment, Limits};
+use super::contract::shell_quote;
 use super::procs::ProcessId;
 use super::{NodeError, NodeEvent};
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
-use crate::resources::{mask_hex, mask_indices, Resources};
+use crate::resources::Resources;
 use crate::topology::{task_locality, CpuList, TaskLocality, Topology};
 
 /// Which captured stream to read.
@@ -1212,52 +1213,17 @@ fn container_env(
     for (k, v) in &opts.task_env {
         env.insert(k.clone(), v.clone());
     }
-    for (k, v) in &ctx.env {
-        env.insert(k.clone(), v.clone());
-    }
-    let mask = granted.gpu_mask;
-    let list = mask_indices(mask)
-        .iter()
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    let nvidia = if mask == 0 { "none".to_string() } else { list.clone() };
-    let own = [
-        ("CUDA_VISIBLE_DEVICES", list),
-        ("NVIDIA_VISIBLE_DEVICES", nvidia),
-        ("GPUAM_GPU_MASK", mask_hex(mask)),
-        ("CONTAINER_GPUS", mask.to_string()),
-        ("GPUAM_CONTAINER_ID", id.to_string()),
-        ("GPUAM_HOST", host.to_string()),
-        ("GPUAM_CONTAINER_DIR", dir.to_string_lossy().into_owned()),
-        (
-            "GPUAM_PREEMPT_FILE",
-            dir.join(PREEMPT_FILE).to_string_lossy().into_owned(),
-        ),
-    ];
-    for (k, v) in own {
-        env.insert(k.into(), v);
-    }
-    if let Some(user) = user {
-        // Who submitted the job, as the RM knows it (an OpenPAI job's `PAI_USER_NAME` too).
-        env.insert("GPUAM_USER".into(), user.to_string());
-        if let Some(pai) = env.get_mut("PAI_USER_NAME") {
-            *pai = user.to_string();
-        }
-    }
-    // Where its GPUs are; the CPU list is the one applied (the GPUs' CPUs this node has).
-    for (k, v) in locality.env() {
-        env.insert(k, v);
-    }
-    match cpus {
-        Some(c) => env.insert("GPUAM_CPU_AFFINITY".into(), c.to_string()),
-        None => env.remove("GPUAM_CPU_AFFINITY"),
+    let preempt = dir.join(PREEMPT_FILE);
+    let side = super::contract::NodeSide {
+        container_id: id,
+        host,
+        granted,
+        user,
+        locality,
+        cpus,
+        dir: Some((dir, &preempt)),
     };
-    // Ours alone: a whole-GPU task never reads a share that someone else set.
-    env.remove("GPUAM_GPU_FRACTION");
-    for (k, v) in share_env(granted) {
-        env.insert(k, v);
-    }
+    let env = super::contract::container_env(env, ctx, &side);
     env.into_iter().collect()
 }
 
@@ -1282,54 +1248,9 @@ fn usable_cpus(wanted: &CpuList) -> Option<CpuList> {
     Some(wanted.intersect(&allowed)).filter(|c| !c.is_empty())
 }
 
-/// The environment of a GPU share and of custom resources (issue 15). A fractional
-/// container gets `GPUAM_GPU_FRACTION` ("0.25") and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`
-/// ("25"): an MPS daemon on the node, if one runs, then limits the task's share of the
-/// GPU's threads. GPU memory is not limited by this (set MPS memory limits for that).
-/// Each custom resource is `GPUAM_RESOURCE_<NAME>` (the name upper-cased, `.`/`-` as `_`)
-/// with its units, and `GPUAM_RESOURCES` lists them all (`nvme=1,ib_hca=2`).
-pub(crate) fn share_env(granted: &Resources) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    if let Some(h) = granted.gpu_share() {
-        out.push(("GPUAM_GPU_FRACTION".into(), crate::resources::format_hundredths(h)));
-        out.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), h.to_string()));
-    }
-    if !granted.custom.is_empty() {
-        out.push(("GPUAM_RESOURCES".into(), granted.custom.to_text()));
-        for (name, units) in granted.custom.iter() {
-            let var: String = name
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() {
-                        c.to_ascii_uppercase()
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-            out.push((format!("GPUAM_RESOURCE_{var}"), units.to_string()));
-        }
-    }
-    out
-}
-
-/// Quotes any text for bash: `'...'` with each `'` written as `'\''`.
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
-/// The launch script.
-///
-/// Each command runs through `eval` of its single-quoted text, in the script's own shell
-/// (so `cd`, `export` and variables carry over to the next command, as in one script), and
-/// `$?` is checked after it: the first non-zero status ends the script with that status.
-/// `set -e` is not used because it is ignored inside `if`/`&&`/`||` contexts, looks only at
-/// a pipeline's last command anyway, and would change the meaning of a multi-statement
-/// command by aborting it at an inner failure. `eval` also confines a syntax error to its
-/// own command (status 2) instead of breaking the whole script.
-///
-/// The TERM trap makes the leader reap its own children before it exits with 143, so a
-/// stop leaves no zombies behind even under an init that does not reap orphans.
+/// The launch script: the commands as the container contract runs them
+/// ([`super::contract::commands_script`]: in order, the first failure ends it, a TERM
+/// ends the group).
 ///
 /// The EXIT trap writes the exit status to `exit_code` in the container's directory
 /// (an absolute path: the commands may `cd`), with builtins only (the commands may
@@ -1342,18 +1263,12 @@ fn launch_script(id: &str, dir: &Path, commands: &[String]) -> String {
         "# Generated by gpuam for container {id}: runs the task's commands in order,\n"
     ));
     s.push_str("# ending at the first that fails, with its exit status.\n");
-    s.push_str("trap 'trap \"\" TERM; kill -TERM 0 2>/dev/null; wait; exit 143' TERM\n");
     s.push_str(&format!(
         "readonly __gpuam_exit_file={}\n",
         shell_quote(&dir.join(EXIT_CODE_FILE).display().to_string())
     ));
     s.push_str("trap '__gpuam_rc=$?; printf \"%s\\n\" \"$__gpuam_rc\" > \"$__gpuam_exit_file\"' EXIT\n");
-    for (i, c) in commands.iter().enumerate() {
-        s.push_str(&format!("# command {i}\n"));
-        s.push_str(&format!("eval {}\n", shell_quote(c)));
-        s.push_str("__gpuam_rc=$?; if [ \"$__gpuam_rc\" -ne 0 ]; then exit \"$__gpuam_rc\"; fi\n");
-    }
-    s.push_str("exit 0\n");
+    s.push_str(&super::contract::commands_script(commands));
     s
 }
 

@@ -155,7 +155,7 @@ pub struct RmOptions {
     pub agent_ca_file: Option<PathBuf>,
     /// Run containers on a Ray cluster instead of this process's executor (its dashboard
     /// client and the cancel gate its jobs ask; see `crate::ray`).
-    pub ray: Option<(crate::ray::client::RayClient, crate::ray::gate::Gate)>,
+    pub ray: Option<crate::ray::Backend>,
     /// The node agents' credentials file (`nodes:` host → token digest, `gpuam node-token
     /// new`; reloaded when it changes): `None`, no agents accepted.
     pub nodes_file: Option<PathBuf>,
@@ -468,9 +468,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     .with_shim(opts.shim_exe.clone());
     let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
     tracing::info!("in-process node {}", containment.describe());
-    let ray = opts
-        .ray
-        .map(|(client, gate)| crate::ray::launcher::RayLauncher::new(client, gate, events_tx.clone()));
+    let ray = opts.ray.map(|b| b.start(events_tx.clone()));
     // The in-process node runs each user's tasks as the agents do (one rule:
     // `node::identity`); its directories are made reachable for them, nothing more.
     let task_users = match &opts.task_identity {
