@@ -265,6 +265,15 @@ impl RmClient {
             .await
     }
 
+    /// `DELETE path` with the user token (and the `{}` body the RM's guard wants).
+    pub async fn delete_json<T: DeserializeOwned>(&self, what: &str, path: &str) -> Result<T, RmError> {
+        let req = self
+            .http
+            .delete(format!("{}{path}", self.base))
+            .json(&serde_json::json!({}));
+        self.send(what, self.as_user(req)).await
+    }
+
     /// Kills an application; `token` is the RM's admin token or the job's job token.
     pub async fn kill(&self, id: &str, token: &str) -> Result<serde_json::Value, RmError> {
         self.send(

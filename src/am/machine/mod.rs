@@ -179,6 +179,9 @@ pub enum Event {
     Resynced,
     /// Why the RM's queues keep this job waiting.
     QueueNote(Option<String>),
+    /// Why the job waits (`reason::combine` of the queue's cause and its tasks'), when that
+    /// changed.
+    Reason(Option<crate::reason::Reason>),
     /// A task is retried after an exit of this type.
     Retried(ExitType),
     /// An allocate call's round trip (the driver's measure).
@@ -252,6 +255,10 @@ pub struct JobMachine {
     gang_round: u64,
     /// Why the RM's queues keep this job waiting (last allocate answer).
     queue_note: Option<String>,
+    /// The same, typed (last allocate answer).
+    queue_reason: Option<crate::reason::Reason>,
+    /// The job's reason last reported.
+    job_reason: Option<crate::reason::Reason>,
     /// Since when the RM has not answered.
     rm_down_since: Option<Instant>,
     rm_reachable: bool,
@@ -318,6 +325,8 @@ impl JobMachine {
             preempt: Default::default(),
             gang_round: 0,
             queue_note: None,
+            queue_reason: None,
+            job_reason: None,
             rm_down_since: None,
             rm_reachable: true,
             reported_state: JobState::Starting,

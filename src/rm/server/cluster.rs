@@ -336,7 +336,7 @@ pub(super) async fn put_node_state(
 }
 
 /// The host a node id names (`host` or `host:port`), if the ledger has it.
-fn known_host(st: &RmState, nodeid: &str) -> Result<String, ApiError> {
+pub(super) fn known_host(st: &RmState, nodeid: &str) -> Result<String, ApiError> {
     let host = nodeid.rsplit_once(':').map_or(nodeid, |(h, _)| h);
     [host, nodeid]
         .into_iter()

@@ -327,6 +327,7 @@ fn reserved_ids_are_forgotten_oldest_first() {
         sched: scheduling::SchedState::new(Default::default(), Duration::from_secs(30)),
         agent_nodes: BTreeMap::new(),
         agent_nodes_dirty: Default::default(),
+        removed_hosts: BTreeMap::new(),
     };
     let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
         .map(|_| {
@@ -357,6 +358,7 @@ fn the_application_sequence_is_refused_at_its_end_not_wrapped() {
         sched: scheduling::SchedState::new(Default::default(), Duration::from_secs(30)),
         agent_nodes: BTreeMap::new(),
         agent_nodes_dirty: Default::default(),
+        removed_hosts: BTreeMap::new(),
     };
     assert_eq!(st.next_app_id(7).unwrap(), format!("application_7_{}", u32::MAX));
     let e = st.next_app_id(7).unwrap_err();
