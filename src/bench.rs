@@ -413,7 +413,15 @@ pub async fn cluster_bench(jobs: u32, tasks: u32, nodes: usize, seed: u64) -> i3
         return exit::INTERNAL;
     };
     let mut ids = Vec::new();
-    let code = cluster_bench_on(&rm, jobs, tasks, nodes, &mut ids).await;
+    // A signal (Ctrl-C, `timeout`'s SIGTERM) still shuts the RM down with every AM and
+    // task it started, rather than leaving the AMs without their RM.
+    let code = tokio::select! {
+        code = cluster_bench_on(&rm, jobs, tasks, nodes, &mut ids) => code,
+        by = crate::cli::servers::stop_signal() => {
+            eprintln!("error: stopped by {by}; stopping the RM, its AMs and their tasks");
+            exit::INTERNAL
+        }
+    };
     rm.shutdown().await;
     let _ = std::fs::remove_dir_all(&work);
     let left: Vec<&String> = ids.iter().filter(|id| am_pid(id).is_some()).collect();

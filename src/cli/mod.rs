@@ -7,7 +7,7 @@ mod node;
 mod plan;
 mod rm_api;
 mod run;
-mod servers;
+pub(crate) mod servers;
 mod target;
 mod task_output;
 

@@ -175,7 +175,7 @@ pub async fn rm(
 
 /// Waits for Ctrl-C (SIGINT) or SIGTERM (systemd, `docker stop`, `kill`): both stop every job.
 /// SIGHUP is not a stop: it reloads the users file. Returns the signal's name.
-async fn stop_signal() -> &'static str {
+pub(crate) async fn stop_signal() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};
     match signal(SignalKind::terminate()) {
         Ok(mut term) => tokio::select! {
