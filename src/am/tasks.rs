@@ -1,7 +1,7 @@
 //! The AM's task table: one entry per task of the job, its state, why it waits (the one
 //! `reason::Reason`, with since and the topology wait's deadline), its outstanding
-//! request or container, its retry counters; and the container environment
-//! (DESIGN.md §6) built from it.
+//! request or container, its retry counters; and the launch context of each (the AM's part
+//! of the container contract, DESIGN.md §6, whose rules are `node::contract`'s).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -228,57 +228,24 @@ impl Task {
     }
 }
 
-/// An environment variable name made from a label or role: upper case, anything
-/// other than letters, digits and `_` becomes `_`.
-pub fn env_name(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_uppercase()
-            } else {
-                '_'
-            }
-        })
-        .collect()
-}
-
-/// `CONTAINER_PORTS` in frameworklauncher's format: `label:p1,p2;label2:p3;`.
-pub fn container_ports_string(ports: &[(String, Vec<u16>)]) -> String {
-    ports
-        .iter()
-        .map(|(l, ps)| format!("{l}:{};", ps.iter().map(u16::to_string).collect::<Vec<_>>().join(",")))
-        .collect()
-}
-
-/// The AM's part of a container's environment (the executor adds the GPU variables,
-/// the container id and the host). `peers` maps role → "host:firstPort" per index,
-/// given for gang jobs.
+/// The AM's part of a container's environment (the node adds the GPU variables, the
+/// container id and the host: [`crate::node::contract`]). `peers` maps role →
+/// "host:firstPort" per index, given for gang jobs.
 pub fn task_env(
     job: &JobSpec,
     task: &Task,
     app_id: &str,
     peers: Option<&BTreeMap<String, Vec<String>>>,
 ) -> BTreeMap<String, String> {
-    let role = &job.task_roles[task.role];
-    let mut env = BTreeMap::new();
-    env.insert("GPUAM_JOB".into(), job.name.clone());
-    env.insert("GPUAM_APP_ID".into(), app_id.to_string());
-    env.insert("GPUAM_TASK_ROLE".into(), role.name.clone());
-    env.insert("GPUAM_TASK_INDEX".into(), task.index.to_string());
-    env.insert("GPUAM_ATTEMPT".into(), task.attempt.to_string());
-    env.insert("CONTAINER_PORTS".into(), container_ports_string(&task.ports));
-    for (label, ps) in &task.ports {
-        env.insert(
-            format!("GPUAM_PORT_{}", env_name(label)),
-            ps.iter().map(u16::to_string).collect::<Vec<_>>().join(","),
-        );
-    }
-    if let Some(peers) = peers {
-        for (r, hosts) in peers {
-            env.insert(format!("GPUAM_HOSTS_{}", env_name(r)), hosts.join(","));
-        }
-    }
-    env
+    crate::node::contract::app_env(&crate::node::contract::AppTask {
+        job: &job.name,
+        app_id,
+        role: &job.task_roles[task.role].name,
+        index: task.index,
+        attempt: task.attempt,
+        ports: &task.ports,
+        peers,
+    })
 }
 
 /// What the node gets to start `task`: its role's commands and the whole environment —

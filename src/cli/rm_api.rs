@@ -157,6 +157,12 @@ impl JobsApi {
         })
     }
 
+    /// Removes a host for good (`DELETE /ws/v1/cluster/nodes/{host}`; the admin's token).
+    pub(crate) async fn remove_node(&self, host: &str, force: bool) -> Result<Value, RmError> {
+        let path = format!("/ws/v1/cluster/nodes/{}?force={force}", enc(host));
+        self.rm.delete_json("the host's removal", &path).await
+    }
+
     /// Kills the job with the user's own token.
     pub(crate) async fn kill(&self, id: &str) -> Result<Value, RmError> {
         let token = self.rm.user_token().unwrap_or_default().to_string();

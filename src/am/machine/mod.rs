@@ -101,8 +101,10 @@ pub enum Input {
     Heartbeat,
     /// The job is to be killed (a signal, the dashboard, the RM).
     Kill(String),
-    /// The answer to [`Effect::FetchNodes`].
+    /// The answer to [`Effect::FetchNodes`]: the whole node view.
     Nodes(Result<Vec<Node>, RmFailure>),
+    /// The answer to [`Effect::FetchNodes`]: the nodes changed since the last answer.
+    NodeChanges(Result<Vec<Node>, RmFailure>),
     /// The answer to [`Effect::Allocate`].
     Allocated(Result<AllocateResponse, RmFailure>),
     /// The answer to [`Effect::Register`].
@@ -361,6 +363,17 @@ impl JobMachine {
                         self.set_reachable(true);
                     }
                     Err(e) => tracing::warn!(error = %e.message, "node refresh failed"),
+                }
+                self.place_and_ask(now);
+            }
+            Input::NodeChanges(answer) => {
+                if let Ok(nodes) = answer {
+                    self.nodes_dirty |= !nodes.is_empty();
+                    for n in nodes {
+                        self.selector.apply_node_report(n);
+                    }
+                    self.out.events.push(Event::NodesRefreshed { at_ms: now.ms });
+                    self.set_reachable(true);
                 }
                 self.place_and_ask(now);
             }

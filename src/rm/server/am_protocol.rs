@@ -92,7 +92,7 @@ pub(super) async fn am_allocate(
                 )));
             }
         }
-        let num_cluster_nodes = st.ledger.nodes().count() as u32;
+        let num_cluster_nodes = st.ledger.node_count() as u32;
         let mut out = AllocateResponse {
             response_id: req.response_id.wrapping_add(1),
             num_cluster_nodes,
