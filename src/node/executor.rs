@@ -2177,11 +2177,10 @@ mod tests {
             )
             .unwrap();
         let pgid = first.status("c1").unwrap().pid.unwrap();
-        // Its traps are set once its commands run.
-        for _ in 0..200 {
-            if started.exists() {
-                break;
-            }
+        // Its traps are set once its commands run (a loaded machine may take a while).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !started.exists() {
+            assert!(Instant::now() < deadline, "the task did not start within 60 s");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
