@@ -28,7 +28,8 @@ use common::hosts::{host_ip, Hosts, RM_IP};
 use common::{bin, pid_alive, sq, wait_for};
 
 /// The hosts with users alice and bob in the RM's users file, a private uid registry and
-/// a long node expiry (an agent restarted here must not be taken for lost).
+/// a long node expiry (an agent restarted here must not be taken for lost); an ended
+/// task's directory goes 1 s after its end (`node.work_dir_grace_sec`, 30 s by default).
 fn tenant_hosts(tag: &str, agent_args: &[&str]) -> (Hosts, String, String) {
     let mut h = Hosts::build(tag);
     let users = h.path("users");
@@ -37,7 +38,7 @@ fn tenant_hosts(tag: &str, agent_args: &[&str]) -> (Hosts, String, String) {
     fs::write(
         h.path("conf.yaml"),
         format!(
-            "rm:\n  node_expiry_sec: 60\n  users_file: {}\nnode:\n  task_uid_registry: {}\n",
+            "rm:\n  node_expiry_sec: 60\n  users_file: {}\nnode:\n  task_uid_registry: {}\n  work_dir_grace_sec: 1\n",
             users.display(),
             h.path("uids").display()
         ),
@@ -218,9 +219,11 @@ fn steer(tag: &str, agent_args: &[&str]) {
     assert_eq!(metrics(&h), Some(2), "the task holds its host's 2 GPUs");
 
     // The preemption notice, straight from the agent's endpoint.
-    // The RM's call token for that host (derived from the host's own agent token).
+    // The RM's call token for that host (its key: the RM's secret, the host, its token).
+    let digest = gpuam::node::token::token_digest(&read(h.path(&format!("{label}.token"))));
+    let secret = read(h.path("rm").join(gpuam::node::remote::HOST_KEYS_SECRET_FILE));
     let token =
-        gpuam::node::token::rm_call_token(&gpuam::node::token::host_key(&read(h.path(&format!("{label}.token")))));
+        gpuam::node::token::rm_call_token(&gpuam::node::token::host_key(secret.trim().as_bytes(), &host, &digest));
     let notice = curl_code(
         &h,
         label,
@@ -294,7 +297,11 @@ fn steer(tag: &str, agent_args: &[&str]) {
         "",
         "the task could not write the node's record"
     );
-    assert!(!record.join("work").exists(), "the task's directory is gone");
+    wait_for(
+        Duration::from_secs(30),
+        "the task's directory gone after the grace",
+        || (!record.join("work").exists()).then_some(()),
+    );
     let _ = victim.0.kill();
 }
 

@@ -1,10 +1,11 @@
 //! TLS for every listener and client (DESIGN.md §9): loading the server's certificate
 //! chain and key, building clients that trust an extra CA, and [`serve`], the one
 //! function every gpuam listener (RM, AM dashboard, node agent, Ray gate) serves HTTP or
-//! HTTPS with, and so the one place of its read timeouts ([`HttpTimeouts`]): a
-//! connection that does not deliver a request's headers in time (a half-sent request,
-//! or an idle keep-alive connection) is closed, and so is a request whose body does not
-//! arrive in time.
+//! HTTPS with, and so the one place of its read timeouts and connection caps
+//! ([`HttpTimeouts`]): a connection that does not finish its TLS handshake or deliver a
+//! request's headers in time (a silent client, a half-sent request, an idle keep-alive
+//! connection) is closed, and so is a request whose body does not arrive in time; a
+//! connection past a cap is closed as soon as it is accepted.
 //!
 //! Everything uses rustls with the ring provider (no aws-lc: its C build is slow). Server
 //! and CA-trusting configs name the provider explicitly. reqwest is built with
@@ -21,18 +22,10 @@ use std::time::Duration;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
-use tokio_rustls::server::TlsStream;
+use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::TlsSettings;
-
-/// A TLS handshake that takes longer than this is dropped (a silent or plain-HTTP
-/// client must not hold a slot for ever).
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes in progress at once; accepting waits beyond this.
-const MAX_PENDING_HANDSHAKES: usize = 256;
 
 /// Why a certificate, key or CA file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -183,79 +176,6 @@ pub fn scheme(tls: bool) -> &'static str {
     }
 }
 
-/// A listener whose connections have completed a TLS handshake. Handshakes run in
-/// their own tasks (with [`HANDSHAKE_TIMEOUT`]), so a slow client never holds up
-/// accepting others; failed handshakes (plain HTTP, untrusted clients) are dropped.
-pub struct TlsListener {
-    addr: SocketAddr,
-    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    /// Stops the accept loop when the listener is dropped.
-    accept_task: tokio::task::JoinHandle<()>,
-}
-
-impl TlsListener {
-    pub fn new(listener: TcpListener, config: Arc<rustls::ServerConfig>) -> std::io::Result<Self> {
-        let addr = listener.local_addr()?;
-        let (tx, rx) = mpsc::channel(64);
-        let acceptor = TlsAcceptor::from(config);
-        let accept_task = tokio::spawn(accept_loop(listener, acceptor, tx));
-        Ok(TlsListener { addr, rx, accept_task })
-    }
-}
-
-impl Drop for TlsListener {
-    fn drop(&mut self) {
-        self.accept_task.abort();
-    }
-}
-
-async fn accept_loop(
-    mut listener: TcpListener,
-    acceptor: TlsAcceptor,
-    tx: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
-) {
-    let pending = Arc::new(Semaphore::new(MAX_PENDING_HANDSHAKES));
-    loop {
-        let Ok(permit) = pending.clone().acquire_owned().await else {
-            return;
-        };
-        // axum's accept retries (and logs) errors itself.
-        let (tcp, peer) = axum::serve::Listener::accept(&mut listener).await;
-        let (acceptor, conn_tx) = (acceptor.clone(), tx.clone());
-        tokio::spawn(async move {
-            let done = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
-            drop(permit);
-            match done {
-                Ok(Ok(tls)) => {
-                    let _ = conn_tx.send((tls, peer)).await;
-                }
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-            }
-        });
-        if tx.is_closed() {
-            return;
-        }
-    }
-}
-
-impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.rx.recv().await {
-            Some(conn) => conn,
-            // The accept loop never ends while the listener lives.
-            None => futures::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.addr)
-    }
-}
-
 /// Read timeouts of every listener (setting `http.read_timeout_sec`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HttpTimeouts {
@@ -349,38 +269,39 @@ pub async fn serve_with(
     timeouts: HttpTimeouts,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    match tls {
-        None => serve_on(listener, app, timeouts, shutdown).await,
-        Some(config) => {
-            let listener = TlsListener::new(listener, config)?;
-            serve_on(listener, app, timeouts, shutdown).await
-        }
-    }
+    serve_on(listener, app, tls.map(TlsAcceptor::from), timeouts, shutdown).await
 }
+
+/// What serves one admitted connection's requests.
+type Service = hyper_util::service::TowerToHyperService<tower_http::timeout::RequestBodyTimeout<axum::Router>>;
 
 /// The accept loop (axum's `serve`, which has no read timeouts, done with hyper's HTTP/1
 /// server and its header-read timer, plus a body timeout on every request).
-async fn serve_on<L>(
-    mut listener: L,
+///
+/// Every connection is admitted (or closed at once) when its TCP connection is accepted,
+/// under `http.max_connections` and `http.max_connections_per_peer`, before anything is
+/// read from it: under TLS its handshake runs in its own task holding its place, so a
+/// peer that opens connections and never sends a ClientHello holds at most its own cap,
+/// each for at most `http.read_timeout_sec` (the handshake's timeout, as for a request's
+/// headers), and never the places of others.
+async fn serve_on(
+    mut listener: TcpListener,
     app: axum::Router,
+    tls: Option<TlsAcceptor>,
     timeouts: HttpTimeouts,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()>
-where
-    L: axum::serve::Listener<Addr = SocketAddr>,
-{
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    use hyper_util::service::TowerToHyperService;
+) -> std::io::Result<()> {
     let service = tower_http::timeout::RequestBodyTimeout::new(app, timeouts.read);
-    // Dropped when serving stops: connections start their graceful shutdown then; each
-    // holds `closed` until it ends, so the loop can wait for them.
+    // Dropped when serving stops: connections start their graceful shutdown then (and
+    // handshakes stop); each holds `closed` until it ends, so the loop can wait for them.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
     let (closed_tx, closed_rx) = tokio::sync::watch::channel(());
     tokio::pin!(shutdown);
     let open = Arc::new(parking_lot::Mutex::new(OpenConnections::default()));
     loop {
-        let (io, peer) = tokio::select! {
-            conn = listener.accept() => conn,
+        // axum's accept retries (and logs) errors itself.
+        let (tcp, peer) = tokio::select! {
+            conn = axum::serve::Listener::accept(&mut listener) => conn,
             _ = &mut shutdown => break,
         };
         let admitted = open
@@ -389,39 +310,32 @@ where
         if !admitted {
             // Closed at once: a peer over its cap (or a full listener) holds no more.
             tracing::debug!(%peer, "connection refused: http.max_connections(_per_peer) reached");
-            drop(io);
+            drop(tcp);
             continue;
         }
         let place = Admitted {
             open: open.clone(),
             ip: peer.ip(),
         };
-        let service = TowerToHyperService::new(service.clone());
+        let service = hyper_util::service::TowerToHyperService::new(service.clone());
         let mut stop = stop_rx.clone();
         let closed = closed_rx.clone();
-        let read = timeouts.read;
+        let (read, tls) = (timeouts.read, tls.clone());
         tokio::spawn(async move {
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder.timer(TokioTimer::new()).header_read_timeout(read);
-            let conn = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
-            tokio::pin!(conn);
-            let mut stopping = false;
-            loop {
-                tokio::select! {
-                    done = conn.as_mut() => {
-                        if let Err(e) = done {
-                            tracing::trace!(?peer, error = %e, "connection ended");
-                        }
-                        break;
-                    }
-                    _ = stop.changed(), if !stopping => {
-                        stopping = true;
-                        conn.as_mut().graceful_shutdown();
-                    }
-                }
-            }
-            drop(closed);
-            drop(place);
+            // `place` and `closed` go when this task ends, however it ends.
+            let _held = (place, closed);
+            let Some(acceptor) = tls else {
+                return serve_connection(tcp, service, read, stop, peer).await;
+            };
+            let stream = tokio::select! {
+                done = tokio::time::timeout(read, acceptor.accept(tcp)) => match done {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                    Err(_) => return tracing::debug!(%peer, "TLS handshake timed out (http.read_timeout_sec)"),
+                },
+                _ = stop.changed() => return,
+            };
+            serve_connection(stream, service, read, stop, peer).await;
         });
     }
     drop(listener);
@@ -429,6 +343,39 @@ where
     drop(closed_rx);
     closed_tx.closed().await;
     Ok(())
+}
+
+/// Serves the requests of one connection until it ends, shutting it down gracefully when
+/// `stop` changes (serving stops).
+async fn serve_connection<I>(
+    io: I,
+    service: Service,
+    read: Duration,
+    mut stop: tokio::sync::watch::Receiver<()>,
+    peer: SocketAddr,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(read);
+    let conn = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
+    tokio::pin!(conn);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            done = conn.as_mut() => {
+                if let Err(e) = done {
+                    tracing::trace!(?peer, error = %e, "connection ended");
+                }
+                break;
+            }
+            _ = stop.changed(), if !stopping => {
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -578,7 +525,7 @@ mod tests {
             },
         ));
         // A silent client holding a handshake open does not stop others being served.
-        let _silent = TcpStream::connect(addr).await.unwrap();
+        let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
         let trusting = http_client_builder(Some(&cert)).unwrap().build().unwrap();
         assert_eq!(get(&trusting, &format!("https://{addr}/")).await.unwrap(), "hello");
         let plain = http_client_builder(None).unwrap().build().unwrap();

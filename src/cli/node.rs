@@ -10,13 +10,17 @@ use crate::node::agent::{self, AgentOptions};
 use crate::resources::{CustomResources, PortSet, Resources};
 
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct NodeArgs {
+    /// An admin command about a host instead of running this machine's agent.
+    #[command(subcommand)]
+    pub what: Option<Box<NodeCmd>>,
     /// The RM's base URL.
-    #[arg(long, value_name = "URL")]
-    pub rm: String,
+    #[arg(long, value_name = "URL", required = true)]
+    pub rm: Option<String>,
     /// This node's host name in the RM's node view.
-    #[arg(long)]
-    pub host: String,
+    #[arg(long, required = true)]
+    pub host: Option<String>,
     /// Where the agent serves the container endpoints (the RM must reach it).
     #[arg(long, default_value = "0.0.0.0:8042")]
     pub listen: SocketAddr,
@@ -25,8 +29,8 @@ pub struct NodeArgs {
     pub advertise: Option<String>,
     /// File holding this host's own agent token (`gpuam node-token new --host HOST` on the
     /// RM's side makes it; the RM's nodes file binds it to this host name).
-    #[arg(long, value_name = "FILE")]
-    pub node_token_file: PathBuf,
+    #[arg(long, value_name = "FILE", required = true)]
+    pub node_token_file: Option<PathBuf>,
     #[arg(long, default_value = "/default-rack")]
     pub rack: String,
     /// Comma list of node labels.
@@ -80,6 +84,65 @@ pub struct NodeArgs {
     /// logged at start.
     #[arg(long, env = "GPUAM_NODE_CONTAINMENT", default_value = "auto")]
     pub containment: crate::node::cgroup::Choice,
+}
+
+/// `gpuam node remove …`: the admin's calls about a host.
+#[derive(clap::Subcommand, Debug)]
+pub enum NodeCmd {
+    /// Remove a host for good (the admin's token): it leaves the node view, what it holds is
+    /// freed once, and its agent's credential is refused until you issue the host a new
+    /// one (`gpuam node-token new --host HOST`). A host whose containers still run for
+    /// their jobs needs --force (they then end as a lost host's and their jobs retry
+    /// elsewhere). Exit 66: no such host; 64: it runs containers and --force was not given.
+    Remove {
+        /// The host name, as `GET /ws/v1/cluster/nodes` lists it.
+        host: String,
+        /// End the containers that still run there.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        target: super::target::TargetArgs,
+    },
+}
+
+/// `gpuam node remove HOST [--force]`.
+pub(crate) async fn remove(
+    host: &str,
+    force: bool,
+    target: &super::target::TargetArgs,
+    tls: &crate::config::TlsSettings,
+) -> i32 {
+    let t = match super::target::resolve(target) {
+        Ok(t) => t,
+        Err(code) => return code,
+    };
+    let api = match super::rm_api::JobsApi::new(&t, tls) {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    match api.remove_node(host, force).await {
+        Ok(v) => {
+            let ended = v["containersEnded"].as_array().map_or(0, Vec::len);
+            println!(
+                "host {host} removed{}; its agent's credential is refused from now on (to bring the machine back: \
+                 gpuam node-token new --host {host} --nodes-file FILE, and restart its agent with the new token)",
+                if ended > 0 {
+                    format!(": {ended} container(s) ended, their jobs retry elsewhere")
+                } else {
+                    String::new()
+                }
+            );
+            exit::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            match e.status() {
+                Some(404) => exit::NO_SUCH_JOB,
+                Some(409) => exit::USAGE,
+                _ => e.exit_code(),
+            }
+        }
+    }
 }
 
 /// `--task-env` entries as (name, value), or an error naming the bad entry.
@@ -165,14 +228,23 @@ fn zero_gpus_warning(gpus_flag: &str) -> String {
 }
 
 pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
-    let token = match std::fs::read_to_string(&args.node_token_file) {
+    if let Some(NodeCmd::Remove { host, force, target }) = args.what.as_deref() {
+        return remove(host, *force, target, &settings.tls).await;
+    }
+    // Required by clap unless a subcommand is given.
+    let (Some(rm), Some(host), Some(token_file)) = (args.rm.clone(), args.host.clone(), args.node_token_file.clone())
+    else {
+        eprintln!("error: gpuam node needs --rm URL, --host HOST and --node-token-file FILE");
+        return exit::USAGE;
+    };
+    let token = match std::fs::read_to_string(&token_file) {
         Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
         Ok(_) => {
-            eprintln!("error: --node-token-file {} is empty", args.node_token_file.display());
+            eprintln!("error: --node-token-file {} is empty", token_file.display());
             return exit::USAGE;
         }
         Err(e) => {
-            eprintln!("error: --node-token-file {}: {e}", args.node_token_file.display());
+            eprintln!("error: --node-token-file {}: {e}", token_file.display());
             return exit::USAGE;
         }
     };
@@ -232,8 +304,8 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
     let total =
         Resources::with_mask(cpu, args.memory_mb.unwrap_or_else(machine_memory_mb), mask, ports).with_custom(custom);
     let opts = AgentOptions {
-        rm_url: args.rm,
-        host: args.host,
+        rm_url: rm,
+        host,
         listen: args.listen,
         advertise: args.advertise,
         node_token: token,
@@ -245,6 +317,7 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         work_dir: args.work_dir,
         identity,
         retention: Some(std::time::Duration::from_secs(settings.node.log_retention_sec)),
+        work_dir_grace: Some(std::time::Duration::from_secs(settings.node.work_dir_grace_sec)),
         ip: args.ip,
         task_env,
         max_log_bytes: Some(settings.node.max_log_bytes),

@@ -34,6 +34,19 @@ pub(crate) struct JobDetail {
 pub(crate) struct Waiting {
     pub since: Option<u64>,
     pub why: Option<String>,
+    /// The same, typed (an older RM sends only `why`).
+    #[serde(default)]
+    pub reason: Option<crate::reason::Reason>,
+}
+
+impl Waiting {
+    /// The line that says why it waits (`Reason::text`, the words every surface shows).
+    pub fn line(&self) -> Option<String> {
+        self.reason
+            .as_ref()
+            .map(crate::reason::Reason::text)
+            .or_else(|| self.why.clone())
+    }
 }
 
 /// A container row and whether its node is LOST.
@@ -142,6 +155,12 @@ impl JobsApi {
             what: "the history".into(),
             why: e.to_string(),
         })
+    }
+
+    /// Removes a host for good (`DELETE /ws/v1/cluster/nodes/{host}`; the admin's token).
+    pub(crate) async fn remove_node(&self, host: &str, force: bool) -> Result<Value, RmError> {
+        let path = format!("/ws/v1/cluster/nodes/{}?force={force}", enc(host));
+        self.rm.delete_json("the host's removal", &path).await
     }
 
     /// Kills the job with the user's own token.

@@ -66,6 +66,8 @@ pub struct AgentOptions {
     pub identity: super::identity::IdentitySettings,
     /// How long a finished container's record (its logs) stays (`node.log_retention_sec`).
     pub retention: Option<Duration>,
+    /// How long after its end a container's work directory goes (`node.work_dir_grace_sec`).
+    pub work_dir_grace: Option<Duration>,
     /// The address peers of this node's containers reach them at (`--ip`); `None`: see
     /// [`peer_ip`].
     pub ip: Option<IpAddr>,
@@ -90,7 +92,9 @@ pub struct AgentOptions {
 
 struct Agent {
     host: String,
-    secret: Vec<u8>,
+    /// This host's key, from the RM's answer to its registration (`None` until then:
+    /// nothing the RM would send can be checked yet, so every call is refused).
+    key: parking_lot::RwLock<Option<[u8; 32]>>,
     total: Resources,
     /// This machine's topology (NICs, CPU affinity): where each task's GPUs are.
     topology: Option<crate::topology::Topology>,
@@ -165,13 +169,14 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             task_env: opts.task_env.clone(),
             max_log_bytes: opts.max_log_bytes,
             retention: opts.retention,
+            work_dir_grace: opts.work_dir_grace,
             ends_heard_here: false,
             max_disk_mb: opts.bounds.max_disk_mb,
         },
     );
     let agent = Arc::new(Agent {
         host: opts.host.clone(),
-        secret: token::host_key(&opts.node_token).to_vec(),
+        key: parking_lot::RwLock::new(None),
         total: opts.total.clone(),
         // Checked by `gpuam node` before the agent starts; unreadable text means none.
         topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
@@ -416,6 +421,12 @@ async fn heartbeat_loop(
                     tracing::info!(rm = %base, "registered with the RM");
                 }
                 registered = !reply.reregister;
+                if let Some(k) = &reply.host_key {
+                    match token::key_from_hex(k) {
+                        Some(k) => *agent.key.write() = Some(k),
+                        None => tracing::warn!("the RM's answer carries a host key that is not 32 bytes of hex"),
+                    }
+                }
                 if reply.heartbeat_ms > 0 {
                     every = Duration::from_millis(reply.heartbeat_ms);
                 }
@@ -511,7 +522,14 @@ impl From<NodeError> for AgentError {
 /// The caller must hold the node token, and name this agent's host.
 fn check(agent: &Agent, host: &str, headers: &HeaderMap) -> Result<(), AgentError> {
     let given = crate::auth::bearer(headers).unwrap_or("");
-    let expected = token::rm_call_token(&agent.secret);
+    let Some(key) = *agent.key.read() else {
+        return Err(AgentError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "NOT_REGISTERED",
+            "this agent has not registered with the RM yet: it has no key to check the RM's calls with".into(),
+        ));
+    };
+    let expected = token::rm_call_token(&key);
     if given.is_empty() || !crate::auth::constant_time_eq(given.as_bytes(), expected.as_bytes()) {
         return Err(AgentError(
             StatusCode::UNAUTHORIZED,
@@ -550,7 +568,8 @@ async fn start_container(
         .get(CONTAINER_TOKEN_HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    if !token::verify(&agent.secret, grant, token) {
+    let verified = agent.key.read().is_some_and(|key| token::verify(&key, grant, token));
+    if !verified {
         return Err(forbidden(format!(
             "no valid container token for `{id}` with exactly these resources; only the RM's grants start"
         )));
@@ -723,6 +742,7 @@ mod tests {
             work_dir: PathBuf::from("/nonexistent"),
             identity: Default::default(),
             retention: None,
+            work_dir_grace: None,
             ip: ip.map(|s| s.parse().unwrap()),
             task_env: Vec::new(),
             max_log_bytes: None,
@@ -788,25 +808,99 @@ mod tests {
     /// The RM stops a container whose start answer it never got: an agent that never
     /// started it reports it dead (so the RM frees it) and refuses the start if it comes
     /// late, so it never runs.
+    /// An RM that answers every registration and heartbeat with `key` as the host key;
+    /// returns its URL.
+    async fn rm_giving_key(key: [u8; 32]) -> String {
+        let reply = AgentReply {
+            heartbeat_ms: 200,
+            host_key: Some(crate::auth::hex(&key)),
+            ..Default::default()
+        };
+        let app = axum::Router::new()
+            .route(
+                "/ws/v1/node-agents/register",
+                axum::routing::post(move || async move { Json(reply) }),
+            )
+            .route(
+                "/ws/v1/node-agents/{host}/heartbeat",
+                axum::routing::post(|| async { Json(AgentReply::default()) }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(crate::tls::serve(listener, app, None, std::future::pending()));
+        format!("http://{addr}")
+    }
+
+    /// Until it registered, an agent refuses the RM's calls (it has no key to check them
+    /// with); then it takes the call token of the key the RM gave it, and no other.
+    #[tokio::test]
+    async fn the_agent_checks_calls_with_the_key_the_rm_gave_it_at_registration() {
+        let tmp = tempfile::tempdir().unwrap();
+        let key = [7u8; 32];
+        let mut o = opts("127.0.0.1:0", None, None, "http://127.0.0.1:9");
+        o.work_dir = tmp.path().join("unregistered");
+        let (lonely, _h) = start(o).await.unwrap();
+        let mut o = opts("127.0.0.1:0", None, None, &rm_giving_key(key).await);
+        o.work_dir = tmp.path().join("work");
+        let (addr, _h) = start(o).await.unwrap();
+        let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
+        let status = |addr: SocketAddr, token: String| {
+            let http = http.clone();
+            async move {
+                http.get(format!(
+                    "http://{addr}/ws/v1/node/h1/containers/container_1_0001_01_000001/status"
+                ))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+            }
+        };
+        let good = super::super::token::rm_call_token(&key);
+        assert_eq!(status(lonely, good.clone()).await, 503, "not registered: no key");
+        let mut code = 0;
+        for _ in 0..100 {
+            code = status(addr, good.clone()).await;
+            if code != 503 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(code, 404, "the RM's call is taken (the container is unknown)");
+        // A key from the token alone (what the nodes file holds) is not it.
+        let digest = super::super::token::token_digest("t");
+        assert_eq!(status(addr, super::super::token::rm_call_token(&digest)).await, 401);
+    }
+
     #[tokio::test]
     async fn a_container_stopped_before_it_started_never_runs_and_is_reported_dead() {
         let tmp = tempfile::tempdir().unwrap();
-        let mut o = opts("127.0.0.1:0", None, None, "http://127.0.0.1:9");
+        let key = [9u8; 32];
+        let mut o = opts("127.0.0.1:0", None, None, &rm_giving_key(key).await);
         o.work_dir = tmp.path().join("work");
         let (addr, _h) = start(o).await.unwrap();
         let id = "container_1_0001_01_000007";
         let url = |verb: &str| format!("http://{addr}/ws/v1/node/h1/containers/{id}/{verb}");
         let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
-        let key = super::super::token::host_key("t");
         let rm_call = super::super::token::rm_call_token(&key);
-        let r = http
-            .post(url("stop"))
-            .bearer_auth(&rm_call)
-            .header("Content-Type", "application/json")
-            .body("{}")
-            .send()
-            .await
-            .unwrap();
+        let stop = || {
+            http.post(url("stop"))
+                .bearer_auth(&rm_call)
+                .header("Content-Type", "application/json")
+                .body("{}")
+                .send()
+        };
+        // Until the agent has registered (and has its key) it answers 503.
+        let mut r = stop().await.unwrap();
+        for _ in 0..100 {
+            if r.status() != 503 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            r = stop().await.unwrap();
+        }
         assert_eq!(r.status(), 200);
         let s: ContainerStatus = r.json().await.unwrap();
         assert_eq!(s.state, ContainerState::Complete, "reported dead: {s:?}");

@@ -125,6 +125,13 @@ pub const PREEMPT_FILE: &str = "preempt";
 /// How long a finished container's record (its logs) is kept by default
 /// (`node.log_retention_sec`).
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long after its end a container's work directory is removed by default
+/// (`node.work_dir_grace_sec`). Removing it at once put the deletions among the next
+/// starts: on ext4 without a journal, every inode the node allocates then scans past the
+/// recently deleted ones of its group (`recently_deleted` in the kernel), and a burst of
+/// ends made the following starts twice as slow (docs/BENCHMARKS.md). Later, the removals
+/// fall outside the burst; the directory is the task's own (0700, its uid) meanwhile.
+pub const DEFAULT_WORK_DIR_GRACE: Duration = Duration::from_secs(30);
 /// Finished records are looked for at most this often (on a start).
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -210,6 +217,8 @@ pub struct Executor {
     opts: ExecutorOptions,
     /// When finished records were last looked for ([`Executor::sweep`]).
     last_sweep: Mutex<Option<Instant>>,
+    /// Whether the root was marked to spread its records ([`spread_records`]).
+    spread: std::sync::Once,
 }
 
 /// The unprivileged user a task runs as.
@@ -270,6 +279,10 @@ pub struct ExecutorOptions {
     /// How long a finished, acknowledged container's record (its logs) is kept
     /// (`node.log_retention_sec`; `None`: [`DEFAULT_RETENTION`]).
     pub retention: Option<Duration>,
+    /// How long after its end a container's work directory is removed
+    /// (`node.work_dir_grace_sec`; `None`: [`DEFAULT_WORK_DIR_GRACE`]). A container killed
+    /// for its disk bound loses it at once.
+    pub work_dir_grace: Option<Duration>,
     /// Ends are heard in this process (the in-process node), so no acknowledgement comes:
     /// a finished record counts as acknowledged for the retention.
     pub ends_heard_here: bool,
@@ -338,6 +351,7 @@ impl Executor {
             table: Arc::new(Mutex::new(HashMap::new())),
             opts,
             last_sweep: Mutex::new(None),
+            spread: std::sync::Once::new(),
         }
     }
 
@@ -453,6 +467,7 @@ impl Executor {
             (None, _) => self.opts.run_as.clone(),
         };
         self.sweep_now_and_then();
+        self.spread.call_once(|| spread_records(&self.root));
 
         let dir = self.root.join(container_id);
         let was_allocated = {
@@ -597,6 +612,7 @@ impl Executor {
             cgroup,
             max_log_bytes: self.opts.max_log_bytes,
             verdict: Default::default(),
+            work_dir_grace: self.work_dir_grace(),
         }
     }
 
@@ -835,7 +851,18 @@ impl Executor {
     /// Returns how many records went.
     pub fn sweep(&self, now: std::time::SystemTime) -> usize {
         let retention = self.opts.retention.unwrap_or(DEFAULT_RETENTION);
-        sweep_records(&self.root, &self.table, retention, self.opts.ends_heard_here, now)
+        sweep_records(
+            &self.root,
+            &self.table,
+            (retention, self.work_dir_grace()),
+            self.opts.ends_heard_here,
+            now,
+        )
+    }
+
+    /// [`ExecutorOptions::work_dir_grace`] with its default.
+    fn work_dir_grace(&self) -> Duration {
+        self.opts.work_dir_grace.unwrap_or(DEFAULT_WORK_DIR_GRACE)
     }
 
     /// [`Executor::sweep`], at most every [`SWEEP_EVERY`], in the background.
@@ -848,11 +875,9 @@ impl Executor {
             *last = Some(Instant::now());
         }
         let (root, table) = (self.root.clone(), self.table.clone());
-        let retention = self.opts.retention.unwrap_or(DEFAULT_RETENTION);
+        let keep = (self.opts.retention.unwrap_or(DEFAULT_RETENTION), self.work_dir_grace());
         let heard = self.opts.ends_heard_here;
-        tokio::task::spawn_blocking(move || {
-            sweep_records(&root, &table, retention, heard, std::time::SystemTime::now())
-        });
+        tokio::task::spawn_blocking(move || sweep_records(&root, &table, keep, heard, std::time::SystemTime::now()));
     }
 
     /// The container's state, exit status, pid (= pgid) and diagnostics; `None` if unknown.
@@ -979,8 +1004,46 @@ impl Executor {
     }
 }
 
-/// See [`Executor::sweep`].
-fn sweep_records(root: &Path, table: &Table, retention: Duration, heard: bool, now: std::time::SystemTime) -> usize {
+/// Asks the filesystem to place each container record (a directory of the root) in a
+/// block group of its own choosing, as it places top-level directories (ext4's
+/// `FS_TOPDIR_FL`, `chattr +T`), instead of all of them in the root's group. On ext4
+/// without a journal every inode allocated in a group scans past that group's recently
+/// deleted inodes (`recently_deleted` in the kernel); with every record in one group, the
+/// files that other work on the machine (or earlier records) deleted there made each start
+/// slower (docs/BENCHMARKS.md). Best effort: other filesystems refuse the flag, which
+/// changes nothing else.
+fn spread_records(root: &Path) {
+    use std::os::fd::AsRawFd as _;
+    // linux/fs.h: FS_IOC_GETFLAGS = _IOR('f', 1, long), FS_IOC_SETFLAGS = _IOW('f', 2, long).
+    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
+    const FS_IOC_SETFLAGS: libc::c_ulong = 0x4008_6602;
+    const FS_TOPDIR_FL: libc::c_long = 0x0002_0000;
+    if std::fs::create_dir_all(root).is_err() {
+        return;
+    }
+    let Ok(dir) = std::fs::File::open(root) else {
+        return;
+    };
+    let mut flags: libc::c_long = 0;
+    // SAFETY: both ioctls read or write one `long` through a pointer to a live local; the
+    // descriptor is open for the whole call.
+    unsafe {
+        if libc::ioctl(dir.as_raw_fd(), FS_IOC_GETFLAGS as _, &mut flags) == 0 && flags & FS_TOPDIR_FL == 0 {
+            flags |= FS_TOPDIR_FL;
+            libc::ioctl(dir.as_raw_fd(), FS_IOC_SETFLAGS as _, &flags);
+        }
+    }
+}
+
+/// See [`Executor::sweep`]. `keep`: how long a record, and a work directory, stay after the end.
+fn sweep_records(
+    root: &Path,
+    table: &Table,
+    keep: (Duration, Duration),
+    heard: bool,
+    now: std::time::SystemTime,
+) -> usize {
+    let (retention, work_dir_grace) = keep;
     let Ok(entries) = std::fs::read_dir(root) else {
         return 0;
     };
@@ -1002,7 +1065,7 @@ fn sweep_records(root: &Path, table: &Table, retention: Duration, heard: bool, n
                 Ok(()) => removed += 1,
                 Err(e) => tracing::warn!(container = %id, "cannot remove the finished record: {e}"),
             }
-        } else {
+        } else if now.duration_since(ended).is_ok_and(|age| age >= work_dir_grace) {
             remove_work_dir(&record, &id);
         }
     }
@@ -1395,6 +1458,8 @@ struct Ending {
     max_log_bytes: Option<u64>,
     /// Why the node killed it (a bound it went past, see [`super::bounds`]).
     verdict: Arc<Mutex<Option<String>>>,
+    /// How long after the end the work directory goes ([`ExecutorOptions::work_dir_grace`]).
+    work_dir_grace: Duration,
 }
 
 /// Waits for the leader, then ends the container (see [`container_ended`]).
@@ -1466,6 +1531,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         cgroup,
         max_log_bytes,
         verdict,
+        work_dir_grace,
     } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
@@ -1490,9 +1556,10 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     }
     // A bound the container went past leads its diagnostics (the AM classifies on it).
     let killed_for = verdict.lock().clone();
+    // Past its disk bound the directory goes at once (the node needs the room back);
+    // otherwise after the grace, off the path of the next starts.
+    let remove_work_now = killed_for.is_some() || work_dir_grace.is_zero();
     if let Some(why) = killed_for.or(oom) {
-        // Past its disk bound or not, the task's directory goes below, before anyone hears
-        // of the end; its logs (in the record) stay.
         diagnostics = format!("{why}; {diagnostics}");
     }
     // The logs are within their limit before anyone hears of the end.
@@ -1526,7 +1593,16 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     if let Err(e) = recorded {
         tracing::warn!(container = %id, "cannot record the container's end: {e}");
     }
-    remove_work_dir(&dir, &id);
+    if remove_work_now {
+        remove_work_dir(&dir, &id);
+    } else {
+        // A node that stops before then removes it on its next sweep ([`sweep_records`]).
+        let (dir, id) = (dir.clone(), id.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(work_dir_grace).await;
+            let _ = tokio::task::spawn_blocking(move || remove_work_dir(&dir, &id)).await;
+        });
+    }
     {
         let mut table = table.lock();
         if let Some(e) = table.get_mut(&id) {
@@ -2005,14 +2081,25 @@ mod tests {
             next_exit(&mut rx).await;
         }
         let root = tmp.path().join("containers");
+        let now = std::time::SystemTime::now();
         assert!(
-            !work_dir(&root.join("c-old")).exists(),
-            "the work directory went at the end"
+            work_dir(&root.join("c-old")).is_dir(),
+            "within the grace, the work directory stays"
         );
+        assert_eq!(exec.sweep(now), 0, "within the retention");
+        assert!(
+            work_dir(&root.join("c-old")).is_dir(),
+            "a sweep within the grace keeps it"
+        );
+        assert_eq!(exec.sweep(now + DEFAULT_WORK_DIR_GRACE + Duration::from_secs(1)), 0);
+        for id in ["c-old", "c-unacked"] {
+            assert!(
+                !work_dir(&root.join(id)).exists(),
+                "{id}: a sweep after the grace removes it"
+            );
+        }
         assert!(exec.forget("c-old"));
         assert!(root.join("c-old").join(ACKED_FILE).exists());
-        let now = std::time::SystemTime::now();
-        assert_eq!(exec.sweep(now), 0, "within the retention");
         assert_eq!(exec.read_log("c-old", LogStream::Stdout, None).unwrap(), "bye\n");
         assert_eq!(exec.sweep(now + DEFAULT_RETENTION + Duration::from_secs(1)), 1);
         assert!(!root.join("c-old").exists());
@@ -2090,11 +2177,10 @@ mod tests {
             )
             .unwrap();
         let pgid = first.status("c1").unwrap().pid.unwrap();
-        // Its traps are set once its commands run.
-        for _ in 0..200 {
-            if started.exists() {
-                break;
-            }
+        // Its traps are set once its commands run (a loaded machine may take a while).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !started.exists() {
+            assert!(Instant::now() < deadline, "the task did not start within 60 s");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -2397,9 +2483,47 @@ mod tests {
         );
     }
 
+    /// An ended container's work directory goes by itself once the grace has passed (no
+    /// sweep, no further start needed); its record stays.
+    #[tokio::test]
+    async fn the_work_directory_goes_after_the_grace() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                work_dir_grace: Some(Duration::from_millis(300)),
+                ..ExecutorOptions::default()
+            },
+        );
+        exec.start("c-grace", "h", &no_gpus(), ctx(&["echo kept > mine"]))
+            .unwrap();
+        next_exit(&mut rx).await;
+        let record = exec.container_dir("c-grace").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while work_dir(&record).exists() {
+            assert!(
+                Instant::now() < deadline,
+                "the work directory is still there after 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(record.join(END_FILE).is_file(), "the record stays");
+    }
+
     #[tokio::test]
     async fn working_directory_and_separate_streams() {
-        let (_t, exec, mut rx) = setup();
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                work_dir_grace: Some(Duration::ZERO),
+                ..ExecutorOptions::default()
+            },
+        );
         exec.start("wd", "h", &no_gpus(), ctx(&["pwd", "echo oops >&2", "echo out"]))
             .unwrap();
         next_exit(&mut rx).await;
@@ -2408,8 +2532,8 @@ mod tests {
         let out = exec.read_log("wd", LogStream::Stdout, None).unwrap();
         assert_eq!(out, format!("{}\nout\n", work_dir(&record).display()));
         assert_eq!(exec.read_log("wd", LogStream::Stderr, None).unwrap(), "oops\n");
-        // The task's directory (its launch.sh with it) is gone once it ended; its logs and
-        // the node's record of its end stay.
+        // With no grace the task's directory (its launch.sh with it) is gone once it ended;
+        // its logs and the node's record of its end stay.
         assert!(!work_dir(&record).exists());
         assert!(record.join("stdout").is_file() && record.join(END_FILE).is_file());
     }

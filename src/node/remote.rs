@@ -40,6 +40,8 @@ pub struct AgentEntry {
 pub struct AgentNodes {
     /// Each host's agent token digest (the nodes file).
     credentials: parking_lot::RwLock<crate::rm::users::Users>,
+    /// The RM's own secret the host keys derive from (`super::token::host_key`).
+    rm_secret: Vec<u8>,
     http: reqwest::Client,
     events: mpsc::UnboundedSender<NodeEvent>,
     agents: Mutex<HashMap<String, AgentEntry>>,
@@ -47,9 +49,11 @@ pub struct AgentNodes {
 
 impl AgentNodes {
     /// `credentials`: the hosts and their agents' token digests (the nodes file);
+    /// `rm_secret`: what their keys derive from ([`load_or_create_secret`]);
     /// `ca_file` (`tls.ca_file`): the CAs HTTPS to the agents trusts (else the system's).
     pub fn new(
         credentials: crate::rm::users::Users,
+        rm_secret: Vec<u8>,
         events: mpsc::UnboundedSender<NodeEvent>,
         ca_file: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
@@ -60,6 +64,7 @@ impl AgentNodes {
             .map_err(|e| anyhow::anyhow!("cannot build an HTTP client: {e}"))?;
         Ok(AgentNodes {
             credentials: parking_lot::RwLock::new(credentials),
+            rm_secret,
             http,
             events,
             agents: Mutex::new(HashMap::new()),
@@ -85,7 +90,30 @@ impl AgentNodes {
         self.credentials
             .read()
             .digest_of(host)
+            .map(|digest| token::host_key(&self.rm_secret, host, &digest))
             .ok_or_else(|| NodeError::Refused(format!("host `{host}` has no agent credential (revoked?)")))
+    }
+
+    /// `host`'s key in hex, for the answer to its agent's registration.
+    pub fn host_key_hex(&self, host: &str) -> Option<String> {
+        self.key(host).ok().map(|k| crate::auth::hex(&k))
+    }
+
+    /// A fingerprint of `host`'s current credential (a hash of its digest, which reveals
+    /// neither the token nor the digest), so that a removal can refuse exactly the
+    /// credential the host had; `None` when the host has none.
+    pub fn fingerprint(&self, host: &str) -> Option<String> {
+        let digest = self.credentials.read().digest_of(host)?;
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(b"gpuam-agent-credential-fingerprint-v1\n");
+        ctx.update(&digest);
+        Some(crate::auth::hex(ctx.finish().as_ref()))
+    }
+
+    /// Forgets a removed host's agent: its heartbeats are answered "register again"
+    /// (which the RM refuses while the removal holds).
+    pub fn forget(&self, host: &str) {
+        self.agents.lock().remove(host);
     }
 
     /// Whether `host` is a registered agent (LOST or not).
@@ -333,6 +361,30 @@ impl NodeBackend for AgentNodes {
     }
 }
 
+/// The file of the RM's host-key secret, in its state directory.
+pub const HOST_KEYS_SECRET_FILE: &str = "host-keys.secret";
+
+/// The RM's host-key secret from `path` (its text, as written), made (32 random bytes in
+/// hex, mode 0600) when the file does not exist yet, so that keys stay the same across
+/// restarts. An empty or unreadable file is an error naming it.
+pub fn load_or_create_secret(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) if !text.trim().is_empty() => Ok(text.trim().as_bytes().to_vec()),
+        Ok(_) => anyhow::bail!(
+            "{} is empty: it holds the secret the node agents' keys derive from (remove it to make a new one; every \
+             agent then gets its new key when it registers again)",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let secret = crate::auth::new_token();
+            crate::rm::server::write_secret(path, &secret)
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+            Ok(secret.into_bytes())
+        }
+        Err(e) => anyhow::bail!("cannot read {}: {e}", path.display()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,7 +392,7 @@ mod tests {
     #[test]
     fn a_host_restored_after_a_restart_waits_for_its_agent_until_the_deadline() {
         let (tx, _rx) = mpsc::unbounded_channel();
-        let agents = AgentNodes::new(Default::default(), tx, None).unwrap();
+        let agents = AgentNodes::new(Default::default(), b"s".to_vec(), tx, None).unwrap();
         let t0 = Instant::now();
         agents.expect("h", t0 + Duration::from_secs(30));
         assert!(agents.knows("h") && !agents.is_live("h"));

@@ -4,12 +4,15 @@
 //! A token is `hex(HMAC-SHA256(host key, canonical grant))`, where the canonical grant
 //! names the container id, application, host, the submitting user (whose uid the task
 //! gets) and the exact resources (CPU, memory, GPU
-//! mask, ports). Each host has its own key: the SHA-256 of its agent's own token
-//! ([`host_key`]; the agent hashes the token in its `--node-token-file`, the RM reads the
-//! digest from its nodes file, `gpuam node-token new`). An AM, which holds only its
-//! application token, can neither forge a token nor reuse one for other GPUs: any change
-//! to the grant changes the MAC; an agent's stolen token signs starts for its own host
-//! only (the agent checks the grant names it).
+//! mask, ports). Each host has its own key ([`host_key`]): an HMAC, under a secret only the
+//! RM holds (`host-keys.secret` beside its state, made at its first start), of the host's
+//! name and the digest of its agent's current token. The nodes file holds only the
+//! digests ([`token_digest`]), so reading it does not give the keys; the agent gets its
+//! key from the RM in the answer to its registration (which its own token authenticates,
+//! over TLS where configured), and a new token (`gpuam node-token new`) is a new key. An
+//! AM, which holds only its application token, can neither forge a token nor reuse one
+//! for other GPUs: any change to the grant changes the MAC; an agent's stolen token or
+//! key signs starts for its own host only (the agent checks the grant names it).
 //!
 //! The RM's calls to an agent carry [`rm_call_token`] of the host key (a MAC of a fixed
 //! text), so a captured call does not give away the key that signs starts.
@@ -41,12 +44,30 @@ pub fn canonical(grant: &Grant) -> String {
     text
 }
 
-/// A host's key: the SHA-256 of its agent's token (what the RM's nodes file stores).
-pub fn host_key(agent_token: &str) -> [u8; 32] {
+/// The SHA-256 of an agent's token: what the RM's nodes file stores for its host.
+pub fn token_digest(agent_token: &str) -> [u8; 32] {
     let d = ring::digest::digest(&ring::digest::SHA256, agent_token.trim().as_bytes());
     let mut out = [0u8; 32];
     out.copy_from_slice(d.as_ref());
     out
+}
+
+/// A host's key: HMAC-SHA256 under the RM's own secret of the host's name and the digest
+/// of its agent's token (see the module doc).
+pub fn host_key(rm_secret: &[u8], host: &str, digest: &[u8; 32]) -> [u8; 32] {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, rm_secret);
+    let text = format!(
+        "gpuam-host-key-v2\nhost={host}\ncredential={}\n",
+        crate::auth::hex(digest)
+    );
+    let mut out = [0u8; 32];
+    out.copy_from_slice(hmac::sign(&key, text.as_bytes()).as_ref());
+    out
+}
+
+/// A host key as the RM hands it to the agent (hex), read back; `None` unless 32 bytes.
+pub fn key_from_hex(text: &str) -> Option<[u8; 32]> {
+    decode_hex(text.trim())?.try_into().ok()
 }
 
 /// The bearer token the RM's calls to a host's agent carry.
@@ -135,6 +156,20 @@ mod tests {
             .resources
             .with_custom(crate::resources::CustomResources::from_pairs([("nvme", 1)]));
         assert!(!verify(b"k", &drive, &sign(b"k", &whole)));
+    }
+
+    /// The key depends on the RM's secret, the host and the token: the digest alone (the
+    /// nodes file) does not give it, another host's is another, a new token a new one.
+    #[test]
+    fn a_host_key_needs_the_rms_secret() {
+        let d = token_digest("agent-token");
+        let k = host_key(b"rm-secret", "h1", &d);
+        assert_ne!(k, d);
+        assert_ne!(k, host_key(b"other-secret", "h1", &d));
+        assert_ne!(k, host_key(b"rm-secret", "h2", &d));
+        assert_ne!(k, host_key(b"rm-secret", "h1", &token_digest("new-token")));
+        assert_eq!(key_from_hex(&crate::auth::hex(&k)), Some(k));
+        assert_eq!(key_from_hex("abcd"), None);
     }
 
     #[test]

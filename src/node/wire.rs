@@ -100,6 +100,10 @@ pub struct AgentReply {
     /// How often to heartbeat.
     #[serde(default)]
     pub heartbeat_ms: u64,
+    /// In the answer to a registration: this host's key (hex, `super::token::host_key`),
+    /// which checks the RM's calls and signs its container starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_key: Option<String>,
 }
 
 /// `start` body, RM → agent.

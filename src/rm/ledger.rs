@@ -135,6 +135,13 @@ pub struct Ledger {
     /// Containers and nodes changed since the last `take_changes`.
     touched: BTreeSet<String>,
     touched_nodes: BTreeSet<String>,
+    /// Nodes removed for good ([`Ledger::remove_node`]), as DECOMMISSIONED, with the epoch
+    /// of their removal: [`Ledger::changed_since`] reports them once to each application
+    /// that had seen them, so no AM keeps choosing a host that is gone.
+    removed: BTreeMap<String, (Node, u64)>,
+    /// Each node under the epoch of its last change (`changed_at`): what changed since an
+    /// epoch is a range of it, O(changes) whatever the cluster's size.
+    by_change: BTreeMap<u64, String>,
 }
 
 impl Ledger {
@@ -167,6 +174,8 @@ impl Ledger {
             audit: None,
             touched: BTreeSet::new(),
             touched_nodes: BTreeSet::new(),
+            removed: BTreeMap::new(),
+            by_change: BTreeMap::new(),
         }
     }
 
@@ -279,12 +288,37 @@ impl Ledger {
         self.epoch
     }
 
-    /// Nodes that changed after epoch `since`, with their live container counts.
+    /// How many nodes there are (O(1)).
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Nodes that changed after epoch `since`, with their live container counts, in the
+    /// order they last changed: O(changes), not O(nodes).
     pub fn changed_since(&self, since: u64) -> impl Iterator<Item = (&Node, u32)> {
-        self.nodes
+        let removed = self
+            .removed
             .values()
-            .filter(move |n| n.changed_at > since)
+            .filter(move |(_, at)| *at > since)
+            .map(|(n, _)| (n, 0));
+        self.by_change
+            .range(since.saturating_add(1)..)
+            .filter_map(|(at, host)| self.nodes.get(host).filter(|n| n.changed_at == *at))
             .map(|n| (&n.node, n.live.len() as u32))
+            .chain(removed)
+    }
+
+    /// A change of `host`'s used resources or state: a new epoch, the node's mark.
+    fn mark_changed(&mut self, host: &str) {
+        let Some(ln) = self.nodes.get_mut(host) else {
+            return;
+        };
+        self.epoch += 1;
+        if ln.changed_at > 0 {
+            self.by_change.remove(&ln.changed_at);
+        }
+        ln.changed_at = self.epoch;
+        self.by_change.insert(self.epoch, host.to_string());
     }
 
     pub fn container(&self, id: &str) -> Option<&LedgerContainer> {
@@ -351,6 +385,7 @@ impl Ledger {
             request_id: ask.request_id,
             reason,
             retryable,
+            wait: None,
         };
         let Some(ln) = self.nodes.get(&ask.host) else {
             return Err(reject(false, format!("unknown host `{}`", ask.host)));
@@ -583,6 +618,7 @@ impl Ledger {
         node.set_requested(Resources::default());
         node.state = NodeState::Running;
         let host = node.host.clone();
+        self.removed.remove(&host);
         let new = match self.nodes.get_mut(&host) {
             Some(ln) => {
                 ln.node = node;
@@ -679,15 +715,35 @@ impl Ledger {
         } else {
             Vec::new()
         };
-        self.epoch += 1;
-        if let Some(ln) = self.nodes.get_mut(host) {
-            ln.changed_at = self.epoch;
-        }
+        self.mark_changed(host);
         Some(
             ids.iter()
                 .filter_map(|id| self.stop(id, exit_status::ABORTED, DIAG_LOST_NODE))
                 .collect(),
         )
+    }
+
+    /// Takes a node out for good (the admin's removal): every container still on it is
+    /// completed and freed here — one still live for its application ends with -100 and
+    /// `diagnostics` (returned, so its application hears of it), one already ended and
+    /// held is freed without a second report — and the node leaves the view. `None` for
+    /// an unknown host. Whatever is reported about those containers later frees nothing
+    /// ([`Ledger::complete`] of a complete, unheld container is a no-op).
+    pub fn remove_node(&mut self, host: &str, diagnostics: &str) -> Option<Vec<Ended>> {
+        let ids: Vec<String> = self.nodes.get(host)?.live.iter().cloned().collect();
+        let ended = ids
+            .iter()
+            .filter_map(|id| self.complete(id, exit_status::ABORTED, diagnostics))
+            .collect();
+        self.epoch += 1;
+        if let Some(mut ln) = self.nodes.remove(host) {
+            self.by_change.remove(&ln.changed_at);
+            ln.node.state = NodeState::Decommissioned;
+            ln.node.set_used(Resources::default());
+            self.removed.insert(host.to_string(), (ln.node, self.epoch));
+        }
+        self.touched_nodes.insert(host.to_string());
+        Some(ended)
     }
 
     /// Marks a node LOST (its containers complete with -100).
@@ -705,8 +761,7 @@ impl Ledger {
             ln.live_sum.clone()
         });
         ln.node.set_used(used);
-        self.epoch += 1;
-        ln.changed_at = self.epoch;
+        self.mark_changed(host);
     }
 
     /// The audit of the incremental usage: every node's `used` recomputed from scratch as
@@ -740,6 +795,30 @@ impl Ledger {
                     ln.node.used()
                 ));
             }
+            if ln.changed_at > 0 && self.by_change.get(&ln.changed_at) != Some(host) {
+                return Err(format!(
+                    "{host}: changed at epoch {} but the change index does not say so",
+                    ln.changed_at
+                ));
+            }
+        }
+        // The change index answers exactly as a scan of every node would.
+        let scanned: BTreeSet<&str> = self
+            .nodes
+            .values()
+            .filter(|n| n.changed_at > 0)
+            .map(|n| n.node.host.as_str())
+            .collect();
+        let indexed: BTreeSet<&str> = self
+            .changed_since(0)
+            .filter(|(n, _)| self.nodes.contains_key(&n.host))
+            .map(|(n, _)| n.host.as_str())
+            .collect();
+        if self.by_change.values().any(|h| !self.nodes.contains_key(h)) {
+            return Err("the change index names a node that is gone".into());
+        }
+        if scanned != indexed {
+            return Err(format!("changed nodes {scanned:?}, but the index gives {indexed:?}"));
         }
         Ok(())
     }
@@ -989,6 +1068,49 @@ mod tests {
         assert!(err.contains("overlaps"), "{err}");
         let twice = vec![log[0].clone(), log[1].clone(), log[1].clone()];
         assert!(verify_audit(&twice).unwrap_err().contains("freed while not live"));
+    }
+
+    /// Removing a node completes what still runs there (reported once), frees what was
+    /// held (not reported again), frees nothing twice afterwards, and reports the node
+    /// gone (DECOMMISSIONED) to those who had seen it; a host added again is a new node.
+    #[test]
+    fn a_removed_node_frees_its_containers_once_and_is_reported_gone() {
+        let mut l = ledger();
+        l.enable_audit();
+        let now = Instant::now();
+        let run = l.grant("app", 1, &ask(1, "a", 1, 10, 0x1, "2000"), now).unwrap();
+        l.mark_running(&run.container_id).unwrap();
+        let held = l.grant("app", 1, &ask(2, "a", 1, 10, 0x2, ""), now).unwrap();
+        l.mark_running(&held.container_id).unwrap();
+        l.stop(&held.container_id, exit_status::ABORTED, DIAG_LOST_NODE)
+            .unwrap();
+        let other = l.grant("app", 1, &ask(3, "b", 1, 10, 0x1, ""), now).unwrap();
+        let seen = l.epoch();
+        let ended = l.remove_node("a", "gone").unwrap();
+        assert_eq!(ended.len(), 1, "only the one still live is reported: {ended:?}");
+        assert_eq!(
+            (ended[0].container_id.as_str(), ended[0].exit_status),
+            (run.container_id.as_str(), exit_status::ABORTED)
+        );
+        assert!(l.node("a").is_none() && l.nodes().count() == 1);
+        assert!(l.remove_node("a", "gone").is_none(), "unknown now");
+        // Late reports of the removed host's containers free nothing.
+        assert!(l.complete(&run.container_id, 0, "").is_none());
+        assert!(l.complete(&held.container_id, 0, "").is_none());
+        l.audit_usage().unwrap();
+        assert_eq!(verify_audit(l.audit_log()), Ok((3, 2)));
+        assert!(l.live_containers() == vec![other.container_id.clone()]);
+        let gone: Vec<(String, NodeState, u32)> = l
+            .changed_since(seen)
+            .map(|(n, c)| (n.host.clone(), n.state, c))
+            .collect();
+        assert_eq!(gone, vec![("a".to_string(), NodeState::Decommissioned, 0)]);
+        assert_eq!(l.changed_since(l.epoch()).count(), 0, "reported once");
+        // The same host registering again is a fresh, empty node.
+        assert!(l.add_node(node("a", 8, 1000, 0xf, "2000-2009")));
+        assert_eq!(l.node("a").unwrap().used().gpu_mask, 0);
+        l.grant("app", 1, &ask(4, "a", 1, 10, 0x3, "2000"), now).unwrap();
+        l.audit_usage().unwrap();
     }
 
     #[test]
@@ -1338,6 +1460,7 @@ mod tests {
                 reserved: Vec::new(),
                 next_container_seq: l.next_container_seq(),
                 reserved_by: Default::default(),
+                removed_hosts: Default::default(),
             }),
             apps: Vec::new(),
             containers: changes.containers.iter().filter_map(|id| l.container(id)).collect(),
@@ -1347,6 +1470,7 @@ mod tests {
                 .filter_map(|h| l.node(h).map(|n| (h.as_str(), n.state)))
                 .collect(),
             agent_nodes: Vec::new(),
+            forget_nodes: Vec::new(),
             whole: false,
         };
         store.write(&batch).expect("the test store takes every write");

@@ -110,6 +110,22 @@ pub struct Meta {
     /// RMs that did not keep it (then anyone may).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub reserved_by: std::collections::BTreeMap<String, String>,
+    /// Hosts an admin removed for good (`DELETE /ws/v1/cluster/nodes/{host}`), kept so
+    /// that the credential they had stays refused across restarts; absent when none.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub removed_hosts: std::collections::BTreeMap<String, RemovedHost>,
+}
+
+/// A host removed for good: when, and the fingerprint of the agent credential it had
+/// then (refused until the operator issues the host a new one).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RemovedHost {
+    pub removed_ms: u64,
+    /// `crate::node::remote::AgentNodes::fingerprint` of the host's credential at the
+    /// removal (`None`: it had none).
+    #[serde(default)]
+    pub credential: Option<String>,
 }
 
 /// Everything a restarted RM needs.
@@ -131,6 +147,8 @@ pub struct Batch<'a> {
     pub nodes: Vec<(&'a str, NodeState)>,
     /// Node agents' declarations (host, document); `None`: the host is forgotten.
     pub agent_nodes: Vec<(&'a str, Option<&'a str>)>,
+    /// Hosts whose node state row goes (removed for good).
+    pub forget_nodes: Vec<&'a str>,
     /// The batch is the whole state: every row not in it is deleted (written after a
     /// failed write, when what the file misses is not known).
     pub whole: bool,
@@ -477,6 +495,7 @@ impl Store {
                     reserved: Vec::new(),
                     next_container_seq: max_container.map_or(0, |s| s.saturating_add(1)),
                     reserved_by: Default::default(),
+                    removed_hosts: Default::default(),
                 }
             }
         };
@@ -611,6 +630,11 @@ impl Store {
                 .and_then(|mut s| s.execute(params![host, name_of(state)]))
                 .map_err(|e| fail(&e))?;
         }
+        for host in &batch.forget_nodes {
+            tx.prepare_cached("DELETE FROM nodes WHERE host = ?1")
+                .and_then(|mut s| s.execute(params![host]))
+                .map_err(|e| fail(&e))?;
+        }
         for (host, doc) in &batch.agent_nodes {
             match doc {
                 Some(doc) => tx
@@ -694,14 +718,23 @@ mod tests {
             reserved: vec!["application_1_0003".into()],
             next_container_seq: 2,
             reserved_by: [("application_1_0003".to_string(), "alice".to_string())].into(),
+            removed_hosts: [(
+                "n9".to_string(),
+                RemovedHost {
+                    removed_ms: 5,
+                    credential: Some("ab".into()),
+                },
+            )]
+            .into(),
         };
         store
             .write(&Batch {
                 meta: Some(meta.clone()),
                 apps: vec![("application_1_0001", Some(&app)), ("application_1_0002", Some(&gone))],
                 containers: vec![&c1],
-                nodes: vec![("n2", NodeState::Lost)],
+                nodes: vec![("n2", NodeState::Lost), ("n3", NodeState::Lost)],
                 agent_nodes: vec![("n2", Some(r#"{"host":"n2"}"#)), ("n3", Some("{}"))],
+                forget_nodes: Vec::new(),
                 whole: false,
             })
             .unwrap();
@@ -711,6 +744,7 @@ mod tests {
             .write(&Batch {
                 apps: vec![("application_1_0001", Some(&app)), ("application_1_0002", None)],
                 agent_nodes: vec![("n3", None)],
+                forget_nodes: vec!["n3"],
                 ..Batch::default()
             })
             .unwrap();
@@ -807,6 +841,7 @@ mod tests {
                     reserved: Vec::new(),
                     next_container_seq: 2,
                     reserved_by: Default::default(),
+                    removed_hosts: Default::default(),
                 }),
                 apps: vec![("application_1_0001", Some(&app))],
                 containers: vec![&c],
@@ -950,6 +985,7 @@ mod tests {
                     reserved: Vec::new(),
                     next_container_seq: 2,
                     reserved_by: Default::default(),
+                    removed_hosts: Default::default(),
                 }),
                 apps: vec![("application_1_0002", Some(&app))],
                 whole: true,

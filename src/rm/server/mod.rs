@@ -36,7 +36,7 @@
 //! finish; `am_supervisor` the AM processes; `containers` the container endpoints that
 //! forward to the node backends; `nodes` the node agents' registration, heartbeats and
 //! liveness.
-use crate::cluster::rm_json::{node_to_json, nodes_to_json};
+use crate::cluster::rm_json::node_to_json;
 use crate::cluster::{Node, NodeState};
 use crate::node::executor::{ExecError, LogStream};
 use crate::node::procs::ProcessId;
@@ -198,6 +198,8 @@ pub struct RmOptions {
     pub task_identity: Option<crate::node::identity::IdentitySettings>,
     /// How long a finished container's logs stay (`node.log_retention_sec`).
     pub log_retention: Option<Duration>,
+    /// How long after its end a container's work directory goes (`node.work_dir_grace_sec`).
+    pub work_dir_grace: Option<Duration>,
     /// Disk, pids and device bounds of the in-process node (`node.*`).
     pub bounds: crate::node::bounds::NodeBounds,
 }
@@ -238,6 +240,7 @@ impl RmOptions {
             shim_exe: None,
             task_identity: None,
             log_retention: None,
+            work_dir_grace: None,
             bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
@@ -270,6 +273,7 @@ impl RmOptions {
                 false => None,
             },
             log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
+            work_dir_grace: Some(Duration::from_secs(settings.node.work_dir_grace_sec)),
             bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
@@ -326,6 +330,8 @@ struct Shared {
     metrics: dashboard::RmMetrics,
     /// History and log retention.
     history: HistoryOptions,
+    /// The node listing's bytes (`cluster::NodeView`; locked after `state`).
+    node_view: Mutex<NodeView>,
 }
 
 impl Shared {
@@ -434,8 +440,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         Some(path) => {
             let credentials = crate::rm::users::load_table(path, crate::rm::users::Table::Nodes)?;
             tracing::info!(hosts = credentials.len(), file = %path.display(), "node agents' credentials");
+            // Beside the state (what keeps the agents' hosts), else in the work dir.
+            let secret = crate::node::remote::load_or_create_secret(
+                &opts
+                    .state_dir
+                    .as_deref()
+                    .unwrap_or(&work_dir)
+                    .join(crate::node::remote::HOST_KEYS_SECRET_FILE),
+            )?;
             Some(Arc::new(crate::node::remote::AgentNodes::new(
                 credentials,
+                secret,
                 events_tx.clone(),
                 opts.agent_ca_file.as_deref(),
             )?))
@@ -475,6 +490,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             max_log_bytes: opts.max_log_bytes,
             users: task_users,
             retention: opts.log_retention,
+            work_dir_grace: opts.work_dir_grace,
             ends_heard_here: true,
             max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
@@ -505,6 +521,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
         history: opts.history.clone(),
+        node_view: Mutex::new(NodeView::new()),
     });
 
     let mut background = Vec::new();
@@ -865,7 +882,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/info", get(cluster_info))
         .route("/ws/v1/cluster/metrics", get(cluster_metrics))
         .route("/ws/v1/cluster/nodes", get(list_nodes))
-        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node))
+        .route("/ws/v1/cluster/nodes/{nodeid}", get(get_node).delete(delete_node))
         .route(
             "/ws/v1/cluster/nodes/{nodeid}/state",
             axum::routing::put(put_node_state),
@@ -896,6 +913,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/cluster.js", get(crate::web::assets::cluster_js))
         .route("/cluster.css", get(crate::web::assets::cluster_css))
         .route("/style.css", get(crate::web::assets::style_css))
+        .route("/reason.js", get(crate::web::assets::reason_js))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)

@@ -90,6 +90,10 @@ fn node_agents(rm: &Shared, headers: &HeaderMap, claimed: &str) -> Result<Arc<Ag
     let Some(host) = bearer(headers).and_then(|t| agents.host_of(t)) else {
         return Err(ApiError::unauthorized());
     };
+    let fingerprint = agents.fingerprint(&host);
+    if let Some(refused) = removal_refusal(&rm.lock(), &host, fingerprint.as_deref()) {
+        return Err(refused);
+    }
     if host != claimed {
         tracing::warn!(credential = %host, %claimed, "a node agent's credential used for another host: refused");
         return Err(ApiError::new(
@@ -99,6 +103,25 @@ fn node_agents(rm: &Shared, headers: &HeaderMap, claimed: &str) -> Result<Arc<Ag
         ));
     }
     Ok(agents)
+}
+
+/// `Some(403)` when `host` was removed for good and `fingerprint` is the credential it
+/// had then: refused until the operator issues the host a new one.
+fn removal_refusal(st: &RmState, host: &str, fingerprint: Option<&str>) -> Option<ApiError> {
+    let removed = st.removed_hosts.get(host)?;
+    if removed.credential.is_none() || removed.credential.as_deref() != fingerprint {
+        return None;
+    }
+    tracing::warn!(%host, "the agent of a removed host called: refused");
+    Some(ApiError::new(
+        StatusCode::FORBIDDEN,
+        "HOST_REMOVED",
+        format!(
+            "host `{host}` was removed by an administrator; its agent credential is refused. To bring the \
+             machine back, issue it a new one (`gpuam node-token new --host {host} --nodes-file FILE`) and restart \
+             its agent with it"
+        ),
+    ))
 }
 
 /// The node an agent's registration describes (AMs reach its containers through this
@@ -181,8 +204,36 @@ pub(super) async fn agent_register(
     let node = node_of(&req, &rm.base_url).map_err(ApiError::bad_request)?;
     let decl = declaration_of(&req).map_err(ApiError::bad_request)?;
     let host = req.host.clone();
+    let fingerprint = agents.fingerprint(&host);
     let (reply, own) = {
         let mut st = rm.lock();
+        // Checked again under the lock: a removal may have come since `node_agents`.
+        if let Some(refused) = removal_refusal(&st, &host, fingerprint.as_deref()) {
+            return Err(refused);
+        }
+        if st.removed_hosts.contains_key(&host) {
+            // Re-admitted (a new credential): it joins empty, so nothing of before its
+            // removal runs beside what is granted now. Whatever it still runs is stopped
+            // first, and it registers again once it reports none.
+            let running: Vec<String> = req
+                .containers
+                .iter()
+                .filter(|r| r.state != ContainerState::Complete)
+                .map(|r| r.container_id.clone())
+                .collect();
+            if !running.is_empty() {
+                tracing::warn!(%host, containers = running.len(), "a re-admitted host still runs containers of before its removal: stopping them first");
+                return Ok(Json(AgentReply {
+                    reregister: true,
+                    stop: running,
+                    heartbeat_ms: 1000,
+                    ..Default::default()
+                }));
+            }
+            st.removed_hosts.remove(&host);
+            st.meta_dirty = true;
+            tracing::warn!(%host, "a removed host registers with a new credential: re-admitted");
+        }
         if let Some(why) = st.agent_nodes.get(&host).and_then(|old| declaration_change(old, &req)) {
             tracing::warn!(%host, "node agent registration refused: {why}");
             return Err(ApiError::conflict(format!(
@@ -198,7 +249,8 @@ pub(super) async fn agent_register(
             st.agent_nodes_dirty.insert(host.clone());
         }
         agents.register(&host, &req.http_address, Instant::now());
-        let reply = reconcile(&mut st, &host, &own, true);
+        let mut reply = reconcile(&mut st, &host, &own, true);
+        reply.host_key = agents.host_key_hex(&host);
         st.commit_or_log();
         tracing::info!(
             %host,
@@ -336,4 +388,365 @@ fn reconcile(st: &mut RmState, host: &str, reports: &[ContainerReport], register
         }
     }
     reply
+}
+
+/// `DELETE /ws/v1/cluster/nodes/{host}` query.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RemoveQuery {
+    #[serde(default)]
+    force: bool,
+}
+
+/// Admin: `DELETE /ws/v1/cluster/nodes/{host}[?force=true]` — takes a node agent's host
+/// out for good (`gpuam node remove HOST`). The host leaves the node view (AMs that saw
+/// it hear it DECOMMISSIONED); its stored declaration and state go; whatever it still
+/// holds is freed once: containers already ended (a LOST host's) free nothing twice,
+/// containers still running for their jobs need `force` (409 without) and then end as on
+/// a lost host (-100: their jobs retry elsewhere) and are told to stop. The removal is
+/// stored (it survives an RM restart) with a fingerprint of the host's credential, which
+/// is refused (403 `HOST_REMOVED`) until the operator issues the host a new one (`gpuam
+/// node-token new --host HOST`); with it the host registers again as a new, empty node.
+/// Hosts of the cluster file are refused (409): they come back with the file. A user's
+/// token gets 403, no token 401, an unknown host 404.
+pub(super) async fn delete_node(
+    State(rm): Rm,
+    UrlPath(nodeid): UrlPath<String>,
+    Query(q): Query<RemoveQuery>,
+    caller: Caller,
+) -> Result<Json<Value>, ApiError> {
+    if !caller.is_admin() {
+        return Err(ApiError::forbidden(format!(
+            "removing a host is the admin's call; `{}` is not the admin",
+            caller.name()
+        )));
+    }
+    let (host, ended, refused) = {
+        let mut st = rm.lock();
+        st.writable()?;
+        let host = known_host(&st, &nodeid)?;
+        if !st.agent_nodes.contains_key(&host) {
+            return Err(ApiError::conflict(format!(
+                "host `{host}` is not a node agent's: it comes from the RM's cluster file (or Ray) and would come \
+                 back with it; take it out there and restart the RM, or mark it DECOMMISSIONED \
+                 (PUT /ws/v1/cluster/nodes/{host}/state)"
+            )));
+        }
+        let running = (st.ledger.num_containers(&host) as usize).saturating_sub(st.ledger.held_on(&host).len());
+        if running > 0 && !q.force {
+            return Err(ApiError::conflict(format!(
+                "host `{host}` runs {running} container(s) for their jobs: removing it ends them as a lost host's \
+                 (their jobs retry elsewhere). Give --force (`gpuam node remove {host} --force`, `?force=true`) \
+                 to do so, or wait until they end"
+            )));
+        }
+        let fingerprint = rm.nodes.agents.as_ref().and_then(|a| a.fingerprint(&host));
+        let why = format!(
+            "{} (host `{host}` was removed by an administrator)",
+            crate::rm::ledger::DIAG_LOST_NODE
+        );
+        let ended = st.ledger.remove_node(&host, &why).unwrap_or_default();
+        for e in &ended {
+            queue_completed(&mut st.apps, e);
+        }
+        st.agent_nodes.remove(&host);
+        st.agent_nodes_dirty.insert(host.clone());
+        let refused = fingerprint.is_some();
+        st.removed_hosts.insert(
+            host.clone(),
+            crate::rm::store::RemovedHost {
+                removed_ms: now_ms(),
+                credential: fingerprint,
+            },
+        );
+        st.meta_dirty = true;
+        st.commit()?;
+        (host, ended, refused)
+    };
+    tracing::warn!(%host, containers = ended.len(), "host removed by an administrator");
+    // Told to stop while the RM still knows the agent's address; then forgotten.
+    stop_running(&rm, &ended).await;
+    if let Some(a) = &rm.nodes.agents {
+        a.forget(&host);
+    }
+    Ok(Json(json!({
+        "removed": host,
+        "containersEnded": ended.iter().map(|e| e.container_id.as_str()).collect::<Vec<_>>(),
+        "credentialRefused": refused,
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::am::rm_client::RmClient;
+    use crate::resources::{PortSet, Resources};
+    use crate::rm::users::{add_token_to, Table};
+
+    /// An RM with cluster-file node `n1`, the nodes file `nodes.yaml` (agents) and user
+    /// `alice`, keeping its state in `dir/work`.
+    fn options(dir: &Path) -> RmOptions {
+        let n1 = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+        let mut users = Users::default();
+        users.insert_token("alice", "alice-token").unwrap();
+        RmOptions {
+            launch_am: false,
+            nodes_file: Some(dir.join("nodes.yaml")),
+            users,
+            ..RmOptions::new(vec![n1], "127.0.0.1:0".parse().unwrap(), dir.join("work"))
+        }
+    }
+
+    /// `method path` with bearer `token` and a `{}` JSON body → (status, JSON answer).
+    async fn call(rm: &RmHandle, method: reqwest::Method, path: &str, token: &str, body: Value) -> (u16, Value) {
+        let r = reqwest::Client::new()
+            .request(method, format!("{}{path}", rm.base_url()))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    fn registration(host: &str) -> Value {
+        json!({
+            "host": host, "rack": "/r",
+            "total": {"cpu": 4, "memoryMB": 1000, "gpus": 2, "gpuMask": 3, "ports": ""},
+            "httpAddress": "http://127.0.0.1:9",
+        })
+    }
+
+    async fn hosts(rm: &RmHandle) -> Vec<String> {
+        let (_, v) = call(rm, reqwest::Method::GET, "/ws/v1/cluster/nodes", "", Value::Null).await;
+        let mut h: Vec<String> = v["nodes"]["node"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["nodeHostName"].as_str().unwrap().to_string())
+            .collect();
+        h.sort();
+        h
+    }
+
+    /// Who may remove what: 401 without a token, 403 for a user, 404 for an unknown host,
+    /// 409 for a cluster-file host and for a host with a running container (unless
+    /// forced: then it ends as on a lost host, and its application hears it); a removed
+    /// host is gone from the view, its credential refused (also after a restart), and a
+    /// new credential re-admits it as an empty node.
+    #[tokio::test]
+    async fn a_removed_host_is_gone_for_good_until_a_new_credential_re_admits_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes_file = dir.path().join("nodes.yaml");
+        let t1 = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
+        let t2 = add_token_to(&nodes_file, "a2", Table::Nodes).unwrap();
+        let opts = options(dir.path());
+        let rm = start(opts.clone()).await.unwrap();
+        let admin = rm.admin_token().to_string();
+        for (host, t) in [("a1", &t1), ("a2", &t2)] {
+            let (code, v) = call(
+                &rm,
+                reqwest::Method::POST,
+                "/ws/v1/node-agents/register",
+                t,
+                registration(host),
+            )
+            .await;
+            assert_eq!(code, 200, "{v}");
+        }
+        assert_eq!(hosts(&rm).await, ["a1", "a2", "n1"]);
+        let del = |host: &str| format!("/ws/v1/cluster/nodes/{host}");
+        let delete = reqwest::Method::DELETE;
+        assert_eq!(call(&rm, delete.clone(), &del("a1"), "", json!({})).await.0, 401);
+        let (code, v) = call(&rm, delete.clone(), &del("a1"), "alice-token", json!({})).await;
+        assert_eq!(code, 403, "{v}");
+        assert_eq!(
+            call(&rm, delete.clone(), &del("nowhere"), &admin, json!({})).await.0,
+            404
+        );
+        let (code, v) = call(&rm, delete.clone(), &del("n1"), &admin, json!({})).await;
+        assert!(
+            code == 409 && v["message"].as_str().unwrap().contains("cluster file"),
+            "{v}"
+        );
+
+        // A container running on a2: refused without force.
+        let (id, token) = rm.register_test_app("job");
+        let am = RmClient::for_app(&rm.base_url(), &id, &token);
+        am.register(&Default::default()).await.unwrap();
+        let granted = am
+            .allocate(&AllocateRequest {
+                asks: vec![crate::protocol::Ask {
+                    request_id: 1,
+                    host: "a2".into(),
+                    cpu: 1,
+                    memory_mb: 10,
+                    gpu_mask: 0x1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .allocated;
+        let cid = granted[0].container_id.clone();
+        rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        let (code, v) = call(&rm, delete.clone(), &del("a2"), &admin, json!({})).await;
+        assert!(code == 409 && v["message"].as_str().unwrap().contains("--force"), "{v}");
+        assert_eq!(hosts(&rm).await, ["a1", "a2", "n1"], "nothing changed");
+        let (code, v) = call(
+            &rm,
+            delete.clone(),
+            &format!("{}?force=true", del("a2")),
+            &admin,
+            json!({}),
+        )
+        .await;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["containersEnded"], json!([cid]));
+        let answer = am
+            .allocate(&AllocateRequest {
+                response_id: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(answer.completed.len(), 1, "{answer:?}");
+        assert_eq!(answer.completed[0].exit_status, exit_status::ABORTED);
+        assert_eq!(
+            crate::protocol::AbortCause::of(&answer.completed[0].diagnostics),
+            Some(crate::protocol::AbortCause::NodeLost)
+        );
+        assert!(
+            answer
+                .updated_nodes
+                .iter()
+                .any(|r| r.node.host == "a2" && r.node.state == NodeState::Decommissioned),
+            "the AM hears the host is gone: {answer:?}"
+        );
+        // a1 (no containers) goes without force; both agents are refused from now on.
+        assert_eq!(call(&rm, delete.clone(), &del("a1"), &admin, json!({})).await.0, 200);
+        assert_eq!(call(&rm, delete.clone(), &del("a1"), &admin, json!({})).await.0, 404);
+        assert_eq!(hosts(&rm).await, ["n1"]);
+        for (host, t) in [("a1", &t1), ("a2", &t2)] {
+            let (code, v) = call(
+                &rm,
+                reqwest::Method::POST,
+                "/ws/v1/node-agents/register",
+                t,
+                registration(host),
+            )
+            .await;
+            assert!(code == 403 && v["code"] == "HOST_REMOVED", "{v}");
+            let hb = format!("/ws/v1/node-agents/{host}/heartbeat");
+            let (code, v) = call(&rm, reqwest::Method::POST, &hb, t, json!({"containers": []})).await;
+            assert!(code == 403 && v["code"] == "HOST_REMOVED", "{v}");
+        }
+        rm.audit_usage().unwrap();
+
+        // After a restart: still gone, still refused.
+        let addr = rm.addr();
+        rm.shutdown().await;
+        let mut again = None;
+        for _ in 0..50 {
+            match start(RmOptions {
+                listen: addr,
+                ..opts.clone()
+            })
+            .await
+            {
+                Ok(r) => {
+                    again = Some(r);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        let rm = again.expect("the RM starts again on its state");
+        assert_eq!(hosts(&rm).await, ["n1"]);
+        let (code, v) = call(
+            &rm,
+            reqwest::Method::POST,
+            "/ws/v1/node-agents/register",
+            &t1,
+            registration("a1"),
+        )
+        .await;
+        assert!(code == 403 && v["code"] == "HOST_REMOVED", "{v}");
+        // Re-admitted with a new credential: an empty node again (the RM reloads the file).
+        let t1 = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
+        let mut answered = 0;
+        for _ in 0..100 {
+            let (code, _) = call(
+                &rm,
+                reqwest::Method::POST,
+                "/ws/v1/node-agents/register",
+                &t1,
+                registration("a1"),
+            )
+            .await;
+            answered = code;
+            if code == 200 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(answered, 200);
+        assert_eq!(hosts(&rm).await, ["a1", "n1"]);
+        assert!(!rm.shared.lock().removed_hosts.contains_key("a1"));
+        assert!(rm.shared.lock().removed_hosts.contains_key("a2"));
+        rm.audit_usage().unwrap();
+        rm.shutdown().await;
+    }
+
+    /// A re-admitted host that still runs containers of before its removal is told to
+    /// stop them and to register again; it joins once it reports none.
+    #[tokio::test]
+    async fn a_re_admitted_host_joins_only_once_its_old_containers_are_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes_file = dir.path().join("nodes.yaml");
+        let t = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
+        let rm = start(options(dir.path())).await.unwrap();
+        let register = |t: String, running: bool| {
+            let rm = &rm;
+            async move {
+                let mut body = registration("a1");
+                if running {
+                    body["containers"] = json!([{"containerId": "container_1_0001_01_000009", "state": "RUNNING"}]);
+                }
+                call(rm, reqwest::Method::POST, "/ws/v1/node-agents/register", &t, body).await
+            }
+        };
+        assert_eq!(register(t.clone(), false).await.0, 200);
+        let admin = rm.admin_token().to_string();
+        let (code, _) = call(
+            &rm,
+            reqwest::Method::DELETE,
+            "/ws/v1/cluster/nodes/a1",
+            &admin,
+            json!({}),
+        )
+        .await;
+        assert_eq!(code, 200);
+        let t = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
+        // Until the RM reloads the nodes file the new token is unknown (401).
+        let mut answer = (0, Value::Null);
+        for _ in 0..100 {
+            answer = register(t.clone(), true).await;
+            if answer.0 != 401 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (code, v) = answer;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["reregister"], true, "{v}");
+        assert_eq!(v["stop"], json!(["container_1_0001_01_000009"]));
+        assert_eq!(hosts(&rm).await, ["n1"], "not joined yet");
+        let (code, v) = register(t, false).await;
+        assert!(code == 200 && v["reregister"] != true, "{v}");
+        assert_eq!(hosts(&rm).await, ["a1", "n1"]);
+        rm.shutdown().await;
+    }
 }

@@ -68,6 +68,9 @@ pub(super) struct RmState {
     pub(super) agent_nodes: BTreeMap<String, String>,
     /// Hosts of `agent_nodes` changed since the last write.
     pub(super) agent_nodes_dirty: std::collections::BTreeSet<String>,
+    /// Hosts an admin removed for good (`cluster::delete_node`), stored in the meta row
+    /// (a change sets `meta_dirty`).
+    pub(super) removed_hosts: BTreeMap<String, crate::rm::store::RemovedHost>,
 }
 
 impl RmState {
@@ -133,6 +136,7 @@ impl RmState {
             reserved: self.reserved.values().cloned().collect(),
             next_container_seq: self.ledger.next_container_seq(),
             reserved_by: self.reserved_by.clone(),
+            removed_hosts: self.removed_hosts.clone(),
         }
     }
 
@@ -182,6 +186,13 @@ impl RmState {
                 .iter()
                 .map(|h| (h.as_str(), self.agent_nodes.get(h).map(String::as_str)))
                 .collect(),
+            // A node changed and no longer in the ledger was removed: its row goes.
+            forget_nodes: changes
+                .nodes
+                .iter()
+                .filter(|h| self.ledger.node(h).is_none())
+                .map(String::as_str)
+                .collect(),
             whole: false,
         };
         let written = self.store.write(&batch);
@@ -224,6 +235,7 @@ impl RmState {
                 .iter()
                 .map(|(h, d)| (h.as_str(), Some(d.as_str())))
                 .collect(),
+            forget_nodes: Vec::new(),
             whole: true,
         };
         let (apps, containers) = (batch.apps.len(), batch.containers.len());
@@ -348,6 +360,7 @@ pub(super) fn recover_state(
             sched,
             agent_nodes: BTreeMap::new(),
             agent_nodes_dirty: Default::default(),
+            removed_hosts: BTreeMap::new(),
         };
         return Ok((state, now_ms()));
     };
@@ -355,7 +368,12 @@ pub(super) fn recover_state(
     // register or the re-registration grace ends (`nodes::await_agents`), so that the
     // containers restored on them are kept meanwhile.
     let mut agent_nodes = BTreeMap::new();
+    let removed = &r.meta.removed_hosts;
     for (host, doc) in r.agent_nodes {
+        if removed.contains_key(&host) {
+            tracing::info!(%host, "removed by an administrator: not restored");
+            continue;
+        }
         match nodes::declared_node(&doc, base_url) {
             Ok(node) if node.host == host => {
                 if ledger.node(&host).is_none() {
@@ -368,7 +386,7 @@ pub(super) fn recover_state(
             Err(e) => tracing::warn!(%host, "the stored agent node cannot be read ({e}): ignored"),
         }
     }
-    for (host, state) in &r.node_states {
+    for (host, state) in r.node_states.iter().filter(|(h, _)| !removed.contains_key(h)) {
         // A node agent's host that was RUNNING is NEW until its agent registers again.
         let state = if agent_nodes.contains_key(host) && *state == NodeState::Running {
             &NodeState::New
@@ -418,6 +436,7 @@ pub(super) fn recover_state(
         sched,
         agent_nodes,
         agent_nodes_dirty: Default::default(),
+        removed_hosts: r.meta.removed_hosts,
     };
     Ok((state, r.meta.cluster_ts))
 }
