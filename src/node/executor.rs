@@ -1165,7 +1165,7 @@ pub fn create_new_in(dir: &Path, name: &str, text: &[u8], owner: Option<(u32, u3
 }
 
 /// Rejects what bash or `execve` cannot carry, naming the field.
-fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
+pub(crate) fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
     for (i, c) in ctx.commands.iter().enumerate() {
         if c.contains('\0') {
             return Err(format!("commands[{i}] contains a NUL character; remove it"));
