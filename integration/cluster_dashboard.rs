@@ -159,11 +159,16 @@ async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
             "the row links to the job's dashboard, with the page's token (the AM asks the RM about it)"
         );
     }
+    // The capped job waits for its queue: the one reason's kind and words.
     let why = b
-        .js("return document.querySelector('tr[data-why-code=\"atCap\"] td.why').textContent;")
+        .js("const c = document.querySelector('tr[data-why-code=\"atCap\"] td.why'); return [c.dataset.kind, c.textContent];")
         .await;
+    assert_eq!(why[0], "QueueShare", "{why}");
     assert!(
-        why.as_str().unwrap().contains("queue `prod` is at its cap (maxGpus 2)"),
+        why[1]
+            .as_str()
+            .unwrap()
+            .starts_with("Queue share: queue `prod` is at its cap (maxGpus 2)"),
         "{why}"
     );
     // The node grid: every GPU a box; the six in use carry their job and queue, boxes of

@@ -115,7 +115,8 @@ fn wait_reason(rm: &Rm, app: &str, task: &str, fragment: &str) -> String {
     wait_for(START_TIMEOUT, &format!("{task} to wait because {fragment}"), || {
         am_tasks(rm, app)?.into_iter().find_map(|t| {
             let same = t["role"] == role && t["index"].as_u64() == index.parse().ok();
-            let r = t["waitingReason"].as_str().unwrap_or("");
+            // The task's reason (`reason::Reason`): its detail is the select outcome's.
+            let r = t["reason"]["detail"].as_str().unwrap_or("");
             (same && r.contains(fragment)).then(|| r.to_string())
         })
     })

@@ -6,7 +6,10 @@
 //! of the owner's job; after the job ends its logs and history row (times, exit, reason,
 //! GPU-hours) are still served, also after an RM restart. Then the same stop from the
 //! pages, in headless Chromium: the job's dashboard with the owner's token, the cluster
-//! page's Stop with its confirmation, and its history table.
+//! page's Stop with its confirmation, and its history table. Last, one answer to "why does
+//! it wait": a gang held by the topology wait and a job no node has room for show the same
+//! reason (kind, detail, start, deadline) in `gpuam status`, its `--json`, the job page,
+//! the cluster page and `gpuam run`.
 //!
 //! Chromium and chromedriver must be installed for the second test (`apt-get install
 //! chromium chromium-driver`); without them it fails rather than skips.
@@ -375,4 +378,199 @@ fn the_owner_stops_a_job_from_its_dashboard_and_from_the_cluster_page() {
             assert!(r[2].as_f64().unwrap() > 0.0, "{rows}");
         }
     });
+}
+
+/// One node of four GPUs in two PCIe pairs (0+1, 2+3), another job holding GPUs 0 and 2:
+/// only the split pair 1+3 is free, so a 2-GPU task holds out for its ideal tier.
+const SPLIT_PAIRS: &str = "nodes:\n  - host: split\n    cpu: 8\n    memoryMB: 8000\n    gpus: 4\n    \
+                           topology: pcie4\n    used: {gpuMask: \"0x5\"}\n";
+
+/// A gang of a parameter server (no GPU: it places at once) and a 2-GPU worker that holds
+/// out for its ideal tier; the gang holds the parameter server back with it.
+fn held_gang(rm_or_dir: &Path) -> std::path::PathBuf {
+    let job = rm_or_dir.join("held.yaml");
+    std::fs::write(
+        &job,
+        "name: held\ngang: true\ntaskRoles:\n  ps:\n    instances: 1\n    \
+         resourcePerInstance: {cpu: 1, memoryMB: 100, gpu: 0}\n    commands: [\"sleep 600\"]\n  \
+         worker:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 100, gpu: 2}\n    \
+         commands: [\"sleep 600\"]\n",
+    )
+    .unwrap();
+    job
+}
+
+/// The job's reason as `gpuam status ID --json` gives it, once its kind is `kind`.
+fn status_reason(rm: &Rm, id: &str, kind: &str) -> gpuam::reason::Reason {
+    wait_for(Duration::from_secs(90), &format!("{id} to wait for {kind}"), || {
+        let v = json_of(&run(rm, &["status", id, "--json"]));
+        (v["waiting"]["reason"]["kind"] == kind)
+            .then(|| serde_json::from_value(v["waiting"]["reason"].clone()).unwrap())
+    })
+}
+
+/// The job page's and the cluster page's words for the job's wait, once they say `kind`:
+/// (job page header, job page `task` row's note, cluster page row, its `data-until-ms`).
+/// `dash` is the job's dashboard; `(url, token)` the RM's and the owner's.
+async fn pages_reason(
+    br: &Browser,
+    (url, token): (&str, &str),
+    dash: &str,
+    id: &str,
+    task: &str,
+    kind: &str,
+) -> Vec<String> {
+    br.goto(&format!("{dash}#token={token}")).await;
+    br.js("location.reload(); return true;").await;
+    let job_page = br
+        .wait_for(
+            "the job page's reason",
+            &format!(
+                "const n = document.getElementById('job-queue-note'); \
+                 const row = document.querySelector('tr[data-task=\"{task}\"] td.note'); \
+                 return !n.hidden && n.dataset.kind === '{kind}' && row && row.textContent \
+                 ? [n.textContent.replace(/^Waiting — /, ''), row.textContent, n.dataset.untilMs] : null;"
+            ),
+            Duration::from_secs(60),
+        )
+        .await;
+    // The task's panel: not placed, with the same words (never "placed on").
+    br.click(&format!("tr[data-task=\"{task}\"]")).await;
+    let panel = br
+        .wait_for(
+            "the task's panel",
+            "const p = document.querySelector('#waiting-outcome .outcome'); \
+             return p ? [p.dataset.outcome, p.querySelector('.reason') ? p.querySelector('.reason').textContent : '', p.textContent] : null;",
+            Duration::from_secs(30),
+        )
+        .await;
+    assert_eq!(panel[0], "waiting", "{panel}");
+    assert!(!panel[2].as_str().unwrap().starts_with("placed"), "{panel}");
+    br.goto(&format!("{url}/cluster#token={token}")).await;
+    br.js("location.reload(); return true;").await;
+    let cluster = br
+        .wait_for(
+            "the cluster page's reason",
+            &format!(
+                "const c = document.querySelector('tr[data-app=\"{id}\"] td.why'); \
+                 return c && c.dataset.kind === '{kind}' ? [c.textContent, c.dataset.untilMs] : null;"
+            ),
+            Duration::from_secs(60),
+        )
+        .await;
+    let s = |v: &serde_json::Value| v.as_str().unwrap_or("").to_string();
+    vec![
+        s(&job_page[0]),
+        s(&job_page[1]),
+        s(&panel[1]),
+        s(&cluster[0]),
+        s(&job_page[2]),
+        s(&cluster[1]),
+    ]
+}
+
+/// "Why does it wait" has one answer everywhere: a gang held back by the topology wait shows
+/// the worker's topology wait — kind, detail, start and deadline — in `gpuam status` (text
+/// and `--json`), on the job page (header, the held task's row and panel, which never says
+/// placed) and on the cluster page; `gpuam run` prints the same words. A job no node has
+/// room for shows `Resources` everywhere.
+#[test]
+fn one_reason_everywhere_for_a_gang_held_by_the_topology_wait_and_for_a_full_node() {
+    let env = [
+        ("GPUAM__SELECT__TOPOLOGY_WAIT_SEC", "3600"),
+        ("GPUAM_DASHBOARD_LINGER_SEC", "0"),
+    ];
+    let rm = Rm::start(SPLIT_PAIRS, &env);
+    let held = submit_id(&rm, &held_gang(rm.root()));
+    let full = submit_id(
+        &rm,
+        &rm.write_job(
+            "full",
+            "name: full\ntaskRoles:\n  worker:\n    instances: 1\n    \
+             resourcePerInstance: {cpu: 1, memoryMB: 100, gpu: 3}\n    commands: [\"sleep 600\"]\n",
+        ),
+    );
+    // `gpuam status --json`: the topology wait, said of the worker, with its deadline.
+    let topo = status_reason(&rm, &held, "Topology");
+    assert!(topo.detail.starts_with("holding out for 2 GPUs of tier 1"), "{topo:?}");
+    assert_eq!(topo.task.as_deref(), Some("worker/0"), "{topo:?}");
+    let since = topo.since_ms.expect("since when");
+    assert_eq!(
+        topo.until_ms,
+        Some(since + 3_600_000),
+        "the deadline is select.topology_wait_sec later"
+    );
+    let resources = status_reason(&rm, &full, "Resources");
+    assert!(resources.detail.contains("resources"), "{resources:?}");
+    // `gpuam status`: the same words.
+    for (id, r) in [(&held, &topo), (&full, &resources)] {
+        let out = stdout(&run(&rm, &["status", id]));
+        assert!(out.contains(&r.text()), "{out}\nwants {}", r.text());
+    }
+    // The pages: the same words, the same deadline.
+    let dash = |id: &str| rm.app(id)["trackingUrl"].as_str().unwrap_or("").to_string();
+    let (held_dash, full_dash) = (dash(&held), dash(&full));
+    let at = (rm.url.as_str(), rm.user_token.as_str());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let br = Browser::start().await;
+        let seen = pages_reason(&br, at, &held_dash, &held, "ps/0", "Topology").await;
+        let until = since + 3_600_000;
+        assert_eq!(
+            seen[..4],
+            [topo.text(), topo.text(), topo.text(), topo.text()],
+            "{seen:?}"
+        );
+        assert_eq!(seen[4..], [until.to_string(), until.to_string()], "{seen:?}");
+        let seen = pages_reason(&br, at, &full_dash, &full, "worker/0", "Resources").await;
+        // The job's reason names its task; the task's own row does not.
+        let own = gpuam::reason::Reason {
+            task: None,
+            ..resources.clone()
+        };
+        assert_eq!(
+            seen[..4],
+            [resources.text(), own.text(), own.text(), resources.text()],
+            "{seen:?}"
+        );
+    });
+    for id in [&held, &full] {
+        assert_eq!(run(&rm, &["kill", id]).status.code(), Some(0));
+        rm.wait_app_final(id, Duration::from_secs(60));
+    }
+    // `gpuam run`: the same words for the held task.
+    let dir = Rm::temp_dir();
+    let cluster = dir.path().join("cluster.yaml");
+    std::fs::write(&cluster, SPLIT_PAIRS).unwrap();
+    // Without a terminal, `gpuam run` says why a task waits on stderr.
+    let out = dir.path().join("run.err");
+    let mut child = std::process::Command::new(bin())
+        .args([
+            "run",
+            held_gang(dir.path()).to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--cluster",
+        ])
+        .arg(&cluster)
+        .arg("--work-dir")
+        .arg(dir.path().join("work"))
+        .envs(env)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&out).unwrap())
+        .spawn()
+        .unwrap();
+    let line = wait_for(Duration::from_secs(90), "`gpuam run` to say why ps/0 waits", || {
+        std::fs::read_to_string(&out).unwrap_or_default().lines().find_map(|l| {
+            l.strip_prefix("task ps/0 not placed yet: Topology (worker/0): ")
+                .map(str::to_string)
+        })
+    });
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let stopped = wait_for(Duration::from_secs(60), "`gpuam run` to stop", || {
+        child.try_wait().unwrap()
+    });
+    assert!(line.starts_with("holding out for 2 GPUs of tier 1"), "{line}");
+    assert!(line.contains("until "), "{line}");
+    assert_ne!(stopped.code(), Some(0), "an interrupted job does not succeed");
 }

@@ -26,6 +26,9 @@ use serde_json::Value;
 const INNER: &str = "GPUAM_RAY_ITEST_INNER";
 const DASHBOARD: &str = "http://127.0.0.1:8265";
 const TEST_NAME: &str = "gpuam_places_on_a_real_three_node_ray_cluster";
+const TEST_NAME_DRIVER: &str = "gpuam_places_on_a_real_three_node_ray_cluster_with_the_driver";
+/// One Ray cluster at a time (each wants the machine's few cores).
+static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -91,6 +94,13 @@ fn gpuam_places_on_a_real_three_node_ray_cluster() {
     in_namespace(TEST_NAME, inner);
 }
 
+/// The same checks with the long-lived driver (`--ray-launch driver`): a placement group per
+/// container, run by gpuam's actor on its node.
+#[test]
+fn gpuam_places_on_a_real_three_node_ray_cluster_with_the_driver() {
+    in_namespace(TEST_NAME_DRIVER, inner_driver);
+}
+
 /// Benchmark (docs/BENCHMARKS.md): time from submit to all tasks running for a 16-task job,
 /// on a 3-node Ray cluster and on gpuam's own RM. Prints figures; run with
 /// `cargo test --release --test ray -- --ignored --nocapture`.
@@ -106,10 +116,12 @@ fn in_namespace(test: &str, inner: fn()) {
     if std::env::var_os(INNER).is_some() {
         return inner();
     }
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     ensure_venv();
-    let ns = Netns::create(&format!("ray-{}", std::process::id()));
+    let tag = format!("{}-{}", std::process::id(), test.len());
+    let ns = Netns::create(&format!("ray-{tag}"));
     // Ray's temp dir (short: Ray puts unix sockets in it), removed with the namespace.
-    let temp = PathBuf::from(format!("/tmp/rayray-{}", std::process::id()));
+    let temp = PathBuf::from(format!("/tmp/rayray-{tag}"));
     fs::create_dir_all(&temp).unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new("ip")
@@ -167,7 +179,15 @@ fn ray_env(cmd: &mut Command) {
         .env("RAY_prestart_worker_first_driver", "0");
 }
 
-fn start_node(temp: &Path, log_dir: &Path, host: &str, head: bool, agent_port: u16, gpu_args: &[&str]) -> RayNode {
+fn start_node(
+    temp: &Path,
+    log_dir: &Path,
+    host: &str,
+    head: bool,
+    agent_port: u16,
+    cpus: u32,
+    gpu_args: &[&str],
+) -> RayNode {
     let mut a = vec!["--host", host];
     a.extend_from_slice(gpu_args);
     let extra = node_args(&a);
@@ -185,11 +205,11 @@ fn start_node(temp: &Path, log_dir: &Path, host: &str, head: bool, agent_port: u
     }
     cmd.args([
         "--node-ip-address=127.0.0.1",
-        "--num-cpus=8",
         "--memory=8589934592",
         "--object-store-memory=80000000",
         "--disable-usage-stats",
     ])
+    .arg(format!("--num-cpus={cpus}"))
     .arg(format!("--dashboard-agent-listen-port={agent_port}"))
     .arg(format!("--temp-dir={}", temp.display()))
     .args(&extra)
@@ -355,9 +375,41 @@ fn job_actor(rt: &tokio::runtime::Runtime, container: &str) -> (Value, BTreeMap<
     (actor, res)
 }
 
-/// Each task saw CUDA_VISIBLE_DEVICES = its granted mask, and Ray pinned its job to exactly
+/// The placement group the driver made for a container (`gpuam-<id>`, also once removed).
+fn group_of(rt: &tokio::runtime::Runtime, container: &str) -> Option<Value> {
+    let groups: Value = rt
+        .block_on(async {
+            gpuam::tls::http_client()
+                .get(format!(
+                    "{DASHBOARD}/api/v0/placement_groups?detail=true&limit=10000&filter_keys=name&filter_predicates=%3D&filter_values=gpuam-{container}"
+                ))
+                .send()
+                .await?
+                .json()
+                .await
+        })
+        .ok()?;
+    groups["data"]["result"]["result"].as_array()?.last().cloned()
+}
+
+/// The Ray node that held a container's resources and the resources it held: its job's
+/// supervisor actor (`jobs`), or its placement group's one bundle (`driver`).
+fn held(rt: &tokio::runtime::Runtime, launch: &str, container: &str) -> (String, BTreeMap<String, f64>) {
+    if launch == "driver" {
+        let g = group_of(rt, container).unwrap_or_else(|| panic!("no placement group for {container}"));
+        let bundles = g["bundles"].as_array().cloned().unwrap_or_default();
+        assert_eq!(bundles.len(), 1, "one bundle per container: {g}");
+        let res: BTreeMap<String, f64> = serde_json::from_value(bundles[0]["unit_resources"].clone())
+            .unwrap_or_else(|e| panic!("the group of {container}: {e}: {g}"));
+        return (bundles[0]["node_id"].as_str().unwrap_or_default().to_string(), res);
+    }
+    let (actor, res) = job_actor(rt, container);
+    (actor["node_id"].as_str().unwrap_or_default().to_string(), res)
+}
+
+/// Each task saw CUDA_VISIBLE_DEVICES = its granted mask, and Ray pinned it to exactly
 /// those GPUs' resources on the node of that host.
-fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record]) {
+fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record], launch: &str) {
     for s in recs.iter().filter(|r| r.kind == "start") {
         let from_mask: BTreeSet<u32> = (0..64)
             .filter(|i| u64::from_str_radix(s.mask.trim_start_matches("0x"), 16).unwrap() >> i & 1 == 1)
@@ -367,7 +419,7 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
             "CUDA_VISIBLE_DEVICES vs granted mask of {}",
             s.container
         );
-        let (actor, res) = job_actor(rt, &s.container);
+        let (driver, res) = held(rt, launch, &s.container);
         let ray_gpus: BTreeSet<u32> = res
             .keys()
             .filter_map(|k| k.strip_prefix("gpuam-gpu-").and_then(|i| i.parse().ok()))
@@ -375,8 +427,7 @@ fn assert_pinned(rt: &tokio::runtime::Runtime, ray: &RayClient, recs: &[Record])
         assert_eq!(ray_gpus, s.gpus, "Ray resources of {}: {res:?}", s.container);
         assert_eq!(res.get(&format!("gpuam-node-{}", s.host)), Some(&0.001), "{res:?}");
         assert!(!res.contains_key("GPU"), "no Ray GPU: {res:?}");
-        // The driver ran on the Ray node that carries this host's resource.
-        let driver = actor["node_id"].as_str().unwrap_or_default().to_string();
+        // It ran on the Ray node that carries this host's resource.
         let nodes = rt.block_on(ray.nodes()).unwrap();
         let node = nodes.iter().find(|n| n.node_id == driver).expect("driver node");
         assert_eq!(
@@ -397,6 +448,7 @@ fn start_cluster(
     ray: &RayClient,
     temp: &Path,
     log_dir: &Path,
+    cpus: u32,
     specs: &[(&str, &str, &str, &str, &str)],
 ) -> Vec<RayNode> {
     let t0 = Instant::now();
@@ -420,6 +472,7 @@ fn start_cluster(
             host,
             i == 0,
             52365 + i as u16,
+            cpus,
             &[
                 "--gpus",
                 gpus,
@@ -450,6 +503,15 @@ fn start_cluster(
 }
 
 fn inner() {
+    scenarios("jobs");
+}
+
+fn inner_driver() {
+    scenarios("driver");
+}
+
+/// Every check, with containers launched the `launch` way (`--ray-launch`).
+fn scenarios(launch: &str) {
     let dir = Rm::temp_dir();
     let temp = PathBuf::from(std::env::var_os(INNER).unwrap());
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -463,6 +525,7 @@ fn inner() {
         &ray,
         &temp,
         dir.path(),
+        8,
         &[
             ("n1", "4", "pcie4", "/r1", "A100"),
             ("n2", "4", "pcie4", "/r2", "V100"),
@@ -478,6 +541,7 @@ fn inner() {
         &[
             ("GPUAM_RM_BACKEND", "ray"),
             ("GPUAM_RAY_ADDRESS", DASHBOARD),
+            ("GPUAM_RAY_LAUNCH", launch),
             ("PATH", &venv_path),
         ],
     );
@@ -514,7 +578,7 @@ fn inner() {
     assert_eq!(starts.len(), 4, "{recs:?}");
     assert!(starts.iter().all(|r| r.host == "n1" && r.gpus.len() == 2), "{starts:?}");
     assert_no_gpu_shared(&recs, f64::MAX);
-    assert_pinned(&rt, &ray, &recs);
+    assert_pinned(&rt, &ray, &recs, launch);
     rm.assert_all_free(Duration::from_secs(30));
 
     // 2. A gang of 2 × 2 GPUs on V100 lands on one Ray node (n2, the one it fits on whole).
@@ -568,13 +632,23 @@ fn inner() {
     rm.kill_app(&app);
     rm.wait_app_final(&app, Duration::from_secs(60));
     let containers: BTreeSet<String> = running.iter().map(|r| r.container.clone()).collect();
-    wait_for(Duration::from_secs(60), "the killed job's Ray jobs to end", || {
-        let jobs = rt.block_on(ray.jobs()).ok()?;
-        containers
-            .iter()
-            .all(|c| jobs.get(c).is_some_and(|j| j.status.is_terminal()))
-            .then_some(())
-    });
+    wait_for(
+        Duration::from_secs(60),
+        "the killed job's Ray jobs or groups to end",
+        || {
+            if launch == "driver" {
+                return containers
+                    .iter()
+                    .all(|c| group_of(&rt, c).is_some_and(|g| g["state"] == "REMOVED"))
+                    .then_some(());
+            }
+            let jobs = rt.block_on(ray.jobs()).ok()?;
+            containers
+                .iter()
+                .all(|c| jobs.get(c).is_some_and(|j| j.status.is_terminal()))
+                .then_some(())
+        },
+    );
     wait_for(
         Duration::from_secs(30),
         "the killed job's task processes to be gone",
@@ -626,7 +700,7 @@ fn inner() {
         "four quarters on one GPU: {starts:?}"
     );
     for s in &starts {
-        let (_, res) = job_actor(&rt, &s.container);
+        let (_, res) = held(&rt, launch, &s.container);
         let g = s.gpus.iter().next().unwrap();
         assert_eq!(
             res.get(&format!("gpuam-gpu-{g}")),
@@ -637,8 +711,47 @@ fn inner() {
     }
     rm.assert_all_free(Duration::from_secs(30));
 
-    // 4. A Ray job stopped while PENDING never runs its task: the gate refuses it.
-    gate_stops_a_pending_job(&rt, &rec);
+    // 4. A Ray job stopped while PENDING never runs its task: the gate refuses it (the
+    // driver: a container stopped while its group waits for its GPU never starts).
+    if launch == "driver" {
+        driver_stops_a_pending_container(&rt, &rec);
+    } else {
+        gate_stops_a_pending_job(&rt, &rec);
+    }
+
+    // 4b. The driver killed mid-job: the RM starts a new one, which finds the running
+    // container on its node again and reports its end; the task runs once, to its end.
+    if launch == "driver" {
+        let r = rm.write_job("r.yaml", &job_yaml("restart", false, 1, 1, "A100", 0, &task("8")));
+        let sr = rm.submit(&r);
+        wait_for(Duration::from_secs(120), "the task to start", || {
+            records(&rec).into_iter().find(|r| r.job == "restart")
+        });
+        let tree = process_tree(rm.pid().expect("the RM's pid"));
+        let drivers: Vec<i32> = common::pids_with_cmdline(&["long-lived Ray driver"])
+            .into_iter()
+            .filter(|p| tree.contains(p))
+            .collect();
+        assert_eq!(drivers.len(), 1, "one driver: {drivers:?}");
+        unsafe { libc::kill(drivers[0], libc::SIGKILL) };
+        let fr = sr.wait(Duration::from_secs(180));
+        assert_eq!(fr.code, 0, "restart: {}\n{}", fr.stderr, rm.logs());
+        let seen: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "restart").collect();
+        assert_eq!(
+            seen.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
+            ["start", "end"],
+            "{seen:?}"
+        );
+        let again: Vec<i32> = common::pids_with_cmdline(&["long-lived Ray driver"])
+            .into_iter()
+            .filter(|p| process_tree(rm.pid().unwrap()).contains(p))
+            .collect();
+        assert!(
+            again.len() == 1 && again[0] != drivers[0],
+            "a new driver runs: {again:?}"
+        );
+        rm.assert_all_free(Duration::from_secs(30));
+    }
 
     // 5. A Ray node killed mid-job: LOST in the RM, its task retried on the other V100 node.
     let first = rm.path("lost-first");
@@ -687,6 +800,34 @@ fn inner() {
     }
 }
 
+/// Waits for the ends of `c1` and `c2`: `c1` exited 0, `c2` was killed (never started).
+fn assert_first_ran_second_killed(
+    rt: &tokio::runtime::Runtime,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<gpuam::node::NodeEvent>,
+    c1: &str,
+    c2: &str,
+) {
+    let mut ended = BTreeMap::new();
+    while ended.len() < 2 {
+        let ev = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(120), rx.recv()).await })
+            .expect("both containers end")
+            .unwrap();
+        let gpuam::node::NodeEvent::Exited {
+            container_id,
+            exit_status,
+            ..
+        } = ev;
+        ended.insert(container_id, exit_status);
+    }
+    assert_eq!(ended[c1], 0);
+    assert_eq!(
+        ended[c2],
+        gpuam::protocol::exit_status::KILLED_BY_APPMASTER,
+        "{ended:?}"
+    );
+}
+
 /// Straight through the Ray backend: c1 holds GPU 0 of n1; c2 asks for the same GPU and
 /// stays PENDING in Ray; c2 is stopped (gate closed), then c1 ends. Ray then starts c2's
 /// entrypoint, which must run no command, and c2 must end as killed.
@@ -724,55 +865,120 @@ fn gate_stops_a_pending_job(rt: &tokio::runtime::Runtime, rec: &Path) {
         (j.status == JobStatus::Pending).then_some(())
     });
     rt.block_on(launcher.stop(&c2, Duration::from_secs(1))).unwrap();
-    let mut ended = BTreeMap::new();
-    while ended.len() < 2 {
-        let ev = rt
-            .block_on(async { tokio::time::timeout(Duration::from_secs(120), rx.recv()).await })
-            .expect("both gate containers end")
-            .unwrap();
-        let gpuam::node::NodeEvent::Exited {
-            container_id,
-            exit_status,
-            ..
-        } = ev;
-        ended.insert(container_id, exit_status);
-    }
-    assert_eq!(ended[&c1], 0);
-    assert_eq!(
-        ended[&c2],
-        gpuam::protocol::exit_status::KILLED_BY_APPMASTER,
-        "{ended:?}"
-    );
+    assert_first_ran_second_killed(rt, &mut rx, &c1, &c2);
     assert!(
         records(rec).iter().all(|r| r.container != c2),
         "the stopped pending job ran its task"
     );
 }
 
-/// Submit → every one of 16 one-GPU tasks has written its start record.
-fn time_to_all_running(rm: &Rm, name: &str) -> f64 {
+/// Straight through the driver: c1 holds GPU 0 of n1; c2 asks for the same GPU, so its
+/// placement group stays PENDING in Ray; c2 is stopped, then c1 ends. c2 must never run a
+/// command and must end as killed.
+fn driver_stops_a_pending_container(rt: &tokio::runtime::Runtime, rec: &Path) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let driver = rt.block_on(async {
+        gpuam::ray::driver::RayDriver::new(
+            gpuam::ray::driver::DriverConfig {
+                python: venv_bin().join("python").display().to_string(),
+                gcs_address: "127.0.0.1:6379".into(),
+                hosts: vec!["n1".into()],
+            },
+            tx,
+        )
+    });
+    let grant = |id: &str| gpuam::node::Grant {
+        container_id: id.to_string(),
+        app_id: "app_gate".into(),
+        host: "n1".into(),
+        resources: Resources::with_mask(1, 100, 0x1, PortSet::new()),
+        user: String::new(),
+        topology: None,
+    };
+    let ctx = |job: &str, secs: &str| LaunchContext {
+        commands: vec![
+            format!("echo {job}-out; echo {job}-err >&2"),
+            record_cmd("start", rec).replace("$GPUAM_JOB", job),
+            format!("sleep {secs}"),
+            record_cmd("end", rec).replace("$GPUAM_JOB", job),
+        ],
+        env: BTreeMap::new(),
+    };
+    let suffix = std::process::id();
+    let (c1, c2) = (format!("container_pg_{suffix}_1"), format!("container_pg_{suffix}_2"));
+    rt.block_on(driver.start(grant(&c1), ctx("pg1", "6"))).unwrap();
+    wait_for(Duration::from_secs(120), "c1 to start", || {
+        records(rec).into_iter().find(|r| r.container == c1)
+    });
+    rt.block_on(driver.start(grant(&c2), ctx("pg2", "1"))).unwrap();
+    wait_for(
+        Duration::from_secs(30),
+        "c2's placement group to be PENDING in Ray",
+        || (group_of(rt, &c2)?["state"] == "PENDING").then_some(()),
+    );
+    rt.block_on(driver.stop(&c2, Duration::from_secs(1))).unwrap();
+    assert_first_ran_second_killed(rt, &mut rx, &c1, &c2);
+    // Its group is gone, and nothing of it ran (not even after c1 freed the GPU).
+    wait_for(Duration::from_secs(30), "c2's group to be removed", || {
+        (group_of(rt, &c2)?["state"] == "REMOVED").then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        records(rec).iter().all(|r| r.container != c2),
+        "the stopped pending container ran its task"
+    );
+    // Its output stays on its node, each stream apart, and reaches the RM.
+    let log = |stream| rt.block_on(driver.read_log("n1", &c1, stream, None)).unwrap();
+    assert_eq!(log(gpuam::node::LogStream::Stdout), "pg1-out\n");
+    assert_eq!(log(gpuam::node::LogStream::Stderr), "pg1-err\n");
+}
+
+/// Submit → every task of a job of `instances` tasks of `gpu` GPUs each has written its
+/// start record (`gang`: all granted before any starts).
+fn time_to_all_running(rm: &Rm, name: &str, instances: u32, gpu: &str, gang: bool) -> f64 {
     let rec = rm.path(&format!("records-{name}"));
+    let cmds: String = [record_cmd("start", &rec), "sleep 3".into()]
+        .iter()
+        .map(|c| format!("      - {}\n", sq(c)))
+        .collect();
     let job = rm.write_job(
         &format!("{name}.yaml"),
-        &job_yaml(
-            name,
-            false,
-            16,
-            1,
-            "V100",
-            0,
-            &[record_cmd("start", &rec), "sleep 3".into()],
+        &format!(
+            "name: {name}\ngang: {gang}\ntaskRoles:\n  worker:\n    instances: {instances}\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: {gpu}}}\n    gpuType: V100\n    commands:\n{cmds}"
         ),
     );
     let t = Instant::now();
     let sub = rm.submit(&job);
-    wait_for(Duration::from_secs(300), "16 tasks running", || {
-        (records(&rec).len() >= 16).then_some(())
+    wait_for(Duration::from_secs(300), "every task running", || {
+        (records(&rec).len() >= instances as usize).then_some(())
     });
     let secs = t.elapsed().as_secs_f64();
     let f = sub.wait(Duration::from_secs(300));
     assert_eq!(f.code, 0, "{}\n{}", f.stderr, rm.logs());
     secs
+}
+
+/// Ray's own placement-group path on the same cluster (scripts/ray-launch-bench.py, a
+/// fresh driver each time): its warm figure, in seconds, for `tasks` tasks (`mode`: `pg`,
+/// one group per one-GPU task; `gang:4`, one group of quarter-GPU bundles).
+fn ray_own(tasks: u32, mode: &str, dir: &Path) -> f64 {
+    let out = Command::new(venv_bin().join("python"))
+        .arg(repo().join("scripts/ray-launch-bench.py"))
+        .args([&tasks.to_string(), "n1,n2,n3", "8"])
+        .arg(dir.join(format!("ray-own-{mode}")))
+        .arg(mode)
+        .env("RAY_ADDRESS", "127.0.0.1:6379")
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    print!("{text}");
+    text.lines()
+        .find(|l| l.contains("(warm)"))
+        .and_then(|l| l.split("after ").nth(1))
+        .and_then(|r| r.trim_end_matches(" s").trim().parse().ok())
+        .unwrap_or_else(|| panic!("ray-launch-bench.py {mode}: {text}"))
 }
 
 fn bench_inner() {
@@ -784,11 +990,13 @@ fn bench_inner() {
         .build()
         .unwrap();
     let ray = RayClient::new(DASHBOARD).unwrap();
+    // 32 declared CPUs a node: a 64-task gang of one CPU each fits gpuam's ledger.
     let mut nodes = start_cluster(
         &rt,
         &ray,
         &temp,
         dir.path(),
+        32,
         &[
             ("n1", "8", "pcie8", "/r1", "V100"),
             ("n2", "8", "pcie8", "/r1", "V100"),
@@ -796,6 +1004,7 @@ fn bench_inner() {
         ],
     );
     let venv_path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
+    let launch = std::env::var("GPUAM_BENCH_RAY_LAUNCH").unwrap_or_else(|_| "driver".into());
     let on_ray = Rm::start_in(
         dir,
         "nodes: []\n",
@@ -803,28 +1012,32 @@ fn bench_inner() {
         &[
             ("GPUAM_RM_BACKEND", "ray"),
             ("GPUAM_RAY_ADDRESS", DASHBOARD),
+            ("GPUAM_RAY_LAUNCH", &launch),
             ("PATH", &venv_path),
         ],
     );
-    let ray_runs: Vec<f64> = (0..3)
-        .map(|i| time_to_all_running(&on_ray, &format!("ray{i}")))
-        .collect();
+    let rounds: usize = std::env::var("GPUAM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(2);
+    let (mut ours16, mut own16, mut ours64, mut own64) = (vec![], vec![], vec![], vec![]);
+    for i in 0..rounds {
+        ours16.push(time_to_all_running(&on_ray, &format!("r16x{i}"), 16, "1", false));
+        own16.push(ray_own(16, "pg", &on_ray.path("")));
+        ours64.push(time_to_all_running(&on_ray, &format!("g64x{i}"), 64, "0.25", true));
+        own64.push(ray_own(64, "gang:4", &on_ray.path("")));
+    }
     drop(on_ray);
     for n in &mut nodes {
         let _ = n.child.kill();
         let _ = n.child.wait();
     }
-    let cluster = "nodes:\n".to_string()
-        + &["n1", "n2", "n3"]
-            .iter()
-            .map(|h| format!("  - host: {h}\n    cpu: 8\n    memoryMB: 8192\n    gpus: 8\n    gpuType: V100\n    topology: pcie8\n"))
-            .collect::<String>();
-    let own = Rm::start(&cluster, &[]);
-    let own_runs: Vec<f64> = (0..3).map(|i| time_to_all_running(&own, &format!("own{i}"))).collect();
     let fmt = |v: &[f64]| v.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(", ");
     println!(
-        "bench: 16 one-GPU tasks, submit -> all running (s): Ray backend [{}]; gpuam RM [{}]",
-        fmt(&ray_runs),
-        fmt(&own_runs)
+        "bench ({launch}): submit -> all running (s), alternating: 16 one-GPU tasks: gpuam on Ray [{}], Ray's own warm PG [{}]; 64-task gang of 0.25 GPU: gpuam on Ray [{}], Ray's own warm gang PG [{}]",
+        fmt(&ours16),
+        fmt(&own16),
+        fmt(&ours64),
+        fmt(&own64)
     );
 }

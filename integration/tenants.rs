@@ -28,7 +28,8 @@ use common::hosts::{host_ip, Hosts, RM_IP};
 use common::{bin, pid_alive, sq, wait_for};
 
 /// The hosts with users alice and bob in the RM's users file, a private uid registry and
-/// a long node expiry (an agent restarted here must not be taken for lost).
+/// a long node expiry (an agent restarted here must not be taken for lost); an ended
+/// task's directory goes 1 s after its end (`node.work_dir_grace_sec`, 30 s by default).
 fn tenant_hosts(tag: &str, agent_args: &[&str]) -> (Hosts, String, String) {
     let mut h = Hosts::build(tag);
     let users = h.path("users");
@@ -37,7 +38,7 @@ fn tenant_hosts(tag: &str, agent_args: &[&str]) -> (Hosts, String, String) {
     fs::write(
         h.path("conf.yaml"),
         format!(
-            "rm:\n  node_expiry_sec: 60\n  users_file: {}\nnode:\n  task_uid_registry: {}\n",
+            "rm:\n  node_expiry_sec: 60\n  users_file: {}\nnode:\n  task_uid_registry: {}\n  work_dir_grace_sec: 1\n",
             users.display(),
             h.path("uids").display()
         ),
@@ -296,7 +297,11 @@ fn steer(tag: &str, agent_args: &[&str]) {
         "",
         "the task could not write the node's record"
     );
-    assert!(!record.join("work").exists(), "the task's directory is gone");
+    wait_for(
+        Duration::from_secs(30),
+        "the task's directory gone after the grace",
+        || (!record.join("work").exists()).then_some(()),
+    );
     let _ = victim.0.kill();
 }
 

@@ -5,7 +5,10 @@ Compares, for N one-GPU tasks pinned with gpuam's resources (`gpuam-node-<host>`
   jobs: one Ray job per task through the Jobs REST API (what `gpuam rm --backend ray` does);
   pg:   one long-lived driver (this process) creating one STRICT_PACK placement group per task
         and running the task in it (the alternative the issue names), cold and then warm.
-Prints one line per mode.
+  gang: one placement group of N bundles (PACK) for N tasks, SHARE tasks per GPU (a gang of
+        GPU shares), cold and then warm.
+Prints one line per mode. Usage: ray-launch-bench.py N HOSTS GPUS REC [MODES] where MODES is
+`all` (default: jobs, pg) , `pg` (pg cold and warm only) or `gang:SHARE` (gang cold and warm).
 """
 import json
 import os
@@ -83,8 +86,29 @@ def pg_mode(label):
     time.sleep(1)
 
 
+def gang_mode(label, share):
+    slots = [(h, g) for h in HOSTS for g in range(GPUS) for _ in range(share)][:N]
+    t0 = time.time()
+    pg = placement_group([{f"gpuam-node-{h}": 0.001, f"gpuam-gpu-{g}": 1.0 / share} for h, g in slots],
+                         strategy="PACK")
+    refs = [task.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+        resources={f"gpuam-gpu-{g}": 1.0 / share, f"gpuam-node-{h}": 0.001},
+    ).remote(g) for i, (h, g) in enumerate(slots)]
+    starts = ray.get(refs)
+    print(f"gang ({label}): one placement group of {N} bundles + {N} tasks: all running after {max(starts) - t0:.2f} s")
+    remove_placement_group(pg)
+    time.sleep(1)
+
+
 if __name__ == "__main__":
-    jobs_mode("a")
+    modes = sys.argv[5] if len(sys.argv) > 5 else "all"
+    if modes == "all":
+        jobs_mode("a")
     ray.init(address="auto", logging_level="ERROR")
-    pg_mode("cold")
-    pg_mode("warm")
+    if modes.startswith("gang:"):
+        gang_mode("cold", int(modes.split(":")[1]))
+        gang_mode("warm", int(modes.split(":")[1]))
+    else:
+        pg_mode("cold")
+        pg_mode("warm")

@@ -364,6 +364,39 @@ struct BenchJob {
     launched: Vec<u64>,
 }
 
+/// The launch times of the tasks of the AM at `url` (its status API's task list, read with
+/// the job token); `Err`: what the AM answered instead (status and the start of the body).
+async fn launch_times(http: &reqwest::Client, url: &str, token: &str, tasks: u32) -> Result<Vec<u64>, String> {
+    let r = http
+        .get(format!("{url}api/v1/tasks?limit={}", tasks.clamp(1, 1000)))
+        .bearer_auth(token)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .map_err(|e| {
+            let cause = std::error::Error::source(&e)
+                .map(|c| format!(" ({c})"))
+                .unwrap_or_default();
+            format!(
+                "no answer{}: {e}{cause}",
+                if e.is_timeout() { " within 10 s" } else { "" }
+            )
+        })?;
+    let status = r.status();
+    let body = r.text().await.map_err(|e| format!("{status}, body unreadable: {e}"))?;
+    let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
+        let head: String = body.chars().take(200).collect();
+        format!("{status}, not JSON ({e}): {head}")
+    })?;
+    if !status.is_success() {
+        return Err(format!("{status}: {v}"));
+    }
+    Ok(v["tasks"]
+        .as_array()
+        .map(|ts| ts.iter().filter_map(|t| t["launchedMs"].as_u64()).collect())
+        .unwrap_or_default())
+}
+
 /// `gpuam bench cluster`: `jobs` jobs of `tasks` one-GPU `sleep 60` tasks submitted at
 /// once by the admin to a standalone RM (in-process executor, state in memory) on
 /// `nodes` 8-GPU nodes, each job with its own AM process. Prints submit → all tasks
@@ -450,44 +483,65 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
         }
     }
     // Poll each AM's status API (not the RM, whose time is what is measured) for its
-    // tasks' launch times, which the AMs record themselves.
+    // tasks' launch times, which the AMs record themselves: all AMs at once, each read
+    // bounded in time (one slow AM must not hold up the reading of the others), and only
+    // the task list (`/api/v1/tasks`), not the whole snapshot with its node view.
     let mut am_cpu: f64 = 0.0;
+    let mut complaints: std::collections::HashSet<String> = std::collections::HashSet::new();
     loop {
         if started.elapsed() > Duration::from_secs(600) {
             eprintln!("error: not all tasks ran within 600 s");
             return exit::INTERNAL;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
-        for job in state.iter_mut().filter(|j| j.launched.len() < tasks as usize) {
-            if job.tracking_url.is_empty() {
-                match client.app(&job.id).await {
-                    Ok(r) if r.state.is_final() => {
-                        eprintln!(
-                            "error: job {} ended before all its tasks ran: {}",
-                            job.id, r.diagnostics
-                        );
-                        return exit::INTERNAL;
+        let reads = state
+            .iter()
+            .enumerate()
+            .filter(|(_, j)| j.launched.len() < tasks as usize)
+            .map(|(i, job)| {
+                let (client, http) = (client.clone(), http.clone());
+                let (id, token, mut url) = (job.id.clone(), job.token.clone(), job.tracking_url.clone());
+                async move {
+                    if url.is_empty() {
+                        match client.app(&id).await {
+                            Ok(r) if r.state.is_final() => {
+                                return (
+                                    i,
+                                    url,
+                                    Err(format!("ended before all its tasks ran: {}", r.diagnostics)),
+                                )
+                            }
+                            Ok(r) => url = r.tracking_url,
+                            Err(_) => return (i, url, Ok(None)),
+                        }
+                        if url.is_empty() {
+                            return (i, url, Ok(None));
+                        }
                     }
-                    Ok(r) => job.tracking_url = r.tracking_url,
-                    Err(_) => continue,
+                    let read = launch_times(&http, &url, &token, tasks).await;
+                    (i, url, Ok(Some(read)))
                 }
-                if job.tracking_url.is_empty() {
-                    continue;
+            });
+        for (i, url, read) in futures::future::join_all(reads).await {
+            let job = &mut state[i];
+            job.tracking_url = url;
+            match read {
+                Err(e) => {
+                    eprintln!("error: job {} {e}", job.id);
+                    return exit::INTERNAL;
                 }
-            }
-            let Ok(r) = http
-                .get(format!("{}api/v1/snapshot", job.tracking_url))
-                .bearer_auth(&job.token)
-                .send()
-                .await
-            else {
-                continue;
-            };
-            if let Ok(v) = r.json::<serde_json::Value>().await {
-                job.launched = v["tasks"]
-                    .as_array()
-                    .map(|ts| ts.iter().filter_map(|t| t["launchedMs"].as_u64()).collect())
-                    .unwrap_or_default();
+                Ok(None) => {}
+                Ok(Some(Ok(launched))) => job.launched = launched,
+                // Said once per job and kind of answer, so a defect shows and the bench
+                // goes on reading.
+                Ok(Some(Err(why))) => {
+                    if complaints.insert(format!("{} {}", job.id, why.split(':').next().unwrap_or(""))) {
+                        eprintln!(
+                            "note: the status API of {} ({}) answered: {why}",
+                            job.id, job.tracking_url
+                        );
+                    }
+                }
             }
         }
         if state.iter().all(|j| j.launched.len() >= tasks as usize) {

@@ -378,8 +378,12 @@ pub struct NodeSettings {
     /// Where the machine records which per-user uid is whose.
     pub task_uid_registry: PathBuf,
     /// How long a finished container's logs (its record) stay on the node after the RM
-    /// heard of its end; its work directory goes as soon as it ends.
+    /// heard of its end.
     pub log_retention_sec: u64,
+    /// How long after a container ends its work directory (the task's own files) is
+    /// removed: off the start path, so that a burst of ends does not slow the next starts
+    /// (see `node::executor`). A container killed for its disk bound loses it at once. 0: at once.
+    pub work_dir_grace_sec: u64,
     /// Whether the in-process node of `gpuam rm` / `gpuam run` running as root runs each
     /// user's tasks as its own uid, as the agents do (false: as the RM's user; only for
     /// a single-user machine).
@@ -433,6 +437,7 @@ impl Default for NodeSettings {
             ),
             task_uid_registry: PathBuf::from(crate::node::identity::DEFAULT_REGISTRY),
             log_retention_sec: crate::node::executor::DEFAULT_RETENTION.as_secs(),
+            work_dir_grace_sec: crate::node::executor::DEFAULT_WORK_DIR_GRACE.as_secs(),
             in_process_identity: true,
         }
     }

@@ -9,7 +9,8 @@
 //! prints and picks exit codes.
 //! The wire types (`protocol`, with `cluster::rm_json` for node objects) and the settings
 //! (`config`) sit beside `cluster`: every component reads them and they use none of the
-//! components above (`config` only parses; the RM builds its queue tree from it). "May
+//! components above (`config` only parses; the RM builds its queue tree from it); so does
+//! `reason`, the one answer to "why does it wait". "May
 //! this task use this node" is one rule, `select::feasible`, which the RM's queue gate and
 //! preemption use too.
 
@@ -24,6 +25,7 @@ pub mod http_guard;
 pub mod node;
 pub mod protocol;
 pub mod ray;
+pub mod reason;
 pub mod resources;
 pub mod rm;
 pub mod select;

@@ -265,6 +265,11 @@ pub struct AllocateRequest {
     /// for this demand. `None` (an AM that never sends it): no waiting demand known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Vec<WaitingTasks>>,
+    /// Why its tasks wait as the AM's placement found it (`reason::Reason`: the select
+    /// outcome of the task that holds the job back, with the topology wait's deadline);
+    /// the RM shows it unless its queues name a cause of their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_reason: Option<crate::reason::Reason>,
 }
 
 /// `count` waiting tasks of one shape (one task role): what a queue's share is computed
@@ -408,6 +413,10 @@ pub struct Rejection {
     pub reason: String,
     /// False when the ask can never be granted as written (unknown host, bigger than the node).
     pub retryable: bool,
+    /// Why, typed (`reason::Reason`), when the RM's queue gate refused it: the task waits
+    /// for its queue (`QueueShare`, `Priority`, `Reclaiming`), not for another try.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<Box<crate::reason::Reason>>,
 }
 
 /// A container that ended.
@@ -456,6 +465,9 @@ pub struct AllocateResponse {
     /// of it waits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting_reason: Option<String>,
+    /// The same, typed (`reason::Reason`; a `Resources` kind when the queues name no cause).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_reason: Option<crate::reason::Reason>,
 }
 
 /// `POST /ws/v1/am/{appId}/finish` body.

@@ -191,10 +191,14 @@ function renderJob() {
   diag.textContent = j.diagnostics || '';
   diag.dataset.state = j.state;
   const final = ['SUCCEEDED', 'FAILED', 'KILLED'].includes(j.state);
-  // Why the RM's queues keep the job's waiting tasks waiting.
+  // Why the job waits: the one reason (the queue's cause, or that of the task that holds
+  // it back), in the words every surface shows (reason.js).
   const note = $('job-queue-note');
-  note.hidden = final || !j.queueNote;
-  note.textContent = j.queueNote ? 'Waiting for the queue: ' + j.queueNote : '';
+  const why = final ? null : j.reason;
+  note.hidden = !why;
+  note.textContent = why ? 'Waiting — ' + reasonText(why) : '';
+  note.dataset.kind = why ? why.kind : '';
+  note.dataset.untilMs = why && why.untilMs ? why.untilMs : '';
   const kill = $('kill');
   if (!state.token) {
     kill.disabled = true;
@@ -229,7 +233,7 @@ function filteredTasks() {
 function taskRow(t) {
   const k = key(t), ds = displayState(t);
   const ports = (t.ports || []).map(([l, ps]) => l + ':' + ps.join(',')).join(' ');
-  const note = t.waitingReason || t.exitDiagnostics || '';
+  const note = reasonText(t.reason) || t.exitDiagnostics || '';
   return h('tr', { 'data-task': k, 'data-state': ds, 'data-raw-state': t.state, class: k === state.selected ? 'selected' : null, tabindex: 0,
     onclick: () => selectTask(k), onkeydown: e => { if (e.key === 'Enter') selectTask(k); } },
     h('td', { class: 'mono' }, k),
@@ -348,18 +352,22 @@ async function loadSelection() {
   if (panel.hidden) return;
   panel.querySelector('h3').textContent = waiting ? 'Why is this task waiting?' : 'How this task was placed';
   if (!rec) {
-    $('waiting-outcome').replaceChildren(h('p', null, t.waitingReason || 'No selection has run for this task yet.'));
+    $('waiting-outcome').replaceChildren(waiting && t.reason
+      ? h('p', { class: 'outcome', 'data-outcome': 'waiting', 'data-kind': t.reason.kind }, h('b', null, 'not placed'), ' — ', h('span', { class: 'reason' }, reasonText(t.reason)))
+      : h('p', null, 'No selection has run for this task yet.'));
     panel.querySelector('tbody').replaceChildren();
     $('waiting-candidates').replaceChildren();
     return;
   }
-  // A task that waits is never shown as placed: its last selection found a place, but the
-  // task was not given it (a gang held it back); its own waiting reason says why.
-  const heldBack = t.state === 'TASK_WAITING' && rec.outcome === 'placed';
+  // A task that is not placed (waiting, or its ask not yet granted) is never shown as
+  // placed: the panel says why it waits, the one reason; its last selection (which may have
+  // found a place a gang held back, or an ask the RM has not granted) comes after.
   const where = rec.host ? h('span', { class: 'mono' }, rec.host + ' GPUs ' + (rec.gpus || []).join(',') + (rec.nic ? ' (NIC ' + rec.nic + ')' : '')) : '';
-  $('waiting-outcome').replaceChildren(heldBack
-    ? h('p', { class: 'outcome', 'data-outcome': 'held' }, h('b', null, 'not placed'),
-      ' — ' + (t.waitingReason || 'waiting'), h('span', { class: 'meta' }, ' (its last selection, ' + fmtTime(rec.atMs) + ', found ', where, ')'))
+  const found = rec.outcome === 'placed' ? ['found ', where] : [rec.outcome === 'impossible' ? 'found it impossible' : 'found no place'];
+  $('waiting-outcome').replaceChildren(waiting
+    ? h('p', { class: 'outcome', 'data-outcome': 'waiting', 'data-kind': t.reason ? t.reason.kind : '' }, h('b', null, 'not placed'),
+      ' — ', h('span', { class: 'reason' }, reasonText(t.reason) || 'waiting'),
+      h('span', { class: 'meta' }, ' (its last selection, ' + fmtTime(rec.atMs) + ', ', ...found, ')'))
     : h('p', { class: 'outcome', 'data-outcome': rec.outcome },
       h('b', null, rec.outcome === 'placed' ? 'placed' : rec.outcome === 'impossible' ? 'impossible on this cluster' : 'not now'),
       rec.host ? ' on ' : '', where,

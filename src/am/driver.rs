@@ -12,12 +12,13 @@ use tokio::sync::mpsc;
 use super::backoff::Backoff;
 use super::machine::{Effect, Event, Input, JobEnd, JobMachine, Now, RmFailure};
 use super::rm_client::{RmClient, RmError};
-use crate::cluster::Node;
+use crate::cluster::rm_json::NodeListing;
 use crate::protocol::{AllocateRequest, AllocateResponse, Container, LaunchContext, RegisterRequest, RegisterResponse};
 
 /// The RM as the AM's driver calls it.
 pub trait AmRm: Sync {
-    fn nodes(&self) -> impl Future<Output = Result<Vec<Node>, RmError>> + Send;
+    /// The node listing's changes since the last one read, or the whole listing.
+    fn node_changes(&self) -> impl Future<Output = Result<NodeListing, RmError>> + Send;
     fn allocate(&self, req: &AllocateRequest) -> impl Future<Output = Result<AllocateResponse, RmError>> + Send;
     fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send;
     /// Starts `ctx` in the granted container `c` on its node.
@@ -28,8 +29,8 @@ pub trait AmRm: Sync {
 const START_UNREACHABLE_FOR: Duration = Duration::from_secs(120);
 
 impl AmRm for RmClient {
-    fn nodes(&self) -> impl Future<Output = Result<Vec<Node>, RmError>> + Send {
-        RmClient::nodes(self)
+    fn node_changes(&self) -> impl Future<Output = Result<NodeListing, RmError>> + Send {
+        RmClient::node_changes(self)
     }
     fn allocate(&self, req: &AllocateRequest) -> impl Future<Output = Result<AllocateResponse, RmError>> + Send {
         RmClient::allocate(self, req)
@@ -91,7 +92,12 @@ pub async fn drive<R: AmRm, O: Observer>(
             });
         };
         input = match effect {
-            Effect::FetchNodes => Input::Nodes(rm.nodes().await.map_err(|e| RmFailure::from(&e))),
+            // Only what changed since the last listing when the RM can say (O(changes)).
+            Effect::FetchNodes => match rm.node_changes().await {
+                Ok(l) if l.changed_since.is_some() => Input::NodeChanges(Ok(l.nodes)),
+                Ok(l) => Input::Nodes(Ok(l.nodes)),
+                Err(e) => Input::Nodes(Err(RmFailure::from(&e))),
+            },
             Effect::Allocate(req) => {
                 let started = Instant::now();
                 let answer = rm.allocate(&req).await;

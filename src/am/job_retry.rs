@@ -9,6 +9,7 @@
 //! fails, resets its tasks with [`reset_for_restart`] and gives back what that returns.
 
 use super::tasks::{Outstanding, Task};
+use crate::reason::Kind;
 use crate::spec::JobSpec;
 
 /// What a restart takes from the tasks: asks to withdraw and containers to give back (the
@@ -21,7 +22,7 @@ pub struct GivenBack {
 
 /// Puts every task back to waiting for a new container, as at the job's start but with
 /// the next attempt number and fresh task-retry counters.
-pub fn reset_for_restart(tasks: &mut [Task], why: &str, now: std::time::Instant) -> GivenBack {
+pub fn reset_for_restart(tasks: &mut [Task], why: &str, now: std::time::Instant, now_ms: u64) -> GivenBack {
     let mut back = GivenBack::default();
     for t in tasks {
         if let Some(r) = t.request.take() {
@@ -36,8 +37,8 @@ pub fn reset_for_restart(tasks: &mut [Task], why: &str, now: std::time::Instant)
         t.succeeded = None;
         t.completed_ms = None;
         t.retry = Default::default();
-        t.new_attempt(now);
-        t.waiting_reason = Some(format!("job restarted after a failure ({why})"));
+        t.new_attempt(now, now_ms);
+        t.waits(Kind::Retry, format!("job restarted after a failure ({why})"));
     }
     back
 }
@@ -119,7 +120,7 @@ mod tests {
             resources: Default::default(),
             sent: std::time::Instant::now(),
         });
-        let back = reset_for_restart(&mut tasks, "w/1 failed", std::time::Instant::now());
+        let back = reset_for_restart(&mut tasks, "w/1 failed", std::time::Instant::now(), 0);
         assert_eq!(
             back.containers,
             vec!["c0"],

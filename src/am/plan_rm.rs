@@ -50,6 +50,7 @@ impl PlanRm {
                     request_id: ask.request_id,
                     reason: format!("no node {}", ask.host),
                     retryable: false,
+                    wait: None,
                 });
                 continue;
             };
@@ -77,6 +78,7 @@ impl PlanRm {
                     request_id: ask.request_id,
                     reason: "it no longer fits the node".into(),
                     retryable: true,
+                    wait: None,
                 }),
             }
         }

@@ -108,6 +108,7 @@ impl Publisher {
                 });
             }
             Event::QueueNote(note) => hub.update("job", json!({"queueNote": note}), |s| s.job.queue_note = note),
+            Event::Reason(reason) => hub.update("job", json!({"reason": reason}), |s| s.job.reason = reason),
             Event::Retried(t) => {
                 let c = &hub.counters;
                 let counter = match t {
@@ -133,7 +134,7 @@ impl Publisher {
 pub fn selection_record(role: &str, index: u32, sel: &Selection, at_ms: u64) -> SelectionRecord {
     let (outcome, reason, p) = match &sel.outcome {
         Outcome::Placed(p) => ("placed", None, Some(p)),
-        Outcome::NotNow { reason } => ("notNow", Some(reason.clone()), None),
+        Outcome::NotNow { reason, .. } => ("notNow", Some(reason.clone()), None),
         Outcome::Impossible { reason } => ("impossible", Some(reason.clone()), None),
     };
     SelectionRecord {

@@ -8,7 +8,7 @@ use reqwest::StatusCode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::cluster::rm_json::parse_nodes_json;
+use crate::cluster::rm_json::{parse_node_listing, NodeListing};
 use crate::cluster::Node;
 use crate::config::TlsSettings;
 use crate::protocol::{
@@ -69,6 +69,8 @@ pub struct RmClient {
     app: Option<(String, String)>,
     /// A user's (or the admin) token for the application API: submit, list, status, kill.
     user_token: Option<String>,
+    /// The `nodesVersion` of the last node listing read (see [`RmClient::node_changes`]).
+    nodes_version: std::sync::Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 /// An error with its causes: reqwest's own text omits them, and the cause (e.g. a
@@ -125,6 +127,7 @@ impl RmClient {
             base: trim_base(base),
             app: None,
             user_token: None,
+            nodes_version: Default::default(),
         }
     }
 
@@ -287,9 +290,27 @@ impl RmClient {
 
     /// The full node listing, parsed into the AM's node model.
     pub async fn nodes(&self) -> Result<Vec<Node>, RmError> {
+        Ok(self.node_listing(None).await?.nodes)
+    }
+
+    /// What changed in the node listing since the last one this client read (its
+    /// `nodesVersion`): only the changed nodes (`changed_since` set), or the whole listing
+    /// when there was none, or when the RM cannot answer changes since that version (it
+    /// restarted, or is not gpuam's).
+    pub async fn node_changes(&self) -> Result<NodeListing, RmError> {
+        let since = self.nodes_version.lock().clone();
+        self.node_listing(since).await
+    }
+
+    async fn node_listing(&self, since: Option<String>) -> Result<NodeListing, RmError> {
         let url = format!("{}/ws/v1/cluster/nodes", self.base);
+        let params: Vec<(&str, &str)> = since.iter().map(|v| ("since", v.as_str())).collect();
+        let url = reqwest::Url::parse_with_params(&url, &params).map_err(|e| RmError::BadAnswer {
+            what: "node listing".into(),
+            why: format!("the RM's address `{url}` is not a URL: {e}"),
+        })?;
         let resp = self
-            .as_user(self.http.get(&url))
+            .as_user(self.http.get(url))
             .send()
             .await
             .map_err(|e| RmError::Unreachable {
@@ -308,10 +329,20 @@ impl RmClient {
             url: self.base.clone(),
             why: error_chain(&e),
         })?;
-        parse_nodes_json(&text).map_err(|e| RmError::BadAnswer {
+        let mut listing = parse_node_listing(&text).map_err(|e| RmError::BadAnswer {
             what: "node listing".into(),
             why: e.to_string(),
-        })
+        })?;
+        // Changes answer only the version they were asked for; anything else is whole.
+        if listing.changed_since.is_some() && listing.changed_since != since {
+            listing.changed_since = None;
+            return Err(RmError::BadAnswer {
+                what: "node listing".into(),
+                why: "changes since a version that was not asked for".into(),
+            });
+        }
+        *self.nodes_version.lock() = listing.version.clone();
+        Ok(listing)
     }
 
     pub async fn register(&self, req: &RegisterRequest) -> Result<RegisterResponse, RmError> {

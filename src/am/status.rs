@@ -96,8 +96,10 @@ pub struct TaskStatus {
     pub exit_code: Option<i32>,
     pub exit_type: Option<ExitType>,
     pub exit_diagnostics: Option<String>,
-    /// Why the task is waiting (last selection outcome), when it is.
+    /// Why the task is not placed, when it is not: [`Self::reason`] as one line of text.
     pub waiting_reason: Option<String>,
+    /// Why the task is not placed (waiting, or its ask not yet granted), when it is not.
+    pub reason: Option<crate::reason::Reason>,
     /// Milliseconds since the epoch.
     pub created_ms: u64,
     pub launched_ms: Option<u64>,
@@ -211,6 +213,9 @@ pub struct JobStatus {
     /// Why the RM's queues keep the job's waiting tasks waiting (its queue at its cap,
     /// behind a queue below its share, GPUs being taken back for it, ...).
     pub queue_note: Option<String>,
+    /// Why the job waits, while some task of it is not placed: the RM's queue cause or the
+    /// reason of the task that holds it back (`reason::combine`).
+    pub reason: Option<crate::reason::Reason>,
 }
 
 /// Everything the AM publishes, in one consistent snapshot.

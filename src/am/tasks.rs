@@ -1,6 +1,7 @@
-//! The AM's task table: one entry per task of the job, its state, its outstanding
-//! request or container, its retry counters; and the container environment
-//! (DESIGN.md §6) built from it.
+//! The AM's task table: one entry per task of the job, its state, why it waits (the one
+//! `reason::Reason`, with since and the topology wait's deadline), its outstanding
+//! request or container, its retry counters; and the launch context of each (the AM's part
+//! of the container contract, DESIGN.md §6, whose rules are `node::contract`'s).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -8,8 +9,9 @@ use std::time::{Duration, Instant};
 use super::exits::{ExitInfo, RetryState};
 use super::status::{TaskState, TaskStatus};
 use crate::protocol::{Container, LaunchContext};
+use crate::reason::{Kind, Reason};
 use crate::resources::{mask_hex, mask_indices, Resources};
-use crate::select::TaskSlot;
+use crate::select::{Outcome, TaskSlot};
 use crate::spec::{JobSpec, SpecFormat};
 
 /// An ask sent to the RM and not yet answered.
@@ -38,7 +40,11 @@ pub struct Task {
     /// When this attempt began waiting for a container (a lost, rejected or held-back ask
     /// does not restart it): the clock of `select.topology_wait_sec`.
     pub waiting_since: Instant,
-    pub waiting_reason: Option<String>,
+    /// The same moment on the wall clock (milliseconds since the epoch), for the reason's
+    /// `since` and the topology wait's deadline.
+    pub waiting_since_ms: u64,
+    /// Why it waits (shown while it is not placed: waiting, or its ask not yet granted).
+    pub reason: Option<Reason>,
     pub exit: Option<(ExitInfo, String)>,
     pub succeeded: Option<bool>,
     pub created_ms: u64,
@@ -69,7 +75,8 @@ impl Task {
             ports: Vec::new(),
             not_before: None,
             waiting_since: at,
-            waiting_reason: None,
+            waiting_since_ms: ms,
+            reason: Some(Reason::new(Kind::Starting, "waiting for its first placement round").since(ms)),
             exit: None,
             succeeded: None,
             created_ms: ms,
@@ -116,10 +123,58 @@ impl Task {
 
     /// A new attempt (a retry after its container ended, or the job's restart): back to
     /// waiting (from `now`), with the topology-wait clock restarted.
-    pub fn new_attempt(&mut self, now: Instant) {
+    pub fn new_attempt(&mut self, now: Instant, now_ms: u64) {
         self.attempt += 1;
         self.waiting_since = now;
+        self.waiting_since_ms = now_ms;
         self.reset_to_waiting();
+    }
+
+    /// Says why it waits now (`since` the moment it began waiting), marking it changed when
+    /// that is news.
+    pub fn waits(&mut self, kind: Kind, detail: impl Into<String>) {
+        let r = Reason::new(kind, detail).since(self.waiting_since_ms);
+        self.set_reason(Some(r));
+    }
+
+    /// Why it waits after a selection's `outcome`: the outcome's kind and detail (select),
+    /// since it began waiting, and for the topology wait its deadline (`topology_wait`
+    /// after it began waiting); a placement is an ask not yet granted (not a place).
+    pub fn reason_for(&self, outcome: &Outcome, topology_wait: Duration) -> Option<Reason> {
+        let since = self.waiting_since_ms;
+        let r = match (outcome.wait_reason(), outcome) {
+            (Some(r), _) if r.kind == Kind::Topology => r.until(since + topology_wait.as_millis() as u64),
+            (Some(r), _) => r,
+            (None, Outcome::Placed(p)) => {
+                let gpus = mask_indices(p.resources.gpu_mask);
+                let on = match gpus.is_empty() {
+                    true => p.host.clone(),
+                    false => format!(
+                        "{} GPUs {}",
+                        p.host,
+                        gpus.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+                    ),
+                };
+                Reason::new(Kind::Requested, format!("asked the RM for {on}; not granted yet"))
+            }
+            (None, _) => return None,
+        };
+        Some(r.since(since))
+    }
+
+    /// Sets the reason (`None`: it has its place), marking it changed when that is news.
+    pub fn set_reason(&mut self, r: Option<Reason>) {
+        if self.reason != r {
+            self.reason = r;
+            self.dirty = true;
+        }
+    }
+
+    /// Its reason, while it is not placed (waiting, or its ask not yet granted).
+    pub fn wait_reason(&self) -> Option<&Reason> {
+        self.reason
+            .as_ref()
+            .filter(|_| matches!(self.state, TaskState::TaskWaiting | TaskState::ContainerRequested))
     }
 
     /// Back to waiting for a new container (a retry, or a lost ask).
@@ -164,7 +219,8 @@ impl Task {
                     format!("{}: {d}", e.description)
                 }
             }),
-            waiting_reason: self.waiting_reason.clone(),
+            waiting_reason: self.wait_reason().map(Reason::text),
+            reason: self.wait_reason().cloned(),
             created_ms: self.created_ms,
             launched_ms: self.launched_ms,
             completed_ms: self.completed_ms,
@@ -172,57 +228,24 @@ impl Task {
     }
 }
 
-/// An environment variable name made from a label or role: upper case, anything
-/// other than letters, digits and `_` becomes `_`.
-pub fn env_name(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_uppercase()
-            } else {
-                '_'
-            }
-        })
-        .collect()
-}
-
-/// `CONTAINER_PORTS` in frameworklauncher's format: `label:p1,p2;label2:p3;`.
-pub fn container_ports_string(ports: &[(String, Vec<u16>)]) -> String {
-    ports
-        .iter()
-        .map(|(l, ps)| format!("{l}:{};", ps.iter().map(u16::to_string).collect::<Vec<_>>().join(",")))
-        .collect()
-}
-
-/// The AM's part of a container's environment (the executor adds the GPU variables,
-/// the container id and the host). `peers` maps role → "host:firstPort" per index,
-/// given for gang jobs.
+/// The AM's part of a container's environment (the node adds the GPU variables, the
+/// container id and the host: [`crate::node::contract`]). `peers` maps role →
+/// "host:firstPort" per index, given for gang jobs.
 pub fn task_env(
     job: &JobSpec,
     task: &Task,
     app_id: &str,
     peers: Option<&BTreeMap<String, Vec<String>>>,
 ) -> BTreeMap<String, String> {
-    let role = &job.task_roles[task.role];
-    let mut env = BTreeMap::new();
-    env.insert("GPUAM_JOB".into(), job.name.clone());
-    env.insert("GPUAM_APP_ID".into(), app_id.to_string());
-    env.insert("GPUAM_TASK_ROLE".into(), role.name.clone());
-    env.insert("GPUAM_TASK_INDEX".into(), task.index.to_string());
-    env.insert("GPUAM_ATTEMPT".into(), task.attempt.to_string());
-    env.insert("CONTAINER_PORTS".into(), container_ports_string(&task.ports));
-    for (label, ps) in &task.ports {
-        env.insert(
-            format!("GPUAM_PORT_{}", env_name(label)),
-            ps.iter().map(u16::to_string).collect::<Vec<_>>().join(","),
-        );
-    }
-    if let Some(peers) = peers {
-        for (r, hosts) in peers {
-            env.insert(format!("GPUAM_HOSTS_{}", env_name(r)), hosts.join(","));
-        }
-    }
-    env
+    crate::node::contract::app_env(&crate::node::contract::AppTask {
+        job: &job.name,
+        app_id,
+        role: &job.task_roles[task.role].name,
+        index: task.index,
+        attempt: task.attempt,
+        ports: &task.ports,
+        peers,
+    })
 }
 
 /// What the node gets to start `task`: its role's commands and the whole environment —
@@ -316,7 +339,7 @@ mod tests {
         assert!(!topology_wait(&t, now + wait));
         // A retry is a new attempt: a new wait.
         let before = t.attempt;
-        t.new_attempt(Instant::now());
+        t.new_attempt(Instant::now(), 0);
         assert_eq!(t.attempt, before + 1);
         assert!(t.waiting_since >= now);
         assert!(topology_wait(&t, t.waiting_since + wait - Duration::from_millis(1)));

@@ -116,6 +116,7 @@ pub async fn run(opts: AmOptions) -> i32 {
                 .unwrap_or_else(|| crate::protocol::DEFAULT_QUEUE.to_string()),
             priority: job.priority,
             queue_note: None,
+            reason: None,
         },
         tasks: Vec::new(),
         nodes: Vec::new(),

@@ -226,7 +226,11 @@ fn jobs_table(jobs: &[&Value], now: u64) -> String {
             n("gpus"),
             short_duration(now.saturating_sub(n("startedTime")))
         ));
-        if let Some(why) = j["why"].as_str().filter(|_| waiting > 0) {
+        let reason = serde_json::from_value::<crate::reason::Reason>(j["reason"].clone()).ok();
+        let line = reason
+            .map(|r| r.text())
+            .or_else(|| j["why"].as_str().map(str::to_string));
+        if let Some(why) = line.filter(|_| waiting > 0) {
             let since = j["waitingMs"].as_u64().map(short_duration).unwrap_or_default();
             out.push_str(&format!("       {}\n", fit(&format!("waits {since}: {why}"), 72)));
         }
@@ -259,7 +263,7 @@ pub(crate) async fn status(a: &StatusArgs, tls: &TlsSettings) -> i32 {
             .collect();
         print_json(&json!({
             "app": d.app,
-            "waiting": { "since": d.waiting.since, "why": d.waiting.why },
+            "waiting": { "since": d.waiting.since, "why": d.waiting.why, "reason": d.waiting.reason },
             "containers": containers,
             "history": d.history,
         }));
@@ -298,7 +302,7 @@ fn status_text(d: &super::rm_api::JobDetail, now: u64) -> String {
         h.gpu_hours,
         h.am_attempts
     ));
-    if let Some(why) = &d.waiting.why {
+    if let Some(why) = d.waiting.line() {
         let since = d
             .waiting
             .since

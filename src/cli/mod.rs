@@ -248,6 +248,16 @@ pub(crate) struct RayBackendArgs {
     /// The gate's URL as Ray nodes reach it (default: http://<gate listen address>).
     #[arg(long, value_name = "URL")]
     pub ray_gate_url: Option<String>,
+    /// How containers run on Ray: `jobs` (one Ray job per container) or `driver` (one
+    /// long-lived Ray driver, a placement group per container; docs/RAY.md).
+    #[arg(long, env = "GPUAM_RAY_LAUNCH", default_value = "driver", value_parser = ["driver", "jobs"])]
+    pub ray_launch: String,
+    /// The Python of the Ray installation that runs the driver (`--ray-launch driver`).
+    #[arg(long, env = "GPUAM_RAY_PYTHON", default_value = "python3", value_name = "PATH")]
+    pub ray_python: String,
+    /// Ray's GCS address for the driver (default: the dashboard's host, port 6379).
+    #[arg(long, env = "GPUAM_RAY_GCS_ADDRESS", value_name = "HOST:PORT")]
+    pub ray_gcs_address: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]

@@ -317,6 +317,7 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         work_dir: args.work_dir,
         identity,
         retention: Some(std::time::Duration::from_secs(settings.node.log_retention_sec)),
+        work_dir_grace: Some(std::time::Duration::from_secs(settings.node.work_dir_grace_sec)),
         ip: args.ip,
         task_env,
         max_log_bytes: Some(settings.node.max_log_bytes),

@@ -34,6 +34,19 @@ pub(crate) struct JobDetail {
 pub(crate) struct Waiting {
     pub since: Option<u64>,
     pub why: Option<String>,
+    /// The same, typed (an older RM sends only `why`).
+    #[serde(default)]
+    pub reason: Option<crate::reason::Reason>,
+}
+
+impl Waiting {
+    /// The line that says why it waits (`Reason::text`, the words every surface shows).
+    pub fn line(&self) -> Option<String> {
+        self.reason
+            .as_ref()
+            .map(crate::reason::Reason::text)
+            .or_else(|| self.why.clone())
+    }
 }
 
 /// A container row and whether its node is LOST.

@@ -585,9 +585,11 @@ fn report_task_change(t: &Value, seen: &mut HashMap<String, SeenTask>, say: &imp
     );
     let attempt = t["attempt"].as_u64().unwrap_or(1);
     let state = t["state"].as_str().unwrap_or("").to_string();
+    // The task's reason (`reason::Reason`), in the words every surface shows.
     let waiting = (state == "TASK_WAITING")
-        .then(|| t["waitingReason"].as_str().map(str::to_string))
-        .flatten();
+        .then(|| serde_json::from_value::<crate::reason::Reason>(t["reason"].clone()).ok())
+        .flatten()
+        .map(|r| r.text());
     let now = SeenTask {
         attempt,
         state: state.clone(),
@@ -643,17 +645,30 @@ mod tests {
         let lines = std::cell::RefCell::new(Vec::new());
         let say = |l: String| lines.borrow_mut().push(l);
         let mut seen = HashMap::new();
-        let waiting = |why: &str| serde_json::json!({"role": "w", "index": 0, "attempt": 1, "state": "TASK_WAITING", "waitingReason": why});
-        report_task_change(&waiting("holding out for 2 GPUs of tier 1"), &mut seen, &say);
-        report_task_change(&waiting("holding out for 2 GPUs of tier 1"), &mut seen, &say);
-        report_task_change(&waiting("no node has 2 free GPUs"), &mut seen, &say);
+        let waiting = |kind: &str, why: &str| {
+            let reason = serde_json::json!({"kind": kind, "detail": why, "sinceMs": 0, "untilMs": 300_000});
+            serde_json::json!({"role": "w", "index": 0, "attempt": 1, "state": "TASK_WAITING", "reason": reason})
+        };
+        report_task_change(
+            &waiting("Topology", "holding out for 2 GPUs of tier 1"),
+            &mut seen,
+            &say,
+        );
+        report_task_change(
+            &waiting("Topology", "holding out for 2 GPUs of tier 1"),
+            &mut seen,
+            &say,
+        );
+        report_task_change(&waiting("Resources", "no node has 2 free GPUs"), &mut seen, &say);
         let running = serde_json::json!({"role": "w", "index": 0, "attempt": 1, "state": "CONTAINER_RUNNING", "host": "n1", "gpus": [0, 1]});
         report_task_change(&running, &mut seen, &say);
         assert_eq!(
             lines.into_inner(),
             vec![
-                "task w/0 not placed yet: holding out for 2 GPUs of tier 1".to_string(),
-                "task w/0 not placed yet: no node has 2 free GPUs".to_string(),
+                "task w/0 not placed yet: Topology: holding out for 2 GPUs of tier 1 [since 00:00:00 UTC, until 00:05:00 UTC]"
+                    .to_string(),
+                "task w/0 not placed yet: Resources: no node has 2 free GPUs [since 00:00:00 UTC, until 00:05:00 UTC]"
+                    .to_string(),
                 "task w/0 running on n1 GPUs [0,1]".to_string(),
             ]
         );

@@ -54,7 +54,19 @@ pub async fn rm(
     raise_open_file_limit();
     let (nodes, ray) = if ray_args.backend == "ray" {
         match ray_backend(ray_args, listen).await {
-            Ok((nodes, client, gate)) => (nodes, Some((client, gate))),
+            Ok((nodes, client, gate)) => {
+                let launch = match ray_args.ray_launch.as_str() {
+                    "driver" => crate::ray::Launch::Driver(crate::ray::driver::DriverConfig {
+                        python: ray_args.ray_python.clone(),
+                        gcs_address: ray_args.ray_gcs_address.clone().unwrap_or_else(|| {
+                            crate::ray::driver::default_gcs_address(ray_args.ray_address.as_deref().unwrap_or(""))
+                        }),
+                        hosts: nodes.iter().map(|n| n.host.clone()).collect(),
+                    }),
+                    _ => crate::ray::Launch::Jobs,
+                };
+                (nodes, Some(crate::ray::Backend { client, gate, launch }))
+            }
             Err(code) => return code,
         }
     } else if nodes_file.is_some() && cluster.is_none() {
@@ -66,7 +78,7 @@ pub async fn rm(
             Err(code) => return code,
         }
     };
-    let ray_watch = ray.as_ref().map(|(client, _)| client.clone());
+    let ray_watch = ray.as_ref().map(|b| b.client.clone());
     let initial_states: std::collections::BTreeMap<String, crate::cluster::NodeState> =
         nodes.iter().map(|n| (n.host.clone(), n.state)).collect();
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));

@@ -134,12 +134,43 @@ fn resource_info(r: &Resources) -> Value {
 /// Reads a node listing: `{"nodes":{"node":[...]}}` in every tolerated spelling, a
 /// single `{"node":{...}}` answer, or a bare array of node objects.
 pub fn parse_nodes_json(text: &str) -> Result<Vec<Node>, NodeJsonError> {
+    parse_node_listing(text).map(|l| l.nodes)
+}
+
+/// gpuam's versioned node listing (DESIGN.md §3): `GET /ws/v1/cluster/nodes` answers with
+/// a `nodesVersion`, and `?since=<nodesVersion>` with only the nodes changed since that
+/// version (`changedSince` set). A listing without them (another RM) is a whole one.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeListing {
+    pub nodes: Vec<Node>,
+    /// The version this listing brings the reader's view to.
+    pub version: Option<String>,
+    /// Set on an answer of changes only: the version they apply to.
+    pub changed_since: Option<String>,
+}
+
+/// The top-level field of a listing's version.
+pub const NODES_VERSION: &str = "nodesVersion";
+/// The top-level field of an answer of changes only.
+pub const CHANGED_SINCE: &str = "changedSince";
+
+/// Reads a node listing as [`parse_nodes_json`] does, with its version fields.
+pub fn parse_node_listing(text: &str) -> Result<NodeListing, NodeJsonError> {
     let v: Value = if text.trim().is_empty() {
         Value::Null
     } else {
         serde_json::from_str(text).map_err(|e| NodeJsonError::Json(e.to_string()))?
     };
-    let items = match &v {
+    let field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
+    Ok(NodeListing {
+        version: field(NODES_VERSION),
+        changed_since: field(CHANGED_SINCE),
+        nodes: nodes_of_listing(&v)?,
+    })
+}
+
+fn nodes_of_listing(v: &Value) -> Result<Vec<Node>, NodeJsonError> {
+    let items = match v {
         Value::Object(top) => match top.get("nodes") {
             Some(nodes) => match nodes {
                 Value::Object(inner) => list_items(inner.get("node"), "nodes.node")?,

@@ -66,6 +66,8 @@ pub struct AgentOptions {
     pub identity: super::identity::IdentitySettings,
     /// How long a finished container's record (its logs) stays (`node.log_retention_sec`).
     pub retention: Option<Duration>,
+    /// How long after its end a container's work directory goes (`node.work_dir_grace_sec`).
+    pub work_dir_grace: Option<Duration>,
     /// The address peers of this node's containers reach them at (`--ip`); `None`: see
     /// [`peer_ip`].
     pub ip: Option<IpAddr>,
@@ -167,6 +169,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             task_env: opts.task_env.clone(),
             max_log_bytes: opts.max_log_bytes,
             retention: opts.retention,
+            work_dir_grace: opts.work_dir_grace,
             ends_heard_here: false,
             max_disk_mb: opts.bounds.max_disk_mb,
         },
@@ -739,6 +742,7 @@ mod tests {
             work_dir: PathBuf::from("/nonexistent"),
             identity: Default::default(),
             retention: None,
+            work_dir_grace: None,
             ip: ip.map(|s| s.parse().unwrap()),
             task_env: Vec::new(),
             max_log_bytes: None,

@@ -8,7 +8,8 @@
 //!   files stay), so a node the task filled runs the next job. Measurement, not a quota: it
 //!   works under every containment (cgroup v2, v1, the shim), on every filesystem; a task
 //!   can overshoot by what it writes in one interval (or fill a small disk first), which
-//!   the trim gives back. Files the task writes outside its directory (`/tmp`) are not
+//!   the trim gives back. A directory deeper than [`MAX_DEPTH`] levels or with more than
+//!   [`MAX_ENTRIES`] entries is not walked whole and counts as over the bound ([`verdict`]). Files the task writes outside its directory (`/tmp`) are not
 //!   counted (see docs/RELIABILITY.md).
 //! - **Out of memory**: [`oom_reason`] words an OOM kill inside the container's own memory
 //!   limit (read by [`super::cgroup::Cgroup::oom_kills`]) as `out of memory (limit N MiB)`,
@@ -73,9 +74,20 @@ impl NodeBounds {
 /// How often a running container's directory is measured.
 pub const DISK_CHECK: Duration = Duration::from_secs(1);
 /// Deepest directory level and most entries one measurement visits (a task cannot make
-/// the node walk forever; beyond them the rest is not counted).
-const MAX_DEPTH: u32 = 64;
-const MAX_ENTRIES: u64 = 1_000_000;
+/// the node walk forever). A directory beyond either cannot be measured, and a task
+/// could hide bytes past them: it counts as over the bound ([`Usage::complete`]).
+pub const MAX_DEPTH: u32 = 64;
+pub const MAX_ENTRIES: u64 = 1_000_000;
+
+/// What one measurement of a directory found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    /// Bytes allocated to what was visited.
+    pub bytes: u64,
+    /// Whether everything was visited (no level past [`MAX_DEPTH`], no more than
+    /// [`MAX_ENTRIES`] entries).
+    pub complete: bool,
+}
 
 /// The diagnostics of a container killed for its disk.
 pub fn disk_reason(limit_mb: u64) -> String {
@@ -104,12 +116,27 @@ fn open_dir(path: &Path) -> Option<OwnedFd> {
 }
 
 /// Bytes allocated under the directory `dir` (itself excluded), not following links.
-pub fn disk_usage(dir: &Path) -> u64 {
+pub fn disk_usage(dir: &Path) -> Usage {
     let mut entries = 0;
-    open_dir(dir).map_or(0, |fd| walk(&fd, 0, &mut entries))
+    let mut complete = true;
+    let bytes = open_dir(dir).map_or(0, |fd| walk(&fd, 0, &mut entries, &mut complete));
+    Usage { bytes, complete }
 }
 
-fn walk(fd: &OwnedFd, depth: u32, entries: &mut u64) -> u64 {
+/// Whether `usage` is beyond a bound of `limit_mb` MiB, and why: a directory that could
+/// not be measured whole is beyond it (what is past the walk's limits is not known).
+pub fn verdict(usage: Usage, limit_mb: u64) -> Option<String> {
+    if !usage.complete {
+        return Some(format!(
+            "{}: the directory is deeper than {MAX_DEPTH} levels or holds more than {MAX_ENTRIES} entries, \
+             which the node does not measure",
+            disk_reason(limit_mb)
+        ));
+    }
+    over(usage.bytes, limit_mb).then(|| disk_reason(limit_mb))
+}
+
+fn walk(fd: &OwnedFd, depth: u32, entries: &mut u64, complete: &mut bool) -> u64 {
     let mut total = 0u64;
     // SAFETY: `dup` of an fd we hold; `fdopendir` takes the copy, `closedir` frees it;
     // `readdir` entries are read before the next call.
@@ -134,6 +161,7 @@ fn walk(fd: &OwnedFd, depth: u32, entries: &mut u64) -> u64 {
             }
             *entries += 1;
             if *entries > MAX_ENTRIES {
+                *complete = false;
                 break;
             }
             let mut st: libc::stat = std::mem::zeroed();
@@ -141,7 +169,11 @@ fn walk(fd: &OwnedFd, depth: u32, entries: &mut u64) -> u64 {
                 continue;
             }
             total = total.saturating_add((st.st_blocks as u64).saturating_mul(512));
-            if st.st_mode & libc::S_IFMT == libc::S_IFDIR && depth < MAX_DEPTH {
+            if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                if depth >= MAX_DEPTH {
+                    *complete = false;
+                    continue;
+                }
                 let child = libc::openat(
                     fd.as_raw_fd(),
                     name.as_ptr(),
@@ -149,7 +181,7 @@ fn walk(fd: &OwnedFd, depth: u32, entries: &mut u64) -> u64 {
                 );
                 if child >= 0 {
                     let child = OwnedFd::from_raw_fd(child);
-                    total = total.saturating_add(walk(&child, depth + 1, entries));
+                    total = total.saturating_add(walk(&child, depth + 1, entries, complete));
                 }
             }
         }
@@ -215,9 +247,9 @@ pub async fn watch_disk(
         let Ok(used) = tokio::task::spawn_blocking(move || disk_usage(&d)).await else {
             return;
         };
-        if over(used, limit_mb) {
-            tracing::warn!(dir = %dir.display(), used, "{}: killing the container", disk_reason(limit_mb));
-            *verdict.lock() = Some(disk_reason(limit_mb));
+        if let Some(why) = self::verdict(used, limit_mb) {
+            tracing::warn!(dir = %dir.display(), used = used.bytes, "{why}: killing the container");
+            *verdict.lock() = Some(why);
             target.kill();
             return;
         }
@@ -260,12 +292,54 @@ mod tests {
         // Outside: 4 MiB behind a link, which must not count.
         std::fs::write(tmp.path().join("outside"), vec![1u8; 4 << 20]).unwrap();
         std::os::unix::fs::symlink(tmp.path(), d.join("link")).unwrap();
-        let used = disk_usage(&d);
+        let Usage { bytes: used, complete } = disk_usage(&d);
+        assert!(complete);
         assert!(used >= 3 << 20, "{used}");
         assert!(used < 7 << 20, "counted through the link: {used}");
         assert!(over(used, 2));
         assert!(!over(used, 8));
-        assert_eq!(disk_usage(&d.join("link")), 0, "the directory itself is not followed");
+        assert_eq!(
+            verdict(disk_usage(&d), 2).as_deref(),
+            Some("disk limit exceeded (2 MiB)")
+        );
+        assert_eq!(verdict(disk_usage(&d), 8), None);
+        assert_eq!(
+            disk_usage(&d.join("link")).bytes,
+            0,
+            "the directory itself is not followed"
+        );
+    }
+
+    /// Bytes hidden below the deepest level the walk visits are not known, so such a
+    /// directory counts as over the bound, with a reason that says why.
+    #[test]
+    fn a_tree_deeper_than_the_walk_goes_is_over_the_bound() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("c");
+        let mut deep = d.clone();
+        for _ in 0..=MAX_DEPTH {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(deep.join("hidden"), vec![1u8; 4 << 20]).unwrap();
+        let usage = disk_usage(&d);
+        assert!(!usage.complete, "{usage:?}");
+        assert!(usage.bytes < 4 << 20, "the hidden file was not reached: {usage:?}");
+        let why = verdict(usage, 1024).unwrap();
+        assert!(
+            why.starts_with("disk limit exceeded (1024 MiB): the directory is deeper than 64 levels"),
+            "{why}"
+        );
+        // One level less is measured whole.
+        let shallow = tmp.path().join("s");
+        let mut p = shallow.clone();
+        for _ in 0..MAX_DEPTH {
+            p.push("d");
+        }
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::write(p.join("f"), b"x").unwrap();
+        assert!(disk_usage(&shallow).complete);
+        assert_eq!(verdict(disk_usage(&shallow), 1024), None);
     }
 
     #[test]

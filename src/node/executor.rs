@@ -65,10 +65,11 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
 use super::cgroup::{Cgroup, Containment, Limits};
+use super::contract::shell_quote;
 use super::procs::ProcessId;
 use super::{NodeError, NodeEvent};
 use crate::protocol::{exit_status, ContainerState, ContainerStatus, LaunchContext};
-use crate::resources::{mask_hex, mask_indices, Resources};
+use crate::resources::Resources;
 use crate::topology::{task_locality, CpuList, TaskLocality, Topology};
 
 /// Which captured stream to read.
@@ -124,6 +125,13 @@ pub const PREEMPT_FILE: &str = "preempt";
 /// How long a finished container's record (its logs) is kept by default
 /// (`node.log_retention_sec`).
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long after its end a container's work directory is removed by default
+/// (`node.work_dir_grace_sec`). Removing it at once put the deletions among the next
+/// starts: on ext4 without a journal, every inode the node allocates then scans past the
+/// recently deleted ones of its group (`recently_deleted` in the kernel), and a burst of
+/// ends made the following starts twice as slow (docs/BENCHMARKS.md). Later, the removals
+/// fall outside the burst; the directory is the task's own (0700, its uid) meanwhile.
+pub const DEFAULT_WORK_DIR_GRACE: Duration = Duration::from_secs(30);
 /// Finished records are looked for at most this often (on a start).
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -209,6 +217,8 @@ pub struct Executor {
     opts: ExecutorOptions,
     /// When finished records were last looked for ([`Executor::sweep`]).
     last_sweep: Mutex<Option<Instant>>,
+    /// Whether the root was marked to spread its records ([`spread_records`]).
+    spread: std::sync::Once,
 }
 
 /// The unprivileged user a task runs as.
@@ -269,6 +279,10 @@ pub struct ExecutorOptions {
     /// How long a finished, acknowledged container's record (its logs) is kept
     /// (`node.log_retention_sec`; `None`: [`DEFAULT_RETENTION`]).
     pub retention: Option<Duration>,
+    /// How long after its end a container's work directory is removed
+    /// (`node.work_dir_grace_sec`; `None`: [`DEFAULT_WORK_DIR_GRACE`]). A container killed
+    /// for its disk bound loses it at once.
+    pub work_dir_grace: Option<Duration>,
     /// Ends are heard in this process (the in-process node), so no acknowledgement comes:
     /// a finished record counts as acknowledged for the retention.
     pub ends_heard_here: bool,
@@ -337,6 +351,7 @@ impl Executor {
             table: Arc::new(Mutex::new(HashMap::new())),
             opts,
             last_sweep: Mutex::new(None),
+            spread: std::sync::Once::new(),
         }
     }
 
@@ -452,6 +467,7 @@ impl Executor {
             (None, _) => self.opts.run_as.clone(),
         };
         self.sweep_now_and_then();
+        self.spread.call_once(|| spread_records(&self.root));
 
         let dir = self.root.join(container_id);
         let was_allocated = {
@@ -596,6 +612,7 @@ impl Executor {
             cgroup,
             max_log_bytes: self.opts.max_log_bytes,
             verdict: Default::default(),
+            work_dir_grace: self.work_dir_grace(),
         }
     }
 
@@ -834,7 +851,18 @@ impl Executor {
     /// Returns how many records went.
     pub fn sweep(&self, now: std::time::SystemTime) -> usize {
         let retention = self.opts.retention.unwrap_or(DEFAULT_RETENTION);
-        sweep_records(&self.root, &self.table, retention, self.opts.ends_heard_here, now)
+        sweep_records(
+            &self.root,
+            &self.table,
+            (retention, self.work_dir_grace()),
+            self.opts.ends_heard_here,
+            now,
+        )
+    }
+
+    /// [`ExecutorOptions::work_dir_grace`] with its default.
+    fn work_dir_grace(&self) -> Duration {
+        self.opts.work_dir_grace.unwrap_or(DEFAULT_WORK_DIR_GRACE)
     }
 
     /// [`Executor::sweep`], at most every [`SWEEP_EVERY`], in the background.
@@ -847,11 +875,9 @@ impl Executor {
             *last = Some(Instant::now());
         }
         let (root, table) = (self.root.clone(), self.table.clone());
-        let retention = self.opts.retention.unwrap_or(DEFAULT_RETENTION);
+        let keep = (self.opts.retention.unwrap_or(DEFAULT_RETENTION), self.work_dir_grace());
         let heard = self.opts.ends_heard_here;
-        tokio::task::spawn_blocking(move || {
-            sweep_records(&root, &table, retention, heard, std::time::SystemTime::now())
-        });
+        tokio::task::spawn_blocking(move || sweep_records(&root, &table, keep, heard, std::time::SystemTime::now()));
     }
 
     /// The container's state, exit status, pid (= pgid) and diagnostics; `None` if unknown.
@@ -978,8 +1004,46 @@ impl Executor {
     }
 }
 
-/// See [`Executor::sweep`].
-fn sweep_records(root: &Path, table: &Table, retention: Duration, heard: bool, now: std::time::SystemTime) -> usize {
+/// Asks the filesystem to place each container record (a directory of the root) in a
+/// block group of its own choosing, as it places top-level directories (ext4's
+/// `FS_TOPDIR_FL`, `chattr +T`), instead of all of them in the root's group. On ext4
+/// without a journal every inode allocated in a group scans past that group's recently
+/// deleted inodes (`recently_deleted` in the kernel); with every record in one group, the
+/// files that other work on the machine (or earlier records) deleted there made each start
+/// slower (docs/BENCHMARKS.md). Best effort: other filesystems refuse the flag, which
+/// changes nothing else.
+fn spread_records(root: &Path) {
+    use std::os::fd::AsRawFd as _;
+    // linux/fs.h: FS_IOC_GETFLAGS = _IOR('f', 1, long), FS_IOC_SETFLAGS = _IOW('f', 2, long).
+    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
+    const FS_IOC_SETFLAGS: libc::c_ulong = 0x4008_6602;
+    const FS_TOPDIR_FL: libc::c_long = 0x0002_0000;
+    if std::fs::create_dir_all(root).is_err() {
+        return;
+    }
+    let Ok(dir) = std::fs::File::open(root) else {
+        return;
+    };
+    let mut flags: libc::c_long = 0;
+    // SAFETY: both ioctls read or write one `long` through a pointer to a live local; the
+    // descriptor is open for the whole call.
+    unsafe {
+        if libc::ioctl(dir.as_raw_fd(), FS_IOC_GETFLAGS as _, &mut flags) == 0 && flags & FS_TOPDIR_FL == 0 {
+            flags |= FS_TOPDIR_FL;
+            libc::ioctl(dir.as_raw_fd(), FS_IOC_SETFLAGS as _, &flags);
+        }
+    }
+}
+
+/// See [`Executor::sweep`]. `keep`: how long a record, and a work directory, stay after the end.
+fn sweep_records(
+    root: &Path,
+    table: &Table,
+    keep: (Duration, Duration),
+    heard: bool,
+    now: std::time::SystemTime,
+) -> usize {
+    let (retention, work_dir_grace) = keep;
     let Ok(entries) = std::fs::read_dir(root) else {
         return 0;
     };
@@ -1001,7 +1065,7 @@ fn sweep_records(root: &Path, table: &Table, retention: Duration, heard: bool, n
                 Ok(()) => removed += 1,
                 Err(e) => tracing::warn!(container = %id, "cannot remove the finished record: {e}"),
             }
-        } else {
+        } else if now.duration_since(ended).is_ok_and(|age| age >= work_dir_grace) {
             remove_work_dir(&record, &id);
         }
     }
@@ -1149,52 +1213,17 @@ fn container_env(
     for (k, v) in &opts.task_env {
         env.insert(k.clone(), v.clone());
     }
-    for (k, v) in &ctx.env {
-        env.insert(k.clone(), v.clone());
-    }
-    let mask = granted.gpu_mask;
-    let list = mask_indices(mask)
-        .iter()
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    let nvidia = if mask == 0 { "none".to_string() } else { list.clone() };
-    let own = [
-        ("CUDA_VISIBLE_DEVICES", list),
-        ("NVIDIA_VISIBLE_DEVICES", nvidia),
-        ("GPUAM_GPU_MASK", mask_hex(mask)),
-        ("CONTAINER_GPUS", mask.to_string()),
-        ("GPUAM_CONTAINER_ID", id.to_string()),
-        ("GPUAM_HOST", host.to_string()),
-        ("GPUAM_CONTAINER_DIR", dir.to_string_lossy().into_owned()),
-        (
-            "GPUAM_PREEMPT_FILE",
-            dir.join(PREEMPT_FILE).to_string_lossy().into_owned(),
-        ),
-    ];
-    for (k, v) in own {
-        env.insert(k.into(), v);
-    }
-    if let Some(user) = user {
-        // Who submitted the job, as the RM knows it (an OpenPAI job's `PAI_USER_NAME` too).
-        env.insert("GPUAM_USER".into(), user.to_string());
-        if let Some(pai) = env.get_mut("PAI_USER_NAME") {
-            *pai = user.to_string();
-        }
-    }
-    // Where its GPUs are; the CPU list is the one applied (the GPUs' CPUs this node has).
-    for (k, v) in locality.env() {
-        env.insert(k, v);
-    }
-    match cpus {
-        Some(c) => env.insert("GPUAM_CPU_AFFINITY".into(), c.to_string()),
-        None => env.remove("GPUAM_CPU_AFFINITY"),
+    let preempt = dir.join(PREEMPT_FILE);
+    let side = super::contract::NodeSide {
+        container_id: id,
+        host,
+        granted,
+        user,
+        locality,
+        cpus,
+        dir: Some((dir, &preempt)),
     };
-    // Ours alone: a whole-GPU task never reads a share that someone else set.
-    env.remove("GPUAM_GPU_FRACTION");
-    for (k, v) in share_env(granted) {
-        env.insert(k, v);
-    }
+    let env = super::contract::container_env(env, ctx, &side);
     env.into_iter().collect()
 }
 
@@ -1219,54 +1248,9 @@ fn usable_cpus(wanted: &CpuList) -> Option<CpuList> {
     Some(wanted.intersect(&allowed)).filter(|c| !c.is_empty())
 }
 
-/// The environment of a GPU share and of custom resources (issue 15). A fractional
-/// container gets `GPUAM_GPU_FRACTION` ("0.25") and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`
-/// ("25"): an MPS daemon on the node, if one runs, then limits the task's share of the
-/// GPU's threads. GPU memory is not limited by this (set MPS memory limits for that).
-/// Each custom resource is `GPUAM_RESOURCE_<NAME>` (the name upper-cased, `.`/`-` as `_`)
-/// with its units, and `GPUAM_RESOURCES` lists them all (`nvme=1,ib_hca=2`).
-pub(crate) fn share_env(granted: &Resources) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    if let Some(h) = granted.gpu_share() {
-        out.push(("GPUAM_GPU_FRACTION".into(), crate::resources::format_hundredths(h)));
-        out.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), h.to_string()));
-    }
-    if !granted.custom.is_empty() {
-        out.push(("GPUAM_RESOURCES".into(), granted.custom.to_text()));
-        for (name, units) in granted.custom.iter() {
-            let var: String = name
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() {
-                        c.to_ascii_uppercase()
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-            out.push((format!("GPUAM_RESOURCE_{var}"), units.to_string()));
-        }
-    }
-    out
-}
-
-/// Quotes any text for bash: `'...'` with each `'` written as `'\''`.
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
-/// The launch script.
-///
-/// Each command runs through `eval` of its single-quoted text, in the script's own shell
-/// (so `cd`, `export` and variables carry over to the next command, as in one script), and
-/// `$?` is checked after it: the first non-zero status ends the script with that status.
-/// `set -e` is not used because it is ignored inside `if`/`&&`/`||` contexts, looks only at
-/// a pipeline's last command anyway, and would change the meaning of a multi-statement
-/// command by aborting it at an inner failure. `eval` also confines a syntax error to its
-/// own command (status 2) instead of breaking the whole script.
-///
-/// The TERM trap makes the leader reap its own children before it exits with 143, so a
-/// stop leaves no zombies behind even under an init that does not reap orphans.
+/// The launch script: the commands as the container contract runs them
+/// ([`super::contract::commands_script`]: in order, the first failure ends it, a TERM
+/// ends the group).
 ///
 /// The EXIT trap writes the exit status to `exit_code` in the container's directory
 /// (an absolute path: the commands may `cd`), with builtins only (the commands may
@@ -1279,18 +1263,12 @@ fn launch_script(id: &str, dir: &Path, commands: &[String]) -> String {
         "# Generated by gpuam for container {id}: runs the task's commands in order,\n"
     ));
     s.push_str("# ending at the first that fails, with its exit status.\n");
-    s.push_str("trap 'trap \"\" TERM; kill -TERM 0 2>/dev/null; wait; exit 143' TERM\n");
     s.push_str(&format!(
         "readonly __gpuam_exit_file={}\n",
         shell_quote(&dir.join(EXIT_CODE_FILE).display().to_string())
     ));
     s.push_str("trap '__gpuam_rc=$?; printf \"%s\\n\" \"$__gpuam_rc\" > \"$__gpuam_exit_file\"' EXIT\n");
-    for (i, c) in commands.iter().enumerate() {
-        s.push_str(&format!("# command {i}\n"));
-        s.push_str(&format!("eval {}\n", shell_quote(c)));
-        s.push_str("__gpuam_rc=$?; if [ \"$__gpuam_rc\" -ne 0 ]; then exit \"$__gpuam_rc\"; fi\n");
-    }
-    s.push_str("exit 0\n");
+    s.push_str(&super::contract::commands_script(commands));
     s
 }
 
@@ -1480,6 +1458,8 @@ struct Ending {
     max_log_bytes: Option<u64>,
     /// Why the node killed it (a bound it went past, see [`super::bounds`]).
     verdict: Arc<Mutex<Option<String>>>,
+    /// How long after the end the work directory goes ([`ExecutorOptions::work_dir_grace`]).
+    work_dir_grace: Duration,
 }
 
 /// Waits for the leader, then ends the container (see [`container_ended`]).
@@ -1551,6 +1531,7 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
         cgroup,
         max_log_bytes,
         verdict,
+        work_dir_grace,
     } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
@@ -1575,9 +1556,10 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     }
     // A bound the container went past leads its diagnostics (the AM classifies on it).
     let killed_for = verdict.lock().clone();
+    // Past its disk bound the directory goes at once (the node needs the room back);
+    // otherwise after the grace, off the path of the next starts.
+    let remove_work_now = killed_for.is_some() || work_dir_grace.is_zero();
     if let Some(why) = killed_for.or(oom) {
-        // Past its disk bound or not, the task's directory goes below, before anyone hears
-        // of the end; its logs (in the record) stay.
         diagnostics = format!("{why}; {diagnostics}");
     }
     // The logs are within their limit before anyone hears of the end.
@@ -1611,7 +1593,16 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     if let Err(e) = recorded {
         tracing::warn!(container = %id, "cannot record the container's end: {e}");
     }
-    remove_work_dir(&dir, &id);
+    if remove_work_now {
+        remove_work_dir(&dir, &id);
+    } else {
+        // A node that stops before then removes it on its next sweep ([`sweep_records`]).
+        let (dir, id) = (dir.clone(), id.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(work_dir_grace).await;
+            let _ = tokio::task::spawn_blocking(move || remove_work_dir(&dir, &id)).await;
+        });
+    }
     {
         let mut table = table.lock();
         if let Some(e) = table.get_mut(&id) {
@@ -2090,14 +2081,25 @@ mod tests {
             next_exit(&mut rx).await;
         }
         let root = tmp.path().join("containers");
+        let now = std::time::SystemTime::now();
         assert!(
-            !work_dir(&root.join("c-old")).exists(),
-            "the work directory went at the end"
+            work_dir(&root.join("c-old")).is_dir(),
+            "within the grace, the work directory stays"
         );
+        assert_eq!(exec.sweep(now), 0, "within the retention");
+        assert!(
+            work_dir(&root.join("c-old")).is_dir(),
+            "a sweep within the grace keeps it"
+        );
+        assert_eq!(exec.sweep(now + DEFAULT_WORK_DIR_GRACE + Duration::from_secs(1)), 0);
+        for id in ["c-old", "c-unacked"] {
+            assert!(
+                !work_dir(&root.join(id)).exists(),
+                "{id}: a sweep after the grace removes it"
+            );
+        }
         assert!(exec.forget("c-old"));
         assert!(root.join("c-old").join(ACKED_FILE).exists());
-        let now = std::time::SystemTime::now();
-        assert_eq!(exec.sweep(now), 0, "within the retention");
         assert_eq!(exec.read_log("c-old", LogStream::Stdout, None).unwrap(), "bye\n");
         assert_eq!(exec.sweep(now + DEFAULT_RETENTION + Duration::from_secs(1)), 1);
         assert!(!root.join("c-old").exists());
@@ -2482,9 +2484,47 @@ mod tests {
         );
     }
 
+    /// An ended container's work directory goes by itself once the grace has passed (no
+    /// sweep, no further start needed); its record stays.
+    #[tokio::test]
+    async fn the_work_directory_goes_after_the_grace() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                work_dir_grace: Some(Duration::from_millis(300)),
+                ..ExecutorOptions::default()
+            },
+        );
+        exec.start("c-grace", "h", &no_gpus(), ctx(&["echo kept > mine"]))
+            .unwrap();
+        next_exit(&mut rx).await;
+        let record = exec.container_dir("c-grace").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while work_dir(&record).exists() {
+            assert!(
+                Instant::now() < deadline,
+                "the work directory is still there after 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(record.join(END_FILE).is_file(), "the record stays");
+    }
+
     #[tokio::test]
     async fn working_directory_and_separate_streams() {
-        let (_t, exec, mut rx) = setup();
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(
+            tmp.path().join("containers"),
+            tx,
+            ExecutorOptions {
+                work_dir_grace: Some(Duration::ZERO),
+                ..ExecutorOptions::default()
+            },
+        );
         exec.start("wd", "h", &no_gpus(), ctx(&["pwd", "echo oops >&2", "echo out"]))
             .unwrap();
         next_exit(&mut rx).await;
@@ -2493,8 +2533,8 @@ mod tests {
         let out = exec.read_log("wd", LogStream::Stdout, None).unwrap();
         assert_eq!(out, format!("{}\nout\n", work_dir(&record).display()));
         assert_eq!(exec.read_log("wd", LogStream::Stderr, None).unwrap(), "oops\n");
-        // The task's directory (its launch.sh with it) is gone once it ended; its logs and
-        // the node's record of its end stay.
+        // With no grace the task's directory (its launch.sh with it) is gone once it ended;
+        // its logs and the node's record of its end stay.
         assert!(!work_dir(&record).exists());
         assert!(record.join("stdout").is_file() && record.join(END_FILE).is_file());
     }

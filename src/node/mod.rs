@@ -42,6 +42,7 @@
 pub mod agent;
 pub mod bounds;
 pub mod cgroup;
+pub mod contract;
 pub mod devices;
 pub mod executor;
 pub mod gpu_discovery;

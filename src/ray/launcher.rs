@@ -126,6 +126,21 @@ impl RayLauncher {
         granted: &Resources,
         ctx: LaunchContext,
     ) -> Result<ContainerStatus, ExecError> {
+        let grant = Grant {
+            container_id: container_id.to_string(),
+            app_id: String::new(),
+            host: host.to_string(),
+            resources: granted.clone(),
+            user: String::new(),
+            topology: None,
+        };
+        self.start_grant(&grant, ctx).await
+    }
+
+    /// [`RayLauncher::start`] for a grant (its user and its node's topology reach the
+    /// container's environment, as on every backend).
+    pub async fn start_grant(&self, grant: &Grant, ctx: LaunchContext) -> Result<ContainerStatus, ExecError> {
+        let (container_id, host) = (grant.container_id.as_str(), grant.host.as_str());
         if !crate::node::executor::valid_container_id(container_id) {
             return Err(ExecError::StartFailed {
                 id: container_id.into(),
@@ -147,7 +162,7 @@ impl RayLauncher {
             );
         }
         let key = self.gate.open(container_id);
-        let job = job_submit(container_id, host, granted, &ctx, &self.gate.url_of(container_id), &key);
+        let job = job_submit(grant, &ctx, &self.gate.url_of(container_id), &key);
         match self.client.submit(&job).await {
             Ok(_) => {
                 tracing::info!(container = container_id, %host, "Ray job submitted");
@@ -301,7 +316,7 @@ impl NodeBackend for RayLauncher {
     }
 
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, ExecError>> {
-        Box::pin(async move { RayLauncher::start(self, &grant.container_id, &grant.host, &grant.resources, ctx).await })
+        Box::pin(async move { RayLauncher::start_grant(self, &grant, ctx).await })
     }
 
     fn stop<'a>(

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::node::procs::ProcessId;
 use crate::protocol::{now_ms, AllocateResponse, AppReport, AppState, CompletedContainer, FinalStatus, WaitingTasks};
+use crate::reason::Reason;
 
 pub use crate::auth::{constant_time_eq, new_token};
 
@@ -109,6 +110,10 @@ pub struct Waiting {
     pub since_ms: Option<u64>,
     /// Why it waits: a short code and the sentence (from the RM's last scheduling pass).
     pub why: Option<(&'static str, String)>,
+    /// The same, typed (`Resources` when the queues name no cause of their own).
+    pub queue: Option<Reason>,
+    /// Why it waits as its AM's placement found it (sent with the waiting demand).
+    pub placement: Option<Reason>,
 }
 
 impl Waiting {
@@ -120,11 +125,34 @@ impl Waiting {
             (false, _) => {
                 self.since_ms = None;
                 self.why = None;
+                self.queue = None;
+                self.placement = None;
             }
             _ => {}
         }
         self.tasks = tasks;
         self.reported = Some(now);
+    }
+
+    /// What the RM's last scheduling pass found (`None`: the application does not wait).
+    pub fn set_why(&mut self, why: Option<&crate::rm::scheduler::WaitReason>) {
+        self.why = why.map(|w| (w.code(), w.to_string()));
+        self.queue = why.map(|w| w.reason());
+    }
+
+    /// Why it waits (`reason::combine` of the queue's cause and its AM's reason), with the
+    /// time it began waiting where the reason has none; `None` when it does not wait.
+    pub fn reason(&self) -> Option<Reason> {
+        let since = self.since_ms?;
+        let mut r = crate::reason::combine(self.queue.as_ref(), self.placement.as_ref())?;
+        r.since_ms.get_or_insert(since);
+        Some(r)
+    }
+
+    /// The queue's cause as its AM is told it, since it began waiting.
+    pub fn queue_reason(&self) -> Option<Reason> {
+        let since = self.since_ms?;
+        self.queue.clone().map(|r| r.since(since))
     }
 
     /// The tasks still waiting, unless the last report is older than `ttl`.

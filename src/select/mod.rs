@@ -128,11 +128,30 @@ pub enum Outcome {
     /// Nothing fits now; it may later.
     NotNow {
         reason: String,
+        /// What kind of wait it is (`Resources`, or `Topology` when it holds out for its
+        /// ideal GPU tier).
+        wait: crate::reason::Kind,
     },
     /// Nothing in this cluster could ever take it.
     Impossible {
         reason: String,
     },
+}
+
+impl Outcome {
+    /// Why the task waits, when it does: the kind and the detail (the job machine adds
+    /// since and until).
+    pub fn wait_reason(&self) -> Option<crate::reason::Reason> {
+        use crate::reason::{Kind, Reason};
+        match self {
+            Outcome::Placed(_) => None,
+            Outcome::NotNow { reason, wait } => Some(Reason::new(*wait, reason.clone())),
+            Outcome::Impossible { reason } => Some(Reason::new(
+                Kind::Impossible,
+                format!("can never fit this cluster: {reason}"),
+            )),
+        }
+    }
 }
 
 /// An outcome with its trace.
@@ -427,6 +446,7 @@ impl SelectorState {
             return Selection {
                 outcome: Outcome::NotNow {
                     reason: format!("no free ports left on {}", best.node.host),
+                    wait: crate::reason::Kind::Resources,
                 },
                 trace,
             };

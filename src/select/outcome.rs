@@ -90,6 +90,7 @@ pub(crate) fn no_candidate(
         Some(reason) => Outcome::Impossible { reason },
         None => Outcome::NotNow {
             reason: custom_wait_reason(&trace).unwrap_or_else(|| not_now_reason(&trace)),
+            wait: crate::reason::Kind::Resources,
         },
     };
     Selection { outcome, trace }
@@ -175,6 +176,7 @@ pub(crate) fn topology_wait(
                 best.pick.task_tier,
                 settings.topology_wait_sec
             ),
+            wait: crate::reason::Kind::Topology,
         },
         trace,
     }

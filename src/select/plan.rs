@@ -86,7 +86,7 @@ impl JobPlan {
                 next_best: sel.trace.alternative.clone(),
                 placement: p,
             }),
-            Outcome::NotNow { reason } | Outcome::Impossible { reason } => self.unplaced.push(UnplacedTask {
+            Outcome::NotNow { reason, .. } | Outcome::Impossible { reason } => self.unplaced.push(UnplacedTask {
                 role: role.name.clone(),
                 index,
                 reason,

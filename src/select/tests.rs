@@ -450,7 +450,7 @@ fn impossible_is_distinct_from_not_now() {
     }
     let r = res(1, 1000, 1);
     match s.select(&ask(&r), &JobDemand::new(true)).outcome {
-        Outcome::NotNow { reason } => assert!(reason.contains("resources"), "{reason}"),
+        Outcome::NotNow { reason, .. } => assert!(reason.contains("resources"), "{reason}"),
         o => panic!("{o:?}"),
     }
 }
@@ -995,7 +995,7 @@ fn custom_resources_filter_and_explain_in_the_trace() {
     }
     let sel = s.select(&ask(&r), &d);
     match &sel.outcome {
-        Outcome::NotNow { reason } => assert_eq!(reason, "no node has 1 nvme free; nodes with nvme: a"),
+        Outcome::NotNow { reason, .. } => assert_eq!(reason, "no node has 1 nvme free; nodes with nvme: a"),
         other => panic!("{other:?}"),
     }
     assert!(sel
@@ -1091,7 +1091,7 @@ fn a_task_below_its_ideal_tier_waits_while_other_jobs_may_free_a_better_set() {
     let demand = JobDemand::new(true);
     let sel = s.select(&ask(&r).with_topology_wait(true), &demand);
     match &sel.outcome {
-        Outcome::NotNow { reason } => {
+        Outcome::NotNow { reason, .. } => {
             assert!(reason.contains("GPUs 1,3 on split at tier 0"), "{reason}");
             assert!(reason.contains("topology_wait_sec (300 s)"), "{reason}");
         }
@@ -1166,4 +1166,46 @@ fn the_round_waits_per_task_and_plan_shows_the_wait() {
     // Nothing held by others: no wait in the plan either.
     let plan = plan_job(&selector(vec![pcie4_node("free", 0)]), &j);
     assert_eq!(plan.placements[0].topology_wait_sec, None);
+}
+
+/// The wait's kind comes from the outcome, one row per cause: a full cluster is
+/// `Resources`, the topology wait `Topology` (with its detail), a task no node can ever take
+/// `Impossible`, a placement no reason.
+#[test]
+fn the_outcome_gives_the_kind_of_the_wait() {
+    use crate::reason::Kind;
+    let split = selector(vec![pcie4_node("split", 0b0101)]);
+    let full = selector(vec![node("full", "/r", 2, 0b11)]);
+    let roomy = selector(vec![node("roomy", "/r", 8, 0)]);
+    let two = res(1, 1000, 2);
+    let nine = res(1, 1000, 9);
+    let demand = JobDemand::new(true);
+    let cases: [(&Selector, TaskAsk<'_>, Option<Kind>, &str); 5] = [
+        (
+            &split,
+            ask(&two).with_topology_wait(true),
+            Some(Kind::Topology),
+            "holding out for 2 GPUs of tier 1",
+        ),
+        (&split, ask(&two), None, ""),
+        (
+            &full,
+            ask(&two),
+            Some(Kind::Resources),
+            "stage resources dropped all 1 remaining nodes",
+        ),
+        (
+            &roomy,
+            ask(&nine),
+            Some(Kind::Impossible),
+            "can never fit this cluster: no node has that many GPUs",
+        ),
+        (&roomy, ask(&two), None, ""),
+    ];
+    for (s, a, kind, detail) in cases {
+        let why = s.select(&a, &demand).outcome.wait_reason();
+        assert_eq!(why.as_ref().map(|r| r.kind), kind, "{why:?}");
+        let got = why.map(|r| r.detail).unwrap_or_default();
+        assert!(got.starts_with(detail), "{got}");
+    }
 }

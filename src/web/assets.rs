@@ -14,6 +14,8 @@ pub(crate) const STYLE_CSS: &str = include_str!("../../webui/style.css");
 pub(crate) const CLUSTER_HTML: &str = include_str!("../../webui/cluster.html");
 pub(crate) const CLUSTER_JS: &str = include_str!("../../webui/cluster.js");
 pub(crate) const CLUSTER_CSS: &str = include_str!("../../webui/cluster.css");
+/// The pages' rendering of a wait reason (`reason::Reason`), shared by both pages.
+pub(crate) const REASON_JS: &str = include_str!("../../webui/reason.js");
 
 fn etag(body: &'static str, cell: &'static OnceLock<String>) -> &'static str {
     cell.get_or_init(|| {
@@ -96,6 +98,18 @@ pub(crate) async fn app_js(headers: HeaderMap) -> Response {
         APP_JS,
         "text/javascript; charset=utf-8",
         etag(APP_JS, &APP_TAG),
+    )
+}
+
+static REASON_JS_TAG: OnceLock<String> = OnceLock::new();
+
+/// `reasonText`, the pages' one rendering of a wait reason (both pages load it).
+pub(crate) async fn reason_js(headers: HeaderMap) -> Response {
+    serve(
+        &headers,
+        REASON_JS,
+        "text/javascript; charset=utf-8",
+        etag(REASON_JS, &REASON_JS_TAG),
     )
 }
 

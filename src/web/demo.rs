@@ -245,6 +245,9 @@ pub fn demo_hub_with_commands(
                 | TaskState::TaskCompleted
         );
         let reason = waiting.then(|| "no node has 2 free GPUs with 8 CPUs and 32768 MB (resources dropped 7 nodes: not enough free GPUs x5, not enough free CPU x2)".to_string());
+        let why = reason
+            .as_ref()
+            .map(|r| crate::reason::Reason::new(crate::reason::Kind::Resources, r.clone()).since(now - 600_000));
         task_list.push(TaskStatus {
             role: role.to_string(),
             index: index as u32,
@@ -272,7 +275,8 @@ pub fn demo_hub_with_commands(
                 ExitType::Succeeded
             }),
             exit_diagnostics: failed.then(|| "command `python train.py` exited with code 1".to_string()),
-            waiting_reason: reason.clone(),
+            waiting_reason: why.as_ref().map(crate::reason::Reason::text),
+            reason: why,
             created_ms: now - 600_000,
             launched_ms: has_container.then_some(now - 500_000),
             completed_ms: done.then_some(now - 100_000),
@@ -389,6 +393,7 @@ pub fn demo_hub_with_commands(
             queue: "default".into(),
             priority: 0,
             queue_note: None,
+            reason: None,
         },
         tasks: task_list,
         nodes: node_list,

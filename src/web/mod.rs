@@ -109,6 +109,7 @@ pub fn router(hub: Arc<StatusHub>) -> Router {
         .route("/", get(assets::index))
         .route("/index.html", get(assets::index))
         .route("/app.js", get(assets::app_js))
+        .route("/reason.js", get(assets::reason_js))
         .route("/style.css", get(assets::style_css))
         .route("/livez", get(api::livez))
         .route("/healthz", get(api::livez))

@@ -6,6 +6,7 @@
 use super::{Event, JobMachine, Now};
 use crate::am::status::TaskState;
 use crate::protocol::{exit_status, AllocateResponse, AmCommand, CompletedContainer, Container, PreemptNotice};
+use crate::reason::Kind;
 use crate::resources::mask_hex;
 use crate::select::assign_port_labels;
 
@@ -24,7 +25,12 @@ impl JobMachine {
             let t = &mut self.tasks[ti];
             if let Some(r) = t.request.take() {
                 self.selector.remove_requested(&r.host, &r.resources, true);
-                t.waiting_reason = Some(format!("ask on {} rejected: {}", r.host, rej.reason));
+                // The queue gate's refusal says what the task waits for (its queue); any
+                // other is tried again.
+                match rej.wait {
+                    Some(why) => t.set_reason(Some(why.since(t.waiting_since_ms))),
+                    None => t.waits(Kind::Retry, format!("ask on {} rejected: {}", r.host, rej.reason)),
+                }
             }
             t.reset_to_waiting();
             if !rej.retryable {
@@ -44,6 +50,7 @@ impl JobMachine {
             self.queue_note = resp.waiting_reason.clone();
             self.out.events.push(Event::QueueNote(resp.waiting_reason));
         }
+        self.queue_reason = resp.wait_reason;
         if resp.command == Some(AmCommand::Shutdown) {
             self.kill("the application was killed at the RM");
         }
@@ -76,7 +83,7 @@ impl JobMachine {
         match (same, labelled) {
             (true, Some(ports)) => {
                 t.ports = ports;
-                t.waiting_reason = None;
+                t.set_reason(None);
                 self.by_container.insert(c.container_id.clone(), ti);
                 self.out.events.push(Event::container_at(&c));
                 t.container = Some(c);
@@ -84,12 +91,15 @@ impl JobMachine {
             }
             _ => {
                 tracing::warn!(container = %c.container_id, host = %c.host, "granted container differs from the ask; releasing");
-                t.waiting_reason = Some(format!(
-                    "the RM granted {} on {} instead of what was asked on {}; released",
-                    mask_hex(c.resources.gpu_mask),
-                    c.host,
-                    req.host
-                ));
+                t.waits(
+                    Kind::Retry,
+                    format!(
+                        "the RM granted {} on {} instead of what was asked on {}; released",
+                        mask_hex(c.resources.gpu_mask),
+                        c.host,
+                        req.host
+                    ),
+                );
                 self.releases.push(c.container_id);
                 t.reset_to_waiting();
             }

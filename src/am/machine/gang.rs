@@ -9,9 +9,7 @@ use std::time::Duration;
 use super::{JobMachine, Launch, Now};
 use crate::am::status::TaskState;
 use crate::am::tasks::{launch_context, peer_address, Task};
-
-/// How a task held back by its gang's note begins.
-const GANG_NOTE: &str = "gang:";
+use crate::reason::{Kind, Reason};
 
 impl JobMachine {
     /// A gang's asks go out all together (the RM grants them all or none): while some
@@ -31,16 +29,22 @@ impl JobMachine {
             .filter(|t| t.state != TaskState::TaskCompleted)
             .count();
         // The reason shown is the one of the task that holds the gang back (its first
-        // unplaced task), not a gang's own note.
-        let holder = self
+        // unplaced task with a reason of its own), said of that task; a gang's own note
+        // only when none has one.
+        let held = self
             .tasks
             .iter()
             .filter(|t| t.state == TaskState::TaskWaiting)
             .find_map(|t| {
-                let why = t.waiting_reason.as_deref().filter(|w| !w.starts_with(GANG_NOTE))?;
-                Some(format!("; {} waits: {why}", self.task_name(t)))
+                let why = t.reason.as_ref().filter(|r| r.task.is_none())?;
+                Some(why.clone().of_task(self.task_name(t)))
             })
-            .unwrap_or_default();
+            .unwrap_or_else(|| {
+                Reason::new(
+                    Kind::Gang,
+                    format!("its {total} tasks are asked for together; {unplaced} of them find no place yet"),
+                )
+            });
         let wait = self.backoff.between(
             self.settings.not_available_retry_min_ms,
             self.settings.not_available_retry_max_ms,
@@ -61,9 +65,7 @@ impl JobMachine {
             let t = &mut self.tasks[ti];
             t.reset_to_waiting();
             t.not_before = Some(now.at + wait);
-            t.waiting_reason = Some(format!(
-                "{GANG_NOTE} its {total} tasks are asked for together; {unplaced} of them find no place yet{holder}"
-            ));
+            t.set_reason(Some(held.clone()));
         }
         // Some were held back: the gang is tried again as a whole, every waiting task of it
         // at the same time.
@@ -160,6 +162,12 @@ impl JobMachine {
     /// Gives back every container a gang holds and waits before trying again.
     fn release_gang(&mut self, now: Now) {
         tracing::info!("gang not complete within the gang timeout; releasing what it holds");
+        let wait = self.backoff.jittered(self.settings.gang_retry_backoff_ms);
+        // Every task it resets says so, until the gang is tried again.
+        let again = |t: &Task, detail: &str| {
+            let r = Reason::new(Kind::Gang, detail).since(t.waiting_since_ms);
+            Some(r.until(now.ms + wait.as_millis() as u64))
+        };
         for t in &mut self.tasks {
             match t.state {
                 TaskState::ContainerAllocated => {
@@ -167,8 +175,8 @@ impl JobMachine {
                         self.by_container.remove(&c.container_id);
                         self.releases.push(c.container_id);
                     }
-                    t.waiting_reason = Some("gang timeout: released and waiting to try again".into());
                     t.reset_to_waiting();
+                    t.set_reason(again(t, "gang timeout: released and waiting to try again"));
                 }
                 TaskState::ContainerRequested => {
                     if let Some(r) = t.request.take() {
@@ -176,14 +184,13 @@ impl JobMachine {
                         self.by_request.remove(&r.request_id);
                         self.selector.remove_requested(&r.host, &r.resources, false);
                     }
-                    t.waiting_reason = Some("gang timeout: waiting to try again".into());
                     t.reset_to_waiting();
+                    t.set_reason(again(t, "gang timeout: waiting to try again"));
                 }
                 _ => {}
             }
         }
         self.gang_wait_since = None;
-        let wait = self.backoff.jittered(self.settings.gang_retry_backoff_ms);
         self.gang_backoff_until = Some(now.at + wait);
     }
 

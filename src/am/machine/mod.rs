@@ -101,8 +101,10 @@ pub enum Input {
     Heartbeat,
     /// The job is to be killed (a signal, the dashboard, the RM).
     Kill(String),
-    /// The answer to [`Effect::FetchNodes`].
+    /// The answer to [`Effect::FetchNodes`]: the whole node view.
     Nodes(Result<Vec<Node>, RmFailure>),
+    /// The answer to [`Effect::FetchNodes`]: the nodes changed since the last answer.
+    NodeChanges(Result<Vec<Node>, RmFailure>),
     /// The answer to [`Effect::Allocate`].
     Allocated(Result<AllocateResponse, RmFailure>),
     /// The answer to [`Effect::Register`].
@@ -177,6 +179,9 @@ pub enum Event {
     Resynced,
     /// Why the RM's queues keep this job waiting.
     QueueNote(Option<String>),
+    /// Why the job waits (`reason::combine` of the queue's cause and its tasks'), when that
+    /// changed.
+    Reason(Option<crate::reason::Reason>),
     /// A task is retried after an exit of this type.
     Retried(ExitType),
     /// An allocate call's round trip (the driver's measure).
@@ -250,6 +255,10 @@ pub struct JobMachine {
     gang_round: u64,
     /// Why the RM's queues keep this job waiting (last allocate answer).
     queue_note: Option<String>,
+    /// The same, typed (last allocate answer).
+    queue_reason: Option<crate::reason::Reason>,
+    /// The job's reason last reported.
+    job_reason: Option<crate::reason::Reason>,
     /// Since when the RM has not answered.
     rm_down_since: Option<Instant>,
     rm_reachable: bool,
@@ -316,6 +325,8 @@ impl JobMachine {
             preempt: Default::default(),
             gang_round: 0,
             queue_note: None,
+            queue_reason: None,
+            job_reason: None,
             rm_down_since: None,
             rm_reachable: true,
             reported_state: JobState::Starting,
@@ -352,6 +363,17 @@ impl JobMachine {
                         self.set_reachable(true);
                     }
                     Err(e) => tracing::warn!(error = %e.message, "node refresh failed"),
+                }
+                self.place_and_ask(now);
+            }
+            Input::NodeChanges(answer) => {
+                if let Ok(nodes) = answer {
+                    self.nodes_dirty |= !nodes.is_empty();
+                    for n in nodes {
+                        self.selector.apply_node_report(n);
+                    }
+                    self.out.events.push(Event::NodesRefreshed { at_ms: now.ms });
+                    self.set_reachable(true);
                 }
                 self.place_and_ask(now);
             }

@@ -11,6 +11,7 @@ use super::{Effect, Event, InFlight, JobEnd, JobMachine, Now, MAX_ASKS_PER_HEART
 use crate::am::status::{JobState, TaskState};
 use crate::am::tasks::Outstanding;
 use crate::protocol::{AllocateRequest, Ask};
+use crate::reason::Kind;
 use crate::select::{Outcome, PlacementRound};
 
 impl JobMachine {
@@ -51,7 +52,7 @@ impl JobMachine {
             let step = round.place(&self.selector, (ri, index));
             let role_name = &job.task_roles[ri].name;
             let outcome = step.selection.outcome.clone();
-            let impossible = matches!(outcome, Outcome::Impossible { .. });
+            let why = self.tasks[ti].reason_for(&outcome, self.topology_wait);
             self.out.events.push(Event::Selection {
                 role: role_name.clone(),
                 index,
@@ -65,21 +66,19 @@ impl JobMachine {
                     self.next_request_id += 1;
                     asked += 1;
                     let t = &mut self.tasks[ti];
+                    t.set_reason(why);
                     t.request = Some(Outstanding {
                         request_id: id,
                         host: p.host,
                         resources: p.resources,
                         sent: now.at,
                     });
-                    t.waiting_reason = None;
                     t.not_before = None;
                     t.set_state(TaskState::ContainerRequested);
                     self.by_request.insert(id, ti);
                 }
                 Outcome::Impossible { reason } if self.impossible_fails => {
-                    let t = &mut self.tasks[ti];
-                    t.waiting_reason = Some(format!("can never fit this cluster: {reason}"));
-                    t.dirty = true;
+                    self.tasks[ti].set_reason(why);
                     self.end = Some(JobEnd {
                         state: JobState::Failed,
                         exit_code: 1,
@@ -89,24 +88,22 @@ impl JobMachine {
                 }
                 // Not now: the role backs off. (Planning, an impossible task waits the same
                 // way, saying it never fits, so the rest of the job is still shown.)
-                Outcome::NotNow { reason } | Outcome::Impossible { reason } => {
-                    let reason = if impossible {
-                        format!("can never fit this cluster: {reason}")
-                    } else {
-                        reason
-                    };
+                Outcome::NotNow { .. } | Outcome::Impossible { .. } => {
                     let (lo, hi) = (
                         self.settings.not_available_retry_min_ms,
                         self.settings.not_available_retry_max_ms,
                     );
                     let backoff = &mut self.backoff;
                     let until = *role_wait.entry(ri).or_insert_with(|| now.at + backoff.between(lo, hi));
+                    // Not now while the RM's queues name a cause: the task waits for its
+                    // queue (a node it was refused on is only skipped for a while).
+                    let why = match matches!(outcome, Outcome::NotNow { .. }) {
+                        true => crate::reason::combine(self.queue_reason.as_ref(), why.as_ref()),
+                        false => why,
+                    };
                     let t = &mut self.tasks[ti];
                     t.not_before = Some(until);
-                    if t.waiting_reason.as_deref() != Some(reason.as_str()) {
-                        t.waiting_reason = Some(reason);
-                        t.dirty = true;
-                    }
+                    t.set_reason(why);
                 }
             }
         }
@@ -130,7 +127,7 @@ impl JobMachine {
                 self.by_request.remove(&r.request_id);
                 self.selector.remove_requested(&r.host, &r.resources, true);
                 let t = &mut self.tasks[ti];
-                t.waiting_reason = Some(format!("the ask on {} timed out", r.host));
+                t.waits(Kind::Retry, format!("the ask on {} timed out", r.host));
                 t.reset_to_waiting();
             }
         }
@@ -163,6 +160,7 @@ impl JobMachine {
                 &self.tasks,
                 &self.selector.settings(),
             )),
+            wait_reason: self.placement_reason(),
         }
     }
 

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use super::{Event, JobMachine, Now};
 use crate::am::status::{JobState, NodeStatus, RoleCounts, TaskState};
+use crate::reason::Reason;
 use crate::resources::mask_hex;
 
 impl JobMachine {
@@ -28,6 +29,15 @@ impl JobMachine {
             };
             self.report_job(state, now);
         }
+        let reason = if self.end.is_some() {
+            None
+        } else {
+            crate::reason::combine(self.queue_reason.as_ref(), self.placement_reason().as_ref())
+        };
+        if reason != self.job_reason {
+            self.job_reason = reason.clone();
+            self.out.events.push(Event::Reason(reason));
+        }
         if self.nodes_dirty {
             self.nodes_dirty = false;
             let job_masks = self.job_gpu_masks();
@@ -36,6 +46,22 @@ impl JobMachine {
                 .with_view(|v| v.nodes().map(|n| node_status(n, &job_masks)).collect::<Vec<_>>());
             self.out.events.push(Event::Nodes(nodes));
         }
+    }
+
+    /// What the AM found placing the job's tasks: the reason of its first task that is not
+    /// placed (waiting before asked), said of that task. A task a gang holds back carries
+    /// the reason of the task that holds it, so the gang shows that one.
+    pub(super) fn placement_reason(&self) -> Option<Reason> {
+        let first = |state: TaskState| {
+            self.tasks.iter().filter(|t| t.state == state).find_map(|t| {
+                let r = t.wait_reason()?.clone();
+                Some(match r.task {
+                    Some(_) => r,
+                    None => r.of_task(self.task_name(t)),
+                })
+            })
+        };
+        first(TaskState::TaskWaiting).or_else(|| first(TaskState::ContainerRequested))
     }
 
     /// Reports the job's state and counts (and, once it ended, how).

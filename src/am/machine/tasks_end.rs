@@ -7,6 +7,7 @@ use crate::am::exits::{
     check_completion, decide_retry, retry_delay, ExitInfo, JobVerdict, RetryDecision, RetrySpacing, RoleTally,
 };
 use crate::am::status::{ExitType, JobState, TaskState};
+use crate::reason::Kind;
 
 impl JobMachine {
     pub(super) fn task_exited(&mut self, ti: usize, exit: ExitInfo, diagnostics: String, now: Now) {
@@ -31,16 +32,23 @@ impl JobMachine {
         match decision {
             RetryDecision::Retry => {
                 self.out.events.push(Event::Retried(exit_type));
-                t.new_attempt(now.at);
+                t.new_attempt(now.at, now.ms);
                 t.not_before = (delay > 0).then(|| now.at + std::time::Duration::from_millis(delay));
-                t.waiting_reason = Some(if delay > 0 {
-                    format!(
-                        "retrying in {:.1} s after the last attempt ended (back-off)",
-                        delay as f64 / 1000.0
-                    )
-                } else {
-                    "retrying after the last attempt ended".into()
-                });
+                t.waits(
+                    Kind::Retry,
+                    if delay > 0 {
+                        format!(
+                            "retrying in {:.1} s after the last attempt ended (back-off)",
+                            delay as f64 / 1000.0
+                        )
+                    } else {
+                        "retrying after the last attempt ended".into()
+                    },
+                );
+                // The back-off's end is known: until then it is not tried.
+                if let Some(r) = t.reason.as_mut().filter(|_| delay > 0) {
+                    r.until_ms = Some(now.ms + delay);
+                }
             }
             RetryDecision::Complete => {
                 t.succeeded = Some(succeeded);
@@ -112,7 +120,7 @@ impl JobMachine {
             retry = self.job_retry.used(),
             "job failed ({why}); restarting it (jobRetryCount)"
         );
-        let back = crate::am::job_retry::reset_for_restart(&mut self.tasks, why, now.at);
+        let back = crate::am::job_retry::reset_for_restart(&mut self.tasks, why, now.at, now.ms);
         for r in back.requests {
             self.cancels.push(r.request_id);
             self.by_request.remove(&r.request_id);

@@ -3,8 +3,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
+use crate::am::tasks::Task;
 use crate::cluster::{ClusterView, Node};
 use crate::protocol::{Ask, CompletedContainer, ContainerState, PreemptNotice, Rejection};
+use crate::reason::{Kind, Reason};
 use crate::resources::{PortSet, Resources};
 use crate::select::Outcome;
 
@@ -222,17 +224,22 @@ fn a_gang_is_asked_for_whole_or_not_at_all() {
         assert!(t.request.is_none() && t.not_before.is_some());
     }
     assert!(m.by_request.is_empty());
-    // The placed task waits with the gang and says why: the other task's own reason.
-    let notes: Vec<&str> = m.tasks().iter().filter_map(|t| t.waiting_reason.as_deref()).collect();
-    let gang = notes
+    // The placed task waits with the gang and says why: the other task's own reason, said
+    // of that task.
+    let (held, holder): (Vec<&Task>, Vec<&Task>) = m
+        .tasks()
         .iter()
-        .find(|n| n.contains("asked for together"))
-        .unwrap_or_else(|| panic!("{notes:?}"));
-    let (_, holder) = gang
-        .split_once("; worker/")
-        .unwrap_or_else(|| panic!("no holder in {gang}"));
-    let (_, why) = holder.split_once(" waits: ").unwrap_or_else(|| panic!("{gang}"));
-    assert!(notes.contains(&why) && !why.starts_with("gang:"), "{gang} / {notes:?}");
+        .partition(|t| t.reason.as_ref().is_some_and(|r| r.task.is_some()));
+    assert_eq!((held.len(), holder.len()), (1, 1), "{:?}", m.statuses());
+    let own = holder[0].reason.clone().unwrap();
+    assert_eq!(own.kind, crate::reason::Kind::Resources);
+    let name = format!("worker/{}", holder[0].index);
+    assert_eq!(held[0].reason, Some(own.clone().of_task(name.clone())));
+    assert_eq!(
+        m.placement_reason(),
+        Some(own.of_task(name)),
+        "the job's reason is the holder's"
+    );
     // What the RM hears: both wait.
     let w = req.waiting.unwrap();
     assert_eq!((w.len(), w[0].count, w[0].gpus), (1, 2, 3));
@@ -264,6 +271,11 @@ fn a_gang_launches_whole_or_gives_back_after_its_timeout() {
     assert!(req2.asks.is_empty());
     answer(&mut m, AllocateResponse::default(), later);
     assert!(m.tasks().iter().all(|t| t.state == TaskState::TaskWaiting));
+    // The task whose container went back says it waits for its gang, until the gang is
+    // tried again (the other's ask had timed out before).
+    let why = m.tasks()[0].reason.clone().unwrap();
+    assert_eq!(why.kind, Kind::Gang, "{why:?}");
+    assert!(why.until_ms.is_some_and(|u| u > later.ms), "{why:?}");
     let req3 = heartbeat(&mut m, later);
     assert!(req3.asks.is_empty(), "it backs off before trying again");
     let (cancels, releases): (Vec<u64>, Vec<String>) = (
@@ -324,13 +336,16 @@ fn a_rejected_ask_waits_again_and_a_final_rejection_refreshes_the_node_view() {
             request_id: req.asks[0].request_id,
             reason: "no such GPU".into(),
             retryable: false,
+            wait: None,
         }],
         ..Default::default()
     };
     assert_eq!(answer(&mut m, resp, now), Effect::Idle { busy: true });
     let t = &m.tasks()[0];
     assert_eq!(t.state, TaskState::TaskWaiting);
-    assert!(t.waiting_reason.as_deref().unwrap().contains("rejected: no such GPU"));
+    let why = t.reason.as_ref().unwrap();
+    assert!(why.detail.contains("rejected: no such GPU"), "{why:?}");
+    assert_eq!(why.kind, crate::reason::Kind::Retry);
     assert_eq!(effect(m.step(Input::Heartbeat, now)), Effect::FetchNodes);
     match effect(m.step(Input::Nodes(Ok(one_node())), now)) {
         Effect::Allocate(req) => assert_eq!(req.asks.len(), 1, "placed again"),
@@ -571,6 +586,16 @@ fn a_preempted_task_is_retried_without_using_its_retry_count() {
     assert!(m.ended().is_none());
 }
 
+/// One PCIe-paired node of 4 GPUs where another job holds one GPU of each pair (0 and 2):
+/// only the split pair 1+3 is free.
+fn split_pairs() -> Vec<Node> {
+    let t = Arc::new(crate::topology::Topology::preset("pcie4").unwrap());
+    let mut n = Node::new("old", "/r", Resources::with_mask(8, 8000, 0xf, PortSet::new()));
+    n.set_used(Resources::with_mask(2, 100, 0b0101, PortSet::new()));
+    n.topology = Some(t);
+    vec![n]
+}
+
 /// The topology wait in the AM: a 2-GPU task that finds only a split pair (another job holds
 /// one GPU of each pair) waits, saying why, and once `select.topology_wait_sec` has passed
 /// since it began waiting it asks for the set `gpuam plan` shows.
@@ -578,24 +603,184 @@ fn a_preempted_task_is_retried_without_using_its_retry_count() {
 fn a_task_waits_for_its_ideal_tier_then_asks_for_what_plan_shows() {
     let yaml = "name: j\ntaskRoles:\n  worker:\n    instances: 1\n    \
                 resourcePerInstance: {cpu: 1, memoryMB: 1000, gpu: 2}\n    commands: [\"true\"]\n";
-    let nodes = || {
-        let t = Arc::new(crate::topology::Topology::preset("pcie4").unwrap());
-        let mut n = Node::new("old", "/r", Resources::with_mask(8, 8000, 0xf, PortSet::new()));
-        n.set_used(Resources::with_mask(2, 100, 0b0101, PortSet::new()));
-        n.topology = Some(t);
-        vec![n]
-    };
+    let nodes = split_pairs;
     let (mut m, now) = machine_on(yaml, nodes(), Default::default());
     let plan = crate::am::plan_rm::plan_job(m.job(), nodes(), Default::default(), &AmSettings::default());
     assert_eq!(plan.placements[0].topology_wait_sec, Some(300));
     assert!(heartbeat(&mut m, now).asks.is_empty());
     let t = &m.tasks()[0];
-    let why = t.waiting_reason.as_deref().unwrap_or_default();
-    assert!(why.contains("holding out for 2 GPUs of tier 1"), "{why}");
+    let why = t.reason.as_ref().unwrap();
+    assert!(why.detail.contains("holding out for 2 GPUs of tier 1"), "{why:?}");
+    assert_eq!(why.kind, crate::reason::Kind::Topology);
+    assert_eq!(
+        (why.since_ms, why.until_ms),
+        (Some(now.ms), Some(now.ms + 300_000)),
+        "it shows when it began waiting and its deadline"
+    );
     assert!(t.not_before.is_some(), "it backs off and tries again");
     answer(&mut m, AllocateResponse::default(), now);
     let req = heartbeat(&mut m, now.after(Duration::from_secs(300)));
     let a = &req.asks[0];
     assert_eq!((a.host.as_str(), a.gpu_mask), ("old", 0b1010));
     assert_eq!(a.gpu_mask, plan.placements[0].placement.resources.gpu_mask);
+}
+
+/// The job's reason from one heartbeat's answer: the `Event::Reason` it reports (the last
+/// one, if it changed).
+fn reason_event(m: &mut JobMachine, resp: AllocateResponse, now: Now) -> Option<Option<Reason>> {
+    let out = m.step(Input::Allocated(Ok(resp)), now);
+    out.events.into_iter().rev().find_map(|e| match e {
+        Event::Reason(r) => Some(r),
+        _ => None,
+    })
+}
+
+/// A gang held back by the topology wait shows the topology wait, not a gang note: its
+/// placed task carries the holder's reason (kind, detail, since and deadline), so does the
+/// job and what the RM hears; a queue cause from the RM outranks it, the RM's "nothing
+/// fits" guess does not. A new task says it is starting; a placed task never has a wait.
+#[test]
+fn a_gang_held_by_the_topology_wait_shows_the_topology_wait_with_its_deadline() {
+    let yaml = "name: j\ngang: true\ntaskRoles:\n  ps:\n    instances: 1\n    \
+                resourcePerInstance: {cpu: 1, memoryMB: 100, gpu: 0}\n    commands: [\"true\"]\n  \
+                worker:\n    instances: 1\n    \
+                resourcePerInstance: {cpu: 1, memoryMB: 1000, gpu: 2}\n    commands: [\"true\"]\n";
+    let nodes = split_pairs;
+    let (mut m, now) = machine_on(yaml, nodes(), Default::default());
+    assert!(m
+        .statuses()
+        .iter()
+        .all(|s| s.reason.as_ref().map(|r| r.kind) == Some(Kind::Starting)));
+    let req = heartbeat(&mut m, now);
+    assert!(req.asks.is_empty(), "the gang waits whole");
+    let topo = Reason::new(Kind::Topology, "")
+        .since(now.ms)
+        .until(now.ms + 300_000)
+        .of_task("worker/0");
+    let like_topo = |r: &Option<Reason>| {
+        let r = r.clone().unwrap_or_else(|| panic!("no reason"));
+        assert!(r.detail.starts_with("holding out for 2 GPUs of tier 1"), "{r:?}");
+        Reason {
+            detail: String::new(),
+            ..r
+        }
+    };
+    assert_eq!(like_topo(&req.wait_reason), topo, "what the RM hears");
+    for s in m.statuses() {
+        // The worker's own reason; the parameter server's is the worker's, said of it.
+        let want = match s.role.as_str() {
+            "worker" => Reason {
+                task: None,
+                ..topo.clone()
+            },
+            _ => topo.clone(),
+        };
+        assert_eq!(like_topo(&s.reason), want, "{s:?}");
+        assert_eq!(s.waiting_reason, s.reason.as_ref().map(Reason::text));
+    }
+    // The RM's own guess ("nothing fits") does not overwrite it; a queue cause does.
+    let guess = AllocateResponse {
+        wait_reason: Some(Reason::new(Kind::Resources, "nothing fits yet")),
+        ..Default::default()
+    };
+    let job = reason_event(&mut m, guess, now).expect("the job's reason is reported");
+    assert_eq!(like_topo(&job), topo);
+    let later = now.after(Duration::from_secs(1));
+    heartbeat(&mut m, later);
+    let cap = Reason::new(Kind::QueueShare, "queue `a` is at its cap (maxGpus 2)");
+    let capped = AllocateResponse {
+        response_id: 1,
+        wait_reason: Some(cap.clone()),
+        ..Default::default()
+    };
+    assert_eq!(reason_event(&mut m, capped, later), Some(Some(cap)));
+}
+
+/// A task whose ask is out is not placed: it says it was asked for, never where it runs;
+/// once granted it has no reason at all.
+#[test]
+fn an_ask_not_yet_granted_is_not_a_place() {
+    let (mut m, now) = machine(
+        "name: j\ntaskRoles:\n  worker:\n    instances: 1\n    \
+         resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 2}\n    commands: [\"true\"]\n",
+    );
+    let req = heartbeat(&mut m, now);
+    let s = &m.statuses()[0];
+    assert_eq!(s.state, TaskState::ContainerRequested);
+    let why = s.reason.clone().unwrap();
+    assert_eq!(why.kind, Kind::Requested);
+    assert!(why.detail.starts_with("asked the RM for n1 GPUs "), "{why:?}");
+    assert_eq!(s.host, None);
+    let resp = AllocateResponse {
+        allocated: vec![grant(&req.asks[0], "c1")],
+        ..Default::default()
+    };
+    answer(&mut m, resp, now);
+    let s = &m.statuses()[0];
+    assert!(
+        s.host.is_some() && s.reason.is_none() && s.waiting_reason.is_none(),
+        "{s:?}"
+    );
+}
+
+/// An ask the RM's queue gate refused waits for the queue, typed as the gate said (not a
+/// retry); any other refusal is tried again.
+#[test]
+fn a_refusal_by_the_queue_gate_waits_for_the_queue() {
+    let yaml = "name: j\ntaskRoles:\n  w:\n    instances: 2\n    \
+                resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n";
+    let (mut m, now) = machine(yaml);
+    let req = heartbeat(&mut m, now);
+    let cap = Reason::new(Kind::QueueShare, "queue `a` is at its cap (maxGpus 1)");
+    let rejected = |i: usize, wait: Option<Reason>| Rejection {
+        request_id: req.asks[i].request_id,
+        reason: "refused".into(),
+        retryable: true,
+        wait: wait.map(Box::new),
+    };
+    let resp = AllocateResponse {
+        rejected: vec![rejected(0, Some(cap.clone())), rejected(1, None)],
+        ..Default::default()
+    };
+    answer(&mut m, resp, now);
+    let kinds: Vec<(Kind, String)> = m
+        .tasks()
+        .iter()
+        .map(|t| t.reason.clone().map(|r| (r.kind, r.detail)).unwrap())
+        .collect();
+    assert_eq!(kinds[0], (Kind::QueueShare, cap.detail.clone()));
+    assert_eq!(kinds[1].0, Kind::Retry, "{kinds:?}");
+    assert_eq!(m.placement_reason(), Some(cap.since(now.ms).of_task("w/0")));
+}
+
+/// While the RM's queues name a cause, a task that finds no node now (here: the one it was
+/// refused on is skipped for a while) waits for its queue, as the job does; without one it
+/// waits for resources.
+#[test]
+fn not_now_while_the_queue_names_a_cause_is_the_queues_wait() {
+    let yaml = "name: j\ntaskRoles:\n  w:\n    instances: 1\n    \
+                resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 4}\n    commands: [\"true\"]\n";
+    let cap = Reason::new(Kind::QueueShare, "queue `a` is at its cap (maxGpus 1)").since(7);
+    for (queue, kind) in [(Some(cap.clone()), Kind::QueueShare), (None, Kind::Resources)] {
+        let (mut m, now) = machine(yaml);
+        let req = heartbeat(&mut m, now);
+        let resp = AllocateResponse {
+            rejected: vec![Rejection {
+                request_id: req.asks[0].request_id,
+                reason: "refused".into(),
+                retryable: true,
+                wait: queue.clone().map(Box::new),
+            }],
+            wait_reason: queue.clone(),
+            ..Default::default()
+        };
+        answer(&mut m, resp, now);
+        let req = heartbeat(&mut m, now);
+        assert!(req.asks.is_empty(), "the refused GPUs are skipped for a while");
+        let why = m.tasks()[0].reason.clone().unwrap();
+        assert_eq!(why.kind, kind, "{why:?}");
+        if let Some(q) = &queue {
+            assert_eq!(&why, q);
+        }
+    }
 }

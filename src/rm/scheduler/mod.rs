@@ -496,6 +496,24 @@ pub enum WaitReason {
 }
 
 impl WaitReason {
+    /// As the one reason type (`reason::Reason`): a full queue, a share or gang protection
+    /// is `QueueShare`, free GPUs kept for an application of the same queue `Priority`
+    /// (it ranks ahead by priority, then age), GPUs taken back `Reclaiming`; "nothing
+    /// fits" is `Resources` (the AM knows better which, see `reason::combine`).
+    pub fn reason(&self) -> crate::reason::Reason {
+        use crate::reason::Kind;
+        let kind = match self {
+            WaitReason::AtCap { .. } | WaitReason::OverShare { .. } | WaitReason::GangProtected { .. } => {
+                Kind::QueueShare
+            }
+            WaitReason::Behind { queue, ahead_queue, .. } if queue == ahead_queue => Kind::Priority,
+            WaitReason::Behind { .. } => Kind::QueueShare,
+            WaitReason::Reclaiming { .. } => Kind::Reclaiming,
+            WaitReason::NothingFits => Kind::Resources,
+        };
+        crate::reason::Reason::new(kind, self.to_string())
+    }
+
     /// A short machine name for the cluster page.
     pub fn code(&self) -> &'static str {
         match self {

@@ -813,7 +813,7 @@ mod agrees_with_select {
                 Outcome::Impossible { reason } => {
                     prop_assert!(!eligible_any, "select says impossible ({reason}) but the RM finds a node");
                 }
-                Outcome::NotNow { reason } => {
+                Outcome::NotNow { reason, .. } => {
                     prop_assert!(eligible_any, "select says not now ({reason}) but the RM finds no node");
                 }
             }
@@ -858,4 +858,58 @@ fn the_scratch_packs_ports_and_custom_resources_as_placement_counts_them() {
         ..Default::default()
     })
     .fits(0, &nvme));
+}
+
+/// The queue gate's causes as the one reason type, one row each: the queue's own limits
+/// are `QueueShare`, an application of the same queue ranking ahead is `Priority`, GPUs
+/// under way `Reclaiming`, and "nothing fits" the `Resources` the AM may know better.
+#[test]
+fn each_queue_cause_has_its_kind_of_reason() {
+    use crate::reason::Kind;
+    let behind = |ahead: &str| WaitReason::Behind {
+        queue: "a".into(),
+        used: 1,
+        deserved: 2.0,
+        ahead_app: "app_1".into(),
+        ahead_queue: ahead.into(),
+    };
+    let cases = [
+        (
+            WaitReason::AtCap {
+                queue: "a".into(),
+                max: 2,
+            },
+            Kind::QueueShare,
+        ),
+        (behind("b"), Kind::QueueShare),
+        (behind("a"), Kind::Priority),
+        (
+            WaitReason::OverShare {
+                queue: "a".into(),
+                used: 2,
+                deserved: 1.0,
+            },
+            Kind::QueueShare,
+        ),
+        (
+            WaitReason::Reclaiming {
+                gpus: 2,
+                from: vec!["b".into()],
+            },
+            Kind::Reclaiming,
+        ),
+        (
+            WaitReason::GangProtected {
+                queue: "a".into(),
+                used: 0,
+                deserved: 1.0,
+            },
+            Kind::QueueShare,
+        ),
+        (WaitReason::NothingFits, Kind::Resources),
+    ];
+    for (w, kind) in cases {
+        let r = w.reason();
+        assert_eq!((r.kind, r.detail.as_str()), (kind, w.to_string().as_str()));
+    }
 }

@@ -92,7 +92,7 @@ pub(super) async fn am_allocate(
                 )));
             }
         }
-        let num_cluster_nodes = st.ledger.nodes().count() as u32;
+        let num_cluster_nodes = st.ledger.node_count() as u32;
         let mut out = AllocateResponse {
             response_id: req.response_id.wrapping_add(1),
             num_cluster_nodes,
@@ -117,6 +117,7 @@ pub(super) async fn am_allocate(
         let now = Instant::now();
         if let Some(w) = req.waiting.clone() {
             app.waiting.report(w, now);
+            app.waiting.placement = req.wait_reason.clone();
         }
         // Releases: freed now, not reported back (the AM asked for it). A container under
         // a preemption notice ends as preempted.
@@ -144,8 +145,9 @@ pub(super) async fn am_allocate(
                 rm.metrics.refused(Refusal::Queue, group.len());
                 out.rejected.extend(group.iter().map(|a| Rejection {
                     request_id: a.request_id,
-                    reason: why.clone(),
+                    reason: why.detail.clone(),
                     retryable: true,
+                    wait: Some(Box::new(why.clone())).filter(|w| w.kind.is_queue()),
                 }));
                 continue;
             }
@@ -170,6 +172,7 @@ pub(super) async fn am_allocate(
                         request_id: c.request_id,
                         reason: "gang not granted whole".into(),
                         retryable: true,
+                        wait: None,
                     });
                 }
             }
@@ -178,6 +181,7 @@ pub(super) async fn am_allocate(
         out.preempt = scheduling::notices_for(st, &id);
         let app = app_mut(&mut st.apps, &id)?;
         out.waiting_reason = app.waiting.why.as_ref().map(|(_, t)| t.clone());
+        out.wait_reason = app.waiting.queue_reason();
         out.completed = std::mem::take(&mut app.pending_completed);
         out.updated_nodes = st
             .ledger

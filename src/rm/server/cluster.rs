@@ -1,7 +1,14 @@
 //! Cluster-wide endpoints: cluster info and metrics, the node listing (YARN's shape with
 //! gpuam's extensions, DESIGN.md §3) and the admin's node state changes.
+//!
+//! The node listing is served from [`NodeView`]: each node's JSON object is written once
+//! per change of that node (the ledger's change index says which changed since the view
+//! was last brought up to date) and the whole answer once per ledger epoch, shared as
+//! bytes by every request at that epoch. `?since=<nodesVersion>` answers only the nodes
+//! changed since that version, so an AM's refresh costs O(changes), not O(nodes).
 
 use super::*;
+use crate::cluster::rm_json::{CHANGED_SINCE, NODES_VERSION};
 
 /// Sets a node's state; unusable states end its containers (completed to their apps
 /// with -100 and the lost-node diagnostics) and kill their process groups through the
@@ -102,9 +109,142 @@ pub(super) async fn cluster_metrics(State(rm): Rm) -> Json<Value> {
 #[derive(Deserialize)]
 pub(super) struct NodesQuery {
     pub(super) states: Option<String>,
+    /// A `nodesVersion` of an earlier answer: only what changed since.
+    pub(super) since: Option<String>,
 }
 
-pub(super) async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Json<Value>, ApiError> {
+/// The node listing's bytes, kept up to date with the ledger (see the module doc). Lives in
+/// [`Shared`] under its own lock, always taken after the state lock.
+pub(super) struct NodeView {
+    /// Tells this RM process's versions from another's (a restarted RM counts epochs anew).
+    incarnation: u64,
+    /// The ledger epoch `objects` reflect (`None`: not built yet).
+    epoch: Option<u64>,
+    /// Each node's JSON object, by host.
+    objects: BTreeMap<String, Bytes>,
+    /// The whole answer at `epoch`, once asked for.
+    whole: Option<(u64, Bytes)>,
+}
+
+impl NodeView {
+    pub(super) fn new() -> Self {
+        NodeView {
+            incarnation: rand::random::<u64>() >> 16,
+            epoch: None,
+            objects: BTreeMap::new(),
+            whole: None,
+        }
+    }
+
+    fn version(&self, epoch: u64) -> String {
+        format!("{:x}-{epoch}", self.incarnation)
+    }
+
+    /// The epoch a version of this RM process names (`None`: another process's, or not
+    /// a version).
+    fn epoch_of(&self, version: &str) -> Option<u64> {
+        let (inc, epoch) = version.split_once('-')?;
+        (u64::from_str_radix(inc, 16).ok()? == self.incarnation)
+            .then(|| epoch.parse().ok())
+            .flatten()
+    }
+
+    fn object(node: &Node, num_containers: u32, at_ms: u64) -> Bytes {
+        Bytes::from(serde_json::to_vec(&node_to_json(node, num_containers, at_ms)).unwrap_or_default())
+    }
+
+    /// Brings the node objects up to the ledger's epoch: O(nodes changed since).
+    fn catch_up(&mut self, ledger: &Ledger) {
+        let now = ledger.epoch();
+        match self.epoch {
+            Some(e) if e == now => return,
+            Some(e) => {
+                let at = now_ms();
+                for (n, c) in ledger.changed_since(e) {
+                    if ledger.node(&n.host).is_some() {
+                        self.objects.insert(n.host.clone(), Self::object(n, c, at));
+                    } else {
+                        self.objects.remove(&n.host);
+                    }
+                }
+            }
+            None => {
+                let at = now_ms();
+                self.objects = ledger
+                    .nodes()
+                    .map(|(n, c)| (n.host.clone(), Self::object(n, c, at)))
+                    .collect();
+            }
+        }
+        self.epoch = Some(now);
+    }
+
+    /// `{"nodes":{"node":[...]}, "nodesVersion": ..}` (and `changedSince`) of `objects`.
+    fn answer<'a>(&self, objects: impl Iterator<Item = &'a Bytes>, epoch: u64, since: Option<u64>) -> Bytes {
+        let mut out = Vec::with_capacity(64 + self.objects.len() * 1024);
+        out.extend_from_slice(br#"{"nodes":{"node":["#);
+        for (i, o) in objects.enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(o);
+        }
+        out.extend_from_slice(format!(r#"]}},"{NODES_VERSION}":"{}""#, self.version(epoch)).as_bytes());
+        if let Some(s) = since {
+            out.extend_from_slice(format!(r#","{CHANGED_SINCE}":"{}""#, self.version(s)).as_bytes());
+        }
+        out.push(b'}');
+        Bytes::from(out)
+    }
+
+    /// The whole listing, or only the nodes in `states`; written once per epoch.
+    pub(super) fn listing(&mut self, ledger: &Ledger, states: Option<&[NodeState]>) -> Bytes {
+        self.catch_up(ledger);
+        let epoch = ledger.epoch();
+        if let Some(states) = states {
+            let objects = ledger
+                .nodes()
+                .filter(|(n, _)| states.contains(&n.state))
+                .filter_map(|(n, _)| self.objects.get(&n.host));
+            return self.answer(objects, epoch, None);
+        }
+        match &self.whole {
+            Some((e, bytes)) if *e == epoch => bytes.clone(),
+            _ => {
+                let bytes = self.answer(self.objects.values(), epoch, None);
+                self.whole = Some((epoch, bytes.clone()));
+                bytes
+            }
+        }
+    }
+
+    /// The nodes changed since `version`: O(changes). A version this RM process did not
+    /// give (another process's, or garbage) gets the whole listing.
+    pub(super) fn changes(&mut self, ledger: &Ledger, version: &str) -> Bytes {
+        let epoch = ledger.epoch();
+        let Some(since) = self.epoch_of(version).filter(|s| *s <= epoch) else {
+            return self.listing(ledger, None);
+        };
+        self.catch_up(ledger);
+        let at = now_ms();
+        // A node that left the ledger is reported as the ledger last had it.
+        let gone: Vec<Bytes> = ledger
+            .changed_since(since)
+            .filter(|(n, _)| !self.objects.contains_key(&n.host))
+            .map(|(n, c)| Self::object(n, c, at))
+            .collect();
+        let objects = ledger
+            .changed_since(since)
+            .filter_map(|(n, _)| self.objects.get(&n.host))
+            .chain(gone.iter());
+        self.answer(objects, epoch, Some(since))
+    }
+}
+
+/// The node listing (see the module doc): YARN's `{"nodes":{"node":[...]}}`, with
+/// `nodesVersion`; `?since=` answers the changes only (`changedSince`), `?states=` the
+/// nodes in those states.
+pub(super) async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Result<Response, ApiError> {
     let wanted: Option<Vec<NodeState>> = match q.states.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
         None => None,
         Some(s) => Some(
@@ -116,12 +256,21 @@ pub(super) async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Re
                 .collect::<Result<_, _>>()?,
         ),
     };
-    let st = rm.lock();
-    let nodes = st
-        .ledger
-        .nodes()
-        .filter(|(n, _)| wanted.as_ref().is_none_or(|w| w.contains(&n.state)));
-    Ok(Json(nodes_to_json(nodes, now_ms())))
+    let since = q.since.as_deref().map(str::trim).filter(|s| !s.is_empty());
+    if since.is_some() && wanted.is_some() {
+        return Err(ApiError::bad_request(
+            "`since` and `states` cannot be combined: ask for the changes since a version, or for the nodes in some states",
+        ));
+    }
+    let body = {
+        let st = rm.lock();
+        let mut view = rm.node_view.lock();
+        match since {
+            Some(v) => view.changes(&st.ledger, v),
+            None => view.listing(&st.ledger, wanted.as_deref()),
+        }
+    };
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 pub(super) async fn get_node(State(rm): Rm, UrlPath(nodeid): UrlPath<String>) -> Result<Json<Value>, ApiError> {

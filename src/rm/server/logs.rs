@@ -130,7 +130,8 @@ pub(super) async fn get_app_containers(
         "app": app.report,
         "waiting": {
             "since": app.waiting.since_ms.filter(|_| waits),
-            "why": app.waiting.why.as_ref().filter(|_| waits).map(|(_, t)| t.clone()),
+            "why": app.waiting.reason().filter(|_| waits).map(|r| r.text()),
+            "reason": app.waiting.reason().filter(|_| waits),
             "whyCode": app.waiting.why.as_ref().filter(|_| waits).map(|(c, _)| *c),
         },
         "containers": rows,

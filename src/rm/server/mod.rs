@@ -36,7 +36,7 @@
 //! finish; `am_supervisor` the AM processes; `containers` the container endpoints that
 //! forward to the node backends; `nodes` the node agents' registration, heartbeats and
 //! liveness.
-use crate::cluster::rm_json::{node_to_json, nodes_to_json};
+use crate::cluster::rm_json::node_to_json;
 use crate::cluster::{Node, NodeState};
 use crate::node::executor::{ExecError, LogStream};
 use crate::node::procs::ProcessId;
@@ -155,7 +155,7 @@ pub struct RmOptions {
     pub agent_ca_file: Option<PathBuf>,
     /// Run containers on a Ray cluster instead of this process's executor (its dashboard
     /// client and the cancel gate its jobs ask; see `crate::ray`).
-    pub ray: Option<(crate::ray::client::RayClient, crate::ray::gate::Gate)>,
+    pub ray: Option<crate::ray::Backend>,
     /// The node agents' credentials file (`nodes:` host → token digest, `gpuam node-token
     /// new`; reloaded when it changes): `None`, no agents accepted.
     pub nodes_file: Option<PathBuf>,
@@ -198,6 +198,8 @@ pub struct RmOptions {
     pub task_identity: Option<crate::node::identity::IdentitySettings>,
     /// How long a finished container's logs stay (`node.log_retention_sec`).
     pub log_retention: Option<Duration>,
+    /// How long after its end a container's work directory goes (`node.work_dir_grace_sec`).
+    pub work_dir_grace: Option<Duration>,
     /// Disk, pids and device bounds of the in-process node (`node.*`).
     pub bounds: crate::node::bounds::NodeBounds,
 }
@@ -238,6 +240,7 @@ impl RmOptions {
             shim_exe: None,
             task_identity: None,
             log_retention: None,
+            work_dir_grace: None,
             bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
@@ -270,6 +273,7 @@ impl RmOptions {
                 false => None,
             },
             log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
+            work_dir_grace: Some(Duration::from_secs(settings.node.work_dir_grace_sec)),
             bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
@@ -326,6 +330,8 @@ struct Shared {
     metrics: dashboard::RmMetrics,
     /// History and log retention.
     history: HistoryOptions,
+    /// The node listing's bytes (`cluster::NodeView`; locked after `state`).
+    node_view: Mutex<NodeView>,
 }
 
 impl Shared {
@@ -462,9 +468,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     .with_shim(opts.shim_exe.clone());
     let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
     tracing::info!("in-process node {}", containment.describe());
-    let ray = opts
-        .ray
-        .map(|(client, gate)| crate::ray::launcher::RayLauncher::new(client, gate, events_tx.clone()));
+    let ray = opts.ray.map(|b| b.start(events_tx.clone()));
     // The in-process node runs each user's tasks as the agents do (one rule:
     // `node::identity`); its directories are made reachable for them, nothing more.
     let task_users = match &opts.task_identity {
@@ -486,6 +490,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             max_log_bytes: opts.max_log_bytes,
             users: task_users,
             retention: opts.log_retention,
+            work_dir_grace: opts.work_dir_grace,
             ends_heard_here: true,
             max_disk_mb: opts.bounds.max_disk_mb,
             ..Default::default()
@@ -516,6 +521,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
         history: opts.history.clone(),
+        node_view: Mutex::new(NodeView::new()),
     });
 
     let mut background = Vec::new();
@@ -907,6 +913,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/cluster.js", get(crate::web::assets::cluster_js))
         .route("/cluster.css", get(crate::web::assets::cluster_css))
         .route("/style.css", get(crate::web::assets::style_css))
+        .route("/reason.js", get(crate::web::assets::reason_js))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)

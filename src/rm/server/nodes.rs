@@ -20,7 +20,7 @@ use crate::node::{InProcessNode, NodeBackend, NodeEvent};
 pub(crate) struct Nodes {
     pub(crate) local: InProcessNode,
     pub(crate) agents: Option<Arc<AgentNodes>>,
-    pub(crate) ray: Option<Arc<crate::ray::launcher::RayLauncher>>,
+    pub(crate) ray: Option<Arc<dyn NodeBackend>>,
 }
 
 impl Nodes {

@@ -146,9 +146,9 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
 
 /// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see
 /// [`scheduler::gate`]); a gang must also fit now as a whole. `Err`: why it waits.
-pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> Result<(), String> {
+pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> Result<(), crate::reason::Reason> {
     if asks.len() > 1 {
-        gang_fits(&st.ledger, asks)?;
+        gang_fits(&st.ledger, asks).map_err(|e| crate::reason::Reason::new(crate::reason::Kind::Resources, e))?;
     }
     // Fast path: no cap on the way and nobody else waiting: nothing to keep room for.
     let capped = st.apps.get(app_id).is_some_and(|a| {
@@ -180,7 +180,7 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
         .filter_map(|a| Some((*hosts.get(a.host.as_str())?, a.resources())))
         .collect();
     let shares = Shares::compute(&st.sched.tree, &built.snap);
-    scheduler::gate(&st.sched.tree, &built.snap, &shares, app, &mapped).map_err(|w| w.to_string())
+    scheduler::gate(&st.sched.tree, &built.snap, &shares, app, &mapped).map_err(|w| w.reason())
 }
 
 /// Whether every ask of a gang fits now, together (each on what the earlier ones leave).
@@ -341,11 +341,8 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         }
     }
     for (id, &a) in &built.apps {
-        let why = plan.why.get(a).cloned().flatten().map(|w| (w.code(), w.to_string()));
         if let Some(app) = st.apps.get_mut(id) {
-            if app.waiting.why != why {
-                app.waiting.why = why;
-            }
+            app.waiting.set_why(plan.why.get(a).and_then(Option::as_ref));
         }
     }
     work

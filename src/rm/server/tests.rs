@@ -598,3 +598,99 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
     assert!(metrics.contains("gpuam_rm_allocate_latency_seconds_count"), "{metrics}");
     rm.shutdown().await;
 }
+
+/// The node listing's versions (issue 29): a whole listing carries `nodesVersion`; asking
+/// `since` it answers only the nodes changed since (none, then exactly the one a grant
+/// changed, with its new use), and a version another RM process gave gets the whole
+/// listing again, marked as such.
+#[tokio::test]
+async fn an_am_refreshes_its_node_view_by_changes_only() {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::RegisterRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<Node> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|h| Node::new(*h, "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new())))
+        .collect();
+    let opts = RmOptions {
+        launch_am: false,
+        state_dir: None,
+        ..RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+    };
+    let rm = start(opts.clone()).await.unwrap();
+    let (id, token) = rm.register_test_app("job");
+    let am = RmClient::for_app(&rm.base_url(), &id, &token);
+    let whole = am.node_changes().await.unwrap();
+    assert_eq!(whole.nodes.len(), 3);
+    assert!(whole.changed_since.is_none() && whole.version.is_some(), "{whole:?}");
+    let unchanged = am.node_changes().await.unwrap();
+    assert!(unchanged.nodes.is_empty(), "nothing changed: {unchanged:?}");
+    assert_eq!(unchanged.changed_since, whole.version);
+    assert_eq!(unchanged.version, whole.version);
+    am.register(&RegisterRequest::default()).await.unwrap();
+    let granted = am
+        .allocate(&AllocateRequest {
+            asks: vec![ask(1, "n2", 0x2)],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .allocated;
+    assert_eq!(granted.len(), 1);
+    let changed = am.node_changes().await.unwrap();
+    let hosts: Vec<(&str, u64)> = changed
+        .nodes
+        .iter()
+        .map(|n| (n.host.as_str(), n.used().gpu_mask))
+        .collect();
+    assert_eq!(hosts, vec![("n2", 0x2)]);
+    assert_eq!(changed.changed_since, unchanged.version);
+    assert_ne!(changed.version, unchanged.version);
+    // The same answer for a plain client asking with that version by hand.
+    let http = crate::tls::http_client();
+    let v: Value = http
+        .get(format!(
+            "{}/ws/v1/cluster/nodes?since={}",
+            rm.base_url(),
+            unchanged.version.clone().unwrap()
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["nodes"]["node"].as_array().map(Vec::len), Some(1), "{v}");
+    // `since` and `states` together are refused; a version of another RM process (or
+    // garbage) gets the whole listing.
+    let r = http
+        .get(format!(
+            "{}/ws/v1/cluster/nodes?since=1-1&states=RUNNING",
+            rm.base_url()
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let other = start(opts).await.unwrap();
+    let am2 = RmClient::for_app(&other.base_url(), &id, &token);
+    for since in [
+        changed.version.clone().unwrap(),
+        "garbage".to_string(),
+        "0-99999".to_string(),
+    ] {
+        let v: Value = http
+            .get(format!("{}/ws/v1/cluster/nodes?since={since}", other.base_url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["nodes"]["node"].as_array().map(Vec::len), Some(3), "{since}: {v}");
+        assert!(v.get("changedSince").is_none(), "{since}: {v}");
+    }
+    assert_eq!(am2.node_changes().await.unwrap().nodes.len(), 3);
+    other.shutdown().await;
+    rm.shutdown().await;
+}
