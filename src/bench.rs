@@ -188,6 +188,7 @@ fn am_pid(app_id: &str) -> Option<u32> {
 /// its SQLite store under `work`) on `nodes` empty 8-GPU nodes.
 async fn start_bench_rm(
     nodes: usize,
+    jobs: usize,
     seed: u64,
     work: &std::path::Path,
     in_memory: bool,
@@ -204,6 +205,10 @@ async fn start_bench_rm(
     if in_memory {
         opts.state_dir = None;
     }
+    // The admin submits every job of the bench: the per-user and total limits on
+    // unfinished applications must let them all in.
+    opts.limits.max_apps = opts.limits.max_apps.max(jobs);
+    opts.limits.max_apps_per_user = opts.limits.max_apps_per_user.max(jobs);
     match crate::rm::start(opts).await {
         Ok(h) => Some(h),
         Err(e) => {
@@ -224,7 +229,7 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     // read; it inherits this from the RM, which is this process.
     std::env::set_var("GPUAM_DASHBOARD_LINGER_SEC", "5");
     let work = std::env::temp_dir().join(format!("gpuam-bench-job-{}", std::process::id()));
-    let rm = match start_bench_rm(nodes, seed, &work, false).await {
+    let rm = match start_bench_rm(nodes, 1, seed, &work, false).await {
         Some(h) => h,
         None => return exit::INTERNAL,
     };
@@ -404,7 +409,7 @@ async fn launch_times(http: &reqwest::Client, url: &str, token: &str, tasks: u32
 /// and CPU, then stops every AM and task it started.
 pub async fn cluster_bench(jobs: u32, tasks: u32, nodes: usize, seed: u64) -> i32 {
     let work = std::env::temp_dir().join(format!("gpuam-bench-cluster-{}", std::process::id()));
-    let Some(rm) = start_bench_rm(nodes, seed, &work, true).await else {
+    let Some(rm) = start_bench_rm(nodes, jobs as usize, seed, &work, true).await else {
         return exit::INTERNAL;
     };
     let mut ids = Vec::new();
@@ -488,6 +493,7 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
     // the task list (`/api/v1/tasks`), not the whole snapshot with its node view.
     let mut am_cpu: f64 = 0.0;
     let mut complaints: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut next_progress = Duration::from_secs(5);
     loop {
         if started.elapsed() > Duration::from_secs(600) {
             eprintln!("error: not all tasks ran within 600 s");
@@ -512,14 +518,14 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
                                 )
                             }
                             Ok(r) => url = r.tracking_url,
-                            Err(_) => return (i, url, Ok(None)),
+                            Err(e) => return (i, url, Ok(Err(format!("(the RM's report) {e}")))),
                         }
                         if url.is_empty() {
-                            return (i, url, Ok(None));
+                            return (i, url, Ok(Err("(the RM's report) no tracking URL yet".into())));
                         }
                     }
                     let read = launch_times(&http, &url, &token, tasks).await;
-                    (i, url, Ok(Some(read)))
+                    (i, url, Ok(read))
                 }
             });
         for (i, url, read) in futures::future::join_all(reads).await {
@@ -530,12 +536,12 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
                     eprintln!("error: job {} {e}", job.id);
                     return exit::INTERNAL;
                 }
-                Ok(None) => {}
-                Ok(Some(Ok(launched))) => job.launched = launched,
+                Ok(Ok(launched)) => job.launched = launched,
                 // Said once per job and kind of answer, so a defect shows and the bench
                 // goes on reading.
-                Ok(Some(Err(why))) => {
-                    if complaints.insert(format!("{} {}", job.id, why.split(':').next().unwrap_or(""))) {
+                Ok(Err(why)) => {
+                    let early = started.elapsed() < Duration::from_secs(10);
+                    if !early && complaints.insert(format!("{} {}", job.id, why.split(':').next().unwrap_or(""))) {
                         eprintln!(
                             "note: the status API of {} ({}) answered: {why}",
                             job.id, job.tracking_url
@@ -546,6 +552,16 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
         }
         if state.iter().all(|j| j.launched.len() >= tasks as usize) {
             break;
+        }
+        if started.elapsed() >= next_progress {
+            next_progress += Duration::from_secs(5);
+            eprintln!(
+                "{:.0} s: {} of {jobs} jobs all running, {} of {} tasks launched",
+                started.elapsed().as_secs_f64(),
+                state.iter().filter(|j| j.launched.len() >= tasks as usize).count(),
+                state.iter().map(|j| j.launched.len()).sum::<usize>(),
+                u64::from(jobs) * u64::from(tasks)
+            );
         }
     }
     let rm_cpu = cpu_seconds(me).unwrap_or(0.0) - cpu_before;
