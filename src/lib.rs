@@ -34,4 +34,5 @@ pub mod spec;
 pub mod text;
 pub mod tls;
 pub mod topology;
+pub mod users;
 pub mod web;

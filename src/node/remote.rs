@@ -39,7 +39,7 @@ pub struct AgentEntry {
 /// The agents registered with this RM.
 pub struct AgentNodes {
     /// Each host's agent token digest (the nodes file).
-    credentials: parking_lot::RwLock<crate::rm::users::Users>,
+    credentials: parking_lot::RwLock<crate::users::Users>,
     /// The RM's own secret the host keys derive from (`super::token::host_key`).
     rm_secret: Vec<u8>,
     http: reqwest::Client,
@@ -52,7 +52,7 @@ impl AgentNodes {
     /// `rm_secret`: what their keys derive from ([`load_or_create_secret`]);
     /// `ca_file` (`tls.ca_file`): the CAs HTTPS to the agents trusts (else the system's).
     pub fn new(
-        credentials: crate::rm::users::Users,
+        credentials: crate::users::Users,
         rm_secret: Vec<u8>,
         events: mpsc::UnboundedSender<NodeEvent>,
         ca_file: Option<&std::path::Path>,
@@ -81,7 +81,7 @@ impl AgentNodes {
     }
 
     /// Takes a new nodes file (reloaded): a host no longer in it is refused from now on.
-    pub fn set_credentials(&self, credentials: crate::rm::users::Users) {
+    pub fn set_credentials(&self, credentials: crate::users::Users) {
         *self.credentials.write() = credentials;
     }
 
@@ -382,7 +382,7 @@ pub fn load_or_create_secret(path: &std::path::Path) -> anyhow::Result<Vec<u8>> 
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let secret = crate::auth::new_token();
-            crate::rm::server::write_secret(path, &secret)
+            crate::auth::write_secret(path, &secret)
                 .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
             Ok(secret.into_bytes())
         }
@@ -412,7 +412,7 @@ mod tests {
             // Dropped: the body never completes.
         });
         let (tx, _rx) = mpsc::unbounded_channel();
-        let mut credentials = crate::rm::users::Users::default();
+        let mut credentials = crate::users::Users::default();
         credentials.insert_token("h1", "agent-token").unwrap();
         let agents = AgentNodes::new(credentials, b"s".to_vec(), tx, None).unwrap();
         agents.register("h1", &format!("http://{addr}"), Instant::now());
