@@ -9,10 +9,10 @@
 //! prints and picks exit codes.
 //! The wire types (`protocol`, with `cluster::rm_json` for node objects), the settings
 //! (`config`) and the credentials (`auth`: tokens and secret files; `users`: the users' and
-//! node agents' credential files) sit beside `cluster`: every component reads them and they use none of the
-//! components above (`config` only parses; the RM builds its queue tree from it); so does
-//! `reason`, the one answer to "why does it wait". "May
-//! this task use this node" is one rule, `select::feasible`, which the RM's queue gate and
+//! node agents' credential files) sit beside `cluster`: every component reads them and they use
+//! none of the components above (`config` only parses; the RM builds its queue tree from it);
+//! so does `reason`, the one answer to "why does it wait". "May this task use this node" is one
+//! rule, `select::feasible`, which the RM's queue gate and
 //! preemption use too.
 
 pub mod am;
