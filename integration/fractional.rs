@@ -104,7 +104,7 @@ fn am_tasks(rm: &Rm, app: &str) -> Option<Vec<Value>> {
         return None;
     }
     // The dashboard's API takes the owner's token (the AM asks the RM about it).
-    let text = rm.get_text(&format!("{tracking}api/v1/tasks?token={}", rm.user_token))?;
+    let text = rm.get_text_as(&format!("{tracking}api/v1/tasks"), &rm.user_token)?;
     let v: Value = serde_json::from_str(&text).ok()?;
     v.as_array().cloned().or_else(|| v["tasks"].as_array().cloned())
 }

@@ -534,7 +534,7 @@ fn scenarios(launch: &str) {
     );
 
     let venv_path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
-    let rm = Rm::start_in(
+    let mut rm = Rm::start_in(
         dir,
         "nodes: []\n",
         "",
@@ -749,6 +749,26 @@ fn scenarios(launch: &str) {
         assert!(
             again.len() == 1 && again[0] != drivers[0],
             "a new driver runs: {again:?}"
+        );
+        rm.assert_all_free(Duration::from_secs(30));
+    }
+
+    // 4c. The RM killed and started again mid-job (its driver ends with it): the new RM's
+    // driver adopts the container that kept running and reports its end; it ran once.
+    if launch == "driver" {
+        let r = rm.write_job("rr.yaml", &job_yaml("rmrestart", false, 1, 1, "A100", 0, &task("10")));
+        let sr = rm.submit(&r);
+        wait_for(Duration::from_secs(120), "the task to start", || {
+            records(&rec).into_iter().find(|r| r.job == "rmrestart")
+        });
+        rm.restart();
+        let fr = sr.wait(Duration::from_secs(180));
+        assert_eq!(fr.code, 0, "RM restart: {}\n{}", fr.stderr, rm.logs());
+        let seen: Vec<Record> = records(&rec).into_iter().filter(|r| r.job == "rmrestart").collect();
+        assert_eq!(
+            seen.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
+            ["start", "end"],
+            "{seen:?}"
         );
         rm.assert_all_free(Duration::from_secs(30));
     }

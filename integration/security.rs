@@ -729,7 +729,7 @@ fn tls_listeners_serve_https_only_and_a_job_runs_over_them() {
     let tracking = rm.app(&app)["trackingUrl"].as_str().unwrap().to_string();
     assert!(tracking.starts_with("https://"), "{tracking}");
     let job_json = rm
-        .get_text(&format!("{tracking}api/v1/job?token={}", rm.user_token))
+        .get_text_as(&format!("{tracking}api/v1/job"), &rm.user_token)
         .expect("the dashboard answers HTTPS trusting the CA (and takes the owner's token)");
     assert!(job_json.contains("secure"), "{job_json}");
     let dash_host_port = tracking.trim_start_matches("https://").trim_end_matches('/');

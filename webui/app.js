@@ -587,11 +587,15 @@ function onEvent(kind, ev) {
   schedule();
 }
 
-function connect() {
-  // EventSource sends no header: the token goes as a query parameter.
+async function connect() {
+  // EventSource sends no header, and no credential goes in a URL: the stream takes the
+  // job's events ticket, fetched with the page's token in its header.
   const q = [];
   if (state.lastEventId) q.push('lastEventId=' + encodeURIComponent(state.lastEventId));
-  if (pageToken()) q.push('token=' + encodeURIComponent(pageToken()));
+  try {
+    const t = (await getJSON('/api/v1/events-ticket')).body;
+    if (t && t.ticket) q.push('token=' + encodeURIComponent(t.ticket));
+  } catch (_) { /* the stream then fails and says so */ }
   const url = '/api/v1/events' + (q.length ? '?' + q.join('&') : '');
   const es = new EventSource(url);
   const conn = $('conn');

@@ -602,6 +602,17 @@ impl Rm {
         })
     }
 
+    /// As [`Rm::get_text`], with `token` as the bearer.
+    pub fn get_text_as(&self, url: &str, token: &str) -> Option<String> {
+        self.rt.block_on(async {
+            let r = self.http.get(url).bearer_auth(token).send().await.ok()?;
+            if !r.status().is_success() {
+                return None;
+            }
+            r.text().await.ok()
+        })
+    }
+
     /// `GET {path}` → the JSON answer (Err with the status on failure).
     pub fn get_json(&self, path: &str) -> Result<Value, String> {
         self.get(path)

@@ -324,6 +324,10 @@ pub struct StatusHub {
     token_check: std::sync::OnceLock<TokenCheck>,
     /// Tokens the RM accepted lately.
     pub(crate) accepted: Accepted,
+    /// Tokens the RM refused lately: asked again only after [`REFUSED_FOR`].
+    pub(crate) refused: Accepted,
+    /// Bounds the RM checks in flight at once ([`MAX_CHECKS`]).
+    pub(crate) checks: tokio::sync::Semaphore,
 }
 
 impl StatusHub {
@@ -336,6 +340,19 @@ impl StatusHub {
     /// See [`StatusHub::set_token_check`].
     pub fn token_check(&self) -> Option<&TokenCheck> {
         self.token_check.get()
+    }
+
+    /// The event stream's ticket: what the page puts in the stream's URL (a browser's
+    /// `EventSource` sends no header) instead of a credential. Derived from the job token;
+    /// it opens this job's event stream and nothing else. `None` without a job token.
+    pub fn events_ticket(&self) -> Option<String> {
+        if self.job_token.is_empty() {
+            return None;
+        }
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, self.job_token.as_bytes());
+        Some(crate::auth::hex(
+            ring::hmac::sign(&key, b"gpuam-dashboard-events-ticket-v1").as_ref(),
+        ))
     }
 
     pub fn new(
@@ -356,7 +373,9 @@ impl StatusHub {
             logs,
             rm: std::sync::OnceLock::new(),
             token_check: std::sync::OnceLock::new(),
-            accepted: Default::default(),
+            accepted: Accepted::new(ACCEPTED_FOR, MAX_REMEMBERED),
+            refused: Accepted::new(REFUSED_FOR, MAX_REFUSED),
+            checks: tokio::sync::Semaphore::new(MAX_CHECKS),
         };
         (Arc::new(hub), crx)
     }
@@ -423,24 +442,47 @@ pub type TokenCheck = Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, 
 pub const ACCEPTED_FOR: std::time::Duration = std::time::Duration::from_secs(30);
 /// Most accepted tokens remembered.
 const MAX_REMEMBERED: usize = 256;
+/// How long a token the RM refused is refused without asking again (a token made valid
+/// meanwhile, a new user's, works after this).
+pub const REFUSED_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+/// Most refused tokens remembered (the oldest are forgotten first).
+const MAX_REFUSED: usize = 1024;
+/// RM checks in flight at once; more wait their turn.
+pub const MAX_CHECKS: usize = 8;
 
-/// Tokens the RM accepted, by digest, with when.
-#[derive(Default)]
-pub struct Accepted(parking_lot::Mutex<std::collections::HashMap<String, std::time::Instant>>);
+/// Tokens the RM answered about, by digest, with when: each is taken as answered for
+/// `ttl`; at most `max` are kept (the oldest forgotten first).
+pub struct Accepted {
+    seen: parking_lot::Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    ttl: std::time::Duration,
+    max: usize,
+}
 
 impl Accepted {
+    pub fn new(ttl: std::time::Duration, max: usize) -> Self {
+        Accepted {
+            seen: Default::default(),
+            ttl,
+            max,
+        }
+    }
+
     pub(crate) fn fresh(&self, digest: &str, now: std::time::Instant) -> bool {
-        self.0
+        self.seen
             .lock()
             .get(digest)
-            .is_some_and(|t| now.duration_since(*t) < ACCEPTED_FOR)
+            .is_some_and(|t| now.saturating_duration_since(*t) < self.ttl)
     }
 
     pub(crate) fn remember(&self, digest: String, now: std::time::Instant) {
-        let mut m = self.0.lock();
-        m.retain(|_, t| now.duration_since(*t) < ACCEPTED_FOR);
-        if m.len() < MAX_REMEMBERED {
-            m.insert(digest, now);
+        let mut m = self.seen.lock();
+        m.retain(|_, t| now.saturating_duration_since(*t) < self.ttl);
+        while m.len() >= self.max {
+            let Some(oldest) = m.iter().min_by_key(|(_, t)| **t).map(|(d, _)| d.clone()) else {
+                break;
+            };
+            m.remove(&oldest);
         }
+        m.insert(digest, now);
     }
 }

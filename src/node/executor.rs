@@ -132,6 +132,9 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// ends made the following starts twice as slow (docs/BENCHMARKS.md). Later, the removals
 /// fall outside the burst; the directory is the task's own (0700, its uid) meanwhile.
 pub const DEFAULT_WORK_DIR_GRACE: Duration = Duration::from_secs(30);
+/// An ended container's work directory holding more than this goes at once, whatever the
+/// grace (only small ones wait).
+pub const DEFER_REMOVAL_MAX_BYTES: u64 = 1 << 20;
 /// Finished records are looked for at most this often (on a start).
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -1162,7 +1165,7 @@ pub fn create_new_in(dir: &Path, name: &str, text: &[u8], owner: Option<(u32, u3
 }
 
 /// Rejects what bash or `execve` cannot carry, naming the field.
-fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
+pub(crate) fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
     for (i, c) in ctx.commands.iter().enumerate() {
         if c.contains('\0') {
             return Err(format!("commands[{i}] contains a NUL character; remove it"));
@@ -1556,9 +1559,15 @@ async fn container_ended(ending: Ending, pgid: u32, leader: Option<ProcessId>, c
     }
     // A bound the container went past leads its diagnostics (the AM classifies on it).
     let killed_for = verdict.lock().clone();
-    // Past its disk bound the directory goes at once (the node needs the room back);
-    // otherwise after the grace, off the path of the next starts.
-    let remove_work_now = killed_for.is_some() || work_dir_grace.is_zero();
+    // Past its disk bound, or holding more than [`DEFER_REMOVAL_MAX_BYTES`], the directory
+    // goes at once (the node needs the room back: short tasks that each leave data behind
+    // must not add up over the grace); a small one after the grace, off the path of the
+    // next starts.
+    let remove_work_now = killed_for.is_some() || work_dir_grace.is_zero() || {
+        let work = work_dir(&dir);
+        let usage = tokio::task::spawn_blocking(move || super::bounds::disk_usage(&work)).await;
+        usage.map_or(true, |u| !u.complete || u.bytes > DEFER_REMOVAL_MAX_BYTES)
+    };
     if let Some(why) = killed_for.or(oom) {
         diagnostics = format!("{why}; {diagnostics}");
     }
@@ -2177,11 +2186,10 @@ mod tests {
             )
             .unwrap();
         let pgid = first.status("c1").unwrap().pid.unwrap();
-        // Its traps are set once its commands run.
-        for _ in 0..200 {
-            if started.exists() {
-                break;
-            }
+        // Its traps are set once its commands run (a loaded machine may take a while).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !started.exists() {
+            assert!(Instant::now() < deadline, "the task did not start within 60 s");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -2510,6 +2518,15 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        assert!(record.join(END_FILE).is_file(), "the record stays");
+
+        // One that leaves more than a little behind loses it at once, grace or not.
+        exec.start("c-big", "h", &no_gpus(), ctx(&["head -c 3000000 /dev/zero > big"]))
+            .unwrap();
+        let (id, code, diag) = next_exit(&mut rx).await;
+        assert_eq!((id.as_str(), code), ("c-big", 0), "{diag}");
+        let record = exec.container_dir("c-big").unwrap();
+        assert!(!work_dir(&record).exists(), "3 MB left behind are removed at the end");
         assert!(record.join(END_FILE).is_file(), "the record stays");
     }
 

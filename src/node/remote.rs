@@ -39,7 +39,7 @@ pub struct AgentEntry {
 /// The agents registered with this RM.
 pub struct AgentNodes {
     /// Each host's agent token digest (the nodes file).
-    credentials: parking_lot::RwLock<crate::rm::users::Users>,
+    credentials: parking_lot::RwLock<crate::users::Users>,
     /// The RM's own secret the host keys derive from (`super::token::host_key`).
     rm_secret: Vec<u8>,
     http: reqwest::Client,
@@ -52,7 +52,7 @@ impl AgentNodes {
     /// `rm_secret`: what their keys derive from ([`load_or_create_secret`]);
     /// `ca_file` (`tls.ca_file`): the CAs HTTPS to the agents trusts (else the system's).
     pub fn new(
-        credentials: crate::rm::users::Users,
+        credentials: crate::users::Users,
         rm_secret: Vec<u8>,
         events: mpsc::UnboundedSender<NodeEvent>,
         ca_file: Option<&std::path::Path>,
@@ -81,7 +81,7 @@ impl AgentNodes {
     }
 
     /// Takes a new nodes file (reloaded): a host no longer in it is refused from now on.
-    pub fn set_credentials(&self, credentials: crate::rm::users::Users) {
+    pub fn set_credentials(&self, credentials: crate::users::Users) {
         *self.credentials.write() = credentials;
     }
 
@@ -266,9 +266,14 @@ impl NodeBackend for AgentNodes {
             };
             let req = self.http.post(url).header(CONTAINER_TOKEN_HEADER, token).json(&body);
             let resp = self.call(&host, req).await?;
+            // The agent said yes: an answer that does not arrive whole (the agent died
+            // while sending it) or does not read means the task may run all the same.
             resp.json::<ContainerStatus>()
                 .await
-                .map_err(|e| NodeError::Refused(e.to_string()))
+                .map_err(|e| NodeError::Unreachable {
+                    host,
+                    why: format!("the start's answer did not arrive whole: {e}"),
+                })
         }
         .boxed()
     }
@@ -377,7 +382,7 @@ pub fn load_or_create_secret(path: &std::path::Path) -> anyhow::Result<Vec<u8>> 
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let secret = crate::auth::new_token();
-            crate::rm::server::write_secret(path, &secret)
+            crate::auth::write_secret(path, &secret)
                 .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
             Ok(secret.into_bytes())
         }
@@ -388,6 +393,44 @@ pub fn load_or_create_secret(path: &std::path::Path) -> anyhow::Result<Vec<u8>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An agent that dies after its "200" for a start and before the body: the task may
+    /// run, so the start's error is one after which it may survive (the RM then keeps its
+    /// resources held until the node reports it dead), not a refusal (which frees them).
+    #[tokio::test]
+    async fn a_start_answer_cut_off_after_its_status_may_have_started_the_task() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 1 << 16];
+            let _ = s.read(&mut buf).await;
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"conta")
+                .await;
+            // Dropped: the body never completes.
+        });
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let mut credentials = crate::users::Users::default();
+        credentials.insert_token("h1", "agent-token").unwrap();
+        let agents = AgentNodes::new(credentials, b"s".to_vec(), tx, None).unwrap();
+        agents.register("h1", &format!("http://{addr}"), Instant::now());
+        let grant = Grant {
+            container_id: "container_1_0001_01_000001".into(),
+            app_id: "application_1_0001".into(),
+            host: "h1".into(),
+            resources: Default::default(),
+            user: "alice".into(),
+            topology: None,
+        };
+        let ctx = LaunchContext {
+            commands: vec!["true".into()],
+            env: Default::default(),
+        };
+        let e = agents.start(grant, ctx).await.unwrap_err();
+        assert!(agents.start_may_survive(&e), "{e}");
+    }
 
     #[test]
     fn a_host_restored_after_a_restart_waits_for_its_agent_until_the_deadline() {

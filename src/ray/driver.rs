@@ -244,6 +244,9 @@ impl RayDriver {
                 id,
             });
         }
+        if let Err(why) = crate::node::executor::validate_context(&ctx) {
+            return Err(NodeError::StartFailed { id, why });
+        }
         {
             let mut t = self.table.lock();
             if t.contains_key(&id) {
@@ -470,6 +473,40 @@ mod tests {
         assert_eq!(exit_of("refused", None, "x").0, exit_status::KILLED_BY_APPMASTER);
         assert_eq!(exit_of("lost", None, "node").0, exit_status::ABORTED);
         assert_eq!(exit_of("exit", None, "?").0, exit_status::ABORTED);
+    }
+
+    /// What no backend could run is refused before anything reaches Ray (no driver runs
+    /// here: its Python does not exist).
+    #[tokio::test]
+    async fn a_bad_launch_context_is_refused_before_ray() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let d = RayDriver::new(
+            DriverConfig {
+                python: "/nonexistent/python3".into(),
+                gcs_address: "127.0.0.1:9".into(),
+                hosts: vec![],
+            },
+            tx,
+        );
+        let grant = Grant {
+            container_id: "c_bad".into(),
+            app_id: "a".into(),
+            host: "n1".into(),
+            resources: Resources::with_mask(1, 100, 0b1, PortSet::new()),
+            user: String::new(),
+            topology: None,
+        };
+        let ctx = LaunchContext {
+            commands: vec!["true".into()],
+            env: BTreeMap::from([("A=B".to_string(), "x".to_string())]),
+        };
+        let e = d.start(grant.clone(), ctx).await.unwrap_err();
+        assert!(e.to_string().contains("A=B"), "{e}");
+        assert!(NodeBackend::running(d.as_ref(), "n1").is_empty());
+        let mut bad_id = grant;
+        bad_id.container_id = "../x".into();
+        let e = d.start(bad_id, LaunchContext::default()).await.unwrap_err();
+        assert!(e.to_string().contains("not a valid container id"), "{e}");
     }
 
     #[test]

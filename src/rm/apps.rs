@@ -198,6 +198,20 @@ impl App {
         }
     }
 
+    /// Why it waits, as the RM knows it: its AM has not registered yet (`Starting`, since
+    /// it was submitted), else its waiting tasks' reason; `None` once it ended or when
+    /// nothing of it waits.
+    pub fn wait_reason(&self) -> Option<Reason> {
+        if self.report.state.is_final() {
+            return None;
+        }
+        if !self.registered && self.waiting.since_ms.is_none() {
+            let r = Reason::new(crate::reason::Kind::Starting, "its application master is starting");
+            return Some(r.since(self.report.started_time));
+        }
+        self.waiting.reason()
+    }
+
     /// The job token, for the AM's environment.
     pub fn job_token(&self) -> Option<&str> {
         self.job_token.as_deref()
@@ -354,6 +368,40 @@ mod tests {
         assert!(app.token_matches(app.token()));
         assert!(!app.token_matches(""));
         assert!(!format!("{app:?}").contains(app.token()), "Debug never shows the token");
+    }
+
+    /// The RM's answer to "why does it wait", one row per stage of an application: its AM
+    /// starting; its AM's reason (the topology wait, with its deadline) over the queues'
+    /// "nothing fits" guess; a queue cause over the AM's; nothing once it ended.
+    #[test]
+    fn the_rm_says_why_an_application_waits_at_each_stage() {
+        use crate::reason::Kind;
+        let mut app = App::new(app_id(1, 1), "x".into());
+        let kind = |a: &App| a.wait_reason().map(|r| r.kind);
+        assert_eq!(kind(&app), Some(Kind::Starting));
+        app.registered = true;
+        assert_eq!(kind(&app), None, "registered, nothing reported: it does not wait");
+        let w = WaitingTasks {
+            count: 1,
+            gpus: 2,
+            ..Default::default()
+        };
+        app.waiting.report(vec![w], std::time::Instant::now());
+        let topo = Reason::new(Kind::Topology, "holding out").since(5).until(9);
+        app.waiting.placement = Some(topo.clone());
+        app.waiting
+            .set_why(Some(&crate::rm::scheduler::WaitReason::NothingFits));
+        assert_eq!(app.wait_reason(), Some(topo));
+        let cap = crate::rm::scheduler::WaitReason::AtCap {
+            queue: "a".into(),
+            max: 1,
+        };
+        app.waiting.set_why(Some(&cap));
+        assert_eq!(kind(&app), Some(Kind::QueueShare));
+        app.waiting.report(Vec::new(), std::time::Instant::now());
+        assert_eq!(kind(&app), None, "nothing waits any more");
+        app.finish(AppState::Finished, FinalStatus::Succeeded, 0, String::new());
+        assert_eq!(kind(&app), None);
     }
 
     #[test]

@@ -3,10 +3,15 @@
 //! itself decides for its application routes. The page, its assets, the health probes and
 //! `/metrics` (aggregate counts, for scrapers) stay open.
 //!
-//! The token comes as `Authorization: Bearer ...`, or as the `token` query parameter (the
-//! page's event stream: a browser's `EventSource` sends no header). Tokens other than the
-//! job token are checked with the RM ([`StatusHub::set_token_check`]); an accepted one is
-//! remembered (by its SHA-256) for [`crate::am::status::ACCEPTED_FOR`] (the hub keeps them: [`crate::am::status::Accepted`]).
+//! Credentials come as `Authorization: Bearer ...` only. No credential goes in a URL: the
+//! event stream (a browser's `EventSource` sends no header) takes `?token=` with the job's
+//! events ticket ([`StatusHub::events_ticket`], which the page fetches with its header,
+//! [`events_ticket`]), or the job token itself, and nothing else; every other route
+//! ignores the query. Tokens other than the job token are checked with the RM
+//! ([`StatusHub::set_token_check`]), at most [`crate::am::status::MAX_CHECKS`] at once; an
+//! accepted one is remembered (by its SHA-256) for [`crate::am::status::ACCEPTED_FOR`], a
+//! refused one for [`crate::am::status::REFUSED_FOR`] (bounded, oldest forgotten first),
+//! so a stream of unknown tokens costs the RM one question each per period at most.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,14 +25,37 @@ use axum::response::{IntoResponse, Response};
 use super::ApiError;
 use crate::am::status::StatusHub;
 
-/// The token a request presents: its bearer, else its `token` query parameter.
-fn presented(req: &Request) -> Option<String> {
-    if let Some(t) = crate::auth::bearer(req.headers()) {
-        return Some(t.to_string());
+/// The route that takes a ticket in its query.
+const EVENTS: &str = "/api/v1/events";
+
+/// The `token` query parameter of the event stream's request (`None` on other routes).
+fn stream_ticket(req: &Request) -> Option<String> {
+    if req.uri().path() != EVENTS {
+        return None;
     }
     axum::extract::Query::<HashMap<String, String>>::try_from_uri(req.uri())
         .ok()
         .and_then(|q| q.0.get("token").filter(|t| !t.is_empty()).cloned())
+}
+
+/// Whether `ticket` opens this job's event stream: its events ticket or the job token.
+fn ticket_opens_stream(hub: &StatusHub, ticket: &str) -> bool {
+    let eq = |a: &str| !a.is_empty() && crate::auth::constant_time_eq(ticket.as_bytes(), a.as_bytes());
+    hub.events_ticket().is_some_and(|t| eq(&t)) || eq(&hub.job_token)
+}
+
+/// `GET /api/v1/events-ticket` (behind [`readers_only`]): the ticket the page puts in
+/// the event stream's URL.
+pub async fn events_ticket(State(hub): State<Arc<StatusHub>>) -> Response {
+    match hub.events_ticket() {
+        Some(t) => axum::Json(serde_json::json!({ "ticket": t })).into_response(),
+        None => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "no_ticket",
+            "this dashboard has no job token, so no event stream ticket",
+        )
+        .into_response(),
+    }
 }
 
 /// Whether `token` may read (and act on) this job: the job token, or one the RM accepts.
@@ -46,9 +74,25 @@ pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> bool {
     if hub.accepted.fresh(&digest, now) {
         return true;
     }
+    if hub.refused.fresh(&digest, now) {
+        return false;
+    }
+    let Ok(_turn) = hub.checks.acquire().await else {
+        return false;
+    };
+    // Answered meanwhile by a check that held the turn before this one.
+    let now = Instant::now();
+    if hub.accepted.fresh(&digest, now) {
+        return true;
+    }
+    if hub.refused.fresh(&digest, now) {
+        return false;
+    }
     let ok = check(token.to_string()).await;
     if ok {
         hub.accepted.remember(digest, Instant::now());
+    } else {
+        hub.refused.remember(digest, Instant::now());
     }
     ok
 }
@@ -71,8 +115,11 @@ pub fn refused(what: &str) -> Response {
 
 /// Middleware of the protected routes.
 pub async fn readers_only(State(hub): State<Arc<StatusHub>>, req: Request, next: Next) -> Response {
-    let token = presented(&req);
-    if may_access(&hub, token.as_deref()).await {
+    let allowed = match crate::auth::bearer(req.headers()) {
+        Some(t) => may_access(&hub, Some(t)).await,
+        None => stream_ticket(&req).is_some_and(|t| ticket_opens_stream(&hub, &t)),
+    };
+    if allowed {
         next.run(req).await
     } else {
         // The presented value is deliberately not logged.

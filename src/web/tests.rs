@@ -37,6 +37,65 @@ async fn get(app: &Router, uri: &str) -> (StatusCode, String, String) {
     .await
 }
 
+/// The status of `GET uri` without reading its body (an event stream does not end).
+async fn stream_status(app: &Router, uri: &str) -> StatusCode {
+    app.clone()
+        .oneshot(Request::get(uri).body(Body::empty()).unwrap())
+        .await
+        .unwrap()
+        .status()
+}
+
+/// Unknown tokens cost the RM one question each per `REFUSED_FOR`, however often they
+/// come, and at most `MAX_CHECKS` questions are in flight at once.
+#[tokio::test]
+async fn unknown_tokens_are_asked_once_and_checks_are_bounded() {
+    let hub = demo_hub(2, 1);
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (a, f, m) = (asked.clone(), in_flight.clone(), most.clone());
+    hub.set_token_check(Arc::new(move |t: String| {
+        let (a, f, m) = (a.clone(), f.clone(), m.clone());
+        Box::pin(async move {
+            use std::sync::atomic::Ordering::SeqCst;
+            a.fetch_add(1, SeqCst);
+            let now = f.fetch_add(1, SeqCst) + 1;
+            m.fetch_max(now, SeqCst);
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            f.fetch_sub(1, SeqCst);
+            t == "owner-token"
+        })
+    }));
+    let app = router(hub);
+    for _ in 0..5 {
+        assert_eq!(
+            get_as(&app, "/api/v1/job", Some("Bearer stranger")).await,
+            StatusCode::UNAUTHORIZED
+        );
+    }
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1, "asked once");
+    // Many different unknown tokens at once: never more than MAX_CHECKS questions at a time.
+    let calls = (0..40).map(|i| {
+        let app = app.clone();
+        async move { get_as(&app, "/api/v1/job", Some(&format!("Bearer unknown-{i}"))).await }
+    });
+    for s in futures::future::join_all(calls).await {
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 41);
+    let most = most.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (1..=crate::am::status::MAX_CHECKS).contains(&most),
+        "{most} checks in flight at once"
+    );
+    // A known token still works and is remembered.
+    assert_eq!(
+        get_as(&app, "/api/v1/job", Some("Bearer owner-token")).await,
+        StatusCode::OK
+    );
+}
+
 /// `GET uri` with `auth` as the Authorization header, or none.
 async fn get_as(app: &Router, uri: &str, auth: Option<&str>) -> StatusCode {
     let mut req = Request::get(uri);
@@ -47,8 +106,8 @@ async fn get_as(app: &Router, uri: &str, auth: Option<&str>) -> StatusCode {
 }
 
 /// The API answers only the job token, a token the RM accepts for the job (owner,
-/// admin), or the job token as `?token=` (the page's event stream); the page, health
-/// probes and metrics stay open.
+/// admin) as a bearer, or on the event stream the job's events ticket (or the job token)
+/// as `?token=`; the page, health probes and metrics stay open.
 #[tokio::test]
 async fn the_api_needs_the_job_owner_or_admin_token() {
     let hub = demo_hub(4, 1);
@@ -90,13 +149,61 @@ async fn the_api_needs_the_job_owner_or_admin_token() {
             "{uri}"
         );
     }
+    // No credential in URLs: the query is taken on the event stream only, and there only
+    // the job's events ticket (or the job token itself).
+    for q in [DEMO_TOKEN, "owner-token", "admin-token"] {
+        assert_eq!(
+            get_as(&app, &format!("/api/v1/job?token={q}"), None).await,
+            StatusCode::UNAUTHORIZED,
+            "{q} in the query of another route"
+        );
+    }
+    let asked_before = asked.load(std::sync::atomic::Ordering::SeqCst);
+    for q in ["owner-token", "admin-token", "bob-token"] {
+        assert_eq!(
+            stream_status(&app, &format!("/api/v1/events?token={q}")).await,
+            StatusCode::UNAUTHORIZED,
+            "a user's token in the stream's URL"
+        );
+    }
     assert_eq!(
-        get_as(&app, &format!("/api/v1/job?token={DEMO_TOKEN}"), None).await,
-        StatusCode::OK
+        asked.load(std::sync::atomic::Ordering::SeqCst),
+        asked_before,
+        "a token in a URL is never even asked about"
+    );
+    let (s, _, body) = call(
+        &app,
+        Request::get("/api/v1/events-ticket")
+            .header("authorization", "Bearer owner-token")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    let ticket = serde_json::from_str::<serde_json::Value>(&body).unwrap()["ticket"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(ticket, DEMO_TOKEN);
+    assert_eq!(
+        get_as(&app, "/api/v1/events-ticket", None).await,
+        StatusCode::UNAUTHORIZED
+    );
+    for q in [ticket.as_str(), DEMO_TOKEN] {
+        assert_eq!(
+            stream_status(&app, &format!("/api/v1/events?token={q}")).await,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        get_as(&app, &format!("/api/v1/job?token={ticket}"), None).await,
+        StatusCode::UNAUTHORIZED,
+        "the ticket opens the stream only"
     );
     assert_eq!(
-        get_as(&app, "/api/v1/job?token=bob-token", None).await,
-        StatusCode::UNAUTHORIZED
+        get_as(&app, "/api/v1/job", Some(&format!("Bearer {ticket}"))).await,
+        StatusCode::UNAUTHORIZED,
+        "the ticket is no bearer token"
     );
     // An accepted token is remembered for a while, not asked again on every call.
     let before = asked.load(std::sync::atomic::Ordering::SeqCst);

@@ -117,6 +117,7 @@ pub(super) async fn get_app_containers(
     let app = app_ref(&st.apps, &id)?;
     caller.must_own(app)?;
     let waits = !app.report.state.is_final() && app.waiting.since_ms.is_some();
+    let reason = app.wait_reason();
     let rows: Vec<Value> = rows_of(&st, &id)
         .into_iter()
         .map(|r| {
@@ -129,9 +130,9 @@ pub(super) async fn get_app_containers(
     Ok(Json(json!({
         "app": app.report,
         "waiting": {
-            "since": app.waiting.since_ms.filter(|_| waits),
-            "why": app.waiting.reason().filter(|_| waits).map(|r| r.text()),
-            "reason": app.waiting.reason().filter(|_| waits),
+            "since": reason.as_ref().and_then(|r| r.since_ms),
+            "why": reason.as_ref().map(|r| r.text()),
+            "reason": reason,
             "whyCode": app.waiting.why.as_ref().filter(|_| waits).map(|(c, _)| *c),
         },
         "containers": rows,

@@ -676,20 +676,7 @@ fn spawn_scheduler(shared: Arc<Shared>) -> JoinHandle<()> {
 /// Name of the generated admin token's file in the work dir.
 pub const ADMIN_TOKEN_FILE: &str = "admin.token";
 
-/// Writes a secret to a fresh file readable by its owner only (0600 from creation,
-/// so there is no window where others could read it).
-pub fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::remove_file(path);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?;
-    f.write_all(secret.as_bytes())?;
-    f.write_all(b"\n")
-}
+pub use crate::auth::write_secret;
 
 fn base_url_of(addr: SocketAddr, tls: bool) -> String {
     let ip = if addr.ip().is_unspecified() {

@@ -1,6 +1,6 @@
-//! The RM's users (DESIGN.md §10): the users file (`gpuam rm --users-file FILE`, setting
-//! `rm.users_file`), who presents a token, and adding a user's token to the file (`gpuam
-//! token new`).
+//! The users (DESIGN.md §10), as the RM and the node backends check them: the users file
+//! (`gpuam rm --users-file FILE`, setting `rm.users_file`), who presents a token, and adding a
+//! user's token to the file (`gpuam token new`).
 //!
 //! ```yaml
 //! users:
