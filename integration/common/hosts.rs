@@ -74,7 +74,8 @@ impl Hosts {
     }
 
     /// The namespaces, the bridge, the node token, a writable `out/` for the tasks, and
-    /// settings with `rm.node_expiry_sec: 3`.
+    /// settings with `rm.node_expiry_sec: 6` (a loaded 2-core machine can delay an agent's
+    /// heartbeats by 3 s, which a shorter expiry took for a lost node).
     pub fn build(tag: &str) -> Hosts {
         let prefix = format!("node-{}-{tag}", std::process::id());
         let dir = tempfile::tempdir().unwrap();
@@ -114,7 +115,7 @@ impl Hosts {
         }
         fs::create_dir_all(h.path("out")).unwrap();
         fs::set_permissions(h.path("out"), fs::Permissions::from_mode(0o777)).unwrap();
-        fs::write(h.path("conf.yaml"), "rm:\n  node_expiry_sec: 3\n").unwrap();
+        fs::write(h.path("conf.yaml"), "rm:\n  node_expiry_sec: 6\n").unwrap();
         h
     }
 
@@ -138,7 +139,7 @@ impl Hosts {
         super::write_test_pki(self.dir.path(), &[RM_IP, host_ip("h1"), host_ip("h2")]);
         fs::write(
             self.path("conf.yaml"),
-            "rm:\n  node_expiry_sec: 3\ntls:\n  cert_file: server.pem\n  key_file: server.key\n  ca_file: ca.pem\n",
+            "rm:\n  node_expiry_sec: 6\ntls:\n  cert_file: server.pem\n  key_file: server.key\n  ca_file: ca.pem\n",
         )
         .unwrap();
         self.tls = true;
