@@ -132,11 +132,16 @@ nodes:
             dir.display()
         );
         // The task's own directory is `work/` in the node's record of the container, which
-        // holds its logs.
+        // holds its logs; the record is named by the task's role and index, then its id.
         let record = dir.parent().unwrap();
+        let name = format!(
+            "{}-{}@{}",
+            env["GPUAM_TASK_ROLE"], env["GPUAM_TASK_INDEX"], env["GPUAM_CONTAINER_ID"]
+        );
         assert!(
-            dir.ends_with("work") && record.ends_with(&env["GPUAM_CONTAINER_ID"]),
-            "{ctx}"
+            dir.ends_with("work") && record.ends_with(&name),
+            "{ctx}: {}",
+            dir.display()
         );
         let stdout = fs::read_to_string(record.join("stdout")).unwrap();
         assert!(

@@ -287,7 +287,16 @@ fn steer(tag: &str, agent_args: &[&str]) {
         victim.0.try_wait().unwrap().is_none(),
         "the root process named by the task is alive"
     );
-    let record = h.path(&format!("{label}-work/containers/{id}"));
+    // The node's record of it: `ROLE-INDEX@ID` (named for the person looking at the node).
+    let record = fs::read_dir(h.path(&format!("{label}-work/containers")))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().ends_with(&format!("@{id}")))
+        })
+        .unwrap_or_else(|| panic!("no record of {id}"));
     wait_for(Duration::from_secs(20), "the acknowledgement recorded", || {
         fs::symlink_metadata(record.join("acked")).ok().filter(|m| m.is_file())
     });

@@ -689,14 +689,17 @@ impl Rm {
         })
     }
 
-    /// Container directories (`<work_dir>/containers/<id>`) of an application.
+    /// Container records (`<work_dir>/containers/[<role>-<index>@]<id>`) of an application.
     pub fn container_dirs(&self, app_id: &str) -> Vec<PathBuf> {
         let suffix = app_id.strip_prefix("application_").unwrap_or(app_id);
         let prefix = format!("container_{suffix}_");
         let mut out: Vec<PathBuf> = fs::read_dir(self.work_dir.join("containers"))
             .map(|rd| {
                 rd.filter_map(Result::ok)
-                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .filter(|e| {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        gpuam::node::executor::record_id(&name).is_some_and(|id| id.starts_with(&prefix))
+                    })
                     .map(|e| e.path())
                     .collect()
             })

@@ -2,8 +2,9 @@
 //! cgroup of its own (see [`super::cgroup`]) when the machine allows, as its user's own
 //! unprivileged uid when the node has one for it ([`super::identity`], [`RunAs`]).
 //!
-//! Owns each container's record (`root/<containerId>/`, the node's: 0711, nothing in it
-//! writable by the task) and in it the task's own directory (`work/`, 0700, owned by the
+//! Owns each container's record (`root/<role>-<index>@<containerId>/` for a job's task, so
+//! that a person finds it, else `root/<containerId>/`: [`record_name`]; the node's: 0711,
+//! nothing in it writable by the task) and in it the task's own directory (`work/`, 0700, owned by the
 //! task's uid: `GPUAM_CONTAINER_DIR`, holding `launch.sh`). The record holds the captured
 //! `stdout` / `stderr` (the task writes them through the handles it is given), what was
 //! launched (`process.json`: pid and start time), how it ended (`end.json`), that the RM
@@ -137,6 +138,36 @@ pub const DEFAULT_WORK_DIR_GRACE: Duration = Duration::from_secs(30);
 pub const DEFER_REMOVAL_MAX_BYTES: u64 = 1 << 20;
 /// Finished records are looked for at most this often (on a start).
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// Between the task's label and the container id in a record's name
+/// (`worker-1@container_…`): a character no container id holds, so the id is read back
+/// without doubt ([`record_id`]).
+pub const LABEL_SEP: char = '@';
+
+/// The name of a container's record: `ROLE-INDEX@ID` for a task whose launch context names
+/// its role and index (`GPUAM_TASK_ROLE`, `GPUAM_TASK_INDEX`), so that a person looking at a
+/// node finds a task's directory; else the bare id.
+pub fn record_name(container_id: &str, env: &std::collections::BTreeMap<String, String>) -> String {
+    let role = env.get("GPUAM_TASK_ROLE").map(String::as_str).unwrap_or("");
+    let index = env.get("GPUAM_TASK_INDEX").map(String::as_str).unwrap_or("");
+    let role_ok = (1..=64).contains(&role.len())
+        && role
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    let index_ok = (1..=10).contains(&index.len()) && index.bytes().all(|b| b.is_ascii_digit());
+    if role_ok && index_ok {
+        format!("{role}-{index}{LABEL_SEP}{container_id}")
+    } else {
+        container_id.to_string()
+    }
+}
+
+/// The container id a record's directory name holds (see [`record_name`]); `None` for a
+/// name that is not a record's.
+pub fn record_id(name: &str) -> Option<&str> {
+    let id = name.rsplit_once(LABEL_SEP).map_or(name, |(_, id)| id);
+    valid_container_id(id).then_some(id)
+}
 
 /// The task's own directory inside container record `record`.
 pub fn work_dir(record: &Path) -> PathBuf {
@@ -340,7 +371,7 @@ pub fn valid_container_id(id: &str) -> bool {
 }
 
 impl Executor {
-    /// `root` holds one working directory per container (`root/<containerId>/`); it is
+    /// `root` holds one record per container ([`record_name`]); it is
     /// created on the first start.
     pub fn new(root: PathBuf, events: mpsc::UnboundedSender<NodeEvent>) -> Self {
         Executor::with_options(root, events, ExecutorOptions::default())
@@ -366,6 +397,24 @@ impl Executor {
     /// The directory that holds all container directories.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Where container `id`'s record is on disk when this executor's table does not say
+    /// (after a restart, or once it was forgotten): `ID`, else the one `LABEL@ID`
+    /// ([`record_name`]); `root/ID` (absent) when there is none.
+    fn find_record(&self, container_id: &str) -> PathBuf {
+        let bare = self.root.join(container_id);
+        if !valid_container_id(container_id) || std::fs::symlink_metadata(&bare).is_ok() {
+            return bare;
+        }
+        let suffix = format!("{LABEL_SEP}{container_id}");
+        std::fs::read_dir(&self.root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .find(|name| name.ends_with(&suffix) && record_id(name) == Some(container_id))
+            .map_or(bare, |name| self.root.join(name))
     }
 
     /// Records a granted, not yet started container so that `status` reports it as
@@ -406,7 +455,7 @@ impl Executor {
     /// - for a GPU share, `GPUAM_GPU_FRACTION` and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; for
     ///   custom resources `GPUAM_RESOURCES` and `GPUAM_RESOURCE_<NAME>` (see `share_env`).
     ///
-    /// The process runs `bash launch.sh` in `root/<containerId>/` as the leader of a new
+    /// The process runs `bash launch.sh` in the record's `work/` as the leader of a new
     /// session and process group, stdin from /dev/null, stdout and stderr to the files
     /// `stdout` and `stderr` there. One `NodeEvent::Exited` follows when it ends; when the
     /// start itself fails this returns `Err` and no event is sent.
@@ -472,13 +521,14 @@ impl Executor {
         self.sweep_now_and_then();
         self.spread.call_once(|| spread_records(&self.root));
 
-        let dir = self.root.join(container_id);
+        let dir = self.root.join(record_name(container_id, &ctx.env));
         let was_allocated = {
             let mut table = self.table.lock();
             match table.get_mut(container_id) {
                 Some(e) if e.phase != Phase::Allocated => return Err(NodeError::AlreadyStarted(container_id.into())),
                 Some(e) => {
                     e.phase = Phase::Starting;
+                    e.dir = dir.clone();
                     true
                 }
                 None => {
@@ -627,7 +677,7 @@ impl Executor {
     /// recorded. Either way exactly one `Exited` event follows. Only the container's
     /// record is read, which its task cannot write (see the module doc).
     pub fn reattach(&self, container_id: &str) {
-        let dir = self.root.join(container_id);
+        let dir = self.find_record(container_id);
         let valid = valid_container_id(container_id);
         if let Some(end) = valid.then(|| recorded_end(&dir)).flatten() {
             let mut entry = Entry::new(dir, Phase::Complete);
@@ -836,14 +886,14 @@ impl Executor {
             .flatten()
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .filter_map(|e| e.file_name().to_str().map(str::to_string))
-            .filter(|id| valid_container_id(id))
-            .filter(|id| {
-                let record = self.root.join(id);
+            .filter(|name| {
+                let record = self.root.join(name);
                 let launched = [PROCESS_FILE, LogStream::Stdout.file_name()]
                     .iter()
                     .any(|f| std::fs::symlink_metadata(record.join(f)).is_ok());
                 launched && std::fs::symlink_metadata(record.join(ACKED_FILE)).is_err()
             })
+            .filter_map(|name| record_id(&name).map(str::to_string))
             .collect();
         out.sort();
         out
@@ -911,7 +961,7 @@ impl Executor {
         if let Some(e) = self.table.lock().get(container_id) {
             return Some(e.dir.clone());
         }
-        let dir = self.root.join(container_id);
+        let dir = self.find_record(container_id);
         dir.is_dir().then_some(dir)
     }
 
@@ -1052,13 +1102,16 @@ fn sweep_records(
     };
     let mut removed = 0;
     for e in entries.flatten() {
-        let Some(id) = e.file_name().to_str().map(str::to_string) else {
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
             continue;
         };
-        if !valid_container_id(&id) || table.lock().get(&id).is_some_and(|e| e.phase != Phase::Complete) {
+        let Some(id) = record_id(&name).map(str::to_string) else {
+            continue;
+        };
+        if table.lock().get(&id).is_some_and(|e| e.phase != Phase::Complete) {
             continue;
         }
-        let record = root.join(&id);
+        let record = root.join(&name);
         let Ok(ended) = std::fs::symlink_metadata(record.join(END_FILE)).and_then(|m| m.modified()) else {
             continue;
         };
@@ -2528,6 +2581,72 @@ mod tests {
         let record = exec.container_dir("c-big").unwrap();
         assert!(!work_dir(&record).exists(), "3 MB left behind are removed at the end");
         assert!(record.join(END_FILE).is_file(), "the record stays");
+    }
+
+    #[test]
+    fn a_record_is_named_by_its_task_and_its_id_is_read_back() {
+        let env = |role: &str, index: &str| {
+            BTreeMap::from([
+                ("GPUAM_TASK_ROLE".to_string(), role.to_string()),
+                ("GPUAM_TASK_INDEX".to_string(), index.to_string()),
+            ])
+        };
+        assert_eq!(record_name("c_1", &env("worker", "3")), "worker-3@c_1");
+        assert_eq!(record_id("worker-3@c_1"), Some("c_1"));
+        assert_eq!(record_id("c.1-x"), Some("c.1-x"), "a bare id");
+        // Names that could mislead are left out: the bare id then.
+        for (role, index) in [
+            ("", "0"),
+            ("a/b", "0"),
+            ("..", "1"),
+            ("w", "x"),
+            ("w", ""),
+            ("w@x", "1"),
+        ] {
+            assert_eq!(record_name("c_1", &env(role, index)), "c_1", "{role:?} {index:?}");
+        }
+        assert_eq!(record_name("c_1", &BTreeMap::new()), "c_1");
+        assert_eq!(record_id("w-1@"), None);
+        assert_eq!(record_id("w-1@.."), None);
+    }
+
+    /// A task's record is `ROLE-INDEX@ID`; a restarted executor finds it by id (re-attach,
+    /// logs), lists it as unacknowledged by its id, and sweeps it after the retention.
+    #[tokio::test]
+    async fn a_named_record_is_found_again_by_its_id() {
+        let (tmp, first, _rx) = setup();
+        let ctx = LaunchContext {
+            commands: vec!["echo hi; sleep 30".into()],
+            env: BTreeMap::from([
+                ("GPUAM_TASK_ROLE".to_string(), "worker".to_string()),
+                ("GPUAM_TASK_INDEX".to_string(), "2".to_string()),
+            ]),
+        };
+        first.start("c-named", "h", &no_gpus(), ctx).unwrap();
+        let record = first.root().join("worker-2@c-named");
+        assert_eq!(first.container_dir("c-named"), Some(record.clone()));
+        wait_stdout(&first, "c-named", "hi").await;
+        assert!(!first.root().join("c-named").exists());
+
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let second = Executor::new(tmp.path().join("containers"), tx);
+        assert_eq!(second.unacknowledged(), vec!["c-named".to_string()]);
+        assert_eq!(second.container_dir("c-named"), Some(record.clone()));
+        second.reattach("c-named");
+        assert_eq!(second.status("c-named").unwrap().state, ContainerState::Running);
+        second.stop("c-named", Duration::from_millis(200)).await.unwrap();
+        let (id, _, _) = next_exit(&mut rx).await;
+        assert_eq!(id, "c-named");
+        assert_eq!(second.read_log("c-named", LogStream::Stdout, None).unwrap(), "hi\n");
+        assert!(second.forget("c-named"));
+        assert_eq!(
+            second.container_dir("c-named"),
+            Some(record.clone()),
+            "found after it was forgotten"
+        );
+        let later = std::time::SystemTime::now() + DEFAULT_RETENTION + Duration::from_secs(1);
+        assert_eq!(second.sweep(later), 1);
+        assert!(!record.exists());
     }
 
     #[tokio::test]
