@@ -435,8 +435,10 @@ impl StatusHub {
 
 // ---- tokens the dashboard takes besides the job token (checked by `web::access`) ----
 
-/// Asks the RM whether a token may read this job (owner or admin).
-pub type TokenCheck = Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, bool> + Send + Sync>;
+/// Asks the RM whether a token may read this job (owner or admin): `Some(true)` it may,
+/// `Some(false)` the RM refused it, `None` no answer (unreachable, busy, an error of its
+/// own): not a refusal, so not remembered as one.
+pub type TokenCheck = Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, Option<bool>> + Send + Sync>;
 
 /// How long a token the RM accepted is taken without asking again.
 pub const ACCEPTED_FOR: std::time::Duration = std::time::Duration::from_secs(30);

@@ -133,7 +133,17 @@ pub async fn run(opts: AmOptions) -> i32 {
         let app_id = opts.app_id.clone();
         hub.set_token_check(Arc::new(move |token: String| {
             let (client, app_id) = (client.clone(), app_id.clone());
-            Box::pin(async move { client.with_user_token(Some(token)).app(&app_id).await.is_ok() })
+            Box::pin(async move {
+                match client.with_user_token(Some(token)).app(&app_id).await {
+                    Ok(_) => Some(true),
+                    // The RM's word that this token may not read the job.
+                    Err(crate::am::rm_client::RmError::Refused {
+                        status: 401 | 403 | 404,
+                        ..
+                    }) => Some(false),
+                    Err(_) => None,
+                }
+            })
         }));
     }
     let (dash_addr, _dash) = match crate::web::serve_with(

@@ -88,13 +88,19 @@ pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> bool {
     if hub.refused.fresh(&digest, now) {
         return false;
     }
-    let ok = check(token.to_string()).await;
-    if ok {
-        hub.accepted.remember(digest, Instant::now());
-    } else {
-        hub.refused.remember(digest, Instant::now());
+    match check(token.to_string()).await {
+        Some(true) => {
+            hub.accepted.remember(digest, Instant::now());
+            true
+        }
+        Some(false) => {
+            hub.refused.remember(digest, Instant::now());
+            false
+        }
+        // The RM did not say (a busy or unreachable RM): refused this once, asked again
+        // next time; a legitimate user is not locked out for the refusal time.
+        None => false,
     }
-    ok
 }
 
 /// The 401 answer, saying which credentials work.

@@ -64,7 +64,7 @@ async fn unknown_tokens_are_asked_once_and_checks_are_bounded() {
             m.fetch_max(now, SeqCst);
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             f.fetch_sub(1, SeqCst);
-            t == "owner-token"
+            Some(t == "owner-token")
         })
     }));
     let app = router(hub);
@@ -96,6 +96,28 @@ async fn unknown_tokens_are_asked_once_and_checks_are_bounded() {
     );
 }
 
+/// An RM that gives no answer (busy, unreachable) is not a refusal: the owner is turned
+/// away that once and let in as soon as the RM answers, not locked out for the refusal time.
+#[tokio::test]
+async fn no_answer_from_the_rm_is_not_remembered_as_a_refusal() {
+    let hub = demo_hub(2, 1);
+    let rm_up = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let up = rm_up.clone();
+    hub.set_token_check(Arc::new(move |t: String| {
+        let up = up.load(std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move { up.then_some(t == "owner-token") })
+    }));
+    let app = router(hub);
+    let owner = Some("Bearer owner-token");
+    assert_eq!(get_as(&app, "/api/v1/job", owner).await, StatusCode::UNAUTHORIZED);
+    rm_up.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(get_as(&app, "/api/v1/job", owner).await, StatusCode::OK);
+    assert_eq!(
+        get_as(&app, "/api/v1/job", Some("Bearer stranger")).await,
+        StatusCode::UNAUTHORIZED
+    );
+}
+
 /// `GET uri` with `auth` as the Authorization header, or none.
 async fn get_as(app: &Router, uri: &str, auth: Option<&str>) -> StatusCode {
     let mut req = Request::get(uri);
@@ -115,7 +137,7 @@ async fn the_api_needs_the_job_owner_or_admin_token() {
     let a = asked.clone();
     hub.set_token_check(Arc::new(move |t: String| {
         a.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Box::pin(async move { t == "owner-token" || t == "admin-token" })
+        Box::pin(async move { Some(t == "owner-token" || t == "admin-token") })
     }));
     let app = router(hub);
     let (role, index) = ("worker", 0);
