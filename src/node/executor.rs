@@ -1945,6 +1945,14 @@ mod tests {
         (tmp, exec, rx)
     }
 
+    /// [`setup`] with `opts`.
+    fn setup_with(opts: ExecutorOptions) -> (tempfile::TempDir, Executor, mpsc::UnboundedReceiver<NodeEvent>) {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let exec = Executor::with_options(tmp.path().join("containers"), tx, opts);
+        (tmp, exec, rx)
+    }
+
     fn ctx(commands: &[&str]) -> LaunchContext {
         LaunchContext {
             commands: commands.iter().map(|s| s.to_string()).collect(),
@@ -2549,16 +2557,10 @@ mod tests {
     /// sweep, no further start needed); its record stays.
     #[tokio::test]
     async fn the_work_directory_goes_after_the_grace() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let exec = Executor::with_options(
-            tmp.path().join("containers"),
-            tx,
-            ExecutorOptions {
-                work_dir_grace: Some(Duration::from_millis(300)),
-                ..ExecutorOptions::default()
-            },
-        );
+        let (_tmp, exec, mut rx) = setup_with(ExecutorOptions {
+            work_dir_grace: Some(Duration::from_millis(300)),
+            ..ExecutorOptions::default()
+        });
         exec.start("c-grace", "h", &no_gpus(), ctx(&["echo kept > mine"]))
             .unwrap();
         next_exit(&mut rx).await;
@@ -2651,16 +2653,10 @@ mod tests {
 
     #[tokio::test]
     async fn working_directory_and_separate_streams() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let exec = Executor::with_options(
-            tmp.path().join("containers"),
-            tx,
-            ExecutorOptions {
-                work_dir_grace: Some(Duration::ZERO),
-                ..ExecutorOptions::default()
-            },
-        );
+        let (_tmp, exec, mut rx) = setup_with(ExecutorOptions {
+            work_dir_grace: Some(Duration::ZERO),
+            ..ExecutorOptions::default()
+        });
         exec.start("wd", "h", &no_gpus(), ctx(&["pwd", "echo oops >&2", "echo out"]))
             .unwrap();
         next_exit(&mut rx).await;
