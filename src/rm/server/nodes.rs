@@ -498,6 +498,11 @@ mod tests {
     }
 
     /// `method path` with bearer `token` and a `{}` JSON body → (status, JSON answer).
+    /// An agent's registration with `token`.
+    async fn register(rm: &RmHandle, token: &str, body: Value) -> (u16, Value) {
+        call(rm, reqwest::Method::POST, "/ws/v1/node-agents/register", token, body).await
+    }
+
     async fn call(rm: &RmHandle, method: reqwest::Method, path: &str, token: &str, body: Value) -> (u16, Value) {
         let r = reqwest::Client::new()
             .request(method, format!("{}{path}", rm.base_url()))
@@ -545,14 +550,7 @@ mod tests {
         let rm = start(opts.clone()).await.unwrap();
         let admin = rm.admin_token().to_string();
         for (host, t) in [("a1", &t1), ("a2", &t2)] {
-            let (code, v) = call(
-                &rm,
-                reqwest::Method::POST,
-                "/ws/v1/node-agents/register",
-                t,
-                registration(host),
-            )
-            .await;
+            let (code, v) = register(&rm, t, registration(host)).await;
             assert_eq!(code, 200, "{v}");
         }
         assert_eq!(hosts(&rm).await, ["a1", "a2", "n1"]);
@@ -630,14 +628,7 @@ mod tests {
         assert_eq!(call(&rm, delete.clone(), &del("a1"), &admin, json!({})).await.0, 404);
         assert_eq!(hosts(&rm).await, ["n1"]);
         for (host, t) in [("a1", &t1), ("a2", &t2)] {
-            let (code, v) = call(
-                &rm,
-                reqwest::Method::POST,
-                "/ws/v1/node-agents/register",
-                t,
-                registration(host),
-            )
-            .await;
+            let (code, v) = register(&rm, t, registration(host)).await;
             assert!(code == 403 && v["code"] == "HOST_REMOVED", "{v}");
             let hb = format!("/ws/v1/node-agents/{host}/heartbeat");
             let (code, v) = call(&rm, reqwest::Method::POST, &hb, t, json!({"containers": []})).await;
@@ -648,44 +639,15 @@ mod tests {
         // After a restart: still gone, still refused.
         let addr = rm.addr();
         rm.shutdown().await;
-        let mut again = None;
-        for _ in 0..50 {
-            match start(RmOptions {
-                listen: addr,
-                ..opts.clone()
-            })
-            .await
-            {
-                Ok(r) => {
-                    again = Some(r);
-                    break;
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-        let rm = again.expect("the RM starts again on its state");
+        let rm = super::super::tests::restart_on(addr, &opts).await;
         assert_eq!(hosts(&rm).await, ["n1"]);
-        let (code, v) = call(
-            &rm,
-            reqwest::Method::POST,
-            "/ws/v1/node-agents/register",
-            &t1,
-            registration("a1"),
-        )
-        .await;
+        let (code, v) = register(&rm, &t1, registration("a1")).await;
         assert!(code == 403 && v["code"] == "HOST_REMOVED", "{v}");
         // Re-admitted with a new credential: an empty node again (the RM reloads the file).
         let t1 = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
         let mut answered = 0;
         for _ in 0..100 {
-            let (code, _) = call(
-                &rm,
-                reqwest::Method::POST,
-                "/ws/v1/node-agents/register",
-                &t1,
-                registration("a1"),
-            )
-            .await;
+            let (code, _) = register(&rm, &t1, registration("a1")).await;
             answered = code;
             if code == 200 {
                 break;
@@ -708,17 +670,17 @@ mod tests {
         let nodes_file = dir.path().join("nodes.yaml");
         let t = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
         let rm = start(options(dir.path())).await.unwrap();
-        let register = |t: String, running: bool| {
+        let register_a1 = |t: String, running: bool| {
             let rm = &rm;
             async move {
                 let mut body = registration("a1");
                 if running {
                     body["containers"] = json!([{"containerId": "container_1_0001_01_000009", "state": "RUNNING"}]);
                 }
-                call(rm, reqwest::Method::POST, "/ws/v1/node-agents/register", &t, body).await
+                register(rm, &t, body).await
             }
         };
-        assert_eq!(register(t.clone(), false).await.0, 200);
+        assert_eq!(register_a1(t.clone(), false).await.0, 200);
         let admin = rm.admin_token().to_string();
         let (code, _) = call(
             &rm,
@@ -733,7 +695,7 @@ mod tests {
         // Until the RM reloads the nodes file the new token is unknown (401).
         let mut answer = (0, Value::Null);
         for _ in 0..100 {
-            answer = register(t.clone(), true).await;
+            answer = register_a1(t.clone(), true).await;
             if answer.0 != 401 {
                 break;
             }
@@ -744,7 +706,7 @@ mod tests {
         assert_eq!(v["reregister"], true, "{v}");
         assert_eq!(v["stop"], json!(["container_1_0001_01_000009"]));
         assert_eq!(hosts(&rm).await, ["n1"], "not joined yet");
-        let (code, v) = register(t, false).await;
+        let (code, v) = register_a1(t, false).await;
         assert!(code == 200 && v["reregister"] != true, "{v}");
         assert_eq!(hosts(&rm).await, ["a1", "n1"]);
         rm.shutdown().await;

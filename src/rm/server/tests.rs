@@ -117,6 +117,23 @@ fn bearer_parsing() {
     assert_eq!(bearer(&h), None);
 }
 
+/// Starts an RM with `opts` on `addr` again (the port a stopped one held may take a moment
+/// to be free); panics after 5 s.
+pub(super) async fn restart_on(addr: std::net::SocketAddr, opts: &RmOptions) -> RmHandle {
+    for _ in 0..50 {
+        match start(RmOptions {
+            listen: addr,
+            ..opts.clone()
+        })
+        .await
+        {
+            Ok(r) => return r,
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    panic!("the RM did not start again on {addr}");
+}
+
 /// Stops an RM the way SIGKILL would, as far as the state goes: no container or AM
 /// is stopped, nothing more is written.
 fn crash(rm: RmHandle) {
@@ -192,22 +209,7 @@ async fn a_restarted_rm_recovers_apps_grants_and_node_states() {
 
     // The task's process group outlives the RM.
     assert_eq!(unsafe { libc::kill(-pgid, 0) }, 0, "the container still runs");
-    let mut rm2 = None;
-    for _ in 0..50 {
-        match start(RmOptions {
-            listen: addr,
-            ..opts.clone()
-        })
-        .await
-        {
-            Ok(r) => {
-                rm2 = Some(r);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-    let rm2 = rm2.expect("the RM restarts on its port");
+    let rm2 = restart_on(addr, &opts).await;
     let report = rm2.app_report(&id).expect("the application is recovered");
     assert_eq!(report.state, AppState::Running);
     // The old heartbeat memory is gone: the AM is told to register again.
