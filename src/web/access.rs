@@ -58,49 +58,77 @@ pub async fn events_ticket(State(hub): State<Arc<StatusHub>>) -> Response {
     }
 }
 
+/// What the dashboard makes of a presented token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// The job token, or one the RM accepted for this job (owner, admin).
+    Granted,
+    /// No token, or one the RM refused (remembered for a while).
+    Refused,
+    /// The RM gave no answer (busy, unreachable): not a refusal and not remembered; the
+    /// caller is told to try again (503), so a page does not give up on its owner.
+    Unanswered,
+}
+
 /// Whether `token` may read (and act on) this job: the job token, or one the RM accepts.
-pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> bool {
+pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> Access {
     let Some(token) = token.filter(|t| !t.is_empty()) else {
-        return false;
+        return Access::Refused;
     };
     if !hub.job_token.is_empty() && crate::auth::constant_time_eq(token.as_bytes(), hub.job_token.as_bytes()) {
-        return true;
+        return Access::Granted;
     }
     let Some(check) = hub.token_check() else {
-        return false;
+        return Access::Refused;
     };
     let digest = crate::auth::sha256_hex(token);
-    let now = Instant::now();
-    if hub.accepted.fresh(&digest, now) {
-        return true;
-    }
-    if hub.refused.fresh(&digest, now) {
-        return false;
+    let known = |now| {
+        if hub.accepted.fresh(&digest, now) {
+            Some(Access::Granted)
+        } else if hub.refused.fresh(&digest, now) {
+            Some(Access::Refused)
+        } else {
+            None
+        }
+    };
+    if let Some(a) = known(Instant::now()) {
+        return a;
     }
     let Ok(_turn) = hub.checks.acquire().await else {
-        return false;
+        return Access::Unanswered;
     };
     // Answered meanwhile by a check that held the turn before this one.
-    let now = Instant::now();
-    if hub.accepted.fresh(&digest, now) {
-        return true;
-    }
-    if hub.refused.fresh(&digest, now) {
-        return false;
+    if let Some(a) = known(Instant::now()) {
+        return a;
     }
     match check(token.to_string()).await {
         Some(true) => {
             hub.accepted.remember(digest, Instant::now());
-            true
+            Access::Granted
         }
         Some(false) => {
             hub.refused.remember(digest, Instant::now());
-            false
+            Access::Refused
         }
-        // The RM did not say (a busy or unreachable RM): refused this once, asked again
-        // next time; a legitimate user is not locked out for the refusal time.
-        None => false,
+        None => Access::Unanswered,
     }
+}
+
+/// The answer to a token that was not granted: 401 (saying which credentials work), or
+/// 503 with `Retry-After` when the RM did not answer.
+pub fn not_granted(access: Access, what: &str) -> Response {
+    if access != Access::Unanswered {
+        return refused(what);
+    }
+    let mut r = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "rm_unanswered",
+        format!("{what}: the RM did not answer whether this token may; try again"),
+    )
+    .into_response();
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
+    r
 }
 
 /// The 401 answer, saying which credentials work.
@@ -121,14 +149,15 @@ pub fn refused(what: &str) -> Response {
 
 /// Middleware of the protected routes.
 pub async fn readers_only(State(hub): State<Arc<StatusHub>>, req: Request, next: Next) -> Response {
-    let allowed = match crate::auth::bearer(req.headers()) {
+    let access = match crate::auth::bearer(req.headers()) {
         Some(t) => may_access(&hub, Some(t)).await,
-        None => stream_ticket(&req).is_some_and(|t| ticket_opens_stream(&hub, &t)),
+        None if stream_ticket(&req).is_some_and(|t| ticket_opens_stream(&hub, &t)) => Access::Granted,
+        None => Access::Refused,
     };
-    if allowed {
+    if access == Access::Granted {
         next.run(req).await
     } else {
         // The presented value is deliberately not logged.
-        refused("reading this job's dashboard API")
+        not_granted(access, "reading this job's dashboard API")
     }
 }

@@ -325,9 +325,14 @@ pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
         Some(t) => !hub.job_token.is_empty() && crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()),
         None => false,
     };
-    // Not the job token: the owner's or the admin's user token, which the RM judges.
+    // Not the job token: the owner's or the admin's user token, which the RM judges; asked
+    // through the dashboard's own check first (remembered, bounded), so that strangers'
+    // tokens cannot make every AM call the RM's kill.
     if let (false, Some(token), Some(rm)) = (ok, presented, hub.rm.get()) {
-        return kill_through_rm(&hub, rm, token).await;
+        return match super::access::may_access(&hub, Some(token)).await {
+            super::access::Access::Granted => kill_through_rm(&hub, rm, token).await,
+            other => super::access::not_granted(other, "killing the job"),
+        };
     }
     if !ok {
         // The presented value is deliberately not logged.

@@ -96,8 +96,8 @@ async fn unknown_tokens_are_asked_once_and_checks_are_bounded() {
     );
 }
 
-/// An RM that gives no answer (busy, unreachable) is not a refusal: the owner is turned
-/// away that once and let in as soon as the RM answers, not locked out for the refusal time.
+/// An RM that gives no answer (busy, unreachable) is not a refusal: the owner is told to
+/// try again (503) and let in as soon as the RM answers, not locked out for the refusal time.
 #[tokio::test]
 async fn no_answer_from_the_rm_is_not_remembered_as_a_refusal() {
     let hub = demo_hub(2, 1);
@@ -109,7 +109,10 @@ async fn no_answer_from_the_rm_is_not_remembered_as_a_refusal() {
     }));
     let app = router(hub);
     let owner = Some("Bearer owner-token");
-    assert_eq!(get_as(&app, "/api/v1/job", owner).await, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        get_as(&app, "/api/v1/job", owner).await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
     rm_up.store(true, std::sync::atomic::Ordering::SeqCst);
     assert_eq!(get_as(&app, "/api/v1/job", owner).await, StatusCode::OK);
     assert_eq!(
