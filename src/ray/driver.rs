@@ -296,10 +296,7 @@ impl RayDriver {
         stream: LogStream,
         tail: Option<u64>,
     ) -> Result<String, NodeError> {
-        let stream = match stream {
-            LogStream::Stdout => "stdout",
-            LogStream::Stderr => "stderr",
-        };
+        let stream = stream.file_name();
         let req = json!({ "op": "log", "id": container_id, "host": host, "stream": stream, "tail": tail });
         let answer = self
             .call(req, CALL_PATIENCE, || ())

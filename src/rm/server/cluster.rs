@@ -181,9 +181,11 @@ impl NodeView {
 
     /// `{"nodes":{"node":[...]}, "nodesVersion": ..}` (and `changedSince`) of `objects`.
     fn answer<'a>(&self, objects: impl Iterator<Item = &'a Bytes>, epoch: u64, since: Option<u64>) -> Bytes {
-        let mut out = Vec::with_capacity(64 + self.objects.len() * 1024);
+        // Sized by what is written: a `?since=` answer of a few changes stays small.
+        let objects: Vec<&Bytes> = objects.collect();
+        let mut out = Vec::with_capacity(128 + objects.iter().map(|o| o.len() + 1).sum::<usize>());
         out.extend_from_slice(br#"{"nodes":{"node":["#);
-        for (i, o) in objects.enumerate() {
+        for (i, o) in objects.into_iter().enumerate() {
             if i > 0 {
                 out.push(b',');
             }
