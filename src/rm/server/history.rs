@@ -6,7 +6,21 @@
 //! their kept logs go after `rm.log_retention_days`. The rows are computed by
 //! `crate::rm::history`.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+use super::http::Caller;
+use super::state::RmState;
+use super::{Rm, Shared};
+use crate::protocol::{now_ms, ContainerState};
+use crate::rm::apps::App;
 use crate::rm::history::{history_row, to_forget, HistoryFilter, HistoryRow};
 use crate::rm::ledger::LedgerContainer;
 
@@ -131,7 +145,9 @@ pub(super) fn retention_pass(rm: &Shared) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::*;
     use super::*;
+    use crate::protocol::{AppState, FinalStatus};
     use crate::resources::{PortSet, Resources};
 
     fn options(dir: &Path) -> RmOptions {

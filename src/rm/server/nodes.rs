@@ -3,17 +3,31 @@
 //! frameworklauncher's reconciliation rules (unknown containers are killed, known ones
 //! kept), and agent liveness (silent for `rm.node_expiry_sec` → LOST).
 //!
-//! Freed only when dead: every path that ends a running container goes through
-//! `Ledger::stop` (held) and frees it in `Ledger::complete` when its node reports it dead
-//! ([`on_node_event`]). A LOST agent's containers stay held until it returns and reports
-//! them dead or gone.
+//! Freed only when dead: every path that ends a running container stops it (held) and
+//! frees it when its node reports it dead ([`on_node_event`]); the state changes are the
+//! node transactions of `transactions`. A LOST agent's containers stay held until it
+//! returns and reports them dead or gone.
 
-use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::*;
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+use super::cluster::known_host;
+use super::containers::stop_running;
+use super::http::{bearer, ApiError, ApiJson, Caller};
+use super::state::RmState;
+use super::{transactions, Rm, Shared};
+use crate::cluster::{Node, NodeState};
 use crate::node::remote::AgentNodes;
-use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply, ContainerReport};
+use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply};
 use crate::node::{InProcessNode, NodeBackend, NodeEvent};
+use crate::protocol::{now_ms, ContainerState};
 
 /// The node backends of this RM: a Ray cluster (`--backend ray`: every host), else
 /// registered agents, else the in-process node.
@@ -44,16 +58,7 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         exit_status,
         diagnostics,
     } = ev;
-    let mut st = rm.lock();
-    // A container under a preemption notice was preempted, however its task exited.
-    let (exit_status, diagnostics) = scheduling::exit_of(&st, &container_id, exit_status, diagnostics);
-    if let Some(ended) = st
-        .ledger
-        .complete(&container_id, exit_status, &crate::text::clean(&diagnostics))
-    {
-        queue_completed(&mut st.apps, &ended);
-    }
-    st.commit_or_log();
+    transactions::container_exited(&mut rm.lock(), &container_id, exit_status, diagnostics);
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications
@@ -64,12 +69,7 @@ pub(super) fn spawn_liveness(rm: Arc<Shared>, agents: Arc<AgentNodes>, expiry: D
         loop {
             every.tick().await;
             for host in agents.expire(Instant::now(), expiry) {
-                let mut st = rm.lock();
-                let ended = st.ledger.set_node_state(&host, NodeState::Lost).unwrap_or_default();
-                for e in &ended {
-                    queue_completed(&mut st.apps, e);
-                }
-                st.commit_or_log();
+                let ended = transactions::set_node_state(&mut rm.lock(), &host, NodeState::Lost).unwrap_or_default();
                 tracing::warn!(%host, containers = ended.len(), "node agent silent for {expiry:?}: LOST");
             }
         }
@@ -183,15 +183,11 @@ pub(super) fn await_agents(rm: &Shared, deadline: Instant) {
                 tracing::info!(%host, "waiting for the node agent to register again after the RM restart");
             }
             None => {
-                let ended = st.ledger.set_node_state(&host, NodeState::Lost).unwrap_or_default();
-                for e in &ended {
-                    queue_completed(&mut st.apps, e);
-                }
+                transactions::set_node_state(&mut st, &host, NodeState::Lost);
                 tracing::warn!(%host, "a node agent's host, and this RM takes no node agents: LOST");
             }
         }
     }
-    st.commit_or_log();
 }
 
 /// `POST /ws/v1/node-agents/register`: (re-)adds the node, reconciles its containers.
@@ -242,16 +238,10 @@ pub(super) async fn agent_register(
                  topology, or register the changed machine under a new host name (with its own token)"
             )));
         }
-        let own = own_reports(&st, &host, &req.containers);
-        let new = st.ledger.add_node(node);
-        if st.agent_nodes.get(&host) != Some(&decl) {
-            st.agent_nodes.insert(host.clone(), decl);
-            st.agent_nodes_dirty.insert(host.clone());
-        }
+        let own = transactions::own_reports(&st, &host, &req.containers);
         agents.register(&host, &req.http_address, Instant::now());
-        let mut reply = reconcile(&mut st, &host, &own, true);
+        let (new, mut reply) = transactions::agent_registered(&mut st, node, decl, &own);
         reply.host_key = agents.host_key_hex(&host);
-        st.commit_or_log();
         tracing::info!(
             %host,
             address = %req.http_address,
@@ -277,37 +267,14 @@ pub(super) async fn agent_heartbeat(
     ApiJson(req): ApiJson<AgentHeartbeat>,
 ) -> Result<Json<AgentReply>, ApiError> {
     let agents = node_agents(&rm, &headers, &host)?;
-    let own = own_reports(&rm.lock(), &host, &req.containers);
+    let own = transactions::own_reports(&rm.lock(), &host, &req.containers);
     if !agents.heartbeat(&host, &own, Instant::now()) {
         return Ok(Json(AgentReply {
             reregister: true,
             ..Default::default()
         }));
     }
-    let mut st = rm.lock();
-    let reply = reconcile(&mut st, &host, &own, false);
-    st.commit_or_log();
-    Ok(Json(reply))
-}
-
-/// What of `reports` a host may report: containers the ledger places on `host`, or does
-/// not know at all. Another host's container is dropped (a host cannot end, keep or
-/// acknowledge what runs elsewhere).
-fn own_reports(st: &RmState, host: &str, reports: &[ContainerReport]) -> Vec<ContainerReport> {
-    reports
-        .iter()
-        .filter(|r| {
-            let own = st
-                .ledger
-                .container(&r.container_id)
-                .is_none_or(|c| c.container.host == host);
-            if !own {
-                tracing::warn!(%host, container = %r.container_id, "a node agent reported another host's container: ignored");
-            }
-            own
-        })
-        .cloned()
-        .collect()
+    Ok(Json(transactions::agent_heartbeat(&mut rm.lock(), &host, &own)))
 }
 
 /// What changed between a host's stored declaration and a new registration in what it
@@ -338,56 +305,6 @@ fn declaration_change(stored: &str, new: &AgentRegister) -> Option<String> {
         changed.push("topology".to_string());
     }
     (!changed.is_empty()).then(|| changed.join(", "))
-}
-
-/// frameworklauncher's rules for what a node reports: a running container the RM does
-/// not know as running there is killed; dead ones are acknowledged (the heartbeat turns
-/// them into `Exited` events). At registration, containers the RM holds or runs on the
-/// host that the node does not report at all are gone: freed (and reported to their
-/// applications when they had not ended yet).
-fn reconcile(st: &mut RmState, host: &str, reports: &[ContainerReport], registering: bool) -> AgentReply {
-    let mut reply = AgentReply {
-        heartbeat_ms: 1000,
-        ..Default::default()
-    };
-    let mut seen = BTreeSet::new();
-    for r in reports {
-        seen.insert(r.container_id.clone());
-        if r.state == ContainerState::Complete {
-            reply.acknowledged.push(r.container_id.clone());
-            continue;
-        }
-        let wanted = st
-            .ledger
-            .container(&r.container_id)
-            .is_some_and(|c| c.container.host == host && c.state == ContainerState::Running && !c.held);
-        if !wanted {
-            reply.stop.push(r.container_id.clone());
-        }
-    }
-    if registering {
-        let gone: Vec<String> = st
-            .ledger
-            .live_containers()
-            .into_iter()
-            .filter(|id| !seen.contains(id))
-            .filter(|id| {
-                st.ledger
-                    .container(id)
-                    .is_some_and(|c| c.container.host == host && (c.state == ContainerState::Running || c.held))
-            })
-            .collect();
-        for id in gone {
-            if let Some(e) = st.ledger.complete(
-                &id,
-                exit_status::ABORTED,
-                "the node no longer knows this container (its agent restarted without it)",
-            ) {
-                queue_completed(&mut st.apps, &e);
-            }
-        }
-    }
-    reply
 }
 
 /// `DELETE /ws/v1/cluster/nodes/{host}` query.
@@ -445,22 +362,8 @@ pub(super) async fn delete_node(
             "{} (host `{host}` was removed by an administrator)",
             crate::rm::ledger::DIAG_LOST_NODE
         );
-        let ended = st.ledger.remove_node(&host, &why).unwrap_or_default();
-        for e in &ended {
-            queue_completed(&mut st.apps, e);
-        }
-        st.agent_nodes.remove(&host);
-        st.agent_nodes_dirty.insert(host.clone());
         let refused = fingerprint.is_some();
-        st.removed_hosts.insert(
-            host.clone(),
-            crate::rm::store::RemovedHost {
-                removed_ms: now_ms(),
-                credential: fingerprint,
-            },
-        );
-        st.meta_dirty = true;
-        st.commit()?;
+        let ended = transactions::remove_host(&mut st, &host, &why, fingerprint, now_ms())?;
         (host, ended, refused)
     };
     tracing::warn!(%host, containers = ended.len(), "host removed by an administrator");
@@ -478,8 +381,10 @@ pub(super) async fn delete_node(
 
 #[cfg(test)]
 mod tests {
+    use super::super::*;
     use super::*;
     use crate::am::rm_client::RmClient;
+    use crate::protocol::{exit_status, AllocateRequest};
     use crate::resources::{PortSet, Resources};
     use crate::rm::users::{add_token_to, Table};
 
