@@ -91,24 +91,7 @@ pub(super) fn reattach(rm: &Arc<Shared>) {
 /// same settings. The attempt is recorded with the process's identity, so a restarted
 /// RM can find it again.
 pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
-    let (token, job_token, launch) = {
-        let mut st = rm.lock();
-        let app = st
-            .apps
-            .get_mut(id)
-            .ok_or_else(|| std::io::Error::other(format!("unknown application `{id}`")))?;
-        let launch = app
-            .launch
-            .clone()
-            .ok_or_else(|| std::io::Error::other(format!("application `{id}` has no AM to launch")))?;
-        app.attempt_started(None);
-        let started = (app.token().to_string(), app.job_token().map(str::to_string), launch);
-        // The attempt is stored before its process exists, so a restarted RM never starts a
-        // second AM beside one it does not know of.
-        let ts = st.cluster_ts;
-        st.persist(ts).map_err(LaunchError::Store)?;
-        started
-    };
+    let (token, job_token, launch) = transactions::begin_attempt(&mut rm.lock(), id)?;
     let dir = rm.work_dir.join(id);
     // Appended: a later attempt's output follows the earlier one's, which tells why it died.
     let append = |name: &str| {
@@ -186,13 +169,7 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
         pid
     };
     if let Some(p) = pid.and_then(ProcessId::of) {
-        let mut st = rm.lock();
-        if let Some(a) = st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
-            if a.finished_time == 0 && a.process.is_none() {
-                a.process = Some(p);
-            }
-        }
-        st.commit_or_log();
+        transactions::attempt_process(&mut rm.lock(), id, p);
     }
     tracing::info!(app = %id, "AM launched");
     Ok(())

@@ -4,8 +4,9 @@
 //! container endpoints. Also launches and watches one AM process per application.
 //!
 //! All state lives in one `parking_lot::Mutex<RmState>`; handlers take it (through
-//! [`Shared::lock`]), decide, commit what changed to the state store (SQLite) before they
-//! answer, drop it, and only then await (executor stops, process kills): the store sees
+//! [`Shared::lock`]), authorize, call one transaction of `transactions` (the RM core: it
+//! decides and commits what changed to the state store, SQLite, before it returns), drop
+//! it, and only then await (executor stops, process kills): the store sees
 //! changes in the order they happened, nothing is acknowledged before it is stored, and a
 //! restarted RM recovers exactly what had been answered (see `state`).
 //!

@@ -226,8 +226,6 @@ pub(super) async fn agent_register(
                     ..Default::default()
                 }));
             }
-            st.removed_hosts.remove(&host);
-            st.meta_dirty = true;
             tracing::warn!(%host, "a removed host registers with a new credential: re-admitted");
         }
         if let Some(why) = st.agent_nodes.get(&host).and_then(|old| declaration_change(old, &req)) {

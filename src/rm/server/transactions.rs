@@ -20,19 +20,21 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
+use super::am_supervisor::LaunchError;
 use super::dashboard::{Refusal, RmMetrics};
 use super::http::{app_mut, ApiError};
 use super::scheduling;
 use super::state::{RmState, StateGuard};
-use super::RmLimits;
+use super::{HistoryOptions, RmLimits};
 use crate::cluster::rm_json::NodeReport;
 use crate::cluster::{Node, NodeState};
+use crate::node::procs::ProcessId;
 use crate::node::wire::{AgentReply, ContainerReport};
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, CompletedContainer, ContainerState,
     ContainerStatus, FinalStatus, FinishRequest, PreviousContainer, RegisterRequest, RegisterResponse, Rejection,
 };
-use crate::rm::apps::{App, Apps};
+use crate::rm::apps::{AmLaunch, App, Apps};
 use crate::rm::ledger::{Ended, DIAG_EXPIRED, DIAG_LOST_NODE};
 use axum::http::StatusCode;
 
@@ -281,6 +283,69 @@ pub(super) fn fail_app(st: &mut StateGuard, id: &str, diag: String) -> Vec<Ended
     );
     st.commit_or_log();
     ended
+}
+
+/// An AM attempt begins: recorded, and stored before its process exists (so a restarted
+/// RM never starts a second AM beside one it does not know of). Returns the application's
+/// token, its job token and how to launch its AM.
+pub(super) fn begin_attempt(st: &mut StateGuard, id: &str) -> Result<(String, Option<String>, AmLaunch), LaunchError> {
+    let app = st
+        .apps
+        .get_mut(id)
+        .ok_or_else(|| std::io::Error::other(format!("unknown application `{id}`")))?;
+    let launch = app
+        .launch
+        .clone()
+        .ok_or_else(|| std::io::Error::other(format!("application `{id}` has no AM to launch")))?;
+    app.attempt_started(None);
+    let started = (app.token().to_string(), app.job_token().map(str::to_string), launch);
+    let ts = st.cluster_ts;
+    st.persist(ts).map_err(LaunchError::Store)?;
+    Ok(started)
+}
+
+/// The process of an application's current attempt, once it runs (so a restarted RM can
+/// find it again).
+pub(super) fn attempt_process(st: &mut StateGuard, id: &str, process: ProcessId) {
+    if let Some(a) = st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
+        if a.finished_time == 0 && a.process.is_none() {
+            a.process = Some(process);
+        }
+    }
+    st.commit_or_log();
+}
+
+/// History retention at `now_ms`: the finished applications whose containers are all dead
+/// (a held one still counts its GPUs), with their end times; those beyond the history's
+/// bounds are forgotten with their containers (returned second).
+pub(super) fn forget_finished(
+    st: &mut StateGuard,
+    history: &HistoryOptions,
+    now_ms: u64,
+) -> (Vec<(String, u64)>, Vec<String>) {
+    let busy: std::collections::HashSet<&str> = st
+        .ledger
+        .all_containers()
+        .filter(|c| c.state != ContainerState::Complete || c.held)
+        .map(|c| c.app_id.as_str())
+        .collect();
+    let finished: Vec<(String, u64)> = st
+        .apps
+        .values()
+        .filter(|a| a.report.state.is_final() && !busy.contains(a.report.id.as_str()))
+        .map(|a| (a.report.id.clone(), a.report.finished_time))
+        .collect();
+    drop(busy);
+    let max_age = history.max_age.as_millis() as u64;
+    let gone = crate::rm::history::to_forget(&finished, now_ms, max_age, history.max_apps);
+    for id in &gone {
+        st.apps.remove(id);
+        st.ledger.forget_app(id);
+    }
+    if !gone.is_empty() {
+        st.commit_or_log();
+    }
+    (finished, gone)
 }
 
 // ---- the AM protocol ----
@@ -663,7 +728,9 @@ pub(super) fn set_node_state(st: &mut StateGuard, host: &str, state: NodeState) 
 
 /// A node agent (re-)registers with `node`, its declaration `decl` and what it reports
 /// (`reports`, its own only): the node joins (or takes its new description), the reports
-/// are reconciled. Returns whether the host is new, and the reply.
+/// are reconciled. A host an admin removed (its agent has a new credential, and runs
+/// nothing: the caller checked) is admitted again, as a new, empty node. Returns whether
+/// the host is new, and the reply.
 pub(super) fn agent_registered(
     st: &mut StateGuard,
     node: Node,
@@ -671,6 +738,9 @@ pub(super) fn agent_registered(
     reports: &[ContainerReport],
 ) -> (bool, AgentReply) {
     let host = node.host.clone();
+    if st.removed_hosts.remove(&host).is_some() {
+        st.meta_dirty = true;
+    }
     let new = st.ledger.add_node(node);
     if st.agent_nodes.get(&host) != Some(&decl) {
         st.agent_nodes.insert(host.clone(), decl);
