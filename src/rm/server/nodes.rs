@@ -338,30 +338,10 @@ pub(super) async fn delete_node(
     }
     let (host, ended, refused) = {
         let mut st = rm.lock();
-        st.writable()?;
         let host = known_host(&st, &nodeid)?;
-        if !st.agent_nodes.contains_key(&host) {
-            return Err(ApiError::conflict(format!(
-                "host `{host}` is not a node agent's: it comes from the RM's cluster file (or Ray) and would come \
-                 back with it; take it out there and restart the RM, or mark it DECOMMISSIONED \
-                 (PUT /ws/v1/cluster/nodes/{host}/state)"
-            )));
-        }
-        let running = (st.ledger.num_containers(&host) as usize).saturating_sub(st.ledger.held_on(&host).len());
-        if running > 0 && !q.force {
-            return Err(ApiError::conflict(format!(
-                "host `{host}` runs {running} container(s) for their jobs: removing it ends them as a lost host's \
-                 (their jobs retry elsewhere). Give --force (`gpuam node remove {host} --force`, `?force=true`) \
-                 to do so, or wait until they end"
-            )));
-        }
         let fingerprint = rm.nodes.agents.as_ref().and_then(|a| a.fingerprint(&host));
-        let why = format!(
-            "{} (host `{host}` was removed by an administrator)",
-            crate::rm::ledger::DIAG_LOST_NODE
-        );
         let refused = fingerprint.is_some();
-        let ended = transactions::remove_host(&mut st, &host, &why, fingerprint, now_ms())?;
+        let ended = transactions::remove_host(&mut st, &host, q.force, fingerprint, now_ms())?;
         (host, ended, refused)
     };
     tracing::warn!(%host, containers = ended.len(), "host removed by an administrator");

@@ -823,22 +823,40 @@ fn reconcile(st: &mut RmState, host: &str, reports: &[ContainerReport], register
     reply
 }
 
-/// An admin takes a node agent's host out for good (the caller checked it may go):
-/// everything on it is freed once (a live container ends for its application with -100
-/// and `why`; a held one is freed without a second report), the host leaves the view and
-/// its declaration goes, and the removal is stored with `credential` (the fingerprint
-/// refused from now on) at `wall_ms`.
+/// An admin takes a node agent's host out for good: everything on it is freed once (a
+/// live container ends for its application as on a lost host, with -100; a held one is
+/// freed without a second report), the host leaves the view and its declaration goes, and
+/// the removal is stored with `credential` (the fingerprint refused from now on) at
+/// `wall_ms`. Refused (409) for a host of the cluster file, and for one that runs
+/// containers for their jobs unless `force`.
 pub(super) fn remove_host(
     st: &mut StateGuard,
     host: &str,
-    why: &str,
+    force: bool,
     credential: Option<String>,
     wall_ms: u64,
 ) -> Result<Vec<Ended>, ApiError> {
+    st.writable()?;
+    if !st.agent_nodes.contains_key(host) {
+        return Err(ApiError::conflict(format!(
+            "host `{host}` is not a node agent's: it comes from the RM's cluster file (or Ray) and would come \
+             back with it; take it out there and restart the RM, or mark it DECOMMISSIONED \
+             (PUT /ws/v1/cluster/nodes/{host}/state)"
+        )));
+    }
+    let running = (st.ledger.num_containers(host) as usize).saturating_sub(st.ledger.held_on(host).len());
+    if running > 0 && !force {
+        return Err(ApiError::conflict(format!(
+            "host `{host}` runs {running} container(s) for their jobs: removing it ends them as a lost host's \
+             (their jobs retry elsewhere). Give --force (`gpuam node remove {host} --force`, `?force=true`) \
+             to do so, or wait until they end"
+        )));
+    }
+    let why = format!("{DIAG_LOST_NODE} (host `{host}` was removed by an administrator)");
     let ids = st.ledger.held_or_live_on(host).unwrap_or_default();
     let ended = ids
         .iter()
-        .filter_map(|id| end_container(st, id, Ending::Dead, exit_status::ABORTED, why, Tell::App))
+        .filter_map(|id| end_container(st, id, Ending::Dead, exit_status::ABORTED, &why, Tell::App))
         .collect();
     st.ledger.forget_node(host);
     st.agent_nodes.remove(host);
@@ -857,7 +875,15 @@ pub(super) fn remove_host(
 
 /// An admin says the machine of a node that is not RUNNING was wiped: the containers it
 /// still holds (ended, waiting for the node to report them dead) are freed. Returns them.
+/// A RUNNING node's agent reports its containers itself: refused (409).
 pub(super) fn wipe_host(st: &mut StateGuard, host: &str) -> Result<Vec<String>, ApiError> {
+    st.writable()?;
+    if st.ledger.node(host).is_some_and(|n| n.state == NodeState::Running) {
+        return Err(ApiError::conflict(format!(
+            "node `{host}` is RUNNING: its agent reports its containers; mark it LOST or \
+             DECOMMISSIONED first (PUT /ws/v1/cluster/nodes/{host}/state)"
+        )));
+    }
     let held = st.ledger.held_on(host);
     let why = "the machine was declared wiped by an administrator";
     for id in &held {
@@ -1046,6 +1072,63 @@ mod tests {
         assert_eq!(used(&st), Resources::default());
         let answer = allocate_asks(&mut st, &id, 4, vec![], vec![]).answer;
         assert_eq!(answer.completed[0].diagnostics, DIAG_EXPIRED);
+        st.ledger.audit_usage().unwrap();
+    }
+
+    /// A removed host frees everything on it once: a running container ends for its
+    /// application (told once), a held one is freed without a second report; the admin's
+    /// refusals (a cluster-file host; running containers without force; wiping a RUNNING
+    /// node) change nothing.
+    #[test]
+    fn removing_or_wiping_a_host_frees_what_it_holds_once() {
+        let m = state(Store::memory());
+        let mut st = guard(&m);
+        let id = app(&mut st);
+        let conflict = |r: Result<Vec<Ended>, ApiError>| r.err().map(|e| e.status);
+        assert_eq!(
+            conflict(remove_host(&mut st, "n1", true, None, 1)),
+            Some(StatusCode::CONFLICT),
+            "a cluster-file host"
+        );
+        st.agent_nodes.insert("n1".into(), "{}".into());
+        let granted = allocate_asks(&mut st, &id, 0, vec![ask(1, 0x1, &[]), ask(2, 0x2, &[])], vec![]).answer;
+        let (a, b) = (
+            granted.allocated[0].container_id.clone(),
+            granted.allocated[1].container_id.clone(),
+        );
+        for c in [&a, &b] {
+            start_container(&mut st, "n1", c, status(c)).unwrap();
+        }
+        assert_eq!(
+            wipe_host(&mut st, "n1").err().map(|e| e.status),
+            Some(StatusCode::CONFLICT),
+            "RUNNING"
+        );
+        // `a` was stopped before (held: its process may run); `b` still runs.
+        stop_container(&mut st, &a, status(&a)).unwrap();
+        assert_eq!(
+            conflict(remove_host(&mut st, "n1", false, None, 1)),
+            Some(StatusCode::CONFLICT),
+            "runs a container, no force"
+        );
+        assert_eq!(used(&st).gpu_mask, 0x3);
+        let ended = remove_host(&mut st, "n1", true, Some("fp".into()), 1).unwrap();
+        assert_eq!(ended.len(), 1);
+        assert_eq!(ended[0].container_id, b);
+        assert!(st.ledger.node("n1").is_none());
+        assert!(st.removed_hosts.contains_key("n1"));
+        let told: Vec<String> = st
+            .apps
+            .get(&id)
+            .unwrap()
+            .pending_completed
+            .iter()
+            .map(|c| c.container_id.clone())
+            .collect();
+        assert_eq!(told, [a.clone(), b.clone()], "each told once");
+        // What the node says later frees nothing twice.
+        assert!(container_exited(&mut st, &a, 0, String::new()).is_none());
+        assert!(container_exited(&mut st, &b, 0, String::new()).is_none());
         st.ledger.audit_usage().unwrap();
     }
 
