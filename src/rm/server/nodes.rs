@@ -22,12 +22,13 @@ use super::cluster::known_host;
 use super::containers::stop_running;
 use super::http::{bearer, ApiError, ApiJson, Caller};
 use super::state::RmState;
-use super::{transactions, Rm, Shared};
+use super::transactions::{self, Registration};
+use super::{Rm, Shared};
 use crate::cluster::{Node, NodeState};
 use crate::node::remote::AgentNodes;
 use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply};
 use crate::node::{InProcessNode, NodeBackend, NodeEvent};
-use crate::protocol::{now_ms, ContainerState};
+use crate::protocol::now_ms;
 
 /// The node backends of this RM: a Ray cluster (`--backend ray`: every host), else
 /// registered agents, else the in-process node.
@@ -207,38 +208,11 @@ pub(super) async fn agent_register(
         if let Some(refused) = removal_refusal(&st, &host, fingerprint.as_deref()) {
             return Err(refused);
         }
-        if st.removed_hosts.contains_key(&host) {
-            // Re-admitted (a new credential): it joins empty, so nothing of before its
-            // removal runs beside what is granted now. Whatever it still runs is stopped
-            // first, and it registers again once it reports none.
-            let running: Vec<String> = req
-                .containers
-                .iter()
-                .filter(|r| r.state != ContainerState::Complete)
-                .map(|r| r.container_id.clone())
-                .collect();
-            if !running.is_empty() {
-                tracing::warn!(%host, containers = running.len(), "a re-admitted host still runs containers of before its removal: stopping them first");
-                return Ok(Json(AgentReply {
-                    reregister: true,
-                    stop: running,
-                    heartbeat_ms: 1000,
-                    ..Default::default()
-                }));
-            }
-            tracing::warn!(%host, "a removed host registers with a new credential: re-admitted");
-        }
-        if let Some(why) = st.agent_nodes.get(&host).and_then(|old| declaration_change(old, &req)) {
-            tracing::warn!(%host, "node agent registration refused: {why}");
-            return Err(ApiError::conflict(format!(
-                "host `{host}` registered before with other resources: {why}; what a host offers is fixed at \
-                 its first registration: start its agent with the same resources, labels, GPU type, rack and \
-                 topology, or register the changed machine under a new host name (with its own token)"
-            )));
-        }
-        let own = transactions::own_reports(&st, &host, &req.containers);
+        let (new, mut reply, own) = match transactions::agent_registered(&mut st, node, decl, &req)? {
+            Registration::StopFirst(reply) => return Ok(Json(reply)),
+            Registration::Joined { new, reply, own } => (new, reply, own),
+        };
         agents.register(&host, &req.http_address, Instant::now());
-        let (new, mut reply) = transactions::agent_registered(&mut st, node, decl, &own);
         reply.host_key = agents.host_key_hex(&host);
         tracing::info!(
             %host,
@@ -278,7 +252,7 @@ pub(super) async fn agent_heartbeat(
 /// What changed between a host's stored declaration and a new registration in what it
 /// offers (resources, labels, GPU type, rack, topology); `None` when nothing did (its
 /// address and IP may change).
-fn declaration_change(stored: &str, new: &AgentRegister) -> Option<String> {
+pub(super) fn declaration_change(stored: &str, new: &AgentRegister) -> Option<String> {
     let old: AgentRegister = serde_json::from_str(stored).ok()?;
     let mut changed = Vec::new();
     if old.total != new.total {

@@ -23,13 +23,14 @@ use std::time::Instant;
 use super::am_supervisor::LaunchError;
 use super::dashboard::{Refusal, RmMetrics};
 use super::http::{app_mut, ApiError};
+use super::nodes::declaration_change;
 use super::scheduling;
 use super::state::{RmState, StateGuard};
 use super::{HistoryOptions, RmLimits};
 use crate::cluster::rm_json::NodeReport;
 use crate::cluster::{Node, NodeState};
 use crate::node::procs::ProcessId;
-use crate::node::wire::{AgentReply, ContainerReport};
+use crate::node::wire::{AgentRegister, AgentReply, ContainerReport};
 use crate::protocol::{
     exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, CompletedContainer, ContainerState,
     ContainerStatus, FinalStatus, FinishRequest, PreviousContainer, RegisterRequest, RegisterResponse, Rejection,
@@ -726,18 +727,59 @@ pub(super) fn set_node_state(st: &mut StateGuard, host: &str, state: NodeState) 
     Some(ended)
 }
 
-/// A node agent (re-)registers with `node`, its declaration `decl` and what it reports
-/// (`reports`, its own only): the node joins (or takes its new description), the reports
-/// are reconciled. A host an admin removed (its agent has a new credential, and runs
-/// nothing: the caller checked) is admitted again, as a new, empty node. Returns whether
-/// the host is new, and the reply.
+/// What a node agent's registration led to.
+pub(super) enum Registration {
+    /// A removed host re-admitted (a new credential) that still runs containers of before
+    /// its removal: it stops them and registers again once it reports none (it joins
+    /// empty, so nothing of before its removal runs beside what is granted now).
+    StopFirst(AgentReply),
+    /// It joined: whether the host is new, the reply, and the reports it may make (its
+    /// own containers only; see [`own_reports`]).
+    Joined {
+        new: bool,
+        reply: AgentReply,
+        own: Vec<ContainerReport>,
+    },
+}
+
+/// A node agent (the caller checked its credential) (re-)registers `node` with its
+/// declaration `decl` (`req`): the node joins (or takes its new description) and what it
+/// reports is reconciled. What a host offers is fixed at its first registration: another
+/// offer is refused (409). A host an admin removed joins again as a new, empty node.
 pub(super) fn agent_registered(
     st: &mut StateGuard,
     node: Node,
     decl: String,
-    reports: &[ContainerReport],
-) -> (bool, AgentReply) {
+    req: &AgentRegister,
+) -> Result<Registration, ApiError> {
     let host = node.host.clone();
+    if st.removed_hosts.contains_key(&host) {
+        let running: Vec<String> = req
+            .containers
+            .iter()
+            .filter(|r| r.state != ContainerState::Complete)
+            .map(|r| r.container_id.clone())
+            .collect();
+        if !running.is_empty() {
+            tracing::warn!(%host, containers = running.len(), "a re-admitted host still runs containers of before its removal: stopping them first");
+            return Ok(Registration::StopFirst(AgentReply {
+                reregister: true,
+                stop: running,
+                heartbeat_ms: 1000,
+                ..Default::default()
+            }));
+        }
+        tracing::warn!(%host, "a removed host registers with a new credential: re-admitted");
+    }
+    if let Some(why) = st.agent_nodes.get(&host).and_then(|old| declaration_change(old, req)) {
+        tracing::warn!(%host, "node agent registration refused: {why}");
+        return Err(ApiError::conflict(format!(
+            "host `{host}` registered before with other resources: {why}; what a host offers is fixed at \
+             its first registration: start its agent with the same resources, labels, GPU type, rack and \
+             topology, or register the changed machine under a new host name (with its own token)"
+        )));
+    }
+    let own = own_reports(st, &host, &req.containers);
     if st.removed_hosts.remove(&host).is_some() {
         st.meta_dirty = true;
     }
@@ -746,9 +788,9 @@ pub(super) fn agent_registered(
         st.agent_nodes.insert(host.clone(), decl);
         st.agent_nodes_dirty.insert(host.clone());
     }
-    let reply = reconcile(st, &host, reports, true);
+    let reply = reconcile(st, &host, &own, true);
     st.commit_or_log();
-    (new, reply)
+    Ok(Registration::Joined { new, reply, own })
 }
 
 /// A node agent's heartbeat with what it reports (its own only).
