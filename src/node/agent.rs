@@ -72,7 +72,7 @@ pub struct AgentOptions {
     /// [`peer_ip`].
     pub ip: Option<IpAddr>,
     /// Variables every task of this node gets (`--task-env NAME=VALUE`), checked with
-    /// [`super::executor::check_task_env`].
+    /// [`super::contract::check_task_env`].
     pub task_env: Vec<(String, String)>,
     /// Most bytes of each container log (`node.max_log_bytes`; `None`: no limit).
     pub max_log_bytes: Option<u64>,

@@ -23,11 +23,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nix::sys::signal::Signal;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use super::cgroup::{Cgroup, Containment};
 use super::devices::Rule;
+use super::procs::{send_signal, SignalTo};
 
 /// A node's bounds from its settings (`node.max_container_disk_mb`, `node.max_pids`,
 /// `node.device_allow`), for the agent and the in-process node alike.
@@ -212,17 +214,12 @@ impl Target {
             self.cgroup.kill();
             return;
         }
-        let Ok(pid) = i32::try_from(self.pid) else {
-            return;
+        let (to, sig) = if self.shim {
+            (SignalTo::Process(self.pid), super::shim::KILL_SIGNAL)
+        } else {
+            (SignalTo::Group(self.pid), Signal::SIGKILL)
         };
-        // SAFETY: plain syscalls on the container's own recorded process (group).
-        unsafe {
-            if self.shim {
-                libc::kill(pid, super::shim::KILL_SIGNAL);
-            } else {
-                libc::kill(-pid, libc::SIGKILL);
-            }
-        }
+        let _ = send_signal(to, Some(sig));
     }
 }
 

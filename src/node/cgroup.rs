@@ -38,7 +38,10 @@ use std::ffi::CString;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use nix::sys::signal::Signal;
+
 use super::devices::{self, PrivateDev, Rule};
+use super::procs::{send_signal, SignalTo};
 use crate::topology::CpuList;
 
 /// Most processes a container may have (`pids.max`): a fork bomb stops here.
@@ -724,14 +727,11 @@ impl Cgroup {
         self.pids().is_empty()
     }
 
-    /// Sends `sig` to every member.
-    pub fn signal(&self, sig: i32) {
+    /// Sends `sig` to every member (a member that is gone meanwhile is no error).
+    pub fn signal(&self, sig: Signal) {
         for p in self.pids() {
-            if p > 1 {
-                // SAFETY: plain syscall on a pid read from the cgroup; ESRCH is fine.
-                unsafe {
-                    libc::kill(p, sig);
-                }
+            if let Ok(p) = u32::try_from(p) {
+                let _ = send_signal(SignalTo::Process(p), Some(sig));
             }
         }
     }
@@ -747,7 +747,7 @@ impl Cgroup {
             .v1_freezer
             .as_ref()
             .is_some_and(|d| std::fs::write(d.join("freezer.state"), "FROZEN").is_ok());
-        self.signal(libc::SIGKILL);
+        self.signal(Signal::SIGKILL);
         if frozen {
             if let Some(d) = &self.v1_freezer {
                 let _ = std::fs::write(d.join("freezer.state"), "THAWED");

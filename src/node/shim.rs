@@ -36,6 +36,10 @@
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
+
+use super::procs::{send_signal, SignalTo};
+
 // How long descendants get after SIGTERM once the main child has ended: the executor's
 // grace for the leftovers of a cgroup or process group.
 use super::executor::LEFTOVER_GRACE;
@@ -43,7 +47,7 @@ use super::executor::LEFTOVER_GRACE;
 /// The hidden `gpuam` subcommand that runs the shim.
 pub const SUBCOMMAND: &str = "container-shim";
 /// The signal that tells the shim to SIGKILL everything it contains now.
-pub const KILL_SIGNAL: i32 = libc::SIGUSR1;
+pub const KILL_SIGNAL: Signal = Signal::SIGUSR1;
 /// How often the shim looks again while it kills.
 const TICK: Duration = Duration::from_millis(20);
 /// Exit code when the command could not be run (as a shell's "command not found").
@@ -57,14 +61,12 @@ pub fn is_shim(pid: u32) -> bool {
 }
 
 /// Sends `sig` to every descendant of `root`; how many there were.
-fn signal_descendants(root: i32, sig: i32) -> usize {
+fn signal_descendants(root: i32, sig: Signal) -> usize {
     let all = super::procs::descendants(root);
     for &p in &all {
-        if p > 1 {
-            // SAFETY: plain syscall; a process that is gone gives ESRCH, which is fine.
-            unsafe {
-                libc::kill(p, sig);
-            }
+        if let Ok(p) = u32::try_from(p) {
+            // A process that is gone meanwhile is no error.
+            let _ = send_signal(SignalTo::Process(p), Some(sig));
         }
     }
     all.len()
@@ -76,7 +78,13 @@ fn handled_signals() -> libc::sigset_t {
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        for s in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP, KILL_SIGNAL] {
+        for s in [
+            libc::SIGCHLD,
+            libc::SIGTERM,
+            libc::SIGINT,
+            libc::SIGHUP,
+            KILL_SIGNAL as i32,
+        ] {
             libc::sigaddset(&mut set, s);
         }
         set
@@ -84,14 +92,14 @@ fn handled_signals() -> libc::sigset_t {
 }
 
 /// Waits up to `timeout` for one of `set`; the signal, or `None` on timeout or EINTR.
-fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
+fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<Signal> {
     let ts = libc::timespec {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
     };
     // SAFETY: `set` and `ts` are valid for the call; no siginfo is asked for.
     let s = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
-    (s > 0).then_some(s)
+    Signal::try_from(s).ok()
 }
 
 /// Runs the shim around `command` (program and arguments); returns the exit code to end
@@ -156,14 +164,14 @@ pub fn run(command: &[OsString]) -> i32 {
             break;
         }
         if main_status.is_some() && deadline.is_none() {
-            signal_descendants(me, libc::SIGTERM);
+            signal_descendants(me, Signal::SIGTERM);
             deadline = Some(Instant::now() + LEFTOVER_GRACE);
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             killing = true;
         }
         if killing {
-            signal_descendants(me, libc::SIGKILL);
+            signal_descendants(me, Signal::SIGKILL);
         }
         let timeout = match deadline {
             _ if killing => TICK,
@@ -171,9 +179,9 @@ pub fn run(command: &[OsString]) -> i32 {
             None => Duration::from_secs(1),
         };
         match wait_signal(&set, timeout) {
-            Some(libc::SIGTERM | libc::SIGINT | libc::SIGHUP) if !stopping => {
+            Some(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP) if !stopping => {
                 stopping = true;
-                signal_descendants(me, libc::SIGTERM);
+                signal_descendants(me, Signal::SIGTERM);
             }
             Some(KILL_SIGNAL) => killing = true,
             _ => {}
@@ -225,10 +233,7 @@ mod tests {
         std::io::BufRead::read_line(&mut std::io::BufReader::new(sh.stdout.take().unwrap()), &mut line).unwrap();
         let sleep: i32 = line.trim().parse().unwrap();
         let d = crate::node::procs::descendants(me);
-        // SAFETY: test cleanup of its own processes.
-        unsafe {
-            libc::kill(sleep, libc::SIGKILL);
-        }
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleep), Signal::SIGKILL).unwrap();
         sh.wait().unwrap();
         assert!(d.contains(&(sh.id() as i32)), "{d:?}");
         assert!(d.contains(&sleep), "{d:?}");

@@ -244,7 +244,7 @@ impl RayDriver {
                 id,
             });
         }
-        if let Err(why) = crate::node::executor::validate_context(&ctx) {
+        if let Err(why) = crate::node::contract::validate_context(&ctx) {
             return Err(NodeError::StartFailed { id, why });
         }
         {
