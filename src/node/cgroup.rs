@@ -42,6 +42,7 @@ use nix::sys::signal::Signal;
 
 use super::devices::{self, PrivateDev, Rule};
 use super::procs::{send_signal, SignalTo};
+use crate::protocol::EndCause;
 use crate::topology::CpuList;
 
 /// Most processes a container may have (`pids.max`): a fork bomb stops here.
@@ -662,8 +663,8 @@ impl Cgroup {
 
     /// Whether the kernel killed a process of the container in its own memory limit (v2
     /// `memory.events`, v1 `memory.oom_control` `oom_kill N`); then the reason, naming the
-    /// limit ([`super::bounds::oom_reason`]). Read before the cgroup is removed.
-    pub fn oom_killed(&self) -> Option<String> {
+    /// limit ([`EndCause::OutOfMemory`]). Read before the cgroup is removed.
+    pub fn oom_killed(&self) -> Option<EndCause> {
         let count = |f: PathBuf| -> Option<u64> {
             std::fs::read_to_string(f).ok()?.lines().find_map(|l| {
                 let (k, v) = l.split_once(' ')?;
@@ -683,7 +684,7 @@ impl Cgroup {
         } else {
             return None;
         };
-        (kills? > 0).then(|| super::bounds::oom_reason(limit))
+        (kills? > 0).then_some(EndCause::OutOfMemory { limit_mb: limit })
     }
 
     /// Without a cgroup: the private `/dev` the forked child enters before `exec`

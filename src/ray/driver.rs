@@ -199,6 +199,7 @@ impl RayDriver {
                     container_id: id.to_string(),
                     exit_status: code,
                     diagnostics: diag,
+                    cause: None,
                 });
             }
             Some("ready") => tracing::info!("Ray driver ready: {line}"),

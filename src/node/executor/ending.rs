@@ -2,7 +2,7 @@
 //! stopped, its cgroup emptied, its logs capped, its end recorded (`end.json`) before
 //! anyone hears of it, the table updated, and exactly one `NodeEvent::Exited` sent. The
 //! exit code and the diagnostics are worded by pure functions ([`describe_exit`],
-//! [`end_diagnostics`]).
+//! [`end_report`]).
 
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::PathBuf;
@@ -20,10 +20,11 @@ use super::records::{remove_work_dir, work_dir, RecordedEnd, DEFER_REMOVAL_MAX_B
 use super::signal::{group_alive, pid_reused, signal_own_group, wait_group_gone, KILL_WAIT, LEFTOVER_GRACE, POLL};
 use super::table::{Phase, Table};
 use super::Executor;
+use crate::node::bounds::Breach;
 use crate::node::cgroup::Cgroup;
 use crate::node::procs::ProcessId;
 use crate::node::NodeEvent;
-use crate::protocol::exit_status;
+use crate::protocol::{exit_status, EndCause};
 
 /// How much of stderr's tail goes into a failed container's diagnostics.
 pub(super) const DIAG_STDERR_BYTES: u64 = 512;
@@ -39,7 +40,7 @@ pub(super) struct Ending {
     pub(super) cgroup: Cgroup,
     pub(super) max_log_bytes: Option<u64>,
     /// Why the node killed it (a bound it went past, see [`crate::node::bounds`]).
-    pub(super) verdict: Arc<Mutex<Option<String>>>,
+    pub(super) verdict: Arc<Mutex<Option<Breach>>>,
     /// How long after the end the work directory goes ([`ExecutorOptions::work_dir_grace`]).
     pub(super) work_dir_grace: Duration,
 }
@@ -97,13 +98,13 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
     } = ending;
     // Background processes the commands left behind must not outlive the container: their
     // GPUs and ports go back to the scheduler with it.
-    let mut diagnostics = how;
+    let mut notes = Vec::new();
     if !pid_reused(pgid, leader) && group_alive(pgid) {
         signal_own_group(pgid, leader, Signal::SIGTERM);
         if !wait_group_gone(pgid, LEFTOVER_GRACE).await {
             signal_own_group(pgid, leader, Signal::SIGKILL);
             if !wait_group_gone(pgid, KILL_WAIT).await {
-                diagnostics.push_str("; some processes of its group survived SIGKILL");
+                notes.push("some processes of its group survived SIGKILL");
             }
         }
     }
@@ -111,12 +112,9 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
     crate::node::image::reap(&dir, &id).await;
     let oom = cgroup.oom_killed();
     if cgroup.is_real() {
-        if let Some(why) = empty_cgroup(&cgroup, &id).await {
-            diagnostics.push_str(why);
-        }
+        notes.extend(empty_cgroup(&cgroup, &id).await);
         cgroup.remove();
     }
-    // A bound the container went past leads its diagnostics (the AM classifies on it).
     let killed_for = verdict.lock().clone();
     // Past its disk bound, or holding more than [`DEFER_REMOVAL_MAX_BYTES`], the directory
     // goes at once (the node needs the room back: short tasks that each leave data behind
@@ -127,9 +125,6 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
         let usage = tokio::task::spawn_blocking(move || crate::node::bounds::disk_usage(&work)).await;
         usage.map_or(true, |u| !u.complete || u.bytes > DEFER_REMOVAL_MAX_BYTES)
     };
-    if let Some(why) = killed_for.or(oom) {
-        diagnostics = format!("{why}; {diagnostics}");
-    }
     // The logs are within their limit before anyone hears of the end.
     if let Some(max) = max_log_bytes {
         let logs = table.lock().get(&id).map(|e| e.logs.clone()).unwrap_or_default();
@@ -139,21 +134,24 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
         }
     }
     let stop_requested = table.lock().get(&id).is_some_and(|e| e.stop_requested);
-    if stop_requested {
-        diagnostics = format!("stopped by request; {diagnostics}");
-    } else if code != 0 {
-        if let Ok(tail) = read_tail(&dir.join(LogStream::Stderr.file_name()), DIAG_STDERR_BYTES) {
-            let tail = tail.trim();
-            if !tail.is_empty() {
-                diagnostics.push_str(&format!("; end of stderr: {tail}"));
-            }
-        }
-    }
+    let stderr_tail = (code != 0)
+        .then(|| read_tail(&dir.join(LogStream::Stderr.file_name()), DIAG_STDERR_BYTES).ok())
+        .flatten();
+    let (diagnostics, cause) = end_report(EndFacts {
+        code,
+        how,
+        notes,
+        breach: killed_for,
+        oom,
+        stop_requested,
+        stderr_tail,
+    });
     // Recorded before anyone hears of it (a restarted node reports this end), and the
     // task's own directory goes: its logs stay in the record.
     let end = RecordedEnd {
         exit_status: code,
         diagnostics: diagnostics.clone(),
+        cause,
     };
     let recorded = serde_json::to_vec(&end)
         .map_err(std::io::Error::other)
@@ -185,6 +183,7 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
         container_id: id,
         exit_status: code,
         diagnostics,
+        cause,
     });
 }
 
@@ -200,7 +199,7 @@ pub(super) async fn empty_cgroup(cgroup: &Cgroup, id: &str) -> Option<&'static s
     let until = Instant::now() + LEFTOVER_GRACE;
     while Instant::now() < until {
         if cgroup.is_empty() {
-            return Some("; processes it left behind ended on SIGTERM");
+            return Some("processes it left behind ended on SIGTERM");
         }
         tokio::time::sleep(POLL).await;
     }
@@ -210,7 +209,7 @@ pub(super) async fn empty_cgroup(cgroup: &Cgroup, id: &str) -> Option<&'static s
         let until = Instant::now() + KILL_WAIT;
         while Instant::now() < until {
             if cgroup.is_empty() {
-                return Some("; processes it left behind were killed");
+                return Some("processes it left behind were killed");
             }
             tokio::time::sleep(POLL).await;
         }
@@ -223,6 +222,47 @@ pub(super) async fn empty_cgroup(cgroup: &Cgroup, id: &str) -> Option<&'static s
             warned = Instant::now();
         }
     }
+}
+
+/// What the node found out about a container's end, for [`end_report`].
+pub(super) struct EndFacts {
+    /// The exit code.
+    pub code: i32,
+    /// How the leader ended ([`describe_exit`], or the status its script recorded).
+    pub how: String,
+    /// What cleaning up found (processes left behind, in order).
+    pub notes: Vec<&'static str>,
+    /// A bound the node killed it for ([`crate::node::bounds::watch_disk`]).
+    pub breach: Option<Breach>,
+    /// The kernel killed a process of it in its memory limit.
+    pub oom: Option<EndCause>,
+    /// It ended because it was asked to stop.
+    pub stop_requested: bool,
+    /// The end of its stderr (read for a non-zero code).
+    pub stderr_tail: Option<String>,
+}
+
+/// The diagnostics of an end, and its typed cause: a bound it went past leads (the AM
+/// classifies on the cause), then how it ended and what cleaning up found; a stop says so
+/// first, else a failure ends with the end of its stderr.
+pub(super) fn end_report(f: EndFacts) -> (String, Option<EndCause>) {
+    let mut diagnostics = f.how;
+    for note in f.notes {
+        diagnostics.push_str("; ");
+        diagnostics.push_str(note);
+    }
+    let breach = f.breach.or(f.oom.map(Breach::from));
+    if let Some(b) = &breach {
+        diagnostics = format!("{}; {diagnostics}", b.why);
+    }
+    if f.stop_requested {
+        diagnostics = format!("stopped by request; {diagnostics}");
+    } else if f.code != 0 {
+        if let Some(tail) = f.stderr_tail.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
+            diagnostics.push_str(&format!("; end of stderr: {tail}"));
+        }
+    }
+    (diagnostics, breach.map(|b| b.cause))
 }
 
 /// Exit code and a sentence: a code as is; killed by signal N → 128 + N (bash's convention).

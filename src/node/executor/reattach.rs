@@ -42,6 +42,7 @@ impl Executor {
                 container_id: container_id.into(),
                 exit_status: end.exit_status,
                 diagnostics: end.diagnostics,
+                cause: end.cause,
             });
             return;
         }

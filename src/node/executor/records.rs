@@ -93,6 +93,9 @@ pub fn work_dir(record: &Path) -> PathBuf {
 pub struct RecordedEnd {
     pub exit_status: i32,
     pub diagnostics: String,
+    /// A bound it went past (absent in records of older nodes, and for other ends).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<crate::protocol::EndCause>,
 }
 
 /// `[A-Za-z0-9_.-]+`, and not `.` / `..` (which would name the root or its parent).

@@ -58,6 +58,7 @@ impl Executor {
                             container_id: container_id.into(),
                             exit_status: exit_status::ABORTED,
                             diagnostics: entry.diagnostics.clone(),
+                            cause: None,
                         });
                         return Ok(());
                     }

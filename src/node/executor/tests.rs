@@ -56,6 +56,7 @@ async fn next_exit(rx: &mut mpsc::UnboundedReceiver<NodeEvent>) -> (String, i32,
         container_id,
         exit_status,
         diagnostics,
+        ..
     } = ev;
     (container_id, exit_status, diagnostics)
 }
@@ -326,7 +327,9 @@ async fn a_reattached_container_can_be_stopped() {
             "c1",
             "h",
             &no_gpus(),
-            ctx(&[&format!("touch {}; sleep 30", started.display())]),
+            // `sleep` runs before the mark (a TERM that came while bash was still forking
+            // it could be lost for it), and `wait` lets the trap run at once.
+            ctx(&[&format!("sleep 30 & touch {}; wait", started.display())]),
         )
         .unwrap();
     let pgid = first.status("c1").unwrap().pid.unwrap();
@@ -1128,4 +1131,48 @@ async fn no_daemon_survives_its_container() {
         assert!(containment.cgroup(id).is_empty());
     }
     containment.remove_parents();
+}
+
+/// The end's words: a bound leads (and is the typed cause; the disk verdict wins over an
+/// OOM kill), a stop says so first, a failure ends with its stderr.
+#[test]
+fn the_end_report_leads_with_the_bound_and_types_it() {
+    use super::ending::{end_report, EndFacts};
+    use crate::node::bounds::Breach;
+    use crate::protocol::EndCause;
+    let facts = |breach: Option<Breach>, oom, stop_requested| EndFacts {
+        code: 137,
+        how: "killed by signal 9 (SIGKILL)".into(),
+        notes: vec!["processes it left behind were killed"],
+        breach,
+        oom,
+        stop_requested,
+        stderr_tail: Some("  boom\n".into()),
+    };
+    let oom = EndCause::OutOfMemory { limit_mb: Some(64) };
+    let (text, cause) = end_report(facts(None, Some(oom), false));
+    assert_eq!(
+        text,
+        "out of memory (limit 64 MiB); killed by signal 9 (SIGKILL); processes it left behind were killed; \
+         end of stderr: boom"
+    );
+    assert_eq!(cause, Some(oom));
+    let disk = EndCause::DiskLimit { limit_mb: 16 };
+    let (text, cause) = end_report(facts(Some(disk.into()), Some(oom), true));
+    assert!(
+        text.starts_with("stopped by request; disk limit exceeded (16 MiB); killed by signal 9"),
+        "{text}"
+    );
+    assert!(!text.contains("stderr"), "{text}");
+    assert_eq!(cause, Some(disk));
+    let (text, cause) = end_report(EndFacts {
+        code: 0,
+        how: "exited with code 0".into(),
+        notes: vec![],
+        breach: None,
+        oom: None,
+        stop_requested: false,
+        stderr_tail: None,
+    });
+    assert_eq!((text.as_str(), cause), ("exited with code 0", None));
 }

@@ -43,6 +43,7 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         container_id,
         exit_status,
         diagnostics,
+        .. // the cause: the diagnostics lead with its words, which the AM reads back
     } = ev;
     let mut st = rm.lock();
     // A container under a preemption notice was preempted, however its task exited.
