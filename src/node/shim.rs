@@ -51,7 +51,29 @@ pub const KILL_SIGNAL: Signal = Signal::SIGUSR1;
 /// How often the shim looks again while it kills.
 const TICK: Duration = Duration::from_millis(20);
 /// Exit code when the command could not be run (as a shell's "command not found").
-const CANNOT_RUN: i32 = 127;
+pub const CANNOT_RUN: i32 = 127;
+
+/// How the shim's main child ended: the shim ends the same way (the CLI mirrors it,
+/// [`end_as_killed_by`] for a signal), so the executor's exit handling is the same as
+/// without a shim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShimEnd {
+    /// It exited with this code.
+    Exited(i32),
+    /// It was killed by this signal (number).
+    Killed(i32),
+    /// Neither (not seen: a bug).
+    Unknown,
+}
+
+/// Why the shim could not run its command.
+#[derive(Debug, thiserror::Error)]
+pub enum ShimError {
+    #[error("gpuam {SUBCOMMAND}: no command to run (usage: gpuam {SUBCOMMAND} -- COMMAND [ARGS...])")]
+    NoCommand,
+    #[error("gpuam {SUBCOMMAND}: cannot run {program}: {error}")]
+    CannotRun { program: String, error: std::io::Error },
+}
 
 /// Whether process `pid` is a shim (its command line is `<exe> container-shim ...`): a
 /// restarted executor re-attaching to a container learns so how to stop it.
@@ -102,12 +124,12 @@ fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<Signal> {
     Signal::try_from(s).ok()
 }
 
-/// Runs the shim around `command` (program and arguments); returns the exit code to end
-/// with (see the module doc). Must run single-threaded, before any runtime starts.
-pub fn run(command: &[OsString]) -> i32 {
+/// Runs the shim around `command` (program and arguments) until nothing it contains is
+/// alive; how its main child ended (see the module doc). Must run single-threaded, before
+/// any runtime starts. Says on stderr (the container's) what containment it gives.
+pub fn run(command: &[OsString]) -> Result<ShimEnd, ShimError> {
     let Some((program, args)) = command.split_first() else {
-        eprintln!("gpuam {SUBCOMMAND}: no command to run (usage: gpuam {SUBCOMMAND} -- COMMAND [ARGS...])");
-        return crate::exit::USAGE;
+        return Err(ShimError::NoCommand);
     };
     let set = handled_signals();
     // Blocked before the child exists, so that no stop is missed; `Command` gives the
@@ -130,9 +152,11 @@ pub fn run(command: &[OsString]) -> i32 {
     }
     let main = match std::process::Command::new(program).args(args).spawn() {
         Ok(c) => c.id() as i32,
-        Err(e) => {
-            eprintln!("gpuam {SUBCOMMAND}: cannot run {}: {e}", program.to_string_lossy());
-            return CANNOT_RUN;
+        Err(error) => {
+            return Err(ShimError::CannotRun {
+                program: program.to_string_lossy().into_owned(),
+                error,
+            })
         }
     };
     let mut main_status: Option<i32> = None;
@@ -156,10 +180,7 @@ pub fn run(command: &[OsString]) -> i32 {
             }
             if pid < 0 {
                 // ECHILD: nothing is left. The main child is reaped before that can be.
-                return match main_status {
-                    Some(st) => mirror(st),
-                    None => crate::exit::INTERNAL,
-                };
+                return Ok(main_status.map_or(ShimEnd::Unknown, end_of));
             }
             break;
         }
@@ -189,31 +210,34 @@ pub fn run(command: &[OsString]) -> i32 {
     }
 }
 
-/// Ends the shim as its main child ended: the same exit code, or the same signal raised
-/// on itself (default action, no core dump); the code to exit with if that returns.
-fn mirror(status: i32) -> i32 {
+/// How a child ended, from its wait status.
+fn end_of(status: i32) -> ShimEnd {
     if libc::WIFEXITED(status) {
-        return libc::WEXITSTATUS(status);
+        ShimEnd::Exited(libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        ShimEnd::Killed(libc::WTERMSIG(status))
+    } else {
+        ShimEnd::Unknown
     }
-    if libc::WIFSIGNALED(status) {
-        let sig = libc::WTERMSIG(status);
-        // SAFETY: plain syscalls on this process: no core file, the signal's default
-        // action, every signal unblocked, then the signal itself.
-        unsafe {
-            let none = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            libc::setrlimit(libc::RLIMIT_CORE, &none);
-            libc::signal(sig, libc::SIG_DFL);
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut all);
-            libc::sigprocmask(libc::SIG_SETMASK, &all, std::ptr::null_mut());
-            libc::raise(sig);
-        }
-        return 128 + sig;
+}
+
+/// Ends this process by signal `sig` (its default action, no core dump), as the shim's main
+/// child ended; returns only if the signal did not end it.
+pub fn end_as_killed_by(sig: i32) {
+    // SAFETY: plain syscalls on this process: no core file, the signal's default action,
+    // every signal unblocked, then the signal itself.
+    unsafe {
+        let none = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        libc::setrlimit(libc::RLIMIT_CORE, &none);
+        libc::signal(sig, libc::SIG_DFL);
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut all);
+        libc::sigprocmask(libc::SIG_SETMASK, &all, std::ptr::null_mut());
+        libc::raise(sig);
     }
-    crate::exit::INTERNAL
 }
 
 #[cfg(test)]
