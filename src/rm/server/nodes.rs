@@ -58,6 +58,7 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         container_id,
         exit_status,
         diagnostics,
+        .. // the cause: the diagnostics lead with its words, which the AM reads back
     } = ev;
     transactions::container_exited(&mut rm.lock(), &container_id, exit_status, diagnostics);
 }
