@@ -9,6 +9,7 @@
 //!   nodes, which create the tasks' `GPUAM_PREEMPT_FILE`), and why each application waits;
 //! - [`queue_view`]: shares, use and waiting per queue, for the cluster page and `/metrics`.
 
+use super::transactions::{end_container, Ending, Tell};
 use super::*;
 use crate::protocol::{now_ms, ContainerState};
 use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
@@ -299,7 +300,6 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
                 .get(&id)
                 .map(preempted_diagnostics)
                 .unwrap_or_default();
-            use super::transactions::{end_container, Ending, Tell};
             if let Some(e) = end_container(st, &id, Ending::Stopped, exit_status::PREEMPTED, &diag, Tell::App) {
                 tracing::info!(container = %id, "preemption deadline passed: stopping the container");
                 work.ended.push(e);
