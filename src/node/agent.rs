@@ -72,7 +72,7 @@ pub struct AgentOptions {
     /// [`peer_ip`].
     pub ip: Option<IpAddr>,
     /// Variables every task of this node gets (`--task-env NAME=VALUE`), checked with
-    /// [`super::executor::check_task_env`].
+    /// [`super::contract::check_task_env`].
     pub task_env: Vec<(String, String)>,
     /// Most bytes of each container log (`node.max_log_bytes`; `None`: no limit).
     pub max_log_bytes: Option<u64>,
@@ -204,6 +204,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             container_id,
             exit_status,
             diagnostics,
+            cause,
         }) = events_rx.recv().await
         {
             tracing::info!(container = %container_id, exit_status, "container dead: {diagnostics}");
@@ -214,6 +215,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
                     state: ContainerState::Complete,
                     exit_status: Some(exit_status),
                     diagnostics,
+                    cause,
                 },
             );
             a.beat_now.notify_one();
@@ -382,6 +384,7 @@ fn reports(agent: &Agent) -> Vec<ContainerReport> {
             state: ContainerState::Running,
             exit_status: None,
             diagnostics: String::new(),
+            cause: None,
         })
         .collect();
     out.extend(agent.exited.lock().values().cloned());
@@ -692,6 +695,7 @@ impl Agent {
                 state: ContainerState::Complete,
                 exit_status: Some(crate::protocol::exit_status::ABORTED),
                 diagnostics: "stopped before it started on the node; it never ran".into(),
+                cause: None,
             },
         );
         self.beat_now.notify_one();

@@ -9,7 +9,6 @@ use serde_json::{json, Map, Value};
 use super::metrics::METRICS;
 use super::{charts, dominance};
 use super::{ScalingPoint, SimOptions, TopologyRun};
-use crate::exit;
 
 fn policies_json(run: &TopologyRun) -> Value {
     let mut m = Map::new();
@@ -195,8 +194,13 @@ fn write_out(dir: &Path, opts: &SimOptions, runs: &[TopologyRun], scaling: &[Sca
     Ok(())
 }
 
-/// Prints the results and writes `--out`; returns the exit code.
-pub fn emit(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint], elapsed_s: f64) -> i32 {
+/// Prints the results and writes `--out`.
+pub fn emit(
+    opts: &SimOptions,
+    runs: &[TopologyRun],
+    scaling: &[ScalingPoint],
+    elapsed_s: f64,
+) -> Result<(), super::SimError> {
     if opts.json {
         println!("{}", to_json(opts, runs, scaling));
     } else {
@@ -204,10 +208,7 @@ pub fn emit(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint], e
         println!("\n(simulated in {elapsed_s:.1} s; ± = 95 % interval over seeds; fb/inv = besteffort fallbacks / padded-set cases)");
     }
     if let Some(dir) = &opts.out {
-        if let Err(e) = write_out(dir, opts, runs, scaling) {
-            eprintln!("error: {e}");
-            return exit::INTERNAL;
-        }
+        write_out(dir, opts, runs, scaling).map_err(super::SimError::Output)?;
     }
-    exit::SUCCESS
+    Ok(())
 }

@@ -194,7 +194,7 @@ fn trace_files_missing_is_a_clear_error() {
         grace_sec: 30.0,
         topology_wait_sec: 300,
     };
-    assert_eq!(run(&opts), crate::exit::INVALID_INPUT);
+    assert!(matches!(run(&opts), Err(super::SimError::Input(_))));
 }
 
 #[test]
