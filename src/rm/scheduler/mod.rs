@@ -752,7 +752,7 @@ pub fn room_for_all_waiting<'a>(
             continue;
         }
         let holds = if plain {
-            let per = |free: u64, max: u64| if max == 0 { u64::MAX } else { free / max };
+            let per = |free: u64, max: u64| free.checked_div(max).unwrap_or(u64::MAX);
             per(u64::from(free.gpus), u64::from(max_gpus))
                 .min(per(u64::from(free.cpu), u64::from(max_cpu)))
                 .min(per(free.memory_mb, max_mem))
