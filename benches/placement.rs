@@ -5,7 +5,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use gpuam::bench::bench_cluster;
+use gpuam::cluster::synthetic::bench_cluster;
 use gpuam::cluster::ClusterView;
 use gpuam::config::SelectSettings;
 use gpuam::protocol::Ask;

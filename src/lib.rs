@@ -17,7 +17,6 @@
 
 pub mod am;
 pub mod auth;
-pub mod bench;
 pub mod cli;
 pub mod cluster;
 pub mod config;

@@ -2,6 +2,7 @@
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
 pub(crate) mod am;
+mod bench;
 mod jobs;
 mod node;
 mod plan;
@@ -625,14 +626,14 @@ pub fn main() -> i32 {
                 iterations,
                 seed,
                 nodes,
-            } => crate::bench::select_bench(&nodes, iterations, seed),
-            BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(crate::bench::job_bench(tasks, nodes, seed)),
+            } => bench::select_bench(&nodes, iterations, seed),
+            BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(bench::job_bench(tasks, nodes, seed)),
             BenchCmd::Cluster {
                 jobs,
                 tasks,
                 nodes,
                 seed,
-            } => runtime.block_on(crate::bench::cluster_bench(jobs, tasks, nodes, seed)),
+            } => runtime.block_on(bench::cluster_bench(jobs, tasks, nodes, seed)),
         },
         // Run above, before logging and the runtime (the shim must stay single-threaded).
         Cmd::ContainerShim { .. } => exit::INTERNAL,

@@ -7,6 +7,7 @@
 
 pub mod file;
 pub mod rm_json;
+pub mod synthetic;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

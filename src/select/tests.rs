@@ -787,7 +787,7 @@ fn a_gang_goes_where_the_union_of_its_gpus_is_best() {
 /// choice equals the best node found by scoring every node.
 #[test]
 fn the_index_walk_finds_the_best_node_and_counts_every_drop() {
-    let nodes = crate::bench::bench_cluster(2000, 7);
+    let nodes = crate::cluster::synthetic::bench_cluster(2000, 7);
     let s = selector(nodes.clone());
     let r = res(4, 8192, 2);
     let mut demand = JobDemand::new(true);

@@ -4,41 +4,14 @@
 //! job, or many jobs at once, through the real RM, AM processes and executor.
 //! Figures go to docs/BENCHMARKS.md.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-use crate::cluster::{ClusterView, Node};
+use crate::cluster::ClusterView;
 use crate::config::SelectSettings;
 use crate::exit;
-use crate::resources::{PortSet, Resources};
+use crate::resources::Resources;
 use crate::select::{plan_job, JobDemand, Outcome, Selector, TaskAsk, TaskShape};
 use crate::spec::{JobSpec, PortRequest, TaskResources, TaskRole};
-use crate::topology::Topology;
-
-/// N nodes of 64 CPU, 256000 MB, 8 GPUs (pcie8 topology), ports 20000–29999, 40
-/// nodes a rack; each GPU used with probability ½, 4 CPU and 8192 MB used per used GPU.
-pub fn bench_cluster(n: usize, seed: u64) -> Vec<Node> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let topo = Topology::preset("pcie8").map(Arc::new);
-    (0..n)
-        .map(|i| {
-            let mut node = Node::new(
-                format!("node{i:05}"),
-                format!("/rack{:03}", i / 40),
-                Resources::with_mask(64, 256_000, 0xff, PortSet::range(20000, 29999)),
-            );
-            node.topology = topo.clone();
-            node.gpu_type = Some("V100".into());
-            let used: u64 = (0..8).filter(|_| rng.gen_bool(0.5)).fold(0, |m, b| m | (1 << b));
-            let k = used.count_ones();
-            node.set_used(Resources::with_mask(4 * k, 8192 * u64::from(k), used, PortSet::new()));
-            node
-        })
-        .collect()
-}
 
 fn request(ports: bool) -> TaskResources {
     TaskResources {
@@ -83,7 +56,7 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
     );
     let mut medians: Vec<(usize, bool, Duration)> = Vec::new();
     for &n in sizes {
-        let selector = Selector::new(ClusterView::new(bench_cluster(n, seed)), settings.clone());
+        let selector = Selector::new(ClusterView::new(crate::cluster::synthetic::bench_cluster(n, seed)), settings.clone());
         for ports in [false, true] {
             let r = request(ports);
             let mut demand = JobDemand::new(true);
@@ -133,7 +106,7 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
         }
     }
     // A 1,000-task job, 2 GPUs each, on 1,000 nodes, each choice booked before the next.
-    let nodes = bench_cluster(1000, seed);
+    let nodes = crate::cluster::synthetic::bench_cluster(1000, seed);
     let selector = Selector::new(ClusterView::new(nodes), settings);
     let job = JobSpec {
         name: "bench".into(),
@@ -193,7 +166,7 @@ async fn start_bench_rm(
     work: &std::path::Path,
     in_memory: bool,
 ) -> Option<crate::rm::RmHandle> {
-    let mut cluster = bench_cluster(nodes, seed);
+    let mut cluster = crate::cluster::synthetic::bench_cluster(nodes, seed);
     for n in &mut cluster {
         n.set_used(Resources::default());
     }
@@ -417,7 +390,7 @@ pub async fn cluster_bench(jobs: u32, tasks: u32, nodes: usize, seed: u64) -> i3
     // task it started, rather than leaving the AMs without their RM.
     let code = tokio::select! {
         code = cluster_bench_on(&rm, jobs, tasks, nodes, &mut ids, &work) => code,
-        by = crate::cli::servers::stop_signal() => {
+        by = super::servers::stop_signal() => {
             eprintln!("error: stopped by {by}; stopping the RM, its AMs and their tasks");
             exit::INTERNAL
         }
@@ -634,13 +607,13 @@ async fn cluster_bench_on(
 }
 
 /// Each AM's start times in milliseconds from its process start (node listing read,
-/// registered, first ask), from the line [`crate::cli::am::START_LINE`] of its stderr
+/// registered, first ask), from the line [`super::am::START_LINE`] of its stderr
 /// (`<work>/<app id>/am.stderr`); AMs without the line are left out.
 fn am_start_times(work: &std::path::Path, ids: &[String]) -> Vec<[u64; 3]> {
     ids.iter()
         .filter_map(|id| {
             let text = std::fs::read_to_string(work.join(id).join("am.stderr")).ok()?;
-            let line = text.lines().find(|l| l.starts_with(crate::cli::am::START_LINE))?;
+            let line = text.lines().find(|l| l.starts_with(super::am::START_LINE))?;
             let ms: Vec<u64> = line
                 .split(" ms")
                 .filter_map(|part| part.rsplit(' ').next()?.parse().ok())
