@@ -34,6 +34,10 @@ pub(crate) struct GpuPick {
     pub union: GpuMask,
     pub union_tier: u8,
     pub union_weight: u32,
+    /// W(U) reaches the best pair weight of any set of |U| GPUs on this machine when empty
+    /// (W*); set by [`crate::select::ChoiceCache::pick`], true where weights do not apply
+    /// (no topology, shares, explicit masks).
+    pub weight_ideal: bool,
     /// NUMA nodes the task's set sits on beyond the first ([`Topology::numa_split`]; fewer is
     /// better, 0 when unknown).
     pub numa: u8,
@@ -126,6 +130,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union: held,
             union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
             union_weight: topo.map_or(0, |t| t.weight(held)),
+            weight_ideal: true,
             numa: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
@@ -145,6 +150,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            weight_ideal: true,
             numa: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
@@ -164,6 +170,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union: g.mask,
             union_tier: g.tier,
             union_weight: g.weight,
+            weight_ideal: true,
             numa: t.numa_split(g.mask),
             nic: nic_count(t, g.mask, spread),
             fit: t.fit(free, g.mask),
@@ -184,6 +191,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
         union,
         union_tier: t.tier(union),
         union_weight: t.weight(union),
+        weight_ideal: true,
         numa: t.numa_split(g.mask),
         nic: nic_count(t, g.mask, spread),
         fit: t.fit(free, x),
@@ -204,6 +212,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: t.tier(union),
             union_weight: t.weight(union),
+            weight_ideal: true,
             numa: t.numa_split(m),
             nic: nic_count(t, m, spread),
             fit: t.fit(free, m),
@@ -217,6 +226,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            weight_ideal: true,
             numa: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
@@ -288,6 +298,7 @@ pub(crate) fn pick_share(
         union: held,
         union_tier,
         union_weight,
+        weight_ideal: true,
         numa: 0,
         nic: 0,
         fit,
@@ -344,6 +355,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
                     union,
                     union_tier: ut,
                     union_weight: uw,
+                    weight_ideal: true,
                     numa,
                     nic,
                     fit,
@@ -362,6 +374,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
         union: held,
         union_tier: 0,
         union_weight: 0,
+        weight_ideal: true,
         numa: 0,
         nic: 0,
         fit: [0; topology::FIT_LEVELS],
@@ -384,10 +397,9 @@ pub(crate) struct RankKey {
     pub union_tier: Reverse<u8>,
     /// 5. Tier of the task's own set.
     pub task_tier: Reverse<u8>,
-    /// 6. Pair weight of the union.
-    pub union_weight: Reverse<u32>,
-    /// 7. Pair weight of the task's set.
-    pub task_weight: Reverse<u32>,
+    /// 6. The union's pair weight is the best this machine offers a set of its size (W(U) =
+    ///    W*(|U|) on the empty node): an ideal set anywhere beats packing.
+    pub weight_ideal: Reverse<bool>,
     /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
     /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
     pub share_left: u8,
@@ -402,6 +414,10 @@ pub(crate) struct RankKey {
     pub fit: Fit,
     /// ... then on the node: free GPUs (pack busy nodes, keep empty ones whole).
     pub free_gpus: u32,
+    /// 9b. Pair weight of the union, then of the task's set (issue 27: below the ideal
+    ///     weight, packing first; the weight then chooses among equally packed nodes).
+    pub union_weight: Reverse<u32>,
+    pub task_weight: Reverse<u32>,
     /// 10. What the job leaves there for future jobs (Cap of the rest, larger is better).
     pub left: Reverse<[i8; 3]>,
     /// 11. Total GPUs (smaller machines first).
@@ -431,7 +447,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 17] = [
+        let diffs: [(bool, &str, String, String); 18] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -463,16 +479,10 @@ impl RankKey {
                 best.task_tier.0.to_string(),
             ),
             (
-                self.union_weight != best.union_weight,
-                "job's GPU union weight",
-                self.union_weight.0.to_string(),
-                best.union_weight.0.to_string(),
-            ),
-            (
-                self.task_weight != best.task_weight,
-                "task's GPU set weight",
-                self.task_weight.0.to_string(),
-                best.task_weight.0.to_string(),
+                self.weight_ideal != best.weight_ideal,
+                "job's GPU union at the machine's best pair weight",
+                b(self.weight_ideal).into(),
+                b(best.weight_ideal).into(),
             ),
             (
                 self.share_left != best.share_left,
@@ -503,6 +513,18 @@ impl RankKey {
                 "free GPUs (fewer packs better)",
                 self.free_gpus.to_string(),
                 best.free_gpus.to_string(),
+            ),
+            (
+                self.union_weight != best.union_weight,
+                "job's GPU union weight",
+                self.union_weight.0.to_string(),
+                best.union_weight.0.to_string(),
+            ),
+            (
+                self.task_weight != best.task_weight,
+                "task's GPU set weight",
+                self.task_weight.0.to_string(),
+                best.task_weight.0.to_string(),
             ),
             (
                 self.left != best.left,

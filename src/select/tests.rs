@@ -1209,3 +1209,36 @@ fn the_outcome_gives_the_kind_of_the_wait() {
         assert!(got.starts_with(detail), "{got}");
     }
 }
+
+/// Issue 27, criteria 6 and 9b: a node that offers a set at the machine's best pair weight
+/// wins over packing; when no node does, packing (best fit, then free GPUs) wins over the
+/// weight of the leftovers.
+#[test]
+fn an_ideal_weight_set_beats_packing_and_below_it_packing_beats_the_weight() {
+    let t = Arc::new(crate::topology::Topology::preset("pcie8").unwrap());
+    let on = |host: &str, used: u64| {
+        let mut n = node(host, "/r", 8, used);
+        n.topology = Some(t.clone());
+        n
+    };
+    let r = res(8, 1000, 4);
+    // "whole" has socket 1 (GPUs 4–7) free, W 48 = W*(4), and GPU 0 (5 free); "pairs" has
+    // PIX pairs {0,1} and {4,5} free in different sockets (4 free, W 40).
+    let whole = on("whole", 0b0000_1110);
+    let pairs = on("pairs", 0b1100_1100);
+    let s = selector(vec![whole, pairs]);
+    let p = placed(&s.select(&ask(&r), &JobDemand::new(true))).clone();
+    assert_eq!((p.host.as_str(), p.resources.gpu_mask), ("whole", 0b1111_0000));
+    // No socket free anywhere: "pairs5" has {0,1}, {4,5} and GPU 2 free (best W 40, leaves
+    // GPU 2 alone); "spread" has one GPU per switch free (W 28, nothing left). The old order
+    // took the better-linked leftovers and broke "pairs5" for the next 8- or 4-GPU job.
+    let pairs5 = on("pairs5", 0b1100_1000);
+    let spread = on("spread", 0b1010_1010);
+    let s = selector(vec![pairs5, spread]);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    let p = placed(&sel).clone();
+    assert_eq!((p.host.as_str(), p.resources.gpu_mask), ("spread", 0b0101_0101));
+    let alt = sel.trace.alternative.as_ref().expect("a runner-up");
+    assert_eq!(alt.host, "pairs5");
+    assert!(alt.lost_on.starts_with("free GPUs left beside it"), "{}", alt.lost_on);
+}
