@@ -180,3 +180,65 @@ fn a_host_removed_for_good_stays_out_until_re_admitted_and_forced_removal_retrie
     });
     assert_eq!(listed(&h), vec![other]);
 }
+
+/// A LOST host's task outlives its agent (its cgroup keeps it); the host is removed (its
+/// task ends in the RM as a lost host's and is retried elsewhere), and when its agent
+/// comes back with the old credential it is refused `HOST_REMOVED` and stops everything it
+/// re-attached: the removed host's GPUs and ports run nothing the RM has freed.
+#[test]
+fn a_removed_host_s_agent_stops_what_it_still_runs() {
+    let mut h = Hosts::build("hr-stop");
+    h.keep_state = true;
+    fs::write(
+        h.path("conf.yaml"),
+        "rm:\n  node_expiry_sec: 3\n  node_reregister_grace_sec: 20\n",
+    )
+    .unwrap();
+    h.start_rm();
+    h.start_agent("h1");
+    h.start_agent("h2");
+    h.wait_agents_running();
+    let runs = h.path("out/runs").display().to_string();
+    let cmd = format!("echo $GPUAM_HOST $$ >> {runs}; if [ $(wc -l < {runs}) -ge 2 ]; then exit 0; fi; sleep 1000");
+    let yaml = format!(
+        "name: orphan\ntaskRoles:\n  worker:\n    instances: 1\n    taskRetryCount: 2\n    \
+         resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 2}}\n    commands:\n      - {}\n",
+        common::sq(&cmd)
+    );
+    let mut job = h.submit("orphan", &yaml, true);
+    let first = wait_for(Duration::from_secs(60), "the task to run", || {
+        lines(&h.path("out/runs")).first().cloned()
+    });
+    let (victim, pid) = first.split_once(' ').unwrap();
+    let (victim, pid) = (victim.to_string(), pid.trim().parse::<i32>().unwrap());
+    let label = if victim == h.host_name("h1") { "h1" } else { "h2" };
+    h.kill(label);
+    wait_for(Duration::from_secs(60), "the victim LOST", || {
+        h.node_states()
+            .iter()
+            .any(|(n, s)| *n == victim && s == "LOST")
+            .then_some(())
+    });
+    assert!(running(pid), "the task outlives its agent");
+    let out = remove(&h, &victim, false);
+    assert!(out.status.success(), "{}", text(&out));
+    let status = job.wait().unwrap();
+    assert!(
+        status.success(),
+        "the job succeeds elsewhere: {}",
+        h.submit_output("orphan")
+    );
+    assert!(running(pid), "nothing could stop the old task while its agent was away");
+    h.start_agent(label);
+    wait_for(
+        Duration::from_secs(60),
+        "the removed host's agent stops its task",
+        || (!running(pid)).then_some(()),
+    );
+    assert!(
+        fs::read_to_string(h.path(&format!("{label}.log")))
+            .unwrap_or_default()
+            .contains("HOST_REMOVED"),
+        "the agent says why"
+    );
+}

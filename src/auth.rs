@@ -47,18 +47,41 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
 }
 
 /// Writes a secret to a fresh file readable by its owner only (0600 from creation,
-/// so there is no window where others could read it).
+/// so there is no window where others could read it), followed by a newline.
 pub fn write_secret(path: &std::path::Path, secret: &str) -> std::io::Result<()> {
+    write_private(path, format!("{secret}\n").as_bytes())
+}
+
+/// Replaces `path` with `bytes` so that a reader, or a crash, sees the old file or the new
+/// one and never a part: the bytes go to a fresh 0600 temporary beside it (created with
+/// `O_EXCL`, so a link planted under that name is not followed), are synced, and the
+/// temporary is renamed over `path`.
+pub fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::remove_file(path);
-    let mut f = std::fs::OpenOptions::new()
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), &new_token()[..8]));
+    let written = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
-        .open(path)?;
-    f.write_all(secret.as_bytes())?;
-    f.write_all(b"\n")
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 #[cfg(test)]
@@ -70,6 +93,24 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
         h
+    }
+
+    #[test]
+    fn a_secret_replaces_the_file_whole_and_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.secret");
+        std::fs::write(&path, "old\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_secret(&path, "new").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new\n");
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        // Nothing is left beside it.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("s.secret")]);
     }
 
     #[test]

@@ -63,6 +63,58 @@ impl AbortCause {
     }
 }
 
+/// Why a node ended a container that went past a bound of its own: the task's failure,
+/// counted against `taskRetryCount` (`am::exits::classify`). Typed on the node's side of
+/// the wire (`cause` beside the diagnostics in a node's end report, [`crate::node::NodeEvent`]);
+/// the diagnostics lead with its words ([`EndCause::diagnostics`]), and [`EndCause::of`]
+/// reads the cause back from diagnostics that came without it (an older node, or through
+/// the RM, which keeps the text). This is the one place either side spells them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum EndCause {
+    /// The kernel killed a process of it in its own memory limit (MiB; `None`: unknown).
+    OutOfMemory {
+        #[serde(rename = "limitMb", default)]
+        limit_mb: Option<u64>,
+    },
+    /// Its directory went past `node.max_container_disk_mb` (MiB).
+    DiskLimit {
+        #[serde(rename = "limitMb")]
+        limit_mb: u64,
+    },
+}
+
+impl EndCause {
+    const OOM_WORDS: &'static str = "out of memory (limit ";
+    const DISK_WORDS: &'static str = "disk limit exceeded (";
+
+    /// The words the diagnostics lead with: `out of memory (limit 64 MiB)`,
+    /// `disk limit exceeded (16 MiB)`.
+    pub fn diagnostics(self) -> String {
+        match self {
+            EndCause::OutOfMemory { limit_mb: Some(mb) } => format!("{}{mb} MiB)", Self::OOM_WORDS),
+            EndCause::OutOfMemory { limit_mb: None } => format!("{}unknown MiB)", Self::OOM_WORDS),
+            EndCause::DiskLimit { limit_mb } => format!("{}{limit_mb} MiB)", Self::DISK_WORDS),
+        }
+    }
+
+    /// The cause that diagnostics report, if any (case aside); the limit as written
+    /// (an unreadable one: `None` for memory, 0 for disk).
+    pub fn of(diagnostics: &str) -> Option<EndCause> {
+        let d = diagnostics.to_ascii_lowercase();
+        let limit = |words: &str| -> Option<Option<u64>> {
+            let rest = &d[d.find(words)? + words.len()..];
+            Some(rest.split(' ').next().and_then(|n| n.parse().ok()))
+        };
+        if let Some(mb) = limit(Self::OOM_WORDS) {
+            return Some(EndCause::OutOfMemory { limit_mb: mb });
+        }
+        limit(Self::DISK_WORDS).map(|mb| EndCause::DiskLimit {
+            limit_mb: mb.unwrap_or(0),
+        })
+    }
+}
+
 /// Application states (YARN's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Hash)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]

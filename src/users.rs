@@ -280,8 +280,6 @@ pub fn add_token(path: &Path, user: &str) -> Result<String, UsersError> {
 
 /// [`add_token`] for a credentials file of `table`'s kind (`gpuam node-token new`: a host).
 pub fn add_token_to(path: &Path, user: &str, table: Table) -> Result<String, UsersError> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     table.check_name(user)?;
     let io = |why: String| UsersError::Io {
         path: path.to_path_buf(),
@@ -294,27 +292,7 @@ pub fn add_token_to(path: &Path, user: &str, table: Table) -> Result<String, Use
     };
     let token = new_token();
     users.insert_token_in(table, user, &token)?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .and_then(|mut f| {
-            f.write_all(users.to_yaml_table(table).as_bytes())?;
-            f.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
+    if let Err(e) = crate::auth::write_private(path, users.to_yaml_table(table).as_bytes()) {
         return Err(io(format!("cannot write it: {e}")));
     }
     Ok(token)

@@ -40,6 +40,7 @@ pub async fn next_exit(rx: &mut mpsc::UnboundedReceiver<NodeEvent>) -> (String, 
         container_id,
         exit_status,
         diagnostics,
+        ..
     } = ev;
     (container_id, exit_status, diagnostics)
 }

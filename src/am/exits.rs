@@ -3,7 +3,7 @@
 
 use super::status::ExitType;
 use crate::config::AmSettings;
-use crate::protocol::{exit_status as yarn, AbortCause};
+use crate::protocol::{exit_status as yarn, AbortCause, EndCause};
 
 /// Launcher codes for container exits that the RM, not the task, caused (§5.4).
 pub mod code {
@@ -29,11 +29,13 @@ pub struct ExitInfo {
     pub description: &'static str,
 }
 
-/// Classifies a raw container exit status with its diagnostics.
+/// Classifies a raw container exit status with its diagnostics. The causes are typed
+/// ([`AbortCause`] from the RM, [`EndCause`] from the node), read back from the
+/// diagnostics where they are spelled, in `protocol`.
 pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo {
     use ExitType::*;
     let cause = AbortCause::of(diagnostics);
-    let d = diagnostics.to_ascii_lowercase();
+    let end = EndCause::of(diagnostics);
     let info = |code, exit_type, description| ExitInfo {
         code,
         exit_type,
@@ -66,8 +68,8 @@ pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo 
         code::CONTAINER_RM_RESYNC_LOST => info(raw, TransientNormal, "container lost"),
         // A bound of its own container the task went past: its failure, counted against
         // `taskRetryCount` (the node words these, see node::bounds).
-        c if d.contains("out of memory (limit ") => info(c, Unknown, "out of memory"),
-        c if d.contains("disk limit exceeded (") => info(c, Unknown, "disk limit exceeded"),
+        c if matches!(end, Some(EndCause::OutOfMemory { .. })) => info(c, Unknown, "out of memory"),
+        c if matches!(end, Some(EndCause::DiskLimit { .. })) => info(c, Unknown, "disk limit exceeded"),
         c if settings.transient_exit_codes.contains(&c) => info(c, TransientNormal, "user-configured transient"),
         c if settings.permanent_exit_codes.contains(&c) => info(c, NonTransient, "user-configured permanent"),
         154 | 193 => info(raw, TransientNormal, "transient failure"),

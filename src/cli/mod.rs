@@ -413,7 +413,7 @@ pub fn main() -> i32 {
     // The shim is a container's process: no logging set-up, no settings, no runtime (it
     // must stay single-threaded).
     if let Cmd::ContainerShim { command } = &cli.command {
-        return crate::node::shim::run(command);
+        return shim_exit(crate::node::shim::run(command));
     }
     init_logging();
     let settings = match load_settings(cli.config.as_deref()) {
@@ -577,7 +577,7 @@ pub fn main() -> i32 {
             gpu_type,
             ports,
             resources,
-        } => crate::ray::args::main(&crate::ray::args::NodeArgsRequest {
+        } => match crate::ray::args::line(&crate::ray::args::NodeArgsRequest {
             host,
             gpus,
             topology,
@@ -585,7 +585,16 @@ pub fn main() -> i32 {
             gpu_type,
             ports,
             resources,
-        }),
+        }) {
+            Ok(line) => {
+                println!("{line}");
+                exit::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                exit::USAGE
+            }
+        },
         Cmd::Am {
             job,
             rm,
@@ -593,7 +602,7 @@ pub fn main() -> i32 {
             token,
             listen,
         } => runtime.block_on(servers::am(&job, &rm, &app_id, &token, listen, settings)),
-        Cmd::Sim(a) => crate::sim::run(&crate::sim::SimOptions {
+        Cmd::Sim(a) => sim_exit(crate::sim::run(&crate::sim::SimOptions {
             workload: a.workload,
             topology: a.topology,
             nodes: a.nodes,
@@ -610,7 +619,7 @@ pub fn main() -> i32 {
             queues: a.queues,
             grace_sec: a.grace_sec,
             topology_wait_sec: settings.select.topology_wait_sec,
-        }),
+        })),
         Cmd::Bench { what } => match what {
             BenchCmd::Select {
                 iterations,
@@ -627,6 +636,43 @@ pub fn main() -> i32 {
         },
         // Run above, before logging and the runtime (the shim must stay single-threaded).
         Cmd::ContainerShim { .. } => exit::INTERNAL,
+    }
+}
+
+/// The container shim's exit: as its main child ended (the same code, or the same signal
+/// raised on itself, else 128 + the signal); 64 without a command, 127 when the command
+/// cannot be run (as a shell's "command not found").
+fn shim_exit(result: Result<crate::node::shim::ShimEnd, crate::node::shim::ShimError>) -> i32 {
+    use crate::node::shim::{end_as_killed_by, ShimEnd, ShimError, CANNOT_RUN};
+    match result {
+        Ok(ShimEnd::Exited(code)) => code,
+        Ok(ShimEnd::Killed(sig)) => {
+            end_as_killed_by(sig);
+            128 + sig
+        }
+        Ok(ShimEnd::Unknown) => exit::INTERNAL,
+        Err(e) => {
+            eprintln!("{e}");
+            match e {
+                ShimError::NoCommand => exit::USAGE,
+                ShimError::CannotRun { .. } => CANNOT_RUN,
+            }
+        }
+    }
+}
+
+/// `gpuam sim`'s exit: 64 for a bad flag, 65 for trace files missing or malformed, 70
+/// when the results cannot be written; the reason on stderr.
+fn sim_exit(result: Result<(), crate::sim::SimError>) -> i32 {
+    use crate::sim::SimError;
+    let Err(e) = result else {
+        return exit::SUCCESS;
+    };
+    eprintln!("error: {e}");
+    match e {
+        SimError::Usage(_) => exit::USAGE,
+        SimError::Input(_) => exit::INVALID_INPUT,
+        SimError::Output(_) => exit::INTERNAL,
     }
 }
 

@@ -153,7 +153,7 @@ fn task_env_of(entries: &[String]) -> Result<Vec<(String, String)>, String> {
             let (name, value) = e
                 .split_once('=')
                 .ok_or_else(|| format!("--task-env `{e}`: write NAME=VALUE"))?;
-            crate::node::executor::check_task_env(name, value).map_err(|why| format!("--task-env `{e}`: {why}"))?;
+            crate::node::contract::check_task_env(name, value).map_err(|why| format!("--task-env `{e}`: {why}"))?;
             Ok((name.to_string(), value.to_string()))
         })
         .collect()

@@ -72,7 +72,7 @@ pub struct AgentOptions {
     /// [`peer_ip`].
     pub ip: Option<IpAddr>,
     /// Variables every task of this node gets (`--task-env NAME=VALUE`), checked with
-    /// [`super::executor::check_task_env`].
+    /// [`super::contract::check_task_env`].
     pub task_env: Vec<(String, String)>,
     /// Most bytes of each container log (`node.max_log_bytes`; `None`: no limit).
     pub max_log_bytes: Option<u64>,
@@ -204,6 +204,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             container_id,
             exit_status,
             diagnostics,
+            cause,
         }) = events_rx.recv().await
         {
             tracing::info!(container = %container_id, exit_status, "container dead: {diagnostics}");
@@ -214,6 +215,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
                     state: ContainerState::Complete,
                     exit_status: Some(exit_status),
                     diagnostics,
+                    cause,
                 },
             );
             a.beat_now.notify_one();
@@ -382,6 +384,7 @@ fn reports(agent: &Agent) -> Vec<ContainerReport> {
             state: ContainerState::Running,
             exit_status: None,
             diagnostics: String::new(),
+            cause: None,
         })
         .collect();
     out.extend(agent.exited.lock().values().cloned());
@@ -397,6 +400,7 @@ async fn heartbeat_loop(
 ) {
     let base = rm_url.trim_end_matches('/').to_string();
     let mut registered = false;
+    let mut removed = false;
     let mut every = DEFAULT_HEARTBEAT;
     loop {
         let (url, body) = if registered {
@@ -413,10 +417,11 @@ async fn heartbeat_loop(
         };
         let reply = match body {
             Ok(body) => send(&http, &url, &node_token, &body).await,
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(Refusal::Other(e.to_string())),
         };
         match reply {
             Ok(reply) => {
+                removed = false;
                 if !registered {
                     tracing::info!(rm = %base, "registered with the RM");
                 }
@@ -432,7 +437,19 @@ async fn heartbeat_loop(
                 }
                 apply(&agent, reply);
             }
-            Err(why) => {
+            Err(Refusal::HostRemoved(why)) => {
+                // This host was removed for good: nothing it runs may go on (the RM freed
+                // its GPUs and ports for others). Stop every container once, then keep
+                // asking, so that a new credential brings the host back.
+                if !removed {
+                    let running = agent.executor.running_ids();
+                    tracing::error!(rm = %base, containers = running.len(), "HOST_REMOVED: {why}; stopping every container of this host");
+                    stop_all(&agent, running);
+                }
+                removed = true;
+                registered = false;
+            }
+            Err(Refusal::Other(why)) => {
                 tracing::warn!(rm = %base, "heartbeat failed: {why}");
                 registered = false;
             }
@@ -444,20 +461,50 @@ async fn heartbeat_loop(
     }
 }
 
-async fn send(http: &reqwest::Client, url: &str, token: &str, body: &serde_json::Value) -> Result<AgentReply, String> {
+/// Why the RM did not take a heartbeat or registration.
+enum Refusal {
+    /// 403 `HOST_REMOVED`: an administrator removed this host for good.
+    HostRemoved(String),
+    /// Anything else (unreachable, busy, another refusal): try again.
+    Other(String),
+}
+
+async fn send(http: &reqwest::Client, url: &str, token: &str, body: &serde_json::Value) -> Result<AgentReply, Refusal> {
     let resp = http
         .post(url)
         .bearer_auth(token.trim())
         .json(body)
         .send()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Refusal::Other(e.to_string()))?;
     let status = resp.status();
     if !status.is_success() {
         let text = resp.text().await.unwrap_or_default();
-        return Err(format!("{status}: {text}"));
+        let code = serde_json::from_str::<ErrorBody>(&text)
+            .map(|b| b.code)
+            .unwrap_or_default();
+        let why = format!("{status}: {text}");
+        return Err(if status == StatusCode::FORBIDDEN && code == "HOST_REMOVED" {
+            Refusal::HostRemoved(why)
+        } else {
+            Refusal::Other(why)
+        });
     }
-    resp.json::<AgentReply>().await.map_err(|e| e.to_string())
+    resp.json::<AgentReply>()
+        .await
+        .map_err(|e| Refusal::Other(e.to_string()))
+}
+
+/// Stops `ids` in the background, each with the usual grace.
+fn stop_all(agent: &Arc<Agent>, ids: Vec<String>) {
+    for id in ids {
+        let a = agent.clone();
+        tokio::spawn(async move {
+            if let Err(e) = a.executor.stop(&id, STOP_GRACE).await {
+                tracing::warn!(container = %id, "stop failed: {e}");
+            }
+        });
+    }
 }
 
 /// Acts on the RM's answer: forget acknowledged deaths, stop what the RM does not want.
@@ -470,15 +517,10 @@ fn apply(agent: &Arc<Agent>, reply: AgentReply) {
             }
         }
     }
-    for id in reply.stop {
-        let a = agent.clone();
-        tokio::spawn(async move {
-            tracing::info!(container = %id, "the RM does not know this container (or ended it): stopping it");
-            if let Err(e) = a.executor.stop(&id, STOP_GRACE).await {
-                tracing::warn!(container = %id, "stop failed: {e}");
-            }
-        });
+    for id in &reply.stop {
+        tracing::info!(container = %id, "the RM does not know this container (or ended it): stopping it");
     }
+    stop_all(agent, reply.stop);
 }
 
 // ---------------------------------------------------------------------------
@@ -653,6 +695,7 @@ impl Agent {
                 state: ContainerState::Complete,
                 exit_status: Some(crate::protocol::exit_status::ABORTED),
                 diagnostics: "stopped before it started on the node; it never ran".into(),
+                cause: None,
             },
         );
         self.beat_now.notify_one();

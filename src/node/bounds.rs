@@ -11,9 +11,10 @@
 //!   the trim gives back. A directory deeper than [`MAX_DEPTH`] levels or with more than
 //!   [`MAX_ENTRIES`] entries is not walked whole and counts as over the bound ([`verdict`]). Files the task writes outside its directory (`/tmp`) are not
 //!   counted (see docs/RELIABILITY.md).
-//! - **Out of memory**: [`oom_reason`] words an OOM kill inside the container's own memory
-//!   limit (read by [`super::cgroup::Cgroup::oom_kills`]) as `out of memory (limit N MiB)`,
-//!   which the AM counts as the task's failure (see `am::exits::classify`).
+//! - **Out of memory**: an OOM kill inside the container's own memory limit (read by
+//!   [`super::cgroup::Cgroup::oom_killed`]) is [`EndCause::OutOfMemory`], worded
+//!   `out of memory (limit N MiB)`, which the AM counts as the task's failure (see
+//!   `am::exits::classify`). Both bounds end a container with a typed [`EndCause`].
 //!
 //! The node-wide pids bound is the parent cgroup's `pids.max` ([`super::cgroup`]).
 
@@ -23,11 +24,14 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nix::sys::signal::Signal;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use super::cgroup::{Cgroup, Containment};
 use super::devices::Rule;
+use super::procs::{send_signal, SignalTo};
+use crate::protocol::EndCause;
 
 /// A node's bounds from its settings (`node.max_container_disk_mb`, `node.max_pids`,
 /// `node.device_allow`), for the agent and the in-process node alike.
@@ -89,16 +93,20 @@ pub struct Usage {
     pub complete: bool,
 }
 
-/// The diagnostics of a container killed for its disk.
-pub fn disk_reason(limit_mb: u64) -> String {
-    format!("disk limit exceeded ({limit_mb} MiB)")
+/// A bound a container went past: the typed cause, and the sentence its diagnostics lead
+/// with (the cause's words, and what else the node knows of it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Breach {
+    pub cause: EndCause,
+    pub why: String,
 }
 
-/// The diagnostics of a container whose process the kernel killed in its memory limit.
-pub fn oom_reason(limit_mb: Option<u64>) -> String {
-    match limit_mb {
-        Some(mb) => format!("out of memory (limit {mb} MiB)"),
-        None => "out of memory (limit unknown MiB)".into(),
+impl From<EndCause> for Breach {
+    fn from(cause: EndCause) -> Breach {
+        Breach {
+            cause,
+            why: cause.diagnostics(),
+        }
     }
 }
 
@@ -125,15 +133,19 @@ pub fn disk_usage(dir: &Path) -> Usage {
 
 /// Whether `usage` is beyond a bound of `limit_mb` MiB, and why: a directory that could
 /// not be measured whole is beyond it (what is past the walk's limits is not known).
-pub fn verdict(usage: Usage, limit_mb: u64) -> Option<String> {
+pub fn verdict(usage: Usage, limit_mb: u64) -> Option<Breach> {
+    let cause = EndCause::DiskLimit { limit_mb };
     if !usage.complete {
-        return Some(format!(
-            "{}: the directory is deeper than {MAX_DEPTH} levels or holds more than {MAX_ENTRIES} entries, \
-             which the node does not measure",
-            disk_reason(limit_mb)
-        ));
+        return Some(Breach {
+            cause,
+            why: format!(
+                "{}: the directory is deeper than {MAX_DEPTH} levels or holds more than {MAX_ENTRIES} entries, \
+                 which the node does not measure",
+                cause.diagnostics()
+            ),
+        });
     }
-    over(usage.bytes, limit_mb).then(|| disk_reason(limit_mb))
+    over(usage.bytes, limit_mb).then(|| cause.into())
 }
 
 fn walk(fd: &OwnedFd, depth: u32, entries: &mut u64, complete: &mut bool) -> u64 {
@@ -212,27 +224,22 @@ impl Target {
             self.cgroup.kill();
             return;
         }
-        let Ok(pid) = i32::try_from(self.pid) else {
-            return;
+        let (to, sig) = if self.shim {
+            (SignalTo::Process(self.pid), super::shim::KILL_SIGNAL)
+        } else {
+            (SignalTo::Group(self.pid), Signal::SIGKILL)
         };
-        // SAFETY: plain syscalls on the container's own recorded process (group).
-        unsafe {
-            if self.shim {
-                libc::kill(pid, super::shim::KILL_SIGNAL);
-            } else {
-                libc::kill(-pid, libc::SIGKILL);
-            }
-        }
+        let _ = send_signal(to, Some(sig));
     }
 }
 
 /// Measures `dir` every [`DISK_CHECK`] until the container is done; beyond `limit_mb` MiB
-/// it records [`disk_reason`] in `verdict` and kills the container.
+/// it records the [`Breach`] in `verdict` and kills the container.
 pub async fn watch_disk(
     dir: std::path::PathBuf,
     limit_mb: u64,
     target: Target,
-    verdict: Arc<Mutex<Option<String>>>,
+    verdict: Arc<Mutex<Option<Breach>>>,
     mut done: watch::Receiver<bool>,
 ) {
     loop {
@@ -247,9 +254,9 @@ pub async fn watch_disk(
         let Ok(used) = tokio::task::spawn_blocking(move || disk_usage(&d)).await else {
             return;
         };
-        if let Some(why) = self::verdict(used, limit_mb) {
-            tracing::warn!(dir = %dir.display(), used = used.bytes, "{why}: killing the container");
-            *verdict.lock() = Some(why);
+        if let Some(breach) = self::verdict(used, limit_mb) {
+            tracing::warn!(dir = %dir.display(), used = used.bytes, "{}: killing the container", breach.why);
+            *verdict.lock() = Some(breach);
             target.kill();
             return;
         }
@@ -299,8 +306,11 @@ mod tests {
         assert!(over(used, 2));
         assert!(!over(used, 8));
         assert_eq!(
-            verdict(disk_usage(&d), 2).as_deref(),
-            Some("disk limit exceeded (2 MiB)")
+            verdict(disk_usage(&d), 2),
+            Some(Breach {
+                cause: EndCause::DiskLimit { limit_mb: 2 },
+                why: "disk limit exceeded (2 MiB)".into()
+            })
         );
         assert_eq!(verdict(disk_usage(&d), 8), None);
         assert_eq!(
@@ -325,7 +335,8 @@ mod tests {
         let usage = disk_usage(&d);
         assert!(!usage.complete, "{usage:?}");
         assert!(usage.bytes < 4 << 20, "the hidden file was not reached: {usage:?}");
-        let why = verdict(usage, 1024).unwrap();
+        let Breach { cause, why } = verdict(usage, 1024).unwrap();
+        assert_eq!(cause, EndCause::DiskLimit { limit_mb: 1024 });
         assert!(
             why.starts_with("disk limit exceeded (1024 MiB): the directory is deeper than 64 levels"),
             "{why}"
@@ -365,8 +376,29 @@ mod tests {
     }
 
     #[test]
-    fn reasons_name_the_bound() {
-        assert_eq!(disk_reason(16), "disk limit exceeded (16 MiB)");
-        assert_eq!(oom_reason(Some(64)), "out of memory (limit 64 MiB)");
+    fn reasons_name_the_bound_and_are_read_back() {
+        let causes = [
+            (EndCause::DiskLimit { limit_mb: 16 }, "disk limit exceeded (16 MiB)"),
+            (
+                EndCause::OutOfMemory { limit_mb: Some(64) },
+                "out of memory (limit 64 MiB)",
+            ),
+            (
+                EndCause::OutOfMemory { limit_mb: None },
+                "out of memory (limit unknown MiB)",
+            ),
+        ];
+        for (cause, words) in causes {
+            assert_eq!(cause.diagnostics(), words);
+            let diagnostics = format!("{words}; killed by signal 9 (SIGKILL); end of stderr: x");
+            assert_eq!(EndCause::of(&diagnostics), Some(cause), "{diagnostics}");
+            let wire = serde_json::to_string(&cause).unwrap();
+            assert_eq!(serde_json::from_str::<EndCause>(&wire).unwrap(), cause, "{wire}");
+        }
+        assert_eq!(EndCause::of("exited with code 1; end of stderr: oops"), None);
+        assert_eq!(
+            serde_json::to_string(&EndCause::DiskLimit { limit_mb: 16 }).unwrap(),
+            r#"{"kind":"DISK_LIMIT","limitMb":16}"#
+        );
     }
 }

@@ -38,7 +38,11 @@ use std::ffi::CString;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use nix::sys::signal::Signal;
+
 use super::devices::{self, PrivateDev, Rule};
+use super::procs::{send_signal, SignalTo};
+use crate::protocol::EndCause;
 use crate::topology::CpuList;
 
 /// Most processes a container may have (`pids.max`): a fork bomb stops here.
@@ -659,8 +663,8 @@ impl Cgroup {
 
     /// Whether the kernel killed a process of the container in its own memory limit (v2
     /// `memory.events`, v1 `memory.oom_control` `oom_kill N`); then the reason, naming the
-    /// limit ([`super::bounds::oom_reason`]). Read before the cgroup is removed.
-    pub fn oom_killed(&self) -> Option<String> {
+    /// limit ([`EndCause::OutOfMemory`]). Read before the cgroup is removed.
+    pub fn oom_killed(&self) -> Option<EndCause> {
         let count = |f: PathBuf| -> Option<u64> {
             std::fs::read_to_string(f).ok()?.lines().find_map(|l| {
                 let (k, v) = l.split_once(' ')?;
@@ -680,7 +684,7 @@ impl Cgroup {
         } else {
             return None;
         };
-        (kills? > 0).then(|| super::bounds::oom_reason(limit))
+        (kills? > 0).then_some(EndCause::OutOfMemory { limit_mb: limit })
     }
 
     /// Without a cgroup: the private `/dev` the forked child enters before `exec`
@@ -724,14 +728,11 @@ impl Cgroup {
         self.pids().is_empty()
     }
 
-    /// Sends `sig` to every member.
-    pub fn signal(&self, sig: i32) {
+    /// Sends `sig` to every member (a member that is gone meanwhile is no error).
+    pub fn signal(&self, sig: Signal) {
         for p in self.pids() {
-            if p > 1 {
-                // SAFETY: plain syscall on a pid read from the cgroup; ESRCH is fine.
-                unsafe {
-                    libc::kill(p, sig);
-                }
+            if let Ok(p) = u32::try_from(p) {
+                let _ = send_signal(SignalTo::Process(p), Some(sig));
             }
         }
     }
@@ -747,7 +748,7 @@ impl Cgroup {
             .v1_freezer
             .as_ref()
             .is_some_and(|d| std::fs::write(d.join("freezer.state"), "FROZEN").is_ok());
-        self.signal(libc::SIGKILL);
+        self.signal(Signal::SIGKILL);
         if frozen {
             if let Some(d) = &self.v1_freezer {
                 let _ = std::fs::write(d.join("freezer.state"), "THAWED");

@@ -11,7 +11,10 @@
 //!   of its GPUs (`GPUAM_NIC`, `NCCL_IB_HCA`, `GPUAM_NUMA_NODES`, `GPUAM_CPU_AFFINITY`), a
 //!   GPU share's and custom resources' variables ([`share_env`]);
 //! - the script body that runs the task's commands ([`commands_script`]): in order, in one
-//!   bash shell, the first that fails ends the task with its status, a TERM ends the group.
+//!   bash shell, the first that fails ends the task with its status, a TERM ends the group;
+//! - what a launch context may hold ([`validate_context`]: what bash or `execve` can carry)
+//!   and what a node's operator may add for every task ([`check_task_env`]: not a name
+//!   gpuam sets).
 //!
 //! What stays with each backend: the base a task starts from (the executor's clean PATH /
 //! HOME / LANG and the node's `--task-env`; a Ray worker's own environment) and what the
@@ -211,6 +214,60 @@ pub fn commands_script(commands: &[String]) -> String {
     }
     s.push_str("exit 0\n");
     s
+}
+
+/// Names a node's operator may not set with `--task-env`: gpuam sets them for each task
+/// (DESIGN.md §6, OpenPAI's `PAI_*`), and they would be replaced without a word.
+fn reserved_task_env(name: &str) -> bool {
+    name.starts_with("GPUAM_")
+        || name.starts_with("PAI_")
+        || matches!(
+            name,
+            "CUDA_VISIBLE_DEVICES" | "NVIDIA_VISIBLE_DEVICES" | "CONTAINER_GPUS" | "CONTAINER_PORTS"
+        )
+}
+
+/// Checks one `--task-env NAME=VALUE` entry; the error names the entry and the fix.
+pub fn check_task_env(name: &str, value: &str) -> Result<(), String> {
+    let valid_name = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !valid_name {
+        return Err(format!(
+            "`{}` is not a variable name: use letters, digits and `_`, not starting with a digit",
+            name.escape_debug()
+        ));
+    }
+    if reserved_task_env(name) {
+        return Err(format!(
+            "`{name}` is set by gpuam for each task (GPUAM_*, PAI_*, CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES, \
+             CONTAINER_GPUS, CONTAINER_PORTS); choose another name"
+        ));
+    }
+    if value.contains('\0') {
+        return Err(format!("`{name}` has a NUL character in its value; remove it"));
+    }
+    Ok(())
+}
+
+/// Rejects what bash or `execve` cannot carry, naming the field.
+pub fn validate_context(ctx: &LaunchContext) -> Result<(), String> {
+    for (i, c) in ctx.commands.iter().enumerate() {
+        if c.contains('\0') {
+            return Err(format!("commands[{i}] contains a NUL character; remove it"));
+        }
+    }
+    for (k, v) in &ctx.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(format!(
+                "env name `{}` is not a valid variable name (non-empty, without `=` or NUL)",
+                k.escape_debug()
+            ));
+        }
+        if v.contains('\0') {
+            return Err(format!("env `{k}` has a NUL character in its value; remove it"));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

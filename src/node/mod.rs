@@ -92,6 +92,8 @@ pub enum NodeEvent {
         container_id: String,
         exit_status: i32,
         diagnostics: String,
+        /// A bound of its own it went past (the diagnostics lead with its words).
+        cause: Option<crate::protocol::EndCause>,
     },
 }
 

@@ -1,4 +1,5 @@
-//! What `/proc` says about processes, read in one place: whether a process group still
+//! What `/proc` says about processes, read in one place, and the one way the node sends
+//! them a signal ([`send_signal`], through `nix`): whether a process group still
 //! has a live member, the descendants of a process ([`descendants`], which the subreaper
 //! shim signals), and [`ProcessId`], which names a process so that a later RM can
 //! find it again. A pid alone is not enough (pids are reused), so the pid goes with the
@@ -9,7 +10,39 @@
 
 use std::time::Duration;
 
+use nix::errno::Errno;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
+
+/// Whom [`send_signal`] signals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalTo {
+    /// One process.
+    Process(u32),
+    /// Every process of a process group.
+    Group(u32),
+}
+
+/// Sends `sig` to `to` (`None`: only checks that it exists and may be signalled). Never to
+/// pid or group 0 or 1, nor to a number beyond `pid_t` (`kill(0)` / `kill(-1)` would hit
+/// the node's own group or every process): those give `EINVAL` and nothing is sent. A
+/// target that is gone gives `ESRCH`, which most callers ignore.
+pub fn send_signal(to: SignalTo, sig: Option<Signal>) -> Result<(), Errno> {
+    let (n, group) = match to {
+        SignalTo::Process(n) => (n, false),
+        SignalTo::Group(n) => (n, true),
+    };
+    let n = i32::try_from(n).map_err(|_| Errno::EINVAL)?;
+    if n <= 1 {
+        return Err(Errno::EINVAL);
+    }
+    if group {
+        nix::sys::signal::killpg(Pid::from_raw(n), sig)
+    } else {
+        nix::sys::signal::kill(Pid::from_raw(n), sig)
+    }
+}
 
 /// A process as (pid, start time); see the module doc.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,20 +151,13 @@ impl ProcessId {
         same && !finished(f.first().map(String::as_str))
     }
 
-    /// Sends `sig` to this process if it is still the same process.
+    /// Sends `sig` (a signal number) to this process if it is still the same process.
     pub fn signal(&self, sig: i32) {
         if !self.alive() {
             return;
         }
-        let Ok(p) = libc::pid_t::try_from(self.pid) else {
-            return;
-        };
-        if p <= 1 {
-            return;
-        }
-        // SAFETY: plain syscall on a pid just checked to be this process.
-        unsafe {
-            libc::kill(p, sig);
+        if let Ok(sig) = Signal::try_from(sig) {
+            let _ = send_signal(SignalTo::Process(self.pid), Some(sig));
         }
     }
 
@@ -167,6 +193,24 @@ mod tests {
         let mut c = descendants_in(30, &table);
         c.sort();
         assert_eq!(c, vec![31], "a cycle ends, without the root itself");
+    }
+
+    #[test]
+    fn signals_never_go_to_0_or_1_and_a_gone_process_is_esrch() {
+        for to in [
+            SignalTo::Process(0),
+            SignalTo::Process(1),
+            SignalTo::Group(0),
+            SignalTo::Group(1),
+            SignalTo::Group(u32::MAX),
+        ] {
+            assert_eq!(send_signal(to, Some(Signal::SIGKILL)), Err(Errno::EINVAL), "{to:?}");
+        }
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert_eq!(send_signal(SignalTo::Process(pid), None), Err(Errno::ESRCH));
+        assert_eq!(send_signal(SignalTo::Process(std::process::id()), None), Ok(()));
     }
 
     #[test]

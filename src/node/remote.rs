@@ -176,6 +176,7 @@ impl AgentNodes {
                 container_id: r.container_id.clone(),
                 exit_status: r.exit_status.unwrap_or(crate::protocol::exit_status::ABORTED),
                 diagnostics: r.diagnostics.clone(),
+                cause: r.cause,
             });
         }
         true

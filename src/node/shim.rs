@@ -36,6 +36,10 @@
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
+
+use super::procs::{send_signal, SignalTo};
+
 // How long descendants get after SIGTERM once the main child has ended: the executor's
 // grace for the leftovers of a cgroup or process group.
 use super::executor::LEFTOVER_GRACE;
@@ -43,11 +47,33 @@ use super::executor::LEFTOVER_GRACE;
 /// The hidden `gpuam` subcommand that runs the shim.
 pub const SUBCOMMAND: &str = "container-shim";
 /// The signal that tells the shim to SIGKILL everything it contains now.
-pub const KILL_SIGNAL: i32 = libc::SIGUSR1;
+pub const KILL_SIGNAL: Signal = Signal::SIGUSR1;
 /// How often the shim looks again while it kills.
 const TICK: Duration = Duration::from_millis(20);
 /// Exit code when the command could not be run (as a shell's "command not found").
-const CANNOT_RUN: i32 = 127;
+pub const CANNOT_RUN: i32 = 127;
+
+/// How the shim's main child ended: the shim ends the same way (the CLI mirrors it,
+/// [`end_as_killed_by`] for a signal), so the executor's exit handling is the same as
+/// without a shim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShimEnd {
+    /// It exited with this code.
+    Exited(i32),
+    /// It was killed by this signal (number).
+    Killed(i32),
+    /// Neither (not seen: a bug).
+    Unknown,
+}
+
+/// Why the shim could not run its command.
+#[derive(Debug, thiserror::Error)]
+pub enum ShimError {
+    #[error("gpuam {SUBCOMMAND}: no command to run (usage: gpuam {SUBCOMMAND} -- COMMAND [ARGS...])")]
+    NoCommand,
+    #[error("gpuam {SUBCOMMAND}: cannot run {program}: {error}")]
+    CannotRun { program: String, error: std::io::Error },
+}
 
 /// Whether process `pid` is a shim (its command line is `<exe> container-shim ...`): a
 /// restarted executor re-attaching to a container learns so how to stop it.
@@ -57,14 +83,12 @@ pub fn is_shim(pid: u32) -> bool {
 }
 
 /// Sends `sig` to every descendant of `root`; how many there were.
-fn signal_descendants(root: i32, sig: i32) -> usize {
+fn signal_descendants(root: i32, sig: Signal) -> usize {
     let all = super::procs::descendants(root);
     for &p in &all {
-        if p > 1 {
-            // SAFETY: plain syscall; a process that is gone gives ESRCH, which is fine.
-            unsafe {
-                libc::kill(p, sig);
-            }
+        if let Ok(p) = u32::try_from(p) {
+            // A process that is gone meanwhile is no error.
+            let _ = send_signal(SignalTo::Process(p), Some(sig));
         }
     }
     all.len()
@@ -76,7 +100,13 @@ fn handled_signals() -> libc::sigset_t {
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        for s in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP, KILL_SIGNAL] {
+        for s in [
+            libc::SIGCHLD,
+            libc::SIGTERM,
+            libc::SIGINT,
+            libc::SIGHUP,
+            KILL_SIGNAL as i32,
+        ] {
             libc::sigaddset(&mut set, s);
         }
         set
@@ -84,22 +114,22 @@ fn handled_signals() -> libc::sigset_t {
 }
 
 /// Waits up to `timeout` for one of `set`; the signal, or `None` on timeout or EINTR.
-fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
+fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<Signal> {
     let ts = libc::timespec {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
     };
     // SAFETY: `set` and `ts` are valid for the call; no siginfo is asked for.
     let s = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
-    (s > 0).then_some(s)
+    Signal::try_from(s).ok()
 }
 
-/// Runs the shim around `command` (program and arguments); returns the exit code to end
-/// with (see the module doc). Must run single-threaded, before any runtime starts.
-pub fn run(command: &[OsString]) -> i32 {
+/// Runs the shim around `command` (program and arguments) until nothing it contains is
+/// alive; how its main child ended (see the module doc). Must run single-threaded, before
+/// any runtime starts. Says on stderr (the container's) what containment it gives.
+pub fn run(command: &[OsString]) -> Result<ShimEnd, ShimError> {
     let Some((program, args)) = command.split_first() else {
-        eprintln!("gpuam {SUBCOMMAND}: no command to run (usage: gpuam {SUBCOMMAND} -- COMMAND [ARGS...])");
-        return crate::exit::USAGE;
+        return Err(ShimError::NoCommand);
     };
     let set = handled_signals();
     // Blocked before the child exists, so that no stop is missed; `Command` gives the
@@ -122,9 +152,11 @@ pub fn run(command: &[OsString]) -> i32 {
     }
     let main = match std::process::Command::new(program).args(args).spawn() {
         Ok(c) => c.id() as i32,
-        Err(e) => {
-            eprintln!("gpuam {SUBCOMMAND}: cannot run {}: {e}", program.to_string_lossy());
-            return CANNOT_RUN;
+        Err(error) => {
+            return Err(ShimError::CannotRun {
+                program: program.to_string_lossy().into_owned(),
+                error,
+            })
         }
     };
     let mut main_status: Option<i32> = None;
@@ -148,22 +180,19 @@ pub fn run(command: &[OsString]) -> i32 {
             }
             if pid < 0 {
                 // ECHILD: nothing is left. The main child is reaped before that can be.
-                return match main_status {
-                    Some(st) => mirror(st),
-                    None => crate::exit::INTERNAL,
-                };
+                return Ok(main_status.map_or(ShimEnd::Unknown, end_of));
             }
             break;
         }
         if main_status.is_some() && deadline.is_none() {
-            signal_descendants(me, libc::SIGTERM);
+            signal_descendants(me, Signal::SIGTERM);
             deadline = Some(Instant::now() + LEFTOVER_GRACE);
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             killing = true;
         }
         if killing {
-            signal_descendants(me, libc::SIGKILL);
+            signal_descendants(me, Signal::SIGKILL);
         }
         let timeout = match deadline {
             _ if killing => TICK,
@@ -171,9 +200,9 @@ pub fn run(command: &[OsString]) -> i32 {
             None => Duration::from_secs(1),
         };
         match wait_signal(&set, timeout) {
-            Some(libc::SIGTERM | libc::SIGINT | libc::SIGHUP) if !stopping => {
+            Some(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP) if !stopping => {
                 stopping = true;
-                signal_descendants(me, libc::SIGTERM);
+                signal_descendants(me, Signal::SIGTERM);
             }
             Some(KILL_SIGNAL) => killing = true,
             _ => {}
@@ -181,31 +210,34 @@ pub fn run(command: &[OsString]) -> i32 {
     }
 }
 
-/// Ends the shim as its main child ended: the same exit code, or the same signal raised
-/// on itself (default action, no core dump); the code to exit with if that returns.
-fn mirror(status: i32) -> i32 {
+/// How a child ended, from its wait status.
+fn end_of(status: i32) -> ShimEnd {
     if libc::WIFEXITED(status) {
-        return libc::WEXITSTATUS(status);
+        ShimEnd::Exited(libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        ShimEnd::Killed(libc::WTERMSIG(status))
+    } else {
+        ShimEnd::Unknown
     }
-    if libc::WIFSIGNALED(status) {
-        let sig = libc::WTERMSIG(status);
-        // SAFETY: plain syscalls on this process: no core file, the signal's default
-        // action, every signal unblocked, then the signal itself.
-        unsafe {
-            let none = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            libc::setrlimit(libc::RLIMIT_CORE, &none);
-            libc::signal(sig, libc::SIG_DFL);
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut all);
-            libc::sigprocmask(libc::SIG_SETMASK, &all, std::ptr::null_mut());
-            libc::raise(sig);
-        }
-        return 128 + sig;
+}
+
+/// Ends this process by signal `sig` (its default action, no core dump), as the shim's main
+/// child ended; returns only if the signal did not end it.
+pub fn end_as_killed_by(sig: i32) {
+    // SAFETY: plain syscalls on this process: no core file, the signal's default action,
+    // every signal unblocked, then the signal itself.
+    unsafe {
+        let none = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        libc::setrlimit(libc::RLIMIT_CORE, &none);
+        libc::signal(sig, libc::SIG_DFL);
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut all);
+        libc::sigprocmask(libc::SIG_SETMASK, &all, std::ptr::null_mut());
+        libc::raise(sig);
     }
-    crate::exit::INTERNAL
 }
 
 #[cfg(test)]
@@ -225,10 +257,7 @@ mod tests {
         std::io::BufRead::read_line(&mut std::io::BufReader::new(sh.stdout.take().unwrap()), &mut line).unwrap();
         let sleep: i32 = line.trim().parse().unwrap();
         let d = crate::node::procs::descendants(me);
-        // SAFETY: test cleanup of its own processes.
-        unsafe {
-            libc::kill(sleep, libc::SIGKILL);
-        }
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleep), Signal::SIGKILL).unwrap();
         sh.wait().unwrap();
         assert!(d.contains(&(sh.id() as i32)), "{d:?}");
         assert!(d.contains(&sleep), "{d:?}");

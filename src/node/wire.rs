@@ -42,6 +42,10 @@ pub struct ContainerReport {
     pub exit_status: Option<i32>,
     #[serde(default)]
     pub diagnostics: String,
+    /// A bound of its own it went past (typed; the diagnostics lead with its words). Absent
+    /// from an older agent: the RM reads its diagnostics then ([`crate::protocol::EndCause::of`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<crate::protocol::EndCause>,
 }
 
 /// What an agent offers: the node it is.
@@ -129,6 +133,23 @@ pub fn check_node_ip(ip: std::net::IpAddr) -> Result<std::net::IpAddr, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cause is an optional field: an older agent's report (without it) still parses,
+    /// and a report without a cause writes none.
+    #[test]
+    fn an_end_report_carries_its_cause_and_old_reports_still_parse() {
+        let old = r#"{"containerId":"c1","state":"COMPLETE","exitStatus":137,"diagnostics":"disk limit exceeded (16 MiB); x"}"#;
+        let r: ContainerReport = serde_json::from_str(old).unwrap();
+        assert_eq!(r.cause, None);
+        assert!(!serde_json::to_string(&r).unwrap().contains("cause"));
+        let cause = crate::protocol::EndCause::DiskLimit { limit_mb: 16 };
+        let typed = ContainerReport {
+            cause: Some(cause),
+            ..r
+        };
+        let back: ContainerReport = serde_json::from_str(&serde_json::to_string(&typed).unwrap()).unwrap();
+        assert_eq!(back.cause, Some(cause));
+    }
 
     #[test]
     fn a_node_ip_must_be_one_peers_can_connect_to() {

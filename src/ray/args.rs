@@ -95,24 +95,16 @@ fn substitution_safe(word: &str) -> bool {
             .any(|c| c.is_whitespace() || c.is_control() || "*?[".contains(c))
 }
 
-/// `gpuam ray-node-args`: prints the line; exit 0, or 64 with the reason on bad input.
-pub fn main(req: &NodeArgsRequest) -> i32 {
+/// `gpuam ray-node-args`: the line to print, or the reason the request is bad (the CLI
+/// exits 64 with it).
+pub fn line(req: &NodeArgsRequest) -> Result<String, String> {
     let needs_discovery = req.gpus.trim() == "auto" || req.topology.trim() == "auto";
     let found = if needs_discovery {
         crate::node::gpu_discovery::discover()
     } else {
         None
     };
-    match describe(req, found.as_ref()).and_then(|d| render(&d)) {
-        Ok(line) => {
-            println!("{line}");
-            crate::exit::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            crate::exit::USAGE
-        }
-    }
+    describe(req, found.as_ref()).and_then(|d| render(&d))
 }
 
 #[cfg(test)]

@@ -199,6 +199,7 @@ impl RayDriver {
                     container_id: id.to_string(),
                     exit_status: code,
                     diagnostics: diag,
+                    cause: None,
                 });
             }
             Some("ready") => tracing::info!("Ray driver ready: {line}"),
@@ -244,7 +245,7 @@ impl RayDriver {
                 id,
             });
         }
-        if let Err(why) = crate::node::executor::validate_context(&ctx) {
+        if let Err(why) = crate::node::contract::validate_context(&ctx) {
             return Err(NodeError::StartFailed { id, why });
         }
         {

@@ -304,6 +304,7 @@ impl RayLauncher {
                 container_id: id,
                 exit_status: code,
                 diagnostics: diag,
+                cause: None,
             });
         }
     }

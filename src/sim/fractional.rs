@@ -371,28 +371,16 @@ pub fn report(opts: &SimOptions) -> Result<FracReport, String> {
     })
 }
 
-/// `gpuam sim --workload fractional`: prints the table (or JSON); the exit code.
-pub fn run(opts: &SimOptions) -> i32 {
-    match report(opts) {
-        Ok(r) => {
-            if opts.json {
-                match serde_json::to_string_pretty(&r) {
-                    Ok(j) => println!("{j}"),
-                    Err(e) => {
-                        eprintln!("error: {e}");
-                        return crate::exit::INTERNAL;
-                    }
-                }
-            } else {
-                print!("{}", r.table());
-            }
-            crate::exit::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            crate::exit::USAGE
-        }
+/// `gpuam sim --workload fractional`: prints the table (or JSON).
+pub fn run(opts: &SimOptions) -> Result<(), super::SimError> {
+    let r = report(opts).map_err(super::SimError::Usage)?;
+    if opts.json {
+        let j = serde_json::to_string_pretty(&r).map_err(|e| super::SimError::Output(e.to_string()))?;
+        println!("{j}");
+    } else {
+        print!("{}", r.table());
     }
+    Ok(())
 }
 
 #[cfg(test)]

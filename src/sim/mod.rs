@@ -206,7 +206,13 @@ impl Placer {
     /// The last [`Placer::place`] failed because a task held out for a better GPU tier
     /// (gpuam's topology wait).
     fn held_for_tier(&self) -> bool {
-        matches!(self, Placer::Gpuam { held_for_tier: true, .. })
+        matches!(
+            self,
+            Placer::Gpuam {
+                held_for_tier: true,
+                ..
+            }
+        )
     }
 
     /// Frees a finished job's tasks.
@@ -463,6 +469,13 @@ impl Engine<'_> {
             st.nodes_over_min += (nodes.len() as u64).saturating_sub(min_nodes);
             st.racks_over_min += (racks.len() as u64).saturating_sub(min_racks);
             st.at_min_nodes += u64::from(nodes.len() as u64 <= min_nodes);
+            let types: HashSet<&str> = placed
+                .iter()
+                .zip(&job.tasks)
+                .filter(|(_, t)| t.gpus > 0)
+                .map(|((n, _), _)| &*self.cl.nodes[*n].gpu_type)
+                .collect();
+            st.mixed_type_jobs += u64::from(types.len() > 1);
         }
     }
 }
@@ -749,38 +762,20 @@ fn run_queues(
     trace: Option<workload::Trace>,
     mix: workload::Mix,
     topos: &[Option<Topology>],
-) -> i32 {
-    let settings = match queues::parse_queues(queues) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return crate::exit::USAGE;
-        }
-    };
+) -> Result<(), SimError> {
+    let settings = queues::parse_queues(queues).map_err(SimError::Usage)?;
     let topo = topos.first().cloned().flatten();
     let dir = workload::traces_dir(opts.traces.as_deref());
     let (label, cl, jobs) = match trace {
         Some(t) => {
-            let cl = match workload::trace_cluster(&dir, t, topo.as_ref()) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return crate::exit::INVALID_INPUT;
-                }
-            };
-            let all = match workload::trace_jobs(&dir, t) {
-                Ok(j) => j,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return crate::exit::INVALID_INPUT;
-                }
-            };
+            let cl = workload::trace_cluster(&dir, t, topo.as_ref()).map_err(|e| SimError::Input(e.to_string()))?;
+            let all = workload::trace_jobs(&dir, t).map_err(|e| SimError::Input(e.to_string()))?;
             let jobs = workload::trace_window(&all, opts.jobs, 0, 1, opts.load, cl.total_gpus());
             (opts.workload.clone(), cl, jobs)
         }
         None => {
             let Some(t) = topo.or_else(|| Topology::preset("pcie8")) else {
-                return crate::exit::USAGE;
+                return Err(SimError::Usage("--topology: no topology to simulate".into()));
             };
             let cl = cluster::generated(&t, opts.nodes.max(1), opts.rack_size);
             let jobs = workload::synthetic(mix, opts.jobs, opts.load, cl.total_gpus(), cl.max_node_gpus(), 1000);
@@ -806,29 +801,37 @@ fn run_queues(
         );
     }
     if let Some(out) = &opts.out {
-        if let Err(e) = queues::write_out(out, &run, &title) {
-            eprintln!("error: {e}");
-            return crate::exit::INTERNAL;
-        }
+        queues::write_out(out, &run, &title).map_err(SimError::Output)?;
     }
-    crate::exit::SUCCESS
+    Ok(())
 }
 
-/// `gpuam sim`: runs the simulation, prints the table or JSON, writes `--out`. Returns
-/// the exit code (64 bad flags, 65 trace files missing or malformed).
-pub fn run(opts: &SimOptions) -> i32 {
+/// Why `gpuam sim` failed; the CLI prints it and picks the exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// A bad flag (its value named, with the fix).
+    #[error("{0}")]
+    Usage(String),
+    /// Trace files missing or malformed.
+    #[error("{0}")]
+    Input(String),
+    /// The results could not be written (`--out`) or encoded.
+    #[error("{0}")]
+    Output(String),
+}
+
+/// `gpuam sim`: runs the simulation, prints the table or JSON, writes `--out`.
+pub fn run(opts: &SimOptions) -> Result<(), SimError> {
     for p in &opts.policies {
         if !POLICIES.contains(&p.as_str()) {
-            eprintln!(
-                "error: --policies: unknown policy `{p}` (known: {})",
+            return Err(SimError::Usage(format!(
+                "--policies: unknown policy `{p}` (known: {})",
                 POLICIES.join(",")
-            );
-            return crate::exit::USAGE;
+            )));
         }
     }
     if opts.seeds == 0 || opts.jobs == 0 {
-        eprintln!("error: --seeds and --jobs must be at least 1");
-        return crate::exit::USAGE;
+        return Err(SimError::Usage("--seeds and --jobs must be at least 1".into()));
     }
     if opts.workload == "fractional" {
         return fractional::run(opts);
@@ -838,21 +841,15 @@ pub fn run(opts: &SimOptions) -> i32 {
         "philly" => Some(workload::Trace::Philly),
         "alibaba2023" => Some(workload::Trace::Alibaba2023),
         w => {
-            eprintln!("error: --workload {w}: use philly, alibaba2023, synthetic or fractional");
-            return crate::exit::USAGE;
+            return Err(SimError::Usage(format!(
+                "--workload {w}: use philly, alibaba2023, synthetic or fractional"
+            )))
         }
     };
     let Some(mix) = workload::mix_by_name(&opts.mix) else {
-        eprintln!("error: --mix {}: use A or B", opts.mix);
-        return crate::exit::USAGE;
+        return Err(SimError::Usage(format!("--mix {}: use A or B", opts.mix)));
     };
-    let topos = match topologies_for(opts, trace.is_some()) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return crate::exit::USAGE;
-        }
-    };
+    let topos = topologies_for(opts, trace.is_some()).map_err(SimError::Usage)?;
     if let Some(q) = &opts.queues {
         return run_queues(opts, q, trace, mix, &topos);
     }
@@ -860,13 +857,7 @@ pub fn run(opts: &SimOptions) -> i32 {
     let mut runs = Vec::new();
     let dir = workload::traces_dir(opts.traces.as_deref());
     let all_jobs = match trace {
-        Some(t) => match workload::trace_jobs(&dir, t) {
-            Ok(j) => j,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return crate::exit::INVALID_INPUT;
-            }
-        },
+        Some(t) => workload::trace_jobs(&dir, t).map_err(|e| SimError::Input(e.to_string()))?,
         None => Vec::new(),
     };
     for topo in &topos {
@@ -880,10 +871,7 @@ pub fn run(opts: &SimOptions) -> i32 {
                     ),
                     cl,
                 ),
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return crate::exit::INVALID_INPUT;
-                }
+                Err(e) => return Err(SimError::Input(e.to_string())),
             },
             (None, Some(t)) => (
                 t.name().to_string(),

@@ -9,7 +9,6 @@ use serde_json::{json, Map, Value};
 use super::metrics::METRICS;
 use super::{charts, dominance};
 use super::{ScalingPoint, SimOptions, TopologyRun};
-use crate::exit;
 
 fn policies_json(run: &TopologyRun) -> Value {
     let mut m = Map::new();
@@ -89,7 +88,7 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
             opts.topology_wait_sec
         ));
         s.push_str(&format!(
-            "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+            "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6} {:>6}\n",
             "policy",
             "tierIdeal",
             "unionIdeal",
@@ -102,11 +101,12 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
             "util",
             "dP50 µs",
             "dP99 µs",
-            "fb/inv"
+            "fb/inv",
+            "mixed"
         ));
         for (name, p) in &r.policies {
             s.push_str(&format!(
-                "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+                "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6} {:>6}\n",
                 name,
                 pm(p, "tierIdeal", 3),
                 pm(p, "unionIdeal", 3),
@@ -120,6 +120,7 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
                 fmt(p.get("decisionP50Us"), 1),
                 fmt(p.get("decisionP99Us"), 1),
                 format!("{}/{}", fmt(p.get("fallbacks"), 0), fmt(p.get("invalid"), 0)),
+                fmt(p.get("mixedTypeGangs"), 1),
             ));
         }
         let verdict = dominance::verdict(r);
@@ -193,8 +194,13 @@ fn write_out(dir: &Path, opts: &SimOptions, runs: &[TopologyRun], scaling: &[Sca
     Ok(())
 }
 
-/// Prints the results and writes `--out`; returns the exit code.
-pub fn emit(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint], elapsed_s: f64) -> i32 {
+/// Prints the results and writes `--out`.
+pub fn emit(
+    opts: &SimOptions,
+    runs: &[TopologyRun],
+    scaling: &[ScalingPoint],
+    elapsed_s: f64,
+) -> Result<(), super::SimError> {
     if opts.json {
         println!("{}", to_json(opts, runs, scaling));
     } else {
@@ -202,10 +208,7 @@ pub fn emit(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint], e
         println!("\n(simulated in {elapsed_s:.1} s; ± = 95 % interval over seeds; fb/inv = besteffort fallbacks / padded-set cases)");
     }
     if let Some(dir) = &opts.out {
-        if let Err(e) = write_out(dir, opts, runs, scaling) {
-            eprintln!("error: {e}");
-            return exit::INTERNAL;
-        }
+        write_out(dir, opts, runs, scaling).map_err(super::SimError::Output)?;
     }
-    exit::SUCCESS
+    Ok(())
 }

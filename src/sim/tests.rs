@@ -194,7 +194,7 @@ fn trace_files_missing_is_a_clear_error() {
         grace_sec: 30.0,
         topology_wait_sec: 300,
     };
-    assert_eq!(run(&opts), crate::exit::INVALID_INPUT);
+    assert!(matches!(run(&opts), Err(super::SimError::Input(_))));
 }
 
 #[test]
@@ -390,8 +390,10 @@ fn gpuam_waits_for_a_whole_pair_then_takes_the_best_set_when_its_wait_ends() {
 #[test]
 fn domination_verdict_uses_the_paired_difference_over_seeds() {
     let seeds = |vals: &[f64]| -> super::metrics::PolicyResult {
-        let runs: Vec<std::collections::BTreeMap<&'static str, f64>> =
-            vals.iter().map(|v| [("queueDelayP50", *v)].into_iter().collect()).collect();
+        let runs: Vec<std::collections::BTreeMap<&'static str, f64>> = vals
+            .iter()
+            .map(|v| [("queueDelayP50", *v)].into_iter().collect())
+            .collect();
         let mut p = result(&[]);
         let (m, c) = super::metrics::mean_ci(vals);
         p.values.insert("queueDelayP50".into(), Some(m));
@@ -437,7 +439,11 @@ fn blocked_head_time_is_split_into_capacity_fragmentation_and_topology_wait() {
     let frag = vec![job(0, 0.0, 100.0, 3), job(1, 0.0, 100.0, 3), job(2, 10.0, 5.0, 2)];
     for p in POLICIES {
         let s = simulate(&c, &frag, p, 1).unwrap();
-        assert!((s.head_fragmented_sec - 90.0).abs() < 1e-9, "{p}: {}", s.head_fragmented_sec);
+        assert!(
+            (s.head_fragmented_sec - 90.0).abs() < 1e-9,
+            "{p}: {}",
+            s.head_fragmented_sec
+        );
         assert_eq!((s.head_capacity_sec, s.head_topology_wait_sec), (0.0, 0.0), "{p}");
     }
     // Both nodes full until 100; a 1-GPU job at 20 waits 80 s for capacity.
@@ -455,6 +461,36 @@ fn blocked_head_time_is_split_into_capacity_fragmentation_and_topology_wait() {
         job(3, 60.0, 10.0, 2),
     ];
     let s = simulate(&one, &tier, "gpuam", 1).unwrap();
-    assert!((s.head_topology_wait_sec - 140.0).abs() < 1e-9, "{}", s.head_topology_wait_sec);
+    assert!(
+        (s.head_topology_wait_sec - 140.0).abs() < 1e-9,
+        "{}",
+        s.head_topology_wait_sec
+    );
     assert_eq!((s.head_capacity_sec, s.head_fragmented_sec), (0.0, 0.0));
+}
+
+/// `mixedTypeGangs` (issue 27): a multi-task job whose GPU tasks land on two GPU types is
+/// counted, per policy; one on a single type is not.
+#[test]
+fn jobs_spanning_gpu_types_are_counted_per_policy() {
+    let two_by_four = |types: [&str; 2]| {
+        let mut c = cl("pcie4", 2);
+        for (n, ty) in c.nodes.iter_mut().zip(types) {
+            n.gpu_type = std::sync::Arc::from(ty);
+        }
+        c
+    };
+    let jobs = vec![Job {
+        id: 0,
+        arrival: 0.0,
+        duration: 10.0,
+        tasks: vec![task(4), task(4)],
+    }];
+    for p in POLICIES {
+        let mixed = simulate(&two_by_four(["V100", "T4"]), &jobs, p, 1).unwrap();
+        assert_eq!(mixed.summary()["mixedTypeGangs"], 1.0, "{p}");
+        let one = simulate(&two_by_four(["V100", "V100"]), &jobs, p, 1).unwrap();
+        assert_eq!(one.summary()["mixedTypeGangs"], 0.0, "{p}");
+    }
+    assert!(cl("pcie8", 3).nodes.iter().all(|n| &*n.gpu_type == "pcie8"));
 }

@@ -1,0 +1,115 @@
+//! Opening and creating files where a task can write, never following a link: the
+//! record's files (logs, `process.json`, `end.json`) read in place, and new files made
+//! in the task's own directory (the preemption notice) relative to a directory handle.
+//! The root agent uses nothing else to touch a path a task could have replaced.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::Path;
+
+/// Reads at most `max` bytes of a regular file where it is, never through a link (see
+/// [`open_log_in_place`]).
+pub(super) fn read_small_in_place(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let f = open_log_in_place(path, false)?;
+    let mut out = Vec::new();
+    f.take(max).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Creates `name` in directory `dir` holding `text`, owned by `owner` when given, without
+/// opening or following anything already in `dir`: the directory is opened with
+/// `O_NOFOLLOW`, a new file of a fresh name is created in it with `O_CREAT | O_EXCL |
+/// O_NOFOLLOW` (relative to the directory's handle), written, and renamed over `name`
+/// (which replaces a link rather than following it). So a task that owns `dir` cannot
+/// make root write anywhere else.
+pub fn create_new_in(dir: &Path, name: &str, text: &[u8], owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    use std::ffi::CString;
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    let c = |s: &str| CString::new(s).map_err(|_| std::io::Error::other("a NUL in a file name"));
+    let cdir =
+        CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| std::io::Error::other("a NUL in a path"))?;
+    // SAFETY: plain syscalls on NUL-terminated strings; every fd returned is owned at once.
+    let dfd = unsafe {
+        libc::open(
+            cdir.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if dfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `dfd` is a fresh descriptor nobody else owns.
+    let dfd = unsafe { OwnedFd::from_raw_fd(dfd) };
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = c(&format!(
+        ".{name}.{}.{nanos}.{}.tmp",
+        std::process::id(),
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ))?;
+    let target = c(name)?;
+    // SAFETY: as above.
+    let fd = unsafe {
+        libc::openat(
+            dfd.as_raw_fd(),
+            tmp.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644 as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let unlink = || {
+        // SAFETY: as above; removes our own temporary name.
+        unsafe { libc::unlinkat(dfd.as_raw_fd(), tmp.as_ptr(), 0) };
+    };
+    let written = (|| {
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
+        }
+        (&file).write_all(text)?;
+        // SAFETY: as above.
+        if unsafe { libc::renameat(dfd.as_raw_fd(), tmp.as_ptr(), dfd.as_raw_fd(), target.as_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    })();
+    if written.is_err() {
+        unlink();
+    }
+    written
+}
+
+/// Opens a container's log file where it is, never through a link: a task may replace its
+/// `stdout` with a symlink (to /etc/passwd, say) or a FIFO, so the file is opened with
+/// `O_NOFOLLOW | O_NONBLOCK` and anything but a regular file is refused.
+pub(super) fn open_log_in_place(path: &Path, write: bool) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .append(write)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{} is a symbolic link; log files must be regular files", path.display()),
+                )
+            } else {
+                e
+            }
+        })?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    Ok(f)
+}
