@@ -7,6 +7,10 @@
 //! which field a candidate lost to the chosen one ([`RankKey::lost_on`]). No I/O, no node view:
 //! the select pipeline fills the key from a node's free amounts and calls these.
 //!
+//! Across nodes (issue 27) the pair weights come after packing unless the union reaches the
+//! machine's best weight W*(|U|) ([`RankKey::weight_ideal`]); inside a node the set is still
+//! chosen by (T, W) first.
+//!
 //! Among candidates equal on the link terms (T, W of the union and of the task's set), the
 //! NUMA term comes next (issue 27): the fewest NUMA nodes under the task's set, so a set within
 //! one NUMA node beats an equally linked one split over two; then the NIC terms (a set whose
@@ -465,7 +469,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 18] = [
+        let diffs: [(bool, &str, String, String); 19] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
