@@ -176,13 +176,16 @@ pub(crate) enum PortPlan {
 #[derive(Default)]
 pub(crate) struct ChoiceCache {
     map: fast_hash::FastMap<(u32, GpuMask, GpuMask, objective::Want), Option<objective::GpuPick>>,
+    /// W*(n): the best pair weight of an `n`-GPU set on the empty machine, by (topology id, n).
+    best_weight: fast_hash::FastMap<(u32, u32), u32>,
 }
 
 impl ChoiceCache {
     const MAX_ENTRIES: usize = 200_000;
 
-    /// [`objective::pick`], memoised by (topology id, free, held, want). `topo_id` is the
-    /// index's content id of `topo` (0 = none).
+    /// [`objective::pick`], memoised by (topology id, free, held, want), with
+    /// [`objective::GpuPick::weight_ideal`] set against W* of the union's size. `topo_id` is
+    /// the index's content id of `topo` (0 = none).
     pub fn pick(
         &mut self,
         topo_id: u32,
@@ -198,7 +201,15 @@ impl ChoiceCache {
         if self.map.len() >= Self::MAX_ENTRIES {
             self.map.clear();
         }
-        let c = objective::pick(topo, free, held, want);
+        let mut c = objective::pick(topo, free, held, want);
+        if let (Some(p), Some(t)) = (c.as_mut(), topo) {
+            let n = p.union.count_ones();
+            let best = *self
+                .best_weight
+                .entry((topo_id, n))
+                .or_insert_with(|| crate::topology::choose(Some(t), t.all_mask(), n).map_or(0, |g| g.weight));
+            p.weight_ideal = p.union_weight >= best;
+        }
         self.map.insert(key, c);
         c
     }

@@ -7,6 +7,10 @@
 //! which field a candidate lost to the chosen one ([`RankKey::lost_on`]). No I/O, no node view:
 //! the select pipeline fills the key from a node's free amounts and calls these.
 //!
+//! Across nodes (issue 27) the pair weights come after packing unless the union reaches the
+//! machine's best weight W*(|U|) ([`RankKey::weight_ideal`]); inside a node the set is still
+//! chosen by (T, W) first.
+//!
 //! Among candidates equal on the link terms (T, W of the union and of the task's set), the
 //! NUMA term comes next (issue 27): the fewest NUMA nodes under the task's set, so a set within
 //! one NUMA node beats an equally linked one split over two; then the NIC terms (a set whose
@@ -36,6 +40,10 @@ pub(crate) struct GpuPick {
     pub union: GpuMask,
     pub union_tier: u8,
     pub union_weight: u32,
+    /// W(U) reaches the best pair weight of any set of |U| GPUs on this machine when empty
+    /// (W*); set by [`crate::select::ChoiceCache::pick`], true where weights do not apply
+    /// (no topology, shares, explicit masks).
+    pub weight_ideal: bool,
     /// NUMA nodes the task's set sits on beyond the first ([`Topology::numa_split`]; fewer is
     /// better, 0 when unknown).
     pub numa: u8,
@@ -131,6 +139,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union: held,
             union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
             union_weight: topo.map_or(0, |t| t.weight(held)),
+            weight_ideal: true,
             numa: 0,
             nic_apart: 0,
             nic: 0,
@@ -151,6 +160,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            weight_ideal: true,
             numa: 0,
             nic_apart: 0,
             nic: 0,
@@ -171,6 +181,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union: g.mask,
             union_tier: g.tier,
             union_weight: g.weight,
+            weight_ideal: true,
             numa: t.numa_split(g.mask),
             nic_apart: t.nic_apart(g.mask),
             nic: nic_count(t, g.mask, spread),
@@ -192,6 +203,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
         union,
         union_tier: t.tier(union),
         union_weight: t.weight(union),
+        weight_ideal: true,
         numa: t.numa_split(g.mask),
         nic_apart: t.nic_apart(g.mask),
         nic: nic_count(t, g.mask, spread),
@@ -213,6 +225,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: t.tier(union),
             union_weight: t.weight(union),
+            weight_ideal: true,
             numa: t.numa_split(m),
             nic_apart: t.nic_apart(m),
             nic: nic_count(t, m, spread),
@@ -227,6 +240,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union,
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
+            weight_ideal: true,
             numa: 0,
             nic_apart: 0,
             nic: 0,
@@ -299,6 +313,7 @@ pub(crate) fn pick_share(
         union: held,
         union_tier,
         union_weight,
+        weight_ideal: true,
         numa: 0,
         nic_apart: 0,
         nic: 0,
@@ -357,6 +372,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
                     union,
                     union_tier: ut,
                     union_weight: uw,
+                    weight_ideal: true,
                     numa,
                     nic_apart,
                     nic,
@@ -376,6 +392,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
         union: held,
         union_tier: 0,
         union_weight: 0,
+        weight_ideal: true,
         numa: 0,
         nic_apart: 0,
         nic: 0,
@@ -399,10 +416,9 @@ pub(crate) struct RankKey {
     pub union_tier: Reverse<u8>,
     /// 5. Tier of the task's own set.
     pub task_tier: Reverse<u8>,
-    /// 6. Pair weight of the union.
-    pub union_weight: Reverse<u32>,
-    /// 7. Pair weight of the task's set.
-    pub task_weight: Reverse<u32>,
+    /// 6. The union's pair weight is the best this machine offers a set of its size (W(U) =
+    ///    W*(|U|) on the empty node): an ideal set anywhere beats packing.
+    pub weight_ideal: Reverse<bool>,
     /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
     /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
     pub share_left: u8,
@@ -420,6 +436,10 @@ pub(crate) struct RankKey {
     pub fit: Fit,
     /// ... then on the node: free GPUs (pack busy nodes, keep empty ones whole).
     pub free_gpus: u32,
+    /// 9b. Pair weight of the union, then of the task's set (issue 27: below the ideal
+    ///     weight, packing first; the weight then chooses among equally packed nodes).
+    pub union_weight: Reverse<u32>,
+    pub task_weight: Reverse<u32>,
     /// 10. What the job leaves there for future jobs (Cap of the rest, larger is better).
     pub left: Reverse<[i8; 3]>,
     /// 11. Total GPUs (smaller machines first).
@@ -449,7 +469,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 18] = [
+        let diffs: [(bool, &str, String, String); 19] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -481,16 +501,10 @@ impl RankKey {
                 best.task_tier.0.to_string(),
             ),
             (
-                self.union_weight != best.union_weight,
-                "job's GPU union weight",
-                self.union_weight.0.to_string(),
-                best.union_weight.0.to_string(),
-            ),
-            (
-                self.task_weight != best.task_weight,
-                "task's GPU set weight",
-                self.task_weight.0.to_string(),
-                best.task_weight.0.to_string(),
+                self.weight_ideal != best.weight_ideal,
+                "job's GPU union at the machine's best pair weight",
+                b(self.weight_ideal).into(),
+                b(best.weight_ideal).into(),
             ),
             (
                 self.share_left != best.share_left,
@@ -527,6 +541,18 @@ impl RankKey {
                 "free GPUs (fewer packs better)",
                 self.free_gpus.to_string(),
                 best.free_gpus.to_string(),
+            ),
+            (
+                self.union_weight != best.union_weight,
+                "job's GPU union weight",
+                self.union_weight.0.to_string(),
+                best.union_weight.0.to_string(),
+            ),
+            (
+                self.task_weight != best.task_weight,
+                "task's GPU set weight",
+                self.task_weight.0.to_string(),
+                best.task_weight.0.to_string(),
             ),
             (
                 self.left != best.left,

@@ -199,6 +199,7 @@ pub(crate) fn rank_key(
         rack: Reverse(rack),
         union_tier: Reverse(pick.union_tier),
         task_tier: Reverse(pick.task_tier),
+        weight_ideal: Reverse(pick.weight_ideal),
         union_weight: Reverse(pick.union_weight),
         task_weight: Reverse(pick.task_weight),
         share_left: pick.share_left,

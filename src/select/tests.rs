@@ -615,8 +615,9 @@ proptest! {
     }
 }
 
-/// The written order without its random tie-break, as a tuple (smaller is better).
-/// Criteria 1–8 (job, GPU quality, NIC), then 9–13 (fit and packing).
+/// The order inside one node without its random tie-break, as a tuple (smaller is better):
+/// criteria 1–8 with the weights at 6–7 (how a node's own set is chosen, DESIGN §5), then
+/// 9–13 (fit and packing). [`node_key`] turns it into the order across nodes.
 type Order = (
     (
         std::cmp::Reverse<bool>,
@@ -687,6 +688,54 @@ fn order_of(n: &Node, s: u64, demand: &JobDemand, job_racks: &[String], k: u32) 
     best
 }
 
+/// The written order across nodes (issue 27): the weights move behind packing (9b) and
+/// criterion 6 becomes "the union reaches W*(|U|), the machine's best pair weight".
+type NodeKey = (
+    (
+        std::cmp::Reverse<bool>,
+        std::cmp::Reverse<u32>,
+        std::cmp::Reverse<bool>,
+        std::cmp::Reverse<u8>,
+        std::cmp::Reverse<u8>,
+        std::cmp::Reverse<bool>,
+        u8,
+        u8,
+        std::cmp::Reverse<u32>,
+    ),
+    (
+        [u8; crate::topology::FIT_LEVELS],
+        u32,
+        std::cmp::Reverse<u32>,
+        std::cmp::Reverse<u32>,
+        std::cmp::Reverse<[i8; 3]>,
+        u32,
+        u32,
+        u64,
+    ),
+);
+
+/// [`Order`] of a node's chosen (S, X) as the key nodes are compared by; `u` the union's
+/// GPU count.
+fn node_key(n: &Node, o: Order, u: u32) -> NodeKey {
+    let t = n.topology.as_deref().expect("a topology");
+    let best = crate::topology::choose(Some(t), t.all_mask(), u).map_or(0, |g| g.weight);
+    let ((aff, fits, rack, tu, ts, wu, ws, numa, apart, nic), (fit, free, cap, total, cpu, mem)) = o;
+    (
+        (
+            aff,
+            fits,
+            rack,
+            tu,
+            ts,
+            std::cmp::Reverse(wu.0 >= best),
+            numa,
+            apart,
+            nic,
+        ),
+        (fit, free, wu, ws, cap, total, cpu, mem),
+    )
+}
+
 fn mixed_node(i: usize, preset: &str, used: u64, cpu_used: u32) -> Node {
     let t = Arc::new(crate::topology::Topology::preset(preset).unwrap());
     let all = t.all_mask();
@@ -704,7 +753,8 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(1024))]
     /// On small mixed clusters, every choice the pipeline makes while planning a small job
     /// is optimal under the written order: brute force over every node, every task set S and
-    /// every union X ⊇ S finds nothing better.
+    /// every union X ⊇ S finds no better set on the chosen node (the order inside a node)
+    /// and no node with a better key (the order across nodes).
     #[test]
     fn every_choice_is_optimal_under_the_written_order(
         nodes in prop::collection::vec(
@@ -728,11 +778,9 @@ proptest! {
                 .hosts()
                 .filter_map(|(h, _)| view.iter().find(|n| n.host == h).map(|n| n.rack.clone()))
                 .collect();
-            let mut best: Option<Order> = None;
-            for n in &view {
-                if r.cpu > n.free().cpu {
-                    continue;
-                }
+            // Per node, its own best (S, X) by the order inside a node; nodes by the key.
+            let node_best = |n: &Node| {
+                let mut best: Option<Order> = None;
                 objective::subsets(n.free().gpu_mask, k, &mut |set| {
                     if let Some(o) = order_of(n, set, &demand, &job_racks, k) {
                         if best.is_none_or(|b| o < b) {
@@ -740,12 +788,32 @@ proptest! {
                         }
                     }
                 });
+                best
+            };
+            let union_size = |n: &Node| {
+                let need = demand.remaining_tasks().max(1);
+                let fits = demand.capacity_in(n.free(), 0).max(1).min(need);
+                demand.held_on(&n.host).count_ones() + fits.min(n.free().gpu_count() / k) * k
+            };
+            let mut best: Option<NodeKey> = None;
+            for n in &view {
+                if r.cpu > n.free().cpu {
+                    continue;
+                }
+                if let Some(o) = node_best(n) {
+                    let key = node_key(n, o, union_size(n));
+                    if best.is_none_or(|b| key < b) {
+                        best = Some(key);
+                    }
+                }
             }
             let sel = s.select_and_reserve(&TaskAsk::plain("w", &r, left), &demand);
             match (&sel.outcome, best) {
                 (Outcome::Placed(p), Some(b)) => {
                     let n = view.iter().find(|n| n.host == p.host).unwrap();
                     let got = order_of(n, p.resources.gpu_mask, &demand, &job_racks, k);
+                    prop_assert_eq!(got, node_best(n), "task {} chose {} {:#x}: not its node's best set\n{}", instances - left, p.host, p.resources.gpu_mask, sel.trace.render());
+                    let got = got.map(|o| node_key(n, o, union_size(n)));
                     prop_assert_eq!(got, Some(b), "task {} chose {} {:#x}\n{}", instances - left, p.host, p.resources.gpu_mask, sel.trace.render());
                     demand.placed_with_gpus(&TaskShape::of(&r), &p.host, p.resources.gpu_mask);
                 }
@@ -1212,4 +1280,37 @@ fn the_outcome_gives_the_kind_of_the_wait() {
         let got = why.map(|r| r.detail).unwrap_or_default();
         assert!(got.starts_with(detail), "{got}");
     }
+}
+
+/// Issue 27, criteria 6 and 9b: a node that offers a set at the machine's best pair weight
+/// wins over packing; when no node does, packing (best fit, then free GPUs) wins over the
+/// weight of the leftovers.
+#[test]
+fn an_ideal_weight_set_beats_packing_and_below_it_packing_beats_the_weight() {
+    let t = Arc::new(crate::topology::Topology::preset("pcie8").unwrap());
+    let on = |host: &str, used: u64| {
+        let mut n = node(host, "/r", 8, used);
+        n.topology = Some(t.clone());
+        n
+    };
+    let r = res(8, 1000, 4);
+    // "whole" has socket 1 (GPUs 4–7) free, W 48 = W*(4), and GPU 0 (5 free); "pairs" has
+    // PIX pairs {0,1} and {4,5} free in different sockets (4 free, W 40).
+    let whole = on("whole", 0b0000_1110);
+    let pairs = on("pairs", 0b1100_1100);
+    let s = selector(vec![whole, pairs]);
+    let p = placed(&s.select(&ask(&r), &JobDemand::new(true))).clone();
+    assert_eq!((p.host.as_str(), p.resources.gpu_mask), ("whole", 0b1111_0000));
+    // No socket free anywhere: "pairs5" has {0,1}, {4,5} and GPU 2 free (best W 40, leaves
+    // GPU 2 alone); "spread" has one GPU per switch free (W 28, nothing left). The old order
+    // took the better-linked leftovers and broke "pairs5" for the next 8- or 4-GPU job.
+    let pairs5 = on("pairs5", 0b1100_1000);
+    let spread = on("spread", 0b1010_1010);
+    let s = selector(vec![pairs5, spread]);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    let p = placed(&sel).clone();
+    assert_eq!((p.host.as_str(), p.resources.gpu_mask), ("spread", 0b0101_0101));
+    let alt = sel.trace.alternative.as_ref().expect("a runner-up");
+    assert_eq!(alt.host, "pairs5");
+    assert!(alt.lost_on.starts_with("free GPUs left beside it"), "{}", alt.lost_on);
 }

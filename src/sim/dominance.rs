@@ -1,7 +1,9 @@
 //! Whether `gpuam` dominates the other policies of one run: at or above the best of them on
-//! tierIdeal and unionIdeal and at or below on the median queueing delay, all at once
-//! (issue 13), and where not, which policy beats it on which metric and whether the gap lies
-//! within the 95 % intervals. The table prints the verdict; the trade-off chart draws it.
+//! tierIdeal and unionIdeal and at or below on the median and 95th-percentile queueing delay,
+//! all at once (issues 13, 27), and where not, which policy beats it on which metric and whether the gap lies
+//! within the 95 % intervals (of the paired per-seed difference where the seeds are known:
+//! every policy replays the same streams). The table prints the verdict; the trade-off chart
+//! draws it.
 
 use super::TopologyRun;
 
@@ -10,6 +12,7 @@ pub const JUDGED: &[(&str, bool, &str)] = &[
     ("tierIdeal", true, "tierIdeal"),
     ("unionIdeal", true, "unionIdeal"),
     ("queueDelayP50", false, "qP50"),
+    ("queueDelayP95", false, "qP95"),
 ];
 
 /// One metric on which another policy's mean beats gpuam's.
@@ -20,8 +23,12 @@ pub struct Loss {
     /// (mean, 95 % half-width) of gpuam and of the other policy.
     pub gpuam: (f64, f64),
     pub other: (f64, f64),
-    /// The two intervals overlap: the gap is not significant over these seeds.
+    /// The gap is not significant over these seeds: the 95 % interval of the paired
+    /// per-seed difference (other − gpuam) holds 0, or, without per-seed values, the two
+    /// intervals overlap.
     pub within: bool,
+    /// The paired per-seed difference other − gpuam (mean, 95 % half-width), when known.
+    pub paired: Option<(f64, f64)>,
 }
 
 /// Every (policy, metric) where another policy's mean is better than gpuam's (means are
@@ -45,13 +52,19 @@ pub fn losses(run: &TopologyRun) -> Vec<Loss> {
                 round(pv) < round(gv)
             };
             if better {
-                let within = if higher { gv + gc >= pv - pc } else { gv - gc <= pv + pc };
+                let paired = g.paired(p, metric);
+                let within = match paired {
+                    Some((d, c)) => d.abs() <= c,
+                    None if higher => gv + gc >= pv - pc,
+                    None => gv - gc <= pv + pc,
+                };
                 out.push(Loss {
                     policy: name.clone(),
                     metric: label,
                     gpuam: (gv, gc),
                     other: (pv, pc),
                     within,
+                    paired,
                 });
             }
         }
@@ -66,21 +79,26 @@ pub fn verdict(run: &TopologyRun) -> String {
     }
     let l = losses(run);
     if l.is_empty() {
-        return "gpuam dominates: at or above every other policy on tierIdeal and unionIdeal, at or below on qP50"
+        return "gpuam dominates: at or above every other policy on tierIdeal and unionIdeal, at or below on qP50 and qP95"
             .into();
     }
     let parts: Vec<String> = l
         .iter()
         .map(|x| {
-            let prec = if x.metric == "qP50" { 0 } else { 3 };
+            let prec = if x.metric.starts_with('q') { 0 } else { 3 };
+            let paired = x
+                .paired
+                .map(|(d, c)| format!(", paired difference {d:+.prec$}±{c:.prec$}"))
+                .unwrap_or_default();
             format!(
-                "{} {} {:.prec$}±{:.prec$} vs gpuam {:.prec$}±{:.prec$}{}",
+                "{} {} {:.prec$}±{:.prec$} vs gpuam {:.prec$}±{:.prec$}{}{}",
                 x.policy,
                 x.metric,
                 x.other.0,
                 x.other.1,
                 x.gpuam.0,
                 x.gpuam.1,
+                paired,
                 if x.within {
                     " (within the intervals)"
                 } else {

@@ -41,6 +41,12 @@ pub struct RunStats {
     pub invalid: u64,
     /// Choices the node model refused (GPU not free, CPU/memory short): policy bugs.
     pub refused: u64,
+    /// Seconds the queue's head waited with too few free GPUs in the cluster (capacity),
+    /// with enough but in no shape it could take (fragmentation), and holding out for a
+    /// better GPU tier (gpuam's topology wait): where the FIFO queue's delay comes from.
+    pub head_capacity_sec: f64,
+    pub head_fragmented_sec: f64,
+    pub head_topology_wait_sec: f64,
 }
 
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -80,6 +86,9 @@ pub const METRICS: &[&str] = &[
     "fallbacks",
     "invalid",
     "refused",
+    "headCapacityFrac",
+    "headFragmentedFrac",
+    "headTopologyWaitFrac",
 ];
 
 impl RunStats {
@@ -96,6 +105,8 @@ impl RunStats {
         } else {
             f64::NAN
         };
+        // Blocked-head time as a fraction of the run (makespan).
+        let head_frac = |x: f64| if makespan > 0.0 { x / makespan } else { f64::NAN };
         let per_job = |x: u64| {
             if self.multi_task_jobs == 0 {
                 f64::NAN
@@ -127,6 +138,9 @@ impl RunStats {
             self.fallbacks as f64,
             self.invalid as f64,
             self.refused as f64,
+            head_frac(self.head_capacity_sec),
+            head_frac(self.head_fragmented_sec),
+            head_frac(self.head_topology_wait_sec),
         ];
         METRICS.iter().copied().zip(vals).collect()
     }
@@ -168,6 +182,9 @@ pub struct PolicyResult {
     pub values: BTreeMap<String, Option<f64>>,
     #[serde(skip)]
     pub delays: Vec<f64>,
+    /// Each seed's scalar metrics, in seed order (the paired comparison of the verdict).
+    #[serde(skip)]
+    pub per_seed: Vec<BTreeMap<&'static str, f64>>,
 }
 
 impl PolicyResult {
@@ -184,11 +201,32 @@ impl PolicyResult {
         values.insert("seeds".into(), Some(runs.len() as f64));
         let mut delays: Vec<f64> = runs.iter().flat_map(|r| r.delays.iter().copied()).collect();
         delays.sort_by(f64::total_cmp);
-        PolicyResult { values, delays }
+        PolicyResult {
+            values,
+            delays,
+            per_seed: sums,
+        }
     }
 
     pub fn get(&self, m: &str) -> Option<f64> {
         self.values.get(m).copied().flatten()
+    }
+
+    /// Mean and 95 % half-width over seeds of `other`'s metric minus this one's, seed by
+    /// seed (the streams are paired: both policies replayed the same jobs). `None` without
+    /// at least two seeds on both sides.
+    pub fn paired(&self, other: &PolicyResult, m: &str) -> Option<(f64, f64)> {
+        if self.per_seed.len() < 2 || self.per_seed.len() != other.per_seed.len() {
+            return None;
+        }
+        let d: Vec<f64> = self
+            .per_seed
+            .iter()
+            .zip(&other.per_seed)
+            .filter_map(|(a, b)| Some(b.get(m)? - a.get(m)?))
+            .collect();
+        let (mean, ci) = mean_ci(&d);
+        (mean.is_finite() && ci.is_finite()).then_some((mean, ci))
     }
 }
 

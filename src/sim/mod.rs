@@ -52,6 +52,8 @@ pub enum Placer {
     Gpuam {
         selector: Box<Selector>,
         hosts: HashMap<String, usize>,
+        /// The last `place` failed because a task held out for a better GPU tier.
+        held_for_tier: bool,
     },
     Other(Box<dyn NodePolicy>),
 }
@@ -71,6 +73,7 @@ impl Placer {
                 Placer::Gpuam {
                     selector: Box::new(Selector::new(ClusterView::new(cl.to_nodes()), settings)),
                     hosts: cl.nodes.iter().enumerate().map(|(i, n)| (n.host.clone(), i)).collect(),
+                    held_for_tier: false,
                 }
             }
             "original" => Placer::Other(Box::new(policies::Original { rng })),
@@ -137,7 +140,12 @@ impl Placer {
                     }
                 }
             }
-            Placer::Gpuam { selector, hosts } => {
+            Placer::Gpuam {
+                selector,
+                hosts,
+                held_for_tier,
+            } => {
+                *held_for_tier = false;
                 let mut demand = JobDemand::new(true);
                 for t in &job.tasks {
                     demand.add_waiting(shape(t), 1);
@@ -156,9 +164,17 @@ impl Placer {
                     let start = Instant::now();
                     let sel = selector.select_and_reserve(&ask, &demand);
                     let took = start.elapsed().as_nanos() as u64;
-                    let Outcome::Placed(p) = sel.outcome else {
-                        ok = false;
-                        break;
+                    let p = match sel.outcome {
+                        Outcome::Placed(p) => p,
+                        Outcome::NotNow { wait, .. } => {
+                            *held_for_tier = wait == crate::reason::Kind::Topology;
+                            ok = false;
+                            break;
+                        }
+                        _ => {
+                            ok = false;
+                            break;
+                        }
                     };
                     let node = hosts.get(&p.host).copied();
                     let mask = p.resources.gpu_mask;
@@ -185,6 +201,18 @@ impl Placer {
             }
         }
         ok.then_some(done)
+    }
+
+    /// The last [`Placer::place`] failed because a task held out for a better GPU tier
+    /// (gpuam's topology wait).
+    fn held_for_tier(&self) -> bool {
+        matches!(
+            self,
+            Placer::Gpuam {
+                held_for_tier: true,
+                ..
+            }
+        )
     }
 
     /// Frees a finished job's tasks.
@@ -280,6 +308,21 @@ struct Engine<'a> {
     /// for a better GPU tier (a wake-up event; infinite = none).
     topology_wait: f64,
     wake: f64,
+    /// Why the queue's head waits since `head_since` (the blocked-time diagnosis).
+    head: HeadBlock,
+    head_since: f64,
+}
+
+/// Why the queue's head is not placed (docs/DESIGN-NOTES.md, "Where queueing delay comes
+/// from"): the job holds out for a better GPU tier (the topology wait), or the cluster lacks
+/// the GPUs, or it has them but not in shapes the job can take (fragmentation). Every job
+/// behind the head waits too (FIFO).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HeadBlock {
+    None,
+    Capacity,
+    Fragmented,
+    TopologyWait,
 }
 
 impl Engine<'_> {
@@ -312,6 +355,35 @@ impl Engine<'_> {
                 None => break,
             }
         }
+        self.classify_head(now);
+    }
+
+    /// Charges the time since the last event to the head's previous state, then classifies
+    /// the head now (see [`HeadBlock`]).
+    fn classify_head(&mut self, now: f64) {
+        let span = (now - self.head_since).max(0.0);
+        let st = &mut self.stats;
+        match self.head {
+            HeadBlock::None => {}
+            HeadBlock::Capacity => st.head_capacity_sec += span,
+            HeadBlock::Fragmented => st.head_fragmented_sec += span,
+            HeadBlock::TopologyWait => st.head_topology_wait_sec += span,
+        }
+        self.head_since = now;
+        self.head = match self.queue.front() {
+            None => HeadBlock::None,
+            Some(&jid) => {
+                let job = &self.jobs[jid];
+                let free: u64 = self.cl.nodes.iter().map(|n| u64::from(n.free_mask.count_ones())).sum();
+                if self.placer.held_for_tier() {
+                    HeadBlock::TopologyWait
+                } else if free < u64::from(job.gpus()) {
+                    HeadBlock::Capacity
+                } else {
+                    HeadBlock::Fragmented
+                }
+            }
+        };
     }
 
     fn arrive(&mut self, j: &Job) {
@@ -442,6 +514,8 @@ pub fn simulate_with(
         queue: VecDeque::new(),
         topology_wait,
         wake: f64::INFINITY,
+        head: HeadBlock::None,
+        head_since: 0.0,
     };
     let mut next = 0usize;
     loop {

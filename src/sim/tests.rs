@@ -384,6 +384,91 @@ fn gpuam_waits_for_a_whole_pair_then_takes_the_best_set_when_its_wait_ends() {
     assert!((s.delays[3] - wait).abs() < 1e-9, "delay {}", s.delays[3]);
 }
 
+/// The verdict judges a gap on the paired per-seed difference when the seeds are known: a
+/// gap that is small but the same on every seed is significant although the two intervals
+/// over seeds overlap; a gap whose sign changes from seed to seed is not.
+#[test]
+fn domination_verdict_uses_the_paired_difference_over_seeds() {
+    let seeds = |vals: &[f64]| -> super::metrics::PolicyResult {
+        let runs: Vec<std::collections::BTreeMap<&'static str, f64>> = vals
+            .iter()
+            .map(|v| [("queueDelayP50", *v)].into_iter().collect())
+            .collect();
+        let mut p = result(&[]);
+        let (m, c) = super::metrics::mean_ci(vals);
+        p.values.insert("queueDelayP50".into(), Some(m));
+        p.values.insert("queueDelayP50Ci".into(), Some(c));
+        p.per_seed = runs;
+        p
+    };
+    let run = |other: &[f64], gpuam: &[f64]| TopologyRun {
+        topology: "t".into(),
+        cluster: Default::default(),
+        jobs: 10,
+        policies: vec![("hived".into(), seeds(other)), ("gpuam".into(), seeds(gpuam))],
+    };
+    // hived is 10 s faster on every seed, while the seeds spread over hundreds of seconds.
+    let steady = run(&[90.0, 290.0, 490.0, 690.0], &[100.0, 300.0, 500.0, 700.0]);
+    let l = dominance::losses(&steady);
+    assert_eq!(l.len(), 1, "{l:?}");
+    let (d, c) = l[0].paired.expect("paired difference over 4 seeds");
+    assert!((d + 10.0).abs() < 1e-9 && c < 1e-9, "{d} ± {c}");
+    assert!(!l[0].within, "the same gap on every seed is significant");
+    assert!(dominance::verdict(&steady).contains("paired difference -10±0"));
+    // hived is faster on average, but slower on half the seeds: noise.
+    let noisy = run(&[0.0, 400.0, 100.0, 400.0], &[300.0, 100.0, 400.0, 200.0]);
+    let l = dominance::losses(&noisy);
+    assert_eq!(l.len(), 1, "{l:?}");
+    assert!(l[0].within, "{l:?}");
+}
+
+/// The blocked-head diagnosis: a head that lacks free GPUs in the cluster counts as
+/// capacity, one whose GPUs are free but split over nodes as fragmentation, and gpuam's
+/// head holding out for a better tier as the topology wait.
+#[test]
+fn blocked_head_time_is_split_into_capacity_fragmentation_and_topology_wait() {
+    let c = cl("pcie4", 2);
+    let job = |id: usize, arrival: f64, duration: f64, gpus: u32| Job {
+        id,
+        arrival,
+        duration,
+        tasks: vec![task(gpus)],
+    };
+    // Two 3-GPU jobs take 3 GPUs of each node until 100; a 2-GPU job at 10 finds 2 GPUs
+    // free, one per node: fragmentation for 90 s.
+    let frag = vec![job(0, 0.0, 100.0, 3), job(1, 0.0, 100.0, 3), job(2, 10.0, 5.0, 2)];
+    for p in POLICIES {
+        let s = simulate(&c, &frag, p, 1).unwrap();
+        assert!(
+            (s.head_fragmented_sec - 90.0).abs() < 1e-9,
+            "{p}: {}",
+            s.head_fragmented_sec
+        );
+        assert_eq!((s.head_capacity_sec, s.head_topology_wait_sec), (0.0, 0.0), "{p}");
+    }
+    // Both nodes full until 100; a 1-GPU job at 20 waits 80 s for capacity.
+    let cap = vec![job(0, 0.0, 100.0, 4), job(1, 0.0, 100.0, 4), job(2, 20.0, 5.0, 1)];
+    let s = simulate(&c, &cap, "hived", 1).unwrap();
+    assert!((s.head_capacity_sec - 80.0).abs() < 1e-9, "{}", s.head_capacity_sec);
+    assert_eq!(s.head_fragmented_sec, 0.0);
+    // One node: GPUs 0, 1 and 2 busy, 1 frees at 50 (GPUs 1 and 3 free, no PIX pair); a
+    // 2-GPU job at 60 holds out for the pair until GPU 0 frees at 200.
+    let one = cl("pcie4", 1);
+    let tier = vec![
+        job(0, 0.0, 200.0, 1),
+        job(1, 0.0, 50.0, 1),
+        job(2, 1.0, 5000.0, 1),
+        job(3, 60.0, 10.0, 2),
+    ];
+    let s = simulate(&one, &tier, "gpuam", 1).unwrap();
+    assert!(
+        (s.head_topology_wait_sec - 140.0).abs() < 1e-9,
+        "{}",
+        s.head_topology_wait_sec
+    );
+    assert_eq!((s.head_capacity_sec, s.head_fragmented_sec), (0.0, 0.0));
+}
+
 /// `mixedTypeGangs` (issue 27): a multi-task job whose GPU tasks land on two GPU types is
 /// counted, per policy; one on a single type is not.
 #[test]
