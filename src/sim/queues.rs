@@ -21,6 +21,7 @@ use super::workload::Job;
 use crate::config::QueueSettings;
 use crate::protocol::WaitingTasks;
 use crate::resources::GpuMask;
+use crate::rm::scheduler::reservation::{self, Policy, Release, Reservation, Room};
 use crate::rm::scheduler::{self, queues::QueueTree, AppDemand, Held, NodeCap, Shares, Snapshot};
 
 /// A running job.
@@ -34,6 +35,14 @@ struct Running {
     /// Preempted: it frees its GPUs at this time.
     deadline: Option<f64>,
     for_queue: Option<usize>,
+}
+
+impl Running {
+    /// When it frees its GPUs: its work done, or its preemption deadline if sooner.
+    fn end(&self) -> f64 {
+        self.deadline
+            .map_or(self.since + self.left, |d| d.min(self.since + self.left))
+    }
 }
 
 /// A queue's share over time.
@@ -61,6 +70,9 @@ pub struct QueueRun {
     pub contended_sec: f64,
     /// The last arrival (s): the table's means are over `0..arrivals_end`.
     pub arrivals_end: f64,
+    /// Each job's first start (s; `None`: it never started).
+    #[serde(skip)]
+    pub starts: Vec<Option<f64>>,
 }
 
 /// `name=weight,...` → the settings map (weights must be positive numbers).
@@ -99,6 +111,8 @@ struct Engine<'a> {
     grace: f64,
     first_start: Vec<Option<f64>>,
     out: QueueRun,
+    /// Reservations for long-waiting or large gangs (None: none, the default).
+    reserve: Option<Policy>,
 }
 
 /// How far into each queue's FIFO admission looks for a job that fits (backfill).
@@ -219,11 +233,113 @@ impl Engine<'_> {
         Some(placed)
     }
 
+    /// The one reservation (issue 27, item 3): the earliest-arrived waiting gang the policy
+    /// picks that will ever fit, with where and when it fits as the running jobs end
+    /// (their ends are known: each job's remaining work, or its preemption deadline).
+    fn reservation(&self, now: f64, policy: Policy, shares: &Shares) -> Option<(usize, Reservation)> {
+        // Only within its queue's share: with what the queue still runs at the start, the
+        // gang must not take it over its deserved share (it would be taken back at once).
+        let within_share = |j: usize, r: &Reservation| {
+            let q = self.queue_of[j];
+            let d = shares.deserved.first().map_or(0.0, |v| v[q]);
+            let still: u32 = self
+                .running
+                .iter()
+                .filter(|x| self.queue_of[x.job] == q && ms(x.end()) > r.start_ms)
+                .flat_map(|x| x.placed.iter().map(|(_, m)| m.count_ones()))
+                .sum();
+            f64::from(still + self.jobs[j].gpus()) <= d + scheduler::EPS
+        };
+        let free: Vec<Room> = self
+            .cl
+            .nodes
+            .iter()
+            .map(|n| Room {
+                gpus: n.free_mask.count_ones(),
+                cpu: n.free_cpu,
+                memory_mb: n.free_mem,
+            })
+            .collect();
+        let mut releases = Vec::new();
+        for r in &self.running {
+            let end = r.end();
+            for (k, &(node, mask)) in r.placed.iter().enumerate() {
+                let t = &self.jobs[r.job].tasks[k];
+                releases.push(Release {
+                    node,
+                    room: Room {
+                        gpus: mask.count_ones(),
+                        cpu: t.cpu,
+                        memory_mb: t.mem_mb,
+                    },
+                    end_ms: Some(ms(end)),
+                });
+            }
+        }
+        let mut waiting: Vec<usize> = self.waiting.iter().flat_map(|q| q.iter().map(|&(j, _)| j)).collect();
+        waiting.sort_by(|&a, &b| self.jobs[a].arrival.total_cmp(&self.jobs[b].arrival).then(a.cmp(&b)));
+        waiting
+            .into_iter()
+            .filter(|&j| policy.applies(ms(now).saturating_sub(ms(self.jobs[j].arrival)), self.jobs[j].gpus()))
+            .find_map(|j| {
+                let tasks: Vec<Room> = self.jobs[j]
+                    .tasks
+                    .iter()
+                    .map(|t| Room {
+                        gpus: t.gpus,
+                        cpu: t.cpu,
+                        memory_mb: t.mem_mb,
+                    })
+                    .collect();
+                reservation::reserve(&free, &releases, &tasks, ms(now))
+                    .filter(|r| within_share(j, r))
+                    .map(|r| (j, r))
+            })
+    }
+
+    /// Starts waiting job `j` now if it fits (it leaves its queue); false when it does not.
+    fn start_now(&mut self, j: usize, now: f64) -> bool {
+        let q = self.queue_of[j];
+        let Some(k) = self.waiting[q].iter().position(|&(x, _)| x == j) else {
+            return false;
+        };
+        let Some(placed) = self.place(j) else { return false };
+        let (_, left) = self.waiting[q].remove(k).unwrap_or((j, 0.0));
+        self.begin(j, left, placed, now);
+        true
+    }
+
+    fn begin(&mut self, j: usize, left: f64, placed: Vec<(usize, GpuMask)>, now: f64) {
+        if self.first_start[j].is_none() {
+            self.first_start[j] = Some(now);
+        }
+        self.running.push(Running {
+            job: j,
+            placed,
+            since: now,
+            left,
+            deadline: None,
+            for_queue: None,
+        });
+    }
+
     /// Starts what fits, as the RM's gate lets it: the queue furthest below its deserved
     /// share first. A queue below its share takes its jobs in order (its head waits for
     /// the room being made for it, and while it does nobody else takes that room); others
     /// backfill within a bounded window.
     fn admit(&mut self, now: f64) {
+        // The reservation's gang starts first when it fits; otherwise others backfill.
+        let mut held: Option<(usize, Reservation)> = None;
+        if let Some(policy) = self.reserve {
+            let shares = Shares::compute(&self.tree, &self.snapshot(now));
+            while let Some((j, r)) = self.reservation(now, policy, &shares) {
+                if r.start_ms <= ms(now) && self.start_now(j, now) {
+                    continue;
+                }
+                held = Some((j, r));
+                break;
+            }
+        }
         let snap = self.snapshot(now);
         let shares = Shares::compute(&self.tree, &snap);
         let leaves = self.leaf_index();
@@ -236,22 +352,25 @@ impl Engine<'_> {
             }
         }
         let deserved = |q: usize| shares.deserved.first().map_or(0.0, |v| v[q]);
+        let ratio = |q: usize, used: &[u32]| {
+            if deserved(q) <= scheduler::EPS {
+                f64::MAX
+            } else {
+                f64::from(used[q]) / deserved(q)
+            }
+        };
         loop {
             let next = leaves
                 .iter()
                 .copied()
                 .filter(|&q| !blocked[q] && !self.waiting[q].is_empty())
-                .min_by(|&a, &b| {
-                    let r = |q: usize| {
-                        if deserved(q) <= scheduler::EPS {
-                            f64::MAX
-                        } else {
-                            f64::from(used[q]) / deserved(q)
-                        }
-                    };
-                    r(a).total_cmp(&r(b)).then(a.cmp(&b))
-                });
+                .min_by(|&a, &b| ratio(a, &used).total_cmp(&ratio(b, &used)).then(a.cmp(&b)));
             let Some(q) = next else { break };
+            // A queue that ranks ahead of the reservation's (further below its share) is
+            // not held back by it: the shares decide first.
+            let held_back = held
+                .as_ref()
+                .is_some_and(|(h, _)| ratio(q, &used) >= ratio(self.queue_of[*h], &used));
             let starved = f64::from(used[q]) + 1.0 <= deserved(q) + scheduler::EPS;
             let window = if starved { 1 } else { BACKFILL };
             let free: u32 = self.cl.nodes.iter().map(|n| n.free_gpus()).sum();
@@ -261,26 +380,35 @@ impl Engine<'_> {
                 if self.jobs[j].gpus() > free {
                     continue;
                 }
-                if let Some(placed) = self.place(j) {
-                    started = Some((k, j, left, placed));
-                    break;
+                let Some(placed) = self.place(j) else { continue };
+                if let Some((_, r)) = held.as_mut().filter(|(h, _)| held_back && *h != j) {
+                    let takes: Vec<(usize, Room)> = placed
+                        .iter()
+                        .zip(&self.jobs[j].tasks)
+                        .map(|(&(n, m), t)| {
+                            let room = Room {
+                                gpus: m.count_ones(),
+                                cpu: t.cpu,
+                                memory_mb: t.mem_mb,
+                            };
+                            (n, room)
+                        })
+                        .collect();
+                    if !r.backfill(&takes, Some(ms(now + left))) {
+                        for (i, (n, m)) in placed.iter().enumerate() {
+                            self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
+                        }
+                        continue;
+                    }
                 }
+                started = Some((k, j, left, placed));
+                break;
             }
             match started {
                 Some((k, j, left, placed)) => {
                     self.waiting[q].remove(k);
                     used[q] += placed.iter().map(|(_, m)| m.count_ones()).sum::<u32>();
-                    if self.first_start[j].is_none() {
-                        self.first_start[j] = Some(now);
-                    }
-                    self.running.push(Running {
-                        job: j,
-                        placed,
-                        since: now,
-                        left,
-                        deadline: None,
-                        for_queue: None,
-                    });
+                    self.begin(j, left, placed, now);
                 }
                 None if starved && incoming[q] > 0 => break,
                 None => blocked[q] = true,
@@ -334,7 +462,7 @@ impl Engine<'_> {
         self.running
             .iter()
             .enumerate()
-            .map(|(i, r)| (r.deadline.unwrap_or(r.since + r.left).min(r.since + r.left), i))
+            .map(|(i, r)| (r.end(), i))
             .min_by(|a, b| a.0.total_cmp(&b.0))
     }
 
@@ -352,8 +480,24 @@ impl Engine<'_> {
     }
 }
 
+/// Seconds as whole milliseconds (the scheduler's clock).
+fn ms(t: f64) -> u64 {
+    (t * 1000.0).round().max(0.0) as u64
+}
+
 /// Replays `jobs` through the queues `settings` on `cl`.
 pub fn simulate(cl: &SimCluster, jobs: &[Job], settings: &BTreeMap<String, QueueSettings>, grace: f64) -> QueueRun {
+    simulate_with(cl, jobs, settings, grace, None)
+}
+
+/// [`simulate`], with reservations and backfill for the gangs `reserve` picks.
+pub fn simulate_with(
+    cl: &SimCluster,
+    jobs: &[Job],
+    settings: &BTreeMap<String, QueueSettings>,
+    grace: f64,
+    reserve: Option<Policy>,
+) -> QueueRun {
     let tree = QueueTree::from_settings(settings).unwrap_or_default();
     let leaves: Vec<usize> = tree.leaves().collect();
     let queue_of: Vec<usize> = (0..jobs.len()).map(|i| leaves[i % leaves.len()]).collect();
@@ -372,6 +516,7 @@ pub fn simulate(cl: &SimCluster, jobs: &[Job], settings: &BTreeMap<String, Queue
                 .collect(),
             contended_sec: 0.0,
             arrivals_end: jobs.last().map_or(0.0, |j| j.arrival),
+            starts: Vec::new(),
         },
         waiting: vec![VecDeque::new(); tree.len()],
         tree,
@@ -381,6 +526,7 @@ pub fn simulate(cl: &SimCluster, jobs: &[Job], settings: &BTreeMap<String, Queue
         running: Vec::new(),
         grace,
         first_start: vec![None; jobs.len()],
+        reserve,
     };
     let mut next_arrival = 0usize;
     let mut last = 0.0;
@@ -420,6 +566,7 @@ pub fn simulate(cl: &SimCluster, jobs: &[Job], settings: &BTreeMap<String, Queue
             }
         }
     }
+    e.out.starts = e.first_start.clone();
     e.out
 }
 
@@ -537,6 +684,65 @@ mod tests {
         assert!(table(&run).contains("a "));
         let svg = crate::sim::charts::queue_shares(&run, "t");
         assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 4);
+    }
+
+    /// 8 nodes × 8 GPUs, queues a and b of equal weight (each deserves 32). Jobs 0..7 are
+    /// whole-node jobs: a's (even) end at 1070, 1152, 1234, 1316, b's (odd) run 10,000 s.
+    /// A's 32-GPU gang (job 8, four 8-GPU tasks) arrives at 100; then 1-GPU jobs of 2000 s
+    /// arrive every 10 s until 6000, of which job 9 (queue b) is short (`short` s).
+    fn drain_scenario(short: f64) -> Vec<Job> {
+        let mut jobs: Vec<Job> = (0..8)
+            .map(|i| {
+                let d = if i % 2 == 0 { 1070.0 + 40.0 * i as f64 } else { 10_000.0 };
+                job(i, i as f64, d, 8)
+            })
+            .collect();
+        let mut gang = job(8, 100.0, 500.0, 8);
+        gang.tasks = vec![gang.tasks[0]; 4];
+        jobs.push(gang);
+        for i in 9..600 {
+            let duration = if i == 9 { short } else { 2000.0 };
+            jobs.push(job(i, 100.0 + (i - 8) as f64 * 10.0, duration, 1));
+        }
+        jobs
+    }
+
+    #[test]
+    fn a_reserved_gang_starts_as_its_nodes_drain_and_a_short_job_backfills() {
+        let cl = generated(&Topology::preset("pcie8").unwrap(), 8, 8);
+        let settings = parse_queues("a=1,b=1").unwrap();
+        let policy = Policy {
+            wait_bound_ms: 3_600_000,
+            min_gpus: 32,
+        };
+        let jobs = drain_scenario(150.0);
+        // Without a reservation, b's 1-GPU jobs take every GPU a's nodes free; the gang
+        // starts only once the RM's planner has taken them back (preemption, lost work).
+        let plain = simulate(&cl, &jobs, &settings, 30.0);
+        let preempted: usize = plain.queues.iter().map(|q| q.preemptions).sum();
+        assert!(preempted > 0, "the gang needed preemptions");
+        assert!(plain.starts[8].unwrap() > 1316.0, "{:?}", plain.starts[8]);
+        // With one: the gang starts as the last of a's nodes drains, with no preemption;
+        // b's long jobs do not take those nodes meanwhile.
+        let run = simulate_with(&cl, &jobs, &settings, 30.0, Some(policy));
+        let started = run.starts[8].unwrap();
+        assert!((started - 1316.0).abs() < 1e-6, "the gang starts at 1316: {started}");
+        assert_eq!(run.queues.iter().map(|q| q.preemptions).sum::<usize>(), 0);
+        assert!(run.starts.iter().all(Option::is_some), "every job ran");
+        assert!((10..jobs.len()).all(|i| run.starts[i].is_some_and(|s| s >= started)));
+        // The short job (ends at 1220, before 1316) is backfilled on the first node that
+        // drains, and the gang starts exactly when it would without it.
+        let short = run.starts[9].unwrap();
+        assert!(
+            (short - 1070.0).abs() < 1e-6,
+            "the short job is backfilled at 1070: {short}"
+        );
+        let long = simulate_with(&cl, &drain_scenario(2000.0), &settings, 30.0, Some(policy));
+        assert_eq!(long.starts[8], Some(started), "backfilling did not delay the gang");
+        assert!(
+            long.starts[9].is_some_and(|s| s >= started),
+            "a long job is not backfilled"
+        );
     }
 
     #[test]

@@ -30,6 +30,7 @@
 //! freed on a node the AM's select would never pick for it.
 
 pub mod queues;
+pub mod reservation;
 pub mod share;
 mod victims;
 

@@ -1,0 +1,221 @@
+//! Reservations and backfill (issue 27, item 3), without I/O and with time passed in. A
+//! waiting gang that has waited past a bound, or that is large, gets one reservation: the
+//! nodes where it will fit first as the running containers drain, in the order of their
+//! expected ends, and that time (the reservation's start). Until it starts, other work may
+//! take free room only if it will end by the start, or if the gang still fits at the start
+//! beside it (backfill, as EASY backfilling does in batch schedulers).
+//!
+//! GPUs, CPU and memory are counted per node ([`Room`]); which nodes a task may use at all
+//! is the caller's business (it passes an ineligible node with no room and none of its
+//! releases). A container with no expected end (no declared or learned limit) is never
+//! counted as released, so a reservation only relies on ends it knows.
+
+/// What one node has free (or one task or container takes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Room {
+    pub gpus: u32,
+    pub cpu: u32,
+    pub memory_mb: u64,
+}
+
+impl Room {
+    fn holds(&self, t: &Room) -> bool {
+        self.gpus >= t.gpus && self.cpu >= t.cpu && self.memory_mb >= t.memory_mb
+    }
+
+    fn take(&mut self, t: &Room) {
+        self.gpus = self.gpus.saturating_sub(t.gpus);
+        self.cpu = self.cpu.saturating_sub(t.cpu);
+        self.memory_mb = self.memory_mb.saturating_sub(t.memory_mb);
+    }
+
+    fn give(&mut self, t: &Room) {
+        self.gpus = self.gpus.saturating_add(t.gpus);
+        self.cpu = self.cpu.saturating_add(t.cpu);
+        self.memory_mb = self.memory_mb.saturating_add(t.memory_mb);
+    }
+}
+
+/// A running container: where, what it holds, and when it is expected to end (ms; `None`
+/// when nothing bounds it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Release {
+    pub node: usize,
+    pub room: Room,
+    pub end_ms: Option<u64>,
+}
+
+/// Which waiting gangs get a reservation: those that waited at least `wait_bound_ms`, or
+/// that ask for at least `min_gpus` GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    pub wait_bound_ms: u64,
+    pub min_gpus: u32,
+}
+
+impl Policy {
+    pub fn applies(&self, waited_ms: u64, gpus: u32) -> bool {
+        waited_ms >= self.wait_bound_ms || gpus >= self.min_gpus
+    }
+}
+
+/// One gang's reservation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// When it is expected to fit (ms; `now` when it fits already).
+    pub start_ms: u64,
+    /// The nodes it is expected to take at the start, one per task.
+    pub nodes: Vec<usize>,
+    /// Its tasks.
+    tasks: Vec<Room>,
+    /// Each node's room expected at the start, less what backfilled work keeps past it.
+    at_start: Vec<Room>,
+}
+
+/// Packs `tasks` into `room` (largest first, each on the fitting node with the fewest free
+/// GPUs, so big holes stay whole); the node of each task, in `tasks` order.
+fn pack(room: &[Room], tasks: &[Room]) -> Option<Vec<usize>> {
+    let mut room = room.to_vec();
+    let mut order: Vec<usize> = (0..tasks.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse((tasks[i].gpus, tasks[i].cpu, tasks[i].memory_mb)));
+    let mut at = vec![0; tasks.len()];
+    for i in order {
+        let n = (0..room.len())
+            .filter(|&n| room[n].holds(&tasks[i]))
+            .min_by_key(|&n| (room[n].gpus, n))?;
+        room[n].take(&tasks[i]);
+        at[i] = n;
+    }
+    Some(at)
+}
+
+/// The earliest time `tasks` (a gang: all or none) fit as `releases` end, from the room
+/// `free` now; `None` when they never fit on what is known to end.
+pub fn reserve(free: &[Room], releases: &[Release], tasks: &[Room], now_ms: u64) -> Option<Reservation> {
+    let mut room = free.to_vec();
+    let mut ends: Vec<&Release> = releases
+        .iter()
+        .filter(|r| r.end_ms.is_some() && r.node < room.len())
+        .collect();
+    ends.sort_by_key(|r| r.end_ms);
+    let mut t = now_ms;
+    let mut i = 0;
+    loop {
+        // Everything that ends by `t` is free at `t`.
+        while i < ends.len() && ends[i].end_ms.unwrap_or(u64::MAX) <= t {
+            room[ends[i].node].give(&ends[i].room);
+            i += 1;
+        }
+        if let Some(nodes) = pack(&room, tasks) {
+            return Some(Reservation {
+                start_ms: t,
+                nodes,
+                tasks: tasks.to_vec(),
+                at_start: room,
+            });
+        }
+        t = ends.get(i)?.end_ms?;
+    }
+}
+
+impl Reservation {
+    /// May work that takes `takes` (node, room per task, out of the room free now) and is
+    /// expected to end at `end_ms` start now? Yes when it ends by the start, or when the
+    /// gang still fits at the start beside it; then its room is booked past the start.
+    /// `None` for the end (no limit known) counts as never ending.
+    pub fn backfill(&mut self, takes: &[(usize, Room)], end_ms: Option<u64>) -> bool {
+        if end_ms.is_some_and(|e| e <= self.start_ms) {
+            return true;
+        }
+        let mut trial = self.at_start.clone();
+        for (n, r) in takes {
+            match trial.get_mut(*n) {
+                Some(room) => room.take(r),
+                None => return false,
+            }
+        }
+        match pack(&trial, &self.tasks) {
+            Some(nodes) => {
+                self.at_start = trial;
+                self.nodes = nodes;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn g(gpus: u32) -> Room {
+        Room {
+            gpus,
+            cpu: gpus,
+            memory_mb: 1024 * u64::from(gpus),
+        }
+    }
+
+    fn rel(node: usize, gpus: u32, end_ms: Option<u64>) -> Release {
+        Release {
+            node,
+            room: g(gpus),
+            end_ms,
+        }
+    }
+
+    #[test]
+    fn a_gang_is_reserved_where_it_fits_first_as_work_drains() {
+        // Two 8-GPU nodes, all busy; node 1 drains at 100 (two holders), node 0 at 50 and 300.
+        let free = [g(0), g(0)];
+        let releases = [
+            rel(0, 4, Some(50)),
+            rel(0, 4, Some(300)),
+            rel(1, 4, Some(80)),
+            rel(1, 4, Some(100)),
+        ];
+        let r = reserve(&free, &releases, &[g(8)], 10).unwrap();
+        assert_eq!((r.start_ms, r.nodes.clone()), (100, vec![1]));
+        // A gang of two 8-GPU tasks waits for both nodes.
+        let both = reserve(&free, &releases, &[g(8), g(8)], 10).unwrap();
+        assert_eq!(both.start_ms, 300);
+        // It fits now: the start is now.
+        assert_eq!(reserve(&[g(8), g(0)], &[], &[g(8)], 10).unwrap().start_ms, 10);
+        // An end nobody knows is never counted: it never fits.
+        assert!(reserve(&free, &[rel(1, 8, None)], &[g(8)], 10).is_none());
+    }
+
+    #[test]
+    fn backfill_takes_only_work_that_ends_first_or_fits_beside() {
+        // Node 0 has 4 free now; node 1 frees 8 at 100. Gang: one 8-GPU task, start 100.
+        let free = [g(4), g(0)];
+        let mut r = reserve(&free, &[rel(1, 8, Some(100))], &[g(8)], 0).unwrap();
+        assert_eq!((r.start_ms, r.nodes.clone()), (100, vec![1]));
+        // Ends before the start: on any node.
+        assert!(r.backfill(&[(1, g(0)), (0, g(4))], Some(100)));
+        // Ends after, but node 0 is not where the gang goes: fits beside.
+        assert!(r.backfill(&[(0, g(4))], Some(10_000)));
+        // Ends after and would take the gang's node (once node 1 has room): refused.
+        let mut r2 = reserve(&[g(0), g(2)], &[rel(1, 6, Some(100))], &[g(8)], 0).unwrap();
+        assert!(!r2.backfill(&[(1, g(2))], Some(101)));
+        assert!(!r2.backfill(&[(1, g(1))], None));
+        assert!(r2.backfill(&[(1, g(2))], Some(99)));
+        // What was backfilled past the start is booked: a second taker finds less.
+        let mut r3 = reserve(&[g(4), g(4)], &[], &[g(4)], 0).unwrap();
+        assert_eq!(r3.start_ms, 0);
+        assert!(r3.backfill(&[(0, g(4))], Some(500)), "the gang still fits on node 1");
+        assert_eq!(r3.nodes, vec![1]);
+        assert!(!r3.backfill(&[(1, g(1))], Some(500)));
+    }
+
+    #[test]
+    fn the_policy_picks_long_waiters_and_large_gangs() {
+        let p = Policy {
+            wait_bound_ms: 600_000,
+            min_gpus: 32,
+        };
+        assert!(p.applies(600_000, 1) && p.applies(0, 32));
+        assert!(!p.applies(599_999, 31));
+    }
+}
