@@ -285,7 +285,8 @@ pub(super) struct Launch<'a> {
     shim: Option<&'a Path>,
 }
 
-/// Creates the directory and files and spawns the task (see [`task_command`]) in a new
+/// Creates the directory and files and spawns the task (its program from
+/// [`crate::node::image::program_for`]) in a new
 /// session, inside its cgroup, as its user, under `taskset` when asked; returns the child,
 /// its pid and handles of its log files (for the log watcher).
 pub(super) fn spawn_launch(
