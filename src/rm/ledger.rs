@@ -682,8 +682,9 @@ impl Ledger {
         self.refresh_used(host);
     }
 
-    /// Completes every container that stayed Allocated longer than the expiry.
-    pub fn expire(&mut self, now: Instant) -> Vec<Ended> {
+    /// The containers that stayed Allocated longer than the expiry at `now`, sorted: the
+    /// RM ends each ([`Ledger::complete`], ABORTED, [`DIAG_EXPIRED`]).
+    pub fn expired(&self, now: Instant) -> Vec<String> {
         let mut due: Vec<String> = self
             .containers
             .values()
@@ -693,15 +694,22 @@ impl Ledger {
             .map(|c| c.container.container_id.clone())
             .collect();
         due.sort();
-        due.iter()
+        due
+    }
+
+    /// Completes every container that stayed Allocated longer than the expiry.
+    pub fn expire(&mut self, now: Instant) -> Vec<Ended> {
+        self.expired(now)
+            .iter()
             .filter_map(|id| self.complete(id, exit_status::ABORTED, DIAG_EXPIRED))
             .collect()
     }
 
-    /// Sets a node's state. Unusable states (LOST, UNHEALTHY, ...) end its containers
-    /// with -100, as YARN does ([`Ledger::stop`]: running ones stay held until the node
-    /// reports them dead). Unknown hosts give `None`.
-    pub fn set_node_state(&mut self, host: &str, state: NodeState) -> Option<Vec<Ended>> {
+    /// Sets a node's state and returns the containers that must end with it: under an
+    /// unusable state (LOST, UNHEALTHY, ...) every live one not already held, which the RM
+    /// ends with -100 as YARN does ([`Ledger::stop`], [`DIAG_LOST_NODE`]). Unknown hosts
+    /// give `None`.
+    pub fn mark_node(&mut self, host: &str, state: NodeState) -> Option<Vec<String>> {
         let ln = self.nodes.get_mut(host)?;
         ln.node.state = state;
         self.touched_nodes.insert(host.to_string());
@@ -716,11 +724,24 @@ impl Ledger {
             Vec::new()
         };
         self.mark_changed(host);
+        Some(ids)
+    }
+
+    /// Sets a node's state ([`Ledger::mark_node`]) and stops the containers that end with
+    /// it (running ones stay held until the node reports them dead).
+    pub fn set_node_state(&mut self, host: &str, state: NodeState) -> Option<Vec<Ended>> {
+        let ids = self.mark_node(host, state)?;
         Some(
             ids.iter()
                 .filter_map(|id| self.stop(id, exit_status::ABORTED, DIAG_LOST_NODE))
                 .collect(),
         )
+    }
+
+    /// The containers a node holds (live, or ended and held), sorted; `None` for an
+    /// unknown host.
+    pub fn held_or_live_on(&self, host: &str) -> Option<Vec<String>> {
+        Some(self.nodes.get(host)?.live.iter().cloned().collect())
     }
 
     /// Takes a node out for good (the admin's removal): every container still on it is
@@ -730,11 +751,18 @@ impl Ledger {
     /// an unknown host. Whatever is reported about those containers later frees nothing
     /// ([`Ledger::complete`] of a complete, unheld container is a no-op).
     pub fn remove_node(&mut self, host: &str, diagnostics: &str) -> Option<Vec<Ended>> {
-        let ids: Vec<String> = self.nodes.get(host)?.live.iter().cloned().collect();
+        let ids = self.held_or_live_on(host)?;
         let ended = ids
             .iter()
             .filter_map(|id| self.complete(id, exit_status::ABORTED, diagnostics))
             .collect();
+        self.forget_node(host);
+        Some(ended)
+    }
+
+    /// The last step of [`Ledger::remove_node`], once every container on `host` was
+    /// completed: the node leaves the view (reported DECOMMISSIONED to those that saw it).
+    pub fn forget_node(&mut self, host: &str) {
         self.epoch += 1;
         if let Some(mut ln) = self.nodes.remove(host) {
             self.by_change.remove(&ln.changed_at);
@@ -743,7 +771,6 @@ impl Ledger {
             self.removed.insert(host.to_string(), (ln.node, self.epoch));
         }
         self.touched_nodes.insert(host.to_string());
-        Some(ended)
     }
 
     /// Marks a node LOST (its containers complete with -100).

@@ -1,4 +1,7 @@
 //! The resource manager: REST server, scheduler ledger, applications, node executor.
+//! The ledger (`ledger`), the applications (`apps`) and the queue scheduler (`scheduler`)
+//! are pure; every change to the RM's state goes through the RM core's transactions
+//! (`server::transactions`), which the HTTP handlers and the background loops call.
 
 pub mod apps;
 pub mod history;

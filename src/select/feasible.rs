@@ -16,7 +16,11 @@
 //!    `select.allow_none_gpu_job_on_gpu_node`;
 //! 5. what fits: THE shortfall rule ([`Resources::shortfalls`]: GPUs with shares and mask,
 //!    CPU, memory, custom resources, concrete and dynamic ports), against the node's total
-//!    (*never*) and against what is free (*not now*).
+//!    (*never*) and against what is free (*not now*);
+//! 6. one GPU type per gang (issue 27): how many tasks a node's total could hold at once
+//!    ([`copies`]), summed over the nodes of one GPU type, says whether that type could
+//!    ever hold a whole gang (`select::one_type` chooses the type and refuses a gang no
+//!    single type can hold).
 
 use crate::resources::{Resources, Shortfall};
 
@@ -212,6 +216,33 @@ pub fn ever(t: &TaskFacts<'_>, n: &NodeFacts<'_>, ask: &Ask<'_>, total: &Resourc
     }
 }
 
+/// Rule 6's count: at most how many tasks of `ask` a node of `total` resources could hold
+/// at once (0 when not even one fits). An upper bound (it counts each dimension apart and
+/// leaves custom resources out), so a type whose nodes sum to fewer copies than a gang has
+/// tasks can never hold that gang.
+pub fn copies(ask: &Ask<'_>, total: &Resources) -> u32 {
+    if ask.shortfall(total).is_some() {
+        return 0;
+    }
+    let r = ask.request;
+    let per = |have: u64, want: u64| have.checked_div(want).unwrap_or(u64::MAX);
+    let gpus = match r.gpu_share() {
+        Some(h) => u64::from(total.gpu_count()) * per(100, u64::from(h)),
+        None => per(u64::from(total.gpu_count()), u64::from(r.gpus)),
+    };
+    let static_ports = if r.ports.is_empty() { u64::MAX } else { 1 };
+    let dynamic = per(
+        u64::from(total.ports.count_at_least(ask.min_port)),
+        u64::from(ask.dynamic_ports),
+    );
+    let n = gpus
+        .min(per(u64::from(total.cpu), u64::from(r.cpu)))
+        .min(per(total.memory_mb, r.memory_mb))
+        .min(static_ports)
+        .min(dynamic);
+    n.min(u64::from(u32::MAX)) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,5 +322,32 @@ mod tests {
             room(&two, &ports_total, &ports_total),
             Verdict::Never(Why::Short(Shortfall::DynamicPorts))
         );
+    }
+
+    #[test]
+    fn copies_count_the_tightest_dimension_and_zero_when_one_does_not_fit() {
+        let total = Resources::with_mask(10, 1000, 0xff, PortSet::range(100, 109));
+        let ask = |r: &Resources, dynamic: u32| {
+            copies(
+                &Ask {
+                    request: r,
+                    dynamic_ports: dynamic,
+                    min_port: 100,
+                },
+                &total,
+            )
+        };
+        let two_gpus = Resources::with_count(1, 10, 2, PortSet::new());
+        assert_eq!(ask(&two_gpus, 0), 4, "8 GPUs / 2");
+        assert_eq!(
+            ask(&Resources::with_count(3, 10, 1, PortSet::new()), 0),
+            3,
+            "10 CPU / 3"
+        );
+        assert_eq!(ask(&two_gpus, 3), 3, "10 ports / 3");
+        assert_eq!(ask(&Resources::with_count(1, 10, 1, PortSet::range(100, 100)), 0), 1);
+        assert_eq!(ask(&Resources::with_count(1, 10, 9, PortSet::new()), 0), 0);
+        let quarter = Resources::request(1, 10, 1, 0, Some(25), PortSet::new(), Default::default());
+        assert_eq!(ask(&quarter, 0), 10, "32 quarters, but 10 CPU");
     }
 }

@@ -15,6 +15,7 @@ mod fast_hash;
 pub mod feasible;
 mod index;
 mod objective;
+mod one_type;
 mod outcome;
 mod placement;
 mod plan;

@@ -9,7 +9,9 @@
 //!
 //! Among candidates equal on the link terms (T, W of the union and of the task's set), the
 //! NUMA term comes next (issue 27): the fewest NUMA nodes under the task's set, so a set within
-//! one NUMA node beats an equally linked one split over two; then the NIC term, then best fit.
+//! one NUMA node beats an equally linked one split over two; then the NIC terms (a set whose
+//! GPUs share a NIC, PIX/PXB, wins; then, for a job spanning nodes, GPUs behind an RDMA NIC),
+//! then best fit.
 
 use std::cmp::Reverse;
 
@@ -37,6 +39,9 @@ pub(crate) struct GpuPick {
     /// NUMA nodes the task's set sits on beyond the first ([`Topology::numa_split`]; fewer is
     /// better, 0 when unknown).
     pub numa: u8,
+    /// 1 when the task's set (≥ 2 GPUs) shares no NIC, on a node where a NIC is near two GPUs
+    /// ([`Topology::nic_apart`]; issue 27); 0 otherwise.
+    pub nic_apart: u8,
     /// GPUs of the task's set behind an InfiniBand/RoCE NIC's PCIe switch (GPUDirect RDMA),
     /// counted only when the job spans nodes (0 otherwise).
     pub nic: u8,
@@ -106,7 +111,7 @@ fn nic_count(t: &Topology, s: GpuMask, spread: bool) -> u8 {
 /// The best `want.k`-GPU set for one task on a node with `free` GPUs, when the job already
 /// holds `held` there and `want.f` of its tasks are planned to go there. The union U = held ∪
 /// X, X ⊆ free of `f·k` GPUs (fewer when fewer are free), and the task's set S ⊆ X maximise,
-/// in this order: T(U), T(S), W(U), W(S), then the fewest NUMA nodes under S, then (when the job spans nodes) the GPUs of S behind
+/// in this order: T(U), T(S), W(U), W(S), then the fewest NUMA nodes under S, then S sharing a NIC, then (when the job spans nodes) the GPUs of S behind
 /// an RDMA NIC's switch, then the best fit Fit(free, X) (smallest), then leave the best
 /// Cap(free ∖ X), then Fit(free, S), Cap(free ∖ S), then the lowest S, then the lowest X. With
 /// no other task planned there (f = 1, held = ∅) and no NIC term this is exactly DESIGN §5's
@@ -127,6 +132,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union_tier: topo.map_or(unknown_tier(held.count_ones()), |t| t.tier(held)),
             union_weight: topo.map_or(0, |t| t.weight(held)),
             numa: 0,
+            nic_apart: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
             left,
@@ -146,6 +152,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
             numa: 0,
+            nic_apart: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !x).count_ones()),
@@ -165,6 +172,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
             union_tier: g.tier,
             union_weight: g.weight,
             numa: t.numa_split(g.mask),
+            nic_apart: t.nic_apart(g.mask),
             nic: nic_count(t, g.mask, spread),
             fit: t.fit(free, g.mask),
             left: t.cap(free & !g.mask),
@@ -185,6 +193,7 @@ pub(crate) fn pick(topo: Option<&Topology>, free: GpuMask, held: GpuMask, want: 
         union_tier: t.tier(union),
         union_weight: t.weight(union),
         numa: t.numa_split(g.mask),
+        nic_apart: t.nic_apart(g.mask),
         nic: nic_count(t, g.mask, spread),
         fit: t.fit(free, x),
         left: t.cap(free & !x),
@@ -205,6 +214,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union_tier: t.tier(union),
             union_weight: t.weight(union),
             numa: t.numa_split(m),
+            nic_apart: t.nic_apart(m),
             nic: nic_count(t, m, spread),
             fit: t.fit(free, m),
             left: t.cap(free & !m),
@@ -218,6 +228,7 @@ pub(crate) fn given(topo: Option<&Topology>, free: GpuMask, held: GpuMask, m: Gp
             union_tier: unknown_tier(union.count_ones()),
             union_weight: 0,
             numa: 0,
+            nic_apart: 0,
             nic: 0,
             fit: [0; topology::FIT_LEVELS],
             left: count_cap((free & !m).count_ones()),
@@ -289,6 +300,7 @@ pub(crate) fn pick_share(
         union_tier,
         union_weight,
         numa: 0,
+        nic_apart: 0,
         nic: 0,
         fit,
         left,
@@ -298,7 +310,7 @@ pub(crate) fn pick_share(
 
 /// The exhaustive (union, task) search of [`pick`] on a small node.
 fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: bool) -> GpuPick {
-    type Set = (GpuMask, u8, u32, u8, u8, Fit, [i8; 3]);
+    type Set = (GpuMask, u8, u32, u8, u8, u8, Fit, [i8; 3]);
     let mut sets: Vec<Set> = Vec::new();
     subsets(free, k, &mut |s| {
         sets.push((
@@ -306,13 +318,14 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
             t.tier(s),
             t.weight(s),
             t.numa_split(s),
+            t.nic_apart(s),
             nic_count(t, s, spread),
             t.fit(free, s),
             t.cap(free & !s),
         ))
     });
     type Score = (
-        (u8, u8, u32, u32, Reverse<u8>, u8),
+        (u8, u8, u32, u32, Reverse<u8>, Reverse<u8>, u8),
         Reverse<Fit>,
         [i8; 3],
         Reverse<Fit>,
@@ -326,9 +339,9 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
         let (ut, uw) = (t.tier(union), t.weight(union));
         let fit = t.fit(free, x);
         let left = t.cap(free & !x);
-        for &(s, st, sw, numa, nic, sfit, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
+        for &(s, st, sw, numa, nic_apart, nic, sfit, scap) in sets.iter().filter(|(s, ..)| s & !x == 0) {
             let score = (
-                (ut, st, uw, sw, Reverse(numa), nic),
+                (ut, st, uw, sw, Reverse(numa), Reverse(nic_apart), nic),
                 Reverse(fit),
                 left,
                 Reverse(sfit),
@@ -345,6 +358,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
                     union_tier: ut,
                     union_weight: uw,
                     numa,
+                    nic_apart,
                     nic,
                     fit,
                     left,
@@ -363,6 +377,7 @@ fn exact(t: &Topology, free: GpuMask, held: GpuMask, k: u32, u: u32, spread: boo
         union_tier: 0,
         union_weight: 0,
         numa: 0,
+        nic_apart: 0,
         nic: 0,
         fit: [0; topology::FIT_LEVELS],
         left: [-1; 3],
@@ -395,6 +410,9 @@ pub(crate) struct RankKey {
     /// one NUMA node beats an equally linked set split over two; 0 when the affinity is
     /// unknown).
     pub numa: u8,
+    /// 7c. The task's set shares no NIC (1) though a NIC of the node is near two GPUs
+    /// (issue 27: among sets equal so far, one whose GPUs share a NIC wins).
+    pub nic_apart: u8,
     /// 8. GPUs of the task's set behind an RDMA NIC's PCIe switch, for a job spanning nodes.
     pub nic: Reverse<u8>,
     /// 9. Best fit, innermost group first: free GPUs left beside the job's new GPUs in the
@@ -431,7 +449,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 17] = [
+        let diffs: [(bool, &str, String, String); 18] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -485,6 +503,12 @@ impl RankKey {
                 "NUMA nodes the task's GPU set spans beyond the first (fewer is better)",
                 self.numa.to_string(),
                 best.numa.to_string(),
+            ),
+            (
+                self.nic_apart != best.nic_apart,
+                "task's GPUs share no NIC (1) where a set sharing one was free (0)",
+                self.nic_apart.to_string(),
+                best.nic_apart.to_string(),
             ),
             (
                 self.nic != best.nic,

@@ -7,7 +7,8 @@
 //! too) and [`super::plan_job`] (one round over a job with nothing placed: the gang check and
 //! the select bench) drive the same [`PlacementRound`].
 
-use super::{JobDemand, Outcome, Selection, Selector, TaskAsk, TaskShape};
+use super::one_type::{Choice, TypeGroups};
+use super::{JobDemand, Outcome, Selection, SelectionTrace, Selector, TaskAsk, TaskShape};
 use crate::resources::{PortSet, Resources};
 use crate::spec::JobSpec;
 
@@ -52,6 +53,8 @@ pub struct PlacementRound<'j> {
     role_ports: Vec<Option<PortSet>>,
     /// Roles that found no place in this round, with the first "not now".
     blocked: Vec<Option<Selection>>,
+    /// The GPU type each gang (else each role) that names none keeps to (issue 27).
+    types: TypeGroups,
 }
 
 /// The AM's request order: by task index, roles interleaved in file order
@@ -108,6 +111,7 @@ impl<'j> PlacementRound<'j> {
             waiting,
             role_ports,
             blocked: vec![None; job.task_roles.len()],
+            types: TypeGroups::of(job),
         }
     }
 
@@ -161,7 +165,29 @@ impl<'j> PlacementRound<'j> {
                 ..
             }
         );
-        let ask = TaskAsk::for_role(role, reuse, self.waiting).with_topology_wait(topology_wait);
+        // One GPU type per gang (else per role) that names none: chosen on first use.
+        let choice = self
+            .types
+            .choice(ri, self.job, &self.slots, selector, &self.demand)
+            .cloned();
+        let one;
+        let mut ask = TaskAsk::for_role(role, reuse, self.waiting).with_topology_wait(topology_wait);
+        match choice {
+            Some(Choice::Refused(reason)) => {
+                return Step {
+                    selection: Selection {
+                        outcome: Outcome::Impossible { reason },
+                        trace: SelectionTrace::default(),
+                    },
+                    repeated: false,
+                }
+            }
+            Some(Choice::One(ty)) => {
+                one = ty;
+                ask.gpu_types = &one;
+            }
+            Some(Choice::Free) | None => {}
+        }
         let selection = selector.select_and_reserve(&ask, &self.demand);
         match &selection.outcome {
             Outcome::Placed(p) => {

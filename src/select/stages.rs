@@ -203,6 +203,7 @@ pub(crate) fn rank_key(
         task_weight: Reverse(pick.task_weight),
         share_left: pick.share_left,
         numa: pick.numa,
+        nic_apart: pick.nic_apart,
         nic: Reverse(pick.nic),
         fit: pick.fit,
         free_gpus: avail.whole_gpu_count(),

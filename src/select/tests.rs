@@ -627,6 +627,7 @@ type Order = (
         std::cmp::Reverse<u32>,
         std::cmp::Reverse<u32>,
         u8,
+        u8,
         std::cmp::Reverse<u32>,
     ),
     (
@@ -667,6 +668,7 @@ fn order_of(n: &Node, s: u64, demand: &JobDemand, job_racks: &[String], k: u32) 
                 Reverse(t.weight(un)),
                 Reverse(t.weight(s)),
                 t.numa_split(s),
+                t.nic_apart(s),
                 Reverse(if spread { (s & t.nic_near()).count_ones() } else { 0 }),
             ),
             (
@@ -830,7 +832,7 @@ fn the_index_walk_finds_the_best_node_and_counts_every_drop() {
 }
 
 /// A job that spans nodes takes the GPUs behind an RDMA NIC's PCIe switch (GPUDirect RDMA);
-/// a job that fits on one node does not care, and plan names the NIC.
+/// a job that fits on one node takes a set sharing a NIC among equal ones; plan names the NIC.
 #[test]
 fn a_job_spanning_nodes_takes_gpus_behind_a_nic() {
     // pcie8-nic: mlx5_0 on GPUs 0–1's switch, mlx5_1 on GPUs 4–5's. n0 has {2,3} (no NIC)
@@ -848,13 +850,15 @@ fn a_job_spanning_nodes_takes_gpus_behind_a_nic() {
     assert_eq!(first.nic.as_deref(), Some("mlx5_1"));
     let on_n1 = plan.placements.iter().find(|p| p.host == "n1").unwrap();
     assert_eq!(on_n1.nic.as_deref(), Some("mlx5_0"));
-    // One task that fits on n0 alone: no NIC term, the lowest switch pair as DESIGN §5 says.
+    // One task that fits on n0 alone: no RDMA term, but among the equal PIX pairs (each
+    // within one NUMA node) the one whose GPUs share a NIC wins (issue 27: A(S) after N(S)):
+    // {4,5} under mlx5_1, not the lowest pair {2,3}, which shares none.
     let plan = plan_job(
         &selector(vec![nodes().remove(0)]),
         &job(vec![role("w", 1, res(4, 1000, 2))]),
     );
-    assert_eq!(plan.placements[0].gpus, [2, 3]);
-    assert_eq!(plan.placements[0].nic.as_deref(), Some("mlx5_0"));
+    assert_eq!(plan.placements[0].gpus, [4, 5]);
+    assert_eq!(plan.placements[0].nic.as_deref(), Some("mlx5_1"));
 }
 
 // ---------- GPU shares and custom resources (issue 15) ----------

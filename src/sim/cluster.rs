@@ -21,6 +21,9 @@ pub struct SimNode {
     pub free_mask: GpuMask,
     pub free_cpu: u32,
     pub free_mem: u64,
+    /// Its GPU type (issue 27): the trace's `gpu_type`, else the machine kind (its
+    /// topology's name), so a generated cluster of one preset has one type.
+    pub gpu_type: Arc<str>,
 }
 
 impl SimNode {
@@ -109,6 +112,7 @@ impl SimCluster {
             free_mask: all,
             free_cpu: cpu,
             free_mem: mem_mb,
+            gpu_type: Arc::from(topo.name()),
         });
     }
 
@@ -158,6 +162,7 @@ impl SimCluster {
                     Resources::with_mask(n.cpu_total, n.mem_total, n.all_mask, PortSet::new()),
                 );
                 node.topology = Some(self.topos[n.topo].clone());
+                node.gpu_type = Some(n.gpu_type.to_string());
                 node
             })
             .collect()

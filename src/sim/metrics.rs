@@ -24,6 +24,8 @@ pub struct RunStats {
     pub nodes_over_min: u64,
     pub racks_over_min: u64,
     pub at_min_nodes: u64,
+    /// Multi-task jobs placed whose GPU tasks span more than one GPU type (issue 27).
+    pub mixed_type_jobs: u64,
     /// Seconds from arrival to start, per placed job.
     pub delays: Vec<f64>,
     /// Wall clock of each choice call that placed a task (ns).
@@ -66,6 +68,7 @@ pub const METRICS: &[&str] = &[
     "nodesOverMin",
     "racksOverMin",
     "atMinNodes",
+    "mixedTypeGangs",
     "queueDelayP50",
     "queueDelayP95",
     "utilization",
@@ -112,6 +115,7 @@ impl RunStats {
             per_job(self.nodes_over_min),
             per_job(self.racks_over_min),
             per_job(self.at_min_nodes),
+            self.mixed_type_jobs as f64,
             percentile(&d, 0.5),
             percentile(&d, 0.95),
             util,

@@ -397,6 +397,13 @@ impl Engine<'_> {
             st.nodes_over_min += (nodes.len() as u64).saturating_sub(min_nodes);
             st.racks_over_min += (racks.len() as u64).saturating_sub(min_racks);
             st.at_min_nodes += u64::from(nodes.len() as u64 <= min_nodes);
+            let types: HashSet<&str> = placed
+                .iter()
+                .zip(&job.tasks)
+                .filter(|(_, t)| t.gpus > 0)
+                .map(|((n, _), _)| &*self.cl.nodes[*n].gpu_type)
+                .collect();
+            st.mixed_type_jobs += u64::from(types.len() > 1);
         }
     }
 }

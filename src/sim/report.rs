@@ -88,7 +88,7 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
             opts.topology_wait_sec
         ));
         s.push_str(&format!(
-            "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+            "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6} {:>6}\n",
             "policy",
             "tierIdeal",
             "unionIdeal",
@@ -101,11 +101,12 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
             "util",
             "dP50 µs",
             "dP99 µs",
-            "fb/inv"
+            "fb/inv",
+            "mixed"
         ));
         for (name, p) in &r.policies {
             s.push_str(&format!(
-                "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6}\n",
+                "{:<11} {:>13} {:>13} {:>13} {:>13} {:>11} {:>11} {:>12} {:>10} {:>7} {:>8} {:>8} {:>6} {:>6}\n",
                 name,
                 pm(p, "tierIdeal", 3),
                 pm(p, "unionIdeal", 3),
@@ -119,6 +120,7 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
                 fmt(p.get("decisionP50Us"), 1),
                 fmt(p.get("decisionP99Us"), 1),
                 format!("{}/{}", fmt(p.get("fallbacks"), 0), fmt(p.get("invalid"), 0)),
+                fmt(p.get("mixedTypeGangs"), 1),
             ));
         }
         let verdict = dominance::verdict(r);

@@ -383,3 +383,29 @@ fn gpuam_waits_for_a_whole_pair_then_takes_the_best_set_when_its_wait_ends() {
     assert_eq!((s.multi_placed, s.multi_ideal), (1, 0));
     assert!((s.delays[3] - wait).abs() < 1e-9, "delay {}", s.delays[3]);
 }
+
+/// `mixedTypeGangs` (issue 27): a multi-task job whose GPU tasks land on two GPU types is
+/// counted, per policy; one on a single type is not.
+#[test]
+fn jobs_spanning_gpu_types_are_counted_per_policy() {
+    let two_by_four = |types: [&str; 2]| {
+        let mut c = cl("pcie4", 2);
+        for (n, ty) in c.nodes.iter_mut().zip(types) {
+            n.gpu_type = std::sync::Arc::from(ty);
+        }
+        c
+    };
+    let jobs = vec![Job {
+        id: 0,
+        arrival: 0.0,
+        duration: 10.0,
+        tasks: vec![task(4), task(4)],
+    }];
+    for p in POLICIES {
+        let mixed = simulate(&two_by_four(["V100", "T4"]), &jobs, p, 1).unwrap();
+        assert_eq!(mixed.summary()["mixedTypeGangs"], 1.0, "{p}");
+        let one = simulate(&two_by_four(["V100", "V100"]), &jobs, p, 1).unwrap();
+        assert_eq!(one.summary()["mixedTypeGangs"], 0.0, "{p}");
+    }
+    assert!(cl("pcie8", 3).nodes.iter().all(|n| &*n.gpu_type == "pcie8"));
+}

@@ -258,6 +258,9 @@ pub fn trace_cluster(dir: &Path, trace: Trace, eight: Option<&Topology>) -> Resu
             cpu,
             mem,
         );
+        if let (Some(n), false) = (cl.nodes.last_mut(), ty.is_empty()) {
+            n.gpu_type = std::sync::Arc::from(ty);
+        }
         i += 1;
     }
     if cl.nodes.is_empty() {

@@ -32,6 +32,9 @@ pub struct JobSpec {
     pub queue: Option<String>,
     /// Its priority within its queue (`priority`; higher first, default 0).
     pub priority: i32,
+    /// `allowMixedGpuTypes` (issue 27): its untyped GPU tasks may span GPU types. Off by
+    /// default: a gang (else each role) that names no `gpuType` gets GPUs of one type.
+    pub allow_mixed_gpu_types: bool,
     /// OpenPAI v2 job-level settings (`None` for gpuam's own format).
     pub pai: Option<PaiJob>,
     /// Fields accepted but not honoured (or honoured differently), with their positions;
@@ -91,6 +94,9 @@ pub struct TaskRole {
     pub gpu_types: Vec<String>,
     pub node_label: Option<String>,
     pub same_port_allocation: bool,
+    /// `allowMixedGpuTypes` on the role: its tasks may span GPU types (see
+    /// [`JobSpec::allow_mixed_gpu_types`]).
+    pub allow_mixed_gpu_types: bool,
     pub commands: Vec<String>,
     /// frameworklauncher semantics: n ≥ 0 retries; -1 = unlimited for failures; -2 = always.
     pub task_retry_count: i32,
@@ -193,6 +199,10 @@ impl TaskResources {
 impl JobSpec {
     pub fn total_tasks(&self) -> u32 {
         self.task_roles.iter().map(|r| r.instances).sum()
+    }
+    /// May `role`'s tasks span GPU types (the job's or the role's `allowMixedGpuTypes`)?
+    pub fn mixes_gpu_types(&self, role: &TaskRole) -> bool {
+        self.allow_mixed_gpu_types || role.allow_mixed_gpu_types
     }
     pub fn role(&self, name: &str) -> Option<&TaskRole> {
         self.task_roles.iter().find(|r| r.name == name)

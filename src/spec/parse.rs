@@ -21,6 +21,7 @@ const NATIVE_TOP: &[&str] = &[
     "gangTimeoutSec",
     "queue",
     "priority",
+    "allowMixedGpuTypes",
     "taskRoles",
 ];
 const V2_TOP: &[&str] = &[
@@ -58,11 +59,13 @@ const NATIVE_ROLE: &[&str] = &[
     "gpuType",
     "nodeLabel",
     "samePortAllocation",
+    "allowMixedGpuTypes",
     "commands",
     "taskRetryCount",
     "completion",
 ];
-/// v2 role fields, plus gpuam's `gpuType`, `nodeLabel` and `samePortAllocation`.
+/// v2 role fields, plus gpuam's `gpuType`, `nodeLabel`, `samePortAllocation` and
+/// `allowMixedGpuTypes`.
 const V2_ROLE: &[&str] = &[
     "instances",
     "completion",
@@ -78,6 +81,7 @@ const V2_ROLE: &[&str] = &[
     "gpuType",
     "nodeLabel",
     "samePortAllocation",
+    "allowMixedGpuTypes",
 ];
 const ROLE_HINTS: &[(&str, &str)] = &[
     ("taskNumber", "instances"),
@@ -279,6 +283,10 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
     };
 
     let (native_queue, priority) = if v2 { (None, 0) } else { read_queue(d, root) };
+    let allow_mixed_gpu_types = match root.get("allowMixedGpuTypes") {
+        Some(n) if !v2 && !n.is_null() => d.bool(n, "allowMixedGpuTypes").unwrap_or(false),
+        _ => false,
+    };
     let roles = read_roles(d, root, format, &v2ctx);
     let pai = v2.then(|| PaiJob {
         job_retry_count: v2ctx.job_retry_count,
@@ -293,6 +301,7 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         task_roles: roles?,
         queue: v2ctx.virtual_cluster.clone().or(native_queue),
         priority,
+        allow_mixed_gpu_types,
         pai,
         warnings: v2ctx.warnings.into_sorted(),
     })
@@ -609,6 +618,17 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
             }
         },
     };
+    let allow_mixed_gpu_types = match node.get("allowMixedGpuTypes") {
+        None => false,
+        Some(n) if n.is_null() => false,
+        Some(n) => match d.bool(n, &join(path, "allowMixedGpuTypes")) {
+            Some(b) => b,
+            None => {
+                ok = false;
+                false
+            }
+        },
+    };
     let commands = read_commands(d, node, name, path, v2, is_v2);
     ok &= commands.is_some();
 
@@ -677,6 +697,7 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
         gpu_types,
         node_label,
         same_port_allocation,
+        allow_mixed_gpu_types,
         commands: commands?,
         task_retry_count,
         completion: completion?,

@@ -1558,3 +1558,25 @@ fn v2_prerequisites_follow_openpais_current_schema() {
     got.sort();
     assert_eq!(got, vec!["prerequisites[1].require", "prerequisites[1].uri"]);
 }
+
+/// `allowMixedGpuTypes` (issue 27): off by default, on the job or on a role, a bool; an
+/// OpenPAI v2 role accepts it as gpuam's extension.
+#[test]
+fn allow_mixed_gpu_types_on_the_job_or_a_role() {
+    let plain = parse(&ok_role("")).unwrap();
+    assert!(!plain.allow_mixed_gpu_types && !plain.task_roles[0].allow_mixed_gpu_types);
+    assert!(!plain.mixes_gpu_types(&plain.task_roles[0]));
+    let on_role = parse(&ok_role("    allowMixedGpuTypes: true\n")).unwrap();
+    assert!(on_role.task_roles[0].allow_mixed_gpu_types && on_role.mixes_gpu_types(&on_role.task_roles[0]));
+    let on_job = parse(&format!("allowMixedGpuTypes: true\n{}", ok_role(""))).unwrap();
+    assert!(on_job.allow_mixed_gpu_types && on_job.mixes_gpu_types(&on_job.task_roles[0]));
+    one(
+        &ok_role("    allowMixedGpuTypes: sometimes\n"),
+        "taskRoles.worker.allowMixedGpuTypes",
+        6,
+        "true or false",
+    );
+    let pai = parse(&v2(V2_ROLE).replacen("    commands:", "    allowMixedGpuTypes: true\n    commands:", 1)).unwrap();
+    assert!(pai.task_roles.iter().any(|r| r.allow_mixed_gpu_types));
+    assert!(parse(&v2(V2_ROLE)).is_ok_and(|j| j.task_roles.iter().all(|r| !r.allow_mixed_gpu_types)));
+}

@@ -4,7 +4,10 @@
 //! Objective, in order: maximise T(S), then W(S), then minimise N(S), the number of NUMA nodes
 //! S's GPUs sit on beyond the first (the `NUMA Affinity` column of `nvidia-smi topo -m`; GPUs of
 //! unknown affinity count for none, so without the column N is 0 everywhere and changes
-//! nothing: among sets equal on the links, one whose GPUs share a NUMA node wins), then minimise the best-fit vector Fit(F, S)
+//! nothing: among sets equal on the links, one whose GPUs share a NUMA node wins), then minimise
+//! A(S), 1 when S (of ≥ 2 GPUs) has no NIC PIX/PXB-near all its GPUs on a node where some NIC
+//! is near two GPUs (the NIC columns; issue 27: among sets equal on T, W and N, one whose GPUs
+//! share a NIC wins), then minimise the best-fit vector Fit(F, S)
 //! (free GPUs left beside S in the NVLink, PIX, PXB, PHB and NUMA groups it takes from,
 //! innermost first; [`super::Topology::fit`]), then maximise the fragmentation vector
 //! Cap(F∖S) = [cap(8), cap(4), cap(2)] (lexicographic; cap(F, s) = the highest tier c such that
@@ -18,17 +21,18 @@
 //! 2. **Enumeration** (exact on the whole objective): all k-subsets of the candidates, with W
 //!    updated incrementally from per-class adjacency popcounts. Used for k = 1, on
 //!    tree nodes when the number of subsets is within [`TREE_ENUM_BUDGET`] (so always on 8-GPU
-//!    trees), on every node of ≤ 16 GPUs whose GPUs sit on more than one NUMA node and on
+//!    trees), on every node of ≤ 16 GPUs whose GPUs sit on more than one NUMA node (or that
+//!    has a NIC near two GPUs) and on
 //!    non-tree nodes of ≤ 16 GPUs whatever the size (at most C(16,8) = 12 870 subsets, so they
 //!    are exact, N included), and on larger non-tree nodes within [`ENUM_BUDGET`].
 //! 3. **Tree DP** on tree-shaped (ultrametric) nodes beyond that budget (so: larger than 16
 //!    GPUs, or of one NUMA node): a knapsack over the island tree, exact on (T, W). Its
 //!    tie-break is the reference's best fit: the smallest total size of fully-free islands split
-//!    by the choice, then the smallest mask (N, Fit and Cap do not decompose over the tree; on a
-//!    multi-NUMA tree of > 16 GPUs N is not applied).
+//!    by the choice, then the smallest mask (N, A, Fit and Cap do not decompose over the tree; on
+//!    a multi-NUMA or NIC-sharing tree of > 16 GPUs N and A are not applied).
 //! 4. **Greedy + swap** on large non-tree meshes beyond the budget: seeded growth inside a
 //!    candidate staying connected in G_c*, then 1-swap improvement of W. T is exact, W is a
-//!    local optimum; N, Fit and Cap rank the local optima (one per candidate component).
+//!    local optimum; N, A, Fit and Cap rank the local optima (one per candidate component).
 
 use crate::resources::{lowest_bits, GpuMask};
 
@@ -86,6 +90,9 @@ pub(crate) struct Tables {
     /// The GPUs of each NUMA node (known affinity only), when they sit on more than one;
     /// empty otherwise (N(S) then tells no set apart). Set by [`Tables::set_numa`].
     numa: Vec<u64>,
+    /// The GPUs PIX/PXB-near each NIC, for the NICs near two GPUs or more (issue 27); empty
+    /// otherwise (A(S) then tells no set apart). Set by [`Tables::set_nics`].
+    nic: Vec<u64>,
 }
 
 /// Island tree of an ultrametric node: leaves are GPUs; an inner node's children are linked to
@@ -177,6 +184,7 @@ impl Tables {
             cls_adj,
             tree: None,
             numa: Vec::new(),
+            nic: Vec::new(),
         };
         for c in 0..3 {
             let isl = t.bfs_components(c, all);
@@ -304,6 +312,34 @@ impl Tables {
     #[inline]
     pub(crate) fn numa_split(&self, set: u64) -> u8 {
         (self.numa.iter().filter(|&&m| m & set != 0).count() as u8).saturating_sub(1)
+    }
+
+    /// Records the GPUs PIX/PXB-near each NIC (one mask per NIC).
+    pub(crate) fn set_nics(&mut self, near: &[u64]) {
+        self.nic = near
+            .iter()
+            .map(|m| m & self.all)
+            .filter(|m| m.count_ones() >= 2)
+            .collect();
+        self.nic.sort_unstable();
+        self.nic.dedup();
+    }
+
+    /// A(S): 1 when S has two GPUs or more and no NIC is PIX/PXB-near all of them, on a node
+    /// where some NIC is near two GPUs; 0 otherwise. Smaller is better (after N).
+    #[inline]
+    pub(crate) fn nic_apart(&self, set: u64) -> u8 {
+        if self.nic.is_empty() || set.count_ones() < 2 {
+            return 0;
+        }
+        u8::from(!self.nic.iter().any(|&g| set & !g == 0))
+    }
+
+    /// The locality key of a set among sets equal on (T, W): N(S), then A(S), as one number
+    /// (smaller is better).
+    #[inline]
+    pub(crate) fn locality(&self, set: u64) -> u16 {
+        u16::from(self.numa_split(set)) * 2 + u16::from(self.nic_apart(set))
     }
 
     /// Components of G_c[set], by repeated frontier expansion (u64 BFS).
@@ -483,7 +519,10 @@ impl Tables {
             .iter()
             .fold(0u64, |acc, m| acc.saturating_add(binom(m.count_ones(), k)));
         let (mask, w) = match &self.tree {
-            Some(tree) if count > TREE_ENUM_BUDGET && (self.numa.is_empty() || self.n > ALWAYS_EXACT_GPUS) => {
+            Some(tree)
+                if count > TREE_ENUM_BUDGET
+                    && ((self.numa.is_empty() && self.nic.is_empty()) || self.n > ALWAYS_EXACT_GPUS) =>
+            {
                 self.tree_dp(tree, free, k, cstar)
             }
             None if count > ENUM_BUDGET && self.n > ALWAYS_EXACT_GPUS => self.greedy(free, k, cstar, &comps),
@@ -584,8 +623,8 @@ impl Tables {
 
     fn greedy(&self, free: u64, k: u32, cstar: u8, comps: &[u64]) -> (u64, u32) {
         let c = cstar as usize;
-        // (W, NUMA nodes, best fit, what is left) of a set, compared lexicographically.
-        type Key = (u32, std::cmp::Reverse<u8>, std::cmp::Reverse<Fit>, Cap);
+        // (W, NUMA nodes then NIC apart, best fit, what is left) of a set, lexicographically.
+        type Key = (u32, std::cmp::Reverse<u16>, std::cmp::Reverse<Fit>, Cap);
         let mut best: Option<(Key, u64)> = None;
         for &x in comps {
             let mut seeds: Vec<(u32, u32)> = bits(x).map(|i| (self.delta(i, x & !(1 << i)), i)).collect();
@@ -638,7 +677,7 @@ impl Tables {
             }
             let key = (
                 w,
-                std::cmp::Reverse(self.numa_split(s)),
+                std::cmp::Reverse(self.locality(s)),
                 std::cmp::Reverse(self.fit(free, s)),
                 self.cap(free & !s),
             );
@@ -673,7 +712,8 @@ impl Val {
 struct Best {
     mask: u64,
     w: u32,
-    numa: u8,
+    /// N(S) then A(S) ([`Tables::locality`]).
+    numa: u16,
     fit: Fit,
     cap: Option<Cap>,
 }
@@ -714,7 +754,7 @@ impl Enum<'_> {
         }
         let t = self.t;
         let free = self.free;
-        let numa = t.numa_split(s);
+        let numa = t.locality(s);
         if self.best.as_ref().is_some_and(|b| w == b.w && numa > b.numa) {
             return;
         }

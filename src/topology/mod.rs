@@ -122,6 +122,15 @@ impl Topology {
             .fold(0, |m, g| m | 1 << g);
         let numa: Vec<Option<u32>> = affinity.iter().map(|a| a.numa).collect();
         self.tables.set_numa(&numa);
+        let near: Vec<GpuMask> = nics
+            .iter()
+            .map(|x| {
+                (0..self.n)
+                    .filter(|&g| x.links[g as usize].tier() >= 1)
+                    .fold(0, |m, g| m | 1 << g)
+            })
+            .collect();
+        self.tables.set_nics(&near);
         self.nics = nics;
         self.affinity = affinity;
         Ok(self)
@@ -143,6 +152,13 @@ impl Topology {
     /// ignored.
     pub fn numa_split(&self, mask: GpuMask) -> u8 {
         self.tables.numa_split(mask & self.tables.all)
+    }
+
+    /// A(S) (issue 27): 1 when `mask` holds two GPUs or more and no NIC is PIX/PXB-near all
+    /// of them, on a node where some NIC is near two GPUs; 0 otherwise. Among sets equal on
+    /// T, W and N, fewer is better ([`choose`]): the set whose GPUs share a NIC wins.
+    pub fn nic_apart(&self, mask: GpuMask) -> u8 {
+        self.tables.nic_apart(mask & self.tables.all)
     }
 
     /// The GPUs that share a PCIe switch (PIX/PXB) with an InfiniBand/RoCE NIC: their traffic

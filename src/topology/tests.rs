@@ -15,6 +15,8 @@ struct Ref {
     n: usize,
     /// Each GPU's NUMA node from the affinity columns (`None` unknown).
     numa: Vec<Option<u32>>,
+    /// Per NIC, the GPUs with a PIX or PXB link to it.
+    nic_near: Vec<u64>,
 }
 
 fn idx_of(s: u64) -> Vec<usize> {
@@ -40,7 +42,33 @@ impl Ref {
             }
         }
         let numa = (0..n).map(|g| t.affinity().get(g).and_then(|a| a.numa)).collect();
-        Ref { tier, weight, n, numa }
+        let nic_near = t
+            .nics()
+            .iter()
+            .map(|x| {
+                (0..n)
+                    .filter(|&g| matches!(x.links[g], Link::Pix | Link::Pxb))
+                    .fold(0u64, |m, g| m | 1 << g)
+            })
+            .collect();
+        Ref {
+            tier,
+            weight,
+            n,
+            numa,
+            nic_near,
+        }
+    }
+
+    /// A(S): 1 when S has ≥ 2 GPUs, some NIC is near two GPUs, and none is near all of S.
+    fn nic_apart(&self, s: u64) -> u8 {
+        let shared = self.nic_near.iter().any(|m| m.count_ones() >= 2);
+        u8::from(shared && s.count_ones() >= 2 && !self.nic_near.iter().any(|&m| s & !m == 0))
+    }
+
+    /// The locality terms among sets equal on (T, W): N(S), then A(S).
+    fn locality(&self, s: u64) -> (u8, u8) {
+        (self.numa_split(s), self.nic_apart(s))
     }
 
     /// NUMA nodes (known ones) under `s`, beyond the first.
@@ -148,7 +176,7 @@ fn ref_max_comp(t: &Topology, c: u8, idx: &[u32]) -> usize {
 /// (T, W, Fit, Cap of what is left, mask).
 type RefBest = (u8, u32, [u8; 5], [i8; 3], u64);
 
-/// Best (T, W, N, Fit, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
+/// Best (T, W, N, A, Fit, Cap, mask) for every k = 0..=|F|, by visiting every subset of F.
 /// With `full = false` only (T, W) are compared (the mask returned is then any optimum).
 fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
     let nf = f.count_ones() as usize;
@@ -162,8 +190,8 @@ fn ref_all_k(r: &Ref, f: u64, full: bool) -> Vec<RefBest> {
             Some((bt, bw, bfit, bc, bm)) => {
                 if tw != (bt, bw) {
                     tw > (bt, bw)
-                } else if full && r.numa_split(s) != r.numa_split(bm) {
-                    r.numa_split(s) < r.numa_split(bm)
+                } else if full && r.locality(s) != r.locality(bm) {
+                    r.locality(s) < r.locality(bm)
                 } else if full {
                     let fit = r.fit(f, s);
                     let cap = r.cap(f & !s);
@@ -1168,4 +1196,116 @@ fn numa_example_of_the_issue_and_the_unknown_column() {
     // NVSwitch box, GPUs 3–7 free: the four of NUMA node 1, not the lowest mask {3,4,5,6}.
     let h = Topology::parse_nvidia_smi(HGX_NV18_TEXT).unwrap();
     assert_eq!(choose(Some(&h), 0b1111_1000, 4).unwrap().mask, 0b1111_0000);
+}
+
+// ---------- the NIC term in ties, on real `nvidia-smi topo -m` texts ----------
+
+/// The smallest A(S) among the k-subsets of `f` with the best (T, W, N), by visiting every
+/// subset.
+fn best_locality(r: &Ref, f: u64, k: u32) -> ((u8, u32), (u8, u8)) {
+    let mut best: Option<((u8, u32), (u8, u8))> = None;
+    let mut s = f;
+    loop {
+        if s.count_ones() == k {
+            let tw = (r.tier(s), r.weight(s));
+            let loc = r.locality(s);
+            if best.is_none_or(|(btw, bl)| tw > btw || (tw == btw && loc < bl)) {
+                best = Some((tw, loc));
+            }
+        }
+        if s == 0 {
+            break;
+        }
+        s = (s - 1) & f;
+    }
+    best.unwrap_or(((2, 0), (0, 0)))
+}
+
+#[test]
+fn nic_decides_ties_on_real_matrices_for_every_free_mask_and_size() {
+    // Texts whose NIC columns put a NIC PIX/PXB-near two GPUs (DGX-1V; DGX A100, where the
+    // NIC pairs are the NUMA pairs, so N decides first, and the same without its affinity
+    // columns, where A does), one NIC per GPU (HGX NV18, H100: A alike for every set) and
+    // NICs only PHB-near (8 × 4090).
+    let a100 = Topology::parse_nvidia_smi(DGXA100_TEXT).unwrap();
+    let a100_nics_only = Topology::new("custom", 8, |x, y| a100.link(x, y))
+        .unwrap()
+        .with_locality(a100.nics().to_vec(), Vec::new())
+        .unwrap();
+    let parsed = |text: &str| Topology::parse_nvidia_smi(text).unwrap();
+    let texts = [
+        ("DGX-1V", parsed(DGX1V_TEXT), true),
+        ("DGX A100", a100.clone(), false),
+        ("DGX A100, NIC columns only", a100_nics_only, true),
+        ("HGX NV18", parsed(HGX_NV18_TEXT), false),
+        ("H100 new driver", parsed(H100_NEW_DRIVER), false),
+        ("8x RTX 4090", parsed(RTX4090X8_TEXT), false),
+    ];
+    for (name, t, shares) in texts {
+        let r = Ref::new(&t);
+        let mut decided = 0;
+        for f in 0..=t.all_mask() {
+            for k in 1..=f.count_ones() {
+                let got = choose(Some(&t), f, k).unwrap();
+                let (tw, loc) = best_locality(&r, f, k);
+                assert_eq!((got.tier, got.weight), tw, "{name} F={f:#x} k={k}: (T, W)");
+                assert_eq!(
+                    r.locality(got.mask),
+                    loc,
+                    "{name} F={f:#x} k={k}: chose {:#x}, whose GPUs share no NIC while a set equal on (T, W, N) does",
+                    got.mask
+                );
+                assert_eq!(
+                    t.nic_apart(got.mask),
+                    loc.1,
+                    "{name} F={f:#x} k={k}: Topology::nic_apart"
+                );
+                // A set equal on (T, W, N) but apart from any NIC was free: the term decided.
+                let mut s = f;
+                while s != 0 {
+                    if s.count_ones() == k
+                        && (r.tier(s), r.weight(s)) == tw
+                        && r.numa_split(s) == loc.0
+                        && r.nic_apart(s) > loc.1
+                    {
+                        decided += 1;
+                        break;
+                    }
+                    s = (s - 1) & f;
+                }
+            }
+            check_against_reference(&t, f, true);
+        }
+        assert_eq!(
+            decided > 0,
+            shares,
+            "{name}: free masks where the NIC term decides: {decided}"
+        );
+    }
+}
+
+#[test]
+fn nic_example_and_the_order_after_numa() {
+    // DGX-1V: mlx5_0 is PIX-near GPUs 0 and 1 (one PCIe switch), mlx5_1 GPUs 2 and 3.
+    let t = Topology::parse_nvidia_smi(DGX1V_TEXT).unwrap();
+    assert_eq!(t.nic_apart(0b11), 0, "GPUs 0 and 1 share mlx5_0 (PIX)");
+    assert_eq!(t.nic_apart(0b1001), 1);
+    assert_eq!(t.nic_apart(0b1), 0, "a single GPU shares with itself");
+    // DGX A100 (every pair NV12) with its NIC columns but no affinity columns: GPUs 1, 2, 3
+    // free: {2,3} shares mlx5_1 (PXB) and wins over the lowest mask {1,2}.
+    let a = Topology::parse_nvidia_smi(DGXA100_TEXT).unwrap();
+    let nics_only = Topology::new("custom", 8, |x, y| a.link(x, y))
+        .unwrap()
+        .with_locality(a.nics().to_vec(), Vec::new())
+        .unwrap();
+    assert_eq!(nics_only.numa_split(0b110), 0, "no affinity: N tells nothing");
+    assert_eq!(choose(Some(&nics_only), 0b1110, 2).unwrap().mask, 0b1100);
+    // The same matrix without its NIC columns and affinity: the lowest mask.
+    let bare = Topology::new("bare", 8, |x, y| a.link(x, y)).unwrap();
+    assert_eq!(bare.nic_apart(0b110), 0);
+    assert_eq!(choose(Some(&bare), 0b1110, 2).unwrap().mask, 0b110);
+    // NIC after NUMA: the pcie8-nic preset (one NIC per socket) keeps N first.
+    let p = Topology::preset("pcie8-nic").unwrap();
+    assert_eq!(p.nic_apart(0b11), 0);
+    assert_eq!(p.nic_apart(0b1100), 1, "GPUs 2 and 3 are on the socket's second switch");
 }

@@ -2,7 +2,21 @@
 //! one inherited from an earlier RM), and on its death starts the next attempt
 //! (work-preserving) or fails the application.
 
-use super::*;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use super::containers::spawn_stops;
+use super::transactions::{self, AmEnd};
+use super::Shared;
+use crate::node::procs::ProcessId;
+use crate::protocol::ContainerState;
+use crate::rm::store::StoreError;
 
 /// How long a killed application's AM gets to exit by itself before it is killed.
 pub const AM_KILL_GRACE: Duration = Duration::from_secs(5);
@@ -77,24 +91,7 @@ pub(super) fn reattach(rm: &Arc<Shared>) {
 /// same settings. The attempt is recorded with the process's identity, so a restarted
 /// RM can find it again.
 pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
-    let (token, job_token, launch) = {
-        let mut st = rm.lock();
-        let app = st
-            .apps
-            .get_mut(id)
-            .ok_or_else(|| std::io::Error::other(format!("unknown application `{id}`")))?;
-        let launch = app
-            .launch
-            .clone()
-            .ok_or_else(|| std::io::Error::other(format!("application `{id}` has no AM to launch")))?;
-        app.attempt_started(None);
-        let started = (app.token().to_string(), app.job_token().map(str::to_string), launch);
-        // The attempt is stored before its process exists, so a restarted RM never starts a
-        // second AM beside one it does not know of.
-        let ts = st.cluster_ts;
-        st.persist(ts).map_err(LaunchError::Store)?;
-        started
-    };
+    let (token, job_token, launch) = transactions::begin_attempt(&mut rm.lock(), id)?;
     let dir = rm.work_dir.join(id);
     // Appended: a later attempt's output follows the earlier one's, which tells why it died.
     let append = |name: &str| {
@@ -172,13 +169,7 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
         pid
     };
     if let Some(p) = pid.and_then(ProcessId::of) {
-        let mut st = rm.lock();
-        if let Some(a) = st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
-            if a.finished_time == 0 && a.process.is_none() {
-                a.process = Some(p);
-            }
-        }
-        st.commit_or_log();
+        transactions::attempt_process(&mut rm.lock(), id, p);
     }
     tracing::info!(app = %id, "AM launched");
     Ok(())
@@ -222,54 +213,29 @@ pub(super) fn watch_inherited_am(rm: &Arc<Shared>, id: &str, process: ProcessId)
 pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
     rm.am_procs.lock().remove(id);
     let tail = stderr_tail(&rm.work_dir.join(id).join("am.stderr"), STDERR_TAIL_LINES);
-    let ended = {
-        let mut st = rm.lock();
-        let Some(app) = st.apps.get_mut(id) else {
-            return;
-        };
-        app.attempt_ended(&how);
-        if app.unregistered || app.report.state.is_final() {
+    let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
+    let end = transactions::am_ended(&mut rm.lock(), id, &how, rm.max_am_attempts, !stopping);
+    match end {
+        AmEnd::Over => {
             tracing::info!(app = %id, "AM exited ({how})");
-            st.commit_or_log();
             return;
         }
-        let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
-        if app.report.attempt < rm.max_am_attempts && !app.shutdown && !stopping && app.launch.is_some() {
-            app.report.attempt += 1;
-            app.registered = false;
-            app.report.state = AppState::Accepted;
-            app.last_allocate = None;
-            let attempt = app.report.attempt;
-            st.commit_or_log();
-            drop(st);
+        AmEnd::NextAttempt(attempt) => {
             tracing::warn!(app = %id, attempt, "AM exited without finishing ({how}); starting attempt {attempt}");
             match launch_am(rm, id) {
                 Ok(()) => return,
-                Err(e) => {
-                    tracing::warn!(app = %id, error = %e, "could not start a new AM attempt");
-                    st = rm.lock();
-                }
+                Err(e) => tracing::warn!(app = %id, error = %e, "could not start a new AM attempt"),
             }
         }
-        let Some(app) = st.apps.get_mut(id) else {
-            return;
-        };
-        let mut diag = format!("the AM process exited ({how}) without finishing the application");
-        if !tail.is_empty() {
-            diag.push_str("; last lines of am.stderr:\n");
-            diag.push_str(&tail);
-        }
-        tracing::warn!(app = %id, "AM exited without finishing ({how})");
-        app.finish(AppState::Failed, FinalStatus::Failed, crate::exit::JOB_FAILED, diag);
-        let ended = release_all(
-            &mut st,
-            id,
-            exit_status::KILLED_BY_RESOURCEMANAGER,
-            "the application's AM died",
-        );
-        st.commit_or_log();
-        ended
-    };
+        AmEnd::Failed => {}
+    }
+    let mut diag = format!("the AM process exited ({how}) without finishing the application");
+    if !tail.is_empty() {
+        diag.push_str("; last lines of am.stderr:\n");
+        diag.push_str(&tail);
+    }
+    tracing::warn!(app = %id, "AM exited without finishing ({how})");
+    let ended = transactions::fail_app(&mut rm.lock(), id, diag);
     spawn_stops(rm, ended);
 }
 

@@ -1,13 +1,26 @@
-//! Application endpoints: new-application, submit, list, report, attempts and kill.
+//! Application endpoints: new-application, submit, list, report, attempts and kill. What
+//! they change in the state is a transaction of `transactions`; the job file and the AM
+//! launch are done here.
 
-use super::*;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::am_supervisor::{launch_am, LaunchError, AM_KILL_GRACE};
+use super::containers::spawn_stops;
+use super::http::{app_ref, authenticate, bearer, check_app_id, with_app, ApiError, ApiJson, Caller};
+use super::{transactions, Rm, Shared};
+use crate::protocol::{AppState, AppStateUpdate, NewApplication, SubmitApplication};
+use crate::rm::apps::{AmLaunch, App};
 
 pub(super) async fn new_application(State(rm): Rm, caller: Caller) -> Result<Json<NewApplication>, ApiError> {
     let mut st = rm.lock();
-    st.writable()?;
-    let id = st.next_app_id(rm.cluster_ts)?;
-    st.reserve(id.clone(), caller.name());
-    st.commit()?;
+    let id = transactions::new_application(&mut st, caller.name())?;
     tracing::debug!(app = %id, user = caller.name(), "application id handed out");
     Ok(Json(NewApplication {
         application_id: id,
@@ -87,28 +100,6 @@ fn check_dashboard_listen(rm: &Shared, listen: Option<&str>) -> Result<(), ApiEr
     Ok(())
 }
 
-/// `Err` (429) when `user` may not start another application now.
-fn check_app_limits(rm: &Shared, apps: &Apps, user: &str) -> Result<(), ApiError> {
-    let live: Vec<&App> = apps.values().filter(|a| !a.report.state.is_final()).collect();
-    let limits = &rm.limits;
-    if live.len() >= limits.max_apps {
-        return Err(ApiError::limit(
-            "rm.max_apps",
-            limits.max_apps,
-            &format!("{} applications are running or waiting", live.len()),
-        ));
-    }
-    let mine = live.iter().filter(|a| a.report.user == user).count();
-    if mine >= limits.max_apps_per_user {
-        return Err(ApiError::limit(
-            "rm.max_apps_per_user",
-            limits.max_apps_per_user,
-            &format!("user `{user}` has {mine} applications running or waiting"),
-        ));
-    }
-    Ok(())
-}
-
 pub(super) async fn submit_app(
     State(rm): Rm,
     caller: Caller,
@@ -118,45 +109,17 @@ pub(super) async fn submit_app(
     check_app_id(&id)?;
     check_dashboard_listen(&rm, req.dashboard_listen.as_deref())?;
     // Validate before claiming anything, so a rejected submit leaves nothing behind.
-    {
-        let mut st = rm.lock();
-        st.writable()?;
-        check_app_limits(&rm, &st.apps, caller.name())?;
-        if st.apps.contains_key(&id) {
-            return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
-        }
-        if !st.is_reserved(&id) {
-            return Err(ApiError::bad_request(format!(
-                "unknown application id `{id}`: get one from POST /ws/v1/cluster/apps/new-application"
-            )));
-        }
-        if let Some(owner) = st.reserved_user(&id).filter(|u| *u != caller.name()) {
-            tracing::warn!(app = %id, %owner, caller = caller.name(), "submit of an id another user reserved: refused");
-            return Err(ApiError::new(
-                StatusCode::FORBIDDEN,
-                "NOT_YOUR_APPLICATION_ID",
-                format!("application id `{id}` was handed out to another user; get your own from POST /ws/v1/cluster/apps/new-application"),
-            ));
-        }
-    }
+    transactions::check_submit(&mut rm.lock(), &rm.limits, &id, caller.name())?;
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
     let spec = crate::spec::parse_job_spec(&req.job_spec, &source)
         .map_err(|errs| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC", errs.to_string()))?;
     let queue = admit_to_queue(&rm, spec.queue.as_deref(), caller.name())?;
 
     // Claim the id (a concurrent submit of the same id loses here).
-    {
-        let mut st = rm.lock();
-        if !st.unreserve(&id) {
-            return Err(ApiError::conflict(format!("application `{id}` was already submitted")));
-        }
-        st.commit()?;
-    }
+    transactions::claim_id(&mut rm.lock(), &id)?;
     let unclaim = |rm: &Shared, dir: &Path| {
         let _ = std::fs::remove_dir_all(dir);
-        let mut st = rm.lock();
-        st.reserve(id.clone(), caller.name());
-        st.commit_or_log();
+        transactions::unclaim_id(&mut rm.lock(), &id, caller.name());
     };
     let dir = rm.work_dir.join(&id);
     let job_path = dir.join("job.yaml");
@@ -193,29 +156,15 @@ pub(super) async fn submit_app(
         });
     }
     let report = app.report.clone();
-    {
-        let mut st = rm.lock();
-        // Checked again where it counts: concurrent submits cannot pass it together.
-        let limited = check_app_limits(&rm, &st.apps, caller.name());
-        let stored = limited.and_then(|()| {
-            st.apps.insert(app);
-            st.commit()
-        });
-        if let Err(e) = stored {
-            st.apps.remove(&id);
-            drop(st);
-            unclaim(&rm, &dir);
-            return Err(e);
-        }
+    let added = transactions::add_app(&mut rm.lock(), &rm.limits, app);
+    if let Err(e) = added {
+        unclaim(&rm, &dir);
+        return Err(e);
     }
 
     if rm.launch_am {
         if let Err(e) = launch_am(&rm, &id) {
-            {
-                let mut st = rm.lock();
-                st.apps.remove(&id);
-                st.commit_or_log();
-            }
+            // The application goes with its id.
             unclaim(&rm, &dir);
             return Err(match e {
                 LaunchError::Store(e) => ApiError::store_unavailable(&e),
@@ -283,23 +232,9 @@ pub(super) async fn put_app_state(
         if app.report.state.is_final() {
             return Ok(Json(json!({ "state": app.report.state })));
         }
-        st.writable()?;
         let who = caller.as_ref().map_or("its job token", |c| c.name()).to_string();
-        let app = app_mut(&mut st.apps, &id)?;
-        app.finish(
-            AppState::Killed,
-            FinalStatus::Killed,
-            crate::exit::JOB_FAILED,
-            format!("Application killed by user ({who})"),
-        );
-        app.shutdown = true;
-        let ended = release_all(
-            &mut st,
-            &id,
-            exit_status::KILLED_BY_RESOURCEMANAGER,
-            "the application was killed",
-        );
-        (ended, st.commit())
+        let done = transactions::kill_app(&mut st, &id, &who)?;
+        (done.ended, done.committed)
     };
     // What memory now says is ended is stopped either way (its processes must not outlive
     // it); the answer waits for the store.

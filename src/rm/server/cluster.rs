@@ -7,22 +7,31 @@
 //! bytes by every request at that epoch. `?since=<nodesVersion>` answers only the nodes
 //! changed since that version, so an AM's refresh costs O(changes), not O(nodes).
 
-use super::*;
-use crate::cluster::rm_json::{CHANGED_SINCE, NODES_VERSION};
+use std::collections::{BTreeMap, HashMap};
+
+use axum::body::Bytes;
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::containers::stop_running;
+use super::http::{authorize_admin, ApiError, ApiJson};
+use super::state::RmState;
+use super::{transactions, Rm, Shared};
+use crate::cluster::rm_json::{node_to_json, CHANGED_SINCE, NODES_VERSION};
+use crate::cluster::{Node, NodeState};
+use crate::protocol::{now_ms, AppState};
+use crate::rm::apps::App;
+use crate::rm::ledger::Ledger;
 
 /// Sets a node's state; unusable states end its containers (completed to their apps
 /// with -100 and the lost-node diagnostics) and kill their process groups through the
 /// executor. Returns how many containers ended; `None` for an unknown host.
 pub(super) async fn change_node_state(shared: &Shared, host: &str, state: NodeState) -> Option<usize> {
-    let ended = {
-        let mut st = shared.lock();
-        let ended = st.ledger.set_node_state(host, state)?;
-        for e in &ended {
-            queue_completed(&mut st.apps, e);
-        }
-        st.commit_or_log();
-        ended
-    };
+    let ended = transactions::set_node_state(&mut shared.lock(), host, state)?;
     tracing::warn!(%host, ?state, containers = ended.len(), "node state changed by an administrator");
     stop_running(shared, &ended).await;
     Some(ended.len())
@@ -358,23 +367,8 @@ pub(super) async fn post_node_wiped(
 ) -> Result<Json<Value>, ApiError> {
     authorize_admin(&rm, &headers)?;
     let mut st = rm.lock();
-    st.writable()?;
     let host = known_host(&st, &nodeid)?;
-    if st.ledger.node(&host).is_some_and(|n| n.state == NodeState::Running) {
-        return Err(ApiError::conflict(format!(
-            "node `{host}` is RUNNING: its agent reports its containers; mark it LOST or \
-             DECOMMISSIONED first (PUT /ws/v1/cluster/nodes/{host}/state)"
-        )));
-    }
-    let held = st.ledger.held_on(&host);
-    for id in &held {
-        st.ledger.complete(
-            id,
-            exit_status::ABORTED,
-            "the machine was declared wiped by an administrator",
-        );
-    }
-    st.commit()?;
+    let held = transactions::wipe_host(&mut st, &host)?;
     tracing::warn!(%host, freed = held.len(), "node declared wiped by an administrator: its held containers are freed");
     let node = st
         .ledger

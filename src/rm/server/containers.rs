@@ -3,8 +3,25 @@
 //! application token against the ledger, marks the container RUNNING before its process
 //! exists, and forwards to the host's node backend (in-process, agent or Ray,
 //! `crate::node::NodeBackend`). Also the stops of ended containers through their node.
+//! What a start or a stop changes in the state is a transaction of `transactions`.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+
+use super::http::{authenticate, authorize, check_container_id, ApiError, ApiJson};
+use super::state::RmState;
+use super::transactions::{self, Start};
+use super::{Rm, Shared};
+use crate::node::executor::LogStream;
+use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
+use crate::rm::apps::App;
+use crate::rm::ledger::Ended;
 
 /// SIGTERM → SIGKILL grace for containers the RM stops.
 pub const CONTAINER_STOP_GRACE: Duration = Duration::from_secs(3);
@@ -62,7 +79,6 @@ fn container_info(
     allowed(app)?;
     Ok(ContainerInfo {
         state: c.state,
-        app_final: app.report.state.is_final(),
         status: ContainerStatus {
             container_id: id.to_string(),
             state: c.state,
@@ -70,15 +86,12 @@ fn container_info(
             diagnostics: c.diagnostics.clone(),
             pid: None,
         },
-        resources: c.container.resources.clone(),
     })
 }
 
 pub(super) struct ContainerInfo {
     pub(super) state: ContainerState,
-    pub(super) app_final: bool,
     pub(super) status: ContainerStatus,
-    pub(super) resources: crate::resources::Resources,
 }
 
 pub(super) async fn container_start(
@@ -87,79 +100,25 @@ pub(super) async fn container_start(
     headers: HeaderMap,
     ApiJson(ctx): ApiJson<LaunchContext>,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let (granted, app_id, user, topology) = {
+    let grant = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
-        st.writable()?;
-        if info.app_final {
-            return Err(ApiError::conflict("the container's application has ended"));
+        match transactions::start_container(&mut st, &host, &id, info.status)? {
+            Start::Again(status) => return Ok(Json(status)),
+            Start::Launch(grant) => grant,
         }
-        let started = st.ledger.container(&id).is_some_and(|c| !c.held);
-        if info.state == ContainerState::Running && started {
-            // A start sent again because its answer was lost (the RM restarted meanwhile):
-            // it was started once; the node reports what became of it.
-            return Ok(Json(info.status));
-        }
-        if info.state != ContainerState::Allocated {
-            return Err(ApiError::conflict(format!(
-                "container `{id}` is {:?}; only ALLOCATED containers can be started",
-                info.state
-            )));
-        }
-        // Running before the process exists, so its exit event always finds it live.
-        st.ledger
-            .mark_running(&id)
-            .map_err(|e| ApiError::conflict(e.to_string()))?;
-        // RUNNING is stored before the process exists: a restarted RM must look for it.
-        if let Err(e) = st.commit() {
-            if let Some(ended) = st.ledger.complete(
-                &id,
-                exit_status::INVALID,
-                "not launched: the RM could not save its state",
-            ) {
-                queue_completed(&mut st.apps, &ended);
-            }
-            return Err(e);
-        }
-        let app_id = st.ledger.container(&id).map(|c| c.app_id.clone()).unwrap_or_default();
-        let topology = st.ledger.node(&host).and_then(|n| n.topology.clone());
-        // The task runs as its submitter's own uid on the node (issue 23).
-        let user = st.apps.get(&app_id).map(|a| a.report.user.clone()).unwrap_or_default();
-        (info.resources, app_id, user, topology)
-    };
-    let grant = crate::node::Grant {
-        container_id: id.clone(),
-        app_id,
-        host: host.clone(),
-        resources: granted,
-        user,
-        topology,
     };
     let node = rm.nodes.for_host(&host);
     match node.start(grant, ctx).await {
         Ok(status) => Ok(Json(status)),
         Err(e) => {
-            let mut st = rm.lock();
             let why = format!("launch failed: {e}");
-            // A node that may have started the container before its answer was lost: it
-            // ends for its application now, but its resources stay held until the node
-            // reports it dead, or not running at all (freed only when dead).
+            // A node that may have started the container before its answer was lost: stop
+            // it there (a node that runs it kills it, one that never got the start refuses
+            // it from now on; either way it reports the container dead).
             let may_run = node.start_may_survive(&e);
-            let ended = if may_run {
-                st.ledger.stop(&id, exit_status::INVALID, &why)
-            } else {
-                st.ledger.complete(&id, exit_status::INVALID, &why)
-            };
-            if let Some(ended) = &ended {
-                queue_completed(&mut st.apps, ended);
-            }
-            st.commit_or_log();
-            drop(st);
-            if may_run {
-                // Stop it there: a node that runs it kills it, one that never got the start
-                // refuses it from now on; either way it reports the container dead.
-                spawn_stops(&rm, ended.into_iter().collect());
-            }
+            let to_stop = transactions::launch_failed(&mut rm.lock(), &id, may_run, &why);
+            spawn_stops(&rm, to_stop.into_iter().collect());
             Err(e.into())
         }
     }
@@ -170,32 +129,14 @@ pub(super) async fn container_stop(
     UrlPath((host, id)): UrlPath<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Json<ContainerStatus>, ApiError> {
-    let (ended, status, committed) = {
+    let done = {
         let mut st = rm.lock();
         let info = container_access(&st, &host, &id, &headers)?;
-        st.writable()?;
-        let ended = st.ledger.stop(
-            &id,
-            exit_status::KILLED_BY_APPMASTER,
-            "Container stopped by the application master",
-        );
-        if let Some(e) = &ended {
-            queue_completed(&mut st.apps, e);
-        }
-        let status = st.ledger.container(&id).map_or(info.status, |c| ContainerStatus {
-            container_id: id.clone(),
-            state: c.state,
-            exit_status: c.exit_status,
-            diagnostics: c.diagnostics.clone(),
-            pid: None,
-        });
-        (ended, status, st.commit())
+        transactions::stop_container(&mut st, &id, info.status)?
     };
-    if let Some(e) = ended {
-        stop_running(&rm, &[e]).await;
-    }
-    committed?;
-    Ok(Json(status))
+    stop_running(&rm, &done.ended).await;
+    done.committed?;
+    Ok(Json(done.answer))
 }
 
 pub(super) async fn container_status(

@@ -11,8 +11,20 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::http::Caller;
 use super::scheduling::{queue_view, WAITING_TTL};
-use super::*;
+use super::{Rm, Shared};
+use crate::protocol::{now_ms, ContainerState};
+use crate::rm::apps::App;
 
 /// Upper bounds (seconds) of the allocate-latency histogram's buckets (the RM's own time
 /// for one allocate call, lock included).

@@ -6,8 +6,22 @@
 //! their kept logs go after `rm.log_retention_days`. The rows are computed by
 //! `crate::rm::history`.
 
-use super::*;
-use crate::rm::history::{history_row, to_forget, HistoryFilter, HistoryRow};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+use super::http::Caller;
+use super::state::RmState;
+use super::{transactions, Rm, Shared};
+use crate::protocol::now_ms;
+use crate::rm::apps::App;
+use crate::rm::history::{history_row, HistoryFilter, HistoryRow};
 use crate::rm::ledger::LedgerContainer;
 
 /// How often the retention pass runs.
@@ -86,29 +100,8 @@ pub(super) fn spawn_retention(rm: Arc<Shared>) -> JoinHandle<()> {
 pub(super) fn retention_pass(rm: &Shared) {
     let now = now_ms();
     let (forgotten, old_logs) = {
-        let mut st = rm.lock();
-        // Only applications whose containers are all dead: a held one still counts its GPUs.
-        let busy: std::collections::HashSet<&str> = st
-            .ledger
-            .all_containers()
-            .filter(|c| c.state != ContainerState::Complete || c.held)
-            .map(|c| c.app_id.as_str())
-            .collect();
-        let finished: Vec<(String, u64)> = st
-            .apps
-            .values()
-            .filter(|a| a.report.state.is_final() && !busy.contains(a.report.id.as_str()))
-            .map(|a| (a.report.id.clone(), a.report.finished_time))
-            .collect();
-        drop(busy);
-        let max_age = rm.history.max_age.as_millis() as u64;
-        let gone = to_forget(&finished, now, max_age, rm.history.max_apps);
-        for id in &gone {
-            st.apps.remove(id);
-            st.ledger.forget_app(id);
-        }
+        let (finished, gone) = transactions::forget_finished(&mut rm.lock(), &rm.history, now);
         if !gone.is_empty() {
-            st.commit_or_log();
             tracing::info!(apps = gone.len(), "history retention: finished applications forgotten");
         }
         let log_age = rm.history.log_max_age.as_millis() as u64;
@@ -131,7 +124,9 @@ pub(super) fn retention_pass(rm: &Shared) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::*;
     use super::*;
+    use crate::protocol::{AppState, FinalStatus};
     use crate::resources::{PortSet, Resources};
 
     fn options(dir: &Path) -> RmOptions {

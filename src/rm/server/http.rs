@@ -4,7 +4,20 @@
 //! [`Caller`] (a user's token or the admin token: the one extractor every user-facing
 //! handler starts with), the application token of the AM protocol, the admin token.
 
-use super::*;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::de::DeserializeOwned;
+
+use super::{Shared, MAX_BODY_BYTES};
+use crate::node::executor::ExecError;
+use crate::protocol::ErrorBody;
+use crate::rm::apps::{App, Apps};
+use crate::rm::store::StoreError;
 
 /// Every error answer: an HTTP status with an [`ErrorBody`].
 #[derive(Debug)]

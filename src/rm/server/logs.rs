@@ -8,7 +8,24 @@
 //! the admin: the kept copy once there is one, else the node's live file (`gpuam logs
 //! --follow` polls with the offset). A container on a LOST node says so.
 
-use super::*;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::containers::log_stream;
+use super::http::{app_ref, check_app_id, ApiError, Caller};
+use super::state::RmState;
+use super::{Rm, Shared};
+use crate::cluster::NodeState;
+use crate::node::executor::LogStream;
+use crate::protocol::{now_ms, ContainerState};
 use crate::rm::history::{container_row, pick_container, ContainerRow};
 
 /// How long the RM keeps finished jobs and their logs, and how much of each log

@@ -4,8 +4,9 @@
 //! container endpoints. Also launches and watches one AM process per application.
 //!
 //! All state lives in one `parking_lot::Mutex<RmState>`; handlers take it (through
-//! [`Shared::lock`]), decide, commit what changed to the state store (SQLite) before they
-//! answer, drop it, and only then await (executor stops, process kills): the store sees
+//! [`Shared::lock`]), authorize, call one transaction of `transactions` (the RM core: it
+//! decides and commits what changed to the state store, SQLite, before it returns), drop
+//! it, and only then await (executor stops, process kills): the store sees
 //! changes in the order they happened, nothing is acknowledged before it is stored, and a
 //! restarted RM recovers exactly what had been answered (see `state`).
 //!
@@ -33,38 +34,24 @@
 //! `state` holds the state and its lock (persist on drop) and recovery; `http` the error
 //! answer, the body extractor and the credential checks; `cluster` the cluster and node
 //! endpoints; `applications` submit / report / kill; `am_protocol` register / allocate /
-//! finish; `am_supervisor` the AM processes; `containers` the container endpoints that
-//! forward to the node backends; `nodes` the node agents' registration, heartbeats and
-//! liveness.
-use crate::cluster::rm_json::node_to_json;
+//! finish; `transactions` the RM core: every transaction over the state (allocate, start,
+//! ending a container, node events, expiry, submit, kill), each committing once, which
+//! the handlers and background loops call; `am_supervisor` the AM processes;
+//! `containers` the container endpoints that forward to the node backends; `nodes` the
+//! node agents' registration, heartbeats and liveness.
 use crate::cluster::{Node, NodeState};
-use crate::node::executor::{ExecError, LogStream};
-use crate::node::procs::ProcessId;
-use crate::protocol::now_ms;
-use crate::protocol::{
-    exit_status, AllocateRequest, AllocateResponse, AmCommand, AppState, AppStateUpdate, CompletedContainer,
-    ContainerState, ContainerStatus, ErrorBody, FinalStatus, FinishRequest, FinishResponse, LaunchContext,
-    NewApplication, PreviousContainer, RegisterRequest, RegisterResponse, SubmitApplication,
-};
-use crate::rm::apps::{app_id, app_seq, AmLaunch, App, Apps};
-use crate::rm::ledger::{Ended, Ledger, DEFAULT_CONTAINER_EXPIRY};
-use crate::rm::store::{Batch, Meta, Store, StoreError};
+use crate::protocol::exit_status;
+use crate::rm::apps::App;
+use crate::rm::ledger::{Ledger, DEFAULT_CONTAINER_EXPIRY};
+use crate::rm::store::Store;
 use crate::rm::users::Users;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, FromRequest, Path as UrlPath, Query, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::extract::{DefaultBodyLimit, State};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Router;
 use parking_lot::Mutex;
-use serde::de::DeserializeOwned;
-use serde::Deserialize;
-use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Seek, SeekFrom};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
@@ -82,15 +69,18 @@ mod logs;
 mod nodes;
 mod scheduling;
 mod state;
-use am_protocol::*;
-use am_supervisor::*;
-use applications::*;
-use cluster::*;
-use containers::*;
-use http::*;
+mod transactions;
+use am_protocol::{am_allocate, am_finish, am_register};
+use am_supervisor::{reattach, AmProc};
+use applications::{get_app, get_app_attempts, get_app_state, list_apps, new_application, put_app_state, submit_app};
+use cluster::{
+    change_node_state, cluster_info, cluster_metrics, get_node, list_nodes, post_node_wiped, put_node_state, NodeView,
+};
+use containers::{container_logs, container_start, container_status, container_stop, spawn_stops, stop_running};
+use http::ApiError;
 pub use logs::HistoryOptions;
-use nodes::*;
-use state::*;
+use nodes::{agent_heartbeat, agent_register, await_agents, delete_node, on_node_event, spawn_liveness, Nodes};
+use state::{recover_state, RmState, StateGuard};
 
 /// Largest request body accepted (413 beyond).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -545,12 +535,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         loop {
             every.tick().await;
             let mut st = s.lock();
-            let ended = st.ledger.expire(Instant::now());
-            for e in &ended {
-                tracing::info!(container = %e.container_id, app = %e.app_id, "container expired unused");
-                queue_completed(&mut st.apps, e);
-            }
-            st.commit_or_log();
+            transactions::expire(&mut st, Instant::now());
             // A failing store is retried even when no request comes.
             let _ = st.writable();
         }
@@ -833,19 +818,11 @@ impl RmHandle {
             }
             let _ = tokio::time::timeout(Duration::from_secs(5), p.task).await;
         }
-        let ended: Vec<Ended> = {
-            let mut st = self.shared.lock();
-            let ids = st.ledger.live_containers();
-            let ended = ids
-                .iter()
-                .filter_map(|id| {
-                    st.ledger
-                        .complete(id, exit_status::KILLED_BY_RESOURCEMANAGER, "the RM is shutting down")
-                })
-                .collect();
-            st.commit_or_log();
-            ended
-        };
+        let ended = transactions::end_all(
+            &mut self.shared.lock(),
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            "the RM is shutting down",
+        );
         stop_running(&self.shared, &ended).await;
         // Anything the executor still runs goes too: no task outlives an orderly shutdown.
         self.shared

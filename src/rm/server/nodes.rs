@@ -3,17 +3,32 @@
 //! frameworklauncher's reconciliation rules (unknown containers are killed, known ones
 //! kept), and agent liveness (silent for `rm.node_expiry_sec` → LOST).
 //!
-//! Freed only when dead: every path that ends a running container goes through
-//! `Ledger::stop` (held) and frees it in `Ledger::complete` when its node reports it dead
-//! ([`on_node_event`]). A LOST agent's containers stay held until it returns and reports
-//! them dead or gone.
+//! Freed only when dead: every path that ends a running container stops it (held) and
+//! frees it when its node reports it dead ([`on_node_event`]); the state changes are the
+//! node transactions of `transactions`. A LOST agent's containers stay held until it
+//! returns and reports them dead or gone.
 
-use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::*;
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+use super::cluster::known_host;
+use super::containers::stop_running;
+use super::http::{bearer, ApiError, ApiJson, Caller};
+use super::state::RmState;
+use super::transactions::{self, Registration};
+use super::{Rm, Shared};
+use crate::cluster::{Node, NodeState};
 use crate::node::remote::AgentNodes;
-use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply, ContainerReport};
+use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply};
 use crate::node::{InProcessNode, NodeBackend, NodeEvent};
+use crate::protocol::now_ms;
 
 /// The node backends of this RM: a Ray cluster (`--backend ray`: every host), else
 /// registered agents, else the in-process node.
@@ -45,16 +60,7 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         diagnostics,
         .. // the cause: the diagnostics lead with its words, which the AM reads back
     } = ev;
-    let mut st = rm.lock();
-    // A container under a preemption notice was preempted, however its task exited.
-    let (exit_status, diagnostics) = scheduling::exit_of(&st, &container_id, exit_status, diagnostics);
-    if let Some(ended) = st
-        .ledger
-        .complete(&container_id, exit_status, &crate::text::clean(&diagnostics))
-    {
-        queue_completed(&mut st.apps, &ended);
-    }
-    st.commit_or_log();
+    transactions::container_exited(&mut rm.lock(), &container_id, exit_status, diagnostics);
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications
@@ -65,12 +71,7 @@ pub(super) fn spawn_liveness(rm: Arc<Shared>, agents: Arc<AgentNodes>, expiry: D
         loop {
             every.tick().await;
             for host in agents.expire(Instant::now(), expiry) {
-                let mut st = rm.lock();
-                let ended = st.ledger.set_node_state(&host, NodeState::Lost).unwrap_or_default();
-                for e in &ended {
-                    queue_completed(&mut st.apps, e);
-                }
-                st.commit_or_log();
+                let ended = transactions::set_node_state(&mut rm.lock(), &host, NodeState::Lost).unwrap_or_default();
                 tracing::warn!(%host, containers = ended.len(), "node agent silent for {expiry:?}: LOST");
             }
         }
@@ -184,15 +185,11 @@ pub(super) fn await_agents(rm: &Shared, deadline: Instant) {
                 tracing::info!(%host, "waiting for the node agent to register again after the RM restart");
             }
             None => {
-                let ended = st.ledger.set_node_state(&host, NodeState::Lost).unwrap_or_default();
-                for e in &ended {
-                    queue_completed(&mut st.apps, e);
-                }
+                transactions::set_node_state(&mut st, &host, NodeState::Lost);
                 tracing::warn!(%host, "a node agent's host, and this RM takes no node agents: LOST");
             }
         }
     }
-    st.commit_or_log();
 }
 
 /// `POST /ws/v1/node-agents/register`: (re-)adds the node, reconciles its containers.
@@ -212,47 +209,12 @@ pub(super) async fn agent_register(
         if let Some(refused) = removal_refusal(&st, &host, fingerprint.as_deref()) {
             return Err(refused);
         }
-        if st.removed_hosts.contains_key(&host) {
-            // Re-admitted (a new credential): it joins empty, so nothing of before its
-            // removal runs beside what is granted now. Whatever it still runs is stopped
-            // first, and it registers again once it reports none.
-            let running: Vec<String> = req
-                .containers
-                .iter()
-                .filter(|r| r.state != ContainerState::Complete)
-                .map(|r| r.container_id.clone())
-                .collect();
-            if !running.is_empty() {
-                tracing::warn!(%host, containers = running.len(), "a re-admitted host still runs containers of before its removal: stopping them first");
-                return Ok(Json(AgentReply {
-                    reregister: true,
-                    stop: running,
-                    heartbeat_ms: 1000,
-                    ..Default::default()
-                }));
-            }
-            st.removed_hosts.remove(&host);
-            st.meta_dirty = true;
-            tracing::warn!(%host, "a removed host registers with a new credential: re-admitted");
-        }
-        if let Some(why) = st.agent_nodes.get(&host).and_then(|old| declaration_change(old, &req)) {
-            tracing::warn!(%host, "node agent registration refused: {why}");
-            return Err(ApiError::conflict(format!(
-                "host `{host}` registered before with other resources: {why}; what a host offers is fixed at \
-                 its first registration: start its agent with the same resources, labels, GPU type, rack and \
-                 topology, or register the changed machine under a new host name (with its own token)"
-            )));
-        }
-        let own = own_reports(&st, &host, &req.containers);
-        let new = st.ledger.add_node(node);
-        if st.agent_nodes.get(&host) != Some(&decl) {
-            st.agent_nodes.insert(host.clone(), decl);
-            st.agent_nodes_dirty.insert(host.clone());
-        }
+        let (new, mut reply, own) = match transactions::agent_registered(&mut st, node, decl, &req)? {
+            Registration::StopFirst(reply) => return Ok(Json(reply)),
+            Registration::Joined { new, reply, own } => (new, reply, own),
+        };
         agents.register(&host, &req.http_address, Instant::now());
-        let mut reply = reconcile(&mut st, &host, &own, true);
         reply.host_key = agents.host_key_hex(&host);
-        st.commit_or_log();
         tracing::info!(
             %host,
             address = %req.http_address,
@@ -278,43 +240,20 @@ pub(super) async fn agent_heartbeat(
     ApiJson(req): ApiJson<AgentHeartbeat>,
 ) -> Result<Json<AgentReply>, ApiError> {
     let agents = node_agents(&rm, &headers, &host)?;
-    let own = own_reports(&rm.lock(), &host, &req.containers);
+    let own = transactions::own_reports(&rm.lock(), &host, &req.containers);
     if !agents.heartbeat(&host, &own, Instant::now()) {
         return Ok(Json(AgentReply {
             reregister: true,
             ..Default::default()
         }));
     }
-    let mut st = rm.lock();
-    let reply = reconcile(&mut st, &host, &own, false);
-    st.commit_or_log();
-    Ok(Json(reply))
-}
-
-/// What of `reports` a host may report: containers the ledger places on `host`, or does
-/// not know at all. Another host's container is dropped (a host cannot end, keep or
-/// acknowledge what runs elsewhere).
-fn own_reports(st: &RmState, host: &str, reports: &[ContainerReport]) -> Vec<ContainerReport> {
-    reports
-        .iter()
-        .filter(|r| {
-            let own = st
-                .ledger
-                .container(&r.container_id)
-                .is_none_or(|c| c.container.host == host);
-            if !own {
-                tracing::warn!(%host, container = %r.container_id, "a node agent reported another host's container: ignored");
-            }
-            own
-        })
-        .cloned()
-        .collect()
+    Ok(Json(transactions::agent_heartbeat(&mut rm.lock(), &host, &own)))
 }
 
 /// What changed between a host's stored declaration and a new registration in what it
 /// offers (resources, labels, GPU type, rack, topology); `None` when nothing did (its
 /// address and IP may change).
-fn declaration_change(stored: &str, new: &AgentRegister) -> Option<String> {
+pub(super) fn declaration_change(stored: &str, new: &AgentRegister) -> Option<String> {
     let old: AgentRegister = serde_json::from_str(stored).ok()?;
     let mut changed = Vec::new();
     if old.total != new.total {
@@ -339,56 +278,6 @@ fn declaration_change(stored: &str, new: &AgentRegister) -> Option<String> {
         changed.push("topology".to_string());
     }
     (!changed.is_empty()).then(|| changed.join(", "))
-}
-
-/// frameworklauncher's rules for what a node reports: a running container the RM does
-/// not know as running there is killed; dead ones are acknowledged (the heartbeat turns
-/// them into `Exited` events). At registration, containers the RM holds or runs on the
-/// host that the node does not report at all are gone: freed (and reported to their
-/// applications when they had not ended yet).
-fn reconcile(st: &mut RmState, host: &str, reports: &[ContainerReport], registering: bool) -> AgentReply {
-    let mut reply = AgentReply {
-        heartbeat_ms: 1000,
-        ..Default::default()
-    };
-    let mut seen = BTreeSet::new();
-    for r in reports {
-        seen.insert(r.container_id.clone());
-        if r.state == ContainerState::Complete {
-            reply.acknowledged.push(r.container_id.clone());
-            continue;
-        }
-        let wanted = st
-            .ledger
-            .container(&r.container_id)
-            .is_some_and(|c| c.container.host == host && c.state == ContainerState::Running && !c.held);
-        if !wanted {
-            reply.stop.push(r.container_id.clone());
-        }
-    }
-    if registering {
-        let gone: Vec<String> = st
-            .ledger
-            .live_containers()
-            .into_iter()
-            .filter(|id| !seen.contains(id))
-            .filter(|id| {
-                st.ledger
-                    .container(id)
-                    .is_some_and(|c| c.container.host == host && (c.state == ContainerState::Running || c.held))
-            })
-            .collect();
-        for id in gone {
-            if let Some(e) = st.ledger.complete(
-                &id,
-                exit_status::ABORTED,
-                "the node no longer knows this container (its agent restarted without it)",
-            ) {
-                queue_completed(&mut st.apps, &e);
-            }
-        }
-    }
-    reply
 }
 
 /// `DELETE /ws/v1/cluster/nodes/{host}` query.
@@ -424,44 +313,10 @@ pub(super) async fn delete_node(
     }
     let (host, ended, refused) = {
         let mut st = rm.lock();
-        st.writable()?;
         let host = known_host(&st, &nodeid)?;
-        if !st.agent_nodes.contains_key(&host) {
-            return Err(ApiError::conflict(format!(
-                "host `{host}` is not a node agent's: it comes from the RM's cluster file (or Ray) and would come \
-                 back with it; take it out there and restart the RM, or mark it DECOMMISSIONED \
-                 (PUT /ws/v1/cluster/nodes/{host}/state)"
-            )));
-        }
-        let running = (st.ledger.num_containers(&host) as usize).saturating_sub(st.ledger.held_on(&host).len());
-        if running > 0 && !q.force {
-            return Err(ApiError::conflict(format!(
-                "host `{host}` runs {running} container(s) for their jobs: removing it ends them as a lost host's \
-                 (their jobs retry elsewhere). Give --force (`gpuam node remove {host} --force`, `?force=true`) \
-                 to do so, or wait until they end"
-            )));
-        }
         let fingerprint = rm.nodes.agents.as_ref().and_then(|a| a.fingerprint(&host));
-        let why = format!(
-            "{} (host `{host}` was removed by an administrator)",
-            crate::rm::ledger::DIAG_LOST_NODE
-        );
-        let ended = st.ledger.remove_node(&host, &why).unwrap_or_default();
-        for e in &ended {
-            queue_completed(&mut st.apps, e);
-        }
-        st.agent_nodes.remove(&host);
-        st.agent_nodes_dirty.insert(host.clone());
         let refused = fingerprint.is_some();
-        st.removed_hosts.insert(
-            host.clone(),
-            crate::rm::store::RemovedHost {
-                removed_ms: now_ms(),
-                credential: fingerprint,
-            },
-        );
-        st.meta_dirty = true;
-        st.commit()?;
+        let ended = transactions::remove_host(&mut st, &host, q.force, fingerprint, now_ms())?;
         (host, ended, refused)
     };
     tracing::warn!(%host, containers = ended.len(), "host removed by an administrator");
@@ -479,8 +334,10 @@ pub(super) async fn delete_node(
 
 #[cfg(test)]
 mod tests {
+    use super::super::*;
     use super::*;
     use crate::am::rm_client::RmClient;
+    use crate::protocol::{exit_status, AllocateRequest};
     use crate::resources::{PortSet, Resources};
     use crate::rm::users::{add_token_to, Table};
 

@@ -10,9 +10,12 @@
 //! - [`queue_view`]: shares, use and waiting per queue, for the cluster page and `/metrics`.
 
 use super::*;
+use crate::protocol::{now_ms, ContainerState};
 use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
+use crate::rm::ledger::Ended;
 use crate::rm::scheduler::{self, queues::QueueTree, AppDemand, Held, NodeCap, Shares, Snapshot};
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// How often the scheduling pass runs.
 pub const TICK: Duration = Duration::from_millis(250);
@@ -296,9 +299,9 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
                 .get(&id)
                 .map(preempted_diagnostics)
                 .unwrap_or_default();
-            if let Some(e) = st.ledger.stop(&id, exit_status::PREEMPTED, &diag) {
+            use super::transactions::{end_container, Ending, Tell};
+            if let Some(e) = end_container(st, &id, Ending::Stopped, exit_status::PREEMPTED, &diag, Tell::App) {
                 tracing::info!(container = %id, "preemption deadline passed: stopping the container");
-                queue_completed(&mut st.apps, &e);
                 work.ended.push(e);
             }
         }

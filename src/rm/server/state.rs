@@ -12,11 +12,21 @@
 //! cannot refuse anything: they commit and log ([`StateGuard::commit_or_log`]). Dropping
 //! the guard commits whatever is still uncommitted the same way, as a safety net.
 //!
-//! Also rebuilding the state from the store at start-up, and the two small rules every
-//! ending follows (queue the completion for the application; release all of an
-//! application's containers).
+//! Also rebuilding the state from the store at start-up. What changes the state is a
+//! transaction of `transactions` (the one door).
 
-use super::*;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+
+use super::http::ApiError;
+use super::{nodes, scheduling};
+use crate::cluster::NodeState;
+use crate::protocol::now_ms;
+use crate::rm::apps::{app_id, app_seq, Apps};
+use crate::rm::ledger::{Ended, Ledger};
+use crate::rm::store::{Batch, Meta, Store, StoreError};
 
 /// Most application ids handed out by new-application and not yet submitted that are
 /// remembered (the oldest are forgotten first), so that calling new-application in a
@@ -411,7 +421,8 @@ pub(super) fn recover_state(
     }
     for e in &not_restored {
         tracing::warn!(container = %e.container_id, "{}", e.diagnostics);
-        queue_completed(&mut apps, e);
+        // The ledger ended it when it could not restore it: its application hears of it.
+        super::transactions::report_ended(&mut apps, e);
     }
     tracing::info!(
         apps = apps.len(),
@@ -439,25 +450,4 @@ pub(super) fn recover_state(
         removed_hosts: r.meta.removed_hosts,
     };
     Ok((state, r.meta.cluster_ts))
-}
-
-/// Queues an ended container for its application's next allocate answer.
-pub(super) fn queue_completed(apps: &mut Apps, e: &Ended) {
-    if let Some(app) = apps.get_mut(&e.app_id) {
-        app.pending_completed.push(CompletedContainer {
-            container_id: e.container_id.clone(),
-            exit_status: e.exit_status,
-            diagnostics: e.diagnostics.clone(),
-        });
-    }
-}
-
-/// Completes every live container of `app_id`, queueing them for the app.
-pub(super) fn release_all(st: &mut RmState, app_id: &str, exit: i32, why: &str) -> Vec<Ended> {
-    let ids = st.ledger.live_containers_of(app_id);
-    let ended: Vec<Ended> = ids.iter().filter_map(|c| st.ledger.stop(c, exit, why)).collect();
-    for e in &ended {
-        queue_completed(&mut st.apps, e);
-    }
-    ended
 }

@@ -1,7 +1,15 @@
 //! Unit tests of the RM server: AM supervision, restart recovery, ids.
 
+use super::am_supervisor::{launch_am, stderr_tail};
+use super::http::bearer;
+use super::state::{StoreHealth, MAX_RESERVED_IDS};
 use super::*;
+use crate::protocol::{now_ms, AllocateRequest, AmCommand, AppState, ContainerState, LaunchContext};
 use crate::resources::{PortSet, Resources};
+use crate::rm::apps::{AmLaunch, Apps};
+use axum::http::{header, HeaderMap, StatusCode};
+use serde_json::Value;
+use std::collections::BTreeMap;
 
 async fn rm_with(am_program: Option<PathBuf>, dir: &Path) -> RmHandle {
     let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
