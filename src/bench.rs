@@ -416,7 +416,7 @@ pub async fn cluster_bench(jobs: u32, tasks: u32, nodes: usize, seed: u64) -> i3
     // A signal (Ctrl-C, `timeout`'s SIGTERM) still shuts the RM down with every AM and
     // task it started, rather than leaving the AMs without their RM.
     let code = tokio::select! {
-        code = cluster_bench_on(&rm, jobs, tasks, nodes, &mut ids) => code,
+        code = cluster_bench_on(&rm, jobs, tasks, nodes, &mut ids, &work) => code,
         by = crate::cli::servers::stop_signal() => {
             eprintln!("error: stopped by {by}; stopping the RM, its AMs and their tasks");
             exit::INTERNAL
@@ -432,7 +432,14 @@ pub async fn cluster_bench(jobs: u32, tasks: u32, nodes: usize, seed: u64) -> i3
     code
 }
 
-async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes: usize, ids: &mut Vec<String>) -> i32 {
+async fn cluster_bench_on(
+    rm: &crate::rm::RmHandle,
+    jobs: u32,
+    tasks: u32,
+    nodes: usize,
+    ids: &mut Vec<String>,
+    work: &std::path::Path,
+) -> i32 {
     use crate::am::rm_client::RmClient;
     use crate::protocol::SubmitApplication;
     let client = RmClient::new(&rm.base_url()).with_user_token(Some(rm.admin_token().to_string()));
@@ -604,5 +611,41 @@ async fn cluster_bench_on(rm: &crate::rm::RmHandle, jobs: u32, tasks: u32, nodes
         percentile(&firsts, 0.99).as_secs_f64(),
     );
     println!("(RM = this process: the RM, its in-process executor and the bench's polling client; CPU counted from submit to all running)");
+    let starts = am_start_times(work, ids);
+    if !starts.is_empty() {
+        let stage = |i: usize| {
+            let mut v: Vec<Duration> = starts.iter().map(|t| Duration::from_millis(t[i])).collect();
+            v.sort();
+            format!(
+                "{:.2} s / {:.2} s",
+                percentile(&v, 0.5).as_secs_f64(),
+                percentile(&v, 0.99).as_secs_f64()
+            )
+        };
+        println!(
+            "AM start (process start →), p50 / p99 over {} AMs: node listing read {}, registered {}, first ask {}",
+            starts.len(),
+            stage(0),
+            stage(1),
+            stage(2)
+        );
+    }
     exit::SUCCESS
+}
+
+/// Each AM's start times in milliseconds from its process start (node listing read,
+/// registered, first ask), from the line [`crate::cli::am::START_LINE`] of its stderr
+/// (`<work>/<app id>/am.stderr`); AMs without the line are left out.
+fn am_start_times(work: &std::path::Path, ids: &[String]) -> Vec<[u64; 3]> {
+    ids.iter()
+        .filter_map(|id| {
+            let text = std::fs::read_to_string(work.join(id).join("am.stderr")).ok()?;
+            let line = text.lines().find(|l| l.starts_with(crate::cli::am::START_LINE))?;
+            let ms: Vec<u64> = line
+                .split(" ms")
+                .filter_map(|part| part.rsplit(' ').next()?.parse().ok())
+                .collect();
+            <[u64; 3]>::try_from(ms).ok()
+        })
+        .collect()
 }

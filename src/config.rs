@@ -399,26 +399,17 @@ pub struct NodeSettings {
     pub device_allow: Vec<String>,
 }
 
-impl NodeSettings {
-    /// The identity settings of a node, with `--run-as` and `--user-map` entries (which
-    /// win over the file's).
-    pub fn identity(
-        &self,
-        run_as: Option<String>,
-        cli_map: std::collections::BTreeMap<String, String>,
-    ) -> Result<crate::node::identity::IdentitySettings, String> {
-        let mut user_map = self.user_map.clone();
-        user_map.extend(cli_map);
-        Ok(crate::node::identity::IdentitySettings {
-            user_map,
-            uid_range: Some(
-                crate::node::identity::parse_uid_range(&self.task_uids).map_err(|e| format!("node.task_uids: {e}"))?,
-            ),
-            registry: Some(self.task_uid_registry.clone()),
-            run_as,
-        })
-    }
-}
+/// The default range of per-user uids (`node.task_uids`): 0x70000000 + 64 Ki, a block
+/// systemd's uid map leaves unused (below it: containers' ranges; above 0x7fffffff:
+/// nothing is assigned).
+pub const DEFAULT_TASK_UIDS: (u32, u32) = (0x7000_0000, 0x7000_ffff);
+/// Where a machine records which per-user uid belongs to whom (`node.task_uid_registry`).
+pub const DEFAULT_TASK_UID_REGISTRY: &str = "/var/lib/gpuam/task-uids";
+/// How long a finished container's record (its logs) is kept (`node.log_retention_sec`).
+pub const DEFAULT_LOG_RETENTION_SEC: u64 = 7 * 24 * 3600;
+/// How long after its end a container's work directory is removed
+/// (`node.work_dir_grace_sec`; why later and not at once: `node::executor`).
+pub const DEFAULT_WORK_DIR_GRACE_SEC: u64 = 30;
 
 impl Default for NodeSettings {
     fn default() -> Self {
@@ -430,14 +421,10 @@ impl Default for NodeSettings {
             max_pids: 0,
             device_allow: Vec::new(),
             user_map: Default::default(),
-            task_uids: format!(
-                "{}-{}",
-                crate::node::identity::DEFAULT_UID_RANGE.0,
-                crate::node::identity::DEFAULT_UID_RANGE.1
-            ),
-            task_uid_registry: PathBuf::from(crate::node::identity::DEFAULT_REGISTRY),
-            log_retention_sec: crate::node::executor::DEFAULT_RETENTION.as_secs(),
-            work_dir_grace_sec: crate::node::executor::DEFAULT_WORK_DIR_GRACE.as_secs(),
+            task_uids: format!("{}-{}", DEFAULT_TASK_UIDS.0, DEFAULT_TASK_UIDS.1),
+            task_uid_registry: PathBuf::from(DEFAULT_TASK_UID_REGISTRY),
+            log_retention_sec: DEFAULT_LOG_RETENTION_SEC,
+            work_dir_grace_sec: DEFAULT_WORK_DIR_GRACE_SEC,
             in_process_identity: true,
         }
     }
@@ -554,6 +541,9 @@ impl Settings {
         Ok(s)
     }
 
+    /// Checks what the settings alone can say; `node.task_uids` and `node.device_allow`,
+    /// which name node types, are checked where they become them
+    /// (`node::identity::IdentitySettings::from_settings`, `node::bounds::NodeBounds::from_settings`).
     fn validate(&self) -> Result<(), String> {
         if self.rm.max_am_attempts == 0 {
             return Err("rm.max_am_attempts must be at least 1".into());
@@ -567,13 +557,8 @@ impl Settings {
         if self.http.read_timeout_sec == 0 {
             return Err("http.read_timeout_sec must be at least 1".into());
         }
-        crate::node::identity::parse_uid_range(&self.node.task_uids).map_err(|e| format!("node.task_uids: {e}"))?;
         if self.am.max_retries_per_minute == 0 {
             return Err("am.max_retries_per_minute must be at least 1".into());
-        }
-        for (i, r) in self.node.device_allow.iter().enumerate() {
-            r.parse::<crate::node::devices::Rule>()
-                .map_err(|e| format!("node.device_allow[{i}]: {e}"))?;
         }
         if self.node.max_log_bytes < 4096 {
             return Err("node.max_log_bytes must be at least 4096".into());

@@ -19,6 +19,19 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Whether `id` is a safe container id (or host name in a credentials file): one
+/// component of a path on a node, `[A-Za-z0-9_.-]+` and not `.` / `..` (which would name
+/// the root or its parent), at most 255 bytes (a directory name's limit).
+pub fn valid_container_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 255
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
+}
+
 /// YARN ContainerExitStatus values the RM reports.
 pub mod exit_status {
     pub const SUCCESS: i32 = 0;

@@ -63,7 +63,7 @@ impl Table {
     fn check_name(self, name: &str) -> Result<(), UsersError> {
         match self {
             Table::Users => check_user_name(name),
-            Table::Nodes if crate::node::executor::valid_container_id(name) && name.len() <= 253 => Ok(()),
+            Table::Nodes if crate::protocol::valid_container_id(name) && name.len() <= 253 => Ok(()),
             Table::Nodes => Err(UsersError::BadHost(crate::spec::yaml::clip(name))),
         }
     }

@@ -89,6 +89,12 @@ impl Publisher {
                 });
             }
             Event::Nodes(nodes) => hub.update("nodes", json!({"count": nodes.len()}), |s| s.nodes = nodes),
+            Event::NodesChanged(changes) => {
+                let changed = changes.len();
+                hub.update("nodes", json!({"changed": changed}), |s| {
+                    crate::am::machine::merge_node_changes(&mut s.nodes, changes)
+                })
+            }
             Event::NodesRefreshed { at_ms } => hub.update("nodes", json!({"refreshed": true}), |s| {
                 s.nodes_refreshed_ms = at_ms;
                 s.rm_reachable = true;

@@ -4,8 +4,10 @@
 //! (DESIGN.md §7).
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use tokio::sync::mpsc;
@@ -14,12 +16,16 @@ use crate::am::backoff::Backoff;
 use crate::am::driver::{self, with_retries, Observer};
 use crate::am::machine::{Input, JobMachine, Now};
 use crate::am::publish::{ContainerAddrs, Publisher};
-use crate::am::rm_client::RmClient;
+use crate::am::rm_client::{RmClient, RmError};
 use crate::am::status::{Command, JobState, JobStatus, LogSource, Snapshot, StatusHub};
 use crate::am::{gang_never_fits, random_token, AmOptions};
+use crate::cluster::rm_json::NodeListing;
 use crate::cluster::ClusterView;
 use crate::exit;
-use crate::protocol::{FinalStatus, FinishRequest, RegisterRequest};
+use crate::protocol::{
+    AllocateRequest, AllocateResponse, Container, FinalStatus, FinishRequest, LaunchContext, RegisterRequest,
+    RegisterResponse,
+};
 use crate::select::Selector;
 
 /// Seconds the dashboard stays up after the job ends, unless
@@ -46,8 +52,45 @@ impl LogSource for ExecutorLogs {
     }
 }
 
+/// The RM as the driver calls it, noting when the first ask goes out: with the times of
+/// the AM's start (node listing read, registered) it prints one line to stderr,
+/// [`START_LINE`], that `gpuam bench cluster` reads (issue 29: what an AM's start costs).
+struct TimedRm {
+    rm: RmClient,
+    start: Instant,
+    /// (nodes, listing read, registered), in milliseconds since the start.
+    at: (usize, u128, u128),
+    asked: AtomicBool,
+}
+
+/// The start of the AM's line on its start's times.
+pub const START_LINE: &str = "AM start:";
+
+impl driver::AmRm for TimedRm {
+    fn node_changes(&self) -> impl Future<Output = Result<NodeListing, RmError>> + Send {
+        self.rm.node_changes()
+    }
+    async fn allocate(&self, req: &AllocateRequest) -> Result<AllocateResponse, RmError> {
+        if !req.asks.is_empty() && !self.asked.swap(true, Ordering::Relaxed) {
+            let (nodes, listed, registered) = self.at;
+            eprintln!(
+                "{START_LINE} node listing of {nodes} nodes read at {listed} ms, registered at {registered} ms, first ask at {} ms",
+                self.start.elapsed().as_millis()
+            );
+        }
+        self.rm.allocate(req).await
+    }
+    fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send {
+        self.rm.register(req)
+    }
+    fn start(&self, c: &Container, ctx: &LaunchContext) -> impl Future<Output = Result<(), RmError>> + Send {
+        driver::AmRm::start(&self.rm, c, ctx)
+    }
+}
+
 /// Runs one AM to the end of its job; returns the process exit code (DESIGN.md §7).
 pub async fn run(opts: AmOptions) -> i32 {
+    let start = Instant::now();
     let job = Arc::new(opts.job);
     let mut backoff = Backoff::seeded(rand::random());
     let rm = match RmClient::for_app_with_tls(&opts.rm_url, &opts.app_id, &opts.token, &opts.settings.tls) {
@@ -74,6 +117,7 @@ pub async fn run(opts: AmOptions) -> i32 {
             return e.exit_code();
         }
     };
+    let listed = (nodes.len(), start.elapsed().as_millis());
     if let Some(why) = gang_never_fits(&job, &nodes, &opts.settings) {
         eprintln!("error: {why}");
         let finish = FinishRequest {
@@ -175,6 +219,7 @@ pub async fn run(opts: AmOptions) -> i32 {
             return e.exit_code();
         }
     };
+    let registered_at = start.elapsed().as_millis();
     let mut machine = JobMachine::new(
         job.clone(),
         opts.app_id.clone(),
@@ -229,7 +274,13 @@ pub async fn run(opts: AmOptions) -> i32 {
     });
 
     let heartbeat = Duration::from_millis(opts.settings.am.heartbeat_interval_ms.max(10));
-    let end = driver::drive(&mut machine, &rm, &publisher, heartbeat, &mut stop_rx, &mut backoff).await;
+    let timed = TimedRm {
+        rm: rm.clone(),
+        start,
+        at: (listed.0, listed.1, registered_at),
+        asked: AtomicBool::new(false),
+    };
+    let end = driver::drive(&mut machine, &timed, &publisher, heartbeat, &mut stop_rx, &mut backoff).await;
     let final_status = match end.state {
         JobState::Succeeded => FinalStatus::Succeeded,
         JobState::Killed => FinalStatus::Killed,

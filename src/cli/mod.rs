@@ -1,7 +1,7 @@
 //! The `gpuam` command line (DESIGN.md §7): argument parsing, logging set-up, and
 //! one function per command. Every command returns its exit code from `crate::exit`.
 
-mod am;
+pub(crate) mod am;
 mod jobs;
 mod node;
 mod plan;

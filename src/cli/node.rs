@@ -283,7 +283,7 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         }
     };
     let identity = match crate::node::identity::parse_user_map(&args.user_map)
-        .and_then(|cli| settings.node.identity(args.run_as.clone(), cli))
+        .and_then(|cli| crate::node::identity::IdentitySettings::from_settings(&settings.node, args.run_as.clone(), cli))
     {
         Ok(i) => i,
         Err(e) => {
@@ -318,6 +318,7 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         identity,
         retention: Some(std::time::Duration::from_secs(settings.node.log_retention_sec)),
         work_dir_grace: Some(std::time::Duration::from_secs(settings.node.work_dir_grace_sec)),
+        image: crate::node::image::ImagePolicy::from_settings(&settings.node),
         ip: args.ip,
         task_env,
         max_log_bytes: Some(settings.node.max_log_bytes),

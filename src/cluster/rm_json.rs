@@ -156,6 +156,20 @@ pub const CHANGED_SINCE: &str = "changedSince";
 
 /// Reads a node listing as [`parse_nodes_json`] does, with its version fields.
 pub fn parse_node_listing(text: &str) -> Result<NodeListing, NodeJsonError> {
+    // A listing object is read node by node (issue 29: a 10,000-node listing is 10 MB;
+    // as one `Value` tree it cost an AM some 200 MB and most of its start); anything
+    // else, and text that is not JSON, the whole-tree way below, with its messages.
+    let mut stream = ListingStream::default();
+    let mut de = serde_json::Deserializer::from_str(text);
+    match serde::Deserializer::deserialize_map(&mut de, &mut stream).and_then(|()| de.end()) {
+        Ok(()) => return Ok(stream.listing),
+        Err(e) => {
+            if let Some(failed) = stream.failed {
+                return Err(failed);
+            }
+            tracing::trace!(error = %e, "node listing: read as a whole");
+        }
+    }
     let v: Value = if text.trim().is_empty() {
         Value::Null
     } else {
@@ -181,16 +195,136 @@ fn nodes_of_listing(v: &Value) -> Result<Vec<Node>, NodeJsonError> {
         },
         other => list_items(Some(other), "(top level)")?,
     };
+    // Nodes of a listing mostly name the same few topologies: each is built once per
+    // listing and shared (a 10,000-node listing built its tables 10,000 times).
+    let mut topologies = Topologies::new();
     items
         .iter()
         .enumerate()
-        .map(|(i, item)| parse_node_at(i, item))
+        .map(|(i, item)| parse_node_at(i, item, &mut topologies))
         .collect()
 }
 
+/// Reads the usual listing, `{"nodes": {"node": [...]}, ...}`, as [`parse_node_listing`]
+/// reads it from its `Value` tree, one node object at a time: the same fields and node
+/// reader ([`parse_node_at`]), without holding the whole tree. Any other shape is refused
+/// with a serde error (the caller then reads it the whole-tree way); a node that cannot be
+/// read is `failed`.
+#[derive(Default)]
+struct ListingStream {
+    listing: NodeListing,
+    topologies: Topologies,
+    failed: Option<NodeJsonError>,
+}
+
+impl<'de> serde::de::Visitor<'de> for &mut ListingStream {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a node listing object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut listed = false;
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                NODES_VERSION => self.listing.version = map.next_value::<Value>()?.as_str().map(str::to_string),
+                CHANGED_SINCE => self.listing.changed_since = map.next_value::<Value>()?.as_str().map(str::to_string),
+                "nodes" if !listed => {
+                    listed = true;
+                    map.next_value_seed(Nodes(&mut *self))?;
+                }
+                // A repeated `nodes` or a single `node`: the tree's way.
+                "nodes" | "node" => return Err(serde::de::Error::custom("not the usual listing")),
+                _ => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        if listed {
+            Ok(())
+        } else {
+            Err(serde::de::Error::custom("not the usual listing"))
+        }
+    }
+}
+
+/// The `nodes` object, whose `node` list is read element by element.
+struct Nodes<'s>(&'s mut ListingStream);
+
+impl<'de> serde::de::DeserializeSeed<'de> for Nodes<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Nodes<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object with a `node` list")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut listed = false;
+        while let Some(key) = map.next_key::<String>()? {
+            if key != "node" {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            } else if listed {
+                return Err(serde::de::Error::custom("a repeated `node`"));
+            } else {
+                listed = true;
+                map.next_value_seed(NodeList(&mut *self.0))?;
+            }
+        }
+        if listed {
+            Ok(())
+        } else {
+            Err(serde::de::Error::custom("no `node` list"))
+        }
+    }
+}
+
+/// `nodes.node` as a list: each element read as a node and dropped before the next.
+struct NodeList<'s>(&'s mut ListingStream);
+
+impl<'de> serde::de::DeserializeSeed<'de> for NodeList<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for NodeList<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of node objects")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let st = self.0;
+        while let Some(v) = seq.next_element::<Value>()? {
+            match parse_node_at(st.listing.nodes.len(), &v, &mut st.topologies) {
+                Ok(node) => st.listing.nodes.push(node),
+                Err(e) => {
+                    let message = e.to_string();
+                    st.failed = Some(e);
+                    return Err(serde::de::Error::custom(message));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The topologies read so far in one listing, by their wire text.
+type Topologies = std::collections::HashMap<String, Option<Arc<Topology>>>;
+
 /// Reads one node object (e.g. an `updatedNodes` entry of an allocate answer).
 pub fn parse_node_value(v: &Value) -> Result<Node, NodeJsonError> {
-    parse_node_at(0, v)
+    parse_node_at(0, v, &mut Topologies::new())
 }
 
 /// One node as an allocate answer reports it (`updatedNodes`): on the wire the YARN node
@@ -474,7 +608,7 @@ fn to_u32(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
+fn parse_node_at(index: usize, v: &Value, topologies: &mut Topologies) -> Result<Node, NodeJsonError> {
     let Value::Object(obj) = v else {
         return Err(NodeJsonError::Node {
             index,
@@ -564,11 +698,18 @@ fn parse_node_at(index: usize, v: &Value) -> Result<Node, NodeJsonError> {
 
     let topology = match f.string("gpuTopology")? {
         None => None,
-        Some(text) => match Topology::from_spec(&text) {
-            Ok(t) => t.map(Arc::new),
-            Err(e) => {
-                tracing::debug!(host = %host, "node #{index}: ignoring gpuTopology: {e}");
-                None
+        Some(text) => match topologies.get(&text) {
+            Some(t) => t.clone(),
+            None => {
+                let t = match Topology::from_spec(&text) {
+                    Ok(t) => t.map(Arc::new),
+                    Err(e) => {
+                        tracing::debug!(host = %host, "node #{index}: ignoring gpuTopology: {e}");
+                        None
+                    }
+                };
+                topologies.insert(text, t.clone());
+                t
             }
         },
     };
@@ -638,6 +779,43 @@ mod tests {
         assert_eq!(back[1].state, NodeState::Lost);
         assert_eq!(back[1].gpu_type, None);
         assert!(back[1].labels.is_empty());
+    }
+
+    /// The usual listing is read node by node (issue 29); it reads as the whole tree does,
+    /// versions and topologies included, and a bad node is named the same way.
+    #[test]
+    fn a_listing_read_node_by_node_reads_as_its_tree() {
+        let mut a = sample_node();
+        a.topology = Topology::from_spec("pcie8").unwrap().map(Arc::new);
+        let mut b = a.clone();
+        b.host = "gpu-2".into();
+        let mut v = nodes_to_json([(&a, 1), (&b, 0)], 1_700_000_000_000);
+        v[NODES_VERSION] = json!("7.3");
+        v[CHANGED_SINCE] = json!("7.1");
+        v["other"] = json!({"ignored": [1, 2]});
+        let text = v.to_string();
+        let streamed = parse_node_listing(&text).unwrap();
+        let tree = NodeListing {
+            nodes: nodes_of_listing(&v).unwrap(),
+            version: Some("7.3".into()),
+            changed_since: Some("7.1".into()),
+        };
+        assert_eq!(streamed, tree);
+        assert_eq!(streamed.nodes[0], a);
+        // One topology shared by the listing's nodes.
+        let (ta, tb) = (streamed.nodes[0].topology.as_ref(), streamed.nodes[1].topology.as_ref());
+        assert!(Arc::ptr_eq(ta.unwrap(), tb.unwrap()));
+        // A bad second node: the same error as the tree's.
+        v["nodes"]["node"][1]["usedMemoryMB"] = json!("lots");
+        assert_eq!(
+            parse_node_listing(&v.to_string()),
+            Err(nodes_of_listing(&v).unwrap_err())
+        );
+        // Not JSON: the tree's message.
+        assert!(matches!(
+            parse_node_listing(&text[..text.len() - 3]),
+            Err(NodeJsonError::Json(_))
+        ));
     }
 
     #[test]

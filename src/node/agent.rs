@@ -68,6 +68,8 @@ pub struct AgentOptions {
     pub retention: Option<Duration>,
     /// How long after its end a container's work directory goes (`node.work_dir_grace_sec`).
     pub work_dir_grace: Option<Duration>,
+    /// What to do with a task that names an image (`node.image_runtime`, `node.run_without_image`).
+    pub image: crate::node::image::ImagePolicy,
     /// The address peers of this node's containers reach them at (`--ip`); `None`: see
     /// [`peer_ip`].
     pub ip: Option<IpAddr>,
@@ -172,6 +174,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             work_dir_grace: opts.work_dir_grace,
             ends_heard_here: false,
             max_disk_mb: opts.bounds.max_disk_mb,
+            image: opts.image,
         },
     );
     let agent = Arc::new(Agent {
@@ -786,6 +789,7 @@ mod tests {
             identity: Default::default(),
             retention: None,
             work_dir_grace: None,
+            image: Default::default(),
             ip: ip.map(|s| s.parse().unwrap()),
             task_env: Vec::new(),
             max_log_bytes: None,

@@ -54,8 +54,9 @@ fn auto_max_pids() -> Option<u64> {
 }
 
 impl NodeBounds {
-    /// The bounds the settings give (0: none); `Err` names a device rule that does not
-    /// parse (`Settings` checks them on load already).
+    /// The bounds the settings give (0: none); `Err` names the device rule that does not
+    /// parse, by its place in `node.device_allow` (where a node's settings are checked:
+    /// `config` only parses, it knows no node types).
     pub fn from_settings(n: &crate::config::NodeSettings) -> Result<NodeBounds, String> {
         Ok(NodeBounds {
             max_disk_mb: Some(n.max_container_disk_mb).filter(|v| *v > 0),
@@ -63,7 +64,8 @@ impl NodeBounds {
             device_allow: n
                 .device_allow
                 .iter()
-                .map(|r| r.parse())
+                .enumerate()
+                .map(|(i, r)| r.parse().map_err(|e| format!("node.device_allow[{i}]: {e}")))
                 .collect::<Result<_, String>>()?,
         })
     }

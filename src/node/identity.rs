@@ -25,11 +25,10 @@ use parking_lot::Mutex;
 
 use super::executor::RunAs;
 
-/// The default range of per-user uids: 0x70000000 + 64 Ki, a block systemd's uid map
-/// leaves unused (below it: containers' ranges; above 0x7fffffff: nothing is assigned).
-pub const DEFAULT_UID_RANGE: (u32, u32) = (0x7000_0000, 0x7000_ffff);
-/// Where a machine records which per-user uid belongs to whom.
-pub const DEFAULT_REGISTRY: &str = "/var/lib/gpuam/task-uids";
+/// The default range of per-user uids ([`crate::config::DEFAULT_TASK_UIDS`]).
+pub const DEFAULT_UID_RANGE: (u32, u32) = crate::config::DEFAULT_TASK_UIDS;
+/// Where a machine records which per-user uid belongs to whom by default.
+pub const DEFAULT_REGISTRY: &str = crate::config::DEFAULT_TASK_UID_REGISTRY;
 
 /// The identity settings of a node (`node.user_map`, `node.task_uids`,
 /// `node.task_uid_registry`, `gpuam node --user-map` / `--run-as`).
@@ -43,6 +42,25 @@ pub struct IdentitySettings {
     pub registry: Option<PathBuf>,
     /// `--run-as`: every task as this one account.
     pub run_as: Option<String>,
+}
+
+impl IdentitySettings {
+    /// A node's identity settings from its `node.*` settings, with `--run-as` and
+    /// `--user-map` entries (which win over the file's).
+    pub fn from_settings(
+        n: &crate::config::NodeSettings,
+        run_as: Option<String>,
+        cli_map: BTreeMap<String, String>,
+    ) -> Result<IdentitySettings, String> {
+        let mut user_map = n.user_map.clone();
+        user_map.extend(cli_map);
+        Ok(IdentitySettings {
+            user_map,
+            uid_range: Some(parse_uid_range(&n.task_uids).map_err(|e| format!("node.task_uids: {e}"))?),
+            registry: Some(n.task_uid_registry.clone()),
+            run_as,
+        })
+    }
 }
 
 /// Parses `FIRST-LAST` (a uid range); the error names the fix.

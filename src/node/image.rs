@@ -324,15 +324,34 @@ pub fn hard_limits() -> (u64, u64) {
     )
 }
 
-/// This process's node settings (defaults when they cannot be read), read once.
-fn node_settings() -> &'static crate::config::NodeSettings {
-    static V: std::sync::OnceLock<crate::config::NodeSettings> = std::sync::OnceLock::new();
-    V.get_or_init(|| {
-        let file = crate::config::default_settings_path();
-        crate::config::Settings::load(file.as_deref())
-            .map(|s| s.node)
-            .unwrap_or_default()
-    })
+/// What a node does with a task that names an image (`node.image_runtime`,
+/// `node.run_without_image`), given to the executor by whoever read the settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImagePolicy {
+    /// Look for podman with runc (`auto`); `false` (`none`): never run an image.
+    pub use_runtime: bool,
+    /// A task whose image cannot run here runs on the host (with a note) instead of failing.
+    pub run_without_image: bool,
+}
+
+impl ImagePolicy {
+    /// The policy `node.image_runtime` and `node.run_without_image` say.
+    pub fn from_settings(n: &crate::config::NodeSettings) -> ImagePolicy {
+        ImagePolicy {
+            use_runtime: n.image_runtime != "none",
+            run_without_image: n.run_without_image,
+        }
+    }
+}
+
+impl Default for ImagePolicy {
+    /// The settings' defaults: `image_runtime: auto`, `run_without_image: true`.
+    fn default() -> Self {
+        ImagePolicy {
+            use_runtime: true,
+            run_without_image: true,
+        }
+    }
 }
 
 fn env_get<'a>(env: &'a [(String, String)], k: &str) -> Option<&'a str> {
@@ -344,7 +363,13 @@ fn env_get<'a>(env: &'a [(String, String)], k: &str) -> Option<&'a str> {
 /// `bash launch.sh` on the host, or podman running it in the task's image. A task that
 /// names an image on a node without a runtime runs on the host (its stderr starts with a
 /// note saying so) or is refused, as `node.run_without_image` says.
-pub fn program_for(record: &Path, dir: &Path, id: &str, env: &[(String, String)]) -> Result<Spawn, String> {
+pub fn program_for(
+    record: &Path,
+    dir: &Path,
+    id: &str,
+    env: &[(String, String)],
+    policy: ImagePolicy,
+) -> Result<Spawn, String> {
     let host = Spawn {
         program: PathBuf::from("bash"),
         args: vec!["launch.sh".into()],
@@ -352,14 +377,9 @@ pub fn program_for(record: &Path, dir: &Path, id: &str, env: &[(String, String)]
     let Some(image) = env_get(env, IMAGE_ENV).filter(|s| !s.is_empty()) else {
         return Ok(host);
     };
-    let settings = node_settings();
-    let runtime = if settings.image_runtime == "none" {
-        None
-    } else {
-        find_runtime()
-    };
+    let runtime = if policy.use_runtime { find_runtime() } else { None };
     let present = runtime.as_ref().is_some_and(|r| image_present(r, image));
-    match decide(image, runtime.as_ref(), present, settings.run_without_image) {
+    match decide(image, runtime.as_ref(), present, policy.run_without_image) {
         Decision::Refuse { why } => Err(why),
         Decision::Host { note } => {
             tracing::warn!(container = id, "{note}");

@@ -1113,22 +1113,8 @@ GPU7    NV18    NV18    NV18    NV18    NV18    NV18    NV18     X      48-95,14
 /// The fewest NUMA nodes (beyond the first) of any k-subset of `f` with the best (T, W), by
 /// visiting every subset; and whether some such subset lies within one NUMA node.
 fn best_tw_numa(r: &Ref, f: u64, k: u32) -> ((u8, u32), u8) {
-    let mut best: Option<((u8, u32), u8)> = None;
-    let mut s = f;
-    loop {
-        if s.count_ones() == k {
-            let tw = (r.tier(s), r.weight(s));
-            let n = r.numa_split(s);
-            if best.is_none_or(|(btw, bn)| tw > btw || (tw == btw && n < bn)) {
-                best = Some((tw, n));
-            }
-        }
-        if s == 0 {
-            break;
-        }
-        s = (s - 1) & f;
-    }
-    best.unwrap_or(((2, 0), 0))
+    let (tw, (n, _)) = best_locality(r, f, k);
+    (tw, n)
 }
 
 #[test]

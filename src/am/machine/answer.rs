@@ -14,8 +14,8 @@ impl JobMachine {
     pub(super) fn apply_answer(&mut self, resp: AllocateResponse, now: Now) {
         self.response_id = resp.response_id;
         for r in resp.updated_nodes {
+            self.nodes_dirty.add(&r.node.host);
             self.selector.apply_node_report(r.node);
-            self.nodes_dirty = true;
         }
         for rej in resp.rejected {
             self.sent_asks.remove(&rej.request_id);

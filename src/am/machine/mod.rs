@@ -27,6 +27,9 @@ mod tasks_end;
 #[cfg(test)]
 mod tests;
 
+pub use report::merge_node_changes;
+use report::NodesDirty;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -167,8 +170,11 @@ pub enum Event {
         repeated: bool,
         at_ms: u64,
     },
-    /// The node view as it is now.
+    /// The node view as it is now (the whole of it, ordered by host).
     Nodes(Vec<NodeStatus>),
+    /// Nodes of the view that changed: each host with its node as it is now, or `None`
+    /// where it left the view (O(changes), not O(nodes)).
+    NodesChanged(Vec<(String, Option<NodeStatus>)>),
     /// The node view was fetched from the RM.
     NodesRefreshed { at_ms: u64 },
     /// Whether the RM answers.
@@ -247,7 +253,8 @@ pub struct JobMachine {
     /// The draws of the waits (`am::backoff`): seeded, so a plan is reproducible.
     backoff: super::backoff::Backoff,
     end: Option<JobEnd>,
-    nodes_dirty: bool,
+    /// What of the node view to report: all of it, or the hosts that changed.
+    nodes_dirty: NodesDirty,
     job_retry: super::job_retry::JobRetry,
     /// Containers the RM is taking back (see `queueing`).
     preempt: super::queueing::Preemptions,
@@ -320,7 +327,7 @@ impl JobMachine {
             topology_wait,
             backoff: super::backoff::Backoff::seeded(seed),
             end: None,
-            nodes_dirty: true,
+            nodes_dirty: NodesDirty::All,
             job_retry,
             preempt: Default::default(),
             gang_round: 0,
@@ -358,7 +365,7 @@ impl JobMachine {
                 match answer {
                     Ok(nodes) => {
                         self.selector.replace_nodes(nodes);
-                        self.nodes_dirty = true;
+                        self.nodes_dirty = NodesDirty::All;
                         self.out.events.push(Event::NodesRefreshed { at_ms: now.ms });
                         self.set_reachable(true);
                     }
@@ -368,8 +375,8 @@ impl JobMachine {
             }
             Input::NodeChanges(answer) => {
                 if let Ok(nodes) = answer {
-                    self.nodes_dirty |= !nodes.is_empty();
                     for n in nodes {
+                        self.nodes_dirty.add(&n.host);
                         self.selector.apply_node_report(n);
                     }
                     self.out.events.push(Event::NodesRefreshed { at_ms: now.ms });

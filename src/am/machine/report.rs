@@ -2,7 +2,7 @@
 //! publisher in `am::publish` turns them into updates): changed tasks, the job's state and
 //! per-role counts and the node view.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use super::{Event, JobMachine, Now};
 use crate::am::status::{JobState, NodeStatus, RoleCounts, TaskState};
@@ -38,13 +38,28 @@ impl JobMachine {
             self.job_reason = reason.clone();
             self.out.events.push(Event::Reason(reason));
         }
-        if self.nodes_dirty {
-            self.nodes_dirty = false;
-            let job_masks = self.job_gpu_masks();
-            let nodes = self
-                .selector
-                .with_view(|v| v.nodes().map(|n| node_status(n, &job_masks)).collect::<Vec<_>>());
-            self.out.events.push(Event::Nodes(nodes));
+        match std::mem::take(&mut self.nodes_dirty) {
+            NodesDirty::Hosts(hosts) if hosts.is_empty() => {}
+            NodesDirty::Hosts(hosts) => {
+                let job_masks = self.job_gpu_masks();
+                let nodes = self.selector.with_view(|v| {
+                    hosts
+                        .into_iter()
+                        .map(|h| {
+                            let n = v.get(&h).map(|n| node_status(n, &job_masks));
+                            (h, n)
+                        })
+                        .collect::<Vec<_>>()
+                });
+                self.out.events.push(Event::NodesChanged(nodes));
+            }
+            NodesDirty::All => {
+                let job_masks = self.job_gpu_masks();
+                let nodes = self
+                    .selector
+                    .with_view(|v| v.nodes().map(|n| node_status(n, &job_masks)).collect::<Vec<_>>());
+                self.out.events.push(Event::Nodes(nodes));
+            }
         }
     }
 
@@ -121,8 +136,46 @@ impl JobMachine {
     }
 }
 
+/// What of the node view the next report publishes: the whole view (at the start and
+/// after a full listing) or only the hosts that changed since the last report, so a
+/// heartbeat that brings a few changed nodes costs O(changes), not O(nodes).
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum NodesDirty {
+    All,
+    Hosts(BTreeSet<String>),
+}
+
+impl Default for NodesDirty {
+    fn default() -> Self {
+        NodesDirty::Hosts(BTreeSet::new())
+    }
+}
+
+impl NodesDirty {
+    pub(super) fn add(&mut self, host: &str) {
+        if let NodesDirty::Hosts(h) = self {
+            h.insert(host.to_string());
+        }
+    }
+}
+
+/// Merges changed nodes into a node list ordered by host (as [`Event::Nodes`] gives
+/// it): each replaced, inserted in order, or removed where it left the view.
+pub fn merge_node_changes(list: &mut Vec<NodeStatus>, changes: Vec<(String, Option<NodeStatus>)>) {
+    for (host, node) in changes {
+        match (list.binary_search_by(|n| n.host.as_str().cmp(&host)), node) {
+            (Ok(i), Some(n)) => list[i] = n,
+            (Ok(i), None) => {
+                list.remove(i);
+            }
+            (Err(i), Some(n)) => list.insert(i, n),
+            (Err(_), None) => {}
+        }
+    }
+}
+
 /// A node of the view as the dashboard shows it.
-pub fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -> NodeStatus {
+fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -> NodeStatus {
     let groups = match &n.topology {
         Some(t) => (0..=2u8)
             .rev()

@@ -178,6 +178,9 @@ pub struct ExecutorOptions {
     /// Most MiB a container's directory may hold (`node.max_container_disk_mb`; `None`: no
     /// bound). See [`crate::node::bounds`].
     pub max_disk_mb: Option<u64>,
+    /// What to do with a task that names an image (`node.image_runtime`,
+    /// `node.run_without_image`).
+    pub image: crate::node::image::ImagePolicy,
 }
 
 impl Executor {

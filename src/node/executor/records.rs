@@ -35,7 +35,7 @@ pub const PREEMPT_FILE: &str = "preempt";
 
 /// How long a finished container's record (its logs) is kept by default
 /// (`node.log_retention_sec`).
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(crate::config::DEFAULT_LOG_RETENTION_SEC);
 
 /// How long after its end a container's work directory is removed by default
 /// (`node.work_dir_grace_sec`). Removing it at once put the deletions among the next
@@ -43,7 +43,7 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// recently deleted ones of its group (`recently_deleted` in the kernel), and a burst of
 /// ends made the following starts twice as slow (docs/BENCHMARKS.md). Later, the removals
 /// fall outside the burst; the directory is the task's own (0700, its uid) meanwhile.
-pub const DEFAULT_WORK_DIR_GRACE: Duration = Duration::from_secs(30);
+pub const DEFAULT_WORK_DIR_GRACE: Duration = Duration::from_secs(crate::config::DEFAULT_WORK_DIR_GRACE_SEC);
 
 /// An ended container's work directory holding more than this goes at once, whatever the
 /// grace (only small ones wait).
@@ -98,17 +98,7 @@ pub struct RecordedEnd {
     pub cause: Option<crate::protocol::EndCause>,
 }
 
-/// `[A-Za-z0-9_.-]+`, and not `.` / `..` (which would name the root or its parent).
-/// Ids longer than 255 bytes are refused too (they cannot be directory names).
-pub fn valid_container_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 255
-        && id != "."
-        && id != ".."
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
-}
+pub use crate::protocol::valid_container_id;
 
 impl Executor {
     /// Where container `id`'s record is on disk when this executor's table does not say

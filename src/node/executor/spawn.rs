@@ -164,6 +164,7 @@ impl Executor {
                     run_as: run_as.as_ref(),
                     taskset: taskset.as_deref(),
                     shim: self.opts.containment.shim(),
+                    image: self.opts.image,
                 };
                 spawn_launch(&dir, container_id, &launch)
                     .map(|(child, pid, logs)| (child, pid, cg.clone(), logs))
@@ -283,6 +284,8 @@ pub(super) struct Launch<'a> {
     taskset: Option<&'a str>,
     /// Run it all under the subreaper shim of this `gpuam` executable (no cgroup).
     shim: Option<&'a Path>,
+    /// What to do with a task that names an image.
+    image: crate::node::image::ImagePolicy,
 }
 
 /// Creates the directory and files and spawns the task (its program from
@@ -301,6 +304,7 @@ pub(super) fn spawn_launch(
         run_as,
         taskset,
         shim,
+        image,
     } = *launch;
     let where_ = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
     use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
@@ -370,7 +374,7 @@ pub(super) fn spawn_launch(
         .map_err(|e| format!("cannot keep a handle of the log files: {e}"))?;
 
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
-    let spawn = crate::node::image::program_for(dir, &work, id, env)?;
+    let spawn = crate::node::image::program_for(dir, &work, id, env, image)?;
     // [shim --] [taskset -c LIST] program args
     let mut argv: Vec<std::ffi::OsString> = Vec::new();
     if let Some(exe) = shim {

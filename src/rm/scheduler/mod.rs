@@ -693,6 +693,80 @@ pub fn gate(
     }
 }
 
+/// A sufficient condition for [`gate`] to pass an ask that no queue cap stops, checked
+/// without a snapshot (issue 29): the free room of `nodes` (the usable nodes the ask does
+/// not touch, in its pool) holds every one of `waiting` (all other applications' waiting
+/// tasks) at once, whatever order and place the reservation picks. Each node counts how
+/// many of the largest waiting task (per resource) it holds — one at most when a waiting
+/// task names ports, custom resources, GPUs or a share — and only when every waiting
+/// task is eligible there and fits; placing any task takes at most one from that count,
+/// so with counts summing to at least the number of waiting tasks, `reserve` places them
+/// all with or without the ask, and `gate` finds no one it would take from. Stops reading
+/// `nodes` as soon as the count is reached: O(waiting tasks) on a cluster with room.
+pub fn room_for_all_waiting<'a>(
+    waiting: impl IntoIterator<Item = &'a WaitingTasks>,
+    nodes: impl Iterator<Item = NodeCap>,
+) -> bool {
+    let mut shapes: Vec<&WaitingTasks> = Vec::new();
+    let mut tasks: u64 = 0;
+    for w in waiting.into_iter().filter(|w| w.gpus > 0 && w.count > 0) {
+        tasks += u64::from(w.count);
+        // One shape per distinct task (what `fits_in` and `eligible` read; not count or role).
+        let same = |s: &&WaitingTasks| {
+            (
+                s.gpus,
+                s.cpu,
+                s.memory_mb,
+                s.gpu_share,
+                s.gpu_mask,
+                s.dynamic_ports,
+                s.min_port,
+            ) == (
+                w.gpus,
+                w.cpu,
+                w.memory_mb,
+                w.gpu_share,
+                w.gpu_mask,
+                w.dynamic_ports,
+                w.min_port,
+            ) && (&s.gpu_types, &s.node_label, &s.custom, &s.ports, s.keep_off_gpu_nodes)
+                == (&w.gpu_types, &w.node_label, &w.custom, &w.ports, w.keep_off_gpu_nodes)
+        };
+        if !shapes.iter().any(same) {
+            shapes.push(w);
+        }
+    }
+    if tasks == 0 {
+        return true;
+    }
+    let plain = shapes.iter().all(|w| {
+        w.gpu_mask == 0 && w.gpu_share.is_none() && w.ports.is_empty() && w.dynamic_ports == 0 && w.custom.is_empty()
+    });
+    let max_gpus = shapes.iter().map(|w| w.gpus).max().unwrap_or(1).max(1);
+    let max_cpu = shapes.iter().map(|w| w.cpu).max().unwrap_or(0);
+    let max_mem = shapes.iter().map(|w| w.memory_mb).max().unwrap_or(0);
+    let mut room: u64 = 0;
+    for n in nodes {
+        let free = n.free_room();
+        if !shapes.iter().all(|w| eligible(&n, w) && fits_in(&free, w)) {
+            continue;
+        }
+        let holds = if plain {
+            let per = |free: u64, max: u64| free.checked_div(max).unwrap_or(u64::MAX);
+            per(u64::from(free.gpus), u64::from(max_gpus))
+                .min(per(u64::from(free.cpu), u64::from(max_cpu)))
+                .min(per(free.memory_mb, max_mem))
+        } else {
+            1
+        };
+        room += holds.max(1);
+        if room >= tasks {
+            return true;
+        }
+    }
+    false
+}
+
 /// One preemption decision: containers of one application taken back for a queue.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Victim {

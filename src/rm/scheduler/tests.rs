@@ -913,3 +913,60 @@ fn each_queue_cause_has_its_kind_of_reason() {
         assert_eq!((r.kind, r.detail.as_str()), (kind, w.to_string().as_str()));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// The allocate path's shortcut (issue 29) is never more lenient than the gate: where
+    /// `room_for_all_waiting` says the other applications' waiting tasks all fit besides
+    /// an ask, the gate lets that ask through (no queue caps: the shortcut is not taken
+    /// under one).
+    #[test]
+    fn room_for_all_waiting_implies_the_gate_passes(mut w in world(), app in 0usize..8, n in 0usize..5, k in 1u32..4) {
+        for q in &mut w.queues {
+            q.2 = None;
+        }
+        let c = build(&w);
+        let app = app % c.s.apps.len();
+        let n = n % c.s.nodes.len();
+        let k = k.min(c.s.nodes[n].free_gpus.count_ones());
+        if k == 0 {
+            return Ok(());
+        }
+        let others = c.s.apps.iter().enumerate().filter(|(i, _)| *i != app).flat_map(|(_, a)| a.waiting.iter());
+        let nodes = c.s.nodes.iter().enumerate().filter(|(i, _)| *i != n).map(|(_, nd)| nd.clone());
+        if room_for_all_waiting(others, nodes) {
+            prop_assert_eq!(c.gate(app, &[(n, k)]), Ok(()));
+        }
+    }
+}
+
+/// The shortcut says yes on a roomy cluster and no where the waiting tasks would not all fit.
+#[test]
+fn room_for_all_waiting_counts_room_per_node() {
+    let nodes = |gpus: &[u32]| {
+        gpus.iter()
+            .enumerate()
+            .map(|(i, &g)| node(&format!("n{i}"), g))
+            .collect::<Vec<_>>()
+    };
+    // Two nodes of 8: sixteen one-GPU tasks fit, seventeen do not.
+    assert!(room_for_all_waiting(&[waiting(16, 1)], nodes(&[8, 8]).into_iter()));
+    assert!(!room_for_all_waiting(&[waiting(17, 1)], nodes(&[8, 8]).into_iter()));
+    // Counted by the largest task: 3 GPUs and 1 GPU on an 8-GPU node count two each.
+    assert!(!room_for_all_waiting(
+        &[waiting(3, 3), waiting(2, 1)],
+        nodes(&[8, 8]).into_iter()
+    ));
+    assert!(room_for_all_waiting(
+        &[waiting(2, 3), waiting(2, 1)],
+        nodes(&[8, 8]).into_iter()
+    ));
+    // A node too small for one of the waiting tasks counts nothing.
+    assert!(!room_for_all_waiting(
+        &[waiting(1, 4), waiting(1, 1)],
+        nodes(&[2, 2, 2]).into_iter()
+    ));
+    // Nothing waiting: nothing to keep.
+    assert!(room_for_all_waiting(&[waiting(0, 1)], nodes(&[]).into_iter()));
+}

@@ -190,6 +190,8 @@ pub struct RmOptions {
     pub log_retention: Option<Duration>,
     /// How long after its end a container's work directory goes (`node.work_dir_grace_sec`).
     pub work_dir_grace: Option<Duration>,
+    /// What the in-process node does with a task that names an image (`node.*`).
+    pub image: crate::node::image::ImagePolicy,
     /// Disk, pids and device bounds of the in-process node (`node.*`).
     pub bounds: crate::node::bounds::NodeBounds,
 }
@@ -231,6 +233,7 @@ impl RmOptions {
             task_identity: None,
             log_retention: None,
             work_dir_grace: None,
+            image: Default::default(),
             bounds: crate::node::bounds::NodeBounds::from_settings(&Default::default()).unwrap_or_default(),
         }
     }
@@ -259,11 +262,12 @@ impl RmOptions {
             max_log_bytes: Some(settings.node.max_log_bytes),
             history: rm.into(),
             task_identity: match settings.node.in_process_identity {
-                true => Some(settings.node.identity(None, Default::default())?),
+                true => Some(crate::node::identity::IdentitySettings::from_settings(&settings.node, None, Default::default())?),
                 false => None,
             },
             log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
             work_dir_grace: Some(Duration::from_secs(settings.node.work_dir_grace_sec)),
+            image: crate::node::image::ImagePolicy::from_settings(&settings.node),
             bounds: crate::node::bounds::NodeBounds::from_settings(&settings.node)?,
             ..RmOptions::new(nodes, listen, work_dir)
         })
@@ -483,6 +487,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             work_dir_grace: opts.work_dir_grace,
             ends_heard_here: true,
             max_disk_mb: opts.bounds.max_disk_mb,
+            image: opts.image,
             ..Default::default()
         },
     );

@@ -9,6 +9,7 @@
 //!   nodes, which create the tasks' `GPUAM_PREEMPT_FILE`), and why each application waits;
 //! - [`queue_view`]: shares, use and waiting per queue, for the cluster page and `/metrics`.
 
+use super::transactions::{end_container, Ending, Tell};
 use super::*;
 use crate::protocol::{now_ms, ContainerState};
 use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
@@ -167,6 +168,11 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
     if !capped && !others_wait {
         return Ok(());
     }
+    // Room for everyone waiting besides this ask: the gate would pass it (without the
+    // snapshot's O(nodes + containers) and the reservation's O(waiting × nodes)).
+    if !capped && room_for_others(st, app_id, asks, now) {
+        return Ok(());
+    }
     let built = snapshot(st, now);
     let Some(&app) = built.apps.get(app_id) else {
         return Ok(());
@@ -184,6 +190,34 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
         .collect();
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     scheduler::gate(&st.sched.tree, &built.snap, &shares, app, &mapped).map_err(|w| w.reason())
+}
+
+/// [`scheduler::room_for_all_waiting`] for an ask of `app_id`: the other live
+/// applications' waiting tasks against the nodes the asks do not touch, in the pool (GPU
+/// type) of the first ask that takes whole GPUs.
+fn room_for_others(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> bool {
+    let waiting = st
+        .apps
+        .values()
+        .filter(|a| a.report.id != app_id && !a.report.state.is_final())
+        .flat_map(|a| a.waiting.current(now, WAITING_TTL));
+    let pool = asks
+        .iter()
+        .find(|a| a.resources().whole_gpu_count() > 0)
+        .map(|a| st.ledger.node(&a.host).map(|n| n.gpu_type.clone().unwrap_or_default()));
+    let nodes = st
+        .ledger
+        .nodes()
+        .map(|(n, _)| n)
+        .filter(|n| asks.iter().all(|a| a.host != n.host))
+        .filter(|n| match &pool {
+            Some(Some(p)) => n.gpu_type.as_deref().unwrap_or_default() == p,
+            // The ask's node is gone: the gate decides.
+            Some(None) => false,
+            None => true,
+        })
+        .map(NodeCap::of);
+    scheduler::room_for_all_waiting(waiting, nodes)
 }
 
 /// Whether every ask of a gang fits now, together (each on what the earlier ones leave).
@@ -299,7 +333,6 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
                 .get(&id)
                 .map(preempted_diagnostics)
                 .unwrap_or_default();
-            use super::transactions::{end_container, Ending, Tell};
             if let Some(e) = end_container(st, &id, Ending::Stopped, exit_status::PREEMPTED, &diag, Tell::App) {
                 tracing::info!(container = %id, "preemption deadline passed: stopping the container");
                 work.ended.push(e);

@@ -1117,6 +1117,51 @@ mod tests {
         st.ledger.audit_usage().unwrap();
     }
 
+    /// A container under a preemption notice ends as preempted whichever way it ends: the
+    /// AM's release (not told back), the deadline passing in the scheduling pass (its
+    /// application told, once), and its node's report of the exit.
+    #[test]
+    fn a_preempted_container_ends_as_preempted_through_the_one_door() {
+        let m = state(Store::memory());
+        let mut st = guard(&m);
+        let id = app(&mut st);
+        let granted = allocate_asks(&mut st, &id, 0, vec![ask(1, 0x1, &[]), ask(2, 0x2, &[])], vec![]).answer;
+        let (a, b) = (
+            granted.allocated[0].container_id.clone(),
+            granted.allocated[1].container_id.clone(),
+        );
+        start_container(&mut st, "n1", &b, status(&b)).unwrap();
+        let now = Instant::now();
+        for c in [&a, &b] {
+            st.sched.preempting.insert(
+                c.clone(),
+                scheduling::Preempting {
+                    app_id: id.clone(),
+                    host: "n1".into(),
+                    from_queue: "root.default".into(),
+                    for_queue: "root.other".into(),
+                    deadline: now,
+                    deadline_ms: 1,
+                    reason: "for another queue".into(),
+                },
+            );
+        }
+        let released = allocate_asks(&mut st, &id, 1, vec![], vec![a.clone()]);
+        assert_eq!(released.ended[0].exit_status, exit_status::PREEMPTED);
+        assert!(released.answer.completed.is_empty());
+        let work = scheduling::tick(&mut st, now + Duration::from_secs(1));
+        assert_eq!(work.ended.len(), 1, "the deadline passed");
+        assert_eq!(work.ended[0].container_id, b);
+        assert_eq!(work.ended[0].exit_status, exit_status::PREEMPTED);
+        assert_eq!(used(&st).gpu_mask, 0x2, "held until its node reports it dead");
+        assert!(container_exited(&mut st, &b, 143, "terminated".into()).is_none());
+        assert_eq!(used(&st), Resources::default());
+        let answer = allocate_asks(&mut st, &id, 2, vec![], vec![]).answer;
+        assert_eq!(answer.completed.len(), 1, "told once: {answer:?}");
+        assert_eq!(answer.completed[0].exit_status, exit_status::PREEMPTED);
+        st.ledger.audit_usage().unwrap();
+    }
+
     /// A removed host frees everything on it once: a running container ends for its
     /// application (told once), a held one is freed without a second report; the admin's
     /// refusals (a cluster-file host; running containers without force; wiping a RUNNING
