@@ -56,7 +56,10 @@ pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
     );
     let mut medians: Vec<(usize, bool, Duration)> = Vec::new();
     for &n in sizes {
-        let selector = Selector::new(ClusterView::new(crate::cluster::synthetic::bench_cluster(n, seed)), settings.clone());
+        let selector = Selector::new(
+            ClusterView::new(crate::cluster::synthetic::bench_cluster(n, seed)),
+            settings.clone(),
+        );
         for ports in [false, true] {
             let r = request(ports);
             let mut demand = JobDemand::new(true);

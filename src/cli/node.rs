@@ -282,9 +282,9 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
             return exit::USAGE;
         }
     };
-    let identity = match crate::node::identity::parse_user_map(&args.user_map)
-        .and_then(|cli| crate::node::identity::IdentitySettings::from_settings(&settings.node, args.run_as.clone(), cli))
-    {
+    let identity = match crate::node::identity::parse_user_map(&args.user_map).and_then(|cli| {
+        crate::node::identity::IdentitySettings::from_settings(&settings.node, args.run_as.clone(), cli)
+    }) {
         Ok(i) => i,
         Err(e) => {
             eprintln!("error: {e}");

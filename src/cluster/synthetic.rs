@@ -31,4 +31,3 @@ pub fn bench_cluster(n: usize, seed: u64) -> Vec<Node> {
         })
         .collect()
 }
-

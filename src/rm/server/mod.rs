@@ -262,7 +262,11 @@ impl RmOptions {
             max_log_bytes: Some(settings.node.max_log_bytes),
             history: rm.into(),
             task_identity: match settings.node.in_process_identity {
-                true => Some(crate::node::identity::IdentitySettings::from_settings(&settings.node, None, Default::default())?),
+                true => Some(crate::node::identity::IdentitySettings::from_settings(
+                    &settings.node,
+                    None,
+                    Default::default(),
+                )?),
                 false => None,
             },
             log_retention: Some(Duration::from_secs(settings.node.log_retention_sec)),
