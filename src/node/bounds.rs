@@ -113,16 +113,7 @@ impl From<EndCause> for Breach {
 }
 
 fn open_dir(path: &Path) -> Option<OwnedFd> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: plain syscall on a NUL-terminated path.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
-    // SAFETY: a fresh fd this function owns.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+    super::executor::open_dir_in_place(path).ok()
 }
 
 /// Bytes allocated under the directory `dir` (itself excluded), not following links.

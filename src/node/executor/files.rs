@@ -5,7 +5,18 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
 use std::path::Path;
+
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+
+/// Opens the directory `path` itself, never through a link (`O_DIRECTORY | O_NOFOLLOW`),
+/// for work relative to its handle.
+pub fn open_dir_in_place(path: &Path) -> std::io::Result<OwnedFd> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    Ok(nix::fcntl::open(path, flags, Mode::empty())?)
+}
 
 /// Reads at most `max` bytes of a regular file where it is, never through a link (see
 /// [`open_log_in_place`]).
@@ -24,22 +35,9 @@ pub(super) fn read_small_in_place(path: &Path, max: u64) -> std::io::Result<Vec<
 /// make root write anywhere else.
 pub fn create_new_in(dir: &Path, name: &str, text: &[u8], owner: Option<(u32, u32)>) -> std::io::Result<()> {
     use std::ffi::CString;
-    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    use std::os::fd::{AsRawFd as _, FromRawFd as _};
     let c = |s: &str| CString::new(s).map_err(|_| std::io::Error::other("a NUL in a file name"));
-    let cdir =
-        CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| std::io::Error::other("a NUL in a path"))?;
-    // SAFETY: plain syscalls on NUL-terminated strings; every fd returned is owned at once.
-    let dfd = unsafe {
-        libc::open(
-            cdir.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
-    if dfd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `dfd` is a fresh descriptor nobody else owns.
-    let dfd = unsafe { OwnedFd::from_raw_fd(dfd) };
+    let dfd = open_dir_in_place(dir)?;
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

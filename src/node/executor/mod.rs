@@ -88,7 +88,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-pub use files::create_new_in;
+pub use files::{create_new_in, open_dir_in_place};
 pub use logs::{cap_log, LogStream, LOG_CHECK, LOG_KEEP_MAX, MAX_LOG_BYTES};
 pub use records::{
     record_id, record_name, valid_container_id, work_dir, RecordedEnd, ACKED_FILE, DEFAULT_RETENTION,

@@ -153,9 +153,13 @@ pub(super) fn recorded_end(record: &Path) -> Option<RecordedEnd> {
 /// ABORTED when there is none (the leader was killed with SIGKILL, or never ran). The
 /// file is the task's: read without following a link, at most 32 bytes, only a number kept.
 pub(super) fn recorded_exit(work: &Path) -> (i32, String) {
-    match read_small_in_place(&work.join(EXIT_CODE_FILE), 32)
-        .ok()
-        .and_then(|b| String::from_utf8(b).ok())
+    exit_of_record(read_small_in_place(&work.join(EXIT_CODE_FILE), 32).ok().as_deref())
+}
+
+/// [`recorded_exit`] from the file's bytes (`None`: no file).
+pub(super) fn exit_of_record(written: Option<&[u8]>) -> (i32, String) {
+    match written
+        .and_then(|b| std::str::from_utf8(b).ok())
         .and_then(|t| t.trim().parse::<i32>().ok())
         // The task wrote this file: only a real exit code (0-255) is taken, never one of the
         // node's own statuses (negative), which it could use to pass as preempted.

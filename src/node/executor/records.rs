@@ -241,16 +241,38 @@ pub(super) fn sweep_records(
             continue;
         };
         let acked = heard || std::fs::symlink_metadata(record.join(ACKED_FILE)).is_ok();
-        if acked && now.duration_since(ended).is_ok_and(|age| age >= retention) {
-            match std::fs::remove_dir_all(&record) {
+        let age = now.duration_since(ended).ok();
+        match sweep_action(acked, age, retention, work_dir_grace) {
+            SweepAction::RemoveRecord => match std::fs::remove_dir_all(&record) {
                 Ok(()) => removed += 1,
                 Err(e) => tracing::warn!(container = %id, "cannot remove the finished record: {e}"),
-            }
-        } else if now.duration_since(ended).is_ok_and(|age| age >= work_dir_grace) {
-            remove_work_dir(&record, &id);
+            },
+            SweepAction::RemoveWorkDir => remove_work_dir(&record, &id),
+            SweepAction::Keep => {}
         }
     }
     removed
+}
+
+/// What a sweep does with an ended container's record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SweepAction {
+    Keep,
+    /// Its task's directory goes (the logs stay).
+    RemoveWorkDir,
+    /// The whole record goes (its logs included).
+    RemoveRecord,
+}
+
+/// The sweep's rule for a record that ended `age` ago (`None`: in the future, a clock
+/// that went back): the record goes once its end was acknowledged and the retention
+/// passed; else the work directory once the grace passed.
+pub(super) fn sweep_action(acked: bool, age: Option<Duration>, retention: Duration, grace: Duration) -> SweepAction {
+    match age {
+        Some(age) if acked && age >= retention => SweepAction::RemoveRecord,
+        Some(age) if age >= grace => SweepAction::RemoveWorkDir,
+        _ => SweepAction::Keep,
+    }
 }
 
 /// Removes the task's own directory of an ended container (its record stays). The

@@ -81,22 +81,10 @@ impl Executor {
             id: container_id.into(),
             why,
         };
-        if !valid_container_id(container_id) {
-            return Err(fail(format!(
-                "`{container_id}` is not a valid container id (use 1-255 characters of A-Z, a-z, 0-9, `_`, `.`, `-`, \
-                 not `.` or `..`)"
-            )));
-        }
+        check_start(container_id, granted, &ctx).map_err(&fail)?;
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(fail("the executor must be called from within a tokio runtime".into()));
         }
-        if granted.gpus > 0 && granted.gpu_mask == 0 {
-            return Err(fail(format!(
-                "the granted resources name {} GPUs but no GPU mask; a container needs exact GPUs (gpuMask)",
-                granted.gpus
-            )));
-        }
-        validate_context(&ctx).map_err(&fail)?;
         let run_as = match (&self.opts.users, user) {
             (Some(users), Some(user)) => users.resolve(user).map_err(&fail)?,
             (Some(users), None) if users.per_user() => {
@@ -246,6 +234,25 @@ impl Executor {
     }
 }
 
+/// What a start must hold before anything is created: a valid id, exact GPUs for GPUs
+/// granted, and a launch context bash can carry ([`validate_context`]). The error names
+/// the field and the fix.
+pub(super) fn check_start(container_id: &str, granted: &Resources, ctx: &LaunchContext) -> Result<(), String> {
+    if !valid_container_id(container_id) {
+        return Err(format!(
+            "`{container_id}` is not a valid container id (use 1-255 characters of A-Z, a-z, 0-9, `_`, `.`, `-`, \
+             not `.` or `..`)"
+        ));
+    }
+    if granted.gpus > 0 && granted.gpu_mask == 0 {
+        return Err(format!(
+            "the granted resources name {} GPUs but no GPU mask; a container needs exact GPUs (gpuMask)",
+            granted.gpus
+        ));
+    }
+    validate_context(ctx)
+}
+
 /// Whether `taskset` (util-linux) is on this node's PATH (looked up once).
 pub(super) fn taskset_found() -> bool {
     static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -281,7 +288,8 @@ pub(super) struct Launch<'a> {
     image: crate::node::image::ImagePolicy,
 }
 
-/// Creates the directory and files and spawns the task (see [`task_command`]) in a new
+/// Creates the directory and files and spawns the task (its program from
+/// [`crate::node::image::program_for`]) in a new
 /// session, inside its cgroup, as its user, under `taskset` when asked; returns the child,
 /// its pid and handles of its log files (for the log watcher).
 pub(super) fn spawn_launch(

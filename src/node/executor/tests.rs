@@ -1176,3 +1176,25 @@ fn the_end_report_leads_with_the_bound_and_types_it() {
     });
     assert_eq!((text.as_str(), cause), ("exited with code 0", None));
 }
+
+#[test]
+fn the_sweep_rule_and_the_scripts_word() {
+    use super::reattach::exit_of_record;
+    use super::records::{sweep_action, SweepAction};
+    let (keep, grace) = (Duration::from_secs(100), Duration::from_secs(10));
+    let at = |s| Some(Duration::from_secs(s));
+    assert_eq!(sweep_action(true, at(100), keep, grace), SweepAction::RemoveRecord);
+    assert_eq!(sweep_action(false, at(1000), keep, grace), SweepAction::RemoveWorkDir);
+    assert_eq!(sweep_action(true, at(10), keep, grace), SweepAction::RemoveWorkDir);
+    assert_eq!(sweep_action(true, at(9), keep, grace), SweepAction::Keep);
+    assert_eq!(
+        sweep_action(true, None, keep, grace),
+        SweepAction::Keep,
+        "a clock gone back"
+    );
+    assert_eq!(exit_of_record(Some(b"7\n")).0, 7);
+    for forged in [&b"-102\n"[..], b"256", b"x", b""] {
+        assert_eq!(exit_of_record(Some(forged)).0, exit_status::ABORTED, "{forged:?}");
+    }
+    assert_eq!(exit_of_record(None).0, exit_status::ABORTED);
+}
