@@ -209,6 +209,52 @@ mod tests {
         assert!(!r3.backfill(&[(1, g(1))], Some(500)));
     }
 
+    proptest::proptest! {
+        /// The start is the earliest release time at which the gang fits, and no work the
+        /// reservation admits past its start ever leaves the gang without room then.
+        #[test]
+        fn the_start_is_earliest_and_backfill_never_takes_it(
+            free in proptest::collection::vec(0u32..9, 1..5),
+            rels in proptest::collection::vec((0usize..4, 1u32..9, proptest::option::of(1u64..100)), 0..8),
+            tasks in proptest::collection::vec(1u32..9, 1..4),
+            fills in proptest::collection::vec((0usize..4, 1u32..4, 0u64..200), 0..6),
+        ) {
+            let free: Vec<Room> = free.into_iter().map(g).collect();
+            let rels: Vec<Release> = rels.into_iter().map(|(n, k, e)| rel(n % free.len(), k, e)).collect();
+            let tasks: Vec<Room> = tasks.into_iter().map(g).collect();
+            let Some(mut r) = reserve(&free, &rels, &tasks, 0) else {
+                // Never fits: not even once everything with a known end has ended.
+                let mut all = free.clone();
+                for x in rels.iter().filter(|x| x.end_ms.is_some()) {
+                    all[x.node].give(&x.room);
+                }
+                proptest::prop_assert!(pack(&all, &tasks).is_none());
+                return Ok(());
+            };
+            let room_at = |t: u64| {
+                let mut room = free.clone();
+                for x in rels.iter().filter(|x| x.end_ms.is_some_and(|e| e <= t)) {
+                    room[x.node].give(&x.room);
+                }
+                room
+            };
+            proptest::prop_assert!(pack(&room_at(r.start_ms), &tasks).is_some());
+            for t in std::iter::once(0).chain(rels.iter().filter_map(|x| x.end_ms)) {
+                if t < r.start_ms {
+                    proptest::prop_assert!(pack(&room_at(t), &tasks).is_none(), "fits earlier, at {}", t);
+                }
+            }
+            let mut kept = room_at(r.start_ms);
+            for (n, k, end) in fills {
+                let n = n % free.len();
+                if r.backfill(&[(n, g(k))], Some(end)) && end > r.start_ms {
+                    kept[n].take(&g(k));
+                }
+            }
+            proptest::prop_assert!(pack(&kept, &tasks).is_some(), "backfill took the gang's room");
+        }
+    }
+
     #[test]
     fn the_policy_picks_long_waiters_and_large_gangs() {
         let p = Policy {
