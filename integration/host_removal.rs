@@ -51,6 +51,25 @@ fn remove(h: &Hosts, host: &str, force: bool) -> Output {
     c.output().unwrap()
 }
 
+/// Submits job `name`: one 2-GPU task, retried up to twice, that appends `HOST PID` to
+/// `out/runs` and ends well only on its second run (else sleeps); waits for its first run.
+/// Returns the submission, the first run's host and its pid.
+fn run_retried(h: &Hosts, name: &str) -> (std::process::Child, String, i32) {
+    let runs = h.path("out/runs").display().to_string();
+    let cmd = format!("echo $GPUAM_HOST $$ >> {runs}; if [ $(wc -l < {runs}) -ge 2 ]; then exit 0; fi; sleep 1000");
+    let yaml = format!(
+        "name: {name}\ntaskRoles:\n  worker:\n    instances: 1\n    taskRetryCount: 2\n    \
+         resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 2}}\n    commands:\n      - {}\n",
+        common::sq(&cmd)
+    );
+    let job = h.submit(name, &yaml, true);
+    let first = wait_for(Duration::from_secs(60), "the task to run", || {
+        lines(&h.path("out/runs")).first().cloned()
+    });
+    let (victim, pid) = first.split_once(' ').unwrap();
+    (job, victim.to_string(), pid.trim().parse::<i32>().unwrap())
+}
+
 fn text(o: &Output) -> String {
     format!(
         "{}{}",
@@ -149,19 +168,7 @@ fn a_host_removed_for_good_stays_out_until_re_admitted_and_forced_removal_retrie
 
     // 4. A live host running a task: refused without --force; forced, the task is retried
     //    on the other host and the job succeeds.
-    let runs = h.path("out/runs").display().to_string();
-    let cmd = format!("echo $GPUAM_HOST $$ >> {runs}; if [ $(wc -l < {runs}) -ge 2 ]; then exit 0; fi; sleep 1000");
-    let yaml = format!(
-        "name: moved\ntaskRoles:\n  worker:\n    instances: 1\n    taskRetryCount: 2\n    \
-         resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 2}}\n    commands:\n      - {}\n",
-        common::sq(&cmd)
-    );
-    let mut job = h.submit("moved", &yaml, true);
-    let first = wait_for(Duration::from_secs(60), "the task to run", || {
-        lines(&h.path("out/runs")).first().cloned()
-    });
-    let (victim, pid) = first.split_once(' ').unwrap();
-    let (victim, pid) = (victim.to_string(), pid.trim().parse::<i32>().unwrap());
+    let (mut job, victim, pid) = run_retried(&h, "moved");
     let other = if victim == h1 { h2.clone() } else { h1.clone() };
     let refused = remove(&h, &victim, false);
     assert_eq!(refused.status.code(), Some(64), "{}", text(&refused));
@@ -198,19 +205,7 @@ fn a_removed_host_s_agent_stops_what_it_still_runs() {
     h.start_agent("h1");
     h.start_agent("h2");
     h.wait_agents_running();
-    let runs = h.path("out/runs").display().to_string();
-    let cmd = format!("echo $GPUAM_HOST $$ >> {runs}; if [ $(wc -l < {runs}) -ge 2 ]; then exit 0; fi; sleep 1000");
-    let yaml = format!(
-        "name: orphan\ntaskRoles:\n  worker:\n    instances: 1\n    taskRetryCount: 2\n    \
-         resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 2}}\n    commands:\n      - {}\n",
-        common::sq(&cmd)
-    );
-    let mut job = h.submit("orphan", &yaml, true);
-    let first = wait_for(Duration::from_secs(60), "the task to run", || {
-        lines(&h.path("out/runs")).first().cloned()
-    });
-    let (victim, pid) = first.split_once(' ').unwrap();
-    let (victim, pid) = (victim.to_string(), pid.trim().parse::<i32>().unwrap());
+    let (mut job, victim, pid) = run_retried(&h, "orphan");
     let label = if victim == h.host_name("h1") { "h1" } else { "h2" };
     h.kill(label);
     wait_for(Duration::from_secs(60), "the victim LOST", || {
