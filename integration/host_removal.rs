@@ -78,6 +78,22 @@ fn text(o: &Output) -> String {
     )
 }
 
+/// An RM keeping its state (hosts LOST after 3 s) and agents `h1` and `h2`, running.
+fn two_hosts(tag: &str) -> Hosts {
+    let mut h = Hosts::build(tag);
+    h.keep_state = true;
+    fs::write(
+        h.path("conf.yaml"),
+        "rm:\n  node_expiry_sec: 3\n  node_reregister_grace_sec: 20\n",
+    )
+    .unwrap();
+    h.start_rm();
+    h.start_agent("h1");
+    h.start_agent("h2");
+    h.wait_agents_running();
+    h
+}
+
 /// Whether `pid` runs (a zombie or a gone process does not).
 fn running(pid: i32) -> bool {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -91,17 +107,7 @@ fn running(pid: i32) -> bool {
 
 #[test]
 fn a_host_removed_for_good_stays_out_until_re_admitted_and_forced_removal_retries_its_task() {
-    let mut h = Hosts::build("24c-remove");
-    h.keep_state = true;
-    fs::write(
-        h.path("conf.yaml"),
-        "rm:\n  node_expiry_sec: 3\n  node_reregister_grace_sec: 20\n",
-    )
-    .unwrap();
-    h.start_rm();
-    h.start_agent("h1");
-    h.start_agent("h2");
-    h.wait_agents_running();
+    let mut h = two_hosts("24c-remove");
     let (h1, h2) = (h.host_name("h1"), h.host_name("h2"));
     let listed = |h: &Hosts| -> Vec<String> {
         let mut v: Vec<String> = h.node_states().into_iter().map(|(n, _)| n).collect();
@@ -194,17 +200,7 @@ fn a_host_removed_for_good_stays_out_until_re_admitted_and_forced_removal_retrie
 /// re-attached: the removed host's GPUs and ports run nothing the RM has freed.
 #[test]
 fn a_removed_host_s_agent_stops_what_it_still_runs() {
-    let mut h = Hosts::build("hr-stop");
-    h.keep_state = true;
-    fs::write(
-        h.path("conf.yaml"),
-        "rm:\n  node_expiry_sec: 3\n  node_reregister_grace_sec: 20\n",
-    )
-    .unwrap();
-    h.start_rm();
-    h.start_agent("h1");
-    h.start_agent("h2");
-    h.wait_agents_running();
+    let mut h = two_hosts("hr-stop");
     let (mut job, victim, pid) = run_retried(&h, "orphan");
     let label = if victim == h.host_name("h1") { "h1" } else { "h2" };
     h.kill(label);

@@ -97,6 +97,10 @@ pub enum EndCause {
     },
 }
 
+/// What a node's end diagnostics put before the end of a failed task's stderr; what follows
+/// it is the task's own text, which no reader may take as the node's words.
+pub const STDERR_TAIL_MARK: &str = "; end of stderr: ";
+
 impl EndCause {
     const OOM_WORDS: &'static str = "out of memory (limit ";
     const DISK_WORDS: &'static str = "disk limit exceeded (";
@@ -112,9 +116,12 @@ impl EndCause {
     }
 
     /// The cause that diagnostics report, if any (case aside); the limit as written
-    /// (an unreadable one: `None` for memory, 0 for disk).
+    /// (an unreadable one: `None` for memory, 0 for disk). Only the node's words count:
+    /// what follows [`STDERR_TAIL_MARK`] is the task's, which could print the same words to
+    /// change how its failure is classified.
     pub fn of(diagnostics: &str) -> Option<EndCause> {
-        let d = diagnostics.to_ascii_lowercase();
+        let node_words = diagnostics.split(STDERR_TAIL_MARK).next().unwrap_or_default();
+        let d = node_words.to_ascii_lowercase();
         let limit = |words: &str| -> Option<Option<u64>> {
             let rest = &d[d.find(words)? + words.len()..];
             Some(rest.split(' ').next().and_then(|n| n.parse().ok()))

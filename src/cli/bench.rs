@@ -237,6 +237,13 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
         return exit::INTERNAL;
     }
     let id = app.application_id;
+    // The AM's snapshot, read as the admin (`None` when it does not answer).
+    let snapshot = |tracking_url: &str| {
+        let req = http
+            .get(format!("{tracking_url}api/v1/snapshot"))
+            .bearer_auth(rm.admin_token());
+        async move { req.send().await.ok()?.json::<serde_json::Value>().await.ok() }
+    };
     let mut am_peak: f64 = 0.0;
     let mut last_snapshot: Option<serde_json::Value> = None;
     let report = loop {
@@ -252,16 +259,7 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
             continue;
         };
         if !report.tracking_url.is_empty() {
-            if let Ok(r) = http
-                .get(format!("{}api/v1/snapshot", report.tracking_url))
-                .bearer_auth(rm.admin_token())
-                .send()
-                .await
-            {
-                if let Ok(v) = r.json::<serde_json::Value>().await {
-                    last_snapshot = Some(v);
-                }
-            }
+            last_snapshot = snapshot(&report.tracking_url).await.or(last_snapshot);
         }
         if report.state.is_final() {
             break report;
@@ -273,16 +271,7 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     if let Some(p) = am_pid(&id).and_then(peak_rss_mib) {
         am_peak = am_peak.max(p);
     }
-    if let Ok(r) = http
-        .get(format!("{}api/v1/snapshot", report.tracking_url))
-        .bearer_auth(rm.admin_token())
-        .send()
-        .await
-    {
-        if let Ok(v) = r.json::<serde_json::Value>().await {
-            last_snapshot = Some(v);
-        }
-    }
+    last_snapshot = snapshot(&report.tracking_url).await.or(last_snapshot);
     let launched: Vec<u64> = last_snapshot
         .as_ref()
         .and_then(|s| s["tasks"].as_array().cloned())

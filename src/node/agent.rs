@@ -445,9 +445,9 @@ async fn heartbeat_loop(
                 // its GPUs and ports for others). Stop every container once, then keep
                 // asking, so that a new credential brings the host back.
                 if !removed {
-                    let running = agent.executor.running_ids();
-                    tracing::error!(rm = %base, containers = running.len(), "HOST_REMOVED: {why}; stopping every container of this host");
-                    stop_all(&agent, running);
+                    tracing::error!(rm = %base, "HOST_REMOVED: {why}; stopping every container of this host");
+                    let a = agent.clone();
+                    tokio::spawn(async move { a.executor.stop_all(STOP_GRACE).await });
                 }
                 removed = true;
                 registered = false;
@@ -499,7 +499,7 @@ async fn send(http: &reqwest::Client, url: &str, token: &str, body: &serde_json:
 }
 
 /// Stops `ids` in the background, each with the usual grace.
-fn stop_all(agent: &Arc<Agent>, ids: Vec<String>) {
+fn stop_ids(agent: &Arc<Agent>, ids: Vec<String>) {
     for id in ids {
         let a = agent.clone();
         tokio::spawn(async move {
@@ -523,7 +523,7 @@ fn apply(agent: &Arc<Agent>, reply: AgentReply) {
     for id in &reply.stop {
         tracing::info!(container = %id, "the RM does not know this container (or ended it): stopping it");
     }
-    stop_all(agent, reply.stop);
+    stop_ids(agent, reply.stop);
 }
 
 // ---------------------------------------------------------------------------

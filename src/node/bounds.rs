@@ -389,6 +389,11 @@ mod tests {
             assert_eq!(serde_json::from_str::<EndCause>(&wire).unwrap(), cause, "{wire}");
         }
         assert_eq!(EndCause::of("exited with code 1; end of stderr: oops"), None);
+        // A task that prints the node's words does not pass for a bound the node enforced.
+        assert_eq!(
+            EndCause::of("exited with code 3; end of stderr: out of memory (limit 64 MiB)"),
+            None
+        );
         assert_eq!(
             serde_json::to_string(&EndCause::DiskLimit { limit_mb: 16 }).unwrap(),
             r#"{"kind":"DISK_LIMIT","limitMb":16}"#

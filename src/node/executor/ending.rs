@@ -259,7 +259,7 @@ pub(super) fn end_report(f: EndFacts) -> (String, Option<EndCause>) {
         diagnostics = format!("stopped by request; {diagnostics}");
     } else if f.code != 0 {
         if let Some(tail) = f.stderr_tail.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
-            diagnostics.push_str(&format!("; end of stderr: {tail}"));
+            diagnostics.push_str(&format!("{}{tail}", crate::protocol::STDERR_TAIL_MARK));
         }
     }
     (diagnostics, breach.map(|b| b.cause))
