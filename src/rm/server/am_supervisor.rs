@@ -214,8 +214,13 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
     rm.am_procs.lock().remove(id);
     let tail = stderr_tail(&rm.work_dir.join(id).join("am.stderr"), STDERR_TAIL_LINES);
     let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
-    let end = transactions::am_ended(&mut rm.lock(), id, &how, rm.max_am_attempts, !stopping);
-    match end {
+    let mut diag = format!("the AM process exited ({how}) without finishing the application");
+    if !tail.is_empty() {
+        diag.push_str("; last lines of am.stderr:\n");
+        diag.push_str(&tail);
+    }
+    let end = transactions::am_ended(&mut rm.lock(), id, &how, diag.clone(), rm.max_am_attempts, !stopping);
+    let ended = match end {
         AmEnd::Over => {
             tracing::info!(app = %id, "AM exited ({how})");
             return;
@@ -226,16 +231,11 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
                 Ok(()) => return,
                 Err(e) => tracing::warn!(app = %id, error = %e, "could not start a new AM attempt"),
             }
+            transactions::fail_app(&mut rm.lock(), id, diag)
         }
-        AmEnd::Failed => {}
-    }
-    let mut diag = format!("the AM process exited ({how}) without finishing the application");
-    if !tail.is_empty() {
-        diag.push_str("; last lines of am.stderr:\n");
-        diag.push_str(&tail);
-    }
+        AmEnd::Failed(ended) => ended,
+    };
     tracing::warn!(app = %id, "AM exited without finishing ({how})");
-    let ended = transactions::fail_app(&mut rm.lock(), id, diag);
     spawn_stops(rm, ended);
 }
 

@@ -236,20 +236,29 @@ pub(super) fn kill_app(st: &mut StateGuard, id: &str, who: &str) -> Result<Done<
 }
 
 /// What the end of an application's AM process leads to.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub(super) enum AmEnd {
     /// Nothing more: the application had finished (or is unknown).
     Over,
     /// Start this attempt (work-preserving: it re-adopts the job's containers); if that
     /// fails, [`fail_app`].
     NextAttempt(u32),
-    /// The application failed: [`fail_app`].
-    Failed,
+    /// The application failed, in the same transaction ([`fail_app`]): these ended.
+    Failed(Vec<Ended>),
 }
 
 /// An application's AM process ended (`how`): the attempt is recorded; an unfinished
-/// application goes on with its next attempt when `may_retry` and attempts remain.
-pub(super) fn am_ended(st: &mut StateGuard, id: &str, how: &str, max_attempts: u32, may_retry: bool) -> AmEnd {
+/// application goes on with its next attempt when `may_retry` and attempts remain, else
+/// fails with `fail_diag` in the same transaction (no state where its attempt ended but
+/// it still runs without an AM is ever stored).
+pub(super) fn am_ended(
+    st: &mut StateGuard,
+    id: &str,
+    how: &str,
+    fail_diag: String,
+    max_attempts: u32,
+    may_retry: bool,
+) -> AmEnd {
     let Some(app) = st.apps.get_mut(id) else {
         return AmEnd::Over;
     };
@@ -267,7 +276,7 @@ pub(super) fn am_ended(st: &mut StateGuard, id: &str, how: &str, max_attempts: u
         st.commit_or_log();
         return AmEnd::NextAttempt(attempt);
     }
-    AmEnd::Failed
+    AmEnd::Failed(fail_app(st, id, fail_diag))
 }
 
 /// The application failed (its AM died for good, `diag` says how): its containers end.
