@@ -741,7 +741,7 @@ fn token_new(table: crate::rm::users::Table, user: &str, users_file: Option<&Pat
     };
     match out {
         Some(path) => {
-            if let Err(e) = crate::rm::server::write_secret(path, &token) {
+            if let Err(e) = crate::auth::write_secret(path, &token) {
                 eprintln!(
                     "error: cannot write the token to {}: {e} (the credentials file already has it: run again for a new one)",
                     path.display()

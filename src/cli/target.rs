@@ -174,7 +174,7 @@ pub(crate) async fn login(args: &TargetArgs, tls: &crate::config::TlsSettings) -
     let written = path
         .parent()
         .map_or(Ok(()), std::fs::create_dir_all)
-        .and_then(|()| crate::rm::server::write_secret(&path, client_file_text(&target.rm, &token).trim_end()));
+        .and_then(|()| crate::auth::write_secret(&path, client_file_text(&target.rm, &token).trim_end()));
     if let Err(e) = written {
         eprintln!("error: cannot write {}: {e}", path.display());
         return exit::USAGE;

@@ -383,7 +383,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         None => {
             let t = super::apps::new_token();
             let path = work_dir.join(ADMIN_TOKEN_FILE);
-            write_secret(&path, &t)
+            crate::auth::write_secret(&path, &t)
                 .map_err(|e| anyhow::anyhow!("cannot write the admin token to {}: {e}", path.display()))?;
             (t, Some(path))
         }
@@ -669,8 +669,6 @@ fn spawn_scheduler(shared: Arc<Shared>) -> JoinHandle<()> {
 
 /// Name of the generated admin token's file in the work dir.
 pub const ADMIN_TOKEN_FILE: &str = "admin.token";
-
-pub use crate::auth::write_secret;
 
 fn base_url_of(addr: SocketAddr, tls: bool) -> String {
     let ip = if addr.ip().is_unspecified() {
