@@ -92,6 +92,7 @@ pub(super) fn report_ended(apps: &mut Apps, e: &Ended) {
             exit_status: e.exit_status,
             diagnostics: e.diagnostics.clone(),
         });
+        app.wake.notify_one();
     }
 }
 
@@ -222,6 +223,7 @@ pub(super) fn kill_app(st: &mut StateGuard, id: &str, who: &str) -> Result<Done<
         format!("Application killed by user ({who})"),
     );
     app.shutdown = true;
+    app.wake.notify_one();
     let ended = end_app_containers(
         st,
         id,
@@ -474,6 +476,7 @@ pub(super) fn allocate(
         })
         .collect();
     app.nodes_seen = st.ledger.epoch();
+    metrics.sent_node_reports(out.updated_nodes.len());
     app.last_allocate = Some((req.response_id, out.clone()));
     Ok(Done {
         answer: out,
