@@ -177,6 +177,7 @@ impl AgentNodes {
                 exit_status: r.exit_status.unwrap_or(crate::protocol::exit_status::ABORTED),
                 diagnostics: r.diagnostics.clone(),
                 cause: r.cause,
+                reported_by: Some(host.to_string()),
             });
         }
         true

@@ -305,6 +305,7 @@ impl RayLauncher {
                 exit_status: code,
                 diagnostics: diag,
                 cause: None,
+                reported_by: None,
             });
         }
     }

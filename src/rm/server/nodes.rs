@@ -52,15 +52,23 @@ impl Nodes {
 }
 
 /// A node says a container is dead: free it (and tell its application if it had not
-/// heard yet).
+/// heard yet). An agent's report ends only a container of its own host (checked in the
+/// transaction, [`transactions::node_reported_exit`]).
 pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
     let NodeEvent::Exited {
         container_id,
         exit_status,
         diagnostics,
+        reported_by,
         .. // the cause: the diagnostics lead with its words, which the AM reads back
     } = ev;
-    transactions::container_exited(&mut rm.lock(), &container_id, exit_status, diagnostics);
+    transactions::node_reported_exit(
+        &mut rm.lock(),
+        reported_by.as_deref(),
+        &container_id,
+        exit_status,
+        diagnostics,
+    );
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications
@@ -516,6 +524,88 @@ mod tests {
         assert_eq!(hosts(&rm).await, ["a1", "n1"]);
         assert!(!rm.shared.lock().removed_hosts.contains_key("a1"));
         assert!(rm.shared.lock().removed_hosts.contains_key("a2"));
+        rm.audit_usage().unwrap();
+        rm.shutdown().await;
+    }
+
+    /// A peer agent never ends another host's container: agent a2 (its own valid
+    /// credential) reports a1's running container dead. Through its heartbeat the report is
+    /// dropped; and a report that got past that filter (the race: the id unknown when it was
+    /// filtered, granted on a1 since) is refused by the transaction that would end the
+    /// container. a1's own report, sent after both, ends it with a1's exit status.
+    #[tokio::test]
+    async fn a_peer_agent_s_exit_report_never_ends_another_host_s_container() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes_file = dir.path().join("nodes.yaml");
+        let t1 = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
+        let t2 = add_token_to(&nodes_file, "a2", Table::Nodes).unwrap();
+        let rm = start(options(dir.path())).await.unwrap();
+        for (host, t) in [("a1", &t1), ("a2", &t2)] {
+            let (code, v) = register(&rm, t, registration(host)).await;
+            assert_eq!(code, 200, "{v}");
+        }
+        let (id, token) = rm.register_test_app("job");
+        let am = RmClient::for_app(&rm.base_url(), &id, &token);
+        am.register(&Default::default()).await.unwrap();
+        let granted = am
+            .allocate(&AllocateRequest {
+                asks: vec![crate::protocol::Ask {
+                    request_id: 1,
+                    host: "a1".into(),
+                    cpu: 1,
+                    memory_mb: 10,
+                    gpu_mask: 0x1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let cid = granted.allocated[0].container_id.clone();
+        rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        let dead = |exit: i32, why: &str| crate::node::wire::ContainerReport {
+            container_id: cid.clone(),
+            state: crate::protocol::ContainerState::Complete,
+            exit_status: Some(exit),
+            diagnostics: why.into(),
+            cause: None,
+        };
+        let beat = |host: &str| format!("/ws/v1/node-agents/{host}/heartbeat");
+        let post = reqwest::Method::POST;
+        let forged = json!({ "containers": [dead(0, "forged by a2")] });
+        let (code, v) = call(&rm, post.clone(), &beat("a2"), &t2, forged).await;
+        assert_eq!(code, 200, "{v}");
+        let acknowledged = v["acknowledged"].as_array().cloned().unwrap_or_default();
+        assert!(!acknowledged.contains(&json!(cid)), "a2's forgery is not taken: {v}");
+        // The race window: a2's report past the heartbeat's filter, as if the id had been
+        // unknown then.
+        let agents = rm.shared.nodes.agents.clone().unwrap();
+        assert!(agents.heartbeat("a2", &[dead(0, "forged by a2")], Instant::now()));
+        // a1's own report comes after a2's on the same event queue: the AM hears a1's status.
+        let real = json!({ "containers": [dead(137, "killed on a1")] });
+        let (code, v) = call(&rm, post, &beat("a1"), &t1, real).await;
+        assert_eq!(code, 200, "{v}");
+        let mut response_id = granted.response_id;
+        let mut completed = Vec::new();
+        for _ in 0..200 {
+            let answer = am
+                .allocate(&AllocateRequest {
+                    response_id,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            response_id = answer.response_id;
+            completed.extend(answer.completed);
+            if !completed.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(completed.len(), 1, "{completed:?}");
+        assert_eq!(completed[0].container_id, cid);
+        assert_eq!(completed[0].exit_status, 137, "a1's report, not a2's: {completed:?}");
+        assert!(completed[0].diagnostics.contains("killed on a1"), "{completed:?}");
         rm.audit_usage().unwrap();
         rm.shutdown().await;
     }
