@@ -614,6 +614,9 @@ async function connect() {
       conn.dataset.conn = 'reconnecting';
       conn.textContent = 'reconnecting…';
       conn.title = 'The live connection to the AM dropped; retrying.';
+      // Refused (an expired ticket, a busy RM): the browser gives up on this URL, so
+      // open the stream again with a fresh ticket.
+      if (es.readyState === EventSource.CLOSED) setTimeout(connect, 2000);
     }
   };
   for (const k of ['job', 'task', 'nodes', 'selection']) es.addEventListener(k, ev => onEvent(k, ev));
