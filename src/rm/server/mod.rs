@@ -527,10 +527,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let s = shared.clone();
     background.push(tokio::spawn(async move {
         while let Some(ev) = events_rx.recv().await {
-            let crate::node::NodeEvent::Exited { container_id, .. } = &ev;
-            let dead = container_id.clone();
             on_node_event(&s, ev);
-            logs::spawn_collect(&s, dead);
         }
     }));
     await_agents(&shared, Instant::now() + opts.node_reregister_grace);

@@ -52,9 +52,10 @@ impl Nodes {
 }
 
 /// A node says a container is dead: free it (and tell its application if it had not
-/// heard yet). An agent's report ends only a container of its own host (checked in the
-/// transaction, [`transactions::node_reported_exit`]).
-pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
+/// heard yet), and collect its logs. An agent's report ends only a container of its own
+/// host (checked in the transaction, [`transactions::node_reported_exit`]); a refused one
+/// changes nothing and makes the RM read no other host's logs.
+pub(super) fn on_node_event(rm: &Arc<Shared>, ev: NodeEvent) {
     let NodeEvent::Exited {
         container_id,
         exit_status,
@@ -62,13 +63,16 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         reported_by,
         .. // the cause: the diagnostics lead with its words, which the AM reads back
     } = ev;
-    transactions::node_reported_exit(
+    let taken = transactions::node_reported_exit(
         &mut rm.lock(),
         reported_by.as_deref(),
         &container_id,
         exit_status,
         diagnostics,
     );
+    if taken.is_ok() {
+        super::logs::spawn_collect(rm, container_id);
+    }
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications

@@ -734,16 +734,20 @@ pub(super) fn node_reported_exit(
     id: &str,
     exit: i32,
     diagnostics: String,
-) -> Option<Ended> {
+) -> Result<Option<Ended>, NotItsHost> {
     let placed = st.ledger.container(id).map(|c| c.container.host.clone());
     if let (Some(reporter), Some(placed)) = (reporter, placed.as_deref()) {
         if reporter != placed {
             tracing::warn!(%reporter, host = %placed, container = %id, "a node agent reported another host's container dead: refused");
-            return None;
+            return Err(NotItsHost);
         }
     }
-    container_exited(st, id, exit, diagnostics)
+    Ok(container_exited(st, id, exit, diagnostics))
 }
+
+/// A node agent's report of a container the ledger places on another host: refused.
+#[derive(Debug)]
+pub(super) struct NotItsHost;
 
 /// A node's state changes: unusable states end its containers for their applications
 /// (-100, the lost-node diagnostics; running ones stay held until the node reports them
