@@ -568,6 +568,8 @@ async function flush() {
 }
 
 function onEvent(kind, ev) {
+  // Where a stream opened again (with a new ticket) takes up.
+  if (ev.lastEventId) state.lastEventId = ev.lastEventId;
   let data = null;
   try { data = JSON.parse(ev.data); } catch (_) { data = null; }
   if (kind === 'task') {
