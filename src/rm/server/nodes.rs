@@ -4,9 +4,11 @@
 //! kept), and agent liveness (silent for `rm.node_expiry_sec` → LOST).
 //!
 //! Freed only when dead: every path that ends a running container stops it (held) and
-//! frees it when its node reports it dead ([`on_node_event`]); the state changes are the
-//! node transactions of `transactions`. A LOST agent's containers stay held until it
-//! returns and reports them dead or gone.
+//! frees it when its node reports it dead (an agent in its heartbeat or registration,
+//! taken and stored before the answer acknowledges it: [`take_deaths`]; the RM's own
+//! nodes by event: [`on_node_event`]); the state changes are the node transactions of
+//! `transactions`. A LOST agent's containers stay held until it returns and reports them
+//! dead or gone.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,14 +23,14 @@ use tokio::task::JoinHandle;
 use super::cluster::known_host;
 use super::containers::stop_running;
 use super::http::{bearer, ApiError, ApiJson, Caller};
-use super::state::RmState;
+use super::state::{RmState, StateGuard};
 use super::transactions::{self, Registration};
 use super::{Rm, Shared};
 use crate::cluster::{Node, NodeState};
 use crate::node::remote::AgentNodes;
-use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply};
+use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply, ContainerReport};
 use crate::node::{InProcessNode, NodeBackend, NodeEvent};
-use crate::protocol::now_ms;
+use crate::protocol::{exit_status, now_ms, ContainerState};
 
 /// The node backends of this RM: a Ray cluster (`--backend ray`: every host), else
 /// registered agents, else the in-process node.
@@ -73,6 +75,37 @@ pub(super) fn on_node_event(rm: &Arc<Shared>, ev: NodeEvent) {
     if taken.is_ok() {
         super::logs::spawn_collect(rm, container_id);
     }
+}
+
+/// An agent's reports of dead containers (its own: [`transactions::own_reports`]), taken
+/// in the transaction of its heartbeat or registration, each ended only when it is on
+/// `host` ([`transactions::node_reported_exit`]), and stored before `reply` acknowledges
+/// them (the agent forgets what is acknowledged, so an RM that dies after answering must
+/// have them). When the store cannot take them, `reply` acknowledges nothing and the
+/// agent reports them again. The ids taken (their logs are to be collected).
+fn take_deaths(st: &mut StateGuard, host: &str, own: &[ContainerReport], reply: &mut AgentReply) -> Vec<String> {
+    let taken = own
+        .iter()
+        .filter(|r| r.state == ContainerState::Complete)
+        .filter(|r| {
+            let exit = r.exit_status.unwrap_or(exit_status::ABORTED);
+            transactions::node_reported_exit(st, Some(host), &r.container_id, exit, r.diagnostics.clone()).is_ok()
+        })
+        .map(|r| r.container_id.clone())
+        .collect();
+    if st.commit().is_err() {
+        tracing::warn!(%host, "the state store failed: the agent's reported deaths are not acknowledged (it reports them again)");
+        reply.acknowledged.clear();
+    }
+    taken
+}
+
+/// The running ones among an agent's reports (its deaths are taken by [`take_deaths`]).
+fn running(own: &[ContainerReport]) -> Vec<ContainerReport> {
+    own.iter()
+        .filter(|r| r.state != ContainerState::Complete)
+        .cloned()
+        .collect()
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications
@@ -215,7 +248,7 @@ pub(super) async fn agent_register(
     let decl = declaration_of(&req).map_err(ApiError::bad_request)?;
     let host = req.host.clone();
     let fingerprint = agents.fingerprint(&host);
-    let (reply, own) = {
+    let (reply, own, taken) = {
         let mut st = rm.lock();
         // Checked again under the lock: a removal may have come since `node_agents`.
         if let Some(refused) = removal_refusal(&st, &host, fingerprint.as_deref()) {
@@ -225,6 +258,7 @@ pub(super) async fn agent_register(
             Registration::StopFirst(reply) => return Ok(Json(reply)),
             Registration::Joined { new, reply, own } => (new, reply, own),
         };
+        let taken = take_deaths(&mut st, &host, &own, &mut reply);
         agents.register(&host, &req.http_address, Instant::now());
         reply.host_key = agents.host_key_hex(&host);
         tracing::info!(
@@ -237,10 +271,12 @@ pub(super) async fn agent_register(
             "node agent registered ({})",
             req.containment
         );
-        (reply, own)
+        (reply, own, taken)
     };
-    // Dead ones reported at registration free their resources now.
-    agents.heartbeat(&host, &own, Instant::now());
+    agents.heartbeat(&host, &running(&own), Instant::now());
+    for id in taken {
+        super::logs::spawn_collect(&rm, id);
+    }
     Ok(Json(reply))
 }
 
@@ -253,13 +289,22 @@ pub(super) async fn agent_heartbeat(
 ) -> Result<Json<AgentReply>, ApiError> {
     let agents = node_agents(&rm, &headers, &host)?;
     let own = transactions::own_reports(&rm.lock(), &host, &req.containers);
-    if !agents.heartbeat(&host, &own, Instant::now()) {
+    if !agents.heartbeat(&host, &running(&own), Instant::now()) {
         return Ok(Json(AgentReply {
             reregister: true,
             ..Default::default()
         }));
     }
-    Ok(Json(transactions::agent_heartbeat(&mut rm.lock(), &host, &own)))
+    let (reply, taken) = {
+        let mut st = rm.lock();
+        let mut reply = transactions::agent_heartbeat(&mut st, &host, &own);
+        let taken = take_deaths(&mut st, &host, &own, &mut reply);
+        (reply, taken)
+    };
+    for id in taken {
+        super::logs::spawn_collect(&rm, id);
+    }
+    Ok(Json(reply))
 }
 
 /// What changed between a host's stored declaration and a new registration in what it
@@ -536,7 +581,7 @@ mod tests {
     /// credential) reports a1's running container dead. Through its heartbeat the report is
     /// dropped; and a report that got past that filter (the race: the id unknown when it was
     /// filtered, granted on a1 since) is refused by the transaction that would end the
-    /// container. a1's own report, sent after both, ends it with a1's exit status.
+    /// container. a1's own report ends it with a1's exit status.
     #[tokio::test]
     async fn a_peer_agent_s_exit_report_never_ends_another_host_s_container() {
         let dir = tempfile::tempdir().unwrap();
@@ -569,7 +614,7 @@ mod tests {
         rm.shared.lock().ledger.mark_running(&cid).unwrap();
         let dead = |exit: i32, why: &str| crate::node::wire::ContainerReport {
             container_id: cid.clone(),
-            state: crate::protocol::ContainerState::Complete,
+            state: ContainerState::Complete,
             exit_status: Some(exit),
             diagnostics: why.into(),
             cause: None,
@@ -581,11 +626,14 @@ mod tests {
         assert_eq!(code, 200, "{v}");
         let acknowledged = v["acknowledged"].as_array().cloned().unwrap_or_default();
         assert!(!acknowledged.contains(&json!(cid)), "a2's forgery is not taken: {v}");
-        // The race window: a2's report past the heartbeat's filter, as if the id had been
-        // unknown then.
-        let agents = rm.shared.nodes.agents.clone().unwrap();
-        assert!(agents.heartbeat("a2", &[dead(0, "forged by a2")], Instant::now()));
-        // a1's own report comes after a2's on the same event queue: the AM hears a1's status.
+        // The race window: a2's report past the heartbeat's filter (taken under another
+        // lock), as if the id had been unknown then.
+        let mut reply = AgentReply::default();
+        let taken = take_deaths(&mut rm.shared.lock(), "a2", &[dead(0, "forged by a2")], &mut reply);
+        assert!(taken.is_empty(), "refused in the transaction: {taken:?}");
+        let state = rm.shared.lock().ledger.container(&cid).map(|c| (c.state, c.held));
+        assert_eq!(state, Some((ContainerState::Running, false)), "a1's container runs on");
+        // a1's own report ends it: the AM hears a1's status.
         let real = json!({ "containers": [dead(137, "killed on a1")] });
         let (code, v) = call(&rm, post, &beat("a1"), &t1, real).await;
         assert_eq!(code, 200, "{v}");
@@ -610,6 +658,104 @@ mod tests {
         assert_eq!(completed[0].container_id, cid);
         assert_eq!(completed[0].exit_status, 137, "a1's report, not a2's: {completed:?}");
         assert!(completed[0].diagnostics.contains("killed on a1"), "{completed:?}");
+        rm.audit_usage().unwrap();
+        rm.shutdown().await;
+    }
+
+    /// An agent's death report is stored before the answer acknowledges it (the agent
+    /// forgets what is acknowledged): while the store fails, the death is not acknowledged
+    /// and the agent keeps reporting it; once the store works, the answer that acknowledges
+    /// it comes after its commit, and the AM hears the agent's exit status.
+    #[tokio::test]
+    async fn an_agent_s_death_report_is_stored_before_it_is_acknowledged() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes_file = dir.path().join("nodes.yaml");
+        let t1 = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
+        let rm = start(options(dir.path())).await.unwrap();
+        assert_eq!(register(&rm, &t1, registration("a1")).await.0, 200);
+        let (id, token) = rm.register_test_app("job");
+        let am = RmClient::for_app(&rm.base_url(), &id, &token);
+        am.register(&Default::default()).await.unwrap();
+        let granted = am
+            .allocate(&AllocateRequest {
+                asks: vec![crate::protocol::Ask {
+                    request_id: 1,
+                    host: "a1".into(),
+                    cpu: 1,
+                    memory_mb: 10,
+                    gpu_mask: 0x1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let cid = granted.allocated[0].container_id.clone();
+        rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        let dead = json!({ "containers": [crate::node::wire::ContainerReport {
+            container_id: cid.clone(),
+            state: ContainerState::Complete,
+            exit_status: Some(3),
+            diagnostics: "exited 3".into(),
+            cause: None,
+        }] });
+        let beat = |rm: &RmHandle| {
+            let (rm_url, t1, dead) = (rm.base_url(), t1.clone(), dead.clone());
+            async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{rm_url}/ws/v1/node-agents/a1/heartbeat"))
+                    .bearer_auth(t1)
+                    .json(&dead)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status().as_u16(), 200);
+                r.json::<AgentReply>().await.unwrap()
+            }
+        };
+        // The store fails (its next whole write not due yet): nothing is acknowledged.
+        {
+            let mut st = rm.shared.lock();
+            st.store_health.failing = Some("disk full (test)".into());
+            st.store_health.last_whole_attempt = Some(Instant::now() + Duration::from_secs(3600));
+        }
+        let reply = beat(&rm).await;
+        assert!(
+            !reply.acknowledged.contains(&cid),
+            "acknowledged while not stored: {reply:?}"
+        );
+        // The store works again: the report made again is acknowledged, and stored by then.
+        {
+            let mut st = rm.shared.lock();
+            st.store_health.failing = None;
+            st.store_health.last_whole_attempt = None;
+        }
+        let reply = beat(&rm).await;
+        assert_eq!(reply.acknowledged, vec![cid.clone()]);
+        {
+            let st = rm.shared.lock();
+            let c = st.ledger.container(&cid).map(|c| (c.state, c.held));
+            assert_eq!(c, Some((ContainerState::Complete, false)));
+            assert!(
+                !st.ledger.has_changes() && !st.apps.has_changes(),
+                "committed before the answer"
+            );
+        }
+        let answer = am
+            .allocate(&AllocateRequest {
+                response_id: granted.response_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(answer.completed.len(), 1, "{answer:?}");
+        assert_eq!(
+            (
+                answer.completed[0].exit_status,
+                answer.completed[0].diagnostics.as_str()
+            ),
+            (3, "exited 3")
+        );
         rm.audit_usage().unwrap();
         rm.shutdown().await;
     }
