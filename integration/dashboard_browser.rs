@@ -212,25 +212,9 @@ async fn dashboard_renders_demo_hub() {
     .await;
 
     // Live update over SSE: a task changes state and the row follows.
-    let first = hub.read(|s| {
-        s.tasks
-            .iter()
-            .position(|t| t.state == gpuam::am::status::TaskState::ContainerRunning)
-            .unwrap()
-    });
-    let (r, i) = hub.read(|s| (s.tasks[first].role.clone(), s.tasks[first].index));
-    hub.update("task", json!({"role": r, "index": i}), |s| {
-        let t = &mut s.tasks[first];
-        t.state = gpuam::am::status::TaskState::TaskCompleted;
-        t.exit_code = Some(0);
-        t.exit_type = Some(gpuam::am::status::ExitType::Succeeded);
-    });
-    b.wait_for(
-        "the SSE update",
-        &format!("const r = document.querySelector('tr[data-task=\"{r}/{i}\"]'); return r && r.dataset.state === 'SUCCEEDED';"),
-        Duration::from_secs(5),
-    )
-    .await;
+    let row = finish_a_running_task(&hub);
+    b.wait_for("the SSE update", &row_succeeded(&row), Duration::from_secs(5))
+        .await;
 
     // A task stopped because the job completed (a parameter server) is STOPPED, not FAILED.
     let second = hub.read(|s| {
@@ -322,6 +306,11 @@ fn finish_a_running_task(hub: &gpuam::am::status::StatusHub) -> String {
     format!("{r}/{i}")
 }
 
+/// A script true once the page shows task `row` SUCCEEDED.
+fn row_succeeded(row: &str) -> String {
+    format!("const r = document.querySelector('tr[data-task=\"{row}\"]'); return r && r.dataset.state === 'SUCCEEDED';")
+}
+
 /// The page of a job's owner (a user token, not the job token) follows live events through
 /// its events ticket; when, after a drop, its stream is refused (its ticket opens nothing
 /// behind the same address any more: here another dashboard, signing with another job
@@ -341,15 +330,10 @@ async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusa
         Duration::from_secs(30),
     )
     .await;
-    let succeeded = |row: &str| {
-        format!(
-            "const r = document.querySelector('tr[data-task=\"{row}\"]'); return r && r.dataset.state === 'SUCCEEDED';"
-        )
-    };
     let row = finish_a_running_task(&hub);
     b.wait_for(
         "a live update over the owner's stream",
-        &succeeded(&row),
+        &row_succeeded(&row),
         Duration::from_secs(30),
     )
     .await;
@@ -380,7 +364,7 @@ async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusa
     let row = finish_a_running_task(&hub);
     b.wait_for(
         "a live update over the reopened stream",
-        &succeeded(&row),
+        &row_succeeded(&row),
         Duration::from_secs(30),
     )
     .await;

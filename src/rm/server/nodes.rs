@@ -485,26 +485,7 @@ mod tests {
         );
 
         // A container running on a2: refused without force.
-        let (id, token) = rm.register_test_app("job");
-        let am = RmClient::for_app(&rm.base_url(), &id, &token);
-        am.register(&Default::default()).await.unwrap();
-        let granted = am
-            .allocate(&AllocateRequest {
-                asks: vec![crate::protocol::Ask {
-                    request_id: 1,
-                    host: "a2".into(),
-                    cpu: 1,
-                    memory_mb: 10,
-                    gpu_mask: 0x1,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .allocated;
-        let cid = granted[0].container_id.clone();
-        rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        let (am, cid, _) = running_on(&rm, "a2").await;
         let (code, v) = call(&rm, delete.clone(), &del("a2"), &admin, json!({})).await;
         assert!(code == 409 && v["message"].as_str().unwrap().contains("--force"), "{v}");
         assert_eq!(hosts(&rm).await, ["a1", "a2", "n1"], "nothing changed");
@@ -577,22 +558,26 @@ mod tests {
         rm.shutdown().await;
     }
 
-    /// A peer agent never ends another host's container: agent a2 (its own valid
-    /// credential) reports a1's running container dead. Through its heartbeat the report is
-    /// dropped; and a report that got past that filter (the race: the id unknown when it was
-    /// filtered, granted on a1 since) is refused by the transaction that would end the
-    /// container. a1's own report ends it with a1's exit status.
-    #[tokio::test]
-    async fn a_peer_agent_s_exit_report_never_ends_another_host_s_container() {
+    /// An RM (its directory kept until the test ends) with node agents `hosts` registered,
+    /// and their tokens.
+    async fn agents_registered(hosts: &[&str]) -> (tempfile::TempDir, RmHandle, Vec<String>) {
         let dir = tempfile::tempdir().unwrap();
         let nodes_file = dir.path().join("nodes.yaml");
-        let t1 = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
-        let t2 = add_token_to(&nodes_file, "a2", Table::Nodes).unwrap();
+        let tokens: Vec<String> = hosts
+            .iter()
+            .map(|h| add_token_to(&nodes_file, h, Table::Nodes).unwrap())
+            .collect();
         let rm = start(options(dir.path())).await.unwrap();
-        for (host, t) in [("a1", &t1), ("a2", &t2)] {
+        for (host, t) in hosts.iter().zip(&tokens) {
             let (code, v) = register(&rm, t, registration(host)).await;
             assert_eq!(code, 200, "{v}");
         }
+        (dir, rm, tokens)
+    }
+
+    /// A job's AM and a container granted to it on `host`, marked running: (the AM's
+    /// client, the container, the allocate answer's response id).
+    async fn running_on(rm: &RmHandle, host: &str) -> (RmClient, String, u64) {
         let (id, token) = rm.register_test_app("job");
         let am = RmClient::for_app(&rm.base_url(), &id, &token);
         am.register(&Default::default()).await.unwrap();
@@ -600,7 +585,7 @@ mod tests {
             .allocate(&AllocateRequest {
                 asks: vec![crate::protocol::Ask {
                     request_id: 1,
-                    host: "a1".into(),
+                    host: host.into(),
                     cpu: 1,
                     memory_mb: 10,
                     gpu_mask: 0x1,
@@ -612,6 +597,31 @@ mod tests {
             .unwrap();
         let cid = granted.allocated[0].container_id.clone();
         rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        (am, cid, granted.response_id)
+    }
+
+    /// The containers the AM's next allocate answer (after `response_id`) reports ended.
+    async fn completed_after(am: &RmClient, response_id: u64) -> Vec<crate::protocol::CompletedContainer> {
+        let answer = am
+            .allocate(&AllocateRequest {
+                response_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        answer.completed
+    }
+
+    /// A peer agent never ends another host's container: agent a2 (its own valid
+    /// credential) reports a1's running container dead. Through its heartbeat the report is
+    /// dropped; and a report that got past that filter (the race: the id unknown when it was
+    /// filtered, granted on a1 since) is refused by the transaction that would end the
+    /// container. a1's own report ends it with a1's exit status.
+    #[tokio::test]
+    async fn a_peer_agent_s_exit_report_never_ends_another_host_s_container() {
+        let (_dir, rm, tokens) = agents_registered(&["a1", "a2"]).await;
+        let (t1, t2) = (&tokens[0], &tokens[1]);
+        let (am, cid, response_id) = running_on(&rm, "a1").await;
         let dead = |exit: i32, why: &str| crate::node::wire::ContainerReport {
             container_id: cid.clone(),
             state: ContainerState::Complete,
@@ -622,7 +632,7 @@ mod tests {
         let beat = |host: &str| format!("/ws/v1/node-agents/{host}/heartbeat");
         let post = reqwest::Method::POST;
         let forged = json!({ "containers": [dead(0, "forged by a2")] });
-        let (code, v) = call(&rm, post.clone(), &beat("a2"), &t2, forged).await;
+        let (code, v) = call(&rm, post.clone(), &beat("a2"), t2, forged).await;
         assert_eq!(code, 200, "{v}");
         let acknowledged = v["acknowledged"].as_array().cloned().unwrap_or_default();
         assert!(!acknowledged.contains(&json!(cid)), "a2's forgery is not taken: {v}");
@@ -635,25 +645,10 @@ mod tests {
         assert_eq!(state, Some((ContainerState::Running, false)), "a1's container runs on");
         // a1's own report ends it: the AM hears a1's status.
         let real = json!({ "containers": [dead(137, "killed on a1")] });
-        let (code, v) = call(&rm, post, &beat("a1"), &t1, real).await;
+        let (code, v) = call(&rm, post, &beat("a1"), t1, real).await;
         assert_eq!(code, 200, "{v}");
-        let mut response_id = granted.response_id;
-        let mut completed = Vec::new();
-        for _ in 0..200 {
-            let answer = am
-                .allocate(&AllocateRequest {
-                    response_id,
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
-            response_id = answer.response_id;
-            completed.extend(answer.completed);
-            if !completed.is_empty() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        // Taken in the heartbeat's transaction: the AM's next answer has it.
+        let completed = completed_after(&am, response_id).await;
         assert_eq!(completed.len(), 1, "{completed:?}");
         assert_eq!(completed[0].container_id, cid);
         assert_eq!(completed[0].exit_status, 137, "a1's report, not a2's: {completed:?}");
@@ -668,30 +663,9 @@ mod tests {
     /// it comes after its commit, and the AM hears the agent's exit status.
     #[tokio::test]
     async fn an_agent_s_death_report_is_stored_before_it_is_acknowledged() {
-        let dir = tempfile::tempdir().unwrap();
-        let nodes_file = dir.path().join("nodes.yaml");
-        let t1 = add_token_to(&nodes_file, "a1", Table::Nodes).unwrap();
-        let rm = start(options(dir.path())).await.unwrap();
-        assert_eq!(register(&rm, &t1, registration("a1")).await.0, 200);
-        let (id, token) = rm.register_test_app("job");
-        let am = RmClient::for_app(&rm.base_url(), &id, &token);
-        am.register(&Default::default()).await.unwrap();
-        let granted = am
-            .allocate(&AllocateRequest {
-                asks: vec![crate::protocol::Ask {
-                    request_id: 1,
-                    host: "a1".into(),
-                    cpu: 1,
-                    memory_mb: 10,
-                    gpu_mask: 0x1,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let cid = granted.allocated[0].container_id.clone();
-        rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        let (_dir, rm, tokens) = agents_registered(&["a1"]).await;
+        let t1 = tokens[0].clone();
+        let (am, cid, response_id) = running_on(&rm, "a1").await;
         let dead = json!({ "containers": [crate::node::wire::ContainerReport {
             container_id: cid.clone(),
             state: ContainerState::Complete,
@@ -741,19 +715,10 @@ mod tests {
                 "committed before the answer"
             );
         }
-        let answer = am
-            .allocate(&AllocateRequest {
-                response_id: granted.response_id,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        assert_eq!(answer.completed.len(), 1, "{answer:?}");
+        let completed = completed_after(&am, response_id).await;
+        assert_eq!(completed.len(), 1, "{completed:?}");
         assert_eq!(
-            (
-                answer.completed[0].exit_status,
-                answer.completed[0].diagnostics.as_str()
-            ),
+            (completed[0].exit_status, completed[0].diagnostics.as_str()),
             (3, "exited 3")
         );
         rm.audit_usage().unwrap();
