@@ -208,7 +208,6 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
             exit_status,
             diagnostics,
             cause,
-            ..
         }) = events_rx.recv().await
         {
             tracing::info!(container = %container_id, exit_status, "container dead: {diagnostics}");

@@ -94,12 +94,6 @@ pub enum NodeEvent {
         diagnostics: String,
         /// A bound of its own it went past (the diagnostics lead with its words).
         cause: Option<crate::protocol::EndCause>,
-        /// The node agent's host that reported it, for a report that came over the network
-        /// from an agent: the RM takes it only for a container it places on that host,
-        /// checked in the transaction that ends the container (a peer agent never ends
-        /// another host's container). `None` from the RM's own nodes (in-process, Ray
-        /// driver), which run what they were given.
-        reported_by: Option<String>,
     },
 }
 

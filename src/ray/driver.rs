@@ -200,7 +200,6 @@ impl RayDriver {
                     exit_status: code,
                     diagnostics: diag,
                     cause: None,
-                    reported_by: None,
                 });
             }
             Some("ready") => tracing::info!("Ray driver ready: {line}"),

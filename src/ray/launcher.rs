@@ -305,7 +305,6 @@ impl RayLauncher {
                 exit_status: code,
                 diagnostics: diag,
                 cause: None,
-                reported_by: None,
             });
         }
     }

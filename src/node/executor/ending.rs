@@ -184,7 +184,6 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
         exit_status: code,
         diagnostics,
         cause,
-        reported_by: None,
     });
 }
 

@@ -43,7 +43,6 @@ impl Executor {
                 exit_status: end.exit_status,
                 diagnostics: end.diagnostics,
                 cause: end.cause,
-                reported_by: None,
             });
             return;
         }

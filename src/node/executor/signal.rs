@@ -59,7 +59,6 @@ impl Executor {
                             exit_status: exit_status::ABORTED,
                             diagnostics: entry.diagnostics.clone(),
                             cause: None,
-                            reported_by: None,
                         });
                         return Ok(());
                     }

@@ -449,7 +449,6 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             Some(Arc::new(crate::node::remote::AgentNodes::new(
                 credentials,
                 secret,
-                events_tx.clone(),
                 opts.agent_ca_file.as_deref(),
             )?))
         }

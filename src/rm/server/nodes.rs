@@ -53,28 +53,18 @@ impl Nodes {
     }
 }
 
-/// A node says a container is dead: free it (and tell its application if it had not
-/// heard yet), and collect its logs. An agent's report ends only a container of its own
-/// host (checked in the transaction, [`transactions::node_reported_exit`]); a refused one
-/// changes nothing and makes the RM read no other host's logs.
+/// One of the RM's own nodes (in-process, Ray driver) says a container is dead: free it
+/// (and tell its application if it had not heard yet), and collect its logs. Node agents'
+/// reports are taken in their heartbeat's transaction instead ([`take_deaths`]).
 pub(super) fn on_node_event(rm: &Arc<Shared>, ev: NodeEvent) {
     let NodeEvent::Exited {
         container_id,
         exit_status,
         diagnostics,
-        reported_by,
         .. // the cause: the diagnostics lead with its words, which the AM reads back
     } = ev;
-    let taken = transactions::node_reported_exit(
-        &mut rm.lock(),
-        reported_by.as_deref(),
-        &container_id,
-        exit_status,
-        diagnostics,
-    );
-    if taken.is_ok() {
-        super::logs::spawn_collect(rm, container_id);
-    }
+    transactions::container_exited(&mut rm.lock(), &container_id, exit_status, diagnostics);
+    super::logs::spawn_collect(rm, container_id);
 }
 
 /// An agent's reports of dead containers (its own: [`transactions::own_reports`]), taken
@@ -89,7 +79,7 @@ fn take_deaths(st: &mut StateGuard, host: &str, own: &[ContainerReport], reply: 
         .filter(|r| r.state == ContainerState::Complete)
         .filter(|r| {
             let exit = r.exit_status.unwrap_or(exit_status::ABORTED);
-            transactions::node_reported_exit(st, Some(host), &r.container_id, exit, r.diagnostics.clone()).is_ok()
+            transactions::node_reported_exit(st, host, &r.container_id, exit, r.diagnostics.clone()).is_ok()
         })
         .map(|r| r.container_id.clone())
         .collect();
@@ -98,14 +88,6 @@ fn take_deaths(st: &mut StateGuard, host: &str, own: &[ContainerReport], reply: 
         reply.acknowledged.clear();
     }
     taken
-}
-
-/// The running ones among an agent's reports (its deaths are taken by [`take_deaths`]).
-fn running(own: &[ContainerReport]) -> Vec<ContainerReport> {
-    own.iter()
-        .filter(|r| r.state != ContainerState::Complete)
-        .cloned()
-        .collect()
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications
@@ -273,7 +255,7 @@ pub(super) async fn agent_register(
         );
         (reply, own, taken)
     };
-    agents.heartbeat(&host, &running(&own), Instant::now());
+    agents.heartbeat(&host, &own, Instant::now());
     for id in taken {
         super::logs::spawn_collect(&rm, id);
     }
@@ -289,7 +271,7 @@ pub(super) async fn agent_heartbeat(
 ) -> Result<Json<AgentReply>, ApiError> {
     let agents = node_agents(&rm, &headers, &host)?;
     let own = transactions::own_reports(&rm.lock(), &host, &req.containers);
-    if !agents.heartbeat(&host, &running(&own), Instant::now()) {
+    if !agents.heartbeat(&host, &own, Instant::now()) {
         return Ok(Json(AgentReply {
             reregister: true,
             ..Default::default()

@@ -720,21 +720,19 @@ pub(super) fn container_exited(st: &mut StateGuard, id: &str, exit: i32, diagnos
     ended
 }
 
-/// A node reports a container dead. `reporter`, the agent host a network report came
-/// from, must be the host the ledger places the container on: checked here, in the
-/// transaction that ends it, so a report let through while the id was unknown (before a
-/// grant placed it elsewhere) ends nothing of another host's. `None`: one of the RM's
-/// own nodes.
+/// A node agent reports a container dead. `reporter`, its host, must be the host the
+/// ledger places the container on: checked here, in the transaction that ends it, so a
+/// report let through while the id was unknown (before a grant placed it elsewhere) ends
+/// nothing of another host's.
 pub(super) fn node_reported_exit(
     st: &mut StateGuard,
-    reporter: Option<&str>,
+    reporter: &str,
     id: &str,
     exit: i32,
     diagnostics: String,
 ) -> Result<Option<Ended>, NotItsHost> {
-    let placed = st.ledger.container(id).map(|c| c.container.host.clone());
-    if let (Some(reporter), Some(placed)) = (reporter, placed.as_deref()) {
-        if reporter != placed {
+    if let Some(placed) = st.ledger.container(id).map(|c| c.container.host.as_str()) {
+        if placed != reporter {
             tracing::warn!(%reporter, host = %placed, container = %id, "a node agent reported another host's container dead: refused");
             return Err(NotItsHost);
         }
