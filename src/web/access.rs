@@ -74,10 +74,9 @@ pub fn ticket_subject(job_token: &str, presented: &str, now: u64) -> Option<Stri
     Some(subject.to_string())
 }
 
+/// Now, in Unix seconds (what tickets count in).
 fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    crate::protocol::now_ms() / 1000
 }
 
 /// The `token` query parameter of the event stream's request (`None` on other routes).

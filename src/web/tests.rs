@@ -304,10 +304,7 @@ async fn an_events_ticket_expires_and_dies_with_its_credential() {
     assert_eq!(stream(&owners).await, StatusCode::OK);
     let jobs = fetch(DEMO_TOKEN).await;
     assert_eq!(stream(&jobs).await, StatusCode::OK);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
+    let now = crate::protocol::now_ms() / 1000;
     let expired = ticket(DEMO_TOKEN, &owner, now - 1);
     assert_eq!(stream(&expired).await, StatusCode::UNAUTHORIZED, "expired");
     let forged = ticket("a-guessed-key", &owner, now + TICKET_FOR.as_secs());
