@@ -623,6 +623,8 @@ async function connect() {
   };
   for (const k of ['job', 'task', 'nodes', 'selection']) es.addEventListener(k, ev => onEvent(k, ev));
   es.addEventListener('resync', () => { dirty.all = true; schedule(); });
+  // A stream lives a while: open it again with a new ticket (no banner, nothing missed).
+  es.addEventListener('reopen', () => { es.close(); connect(); });
   es.onmessage = () => { dirty.all = true; schedule(); };
 }
 

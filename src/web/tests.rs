@@ -836,6 +836,23 @@ async fn sse_lagging_client_gets_resync() {
     assert!(text.contains("resync"), "{text}");
 }
 
+/// An event stream ends after its life with a `reopen` event (the page then opens it
+/// again with a new ticket), so an open stream outlives its opener's credential by that
+/// much at most.
+#[tokio::test]
+async fn an_event_stream_ends_after_its_life_asking_to_be_reopened() {
+    let hub = demo_hub(2, 1);
+    let stream = super::sse::for_a_while(super::sse::event_stream(hub.clone(), None), Duration::from_millis(200));
+    hub.publish("task", serde_json::json!({"n": 1}));
+    let all: Vec<_> = tokio::time::timeout(Duration::from_secs(60), stream.collect::<Vec<_>>())
+        .await
+        .expect("the stream ends");
+    let texts: Vec<String> = all.iter().map(|e| format!("{e:?}")).collect();
+    let last = texts.last().expect("at least the reopen event");
+    assert!(last.contains("reopen"), "{texts:?}");
+    assert_eq!(texts.iter().filter(|t| t.contains("reopen")).count(), 1, "{texts:?}");
+}
+
 /// The dashboard as served (`serve_with`): a request naming another host (DNS rebinding)
 /// gets 421, one from a page of another site 403; its own address is served.
 #[tokio::test]
