@@ -453,7 +453,6 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             Some(Arc::new(crate::node::remote::AgentNodes::new(
                 credentials,
                 secret,
-                events_tx.clone(),
                 opts.agent_ca_file.as_deref(),
             )?))
         }
@@ -531,10 +530,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let s = shared.clone();
     background.push(tokio::spawn(async move {
         while let Some(ev) = events_rx.recv().await {
-            let crate::node::NodeEvent::Exited { container_id, .. } = &ev;
-            let dead = container_id.clone();
             on_node_event(&s, ev);
-            logs::spawn_collect(&s, dead);
         }
     }));
     await_agents(&shared, Instant::now() + opts.node_reregister_grace);
