@@ -28,6 +28,9 @@ pub trait AmRm: Sync {
 /// How long a container start is sent again while the RM does not answer.
 const START_UNREACHABLE_FOR: Duration = Duration::from_secs(120);
 
+/// Container starts one AM has in flight at once.
+pub const LAUNCHES_IN_FLIGHT: usize = 16;
+
 impl AmRm for RmClient {
     fn node_changes(&self) -> impl Future<Output = Result<NodeListing, RmError>> + Send {
         RmClient::node_changes(self)
@@ -111,13 +114,18 @@ pub async fn drive<R: AmRm, O: Observer>(
                 Input::Registered(rm.register(&reg).await.map_err(|e| RmFailure::from(&e)))
             }
             Effect::Launch(launches) => {
-                // Launch concurrently: a 1,000-task job must not wait for 1,000 round trips in a row.
-                let results = futures::future::join_all(launches.iter().map(|l| async move {
+                // Launch concurrently (a 1,000-task job must not wait for 1,000 round trips
+                // in a row), but at most LAUNCHES_IN_FLIGHT at once: each is a connection
+                // to the RM, and a hundred AMs on the RM's host share its per-peer cap.
+                use futures::StreamExt as _;
+                let results: Vec<_> = futures::stream::iter(launches.iter().map(|l| async move {
                     (
                         l.task,
                         rm.start(&l.container, &l.context).await.map_err(|e| e.to_string()),
                     )
                 }))
+                .buffer_unordered(LAUNCHES_IN_FLIGHT)
+                .collect()
                 .await;
                 Input::Launched(results)
             }

@@ -134,7 +134,7 @@ impl RmClient {
         let http = builder
             .timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(5))
-            .pool_max_idle_per_host(64)
+            .pool_max_idle_per_host(crate::am::driver::LAUNCHES_IN_FLIGHT)
             .build()
             .unwrap_or_default();
         RmClient {

@@ -32,6 +32,9 @@ pub(super) struct SchedState {
     pub(super) preempting: BTreeMap<String, Preempting>,
     /// Containers taken back so far, per queue they were taken from.
     pub(super) preempted_from: BTreeMap<String, u64>,
+    /// Whether some application waited at the last full pass (whose reasons a pass with
+    /// nobody waiting must then clear).
+    pub(super) waited_last_pass: bool,
 }
 
 impl SchedState {
@@ -41,6 +44,7 @@ impl SchedState {
             grace,
             preempting: BTreeMap::new(),
             preempted_from: BTreeMap::new(),
+            waited_last_pass: true,
         }
     }
 
@@ -339,6 +343,17 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             }
         }
     }
+    // New victims and why each application waits: only while some application waits
+    // (and once more after, to clear the reasons), so that an idle pass costs
+    // O(applications), not O(nodes) (issue 29).
+    let waiting = st
+        .apps
+        .values()
+        .any(|a| a.registered && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty());
+    if !waiting && !st.sched.waited_last_pass {
+        return work;
+    }
+    st.sched.waited_last_pass = waiting;
     // New victims and why each application waits.
     let built = snapshot(st, now);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
