@@ -95,6 +95,12 @@ pub enum EndCause {
         #[serde(rename = "limitMb")]
         limit_mb: u64,
     },
+    /// It ran past the run-time limit its spec declared (`maxRunSec`, seconds); the RM
+    /// ends it (issue 27).
+    RunLimit {
+        #[serde(rename = "maxRunSec")]
+        max_run_sec: u64,
+    },
 }
 
 /// What a node's end diagnostics put before the end of a failed task's stderr; what follows
@@ -104,6 +110,7 @@ pub const STDERR_TAIL_MARK: &str = "; end of stderr: ";
 impl EndCause {
     const OOM_WORDS: &'static str = "out of memory (limit ";
     const DISK_WORDS: &'static str = "disk limit exceeded (";
+    const RUN_WORDS: &'static str = "ran past its declared limit maxrunsec=";
 
     /// The words the diagnostics lead with: `out of memory (limit 64 MiB)`,
     /// `disk limit exceeded (16 MiB)`.
@@ -112,6 +119,7 @@ impl EndCause {
             EndCause::OutOfMemory { limit_mb: Some(mb) } => format!("{}{mb} MiB)", Self::OOM_WORDS),
             EndCause::OutOfMemory { limit_mb: None } => format!("{}unknown MiB)", Self::OOM_WORDS),
             EndCause::DiskLimit { limit_mb } => format!("{}{limit_mb} MiB)", Self::DISK_WORDS),
+            EndCause::RunLimit { max_run_sec } => format!("ran past its declared limit maxRunSec={max_run_sec}"),
         }
     }
 
@@ -124,10 +132,16 @@ impl EndCause {
         let d = node_words.to_ascii_lowercase();
         let limit = |words: &str| -> Option<Option<u64>> {
             let rest = &d[d.find(words)? + words.len()..];
-            Some(rest.split(' ').next().and_then(|n| n.parse().ok()))
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            Some(digits.parse().ok())
         };
         if let Some(mb) = limit(Self::OOM_WORDS) {
             return Some(EndCause::OutOfMemory { limit_mb: mb });
+        }
+        if let Some(sec) = limit(Self::RUN_WORDS) {
+            return Some(EndCause::RunLimit {
+                max_run_sec: sec.unwrap_or(0),
+            });
         }
         limit(Self::DISK_WORDS).map(|mb| EndCause::DiskLimit {
             limit_mb: mb.unwrap_or(0),
@@ -288,6 +302,11 @@ pub struct Ask {
     /// at all (a gang job's containers); `None`: this ask alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gang: Option<String>,
+    /// The task's declared run-time limit in seconds (`maxRunSec`, issue 27): the RM ends
+    /// the container once it has run this long, and counts on its room coming back then
+    /// (reservations, start estimates). `None`: no limit declared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_run_sec: Option<u64>,
 }
 
 impl Ask {
@@ -305,6 +324,7 @@ impl Ask {
             task: None,
             task_attempt: 0,
             gang: None,
+            max_run_sec: None,
         }
     }
 

@@ -848,3 +848,26 @@ fn the_node_view_is_reported_whole_once_then_by_changes() {
     let out = m.step(Input::Allocated(Ok(AllocateResponse::default())), now);
     assert!(nodes_events(&out.events).is_empty());
 }
+
+/// A role's declared `maxRunSec` (else the job's) goes out with each of its asks, so the
+/// RM knows when the container is expected to end (issue 27).
+#[test]
+fn asks_carry_the_roles_declared_run_time_limit() {
+    let (mut m, now) = machine(
+        "name: j\nmaxRunSec: 600\ntaskRoles:\n  a:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    \
+         commands: [\"true\"]\n  b:\n    maxRunSec: 30\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    \
+         commands: [\"true\"]\n",
+    );
+    let req = heartbeat(&mut m, now);
+    let mut limits: Vec<(Option<String>, Option<u64>)> =
+        req.asks.iter().map(|a| (a.task.clone(), a.max_run_sec)).collect();
+    limits.sort();
+    assert_eq!(
+        limits,
+        vec![(Some("a/0".into()), Some(600)), (Some("b/0".into()), Some(30))]
+    );
+    let (mut m, now) = machine(
+        "name: j\ntaskRoles:\n  a:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    assert!(heartbeat(&mut m, now).asks.iter().all(|a| a.max_run_sec.is_none()));
+}

@@ -14,6 +14,7 @@ use super::*;
 use crate::protocol::{now_ms, ContainerState};
 use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
 use crate::rm::ledger::Ended;
+use crate::rm::scheduler::reserved::{self, EndBasis, Expected};
 use crate::rm::scheduler::{self, queues::QueueTree, AppDemand, Held, NodeCap, Shares, Snapshot};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -32,7 +33,20 @@ pub(super) struct SchedState {
     pub(super) preempting: BTreeMap<String, Preempting>,
     /// Containers taken back so far, per queue they were taken from.
     pub(super) preempted_from: BTreeMap<String, u64>,
+    /// Which waiting gangs get a reservation (`rm.reserve_*`, issue 27).
+    pub(super) reserve: scheduler::reservation::Policy,
+    /// When the start estimates were last computed (at most once per [`ESTIMATE_EVERY`]).
+    pub(super) estimated: Option<Instant>,
 }
+
+/// The reservation policy of the default settings (`rm.reserve_wait_sec`, `rm.reserve_min_gpus`).
+pub fn default_reserve_policy() -> scheduler::reservation::Policy {
+    let d = crate::config::RmSettings::default();
+    reserved::policy(d.reserve_wait_sec, d.reserve_min_gpus)
+}
+
+/// How often the waiting applications' start estimates are computed again.
+const ESTIMATE_EVERY: Duration = Duration::from_secs(1);
 
 impl SchedState {
     pub(super) fn new(tree: QueueTree, grace: Duration) -> Self {
@@ -41,6 +55,8 @@ impl SchedState {
             grace,
             preempting: BTreeMap::new(),
             preempted_from: BTreeMap::new(),
+            reserve: default_reserve_policy(),
+            estimated: None,
         }
     }
 
@@ -104,6 +120,7 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
     }
     let mut ids = st.ledger.live_containers();
     ids.sort();
+    let learned = learned_run_ms(st, &ids);
     for id in ids {
         let Some(c) = st.ledger.container(&id) else { continue };
         let Some(&node) = hosts.get(c.container.host.as_str()) else {
@@ -127,6 +144,31 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             .preempting
             .get(&id)
             .and_then(|p| st.sched.tree.resolve(Some(&p.for_queue)).ok());
+        let preempt_deadline = st.sched.preempting.get(&id).map(|p| p.deadline_ms);
+        snap.ends.push(if ended {
+            Expected {
+                end_ms: Some(wall),
+                basis: EndBasis::Leaving,
+            }
+        } else if let Some(d) = preempt_deadline {
+            Expected {
+                end_ms: Some(d),
+                basis: EndBasis::Leaving,
+            }
+        } else if let Some(e) = c.declared_end_ms() {
+            Expected {
+                end_ms: Some(e),
+                basis: EndBasis::Declared,
+            }
+        } else if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
+            let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
+            Expected {
+                end_ms: Some(from.saturating_add(*ms).max(wall)),
+                basis: EndBasis::Learned,
+            }
+        } else {
+            Expected::default()
+        });
         snap.held.push(Held {
             container_id: id,
             app,
@@ -146,6 +188,49 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
         });
     }
     Built { snap, apps }
+}
+
+/// The role of a container's task ("role/index").
+fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
+    c.container
+        .task
+        .as_deref()
+        .and_then(|t| t.rsplit_once('/'))
+        .map(|(r, _)| r)
+}
+
+/// Learned run times (issue 27): for each (application, role) with a live container that
+/// declared no limit, the median run time (ms) of that application's containers of the
+/// role that already completed successfully. One pass over the ledger, only when needed.
+fn learned_run_ms<'a>(st: &'a RmState, live: &[String]) -> HashMap<(&'a str, &'a str), u64> {
+    let mut want: HashMap<(&str, &str), Vec<u64>> = HashMap::new();
+    for id in live {
+        if let Some(c) = st.ledger.container(id).filter(|c| c.max_run_sec.is_none()) {
+            if let Some(r) = role_of(c) {
+                want.entry((c.app_id.as_str(), r)).or_default();
+            }
+        }
+    }
+    if want.is_empty() {
+        return HashMap::new();
+    }
+    for c in st.ledger.all_containers() {
+        if c.state != ContainerState::Complete || c.exit_status != Some(0) || c.ended_ms == 0 {
+            continue;
+        }
+        let Some(runs) = role_of(c).and_then(|r| want.get_mut(&(c.app_id.as_str(), r))) else {
+            continue;
+        };
+        let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
+        runs.push(c.ended_ms.saturating_sub(from));
+    }
+    want.into_iter()
+        .filter(|(_, runs)| !runs.is_empty())
+        .map(|(k, mut runs)| {
+            runs.sort_unstable();
+            (k, runs[runs.len() / 2])
+        })
+        .collect()
 }
 
 /// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see
@@ -189,7 +274,24 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
         .filter_map(|a| Some((*hosts.get(a.host.as_str())?, a.resources())))
         .collect();
     let shares = Shares::compute(&st.sched.tree, &built.snap);
-    scheduler::gate(&st.sched.tree, &built.snap, &shares, app, &mapped).map_err(|w| w.reason())
+    let wall = now_ms();
+    let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
+    // The asks' declared end: the latest of theirs (`None` when one declares none).
+    let end_ms = asks
+        .iter()
+        .map(|a| a.max_run_sec.map(|s| wall.saturating_add(s.saturating_mul(1000))))
+        .try_fold(wall, |acc, e| e.map(|e| acc.max(e)));
+    scheduler::gate_reserved(
+        &st.sched.tree,
+        &built.snap,
+        &shares,
+        app,
+        &mapped,
+        holder.as_ref(),
+        end_ms,
+        wall,
+    )
+    .map_err(|w| w.reason())
 }
 
 /// [`scheduler::room_for_all_waiting`] for an ask of `app_id`: the other live
@@ -310,6 +412,43 @@ pub(super) struct TickWork {
     pub(super) notify: Vec<(String, String, u64, String)>,
 }
 
+/// The running containers past their declared run-time limit at `wall` (ms since the
+/// epoch): (id, limit in seconds). See [`crate::rm::ledger::LedgerContainer::declared_end_ms`].
+fn past_limit(st: &RmState, wall: u64) -> Vec<(String, u64)> {
+    st.ledger
+        .live_containers()
+        .into_iter()
+        .filter_map(|id| {
+            let c = st.ledger.container(&id)?;
+            let limit = c.max_run_sec?;
+            let due = c.state == ContainerState::Running && c.started_ms > 0 && c.declared_end_ms()? <= wall;
+            due.then_some((id, limit))
+        })
+        .collect()
+}
+
+/// Ends the containers past their declared limit (issue 27): stopped by the RM, their
+/// application told with the typed cause's words ([`crate::protocol::EndCause::RunLimit`]),
+/// which the AM counts as the task's failure.
+fn end_past_limit(st: &mut RmState, wall: u64) -> Vec<Ended> {
+    let mut ended = Vec::new();
+    for (id, max_run_sec) in past_limit(st, wall) {
+        let why = crate::protocol::EndCause::RunLimit { max_run_sec }.diagnostics();
+        if let Some(e) = end_container(
+            st,
+            &id,
+            Ending::Stopped,
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            &why,
+            Tell::App,
+        ) {
+            tracing::info!(container = %id, "{why}: stopping the container");
+            ended.push(e);
+        }
+    }
+    ended
+}
+
 /// One scheduling pass under the lock (see the module doc).
 pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     let mut work = TickWork::default();
@@ -339,6 +478,7 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             }
         }
     }
+    work.ended.extend(end_past_limit(st, now_ms()));
     // New victims and why each application waits.
     let built = snapshot(st, now);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
@@ -376,10 +516,43 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             );
         }
     }
+    // Start estimates (issue 27), at most once per ESTIMATE_EVERY: one reservation, then
+    // each waiting application's expected start by the same rule.
+    let due = st
+        .sched
+        .estimated
+        .is_none_or(|t| now.saturating_duration_since(t) >= ESTIMATE_EVERY);
+    let wall = now_ms();
+    let holder = due
+        .then(|| reserved::holder(&built.snap, &shares, &st.sched.reserve, wall))
+        .flatten();
+    if due {
+        st.sched.estimated = Some(now);
+    }
     for (id, &a) in &built.apps {
-        if let Some(app) = st.apps.get_mut(id) {
-            app.waiting.set_why(plan.why.get(a).and_then(Option::as_ref));
+        let Some(app) = st.apps.get_mut(id) else { continue };
+        let mut why = plan.why.get(a).cloned().flatten();
+        if due {
+            let waits = built.snap.apps[a].waiting.iter().any(|w| w.count > 0);
+            let est = waits.then(|| reserved::estimate(&built.snap, &shares, holder.as_ref(), a, wall));
+            // Behind another gang's reservation where nothing else names a cause.
+            if let (Some(e), Some(h)) = (&est, &holder) {
+                if e.after_reservation_of.is_some() && matches!(why, None | Some(scheduler::WaitReason::NothingFits)) {
+                    why = Some(scheduler::WaitReason::Reserved {
+                        gang: built.snap.apps[h.app].id.clone(),
+                        start_ms: h.reservation.start_ms,
+                        now_ms: wall,
+                    });
+                }
+            }
+            app.waiting.estimate = est;
+        } else if app.waiting.why.as_ref().is_some_and(|(c, _)| *c == "reserved")
+            && matches!(why, None | Some(scheduler::WaitReason::NothingFits))
+        {
+            // Keep the last pass's reservation cause until the estimates are computed again.
+            continue;
         }
+        app.waiting.set_why(why.as_ref());
     }
     work
 }
