@@ -19,7 +19,7 @@
 //! limit, else a learned one, else unknown; a container with no known end is never counted
 //! as freeing its room, so a reservation only relies on ends it knows.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::reservation::{self, Policy, Release, Reservation, Room};
 use super::{eligible, rank, rank_cmp, Shares, Snapshot};
@@ -208,8 +208,8 @@ fn admits_rooms(
 
 /// What an estimate rests on: the running containers on the nodes the job may use, by
 /// where their expected end comes from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
 pub struct Basis {
     pub declared: u32,
     pub learned: u32,
@@ -217,15 +217,16 @@ pub struct Basis {
 }
 
 /// When a waiting application is expected to start (issue 27, item 4).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StartEstimate {
     /// Expected start (ms since the epoch); `None` when it cannot be told.
     pub start_ms: Option<u64>,
     /// The running containers it rests on.
+    #[serde(default)]
     pub basis: Basis,
     /// Another gang's reservation it starts after, if any.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after_reservation_of: Option<String>,
     /// The basis in words.
     pub text: String,
