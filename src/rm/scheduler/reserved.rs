@@ -147,16 +147,24 @@ fn waiting_gpus(snap: &Snapshot, a: usize) -> u32 {
         .fold(0u32, u32::saturating_add)
 }
 
+/// Whether some waiting gang passes `policy` (cheap: no packing): only then is a
+/// [`holder`] worth computing.
+pub fn candidates(snap: &Snapshot, policy: &Policy, now_ms: u64) -> bool {
+    (0..snap.apps.len()).any(|a| passes(snap, policy, a, now_ms))
+}
+
+fn passes(snap: &Snapshot, policy: &Policy, a: usize, now_ms: u64) -> bool {
+    let app = &snap.apps[a];
+    let gpus = waiting_gpus(snap, a);
+    app.gang && gpus > 0 && policy.applies(now_ms.saturating_sub(app.submitted_ms), gpus)
+}
+
 /// The waiting gang that holds the reservation now, if any (see the module doc): the
 /// first gang in the scheduler's order that passes `policy`, when its reservation can be
 /// computed from known ends.
 pub fn holder(snap: &Snapshot, shares: &Shares, policy: &Policy, now_ms: u64) -> Option<Holder> {
     let mut gangs: Vec<usize> = (0..snap.apps.len())
-        .filter(|&a| {
-            let app = &snap.apps[a];
-            let gpus = waiting_gpus(snap, a);
-            app.gang && gpus > 0 && policy.applies(now_ms.saturating_sub(app.submitted_ms), gpus)
-        })
+        .filter(|&a| passes(snap, policy, a, now_ms))
         .collect();
     gangs.sort_by(|&x, &y| rank_cmp(&rank(shares, None, &snap.apps[x]), &rank(shares, None, &snap.apps[y])));
     let &a = gangs.first()?;

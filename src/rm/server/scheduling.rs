@@ -120,7 +120,6 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
     }
     let mut ids = st.ledger.live_containers();
     ids.sort();
-    let learned = learned_run_ms(st, &ids);
     for id in ids {
         let Some(c) = st.ledger.container(&id) else { continue };
         let Some(&node) = hosts.get(c.container.host.as_str()) else {
@@ -160,12 +159,6 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
                 end_ms: Some(e),
                 basis: EndBasis::Declared,
             }
-        } else if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
-            let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
-            Expected {
-                end_ms: Some(from.saturating_add(*ms).max(wall)),
-                basis: EndBasis::Learned,
-            }
         } else {
             Expected::default()
         });
@@ -199,16 +192,47 @@ fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
         .map(|(r, _)| r)
 }
 
-/// Learned run times (issue 27): for each (application, role) with a live container that
-/// declared no limit, the median run time (ms) of that application's containers of the
-/// role that already completed successfully. One pass over the ledger, only when needed.
-fn learned_run_ms<'a>(st: &'a RmState, live: &[String]) -> HashMap<(&'a str, &'a str), u64> {
+/// Fills in learned ends (issue 27) for the held containers of `built` whose end is
+/// unknown: the median run time of their application's containers of the same role that
+/// already completed successfully, from their start. One pass over the ledger, so only
+/// the reservation and estimate paths call it, and only when they have work.
+pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
+    let wall = now_ms();
+    let unknown: Vec<usize> = (0..built.snap.held.len())
+        .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Unknown))
+        .collect();
+    if unknown.is_empty() {
+        return;
+    }
+    let live: Vec<&crate::rm::ledger::LedgerContainer> = unknown
+        .iter()
+        .filter_map(|&h| st.ledger.container(&built.snap.held[h].container_id))
+        .collect();
+    let learned = learned_run_ms(st, &live);
+    for &h in &unknown {
+        let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
+            continue;
+        };
+        if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
+            let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
+            built.snap.ends[h] = Expected {
+                end_ms: Some(from.saturating_add(*ms).max(wall)),
+                basis: EndBasis::Learned,
+            };
+        }
+    }
+}
+
+/// Learned run times: for each (application, role) of `live`, the median run time (ms) of
+/// that application's containers of the role that completed successfully.
+fn learned_run_ms<'a>(
+    st: &'a RmState,
+    live: &[&'a crate::rm::ledger::LedgerContainer],
+) -> HashMap<(&'a str, &'a str), u64> {
     let mut want: HashMap<(&str, &str), Vec<u64>> = HashMap::new();
-    for id in live {
-        if let Some(c) = st.ledger.container(id).filter(|c| c.max_run_sec.is_none()) {
-            if let Some(r) = role_of(c) {
-                want.entry((c.app_id.as_str(), r)).or_default();
-            }
+    for c in live {
+        if let Some(r) = role_of(c) {
+            want.entry((c.app_id.as_str(), r)).or_default();
         }
     }
     if want.is_empty() {
@@ -273,9 +297,15 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
         .iter()
         .filter_map(|a| Some((*hosts.get(a.host.as_str())?, a.resources())))
         .collect();
+    let mut built = built;
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let wall = now_ms();
-    let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
+    let holder = if reserved::candidates(&built.snap, &st.sched.reserve, wall) {
+        learn_ends(st, &mut built);
+        reserved::holder(&built.snap, &shares, &st.sched.reserve, wall)
+    } else {
+        None
+    };
     // The asks' declared end: the latest of theirs (`None` when one declares none).
     let end_ms = asks
         .iter()
@@ -523,12 +553,14 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         .estimated
         .is_none_or(|t| now.saturating_duration_since(t) >= ESTIMATE_EVERY);
     let wall = now_ms();
-    let holder = due
-        .then(|| reserved::holder(&built.snap, &shares, &st.sched.reserve, wall))
-        .flatten();
-    if due {
+    let mut built = built;
+    let holder = if due {
         st.sched.estimated = Some(now);
-    }
+        learn_ends(st, &mut built);
+        reserved::holder(&built.snap, &shares, &st.sched.reserve, wall)
+    } else {
+        None
+    };
     for (id, &a) in &built.apps {
         let Some(app) = st.apps.get_mut(id) else { continue };
         let mut why = plan.why.get(a).cloned().flatten();

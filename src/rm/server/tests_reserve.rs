@@ -244,3 +244,63 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
         rm.shutdown().await;
     }
 }
+
+/// Where no limit is declared, a container's expected end is learned: the median run time
+/// of its job's completed tasks of the same role; before any completed, it is unknown.
+#[tokio::test]
+async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_on(
+        &["n1"],
+        &dir.path().join("work"),
+        super::scheduling::default_reserve_policy(),
+    )
+    .await;
+    let (_, a) = app(&rm, "learn").await;
+    let resp = a
+        .allocate(&AllocateRequest {
+            asks: vec![ask(1, "n1", 0x1, None), ask(2, "n1", 0x2, None)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(resp.allocated.len(), 2, "{:?}", resp.rejected);
+    let (quick, long) = (&resp.allocated[0], &resp.allocated[1]);
+    // Both tasks are of role `w` (`w/1`, `w/2`).
+    run(&a, "n1", long).await;
+    let basis = |rm: &RmHandle| {
+        let st = rm.shared.lock();
+        let mut built = super::scheduling::snapshot(&st, Instant::now());
+        super::scheduling::learn_ends(&st, &mut built);
+        let h = built
+            .snap
+            .held
+            .iter()
+            .position(|h| h.container_id == long.container_id)
+            .unwrap();
+        built.snap.ends[h]
+    };
+    assert_eq!(basis(&rm).basis, crate::rm::scheduler::reserved::EndBasis::Unknown);
+    a.start_container(
+        &quick.node_http_address,
+        "n1",
+        &quick.container_id,
+        &LaunchContext {
+            commands: vec!["true".into()],
+            env: Default::default(),
+        },
+    )
+    .await
+    .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let e = basis(&rm);
+        if e.basis == crate::rm::scheduler::reserved::EndBasis::Learned {
+            assert!(e.end_ms.is_some());
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "never learned: {e:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rm.shutdown().await;
+}
