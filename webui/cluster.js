@@ -114,7 +114,8 @@ function renderJobs() {
       h('td', null, h('span', { class: 'state', 'data-state': st, text: st })),
       h('td', { class: 'num', 'data-gpus': a.gpus, text: a.gpus }),
       h('td', { class: 'num', text: waiting ? a.waitingTasks + (a.waitingTasks === 1 ? ' task · ' : ' tasks · ') + fmtDur(a.waitingMs || 0) : '–' }),
-      h('td', { class: 'why', 'data-kind': waiting && a.reason ? a.reason.kind : '', 'data-until-ms': waiting && a.reason && a.reason.untilMs ? a.reason.untilMs : '', text: waiting ? (reasonText(a.reason) || a.why || 'placing…') : '' }),
+      h('td', { class: 'why', 'data-kind': waiting && a.reason ? a.reason.kind : '', 'data-until-ms': waiting && a.reason && a.reason.untilMs ? a.reason.untilMs : '', text: waiting ? (reasonText(a.reason) || a.why || 'placing…') : '' },
+        waiting && a.startEstimate ? h('div', { class: 'meta small', 'data-start-ms': a.startEstimate.startMs || '', text: estimateText(a.startEstimate) }) : null),
       h('td', null, final.includes(a.state) ? null : stopButton(a)));
   });
   if (!rows.length) rows.push(h('tr', null, h('td', { colspan: 9, class: 'hint', text: 'No jobs.' })));
@@ -160,6 +161,14 @@ async function onStopClosed() {
 }
 
 // ---------- history ----------
+// When a waiting job is expected to start, with the RM's basis (issue 27); the same words
+// as `gpuam status` (cli::jobs::estimate_line).
+function estimateText(e) {
+  if (!e.startMs) return 'expected start: ' + e.text;
+  if (e.startMs <= Date.now()) return 'expected to start now; basis: ' + e.text;
+  return 'expected to start ' + fmtTime(e.startMs) + ' UTC (in ' + fmtDur(e.startMs - Date.now()) + '); basis: ' + e.text;
+}
+
 function fmtTime(ms) { return ms ? new Date(ms).toISOString().slice(5, 16).replace('T', ' ') : '–'; }
 
 async function pollHistory() {
