@@ -364,6 +364,37 @@ pub struct AllocateRequest {
     pub wait_reason: Option<crate::reason::Reason>,
 }
 
+/// What a start estimate rests on (issue 27): the running containers on the nodes the job
+/// may use, by where their expected end comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct StartBasis {
+    /// Ending by their declared `maxRunSec`.
+    pub declared: u32,
+    /// Ending by a learned run time (the median of their job's completed tasks of the role).
+    pub learned: u32,
+    /// With no known end (never counted as ending).
+    pub unknown: u32,
+}
+
+/// When a waiting application is expected to start, and on what basis (issue 27, item 4;
+/// `rm::scheduler::reserved::estimate`): in the job route's `waiting.estimate`, the cluster
+/// page's `startEstimate` and the AM's allocate answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartEstimate {
+    /// Expected start (ms since the epoch); `None` when it cannot be told.
+    pub start_ms: Option<u64>,
+    /// The running containers it rests on.
+    #[serde(default)]
+    pub basis: StartBasis,
+    /// Another gang's reservation it starts after, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after_reservation_of: Option<String>,
+    /// The basis in words.
+    pub text: String,
+}
+
 /// `count` waiting tasks of one shape (one task role): what a queue's share is computed
 /// for and what preemption frees room for.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
@@ -560,6 +591,9 @@ pub struct AllocateResponse {
     /// The same, typed (`reason::Reason`; a `Resources` kind when the queues name no cause).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_reason: Option<crate::reason::Reason>,
+    /// When its waiting tasks are expected to start, and on what basis (issue 27).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_estimate: Option<StartEstimate>,
 }
 
 /// `POST /ws/v1/am/{appId}/finish` body.

@@ -197,6 +197,9 @@ function renderJob() {
   const why = final ? null : j.reason;
   note.hidden = !why;
   note.textContent = why ? 'Waiting — ' + reasonText(why) : '';
+  // When the RM expects it to start, and on what basis (issue 27).
+  const est = final ? null : j.startEstimate;
+  if (why && est) note.textContent += ' · ' + estimateText(est);
   note.dataset.kind = why ? why.kind : '';
   note.dataset.untilMs = why && why.untilMs ? why.untilMs : '';
   const kill = $('kill');

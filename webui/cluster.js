@@ -161,14 +161,6 @@ async function onStopClosed() {
 }
 
 // ---------- history ----------
-// When a waiting job is expected to start, with the RM's basis (issue 27); the same words
-// as `gpuam status` (cli::jobs::estimate_line).
-function estimateText(e) {
-  if (!e.startMs) return 'expected start: ' + e.text;
-  if (e.startMs <= Date.now()) return 'expected to start now; basis: ' + e.text;
-  return 'expected to start ' + fmtTime(e.startMs) + ' UTC (in ' + fmtDur(e.startMs - Date.now()) + '); basis: ' + e.text;
-}
-
 function fmtTime(ms) { return ms ? new Date(ms).toISOString().slice(5, 16).replace('T', ' ') : '–'; }
 
 async function pollHistory() {

@@ -871,3 +871,43 @@ fn asks_carry_the_roles_declared_run_time_limit() {
     );
     assert!(heartbeat(&mut m, now).asks.iter().all(|a| a.max_run_sec.is_none()));
 }
+
+/// The RM's start estimate in an allocate answer reaches the job's status (an event when it
+/// changes, none while it stays the same), and goes when the RM no longer sends one.
+#[test]
+fn the_rms_start_estimate_reaches_the_jobs_status() {
+    let (mut m, now) = machine(
+        "name: j\ntaskRoles:\n  a:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    heartbeat(&mut m, now);
+    let est = crate::protocol::StartEstimate {
+        start_ms: Some(now.ms + 600_000),
+        basis: crate::protocol::StartBasis {
+            declared: 3,
+            ..Default::default()
+        },
+        after_reservation_of: None,
+        text: "declared limits of 3 running containers".into(),
+    };
+    let estimate_events = |out: Output| -> Vec<Option<crate::protocol::StartEstimate>> {
+        out.events
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::StartEstimate(e) => Some(e),
+                _ => None,
+            })
+            .collect()
+    };
+    let with = AllocateResponse {
+        start_estimate: Some(est.clone()),
+        ..Default::default()
+    };
+    let out = m.step(Input::Allocated(Ok(with.clone())), now);
+    assert_eq!(estimate_events(out), vec![Some(est)]);
+    heartbeat(&mut m, now);
+    let out = m.step(Input::Allocated(Ok(with)), now);
+    assert!(estimate_events(out).is_empty(), "unchanged: no event");
+    heartbeat(&mut m, now);
+    let out = m.step(Input::Allocated(Ok(AllocateResponse::default())), now);
+    assert_eq!(estimate_events(out), vec![None]);
+}

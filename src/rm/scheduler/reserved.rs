@@ -19,7 +19,9 @@
 //! limit, else a learned one, else unknown; a container with no known end is never counted
 //! as freeing its room, so a reservation only relies on ends it knows.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
+
+pub use crate::protocol::{StartBasis as Basis, StartEstimate};
 
 use super::reservation::{self, Policy, Release, Reservation, Room};
 use super::{eligible, rank, rank_cmp, Shares, Snapshot};
@@ -214,69 +216,35 @@ fn admits_rooms(
     holder.reservation.clone().backfill(takes, end_ms)
 }
 
-/// What an estimate rests on: the running containers on the nodes the job may use, by
-/// where their expected end comes from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct Basis {
-    pub declared: u32,
-    pub learned: u32,
-    pub unknown: u32,
-}
-
-/// When a waiting application is expected to start (issue 27, item 4).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct StartEstimate {
-    /// Expected start (ms since the epoch); `None` when it cannot be told.
-    pub start_ms: Option<u64>,
-    /// The running containers it rests on.
-    #[serde(default)]
-    pub basis: Basis,
-    /// Another gang's reservation it starts after, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub after_reservation_of: Option<String>,
-    /// The basis in words.
-    pub text: String,
-}
-
-impl Basis {
-    /// The basis in words: "declared limits of 12 running containers", "learned from …",
-    /// or "unknown: N running containers have no declared limit".
-    fn words(&self, known: bool) -> String {
-        let n = |k: u32| format!("{k} running container{}", if k == 1 { "" } else { "s" });
-        if !known {
-            return format!(
-                "unknown: {} no declared limit",
-                if self.unknown == 1 {
-                    format!("{} has", n(1))
-                } else {
-                    format!("{} have", n(self.unknown))
-                }
-            );
-        }
-        let mut parts = Vec::new();
-        if self.declared > 0 {
-            parts.push(format!("declared limits of {}", n(self.declared)));
-        }
-        if self.learned > 0 {
-            parts.push(format!(
-                "learned from the median run time of their jobs' completed tasks for {}",
-                n(self.learned)
-            ));
-        }
-        if parts.is_empty() {
-            parts.push("room free now".to_string());
-        }
-        let mut s = parts.join("; ");
-        if self.unknown > 0 {
-            s.push_str(&format!(
-                "; {} with no declared limit not counted as ending",
-                n(self.unknown)
-            ));
-        }
-        s
+/// The basis in words: "declared limits of 12 running containers", "learned from …",
+/// or "unknown: N running containers have no declared limit".
+fn words(b: &Basis, known: bool) -> String {
+    let n = |k: u32| format!("{k} running container{}", if k == 1 { "" } else { "s" });
+    if !known {
+        let have = if b.unknown == 1 { "has" } else { "have" };
+        return format!("unknown: {} {have} no declared limit", n(b.unknown));
     }
+    let mut parts = Vec::new();
+    if b.declared > 0 {
+        parts.push(format!("declared limits of {}", n(b.declared)));
+    }
+    if b.learned > 0 {
+        parts.push(format!(
+            "learned from the median run time of their jobs' completed tasks for {}",
+            n(b.learned)
+        ));
+    }
+    if parts.is_empty() {
+        parts.push("room free now".to_string());
+    }
+    let mut s = parts.join("; ");
+    if b.unknown > 0 {
+        s.push_str(&format!(
+            "; {} with no declared limit not counted as ending",
+            n(b.unknown)
+        ));
+    }
+    s
 }
 
 /// When waiting application `a` is expected to start, by `reserve` over the snapshot's
@@ -289,7 +257,7 @@ pub fn estimate(snap: &Snapshot, shares: &Shares, holder: Option<&Holder>, a: us
             start_ms: Some(h.reservation.start_ms),
             basis,
             after_reservation_of: None,
-            text: format!("reserved for it; {}", basis.words(true)),
+            text: format!("reserved for it; {}", words(&basis, true)),
         };
     }
     let start = reservation::reserve(&free, &releases, &tasks, now_ms);
@@ -304,7 +272,7 @@ pub fn estimate(snap: &Snapshot, shares: &Shares, holder: Option<&Holder>, a: us
             _ => r.start_ms,
         }
     });
-    let mut text = basis.words(start_ms.is_some());
+    let mut text = words(&basis, start_ms.is_some());
     if let Some(g) = &after {
         text.push_str(&format!("; after the reservation of {g}"));
     }
