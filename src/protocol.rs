@@ -395,6 +395,22 @@ pub struct StartEstimate {
     pub text: String,
 }
 
+/// `POST /ws/v1/cluster/estimate` body (issue 27): a job not yet submitted, as its AM would
+/// report it waiting; the answer is a [`StartEstimate`] (`gpuam plan --rm`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EstimateRequest {
+    /// Its queue (`None`: the default queue).
+    #[serde(default)]
+    pub queue: Option<String>,
+    #[serde(default)]
+    pub priority: i32,
+    /// All its tasks or none.
+    #[serde(default)]
+    pub gang: bool,
+    pub waiting: Vec<WaitingTasks>,
+}
+
 /// `count` waiting tasks of one shape (one task role): what a queue's share is computed
 /// for and what preemption frees room for.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]

@@ -876,6 +876,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/apps/{id}/containers", get(logs::get_app_containers))
         .route("/ws/v1/cluster/apps/{id}/logs/{role}/{index}", get(logs::get_task_log))
         .route("/ws/v1/cluster/history", get(history::get_history))
+        .route("/ws/v1/cluster/estimate", post(scheduling::post_estimate))
         .route("/ws/v1/cluster/whoami", get(history::whoami))
         .route("/ws/v1/am/{id}/register", post(am_register))
         .route("/ws/v1/am/{id}/allocate", post(am_allocate))

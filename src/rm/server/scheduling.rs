@@ -672,6 +672,48 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
         .collect()
 }
 
+/// `POST /ws/v1/cluster/estimate` (issue 27): when a job not yet submitted would start if
+/// it were submitted now, by the same rule as a waiting one's estimate (the caller's own
+/// job, added to the state's snapshot as the newest application of its queue).
+pub(super) async fn post_estimate(
+    axum::extract::State(rm): Rm,
+    _caller: super::http::Caller,
+    super::http::ApiJson(req): super::http::ApiJson<crate::protocol::EstimateRequest>,
+) -> Result<axum::Json<crate::protocol::StartEstimate>, ApiError> {
+    check_waiting(&req.waiting).map_err(ApiError::bad_request)?;
+    let st = rm.lock();
+    let queue = st
+        .sched
+        .tree
+        .resolve(req.queue.as_deref())
+        .map_err(|e| ApiError::bad_request(format!("`queue`: {e}")))?;
+    Ok(axum::Json(estimate_new(&st, queue, &req, Instant::now())))
+}
+
+/// [`reserved::estimate`] of a job not yet submitted (see [`post_estimate`]).
+fn estimate_new(
+    st: &RmState,
+    queue: usize,
+    req: &crate::protocol::EstimateRequest,
+    now: Instant,
+) -> crate::protocol::StartEstimate {
+    let wall = now_ms();
+    let mut built = snapshot(st, now);
+    built.snap.apps.push(AppDemand {
+        id: "(this job)".into(),
+        queue,
+        priority: req.priority,
+        submitted_ms: wall,
+        gang: req.gang,
+        waiting: req.waiting.clone(),
+    });
+    let me = built.snap.apps.len() - 1;
+    learn_ends(st, &mut built);
+    let shares = Shares::compute(&st.sched.tree, &built.snap);
+    let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
+    reserved::estimate(&built.snap, &shares, holder.as_ref(), me, wall)
+}
+
 /// The waiting tasks of an allocate request, checked: counts and sizes within reason.
 pub(super) fn check_waiting(tasks: &[WaitingTasks]) -> Result<(), String> {
     if tasks.len() > crate::spec::limits::MAX_TASK_ROLES * 4 {

@@ -240,7 +240,78 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
             "{}",
             est.text
         );
-        let _ = small_id;
+        // `gpuam status` reads the same through the job's route; the small job that still
+        // waits is told it starts after the gang's reservation.
+        let user = RmClient::new(&rm.base_url()).with_user_token(Some(rm.admin_token().to_string()));
+        let detail: serde_json::Value = user
+            .get_json("status", &format!("/ws/v1/cluster/apps/{gang_id}/containers"))
+            .await
+            .unwrap();
+        assert_eq!(
+            detail["waiting"]["estimate"]["startMs"],
+            serde_json::json!(start),
+            "{detail}"
+        );
+        small
+            .allocate(&AllocateRequest {
+                response_id: short.response_id,
+                waiting: Some(vec![WaitingTasks {
+                    role: "w".into(),
+                    count: 1,
+                    gpus: 2,
+                    cpu: 1,
+                    memory_mb: 10,
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let t0 = Instant::now();
+        loop {
+            let detail: serde_json::Value = user
+                .get_json("status", &format!("/ws/v1/cluster/apps/{small_id}/containers"))
+                .await
+                .unwrap();
+            let e = &detail["waiting"]["estimate"];
+            if e["afterReservationOf"] == serde_json::json!(gang_id) {
+                assert!(e["text"].as_str().unwrap().contains("after the reservation of"), "{e}");
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no estimate for the small job: {detail}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // `gpuam plan --rm` of a job not yet submitted: the same rule over the same state.
+        let spec = crate::spec::parse_job_spec(
+            "name: next\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 2}\n    \
+             commands: [\"true\"]\n",
+            "next.yaml",
+        )
+        .unwrap();
+        let req = crate::am::queueing::estimate_request(&spec, &Default::default());
+        let e: crate::protocol::StartEstimate = user
+            .post_json("estimate", "/ws/v1/cluster/estimate", &req)
+            .await
+            .unwrap();
+        assert_eq!(e.after_reservation_of.as_deref(), Some(gang_id.as_str()), "{e:?}");
+        assert!(e.start_ms.is_some_and(|s| s >= start), "{e:?} vs the gang's {start}");
+        // Bad input is refused with the field named.
+        let bad = crate::protocol::EstimateRequest {
+            waiting: vec![WaitingTasks {
+                count: 1,
+                gpus: 65,
+                ..Default::default()
+            }],
+            ..req
+        };
+        let err = user
+            .post_json::<_, serde_json::Value>("estimate", "/ws/v1/cluster/estimate", &bad)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("waiting[0]"), "{err}");
         rm.shutdown().await;
     }
 }
