@@ -303,83 +303,26 @@ pub fn policy(wait_sec: u64, min_gpus: u32) -> Policy {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{gate, gate_reserved, queues::QueueTree, AppDemand, Held, NodeCap, WaitReason};
+    use super::super::tests::{waiting, Cluster};
+    use super::super::{gate, gate_reserved, queues::QueueTree, WaitReason};
     use super::*;
-    use crate::protocol::WaitingTasks;
-    use crate::resources::{lowest_bits, mask_of_count, PortSet};
-
-    fn node(host: &str, gpus: u32) -> NodeCap {
-        NodeCap {
-            host: host.into(),
-            pool: String::new(),
-            partition: String::new(),
-            usable: true,
-            total: Resources::with_mask(64, 1 << 20, mask_of_count(gpus), PortSet::new()),
-            free_gpus: mask_of_count(gpus),
-            free_cpu: 64,
-            free_memory_mb: 1 << 20,
-            free_ports: Default::default(),
-            free_custom: Default::default(),
-            topology: None,
-        }
-    }
-
-    fn waiting(count: u32, gpus: u32) -> WaitingTasks {
-        WaitingTasks {
-            role: "w".into(),
-            count,
-            gpus,
-            cpu: 1,
-            memory_mb: 100,
-            ..Default::default()
-        }
-    }
+    use crate::resources::PortSet;
 
     /// Two 8-GPU nodes; app 0 holds 4 GPUs on each, ending (declared) at 100 s and 200 s;
     /// app 1, a gang of 2 × 8 GPUs, waits; app 2, a small job, waits for 4 GPUs.
     fn world() -> (QueueTree, Snapshot) {
-        let mut s = Snapshot {
-            nodes: vec![node("n0", 8), node("n1", 8)],
-            ..Default::default()
-        };
-        for (i, (gang, wait)) in [
-            (false, vec![]),
-            (true, vec![waiting(2, 8)]),
-            (false, vec![waiting(1, 4)]),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            s.apps.push(AppDemand {
-                id: format!("app{i}"),
-                submitted_ms: 1000 + i as u64,
-                gang,
-                waiting: wait,
-                ..Default::default()
-            });
-        }
+        let mut c = Cluster::new(QueueTree::default(), &[8, 8]);
+        c.app("default", 0, false, vec![]);
+        c.app("default", 0, true, vec![waiting(2, 8)]);
+        c.app("default", 0, false, vec![waiting(1, 4)]);
         for (n, end) in [(0, 100_000), (1, 200_000)] {
-            let mask = lowest_bits(s.nodes[n].free_gpus, 4).unwrap();
-            s.nodes[n].free_gpus &= !mask;
-            s.held.push(Held {
-                container_id: format!("c{n}"),
-                app: 0,
-                node: n,
-                gpus: mask,
-                cpu: 1,
-                memory_mb: 100,
-                ports: Default::default(),
-                custom: Default::default(),
-                run_ms: 0,
-                leaving: false,
-                for_queue: None,
-            });
-            s.ends.push(Expected {
+            c.hold(0, n, 4, 0);
+            c.s.ends.push(Expected {
                 end_ms: Some(end),
                 basis: EndBasis::Declared,
             });
         }
-        (QueueTree::default(), s)
+        (c.t, c.s)
     }
 
     fn four_on(n: usize) -> Vec<(usize, Resources)> {

@@ -33,6 +33,37 @@ async fn rm_on(hosts: &[&str], dir: &Path, reserve: crate::rm::scheduler::reserv
     start(opts).await.unwrap()
 }
 
+/// `count` waiting tasks of `gpus` GPUs each (role `w`).
+fn wait(count: u32, gpus: u32) -> WaitingTasks {
+    WaitingTasks {
+        role: "w".into(),
+        count,
+        gpus,
+        cpu: 1,
+        memory_mb: 10,
+        ..Default::default()
+    }
+}
+
+/// An RM on one 2-GPU node with the default reservation policy.
+async fn one_node(dir: &Path) -> RmHandle {
+    rm_on(&["n1"], &dir.join("work"), super::scheduling::default_reserve_policy()).await
+}
+
+/// The answer to `asks`, every one of them granted.
+async fn grant_all(c: &RmClient, asks: Vec<Ask>) -> crate::protocol::AllocateResponse {
+    let n = asks.len();
+    let resp = c
+        .allocate(&AllocateRequest {
+            asks,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(resp.allocated.len(), n, "{:?}", resp.rejected);
+    resp
+}
+
 async fn app(rm: &RmHandle, name: &str) -> (String, RmClient) {
     let (id, token) = rm.register_test_app(name);
     let c = RmClient::for_app(&rm.base_url(), &id, &token);
@@ -59,21 +90,9 @@ async fn run(c: &RmClient, host: &str, container: &crate::protocol::Container) {
 #[tokio::test]
 async fn a_container_past_its_declared_limit_is_ended_with_that_cause() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = rm_on(
-        &["n1"],
-        &dir.path().join("work"),
-        super::scheduling::default_reserve_policy(),
-    )
-    .await;
+    let rm = one_node(dir.path()).await;
     let (_, a) = app(&rm, "short").await;
-    let mut resp = a
-        .allocate(&AllocateRequest {
-            asks: vec![ask(1, "n1", 0x1, Some(1)), ask(2, "n1", 0x2, None)],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(resp.allocated.len(), 2, "{:?}", resp.rejected);
+    let mut resp = grant_all(&a, vec![ask(1, "n1", 0x1, Some(1)), ask(2, "n1", 0x2, None)]).await;
     let (limited, free) = (resp.allocated[0].clone(), resp.allocated[1].clone());
     run(&a, "n1", &limited).await;
     run(&a, "n1", &free).await;
@@ -156,16 +175,8 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
             .await
             .unwrap();
         assert_eq!(held.allocated.len(), 3, "{:?}", held.rejected);
-        let wait = WaitingTasks {
-            role: "w".into(),
-            count: 2,
-            gpus: 2,
-            cpu: 1,
-            memory_mb: 10,
-            ..Default::default()
-        };
         gang.allocate(&AllocateRequest {
-            waiting: Some(vec![wait]),
+            waiting: Some(vec![wait(2, 2)]),
             ..Default::default()
         })
         .await
@@ -174,14 +185,7 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
         let long = small
             .allocate(&AllocateRequest {
                 asks: vec![ask(1, "n2", 0x2, None)],
-                waiting: Some(vec![WaitingTasks {
-                    role: "w".into(),
-                    count: 1,
-                    gpus: 1,
-                    cpu: 1,
-                    memory_mb: 10,
-                    ..Default::default()
-                }]),
+                waiting: Some(vec![wait(1, 1)]),
                 ..Default::default()
             })
             .await
@@ -255,14 +259,7 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
         small
             .allocate(&AllocateRequest {
                 response_id: short.response_id,
-                waiting: Some(vec![WaitingTasks {
-                    role: "w".into(),
-                    count: 1,
-                    gpus: 2,
-                    cpu: 1,
-                    memory_mb: 10,
-                    ..Default::default()
-                }]),
+                waiting: Some(vec![wait(1, 2)]),
                 ..Default::default()
             })
             .await
@@ -321,21 +318,9 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
 #[tokio::test]
 async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = rm_on(
-        &["n1"],
-        &dir.path().join("work"),
-        super::scheduling::default_reserve_policy(),
-    )
-    .await;
+    let rm = one_node(dir.path()).await;
     let (_, a) = app(&rm, "learn").await;
-    let resp = a
-        .allocate(&AllocateRequest {
-            asks: vec![ask(1, "n1", 0x1, None), ask(2, "n1", 0x2, None)],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(resp.allocated.len(), 2, "{:?}", resp.rejected);
+    let resp = grant_all(&a, vec![ask(1, "n1", 0x1, None), ask(2, "n1", 0x2, None)]).await;
     let (quick, long) = (&resp.allocated[0], &resp.allocated[1]);
     // Both tasks are of role `w` (`w/1`, `w/2`).
     run(&a, "n1", long).await;
