@@ -303,7 +303,7 @@ pub fn policy(wait_sec: u64, min_gpus: u32) -> Policy {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{waiting, Cluster};
+    use super::super::tests::{tree, waiting, Cluster};
     use super::super::{gate, gate_reserved, queues::QueueTree, WaitReason};
     use super::*;
     use crate::resources::PortSet;
@@ -403,5 +403,34 @@ mod tests {
             "{}",
             e.text
         );
+    }
+
+    /// Queue shares come first: an application of a queue further below its share than the
+    /// gang's ranks ahead of the gang and is never held back by its reservation; one of the
+    /// gang's own queue, ranked behind it, is.
+    #[test]
+    fn a_queue_below_its_share_is_not_held_back_by_another_queues_gang() {
+        let t = tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]);
+        let mut c = Cluster::new(t, &[8, 8]);
+        let runner = c.app("a", 0, false, vec![]);
+        c.app("a", 0, true, vec![waiting(2, 8)]);
+        let late_a = c.app("a", 0, false, vec![waiting(1, 4)]);
+        let b = c.app("b", 0, false, vec![waiting(1, 4)]);
+        for n in 0..2 {
+            c.hold(runner, n, 4, 0);
+            c.s.ends.push(Expected {
+                end_ms: Some(100_000),
+                basis: EndBasis::Declared,
+            });
+        }
+        let shares = Shares::compute(&c.t, &c.s);
+        let h = holder(&c.s, &shares, &policy(0, 16), 0).expect("reserved");
+        assert_eq!(h.app, 1);
+        assert_eq!(
+            gate_reserved(&c.t, &c.s, &shares, b, &four_on(0), Some(&h), None, 0),
+            Ok(()),
+            "queue b holds nothing: it ranks ahead of queue a's gang"
+        );
+        assert!(gate_reserved(&c.t, &c.s, &shares, late_a, &four_on(0), Some(&h), None, 0).is_err());
     }
 }

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::config::QueueSettings;
 
-fn tree(spec: &[(&str, f64, u32, Option<u32>, bool)]) -> QueueTree {
+pub(super) fn tree(spec: &[(&str, f64, u32, Option<u32>, bool)]) -> QueueTree {
     let map: BTreeMap<String, QueueSettings> = spec
         .iter()
         .map(|&(name, weight, guaranteed, max, prio)| {
