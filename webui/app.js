@@ -197,11 +197,14 @@ function renderJob() {
   const why = final ? null : j.reason;
   note.hidden = !why;
   note.textContent = why ? 'Waiting — ' + reasonText(why) : '';
-  // When the RM expects it to start, and on what basis (issue 27).
-  const est = final ? null : j.startEstimate;
-  if (why && est) note.textContent += ' · ' + estimateText(est);
   note.dataset.kind = why ? why.kind : '';
   note.dataset.untilMs = why && why.untilMs ? why.untilMs : '';
+  // When the RM expects it to start, and on what basis (issue 27), under the reason.
+  const est = $('job-start-estimate');
+  const e = why && !final ? j.startEstimate : null;
+  est.hidden = !e;
+  est.textContent = e ? estimateText(e) : '';
+  est.dataset.startMs = e && e.startMs ? e.startMs : '';
   const kill = $('kill');
   if (!state.token) {
     kill.disabled = true;
