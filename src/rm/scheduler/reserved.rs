@@ -284,6 +284,19 @@ pub fn estimate(snap: &Snapshot, shares: &Shares, holder: Option<&Holder>, a: us
     }
 }
 
+/// An estimate of an application that its queue holds back (`queue_cause`: the scheduler's
+/// reason, when it is a queue's — a cap, a share, one ranked ahead): room free now says
+/// nothing of when its turn comes, so that start is not told.
+pub fn held_by_queue(mut e: StartEstimate, queue_cause: Option<&str>, now_ms: u64) -> StartEstimate {
+    if let Some(cause) = queue_cause {
+        if e.start_ms.is_some_and(|s| s <= now_ms) {
+            e.start_ms = None;
+            e.text = format!("unknown: the room it needs is free, but its queue holds it back ({cause})");
+        }
+    }
+    e
+}
+
 /// `tasks` on the nodes `at` finds for them.
 fn placed(at: &Reservation, tasks: &[Room]) -> Vec<(usize, Room)> {
     at.nodes.iter().copied().zip(tasks.iter().copied()).collect()
@@ -432,5 +445,29 @@ mod tests {
             "queue b holds nothing: it ranks ahead of queue a's gang"
         );
         assert!(gate_reserved(&c.t, &c.s, &shares, late_a, &four_on(0), Some(&h), None, 0).is_err());
+    }
+
+    /// Room free now does not tell when a job its queue holds back starts.
+    #[test]
+    fn a_job_its_queue_holds_back_gets_no_start_from_free_room() {
+        let now = StartEstimate {
+            start_ms: Some(10),
+            basis: Basis::default(),
+            after_reservation_of: None,
+            text: "room free now".into(),
+        };
+        let e = held_by_queue(now.clone(), Some("atCap"), 10);
+        assert_eq!(e.start_ms, None);
+        assert!(e.text.starts_with("unknown:") && e.text.contains("atCap"), "{}", e.text);
+        assert_eq!(held_by_queue(now.clone(), None, 10), now);
+        let later = StartEstimate {
+            start_ms: Some(500),
+            ..now
+        };
+        assert_eq!(
+            held_by_queue(later.clone(), Some("atCap"), 10),
+            later,
+            "a later start stands"
+        );
     }
 }

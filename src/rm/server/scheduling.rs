@@ -569,7 +569,11 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         let mut why = plan.why.get(a).cloned().flatten();
         if due {
             let waits = built.snap.apps[a].waiting.iter().any(|w| w.count > 0);
-            let est = waits.then(|| reserved::estimate(&built.snap, &shares, holder.as_ref(), a, wall));
+            let queue_cause = why.as_ref().filter(|w| w.reason().kind.is_queue()).map(|w| w.code());
+            let est = waits.then(|| {
+                let e = reserved::estimate(&built.snap, &shares, holder.as_ref(), a, wall);
+                reserved::held_by_queue(e, queue_cause, wall)
+            });
             // Behind another gang's reservation where nothing else names a cause.
             if let (Some(e), Some(h)) = (&est, &holder) {
                 if e.after_reservation_of.is_some() && matches!(why, None | Some(scheduler::WaitReason::NothingFits)) {
