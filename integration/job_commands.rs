@@ -434,6 +434,14 @@ async fn pages_reason(
             Duration::from_secs(60),
         )
         .await;
+    // Under the reason, when the RM expects it to start (issue 27): its own element.
+    br.wait_for(
+        "the job page's start estimate",
+        "const e = document.getElementById('job-start-estimate'); \
+         return e && !e.hidden && e.textContent.startsWith('expected') ? e.textContent : null;",
+        Duration::from_secs(60),
+    )
+    .await;
     // The task's panel: not placed, with the same words (never "placed on").
     br.click(&format!("tr[data-task=\"{task}\"]")).await;
     let panel = br
@@ -458,6 +466,15 @@ async fn pages_reason(
             Duration::from_secs(60),
         )
         .await;
+    br.wait_for(
+        "the cluster page's start estimate",
+        &format!(
+            "const e = document.querySelector('tr[data-app=\"{id}\"] .start-estimate'); \
+             return e && e.textContent.startsWith('expected') ? e.textContent : null;"
+        ),
+        Duration::from_secs(60),
+    )
+    .await;
     let s = |v: &serde_json::Value| v.as_str().unwrap_or("").to_string();
     vec![
         s(&job_page[0]),
@@ -506,6 +523,14 @@ fn one_reason_everywhere_for_a_gang_held_by_the_topology_wait_and_for_a_full_nod
     for (id, r) in [(&held, &topo), (&full, &resources)] {
         let out = stdout(&run(&rm, &["status", id]));
         assert!(out.contains(&r.text()), "{out}\nwants {}", r.text());
+        // And when it is expected to start, with the basis (issue 27).
+        let t0 = std::time::Instant::now();
+        let mut out = out;
+        while !out.lines().any(|l| l.starts_with("expected")) {
+            assert!(t0.elapsed() < Duration::from_secs(30), "no start estimate: {out}");
+            std::thread::sleep(Duration::from_millis(200));
+            out = stdout(&run(&rm, &["status", id]));
+        }
     }
     // The pages: the same words, the same deadline.
     let dash = |id: &str| rm.app(id)["trackingUrl"].as_str().unwrap_or("").to_string();

@@ -154,6 +154,13 @@ pub struct RmSettings {
     /// Notice a container gets before the RM kills it to give its GPUs to a queue below
     /// its share (or to a higher-priority job of its queue): the task may checkpoint.
     pub preemption_grace_sec: u64,
+    /// Reservations (issue 27): a waiting gang that has waited this long (seconds; 0: never
+    /// by waiting) gets the nodes where it will fit first as running work ends; later work
+    /// may use them only if it is declared to end first (`maxRunSec`) or leaves the gang
+    /// room beside it.
+    pub reserve_wait_sec: u64,
+    /// ... or a waiting gang of at least this many GPUs (0: never by size).
+    pub reserve_min_gpus: u32,
     /// The queues jobs run in (`queue:` in a job spec; `default` when it names none).
     /// Without any, every job runs in one queue named `default`.
     pub queues: BTreeMap<String, QueueSettings>,
@@ -183,6 +190,8 @@ impl Default for RmSettings {
             max_apps_per_user: 32,
             max_asks_per_allocate: 5000,
             preemption_grace_sec: 30,
+            reserve_wait_sec: 1800,
+            reserve_min_gpus: 32,
             queues: BTreeMap::new(),
             history_retention_days: 30,
             max_history: 10_000,

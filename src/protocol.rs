@@ -95,6 +95,12 @@ pub enum EndCause {
         #[serde(rename = "limitMb")]
         limit_mb: u64,
     },
+    /// It ran past the run-time limit its spec declared (`maxRunSec`, seconds); the RM
+    /// ends it (issue 27).
+    RunLimit {
+        #[serde(rename = "maxRunSec")]
+        max_run_sec: u64,
+    },
 }
 
 /// What a node's end diagnostics put before the end of a failed task's stderr; what follows
@@ -104,6 +110,7 @@ pub const STDERR_TAIL_MARK: &str = "; end of stderr: ";
 impl EndCause {
     const OOM_WORDS: &'static str = "out of memory (limit ";
     const DISK_WORDS: &'static str = "disk limit exceeded (";
+    const RUN_WORDS: &'static str = "ran past its declared limit maxrunsec=";
 
     /// The words the diagnostics lead with: `out of memory (limit 64 MiB)`,
     /// `disk limit exceeded (16 MiB)`.
@@ -112,6 +119,7 @@ impl EndCause {
             EndCause::OutOfMemory { limit_mb: Some(mb) } => format!("{}{mb} MiB)", Self::OOM_WORDS),
             EndCause::OutOfMemory { limit_mb: None } => format!("{}unknown MiB)", Self::OOM_WORDS),
             EndCause::DiskLimit { limit_mb } => format!("{}{limit_mb} MiB)", Self::DISK_WORDS),
+            EndCause::RunLimit { max_run_sec } => format!("ran past its declared limit maxRunSec={max_run_sec}"),
         }
     }
 
@@ -124,10 +132,16 @@ impl EndCause {
         let d = node_words.to_ascii_lowercase();
         let limit = |words: &str| -> Option<Option<u64>> {
             let rest = &d[d.find(words)? + words.len()..];
-            Some(rest.split(' ').next().and_then(|n| n.parse().ok()))
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            Some(digits.parse().ok())
         };
         if let Some(mb) = limit(Self::OOM_WORDS) {
             return Some(EndCause::OutOfMemory { limit_mb: mb });
+        }
+        if let Some(sec) = limit(Self::RUN_WORDS) {
+            return Some(EndCause::RunLimit {
+                max_run_sec: sec.unwrap_or(0),
+            });
         }
         limit(Self::DISK_WORDS).map(|mb| EndCause::DiskLimit {
             limit_mb: mb.unwrap_or(0),
@@ -288,6 +302,11 @@ pub struct Ask {
     /// at all (a gang job's containers); `None`: this ask alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gang: Option<String>,
+    /// The task's declared run-time limit in seconds (`maxRunSec`, issue 27): the RM ends
+    /// the container once it has run this long, and counts on its room coming back then
+    /// (reservations, start estimates). `None`: no limit declared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_run_sec: Option<u64>,
 }
 
 impl Ask {
@@ -305,6 +324,7 @@ impl Ask {
             task: None,
             task_attempt: 0,
             gang: None,
+            max_run_sec: None,
         }
     }
 
@@ -361,6 +381,53 @@ impl AllocateRequest {
         let asked = std::time::Duration::from_millis(self.hold_ms.filter(|&ms| ms > 0)?);
         (self.asks.is_empty() && self.cancels.is_empty() && self.releases.is_empty()).then(|| asked.min(cap))
     }
+}
+
+/// What a start estimate rests on (issue 27): the running containers on the nodes the job
+/// may use, by where their expected end comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct StartBasis {
+    /// Ending by their declared `maxRunSec`.
+    pub declared: u32,
+    /// Ending by a learned run time (the median of their job's completed tasks of the role).
+    pub learned: u32,
+    /// With no known end (never counted as ending).
+    pub unknown: u32,
+}
+
+/// When a waiting application is expected to start, and on what basis (issue 27, item 4;
+/// `rm::scheduler::reserved::estimate`): in the job route's `waiting.estimate`, the cluster
+/// page's `startEstimate` and the AM's allocate answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartEstimate {
+    /// Expected start (ms since the epoch); `None` when it cannot be told.
+    pub start_ms: Option<u64>,
+    /// The running containers it rests on.
+    #[serde(default)]
+    pub basis: StartBasis,
+    /// Another gang's reservation it starts after, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after_reservation_of: Option<String>,
+    /// The basis in words.
+    pub text: String,
+}
+
+/// `POST /ws/v1/cluster/estimate` body (issue 27): a job not yet submitted, as its AM would
+/// report it waiting; the answer is a [`StartEstimate`] (`gpuam plan --rm`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EstimateRequest {
+    /// Its queue (`None`: the default queue).
+    #[serde(default)]
+    pub queue: Option<String>,
+    #[serde(default)]
+    pub priority: i32,
+    /// All its tasks or none.
+    #[serde(default)]
+    pub gang: bool,
+    pub waiting: Vec<WaitingTasks>,
 }
 
 /// `count` waiting tasks of one shape (one task role): what a queue's share is computed
@@ -559,6 +626,9 @@ pub struct AllocateResponse {
     /// The same, typed (`reason::Reason`; a `Resources` kind when the queues name no cause).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_reason: Option<crate::reason::Reason>,
+    /// When its waiting tasks are expected to start, and on what basis (issue 27).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_estimate: Option<StartEstimate>,
 }
 
 /// `POST /ws/v1/am/{appId}/finish` body.

@@ -199,6 +199,12 @@ function renderJob() {
   note.textContent = why ? 'Waiting — ' + reasonText(why) : '';
   note.dataset.kind = why ? why.kind : '';
   note.dataset.untilMs = why && why.untilMs ? why.untilMs : '';
+  // When the RM expects it to start, and on what basis (issue 27), under the reason.
+  const est = $('job-start-estimate');
+  const e = why && !final ? j.startEstimate : null;
+  est.hidden = !e;
+  est.textContent = e ? estimateText(e) : '';
+  est.dataset.startMs = e && e.startMs ? e.startMs : '';
   const kill = $('kill');
   if (!state.token) {
     kill.disabled = true;

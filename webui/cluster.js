@@ -113,7 +113,9 @@ function renderJobs() {
       h('td', { class: 'num', text: a.priority }),
       h('td', null, h('span', { class: 'state', 'data-state': st, text: st })),
       h('td', { class: 'num', 'data-gpus': a.gpus, text: a.gpus }),
-      h('td', { class: 'num', text: waiting ? a.waitingTasks + (a.waitingTasks === 1 ? ' task · ' : ' tasks · ') + fmtDur(a.waitingMs || 0) : '–' }),
+      h('td', { class: 'num', text: waiting ? a.waitingTasks + (a.waitingTasks === 1 ? ' task · ' : ' tasks · ') + fmtDur(a.waitingMs || 0) : '–' },
+        // When the RM expects it to start, and on what basis (issue 27).
+        waiting && a.startEstimate ? h('div', { class: 'meta small start-estimate', 'data-start-ms': a.startEstimate.startMs || '', text: estimateText(a.startEstimate) }) : null),
       h('td', { class: 'why', 'data-kind': waiting && a.reason ? a.reason.kind : '', 'data-until-ms': waiting && a.reason && a.reason.untilMs ? a.reason.untilMs : '', text: waiting ? (reasonText(a.reason) || a.why || 'placing…') : '' }),
       h('td', null, final.includes(a.state) ? null : stopButton(a)));
   });

@@ -23,3 +23,24 @@ function reasonText(r) {
   if (times.length) out += ' [' + times.join(', ') + ']';
   return out;
 }
+
+// `90s`, `12m`, `3h05m`, `2d04h` (as the terminal's `short_duration`).
+function estimateDuration(ms) {
+  const s = Math.floor(ms / 1000);
+  const p2 = n => String(n).padStart(2, '0');
+  if (s < 120) return s + 's';
+  if (s < 3600) return Math.floor(s / 60) + 'm';
+  if (s < 86400) return Math.floor(s / 3600) + 'h' + p2(Math.floor(s % 3600 / 60)) + 'm';
+  return Math.floor(s / 86400) + 'd' + p2(Math.floor(s % 86400 / 3600)) + 'h';
+}
+
+// When a waiting job is expected to start, with the RM's basis (issue 27, the protocol's
+// StartEstimate): the words of `gpuam status` (cli::jobs::estimate_line).
+function estimateText(e) {
+  if (!e) return '';
+  if (!e.startMs) return 'expected start: ' + e.text;
+  const now = Date.now();
+  if (e.startMs <= now) return 'expected to start now; basis: ' + e.text;
+  return 'expected to start ' + new Date(e.startMs).toISOString().slice(5, 16).replace('T', ' ') +
+    ' UTC (in ' + estimateDuration(e.startMs - now) + '); basis: ' + e.text;
+}

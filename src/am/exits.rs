@@ -43,6 +43,14 @@ pub fn classify(raw: i32, diagnostics: &str, settings: &AmSettings) -> ExitInfo 
     };
     match raw {
         0 => info(0, Succeeded, "succeeded"),
+        // Past its declared `maxRunSec` (the RM ended it, issue 27): the task's failure,
+        // counted against `taskRetryCount` like the node's bounds below, never a
+        // transient end retried for free.
+        yarn::KILLED_BY_RESOURCEMANAGER if matches!(end, Some(EndCause::RunLimit { .. })) => info(
+            code::CONTAINER_KILLED_BY_RM,
+            Unknown,
+            "ran past its declared limit (maxRunSec)",
+        ),
         yarn::INVALID => info(
             code::CONTAINER_INVALID_EXIT_STATUS,
             TransientNormal,
@@ -291,6 +299,30 @@ mod tests {
         assert_eq!(disk.exit_type, ExitType::Unknown);
         assert_eq!(
             classify(137, "killed by signal 9 (SIGKILL)", &s()).exit_type,
+            ExitType::TransientNormal
+        );
+    }
+
+    #[test]
+    fn past_its_declared_limit_is_the_tasks_failure_not_transient() {
+        let words = EndCause::RunLimit { max_run_sec: 60 }.diagnostics();
+        assert_eq!(words, "ran past its declared limit maxRunSec=60");
+        assert_eq!(EndCause::of(&words), Some(EndCause::RunLimit { max_run_sec: 60 }));
+        let c = classify(yarn::KILLED_BY_RESOURCEMANAGER, &words, &s());
+        assert_eq!((c.code, c.exit_type), (code::CONTAINER_KILLED_BY_RM, ExitType::Unknown));
+        let mut st = RetryState::default();
+        assert_eq!(decide_retry(&c, 1, &mut st, 10), RetryDecision::Retry);
+        assert_eq!(
+            decide_retry(&c, 1, &mut st, 10),
+            RetryDecision::Complete,
+            "counted against taskRetryCount, not retried for free"
+        );
+        // Any other kill by the RM stays transient; the task's own words change nothing.
+        let other = classify(yarn::KILLED_BY_RESOURCEMANAGER, "killed by the RM", &s());
+        assert_eq!(other.exit_type, ExitType::TransientNormal);
+        let forged = format!("exited 1{}{words}", crate::protocol::STDERR_TAIL_MARK);
+        assert_eq!(
+            classify(yarn::KILLED_BY_RESOURCEMANAGER, &forged, &s()).exit_type,
             ExitType::TransientNormal
         );
     }

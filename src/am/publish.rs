@@ -115,6 +115,7 @@ impl Publisher {
             }
             Event::QueueNote(note) => hub.update("job", json!({"queueNote": note}), |s| s.job.queue_note = note),
             Event::Reason(reason) => hub.update("job", json!({"reason": reason}), |s| s.job.reason = reason),
+            Event::StartEstimate(e) => hub.update("job", json!({"startEstimate": e}), |s| s.job.start_estimate = e),
             Event::Retried(t) => {
                 let c = &hub.counters;
                 let counter = match t {

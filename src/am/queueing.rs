@@ -31,6 +31,22 @@ pub fn waiting_demand(job: &JobSpec, tasks: &[Task], select: &SelectSettings) ->
         .collect()
 }
 
+/// A job not yet submitted as its AM would report it waiting (every task of every role),
+/// for the RM's start estimate (`gpuam plan --rm`, issue 27).
+pub fn estimate_request(job: &JobSpec, select: &SelectSettings) -> crate::protocol::EstimateRequest {
+    let uses_gpus = job.task_roles.iter().any(|r| r.resources.uses_gpus());
+    crate::protocol::EstimateRequest {
+        queue: job.queue.clone(),
+        priority: job.priority,
+        gang: job.gang,
+        waiting: job
+            .task_roles
+            .iter()
+            .map(|r| role_waiting(r, r.instances, uses_gpus, select))
+            .collect(),
+    }
+}
+
 /// `count` waiting tasks of `role` as the RM sees them: the role's request, partition,
 /// GPU types, and whether the none-GPU rule keeps them off GPU nodes.
 pub fn role_waiting(role: &TaskRole, count: u32, job_uses_gpus: bool, select: &SelectSettings) -> WaitingTasks {

@@ -280,6 +280,18 @@ impl RmClient {
             .await
     }
 
+    /// `POST path` of a JSON `body` as the user, its JSON answer (`gpuam plan --rm`'s start
+    /// estimate).
+    pub async fn post_json<B: serde::Serialize, T: DeserializeOwned>(
+        &self,
+        what: &str,
+        path: &str,
+        body: &B,
+    ) -> Result<T, RmError> {
+        let req = self.http.post(format!("{}{path}", self.base)).json(body);
+        self.send(what, self.as_user(req)).await
+    }
+
     /// `DELETE path` with the user token (and the `{}` body the RM's guard wants).
     pub async fn delete_json<T: DeserializeOwned>(&self, what: &str, path: &str) -> Result<T, RmError> {
         let req = self

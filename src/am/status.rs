@@ -216,6 +216,9 @@ pub struct JobStatus {
     /// Why the job waits, while some task of it is not placed: the RM's queue cause or the
     /// reason of the task that holds it back (`reason::combine`).
     pub reason: Option<crate::reason::Reason>,
+    /// When the RM expects its waiting tasks to start, and on what basis (issue 27).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_estimate: Option<crate::protocol::StartEstimate>,
 }
 
 /// Everything the AM publishes, in one consistent snapshot.

@@ -161,6 +161,7 @@ pub async fn run(opts: AmOptions) -> i32 {
             priority: job.priority,
             queue_note: None,
             reason: None,
+            start_estimate: None,
         },
         tasks: Vec::new(),
         nodes: Vec::new(),

@@ -273,6 +273,21 @@ pub(crate) async fn status(a: &StatusArgs, tls: &TlsSettings) -> i32 {
     exit::SUCCESS
 }
 
+/// "expected to start 11-26 15:40 UTC (in 10m); basis: …", or why it cannot be told (issue
+/// 27): the RM's estimate (`rm::scheduler::reserved::estimate`) in the terminal's words.
+pub(crate) fn estimate_line(e: &crate::rm::scheduler::reserved::StartEstimate, now: u64) -> String {
+    match e.start_ms {
+        Some(at) if at <= now => format!("expected to start now; basis: {}", e.text),
+        Some(at) => format!(
+            "expected to start {} UTC (in {}); basis: {}",
+            utc_minute(at),
+            short_duration(at - now),
+            e.text
+        ),
+        None => format!("expected start: {}", e.text),
+    }
+}
+
 fn status_text(d: &super::rm_api::JobDetail, now: u64) -> String {
     let r = &d.app;
     let h = &d.history;
@@ -309,6 +324,9 @@ fn status_text(d: &super::rm_api::JobDetail, now: u64) -> String {
             .map(|s| short_duration(now.saturating_sub(s)))
             .unwrap_or_default();
         out.push_str(&format!("waiting {since}: {why}\n"));
+    }
+    if let Some(e) = &d.waiting.estimate {
+        out.push_str(&format!("{}\n", estimate_line(e, now)));
     }
     if !h.reason.is_empty() {
         out.push_str(&format!("reason: {}\n", h.reason));
@@ -545,6 +563,42 @@ mod tests {
         assert!(t.contains("    42 a-very-long-job…"), "{t}");
         assert!(t.contains("WAITING"), "{t}");
         assert!(t.contains("waits 65s: holding out for 2 GPUs"), "{t}");
+    }
+
+    /// `gpuam status` of a waiting job says when it is expected to start and on what
+    /// basis, from the RM's answer (issue 27).
+    #[test]
+    fn status_says_when_a_waiting_job_is_expected_to_start() {
+        let now = 1_795_706_460_000;
+        let detail = |estimate: Value| -> super::super::rm_api::JobDetail {
+            let app = crate::rm::apps::App::new("application_1_0042".into(), "big".into()).report;
+            serde_json::from_value(json!({
+                "app": app,
+                "waiting": {"since": now - 65_000, "why": "nothing fits yet", "estimate": estimate},
+                "containers": [],
+                "history": {"id": "application_1_0042", "name": "big", "user": "alice", "queue": "default",
+                    "state": "RUNNING", "exitCode": null, "submittedTime": now, "startedTime": now,
+                    "finishedTime": 0, "durationSec": 0.0, "reason": "", "amAttempts": 1, "containers": 0,
+                    "taskRetries": 0, "gpuHours": 0.0}
+            }))
+            .unwrap()
+        };
+        let d = detail(json!({"startMs": now + 600_000, "basis": {"declared": 12},
+            "text": "declared limits of 12 running containers"}));
+        let t = status_text(&d, now);
+        assert!(
+            t.contains("expected to start 11-26 15:31 UTC (in 10m); basis: declared limits of 12 running containers"),
+            "{t}"
+        );
+        let d = detail(json!({"startMs": null, "basis": {"unknown": 3},
+            "text": "unknown: 3 running containers have no declared limit"}));
+        let t = status_text(&d, now);
+        assert!(
+            t.contains("expected start: unknown: 3 running containers have no declared limit"),
+            "{t}"
+        );
+        let d = detail(Value::Null);
+        assert!(!status_text(&d, now).contains("expected"), "an older RM: no line");
     }
 
     #[test]

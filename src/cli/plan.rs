@@ -64,19 +64,22 @@ pub async fn plan(
         Ok(v) => v,
         Err(code) => return code,
     };
+    let mut client = None;
     let nodes = match rm {
         Some(url) => {
-            let client = match crate::am::rm_client::RmClient::with_tls(url, &settings.tls) {
+            let c = match crate::am::rm_client::RmClient::with_tls(url, &settings.tls) {
                 Ok(c) => c.with_user_token(token),
                 Err(e) => {
                     eprintln!("error: TLS: {e}");
                     return exit::INVALID_INPUT;
                 }
             };
-            match client.nodes().await {
+            let nodes = match c.nodes().await {
                 Ok(n) => n,
-                Err(e) => return super::run::refused(&client, &e),
-            }
+                Err(e) => return super::run::refused(&c, &e),
+            };
+            client = Some(c);
+            nodes
         }
         None => match super::load_cluster(cluster) {
             Ok(n) => n,
@@ -87,16 +90,51 @@ pub async fn plan(
     // A plan is reproducible: the same inputs give the same answer.
     select.seed = Some(select.seed.unwrap_or(0));
     // The AM's own job machine, run against an RM that grants every ask as asked.
-    let plan = crate::am::plan_rm::plan_job(&spec, nodes, select, &settings.am);
+    let plan = crate::am::plan_rm::plan_job(&spec, nodes, select.clone(), &settings.am);
+    // Against a running RM: when the job would start if submitted now (issue 27).
+    let estimate = match &client {
+        Some(c) => start_estimate(c, &spec, &select).await,
+        None => None,
+    };
     if as_json {
-        println!("{}", plan_json(&plan));
+        let mut v = plan_json(&plan);
+        if let Some(e) = &estimate {
+            v["startEstimate"] = json!(e);
+        }
+        println!("{v}");
     } else {
         print!("{}", plan_table(&spec.name, &plan));
+        if let Some(e) = &estimate {
+            println!("\n{}", super::jobs::estimate_line(e, crate::protocol::now_ms()));
+        }
     }
     if plan.unplaced.is_empty() {
         exit::SUCCESS
     } else {
         exit::NOT_PLACEABLE
+    }
+}
+
+/// The RM's estimate of when the job would start if submitted now; `None` (with a note on
+/// stderr) when the RM gives none (an older RM, a refusal).
+async fn start_estimate(
+    c: &crate::am::rm_client::RmClient,
+    spec: &crate::spec::JobSpec,
+    select: &crate::config::SelectSettings,
+) -> Option<crate::protocol::StartEstimate> {
+    match c
+        .post_json(
+            "the start estimate",
+            "/ws/v1/cluster/estimate",
+            &crate::am::queueing::estimate_request(spec, select),
+        )
+        .await
+    {
+        Ok(e) => Some(e),
+        Err(e) => {
+            eprintln!("note: no start estimate: {e}");
+            None
+        }
     }
 }
 

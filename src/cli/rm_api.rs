@@ -37,6 +37,9 @@ pub(crate) struct Waiting {
     /// The same, typed (an older RM sends only `why`).
     #[serde(default)]
     pub reason: Option<crate::reason::Reason>,
+    /// When it is expected to start, with the basis (issue 27; an older RM sends none).
+    #[serde(default)]
+    pub estimate: Option<crate::rm::scheduler::reserved::StartEstimate>,
 }
 
 impl Waiting {

@@ -118,6 +118,8 @@ pub struct Waiting {
     pub queue: Option<Reason>,
     /// Why it waits as its AM's placement found it (sent with the waiting demand).
     pub placement: Option<Reason>,
+    /// When it is expected to start, with the basis (the RM's scheduling pass, issue 27).
+    pub estimate: Option<crate::rm::scheduler::reserved::StartEstimate>,
 }
 
 impl Waiting {
@@ -131,6 +133,7 @@ impl Waiting {
                 self.why = None;
                 self.queue = None;
                 self.placement = None;
+                self.estimate = None;
             }
             _ => {}
         }

@@ -317,6 +317,8 @@ mod tests {
             diagnostics: String::new(),
             held: false,
             ended_ms: times.1,
+            started_ms: 0,
+            max_run_sec: None,
         }
     }
 

@@ -57,6 +57,31 @@ pub struct LedgerContainer {
     /// while live): with `allocated_ms`, the GPU time a job's history row counts.
     #[serde(default)]
     pub ended_ms: u64,
+    /// Wall-clock time its executor started it (0 until then, and for containers an
+    /// older RM stored): its declared limit runs from here.
+    #[serde(default, skip_serializing_if = "is_zero_ms")]
+    pub started_ms: u64,
+    /// The declared run-time limit its ask carried (`maxRunSec`, issue 27): the RM ends it
+    /// past `started_ms` + this, and counts on its room coming back then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_run_sec: Option<u64>,
+}
+
+fn is_zero_ms(ms: &u64) -> bool {
+    *ms == 0
+}
+
+impl LedgerContainer {
+    /// When it is expected to end by its declared limit (ms since the epoch): `None` when
+    /// it declared none; counted from the grant while it has not started yet.
+    pub fn declared_end_ms(&self) -> Option<u64> {
+        let from = if self.started_ms > 0 {
+            self.started_ms
+        } else {
+            self.allocated_ms
+        };
+        Some(from.saturating_add(self.max_run_sec?.saturating_mul(1000)))
+    }
 }
 
 /// What changed in the ledger since the last [`Ledger::take_changes`]: the RM's store
@@ -509,6 +534,8 @@ impl Ledger {
                 diagnostics: String::new(),
                 held: false,
                 ended_ms: 0,
+                started_ms: 0,
+                max_run_sec: ask.max_run_sec,
             },
         );
         self.add_live(&ask.host, &container.container_id, &container.resources);
@@ -537,6 +564,7 @@ impl Ledger {
             });
         }
         c.state = ContainerState::Running;
+        c.started_ms = crate::protocol::now_ms();
         self.touched.insert(id.to_string());
         Ok(())
     }

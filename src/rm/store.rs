@@ -698,6 +698,9 @@ mod tests {
             exit_status: None,
             diagnostics: String::new(),
             held: false,
+            // A declared limit and its start survive a restart (issue 27).
+            started_ms: 1300,
+            max_run_sec: Some(60),
         }
     }
 

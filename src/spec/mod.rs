@@ -35,6 +35,10 @@ pub struct JobSpec {
     /// `allowMixedGpuTypes` (issue 27): its untyped GPU tasks may span GPU types. Off by
     /// default: a gang (else each role) that names no `gpuType` gets GPUs of one type.
     pub allow_mixed_gpu_types: bool,
+    /// `maxRunSec` at the job level (issue 27): each task's run-time limit in seconds,
+    /// unless its role declares its own ([`TaskRole::max_run_sec`] holds the one that
+    /// applies). OpenPAI v2: `extras.maxRunSec`.
+    pub max_run_sec: Option<u64>,
     /// OpenPAI v2 job-level settings (`None` for gpuam's own format).
     pub pai: Option<PaiJob>,
     /// Fields accepted but not honoured (or honoured differently), with their positions;
@@ -97,6 +101,9 @@ pub struct TaskRole {
     /// `allowMixedGpuTypes` on the role: its tasks may span GPU types (see
     /// [`JobSpec::allow_mixed_gpu_types`]).
     pub allow_mixed_gpu_types: bool,
+    /// The run-time limit of each of its tasks in seconds (the role's `maxRunSec`, else
+    /// the job's): the RM ends a task's container past it (issue 27). `None`: no limit.
+    pub max_run_sec: Option<u64>,
     pub commands: Vec<String>,
     /// frameworklauncher semantics: n ≥ 0 retries; -1 = unlimited for failures; -2 = always.
     pub task_retry_count: i32,

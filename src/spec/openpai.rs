@@ -42,7 +42,7 @@ const PLUGIN_FIELDS: &[&str] = &["uri", "plugin", "require", "callbacks", "failu
 const PREREQ_NOT_HONOURED: &[&str] = &["callbacks", "plugin", "require", "failurePolicy"];
 
 /// `extras` keys gpuam honours; every other key is warned about.
-const EXTRAS_HONOURED: &[&str] = &["gangAllocation", "gangTimeoutSec"];
+const EXTRAS_HONOURED: &[&str] = &["gangAllocation", "gangTimeoutSec", "maxRunSec"];
 
 /// Collected warnings (shared by the readers through `&V2`).
 #[derive(Debug, Default)]

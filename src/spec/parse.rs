@@ -22,6 +22,7 @@ const NATIVE_TOP: &[&str] = &[
     "queue",
     "priority",
     "allowMixedGpuTypes",
+    "maxRunSec",
     "taskRoles",
 ];
 const V2_TOP: &[&str] = &[
@@ -46,6 +47,9 @@ const TOP_HINTS: &[(&str, &str)] = &[
     ("roles", "taskRoles"),
     ("tasks", "taskRoles"),
     ("taskRole", "taskRoles"),
+    ("timeLimit", "maxRunSec"),
+    ("maxRuntime", "maxRunSec"),
+    ("maxRunTime", "maxRunSec"),
 ];
 const V2_TOP_HINTS: &[(&str, &str)] = &[
     ("gang", "extras.gangAllocation"),
@@ -60,12 +64,13 @@ const NATIVE_ROLE: &[&str] = &[
     "nodeLabel",
     "samePortAllocation",
     "allowMixedGpuTypes",
+    "maxRunSec",
     "commands",
     "taskRetryCount",
     "completion",
 ];
-/// v2 role fields, plus gpuam's `gpuType`, `nodeLabel`, `samePortAllocation` and
-/// `allowMixedGpuTypes`.
+/// v2 role fields, plus gpuam's `gpuType`, `nodeLabel`, `samePortAllocation`,
+/// `allowMixedGpuTypes` and `maxRunSec`.
 const V2_ROLE: &[&str] = &[
     "instances",
     "completion",
@@ -82,6 +87,7 @@ const V2_ROLE: &[&str] = &[
     "nodeLabel",
     "samePortAllocation",
     "allowMixedGpuTypes",
+    "maxRunSec",
 ];
 const ROLE_HINTS: &[(&str, &str)] = &[
     ("taskNumber", "instances"),
@@ -98,6 +104,10 @@ const ROLE_HINTS: &[(&str, &str)] = &[
     ("memoryMB", "resourcePerInstance.memoryMB"),
     ("ports", "resourcePerInstance.ports"),
     ("label", "nodeLabel"),
+    ("timeLimit", "maxRunSec"),
+    ("maxRuntime", "maxRunSec"),
+    ("maxRunTime", "maxRunSec"),
+    ("timeout", "maxRunSec"),
 ];
 const RESOURCE: &[&str] = &["cpu", "memoryMB", "gpu", "gpuMask", "ports", "resources"];
 const RESOURCE_HINTS: &[(&str, &str)] = &[
@@ -219,6 +229,10 @@ struct V2<'a> {
     job_retry_count: u32,
     virtual_cluster: Option<String>,
     gang_allocation: bool,
+    /// `extras.maxRunSec` (v2).
+    max_run_sec: Option<u64>,
+    /// The job's `maxRunSec` (either format): a role without its own takes it.
+    job_max_run_sec: Option<u64>,
     warnings: Warnings,
 }
 
@@ -287,6 +301,12 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         Some(n) if !v2 && !n.is_null() => d.bool(n, "allowMixedGpuTypes").unwrap_or(false),
         _ => false,
     };
+    let max_run_sec = if v2 {
+        v2ctx.max_run_sec
+    } else {
+        read_max_run(d, root.get("maxRunSec"), "maxRunSec")
+    };
+    v2ctx.job_max_run_sec = max_run_sec;
     let roles = read_roles(d, root, format, &v2ctx);
     let pai = v2.then(|| PaiJob {
         job_retry_count: v2ctx.job_retry_count,
@@ -302,6 +322,7 @@ fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
         queue: v2ctx.virtual_cluster.clone().or(native_queue),
         priority,
         allow_mixed_gpu_types,
+        max_run_sec,
         pai,
         warnings: v2ctx.warnings.into_sorted(),
     })
@@ -325,6 +346,15 @@ fn read_queue(d: &mut Diags, root: &Node) -> (Option<String>, i32) {
         .and_then(|n| d.int(n, "priority", -limits::MAX_PRIORITY, limits::MAX_PRIORITY))
         .map_or(0, |p| p as i32);
     (queue, priority)
+}
+
+/// A `maxRunSec` (job, role or v2 `extras`): whole seconds, 1..=[`limits::MAX_RUN_SEC`].
+fn read_max_run(d: &mut Diags, node: Option<&Node>, path: &str) -> Option<u64> {
+    let n = node?;
+    if n.is_null() {
+        return None;
+    }
+    d.int(n, path, 1, limits::MAX_RUN_SEC).map(|v| v as u64)
 }
 
 fn read_gang_timeout(d: &mut Diags, node: Option<&Node>, path: &str) -> Option<u64> {
@@ -475,6 +505,7 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
                 gang = d.bool(g, "extras.gangAllocation").unwrap_or(true);
             }
             timeout = read_gang_timeout(d, n.get("gangTimeoutSec"), "extras.gangTimeoutSec");
+            ctx.max_run_sec = read_max_run(d, n.get("maxRunSec"), "extras.maxRunSec");
             openpai::warn_extras(n, &ctx.warnings);
             ctx.extras = Some(n);
         }
@@ -629,6 +660,17 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
             }
         },
     };
+    // The role's own limit overrides the job's.
+    let max_run_sec = match node.get("maxRunSec") {
+        Some(n) if !n.is_null() => match read_max_run(d, Some(n), &join(path, "maxRunSec")) {
+            Some(v) => Some(v),
+            None => {
+                ok = false;
+                None
+            }
+        },
+        _ => v2.job_max_run_sec,
+    };
     let commands = read_commands(d, node, name, path, v2, is_v2);
     ok &= commands.is_some();
 
@@ -698,6 +740,7 @@ fn read_role(d: &mut Diags, name: &str, node: &Node, path: &str, format: SpecFor
         node_label,
         same_port_allocation,
         allow_mixed_gpu_types,
+        max_run_sec,
         commands: commands?,
         task_retry_count,
         completion: completion?,

@@ -1580,3 +1580,46 @@ fn allow_mixed_gpu_types_on_the_job_or_a_role() {
     assert!(pai.task_roles.iter().any(|r| r.allow_mixed_gpu_types));
     assert!(parse(&v2(V2_ROLE)).is_ok_and(|j| j.task_roles.iter().all(|r| !r.allow_mixed_gpu_types)));
 }
+
+/// `maxRunSec` (issue 27): on the job, on a role (the role's wins), whole seconds within
+/// the limit; an OpenPAI v2 job writes the job's in `extras.maxRunSec`.
+#[test]
+fn max_run_sec_on_the_job_or_a_role_the_role_winning() {
+    let plain = parse(&ok_role("")).unwrap();
+    assert_eq!((plain.max_run_sec, plain.task_roles[0].max_run_sec), (None, None));
+    let on_job = parse(&format!("maxRunSec: 3600\n{}", ok_role(""))).unwrap();
+    assert_eq!(
+        (on_job.max_run_sec, on_job.task_roles[0].max_run_sec),
+        (Some(3600), Some(3600))
+    );
+    let both = parse(&format!("maxRunSec: 3600\n{}", ok_role("    maxRunSec: 60\n"))).unwrap();
+    assert_eq!(both.task_roles[0].max_run_sec, Some(60));
+    let e = one(&ok_role("    maxRunSec: 0\n"), "taskRoles.worker.maxRunSec", 6, "");
+    assert!(e.fix.contains("1 to 31536000"), "{e}");
+    one(
+        &ok_role("    maxRunSec: an hour\n"),
+        "taskRoles.worker.maxRunSec",
+        6,
+        "",
+    );
+    let e = one(&format!("maxRunSec: -5\n{}", ok_role("")), "maxRunSec", 1, "negative");
+    assert!(!e.fix.is_empty());
+    // A near miss is named.
+    let e = one(&ok_role("    timeLimit: 60\n"), "taskRoles.worker.timeLimit", 6, "");
+    assert!(e.to_string().contains("maxRunSec"), "{e}");
+    // OpenPAI v2: the job's in extras, a role's as gpuam's extension.
+    let pai = parse(&v2(&format!("extras: {{maxRunSec: 120}}\n{V2_ROLE}"))).unwrap();
+    assert_eq!(pai.task_roles[0].max_run_sec, Some(120));
+    assert!(
+        pai.warnings.iter().all(|w| !w.field.contains("maxRunSec")),
+        "{:?}",
+        pai.warnings
+    );
+    let pai = parse(&v2(&V2_ROLE.replacen(
+        "    commands:",
+        "    maxRunSec: 30\n    commands:",
+        1,
+    )))
+    .unwrap();
+    assert_eq!(pai.task_roles[0].max_run_sec, Some(30));
+}

@@ -36,6 +36,8 @@ pub mod limits {
     pub const MAX_RETRY: i64 = 10_000;
     /// `gangTimeoutSec`: 1..=2 592 000 (30 days).
     pub const MAX_GANG_TIMEOUT_SEC: i64 = 30 * 24 * 3600;
+    /// `maxRunSec` (job or role): 1..=31 536 000 (365 days).
+    pub const MAX_RUN_SEC: i64 = 365 * 24 * 3600;
     /// `priority`: -1 000 000..=1 000 000 (higher runs first within its queue).
     pub const MAX_PRIORITY: i64 = 1_000_000;
     /// A cluster file larger than this is rejected before it is parsed (10 MiB).

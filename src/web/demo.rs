@@ -394,6 +394,7 @@ pub fn demo_hub_with_commands(
             priority: 0,
             queue_note: None,
             reason: None,
+            start_estimate: None,
         },
         tasks: task_list,
         nodes: node_list,

@@ -51,6 +51,10 @@ impl JobMachine {
             self.out.events.push(Event::QueueNote(resp.waiting_reason));
         }
         self.queue_reason = resp.wait_reason;
+        if resp.start_estimate != self.start_estimate {
+            self.start_estimate = resp.start_estimate.clone();
+            self.out.events.push(Event::StartEstimate(resp.start_estimate));
+        }
         if resp.command == Some(AmCommand::Shutdown) {
             self.kill("the application was killed at the RM");
         }

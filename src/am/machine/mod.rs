@@ -188,6 +188,8 @@ pub enum Event {
     /// Why the job waits (`reason::combine` of the queue's cause and its tasks'), when that
     /// changed.
     Reason(Option<crate::reason::Reason>),
+    /// When the RM expects the job's waiting tasks to start (issue 27), when that changed.
+    StartEstimate(Option<crate::protocol::StartEstimate>),
     /// A task is retried after an exit of this type.
     Retried(ExitType),
     /// An allocate call's round trip (the driver's measure).
@@ -264,6 +266,8 @@ pub struct JobMachine {
     queue_note: Option<String>,
     /// The same, typed (last allocate answer).
     queue_reason: Option<crate::reason::Reason>,
+    /// The RM's last start estimate for the job's waiting tasks.
+    start_estimate: Option<crate::protocol::StartEstimate>,
     /// The job's reason last reported.
     job_reason: Option<crate::reason::Reason>,
     /// Since when the RM has not answered.
@@ -333,6 +337,7 @@ impl JobMachine {
             gang_round: 0,
             queue_note: None,
             queue_reason: None,
+            start_estimate: None,
             job_reason: None,
             rm_down_since: None,
             rm_reachable: true,

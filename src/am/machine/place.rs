@@ -143,6 +143,7 @@ impl JobMachine {
                 task: Some(self.task_name(t)),
                 task_attempt: t.attempt,
                 gang: gang.clone(),
+                max_run_sec: self.job.task_roles.get(t.role).and_then(|role| role.max_run_sec),
                 ..Ask::for_resources(r.request_id, &r.host, &r.resources)
             })
             .collect();

@@ -849,6 +849,69 @@ fn the_node_view_is_reported_whole_once_then_by_changes() {
     assert!(nodes_events(&out.events).is_empty());
 }
 
+/// A role's declared `maxRunSec` (else the job's) goes out with each of its asks, so the
+/// RM knows when the container is expected to end (issue 27).
+#[test]
+fn asks_carry_the_roles_declared_run_time_limit() {
+    let (mut m, now) = machine(
+        "name: j\nmaxRunSec: 600\ntaskRoles:\n  a:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    \
+         commands: [\"true\"]\n  b:\n    maxRunSec: 30\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    \
+         commands: [\"true\"]\n",
+    );
+    let req = heartbeat(&mut m, now);
+    let mut limits: Vec<(Option<String>, Option<u64>)> =
+        req.asks.iter().map(|a| (a.task.clone(), a.max_run_sec)).collect();
+    limits.sort();
+    assert_eq!(
+        limits,
+        vec![(Some("a/0".into()), Some(600)), (Some("b/0".into()), Some(30))]
+    );
+    let (mut m, now) = machine(
+        "name: j\ntaskRoles:\n  a:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    assert!(heartbeat(&mut m, now).asks.iter().all(|a| a.max_run_sec.is_none()));
+}
+
+/// The RM's start estimate in an allocate answer reaches the job's status (an event when it
+/// changes, none while it stays the same), and goes when the RM no longer sends one.
+#[test]
+fn the_rms_start_estimate_reaches_the_jobs_status() {
+    let (mut m, now) = machine(
+        "name: j\ntaskRoles:\n  a:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    heartbeat(&mut m, now);
+    let est = crate::protocol::StartEstimate {
+        start_ms: Some(now.ms + 600_000),
+        basis: crate::protocol::StartBasis {
+            declared: 3,
+            ..Default::default()
+        },
+        after_reservation_of: None,
+        text: "declared limits of 3 running containers".into(),
+    };
+    let estimate_events = |out: Output| -> Vec<Option<crate::protocol::StartEstimate>> {
+        out.events
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::StartEstimate(e) => Some(e),
+                _ => None,
+            })
+            .collect()
+    };
+    let with = AllocateResponse {
+        start_estimate: Some(est.clone()),
+        ..Default::default()
+    };
+    let out = m.step(Input::Allocated(Ok(with.clone())), now);
+    assert_eq!(estimate_events(out), vec![Some(est)]);
+    heartbeat(&mut m, now);
+    let out = m.step(Input::Allocated(Ok(with)), now);
+    assert!(estimate_events(out).is_empty(), "unchanged: no event");
+    heartbeat(&mut m, now);
+    let out = m.step(Input::Allocated(Ok(AllocateResponse::default())), now);
+    assert_eq!(estimate_events(out), vec![None]);
+}
+
 /// An AM with nothing to place, ask for, launch or give back lets the RM hold its
 /// heartbeat (`am.idle_hold_ms`), and skips the node refresh; one with a task to place,
 /// or a container to give back, is not held (issue 29).

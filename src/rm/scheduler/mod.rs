@@ -31,6 +31,7 @@
 
 pub mod queues;
 pub mod reservation;
+pub mod reserved;
 pub mod share;
 mod victims;
 
@@ -107,6 +108,9 @@ pub struct Snapshot {
     pub nodes: Vec<NodeCap>,
     pub held: Vec<Held>,
     pub apps: Vec<AppDemand>,
+    /// Each held container's expected end, in `held`'s order (issue 27; missing entries:
+    /// unknown). Only reservations and start estimates read it ([`reserved`]).
+    pub ends: Vec<reserved::Expected>,
 }
 
 impl NodeCap {
@@ -494,6 +498,10 @@ pub enum WaitReason {
     GangProtected { queue: String, used: u32, deserved: f64 },
     /// Nothing else stops it: no node has room for its tasks yet.
     NothingFits,
+    /// The room it would take is reserved for a waiting gang that ranks ahead of it
+    /// (issue 27), expected to start at `start_ms`; it ends after that and the gang would
+    /// not fit beside it.
+    Reserved { gang: String, start_ms: u64, now_ms: u64 },
 }
 
 impl WaitReason {
@@ -511,6 +519,7 @@ impl WaitReason {
             WaitReason::Behind { .. } => Kind::QueueShare,
             WaitReason::Reclaiming { .. } => Kind::Reclaiming,
             WaitReason::NothingFits => Kind::Resources,
+            WaitReason::Reserved { .. } => Kind::Priority,
         };
         crate::reason::Reason::new(kind, self.to_string())
     }
@@ -524,6 +533,7 @@ impl WaitReason {
             WaitReason::Reclaiming { .. } => "reclaiming",
             WaitReason::GangProtected { .. } => "gangProtected",
             WaitReason::NothingFits => "nothingFits",
+            WaitReason::Reserved { .. } => "reserved",
         }
     }
 }
@@ -562,6 +572,12 @@ impl fmt::Display for WaitReason {
                  back belong to gangs whose preemption would take their queue below its own share"
             ),
             WaitReason::NothingFits => write!(f, "nothing fits yet: no node has room for its tasks"),
+            WaitReason::Reserved { gang, start_ms, now_ms } => write!(
+                f,
+                "the free room it would take is reserved for gang {gang}, expected to start in {} s; only work \
+                 declared to end by then (`maxRunSec`) or that leaves the gang room beside it may use it",
+                start_ms.saturating_sub(*now_ms).div_ceil(1000)
+            ),
         }
     }
 }
@@ -691,6 +707,33 @@ pub fn gate(
                 ahead_queue: tree.get(snap.apps[b].queue).path.clone(),
             })
         }
+    }
+}
+
+/// [`gate`], then the reservation of a waiting gang (issue 27, [`reserved`]): an ask of
+/// an application ranked behind the gang that holds it passes only if it ends by the
+/// reservation's start (`end_ms`: its declared end, `None` when it declared none) or the
+/// gang still fits beside it (backfill). `holder`: [`reserved::holder`] of the same
+/// snapshot (computed once by the caller).
+#[allow(clippy::too_many_arguments)]
+pub fn gate_reserved(
+    tree: &QueueTree,
+    snap: &Snapshot,
+    shares: &Shares,
+    app: usize,
+    asks: &[(usize, Resources)],
+    holder: Option<&reserved::Holder>,
+    end_ms: Option<u64>,
+    now_ms: u64,
+) -> Result<(), WaitReason> {
+    gate(tree, snap, shares, app, asks)?;
+    match holder {
+        Some(h) if !reserved::admits(snap, shares, h, app, asks, end_ms) => Err(WaitReason::Reserved {
+            gang: snap.apps[h.app].id.clone(),
+            start_ms: h.reservation.start_ms,
+            now_ms,
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::config::QueueSettings;
 
-fn tree(spec: &[(&str, f64, u32, Option<u32>, bool)]) -> QueueTree {
+pub(super) fn tree(spec: &[(&str, f64, u32, Option<u32>, bool)]) -> QueueTree {
     let map: BTreeMap<String, QueueSettings> = spec
         .iter()
         .map(|&(name, weight, guaranteed, max, prio)| {
@@ -26,7 +26,8 @@ fn tree(spec: &[(&str, f64, u32, Option<u32>, bool)]) -> QueueTree {
     QueueTree::from_settings(&map).unwrap()
 }
 
-fn node(host: &str, gpus: u32) -> NodeCap {
+/// A usable node of `gpus` GPUs, all free (also the reservation tests' node).
+pub(super) fn node(host: &str, gpus: u32) -> NodeCap {
     NodeCap {
         host: host.into(),
         pool: String::new(),
@@ -47,7 +48,7 @@ fn node(host: &str, gpus: u32) -> NodeCap {
     }
 }
 
-fn waiting(count: u32, gpus: u32) -> WaitingTasks {
+pub(super) fn waiting(count: u32, gpus: u32) -> WaitingTasks {
     WaitingTasks {
         role: "worker".into(),
         count,
@@ -59,13 +60,13 @@ fn waiting(count: u32, gpus: u32) -> WaitingTasks {
 }
 
 /// A snapshot builder: nodes, then applications, then containers (which take GPUs).
-struct Cluster {
-    t: QueueTree,
-    s: Snapshot,
+pub(super) struct Cluster {
+    pub(super) t: QueueTree,
+    pub(super) s: Snapshot,
 }
 
 impl Cluster {
-    fn new(t: QueueTree, nodes: &[u32]) -> Cluster {
+    pub(super) fn new(t: QueueTree, nodes: &[u32]) -> Cluster {
         let s = Snapshot {
             nodes: nodes
                 .iter()
@@ -77,7 +78,7 @@ impl Cluster {
         Cluster { t, s }
     }
 
-    fn app(&mut self, queue: &str, priority: i32, gang: bool, wait: Vec<WaitingTasks>) -> usize {
+    pub(super) fn app(&mut self, queue: &str, priority: i32, gang: bool, wait: Vec<WaitingTasks>) -> usize {
         let i = self.s.apps.len();
         self.s.apps.push(AppDemand {
             id: format!("app{i}"),
@@ -91,7 +92,7 @@ impl Cluster {
     }
 
     /// A container of `app` with `k` GPUs on node `n` (its lowest free ones), run `run_ms`.
-    fn hold(&mut self, app: usize, n: usize, k: u32, run_ms: u64) -> usize {
+    pub(super) fn hold(&mut self, app: usize, n: usize, k: u32, run_ms: u64) -> usize {
         let nd = &mut self.s.nodes[n];
         let mask = lowest_bits(nd.free_gpus, k).expect("room on the node");
         nd.free_gpus &= !mask;

@@ -259,6 +259,7 @@ pub(super) async fn overview(State(rm): Rm, caller: Caller) -> Json<Value> {
                 "why": a.wait_reason().filter(|_| waiting > 0).map(|r| r.text()),
                 "reason": a.wait_reason().filter(|_| waiting > 0),
                 "whyCode": a.waiting.why.as_ref().filter(|_| waiting > 0).map(|(c, _)| *c),
+                "startEstimate": a.waiting.estimate.as_ref().filter(|_| waiting > 0),
                 "trackingUrl": r.tracking_url,
                 // The caller's own job: only then does the page hand the caller's token to
                 // the job's dashboard (its address is the job's AM's word, not the RM's).

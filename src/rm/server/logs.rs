@@ -151,6 +151,8 @@ pub(super) async fn get_app_containers(
             "why": reason.as_ref().map(|r| r.text()),
             "reason": reason,
             "whyCode": app.waiting.why.as_ref().filter(|_| waits).map(|(c, _)| *c),
+            // When it is expected to start, with the basis (issue 27).
+            "estimate": app.waiting.estimate.as_ref().filter(|_| waits),
         },
         "containers": rows,
         "history": super::history::row_of(&rm, app, &st.ledger.containers_of(&id)),

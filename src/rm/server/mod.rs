@@ -179,6 +179,8 @@ pub struct RmOptions {
     pub queues: crate::rm::scheduler::queues::QueueTree,
     /// Notice before a preempted container is stopped (`rm.preemption_grace_sec`).
     pub preemption_grace: Duration,
+    /// Which waiting gangs get a reservation (`rm.reserve_wait_sec`, `rm.reserve_min_gpus`).
+    pub reserve: crate::rm::scheduler::reservation::Policy,
     /// How long finished jobs and their collected logs are kept, and how much of each log.
     pub history: HistoryOptions,
     /// The `gpuam` executable that runs the subreaper shim on the in-process node where no
@@ -232,6 +234,7 @@ impl RmOptions {
             max_log_bytes: Some(crate::config::NodeSettings::default().max_log_bytes),
             queues: Default::default(),
             preemption_grace: Duration::from_secs(30),
+            reserve: scheduling::default_reserve_policy(),
             history: HistoryOptions::default(),
             shim_exe: None,
             task_identity: None,
@@ -259,6 +262,7 @@ impl RmOptions {
             node_reregister_grace: Duration::from_secs(rm.node_reregister_grace_sec.max(1)),
             queues: crate::rm::scheduler::queues::QueueTree::from_settings(&rm.queues)?,
             preemption_grace: Duration::from_secs(rm.preemption_grace_sec),
+            reserve: crate::rm::scheduler::reserved::policy(rm.reserve_wait_sec, rm.reserve_min_gpus),
             users_file: rm.users_file.clone(),
             limits: rm.into(),
             public_names: rm.public_names.clone(),
@@ -429,7 +433,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         Some(dir) => Store::open(dir)?,
         None => Store::memory(),
     };
-    let sched = scheduling::SchedState::new(opts.queues, opts.preemption_grace);
+    let mut sched = scheduling::SchedState::new(opts.queues, opts.preemption_grace);
+    sched.reserve = opts.reserve;
     let (mut state, cluster_ts) = recover_state(store, Ledger::new(nodes, opts.container_expiry), sched, &base_url)?;
     let recovery_notes = state.store.notes().to_vec();
     for note in &recovery_notes {
@@ -651,7 +656,11 @@ fn spawn_scheduler(shared: Arc<Shared>) -> JoinHandle<()> {
             every.tick().await;
             let work = {
                 let mut st = shared.lock();
-                scheduling::tick(&mut st, Instant::now())
+                let work = scheduling::tick(&mut st, Instant::now());
+                if !work.ended.is_empty() {
+                    st.commit_or_log();
+                }
+                work
             };
             spawn_stops(&shared, work.ended);
             for (host, id, deadline_ms, reason) in work.notify {
@@ -872,6 +881,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/cluster/apps/{id}/containers", get(logs::get_app_containers))
         .route("/ws/v1/cluster/apps/{id}/logs/{role}/{index}", get(logs::get_task_log))
         .route("/ws/v1/cluster/history", get(history::get_history))
+        .route("/ws/v1/cluster/estimate", post(scheduling::post_estimate))
         .route("/ws/v1/cluster/whoami", get(history::whoami))
         .route("/ws/v1/am/{id}/register", post(am_register))
         .route("/ws/v1/am/{id}/allocate", post(am_allocate))
@@ -897,3 +907,5 @@ fn router(shared: Arc<Shared>) -> Router {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_reserve;

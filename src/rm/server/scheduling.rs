@@ -14,6 +14,7 @@ use super::*;
 use crate::protocol::{now_ms, ContainerState};
 use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
 use crate::rm::ledger::Ended;
+use crate::rm::scheduler::reserved::{self, EndBasis, Expected};
 use crate::rm::scheduler::{self, queues::QueueTree, AppDemand, Held, NodeCap, Shares, Snapshot};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -35,7 +36,20 @@ pub(super) struct SchedState {
     /// Whether some application waited at the last full pass (whose reasons a pass with
     /// nobody waiting must then clear).
     pub(super) waited_last_pass: bool,
+    /// Which waiting gangs get a reservation (`rm.reserve_*`, issue 27).
+    pub(super) reserve: scheduler::reservation::Policy,
+    /// When the start estimates were last computed (at most once per [`ESTIMATE_EVERY`]).
+    pub(super) estimated: Option<Instant>,
 }
+
+/// The reservation policy of the default settings (`rm.reserve_wait_sec`, `rm.reserve_min_gpus`).
+pub fn default_reserve_policy() -> scheduler::reservation::Policy {
+    let d = crate::config::RmSettings::default();
+    reserved::policy(d.reserve_wait_sec, d.reserve_min_gpus)
+}
+
+/// How often the waiting applications' start estimates are computed again.
+const ESTIMATE_EVERY: Duration = Duration::from_secs(1);
 
 impl SchedState {
     pub(super) fn new(tree: QueueTree, grace: Duration) -> Self {
@@ -45,6 +59,8 @@ impl SchedState {
             preempting: BTreeMap::new(),
             preempted_from: BTreeMap::new(),
             waited_last_pass: true,
+            reserve: default_reserve_policy(),
+            estimated: None,
         }
     }
 
@@ -131,6 +147,25 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             .preempting
             .get(&id)
             .and_then(|p| st.sched.tree.resolve(Some(&p.for_queue)).ok());
+        let preempt_deadline = st.sched.preempting.get(&id).map(|p| p.deadline_ms);
+        snap.ends.push(if ended {
+            Expected {
+                end_ms: Some(wall),
+                basis: EndBasis::Leaving,
+            }
+        } else if let Some(d) = preempt_deadline {
+            Expected {
+                end_ms: Some(d),
+                basis: EndBasis::Leaving,
+            }
+        } else if let Some(e) = c.declared_end_ms() {
+            Expected {
+                end_ms: Some(e),
+                basis: EndBasis::Declared,
+            }
+        } else {
+            Expected::default()
+        });
         snap.held.push(Held {
             container_id: id,
             app,
@@ -150,6 +185,80 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
         });
     }
     Built { snap, apps }
+}
+
+/// The role of a container's task ("role/index").
+fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
+    c.container
+        .task
+        .as_deref()
+        .and_then(|t| t.rsplit_once('/'))
+        .map(|(r, _)| r)
+}
+
+/// Fills in learned ends (issue 27) for the held containers of `built` whose end is
+/// unknown: the median run time of their application's containers of the same role that
+/// already completed successfully, from their start. One pass over the ledger, so only
+/// the reservation and estimate paths call it, and only when they have work.
+pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
+    let wall = now_ms();
+    let unknown: Vec<usize> = (0..built.snap.held.len())
+        .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Unknown))
+        .collect();
+    if unknown.is_empty() {
+        return;
+    }
+    let live: Vec<&crate::rm::ledger::LedgerContainer> = unknown
+        .iter()
+        .filter_map(|&h| st.ledger.container(&built.snap.held[h].container_id))
+        .collect();
+    let learned = learned_run_ms(st, &live);
+    for &h in &unknown {
+        let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
+            continue;
+        };
+        if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
+            let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
+            built.snap.ends[h] = Expected {
+                end_ms: Some(from.saturating_add(*ms).max(wall)),
+                basis: EndBasis::Learned,
+            };
+        }
+    }
+}
+
+/// Learned run times: for each (application, role) of `live`, the median run time (ms) of
+/// that application's containers of the role that completed successfully.
+fn learned_run_ms<'a>(
+    st: &'a RmState,
+    live: &[&'a crate::rm::ledger::LedgerContainer],
+) -> HashMap<(&'a str, &'a str), u64> {
+    let mut want: HashMap<(&str, &str), Vec<u64>> = HashMap::new();
+    for c in live {
+        if let Some(r) = role_of(c) {
+            want.entry((c.app_id.as_str(), r)).or_default();
+        }
+    }
+    if want.is_empty() {
+        return HashMap::new();
+    }
+    for c in st.ledger.all_containers() {
+        if c.state != ContainerState::Complete || c.exit_status != Some(0) || c.ended_ms == 0 {
+            continue;
+        }
+        let Some(runs) = role_of(c).and_then(|r| want.get_mut(&(c.app_id.as_str(), r))) else {
+            continue;
+        };
+        let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
+        runs.push(c.ended_ms.saturating_sub(from));
+    }
+    want.into_iter()
+        .filter(|(_, runs)| !runs.is_empty())
+        .map(|(k, mut runs)| {
+            runs.sort_unstable();
+            (k, runs[runs.len() / 2])
+        })
+        .collect()
 }
 
 /// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see
@@ -192,8 +301,31 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
         .iter()
         .filter_map(|a| Some((*hosts.get(a.host.as_str())?, a.resources())))
         .collect();
+    let mut built = built;
     let shares = Shares::compute(&st.sched.tree, &built.snap);
-    scheduler::gate(&st.sched.tree, &built.snap, &shares, app, &mapped).map_err(|w| w.reason())
+    let wall = now_ms();
+    let holder = if reserved::candidates(&built.snap, &st.sched.reserve, wall) {
+        learn_ends(st, &mut built);
+        reserved::holder(&built.snap, &shares, &st.sched.reserve, wall)
+    } else {
+        None
+    };
+    // The asks' declared end: the latest of theirs (`None` when one declares none).
+    let end_ms = asks
+        .iter()
+        .map(|a| a.max_run_sec.map(|s| wall.saturating_add(s.saturating_mul(1000))))
+        .try_fold(wall, |acc, e| e.map(|e| acc.max(e)));
+    scheduler::gate_reserved(
+        &st.sched.tree,
+        &built.snap,
+        &shares,
+        app,
+        &mapped,
+        holder.as_ref(),
+        end_ms,
+        wall,
+    )
+    .map_err(|w| w.reason())
 }
 
 /// [`scheduler::room_for_all_waiting`] for an ask of `app_id`: the other live
@@ -314,6 +446,43 @@ pub(super) struct TickWork {
     pub(super) notify: Vec<(String, String, u64, String)>,
 }
 
+/// The running containers past their declared run-time limit at `wall` (ms since the
+/// epoch): (id, limit in seconds). See [`crate::rm::ledger::LedgerContainer::declared_end_ms`].
+fn past_limit(st: &RmState, wall: u64) -> Vec<(String, u64)> {
+    st.ledger
+        .live_containers()
+        .into_iter()
+        .filter_map(|id| {
+            let c = st.ledger.container(&id)?;
+            let limit = c.max_run_sec?;
+            let due = c.state == ContainerState::Running && c.started_ms > 0 && c.declared_end_ms()? <= wall;
+            due.then_some((id, limit))
+        })
+        .collect()
+}
+
+/// Ends the containers past their declared limit (issue 27): stopped by the RM, their
+/// application told with the typed cause's words ([`crate::protocol::EndCause::RunLimit`]),
+/// which the AM counts as the task's failure.
+fn end_past_limit(st: &mut RmState, wall: u64) -> Vec<Ended> {
+    let mut ended = Vec::new();
+    for (id, max_run_sec) in past_limit(st, wall) {
+        let why = crate::protocol::EndCause::RunLimit { max_run_sec }.diagnostics();
+        if let Some(e) = end_container(
+            st,
+            &id,
+            Ending::Stopped,
+            exit_status::KILLED_BY_RESOURCEMANAGER,
+            &why,
+            Tell::App,
+        ) {
+            tracing::info!(container = %id, "{why}: stopping the container");
+            ended.push(e);
+        }
+    }
+    ended
+}
+
 /// One scheduling pass under the lock (see the module doc).
 pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     let mut work = TickWork::default();
@@ -343,6 +512,7 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             }
         }
     }
+    work.ended.extend(end_past_limit(st, now_ms()));
     // New victims and why each application waits: only while some application waits
     // (and once more after, to clear the reasons), so that an idle pass costs
     // O(applications), not O(nodes) (issue 29).
@@ -350,7 +520,8 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         .apps
         .values()
         .any(|a| a.registered && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty());
-    if !waiting && !st.sched.waited_last_pass {
+    let estimates_left = st.apps.values().any(|a| a.waiting.estimate.is_some());
+    if !waiting && !st.sched.waited_last_pass && !estimates_left {
         return work;
     }
     st.sched.waited_last_pass = waiting;
@@ -394,10 +565,49 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             );
         }
     }
+    // Start estimates (issue 27), at most once per ESTIMATE_EVERY: one reservation, then
+    // each waiting application's expected start by the same rule.
+    let due = st
+        .sched
+        .estimated
+        .is_none_or(|t| now.saturating_duration_since(t) >= ESTIMATE_EVERY);
+    let wall = now_ms();
+    let mut built = built;
+    let holder = if due {
+        st.sched.estimated = Some(now);
+        learn_ends(st, &mut built);
+        reserved::holder(&built.snap, &shares, &st.sched.reserve, wall)
+    } else {
+        None
+    };
     for (id, &a) in &built.apps {
-        if let Some(app) = st.apps.get_mut(id) {
-            app.waiting.set_why(plan.why.get(a).and_then(Option::as_ref));
+        let Some(app) = st.apps.get_mut(id) else { continue };
+        let mut why = plan.why.get(a).cloned().flatten();
+        if due {
+            let waits = built.snap.apps[a].waiting.iter().any(|w| w.count > 0);
+            let queue_cause = why.as_ref().filter(|w| w.reason().kind.is_queue()).map(|w| w.code());
+            let est = waits.then(|| {
+                let e = reserved::estimate(&built.snap, &shares, holder.as_ref(), a, wall);
+                reserved::held_by_queue(e, queue_cause, wall)
+            });
+            // Behind another gang's reservation where nothing else names a cause.
+            if let (Some(e), Some(h)) = (&est, &holder) {
+                if e.after_reservation_of.is_some() && matches!(why, None | Some(scheduler::WaitReason::NothingFits)) {
+                    why = Some(scheduler::WaitReason::Reserved {
+                        gang: built.snap.apps[h.app].id.clone(),
+                        start_ms: h.reservation.start_ms,
+                        now_ms: wall,
+                    });
+                }
+            }
+            app.waiting.estimate = est;
+        } else if app.waiting.why.as_ref().is_some_and(|(c, _)| *c == "reserved")
+            && matches!(why, None | Some(scheduler::WaitReason::NothingFits))
+        {
+            // Keep the last pass's reservation cause until the estimates are computed again.
+            continue;
         }
+        app.waiting.set_why(why.as_ref());
     }
     work
 }
@@ -483,6 +693,48 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
             }
         })
         .collect()
+}
+
+/// `POST /ws/v1/cluster/estimate` (issue 27): when a job not yet submitted would start if
+/// it were submitted now, by the same rule as a waiting one's estimate (the caller's own
+/// job, added to the state's snapshot as the newest application of its queue).
+pub(super) async fn post_estimate(
+    axum::extract::State(rm): Rm,
+    _caller: super::http::Caller,
+    super::http::ApiJson(req): super::http::ApiJson<crate::protocol::EstimateRequest>,
+) -> Result<axum::Json<crate::protocol::StartEstimate>, ApiError> {
+    check_waiting(&req.waiting).map_err(ApiError::bad_request)?;
+    let st = rm.lock();
+    let queue = st
+        .sched
+        .tree
+        .resolve(req.queue.as_deref())
+        .map_err(|e| ApiError::bad_request(format!("`queue`: {e}")))?;
+    Ok(axum::Json(estimate_new(&st, queue, &req, Instant::now())))
+}
+
+/// [`reserved::estimate`] of a job not yet submitted (see [`post_estimate`]).
+fn estimate_new(
+    st: &RmState,
+    queue: usize,
+    req: &crate::protocol::EstimateRequest,
+    now: Instant,
+) -> crate::protocol::StartEstimate {
+    let wall = now_ms();
+    let mut built = snapshot(st, now);
+    built.snap.apps.push(AppDemand {
+        id: "(this job)".into(),
+        queue,
+        priority: req.priority,
+        submitted_ms: wall,
+        gang: req.gang,
+        waiting: req.waiting.clone(),
+    });
+    let me = built.snap.apps.len() - 1;
+    learn_ends(st, &mut built);
+    let shares = Shares::compute(&st.sched.tree, &built.snap);
+    let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
+    reserved::estimate(&built.snap, &shares, holder.as_ref(), me, wall)
 }
 
 /// The waiting tasks of an allocate request, checked: counts and sizes within reason.

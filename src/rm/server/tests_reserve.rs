@@ -1,0 +1,362 @@
+//! Tests through the real RM HTTP server of issue 27's live parts: a declared run-time
+//! limit is enforced (the container ends with its own cause), and a waiting gang's
+//! reservation holds off a long small job while a short one backfills; the waiting
+//! applications are told when they are expected to start.
+
+use super::*;
+use crate::am::rm_client::RmClient;
+use crate::protocol::{exit_status, AllocateRequest, Ask, LaunchContext, RegisterRequest, WaitingTasks};
+use crate::resources::{PortSet, Resources};
+
+fn ask(request_id: u64, host: &str, mask: u64, max_run_sec: Option<u64>) -> Ask {
+    Ask {
+        cpu: 1,
+        memory_mb: 10,
+        gpu_mask: mask,
+        task: Some(format!("w/{request_id}")),
+        task_attempt: 1,
+        max_run_sec,
+        ..Ask::for_resources(request_id, host, &Resources::with_mask(1, 10, mask, PortSet::new()))
+    }
+}
+
+async fn rm_on(hosts: &[&str], dir: &Path, reserve: crate::rm::scheduler::reservation::Policy) -> RmHandle {
+    let nodes: Vec<Node> = hosts
+        .iter()
+        .map(|h| Node::new(*h, "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new())))
+        .collect();
+    let opts = RmOptions {
+        launch_am: false,
+        reserve,
+        ..RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.to_path_buf())
+    };
+    start(opts).await.unwrap()
+}
+
+/// `count` waiting tasks of `gpus` GPUs each (role `w`).
+fn wait(count: u32, gpus: u32) -> WaitingTasks {
+    WaitingTasks {
+        role: "w".into(),
+        count,
+        gpus,
+        cpu: 1,
+        memory_mb: 10,
+        ..Default::default()
+    }
+}
+
+/// An RM on one 2-GPU node with the default reservation policy.
+async fn one_node(dir: &Path) -> RmHandle {
+    rm_on(&["n1"], &dir.join("work"), super::scheduling::default_reserve_policy()).await
+}
+
+/// The answer to `asks`, every one of them granted.
+async fn grant_all(c: &RmClient, asks: Vec<Ask>) -> crate::protocol::AllocateResponse {
+    let n = asks.len();
+    let resp = c
+        .allocate(&AllocateRequest {
+            asks,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(resp.allocated.len(), n, "{:?}", resp.rejected);
+    resp
+}
+
+async fn app(rm: &RmHandle, name: &str) -> (String, RmClient) {
+    let (id, token) = rm.register_test_app(name);
+    let c = RmClient::for_app(&rm.base_url(), &id, &token);
+    c.register(&RegisterRequest::default()).await.unwrap();
+    (id, c)
+}
+
+async fn run(c: &RmClient, host: &str, container: &crate::protocol::Container) {
+    c.start_container(
+        &container.node_http_address,
+        host,
+        &container.container_id,
+        &LaunchContext {
+            commands: vec!["sleep 60".into()],
+            env: Default::default(),
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// A container past its declared `maxRunSec` is ended by the RM with the typed cause's
+/// words (exit KILLED_BY_RESOURCEMANAGER), and its node stops its processes.
+#[tokio::test]
+async fn a_container_past_its_declared_limit_is_ended_with_that_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = one_node(dir.path()).await;
+    let (_, a) = app(&rm, "short").await;
+    let mut resp = grant_all(&a, vec![ask(1, "n1", 0x1, Some(1)), ask(2, "n1", 0x2, None)]).await;
+    let (limited, free) = (resp.allocated[0].clone(), resp.allocated[1].clone());
+    run(&a, "n1", &limited).await;
+    run(&a, "n1", &free).await;
+    let t0 = Instant::now();
+    let ended = loop {
+        resp = a
+            .allocate(&AllocateRequest {
+                response_id: resp.response_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        if let Some(c) = resp.completed.first() {
+            break c.clone();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the limited container was never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        ended.container_id, limited.container_id,
+        "only the one that declared a limit"
+    );
+    assert_eq!(ended.exit_status, exit_status::KILLED_BY_RESOURCEMANAGER);
+    assert!(
+        ended.diagnostics.contains("ran past its declared limit maxRunSec=1"),
+        "{}",
+        ended.diagnostics
+    );
+    assert_eq!(
+        crate::protocol::EndCause::of(&ended.diagnostics),
+        Some(crate::protocol::EndCause::RunLimit { max_run_sec: 1 })
+    );
+    // Its GPU comes back once its node reports it dead; the other still holds its own.
+    let t0 = Instant::now();
+    loop {
+        let used = rm.nodes_snapshot()[0].0.used().gpu_mask;
+        if used == 0x2 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "GPU 0 never freed (used {used:#x})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rm.shutdown().await;
+}
+
+/// Two 2-GPU nodes. A job holds 3 GPUs with a declared limit of 10 minutes; a gang of
+/// 2 × 2 GPUs waits (reserved: ≥ 4 GPUs). The last free GPU is reserved for it: a small
+/// job that declares no limit (or one past the gang's start) waits, told why; one that
+/// declares an end before the gang's start backfills. Without a reservation policy the
+/// long small job takes the GPU.
+#[tokio::test]
+async fn a_gangs_reservation_holds_off_a_long_small_job() {
+    for reserving in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let policy = if reserving {
+            crate::rm::scheduler::reserved::policy(0, 4)
+        } else {
+            crate::rm::scheduler::reserved::policy(0, 0)
+        };
+        let rm = rm_on(&["n1", "n2"], &dir.path().join("work"), policy).await;
+        let (_, filler) = app(&rm, "filler").await;
+        let (gang_id, gang) = app(&rm, "gang").await;
+        let (small_id, small) = app(&rm, "small").await;
+        rm.shared.lock().apps.get_mut(&gang_id).unwrap().gang = true;
+        let held = filler
+            .allocate(&AllocateRequest {
+                asks: vec![
+                    ask(1, "n1", 0x1, Some(600)),
+                    ask(2, "n1", 0x2, Some(600)),
+                    ask(3, "n2", 0x1, Some(600)),
+                ],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(held.allocated.len(), 3, "{:?}", held.rejected);
+        gang.allocate(&AllocateRequest {
+            waiting: Some(vec![wait(2, 2)]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        // A small job with no declared limit asks for the last free GPU.
+        let long = small
+            .allocate(&AllocateRequest {
+                asks: vec![ask(1, "n2", 0x2, None)],
+                waiting: Some(vec![wait(1, 1)]),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        if !reserving {
+            assert_eq!(long.allocated.len(), 1, "no reservation: the small job takes it");
+            rm.shutdown().await;
+            continue;
+        }
+        assert!(long.allocated.is_empty(), "the reserved GPU was taken: {long:?}");
+        let r = &long.rejected[0];
+        assert!(r.retryable);
+        assert!(
+            r.reason.contains(&gang_id) && r.reason.contains("reserved"),
+            "{}",
+            r.reason
+        );
+        // One that ends after the gang's start (declared 20 minutes) waits too.
+        let late = small
+            .allocate(&AllocateRequest {
+                response_id: long.response_id,
+                asks: vec![ask(2, "n2", 0x2, Some(1200))],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(late.allocated.is_empty(), "{late:?}");
+        // One declared to end within a minute backfills.
+        let short = small
+            .allocate(&AllocateRequest {
+                response_id: late.response_id,
+                asks: vec![ask(3, "n2", 0x2, Some(60))],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(short.allocated.len(), 1, "{:?}", short.rejected);
+        // The gang is told when it will start, and on what basis.
+        let t0 = Instant::now();
+        let est = loop {
+            let e = rm.shared.lock().apps.get(&gang_id).unwrap().waiting.estimate.clone();
+            if let Some(e) = e {
+                break e;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "no estimate");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let start = est.start_ms.expect("the filler's ends are declared");
+        let in_ms = start.saturating_sub(crate::protocol::now_ms());
+        assert!(
+            (500_000..=601_000).contains(&in_ms),
+            "expected in ~600 s, got {in_ms} ms"
+        );
+        assert!(
+            est.text.contains("declared limits of 4 running containers"),
+            "{}",
+            est.text
+        );
+        // `gpuam status` reads the same through the job's route; the small job that still
+        // waits is told it starts after the gang's reservation.
+        let user = RmClient::new(&rm.base_url()).with_user_token(Some(rm.admin_token().to_string()));
+        let detail: serde_json::Value = user
+            .get_json("status", &format!("/ws/v1/cluster/apps/{gang_id}/containers"))
+            .await
+            .unwrap();
+        assert_eq!(
+            detail["waiting"]["estimate"]["startMs"],
+            serde_json::json!(start),
+            "{detail}"
+        );
+        small
+            .allocate(&AllocateRequest {
+                response_id: short.response_id,
+                waiting: Some(vec![wait(1, 2)]),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let t0 = Instant::now();
+        loop {
+            let detail: serde_json::Value = user
+                .get_json("status", &format!("/ws/v1/cluster/apps/{small_id}/containers"))
+                .await
+                .unwrap();
+            let e = &detail["waiting"]["estimate"];
+            if e["afterReservationOf"] == serde_json::json!(gang_id) {
+                assert!(e["text"].as_str().unwrap().contains("after the reservation of"), "{e}");
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no estimate for the small job: {detail}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // `gpuam plan --rm` of a job not yet submitted: the same rule over the same state.
+        let spec = crate::spec::parse_job_spec(
+            "name: next\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 2}\n    \
+             commands: [\"true\"]\n",
+            "next.yaml",
+        )
+        .unwrap();
+        let req = crate::am::queueing::estimate_request(&spec, &Default::default());
+        let e: crate::protocol::StartEstimate = user
+            .post_json("estimate", "/ws/v1/cluster/estimate", &req)
+            .await
+            .unwrap();
+        assert_eq!(e.after_reservation_of.as_deref(), Some(gang_id.as_str()), "{e:?}");
+        assert!(e.start_ms.is_some_and(|s| s >= start), "{e:?} vs the gang's {start}");
+        // Bad input is refused with the field named.
+        let bad = crate::protocol::EstimateRequest {
+            waiting: vec![WaitingTasks {
+                count: 1,
+                gpus: 65,
+                ..Default::default()
+            }],
+            ..req
+        };
+        let err = user
+            .post_json::<_, serde_json::Value>("estimate", "/ws/v1/cluster/estimate", &bad)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("waiting[0]"), "{err}");
+        rm.shutdown().await;
+    }
+}
+
+/// Where no limit is declared, a container's expected end is learned: the median run time
+/// of its job's completed tasks of the same role; before any completed, it is unknown.
+#[tokio::test]
+async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = one_node(dir.path()).await;
+    let (_, a) = app(&rm, "learn").await;
+    let resp = grant_all(&a, vec![ask(1, "n1", 0x1, None), ask(2, "n1", 0x2, None)]).await;
+    let (quick, long) = (&resp.allocated[0], &resp.allocated[1]);
+    // Both tasks are of role `w` (`w/1`, `w/2`).
+    run(&a, "n1", long).await;
+    let basis = |rm: &RmHandle| {
+        let st = rm.shared.lock();
+        let mut built = super::scheduling::snapshot(&st, Instant::now());
+        super::scheduling::learn_ends(&st, &mut built);
+        let h = built
+            .snap
+            .held
+            .iter()
+            .position(|h| h.container_id == long.container_id)
+            .unwrap();
+        built.snap.ends[h]
+    };
+    assert_eq!(basis(&rm).basis, crate::rm::scheduler::reserved::EndBasis::Unknown);
+    a.start_container(
+        &quick.node_http_address,
+        "n1",
+        &quick.container_id,
+        &LaunchContext {
+            commands: vec!["true".into()],
+            env: Default::default(),
+        },
+    )
+    .await
+    .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let e = basis(&rm);
+        if e.basis == crate::rm::scheduler::reserved::EndBasis::Learned {
+            assert!(e.end_ms.is_some());
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "never learned: {e:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rm.shutdown().await;
+}
