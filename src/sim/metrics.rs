@@ -38,7 +38,11 @@ pub struct RunStats {
     /// Wall clock of each choice call that placed a task (ns).
     pub decision_ns: Vec<u64>,
     pub gpu_seconds: f64,
+    /// GPU-seconds in use between the first and the last arrival (`utilizationArrivals`).
+    pub busy_gpu_seconds: f64,
     pub first_arrival: f64,
+    /// The last arrival (s).
+    pub last_arrival: f64,
     pub last_end: f64,
     pub cluster_gpus: u64,
     pub placed_jobs: u64,
@@ -102,6 +106,7 @@ pub const METRICS: &[&str] = &[
     "estimateErrP50",
     "estimateRelErrP50",
     "estimateWithin20",
+    "utilizationArrivals",
 ];
 
 /// Jobs that waited at least this long are judged on the relative error of their estimate.
@@ -158,6 +163,7 @@ impl RunStats {
         let (big, small) = (sorted(&self.big_delays), sorted(&self.small_delays));
         let nan_if_empty = |v: &[f64], p: f64| if v.is_empty() { f64::NAN } else { percentile(v, p) };
         let (est_abs, est_rel, est_within) = estimate_summary(&self.estimate_err);
+        let span = self.last_arrival - self.first_arrival;
         let vals = [
             ratio(self.multi_ideal, self.multi_placed),
             ratio(self.multi_avail, self.multi_arrivals),
@@ -191,6 +197,11 @@ impl RunStats {
             est_abs,
             est_rel,
             est_within,
+            if span > 0.0 && self.cluster_gpus > 0 {
+                self.busy_gpu_seconds / (self.cluster_gpus as f64 * span)
+            } else {
+                f64::NAN
+            },
         ];
         METRICS.iter().copied().zip(vals).collect()
     }
@@ -232,8 +243,9 @@ pub struct PolicyResult {
     pub values: BTreeMap<String, Option<f64>>,
     #[serde(skip)]
     pub delays: Vec<f64>,
-    /// Each seed's scalar metrics, in seed order (the paired comparison of the verdict).
-    #[serde(skip)]
+    /// Each seed's scalar metrics, in seed order (the paired comparison of the verdict;
+    /// `perSeed` in the JSON, NaN as null).
+    #[serde(rename = "perSeed")]
     pub per_seed: Vec<BTreeMap<&'static str, f64>>,
 }
 

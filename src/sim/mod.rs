@@ -363,6 +363,9 @@ struct Engine<'a> {
     history: Durations,
     /// Per waiting job: its estimated start, made at its submit.
     estimates: HashMap<usize, f64>,
+    /// GPUs held by running jobs, and the time up to which their use is counted.
+    used_gpus: u64,
+    counted_to: f64,
     max_node: f64,
     max_rack: f64,
     /// The placer's topology wait (seconds), and the time the queue's head stops waiting
@@ -373,6 +376,9 @@ struct Engine<'a> {
     head: HeadBlock,
     head_since: f64,
 }
+
+/// A job's tasks as (GPUs, cores, memory MB): jobs alike for the policy.
+type Shape = Vec<(u32, u32, u64)>;
 
 /// Why the queue's head is not placed (docs/DESIGN-NOTES.md, "Where queueing delay comes
 /// from"): the job holds out for a better GPU tier (the topology wait), or the cluster lacks
@@ -432,6 +438,7 @@ impl Engine<'_> {
         self.stats.last_end = self.stats.last_end.max(end);
         self.done.push(Reverse((end.to_bits(), jid)));
         self.running.insert(jid, placed);
+        self.used_gpus += u64::from(job.gpus());
         let exp = self.history.expected(self.mode.limit, job.gpus(), job.duration);
         self.expected.insert(jid, (now, exp));
     }
@@ -440,9 +447,21 @@ impl Engine<'_> {
     fn end(&mut self, jid: usize) {
         if let Some(p) = self.running.remove(&jid) {
             self.placer.release(&mut self.cl, &self.jobs[jid], &p);
+            self.used_gpus = self.used_gpus.saturating_sub(u64::from(self.jobs[jid].gpus()));
         }
         self.expected.remove(&jid);
         self.history.record(self.jobs[jid].gpus(), self.jobs[jid].duration);
+    }
+
+    /// Counts the GPUs in use from the last event to `now`, within the arrivals' span
+    /// (`utilizationArrivals`: the makespan-based `utilization` is set by the last long job).
+    fn account(&mut self, now: f64) {
+        let t0 = self.counted_to.max(self.stats.first_arrival);
+        let t1 = now.min(self.stats.last_arrival);
+        if t1 > t0 {
+            self.stats.busy_gpu_seconds += self.used_gpus as f64 * (t1 - t0);
+        }
+        self.counted_to = self.counted_to.max(now);
     }
 
     /// What each node has free now, as the reservation counts it.
@@ -542,19 +561,31 @@ impl Engine<'_> {
             }
         }
         let ids: Vec<usize> = self.queue.iter().copied().collect();
-        let mut failed: HashSet<(Vec<u32>, bool)> = HashSet::new();
+        // Shapes (tasks' GPUs, cores, memory; may wait) the policy could not place at this event, and the
+        // earliest expected end the reservation refused per shape: later jobs of the shape
+        // are not tried again (one pass stays linear in the queue).
+        let mut failed: HashSet<(Shape, bool)> = HashSet::new();
+        let mut refused: HashMap<Shape, u64> = HashMap::new();
+        let mut free: u64 = self.cl.nodes.iter().map(|n| u64::from(n.free_mask.count_ones())).sum();
         for j in ids {
             if held.as_ref().is_some_and(|(h, _)| *h == j) {
                 continue;
             }
             let job = &self.jobs[j];
-            let free: u64 = self.cl.nodes.iter().map(|n| u64::from(n.free_mask.count_ones())).sum();
             if free < u64::from(job.gpus()) {
+                continue;
+            }
+            let end = self
+                .history
+                .expected(self.mode.limit, job.gpus(), job.duration)
+                .map_or(u64::MAX, |e| ms(now + e));
+            let gpus: Shape = job.tasks.iter().map(|t| (t.gpus, t.cpu, t.mem_mb)).collect();
+            if refused.get(&gpus).is_some_and(|&r| end >= r) {
                 continue;
             }
             let wait_end = job.arrival + self.topology_wait;
             let may_wait = now < wait_end;
-            let key = (job.tasks.iter().map(|t| t.gpus).collect::<Vec<_>>(), may_wait);
+            let key = (gpus.clone(), may_wait);
             if failed.contains(&key) {
                 continue;
             }
@@ -583,15 +614,14 @@ impl Engine<'_> {
                         (n, room)
                     })
                     .collect();
-                let end = self
-                    .history
-                    .expected(self.mode.limit, job.gpus(), job.duration)
-                    .map(|e| ms(now + e));
-                if !r.backfill(&takes, end) {
+                if !r.backfill(&takes, (end != u64::MAX).then_some(end)) {
                     self.placer.release(&mut self.cl, job, &placed);
+                    let r = refused.entry(gpus).or_insert(end);
+                    *r = (*r).min(end);
                     continue;
                 }
             }
+            free -= u64::from(job.gpus());
             self.queue.retain(|&x| x != j);
             self.start(j, placed, now);
         }
@@ -792,6 +822,7 @@ pub fn simulate_queueing(
         stats: RunStats {
             cluster_gpus: cl.total_gpus(),
             first_arrival: jobs.first().map(|j| j.arrival).unwrap_or(0.0),
+            last_arrival: jobs.last().map(|j| j.arrival).unwrap_or(0.0),
             ..Default::default()
         },
         max_node: f64::from(cl.max_node_gpus().max(1)),
@@ -806,6 +837,8 @@ pub fn simulate_queueing(
         expected: HashMap::new(),
         history: Durations::default(),
         estimates: HashMap::new(),
+        used_gpus: 0,
+        counted_to: 0.0,
         topology_wait,
         wake: f64::INFINITY,
         head: HeadBlock::None,
@@ -822,6 +855,7 @@ pub fn simulate_queueing(
         if arr.is_infinite() && end.is_infinite() {
             break;
         }
+        e.account(e.wake.min(arr).min(end));
         if e.wake < arr.min(end) {
             let now = std::mem::replace(&mut e.wake, f64::INFINITY);
             e.drain(now);

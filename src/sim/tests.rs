@@ -30,6 +30,8 @@ fn every_policy_places_a_synthetic_stream_and_frees_everything() {
         assert!(s.multi_placed > 0 && s.multi_ideal <= s.multi_placed, "{p}");
         let u = s.summary()["utilization"];
         assert!(u > 0.1 && u <= 1.0, "{p}: utilization {u}");
+        let ua = s.summary()["utilizationArrivals"];
+        assert!(ua > 0.1 && ua <= 1.0, "{p}: utilization while jobs arrive {ua}");
         assert_eq!(
             s.decision_ns.len() as u64,
             s.placed_jobs,
@@ -274,6 +276,20 @@ fn json_and_charts_have_the_documented_shape() {
     ] {
         assert!(g.get(k).is_some(), "missing {k} in {g}");
     }
+    // Per seed (the paired comparisons), with the issue 27 metrics and the queueing.
+    let per = g["perSeed"].as_array().unwrap();
+    assert_eq!(per.len(), 2);
+    for k in [
+        "queueDelayP50",
+        "bigWaitP95",
+        "smallWaitP50",
+        "estimateErrP50",
+        "estimateWithin20",
+    ] {
+        assert!(per[0].get(k).is_some(), "missing {k} in {}", per[0]);
+    }
+    assert_eq!(j["queueing"]["discipline"], "fifo");
+    assert_eq!(j["queueing"]["expectedEnd"], "declared:1");
     let svg = charts::tier_ideal_bars(std::slice::from_ref(&r));
     assert!(svg.starts_with("<svg") && svg.contains("<rect") && svg.trim_end().ends_with("</svg>"));
     assert!(charts::delay_cdf(&r).contains("<polyline"));
@@ -639,4 +655,29 @@ fn the_start_estimated_at_submit_is_recorded_against_the_actual_start() {
     };
     let l = simulate_queueing(&c, &jobs, "gpuam", 1, 0, learned).unwrap();
     assert!(l.estimate_err.len() < 600);
+}
+
+/// `utilizationArrivals`: GPU-seconds in use between the first and the last arrival over
+/// the cluster's GPU-seconds then (the makespan-based `utilization` is set by the last job).
+#[test]
+fn utilization_over_the_arrivals_span_counts_only_that_span() {
+    let c = cl("pcie4", 1);
+    let one = |id: usize, arrival: f64, duration: f64, gpus: u32| Job {
+        id,
+        arrival,
+        duration,
+        tasks: vec![task(gpus)],
+    };
+    // 4 GPUs busy 0..50, then idle; the last arrival at 100 runs 1000 s on 2 GPUs.
+    let jobs = vec![one(0, 0.0, 50.0, 4), one(1, 100.0, 1000.0, 2)];
+    for p in POLICIES {
+        let s = simulate(&c, &jobs, p, 1).unwrap().summary();
+        assert!(
+            (s["utilizationArrivals"] - 0.5).abs() < 1e-9,
+            "{p}: {}",
+            s["utilizationArrivals"]
+        );
+        // 200 + 2000 GPU-s over 4 GPUs × 1100 s.
+        assert!((s["utilization"] - 2200.0 / 4400.0).abs() < 1e-9, "{p}");
+    }
 }
