@@ -377,6 +377,11 @@ struct Engine<'a> {
     head_since: f64,
 }
 
+/// A job's tasks as reservations count them.
+fn rooms(job: &Job) -> Vec<Room> {
+    job.tasks.iter().map(reserve::room_of).collect()
+}
+
 /// A job's tasks as (GPUs, cores, memory MB): jobs alike for the policy.
 type Shape = Vec<(u32, u32, u64)>;
 
@@ -464,30 +469,6 @@ impl Engine<'_> {
         self.counted_to = self.counted_to.max(now);
     }
 
-    /// What each node has free now, as the reservation counts it.
-    fn free_rooms(&self) -> Vec<Room> {
-        self.cl
-            .nodes
-            .iter()
-            .map(|n| Room {
-                gpus: n.free_mask.count_ones(),
-                cpu: n.free_cpu,
-                memory_mb: n.free_mem,
-            })
-            .collect()
-    }
-
-    fn rooms(job: &Job) -> Vec<Room> {
-        job.tasks
-            .iter()
-            .map(|t| Room {
-                gpus: t.gpus,
-                cpu: t.cpu,
-                memory_mb: t.mem_mb,
-            })
-            .collect()
-    }
-
     /// The running jobs' tasks with their expected ends seen at `now`.
     fn releases(&self, now: f64) -> Vec<Release> {
         let mut out = Vec::new();
@@ -496,14 +477,10 @@ impl Engine<'_> {
                 .expected
                 .get(jid)
                 .and_then(|&(start, exp)| exp.map(|e| ms(reserve::expected_end(start, e, now))));
-            for ((node, mask), t) in placed.iter().zip(&self.jobs[*jid].tasks) {
+            for (node, room) in reserve::takes(placed, &self.jobs[*jid].tasks) {
                 out.push(Release {
-                    node: *node,
-                    room: Room {
-                        gpus: mask.count_ones(),
-                        cpu: t.cpu,
-                        memory_mb: t.mem_mb,
-                    },
+                    node,
+                    room,
                     end_ms: end,
                 });
             }
@@ -521,13 +498,19 @@ impl Engine<'_> {
             .map(|&j| {
                 let job = &self.jobs[j];
                 Ahead {
-                    tasks: Self::rooms(job),
+                    tasks: rooms(job),
                     duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
                 }
             })
             .collect();
-        let tasks = Self::rooms(&self.jobs[jid]);
-        if let Some(t) = reserve::estimate_start(&self.free_rooms(), &self.releases(now), &ahead, &tasks, ms(now)) {
+        let tasks = rooms(&self.jobs[jid]);
+        if let Some(t) = reserve::estimate_start(
+            &reserve::free_rooms(&self.cl),
+            &self.releases(now),
+            &ahead,
+            &tasks,
+            ms(now),
+        ) {
             self.estimates.insert(jid, t as f64 / 1000.0);
         }
     }
@@ -550,9 +533,9 @@ impl Engine<'_> {
                     continue;
                 }
                 if let Some(r) = reservation::reserve(
-                    &self.free_rooms(),
+                    &reserve::free_rooms(&self.cl),
                     &self.releases(now),
-                    &Self::rooms(&self.jobs[j]),
+                    &rooms(&self.jobs[j]),
                     ms(now),
                 ) {
                     held = Some((j, r));
@@ -602,19 +585,7 @@ impl Engine<'_> {
                 continue;
             };
             if let Some((_, r)) = held.as_mut() {
-                let takes: Vec<(usize, Room)> = placed
-                    .iter()
-                    .zip(&job.tasks)
-                    .map(|(&(n, m), t)| {
-                        let room = Room {
-                            gpus: m.count_ones(),
-                            cpu: t.cpu,
-                            memory_mb: t.mem_mb,
-                        };
-                        (n, room)
-                    })
-                    .collect();
-                if !r.backfill(&takes, (end != u64::MAX).then_some(end)) {
+                if !r.backfill(&reserve::takes(&placed, &job.tasks), (end != u64::MAX).then_some(end)) {
                     self.placer.release(&mut self.cl, job, &placed);
                     let r = refused.entry(gpus).or_insert(end);
                     *r = (*r).min(end);

@@ -8,6 +8,8 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
+use super::cluster::{SimCluster, Task};
+use crate::resources::GpuMask;
 use crate::rm::scheduler::reservation::{self, Policy, Release, Room};
 
 /// Where a job's expected duration comes from.
@@ -125,9 +127,45 @@ pub fn expected_end(start: f64, expected: f64, now: f64) -> f64 {
     start + e
 }
 
-/// Milliseconds of a simulated time in seconds.
+/// Seconds as whole milliseconds (the scheduler's clock).
 pub fn ms(t: f64) -> u64 {
     (t.max(0.0) * 1000.0).round() as u64
+}
+
+/// What each node of `cl` has free now, as a reservation counts it.
+pub fn free_rooms(cl: &SimCluster) -> Vec<Room> {
+    cl.nodes
+        .iter()
+        .map(|n| Room {
+            gpus: n.free_mask.count_ones(),
+            cpu: n.free_cpu,
+            memory_mb: n.free_mem,
+        })
+        .collect()
+}
+
+/// A task's ask as a reservation counts it.
+pub fn room_of(t: &Task) -> Room {
+    Room {
+        gpus: t.gpus,
+        cpu: t.cpu,
+        memory_mb: t.mem_mb,
+    }
+}
+
+/// What a placed job takes: per task, its node and room (the GPUs of its mask).
+pub fn takes(placed: &[(usize, GpuMask)], tasks: &[Task]) -> Vec<(usize, Room)> {
+    placed
+        .iter()
+        .zip(tasks)
+        .map(|(&(n, m), t)| {
+            let room = Room {
+                gpus: m.count_ones(),
+                ..room_of(t)
+            };
+            (n, room)
+        })
+        .collect()
 }
 
 /// One waiting gang for [`estimate_start`]: its tasks and expected duration (ms; `None`:
@@ -203,22 +241,7 @@ pub fn estimate_start(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn g(gpus: u32) -> Room {
-        Room {
-            gpus,
-            cpu: gpus,
-            memory_mb: u64::from(gpus),
-        }
-    }
-
-    fn rel(node: usize, gpus: u32, end_ms: Option<u64>) -> Release {
-        Release {
-            node,
-            room: g(gpus),
-            end_ms,
-        }
-    }
+    use crate::rm::scheduler::reservation::tests::{g, rel};
 
     #[test]
     fn the_estimate_waits_for_the_running_ends_and_the_queue_ahead() {

@@ -15,6 +15,16 @@ fn task(g: u32) -> Task {
     }
 }
 
+/// A job of one task of `gpus` GPUs.
+fn one_task_job(id: usize, arrival: f64, duration: f64, gpus: u32) -> Job {
+    Job {
+        id,
+        arrival,
+        duration,
+        tasks: vec![task(gpus)],
+    }
+}
+
 fn cl(preset: &str, n: usize) -> SimCluster {
     generated(&Topology::preset(preset).unwrap(), n, 4)
 }
@@ -446,12 +456,7 @@ fn domination_verdict_uses_the_paired_difference_over_seeds() {
 #[test]
 fn blocked_head_time_is_split_into_capacity_fragmentation_and_topology_wait() {
     let c = cl("pcie4", 2);
-    let job = |id: usize, arrival: f64, duration: f64, gpus: u32| Job {
-        id,
-        arrival,
-        duration,
-        tasks: vec![task(gpus)],
-    };
+    let job = one_task_job;
     // Two 3-GPU jobs take 3 GPUs of each node until 100; a 2-GPU job at 10 finds 2 GPUs
     // free, one per node: fragmentation for 90 s.
     let frag = vec![job(0, 0.0, 100.0, 3), job(1, 0.0, 100.0, 3), job(2, 10.0, 5.0, 2)];
@@ -662,12 +667,7 @@ fn the_start_estimated_at_submit_is_recorded_against_the_actual_start() {
 #[test]
 fn utilization_over_the_arrivals_span_counts_only_that_span() {
     let c = cl("pcie4", 1);
-    let one = |id: usize, arrival: f64, duration: f64, gpus: u32| Job {
-        id,
-        arrival,
-        duration,
-        tasks: vec![task(gpus)],
-    };
+    let one = one_task_job;
     // 4 GPUs busy 0..50, then idle; the last arrival at 100 runs 1000 s on 2 GPUs.
     let jobs = vec![one(0, 0.0, 50.0, 4), one(1, 100.0, 1000.0, 2)];
     for p in POLICIES {
