@@ -489,7 +489,8 @@ impl Engine<'_> {
     }
 
     /// The estimated start of the job just queued (issue 27, item 4): the queue ahead and
-    /// the running jobs' expected ends through [`reserve::estimate_start`].
+    /// the running jobs' expected ends through [`reserve::estimate_start`], walked in the
+    /// simulator's discipline (FIFO, or backfill: jobs that fit overtake).
     fn estimate(&mut self, jid: usize, now: f64) {
         let ahead: Vec<Ahead> = self
             .queue
@@ -510,6 +511,7 @@ impl Engine<'_> {
             &ahead,
             &tasks,
             ms(now),
+            !self.mode.backfill,
         ) {
             self.estimates.insert(jid, t as f64 / 1000.0);
         }

@@ -178,17 +178,20 @@ pub struct Ahead {
 /// A room freed at a time: (end ms, node, GPUs, CPU, memory MB), earliest first.
 type End = Reverse<(u64, usize, u32, u32, u64)>;
 
-/// The estimated start (ms) of the gang `tasks` submitted at `now_ms`: the jobs `ahead` (in
-/// queue order) start one after the other, each at the first time at or after the previous
-/// start when it fits ([`reservation::reserve`] on the room then), as the running jobs'
-/// `releases` and the earlier ones' expected ends free room; the gang starts after them.
-/// `None` when it never fits on what is known to end.
+/// The estimated start (ms) of the gang `tasks` submitted at `now_ms`, behind the jobs
+/// `ahead` (in queue order), as the running jobs' `releases` and the started ones' expected
+/// ends free room. At each time, the waiting jobs are tried in queue order and each that
+/// fits ([`reservation::reserve`] on the room then) starts and holds its room for its
+/// expected duration; `in_order` (FIFO): the first that does not fit blocks those behind
+/// it; otherwise (backfill) the others are still tried. The gang's estimate is the time it
+/// starts in that walk; `None` when it never fits on what is known to end.
 pub fn estimate_start(
     free: &[Room],
     releases: &[Release],
     ahead: &[Ahead],
     tasks: &[Room],
     now_ms: u64,
+    in_order: bool,
 ) -> Option<u64> {
     let mut room = free.to_vec();
     let mut ends: BinaryHeap<End> = releases
@@ -197,45 +200,55 @@ pub fn estimate_start(
         .filter_map(|r| Some(Reverse((r.end_ms?, r.node, r.room.gpus, r.room.cpu, r.room.memory_mb))))
         .collect();
     let mut free_gpus: u64 = room.iter().map(|r| u64::from(r.gpus)).sum();
-    let mut t = now_ms;
     let me = Ahead {
         tasks: tasks.to_vec(),
         duration_ms: None,
     };
-    for job in ahead.iter().chain(std::iter::once(&me)) {
-        let need: u64 = job.tasks.iter().map(|r| u64::from(r.gpus)).sum();
-        loop {
-            while let Some(Reverse((e, node, gpus, cpu, mem))) = ends.peek().copied() {
-                if e > t {
-                    break;
-                }
-                ends.pop();
-                let r = &mut room[node];
-                r.gpus += gpus;
-                r.cpu += cpu;
-                r.memory_mb += mem;
-                free_gpus += u64::from(gpus);
+    let mut pending: Vec<&Ahead> = ahead.iter().chain(std::iter::once(&me)).collect();
+    let mut t = now_ms;
+    loop {
+        while let Some(Reverse((e, node, gpus, cpu, mem))) = ends.peek().copied() {
+            if e > t {
+                break;
             }
+            ends.pop();
+            let r = &mut room[node];
+            r.gpus += gpus;
+            r.cpu += cpu;
+            r.memory_mb += mem;
+            free_gpus += u64::from(gpus);
+        }
+        let mut k = 0;
+        while k < pending.len() {
+            let job = pending[k];
+            let need: u64 = job.tasks.iter().map(|r| u64::from(r.gpus)).sum();
             let fit = (free_gpus >= need)
                 .then(|| reservation::reserve(&room, &[], &job.tasks, t))
                 .flatten();
-            if let Some(r) = fit {
-                for (task, &node) in job.tasks.iter().zip(&r.nodes) {
-                    let n = &mut room[node];
-                    n.gpus = n.gpus.saturating_sub(task.gpus);
-                    n.cpu = n.cpu.saturating_sub(task.cpu);
-                    n.memory_mb = n.memory_mb.saturating_sub(task.memory_mb);
-                    free_gpus = free_gpus.saturating_sub(u64::from(task.gpus));
-                    if let Some(d) = job.duration_ms {
-                        ends.push(Reverse((t + d, node, task.gpus, task.cpu, task.memory_mb)));
-                    }
+            let Some(r) = fit else {
+                if in_order {
+                    break;
                 }
-                break;
+                k += 1;
+                continue;
+            };
+            if k == pending.len() - 1 {
+                return Some(t);
             }
-            t = ends.peek()?.0 .0;
+            for (task, &node) in job.tasks.iter().zip(&r.nodes) {
+                let n = &mut room[node];
+                n.gpus = n.gpus.saturating_sub(task.gpus);
+                n.cpu = n.cpu.saturating_sub(task.cpu);
+                n.memory_mb = n.memory_mb.saturating_sub(task.memory_mb);
+                free_gpus = free_gpus.saturating_sub(u64::from(task.gpus));
+                if let Some(d) = job.duration_ms {
+                    ends.push(Reverse((t + d, node, task.gpus, task.cpu, task.memory_mb)));
+                }
+            }
+            pending.remove(k);
         }
+        t = ends.peek()?.0 .0;
     }
-    Some(t)
 }
 
 #[cfg(test)]
@@ -249,26 +262,39 @@ mod tests {
         let free = [g(0), g(0)];
         let releases = [rel(0, 8, Some(100)), rel(1, 4, Some(50)), rel(1, 4, Some(300))];
         // Alone, a 4-GPU job starts at 50, an 8-GPU one at 100, a 16-GPU gang at 300.
-        assert_eq!(estimate_start(&free, &releases, &[], &[g(4)], 0), Some(50));
-        assert_eq!(estimate_start(&free, &releases, &[], &[g(8)], 0), Some(100));
-        assert_eq!(estimate_start(&free, &releases, &[], &[g(8), g(8)], 0), Some(300));
+        assert_eq!(estimate_start(&free, &releases, &[], &[g(4)], 0, true), Some(50));
+        assert_eq!(estimate_start(&free, &releases, &[], &[g(8)], 0, true), Some(100));
+        assert_eq!(estimate_start(&free, &releases, &[], &[g(8), g(8)], 0, true), Some(300));
         // Behind an 8-GPU job of 1000 ms (it takes node 0 at 100): the gang waits until 1100.
         let ahead = [Ahead {
             tasks: vec![g(8)],
             duration_ms: Some(1000),
         }];
-        assert_eq!(estimate_start(&free, &releases, &ahead, &[g(8), g(8)], 0), Some(1100));
+        assert_eq!(
+            estimate_start(&free, &releases, &ahead, &[g(8), g(8)], 0, true),
+            Some(1100)
+        );
         // FIFO: a 4-GPU job behind it starts no earlier than it (at 100, on node 1).
-        assert_eq!(estimate_start(&free, &releases, &ahead, &[g(4)], 0), Some(100));
+        assert_eq!(estimate_start(&free, &releases, &ahead, &[g(4)], 0, true), Some(100));
+        // Backfill: it takes node 1's four GPUs at 50, before the 8-GPU job ahead starts.
+        assert_eq!(estimate_start(&free, &releases, &ahead, &[g(4)], 0, false), Some(50));
+        // ... and a gang behind a blocked one still waits for the room the walk leaves it.
+        assert_eq!(
+            estimate_start(&free, &releases, &ahead, &[g(8), g(8)], 0, false),
+            Some(1100)
+        );
         // Ahead with no known end: the gang never gets node 0 back.
         let unknown = [Ahead {
             tasks: vec![g(8)],
             duration_ms: None,
         }];
-        assert_eq!(estimate_start(&free, &releases, &unknown, &[g(8), g(8)], 0), None);
+        assert_eq!(estimate_start(&free, &releases, &unknown, &[g(8), g(8)], 0, true), None);
         // Fits now: now.
-        assert_eq!(estimate_start(&[g(8)], &[], &[], &[g(8)], 7), Some(7));
-        assert_eq!(estimate_start(&[g(4)], &[rel(0, 4, None)], &[], &[g(8)], 7), None);
+        assert_eq!(estimate_start(&[g(8)], &[], &[], &[g(8)], 7, true), Some(7));
+        assert_eq!(
+            estimate_start(&[g(4)], &[rel(0, 4, None)], &[], &[g(8)], 7, false),
+            None
+        );
     }
 
     #[test]
