@@ -8,6 +8,9 @@
 //! - `dashboard_shows_the_end_of_a_job`: `gpuam run examples/ps-worker.yaml`: the workers'
 //!   latest output in the table, parameter servers STOPPED (not FAILED) when the job
 //!   completes, and a "job ended" badge (not "reconnecting…") once the AM has gone.
+//! - `an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusal`: a page
+//!   with a user token follows live events through its ticket, and after a drop whose
+//!   reconnect is refused it fetches a new ticket and follows again.
 //! - `dashboard_shows_the_loss_falling`: `gpuam run examples/jax-ddp.yaml` (real JAX; run
 //!   `bash examples/jax-setup.sh` first): the workers' `step N loss X` lines in the table,
 //!   the loss lower at the end than at the first look.
@@ -209,25 +212,9 @@ async fn dashboard_renders_demo_hub() {
     .await;
 
     // Live update over SSE: a task changes state and the row follows.
-    let first = hub.read(|s| {
-        s.tasks
-            .iter()
-            .position(|t| t.state == gpuam::am::status::TaskState::ContainerRunning)
-            .unwrap()
-    });
-    let (r, i) = hub.read(|s| (s.tasks[first].role.clone(), s.tasks[first].index));
-    hub.update("task", json!({"role": r, "index": i}), |s| {
-        let t = &mut s.tasks[first];
-        t.state = gpuam::am::status::TaskState::TaskCompleted;
-        t.exit_code = Some(0);
-        t.exit_type = Some(gpuam::am::status::ExitType::Succeeded);
-    });
-    b.wait_for(
-        "the SSE update",
-        &format!("const r = document.querySelector('tr[data-task=\"{r}/{i}\"]'); return r && r.dataset.state === 'SUCCEEDED';"),
-        Duration::from_secs(5),
-    )
-    .await;
+    let row = finish_a_running_task(&hub);
+    b.wait_for("the SSE update", &row_succeeded(&row), Duration::from_secs(5))
+        .await;
 
     // A task stopped because the job completed (a parameter server) is STOPPED, not FAILED.
     let second = hub.read(|s| {
@@ -254,6 +241,133 @@ async fn dashboard_renders_demo_hub() {
     .await;
     drop(b);
     server.abort();
+}
+
+/// A loopback TCP proxy from `listener` to `to`; aborting its task drops every connection
+/// through it (as a network drop would).
+fn proxy(listener: tokio::net::TcpListener, to: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut conns = tokio::task::JoinSet::new();
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            conns.spawn(async move {
+                if let Ok(mut out) = tokio::net::TcpStream::connect(to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                }
+            });
+        }
+    })
+}
+
+/// No logs (the dashboard below shows none).
+struct NoLogs;
+
+impl gpuam::am::status::LogSource for NoLogs {
+    fn read(&self, _: &str, _: &str, _: u64) -> futures::future::BoxFuture<'static, Result<String, String>> {
+        Box::pin(async { Ok(String::new()) })
+    }
+}
+
+/// A dashboard of the demo job's snapshot under `job_token`, whose token check (the RM)
+/// accepts `owner-token`; its address and server.
+async fn owners_dashboard(
+    job_token: &str,
+) -> (
+    std::sync::Arc<gpuam::am::status::StatusHub>,
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+) {
+    let snapshot = gpuam::web::demo::demo_hub(6, 1).snapshot();
+    let (hub, commands) = gpuam::am::status::StatusHub::new(snapshot, job_token.into(), std::sync::Arc::new(NoLogs));
+    std::mem::forget(commands);
+    hub.set_token_check(std::sync::Arc::new(|t: String| {
+        Box::pin(async move { Some(t == "owner-token") })
+    }));
+    let (addr, server) = gpuam::web::serve(hub.clone(), "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    (hub, addr, server)
+}
+
+/// Marks the first RUNNING task of `hub` SUCCEEDED (one event) and returns its row key.
+fn finish_a_running_task(hub: &gpuam::am::status::StatusHub) -> String {
+    let k = hub.read(|s| {
+        s.tasks
+            .iter()
+            .position(|t| t.state == gpuam::am::status::TaskState::ContainerRunning)
+            .unwrap()
+    });
+    let (r, i) = hub.read(|s| (s.tasks[k].role.clone(), s.tasks[k].index));
+    hub.update("task", json!({"role": r, "index": i}), |s| {
+        let t = &mut s.tasks[k];
+        t.state = gpuam::am::status::TaskState::TaskCompleted;
+        t.exit_code = Some(0);
+        t.exit_type = Some(gpuam::am::status::ExitType::Succeeded);
+    });
+    format!("{r}/{i}")
+}
+
+/// A script true once the page shows task `row` SUCCEEDED.
+fn row_succeeded(row: &str) -> String {
+    format!("const r = document.querySelector('tr[data-task=\"{row}\"]'); return r && r.dataset.state === 'SUCCEEDED';")
+}
+
+/// The page of a job's owner (a user token, not the job token) follows live events through
+/// its events ticket; when, after a drop, its stream is refused (its ticket opens nothing
+/// behind the same address any more: here another dashboard, signing with another job
+/// token), the page does not give up: it fetches a new ticket, opens the stream again, and
+/// live updates follow again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusal() {
+    let (hub, first, _server) = owners_dashboard("first-job-token").await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let front = listener.local_addr().unwrap();
+    let cut = proxy(listener, first);
+    let b = Browser::start().await;
+    b.goto(&format!("http://{front}/#token=owner-token")).await;
+    b.wait_for(
+        "the owner's page to load",
+        "return document.body.dataset.ready === 'true' && document.body.dataset.auth !== 'needed' && document.querySelectorAll('tr[data-task]').length > 0;",
+        Duration::from_secs(30),
+    )
+    .await;
+    let row = finish_a_running_task(&hub);
+    b.wait_for(
+        "a live update over the owner's stream",
+        &row_succeeded(&row),
+        Duration::from_secs(30),
+    )
+    .await;
+
+    // The connection drops; behind the same address another dashboard, where the page's
+    // ticket opens nothing.
+    let (hub, second, _server2) = owners_dashboard("second-job-token").await;
+    // Past the ids the page saw, so that its next live event is new to it.
+    for _ in 0..5 {
+        hub.publish("noop", serde_json::Value::Null);
+    }
+    cut.abort();
+    let _ = cut.await;
+    let listener = tokio::net::TcpListener::bind(front).await.unwrap();
+    let _cut = proxy(listener, second);
+    b.wait_for(
+        "the page to say it reconnects",
+        "const c = document.getElementById('conn'); return !c.hidden && c.dataset.conn === 'reconnecting';",
+        Duration::from_secs(30),
+    )
+    .await;
+    b.wait_for(
+        "the stream open again (a new ticket)",
+        "return document.getElementById('conn').hidden;",
+        Duration::from_secs(60),
+    )
+    .await;
+    let row = finish_a_running_task(&hub);
+    b.wait_for(
+        "a live update over the reopened stream",
+        &row_succeeded(&row),
+        Duration::from_secs(30),
+    )
+    .await;
 }
 
 /// A `gpuam run` started by a test. Dropping it (at the test's end, or when it panics)

@@ -65,8 +65,11 @@ impl Default for SelectSettings {
 pub struct AmSettings {
     /// Allocate heartbeat interval while asks or containers are outstanding.
     pub heartbeat_interval_ms: u64,
-    /// Full node-listing refresh interval.
+    /// Full node-listing refresh interval (while tasks wait to be placed).
     pub node_refresh_interval_ms: u64,
+    /// An AM with nothing to ask, place or launch lets the RM hold its heartbeat this long
+    /// (at most 2000) until something for the job happens; 0 heartbeats every interval.
+    pub idle_hold_ms: u64,
     /// Back-off range (with jitter) when no node fits a task now.
     pub not_available_retry_min_ms: u64,
     pub not_available_retry_max_ms: u64,
@@ -101,6 +104,7 @@ impl Default for AmSettings {
         AmSettings {
             heartbeat_interval_ms: 100,
             node_refresh_interval_ms: 2000,
+            idle_hold_ms: 1000,
             not_available_retry_min_ms: 500,
             not_available_retry_max_ms: 3000,
             gang_timeout_sec: 300,

@@ -342,6 +342,25 @@ pub struct AllocateRequest {
     /// the RM shows it unless its queues name a cause of their own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_reason: Option<crate::reason::Reason>,
+    /// An AM with nothing to ask, cancel or release and nothing to place may let the RM
+    /// hold the answer this long (milliseconds; the RM caps it at [`MAX_ALLOCATE_HOLD_MS`])
+    /// until something for the application happens: a container of it ends, a preemption
+    /// notice, a kill. An idle AM then costs the RM one call per hold, not one per
+    /// heartbeat, and still hears of an end at once (issue 29).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_ms: Option<u64>,
+}
+
+/// The longest the RM holds an allocate answer ([`AllocateRequest::hold_ms`]).
+pub const MAX_ALLOCATE_HOLD_MS: u64 = 2000;
+
+impl AllocateRequest {
+    /// How long the RM may hold this request's answer: only one that asks, cancels and
+    /// releases nothing, and at most `cap`.
+    pub fn hold(&self, cap: std::time::Duration) -> Option<std::time::Duration> {
+        let asked = std::time::Duration::from_millis(self.hold_ms.filter(|&ms| ms > 0)?);
+        (self.asks.is_empty() && self.cancels.is_empty() && self.releases.is_empty()).then(|| asked.min(cap))
+    }
 }
 
 /// `count` waiting tasks of one shape (one task role): what a queue's share is computed

@@ -159,6 +159,14 @@ pub fn http_client_builder(ca_file: Option<&Path>) -> Result<reqwest::ClientBuil
     })
 }
 
+/// A reqwest client builder for a server reached over plain `http://` only: no root
+/// store is loaded (loading the system's roots costs an AM more CPU than its
+/// registration; issue 29), so an `https://` URL fails with this client.
+pub fn plain_http_client_builder() -> reqwest::ClientBuilder {
+    install_default_provider();
+    reqwest::Client::builder().tls_certs_only(Vec::<reqwest::Certificate>::new())
+}
+
 /// A client with no extra CA (plain HTTP, or HTTPS trusting the system's roots).
 pub fn http_client() -> reqwest::Client {
     http_client_builder(None)

@@ -568,6 +568,8 @@ async function flush() {
 }
 
 function onEvent(kind, ev) {
+  // Where a stream opened again (with a new ticket) takes up.
+  if (ev.lastEventId) state.lastEventId = ev.lastEventId;
   let data = null;
   try { data = JSON.parse(ev.data); } catch (_) { data = null; }
   if (kind === 'task') {
@@ -614,10 +616,15 @@ async function connect() {
       conn.dataset.conn = 'reconnecting';
       conn.textContent = 'reconnecting…';
       conn.title = 'The live connection to the AM dropped; retrying.';
+      // Refused (an expired ticket, a busy RM): the browser gives up on this URL, so
+      // open the stream again with a fresh ticket.
+      if (es.readyState === EventSource.CLOSED) setTimeout(connect, 2000);
     }
   };
   for (const k of ['job', 'task', 'nodes', 'selection']) es.addEventListener(k, ev => onEvent(k, ev));
   es.addEventListener('resync', () => { dirty.all = true; schedule(); });
+  // A stream lives a while: open it again with a new ticket (no banner, nothing missed).
+  es.addEventListener('reopen', () => { es.close(); connect(); });
   es.onmessage = () => { dirty.all = true; schedule(); };
 }
 

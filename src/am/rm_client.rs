@@ -104,8 +104,23 @@ impl RmClient {
     /// A client without application credentials whose HTTPS trusts `tls.ca_file`
     /// (when set; the system's roots otherwise).
     pub fn with_tls(base: &str, tls: &TlsSettings) -> Result<Self, TlsError> {
-        let builder = crate::tls::http_client_builder(tls.ca_file.as_deref())?;
+        let builder = match base.starts_with("http://") {
+            true => crate::tls::plain_http_client_builder(),
+            false => crate::tls::http_client_builder(tls.ca_file.as_deref())?,
+        };
         Ok(Self::from_builder(base, builder))
+    }
+
+    /// The same connection pool without this client's credentials (tokens are added per
+    /// use with [`RmClient::with_user_token`]).
+    pub fn without_credentials(&self) -> Self {
+        RmClient {
+            http: self.http.clone(),
+            base: self.base.clone(),
+            app: None,
+            user_token: None,
+            nodes_version: Default::default(),
+        }
     }
 
     /// As [`RmClient::for_app`], trusting `tls.ca_file` as [`RmClient::with_tls`] does.

@@ -342,19 +342,6 @@ impl StatusHub {
         self.token_check.get()
     }
 
-    /// The event stream's ticket: what the page puts in the stream's URL (a browser's
-    /// `EventSource` sends no header) instead of a credential. Derived from the job token;
-    /// it opens this job's event stream and nothing else. `None` without a job token.
-    pub fn events_ticket(&self) -> Option<String> {
-        if self.job_token.is_empty() {
-            return None;
-        }
-        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, self.job_token.as_bytes());
-        Some(crate::auth::hex(
-            ring::hmac::sign(&key, b"gpuam-dashboard-events-ticket-v1").as_ref(),
-        ))
-    }
-
     pub fn new(
         snapshot: Snapshot,
         job_token: String,

@@ -173,7 +173,8 @@ pub async fn run(opts: AmOptions) -> i32 {
     let (hub, mut commands) = StatusHub::new(snapshot, job_token, logs);
     let _ = hub.rm.set(rm.clone());
     // The dashboard also takes the tokens the RM takes for this job (owner, admin).
-    if let Ok(client) = RmClient::with_tls(&opts.rm_url, &opts.settings.tls) {
+    {
+        let client = rm.without_credentials();
         let app_id = opts.app_id.clone();
         hub.set_token_check(Arc::new(move |token: String| {
             let (client, app_id) = (client.clone(), app_id.clone());

@@ -576,6 +576,11 @@ async fn cluster_bench_on(
         percentile(&firsts, 0.99).as_secs_f64(),
     );
     println!("(RM = this process: the RM, its in-process executor and the bench's polling client; CPU counted from submit to all running)");
+    let c = rm_counters(&rm.metrics_text());
+    println!(
+        "RM: {} allocate calls, {} changed nodes sent in their answers, {} containers granted, asks refused: {} taken by another, {} queue, {} never",
+        c.allocates, c.node_reports, c.grants, c.busy, c.queue, c.never
+    );
     let starts = am_start_times(work, ids);
     if !starts.is_empty() {
         let stage = |i: usize| {
@@ -596,6 +601,34 @@ async fn cluster_bench_on(
         );
     }
     exit::SUCCESS
+}
+
+/// The RM's own counts over the run, from its `/metrics`.
+struct RmCounters {
+    allocates: u64,
+    node_reports: u64,
+    grants: u64,
+    busy: u64,
+    queue: u64,
+    never: u64,
+}
+
+fn rm_counters(text: &str) -> RmCounters {
+    let value = |prefix: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .map_or(0, |v| v as u64)
+    };
+    RmCounters {
+        allocates: value("gpuam_rm_allocate_latency_seconds_count"),
+        node_reports: value("gpuam_rm_node_reports_sent_total"),
+        grants: value("gpuam_rm_grants_total"),
+        busy: value("gpuam_rm_rejections_total{reason=\"busy\"}"),
+        queue: value("gpuam_rm_rejections_total{reason=\"queue\"}"),
+        never: value("gpuam_rm_rejections_total{reason=\"never\"}"),
+    }
 }
 
 /// Each AM's start times in milliseconds from its process start (node listing read,

@@ -306,6 +306,15 @@ pub fn startup_lines(reg: &AgentRegister, limits: &[(&str, &str)], rm_url: &str)
             missing.join(" and ")
         ));
     }
+    if !rm_url.trim().to_ascii_lowercase().starts_with("https://") {
+        lines.push(format!(
+            "warning: node {} talks to its RM over plain HTTP: its agent token and host key cross the \
+             network in clear, and the RM's answers (stop lists, HOST_REMOVED, which stops every container) \
+             are taken unauthenticated, so anyone on the path can act as this agent or as its RM; use an \
+             https:// RM URL with tls.ca_file on a network you do not trust",
+            reg.host
+        ));
+    }
     lines
 }
 
@@ -817,9 +826,9 @@ mod tests {
     }
 
     #[test]
-    fn the_startup_line_says_what_the_node_offers_and_warns_of_missing_limits() {
+    fn the_startup_line_says_what_the_node_offers_and_warns_of_missing_limits_and_plain_http() {
         let full = [("memory", "v2"), ("cpu", "v2"), ("pids", "v2")];
-        let lines = startup_lines(&register(4, Some("A100"), "pcie4"), &full, "http://rm:8088");
+        let lines = startup_lines(&register(4, Some("A100"), "pcie4"), &full, "https://rm:8088");
         assert_eq!(lines.len(), 1, "{lines:?}");
         let l = &lines[0];
         for part in [
@@ -828,13 +837,13 @@ mod tests {
             "topology pcie4",
             "cgroup v2",
             "limits: memory (v2), cpu (v2)",
-            "RM http://rm:8088",
+            "RM https://rm:8088",
             "10.0.0.5",
         ] {
             assert!(l.contains(part), "{part} missing in {l}");
         }
         let nvsmi = "\tGPU0\tGPU1\nGPU0\t X \tNV1\nGPU1\tNV1\t X \n";
-        let lines = startup_lines(&register(0, None, nvsmi), &[("pids", "v1")], "http://rm:8088");
+        let lines = startup_lines(&register(0, None, nvsmi), &[("pids", "v1")], "https://rm:8088");
         assert!(
             lines[0].contains("0 GPUs") && lines[0].contains("from nvidia-smi topo -m"),
             "{lines:?}"
@@ -844,12 +853,23 @@ mod tests {
             lines[1].starts_with("warning: node n1 enforces no cpu and memory limit"),
             "{lines:?}"
         );
-        let lines = startup_lines(&register(1, None, ""), &[("cpu", "v1")], "http://rm:8088");
+        let lines = startup_lines(&register(1, None, ""), &[("cpu", "v1")], "https://rm:8088");
         assert!(
             lines[0].contains("1 GPU (no type)") && lines[0].contains("topology none"),
             "{lines:?}"
         );
         assert!(lines[1].contains("enforces no memory limit"), "{lines:?}");
+        // Plain HTTP to the RM: said, with what it exposes and the fix.
+        let lines = startup_lines(&register(4, Some("A100"), "pcie4"), &full, "http://rm:8088");
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        for part in [
+            "warning: node n1 talks to its RM over plain HTTP",
+            "HOST_REMOVED",
+            "https://",
+            "tls.ca_file",
+        ] {
+            assert!(lines[1].contains(part), "{part} missing in {lines:?}");
+        }
     }
 
     /// The RM stops a container whose start answer it never got: an agent that never

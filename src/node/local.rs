@@ -39,24 +39,35 @@ impl NodeBackend for InProcessNode {
     }
 
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
-        let started = self
-            .executor
-            .start_as(
-                &grant.container_id,
-                &grant.host,
-                &grant.resources,
-                ctx,
-                grant.topology.as_deref(),
-                Some(grant.user.as_str()).filter(|u| !u.is_empty()),
-            )
-            .map(|pid| ContainerStatus {
-                container_id: grant.container_id.clone(),
+        // A start forks: off the async workers, so the RM serving the simulated nodes
+        // keeps answering while many containers start (issue 29).
+        let executor = self.executor.clone();
+        async move {
+            let id = grant.container_id.clone();
+            let pid = tokio::task::spawn_blocking(move || {
+                executor.start_as(
+                    &grant.container_id,
+                    &grant.host,
+                    &grant.resources,
+                    ctx,
+                    grant.topology.as_deref(),
+                    Some(grant.user.as_str()).filter(|u| !u.is_empty()),
+                )
+            })
+            .await
+            .map_err(|e| NodeError::StartFailed {
+                id: id.clone(),
+                why: e.to_string(),
+            })??;
+            Ok(ContainerStatus {
+                container_id: id,
                 state: ContainerState::Running,
                 exit_status: None,
                 diagnostics: String::new(),
                 pid: Some(pid),
-            });
-        futures::future::ready(started).boxed()
+            })
+        }
+        .boxed()
     }
 
     fn stop<'a>(

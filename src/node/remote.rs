@@ -5,9 +5,10 @@
 //! running) and their credentials (the nodes file: each host's token digest, from which
 //! its keys derive, `super::token`). An agent's token names its host ([`AgentNodes::host_of`]);
 //! calls to an agent carry the RM's call token for that host; `start` also the container
-//! token signed with that host's key for exactly the grant. Deaths reach the RM through heartbeats
-//! ([`AgentNodes::heartbeat`]), which turn each reported dead container into one
-//! [`NodeEvent::Exited`] (repeats are harmless: the ledger frees once).
+//! token signed with that host's key for exactly the grant. Deaths reach the RM in the
+//! agents' heartbeats and registrations, which the RM takes in their own transaction
+//! (`rm::server::nodes`; repeats are harmless: the ledger frees once); this registry keeps
+//! what each agent runs ([`AgentNodes::heartbeat`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -15,10 +16,9 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use futures::FutureExt as _;
 use parking_lot::Mutex;
-use tokio::sync::mpsc;
 
 use super::wire::{AgentStart, ContainerReport, CONTAINER_TOKEN_HEADER};
-use super::{token, Grant, LogStream, NodeBackend, NodeError, NodeEvent};
+use super::{token, Grant, LogStream, NodeBackend, NodeError};
 use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
 
 /// Most bytes of a container log the RM takes from an agent in one answer.
@@ -43,7 +43,6 @@ pub struct AgentNodes {
     /// The RM's own secret the host keys derive from (`super::token::host_key`).
     rm_secret: Vec<u8>,
     http: reqwest::Client,
-    events: mpsc::UnboundedSender<NodeEvent>,
     agents: Mutex<HashMap<String, AgentEntry>>,
 }
 
@@ -54,7 +53,6 @@ impl AgentNodes {
     pub fn new(
         credentials: crate::users::Users,
         rm_secret: Vec<u8>,
-        events: mpsc::UnboundedSender<NodeEvent>,
         ca_file: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
         let http = crate::tls::http_client_builder(ca_file)
@@ -66,7 +64,6 @@ impl AgentNodes {
             credentials: parking_lot::RwLock::new(credentials),
             rm_secret,
             http,
-            events,
             agents: Mutex::new(HashMap::new()),
         })
     }
@@ -156,29 +153,20 @@ impl AgentNodes {
         });
     }
 
-    /// Records a heartbeat's reports: running ids are remembered, each dead container
-    /// becomes an `Exited` event. False when `host` must register (unknown or LOST).
+    /// Records a heartbeat: the agent heard now, and the containers it runs (its running
+    /// reports; the RM takes its deaths in the heartbeat's own transaction, stored before
+    /// they are acknowledged). False when `host` must register (unknown or LOST).
     pub fn heartbeat(&self, host: &str, reports: &[ContainerReport], now: Instant) -> bool {
-        {
-            let mut agents = self.agents.lock();
-            let Some(a) = agents.get_mut(host).filter(|a| !a.lost && a.awaiting_until.is_none()) else {
-                return false;
-            };
-            a.last_heard = now;
-            a.running = reports
-                .iter()
-                .filter(|r| r.state != ContainerState::Complete)
-                .map(|r| r.container_id.clone())
-                .collect();
-        }
-        for r in reports.iter().filter(|r| r.state == ContainerState::Complete) {
-            let _ = self.events.send(NodeEvent::Exited {
-                container_id: r.container_id.clone(),
-                exit_status: r.exit_status.unwrap_or(crate::protocol::exit_status::ABORTED),
-                diagnostics: r.diagnostics.clone(),
-                cause: r.cause,
-            });
-        }
+        let mut agents = self.agents.lock();
+        let Some(a) = agents.get_mut(host).filter(|a| !a.lost && a.awaiting_until.is_none()) else {
+            return false;
+        };
+        a.last_heard = now;
+        a.running = reports
+            .iter()
+            .filter(|r| r.state != ContainerState::Complete)
+            .map(|r| r.container_id.clone())
+            .collect();
         true
     }
 
@@ -412,10 +400,9 @@ mod tests {
                 .await;
             // Dropped: the body never completes.
         });
-        let (tx, _rx) = mpsc::unbounded_channel();
         let mut credentials = crate::users::Users::default();
         credentials.insert_token("h1", "agent-token").unwrap();
-        let agents = AgentNodes::new(credentials, b"s".to_vec(), tx, None).unwrap();
+        let agents = AgentNodes::new(credentials, b"s".to_vec(), None).unwrap();
         agents.register("h1", &format!("http://{addr}"), Instant::now());
         let grant = Grant {
             container_id: "container_1_0001_01_000001".into(),
@@ -435,8 +422,7 @@ mod tests {
 
     #[test]
     fn a_host_restored_after_a_restart_waits_for_its_agent_until_the_deadline() {
-        let (tx, _rx) = mpsc::unbounded_channel();
-        let agents = AgentNodes::new(Default::default(), b"s".to_vec(), tx, None).unwrap();
+        let agents = AgentNodes::new(Default::default(), b"s".to_vec(), None).unwrap();
         let t0 = Instant::now();
         agents.expect("h", t0 + Duration::from_secs(30));
         assert!(agents.knows("h") && !agents.is_live("h"));

@@ -98,6 +98,10 @@ pub struct App {
     /// Its waiting tasks as its AM last reported them (soft state: sent every heartbeat).
     #[serde(skip)]
     pub waiting: Waiting,
+    /// Wakes the allocate call its AM lets the RM hold (`AllocateRequest::hold_ms`) when
+    /// something for it happens; a wake with no call waiting is kept for the next one.
+    #[serde(skip)]
+    pub wake: std::sync::Arc<tokio::sync::Notify>,
 }
 
 /// An application's waiting work, as its AM reports it, and why it waits.
@@ -195,6 +199,7 @@ impl App {
             attempts: Vec::new(),
             gang: false,
             waiting: Waiting::default(),
+            wake: Default::default(),
         }
     }
 
@@ -210,6 +215,12 @@ impl App {
             return Some(r.since(self.report.started_time));
         }
         self.waiting.reason()
+    }
+
+    /// Whether its AM must hear something now (an ended container, that it was killed or
+    /// ended): an allocate call with news is not held.
+    pub fn has_news(&self) -> bool {
+        !self.pending_completed.is_empty() || self.shutdown || self.report.state.is_final() || !self.registered
     }
 
     /// The job token, for the AM's environment.

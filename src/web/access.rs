@@ -4,21 +4,28 @@
 //! `/metrics` (aggregate counts, for scrapers) stay open.
 //!
 //! Credentials come as `Authorization: Bearer ...` only. No credential goes in a URL: the
-//! event stream (a browser's `EventSource` sends no header) takes `?token=` with the job's
-//! events ticket ([`StatusHub::events_ticket`], which the page fetches with its header,
-//! [`events_ticket`]), or the job token itself, and nothing else; every other route
-//! ignores the query. Tokens other than the job token are checked with the RM
-//! ([`StatusHub::set_token_check`]), at most [`crate::am::status::MAX_CHECKS`] at once; an
-//! accepted one is remembered (by its SHA-256) for [`crate::am::status::ACCEPTED_FOR`], a
-//! refused one for [`crate::am::status::REFUSED_FOR`] (bounded, oldest forgotten first),
-//! so a stream of unknown tokens costs the RM one question each per period at most.
+//! event stream (a browser's `EventSource` sends no header) takes `?token=` with an events
+//! ticket, which the page fetches with its header ([`events_ticket`]), or the job token
+//! itself, and nothing else; every other route ignores the query. A ticket names the
+//! credential that fetched it (its SHA-256) and its expiry, signed with the job token
+//! ([`ticket`]): it opens the stream until [`TICKET_FOR`] after it was made, and only while
+//! that credential is the job token or one the RM accepted within
+//! [`crate::am::status::ACCEPTED_FOR`] (a revoked user token's tickets die with it).
+//! Tokens other than the job token are checked with the RM
+//! ([`StatusHub::set_token_check`]), at most [`crate::am::status::MAX_CHECKS`] at once; a
+//! check waits at most [`CHECK_WAIT`] for its turn and [`CHECK_FOR`] for the RM, else the
+//! caller gets 503 with `Retry-After` (a flood of strangers' tokens never holds an owner
+//! forever); an accepted one is remembered (by its SHA-256) for
+//! [`crate::am::status::ACCEPTED_FOR`], a refused one for
+//! [`crate::am::status::REFUSED_FOR`] (bounded, oldest forgotten first), so a stream of
+//! unknown tokens costs the RM one question each per period at most.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -27,6 +34,50 @@ use crate::am::status::StatusHub;
 
 /// The route that takes a ticket in its query.
 const EVENTS: &str = "/api/v1/events";
+
+/// How long an events ticket opens the stream (the page fetches a new one each time it
+/// opens the stream).
+pub const TICKET_FOR: Duration = Duration::from_secs(60);
+/// Longest wait for a turn to ask the RM about a token ([`crate::am::status::MAX_CHECKS`]
+/// in flight); then 503 with `Retry-After`.
+pub const CHECK_WAIT: Duration = Duration::from_secs(2);
+/// Longest wait for the RM's answer about a token; then 503 with `Retry-After`.
+pub const CHECK_FOR: Duration = Duration::from_secs(10);
+
+/// The events ticket for the credential whose SHA-256 is `subject`, opening the stream
+/// until `expires` (Unix seconds): `expires.subject.mac`, the MAC an HMAC-SHA256 under the
+/// job token of both (only this job's token holder, the AM, makes them).
+pub fn ticket(job_token: &str, subject: &str, expires: u64) -> String {
+    format!("{expires}.{subject}.{}", ticket_mac(job_token, subject, expires))
+}
+
+fn ticket_mac(job_token: &str, subject: &str, expires: u64) -> String {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, job_token.as_bytes());
+    let msg = format!("gpuam-dashboard-events-ticket-v2\n{expires}\n{subject}");
+    crate::auth::hex(ring::hmac::sign(&key, msg.as_bytes()).as_ref())
+}
+
+/// The subject (a credential's SHA-256) of `presented` when it is a ticket this job token
+/// signed that has not expired at `now` (Unix seconds); `None` for anything else
+/// (malformed, forged, another job's, expired).
+pub fn ticket_subject(job_token: &str, presented: &str, now: u64) -> Option<String> {
+    if job_token.is_empty() {
+        return None;
+    }
+    let mut parts = presented.splitn(3, '.');
+    let (expires, subject, mac) = (parts.next()?, parts.next()?, parts.next()?);
+    let expires: u64 = expires.parse().ok()?;
+    let good = ticket_mac(job_token, subject, expires);
+    if !crate::auth::constant_time_eq(mac.as_bytes(), good.as_bytes()) || now >= expires {
+        return None;
+    }
+    Some(subject.to_string())
+}
+
+/// Now, in Unix seconds (what tickets count in).
+fn unix_now() -> u64 {
+    crate::protocol::now_ms() / 1000
+}
 
 /// The `token` query parameter of the event stream's request (`None` on other routes).
 fn stream_ticket(req: &Request) -> Option<String> {
@@ -38,24 +89,34 @@ fn stream_ticket(req: &Request) -> Option<String> {
         .and_then(|q| q.0.get("token").filter(|t| !t.is_empty()).cloned())
 }
 
-/// Whether `ticket` opens this job's event stream: its events ticket or the job token.
-fn ticket_opens_stream(hub: &StatusHub, ticket: &str) -> bool {
-    let eq = |a: &str| !a.is_empty() && crate::auth::constant_time_eq(ticket.as_bytes(), a.as_bytes());
-    hub.events_ticket().is_some_and(|t| eq(&t)) || eq(&hub.job_token)
+/// Whether `presented` opens this job's event stream: the job token, or an unexpired
+/// ticket of a credential still good here (the job token, or one the RM accepted within
+/// [`crate::am::status::ACCEPTED_FOR`]).
+fn ticket_opens_stream(hub: &StatusHub, presented: &str) -> bool {
+    let job = hub.job_token.as_str();
+    if !job.is_empty() && crate::auth::constant_time_eq(presented.as_bytes(), job.as_bytes()) {
+        return true;
+    }
+    let Some(subject) = ticket_subject(job, presented, unix_now()) else {
+        return false;
+    };
+    subject == crate::auth::sha256_hex(job) || hub.accepted.fresh(&subject, Instant::now())
 }
 
-/// `GET /api/v1/events-ticket` (behind [`readers_only`]): the ticket the page puts in
-/// the event stream's URL.
-pub async fn events_ticket(State(hub): State<Arc<StatusHub>>) -> Response {
-    match hub.events_ticket() {
-        Some(t) => axum::Json(serde_json::json!({ "ticket": t })).into_response(),
-        None => ApiError::new(
+/// `GET /api/v1/events-ticket` (behind [`readers_only`]): a ticket for the caller's
+/// credential, for the event stream's URL, good for [`TICKET_FOR`].
+pub async fn events_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap) -> Response {
+    let (Some(credential), false) = (crate::auth::bearer(&headers), hub.job_token.is_empty()) else {
+        return ApiError::new(
             StatusCode::NOT_FOUND,
             "no_ticket",
-            "this dashboard has no job token, so no event stream ticket",
+            "this dashboard has no job token (or the call no bearer token), so no event stream ticket",
         )
-        .into_response(),
-    }
+        .into_response();
+    };
+    let expires = unix_now() + TICKET_FOR.as_secs();
+    let t = ticket(&hub.job_token, &crate::auth::sha256_hex(credential), expires);
+    axum::Json(serde_json::json!({ "ticket": t, "expires": expires })).into_response()
 }
 
 /// What the dashboard makes of a presented token.
@@ -94,14 +155,20 @@ pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> Access {
     if let Some(a) = known(Instant::now()) {
         return a;
     }
-    let Ok(_turn) = hub.checks.acquire().await else {
+    // A bounded wait for a turn: a flood of strangers' tokens makes an owner try again
+    // (503), never wait behind them for good.
+    let Ok(Ok(_turn)) = tokio::time::timeout(CHECK_WAIT, hub.checks.acquire()).await else {
         return Access::Unanswered;
     };
     // Answered meanwhile by a check that held the turn before this one.
     if let Some(a) = known(Instant::now()) {
         return a;
     }
-    match check(token.to_string()).await {
+    match tokio::time::timeout(CHECK_FOR, check(token.to_string()))
+        .await
+        .ok()
+        .flatten()
+    {
         Some(true) => {
             hub.accepted.remember(digest, Instant::now());
             Access::Granted

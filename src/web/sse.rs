@@ -1,7 +1,9 @@
 //! `GET /api/v1/events`: the hub's numbered events as server-sent events. A client that
 //! reconnects with `Last-Event-ID` (or `?lastEventId=`) first gets the events it missed,
 //! then live ones; a client that fell too far behind gets a `resync` event telling it
-//! to refetch the snapshot.
+//! to refetch the snapshot. A stream lives [`STREAM_FOR`], then sends `reopen` and ends:
+//! the page opens it again with a new ticket (`web::access`), so a stream outlives the
+//! credential that opened it by that much at most.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -21,6 +23,9 @@ use crate::am::status::{Event, StatusHub};
 
 /// Keep-alive comment interval (proxies drop idle connections).
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// How long one event stream stays open before it asks to be opened again.
+pub const STREAM_FOR: Duration = Duration::from_secs(600);
 
 fn to_sse(e: &Event) -> SseEvent {
     SseEvent::default()
@@ -96,6 +101,19 @@ pub(crate) fn event_stream(
     stream::iter(first.into_iter().map(Ok)).chain(live)
 }
 
+/// `stream` until `life` has passed, then one `reopen` event, and the end.
+pub(crate) fn for_a_while(
+    stream: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static,
+    life: Duration,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static {
+    let reopen = SseEvent::default()
+        .event("reopen")
+        .data(r#"{"reason": "a stream lives a while; open it again with a new ticket"}"#);
+    stream
+        .take_until(tokio::time::sleep(life))
+        .chain(stream::once(async move { Ok(reopen) }))
+}
+
 pub(crate) async fn events(
     State(hub): State<Arc<StatusHub>>,
     headers: HeaderMap,
@@ -105,7 +123,7 @@ pub(crate) async fn events(
         Ok(l) => l,
         Err(e) => return e.into_response(),
     };
-    Sse::new(event_stream(hub, last))
+    Sse::new(for_a_while(event_stream(hub, last), STREAM_FOR))
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
         .into_response()
 }

@@ -255,6 +255,163 @@ async fn the_api_needs_the_job_owner_or_admin_token() {
     );
 }
 
+/// An events ticket is signed with the job token over its expiry and the credential that
+/// fetched it: it opens the stream until it expires and while that credential is still
+/// good here; an expired, altered, forged or other job's ticket opens nothing.
+#[tokio::test]
+async fn an_events_ticket_expires_and_dies_with_its_credential() {
+    use super::access::{ticket, ticket_subject, TICKET_FOR};
+    let sha = crate::auth::sha256_hex;
+    // The pure rule, time passed in.
+    let owner = sha("owner-token");
+    let t = ticket(DEMO_TOKEN, &owner, 1000);
+    assert_eq!(ticket_subject(DEMO_TOKEN, &t, 999), Some(owner.clone()));
+    assert_eq!(ticket_subject(DEMO_TOKEN, &t, 1000), None, "expired");
+    assert_eq!(ticket_subject("another-job-token", &t, 999), None, "another job's");
+    assert_eq!(ticket_subject("", &t, 999), None, "no job token, no tickets");
+    let later = t.replacen("1000.", "9999999999.", 1);
+    assert_eq!(ticket_subject(DEMO_TOKEN, &later, 999), None, "expiry altered");
+    let other = t.replacen(&owner, &sha("admin-token"), 1);
+    assert_eq!(ticket_subject(DEMO_TOKEN, &other, 999), None, "subject altered");
+    for junk in ["", "1000", "1000.x", "x.y.z", "1000..", &format!("1000.{owner}.")] {
+        assert_eq!(ticket_subject(DEMO_TOKEN, junk, 999), None, "{junk:?}");
+    }
+
+    // Through the dashboard.
+    let hub = demo_hub(2, 1);
+    let revoked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r = revoked.clone();
+    hub.set_token_check(Arc::new(move |t: String| {
+        let ok = t == "owner-token" && !r.load(std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move { Some(ok) })
+    }));
+    let app = router(hub.clone());
+    let fetch = |token: &str| {
+        let (app, auth) = (app.clone(), format!("Bearer {token}"));
+        async move {
+            let req = Request::get("/api/v1/events-ticket").header("authorization", auth);
+            let (s, _, body) = call(&app, req.body(Body::empty()).unwrap()).await;
+            assert_eq!(s, StatusCode::OK, "{body}");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            v["ticket"].as_str().unwrap().to_string()
+        }
+    };
+    let stream = |t: &str| {
+        let (app, uri) = (app.clone(), format!("/api/v1/events?token={t}"));
+        async move { stream_status(&app, &uri).await }
+    };
+    let owners = fetch("owner-token").await;
+    assert_eq!(stream(&owners).await, StatusCode::OK);
+    let jobs = fetch(DEMO_TOKEN).await;
+    assert_eq!(stream(&jobs).await, StatusCode::OK);
+    let now = crate::protocol::now_ms() / 1000;
+    let expired = ticket(DEMO_TOKEN, &owner, now - 1);
+    assert_eq!(stream(&expired).await, StatusCode::UNAUTHORIZED, "expired");
+    let forged = ticket("a-guessed-key", &owner, now + TICKET_FOR.as_secs());
+    assert_eq!(stream(&forged).await, StatusCode::UNAUTHORIZED, "forged");
+    // Signed right, but for a credential this dashboard never accepted.
+    let strangers = ticket(DEMO_TOKEN, &sha("bob-token"), now + TICKET_FOR.as_secs());
+    assert_eq!(stream(&strangers).await, StatusCode::UNAUTHORIZED, "never accepted");
+    // The owner's token revoked at the RM: once the dashboard's memory of its acceptance
+    // lapses, its unexpired ticket opens nothing, and no new ticket is given.
+    revoked.store(true, std::sync::atomic::Ordering::SeqCst);
+    let long_ago = std::time::Instant::now()
+        .checked_sub(crate::am::status::ACCEPTED_FOR * 2)
+        .unwrap();
+    hub.accepted.remember(owner.clone(), long_ago);
+    assert_eq!(stream(&owners).await, StatusCode::UNAUTHORIZED, "revoked");
+    assert_eq!(
+        get_as(&app, "/api/v1/events-ticket", Some("Bearer owner-token")).await,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        stream(&jobs).await,
+        StatusCode::OK,
+        "the job token's ticket still opens"
+    );
+}
+
+/// A flood of token checks the RM is slow to answer holds every turn: an owner's first
+/// check waits a bounded time for one and is told to try again (503 with `Retry-After`),
+/// not queued behind them for good; once the flood clears, the owner is let in.
+#[tokio::test]
+async fn a_flood_of_slow_token_checks_answers_owners_503_instead_of_a_wait() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let hub = demo_hub(2, 1);
+    /// A check in flight, counted until it ends or is given up.
+    struct Held(Arc<AtomicUsize>);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, SeqCst);
+        }
+    }
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (f, rel) = (in_flight.clone(), release.clone());
+    hub.set_token_check(Arc::new(move |t: String| {
+        let (f, rel) = (f.clone(), rel.clone());
+        Box::pin(async move {
+            if t == "owner-token" {
+                return Some(true);
+            }
+            f.fetch_add(1, SeqCst);
+            let _held = Held(f);
+            rel.notified().await;
+            Some(false)
+        })
+    }));
+    let app = router(hub);
+    let flood: Vec<_> = (0..crate::am::status::MAX_CHECKS + 4)
+        .map(|i| {
+            let app = app.clone();
+            tokio::spawn(async move { get_as(&app, "/api/v1/job", Some(&format!("Bearer slow-{i}"))).await })
+        })
+        .collect();
+    for _ in 0..600 {
+        if in_flight.load(SeqCst) == crate::am::status::MAX_CHECKS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        in_flight.load(SeqCst),
+        crate::am::status::MAX_CHECKS,
+        "the flood holds every turn"
+    );
+    let owner = tokio::time::timeout(
+        Duration::from_secs(120),
+        app.clone().oneshot(
+            Request::get("/api/v1/job")
+                .header("authorization", "Bearer owner-token")
+                .body(Body::empty())
+                .unwrap(),
+        ),
+    )
+    .await
+    .expect("the owner is answered, not queued for good")
+    .unwrap();
+    assert_eq!(owner.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(owner.headers().contains_key("retry-after"), "{:?}", owner.headers());
+    // The flood answered: the owner is let in.
+    let mut answered = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..100 {
+        release.notify_waiters();
+        answered = get_as(&app, "/api/v1/job", Some("Bearer owner-token")).await;
+        if answered == StatusCode::OK {
+            break;
+        }
+    }
+    assert_eq!(answered, StatusCode::OK);
+    release.notify_waiters();
+    for f in flood {
+        let s = f.await.unwrap();
+        assert!(
+            s == StatusCode::UNAUTHORIZED || s == StatusCode::SERVICE_UNAVAILABLE,
+            "{s}"
+        );
+    }
+}
+
 async fn get_json(app: &Router, uri: &str) -> (StatusCode, serde_json::Value) {
     let (s, ctype, body) = get(app, uri).await;
     assert!(ctype.starts_with("application/json"), "{uri}: content type {ctype}");
@@ -677,6 +834,23 @@ async fn sse_lagging_client_gets_resync() {
         .unwrap();
     let text = format!("{first:?}");
     assert!(text.contains("resync"), "{text}");
+}
+
+/// An event stream ends after its life with a `reopen` event (the page then opens it
+/// again with a new ticket), so an open stream outlives its opener's credential by that
+/// much at most.
+#[tokio::test]
+async fn an_event_stream_ends_after_its_life_asking_to_be_reopened() {
+    let hub = demo_hub(2, 1);
+    let stream = super::sse::for_a_while(super::sse::event_stream(hub.clone(), None), Duration::from_millis(200));
+    hub.publish("task", serde_json::json!({"n": 1}));
+    let all: Vec<_> = tokio::time::timeout(Duration::from_secs(60), stream.collect::<Vec<_>>())
+        .await
+        .expect("the stream ends");
+    let texts: Vec<String> = all.iter().map(|e| format!("{e:?}")).collect();
+    let last = texts.last().expect("at least the reopen event");
+    assert!(last.contains("reopen"), "{texts:?}");
+    assert_eq!(texts.iter().filter(|t| t.contains("reopen")).count(), 1, "{texts:?}");
 }
 
 /// The dashboard as served (`serve_with`): a request naming another host (DNS rebinding)

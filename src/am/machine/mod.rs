@@ -464,15 +464,30 @@ impl JobMachine {
             self.finish(now);
             return;
         }
-        let due = self.last_refresh.is_none_or(|t| {
-            now.at.saturating_duration_since(t) >= Duration::from_millis(self.settings.node_refresh_interval_ms)
-        });
+        // Only a job with something to place needs the node view fresh; the allocate
+        // answers bring an idle one the changed nodes anyway.
+        let due = !self.idle()
+            && self.last_refresh.is_none_or(|t| {
+                now.at.saturating_duration_since(t) >= Duration::from_millis(self.settings.node_refresh_interval_ms)
+            });
         if due {
             self.last_refresh = Some(now.at);
             self.out.effects.push(Effect::FetchNodes);
         } else {
             self.place_and_ask(now);
         }
+    }
+
+    /// Nothing to place, ask for, launch or give back: every task runs or is done, no
+    /// preemption notice is open and the job has not ended. Its heartbeat may be held by
+    /// the RM (`am.idle_hold_ms`).
+    pub(super) fn idle(&self) -> bool {
+        self.end.is_none()
+            && self.preempt.is_empty()
+            && self
+                .tasks
+                .iter()
+                .all(|t| matches!(t.state, TaskState::ContainerRunning | TaskState::TaskCompleted))
     }
 
     fn kill(&mut self, reason: &str) {

@@ -149,12 +149,16 @@ impl JobMachine {
         if gang.is_some() && !asks.is_empty() {
             self.gang_round += 1;
         }
+        let hold_ms = (self.idle() && asks.is_empty() && self.cancels.is_empty() && self.releases.is_empty())
+            .then_some(self.settings.idle_hold_ms)
+            .filter(|&ms| ms > 0);
         AllocateRequest {
             response_id: self.response_id,
             progress: self.progress(),
             asks,
             cancels: std::mem::take(&mut self.cancels),
             releases: std::mem::take(&mut self.releases),
+            hold_ms,
             waiting: Some(crate::am::queueing::waiting_demand(
                 &self.job,
                 &self.tasks,

@@ -848,3 +848,47 @@ fn the_node_view_is_reported_whole_once_then_by_changes() {
     let out = m.step(Input::Allocated(Ok(AllocateResponse::default())), now);
     assert!(nodes_events(&out.events).is_empty());
 }
+
+/// An AM with nothing to place, ask for, launch or give back lets the RM hold its
+/// heartbeat (`am.idle_hold_ms`), and skips the node refresh; one with a task to place,
+/// or a container to give back, is not held (issue 29).
+#[test]
+fn only_an_idle_am_lets_the_rm_hold_its_heartbeat() {
+    let (mut m, now) = machine(
+        "name: j\ntaskRoles:\n  w:\n    instances: 2\n    taskRetryCount: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10}\n    commands: [\"true\"]\n",
+    );
+    let req = heartbeat(&mut m, now);
+    assert_eq!((req.asks.len(), req.hold_ms), (2, None), "asking: not held");
+    // One granted, the other refused: that task waits to be asked for again.
+    let g0 = grant(&req.asks[0], "c0");
+    let refused = crate::protocol::Rejection {
+        request_id: req.asks[1].request_id,
+        reason: "taken".into(),
+        retryable: true,
+        wait: None,
+    };
+    let resp = AllocateResponse {
+        rejected: vec![refused],
+        ..granted(vec![g0])
+    };
+    answer(&mut m, resp, now);
+    let later = now.after(Duration::from_secs(60));
+    let req = heartbeat(&mut m, later);
+    assert_eq!(req.hold_ms, None, "a task still waits: not held");
+    let g1 = grant(&req.asks[0], "c1");
+    answer(&mut m, granted(vec![g1]), later);
+    assert!(m.tasks().iter().all(|t| t.state == TaskState::ContainerRunning));
+    // Both run: held, and no node refresh although one is long due.
+    let much_later = later.after(Duration::from_secs(60));
+    let out = m.step(Input::Heartbeat, much_later);
+    let Effect::Allocate(req) = effect(out) else {
+        panic!("an idle AM refreshed its node view")
+    };
+    assert_eq!(req.hold_ms, Some(AmSettings::default().idle_hold_ms));
+    // A task fails and is retried: it has a container to give back and a task to
+    // place, so its next heartbeat is not held.
+    answer(&mut m, completed("c0", 1), much_later);
+    let req = heartbeat(&mut m, much_later.after(Duration::from_secs(5)));
+    assert!(!req.releases.is_empty() || !req.asks.is_empty(), "{req:?}");
+    assert_eq!(req.hold_ms, None);
+}

@@ -10,7 +10,7 @@ use axum::http::HeaderMap;
 use axum::Json;
 
 use super::containers::spawn_stops;
-use super::http::{authorize_app, ApiError, ApiJson};
+use super::http::{app_ref, authorize_app, ApiError, ApiJson};
 use super::{scheduling, transactions, Rm};
 use crate::protocol::{
     now_ms, AllocateRequest, AllocateResponse, FinishRequest, FinishResponse, RegisterRequest, RegisterResponse,
@@ -33,7 +33,6 @@ pub(super) async fn am_allocate(
     headers: HeaderMap,
     ApiJson(req): ApiJson<AllocateRequest>,
 ) -> Result<Json<AllocateResponse>, ApiError> {
-    let started = Instant::now();
     if let Some(w) = &req.waiting {
         scheduling::check_waiting(w).map_err(ApiError::bad_request)?;
     }
@@ -44,6 +43,22 @@ pub(super) async fn am_allocate(
             &format!("{} asks in one allocate request", req.asks.len()),
         ));
     }
+    if let Some(hold) = req.hold(rm.limits.max_allocate_hold) {
+        // Nothing to act on: wait (without the lock) until something for this
+        // application happens or the hold ends, then answer as usual.
+        let wake = {
+            let st = rm.lock();
+            authorize_app(&st.apps, &id, &headers)?;
+            let app = app_ref(&st.apps, &id)?;
+            let replay = app.last_allocate.as_ref().is_some_and(|(r, _)| *r == req.response_id);
+            let news = app.has_news() || replay || !scheduling::notices_for(&st, &id).is_empty();
+            (!news).then(|| app.wake.clone())
+        };
+        if let Some(wake) = wake {
+            let _ = tokio::time::timeout(hold, wake.notified()).await;
+        }
+    }
+    let started = Instant::now();
     let done = {
         let mut st = rm.lock();
         authorize_app(&st.apps, &id, &headers)?;

@@ -52,6 +52,7 @@ struct QueuePoolLabel {
 #[derive(Clone)]
 pub(super) struct RmMetrics {
     grants: Counter,
+    node_reports: Counter,
     rejections: Family<ReasonLabel, Counter>,
     allocate_latency: Histogram,
 }
@@ -60,6 +61,7 @@ impl Default for RmMetrics {
     fn default() -> Self {
         RmMetrics {
             grants: Counter::default(),
+            node_reports: Counter::default(),
             rejections: Family::default(),
             allocate_latency: Histogram::new(LATENCY_BUCKETS),
         }
@@ -80,6 +82,11 @@ pub(super) enum Refusal {
 impl RmMetrics {
     pub(super) fn granted(&self, n: usize) {
         self.grants.inc_by(n as u64);
+    }
+
+    /// Changed nodes sent in allocate answers.
+    pub(super) fn sent_node_reports(&self, n: usize) {
+        self.node_reports.inc_by(n as u64);
     }
 
     pub(super) fn refused(&self, why: Refusal, n: usize) {
@@ -149,6 +156,11 @@ fn scrape_registry(rm: &Shared) -> Registry {
     );
     reg.register("grants", "Containers granted", rm.metrics.grants.clone());
     reg.register(
+        "node_reports_sent",
+        "Changed nodes sent in allocate answers",
+        rm.metrics.node_reports.clone(),
+    );
+    reg.register(
         "rejections",
         "Asks refused, by reason (queue: the queue gate; busy: taken now; never: can never fit)",
         rm.metrics.rejections.clone(),
@@ -161,12 +173,17 @@ fn scrape_registry(rm: &Shared) -> Registry {
     reg
 }
 
-pub(super) async fn metrics(State(rm): Rm) -> Response {
+/// One scrape as OpenMetrics text.
+pub(super) fn metrics_text(rm: &Shared) -> String {
     let mut out = String::with_capacity(4096);
-    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &scrape_registry(&rm)) {
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &scrape_registry(rm)) {
         tracing::error!("metrics encoding failed: {e}");
     }
-    let mut r = out.into_response();
+    out
+}
+
+pub(super) async fn metrics(State(rm): Rm) -> Response {
+    let mut r = metrics_text(&rm).into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         axum::http::HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),

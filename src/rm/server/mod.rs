@@ -97,6 +97,9 @@ pub struct RmLimits {
     pub max_asks_per_allocate: usize,
     /// A job may ask for a dashboard address that is not loopback.
     pub allow_public_dashboards: bool,
+    /// The longest an idle AM's allocate call is held (`AllocateRequest::hold_ms`;
+    /// `protocol::MAX_ALLOCATE_HOLD_MS`, longer only in tests).
+    pub max_allocate_hold: Duration,
 }
 
 impl From<&crate::config::RmSettings> for RmLimits {
@@ -106,6 +109,7 @@ impl From<&crate::config::RmSettings> for RmLimits {
             max_apps_per_user: s.max_apps_per_user,
             max_asks_per_allocate: s.max_asks_per_allocate,
             allow_public_dashboards: s.allow_public_dashboards,
+            max_allocate_hold: Duration::from_millis(crate::protocol::MAX_ALLOCATE_HOLD_MS),
         }
     }
 }
@@ -449,7 +453,6 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             Some(Arc::new(crate::node::remote::AgentNodes::new(
                 credentials,
                 secret,
-                events_tx.clone(),
                 opts.agent_ca_file.as_deref(),
             )?))
         }
@@ -527,10 +530,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let s = shared.clone();
     background.push(tokio::spawn(async move {
         while let Some(ev) = events_rx.recv().await {
-            let crate::node::NodeEvent::Exited { container_id, .. } = &ev;
-            let dead = container_id.clone();
             on_node_event(&s, ev);
-            logs::spawn_collect(&s, dead);
         }
     }));
     await_agents(&shared, Instant::now() + opts.node_reregister_grace);
@@ -687,6 +687,11 @@ impl RmHandle {
     /// `http://host:port` or `https://…` (loopback when listening on all interfaces).
     pub fn base_url(&self) -> String {
         self.shared.base_url.clone()
+    }
+
+    /// What `GET /metrics` answers now (OpenMetrics text), read in-process.
+    pub fn metrics_text(&self) -> String {
+        dashboard::metrics_text(&self.shared)
     }
 
     /// The bearer token of administrative calls (node state changes, kill).

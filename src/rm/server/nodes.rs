@@ -4,9 +4,11 @@
 //! kept), and agent liveness (silent for `rm.node_expiry_sec` → LOST).
 //!
 //! Freed only when dead: every path that ends a running container stops it (held) and
-//! frees it when its node reports it dead ([`on_node_event`]); the state changes are the
-//! node transactions of `transactions`. A LOST agent's containers stay held until it
-//! returns and reports them dead or gone.
+//! frees it when its node reports it dead (an agent in its heartbeat or registration,
+//! taken and stored before the answer acknowledges it: [`take_deaths`]; the RM's own
+//! nodes by event: [`on_node_event`]); the state changes are the node transactions of
+//! `transactions`. A LOST agent's containers stay held until it returns and reports them
+//! dead or gone.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,14 +23,14 @@ use tokio::task::JoinHandle;
 use super::cluster::known_host;
 use super::containers::stop_running;
 use super::http::{bearer, ApiError, ApiJson, Caller};
-use super::state::RmState;
+use super::state::{RmState, StateGuard};
 use super::transactions::{self, Registration};
 use super::{Rm, Shared};
 use crate::cluster::{Node, NodeState};
 use crate::node::remote::AgentNodes;
-use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply};
+use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply, ContainerReport};
 use crate::node::{InProcessNode, NodeBackend, NodeEvent};
-use crate::protocol::now_ms;
+use crate::protocol::{exit_status, now_ms, ContainerState};
 
 /// The node backends of this RM: a Ray cluster (`--backend ray`: every host), else
 /// registered agents, else the in-process node.
@@ -51,9 +53,10 @@ impl Nodes {
     }
 }
 
-/// A node says a container is dead: free it (and tell its application if it had not
-/// heard yet).
-pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
+/// One of the RM's own nodes (in-process, Ray driver) says a container is dead: free it
+/// (and tell its application if it had not heard yet), and collect its logs. Node agents'
+/// reports are taken in their heartbeat's transaction instead ([`take_deaths`]).
+pub(super) fn on_node_event(rm: &Arc<Shared>, ev: NodeEvent) {
     let NodeEvent::Exited {
         container_id,
         exit_status,
@@ -61,6 +64,30 @@ pub(super) fn on_node_event(rm: &Shared, ev: NodeEvent) {
         .. // the cause: the diagnostics lead with its words, which the AM reads back
     } = ev;
     transactions::container_exited(&mut rm.lock(), &container_id, exit_status, diagnostics);
+    super::logs::spawn_collect(rm, container_id);
+}
+
+/// An agent's reports of dead containers (its own: [`transactions::own_reports`]), taken
+/// in the transaction of its heartbeat or registration, each ended only when it is on
+/// `host` ([`transactions::node_reported_exit`]), and stored before `reply` acknowledges
+/// them (the agent forgets what is acknowledged, so an RM that dies after answering must
+/// have them). When the store cannot take them, `reply` acknowledges nothing and the
+/// agent reports them again. The ids taken (their logs are to be collected).
+fn take_deaths(st: &mut StateGuard, host: &str, own: &[ContainerReport], reply: &mut AgentReply) -> Vec<String> {
+    let taken = own
+        .iter()
+        .filter(|r| r.state == ContainerState::Complete)
+        .filter(|r| {
+            let exit = r.exit_status.unwrap_or(exit_status::ABORTED);
+            transactions::node_reported_exit(st, host, &r.container_id, exit, r.diagnostics.clone()).is_ok()
+        })
+        .map(|r| r.container_id.clone())
+        .collect();
+    if st.commit().is_err() {
+        tracing::warn!(%host, "the state store failed: the agent's reported deaths are not acknowledged (it reports them again)");
+        reply.acknowledged.clear();
+    }
+    taken
 }
 
 /// Marks silent agents LOST, every second: their containers end for their applications
@@ -203,7 +230,7 @@ pub(super) async fn agent_register(
     let decl = declaration_of(&req).map_err(ApiError::bad_request)?;
     let host = req.host.clone();
     let fingerprint = agents.fingerprint(&host);
-    let (reply, own) = {
+    let (reply, own, taken) = {
         let mut st = rm.lock();
         // Checked again under the lock: a removal may have come since `node_agents`.
         if let Some(refused) = removal_refusal(&st, &host, fingerprint.as_deref()) {
@@ -213,6 +240,7 @@ pub(super) async fn agent_register(
             Registration::StopFirst(reply) => return Ok(Json(reply)),
             Registration::Joined { new, reply, own } => (new, reply, own),
         };
+        let taken = take_deaths(&mut st, &host, &own, &mut reply);
         agents.register(&host, &req.http_address, Instant::now());
         reply.host_key = agents.host_key_hex(&host);
         tracing::info!(
@@ -225,10 +253,12 @@ pub(super) async fn agent_register(
             "node agent registered ({})",
             req.containment
         );
-        (reply, own)
+        (reply, own, taken)
     };
-    // Dead ones reported at registration free their resources now.
     agents.heartbeat(&host, &own, Instant::now());
+    for id in taken {
+        super::logs::spawn_collect(&rm, id);
+    }
     Ok(Json(reply))
 }
 
@@ -247,7 +277,16 @@ pub(super) async fn agent_heartbeat(
             ..Default::default()
         }));
     }
-    Ok(Json(transactions::agent_heartbeat(&mut rm.lock(), &host, &own)))
+    let (reply, taken) = {
+        let mut st = rm.lock();
+        let mut reply = transactions::agent_heartbeat(&mut st, &host, &own);
+        let taken = take_deaths(&mut st, &host, &own, &mut reply);
+        (reply, taken)
+    };
+    for id in taken {
+        super::logs::spawn_collect(&rm, id);
+    }
+    Ok(Json(reply))
 }
 
 /// What changed between a host's stored declaration and a new registration in what it
@@ -428,26 +467,7 @@ mod tests {
         );
 
         // A container running on a2: refused without force.
-        let (id, token) = rm.register_test_app("job");
-        let am = RmClient::for_app(&rm.base_url(), &id, &token);
-        am.register(&Default::default()).await.unwrap();
-        let granted = am
-            .allocate(&AllocateRequest {
-                asks: vec![crate::protocol::Ask {
-                    request_id: 1,
-                    host: "a2".into(),
-                    cpu: 1,
-                    memory_mb: 10,
-                    gpu_mask: 0x1,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .allocated;
-        let cid = granted[0].container_id.clone();
-        rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        let (am, cid, _) = running_on(&rm, "a2").await;
         let (code, v) = call(&rm, delete.clone(), &del("a2"), &admin, json!({})).await;
         assert!(code == 409 && v["message"].as_str().unwrap().contains("--force"), "{v}");
         assert_eq!(hosts(&rm).await, ["a1", "a2", "n1"], "nothing changed");
@@ -516,6 +536,173 @@ mod tests {
         assert_eq!(hosts(&rm).await, ["a1", "n1"]);
         assert!(!rm.shared.lock().removed_hosts.contains_key("a1"));
         assert!(rm.shared.lock().removed_hosts.contains_key("a2"));
+        rm.audit_usage().unwrap();
+        rm.shutdown().await;
+    }
+
+    /// An RM (its directory kept until the test ends) with node agents `hosts` registered,
+    /// and their tokens.
+    async fn agents_registered(hosts: &[&str]) -> (tempfile::TempDir, RmHandle, Vec<String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes_file = dir.path().join("nodes.yaml");
+        let tokens: Vec<String> = hosts
+            .iter()
+            .map(|h| add_token_to(&nodes_file, h, Table::Nodes).unwrap())
+            .collect();
+        let rm = start(options(dir.path())).await.unwrap();
+        for (host, t) in hosts.iter().zip(&tokens) {
+            let (code, v) = register(&rm, t, registration(host)).await;
+            assert_eq!(code, 200, "{v}");
+        }
+        (dir, rm, tokens)
+    }
+
+    /// A job's AM and a container granted to it on `host`, marked running: (the AM's
+    /// client, the container, the allocate answer's response id).
+    async fn running_on(rm: &RmHandle, host: &str) -> (RmClient, String, u64) {
+        let (id, token) = rm.register_test_app("job");
+        let am = RmClient::for_app(&rm.base_url(), &id, &token);
+        am.register(&Default::default()).await.unwrap();
+        let granted = am
+            .allocate(&AllocateRequest {
+                asks: vec![crate::protocol::Ask {
+                    request_id: 1,
+                    host: host.into(),
+                    cpu: 1,
+                    memory_mb: 10,
+                    gpu_mask: 0x1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let cid = granted.allocated[0].container_id.clone();
+        rm.shared.lock().ledger.mark_running(&cid).unwrap();
+        (am, cid, granted.response_id)
+    }
+
+    /// The containers the AM's next allocate answer (after `response_id`) reports ended.
+    async fn completed_after(am: &RmClient, response_id: u64) -> Vec<crate::protocol::CompletedContainer> {
+        let answer = am
+            .allocate(&AllocateRequest {
+                response_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        answer.completed
+    }
+
+    /// A peer agent never ends another host's container: agent a2 (its own valid
+    /// credential) reports a1's running container dead. Through its heartbeat the report is
+    /// dropped; and a report that got past that filter (the race: the id unknown when it was
+    /// filtered, granted on a1 since) is refused by the transaction that would end the
+    /// container. a1's own report ends it with a1's exit status.
+    #[tokio::test]
+    async fn a_peer_agent_s_exit_report_never_ends_another_host_s_container() {
+        let (_dir, rm, tokens) = agents_registered(&["a1", "a2"]).await;
+        let (t1, t2) = (&tokens[0], &tokens[1]);
+        let (am, cid, response_id) = running_on(&rm, "a1").await;
+        let dead = |exit: i32, why: &str| crate::node::wire::ContainerReport {
+            container_id: cid.clone(),
+            state: ContainerState::Complete,
+            exit_status: Some(exit),
+            diagnostics: why.into(),
+            cause: None,
+        };
+        let beat = |host: &str| format!("/ws/v1/node-agents/{host}/heartbeat");
+        let post = reqwest::Method::POST;
+        let forged = json!({ "containers": [dead(0, "forged by a2")] });
+        let (code, v) = call(&rm, post.clone(), &beat("a2"), t2, forged).await;
+        assert_eq!(code, 200, "{v}");
+        let acknowledged = v["acknowledged"].as_array().cloned().unwrap_or_default();
+        assert!(!acknowledged.contains(&json!(cid)), "a2's forgery is not taken: {v}");
+        // The race window: a2's report past the heartbeat's filter (taken under another
+        // lock), as if the id had been unknown then.
+        let mut reply = AgentReply::default();
+        let taken = take_deaths(&mut rm.shared.lock(), "a2", &[dead(0, "forged by a2")], &mut reply);
+        assert!(taken.is_empty(), "refused in the transaction: {taken:?}");
+        let state = rm.shared.lock().ledger.container(&cid).map(|c| (c.state, c.held));
+        assert_eq!(state, Some((ContainerState::Running, false)), "a1's container runs on");
+        // a1's own report ends it: the AM hears a1's status.
+        let real = json!({ "containers": [dead(137, "killed on a1")] });
+        let (code, v) = call(&rm, post, &beat("a1"), t1, real).await;
+        assert_eq!(code, 200, "{v}");
+        // Taken in the heartbeat's transaction: the AM's next answer has it.
+        let completed = completed_after(&am, response_id).await;
+        assert_eq!(completed.len(), 1, "{completed:?}");
+        assert_eq!(completed[0].container_id, cid);
+        assert_eq!(completed[0].exit_status, 137, "a1's report, not a2's: {completed:?}");
+        assert!(completed[0].diagnostics.contains("killed on a1"), "{completed:?}");
+        rm.audit_usage().unwrap();
+        rm.shutdown().await;
+    }
+
+    /// An agent's death report is stored before the answer acknowledges it (the agent
+    /// forgets what is acknowledged): while the store fails, the death is not acknowledged
+    /// and the agent keeps reporting it; once the store works, the answer that acknowledges
+    /// it comes after its commit, and the AM hears the agent's exit status.
+    #[tokio::test]
+    async fn an_agent_s_death_report_is_stored_before_it_is_acknowledged() {
+        let (_dir, rm, tokens) = agents_registered(&["a1"]).await;
+        let t1 = tokens[0].clone();
+        let (am, cid, response_id) = running_on(&rm, "a1").await;
+        let dead = json!({ "containers": [crate::node::wire::ContainerReport {
+            container_id: cid.clone(),
+            state: ContainerState::Complete,
+            exit_status: Some(3),
+            diagnostics: "exited 3".into(),
+            cause: None,
+        }] });
+        let beat = |rm: &RmHandle| {
+            let (rm_url, t1, dead) = (rm.base_url(), t1.clone(), dead.clone());
+            async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{rm_url}/ws/v1/node-agents/a1/heartbeat"))
+                    .bearer_auth(t1)
+                    .json(&dead)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status().as_u16(), 200);
+                r.json::<AgentReply>().await.unwrap()
+            }
+        };
+        // The store fails (its next whole write not due yet): nothing is acknowledged.
+        {
+            let mut st = rm.shared.lock();
+            st.store_health.failing = Some("disk full (test)".into());
+            st.store_health.last_whole_attempt = Some(Instant::now() + Duration::from_secs(3600));
+        }
+        let reply = beat(&rm).await;
+        assert!(
+            !reply.acknowledged.contains(&cid),
+            "acknowledged while not stored: {reply:?}"
+        );
+        // The store works again: the report made again is acknowledged, and stored by then.
+        {
+            let mut st = rm.shared.lock();
+            st.store_health.failing = None;
+            st.store_health.last_whole_attempt = None;
+        }
+        let reply = beat(&rm).await;
+        assert_eq!(reply.acknowledged, vec![cid.clone()]);
+        {
+            let st = rm.shared.lock();
+            let c = st.ledger.container(&cid).map(|c| (c.state, c.held));
+            assert_eq!(c, Some((ContainerState::Complete, false)));
+            assert!(
+                !st.ledger.has_changes() && !st.apps.has_changes(),
+                "committed before the answer"
+            );
+        }
+        let completed = completed_after(&am, response_id).await;
+        assert_eq!(completed.len(), 1, "{completed:?}");
+        assert_eq!(
+            (completed[0].exit_status, completed[0].diagnostics.as_str()),
+            (3, "exited 3")
+        );
         rm.audit_usage().unwrap();
         rm.shutdown().await;
     }

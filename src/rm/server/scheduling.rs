@@ -362,6 +362,9 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
                 work.notify
                     .push((host.clone(), held.container_id.clone(), deadline_ms, v.reason.clone()));
             }
+            if let Some(app) = st.apps.get(&app_id) {
+                app.wake.notify_one();
+            }
             st.sched.preempting.insert(
                 held.container_id.clone(),
                 Preempting {

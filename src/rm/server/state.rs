@@ -50,7 +50,7 @@ pub(super) struct StoreHealth {
     pub(super) write_errors: u64,
     /// Whole-state writes that ended a failure.
     pub(super) recoveries: u64,
-    last_whole_attempt: Option<Instant>,
+    pub(super) last_whole_attempt: Option<Instant>,
     /// When a failure was last logged (while failing, at most every [`FAILING_LOG_EVERY`]).
     last_logged: Option<Instant>,
     /// The container sequence the store has (so a grant writes the counter too).

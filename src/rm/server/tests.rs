@@ -704,3 +704,75 @@ async fn an_am_refreshes_its_node_view_by_changes_only() {
     other.shutdown().await;
     rm.shutdown().await;
 }
+
+/// An idle AM's held heartbeat (issue 29) is answered as soon as something for its
+/// application happens, a container of it ending or the application killed, not when the
+/// hold ends (ten minutes here, far past the test's patience); a call that asks for
+/// something is never held.
+#[tokio::test]
+async fn a_held_heartbeat_is_answered_when_a_container_of_the_job_ends_or_it_is_killed() {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::RegisterRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let mut opts = RmOptions {
+        launch_am: false,
+        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+    };
+    opts.limits.max_allocate_hold = Duration::from_secs(600);
+    let rm = start(opts).await.unwrap();
+    let (id, tok) = rm.register_test_app("held");
+    let am = RmClient::for_app(&rm.base_url(), &id, &tok);
+    am.register(&RegisterRequest::default()).await.unwrap();
+    let patience = Duration::from_secs(60);
+    let held = |response_id: u64| AllocateRequest {
+        response_id,
+        hold_ms: Some(600_000),
+        ..Default::default()
+    };
+    // Asking is not held, whatever the AM says.
+    let asked = AllocateRequest {
+        asks: vec![ask(1, "n1", 0x1)],
+        ..held(0)
+    };
+    let resp = tokio::time::timeout(patience, am.allocate(&asked))
+        .await
+        .expect("an allocate call that asks was held")
+        .unwrap();
+    assert_eq!(resp.allocated.len(), 1);
+    let c = resp.allocated[0].clone();
+    // The held call is answered when the container ends (a task that exits by itself).
+    let call = tokio::spawn({
+        let am = am.clone();
+        let req = held(resp.response_id);
+        async move { am.allocate(&req).await }
+    });
+    let ctx = LaunchContext {
+        commands: vec!["sleep 1".into()],
+        env: Default::default(),
+    };
+    am.start_container(&c.node_http_address, "n1", &c.container_id, &ctx)
+        .await
+        .unwrap();
+    let resp = tokio::time::timeout(patience, call)
+        .await
+        .expect("the held call was not answered when its container ended")
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.completed.len(), 1, "{resp:?}");
+    assert_eq!(resp.completed[0].container_id, c.container_id);
+    // Killed while held: answered with the shutdown.
+    let call = tokio::spawn({
+        let am = am.clone();
+        let req = held(resp.response_id);
+        async move { am.allocate(&req).await }
+    });
+    let admin = RmClient::new(&rm.base_url());
+    admin.kill(&id, rm.admin_token()).await.unwrap();
+    let resp = tokio::time::timeout(patience, call)
+        .await
+        .expect("the held call was not answered when its application was killed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.command, Some(AmCommand::Shutdown));
+}

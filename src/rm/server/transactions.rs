@@ -36,7 +36,7 @@ use crate::protocol::{
     ContainerStatus, FinalStatus, FinishRequest, PreviousContainer, RegisterRequest, RegisterResponse, Rejection,
 };
 use crate::rm::apps::{AmLaunch, App, Apps};
-use crate::rm::ledger::{Ended, DIAG_EXPIRED, DIAG_LOST_NODE};
+use crate::rm::ledger::{Ended, DIAG_LOST_NODE};
 use axum::http::StatusCode;
 
 /// How a container ends.
@@ -92,6 +92,7 @@ pub(super) fn report_ended(apps: &mut Apps, e: &Ended) {
             exit_status: e.exit_status,
             diagnostics: e.diagnostics.clone(),
         });
+        app.wake.notify_one();
     }
 }
 
@@ -222,6 +223,7 @@ pub(super) fn kill_app(st: &mut StateGuard, id: &str, who: &str) -> Result<Done<
         format!("Application killed by user ({who})"),
     );
     app.shutdown = true;
+    app.wake.notify_one();
     let ended = end_app_containers(
         st,
         id,
@@ -474,6 +476,7 @@ pub(super) fn allocate(
         })
         .collect();
     app.nodes_seen = st.ledger.epoch();
+    metrics.sent_node_reports(out.updated_nodes.len());
     app.last_allocate = Some((req.response_id, out.clone()));
     Ok(Done {
         answer: out,
@@ -699,12 +702,9 @@ pub(super) fn end_all(st: &mut StateGuard, exit: i32, why: &str) -> Vec<Ended> {
 /// Grants never started within the container expiry at `now` are taken back (their
 /// applications hear of it).
 pub(super) fn expire(st: &mut StateGuard, now: Instant) -> Vec<Ended> {
-    let due = st.ledger.expired(now);
-    let ended: Vec<Ended> = due
-        .iter()
-        .filter_map(|id| end_container(st, id, Ending::Dead, exit_status::ABORTED, DIAG_EXPIRED, Tell::App))
-        .collect();
+    let ended = st.ledger.expire(now);
     for e in &ended {
+        report_ended(&mut st.apps, e);
         tracing::info!(container = %e.container_id, app = %e.app_id, "container expired unused");
     }
     st.commit_or_log();
@@ -722,6 +722,30 @@ pub(super) fn container_exited(st: &mut StateGuard, id: &str, exit: i32, diagnos
     st.commit_or_log();
     ended
 }
+
+/// A node agent reports a container dead. `reporter`, its host, must be the host the
+/// ledger places the container on: checked here, in the transaction that ends it, so a
+/// report let through while the id was unknown (before a grant placed it elsewhere) ends
+/// nothing of another host's.
+pub(super) fn node_reported_exit(
+    st: &mut StateGuard,
+    reporter: &str,
+    id: &str,
+    exit: i32,
+    diagnostics: String,
+) -> Result<Option<Ended>, NotItsHost> {
+    if let Some(placed) = st.ledger.container(id).map(|c| c.container.host.as_str()) {
+        if placed != reporter {
+            tracing::warn!(%reporter, host = %placed, container = %id, "a node agent reported another host's container dead: refused");
+            return Err(NotItsHost);
+        }
+    }
+    Ok(container_exited(st, id, exit, diagnostics))
+}
+
+/// A node agent's report of a container the ledger places on another host: refused.
+#[derive(Debug)]
+pub(super) struct NotItsHost;
 
 /// A node's state changes: unusable states end its containers for their applications
 /// (-100, the lost-node diagnostics; running ones stay held until the node reports them
@@ -904,12 +928,10 @@ pub(super) fn remove_host(
         )));
     }
     let why = format!("{DIAG_LOST_NODE} (host `{host}` was removed by an administrator)");
-    let ids = st.ledger.held_or_live_on(host).unwrap_or_default();
-    let ended = ids
-        .iter()
-        .filter_map(|id| end_container(st, id, Ending::Dead, exit_status::ABORTED, &why, Tell::App))
-        .collect();
-    st.ledger.forget_node(host);
+    let ended = st.ledger.remove_node(host, &why).unwrap_or_default();
+    for e in &ended {
+        report_ended(&mut st.apps, e);
+    }
     st.agent_nodes.remove(host);
     st.agent_nodes_dirty.insert(host.to_string());
     st.removed_hosts.insert(
@@ -1122,7 +1144,7 @@ mod tests {
         assert_eq!(ended[0].container_id, c);
         assert_eq!(used(&st), Resources::default());
         let answer = allocate_asks(&mut st, &id, 4, vec![], vec![]).answer;
-        assert_eq!(answer.completed[0].diagnostics, DIAG_EXPIRED);
+        assert_eq!(answer.completed[0].diagnostics, crate::rm::ledger::DIAG_EXPIRED);
         st.ledger.audit_usage().unwrap();
     }
 
