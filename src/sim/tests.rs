@@ -681,3 +681,35 @@ fn utilization_over_the_arrivals_span_counts_only_that_span() {
         assert!((s["utilization"] - 2200.0 / 4400.0).abs() < 1e-9, "{p}");
     }
 }
+
+/// The queueing flags: a reservation bound implies backfill; bad values name the flag.
+#[test]
+fn queueing_flags_are_checked_and_a_reservation_implies_backfill() {
+    let q = SimOptions::queueing_of(false, None, Some(32), "declared:2", 32).unwrap();
+    assert!(q.backfill);
+    assert_eq!(
+        q.reserve,
+        Some(Policy {
+            wait_bound_ms: u64::MAX,
+            min_gpus: 32
+        })
+    );
+    assert_eq!(q.limit, reserve::Limit::Declared(2.0));
+    let w = SimOptions::queueing_of(false, Some(600), None, "learned", 8).unwrap();
+    assert_eq!(
+        w.reserve.map(|p| (p.wait_bound_ms, p.min_gpus)),
+        Some((600_000, u32::MAX))
+    );
+    let plain = SimOptions::queueing_of(false, None, None, "declared", 32).unwrap();
+    assert_eq!(plain, Queueing::default());
+    for (e, want) in [("guess", "--expected-end"), ("declared:-1", "positive")] {
+        match SimOptions::queueing_of(false, None, None, e, 32) {
+            Err(SimError::Usage(m)) => assert!(m.contains(want), "{m}"),
+            other => panic!("{e}: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        SimOptions::queueing_of(true, None, None, "declared", 0),
+        Err(SimError::Usage(m)) if m.contains("--big-gpus")
+    ));
+}
