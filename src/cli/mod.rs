@@ -314,6 +314,24 @@ struct SimArgs {
     /// Notice before a preempted job stops, in seconds (with --queues).
     #[arg(long, default_value_t = 30.0)]
     grace_sec: f64,
+    /// Queue discipline: every waiting job that fits starts, in arrival order (greedy
+    /// backfill), instead of FIFO with head-of-line blocking.
+    #[arg(long)]
+    backfill: bool,
+    /// Reservations (implies --backfill): a gang that has waited this long holds the one
+    /// reservation (the RM's reservation::Policy); others backfill around it.
+    #[arg(long, value_name = "SEC")]
+    reserve_wait_sec: Option<u64>,
+    /// Reservations (implies --backfill) for gangs of at least this many GPUs.
+    #[arg(long, value_name = "GPUS")]
+    reserve_min_gpus: Option<u32>,
+    /// Expected durations for reservations and start estimates: declared[:F] (the real
+    /// duration × F, rounded up to the minute) or learned (median of earlier jobs' durations).
+    #[arg(long, default_value = "declared")]
+    expected_end: String,
+    /// Gangs of at least this many GPUs are reported as big (bigWaitP95).
+    #[arg(long, default_value_t = 32)]
+    big_gpus: u32,
 }
 
 #[derive(Subcommand, Debug)]
@@ -603,24 +621,36 @@ pub fn main() -> i32 {
             token,
             listen,
         } => runtime.block_on(servers::am(&job, &rm, &app_id, &token, listen, settings)),
-        Cmd::Sim(a) => sim_exit(crate::sim::run(&crate::sim::SimOptions {
-            workload: a.workload,
-            topology: a.topology,
-            nodes: a.nodes,
-            jobs: a.jobs,
-            seeds: a.seeds,
-            load: a.load,
-            policies: a.policies,
-            mix: a.mix,
-            rack_size: a.rack_size,
-            json: a.json,
-            out: a.out,
-            scaling: a.scaling,
-            traces: a.traces,
-            queues: a.queues,
-            grace_sec: a.grace_sec,
-            topology_wait_sec: settings.select.topology_wait_sec,
-        })),
+        Cmd::Sim(a) => sim_exit(
+            crate::sim::SimOptions::queueing_of(
+                a.backfill,
+                a.reserve_wait_sec,
+                a.reserve_min_gpus,
+                &a.expected_end,
+                a.big_gpus,
+            )
+            .and_then(|queueing| {
+                crate::sim::run(&crate::sim::SimOptions {
+                    workload: a.workload,
+                    topology: a.topology,
+                    nodes: a.nodes,
+                    jobs: a.jobs,
+                    seeds: a.seeds,
+                    load: a.load,
+                    policies: a.policies,
+                    mix: a.mix,
+                    rack_size: a.rack_size,
+                    json: a.json,
+                    out: a.out,
+                    scaling: a.scaling,
+                    traces: a.traces,
+                    queues: a.queues,
+                    grace_sec: a.grace_sec,
+                    topology_wait_sec: settings.select.topology_wait_sec,
+                    queueing,
+                })
+            }),
+        ),
         Cmd::Bench { what } => match what {
             BenchCmd::Select {
                 iterations,

@@ -28,10 +28,21 @@ pub struct RunStats {
     pub mixed_type_jobs: u64,
     /// Seconds from arrival to start, per placed job.
     pub delays: Vec<f64>,
+    /// The same for big gangs (at least `Queueing::big_gpus` GPUs) and small jobs (one task,
+    /// fewer GPUs) (issue 27, item 3).
+    pub big_delays: Vec<f64>,
+    pub small_delays: Vec<f64>,
+    /// Per placed job with an estimate made at its submit: (|estimated − actual start|,
+    /// actual wait), seconds (issue 27, item 4).
+    pub estimate_err: Vec<(f64, f64)>,
     /// Wall clock of each choice call that placed a task (ns).
     pub decision_ns: Vec<u64>,
     pub gpu_seconds: f64,
+    /// GPU-seconds in use between the first and the last arrival (`utilizationArrivals`).
+    pub busy_gpu_seconds: f64,
     pub first_arrival: f64,
+    /// The last arrival (s).
+    pub last_arrival: f64,
     pub last_end: f64,
     pub cluster_gpus: u64,
     pub placed_jobs: u64,
@@ -89,7 +100,37 @@ pub const METRICS: &[&str] = &[
     "headCapacityFrac",
     "headFragmentedFrac",
     "headTopologyWaitFrac",
+    "bigWaitP95",
+    "smallWaitP50",
+    "bigJobs",
+    "estimateErrP50",
+    "estimateRelErrP50",
+    "estimateWithin20",
+    "utilizationArrivals",
 ];
+
+/// Jobs that waited at least this long are judged on the relative error of their estimate.
+pub const ESTIMATE_MIN_WAIT_SEC: f64 = 60.0;
+
+/// (median |error| s, median |error| / wait over the jobs that waited at least
+/// [`ESTIMATE_MIN_WAIT_SEC`], share of those within 20 % of their wait).
+fn estimate_summary(err: &[(f64, f64)]) -> (f64, f64, f64) {
+    let mut abs: Vec<f64> = err.iter().map(|e| e.0).collect();
+    abs.sort_by(f64::total_cmp);
+    let mut rel: Vec<f64> = err
+        .iter()
+        .filter(|e| e.1 >= ESTIMATE_MIN_WAIT_SEC)
+        .map(|e| e.0 / e.1)
+        .collect();
+    rel.sort_by(f64::total_cmp);
+    let within = if rel.is_empty() {
+        f64::NAN
+    } else {
+        rel.iter().filter(|&&r| r <= 0.2).count() as f64 / rel.len() as f64
+    };
+    let p50 = |v: &[f64]| if v.is_empty() { f64::NAN } else { percentile(v, 0.5) };
+    (p50(&abs), p50(&rel), within)
+}
 
 impl RunStats {
     /// The scalar metrics of this run (NaN where nothing was measured, e.g. no
@@ -114,6 +155,15 @@ impl RunStats {
                 x as f64 / self.multi_task_jobs as f64
             }
         };
+        let sorted = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let (big, small) = (sorted(&self.big_delays), sorted(&self.small_delays));
+        let nan_if_empty = |v: &[f64], p: f64| if v.is_empty() { f64::NAN } else { percentile(v, p) };
+        let (est_abs, est_rel, est_within) = estimate_summary(&self.estimate_err);
+        let span = self.last_arrival - self.first_arrival;
         let vals = [
             ratio(self.multi_ideal, self.multi_placed),
             ratio(self.multi_avail, self.multi_arrivals),
@@ -141,6 +191,17 @@ impl RunStats {
             head_frac(self.head_capacity_sec),
             head_frac(self.head_fragmented_sec),
             head_frac(self.head_topology_wait_sec),
+            nan_if_empty(&big, 0.95),
+            nan_if_empty(&small, 0.5),
+            big.len() as f64,
+            est_abs,
+            est_rel,
+            est_within,
+            if span > 0.0 && self.cluster_gpus > 0 {
+                self.busy_gpu_seconds / (self.cluster_gpus as f64 * span)
+            } else {
+                f64::NAN
+            },
         ];
         METRICS.iter().copied().zip(vals).collect()
     }
@@ -182,8 +243,9 @@ pub struct PolicyResult {
     pub values: BTreeMap<String, Option<f64>>,
     #[serde(skip)]
     pub delays: Vec<f64>,
-    /// Each seed's scalar metrics, in seed order (the paired comparison of the verdict).
-    #[serde(skip)]
+    /// Each seed's scalar metrics, in seed order (the paired comparison of the verdict;
+    /// `perSeed` in the JSON, NaN as null).
+    #[serde(rename = "perSeed")]
     pub per_seed: Vec<BTreeMap<&'static str, f64>>,
 }
 
@@ -266,5 +328,15 @@ mod tests {
         assert_eq!(s["queueDelayP50"], 20.0);
         assert_eq!(s["utilization"], 0.5);
         assert!(s["nodesOverMin"].is_nan(), "no multi-task job measured");
+        assert!(s["bigWaitP95"].is_nan() && s["estimateErrP50"].is_nan());
+        let e = RunStats {
+            estimate_err: vec![(10.0, 100.0), (50.0, 100.0), (5.0, 10.0), (0.0, 0.0)],
+            ..Default::default()
+        };
+        let s = e.summary();
+        // |error|: 0, 5, 10, 50 → 10; relative over the waits ≥ 60 s: 0.1, 0.5 → 0.5.
+        assert_eq!(s["estimateErrP50"], 10.0);
+        assert_eq!(s["estimateRelErrP50"], 0.5);
+        assert_eq!(s["estimateWithin20"], 0.5);
     }
 }

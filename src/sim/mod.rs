@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod policies;
 pub mod queues;
 pub mod report;
+pub mod reserve;
 pub mod workload;
 
 use std::cmp::Reverse;
@@ -34,13 +35,15 @@ use rand::{Rng, SeedableRng};
 use crate::cluster::ClusterView;
 use crate::config::SelectSettings;
 use crate::resources::{GpuMask, PortSet, Resources};
-use crate::select::{JobDemand, Outcome, Selector, TaskAsk, TaskShape};
-use crate::spec::TaskResources;
+use crate::select::{JobDemand, Outcome, PlacementRound, Selector, TaskAsk, TaskShape, TaskSlot};
+use crate::spec::{JobSpec, TaskResources, TaskRole};
 use crate::topology::{choose, Topology};
 
+use crate::rm::scheduler::reservation::{self, Policy, Release, Reservation, Room};
 use cluster::{SimCluster, Task};
 use metrics::{PolicyResult, RunStats};
 use policies::NodePolicy;
+use reserve::{ms, Ahead, Durations, Queueing};
 use workload::Job;
 
 /// Every policy the simulator knows, in report order.
@@ -54,6 +57,8 @@ pub enum Placer {
         hosts: HashMap<String, usize>,
         /// The last `place` failed because a task held out for a better GPU tier.
         held_for_tier: bool,
+        /// The last `place` was refused for good (e.g. a gang no single GPU type holds).
+        impossible: bool,
     },
     Other(Box<dyn NodePolicy>),
 }
@@ -74,6 +79,7 @@ impl Placer {
                     selector: Box::new(Selector::new(ClusterView::new(cl.to_nodes()), settings)),
                     hosts: cl.nodes.iter().enumerate().map(|(i, n)| (n.host.clone(), i)).collect(),
                     held_for_tier: false,
+                    impossible: false,
                 }
             }
             "original" => Placer::Other(Box::new(policies::Original { rng })),
@@ -144,25 +150,23 @@ impl Placer {
                 selector,
                 hosts,
                 held_for_tier,
+                impossible,
             } => {
                 *held_for_tier = false;
-                let mut demand = JobDemand::new(true);
-                for t in &job.tasks {
-                    demand.add_waiting(shape(t), 1);
-                }
-                for (i, t) in job.tasks.iter().enumerate() {
-                    let res = TaskResources {
-                        cpu: t.cpu,
-                        memory_mb: t.mem_mb,
-                        gpus: t.gpus,
-                        gpu_mask: None,
-                        ports: Vec::new(),
-                        ..Default::default()
-                    };
-                    let ask =
-                        TaskAsk::plain("task", &res, (job.tasks.len() - i) as u32).with_topology_wait(topology_wait);
+                *impossible = false;
+                // The AM's own placement round over the job as a gang spec: one GPU type
+                // per gang (select::one_type) and the request order come from there.
+                let (spec, task_of) = gang_spec(job);
+                let mut round = PlacementRound::new(&spec, |_, _| TaskSlot::Waiting {
+                    ready: true,
+                    topology_wait,
+                });
+                let mut at: Vec<Option<(usize, GpuMask)>> = vec![None; job.tasks.len()];
+                while let Some((ri, i)) = round.next_task() {
+                    let k = task_of[ri][i as usize];
+                    let t = &job.tasks[k];
                     let start = Instant::now();
-                    let sel = selector.select_and_reserve(&ask, &demand);
+                    let sel = round.place(selector, (ri, i)).selection;
                     let took = start.elapsed().as_nanos() as u64;
                     let p = match sel.outcome {
                         Outcome::Placed(p) => p,
@@ -171,7 +175,8 @@ impl Placer {
                             ok = false;
                             break;
                         }
-                        _ => {
+                        Outcome::Impossible { .. } => {
+                            *impossible = true;
                             ok = false;
                             break;
                         }
@@ -181,8 +186,7 @@ impl Placer {
                     match node {
                         Some(n) if cl.book(n, mask, t) => {
                             stats.decision_ns.push(took);
-                            demand.placed_with_gpus(&shape(t), &p.host, p.resources.gpu_mask);
-                            done.push((n, mask));
+                            at[k] = Some((n, mask));
                         }
                         _ => {
                             stats.refused += 1;
@@ -192,10 +196,16 @@ impl Placer {
                         }
                     }
                 }
-                if !ok {
-                    for ((node, mask), t) in done.iter().zip(&job.tasks) {
-                        selector.remove_requested(&cl.nodes[*node].host, &Self::resources(t, *mask), false);
-                        cl.free(*node, *mask, t);
+                if ok && at.iter().all(Option::is_some) {
+                    done = at.into_iter().flatten().collect();
+                } else {
+                    ok = false;
+                    for (k, slot) in at.iter().enumerate() {
+                        if let Some((node, mask)) = slot {
+                            let t = &job.tasks[k];
+                            selector.remove_requested(&cl.nodes[*node].host, &Self::resources(t, *mask), false);
+                            cl.free(*node, *mask, t);
+                        }
                     }
                 }
             }
@@ -215,6 +225,12 @@ impl Placer {
         )
     }
 
+    /// The last [`Placer::place`] was refused for good: no waiting makes the job fit (gpuam:
+    /// a gang that no single GPU type can ever hold).
+    fn impossible(&self) -> bool {
+        matches!(self, Placer::Gpuam { impossible: true, .. })
+    }
+
     /// Frees a finished job's tasks.
     pub fn release(&mut self, cl: &mut SimCluster, job: &Job, placed: &[(usize, GpuMask)]) {
         for ((node, mask), t) in placed.iter().zip(&job.tasks) {
@@ -231,6 +247,43 @@ impl Placer {
             stats.invalid = p.invalid();
         }
     }
+}
+
+/// The job as the AM sees a gang spec: one role per distinct task shape (in first-seen
+/// order), and per role the sim task behind each instance.
+fn gang_spec(job: &Job) -> (JobSpec, Vec<Vec<usize>>) {
+    let mut roles: Vec<TaskRole> = Vec::new();
+    let mut task_of: Vec<Vec<usize>> = Vec::new();
+    let mut shapes: Vec<Task> = Vec::new();
+    for (k, t) in job.tasks.iter().enumerate() {
+        let ri = match shapes.iter().position(|s| s == t) {
+            Some(ri) => ri,
+            None => {
+                shapes.push(*t);
+                roles.push(TaskRole {
+                    name: format!("r{}", roles.len()),
+                    resources: TaskResources {
+                        cpu: t.cpu,
+                        memory_mb: t.mem_mb,
+                        gpus: t.gpus,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                });
+                task_of.push(Vec::new());
+                roles.len() - 1
+            }
+        };
+        roles[ri].instances += 1;
+        task_of[ri].push(k);
+    }
+    let spec = JobSpec {
+        name: "sim".into(),
+        gang: true,
+        task_roles: roles,
+        ..Default::default()
+    };
+    (spec, task_of)
 }
 
 fn shape(t: &Task) -> TaskShape {
@@ -302,6 +355,17 @@ struct Engine<'a> {
     done: BinaryHeap<Reverse<(u64, usize)>>,
     running: HashMap<usize, Vec<(usize, GpuMask)>>,
     queue: VecDeque<usize>,
+    /// Queueing discipline, reservations and expected durations (issue 27, items 3 and 4).
+    mode: Queueing,
+    /// Per running job: its start and expected duration (`None`: unknown).
+    expected: HashMap<usize, (f64, Option<f64>)>,
+    /// Durations of the jobs that ended (learned limits).
+    history: Durations,
+    /// Per waiting job: its estimated start, made at its submit.
+    estimates: HashMap<usize, f64>,
+    /// GPUs held by running jobs, and the time up to which their use is counted.
+    used_gpus: u64,
+    counted_to: f64,
     max_node: f64,
     max_rack: f64,
     /// The placer's topology wait (seconds), and the time the queue's head stops waiting
@@ -312,6 +376,14 @@ struct Engine<'a> {
     head: HeadBlock,
     head_since: f64,
 }
+
+/// A job's tasks as reservations count them.
+fn rooms(job: &Job) -> Vec<Room> {
+    job.tasks.iter().map(reserve::room_of).collect()
+}
+
+/// A job's tasks as (GPUs, cores, memory MB): jobs alike for the policy.
+type Shape = Vec<(u32, u32, u64)>;
 
 /// Why the queue's head is not placed (docs/DESIGN-NOTES.md, "Where queueing delay comes
 /// from"): the job holds out for a better GPU tier (the topology wait), or the cluster lacks
@@ -326,6 +398,14 @@ enum HeadBlock {
 }
 
 impl Engine<'_> {
+    fn drain(&mut self, now: f64) {
+        if self.mode.backfill {
+            self.drain_backfill(now);
+        } else {
+            self.drain_queue(now);
+        }
+    }
+
     /// FIFO with head-of-line blocking: place jobs in arrival order until one does not fit.
     /// A job not placed while it may still wait for a better GPU tier gets a wake-up at the end
     /// of its wait (a completion may come first).
@@ -341,14 +421,11 @@ impl Engine<'_> {
             match placed {
                 Some(placed) => {
                     self.queue.pop_front();
-                    self.record(job, &placed, now);
-                    let end = now + job.duration;
-                    self.stats.last_end = self.stats.last_end.max(end);
-                    self.done.push(Reverse((end.to_bits(), jid)));
-                    self.running.insert(jid, placed);
+                    self.start(jid, placed, now);
                 }
-                None if self.running.is_empty() => {
-                    // Nothing runs and it still does not fit: it never will.
+                None if self.running.is_empty() || self.placer.impossible() => {
+                    // Nothing runs and it still does not fit, or the policy refused it for
+                    // good: it never will.
                     self.queue.pop_front();
                     self.stats.dropped_jobs += 1;
                 }
@@ -356,6 +433,199 @@ impl Engine<'_> {
             }
         }
         self.classify_head(now);
+    }
+
+    /// Starts job `jid` on `placed` (already booked) at `now`.
+    fn start(&mut self, jid: usize, placed: Vec<(usize, GpuMask)>, now: f64) {
+        let job = &self.jobs[jid];
+        self.record(job, &placed, now);
+        let end = now + job.duration;
+        self.stats.last_end = self.stats.last_end.max(end);
+        self.done.push(Reverse((end.to_bits(), jid)));
+        self.running.insert(jid, placed);
+        self.used_gpus += u64::from(job.gpus());
+        let exp = self.history.expected(self.mode.limit, job.gpus(), job.duration);
+        self.expected.insert(jid, (now, exp));
+    }
+
+    /// Job `jid` ended: its room is freed and its duration learned.
+    fn end(&mut self, jid: usize) {
+        if let Some(p) = self.running.remove(&jid) {
+            self.placer.release(&mut self.cl, &self.jobs[jid], &p);
+            self.used_gpus = self.used_gpus.saturating_sub(u64::from(self.jobs[jid].gpus()));
+        }
+        self.expected.remove(&jid);
+        self.history.record(self.jobs[jid].gpus(), self.jobs[jid].duration);
+    }
+
+    /// Counts the GPUs in use from the last event to `now`, within the arrivals' span
+    /// (`utilizationArrivals`: the makespan-based `utilization` is set by the last long job).
+    fn account(&mut self, now: f64) {
+        let t0 = self.counted_to.max(self.stats.first_arrival);
+        let t1 = now.min(self.stats.last_arrival);
+        if t1 > t0 {
+            self.stats.busy_gpu_seconds += self.used_gpus as f64 * (t1 - t0);
+        }
+        self.counted_to = self.counted_to.max(now);
+    }
+
+    /// The running jobs' tasks with their expected ends seen at `now`.
+    fn releases(&self, now: f64) -> Vec<Release> {
+        let mut out = Vec::new();
+        for (jid, placed) in &self.running {
+            let end = self
+                .expected
+                .get(jid)
+                .and_then(|&(start, exp)| exp.map(|e| ms(reserve::expected_end(start, e, now))));
+            for (node, room) in reserve::takes(placed, &self.jobs[*jid].tasks) {
+                out.push(Release {
+                    node,
+                    room,
+                    end_ms: end,
+                });
+            }
+        }
+        out
+    }
+
+    /// The estimated start of the job just queued (issue 27, item 4): the queue ahead and
+    /// the running jobs' expected ends through [`reserve::estimate_start`], walked in the
+    /// simulator's discipline (FIFO, or backfill: jobs that fit overtake).
+    fn estimate(&mut self, jid: usize, now: f64) {
+        let ahead: Vec<Ahead> = self
+            .queue
+            .iter()
+            .take_while(|&&j| j != jid)
+            .map(|&j| {
+                let job = &self.jobs[j];
+                Ahead {
+                    tasks: rooms(job),
+                    duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
+                }
+            })
+            .collect();
+        let tasks = rooms(&self.jobs[jid]);
+        if let Some(t) = reserve::estimate_start(
+            &reserve::free_rooms(&self.cl),
+            &self.releases(now),
+            &ahead,
+            &tasks,
+            ms(now),
+            !self.mode.backfill,
+        ) {
+            self.estimates.insert(jid, t as f64 / 1000.0);
+        }
+    }
+
+    /// Greedy backfill (`Queueing::backfill`): every waiting job that fits starts, in arrival
+    /// order; with a reservation policy, the oldest waiting gang it picks holds the one
+    /// reservation and the others start only where the reservation lets them.
+    fn drain_backfill(&mut self, now: f64) {
+        let mut held: Option<(usize, Reservation)> = None;
+        if let Some(policy) = self.mode.reserve {
+            let mut tried: HashSet<usize> = HashSet::new();
+            loop {
+                let cand = self.queue.iter().copied().find(|&j| {
+                    let job = &self.jobs[j];
+                    !tried.contains(&j) && policy.applies(ms(now).saturating_sub(ms(job.arrival)), job.gpus())
+                });
+                let Some(j) = cand else { break };
+                tried.insert(j);
+                if self.try_start(j, now) {
+                    continue;
+                }
+                if let Some(r) = reservation::reserve(
+                    &reserve::free_rooms(&self.cl),
+                    &self.releases(now),
+                    &rooms(&self.jobs[j]),
+                    ms(now),
+                ) {
+                    held = Some((j, r));
+                    break;
+                }
+            }
+        }
+        let ids: Vec<usize> = self.queue.iter().copied().collect();
+        // Shapes (tasks' GPUs, cores, memory; may wait) the policy could not place at this event, and the
+        // earliest expected end the reservation refused per shape: later jobs of the shape
+        // are not tried again (one pass stays linear in the queue).
+        let mut failed: HashSet<(Shape, bool)> = HashSet::new();
+        let mut refused: HashMap<Shape, u64> = HashMap::new();
+        let mut free: u64 = self.cl.nodes.iter().map(|n| u64::from(n.free_mask.count_ones())).sum();
+        for j in ids {
+            if held.as_ref().is_some_and(|(h, _)| *h == j) {
+                continue;
+            }
+            let job = &self.jobs[j];
+            if free < u64::from(job.gpus()) {
+                continue;
+            }
+            let end = self
+                .history
+                .expected(self.mode.limit, job.gpus(), job.duration)
+                .map_or(u64::MAX, |e| ms(now + e));
+            let gpus: Shape = job.tasks.iter().map(|t| (t.gpus, t.cpu, t.mem_mb)).collect();
+            if refused.get(&gpus).is_some_and(|&r| end >= r) {
+                continue;
+            }
+            let wait_end = job.arrival + self.topology_wait;
+            let may_wait = now < wait_end;
+            let key = (gpus.clone(), may_wait);
+            if failed.contains(&key) {
+                continue;
+            }
+            let Some(placed) = self.placer.place(&mut self.cl, job, &mut self.stats, may_wait) else {
+                if may_wait {
+                    self.wake = self.wake.min(wait_end);
+                }
+                if self.placer.impossible() {
+                    self.queue.retain(|&x| x != j);
+                    self.stats.dropped_jobs += 1;
+                } else {
+                    failed.insert(key);
+                }
+                continue;
+            };
+            if let Some((_, r)) = held.as_mut() {
+                if !r.backfill(&reserve::takes(&placed, &job.tasks), (end != u64::MAX).then_some(end)) {
+                    self.placer.release(&mut self.cl, job, &placed);
+                    let r = refused.entry(gpus).or_insert(end);
+                    *r = (*r).min(end);
+                    continue;
+                }
+            }
+            free -= u64::from(job.gpus());
+            self.queue.retain(|&x| x != j);
+            self.start(j, placed, now);
+        }
+        if self.running.is_empty() && held.is_none() {
+            // Nothing runs and what waits did not fit an empty cluster: it never will.
+            let n = self.queue.len() as u64;
+            if n > 0 && self.wake.is_infinite() {
+                self.queue.clear();
+                self.stats.dropped_jobs += n;
+            }
+        }
+        self.classify_head(now);
+    }
+
+    /// Starts waiting job `j` now if the policy places it; false otherwise.
+    fn try_start(&mut self, j: usize, now: f64) -> bool {
+        let job = &self.jobs[j];
+        let may_wait = now < job.arrival + self.topology_wait;
+        match self.placer.place(&mut self.cl, job, &mut self.stats, may_wait) {
+            Some(placed) => {
+                self.queue.retain(|&x| x != j);
+                self.start(j, placed, now);
+                true
+            }
+            None => {
+                if may_wait {
+                    self.wake = self.wake.min(job.arrival + self.topology_wait);
+                }
+                false
+            }
+        }
     }
 
     /// Charges the time since the last event to the head's previous state, then classifies
@@ -402,12 +672,22 @@ impl Engine<'_> {
             self.stats.multi_avail += u64::from(exists);
         }
         self.queue.push_back(j.id);
+        self.estimate(j.id, j.arrival);
     }
 
     fn record(&mut self, job: &Job, placed: &[(usize, GpuMask)], now: f64) {
         let st = &mut self.stats;
         st.placed_jobs += 1;
-        st.delays.push(now - job.arrival);
+        let wait = now - job.arrival;
+        st.delays.push(wait);
+        if job.gpus() >= self.mode.big_gpus {
+            st.big_delays.push(wait);
+        } else if job.tasks.len() == 1 {
+            st.small_delays.push(wait);
+        }
+        if let Some(est) = self.estimates.remove(&job.id) {
+            st.estimate_err.push(((est - now).abs(), wait));
+        }
         st.gpu_seconds += f64::from(job.gpus()) * job.duration;
         for ((node, mask), t) in placed.iter().zip(&job.tasks) {
             if t.gpus < 2 {
@@ -494,6 +774,19 @@ pub fn simulate_with(
     seed: u64,
     topology_wait_sec: u64,
 ) -> Option<RunStats> {
+    simulate_queueing(cl, jobs, policy, seed, topology_wait_sec, Queueing::default())
+}
+
+/// [`simulate_with`] under a queueing discipline: FIFO, greedy backfill, or backfill with a
+/// reservation for the gangs a [`Policy`] picks (issue 27, item 3).
+pub fn simulate_queueing(
+    cl: &SimCluster,
+    jobs: &[Job],
+    policy: &str,
+    seed: u64,
+    topology_wait_sec: u64,
+    mode: Queueing,
+) -> Option<RunStats> {
     let cl = cl.clone();
     let placer = Placer::new(policy, &cl, seed, topology_wait_sec)?;
     let topology_wait = placer.topology_wait_sec();
@@ -502,6 +795,7 @@ pub fn simulate_with(
         stats: RunStats {
             cluster_gpus: cl.total_gpus(),
             first_arrival: jobs.first().map(|j| j.arrival).unwrap_or(0.0),
+            last_arrival: jobs.last().map(|j| j.arrival).unwrap_or(0.0),
             ..Default::default()
         },
         max_node: f64::from(cl.max_node_gpus().max(1)),
@@ -512,6 +806,12 @@ pub fn simulate_with(
         done: BinaryHeap::new(),
         running: HashMap::new(),
         queue: VecDeque::new(),
+        mode,
+        expected: HashMap::new(),
+        history: Durations::default(),
+        estimates: HashMap::new(),
+        used_gpus: 0,
+        counted_to: 0.0,
         topology_wait,
         wake: f64::INFINITY,
         head: HeadBlock::None,
@@ -528,17 +828,16 @@ pub fn simulate_with(
         if arr.is_infinite() && end.is_infinite() {
             break;
         }
+        e.account(e.wake.min(arr).min(end));
         if e.wake < arr.min(end) {
             let now = std::mem::replace(&mut e.wake, f64::INFINITY);
-            e.drain_queue(now);
+            e.drain(now);
             continue;
         }
         // Completions first at equal times: their resources are free for the arrival.
         let now = if end <= arr {
             if let Some(Reverse((_, jid))) = e.done.pop() {
-                if let Some(p) = e.running.remove(&jid) {
-                    e.placer.release(&mut e.cl, &jobs[jid], &p);
-                }
+                e.end(jid);
             }
             end
         } else {
@@ -546,7 +845,7 @@ pub fn simulate_with(
             next += 1;
             arr
         };
-        e.drain_queue(now);
+        e.drain(now);
     }
     e.placer.finish(&mut e.stats);
     Some(e.stats)
@@ -686,6 +985,35 @@ pub struct SimOptions {
     /// gpuam's `select.topology_wait_sec` (from the settings: `GPUAM__SELECT__TOPOLOGY_WAIT_SEC=0
     /// gpuam sim` replays gpuam without the wait).
     pub topology_wait_sec: u64,
+    /// FIFO or backfill, reservations, expected durations, the big-gang size (issue 27).
+    pub queueing: Queueing,
+}
+
+impl SimOptions {
+    /// The queueing discipline from the CLI flags: a reservation flag implies backfill; a
+    /// reservation policy needs at least one of the two bounds.
+    pub fn queueing_of(
+        backfill: bool,
+        reserve_wait_sec: Option<u64>,
+        reserve_min_gpus: Option<u32>,
+        expected_end: &str,
+        big_gpus: u32,
+    ) -> Result<Queueing, SimError> {
+        let limit = reserve::Limit::parse(expected_end).map_err(SimError::Usage)?;
+        if big_gpus == 0 {
+            return Err(SimError::Usage("--big-gpus must be at least 1".into()));
+        }
+        let reserve = (reserve_wait_sec.is_some() || reserve_min_gpus.is_some()).then(|| Policy {
+            wait_bound_ms: reserve_wait_sec.map_or(u64::MAX, |s| s.saturating_mul(1000)),
+            min_gpus: reserve_min_gpus.unwrap_or(u32::MAX),
+        });
+        Ok(Queueing {
+            backfill: backfill || reserve.is_some(),
+            reserve,
+            limit,
+            big_gpus,
+        })
+    }
 }
 
 /// Results of one topology (one cluster).
@@ -710,7 +1038,7 @@ pub fn run_topology(
         let jobs = stream(s);
         njobs = jobs.len();
         for (p, runs) in per.iter_mut() {
-            if let Some(r) = simulate_with(cl, &jobs, p, 1000 + s as u64, opts.topology_wait_sec) {
+            if let Some(r) = simulate_queueing(cl, &jobs, p, 1000 + s as u64, opts.topology_wait_sec, opts.queueing) {
                 runs.push(r);
             }
         }

@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 
 use super::cluster::SimCluster;
+use super::reserve::ms;
 use super::workload::Job;
 use crate::config::QueueSettings;
 use crate::protocol::WaitingTasks;
@@ -250,28 +251,14 @@ impl Engine<'_> {
                 .sum();
             f64::from(still + self.jobs[j].gpus()) <= d + scheduler::EPS
         };
-        let free: Vec<Room> = self
-            .cl
-            .nodes
-            .iter()
-            .map(|n| Room {
-                gpus: n.free_mask.count_ones(),
-                cpu: n.free_cpu,
-                memory_mb: n.free_mem,
-            })
-            .collect();
+        let free = super::reserve::free_rooms(&self.cl);
         let mut releases = Vec::new();
         for r in &self.running {
             let end = r.end();
-            for (k, &(node, mask)) in r.placed.iter().enumerate() {
-                let t = &self.jobs[r.job].tasks[k];
+            for (node, room) in super::reserve::takes(&r.placed, &self.jobs[r.job].tasks) {
                 releases.push(Release {
                     node,
-                    room: Room {
-                        gpus: mask.count_ones(),
-                        cpu: t.cpu,
-                        memory_mb: t.mem_mb,
-                    },
+                    room,
                     end_ms: Some(ms(end)),
                 });
             }
@@ -282,15 +269,7 @@ impl Engine<'_> {
             .into_iter()
             .filter(|&j| policy.applies(ms(now).saturating_sub(ms(self.jobs[j].arrival)), self.jobs[j].gpus()))
             .find_map(|j| {
-                let tasks: Vec<Room> = self.jobs[j]
-                    .tasks
-                    .iter()
-                    .map(|t| Room {
-                        gpus: t.gpus,
-                        cpu: t.cpu,
-                        memory_mb: t.mem_mb,
-                    })
-                    .collect();
+                let tasks: Vec<Room> = self.jobs[j].tasks.iter().map(super::reserve::room_of).collect();
                 reservation::reserve(&free, &releases, &tasks, ms(now))
                     .filter(|r| within_share(j, r))
                     .map(|r| (j, r))
@@ -382,18 +361,7 @@ impl Engine<'_> {
                 }
                 let Some(placed) = self.place(j) else { continue };
                 if let Some((_, r)) = held.as_mut().filter(|(h, _)| held_back && *h != j) {
-                    let takes: Vec<(usize, Room)> = placed
-                        .iter()
-                        .zip(&self.jobs[j].tasks)
-                        .map(|(&(n, m), t)| {
-                            let room = Room {
-                                gpus: m.count_ones(),
-                                cpu: t.cpu,
-                                memory_mb: t.mem_mb,
-                            };
-                            (n, room)
-                        })
-                        .collect();
+                    let takes = super::reserve::takes(&placed, &self.jobs[j].tasks);
                     if !r.backfill(&takes, Some(ms(now + left))) {
                         for (i, (n, m)) in placed.iter().enumerate() {
                             self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
@@ -478,11 +446,6 @@ impl Engine<'_> {
             self.waiting[q].push_front((r.job, left));
         }
     }
-}
-
-/// Seconds as whole milliseconds (the scheduler's clock).
-fn ms(t: f64) -> u64 {
-    (t * 1000.0).round().max(0.0) as u64
 }
 
 /// Replays `jobs` through the queues `settings` on `cl`.

@@ -26,6 +26,7 @@ pub fn to_json(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint]
     top.insert("seeds".into(), json!(opts.seeds));
     top.insert("load".into(), json!(opts.load));
     top.insert("mix".into(), json!(opts.mix));
+    top.insert("queueing".into(), queueing_json(opts));
     if runs.len() == 1 {
         let r = &runs[0];
         top.insert("topology".into(), json!(r.topology));
@@ -53,6 +54,36 @@ pub fn to_json(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint]
         top.insert("scaling".into(), serde_json::to_value(scaling).unwrap_or(Value::Null));
     }
     Value::Object(top)
+}
+
+/// The queueing discipline of the run (issue 27): `fifo`, `backfill`, or `backfill` with the
+/// reservation policy; the expected durations; the big-gang size.
+fn queueing_json(opts: &SimOptions) -> Value {
+    let q = &opts.queueing;
+    json!({
+        "discipline": if q.backfill { "backfill" } else { "fifo" },
+        "reserveWaitSec": q.reserve.filter(|p| p.wait_bound_ms != u64::MAX).map(|p| p.wait_bound_ms / 1000),
+        "reserveMinGpus": q.reserve.filter(|p| p.min_gpus != u32::MAX).map(|p| p.min_gpus),
+        "expectedEnd": q.limit.to_string(),
+        "bigGpus": q.big_gpus,
+    })
+}
+
+fn queueing_label(opts: &SimOptions) -> String {
+    let q = &opts.queueing;
+    let mut s = String::from(if q.backfill { "backfill" } else { "fifo" });
+    if let Some(p) = q.reserve {
+        let mut parts = Vec::new();
+        if p.wait_bound_ms != u64::MAX {
+            parts.push(format!("waited ≥ {} s", p.wait_bound_ms / 1000));
+        }
+        if p.min_gpus != u32::MAX {
+            parts.push(format!("≥ {} GPUs", p.min_gpus));
+        }
+        s.push_str(&format!(" + reservation ({})", parts.join(" or ")));
+    }
+    s.push_str(&format!(" | expected ends {}", q.limit));
+    s
 }
 
 fn fmt(v: Option<f64>, prec: usize) -> String {
@@ -121,6 +152,27 @@ pub fn to_table(opts: &SimOptions, runs: &[TopologyRun], scaling: &[ScalingPoint
                 fmt(p.get("decisionP99Us"), 1),
                 format!("{}/{}", fmt(p.get("fallbacks"), 0), fmt(p.get("invalid"), 0)),
                 fmt(p.get("mixedTypeGangs"), 1),
+            ));
+        }
+        s.push_str(&format!(
+            "-- {} | big = gangs ≥ {} GPUs, small = one task below that; estimate = start estimated at submit\n",
+            queueing_label(opts),
+            opts.queueing.big_gpus
+        ));
+        s.push_str(&format!(
+            "{:<11} {:>14} {:>7} {:>14} {:>12} {:>12} {:>12}\n",
+            "policy", "bigWaitP95 s", "big n", "smallWaitP50 s", "estErrP50 s", "estRelErrP50", "estWithin20%"
+        ));
+        for (name, p) in &r.policies {
+            s.push_str(&format!(
+                "{:<11} {:>14} {:>7} {:>14} {:>12} {:>12} {:>12}\n",
+                name,
+                pm(p, "bigWaitP95", 0),
+                fmt(p.get("bigJobs"), 0),
+                pm(p, "smallWaitP50", 0),
+                pm(p, "estimateErrP50", 0),
+                pm(p, "estimateRelErrP50", 2),
+                pm(p, "estimateWithin20", 2),
             ));
         }
         let verdict = dominance::verdict(r);

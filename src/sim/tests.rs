@@ -15,6 +15,16 @@ fn task(g: u32) -> Task {
     }
 }
 
+/// A job of one task of `gpus` GPUs.
+fn one_task_job(id: usize, arrival: f64, duration: f64, gpus: u32) -> Job {
+    Job {
+        id,
+        arrival,
+        duration,
+        tasks: vec![task(gpus)],
+    }
+}
+
 fn cl(preset: &str, n: usize) -> SimCluster {
     generated(&Topology::preset(preset).unwrap(), n, 4)
 }
@@ -30,6 +40,8 @@ fn every_policy_places_a_synthetic_stream_and_frees_everything() {
         assert!(s.multi_placed > 0 && s.multi_ideal <= s.multi_placed, "{p}");
         let u = s.summary()["utilization"];
         assert!(u > 0.1 && u <= 1.0, "{p}: utilization {u}");
+        let ua = s.summary()["utilizationArrivals"];
+        assert!(ua > 0.1 && ua <= 1.0, "{p}: utilization while jobs arrive {ua}");
         assert_eq!(
             s.decision_ns.len() as u64,
             s.placed_jobs,
@@ -193,6 +205,7 @@ fn trace_files_missing_is_a_clear_error() {
         queues: None,
         grace_sec: 30.0,
         topology_wait_sec: 300,
+        queueing: Queueing::default(),
     };
     assert!(matches!(run(&opts), Err(super::SimError::Input(_))));
 }
@@ -256,6 +269,7 @@ fn json_and_charts_have_the_documented_shape() {
         queues: None,
         grace_sec: 30.0,
         topology_wait_sec: 300,
+        queueing: Queueing::default(),
     };
     let stream = |s: usize| synthetic(MIX_A, 50, 0.8, c.total_gpus(), 4, s as u64);
     let r = run_topology(&opts, "pcie4", &c, &stream);
@@ -272,6 +286,20 @@ fn json_and_charts_have_the_documented_shape() {
     ] {
         assert!(g.get(k).is_some(), "missing {k} in {g}");
     }
+    // Per seed (the paired comparisons), with the issue 27 metrics and the queueing.
+    let per = g["perSeed"].as_array().unwrap();
+    assert_eq!(per.len(), 2);
+    for k in [
+        "queueDelayP50",
+        "bigWaitP95",
+        "smallWaitP50",
+        "estimateErrP50",
+        "estimateWithin20",
+    ] {
+        assert!(per[0].get(k).is_some(), "missing {k} in {}", per[0]);
+    }
+    assert_eq!(j["queueing"]["discipline"], "fifo");
+    assert_eq!(j["queueing"]["expectedEnd"], "declared:1");
     let svg = charts::tier_ideal_bars(std::slice::from_ref(&r));
     assert!(svg.starts_with("<svg") && svg.contains("<rect") && svg.trim_end().ends_with("</svg>"));
     assert!(charts::delay_cdf(&r).contains("<polyline"));
@@ -428,12 +456,7 @@ fn domination_verdict_uses_the_paired_difference_over_seeds() {
 #[test]
 fn blocked_head_time_is_split_into_capacity_fragmentation_and_topology_wait() {
     let c = cl("pcie4", 2);
-    let job = |id: usize, arrival: f64, duration: f64, gpus: u32| Job {
-        id,
-        arrival,
-        duration,
-        tasks: vec![task(gpus)],
-    };
+    let job = one_task_job;
     // Two 3-GPU jobs take 3 GPUs of each node until 100; a 2-GPU job at 10 finds 2 GPUs
     // free, one per node: fragmentation for 90 s.
     let frag = vec![job(0, 0.0, 100.0, 3), job(1, 0.0, 100.0, 3), job(2, 10.0, 5.0, 2)];
@@ -488,9 +511,205 @@ fn jobs_spanning_gpu_types_are_counted_per_policy() {
     }];
     for p in POLICIES {
         let mixed = simulate(&two_by_four(["V100", "T4"]), &jobs, p, 1).unwrap();
-        assert_eq!(mixed.summary()["mixedTypeGangs"], 1.0, "{p}");
+        if *p == "gpuam" {
+            // gpuam keeps a gang to one type: no type holds 2 × 4 here, so it is refused.
+            assert_eq!(mixed.summary()["mixedTypeGangs"], 0.0, "{p}");
+            assert_eq!((mixed.placed_jobs, mixed.dropped_jobs), (0, 1), "{p}");
+        } else {
+            assert_eq!(mixed.summary()["mixedTypeGangs"], 1.0, "{p}");
+        }
         let one = simulate(&two_by_four(["V100", "V100"]), &jobs, p, 1).unwrap();
         assert_eq!(one.summary()["mixedTypeGangs"], 0.0, "{p}");
+        assert_eq!(one.placed_jobs, 1, "{p}");
     }
     assert!(cl("pcie8", 3).nodes.iter().all(|n| &*n.gpu_type == "pcie8"));
+}
+
+/// Issue 27, item 5, in the simulator: gpuam's policy is the AM's placement round, so a gang
+/// gets GPUs of one type (select::one_type) on a cluster of several types, while a policy
+/// that places task by task mixes them; and gpuam still places the stream.
+#[test]
+fn gpuam_keeps_every_gang_to_one_gpu_type_on_a_multi_type_cluster() {
+    let c = cluster::mixed("mixed-demo", 16, 4).unwrap();
+    let types: HashSet<&str> = c.nodes.iter().map(|n| &*n.gpu_type).collect();
+    assert!(types.len() >= 4, "{types:?}");
+    // Mix B with every job doubled or quadrupled: 2- to 4-task gangs over 4- and 8-GPU nodes.
+    let mut jobs = synthetic(MIX_B, 200, 0.9, c.total_gpus(), 8, 5);
+    for j in &mut jobs {
+        let k = if j.id % 2 == 0 { 2 } else { 4 };
+        let t = j.tasks[0];
+        j.tasks = vec![t; k];
+    }
+    let g = simulate(&c, &jobs, "gpuam", 1).unwrap();
+    assert!(g.multi_task_jobs > 100, "{}", g.multi_task_jobs);
+    assert_eq!(g.summary()["mixedTypeGangs"], 0.0);
+    assert_eq!(g.refused, 0);
+    assert_eq!(g.placed_jobs + g.dropped_jobs, 200);
+    assert!(g.placed_jobs >= 190, "placed {}", g.placed_jobs);
+    let r = simulate(&c, &jobs, "random", 1).unwrap();
+    assert!(
+        r.mixed_type_jobs > 0,
+        "the stream does make task-by-task policies mix types"
+    );
+}
+
+/// Eight 8-GPU nodes full of whole-node jobs: the even ones end at 1070, 1152, 1234 and
+/// 1316, the odd ones run 10,000 s. A 32-GPU gang (four 8-GPU tasks) arrives at 100; then
+/// 1-GPU jobs of 2000 s every 10 s until 6000, of which job 9 is short (`short` s).
+fn drain_scenario(short: f64) -> Vec<Job> {
+    let whole = |id: usize, arrival: f64, duration: f64, tasks: usize| Job {
+        id,
+        arrival,
+        duration,
+        tasks: vec![task(8); tasks],
+    };
+    let mut jobs: Vec<Job> = (0..8)
+        .map(|i| {
+            let d = if i % 2 == 0 { 1070.0 + 40.0 * i as f64 } else { 10_000.0 };
+            whole(i, i as f64, d, 1)
+        })
+        .collect();
+    jobs.push(whole(8, 100.0, 500.0, 4));
+    for i in 9..600 {
+        let duration = if i == 9 { short } else { 2000.0 };
+        jobs.push(Job {
+            id: i,
+            arrival: 100.0 + (i - 8) as f64 * 10.0,
+            duration,
+            tasks: vec![task(1)],
+        });
+    }
+    jobs
+}
+
+/// Issue 27, item 3, through the policy simulator: with greedy backfill a 32-GPU gang starves
+/// while 1-GPU jobs take every GPU that frees; with a reservation (the RM's
+/// `reservation::Policy`) it starts as soon as its nodes drain, a short job is backfilled
+/// on those nodes, and backfilling it does not delay the gang. Every policy.
+#[test]
+fn a_reserved_gang_starts_as_its_nodes_drain_and_a_backfilled_short_job_does_not_delay_it() {
+    let c = cl("pcie8", 8);
+    let start_of = |s: &RunStats| s.big_delays.first().map(|w| w + 100.0);
+    let reserve = Queueing {
+        backfill: true,
+        reserve: Some(Policy {
+            wait_bound_ms: u64::MAX,
+            min_gpus: 32,
+        }),
+        ..Queueing::default()
+    };
+    let greedy = Queueing {
+        backfill: true,
+        ..Queueing::default()
+    };
+    for p in POLICIES {
+        let jobs = drain_scenario(150.0);
+        let plain = simulate_queueing(&c, &jobs, p, 1, 0, greedy).unwrap();
+        assert_eq!(plain.placed_jobs, 600, "{p}");
+        let starved = start_of(&plain).unwrap();
+        assert!(
+            starved > 6000.0,
+            "{p}: without a reservation the gang starves until {starved}"
+        );
+        let run = simulate_queueing(&c, &jobs, p, 1, 0, reserve).unwrap();
+        assert_eq!(run.placed_jobs, 600, "{p}");
+        let started = start_of(&run).unwrap();
+        assert!(
+            (started - 1316.0).abs() < 1e-6,
+            "{p}: the gang starts at 1316: {started}"
+        );
+        // The short job (150 s, declared 180 s) is backfilled at 1070 and ends before 1316.
+        // (small_delays 0..8 are the whole-node jobs, started at once.)
+        let short_wait = run.small_delays[8];
+        assert!((short_wait - (1070.0 - 110.0)).abs() < 1e-6, "{p}: {short_wait}");
+        // A long one in its place is not, and the gang starts at the same time.
+        let long = simulate_queueing(&c, &drain_scenario(2000.0), p, 1, 0, reserve).unwrap();
+        assert_eq!(
+            start_of(&long),
+            Some(started),
+            "{p}: backfilling did not delay the gang"
+        );
+        assert!(long.small_delays[8] >= started - 110.0, "{p}: the long job waited");
+    }
+}
+
+/// Issue 27, item 4: the start estimated at submit comes from the running jobs' expected
+/// ends (declared limits: the duration rounded up to the minute) and the queue ahead; its
+/// error is recorded per job.
+#[test]
+fn the_start_estimated_at_submit_is_recorded_against_the_actual_start() {
+    let c = cl("pcie8", 8);
+    let jobs = drain_scenario(150.0);
+    let fifo = simulate_queueing(&c, &jobs, "gpuam", 1, 0, Queueing::default()).unwrap();
+    // The gang (FIFO: it blocks the 1-GPU jobs) is estimated at 1326 (job 6's 1310 s
+    // rounded up to 1320, from 6) and starts at 1316: 10 s off a wait of 1216 s.
+    let gang = fifo
+        .estimate_err
+        .iter()
+        .find(|(_, w)| (w - 1216.0).abs() < 1e-6)
+        .copied();
+    let (err, _) = gang.unwrap_or_else(|| panic!("{:?}", &fifo.estimate_err[..10]));
+    assert!((err - 10.0).abs() < 1e-6, "{err}");
+    assert_eq!(fifo.estimate_err.len(), 600, "every job had an estimate");
+    let s = fifo.summary();
+    assert!(s["estimateRelErrP50"] < 0.2, "{}", s["estimateRelErrP50"]);
+    // Learned limits: nothing has ended when the gang arrives, so it has no estimate.
+    let learned = Queueing {
+        limit: reserve::Limit::Learned,
+        ..Queueing::default()
+    };
+    let l = simulate_queueing(&c, &jobs, "gpuam", 1, 0, learned).unwrap();
+    assert!(l.estimate_err.len() < 600);
+}
+
+/// `utilizationArrivals`: GPU-seconds in use between the first and the last arrival over
+/// the cluster's GPU-seconds then (the makespan-based `utilization` is set by the last job).
+#[test]
+fn utilization_over_the_arrivals_span_counts_only_that_span() {
+    let c = cl("pcie4", 1);
+    let one = one_task_job;
+    // 4 GPUs busy 0..50, then idle; the last arrival at 100 runs 1000 s on 2 GPUs.
+    let jobs = vec![one(0, 0.0, 50.0, 4), one(1, 100.0, 1000.0, 2)];
+    for p in POLICIES {
+        let s = simulate(&c, &jobs, p, 1).unwrap().summary();
+        assert!(
+            (s["utilizationArrivals"] - 0.5).abs() < 1e-9,
+            "{p}: {}",
+            s["utilizationArrivals"]
+        );
+        // 200 + 2000 GPU-s over 4 GPUs × 1100 s.
+        assert!((s["utilization"] - 2200.0 / 4400.0).abs() < 1e-9, "{p}");
+    }
+}
+
+/// The queueing flags: a reservation bound implies backfill; bad values name the flag.
+#[test]
+fn queueing_flags_are_checked_and_a_reservation_implies_backfill() {
+    let q = SimOptions::queueing_of(false, None, Some(32), "declared:2", 32).unwrap();
+    assert!(q.backfill);
+    assert_eq!(
+        q.reserve,
+        Some(Policy {
+            wait_bound_ms: u64::MAX,
+            min_gpus: 32
+        })
+    );
+    assert_eq!(q.limit, reserve::Limit::Declared(2.0));
+    let w = SimOptions::queueing_of(false, Some(600), None, "learned", 8).unwrap();
+    assert_eq!(
+        w.reserve.map(|p| (p.wait_bound_ms, p.min_gpus)),
+        Some((600_000, u32::MAX))
+    );
+    let plain = SimOptions::queueing_of(false, None, None, "declared", 32).unwrap();
+    assert_eq!(plain, Queueing::default());
+    for (e, want) in [("guess", "--expected-end"), ("declared:-1", "positive")] {
+        match SimOptions::queueing_of(false, None, None, e, 32) {
+            Err(SimError::Usage(m)) => assert!(m.contains(want), "{m}"),
+            other => panic!("{e}: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        SimOptions::queueing_of(true, None, None, "declared", 0),
+        Err(SimError::Usage(m)) if m.contains("--big-gpus")
+    ));
 }

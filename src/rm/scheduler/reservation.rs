@@ -146,10 +146,11 @@ impl Reservation {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn g(gpus: u32) -> Room {
+    /// A task or room of `gpus` GPUs (one core and 1 GiB each); also `sim::reserve`'s tests.
+    pub(crate) fn g(gpus: u32) -> Room {
         Room {
             gpus,
             cpu: gpus,
@@ -157,7 +158,7 @@ mod tests {
         }
     }
 
-    fn rel(node: usize, gpus: u32, end_ms: Option<u64>) -> Release {
+    pub(crate) fn rel(node: usize, gpus: u32, end_ms: Option<u64>) -> Release {
         Release {
             node,
             room: g(gpus),
