@@ -666,6 +666,56 @@ pub enum ContainerState {
     Complete,
 }
 
+/// `POST /ws/v1/node/containers/start` body: several starts in one call (YARN's
+/// `startContainers`), so that an AM launching many tasks holds one connection to the RM,
+/// not one per task (issue 29). At most [`MAX_STARTS_PER_CALL`].
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StartContainers {
+    pub containers: Vec<StartContainer>,
+}
+
+/// The most starts in one [`StartContainers`] call.
+pub const MAX_STARTS_PER_CALL: usize = 64;
+
+/// One start of a [`StartContainers`] call: what `POST /ws/v1/node/{host}/containers/{id}/start`
+/// takes, with its host and id.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StartContainer {
+    pub host: String,
+    pub container_id: String,
+    pub context: LaunchContext,
+}
+
+/// The answer to [`StartContainers`]: one result per start, in its order.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct StartedContainers {
+    pub results: Vec<StartResult>,
+}
+
+/// One start's result: its status, or the error the single start would have answered.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct StartResult {
+    pub container_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<ContainerStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<StartError>,
+}
+
+/// Why one start of a [`StartContainers`] call failed: the HTTP status, code and message
+/// its single start would have answered.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct StartError {
+    pub status: u16,
+    pub code: String,
+    pub message: String,
+}
+
 /// `GET /ws/v1/node/{host}/containers/{id}/status` answer.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]

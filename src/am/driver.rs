@@ -10,10 +10,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::backoff::Backoff;
-use super::machine::{Effect, Event, Input, JobEnd, JobMachine, Now, RmFailure};
+use super::machine::{Effect, Event, Input, JobEnd, JobMachine, Launch, Now, RmFailure};
 use super::rm_client::{RmClient, RmError};
 use crate::cluster::rm_json::NodeListing;
-use crate::protocol::{AllocateRequest, AllocateResponse, Container, LaunchContext, RegisterRequest, RegisterResponse};
+use crate::protocol::{
+    AllocateRequest, AllocateResponse, RegisterRequest, RegisterResponse, StartContainer, StartContainers,
+    StartedContainers,
+};
 
 /// The RM as the AM's driver calls it.
 pub trait AmRm: Sync {
@@ -21,15 +24,18 @@ pub trait AmRm: Sync {
     fn node_changes(&self) -> impl Future<Output = Result<NodeListing, RmError>> + Send;
     fn allocate(&self, req: &AllocateRequest) -> impl Future<Output = Result<AllocateResponse, RmError>> + Send;
     fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send;
-    /// Starts `ctx` in the granted container `c` on its node.
-    fn start(&self, c: &Container, ctx: &LaunchContext) -> impl Future<Output = Result<(), RmError>> + Send;
+    /// Starts each launch's context in its granted container; one result per launch, in
+    /// order (the error's words on failure).
+    fn start_all(&self, launches: &[Launch]) -> impl Future<Output = Vec<Result<(), String>>> + Send;
 }
 
 /// How long a container start is sent again while the RM does not answer.
 const START_UNREACHABLE_FOR: Duration = Duration::from_secs(120);
 
-/// Container starts one AM has in flight at once.
-pub const LAUNCHES_IN_FLIGHT: usize = 16;
+/// Start calls (each of up to `protocol::MAX_STARTS_PER_CALL` starts) one AM has in flight
+/// at once: each is a connection to the RM, and the AMs on the RM's host share its
+/// per-peer connection cap.
+pub const LAUNCHES_IN_FLIGHT: usize = 4;
 
 impl AmRm for RmClient {
     fn node_changes(&self) -> impl Future<Output = Result<NodeListing, RmError>> + Send {
@@ -41,23 +47,81 @@ impl AmRm for RmClient {
     fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send {
         RmClient::register(self, req)
     }
-    /// A start whose answer never came (the RM went down meanwhile) may have started the
-    /// task: it is sent again until the RM answers (the RM answers a repeated start of a
-    /// running container with its status), so a task is never run twice because one
-    /// answer was lost. Given up after [`START_UNREACHABLE_FOR`].
-    async fn start(&self, c: &Container, ctx: &LaunchContext) -> Result<(), RmError> {
-        let since = Instant::now();
-        loop {
-            match self
-                .start_container(&c.node_http_address, &c.host, &c.container_id, ctx)
-                .await
-            {
-                Err(e) if e.is_unreachable() && since.elapsed() < START_UNREACHABLE_FOR => {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+    /// The starts go in calls of at most `MAX_STARTS_PER_CALL` (one per address that
+    /// serves the containers' nodes), [`LAUNCHES_IN_FLIGHT`] at once. A call whose answer
+    /// never came (the RM went down meanwhile) may have started its tasks: it is sent
+    /// again until the RM answers (the RM answers a repeated start of a running container
+    /// with its status), so a task is never run twice because one answer was lost. Given
+    /// up after [`START_UNREACHABLE_FOR`].
+    async fn start_all(&self, launches: &[Launch]) -> Vec<Result<(), String>> {
+        use futures::StreamExt as _;
+        let mut by_address: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+        for (i, l) in launches.iter().enumerate() {
+            by_address
+                .entry(l.container.node_http_address.as_str())
+                .or_default()
+                .push(i);
+        }
+        let calls: Vec<(String, Vec<usize>)> = by_address
+            .into_iter()
+            .flat_map(|(address, all)| {
+                all.chunks(crate::protocol::MAX_STARTS_PER_CALL)
+                    .map(|c| (address.to_string(), c.to_vec()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let calls: Vec<_> = calls
+            .into_iter()
+            .map(|(address, which)| async move {
+                let body = StartContainers {
+                    containers: which
+                        .iter()
+                        .map(|&i| StartContainer {
+                            host: launches[i].container.host.clone(),
+                            container_id: launches[i].container.container_id.clone(),
+                            context: launches[i].context.clone(),
+                        })
+                        .collect(),
+                };
+                let since = Instant::now();
+                let answer = loop {
+                    match self.start_containers(&address, &body).await {
+                        Err(e) if e.is_unreachable() && since.elapsed() < START_UNREACHABLE_FOR => {
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
+                        r => break r,
+                    }
+                };
+                (which, answer)
+            })
+            .collect();
+        let answers: Vec<(Vec<usize>, Result<StartedContainers, RmError>)> = futures::stream::iter(calls)
+            .buffer_unordered(LAUNCHES_IN_FLIGHT)
+            .collect()
+            .await;
+        let mut out: Vec<Result<(), String>> = vec![Err("no answer to its start".to_string()); launches.len()];
+        for (which, answer) in answers {
+            match answer {
+                Ok(a) => {
+                    for &i in &which {
+                        let id = &launches[i].container.container_id;
+                        out[i] = match a.results.iter().find(|r| &r.container_id == id) {
+                            Some(r) => match &r.error {
+                                None => Ok(()),
+                                Some(e) => Err(format!("the RM refused container start ({}): {}", e.status, e.message)),
+                            },
+                            None => Err(format!("the RM's answer to the start call has no result for {id}")),
+                        };
+                    }
                 }
-                r => return r.map(|_| ()),
+                Err(e) => {
+                    for &i in &which {
+                        out[i] = Err(e.to_string());
+                    }
+                }
             }
         }
+        out
     }
 }
 
@@ -114,19 +178,13 @@ pub async fn drive<R: AmRm, O: Observer>(
                 Input::Registered(rm.register(&reg).await.map_err(|e| RmFailure::from(&e)))
             }
             Effect::Launch(launches) => {
-                // Launch concurrently (a 1,000-task job must not wait for 1,000 round trips
-                // in a row), but at most LAUNCHES_IN_FLIGHT at once: each is a connection
-                // to the RM, and a hundred AMs on the RM's host share its per-peer cap.
-                use futures::StreamExt as _;
-                let results: Vec<_> = futures::stream::iter(launches.iter().map(|l| async move {
-                    (
-                        l.task,
-                        rm.start(&l.container, &l.context).await.map_err(|e| e.to_string()),
-                    )
-                }))
-                .buffer_unordered(LAUNCHES_IN_FLIGHT)
-                .collect()
-                .await;
+                // Many starts per call (a 1,000-task job must not wait for 1,000 round trips
+                // in a row, nor open 1,000 connections).
+                let results = launches
+                    .iter()
+                    .map(|l| l.task)
+                    .zip(rm.start_all(&launches).await)
+                    .collect();
                 Input::Launched(results)
             }
             Effect::RmDown { down_for } => {

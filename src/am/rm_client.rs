@@ -405,6 +405,22 @@ impl RmClient {
         self.send("container start", req).await
     }
 
+    /// Several starts in one call (`POST /ws/v1/node/containers/start` at `node_http`).
+    pub async fn start_containers(
+        &self,
+        node_http: &str,
+        starts: &crate::protocol::StartContainers,
+    ) -> Result<crate::protocol::StartedContainers, RmError> {
+        let mut req = self
+            .http
+            .post(format!("{}/ws/v1/node/containers/start", trim_base(node_http)))
+            .json(starts);
+        if let Some(t) = self.app_token() {
+            req = req.bearer_auth(t);
+        }
+        self.send("container start", req).await
+    }
+
     pub async fn container_logs(
         &self,
         node_http: &str,

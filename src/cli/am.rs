@@ -23,8 +23,7 @@ use crate::cluster::rm_json::NodeListing;
 use crate::cluster::ClusterView;
 use crate::exit;
 use crate::protocol::{
-    AllocateRequest, AllocateResponse, Container, FinalStatus, FinishRequest, LaunchContext, RegisterRequest,
-    RegisterResponse,
+    AllocateRequest, AllocateResponse, FinalStatus, FinishRequest, RegisterRequest, RegisterResponse,
 };
 use crate::select::Selector;
 
@@ -83,8 +82,11 @@ impl driver::AmRm for TimedRm {
     fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send {
         self.rm.register(req)
     }
-    fn start(&self, c: &Container, ctx: &LaunchContext) -> impl Future<Output = Result<(), RmError>> + Send {
-        driver::AmRm::start(&self.rm, c, ctx)
+    fn start_all(
+        &self,
+        launches: &[crate::am::machine::Launch],
+    ) -> impl Future<Output = Vec<Result<(), String>>> + Send {
+        driver::AmRm::start_all(&self.rm, launches)
     }
 }
 

@@ -19,7 +19,10 @@ use super::state::RmState;
 use super::transactions::{self, Start};
 use super::{Rm, Shared};
 use crate::node::executor::LogStream;
-use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
+use crate::protocol::{
+    ContainerState, ContainerStatus, LaunchContext, StartContainers, StartError, StartResult, StartedContainers,
+    MAX_STARTS_PER_CALL,
+};
 use crate::rm::apps::App;
 use crate::rm::ledger::Ended;
 
@@ -100,25 +103,76 @@ pub(super) async fn container_start(
     headers: HeaderMap,
     ApiJson(ctx): ApiJson<LaunchContext>,
 ) -> Result<Json<ContainerStatus>, ApiError> {
+    start_one(&rm, &host, &id, &headers, ctx).await.map(Json)
+}
+
+/// `POST /ws/v1/node/containers/start`: several starts in one call, each checked and
+/// started as [`container_start`] does one, all at once; one result per start, in order.
+pub(super) async fn containers_start(
+    State(rm): Rm,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<StartContainers>,
+) -> Result<Json<StartedContainers>, ApiError> {
+    if req.containers.len() > MAX_STARTS_PER_CALL {
+        return Err(ApiError::bad_request(format!(
+            "{} starts in one call; at most {MAX_STARTS_PER_CALL} (send the rest in another)",
+            req.containers.len()
+        )));
+    }
+    let starts = req.containers.into_iter().map(|s| {
+        let (rm, headers) = (&rm, &headers);
+        async move {
+            let result = start_one(rm, &s.host, &s.container_id, headers, s.context).await;
+            let (status, error) = match result {
+                Ok(status) => (Some(status), None),
+                Err(e) => (
+                    None,
+                    Some(StartError {
+                        status: e.status.as_u16(),
+                        code: e.code.to_string(),
+                        message: e.message,
+                    }),
+                ),
+            };
+            StartResult {
+                container_id: s.container_id,
+                status,
+                error,
+            }
+        }
+    });
+    let results = futures::future::join_all(starts).await;
+    Ok(Json(StartedContainers { results }))
+}
+
+/// One start: the caller must be the container's AM; a repeated start answers the
+/// container's status; a failed launch ends the container (stopped where it may run).
+async fn start_one(
+    rm: &Arc<Shared>,
+    host: &str,
+    id: &str,
+    headers: &HeaderMap,
+    ctx: LaunchContext,
+) -> Result<ContainerStatus, ApiError> {
     let grant = {
         let mut st = rm.lock();
-        let info = container_access(&st, &host, &id, &headers)?;
-        match transactions::start_container(&mut st, &host, &id, info.status)? {
-            Start::Again(status) => return Ok(Json(status)),
+        let info = container_access(&st, host, id, headers)?;
+        match transactions::start_container(&mut st, host, id, info.status)? {
+            Start::Again(status) => return Ok(status),
             Start::Launch(grant) => grant,
         }
     };
-    let node = rm.nodes.for_host(&host);
+    let node = rm.nodes.for_host(host);
     match node.start(grant, ctx).await {
-        Ok(status) => Ok(Json(status)),
+        Ok(status) => Ok(status),
         Err(e) => {
             let why = format!("launch failed: {e}");
             // A node that may have started the container before its answer was lost: stop
             // it there (a node that runs it kills it, one that never got the start refuses
             // it from now on; either way it reports the container dead).
             let may_run = node.start_may_survive(&e);
-            let to_stop = transactions::launch_failed(&mut rm.lock(), &id, may_run, &why);
-            spawn_stops(&rm, to_stop.into_iter().collect());
+            let to_stop = transactions::launch_failed(&mut rm.lock(), id, may_run, &why);
+            spawn_stops(rm, to_stop.into_iter().collect());
             Err(e.into())
         }
     }

@@ -76,7 +76,9 @@ use applications::{get_app, get_app_attempts, get_app_state, list_apps, new_appl
 use cluster::{
     change_node_state, cluster_info, cluster_metrics, get_node, list_nodes, post_node_wiped, put_node_state, NodeView,
 };
-use containers::{container_logs, container_start, container_status, container_stop, spawn_stops, stop_running};
+use containers::{
+    container_logs, container_start, container_status, container_stop, containers_start, spawn_stops, stop_running,
+};
 use http::ApiError;
 pub use logs::HistoryOptions;
 use nodes::{agent_heartbeat, agent_register, await_agents, delete_node, on_node_event, spawn_liveness, Nodes};
@@ -889,6 +891,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/ws/v1/node-agents/register", post(agent_register))
         .route("/ws/v1/node-agents/{host}/heartbeat", post(agent_heartbeat))
         .route("/ws/v1/node/{host}/containers/{id}/start", post(container_start))
+        .route("/ws/v1/node/containers/start", post(containers_start))
         .route("/ws/v1/node/{host}/containers/{id}/stop", post(container_stop))
         .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
         .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))

@@ -776,3 +776,87 @@ async fn a_held_heartbeat_is_answered_when_a_container_of_the_job_ends_or_it_is_
         .unwrap();
     assert_eq!(resp.command, Some(AmCommand::Shutdown));
 }
+
+/// Several starts in one call (issue 29, YARN's `startContainers`): each is checked and
+/// started as a single start is, a bad one fails alone with the error its single start
+/// would answer, and the same call again answers the running containers' status (so an
+/// AM that lost the answer never runs a task twice).
+#[tokio::test]
+async fn one_start_call_starts_several_containers_each_checked_alone() {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::{RegisterRequest, StartContainer, StartContainers};
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let opts = RmOptions {
+        launch_am: false,
+        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+    };
+    let rm = start(opts).await.unwrap();
+    let (id, tok) = rm.register_test_app("batch");
+    let (other_id, other_tok) = rm.register_test_app("other");
+    let am = RmClient::for_app(&rm.base_url(), &id, &tok);
+    let other = RmClient::for_app(&rm.base_url(), &other_id, &other_tok);
+    am.register(&RegisterRequest::default()).await.unwrap();
+    other.register(&RegisterRequest::default()).await.unwrap();
+    let mine = am
+        .allocate(&AllocateRequest {
+            asks: vec![ask(1, "n1", 0x1)],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .allocated;
+    let theirs = other
+        .allocate(&AllocateRequest {
+            asks: vec![ask(1, "n1", 0x2)],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .allocated;
+    let start = |c: &crate::protocol::Container| StartContainer {
+        host: c.host.clone(),
+        container_id: c.container_id.clone(),
+        context: LaunchContext {
+            commands: vec!["sleep 30".into()],
+            env: Default::default(),
+        },
+    };
+    // Mine, another application's (not this AM's to start) and an unknown one.
+    let mut unknown = start(&mine[0]);
+    unknown.container_id = "container_1_0001_01_999999".into();
+    let call = StartContainers {
+        containers: vec![start(&mine[0]), start(&theirs[0]), unknown],
+    };
+    let answer = am.start_containers(&rm.base_url(), &call).await.unwrap();
+    assert_eq!(answer.results.len(), 3);
+    let status = answer.results[0].status.as_ref().expect("mine started");
+    assert_eq!(status.state, ContainerState::Running);
+    assert!(status.pid.is_some());
+    let refused = answer.results[1]
+        .error
+        .as_ref()
+        .expect("another AM's container is refused");
+    assert!(refused.status == 401 || refused.status == 403, "{refused:?}");
+    assert_eq!(answer.results[2].error.as_ref().map(|e| e.status), Some(404));
+    // Their container was not started by the refused start.
+    let theirs_now = rm
+        .shared
+        .lock()
+        .ledger
+        .container(&theirs[0].container_id)
+        .map(|c| c.state);
+    assert_eq!(theirs_now, Some(ContainerState::Allocated));
+    // The same call again: mine answers its status (running), it does not start again.
+    let again = am.start_containers(&rm.base_url(), &call).await.unwrap();
+    let state = again.results[0].status.as_ref().map(|s| s.state);
+    assert_eq!(state, Some(ContainerState::Running), "{again:?}");
+    let started = rm.shared.nodes.local.executor().container_dir(&mine[0].container_id);
+    assert!(started.is_some(), "its one record");
+    // More than a call may carry is refused whole.
+    let too_many = StartContainers {
+        containers: vec![start(&mine[0]); crate::protocol::MAX_STARTS_PER_CALL + 1],
+    };
+    assert!(am.start_containers(&rm.base_url(), &too_many).await.is_err());
+    rm.shutdown().await;
+}
