@@ -331,7 +331,9 @@ impl RmClient {
 
     async fn node_listing(&self, since: Option<String>) -> Result<NodeListing, RmError> {
         let url = format!("{}/ws/v1/cluster/nodes", self.base);
-        let params: Vec<(&str, &str)> = since.iter().map(|v| ("since", v.as_str())).collect();
+        // The lean view: the same nodes in a fifth of the bytes (rm_json::NOT_IN_LEAN_VIEW).
+        let mut params: Vec<(&str, &str)> = vec![("view", "lean")];
+        params.extend(since.iter().map(|v| ("since", v.as_str())));
         let url = reqwest::Url::parse_with_params(&url, &params).map_err(|e| RmError::BadAnswer {
             what: "node listing".into(),
             why: format!("the RM's address `{url}` is not a URL: {e}"),

@@ -100,6 +100,33 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
     v
 }
 
+/// The fields of [`node_to_json`] that gpuam's own reader ([`parse_node_listing`]) does
+/// without: YARN's resource blocks (it reads the flat memory and vCore fields and the GPU
+/// masks), the id, version, health and container count. Left out of the lean listing
+/// (`GET /ws/v1/cluster/nodes?view=lean`, what AMs read), which parses to the same nodes in
+/// a fifth of the bytes (issue 29: a hundred AMs reading a 10,000-node listing).
+pub const NOT_IN_LEAN_VIEW: [&str; 8] = [
+    "totalResource",
+    "usedResource",
+    "availableResource",
+    "id",
+    "version",
+    "healthReport",
+    "lastHealthUpdate",
+    "numContainers",
+];
+
+/// A node as the lean listing has it: [`node_to_json`] less [`NOT_IN_LEAN_VIEW`].
+pub fn node_to_lean_json(node: &Node, num_containers: u32, last_health_update_ms: u64) -> Value {
+    let mut v = node_to_json(node, num_containers, last_health_update_ms);
+    if let Value::Object(o) = &mut v {
+        for k in NOT_IN_LEAN_VIEW {
+            o.remove(k);
+        }
+    }
+    v
+}
+
 /// `{"nodes":{"node":[...]}}` for a list of (node, live container count).
 pub fn nodes_to_json<'a>(nodes: impl IntoIterator<Item = (&'a Node, u32)>, last_health_update_ms: u64) -> Value {
     let list: Vec<Value> = nodes
@@ -1079,5 +1106,69 @@ mod topology_wire_tests {
         let mut p = n.clone();
         p.topology = crate::topology::Topology::preset("pcie8").map(Arc::new);
         assert_eq!(node_to_json(&p, 0, 0)["gpuTopology"], "pcie8", "presets travel by name");
+    }
+}
+
+#[cfg(test)]
+mod lean_view_tests {
+    use super::*;
+    use crate::cluster::NodeState;
+    use crate::resources::{CustomResources, PortSet, Resources};
+    use proptest::prelude::*;
+    use std::sync::Arc;
+
+    proptest! {
+        /// The lean listing (issue 29) reads as exactly the nodes the whole one does, for
+        /// any GPUs, use, shares, custom resources, ports, labels, state, topology and IP.
+        #[test]
+        fn the_lean_view_reads_as_the_whole_one(
+            gpus in 0u32..=8,
+            used_bits in any::<u8>(),
+            share in proptest::option::of(1u32..100),
+            cpu in 0u32..64, used_cpu in 0u32..64,
+            mem in 0u64..1_000_000, used_mem in 0u64..1_000_000,
+            nvme in proptest::option::of((1u64..8, 0u64..8)),
+            ports in proptest::option::of((2000u32..3000, 0u32..5)),
+            labelled in any::<bool>(),
+            state in prop_oneof![Just(NodeState::Running), Just(NodeState::Lost), Just(NodeState::Unhealthy)],
+            topo in prop_oneof![Just(None), Just(Some("pcie8")), Just(Some("dgx1v"))],
+            ip in any::<bool>(),
+        ) {
+            let mask = if gpus == 0 { 0 } else { (1u64 << gpus) - 1 };
+            let port_set = ports.map_or(PortSet::new(), |(lo, n)| PortSet::parse(&format!("{lo}-{}", lo + 10 * n + 10)).unwrap());
+            let mut total = Resources::with_mask(cpu.max(used_cpu), mem.max(used_mem), mask, port_set.clone());
+            if let Some((t, _)) = nvme {
+                total = total.with_custom(CustomResources::from_pairs([("nvme", t)]));
+            }
+            let mut n = Node::new("gpu-7", "/rack-b", total);
+            let used_mask = u64::from(used_bits) & mask;
+            let mut used = match (share, used_mask.trailing_zeros()) {
+                (Some(h), first) if first < 64 && gpus > 0 => Resources::with_share(used_cpu, used_mem, first, h, PortSet::new()),
+                _ => Resources::with_mask(used_cpu, used_mem, used_mask, PortSet::new()),
+            };
+            if let Some((t, u)) = nvme {
+                used = used.with_custom(CustomResources::from_pairs([("nvme", u.min(t))]));
+            }
+            if let Some((lo, _)) = ports {
+                used.ports = PortSet::parse(&lo.to_string()).unwrap();
+            }
+            n.set_used(used);
+            n.state = state;
+            if labelled {
+                n.labels = vec!["gpu".into(), "fast".into()];
+            }
+            n.gpu_type = (gpus > 0).then(|| "A100".to_string());
+            n.http_address = "http://127.0.0.1:8088".into();
+            n.ip = ip.then(|| "10.0.0.7".parse().unwrap());
+            n.topology = topo.and_then(crate::topology::Topology::preset).map(Arc::new);
+            let whole = parse_node_value(&node_to_json(&n, 3, 9)).unwrap();
+            let lean_json = node_to_lean_json(&n, 3, 9);
+            let lean = parse_node_value(&lean_json).unwrap();
+            prop_assert_eq!(&lean, &whole);
+            for k in NOT_IN_LEAN_VIEW {
+                prop_assert!(lean_json.get(k).is_none(), "{} is in the lean view", k);
+            }
+            prop_assert!(lean_json.to_string().len() * 2 < node_to_json(&n, 3, 9).to_string().len());
+        }
     }
 }

@@ -17,13 +17,18 @@ use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
 /// Runs the containers of simulated hosts on this machine.
 pub struct InProcessNode {
     executor: Arc<Executor>,
+    /// Starts forking at once: no more than the machine has cores (each fork copies this
+    /// process's page tables, and a blocking thread per waiting start would add to them).
+    starting: Arc<tokio::sync::Semaphore>,
 }
 
 impl InProcessNode {
     /// Container directories go under `root`; events go to `events`.
     pub fn new(root: PathBuf, events: mpsc::UnboundedSender<NodeEvent>, opts: ExecutorOptions) -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
         InProcessNode {
             executor: Arc::new(Executor::with_options(root, events, opts)),
+            starting: Arc::new(tokio::sync::Semaphore::new(cores.clamp(1, 8))),
         }
     }
 
@@ -41,10 +46,15 @@ impl NodeBackend for InProcessNode {
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
         // A start forks: off the async workers, so the RM serving the simulated nodes
         // keeps answering while many containers start (issue 29).
-        let executor = self.executor.clone();
+        let (executor, starting) = (self.executor.clone(), self.starting.clone());
         async move {
             let id = grant.container_id.clone();
+            let turn = starting.acquire_owned().await.map_err(|e| NodeError::StartFailed {
+                id: id.clone(),
+                why: e.to_string(),
+            })?;
             let pid = tokio::task::spawn_blocking(move || {
+                let _turn = turn;
                 executor.start_as(
                     &grant.container_id,
                     &grant.host,

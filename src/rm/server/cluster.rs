@@ -120,6 +120,9 @@ pub(super) struct NodesQuery {
     pub(super) states: Option<String>,
     /// A `nodesVersion` of an earlier answer: only what changed since.
     pub(super) since: Option<String>,
+    /// `lean`: each node without what gpuam's reader does without
+    /// (`rm_json::NOT_IN_LEAN_VIEW`); absent: YARN's whole node objects.
+    pub(super) view: Option<String>,
 }
 
 /// The node listing's bytes, kept up to date with the ledger (see the module doc). Lives in
@@ -127,6 +130,8 @@ pub(super) struct NodesQuery {
 pub(super) struct NodeView {
     /// Tells this RM process's versions from another's (a restarted RM counts epochs anew).
     incarnation: u64,
+    /// The lean view's node objects (`?view=lean`), else YARN's whole ones.
+    lean: bool,
     /// The ledger epoch `objects` reflect (`None`: not built yet).
     epoch: Option<u64>,
     /// Each node's JSON object, by host.
@@ -136,9 +141,12 @@ pub(super) struct NodeView {
 }
 
 impl NodeView {
-    pub(super) fn new() -> Self {
+    /// Both views of one RM process share `incarnation`: a version of one is good for
+    /// the other (both count the ledger's epochs).
+    pub(super) fn new(lean: bool, incarnation: u64) -> Self {
         NodeView {
-            incarnation: rand::random::<u64>() >> 16,
+            incarnation,
+            lean,
             epoch: None,
             objects: BTreeMap::new(),
             whole: None,
@@ -158,8 +166,12 @@ impl NodeView {
             .flatten()
     }
 
-    fn object(node: &Node, num_containers: u32, at_ms: u64) -> Bytes {
-        Bytes::from(serde_json::to_vec(&node_to_json(node, num_containers, at_ms)).unwrap_or_default())
+    fn object(&self, node: &Node, num_containers: u32, at_ms: u64) -> Bytes {
+        let v = match self.lean {
+            true => crate::cluster::rm_json::node_to_lean_json(node, num_containers, at_ms),
+            false => node_to_json(node, num_containers, at_ms),
+        };
+        Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
     }
 
     /// Brings the node objects up to the ledger's epoch: O(nodes changed since).
@@ -171,7 +183,8 @@ impl NodeView {
                 let at = now_ms();
                 for (n, c) in ledger.changed_since(e) {
                     if ledger.node(&n.host).is_some() {
-                        self.objects.insert(n.host.clone(), Self::object(n, c, at));
+                        let o = self.object(n, c, at);
+                        self.objects.insert(n.host.clone(), o);
                     } else {
                         self.objects.remove(&n.host);
                     }
@@ -181,7 +194,7 @@ impl NodeView {
                 let at = now_ms();
                 self.objects = ledger
                     .nodes()
-                    .map(|(n, c)| (n.host.clone(), Self::object(n, c, at)))
+                    .map(|(n, c)| (n.host.clone(), self.object(n, c, at)))
                     .collect();
             }
         }
@@ -242,7 +255,7 @@ impl NodeView {
         let gone: Vec<Bytes> = ledger
             .changed_since(since)
             .filter(|(n, _)| !self.objects.contains_key(&n.host))
-            .map(|(n, c)| Self::object(n, c, at))
+            .map(|(n, c)| self.object(n, c, at))
             .collect();
         let objects = ledger
             .changed_since(since)
@@ -273,9 +286,21 @@ pub(super) async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Re
             "`since` and `states` cannot be combined: ask for the changes since a version, or for the nodes in some states",
         ));
     }
+    let lean = match q.view.as_deref().map(str::trim) {
+        None | Some("") => false,
+        Some("lean") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "`view`: unknown view `{other}` (expected `lean`, or none for YARN's whole node objects)"
+            )))
+        }
+    };
     let body = {
         let st = rm.lock();
-        let mut view = rm.node_view.lock();
+        let mut view = match lean {
+            true => rm.node_view_lean.lock(),
+            false => rm.node_view.lock(),
+        };
         match since {
             Some(v) => view.changes(&st.ledger, v),
             None => view.listing(&st.ledger, wanted.as_deref()),

@@ -340,6 +340,8 @@ struct Shared {
     history: HistoryOptions,
     /// The node listing's bytes (`cluster::NodeView`; locked after `state`).
     node_view: Mutex<NodeView>,
+    /// The same, lean (`?view=lean`: what AMs read).
+    node_view_lean: Mutex<NodeView>,
 }
 
 impl Shared {
@@ -505,6 +507,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             ..Default::default()
         },
     );
+    // Tells this RM process's node listing versions from another's (see `cluster::NodeView`).
+    let incarnation = rand::random::<u64>() >> 16;
     let shared = Arc::new(Shared {
         state: Mutex::new(state),
         nodes: Nodes {
@@ -530,7 +534,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
         history: opts.history.clone(),
-        node_view: Mutex::new(NodeView::new()),
+        node_view: Mutex::new(NodeView::new(false, incarnation)),
+        node_view_lean: Mutex::new(NodeView::new(true, incarnation)),
     });
 
     let mut background = Vec::new();

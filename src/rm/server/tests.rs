@@ -860,3 +860,28 @@ async fn one_start_call_starts_several_containers_each_checked_alone() {
     assert!(am.start_containers(&rm.base_url(), &too_many).await.is_err());
     rm.shutdown().await;
 }
+
+/// The lean node listing AMs read (issue 29) is the whole listing's nodes, smaller; an
+/// unknown view is refused with the field named.
+#[tokio::test]
+async fn the_lean_listing_has_the_whole_listings_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_with(None, &dir.path().join("work")).await;
+    let http = reqwest::Client::new();
+    let get = |q: &'static str| {
+        let (http, url) = (http.clone(), format!("{}/ws/v1/cluster/nodes{q}", rm.base_url()));
+        async move { http.get(url).send().await.unwrap() }
+    };
+    let whole = get("").await.text().await.unwrap();
+    let lean = get("?view=lean").await.text().await.unwrap();
+    let (w, l) = (
+        crate::cluster::rm_json::parse_node_listing(&whole).unwrap(),
+        crate::cluster::rm_json::parse_node_listing(&lean).unwrap(),
+    );
+    assert_eq!(w.nodes, l.nodes);
+    assert!(l.version.is_some());
+    assert!(lean.len() < whole.len(), "{} vs {}", lean.len(), whole.len());
+    let bad = get("?view=tiny").await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    assert!(bad.text().await.unwrap().contains("`view`"));
+}
