@@ -37,6 +37,36 @@ const START_UNREACHABLE_FOR: Duration = Duration::from_secs(120);
 /// per-peer connection cap.
 pub const LAUNCHES_IN_FLIGHT: usize = 4;
 
+/// Starts per call an AM sends (at most `protocol::MAX_STARTS_PER_CALL`): a task's launch
+/// is known when its call is answered, so smaller calls tell it sooner.
+const STARTS_PER_CALL: usize = 16;
+
+/// Launch contexts (their JSON) one start call carries at most, far below the RM's body
+/// limit (1 MiB); a context larger than this goes alone, as a single start would.
+const START_CALL_BYTES: usize = 256 * 1024;
+
+/// `indices` cut into start calls: at most [`STARTS_PER_CALL`] starts and about
+/// [`START_CALL_BYTES`] of contexts each (`size` of each launch).
+fn start_calls(indices: &[usize], size: impl Fn(usize) -> usize) -> Vec<Vec<usize>> {
+    let per_call = STARTS_PER_CALL.min(crate::protocol::MAX_STARTS_PER_CALL);
+    let mut calls: Vec<Vec<usize>> = Vec::new();
+    let mut bytes = 0;
+    for &i in indices {
+        let s = size(i);
+        match calls.last_mut() {
+            Some(call) if call.len() < per_call && bytes + s <= START_CALL_BYTES => {
+                call.push(i);
+                bytes += s;
+            }
+            _ => {
+                calls.push(vec![i]);
+                bytes = s;
+            }
+        }
+    }
+    calls
+}
+
 impl AmRm for RmClient {
     fn node_changes(&self) -> impl Future<Output = Result<NodeListing, RmError>> + Send {
         RmClient::node_changes(self)
@@ -47,7 +77,7 @@ impl AmRm for RmClient {
     fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send {
         RmClient::register(self, req)
     }
-    /// The starts go in calls of at most `MAX_STARTS_PER_CALL` (one per address that
+    /// The starts go in calls ([`start_calls`]: one per address that
     /// serves the containers' nodes), [`LAUNCHES_IN_FLIGHT`] at once. A call whose answer
     /// never came (the RM went down meanwhile) may have started its tasks: it is sent
     /// again until the RM answers (the RM answers a repeated start of a running container
@@ -65,8 +95,10 @@ impl AmRm for RmClient {
         let calls: Vec<(String, Vec<usize>)> = by_address
             .into_iter()
             .flat_map(|(address, all)| {
-                all.chunks(crate::protocol::MAX_STARTS_PER_CALL)
-                    .map(|c| (address.to_string(), c.to_vec()))
+                let size = |i: usize| serde_json::to_vec(&launches[i].context).map_or(0, |v| v.len());
+                start_calls(&all, size)
+                    .into_iter()
+                    .map(|c| (address.to_string(), c))
                     .collect::<Vec<_>>()
             })
             .collect();
@@ -240,4 +272,22 @@ where
         what: what.into(),
         why: "no attempt made".into(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Start calls carry at most 16 starts and about 256 KiB of contexts; a larger
+    /// context goes alone; every launch is in exactly one call, in order.
+    #[test]
+    fn start_calls_are_cut_by_count_and_by_size() {
+        let all: Vec<usize> = (0..40).collect();
+        let calls = start_calls(&all, |_| 100);
+        assert_eq!(calls.iter().map(Vec::len).collect::<Vec<_>>(), vec![16, 16, 8]);
+        let sizes = [100, 200 * 1024, 100 * 1024, 2 << 20, 10];
+        let calls = start_calls(&[0, 1, 2, 3, 4], |i| sizes[i]);
+        assert_eq!(calls, vec![vec![0, 1], vec![2], vec![3], vec![4]]);
+        assert_eq!(calls.concat(), vec![0, 1, 2, 3, 4]);
+    }
 }
