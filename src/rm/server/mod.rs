@@ -342,6 +342,10 @@ struct Shared {
     node_view: Mutex<NodeView>,
     /// The same, lean (`?view=lean`: what AMs read).
     node_view_lean: Mutex<NodeView>,
+    /// One `POST /ws/v1/cluster/estimate` computed at a time: each takes a snapshot of
+    /// every node and container under the state lock, which a caller's flood must not
+    /// hold for the AMs' and agents' calls (429 while one runs).
+    estimating: tokio::sync::Semaphore,
 }
 
 impl Shared {
@@ -536,6 +540,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         history: opts.history.clone(),
         node_view: Mutex::new(NodeView::new(false, incarnation)),
         node_view_lean: Mutex::new(NodeView::new(true, incarnation)),
+        estimating: tokio::sync::Semaphore::new(1),
     });
 
     let mut background = Vec::new();

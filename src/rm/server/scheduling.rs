@@ -704,6 +704,15 @@ pub(super) async fn post_estimate(
     super::http::ApiJson(req): super::http::ApiJson<crate::protocol::EstimateRequest>,
 ) -> Result<axum::Json<crate::protocol::StartEstimate>, ApiError> {
     check_waiting(&req.waiting).map_err(ApiError::bad_request)?;
+    let Ok(_turn) = rm.estimating.try_acquire() else {
+        let mut busy = ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "busy",
+            "another start estimate is being computed; try again in a second",
+        );
+        busy.retry_after = Some(1);
+        return Err(busy);
+    };
     let st = rm.lock();
     let queue = st
         .sched
