@@ -851,8 +851,9 @@ async fn one_start_call_starts_several_containers_each_checked_alone() {
     let again = am.start_containers(&rm.base_url(), &call).await.unwrap();
     let state = again.results[0].status.as_ref().map(|s| s.state);
     assert_eq!(state, Some(ContainerState::Running), "{again:?}");
-    let started = rm.shared.nodes.local.executor().container_dir(&mine[0].container_id);
-    assert!(started.is_some(), "its one record");
+    let executor = rm.shared.nodes.local.executor();
+    let now = executor.status(&mine[0].container_id).and_then(|s| s.pid);
+    assert_eq!(now, status.pid, "the same process: the repeated start started nothing");
     // More than a call may carry is refused whole.
     let too_many = StartContainers {
         containers: vec![start(&mine[0]); crate::protocol::MAX_STARTS_PER_CALL + 1],
@@ -867,7 +868,7 @@ async fn one_start_call_starts_several_containers_each_checked_alone() {
 async fn the_lean_listing_has_the_whole_listings_nodes() {
     let dir = tempfile::tempdir().unwrap();
     let rm = rm_with(None, &dir.path().join("work")).await;
-    let http = reqwest::Client::new();
+    let http = crate::tls::http_client();
     let get = |q: &'static str| {
         let (http, url) = (http.clone(), format!("{}/ws/v1/cluster/nodes{q}", rm.base_url()));
         async move { http.get(url).send().await.unwrap() }
@@ -884,4 +885,30 @@ async fn the_lean_listing_has_the_whole_listings_nodes() {
     let bad = get("?view=tiny").await;
     assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
     assert!(bad.text().await.unwrap().contains("`view`"));
+}
+
+/// Start estimates are computed one at a time (each snapshots the whole state under its
+/// lock): while one runs, another caller is told to come back (429, `Retry-After`), and
+/// is answered once it has ended.
+#[tokio::test]
+async fn start_estimates_are_computed_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_with(None, &dir.path().join("work")).await;
+    let http = crate::tls::http_client();
+    let ask = || {
+        http.post(format!("{}/ws/v1/cluster/estimate", rm.base_url()))
+            .bearer_auth(rm.admin_token())
+            .json(&serde_json::json!({"waiting": [{"role": "w", "count": 1, "gpus": 1, "cpu": 1, "memoryMB": 10}]}))
+            .send()
+    };
+    let running = rm.shared.estimating.try_acquire().unwrap();
+    let busy = ask().await.unwrap();
+    assert_eq!(busy.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        busy.headers().get(header::RETRY_AFTER).map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    drop(running);
+    let answered = ask().await.unwrap();
+    assert_eq!(answered.status(), StatusCode::OK, "{:?}", answered.text().await);
 }
