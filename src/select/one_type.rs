@@ -118,6 +118,12 @@ fn decide(job: &JobSpec, roles: &[usize], slots: &[Vec<TaskSlot>], selector: &Se
     if let Some(t) = held {
         return t.map_or(Choice::Free, |t| Choice::One(vec![t]));
     }
+    // One task lands on one node, so on one type: no trial (the select pipeline alone
+    // finds its node, or says it never fits).
+    let tasks: u64 = roles.iter().map(|&ri| u64::from(job.task_roles[ri].instances)).sum();
+    if tasks <= 1 {
+        return Choice::Free;
+    }
     // 2. The types and their sizes.
     let settings = selector.settings();
     let sizes: BTreeMap<String, TypeSize> = selector.with_view(|v| {
