@@ -226,6 +226,8 @@ pub(crate) struct Cx<'a> {
     pub rng: &'a mut StdRng,
     pub choices: &'a mut ChoiceCache,
     pub ports: PortPlan,
+    /// Other jobs wait behind this one (see [`Selector::set_others_wait`]).
+    pub others_wait: bool,
 }
 
 impl Cx<'_> {
@@ -248,6 +250,8 @@ struct SelectorState {
     choices: ChoiceCache,
     /// The view's nodes by bucket and by rack, updated with every change of the view.
     index: NodeIndex,
+    /// Other jobs wait for GPUs behind the one being placed (queue pressure, issue 27).
+    others_wait: bool,
 }
 
 /// Most candidates job packing keeps (the pick needs the best and the next best; the
@@ -273,6 +277,7 @@ impl Selector {
             rng,
             choices: ChoiceCache::default(),
             index: NodeIndex::new(salt),
+            others_wait: false,
         };
         state.replace_nodes(view.nodes().cloned().collect());
         Selector {
@@ -352,6 +357,15 @@ impl Selector {
         f(&self.state.lock().view)
     }
 
+    /// Says whether other jobs wait for GPUs behind the job placed next (queue pressure;
+    /// issue 27, docs/DESIGN-NOTES.md "Packing first while others wait"): while they do, the
+    /// order packs nodes (fewest free GPUs) right after the tiers, before the ideal weight.
+    /// An input of the decision, kept until set again; `false` (the default) is the order
+    /// of an idle queue. The simulator sets it from its queue.
+    pub fn set_others_wait(&self, others_wait: bool) {
+        self.state.lock().others_wait = others_wait;
+    }
+
     pub fn settings(&self) -> SelectSettings {
         self.state.lock().settings.clone()
     }
@@ -421,6 +435,7 @@ impl SelectorState {
             rng,
             choices,
             index,
+            others_wait,
             ..
         } = self;
         let mut cx = Cx {
@@ -432,6 +447,7 @@ impl SelectorState {
             rng,
             choices,
             ports: PortPlan::Fixed(PortSet::new()),
+            others_wait: *others_wait,
         };
         // 1. How the ports are decided (stage 5).
         let (ports, port_note) = stages::port_plan(&cx);

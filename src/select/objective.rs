@@ -9,7 +9,9 @@
 //!
 //! Across nodes (issue 27) the pair weights come after packing unless the union reaches the
 //! machine's best weight W*(|U|) ([`RankKey::weight_ideal`]); inside a node the set is still
-//! chosen by (T, W) first.
+//! chosen by (T, W) first. Under queue pressure (other jobs wait behind this one) packing —
+//! the node's free GPUs, fewest first — comes right after the tiers and the ideal weight after
+//! packing ([`RankKey::free_first`], [`RankKey::weight_ideal_packed`]); the tiers never move.
 //!
 //! Among candidates equal on the link terms (T, W of the union and of the task's set), the
 //! NUMA term comes next (issue 27): the fewest NUMA nodes under the task's set, so a set within
@@ -419,6 +421,10 @@ pub(crate) struct RankKey {
     /// 6. The union's pair weight is the best this machine offers a set of its size (W(U) =
     ///    W*(|U|) on the empty node): an ideal set anywhere beats packing.
     pub weight_ideal: Reverse<bool>,
+    /// 6q. Under queue pressure (other jobs wait behind this one; issue 27): the node's free
+    ///     GPUs, fewest first, i.e. node packing right after the tier, and criterion 6 is
+    ///     then neutral (its value moves to [`RankKey::weight_ideal_packed`]); 0 otherwise.
+    pub free_first: u32,
     /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
     /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
     pub share_left: u8,
@@ -436,6 +442,9 @@ pub(crate) struct RankKey {
     pub fit: Fit,
     /// ... then on the node: free GPUs (pack busy nodes, keep empty ones whole).
     pub free_gpus: u32,
+    /// 9a. The ideal weight of criterion 6 again: it decides here, after packing, when
+    ///     criterion 6 was neutral under queue pressure (otherwise it was decided there).
+    pub weight_ideal_packed: Reverse<bool>,
     /// 9b. Pair weight of the union, then of the task's set (issue 27: below the ideal
     ///     weight, packing first; the weight then chooses among equally packed nodes).
     pub union_weight: Reverse<u32>,
@@ -469,7 +478,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 19] = [
+        let diffs: [(bool, &str, String, String); 21] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -507,6 +516,12 @@ impl RankKey {
                 b(best.weight_ideal).into(),
             ),
             (
+                self.free_first != best.free_first,
+                "free GPUs while other jobs wait (fewer packs better)",
+                self.free_first.to_string(),
+                best.free_first.to_string(),
+            ),
+            (
                 self.share_left != best.share_left,
                 "share left on its GPU (less is a better fit)",
                 format_hundredths_u8(self.share_left),
@@ -541,6 +556,12 @@ impl RankKey {
                 "free GPUs (fewer packs better)",
                 self.free_gpus.to_string(),
                 best.free_gpus.to_string(),
+            ),
+            (
+                self.weight_ideal_packed != best.weight_ideal_packed,
+                "job's GPU union at the machine's best pair weight (after packing, while other jobs wait)",
+                b(self.weight_ideal_packed).into(),
+                b(best.weight_ideal_packed).into(),
             ),
             (
                 self.union_weight != best.union_weight,

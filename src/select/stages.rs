@@ -146,7 +146,7 @@ pub(crate) fn score(
         &pick,
         avail,
         node.total().gpu_count(),
-        0,
+        cx.others_wait,
     );
     Ok((key, pick, fits))
 }
@@ -183,7 +183,9 @@ pub(crate) fn pick_gpus(
     }
 }
 
-/// The key of the order for one node (see `objective.rs`).
+/// The key of the order for one node (see `objective.rs`); `others_wait`: other jobs wait
+/// behind this one (queue pressure: packing right after the tiers, the ideal weight after it).
+/// The random tie-break (14) is left 0 for the caller to set.
 pub(crate) fn rank_key(
     affinity: bool,
     fits: u32,
@@ -191,7 +193,7 @@ pub(crate) fn rank_key(
     pick: &GpuPick,
     avail: &Resources,
     total_gpus: u32,
-    tie: u32,
+    others_wait: bool,
 ) -> RankKey {
     RankKey {
         affinity: Reverse(affinity),
@@ -199,7 +201,9 @@ pub(crate) fn rank_key(
         rack: Reverse(rack),
         union_tier: Reverse(pick.union_tier),
         task_tier: Reverse(pick.task_tier),
-        weight_ideal: Reverse(pick.weight_ideal),
+        weight_ideal: Reverse(pick.weight_ideal || others_wait),
+        free_first: if others_wait { avail.whole_gpu_count() } else { 0 },
+        weight_ideal_packed: Reverse(pick.weight_ideal),
         union_weight: Reverse(pick.union_weight),
         task_weight: Reverse(pick.task_weight),
         share_left: pick.share_left,
@@ -212,7 +216,7 @@ pub(crate) fn rank_key(
         total_gpus,
         cpu: avail.cpu,
         memory_mb: avail.memory_mb,
-        tie,
+        tie: 0,
     }
 }
 

@@ -689,7 +689,9 @@ fn order_of(n: &Node, s: u64, demand: &JobDemand, job_racks: &[String], k: u32) 
 }
 
 /// The written order across nodes (issue 27): the weights move behind packing (9b) and
-/// criterion 6 becomes "the union reaches W*(|U|), the machine's best pair weight".
+/// criterion 6 becomes "the union reaches W*(|U|), the machine's best pair weight"; while
+/// other jobs wait, the node's free GPUs come right after the tiers (6q) and the ideal
+/// weight after packing (9a).
 type NodeKey = (
     (
         std::cmp::Reverse<bool>,
@@ -698,6 +700,7 @@ type NodeKey = (
         std::cmp::Reverse<u8>,
         std::cmp::Reverse<u8>,
         std::cmp::Reverse<bool>,
+        u32,
         u8,
         u8,
         std::cmp::Reverse<u32>,
@@ -705,6 +708,7 @@ type NodeKey = (
     (
         [u8; crate::topology::FIT_LEVELS],
         u32,
+        std::cmp::Reverse<bool>,
         std::cmp::Reverse<u32>,
         std::cmp::Reverse<u32>,
         std::cmp::Reverse<[i8; 3]>,
@@ -715,24 +719,20 @@ type NodeKey = (
 );
 
 /// [`Order`] of a node's chosen (S, X) as the key nodes are compared by; `u` the union's
-/// GPU count.
-fn node_key(n: &Node, o: Order, u: u32) -> NodeKey {
+/// GPU count; `others_wait`: other jobs wait behind this one (queue pressure).
+fn node_key(n: &Node, o: Order, u: u32, others_wait: bool) -> NodeKey {
     let t = n.topology.as_deref().expect("a topology");
     let best = crate::topology::choose(Some(t), t.all_mask(), u).map_or(0, |g| g.weight);
     let ((aff, fits, rack, tu, ts, wu, ws, numa, apart, nic), (fit, free, cap, total, cpu, mem)) = o;
+    let ideal = std::cmp::Reverse(wu.0 >= best);
+    let (early_ideal, early_free) = if others_wait {
+        (std::cmp::Reverse(true), free)
+    } else {
+        (ideal, 0)
+    };
     (
-        (
-            aff,
-            fits,
-            rack,
-            tu,
-            ts,
-            std::cmp::Reverse(wu.0 >= best),
-            numa,
-            apart,
-            nic,
-        ),
-        (fit, free, wu, ws, cap, total, cpu, mem),
+        (aff, fits, rack, tu, ts, early_ideal, early_free, numa, apart, nic),
+        (fit, free, ideal, wu, ws, cap, total, cpu, mem),
     )
 }
 
@@ -762,6 +762,7 @@ proptest! {
             1..7),
         k in prop::sample::select(vec![1u32, 2, 3, 4]),
         instances in 1u32..4,
+        others_wait in any::<bool>(),
     ) {
         let nodes: Vec<Node> = nodes
             .iter()
@@ -769,6 +770,7 @@ proptest! {
             .map(|(i, (p, used, cpu))| mixed_node(i, p, u64::from(*used), *cpu))
             .collect();
         let s = selector(nodes);
+        s.set_others_wait(others_wait);
         let r = res(4, 1000, k);
         let mut demand = JobDemand::new(true);
         demand.add_waiting(TaskShape::of(&r), instances);
@@ -801,7 +803,7 @@ proptest! {
                     continue;
                 }
                 if let Some(o) = node_best(n) {
-                    let key = node_key(n, o, union_size(n));
+                    let key = node_key(n, o, union_size(n), others_wait);
                     if best.is_none_or(|b| key < b) {
                         best = Some(key);
                     }
@@ -813,7 +815,7 @@ proptest! {
                     let n = view.iter().find(|n| n.host == p.host).unwrap();
                     let got = order_of(n, p.resources.gpu_mask, &demand, &job_racks, k);
                     prop_assert_eq!(got, node_best(n), "task {} chose {} {:#x}: not its node's best set\n{}", instances - left, p.host, p.resources.gpu_mask, sel.trace.render());
-                    let got = got.map(|o| node_key(n, o, union_size(n)));
+                    let got = got.map(|o| node_key(n, o, union_size(n), others_wait));
                     prop_assert_eq!(got, Some(b), "task {} chose {} {:#x}\n{}", instances - left, p.host, p.resources.gpu_mask, sel.trace.render());
                     demand.placed_with_gpus(&TaskShape::of(&r), &p.host, p.resources.gpu_mask);
                 }
@@ -1313,4 +1315,51 @@ fn an_ideal_weight_set_beats_packing_and_below_it_packing_beats_the_weight() {
     let alt = sel.trace.alternative.as_ref().expect("a runner-up");
     assert_eq!(alt.host, "pairs5");
     assert!(alt.lost_on.starts_with("free GPUs left beside it"), "{}", alt.lost_on);
+}
+
+/// Queue pressure (issue 27, "Packing first while others wait"): while other jobs wait, a
+/// node with fewer free GPUs beats an ideal-weight set on an emptier node of the same tier;
+/// with nobody waiting the ideal weight wins; the tier is never traded for packing.
+#[test]
+fn while_others_wait_packing_beats_the_ideal_weight_but_never_the_tier() {
+    let t = Arc::new(crate::topology::Topology::preset("dgx1v").unwrap());
+    let pairs: Vec<u64> = (0..8u32)
+        .flat_map(|i| (i + 1..8).map(move |j| (1u64 << i) | (1u64 << j)))
+        .collect();
+    let best = pairs.iter().map(|&p| (t.tier(p), t.weight(p))).max().unwrap();
+    // A pair of the best tier below the best weight (an NV1 pair), and one of a lower tier.
+    let weaker = *pairs
+        .iter()
+        .find(|&&p| t.tier(p) == best.0 && t.weight(p) < best.1)
+        .expect("an NV1 pair");
+    let lower = *pairs
+        .iter()
+        .find(|&&p| t.tier(p) < best.0)
+        .expect("a pair without NVLink");
+    let on = |host: &str, free: u64| {
+        let mut n = node(host, "/r", 8, 0xff & !free);
+        n.topology = Some(t.clone());
+        n
+    };
+    let r = res(8, 1000, 2);
+    let pick = |nodes: Vec<Node>, others_wait: bool| {
+        let s = selector(nodes);
+        s.set_others_wait(others_wait);
+        let sel = s.select(&ask(&r), &JobDemand::new(true));
+        let p = placed(&sel).clone();
+        (p.host, p.resources.gpu_mask, sel.trace.alternative.map(|a| a.lost_on))
+    };
+    // "empty" offers an ideal pair (8 free); "full" only the weaker pair (2 free).
+    let (host, mask, _) = pick(vec![on("empty", 0xff), on("full", weaker)], false);
+    assert_eq!(host, "empty", "nobody waits: the ideal weight wins");
+    assert_eq!((t.tier(mask), t.weight(mask)), best);
+    let (host, mask, lost) = pick(vec![on("empty", 0xff), on("full", weaker)], true);
+    assert_eq!((host.as_str(), mask), ("full", weaker), "others wait: packing wins");
+    let lost = lost.expect("a runner-up");
+    assert!(lost.starts_with("free GPUs while other jobs wait"), "{lost}");
+    // A fuller node whose pair is of a lower tier never wins, waiting or not.
+    for others_wait in [false, true] {
+        let (host, _, _) = pick(vec![on("empty", 0xff), on("full", lower)], others_wait);
+        assert_eq!(host, "empty", "others wait: {others_wait}");
+    }
 }

@@ -263,7 +263,15 @@ impl<'v> Search<'v> {
             // The bound: the best key any node of the bucket can have (least CPU, no memory).
             free.cpu = first.0;
             free.memory_mb = 0;
-            let bound = stages::rank_key(false, fits, rack.is_some(), &pick, &free, b.key.total_gpus, 0);
+            let bound = stages::rank_key(
+                false,
+                fits,
+                rack.is_some(),
+                &pick,
+                &free,
+                b.key.total_gpus,
+                cx.others_wait,
+            );
             live.push((bound, bi, rack, fits));
         }
     }

@@ -98,6 +98,14 @@ impl Placer {
         Resources::with_mask(t.cpu, t.mem_mb, mask, PortSet::new())
     }
 
+    /// Tells gpuam whether other jobs wait behind the one it places next (queue pressure,
+    /// [`Selector::set_others_wait`]); the other policies do not look.
+    pub fn set_others_wait(&mut self, others_wait: bool) {
+        if let Placer::Gpuam { selector, .. } = self {
+            selector.set_others_wait(others_wait);
+        }
+    }
+
     /// gpuam's `select.topology_wait_sec` (0 for the other policies, which never wait).
     pub fn topology_wait_sec(&self) -> f64 {
         match self {
@@ -414,6 +422,7 @@ impl Engine<'_> {
             let job = &self.jobs[jid];
             let wait_end = job.arrival + self.topology_wait;
             let may_wait = now < wait_end;
+            self.placer.set_others_wait(self.queue.len() > 1);
             let placed = self.placer.place(&mut self.cl, job, &mut self.stats, may_wait);
             if placed.is_none() && may_wait {
                 self.wake = self.wake.min(wait_end);
@@ -574,6 +583,7 @@ impl Engine<'_> {
             if failed.contains(&key) {
                 continue;
             }
+            self.placer.set_others_wait(self.queue.len() > 1);
             let Some(placed) = self.placer.place(&mut self.cl, job, &mut self.stats, may_wait) else {
                 if may_wait {
                     self.wake = self.wake.min(wait_end);
@@ -613,6 +623,7 @@ impl Engine<'_> {
     fn try_start(&mut self, j: usize, now: f64) -> bool {
         let job = &self.jobs[j];
         let may_wait = now < job.arrival + self.topology_wait;
+        self.placer.set_others_wait(self.queue.len() > 1);
         match self.placer.place(&mut self.cl, job, &mut self.stats, may_wait) {
             Some(placed) => {
                 self.queue.retain(|&x| x != j);
