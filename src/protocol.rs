@@ -629,6 +629,10 @@ pub struct AllocateResponse {
     /// When its waiting tasks are expected to start, and on what basis (issue 27).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_estimate: Option<StartEstimate>,
+    /// Other applications have tasks waiting (issue 27): the AM's placement then packs
+    /// nodes (fewest free GPUs) right after the GPU tiers (`Selector::set_others_wait`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub others_waiting: bool,
 }
 
 /// `POST /ws/v1/am/{appId}/finish` body.

@@ -361,9 +361,15 @@ impl Selector {
     /// issue 27, docs/DESIGN-NOTES.md "Packing first while others wait"): while they do, the
     /// order packs nodes (fewest free GPUs) right after the tiers, before the ideal weight.
     /// An input of the decision, kept until set again; `false` (the default) is the order
-    /// of an idle queue. The simulator sets it from its queue.
+    /// of an idle queue. The simulator sets it from its queue, the AM from the RM's allocate
+    /// answer (`othersWaiting`).
     pub fn set_others_wait(&self, others_wait: bool) {
         self.state.lock().others_wait = others_wait;
+    }
+
+    /// Whether other jobs wait, as last set ([`Selector::set_others_wait`]).
+    pub fn others_wait(&self) -> bool {
+        self.state.lock().others_wait
     }
 
     pub fn settings(&self) -> SelectSettings {

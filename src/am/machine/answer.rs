@@ -51,6 +51,8 @@ impl JobMachine {
             self.out.events.push(Event::QueueNote(resp.waiting_reason));
         }
         self.queue_reason = resp.wait_reason;
+        // Other jobs wait: the next placements pack nodes first (issue 27).
+        self.selector.set_others_wait(resp.others_waiting);
         if resp.start_estimate != self.start_estimate {
             self.start_estimate = resp.start_estimate.clone();
             self.out.events.push(Event::StartEstimate(resp.start_estimate));

@@ -872,6 +872,26 @@ fn asks_carry_the_roles_declared_run_time_limit() {
     assert!(heartbeat(&mut m, now).asks.iter().all(|a| a.max_run_sec.is_none()));
 }
 
+/// The RM's `othersWaiting` reaches the AM's placement (issue 27: while other jobs wait,
+/// nodes are packed right after the GPU tiers), and goes when the RM stops sending it.
+#[test]
+fn the_rms_others_waiting_reaches_the_placement() {
+    let (mut m, now) = machine(
+        "name: j\ntaskRoles:\n  a:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    commands: [\"true\"]\n",
+    );
+    heartbeat(&mut m, now);
+    assert!(!m.selector.others_wait());
+    let busy = AllocateResponse {
+        others_waiting: true,
+        ..Default::default()
+    };
+    m.step(Input::Allocated(Ok(busy)), now);
+    assert!(m.selector.others_wait());
+    heartbeat(&mut m, now);
+    m.step(Input::Allocated(Ok(AllocateResponse::default())), now);
+    assert!(!m.selector.others_wait());
+}
+
 /// The RM's start estimate in an allocate answer reaches the job's status (an event when it
 /// changes, none while it stays the same), and goes when the RM no longer sends one.
 #[test]

@@ -262,6 +262,15 @@ fn learned_run_ms<'a>(
 }
 
 /// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see
+/// Some application besides `app_id`, not ended, has tasks waiting by its AM's fresh report.
+/// Also told to each AM in its allocate answer (`othersWaiting`), where its placement packs
+/// nodes first while others wait (issue 27).
+pub(super) fn others_waiting(st: &RmState, app_id: &str, now: Instant) -> bool {
+    st.apps
+        .values()
+        .any(|a| a.report.id != app_id && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty())
+}
+
 /// [`scheduler::gate`]); a gang must also fit now as a whole. `Err`: why it waits.
 pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> Result<(), crate::reason::Reason> {
     if asks.len() > 1 {
@@ -275,10 +284,7 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
             .lineage(leaf)
             .any(|q| st.sched.tree.get(q).max_gpus.is_some())
     });
-    let others_wait = st.apps.values().any(|a| {
-        a.report.id != app_id && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty()
-    });
-    if !capped && !others_wait {
+    if !capped && !others_waiting(st, app_id, now) {
         return Ok(());
     }
     // Room for everyone waiting besides this ask: the gate would pass it (without the

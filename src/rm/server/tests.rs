@@ -459,6 +459,7 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
         })
         .await
         .unwrap();
+    assert!(!a_resp.others_waiting, "A's own waiting tasks do not count for A");
     // B hears of the preemption (and ignores it, like an AM that predates it).
     let t0 = Instant::now();
     let notice = loop {
@@ -469,6 +470,7 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
             })
             .await
             .unwrap();
+        assert!(b_resp.others_waiting, "A waits: B's placement is told others wait");
         if let Some(n) = b_resp.preempt.first() {
             break n.clone();
         }

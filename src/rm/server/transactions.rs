@@ -462,6 +462,7 @@ pub(super) fn allocate(
     grant_asks(st, id, attempt, req, metrics, now, &mut out);
     metrics.granted(out.allocated.len());
     out.preempt = scheduling::notices_for(st, id);
+    out.others_waiting = scheduling::others_waiting(st, id, now);
     let app = app_mut(&mut st.apps, id)?;
     out.waiting_reason = app.waiting.why.as_ref().map(|(_, t)| t.clone());
     out.wait_reason = app.waiting.queue_reason();
