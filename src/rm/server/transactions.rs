@@ -679,6 +679,7 @@ pub(super) fn stop_container(
         exit_status: c.exit_status,
         diagnostics: c.diagnostics.clone(),
         pid: None,
+        started_ms: None,
     });
     Ok(Done {
         answer: status,
@@ -1047,6 +1048,7 @@ mod tests {
             exit_status: None,
             diagnostics: String::new(),
             pid: None,
+            started_ms: None,
         }
     }
 
