@@ -407,7 +407,8 @@ pub struct StartEstimate {
     /// The running containers it rests on.
     #[serde(default)]
     pub basis: StartBasis,
-    /// Another gang's reservation it starts after, if any.
+    /// Another gang's reservation it starts after, if any, named by its size (never by its
+    /// application id: it may be another tenant's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after_reservation_of: Option<String>,
     /// The basis in words.
