@@ -45,8 +45,9 @@ impl NodeBackend for InProcessNode {
     }
 
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
-        // A start forks and execs: off the async workers, so the RM serving the simulated
-        // nodes keeps answering while many containers start (issue 29).
+        // A start writes files, makes a cgroup and a process: off the async workers, so
+        // the RM serving the simulated nodes keeps answering while many containers start
+        // (issue 29).
         let (executor, starting) = (self.executor.clone(), self.starting.clone());
         async move {
             let id = grant.container_id.clone();
