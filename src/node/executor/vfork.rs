@@ -55,7 +55,8 @@ pub struct Plan<'a> {
 
 /// The child's data: pointers into the parent's memory, valid while the parent waits.
 struct Child<'a> {
-    path: CString,
+    /// The paths `execve` tries in order (`execvp`'s search, as the task's user).
+    paths: Vec<CString>,
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
     cwd: CString,
@@ -81,7 +82,10 @@ const STACK: usize = 256 * 1024;
 /// registered with it).
 pub fn spawn(plan: &Plan<'_>) -> io::Result<Spawned> {
     let cstr = |b: &[u8]| CString::new(b).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte"));
-    let path = cstr(resolve(plan.program, plan.env)?.as_os_str().as_bytes())?;
+    let paths = candidates(plan.program, plan.env)
+        .iter()
+        .map(|p| cstr(p.as_os_str().as_bytes()))
+        .collect::<io::Result<Vec<_>>>()?;
     let mut strings = vec![cstr(plan.program.as_bytes())?];
     for a in plan.args {
         strings.push(cstr(a.as_bytes())?);
@@ -105,7 +109,7 @@ pub fn spawn(plan: &Plan<'_>) -> io::Result<Spawned> {
     };
     let streams = [high(null.as_raw_fd())?, high(plan.stdout)?, high(plan.stderr)?];
     let child = Child {
-        path,
+        paths,
         argv: nul_ended(&strings),
         envp: nul_ended(&env),
         cwd: cstr(plan.cwd.as_os_str().as_bytes())?,
@@ -219,11 +223,13 @@ fn reap(pid: libc::pid_t) -> io::Result<Option<ExitStatus>> {
     }
 }
 
-/// The path `execve` gets: a name with a `/` as it is, else the first executable file of
-/// that name in the task's `PATH` (the node's when the task has none), as `execvp` would.
-fn resolve(program: &OsStr, env: &[(String, String)]) -> io::Result<PathBuf> {
+/// The paths `execve` tries: a name with a `/` as it is, else the name in each directory
+/// of the task's `PATH` (the node's when the task has none), as `execvp` would. Only text
+/// here: the search itself runs in the child, as the task's user, so the node never looks
+/// through a directory the task may have written (a symlink there) with its own rights.
+fn candidates(program: &OsStr, env: &[(String, String)]) -> Vec<PathBuf> {
     if program.as_bytes().contains(&b'/') {
-        return Ok(PathBuf::from(program));
+        return vec![PathBuf::from(program)];
     }
     let path = env
         .iter()
@@ -231,11 +237,16 @@ fn resolve(program: &OsStr, env: &[(String, String)]) -> io::Result<PathBuf> {
         .map(|(_, v)| std::ffi::OsString::from(v))
         .or_else(|| std::env::var_os("PATH"))
         .unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
-    use std::os::unix::fs::PermissionsExt as _;
     std::env::split_paths(&path)
+        .map(|d| {
+            if d.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                d
+            }
+        })
         .map(|d| d.join(program))
-        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "not found on PATH"))
+        .collect()
 }
 
 /// The child, before `execve`. Only system calls on prepared data: nothing allocated, no
@@ -309,8 +320,31 @@ unsafe fn child_steps(c: &Child<'_>) -> i32 {
     let mut empty: libc::sigset_t = std::mem::zeroed();
     libc::sigemptyset(&mut empty);
     libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-    libc::execve(c.path.as_ptr(), c.argv.as_ptr(), c.envp.as_ptr());
-    errno()
+    // `execvp`'s search: the first that runs; a name not found in one directory (or one
+    // this user may not enter) is looked for in the next; no execute permission anywhere
+    // is EACCES, else the last error.
+    let mut denied = false;
+    let mut last = libc::ENOENT;
+    for path in &c.paths {
+        libc::execve(path.as_ptr(), c.argv.as_ptr(), c.envp.as_ptr());
+        last = errno();
+        match last {
+            libc::EACCES => denied = true,
+            libc::ENOENT
+            | libc::ENOTDIR
+            | libc::ENAMETOOLONG
+            | libc::ELOOP
+            | libc::ESTALE
+            | libc::ENODEV
+            | libc::ETIMEDOUT => {}
+            _ => return last,
+        }
+    }
+    if denied {
+        libc::EACCES
+    } else {
+        last
+    }
 }
 
 #[cfg(test)]
@@ -385,7 +419,7 @@ mod tests {
 
     /// A program that cannot be run is an error at once, naming why.
     #[tokio::test]
-    async fn a_program_that_cannot_run_is_an_error_and_leaves_no_child() {
+    async fn a_program_that_cannot_run_is_an_error_naming_why() {
         let dir = tempfile::tempdir().unwrap();
         let out = tempfile::tempfile().unwrap();
         let env = vec![("PATH".to_string(), "/usr/bin:/bin".to_string())];
@@ -399,6 +433,48 @@ mod tests {
             .err()
             .unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "{e}");
+    }
+
+    /// As root: the program is looked for on `PATH` by the child, as the task's user: a
+    /// directory only root may enter is passed over for the next one (a search by the
+    /// node, with root's rights, would have picked the hidden program, or failed).
+    #[tokio::test]
+    async fn the_path_search_runs_as_the_tasks_user() {
+        // SAFETY: plain syscall.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("not root: the switch cannot be tried here");
+            return;
+        }
+        use std::os::unix::fs::PermissionsExt as _;
+        let base = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (hidden, open) = (base.path().join("hidden"), base.path().join("open"));
+        for (d, mode, word) in [(&hidden, 0o700, "hidden"), (&open, 0o755, "open")] {
+            std::fs::create_dir(d).unwrap();
+            let probe = d.join("gpuam-probe");
+            std::fs::write(&probe, format!("#!/bin/sh\necho {word}\n")).unwrap();
+            std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        let mut out = tempfile::tempfile().unwrap();
+        let env = vec![(
+            "PATH".to_string(),
+            format!("{}:{}:/usr/bin:/bin", hidden.display(), open.display()),
+        )];
+        let mut p = plan(OsStr::new("gpuam-probe"), &[], &env, &out, base.path());
+        p.ids = Some((64_000, 64_000, &[]));
+        let mut child = spawn(&p).unwrap();
+        assert_eq!(child.wait().await.unwrap().code(), Some(0));
+        let mut text = String::new();
+        out.rewind().unwrap();
+        out.read_to_string(&mut text).unwrap();
+        assert_eq!(text.trim(), "open");
+        // With only the hidden one on PATH: denied, as `execvp` says it.
+        let env = vec![("PATH".to_string(), hidden.display().to_string())];
+        let mut p = plan(OsStr::new("gpuam-probe"), &[], &env, &out, base.path());
+        p.ids = Some((64_000, 64_000, &[]));
+        let e = spawn(&p).err().unwrap();
+        assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{e}");
     }
 
     /// As root: the child becomes the given uid, gid and groups, all of them (real,
