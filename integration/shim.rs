@@ -125,8 +125,14 @@ async fn wait_started(file: &Path, n: usize) {
 }
 
 /// The shim process is the container's recorded process, and its log line is in stderr.
+/// (A start returns once the process has begun its `exec`; its command line is there a
+/// moment later, so it is looked for up to 10 s.)
 fn assert_runs_under_a_shim(exec: &Executor, id: &str) -> u32 {
     let pid = exec.status(id).unwrap().pid.unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while !gpuam::node::shim::is_shim(pid) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert!(gpuam::node::shim::is_shim(pid), "pid {pid} of {id} is no shim");
     pid
 }

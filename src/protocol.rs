@@ -407,7 +407,8 @@ pub struct StartEstimate {
     /// The running containers it rests on.
     #[serde(default)]
     pub basis: StartBasis,
-    /// Another gang's reservation it starts after, if any.
+    /// Another gang's reservation it starts after, if any, named by its size (never by its
+    /// application id: it may be another tenant's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after_reservation_of: Option<String>,
     /// The basis in words.
@@ -729,6 +730,11 @@ pub struct ContainerStatus {
     pub exit_status: Option<i32>,
     pub diagnostics: String,
     pub pid: Option<u32>,
+    /// When the node started its process (ms since the epoch, the node's clock): in the
+    /// answer to a start, so the AM knows when each task of a start call really began,
+    /// not only when the whole call was answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ms: Option<u64>,
 }
 
 /// Error body of every REST endpoint: a machine code and a message.

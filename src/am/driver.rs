@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::backoff::Backoff;
-use super::machine::{Effect, Event, Input, JobEnd, JobMachine, Launch, Now, RmFailure};
+use super::machine::{Effect, Event, Input, JobEnd, JobMachine, Launch, LaunchAnswer, Now, RmFailure};
 use super::rm_client::{RmClient, RmError};
 use crate::cluster::rm_json::NodeListing;
 use crate::protocol::{
@@ -26,7 +26,7 @@ pub trait AmRm: Sync {
     fn register(&self, req: &RegisterRequest) -> impl Future<Output = Result<RegisterResponse, RmError>> + Send;
     /// Starts each launch's context in its granted container; one result per launch, in
     /// order (the error's words on failure).
-    fn start_all(&self, launches: &[Launch]) -> impl Future<Output = Vec<Result<(), String>>> + Send;
+    fn start_all(&self, launches: &[Launch]) -> impl Future<Output = Vec<LaunchAnswer>> + Send;
 }
 
 /// How long a container start is sent again while the RM does not answer.
@@ -83,7 +83,7 @@ impl AmRm for RmClient {
     /// again until the RM answers (the RM answers a repeated start of a running container
     /// with its status), so a task is never run twice because one answer was lost. Given
     /// up after [`START_UNREACHABLE_FOR`].
-    async fn start_all(&self, launches: &[Launch]) -> Vec<Result<(), String>> {
+    async fn start_all(&self, launches: &[Launch]) -> Vec<LaunchAnswer> {
         use futures::StreamExt as _;
         let mut by_address: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
         for (i, l) in launches.iter().enumerate() {
@@ -131,7 +131,7 @@ impl AmRm for RmClient {
             .buffer_unordered(LAUNCHES_IN_FLIGHT)
             .collect()
             .await;
-        let mut out: Vec<Result<(), String>> = vec![Err("no answer to its start".to_string()); launches.len()];
+        let mut out: Vec<LaunchAnswer> = vec![Err("no answer to its start".to_string()); launches.len()];
         for (which, answer) in answers {
             match answer {
                 Ok(a) => {
@@ -139,7 +139,7 @@ impl AmRm for RmClient {
                         let id = &launches[i].container.container_id;
                         out[i] = match a.results.iter().find(|r| &r.container_id == id) {
                             Some(r) => match &r.error {
-                                None => Ok(()),
+                                None => Ok(r.status.as_ref().and_then(|s| s.started_ms)),
                                 Some(e) => Err(format!("the RM refused container start ({}): {}", e.status, e.message)),
                             },
                             None => Err(format!("the RM's answer to the start call has no result for {id}")),

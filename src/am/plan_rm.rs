@@ -149,7 +149,7 @@ pub fn plan_job(job: &JobSpec, nodes: Vec<Node>, select: SelectSettings, am: &Am
                 asked |= !req.asks.is_empty();
                 Input::Allocated(Ok(rm.allocate(&req)))
             }
-            Effect::Launch(launches) => Input::Launched(launches.iter().map(|l| (l.task, Ok(()))).collect()),
+            Effect::Launch(launches) => Input::Launched(launches.iter().map(|l| (l.task, Ok(None))).collect()),
             Effect::Idle { busy } => {
                 heartbeats += 1;
                 let all_held = machine.tasks().iter().all(|t| t.holds_container());

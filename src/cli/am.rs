@@ -85,7 +85,7 @@ impl driver::AmRm for TimedRm {
     fn start_all(
         &self,
         launches: &[crate::am::machine::Launch],
-    ) -> impl Future<Output = Vec<Result<(), String>>> + Send {
+    ) -> impl Future<Output = Vec<crate::am::machine::LaunchAnswer>> + Send {
         driver::AmRm::start_all(&self.rm, launches)
     }
 }

@@ -54,50 +54,114 @@ fn topology_wire(t: &crate::topology::Topology) -> String {
 }
 
 pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64) -> Value {
-    let total = node.total();
-    let used = node.used();
-    let avail = total.subtract(used);
-    let mut v = json!({
-        "id": format!("{}:{}", node.host, NM_PORT),
-        "rack": node.rack,
-        "state": node.state,
-        "nodeHostName": node.host,
-        "nodeHTTPAddress": node.http_address,
-        "lastHealthUpdate": last_health_update_ms,
-        "version": concat!("gpuam-", env!("CARGO_PKG_VERSION")),
-        "healthReport": "",
-        "numContainers": num_containers,
-        "usedMemoryMB": used.memory_mb,
-        "availMemoryMB": avail.memory_mb,
-        "usedVirtualCores": used.cpu,
-        "availableVirtualCores": avail.cpu,
-        "nodeLabels": node.labels,
-        "gpuType": node.gpu_type.clone().unwrap_or_default(),
-        "gpuAttribute": mask_hex(total.gpu_mask),
-        "usedGpuAttribute": mask_hex(used.gpu_mask),
-        "portRanges": total.ports.to_string(),
-        "usedPortRanges": used.ports.to_string(),
-        "gpuTopology": node.topology.as_ref().map(|t| topology_wire(t)).unwrap_or_else(|| "none".into()),
-        "totalResource": resource_info(total),
-        "usedResource": resource_info(used),
-        "availableResource": resource_info(&avail),
-    });
-    // Issue 15's extensions, only where there is something to say, so a node without
-    // shares or custom resources reads exactly as before.
-    if let Value::Object(o) = &mut v {
+    serde_json::to_value(NodeObject {
+        node,
+        num_containers,
+        last_health_update_ms,
+    })
+    .unwrap_or(Value::Null)
+}
+
+/// One node as YARN's node object, serialised field by field (no `Value` tree: an allocate
+/// answer writes every changed node, issue 29). Keys go out sorted, as a `Value` map
+/// holds them, so [`node_to_json`] and the direct form are the same text.
+struct NodeObject<'a> {
+    node: &'a Node,
+    num_containers: u32,
+    last_health_update_ms: u64,
+}
+
+/// A field's value in [`NodeObject`].
+enum Field<'a> {
+    Str(std::borrow::Cow<'a, str>),
+    Num(u64),
+    State(&'a crate::cluster::NodeState),
+    Labels(&'a [String]),
+    Shares(&'a crate::resources::GpuShares),
+    Custom(&'a crate::resources::custom::CustomResources),
+    Resource(ResourceInfo),
+}
+
+impl serde::Serialize for Field<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Field::Str(v) => s.serialize_str(v),
+            Field::Num(v) => s.serialize_u64(*v),
+            Field::State(v) => v.serialize(s),
+            Field::Labels(v) => v.serialize(s),
+            Field::Shares(v) => v.serialize(s),
+            Field::Custom(v) => v.serialize(s),
+            Field::Resource(v) => v.serialize(s),
+        }
+    }
+}
+
+impl serde::Serialize for NodeObject<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        use std::borrow::Cow;
+        use Field::*;
+        let node = self.node;
+        let total = node.total();
+        let used = node.used();
+        let avail = total.subtract(used);
+        let mut fields: Vec<(&str, Field<'_>)> = vec![
+            ("id", Str(Cow::Owned(format!("{}:{}", node.host, NM_PORT)))),
+            ("rack", Str(Cow::Borrowed(&node.rack))),
+            ("state", State(&node.state)),
+            ("nodeHostName", Str(Cow::Borrowed(&node.host))),
+            ("nodeHTTPAddress", Str(Cow::Borrowed(&node.http_address))),
+            ("lastHealthUpdate", Num(self.last_health_update_ms)),
+            (
+                "version",
+                Str(Cow::Borrowed(concat!("gpuam-", env!("CARGO_PKG_VERSION")))),
+            ),
+            ("healthReport", Str(Cow::Borrowed(""))),
+            ("numContainers", Num(u64::from(self.num_containers))),
+            ("usedMemoryMB", Num(used.memory_mb)),
+            ("availMemoryMB", Num(avail.memory_mb)),
+            ("usedVirtualCores", Num(u64::from(used.cpu))),
+            ("availableVirtualCores", Num(u64::from(avail.cpu))),
+            ("nodeLabels", Labels(&node.labels)),
+            (
+                "gpuType",
+                Str(Cow::Borrowed(node.gpu_type.as_deref().unwrap_or_default())),
+            ),
+            ("gpuAttribute", Str(Cow::Owned(mask_hex(total.gpu_mask)))),
+            ("usedGpuAttribute", Str(Cow::Owned(mask_hex(used.gpu_mask)))),
+            ("portRanges", Str(Cow::Owned(total.ports.to_string()))),
+            ("usedPortRanges", Str(Cow::Owned(used.ports.to_string()))),
+            (
+                "gpuTopology",
+                Str(node
+                    .topology
+                    .as_ref()
+                    .map_or(Cow::Borrowed("none"), |t| Cow::Owned(topology_wire(t)))),
+            ),
+            ("totalResource", Resource(ResourceInfo::of(total))),
+            ("usedResource", Resource(ResourceInfo::of(used))),
+            ("availableResource", Resource(ResourceInfo::of(&avail))),
+        ];
+        // Issue 15's extensions, only where there is something to say, so a node without
+        // shares or custom resources reads exactly as before.
         if !used.gpu_shares.is_empty() {
-            o.insert("usedGpuShares".into(), json!(used.gpu_shares));
+            fields.push(("usedGpuShares", Shares(&used.gpu_shares)));
         }
         if !total.custom.is_empty() {
-            o.insert("customResources".into(), json!(total.custom));
-            o.insert("usedCustomResources".into(), json!(used.custom));
+            fields.push(("customResources", Custom(&total.custom)));
+            fields.push(("usedCustomResources", Custom(&used.custom)));
         }
+        // gpuam's extension: the address the node's containers are reached at (agents, Ray).
+        if let Some(ip) = node.ip {
+            fields.push(("nodeIp", Str(Cow::Owned(ip.to_string()))));
+        }
+        fields.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut m = s.serialize_map(Some(fields.len()))?;
+        for (k, v) in &fields {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
     }
-    // gpuam's extension: the address the node's containers are reached at (agents, Ray).
-    if let (Some(ip), Some(obj)) = (node.ip, v.as_object_mut()) {
-        obj.insert("nodeIp".into(), Value::String(ip.to_string()));
-    }
-    v
 }
 
 /// The fields of [`node_to_json`] that gpuam's own reader ([`parse_node_listing`]) does
@@ -136,26 +200,63 @@ pub fn nodes_to_json<'a>(nodes: impl IntoIterator<Item = (&'a Node, u32)>, last_
     json!({ "nodes": { "node": list } })
 }
 
-/// YARN 3 `ResourceInfo`: memory, vCores and the resource-types list with `yarn.io/gpu`.
-fn resource_info(r: &Resources) -> Value {
-    let entry = |name: &str, units: &str, value: u64| {
-        json!({
-            "name": name, "resourceType": "COUNTABLE", "units": units, "value": value,
-            "minimumAllocation": 0, "maximumAllocation": i64::MAX,
-        })
-    };
-    let mut infos = vec![
-        entry("memory-mb", "Mi", r.memory_mb),
-        entry("vcores", "", u64::from(r.cpu)),
-        entry(YARN_GPU, "", u64::from(r.gpu_count())),
-    ];
-    // Custom resources are YARN resource types too.
-    infos.extend(r.custom.iter().map(|(n, q)| entry(n, "", q)));
-    json!({
-        "memory": r.memory_mb,
-        "vCores": r.cpu,
-        "resourceInformations": { "resourceInformation": infos },
-    })
+/// YARN 3 `ResourceInfo`: memory, vCores and the resource-types list with `yarn.io/gpu`
+/// (custom resources are YARN resource types too). Serialised with sorted keys, as
+/// [`NodeObject`].
+struct ResourceInfo {
+    memory: u64,
+    vcores: u32,
+    /// (name, units, value) of each resource type.
+    infos: Vec<(String, &'static str, u64)>,
+}
+
+impl ResourceInfo {
+    fn of(r: &Resources) -> Self {
+        let mut infos = vec![
+            ("memory-mb".to_string(), "Mi", r.memory_mb),
+            ("vcores".to_string(), "", u64::from(r.cpu)),
+            (YARN_GPU.to_string(), "", u64::from(r.gpu_count())),
+        ];
+        infos.extend(r.custom.iter().map(|(n, q)| (n.to_string(), "", q)));
+        ResourceInfo {
+            memory: r.memory_mb,
+            vcores: r.cpu,
+            infos,
+        }
+    }
+}
+
+impl serde::Serialize for ResourceInfo {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        struct Entry<'a>(&'a (String, &'static str, u64));
+        impl serde::Serialize for Entry<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let (name, units, value) = self.0;
+                let mut m = s.serialize_map(Some(6))?;
+                m.serialize_entry("maximumAllocation", &i64::MAX)?;
+                m.serialize_entry("minimumAllocation", &0)?;
+                m.serialize_entry("name", name)?;
+                m.serialize_entry("resourceType", "COUNTABLE")?;
+                m.serialize_entry("units", units)?;
+                m.serialize_entry("value", value)?;
+                m.end()
+            }
+        }
+        struct List<'a>(&'a [(String, &'static str, u64)]);
+        impl serde::Serialize for List<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut m = s.serialize_map(Some(1))?;
+                m.serialize_entry("resourceInformation", &self.0.iter().map(Entry).collect::<Vec<_>>())?;
+                m.end()
+            }
+        }
+        let mut m = s.serialize_map(Some(3))?;
+        m.serialize_entry("memory", &self.memory)?;
+        m.serialize_entry("resourceInformations", &List(&self.infos))?;
+        m.serialize_entry("vCores", &self.vcores)?;
+        m.end()
+    }
 }
 
 /// Reads a node listing: `{"nodes":{"node":[...]}}` in every tolerated spelling, a
@@ -367,7 +468,12 @@ pub struct NodeReport {
 
 impl serde::Serialize for NodeReport {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        node_to_json(&self.node, self.num_containers, self.last_health_update_ms).serialize(s)
+        NodeObject {
+            node: &self.node,
+            num_containers: self.num_containers,
+            last_health_update_ms: self.last_health_update_ms,
+        }
+        .serialize(s)
     }
 }
 
@@ -1169,6 +1275,14 @@ mod lean_view_tests {
                 prop_assert!(lean_json.get(k).is_none(), "{} is in the lean view", k);
             }
             prop_assert!(lean_json.to_string().len() * 2 < node_to_json(&n, 3, 9).to_string().len());
+            // An allocate answer's node report is written without a `Value` tree: the same
+            // text as the listing's object, and read back as the same node and counts.
+            let report = NodeReport { node: n.clone(), num_containers: 3, last_health_update_ms: 9 };
+            let text = serde_json::to_string(&report).unwrap();
+            prop_assert_eq!(&text, &node_to_json(&n, 3, 9).to_string());
+            let back: NodeReport = serde_json::from_str(&text).unwrap();
+            prop_assert_eq!(&back.node, &whole);
+            prop_assert_eq!((back.num_containers, back.last_health_update_ms), (3, 9));
         }
     }
 }

@@ -656,6 +656,7 @@ async fn start_container(
         exit_status: None,
         diagnostics: String::new(),
         pid: Some(pid),
+        started_ms: Some(crate::protocol::now_ms()),
     }))
 }
 
@@ -736,6 +737,7 @@ fn status_of(agent: &Agent, id: &str) -> Result<ContainerStatus, AgentError> {
             exit_status: r.exit_status,
             diagnostics: r.diagnostics.clone(),
             pid: None,
+            started_ms: None,
         });
     }
     Err(NodeError::UnknownContainer(id.to_string()).into())

@@ -31,7 +31,7 @@
 //!   `/dev` in a mount namespace ([`Cgroup::private_dev`], root nodes only). Where the node
 //!   has NVIDIA devices and the filter cannot be installed, the container is not created.
 //!
-//! Processes join their cgroups in the forked child before `exec` ([`Cgroup::join_paths`]),
+//! Processes join their cgroups in the new child before `exec` ([`Cgroup::join_paths`]),
 //! so nothing of a container ever runs outside it. Pure file I/O on cgroupfs; no state.
 
 use std::ffi::CString;
@@ -687,7 +687,7 @@ impl Cgroup {
         (kills? > 0).then_some(EndCause::OutOfMemory { limit_mb: limit })
     }
 
-    /// Without a cgroup: the private `/dev` the forked child enters before `exec`
+    /// Without a cgroup: the private `/dev` the new child enters before `exec`
     /// ([`PrivateDev::enter`]), when other GPUs' nodes must be hidden.
     pub fn private_dev(&self) -> Option<&PrivateDev> {
         self.private_dev.as_ref()
@@ -699,7 +699,7 @@ impl Cgroup {
     }
 
     /// The `cgroup.procs` files a new process writes `0` to before `exec`, prepared as C
-    /// strings so that the forked child only makes syscalls.
+    /// strings so that the new child only makes syscalls.
     pub fn join_paths(&self) -> Vec<CString> {
         self.dirs()
             .filter_map(|d| CString::new(d.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok())

@@ -21,7 +21,7 @@
 //! - **subreaper shim** (no cgroup): a mount namespace of the task's own in which every
 //!   other GPU's node (and, without a GPU, the control nodes) under the device directory is
 //!   covered by an inaccessible node (`c 0:0`, mode 0000, as systemd's `InaccessiblePaths`)
-//!   ([`PrivateDev`], entered in the forked child before `exec`). This is path-based: it needs
+//!   ([`PrivateDev`], entered in the new child before `exec`). This is path-based: it needs
 //!   a root node, covers only the nodes found in the device directory, and a task that reaches
 //!   another mount namespace's `/dev` (`/proc/PID/root` of a process of its own uid outside
 //!   its namespace) or is root itself is not stopped. See docs/RELIABILITY.md.
@@ -630,7 +630,7 @@ impl PrivateDev {
         Ok(PrivateDev { cover, hide })
     }
 
-    /// In the forked child, before `exec` (only syscalls, nothing allocated): a mount
+    /// In the new child, before `exec` (only syscalls, nothing allocated): a mount
     /// namespace of its own (mounts of the host still propagate in), and the inaccessible
     /// node bound over each hidden path.
     pub fn enter(&self) -> io::Result<()> {

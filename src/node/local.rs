@@ -11,15 +11,16 @@ use futures::FutureExt as _;
 use tokio::sync::mpsc;
 
 use super::executor::{Executor, ExecutorOptions, LogStream};
+use super::turns::Turns;
 use super::{Grant, NodeBackend, NodeError, NodeEvent};
 use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
 
 /// Runs the containers of simulated hosts on this machine.
 pub struct InProcessNode {
     executor: Arc<Executor>,
-    /// Starts forking at once: no more than the machine has cores (each fork copies this
-    /// process's page tables, and a blocking thread per waiting start would add to them).
-    starting: Arc<tokio::sync::Semaphore>,
+    /// Starts at once: no more than the machine has cores, taken round-robin across
+    /// applications so every job's first task starts early ([`Turns`]).
+    starting: Turns,
 }
 
 impl InProcessNode {
@@ -28,7 +29,7 @@ impl InProcessNode {
         let cores = std::thread::available_parallelism().map_or(2, usize::from);
         InProcessNode {
             executor: Arc::new(Executor::with_options(root, events, opts)),
-            starting: Arc::new(tokio::sync::Semaphore::new(cores.clamp(1, 8))),
+            starting: Turns::new(cores.clamp(1, 8)),
         }
     }
 
@@ -44,15 +45,13 @@ impl NodeBackend for InProcessNode {
     }
 
     fn start(&self, grant: Grant, ctx: LaunchContext) -> BoxFuture<'_, Result<ContainerStatus, NodeError>> {
-        // A start forks: off the async workers, so the RM serving the simulated nodes
-        // keeps answering while many containers start (issue 29).
+        // A start writes files, makes a cgroup and a process: off the async workers, so
+        // the RM serving the simulated nodes keeps answering while many containers start
+        // (issue 29).
         let (executor, starting) = (self.executor.clone(), self.starting.clone());
         async move {
             let id = grant.container_id.clone();
-            let turn = starting.acquire_owned().await.map_err(|e| NodeError::StartFailed {
-                id: id.clone(),
-                why: e.to_string(),
-            })?;
+            let turn = starting.take(&grant.app_id).await;
             let pid = tokio::task::spawn_blocking(move || {
                 let _turn = turn;
                 executor.start_as(
@@ -75,6 +74,7 @@ impl NodeBackend for InProcessNode {
                 exit_status: None,
                 diagnostics: String::new(),
                 pid: Some(pid),
+                started_ms: Some(crate::protocol::now_ms()),
             })
         }
         .boxed()

@@ -53,6 +53,7 @@ pub mod procs;
 pub mod remote;
 pub mod shim;
 pub mod token;
+pub mod turns;
 pub mod wire;
 
 use std::time::Duration;

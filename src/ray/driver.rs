@@ -317,6 +317,7 @@ fn running(id: &str) -> ContainerStatus {
         exit_status: None,
         diagnostics: String::new(),
         pid: None,
+        started_ms: None,
     }
 }
 

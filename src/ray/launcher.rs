@@ -88,6 +88,7 @@ pub fn status_of(container_id: &str, info: Option<&JobInfo>) -> ContainerStatus 
         exit_status: exit,
         diagnostics,
         pid: None,
+        started_ms: None,
     }
 }
 

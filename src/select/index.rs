@@ -90,6 +90,10 @@ pub(crate) struct NodeIndex {
     /// Topologies by content; index 0 is unused ("none").
     topologies: Vec<Arc<Topology>>,
     topo_by_hash: FastMap<u64, Vec<u32>>,
+    /// Topologies met lately, by their `Arc` (held, so no other can take its address): a
+    /// listing shares one `Arc` among the nodes of one topology, so most nodes are found
+    /// here without hashing the matrix (issue 29: an AM reading 10,000 nodes).
+    recent_topos: Vec<(Arc<Topology>, u32)>,
     rack_ids: Interner,
     /// Rooms left on shared GPUs, by content; id 0 is "none" (no GPU shared).
     shares: Vec<GpuShares>,
@@ -98,6 +102,10 @@ pub(crate) struct NodeIndex {
     racks: Vec<FastMap<u32, BTreeSet<Member>>>,
     salt: u64,
 }
+
+/// How many `Arc`s [`NodeIndex::topo_id`] remembers (a cluster has a handful of
+/// topologies; a listing one `Arc` for each).
+const RECENT_TOPOLOGIES: usize = 16;
 
 impl NodeIndex {
     pub fn new(salt: u64) -> Self {
@@ -116,6 +124,7 @@ impl NodeIndex {
             gpu_types,
             topologies: Vec::new(),
             topo_by_hash: FastMap::default(),
+            recent_topos: Vec::new(),
             rack_ids: Interner::default(),
             shares: vec![GpuShares::new()],
             share_ids: FastMap::default(),
@@ -126,6 +135,18 @@ impl NodeIndex {
 
     /// The id of a topology, equal for equal contents (matrix, NICs, affinity) whatever their names.
     pub fn topo_id(&mut self, t: &Arc<Topology>) -> u32 {
+        if let Some(&(_, id)) = self.recent_topos.iter().find(|(r, _)| Arc::ptr_eq(r, t)) {
+            return id;
+        }
+        let id = self.topo_id_by_content(t);
+        if self.recent_topos.len() >= RECENT_TOPOLOGIES {
+            self.recent_topos.remove(0);
+        }
+        self.recent_topos.push((t.clone(), id));
+        id
+    }
+
+    fn topo_id_by_content(&mut self, t: &Arc<Topology>) -> u32 {
         let mut h = FxHasher::default();
         t.hash(&mut h);
         let hash = h.finish();

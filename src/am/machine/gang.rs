@@ -135,15 +135,17 @@ impl JobMachine {
     }
 
     /// The launch answers: running, or ended as a failed launch (and retried).
-    pub(super) fn launched(&mut self, results: Vec<(usize, Result<(), String>)>, now: Now) {
+    pub(super) fn launched(&mut self, results: Vec<(usize, super::LaunchAnswer)>, now: Now) {
         for (ti, r) in results {
             if ti >= self.tasks.len() {
                 continue;
             }
             match r {
-                Ok(()) => {
+                Ok(started) => {
                     let t = &mut self.tasks[ti];
-                    t.launched_ms = Some(now.ms);
+                    // When the node started it (a start call answers for all its starts at
+                    // once), never later than now whatever the node's clock says.
+                    t.launched_ms = Some(started.map_or(now.ms, |s| s.min(now.ms)));
                     t.set_state(TaskState::ContainerRunning);
                 }
                 Err(e) => {

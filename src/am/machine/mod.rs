@@ -97,6 +97,10 @@ impl From<&super::rm_client::RmError> for RmFailure {
     }
 }
 
+/// The answer to one launch: started (when the node started it, by its clock, where it
+/// said), or why not.
+pub type LaunchAnswer = Result<Option<u64>, String>;
+
 /// What happened, fed to [`JobMachine::step`].
 #[derive(Clone, Debug)]
 pub enum Input {
@@ -113,7 +117,7 @@ pub enum Input {
     /// The answer to [`Effect::Register`].
     Registered(Result<RegisterResponse, RmFailure>),
     /// The answers to [`Effect::Launch`], one per launch (in any order).
-    Launched(Vec<(usize, Result<(), String>)>),
+    Launched(Vec<(usize, LaunchAnswer)>),
     /// The containers of earlier attempts of this application, as registering answered
     /// (work-preserving restart): adopt them before the first heartbeat.
     Adopt(Vec<PreviousContainer>),

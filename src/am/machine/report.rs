@@ -42,11 +42,12 @@ impl JobMachine {
             NodesDirty::Hosts(hosts) if hosts.is_empty() => {}
             NodesDirty::Hosts(hosts) => {
                 let job_masks = self.job_gpu_masks();
+                let mut groups = GroupsOf::default();
                 let nodes = self.selector.with_view(|v| {
                     hosts
                         .into_iter()
                         .map(|h| {
-                            let n = v.get(&h).map(|n| node_status(n, &job_masks));
+                            let n = v.get(&h).map(|n| node_status(n, &job_masks, &mut groups));
                             (h, n)
                         })
                         .collect::<Vec<_>>()
@@ -55,9 +56,12 @@ impl JobMachine {
             }
             NodesDirty::All => {
                 let job_masks = self.job_gpu_masks();
-                let nodes = self
-                    .selector
-                    .with_view(|v| v.nodes().map(|n| node_status(n, &job_masks)).collect::<Vec<_>>());
+                let mut groups = GroupsOf::default();
+                let nodes = self.selector.with_view(|v| {
+                    v.nodes()
+                        .map(|n| node_status(n, &job_masks, &mut groups))
+                        .collect::<Vec<_>>()
+                });
                 self.out.events.push(Event::Nodes(nodes));
             }
         }
@@ -174,13 +178,33 @@ pub fn merge_node_changes(list: &mut Vec<NodeStatus>, changes: Vec<(String, Opti
     }
 }
 
-/// A node of the view as the dashboard shows it.
-fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>) -> NodeStatus {
-    let groups = match &n.topology {
-        Some(t) => (0..=2u8)
+/// The GPU groups of each topology met in one report, by its `Arc` (held, so no other
+/// topology can take its address): the nodes of a listing share their topology's `Arc`,
+/// so a 10,000-node view computes each topology's groups once, not per node.
+#[derive(Default)]
+struct GroupsOf(Vec<(std::sync::Arc<crate::topology::Topology>, Vec<Vec<String>>)>);
+
+impl GroupsOf {
+    fn of(&mut self, t: &std::sync::Arc<crate::topology::Topology>) -> Vec<Vec<String>> {
+        if let Some((_, g)) = self.0.iter().find(|(k, _)| std::sync::Arc::ptr_eq(k, t)) {
+            return g.clone();
+        }
+        let g: Vec<Vec<String>> = (0..=2u8)
             .rev()
             .map(|tier| t.islands(tier).into_iter().map(mask_hex).collect())
-            .collect(),
+            .collect();
+        // A handful of topologies in a cluster; past that, computed per node as before.
+        if self.0.len() < 64 {
+            self.0.push((t.clone(), g.clone()));
+        }
+        g
+    }
+}
+
+/// A node of the view as the dashboard shows it.
+fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>, groups: &mut GroupsOf) -> NodeStatus {
+    let groups = match &n.topology {
+        Some(t) => groups.of(t),
         None => Vec::new(),
     };
     NodeStatus {

@@ -64,7 +64,7 @@ fn heartbeat(m: &mut JobMachine, now: Now) -> AllocateRequest {
 /// The RM's answer, then the launches (all succeed); returns the effect that ends the heartbeat.
 fn answer(m: &mut JobMachine, resp: AllocateResponse, now: Now) -> Effect {
     match effect(m.step(Input::Allocated(Ok(resp)), now)) {
-        Effect::Launch(ls) => effect(m.step(Input::Launched(ls.iter().map(|l| (l.task, Ok(()))).collect()), now)),
+        Effect::Launch(ls) => effect(m.step(Input::Launched(ls.iter().map(|l| (l.task, Ok(None))).collect()), now)),
         other => other,
     }
 }
@@ -490,7 +490,7 @@ fn resync_lines_up_the_am_with_what_the_rm_recovered() {
     assert_eq!((t[0].state, t[0].attempt), (TaskState::TaskWaiting, 2));
     let exit = &t[0].exit.as_ref().unwrap().0;
     assert_eq!(exit.code, crate::am::exits::code::CONTAINER_RM_RESYNC_LOST);
-    m.step(Input::Launched(vec![(ls[0].task, Ok(()))]), now);
+    m.step(Input::Launched(vec![(ls[0].task, Ok(None))]), now);
     let req = heartbeat(&mut m, now);
     assert!(req.releases.contains(&"c-stray".to_string()), "{:?}", req.releases);
     assert!(m.ended().is_none());

@@ -65,7 +65,7 @@ impl Executor {
 /// Waits for the leader, then ends the container (see [`container_ended`]).
 pub(super) async fn wait_container(
     ending: Ending,
-    mut child: tokio::process::Child,
+    mut child: super::vfork::Spawned,
     pgid: u32,
     leader: Option<ProcessId>,
 ) {

@@ -25,14 +25,14 @@
 //! so the executor must be called from within a tokio runtime — the RM always calls it from
 //! its axum handlers. [`Executor::start`] checks this and fails cleanly instead of panicking.
 //!
-//! Process model: `bash launch.sh` is started in a new session (`setsid` in `pre_exec`), so
+//! Process model: `bash launch.sh` is started in a new session (`setsid` before `exec`, [`vfork`]), so
 //! it leads its own process group (pgid = pid) and has no controlling terminal. Signals go
 //! to the whole group (`kill(-pgid)`), which reaches the background children of the task's
 //! commands too. A new session (rather than only a new group) also detaches the task from
 //! the RM's terminal and session, so a later RM restart can re-attach to live containers
 //! instead of taking them down with it (DESIGN.md §9).
 //!
-//! Containment: the process joins the container's cgroup in the forked child, before
+//! Containment: the process joins the container's cgroup in the new child, before
 //! `exec`. Stopping signals every member of the cgroup (a daemon that left the session with
 //! `setsid` included) and ends with `cgroup.kill`; a container is Complete, and its `Exited`
 //! event sent, only once its cgroup is empty. Without a cgroup but with a shim executable
@@ -87,6 +87,7 @@ mod spawn;
 mod table;
 #[cfg(test)]
 mod tests;
+mod vfork;
 
 pub use files::{create_new_in, open_dir_in_place};
 pub use logs::{cap_log, LogStream, LOG_CHECK, LOG_KEEP_MAX, MAX_LOG_BYTES};

@@ -5,9 +5,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::process::CommandExt as _;
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -296,7 +294,7 @@ pub(super) fn spawn_launch(
     dir: &Path,
     id: &str,
     launch: &Launch<'_>,
-) -> Result<(tokio::process::Child, u32, Vec<File>), String> {
+) -> Result<(super::vfork::Spawned, u32, Vec<File>), String> {
     let Launch {
         commands,
         env,
@@ -386,59 +384,20 @@ pub(super) fn spawn_launch(
     argv.push(spawn.program.clone().into());
     argv.extend(spawn.args.iter().map(Into::into));
     let program = argv.remove(0);
-    let mut cmd = std::process::Command::new(&program);
-    cmd.args(&argv)
-        .current_dir(&work)
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(Stdio::null());
-    cmd.stdout(Stdio::from(out)).stderr(Stdio::from(err));
     let joins = cgroup.join_paths();
-    let private_dev = cgroup.private_dev().cloned();
-    let ids = run_as.map(|u| (u.uid, u.gid));
-    let groups: Vec<libc::gid_t> = run_as.map(|u| u.groups.clone()).unwrap_or_default();
-    // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe syscalls (setsid, open, write, close, setgroups, setgid, setuid)
-    // on data prepared before the fork; it allocates nothing and touches no locks.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setsid() == -1 {
-                return Err(std::io::Error::last_os_error());
-            }
-            for path in &joins {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let n = libc::write(fd, b"0\n".as_ptr().cast(), 2);
-                let e = std::io::Error::last_os_error();
-                libc::close(fd);
-                if n < 0 {
-                    return Err(e);
-                }
-            }
-            if let Some(dev) = &private_dev {
-                dev.enter()?;
-            }
-            if let Some((uid, gid)) = ids {
-                if libc::setgroups(groups.len(), groups.as_ptr()) == -1
-                    || libc::setgid(gid) == -1
-                    || libc::setuid(uid) == -1
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    let mut cmd = tokio::process::Command::from(cmd);
-    // The task must outlive a dropped handle (an RM restart re-attaches; DESIGN.md §9).
-    cmd.kill_on_drop(false);
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", Path::new(&program).display()))?;
-    let pid = child
-        .id()
-        .ok_or_else(|| "the process ended before its pid was known".to_string())?;
+    let private_dev = cgroup.private_dev();
+    let plan = super::vfork::Plan {
+        program: &program,
+        args: &argv,
+        env,
+        cwd: &work,
+        stdout: std::os::fd::AsRawFd::as_raw_fd(&out),
+        stderr: std::os::fd::AsRawFd::as_raw_fd(&err),
+        cgroup_procs: &joins,
+        private_dev,
+        ids: run_as.map(|u| (u.uid, u.gid, u.groups.as_slice())),
+    };
+    let child = super::vfork::spawn(&plan).map_err(|e| format!("cannot run {}: {e}", Path::new(&program).display()))?;
+    let pid = child.id();
     Ok((child, pid, watched))
 }

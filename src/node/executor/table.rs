@@ -114,6 +114,7 @@ impl Executor {
             exit_status: e.exit_status,
             diagnostics: e.diagnostics.clone(),
             pid: e.pid,
+            started_ms: None,
         })
     }
 

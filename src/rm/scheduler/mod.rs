@@ -501,6 +501,7 @@ pub enum WaitReason {
     /// The room it would take is reserved for a waiting gang that ranks ahead of it
     /// (issue 27), expected to start at `start_ms`; it ends after that and the gang would
     /// not fit beside it.
+    /// `gang`: the reservation holder as [`reserved::holder_label`] names it (not its id).
     Reserved { gang: String, start_ms: u64, now_ms: u64 },
 }
 
@@ -574,7 +575,7 @@ impl fmt::Display for WaitReason {
             WaitReason::NothingFits => write!(f, "nothing fits yet: no node has room for its tasks"),
             WaitReason::Reserved { gang, start_ms, now_ms } => write!(
                 f,
-                "the free room it would take is reserved for gang {gang}, expected to start in {} s; only work \
+                "the free room it would take is reserved for {gang}, expected to start in {} s; only work \
                  declared to end by then (`maxRunSec`) or that leaves the gang room beside it may use it",
                 start_ms.saturating_sub(*now_ms).div_ceil(1000)
             ),
@@ -729,7 +730,7 @@ pub fn gate_reserved(
     gate(tree, snap, shares, app, asks)?;
     match holder {
         Some(h) if !reserved::admits(snap, shares, h, app, asks, end_ms) => Err(WaitReason::Reserved {
-            gang: snap.apps[h.app].id.clone(),
+            gang: reserved::holder_label(snap, h),
             start_ms: h.reservation.start_ms,
             now_ms,
         }),

@@ -57,6 +57,17 @@ pub struct Holder {
     pub reservation: Reservation,
 }
 
+/// How a reservation's holder is named to the others who wait behind it: by its size, not
+/// its application id (another tenant's job is none of theirs to name).
+pub fn holder_label(snap: &Snapshot, h: &Holder) -> String {
+    let gpus: u64 = snap.apps[h.app]
+        .waiting
+        .iter()
+        .map(|w| u64::from(w.count) * u64::from(w.gpus))
+        .sum();
+    format!("a waiting gang of {gpus} GPUs")
+}
+
 /// At most this many tasks of one gang are packed (bounds the work of one decision).
 const MAX_TASKS: usize = 4096;
 
@@ -266,7 +277,7 @@ pub fn estimate(snap: &Snapshot, shares: &Shares, holder: Option<&Holder>, a: us
         // Behind a reservation it cannot backfill: not before the gang's start.
         match holder {
             Some(h) if !admits_rooms(snap, shares, h, a, None, &placed(&r, &tasks), None) => {
-                after = Some(snap.apps[h.app].id.clone());
+                after = Some(holder_label(snap, h));
                 r.start_ms.max(h.reservation.start_ms)
             }
             _ => r.start_ms,
@@ -356,7 +367,8 @@ mod tests {
         assert_eq!((h.app, h.reservation.start_ms), (1, 200_000));
         let long = gate_reserved(&tree, &s, &shares, 2, &four_on(0), Some(&h), None, 0);
         assert!(
-            matches!(&long, Err(WaitReason::Reserved { gang, start_ms: 200_000, .. }) if gang == "app1"),
+            matches!(&long, Err(WaitReason::Reserved { gang, start_ms: 200_000, .. })
+                if gang.starts_with("a waiting gang of ") && !gang.contains("app1")),
             "{long:?}"
         );
         assert_eq!(long.unwrap_err().reason().kind, crate::reason::Kind::Priority);
@@ -392,7 +404,10 @@ mod tests {
         assert!(e.text.contains("declared limits of 2 running containers"), "{}", e.text);
         // The small job fits now (4 free on each node) and is told so, behind nobody.
         let small = estimate(&s, &shares, h.as_ref(), 2, 0);
-        assert_eq!(small.after_reservation_of, Some("app1".into()), "{small:?}");
+        // Named by its size, never by the other application's id.
+        let after = small.after_reservation_of.clone().unwrap_or_default();
+        assert!(after.starts_with("a waiting gang of "), "{small:?}");
+        assert!(!after.contains("app1") && !small.text.contains("app1"), "{small:?}");
         assert_eq!(
             small.start_ms,
             Some(200_000),

@@ -88,6 +88,7 @@ fn container_info(
             exit_status: c.exit_status,
             diagnostics: c.diagnostics.clone(),
             pid: None,
+            started_ms: None,
         },
     })
 }

@@ -600,7 +600,7 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             if let (Some(e), Some(h)) = (&est, &holder) {
                 if e.after_reservation_of.is_some() && matches!(why, None | Some(scheduler::WaitReason::NothingFits)) {
                     why = Some(scheduler::WaitReason::Reserved {
-                        gang: built.snap.apps[h.app].id.clone(),
+                        gang: reserved::holder_label(&built.snap, h),
                         start_ms: h.reservation.start_ms,
                         now_ms: wall,
                     });

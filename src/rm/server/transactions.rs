@@ -680,6 +680,7 @@ pub(super) fn stop_container(
         exit_status: c.exit_status,
         diagnostics: c.diagnostics.clone(),
         pid: None,
+        started_ms: None,
     });
     Ok(Done {
         answer: status,
@@ -1048,6 +1049,7 @@ mod tests {
             exit_status: None,
             diagnostics: String::new(),
             pid: None,
+            started_ms: None,
         }
     }
 
