@@ -261,7 +261,6 @@ fn learned_run_ms<'a>(
         .collect()
 }
 
-/// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see
 /// Some application besides `app_id`, not ended, has tasks waiting by its AM's fresh report.
 /// Also told to each AM in its allocate answer (`othersWaiting`), where its placement packs
 /// nodes first while others wait (issue 27).
@@ -271,6 +270,7 @@ pub(super) fn others_waiting(st: &RmState, app_id: &str, now: Instant) -> bool {
         .any(|a| a.report.id != app_id && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty())
 }
 
+/// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see
 /// [`scheduler::gate`]); a gang must also fit now as a whole. `Err`: why it waits.
 pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> Result<(), crate::reason::Reason> {
     if asks.len() > 1 {
