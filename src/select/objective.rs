@@ -10,8 +10,9 @@
 //! Across nodes (issue 27) the pair weights come after packing unless the union reaches the
 //! machine's best weight W*(|U|) ([`RankKey::weight_ideal`]); inside a node the set is still
 //! chosen by (T, W) first. Under queue pressure (other jobs wait behind this one) packing —
-//! the node's free GPUs, fewest first — comes right after the tiers and the ideal weight after
-//! packing ([`RankKey::free_first`], [`RankKey::weight_ideal_packed`]); the tiers never move.
+//! best fit in the NVLink groups, then the node's free GPUs, fewest first — comes right after
+//! the tiers and the ideal weight after packing ([`RankKey::nvlink_left_first`],
+//! [`RankKey::free_first`], [`RankKey::weight_ideal_packed`]); the tiers never move.
 //!
 //! Among candidates equal on the link terms (T, W of the union and of the task's set), the
 //! NUMA term comes next (issue 27): the fewest NUMA nodes under the task's set, so a set within
@@ -421,9 +422,12 @@ pub(crate) struct RankKey {
     /// 6. The union's pair weight is the best this machine offers a set of its size (W(U) =
     ///    W*(|U|) on the empty node): an ideal set anywhere beats packing.
     pub weight_ideal: Reverse<bool>,
-    /// 6q. Under queue pressure (other jobs wait behind this one; issue 27): the node's free
-    ///     GPUs, fewest first, i.e. node packing right after the tier, and criterion 6 is
-    ///     then neutral (its value moves to [`RankKey::weight_ideal_packed`]); 0 otherwise.
+    /// 6q. Under queue pressure (other jobs wait behind this one; issue 27), right after the
+    ///     tiers: the free GPUs left beside the job's new GPUs in the NVLink groups they take
+    ///     from (best fit's innermost level: break no NVLink island more than needed), then
+    ///     the node's free GPUs, fewest first (node packing); criterion 6 is then neutral
+    ///     (its value moves to [`RankKey::weight_ideal_packed`]). Both 0 otherwise.
+    pub nvlink_left_first: u8,
     pub free_first: u32,
     /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
     /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
@@ -478,7 +482,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 21] = [
+        let diffs: [(bool, &str, String, String); 22] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -514,6 +518,12 @@ impl RankKey {
                 "job's GPU union at the machine's best pair weight",
                 b(self.weight_ideal).into(),
                 b(best.weight_ideal).into(),
+            ),
+            (
+                self.nvlink_left_first != best.nvlink_left_first,
+                "free GPUs left beside it in its NVLink group while other jobs wait (fewer fits better)",
+                self.nvlink_left_first.to_string(),
+                best.nvlink_left_first.to_string(),
             ),
             (
                 self.free_first != best.free_first,

@@ -184,7 +184,8 @@ pub(crate) fn pick_gpus(
 }
 
 /// The key of the order for one node (see `objective.rs`); `others_wait`: other jobs wait
-/// behind this one (queue pressure: packing right after the tiers, the ideal weight after it).
+/// behind this one (queue pressure: best fit in the NVLink groups and node packing right after
+/// the tiers, the ideal weight after packing).
 /// The random tie-break (14) is left 0 for the caller to set.
 pub(crate) fn rank_key(
     affinity: bool,
@@ -202,6 +203,7 @@ pub(crate) fn rank_key(
         union_tier: Reverse(pick.union_tier),
         task_tier: Reverse(pick.task_tier),
         weight_ideal: Reverse(pick.weight_ideal || others_wait),
+        nvlink_left_first: if others_wait { pick.fit[0] } else { 0 },
         free_first: if others_wait { avail.whole_gpu_count() } else { 0 },
         weight_ideal_packed: Reverse(pick.weight_ideal),
         union_weight: Reverse(pick.union_weight),

@@ -690,8 +690,8 @@ fn order_of(n: &Node, s: u64, demand: &JobDemand, job_racks: &[String], k: u32) 
 
 /// The written order across nodes (issue 27): the weights move behind packing (9b) and
 /// criterion 6 becomes "the union reaches W*(|U|), the machine's best pair weight"; while
-/// other jobs wait, the node's free GPUs come right after the tiers (6q) and the ideal
-/// weight after packing (9a).
+/// other jobs wait, best fit's NVLink level and the node's free GPUs come right after the
+/// tiers (6q) and the ideal weight after packing (9a).
 type NodeKey = (
     (
         std::cmp::Reverse<bool>,
@@ -700,6 +700,7 @@ type NodeKey = (
         std::cmp::Reverse<u8>,
         std::cmp::Reverse<u8>,
         std::cmp::Reverse<bool>,
+        u8,
         u32,
         u8,
         u8,
@@ -725,13 +726,25 @@ fn node_key(n: &Node, o: Order, u: u32, others_wait: bool) -> NodeKey {
     let best = crate::topology::choose(Some(t), t.all_mask(), u).map_or(0, |g| g.weight);
     let ((aff, fits, rack, tu, ts, wu, ws, numa, apart, nic), (fit, free, cap, total, cpu, mem)) = o;
     let ideal = std::cmp::Reverse(wu.0 >= best);
-    let (early_ideal, early_free) = if others_wait {
-        (std::cmp::Reverse(true), free)
+    let (early_ideal, early_nvlink, early_free) = if others_wait {
+        (std::cmp::Reverse(true), fit[0], free)
     } else {
-        (ideal, 0)
+        (ideal, 0, 0)
     };
     (
-        (aff, fits, rack, tu, ts, early_ideal, early_free, numa, apart, nic),
+        (
+            aff,
+            fits,
+            rack,
+            tu,
+            ts,
+            early_ideal,
+            early_nvlink,
+            early_free,
+            numa,
+            apart,
+            nic,
+        ),
         (fit, free, ideal, wu, ws, cap, total, cpu, mem),
     )
 }
@@ -1318,8 +1331,9 @@ fn an_ideal_weight_set_beats_packing_and_below_it_packing_beats_the_weight() {
 }
 
 /// Queue pressure (issue 27, "Packing first while others wait"): while other jobs wait, a
-/// node with fewer free GPUs beats an ideal-weight set on an emptier node of the same tier;
-/// with nobody waiting the ideal weight wins; the tier is never traded for packing.
+/// fuller node whose pair breaks no NVLink group beats an ideal-weight set on an emptier
+/// node of the same tier; with nobody waiting the ideal weight wins; the tier is never
+/// traded for packing.
 #[test]
 fn while_others_wait_packing_beats_the_ideal_weight_but_never_the_tier() {
     let t = Arc::new(crate::topology::Topology::preset("dgx1v").unwrap());
@@ -1356,10 +1370,40 @@ fn while_others_wait_packing_beats_the_ideal_weight_but_never_the_tier() {
     let (host, mask, lost) = pick(vec![on("empty", 0xff), on("full", weaker)], true);
     assert_eq!((host.as_str(), mask), ("full", weaker), "others wait: packing wins");
     let lost = lost.expect("a runner-up");
-    assert!(lost.starts_with("free GPUs while other jobs wait"), "{lost}");
+    assert!(lost.contains("while other jobs wait"), "{lost}");
     // A fuller node whose pair is of a lower tier never wins, waiting or not.
     for others_wait in [false, true] {
         let (host, _, _) = pick(vec![on("empty", 0xff), on("full", lower)], others_wait);
         assert_eq!(host, "empty", "others wait: {others_wait}");
     }
+}
+
+/// While other jobs wait, packing still breaks no NVLink island more than needed: on
+/// `nvbridge8x` (NV12 bridges 0–2, 1–3, 4–6, 5–7) a 1-GPU task takes the lone GPU 1 of a
+/// node with 3 free GPUs over one GPU of the whole bridged pair of a node with 2 free (which
+/// would leave its partner alone for the next 2-GPU task, a lower tier).
+#[test]
+fn while_others_wait_packing_keeps_nvlink_pairs_whole() {
+    let t = Arc::new(crate::topology::Topology::preset("nvbridge8x").unwrap());
+    let on = |host: &str, free: u64| {
+        let mut n = node(host, "/r", 8, 0xff & !free);
+        n.topology = Some(t.clone());
+        n
+    };
+    let r = res(8, 1000, 1);
+    let s = selector(vec![on("pair", 0b0000_0101), on("lone", 0b0101_0010)]);
+    s.set_others_wait(true);
+    let sel = s.select(&ask(&r), &JobDemand::new(true));
+    let p = placed(&sel).clone();
+    assert_eq!(
+        (p.host.as_str(), p.resources.gpu_mask),
+        ("lone", 0b10),
+        "{}",
+        sel.trace.render()
+    );
+    let lost = sel.trace.alternative.expect("a runner-up").lost_on;
+    assert!(
+        lost.starts_with("free GPUs left beside it in its NVLink group"),
+        "{lost}"
+    );
 }
