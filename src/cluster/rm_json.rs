@@ -58,8 +58,22 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
         node,
         num_containers,
         last_health_update_ms,
+        lean: false,
     })
     .unwrap_or(Value::Null)
+}
+
+/// One node's object as bytes, written directly (no `Value` tree): YARN's whole object,
+/// or with `lean` the lean view's ([`NOT_IN_LEAN_VIEW`] left out). What the RM's node
+/// listings cache per node.
+pub fn node_json_bytes(node: &Node, num_containers: u32, last_health_update_ms: u64, lean: bool) -> Vec<u8> {
+    serde_json::to_vec(&NodeObject {
+        node,
+        num_containers,
+        last_health_update_ms,
+        lean,
+    })
+    .unwrap_or_default()
 }
 
 /// One node as YARN's node object, serialised field by field (no `Value` tree: an allocate
@@ -69,6 +83,8 @@ struct NodeObject<'a> {
     node: &'a Node,
     num_containers: u32,
     last_health_update_ms: u64,
+    /// The lean view's object: without [`NOT_IN_LEAN_VIEW`].
+    lean: bool,
 }
 
 /// A field's value in [`NodeObject`].
@@ -155,6 +171,9 @@ impl serde::Serialize for NodeObject<'_> {
         if let Some(ip) = node.ip {
             fields.push(("nodeIp", Str(Cow::Owned(ip.to_string()))));
         }
+        if self.lean {
+            fields.retain(|(k, _)| !NOT_IN_LEAN_VIEW.contains(k));
+        }
         fields.sort_unstable_by(|a, b| a.0.cmp(b.0));
         let mut m = s.serialize_map(Some(fields.len()))?;
         for (k, v) in &fields {
@@ -182,13 +201,13 @@ pub const NOT_IN_LEAN_VIEW: [&str; 8] = [
 
 /// A node as the lean listing has it: [`node_to_json`] less [`NOT_IN_LEAN_VIEW`].
 pub fn node_to_lean_json(node: &Node, num_containers: u32, last_health_update_ms: u64) -> Value {
-    let mut v = node_to_json(node, num_containers, last_health_update_ms);
-    if let Value::Object(o) = &mut v {
-        for k in NOT_IN_LEAN_VIEW {
-            o.remove(k);
-        }
-    }
-    v
+    serde_json::to_value(NodeObject {
+        node,
+        num_containers,
+        last_health_update_ms,
+        lean: true,
+    })
+    .unwrap_or(Value::Null)
 }
 
 /// `{"nodes":{"node":[...]}}` for a list of (node, live container count).
@@ -472,6 +491,7 @@ impl serde::Serialize for NodeReport {
             node: &self.node,
             num_containers: self.num_containers,
             last_health_update_ms: self.last_health_update_ms,
+            lean: false,
         }
         .serialize(s)
     }
@@ -1280,6 +1300,9 @@ mod lean_view_tests {
             let report = NodeReport { node: n.clone(), num_containers: 3, last_health_update_ms: 9 };
             let text = serde_json::to_string(&report).unwrap();
             prop_assert_eq!(&text, &node_to_json(&n, 3, 9).to_string());
+            // The listings' cached bytes are the same texts, whole and lean.
+            prop_assert_eq!(node_json_bytes(&n, 3, 9, false), text.clone().into_bytes());
+            prop_assert_eq!(node_json_bytes(&n, 3, 9, true), lean_json.to_string().into_bytes());
             let back: NodeReport = serde_json::from_str(&text).unwrap();
             prop_assert_eq!(&back.node, &whole);
             prop_assert_eq!((back.num_containers, back.last_health_update_ms), (3, 9));

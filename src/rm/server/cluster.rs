@@ -167,11 +167,12 @@ impl NodeView {
     }
 
     fn object(&self, node: &Node, num_containers: u32, at_ms: u64) -> Bytes {
-        let v = match self.lean {
-            true => crate::cluster::rm_json::node_to_lean_json(node, num_containers, at_ms),
-            false => node_to_json(node, num_containers, at_ms),
-        };
-        Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+        Bytes::from(crate::cluster::rm_json::node_json_bytes(
+            node,
+            num_containers,
+            at_ms,
+            self.lean,
+        ))
     }
 
     /// Brings the node objects up to the ledger's epoch: O(nodes changed since).
