@@ -37,8 +37,9 @@ const START_UNREACHABLE_FOR: Duration = Duration::from_secs(120);
 /// per-peer connection cap.
 pub const LAUNCHES_IN_FLIGHT: usize = 4;
 
-/// Starts per call an AM sends (at most `protocol::MAX_STARTS_PER_CALL`): a task's launch
-/// is known when its call is answered, so smaller calls tell it sooner.
+/// Starts per call an AM sends (at most `protocol::MAX_STARTS_PER_CALL`): a task runs as
+/// `ContainerRunning` once its call is answered (its launch time is the node's
+/// `startedMs`), so smaller calls tell the AM sooner.
 const STARTS_PER_CALL: usize = 16;
 
 /// Launch contexts (their JSON) one start call carries at most, far below the RM's body

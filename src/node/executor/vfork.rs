@@ -372,6 +372,14 @@ mod tests {
         }
     }
 
+    /// Everything written to `out` so far.
+    fn written(out: &mut std::fs::File) -> String {
+        let mut text = String::new();
+        out.rewind().unwrap();
+        out.read_to_string(&mut text).unwrap();
+        text
+    }
+
     /// The child runs in its directory with exactly its environment and streams, leads a
     /// session of its own, has no handler, no blocked signal and SIGPIPE at its default
     /// (the parent's runtime catches and ignores signals); the exit is reaped.
@@ -390,9 +398,7 @@ mod tests {
         ];
         let mut child = spawn(&plan(OsStr::new("sh"), &args, &env, &out, dir.path())).unwrap();
         assert_eq!(child.wait().await.unwrap().code(), Some(0));
-        let mut text = String::new();
-        out.rewind().unwrap();
-        out.read_to_string(&mut text).unwrap();
+        let text = written(&mut out);
         let lines: Vec<&str> = text.lines().collect();
         let cwd = std::fs::canonicalize(dir.path()).unwrap();
         assert_eq!(lines[0], format!("{} hello world nohome", cwd.display()), "{text}");
@@ -465,9 +471,7 @@ mod tests {
         p.ids = Some((64_000, 64_000, &[]));
         let mut child = spawn(&p).unwrap();
         assert_eq!(child.wait().await.unwrap().code(), Some(0));
-        let mut text = String::new();
-        out.rewind().unwrap();
-        out.read_to_string(&mut text).unwrap();
+        let text = written(&mut out);
         assert_eq!(text.trim(), "open");
         // With only the hidden one on PATH: denied, as `execvp` says it.
         let env = vec![("PATH".to_string(), hidden.display().to_string())];
@@ -496,9 +500,7 @@ mod tests {
         p.ids = Some((64_000, 64_003, &groups));
         let mut child = spawn(&p).unwrap();
         assert_eq!(child.wait().await.unwrap().code(), Some(0));
-        let mut text = String::new();
-        out.rewind().unwrap();
-        out.read_to_string(&mut text).unwrap();
+        let text = written(&mut out);
         let norm: Vec<String> = text
             .lines()
             .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
