@@ -372,6 +372,17 @@ mod tests {
         }
     }
 
+    /// Whether this test runs as root (the user switch needs it; CI runs as root), said
+    /// when not.
+    fn root() -> bool {
+        // SAFETY: plain syscall.
+        let root = unsafe { libc::geteuid() } == 0;
+        if !root {
+            eprintln!("skipped: needs root (the switch of user cannot be tried here)");
+        }
+        root
+    }
+
     /// Everything written to `out` so far.
     fn written(out: &mut std::fs::File) -> String {
         let mut text = String::new();
@@ -446,9 +457,7 @@ mod tests {
     /// node, with root's rights, would have picked the hidden program, or failed).
     #[tokio::test]
     async fn the_path_search_runs_as_the_tasks_user() {
-        // SAFETY: plain syscall.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("not root: the switch cannot be tried here");
+        if !root() {
             return;
         }
         use std::os::unix::fs::PermissionsExt as _;
@@ -485,9 +494,7 @@ mod tests {
     /// effective, saved), before it runs.
     #[tokio::test]
     async fn the_child_runs_as_the_given_user_and_groups() {
-        // SAFETY: plain syscall.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("not root: the switch cannot be tried here");
+        if !root() {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
