@@ -163,24 +163,46 @@ impl Browser {
         }
     }
 
+    /// Clicks the element `css` finds. A live page may re-render it between the finding
+    /// and the click (webdriver's "stale element reference"): then it is found again and
+    /// clicked, for at most 10 s; any other error fails the test.
     pub async fn click(&self, css: &str) {
-        let url = format!("{}/session/{}/element", self.base, self.session);
-        let r: Value = self
-            .http
-            .post(url)
-            .json(&json!({"using": "css selector", "value": css}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let Some(id) = r["value"][ELEMENT_KEY].as_str().map(str::to_string) else {
-            let _ = self.screenshot("target/dashboard-failure.png").await;
-            panic!("no element {css} to click: {r} (screenshot: target/dashboard-failure.png)");
-        };
-        self.cmd(reqwest::Method::POST, &format!("/element/{id}/click"), Some(json!({})))
-            .await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let url = format!("{}/session/{}/element", self.base, self.session);
+            let r: Value = self
+                .http
+                .post(url)
+                .json(&json!({"using": "css selector", "value": css}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let Some(id) = r["value"][ELEMENT_KEY].as_str().map(str::to_string) else {
+                let _ = self.screenshot("target/dashboard-failure.png").await;
+                panic!("no element {css} to click: {r} (screenshot: target/dashboard-failure.png)");
+            };
+            let url = format!("{}/session/{}/element/{id}/click", self.base, self.session);
+            let r: Value = self
+                .http
+                .post(url)
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            match r["value"].get("error").and_then(Value::as_str) {
+                None => return,
+                Some("stale element reference") if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Some(_) => panic!("webdriver click on {css}: {}", r["value"]),
+            }
+        }
     }
 
     pub async fn screenshot(&self, path: &str) -> PathBuf {
