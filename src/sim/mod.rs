@@ -365,8 +365,8 @@ struct Engine<'a> {
     queue: VecDeque<usize>,
     /// Queueing discipline, reservations and expected durations (issue 27, items 3 and 4).
     mode: Queueing,
-    /// Per running job: its start (its expected end is asked of `history` at each time).
-    started: HashMap<usize, f64>,
+    /// Per running job: its start and expected duration (`None`: unknown).
+    expected: HashMap<usize, (f64, Option<f64>)>,
     /// Durations of the jobs that ended (learned limits).
     history: Durations,
     /// Per waiting job: its estimated start, made at its submit.
@@ -453,7 +453,8 @@ impl Engine<'_> {
         self.done.push(Reverse((end.to_bits(), jid)));
         self.running.insert(jid, placed);
         self.used_gpus += u64::from(job.gpus());
-        self.started.insert(jid, now);
+        let exp = self.history.expected(self.mode.limit, job.gpus(), job.duration);
+        self.expected.insert(jid, (now, exp));
     }
 
     /// Job `jid` ended: its room is freed and its duration learned.
@@ -462,7 +463,7 @@ impl Engine<'_> {
             self.placer.release(&mut self.cl, &self.jobs[jid], &p);
             self.used_gpus = self.used_gpus.saturating_sub(u64::from(self.jobs[jid].gpus()));
         }
-        self.started.remove(&jid);
+        self.expected.remove(&jid);
         self.history.record(self.jobs[jid].gpus(), self.jobs[jid].duration);
     }
 
@@ -477,30 +478,15 @@ impl Engine<'_> {
         self.counted_to = self.counted_to.max(now);
     }
 
-    /// What is known of run times at `now` (learned limits: the jobs that ended, and the
-    /// running ones' time so far, censored; nothing for declared limits).
-    fn known(&self, now: f64) -> reserve::Learned {
-        if self.mode.limit != reserve::Limit::Learned {
-            return Durations::default().at(&[]);
-        }
-        let running: Vec<(u32, f64)> = self
-            .started
-            .iter()
-            .map(|(&j, &start)| (self.jobs[j].gpus(), (now - start).max(0.0)))
-            .collect();
-        self.history.at(&running)
-    }
-
     /// The running jobs' tasks with their expected ends seen at `now`.
-    fn releases(&self, known: &reserve::Learned, now: f64) -> Vec<Release> {
+    fn releases(&self, now: f64) -> Vec<Release> {
         let mut out = Vec::new();
         for (jid, placed) in &self.running {
-            let job = &self.jobs[*jid];
             let end = self
-                .started
+                .expected
                 .get(jid)
-                .and_then(|&start| self.mode.limit.end(known, job.gpus(), job.duration, start, now).map(ms));
-            for (node, room) in reserve::takes(placed, &job.tasks) {
+                .and_then(|&(start, exp)| exp.map(|e| ms(reserve::expected_end(start, e, now))));
+            for (node, room) in reserve::takes(placed, &self.jobs[*jid].tasks) {
                 out.push(Release {
                     node,
                     room,
@@ -515,7 +501,6 @@ impl Engine<'_> {
     /// the running jobs' expected ends through [`reserve::estimate_start`], walked in the
     /// simulator's discipline (FIFO, or backfill: jobs that fit overtake).
     fn estimate(&mut self, jid: usize, now: f64) {
-        let known = self.known(now);
         let ahead: Vec<Ahead> = self
             .queue
             .iter()
@@ -524,14 +509,14 @@ impl Engine<'_> {
                 let job = &self.jobs[j];
                 Ahead {
                     tasks: rooms(job),
-                    duration_ms: self.mode.limit.duration(&known, job.gpus(), job.duration).map(ms),
+                    duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
                 }
             })
             .collect();
         let tasks = rooms(&self.jobs[jid]);
         if let Some(t) = reserve::estimate_start(
             &reserve::free_rooms(&self.cl),
-            &self.releases(&known, now),
+            &self.releases(now),
             &ahead,
             &tasks,
             ms(now),
@@ -546,7 +531,6 @@ impl Engine<'_> {
     /// reservation and the others start only where the reservation lets them.
     fn drain_backfill(&mut self, now: f64) {
         let mut held: Option<(usize, Reservation)> = None;
-        let mut known = self.known(now);
         if let Some(policy) = self.mode.reserve {
             let mut tried: HashSet<usize> = HashSet::new();
             loop {
@@ -557,12 +541,11 @@ impl Engine<'_> {
                 let Some(j) = cand else { break };
                 tried.insert(j);
                 if self.try_start(j, now) {
-                    known = self.known(now);
                     continue;
                 }
                 if let Some(r) = reservation::reserve(
                     &reserve::free_rooms(&self.cl),
-                    &self.releases(&known, now),
+                    &self.releases(now),
                     &rooms(&self.jobs[j]),
                     ms(now),
                 ) {
@@ -587,9 +570,8 @@ impl Engine<'_> {
                 continue;
             }
             let end = self
-                .mode
-                .limit
-                .duration(&known, job.gpus(), job.duration)
+                .history
+                .expected(self.mode.limit, job.gpus(), job.duration)
                 .map_or(u64::MAX, |e| ms(now + e));
             let gpus: Shape = job.tasks.iter().map(|t| (t.gpus, t.cpu, t.mem_mb)).collect();
             if refused.get(&gpus).is_some_and(|&r| end >= r) {
@@ -836,7 +818,7 @@ pub fn simulate_queueing(
         running: HashMap::new(),
         queue: VecDeque::new(),
         mode,
-        started: HashMap::new(),
+        expected: HashMap::new(),
         history: Durations::default(),
         estimates: HashMap::new(),
         used_gpus: 0,

@@ -10,7 +10,6 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use super::cluster::{SimCluster, Task};
 use crate::resources::GpuMask;
-use crate::rm::scheduler::learned;
 use crate::rm::scheduler::reservation::{self, Policy, Release, Room};
 
 /// Where a job's expected duration comes from.
@@ -19,11 +18,9 @@ pub enum Limit {
     /// A declared time limit: the real duration times the factor, rounded up to the minute
     /// (factor 1: a user who knows the duration to the minute).
     Declared(f64),
-    /// Learned: from the durations of the jobs of the same GPU count that ended before (of all
-    /// jobs that ended, when none of that count has; unknown before any ended), by the RM's
-    /// rule ([`learned`]): their median for a job not started, the median of those longer
-    /// than it has run for a running one. The traces carry no user, so "the same user's
-    /// earlier jobs" cannot be replayed.
+    /// Learned: the median duration of the jobs of the same GPU count that ended before (of all
+    /// jobs that ended, when none of that count has; unknown before any ended). The traces
+    /// carry no user, so "the same user's earlier jobs" cannot be replayed.
     Learned,
 }
 
@@ -88,82 +85,35 @@ impl Default for Queueing {
     }
 }
 
-/// Run times (ms) of the jobs that ended, per GPU count and all together (ascending), for
-/// [`Limit::Learned`] through the RM's rule ([`learned`]).
+/// Durations of the jobs that ended, per GPU count (sorted), for [`Limit::Learned`].
 #[derive(Clone, Debug, Default)]
 pub struct Durations {
-    by_gpus: BTreeMap<u32, Vec<u64>>,
-    all: Vec<u64>,
+    by_gpus: BTreeMap<u32, Vec<f64>>,
+    all: Vec<f64>,
+}
+
+fn insert_sorted(v: &mut Vec<f64>, x: f64) {
+    let i = v.partition_point(|y| *y <= x);
+    v.insert(i, x);
+}
+
+fn median(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v[(v.len() - 1) / 2])
 }
 
 impl Durations {
     pub fn record(&mut self, gpus: u32, duration: f64) {
-        learned::insert_sorted(self.by_gpus.entry(gpus).or_default(), ms(duration));
-        learned::insert_sorted(&mut self.all, ms(duration));
+        insert_sorted(self.by_gpus.entry(gpus).or_default(), duration);
+        insert_sorted(&mut self.all, duration);
     }
 
-    /// What is known at one time: per GPU count (and all together) the survival of run
-    /// times from the jobs that ended and those still running (`running`: GPU count and
-    /// seconds run so far). A job is compared with those of its GPU count, else all.
-    pub fn at(&self, running: &[(u32, f64)]) -> Learned {
-        let mut run_by: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-        for &(g, r) in running {
-            run_by.entry(g).or_default().push(ms(r));
-        }
-        let all_running: Vec<u64> = running.iter().map(|&(_, r)| ms(r)).collect();
-        Learned {
-            by_gpus: self
-                .by_gpus
-                .iter()
-                .filter(|(_, v)| !v.is_empty())
-                .map(|(g, v)| (*g, learned::Survival::new(v, run_by.get(g).map_or(&[][..], |x| x))))
-                .collect(),
-            all: learned::Survival::new(&self.all, &all_running),
+    /// The expected duration of a job of `gpus` GPUs that really takes `real` seconds.
+    pub fn expected(&self, limit: Limit, gpus: u32, real: f64) -> Option<f64> {
+        match limit {
+            Limit::Declared(f) => Some(((real * f) / 60.0).ceil().max(1.0) * 60.0),
+            Limit::Learned => median(self.by_gpus.get(&gpus).map_or(&[][..], |v| v)).or_else(|| median(&self.all)),
         }
     }
-}
-
-/// Learned run times at one time ([`Durations::at`]).
-pub struct Learned {
-    by_gpus: BTreeMap<u32, learned::Survival>,
-    all: learned::Survival,
-}
-
-impl Learned {
-    fn of(&self, gpus: u32) -> &learned::Survival {
-        self.by_gpus.get(&gpus).unwrap_or(&self.all)
-    }
-}
-
-impl Limit {
-    /// The expected duration (s) of a job of `gpus` GPUs not yet started that really takes
-    /// `real` seconds (`None`: unknown): declared, or the learned median.
-    pub fn duration(self, known: &Learned, gpus: u32, real: f64) -> Option<f64> {
-        match self {
-            Limit::Declared(f) => Some(declared(real, f)),
-            Limit::Learned => known.of(gpus).expected_total(0).map(|t| t as f64 / 1000.0),
-        }
-    }
-
-    /// The expected end (s) of a running job of `gpus` GPUs that started at `start` and
-    /// really takes `real` seconds, seen at `now`: a declared limit from the start (past
-    /// it, doubling: [`expected_end`]); a learned one by the RM's rule
-    /// ([`learned::Survival::expected_end`]: the median of the run times longer than it
-    /// has run so far). Always after `now`; `None`: unknown.
-    pub fn end(self, known: &Learned, gpus: u32, real: f64, start: f64, now: f64) -> Option<f64> {
-        match self {
-            Limit::Declared(f) => Some(expected_end(start, declared(real, f), now)),
-            Limit::Learned => known
-                .of(gpus)
-                .expected_end(ms(start), ms(now).max(ms(start)))
-                .map(|e| (e as f64 / 1000.0).max(now + 0.001)),
-        }
-    }
-}
-
-/// A declared limit: `real × f` rounded up to the minute (at least a minute).
-fn declared(real: f64, f: f64) -> f64 {
-    ((real * f) / 60.0).ceil().max(1.0) * 60.0
 }
 
 /// The expected end of a job that started at `start` and is expected to take `expected`
@@ -348,45 +298,29 @@ mod tests {
     }
 
     #[test]
-    fn limits_parse_and_learned_ones_are_medians_of_the_longer_runs_that_ended() {
+    fn limits_parse_and_learned_ones_are_medians_of_what_ended() {
         assert_eq!(Limit::parse("declared"), Ok(Limit::Declared(1.0)));
         assert_eq!(Limit::parse("declared:2"), Ok(Limit::Declared(2.0)));
         assert_eq!(Limit::parse("LEARNED"), Ok(Limit::Learned));
         assert!(Limit::parse("declared:0").unwrap_err().contains("positive"));
         assert!(Limit::parse("guess").unwrap_err().contains("--expected-end"));
         let mut d = Durations::default();
-        let none = d.at(&[]);
         // Declared: rounded up to the minute, times the factor.
-        assert_eq!(Limit::Declared(1.0).duration(&none, 8, 61.0), Some(120.0));
-        assert_eq!(Limit::Declared(2.0).duration(&none, 8, 600.0), Some(1200.0));
-        assert_eq!(Limit::Learned.duration(&none, 8, 600.0), None, "nothing ended yet");
+        assert_eq!(d.expected(Limit::Declared(1.0), 8, 61.0), Some(120.0));
+        assert_eq!(d.expected(Limit::Declared(2.0), 8, 600.0), Some(1200.0));
+        assert_eq!(d.expected(Limit::Learned, 8, 600.0), None, "nothing ended yet");
         for x in [100.0, 300.0, 200.0] {
             d.record(8, x);
         }
         d.record(4, 5.0);
-        let k = d.at(&[]);
-        assert_eq!(Limit::Learned.duration(&k, 8, 1.0), Some(200.0));
-        assert_eq!(Limit::Learned.duration(&k, 4, 1.0), Some(5.0));
+        assert_eq!(d.expected(Limit::Learned, 8, 1.0), Some(200.0));
+        assert_eq!(d.expected(Limit::Learned, 4, 1.0), Some(5.0));
         assert_eq!(
-            Limit::Learned.duration(&k, 32, 1.0),
+            d.expected(Limit::Learned, 32, 1.0),
             Some(100.0),
-            "all jobs: 5, 100, 200, 300 (the lower median)"
+            "all jobs: 5, 100, 200, 300"
         );
-        // Learned ends of running jobs: the median of the longer earlier runs (the RM's
-        // rule, `learned`), never the median a job has already outlived.
-        let end = |k: &Learned, now: f64| Limit::Learned.end(k, 8, 1.0, 10.0, now);
-        assert_eq!(end(&k, 10.0), Some(210.0));
-        assert_eq!(end(&k, 150.0), Some(210.0), "ran 140 s: 200 and 300 remain");
-        assert_eq!(end(&k, 250.0), Some(310.0), "ran 240 s > 200: only 300 remains");
-        assert_eq!(end(&k, 400.0), Some(790.0), "outlived them all: as long again");
-        // 8-GPU jobs still running past 300 s: the 300 is no longer the longest run, so
-        // a job past 200 s is expected at twice the longest seen.
-        let k = d.at(&[(8, 1000.0), (8, 1000.0), (8, 1000.0), (4, 1.0)]);
-        assert_eq!(end(&k, 250.0), Some(2010.0));
-        // Declared ends ignore what ended; past its expectation, a job is expected to take
-        // twice as long again.
-        assert_eq!(Limit::Declared(1.0).end(&k, 8, 100.0, 10.0, 50.0), Some(130.0), "2 min");
-        assert_eq!(Limit::Declared(1.0).end(&k, 8, 100.0, 10.0, 150.0), Some(250.0));
+        // Past its expectation, a job is expected to take twice as long again.
         assert_eq!(expected_end(10.0, 100.0, 50.0), 110.0);
         assert_eq!(expected_end(10.0, 100.0, 110.0), 210.0);
         assert_eq!(expected_end(10.0, 100.0, 500.0), 810.0);

@@ -29,7 +29,6 @@
 //! none-GPU, and the whole request against the node's total), so room is never kept or
 //! freed on a node the AM's select would never pick for it.
 
-pub mod learned;
 pub mod queues;
 pub mod reservation;
 pub mod reserved;

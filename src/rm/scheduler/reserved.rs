@@ -36,8 +36,7 @@ pub enum EndBasis {
     Unknown,
     /// Its task's declared `maxRunSec`.
     Declared,
-    /// Learned: the median run time of its job's tasks of the same role given that it
-    /// exceeds what it has run so far ([`super::learned`]).
+    /// Learned: the median run time of its job's completed tasks of the same role.
     Learned,
     /// It is leaving (ended, or under a preemption notice with a deadline).
     Leaving,
@@ -242,7 +241,7 @@ fn words(b: &Basis, known: bool) -> String {
     }
     if b.learned > 0 {
         parts.push(format!(
-            "learned from the run times of their jobs' tasks (the median of the longer runs) for {}",
+            "learned from the median run time of their jobs' completed tasks for {}",
             n(b.learned)
         ));
     }

@@ -197,11 +197,9 @@ fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
 }
 
 /// Fills in learned ends (issue 27) for the held containers of `built` whose end is
-/// unknown, by the one learned rule ([`scheduler::learned::Survival`]): from the run times
-/// of their application's containers of the same role — those that completed successfully,
-/// and those still running (censored at their time so far) — the median run time given
-/// that it exceeds what this one has run, from its start. One pass over the ledger, so
-/// only the reservation and estimate paths call it, and only when they have work.
+/// unknown: the median run time of their application's containers of the same role that
+/// already completed successfully, from their start. One pass over the ledger, so only
+/// the reservation and estimate paths call it, and only when they have work.
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
@@ -214,41 +212,28 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
         .iter()
         .filter_map(|&h| st.ledger.container(&built.snap.held[h].container_id))
         .collect();
-    let learned = learned_runs(st, &live, wall);
+    let learned = learned_run_ms(st, &live);
     for &h in &unknown {
         let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
             continue;
         };
-        let Some(runs) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) else {
-            continue;
-        };
-        if let Some(end) = runs.expected_end(run_from(c), wall.max(run_from(c))) {
+        if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
+            let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
             built.snap.ends[h] = Expected {
-                end_ms: Some(end.max(wall)),
+                end_ms: Some(from.saturating_add(*ms).max(wall)),
                 basis: EndBasis::Learned,
             };
         }
     }
 }
 
-/// When a container's run began: its start, else its allocation.
-fn run_from(c: &crate::rm::ledger::LedgerContainer) -> u64 {
-    if c.started_ms > 0 {
-        c.started_ms
-    } else {
-        c.allocated_ms
-    }
-}
-
-/// Learned run times: for each (application, role) of `live` of which some container
-/// completed successfully, the survival of its run times (ms) from those and from the
-/// role's containers still running at `wall` (censored).
-fn learned_runs<'a>(
+/// Learned run times: for each (application, role) of `live`, the median run time (ms) of
+/// that application's containers of the role that completed successfully.
+fn learned_run_ms<'a>(
     st: &'a RmState,
     live: &[&'a crate::rm::ledger::LedgerContainer],
-    wall: u64,
-) -> HashMap<(&'a str, &'a str), scheduler::learned::Survival> {
-    let mut want: HashMap<(&str, &str), (Vec<u64>, Vec<u64>)> = HashMap::new();
+) -> HashMap<(&'a str, &'a str), u64> {
+    let mut want: HashMap<(&str, &str), Vec<u64>> = HashMap::new();
     for c in live {
         if let Some(r) = role_of(c) {
             want.entry((c.app_id.as_str(), r)).or_default();
@@ -258,20 +243,20 @@ fn learned_runs<'a>(
         return HashMap::new();
     }
     for c in st.ledger.all_containers() {
-        let Some((ended, running)) = role_of(c).and_then(|r| want.get_mut(&(c.app_id.as_str(), r))) else {
+        if c.state != ContainerState::Complete || c.exit_status != Some(0) || c.ended_ms == 0 {
+            continue;
+        }
+        let Some(runs) = role_of(c).and_then(|r| want.get_mut(&(c.app_id.as_str(), r))) else {
             continue;
         };
-        if c.state == ContainerState::Running {
-            running.push(wall.saturating_sub(run_from(c)));
-        } else if c.state == ContainerState::Complete && c.exit_status == Some(0) && c.ended_ms > 0 {
-            ended.push(c.ended_ms.saturating_sub(run_from(c)));
-        }
+        let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
+        runs.push(c.ended_ms.saturating_sub(from));
     }
     want.into_iter()
-        .filter(|(_, (ended, _))| !ended.is_empty())
-        .map(|(k, (mut ended, running))| {
-            ended.sort_unstable();
-            (k, scheduler::learned::Survival::new(&ended, &running))
+        .filter(|(_, runs)| !runs.is_empty())
+        .map(|(k, mut runs)| {
+            runs.sort_unstable();
+            (k, runs[runs.len() / 2])
         })
         .collect()
 }

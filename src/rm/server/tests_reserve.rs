@@ -329,10 +329,8 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
     }
 }
 
-/// Where no limit is declared, a container's expected end is learned (`scheduler::learned`):
-/// from the run times of its job's tasks of the same role (completed, and still running),
-/// the median of those longer than it has run; before any completed, it is unknown. Once
-/// learned, it lies after the time it was learned at.
+/// Where no limit is declared, a container's expected end is learned: the median run time
+/// of its job's completed tasks of the same role; before any completed, it is unknown.
 #[tokio::test]
 async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
     let dir = tempfile::tempdir().unwrap();
@@ -368,11 +366,9 @@ async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
     .unwrap();
     let t0 = Instant::now();
     loop {
-        let before = crate::protocol::now_ms();
         let e = basis(&rm);
         if e.basis == crate::rm::scheduler::reserved::EndBasis::Learned {
-            let end = e.end_ms.expect("a learned end");
-            assert!(end > before, "learned end {end} lies before {before}");
+            assert!(e.end_ms.is_some());
             break;
         }
         assert!(t0.elapsed() < Duration::from_secs(30), "never learned: {e:?}");
