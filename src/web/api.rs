@@ -276,6 +276,17 @@ pub(crate) async fn nodes(State(hub): Hub, Query(q): Params) -> Response {
     let run = || -> Result<Response, ApiError> {
         let (offset, limit) = paging(&q)?;
         let host = param_str(&q, "host");
+        if let Some(source) = hub.node_source.get() {
+            // An AM: the page from its live view.
+            let job_gpus = hub.read(|s| crate::am::status::job_gpus(&s.tasks));
+            let (total, page) = source.page(host, offset, limit, &job_gpus);
+            return Ok(json_ok(&Page::<NodeStatus> {
+                total,
+                offset,
+                tasks: None,
+                nodes: Some(page.iter().collect()),
+            }));
+        }
         Ok(hub.read(|s| {
             let keep = |n: &&NodeStatus| host.is_none_or(|h| n.host.contains(h));
             let mut total = 0;
