@@ -256,7 +256,8 @@ impl NodeView {
                         shapes.push(shape);
                         shapes.len() - 1
                     });
-                    nodes.extend_from_slice(format!(r#"{{"{}":{k},"#, rm_json::SHAPE).as_bytes());
+                    use std::io::Write as _;
+                    let _ = write!(nodes, r#"{{"{}":{k},"#, rm_json::SHAPE);
                     nodes.extend_from_slice(o.get(1..).unwrap_or_default());
                 }
             }
