@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::am::status::{NodeSource, NodeStatus};
+use crate::am::status::{page_of, NodeSource, NodeStatus};
 use crate::resources::{mask_hex, GpuMask};
 use crate::select::Selector;
 use crate::topology::Topology;
@@ -22,14 +22,12 @@ impl NodeSource for ViewNodes {
     ) -> (usize, Vec<NodeStatus>) {
         self.0.with_view(|v| {
             let mut groups = GroupsOf::default();
-            let mut total = 0;
-            let mut page = Vec::with_capacity(limit.min(v.len()));
-            for n in v.nodes().filter(|n| host.is_none_or(|h| n.host.contains(h))) {
-                if total >= offset && page.len() < limit {
-                    page.push(node_status(n, job_gpus, &mut groups));
-                }
-                total += 1;
-            }
+            let matching = v.nodes().filter(|n| host.is_none_or(|h| n.host.contains(h)));
+            let (total, page) = page_of(matching, offset, limit);
+            let page = page
+                .into_iter()
+                .map(|n| node_status(n, job_gpus, &mut groups))
+                .collect();
             (total, page)
         })
     }

@@ -183,6 +183,19 @@ pub trait NodeSource: Send + Sync {
     ) -> (usize, Vec<NodeStatus>);
 }
 
+/// A dashboard page: `limit` of `items` from `offset`, and how many there are in all.
+pub fn page_of<T>(items: impl Iterator<Item = T>, offset: usize, limit: usize) -> (usize, Vec<T>) {
+    let mut total = 0;
+    let mut page = Vec::new();
+    for it in items {
+        if total >= offset && page.len() < limit {
+            page.push(it);
+        }
+        total += 1;
+    }
+    (total, page)
+}
+
 /// The GPUs this job's containers hold, per host: those of the tasks that hold one.
 pub fn job_gpus(tasks: &[TaskStatus]) -> HashMap<String, GpuMask> {
     let mut m: HashMap<String, GpuMask> = HashMap::new();

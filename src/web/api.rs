@@ -183,14 +183,7 @@ pub(crate) async fn tasks(State(hub): Hub, Query(q): Params) -> Response {
                     && state.is_none_or(|st| t.state == st)
                     && host.is_none_or(|h| t.host.as_deref().is_some_and(|th| th.contains(h)))
             };
-            let mut total = 0;
-            let mut page = Vec::with_capacity(limit.min(s.tasks.len()));
-            for t in s.tasks.iter().filter(keep) {
-                if total >= offset && page.len() < limit {
-                    page.push(t);
-                }
-                total += 1;
-            }
+            let (total, page) = crate::am::status::page_of(s.tasks.iter().filter(keep), offset, limit);
             json_ok(&Page::<TaskStatus> {
                 total,
                 offset,
@@ -289,14 +282,7 @@ pub(crate) async fn nodes(State(hub): Hub, Query(q): Params) -> Response {
         }
         Ok(hub.read(|s| {
             let keep = |n: &&NodeStatus| host.is_none_or(|h| n.host.contains(h));
-            let mut total = 0;
-            let mut page = Vec::with_capacity(limit.min(s.nodes.len()));
-            for n in s.nodes.iter().filter(keep) {
-                if total >= offset && page.len() < limit {
-                    page.push(n);
-                }
-                total += 1;
-            }
+            let (total, page) = crate::am::status::page_of(s.nodes.iter().filter(keep), offset, limit);
             json_ok(&Page::<NodeStatus> {
                 total,
                 offset,
