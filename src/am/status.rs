@@ -271,6 +271,9 @@ pub struct JobStatus {
 pub struct Snapshot {
     pub job: JobStatus,
     pub tasks: Vec<TaskStatus>,
+    /// The node view where no [`NodeSource`] backs it (the demo); an AM's is computed when
+    /// asked ([`SnapshotOut`]).
+    #[serde(skip)]
     pub nodes: Vec<NodeStatus>,
     /// Most recent last.
     pub selections: VecDeque<SelectionRecord>,
@@ -280,6 +283,15 @@ pub struct Snapshot {
     pub rm_reachable: bool,
     /// The effective settings.
     pub config: serde_json::Value,
+}
+
+/// A snapshot as the status API writes it: with its node view, from the [`NodeSource`] where
+/// one backs it.
+#[derive(Serialize)]
+pub struct SnapshotOut<'a> {
+    #[serde(flatten)]
+    pub snapshot: &'a Snapshot,
+    pub nodes: &'a [NodeStatus],
 }
 
 /// A numbered change notification.

@@ -168,7 +168,17 @@ pub(crate) async fn config(State(hub): Hub) -> Response {
 
 pub(crate) async fn snapshot(State(hub): Hub) -> Response {
     let last = hub.last_event_id();
-    with_event_id(last, hub.read(json_ok))
+    let live = hub.node_source.get().map(|source| {
+        let job_gpus = hub.read(|s| crate::am::status::job_gpus(&s.tasks));
+        source.page(None, 0, usize::MAX, &job_gpus).1
+    });
+    with_event_id(
+        last,
+        hub.read(|s| {
+            let nodes = live.as_deref().unwrap_or(&s.nodes);
+            json_ok(&crate::am::status::SnapshotOut { snapshot: s, nodes })
+        }),
+    )
 }
 
 pub(crate) async fn tasks(State(hub): Hub, Query(q): Params) -> Response {
