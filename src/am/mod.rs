@@ -22,6 +22,7 @@ pub mod driver;
 pub mod exits;
 pub mod job_retry;
 pub mod machine;
+pub mod node_page;
 pub mod pai_env;
 pub mod plan_rm;
 pub mod publish;

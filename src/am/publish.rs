@@ -88,13 +88,10 @@ impl Publisher {
                     }
                 });
             }
-            Event::Nodes(nodes) => hub.update("nodes", json!({"count": nodes.len()}), |s| s.nodes = nodes),
-            Event::NodesChanged(changes) => {
-                let changed = changes.len();
-                hub.update("nodes", json!({"changed": changed}), |s| {
-                    crate::am::machine::merge_node_changes(&mut s.nodes, changes)
-                })
-            }
+            // The pages are computed from the AM's view when asked (`am::node_page`); the
+            // event tells the dashboard to ask again.
+            Event::Nodes { count } => hub.update("nodes", json!({"count": count}), |_| {}),
+            Event::NodesChanged(hosts) => hub.update("nodes", json!({"changed": hosts.len()}), |_| {}),
             Event::NodesRefreshed { at_ms } => hub.update("nodes", json!({"refreshed": true}), |s| {
                 s.nodes_refreshed_ms = at_ms;
                 s.rm_reachable = true;

@@ -1,11 +1,12 @@
 //! The AM's published status: a snapshot of the job, its tasks, the node view and the
 //! recent selection traces, plus a numbered event stream. The AM's publisher (`am::publish`) writes it;
-//! the dashboard, the status API, `/metrics` and `gpuam run`'s progress read it.
+//! the dashboard, the status API, `/metrics` and `gpuam run`'s progress read it. In an AM
+//! the node pages are computed from its live view when asked ([`NodeSource`]).
 //!
 //! Events are numbered so a reconnecting SSE client resumes after the last id it saw
 //! (Last-Event-ID); the hub keeps the most recent ones for that.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -13,7 +14,7 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 
-use crate::resources::{CustomResources, GpuShares};
+use crate::resources::{parse_mask, CustomResources, GpuMask, GpuShares};
 use crate::select::SelectionTrace;
 
 /// Job states as users see them.
@@ -135,8 +136,8 @@ pub struct NodeStatus {
     pub topology: Option<String>,
     pub gpu_count: u32,
     /// GPU islands per tier, best tier first (for grouping the GPU boxes): each a list
-    /// of masks as hex strings.
-    pub gpu_groups: Vec<Vec<String>>,
+    /// of masks as hex strings; shared by the nodes of one topology.
+    pub gpu_groups: std::sync::Arc<Vec<Vec<String>>>,
     pub total_cpu: u32,
     pub used_cpu: u32,
     pub requested_cpu: u32,
@@ -165,6 +166,49 @@ pub struct NodeStatus {
     pub used_custom_resources: CustomResources,
     #[serde(skip_serializing_if = "CustomResources::is_empty")]
     pub free_custom_resources: CustomResources,
+}
+
+/// Where the dashboard's node pages come from in an AM: its live node view, turned into
+/// [`NodeStatus`]es only for the page asked for (issue 29: an AM of a 10,000-node cluster
+/// no longer builds 10,000 of them at its start and after each full listing).
+pub trait NodeSource: Send + Sync {
+    /// The nodes whose host contains `host` (all with `None`), in host order: how many
+    /// there are, and `limit` of them from `offset`. `job_gpus`: this job's GPUs per host.
+    fn page(
+        &self,
+        host: Option<&str>,
+        offset: usize,
+        limit: usize,
+        job_gpus: &HashMap<String, GpuMask>,
+    ) -> (usize, Vec<NodeStatus>);
+}
+
+/// A dashboard page: `limit` of `items` from `offset`, and how many there are in all.
+pub fn page_of<T>(items: impl Iterator<Item = T>, offset: usize, limit: usize) -> (usize, Vec<T>) {
+    let mut total = 0;
+    let mut page = Vec::new();
+    for it in items {
+        if total >= offset && page.len() < limit {
+            page.push(it);
+        }
+        total += 1;
+    }
+    (total, page)
+}
+
+/// The GPUs this job's containers hold, per host: those of the tasks that hold one.
+pub fn job_gpus(tasks: &[TaskStatus]) -> HashMap<String, GpuMask> {
+    let mut m: HashMap<String, GpuMask> = HashMap::new();
+    for t in tasks {
+        let holds = matches!(
+            t.state,
+            TaskState::ContainerAllocated | TaskState::ContainerLaunched | TaskState::ContainerRunning
+        );
+        if let (true, Some(host), Some(mask)) = (holds, &t.host, t.gpu_mask.as_deref().and_then(parse_mask)) {
+            *m.entry(host.clone()).or_insert(0) |= mask;
+        }
+    }
+    m
 }
 
 /// One selection, as published.
@@ -227,6 +271,9 @@ pub struct JobStatus {
 pub struct Snapshot {
     pub job: JobStatus,
     pub tasks: Vec<TaskStatus>,
+    /// The node view where no [`NodeSource`] backs it (the demo); an AM's is computed when
+    /// asked ([`SnapshotOut`]).
+    #[serde(skip)]
     pub nodes: Vec<NodeStatus>,
     /// Most recent last.
     pub selections: VecDeque<SelectionRecord>,
@@ -236,6 +283,15 @@ pub struct Snapshot {
     pub rm_reachable: bool,
     /// The effective settings.
     pub config: serde_json::Value,
+}
+
+/// A snapshot as the status API writes it: with its node view, from the [`NodeSource`] where
+/// one backs it.
+#[derive(Serialize)]
+pub struct SnapshotOut<'a> {
+    #[serde(flatten)]
+    pub snapshot: &'a Snapshot,
+    pub nodes: &'a [NodeStatus],
 }
 
 /// A numbered change notification.
@@ -325,6 +381,9 @@ pub struct StatusHub {
     pub rm: std::sync::OnceLock<crate::am::rm_client::RmClient>,
     /// Asks the RM about tokens other than the job token (`crate::web::access`).
     token_check: std::sync::OnceLock<TokenCheck>,
+    /// The AM's live node view, from which the dashboard's node pages are computed when
+    /// asked (`None`: the snapshot's `nodes`, as the demo has them).
+    pub node_source: std::sync::OnceLock<Arc<dyn NodeSource>>,
     /// Tokens the RM accepted lately.
     pub(crate) accepted: Accepted,
     /// Tokens the RM refused lately: asked again only after [`REFUSED_FOR`].
@@ -363,6 +422,7 @@ impl StatusHub {
             logs,
             rm: std::sync::OnceLock::new(),
             token_check: std::sync::OnceLock::new(),
+            node_source: std::sync::OnceLock::new(),
             accepted: Accepted::new(ACCEPTED_FOR, MAX_REMEMBERED),
             refused: Accepted::new(REFUSED_FOR, MAX_REFUSED),
             checks: tokio::sync::Semaphore::new(MAX_CHECKS),

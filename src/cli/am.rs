@@ -175,6 +175,9 @@ pub async fn run(opts: AmOptions) -> i32 {
     };
     let (hub, mut commands) = StatusHub::new(snapshot, job_token, logs);
     let _ = hub.rm.set(rm.clone());
+    let _ = hub
+        .node_source
+        .set(Arc::new(crate::am::node_page::ViewNodes(selector.clone())));
     // The dashboard also takes the tokens the RM takes for this job (owner, admin).
     {
         let client = rm.without_credentials();

@@ -167,6 +167,10 @@ impl ClusterView {
     pub fn nodes(&self) -> impl Iterator<Item = &Node> {
         self.nodes.values()
     }
+    /// Drops the nodes in unusable states (as [`ClusterView::replace_all`] leaves them out).
+    pub fn retain_usable(&mut self) {
+        self.nodes.retain(|_, n| !n.state.is_unusable());
+    }
     pub fn nodes_mut(&mut self) -> impl Iterator<Item = &mut Node> {
         self.nodes.values_mut()
     }

@@ -58,20 +58,68 @@ pub fn node_to_json(node: &Node, num_containers: u32, last_health_update_ms: u64
         node,
         num_containers,
         last_health_update_ms,
-        lean: false,
+        form: ObjectForm::Whole,
     })
     .unwrap_or(Value::Null)
 }
 
-/// One node's object as bytes, written directly (no `Value` tree): YARN's whole object,
-/// or with `lean` the lean view's ([`NOT_IN_LEAN_VIEW`] left out). What the RM's node
-/// listings cache per node.
-pub fn node_json_bytes(node: &Node, num_containers: u32, last_health_update_ms: u64, lean: bool) -> Vec<u8> {
+/// Which of a node's fields its object carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectForm {
+    /// YARN's whole node object.
+    Whole,
+    /// The lean view's: without [`NOT_IN_LEAN_VIEW`].
+    Lean,
+    /// The compact view's shape: the lean object without [`NODE_IDENTITY`], which many
+    /// nodes share (see [`node_entry_bytes`]).
+    Shape,
+}
+
+/// One node's object as bytes, written directly (no `Value` tree), in `form`. What the
+/// RM's node listings cache per node.
+pub fn node_json_bytes(node: &Node, num_containers: u32, last_health_update_ms: u64, form: ObjectForm) -> Vec<u8> {
     serde_json::to_vec(&NodeObject {
         node,
         num_containers,
         last_health_update_ms,
-        lean,
+        form,
+    })
+    .unwrap_or_default()
+}
+
+/// The fields that tell one node from another of the same shape: what a compact listing's
+/// node entry carries besides its shape's index (DESIGN.md §3, `?view=compact`).
+pub const NODE_IDENTITY: [&str; 4] = ["nodeHTTPAddress", "nodeHostName", "nodeIp", "rack"];
+
+/// The field of a compact listing's node entry that names its shape (an index into
+/// `nodes.shapes`).
+pub const SHAPE: &str = "shape";
+
+/// A compact listing's node entry: its shape and [`NODE_IDENTITY`].
+#[derive(serde::Serialize, serde::Deserialize)]
+struct NodeEntry {
+    #[serde(rename = "shape", default, skip_serializing)]
+    shape: Option<usize>,
+    #[serde(rename = "nodeHTTPAddress", default, skip_serializing_if = "String::is_empty")]
+    http_address: String,
+    #[serde(rename = "nodeHostName")]
+    host: String,
+    #[serde(rename = "nodeIp", default, skip_serializing_if = "Option::is_none")]
+    ip: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rack: Option<String>,
+}
+
+/// A node's entry in a compact listing without its shape: `{"nodeHTTPAddress":..,
+/// "nodeHostName":..,"rack":..}` ([`NODE_IDENTITY`]). The listing writes `{"shape":K,`
+/// and this text after its opening brace.
+pub fn node_entry_bytes(node: &Node) -> Vec<u8> {
+    serde_json::to_vec(&NodeEntry {
+        shape: None,
+        http_address: node.http_address.clone(),
+        host: node.host.clone(),
+        ip: node.ip.map(|ip| ip.to_string()),
+        rack: Some(node.rack.clone()),
     })
     .unwrap_or_default()
 }
@@ -83,8 +131,7 @@ struct NodeObject<'a> {
     node: &'a Node,
     num_containers: u32,
     last_health_update_ms: u64,
-    /// The lean view's object: without [`NOT_IN_LEAN_VIEW`].
-    lean: bool,
+    form: ObjectForm,
 }
 
 /// A field's value in [`NodeObject`].
@@ -171,8 +218,10 @@ impl serde::Serialize for NodeObject<'_> {
         if let Some(ip) = node.ip {
             fields.push(("nodeIp", Str(Cow::Owned(ip.to_string()))));
         }
-        if self.lean {
-            fields.retain(|(k, _)| !NOT_IN_LEAN_VIEW.contains(k));
+        match self.form {
+            ObjectForm::Whole => {}
+            ObjectForm::Lean => fields.retain(|(k, _)| !NOT_IN_LEAN_VIEW.contains(k)),
+            ObjectForm::Shape => fields.retain(|(k, _)| !NOT_IN_LEAN_VIEW.contains(k) && !NODE_IDENTITY.contains(k)),
         }
         fields.sort_unstable_by(|a, b| a.0.cmp(b.0));
         let mut m = s.serialize_map(Some(fields.len()))?;
@@ -205,7 +254,7 @@ pub fn node_to_lean_json(node: &Node, num_containers: u32, last_health_update_ms
         node,
         num_containers,
         last_health_update_ms,
-        lean: true,
+        form: ObjectForm::Lean,
     })
     .unwrap_or(Value::Null)
 }
@@ -362,6 +411,79 @@ struct ListingStream {
     listing: NodeListing,
     topologies: Topologies,
     failed: Option<NodeJsonError>,
+    /// A compact listing's shapes (`nodes.shapes`, read before `nodes.node`), each read
+    /// once as a node without its identity; `None` for a listing of whole node objects.
+    shapes: Option<Vec<Node>>,
+}
+
+impl ListingStream {
+    fn fail<E: serde::de::Error>(&mut self, e: NodeJsonError) -> E {
+        let message = e.to_string();
+        self.failed = Some(e);
+        E::custom(message)
+    }
+
+    /// `nodes.shapes`: each shape read once, as a node named after its place.
+    fn read_shapes<E: serde::de::Error>(&mut self, shapes: Vec<Value>) -> Result<(), E> {
+        let mut read = Vec::with_capacity(shapes.len());
+        for (k, mut v) in shapes.into_iter().enumerate() {
+            let read_one = match &mut v {
+                Value::Object(o) => {
+                    o.insert("nodeHostName".into(), Value::String(format!("(shape {k})")));
+                    parse_node_at(k, &v, &mut self.topologies)
+                }
+                other => Err(NodeJsonError::Node {
+                    index: k,
+                    host: format!("(shape {k})"),
+                    field: "(shape)".into(),
+                    message: format!("expected a node object, found {}", kind(other)),
+                }),
+            };
+            match read_one {
+                Ok(node) => read.push(node),
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+        self.shapes = Some(read);
+        Ok(())
+    }
+
+    /// One compact entry: its shape's node with the entry's identity.
+    fn node_of_entry(&self, e: NodeEntry) -> Result<Node, NodeJsonError> {
+        let index = self.listing.nodes.len();
+        let err = |field: &str, message: String| NodeJsonError::Node {
+            index,
+            host: e.host.clone(),
+            field: field.to_string(),
+            message,
+        };
+        let shapes = self.shapes.as_deref().unwrap_or_default();
+        let Some(k) = e.shape else {
+            return Err(err(SHAPE, "missing: a compact listing's node names its shape".into()));
+        };
+        let Some(shape) = shapes.get(k) else {
+            return Err(err(SHAPE, format!("no shape {k} (the listing has {})", shapes.len())));
+        };
+        if e.host.trim().is_empty() {
+            return Err(err("nodeHostName", "empty".into()));
+        }
+        let ip = match e.ip.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            None => None,
+            Some(s) => Some(
+                s.parse::<std::net::IpAddr>()
+                    .map_err(|x| err("nodeIp", format!("`{s}` is not an IP address: {x}")))?,
+            ),
+        };
+        let mut node = shape.clone();
+        node.rack = e
+            .rack
+            .filter(|r| !r.trim().is_empty())
+            .unwrap_or_else(|| "/default-rack".into());
+        node.http_address = e.http_address;
+        node.host = e.host;
+        node.ip = ip;
+        Ok(node)
+    }
 }
 
 impl<'de> serde::de::Visitor<'de> for &mut ListingStream {
@@ -416,7 +538,21 @@ impl<'de> serde::de::Visitor<'de> for Nodes<'_> {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut listed = false;
         while let Some(key) = map.next_key::<String>()? {
-            if key != "node" {
+            if key == "shapes" {
+                if listed || self.0.shapes.is_some() {
+                    return Err(serde::de::Error::custom("`shapes` after the `node` list, or twice"));
+                }
+                match map.next_value::<Value>()? {
+                    Value::Array(shapes) => self.0.read_shapes(shapes)?,
+                    other => {
+                        let e = NodeJsonError::Listing {
+                            field: "nodes.shapes".into(),
+                            message: format!("expected a list of node objects, found {}", kind(&other)),
+                        };
+                        return Err(self.0.fail(e));
+                    }
+                }
+            } else if key != "node" {
                 map.next_value::<serde::de::IgnoredAny>()?;
             } else if listed {
                 return Err(serde::de::Error::custom("a repeated `node`"));
@@ -452,6 +588,29 @@ impl<'de> serde::de::Visitor<'de> for NodeList<'_> {
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let st = self.0;
+        if st.shapes.is_some() {
+            // A compact listing: each entry is its shape's node with its own identity.
+            loop {
+                let index = st.listing.nodes.len();
+                let entry = match seq.next_element::<NodeEntry>() {
+                    Ok(Some(e)) => e,
+                    Ok(None) => return Ok(()),
+                    Err(e) => {
+                        let e = NodeJsonError::Node {
+                            index,
+                            host: "?".into(),
+                            field: "(entry)".into(),
+                            message: e.to_string(),
+                        };
+                        return Err(st.fail(e));
+                    }
+                };
+                match st.node_of_entry(entry) {
+                    Ok(node) => st.listing.nodes.push(node),
+                    Err(e) => return Err(st.fail(e)),
+                }
+            }
+        }
         while let Some(v) = seq.next_element::<Value>()? {
             match parse_node_at(st.listing.nodes.len(), &v, &mut st.topologies) {
                 Ok(node) => st.listing.nodes.push(node),
@@ -491,7 +650,7 @@ impl serde::Serialize for NodeReport {
             node: &self.node,
             num_containers: self.num_containers,
             last_health_update_ms: self.last_health_update_ms,
-            lean: false,
+            form: ObjectForm::Whole,
         }
         .serialize(s)
     }
@@ -775,6 +934,14 @@ fn parse_node_at(index: usize, v: &Value, topologies: &mut Topologies) -> Result
         host: "?".into(),
         obj,
     };
+    if obj.contains_key(SHAPE) {
+        // Read as a node object, a compact entry would be a node with nothing on it.
+        f.host = f.string("nodeHostName")?.unwrap_or_else(|| "?".into());
+        return Err(f.err(
+            SHAPE,
+            "a compact listing's node entry, but the listing has no `nodes.shapes` before its `nodes.node`",
+        ));
+    }
     let id = f.string("id")?;
     let host = match f.string("nodeHostName")? {
         Some(h) => h,
@@ -898,6 +1065,81 @@ fn parse_node_at(index: usize, v: &Value, topologies: &mut Topologies) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A compact listing of `nodes` as the RM writes one: each node's shape, then its entry.
+    fn compact(nodes: &[Node]) -> String {
+        let mut shapes: Vec<String> = Vec::new();
+        let mut entries = Vec::new();
+        for n in nodes {
+            let shape = String::from_utf8(node_json_bytes(n, 1, 2, ObjectForm::Shape)).unwrap();
+            let k = shapes.iter().position(|s| *s == shape).unwrap_or_else(|| {
+                shapes.push(shape);
+                shapes.len() - 1
+            });
+            let entry = String::from_utf8(node_entry_bytes(n)).unwrap();
+            entries.push(format!(r#"{{"shape":{k},{}"#, &entry[1..]));
+        }
+        format!(
+            r#"{{"nodes":{{"shapes":[{}],"node":[{}]}},"nodesVersion":"1-2"}}"#,
+            shapes.join(","),
+            entries.join(",")
+        )
+    }
+
+    #[test]
+    fn a_compact_listing_reads_as_its_nodes() {
+        let a = sample_node();
+        let mut b = sample_node();
+        b.host = "gpu-2".into();
+        b.rack = "/rack-b".into();
+        b.ip = None;
+        b.http_address = String::new();
+        let mut c = sample_node();
+        c.host = "gpu-\"3\"".into();
+        c.state = NodeState::Lost;
+        let text = compact(&[a.clone(), b.clone(), c.clone()]);
+        // a and b share their shape; c's state differs.
+        assert_eq!(text.matches("\"gpuTopology\"").count(), 2, "{text}");
+        let read = parse_node_listing(&text).unwrap();
+        assert_eq!(read.nodes, vec![a, b, c]);
+        assert_eq!(read.version.as_deref(), Some("1-2"));
+    }
+
+    #[test]
+    fn a_bad_compact_listing_is_refused_with_the_node_and_field_named() {
+        let shape = String::from_utf8(node_json_bytes(&sample_node(), 0, 0, ObjectForm::Shape)).unwrap();
+        let err = |node: &str| {
+            let text = format!(r#"{{"nodes":{{"shapes":[{shape}],"node":[{node}]}}}}"#);
+            parse_node_listing(&text).unwrap_err().to_string()
+        };
+        let e = err(r#"{"shape":1,"nodeHostName":"h1"}"#);
+        assert!(
+            e.contains("node #0 (h1)") && e.contains("`shape`") && e.contains("no shape 1"),
+            "{e}"
+        );
+        let e = err(r#"{"nodeHostName":"h1"}"#);
+        assert!(e.contains("`shape`") && e.contains("missing"), "{e}");
+        let e = err(r#"{"shape":0,"nodeHostName":"h1","nodeIp":"ten"}"#);
+        assert!(e.contains("`nodeIp`") && e.contains("not an IP address"), "{e}");
+        let e = err(r#"{"shape":0}"#);
+        assert!(e.contains("node #0") && e.contains("nodeHostName"), "{e}");
+        // A shape that is not a node object, and entries with no shapes before them.
+        let e = parse_node_listing(r#"{"nodes":{"shapes":[3],"node":[]}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shape 0") && e.contains("expected a node object"), "{e}");
+        let e = parse_node_listing(r#"{"nodes":{"shapes":{},"node":[]}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nodes.shapes"), "{e}");
+        for text in [
+            r#"{"nodes":{"node":[{"shape":0,"nodeHostName":"h1"}]}}"#.to_string(),
+            format!(r#"{{"nodes":{{"node":[{{"shape":0,"nodeHostName":"h1"}}],"shapes":[{shape}]}}}}"#),
+        ] {
+            let e = parse_node_listing(&text).unwrap_err().to_string();
+            assert!(e.contains("(h1)") && e.contains("no `nodes.shapes` before"), "{e}");
+        }
+    }
 
     fn sample_node() -> Node {
         let mut n = Node::new(
@@ -1301,8 +1543,13 @@ mod lean_view_tests {
             let text = serde_json::to_string(&report).unwrap();
             prop_assert_eq!(&text, &node_to_json(&n, 3, 9).to_string());
             // The listings' cached bytes are the same texts, whole and lean.
-            prop_assert_eq!(node_json_bytes(&n, 3, 9, false), text.clone().into_bytes());
-            prop_assert_eq!(node_json_bytes(&n, 3, 9, true), lean_json.to_string().into_bytes());
+            prop_assert_eq!(node_json_bytes(&n, 3, 9, ObjectForm::Whole), text.clone().into_bytes());
+            prop_assert_eq!(node_json_bytes(&n, 3, 9, ObjectForm::Lean), lean_json.to_string().into_bytes());
+            // The compact view's shape and entry read back as the same node.
+            let shape = String::from_utf8(node_json_bytes(&n, 3, 9, ObjectForm::Shape)).unwrap();
+            let entry = String::from_utf8(node_entry_bytes(&n)).unwrap();
+            let compact = format!(r#"{{"nodes":{{"shapes":[{shape}],"node":[{{"shape":0,{}]}}}}"#, &entry[1..]);
+            prop_assert_eq!(&parse_node_listing(&compact).unwrap().nodes, &vec![whole.clone()]);
             let back: NodeReport = serde_json::from_str(&text).unwrap();
             prop_assert_eq!(&back.node, &whole);
             prop_assert_eq!((back.num_containers, back.last_health_update_ms), (3, 9));

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::node::procs::ProcessId;
@@ -303,6 +304,18 @@ impl App {
 pub struct Apps {
     map: BTreeMap<String, App>,
     dirty: BTreeSet<String>,
+    /// The applications that report waiting tasks, so that "does anyone else wait" on the
+    /// allocate path costs O(those), not O(every application the RM remembers) (issue 29).
+    reporting: Mutex<Reporting>,
+}
+
+/// The ids of the applications, not ended, whose AM's last report named waiting tasks
+/// (however old it is), brought up to date from `touched` when read.
+#[derive(Default)]
+struct Reporting {
+    ids: BTreeSet<String>,
+    /// Changed (or gone) since the ids were last brought up to date.
+    touched: BTreeSet<String>,
 }
 
 impl Apps {
@@ -313,17 +326,34 @@ impl Apps {
     pub fn get_mut(&mut self, id: &str) -> Option<&mut App> {
         let app = self.map.get_mut(id)?;
         self.dirty.insert(id.to_string());
+        self.reporting.get_mut().touched.insert(id.to_string());
         Some(app)
     }
 
     pub fn insert(&mut self, app: App) {
         self.dirty.insert(app.report.id.clone());
+        self.reporting.get_mut().touched.insert(app.report.id.clone());
         self.map.insert(app.report.id.clone(), app);
     }
 
     pub fn remove(&mut self, id: &str) -> Option<App> {
         self.dirty.insert(id.to_string());
+        self.reporting.get_mut().touched.insert(id.to_string());
         self.map.remove(id)
+    }
+
+    /// Whether `pred` holds for some application, not ended, whose AM reports waiting
+    /// tasks: O(changes since the last call + those applications), not O(applications).
+    pub fn any_reporting_waiting(&self, pred: impl Fn(&App) -> bool) -> bool {
+        let mut r = self.reporting.lock();
+        let Reporting { ids, touched } = &mut *r;
+        for id in std::mem::take(touched) {
+            match self.map.get(&id) {
+                Some(a) if !a.report.state.is_final() && !a.waiting.tasks.is_empty() => ids.insert(id),
+                _ => ids.remove(&id),
+            };
+        }
+        ids.iter().filter_map(|id| self.map.get(id)).any(pred)
     }
 
     pub fn contains_key(&self, id: &str) -> bool {
@@ -354,6 +384,7 @@ impl Apps {
 
     /// Puts back an application recovered from the store (not marked changed).
     pub fn restore(&mut self, app: App) {
+        self.reporting.get_mut().touched.insert(app.report.id.clone());
         self.map.insert(app.report.id.clone(), app);
     }
 }
@@ -372,6 +403,50 @@ impl std::fmt::Debug for App {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// Whatever happens to the applications, asking the index of those reporting
+        /// waiting tasks answers as a scan of them all does.
+        #[test]
+        fn the_waiting_index_answers_as_a_scan_of_every_application(
+            ops in proptest::collection::vec((0u32..6, 0u8..5), 1..60),
+            asks in proptest::collection::vec(0u32..6, 1..20),
+        ) {
+            let mut apps = Apps::default();
+            let now = std::time::Instant::now();
+            let scan = |apps: &Apps, other: &str| {
+                apps.values().any(|a| a.report.id != other && !a.report.state.is_final() && !a.waiting.tasks.is_empty())
+            };
+            for (k, (seq, op)) in ops.into_iter().enumerate() {
+                let id = app_id(1, seq);
+                match op {
+                    0 => apps.insert(App::new(id.clone(), "x".into())),
+                    1 | 2 => {
+                        if let Some(a) = apps.get_mut(&id) {
+                            let count = u32::from(op == 1);
+                            a.waiting.report(vec![WaitingTasks { count, gpus: 1, ..Default::default() }], now);
+                            if count == 0 {
+                                a.waiting.report(Vec::new(), now);
+                            }
+                        }
+                    }
+                    3 => {
+                        if let Some(a) = apps.get_mut(&id) {
+                            a.finish(AppState::Killed, FinalStatus::Killed, 1, String::new());
+                        }
+                    }
+                    _ => {
+                        apps.remove(&id);
+                    }
+                }
+                let other = app_id(1, asks[k % asks.len()]);
+                proptest::prop_assert_eq!(
+                    apps.any_reporting_waiting(|a| a.report.id != other),
+                    scan(&apps, &other)
+                );
+            }
+        }
+    }
 
     #[test]
     fn constant_time_eq_compares() {

@@ -342,6 +342,11 @@ impl NodeIndex {
         self.racks.clear();
         self.shares.truncate(1);
         self.share_ids.clear();
+        // Sized once for the whole view (an AM's first one is every node of the cluster).
+        let (count, _) = nodes.size_hint();
+        self.slots.reserve(count);
+        self.hosts.reserve(count);
+        self.entries.reserve(count);
         for n in nodes {
             self.upsert(n);
         }

@@ -279,7 +279,15 @@ impl Selector {
             index: NodeIndex::new(salt),
             others_wait: false,
         };
-        state.replace_nodes(view.nodes().cloned().collect());
+        // The view as given, not copied into a new one: an AM's first view is every node
+        // of the cluster (issue 29).
+        let mut view = view;
+        view.retain_usable();
+        for n in view.nodes_mut() {
+            state.share_topology(n);
+        }
+        state.view = view;
+        state.index.rebuild(state.view.nodes());
         Selector {
             state: Mutex::new(state),
         }

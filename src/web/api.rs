@@ -168,7 +168,17 @@ pub(crate) async fn config(State(hub): Hub) -> Response {
 
 pub(crate) async fn snapshot(State(hub): Hub) -> Response {
     let last = hub.last_event_id();
-    with_event_id(last, hub.read(json_ok))
+    let live = hub.node_source.get().map(|source| {
+        let job_gpus = hub.read(|s| crate::am::status::job_gpus(&s.tasks));
+        source.page(None, 0, usize::MAX, &job_gpus).1
+    });
+    with_event_id(
+        last,
+        hub.read(|s| {
+            let nodes = live.as_deref().unwrap_or(&s.nodes);
+            json_ok(&crate::am::status::SnapshotOut { snapshot: s, nodes })
+        }),
+    )
 }
 
 pub(crate) async fn tasks(State(hub): Hub, Query(q): Params) -> Response {
@@ -183,14 +193,7 @@ pub(crate) async fn tasks(State(hub): Hub, Query(q): Params) -> Response {
                     && state.is_none_or(|st| t.state == st)
                     && host.is_none_or(|h| t.host.as_deref().is_some_and(|th| th.contains(h)))
             };
-            let mut total = 0;
-            let mut page = Vec::with_capacity(limit.min(s.tasks.len()));
-            for t in s.tasks.iter().filter(keep) {
-                if total >= offset && page.len() < limit {
-                    page.push(t);
-                }
-                total += 1;
-            }
+            let (total, page) = crate::am::status::page_of(s.tasks.iter().filter(keep), offset, limit);
             json_ok(&Page::<TaskStatus> {
                 total,
                 offset,
@@ -276,16 +279,20 @@ pub(crate) async fn nodes(State(hub): Hub, Query(q): Params) -> Response {
     let run = || -> Result<Response, ApiError> {
         let (offset, limit) = paging(&q)?;
         let host = param_str(&q, "host");
+        if let Some(source) = hub.node_source.get() {
+            // An AM: the page from its live view.
+            let job_gpus = hub.read(|s| crate::am::status::job_gpus(&s.tasks));
+            let (total, page) = source.page(host, offset, limit, &job_gpus);
+            return Ok(json_ok(&Page::<NodeStatus> {
+                total,
+                offset,
+                tasks: None,
+                nodes: Some(page.iter().collect()),
+            }));
+        }
         Ok(hub.read(|s| {
             let keep = |n: &&NodeStatus| host.is_none_or(|h| n.host.contains(h));
-            let mut total = 0;
-            let mut page = Vec::with_capacity(limit.min(s.nodes.len()));
-            for n in s.nodes.iter().filter(keep) {
-                if total >= offset && page.len() < limit {
-                    page.push(n);
-                }
-                total += 1;
-            }
+            let (total, page) = crate::am::status::page_of(s.nodes.iter().filter(keep), offset, limit);
             json_ok(&Page::<NodeStatus> {
                 total,
                 offset,

@@ -330,7 +330,7 @@ pub fn demo_hub_with_commands(
                 },
                 topology: Some(if dgx { "nvbridge8".into() } else { "pcie8".into() }),
                 gpu_count: 8,
-                gpu_groups: if dgx { nvbridge8_groups() } else { pcie8_groups() },
+                gpu_groups: std::sync::Arc::new(if dgx { nvbridge8_groups() } else { pcie8_groups() }),
                 total_cpu: ncpu,
                 used_cpu,
                 requested_cpu: req_cpu,

@@ -580,6 +580,50 @@ async fn tails_give_each_tasks_last_lines() {
     }
 }
 
+/// In an AM the node pages and the snapshot's node view come from its live view (a
+/// `NodeSource`), with the job's GPUs from the tasks that hold containers.
+#[tokio::test]
+async fn an_ams_node_pages_and_snapshot_come_from_its_live_view() {
+    use crate::cluster::{ClusterView, Node};
+    use crate::resources::{PortSet, Resources};
+    let hub = demo_hub(40, 10);
+    let (host, mask) = hub.read(|s| {
+        let t = s
+            .tasks
+            .iter()
+            .find(|t| t.state == crate::am::status::TaskState::ContainerRunning)
+            .unwrap();
+        (t.host.clone().unwrap(), t.gpu_mask.clone().unwrap())
+    });
+    let nodes = [host.clone(), "zz-spare".to_string()]
+        .map(|h| Node::new(h, "/r", Resources::with_mask(8, 8000, 0xff, PortSet::new())));
+    let selector = std::sync::Arc::new(crate::select::Selector::new(
+        ClusterView::new(nodes),
+        Default::default(),
+    ));
+    let _ = hub
+        .node_source
+        .set(std::sync::Arc::new(crate::am::node_page::ViewNodes(selector)));
+    let app = router(hub.clone());
+    let (_, n) = get_json(&app, "/api/v1/nodes?limit=1&offset=1").await;
+    assert_eq!(n["total"], 2);
+    assert_eq!(n["nodes"][0]["host"], "zz-spare");
+    let (_, snap) = get_json(&app, "/api/v1/snapshot").await;
+    let hosts: Vec<&str> = snap["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["host"].as_str().unwrap())
+        .collect();
+    assert_eq!(hosts, [host.as_str(), "zz-spare"]);
+    let shown = crate::resources::parse_mask(snap["nodes"][0]["jobGpuMask"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        shown & crate::resources::parse_mask(&mask).unwrap(),
+        crate::resources::parse_mask(&mask).unwrap()
+    );
+    assert_eq!(snap["tasks"].as_array().unwrap().len(), 40);
+}
+
 #[tokio::test]
 async fn nodes_and_selections() {
     let hub = demo_hub(50, 150);

@@ -27,7 +27,6 @@ mod tasks_end;
 #[cfg(test)]
 mod tests;
 
-pub use report::merge_node_changes;
 use report::NodesDirty;
 
 use std::collections::{HashMap, HashSet};
@@ -35,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::exits::{classify, ExitInfo};
-use super::status::{ExitType, JobState, NodeStatus, TaskState, TaskStatus};
+use super::status::{ExitType, JobState, TaskState, TaskStatus};
 use super::tasks::Task;
 use crate::cluster::Node;
 use crate::config::AmSettings;
@@ -174,11 +173,10 @@ pub enum Event {
         repeated: bool,
         at_ms: u64,
     },
-    /// The node view as it is now (the whole of it, ordered by host).
-    Nodes(Vec<NodeStatus>),
-    /// Nodes of the view that changed: each host with its node as it is now, or `None`
-    /// where it left the view (O(changes), not O(nodes)).
-    NodesChanged(Vec<(String, Option<NodeStatus>)>),
+    /// The node view was replaced whole; it holds `count` nodes.
+    Nodes { count: usize },
+    /// The hosts of the view that changed, or left it (O(changes), not O(nodes)).
+    NodesChanged(Vec<String>),
     /// The node view was fetched from the RM.
     NodesRefreshed { at_ms: u64 },
     /// Whether the RM answers.

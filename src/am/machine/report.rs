@@ -1,13 +1,12 @@
 //! What the job machine reports of itself, as [`Event`]s for the dashboard and metrics (the
 //! publisher in `am::publish` turns them into updates): changed tasks, the job's state and
-//! per-role counts and the node view.
+//! per-role counts, and which nodes of the view changed.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 use super::{Event, JobMachine, Now};
-use crate::am::status::{JobState, NodeStatus, RoleCounts, TaskState};
+use crate::am::status::{JobState, RoleCounts, TaskState};
 use crate::reason::Reason;
-use crate::resources::mask_hex;
 
 impl JobMachine {
     /// Reports the changed tasks, the job's counters and (if changed) the node view.
@@ -38,31 +37,14 @@ impl JobMachine {
             self.job_reason = reason.clone();
             self.out.events.push(Event::Reason(reason));
         }
+        // What changed in the node view; the dashboard computes its pages from the view
+        // itself when asked (`am::node_page`).
         match std::mem::take(&mut self.nodes_dirty) {
             NodesDirty::Hosts(hosts) if hosts.is_empty() => {}
-            NodesDirty::Hosts(hosts) => {
-                let job_masks = self.job_gpu_masks();
-                let mut groups = GroupsOf::default();
-                let nodes = self.selector.with_view(|v| {
-                    hosts
-                        .into_iter()
-                        .map(|h| {
-                            let n = v.get(&h).map(|n| node_status(n, &job_masks, &mut groups));
-                            (h, n)
-                        })
-                        .collect::<Vec<_>>()
-                });
-                self.out.events.push(Event::NodesChanged(nodes));
-            }
+            NodesDirty::Hosts(hosts) => self.out.events.push(Event::NodesChanged(hosts.into_iter().collect())),
             NodesDirty::All => {
-                let job_masks = self.job_gpu_masks();
-                let mut groups = GroupsOf::default();
-                let nodes = self.selector.with_view(|v| {
-                    v.nodes()
-                        .map(|n| node_status(n, &job_masks, &mut groups))
-                        .collect::<Vec<_>>()
-                });
-                self.out.events.push(Event::Nodes(nodes));
+                let count = self.selector.with_view(|v| v.len());
+                self.out.events.push(Event::Nodes { count });
             }
         }
     }
@@ -128,16 +110,6 @@ impl JobMachine {
             })
             .collect()
     }
-
-    fn job_gpu_masks(&self) -> HashMap<String, u64> {
-        let mut m: HashMap<String, u64> = HashMap::new();
-        for t in &self.tasks {
-            if let (true, Some(c)) = (t.holds_container(), &t.container) {
-                *m.entry(c.host.clone()).or_insert(0) |= c.resources.gpu_mask;
-            }
-        }
-        m
-    }
 }
 
 /// What of the node view the next report publishes: the whole view (at the start and
@@ -160,81 +132,5 @@ impl NodesDirty {
         if let NodesDirty::Hosts(h) = self {
             h.insert(host.to_string());
         }
-    }
-}
-
-/// Merges changed nodes into a node list ordered by host (as [`Event::Nodes`] gives
-/// it): each replaced, inserted in order, or removed where it left the view.
-pub fn merge_node_changes(list: &mut Vec<NodeStatus>, changes: Vec<(String, Option<NodeStatus>)>) {
-    for (host, node) in changes {
-        match (list.binary_search_by(|n| n.host.as_str().cmp(&host)), node) {
-            (Ok(i), Some(n)) => list[i] = n,
-            (Ok(i), None) => {
-                list.remove(i);
-            }
-            (Err(i), Some(n)) => list.insert(i, n),
-            (Err(_), None) => {}
-        }
-    }
-}
-
-/// The GPU groups of each topology met in one report, by its `Arc` (held, so no other
-/// topology can take its address): the nodes of a listing share their topology's `Arc`,
-/// so a 10,000-node view computes each topology's groups once, not per node.
-#[derive(Default)]
-struct GroupsOf(Vec<(std::sync::Arc<crate::topology::Topology>, Vec<Vec<String>>)>);
-
-impl GroupsOf {
-    fn of(&mut self, t: &std::sync::Arc<crate::topology::Topology>) -> Vec<Vec<String>> {
-        if let Some((_, g)) = self.0.iter().find(|(k, _)| std::sync::Arc::ptr_eq(k, t)) {
-            return g.clone();
-        }
-        let g: Vec<Vec<String>> = (0..=2u8)
-            .rev()
-            .map(|tier| t.islands(tier).into_iter().map(mask_hex).collect())
-            .collect();
-        // A handful of topologies in a cluster; past that, computed per node as before.
-        if self.0.len() < 64 {
-            self.0.push((t.clone(), g.clone()));
-        }
-        g
-    }
-}
-
-/// A node of the view as the dashboard shows it.
-fn node_status(n: &crate::cluster::Node, job_masks: &HashMap<String, u64>, groups: &mut GroupsOf) -> NodeStatus {
-    let groups = match &n.topology {
-        Some(t) => groups.of(t),
-        None => Vec::new(),
-    };
-    NodeStatus {
-        host: n.host.clone(),
-        rack: n.rack.clone(),
-        labels: n.labels.clone(),
-        gpu_type: n.gpu_type.clone(),
-        state: format!("{:?}", n.state).to_uppercase(),
-        topology: n.topology.as_ref().map(|t| t.name().to_string()),
-        gpu_count: n.total().gpu_count(),
-        gpu_groups: groups,
-        total_cpu: n.total().cpu,
-        used_cpu: n.used().cpu,
-        requested_cpu: n.requested().cpu,
-        free_cpu: n.free().cpu,
-        total_memory_mb: n.total().memory_mb,
-        used_memory_mb: n.used().memory_mb,
-        requested_memory_mb: n.requested().memory_mb,
-        free_memory_mb: n.free().memory_mb,
-        total_gpu_mask: mask_hex(n.total().gpu_mask),
-        used_gpu_mask: mask_hex(n.used().gpu_mask),
-        requested_gpu_mask: mask_hex(n.requested().gpu_mask),
-        free_gpu_mask: mask_hex(n.free().gpu_mask),
-        job_gpu_mask: mask_hex(job_masks.get(&n.host).copied().unwrap_or(0)),
-        total_ports: n.total().ports.to_string(),
-        used_ports: n.used().ports.to_string(),
-        free_ports: n.free().ports.to_string(),
-        used_gpu_shares: n.used().gpu_shares.clone(),
-        custom_resources: n.total().custom.clone(),
-        used_custom_resources: n.used().custom.clone(),
-        free_custom_resources: n.free().custom.clone(),
     }
 }

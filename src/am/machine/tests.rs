@@ -785,32 +785,41 @@ fn not_now_while_the_queue_names_a_cause_is_the_queues_wait() {
     }
 }
 
-/// The node view goes to the dashboard whole once, then only the nodes an answer changed
-/// (issue 29: a heartbeat costs O(changes), not O(nodes)); merged, they make the view.
+/// The node view is reported replaced once, then only the hosts an answer changed (issue
+/// 29: a heartbeat costs O(changes), not O(nodes)); the dashboard's pages, computed from the
+/// view when asked (`am::node_page`), show each change.
 #[test]
 fn the_node_view_is_reported_whole_once_then_by_changes() {
+    use crate::am::status::NodeSource;
     let node = |host: &str, mask: u64| Node::new(host, "/r", Resources::with_mask(8, 8000, mask, PortSet::new()));
     let (mut m, now) = machine_on(
         "name: j\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 10}\n    commands: [\"true\"]\n",
         vec![node("a", 0xf), node("b", 0xf), node("c", 0xf)],
         Default::default(),
     );
+    let pages = crate::am::node_page::ViewNodes(m.selector.clone());
+    let hosts = |pages: &crate::am::node_page::ViewNodes| {
+        let (total, page) = pages.page(None, 0, 100, &Default::default());
+        assert_eq!(total, page.len());
+        page.into_iter().map(|n| (n.host, n.total_gpu_mask)).collect::<Vec<_>>()
+    };
     let nodes_events = |events: &[Event]| -> Vec<Event> {
         events
             .iter()
-            .filter(|e| matches!(e, Event::Nodes(_) | Event::NodesChanged(_)))
+            .filter(|e| matches!(e, Event::Nodes { .. } | Event::NodesChanged(_)))
             .cloned()
             .collect()
     };
     heartbeat(&mut m, now);
     let out = m.step(Input::Allocated(Ok(AllocateResponse::default())), now);
-    let mut view = match nodes_events(&out.events).as_slice() {
-        [Event::Nodes(all)] => all.clone(),
+    match nodes_events(&out.events).as_slice() {
+        [Event::Nodes { count: 3 }] => {}
         other => panic!("expected the whole view first, got {other:?}"),
-    };
+    }
+    let hex = crate::resources::mask_hex;
     assert_eq!(
-        view.iter().map(|n| n.host.as_str()).collect::<Vec<_>>(),
-        ["a", "b", "c"]
+        hosts(&pages),
+        [("a".into(), hex(0xf)), ("b".into(), hex(0xf)), ("c".into(), hex(0xf))]
     );
     // An answer that changes `b` and brings a new node `d`; `c` goes unusable.
     let mut lost = node("c", 0xf);
@@ -826,23 +835,14 @@ fn the_node_view_is_reported_whole_once_then_by_changes() {
     };
     heartbeat(&mut m, now);
     let out = m.step(Input::Allocated(Ok(resp)), now);
-    let changes = match nodes_events(&out.events).as_slice() {
-        [Event::NodesChanged(c)] => c.clone(),
+    match nodes_events(&out.events).as_slice() {
+        [Event::NodesChanged(c)] => assert_eq!(c, &["b", "c", "d"]),
         other => panic!("expected only the changed nodes, got {other:?}"),
-    };
+    }
     assert_eq!(
-        changes
-            .iter()
-            .map(|(h, n)| (h.as_str(), n.is_some()))
-            .collect::<Vec<_>>(),
-        [("b", true), ("c", false), ("d", true)]
+        hosts(&pages),
+        [("a".into(), hex(0xf)), ("b".into(), hex(0x3)), ("d".into(), hex(0xff))]
     );
-    merge_node_changes(&mut view, changes);
-    let whole = m
-        .selector
-        .with_view(|v| v.nodes().map(|n| n.host.clone()).collect::<Vec<_>>());
-    assert_eq!(view.iter().map(|n| n.host.clone()).collect::<Vec<_>>(), whole);
-    assert_eq!(view[1].total_gpu_mask, crate::resources::mask_hex(0x3));
     // Nothing changed: nothing reported.
     heartbeat(&mut m, now);
     let out = m.step(Input::Allocated(Ok(AllocateResponse::default())), now);

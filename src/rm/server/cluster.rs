@@ -7,7 +7,7 @@
 //! bytes by every request at that epoch. `?since=<nodesVersion>` answers only the nodes
 //! changed since that version, so an AM's refresh costs O(changes), not O(nodes).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use axum::body::Bytes;
 use axum::extract::{Path as UrlPath, Query, State};
@@ -21,7 +21,7 @@ use super::containers::stop_running;
 use super::http::{authorize_admin, ApiError, ApiJson};
 use super::state::RmState;
 use super::{transactions, Rm, Shared};
-use crate::cluster::rm_json::{node_to_json, CHANGED_SINCE, NODES_VERSION};
+use crate::cluster::rm_json::{self, node_to_json, ObjectForm, CHANGED_SINCE, NODES_VERSION};
 use crate::cluster::{Node, NodeState};
 use crate::protocol::{now_ms, AppState};
 use crate::rm::apps::App;
@@ -130,25 +130,33 @@ pub(super) struct NodesQuery {
 pub(super) struct NodeView {
     /// Tells this RM process's versions from another's (a restarted RM counts epochs anew).
     incarnation: u64,
-    /// The lean view's node objects (`?view=lean`), else YARN's whole ones.
-    lean: bool,
+    /// Which object each node has: YARN's whole one, the lean one (`?view=lean`), or a
+    /// compact entry and its shape (`?view=compact`).
+    form: ObjectForm,
     /// The ledger epoch `objects` reflect (`None`: not built yet).
     epoch: Option<u64>,
-    /// Each node's JSON object, by host.
+    /// Each node's JSON object (compact: its entry without the shape), by host.
     objects: BTreeMap<String, Bytes>,
+    /// Compact only: each node's shape, by host; equal shapes are one allocation
+    /// (`canonical`), so an answer tells them apart by address.
+    shapes: BTreeMap<String, Bytes>,
+    /// Compact only: every shape text in `shapes`, once.
+    canonical: HashSet<Bytes>,
     /// The whole answer at `epoch`, once asked for.
     whole: Option<(u64, Bytes)>,
 }
 
 impl NodeView {
-    /// Both views of one RM process share `incarnation`: a version of one is good for
-    /// the other (both count the ledger's epochs).
-    pub(super) fn new(lean: bool, incarnation: u64) -> Self {
+    /// The views of one RM process share `incarnation`: a version of one is good for the
+    /// others (all count the ledger's epochs).
+    pub(super) fn new(form: ObjectForm, incarnation: u64) -> Self {
         NodeView {
             incarnation,
-            lean,
+            form,
             epoch: None,
             objects: BTreeMap::new(),
+            shapes: BTreeMap::new(),
+            canonical: HashSet::new(),
             whole: None,
         }
     }
@@ -166,60 +174,120 @@ impl NodeView {
             .flatten()
     }
 
-    fn object(&self, node: &Node, num_containers: u32, at_ms: u64) -> Bytes {
-        Bytes::from(crate::cluster::rm_json::node_json_bytes(
-            node,
-            num_containers,
-            at_ms,
-            self.lean,
-        ))
+    /// A node's object (compact: its entry) and, compact only, its shape.
+    fn object(&mut self, node: &Node, num_containers: u32, at_ms: u64) -> (Bytes, Option<Bytes>) {
+        if self.form != ObjectForm::Shape {
+            let o = rm_json::node_json_bytes(node, num_containers, at_ms, self.form);
+            return (Bytes::from(o), None);
+        }
+        let shape = Bytes::from(rm_json::node_json_bytes(node, num_containers, at_ms, ObjectForm::Shape));
+        let shape = match self.canonical.get(&shape) {
+            Some(s) => s.clone(),
+            None => {
+                self.canonical.insert(shape.clone());
+                shape
+            }
+        };
+        (Bytes::from(rm_json::node_entry_bytes(node)), Some(shape))
+    }
+
+    fn keep(&mut self, host: &str, (object, shape): (Bytes, Option<Bytes>)) {
+        self.objects.insert(host.to_string(), object);
+        if let Some(shape) = shape {
+            self.shapes.insert(host.to_string(), shape);
+        }
     }
 
     /// Brings the node objects up to the ledger's epoch: O(nodes changed since).
     fn catch_up(&mut self, ledger: &Ledger) {
         let now = ledger.epoch();
+        let at = now_ms();
         match self.epoch {
             Some(e) if e == now => return,
             Some(e) => {
-                let at = now_ms();
                 for (n, c) in ledger.changed_since(e) {
                     if ledger.node(&n.host).is_some() {
                         let o = self.object(n, c, at);
-                        self.objects.insert(n.host.clone(), o);
+                        self.keep(&n.host, o);
                     } else {
                         self.objects.remove(&n.host);
+                        self.shapes.remove(&n.host);
                     }
                 }
             }
             None => {
-                let at = now_ms();
-                self.objects = ledger
-                    .nodes()
-                    .map(|(n, c)| (n.host.clone(), self.object(n, c, at)))
-                    .collect();
+                self.objects.clear();
+                self.shapes.clear();
+                for (n, c) in ledger.nodes() {
+                    let o = self.object(n, c, at);
+                    self.keep(&n.host, o);
+                }
             }
+        }
+        // Shapes no node has any more: dropped once they outnumber the nodes.
+        if self.canonical.len() > 2 * self.shapes.len() + 64 {
+            self.canonical = self.shapes.values().cloned().collect();
         }
         self.epoch = Some(now);
     }
 
-    /// `{"nodes":{"node":[...]}, "nodesVersion": ..}` (and `changedSince`) of `objects`.
-    fn answer<'a>(&self, objects: impl Iterator<Item = &'a Bytes>, epoch: u64, since: Option<u64>) -> Bytes {
+    /// `{"nodes":{"node":[...]}, "nodesVersion": ..}` (and `changedSince`) of `objects`;
+    /// compact: `{"nodes":{"shapes":[...],"node":[{"shape":K,..}...]},..}`, each shape once.
+    fn answer<'a>(
+        &self,
+        objects: impl Iterator<Item = (&'a Bytes, Option<&'a Bytes>)>,
+        epoch: u64,
+        since: Option<u64>,
+    ) -> Bytes {
         // Sized by what is written: a `?since=` answer of a few changes stays small.
-        let objects: Vec<&Bytes> = objects.collect();
-        let mut out = Vec::with_capacity(128 + objects.iter().map(|o| o.len() + 1).sum::<usize>());
-        out.extend_from_slice(br#"{"nodes":{"node":["#);
-        for (i, o) in objects.into_iter().enumerate() {
+        let objects: Vec<(&Bytes, Option<&Bytes>)> = objects.collect();
+        let mut nodes = Vec::with_capacity(16 + objects.iter().map(|(o, _)| o.len() + 16).sum::<usize>());
+        // Compact: shapes by their allocation's address (equal shapes share one).
+        let mut ids: HashMap<(usize, usize), usize> = HashMap::new();
+        let mut shapes: Vec<&Bytes> = Vec::new();
+        for (i, (o, shape)) in objects.into_iter().enumerate() {
             if i > 0 {
-                out.push(b',');
+                nodes.push(b',');
             }
-            out.extend_from_slice(o);
+            match shape {
+                None => nodes.extend_from_slice(o),
+                Some(shape) => {
+                    let k = *ids.entry((shape.as_ptr() as usize, shape.len())).or_insert_with(|| {
+                        shapes.push(shape);
+                        shapes.len() - 1
+                    });
+                    use std::io::Write as _;
+                    let _ = write!(nodes, r#"{{"{}":{k},"#, rm_json::SHAPE);
+                    nodes.extend_from_slice(o.get(1..).unwrap_or_default());
+                }
+            }
         }
+        let shapes_len = shapes.iter().map(|s| s.len() + 1).sum::<usize>();
+        let mut out = Vec::with_capacity(160 + nodes.len() + shapes_len);
+        out.extend_from_slice(br#"{"nodes":{"#);
+        if self.form == ObjectForm::Shape {
+            out.extend_from_slice(br#""shapes":["#);
+            for (i, s) in shapes.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(s);
+            }
+            out.extend_from_slice(b"],");
+        }
+        out.extend_from_slice(br#""node":["#);
+        out.extend_from_slice(&nodes);
         out.extend_from_slice(format!(r#"]}},"{NODES_VERSION}":"{}""#, self.version(epoch)).as_bytes());
         if let Some(s) = since {
             out.extend_from_slice(format!(r#","{CHANGED_SINCE}":"{}""#, self.version(s)).as_bytes());
         }
         out.push(b'}');
         Bytes::from(out)
+    }
+
+    /// A node's cached object and shape.
+    fn cached(&self, host: &str) -> Option<(&Bytes, Option<&Bytes>)> {
+        Some((self.objects.get(host)?, self.shapes.get(host)))
     }
 
     /// The whole listing, or only the nodes in `states`; written once per epoch.
@@ -230,13 +298,13 @@ impl NodeView {
             let objects = ledger
                 .nodes()
                 .filter(|(n, _)| states.contains(&n.state))
-                .filter_map(|(n, _)| self.objects.get(&n.host));
+                .filter_map(|(n, _)| self.cached(&n.host));
             return self.answer(objects, epoch, None);
         }
         match &self.whole {
             Some((e, bytes)) if *e == epoch => bytes.clone(),
             _ => {
-                let bytes = self.answer(self.objects.values(), epoch, None);
+                let bytes = self.answer(self.objects.keys().filter_map(|h| self.cached(h)), epoch, None);
                 self.whole = Some((epoch, bytes.clone()));
                 bytes
             }
@@ -253,15 +321,15 @@ impl NodeView {
         self.catch_up(ledger);
         let at = now_ms();
         // A node that left the ledger is reported as the ledger last had it.
-        let gone: Vec<Bytes> = ledger
+        let gone: Vec<(&Node, u32)> = ledger
             .changed_since(since)
             .filter(|(n, _)| !self.objects.contains_key(&n.host))
-            .map(|(n, c)| self.object(n, c, at))
             .collect();
+        let gone: Vec<(Bytes, Option<Bytes>)> = gone.into_iter().map(|(n, c)| self.object(n, c, at)).collect();
         let objects = ledger
             .changed_since(since)
-            .filter_map(|(n, _)| self.objects.get(&n.host))
-            .chain(gone.iter());
+            .filter_map(|(n, _)| self.cached(&n.host))
+            .chain(gone.iter().map(|(o, s)| (o, s.as_ref())));
         self.answer(objects, epoch, Some(since))
     }
 }
@@ -287,20 +355,22 @@ pub(super) async fn list_nodes(State(rm): Rm, Query(q): Query<NodesQuery>) -> Re
             "`since` and `states` cannot be combined: ask for the changes since a version, or for the nodes in some states",
         ));
     }
-    let lean = match q.view.as_deref().map(str::trim) {
-        None | Some("") => false,
-        Some("lean") => true,
+    let form = match q.view.as_deref().map(str::trim) {
+        None | Some("") => ObjectForm::Whole,
+        Some("lean") => ObjectForm::Lean,
+        Some("compact") => ObjectForm::Shape,
         Some(other) => {
             return Err(ApiError::bad_request(format!(
-                "`view`: unknown view `{other}` (expected `lean`, or none for YARN's whole node objects)"
+                "`view`: unknown view `{other}` (expected `lean`, `compact`, or none for YARN's whole node objects)"
             )))
         }
     };
     let body = {
         let st = rm.lock();
-        let mut view = match lean {
-            true => rm.node_view_lean.lock(),
-            false => rm.node_view.lock(),
+        let mut view = match form {
+            ObjectForm::Whole => rm.node_view.lock(),
+            ObjectForm::Lean => rm.node_view_lean.lock(),
+            ObjectForm::Shape => rm.node_view_compact.lock(),
         };
         match since {
             Some(v) => view.changes(&st.ledger, v),

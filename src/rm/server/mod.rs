@@ -39,6 +39,7 @@
 //! the handlers and background loops call; `am_supervisor` the AM processes;
 //! `containers` the container endpoints that forward to the node backends; `nodes` the
 //! node agents' registration, heartbeats and liveness.
+use crate::cluster::rm_json::ObjectForm;
 use crate::cluster::{Node, NodeState};
 use crate::protocol::exit_status;
 use crate::rm::apps::App;
@@ -340,8 +341,10 @@ struct Shared {
     history: HistoryOptions,
     /// The node listing's bytes (`cluster::NodeView`; locked after `state`).
     node_view: Mutex<NodeView>,
-    /// The same, lean (`?view=lean`: what AMs read).
+    /// The same, lean (`?view=lean`).
     node_view_lean: Mutex<NodeView>,
+    /// The same, compact (`?view=compact`: what AMs read).
+    node_view_compact: Mutex<NodeView>,
     /// One `POST /ws/v1/cluster/estimate` computed at a time: each takes a snapshot of
     /// every node and container under the state lock, which a caller's flood must not
     /// hold for the AMs' and agents' calls (429 while one runs).
@@ -538,8 +541,9 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
         history: opts.history.clone(),
-        node_view: Mutex::new(NodeView::new(false, incarnation)),
-        node_view_lean: Mutex::new(NodeView::new(true, incarnation)),
+        node_view: Mutex::new(NodeView::new(ObjectForm::Whole, incarnation)),
+        node_view_lean: Mutex::new(NodeView::new(ObjectForm::Lean, incarnation)),
+        node_view_compact: Mutex::new(NodeView::new(ObjectForm::Shape, incarnation)),
         estimating: tokio::sync::Semaphore::new(1),
     });
 

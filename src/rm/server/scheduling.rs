@@ -266,8 +266,7 @@ fn learned_run_ms<'a>(
 /// nodes first while others wait (issue 27).
 pub(super) fn others_waiting(st: &RmState, app_id: &str, now: Instant) -> bool {
     st.apps
-        .values()
-        .any(|a| a.report.id != app_id && !a.report.state.is_final() && !a.waiting.current(now, WAITING_TTL).is_empty())
+        .any_reporting_waiting(|a| a.report.id != app_id && !a.waiting.current(now, WAITING_TTL).is_empty())
 }
 
 /// The queue gate of one ask, or of one gang's asks (all or none), of `app_id` (see

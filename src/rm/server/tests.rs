@@ -889,6 +889,76 @@ async fn the_lean_listing_has_the_whole_listings_nodes() {
     assert!(bad.text().await.unwrap().contains("`view`"));
 }
 
+/// The compact node listing AMs read (issue 29: each shape of node once) is the whole
+/// listing's nodes, whole and as changes since a version, on a cluster of several kinds of
+/// node, with nodes that share a shape and nodes that do not.
+#[tokio::test]
+async fn the_compact_listing_has_the_whole_listings_nodes() {
+    use crate::cluster::rm_json::parse_node_listing;
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for i in 0..40u32 {
+        let mask = if i % 3 == 0 { 0xff } else { 0x0f };
+        let mut n = Node::new(
+            format!("host-{i:02}"),
+            format!("/rack{}", i % 4),
+            Resources::with_mask(32, 256_000, mask, PortSet::parse("20000-20999").unwrap()),
+        );
+        n.gpu_type = Some(if i % 2 == 0 { "A100" } else { "V100" }.into());
+        n.topology = crate::topology::Topology::preset(if i % 3 == 0 { "dgx1v" } else { "pcie4" }).map(Arc::new);
+        n.http_address = format!("10.0.{}.{}:8042", i / 10, i % 10);
+        if i % 5 == 0 {
+            n.labels = vec!["fast".into()];
+            n.ip = Some(format!("10.1.0.{i}").parse().unwrap());
+        }
+        nodes.push(n);
+    }
+    let mut opts = RmOptions::new(nodes, "127.0.0.1:0".parse().unwrap(), dir.path().join("work"));
+    opts.am_program = None;
+    let rm = start(opts).await.unwrap();
+    let http = crate::tls::http_client();
+    let get = |q: String| {
+        let (http, url) = (http.clone(), format!("{}/ws/v1/cluster/nodes{q}", rm.base_url()));
+        async move { http.get(url).send().await.unwrap().text().await.unwrap() }
+    };
+    let whole = get(String::new()).await;
+    let lean = get("?view=lean".into()).await;
+    let compact = get("?view=compact".into()).await;
+    let (w, c) = (
+        parse_node_listing(&whole).unwrap(),
+        parse_node_listing(&compact).unwrap(),
+    );
+    assert_eq!(w.nodes.len(), 40);
+    assert_eq!(c.nodes, w.nodes);
+    // 2 GPU types × 2 masks and topologies × labelled or not, and the nodes with an IP:
+    // far fewer shapes than nodes, so far fewer bytes than the lean view.
+    let shapes = serde_json::from_str::<serde_json::Value>(&compact).unwrap()["nodes"]["shapes"]
+        .as_array()
+        .map(Vec::len);
+    assert!(matches!(shapes, Some(2..=12)), "{shapes:?}");
+    assert!(compact.len() * 2 < lean.len(), "{} vs {}", compact.len(), lean.len());
+
+    // A node that changes shape comes back in the changes since a version, alone.
+    let version = c.version.clone().unwrap();
+    super::cluster::change_node_state(&rm.shared, "host-07", NodeState::Unhealthy)
+        .await
+        .unwrap();
+    let changed = parse_node_listing(&get(format!("?view=compact&since={version}")).await).unwrap();
+    assert_eq!(changed.changed_since.as_deref(), Some(version.as_str()));
+    let hosts: Vec<&str> = changed.nodes.iter().map(|n| n.host.as_str()).collect();
+    assert_eq!(hosts, ["host-07"]);
+    assert_eq!(changed.nodes[0].state, NodeState::Unhealthy);
+    assert_eq!(changed.nodes[0].http_address, "10.0.0.7:8042");
+    let lean_changed = parse_node_listing(&get(format!("?view=lean&since={version}")).await).unwrap();
+    assert_eq!(changed.nodes, lean_changed.nodes);
+    let (w, c) = (
+        parse_node_listing(&get(String::new()).await).unwrap(),
+        parse_node_listing(&get("?view=compact".into()).await).unwrap(),
+    );
+    assert_eq!(c.nodes, w.nodes);
+    rm.shutdown().await;
+}
+
 /// Start estimates are computed one at a time (each snapshots the whole state under its
 /// lock): while one runs, another caller is told to come back (429, `Retry-After`), and
 /// is answered once it has ended.
