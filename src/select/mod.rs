@@ -380,6 +380,27 @@ impl Selector {
         self.state.lock().others_wait
     }
 
+    /// How many GPU types the view's nodes have, up to `at_most`: O(buckets), not O(nodes)
+    /// (`one_type` has nothing to choose where there is one).
+    pub fn gpu_types(&self, at_most: usize) -> usize {
+        let st = self.state.lock();
+        let mut seen: Vec<u32> = Vec::new();
+        for b in st
+            .index
+            .buckets()
+            .iter()
+            .filter(|b| !b.nodes.is_empty() && b.key.gpu_type != 0)
+        {
+            if !seen.contains(&b.key.gpu_type) {
+                seen.push(b.key.gpu_type);
+                if seen.len() >= at_most {
+                    break;
+                }
+            }
+        }
+        seen.len()
+    }
+
     pub fn settings(&self) -> SelectSettings {
         self.state.lock().settings.clone()
     }

@@ -121,7 +121,8 @@ fn decide(job: &JobSpec, roles: &[usize], slots: &[Vec<TaskSlot>], selector: &Se
     // One task lands on one node, so on one type: no trial (the select pipeline alone
     // finds its node, or says it never fits).
     let tasks: u64 = roles.iter().map(|&ri| u64::from(job.task_roles[ri].instances)).sum();
-    if tasks <= 1 {
+    // One GPU type in the whole view: nothing to choose (without a pass over the nodes).
+    if tasks <= 1 || selector.gpu_types(2) <= 1 {
         return Choice::Free;
     }
     // 2. The types and their sizes.

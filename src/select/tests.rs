@@ -1407,3 +1407,30 @@ fn while_others_wait_packing_keeps_nvlink_pairs_whole() {
         "{lost}"
     );
 }
+
+/// The view's GPU types are counted from the index's buckets, up to the bound asked.
+#[test]
+fn the_views_gpu_types_are_counted_up_to_a_bound() {
+    let typed = |host: &str, ty: Option<&str>| {
+        let mut n = node(host, "/r", 8, 0);
+        n.gpu_type = ty.map(String::from);
+        n
+    };
+    let one = Selector::new(
+        ClusterView::new([typed("a", Some("V100")), typed("b", Some("V100")), typed("c", None)]),
+        SelectSettings::default(),
+    );
+    assert_eq!(one.gpu_types(5), 1);
+    let three = Selector::new(
+        ClusterView::new([
+            typed("a", Some("V100")),
+            typed("b", Some("A100")),
+            typed("c", Some("H100")),
+        ]),
+        SelectSettings::default(),
+    );
+    assert_eq!(three.gpu_types(5), 3);
+    assert_eq!(three.gpu_types(2), 2);
+    let none = Selector::new(ClusterView::new([typed("c", None)]), SelectSettings::default());
+    assert_eq!(none.gpu_types(5), 0);
+}
