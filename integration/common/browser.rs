@@ -119,13 +119,18 @@ impl Browser {
         b
     }
 
-    pub async fn cmd(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+    /// A webdriver command of this session: its whole answer, errors included.
+    async fn answer(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
         let url = format!("{}/session/{}{}", self.base, self.session, path);
         let mut req = self.http.request(method, url);
         if let Some(b) = body {
             req = req.json(&b);
         }
-        let r: Value = req.send().await.unwrap().json().await.unwrap();
+        req.send().await.unwrap().json().await.unwrap()
+    }
+
+    pub async fn cmd(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let r = self.answer(method, path, body).await;
         if r["value"].get("error").is_some() {
             panic!("webdriver {path}: {}", r["value"]);
         }
@@ -167,38 +172,20 @@ impl Browser {
     /// and the click (webdriver's "stale element reference"): then it is found again and
     /// clicked, for at most 10 s; any other error fails the test.
     pub async fn click(&self, css: &str) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let url = format!("{}/session/{}/element", self.base, self.session);
-            let r: Value = self
-                .http
-                .post(url)
-                .json(&json!({"using": "css selector", "value": css}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let find = json!({"using": "css selector", "value": css});
+            let r = self.answer(reqwest::Method::POST, "/element", Some(find)).await;
             let Some(id) = r["value"][ELEMENT_KEY].as_str().map(str::to_string) else {
                 let _ = self.screenshot("target/dashboard-failure.png").await;
                 panic!("no element {css} to click: {r} (screenshot: target/dashboard-failure.png)");
             };
-            let url = format!("{}/session/{}/element/{id}/click", self.base, self.session);
-            let r: Value = self
-                .http
-                .post(url)
-                .json(&json!({}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let path = format!("/element/{id}/click");
+            let r = self.answer(reqwest::Method::POST, &path, Some(json!({}))).await;
             match r["value"].get("error").and_then(Value::as_str) {
                 None => return,
-                Some("stale element reference") if std::time::Instant::now() < deadline => {
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                Some("stale element reference") if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Some(_) => panic!("webdriver click on {css}: {}", r["value"]),
             }
