@@ -291,7 +291,9 @@ pub struct Snapshot {
 pub struct SnapshotOut<'a> {
     #[serde(flatten)]
     pub snapshot: &'a Snapshot,
-    pub nodes: &'a [NodeStatus],
+    /// `None`: left out (`?nodes=0`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<&'a [NodeStatus]>,
 }
 
 /// A numbered change notification.

@@ -240,7 +240,7 @@ pub async fn job_bench(tasks: u32, nodes: usize, seed: u64) -> i32 {
     // The AM's snapshot, read as the admin (`None` when it does not answer).
     let snapshot = |tracking_url: &str| {
         let req = http
-            .get(format!("{tracking_url}api/v1/snapshot"))
+            .get(format!("{tracking_url}api/v1/snapshot?nodes=0"))
             .bearer_auth(rm.admin_token());
         async move { req.send().await.ok()?.json::<serde_json::Value>().await.ok() }
     };

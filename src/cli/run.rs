@@ -399,7 +399,7 @@ async fn follow(
         }
         if let Some(url) = &dashboard {
             if let Ok(resp) = http
-                .get(format!("{url}api/v1/snapshot"))
+                .get(format!("{url}api/v1/snapshot?nodes=0"))
                 .bearer_auth(job_token)
                 .timeout(DASHBOARD_TIMEOUT)
                 .send()

@@ -166,16 +166,29 @@ pub(crate) async fn config(State(hub): Hub) -> Response {
     hub.read(|s| json_ok(&s.config))
 }
 
-pub(crate) async fn snapshot(State(hub): Hub) -> Response {
+/// Everything the AM publishes; `?nodes=0` leaves out the node view (what pollers of the
+/// job and its tasks do: in an AM the view is built from its live one for each request).
+pub(crate) async fn snapshot(State(hub): Hub, Query(q): Params) -> Response {
+    let with_nodes = match param_str(&q, "nodes") {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(other) => {
+            return ApiError::bad_request(
+                "invalid_parameter",
+                format!("query parameter `nodes` must be 0 or 1, got {other:?}"),
+            )
+            .into_response()
+        }
+    };
     let last = hub.last_event_id();
-    let live = hub.node_source.get().map(|source| {
+    let live = hub.node_source.get().filter(|_| with_nodes).map(|source| {
         let job_gpus = hub.read(|s| crate::am::status::job_gpus(&s.tasks));
         source.page(None, 0, usize::MAX, &job_gpus).1
     });
     with_event_id(
         last,
         hub.read(|s| {
-            let nodes = live.as_deref().unwrap_or(&s.nodes);
+            let nodes = with_nodes.then(|| live.as_deref().unwrap_or(&s.nodes));
             json_ok(&crate::am::status::SnapshotOut { snapshot: s, nodes })
         }),
     )

@@ -622,6 +622,13 @@ async fn an_ams_node_pages_and_snapshot_come_from_its_live_view() {
         crate::resources::parse_mask(&mask).unwrap()
     );
     assert_eq!(snap["tasks"].as_array().unwrap().len(), 40);
+    // Pollers of the job and its tasks leave the node view out; a bad value is refused.
+    let (_, lean) = get_json(&app, "/api/v1/snapshot?nodes=0").await;
+    assert!(lean.get("nodes").is_none(), "{lean}");
+    assert_eq!(lean["tasks"].as_array().unwrap().len(), 40);
+    let (s, e) = get_json(&app, "/api/v1/snapshot?nodes=yes").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&e, "invalid_parameter");
 }
 
 #[tokio::test]
