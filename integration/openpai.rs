@@ -193,12 +193,17 @@ fn two_roles_rendezvous_through_pai_variables_under_gpuam_run() {
         &cont,
     ];
     let cmds = |c: &[&str]| -> String { c.iter().map(|l| format!("      - {}\n", sq(l))).collect() };
+    // OpenPAI's default completion ends the job as soon as one role has all its instances
+    // succeeded (`minSucceededInstances` = `instances`): the server, done once both workers
+    // were served, would end the job and stop the workers before their last line. Every
+    // task here must finish, so both roles leave only the "all tasks done" rule (-1).
+    let all_done = "    completion: {minSucceededInstances: -1}\n";
     let job = format!(
         "protocolVersion: 2\nname: rendezvous\ntype: job\n\
          prerequisites:\n  - {{name: img, type: dockerimage, uri: openpai/standard:python_3.6}}\n\
          parameters: {{who: worker}}\n\
-         taskRoles:\n  Server:\n    instances: 1\n    dockerImage: img\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1, ports: {{sync: 1}}}}\n    commands:\n{}\
-         \x20 worker:\n    instances: 2\n    dockerImage: img\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0}}\n    commands:\n{}\
+         taskRoles:\n  Server:\n    instances: 1\n    dockerImage: img\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1, ports: {{sync: 1}}}}\n{all_done}    commands:\n{}\
+         \x20 worker:\n    instances: 2\n    dockerImage: img\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0}}\n{all_done}    commands:\n{}\
          defaults: {{virtualCluster: default}}\n",
         cmds(&server),
         cmds(&client),
