@@ -141,15 +141,19 @@ impl Node {
 }
 
 /// `allNodes`, keyed and ordered by host.
+///
+/// Each node is boxed: the tree then holds a host and a pointer per node, not the whole
+/// node, and is built without copying every node twice more (an AM's first view is every
+/// node of the cluster, all faulted in for the first time: issue 29).
 #[derive(Clone, Debug, Default)]
 pub struct ClusterView {
-    nodes: BTreeMap<String, Node>,
+    nodes: BTreeMap<String, Box<Node>>,
 }
 
 impl ClusterView {
     pub fn new(nodes: impl IntoIterator<Item = Node>) -> Self {
         ClusterView {
-            nodes: nodes.into_iter().map(|n| (n.host.clone(), n)).collect(),
+            nodes: nodes.into_iter().map(|n| (n.host.clone(), Box::new(n))).collect(),
         }
     }
     pub fn len(&self) -> usize {
@@ -159,20 +163,20 @@ impl ClusterView {
         self.nodes.is_empty()
     }
     pub fn get(&self, host: &str) -> Option<&Node> {
-        self.nodes.get(host)
+        self.nodes.get(host).map(|n| &**n)
     }
     pub fn get_mut(&mut self, host: &str) -> Option<&mut Node> {
-        self.nodes.get_mut(host)
+        self.nodes.get_mut(host).map(|n| &mut **n)
     }
     pub fn nodes(&self) -> impl Iterator<Item = &Node> {
-        self.nodes.values()
+        self.nodes.values().map(|n| &**n)
     }
     /// Drops the nodes in unusable states (as [`ClusterView::replace_all`] leaves them out).
     pub fn retain_usable(&mut self) {
         self.nodes.retain(|_, n| !n.state.is_unusable());
     }
     pub fn nodes_mut(&mut self) -> impl Iterator<Item = &mut Node> {
-        self.nodes.values_mut()
+        self.nodes.values_mut().map(|n| &mut **n)
     }
 
     /// Applies one node report: unusable states remove the node, others upsert it
@@ -185,7 +189,7 @@ impl ClusterView {
         match self.nodes.get_mut(&report.host) {
             Some(n) => n.update_from_report(report),
             None => {
-                self.nodes.insert(report.host.clone(), report);
+                self.nodes.insert(report.host.clone(), Box::new(report));
             }
         }
     }
@@ -203,7 +207,7 @@ impl ClusterView {
                 n.requested = old.requested.clone();
                 n.recompute();
             }
-            next.insert(n.host.clone(), n);
+            next.insert(n.host.clone(), Box::new(n));
         }
         self.nodes = next;
     }

@@ -356,6 +356,11 @@ pub fn parse_node_listing(text: &str) -> Result<NodeListing, NodeJsonError> {
     // as one `Value` tree it cost an AM some 200 MB and most of its start); anything
     // else, and text that is not JSON, the whole-tree way below, with its messages.
     let mut stream = ListingStream::default();
+    // Sized once: a node object or entry names its host once (growing a list of 10,000
+    // nodes by doubling wrote and faulted in twice its memory, issue 29). A host name
+    // also met in other text only makes the guess larger.
+    let hint = text.matches("\"nodeHostName\"").count();
+    stream.listing.nodes.reserve(hint.min(text.len() / 32));
     let mut de = serde_json::Deserializer::from_str(text);
     match serde::Deserializer::deserialize_map(&mut de, &mut stream).and_then(|()| de.end()) {
         Ok(()) => return Ok(stream.listing),
@@ -656,10 +661,11 @@ impl serde::Serialize for NodeReport {
     }
 }
 
-impl<'de> serde::Deserialize<'de> for NodeReport {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let v = Value::deserialize(d)?;
-        let node = parse_node_value(&v).map_err(serde::de::Error::custom)?;
+impl NodeReport {
+    /// One report from its node object, its topology looked up in (or added to) those
+    /// already read.
+    fn of_value(i: usize, v: &Value, topologies: &mut Topologies) -> Result<Self, NodeJsonError> {
+        let node = parse_node_at(i, v, topologies)?;
         let num = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
         Ok(NodeReport {
             node,
@@ -669,14 +675,25 @@ impl<'de> serde::Deserialize<'de> for NodeReport {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for NodeReport {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        NodeReport::of_value(0, &v, &mut Topologies::new()).map_err(serde::de::Error::custom)
+    }
+}
+
 /// Reads `updatedNodes`, leaving out (with a warning) an entry that is not a readable node
-/// object, so one odd node never costs the AM the rest of an allocate answer.
+/// object, so one odd node never costs the AM the rest of an allocate answer. Each topology
+/// is built once per answer, not once per node (issue 29: an answer reports about a hundred
+/// nodes, and building a topology's tables was most of reading one).
 pub fn readable_node_reports<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<NodeReport>, D::Error> {
     use serde::Deserialize;
     let items = Vec::<Value>::deserialize(d)?;
+    let mut topologies = Topologies::new();
     Ok(items
-        .into_iter()
-        .filter_map(|v| match NodeReport::deserialize(v) {
+        .iter()
+        .enumerate()
+        .filter_map(|(i, v)| match NodeReport::of_value(i, v, &mut topologies) {
             Ok(r) => Some(r),
             Err(e) => {
                 tracing::warn!(error = %e, "ignoring an updated node that cannot be read");

@@ -13,10 +13,10 @@
 //! walks nodes only in the best buckets.
 
 use std::collections::BTreeSet;
-use std::hash::{Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
-use super::fast_hash::{FastMap, FxHasher};
+use super::fast_hash::{FastMap, FastState};
 use crate::cluster::{Node, NodeState};
 use crate::resources::{GpuMask, GpuShares, PortSet, Resources};
 use crate::topology::Topology;
@@ -78,8 +78,9 @@ impl Interner {
 
 /// The indexes. Slots are stable per host until the host leaves.
 pub(crate) struct NodeIndex {
-    slots: FastMap<String, u32>,
-    hosts: Vec<String>,
+    /// Each host's name is held once, shared by both maps (an AM indexes every node).
+    slots: FastMap<Arc<str>, u32>,
+    hosts: Vec<Arc<str>>,
     entries: Vec<Option<Entry>>,
     free_slots: Vec<u32>,
     buckets: Vec<Bucket>,
@@ -147,9 +148,7 @@ impl NodeIndex {
     }
 
     fn topo_id_by_content(&mut self, t: &Arc<Topology>) -> u32 {
-        let mut h = FxHasher::default();
-        t.hash(&mut h);
-        let hash = h.finish();
+        let hash = FastState::default().hash_one(&**t);
         if let Some(ids) = self.topo_by_hash.get(&hash) {
             for &i in ids {
                 if self.topologies[i as usize - 1].same_content(t) {
@@ -176,7 +175,7 @@ impl NodeIndex {
     }
 
     pub fn host(&self, slot: u32) -> &str {
-        self.hosts.get(slot as usize).map_or("", String::as_str)
+        self.hosts.get(slot as usize).map_or("", |h| h)
     }
     pub fn slot(&self, host: &str) -> Option<u32> {
         self.slots.get(host).copied()
@@ -257,42 +256,55 @@ impl NodeIndex {
         }
     }
 
-    /// Files `node` (new or changed) under its current key.
-    pub fn upsert(&mut self, node: &Node) {
-        let key = self.key_of(node);
-        let slot = match self.slots.get(node.host.as_str()) {
-            Some(&s) => s,
-            None => {
-                let s = match self.free_slots.pop() {
-                    Some(s) => {
-                        self.hosts[s as usize] = node.host.clone();
-                        s
-                    }
-                    None => {
-                        self.hosts.push(node.host.clone());
-                        self.entries.push(None);
-                        (self.hosts.len() - 1) as u32
-                    }
-                };
-                self.slots.insert(node.host.clone(), s);
+    /// A host's slot, given one if it has none.
+    fn slot_for(&mut self, host: &str) -> u32 {
+        if let Some(&s) = self.slots.get(host) {
+            return s;
+        }
+        let name: Arc<str> = Arc::from(host);
+        let s = match self.free_slots.pop() {
+            Some(s) => {
+                self.hosts[s as usize] = name.clone();
                 s
             }
-        };
-        let tie = ((u64::from(slot) + 1).wrapping_mul(self.salt) >> 32) as u32;
-        let member = (node.free().cpu, node.free().memory_mb, tie, slot);
-        let bucket = match self.bucket_of.get(&key) {
-            Some(&b) => b,
             None => {
-                self.buckets.push(Bucket {
-                    key,
-                    nodes: BTreeSet::new(),
-                });
-                let b = (self.buckets.len() - 1) as u32;
-                self.bucket_of.insert(key, b);
-                b
+                self.hosts.push(name.clone());
+                self.entries.push(None);
+                (self.hosts.len() - 1) as u32
             }
         };
+        self.slots.insert(name, s);
+        s
+    }
+
+    /// The id of the bucket of `key`, made if it is new.
+    fn bucket_for(&mut self, key: BucketKey) -> u32 {
+        if let Some(&b) = self.bucket_of.get(&key) {
+            return b;
+        }
+        self.buckets.push(Bucket {
+            key,
+            nodes: BTreeSet::new(),
+        });
+        let b = (self.buckets.len() - 1) as u32;
+        self.bucket_of.insert(key, b);
+        b
+    }
+
+    /// Where `node` files: its slot's entry (bucket, place in it, rack).
+    fn entry_of(&mut self, node: &Node, slot: u32) -> Entry {
+        let key = self.key_of(node);
+        let tie = ((u64::from(slot) + 1).wrapping_mul(self.salt) >> 32) as u32;
+        let member = (node.free().cpu, node.free().memory_mb, tie, slot);
+        let bucket = self.bucket_for(key);
         let rack = self.rack_ids.id(&node.rack);
+        Entry { bucket, member, rack }
+    }
+
+    /// Files `node` (new or changed) under its current key.
+    pub fn upsert(&mut self, node: &Node) {
+        let slot = self.slot_for(&node.host);
+        let Entry { bucket, member, rack } = self.entry_of(node, slot);
         if let Some(old) = &self.entries[slot as usize] {
             if old.bucket == bucket && old.member == member && old.rack == rack {
                 return;
@@ -326,7 +338,7 @@ impl NodeIndex {
     pub fn remove(&mut self, host: &str) {
         if let Some(slot) = self.slots.remove(host) {
             self.unfile(slot);
-            self.hosts[slot as usize].clear();
+            self.hosts[slot as usize] = Arc::from("");
             self.free_slots.push(slot);
         }
     }
@@ -347,7 +359,41 @@ impl NodeIndex {
         self.slots.reserve(count);
         self.hosts.reserve(count);
         self.entries.reserve(count);
+        // Every node filed first, then each bucket's and each rack's set built once from
+        // its members (a B-tree built from sorted members, not one insert per node: an
+        // AM's start indexes the whole cluster, issue 29). A host met twice is filed again
+        // after, as a change.
+        let mut members: Vec<Vec<Member>> = Vec::new();
+        let mut rack_members: Vec<FastMap<u32, Vec<Member>>> = Vec::new();
+        let mut again: Vec<&Node> = Vec::new();
         for n in nodes {
+            if self.slots.contains_key(n.host.as_str()) {
+                again.push(n);
+                continue;
+            }
+            let slot = self.slot_for(&n.host);
+            let e = self.entry_of(n, slot);
+            if members.len() <= e.bucket as usize {
+                members.resize_with(e.bucket as usize + 1, Vec::new);
+            }
+            members[e.bucket as usize].push(e.member);
+            if rack_members.len() <= e.rack as usize {
+                rack_members.resize_with(e.rack as usize + 1, FastMap::default);
+            }
+            rack_members[e.rack as usize]
+                .entry(e.bucket)
+                .or_default()
+                .push(e.member);
+            self.entries[slot as usize] = Some(e);
+        }
+        for (b, m) in members.into_iter().enumerate() {
+            self.buckets[b].nodes = m.into_iter().collect();
+        }
+        self.racks = rack_members
+            .into_iter()
+            .map(|r| r.into_iter().map(|(b, m)| (b, m.into_iter().collect())).collect())
+            .collect();
+        for n in again {
             self.upsert(n);
         }
     }
