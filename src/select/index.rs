@@ -432,3 +432,71 @@ impl NodeIndex {
             .sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::{mask_of_count, PortSet};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    /// Each bucket's members and each rack's members by bucket, by key and rack name (ids
+    /// and bucket numbers may differ between two indexes of the same nodes).
+    type Filed = (
+        BTreeMap<String, BTreeSet<Member>>,
+        BTreeMap<(String, String), BTreeSet<Member>>,
+    );
+
+    fn filed(ix: &NodeIndex) -> Filed {
+        let key = |b: u32| format!("{:?}", ix.buckets[b as usize].key);
+        let buckets = ix
+            .buckets
+            .iter()
+            .filter(|b| !b.nodes.is_empty())
+            .map(|b| (format!("{:?}", b.key), b.nodes.clone()))
+            .collect();
+        let mut racks = BTreeMap::new();
+        for (rack, name) in ix.rack_ids.names.iter().enumerate() {
+            for (b, set) in ix.rack_buckets(rack as u32) {
+                if !set.is_empty() {
+                    racks.insert((name.clone(), key(b)), set.clone());
+                }
+            }
+        }
+        (buckets, racks)
+    }
+
+    fn node(host: u8, rack: u8, gpus: u32, used: u64, cpu: u32) -> Node {
+        let mut n = Node::new(
+            format!("h{host}"),
+            format!("/rack{rack}"),
+            Resources::with_mask(64, 256_000, mask_of_count(gpus), PortSet::range(20000, 20099)),
+        );
+        n.gpu_type = (gpus > 0).then(|| "V100".to_string());
+        let used = used & mask_of_count(gpus);
+        n.set_used(Resources::with_mask(cpu, 1000, used, PortSet::new()));
+        n
+    }
+
+    proptest! {
+        /// Rebuilding from a listing (every node filed, then each set built once) files
+        /// every node exactly as filing them one by one does, hosts met twice included.
+        #[test]
+        fn a_rebuild_files_nodes_as_one_upsert_each(
+            nodes in prop::collection::vec((0u8..40, 0u8..5, 0u32..=8, any::<u64>(), 0u32..64), 0..80),
+        ) {
+            let nodes: Vec<Node> = nodes.into_iter().map(|(h, r, g, u, c)| node(h, r, g, u, c)).collect();
+            let mut bulk = NodeIndex::new(7);
+            bulk.rebuild(nodes.iter());
+            let mut one_by_one = NodeIndex::new(7);
+            for n in &nodes {
+                one_by_one.upsert(n);
+            }
+            prop_assert_eq!(filed(&bulk), filed(&one_by_one));
+            prop_assert_eq!(bulk.len(), one_by_one.len());
+            for n in &nodes {
+                prop_assert_eq!(bulk.slot(&n.host), one_by_one.slot(&n.host));
+            }
+        }
+    }
+}
