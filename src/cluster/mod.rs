@@ -58,14 +58,14 @@ pub struct Node {
     /// Use this machine's real GPUs (executor side only).
     pub local: bool,
     pub topology: Option<Arc<Topology>>,
-    free: Resources,
-    total: Resources,
+    /// Total, used, requested and free, shared by nodes that hold the same (a listing's
+    /// nodes of one shape are clones of it) and copied on a node's first change: an AM's
+    /// view of 10,000 nodes of a few kinds holds a few amounts, not 10,000 (issue 29).
+    amounts: Arc<Amounts>,
     pub labels: Vec<String>,
     pub gpu_type: Option<String>,
     pub rack: String,
     pub host: String,
-    used: Resources,
-    requested: Resources,
     /// Where this node's executor listens (`host:port`); empty when unknown.
     pub http_address: String,
     /// The address this node's containers are reached at by their peers (a node agent's
@@ -73,9 +73,23 @@ pub struct Node {
     pub ip: Option<std::net::IpAddr>,
 }
 
+/// A node's amounts; `free` = total − used − requested, kept in step by [`Node`]'s setters.
+#[derive(Clone, Debug, PartialEq)]
+struct Amounts {
+    free: Resources,
+    total: Resources,
+    used: Resources,
+    requested: Resources,
+}
+
+impl Amounts {
+    fn recompute(&mut self) {
+        self.free = self.total.subtract(&self.used).subtract(&self.requested);
+    }
+}
+
 impl Node {
     pub fn new(host: impl Into<String>, rack: impl Into<String>, total: Resources) -> Self {
-        let free = total.clone();
         Node {
             host: host.into(),
             rack: rack.into(),
@@ -86,26 +100,28 @@ impl Node {
             http_address: String::new(),
             ip: None,
             local: false,
-            total,
-            used: Resources::default(),
-            requested: Resources::default(),
-            free,
+            amounts: Arc::new(Amounts {
+                free: total.clone(),
+                total,
+                used: Resources::default(),
+                requested: Resources::default(),
+            }),
         }
     }
 
     pub fn total(&self) -> &Resources {
-        &self.total
+        &self.amounts.total
     }
     pub fn used(&self) -> &Resources {
-        &self.used
+        &self.amounts.used
     }
     /// What this AM has asked for on this node and not yet received.
     pub fn requested(&self) -> &Resources {
-        &self.requested
+        &self.amounts.requested
     }
     /// total − used − requested.
     pub fn free(&self) -> &Resources {
-        &self.free
+        &self.amounts.free
     }
 
     /// The node's partition: its first label, trimmed, or "" (YARN's NO_LABEL).
@@ -114,29 +130,30 @@ impl Node {
     }
 
     pub fn set_total(&mut self, total: Resources) {
-        self.total = total;
-        self.recompute();
+        let a = Arc::make_mut(&mut self.amounts);
+        a.total = total;
+        a.recompute();
     }
     pub fn set_used(&mut self, used: Resources) {
-        self.used = used;
-        self.recompute();
+        let a = Arc::make_mut(&mut self.amounts);
+        a.used = used;
+        a.recompute();
     }
     pub fn set_requested(&mut self, requested: Resources) {
-        self.requested = requested;
-        self.recompute();
-    }
-
-    fn recompute(&mut self) {
-        self.free = self.total.subtract(&self.used).subtract(&self.requested);
+        let a = Arc::make_mut(&mut self.amounts);
+        a.requested = requested;
+        a.recompute();
     }
 
     /// Replaces what the RM reports (labels, rack, state, total, used) and keeps the
     /// AM-side `requested`, as the original's upsert did.
     pub fn update_from_report(&mut self, report: Node) {
-        let requested = std::mem::take(&mut self.requested);
+        let requested = self.requested().clone();
         *self = report;
-        self.requested = requested;
-        self.recompute();
+        // Equal amounts stay shared (the report's `free` already counts what it requests).
+        if self.requested() != &requested {
+            self.set_requested(requested);
+        }
     }
 }
 
@@ -204,8 +221,9 @@ impl ClusterView {
             }
             let mut n = r;
             if let Some(old) = self.nodes.get(&n.host) {
-                n.requested = old.requested.clone();
-                n.recompute();
+                if n.requested() != old.requested() {
+                    n.set_requested(old.requested().clone());
+                }
             }
             next.insert(n.host.clone(), Box::new(n));
         }

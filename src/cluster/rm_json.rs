@@ -445,7 +445,13 @@ impl ListingStream {
                 }),
             };
             match read_one {
-                Ok(node) => read.push(node),
+                Ok(mut node) => {
+                    // Each entry brings its own host and rack: the shape holds none, so
+                    // none is copied per node only to be replaced.
+                    node.host = String::new();
+                    node.rack = String::new();
+                    read.push(node)
+                }
                 Err(e) => return Err(self.fail(e)),
             }
         }

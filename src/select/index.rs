@@ -108,6 +108,20 @@ pub(crate) struct NodeIndex {
 /// topologies; a listing one `Arc` for each).
 const RECENT_TOPOLOGIES: usize = 16;
 
+/// Whether two nodes file under the same bucket key without computing it: the same shared
+/// amounts (so the same total and free), state, labels, GPU type and topology.
+fn same_key(a: &Node, b: &Node) -> bool {
+    std::ptr::eq(a.free(), b.free())
+        && a.state == b.state
+        && a.labels == b.labels
+        && a.gpu_type == b.gpu_type
+        && match (&a.topology, &b.topology) {
+            (Some(x), Some(y)) => Arc::ptr_eq(x, y),
+            (None, None) => true,
+            _ => false,
+        }
+}
+
 impl NodeIndex {
     pub fn new(salt: u64) -> Self {
         let mut gpu_types = Interner::default();
@@ -291,11 +305,15 @@ impl NodeIndex {
         b
     }
 
+    /// A slot's random tie-break, fixed per AM by its salt (so concurrent AMs spread).
+    fn salted_tie(&self, slot: u32) -> u32 {
+        ((u64::from(slot) + 1).wrapping_mul(self.salt) >> 32) as u32
+    }
+
     /// Where `node` files: its slot's entry (bucket, place in it, rack).
     fn entry_of(&mut self, node: &Node, slot: u32) -> Entry {
         let key = self.key_of(node);
-        let tie = ((u64::from(slot) + 1).wrapping_mul(self.salt) >> 32) as u32;
-        let member = (node.free().cpu, node.free().memory_mb, tie, slot);
+        let member = (node.free().cpu, node.free().memory_mb, self.salted_tie(slot), slot);
         let bucket = self.bucket_for(key);
         let rack = self.rack_ids.id(&node.rack);
         Entry { bucket, member, rack }
@@ -366,13 +384,28 @@ impl NodeIndex {
         let mut members: Vec<Vec<Member>> = Vec::new();
         let mut rack_members: Vec<FastMap<u32, Vec<Member>>> = Vec::new();
         let mut again: Vec<&Node> = Vec::new();
+        // The last node's key, bucket and rack: a listing's nodes of one shape share their
+        // amounts and come in runs, as do the nodes of a rack.
+        let mut last: Option<(&Node, u32, u32)> = None;
         for n in nodes {
             if self.slots.contains_key(n.host.as_str()) {
                 again.push(n);
                 continue;
             }
             let slot = self.slot_for(&n.host);
-            let e = self.entry_of(n, slot);
+            let e = match last {
+                Some((p, bucket, rack)) if same_key(p, n) => Entry {
+                    bucket,
+                    member: (n.free().cpu, n.free().memory_mb, self.salted_tie(slot), slot),
+                    rack: if p.rack == n.rack {
+                        rack
+                    } else {
+                        self.rack_ids.id(&n.rack)
+                    },
+                },
+                _ => self.entry_of(n, slot),
+            };
+            last = Some((n, e.bucket, e.rack));
             if members.len() <= e.bucket as usize {
                 members.resize_with(e.bucket as usize + 1, Vec::new);
             }
@@ -483,9 +516,24 @@ mod tests {
         /// every node exactly as filing them one by one does, hosts met twice included.
         #[test]
         fn a_rebuild_files_nodes_as_one_upsert_each(
-            nodes in prop::collection::vec((0u8..40, 0u8..5, 0u32..=8, any::<u64>(), 0u32..64), 0..80),
+            shapes in prop::collection::vec((0u32..=8, any::<u64>(), 0u32..64), 1..4),
+            nodes in prop::collection::vec((0u8..40, 0u8..5, 0usize..4, prop::option::of((0u32..=8, any::<u64>(), 0u32..64))), 0..80),
         ) {
-            let nodes: Vec<Node> = nodes.into_iter().map(|(h, r, g, u, c)| node(h, r, g, u, c)).collect();
+            // Most nodes are clones of a few shapes (sharing their amounts, as a compact
+            // listing's are), some their own; hosts and racks come in runs and repeat.
+            let shapes: Vec<Node> = shapes.into_iter().map(|(g, u, c)| node(0, 0, g, u, c)).collect();
+            let nodes: Vec<Node> = nodes
+                .into_iter()
+                .map(|(h, r, k, own)| match own {
+                    Some((g, u, c)) => node(h, r, g, u, c),
+                    None => {
+                        let mut n = shapes[k % shapes.len()].clone();
+                        n.host = format!("h{h}");
+                        n.rack = format!("/rack{r}");
+                        n
+                    }
+                })
+                .collect();
             let mut bulk = NodeIndex::new(7);
             bulk.rebuild(nodes.iter());
             let mut one_by_one = NodeIndex::new(7);
