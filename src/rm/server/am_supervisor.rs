@@ -214,7 +214,11 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
     rm.am_procs.lock().remove(id);
     let tail = stderr_tail(&rm.work_dir.join(id).join("am.stderr"), STDERR_TAIL_LINES);
     let stopping = rm.shutting_down.load(std::sync::atomic::Ordering::SeqCst);
-    let mut diag = format!("the AM process exited ({how}) without finishing the application");
+    let mut diag = if stopping {
+        format!("the RM shut down and stopped the AM process ({how})")
+    } else {
+        format!("the AM process exited ({how}) without finishing the application")
+    };
     if !tail.is_empty() {
         diag.push_str("; last lines of am.stderr:\n");
         diag.push_str(&tail);
@@ -235,7 +239,12 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
         }
         AmEnd::Failed(ended) => ended,
     };
-    tracing::warn!(app = %id, "AM exited without finishing ({how})");
+    if stopping {
+        // An orderly shutdown stops every AM: said once per AM, not warned about.
+        tracing::info!(app = %id, "AM stopped with the RM ({how})");
+    } else {
+        tracing::warn!(app = %id, "AM exited without finishing ({how})");
+    }
     spawn_stops(rm, ended);
 }
 

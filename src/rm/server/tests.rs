@@ -111,6 +111,12 @@ async fn shutdown_kills_the_am() {
         AppState::Failed,
         "an AM killed before finishing fails its app"
     );
+    // Its diagnostics say the RM stopped it, not that it died on its own.
+    let diag = shared.lock().apps.get(&id).unwrap().report.diagnostics.clone();
+    assert!(
+        diag.starts_with("the RM shut down and stopped the AM process"),
+        "{diag}"
+    );
 }
 
 #[test]
