@@ -214,19 +214,20 @@ impl ClusterView {
     /// Replaces the whole view with a full listing, keeping `requested` for hosts that
     /// remain and dropping hosts that are gone.
     pub fn replace_all(&mut self, reports: Vec<Node>) {
-        let mut next = BTreeMap::new();
+        let mut old = std::mem::take(&mut self.nodes);
         for r in reports {
             if r.state.is_unusable() {
                 continue;
             }
-            let mut n = r;
-            if let Some(old) = self.nodes.get(&n.host) {
-                if n.requested() != old.requested() {
-                    n.set_requested(old.requested().clone());
+            // A host that remains keeps its `requested` by the one rule for a report.
+            let n = match old.remove(&r.host) {
+                Some(mut n) => {
+                    n.update_from_report(r);
+                    n
                 }
-            }
-            next.insert(n.host.clone(), Box::new(n));
+                None => Box::new(r),
+            };
+            self.nodes.insert(n.host.clone(), n);
         }
-        self.nodes = next;
     }
 }

@@ -109,7 +109,8 @@ pub(crate) struct NodeIndex {
 const RECENT_TOPOLOGIES: usize = 16;
 
 /// Whether two nodes file under the same bucket key without computing it: the same shared
-/// amounts (so the same total and free), state, labels, GPU type and topology.
+/// amounts (so the same total and free), state, labels, GPU type and topology. Every input
+/// of [`NodeIndex::key_of`] must be compared here.
 fn same_key(a: &Node, b: &Node) -> bool {
     std::ptr::eq(a.free(), b.free())
         && a.state == b.state
@@ -527,9 +528,18 @@ mod tests {
                 .map(|(h, r, k, own)| match own {
                     Some((g, u, c)) => node(h, r, g, u, c),
                     None => {
+                        // A clone keeps its shape's amounts; some differ in the key's
+                        // other inputs all the same.
                         let mut n = shapes[k % shapes.len()].clone();
                         n.host = format!("h{h}");
                         n.rack = format!("/rack{r}");
+                        match h % 7 {
+                            1 => n.state = NodeState::Unhealthy,
+                            2 => n.labels = vec!["gpu".into()],
+                            3 => n.gpu_type = Some("A100".into()),
+                            4 => n.topology = crate::topology::Topology::preset("pcie8").map(Arc::new),
+                            _ => {}
+                        }
                         n
                     }
                 })
