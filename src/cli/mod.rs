@@ -326,7 +326,9 @@ struct SimArgs {
     #[arg(long, value_name = "GPUS")]
     reserve_min_gpus: Option<u32>,
     /// Expected durations for reservations and start estimates: declared[:F] (the real
-    /// duration × F, rounded up to the minute) or learned (median of earlier jobs' durations).
+    /// duration × F, rounded up to the minute) or learned (reservations: the median of
+    /// earlier jobs' durations; start estimates: drawn from those and the running jobs'
+    /// time so far).
     #[arg(long, default_value = "declared")]
     expected_end: String,
     /// Gangs of at least this many GPUs are reported as big (bigWaitP95).

@@ -514,6 +514,40 @@ impl Engine<'_> {
             })
             .collect();
         let tasks = rooms(&self.jobs[jid]);
+        if self.mode.limit == reserve::Limit::Learned {
+            // In job order: the draws follow the jobs, and a replay is deterministic.
+            let mut ids: Vec<(&usize, &Vec<(usize, GpuMask)>)> = self.running.iter().collect();
+            ids.sort_unstable_by_key(|(j, _)| **j);
+            let running: Vec<reserve::Running> = ids
+                .into_iter()
+                .map(|(j, placed)| reserve::Running {
+                    takes: reserve::takes(placed, &self.jobs[*j].tasks),
+                    gpus: self.jobs[*j].gpus(),
+                    elapsed: self.expected.get(j).map_or(0.0, |&(start, _)| now - start),
+                })
+                .collect();
+            let waiting: Vec<reserve::Waiting> = ahead
+                .into_iter()
+                .zip(self.queue.iter())
+                .map(|(a, &j)| reserve::Waiting {
+                    tasks: a.tasks,
+                    gpus: self.jobs[j].gpus(),
+                })
+                .collect();
+            if let Some(t) = reserve::estimate_start_learned(
+                &reserve::free_rooms(&self.cl),
+                &running,
+                &waiting,
+                &tasks,
+                now,
+                !self.mode.backfill,
+                &self.history,
+                jid as u64,
+            ) {
+                self.estimates.insert(jid, t as f64 / 1000.0);
+            }
+            return;
+        }
         if let Some(t) = reserve::estimate_start(
             &reserve::free_rooms(&self.cl),
             &self.releases(now),

@@ -18,9 +18,11 @@ pub enum Limit {
     /// A declared time limit: the real duration times the factor, rounded up to the minute
     /// (factor 1: a user who knows the duration to the minute).
     Declared(f64),
-    /// Learned: the median duration of the jobs of the same GPU count that ended before (of all
-    /// jobs that ended, when none of that count has; unknown before any ended). The traces
-    /// carry no user, so "the same user's earlier jobs" cannot be replayed.
+    /// Learned: for reservations, the median duration of the jobs of the same GPU count that
+    /// ended before (of all jobs that ended, when none of that count has; unknown before any
+    /// ended); for start estimates, draws from the [`Survival`] of those durations and the
+    /// running jobs' time so far ([`estimate_start_learned`]). The traces carry no user, so
+    /// "the same user's earlier jobs" cannot be replayed.
     Learned,
 }
 
@@ -114,6 +116,201 @@ impl Durations {
             Limit::Learned => median(self.by_gpus.get(&gpus).map_or(&[][..], |v| v)).or_else(|| median(&self.all)),
         }
     }
+}
+
+impl Durations {
+    /// The ended durations of jobs of `gpus` GPUs, or of all jobs when fewer than
+    /// [`MIN_OWN`] of that count have ended.
+    fn ended(&self, gpus: u32) -> &[f64] {
+        match self.by_gpus.get(&gpus) {
+            Some(v) if v.len() >= MIN_OWN => v,
+            _ => &self.all,
+        }
+    }
+}
+
+/// Jobs of one GPU count that must have ended before their own distribution is used.
+const MIN_OWN: usize = 20;
+
+/// A learned duration distribution (issue 27, item 4): Kaplan–Meier over the jobs that ended
+/// and, censored at the time they have run so far, the jobs still running (the ended ones
+/// alone are the short ones: the long jobs of the same time have not ended yet), with an
+/// exponential tail past the last ended duration whose mean is the censored exponential fit
+/// (all time run, ended or not, over the jobs that ended).
+#[derive(Clone, Debug)]
+pub struct Survival {
+    /// Ended durations, ascending, distinct, and the survival just after each.
+    times: Vec<f64>,
+    surv: Vec<f64>,
+    tail_mean: f64,
+}
+
+impl Survival {
+    /// From the `ended` durations and the `running` jobs' times run so far; `None` before any
+    /// job ended.
+    pub fn learn(ended: &[f64], running: &[f64]) -> Option<Survival> {
+        if ended.is_empty() {
+            return None;
+        }
+        // At one time, ends count before censorings: a job censored at t was still at risk at t.
+        let mut obs: Vec<(f64, bool)> = ended
+            .iter()
+            .map(|&d| (d.max(0.0), true))
+            .chain(running.iter().map(|&a| (a.max(0.0), false)))
+            .collect();
+        obs.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
+        let mut at_risk = obs.len() as f64;
+        let (mut times, mut surv) = (Vec::new(), Vec::new());
+        let mut s = 1.0;
+        let mut i = 0;
+        while i < obs.len() {
+            let t = obs[i].0;
+            let (mut d, mut c) = (0.0, 0.0);
+            while i < obs.len() && obs[i].0 == t {
+                if obs[i].1 {
+                    d += 1.0;
+                } else {
+                    c += 1.0;
+                }
+                i += 1;
+            }
+            if d > 0.0 {
+                s *= 1.0 - d / at_risk;
+                times.push(t);
+                surv.push(s);
+            }
+            at_risk -= d + c;
+        }
+        let exposure: f64 = obs.iter().map(|o| o.0).sum();
+        Some(Survival {
+            times,
+            surv,
+            tail_mean: (exposure / ended.len() as f64).max(1.0),
+        })
+    }
+
+    /// The share of jobs still running after `t` seconds.
+    pub fn at(&self, t: f64) -> f64 {
+        match self.times.partition_point(|&x| x <= t) {
+            0 => 1.0,
+            k => self.surv[k - 1],
+        }
+    }
+
+    /// The remaining seconds of a job that has run `elapsed`, drawn by inversion at `u` in
+    /// (0, 1): the first ended duration past `elapsed` where the survival, relative to the
+    /// job's own, falls to `u`; past the last one, the exponential tail.
+    pub fn residual(&self, elapsed: f64, u: f64) -> f64 {
+        let base = self.at(elapsed);
+        let u = u.clamp(f64::MIN_POSITIVE, 1.0);
+        let target = u * base;
+        let k = self.surv.partition_point(|&s| s > target);
+        if base > 0.0 {
+            if let Some(&t) = self.times.get(k) {
+                return (t - elapsed).max(0.0);
+            }
+        }
+        let last = self.times.last().copied().unwrap_or(0.0);
+        if elapsed >= last || base <= 0.0 {
+            return self.tail_mean * (1.0 / u).ln();
+        }
+        // Before the last ended duration but below its survival: from there on, the tail.
+        let s_last = self.at(last);
+        (last - elapsed) + self.tail_mean * (s_last / target).ln()
+    }
+}
+
+/// A running job for [`estimate_start_learned`]: what it holds, its GPU count, the seconds
+/// it has run.
+pub struct Running {
+    pub takes: Vec<(usize, Room)>,
+    pub gpus: u32,
+    pub elapsed: f64,
+}
+
+/// A waiting job ahead for [`estimate_start_learned`]: its tasks and GPU count.
+pub struct Waiting {
+    pub tasks: Vec<Room>,
+    pub gpus: u32,
+}
+
+/// Draws per learned estimate.
+pub const DRAWS: usize = 15;
+
+/// The estimated start (ms) with learned durations (issue 27, item 4): not a walk over each
+/// job's point guess — a start is the first few of many ends, not each end's median — but
+/// the median start over [`DRAWS`] walks of [`estimate_start`], each with every running
+/// job's remaining time and every waiting job's duration drawn from the learned
+/// [`Survival`] of its GPU count (the running jobs counted as censored). `None` before any
+/// job ended, or when the median walk never fits the gang. Deterministic in `seed`.
+#[allow(clippy::too_many_arguments)]
+pub fn estimate_start_learned(
+    free: &[Room],
+    running: &[Running],
+    ahead: &[Waiting],
+    tasks: &[Room],
+    now: f64,
+    in_order: bool,
+    history: &Durations,
+    seed: u64,
+) -> Option<u64> {
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    let mut dists: BTreeMap<u32, Survival> = BTreeMap::new();
+    for g in running.iter().map(|r| r.gpus).chain(ahead.iter().map(|w| w.gpus)) {
+        if dists.contains_key(&g) {
+            continue;
+        }
+        let own = history.by_gpus.get(&g).is_some_and(|v| v.len() >= MIN_OWN);
+        let elapsed: Vec<f64> = running
+            .iter()
+            .filter(|r| !own || r.gpus == g)
+            .map(|r| r.elapsed)
+            .collect();
+        dists.insert(g, Survival::learn(history.ended(g), &elapsed)?);
+    }
+    // Latin hypercube: each job's draws cover the strata of (0, 1) once each, in its own
+    // shuffled order, so few walks already span every job's distribution.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let strata = |rng: &mut rand::rngs::StdRng| -> Vec<f64> {
+        let mut u: Vec<f64> = (0..DRAWS)
+            .map(|k| (k as f64 + 1.0 - rng.gen::<f64>()) / DRAWS as f64)
+            .collect();
+        u.shuffle(rng);
+        u
+    };
+    let run_u: Vec<Vec<f64>> = running.iter().map(|_| strata(&mut rng)).collect();
+    let ahead_u: Vec<Vec<f64>> = ahead.iter().map(|_| strata(&mut rng)).collect();
+    let draw = |g: u32, elapsed: f64, u: f64| dists.get(&g).map_or(0.0, |d| d.residual(elapsed, u)).max(1.0);
+    let now_ms = ms(now);
+    let mut starts: Vec<u64> = (0..DRAWS)
+        .map(|k| {
+            let releases: Vec<Release> = running
+                .iter()
+                .zip(&run_u)
+                .flat_map(|(r, u)| {
+                    let end = ms(now + draw(r.gpus, r.elapsed, u[k]));
+                    r.takes.iter().map(move |&(node, room)| Release {
+                        node,
+                        room,
+                        end_ms: Some(end),
+                    })
+                })
+                .collect();
+            let ahead: Vec<Ahead> = ahead
+                .iter()
+                .zip(&ahead_u)
+                .map(|(w, u)| Ahead {
+                    tasks: w.tasks.clone(),
+                    duration_ms: Some(ms(draw(w.gpus, 0.0, u[k]))),
+                })
+                .collect();
+            estimate_start(free, &releases, &ahead, tasks, now_ms, in_order).unwrap_or(u64::MAX)
+        })
+        .collect();
+    starts.sort_unstable();
+    let mid = starts[DRAWS / 2];
+    (mid != u64::MAX).then_some(mid)
 }
 
 /// The expected end of a job that started at `start` and is expected to take `expected`
@@ -219,15 +416,21 @@ pub fn estimate_start(
             free_gpus += u64::from(gpus);
         }
         let mut k = 0;
+        // Gangs that did not fit at this time: room only shrinks until the next end, so a
+        // later job of the same tasks does not fit either.
+        let mut failed: Vec<&[Room]> = Vec::new();
         while k < pending.len() {
             let job = pending[k];
             let need: u64 = job.tasks.iter().map(|r| u64::from(r.gpus)).sum();
-            let fit = (free_gpus >= need)
+            let fit = (free_gpus >= need && !failed.contains(&job.tasks.as_slice()))
                 .then(|| reservation::reserve(&room, &[], &job.tasks, t))
                 .flatten();
             let Some(r) = fit else {
                 if in_order {
                     break;
+                }
+                if free_gpus >= need {
+                    failed.push(&job.tasks);
                 }
                 k += 1;
                 continue;
@@ -295,6 +498,75 @@ mod tests {
             estimate_start(&[g(4)], &[rel(0, 4, None)], &[], &[g(8)], 7, false),
             None
         );
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn the_learned_distribution_counts_running_jobs_as_censored() {
+        // Ended only: the plain empirical distribution.
+        let s = Survival::learn(&[1.0, 2.0, 3.0, 4.0], &[]).unwrap();
+        assert!(close(s.at(0.5), 1.0) && close(s.at(2.0), 0.5) && close(s.at(4.0), 0.0));
+        assert!(
+            close(s.residual(0.0, 0.6), 2.0),
+            "the first duration where 60 % still run"
+        );
+        assert!(close(s.residual(2.5, 0.5), 0.5), "half of those past 2.5 s end at 3");
+        assert!(
+            close(s.residual(9.0, 0.5), s.tail_mean * 2f64.ln()),
+            "outlived them all"
+        );
+        // Two ended at 1 and 2 s while two have run 5 s: ended alone, the median would be
+        // 1.5 s; counting the two still running, half the jobs outlive 2 s.
+        let s = Survival::learn(&[1.0, 2.0], &[5.0, 5.0]).unwrap();
+        assert!(close(s.at(1.0), 0.75) && close(s.at(2.0), 0.5) && close(s.at(100.0), 0.5));
+        assert!(close(s.tail_mean, 13.0 / 2.0), "all time run over the jobs that ended");
+        assert!(close(s.residual(0.0, 0.8), 1.0));
+        // Below the last ended duration's survival: the tail from there on.
+        assert!(close(s.residual(0.0, 0.4), 2.0 + 6.5 * (0.5f64 / 0.4).ln()));
+        // A running job past every ended duration: memoryless tail.
+        assert!(close(s.residual(5.0, 0.25), 6.5 * 4f64.ln()));
+        assert!(Survival::learn(&[], &[5.0]).is_none(), "nothing ended: nothing learned");
+    }
+
+    #[test]
+    fn learned_estimates_draw_the_running_ends_and_the_queue_ahead() {
+        let mut d = Durations::default();
+        let running = |elapsed: f64| Running {
+            takes: vec![(0, g(8))],
+            gpus: 8,
+            elapsed,
+        };
+        // Nothing ended: no estimate.
+        assert_eq!(
+            estimate_start_learned(&[g(0)], &[running(30.0)], &[], &[g(8)], 1000.0, true, &d, 1),
+            None
+        );
+        // Every 8-GPU job ended at 100 s: the one that has run 30 s frees the node in 70 s,
+        // and a job ahead of ours holds it 100 s more, whatever the draws.
+        for _ in 0..MIN_OWN {
+            d.record(8, 100.0);
+        }
+        for seed in 0..5 {
+            let est = |ahead: &[Waiting]| {
+                estimate_start_learned(&[g(0)], &[running(30.0)], ahead, &[g(8)], 1000.0, true, &d, seed)
+            };
+            assert_eq!(est(&[]), Some(1_070_000));
+            let ahead = [Waiting {
+                tasks: vec![g(8)],
+                gpus: 8,
+            }];
+            assert_eq!(est(&ahead), Some(1_170_000));
+        }
+        // A job that outlived every ended one ends in the exponential tail, whose mean is
+        // all time run over the jobs that ended, (20 × 100 + 500) / 20 = 125 s: the median
+        // draw is near 125 × ln 2 = 87 s from now, the same for the same seed.
+        let late = |seed| estimate_start_learned(&[g(0)], &[running(500.0)], &[], &[g(8)], 1000.0, true, &d, seed);
+        let a = late(7).unwrap();
+        assert_eq!(late(7), Some(a), "deterministic in the seed");
+        assert!((1_060_000..1_120_000).contains(&a), "{a}");
     }
 
     #[test]
