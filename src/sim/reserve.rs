@@ -242,7 +242,8 @@ pub const DRAWS: usize = 15;
 /// the median start over [`DRAWS`] walks of [`estimate_start`], each with every running
 /// job's remaining time and every waiting job's duration drawn from the learned
 /// [`Survival`] of its GPU count (the running jobs counted as censored). `None` before any
-/// job ended, or when the median walk never fits the gang. Deterministic in `seed`.
+/// job ended (unless it starts now), or when the median walk never fits the gang.
+/// Deterministic in `seed`.
 #[allow(clippy::too_many_arguments)]
 pub fn estimate_start_learned(
     free: &[Room],
@@ -256,6 +257,29 @@ pub fn estimate_start_learned(
 ) -> Option<u64> {
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
+    // What starts now does not depend on any end (every end lies after now): the walk with
+    // no known end tells it, without learning or drawing anything.
+    let now_ms = ms(now);
+    let unknown: Vec<Release> = running
+        .iter()
+        .flat_map(|r| {
+            r.takes.iter().map(|&(node, room)| Release {
+                node,
+                room,
+                end_ms: None,
+            })
+        })
+        .collect();
+    let waiting: Vec<Ahead> = ahead
+        .iter()
+        .map(|w| Ahead {
+            tasks: w.tasks.clone(),
+            duration_ms: None,
+        })
+        .collect();
+    if estimate_start(free, &unknown, &waiting, tasks, now_ms, in_order) == Some(now_ms) {
+        return Some(now_ms);
+    }
     let mut dists: BTreeMap<u32, Survival> = BTreeMap::new();
     for g in running.iter().map(|r| r.gpus).chain(ahead.iter().map(|w| w.gpus)) {
         if dists.contains_key(&g) {
@@ -282,7 +306,6 @@ pub fn estimate_start_learned(
     let run_u: Vec<Vec<f64>> = running.iter().map(|_| strata(&mut rng)).collect();
     let ahead_u: Vec<Vec<f64>> = ahead.iter().map(|_| strata(&mut rng)).collect();
     let draw = |g: u32, elapsed: f64, u: f64| dists.get(&g).map_or(0.0, |d| d.residual(elapsed, u)).max(1.0);
-    let now_ms = ms(now);
     let mut starts: Vec<u64> = (0..DRAWS)
         .map(|k| {
             let releases: Vec<Release> = running
@@ -539,7 +562,12 @@ mod tests {
             gpus: 8,
             elapsed,
         };
-        // Nothing ended: no estimate.
+        // Nothing ended, but the room is free: now, with nothing to learn or draw.
+        assert_eq!(
+            estimate_start_learned(&[g(8)], &[running(30.0)], &[], &[g(8)], 1000.0, false, &d, 1),
+            Some(1_000_000)
+        );
+        // Nothing ended and the room is held: no estimate.
         assert_eq!(
             estimate_start_learned(&[g(0)], &[running(30.0)], &[], &[g(8)], 1000.0, true, &d, 1),
             None
