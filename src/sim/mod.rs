@@ -485,7 +485,7 @@ impl Engine<'_> {
             let end = self
                 .expected
                 .get(jid)
-                .and_then(|&(start, exp)| exp.map(|e| ms(reserve::expected_end(start, e, now))));
+                .and_then(|&(start, exp)| exp.map(|e| ms(reservation::expected_end(start, e, now))));
             for (node, room) in reserve::takes(placed, &self.jobs[*jid].tasks) {
                 out.push(Release {
                     node,

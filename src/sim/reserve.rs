@@ -336,17 +336,6 @@ pub fn estimate_start_learned(
     (mid != u64::MAX).then_some(mid)
 }
 
-/// The expected end of a job that started at `start` and is expected to take `expected`
-/// seconds, seen at `now`: a job still running past its expectation is expected to take
-/// twice as long again (doubling until the end lies after `now`).
-pub fn expected_end(start: f64, expected: f64, now: f64) -> f64 {
-    let mut e = expected.max(1.0);
-    while start + e <= now {
-        e *= 2.0;
-    }
-    start + e
-}
-
 /// Seconds as whole milliseconds (the scheduler's clock).
 pub fn ms(t: f64) -> u64 {
     (t.max(0.0) * 1000.0).round() as u64
@@ -620,9 +609,5 @@ mod tests {
             Some(100.0),
             "all jobs: 5, 100, 200, 300"
         );
-        // Past its expectation, a job is expected to take twice as long again.
-        assert_eq!(expected_end(10.0, 100.0, 50.0), 110.0);
-        assert_eq!(expected_end(10.0, 100.0, 110.0), 210.0);
-        assert_eq!(expected_end(10.0, 100.0, 500.0), 810.0);
     }
 }

@@ -89,6 +89,19 @@ fn pack(room: &[Room], tasks: &[Room]) -> Option<Vec<usize>> {
     Some(at)
 }
 
+/// The expected end of work that started at `start` and is expected to take `expected`,
+/// seen at `now` (one clock, any unit; at least one unit long): work still running past its
+/// expectation is expected to take twice as long again (doubling until the end lies after
+/// `now`), so a wrong guess never says "it ends now" again and again. The RM's learned ends
+/// (ms) and the simulator's (s) both follow it.
+pub fn expected_end(start: f64, expected: f64, now: f64) -> f64 {
+    let mut e = expected.max(1.0);
+    while start + e <= now {
+        e *= 2.0;
+    }
+    start + e
+}
+
 /// The earliest time `tasks` (a gang: all or none) fit as `releases` end, from the room
 /// `free` now; `None` when they never fit on what is known to end.
 pub fn reserve(free: &[Room], releases: &[Release], tasks: &[Room], now_ms: u64) -> Option<Reservation> {
@@ -156,6 +169,20 @@ pub(crate) mod tests {
             cpu: gpus,
             memory_mb: 1024 * u64::from(gpus),
         }
+    }
+
+    #[test]
+    fn work_past_its_expected_end_is_expected_to_take_twice_as_long_again() {
+        assert_eq!(expected_end(10.0, 100.0, 50.0), 110.0);
+        assert_eq!(expected_end(10.0, 100.0, 110.0), 210.0);
+        assert_eq!(expected_end(10.0, 100.0, 500.0), 810.0);
+        assert_eq!(expected_end(10.0, 0.0, 10.5), 11.0, "at least one unit");
+        // In ms since the epoch, as the RM calls it: exact in f64.
+        let (start, now) = (1_790_000_000_000u64, 1_790_000_250_000u64);
+        assert_eq!(
+            expected_end(start as f64, 100_000.0, now as f64) as u64,
+            start + 400_000
+        );
     }
 
     pub(crate) fn rel(node: usize, gpus: u32, end_ms: Option<u64>) -> Release {

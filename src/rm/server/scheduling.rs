@@ -219,8 +219,10 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
         };
         if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
             let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
+            // Past the role's median: twice as long again, not "now" at every estimate.
+            let end = scheduler::reservation::expected_end(from as f64, *ms as f64, wall as f64);
             built.snap.ends[h] = Expected {
-                end_ms: Some(from.saturating_add(*ms).max(wall)),
+                end_ms: Some((end as u64).max(wall)),
                 basis: EndBasis::Learned,
             };
         }
