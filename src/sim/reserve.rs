@@ -1,7 +1,9 @@
 //! Reservations, backfill and start-time estimates in the policy simulator (issue 27, items 3
 //! and 4): what a running or waiting job is expected to take (a declared limit, or one learned
 //! from the jobs that ended before), and the estimated start of a job at its submit from the
-//! running jobs' expected ends and the queue ahead. The reservation itself, its start and the
+//! running jobs' expected ends and the queue ahead — with learned limits, the median of
+//! walks whose ends are drawn from a censored duration distribution ([`Survival`]). The
+//! reservation itself, its start, the doubling of overdue ends and the
 //! backfill test are the RM's ([`crate::rm::scheduler::reservation`]); this file only feeds it.
 //! Pure: no I/O, time passed in.
 
@@ -116,9 +118,7 @@ impl Durations {
             Limit::Learned => median(self.by_gpus.get(&gpus).map_or(&[][..], |v| v)).or_else(|| median(&self.all)),
         }
     }
-}
 
-impl Durations {
     /// The ended durations of jobs of `gpus` GPUs, or of all jobs when fewer than
     /// [`MIN_OWN`] of that count have ended.
     fn ended(&self, gpus: u32) -> &[f64] {
