@@ -148,11 +148,11 @@ impl Node {
     /// Replaces what the RM reports (labels, rack, state, total, used) and keeps the
     /// AM-side `requested`, as the original's upsert did.
     pub fn update_from_report(&mut self, report: Node) {
-        let requested = self.requested().clone();
+        let kept = Arc::clone(&self.amounts);
         *self = report;
         // Equal amounts stay shared (the report's `free` already counts what it requests).
-        if self.requested() != &requested {
-            self.set_requested(requested);
+        if self.requested() != &kept.requested {
+            self.set_requested(kept.requested.clone());
         }
     }
 }

@@ -72,15 +72,23 @@ fn is_zero_ms(ms: &u64) -> bool {
 }
 
 impl LedgerContainer {
-    /// When it is expected to end by its declared limit (ms since the epoch): `None` when
-    /// it declared none; counted from the grant while it has not started yet.
-    pub fn declared_end_ms(&self) -> Option<u64> {
-        let from = if self.started_ms > 0 {
+    /// When its run started (ms since the epoch): when its executor started it, else (not
+    /// started yet, or stored by an older RM) when it was granted.
+    pub fn run_from_ms(&self) -> u64 {
+        if self.started_ms > 0 {
             self.started_ms
         } else {
             self.allocated_ms
-        };
-        Some(from.saturating_add(self.max_run_sec?.saturating_mul(1000)))
+        }
+    }
+
+    /// When it is expected to end by its declared limit (ms since the epoch): `None` when
+    /// it declared none; counted from [`Self::run_from_ms`].
+    pub fn declared_end_ms(&self) -> Option<u64> {
+        Some(
+            self.run_from_ms()
+                .saturating_add(self.max_run_sec?.saturating_mul(1000)),
+        )
     }
 }
 

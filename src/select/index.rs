@@ -311,10 +311,15 @@ impl NodeIndex {
         ((u64::from(slot) + 1).wrapping_mul(self.salt) >> 32) as u32
     }
 
+    /// `node`'s place in its bucket: free cores, free memory, then the salted tie.
+    fn member_of(&self, node: &Node, slot: u32) -> Member {
+        (node.free().cpu, node.free().memory_mb, self.salted_tie(slot), slot)
+    }
+
     /// Where `node` files: its slot's entry (bucket, place in it, rack).
     fn entry_of(&mut self, node: &Node, slot: u32) -> Entry {
         let key = self.key_of(node);
-        let member = (node.free().cpu, node.free().memory_mb, self.salted_tie(slot), slot);
+        let member = self.member_of(node, slot);
         let bucket = self.bucket_for(key);
         let rack = self.rack_ids.id(&node.rack);
         Entry { bucket, member, rack }
@@ -397,7 +402,7 @@ impl NodeIndex {
             let e = match last {
                 Some((p, bucket, rack)) if same_key(p, n) => Entry {
                     bucket,
-                    member: (n.free().cpu, n.free().memory_mb, self.salted_tie(slot), slot),
+                    member: self.member_of(n, slot),
                     rack: if p.rack == n.rack {
                         rack
                     } else {

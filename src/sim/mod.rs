@@ -501,20 +501,12 @@ impl Engine<'_> {
     /// the running jobs' expected ends through [`reserve::estimate_start`], walked in the
     /// simulator's discipline (FIFO, or backfill: jobs that fit overtake).
     fn estimate(&mut self, jid: usize, now: f64) {
-        let ahead: Vec<Ahead> = self
-            .queue
-            .iter()
-            .take_while(|&&j| j != jid)
-            .map(|&j| {
-                let job = &self.jobs[j];
-                Ahead {
-                    tasks: rooms(job),
-                    duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
-                }
-            })
-            .collect();
+        let ahead_ids: Vec<usize> = self.queue.iter().copied().take_while(|&j| j != jid).collect();
+        let ahead_rooms: Vec<Vec<Room>> = ahead_ids.iter().map(|&j| rooms(&self.jobs[j])).collect();
         let tasks = rooms(&self.jobs[jid]);
-        if self.mode.limit == reserve::Limit::Learned {
+        let free = reserve::free_rooms(&self.cl);
+        let in_order = !self.mode.backfill;
+        let start = if self.mode.limit == reserve::Limit::Learned {
             // In job order: the draws follow the jobs, and a replay is deterministic.
             let mut ids: Vec<(&usize, &Vec<(usize, GpuMask)>)> = self.running.iter().collect();
             ids.sort_unstable_by_key(|(j, _)| **j);
@@ -526,36 +518,39 @@ impl Engine<'_> {
                     elapsed: self.expected.get(j).map_or(0.0, |&(start, _)| now - start),
                 })
                 .collect();
-            let waiting: Vec<reserve::Waiting> = ahead
-                .into_iter()
-                .zip(self.queue.iter())
-                .map(|(a, &j)| reserve::Waiting {
-                    tasks: a.tasks,
+            let waiting: Vec<reserve::Waiting> = ahead_ids
+                .iter()
+                .zip(&ahead_rooms)
+                .map(|(&j, r)| reserve::Waiting {
+                    tasks: r,
                     gpus: self.jobs[j].gpus(),
                 })
                 .collect();
-            if let Some(t) = reserve::estimate_start_learned(
-                &reserve::free_rooms(&self.cl),
+            reserve::estimate_start_learned(
+                &free,
                 &running,
                 &waiting,
                 &tasks,
                 now,
-                !self.mode.backfill,
+                in_order,
                 &self.history,
                 jid as u64,
-            ) {
-                self.estimates.insert(jid, t as f64 / 1000.0);
-            }
-            return;
-        }
-        if let Some(t) = reserve::estimate_start(
-            &reserve::free_rooms(&self.cl),
-            &self.releases(now),
-            &ahead,
-            &tasks,
-            ms(now),
-            !self.mode.backfill,
-        ) {
+            )
+        } else {
+            let ahead: Vec<Ahead> = ahead_ids
+                .iter()
+                .zip(&ahead_rooms)
+                .map(|(&j, r)| {
+                    let job = &self.jobs[j];
+                    Ahead {
+                        tasks: r,
+                        duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
+                    }
+                })
+                .collect();
+            reserve::estimate_start(&free, &self.releases(now), &ahead, &tasks, ms(now), in_order)
+        };
+        if let Some(t) = start {
             self.estimates.insert(jid, t as f64 / 1000.0);
         }
     }

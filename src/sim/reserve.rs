@@ -120,7 +120,8 @@ impl Durations {
     }
 
     /// The ended durations of jobs of `gpus` GPUs, or of all jobs when fewer than
-    /// [`MIN_OWN`] of that count have ended.
+    /// [`MIN_OWN`] of that count have ended: a [`Survival`] needs more than the one ended
+    /// job a median does, so its fallback lasts longer than [`Self::expected`]'s.
     fn ended(&self, gpus: u32) -> &[f64] {
         match self.by_gpus.get(&gpus) {
             Some(v) if v.len() >= MIN_OWN => v,
@@ -229,8 +230,8 @@ pub struct Running {
 }
 
 /// A waiting job ahead for [`estimate_start_learned`]: its tasks and GPU count.
-pub struct Waiting {
-    pub tasks: Vec<Room>,
+pub struct Waiting<'a> {
+    pub tasks: &'a [Room],
     pub gpus: u32,
 }
 
@@ -273,7 +274,7 @@ pub fn estimate_start_learned(
     let waiting: Vec<Ahead> = ahead
         .iter()
         .map(|w| Ahead {
-            tasks: w.tasks.clone(),
+            tasks: w.tasks,
             duration_ms: None,
         })
         .collect();
@@ -324,7 +325,7 @@ pub fn estimate_start_learned(
                 .iter()
                 .zip(&ahead_u)
                 .map(|(w, u)| Ahead {
-                    tasks: w.tasks.clone(),
+                    tasks: w.tasks,
                     duration_ms: Some(ms(draw(w.gpus, 0.0, u[k]))),
                 })
                 .collect();
@@ -379,8 +380,8 @@ pub fn takes(placed: &[(usize, GpuMask)], tasks: &[Task]) -> Vec<(usize, Room)> 
 
 /// One waiting gang for [`estimate_start`]: its tasks and expected duration (ms; `None`:
 /// unknown, it never ends as far as the estimate knows).
-pub struct Ahead {
-    pub tasks: Vec<Room>,
+pub struct Ahead<'a> {
+    pub tasks: &'a [Room],
     pub duration_ms: Option<u64>,
 }
 
@@ -410,7 +411,7 @@ pub fn estimate_start(
         .collect();
     let mut free_gpus: u64 = room.iter().map(|r| u64::from(r.gpus)).sum();
     let me = Ahead {
-        tasks: tasks.to_vec(),
+        tasks,
         duration_ms: None,
     };
     let mut pending: Vec<&Ahead> = ahead.iter().chain(std::iter::once(&me)).collect();
@@ -434,15 +435,15 @@ pub fn estimate_start(
         while k < pending.len() {
             let job = pending[k];
             let need: u64 = job.tasks.iter().map(|r| u64::from(r.gpus)).sum();
-            let fit = (free_gpus >= need && !failed.contains(&job.tasks.as_slice()))
-                .then(|| reservation::reserve(&room, &[], &job.tasks, t))
+            let fit = (free_gpus >= need && !failed.contains(&job.tasks))
+                .then(|| reservation::reserve(&room, &[], job.tasks, t))
                 .flatten();
             let Some(r) = fit else {
                 if in_order {
                     break;
                 }
                 if free_gpus >= need {
-                    failed.push(&job.tasks);
+                    failed.push(job.tasks);
                 }
                 k += 1;
                 continue;
@@ -482,7 +483,7 @@ mod tests {
         assert_eq!(estimate_start(&free, &releases, &[], &[g(8), g(8)], 0, true), Some(300));
         // Behind an 8-GPU job of 1000 ms (it takes node 0 at 100): the gang waits until 1100.
         let ahead = [Ahead {
-            tasks: vec![g(8)],
+            tasks: &[g(8)],
             duration_ms: Some(1000),
         }];
         assert_eq!(
@@ -500,7 +501,7 @@ mod tests {
         );
         // Ahead with no known end: the gang never gets node 0 back.
         let unknown = [Ahead {
-            tasks: vec![g(8)],
+            tasks: &[g(8)],
             duration_ms: None,
         }];
         assert_eq!(estimate_start(&free, &releases, &unknown, &[g(8), g(8)], 0, true), None);
@@ -572,7 +573,7 @@ mod tests {
             };
             assert_eq!(est(&[]), Some(1_070_000));
             let ahead = [Waiting {
-                tasks: vec![g(8)],
+                tasks: &[g(8)],
                 gpus: 8,
             }];
             assert_eq!(est(&ahead), Some(1_170_000));

@@ -218,11 +218,11 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
             continue;
         };
         if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
-            let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
-            // Past the role's median: twice as long again, not "now" at every estimate.
-            let end = scheduler::reservation::expected_end(from as f64, *ms as f64, wall as f64);
+            // Past the role's median: twice as long again, not "now" at every estimate
+            // (`expected_end` lies after `wall`).
+            let end = scheduler::reservation::expected_end(c.run_from_ms() as f64, *ms as f64, wall as f64);
             built.snap.ends[h] = Expected {
-                end_ms: Some((end as u64).max(wall)),
+                end_ms: Some(end as u64),
                 basis: EndBasis::Learned,
             };
         }
@@ -251,8 +251,7 @@ fn learned_run_ms<'a>(
         let Some(runs) = role_of(c).and_then(|r| want.get_mut(&(c.app_id.as_str(), r))) else {
             continue;
         };
-        let from = if c.started_ms > 0 { c.started_ms } else { c.allocated_ms };
-        runs.push(c.ended_ms.saturating_sub(from));
+        runs.push(c.ended_ms.saturating_sub(c.run_from_ms()));
     }
     want.into_iter()
         .filter(|(_, runs)| !runs.is_empty())

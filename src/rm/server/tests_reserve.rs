@@ -371,18 +371,11 @@ async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
             // `long` has outlived `quick`'s run (the role's median): it is expected to take
             // that run doubled until the end lies ahead (from its start), not to end now.
             let st = rm.shared.lock();
-            let from = |c: &crate::rm::ledger::LedgerContainer| {
-                if c.started_ms > 0 {
-                    c.started_ms
-                } else {
-                    c.allocated_ms
-                }
-            };
             let l = st.ledger.container(&long.container_id).unwrap();
             let q = st.ledger.container(&quick.container_id).unwrap();
-            let run = q.ended_ms.saturating_sub(from(q)).max(1);
+            let run = q.ended_ms.saturating_sub(q.run_from_ms()).max(1);
             let end = e.end_ms.unwrap();
-            let span = end - from(l);
+            let span = end - l.run_from_ms();
             assert!(
                 span % run == 0 && (span / run).is_power_of_two(),
                 "end {end}: {span} ms from its start is not {run} ms doubled"
