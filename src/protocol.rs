@@ -396,8 +396,14 @@ pub struct StartBasis {
     pub unknown: u32,
 }
 
+impl StartBasis {
+    pub fn is_zero(&self) -> bool {
+        *self == StartBasis::default()
+    }
+}
+
 /// When a waiting application is expected to start, and on what basis (issue 27, item 4;
-/// `rm::scheduler::reserved::estimate`): in the job route's `waiting.estimate`, the cluster
+/// `rm::scheduler::reserved::estimates`): in the job route's `waiting.estimate`, the cluster
 /// page's `startEstimate` and the AM's allocate answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -407,6 +413,10 @@ pub struct StartEstimate {
     /// The running containers it rests on.
     #[serde(default)]
     pub basis: StartBasis,
+    /// The waiting jobs ahead of it (on nodes it may use too), by where their expected
+    /// run time comes from (`maxRunSec`, learned, none).
+    #[serde(default, skip_serializing_if = "StartBasis::is_zero")]
+    pub queue_ahead: StartBasis,
     /// Another gang's reservation it starts after, if any, named by its size (never by its
     /// application id: it may be another tenant's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -477,6 +487,10 @@ pub struct WaitingTasks {
     /// nodes (`select.allow_none_gpu_job_on_gpu_node` off).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub keep_off_gpu_nodes: bool,
+    /// The role's declared run-time limit (`maxRunSec`, issue 27): how long these tasks
+    /// hold their room once started, for the start estimates of the jobs behind them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_run_sec: Option<u64>,
 }
 
 fn is_zero(m: &GpuMask) -> bool {

@@ -71,6 +71,7 @@ pub fn role_waiting(role: &TaskRole, count: u32, job_uses_gpus: bool, select: &S
             0
         },
         keep_off_gpu_nodes: !job_uses_gpus && !select.allow_none_gpu_job_on_gpu_node,
+        max_run_sec: role.max_run_sec,
     }
 }
 

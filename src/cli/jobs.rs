@@ -274,7 +274,7 @@ pub(crate) async fn status(a: &StatusArgs, tls: &TlsSettings) -> i32 {
 }
 
 /// "expected to start 11-26 15:40 UTC (in 10m); basis: …", or why it cannot be told (issue
-/// 27): the RM's estimate (`rm::scheduler::reserved::estimate`) in the terminal's words.
+/// 27): the RM's estimate (`rm::scheduler::reserved::estimates`) in the terminal's words.
 pub(crate) fn estimate_line(e: &crate::rm::scheduler::reserved::StartEstimate, now: u64) -> String {
     match e.start_ms {
         Some(at) if at <= now => format!("expected to start now; basis: {}", e.text),

@@ -40,6 +40,7 @@ use crate::spec::{JobSpec, TaskResources, TaskRole};
 use crate::topology::{choose, Topology};
 
 use crate::rm::scheduler::reservation::{self, Policy, Release, Reservation, Room};
+use crate::rm::scheduler::walk::Reserved;
 use cluster::{SimCluster, Task};
 use metrics::{PolicyResult, RunStats};
 use policies::NodePolicy;
@@ -371,6 +372,9 @@ struct Engine<'a> {
     history: Durations,
     /// Per waiting job: its estimated start, made at its submit.
     estimates: HashMap<usize, f64>,
+    /// The reservation the last backfill pass left (its holder, and the room it books),
+    /// which the start estimates honour.
+    reserved: Option<(usize, Reservation)>,
     /// GPUs held by running jobs, and the time up to which their use is counted.
     used_gpus: u64,
     counted_to: f64,
@@ -504,8 +508,25 @@ impl Engine<'_> {
         let ahead_ids: Vec<usize> = self.queue.iter().copied().take_while(|&j| j != jid).collect();
         let ahead_rooms: Vec<Vec<Room>> = ahead_ids.iter().map(|&j| rooms(&self.jobs[j])).collect();
         let tasks = rooms(&self.jobs[jid]);
+        // Its own expected duration (the reservation lets it backfill by it).
+        let mine = &self.jobs[jid];
+        let me = Ahead {
+            tasks: &tasks,
+            duration_ms: self
+                .history
+                .expected(self.mode.limit, mine.gpus(), mine.duration)
+                .map(ms),
+        };
         let free = reserve::free_rooms(&self.cl);
         let in_order = !self.mode.backfill;
+        // The reservation a gang ahead holds: the others start only where it lets them.
+        let reserved = self.reserved.as_ref().and_then(|(h, r)| {
+            Some(Reserved {
+                holder: ahead_ids.iter().position(|j| j == h)?,
+                reservation: r.clone(),
+                exempt_below: 0,
+            })
+        });
         let start = if self.mode.limit == reserve::Limit::Learned {
             // In job order: the draws follow the jobs, and a replay is deterministic.
             let mut ids: Vec<(&usize, &Vec<(usize, GpuMask)>)> = self.running.iter().collect();
@@ -530,9 +551,10 @@ impl Engine<'_> {
                 &free,
                 &running,
                 &waiting,
-                &tasks,
+                &me,
                 now,
                 in_order,
+                reserved.as_ref(),
                 &self.history,
                 jid as u64,
             )
@@ -548,7 +570,15 @@ impl Engine<'_> {
                     }
                 })
                 .collect();
-            reserve::estimate_start(&free, &self.releases(now), &ahead, &tasks, ms(now), in_order)
+            reserve::estimate_start(
+                &free,
+                &self.releases(now),
+                &ahead,
+                &me,
+                ms(now),
+                in_order,
+                reserved.as_ref(),
+            )
         };
         if let Some(t) = start {
             self.estimates.insert(jid, t as f64 / 1000.0);
@@ -637,7 +667,9 @@ impl Engine<'_> {
             self.queue.retain(|&x| x != j);
             self.start(j, placed, now);
         }
-        if self.running.is_empty() && held.is_none() {
+        let idle = self.running.is_empty() && held.is_none();
+        self.reserved = held;
+        if idle {
             // Nothing runs and what waits did not fit an empty cluster: it never will.
             let n = self.queue.len() as u64;
             if n > 0 && self.wake.is_infinite() {
@@ -850,6 +882,7 @@ pub fn simulate_queueing(
         expected: HashMap::new(),
         history: Durations::default(),
         estimates: HashMap::new(),
+        reserved: None,
         used_gpus: 0,
         counted_to: 0.0,
         topology_wait,

@@ -7,12 +7,12 @@
 //! backfill test are the RM's ([`crate::rm::scheduler::reservation`]); this file only feeds it.
 //! Pure: no I/O, time passed in.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::BTreeMap;
 
 use super::cluster::{SimCluster, Task};
 use crate::resources::GpuMask;
-use crate::rm::scheduler::reservation::{self, Policy, Release, Room};
+use crate::rm::scheduler::reservation::{Policy, Release, Room};
+use crate::rm::scheduler::walk::{self, Discipline, Queued, Reserved};
 
 /// Where a job's expected duration comes from.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -250,9 +250,10 @@ pub fn estimate_start_learned(
     free: &[Room],
     running: &[Running],
     ahead: &[Waiting],
-    tasks: &[Room],
+    me: &Ahead,
     now: f64,
     in_order: bool,
+    reserved: Option<&Reserved>,
     history: &Durations,
     seed: u64,
 ) -> Option<u64> {
@@ -278,7 +279,7 @@ pub fn estimate_start_learned(
             duration_ms: None,
         })
         .collect();
-    if estimate_start(free, &unknown, &waiting, tasks, now_ms, in_order) == Some(now_ms) {
+    if estimate_start(free, &unknown, &waiting, me, now_ms, in_order, reserved) == Some(now_ms) {
         return Some(now_ms);
     }
     let mut dists: BTreeMap<u32, Survival> = BTreeMap::new();
@@ -329,7 +330,7 @@ pub fn estimate_start_learned(
                     duration_ms: Some(ms(draw(w.gpus, 0.0, u[k]))),
                 })
                 .collect();
-            estimate_start(free, &releases, &ahead, tasks, now_ms, in_order).unwrap_or(u64::MAX)
+            estimate_start(free, &releases, &ahead, me, now_ms, in_order, reserved).unwrap_or(u64::MAX)
         })
         .collect();
     starts.sort_unstable();
@@ -385,92 +386,49 @@ pub struct Ahead<'a> {
     pub duration_ms: Option<u64>,
 }
 
-/// A room freed at a time: (end ms, node, GPUs, CPU, memory MB), earliest first.
-type End = Reverse<(u64, usize, u32, u32, u64)>;
-
-/// The estimated start (ms) of the gang `tasks` submitted at `now_ms`, behind the jobs
-/// `ahead` (in queue order), as the running jobs' `releases` and the started ones' expected
-/// ends free room. At each time, the waiting jobs are tried in queue order and each that
-/// fits ([`reservation::reserve`] on the room then) starts and holds its room for its
-/// expected duration; `in_order` (FIFO): the first that does not fit blocks those behind
-/// it; otherwise (backfill) the others are still tried. The gang's estimate is the time it
-/// starts in that walk; `None` when it never fits on what is known to end.
+/// The estimated start (ms) of the gang `me` (its tasks, and its expected duration, which
+/// decides whether it may backfill past a reservation) submitted at `now_ms`, behind the
+/// jobs `ahead` (in queue order), as the running jobs' `releases` and the started ones' expected
+/// ends free room: the RM's queue walk ([`walk::starts`]) watching the gang, in the
+/// simulator's discipline (`in_order`: FIFO; else backfill), honouring `reserved` (a job
+/// ahead holds a reservation: the others start only where it lets them). `None` when it
+/// never fits on what is known to end.
 pub fn estimate_start(
     free: &[Room],
     releases: &[Release],
     ahead: &[Ahead],
-    tasks: &[Room],
+    me: &Ahead,
     now_ms: u64,
     in_order: bool,
+    reserved: Option<&Reserved>,
 ) -> Option<u64> {
-    let mut room = free.to_vec();
-    let mut ends: BinaryHeap<End> = releases
+    let queue: Vec<Queued> = ahead
         .iter()
-        .filter(|r| r.node < room.len())
-        .filter_map(|r| Some(Reverse((r.end_ms?, r.node, r.room.gpus, r.room.cpu, r.room.memory_mb))))
+        .chain(std::iter::once(me))
+        .map(|a| (a.tasks, a.duration_ms))
+        .map(|(tasks, duration_ms)| Queued {
+            tasks,
+            duration_ms,
+            eligible: None,
+        })
         .collect();
-    let mut free_gpus: u64 = room.iter().map(|r| u64::from(r.gpus)).sum();
-    let me = Ahead {
-        tasks,
-        duration_ms: None,
+    let me = queue.len() - 1;
+    let d = Discipline {
+        in_order,
+        watch: Some(me),
+        reservation: reserved.filter(|r| r.holder < me).cloned(),
+        ..Discipline::default()
     };
-    let mut pending: Vec<&Ahead> = ahead.iter().chain(std::iter::once(&me)).collect();
-    let mut t = now_ms;
-    loop {
-        while let Some(Reverse((e, node, gpus, cpu, mem))) = ends.peek().copied() {
-            if e > t {
-                break;
-            }
-            ends.pop();
-            let r = &mut room[node];
-            r.gpus += gpus;
-            r.cpu += cpu;
-            r.memory_mb += mem;
-            free_gpus += u64::from(gpus);
-        }
-        let mut k = 0;
-        // Gangs that did not fit at this time: room only shrinks until the next end, so a
-        // later job of the same tasks does not fit either.
-        let mut failed: Vec<&[Room]> = Vec::new();
-        while k < pending.len() {
-            let job = pending[k];
-            let need: u64 = job.tasks.iter().map(|r| u64::from(r.gpus)).sum();
-            let fit = (free_gpus >= need && !failed.contains(&job.tasks))
-                .then(|| reservation::reserve(&room, &[], job.tasks, t))
-                .flatten();
-            let Some(r) = fit else {
-                if in_order {
-                    break;
-                }
-                if free_gpus >= need {
-                    failed.push(job.tasks);
-                }
-                k += 1;
-                continue;
-            };
-            if k == pending.len() - 1 {
-                return Some(t);
-            }
-            for (task, &node) in job.tasks.iter().zip(&r.nodes) {
-                let n = &mut room[node];
-                n.gpus = n.gpus.saturating_sub(task.gpus);
-                n.cpu = n.cpu.saturating_sub(task.cpu);
-                n.memory_mb = n.memory_mb.saturating_sub(task.memory_mb);
-                free_gpus = free_gpus.saturating_sub(u64::from(task.gpus));
-                if let Some(d) = job.duration_ms {
-                    ends.push(Reverse((t + d, node, task.gpus, task.cpu, task.memory_mb)));
-                }
-            }
-            pending.remove(k);
-        }
-        t = ends.peek()?.0 .0;
-    }
+    walk::starts(free, releases, &queue, now_ms, d).start_ms[me]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rm::scheduler::reservation::tests::{g, rel};
+    use crate::rm::scheduler::reservation::{
+        self,
+        tests::{g, rel},
+    };
 
     #[test]
     fn the_estimate_waits_for_the_running_ends_and_the_queue_ahead() {
@@ -478,25 +436,40 @@ mod tests {
         let free = [g(0), g(0)];
         let releases = [rel(0, 8, Some(100)), rel(1, 4, Some(50)), rel(1, 4, Some(300))];
         // Alone, a 4-GPU job starts at 50, an 8-GPU one at 100, a 16-GPU gang at 300.
-        assert_eq!(estimate_start(&free, &releases, &[], &[g(4)], 0, true), Some(50));
-        assert_eq!(estimate_start(&free, &releases, &[], &[g(8)], 0, true), Some(100));
-        assert_eq!(estimate_start(&free, &releases, &[], &[g(8), g(8)], 0, true), Some(300));
+        assert_eq!(
+            estimate_start(&free, &releases, &[], &me(&[g(4)]), 0, true, None),
+            Some(50)
+        );
+        assert_eq!(
+            estimate_start(&free, &releases, &[], &me(&[g(8)]), 0, true, None),
+            Some(100)
+        );
+        assert_eq!(
+            estimate_start(&free, &releases, &[], &me(&[g(8), g(8)]), 0, true, None),
+            Some(300)
+        );
         // Behind an 8-GPU job of 1000 ms (it takes node 0 at 100): the gang waits until 1100.
         let ahead = [Ahead {
             tasks: &[g(8)],
             duration_ms: Some(1000),
         }];
         assert_eq!(
-            estimate_start(&free, &releases, &ahead, &[g(8), g(8)], 0, true),
+            estimate_start(&free, &releases, &ahead, &me(&[g(8), g(8)]), 0, true, None),
             Some(1100)
         );
         // FIFO: a 4-GPU job behind it starts no earlier than it (at 100, on node 1).
-        assert_eq!(estimate_start(&free, &releases, &ahead, &[g(4)], 0, true), Some(100));
+        assert_eq!(
+            estimate_start(&free, &releases, &ahead, &me(&[g(4)]), 0, true, None),
+            Some(100)
+        );
         // Backfill: it takes node 1's four GPUs at 50, before the 8-GPU job ahead starts.
-        assert_eq!(estimate_start(&free, &releases, &ahead, &[g(4)], 0, false), Some(50));
+        assert_eq!(
+            estimate_start(&free, &releases, &ahead, &me(&[g(4)]), 0, false, None),
+            Some(50)
+        );
         // ... and a gang behind a blocked one still waits for the room the walk leaves it.
         assert_eq!(
-            estimate_start(&free, &releases, &ahead, &[g(8), g(8)], 0, false),
+            estimate_start(&free, &releases, &ahead, &me(&[g(8), g(8)]), 0, false, None),
             Some(1100)
         );
         // Ahead with no known end: the gang never gets node 0 back.
@@ -504,13 +477,56 @@ mod tests {
             tasks: &[g(8)],
             duration_ms: None,
         }];
-        assert_eq!(estimate_start(&free, &releases, &unknown, &[g(8), g(8)], 0, true), None);
-        // Fits now: now.
-        assert_eq!(estimate_start(&[g(8)], &[], &[], &[g(8)], 7, true), Some(7));
         assert_eq!(
-            estimate_start(&[g(4)], &[rel(0, 4, None)], &[], &[g(8)], 7, false),
+            estimate_start(&free, &releases, &unknown, &me(&[g(8), g(8)]), 0, true, None),
             None
         );
+        // Fits now: now.
+        assert_eq!(estimate_start(&[g(8)], &[], &[], &me(&[g(8)]), 7, true, None), Some(7));
+        assert_eq!(
+            estimate_start(&[g(4)], &[rel(0, 4, None)], &[], &me(&[g(8)]), 7, false, None),
+            None
+        );
+    }
+
+    /// The job estimated, with no expected duration.
+    fn me(tasks: &[Room]) -> Ahead<'_> {
+        Ahead {
+            tasks,
+            duration_ms: None,
+        }
+    }
+
+    /// A gang ahead holds a reservation: a job that would take its room waits for it to
+    /// start and end, unless its own expected duration ends before the gang's start.
+    #[test]
+    fn the_estimate_honours_the_reservation_of_a_gang_ahead() {
+        // Node 0 frees 8 at 100, node 1 has 4 free and frees 4 at 200; the gang of 2 × 8
+        // (1000 ms) is reserved for 200.
+        let free = [g(0), g(4)];
+        let releases = [rel(0, 8, Some(100)), rel(1, 4, Some(200))];
+        let gang = [g(8), g(8)];
+        let reserved = Reserved {
+            holder: 0,
+            reservation: reservation::reserve(&free, &releases, &gang, 0).unwrap(),
+            exempt_below: 0,
+        };
+        let ahead = [Ahead {
+            tasks: &gang,
+            duration_ms: Some(1000),
+        }];
+        let four = [g(4)];
+        let est = |duration_ms, r: Option<&Reserved>| {
+            let me = Ahead {
+                tasks: &four,
+                duration_ms,
+            };
+            estimate_start(&free, &releases, &ahead, &me, 0, false, r)
+        };
+        assert_eq!(est(Some(5000), None), Some(0), "no reservation: it takes node 1 now");
+        assert_eq!(est(Some(5000), Some(&reserved)), Some(1200), "after the gang");
+        assert_eq!(est(Some(150), Some(&reserved)), Some(0), "it ends by the gang's start");
+        assert_eq!(est(None, Some(&reserved)), Some(1200));
     }
 
     fn close(a: f64, b: f64) -> bool {
@@ -554,12 +570,12 @@ mod tests {
         };
         // Nothing ended, but the room is free: now, with nothing to learn or draw.
         assert_eq!(
-            estimate_start_learned(&[g(8)], &[running(30.0)], &[], &[g(8)], 1000.0, false, &d, 1),
+            estimate_start_learned(&[g(8)], &[running(30.0)], &[], &me(&[g(8)]), 1000.0, false, None, &d, 1),
             Some(1_000_000)
         );
         // Nothing ended and the room is held: no estimate.
         assert_eq!(
-            estimate_start_learned(&[g(0)], &[running(30.0)], &[], &[g(8)], 1000.0, true, &d, 1),
+            estimate_start_learned(&[g(0)], &[running(30.0)], &[], &me(&[g(8)]), 1000.0, true, None, &d, 1),
             None
         );
         // Every 8-GPU job ended at 100 s: the one that has run 30 s frees the node in 70 s,
@@ -569,7 +585,17 @@ mod tests {
         }
         for seed in 0..5 {
             let est = |ahead: &[Waiting]| {
-                estimate_start_learned(&[g(0)], &[running(30.0)], ahead, &[g(8)], 1000.0, true, &d, seed)
+                estimate_start_learned(
+                    &[g(0)],
+                    &[running(30.0)],
+                    ahead,
+                    &me(&[g(8)]),
+                    1000.0,
+                    true,
+                    None,
+                    &d,
+                    seed,
+                )
             };
             assert_eq!(est(&[]), Some(1_070_000));
             let ahead = [Waiting {
@@ -581,7 +607,19 @@ mod tests {
         // A job that outlived every ended one ends in the exponential tail, whose mean is
         // all time run over the jobs that ended, (20 × 100 + 500) / 20 = 125 s: the median
         // draw is near 125 × ln 2 = 87 s from now, the same for the same seed.
-        let late = |seed| estimate_start_learned(&[g(0)], &[running(500.0)], &[], &[g(8)], 1000.0, true, &d, seed);
+        let late = |seed| {
+            estimate_start_learned(
+                &[g(0)],
+                &[running(500.0)],
+                &[],
+                &me(&[g(8)]),
+                1000.0,
+                true,
+                None,
+                &d,
+                seed,
+            )
+        };
         let a = late(7).unwrap();
         assert_eq!(late(7), Some(a), "deterministic in the seed");
         assert!((1_060_000..1_120_000).contains(&a), "{a}");

@@ -906,6 +906,7 @@ fn the_rms_start_estimate_reaches_the_jobs_status() {
             declared: 3,
             ..Default::default()
         },
+        queue_ahead: Default::default(),
         after_reservation_of: None,
         text: "declared limits of 3 running containers".into(),
     };

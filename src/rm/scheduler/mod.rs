@@ -34,6 +34,7 @@ pub mod reservation;
 pub mod reserved;
 pub mod share;
 mod victims;
+pub mod walk;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

@@ -74,7 +74,7 @@ pub struct Reservation {
 
 /// Packs `tasks` into `room` (largest first, each on the fitting node with the fewest free
 /// GPUs, so big holes stay whole); the node of each task, in `tasks` order.
-fn pack(room: &[Room], tasks: &[Room]) -> Option<Vec<usize>> {
+pub(super) fn pack(room: &[Room], tasks: &[Room]) -> Option<Vec<usize>> {
     let mut room = room.to_vec();
     let mut order: Vec<usize> = (0..tasks.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse((tasks[i].gpus, tasks[i].cpu, tasks[i].memory_mb)));

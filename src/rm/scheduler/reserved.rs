@@ -11,9 +11,9 @@
 //!   now: yes when its application ranks ahead of the holder (queue shares come first),
 //!   when it ends by the reservation's start, or when the gang still fits beside it
 //!   (backfill); else it waits ([`super::WaitReason::Reserved`]).
-//! - [`estimate`]: when a waiting application is expected to start, with the basis of the
-//!   estimate (declared limits, learned run times, or why it is unknown) — the same
-//!   `reserve` over the same state.
+//! - [`estimates`]: when each waiting application is expected to start, with the basis of
+//!   the estimate (declared limits, learned run times, the jobs ahead, or why it is
+//!   unknown) — one [`walk`] of the queue over the same state, honouring the reservation.
 //!
 //! A held container's end is what the snapshot's [`Snapshot::ends`] says: its declared
 //! limit, else a learned one, else unknown; a container with no known end is never counted
@@ -23,8 +23,12 @@ use serde::Serialize;
 
 pub use crate::protocol::{StartBasis as Basis, StartEstimate};
 
+use std::collections::HashMap;
+
 use super::reservation::{self, Policy, Release, Reservation, Room};
-use super::{eligible, rank, rank_cmp, Shares, Snapshot};
+use super::walk::{self, Discipline, Queued, Reserved};
+use super::{eligible, rank, rank_cmp, AppDemand, Shares, Snapshot};
+use crate::protocol::WaitingTasks;
 use crate::resources::Resources;
 
 /// Where a held container's expected end comes from.
@@ -36,7 +40,8 @@ pub enum EndBasis {
     Unknown,
     /// Its task's declared `maxRunSec`.
     Declared,
-    /// Learned: the median run time of its job's completed tasks of the same role.
+    /// Learned: the median run time of its job's completed tasks of the same role, or,
+    /// before any completed, of the same user's earlier runs of the job (same name).
     Learned,
     /// It is leaving (ended, or under a preemption notice with a deadline).
     Leaving,
@@ -84,17 +89,39 @@ fn end_of(snap: &Snapshot, h: usize) -> Expected {
     snap.ends.get(h).copied().unwrap_or_default()
 }
 
-/// What `reserve` needs for application `a`'s waiting tasks: the free room of each node
-/// (none where its tasks may not go), the releases there, its tasks; and the basis counts
-/// of the containers that hold room on those nodes.
-fn inputs(snap: &Snapshot, a: usize) -> (Vec<Room>, Vec<Release>, Vec<Room>, Basis) {
-    let app = &snap.apps[a];
-    let waiting: Vec<_> = app.waiting.iter().filter(|w| w.count > 0).collect();
-    let ok: Vec<bool> = snap
-        .nodes
+/// The nodes application `a`'s waiting tasks may all use (placement's `eligible`).
+fn eligibility(snap: &Snapshot, a: usize) -> Vec<bool> {
+    let waiting: Vec<_> = snap.apps[a].waiting.iter().filter(|w| w.count > 0).collect();
+    snap.nodes
         .iter()
         .map(|n| !waiting.is_empty() && waiting.iter().all(|w| eligible(n, w)))
-        .collect();
+        .collect()
+}
+
+/// Application `a`'s waiting tasks as rooms (at most [`MAX_TASKS`]).
+fn tasks_of(snap: &Snapshot, a: usize) -> Vec<Room> {
+    snap.apps[a]
+        .waiting
+        .iter()
+        .filter(|w| w.count > 0)
+        .flat_map(|w| {
+            std::iter::repeat_n(
+                Room {
+                    gpus: w.gpus,
+                    cpu: w.cpu,
+                    memory_mb: w.memory_mb,
+                },
+                w.count as usize,
+            )
+        })
+        .take(MAX_TASKS)
+        .collect()
+}
+
+/// What `reserve` needs for application `a`'s waiting tasks: the free room of each node
+/// (none where its tasks may not go), the releases there, and its tasks.
+fn inputs(snap: &Snapshot, a: usize) -> (Vec<Room>, Vec<Release>, Vec<Room>) {
+    let ok = eligibility(snap, a);
     let free = snap
         .nodes
         .iter()
@@ -111,44 +138,22 @@ fn inputs(snap: &Snapshot, a: usize) -> (Vec<Room>, Vec<Release>, Vec<Room>, Bas
             }
         })
         .collect();
-    let mut basis = Basis::default();
-    let mut releases = Vec::new();
-    for (i, h) in snap.held.iter().enumerate() {
-        if !ok.get(h.node).copied().unwrap_or(false) {
-            continue;
-        }
-        let e = end_of(snap, i);
-        match e.basis {
-            EndBasis::Declared => basis.declared += 1,
-            EndBasis::Learned => basis.learned += 1,
-            EndBasis::Unknown => basis.unknown += 1,
-            EndBasis::Leaving => {}
-        }
-        releases.push(Release {
+    let releases = snap
+        .held
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| ok.get(h.node).copied().unwrap_or(false))
+        .map(|(i, h)| Release {
             node: h.node,
             room: Room {
                 gpus: h.gpus.count_ones(),
                 cpu: h.cpu,
                 memory_mb: h.memory_mb,
             },
-            end_ms: e.end_ms,
-        });
-    }
-    let tasks = waiting
-        .iter()
-        .flat_map(|w| {
-            std::iter::repeat_n(
-                Room {
-                    gpus: w.gpus,
-                    cpu: w.cpu,
-                    memory_mb: w.memory_mb,
-                },
-                w.count as usize,
-            )
+            end_ms: end_of(snap, i).end_ms,
         })
-        .take(MAX_TASKS)
         .collect();
-    (free, releases, tasks, basis)
+    (free, releases, tasks_of(snap, a))
 }
 
 /// GPUs of `a`'s waiting tasks.
@@ -181,7 +186,7 @@ pub fn holder(snap: &Snapshot, shares: &Shares, policy: &Policy, now_ms: u64) ->
         .collect();
     gangs.sort_by(|&x, &y| rank_cmp(&rank(shares, None, &snap.apps[x]), &rank(shares, None, &snap.apps[y])));
     let &a = gangs.first()?;
-    let (free, releases, tasks, _) = inputs(snap, a);
+    let (free, releases, tasks) = inputs(snap, a);
     let reservation = reservation::reserve(&free, &releases, &tasks, now_ms)?;
     Some(Holder { app: a, reservation })
 }
@@ -227,13 +232,78 @@ fn admits_rooms(
     holder.reservation.clone().backfill(takes, end_ms)
 }
 
+/// How long a waiting application is expected to hold its room once started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Run {
+    /// ms; `None`: unknown (it never gives its room back, as far as an estimate knows).
+    pub ms: Option<u64>,
+    /// `Declared` (every role's `maxRunSec`), `Learned` (some role's from its completed
+    /// tasks), else `Unknown`.
+    pub basis: EndBasis,
+}
+
+/// The expected run of `app`'s waiting tasks: the longest of its roles', each its declared
+/// `maxRunSec`, else `learned(role)` (ms: the median run of the job's completed tasks of the
+/// role); unknown when some role has neither.
+pub fn run_of(app: &AppDemand, learned: impl Fn(&str) -> Option<u64>) -> Run {
+    let mut run = Run {
+        ms: Some(0),
+        basis: EndBasis::Declared,
+    };
+    for w in app.waiting.iter().filter(|w| w.count > 0) {
+        let ms = match w.max_run_sec {
+            Some(s) => s.saturating_mul(1000),
+            None => match learned(&w.role) {
+                Some(ms) => {
+                    run.basis = EndBasis::Learned;
+                    ms
+                }
+                None => return Run::default(),
+            },
+        };
+        run.ms = run.ms.map(|m| m.max(ms));
+    }
+    run
+}
+
+/// Counts of jobs by basis, added up.
+fn count(b: &mut Basis, basis: EndBasis) {
+    match basis {
+        EndBasis::Declared => b.declared += 1,
+        EndBasis::Learned => b.learned += 1,
+        EndBasis::Unknown => b.unknown += 1,
+        EndBasis::Leaving => {}
+    }
+}
+
+fn plural(k: u32, one: &str, many: &str) -> String {
+    format!("{k} {}", if k == 1 { one } else { many })
+}
+
 /// The basis in words: "declared limits of 12 running containers", "learned from …",
-/// or "unknown: N running containers have no declared limit".
-fn words(b: &Basis, known: bool) -> String {
-    let n = |k: u32| format!("{k} running container{}", if k == 1 { "" } else { "s" });
+/// "behind 3 waiting jobs (…)", or, when no start can be told, why.
+fn words(b: &Basis, ahead: &Basis, known: bool, cut: bool) -> String {
+    let n = |k: u32| plural(k, "running container", "running containers");
     if !known {
-        let have = if b.unknown == 1 { "has" } else { "have" };
-        return format!("unknown: {} {have} no declared limit", n(b.unknown));
+        let mut why = Vec::new();
+        if b.unknown > 0 {
+            let have = if b.unknown == 1 { "has" } else { "have" };
+            why.push(format!("{} {have} no declared limit", n(b.unknown)));
+        }
+        if ahead.unknown > 0 {
+            let s = if ahead.unknown == 1 { "s" } else { "" };
+            why.push(format!(
+                "{} ahead of it declare{s} no limit",
+                plural(ahead.unknown, "waiting job", "waiting jobs")
+            ));
+        }
+        if cut {
+            why.push("the queue ahead is longer than an estimate walks".to_string());
+        }
+        if why.is_empty() {
+            why.push("it does not fit on the nodes it may use as the running work is known to end".to_string());
+        }
+        return format!("unknown: {}", why.join("; "));
     }
     let mut parts = Vec::new();
     if b.declared > 0 {
@@ -241,7 +311,7 @@ fn words(b: &Basis, known: bool) -> String {
     }
     if b.learned > 0 {
         parts.push(format!(
-            "learned from the median run time of their jobs' completed tasks for {}",
+            "learned from the run times of their jobs' completed tasks (or their users' earlier runs of the jobs) for {}",
             n(b.learned)
         ));
     }
@@ -255,43 +325,275 @@ fn words(b: &Basis, known: bool) -> String {
             n(b.unknown)
         ));
     }
+    let jobs = ahead.declared + ahead.learned + ahead.unknown;
+    if jobs > 0 {
+        let mut by = Vec::new();
+        if ahead.declared > 0 {
+            by.push(format!("{} declared", ahead.declared));
+        }
+        if ahead.learned > 0 {
+            by.push(format!("{} learned", ahead.learned));
+        }
+        if ahead.unknown > 0 {
+            by.push(format!("{} with no limit", ahead.unknown));
+        }
+        s.push_str(&format!(
+            "; behind {} ({})",
+            plural(jobs, "waiting job", "waiting jobs"),
+            by.join(", ")
+        ));
+    }
     s
 }
 
-/// When waiting application `a` is expected to start, by `reserve` over the snapshot's
-/// held containers and their expected ends; `holder` (another gang's reservation) puts it
-/// after that gang's start when its tasks could only go on the reserved room.
-pub fn estimate(snap: &Snapshot, shares: &Shares, holder: Option<&Holder>, a: usize, now_ms: u64) -> StartEstimate {
-    let (free, releases, tasks, basis) = inputs(snap, a);
-    if let Some(h) = holder.filter(|h| h.app == a) {
-        return StartEstimate {
-            start_ms: Some(h.reservation.start_ms),
-            basis,
-            after_reservation_of: None,
-            text: format!("reserved for it; {}", words(&basis, true)),
-        };
+/// Nodes alike for placement's feasibility rule (usable, partition, GPU type, total): the
+/// rule is asked once per class, not once per node (10,000 nodes are a few classes).
+struct Classes {
+    /// Each node's class.
+    of: Vec<usize>,
+    /// One node of each class.
+    rep: Vec<usize>,
+}
+
+/// A node's class bucket: usable, partition, GPU type, and its total GPUs, CPU and memory
+/// (nodes of one bucket are then told apart by their whole total).
+type ClassKey<'a> = (bool, &'a str, &'a str, u32, u32, u64);
+
+impl Classes {
+    fn of(snap: &Snapshot) -> Classes {
+        let mut buckets: HashMap<ClassKey, Vec<usize>> = HashMap::new();
+        let mut rep: Vec<usize> = Vec::new();
+        let of = snap
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let key = (
+                    n.usable,
+                    n.partition.as_str(),
+                    n.pool.as_str(),
+                    n.total.gpus,
+                    n.total.cpu,
+                    n.total.memory_mb,
+                );
+                let bucket = buckets.entry(key).or_default();
+                match bucket.iter().copied().find(|&c| snap.nodes[rep[c]].total == n.total) {
+                    Some(c) => c,
+                    None => {
+                        rep.push(i);
+                        bucket.push(rep.len() - 1);
+                        rep.len() - 1
+                    }
+                }
+            })
+            .collect();
+        Classes { of, rep }
     }
-    let start = reservation::reserve(&free, &releases, &tasks, now_ms);
-    let mut after = None;
-    let start_ms = start.map(|r| {
-        // Behind a reservation it cannot backfill: not before the gang's start.
-        match holder {
-            Some(h) if !admits_rooms(snap, shares, h, a, None, &placed(&r, &tasks), None) => {
-                after = Some(holder_label(snap, h));
-                r.start_ms.max(h.reservation.start_ms)
-            }
-            _ => r.start_ms,
+}
+
+/// Distinct eligibility patterns (one flag per node), each kept once, with what the
+/// estimates ask of each: the running containers' bases on its nodes, and which patterns
+/// share a node with it.
+#[derive(Default)]
+struct Patterns {
+    all: Vec<Vec<bool>>,
+    index: HashMap<Vec<bool>, usize>,
+    basis: HashMap<usize, Basis>,
+    overlaps: HashMap<(usize, usize), bool>,
+}
+
+impl Patterns {
+    fn id(&mut self, ok: Vec<bool>) -> usize {
+        if let Some(&i) = self.index.get(&ok) {
+            return i;
         }
-    });
-    let mut text = words(&basis, start_ms.is_some());
-    if let Some(g) = &after {
-        text.push_str(&format!("; after the reservation of {g}"));
+        self.all.push(ok.clone());
+        self.index.insert(ok, self.all.len() - 1);
+        self.all.len() - 1
     }
+
+    fn overlap(&mut self, a: usize, b: usize) -> bool {
+        let all = &self.all;
+        *self
+            .overlaps
+            .entry((a.min(b), a.max(b)))
+            .or_insert_with(|| all[a].iter().zip(&all[b]).any(|(x, y)| *x && *y))
+    }
+
+    /// The bases of the running containers on pattern `p`'s nodes.
+    fn basis(&mut self, p: usize, snap: &Snapshot) -> Basis {
+        let ok = &self.all[p];
+        *self.basis.entry(p).or_insert_with(|| {
+            let mut b = Basis::default();
+            for (i, h) in snap.held.iter().enumerate() {
+                if ok.get(h.node).copied().unwrap_or(false) {
+                    count(&mut b, end_of(snap, i).basis);
+                }
+            }
+            b
+        })
+    }
+}
+
+/// The waiting shapes of an application as eligibility reads them (counts, roles and run
+/// limits aside): applications of the same shapes share one pattern.
+fn shapes_of(app: &AppDemand) -> Vec<WaitingTasks> {
+    app.waiting
+        .iter()
+        .filter(|w| w.count > 0)
+        .map(|w| WaitingTasks {
+            role: String::new(),
+            count: 1,
+            max_run_sec: None,
+            ..w.clone()
+        })
+        .collect()
+}
+
+/// Distinct times one estimate walk goes through at most, and the packing work (tasks
+/// tried × nodes) it does at most: past them, a job's start is not told (bounds the
+/// scheduling pass on a large, busy cluster; `gpuam bench cluster` measures it).
+pub const MAX_STEPS: usize = 4096;
+pub const MAX_WORK: usize = 50_000_000;
+
+/// Every waiting application's expected start (`None` for one with nothing waiting), from
+/// one walk of the queue ([`walk::starts`]): the applications in the scheduler's order
+/// (queue ratio, priority, age), each on the nodes it may use, holding its room for its
+/// expected run (`runs`, per application); the running containers' expected ends free
+/// room; whoever fits takes room (the gate lets work take room nobody ranked ahead can use
+/// now), and behind the `holder`'s reservation only what the reservation lets pass.
+/// `watch`: only that application's start is wanted (the walk stops when it starts).
+pub fn estimates(
+    snap: &Snapshot,
+    shares: &Shares,
+    holder: Option<&Holder>,
+    runs: &[Run],
+    now_ms: u64,
+    watch: Option<usize>,
+) -> Vec<Option<StartEstimate>> {
+    let mut order: Vec<usize> = (0..snap.apps.len())
+        .filter(|&a| snap.apps[a].waiting.iter().any(|w| w.count > 0))
+        .collect();
+    order.sort_by(|&x, &y| rank_cmp(&rank(shares, None, &snap.apps[x]), &rank(shares, None, &snap.apps[y])));
+    let mut patterns = Patterns::default();
+    let classes = Classes::of(snap);
+    // Distinct shape lists and their patterns: the rule is asked once per class and shape.
+    let mut seen_shapes: Vec<(Vec<WaitingTasks>, usize)> = Vec::new();
+    let queued: Vec<(usize, Vec<Room>, Run, usize)> = order
+        .iter()
+        .map(|&a| {
+            let shapes = shapes_of(&snap.apps[a]);
+            let p = match seen_shapes.iter().find(|(s, _)| *s == shapes) {
+                Some((_, p)) => *p,
+                None => {
+                    let class_ok: Vec<bool> = classes
+                        .rep
+                        .iter()
+                        .map(|&n| !shapes.is_empty() && shapes.iter().all(|w| eligible(&snap.nodes[n], w)))
+                        .collect();
+                    let p = patterns.id(classes.of.iter().map(|&c| class_ok[c]).collect());
+                    seen_shapes.push((shapes, p));
+                    p
+                }
+            };
+            (a, tasks_of(snap, a), runs.get(a).copied().unwrap_or_default(), p)
+        })
+        .collect();
+    // A job that may use every node needs no mask.
+    let everywhere: Vec<bool> = patterns.all.iter().map(|ok| ok.iter().all(|&x| x)).collect();
+    let queue: Vec<Queued> = queued
+        .iter()
+        .map(|(_, tasks, run, p)| Queued {
+            tasks,
+            duration_ms: run.ms,
+            eligible: (!everywhere[*p]).then(|| &patterns.all[*p][..]),
+        })
+        .collect();
+    let free: Vec<Room> = snap
+        .nodes
+        .iter()
+        .map(|n| Room {
+            gpus: n.free_gpus.count_ones(),
+            cpu: n.free_cpu,
+            memory_mb: n.free_memory_mb,
+        })
+        .collect();
+    let releases: Vec<Release> = (0..snap.held.len())
+        .map(|i| {
+            let h = &snap.held[i];
+            Release {
+                node: h.node,
+                room: Room {
+                    gpus: h.gpus.count_ones(),
+                    cpu: h.cpu,
+                    memory_mb: h.memory_mb,
+                },
+                end_ms: end_of(snap, i).end_ms,
+            }
+        })
+        .collect();
+    let d = Discipline {
+        in_order: false,
+        reservation: holder.and_then(|h| {
+            let at = order.iter().position(|&a| a == h.app)?;
+            Some(Reserved {
+                holder: at,
+                reservation: h.reservation.clone(),
+                exempt_below: at,
+            })
+        }),
+        watch: watch.and_then(|w| order.iter().position(|&a| a == w)),
+        max_steps: MAX_STEPS,
+        max_work: MAX_WORK,
+    };
+    let walked = walk::starts(&free, &releases, &queue, now_ms, d);
+    // Each application's jobs ahead, by basis, counted where their nodes overlap its own.
+    let mut seen: Vec<Basis> = vec![Basis::default(); patterns.all.len()];
+    let mut out: Vec<Option<StartEstimate>> = vec![None; snap.apps.len()];
+    for (k, (a, _, run, p)) in queued.iter().enumerate() {
+        let mut ahead = Basis::default();
+        for (q, b) in seen.iter().enumerate() {
+            if !b.is_zero() && patterns.overlap(*p, q) {
+                ahead.declared += b.declared;
+                ahead.learned += b.learned;
+                ahead.unknown += b.unknown;
+            }
+        }
+        count(&mut seen[*p], run.basis);
+        if watch.is_some_and(|w| w != *a) {
+            continue;
+        }
+        let basis = patterns.basis(*p, snap);
+        let start_ms = walked.start_ms[k];
+        let cut = walked.cut && start_ms.is_none();
+        let mut text = words(&basis, &ahead, start_ms.is_some(), cut);
+        let mut after = None;
+        if holder.is_some_and(|h| h.app == *a) {
+            text = format!("reserved for it; {text}");
+        } else if let Some(h) = holder.filter(|_| walked.held_back[k]) {
+            let label = holder_label(snap, h);
+            text.push_str(&format!("; after the reservation of {label}"));
+            after = Some(label);
+        }
+        out[*a] = Some(StartEstimate {
+            start_ms,
+            basis,
+            queue_ahead: ahead,
+            after_reservation_of: after,
+            text,
+        });
+    }
+    out
+}
+
+/// The estimate of a job with no task waiting: it needs nothing to start.
+pub fn nothing_waits(now_ms: u64) -> StartEstimate {
     StartEstimate {
-        start_ms,
-        basis,
-        after_reservation_of: after,
-        text,
+        start_ms: Some(now_ms),
+        basis: Basis::default(),
+        queue_ahead: Basis::default(),
+        after_reservation_of: None,
+        text: "no task waits".to_string(),
     }
 }
 
@@ -306,11 +608,6 @@ pub fn held_by_queue(mut e: StartEstimate, queue_cause: Option<&str>, now_ms: u6
         }
     }
     e
-}
-
-/// `tasks` on the nodes `at` finds for them.
-fn placed(at: &Reservation, tasks: &[Room]) -> Vec<(usize, Room)> {
-    at.nodes.iter().copied().zip(tasks.iter().copied()).collect()
 }
 
 /// The reservation settings as the RM reads them: a bound of 0 turns that rule off.
@@ -392,6 +689,23 @@ mod tests {
         );
     }
 
+    /// Every waiting application's estimate, declared runs of `secs` per application.
+    fn all(s: &Snapshot, shares: &Shares, h: Option<&Holder>, secs: &[Option<u64>]) -> Vec<Option<StartEstimate>> {
+        let runs: Vec<Run> = s
+            .apps
+            .iter()
+            .enumerate()
+            .map(|(a, app)| {
+                let mut app = app.clone();
+                for w in &mut app.waiting {
+                    w.max_run_sec = secs.get(a).copied().flatten();
+                }
+                run_of(&app, |_| None)
+            })
+            .collect();
+        estimates(s, shares, h, &runs, 0, None)
+    }
+
     /// A container with no known end is never counted as freeing: with one, the gang's
     /// start cannot be told, and the estimate says why.
     #[test]
@@ -399,38 +713,161 @@ mod tests {
         let (tree, mut s) = world();
         let shares = Shares::compute(&tree, &s);
         let h = holder(&s, &shares, &policy(0, 16), 0);
-        let e = estimate(&s, &shares, h.as_ref(), 1, 0);
-        assert_eq!(e.start_ms, Some(200_000));
-        assert!(e.text.contains("declared limits of 2 running containers"), "{}", e.text);
-        // The small job fits now (4 free on each node) and is told so, behind nobody.
-        let small = estimate(&s, &shares, h.as_ref(), 2, 0);
+        let e = all(&s, &shares, h.as_ref(), &[]);
+        assert!(e[0].is_none(), "nothing of app 0 waits");
+        let gang = e[1].clone().unwrap();
+        assert_eq!(gang.start_ms, Some(200_000));
+        assert!(
+            gang.text
+                .starts_with("reserved for it; declared limits of 2 running containers"),
+            "{}",
+            gang.text
+        );
+        // The small job would fit now (4 free on each node) but only on the gang's room:
+        // it waits for the gang, which declares no limit, so its start cannot be told.
+        let small = e[2].clone().unwrap();
         // Named by its size, never by the other application's id.
         let after = small.after_reservation_of.clone().unwrap_or_default();
         assert!(after.starts_with("a waiting gang of "), "{small:?}");
         assert!(!after.contains("app1") && !small.text.contains("app1"), "{small:?}");
-        assert_eq!(
-            small.start_ms,
-            Some(200_000),
-            "it could only start beside the gang's room then"
+        assert_eq!(small.start_ms, None);
+        assert!(
+            small.text.contains("1 waiting job ahead of it declares no limit"),
+            "{}",
+            small.text
         );
+        assert_eq!(small.queue_ahead.unknown, 1);
+        // The gang declares 1000 s: the small job starts when it ends.
+        let e = all(&s, &shares, h.as_ref(), &[None, Some(1000), None]);
+        let small = e[2].clone().unwrap();
+        assert_eq!(small.start_ms, Some(1_200_000));
+        assert!(
+            small.text.contains("behind 1 waiting job (1 declared)"),
+            "{}",
+            small.text
+        );
+        // Declared to end by the gang's start, it backfills now.
+        let e = all(&s, &shares, h.as_ref(), &[None, Some(1000), Some(50)]);
+        assert_eq!(e[2].as_ref().and_then(|e| e.start_ms), Some(0));
+        assert_eq!(e[2].as_ref().and_then(|e| e.after_reservation_of.clone()), None);
         s.ends[1] = Expected::default();
         let h = holder(&s, &shares, &policy(0, 16), 0);
         assert!(h.is_none(), "no known end on node 1: no start can be told");
-        let e = estimate(&s, &shares, None, 1, 0);
-        assert_eq!(e.start_ms, None);
-        assert_eq!(e.text, "unknown: 1 running container has no declared limit");
+        let e = all(&s, &shares, None, &[]);
+        let gang = e[1].clone().unwrap();
+        assert_eq!(gang.start_ms, None);
+        assert_eq!(gang.text, "unknown: 1 running container has no declared limit");
         // Learned ends count, and are named.
         s.ends[1] = Expected {
             end_ms: Some(50_000),
             basis: EndBasis::Learned,
         };
-        let e = estimate(&s, &shares, None, 1, 0);
-        assert_eq!(e.start_ms, Some(100_000));
+        let gang = all(&s, &shares, None, &[None, None, Some(10)])[1].clone().unwrap();
+        assert_eq!(gang.start_ms, Some(100_000));
         assert!(
-            e.text.contains("declared limits of 1") && e.text.contains("learned"),
+            gang.text.contains("declared limits of 1") && gang.text.contains("learned"),
             "{}",
-            e.text
+            gang.text
         );
+    }
+
+    /// The queue ahead: a job behind others waits for the room they take and the time they
+    /// hold it, on the nodes both may use; a job ahead on other nodes does not delay it.
+    #[test]
+    fn a_waiting_job_starts_after_the_jobs_ahead_of_it() {
+        let mut c = Cluster::new(QueueTree::default(), &[8, 8]);
+        let runner = c.app("default", 0, false, vec![]);
+        let first = c.app("default", 0, false, vec![waiting(1, 8)]);
+        let second = c.app("default", 0, false, vec![waiting(1, 8)]);
+        let third = c.app("default", 0, false, vec![waiting(1, 8)]);
+        for (n, end) in [(0, 100_000), (1, 300_000)] {
+            c.hold(runner, n, 8, 0);
+            c.s.ends.push(Expected {
+                end_ms: Some(end),
+                basis: EndBasis::Declared,
+            });
+        }
+        let shares = Shares::compute(&c.t, &c.s);
+        // Each holds its node 1000 s: the first gets node 0 at 100 s, the second node 1 at
+        // 300 s, the third node 0 again when the first ends, at 1100 s.
+        let e = all(&c.s, &shares, None, &[None, Some(1000), Some(1000), Some(1000)]);
+        let start = |a: usize| e[a].as_ref().and_then(|e| e.start_ms);
+        assert_eq!(
+            (start(first), start(second), start(third)),
+            (Some(100_000), Some(300_000), Some(1_100_000))
+        );
+        let third_e = e[third].clone().unwrap();
+        assert_eq!(third_e.queue_ahead.declared, 2);
+        assert!(
+            third_e.text.contains("behind 2 waiting jobs (2 declared)"),
+            "{}",
+            third_e.text
+        );
+        // Without the queue ahead, the third would have been told 100 s.
+        assert_eq!(
+            reservation::reserve(&inputs(&c.s, third).0, &inputs(&c.s, third).1, &[g8()], 0).map(|r| r.start_ms),
+            Some(100_000)
+        );
+        // The second's run unknown: it never gives node 1 back, and the third still gets
+        // node 0 after the first.
+        let e = all(&c.s, &shares, None, &[None, Some(1000), None, Some(1000)]);
+        assert_eq!(e[third].as_ref().and_then(|e| e.start_ms), Some(1_100_000));
+        // The first's unknown too: the third's start cannot be told, and it says why.
+        let e = all(&c.s, &shares, None, &[None, None, None, Some(1000)]);
+        let t = e[third].clone().unwrap();
+        assert_eq!(t.start_ms, None);
+        assert_eq!(t.text, "unknown: 2 waiting jobs ahead of it declare no limit");
+        // Types: the second may only use node 1, the third only node 0; the second is not
+        // ahead of it there.
+        c.s.nodes[0].pool = "a".into();
+        c.s.nodes[1].pool = "b".into();
+        c.s.apps[second].waiting[0].gpu_types = vec!["b".into()];
+        c.s.apps[third].waiting[0].gpu_types = vec!["a".into()];
+        let shares = Shares::compute(&c.t, &c.s);
+        let e = all(&c.s, &shares, None, &[None, Some(1000), Some(1000), Some(1000)]);
+        let t = e[third].clone().unwrap();
+        assert_eq!(t.start_ms, Some(1_100_000), "behind the first only");
+        assert_eq!(t.queue_ahead.declared, 1, "the second is on other nodes: {t:?}");
+        assert_eq!(t.basis.declared, 1, "one running container on node 0");
+        // Only the watched application is estimated.
+        let runs = vec![Run::default(); 4];
+        let one = estimates(&c.s, &shares, None, &runs, 0, Some(first));
+        assert!(one[first].is_some() && one[third].is_none());
+    }
+
+    /// Nodes alike in everything the classes bucket by but their ports are told apart: a
+    /// job that needs a port only one of them offers waits for that one.
+    #[test]
+    fn nodes_that_differ_only_in_their_ports_are_told_apart() {
+        let mut c = Cluster::new(QueueTree::default(), &[8, 8]);
+        let runner = c.app("default", 0, false, vec![]);
+        let ported = WaitingTasks {
+            ports: PortSet::range(9000, 9000),
+            ..waiting(1, 8)
+        };
+        let job = c.app("default", 0, false, vec![ported]);
+        for (n, end) in [(0, 100_000), (1, 300_000)] {
+            c.hold(runner, n, 8, 0);
+            c.s.ends.push(Expected {
+                end_ms: Some(end),
+                basis: EndBasis::Declared,
+            });
+        }
+        let shares = Shares::compute(&c.t, &c.s);
+        let start = |s: &Snapshot| all(s, &shares, None, &[])[job].as_ref().and_then(|e| e.start_ms);
+        assert_eq!(start(&c.s), None, "no node offers port 9000");
+        c.s.nodes[1].total.ports = PortSet::range(8000, 9999);
+        assert_eq!(start(&c.s), Some(300_000), "only node 1 offers it");
+        c.s.nodes[0].total.ports = PortSet::range(8000, 9999);
+        assert_eq!(start(&c.s), Some(100_000));
+    }
+
+    fn g8() -> Room {
+        Room {
+            gpus: 8,
+            cpu: 1,
+            memory_mb: 100,
+        }
     }
 
     /// Queue shares come first: an application of a queue further below its share than the
@@ -468,6 +905,7 @@ mod tests {
         let now = StartEstimate {
             start_ms: Some(10),
             basis: Basis::default(),
+            queue_ahead: Basis::default(),
             after_reservation_of: None,
             text: "room free now".into(),
         };

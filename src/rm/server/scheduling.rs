@@ -38,8 +38,9 @@ pub(super) struct SchedState {
     pub(super) waited_last_pass: bool,
     /// Which waiting gangs get a reservation (`rm.reserve_*`, issue 27).
     pub(super) reserve: scheduler::reservation::Policy,
-    /// When the start estimates were last computed (at most once per [`ESTIMATE_EVERY`]).
-    pub(super) estimated: Option<Instant>,
+    /// When the start estimates were last computed, and how long that took (see
+    /// [`estimates_due`]).
+    pub(super) estimated: Option<(Instant, Duration)>,
 }
 
 /// The reservation policy of the default settings (`rm.reserve_wait_sec`, `rm.reserve_min_gpus`).
@@ -48,8 +49,21 @@ pub fn default_reserve_policy() -> scheduler::reservation::Policy {
     reserved::policy(d.reserve_wait_sec, d.reserve_min_gpus)
 }
 
-/// How often the waiting applications' start estimates are computed again.
+/// How often the waiting applications' start estimates are computed again, at most.
 const ESTIMATE_EVERY: Duration = Duration::from_secs(1);
+
+/// The share of the time the estimates may hold the RM's state, at most: after a pass that
+/// took `d`, the next comes no sooner than `d` × this.
+const ESTIMATE_SPACING: u32 = 20;
+
+/// Whether the start estimates are due at `now`, after the last ones (when, and how long
+/// they took): once per [`ESTIMATE_EVERY`], and on a cluster where they take long (a large,
+/// busy one) no more than 1/[`ESTIMATE_SPACING`] of the time.
+pub(super) fn estimates_due(last: Option<(Instant, Duration)>, now: Instant) -> bool {
+    last.is_none_or(|(t, took)| {
+        now.saturating_duration_since(t) >= ESTIMATE_EVERY.max(took.saturating_mul(ESTIMATE_SPACING))
+    })
+}
 
 impl SchedState {
     pub(super) fn new(tree: QueueTree, grace: Duration) -> Self {
@@ -198,7 +212,8 @@ fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
 
 /// Fills in learned ends (issue 27) for the held containers of `built` whose end is
 /// unknown: the median run time of their application's containers of the same role that
-/// already completed successfully, from their start. One pass over the ledger, so only
+/// already completed successfully (else of the same user's earlier runs of the job,
+/// [`learned_run_ms`]), from their start. One pass over the ledger, so only
 /// the reservation and estimate paths call it, and only when they have work.
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     let wall = now_ms();
@@ -208,16 +223,17 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     if unknown.is_empty() {
         return;
     }
-    let live: Vec<&crate::rm::ledger::LedgerContainer> = unknown
-        .iter()
-        .filter_map(|&h| st.ledger.container(&built.snap.held[h].container_id))
-        .collect();
-    let learned = learned_run_ms(st, &live);
+    let want = unknown.iter().filter_map(|&h| {
+        let c = st.ledger.container(&built.snap.held[h].container_id)?;
+        Some((c.app_id.clone(), role_of(c)?.to_string()))
+    });
+    let learned = learned_run_ms(st, want);
     for &h in &unknown {
         let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
             continue;
         };
-        if let Some(ms) = role_of(c).and_then(|r| learned.get(&(c.app_id.as_str(), r))) {
+        let ms = role_of(c).and_then(|r| learned.get(&c.app_id)?.get(r));
+        if let Some(ms) = ms {
             // Past the role's median: twice as long again, not "now" at every estimate
             // (`expected_end` lies after `wall`).
             let end = scheduler::reservation::expected_end(c.run_from_ms() as f64, *ms as f64, wall as f64);
@@ -229,37 +245,95 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     }
 }
 
-/// Learned run times: for each (application, role) of `live`, the median run time (ms) of
-/// that application's containers of the role that completed successfully.
-fn learned_run_ms<'a>(
-    st: &'a RmState,
-    live: &[&'a crate::rm::ledger::LedgerContainer],
-) -> HashMap<(&'a str, &'a str), u64> {
-    let mut want: HashMap<(&str, &str), Vec<u64>> = HashMap::new();
-    for c in live {
-        if let Some(r) = role_of(c) {
-            want.entry((c.app_id.as_str(), r)).or_default();
-        }
+/// How long each application of `built` is expected to hold its room once its waiting
+/// tasks start (issue 27): each role's declared `maxRunSec`, else the median run time of the
+/// job's completed tasks of the role ([`reserved::run_of`]).
+pub(super) fn waiting_runs(st: &RmState, built: &Built) -> Vec<reserved::Run> {
+    let want = built.snap.apps.iter().flat_map(|a| {
+        a.waiting
+            .iter()
+            .filter(|w| w.count > 0 && w.max_run_sec.is_none())
+            .map(|w| (a.id.clone(), w.role.clone()))
+    });
+    let learned = learned_run_ms(st, want);
+    built
+        .snap
+        .apps
+        .iter()
+        .map(|a| reserved::run_of(a, |role| learned.get(&a.id)?.get(role).copied()))
+        .collect()
+}
+
+/// Learned run times: for each wanted (application, role), the median run time (ms) of that
+/// application's containers of the role that completed successfully; where none has yet, of
+/// the same user's other runs of the same job name (the RM keeps finished applications and
+/// their containers): a job run again is expected to take what it took before. Never another
+/// user's: how long their jobs run is theirs. One pass over the ledger; none wanted, no pass.
+fn learned_run_ms(st: &RmState, want: impl Iterator<Item = (String, String)>) -> HashMap<String, HashMap<String, u64>> {
+    let mut own: HashMap<String, HashMap<String, Vec<u64>>> = HashMap::new();
+    for (app, role) in want {
+        own.entry(app).or_default().entry(role).or_default();
     }
-    if want.is_empty() {
+    if own.is_empty() {
         return HashMap::new();
     }
+    // (user, job name) of each wanted application, the roles wanted of it, and every
+    // application (any state) of the same user and name.
+    let mut kin: HashMap<(&str, &str), HashMap<String, Vec<u64>>> = HashMap::new();
+    for (id, roles) in &own {
+        if let Some(a) = st.apps.get(id) {
+            let k = kin.entry((a.report.user.as_str(), a.report.name.as_str())).or_default();
+            for r in roles.keys() {
+                k.entry(r.clone()).or_default();
+            }
+        }
+    }
+    let kin_of: HashMap<&str, (&str, &str)> = st
+        .apps
+        .values()
+        .map(|a| (a.report.id.as_str(), (a.report.user.as_str(), a.report.name.as_str())))
+        .filter(|(_, k)| kin.contains_key(k))
+        .collect();
     for c in st.ledger.all_containers() {
         if c.state != ContainerState::Complete || c.exit_status != Some(0) || c.ended_ms == 0 {
             continue;
         }
-        let Some(runs) = role_of(c).and_then(|r| want.get_mut(&(c.app_id.as_str(), r))) else {
-            continue;
-        };
-        runs.push(c.ended_ms.saturating_sub(c.run_from_ms()));
+        let Some(r) = role_of(c) else { continue };
+        let run = c.ended_ms.saturating_sub(c.run_from_ms());
+        if let Some(v) = own.get_mut(&c.app_id).and_then(|roles| roles.get_mut(r)) {
+            v.push(run);
+        }
+        if let Some(v) = kin_of
+            .get(c.app_id.as_str())
+            .and_then(|k| kin.get_mut(k))
+            .and_then(|roles| roles.get_mut(r))
+        {
+            v.push(run);
+        }
     }
-    want.into_iter()
-        .filter(|(_, runs)| !runs.is_empty())
-        .map(|(k, mut runs)| {
-            runs.sort_unstable();
-            (k, runs[runs.len() / 2])
-        })
-        .collect()
+    let median = |v: &mut Vec<u64>| -> Option<u64> {
+        v.sort_unstable();
+        v.get(v.len() / 2).copied()
+    };
+    let mut out: HashMap<String, HashMap<String, u64>> = HashMap::new();
+    for (app, roles) in own {
+        let key = st
+            .apps
+            .get(&app)
+            .map(|a| (a.report.user.as_str(), a.report.name.as_str()));
+        let mut medians = HashMap::new();
+        for (role, mut runs) in roles {
+            let m = median(&mut runs).or_else(|| {
+                let runs = kin.get_mut(&key?)?.get_mut(&role)?;
+                median(runs)
+            });
+            if let Some(m) = m {
+                medians.insert(role, m);
+            }
+        }
+        out.insert(app, medians);
+    }
+    out
 }
 
 /// Some application besides `app_id`, not ended, has tasks waiting by its AM's fresh report.
@@ -571,31 +645,36 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             );
         }
     }
-    // Start estimates (issue 27), at most once per ESTIMATE_EVERY: one reservation, then
-    // each waiting application's expected start by the same rule.
-    let due = st
-        .sched
-        .estimated
-        .is_none_or(|t| now.saturating_duration_since(t) >= ESTIMATE_EVERY);
+    // Start estimates (issue 27), when due: one reservation, then each waiting
+    // application's expected start by the same rule.
+    let due = estimates_due(st.sched.estimated, now);
     let wall = now_ms();
     let mut built = built;
+    let took = Instant::now();
     let holder = if due {
-        st.sched.estimated = Some(now);
         learn_ends(st, &mut built);
         reserved::holder(&built.snap, &shares, &st.sched.reserve, wall)
     } else {
         None
     };
+    // One walk of the queue gives every waiting application its estimate.
+    let mut estimates = if due {
+        let runs = waiting_runs(st, &built);
+        let e = reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, None);
+        st.sched.estimated = Some((now, took.elapsed()));
+        e
+    } else {
+        Vec::new()
+    };
     for (id, &a) in &built.apps {
         let Some(app) = st.apps.get_mut(id) else { continue };
         let mut why = plan.why.get(a).cloned().flatten();
         if due {
-            let waits = built.snap.apps[a].waiting.iter().any(|w| w.count > 0);
             let queue_cause = why.as_ref().filter(|w| w.reason().kind.is_queue()).map(|w| w.code());
-            let est = waits.then(|| {
-                let e = reserved::estimate(&built.snap, &shares, holder.as_ref(), a, wall);
-                reserved::held_by_queue(e, queue_cause, wall)
-            });
+            let est = estimates
+                .get_mut(a)
+                .and_then(Option::take)
+                .map(|e| reserved::held_by_queue(e, queue_cause, wall));
             // Behind another gang's reservation where nothing else names a cause.
             if let (Some(e), Some(h)) = (&est, &holder) {
                 if e.after_reservation_of.is_some() && matches!(why, None | Some(scheduler::WaitReason::NothingFits)) {
@@ -728,7 +807,7 @@ pub(super) async fn post_estimate(
     Ok(axum::Json(estimate_new(&st, queue, &req, Instant::now())))
 }
 
-/// [`reserved::estimate`] of a job not yet submitted (see [`post_estimate`]).
+/// [`reserved::estimates`] of a job not yet submitted (see [`post_estimate`]).
 fn estimate_new(
     st: &RmState,
     queue: usize,
@@ -749,7 +828,10 @@ fn estimate_new(
     learn_ends(st, &mut built);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
-    reserved::estimate(&built.snap, &shares, holder.as_ref(), me, wall)
+    let runs = waiting_runs(st, &built);
+    reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, Some(me))
+        .swap_remove(me)
+        .unwrap_or_else(|| reserved::nothing_waits(wall))
 }
 
 /// The waiting tasks of an allocate request, checked: counts and sizes within reason.
@@ -767,6 +849,12 @@ pub(super) fn check_waiting(tasks: &[WaitingTasks]) -> Result<(), String> {
                 t.count,
                 t.gpus,
                 crate::spec::limits::MAX_TOTAL_TASKS
+            ));
+        }
+        let max = crate::spec::limits::MAX_RUN_SEC as u64;
+        if let Some(s) = t.max_run_sec.filter(|s| !(1..=max).contains(s)) {
+            return Err(format!(
+                "`waiting[{i}].maxRunSec`: {s} is out of range (whole seconds, 1..={max})"
             ));
         }
     }

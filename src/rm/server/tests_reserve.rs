@@ -175,8 +175,12 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
             .await
             .unwrap();
         assert_eq!(held.allocated.len(), 3, "{:?}", held.rejected);
+        // The gang declares an hour: the jobs behind it are told when it gives its room back.
         gang.allocate(&AllocateRequest {
-            waiting: Some(vec![wait(2, 2)]),
+            waiting: Some(vec![WaitingTasks {
+                max_run_sec: Some(3600),
+                ..wait(2, 2)
+            }]),
             ..Default::default()
         })
         .await
@@ -257,10 +261,12 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
             serde_json::json!(start),
             "{detail}"
         );
+        // Still waiting for a GPU, with no limit: the reserved one is the only one it could
+        // take before the gang starts.
         small
             .allocate(&AllocateRequest {
                 response_id: short.response_id,
-                waiting: Some(vec![wait(1, 2)]),
+                waiting: Some(vec![wait(1, 1)]),
                 ..Default::default()
             })
             .await
@@ -288,7 +294,7 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
         }
         // `gpuam plan --rm` of a job not yet submitted: the same rule over the same state.
         let spec = crate::spec::parse_job_spec(
-            "name: next\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 2}\n    \
+            "name: next\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 10, gpu: 1}\n    \
              commands: [\"true\"]\n",
             "next.yaml",
         )
@@ -310,7 +316,17 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
             !format!("{e:?}").contains(gang_id.as_str()),
             "another tenant's id in {e:?}"
         );
-        assert!(e.start_ms.is_some_and(|s| s >= start), "{e:?} vs the gang's {start}");
+        // The queue ahead: the gang's hour on every GPU, then the small job, which declares
+        // no limit, takes one for good, and this one the next.
+        assert!(
+            e.start_ms.is_some_and(|s| s >= start + 3_600_000),
+            "{e:?} vs the gang's {start} + 1 h"
+        );
+        assert!(
+            e.text.contains("behind 2 waiting jobs (1 declared, 1 with no limit)"),
+            "{}",
+            e.text
+        );
         // Bad input is refused with the field named.
         let bad = crate::protocol::EstimateRequest {
             waiting: vec![WaitingTasks {
@@ -386,4 +402,94 @@ async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     rm.shutdown().await;
+}
+
+/// A job run again is expected to take what it took before: with no limit declared and no
+/// task of its own completed, a running container's end, and a waiting job's run, are
+/// learned from the same user's earlier run of the same job name — never another user's.
+#[tokio::test]
+async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
+    use crate::rm::scheduler::reserved::EndBasis;
+    let dir = tempfile::tempdir().unwrap();
+    let rm = one_node(dir.path()).await;
+    let (first_id, first) = app(&rm, "train").await;
+    let done = grant_all(&first, vec![ask(1, "n1", 0x1, None)]).await;
+    let quick = &done.allocated[0];
+    first
+        .start_container(
+            &quick.node_http_address,
+            "n1",
+            &quick.container_id,
+            &LaunchContext {
+                commands: vec!["true".into()],
+                env: Default::default(),
+            },
+        )
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    let took = loop {
+        {
+            let st = rm.shared.lock();
+            let c = st.ledger.container(&quick.container_id).unwrap();
+            if c.state == crate::protocol::ContainerState::Complete && c.ended_ms > 0 {
+                assert_eq!(c.exit_status, Some(0));
+                break c.ended_ms.saturating_sub(c.run_from_ms());
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "the first run never ended");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // The second run of `train` holds GPU 1 with no limit; a third waits.
+    let (_, second) = app(&rm, "train").await;
+    let held = grant_all(&second, vec![ask(2, "n1", 0x2, None)]).await;
+    let long = &held.allocated[0];
+    run(&second, "n1", long).await;
+    let (third_id, third) = app(&rm, "train").await;
+    third
+        .allocate(&AllocateRequest {
+            waiting: Some(vec![wait(1, 2)]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let learned = |rm: &RmHandle| {
+        let st = rm.shared.lock();
+        let mut built = super::scheduling::snapshot(&st, Instant::now());
+        super::scheduling::learn_ends(&st, &mut built);
+        let h = built
+            .snap
+            .held
+            .iter()
+            .position(|h| h.container_id == long.container_id)
+            .unwrap();
+        let runs = super::scheduling::waiting_runs(&st, &built);
+        let w = built.snap.apps.iter().position(|a| a.id == third_id).unwrap();
+        (built.snap.ends[h], runs[w])
+    };
+    let (end, waiting) = learned(&rm);
+    assert_eq!(end.basis, EndBasis::Learned, "{end:?}");
+    assert_eq!((waiting.basis, waiting.ms), (EndBasis::Learned, Some(took)));
+    // The first run was another user's: nothing of it is learned.
+    rm.shared.lock().apps.get_mut(&first_id).unwrap().report.user = "eve".into();
+    let (end, waiting) = learned(&rm);
+    assert_eq!(end.basis, EndBasis::Unknown, "{end:?}");
+    assert_eq!(waiting.basis, EndBasis::Unknown);
+    rm.shutdown().await;
+}
+
+/// The estimates come once a second, and on a cluster where one pass takes long, no more
+/// than a twentieth of the time.
+#[test]
+fn estimates_are_spaced_by_what_they_cost() {
+    use super::scheduling::estimates_due;
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    assert!(estimates_due(None, t0));
+    let quick = Some((t0, Duration::from_millis(2)));
+    assert!(!estimates_due(quick, at(999)));
+    assert!(estimates_due(quick, at(1000)));
+    let slow = Some((t0, Duration::from_millis(300)));
+    assert!(!estimates_due(slow, at(5999)));
+    assert!(estimates_due(slow, at(6000)));
 }

@@ -1,0 +1,179 @@
+//! The RM's start estimates on a saturated cluster (issue 27, item 4): every GPU of N 8-GPU
+//! nodes held by a running container with a declared end, W applications waiting (1-, 2-,
+//! 4- and 8-GPU jobs and 2 × 8 gangs, each declaring a run time). Prints, per size, the time
+//! of one walk of the whole queue (`reserved::estimates`, what the scheduling pass runs once a
+//! second under the RM's lock) against the rule it replaced — one `reserve` over the running
+//! ends per waiting application, blind to the queue ahead — in the same run, and what the
+//! walk told. Figures, not assertions: `cargo bench --bench estimates`.
+
+use std::time::Instant;
+
+use gpuam::protocol::WaitingTasks;
+use gpuam::resources::{mask_of_count, Resources};
+use gpuam::rm::scheduler::queues::QueueTree;
+use gpuam::rm::scheduler::reservation::{self, Release, Room};
+use gpuam::rm::scheduler::reserved::{self, EndBasis, Expected, Run};
+use gpuam::rm::scheduler::{AppDemand, Held, NodeCap, Shares, Snapshot};
+
+const NOW: u64 = 1_800_000_000_000;
+
+fn world(nodes: usize, waiting: usize) -> Snapshot {
+    let mut s = Snapshot::default();
+    for i in 0..nodes {
+        s.nodes.push(NodeCap {
+            host: format!("n{i}"),
+            pool: String::new(),
+            partition: String::new(),
+            usable: true,
+            total: Resources::with_mask(64, 1 << 20, mask_of_count(8), Default::default()),
+            free_gpus: 0,
+            free_cpu: 32,
+            free_memory_mb: 1 << 19,
+            free_ports: Default::default(),
+            free_custom: Default::default(),
+            topology: None,
+        });
+    }
+    // The running job, holding every node in two halves that end at spread-out times.
+    s.apps.push(AppDemand {
+        id: "running".into(),
+        ..Default::default()
+    });
+    for n in 0..nodes {
+        for half in 0..2u64 {
+            s.held.push(Held {
+                container_id: format!("c{n}-{half}"),
+                app: 0,
+                node: n,
+                gpus: 0xf << (4 * half),
+                cpu: 16,
+                memory_mb: 1 << 18,
+                ports: Default::default(),
+                custom: Default::default(),
+                run_ms: 0,
+                leaving: false,
+                for_queue: None,
+            });
+            let end = NOW + 60_000 * (1 + ((n as u64 * 7919 + half * 104_729) % 600));
+            s.ends.push(Expected {
+                end_ms: Some(end),
+                basis: EndBasis::Declared,
+            });
+        }
+    }
+    let shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)];
+    for w in 0..waiting {
+        let (count, gpus) = shapes[w % shapes.len()];
+        s.apps.push(AppDemand {
+            id: format!("w{w:05}"),
+            submitted_ms: NOW - 1_000_000 + w as u64,
+            gang: count > 1,
+            waiting: vec![WaitingTasks {
+                role: "r".into(),
+                count,
+                gpus,
+                cpu: 4 * gpus,
+                memory_mb: 4096 * u64::from(gpus),
+                max_run_sec: Some(600 + 60 * (w as u64 % 50)),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+    }
+    s
+}
+
+/// The rule the walk replaced: each waiting application alone against the running ends.
+fn one_reserve_each(s: &Snapshot) -> Vec<u64> {
+    let free: Vec<Room> = s
+        .nodes
+        .iter()
+        .map(|n| Room {
+            gpus: n.free_gpus.count_ones(),
+            cpu: n.free_cpu,
+            memory_mb: n.free_memory_mb,
+        })
+        .collect();
+    let releases: Vec<Release> = s
+        .held
+        .iter()
+        .zip(&s.ends)
+        .map(|(h, e)| Release {
+            node: h.node,
+            room: Room {
+                gpus: h.gpus.count_ones(),
+                cpu: h.cpu,
+                memory_mb: h.memory_mb,
+            },
+            end_ms: e.end_ms,
+        })
+        .collect();
+    s.apps
+        .iter()
+        .filter(|a| !a.waiting.is_empty())
+        .filter_map(|a| {
+            let tasks: Vec<Room> = a
+                .waiting
+                .iter()
+                .flat_map(|w| {
+                    std::iter::repeat_n(
+                        Room {
+                            gpus: w.gpus,
+                            cpu: w.cpu,
+                            memory_mb: w.memory_mb,
+                        },
+                        w.count as usize,
+                    )
+                })
+                .collect();
+            reservation::reserve(&free, &releases, &tasks, NOW).map(|r| r.start_ms)
+        })
+        .collect()
+}
+
+/// The median of `starts`, in minutes from now.
+fn p50_min(starts: &[u64]) -> u64 {
+    let mut waits: Vec<u64> = starts.iter().map(|t| (t - NOW) / 60_000).collect();
+    waits.sort_unstable();
+    waits.get(waits.len() / 2).copied().unwrap_or(0)
+}
+
+fn best_of<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
+    let mut best = f64::MAX;
+    let mut out = None;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let r = f();
+        best = best.min(t.elapsed().as_secs_f64() * 1000.0);
+        out = Some(r);
+    }
+    (best, out.expect("at least one repetition"))
+}
+
+fn main() {
+    println!(
+        "nodes   waiting   walk ms   one-reserve-each ms   walk/old   told   cut   median start in min (walk / old)"
+    );
+    for (nodes, waiting) in [(1_000, 100), (10_000, 100), (10_000, 1_000)] {
+        let s = world(nodes, waiting);
+        let tree = QueueTree::default();
+        let shares = Shares::compute(&tree, &s);
+        let runs: Vec<Run> = s.apps.iter().map(|a| reserved::run_of(a, |_| None)).collect();
+        let reps = if nodes * waiting > 1_000_000 { 3 } else { 10 };
+        let (walk_ms, est) = best_of(reps, || reserved::estimates(&s, &shares, None, &runs, NOW, None));
+        let (old_ms, old) = best_of(reps, || one_reserve_each(&s));
+        let starts: Vec<u64> = est.iter().flatten().filter_map(|e| e.start_ms).collect();
+        let told = starts.len();
+        let cut = est
+            .iter()
+            .flatten()
+            .filter(|e| e.text.contains("longer than an estimate walks"))
+            .count();
+        println!(
+            "{nodes:>6} {waiting:>8} {walk_ms:>9.1} {old_ms:>21.1} {:>9.2} {told:>6} {cut:>5}   {} / {}",
+            walk_ms / old_ms,
+            p50_min(&starts),
+            p50_min(&old)
+        );
+    }
+}
