@@ -4,7 +4,9 @@
 //! of one walk of the whole queue (`reserved::estimates`, what the scheduling pass runs once a
 //! second under the RM's lock) against the rule it replaced — one `reserve` over the running
 //! ends per waiting application, blind to the queue ahead — in the same run, and what the
-//! walk told. Figures, not assertions: `cargo bench --bench estimates`.
+//! walk told; the last row gives every application its own shape (the eligibility rule is
+//! asked per node class and distinct shape). Figures, not assertions: `cargo bench --bench
+//! estimates`.
 
 use std::time::Instant;
 
@@ -17,7 +19,7 @@ use gpuam::rm::scheduler::{AppDemand, Held, NodeCap, Shares, Snapshot};
 
 const NOW: u64 = 1_800_000_000_000;
 
-fn world(nodes: usize, waiting: usize) -> Snapshot {
+fn world(nodes: usize, waiting: usize, distinct: bool) -> Snapshot {
     let mut s = Snapshot::default();
     for i in 0..nodes {
         s.nodes.push(NodeCap {
@@ -73,7 +75,8 @@ fn world(nodes: usize, waiting: usize) -> Snapshot {
                 count,
                 gpus,
                 cpu: 4 * gpus,
-                memory_mb: 4096 * u64::from(gpus),
+                // Distinct: every application of its own shape (a few MB apart).
+                memory_mb: 4096 * u64::from(gpus) + if distinct { w as u64 } else { 0 },
                 max_run_sec: Some(600 + 60 * (w as u64 % 50)),
                 ..Default::default()
             }],
@@ -151,11 +154,17 @@ fn best_of<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
 }
 
 fn main() {
+    println!("(* every waiting application of its own shape)");
     println!(
-        "nodes   waiting   walk ms   one-reserve-each ms   walk/old   told   cut   median start in min (walk / old)"
+        "nodes   waiting    walk ms   one-reserve-each ms   walk/old   told   cut   median start in min (walk / old)"
     );
-    for (nodes, waiting) in [(1_000, 100), (10_000, 100), (10_000, 1_000)] {
-        let s = world(nodes, waiting);
+    for (nodes, waiting, distinct) in [
+        (1_000, 100, false),
+        (10_000, 100, false),
+        (10_000, 1_000, false),
+        (10_000, 1_000, true),
+    ] {
+        let s = world(nodes, waiting, distinct);
         let tree = QueueTree::default();
         let shares = Shares::compute(&tree, &s);
         let runs: Vec<Run> = s.apps.iter().map(|a| reserved::run_of(a, |_| None)).collect();
@@ -170,7 +179,8 @@ fn main() {
             .filter(|e| e.text.contains("longer than an estimate walks"))
             .count();
         println!(
-            "{nodes:>6} {waiting:>8} {walk_ms:>9.1} {old_ms:>21.1} {:>9.2} {told:>6} {cut:>5}   {} / {}",
+            "{nodes:>6} {waiting:>8}{} {walk_ms:>9.1} {old_ms:>21.1} {:>9.2} {told:>6} {cut:>5}   {} / {}",
+            if distinct { "*" } else { " " },
             walk_ms / old_ms,
             p50_min(&starts),
             p50_min(&old)

@@ -443,7 +443,7 @@ pub struct EstimateRequest {
 
 /// `count` waiting tasks of one shape (one task role): what a queue's share is computed
 /// for and what preemption frees room for.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Hash, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WaitingTasks {
     /// The task role (for display).

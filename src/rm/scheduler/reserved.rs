@@ -26,7 +26,7 @@ pub use crate::protocol::{StartBasis as Basis, StartEstimate};
 use std::collections::HashMap;
 
 use super::reservation::{self, Policy, Release, Reservation, Room};
-use super::walk::{self, Discipline, Queued, Reserved};
+use super::walk::{self, Discipline, Nodes, Queued, Reserved};
 use super::{eligible, rank, rank_cmp, AppDemand, Shares, Snapshot};
 use crate::protocol::WaitingTasks;
 use crate::resources::Resources;
@@ -391,9 +391,9 @@ impl Classes {
     }
 }
 
-/// Distinct eligibility patterns (one flag per node), each kept once, with what the
+/// Distinct eligibility patterns (one flag per node class), each kept once, with what the
 /// estimates ask of each: the running containers' bases on its nodes, and which patterns
-/// share a node with it.
+/// share a class (so a node) with it.
 #[derive(Default)]
 struct Patterns {
     all: Vec<Vec<bool>>,
@@ -421,12 +421,13 @@ impl Patterns {
     }
 
     /// The bases of the running containers on pattern `p`'s nodes.
-    fn basis(&mut self, p: usize, snap: &Snapshot) -> Basis {
+    fn basis(&mut self, p: usize, snap: &Snapshot, classes: &Classes) -> Basis {
         let ok = &self.all[p];
         *self.basis.entry(p).or_insert_with(|| {
             let mut b = Basis::default();
             for (i, h) in snap.held.iter().enumerate() {
-                if ok.get(h.node).copied().unwrap_or(false) {
+                let class = classes.of.get(h.node).copied();
+                if class.and_then(|c| ok.get(c)).copied().unwrap_or(false) {
                     count(&mut b, end_of(snap, i).basis);
                 }
             }
@@ -478,21 +479,21 @@ pub fn estimates(
     let mut patterns = Patterns::default();
     let classes = Classes::of(snap);
     // Distinct shape lists and their patterns: the rule is asked once per class and shape.
-    let mut seen_shapes: Vec<(Vec<WaitingTasks>, usize)> = Vec::new();
+    let mut seen_shapes: HashMap<Vec<WaitingTasks>, usize> = HashMap::new();
     let queued: Vec<(usize, Vec<Room>, Run, usize)> = order
         .iter()
         .map(|&a| {
             let shapes = shapes_of(&snap.apps[a]);
-            let p = match seen_shapes.iter().find(|(s, _)| *s == shapes) {
-                Some((_, p)) => *p,
+            let p = match seen_shapes.get(&shapes) {
+                Some(&p) => p,
                 None => {
                     let class_ok: Vec<bool> = classes
                         .rep
                         .iter()
                         .map(|&n| !shapes.is_empty() && shapes.iter().all(|w| eligible(&snap.nodes[n], w)))
                         .collect();
-                    let p = patterns.id(classes.of.iter().map(|&c| class_ok[c]).collect());
-                    seen_shapes.push((shapes, p));
+                    let p = patterns.id(class_ok);
+                    seen_shapes.insert(shapes, p);
                     p
                 }
             };
@@ -506,7 +507,10 @@ pub fn estimates(
         .map(|(_, tasks, run, p)| Queued {
             tasks,
             duration_ms: run.ms,
-            eligible: (!everywhere[*p]).then(|| &patterns.all[*p][..]),
+            eligible: (!everywhere[*p]).then(|| Nodes {
+                class: &classes.of,
+                ok: &patterns.all[*p],
+            }),
         })
         .collect();
     let free: Vec<Room> = snap
@@ -563,7 +567,7 @@ pub fn estimates(
         if watch.is_some_and(|w| w != *a) {
             continue;
         }
-        let basis = patterns.basis(*p, snap);
+        let basis = patterns.basis(*p, snap, &classes);
         let start_ms = walked.start_ms[k];
         let cut = walked.cut && start_ms.is_none();
         let mut text = words(&basis, &ahead, start_ms.is_some(), cut);

@@ -19,13 +19,30 @@ use std::collections::BinaryHeap;
 use super::reservation::{pack, Release, Reservation, Room};
 
 /// One waiting job: its tasks (a gang: all or none), how long it holds its room once
-/// started (ms; `None`: unknown, never given back), and the nodes it may use (`None`: all;
-/// else one flag per node).
+/// started (ms; `None`: unknown, never given back), and the nodes it may use (`None`: all).
 #[derive(Clone, Copy, Debug)]
 pub struct Queued<'a> {
     pub tasks: &'a [Room],
     pub duration_ms: Option<u64>,
-    pub eligible: Option<&'a [bool]>,
+    pub eligible: Option<Nodes<'a>>,
+}
+
+/// The nodes a job may use, by class: node `n` when `ok[class[n]]` (nodes alike for
+/// placement share a class, so a job's flags are one per class, not one per node).
+#[derive(Clone, Copy, Debug)]
+pub struct Nodes<'a> {
+    pub class: &'a [usize],
+    pub ok: &'a [bool],
+}
+
+impl Nodes<'_> {
+    fn allows(&self, n: usize) -> bool {
+        self.class
+            .get(n)
+            .and_then(|&c| self.ok.get(c))
+            .copied()
+            .unwrap_or(false)
+    }
 }
 
 /// How the walk takes the queue.
@@ -57,6 +74,10 @@ pub struct Reserved {
     /// the holder never yield to it; the simulator: none, `0`).
     pub exempt_below: usize,
 }
+
+/// A job tried and not fitted at one time: its tasks and where it may go (by address: jobs
+/// of one application's shape share them).
+type Tried<'a> = (&'a [Room], Option<(*const usize, *const bool)>);
 
 /// A room freed at a time: (end ms, node, GPUs, CPU, memory MB), earliest first.
 type End = Reverse<(u64, usize, u32, u32, u64)>;
@@ -116,12 +137,12 @@ impl ByFree {
 }
 
 /// `room` with no room on the nodes `eligible` rules out.
-fn masked(room: &[Room], eligible: Option<&[bool]>) -> Option<Vec<Room>> {
-    let ok = eligible?;
+fn masked(room: &[Room], eligible: Option<Nodes>) -> Option<Vec<Room>> {
+    let e = eligible?;
     Some(
         room.iter()
-            .zip(ok.iter().chain(std::iter::repeat(&false)))
-            .map(|(r, &ok)| if ok { *r } else { Room::default() })
+            .enumerate()
+            .map(|(n, r)| if e.allows(n) { *r } else { Room::default() })
             .collect(),
     )
 }
@@ -169,12 +190,12 @@ pub fn starts(free: &[Room], releases: &[Release], queue: &[Queued], now_ms: u64
         let mut k = 0;
         // Jobs that did not fit at this time: room only shrinks until the next end, so a
         // later job of the same tasks on the same nodes does not fit either.
-        let mut failed: Vec<(&[Room], Option<*const bool>)> = Vec::new();
+        let mut failed: Vec<Tried> = Vec::new();
         while k < pending.len() {
             let j = pending[k];
             let job = &queue[j];
             let need: u64 = job.tasks.iter().map(|r| u64::from(r.gpus)).sum();
-            let key = (job.tasks, job.eligible.map(<[bool]>::as_ptr));
+            let key = (job.tasks, job.eligible.map(|e| (e.class.as_ptr(), e.ok.as_ptr())));
             let tried = free_gpus >= need && !failed.contains(&key) && by_free.might_fit(job.tasks);
             if tried {
                 work = work.saturating_add(job.tasks.len().saturating_mul(room.len()));
@@ -381,12 +402,15 @@ mod tests {
         // Node 0 (type A) frees 8 at 100, node 1 (type B) is free now.
         let free = [g(0), g(8)];
         let releases = [rel(0, 8, Some(100))];
-        let only_a = [true, false];
+        let (class, only_a) = ([0, 1], [true, false]);
         let eight = [g(8)];
         let a_job = Queued {
             tasks: &eight,
             duration_ms: Some(500),
-            eligible: Some(&only_a),
+            eligible: Some(Nodes {
+                class: &class,
+                ok: &only_a,
+            }),
         };
         // The A job waits for node 0 although node 1 is free; the job behind it, of any
         // type, takes node 1 now; a second A job waits for the first: 600.
