@@ -599,3 +599,60 @@ fn one_reason_everywhere_for_a_gang_held_by_the_topology_wait_and_for_a_full_nod
     assert!(line.contains("until "), "{line}");
     assert_ne!(stopped.code(), Some(0), "an interrupted job does not succeed");
 }
+
+/// One node of 2 GPUs, three jobs of 2 GPUs each: the first runs (declared 600 s), the second
+/// waits (declared 900 s), the third waits behind it (no limit). `gpuam status` tells the
+/// second it starts when the first's limit ends, and the third 900 s after that — behind the
+/// job ahead of it, not at the first free slot — with the basis in words.
+#[test]
+fn a_waiting_job_is_told_when_it_starts_behind_the_jobs_ahead_of_it() {
+    let rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
+        &[("GPUAM_DASHBOARD_LINGER_SEC", "0")],
+    );
+    let job = |name: &str, limit: &str| {
+        rm.write_job(
+            name,
+            &format!(
+                "name: {name}\ntaskRoles:\n  worker:\n    instances: 1\n{limit}    \
+                 resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 2}}\n    commands: [\"sleep 600\"]\n"
+            ),
+        )
+    };
+    let first = submit_id(&rm, &job("first", "    maxRunSec: 600\n"));
+    wait_for(Duration::from_secs(90), "the first job's task to run", || {
+        let v = json_of(&run(&rm, &["status", &first, "--json"]));
+        let running = v["containers"]
+            .as_array()
+            .is_some_and(|cs| cs.iter().any(|c| c["state"] == "RUNNING"));
+        running.then_some(())
+    });
+    let second = submit_id(&rm, &job("second", "    maxRunSec: 900\n"));
+    let third = submit_id(&rm, &job("third", ""));
+    let estimate = |id: &str| {
+        wait_for(Duration::from_secs(90), &format!("{id}'s start estimate"), || {
+            let v = json_of(&run(&rm, &["status", id, "--json"]));
+            let e = v["waiting"]["estimate"].clone();
+            e["startMs"].as_u64().map(|s| (s, e))
+        })
+    };
+    let (second_at, _) = estimate(&second);
+    let (third_at, e) = estimate(&third);
+    assert_eq!(third_at, second_at + 900_000, "behind the second's 900 s: {e}");
+    let text = e["text"].as_str().unwrap_or_default();
+    assert!(text.contains("behind 1 waiting job (1 declared)"), "{e}");
+    assert_eq!(e["queueAhead"]["declared"], 1, "{e}");
+    let now = gpuam::protocol::now_ms();
+    assert!(
+        (now + 400_000..=now + 600_000).contains(&second_at),
+        "the second starts when the first's 600 s end: in {} ms",
+        second_at.saturating_sub(now)
+    );
+    // `gpuam status` says it in words.
+    let out = stdout(&run(&rm, &["status", &third]));
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("expected to start") && l.contains("behind 1 waiting job")),
+        "{out}"
+    );
+}

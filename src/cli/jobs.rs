@@ -263,7 +263,13 @@ pub(crate) async fn status(a: &StatusArgs, tls: &TlsSettings) -> i32 {
             .collect();
         print_json(&json!({
             "app": d.app,
-            "waiting": { "since": d.waiting.since, "why": d.waiting.why, "reason": d.waiting.reason },
+            "waiting": {
+                "since": d.waiting.since,
+                "why": d.waiting.why,
+                "reason": d.waiting.reason,
+                // When it is expected to start, with the basis (issue 27).
+                "estimate": d.waiting.estimate,
+            },
             "containers": containers,
             "history": d.history,
         }));
