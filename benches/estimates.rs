@@ -13,7 +13,7 @@ use std::time::Instant;
 use gpuam::protocol::WaitingTasks;
 use gpuam::resources::{mask_of_count, Resources};
 use gpuam::rm::scheduler::queues::QueueTree;
-use gpuam::rm::scheduler::reservation::{self, Release, Room};
+use gpuam::rm::scheduler::reservation;
 use gpuam::rm::scheduler::reserved::{self, EndBasis, Expected, Run};
 use gpuam::rm::scheduler::{AppDemand, Held, NodeCap, Shares, Snapshot};
 
@@ -88,49 +88,10 @@ fn world(nodes: usize, waiting: usize, distinct: bool) -> Snapshot {
 
 /// The rule the walk replaced: each waiting application alone against the running ends.
 fn one_reserve_each(s: &Snapshot) -> Vec<u64> {
-    let free: Vec<Room> = s
-        .nodes
-        .iter()
-        .map(|n| Room {
-            gpus: n.free_gpus.count_ones(),
-            cpu: n.free_cpu,
-            memory_mb: n.free_memory_mb,
-        })
-        .collect();
-    let releases: Vec<Release> = s
-        .held
-        .iter()
-        .zip(&s.ends)
-        .map(|(h, e)| Release {
-            node: h.node,
-            room: Room {
-                gpus: h.gpus.count_ones(),
-                cpu: h.cpu,
-                memory_mb: h.memory_mb,
-            },
-            end_ms: e.end_ms,
-        })
-        .collect();
-    s.apps
-        .iter()
-        .filter(|a| !a.waiting.is_empty())
-        .filter_map(|a| {
-            let tasks: Vec<Room> = a
-                .waiting
-                .iter()
-                .flat_map(|w| {
-                    std::iter::repeat_n(
-                        Room {
-                            gpus: w.gpus,
-                            cpu: w.cpu,
-                            memory_mb: w.memory_mb,
-                        },
-                        w.count as usize,
-                    )
-                })
-                .collect();
-            reservation::reserve(&free, &releases, &tasks, NOW).map(|r| r.start_ms)
-        })
+    let (free, releases) = (reserved::free_rooms(s), reserved::releases(s));
+    (0..s.apps.len())
+        .filter(|&a| !s.apps[a].waiting.is_empty())
+        .filter_map(|a| reservation::reserve(&free, &releases, &reserved::tasks_of(s, a), NOW).map(|r| r.start_ms))
         .collect()
 }
 

@@ -583,35 +583,12 @@ mod tests {
         for _ in 0..MIN_OWN {
             d.record(8, 100.0);
         }
-        for seed in 0..5 {
-            let est = |ahead: &[Waiting]| {
-                estimate_start_learned(
-                    &[g(0)],
-                    &[running(30.0)],
-                    ahead,
-                    &me(&[g(8)]),
-                    1000.0,
-                    true,
-                    None,
-                    &d,
-                    seed,
-                )
-            };
-            assert_eq!(est(&[]), Some(1_070_000));
-            let ahead = [Waiting {
-                tasks: &[g(8)],
-                gpus: 8,
-            }];
-            assert_eq!(est(&ahead), Some(1_170_000));
-        }
-        // A job that outlived every ended one ends in the exponential tail, whose mean is
-        // all time run over the jobs that ended, (20 × 100 + 500) / 20 = 125 s: the median
-        // draw is near 125 × ln 2 = 87 s from now, the same for the same seed.
-        let late = |seed| {
+        // The node held by a job that has run `elapsed` s, behind `ahead`.
+        let held = |elapsed: f64, ahead: &[Waiting], seed: u64| {
             estimate_start_learned(
                 &[g(0)],
-                &[running(500.0)],
-                &[],
+                &[running(elapsed)],
+                ahead,
                 &me(&[g(8)]),
                 1000.0,
                 true,
@@ -620,6 +597,18 @@ mod tests {
                 seed,
             )
         };
+        for seed in 0..5 {
+            assert_eq!(held(30.0, &[], seed), Some(1_070_000));
+            let ahead = [Waiting {
+                tasks: &[g(8)],
+                gpus: 8,
+            }];
+            assert_eq!(held(30.0, &ahead, seed), Some(1_170_000));
+        }
+        // A job that outlived every ended one ends in the exponential tail, whose mean is
+        // all time run over the jobs that ended, (20 × 100 + 500) / 20 = 125 s: the median
+        // draw is near 125 × ln 2 = 87 s from now, the same for the same seed.
+        let late = |seed| held(500.0, &[], seed);
         let a = late(7).unwrap();
         assert_eq!(late(7), Some(a), "deterministic in the seed");
         assert!((1_060_000..1_120_000).contains(&a), "{a}");

@@ -99,7 +99,7 @@ fn eligibility(snap: &Snapshot, a: usize) -> Vec<bool> {
 }
 
 /// Application `a`'s waiting tasks as rooms (at most [`MAX_TASKS`]).
-fn tasks_of(snap: &Snapshot, a: usize) -> Vec<Room> {
+pub fn tasks_of(snap: &Snapshot, a: usize) -> Vec<Room> {
     snap.apps[a]
         .waiting
         .iter()
@@ -118,40 +118,49 @@ fn tasks_of(snap: &Snapshot, a: usize) -> Vec<Room> {
         .collect()
 }
 
+/// What each node has free now, as reservations and estimates count it.
+pub fn free_rooms(snap: &Snapshot) -> Vec<Room> {
+    snap.nodes
+        .iter()
+        .map(|n| Room {
+            gpus: n.free_gpus.count_ones(),
+            cpu: n.free_cpu,
+            memory_mb: n.free_memory_mb,
+        })
+        .collect()
+}
+
+/// Held container `i` as a release: where, what, and its expected end.
+fn release_of(snap: &Snapshot, i: usize) -> Release {
+    let h = &snap.held[i];
+    Release {
+        node: h.node,
+        room: Room {
+            gpus: h.gpus.count_ones(),
+            cpu: h.cpu,
+            memory_mb: h.memory_mb,
+        },
+        end_ms: end_of(snap, i).end_ms,
+    }
+}
+
+/// Every held container as a release.
+pub fn releases(snap: &Snapshot) -> Vec<Release> {
+    (0..snap.held.len()).map(|i| release_of(snap, i)).collect()
+}
+
 /// What `reserve` needs for application `a`'s waiting tasks: the free room of each node
 /// (none where its tasks may not go), the releases there, and its tasks.
 fn inputs(snap: &Snapshot, a: usize) -> (Vec<Room>, Vec<Release>, Vec<Room>) {
     let ok = eligibility(snap, a);
-    let free = snap
-        .nodes
-        .iter()
+    let free = free_rooms(snap)
+        .into_iter()
         .zip(&ok)
-        .map(|(n, &ok)| {
-            if ok {
-                Room {
-                    gpus: n.free_gpus.count_ones(),
-                    cpu: n.free_cpu,
-                    memory_mb: n.free_memory_mb,
-                }
-            } else {
-                Room::default()
-            }
-        })
+        .map(|(r, &ok)| if ok { r } else { Room::default() })
         .collect();
-    let releases = snap
-        .held
-        .iter()
-        .enumerate()
-        .filter(|(_, h)| ok.get(h.node).copied().unwrap_or(false))
-        .map(|(i, h)| Release {
-            node: h.node,
-            room: Room {
-                gpus: h.gpus.count_ones(),
-                cpu: h.cpu,
-                memory_mb: h.memory_mb,
-            },
-            end_ms: end_of(snap, i).end_ms,
-        })
+    let releases = (0..snap.held.len())
+        .filter(|&i| ok.get(snap.held[i].node).copied().unwrap_or(false))
+        .map(|i| release_of(snap, i))
         .collect();
     (free, releases, tasks_of(snap, a))
 }
@@ -513,29 +522,7 @@ pub fn estimates(
             }),
         })
         .collect();
-    let free: Vec<Room> = snap
-        .nodes
-        .iter()
-        .map(|n| Room {
-            gpus: n.free_gpus.count_ones(),
-            cpu: n.free_cpu,
-            memory_mb: n.free_memory_mb,
-        })
-        .collect();
-    let releases: Vec<Release> = (0..snap.held.len())
-        .map(|i| {
-            let h = &snap.held[i];
-            Release {
-                node: h.node,
-                room: Room {
-                    gpus: h.gpus.count_ones(),
-                    cpu: h.cpu,
-                    memory_mb: h.memory_mb,
-                },
-                end_ms: end_of(snap, i).end_ms,
-            }
-        })
-        .collect();
+    let (free, releases) = (free_rooms(snap), releases(snap));
     let d = Discipline {
         in_order: false,
         reservation: holder.and_then(|h| {
@@ -640,14 +627,19 @@ mod tests {
         c.app("default", 0, false, vec![]);
         c.app("default", 0, true, vec![waiting(2, 8)]);
         c.app("default", 0, false, vec![waiting(1, 4)]);
-        for (n, end) in [(0, 100_000), (1, 200_000)] {
-            c.hold(0, n, 4, 0);
+        hold_until(&mut c, 0, 4, &[(0, 100_000), (1, 200_000)]);
+        (c.t, c.s)
+    }
+
+    /// `app` holds `gpus` GPUs on each node of `ends`, declared to end then.
+    fn hold_until(c: &mut Cluster, app: usize, gpus: u32, ends: &[(usize, u64)]) {
+        for &(n, end) in ends {
+            c.hold(app, n, gpus, 0);
             c.s.ends.push(Expected {
                 end_ms: Some(end),
                 basis: EndBasis::Declared,
             });
         }
-        (c.t, c.s)
     }
 
     fn four_on(n: usize) -> Vec<(usize, Resources)> {
@@ -784,13 +776,7 @@ mod tests {
         let first = c.app("default", 0, false, vec![waiting(1, 8)]);
         let second = c.app("default", 0, false, vec![waiting(1, 8)]);
         let third = c.app("default", 0, false, vec![waiting(1, 8)]);
-        for (n, end) in [(0, 100_000), (1, 300_000)] {
-            c.hold(runner, n, 8, 0);
-            c.s.ends.push(Expected {
-                end_ms: Some(end),
-                basis: EndBasis::Declared,
-            });
-        }
+        hold_until(&mut c, runner, 8, &[(0, 100_000), (1, 300_000)]);
         let shares = Shares::compute(&c.t, &c.s);
         // Each holds its node 1000 s: the first gets node 0 at 100 s, the second node 1 at
         // 300 s, the third node 0 again when the first ends, at 1100 s.
@@ -850,13 +836,7 @@ mod tests {
             ..waiting(1, 8)
         };
         let job = c.app("default", 0, false, vec![ported]);
-        for (n, end) in [(0, 100_000), (1, 300_000)] {
-            c.hold(runner, n, 8, 0);
-            c.s.ends.push(Expected {
-                end_ms: Some(end),
-                basis: EndBasis::Declared,
-            });
-        }
+        hold_until(&mut c, runner, 8, &[(0, 100_000), (1, 300_000)]);
         let shares = Shares::compute(&c.t, &c.s);
         let start = |s: &Snapshot| all(s, &shares, None, &[])[job].as_ref().and_then(|e| e.start_ms);
         assert_eq!(start(&c.s), None, "no node offers port 9000");

@@ -72,12 +72,17 @@ async fn app(rm: &RmHandle, name: &str) -> (String, RmClient) {
 }
 
 async fn run(c: &RmClient, host: &str, container: &crate::protocol::Container) {
+    run_command(c, host, container, "sleep 60").await;
+}
+
+/// Starts `container` on `host` running `command`.
+async fn run_command(c: &RmClient, host: &str, container: &crate::protocol::Container, command: &str) {
     c.start_container(
         &container.node_http_address,
         host,
         &container.container_id,
         &LaunchContext {
-            commands: vec!["sleep 60".into()],
+            commands: vec![command.into()],
             env: Default::default(),
         },
     )
@@ -345,6 +350,30 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
     }
 }
 
+/// What the RM learns now: held `container`'s expected end, and waiting application
+/// `app`'s expected run.
+fn learned(
+    rm: &RmHandle,
+    container: &str,
+    app: Option<&str>,
+) -> (
+    crate::rm::scheduler::reserved::Expected,
+    Option<crate::rm::scheduler::reserved::Run>,
+) {
+    let st = rm.shared.lock();
+    let mut built = super::scheduling::snapshot(&st, Instant::now());
+    super::scheduling::learn_ends(&st, &mut built);
+    let h = built
+        .snap
+        .held
+        .iter()
+        .position(|h| h.container_id == container)
+        .unwrap();
+    let runs = super::scheduling::waiting_runs(&st, &built);
+    let run = app.map(|id| runs[built.snap.apps.iter().position(|a| a.id == id).unwrap()]);
+    (built.snap.ends[h], run)
+}
+
 /// Where no limit is declared, a container's expected end is learned: the median run time
 /// of its job's completed tasks of the same role; before any completed, it is unknown.
 #[tokio::test]
@@ -356,30 +385,9 @@ async fn an_undeclared_end_is_learned_from_the_roles_completed_tasks() {
     let (quick, long) = (&resp.allocated[0], &resp.allocated[1]);
     // Both tasks are of role `w` (`w/1`, `w/2`).
     run(&a, "n1", long).await;
-    let basis = |rm: &RmHandle| {
-        let st = rm.shared.lock();
-        let mut built = super::scheduling::snapshot(&st, Instant::now());
-        super::scheduling::learn_ends(&st, &mut built);
-        let h = built
-            .snap
-            .held
-            .iter()
-            .position(|h| h.container_id == long.container_id)
-            .unwrap();
-        built.snap.ends[h]
-    };
+    let basis = |rm: &RmHandle| learned(rm, &long.container_id, None).0;
     assert_eq!(basis(&rm).basis, crate::rm::scheduler::reserved::EndBasis::Unknown);
-    a.start_container(
-        &quick.node_http_address,
-        "n1",
-        &quick.container_id,
-        &LaunchContext {
-            commands: vec!["true".into()],
-            env: Default::default(),
-        },
-    )
-    .await
-    .unwrap();
+    run_command(&a, "n1", quick, "true").await;
     let t0 = Instant::now();
     loop {
         let e = basis(&rm);
@@ -415,18 +423,7 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
     let (first_id, first) = app(&rm, "train").await;
     let done = grant_all(&first, vec![ask(1, "n1", 0x1, None)]).await;
     let quick = &done.allocated[0];
-    first
-        .start_container(
-            &quick.node_http_address,
-            "n1",
-            &quick.container_id,
-            &LaunchContext {
-                commands: vec!["true".into()],
-                env: Default::default(),
-            },
-        )
-        .await
-        .unwrap();
+    run_command(&first, "n1", quick, "true").await;
     let t0 = Instant::now();
     let took = loop {
         {
@@ -454,18 +451,8 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
         .await
         .unwrap();
     let learned = |rm: &RmHandle| {
-        let st = rm.shared.lock();
-        let mut built = super::scheduling::snapshot(&st, Instant::now());
-        super::scheduling::learn_ends(&st, &mut built);
-        let h = built
-            .snap
-            .held
-            .iter()
-            .position(|h| h.container_id == long.container_id)
-            .unwrap();
-        let runs = super::scheduling::waiting_runs(&st, &built);
-        let w = built.snap.apps.iter().position(|a| a.id == third_id).unwrap();
-        (built.snap.ends[h], runs[w])
+        let (end, run) = learned(rm, &long.container_id, Some(&third_id));
+        (end, run.unwrap())
     };
     let (end, waiting) = learned(&rm);
     assert_eq!(end.basis, EndBasis::Learned, "{end:?}");
