@@ -10,8 +10,11 @@
 //! it back, as far as the walk knows). In order (FIFO), the first job that does not fit
 //! blocks those behind it; otherwise (backfill) the others are still tried, as the RM's gate
 //! lets whoever fits take room that nobody ranked ahead can use now. With a reservation, a
-//! job behind its holder starts before the holder only where the reservation lets it
-//! ([`Reservation::backfill`]): the RM's gate's rule.
+//! job other than its holder starts before the holder only where the reservation lets it
+//! ([`Reservation::backfill`], by the job's own expected end), unless the reservation
+//! exempts it: the RM's gate exempts the jobs ranked ahead of the holder, the simulator none.
+//! A walk may be bounded (distinct times, packing work); the jobs it did not reach are left
+//! without a start and the walk says it was cut.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
