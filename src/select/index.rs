@@ -479,20 +479,39 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeMap;
 
-    /// Each bucket's members and each rack's members by bucket, by key and rack name (ids
-    /// and bucket numbers may differ between two indexes of the same nodes).
+    /// Each bucket's members and each rack's members by bucket, by key (its content,
+    /// [`key_text`]) and rack name (ids and bucket numbers may differ between two indexes of
+    /// the same nodes).
     type Filed = (
         BTreeMap<String, BTreeSet<Member>>,
         BTreeMap<(String, String), BTreeSet<Member>>,
     );
 
+    /// A bucket's key by content: names and contents, not the ids interned for them (two
+    /// indexes of the same nodes may intern them in another order: a host met twice in a
+    /// listing is filed after the others).
+    fn key_text(ix: &NodeIndex, k: &BucketKey) -> String {
+        format!(
+            "running {} partition {:?} type {:?} topology {:?} total {:#x}/{} free {:#x}/{} shares {:?}",
+            k.running,
+            ix.partition_name(k.partition),
+            ix.gpu_type_name(k.gpu_type),
+            ix.topology(k.topo),
+            k.total_mask,
+            k.total_gpus,
+            k.free_mask,
+            k.free_gpus,
+            ix.shares.get(k.free_shares as usize),
+        )
+    }
+
     fn filed(ix: &NodeIndex) -> Filed {
-        let key = |b: u32| format!("{:?}", ix.buckets[b as usize].key);
+        let key = |b: u32| key_text(ix, &ix.buckets[b as usize].key);
         let buckets = ix
             .buckets
             .iter()
             .filter(|b| !b.nodes.is_empty())
-            .map(|b| (format!("{:?}", b.key), b.nodes.clone()))
+            .map(|b| (key_text(ix, &b.key), b.nodes.clone()))
             .collect();
         let mut racks = BTreeMap::new();
         for (rack, name) in ix.rack_ids.names.iter().enumerate() {
