@@ -119,17 +119,25 @@ fn main() {
     println!(
         "nodes   waiting    walk ms   one-reserve-each ms   walk/old   told   cut   median start in min (walk / old)"
     );
-    for (nodes, waiting, distinct) in [
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` (CI's smoke run, an
+    // unoptimised build) does not: then the smallest size only, once.
+    let full = std::env::args().any(|a| a == "--bench");
+    let sizes = [
         (1_000, 100, false),
         (10_000, 100, false),
         (10_000, 1_000, false),
         (10_000, 1_000, true),
-    ] {
+    ];
+    for &(nodes, waiting, distinct) in &sizes[..if full { sizes.len() } else { 1 }] {
         let s = world(nodes, waiting, distinct);
         let tree = QueueTree::default();
         let shares = Shares::compute(&tree, &s);
         let runs: Vec<Run> = s.apps.iter().map(|a| reserved::run_of(a, |_| None)).collect();
-        let reps = if nodes * waiting > 1_000_000 { 3 } else { 10 };
+        let reps = match (full, nodes * waiting > 1_000_000) {
+            (false, _) => 1,
+            (true, true) => 3,
+            (true, false) => 10,
+        };
         let (walk_ms, est) = best_of(reps, || reserved::estimates(&s, &shares, None, &runs, NOW, None));
         let (old_ms, old) = best_of(reps, || one_reserve_each(&s));
         let starts: Vec<u64> = est.iter().flatten().filter_map(|e| e.start_ms).collect();
