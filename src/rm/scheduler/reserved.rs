@@ -408,7 +408,6 @@ struct Patterns {
     all: Vec<Vec<bool>>,
     index: HashMap<Vec<bool>, usize>,
     basis: HashMap<usize, Basis>,
-    overlaps: HashMap<(usize, usize), bool>,
 }
 
 impl Patterns {
@@ -421,12 +420,10 @@ impl Patterns {
         self.all.len() - 1
     }
 
-    fn overlap(&mut self, a: usize, b: usize) -> bool {
-        let all = &self.all;
-        *self
-            .overlaps
-            .entry((a.min(b), a.max(b)))
-            .or_insert_with(|| all[a].iter().zip(&all[b]).any(|(x, y)| *x && *y))
+    /// Whether patterns `a` and `b` share a class (a pass over the classes, a handful; not
+    /// remembered, so adversarially many distinct shapes cost time, never memory).
+    fn overlap(&self, a: usize, b: usize) -> bool {
+        self.all[a].iter().zip(&self.all[b]).any(|(x, y)| *x && *y)
     }
 
     /// The bases of the running containers on pattern `p`'s nodes.
