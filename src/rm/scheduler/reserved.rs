@@ -89,13 +89,12 @@ fn end_of(snap: &Snapshot, h: usize) -> Expected {
     snap.ends.get(h).copied().unwrap_or_default()
 }
 
-/// The nodes application `a`'s waiting tasks may all use (placement's `eligible`).
+/// The nodes application `a`'s waiting tasks may all use (placement's `eligible`, asked
+/// once per node class).
 fn eligibility(snap: &Snapshot, a: usize) -> Vec<bool> {
-    let waiting: Vec<_> = snap.apps[a].waiting.iter().filter(|w| w.count > 0).collect();
-    snap.nodes
-        .iter()
-        .map(|n| !waiting.is_empty() && waiting.iter().all(|w| eligible(n, w)))
-        .collect()
+    let classes = Classes::of(snap);
+    let ok = classes.allowing(snap, &shapes_of(&snap.apps[a]));
+    classes.of.iter().map(|&c| ok[c]).collect()
 }
 
 /// Application `a`'s waiting tasks as rooms (at most [`MAX_TASKS`]).
@@ -398,6 +397,14 @@ impl Classes {
             .collect();
         Classes { of, rep }
     }
+
+    /// Per class, whether tasks of all of `shapes` may run there (none: nowhere).
+    fn allowing(&self, snap: &Snapshot, shapes: &[WaitingTasks]) -> Vec<bool> {
+        self.rep
+            .iter()
+            .map(|&n| !shapes.is_empty() && shapes.iter().all(|w| eligible(&snap.nodes[n], w)))
+            .collect()
+    }
 }
 
 /// Distinct eligibility patterns (one flag per node class), each kept once, with what the
@@ -493,12 +500,7 @@ pub fn estimates(
             let p = match seen_shapes.get(&shapes) {
                 Some(&p) => p,
                 None => {
-                    let class_ok: Vec<bool> = classes
-                        .rep
-                        .iter()
-                        .map(|&n| !shapes.is_empty() && shapes.iter().all(|w| eligible(&snap.nodes[n], w)))
-                        .collect();
-                    let p = patterns.id(class_ok);
+                    let p = patterns.id(classes.allowing(snap, &shapes));
                     seen_shapes.insert(shapes, p);
                     p
                 }

@@ -216,18 +216,29 @@ fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
 /// [`learned_run_ms`]), from their start. One pass over the ledger, so only
 /// the reservation and estimate paths call it, and only when they have work.
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
+    learn(st, built, false);
+}
+
+/// [`learn_ends`], and with `runs`, how long each application of `built` is expected to
+/// hold its room once its waiting tasks start ([`reserved::run_of`]: each role's declared
+/// `maxRunSec`, else learned as above): one pass over the ledger for both (empty without
+/// `runs`).
+pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool) -> Vec<reserved::Run> {
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
         .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Unknown))
         .collect();
-    if unknown.is_empty() {
-        return;
-    }
-    let want = unknown.iter().filter_map(|&h| {
+    let held_want = unknown.iter().filter_map(|&h| {
         let c = st.ledger.container(&built.snap.held[h].container_id)?;
         Some((c.app_id.clone(), role_of(c)?.to_string()))
     });
-    let learned = learned_run_ms(st, want);
+    let waiting_want = built.snap.apps.iter().filter(|_| runs).flat_map(|a| {
+        a.waiting
+            .iter()
+            .filter(|w| w.count > 0 && w.max_run_sec.is_none())
+            .map(|w| (a.id.clone(), w.role.clone()))
+    });
+    let learned = learned_run_ms(st, held_want.chain(waiting_want));
     for &h in &unknown {
         let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
             continue;
@@ -243,19 +254,9 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
             };
         }
     }
-}
-
-/// How long each application of `built` is expected to hold its room once its waiting
-/// tasks start (issue 27): each role's declared `maxRunSec`, else the median run time of the
-/// job's completed tasks of the role ([`reserved::run_of`]).
-pub(super) fn waiting_runs(st: &RmState, built: &Built) -> Vec<reserved::Run> {
-    let want = built.snap.apps.iter().flat_map(|a| {
-        a.waiting
-            .iter()
-            .filter(|w| w.count > 0 && w.max_run_sec.is_none())
-            .map(|w| (a.id.clone(), w.role.clone()))
-    });
-    let learned = learned_run_ms(st, want);
+    if !runs {
+        return Vec::new();
+    }
     built
         .snap
         .apps
@@ -651,20 +652,15 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     let wall = now_ms();
     let mut built = built;
     let took = Instant::now();
-    let holder = if due {
-        learn_ends(st, &mut built);
-        reserved::holder(&built.snap, &shares, &st.sched.reserve, wall)
-    } else {
-        None
-    };
     // One walk of the queue gives every waiting application its estimate.
-    let mut estimates = if due {
-        let runs = waiting_runs(st, &built);
+    let (holder, mut estimates) = if due {
+        let runs = learn(st, &mut built, true);
+        let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
         let e = reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, None);
         st.sched.estimated = Some((now, took.elapsed()));
-        e
+        (holder, e)
     } else {
-        Vec::new()
+        (None, Vec::new())
     };
     for (id, &a) in &built.apps {
         let Some(app) = st.apps.get_mut(id) else { continue };
@@ -798,22 +794,59 @@ pub(super) async fn post_estimate(
         busy.retry_after = Some(1);
         return Err(busy);
     };
-    let st = rm.lock();
-    let queue = st
-        .sched
-        .tree
-        .resolve(req.queue.as_deref())
-        .map_err(|e| ApiError::bad_request(format!("`queue`: {e}")))?;
-    Ok(axum::Json(estimate_new(&st, queue, &req, Instant::now())))
+    // The snapshot and what is learned need the state; the walk does not: it runs after
+    // the lock is let go, off the async workers, so a caller asking again and again never
+    // holds the RM's state for the walk's time.
+    let input = {
+        let st = rm.lock();
+        let queue = st
+            .sched
+            .tree
+            .resolve(req.queue.as_deref())
+            .map_err(|e| ApiError::bad_request(format!("`queue`: {e}")))?;
+        estimate_input(&st, queue, &req, Instant::now())
+    };
+    tokio::task::spawn_blocking(move || input.estimate())
+        .await
+        .map(axum::Json)
+        .map_err(|e| {
+            ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                format!("the start estimate failed: {e}"),
+            )
+        })
 }
 
-/// [`reserved::estimates`] of a job not yet submitted (see [`post_estimate`]).
-fn estimate_new(
-    st: &RmState,
-    queue: usize,
-    req: &crate::protocol::EstimateRequest,
-    now: Instant,
-) -> crate::protocol::StartEstimate {
+/// What [`reserved::estimates`] needs for a job not yet submitted (see [`post_estimate`]):
+/// the state's snapshot with the job added as the newest application of its queue.
+struct EstimateInput {
+    built: Built,
+    shares: Shares,
+    holder: Option<reserved::Holder>,
+    runs: Vec<reserved::Run>,
+    me: usize,
+    wall: u64,
+}
+
+impl EstimateInput {
+    fn estimate(self) -> crate::protocol::StartEstimate {
+        let e = reserved::estimates(
+            &self.built.snap,
+            &self.shares,
+            self.holder.as_ref(),
+            &self.runs,
+            self.wall,
+            Some(self.me),
+        );
+        e.into_iter()
+            .nth(self.me)
+            .flatten()
+            .unwrap_or_else(|| reserved::nothing_waits(self.wall))
+    }
+}
+
+fn estimate_input(st: &RmState, queue: usize, req: &crate::protocol::EstimateRequest, now: Instant) -> EstimateInput {
     let wall = now_ms();
     let mut built = snapshot(st, now);
     built.snap.apps.push(AppDemand {
@@ -825,13 +858,17 @@ fn estimate_new(
         waiting: req.waiting.clone(),
     });
     let me = built.snap.apps.len() - 1;
-    learn_ends(st, &mut built);
+    let runs = learn(st, &mut built, true);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
-    let runs = waiting_runs(st, &built);
-    reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, Some(me))
-        .swap_remove(me)
-        .unwrap_or_else(|| reserved::nothing_waits(wall))
+    EstimateInput {
+        built,
+        shares,
+        holder,
+        runs,
+        me,
+        wall,
+    }
 }
 
 /// The waiting tasks of an allocate request, checked: counts and sizes within reason.

@@ -362,14 +362,14 @@ fn learned(
 ) {
     let st = rm.shared.lock();
     let mut built = super::scheduling::snapshot(&st, Instant::now());
-    super::scheduling::learn_ends(&st, &mut built);
+    // Without an application, the reservation path's `learn_ends` (no runs).
+    let runs = super::scheduling::learn(&st, &mut built, app.is_some());
     let h = built
         .snap
         .held
         .iter()
         .position(|h| h.container_id == container)
         .unwrap();
-    let runs = super::scheduling::waiting_runs(&st, &built);
     let run = app.map(|id| runs[built.snap.apps.iter().position(|a| a.id == id).unwrap()]);
     (built.snap.ends[h], run)
 }
