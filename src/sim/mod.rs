@@ -40,11 +40,11 @@ use crate::spec::{JobSpec, TaskResources, TaskRole};
 use crate::topology::{choose, Topology};
 
 use crate::rm::scheduler::reservation::{self, Policy, Release, Reservation, Room};
-use crate::rm::scheduler::walk::Reserved;
+use crate::rm::scheduler::walk::{Queued, Reserved};
 use cluster::{SimCluster, Task};
 use metrics::{PolicyResult, RunStats};
 use policies::NodePolicy;
-use reserve::{ms, Ahead, Durations, Queueing};
+use reserve::{ms, Durations, Queueing};
 use workload::Job;
 
 /// Every policy the simulator knows, in report order.
@@ -510,7 +510,8 @@ impl Engine<'_> {
         let tasks = rooms(&self.jobs[jid]);
         // Its own expected duration (the reservation lets it backfill by it).
         let mine = &self.jobs[jid];
-        let me = Ahead {
+        let me = Queued {
+            eligible: None,
             tasks: &tasks,
             duration_ms: self
                 .history
@@ -559,12 +560,13 @@ impl Engine<'_> {
                 jid as u64,
             )
         } else {
-            let ahead: Vec<Ahead> = ahead_ids
+            let ahead: Vec<Queued> = ahead_ids
                 .iter()
                 .zip(&ahead_rooms)
                 .map(|(&j, r)| {
                     let job = &self.jobs[j];
-                    Ahead {
+                    Queued {
+                        eligible: None,
                         tasks: r,
                         duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
                     }

@@ -250,7 +250,7 @@ pub fn estimate_start_learned(
     free: &[Room],
     running: &[Running],
     ahead: &[Waiting],
-    me: &Ahead,
+    me: &Queued,
     now: f64,
     in_order: bool,
     reserved: Option<&Reserved>,
@@ -272,9 +272,10 @@ pub fn estimate_start_learned(
             })
         })
         .collect();
-    let waiting: Vec<Ahead> = ahead
+    let waiting: Vec<Queued> = ahead
         .iter()
-        .map(|w| Ahead {
+        .map(|w| Queued {
+            eligible: None,
             tasks: w.tasks,
             duration_ms: None,
         })
@@ -322,10 +323,11 @@ pub fn estimate_start_learned(
                     })
                 })
                 .collect();
-            let ahead: Vec<Ahead> = ahead
+            let ahead: Vec<Queued> = ahead
                 .iter()
                 .zip(&ahead_u)
-                .map(|(w, u)| Ahead {
+                .map(|(w, u)| Queued {
+                    eligible: None,
                     tasks: w.tasks,
                     duration_ms: Some(ms(draw(w.gpus, 0.0, u[k]))),
                 })
@@ -379,13 +381,6 @@ pub fn takes(placed: &[(usize, GpuMask)], tasks: &[Task]) -> Vec<(usize, Room)> 
         .collect()
 }
 
-/// One waiting gang for [`estimate_start`]: its tasks and expected duration (ms; `None`:
-/// unknown, it never ends as far as the estimate knows).
-pub struct Ahead<'a> {
-    pub tasks: &'a [Room],
-    pub duration_ms: Option<u64>,
-}
-
 /// The estimated start (ms) of the gang `me` (its tasks, and its expected duration, which
 /// decides whether it may backfill past a reservation) submitted at `now_ms`, behind the
 /// jobs `ahead` (in queue order), as the running jobs' `releases` and the started ones' expected
@@ -396,22 +391,13 @@ pub struct Ahead<'a> {
 pub fn estimate_start(
     free: &[Room],
     releases: &[Release],
-    ahead: &[Ahead],
-    me: &Ahead,
+    ahead: &[Queued],
+    me: &Queued,
     now_ms: u64,
     in_order: bool,
     reserved: Option<&Reserved>,
 ) -> Option<u64> {
-    let queue: Vec<Queued> = ahead
-        .iter()
-        .chain(std::iter::once(me))
-        .map(|a| (a.tasks, a.duration_ms))
-        .map(|(tasks, duration_ms)| Queued {
-            tasks,
-            duration_ms,
-            eligible: None,
-        })
-        .collect();
+    let queue: Vec<Queued> = ahead.iter().chain(std::iter::once(me)).copied().collect();
     let me = queue.len() - 1;
     let d = Discipline {
         in_order,
@@ -449,7 +435,8 @@ mod tests {
             Some(300)
         );
         // Behind an 8-GPU job of 1000 ms (it takes node 0 at 100): the gang waits until 1100.
-        let ahead = [Ahead {
+        let ahead = [Queued {
+            eligible: None,
             tasks: &[g(8)],
             duration_ms: Some(1000),
         }];
@@ -472,8 +459,9 @@ mod tests {
             estimate_start(&free, &releases, &ahead, &me(&[g(8), g(8)]), 0, false, None),
             Some(1100)
         );
-        // Ahead with no known end: the gang never gets node 0 back.
-        let unknown = [Ahead {
+        // Queued with no known end: the gang never gets node 0 back.
+        let unknown = [Queued {
+            eligible: None,
             tasks: &[g(8)],
             duration_ms: None,
         }];
@@ -490,8 +478,9 @@ mod tests {
     }
 
     /// The job estimated, with no expected duration.
-    fn me(tasks: &[Room]) -> Ahead<'_> {
-        Ahead {
+    fn me(tasks: &[Room]) -> Queued<'_> {
+        Queued {
+            eligible: None,
             tasks,
             duration_ms: None,
         }
@@ -511,13 +500,15 @@ mod tests {
             reservation: reservation::reserve(&free, &releases, &gang, 0).unwrap(),
             exempt_below: 0,
         };
-        let ahead = [Ahead {
+        let ahead = [Queued {
+            eligible: None,
             tasks: &gang,
             duration_ms: Some(1000),
         }];
         let four = [g(4)];
         let est = |duration_ms, r: Option<&Reserved>| {
-            let me = Ahead {
+            let me = Queued {
+                eligible: None,
                 tasks: &four,
                 duration_ms,
             };
