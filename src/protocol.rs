@@ -408,8 +408,13 @@ impl StartBasis {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StartEstimate {
-    /// Expected start (ms since the epoch); `None` when it cannot be told.
+    /// Expected start (ms since the epoch); `None` when it cannot be told. A job that is no
+    /// gang starts when its first waiting task does.
     pub start_ms: Option<u64>,
+    /// A job that is no gang, whose waiting tasks start one by one: when the last of them is
+    /// expected to start; absent when that is `startMs`, or when it cannot be told.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_start_ms: Option<u64>,
     /// The running containers it rests on.
     #[serde(default)]
     pub basis: StartBasis,
@@ -439,6 +444,10 @@ pub struct EstimateRequest {
     #[serde(default)]
     pub gang: bool,
     pub waiting: Vec<WaitingTasks>,
+    /// The job's name: the caller's own earlier runs of a job of this name tell how long its
+    /// tasks run where no role declares `maxRunSec` (never another user's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// `count` waiting tasks of one shape (one task role): what a queue's share is computed

@@ -40,7 +40,10 @@ function estimateText(e) {
   if (!e) return '';
   if (!e.startMs) return 'expected start: ' + e.text;
   const now = Date.now();
-  if (e.startMs <= now) return 'expected to start now; basis: ' + e.text;
-  return 'expected to start ' + new Date(e.startMs).toISOString().slice(5, 16).replace('T', ' ') +
-    ' UTC (in ' + estimateDuration(e.startMs - now) + '); basis: ' + e.text;
+  const at = (t) => new Date(t).toISOString().slice(5, 16).replace('T', ' ') +
+    ' UTC (in ' + estimateDuration(t - now) + ')';
+  // A job that is no gang: its waiting tasks start one by one.
+  const all = e.allStartMs && e.allStartMs > now ? ', all its waiting tasks by ' + at(e.allStartMs) : '';
+  if (e.startMs <= now) return 'expected to start now' + all + '; basis: ' + e.text;
+  return 'expected to start ' + at(e.startMs) + all + '; basis: ' + e.text;
 }

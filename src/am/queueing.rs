@@ -44,6 +44,7 @@ pub fn estimate_request(job: &JobSpec, select: &SelectSettings) -> crate::protoc
             .iter()
             .map(|r| role_waiting(r, r.instances, uses_gpus, select))
             .collect(),
+        name: Some(job.name.clone()),
     }
 }
 

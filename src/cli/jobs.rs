@@ -282,14 +282,16 @@ pub(crate) async fn status(a: &StatusArgs, tls: &TlsSettings) -> i32 {
 /// "expected to start 11-26 15:40 UTC (in 10m); basis: …", or why it cannot be told (issue
 /// 27): the RM's estimate (`rm::scheduler::reserved::estimates`) in the terminal's words.
 pub(crate) fn estimate_line(e: &crate::rm::scheduler::reserved::StartEstimate, now: u64) -> String {
+    let at = |t: u64| format!("{} UTC (in {})", utc_minute(t), short_duration(t - now));
+    // A job that is no gang: its waiting tasks start one by one.
+    let all = e
+        .all_start_ms
+        .filter(|&t| t > now)
+        .map(|t| format!(", all its waiting tasks by {}", at(t)))
+        .unwrap_or_default();
     match e.start_ms {
-        Some(at) if at <= now => format!("expected to start now; basis: {}", e.text),
-        Some(at) => format!(
-            "expected to start {} UTC (in {}); basis: {}",
-            utc_minute(at),
-            short_duration(at - now),
-            e.text
-        ),
+        Some(t) if t <= now => format!("expected to start now{all}; basis: {}", e.text),
+        Some(t) => format!("expected to start {}{all}; basis: {}", at(t), e.text),
         None => format!("expected start: {}", e.text),
     }
 }
@@ -594,6 +596,17 @@ mod tests {
         let t = status_text(&d, now);
         assert!(
             t.contains("expected to start 11-26 15:31 UTC (in 10m); basis: declared limits of 12 running containers"),
+            "{t}"
+        );
+        let d = detail(
+            json!({"startMs": now + 600_000, "allStartMs": now + 7_200_000, "basis": {"declared": 12},
+            "text": "declared limits of 12 running containers"}),
+        );
+        let t = status_text(&d, now);
+        assert!(
+            t.contains(
+                "expected to start 11-26 15:31 UTC (in 10m), all its waiting tasks by 11-26 17:21 UTC (in 2h00m)"
+            ),
             "{t}"
         );
         let d = detail(json!({"startMs": null, "basis": {"unknown": 3},

@@ -902,6 +902,7 @@ fn the_rms_start_estimate_reaches_the_jobs_status() {
     heartbeat(&mut m, now);
     let est = crate::protocol::StartEstimate {
         start_ms: Some(now.ms + 600_000),
+        all_start_ms: None,
         basis: crate::protocol::StartBasis {
             declared: 3,
             ..Default::default()

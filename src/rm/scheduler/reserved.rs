@@ -510,29 +510,44 @@ pub fn estimates(
         .collect();
     // A job that may use every node needs no mask.
     let everywhere: Vec<bool> = patterns.all.iter().map(|ok| ok.iter().all(|&x| x)).collect();
-    let queue: Vec<Queued> = queued
-        .iter()
-        .map(|(_, tasks, run, p)| Queued {
+    // A gang is one job of the walk (all its tasks or none); a job that is no gang is one
+    // per waiting task, in its place in the queue (its tasks start one by one, as the gate
+    // admits them). `entries[k]`: the walk's jobs of the k-th application in order.
+    let mut queue: Vec<Queued> = Vec::new();
+    let mut entries: Vec<std::ops::Range<usize>> = Vec::with_capacity(queued.len());
+    for (a, tasks, run, p) in &queued {
+        let eligible = (!everywhere[*p]).then(|| Nodes {
+            class: &classes.of,
+            ok: &patterns.all[*p],
+        });
+        let job = |tasks| Queued {
             tasks,
             duration_ms: run.ms,
-            eligible: (!everywhere[*p]).then(|| Nodes {
-                class: &classes.of,
-                ok: &patterns.all[*p],
-            }),
-        })
-        .collect();
+            eligible,
+        };
+        let from = queue.len();
+        if snap.apps[*a].gang {
+            queue.push(job(tasks));
+        } else {
+            queue.extend(tasks.chunks(1).map(job));
+        }
+        entries.push(from..queue.len());
+    }
     let (free, releases) = (free_rooms(snap), releases(snap));
     let d = Discipline {
         in_order: false,
         reservation: holder.and_then(|h| {
-            let at = order.iter().position(|&a| a == h.app)?;
+            let at = entries.get(order.iter().position(|&a| a == h.app)?)?.start;
             Some(Reserved {
                 holder: at,
                 reservation: h.reservation.clone(),
                 exempt_below: at,
             })
         }),
-        watch: watch.and_then(|w| order.iter().position(|&a| a == w)),
+        // Its last task: the walk goes on until every one of them has started.
+        watch: watch
+            .and_then(|w| entries.get(order.iter().position(|&a| a == w)?))
+            .and_then(|r| r.end.checked_sub(1)),
         max_steps: MAX_STEPS,
         max_work: MAX_WORK,
     };
@@ -554,19 +569,37 @@ pub fn estimates(
             continue;
         }
         let basis = patterns.basis(*p, snap, &classes);
-        let start_ms = walked.start_ms[k];
+        let mine = entries[k].clone();
+        // Its first task's start (an entry not started: `None`, after every known one).
+        let first = mine
+            .clone()
+            .min_by_key(|&i| walked.start_ms[i].map_or((1, 0), |s| (0, s)));
+        let start_ms = first.and_then(|i| walked.start_ms[i]);
+        let last = mine
+            .clone()
+            .map(|i| walked.start_ms[i])
+            .try_fold(0, |m, s| s.map(|s| s.max(m)));
+        let all_start_ms = last.filter(|&l| mine.len() > 1 && start_ms.is_some_and(|s| l > s));
         let cut = walked.cut && start_ms.is_none();
         let mut text = words(&basis, &ahead, start_ms.is_some(), cut);
+        if start_ms.is_some() && last.is_none() {
+            text.push_str(if walked.cut {
+                "; when its last waiting tasks start is past what an estimate walks"
+            } else {
+                "; when its last waiting tasks start cannot be told"
+            });
+        }
         let mut after = None;
         if holder.is_some_and(|h| h.app == *a) {
             text = format!("reserved for it; {text}");
-        } else if let Some(h) = holder.filter(|_| walked.held_back[k]) {
+        } else if let Some(h) = holder.filter(|_| first.is_some_and(|i| walked.held_back[i])) {
             let label = holder_label(snap, h);
             text.push_str(&format!("; after the reservation of {label}"));
             after = Some(label);
         }
         out[*a] = Some(StartEstimate {
             start_ms,
+            all_start_ms,
             basis,
             queue_ahead: ahead,
             after_reservation_of: after,
@@ -580,6 +613,7 @@ pub fn estimates(
 pub fn nothing_waits(now_ms: u64) -> StartEstimate {
     StartEstimate {
         start_ms: Some(now_ms),
+        all_start_ms: None,
         basis: Basis::default(),
         queue_ahead: Basis::default(),
         after_reservation_of: None,
@@ -594,6 +628,7 @@ pub fn held_by_queue(mut e: StartEstimate, queue_cause: Option<&str>, now_ms: u6
     if let Some(cause) = queue_cause {
         if e.start_ms.is_some_and(|s| s <= now_ms) {
             e.start_ms = None;
+            e.all_start_ms = None;
             e.text = format!("unknown: the room it needs is free, but its queue holds it back ({cause})");
         }
     }
@@ -699,6 +734,50 @@ mod tests {
             })
             .collect();
         estimates(s, shares, h, &runs, 0, None)
+    }
+
+    /// A job that is no gang starts when its first waiting task does, and says when its last
+    /// one will; a gang of the same tasks starts when all of them fit.
+    #[test]
+    fn a_job_that_is_no_gang_starts_task_by_task() {
+        for gang in [false, true] {
+            let mut c = Cluster::new(QueueTree::default(), &[8, 8]);
+            c.app("default", 0, false, vec![]);
+            c.app("default", 0, gang, vec![waiting(3, 4)]);
+            // 4 GPUs free on node 0 now, node 1 whole at 100 s, node 0 whole at 300 s.
+            hold_until(&mut c, 0, 4, &[(0, 300_000)]);
+            hold_until(&mut c, 0, 8, &[(1, 100_000)]);
+            let shares = Shares::compute(&c.t, &c.s);
+            let e = all(&c.s, &shares, None, &[]);
+            let job = e[1].clone().unwrap();
+            let (start, last) = if gang { (100_000, None) } else { (0, Some(100_000)) };
+            assert_eq!(
+                (job.start_ms, job.all_start_ms),
+                (Some(start), last),
+                "gang {gang}: {job:?}"
+            );
+            // Watched alone, the walk goes on until its last task has started.
+            let runs = vec![Run::default(); c.s.apps.len()];
+            let watched = estimates(&c.s, &shares, None, &runs, 0, Some(1));
+            assert_eq!(
+                watched[1].as_ref().map(|e| (e.start_ms, e.all_start_ms)),
+                Some((Some(start), last))
+            );
+            // With no end known for node 1 (and none declared for the job, which so holds
+            // what it takes), the gang's start and the last task's cannot be told.
+            c.s.ends[1] = Expected::default();
+            let job = all(&c.s, &shares, None, &[])[1].clone().unwrap();
+            if gang {
+                assert_eq!(job.start_ms, None, "{job:?}");
+            } else {
+                assert_eq!((job.start_ms, job.all_start_ms), (Some(0), None), "{job:?}");
+                assert!(
+                    job.text.ends_with("; when its last waiting tasks start cannot be told"),
+                    "{}",
+                    job.text
+                );
+            }
+        }
     }
 
     /// A container with no known end is never counted as freeing: with one, the gang's
@@ -887,13 +966,14 @@ mod tests {
     fn a_job_its_queue_holds_back_gets_no_start_from_free_room() {
         let now = StartEstimate {
             start_ms: Some(10),
+            all_start_ms: Some(20),
             basis: Basis::default(),
             queue_ahead: Basis::default(),
             after_reservation_of: None,
             text: "room free now".into(),
         };
         let e = held_by_queue(now.clone(), Some("atCap"), 10);
-        assert_eq!(e.start_ms, None);
+        assert_eq!((e.start_ms, e.all_start_ms), (None, None));
         assert!(e.text.starts_with("unknown:") && e.text.contains("atCap"), "{}", e.text);
         assert_eq!(held_by_queue(now.clone(), None, 10), now);
         let later = StartEstimate {

@@ -216,14 +216,23 @@ fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
 /// [`learned_run_ms`]), from their start. One pass over the ledger, so only
 /// the reservation and estimate paths call it, and only when they have work.
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
-    learn(st, built, false);
+    learn(st, built, false, None);
+}
+
+/// A job not yet submitted (`gpuam plan --rm`), in a snapshot as application `id`: whose it
+/// is and its name, so its runs are learned from its user's earlier runs of that name.
+#[derive(Clone, Copy)]
+pub(super) struct Guest<'a> {
+    pub id: &'a str,
+    pub user: &'a str,
+    pub name: &'a str,
 }
 
 /// [`learn_ends`], and with `runs`, how long each application of `built` is expected to
 /// hold its room once its waiting tasks start ([`reserved::run_of`]: each role's declared
 /// `maxRunSec`, else learned as above): one pass over the ledger for both (empty without
-/// `runs`).
-pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool) -> Vec<reserved::Run> {
+/// `runs`). `guest`: an application of `built` the state does not hold yet.
+pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<Guest>) -> Vec<reserved::Run> {
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
         .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Unknown))
@@ -238,7 +247,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool) -> Vec<reserved
             .filter(|w| w.count > 0 && w.max_run_sec.is_none())
             .map(|w| (a.id.clone(), w.role.clone()))
     });
-    let learned = learned_run_ms(st, held_want.chain(waiting_want));
+    let learned = learned_run_ms(st, held_want.chain(waiting_want), guest);
     for &h in &unknown {
         let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
             continue;
@@ -270,7 +279,18 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool) -> Vec<reserved
 /// the same user's other runs of the same job name (the RM keeps finished applications and
 /// their containers): a job run again is expected to take what it took before. Never another
 /// user's: how long their jobs run is theirs. One pass over the ledger; none wanted, no pass.
-fn learned_run_ms(st: &RmState, want: impl Iterator<Item = (String, String)>) -> HashMap<String, HashMap<String, u64>> {
+fn learned_run_ms<'a>(
+    st: &'a RmState,
+    want: impl Iterator<Item = (String, String)>,
+    guest: Option<Guest<'a>>,
+) -> HashMap<String, HashMap<String, u64>> {
+    // Whose an application is and its name: the state's, or the guest's.
+    let key_of = |id: &str| -> Option<(&str, &str)> {
+        match st.apps.get(id) {
+            Some(a) => Some((a.report.user.as_str(), a.report.name.as_str())),
+            None => guest.filter(|g| g.id == id).map(|g| (g.user, g.name)),
+        }
+    };
     let mut own: HashMap<String, HashMap<String, Vec<u64>>> = HashMap::new();
     for (app, role) in want {
         own.entry(app).or_default().entry(role).or_default();
@@ -282,8 +302,8 @@ fn learned_run_ms(st: &RmState, want: impl Iterator<Item = (String, String)>) ->
     // application (any state) of the same user and name.
     let mut kin: HashMap<(&str, &str), HashMap<String, Vec<u64>>> = HashMap::new();
     for (id, roles) in &own {
-        if let Some(a) = st.apps.get(id) {
-            let k = kin.entry((a.report.user.as_str(), a.report.name.as_str())).or_default();
+        if let Some(key) = key_of(id) {
+            let k = kin.entry(key).or_default();
             for r in roles.keys() {
                 k.entry(r.clone()).or_default();
             }
@@ -318,10 +338,7 @@ fn learned_run_ms(st: &RmState, want: impl Iterator<Item = (String, String)>) ->
     };
     let mut out: HashMap<String, HashMap<String, u64>> = HashMap::new();
     for (app, roles) in own {
-        let key = st
-            .apps
-            .get(&app)
-            .map(|a| (a.report.user.as_str(), a.report.name.as_str()));
+        let key = key_of(&app);
         let mut medians = HashMap::new();
         for (role, mut runs) in roles {
             let m = median(&mut runs).or_else(|| {
@@ -654,7 +671,7 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     let took = Instant::now();
     // One walk of the queue gives every waiting application its estimate.
     let (holder, mut estimates) = if due {
-        let runs = learn(st, &mut built, true);
+        let runs = learn(st, &mut built, true, None);
         let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
         let e = reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, None);
         st.sched.estimated = Some((now, took.elapsed()));
@@ -781,10 +798,14 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
 /// job, added to the state's snapshot as the newest application of its queue).
 pub(super) async fn post_estimate(
     axum::extract::State(rm): Rm,
-    _caller: super::http::Caller,
+    caller: super::http::Caller,
     super::http::ApiJson(req): super::http::ApiJson<crate::protocol::EstimateRequest>,
 ) -> Result<axum::Json<crate::protocol::StartEstimate>, ApiError> {
     check_waiting(&req.waiting).map_err(ApiError::bad_request)?;
+    if let Some(name) = req.name.as_deref() {
+        crate::spec::validate::check_job_name(name)
+            .map_err(|(what, fix)| ApiError::bad_request(format!("`name`: {what}; {fix}")))?;
+    }
     let Ok(_turn) = rm.estimating.try_acquire() else {
         let mut busy = ApiError::new(
             axum::http::StatusCode::TOO_MANY_REQUESTS,
@@ -804,7 +825,7 @@ pub(super) async fn post_estimate(
             .tree
             .resolve(req.queue.as_deref())
             .map_err(|e| ApiError::bad_request(format!("`queue`: {e}")))?;
-        estimate_input(&st, queue, &req, Instant::now())
+        estimate_input(&st, queue, caller.name(), &req, Instant::now())
     };
     tokio::task::spawn_blocking(move || input.estimate())
         .await
@@ -846,11 +867,21 @@ impl EstimateInput {
     }
 }
 
-fn estimate_input(st: &RmState, queue: usize, req: &crate::protocol::EstimateRequest, now: Instant) -> EstimateInput {
+/// The application id a job not yet submitted has in an estimate's snapshot (no real id
+/// has parentheses).
+pub(super) const GUEST: &str = "(this job)";
+
+fn estimate_input(
+    st: &RmState,
+    queue: usize,
+    user: &str,
+    req: &crate::protocol::EstimateRequest,
+    now: Instant,
+) -> EstimateInput {
     let wall = now_ms();
     let mut built = snapshot(st, now);
     built.snap.apps.push(AppDemand {
-        id: "(this job)".into(),
+        id: GUEST.into(),
         queue,
         priority: req.priority,
         submitted_ms: wall,
@@ -858,7 +889,8 @@ fn estimate_input(st: &RmState, queue: usize, req: &crate::protocol::EstimateReq
         waiting: req.waiting.clone(),
     });
     let me = built.snap.apps.len() - 1;
-    let runs = learn(st, &mut built, true);
+    let guest = req.name.as_deref().map(|name| Guest { id: GUEST, user, name });
+    let runs = learn(st, &mut built, true, guest);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
     EstimateInput {

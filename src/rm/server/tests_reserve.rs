@@ -346,6 +346,16 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
             .await
             .unwrap_err();
         assert!(err.to_string().contains("waiting[0]"), "{err}");
+        let bad = crate::protocol::EstimateRequest {
+            name: Some("../etc".into()),
+            waiting: vec![wait(1, 1)],
+            ..bad
+        };
+        let err = user
+            .post_json::<_, serde_json::Value>("estimate", "/ws/v1/cluster/estimate", &bad)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("`name`"), "{err}");
         rm.shutdown().await;
     }
 }
@@ -363,7 +373,7 @@ fn learned(
     let st = rm.shared.lock();
     let mut built = super::scheduling::snapshot(&st, Instant::now());
     // Without an application, the reservation path's `learn_ends` (no runs).
-    let runs = super::scheduling::learn(&st, &mut built, app.is_some());
+    let runs = super::scheduling::learn(&st, &mut built, app.is_some(), None);
     let h = built
         .snap
         .held
@@ -457,6 +467,34 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
     let (end, waiting) = learned(&rm);
     assert_eq!(end.basis, EndBasis::Learned, "{end:?}");
     assert_eq!((waiting.basis, waiting.ms), (EndBasis::Learned, Some(took)));
+    // `gpuam plan --rm` of a job not yet submitted, named `train`: its run is learned from
+    // its caller's earlier runs of that name, and only its caller's.
+    let user = rm.shared.lock().apps.get(&first_id).unwrap().report.user.clone();
+    let guest_run = |user: &str, name: &str| {
+        let st = rm.shared.lock();
+        let mut built = super::scheduling::snapshot(&st, Instant::now());
+        built.snap.apps.push(crate::rm::scheduler::AppDemand {
+            id: super::scheduling::GUEST.into(),
+            queue: 0,
+            priority: 0,
+            submitted_ms: 0,
+            gang: false,
+            waiting: vec![wait(1, 2)],
+        });
+        let guest = super::scheduling::Guest {
+            id: super::scheduling::GUEST,
+            user,
+            name,
+        };
+        let runs = super::scheduling::learn(&st, &mut built, true, Some(guest));
+        runs[built.snap.apps.len() - 1]
+    };
+    let mine = guest_run(&user, "train");
+    assert_eq!((mine.basis, mine.ms), (EndBasis::Learned, Some(took)));
+    for (who, name) in [("eve", "train"), (user.as_str(), "other")] {
+        let theirs = guest_run(who, name);
+        assert_eq!((theirs.basis, theirs.ms), (EndBasis::Unknown, None), "{who}/{name}");
+    }
     // The first run was another user's: nothing of it is learned.
     rm.shared.lock().apps.get_mut(&first_id).unwrap().report.user = "eve".into();
     let (end, waiting) = learned(&rm);
