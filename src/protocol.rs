@@ -650,9 +650,10 @@ pub struct AllocateResponse {
     /// The same, typed (`reason::Reason`; a `Resources` kind when the queues name no cause).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_reason: Option<crate::reason::Reason>,
-    /// When its waiting tasks are expected to start, and on what basis (issue 27).
+    /// When its waiting tasks are expected to start, and on what basis (issue 27). Boxed:
+    /// most answers carry none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub start_estimate: Option<StartEstimate>,
+    pub start_estimate: Option<Box<StartEstimate>>,
     /// Other applications have tasks waiting (issue 27): the AM's placement then packs
     /// nodes (fewest free GPUs) right after the GPU tiers (`Selector::set_others_wait`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -53,9 +53,10 @@ impl JobMachine {
         self.queue_reason = resp.wait_reason;
         // Other jobs wait: the next placements pack nodes first (issue 27).
         self.selector.set_others_wait(resp.others_waiting);
-        if resp.start_estimate != self.start_estimate {
-            self.start_estimate = resp.start_estimate.clone();
-            self.out.events.push(Event::StartEstimate(resp.start_estimate));
+        let estimate = resp.start_estimate.map(|e| *e);
+        if estimate != self.start_estimate {
+            self.start_estimate = estimate.clone();
+            self.out.events.push(Event::StartEstimate(estimate));
         }
         if resp.command == Some(AmCommand::Shutdown) {
             self.kill("the application was killed at the RM");

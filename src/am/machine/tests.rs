@@ -921,7 +921,7 @@ fn the_rms_start_estimate_reaches_the_jobs_status() {
             .collect()
     };
     let with = AllocateResponse {
-        start_estimate: Some(est.clone()),
+        start_estimate: Some(Box::new(est.clone())),
         ..Default::default()
     };
     let out = m.step(Input::Allocated(Ok(with.clone())), now);

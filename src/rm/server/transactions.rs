@@ -466,7 +466,12 @@ pub(super) fn allocate(
     let app = app_mut(&mut st.apps, id)?;
     out.waiting_reason = app.waiting.why.as_ref().map(|(_, t)| t.clone());
     out.wait_reason = app.waiting.queue_reason();
-    out.start_estimate = app.waiting.estimate.clone().filter(|_| app.waiting.since_ms.is_some());
+    out.start_estimate = app
+        .waiting
+        .estimate
+        .clone()
+        .filter(|_| app.waiting.since_ms.is_some())
+        .map(Box::new);
     out.completed = std::mem::take(&mut app.pending_completed);
     out.updated_nodes = st
         .ledger
