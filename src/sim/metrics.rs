@@ -216,7 +216,12 @@ pub fn t975(df: usize) -> f64 {
     match df {
         0 => f64::NAN,
         d if d <= 30 => T[d - 1],
-        _ => 1.96,
+        // Past the table, the Cornish–Fisher expansion around the normal quantile (within
+        // 0.001 of the exact value from 31 degrees of freedom on; it tends to 1.960).
+        d => {
+            let (z, n) = (1.959_964f64, d as f64);
+            z + (z.powi(3) + z) / (4.0 * n) + (5.0 * z.powi(5) + 16.0 * z.powi(3) + 3.0 * z) / (96.0 * n * n)
+        }
     }
 }
 
@@ -303,6 +308,10 @@ mod tests {
         // sd = 1, n = 3, t(2) = 4.303 → 4.303 / sqrt(3)
         assert!((h - 4.303 / 3f64.sqrt()).abs() < 1e-9);
         assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
+        // Past the table: 39 degrees of freedom (40 seeds) is 2.023, not the normal 1.960.
+        assert!((t975(39) - 2.023).abs() < 0.001, "{}", t975(39));
+        assert!((t975(31) - 2.040).abs() < 0.001, "{}", t975(31));
+        assert!((t975(10_000) - 1.960).abs() < 0.001);
         assert!(mean_ci(&[]).0.is_nan());
     }
 
