@@ -74,6 +74,22 @@ fn is_zero_ms(ms: &u64) -> bool {
 impl LedgerContainer {
     /// When its run started (ms since the epoch): when its executor started it, else (not
     /// started yet, or stored by an older RM) when it was granted.
+    /// The role of its task ("role/index"), if it serves one.
+    pub fn role(&self) -> Option<&str> {
+        self.container
+            .task
+            .as_deref()
+            .and_then(|t| t.rsplit_once('/'))
+            .map(|(r, _)| r)
+    }
+
+    /// How long it ran, when it completed successfully (exit 0, with an end time): what
+    /// the RM learns expected run times from (issue 27). `None` otherwise.
+    pub fn successful_run_ms(&self) -> Option<u64> {
+        (self.state == ContainerState::Complete && self.exit_status == Some(0) && self.ended_ms != 0)
+            .then(|| self.ended_ms.saturating_sub(self.run_from_ms()))
+    }
+
     pub fn run_from_ms(&self) -> u64 {
         if self.started_ms > 0 {
             self.started_ms
@@ -103,6 +119,18 @@ pub struct LedgerChanges {
 impl LedgerChanges {
     pub fn is_empty(&self) -> bool {
         self.containers.is_empty() && self.nodes.is_empty()
+    }
+}
+
+/// Adds `c`'s run to `runs` when it completed successfully and serves a task: each
+/// container is noted once, when it completes (or is restored complete).
+fn note_run(runs: &mut HashMap<String, HashMap<String, Vec<u64>>>, c: &LedgerContainer) {
+    if let (Some(run), Some(role)) = (c.successful_run_ms(), c.role()) {
+        runs.entry(c.app_id.clone())
+            .or_default()
+            .entry(role.to_string())
+            .or_default()
+            .push(run);
     }
 }
 
@@ -175,6 +203,10 @@ pub struct Ledger {
     /// Each node under the epoch of its last change (`changed_at`): what changed since an
     /// epoch is a range of it, O(changes) whatever the cluster's size.
     by_change: BTreeMap<u64, String>,
+    /// The run times of the containers that completed successfully
+    /// ([`LedgerContainer::successful_run_ms`]), by application and role, kept as they
+    /// complete: learning expected run times reads these, not every container.
+    runs: HashMap<String, HashMap<String, Vec<u64>>>,
 }
 
 impl Ledger {
@@ -209,6 +241,7 @@ impl Ledger {
             touched_nodes: BTreeSet::new(),
             removed: BTreeMap::new(),
             by_change: BTreeMap::new(),
+            runs: HashMap::new(),
         }
     }
 
@@ -241,6 +274,7 @@ impl Ledger {
         if let Some(seq) = container_seq(&id) {
             self.next_container = self.next_container.max(seq.saturating_add(1));
         }
+        note_run(&mut self.runs, &c);
         self.containers.insert(id.clone(), c);
         if !live {
             return None;
@@ -597,6 +631,7 @@ impl Ledger {
         c.ended_ms = crate::protocol::now_ms();
         c.exit_status = Some(exit);
         c.diagnostics = diagnostics.to_string();
+        note_run(&mut self.runs, c);
         let ended = Ended {
             container_id: id.to_string(),
             app_id: c.app_id.clone(),
@@ -624,6 +659,7 @@ impl Ledger {
         c.ended_ms = crate::protocol::now_ms();
         c.exit_status = Some(exit);
         c.diagnostics = diagnostics.to_string();
+        note_run(&mut self.runs, c);
         self.touched.insert(id.to_string());
         Some(Ended {
             container_id: id.to_string(),
@@ -909,7 +945,21 @@ impl Ledger {
         let before = self.containers.len();
         self.containers
             .retain(|_, c| c.app_id != app_id || c.state != ContainerState::Complete || c.held);
+        // Its runs go with them; those of its held ones stay.
+        self.runs.remove(app_id);
+        for c in self.containers.values().filter(|c| c.app_id == app_id) {
+            note_run(&mut self.runs, c);
+        }
         before - self.containers.len()
+    }
+
+    /// The run times (ms) of application `app_id`'s containers of `role` that completed
+    /// successfully, in no particular order.
+    pub fn runs_of(&self, app_id: &str, role: &str) -> &[u64] {
+        self.runs
+            .get(app_id)
+            .and_then(|r| r.get(role))
+            .map_or(&[], Vec::as_slice)
     }
 
     /// Every node's host and state (for writing the whole state).
@@ -1056,6 +1106,47 @@ mod tests {
             ports: PortSet::parse(ports).unwrap(),
             ..Default::default()
         }
+    }
+
+    /// The runs learned from: successful ends by application and role, noted once however
+    /// the container ends (stopped and then reported dead; restored complete), and kept for
+    /// a held container when its application's history is forgotten.
+    #[test]
+    fn successful_runs_are_indexed_once_by_application_and_role() {
+        let now = Instant::now();
+        let mut l = Ledger::new([node("n1", 4, 1000, 0xf, "")], DEFAULT_CONTAINER_EXPIRY);
+        let app = "application_1_0001";
+        let grant = |l: &mut Ledger, i: u64, task: &str| {
+            let a = Ask {
+                task: Some(task.into()),
+                ..ask(i, "n1", 1, 10, 1 << (i - 1), "")
+            };
+            l.grant(app, 1, &a, now).unwrap().container_id
+        };
+        let (ok, failed, held) = (
+            grant(&mut l, 1, "w/0"),
+            grant(&mut l, 2, "w/1"),
+            grant(&mut l, 3, "ps/0"),
+        );
+        l.complete(&ok, 0, "");
+        l.complete(&failed, 1, "");
+        l.mark_running(&held).unwrap();
+        l.stop(&held, 0, "stopped");
+        l.complete(&held, 0, "dead");
+        assert_eq!((l.runs_of(app, "w").len(), l.runs_of(app, "ps").len()), (1, 1));
+        assert!(l.runs_of(app, "x").is_empty() && l.runs_of("application_1_0002", "w").is_empty());
+        // A restarted ledger rebuilds the index from the containers it restores.
+        let mut again = Ledger::new([node("n1", 4, 1000, 0xf, "")], DEFAULT_CONTAINER_EXPIRY);
+        for c in l.all_containers().cloned().collect::<Vec<_>>() {
+            again.restore(c, now, crate::protocol::now_ms());
+        }
+        assert_eq!((again.runs_of(app, "w").len(), again.runs_of(app, "ps").len()), (1, 1));
+        // Forgetting the history drops the runs of what it drops, not a held one's.
+        let last = grant(&mut l, 4, "ps/1");
+        l.mark_running(&last).unwrap();
+        l.stop(&last, 0, "stopped");
+        l.forget_app(app);
+        assert_eq!((l.runs_of(app, "w").len(), l.runs_of(app, "ps").len()), (0, 1));
     }
 
     #[test]
@@ -1394,6 +1485,8 @@ mod tests {
         Lose(u8),
         /// The RM restarts: a new ledger recovers from the store.
         Restart,
+        /// History retention forgets an application's completed containers.
+        Forget(u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1406,6 +1499,7 @@ mod tests {
             1 => (0u64..20).prop_map(Op::Expire),
             1 => (0u8..4).prop_map(Op::Lose),
             1 => Just(Op::Restart),
+            1 => (0u8..3).prop_map(Op::Forget),
         ]
     }
 
@@ -1441,8 +1535,35 @@ mod tests {
             },
             custom_resources: nvme(n),
             ports: PortSet::from_ports(ports),
+            // Two roles, so the run index keeps roles apart.
+            task: Some(format!("{}/{i}", ["w", "ps"][i % 2])),
             ..Default::default()
         }
+    }
+
+    /// The ledger's run index, and the same recomputed from every container, each sorted.
+    #[allow(clippy::type_complexity)]
+    fn run_index(l: &Ledger) -> (Vec<(String, String, Vec<u64>)>, Vec<(String, String, Vec<u64>)>) {
+        let mut kept: Vec<(String, String, Vec<u64>)> = l
+            .runs
+            .iter()
+            .flat_map(|(a, roles)| roles.iter().map(move |(r, v)| (a.clone(), r.clone(), v.clone())))
+            .filter(|(_, _, v)| !v.is_empty())
+            .collect();
+        let mut fresh: HashMap<(String, String), Vec<u64>> = HashMap::new();
+        for c in l.all_containers() {
+            if let (Some(run), Some(role)) = (c.successful_run_ms(), c.role()) {
+                fresh.entry((c.app_id.clone(), role.to_string())).or_default().push(run);
+            }
+        }
+        let mut fresh: Vec<(String, String, Vec<u64>)> = fresh.into_iter().map(|((a, r), v)| (a, r, v)).collect();
+        for v in [&mut kept, &mut fresh] {
+            for (_, _, runs) in v.iter_mut() {
+                runs.sort_unstable();
+            }
+            v.sort();
+        }
+        (kept, fresh)
     }
 
     /// Every node's books, from its live containers alone: per GPU index the hundredths
@@ -1571,8 +1692,9 @@ mod tests {
                         }
                     }
                     Op::Release(k) if !granted.is_empty() => {
+                        // Half end successfully (their runs are learned from), half not.
                         let id = granted[k % granted.len()].clone();
-                        l.stop(&id, -100, "released");
+                        l.stop(&id, if k % 2 == 0 { 0 } else { -100 }, "released");
                     }
                     Op::Dead(k) if !granted.is_empty() => {
                         let id = granted[k % granted.len()].clone();
@@ -1584,6 +1706,11 @@ mod tests {
                     }
                     Op::Expire(dt) => { clock += dt; l.expire(t0 + Duration::from_secs(clock)); }
                     Op::Lose(h) if (h as usize) < hosts.len() => { l.mark_node_lost(hosts[h as usize]); }
+                    Op::Forget(app) => {
+                        let id = crate::rm::apps::app_id(1, u32::from(app) + 1);
+                        l.forget_app(&id);
+                        granted.retain(|c| l.container(c).is_some());
+                    }
                     Op::Restart => {
                         persist(&mut l, &mut store);
                         let before = books(&l);
@@ -1608,8 +1735,11 @@ mod tests {
                 }
                 persist(&mut l, &mut store);
                 check_books(&l)?;
-                // The incremental usage equals the recomputed one after every step.
+                // The incremental usage equals the recomputed one after every step, and so
+                // does the index of successful runs.
                 prop_assert_eq!(l.audit_usage(), Ok(()));
+                let (kept, fresh) = run_index(&l);
+                prop_assert_eq!(kept, fresh);
             }
             for id in l.live_containers() {
                 l.complete(&id, 0, "end");

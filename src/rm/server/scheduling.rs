@@ -201,20 +201,10 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
     Built { snap, apps }
 }
 
-/// The role of a container's task ("role/index").
-fn role_of(c: &crate::rm::ledger::LedgerContainer) -> Option<&str> {
-    c.container
-        .task
-        .as_deref()
-        .and_then(|t| t.rsplit_once('/'))
-        .map(|(r, _)| r)
-}
-
 /// Fills in learned ends (issue 27) for the held containers of `built` whose end is
 /// unknown: the median run time of their application's containers of the same role that
 /// already completed successfully (else of the same user's earlier runs of the job,
-/// [`learned_run_ms`]), from their start. One pass over the ledger, so only
-/// the reservation and estimate paths call it, and only when they have work.
+/// [`learned_run_ms`]), from their start.
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     learn(st, built, false, None);
 }
@@ -230,8 +220,7 @@ pub(super) struct Guest<'a> {
 
 /// [`learn_ends`], and with `runs`, how long each application of `built` is expected to
 /// hold its room once its waiting tasks start ([`reserved::run_of`]: each role's declared
-/// `maxRunSec`, else learned as above): one pass over the ledger for both (empty without
-/// `runs`). `guest`: an application of `built` the state does not hold yet.
+/// `maxRunSec`, else learned as above), learned together (empty without `runs`). `guest`: an application of `built` the state does not hold yet.
 pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<Guest>) -> Vec<reserved::Run> {
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
@@ -239,7 +228,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
         .collect();
     let held_want = unknown.iter().filter_map(|&h| {
         let c = st.ledger.container(&built.snap.held[h].container_id)?;
-        Some((c.app_id.clone(), role_of(c)?.to_string()))
+        Some((c.app_id.clone(), c.role()?.to_string()))
     });
     let waiting_want = built.snap.apps.iter().filter(|_| runs).flat_map(|a| {
         a.waiting
@@ -252,7 +241,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
         let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
             continue;
         };
-        let ms = role_of(c).and_then(|r| learned.get(&c.app_id)?.get(r));
+        let ms = c.role().and_then(|r| learned.get(&c.app_id)?.get(r));
         if let Some(ms) = ms {
             // Past the role's median: twice as long again, not "now" at every estimate
             // (`expected_end` lies after `wall`).
@@ -278,7 +267,9 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
 /// application's containers of the role that completed successfully; where none has yet, of
 /// the same user's other runs of the same job name (the RM keeps finished applications and
 /// their containers): a job run again is expected to take what it took before. Never another
-/// user's: how long their jobs run is theirs. One pass over the ledger; none wanted, no pass.
+/// user's: how long their jobs run is theirs. Reads the ledger's index of successful runs
+/// ([`crate::rm::ledger::Ledger::runs_of`]) per wanted role, and passes over the
+/// applications once when some kin is wanted: never over every container.
 fn learned_run_ms<'a>(
     st: &'a RmState,
     want: impl Iterator<Item = (String, String)>,
@@ -309,27 +300,21 @@ fn learned_run_ms<'a>(
             }
         }
     }
-    let kin_of: HashMap<&str, (&str, &str)> = st
-        .apps
-        .values()
-        .map(|a| (a.report.id.as_str(), (a.report.user.as_str(), a.report.name.as_str())))
-        .filter(|(_, k)| kin.contains_key(k))
-        .collect();
-    for c in st.ledger.all_containers() {
-        if c.state != ContainerState::Complete || c.exit_status != Some(0) || c.ended_ms == 0 {
-            continue;
+    // The ledger keeps each application's successful runs by role: no pass over every
+    // container, and one over the applications for the kin.
+    for (app, roles) in own.iter_mut() {
+        for (role, v) in roles.iter_mut() {
+            v.extend_from_slice(st.ledger.runs_of(app, role));
         }
-        let Some(r) = role_of(c) else { continue };
-        let run = c.ended_ms.saturating_sub(c.run_from_ms());
-        if let Some(v) = own.get_mut(&c.app_id).and_then(|roles| roles.get_mut(r)) {
-            v.push(run);
-        }
-        if let Some(v) = kin_of
-            .get(c.app_id.as_str())
-            .and_then(|k| kin.get_mut(k))
-            .and_then(|roles| roles.get_mut(r))
-        {
-            v.push(run);
+    }
+    if !kin.is_empty() {
+        for a in st.apps.values() {
+            let key = (a.report.user.as_str(), a.report.name.as_str());
+            if let Some(roles) = kin.get_mut(&key) {
+                for (role, v) in roles.iter_mut() {
+                    v.extend_from_slice(st.ledger.runs_of(&a.report.id, role));
+                }
+            }
         }
     }
     let median = |v: &mut Vec<u64>| -> Option<u64> {
