@@ -4,9 +4,10 @@
 //! of one walk of the whole queue (`reserved::estimates`, what the scheduling pass runs once a
 //! second under the RM's lock) against the rule it replaced — one `reserve` over the running
 //! ends per waiting application, blind to the queue ahead — in the same run, and what the
-//! walk told; the last row gives every application its own shape (the eligibility rule is
-//! asked per node class and distinct shape). Figures, not assertions: `cargo bench --bench
-//! estimates`.
+//! walk told; a row marked * gives every application its own shape (the eligibility rule is
+//! asked per node class and distinct shape), one marked + makes every application a job of
+//! 32 one-GPU tasks that is no gang (the walk starts its tasks one by one; the old rule took
+//! them as a gang). Figures, not assertions: `cargo bench --bench estimates`.
 
 use std::time::Instant;
 
@@ -19,7 +20,18 @@ use gpuam::rm::scheduler::{AppDemand, Held, NodeCap, Shares, Snapshot};
 
 const NOW: u64 = 1_800_000_000_000;
 
-fn world(nodes: usize, waiting: usize, distinct: bool) -> Snapshot {
+/// How the waiting applications are shaped.
+#[derive(Clone, Copy, PartialEq)]
+enum Shapes {
+    /// 1-, 2-, 4-, 8-GPU jobs and 2 × 8 gangs, alike.
+    Mixed,
+    /// The same, every application of its own shape.
+    Distinct,
+    /// Jobs of 32 one-GPU tasks that are no gang (walked task by task).
+    Tasks,
+}
+
+fn world(nodes: usize, waiting: usize, shape: Shapes) -> Snapshot {
     let mut s = Snapshot::default();
     for i in 0..nodes {
         s.nodes.push(NodeCap {
@@ -65,11 +77,15 @@ fn world(nodes: usize, waiting: usize, distinct: bool) -> Snapshot {
     }
     let shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)];
     for w in 0..waiting {
-        let (count, gpus) = shapes[w % shapes.len()];
+        let (count, gpus) = match shape {
+            Shapes::Tasks => (32, 1),
+            _ => shapes[w % shapes.len()],
+        };
+        let distinct = shape == Shapes::Distinct;
         s.apps.push(AppDemand {
             id: format!("w{w:05}"),
             submitted_ms: NOW - 1_000_000 + w as u64,
-            gang: count > 1,
+            gang: count > 1 && shape != Shapes::Tasks,
             waiting: vec![WaitingTasks {
                 role: "r".into(),
                 count,
@@ -115,7 +131,7 @@ fn best_of<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
 }
 
 fn main() {
-    println!("(* every waiting application of its own shape)");
+    println!("(* every waiting application of its own shape; + jobs of 32 one-GPU tasks, no gang)");
     println!(
         "nodes   waiting    walk ms   one-reserve-each ms   walk/old   told   cut   median start in min (walk / old)"
     );
@@ -123,13 +139,14 @@ fn main() {
     // unoptimised build) does not: then the smallest size only, once.
     let full = std::env::args().any(|a| a == "--bench");
     let sizes = [
-        (1_000, 100, false),
-        (10_000, 100, false),
-        (10_000, 1_000, false),
-        (10_000, 1_000, true),
+        (1_000, 100, Shapes::Mixed),
+        (10_000, 100, Shapes::Mixed),
+        (10_000, 1_000, Shapes::Mixed),
+        (10_000, 1_000, Shapes::Distinct),
+        (10_000, 1_000, Shapes::Tasks),
     ];
-    for &(nodes, waiting, distinct) in &sizes[..if full { sizes.len() } else { 1 }] {
-        let s = world(nodes, waiting, distinct);
+    for &(nodes, waiting, shape) in &sizes[..if full { sizes.len() } else { 1 }] {
+        let s = world(nodes, waiting, shape);
         let tree = QueueTree::default();
         let shares = Shares::compute(&tree, &s);
         let runs: Vec<Run> = s.apps.iter().map(|a| reserved::run_of(a, |_| None)).collect();
@@ -149,7 +166,11 @@ fn main() {
             .count();
         println!(
             "{nodes:>6} {waiting:>8}{} {walk_ms:>9.1} {old_ms:>21.1} {:>9.2} {told:>6} {cut:>5}   {} / {}",
-            if distinct { "*" } else { " " },
+            match shape {
+                Shapes::Mixed => " ",
+                Shapes::Distinct => "*",
+                Shapes::Tasks => "+",
+            },
             walk_ms / old_ms,
             p50_min(&starts),
             p50_min(&old)

@@ -511,6 +511,7 @@ impl Engine<'_> {
         // Its own expected duration (the reservation lets it backfill by it).
         let mine = &self.jobs[jid];
         let me = Queued {
+            one_by_one: false,
             eligible: None,
             tasks: &tasks,
             duration_ms: self
@@ -566,6 +567,7 @@ impl Engine<'_> {
                 .map(|(&j, r)| {
                     let job = &self.jobs[j];
                     Queued {
+                        one_by_one: false,
                         eligible: None,
                         tasks: r,
                         duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),

@@ -275,6 +275,7 @@ pub fn estimate_start_learned(
     let waiting: Vec<Queued> = ahead
         .iter()
         .map(|w| Queued {
+            one_by_one: false,
             eligible: None,
             tasks: w.tasks,
             duration_ms: None,
@@ -327,6 +328,7 @@ pub fn estimate_start_learned(
                 .iter()
                 .zip(&ahead_u)
                 .map(|(w, u)| Queued {
+                    one_by_one: false,
                     eligible: None,
                     tasks: w.tasks,
                     duration_ms: Some(ms(draw(w.gpus, 0.0, u[k]))),
@@ -436,6 +438,7 @@ mod tests {
         );
         // Behind an 8-GPU job of 1000 ms (it takes node 0 at 100): the gang waits until 1100.
         let ahead = [Queued {
+            one_by_one: false,
             eligible: None,
             tasks: &[g(8)],
             duration_ms: Some(1000),
@@ -461,6 +464,7 @@ mod tests {
         );
         // Queued with no known end: the gang never gets node 0 back.
         let unknown = [Queued {
+            one_by_one: false,
             eligible: None,
             tasks: &[g(8)],
             duration_ms: None,
@@ -480,6 +484,7 @@ mod tests {
     /// The job estimated, with no expected duration.
     fn me(tasks: &[Room]) -> Queued<'_> {
         Queued {
+            one_by_one: false,
             eligible: None,
             tasks,
             duration_ms: None,
@@ -501,6 +506,7 @@ mod tests {
             exempt_below: 0,
         };
         let ahead = [Queued {
+            one_by_one: false,
             eligible: None,
             tasks: &gang,
             duration_ms: Some(1000),
@@ -508,6 +514,7 @@ mod tests {
         let four = [g(4)];
         let est = |duration_ms, r: Option<&Reserved>| {
             let me = Queued {
+                one_by_one: false,
                 eligible: None,
                 tasks: &four,
                 duration_ms,

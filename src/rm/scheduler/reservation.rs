@@ -19,7 +19,7 @@ pub struct Room {
 }
 
 impl Room {
-    fn holds(&self, t: &Room) -> bool {
+    pub(super) fn holds(&self, t: &Room) -> bool {
         self.gpus >= t.gpus && self.cpu >= t.cpu && self.memory_mb >= t.memory_mb
     }
 

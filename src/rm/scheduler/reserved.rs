@@ -510,44 +510,33 @@ pub fn estimates(
         .collect();
     // A job that may use every node needs no mask.
     let everywhere: Vec<bool> = patterns.all.iter().map(|ok| ok.iter().all(|&x| x)).collect();
-    // A gang is one job of the walk (all its tasks or none); a job that is no gang is one
-    // per waiting task, in its place in the queue (its tasks start one by one, as the gate
-    // admits them). `entries[k]`: the walk's jobs of the k-th application in order.
-    let mut queue: Vec<Queued> = Vec::new();
-    let mut entries: Vec<std::ops::Range<usize>> = Vec::with_capacity(queued.len());
-    for (a, tasks, run, p) in &queued {
-        let eligible = (!everywhere[*p]).then(|| Nodes {
-            class: &classes.of,
-            ok: &patterns.all[*p],
-        });
-        let job = |tasks| Queued {
+    // A gang starts all its tasks or none; a job that is no gang starts them one by one,
+    // as the gate admits its asks.
+    let queue: Vec<Queued> = queued
+        .iter()
+        .map(|(a, tasks, run, p)| Queued {
             tasks,
             duration_ms: run.ms,
-            eligible,
-        };
-        let from = queue.len();
-        if snap.apps[*a].gang {
-            queue.push(job(tasks));
-        } else {
-            queue.extend(tasks.chunks(1).map(job));
-        }
-        entries.push(from..queue.len());
-    }
+            eligible: (!everywhere[*p]).then(|| Nodes {
+                class: &classes.of,
+                ok: &patterns.all[*p],
+            }),
+            one_by_one: !snap.apps[*a].gang,
+        })
+        .collect();
     let (free, releases) = (free_rooms(snap), releases(snap));
     let d = Discipline {
         in_order: false,
         reservation: holder.and_then(|h| {
-            let at = entries.get(order.iter().position(|&a| a == h.app)?)?.start;
+            let at = order.iter().position(|&a| a == h.app)?;
             Some(Reserved {
                 holder: at,
                 reservation: h.reservation.clone(),
                 exempt_below: at,
             })
         }),
-        // Its last task: the walk goes on until every one of them has started.
-        watch: watch
-            .and_then(|w| entries.get(order.iter().position(|&a| a == w)?))
-            .and_then(|r| r.end.checked_sub(1)),
+        // The walk goes on until every one of its tasks has started.
+        watch: watch.and_then(|w| order.iter().position(|&a| a == w)),
         max_steps: MAX_STEPS,
         max_work: MAX_WORK,
     };
@@ -569,17 +558,9 @@ pub fn estimates(
             continue;
         }
         let basis = patterns.basis(*p, snap, &classes);
-        let mine = entries[k].clone();
-        // Its first task's start (an entry not started: `None`, after every known one).
-        let first = mine
-            .clone()
-            .min_by_key(|&i| walked.start_ms[i].map_or((1, 0), |s| (0, s)));
-        let start_ms = first.and_then(|i| walked.start_ms[i]);
-        let last = mine
-            .clone()
-            .map(|i| walked.start_ms[i])
-            .try_fold(0, |m, s| s.map(|s| s.max(m)));
-        let all_start_ms = last.filter(|&l| mine.len() > 1 && start_ms.is_some_and(|s| l > s));
+        let start_ms = walked.start_ms[k];
+        let last = walked.last_ms[k];
+        let all_start_ms = last.filter(|&l| start_ms.is_some_and(|s| l > s));
         let cut = walked.cut && start_ms.is_none();
         let mut text = words(&basis, &ahead, start_ms.is_some(), cut);
         if start_ms.is_some() && last.is_none() {
@@ -592,7 +573,7 @@ pub fn estimates(
         let mut after = None;
         if holder.is_some_and(|h| h.app == *a) {
             text = format!("reserved for it; {text}");
-        } else if let Some(h) = holder.filter(|_| first.is_some_and(|i| walked.held_back[i])) {
+        } else if let Some(h) = holder.filter(|_| walked.held_back[k]) {
             let label = holder_label(snap, h);
             text.push_str(&format!("; after the reservation of {label}"));
             after = Some(label);

@@ -7,7 +7,8 @@
 //! At each time (now, then each expected end), the waiting jobs are tried in queue order;
 //! each that fits (its tasks packed by [`reservation`]'s rule on the room then, on the nodes
 //! it may use) starts and holds its room for its expected duration (`None`: it never gives
-//! it back, as far as the walk knows). In order (FIFO), the first job that does not fit
+//! it back, as far as the walk knows); a gang starts all its tasks together, a job that is no
+//! gang one task after another as each fits. In order (FIFO), the first job that does not fit
 //! blocks those behind it; otherwise (backfill) the others are still tried, as the RM's gate
 //! lets whoever fits take room that nobody ranked ahead can use now. With a reservation, a
 //! job other than its holder starts before the holder only where the reservation lets it
@@ -17,17 +18,20 @@
 //! without a start and the walk says it was cut.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BTreeSet, BinaryHeap};
 
 use super::reservation::{pack, Release, Reservation, Room};
 
-/// One waiting job: its tasks (a gang: all or none), how long it holds its room once
-/// started (ms; `None`: unknown, never given back), and the nodes it may use (`None`: all).
+/// One waiting job: its tasks, how long each holds its room once started (ms; `None`:
+/// unknown, never given back), the nodes it may use (`None`: all), and whether its tasks
+/// start one by one (a job that is no gang: each task as it fits, in order) or all together
+/// (a gang: all or none).
 #[derive(Clone, Copy, Debug)]
 pub struct Queued<'a> {
     pub tasks: &'a [Room],
     pub duration_ms: Option<u64>,
     pub eligible: Option<Nodes<'a>>,
+    pub one_by_one: bool,
 }
 
 /// The nodes a job may use, by class: node `n` when `ok[class[n]]` (nodes alike for
@@ -89,10 +93,14 @@ type End = Reverse<(u64, usize, u32, u32, u64)>;
 /// step bound before every job was placed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Starts {
+    /// When each job starts: a gang as a whole, a job of tasks one by one with its first.
     pub start_ms: Vec<Option<u64>>,
-    /// Each started job's node per task.
+    /// When each job's last task starts (a gang's: its start).
+    pub last_ms: Vec<Option<u64>>,
+    /// Each job's node per task started, in task order, and when each started.
     pub nodes: Vec<Vec<usize>>,
-    /// Each job the reservation held back at least once.
+    pub task_ms: Vec<Vec<u64>>,
+    /// Each job the reservation held back at least once before it started.
     pub held_back: Vec<bool>,
     pub cut: bool,
 }
@@ -139,6 +147,22 @@ impl ByFree {
     }
 }
 
+/// Where [`pack`] puts one task — the node that holds it with the fewest free GPUs, then the
+/// lowest — found from the nodes ordered by (free GPUs, index) instead of a pass over all
+/// of them; `scanned` counts the nodes looked at.
+fn fit_one(
+    room: &[Room],
+    by_gpus: &BTreeSet<(u32, usize)>,
+    task: &Room,
+    eligible: Option<Nodes>,
+    scanned: &mut usize,
+) -> Option<usize> {
+    by_gpus.range((task.gpus, 0)..).map(|&(_, n)| n).find(|&n| {
+        *scanned += 1;
+        eligible.is_none_or(|e| e.allows(n)) && room[n].holds(task)
+    })
+}
+
 /// `room` with no room on the nodes `eligible` rules out.
 fn masked(room: &[Room], eligible: Option<Nodes>) -> Option<Vec<Room>> {
     let e = eligible?;
@@ -155,7 +179,9 @@ fn masked(room: &[Room], eligible: Option<Nodes>) -> Option<Vec<Room>> {
 pub fn starts(free: &[Room], releases: &[Release], queue: &[Queued], now_ms: u64, d: Discipline) -> Starts {
     let mut out = Starts {
         start_ms: vec![None; queue.len()],
+        last_ms: vec![None; queue.len()],
         nodes: vec![Vec::new(); queue.len()],
+        task_ms: vec![Vec::new(); queue.len()],
         held_back: vec![false; queue.len()],
         cut: false,
     };
@@ -167,6 +193,8 @@ pub fn starts(free: &[Room], releases: &[Release], queue: &[Queued], now_ms: u64
         .collect();
     let mut free_gpus: u64 = room.iter().map(|r| u64::from(r.gpus)).sum();
     let mut by_free = ByFree::of(&room);
+    // The nodes by free GPUs, for one task's fit (kept with `room`).
+    let mut by_gpus: BTreeSet<(u32, usize)> = room.iter().enumerate().map(|(n, r)| (r.gpus, n)).collect();
     let mut pending: Vec<usize> = (0..queue.len()).collect();
     let mut reservation = d.reservation;
     let mut t = now_ms;
@@ -185,83 +213,118 @@ pub fn starts(free: &[Room], releases: &[Release], queue: &[Queued], now_ms: u64
             ends.pop();
             let r = &mut room[node];
             by_free.moved(r.gpus, r.gpus.saturating_add(gpus));
+            by_gpus.remove(&(r.gpus, node));
             r.gpus = r.gpus.saturating_add(gpus);
+            by_gpus.insert((r.gpus, node));
             r.cpu = r.cpu.saturating_add(cpu);
             r.memory_mb = r.memory_mb.saturating_add(mem);
             free_gpus += u64::from(gpus);
         }
         let mut k = 0;
-        // Jobs that did not fit at this time: room only shrinks until the next end, so a
+        // Tasks that did not fit at this time: room only shrinks until the next end, so a
         // later job of the same tasks on the same nodes does not fit either.
         let mut failed: Vec<Tried> = Vec::new();
         while k < pending.len() {
             let j = pending[k];
             let job = &queue[j];
-            let need: u64 = job.tasks.iter().map(|r| u64::from(r.gpus)).sum();
-            let key = (job.tasks, job.eligible.map(|e| (e.class.as_ptr(), e.ok.as_ptr())));
-            let tried = free_gpus >= need && !failed.contains(&key) && by_free.might_fit(job.tasks);
-            if tried {
-                work = work.saturating_add(job.tasks.len().saturating_mul(room.len()));
-                if d.max_work > 0 && work > d.max_work {
+            // What is tried now: a gang's tasks together, else the next task, then the next.
+            let mut done = false;
+            let mut blocked = false;
+            loop {
+                let from = out.nodes[j].len();
+                let tasks = if job.one_by_one {
+                    &job.tasks[from..job.tasks.len().min(from + 1)]
+                } else {
+                    job.tasks
+                };
+                if tasks.is_empty() {
+                    done = true;
+                    break;
+                }
+                let need: u64 = tasks.iter().map(|r| u64::from(r.gpus)).sum();
+                let key = (tasks, job.eligible.map(|e| (e.class.as_ptr(), e.ok.as_ptr())));
+                let tried = free_gpus >= need && !failed.contains(&key) && by_free.might_fit(tasks);
+                let at = match tasks {
+                    _ if !tried => None,
+                    // One task: from the ordered nodes, as many looked at as work.
+                    [task] => {
+                        let mut scanned = 0;
+                        let at = fit_one(&room, &by_gpus, task, job.eligible, &mut scanned);
+                        work = work.saturating_add(scanned.max(1));
+                        at.map(|n| vec![n])
+                    }
+                    _ => {
+                        work = work.saturating_add(tasks.len().saturating_mul(room.len()));
+                        match masked(&room, job.eligible) {
+                            Some(m) => pack(&m, tasks),
+                            None => pack(&room, tasks),
+                        }
+                    }
+                };
+                if tried && d.max_work > 0 && work > d.max_work {
                     out.cut = true;
                     return out;
                 }
-            }
-            let at = tried
-                .then(|| match masked(&room, job.eligible) {
-                    Some(m) => pack(&m, job.tasks),
-                    None => pack(&room, job.tasks),
-                })
-                .flatten();
-            // Behind a reservation's holder that has not started: only what it lets pass.
-            let held_back = |at: &[usize], res: &mut Option<Reserved>| match res {
-                Some(r) if j != r.holder && j >= r.exempt_below => {
-                    let takes: Vec<(usize, Room)> = at.iter().copied().zip(job.tasks.iter().copied()).collect();
-                    !r.reservation
-                        .backfill(&takes, job.duration_ms.map(|x| t.saturating_add(x)))
-                }
-                _ => false,
-            };
-            let Some(at) = at else {
-                if d.in_order {
+                let Some(at) = at else {
+                    if tried {
+                        failed.push(key);
+                    }
+                    blocked = true;
+                    break;
+                };
+                // Behind a reservation's holder that has not started: only what it lets pass.
+                let held_back = match &mut reservation {
+                    Some(r) if j != r.holder && j >= r.exempt_below => {
+                        let takes: Vec<(usize, Room)> = at.iter().copied().zip(tasks.iter().copied()).collect();
+                        !r.reservation
+                            .backfill(&takes, job.duration_ms.map(|x| t.saturating_add(x)))
+                    }
+                    _ => false,
+                };
+                if held_back {
+                    out.held_back[j] |= out.start_ms[j].is_none();
+                    blocked = true;
                     break;
                 }
-                if tried {
-                    failed.push(key);
+                out.start_ms[j].get_or_insert(t);
+                for (task, &node) in tasks.iter().zip(&at) {
+                    let n = &mut room[node];
+                    by_free.moved(n.gpus, n.gpus.saturating_sub(task.gpus));
+                    by_gpus.remove(&(n.gpus, node));
+                    n.gpus = n.gpus.saturating_sub(task.gpus);
+                    by_gpus.insert((n.gpus, node));
+                    n.cpu = n.cpu.saturating_sub(task.cpu);
+                    n.memory_mb = n.memory_mb.saturating_sub(task.memory_mb);
+                    free_gpus = free_gpus.saturating_sub(u64::from(task.gpus));
+                    if let Some(x) = job.duration_ms {
+                        ends.push(Reverse((
+                            t.saturating_add(x),
+                            node,
+                            task.gpus,
+                            task.cpu,
+                            task.memory_mb,
+                        )));
+                    }
+                }
+                out.task_ms[j].extend(std::iter::repeat_n(t, at.len()));
+                out.nodes[j].extend(at);
+                if !job.one_by_one {
+                    done = true;
+                    break;
+                }
+            }
+            if !done {
+                if d.in_order && blocked {
+                    break;
                 }
                 k += 1;
                 continue;
-            };
-            if held_back(&at, &mut reservation) {
-                out.held_back[j] = true;
-                if d.in_order {
-                    break;
-                }
-                k += 1;
-                continue;
             }
-            out.start_ms[j] = Some(t);
+            out.start_ms[j].get_or_insert(t);
+            out.last_ms[j] = Some(t);
             if reservation.as_ref().is_some_and(|r| r.holder == j) {
                 reservation = None;
             }
-            for (task, &node) in job.tasks.iter().zip(&at) {
-                let n = &mut room[node];
-                by_free.moved(n.gpus, n.gpus.saturating_sub(task.gpus));
-                n.gpus = n.gpus.saturating_sub(task.gpus);
-                n.cpu = n.cpu.saturating_sub(task.cpu);
-                n.memory_mb = n.memory_mb.saturating_sub(task.memory_mb);
-                free_gpus = free_gpus.saturating_sub(u64::from(task.gpus));
-                if let Some(x) = job.duration_ms {
-                    ends.push(Reverse((
-                        t.saturating_add(x),
-                        node,
-                        task.gpus,
-                        task.cpu,
-                        task.memory_mb,
-                    )));
-                }
-            }
-            out.nodes[j] = at;
             pending.remove(k);
             if d.watch == Some(j) || pending.is_empty() {
                 return out;
@@ -285,6 +348,7 @@ mod tests {
             tasks,
             duration_ms,
             eligible: None,
+            one_by_one: false,
         }
     }
 
@@ -335,17 +399,38 @@ mod tests {
         };
         let s = starts(&free, &releases, &queue, 0, short);
         assert_eq!((s.start_ms, s.cut), (vec![None, Some(50), None], true));
-        // A work bound of 3: the 4-GPU job's packing (one task on two nodes) fits in it, the
-        // 8-GPU job's at 100 goes past it.
+        // A work bound of 3: the one-task jobs' fits (a node looked at each) stay within it,
+        // the gang's packing (two tasks on two nodes) goes past it.
         let tight = Discipline {
             max_work: 3,
             ..Discipline::default()
         };
         let s = starts(&free, &releases, &queue, 0, tight);
-        assert_eq!((s.start_ms, s.cut), (vec![None, Some(50), None], true));
+        assert_eq!((s.start_ms, s.cut), (vec![Some(100), Some(50), None], true));
     }
 
     proptest::proptest! {
+        /// One task's fit from the ordered nodes is the reservation rule's packing of it, on
+        /// the nodes the job may use.
+        #[test]
+        fn one_tasks_fit_is_the_packing_rule(
+            nodes in proptest::collection::vec((0u32..9, 0u32..4, 0u64..4, 0usize..2), 1..12),
+            task in (1u32..9, 0u32..4, 0u64..4),
+            typed in proptest::bool::ANY,
+        ) {
+            let room: Vec<Room> = nodes.iter().map(|&(gpus, cpu, memory_mb, _)| Room { gpus, cpu, memory_mb }).collect();
+            let class: Vec<usize> = nodes.iter().map(|n| n.3).collect();
+            let ok = [true, false];
+            let eligible = typed.then_some(Nodes { class: &class, ok: &ok });
+            let task = Room { gpus: task.0, cpu: task.1, memory_mb: task.2 };
+            let by_gpus: BTreeSet<(u32, usize)> = room.iter().enumerate().map(|(n, r)| (r.gpus, n)).collect();
+            let mut scanned = 0;
+            let fit = fit_one(&room, &by_gpus, &task, eligible, &mut scanned);
+            let packed = pack(&masked(&room, eligible).unwrap_or_else(|| room.clone()), &[task]).map(|at| at[0]);
+            proptest::prop_assert_eq!(fit, packed);
+            proptest::prop_assert!(scanned <= room.len());
+        }
+
         /// One job alone starts where the reservation rule says it fits first; watching a
         /// job never changes its start; FIFO starts come in queue order; and no job starts
         /// before now or before room it needs could exist (more GPUs than are free then, as
@@ -355,47 +440,71 @@ mod tests {
             free in proptest::collection::vec(0u32..9, 1..4),
             rels in proptest::collection::vec((0usize..3, 1u32..9, proptest::option::of(1u64..100)), 0..6),
             jobs in proptest::collection::vec(
-                (proptest::collection::vec(1u32..9, 1..3), proptest::option::of(1u64..150)),
+                (proptest::collection::vec(1u32..9, 1..4), proptest::option::of(1u64..150), proptest::bool::ANY),
                 1..5,
             ),
             in_order in proptest::bool::ANY,
         ) {
             let free: Vec<Room> = free.into_iter().map(g).collect();
             let rels: Vec<Release> = rels.into_iter().map(|(n, k, e)| rel(n % free.len(), k, e)).collect();
-            let tasks: Vec<Vec<Room>> = jobs.iter().map(|(t, _)| t.iter().copied().map(g).collect()).collect();
-            let queue: Vec<Queued> = tasks.iter().zip(&jobs).map(|(t, (_, d))| q(t, *d)).collect();
+            let tasks: Vec<Vec<Room>> = jobs.iter().map(|(t, _, _)| t.iter().copied().map(g).collect()).collect();
+            let queue: Vec<Queued> = tasks
+                .iter()
+                .zip(&jobs)
+                .map(|(t, (_, d, one_by_one))| Queued { one_by_one: *one_by_one, ..q(t, *d) })
+                .collect();
             let d = Discipline { in_order, ..Discipline::default() };
             let placed = starts(&free, &rels, &queue, 0, d.clone());
             let all = placed.start_ms.clone();
-            let alone = starts(&free, &rels, &queue[..1], 0, d.clone()).start_ms[0];
-            proptest::prop_assert_eq!(alone, reserve(&free, &rels, &tasks[0], 0).map(|r| r.start_ms));
+            let alone = starts(&free, &rels, &queue[..1], 0, d.clone());
+            let gang = reserve(&free, &rels, &tasks[0], 0).map(|r| r.start_ms);
+            if jobs[0].2 {
+                // Task by task, it starts no later than as a gang.
+                proptest::prop_assert!(gang.is_none_or(|g| alone.start_ms[0].is_some_and(|s| s <= g)));
+            } else {
+                proptest::prop_assert_eq!(alone.start_ms[0], gang);
+            }
             for (k, start) in all.iter().enumerate() {
                 let watched = starts(&free, &rels, &queue, 0, Discipline { watch: Some(k), ..d.clone() });
                 proptest::prop_assert_eq!(watched.start_ms[k], *start);
+                proptest::prop_assert_eq!(watched.last_ms[k], placed.last_ms[k]);
+                // Its first and last task's starts, as recorded per task; a job's tasks start
+                // in order; all of them, or it has no last start.
+                let times = &placed.task_ms[k];
+                proptest::prop_assert_eq!(times.first().copied(), *start);
+                proptest::prop_assert!(times.windows(2).all(|w| w[0] <= w[1]));
+                proptest::prop_assert_eq!(
+                    placed.last_ms[k],
+                    times.last().copied().filter(|_| times.len() == tasks[k].len())
+                );
+                if !jobs[k].2 {
+                    proptest::prop_assert!(times.iter().all(|&x| Some(x) == *start), "a gang starts whole");
+                }
                 if in_order && k > 0 {
-                    if let (Some(a), Some(b)) = (all[k - 1], *start) {
-                        proptest::prop_assert!(a <= b, "FIFO: {:?}", all);
+                    // FIFO: no job starts before the one ahead has started all its tasks.
+                    if let (Some(a), Some(b)) = (placed.last_ms[k - 1], *start) {
+                        proptest::prop_assert!(a <= b, "FIFO: {:?}", placed);
                     }
-                    if all[k - 1].is_none() {
-                        proptest::prop_assert!(start.is_none(), "FIFO: {:?}", all);
+                    if placed.last_ms[k - 1].is_none() {
+                        proptest::prop_assert!(start.is_none(), "FIFO: {:?}", placed);
                     }
                 }
-                let Some(t) = *start else { continue };
-                // At each start, no node holds more than it has: what is free now and what
-                // has ended there by t, less the jobs started by t and not ended.
+            }
+            // At each task's start, no node holds more than it has: what is free now and what
+            // has ended there by then, less the tasks started by then and not ended.
+            for t in placed.task_ms.iter().flatten().copied() {
                 let mut room: Vec<i64> = free.iter().map(|r| i64::from(r.gpus)).collect();
                 for r in rels.iter().filter(|r| r.end_ms.is_some_and(|e| e <= t)) {
                     room[r.node] += i64::from(r.room.gpus);
                 }
-                for (j, s) in all.iter().enumerate() {
-                    let Some(s) = *s else { continue };
-                    if s <= t && jobs[j].1.is_none_or(|dur| s + dur > t) {
-                        for (task, &n) in tasks[j].iter().zip(&placed.nodes[j]) {
+                for j in 0..queue.len() {
+                    for ((task, &n), &s) in tasks[j].iter().zip(&placed.nodes[j]).zip(&placed.task_ms[j]) {
+                        if s <= t && jobs[j].1.is_none_or(|dur| s + dur > t) {
                             room[n] -= i64::from(task.gpus);
                         }
                     }
                 }
-                proptest::prop_assert!(room.iter().all(|&r| r >= 0), "at {}: {:?} {:?}", t, room, all);
+                proptest::prop_assert!(room.iter().all(|&r| r >= 0), "at {}: {:?} {:?}", t, room, placed);
             }
         }
     }
@@ -408,6 +517,7 @@ mod tests {
         let (class, only_a) = ([0, 1], [true, false]);
         let eight = [g(8)];
         let a_job = Queued {
+            one_by_one: false,
             tasks: &eight,
             duration_ms: Some(500),
             eligible: Some(Nodes {
