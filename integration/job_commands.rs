@@ -656,3 +656,53 @@ fn a_waiting_job_is_told_when_it_starts_behind_the_jobs_ahead_of_it() {
         "{out}"
     );
 }
+
+/// One node of 2 GPUs held by two 1-GPU jobs declared to end in 600 s and 1200 s; a job of
+/// two 1-GPU tasks that is no gang, each declared 300 s, waits. Its tasks start one by one:
+/// `gpuam status` tells it that it starts when the first GPU frees, and that its last task
+/// starts 300 s later, when the first task's limit ends (before the second GPU frees).
+#[test]
+fn a_job_of_tasks_is_told_when_its_first_and_its_last_task_start() {
+    let rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n",
+        &[("GPUAM_DASHBOARD_LINGER_SEC", "0")],
+    );
+    let job = |name: &str, instances: u32, limit: u32| {
+        rm.write_job(
+            name,
+            &format!(
+                "name: {name}\ntaskRoles:\n  worker:\n    instances: {instances}\n    maxRunSec: {limit}\n    \
+                 resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands: [\"sleep 600\"]\n"
+            ),
+        )
+    };
+    for (name, limit) in [("short", 600), ("long", 1200)] {
+        let id = submit_id(&rm, &job(name, 1, limit));
+        wait_for(Duration::from_secs(90), &format!("{name}'s task to run"), || {
+            let v = json_of(&run(&rm, &["status", &id, "--json"]));
+            let running = v["containers"]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["state"] == "RUNNING"));
+            running.then_some(())
+        });
+    }
+    let tasks = submit_id(&rm, &job("tasks", 2, 300));
+    let (first, last, e) = wait_for(Duration::from_secs(90), "the tasks' start estimate", || {
+        let v = json_of(&run(&rm, &["status", &tasks, "--json"]));
+        let e = v["waiting"]["estimate"].clone();
+        Some((e["startMs"].as_u64()?, e["allStartMs"].as_u64()?, e))
+    });
+    assert_eq!(last, first + 300_000, "the second task follows the first's 300 s: {e}");
+    let now = gpuam::protocol::now_ms();
+    assert!(
+        (now + 400_000..=now + 600_000).contains(&first),
+        "the first task starts when the 600 s job ends: in {} ms",
+        first.saturating_sub(now)
+    );
+    let out = stdout(&run(&rm, &["status", &tasks]));
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("expected to start") && l.contains(", all its waiting tasks by ")),
+        "{out}"
+    );
+}
