@@ -620,13 +620,7 @@ fn a_waiting_job_is_told_when_it_starts_behind_the_jobs_ahead_of_it() {
         )
     };
     let first = submit_id(&rm, &job("first", "    maxRunSec: 600\n"));
-    wait_for(Duration::from_secs(90), "the first job's task to run", || {
-        let v = json_of(&run(&rm, &["status", &first, "--json"]));
-        let running = v["containers"]
-            .as_array()
-            .is_some_and(|cs| cs.iter().any(|c| c["state"] == "RUNNING"));
-        running.then_some(())
-    });
+    wait_running(&rm, &first);
     let second = submit_id(&rm, &job("second", "    maxRunSec: 900\n"));
     let third = submit_id(&rm, &job("third", ""));
     let estimate = |id: &str| {
@@ -642,17 +636,39 @@ fn a_waiting_job_is_told_when_it_starts_behind_the_jobs_ahead_of_it() {
     let text = e["text"].as_str().unwrap_or_default();
     assert!(text.contains("behind 1 waiting job (1 declared)"), "{e}");
     assert_eq!(e["queueAhead"]["declared"], 1, "{e}");
+    assert_in_600_s(second_at);
+    // `gpuam status` says it in words.
+    status_expects(&rm, &third, "behind 1 waiting job");
+}
+
+/// Waits until a task of job `id` runs.
+fn wait_running(rm: &Rm, id: &str) {
+    wait_for(Duration::from_secs(90), &format!("{id}'s task to run"), || {
+        let v = json_of(&run(rm, &["status", id, "--json"]));
+        let running = v["containers"]
+            .as_array()
+            .is_some_and(|cs| cs.iter().any(|c| c["state"] == "RUNNING"));
+        running.then_some(())
+    });
+}
+
+/// A start estimate of about 600 s from now: when a job declared 600 s, started a few
+/// seconds ago, ends.
+fn assert_in_600_s(at: u64) {
     let now = gpuam::protocol::now_ms();
     assert!(
-        (now + 400_000..=now + 600_000).contains(&second_at),
-        "the second starts when the first's 600 s end: in {} ms",
-        second_at.saturating_sub(now)
+        (now + 400_000..=now + 600_000).contains(&at),
+        "expected when the 600 s job ends: in {} ms",
+        at.saturating_sub(now)
     );
-    // `gpuam status` says it in words.
-    let out = stdout(&run(&rm, &["status", &third]));
+}
+
+/// `gpuam status` of job `id` has an "expected to start" line containing `words`.
+fn status_expects(rm: &Rm, id: &str, words: &str) {
+    let out = stdout(&run(rm, &["status", id]));
     assert!(
         out.lines()
-            .any(|l| l.starts_with("expected to start") && l.contains("behind 1 waiting job")),
+            .any(|l| l.starts_with("expected to start") && l.contains(words)),
         "{out}"
     );
 }
@@ -677,14 +693,7 @@ fn a_job_of_tasks_is_told_when_its_first_and_its_last_task_start() {
         )
     };
     for (name, limit) in [("short", 600), ("long", 1200)] {
-        let id = submit_id(&rm, &job(name, 1, limit));
-        wait_for(Duration::from_secs(90), &format!("{name}'s task to run"), || {
-            let v = json_of(&run(&rm, &["status", &id, "--json"]));
-            let running = v["containers"]
-                .as_array()
-                .is_some_and(|cs| cs.iter().any(|c| c["state"] == "RUNNING"));
-            running.then_some(())
-        });
+        wait_running(&rm, &submit_id(&rm, &job(name, 1, limit)));
     }
     let tasks = submit_id(&rm, &job("tasks", 2, 300));
     let (first, last, e) = wait_for(Duration::from_secs(90), "the tasks' start estimate", || {
@@ -693,16 +702,6 @@ fn a_job_of_tasks_is_told_when_its_first_and_its_last_task_start() {
         Some((e["startMs"].as_u64()?, e["allStartMs"].as_u64()?, e))
     });
     assert_eq!(last, first + 300_000, "the second task follows the first's 300 s: {e}");
-    let now = gpuam::protocol::now_ms();
-    assert!(
-        (now + 400_000..=now + 600_000).contains(&first),
-        "the first task starts when the 600 s job ends: in {} ms",
-        first.saturating_sub(now)
-    );
-    let out = stdout(&run(&rm, &["status", &tasks]));
-    assert!(
-        out.lines()
-            .any(|l| l.starts_with("expected to start") && l.contains(", all its waiting tasks by ")),
-        "{out}"
-    );
+    assert_in_600_s(first);
+    status_expects(&rm, &tasks, ", all its waiting tasks by ");
 }

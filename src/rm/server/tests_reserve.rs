@@ -333,29 +333,29 @@ async fn a_gangs_reservation_holds_off_a_long_small_job() {
             e.text
         );
         // Bad input is refused with the field named.
-        let bad = crate::protocol::EstimateRequest {
-            waiting: vec![WaitingTasks {
-                count: 1,
-                gpus: 65,
-                ..Default::default()
-            }],
-            ..req
+        let too_big = WaitingTasks {
+            count: 1,
+            gpus: 65,
+            ..Default::default()
         };
-        let err = user
-            .post_json::<_, serde_json::Value>("estimate", "/ws/v1/cluster/estimate", &bad)
-            .await
-            .unwrap_err();
-        assert!(err.to_string().contains("waiting[0]"), "{err}");
-        let bad = crate::protocol::EstimateRequest {
-            name: Some("../etc".into()),
-            waiting: vec![wait(1, 1)],
-            ..bad
-        };
-        let err = user
-            .post_json::<_, serde_json::Value>("estimate", "/ws/v1/cluster/estimate", &bad)
-            .await
-            .unwrap_err();
-        assert!(err.to_string().contains("`name`"), "{err}");
+        for (bad, field) in [
+            (vec![too_big], None, "waiting[0]"),
+            (vec![wait(1, 1)], Some("../etc".to_string()), "`name`"),
+        ]
+        .map(|(waiting, name, field)| {
+            let bad = crate::protocol::EstimateRequest {
+                waiting,
+                name,
+                ..req.clone()
+            };
+            (bad, field)
+        }) {
+            let err = user
+                .post_json::<_, serde_json::Value>("estimate", "/ws/v1/cluster/estimate", &bad)
+                .await
+                .unwrap_err();
+            assert!(err.to_string().contains(field), "{err}");
+        }
         rm.shutdown().await;
     }
 }
