@@ -544,7 +544,7 @@ pub fn estimates(
     // Each application's jobs ahead, by basis, counted where their nodes overlap its own.
     let mut seen: Vec<Basis> = vec![Basis::default(); patterns.all.len()];
     let mut out: Vec<Option<StartEstimate>> = vec![None; snap.apps.len()];
-    for (k, (a, _, run, p)) in queued.iter().enumerate() {
+    for (k, (a, tasks, run, p)) in queued.iter().enumerate() {
         let mut ahead = Basis::default();
         for (q, b) in seen.iter().enumerate() {
             if !b.is_zero() && patterns.overlap(*p, q) {
@@ -558,16 +558,33 @@ pub fn estimates(
             continue;
         }
         let basis = patterns.basis(*p, snap, &classes);
-        let start_ms = walked.start_ms[k];
-        let last = walked.last_ms[k];
+        // More waiting tasks than a walk takes ([`MAX_TASKS`]): a gang's start, and the
+        // last task's of a job that is no gang, lie past what was walked.
+        let waiting: u64 = snap.apps[*a].waiting.iter().map(|w| u64::from(w.count)).sum();
+        let beyond = waiting > tasks.len() as u64;
+        let gang = snap.apps[*a].gang;
+        let start_ms = walked.start_ms[k].filter(|_| !(gang && beyond));
+        let last = walked.last_ms[k].filter(|_| !beyond);
         let all_start_ms = last.filter(|&l| start_ms.is_some_and(|s| l > s));
         let cut = walked.cut && start_ms.is_none();
-        let mut text = words(&basis, &ahead, start_ms.is_some(), cut);
+        let mut text = if gang && beyond {
+            format!(
+                "unknown: a gang of {waiting} waiting tasks, more than an estimate walks ({})",
+                tasks.len()
+            )
+        } else {
+            words(&basis, &ahead, start_ms.is_some(), cut)
+        };
         if start_ms.is_some() && last.is_none() {
-            text.push_str(if walked.cut {
-                "; when its last waiting tasks start is past what an estimate walks"
+            text.push_str(&if beyond {
+                format!(
+                    "; when its last waiting tasks start is past what an estimate walks ({waiting} waiting, {} walked)",
+                    tasks.len()
+                )
+            } else if walked.cut {
+                "; when its last waiting tasks start is past what an estimate walks".to_string()
             } else {
-                "; when its last waiting tasks start cannot be told"
+                "; when its last waiting tasks start cannot be told".to_string()
             });
         }
         let mut after = None;
@@ -757,6 +774,26 @@ mod tests {
                     "{}",
                     job.text
                 );
+            }
+        }
+    }
+
+    /// A job of more waiting tasks than a walk takes: a gang's start is not told (its first
+    /// tasks alone would fit sooner than all of them), nor the last task's of a job that is
+    /// no gang; each says why.
+    #[test]
+    fn a_job_of_more_tasks_than_a_walk_takes_is_not_told_what_lies_past_it() {
+        for gang in [false, true] {
+            let mut c = Cluster::new(QueueTree::default(), &[8, 8]);
+            c.app("default", 0, gang, vec![waiting(MAX_TASKS as u32 + 1, 0)]);
+            let shares = Shares::compute(&c.t, &c.s);
+            let e = all(&c.s, &shares, None, &[Some(60)])[0].clone().unwrap();
+            if gang {
+                assert_eq!(e.start_ms, None, "{e:?}");
+                assert!(e.text.contains("more than an estimate walks (4096)"), "{}", e.text);
+            } else {
+                assert_eq!((e.start_ms, e.all_start_ms), (Some(0), None), "{e:?}");
+                assert!(e.text.contains("(4097 waiting, 4096 walked)"), "{}", e.text);
             }
         }
     }
