@@ -510,15 +510,12 @@ impl Engine<'_> {
         let tasks = rooms(&self.jobs[jid]);
         // Its own expected duration (the reservation lets it backfill by it).
         let mine = &self.jobs[jid];
-        let me = Queued {
-            one_by_one: false,
-            eligible: None,
-            tasks: &tasks,
-            duration_ms: self
-                .history
+        let me = Queued::gang(
+            &tasks,
+            self.history
                 .expected(self.mode.limit, mine.gpus(), mine.duration)
                 .map(ms),
-        };
+        );
         let free = reserve::free_rooms(&self.cl);
         let in_order = !self.mode.backfill;
         // The reservation a gang ahead holds: the others start only where it lets them.
@@ -566,12 +563,10 @@ impl Engine<'_> {
                 .zip(&ahead_rooms)
                 .map(|(&j, r)| {
                     let job = &self.jobs[j];
-                    Queued {
-                        one_by_one: false,
-                        eligible: None,
-                        tasks: r,
-                        duration_ms: self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
-                    }
+                    Queued::gang(
+                        r,
+                        self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
+                    )
                 })
                 .collect();
             reserve::estimate_start(

@@ -272,15 +272,7 @@ pub fn estimate_start_learned(
             })
         })
         .collect();
-    let waiting: Vec<Queued> = ahead
-        .iter()
-        .map(|w| Queued {
-            one_by_one: false,
-            eligible: None,
-            tasks: w.tasks,
-            duration_ms: None,
-        })
-        .collect();
+    let waiting: Vec<Queued> = ahead.iter().map(|w| Queued::gang(w.tasks, None)).collect();
     if estimate_start(free, &unknown, &waiting, me, now_ms, in_order, reserved) == Some(now_ms) {
         return Some(now_ms);
     }
@@ -327,12 +319,7 @@ pub fn estimate_start_learned(
             let ahead: Vec<Queued> = ahead
                 .iter()
                 .zip(&ahead_u)
-                .map(|(w, u)| Queued {
-                    one_by_one: false,
-                    eligible: None,
-                    tasks: w.tasks,
-                    duration_ms: Some(ms(draw(w.gpus, 0.0, u[k]))),
-                })
+                .map(|(w, u)| Queued::gang(w.tasks, Some(ms(draw(w.gpus, 0.0, u[k])))))
                 .collect();
             estimate_start(free, &releases, &ahead, me, now_ms, in_order, reserved).unwrap_or(u64::MAX)
         })
@@ -437,12 +424,8 @@ mod tests {
             Some(300)
         );
         // Behind an 8-GPU job of 1000 ms (it takes node 0 at 100): the gang waits until 1100.
-        let ahead = [Queued {
-            one_by_one: false,
-            eligible: None,
-            tasks: &[g(8)],
-            duration_ms: Some(1000),
-        }];
+        let eight = [g(8)];
+        let ahead = [Queued::gang(&eight, Some(1000))];
         assert_eq!(
             estimate_start(&free, &releases, &ahead, &me(&[g(8), g(8)]), 0, true, None),
             Some(1100)
@@ -463,12 +446,7 @@ mod tests {
             Some(1100)
         );
         // Queued with no known end: the gang never gets node 0 back.
-        let unknown = [Queued {
-            one_by_one: false,
-            eligible: None,
-            tasks: &[g(8)],
-            duration_ms: None,
-        }];
+        let unknown = [Queued::gang(&eight, None)];
         assert_eq!(
             estimate_start(&free, &releases, &unknown, &me(&[g(8), g(8)]), 0, true, None),
             None
@@ -483,12 +461,7 @@ mod tests {
 
     /// The job estimated, with no expected duration.
     fn me(tasks: &[Room]) -> Queued<'_> {
-        Queued {
-            one_by_one: false,
-            eligible: None,
-            tasks,
-            duration_ms: None,
-        }
+        Queued::gang(tasks, None)
     }
 
     /// A gang ahead holds a reservation: a job that would take its room waits for it to
@@ -505,20 +478,10 @@ mod tests {
             reservation: reservation::reserve(&free, &releases, &gang, 0).unwrap(),
             exempt_below: 0,
         };
-        let ahead = [Queued {
-            one_by_one: false,
-            eligible: None,
-            tasks: &gang,
-            duration_ms: Some(1000),
-        }];
+        let ahead = [Queued::gang(&gang, Some(1000))];
         let four = [g(4)];
         let est = |duration_ms, r: Option<&Reserved>| {
-            let me = Queued {
-                one_by_one: false,
-                eligible: None,
-                tasks: &four,
-                duration_ms,
-            };
+            let me = Queued::gang(&four, duration_ms);
             estimate_start(&free, &releases, &ahead, &me, 0, false, r)
         };
         assert_eq!(est(Some(5000), None), Some(0), "no reservation: it takes node 1 now");

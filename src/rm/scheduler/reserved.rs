@@ -564,7 +564,7 @@ pub fn estimates(
         let beyond = waiting > tasks.len() as u64;
         let gang = snap.apps[*a].gang;
         let start_ms = walked.start_ms[k].filter(|_| !(gang && beyond));
-        let last = walked.last_ms[k].filter(|_| !beyond);
+        let last = walked.last_ms(k, tasks.len()).filter(|_| !beyond);
         let all_start_ms = last.filter(|&l| start_ms.is_some_and(|s| l > s));
         let cut = walked.cut && start_ms.is_none();
         let mut text = if gang && beyond {

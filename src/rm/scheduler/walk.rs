@@ -34,6 +34,18 @@ pub struct Queued<'a> {
     pub one_by_one: bool,
 }
 
+impl<'a> Queued<'a> {
+    /// A gang that may use every node.
+    pub fn gang(tasks: &'a [Room], duration_ms: Option<u64>) -> Self {
+        Queued {
+            tasks,
+            duration_ms,
+            eligible: None,
+            one_by_one: false,
+        }
+    }
+}
+
 /// The nodes a job may use, by class: node `n` when `ok[class[n]]` (nodes alike for
 /// placement share a class, so a job's flags are one per class, not one per node).
 #[derive(Clone, Copy, Debug)]
@@ -95,14 +107,20 @@ type End = Reverse<(u64, usize, u32, u32, u64)>;
 pub struct Starts {
     /// When each job starts: a gang as a whole, a job of tasks one by one with its first.
     pub start_ms: Vec<Option<u64>>,
-    /// When each job's last task starts (a gang's: its start).
-    pub last_ms: Vec<Option<u64>>,
     /// Each job's node per task started, in task order, and when each started.
     pub nodes: Vec<Vec<usize>>,
     pub task_ms: Vec<Vec<u64>>,
     /// Each job the reservation held back at least once before it started.
     pub held_back: Vec<bool>,
     pub cut: bool,
+}
+
+impl Starts {
+    /// When job `j`, of `tasks` tasks, has started them all (a gang: its start).
+    pub fn last_ms(&self, j: usize, tasks: usize) -> Option<u64> {
+        let times = self.task_ms.get(j)?;
+        times.last().copied().filter(|_| times.len() == tasks)
+    }
 }
 
 /// Nodes by free GPUs (the last bucket: that many or more): a necessary test of whether a
@@ -179,7 +197,6 @@ fn masked(room: &[Room], eligible: Option<Nodes>) -> Option<Vec<Room>> {
 pub fn starts(free: &[Room], releases: &[Release], queue: &[Queued], now_ms: u64, d: Discipline) -> Starts {
     let mut out = Starts {
         start_ms: vec![None; queue.len()],
-        last_ms: vec![None; queue.len()],
         nodes: vec![Vec::new(); queue.len()],
         task_ms: vec![Vec::new(); queue.len()],
         held_back: vec![false; queue.len()],
@@ -320,8 +337,8 @@ pub fn starts(free: &[Room], releases: &[Release], queue: &[Queued], now_ms: u64
                 k += 1;
                 continue;
             }
+            // (A job with no task to start starts now.)
             out.start_ms[j].get_or_insert(t);
-            out.last_ms[j] = Some(t);
             if reservation.as_ref().is_some_and(|r| r.holder == j) {
                 reservation = None;
             }
@@ -344,12 +361,7 @@ mod tests {
     use super::*;
 
     fn q<'a>(tasks: &'a [Room], duration_ms: Option<u64>) -> Queued<'a> {
-        Queued {
-            tasks,
-            duration_ms,
-            eligible: None,
-            one_by_one: false,
-        }
+        Queued::gang(tasks, duration_ms)
     }
 
     fn backfill() -> Discipline {
@@ -467,25 +479,24 @@ mod tests {
             for (k, start) in all.iter().enumerate() {
                 let watched = starts(&free, &rels, &queue, 0, Discipline { watch: Some(k), ..d.clone() });
                 proptest::prop_assert_eq!(watched.start_ms[k], *start);
-                proptest::prop_assert_eq!(watched.last_ms[k], placed.last_ms[k]);
+                proptest::prop_assert_eq!(&watched.task_ms[k], &placed.task_ms[k]);
                 // Its first and last task's starts, as recorded per task; a job's tasks start
                 // in order; all of them, or it has no last start.
                 let times = &placed.task_ms[k];
                 proptest::prop_assert_eq!(times.first().copied(), *start);
                 proptest::prop_assert!(times.windows(2).all(|w| w[0] <= w[1]));
-                proptest::prop_assert_eq!(
-                    placed.last_ms[k],
-                    times.last().copied().filter(|_| times.len() == tasks[k].len())
-                );
+                proptest::prop_assert_eq!(placed.nodes[k].len(), times.len());
+                proptest::prop_assert!(times.len() <= tasks[k].len());
                 if !jobs[k].2 {
                     proptest::prop_assert!(times.iter().all(|&x| Some(x) == *start), "a gang starts whole");
                 }
                 if in_order && k > 0 {
                     // FIFO: no job starts before the one ahead has started all its tasks.
-                    if let (Some(a), Some(b)) = (placed.last_ms[k - 1], *start) {
+                    let ahead = placed.last_ms(k - 1, tasks[k - 1].len());
+                    if let (Some(a), Some(b)) = (ahead, *start) {
                         proptest::prop_assert!(a <= b, "FIFO: {:?}", placed);
                     }
-                    if placed.last_ms[k - 1].is_none() {
+                    if ahead.is_none() {
                         proptest::prop_assert!(start.is_none(), "FIFO: {:?}", placed);
                     }
                 }
