@@ -400,6 +400,13 @@ impl StartBasis {
     pub fn is_zero(&self) -> bool {
         *self == StartBasis::default()
     }
+
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &StartBasis) {
+        self.declared += other.declared;
+        self.learned += other.learned;
+        self.unknown += other.unknown;
+    }
 }
 
 /// When a waiting application is expected to start, and on what basis (issue 27, item 4;

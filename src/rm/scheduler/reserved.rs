@@ -548,9 +548,7 @@ pub fn estimates(
         let mut ahead = Basis::default();
         for (q, b) in seen.iter().enumerate() {
             if !b.is_zero() && patterns.overlap(*p, q) {
-                ahead.declared += b.declared;
-                ahead.learned += b.learned;
-                ahead.unknown += b.unknown;
+                ahead.add(b);
             }
         }
         count(&mut seen[*p], run.basis);

@@ -209,11 +209,10 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     learn(st, built, false, None);
 }
 
-/// A job not yet submitted (`gpuam plan --rm`), in a snapshot as application `id`: whose it
-/// is and its name, so its runs are learned from its user's earlier runs of that name.
+/// A job not yet submitted (`gpuam plan --rm`), in a snapshot as application [`GUEST`]: whose
+/// it is and its name, so its runs are learned from its user's earlier runs of that name.
 #[derive(Clone, Copy)]
 pub(super) struct Guest<'a> {
-    pub id: &'a str,
     pub user: &'a str,
     pub name: &'a str,
 }
@@ -279,32 +278,30 @@ fn learned_run_ms<'a>(
     let key_of = |id: &str| -> Option<(&str, &str)> {
         match st.apps.get(id) {
             Some(a) => Some((a.report.user.as_str(), a.report.name.as_str())),
-            None => guest.filter(|g| g.id == id).map(|g| (g.user, g.name)),
+            None => guest.filter(|_| id == GUEST).map(|g| (g.user, g.name)),
         }
     };
+    // Each wanted role's own runs: the ledger keeps each application's successful runs by
+    // role (no pass over every container).
     let mut own: HashMap<String, HashMap<String, Vec<u64>>> = HashMap::new();
     for (app, role) in want {
-        own.entry(app).or_default().entry(role).or_default();
+        // The same role is wanted once per held container of it: its runs are copied once.
+        if own.get(&app).is_some_and(|roles| roles.contains_key(&role)) {
+            continue;
+        }
+        let runs = st.ledger.runs_of(&app, &role).to_vec();
+        own.entry(app).or_default().insert(role, runs);
     }
     if own.is_empty() {
         return HashMap::new();
     }
-    // (user, job name) of each wanted application, the roles wanted of it, and every
-    // application (any state) of the same user and name.
+    // Where a role has none yet: (user, job name) of its application, the roles wanted of
+    // it, then one pass over the applications for the same user's runs of that name.
     let mut kin: HashMap<(&str, &str), HashMap<String, Vec<u64>>> = HashMap::new();
     for (id, roles) in &own {
-        if let Some(key) = key_of(id) {
-            let k = kin.entry(key).or_default();
-            for r in roles.keys() {
-                k.entry(r.clone()).or_default();
-            }
-        }
-    }
-    // The ledger keeps each application's successful runs by role: no pass over every
-    // container, and one over the applications for the kin.
-    for (app, roles) in own.iter_mut() {
-        for (role, v) in roles.iter_mut() {
-            v.extend_from_slice(st.ledger.runs_of(app, role));
+        let Some(key) = key_of(id) else { continue };
+        for (r, _) in roles.iter().filter(|(_, v)| v.is_empty()) {
+            kin.entry(key).or_default().entry(r.clone()).or_default();
         }
     }
     if !kin.is_empty() {
@@ -653,9 +650,9 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     let due = estimates_due(st.sched.estimated, now);
     let wall = now_ms();
     let mut built = built;
-    let took = Instant::now();
     // One walk of the queue gives every waiting application its estimate.
     let (holder, mut estimates) = if due {
+        let took = Instant::now();
         let runs = learn(st, &mut built, true, None);
         let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
         let e = reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, None);
@@ -874,7 +871,7 @@ fn estimate_input(
         waiting: req.waiting.clone(),
     });
     let me = built.snap.apps.len() - 1;
-    let guest = req.name.as_deref().map(|name| Guest { id: GUEST, user, name });
+    let guest = req.name.as_deref().map(|name| Guest { user, name });
     let runs = learn(st, &mut built, true, guest);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);

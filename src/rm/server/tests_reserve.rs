@@ -481,11 +481,7 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
             gang: false,
             waiting: vec![wait(1, 2)],
         });
-        let guest = super::scheduling::Guest {
-            id: super::scheduling::GUEST,
-            user,
-            name,
-        };
+        let guest = super::scheduling::Guest { user, name };
         let runs = super::scheduling::learn(&st, &mut built, true, Some(guest));
         runs[built.snap.apps.len() - 1]
     };
