@@ -9,13 +9,17 @@
 //!   B the rest, and it stays so; the gang lost all its containers or none; B's preempted
 //!   tasks run again later and finish (taskRetryCount 0: preemption uses none); no GPU was
 //!   held by two tasks at once; unknown queues are refused at submit.
+//! - `a_queue_whose_demand_comes_in_steps_still_reaches_its_share`: the same B; A wants 4,
+//!   then 4 more: after the first step B may hold only its gang, over its share by 2; the
+//!   gang goes whole and B's own single jobs take back what it frees beyond that, so A
+//!   ends at 6 ± 1 and B at the rest; every task of both finishes.
 //! - `a_higher_priority_job_preempts_within_its_queue`: one queue that allows it; a
 //!   priority-10 job takes two GPUs from a priority-0 job, a same-priority job waiting
 //!   before it does not get them.
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -279,6 +283,80 @@ fn a_queue_below_its_share_takes_back_its_weighted_share() {
             .find(|x| x.job == p.job && x.index == p.index && x.attempt > p.attempt)
             .unwrap_or_else(|| panic!("{p:?} never ran again"));
         assert_eq!(again.end.as_ref().map(|e| e.1.as_str()), Some("done"));
+    }
+    assert_no_gpu_held_twice(&r);
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+#[test]
+fn a_queue_whose_demand_comes_in_steps_still_reaches_its_share() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let settings =
+        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 3}}\n    b: {{weight: 1}}\n");
+    let rm = Rm::start_with_settings(CLUSTER, &settings, ENV);
+    let live = |r: &[Run], q: char| r.iter().filter(|x| x.job.starts_with(q) && x.end.is_none()).count() as u64;
+
+    // B fills the cluster: a gang of 4, then four single jobs.
+    let mut subs = vec![("bgang", rm.submit(&job(&rm, "bgang", "b", 0, true, 4, "b")))];
+    wait_for(Duration::from_secs(60), "B's gang to run", || {
+        (running(&runs(&rm), "bgang") == 4).then_some(())
+    });
+    for i in 1..=4 {
+        let name = format!("b{i}");
+        subs.push(("b", rm.submit(&job(&rm, &name, "b", 0, false, 1, "b"))));
+    }
+    wait_for(Duration::from_secs(60), "B to hold all 8 GPUs", || {
+        (live(&runs(&rm), 'b') == 8).then_some(())
+    });
+
+    // Step one: A wants 4, and deserves them.
+    let deadline = Duration::from_secs(GRACE_SEC + 90);
+    subs.push(("a1", rm.submit(&job(&rm, "a1", "a", 0, false, 4, "a"))));
+    wait_for(deadline, "A to hold 4 GPUs", || {
+        let u = queue_use(&rm);
+        (u["a"] == 4 && live(&runs(&rm), 'a') == 4).then_some(())
+    });
+    // Step two: A wants 4 more and deserves 6. Whatever step one took, B is over its share
+    // by 2 and A is owed 2: B's gang (if step one left it) goes whole and B's own singles
+    // take back the 2 GPUs beyond that.
+    subs.push(("a2", rm.submit(&job(&rm, "a2", "a", 0, false, 4, "a"))));
+    let split = wait_for(deadline, "A to hold 6 ± 1 GPUs and B the rest", || {
+        let u = queue_use(&rm);
+        let (a, b) = (u["a"], u["b"]);
+        let r = runs(&rm);
+        ((5..=7).contains(&a) && a + b == 8 && live(&r, 'a') == a && live(&r, 'b') == b).then_some((a, b))
+    });
+    eprintln!("A {} / B {} after the second step", split.0, split.1);
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let u = queue_use(&rm);
+        assert!((5..=7).contains(&u["a"]) && u["a"] + u["b"] == 8, "{u:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let r = runs(&rm);
+    let gang_first: Vec<&Run> = r.iter().filter(|x| x.job == "bgang" && x.attempt == 1).collect();
+    let ended = gang_first.iter().filter(|x| x.end.is_some()).count();
+    assert!(ended == 0 || ended == 4, "a gang preempted in part: {gang_first:?}");
+    assert!(
+        r.iter().filter(|x| x.job.starts_with('a')).all(|x| x.attempt == 1),
+        "nothing of A was preempted"
+    );
+
+    std::fs::write(rm.path("release-a"), "").unwrap();
+    std::fs::write(rm.path("release-b"), "").unwrap();
+    for (what, s) in subs {
+        let out = s.wait(Duration::from_secs(90));
+        assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
+    }
+    let r = runs(&rm);
+    for job in ["bgang", "b1", "b2", "b3", "b4", "a1", "a2"] {
+        let tasks: BTreeSet<u32> = r
+            .iter()
+            .filter(|x| x.job == job && x.end.as_ref().is_some_and(|e| e.1 == "done"))
+            .map(|x| x.index)
+            .collect();
+        let want = if job.len() == 2 && job.starts_with('b') { 1 } else { 4 };
+        assert_eq!(tasks.len(), want, "{job} finished every task: {r:?}");
     }
     assert_no_gpu_held_twice(&r);
     rm.assert_all_free(Duration::from_secs(20));

@@ -352,9 +352,11 @@ pub struct AllocateRequest {
     /// Container ids to give back (stopped if running).
     #[serde(default)]
     pub releases: Vec<String>,
-    /// Tasks this AM wants containers for but finds no room for now (YARN's resource
-    /// requests for any host), the whole list each time: the RM's queues rank and reclaim
-    /// for this demand. `None` (an AM that never sends it): no waiting demand known.
+    /// Tasks this AM wants containers for and has none yet (YARN's resource requests for
+    /// any host): those it finds no room for now and those it asks for in this request, the
+    /// whole list each time. The RM's queues rank and reclaim for this demand, and judge this
+    /// request's asks against it (each granted ask leaves it). `None` (an AM that never
+    /// sends it): no waiting demand known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Vec<WaitingTasks>>,
     /// Why its tasks wait as the AM's placement found it (`reason::Reason`: the select

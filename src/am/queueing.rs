@@ -1,7 +1,8 @@
 //! The AM's side of the RM's queues (issue 16), without I/O:
-//! - [`waiting_demand`]: the tasks waiting for a container, grouped by role, sent with every
-//!   heartbeat so the RM can rank and reclaim for them (the AM's own select pipeline finds
-//!   no node for a task when the cluster is full, so the RM would not hear of it from asks);
+//! - [`waiting_demand`]: the tasks waiting for a container (those asked for in the same
+//!   request included), grouped by role, sent with every heartbeat so the RM can rank and
+//!   reclaim for them (the AM's own select pipeline finds no node for a task when the
+//!   cluster is full, so the RM would not hear of it from asks);
 //! - [`Preemptions`]: containers the RM is taking back. A container not started yet is
 //!   given back at once; a running one is given back shortly before the RM's deadline, so
 //!   that its task has the notice period to checkpoint (the node created its
@@ -22,7 +23,13 @@ use crate::spec::{JobSpec, TaskRole};
 pub fn waiting_demand(job: &JobSpec, tasks: &[Task], select: &SelectSettings) -> Vec<WaitingTasks> {
     let job_uses_gpus = job.task_roles.iter().any(|r| r.resources.gpus > 0);
     let mut per_role: BTreeMap<usize, u32> = BTreeMap::new();
-    for t in tasks.iter().filter(|t| t.state == TaskState::TaskWaiting) {
+    // A task asked for in this very request still waits for its container: the RM's gate
+    // counts the job's demand from this report, and a job that asked for all its tasks at
+    // once would otherwise want nothing (deserve no share) while its asks are judged.
+    for t in tasks
+        .iter()
+        .filter(|t| matches!(t.state, TaskState::TaskWaiting | TaskState::ContainerRequested))
+    {
         *per_role.entry(t.role).or_default() += 1;
     }
     per_role
@@ -210,8 +217,17 @@ mod tests {
             "j.yaml",
         )
         .unwrap();
-        let mut tasks = vec![Task::new(0, 0), Task::new(1, 0), Task::new(1, 1), Task::new(1, 2)];
+        let mut tasks = vec![
+            Task::new(0, 0),
+            Task::new(1, 0),
+            Task::new(1, 1),
+            Task::new(1, 2),
+            Task::new(1, 3),
+        ];
         tasks[2].state = TaskState::ContainerRunning;
+        // Asked for in this request: still waiting for its container.
+        tasks[3].state = TaskState::ContainerRequested;
+        tasks[4].state = TaskState::ContainerAllocated;
         let d = waiting_demand(&job, &tasks, &SelectSettings::default());
         assert_eq!(d.len(), 2);
         assert_eq!((d[0].role.as_str(), d[0].count, d[0].gpus), ("ps", 1, 0));

@@ -142,6 +142,15 @@ impl Waiting {
         self.reported = Some(now);
     }
 
+    /// One task of `role` was granted a container by the allocate whose report this is (the
+    /// report counts the tasks asked for in it): it no longer waits, so the asks after it in
+    /// the same request are not judged against a demand that counts it twice.
+    pub fn granted(&mut self, role: &str) {
+        if let Some(w) = self.tasks.iter_mut().find(|w| w.role == role && w.count > 0) {
+            w.count -= 1;
+        }
+    }
+
     /// What the RM's last scheduling pass found (`None`: the application does not wait).
     pub fn set_why(&mut self, why: Option<&crate::rm::scheduler::WaitReason>) {
         self.why = why.map(|w| (w.code(), w.to_string()));

@@ -234,6 +234,15 @@ impl Engine<'_> {
         Some(placed)
     }
 
+    /// Whether job `j` could be placed now (nothing is booked).
+    fn fits_now(&mut self, j: usize) -> bool {
+        let Some(placed) = self.place(j) else { return false };
+        for (i, (n, m)) in placed.iter().enumerate() {
+            self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
+        }
+        true
+    }
+
     /// The one reservation (issue 27, item 3): the earliest-arrived waiting gang the policy
     /// picks that will ever fit, with where and when it fits as the running jobs end
     /// (their ends are known: each job's remaining work, or its preemption deadline).
@@ -359,7 +368,30 @@ impl Engine<'_> {
                 if self.jobs[j].gpus() > free {
                     continue;
                 }
+                // As the gate: a start that takes the queue past its share keeps the room
+                // of another queue's head that is owed GPUs and fits now.
+                let past_share = f64::from(used[q] + self.jobs[j].gpus()) > deserved(q) + scheduler::EPS;
+                let owed_heads: Vec<usize> = if past_share {
+                    leaves
+                        .iter()
+                        .copied()
+                        .filter(|&o| o != q)
+                        .filter_map(|o| {
+                            let owed = deserved(o) - f64::from(used[o] + incoming[o]);
+                            let &(h, _) = self.waiting[o].front()?;
+                            (f64::from(self.jobs[h].gpus()) <= owed + scheduler::EPS && self.fits_now(h)).then_some(h)
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 let Some(placed) = self.place(j) else { continue };
+                if owed_heads.iter().any(|&h| !self.fits_now(h)) {
+                    for (i, (n, m)) in placed.iter().enumerate() {
+                        self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
+                    }
+                    continue;
+                }
                 if let Some((_, r)) = held.as_mut().filter(|(h, _)| held_back && *h != j) {
                     let takes = super::reserve::takes(&placed, &self.jobs[j].tasks);
                     if !r.backfill(&takes, Some(ms(now + left))) {

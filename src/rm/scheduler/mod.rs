@@ -12,15 +12,18 @@
 //!    the pool asked for (furthest below its share first), then priority (higher first),
 //!    then submission time. An ask is refused (retryable) when granting it would leave
 //!    those ahead less than they could take now (their tasks packed into the free
-//!    resources, another queue's only up to what it is still owed). Only room an ahead
-//!    application could use is kept, so a task that fits nowhere holds nothing.
+//!    resources, another queue's only up to what it is still owed). An ask that takes its
+//!    queue past its deserved share also keeps what other queues still owed GPUs could take
+//!    now, whatever their rank. Only room someone could use is kept, so a task that fits
+//!    nowhere holds nothing.
 //! 3. [`plan`] — what to take back: for each queue below its deserved share with
 //!    waiting tasks that do not fit the free resources, containers of queues above their
-//!    share (never below their share or `guaranteedGpus`), and, in queues that allow it,
+//!    share (not below their share or `guaranteedGpus`, but see the swap), and, where allowed,
 //!    lower-priority containers of the same queue for a higher-priority job. A gang
 //!    application is one victim (all its containers or none); victims are chosen to free
-//!    room where the waiting tasks fit, at least cost (`victims`). Also why each waiting
-//!    application waits ([`WaitReason`]).
+//!    room where the waiting tasks fit, at least cost (`victims`); a gang may take its queue
+//!    below its share only where the queue's own waiting jobs take the difference back (the
+//!    swap). Also why each waiting application waits ([`WaitReason`]).
 //!
 //! CPU and memory only have to fit: shares are counted in GPUs (on GPU clusters the
 //! dominant resource); an ask without GPUs ranks by its queue's largest ratio over the
@@ -670,13 +673,18 @@ pub fn gate(
         .find(|(_, r)| r.whole_gpu_count() > 0)
         .and_then(|(n, _)| shares.pool_of(&snap.nodes[*n].pool));
     let mine = rank(shares, pool, me);
+    // An ask that takes its queue past its deserved share also keeps the room that another
+    // queue still owed GPUs could take now, whatever the ranks: one big ask (a gang's) from
+    // the queue furthest below its share must not overshoot into the room of the next.
+    let past_share = pool.filter(|&p| f64::from(shares.used[p][me.queue] + gpus) > shares.deserved[p][me.queue] + EPS);
+    let owed_other = |a: &AppDemand| a.queue != me.queue && past_share.is_some_and(|p| shares.owed(p, a.queue) > 0);
     let mut ahead: Vec<(usize, (f64, i64, u64, String))> = snap
         .apps
         .iter()
         .enumerate()
         .filter(|(b, a)| *b != app && a.waiting.iter().any(|w| w.gpus > 0 && w.count > 0))
+        .filter(|(_, a)| owed_other(a) || rank_cmp(&rank(shares, pool, a), &mine).is_lt())
         .map(|(b, a)| (b, rank(shares, pool, a)))
-        .filter(|(_, r)| rank_cmp(r, &mine).is_lt())
         .collect();
     if ahead.is_empty() {
         return Ok(());
@@ -693,6 +701,14 @@ pub fn gate(
     let loser = order.iter().zip(before.iter().zip(&with)).find(|(_, (b, w))| w < b);
     match loser {
         None => Ok(()),
+        Some((&b, _)) if rank_cmp(&rank(shares, pool, &snap.apps[b]), &mine).is_ge() => {
+            let p = past_share.unwrap_or_default();
+            Err(WaitReason::OverShare {
+                queue: tree.get(me.queue).path.clone(),
+                used: shares.used[p][me.queue] + gpus,
+                deserved: shares.deserved[p][me.queue],
+            })
+        }
         Some((&b, _)) => {
             let (used, deserved) = match pool {
                 Some(p) => (shares.used[p][me.queue], shares.deserved[p][me.queue]),
@@ -849,6 +865,9 @@ struct PlanState {
     gained: Vec<Vec<u32>>,
     /// Applications whose room only gangs too big to take could have made.
     protected: BTreeSet<usize>,
+    /// `[pool][queue]`: GPUs a swap of this plan took beyond the queue's limit, counting
+    /// on the queue's own waiting work to take them back.
+    refilled: Vec<Vec<u32>>,
 }
 
 impl PlanState {
@@ -877,13 +896,32 @@ impl PlanState {
                 limit.insert(v, room as u32);
             }
         }
+        // Each victim queue's own waiting work that would take back room beyond its limit
+        // (jobs that are not gangs of several tasks, in the pool), less what a swap of
+        // this plan already counted on.
+        let mut refill: BTreeMap<usize, u32> = BTreeMap::new();
+        for a in snap.apps.iter().filter(|a| limit.contains_key(&a.queue)) {
+            if a.gang && a.waiting.iter().map(|w| w.count).sum::<u32>() > 1 {
+                continue;
+            }
+            let gpus: u32 = a
+                .waiting
+                .iter()
+                .filter(|w| w.gpu_types.is_empty() || w.gpu_types.iter().any(|g| *g == shares.pools[p]))
+                .map(|w| w.count * w.gpus)
+                .sum();
+            *refill.entry(a.queue).or_default() += gpus;
+        }
+        for (v, r) in refill.iter_mut() {
+            *r = r.saturating_sub(self.refilled[p][*v]);
+        }
         let units = victims::units(
             snap,
             &self.taken,
             |app| limit.contains_key(&snap.apps[app].queue),
             &in_pool,
         );
-        let mut choice = victims::choose(snap, &self.scratch, tasks, &units, &limit);
+        let mut choice = victims::choose(snap, &self.scratch, tasks, &units, &limit, &refill);
         let all: u32 = tasks.iter().map(|w| w.count).sum();
         if whole && choice.served < all {
             choice.units.clear();
@@ -912,17 +950,26 @@ impl PlanState {
         for &u in &choice.units {
             let unit = &units[u];
             let vq = snap.apps[unit.app].queue;
+            let beyond = unit.gpus.saturating_sub(limit.get(&vq).copied().unwrap_or(0));
+            self.refilled[p][vq] += beyond;
             self.out.victims.push(Victim {
                 held: unit.held.clone(),
                 app: unit.app,
                 for_queue: s,
                 for_app: first,
                 reason: format!(
-                    "queue `{}` is below its share and waits; queue `{}` holds {} GPUs and deserves {:.1}",
+                    "queue `{}` is below its share and waits; queue `{}` holds {} GPUs and deserves {:.1}{}",
                     tree.get(s).path,
                     tree.get(vq).path,
                     shares.used[p][vq],
-                    shares.deserved[p][vq]
+                    shares.deserved[p][vq],
+                    if beyond > 0 {
+                        format!(
+                            "; the gang goes whole and {beyond} of its GPUs go back to the queue's own waiting jobs"
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
             });
             self.gained[p][s] += unit.gpus;
@@ -958,6 +1005,7 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
         reclaiming: BTreeMap::new(),
         gained: vec![vec![0u32; tree.len()]; shares.pools.len()],
         protected: BTreeSet::new(),
+        refilled: vec![vec![0u32; tree.len()]; shares.pools.len()],
     };
     for p in 0..shares.pools.len() {
         let in_pool = |n: usize| shares.pool_of(&snap.nodes[n].pool) == Some(p);
@@ -1063,7 +1111,7 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                     |app| snap.apps[app].queue == s && snap.apps[app].priority < me.priority,
                     &in_pool,
                 );
-                let mut choice = victims::choose(snap, &st.scratch, &rest, &units, &limit);
+                let mut choice = victims::choose(snap, &st.scratch, &rest, &units, &limit, &BTreeMap::new());
                 if me.gang && choice.served < rest.iter().map(|w| w.count).sum::<u32>() {
                     choice.units.clear();
                 }

@@ -369,6 +369,137 @@ fn the_gate_keeps_free_gpus_for_the_queue_below_its_share() {
 }
 
 #[test]
+fn a_big_ask_past_its_share_leaves_the_room_another_owed_queue_can_take() {
+    // 8 GPUs, 3:1; A holds 3 and wants 5 more (deserves 6), B holds 1 and its gang of 4
+    // waits (B deserves 2). The ratios tie and the gang is the oldest, so it ranks first;
+    // but its 4 GPUs would take B to 5 over its 2 while A is owed 3.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+    let gang = c.app("b", 0, true, vec![waiting(4, 1)]);
+    let single = c.app("b", 0, false, vec![waiting(1, 1)]);
+    let a = c.app("a", 0, false, vec![waiting(5, 1)]);
+    for _ in 0..3 {
+        c.hold(a, 0, 1, 1);
+    }
+    c.hold(single, 1, 1, 1);
+    let refused = c.gate(gang, &[(1, 3), (0, 1)]).unwrap_err();
+    assert!(
+        matches!(&refused, WaitReason::OverShare { queue, used: 5, .. } if queue == "b"),
+        "{refused}"
+    );
+    assert!(c.gate(a, &[(1, 1)]).is_ok(), "A below its share");
+    // A past its share would take the room B is owed.
+    assert!(c.gate(a, &[(1, 3), (0, 1)]).is_err());
+    // Within B the older gang ranks first while it could take the free room; once A holds
+    // its share, the gang is refused and B's single takes what B is owed.
+    assert!(c.gate(single, &[(1, 1)]).is_err(), "behind its own queue's gang");
+    for _ in 0..3 {
+        c.hold(a, 1, 1, 1);
+    }
+    c.s.apps[a].waiting[0].count = 2;
+    assert!(c.gate(single, &[(0, 1)]).is_ok(), "B up to its share");
+    let refused = c.gate(a, &[(0, 1)]).unwrap_err();
+    assert!(
+        matches!(&refused, WaitReason::Behind { ahead_queue, .. } if ahead_queue == "b"),
+        "{refused}"
+    );
+}
+
+/// Applies a plan's victims: their containers go, their applications wait for them again.
+fn preempt(c: &mut Cluster, p: &Plan) {
+    let mut gone: Vec<usize> = p.victims.iter().flat_map(|v| v.held.clone()).collect();
+    gone.sort_unstable();
+    for h in gone.into_iter().rev() {
+        let held = c.s.held.remove(h);
+        let n = &mut c.s.nodes[held.node];
+        n.free_gpus |= held.gpus;
+        n.free_cpu += held.cpu;
+        n.free_memory_mb += held.memory_mb;
+        let w = &mut c.s.apps[held.app].waiting;
+        match w.first_mut() {
+            Some(t) => t.count += 1,
+            None => w.push(waiting(1, held.gpus.count_ones())),
+        }
+    }
+}
+
+/// Grants what the gate lets through, application by application in index order (a
+/// gang all its waiting tasks at once, others one task at a time), until nothing moves.
+fn admit(c: &mut Cluster) {
+    loop {
+        let mut moved = false;
+        for app in 0..c.s.apps.len() {
+            let Some(w) = c.s.apps[app].waiting.first().cloned().filter(|w| w.count > 0) else {
+                continue;
+            };
+            let tasks = if c.s.apps[app].gang { w.count } else { 1 };
+            let mut free: Vec<u32> = c.s.nodes.iter().map(|n| n.free_gpus.count_ones()).collect();
+            let mut asks = Vec::new();
+            for _ in 0..tasks {
+                let Some(n) = (0..free.len()).find(|&n| free[n] >= w.gpus) else {
+                    break;
+                };
+                free[n] -= w.gpus;
+                match asks.iter_mut().find(|(m, _)| *m == n) {
+                    Some((_, k)) => *k += w.gpus,
+                    None => asks.push((n, w.gpus)),
+                }
+            }
+            let placed: u32 = asks.iter().map(|(_, k)| k / w.gpus.max(1)).sum();
+            if placed < tasks || c.gate(app, &asks).is_err() {
+                continue;
+            }
+            for &(n, k) in &asks {
+                for _ in 0..k / w.gpus.max(1) {
+                    c.hold(app, n, w.gpus, 0);
+                }
+            }
+            c.s.apps[app].waiting[0].count -= tasks;
+            moved = true;
+        }
+        if !moved {
+            return;
+        }
+    }
+}
+
+#[test]
+fn a_queue_whose_demand_comes_in_steps_still_reaches_its_share() {
+    // B fills 8 GPUs with a gang of 4 and four single jobs; A (3:1) sends eight one-GPU
+    // jobs one at a time. The first steps take B's singles; at the fifth, B is over its
+    // share only through its gang, which goes whole while B's own singles take back the
+    // GPUs beyond its share: A ends at 6, B at 2, and nothing moves after that.
+    let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+    let gang = c.app("b", 0, true, vec![]);
+    for _ in 0..4 {
+        c.hold(gang, 0, 1, 50_000);
+    }
+    for _ in 0..4 {
+        let s = c.app("b", 0, false, vec![]);
+        c.hold(s, 1, 1, 10_000);
+    }
+    let used = |c: &Cluster, q: &str| {
+        let q = c.t.resolve(Some(q)).unwrap();
+        c.s.held.iter().filter(|h| c.s.apps[h.app].queue == q).count()
+    };
+    let mut gang_preempted = 0;
+    for _ in 0..8 {
+        c.app("a", 0, false, vec![waiting(1, 1)]);
+        for _ in 0..4 {
+            let p = c.plan();
+            gang_preempted += p.victims.iter().filter(|v| v.app == gang).count();
+            preempt(&mut c, &p);
+            admit(&mut c);
+        }
+        assert_eq!(used(&c, "a") + used(&c, "b"), 8, "no GPU idles while work waits");
+    }
+    assert_eq!((used(&c, "a"), used(&c, "b")), (6, 2));
+    assert_eq!(gang_preempted, 1, "the gang went once, whole");
+    assert_eq!(c.s.apps[gang].waiting[0].count, 4, "the gang waits");
+    let p = c.plan();
+    assert!(p.victims.is_empty(), "settled: {p:?}");
+}
+
+#[test]
 fn a_task_that_fits_nowhere_holds_nothing() {
     // A waits for a 4-GPU task but no node has 4 free: B's 1-GPU ask goes through.
     let mut c = Cluster::new(tree(&[("a", 3.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
@@ -457,6 +588,16 @@ fn world() -> impl Strategy<Value = World> {
         })
 }
 
+/// GPUs of queue `q`'s own waiting work that takes back what a swapped gang frees beyond
+/// the queue's share (jobs that are not gangs of several tasks).
+fn own_refill(c: &Cluster, q: usize) -> u32 {
+    c.s.apps
+        .iter()
+        .filter(|a| a.queue == q && !(a.gang && a.waiting.iter().map(|w| w.count).sum::<u32>() > 1))
+        .flat_map(|a| a.waiting.iter().map(|w| w.count * w.gpus))
+        .sum()
+}
+
 fn build(w: &World) -> Cluster {
     let names: Vec<String> = (0..w.queues.len()).map(|i| format!("q{i}")).collect();
     let spec: Vec<(&str, f64, u32, Option<u32>, bool)> = w
@@ -519,7 +660,14 @@ proptest! {
             let used = f64::from(shares.used[0][q]);
             let floor = shares.deserved[0][q].max(f64::from(c.t.get(q).guaranteed_gpus).min(used));
             let left = used - f64::from(r) - f64::from(shares.leaving[0][q]);
-            prop_assert!(left + 1e-6 >= floor, "queue {} left at {} below {}", q, left, floor);
+            let back = f64::from(own_refill(&c, q));
+            prop_assert!(left + back + 1e-6 >= floor, "queue {} left at {} (+{}) below {}", q, left, back, floor);
+            if left + 1e-6 < floor {
+                prop_assert!(
+                    p.victims.iter().any(|v| c.s.apps[v.app].queue == q && c.s.apps[v.app].gang),
+                    "only a whole gang goes below the share"
+                );
+            }
         }
     }
 
@@ -553,7 +701,8 @@ proptest! {
             let used = f64::from(first.used[0][q]);
             let floor = first.deserved[0][q].max(f64::from(c.t.get(q).guaranteed_gpus).min(used));
             let left = used - f64::from(r) - f64::from(first.leaving[0][q]);
-            prop_assert!(left + 1e-6 >= floor, "queue {} left at {} below {}", q, left, floor);
+            let back = f64::from(own_refill(&c, q));
+            prop_assert!(left + back + 1e-6 >= floor, "queue {} left at {} (+{}) below {}", q, left, back, floor);
         }
     }
 
@@ -600,7 +749,7 @@ proptest! {
             match gate(&c.t, &c.s, &shares, a, &ask) {
                 Ok(()) => prop_assert!(!over_cap, "admitted past the cap"),
                 Err(WaitReason::AtCap { .. }) => prop_assert!(over_cap),
-                Err(WaitReason::Behind { .. }) => prop_assert!(others_wait),
+                Err(WaitReason::Behind { .. }) | Err(WaitReason::OverShare { .. }) => prop_assert!(others_wait),
                 Err(other) => prop_assert!(false, "unexpected {:?}", other),
             }
         }

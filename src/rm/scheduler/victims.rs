@@ -11,6 +11,13 @@
 //!   (GPUs, CPU and memory on that node, exactly there), the best GPU set after it as a
 //!   tie-break — right for multi-GPU tasks and topology.
 //!
+//! - the swap, only where neither plan lets any task fit: a whole gang bigger than its
+//!   queue's limit, when what it frees beyond the limit is at most the GPUs needed and the
+//!   queue's own waiting work (not gangs of several tasks) takes it back, so the queue ends
+//!   at its share in other jobs of its own. Without it, a demand that arrives in steps (an
+//!   earlier step took the queue's singles) leaves the other queue short for as long as a
+//!   gang holds the excess.
+//!
 //! A plan is scored by the tasks it lets fit (more first), then its cost.
 
 use std::collections::BTreeMap;
@@ -160,13 +167,15 @@ fn served(snap: &Snapshot, scratch: &Scratch, tasks: &[WaitingTasks], units: &[U
 }
 
 /// Chooses units so that `tasks` fit (see the module doc). `limit`: GPUs each victim queue
-/// may lose at most.
+/// may lose at most; `refill`: GPUs of each victim queue's own waiting work that would take
+/// back room a whole gang frees beyond its limit (the swap plan).
 pub(super) fn choose(
     snap: &Snapshot,
     scratch: &Scratch,
     tasks: &[WaitingTasks],
     units: &[Unit],
     limit: &BTreeMap<usize, u32>,
+    refill: &BTreeMap<usize, u32>,
 ) -> Choice {
     let total: u32 = tasks.iter().map(|w| w.count).sum();
     if units.is_empty() || total == 0 {
@@ -185,11 +194,19 @@ pub(super) fn choose(
     if let Some(p) = by_count(tasks, units, limit, base) {
         plans.push(p);
     }
-    let best = plans
+    let score = |p: Vec<usize>| (served(snap, scratch, tasks, units, &p), cost(&p), p);
+    let mut best = plans
         .into_iter()
-        .map(|p| (served(snap, scratch, tasks, units, &p), cost(&p), p))
+        .map(score)
         .min_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)))
         .unwrap_or_default();
+    // The swap only where nothing within the limits serves anything: it costs a whole gang.
+    if best.0 == 0 {
+        let need: u32 = tasks.iter().map(|w| w.count * w.gpus).sum();
+        if let Some(u) = swap(units, limit, refill, need, base) {
+            best = score(vec![u]);
+        }
+    }
     let (served, _, mut chosen) = best;
     if served == 0 {
         chosen.clear();
@@ -203,6 +220,28 @@ pub(super) fn choose(
         served,
         gang_blocked,
     }
+}
+
+/// The swap plan: the cheapest whole gang bigger than its queue's limit whose excess (its
+/// GPUs beyond the limit) the queue's own waiting work takes back and is at most `need`, the
+/// GPUs the plan is made for. The queue ends at its share in other jobs of its own, so a
+/// queue over its share only through a gang is not held there (as when its demand came in
+/// steps and an earlier step took its singles); the bound keeps a large gang from going
+/// for a small need.
+fn swap(
+    units: &[Unit],
+    limit: &BTreeMap<usize, u32>,
+    refill: &BTreeMap<usize, u32>,
+    need: u32,
+    base: i32,
+) -> Option<usize> {
+    (0..units.len())
+        .filter(|&u| {
+            let unit = &units[u];
+            let excess = unit.gpus.saturating_sub(limit.get(&unit.queue).copied().unwrap_or(0));
+            unit.gang && excess > 0 && excess <= need && excess <= refill.get(&unit.queue).copied().unwrap_or(0)
+        })
+        .min_by_key(|&u| (Cost::of(&units[u], base), u))
 }
 
 /// The count plan: per victim queue (largest limit first), the cheapest units adding up to

@@ -535,7 +535,15 @@ fn grant_asks(
         let granted_before = out.allocated.len();
         for ask in &group {
             match st.ledger.grant(id, attempt, ask, now) {
-                Ok(c) => out.allocated.push(c),
+                Ok(c) => {
+                    if let (Some(app), Some((role, _))) = (
+                        st.apps.get_mut(id),
+                        ask.task.as_deref().and_then(|t| t.rsplit_once('/')),
+                    ) {
+                        app.waiting.granted(role);
+                    }
+                    out.allocated.push(c)
+                }
                 Err(r) => {
                     metrics.refused(if r.retryable { Refusal::Busy } else { Refusal::Never }, 1);
                     out.rejected.push(r)
