@@ -161,6 +161,64 @@ fn running(runs: &[Run], job: &str) -> usize {
     runs.iter().filter(|r| r.job == job && r.end.is_none()).count()
 }
 
+/// Tasks of queue `q` (jobs named from its letter) running now.
+fn live(r: &[Run], q: char) -> u64 {
+    r.iter().filter(|x| x.job.starts_with(q) && x.end.is_none()).count() as u64
+}
+
+/// Generous: a busy 2-core machine; B's jobs never end by themselves, so only preemption
+/// can make the split.
+const SPLIT_DEADLINE: Duration = Duration::from_secs(GRACE_SEC + 90);
+
+/// B fills the 8 GPUs: a gang of 4 (`bgang`), then four single jobs (`b1`..`b4`); all run
+/// until `release-b` exists. Their submissions.
+fn fill_with_b(rm: &Rm) -> Vec<(&'static str, Submission)> {
+    let mut subs = vec![("bgang", rm.submit(&job(rm, "bgang", "b", 0, true, 4, "b")))];
+    wait_for(Duration::from_secs(60), "B's gang to run", || {
+        (running(&runs(rm), "bgang") == 4).then_some(())
+    });
+    for i in 1..=4 {
+        let name = format!("b{i}");
+        subs.push(("b", rm.submit(&job(rm, &name, "b", 0, false, 1, "b"))));
+    }
+    wait_for(Duration::from_secs(60), "B to hold all 8 GPUs", || {
+        (live(&runs(rm), 'b') == 8).then_some(())
+    });
+    subs
+}
+
+/// Waits until A holds 6 ± 1 GPUs and B the rest, each GPU under a running task of its
+/// queue: (A's, B's).
+fn wait_for_split(rm: &Rm) -> (u64, u64) {
+    wait_for(SPLIT_DEADLINE, "A to hold 6 ± 1 GPUs and B the rest", || {
+        let u = queue_use(rm);
+        let (a, b) = (u["a"], u["b"]);
+        let r = runs(rm);
+        ((5..=7).contains(&a) && a + b == 8 && live(&r, 'a') == a && live(&r, 'b') == b).then_some((a, b))
+    })
+}
+
+/// The split stays for 3 s (no flapping).
+fn assert_split_stays(rm: &Rm) {
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let u = queue_use(rm);
+        assert!((5..=7).contains(&u["a"]) && u["a"] + u["b"] == 8, "{u:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// B's gang lost all its first containers or none; nothing of A was preempted.
+fn assert_gang_whole_and_a_untouched(r: &[Run]) {
+    let gang_first: Vec<&Run> = r.iter().filter(|x| x.job == "bgang" && x.attempt == 1).collect();
+    let ended = gang_first.iter().filter(|x| x.end.is_some()).count();
+    assert!(ended == 0 || ended == 4, "a gang preempted in part: {gang_first:?}");
+    assert!(
+        r.iter().filter(|x| x.job.starts_with('a')).all(|x| x.attempt == 1),
+        "nothing of A was preempted"
+    );
+}
+
 #[test]
 fn a_queue_below_its_share_takes_back_its_weighted_share() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -196,47 +254,16 @@ fn a_queue_below_its_share_takes_back_its_weighted_share() {
         out.stderr
     );
 
-    // B fills the cluster: a gang of 4, then four single jobs.
-    let mut subs = Vec::new();
-    subs.push(("bgang", rm.submit(&job(&rm, "bgang", "b", 0, true, 4, "b"))));
-    wait_for(Duration::from_secs(60), "B's gang to run", || {
-        (running(&runs(&rm), "bgang") == 4).then_some(())
-    });
-    for i in 1..=4 {
-        let name = format!("b{i}");
-        subs.push(("b", rm.submit(&job(&rm, &name, "b", 0, false, 1, "b"))));
-    }
-    wait_for(Duration::from_secs(60), "B to hold all 8 GPUs", || {
-        let r = runs(&rm);
-        (r.iter().filter(|x| x.end.is_none()).count() == 8).then_some(())
-    });
+    let mut subs = fill_with_b(&rm);
     assert_eq!(queue_use(&rm).get("b"), Some(&8));
 
     // A asks for 8 more, in one job of eight tasks (not a gang), so that the RM sees A's
-    // whole demand in one report. (Eight jobs of one task whose AMs start one after
-    // another can let an early round take B's singles for part of the demand and leave
-    // B's gang, which a later round may not take: a known limit, DESIGN-NOTES "Reclaim
-    // and preemption"; the unit test `a_gang_is_taken_whole_or_not_at_all` plans both.)
+    // whole demand in one report (demand that comes in steps is the next test's).
     let asked = Instant::now();
     subs.push(("a", rm.submit(&job(&rm, "a", "a", 0, false, 8, "a"))));
-    // Generous: a busy 2-core machine; B's jobs never end by themselves, so only
-    // preemption can make the split.
-    let deadline = Duration::from_secs(GRACE_SEC + 90);
-    let split = wait_for(deadline, "A to hold 6 ± 1 GPUs and B the rest", || {
-        let u = queue_use(&rm);
-        let (a, b) = (u["a"], u["b"]);
-        let r = runs(&rm);
-        let a_running = r.iter().filter(|x| x.job.starts_with('a') && x.end.is_none()).count() as u64;
-        ((5..=7).contains(&a) && a + b == 8 && a_running == a).then_some((a, b))
-    });
+    let split = wait_for_split(&rm);
     eprintln!("A {} / B {} after {:?}", split.0, split.1, asked.elapsed());
-    // And it stays so (no flapping).
-    let until = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < until {
-        let u = queue_use(&rm);
-        assert!((5..=7).contains(&u["a"]) && u["a"] + u["b"] == 8, "{u:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    assert_split_stays(&rm);
     let overview = rm.get_json("/ws/v1/cluster/overview").unwrap();
     let b = overview["queues"]
         .as_array()
@@ -248,15 +275,7 @@ fn a_queue_below_its_share_takes_back_its_weighted_share() {
     assert_eq!(b["preempted"].as_u64(), Some(8 - split.1), "{b}");
     assert!((b["deservedGpus"].as_f64().unwrap() - 2.0).abs() < 1e-6, "{b}");
 
-    // The gang lost all its containers or none.
-    let r = runs(&rm);
-    let gang_first: Vec<&Run> = r.iter().filter(|x| x.job == "bgang" && x.attempt == 1).collect();
-    let ended = gang_first.iter().filter(|x| x.end.is_some()).count();
-    assert!(ended == 0 || ended == 4, "a gang preempted in part: {gang_first:?}");
-    assert!(
-        r.iter().filter(|x| x.job.starts_with('a')).all(|x| x.attempt == 1),
-        "nothing of A was preempted"
-    );
+    assert_gang_whole_and_a_untouched(&runs(&rm));
 
     // A finishes; B's preempted tasks run again and finish.
     std::fs::write(rm.path("release-a"), "").unwrap();
@@ -294,53 +313,28 @@ fn a_queue_whose_demand_comes_in_steps_still_reaches_its_share() {
     let settings =
         format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 3}}\n    b: {{weight: 1}}\n");
     let rm = Rm::start_with_settings(CLUSTER, &settings, ENV);
-    let live = |r: &[Run], q: char| r.iter().filter(|x| x.job.starts_with(q) && x.end.is_none()).count() as u64;
-
-    // B fills the cluster: a gang of 4, then four single jobs.
-    let mut subs = vec![("bgang", rm.submit(&job(&rm, "bgang", "b", 0, true, 4, "b")))];
-    wait_for(Duration::from_secs(60), "B's gang to run", || {
-        (running(&runs(&rm), "bgang") == 4).then_some(())
-    });
-    for i in 1..=4 {
-        let name = format!("b{i}");
-        subs.push(("b", rm.submit(&job(&rm, &name, "b", 0, false, 1, "b"))));
-    }
-    wait_for(Duration::from_secs(60), "B to hold all 8 GPUs", || {
-        (live(&runs(&rm), 'b') == 8).then_some(())
-    });
+    let mut subs = fill_with_b(&rm);
 
     // Step one: A wants 4, and deserves them.
-    let deadline = Duration::from_secs(GRACE_SEC + 90);
     subs.push(("a1", rm.submit(&job(&rm, "a1", "a", 0, false, 4, "a"))));
-    wait_for(deadline, "A to hold 4 GPUs", || {
+    wait_for(SPLIT_DEADLINE, "A to hold 4 GPUs", || {
         let u = queue_use(&rm);
         (u["a"] == 4 && live(&runs(&rm), 'a') == 4).then_some(())
     });
     // Step two: A wants 4 more and deserves 6. Whatever step one took, B is over its share
     // by 2 and A is owed 2: B's gang (if step one left it) goes whole and B's own singles
     // take back the 2 GPUs beyond that.
+    let asked = Instant::now();
     subs.push(("a2", rm.submit(&job(&rm, "a2", "a", 0, false, 4, "a"))));
-    let split = wait_for(deadline, "A to hold 6 ± 1 GPUs and B the rest", || {
-        let u = queue_use(&rm);
-        let (a, b) = (u["a"], u["b"]);
-        let r = runs(&rm);
-        ((5..=7).contains(&a) && a + b == 8 && live(&r, 'a') == a && live(&r, 'b') == b).then_some((a, b))
-    });
-    eprintln!("A {} / B {} after the second step", split.0, split.1);
-    let until = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < until {
-        let u = queue_use(&rm);
-        assert!((5..=7).contains(&u["a"]) && u["a"] + u["b"] == 8, "{u:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let r = runs(&rm);
-    let gang_first: Vec<&Run> = r.iter().filter(|x| x.job == "bgang" && x.attempt == 1).collect();
-    let ended = gang_first.iter().filter(|x| x.end.is_some()).count();
-    assert!(ended == 0 || ended == 4, "a gang preempted in part: {gang_first:?}");
-    assert!(
-        r.iter().filter(|x| x.job.starts_with('a')).all(|x| x.attempt == 1),
-        "nothing of A was preempted"
+    let split = wait_for_split(&rm);
+    eprintln!(
+        "A {} / B {} {:?} after the second step",
+        split.0,
+        split.1,
+        asked.elapsed()
     );
+    assert_split_stays(&rm);
+    assert_gang_whole_and_a_untouched(&runs(&rm));
 
     std::fs::write(rm.path("release-a"), "").unwrap();
     std::fs::write(rm.path("release-b"), "").unwrap();
