@@ -336,6 +336,18 @@ impl Ask {
     }
 }
 
+/// A task's name as asks and containers carry it (`Ask::task`): "worker/3" → ("worker",
+/// Some(3)); anything else → (it, None).
+pub fn split_task(task: &str) -> (&str, Option<u32>) {
+    match task.rsplit_once('/') {
+        Some((role, i)) => match i.parse() {
+            Ok(i) => (role, Some(i)),
+            Err(_) => (task, None),
+        },
+        None => (task, None),
+    }
+}
+
 /// `POST /ws/v1/am/{appId}/allocate` body (the heartbeat).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

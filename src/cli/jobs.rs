@@ -459,7 +459,7 @@ pub(crate) async fn logs(a: &LogsArgs, tls: &TlsSettings) -> i32 {
 
 /// `worker/1` → ("worker", 1).
 fn parse_task(s: &str) -> Result<(String, u32), String> {
-    match crate::rm::history::split_task(s) {
+    match crate::protocol::split_task(s) {
         (role, Some(i)) if !role.is_empty() => Ok((role.to_string(), i)),
         _ => Err(format!(
             "`{s}` is not a task: give ROLE/INDEX, e.g. worker/0 (`gpuam status JOB` lists them)"

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::apps::App;
 use super::ledger::LedgerContainer;
-use crate::protocol::{exit_status, AppState, ContainerState};
+use crate::protocol::{exit_status, split_task, AppState, ContainerState};
 
 /// One container of an application as `gpuam status` and the logs route show it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,17 +53,6 @@ pub fn container_row(c: &LedgerContainer) -> ContainerRow {
         diagnostics: c.diagnostics.clone(),
         allocated_time: c.allocated_ms,
         ended_time: c.ended_ms,
-    }
-}
-
-/// "worker/3" → ("worker", Some(3)); anything else → (it, None).
-pub fn split_task(task: &str) -> (&str, Option<u32>) {
-    match task.rsplit_once('/') {
-        Some((role, i)) => match i.parse() {
-            Ok(i) => (role, Some(i)),
-            Err(_) => (task, None),
-        },
-        None => (task, None),
     }
 }
 

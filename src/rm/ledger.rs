@@ -72,15 +72,10 @@ fn is_zero_ms(ms: &u64) -> bool {
 }
 
 impl LedgerContainer {
-    /// When its run started (ms since the epoch): when its executor started it, else (not
-    /// started yet, or stored by an older RM) when it was granted.
     /// The role of its task ("role/index"), if it serves one.
     pub fn role(&self) -> Option<&str> {
-        self.container
-            .task
-            .as_deref()
-            .and_then(|t| t.rsplit_once('/'))
-            .map(|(r, _)| r)
+        let (role, index) = crate::protocol::split_task(self.container.task.as_deref()?);
+        index.map(|_| role)
     }
 
     /// How long it ran, when it completed successfully (exit 0, with an end time): what
@@ -90,6 +85,8 @@ impl LedgerContainer {
             .then(|| self.ended_ms.saturating_sub(self.run_from_ms()))
     }
 
+    /// When its run started (ms since the epoch): when its executor started it, else (not
+    /// started yet, or stored by an older RM) when it was granted.
     pub fn run_from_ms(&self) -> u64 {
         if self.started_ms > 0 {
             self.started_ms

@@ -224,9 +224,7 @@ impl Engine<'_> {
             match pick {
                 Some((n, mask)) if self.cl.book(n, mask, t) => placed.push((n, mask)),
                 _ => {
-                    for (i, (n, m)) in placed.iter().enumerate() {
-                        self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
-                    }
+                    self.unplace(j, &placed);
                     return None;
                 }
             }
@@ -234,12 +232,17 @@ impl Engine<'_> {
         Some(placed)
     }
 
-    /// Whether job `j` could be placed now (nothing is booked).
-    fn fits_now(&mut self, j: usize) -> bool {
-        let Some(placed) = self.place(j) else { return false };
+    /// Frees what [`Self::place`] booked for job `j` (its first `placed.len()` tasks).
+    fn unplace(&mut self, j: usize, placed: &[(usize, GpuMask)]) {
         for (i, (n, m)) in placed.iter().enumerate() {
             self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
         }
+    }
+
+    /// Whether job `j` could be placed now (nothing is booked).
+    fn fits_now(&mut self, j: usize) -> bool {
+        let Some(placed) = self.place(j) else { return false };
+        self.unplace(j, &placed);
         true
     }
 
@@ -363,6 +366,9 @@ impl Engine<'_> {
             let window = if starved { 1 } else { BACKFILL };
             let free: u32 = self.cl.nodes.iter().map(|n| n.free_gpus()).sum();
             let mut started = None;
+            // Other queues' heads owed GPUs that fit now: the same for every candidate
+            // (a candidate that does not start is unbooked), so found once, when needed.
+            let mut owed_heads: Option<Vec<usize>> = None;
             for k in 0..self.waiting[q].len().min(window) {
                 let (j, left) = self.waiting[q][k];
                 if self.jobs[j].gpus() > free {
@@ -371,8 +377,8 @@ impl Engine<'_> {
                 // As the gate: a start that takes the queue past its share keeps the room
                 // of another queue's head that is owed GPUs and fits now.
                 let past_share = f64::from(used[q] + self.jobs[j].gpus()) > deserved(q) + scheduler::EPS;
-                let owed_heads: Vec<usize> = if past_share {
-                    leaves
+                if past_share && owed_heads.is_none() {
+                    let heads = leaves
                         .iter()
                         .copied()
                         .filter(|&o| o != q)
@@ -381,23 +387,18 @@ impl Engine<'_> {
                             let &(h, _) = self.waiting[o].front()?;
                             (f64::from(self.jobs[h].gpus()) <= owed + scheduler::EPS && self.fits_now(h)).then_some(h)
                         })
-                        .collect()
-                } else {
-                    Vec::new()
-                };
+                        .collect();
+                    owed_heads = Some(heads);
+                }
                 let Some(placed) = self.place(j) else { continue };
-                if owed_heads.iter().any(|&h| !self.fits_now(h)) {
-                    for (i, (n, m)) in placed.iter().enumerate() {
-                        self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
-                    }
+                if past_share && owed_heads.iter().flatten().any(|&h| !self.fits_now(h)) {
+                    self.unplace(j, &placed);
                     continue;
                 }
                 if let Some((_, r)) = held.as_mut().filter(|(h, _)| held_back && *h != j) {
                     let takes = super::reserve::takes(&placed, &self.jobs[j].tasks);
                     if !r.backfill(&takes, Some(ms(now + left))) {
-                        for (i, (n, m)) in placed.iter().enumerate() {
-                            self.cl.free(*n, *m, &self.jobs[j].tasks[i]);
-                        }
+                        self.unplace(j, &placed);
                         continue;
                     }
                 }

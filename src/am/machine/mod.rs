@@ -612,8 +612,8 @@ impl JobMachine {
 
     /// The task a `role/index` name stands for.
     fn task_named(&self, name: &str) -> Option<usize> {
-        let (role, index) = name.rsplit_once('/')?;
-        let index: u32 = index.parse().ok()?;
+        let (role, index) = crate::protocol::split_task(name);
+        let index = index?;
         self.tasks
             .iter()
             .position(|x| x.index == index && self.job.task_roles[x.role].name == role)

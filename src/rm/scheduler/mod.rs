@@ -208,6 +208,9 @@ pub struct Shares {
     pub incoming: Vec<Vec<u32>>,
     /// `[queue]`: GPUs held over all pools.
     pub used_total: Vec<u32>,
+    /// `[pool][queue]`: the part of `waiting` from jobs that are not gangs of several
+    /// tasks (what takes back a swapped gang's GPUs beyond its queue's share, `victims`).
+    pub waiting_singles: Vec<Vec<u32>>,
     /// `[queue]`: waiting tasks.
     pub waiting_tasks: Vec<u32>,
     /// `[queue]`: `guaranteedGpus` (to never reclaim below).
@@ -232,6 +235,7 @@ impl Shares {
             capacity: vec![0; pools.len()],
             used: grid(),
             waiting: grid(),
+            waiting_singles: grid(),
             leaving: grid(),
             incoming: grid(),
             deserved: vec![vec![0.0; nq]; pools.len()],
@@ -275,6 +279,7 @@ impl Shares {
             }
         }
         for a in &snap.apps {
+            let single = !(a.gang && a.waiting.iter().map(|w| w.count).sum::<u32>() > 1);
             for w in &a.waiting {
                 for up in tree.lineage(a.queue) {
                     s.waiting_tasks[up] += w.count;
@@ -286,6 +291,9 @@ impl Shares {
                     if w.gpu_types.is_empty() || w.gpu_types.iter().any(|g| g == name) {
                         for up in tree.lineage(a.queue) {
                             s.waiting[p][up] += w.count * w.gpus;
+                            if single {
+                                s.waiting_singles[p][up] += w.count * w.gpus;
+                            }
                         }
                     }
                 }
@@ -678,19 +686,19 @@ pub fn gate(
     // the queue furthest below its share must not overshoot into the room of the next.
     let past_share = pool.filter(|&p| f64::from(shares.used[p][me.queue] + gpus) > shares.deserved[p][me.queue] + EPS);
     let owed_other = |a: &AppDemand| a.queue != me.queue && past_share.is_some_and(|p| shares.owed(p, a.queue) > 0);
-    let mut ahead: Vec<(usize, (f64, i64, u64, String))> = snap
+    let mut kept: Vec<(usize, (f64, i64, u64, String))> = snap
         .apps
         .iter()
         .enumerate()
         .filter(|(b, a)| *b != app && a.waiting.iter().any(|w| w.gpus > 0 && w.count > 0))
-        .filter(|(_, a)| owed_other(a) || rank_cmp(&rank(shares, pool, a), &mine).is_lt())
         .map(|(b, a)| (b, rank(shares, pool, a)))
+        .filter(|(b, r)| rank_cmp(r, &mine).is_lt() || owed_other(&snap.apps[*b]))
         .collect();
-    if ahead.is_empty() {
+    if kept.is_empty() {
         return Ok(());
     }
-    ahead.sort_by(|x, y| rank_cmp(&x.1, &y.1));
-    let order: Vec<usize> = ahead.iter().map(|(b, _)| *b).collect();
+    kept.sort_by(|x, y| rank_cmp(&x.1, &y.1));
+    let order: Vec<usize> = kept.iter().map(|(b, _)| *b).collect();
     let now = Scratch::of(snap);
     let mut after = now.clone();
     for (n, r) in asks {
@@ -698,10 +706,12 @@ pub fn gate(
     }
     let before = reserve(snap, shares, pool, me.queue, &order, now);
     let with = reserve(snap, shares, pool, me.queue, &order, after);
-    let loser = order.iter().zip(before.iter().zip(&with)).find(|(_, (b, w))| w < b);
-    match loser {
+    let loser = kept.iter().zip(before.iter().zip(&with)).find(|(_, (b, w))| w < b);
+    match loser.map(|(a, _)| a) {
         None => Ok(()),
-        Some((&b, _)) if rank_cmp(&rank(shares, pool, &snap.apps[b]), &mine).is_ge() => {
+        // Kept for a queue owed GPUs that does not rank kept: this ask would take its
+        // queue past its share.
+        Some((_, r)) if rank_cmp(r, &mine).is_ge() => {
             let p = past_share.unwrap_or_default();
             Err(WaitReason::OverShare {
                 queue: tree.get(me.queue).path.clone(),
@@ -709,7 +719,7 @@ pub fn gate(
                 deserved: shares.deserved[p][me.queue],
             })
         }
-        Some((&b, _)) => {
+        Some(&(b, _)) => {
             let (used, deserved) = match pool {
                 Some(p) => (shares.used[p][me.queue], shares.deserved[p][me.queue]),
                 None => (
@@ -896,25 +906,12 @@ impl PlanState {
                 limit.insert(v, room as u32);
             }
         }
-        // Each victim queue's own waiting work that would take back room beyond its limit
-        // (jobs that are not gangs of several tasks, in the pool), less what a swap of
-        // this plan already counted on.
-        let mut refill: BTreeMap<usize, u32> = BTreeMap::new();
-        for a in snap.apps.iter().filter(|a| limit.contains_key(&a.queue)) {
-            if a.gang && a.waiting.iter().map(|w| w.count).sum::<u32>() > 1 {
-                continue;
-            }
-            let gpus: u32 = a
-                .waiting
-                .iter()
-                .filter(|w| w.gpu_types.is_empty() || w.gpu_types.iter().any(|g| *g == shares.pools[p]))
-                .map(|w| w.count * w.gpus)
-                .sum();
-            *refill.entry(a.queue).or_default() += gpus;
-        }
-        for (v, r) in refill.iter_mut() {
-            *r = r.saturating_sub(self.refilled[p][*v]);
-        }
+        // Each victim queue's own waiting work that would take back room beyond its limit,
+        // less what a swap of this plan already counted on.
+        let refill: BTreeMap<usize, u32> = limit
+            .keys()
+            .map(|&v| (v, shares.waiting_singles[p][v].saturating_sub(self.refilled[p][v])))
+            .collect();
         let units = victims::units(
             snap,
             &self.taken,

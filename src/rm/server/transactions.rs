@@ -536,11 +536,8 @@ fn grant_asks(
         for ask in &group {
             match st.ledger.grant(id, attempt, ask, now) {
                 Ok(c) => {
-                    if let (Some(app), Some((role, _))) = (
-                        st.apps.get_mut(id),
-                        ask.task.as_deref().and_then(|t| t.rsplit_once('/')),
-                    ) {
-                        app.waiting.granted(role);
+                    if let (Some(app), Some(task)) = (st.apps.get_mut(id), ask.task.as_deref()) {
+                        app.waiting.granted(crate::protocol::split_task(task).0);
                     }
                     out.allocated.push(c)
                 }
