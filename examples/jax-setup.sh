@@ -69,7 +69,7 @@ else
     { echo "error: $python -m venv failed: on Debian/Ubuntu install python3-venv" >&2; exit 1; }
   # Proxies, if the environment needs them, are for pip only; the job clears its own.
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    --cache-dir "$repo/target/pip-cache" "jax[$extra]==$jax_version"
+    --no-cache-dir "jax[$extra]==$jax_version"
   echo "$extra" > "$venv/.gpuam-extra"
   have_jax || { echo "error: jax $jax_version did not install into $venv" >&2; exit 1; }
 fi

@@ -12,5 +12,5 @@ if [ -x "$venv/bin/ray" ] && [ "$("$venv/bin/python" -c 'import ray; print(ray._
   exit 0
 fi
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q --disable-pip-version-check "ray[default]==$RAY_VERSION"
+"$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir "ray[default]==$RAY_VERSION"
 echo "ray $("$venv/bin/python" -c 'import ray; print(ray.__version__)') installed in $venv"
