@@ -232,7 +232,7 @@ async fn another_gpus_node_cannot_be_opened_under_the_shim() {
 /// and 50 without, timed; prints the figures, asserts nothing about time. Run with
 /// `cargo test --test devices -- --ignored --nocapture device_filter_cost`.
 #[test]
-#[ignore]
+#[ignore = "benchmark: prints figures (docs/BENCHMARKS.md)"]
 fn device_filter_cost() {
     if !root() {
         return;
