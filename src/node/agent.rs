@@ -33,6 +33,7 @@ use tokio::sync::{mpsc, Notify};
 
 use super::cgroup::Containment;
 use super::executor::{valid_container_id, Executor, ExecutorOptions, LogStream};
+use super::start_gate::{Refused, StartGate, UnknownStop};
 use super::wire::{AgentHeartbeat, AgentRegister, AgentReply, AgentStart, ContainerReport, CONTAINER_TOKEN_HEADER};
 use super::{token, NodeError, NodeEvent};
 use crate::protocol::{ContainerState, ContainerStatus, ErrorBody};
@@ -103,9 +104,10 @@ struct Agent {
     executor: Executor,
     /// Dead containers not yet acknowledged by the RM.
     exited: Mutex<BTreeMap<String, ContainerReport>>,
-    /// Containers stopped before they started (the RM stopped one whose start answer it
-    /// never got): a start that arrives later is refused, so it never runs.
-    stopped_unstarted: Mutex<std::collections::VecDeque<String>>,
+    /// Starts under way and containers stopped before they started (the RM stopped one
+    /// whose start answer it never got): one lock decides whether such a container runs
+    /// (then the stop reaches it) or never will (a start that arrives later is refused).
+    starts: Mutex<StartGate>,
     /// Wakes the heartbeat loop (a container died).
     beat_now: Notify,
 }
@@ -185,7 +187,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
         executor,
         exited: Mutex::new(BTreeMap::new()),
-        stopped_unstarted: Mutex::new(std::collections::VecDeque::new()),
+        starts: Mutex::new(StartGate::default()),
         beat_now: Notify::new(),
     });
     let server_tls = crate::tls::server_config_from_settings(&opts.tls)?;
@@ -628,28 +630,41 @@ async fn start_container(
             "no valid container token for `{id}` with exactly these resources; only the RM's grants start"
         )));
     }
-    if agent.stopped_unstarted.lock().iter().any(|g| *g == id) {
-        return Err(AgentError(
-            StatusCode::CONFLICT,
-            "STOPPED",
-            format!("container `{id}` was stopped before it started; it never runs"),
-        ));
+    match agent.starts.lock().begin(&id) {
+        Ok(()) => {}
+        Err(Refused::Stopped) => {
+            return Err(AgentError(
+                StatusCode::CONFLICT,
+                "STOPPED",
+                format!("container `{id}` was stopped before it started; it never runs"),
+            ))
+        }
+        Err(Refused::AlreadyStarting) => {
+            return Err(NodeError::AlreadyStarted(id).into());
+        }
     }
     let r = &grant.resources;
-    if r.gpu_mask & !agent.total.gpu_mask != 0 || !r.ports.is_subset(&agent.total.ports) {
-        return Err(forbidden(format!(
+    let started = if r.gpu_mask & !agent.total.gpu_mask != 0 || !r.ports.is_subset(&agent.total.ports) {
+        Err(forbidden(format!(
             "the grant names GPUs {:#x} / ports [{}] this node does not offer",
             r.gpu_mask, r.ports
-        )));
-    }
-    let pid = agent.executor.start_as(
-        &id,
-        &host,
-        r,
-        req.launch_context,
-        agent.topology.as_ref(),
-        Some(grant.user.as_str()).filter(|u| !u.is_empty()),
-    )?;
+        )))
+    } else {
+        agent
+            .executor
+            .start_as(
+                &id,
+                &host,
+                r,
+                req.launch_context,
+                agent.topology.as_ref(),
+                Some(grant.user.as_str()).filter(|u| !u.is_empty()),
+            )
+            .map_err(AgentError::from)
+    };
+    // Recorded by the executor (or failed, leaving no record): the start is over.
+    agent.starts.lock().end(&id);
+    let pid = started?;
     Ok(Json(ContainerStatus {
         container_id: id,
         state: ContainerState::Running,
@@ -674,32 +689,49 @@ async fn stop_container(
 ) -> Result<Json<ContainerStatus>, AgentError> {
     check(&agent, &host, &headers)?;
     let grace = Duration::from_millis(q.grace_ms.unwrap_or(3000).min(60_000));
-    match agent.executor.stop(&id, grace).await {
-        Err(NodeError::UnknownContainer(_)) if valid_container_id(&id) && status_of(&agent, &id).is_err() => {
-            // Never started here: it never will be (a late start is refused), and the RM
-            // hears it is dead, which frees what it held for it.
-            agent.never_start(&id);
+    let give_up = tokio::time::Instant::now() + STOP_OF_A_STARTING_WAIT;
+    loop {
+        match agent.executor.stop(&id, grace).await {
+            Err(NodeError::UnknownContainer(_)) if valid_container_id(&id) && status_of(&agent, &id).is_err() => {
+                // No record: its start is under way (wait for the record and stop that),
+                // or it never started here and never will (a late start is refused), and
+                // the RM hears it is dead, which frees what it held for it.
+                let decision = {
+                    let mut starts = agent.starts.lock();
+                    starts.stop_unknown(&id, agent.executor.status(&id).is_some())
+                };
+                match decision {
+                    UnknownStop::NeverRuns => {
+                        agent.never_start(&id);
+                        break;
+                    }
+                    _ if tokio::time::Instant::now() >= give_up => {
+                        return Err(AgentError(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "STARTING",
+                            format!("container `{id}` is still being started; stop it again"),
+                        ))
+                    }
+                    UnknownStop::StopRecorded => {}
+                    UnknownStop::WaitForStart => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+            other => {
+                other?;
+                break;
+            }
         }
-        other => other?,
     }
     status_of(&agent, &id).map(Json)
 }
 
-/// Most stopped-before-started container ids remembered (oldest forgotten first).
-const MAX_STOPPED_UNSTARTED: usize = 10_000;
+/// How long a stop waits for a start under way to record its container.
+const STOP_OF_A_STARTING_WAIT: Duration = Duration::from_secs(10);
 
 impl Agent {
-    /// Marks `id` as stopped before it started: refused if its start comes, and reported
-    /// dead to the RM.
+    /// Reports `id`, stopped before it started (the gate now refuses its start), dead to
+    /// the RM.
     fn never_start(&self, id: &str) {
-        let mut gone = self.stopped_unstarted.lock();
-        if !gone.iter().any(|g| g == id) {
-            gone.push_back(id.to_string());
-            while gone.len() > MAX_STOPPED_UNSTARTED {
-                gone.pop_front();
-            }
-        }
-        drop(gone);
         tracing::info!(container = %id, "stopped before it started: it will never run here");
         self.exited.lock().insert(
             id.to_string(),
@@ -998,6 +1030,116 @@ mod tests {
             .unwrap();
         assert_eq!(r.status(), 409, "a late start is refused: {}", r.text().await.unwrap());
         assert!(!tmp.path().join("work/containers").join(id).join("launch.sh").exists());
+    }
+
+    /// A stop that comes while its container's start is under way (the RM stopping a
+    /// container whose start answer it never got): the container either runs and the stop
+    /// reaches it, or never runs and the start is refused. Never both "stopped before it
+    /// started" (which frees its GPUs at the RM) and running. 40 starts and stops at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stop_racing_its_start_either_stops_the_task_or_keeps_it_from_running() {
+        let tmp = tempfile::tempdir().unwrap();
+        let key = [7u8; 32];
+        let mut o = opts("127.0.0.1:0", None, None, &rm_giving_key(key).await);
+        o.work_dir = tmp.path().join("work");
+        let (addr, _h) = start(o).await.unwrap();
+        let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
+        let rm_call = super::super::token::rm_call_token(&key);
+        let url = |id: &str, verb: &str| format!("http://{addr}/ws/v1/node/h1/containers/{id}/{verb}");
+        let stop = |id: String| {
+            let (http, rm_call) = (http.clone(), rm_call.clone());
+            let u = url(&id, "stop?graceMs=200");
+            async move {
+                // 503: still being started; the RM would stop it again.
+                loop {
+                    let r = http.post(&u).bearer_auth(&rm_call).send().await.unwrap();
+                    if r.status() != 503 {
+                        return (r.status().as_u16(), r.json::<ContainerStatus>().await.ok());
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        // Until the agent has registered (and has its key) it answers 503.
+        let ready = stop("container_1_0001_01_000099".into()).await;
+        assert_eq!(ready.0, 200, "the agent answers");
+        let out = tmp.path().join("out");
+        std::fs::create_dir_all(&out).unwrap();
+        // The tasks run as the user's own uid: they may write here, and reach it.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let pairs = (0..40u32).map(|i| {
+            let id = format!("container_1_0001_01_{:06}", 100 + i);
+            let grant = crate::node::Grant {
+                container_id: id.clone(),
+                app_id: "application_1_0001".into(),
+                host: "h1".into(),
+                resources: Resources::default(),
+                user: "alice".into(),
+                topology: None,
+            };
+            let body = AgentStart {
+                grant: grant.clone(),
+                launch_context: crate::protocol::LaunchContext {
+                    commands: vec![format!("echo $$ > {}/ran-{i}; exec sleep 100", out.display())],
+                    env: Default::default(),
+                },
+            };
+            let started = http
+                .post(url(&id, "start"))
+                .bearer_auth(&rm_call)
+                .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(&key, &grant))
+                .json(&body)
+                .send();
+            let stopped = stop(id.clone());
+            async move {
+                let (started, stopped) = tokio::join!(started, stopped);
+                let started = started.unwrap();
+                let code = started.status().as_u16();
+                (i, (code, started.text().await.unwrap_or_default()), stopped)
+            }
+        });
+        let results = futures::future::join_all(pairs).await;
+        let (mut ran, mut refused) = (0, 0);
+        for (i, (start_status, start_body), (stop_status, status)) in results {
+            let status = status.unwrap_or_else(|| panic!("task {i}: the stop answered {stop_status} without a status"));
+            assert_eq!(
+                status.state,
+                ContainerState::Complete,
+                "task {i}: the stop leaves it dead: {status:?}"
+            );
+            match start_status {
+                200 => {
+                    ran += 1;
+                    assert!(
+                        !status.diagnostics.contains("never ran"),
+                        "task {i} was started and yet reported as never run (the RM would free its GPUs): {status:?}"
+                    );
+                }
+                409 => {
+                    refused += 1;
+                    assert!(status.diagnostics.contains("never ran"), "task {i}: {status:?}");
+                }
+                other => panic!("task {i}: the start answered {other}: {start_body}"),
+            }
+        }
+        // A refused start spawned nothing: no task of one ever wrote its file; a started
+        // one's process is gone (the stop answered only once it was dead).
+        for i in 0..40u32 {
+            if let Ok(pid) = std::fs::read_to_string(out.join(format!("ran-{i}"))) {
+                let pid: i32 = pid.trim().parse().unwrap();
+                let alive = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                    .map(|s| {
+                        !s.lines()
+                            .any(|l| l.starts_with("State:") && (l.contains('Z') || l.contains('X')))
+                    })
+                    .unwrap_or(false);
+                assert!(!alive, "task {i} (pid {pid}) still runs after its stop answered");
+            }
+        }
+        println!("{ran} started then stopped, {refused} refused as stopped before they started");
+        assert_eq!(ran + refused, 40);
     }
 
     /// An agent killed between spawning a task and recording its process leaves a task

@@ -52,6 +52,7 @@ pub mod local;
 pub mod procs;
 pub mod remote;
 pub mod shim;
+pub mod start_gate;
 pub mod token;
 pub mod turns;
 pub mod wire;

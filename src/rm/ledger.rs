@@ -645,11 +645,15 @@ impl Ledger {
     /// Ends a live container for its application. One that was only Allocated (no
     /// process) is freed at once, as by [`Ledger::complete`]; a Running one becomes
     /// Complete but `held`: its resources stay used until `complete` says it is dead.
-    /// `None` when it is unknown or already complete.
+    /// `None` when it is unknown or already complete — and then nothing changes: a held
+    /// one stays held (an AM releasing or stopping a container the RM had already ended,
+    /// say after a start whose answer was lost, frees nothing its process may still use).
     pub fn stop(&mut self, id: &str, exit: i32, diagnostics: &str) -> Option<Ended> {
         let c = self.containers.get_mut(id)?;
-        if c.state != ContainerState::Running {
-            return self.complete(id, exit, diagnostics);
+        match c.state {
+            ContainerState::Complete => return None,
+            ContainerState::Allocated => return self.complete(id, exit, diagnostics),
+            ContainerState::Running => {}
         }
         c.state = ContainerState::Complete;
         c.held = true;
@@ -1410,6 +1414,43 @@ mod tests {
         assert_eq!(ended[0].exit_status, -100);
         assert_eq!(ended[0].diagnostics, DIAG_EXPIRED);
         assert_eq!(l.node("a").unwrap().used().gpu_mask, 0x2);
+    }
+
+    /// Stopping a container already ended and held (its AM releases it, or stops it, after
+    /// the RM ended it on a start whose answer was lost) keeps its resources held: only its
+    /// node's report that it is dead frees them. Stopping it again changed nothing before
+    /// it was dead and changes nothing after.
+    #[test]
+    fn a_held_container_stopped_again_stays_held_until_it_is_dead() {
+        let mut l = ledger();
+        let now = Instant::now();
+        let c = l.grant("app", 1, &ask(1, "a", 1, 1, 0x3, ""), now).unwrap();
+        l.mark_running(&c.container_id).unwrap();
+        assert!(l.stop(&c.container_id, -100, "launch failed").is_some());
+        let held = l.node("a").unwrap().used().gpu_mask;
+        assert_ne!(held, 0, "held while its process may run");
+        assert!(
+            l.stop(&c.container_id, -100, "released by its AM").is_none(),
+            "no second end"
+        );
+        assert_eq!(
+            l.node("a").unwrap().used().gpu_mask,
+            held,
+            "still held after a second stop"
+        );
+        assert!(
+            l.grant("app2", 1, &ask(2, "a", 1, 1, 0x1, ""), now).is_err(),
+            "its GPUs are not granted again"
+        );
+        l.audit_usage().unwrap();
+        assert!(
+            l.complete(&c.container_id, 137, "reported dead").is_none(),
+            "its app heard already"
+        );
+        assert!(l.node("a").unwrap().used().is_zero(), "freed once dead");
+        assert!(l.stop(&c.container_id, -100, "again").is_none());
+        assert!(l.node("a").unwrap().used().is_zero());
+        l.audit_usage().unwrap();
     }
 
     #[test]
