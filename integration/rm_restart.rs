@@ -25,6 +25,23 @@ fn role(rm: &Rm, name: &str, instances: u32, marker: &str, code: i32) -> String 
     )
 }
 
+/// Waits until the RM has recorded the processes of `n` containers (their `process.json`).
+/// A task runs (and writes its line) a moment before the RM records its process; an RM
+/// killed in that moment comes back unable to find it, kills what it left and reports the
+/// container lost, and the job runs the task again (`executor::spawn`: "Written before
+/// anything else can happen to it"). These tests are about recorded tasks surviving.
+fn wait_recorded(rm: &Rm, n: usize) {
+    wait_for(Duration::from_secs(20), "the RM to record the tasks' processes", || {
+        let recorded = fs::read_dir(rm.work_dir.join("containers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().join("process.json").exists())
+            .count();
+        (recorded >= n).then_some(())
+    });
+}
+
 fn pgid_of(run_line: &str) -> i32 {
     run_line.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap()
 }
@@ -48,6 +65,7 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
             .all(|f| rm.lines(f).len() == 1))
         .then_some(())
     });
+    wait_recorded(&rm, 3);
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     let groups: Vec<i32> = ["long-0.runs", "long-1.runs"]
         .iter()
@@ -129,6 +147,7 @@ fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
     wait_for(Duration::from_secs(20), "both tasks to run", || {
         (rm.lines("long-0.runs").len() == 1 && rm.lines("long-1.runs").len() == 1).then_some(())
     });
+    wait_recorded(&rm, 2);
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     rm.kill_hard();
     assert_eq!(unsafe { libc::kill(am, libc::SIGKILL) }, 0);
@@ -178,6 +197,7 @@ fn an_am_whose_rm_stays_away_gives_up_and_the_rm_back_later_resumes_the_job() {
     wait_for(Duration::from_secs(20), "the task to run", || {
         (rm.lines("long-0.runs").len() == 1).then_some(())
     });
+    wait_recorded(&rm, 1);
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
 
     rm.kill_hard();
