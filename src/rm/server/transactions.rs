@@ -622,14 +622,23 @@ pub(super) fn start_container(
     status: ContainerStatus,
 ) -> Result<Start, ApiError> {
     st.writable()?;
-    let (app_id, resources, state, held) = match st.ledger.container(id) {
-        Some(c) => (c.app_id.clone(), c.container.resources.clone(), c.state, c.held),
+    let (app_id, resources, state, started) = match st.ledger.container(id) {
+        // Running is started, whenever it was stored (an older RM stored no start time).
+        Some(c) => (
+            c.app_id.clone(),
+            c.container.resources.clone(),
+            c.state,
+            c.started_ms > 0 || c.state == ContainerState::Running,
+        ),
         None => return Err(ApiError::not_found(format!("no container `{id}` on host `{host}`"))),
     };
     if st.apps.get(&app_id).is_none_or(|a| a.report.state.is_final()) {
         return Err(ApiError::conflict("the container's application has ended"));
     }
-    if state == ContainerState::Running && !held {
+    // Started once already (the start sent again because its answer was lost, maybe
+    // across an RM restart): what became of it — running, or ended (its end reaches the
+    // AM as every end does) — and never a second run of the same container.
+    if started && state != ContainerState::Allocated {
         return Ok(Start::Again(status));
     }
     if state != ContainerState::Allocated {
@@ -1120,6 +1129,38 @@ mod tests {
         assert!(container_exited(&mut st, &cid, 137, "killed".into()).is_none());
         assert_eq!(used(&st), Resources::default());
         assert_eq!(st.apps.get(&id).unwrap().pending_completed.len(), 1);
+        st.ledger.audit_usage().unwrap();
+    }
+
+    /// A start sent again after its container ran and ended (its first answer lost, say
+    /// to an RM restart) answers what became of it: it is not refused as a failed launch,
+    /// which would make the AM run the task a second time.
+    #[test]
+    fn a_start_sent_again_after_its_container_ended_answers_its_end() {
+        let m = state(Store::memory());
+        let mut st = guard(&m);
+        let id = app(&mut st);
+        let granted = allocate_asks(&mut st, &id, 0, vec![ask(1, 0x1, &[])], vec![]).answer;
+        let cid = granted.allocated[0].container_id.clone();
+        assert!(matches!(
+            start_container(&mut st, "n1", &cid, status(&cid)).unwrap(),
+            Start::Launch(_)
+        ));
+        assert!(matches!(
+            start_container(&mut st, "n1", &cid, status(&cid)).unwrap(),
+            Start::Again(_)
+        ));
+        assert!(container_exited(&mut st, &cid, 0, "exited with code 0".into()).is_some());
+        match start_container(&mut st, "n1", &cid, status(&cid)) {
+            Ok(Start::Again(_)) => {}
+            Ok(Start::Launch(_)) => panic!("an ended container launched again"),
+            Err(e) => panic!("refused, which the AM takes for a failed launch: {}", e.message),
+        }
+        // One never started that ended (it expired) is refused: nothing of it ran.
+        let granted = allocate_asks(&mut st, &id, 1, vec![ask(2, 0x2, &[])], vec![]).answer;
+        let never = granted.allocated[0].container_id.clone();
+        expire(&mut st, Instant::now() + Duration::from_secs(61));
+        assert!(start_container(&mut st, "n1", &never, status(&never)).is_err());
         st.ledger.audit_usage().unwrap();
     }
 
