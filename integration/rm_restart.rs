@@ -25,21 +25,20 @@ fn role(rm: &Rm, name: &str, instances: u32, marker: &str, code: i32) -> String 
     )
 }
 
-/// Waits until the RM has recorded the processes of `n` containers (their `process.json`).
-/// A task runs (and writes its line) a moment before the RM records its process; an RM
-/// killed in that moment comes back unable to find it, kills what it left and reports the
-/// container lost, and the job runs the task again (`executor::spawn`: "Written before
-/// anything else can happen to it"). These tests are about recorded tasks surviving.
-fn wait_recorded(rm: &Rm, n: usize) {
-    wait_for(Duration::from_secs(20), "the RM to record the tasks' processes", || {
-        let recorded = fs::read_dir(rm.work_dir.join("containers"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| e.path().join("process.json").exists())
-            .count();
-        (recorded >= n).then_some(())
-    });
+/// Asserts that the RM has recorded the processes of `n` containers (their `process.json`)
+/// once their tasks have run: a task runs only once its process is recorded
+/// (`node::executor::hold`), so an RM killed at any moment after finds every task that ran.
+fn assert_recorded(rm: &Rm, n: usize) {
+    let recorded = fs::read_dir(rm.work_dir.join("containers"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join("process.json").exists())
+        .count();
+    assert!(
+        recorded >= n,
+        "{recorded} of the {n} tasks that ran have their process recorded"
+    );
 }
 
 fn pgid_of(run_line: &str) -> i32 {
@@ -65,7 +64,7 @@ fn a_killed_rm_comes_back_and_no_task_restarts() {
             .all(|f| rm.lines(f).len() == 1))
         .then_some(())
     });
-    wait_recorded(&rm, 3);
+    assert_recorded(&rm, 3);
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     let groups: Vec<i32> = ["long-0.runs", "long-1.runs"]
         .iter()
@@ -147,7 +146,7 @@ fn an_am_that_died_while_the_rm_was_down_gets_its_next_attempt() {
     wait_for(Duration::from_secs(20), "both tasks to run", || {
         (rm.lines("long-0.runs").len() == 1 && rm.lines("long-1.runs").len() == 1).then_some(())
     });
-    wait_recorded(&rm, 2);
+    assert_recorded(&rm, 2);
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
     rm.kill_hard();
     assert_eq!(unsafe { libc::kill(am, libc::SIGKILL) }, 0);
@@ -197,7 +196,7 @@ fn an_am_whose_rm_stays_away_gives_up_and_the_rm_back_later_resumes_the_job() {
     wait_for(Duration::from_secs(20), "the task to run", || {
         (rm.lines("long-0.runs").len() == 1).then_some(())
     });
-    wait_recorded(&rm, 1);
+    assert_recorded(&rm, 1);
     let am = wait_for(Duration::from_secs(10), "the AM process", || rm.am_pid(&app));
 
     rm.kill_hard();
@@ -221,5 +220,28 @@ fn an_am_whose_rm_stays_away_gives_up_and_the_rm_back_later_resumes_the_job() {
     let report = rm.wait_app_final(&app, Duration::from_secs(30));
     assert_eq!(report["finalStatus"], "SUCCEEDED", "{report}");
     assert_eq!(rm.lines("long-0.runs").len(), 1, "the task ran once");
+    rm.assert_all_free(Duration::from_secs(10));
+}
+
+/// The RM's binary replaced under it (a package upgrade: a new file renamed over the old
+/// one): the RM still starts AMs, from its own binary, so new jobs run. Before, every AM
+/// launch failed ("could not launch the AM: No such file or directory", 500 to submit).
+#[test]
+fn jobs_still_run_after_the_rms_binary_is_replaced_under_it() {
+    let mut rm = Rm::start(common::TWO_NODES_TWO_GPUS, &[]);
+    let copy = rm.root().join("bin").join("gpuam");
+    fs::create_dir_all(copy.parent().unwrap()).unwrap();
+    fs::copy(common::bin(), &copy).unwrap();
+    rm.restart_from(&copy);
+    // Replaced as package managers do: a new file renamed over the path.
+    let new = copy.with_extension("new");
+    fs::copy(common::bin(), &new).unwrap();
+    fs::rename(&new, &copy).unwrap();
+    let job = rm.write_job(
+        "after-upgrade",
+        "name: after-upgrade\ntaskRoles:\n  main:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 100, gpu: 1}\n    commands: ['echo ran']\n",
+    );
+    let out = rm.run_job(&job, Duration::from_secs(60));
+    assert_eq!(out.code, 0, "{out:?}");
     rm.assert_all_free(Duration::from_secs(10));
 }

@@ -228,6 +228,8 @@ pub struct Rm {
     seq: std::cell::Cell<u32>,
     /// How many `gpuam rm` processes this guard has started (1 after `start`).
     incarnation: u32,
+    /// The binary the RM runs ([`bin`] unless [`Rm::restart_from`] named another).
+    program: PathBuf,
     /// The token of user `itest` (in `users.yaml`).
     pub user_token: String,
     /// The token of user `other`.
@@ -273,7 +275,8 @@ impl Rm {
         let user_token = gpuam::rm::users::add_token(&root.join(USERS_FILE), "itest").unwrap();
         let other_token = gpuam::rm::users::add_token(&root.join(USERS_FILE), "other").unwrap();
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let child = spawn_rm(&root, &cluster, &config, &work_dir, &env, "127.0.0.1:0", 1);
+        let program = PathBuf::from(bin());
+        let child = spawn_rm(&program, &root, &cluster, &config, &work_dir, &env, "127.0.0.1:0", 1);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -300,6 +303,7 @@ impl Rm {
             http,
             seq: std::cell::Cell::new(0),
             incarnation: 1,
+            program,
             user_token,
             other_token,
         };
@@ -381,6 +385,12 @@ impl Rm {
         }
     }
 
+    /// [`Rm::restart`] running `program` as the RM (a copy of the binary a test can replace).
+    pub fn restart_from(&mut self, program: &Path) {
+        self.program = program.to_path_buf();
+        self.restart();
+    }
+
     /// Starts `gpuam rm` again with the same cluster file, settings, environment and
     /// `--work-dir`, listening on the old URL's port; waits until it prints its
     /// `listening on` line (read from this incarnation's own stdout file) and answers
@@ -394,6 +404,7 @@ impl Rm {
         let start = Instant::now();
         loop {
             let child = spawn_rm(
+                &self.program,
                 &root,
                 &root.join("cluster.yaml"),
                 &self.config,
@@ -777,7 +788,9 @@ impl Drop for Rm {
 }
 
 /// Starts one `gpuam rm` process (incarnation `n` writes its own stdout/stderr files).
+#[allow(clippy::too_many_arguments)]
 fn spawn_rm(
+    program: &Path,
     root: &Path,
     cluster: &Path,
     config: &Path,
@@ -787,7 +800,7 @@ fn spawn_rm(
     n: u32,
 ) -> Child {
     let (out, err) = Rm::rm_output_names(n);
-    let mut cmd = rm_command(root, cluster, config, work_dir, env, listen);
+    let mut cmd = rm_command(program, root, cluster, config, work_dir, env, listen);
     cmd.stdout(fs::File::create(root.join(out)).unwrap())
         .stderr(fs::File::create(root.join(err)).unwrap());
     cmd.spawn().unwrap()
@@ -799,6 +812,7 @@ impl Rm {
     pub fn rm_command(&self, listen: &str) -> Command {
         let root = self.root().to_path_buf();
         rm_command(
+            &self.program,
             &root,
             &root.join("cluster.yaml"),
             &self.config,
@@ -810,6 +824,7 @@ impl Rm {
 }
 
 fn rm_command(
+    program: &Path,
     root: &Path,
     cluster: &Path,
     config: &Path,
@@ -817,7 +832,7 @@ fn rm_command(
     env: &[(String, String)],
     listen: &str,
 ) -> Command {
-    let mut cmd = Command::new(bin());
+    let mut cmd = Command::new(program);
     cmd.arg("rm")
         .arg("--cluster")
         .arg(cluster)

@@ -630,6 +630,13 @@ async fn start_container(
             "no valid container token for `{id}` with exactly these resources; only the RM's grants start"
         )));
     }
+    let r = &grant.resources;
+    if r.gpu_mask & !agent.total.gpu_mask != 0 || !r.ports.is_subset(&agent.total.ports) {
+        return Err(forbidden(format!(
+            "the grant names GPUs {:#x} / ports [{}] this node does not offer",
+            r.gpu_mask, r.ports
+        )));
+    }
     match agent.starts.lock().begin(&id) {
         Ok(()) => {}
         Err(Refused::Stopped) => {
@@ -643,25 +650,17 @@ async fn start_container(
             return Err(NodeError::AlreadyStarted(id).into());
         }
     }
-    let r = &grant.resources;
-    let started = if r.gpu_mask & !agent.total.gpu_mask != 0 || !r.ports.is_subset(&agent.total.ports) {
-        Err(forbidden(format!(
-            "the grant names GPUs {:#x} / ports [{}] this node does not offer",
-            r.gpu_mask, r.ports
-        )))
-    } else {
-        agent
-            .executor
-            .start_as(
-                &id,
-                &host,
-                r,
-                req.launch_context,
-                agent.topology.as_ref(),
-                Some(grant.user.as_str()).filter(|u| !u.is_empty()),
-            )
-            .map_err(AgentError::from)
-    };
+    let started = agent
+        .executor
+        .start_as(
+            &id,
+            &host,
+            r,
+            req.launch_context,
+            agent.topology.as_ref(),
+            Some(grant.user.as_str()).filter(|u| !u.is_empty()),
+        )
+        .map_err(AgentError::from);
     // Recorded by the executor (or failed, leaving no record): the start is over.
     agent.starts.lock().end(&id);
     let pid = started?;

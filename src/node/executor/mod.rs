@@ -30,7 +30,8 @@
 //! to the whole group (`kill(-pgid)`), which reaches the background children of the task's
 //! commands too. A new session (rather than only a new group) also detaches the task from
 //! the RM's terminal and session, so a later RM restart can re-attach to live containers
-//! instead of taking them down with it (DESIGN.md §9).
+//! instead of taking them down with it (DESIGN.md §9). The program runs only once its
+//! `process.json` is written ([`hold`]): a node that restarts finds every task that ran.
 //!
 //! Containment: the process joins the container's cgroup in the new child, before
 //! `exec`. Stopping signals every member of the cgroup (a daemon that left the session with
@@ -58,6 +59,7 @@
 //! - [`env`]: the executor's part of a task's environment and launch script (the rest
 //!   of DESIGN.md §6 is [`crate::node::contract`]);
 //! - [`spawn`]: starting a container (record, cgroup, `launch.sh` in a new session);
+//! - [`hold`]: holding its commands back until its process is recorded;
 //! - [`signal`]: stopping it (SIGTERM, grace, SIGKILL) and the signals that do it;
 //! - [`ending`]: the ending protocol (leftovers, cgroup, `end.json`, one `Exited`);
 //! - [`reattach`]: taking containers back after a restart, from their records alone;
@@ -79,6 +81,7 @@ use crate::node::cgroup::Containment;
 mod ending;
 mod env;
 mod files;
+pub mod hold;
 mod logs;
 mod reattach;
 mod records;

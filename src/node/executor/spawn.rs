@@ -43,7 +43,7 @@ impl Executor {
     ///   custom resources `GPUAM_RESOURCES` and `GPUAM_RESOURCE_<NAME>` (see `share_env`).
     ///
     /// The process runs `bash launch.sh` in the record's `work/` as the leader of a new
-    /// session and process group, stdin from /dev/null, stdout and stderr to the files
+    /// session and process group, stdin from /dev/null (after the hold of [`super::hold`]), stdout and stderr to the files
     /// `stdout` and `stderr` there. One `NodeEvent::Exited` follows when it ends; when the
     /// start itself fails this returns `Err` and no event is sent.
     ///
@@ -165,7 +165,7 @@ impl Executor {
                     image: self.opts.image,
                 };
                 spawn_launch(&dir, container_id, &launch)
-                    .map(|(child, pid, logs)| (child, pid, cg.clone(), logs))
+                    .map(|spawned| (spawned, cg.clone()))
                     .inspect_err(|_| cg.remove())
             });
         match spawned {
@@ -183,16 +183,27 @@ impl Executor {
                 }
                 Err(fail(why))
             }
-            Ok((child, pid, cgroup, logs)) => {
-                // Written before anything else can happen to it: without this record a
-                // restarted executor could not find the process again.
+            Ok((Spawned { child, pid, logs, hold }, cgroup)) => {
+                // Written before anything else can happen to it, and before the task may
+                // run: without this record a restarted executor could not find the process
+                // again. Unrecorded, the task is never let run (it exits `HELD_EXIT`).
                 let leader = ProcessId::of(pid);
-                if let Some(p) = leader {
-                    let written = serde_json::to_vec(&p)
-                        .map_err(std::io::Error::other)
-                        .and_then(|b| std::fs::write(dir.join(PROCESS_FILE), b));
-                    if let Err(e) = written {
-                        tracing::warn!(container = container_id, "cannot record the process: {e}");
+                let recorded = leader
+                    .ok_or_else(|| std::io::Error::other("its process is gone or unreadable in /proc"))
+                    .and_then(|p| serde_json::to_vec(&p).map_err(std::io::Error::other))
+                    .and_then(|b| std::fs::write(dir.join(PROCESS_FILE), b));
+                match recorded {
+                    Ok(()) => {
+                        if let Err(e) = hold.release() {
+                            tracing::warn!(container = container_id, "cannot let the task run: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            container = container_id,
+                            "cannot record the process, so it does not run: {e}"
+                        );
+                        drop(hold);
                     }
                 }
                 let (done_tx, done_rx) = watch::channel(false);
@@ -286,15 +297,21 @@ pub(super) struct Launch<'a> {
     image: crate::node::image::ImagePolicy,
 }
 
+/// A task's process just started, held back from running its program.
+pub(super) struct Spawned {
+    pub child: super::vfork::Spawned,
+    pub pid: u32,
+    /// Handles of its log files, for the log watcher.
+    pub logs: Vec<File>,
+    /// Lets it run; released only once its process is recorded ([`super::hold`]).
+    pub hold: super::hold::Hold,
+}
+
 /// Creates the directory and files and spawns the task (its program from
 /// [`crate::node::image::program_for`]) in a new
-/// session, inside its cgroup, as its user, under `taskset` when asked; returns the child,
-/// its pid and handles of its log files (for the log watcher).
-pub(super) fn spawn_launch(
-    dir: &Path,
-    id: &str,
-    launch: &Launch<'_>,
-) -> Result<(super::vfork::Spawned, u32, Vec<File>), String> {
+/// session, inside its cgroup, as its user, under `taskset` when asked, held until the
+/// caller releases it.
+pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<Spawned, String> {
     let Launch {
         commands,
         env,
@@ -383,6 +400,9 @@ pub(super) fn spawn_launch(
     }
     argv.push(spawn.program.clone().into());
     argv.extend(spawn.args.iter().map(Into::into));
+    // Held until its process is recorded (`hold`): the caller releases it.
+    let (held_stdin, hold) = super::hold::new().map_err(|e| format!("cannot make the start's hold: {e}"))?;
+    let mut argv = super::hold::held_argv(argv);
     let program = argv.remove(0);
     let joins = cgroup.join_paths();
     let private_dev = cgroup.private_dev();
@@ -391,6 +411,7 @@ pub(super) fn spawn_launch(
         args: &argv,
         env,
         cwd: &work,
+        stdin: Some(std::os::fd::AsRawFd::as_raw_fd(&held_stdin)),
         stdout: std::os::fd::AsRawFd::as_raw_fd(&out),
         stderr: std::os::fd::AsRawFd::as_raw_fd(&err),
         cgroup_procs: &joins,
@@ -399,5 +420,10 @@ pub(super) fn spawn_launch(
     };
     let child = super::vfork::spawn(&plan).map_err(|e| format!("cannot run {}: {e}", Path::new(&program).display()))?;
     let pid = child.id();
-    Ok((child, pid, watched))
+    Ok(Spawned {
+        child,
+        pid,
+        logs: watched,
+        hold,
+    })
 }

@@ -349,6 +349,27 @@ async fn a_reattached_container_can_be_stopped() {
     assert!(!group_alive(pgid));
 }
 
+/// A task's first command already finds its process recorded, under its own pid (the
+/// hold's step execs the program in place): a node restarting at any moment after the task
+/// ran finds it again (`hold`).
+#[tokio::test]
+async fn a_tasks_first_command_finds_its_process_recorded() {
+    let (_t, exec, mut rx) = setup();
+    for i in 0..5 {
+        let id = format!("c-rec-{i}");
+        exec.start(
+            &id,
+            "h",
+            &no_gpus(),
+            ctx(&[r#"grep -q "\"pid\":$$," "$GPUAM_CONTAINER_DIR/../process.json" && echo recorded"#]),
+        )
+        .unwrap();
+        let (_, code, diag) = next_exit(&mut rx).await;
+        assert_eq!(code, 0, "{diag}");
+        assert_eq!(exec.read_log(&id, LogStream::Stdout, None).unwrap(), "recorded\n");
+    }
+}
+
 #[tokio::test]
 async fn commands_run_in_order_and_stop_at_first_failure() {
     let (_t, exec, mut rx) = setup();

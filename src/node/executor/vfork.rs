@@ -44,6 +44,8 @@ pub struct Plan<'a> {
     /// The whole environment.
     pub env: &'a [(String, String)],
     pub cwd: &'a Path,
+    /// The standard input; `/dev/null` when none.
+    pub stdin: Option<RawFd>,
     pub stdout: RawFd,
     pub stderr: RawFd,
     /// `cgroup.procs` files the child writes itself into.
@@ -107,7 +109,11 @@ pub fn spawn(plan: &Plan<'_>) -> io::Result<Spawned> {
         // SAFETY: `d` is a new descriptor nobody else owns.
         Ok(unsafe { OwnedFd::from_raw_fd(d) })
     };
-    let streams = [high(null.as_raw_fd())?, high(plan.stdout)?, high(plan.stderr)?];
+    let streams = [
+        high(plan.stdin.unwrap_or(null.as_raw_fd()))?,
+        high(plan.stdout)?,
+        high(plan.stderr)?,
+    ];
     let child = Child {
         paths,
         argv: nul_ended(&strings),
@@ -364,6 +370,7 @@ mod tests {
             args,
             env,
             cwd,
+            stdin: None,
             stdout: std::os::fd::AsRawFd::as_raw_fd(out),
             stderr: std::os::fd::AsRawFd::as_raw_fd(out),
             cgroup_procs: &[],

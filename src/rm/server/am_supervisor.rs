@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use super::containers::spawn_stops;
 use super::transactions::{self, AmEnd};
 use super::Shared;
+use crate::node::executor::hold;
 use crate::node::procs::ProcessId;
 use crate::protocol::ContainerState;
 use crate::rm::store::StoreError;
@@ -104,15 +105,26 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
     let stderr = append("am.stderr")?;
     let program = match &rm.am_program {
         Some(p) => p.clone(),
-        None => std::env::current_exe()?,
+        None => own_binary()?,
     };
-    let mut cmd = tokio::process::Command::new(program);
-    cmd.arg("am")
-        .arg(&launch.job_path)
-        .arg("--rm")
-        .arg(&rm.base_url)
-        .arg("--app-id")
-        .arg(id)
+    let mut argv: Vec<std::ffi::OsString> = vec![
+        program.into(),
+        "am".into(),
+        launch.job_path.clone().into(),
+        "--rm".into(),
+        rm.base_url.clone().into(),
+        "--app-id".into(),
+        id.into(),
+    ];
+    if let Some(l) = &launch.listen {
+        argv.extend(["--listen".into(), l.into()]);
+    }
+    // Held until its process is in the attempt's record, as a task is until its
+    // `process.json` is written: an RM that dies first leaves no AM it cannot find.
+    let (held_stdin, hold) = hold::new()?;
+    let mut argv = hold::held_argv(argv);
+    let mut cmd = tokio::process::Command::new(argv.remove(0));
+    cmd.args(argv)
         .env("GPUAM_APP_TOKEN", &token)
         // The AM has no use for the RM's admin token.
         .env_remove("GPUAM_ADMIN_TOKEN");
@@ -124,12 +136,9 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
             cmd.env("GPUAM_CONFIG", p);
         }
     }
-    if let Some(l) = &launch.listen {
-        cmd.arg("--listen").arg(l);
-    }
     // `kill_on_drop` only matters for an orderly stop; an RM that dies leaves its AMs
     // running, and the next RM re-attaches to them.
-    cmd.stdin(Stdio::null())
+    cmd.stdin(Stdio::from(held_stdin))
         .stdout(stdout)
         .stderr(stderr)
         .current_dir(&dir)
@@ -168,11 +177,38 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
         );
         pid
     };
-    if let Some(p) = pid.and_then(ProcessId::of) {
-        transactions::attempt_process(&mut rm.lock(), id, p);
+    let recorded = pid
+        .and_then(ProcessId::of)
+        .is_some_and(|p| transactions::attempt_process(&mut rm.lock(), id, p));
+    if !recorded {
+        // Unreleased, it exits without running; its watcher ends the attempt.
+        tracing::warn!(app = %id, "the AM's process could not be recorded, so it does not run");
+        return Ok(());
+    }
+    if let Err(e) = hold.release() {
+        tracing::warn!(app = %id, "cannot let the AM run: {e}");
     }
     tracing::info!(app = %id, "AM launched");
     Ok(())
+}
+
+/// The binary this RM runs, for its AMs. Its path while that file is still this binary;
+/// once the file was replaced or removed (a package upgrade under a running RM), the path
+/// names another program or none (Linux reads it as `PATH (deleted)`), and the RM's own
+/// binary is still reached through `/proc/<pid>/exe` while the RM lives. So an upgrade
+/// takes effect for AMs when the RM restarts, never half-way.
+fn own_binary() -> std::io::Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    let same = |p: &Path| {
+        use std::os::unix::fs::MetadataExt as _;
+        let (a, b) = (std::fs::metadata(p), std::fs::metadata("/proc/self/exe"));
+        matches!((a, b), (Ok(a), Ok(b)) if a.dev() == b.dev() && a.ino() == b.ino())
+    };
+    Ok(if same(&exe) {
+        exe
+    } else {
+        format!("/proc/{}/exe", std::process::id()).into()
+    })
 }
 
 /// Watches an AM process that an earlier RM started (RM restart): it is not our child,

@@ -91,6 +91,38 @@ async fn am_exit_after_finish_is_expected() {
     rm.shutdown().await;
 }
 
+/// The AM's process is held until the attempt's record names it, and the record names
+/// the AM itself (the hold's step runs it in place, same pid): a restarted RM finds it.
+#[tokio::test]
+async fn the_attempt_records_the_am_before_the_am_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_with(
+        Some(script(dir.path(), "echo $$ > am.pid; exec sleep 30")),
+        &dir.path().join("work"),
+    )
+    .await;
+    let (id, _token) = rm.register_test_app("x");
+    let app_dir = rm.shared.work_dir.join(&id);
+    std::fs::create_dir_all(&app_dir).unwrap();
+    set_launch(&rm, &id, &app_dir, None);
+    launch_am(&rm.shared, &id).unwrap();
+    let recorded = rm.shared.lock().apps.get(&id).unwrap().attempts.last().unwrap().process;
+    let recorded = recorded.expect("the attempt names its process once launch_am returns");
+    let mut ran = None;
+    for _ in 0..200 {
+        ran = std::fs::read_to_string(app_dir.join("am.pid"))
+            .ok()
+            .filter(|s| s.ends_with('\n'));
+        if ran.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ran: u32 = ran.expect("the released AM ran").trim().parse().unwrap();
+    assert_eq!(ran, recorded.pid, "the recorded process is the AM's own");
+    rm.shutdown().await;
+}
+
 #[tokio::test]
 async fn shutdown_kills_the_am() {
     let dir = tempfile::tempdir().unwrap();

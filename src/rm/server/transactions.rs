@@ -318,13 +318,17 @@ pub(super) fn begin_attempt(st: &mut StateGuard, id: &str) -> Result<(String, Op
 
 /// The process of an application's current attempt, once it runs (so a restarted RM can
 /// find it again).
-pub(super) fn attempt_process(st: &mut StateGuard, id: &str, process: ProcessId) {
-    if let Some(a) = st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
-        if a.finished_time == 0 && a.process.is_none() {
+/// Whether it is stored: false when the attempt has ended or holds another process, or
+/// the store failed (the AM must then not run: a restarted RM could not find it).
+pub(super) fn attempt_process(st: &mut StateGuard, id: &str, process: ProcessId) -> bool {
+    let set = match st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
+        Some(a) if a.finished_time == 0 && a.process.is_none() => {
             a.process = Some(process);
+            true
         }
-    }
-    st.commit_or_log();
+        _ => false,
+    };
+    set && st.commit().is_ok()
 }
 
 /// History retention at `now_ms`: the finished applications whose containers are all dead

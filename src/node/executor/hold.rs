@@ -1,0 +1,149 @@
+//! Holding a task's commands back until its process is recorded.
+//!
+//! Owns the hold: a pipe whose read end is the new process's stdin and a node-written
+//! `/bin/sh` step in front of the program ([`held_argv`]) that reads one line from it and
+//! runs the program (`exec`, same pid, stdin back to `/dev/null`) only when the line is
+//! [`GO`]. The node writes it ([`Hold::release`]) once `process.json` is on disk.
+//!
+//! Why: a task that ran before its record was written could not be found again by a node
+//! that restarts in that moment; the restarted node ended what it left and the job ran it a
+//! second time (docs/RELIABILITY.md). Held, the commands run only once the record exists.
+//! Where the record cannot be written, or the node dies first, the write end closes
+//! unwritten (it is close-on-exec, so no other process holds it), the step reads an end of
+//! file and exits [`HELD_EXIT`] without running anything, saying why on the task's stderr.
+//!
+//! Nothing here is the task's: the step's text is a constant, `/bin/sh` is the node's, and
+//! it runs as the task's user after every other step of the spawn (session, cgroup, ids).
+
+use std::ffi::OsString;
+use std::io::Write as _;
+use std::os::fd::{FromRawFd as _, OwnedFd};
+
+/// The line that lets a held task run.
+const GO: &str = "run";
+
+/// What a held task exits with when it was never let run: the AM's "transient failure"
+/// (`am::exits`), so the task is tried again, on this node or another.
+pub const HELD_EXIT: i32 = 154;
+
+/// What the step says on the task's stderr when the task never ran.
+const NEVER_RAN: &str =
+    "gpuam: the node could not record this task before it ran (it stopped or its disk failed), so nothing of the task ran";
+
+/// The step in front of the program: `$0` is its name, `"$@"` the program and its arguments.
+fn step() -> String {
+    format!(
+        "IFS= read -r go; if [ \"$go\" != {GO} ]; then printf '%s\\n' '{NEVER_RAN}' >&2; exit {HELD_EXIT}; fi; exec \"$@\" </dev/null"
+    )
+}
+
+/// The write end: the held process runs once [`Hold::release`] has written [`GO`]; dropped
+/// unwritten, it never runs its program.
+#[derive(Debug)]
+pub struct Hold(std::fs::File);
+
+impl Hold {
+    /// Lets the held process run. An error means it will not (it has already ended).
+    pub fn release(mut self) -> std::io::Result<()> {
+        self.0.write_all(format!("{GO}\n").as_bytes())
+    }
+}
+
+/// A new hold: the read end for the process's stdin, and the write end the node keeps.
+/// Both are close-on-exec: the read end becomes the child's stdin by `dup2` (which clears
+/// the flag on the copy), and no other child the node starts can inherit the write end.
+pub fn new() -> std::io::Result<(OwnedFd, Hold)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is two ints, filled by the call on success.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors are new and owned by nobody else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    Ok((read, Hold(std::fs::File::from(write))))
+}
+
+/// `argv` (program first) behind the hold's step: `/bin/sh -c STEP gpuam-hold argv...`.
+pub fn held_argv(argv: Vec<OsString>) -> Vec<OsString> {
+    let mut held: Vec<OsString> = vec!["/bin/sh".into(), "-c".into(), step().into(), "gpuam-hold".into()];
+    held.extend(argv);
+    held
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd as _;
+
+    use super::*;
+
+    /// Starts `sh -c SCRIPT` held, in `dir`, the way the executor does; its stderr in `dir/err`.
+    fn start_held(dir: &std::path::Path, script: &str) -> (super::super::vfork::Spawned, Hold) {
+        let (stdin, hold) = new().unwrap();
+        let err = std::fs::File::create(dir.join("err")).unwrap();
+        let mut argv = held_argv(vec!["sh".into(), "-c".into(), script.into()]);
+        let program = argv.remove(0);
+        let env = vec![("PATH".to_string(), "/usr/bin:/bin".to_string())];
+        let plan = super::super::vfork::Plan {
+            program: &program,
+            args: &argv,
+            env: &env,
+            cwd: dir,
+            stdin: Some(stdin.as_raw_fd()),
+            stdout: err.as_raw_fd(),
+            stderr: err.as_raw_fd(),
+            cgroup_procs: &[],
+            private_dev: None,
+            ids: None,
+        };
+        let child = super::super::vfork::spawn(&plan).unwrap();
+        (child, hold)
+    }
+
+    #[tokio::test]
+    async fn a_held_task_runs_its_program_only_once_released() {
+        let tmp = tempfile::tempdir().unwrap();
+        // The program also checks that the hold's pipe is gone from its stdin.
+        let (mut child, hold) = start_held(tmp.path(), "touch ran; cat > stdin-seen");
+        // Held: however long it waits, its program has not run.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!tmp.path().join("ran").exists(), "the program ran before its release");
+        hold.release().unwrap();
+        let status = child.wait().await.unwrap();
+        assert_eq!(
+            status.code(),
+            Some(0),
+            "{}",
+            std::fs::read_to_string(tmp.path().join("err")).unwrap()
+        );
+        assert!(tmp.path().join("ran").exists(), "released, the program ran");
+        assert_eq!(
+            std::fs::read(tmp.path().join("stdin-seen")).unwrap(),
+            b"",
+            "stdin is /dev/null"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_hold_dropped_unreleased_never_lets_the_program_run() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (mut child, hold) = start_held(tmp.path(), "touch ran");
+        // What a node that dies before recording the process leaves: the write end closed.
+        drop(hold);
+        let status = child.wait().await.unwrap();
+        assert_eq!(status.code(), Some(HELD_EXIT));
+        assert!(!tmp.path().join("ran").exists(), "the program ran unreleased");
+        let err = std::fs::read_to_string(tmp.path().join("err")).unwrap();
+        assert!(err.contains(NEVER_RAN), "the task's stderr says why: {err:?}");
+    }
+
+    #[tokio::test]
+    async fn a_release_after_the_process_ended_is_an_error_not_a_signal() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (mut child, hold) = start_held(tmp.path(), "true");
+        // The held step killed (as a stop would) before its release.
+        // SAFETY: plain syscall on our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
+        child.wait().await.unwrap();
+        assert!(hold.release().is_err(), "writing to a pipe nobody reads fails (EPIPE)");
+    }
+}
