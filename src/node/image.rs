@@ -78,6 +78,10 @@ pub struct ImageLaunch<'a> {
 pub struct Spawn {
     pub program: PathBuf,
     pub args: Vec<String>,
+    /// The program is bash running `launch.sh` on the host with the stdin it is given, so
+    /// the script itself can hold the task ([`crate::node::executor::hold`]); false for an
+    /// image's runtime, which the node holds from outside.
+    pub host_script: bool,
 }
 
 /// The container's first process: runs `launch.sh` with bash where the image has it
@@ -192,6 +196,7 @@ pub fn podman_command(l: &ImageLaunch<'_>) -> Spawn {
     Spawn {
         program: l.runtime.podman.clone(),
         args: a,
+        host_script: false,
     }
 }
 
@@ -373,6 +378,7 @@ pub fn program_for(
     let host = Spawn {
         program: PathBuf::from("bash"),
         args: vec!["launch.sh".into()],
+        host_script: true,
     };
     let Some(image) = env_get(env, IMAGE_ENV).filter(|s| !s.is_empty()) else {
         return Ok(host);
@@ -392,6 +398,7 @@ pub fn program_for(
                     "gpuam".into(),
                     note,
                 ],
+                host_script: true,
             })
         }
         Decision::Image => {

@@ -1,9 +1,12 @@
 //! Holding a task's commands back until its process is recorded.
 //!
-//! Owns the hold: a pipe whose read end is the new process's stdin and a node-written
-//! `/bin/sh` step in front of the program ([`held_argv`]) that reads one line from it and
-//! runs the program (`exec`, same pid, stdin back to `/dev/null`) only when the line is
-//! [`GO`]. The node writes it ([`Hold::release`]) once `process.json` is on disk.
+//! Owns the hold: a pipe whose read end is the new process's stdin, and the check that
+//! reads one line from it and lets the task run only when the line is [`GO`], written by the
+//! node ([`Hold::release`]) once `process.json` is on disk. Where the program is bash
+//! running the node's `launch.sh` on the host, the check is the script's first lines
+//! ([`script_lines`]: no process more); else (an image's runtime) a `/bin/sh` step in front
+//! of the program runs it in place once let ([`held_argv`]). Either way the task's stdin is
+//! `/dev/null` again before its commands.
 //!
 //! Why: a task that ran before its record was written could not be found again by a node
 //! that restarts in that moment; the restarted node ended what it left and the job ran it a
@@ -12,7 +15,7 @@
 //! unwritten (it is close-on-exec, so no other process holds it), the step reads an end of
 //! file and exits [`HELD_EXIT`] without running anything, saying why on the task's stderr.
 //!
-//! Nothing here is the task's: the step's text is a constant, `/bin/sh` is the node's, and
+//! Nothing here is the task's: the check's text is a constant, `/bin/sh` is the node's, and
 //! it runs as the task's user after every other step of the spawn (session, cgroup, ids).
 
 use std::ffi::OsString;
@@ -30,11 +33,16 @@ pub const HELD_EXIT: i32 = 154;
 const NEVER_RAN: &str =
     "gpuam: the node could not record this task before it ran (it stopped or its disk failed), so nothing of the task ran";
 
-/// The step in front of the program: `$0` is its name, `"$@"` the program and its arguments.
-fn step() -> String {
+/// The check: reads the line; anything else (an end of file) exits [`HELD_EXIT`].
+fn check() -> String {
     format!(
-        "IFS= read -r go; if [ \"$go\" != {GO} ]; then printf '%s\\n' '{NEVER_RAN}' >&2; exit {HELD_EXIT}; fi; exec \"$@\" </dev/null"
+        "IFS= read -r __gpuam_go; if [ \"$__gpuam_go\" != {GO} ]; then printf '%s\\n' '{NEVER_RAN}' >&2; exit {HELD_EXIT}; fi"
     )
+}
+
+/// The first lines of a held `launch.sh` (sh and bash alike).
+pub fn script_lines() -> String {
+    format!("{}\nexec </dev/null\n", check())
 }
 
 /// The write end: the held process runs once [`Hold::release`] has written [`GO`]; dropped
@@ -63,9 +71,11 @@ pub fn new() -> std::io::Result<(OwnedFd, Hold)> {
     Ok((read, Hold(std::fs::File::from(write))))
 }
 
-/// `argv` (program first) behind the hold's step: `/bin/sh -c STEP gpuam-hold argv...`.
+/// `argv` (program first) behind the hold's step: `/bin/sh -c STEP gpuam-hold argv...`, the
+/// program run in place (same pid) once let.
 pub fn held_argv(argv: Vec<OsString>) -> Vec<OsString> {
-    let mut held: Vec<OsString> = vec!["/bin/sh".into(), "-c".into(), step().into(), "gpuam-hold".into()];
+    let step = format!("{}; exec \"$@\" </dev/null", check());
+    let mut held: Vec<OsString> = vec!["/bin/sh".into(), "-c".into(), step.into(), "gpuam-hold".into()];
     held.extend(argv);
     held
 }
@@ -76,11 +86,22 @@ mod tests {
 
     use super::*;
 
-    /// Starts `sh -c SCRIPT` held, in `dir`, the way the executor does; its stderr in `dir/err`.
-    fn start_held(dir: &std::path::Path, script: &str) -> (super::super::vfork::Spawned, Hold) {
+    /// The two forms of the hold: the step in front of a program, and a held script's first
+    /// lines (run by bash, as `launch.sh` is on the host).
+    #[derive(Clone, Copy, Debug)]
+    enum Form {
+        Step,
+        Script,
+    }
+
+    /// Starts `SCRIPT` held in `form`, in `dir`, the way the executor does; its stderr in `dir/err`.
+    fn start_held(dir: &std::path::Path, form: Form, script: &str) -> (super::super::vfork::Spawned, Hold) {
         let (stdin, hold) = new().unwrap();
         let err = std::fs::File::create(dir.join("err")).unwrap();
-        let mut argv = held_argv(vec!["sh".into(), "-c".into(), script.into()]);
+        let mut argv = match form {
+            Form::Step => held_argv(vec!["sh".into(), "-c".into(), script.into()]),
+            Form::Script => vec!["bash".into(), "-c".into(), format!("{}{script}", script_lines()).into()],
+        };
         let program = argv.remove(0);
         let env = vec![("PATH".to_string(), "/usr/bin:/bin".to_string())];
         let plan = super::super::vfork::Plan {
@@ -101,45 +122,48 @@ mod tests {
 
     #[tokio::test]
     async fn a_held_task_runs_its_program_only_once_released() {
-        let tmp = tempfile::tempdir().unwrap();
-        // The program also checks that the hold's pipe is gone from its stdin.
-        let (mut child, hold) = start_held(tmp.path(), "touch ran; cat > stdin-seen");
-        // Held: however long it waits, its program has not run.
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        assert!(!tmp.path().join("ran").exists(), "the program ran before its release");
-        hold.release().unwrap();
-        let status = child.wait().await.unwrap();
-        assert_eq!(
-            status.code(),
-            Some(0),
-            "{}",
-            std::fs::read_to_string(tmp.path().join("err")).unwrap()
-        );
-        assert!(tmp.path().join("ran").exists(), "released, the program ran");
-        assert_eq!(
-            std::fs::read(tmp.path().join("stdin-seen")).unwrap(),
-            b"",
-            "stdin is /dev/null"
-        );
+        for form in [Form::Step, Form::Script] {
+            let tmp = tempfile::tempdir().unwrap();
+            // The program also checks that the hold's pipe is gone from its stdin.
+            let (mut child, hold) = start_held(tmp.path(), form, "touch ran; cat > stdin-seen");
+            // Held: however long it waits, its program has not run.
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            assert!(
+                !tmp.path().join("ran").exists(),
+                "{form:?}: the program ran before its release"
+            );
+            hold.release().unwrap();
+            let status = child.wait().await.unwrap();
+            let err = std::fs::read_to_string(tmp.path().join("err")).unwrap();
+            assert_eq!(status.code(), Some(0), "{form:?}: {err}");
+            assert!(tmp.path().join("ran").exists(), "{form:?}: released, the program ran");
+            assert_eq!(
+                std::fs::read(tmp.path().join("stdin-seen")).unwrap(),
+                b"",
+                "{form:?}: stdin is /dev/null"
+            );
+        }
     }
 
     #[tokio::test]
     async fn a_hold_dropped_unreleased_never_lets_the_program_run() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (mut child, hold) = start_held(tmp.path(), "touch ran");
-        // What a node that dies before recording the process leaves: the write end closed.
-        drop(hold);
-        let status = child.wait().await.unwrap();
-        assert_eq!(status.code(), Some(HELD_EXIT));
-        assert!(!tmp.path().join("ran").exists(), "the program ran unreleased");
-        let err = std::fs::read_to_string(tmp.path().join("err")).unwrap();
-        assert!(err.contains(NEVER_RAN), "the task's stderr says why: {err:?}");
+        for form in [Form::Step, Form::Script] {
+            let tmp = tempfile::tempdir().unwrap();
+            let (mut child, hold) = start_held(tmp.path(), form, "touch ran");
+            // What a node that dies before recording the process leaves: the write end closed.
+            drop(hold);
+            let status = child.wait().await.unwrap();
+            assert_eq!(status.code(), Some(HELD_EXIT), "{form:?}");
+            assert!(!tmp.path().join("ran").exists(), "{form:?}: the program ran unreleased");
+            let err = std::fs::read_to_string(tmp.path().join("err")).unwrap();
+            assert!(err.contains(NEVER_RAN), "{form:?}: the task's stderr says why: {err:?}");
+        }
     }
 
     #[tokio::test]
     async fn a_release_after_the_process_ended_is_an_error_not_a_signal() {
         let tmp = tempfile::tempdir().unwrap();
-        let (mut child, hold) = start_held(tmp.path(), "true");
+        let (mut child, hold) = start_held(tmp.path(), Form::Step, "true");
         // The held step killed (as a stop would) before its release.
         // SAFETY: plain syscall on our own child.
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };

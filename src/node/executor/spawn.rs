@@ -348,6 +348,8 @@ pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<
     if let Some(u) = run_as {
         std::os::unix::fs::chown(&work, Some(u.uid), Some(u.gid)).map_err(|e| where_("cannot chown", &work, e))?;
     }
+    // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
+    let spawn = crate::node::image::program_for(dir, &work, id, env, image)?;
     let script = work.join("launch.sh");
     // 0600 and the task's alone: the commands may hold rendered secrets (OpenPAI
     // `<% $secrets.x %>`). The directory is new, so nothing of the task's is there yet.
@@ -361,7 +363,7 @@ pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<
             if let Some(u) = run_as {
                 std::os::unix::fs::fchown(&f, Some(u.uid), Some(u.gid))?;
             }
-            (&f).write_all(launch_script(id, &work, commands).as_bytes())
+            (&f).write_all(launch_script(id, &work, commands, spawn.host_script).as_bytes())
         })
         .map_err(|e| where_("cannot write", &script, e))?;
     // The logs are the node's, in the record: the task writes them through the handles it
@@ -388,8 +390,6 @@ pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<
         .collect::<Result<Vec<File>, _>>()
         .map_err(|e| format!("cannot keep a handle of the log files: {e}"))?;
 
-    // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
-    let spawn = crate::node::image::program_for(dir, &work, id, env, image)?;
     // [shim --] [taskset -c LIST] program args
     let mut argv: Vec<std::ffi::OsString> = Vec::new();
     if let Some(exe) = shim {
@@ -400,9 +400,12 @@ pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<
     }
     argv.push(spawn.program.clone().into());
     argv.extend(spawn.args.iter().map(Into::into));
-    // Held until its process is recorded (`hold`): the caller releases it.
+    // Held until its process is recorded (`hold`): the caller releases it. `launch.sh` on
+    // the host holds itself; an image's runtime is held by a step in front of it.
     let (held_stdin, hold) = super::hold::new().map_err(|e| format!("cannot make the start's hold: {e}"))?;
-    let mut argv = super::hold::held_argv(argv);
+    if !spawn.host_script {
+        argv = super::hold::held_argv(argv);
+    }
     let program = argv.remove(0);
     let joins = cgroup.join_paths();
     let private_dev = cgroup.private_dev();
