@@ -257,6 +257,15 @@ fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() 
 
         let failed_only = json_of(&run(rm, &["history", "--state", "failed", "--json"]));
         assert_eq!(failed_only.as_array().unwrap().len(), 1, "{failed_only}");
+        // A state no finished job has is an error naming the field and the states, not an
+        // empty list.
+        let bogus = run(rm, &["history", "--state", "bogus"]);
+        assert!(!bogus.status.success(), "{}", text(&bogus));
+        let said = String::from_utf8_lossy(&bogus.stderr).into_owned();
+        assert!(
+            said.contains("`state`") && said.contains("finished, failed, killed"),
+            "{said}"
+        );
         let table = stdout(&run(rm, &["history"]));
         assert!(table.lines().all(|l| l.chars().count() <= 80), "{table}");
         assert!(table.contains("KILLED") && table.contains("FAILED"), "{table}");

@@ -1087,6 +1087,12 @@ async fn browser_borne_requests_are_refused() {
         .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "not an address"}))
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    // The AM runs as the RM's user: no privileged port for a user's dashboard.
+    let (s, b, _) = rm
+        .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "127.0.0.9:99"}))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    assert!(b["message"].as_str().unwrap().contains("privileged"), "{b}");
     let (s, b, _) = rm
         .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "127.0.0.1:0"}))
         .await;

@@ -327,7 +327,8 @@ fn a_task_cannot_steer_its_agent_under_the_subreaper_shim() {
 /// Under a standalone `gpuam rm` as root (its in-process node, the default
 /// `node.in_process_identity`), a task runs as its user's own uid: it cannot read the admin
 /// token or the RM's state, no other process's environment (the RM's, the AMs', another
-/// user's task: their `GPUAM_*` tokens), and not the other user's launch.sh.
+/// user's task: their `GPUAM_*` tokens), not the other user's launch.sh, and not what the
+/// RM keeps of the other user's ended job (its collected logs, its AM's output).
 #[test]
 fn in_process_tasks_cannot_read_tokens_or_other_processes() {
     let dir = common::Rm::temp_dir();
@@ -344,6 +345,32 @@ fn in_process_tasks_cannot_read_tokens_or_other_processes() {
     );
     let out = rm.path("out").display().to_string();
     let work = rm.work_dir.display().to_string();
+    // A job of the other user that has ended: its logs collected by the RM, its AM's output.
+    let done_job = rm.write_job("other-done", &one_task("other-done", 0, "echo OTHER-LOG-SECRET-5f1"));
+    let ended = rm
+        .gpuam()
+        .env("GPUAM_TOKEN", &rm.other_token)
+        .args(["submit"])
+        .arg(&done_job)
+        .args(["--rm", &rm.url, "--wait"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&ended.stdout).into_owned();
+    assert!(ended.status.success(), "{said}");
+    let done_app = said
+        .split_whitespace()
+        .find(|w| w.starts_with("application_"))
+        .expect("the submit names the application")
+        .to_string();
+    let collected = wait_for(Duration::from_secs(30), "the ended job's logs collected", || {
+        fs::read_dir(rm.work_dir.join("logs").join(&done_app))
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "stdout"))
+    });
+    assert!(read(collected.clone()).contains("OTHER-LOG-SECRET-5f1"), "collected");
+    let collected = collected.display().to_string();
     // The other user's task: a secret in its launch.sh; waits.
     let other_cmd = format!(
         ": OTHER-SECRET-23a; echo $GPUAM_CONTAINER_DIR > {out}/other.dir.tmp && mv {out}/other.dir.tmp {out}/other.dir; \
@@ -371,6 +398,10 @@ fn in_process_tasks_cannot_read_tokens_or_other_processes() {
          ls {work} > /dev/null 2>&1 && echo LIST-WORK-DIR >> {r}; \
          cat {work}/rm-state.db > /dev/null 2>&1 && echo READ-STATE >> {r}; \
          cat \"$D/launch.sh\" > /dev/null 2>&1 && echo READ-OTHER-LAUNCH >> {r}; \
+         cat {collected} > /dev/null 2>&1 && echo READ-OTHER-COLLECTED-LOG >> {r}; \
+         ls {work}/logs > /dev/null 2>&1 && echo LIST-LOGS >> {r}; \
+         ls {work}/{done_app} > /dev/null 2>&1 && echo LIST-OTHER-APP >> {r}; \
+         cat {work}/{done_app}/am.stderr > /dev/null 2>&1 && echo READ-OTHER-AM-OUTPUT >> {r}; \
          me=$(id -u); for p in /proc/[0-9]*; do \
            [ \"$(stat -c %u $p 2>/dev/null)\" = \"$me\" ] && continue; \
            tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -q '^GPUAM_' && echo \"READ-ENVIRON $p\" >> {r}; \

@@ -46,6 +46,38 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
+/// The secret an earlier [`write_secret`] left at `path`: `None` when there is no such
+/// file or it holds nothing. The file is read only where it is a regular file of this
+/// process's user that nobody else can read or write (never through a link); anything else
+/// is an error that names the fix, not a secret to trust.
+pub fn read_kept_secret(path: &std::path::Path) -> std::io::Result<Option<String>> {
+    use std::io::Read as _;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        r => r?,
+    };
+    let meta = f.metadata()?;
+    // SAFETY: plain syscall.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_file() || meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "{} is not a file of this user readable by it alone (mode {:o}, uid {}): remove it, and a new one is written",
+            path.display(),
+            meta.mode() & 0o7777,
+            meta.uid()
+        )));
+    }
+    let mut text = String::new();
+    f.take(4096).read_to_string(&mut text)?;
+    let t = text.trim();
+    Ok((!t.is_empty()).then(|| t.to_string()))
+}
+
 /// Writes a secret to a fresh file readable by its owner only (0600 from creation,
 /// so there is no window where others could read it), followed by a newline.
 pub fn write_secret(path: &std::path::Path, secret: &str) -> std::io::Result<()> {

@@ -483,6 +483,10 @@ enum Refusal {
     Other(String),
 }
 
+/// Most bytes of the RM's answer to a registration or heartbeat read (it names the
+/// containers to stop or forget: ids of ~80 bytes).
+const AGENT_REPLY_MAX: usize = 64 << 20;
+
 async fn send(http: &reqwest::Client, url: &str, token: &str, body: &serde_json::Value) -> Result<AgentReply, Refusal> {
     let resp = http
         .post(url)
@@ -493,7 +497,7 @@ async fn send(http: &reqwest::Client, url: &str, token: &str, body: &serde_json:
         .map_err(|e| Refusal::Other(e.to_string()))?;
     let status = resp.status();
     if !status.is_success() {
-        let text = resp.text().await.unwrap_or_default();
+        let text = super::answer::error_text(resp).await;
         let code = serde_json::from_str::<ErrorBody>(&text)
             .map(|b| b.code)
             .unwrap_or_default();
@@ -504,9 +508,9 @@ async fn send(http: &reqwest::Client, url: &str, token: &str, body: &serde_json:
             Refusal::Other(why)
         });
     }
-    resp.json::<AgentReply>()
+    super::answer::json_within::<AgentReply>(resp, AGENT_REPLY_MAX)
         .await
-        .map_err(|e| Refusal::Other(e.to_string()))
+        .map_err(Refusal::Other)
 }
 
 /// Stops `ids` in the background, each with the usual grace.

@@ -257,7 +257,8 @@ pub async fn watch_disk(
 }
 
 /// Removes everything in the container directory `dir` but the names in `keep` (its logs
-/// and gpuam's own files), without following links (`remove_dir_all` does not).
+/// and gpuam's own files), without following links and at any depth
+/// ([`crate::node::executor::remove_tree`]).
 pub fn trim_dir(dir: &Path, keep: &[&str]) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -269,7 +270,7 @@ pub fn trim_dir(dir: &Path, keep: &[&str]) {
         }
         let p = e.path();
         let gone = match e.file_type() {
-            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
+            Ok(t) if t.is_dir() => crate::node::executor::remove_tree(&p),
             _ => std::fs::remove_file(&p),
         };
         if let Err(err) = gone {

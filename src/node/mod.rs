@@ -40,6 +40,7 @@
 //! The trait is dyn-compatible (`Arc<dyn NodeBackend>`): async calls return boxed futures.
 
 pub mod agent;
+pub mod answer;
 pub mod bounds;
 pub mod cgroup;
 pub mod contract;

@@ -18,7 +18,7 @@ use futures::FutureExt as _;
 use parking_lot::Mutex;
 
 use super::wire::{AgentStart, ContainerReport, CONTAINER_TOKEN_HEADER};
-use super::{token, Grant, LogStream, NodeBackend, NodeError};
+use super::{answer, token, Grant, LogStream, NodeBackend, NodeError};
 use crate::protocol::{ContainerState, ContainerStatus, LaunchContext};
 
 /// Most bytes of a container log the RM takes from an agent in one answer.
@@ -221,12 +221,11 @@ impl AgentNodes {
                 why: e.to_string(),
             })?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
-            let text = resp.text().await.unwrap_or_default();
-            return Err(NodeError::UnknownContainer(text));
+            return Err(NodeError::UnknownContainer(answer::error_text(resp).await));
         }
         if !resp.status().is_success() {
             let status = resp.status();
-            let text = resp.text().await.unwrap_or_default();
+            let text = answer::error_text(resp).await;
             return Err(NodeError::Refused(format!("{status}: {text}")));
         }
         Ok(resp)
@@ -257,7 +256,7 @@ impl NodeBackend for AgentNodes {
             let resp = self.call(&host, req).await?;
             // The agent said yes: an answer that does not arrive whole (the agent died
             // while sending it) or does not read means the task may run all the same.
-            resp.json::<ContainerStatus>()
+            answer::json_within::<ContainerStatus>(resp, answer::STATUS_MAX)
                 .await
                 .map_err(|e| NodeError::Unreachable {
                     host,
@@ -285,7 +284,9 @@ impl NodeBackend for AgentNodes {
         async move {
             let url = self.url(host, container_id, "status").ok()?;
             let resp = self.call(host, self.http.get(url)).await.ok()?;
-            resp.json::<ContainerStatus>().await.ok()
+            answer::json_within::<ContainerStatus>(resp, answer::STATUS_MAX)
+                .await
+                .ok()
         }
         .boxed()
     }

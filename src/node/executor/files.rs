@@ -1,7 +1,9 @@
 //! Opening and creating files where a task can write, never following a link: the
 //! record's files (logs, `process.json`, `end.json`) read in place, and new files made
-//! in the task's own directory (the preemption notice) relative to a directory handle.
-//! The root agent uses nothing else to touch a path a task could have replaced.
+//! in the task's own directory (the preemption notice) relative to a directory handle,
+//! and trees a task made removed ([`remove_tree`]: without recursion, so a tree of any
+//! depth cannot exhaust the node's stack). The root agent uses nothing else to touch a
+//! path a task could have replaced.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -16,6 +18,100 @@ use nix::sys::stat::Mode;
 pub fn open_dir_in_place(path: &Path) -> std::io::Result<OwnedFd> {
     let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     Ok(nix::fcntl::open(path, flags, Mode::empty())?)
+}
+
+/// Most entries [`remove_tree`] removes or moves before it gives up (a tree still growing
+/// under it, by another process of the task's user).
+const REMOVE_TREE_MAX_STEPS: u64 = 50_000_000;
+
+/// Removes `path` and, when it is a directory (never followed: a link is removed itself),
+/// everything under it. Unlike `std::fs::remove_dir_all`, which recurses once per level
+/// and so overflowed the node's stack on a task's tree 200,000 directories deep (aborting
+/// the agent, or an RM with its node inside), this holds two directory handles at a time:
+/// it empties `path` round by round, removing what it can and moving the entries of a
+/// subdirectory that is not empty up into `path` under fresh names (`renameat2` with
+/// `RENAME_NOREPLACE`), so each round takes a level off every chain. Every step is relative
+/// to a handle opened with `O_NOFOLLOW`; no `..` is ever taken. Gone already is success.
+pub fn remove_tree(path: &Path) -> std::io::Result<()> {
+    use nix::errno::Errno;
+    use nix::fcntl::{openat, renameat2, RenameFlags};
+    use nix::unistd::{unlinkat, UnlinkatFlags};
+    let top = match open_dir_in_place(path) {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        // A link or a file: removed itself.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOTDIR)) => {
+            return match std::fs::remove_file(path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                r => r,
+            };
+        }
+        Err(e) => return Err(e),
+    };
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    // The names in a directory, from a fresh handle of it (a listing's offset is its own).
+    let names = |dir: &OwnedFd| -> std::io::Result<Vec<std::ffi::CString>> {
+        let listing = nix::dir::Dir::from_fd(openat(dir, ".", flags, Mode::empty())?)?;
+        let mut out = Vec::new();
+        for e in listing {
+            let name = e?.file_name().to_owned();
+            if name.as_bytes() != b"." && name.as_bytes() != b".." {
+                out.push(name);
+            }
+        }
+        Ok(out)
+    };
+    let (mut steps, mut fresh) = (0u64, 0u64);
+    loop {
+        let entries = names(&top)?;
+        if entries.is_empty() {
+            break;
+        }
+        for name in entries {
+            steps += 1;
+            if steps > REMOVE_TREE_MAX_STEPS {
+                return Err(std::io::Error::other(format!(
+                    "{}: still not empty after {REMOVE_TREE_MAX_STEPS} removals (something keeps adding to it)",
+                    path.display()
+                )));
+            }
+            match unlinkat(&top, name.as_c_str(), UnlinkatFlags::NoRemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => continue,
+                Err(Errno::EISDIR) | Err(Errno::EPERM) => {}
+                Err(e) => return Err(e.into()),
+            }
+            match unlinkat(&top, name.as_c_str(), UnlinkatFlags::RemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => continue,
+                Err(Errno::ENOTEMPTY) | Err(Errno::EEXIST) => {}
+                // Replaced by a file meanwhile: the next round unlinks it.
+                Err(Errno::ENOTDIR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            // Not empty: its entries move up a level, and the next round removes it.
+            let sub = match openat(&top, name.as_c_str(), flags, Mode::empty()) {
+                Ok(fd) => fd,
+                Err(Errno::ENOENT) | Err(Errno::ELOOP) | Err(Errno::ENOTDIR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            for child in names(&sub)? {
+                steps += 1;
+                loop {
+                    fresh += 1;
+                    let to = format!(".gpuam-removing-{fresh}");
+                    match renameat2(&sub, child.as_c_str(), &top, to.as_str(), RenameFlags::RENAME_NOREPLACE) {
+                        Err(Errno::EEXIST) => continue,
+                        Ok(()) | Err(Errno::ENOENT) => break,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+        }
+    }
+    drop(top);
+    match std::fs::remove_dir(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
 }
 
 /// Reads at most `max` bytes of a regular file where it is, never through a link (see

@@ -243,7 +243,7 @@ pub(super) fn sweep_records(
         let acked = heard || std::fs::symlink_metadata(record.join(ACKED_FILE)).is_ok();
         let age = now.duration_since(ended).ok();
         match sweep_action(acked, age, retention, work_dir_grace) {
-            SweepAction::RemoveRecord => match std::fs::remove_dir_all(&record) {
+            SweepAction::RemoveRecord => match super::files::remove_tree(&record) {
                 Ok(()) => removed += 1,
                 Err(e) => tracing::warn!(container = %id, "cannot remove the finished record: {e}"),
             },
@@ -276,10 +276,9 @@ pub(super) fn sweep_action(acked: bool, age: Option<Duration>, retention: Durati
 }
 
 /// Removes the task's own directory of an ended container (its record stays). The
-/// removal does not follow links (`remove_dir_all` opens each level relative to its
-/// parent without following).
+/// removal does not follow links and takes a tree of any depth ([`super::files::remove_tree`]).
 pub(super) fn remove_work_dir(record: &Path, id: &str) {
-    match std::fs::remove_dir_all(work_dir(record)) {
+    match super::files::remove_tree(&work_dir(record)) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => tracing::warn!(container = id, "cannot remove the finished container's directory: {e}"),

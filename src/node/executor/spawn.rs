@@ -172,7 +172,7 @@ impl Executor {
             Err(why) => {
                 // Nothing ran: no record of it stays (a restarted node would take it for
                 // a launch it has to end).
-                let _ = std::fs::remove_dir_all(&dir);
+                let _ = super::files::remove_tree(&dir);
                 let mut table = self.table.lock();
                 if was_allocated {
                     if let Some(e) = table.get_mut(container_id) {
@@ -330,7 +330,7 @@ pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<
         std::fs::create_dir_all(root).map_err(|e| where_("cannot create directory", root, e))?;
     }
     // A start tried again after a failed one begins with a fresh work directory.
-    match std::fs::remove_dir_all(&work) {
+    match super::files::remove_tree(&work) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(where_("cannot clear", &work, e)),
         _ => {}
     }

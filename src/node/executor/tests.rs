@@ -261,6 +261,62 @@ async fn finished_records_are_removed_after_the_retention_once_acknowledged() {
     assert_eq!(exec.unacknowledged(), vec!["c-unacked".to_string()]);
 }
 
+/// A task's tree of any depth is removed without recursion (on a 64 KiB stack, where
+/// `std::fs::remove_dir_all` overflows at this depth and aborts the node), and nothing
+/// behind a link in it is touched: the links themselves go.
+#[test]
+fn remove_tree_takes_any_depth_and_never_follows() {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::{mkdirat, Mode};
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    std::fs::write(outside.join("keep"), "keep").unwrap();
+    let top = tmp.path().join("work");
+    std::fs::create_dir(&top).unwrap();
+    // 20,000 levels, made relative to handles (the path would be too long to name).
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let mut fd = nix::fcntl::open(top.as_path(), flags, Mode::empty()).unwrap();
+    for i in 0..20_000 {
+        mkdirat(&fd, "d", Mode::from_bits_truncate(0o755)).unwrap();
+        if i % 5_000 == 0 {
+            let f = openat(
+                &fd,
+                "f",
+                OFlag::O_CREAT | OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+                Mode::from_bits_truncate(0o644),
+            )
+            .unwrap();
+            drop(f);
+            nix::unistd::symlinkat(outside.as_path(), &fd, "to-outside").unwrap();
+            nix::unistd::symlinkat(outside.join("keep").as_path(), &fd, "to-keep").unwrap();
+            nix::unistd::mkfifoat(&fd, "fifo", Mode::from_bits_truncate(0o644)).unwrap();
+        }
+        fd = openat(&fd, "d", flags, Mode::empty()).unwrap();
+    }
+    drop(fd);
+    let removing = top.clone();
+    let removed = std::thread::Builder::new()
+        .stack_size(64 * 1024)
+        .spawn(move || remove_tree(&removing))
+        .unwrap()
+        .join()
+        .expect("no stack overflow");
+    removed.unwrap();
+    assert!(!top.exists(), "the tree is gone");
+    assert_eq!(
+        std::fs::read_to_string(outside.join("keep")).unwrap(),
+        "keep",
+        "nothing behind a link was touched"
+    );
+    // A link named as the tree is removed itself; a missing tree is not an error.
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&outside, &link).unwrap();
+    remove_tree(&link).unwrap();
+    assert!(std::fs::symlink_metadata(&link).is_err() && outside.join("keep").exists());
+    remove_tree(&tmp.path().join("never-was")).unwrap();
+}
+
 /// [`create_new_in`] refuses a directory that is a link, and never writes through one.
 #[test]
 fn create_new_in_never_follows() {

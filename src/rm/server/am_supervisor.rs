@@ -95,12 +95,7 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
     let (token, job_token, launch) = transactions::begin_attempt(&mut rm.lock(), id)?;
     let dir = rm.work_dir.join(id);
     // Appended: a later attempt's output follows the earlier one's, which tells why it died.
-    let append = |name: &str| {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join(name))
-    };
+    let append = |name: &str| super::private::open(&dir.join(name), true);
     let stdout = append("am.stdout")?;
     let stderr = append("am.stderr")?;
     let program = match &rm.am_program {

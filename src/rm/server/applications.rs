@@ -91,6 +91,14 @@ fn check_dashboard_listen(rm: &Shared, listen: Option<&str>) -> Result<(), ApiEr
             crate::spec::yaml::clip(text)
         ))
     })?;
+    // The AM runs as the RM's user: a user's port below 1024 would have it bind one that
+    // only the machine's services may (a port of 0 lets the system choose).
+    if (1..1024).contains(&addr.port()) {
+        return Err(ApiError::bad_request(format!(
+            "`dashboardListen` {addr}: port {} is privileged; use port 0 (any free port) or one from 1024 up",
+            addr.port()
+        )));
+    }
     if !addr.ip().is_loopback() && !rm.limits.allow_public_dashboards {
         return Err(ApiError::forbidden(format!(
             "`dashboardListen` {addr} is not a loopback address: a job's dashboard listens on loopback unless the \
@@ -124,17 +132,8 @@ pub(super) async fn submit_app(
     let dir = rm.work_dir.join(&id);
     let job_path = dir.join("job.yaml");
     // 0600: an OpenPAI job spec may carry `secrets`.
-    let written = std::fs::create_dir_all(&dir).and_then(|_| {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&job_path)
-            .and_then(|mut f| f.write_all(req.job_spec.as_bytes()))
-    });
+    let written =
+        super::private::dir(&dir, &[]).and_then(|()| super::private::write(&job_path, req.job_spec.as_bytes()));
     if let Err(e) = written {
         unclaim(&rm, &dir);
         return Err(ApiError::new(

@@ -51,7 +51,21 @@ pub(super) fn containers_by_app(st: &RmState) -> HashMap<&str, Vec<&LedgerContai
 }
 
 /// `GET /ws/v1/cluster/history`.
-pub(super) async fn get_history(State(rm): Rm, caller: Caller, Query(q): Query<HistoryQuery>) -> Json<Value> {
+pub(super) async fn get_history(
+    State(rm): Rm,
+    caller: Caller,
+    Query(q): Query<HistoryQuery>,
+) -> Result<Json<Value>, super::http::ApiError> {
+    const STATES: [&str; 3] = ["finished", "failed", "killed"];
+    if let Some(s) = q.state.as_deref().filter(|s| !s.is_empty()) {
+        if !STATES.iter().any(|k| k.eq_ignore_ascii_case(s)) {
+            return Err(super::http::ApiError::bad_request(format!(
+                "`state`: `{}` is not a state a finished job has; use one of {}",
+                crate::spec::yaml::clip(s),
+                STATES.join(", ")
+            )));
+        }
+    }
     let filter = HistoryFilter {
         user: q.user.filter(|u| !u.is_empty()),
         queue: q.queue.filter(|u| !u.is_empty()),
@@ -75,7 +89,7 @@ pub(super) async fn get_history(State(rm): Rm, caller: Caller, Query(q): Query<H
         .take(q.limit.unwrap_or(usize::MAX))
         .map(|a| row_of(&rm, a, by_app.get(a.report.id.as_str()).map_or(&[], Vec::as_slice)))
         .collect();
-    Json(json!({ "history": rows }))
+    Ok(Json(json!({ "history": rows })))
 }
 
 /// `GET /ws/v1/cluster/whoami`: the caller's user name and whether it is the admin (for

@@ -100,7 +100,8 @@ pub(super) fn spawn_collect(rm: &Arc<Shared>, container_id: String) {
 async fn collect(rm: &Shared, host: &str, app: &str, id: &str) -> Result<(), String> {
     let node = rm.nodes.for_host(host);
     let dir = logs_dir(rm, app);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let root = rm.work_dir.join("logs");
+    super::private::dir(&dir, &[&root]).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     for stream in [LogStream::Stdout, LogStream::Stderr] {
         let text = node
             .read_log(host, id, stream, Some(rm.history.log_bytes))
@@ -109,7 +110,7 @@ async fn collect(rm: &Shared, host: &str, app: &str, id: &str) -> Result<(), Str
         let path = log_file(rm, app, id, stream);
         // Per stream (`cid.stdout.part`, `cid.stderr.part`): two streams never share one.
         let tmp = std::path::PathBuf::from(format!("{}.part", path.display()));
-        std::fs::write(&tmp, text.as_bytes())
+        super::private::write(&tmp, text.as_bytes())
             .and_then(|()| std::fs::rename(&tmp, &path))
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }

@@ -68,6 +68,7 @@ mod history;
 mod http;
 mod logs;
 mod nodes;
+mod private;
 mod scheduling;
 mod state;
 mod transactions;
@@ -400,10 +401,20 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let (admin_token, admin_token_file) = match opts.admin_token.filter(|t| !t.trim().is_empty()) {
         Some(t) => (t.trim().to_string(), None),
         None => {
-            let t = super::apps::new_token();
+            // The token an earlier start wrote stays (copies of it keep working after a
+            // restart); removing the file makes a new one.
             let path = work_dir.join(ADMIN_TOKEN_FILE);
-            crate::auth::write_secret(&path, &t)
-                .map_err(|e| anyhow::anyhow!("cannot write the admin token to {}: {e}", path.display()))?;
+            let kept = crate::auth::read_kept_secret(&path)
+                .map_err(|e| anyhow::anyhow!("cannot read the admin token: {e}"))?;
+            let t = match kept {
+                Some(t) => t,
+                None => {
+                    let t = super::apps::new_token();
+                    crate::auth::write_secret(&path, &t)
+                        .map_err(|e| anyhow::anyhow!("cannot write the admin token to {}: {e}", path.display()))?;
+                    t
+                }
+            };
             (t, Some(path))
         }
     };

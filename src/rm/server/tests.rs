@@ -123,6 +123,45 @@ async fn the_attempt_records_the_am_before_the_am_runs() {
     rm.shutdown().await;
 }
 
+/// The admin token an RM wrote stays across its restarts (a saved copy keeps working);
+/// removing the file makes a new one; a file others can read is refused, not trusted.
+#[tokio::test]
+async fn the_admin_token_stays_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let opts = RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), work.clone());
+    let any = opts.listen;
+    let first = restart_on(any, &opts).await;
+    let token = first.admin_token().to_string();
+    let file = first.admin_token_file().unwrap().to_path_buf();
+    crash(first);
+    let again = restart_on(any, &opts).await;
+    assert_eq!(again.admin_token(), token, "the same token after a restart");
+    crash(again);
+    std::fs::remove_file(&file).unwrap();
+    let fresh = restart_on(any, &opts).await;
+    assert_ne!(fresh.admin_token(), token, "a new token once the file is removed");
+    crash(fresh);
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let mut refused = None;
+    for _ in 0..50 {
+        match start(opts.clone()).await {
+            Err(e) if e.to_string().contains("locked") => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => {
+                refused = Some(e.to_string());
+                break;
+            }
+            Ok(_) => panic!("a token file others can read was trusted"),
+        }
+    }
+    let err = refused.expect("refused");
+    assert!(
+        err.contains("readable by it alone") && err.contains("remove it"),
+        "{err}"
+    );
+}
+
 #[tokio::test]
 async fn shutdown_kills_the_am() {
     let dir = tempfile::tempdir().unwrap();
