@@ -231,6 +231,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         .advertise
         .clone()
         .unwrap_or_else(|| format!("{}://{addr}", crate::tls::scheme(opts.tls.serves_https())));
+    super::wire::check_agent_address(&advertise).map_err(|e| anyhow::anyhow!("--advertise: {e}"))?;
     let ip = peer_ip(&opts, addr).await;
     match ip {
         Some(ip) => tracing::info!(host = %opts.host, %ip, "peers reach this node's containers at {ip}"),

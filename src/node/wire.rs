@@ -130,9 +130,52 @@ pub fn check_node_ip(ip: std::net::IpAddr) -> Result<std::net::IpAddr, String> {
     Ok(ip)
 }
 
+/// The address an agent registers, which the RM then calls (with that host's credentials)
+/// for starts, stops and logs: `http://HOST:PORT` or `https://HOST:PORT`, nothing more. A
+/// path, query, fragment or user name would let one host's token point the RM's calls at
+/// a chosen endpoint of another service.
+pub fn check_agent_address(address: &str) -> Result<(), String> {
+    let url = reqwest::Url::parse(address).map_err(|e| format!("`{address}` is not a URL: {e}"))?;
+    let plain = matches!(url.scheme(), "http" | "https")
+        && url.host_str().is_some_and(|h| !h.is_empty())
+        && url.username().is_empty()
+        && url.password().is_none()
+        && matches!(url.path(), "" | "/")
+        && url.query().is_none()
+        && url.fragment().is_none();
+    if !plain {
+        return Err(format!(
+            "`{address}` is not an agent address: give http://HOST:PORT or https://HOST:PORT, with no path, query or user"
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_agent_address_is_a_scheme_a_host_and_a_port_only() {
+        for ok in ["http://10.0.0.5:8042", "https://gpu1.example:8042/", "http://[::1]:9"] {
+            assert_eq!(check_agent_address(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "http://169.254.169.254/latest/meta-data",
+            "http://10.0.0.5:8042/?x=1",
+            "http://user:pw@10.0.0.5:8042",
+            "http://10.0.0.5:8042#frag",
+            "file:///etc/passwd",
+            "gpu1:8042",
+            "",
+        ] {
+            let err = check_agent_address(bad).unwrap_err();
+            assert!(
+                err.contains("http://HOST:PORT") || err.contains("not a URL"),
+                "{bad}: {err}"
+            );
+        }
+    }
 
     /// The cause is an optional field: an older agent's report (without it) still parses,
     /// and a report without a cause writes none.

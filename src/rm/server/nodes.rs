@@ -226,6 +226,8 @@ pub(super) async fn agent_register(
     ApiJson(req): ApiJson<AgentRegister>,
 ) -> Result<Json<AgentReply>, ApiError> {
     let agents = node_agents(&rm, &headers, &req.host)?;
+    crate::node::wire::check_agent_address(&req.http_address)
+        .map_err(|e| ApiError::bad_request(format!("httpAddress: {e}")))?;
     let node = node_of(&req, &rm.base_url).map_err(ApiError::bad_request)?;
     let decl = declaration_of(&req).map_err(ApiError::bad_request)?;
     let host = req.host.clone();
