@@ -337,7 +337,8 @@ async fn am_protocol_needs_the_apps_own_token() {
         .send()
         .await
         .unwrap();
-    error_body(r, StatusCode::NOT_FOUND).await;
+    // An unknown id answers as a wrong token does: no caller can probe which ids exist.
+    error_body(r, StatusCode::UNAUTHORIZED).await;
     assert_eq!(rm.app_report(&a.id).unwrap().state, AppState::Running);
     assert_eq!(rm.app_report(&a.id).unwrap().tracking_url, "http://dash/a");
     rm.handle.shutdown().await;

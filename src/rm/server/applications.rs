@@ -210,19 +210,30 @@ pub(super) async fn put_app_state(
     let caller = authenticate(&rm, &headers);
     let (ended, committed) = {
         let mut st = rm.lock();
-        let app = app_ref(&st.apps, &id)?;
+        let unauthorized = |e: &ApiError| {
+            let why = "killing an application needs its owner's token, the admin token or its job token";
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "UNAUTHORIZED",
+                format!("{why}. {}", e.message),
+            )
+        };
+        // Without a credential, an unknown id answers as a known one does (no way to tell
+        // which ids exist).
+        let app = match app_ref(&st.apps, &id) {
+            Ok(app) => app,
+            Err(missing) => {
+                return Err(match &caller {
+                    Err(e) if missing.status == StatusCode::NOT_FOUND => unauthorized(e),
+                    _ => missing,
+                })
+            }
+        };
         let job_token_ok = bearer(&headers).is_some_and(|t| app.job_token_matches(t));
         if !job_token_ok {
             match &caller {
                 Ok(c) => c.must_own(app)?,
-                Err(e) => {
-                    let why = "killing an application needs its owner's token, the admin token or its job token";
-                    return Err(ApiError::new(
-                        StatusCode::UNAUTHORIZED,
-                        "UNAUTHORIZED",
-                        format!("{why}. {}", e.message),
-                    ));
-                }
+                Err(e) => return Err(unauthorized(e)),
             }
         }
         if req.state != AppState::Killed {

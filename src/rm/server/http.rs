@@ -319,9 +319,14 @@ pub(super) fn app_ref<'a>(apps: &'a Apps, id: &str) -> Result<&'a App, ApiError>
 }
 
 /// The AM protocol: `Err` (401) unless `headers` carry the application's own token.
-/// Checked before anything of the application is changed.
+/// Checked before anything of the application is changed. An unknown application answers
+/// as a wrong token does, so that a caller without a token cannot tell which ids exist.
 pub(super) fn authorize_app(apps: &Apps, id: &str, headers: &HeaderMap) -> Result<(), ApiError> {
-    authorize(app_ref(apps, id)?, headers)
+    check_app_id(id)?;
+    match apps.get(id) {
+        Some(app) => authorize(app, headers),
+        None => Err(ApiError::unauthorized()),
+    }
 }
 
 /// Reads one application its owner or the admin asked for (no change, nothing to persist).

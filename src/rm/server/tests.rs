@@ -162,6 +162,55 @@ async fn the_admin_token_stays_across_restarts() {
     );
 }
 
+/// Without a credential, a request for an application that exists and one for an id that
+/// does not get the same answer (401), so ids cannot be probed; with the right token the
+/// existing one is served.
+#[tokio::test]
+async fn without_a_token_an_unknown_application_answers_as_a_known_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_with(None, &dir.path().join("work")).await;
+    let (known, token) = rm.register_test_app("x");
+    // Well formed, never handed out.
+    let unknown = known.replace("_0001", "_0999");
+    let http = crate::tls::http_client();
+    let base = rm.base_url();
+    let answer = |r: reqwest::Response| async move { (r.status().as_u16(), r.text().await.unwrap()) };
+    let register = |id: &str, bearer: Option<&str>| {
+        let mut req = http
+            .post(format!("{base}/ws/v1/am/{id}/register"))
+            .json(&serde_json::json!({"host": "h", "trackingUrl": ""}));
+        if let Some(t) = bearer {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    let kill = |id: &str| {
+        http.put(format!("{base}/ws/v1/cluster/apps/{id}/state"))
+            .json(&serde_json::json!({"state": "KILLED"}))
+            .send()
+    };
+    let (a, b) = (
+        answer(register(&known, None).await.unwrap()).await,
+        answer(register(&unknown, None).await.unwrap()).await,
+    );
+    assert_eq!(a.0, 401, "{a:?}");
+    assert_eq!(a, b, "register: the same answer for a known and an unknown id");
+    let (a, b) = (
+        answer(kill(&known).await.unwrap()).await,
+        answer(kill(&unknown).await.unwrap()).await,
+    );
+    assert_eq!(a.0, 401, "{a:?}");
+    assert_eq!(a.0, b.0, "kill: the same status for a known and an unknown id");
+    assert_eq!(
+        a.1.replace(&known, "ID"),
+        b.1.replace(&unknown, "ID"),
+        "kill: the same words for a known and an unknown id"
+    );
+    let served = register(&known, Some(&token)).await.unwrap();
+    assert_eq!(served.status().as_u16(), 200, "{}", served.text().await.unwrap());
+    rm.shutdown().await;
+}
+
 #[tokio::test]
 async fn shutdown_kills_the_am() {
     let dir = tempfile::tempdir().unwrap();
