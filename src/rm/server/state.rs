@@ -33,6 +33,10 @@ use crate::rm::store::{Batch, Meta, Store, StoreError};
 /// loop cannot grow the RM without bound.
 pub(super) const MAX_RESERVED_IDS: usize = 10_000;
 
+/// Most of those one user holds (their oldest are forgotten first), so that one user's loop
+/// cannot push out the ids other users were just handed.
+pub(super) const MAX_RESERVED_IDS_PER_USER: usize = 1_024;
+
 /// While the store fails, a whole-state write is tried at most this often (callers in
 /// between get 503 at once).
 const WHOLE_WRITE_RETRY: Duration = Duration::from_millis(250);
@@ -84,14 +88,25 @@ pub(super) struct RmState {
 }
 
 impl RmState {
-    /// Remembers an id handed out by new-application (forgetting the oldest beyond
-    /// [`MAX_RESERVED_IDS`]).
+    /// Remembers an id handed out by new-application (forgetting the user's oldest beyond
+    /// [`MAX_RESERVED_IDS_PER_USER`], then the oldest beyond [`MAX_RESERVED_IDS`]).
     pub(super) fn reserve(&mut self, id: String, user: &str) {
         let Some(seq) = app_seq(&id) else {
             return;
         };
         self.reserved_by.insert(id.clone(), user.to_string());
         self.reserved.insert(seq, id);
+        if self.reserved_by.values().filter(|u| u.as_str() == user).count() > MAX_RESERVED_IDS_PER_USER {
+            let oldest = self
+                .reserved
+                .iter()
+                .find(|(_, id)| self.reserved_by.get(*id).is_some_and(|u| u == user))
+                .map(|(seq, id)| (*seq, id.clone()));
+            if let Some((seq, id)) = oldest {
+                self.reserved.remove(&seq);
+                self.reserved_by.remove(&id);
+            }
+        }
         while self.reserved.len() > MAX_RESERVED_IDS {
             if let Some((_, old)) = self.reserved.pop_first() {
                 self.reserved_by.remove(&old);

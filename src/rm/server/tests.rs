@@ -2,7 +2,7 @@
 
 use super::am_supervisor::{launch_am, stderr_tail};
 use super::http::bearer;
-use super::state::{StoreHealth, MAX_RESERVED_IDS};
+use super::state::{StoreHealth, MAX_RESERVED_IDS, MAX_RESERVED_IDS_PER_USER};
 use super::*;
 use crate::protocol::{now_ms, AllocateRequest, AmCommand, AppState, ContainerState, LaunchContext};
 use crate::resources::{PortSet, Resources};
@@ -465,10 +465,11 @@ fn reserved_ids_are_forgotten_oldest_first() {
         agent_nodes_dirty: Default::default(),
         removed_hosts: BTreeMap::new(),
     };
+    // Many users, each within their own bound: the bound for all of them applies.
     let ids: Vec<String> = (0..MAX_RESERVED_IDS + 20)
-        .map(|_| {
+        .map(|i| {
             let id = st.next_app_id(1).unwrap();
-            st.reserve(id.clone(), "alice");
+            st.reserve(id.clone(), &format!("user{}", i % 20));
             id
         })
         .collect();
@@ -478,6 +479,30 @@ fn reserved_ids_are_forgotten_oldest_first() {
     assert!(st.unreserve(&ids[20]));
     assert!(!st.unreserve(&ids[20]), "claimed once");
     assert!(!st.unreserve("application_1_99999999"));
+    // One user's loop forgets that user's oldest, never another user's.
+    let theirs: Vec<String> = (0..3)
+        .map(|_| {
+            let id = st.next_app_id(1).unwrap();
+            st.reserve(id.clone(), "alice");
+            id
+        })
+        .collect();
+    let bobs: Vec<String> = (0..MAX_RESERVED_IDS_PER_USER + 50)
+        .map(|_| {
+            let id = st.next_app_id(1).unwrap();
+            st.reserve(id.clone(), "bob");
+            id
+        })
+        .collect();
+    assert!(theirs.iter().all(|id| st.is_reserved(id)), "alice's ids stay");
+    assert!(
+        !st.is_reserved(&bobs[49]) && st.is_reserved(&bobs[50]),
+        "bob's 50 oldest went"
+    );
+    assert_eq!(
+        st.reserved_by.values().filter(|u| *u == "bob").count(),
+        MAX_RESERVED_IDS_PER_USER
+    );
 }
 
 #[test]
