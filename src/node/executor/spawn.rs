@@ -43,8 +43,8 @@ impl Executor {
     ///   custom resources `GPUAM_RESOURCES` and `GPUAM_RESOURCE_<NAME>` (see `share_env`).
     ///
     /// The process runs `bash launch.sh` in the record's `work/` as the leader of a new
-    /// session and process group, stdin from /dev/null (after the hold of [`super::hold`]), stdout and stderr to the files
-    /// `stdout` and `stderr` there. One `NodeEvent::Exited` follows when it ends; when the
+    /// session and process group, stdin from /dev/null (once [`super::hold`] let it run),
+    /// stdout and stderr to the files `stdout` and `stderr` there. One `NodeEvent::Exited` follows when it ends; when the
     /// start itself fails this returns `Err` and no event is sent.
     ///
     /// Must be called within a tokio runtime (see the module doc).
