@@ -1,6 +1,6 @@
 //! Holding a task's commands back until its process is recorded.
 //!
-//! Owns the hold: a pipe whose read end is the new process's stdin, and the check that
+//! Owns the hold: a socket pair whose one end is the new process's stdin, and the check that
 //! reads one line from it and lets the task run only when the line is [`GO`], written by the
 //! node ([`Hold::release`]) once `process.json` is on disk. Where the program is bash
 //! running the node's `launch.sh` on the host, the check is the script's first lines
@@ -11,7 +11,7 @@
 //! Why: a task that ran before its record was written could not be found again by a node
 //! that restarts in that moment; the restarted node ended what it left and the job ran it a
 //! second time (docs/RELIABILITY.md). Held, the commands run only once the record exists.
-//! Where the record cannot be written, or the node dies first, the write end closes
+//! Where the record cannot be written, or the node dies first, the node's end closes
 //! unwritten (it is close-on-exec, so no other process holds it), the step reads an end of
 //! file and exits [`HELD_EXIT`] without running anything, saying why on the task's stderr.
 //!
@@ -19,7 +19,6 @@
 //! it runs as the task's user after every other step of the spawn (session, cgroup, ids).
 
 use std::ffi::OsString;
-use std::io::Write as _;
 use std::os::fd::{FromRawFd as _, OwnedFd};
 
 /// The line that lets a held task run.
@@ -45,30 +44,59 @@ pub fn script_lines() -> String {
     format!("{}\nexec </dev/null\n", check())
 }
 
-/// The write end: the held process runs once [`Hold::release`] has written [`GO`]; dropped
-/// unwritten, it never runs its program.
+/// The node's end: the held process runs once [`Hold::release`] has written [`GO`];
+/// dropped unwritten, it never runs its program.
 #[derive(Debug)]
-pub struct Hold(std::fs::File);
+pub struct Hold(OwnedFd);
 
 impl Hold {
-    /// Lets the held process run. An error means it will not (it has already ended).
-    pub fn release(mut self) -> std::io::Result<()> {
-        self.0.write_all(format!("{GO}\n").as_bytes())
+    /// Lets the held process run. An error means it will not (it has already ended). Never
+    /// a signal: the node's processes take SIGPIPE's default action (so that their tasks
+    /// do), which a write to a pipe whose reader is gone would kill them with; this end is
+    /// a socket written with `MSG_NOSIGNAL`.
+    pub fn release(self) -> std::io::Result<()> {
+        let line = format!("{GO}\n");
+        // SAFETY: a send on a socket this value owns, from a buffer that lives across it.
+        let n = unsafe {
+            libc::send(
+                std::os::fd::AsRawFd::as_raw_fd(&self.0),
+                line.as_ptr().cast(),
+                line.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        match usize::try_from(n) {
+            Ok(n) if n == line.len() => Ok(()),
+            Ok(_) => Err(std::io::Error::other("the release was cut short")),
+            Err(_) => Err(std::io::Error::last_os_error()),
+        }
     }
 }
 
-/// A new hold: the read end for the process's stdin, and the write end the node keeps.
-/// Both are close-on-exec: the read end becomes the child's stdin by `dup2` (which clears
-/// the flag on the copy), and no other child the node starts can inherit the write end.
+/// A new hold: the end for the process's stdin, and the end the node keeps (a connected
+/// pair of Unix stream sockets: a shell reads its stdin from one as from a pipe). Both are
+/// close-on-exec: the first becomes the child's stdin by `dup2` (which clears the flag on
+/// the copy), and no other child the node starts can inherit the node's end.
 pub fn new() -> std::io::Result<(OwnedFd, Hold)> {
     let mut fds = [0; 2];
     // SAFETY: `fds` is two ints, filled by the call on success.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+    if unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    } != 0
+    {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: both descriptors are new and owned by nobody else.
     let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    Ok((read, Hold(std::fs::File::from(write))))
+    // The task's end only reads: a task cannot write back into the node's end.
+    // SAFETY: plain syscall on a descriptor owned here.
+    unsafe { libc::shutdown(fds[0], libc::SHUT_WR) };
+    Ok((read, Hold(write)))
 }
 
 /// `argv` (program first) behind the hold's step: `/bin/sh -c STEP gpuam-hold argv...`, the
@@ -168,6 +196,22 @@ mod tests {
         // SAFETY: plain syscall on our own child.
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
         child.wait().await.unwrap();
-        assert!(hold.release().is_err(), "writing to a pipe nobody reads fails (EPIPE)");
+        // In a process that takes SIGPIPE's default action, as gpuam's servers do (a test
+        // process ignores it): a forked copy releases, and must live to say it failed.
+        // SAFETY: the child only makes system calls and exits; it touches no lock.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+            let code = if hold.release().is_err() { 0 } else { 1 };
+            unsafe { libc::_exit(code) };
+        }
+        drop(hold);
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the release killed its process or did not fail (wait status {status:#x})"
+        );
     }
 }
