@@ -710,6 +710,100 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
     assert!(!pid_alive(am), "the AM {am} survived SIGTERM on gpuam run:\n{err}");
 }
 
+/// SIGKILL on `gpuam run` (nothing of it can stop the job then): its reaper ends the AM,
+/// the tasks and a daemon a task started in a new session, so that no process is left and
+/// a second run cannot be granted GPUs the first run's tasks still use.
+#[test]
+fn sigkill_on_gpuam_run_leaves_no_task_daemon_or_am() {
+    let (dir, root) = one_node_run_dir();
+    let daemon = "trap \"\" TERM HUP; while :; do sleep 0.05; done";
+    fs::write(
+        dir.path().join("job.yaml"),
+        format!(
+            "name: killed\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[&format!(
+                "setsid bash -c {} & echo $! >> {root}/pids; echo $$ >> {root}/pids; sleep 300",
+                common::shell_quote(daemon)
+            )])
+        ),
+    )
+    .unwrap();
+    let work = dir.path().join("work");
+    let mut run = std::process::Command::new(common::bin())
+        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
+        .arg("run")
+        .arg(dir.path().join("job.yaml"))
+        .arg("--cluster")
+        .arg(dir.path().join("cluster.yaml"))
+        .arg("--work-dir")
+        .arg(&work)
+        .stdout(fs::File::create(dir.path().join("run.out")).unwrap())
+        .stderr(fs::File::create(dir.path().join("run.err")).unwrap())
+        .spawn()
+        .unwrap();
+    let pids: Vec<i32> = wait_for(Duration::from_secs(30), "both tasks and their daemons", || {
+        let p: Vec<i32> = fs::read_to_string(dir.path().join("pids"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        (p.len() == 4).then_some(p)
+    });
+    let am = wait_for(Duration::from_secs(10), "the AM process", || {
+        common::pids_with_cmdline(&[" am ", &work.display().to_string()])
+            .into_iter()
+            .next()
+    });
+    unsafe {
+        libc::kill(run.id() as i32, libc::SIGKILL);
+    }
+    let _ = run.wait();
+    let left = || -> Vec<i32> { pids.iter().copied().chain([am]).filter(|p| pid_alive(*p)).collect() };
+    wait_for(Duration::from_secs(30), "the run's processes to be ended", || {
+        left().is_empty().then_some(())
+    });
+    // It says so once it is done (on the run's stderr).
+    wait_for(Duration::from_secs(10), "the reaper's line", || {
+        fs::read_to_string(dir.path().join("run.err"))
+            .unwrap_or_default()
+            .contains("gpuam run died: its reaper ended")
+            .then_some(())
+    });
+}
+
+/// After a run that ends by itself no reaper is left behind.
+#[test]
+fn a_run_that_ends_leaves_no_reaper() {
+    let (dir, _root) = one_node_run_dir();
+    fs::write(
+        dir.path().join("job.yaml"),
+        "name: short\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 100, gpu: 1}\n    commands: ['true']\n",
+    )
+    .unwrap();
+    let work = dir.path().join("work");
+    let out = std::process::Command::new(common::bin())
+        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
+        .arg("run")
+        .arg(dir.path().join("job.yaml"))
+        .arg("--cluster")
+        .arg(dir.path().join("cluster.yaml"))
+        .arg("--work-dir")
+        .arg(&work)
+        .args(["--linger", "0"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    wait_for(Duration::from_secs(10), "the reaper to go", || {
+        common::pids_with_cmdline(&["reap-run", &work.display().to_string()])
+            .is_empty()
+            .then_some(())
+    });
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("reaper ended"),
+        "nothing was reaped"
+    );
+}
+
 /// SIGTERM on `gpuam rm` (what systemd and `docker stop` send) stops every job as Ctrl-C
 /// does: no AM, task process or daemon a task started in a new session is left, and the RM
 /// says what it stopped.

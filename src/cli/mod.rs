@@ -6,6 +6,7 @@ mod bench;
 mod jobs;
 mod node;
 mod plan;
+mod reap;
 mod rm_api;
 mod run;
 pub(crate) mod servers;
@@ -226,6 +227,13 @@ enum Cmd {
         #[arg(last = true, required = true, value_name = "COMMAND")]
         command: Vec<std::ffi::OsString>,
     },
+    /// Internal: `gpuam run`'s reaper, which ends the run's AM and tasks if the run is
+    /// killed (`cli::reap`).
+    #[command(name = "reap-run", hide = true)]
+    ReapRun {
+        /// The run's work directory.
+        work_dir: PathBuf,
+    },
 }
 
 /// `gpuam rm --backend ray`: run containers on an existing Ray cluster.
@@ -424,7 +432,12 @@ pub fn main() -> i32 {
     // servers keep Rust's default (ignored; their sockets never raise it anyway).
     if !matches!(
         cli.command,
-        Cmd::Rm { .. } | Cmd::Node(_) | Cmd::Am { .. } | Cmd::Run { .. } | Cmd::ContainerShim { .. }
+        Cmd::Rm { .. }
+            | Cmd::Node(_)
+            | Cmd::Am { .. }
+            | Cmd::Run { .. }
+            | Cmd::ContainerShim { .. }
+            | Cmd::ReapRun { .. }
     ) {
         // SAFETY: plain syscall at start-up, before any other thread exists.
         unsafe {
@@ -435,6 +448,9 @@ pub fn main() -> i32 {
     // must stay single-threaded).
     if let Cmd::ContainerShim { command } = &cli.command {
         return shim_exit(crate::node::shim::run(command));
+    }
+    if let Cmd::ReapRun { work_dir } = &cli.command {
+        return reap::run(work_dir);
     }
     init_logging();
     let settings = match load_settings(cli.config.as_deref()) {
@@ -668,7 +684,7 @@ pub fn main() -> i32 {
             } => runtime.block_on(bench::cluster_bench(jobs, tasks, nodes, seed)),
         },
         // Run above, before logging and the runtime (the shim must stay single-threaded).
-        Cmd::ContainerShim { .. } => exit::INTERNAL,
+        Cmd::ContainerShim { .. } | Cmd::ReapRun { .. } => exit::INTERNAL,
     }
 }
 

@@ -87,12 +87,39 @@ pub async fn run(
         Ok(n) => n,
         Err(code) => return code,
     };
-    let work_dir = work_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("gpuam-run-{}", std::process::id())));
+    // A fresh directory of a name nobody could guess and make first (mkdtemp: random, 0700,
+    // created here): a predictable `/tmp/gpuam-run-PID` could be another user's, made
+    // ahead with a link in it that root would follow.
+    let work_dir = match work_dir {
+        Some(d) => d,
+        None => match tempfile::Builder::new().prefix("gpuam-run-").tempdir() {
+            Ok(d) => d.keep(),
+            Err(e) => {
+                eprintln!(
+                    "error: cannot make a work directory under {}: {e}",
+                    std::env::temp_dir().display()
+                );
+                return exit::INTERNAL;
+            }
+        },
+    };
     let tls = match crate::tls::server_config_from_settings(&settings.tls) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("error: TLS: {e}");
             return exit::INVALID_INPUT;
+        }
+    };
+    // What ends the run's AM and tasks if this process is killed (`reap`); canonical, as
+    // the RM names its cgroups after it.
+    let reaper = match std::fs::create_dir_all(&work_dir)
+        .and_then(|()| std::fs::canonicalize(&work_dir))
+        .and_then(|d| super::reap::Reaper::start(&d))
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the run's reaper in {}: {e}", work_dir.display());
+            return exit::INTERNAL;
         }
     };
     // The embedded RM makes its own user and token, so a newcomer needs nothing.
@@ -171,6 +198,8 @@ pub async fn run(
         }
     }
     rm.shutdown().await;
+    // Everything of the run is stopped: nothing for the reaper to do.
+    reaper.done();
     code
 }
 

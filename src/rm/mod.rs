@@ -13,4 +13,4 @@ pub mod store;
 /// agents' credentials with it too. Kept under this path for the RM's callers.
 pub use crate::users;
 
-pub use server::{start, RmHandle, RmOptions};
+pub use server::{in_process_cgroups, start, RmHandle, RmOptions, AM_PROCESS_FILE};

@@ -116,7 +116,7 @@ pub fn remove_tree(path: &Path) -> std::io::Result<()> {
 
 /// Reads at most `max` bytes of a regular file where it is, never through a link (see
 /// [`open_log_in_place`]).
-pub(super) fn read_small_in_place(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+pub fn read_small_in_place(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     let f = open_log_in_place(path, false)?;
     let mut out = Vec::new();
     f.take(max).read_to_end(&mut out)?;

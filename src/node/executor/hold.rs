@@ -51,9 +51,9 @@ pub struct Hold(OwnedFd);
 
 impl Hold {
     /// Lets the held process run. An error means it will not (it has already ended). Never
-    /// a signal: the node's processes take SIGPIPE's default action (so that their tasks
-    /// do), which a write to a pipe whose reader is gone would kill them with; this end is
-    /// a socket written with `MSG_NOSIGNAL`.
+    /// a signal, whatever the process's SIGPIPE disposition (gpuam's short-lived commands
+    /// take its default action, which a write to a pipe whose reader is gone kills with):
+    /// this end is a socket written with `MSG_NOSIGNAL`.
     pub fn release(self) -> std::io::Result<()> {
         let line = format!("{GO}\n");
         // SAFETY: a send on a socket this value owns, from a buffer that lives across it.

@@ -92,7 +92,7 @@ mod table;
 mod tests;
 mod vfork;
 
-pub use files::{create_new_in, open_dir_in_place, remove_tree};
+pub use files::{create_new_in, open_dir_in_place, read_small_in_place, remove_tree};
 pub use logs::{cap_log, LogStream, LOG_CHECK, LOG_KEEP_MAX, MAX_LOG_BYTES};
 pub use records::{
     record_id, record_name, valid_container_id, work_dir, RecordedEnd, ACKED_FILE, DEFAULT_RETENTION,

@@ -91,6 +91,10 @@ pub(super) fn reattach(rm: &Arc<Shared>) {
 /// them; the RM's settings file goes along as `GPUAM_CONFIG` so the AM runs with the
 /// same settings. The attempt is recorded with the process's identity, so a restarted
 /// RM can find it again.
+/// The AM process of an application's latest attempt (a `ProcessId` as JSON), in the
+/// application's directory.
+pub const AM_PROCESS_FILE: &str = "am.process";
+
 pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
     let (token, job_token, launch) = transactions::begin_attempt(&mut rm.lock(), id)?;
     let dir = rm.work_dir.join(id);
@@ -172,9 +176,17 @@ pub(super) fn launch_am(rm: &Arc<Shared>, id: &str) -> Result<(), LaunchError> {
         );
         pid
     };
-    let recorded = pid
-        .and_then(ProcessId::of)
-        .is_some_and(|p| transactions::attempt_process(&mut rm.lock(), id, p));
+    let process = pid.and_then(ProcessId::of);
+    let recorded = process.is_some_and(|p| transactions::attempt_process(&mut rm.lock(), id, p));
+    // Beside its output too, for what outlives an RM without a store (`gpuam run`'s reaper).
+    if let Some(p) = process.filter(|_| recorded) {
+        let written = serde_json::to_vec(&p)
+            .map_err(std::io::Error::other)
+            .and_then(|b| super::private::write(&dir.join(AM_PROCESS_FILE), &b));
+        if let Err(e) = written {
+            tracing::warn!(app = %id, "cannot write {AM_PROCESS_FILE}: {e}");
+        }
+    }
     if !recorded {
         // Unreleased, it exits without running; its watcher ends the attempt.
         tracing::warn!(app = %id, "the AM's process could not be recorded, so it does not run");

@@ -60,6 +60,7 @@ use tokio::task::JoinHandle;
 
 mod am_protocol;
 mod am_supervisor;
+pub use am_supervisor::AM_PROCESS_FILE;
 mod applications;
 mod cluster;
 mod containers;
@@ -384,6 +385,16 @@ pub struct RmHandle {
     background: Vec<JoinHandle<()>>,
 }
 
+/// The name of the in-process node's parent cgroup for the (canonical) work dir
+/// `work_dir`: named after it, so that a restarted RM finds its containers again and two
+/// RMs on one machine do not meet.
+pub fn in_process_cgroups(work_dir: &Path) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    work_dir.hash(&mut h);
+    format!("gpuam-rm-{:016x}", h.finish())
+}
+
 /// Starts the RM: binds `opts.listen`, serves, and runs the executor-event and
 /// container-expiry tasks.
 pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
@@ -487,13 +498,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     };
     // The in-process node's cgroups: named after the work dir, so that a restarted RM
     // finds its containers again and two RMs on one machine do not meet.
-    let containment = crate::node::cgroup::Containment::detect(&format!("gpuam-rm-{:016x}", {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        work_dir.hash(&mut h);
-        h.finish()
-    }))
-    .with_shim(opts.shim_exe.clone());
+    let containment =
+        crate::node::cgroup::Containment::detect(&in_process_cgroups(&work_dir)).with_shim(opts.shim_exe.clone());
     let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
     tracing::info!("in-process node {}", containment.describe());
     let ray = opts.ray.map(|b| b.start(events_tx.clone()));
