@@ -260,12 +260,18 @@ fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() 
         // A state no finished job has is an error naming the field and the states, not an
         // empty list.
         let bogus = run(rm, &["history", "--state", "bogus"]);
-        assert!(!bogus.status.success(), "{}", text(&bogus));
+        assert_eq!(bogus.status.code(), Some(64), "a usage error: {}", text(&bogus));
         let said = String::from_utf8_lossy(&bogus.stderr).into_owned();
         assert!(
-            said.contains("`state`") && said.contains("finished, failed, killed"),
+            said.contains("bogus") && said.contains("finished, failed, killed"),
             "{said}"
         );
+        // The RM refuses it too, naming the field, for callers of its API.
+        let (code, body) = rm.request("GET", "/ws/v1/cluster/history?state=bogus", Some(&rm.user_token), None);
+        assert_eq!(code, 400, "{body}");
+        assert!(body.to_string().contains("`state`"), "{body}");
+        let upper = run(rm, &["history", "--state", "FAILED", "--json"]);
+        assert_eq!(json_of(&upper), failed_only, "the state in capitals is the same filter");
         let table = stdout(&run(rm, &["history"]));
         assert!(table.lines().all(|l| l.chars().count() <= 80), "{table}");
         assert!(table.contains("KILLED") && table.contains("FAILED"), "{table}");
@@ -713,4 +719,41 @@ fn a_job_of_tasks_is_told_when_its_first_and_its_last_task_start() {
     assert_eq!(last, first + 300_000, "the second task follows the first's 300 s: {e}");
     assert_in_600_s(first);
     status_expects(&rm, &tasks, ", all its waiting tasks by ");
+}
+
+/// A token file that is a device or a FIFO is refused at once (exit 64, naming it), not read
+/// forever or waited on; an empty one too.
+#[test]
+fn a_token_file_that_is_no_regular_file_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "  \n").unwrap();
+    for (file, says) in [
+        (std::path::PathBuf::from("/dev/zero"), "not a regular file"),
+        (fifo, "not a regular file"),
+        (dir.path().join("no-such-file"), "No such file"),
+        (empty, "empty"),
+    ] {
+        let mut child = std::process::Command::new(common::bin())
+            .args(["jobs", "--rm", "http://127.0.0.1:9", "--token-file"])
+            .arg(&file)
+            .env("GPUAM_CLIENT_CONFIG", dir.path().join("no-client-config.yaml"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = common::wait_for(Duration::from_secs(20), "gpuam jobs to refuse the token file", || {
+            child.try_wait().unwrap()
+        });
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(status.code(), Some(64), "{}: {err}", file.display());
+        assert!(
+            err.contains(says) && err.contains(&file.display().to_string()),
+            "{}: {err}",
+            file.display()
+        );
+    }
 }

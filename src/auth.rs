@@ -51,20 +51,15 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// process's user that nobody else can read or write (never through a link); anything else
 /// is an error that names the fix, not a secret to trust.
 pub fn read_kept_secret(path: &std::path::Path) -> std::io::Result<Option<String>> {
-    use std::io::Read as _;
-    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
-    let f = match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
-    {
+    use std::os::unix::fs::MetadataExt as _;
+    let f = match open_regular(path, libc::O_NOFOLLOW) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         r => r?,
     };
     let meta = f.metadata()?;
     // SAFETY: plain syscall.
     let me = unsafe { libc::geteuid() };
-    if !meta.is_file() || meta.uid() != me || meta.mode() & 0o077 != 0 {
+    if meta.uid() != me || meta.mode() & 0o077 != 0 {
         return Err(std::io::Error::other(format!(
             "{} is not a file of this user readable by it alone (mode {:o}, uid {}): remove it, and a new one is written",
             path.display(),
@@ -72,10 +67,45 @@ pub fn read_kept_secret(path: &std::path::Path) -> std::io::Result<Option<String
             meta.uid()
         )));
     }
+    let t = read_bounded(f)?;
+    Ok((!t.is_empty()).then_some(t))
+}
+
+/// Most bytes of a token file read (a token is 64 hex digits; a users file line more).
+const TOKEN_FILE_MAX: u64 = 64 << 10;
+
+/// The token in the file `path` (trimmed; an error when empty): a regular file only (a
+/// FIFO or a device such as `/dev/zero` is refused at once instead of blocking or reading
+/// forever), read up to 64 KiB.
+pub fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
+    let t = read_bounded(open_regular(path, 0)?)?;
+    if t.is_empty() {
+        return Err(std::io::Error::other("the file is empty"));
+    }
+    Ok(t)
+}
+
+/// Opens `path` for reading without blocking on a FIFO, and only if it is a regular file.
+fn open_regular(path: &std::path::Path, flags: i32) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags | libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::other(
+            "not a regular file (a FIFO, a device or a directory): give a file that holds the token",
+        ));
+    }
+    Ok(f)
+}
+
+/// The trimmed text of `f`, up to [`TOKEN_FILE_MAX`] bytes.
+fn read_bounded(f: std::fs::File) -> std::io::Result<String> {
+    use std::io::Read as _;
     let mut text = String::new();
-    f.take(4096).read_to_string(&mut text)?;
-    let t = text.trim();
-    Ok((!t.is_empty()).then(|| t.to_string()))
+    f.take(TOKEN_FILE_MAX).read_to_string(&mut text)?;
+    Ok(text.trim().to_string())
 }
 
 /// Writes a secret to a fresh file readable by its owner only (0600 from creation,

@@ -738,16 +738,11 @@ fn admin_token(file: Option<&Path>) -> Result<Option<String>, i32> {
 /// 64 when the file cannot be read or is empty.
 fn read_token(file: Option<&Path>, env: &str, what: &str) -> Result<Option<String>, i32> {
     if let Some(f) = file {
-        let text = std::fs::read_to_string(f).map_err(|e| {
+        let t = crate::auth::read_token_file(f).map_err(|e| {
             eprintln!("error: cannot read the {what} file {}: {e}", f.display());
             exit::USAGE
         })?;
-        let t = text.trim();
-        if t.is_empty() {
-            eprintln!("error: the {what} file {} is empty", f.display());
-            return Err(exit::USAGE);
-        }
-        return Ok(Some(t.to_string()));
+        return Ok(Some(t));
     }
     Ok(std::env::var(env)
         .ok()

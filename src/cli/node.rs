@@ -237,12 +237,8 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         eprintln!("error: gpuam node needs --rm URL, --host HOST and --node-token-file FILE");
         return exit::USAGE;
     };
-    let token = match std::fs::read_to_string(&token_file) {
-        Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
-        Ok(_) => {
-            eprintln!("error: --node-token-file {} is empty", token_file.display());
-            return exit::USAGE;
-        }
+    let token = match crate::auth::read_token_file(&token_file) {
+        Ok(t) => t,
         Err(e) => {
             eprintln!("error: --node-token-file {}: {e}", token_file.display());
             return exit::USAGE;

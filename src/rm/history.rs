@@ -159,7 +159,8 @@ pub fn history_row(
         am_attempts: r.attempt,
         containers: containers.len(),
         task_retries,
-        gpu_hours: (gpu_ms / 3_600_000.0 * 1e4).round() / 1e4,
+        // `+ 0.0`: a job that never held a container sums to −0.0 ("-0.000" in a table).
+        gpu_hours: (gpu_ms / 3_600_000.0 * 1e4).round() / 1e4 + 0.0,
     }
 }
 
@@ -318,6 +319,18 @@ mod tests {
         a.finish(state, FinalStatus::Failed, exit, diag.into());
         a.report.finished_time = 7_201_000;
         a
+    }
+
+    #[test]
+    fn a_job_that_held_nothing_has_zero_gpu_hours_not_minus_zero() {
+        let a = app(AppState::Killed, 1, "killed");
+        let row = history_row(&a, &[], 0, |_| None);
+        assert!(
+            row.gpu_hours == 0.0 && row.gpu_hours.is_sign_positive(),
+            "{}",
+            row.gpu_hours
+        );
+        assert_eq!(format!("{:.3}", row.gpu_hours), "0.000");
     }
 
     #[test]
