@@ -116,10 +116,12 @@ pub async fn run(
         .and_then(|()| std::fs::canonicalize(&work_dir))
         .and_then(|d| super::reap::Reaper::start(&d))
     {
-        Ok(r) => r,
+        Ok(r) => Some(r),
         Err(e) => {
-            eprintln!("error: cannot start the run's reaper in {}: {e}", work_dir.display());
-            return exit::INTERNAL;
+            eprintln!(
+                "warning: no reaper for this run ({e}): if it is killed with SIGKILL, its AM and tasks outlive it"
+            );
+            None
         }
     };
     // The embedded RM makes its own user and token, so a newcomer needs nothing.
@@ -199,7 +201,9 @@ pub async fn run(
     }
     rm.shutdown().await;
     // Everything of the run is stopped: nothing for the reaper to do.
-    reaper.done();
+    if let Some(r) = reaper {
+        r.done();
+    }
     code
 }
 
