@@ -651,16 +651,34 @@ fn one_node_run_dir() -> (tempfile::TempDir, String) {
     (dir, root)
 }
 
-/// SIGTERM (or SIGHUP, or Ctrl-C) on `gpuam run` kills the job and waits for its end:
-/// no task process, no daemon a task started in a new session, and no AM is left.
-#[test]
-fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
-    let (dir, root) = one_node_run_dir();
+/// `gpuam run` of `dir`'s `job.yaml` on its `cluster.yaml`, with `dir/work` as its work dir.
+fn gpuam_run_in(dir: &tempfile::TempDir) -> std::process::Command {
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
+        .arg("run")
+        .arg(dir.path().join("job.yaml"))
+        .arg("--cluster")
+        .arg(dir.path().join("cluster.yaml"))
+        .arg("--work-dir")
+        .arg(dir.path().join("work"));
+    cmd
+}
+
+/// A `gpuam run` in `dir` of a job whose two tasks each start a daemon in a new session
+/// (deaf to SIGTERM and SIGHUP) and sleep; once all of them run: the run, the task and
+/// daemon pids, and the AM's pid.
+struct LongRun {
+    run: std::process::Child,
+    pids: Vec<i32>,
+    am: i32,
+}
+
+fn start_long_run(dir: &tempfile::TempDir, root: &str) -> LongRun {
     let daemon = "trap \"\" TERM HUP; while :; do sleep 0.05; done";
     fs::write(
         dir.path().join("job.yaml"),
         format!(
-            "name: term\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            "name: long\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
             commands(&[&format!(
                 "setsid bash -c {} & echo $! >> {root}/pids; echo $$ >> {root}/pids; sleep 300",
                 common::shell_quote(daemon)
@@ -669,14 +687,7 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
     )
     .unwrap();
     let work = dir.path().join("work");
-    let mut run = std::process::Command::new(common::bin())
-        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
-        .arg("run")
-        .arg(dir.path().join("job.yaml"))
-        .arg("--cluster")
-        .arg(dir.path().join("cluster.yaml"))
-        .arg("--work-dir")
-        .arg(&work)
+    let run = gpuam_run_in(dir)
         .env("GPUAM_DASHBOARD_LINGER_SEC", "0")
         .stdout(fs::File::create(dir.path().join("run.out")).unwrap())
         .stderr(fs::File::create(dir.path().join("run.err")).unwrap())
@@ -695,6 +706,15 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
             .into_iter()
             .next()
     });
+    LongRun { run, pids, am }
+}
+
+/// SIGTERM (or SIGHUP, or Ctrl-C) on `gpuam run` kills the job and waits for its end:
+/// no task process, no daemon a task started in a new session, and no AM is left.
+#[test]
+fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
+    let (dir, root) = one_node_run_dir();
+    let LongRun { mut run, pids, am } = start_long_run(&dir, &root);
     unsafe {
         libc::kill(run.id() as i32, libc::SIGTERM);
     }
@@ -716,44 +736,7 @@ fn sigterm_on_gpuam_run_leaves_no_task_daemon_or_am() {
 #[test]
 fn sigkill_on_gpuam_run_leaves_no_task_daemon_or_am() {
     let (dir, root) = one_node_run_dir();
-    let daemon = "trap \"\" TERM HUP; while :; do sleep 0.05; done";
-    fs::write(
-        dir.path().join("job.yaml"),
-        format!(
-            "name: killed\ntaskRoles:\n  w:\n    instances: 2\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
-            commands(&[&format!(
-                "setsid bash -c {} & echo $! >> {root}/pids; echo $$ >> {root}/pids; sleep 300",
-                common::shell_quote(daemon)
-            )])
-        ),
-    )
-    .unwrap();
-    let work = dir.path().join("work");
-    let mut run = std::process::Command::new(common::bin())
-        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
-        .arg("run")
-        .arg(dir.path().join("job.yaml"))
-        .arg("--cluster")
-        .arg(dir.path().join("cluster.yaml"))
-        .arg("--work-dir")
-        .arg(&work)
-        .stdout(fs::File::create(dir.path().join("run.out")).unwrap())
-        .stderr(fs::File::create(dir.path().join("run.err")).unwrap())
-        .spawn()
-        .unwrap();
-    let pids: Vec<i32> = wait_for(Duration::from_secs(30), "both tasks and their daemons", || {
-        let p: Vec<i32> = fs::read_to_string(dir.path().join("pids"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .collect();
-        (p.len() == 4).then_some(p)
-    });
-    let am = wait_for(Duration::from_secs(10), "the AM process", || {
-        common::pids_with_cmdline(&[" am ", &work.display().to_string()])
-            .into_iter()
-            .next()
-    });
+    let LongRun { mut run, pids, am } = start_long_run(&dir, &root);
     unsafe {
         libc::kill(run.id() as i32, libc::SIGKILL);
     }
@@ -781,17 +764,7 @@ fn a_run_that_ends_leaves_no_reaper() {
     )
     .unwrap();
     let work = dir.path().join("work");
-    let out = std::process::Command::new(common::bin())
-        .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
-        .arg("run")
-        .arg(dir.path().join("job.yaml"))
-        .arg("--cluster")
-        .arg(dir.path().join("cluster.yaml"))
-        .arg("--work-dir")
-        .arg(&work)
-        .args(["--linger", "0"])
-        .output()
-        .unwrap();
+    let out = gpuam_run_in(&dir).args(["--linger", "0"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     wait_for(Duration::from_secs(10), "the reaper to go", || {
         common::pids_with_cmdline(&["reap-run", &work.display().to_string()])
