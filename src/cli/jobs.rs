@@ -73,7 +73,7 @@ pub(crate) struct HistoryArgs {
     #[arg(long)]
     queue: Option<String>,
     /// Only jobs that ended so: FINISHED, FAILED or KILLED.
-    #[arg(long, ignore_case = true, value_parser = ["finished", "failed", "killed"])]
+    #[arg(long, ignore_case = true, value_parser = clap::builder::PossibleValuesParser::new(crate::rm::history::FINAL_STATES))]
     state: Option<String>,
     /// At most this many rows, newest first.
     #[arg(long, default_value_t = 50)]

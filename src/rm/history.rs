@@ -254,6 +254,9 @@ impl HistoryFilter {
     }
 }
 
+/// The states a finished application has, as a history filter names them (any case).
+pub const FINAL_STATES: [&str; 3] = ["finished", "failed", "killed"];
+
 /// The finished applications the history no longer keeps: those that finished more than
 /// `max_age_ms` before `now_ms`, and the oldest beyond `max_count`. `finished` holds
 /// (id, finished time) of finished applications whose containers are all dead.

@@ -56,7 +56,7 @@ pub(super) async fn get_history(
     caller: Caller,
     Query(q): Query<HistoryQuery>,
 ) -> Result<Json<Value>, super::http::ApiError> {
-    const STATES: [&str; 3] = ["finished", "failed", "killed"];
+    use crate::rm::history::FINAL_STATES as STATES;
     if let Some(s) = q.state.as_deref().filter(|s| !s.is_empty()) {
         if !STATES.iter().any(|k| k.eq_ignore_ascii_case(s)) {
             return Err(super::http::ApiError::bad_request(format!(
