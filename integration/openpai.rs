@@ -552,7 +552,14 @@ fn retry_job(extra: &str, role: &str, always_fail: bool) -> (i32, [usize; 2], St
     let fail = if always_fail {
         "if [ $PAI_TASK_INDEX = 0 ]; then exit 3; fi".to_string()
     } else {
-        format!("if [ $PAI_TASK_INDEX = 0 ] && [ ! -e {root}/failed ]; then touch {root}/failed; exit 3; fi")
+        // It fails only once task 1 has run (at most 30 s later): a restart of the whole
+        // job must find task 1 running, not stop it before its first command, which a busy
+        // machine can delay past task 0's failure.
+        format!(
+            "if [ $PAI_TASK_INDEX = 0 ] && [ ! -e {root}/failed ]; then \
+             n=0; while [ ! -e {root}/runs.1 ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1)); done; \
+             touch {root}/failed; exit 3; fi"
+        )
     };
     let job = format!(
         "protocolVersion: 2\nname: retries\ntype: job\n{extra}\
