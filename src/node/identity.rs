@@ -244,10 +244,30 @@ impl TaskUsers {
 /// warns when a directory above is not searchable by others (a task could not reach its
 /// directory then). Returns the work dir, canonical. Used by the agents and the
 /// in-process node alike.
+///
+/// The work dir holds what root later reads and acts on (process records it kills or
+/// re-attaches, `am.process` for `gpuam run`'s reaper), so it must be this process's own:
+/// no other user may own it, `containers/` or a directory above it that is writable by
+/// others (a sticky one such as `/tmp` excepted), nor a link on the way to it (another
+/// user's `/tmp/work -> /etc` would have root chmod `/etc`). Refused before anything is
+/// created or changed ([`check_owned_path`]).
 pub fn open_for_tasks(work_dir: &Path, containers: &Path) -> Result<PathBuf, String> {
     use std::os::unix::fs::PermissionsExt as _;
+    check_owned_path(containers)?;
+    if let Ok(m) = std::fs::metadata(work_dir) {
+        if m.permissions().mode() & 0o002 != 0 {
+            return Err(format!(
+                "{} is writable by every user (mode {:o}): the node would take it over (mode 0711); \
+                 choose a directory of its own, e.g. {}/gpuam",
+                work_dir.display(),
+                m.permissions().mode() & 0o7777,
+                work_dir.display()
+            ));
+        }
+    }
     std::fs::create_dir_all(containers)
         .map_err(|e| format!("cannot create the work dir {}: {e}", containers.display()))?;
+    check_owned_path(containers)?;
     let dir = std::fs::canonicalize(work_dir).map_err(|e| format!("cannot resolve {}: {e}", work_dir.display()))?;
     for d in [dir.as_path(), containers] {
         std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o711))
@@ -269,6 +289,96 @@ pub fn open_for_tasks(work_dir: &Path, containers: &Path) -> Result<PathBuf, Str
         }
     }
     Ok(dir)
+}
+
+/// Refuses `path` (absolute or relative to the current directory) when another user could
+/// have put something there or could still replace it: each existing component, read
+/// without following links, must belong to root or to this process's user; a link is
+/// followed (and its target checked the same way) only then; every directory on the way but
+/// the last must not be writable by group or others unless sticky; the existing last
+/// component must be a directory of this process's user. Components not there yet are
+/// fine (they will be created by this process, under a directory that passed).
+pub fn check_owned_path(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
+    let me = nix::unistd::geteuid().as_raw();
+    let trusted = |uid: u32| uid == 0 || uid == me;
+    let fix = "choose a work dir that only this user (or root) owns, e.g. a new directory under /var/lib";
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map_err(|e| format!("cannot read the current directory: {e}"))?
+            .join(path)
+    };
+    // Walk the components, resolving links by hand so each one's owner is seen.
+    let mut pending: Vec<std::ffi::OsString> =
+        abs.components().rev().map(|c| c.as_os_str().to_os_string()).collect();
+    let mut at = PathBuf::from("/");
+    let mut hops = 0;
+    pending.pop(); // the root directory
+    while let Some(part) = pending.pop() {
+        if part == ".." {
+            at.pop();
+            continue;
+        }
+        if part == "." {
+            continue;
+        }
+        let next = at.join(&part);
+        let meta = match std::fs::symlink_metadata(&next) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(format!("cannot inspect {}: {e}", next.display())),
+        };
+        if !trusted(meta.uid()) {
+            return Err(format!(
+                "{} belongs to uid {}, not to this process's user: another user could plant or replace \
+                 what the node reads there ({}); {fix}",
+                next.display(),
+                meta.uid(),
+                path.display()
+            ));
+        }
+        let ft = meta.file_type();
+        if ft.is_symlink() {
+            hops += 1;
+            if hops > 40 {
+                return Err(format!("{}: too many levels of links", path.display()));
+            }
+            let target = std::fs::read_link(&next).map_err(|e| format!("cannot read the link {}: {e}", next.display()))?;
+            if target.is_absolute() {
+                at = PathBuf::from("/");
+            }
+            pending.extend(target.components().rev().filter_map(|c| match c {
+                std::path::Component::RootDir => None,
+                c => Some(c.as_os_str().to_os_string()),
+            }));
+            continue;
+        }
+        if !ft.is_dir() {
+            let kind = if ft.is_socket() || ft.is_fifo() { "a special file" } else { "not a directory" };
+            return Err(format!("{} is {kind}; {fix}", next.display()));
+        }
+        let last = pending.is_empty();
+        if last && meta.uid() != me {
+            return Err(format!(
+                "{} belongs to uid {}, not to this process's user (uid {me}); {fix}",
+                next.display(),
+                meta.uid()
+            ));
+        }
+        if !last && meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
+            return Err(format!(
+                "{} is writable by other users (mode {:o}) and not sticky: they could replace what lies \
+                 below it ({}); {fix}",
+                next.display(),
+                meta.mode() & 0o7777,
+                path.display()
+            ));
+        }
+        at = next;
+    }
+    Ok(())
 }
 
 /// Whether `uid` is an account, or `uid` as a gid a group, of this machine.
@@ -349,6 +459,76 @@ pub fn allocate(registry: &Path, range: (u32, u32), user: &str) -> Result<u32, S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Root only (CI runs as root): chown needs it.
+    #[test]
+    fn a_work_dir_another_user_could_write_is_refused_before_anything_changes() {
+        use std::os::unix::fs::{symlink, PermissionsExt as _};
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let other = Some(nix::unistd::Uid::from_raw(64_999));
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        let chmod = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        chmod(t, 0o755);
+        let open = |w: &Path| open_for_tasks(w, &w.join("containers"));
+
+        // Another user's directory: refused, its mode left as it was.
+        let theirs = t.join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        chmod(&theirs, 0o755);
+        nix::unistd::chown(&theirs, other, None).unwrap();
+        let e = open(&theirs).unwrap_err();
+        assert!(e.contains("uid 64999") && e.contains("choose a work dir"), "{e}");
+        assert_eq!(mode(&theirs), 0o755);
+        assert!(!theirs.join("containers").exists());
+
+        // Another user's link to a directory of root's (`/tmp/work -> /etc`): refused, the
+        // target untouched.
+        let target = t.join("roots");
+        std::fs::create_dir(&target).unwrap();
+        chmod(&target, 0o755);
+        let link = t.join("link");
+        symlink(&target, &link).unwrap();
+        std::os::unix::fs::lchown(&link, Some(64_999), None).unwrap();
+        let e = open(&link).unwrap_err();
+        assert!(e.contains("link") && e.contains("uid 64999"), "{e}");
+        assert_eq!(mode(&target), 0o755);
+        assert!(!target.join("containers").exists());
+        // Root's own link to it is followed.
+        let own = t.join("own-link");
+        symlink(&target, &own).unwrap();
+        assert_eq!(open(&own).unwrap(), std::fs::canonicalize(&target).unwrap());
+        assert_eq!(mode(&target), 0o711);
+
+        // Below a directory anyone may write (not sticky): refused; sticky: accepted.
+        let shared = t.join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        chmod(&shared, 0o777);
+        let e = open(&shared.join("work")).unwrap_err();
+        assert!(e.contains("writable by other users"), "{e}");
+        assert!(!shared.join("work").exists());
+        chmod(&shared, 0o1777);
+        assert!(open(&shared.join("work")).is_ok());
+        // The shared directory itself (e.g. `/tmp`) is no work dir.
+        let e = open(&shared).unwrap_err();
+        assert!(e.contains("writable by every user"), "{e}");
+        assert_eq!(mode(&shared), 0o1777);
+
+        // A `containers/` another user made inside a work dir of root's: refused.
+        let planted = t.join("planted");
+        std::fs::create_dir_all(planted.join("containers")).unwrap();
+        nix::unistd::chown(&planted.join("containers"), other, None).unwrap();
+        let e = open(&planted).unwrap_err();
+        assert!(e.contains("containers") && e.contains("uid 64999"), "{e}");
+
+        // A fresh path: created, 0711.
+        let fresh = t.join("a/b/work");
+        assert!(open(&fresh).is_ok());
+        assert_eq!((mode(&fresh), mode(&fresh.join("containers"))), (0o711, 0o711));
+    }
 
     #[test]
     fn users_get_distinct_stable_uids_that_no_account_has() {
