@@ -311,8 +311,7 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
             .join(path)
     };
     // Walk the components, resolving links by hand so each one's owner is seen.
-    let mut pending: Vec<std::ffi::OsString> =
-        abs.components().rev().map(|c| c.as_os_str().to_os_string()).collect();
+    let mut pending: Vec<std::ffi::OsString> = abs.components().rev().map(|c| c.as_os_str().to_os_string()).collect();
     let mut at = PathBuf::from("/");
     let mut hops = 0;
     pending.pop(); // the root directory
@@ -345,7 +344,8 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
             if hops > 40 {
                 return Err(format!("{}: too many levels of links", path.display()));
             }
-            let target = std::fs::read_link(&next).map_err(|e| format!("cannot read the link {}: {e}", next.display()))?;
+            let target =
+                std::fs::read_link(&next).map_err(|e| format!("cannot read the link {}: {e}", next.display()))?;
             if target.is_absolute() {
                 at = PathBuf::from("/");
             }
@@ -356,7 +356,11 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
             continue;
         }
         if !ft.is_dir() {
-            let kind = if ft.is_socket() || ft.is_fifo() { "a special file" } else { "not a directory" };
+            let kind = if ft.is_socket() || ft.is_fifo() {
+                "a special file"
+            } else {
+                "not a directory"
+            };
             return Err(format!("{} is {kind}; {fix}", next.display()));
         }
         let last = pending.is_empty();
