@@ -530,6 +530,57 @@ async fn container_logs_stay_inside_the_container_directory() {
     rm.handle.shutdown().await;
 }
 
+/// `gpuam run`, `gpuam rm` and `gpuam node` refuse a work dir another user owns (exit 64,
+/// naming it and its owner) and write nothing there: root would later read what that user
+/// planted in it. Root only (chown); CI runs as root.
+#[test]
+fn a_work_dir_of_another_user_is_refused_and_left_untouched() {
+    use std::os::unix::fs::PermissionsExt as _;
+    if !nix::unistd::geteuid().is_root() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let theirs = tmp.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&theirs, Some(64_998), None).unwrap();
+    let w = theirs.display().to_string();
+    let token = tmp.path().join("h1.token");
+    std::fs::write(&token, "x".repeat(40)).unwrap();
+    let t = token.display().to_string();
+    for args in [
+        vec!["run", "examples/ddp-4x2.yaml", "--work-dir", &w],
+        vec!["rm", "--listen", "127.0.0.1:0", "--work-dir", &w],
+        vec![
+            "node",
+            "--rm",
+            "http://127.0.0.1:9",
+            "--host",
+            "h1",
+            "--node-token-file",
+            &t,
+            "--work-dir",
+            &w,
+        ],
+    ] {
+        let out = std::process::Command::new(common::bin())
+            .args(&args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "gpuam {args:?}: {err}");
+        assert!(err.contains("uid 64998") && err.contains(&w), "gpuam {args:?}: {err}");
+        assert_eq!(
+            std::fs::read_dir(&theirs).unwrap().count(),
+            0,
+            "gpuam {args:?} wrote there"
+        );
+        let mode = std::fs::metadata(&theirs).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o755, "gpuam {args:?} changed its mode");
+    }
+}
+
 #[test]
 fn listeners_bind_to_loopback_by_default() {
     for cmd in ["rm", "am", "run", "submit"] {

@@ -510,17 +510,20 @@ pub fn main() -> i32 {
             work_dir,
             quiet_tasks,
             linger,
-        } => runtime.block_on(run::run(
-            &job,
-            cluster.as_deref(),
-            listen,
-            work_dir,
-            &settings,
-            run::RunView {
-                quiet_tasks,
-                linger: linger.or(env_linger),
-            },
-        )),
+        } => match work_dir.as_deref().map(check_work_dir).unwrap_or(Ok(())) {
+            Err(code) => code,
+            Ok(()) => runtime.block_on(run::run(
+                &job,
+                cluster.as_deref(),
+                listen,
+                work_dir,
+                &settings,
+                run::RunView {
+                    quiet_tasks,
+                    linger: linger.or(env_linger),
+                },
+            )),
+        },
         Cmd::Submit {
             job,
             rm,
@@ -730,6 +733,16 @@ pub const USER_TOKEN_ENV: &str = "GPUAM_TOKEN";
 
 /// The admin token from `--admin-token-file` or `GPUAM_ADMIN_TOKEN` (`None` if
 /// neither is given); exit 64 when the file cannot be read or is empty.
+/// A work dir named on the command line (`gpuam run`, `gpuam rm`, `gpuam node`) that another
+/// user owns or could replace is refused before anything is written there
+/// ([`crate::node::identity::check_owned_path`]): exit 64.
+pub(crate) fn check_work_dir(dir: &Path) -> Result<(), i32> {
+    crate::node::identity::check_owned_path(dir).map_err(|e| {
+        eprintln!("error: --work-dir: {e}");
+        exit::USAGE
+    })
+}
+
 fn admin_token(file: Option<&Path>) -> Result<Option<String>, i32> {
     read_token(file, "GPUAM_ADMIN_TOKEN", "admin token")
 }

@@ -82,6 +82,9 @@ pub async fn rm(
     let initial_states: std::collections::BTreeMap<String, crate::cluster::NodeState> =
         nodes.iter().map(|n| (n.host.clone(), n.state)).collect();
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
+    if let Err(code) = super::check_work_dir(&work_dir) {
+        return code;
+    }
     let tls = match crate::tls::server_config_from_settings(&settings.tls) {
         Ok(t) => t,
         Err(e) => {
