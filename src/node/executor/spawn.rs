@@ -14,6 +14,11 @@ use super::ending::wait_container;
 use super::env::{container_env, inherited, launch_script};
 use super::logs::{watch_logs, LogStream};
 use super::records::{record_name, spread_records, valid_container_id, work_dir, PROCESS_FILE};
+
+/// Test fault injection: the containers whose `process.json` write fails (the record is
+/// what lets a task run, [`super::hold`]).
+#[cfg(test)]
+pub(super) static UNRECORDABLE: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
 use super::table::{Entry, Phase};
 use super::{Executor, RunAs};
 use crate::node::cgroup::{Cgroup, Limits};
@@ -191,7 +196,13 @@ impl Executor {
                 let recorded = leader
                     .ok_or_else(|| std::io::Error::other("its process is gone or unreadable in /proc"))
                     .and_then(|p| serde_json::to_vec(&p).map_err(std::io::Error::other))
-                    .and_then(|b| std::fs::write(dir.join(PROCESS_FILE), b));
+                    .and_then(|b| {
+                        #[cfg(test)]
+                        if UNRECORDABLE.lock().iter().any(|c| c == container_id) {
+                            return Err(std::io::Error::other("a write failure injected by a test"));
+                        }
+                        std::fs::write(dir.join(PROCESS_FILE), b)
+                    });
                 match recorded {
                     Ok(()) => {
                         if let Err(e) = hold.release() {

@@ -426,6 +426,38 @@ async fn a_tasks_first_command_finds_its_process_recorded() {
     }
 }
 
+/// A task whose process record cannot be stored never runs a command: it exits 154
+/// (`HELD_EXIT`) saying so. Without the hold its first command would run (and a restarted
+/// node could not find it).
+#[tokio::test]
+async fn a_task_whose_record_cannot_be_stored_never_runs() {
+    let (t, exec, mut rx) = setup();
+    let mark = t.path().join("ran");
+    super::spawn::UNRECORDABLE.lock().push("c-unrecorded".into());
+    exec.start(
+        "c-unrecorded",
+        "h",
+        &no_gpus(),
+        ctx(&[&format!("touch {}", mark.display()), "echo ran"]),
+    )
+    .unwrap();
+    let (_, code, diag) = next_exit(&mut rx).await;
+    assert_eq!(code, super::hold::HELD_EXIT, "{diag}");
+    assert!(!mark.exists(), "its first command ran");
+    assert_eq!(exec.read_log("c-unrecorded", LogStream::Stdout, None).unwrap(), "");
+    // The same command, recorded, runs.
+    exec.start(
+        "c-recorded",
+        "h",
+        &no_gpus(),
+        ctx(&[&format!("touch {}", mark.display())]),
+    )
+    .unwrap();
+    let (_, code, diag) = next_exit(&mut rx).await;
+    assert_eq!(code, 0, "{diag}");
+    assert!(mark.exists());
+}
+
 #[tokio::test]
 async fn commands_run_in_order_and_stop_at_first_failure() {
     let (_t, exec, mut rx) = setup();
