@@ -123,6 +123,46 @@ async fn the_attempt_records_the_am_before_the_am_runs() {
     rm.shutdown().await;
 }
 
+/// An AM whose attempt cannot record its process never runs a command (a restarted RM
+/// could not find it): it exits 154 and the attempt ends, saying so. Without the hold the
+/// script would run.
+#[tokio::test]
+async fn an_am_whose_process_cannot_be_recorded_never_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = rm_with(
+        Some(script(dir.path(), "echo $$ > am.pid; exec sleep 30")),
+        &dir.path().join("work"),
+    )
+    .await;
+    let (id, _token) = rm.register_test_app("x");
+    super::transactions::UNRECORDABLE_AMS.lock().push(id.clone());
+    let app_dir = rm.shared.work_dir.join(&id);
+    std::fs::create_dir_all(&app_dir).unwrap();
+    set_launch(&rm, &id, &app_dir, None);
+    launch_am(&rm.shared, &id).unwrap();
+    let mut ended = None;
+    for _ in 0..500 {
+        ended = rm
+            .shared
+            .lock()
+            .apps
+            .get(&id)
+            .unwrap()
+            .attempts
+            .first()
+            .cloned()
+            .filter(|a| a.finished_time != 0);
+        if ended.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ended = ended.expect("the held AM's attempt ended");
+    assert!(ended.diagnostics.contains("154"), "{}", ended.diagnostics);
+    assert!(!app_dir.join("am.pid").exists(), "the unrecorded AM ran its script");
+    rm.shutdown().await;
+}
+
 /// The admin token an RM wrote stays across its restarts (a saved copy keeps working);
 /// removing the file makes a new one; a file others can read is refused, not trusted.
 #[tokio::test]

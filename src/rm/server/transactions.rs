@@ -316,11 +316,19 @@ pub(super) fn begin_attempt(st: &mut StateGuard, id: &str) -> Result<(String, Op
     Ok(started)
 }
 
+/// Test fault injection: the applications whose AM's process record fails to be stored.
+#[cfg(test)]
+pub(super) static UNRECORDABLE_AMS: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
+
 /// The process of an application's current attempt, once it runs (so a restarted RM can
 /// find it again).
 /// Whether it is stored: false when the attempt has ended or holds another process, or
 /// the store failed (the AM must then not run: a restarted RM could not find it).
 pub(super) fn attempt_process(st: &mut StateGuard, id: &str, process: ProcessId) -> bool {
+    #[cfg(test)]
+    if UNRECORDABLE_AMS.lock().iter().any(|a| a == id) {
+        return false;
+    }
     let set = match st.apps.get_mut(id).and_then(|a| a.attempts.last_mut()) {
         Some(a) if a.finished_time == 0 && a.process.is_none() => {
             a.process = Some(process);
