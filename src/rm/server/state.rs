@@ -15,7 +15,7 @@
 //! Also rebuilding the state from the store at start-up. What changes the state is a
 //! transaction of `transactions` (the one door).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
@@ -64,11 +64,8 @@ pub(super) struct StoreHealth {
 pub(super) struct RmState {
     pub(super) ledger: Ledger,
     pub(super) apps: Apps,
-    /// Ids handed out by new-application and not yet submitted.
-    /// By sequence number, so the oldest are the first ones.
-    pub(super) reserved: BTreeMap<u32, String>,
-    /// Who reserved each id of `reserved` (only they may submit it).
-    pub(super) reserved_by: BTreeMap<String, String>,
+    /// Ids handed out by new-application and not yet submitted, and who reserved each.
+    pub(super) reserved: ReservedIds,
     pub(super) next_app_seq: u32,
     /// `next_app_seq` or `reserved` changed since the last write.
     pub(super) meta_dirty: bool,
@@ -87,32 +84,118 @@ pub(super) struct RmState {
     pub(super) removed_hosts: BTreeMap<String, crate::rm::store::RemovedHost>,
 }
 
+/// Ids handed out by new-application and not yet submitted, and who reserved each (only
+/// they may submit it). Bounded per user and in all; each bound is kept in O(log n).
+#[derive(Debug, Default)]
+pub(super) struct ReservedIds {
+    /// By sequence number, so the oldest are the first ones.
+    by_seq: BTreeMap<u32, String>,
+    /// Who reserved each id (absent: reserved by an older RM that did not say).
+    owner: BTreeMap<String, String>,
+    /// Each user's ids, by sequence number.
+    per_user: HashMap<String, BTreeSet<u32>>,
+}
+
+impl ReservedIds {
+    /// What a store kept (no bound applied: it was applied when they were handed out).
+    pub(super) fn recovered(ids: Vec<String>, owners: BTreeMap<String, String>) -> ReservedIds {
+        let mut r = ReservedIds::default();
+        for id in ids {
+            let Some(seq) = app_seq(&id) else { continue };
+            if let Some(user) = owners.get(&id) {
+                r.per_user.entry(user.clone()).or_default().insert(seq);
+                r.owner.insert(id.clone(), user.clone());
+            }
+            r.by_seq.insert(seq, id);
+        }
+        r
+    }
+
+    /// Adds `id` for `user`, forgetting the user's oldest beyond
+    /// [`MAX_RESERVED_IDS_PER_USER`], then the oldest beyond [`MAX_RESERVED_IDS`]. False for
+    /// an id that names no sequence number (never issued by an RM).
+    pub(super) fn insert(&mut self, id: String, user: &str) -> bool {
+        let Some(seq) = app_seq(&id) else {
+            return false;
+        };
+        self.forget_seq(seq);
+        self.owner.insert(id.clone(), user.to_string());
+        self.by_seq.insert(seq, id);
+        let mine = self.per_user.entry(user.to_string()).or_default();
+        mine.insert(seq);
+        if mine.len() > MAX_RESERVED_IDS_PER_USER {
+            if let Some(oldest) = mine.first().copied() {
+                self.forget_seq(oldest);
+            }
+        }
+        while self.by_seq.len() > MAX_RESERVED_IDS {
+            match self.by_seq.first_key_value().map(|(s, _)| *s) {
+                Some(oldest) => self.forget_seq(oldest),
+                None => break,
+            }
+        }
+        true
+    }
+
+    fn forget_seq(&mut self, seq: u32) {
+        let Some(id) = self.by_seq.remove(&seq) else {
+            return;
+        };
+        if let Some(user) = self.owner.remove(&id) {
+            if let Some(mine) = self.per_user.get_mut(&user) {
+                mine.remove(&seq);
+                if mine.is_empty() {
+                    self.per_user.remove(&user);
+                }
+            }
+        }
+    }
+
+    pub(super) fn contains(&self, id: &str) -> bool {
+        app_seq(id).is_some_and(|seq| self.by_seq.get(&seq).is_some_and(|r| r == id))
+    }
+
+    /// Claims `id`; false when it was not reserved.
+    pub(super) fn take(&mut self, id: &str) -> bool {
+        let had = self.contains(id);
+        if let Some(seq) = app_seq(id).filter(|_| had) {
+            self.forget_seq(seq);
+        }
+        had
+    }
+
+    pub(super) fn owner(&self, id: &str) -> Option<&str> {
+        self.owner.get(id).map(String::as_str)
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.by_seq.len()
+    }
+
+    /// How many ids `user` holds.
+    #[cfg(test)]
+    pub(super) fn held_by(&self, user: &str) -> usize {
+        self.per_user.get(user).map_or(0, BTreeSet::len)
+    }
+
+    /// The ids, oldest first (what the store keeps).
+    pub(super) fn ids(&self) -> Vec<String> {
+        self.by_seq.values().cloned().collect()
+    }
+
+    pub(super) fn owners(&self) -> BTreeMap<String, String> {
+        self.owner.clone()
+    }
+}
+
 impl RmState {
     /// Remembers an id handed out by new-application (forgetting the user's oldest beyond
     /// [`MAX_RESERVED_IDS_PER_USER`], then the oldest beyond [`MAX_RESERVED_IDS`]).
     pub(super) fn reserve(&mut self, id: String, user: &str) {
-        let Some(seq) = app_seq(&id) else {
-            return;
-        };
-        self.reserved_by.insert(id.clone(), user.to_string());
-        self.reserved.insert(seq, id);
-        if self.reserved_by.values().filter(|u| u.as_str() == user).count() > MAX_RESERVED_IDS_PER_USER {
-            let oldest = self
-                .reserved
-                .iter()
-                .find(|(_, id)| self.reserved_by.get(*id).is_some_and(|u| u == user))
-                .map(|(seq, id)| (*seq, id.clone()));
-            if let Some((seq, id)) = oldest {
-                self.reserved.remove(&seq);
-                self.reserved_by.remove(&id);
-            }
+        if self.reserved.insert(id, user) {
+            self.meta_dirty = true;
         }
-        while self.reserved.len() > MAX_RESERVED_IDS {
-            if let Some((_, old)) = self.reserved.pop_first() {
-                self.reserved_by.remove(&old);
-            }
-        }
-        self.meta_dirty = true;
     }
 
     /// A fresh application id; an error once the sequence reached 2^32−1 (it is never
@@ -136,20 +219,16 @@ impl RmState {
 
     /// Who reserved `id` (`None`: nobody known, e.g. reserved by an older RM).
     pub(super) fn reserved_user(&self, id: &str) -> Option<&str> {
-        self.reserved_by.get(id).map(String::as_str)
+        self.reserved.owner(id)
     }
 
     pub(super) fn is_reserved(&self, id: &str) -> bool {
-        app_seq(id).is_some_and(|seq| self.reserved.get(&seq).is_some_and(|r| r == id))
+        self.reserved.contains(id)
     }
 
     /// Claims a reserved id; false when it was not reserved.
     pub(super) fn unreserve(&mut self, id: &str) -> bool {
-        let had = self.is_reserved(id);
-        if let Some(seq) = app_seq(id).filter(|_| had) {
-            self.reserved.remove(&seq);
-            self.reserved_by.remove(id);
-        }
+        let had = self.reserved.take(id);
         self.meta_dirty |= had;
         had
     }
@@ -158,9 +237,9 @@ impl RmState {
         Meta {
             cluster_ts,
             next_app_seq: self.next_app_seq,
-            reserved: self.reserved.values().cloned().collect(),
+            reserved: self.reserved.ids(),
             next_container_seq: self.ledger.next_container_seq(),
-            reserved_by: self.reserved_by.clone(),
+            reserved_by: self.reserved.owners(),
             removed_hosts: self.removed_hosts.clone(),
         }
     }
@@ -376,8 +455,7 @@ pub(super) fn recover_state(
         let state = RmState {
             ledger,
             apps,
-            reserved: BTreeMap::new(),
-            reserved_by: BTreeMap::new(),
+            reserved: ReservedIds::default(),
             next_app_seq: 0,
             meta_dirty: true,
             store,
@@ -448,13 +526,7 @@ pub(super) fn recover_state(
     let state = RmState {
         ledger,
         apps,
-        reserved: r
-            .meta
-            .reserved
-            .into_iter()
-            .filter_map(|id| Some((app_seq(&id)?, id)))
-            .collect(),
-        reserved_by: r.meta.reserved_by,
+        reserved: ReservedIds::recovered(r.meta.reserved, r.meta.reserved_by),
         next_app_seq: r.meta.next_app_seq,
         meta_dirty: true,
         store,

@@ -493,8 +493,7 @@ fn reserved_ids_are_forgotten_oldest_first() {
     let mut st = RmState {
         ledger: Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
         apps: Apps::default(),
-        reserved: BTreeMap::new(),
-        reserved_by: BTreeMap::new(),
+        reserved: Default::default(),
         // Across 9999 → 10000, where the ids' text order is not their age.
         next_app_seq: 9_990,
         meta_dirty: false,
@@ -539,10 +538,57 @@ fn reserved_ids_are_forgotten_oldest_first() {
         !st.is_reserved(&bobs[49]) && st.is_reserved(&bobs[50]),
         "bob's 50 oldest went"
     );
-    assert_eq!(
-        st.reserved_by.values().filter(|u| *u == "bob").count(),
-        MAX_RESERVED_IDS_PER_USER
-    );
+    assert_eq!(st.reserved.held_by("bob"), MAX_RESERVED_IDS_PER_USER);
+    assert_eq!(st.reserved.held_by("alice"), 3);
+    // The bounds hold together: the user index and the ids agree after all of it.
+    assert_eq!(st.reserved.len(), MAX_RESERVED_IDS);
+    assert_eq!(st.reserved.ids().len(), st.reserved.owners().len());
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config { cases: 24, ..Default::default() })]
+    /// The indexed `ReservedIds` keeps exactly what the plain rule keeps (the user's oldest
+    /// beyond their bound go first, then the oldest of all), whatever the order of
+    /// reservations, re-reservations and claims.
+    #[test]
+    fn reserved_ids_keep_what_the_plain_rule_keeps(
+        ops in proptest::collection::vec((0u8..2, 0u32..3_000, proptest::bool::weighted(0.1)), 1..3_000)
+    ) {
+        let mut fast = super::state::ReservedIds::default();
+        // The plain rule: one pass over everything per call.
+        let mut plain: Vec<(u32, String, String)> = Vec::new();
+        for (i, (user, seq, claim)) in ops.into_iter().enumerate() {
+            let seq = if claim { seq } else { u32::try_from(i).unwrap() + 1 };
+            let id = crate::rm::apps::app_id(1, seq);
+            let user = format!("u{user}");
+            if claim {
+                let had = plain.iter().any(|(_, i, _)| *i == id);
+                plain.retain(|(_, i, _)| *i != id);
+                proptest::prop_assert_eq!(fast.take(&id), had);
+                continue;
+            }
+            fast.insert(id.clone(), &user);
+            plain.retain(|(_, i, _)| *i != id);
+            plain.push((seq, id, user.clone()));
+            plain.sort();
+            if plain.iter().filter(|(_, _, u)| *u == user).count() > MAX_RESERVED_IDS_PER_USER {
+                let k = plain.iter().position(|(_, _, u)| *u == user).unwrap();
+                plain.remove(k);
+            }
+            while plain.len() > MAX_RESERVED_IDS {
+                plain.remove(0);
+            }
+        }
+        let want: Vec<String> = plain.iter().map(|(_, i, _)| i.clone()).collect();
+        proptest::prop_assert_eq!(fast.ids(), want);
+        for (_, id, user) in &plain {
+            proptest::prop_assert_eq!(fast.owner(id), Some(user.as_str()));
+        }
+        for u in ["u0", "u1"] {
+            let n = plain.iter().filter(|(_, _, x)| x == u).count();
+            proptest::prop_assert_eq!(fast.held_by(u), n);
+        }
+    }
 }
 
 #[test]
@@ -550,8 +596,7 @@ fn the_application_sequence_is_refused_at_its_end_not_wrapped() {
     let mut st = RmState {
         ledger: Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
         apps: Apps::default(),
-        reserved: BTreeMap::new(),
-        reserved_by: BTreeMap::new(),
+        reserved: Default::default(),
         next_app_seq: u32::MAX - 1,
         meta_dirty: false,
         store: Store::memory(),
