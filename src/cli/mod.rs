@@ -416,6 +416,7 @@ enum BenchCmd {
 
 /// Entry point: parses the command line and runs the command.
 pub fn main() -> i32 {
+    crate::node::procs::close_inherited_at_exec();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

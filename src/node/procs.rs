@@ -6,7 +6,8 @@
 //! kernel's start time of that process (`/proc/<pid>/stat` field 22, in clock ticks
 //! since boot). The pair is what the RM persists for AM processes and the executor for
 //! container leaders, and what lets a restarted RM re-attach to processes it did not
-//! spawn.
+//! spawn. Also [`close_inherited_at_exec`]: no descriptor this process inherited reaches
+//! what it starts.
 
 use std::time::Duration;
 
@@ -169,9 +170,58 @@ impl ProcessId {
     }
 }
 
+/// Marks every descriptor from 3 on close-on-exec, so that nothing this process inherited
+/// from whoever started it (a shell's `exec 9<secret`, a wrapper's pipe, a lock) reaches
+/// an AM, a task or any other program it starts. Called once, first thing in `main`; what
+/// Rust opens afterwards is close-on-exec already. `close_range` (Linux 5.11), else each
+/// descriptor of `/proc/self/fd`.
+pub fn close_inherited_at_exec() {
+    // SAFETY: a plain syscall on this process's descriptor table.
+    let done = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if done == 0 {
+        return;
+    }
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<i32> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: flags of a descriptor number; one closed meanwhile answers EBADF.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A descriptor inherited without close-on-exec is marked so (what `main` does first).
+    #[test]
+    fn inherited_descriptors_close_at_exec() {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: a duplicate without FD_CLOEXEC, closed below.
+        let fd = unsafe { libc::dup(std::os::fd::AsRawFd::as_raw_fd(&f)) };
+        let cloexec = |fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
+        assert!(fd > 2 && !cloexec(fd));
+        close_inherited_at_exec();
+        assert!(cloexec(fd));
+        unsafe { libc::close(fd) };
+    }
 
     #[test]
     fn descendants_follow_parent_chains_only() {

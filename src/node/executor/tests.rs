@@ -458,6 +458,36 @@ async fn a_task_whose_record_cannot_be_stored_never_runs() {
     assert!(mark.exists());
 }
 
+/// A descriptor the node holds without close-on-exec (inherited from whoever started it)
+/// does not reach a task: only stdin, stdout and stderr do.
+#[tokio::test]
+async fn a_task_gets_no_descriptor_of_the_nodes_but_its_three() {
+    let (t, exec, mut rx) = setup();
+    let secret = t.path().join("secret");
+    std::fs::write(&secret, "TOP-SECRET").unwrap();
+    let f = std::fs::File::open(&secret).unwrap();
+    // SAFETY: a duplicate without FD_CLOEXEC, as a shell's `exec 9<file` leaves one.
+    let leaked = unsafe { libc::dup(std::os::fd::AsRawFd::as_raw_fd(&f)) };
+    assert!(leaked > 2);
+    exec.start(
+        "c-fds",
+        "h",
+        &no_gpus(),
+        ctx(&[&format!("cat <&{leaked} 2>/dev/null; ls /proc/self/fd | tr '\\n' ' '")]),
+    )
+    .unwrap();
+    let (_, code, diag) = next_exit(&mut rx).await;
+    // SAFETY: the duplicate made above.
+    unsafe { libc::close(leaked) };
+    assert_eq!(code, 0, "{diag}");
+    let out = exec.read_log("c-fds", LogStream::Stdout, None).unwrap();
+    assert!(!out.contains("TOP-SECRET"), "{out}");
+    // `ls` itself opens one to list the directory: 0 1 2 and that one.
+    let fds: Vec<&str> = out.split_whitespace().collect();
+    assert_eq!(fds.len(), 4, "{out}");
+    assert_eq!(&fds[..3], ["0", "1", "2"], "{out}");
+}
+
 #[tokio::test]
 async fn commands_run_in_order_and_stop_at_first_failure() {
     let (_t, exec, mut rx) = setup();

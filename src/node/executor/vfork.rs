@@ -292,6 +292,16 @@ unsafe fn child_steps(c: &Child<'_>) -> i32 {
             return errno();
         }
     }
+    // Nothing else of the node's reaches the task: every other descriptor closes at exec,
+    // also one the node inherited without close-on-exec from whoever started it (a shell's
+    // `exec 9<secret`, a wrapper's pipe). Before Linux 5.11 the call fails; the node then
+    // relies on `crate::node::procs::close_inherited_at_exec`, done at its start.
+    libc::syscall(
+        libc::SYS_close_range,
+        c.fds.len() as libc::c_uint,
+        libc::c_uint::MAX,
+        libc::CLOSE_RANGE_CLOEXEC,
+    );
     if libc::chdir(c.cwd.as_ptr()) != 0 {
         return errno();
     }
