@@ -392,7 +392,10 @@ pub fn program_for(
             // The task's own stderr starts with the note.
             Ok(Spawn {
                 program: PathBuf::from("bash"),
+                // `--norc`: bash run with `-c` and a socket on stdin (the start's hold) takes
+                // itself for rshd's and would read `~/.bashrc` before the hold's check.
                 args: vec![
+                    "--norc".into(),
                     "-c".into(),
                     "printf '%s\\n' \"$1\" >&2; exec bash launch.sh".into(),
                     "gpuam".into(),

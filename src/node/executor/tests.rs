@@ -488,6 +488,38 @@ async fn a_task_gets_no_descriptor_of_the_nodes_but_its_three() {
     assert_eq!(&fds[..3], ["0", "1", "2"], "{out}");
 }
 
+/// A task that names an image the node cannot run runs on the host (with a note), and no
+/// startup file runs before its hold's check: bash run with `-c` and a socket on stdin
+/// would read `~/.bashrc` (as under rshd) before the task's process is recorded.
+#[tokio::test]
+async fn a_task_run_on_the_host_instead_of_its_image_reads_no_startup_file() {
+    let home = tempfile::tempdir().unwrap();
+    let mark = home.path().join("bashrc-ran");
+    std::fs::write(
+        home.path().join(".bashrc"),
+        format!("touch {}; echo BASHRC-RAN >&2\n", mark.display()),
+    )
+    .unwrap();
+    let (_t, exec, mut rx) = setup_with(ExecutorOptions {
+        task_env: vec![("HOME".into(), home.path().display().to_string())],
+        image: crate::node::image::ImagePolicy {
+            use_runtime: false,
+            run_without_image: true,
+        },
+        ..Default::default()
+    });
+    let mut c = ctx(&["echo ok"]);
+    c.env
+        .insert(crate::node::image::IMAGE_ENV.into(), "no-such-image:1".into());
+    exec.start("c-norc", "h", &no_gpus(), c).unwrap();
+    let (_, code, diag) = next_exit(&mut rx).await;
+    assert_eq!(code, 0, "{diag}");
+    let err = exec.read_log("c-norc", LogStream::Stderr, None).unwrap();
+    assert!(err.contains("no-such-image"), "the note: {err}");
+    assert!(!err.contains("BASHRC-RAN") && !mark.exists(), "{err}");
+    assert_eq!(exec.read_log("c-norc", LogStream::Stdout, None).unwrap(), "ok\n");
+}
+
 #[tokio::test]
 async fn commands_run_in_order_and_stop_at_first_failure() {
     let (_t, exec, mut rx) = setup();
