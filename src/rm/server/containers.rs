@@ -59,26 +59,38 @@ pub(super) fn container_access(
     id: &str,
     headers: &HeaderMap,
 ) -> Result<ContainerInfo, ApiError> {
-    container_info(st, host, id, |app| authorize(app, headers))
+    // Only an application's own token opens these routes, so an unknown container (or one
+    // on another host) answers as a wrong token does: nobody learns which exist, or where.
+    container_info(
+        st,
+        host,
+        id,
+        |app| authorize(app, headers),
+        |_| ApiError::unauthorized(),
+    )
 }
 
-/// The container `id` on `host`, if `allowed` accepts its application.
+/// The container `id` on `host`, if `allowed` accepts its application; `missing` says what
+/// the caller is told when there is none (or it is on another host, or of no application),
+/// given the error of "not found".
 fn container_info(
     st: &RmState,
     host: &str,
     id: &str,
     allowed: impl FnOnce(&App) -> Result<(), ApiError>,
+    missing: impl FnOnce(ApiError) -> ApiError,
 ) -> Result<ContainerInfo, ApiError> {
     check_container_id(id)?;
-    let c = st
+    let found = st
         .ledger
         .container(id)
         .filter(|c| c.container.host == host)
-        .ok_or_else(|| ApiError::not_found(format!("no container `{id}` on host `{host}`")))?;
-    let app = st
-        .apps
-        .get(&c.app_id)
-        .ok_or_else(|| ApiError::not_found(format!("container `{id}` belongs to no known application")))?;
+        .and_then(|c| Some((c, st.apps.get(&c.app_id)?)));
+    let Some((c, app)) = found else {
+        return Err(missing(ApiError::not_found(format!(
+            "no container `{id}` on host `{host}`"
+        ))));
+    };
     allowed(app)?;
     Ok(ContainerInfo {
         state: c.state,
@@ -222,13 +234,24 @@ pub(super) async fn container_logs(
 ) -> Result<Response, ApiError> {
     // The AM (its application token), the application's owner, or the admin.
     let caller = authenticate(&rm, &headers);
-    container_info(&rm.lock(), &host, &id, |app| match authorize(app, &headers) {
-        Ok(()) => Ok(()),
-        Err(not_the_am) => match &caller {
-            Ok(c) => c.must_own(app),
-            Err(_) => Err(not_the_am),
+    // A known user is told that a container is unknown (as for applications); a caller
+    // without a credential the RM accepts, the same as for one that exists.
+    container_info(
+        &rm.lock(),
+        &host,
+        &id,
+        |app| match authorize(app, &headers) {
+            Ok(()) => Ok(()),
+            Err(not_the_am) => match &caller {
+                Ok(c) => c.must_own(app),
+                Err(_) => Err(not_the_am),
+            },
         },
-    })?;
+        |not_found| match &caller {
+            Ok(_) => not_found,
+            Err(_) => ApiError::unauthorized(),
+        },
+    )?;
     let stream = log_stream(q.stream.as_deref())?;
     let text = rm.nodes.for_host(&host).read_log(&host, &id, stream, q.tail).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())

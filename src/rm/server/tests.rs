@@ -248,6 +248,39 @@ async fn without_a_token_an_unknown_application_answers_as_a_known_one() {
     );
     let served = register(&known, Some(&token)).await.unwrap();
     assert_eq!(served.status().as_u16(), 200, "{}", served.text().await.unwrap());
+    // The container routes the same way: a container that exists, one that does not and
+    // one asked for on another host all answer a wrong token alike.
+    let am = crate::am::rm_client::RmClient::for_app(&base, &known, &token);
+    let granted = am
+        .allocate(&AllocateRequest {
+            asks: vec![ask(1, "n1", 0x1)],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .allocated;
+    let real = granted[0].container_id.clone();
+    let none = format!("{}99", &real[..real.len() - 2]);
+    let container = |host: &str, id: &str, verb: &str, bearer: &str| {
+        let url = format!("{base}/ws/v1/node/{host}/containers/{id}/{verb}");
+        let req = if verb == "stop" {
+            http.post(url).json(&serde_json::json!({}))
+        } else {
+            http.get(url)
+        };
+        req.bearer_auth(bearer).send()
+    };
+    for verb in ["status", "logs", "stop"] {
+        let mut seen = Vec::new();
+        for (host, id) in [("n1", real.as_str()), ("n1", none.as_str()), ("n2", real.as_str())] {
+            let (code, body) = answer(container(host, id, verb, "not-a-token").await.unwrap()).await;
+            seen.push((code, body.replace(id, "ID").replace(host, "HOST")));
+        }
+        assert_eq!(seen[0].0, 401, "{verb}: {seen:?}");
+        assert!(seen.iter().all(|s| *s == seen[0]), "{verb}: {seen:?}");
+    }
+    let (code, body) = answer(container("n1", &real, "status", &token).await.unwrap()).await;
+    assert_eq!(code, 200, "{body}");
     rm.shutdown().await;
 }
 
