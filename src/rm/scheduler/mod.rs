@@ -224,7 +224,8 @@ pub struct Shares {
     /// `[queue]`: hundredths held over all pools.
     pub used_total: Vec<u32>,
     /// `[pool][queue]`: the part of `waiting` from jobs that are not gangs of several
-    /// tasks (what takes back a swapped gang's GPUs beyond its queue's share, `victims`).
+    /// tasks (what takes back a swapped gang's GPUs beyond its queue's share, `victims`),
+    /// in hundredths.
     pub waiting_singles: Vec<Vec<u32>>,
     /// `[queue]`: waiting tasks.
     pub waiting_tasks: Vec<u32>,
@@ -297,17 +298,19 @@ impl Shares {
             let single = !(a.gang && a.waiting.iter().map(|w| w.count).sum::<u32>() > 1);
             for w in &a.waiting {
                 for up in tree.lineage(a.queue) {
-                    s.waiting_tasks[up] += w.count;
+                    s.waiting_tasks[up] = s.waiting_tasks[up].saturating_add(w.count);
                 }
                 if w.gpus == 0 {
                     continue;
                 }
                 for (p, name) in pools.iter().enumerate() {
                     if w.gpu_types.is_empty() || w.gpu_types.iter().any(|g| g == name) {
+                        // Saturating: an AM may report 100,000 tasks of 64 GPUs per role.
+                        let h = w.count.saturating_mul(w.hundredths());
                         for up in tree.lineage(a.queue) {
-                            s.waiting[p][up] += w.count * w.hundredths();
+                            s.waiting[p][up] = s.waiting[p][up].saturating_add(h);
                             if single {
-                                s.waiting_singles[p][up] += w.count * w.hundredths();
+                                s.waiting_singles[p][up] = s.waiting_singles[p][up].saturating_add(h);
                             }
                         }
                     }
@@ -315,7 +318,9 @@ impl Shares {
             }
         }
         for p in 0..pools.len() {
-            let want: Vec<f64> = (0..nq).map(|q| gpus_of(s.used[p][q] + s.waiting[p][q])).collect();
+            let want: Vec<f64> = (0..nq)
+                .map(|q| gpus_of(s.used[p][q].saturating_add(s.waiting[p][q])))
+                .collect();
             s.deserved[p] = share::deserved(tree, f64::from(s.capacity[p]), &want);
         }
         s.pools = pools;

@@ -1289,10 +1289,16 @@ fn shares_held_past_a_queues_share_are_taken_back_for_a_queue_below_its_share() 
         "{:?}",
         p.why[b]
     );
+    let told = p.why[b].as_ref().map(ToString::to_string).unwrap_or_default();
+    assert!(told.contains("below its share") && told.contains("`a`"), "{told}");
     assert!(
-        matches!(&p.why[more], Some(WaitReason::OverShare { queue, .. }) if queue == "a"),
+        matches!(&p.why[more], Some(WaitReason::OverShare { queue, used, .. }) if queue == "a" && used.0 == 792),
         "{:?}",
         p.why[more]
+    );
+    assert_eq!(
+        p.why[more].as_ref().map(|w| w.reason().kind),
+        Some(crate::reason::Kind::QueueShare)
     );
     // With those leaving, the next pass takes nothing more.
     for &h in &taken {

@@ -132,7 +132,7 @@ pub(super) struct Choice {
 struct Cost {
     /// Hundredths.
     gpus: u32,
-    /// Σ (priority above the lowest candidate's) × GPUs.
+    /// Σ (priority above the lowest candidate's) × hundredths.
     priority: i64,
     run: u64,
     containers: u32,
@@ -178,9 +178,9 @@ fn served(snap: &Snapshot, scratch: &Scratch, tasks: &[WaitingTasks], units: &[U
     n
 }
 
-/// Chooses units so that `tasks` fit (see the module doc). `limit`: GPUs each victim queue
-/// may lose at most; `refill`: GPUs of each victim queue's own waiting work that would take
-/// back room a whole gang frees beyond its limit (the swap plan).
+/// Chooses units so that `tasks` fit (see the module doc). `limit`: hundredths each victim
+/// queue may lose at most; `refill`: hundredths of each victim queue's own waiting work
+/// that would take back room a whole gang frees beyond its limit (the swap plan).
 pub(super) fn choose(
     snap: &Snapshot,
     scratch: &Scratch,
@@ -214,7 +214,10 @@ pub(super) fn choose(
         .unwrap_or_default();
     // The swap only where nothing within the limits serves anything: it costs a whole gang.
     if best.0 == 0 {
-        let need: u32 = tasks.iter().map(|w| w.count * w.gpus * WHOLE).sum();
+        let need: u32 = tasks
+            .iter()
+            .map(|w| w.count.saturating_mul(w.gpus).saturating_mul(WHOLE))
+            .fold(0, u32::saturating_add);
         if let Some(u) = swap(units, limit, refill, need, base) {
             best = score(vec![u]);
         }
