@@ -60,6 +60,7 @@ fn world(nodes: usize, waiting: usize, shape: Shapes) -> Snapshot {
                 app: 0,
                 node: n,
                 gpus: 0xf << (4 * half),
+                gpu_shares: Default::default(),
                 cpu: 16,
                 memory_mb: 1 << 18,
                 ports: Default::default(),

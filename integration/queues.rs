@@ -16,6 +16,10 @@
 //! - `a_higher_priority_job_preempts_within_its_queue`: one queue that allows it; a
 //!   priority-10 job takes two GPUs from a priority-0 job, a same-priority job waiting
 //!   before it does not get them.
+//! - `gpu_shares_past_a_queues_share_are_taken_back`: 8 GPUs, queues A and B of equal
+//!   weight (RELIABILITY §2e, D3). A holds every GPU through `gpu: 0.99` tasks (7.92 GPUs);
+//!   B asks four whole GPUs: three of A's shares are taken back (a fourth would leave A at
+//!   3.96, below its 4) and B runs three tasks; the queues read 4.95 and 3; all finish.
 
 mod common;
 
@@ -45,6 +49,21 @@ const ENV: &[(&str, &str)] = &[
 
 /// A job of `n` one-GPU tasks in `queue` that run until `release-<release>` exists.
 fn job(rm: &Rm, name: &str, queue: &str, priority: i32, gang: bool, n: u32, release: &str) -> std::path::PathBuf {
+    job_of(rm, name, queue, priority, gang, n, "1", release)
+}
+
+/// [`job`] with `gpu` GPUs per task (`0.99`: a share of one).
+#[allow(clippy::too_many_arguments)]
+fn job_of(
+    rm: &Rm,
+    name: &str,
+    queue: &str,
+    priority: i32,
+    gang: bool,
+    n: u32,
+    gpu: &str,
+    release: &str,
+) -> std::path::PathBuf {
     let root = rm.root().display().to_string();
     let rec = "$GPUAM_JOB $GPUAM_TASK_INDEX $GPUAM_ATTEMPT $GPUAM_HOST $CUDA_VISIBLE_DEVICES";
     let script = format!(
@@ -59,7 +78,7 @@ fn job(rm: &Rm, name: &str, queue: &str, priority: i32, gang: bool, n: u32, rele
         name,
         &format!(
             "name: {name}\nqueue: {queue}\npriority: {priority}\ngang: {gang}\ntaskRoles:\n  worker:\n    instances: {n}\n    \
-             taskRetryCount: 0\n    resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 1}}\n    commands:\n      - {}\n",
+             taskRetryCount: 0\n    resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: {gpu}}}\n    commands:\n      - {}\n",
             sq(&script)
         ),
     )
@@ -144,6 +163,17 @@ fn assert_no_gpu_held_twice(runs: &[Run]) {
             );
         }
     }
+}
+
+/// GPUs each queue holds now, fractional with shares (the cluster page's JSON).
+fn queue_use_f(rm: &Rm) -> BTreeMap<String, f64> {
+    let v = rm.get_json("/ws/v1/cluster/overview").expect("overview");
+    v["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| (q["name"].as_str().unwrap().to_string(), q["usedGpus"].as_f64().unwrap()))
+        .collect()
 }
 
 /// GPUs each queue holds now (the cluster page's JSON).
@@ -395,6 +425,45 @@ fn a_higher_priority_job_preempts_within_its_queue() {
         .filter(|x| x.job == "low" && x.attempt == 1 && x.end.as_ref().is_some_and(|e| e.1 != "done"))
         .count();
     assert_eq!(preempted, 2, "{r:?}");
+    assert_no_gpu_held_twice(&r);
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+#[test]
+fn gpu_shares_past_a_queues_share_are_taken_back() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let settings =
+        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 1}}\n    b: {{weight: 1}}\n");
+    let rm = Rm::start_with_settings(CLUSTER, &settings, ENV);
+    let a = rm.submit(&job_of(&rm, "a", "a", 0, false, 8, "0.99", "a"));
+    wait_for(Duration::from_secs(60), "A to hold every GPU through shares", || {
+        (running(&runs(&rm), "a") == 8).then_some(())
+    });
+    assert!((queue_use_f(&rm)["a"] - 7.92).abs() < 1e-9, "{:?}", queue_use_f(&rm));
+    let b = rm.submit(&job(&rm, "b", "b", 0, false, 4, "b"));
+    wait_for(SPLIT_DEADLINE, "B to run three tasks on A's freed GPUs", || {
+        let r = runs(&rm);
+        (running(&r, "b") == 3 && running(&r, "a") == 5).then_some(())
+    });
+    // Nothing more goes: A stays at 4.95 (above its 4), B at 3.
+    std::thread::sleep(Duration::from_secs(GRACE_SEC + 1));
+    let u = queue_use_f(&rm);
+    assert!((u["a"] - 4.95).abs() < 1e-9 && (u["b"] - 3.0).abs() < 1e-9, "{u:?}");
+    let r = runs(&rm);
+    assert_eq!(running(&r, "a"), 5, "{r:?}");
+    std::fs::write(rm.path("release-a"), "").unwrap();
+    std::fs::write(rm.path("release-b"), "").unwrap();
+    for (what, s) in [("a", a), ("b", b)] {
+        let out = s.wait(Duration::from_secs(90));
+        assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
+    }
+    let r = runs(&rm);
+    let preempted: Vec<&Run> = r
+        .iter()
+        .filter(|x| x.end.as_ref().is_some_and(|(_, why)| why != "done"))
+        .collect();
+    assert_eq!(preempted.len(), 3, "{preempted:?}");
+    assert!(preempted.iter().all(|x| x.job == "a"), "{preempted:?}");
     assert_no_gpu_held_twice(&r);
     rm.assert_all_free(Duration::from_secs(20));
 }

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::resources::{mask_serde, CustomResources, GpuMask, GpuShares, PortSet, Resources};
+use crate::resources::{mask_serde, CustomResources, GpuMask, GpuShares, PortSet, Resources, ANY_GPU};
 
 /// Milliseconds since the epoch, as every timestamp of the wire is written (the one clock
 /// helper of the crate; 0 if the clock is before 1970).
@@ -534,6 +534,16 @@ fn is_zero_u16(n: &u16) -> bool {
 }
 
 impl WaitingTasks {
+    /// One task's GPUs in hundredths as the queues count them (its request's
+    /// [`Resources::hundredths`]: its share, or 100 per GPU).
+    pub fn hundredths(&self) -> u32 {
+        let shares = self
+            .gpu_share
+            .map_or_else(GpuShares::new, |h| GpuShares::one(ANY_GPU, h));
+        let whole = self.gpus.saturating_sub(shares.len() as u32);
+        crate::resources::shares::hundredths(whole, &shares)
+    }
+
     /// One task's request as the shortfall rule reads it (concrete ports included).
     pub fn request(&self) -> Resources {
         Resources::request(

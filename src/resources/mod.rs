@@ -18,7 +18,7 @@ pub mod shares;
 
 pub use custom::{check_name as check_resource_name, CustomResources};
 pub use ports::{PortParseError, PortRange, PortSet};
-pub use shares::{format_hundredths, parse_hundredths, GpuShares, ANY_GPU, WHOLE};
+pub use shares::{format_hundredths, parse_hundredths, GpuAmount, GpuShares, ANY_GPU, WHOLE};
 
 use serde::{Deserialize, Serialize};
 
@@ -386,6 +386,12 @@ impl Resources {
         } else {
             self.gpus.saturating_sub(self.gpu_shares.len() as u32)
         }
+    }
+
+    /// Hundredths of GPU this amount holds in all: 100 per whole GPU plus its shares (what
+    /// the queues count, [`shares::hundredths`]).
+    pub fn hundredths(&self) -> u32 {
+        shares::hundredths(self.whole_gpu_count(), &self.gpu_shares)
     }
 
     /// Hundredths of GPU `index` this amount holds: 100 for a whole GPU, its share for

@@ -7,6 +7,10 @@
 //! same amount: nothing more fits on either.
 //!
 //! A count-only request (no GPU chosen yet) keeps its share under [`ANY_GPU`].
+//!
+//! Also the queues' unit (issue 16): [`hundredths`], the one rule by which an amount's
+//! GPUs are counted against its queue, and [`GpuAmount`], such a count as people and the
+//! wire read it.
 
 use std::fmt;
 
@@ -14,6 +18,40 @@ use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 
 /// Hundredths in one whole GPU.
 pub const WHOLE: u32 = 100;
+
+/// GPU use in hundredths: `whole` GPUs and `shares` held in part. The one rule by which
+/// the queues count GPUs (issue 16 with issue 15): a held container, a task's request and
+/// an ask all count this way, so a share of 0.99 counts 99 and never a whole GPU.
+pub fn hundredths(whole: u32, shares: &GpuShares) -> u32 {
+    whole.saturating_mul(WHOLE).saturating_add(shares.total())
+}
+
+/// Hundredths as GPUs, for people and the wire: an integer when whole (`2`), else the
+/// exact decimal (`1.98`); serialized the same way, so a whole-GPU figure reads as before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct GpuAmount(pub u32);
+
+impl GpuAmount {
+    pub fn as_f64(self) -> f64 {
+        f64::from(self.0) / f64::from(WHOLE)
+    }
+}
+
+impl fmt::Display for GpuAmount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&format_hundredths(self.0))
+    }
+}
+
+impl Serialize for GpuAmount {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0.is_multiple_of(WHOLE) {
+            s.serialize_u32(self.0 / WHOLE)
+        } else {
+            s.serialize_f64(self.as_f64())
+        }
+    }
+}
 
 /// The index under which a count-only request keeps its share (its GPU is not chosen yet).
 pub const ANY_GPU: u8 = 64;
@@ -136,6 +174,11 @@ impl GpuShares {
             .iter()
             .filter(|e| e.0 < ANY_GPU)
             .fold(0, |m, e| m | (1u64 << e.0))
+    }
+
+    /// Hundredths over all the shares (what they hold together, [`ANY_GPU`] included).
+    pub fn total(&self) -> u32 {
+        self.0.iter().map(|e| u32::from(e.1)).sum()
     }
 
     /// The single share of a one-GPU request, if it is fractional.

@@ -172,6 +172,7 @@ impl Engine<'_> {
                     app: a,
                     node,
                     gpus: mask,
+                    gpu_shares: Default::default(),
                     cpu: t.cpu,
                     memory_mb: t.mem_mb,
                     ports: Default::default(),

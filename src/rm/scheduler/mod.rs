@@ -26,11 +26,15 @@
 //!    swap). Also why each waiting application waits ([`WaitReason`]).
 //!
 //! CPU and memory only have to fit: shares are counted in GPUs (on GPU clusters the
-//! dominant resource); an ask without GPUs ranks by its queue's largest ratio over the
-//! pools and never causes preemption. Which nodes a waiting task may use at all is
-//! placement's own rule ([`eligible`] over `select::feasible`: partition, GPU type,
-//! none-GPU, and the whole request against the node's total), so room is never kept or
-//! freed on a node the AM's select would never pick for it.
+//! dominant resource), in hundredths ([`crate::resources::shares::hundredths`]): a
+//! container or task holding part of a GPU (`gpu: 0.5`) counts its part against its queue
+//! — use, waiting demand, `maxGpus`, ranking — and may be taken back; its GPU becomes free
+//! room only once every share on it has gone ([`Scratch`]). An ask without GPUs ranks by
+//! its queue's largest ratio over the pools and never causes preemption. Which nodes a
+//! waiting task may use at all is placement's own rule ([`eligible`] over
+//! `select::feasible`: partition, GPU type, none-GPU, and the whole request against the
+//! node's total), so room is never kept or freed on a node the AM's select would never
+//! pick for it.
 
 pub mod queues;
 pub mod reservation;
@@ -44,7 +48,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::protocol::WaitingTasks;
-use crate::resources::{lowest_bits, CustomResources, GpuMask, PortSet, Resources};
+use crate::resources::{lowest_bits, CustomResources, GpuAmount, GpuMask, GpuShares, PortSet, Resources, WHOLE};
 use crate::select::feasible;
 use crate::topology::Topology;
 use queues::QueueTree;
@@ -79,7 +83,10 @@ pub struct Held {
     pub app: usize,
     /// Index into [`Snapshot::nodes`].
     pub node: usize,
+    /// The GPUs it holds whole.
     pub gpus: GpuMask,
+    /// The GPUs it holds in part (issue 15): index → hundredths; empty for whole GPUs.
+    pub gpu_shares: GpuShares,
     pub cpu: u32,
     pub memory_mb: u64,
     /// Its ports and custom resources (given back with it).
@@ -91,6 +98,13 @@ pub struct Held {
     pub leaving: bool,
     /// The queue it is being taken back for.
     pub for_queue: Option<usize>,
+}
+
+impl Held {
+    /// Its GPUs in hundredths, as its queue counts them: 100 per whole GPU plus its shares.
+    pub fn hundredths(&self) -> u32 {
+        crate::resources::shares::hundredths(self.gpus.count_ones(), &self.gpu_shares)
+    }
 }
 
 /// An application as the scheduler ranks it.
@@ -189,27 +203,29 @@ pub fn eligible(n: &NodeCap, t: &WaitingTasks) -> bool {
     n.usable && feasible::ever(&task_facts(t), &n.facts(), &ask, &n.total).is_ok()
 }
 
-/// Deserved shares and use, per pool and queue.
+/// Deserved shares and use, per pool and queue. Use and demand are in hundredths of a
+/// GPU (a share counts its part, a whole GPU 100); capacity and deserved shares in GPUs.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Shares {
     /// Pool names (GPU types), sorted.
     pub pools: Vec<String>,
     /// GPUs of usable nodes per pool (nodes smaller than every task left out).
     pub capacity: Vec<u32>,
-    /// `[pool][queue]`: GPUs held (parents: their leaves' sum).
+    /// `[pool][queue]`: hundredths held (parents: their leaves' sum).
     pub used: Vec<Vec<u32>>,
-    /// `[pool][queue]`: GPUs of waiting tasks that may use the pool.
+    /// `[pool][queue]`: hundredths of waiting tasks that may use the pool.
     pub waiting: Vec<Vec<u32>>,
     /// `[pool][queue]`: deserved GPUs.
     pub deserved: Vec<Vec<f64>>,
-    /// `[pool][queue]`: GPUs being taken back from the queue (notices out).
+    /// `[pool][queue]`: hundredths being taken back from the queue (notices out).
     pub leaving: Vec<Vec<u32>>,
-    /// `[pool][queue]`: GPUs being taken back for the queue.
+    /// `[pool][queue]`: hundredths being taken back for the queue.
     pub incoming: Vec<Vec<u32>>,
-    /// `[queue]`: GPUs held over all pools.
+    /// `[queue]`: hundredths held over all pools.
     pub used_total: Vec<u32>,
     /// `[pool][queue]`: the part of `waiting` from jobs that are not gangs of several
-    /// tasks (what takes back a swapped gang's GPUs beyond its queue's share, `victims`).
+    /// tasks (what takes back a swapped gang's GPUs beyond its queue's share, `victims`),
+    /// in hundredths.
     pub waiting_singles: Vec<Vec<u32>>,
     /// `[queue]`: waiting tasks.
     pub waiting_tasks: Vec<u32>,
@@ -263,7 +279,7 @@ impl Shares {
             let Some(p) = snap.nodes.get(h.node).and_then(|n| pool_of(&n.pool)) else {
                 continue;
             };
-            let k = h.gpus.count_ones();
+            let k = h.hundredths();
             let q = snap.apps[h.app].queue;
             for up in tree.lineage(q) {
                 s.used[p][up] += k;
@@ -282,17 +298,19 @@ impl Shares {
             let single = !(a.gang && a.waiting.iter().map(|w| w.count).sum::<u32>() > 1);
             for w in &a.waiting {
                 for up in tree.lineage(a.queue) {
-                    s.waiting_tasks[up] += w.count;
+                    s.waiting_tasks[up] = s.waiting_tasks[up].saturating_add(w.count);
                 }
                 if w.gpus == 0 {
                     continue;
                 }
                 for (p, name) in pools.iter().enumerate() {
                     if w.gpu_types.is_empty() || w.gpu_types.iter().any(|g| g == name) {
+                        // Saturating: an AM may report 100,000 tasks of 64 GPUs per role.
+                        let h = w.count.saturating_mul(w.hundredths());
                         for up in tree.lineage(a.queue) {
-                            s.waiting[p][up] += w.count * w.gpus;
+                            s.waiting[p][up] = s.waiting[p][up].saturating_add(h);
                             if single {
-                                s.waiting_singles[p][up] += w.count * w.gpus;
+                                s.waiting_singles[p][up] = s.waiting_singles[p][up].saturating_add(h);
                             }
                         }
                     }
@@ -301,7 +319,7 @@ impl Shares {
         }
         for p in 0..pools.len() {
             let want: Vec<f64> = (0..nq)
-                .map(|q| f64::from(s.used[p][q]) + f64::from(s.waiting[p][q]))
+                .map(|q| gpus_of(s.used[p][q].saturating_add(s.waiting[p][q])))
                 .collect();
             s.deserved[p] = share::deserved(tree, f64::from(s.capacity[p]), &want);
         }
@@ -313,10 +331,15 @@ impl Shares {
         self.pools.binary_search_by(|p| p.as_str().cmp(name)).ok()
     }
 
+    /// The queue's GPUs held in the pool (fractional where it holds shares).
+    pub fn used_gpus(&self, p: usize, q: usize) -> GpuAmount {
+        GpuAmount(self.used[p][q])
+    }
+
     /// Use over deserved share (0 when it holds nothing; very large when it is owed
     /// nothing but holds something).
     pub fn ratio(&self, p: usize, q: usize) -> f64 {
-        let (u, d) = (f64::from(self.used[p][q]), self.deserved[p][q]);
+        let (u, d) = (gpus_of(self.used[p][q]), self.deserved[p][q]);
         if u <= EPS {
             0.0
         } else if d <= EPS {
@@ -334,26 +357,35 @@ impl Shares {
     /// Whole GPUs the queue is still owed in the pool (deserved − used), counting what is
     /// already being taken back for it.
     pub fn owed(&self, p: usize, q: usize) -> u32 {
-        let gap = self.deserved[p][q] - f64::from(self.used[p][q] + self.incoming[p][q]);
+        let gap = self.deserved[p][q] - gpus_of(self.used[p][q] + self.incoming[p][q]);
         (gap + EPS).floor().max(0.0) as u32
     }
 
-    /// Whole GPUs that may be taken from the queue in the pool: its use above its share
-    /// (and above `guaranteedGpus`), less what is already leaving.
-    pub fn over(&self, p: usize, q: usize) -> u32 {
-        let used = f64::from(self.used[p][q]);
+    /// Hundredths that may be taken from the queue in the pool: its use above its share
+    /// (and above `guaranteedGpus`), less `leaving`, the hundredths already leaving it (at
+    /// least `self.leaving`; a plan adds what it takes).
+    pub fn over(&self, p: usize, q: usize, leaving: u32) -> u32 {
+        let used = gpus_of(self.used[p][q]);
         let floor = self.deserved[p][q].max(f64::from(self.guaranteed[q]).min(used));
-        let gap = used - floor - f64::from(self.leaving[p][q]);
-        (gap + EPS).floor().max(0.0) as u32
+        let gap = used - floor - gpus_of(leaving);
+        ((gap + EPS) * f64::from(WHOLE)).floor().max(0.0) as u32
     }
+}
+
+/// Hundredths as GPUs.
+fn gpus_of(hundredths: u32) -> f64 {
+    GpuAmount(hundredths).as_f64()
 }
 
 /// Free resources per node, for packing tasks without touching the snapshot: wholly free
 /// GPUs, CPU, memory, ports and custom resources, judged by the feasibility rule's
-/// shortfall. A GPU share takes a whole GPU here (the queues count shares as GPUs).
+/// shortfall. A waiting share task takes a whole free GPU here (room is only ever kept
+/// or made whole); a held share gives its GPU back only when the last share on it goes.
 #[derive(Clone, Debug, PartialEq)]
 struct Scratch {
     free: Vec<Resources>,
+    /// Per node: GPU index → hundredths the snapshot's containers still hold of it in part.
+    shared: Vec<BTreeMap<u8, u32>>,
 }
 
 /// Whether one task of `t` fits in `room` (the shortfall rule of `select::feasible`).
@@ -367,9 +399,19 @@ fn fits_in(room: &Resources, t: &WaitingTasks) -> bool {
     ask.shortfall(room).is_none()
 }
 
-/// Gives `h`'s resources back to `room`.
-fn give_back(room: &mut Resources, h: &Held) {
+/// Gives `h`'s resources back to `room`; `shared`: what the node's containers hold of its
+/// GPUs in part (a shared GPU joins the room once nothing of it is held).
+fn give_back(room: &mut Resources, shared: &mut BTreeMap<u8, u32>, h: &Held) {
     room.gpu_mask |= h.gpus;
+    for (i, part) in h.gpu_shares.iter().filter(|&(i, _)| u32::from(i) < 64) {
+        if let Some(left) = shared.get_mut(&i) {
+            *left = left.saturating_sub(part);
+            if *left == 0 {
+                shared.remove(&i);
+                room.gpu_mask |= 1u64 << i;
+            }
+        }
+    }
     room.gpus = room.gpu_mask.count_ones();
     room.cpu = room.cpu.saturating_add(h.cpu);
     room.memory_mb = room.memory_mb.saturating_add(h.memory_mb);
@@ -383,9 +425,32 @@ fn give_back(room: &mut Resources, h: &Held) {
 
 impl Scratch {
     fn of(snap: &Snapshot) -> Scratch {
+        let mut shared = vec![BTreeMap::new(); snap.nodes.len()];
+        for h in &snap.held {
+            if let Some(on) = shared.get_mut(h.node) {
+                for (i, part) in h.gpu_shares.iter() {
+                    *on.entry(i).or_insert(0) += part;
+                }
+            }
+        }
         Scratch {
             free: snap.nodes.iter().map(NodeCap::free_room).collect(),
+            shared,
         }
+    }
+
+    /// Node `n`'s room with `gone` (containers on it) given back.
+    fn room_without<'a>(&self, n: usize, gone: impl Iterator<Item = &'a Held>) -> Resources {
+        let (mut room, mut shared) = (self.free[n].clone(), self.shared[n].clone());
+        for h in gone {
+            give_back(&mut room, &mut shared, h);
+        }
+        room
+    }
+
+    /// Wholly free GPUs on the nodes `ok` accepts.
+    fn free_gpus(&self, ok: &dyn Fn(usize) -> bool) -> u32 {
+        (0..self.free.len()).filter(|&n| ok(n)).map(|n| self.free[n].gpus).sum()
     }
 
     fn fits(&self, n: usize, t: &WaitingTasks) -> bool {
@@ -439,18 +504,18 @@ impl Scratch {
         }
     }
 
-    /// Adds the resources of the leaving containers `which` accepts; returns their GPUs.
+    /// Adds the resources of the leaving containers `which` accepts; returns the GPUs
+    /// that became wholly free.
     fn give_leaving(&mut self, snap: &Snapshot, which: impl Fn(&Held) -> bool) -> u32 {
-        let mut gpus = 0;
+        let before = self.free_gpus(&|_| true);
         for h in snap.held.iter().filter(|h| h.leaving && which(h)) {
             self.give(h);
-            gpus += h.gpus.count_ones();
         }
-        gpus
+        self.free_gpus(&|_| true) - before
     }
 
     fn give(&mut self, h: &Held) {
-        give_back(&mut self.free[h.node], h);
+        give_back(&mut self.free[h.node], &mut self.shared[h.node], h);
     }
 
     /// Places one task of `t` best-fit (the eligible node with the fewest free GPUs that
@@ -496,18 +561,26 @@ pub enum WaitReason {
     /// Free GPUs are kept for an application that ranks ahead of it.
     Behind {
         queue: String,
-        used: u32,
+        used: GpuAmount,
         deserved: f64,
         ahead_app: String,
         ahead_queue: String,
     },
     /// Its queue is at or above its share while another queue below its share waits.
-    OverShare { queue: String, used: u32, deserved: f64 },
+    OverShare {
+        queue: String,
+        used: GpuAmount,
+        deserved: f64,
+    },
     /// GPUs are being taken back for it.
     Reclaiming { gpus: u32, from: Vec<String> },
     /// Below its share, but what could be taken back belongs to gangs whose whole
     /// preemption would take their queue below its own share.
-    GangProtected { queue: String, used: u32, deserved: f64 },
+    GangProtected {
+        queue: String,
+        used: GpuAmount,
+        deserved: f64,
+    },
     /// Nothing else stops it: no node has room for its tasks yet.
     NothingFits,
     /// The room it would take is reserved for a waiting gang that ranks ahead of it
@@ -611,14 +684,17 @@ fn rank_cmp(x: &(f64, i64, u64, String), y: &(f64, i64, u64, String)) -> std::cm
         .then(x.3.cmp(&y.3))
 }
 
-/// The queues whose caps bound `q`'s GPUs: the first of them already full, if any.
+/// The queues whose caps bound `q`'s GPUs: the first of them that `more` hundredths
+/// would take past its `maxGpus`, if any.
 fn at_cap(tree: &QueueTree, shares: &Shares, q: usize, more: u32) -> Option<WaitReason> {
     tree.lineage(q).find_map(|up| {
         let queue = tree.get(up);
         let max = queue.max_gpus?;
-        (shares.used_total[up] + more > max).then(|| WaitReason::AtCap {
-            queue: queue.path.clone(),
-            max,
+        (u64::from(shares.used_total[up]) + u64::from(more) > u64::from(max) * u64::from(WHOLE)).then(|| {
+            WaitReason::AtCap {
+                queue: queue.path.clone(),
+                max,
+            }
         })
     })
 }
@@ -669,8 +745,9 @@ pub fn gate(
     asks: &[(usize, Resources)],
 ) -> Result<(), WaitReason> {
     let me = &snap.apps[app];
-    // Whole GPUs only: GPU shares are outside the queues' GPU accounting (DESIGN-NOTES).
-    let gpus: u32 = asks.iter().map(|(_, r)| r.whole_gpu_count()).sum();
+    // In hundredths: a share counts its part (an ask of 0.99 passes a cap only with 0.99
+    // left under it).
+    let gpus: u32 = asks.iter().map(|(_, r)| r.hundredths()).sum();
     if gpus > 0 {
         if let Some(cap) = at_cap(tree, shares, me.queue, gpus) {
             return Err(cap);
@@ -678,13 +755,13 @@ pub fn gate(
     }
     let pool = asks
         .iter()
-        .find(|(_, r)| r.whole_gpu_count() > 0)
+        .find(|(_, r)| r.hundredths() > 0)
         .and_then(|(n, _)| shares.pool_of(&snap.nodes[*n].pool));
     let mine = rank(shares, pool, me);
     // An ask that takes its queue past its deserved share also keeps the room that another
     // queue still owed GPUs could take now, whatever the ranks: one big ask (a gang's) from
     // the queue furthest below its share must not overshoot into the room of the next.
-    let past_share = pool.filter(|&p| f64::from(shares.used[p][me.queue] + gpus) > shares.deserved[p][me.queue] + EPS);
+    let past_share = pool.filter(|&p| gpus_of(shares.used[p][me.queue] + gpus) > shares.deserved[p][me.queue] + EPS);
     let owed_other = |a: &AppDemand| a.queue != me.queue && past_share.is_some_and(|p| shares.owed(p, a.queue) > 0);
     let mut kept: Vec<(usize, (f64, i64, u64, String))> = snap
         .apps
@@ -715,15 +792,15 @@ pub fn gate(
             let p = past_share.unwrap_or_default();
             Err(WaitReason::OverShare {
                 queue: tree.get(me.queue).path.clone(),
-                used: shares.used[p][me.queue] + gpus,
+                used: GpuAmount(shares.used[p][me.queue] + gpus),
                 deserved: shares.deserved[p][me.queue],
             })
         }
         Some(&(b, _)) => {
             let (used, deserved) = match pool {
-                Some(p) => (shares.used[p][me.queue], shares.deserved[p][me.queue]),
+                Some(p) => (shares.used_gpus(p, me.queue), shares.deserved[p][me.queue]),
                 None => (
-                    shares.used_total[me.queue],
+                    GpuAmount(shares.used_total[me.queue]),
                     (0..shares.pools.len()).map(|p| shares.deserved[p][me.queue]).sum(),
                 ),
             };
@@ -867,16 +944,16 @@ struct PlanState {
     scratch: Scratch,
     /// Containers already chosen (by an earlier decision or in this plan).
     taken: Vec<bool>,
-    /// `[pool][queue]`: GPUs leaving the queue (earlier decisions and this plan's).
+    /// `[pool][queue]`: hundredths leaving the queue (earlier decisions and this plan's).
     leaving: Vec<Vec<u32>>,
     /// Per application: GPUs being taken back for it, and from which queues.
     reclaiming: BTreeMap<usize, (u32, BTreeSet<String>)>,
-    /// `[pool][queue]`: GPUs this plan takes back for each queue.
+    /// `[pool][queue]`: hundredths this plan takes back for each queue.
     gained: Vec<Vec<u32>>,
     /// Applications whose room only gangs too big to take could have made.
     protected: BTreeSet<usize>,
-    /// `[pool][queue]`: GPUs a swap of this plan took beyond the queue's limit, counting
-    /// on the queue's own waiting work to take them back.
+    /// `[pool][queue]`: hundredths a swap of this plan took beyond the queue's limit,
+    /// counting on the queue's own waiting work to take them back.
     refilled: Vec<Vec<u32>>,
 }
 
@@ -899,11 +976,9 @@ impl PlanState {
         let in_pool = |n: usize| shares.pool_of(&snap.nodes[n].pool) == Some(p);
         let mut limit: BTreeMap<usize, u32> = BTreeMap::new();
         for v in tree.leaves().filter(|&v| v != s) {
-            let cur = shares.used[p][v];
-            let floor = shares.deserved[p][v].max(f64::from(tree.get(v).guaranteed_gpus).min(f64::from(cur)));
-            let room = (f64::from(cur) - floor - f64::from(self.leaving[p][v]) + EPS).floor();
-            if room >= 1.0 {
-                limit.insert(v, room as u32);
+            let room = shares.over(p, v, self.leaving[p][v]);
+            if room > 0 {
+                limit.insert(v, room);
             }
         }
         // Each victim queue's own waiting work that would take back room beyond its limit,
@@ -947,7 +1022,7 @@ impl PlanState {
         for &u in &choice.units {
             let unit = &units[u];
             let vq = snap.apps[unit.app].queue;
-            let beyond = unit.gpus.saturating_sub(limit.get(&vq).copied().unwrap_or(0));
+            let beyond = unit.hundredths.saturating_sub(limit.get(&vq).copied().unwrap_or(0));
             self.refilled[p][vq] += beyond;
             self.out.victims.push(Victim {
                 held: unit.held.clone(),
@@ -958,18 +1033,19 @@ impl PlanState {
                     "queue `{}` is below its share and waits; queue `{}` holds {} GPUs and deserves {:.1}{}",
                     tree.get(s).path,
                     tree.get(vq).path,
-                    shares.used[p][vq],
+                    shares.used_gpus(p, vq),
                     shares.deserved[p][vq],
                     if beyond > 0 {
                         format!(
-                            "; the gang goes whole and {beyond} of its GPUs go back to the queue's own waiting jobs"
+                            "; the gang goes whole and {} of its GPUs go back to the queue's own waiting jobs",
+                            GpuAmount(beyond)
                         )
                     } else {
                         String::new()
                     }
                 ),
             });
-            self.gained[p][s] += unit.gpus;
+            self.gained[p][s] += unit.hundredths;
         }
         // The room made is the queue's, for its applications in rank order.
         for &(a, gpus) in beneficiaries {
@@ -1115,7 +1191,7 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                 if choice.units.is_empty() {
                     continue;
                 }
-                apply_choice(
+                let freed = apply_choice(
                     snap,
                     &units,
                     &choice,
@@ -1125,6 +1201,9 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                     &in_pool,
                 );
                 place_rest(&snap.nodes, &mut st.scratch, &rest, &in_pool);
+                let e = st.reclaiming.entry(a).or_default();
+                e.0 += freed;
+                e.1.insert(tree.get(s).path.clone());
                 for &u in &choice.units {
                     let unit = &units[u];
                     st.out.victims.push(Victim {
@@ -1140,9 +1219,6 @@ pub fn plan(tree: &QueueTree, snap: &Snapshot, shares: &Shares) -> Plan {
                             snap.apps[unit.app].priority
                         ),
                     });
-                    let e = st.reclaiming.entry(a).or_default();
-                    e.0 += unit.gpus;
-                    e.1.insert(tree.get(s).path.clone());
                 }
             }
         }
@@ -1222,7 +1298,7 @@ fn unmet_tasks(
 }
 
 /// Marks a choice's containers taken and gives their resources to `scratch`; returns the
-/// GPUs freed in the pool.
+/// GPUs wholly freed in the pool (a shared GPU once its last share goes).
 fn apply_choice(
     snap: &Snapshot,
     units: &[victims::Unit],
@@ -1232,19 +1308,18 @@ fn apply_choice(
     leaving: &mut [u32],
     in_pool: &dyn Fn(usize) -> bool,
 ) -> u32 {
-    let mut freed = 0;
+    let before = scratch.free_gpus(in_pool);
     for &u in &choice.units {
         for &h in &units[u].held {
             let held = &snap.held[h];
             taken[h] = true;
             scratch.give(held);
             if in_pool(held.node) {
-                freed += held.gpus.count_ones();
-                leaving[snap.apps[held.app].queue] += held.gpus.count_ones();
+                leaving[snap.apps[held.app].queue] += held.hundredths();
             }
         }
     }
-    freed
+    scratch.free_gpus(in_pool).saturating_sub(before)
 }
 
 fn why_waiting(
@@ -1257,7 +1332,16 @@ fn why_waiting(
     protected: bool,
 ) -> WaitReason {
     let app = &snap.apps[a];
-    if let Some(cap) = at_cap(tree, shares, app.queue, 1) {
+    // At its cap when not even its smallest waiting task fits under it.
+    let smallest = app
+        .waiting
+        .iter()
+        .filter(|w| w.count > 0)
+        .map(WaitingTasks::hundredths)
+        .filter(|&h| h > 0)
+        .min()
+        .unwrap_or(1);
+    if let Some(cap) = at_cap(tree, shares, app.queue, smallest) {
         return cap;
     }
     if let Some((gpus, from)) = reclaiming {
@@ -1266,26 +1350,34 @@ fn why_waiting(
             from: from.iter().cloned().collect(),
         };
     }
-    // Incoming GPUs from earlier decisions count as reclaiming too.
-    let incoming: u32 = (0..shares.pools.len()).map(|p| shares.incoming[p][app.queue]).sum();
+    // Incoming GPUs from earlier decisions count as reclaiming too (a part of one as one).
+    let incoming: u32 = (0..shares.pools.len())
+        .map(|p| shares.incoming[p][app.queue])
+        .sum::<u32>()
+        .div_ceil(WHOLE);
     let pool = (0..shares.pools.len()).max_by(|&x, &y| shares.waiting[x][app.queue].cmp(&shares.waiting[y][app.queue]));
     let Some(p) = pool else {
         return WaitReason::NothingFits;
     };
     let (used, deserved) = (shares.used[p][app.queue], shares.deserved[p][app.queue]);
+    let used_gpus = GpuAmount(used);
     let queue = tree.get(app.queue).path.clone();
     if protected {
-        return WaitReason::GangProtected { queue, used, deserved };
+        return WaitReason::GangProtected {
+            queue,
+            used: used_gpus,
+            deserved,
+        };
     }
     // What the queue will hold once what is being taken back for it arrives.
     let coming = shares.incoming[p][app.queue] + gained[p][app.queue];
     let others_want = tree
         .leaves()
         .any(|q| q != app.queue && shares.used[p][q] + shares.waiting[p][q] > 0);
-    if f64::from(used + coming) >= deserved - EPS && others_want {
+    if gpus_of(used + coming) >= deserved - EPS && others_want {
         return WaitReason::OverShare {
             queue,
-            used: used + coming,
+            used: GpuAmount(used + coming),
             deserved,
         };
     }

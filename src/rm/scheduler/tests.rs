@@ -104,6 +104,7 @@ impl Cluster {
             app,
             node: n,
             gpus: mask,
+            gpu_shares: Default::default(),
             cpu: 1,
             memory_mb: 100,
             ports: Default::default(),
@@ -113,6 +114,43 @@ impl Cluster {
             for_queue: None,
         });
         h
+    }
+
+    /// A container of `app` holding `hundredths` of one GPU of node `n` (run `run_ms`): the
+    /// lowest GPU already shared with room for it, else the lowest free one; `None` when
+    /// neither is left.
+    pub(super) fn hold_share(&mut self, app: usize, n: usize, hundredths: u32, run_ms: u64) -> Option<usize> {
+        let mut on: BTreeMap<u8, u32> = BTreeMap::new();
+        for h in self.s.held.iter().filter(|h| h.node == n) {
+            for (i, part) in h.gpu_shares.iter() {
+                *on.entry(i).or_default() += part;
+            }
+        }
+        let nd = &mut self.s.nodes[n];
+        let index = match on.iter().find(|&(_, &used)| used + hundredths <= 100) {
+            Some((&i, _)) => i,
+            None => {
+                let bit = lowest_bits(nd.free_gpus, 1)?;
+                nd.free_gpus &= !bit;
+                bit.trailing_zeros() as u8
+            }
+        };
+        let h = self.s.held.len();
+        self.s.held.push(Held {
+            container_id: format!("c{h}"),
+            app,
+            node: n,
+            gpus: 0,
+            gpu_shares: crate::resources::GpuShares::one(index, hundredths),
+            cpu: 0,
+            memory_mb: 0,
+            ports: Default::default(),
+            custom: Default::default(),
+            run_ms,
+            leaving: false,
+            for_queue: None,
+        });
+        Some(h)
     }
 
     fn plan(&self) -> Plan {
@@ -383,7 +421,7 @@ fn a_big_ask_past_its_share_leaves_the_room_another_owed_queue_can_take() {
     c.hold(single, 1, 1, 1);
     let refused = c.gate(gang, &[(1, 3), (0, 1)]).unwrap_err();
     assert!(
-        matches!(&refused, WaitReason::OverShare { queue, used: 5, .. } if queue == "b"),
+        matches!(&refused, WaitReason::OverShare { queue, used: GpuAmount(500), .. } if queue == "b"),
         "{refused}"
     );
     assert!(c.gate(a, &[(1, 1)]).is_ok(), "A below its share");
@@ -545,10 +583,19 @@ fn within_a_queue_higher_priority_then_older_ranks_first() {
 struct World {
     queues: Vec<(f64, u32, Option<u32>, bool)>,
     nodes: Vec<u32>,
-    /// (queue, priority, gang, waiting count, waiting gpus)
-    apps: Vec<(usize, i32, bool, u32, u32)>,
-    /// (app, node, gpus, run_ms, leaving)
-    held: Vec<(usize, usize, u32, u64, bool)>,
+    /// (queue, priority, gang, waiting count, waiting gpus, share of a one-GPU task)
+    apps: Vec<(usize, i32, bool, u32, u32, Option<u32>)>,
+    /// (app, node, gpus, run_ms, leaving, share: then a container of that part of one GPU)
+    held: Vec<(usize, usize, u32, u64, bool, Option<u32>)>,
+}
+
+/// A GPU share (hundredths) one time in three: halves, quarters and the 0.99 of the
+/// attack that held whole GPUs through shares (RELIABILITY §2e, D3).
+fn arb_share() -> impl Strategy<Value = Option<u32>> {
+    prop_oneof![
+        2 => Just(None),
+        1 => prop_oneof![Just(25u32), Just(50), Just(99), 1u32..100].prop_map(Some),
+    ]
 }
 
 fn world() -> impl Strategy<Value = World> {
@@ -562,7 +609,7 @@ fn world() -> impl Strategy<Value = World> {
             (
                 Just(queues),
                 Just(nodes),
-                proptest::collection::vec((0..nq, -3i32..4, any::<bool>(), 0u32..5, 1u32..5), 1..8),
+                proptest::collection::vec((0..nq, -3i32..4, any::<bool>(), 0u32..5, 1u32..5, arb_share()), 1..8),
             )
                 .prop_flat_map(move |(queues, nodes, apps)| {
                     let na = apps.len();
@@ -571,7 +618,14 @@ fn world() -> impl Strategy<Value = World> {
                         Just(nodes),
                         Just(apps),
                         proptest::collection::vec(
-                            (0..na, 0..nn, 1u32..4, 0u64..100_000, prop::bool::weighted(0.1)),
+                            (
+                                0..na,
+                                0..nn,
+                                1u32..4,
+                                0u64..100_000,
+                                prop::bool::weighted(0.1),
+                                arb_share(),
+                            ),
                             0..16,
                         ),
                     )
@@ -588,14 +642,19 @@ fn world() -> impl Strategy<Value = World> {
         })
 }
 
-/// GPUs of queue `q`'s own waiting work that takes back what a swapped gang frees beyond
-/// the queue's share (jobs that are not gangs of several tasks).
+/// Hundredths of queue `q`'s own waiting work that takes back what a swapped gang frees
+/// beyond the queue's share (jobs that are not gangs of several tasks).
 fn own_refill(c: &Cluster, q: usize) -> u32 {
     c.s.apps
         .iter()
         .filter(|a| a.queue == q && !(a.gang && a.waiting.iter().map(|w| w.count).sum::<u32>() > 1))
-        .flat_map(|a| a.waiting.iter().map(|w| w.count * w.gpus))
+        .flat_map(|a| a.waiting.iter().map(|w| w.count * w.hundredths()))
         .sum()
+}
+
+/// Hundredths as GPUs.
+fn g(hundredths: u32) -> f64 {
+    f64::from(hundredths) / 100.0
 }
 
 fn build(w: &World) -> Cluster {
@@ -607,13 +666,24 @@ fn build(w: &World) -> Cluster {
         .map(|(&(wt, g, m, p), n)| (n.as_str(), wt, g, m, p))
         .collect();
     let mut c = Cluster::new(tree(&spec), &w.nodes);
-    for &(q, prio, gang, count, gpus) in &w.apps {
-        let wait = if count > 0 { vec![waiting(count, gpus)] } else { vec![] };
+    for &(q, prio, gang, count, gpus, share) in &w.apps {
+        let wait = match share {
+            _ if count == 0 => vec![],
+            Some(h) => vec![WaitingTasks {
+                gpu_share: Some(h),
+                ..waiting(count, 1)
+            }],
+            None => vec![waiting(count, gpus)],
+        };
         c.app(&names[q], prio, gang, wait);
     }
-    for &(app, n, k, run, leaving) in &w.held {
-        if c.s.nodes[n].free_gpus.count_ones() >= k {
-            let h = c.hold(app, n, k, run);
+    for &(app, n, k, run, leaving, share) in &w.held {
+        let h = match share {
+            Some(part) => c.hold_share(app, n, part, run),
+            None if c.s.nodes[n].free_gpus.count_ones() >= k => Some(c.hold(app, n, k, run)),
+            None => None,
+        };
+        if let Some(h) = h {
             c.s.held[h].leaving = leaving;
         }
     }
@@ -641,7 +711,7 @@ proptest! {
                 prop_assert!(!c.s.held[h].leaving, "container {} was already leaving", h);
                 prop_assert_eq!(c.s.held[h].app, v.app);
                 if vq != v.for_queue {
-                    *removed.entry(vq).or_default() += c.s.held[h].gpus.count_ones();
+                    *removed.entry(vq).or_default() += c.s.held[h].hundredths();
                 }
             }
             if c.s.apps[v.app].gang {
@@ -657,10 +727,10 @@ proptest! {
             }
         }
         for (q, r) in removed {
-            let used = f64::from(shares.used[0][q]);
+            let used = g(shares.used[0][q]);
             let floor = shares.deserved[0][q].max(f64::from(c.t.get(q).guaranteed_gpus).min(used));
-            let left = used - f64::from(r) - f64::from(shares.leaving[0][q]);
-            let back = f64::from(own_refill(&c, q));
+            let left = used - g(r) - g(shares.leaving[0][q]);
+            let back = g(own_refill(&c, q));
             prop_assert!(left + back + 1e-6 >= floor, "queue {} left at {} (+{}) below {}", q, left, back, floor);
             if left + 1e-6 < floor {
                 prop_assert!(
@@ -690,7 +760,7 @@ proptest! {
                 }
                 for &h in &v.held {
                     if vq != v.for_queue {
-                        *removed.entry(vq).or_default() += c.s.held[h].gpus.count_ones();
+                        *removed.entry(vq).or_default() += c.s.held[h].hundredths();
                     }
                     c.s.held[h].leaving = true;
                     c.s.held[h].for_queue = Some(v.for_queue);
@@ -698,10 +768,10 @@ proptest! {
             }
         }
         for (q, r) in removed {
-            let used = f64::from(first.used[0][q]);
+            let used = g(first.used[0][q]);
             let floor = first.deserved[0][q].max(f64::from(c.t.get(q).guaranteed_gpus).min(used));
-            let left = used - f64::from(r) - f64::from(first.leaving[0][q]);
-            let back = f64::from(own_refill(&c, q));
+            let left = used - g(r) - g(first.leaving[0][q]);
+            let back = g(own_refill(&c, q));
             prop_assert!(left + back + 1e-6 >= floor, "queue {} left at {} (+{}) below {}", q, left, back, floor);
         }
     }
@@ -712,7 +782,7 @@ proptest! {
     fn shares_are_bounded_and_fill_the_pool(w in world()) {
         let c = build(&w);
         let s = Shares::compute(&c.t, &c.s);
-        let want: Vec<f64> = (0..c.t.len()).map(|q| f64::from(s.used[0][q] + s.waiting[0][q])).collect();
+        let want: Vec<f64> = (0..c.t.len()).map(|q| g(s.used[0][q] + s.waiting[0][q])).collect();
         let total: f64 = (0..c.t.len()).map(|q| s.deserved[0][q]).sum();
         let cap = f64::from(s.capacity[0]);
         let wanted: f64 = (0..c.t.len()).map(|q| c.t.get(q).max_gpus.map_or(want[q], |m| want[q].min(f64::from(m)))).sum();
@@ -744,7 +814,7 @@ proptest! {
         let ask = [(n, Resources::with_mask(1, 100, mask, Default::default()))];
         for a in 0..c.s.apps.len() {
             let q = c.s.apps[a].queue;
-            let over_cap = c.t.get(q).max_gpus.is_some_and(|m| shares.used_total[q] + k > m);
+            let over_cap = c.t.get(q).max_gpus.is_some_and(|m| shares.used_total[q] + 100 * k > 100 * m);
             let others_wait = c.s.apps.iter().enumerate().any(|(b, x)| b != a && x.waiting.iter().any(|t| t.count > 0));
             match gate(&c.t, &c.s, &shares, a, &ask) {
                 Ok(()) => prop_assert!(!over_cap, "admitted past the cap"),
@@ -1018,7 +1088,7 @@ fn each_queue_cause_has_its_kind_of_reason() {
     use crate::reason::Kind;
     let behind = |ahead: &str| WaitReason::Behind {
         queue: "a".into(),
-        used: 1,
+        used: GpuAmount(100),
         deserved: 2.0,
         ahead_app: "app_1".into(),
         ahead_queue: ahead.into(),
@@ -1036,7 +1106,7 @@ fn each_queue_cause_has_its_kind_of_reason() {
         (
             WaitReason::OverShare {
                 queue: "a".into(),
-                used: 2,
+                used: GpuAmount(200),
                 deserved: 1.0,
             },
             Kind::QueueShare,
@@ -1051,7 +1121,7 @@ fn each_queue_cause_has_its_kind_of_reason() {
         (
             WaitReason::GangProtected {
                 queue: "a".into(),
-                used: 0,
+                used: GpuAmount(0),
                 deserved: 1.0,
             },
             Kind::QueueShare,
@@ -1119,4 +1189,159 @@ fn room_for_all_waiting_counts_room_per_node() {
     ));
     // Nothing waiting: nothing to keep.
     assert!(room_for_all_waiting(&[waiting(0, 1)], nodes(&[]).into_iter()));
+}
+
+// ---- GPU shares count against their queue, in hundredths (RELIABILITY §2e, D3) ---------
+
+/// A waiting task of one GPU's `hundredths`.
+fn waiting_share(count: u32, hundredths: u32) -> WaitingTasks {
+    WaitingTasks {
+        gpu_share: Some(hundredths),
+        ..waiting(count, 1)
+    }
+}
+
+#[test]
+fn shares_count_as_their_queues_use_and_demand_in_hundredths() {
+    // 4 GPUs, 1:1. A holds 0.5 + 0.5 of GPU 0 and 0.25 of GPU 1 and waits two 0.5 tasks;
+    // B waits two whole GPUs.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+    let a = c.app("a", 0, false, vec![waiting_share(2, 50)]);
+    let b = c.app("b", 0, false, vec![waiting(2, 1)]);
+    c.hold_share(a, 0, 50, 1).unwrap();
+    c.hold_share(a, 0, 50, 1).unwrap();
+    c.hold_share(a, 0, 25, 1).unwrap();
+    let s = Shares::compute(&c.t, &c.s);
+    let (qa, qb) = (c.s.apps[a].queue, c.s.apps[b].queue);
+    assert_eq!((s.used[0][qa], s.used_total[qa], s.used[0][qb]), (125, 125, 0));
+    assert_eq!(
+        (s.waiting[0][qa], s.waiting[0][qb]),
+        (100, 200),
+        "a share waits its part"
+    );
+    // A wants 2.25, B 2: each deserves 2 of the 4.
+    assert!((s.deserved[0][qa] - 2.0).abs() < 1e-9 && (s.deserved[0][qb] - 2.0).abs() < 1e-9);
+    assert!((s.ratio(0, qa) - 0.625).abs() < 1e-9, "{}", s.ratio(0, qa));
+    assert_eq!(s.used_gpus(0, qa).to_string(), "1.25");
+    assert_eq!(s.owed(0, qa), 0, "0.75 short of its share is no whole GPU");
+    assert_eq!(s.owed(0, qb), 2);
+    // Wire form: an integer when whole, the exact decimal otherwise.
+    assert_eq!(serde_json::to_string(&s.used_gpus(0, qa)).unwrap(), "1.25");
+    assert_eq!(serde_json::to_string(&GpuAmount(300)).unwrap(), "3");
+}
+
+#[test]
+fn max_gpus_counts_shares_and_refuses_a_share_ask_past_it() {
+    // A (maxGpus 2) holds 0.99 of two GPUs: 1.98.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, Some(2), false), ("b", 1.0, 0, None, false)]), &[4]);
+    let a = c.app("a", 0, false, vec![waiting_share(1, 50)]);
+    c.hold_share(a, 0, 99, 1).unwrap();
+    c.hold_share(a, 0, 99, 1).unwrap();
+    let shares = Shares::compute(&c.t, &c.s);
+    let share_ask = |h: u32| [(0, Resources::with_share(1, 100, 2, h, Default::default()))];
+    let cap = gate(&c.t, &c.s, &shares, a, &share_ask(50)).unwrap_err();
+    assert!(
+        matches!(&cap, WaitReason::AtCap { queue, max: 2 } if queue == "a"),
+        "{cap}"
+    );
+    assert_eq!(cap.reason().kind, crate::reason::Kind::QueueShare);
+    // A whole GPU is past it too; 0.02 is not.
+    assert!(matches!(c.gate(a, &[(0, 1)]), Err(WaitReason::AtCap { .. })));
+    assert_eq!(gate(&c.t, &c.s, &shares, a, &share_ask(2)), Ok(()));
+    // Its waiting 0.5 task is told why.
+    assert!(matches!(c.plan().why[a], Some(WaitReason::AtCap { .. })));
+}
+
+#[test]
+fn shares_held_past_a_queues_share_are_taken_back_for_a_queue_below_its_share() {
+    // The attack of D3: 8 GPUs on two nodes, 1:1. A holds every GPU through 0.99 shares
+    // (7.92 GPUs) and waits one more; B waits four whole GPUs and deserves 4.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4, 4]);
+    let a = c.app("a", 0, false, vec![]);
+    let more = c.app("a", 0, false, vec![waiting_share(1, 99)]);
+    let b = c.app("b", 0, false, vec![waiting(4, 1)]);
+    for n in 0..2 {
+        for run in 0..4u64 {
+            c.hold_share(a, n, 99, 1000 * (run + 1)).unwrap();
+        }
+    }
+    let shares = Shares::compute(&c.t, &c.s);
+    let (qa, qb) = (c.s.apps[a].queue, c.s.apps[b].queue);
+    assert_eq!(shares.used[0][qa], 792);
+    assert!((shares.deserved[0][qa] - 4.0).abs() < 1e-9 && (shares.deserved[0][qb] - 4.0).abs() < 1e-9);
+    assert_eq!(shares.over(0, qa, 0), 392);
+    let p = c.plan();
+    // Each 0.99 frees its GPU. Three go: a fourth would leave A at 3.96, below its 4.
+    let taken: Vec<usize> = p.victims.iter().flat_map(|v| v.held.clone()).collect();
+    assert_eq!(taken.len(), 3, "{:?}", p.victims);
+    assert!(p
+        .victims
+        .iter()
+        .all(|v| v.app == a && v.for_queue == qb && v.for_app == b));
+    let left: u32 = shares.used[0][qa] - taken.iter().map(|&h| c.s.held[h].hundredths()).sum::<u32>();
+    assert!(f64::from(left) / 100.0 >= shares.deserved[0][qa], "A left at {left}");
+    // The least run time lost: the youngest on each node first.
+    let mut runs: Vec<u64> = taken.iter().map(|&h| c.s.held[h].run_ms).collect();
+    runs.sort();
+    assert_eq!(runs, vec![1000, 1000, 2000]);
+    assert!(
+        matches!(&p.why[b], Some(WaitReason::Reclaiming { gpus: 3, from }) if from == &vec!["a".to_string()]),
+        "{:?}",
+        p.why[b]
+    );
+    let told = p.why[b].as_ref().map(ToString::to_string).unwrap_or_default();
+    assert!(told.contains("below its share") && told.contains("`a`"), "{told}");
+    assert!(
+        matches!(&p.why[more], Some(WaitReason::OverShare { queue, used, .. }) if queue == "a" && used.0 == 792),
+        "{:?}",
+        p.why[more]
+    );
+    assert_eq!(
+        p.why[more].as_ref().map(|w| w.reason().kind),
+        Some(crate::reason::Kind::QueueShare)
+    );
+    // With those leaving, the next pass takes nothing more.
+    for &h in &taken {
+        c.s.held[h].leaving = true;
+        c.s.held[h].for_queue = Some(qb);
+    }
+    assert!(c.plan().victims.is_empty());
+}
+
+#[test]
+fn a_shared_gpu_is_freed_by_taking_every_share_on_it_at_least_cost() {
+    // 4 GPUs, 1:1. A holds two 0.5 shares on each GPU (4.00); B waits two whole GPUs.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+    let a = c.app("a", 0, false, vec![]);
+    let b = c.app("b", 0, false, vec![waiting(2, 1)]);
+    // GPU 0: runs 1 and 50; GPU 1: 2 and 60; GPU 2: 3 and 10; GPU 3: 4 and 70.
+    for run in [1, 50, 2, 60, 3, 10, 4, 70] {
+        c.hold_share(a, 0, 50, run).unwrap();
+    }
+    let p = c.plan();
+    let mut gpus: Vec<u8> = p
+        .victims
+        .iter()
+        .flat_map(|v| v.held.iter().map(|&h| c.s.held[h].gpu_shares.single().unwrap().0))
+        .collect();
+    gpus.sort();
+    // Both shares of GPU 2 (13 ms lost) and of GPU 0 (51 ms): two whole GPUs, A at its 2.
+    assert_eq!(gpus, vec![0, 0, 2, 2], "{:?}", p.victims);
+    assert!(
+        matches!(&p.why[b], Some(WaitReason::Reclaiming { gpus: 2, .. })),
+        "{:?}",
+        p.why[b]
+    );
+}
+
+#[test]
+fn shares_within_a_queues_share_are_not_taken() {
+    // 4 GPUs, 1:1: A holds 0.99 of two GPUs (1.98, under its 2); B waits three GPUs and
+    // takes the two free ones. Nothing of A goes.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+    let a = c.app("a", 0, false, vec![]);
+    c.app("b", 0, false, vec![waiting(3, 1)]);
+    c.hold_share(a, 0, 99, 1).unwrap();
+    c.hold_share(a, 0, 99, 1).unwrap();
+    assert!(c.plan().victims.is_empty());
 }

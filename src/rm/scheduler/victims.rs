@@ -1,15 +1,18 @@
 //! Victim choice: which containers to take back so that waiting tasks fit, at least cost.
 //!
 //! A unit is what is preempted at once: one container, or every live container of a gang
-//! application. Each victim queue may lose at most its `limit` GPUs (its use above its
-//! share). Two plans are made and the better one kept:
+//! application. Units and limits are in hundredths of a GPU (a container holding part of a
+//! GPU is a unit of its part). Each victim queue may lose at most its `limit` (its use
+//! above its share). Two plans are made and the better one kept:
 //! - by count: per victim queue, an exact 0/1 knapsack over its units reaching the GPUs
 //!   still needed with the fewest GPUs (then the lowest priorities, the least run time
 //!   lost, the fewest containers) — right for one-GPU tasks, and it finds "the gang plus
-//!   two singles" where taking singles one by one would stall below the need;
+//!   two singles" where taking singles one by one would stall below the need (units of
+//!   whole GPUs only: a share frees no GPU by itself);
 //! - by node: task by task, the node where the cheapest set of units makes the task fit
 //!   (GPUs, CPU and memory on that node, exactly there), the best GPU set after it as a
-//!   tie-break — right for multi-GPU tasks and topology.
+//!   tie-break — right for multi-GPU tasks and topology, and for shares: a shared GPU
+//!   counts as room only in a set that takes every share on it (`Scratch`).
 //!
 //! - the swap, only where neither plan lets any task fit: a whole gang bigger than its
 //!   queue's limit, when what it frees beyond the limit is at most the GPUs needed and the
@@ -22,8 +25,9 @@
 
 use std::collections::BTreeMap;
 
-use super::{eligible, fits_in, give_back, Scratch, Snapshot};
+use super::{eligible, fits_in, Scratch, Snapshot};
 use crate::protocol::WaitingTasks;
+use crate::resources::WHOLE;
 
 /// Largest victim set enumerated on one node by the node plan.
 const MAX_UNITS_PER_NODE: usize = 8;
@@ -39,9 +43,11 @@ pub(super) struct Unit {
     pub priority: i32,
     /// Indices into `Snapshot::held`.
     pub held: Vec<usize>,
-    /// GPUs freed in the pool the choice is for.
-    pub gpus: u32,
-    /// GPU·milliseconds of run time lost.
+    /// Hundredths of GPU it holds in the pool the choice is for.
+    pub hundredths: u32,
+    /// Its GPUs are all whole (the count plan's units).
+    pub whole: bool,
+    /// GPU·milliseconds of run time lost (hundredths · ms).
     pub run: u64,
     /// A gang (several containers that go together).
     pub gang: bool,
@@ -66,22 +72,27 @@ pub(super) fn units(
     for (app, held) in by_app {
         let a = &snap.apps[app];
         let unit = |held: Vec<usize>| {
-            let gpus = held
+            let hundredths = held
                 .iter()
                 .filter(|&&h| in_pool(snap.held[h].node))
-                .map(|&h| snap.held[h].gpus.count_ones())
+                .map(|&h| snap.held[h].hundredths())
                 .sum();
+            // A container without GPUs loses its run time as one GPU would.
             let run = held
                 .iter()
-                .map(|&h| snap.held[h].run_ms * u64::from(snap.held[h].gpus.count_ones().max(1)))
+                .map(|&h| {
+                    let k = snap.held[h].hundredths();
+                    snap.held[h].run_ms * u64::from(if k == 0 { WHOLE } else { k })
+                })
                 .sum();
             Unit {
                 app,
                 queue: a.queue,
                 priority: a.priority,
                 gang: a.gang && held.len() > 1,
+                whole: held.iter().all(|&h| snap.held[h].gpu_shares.is_empty()),
                 held,
-                gpus,
+                hundredths,
                 run,
             }
         };
@@ -90,13 +101,13 @@ pub(super) fn units(
                 continue;
             }
             let u = unit(held);
-            if u.gpus > 0 {
+            if u.hundredths > 0 {
                 out.push(u);
             }
         } else {
             for h in held.into_iter().filter(|&h| !taken[h] && in_pool(snap.held[h].node)) {
                 let u = unit(vec![h]);
-                if u.gpus > 0 {
+                if u.hundredths > 0 {
                     out.push(u);
                 }
             }
@@ -119,8 +130,9 @@ pub(super) struct Choice {
 /// Cost of a set of units, compared in this order.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 struct Cost {
+    /// Hundredths.
     gpus: u32,
-    /// Σ (priority above the lowest candidate's) × GPUs.
+    /// Σ (priority above the lowest candidate's) × hundredths.
     priority: i64,
     run: u64,
     containers: u32,
@@ -129,8 +141,8 @@ struct Cost {
 impl Cost {
     fn of(u: &Unit, base: i32) -> Cost {
         Cost {
-            gpus: u.gpus,
-            priority: (i64::from(u.priority) - i64::from(base)) * i64::from(u.gpus),
+            gpus: u.hundredths,
+            priority: (i64::from(u.priority) - i64::from(base)) * i64::from(u.hundredths),
             run: u.run,
             containers: u.held.len() as u32,
         }
@@ -166,9 +178,9 @@ fn served(snap: &Snapshot, scratch: &Scratch, tasks: &[WaitingTasks], units: &[U
     n
 }
 
-/// Chooses units so that `tasks` fit (see the module doc). `limit`: GPUs each victim queue
-/// may lose at most; `refill`: GPUs of each victim queue's own waiting work that would take
-/// back room a whole gang frees beyond its limit (the swap plan).
+/// Chooses units so that `tasks` fit (see the module doc). `limit`: hundredths each victim
+/// queue may lose at most; `refill`: hundredths of each victim queue's own waiting work
+/// that would take back room a whole gang frees beyond its limit (the swap plan).
 pub(super) fn choose(
     snap: &Snapshot,
     scratch: &Scratch,
@@ -202,7 +214,10 @@ pub(super) fn choose(
         .unwrap_or_default();
     // The swap only where nothing within the limits serves anything: it costs a whole gang.
     if best.0 == 0 {
-        let need: u32 = tasks.iter().map(|w| w.count * w.gpus).sum();
+        let need: u32 = tasks
+            .iter()
+            .map(|w| w.count.saturating_mul(w.gpus).saturating_mul(WHOLE))
+            .fold(0, u32::saturating_add);
         if let Some(u) = swap(units, limit, refill, need, base) {
             best = score(vec![u]);
         }
@@ -214,7 +229,7 @@ pub(super) fn choose(
     let gang_blocked = served < total
         && units
             .iter()
-            .any(|u| u.gang && u.gpus > limit.get(&u.queue).copied().unwrap_or(0));
+            .any(|u| u.gang && u.hundredths > limit.get(&u.queue).copied().unwrap_or(0));
     Choice {
         units: chosen,
         served,
@@ -224,7 +239,7 @@ pub(super) fn choose(
 
 /// The swap plan: the cheapest whole gang bigger than its queue's limit whose excess (its
 /// GPUs beyond the limit) the queue's own waiting work takes back and is at most `need`, the
-/// GPUs the plan is made for. The queue ends at its share in other jobs of its own, so a
+/// hundredths the plan is made for. The queue ends at its share in other jobs of its own, so a
 /// queue over its share only through a gang is not held there (as when its demand came in
 /// steps and an earlier step took its singles); the bound keeps a large gang from going
 /// for a small need.
@@ -238,17 +253,21 @@ fn swap(
     (0..units.len())
         .filter(|&u| {
             let unit = &units[u];
-            let excess = unit.gpus.saturating_sub(limit.get(&unit.queue).copied().unwrap_or(0));
+            let excess = unit
+                .hundredths
+                .saturating_sub(limit.get(&unit.queue).copied().unwrap_or(0));
             unit.gang && excess > 0 && excess <= need && excess <= refill.get(&unit.queue).copied().unwrap_or(0)
         })
         .min_by_key(|&u| (Cost::of(&units[u], base), u))
 }
 
-/// The count plan: per victim queue (largest limit first), the cheapest units adding up to
-/// at least the GPUs still needed with the fewest GPUs (or as many as the limit allows).
+/// The count plan: per victim queue (largest limit first), the cheapest units of whole GPUs
+/// adding up to at least the GPUs still needed with the fewest GPUs (or as many as the
+/// limit allows). Counted in whole GPUs.
 fn by_count(tasks: &[WaitingTasks], units: &[Unit], limit: &BTreeMap<usize, u32>, base: i32) -> Option<Vec<usize>> {
     let mut need: u32 = tasks.iter().map(|w| w.count * w.gpus).sum();
-    let mut queues: Vec<(usize, u32)> = limit.iter().map(|(&q, &l)| (q, l)).collect();
+    let gpus = |u: usize| units[u].hundredths / WHOLE;
+    let mut queues: Vec<(usize, u32)> = limit.iter().map(|(&q, &l)| (q, l / WHOLE)).collect();
     queues.sort_by_key(|&(q, l)| (std::cmp::Reverse(l), q));
     let mut chosen = Vec::new();
     for (q, lim) in queues {
@@ -256,7 +275,7 @@ fn by_count(tasks: &[WaitingTasks], units: &[Unit], limit: &BTreeMap<usize, u32>
             break;
         }
         let mut mine: Vec<usize> = (0..units.len())
-            .filter(|&u| units[u].queue == q && units[u].gpus <= lim)
+            .filter(|&u| units[u].queue == q && units[u].whole && gpus(u) <= lim)
             .collect();
         if mine.is_empty() {
             continue;
@@ -265,7 +284,7 @@ fn by_count(tasks: &[WaitingTasks], units: &[Unit], limit: &BTreeMap<usize, u32>
             return None;
         }
         mine.sort_by_key(|&u| Cost::of(&units[u], base));
-        let biggest = mine.iter().map(|&u| units[u].gpus).max().unwrap_or(0);
+        let biggest = mine.iter().map(|&u| gpus(u)).max().unwrap_or(0);
         let cap = lim.min(need.saturating_add(biggest));
         if cap > MAX_DP_GPUS {
             return None;
@@ -276,7 +295,7 @@ fn by_count(tasks: &[WaitingTasks], units: &[Unit], limit: &BTreeMap<usize, u32>
         best[0] = Some(Cost::default());
         let mut keep = vec![vec![false; width]; mine.len()];
         for (i, &u) in mine.iter().enumerate() {
-            let g = units[u].gpus as usize;
+            let g = gpus(u) as usize;
             let c = Cost::of(&units[u], base);
             for t in (g..width).rev() {
                 if let Some(prev) = best[t - g] {
@@ -297,7 +316,7 @@ fn by_count(tasks: &[WaitingTasks], units: &[Unit], limit: &BTreeMap<usize, u32>
             if t > 0 && keep[i][t] {
                 // Unit i was the last improvement of best[t] when it was added; walk back.
                 chosen.push(mine[i]);
-                t -= units[mine[i]].gpus as usize;
+                t -= gpus(mine[i]) as usize;
             }
         }
         need = need.saturating_sub(got);
@@ -341,7 +360,7 @@ fn by_node(
                     .iter()
                     .copied()
                     .filter(|u| {
-                        !chosen.contains(u) && units[*u].gpus <= left.get(&units[*u].queue).copied().unwrap_or(0)
+                        !chosen.contains(u) && units[*u].hundredths <= left.get(&units[*u].queue).copied().unwrap_or(0)
                     })
                     .collect();
                 cands.sort_by_key(|&u| Cost::of(&units[u], base));
@@ -353,17 +372,18 @@ fn by_node(
                         .collect();
                     let mut per_queue: BTreeMap<usize, u32> = BTreeMap::new();
                     for &u in &pick {
-                        *per_queue.entry(units[u].queue).or_default() += units[u].gpus;
+                        *per_queue.entry(units[u].queue).or_default() += units[u].hundredths;
                     }
                     if per_queue.iter().any(|(q, g)| *g > left.get(q).copied().unwrap_or(0)) {
                         continue;
                     }
-                    let mut room = s.free[n].clone();
-                    for &u in &pick {
-                        for &h in units[u].held.iter().filter(|&&h| snap.held[h].node == n) {
-                            give_back(&mut room, &snap.held[h]);
-                        }
-                    }
+                    let room = s.room_without(
+                        n,
+                        pick.iter()
+                            .flat_map(|&u| units[u].held.iter())
+                            .map(|&h| &snap.held[h])
+                            .filter(|h| h.node == n),
+                    );
                     if !fits_in(&room, w) {
                         continue;
                     }
@@ -384,7 +404,7 @@ fn by_node(
             for u in pick {
                 chosen.push(u);
                 if let Some(l) = left.get_mut(&units[u].queue) {
-                    *l -= units[u].gpus;
+                    *l -= units[u].hundredths;
                 }
                 for &h in &units[u].held {
                     let held = &snap.held[h];

@@ -112,9 +112,10 @@ fn scrape_registry(rm: &Shared) -> Registry {
         let st = rm.lock();
         (queue_view(&st, Instant::now()), st.sched.preempted_from.clone())
     };
-    let used = Family::<QueuePoolLabel, Gauge>::default();
+    // GPUs in hundredths count (shares): fractional gauges.
+    let used = Family::<QueuePoolLabel, Gauge<f64, AtomicU64>>::default();
     let deserved = Family::<QueuePoolLabel, Gauge<f64, AtomicU64>>::default();
-    let waiting_gpus = Family::<QueuePoolLabel, Gauge>::default();
+    let waiting_gpus = Family::<QueuePoolLabel, Gauge<f64, AtomicU64>>::default();
     let waiting = Family::<QueueLabel, Gauge>::default();
     let preemptions = Family::<QueueLabel, Counter>::default();
     for q in &queues {
@@ -128,9 +129,9 @@ fn scrape_registry(rm: &Shared) -> Registry {
                 queue: q.name.clone(),
                 gpu_type: p.gpu_type.clone(),
             };
-            used.get_or_create(&l).set(i64::from(p.used));
+            used.get_or_create(&l).set(p.used.as_f64());
             deserved.get_or_create(&l).set(p.deserved);
-            waiting_gpus.get_or_create(&l).set(i64::from(p.waiting));
+            waiting_gpus.get_or_create(&l).set(p.waiting.as_f64());
         }
     }
     reg.register("queue_used_gpus", "GPUs held by the queue's containers", used);

@@ -13,6 +13,7 @@ use super::transactions::{end_container, Ending, Tell};
 use super::*;
 use crate::protocol::{now_ms, ContainerState};
 use crate::protocol::{Ask, PreemptNotice, WaitingTasks};
+use crate::resources::GpuAmount;
 use crate::rm::ledger::Ended;
 use crate::rm::scheduler::reserved::{self, EndBasis, Expected};
 use crate::rm::scheduler::{self, queues::QueueTree, AppDemand, Held, NodeCap, Shares, Snapshot};
@@ -148,12 +149,12 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             None => continue,
         };
         let r = &c.container.resources;
-        // Whole GPUs only: a GPU share frees no GPU when it goes, so the queues neither
-        // count shares nor take them back (DESIGN-NOTES, queues and GPU shares).
+        // The GPUs it holds whole, and apart those it holds in part: its queue counts both
+        // (in hundredths), and a shared GPU is room again once its last share goes.
         let gpus = if r.gpu_mask != 0 {
             r.whole_gpu_mask()
         } else {
-            crate::resources::mask_of_count(r.gpus)
+            crate::resources::mask_of_count(r.whole_gpu_count())
         };
         let ended = c.state == ContainerState::Complete;
         let for_queue = st
@@ -185,6 +186,7 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
             app,
             node,
             gpus,
+            gpu_shares: r.gpu_shares.clone(),
             cpu: r.cpu,
             memory_mb: r.memory_mb,
             ports: r.ports.clone(),
@@ -410,7 +412,7 @@ pub(super) fn admit(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> 
 
 /// [`scheduler::room_for_all_waiting`] for an ask of `app_id`: the other live
 /// applications' waiting tasks against the nodes the asks do not touch, in the pool (GPU
-/// type) of the first ask that takes whole GPUs.
+/// type) of the first ask that takes GPUs (whole or in part, as the gate picks it).
 fn room_for_others(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> bool {
     let waiting = st
         .apps
@@ -419,7 +421,7 @@ fn room_for_others(st: &RmState, app_id: &str, asks: &[&Ask], now: Instant) -> b
         .flat_map(|a| a.waiting.current(now, WAITING_TTL));
     let pool = asks
         .iter()
-        .find(|a| a.resources().whole_gpu_count() > 0)
+        .find(|a| a.resources().hundredths() > 0)
         .map(|a| st.ledger.node(&a.host).map(|n| n.gpu_type.clone().unwrap_or_default()));
     let nodes = st
         .ledger
@@ -706,8 +708,9 @@ pub(super) struct QueueView {
     pub(super) priority_preemption: bool,
     /// Summed over the pools.
     pub(super) deserved_gpus: f64,
-    pub(super) used_gpus: u32,
-    pub(super) waiting_gpus: u32,
+    /// Fractional where the queue holds GPU shares (an integer on the wire when whole).
+    pub(super) used_gpus: GpuAmount,
+    pub(super) waiting_gpus: GpuAmount,
     pub(super) waiting_tasks: u32,
     /// Containers taken back from it so far, and those under notice now.
     pub(super) preempted: u64,
@@ -722,8 +725,10 @@ pub(super) struct PoolView {
     pub(super) gpu_type: String,
     pub(super) capacity: u32,
     pub(super) deserved: f64,
-    pub(super) used: u32,
-    pub(super) waiting: u32,
+    /// GPUs held, and GPUs of waiting tasks: fractional where shares count (an integer on
+    /// the wire when whole, so whole-GPU figures read as before).
+    pub(super) used: GpuAmount,
+    pub(super) waiting: GpuAmount,
 }
 
 /// Every queue's deserved share, use, waiting work and preemptions now.
@@ -741,8 +746,8 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
                     gpu_type: name.clone(),
                     capacity: shares.capacity[p],
                     deserved: shares.deserved[p][q],
-                    used: shares.used[p][q],
-                    waiting: shares.waiting[p][q],
+                    used: shares.used_gpus(p, q),
+                    waiting: GpuAmount(shares.waiting[p][q]),
                 })
                 .collect();
             let in_queue = |path: &str| {
@@ -758,8 +763,8 @@ pub(super) fn queue_view(st: &RmState, now: Instant) -> Vec<QueueView> {
                 users: queue.users.clone(),
                 priority_preemption: queue.priority_preemption,
                 deserved_gpus: pools.iter().map(|p| p.deserved).sum(),
-                used_gpus: shares.used_total[q],
-                waiting_gpus: pools.iter().map(|p| p.waiting).max().unwrap_or(0),
+                used_gpus: GpuAmount(shares.used_total[q]),
+                waiting_gpus: pools.iter().map(|p| p.waiting).max().unwrap_or_default(),
                 waiting_tasks: shares.waiting_tasks[q],
                 preempted: st
                     .sched

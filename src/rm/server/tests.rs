@@ -869,7 +869,7 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
         .unwrap();
     for line in [
         "gpuam_rm_preemptions_total{queue=\"b\"} 1",
-        "gpuam_rm_queue_used_gpus{queue=\"a\",gpu_type=\"\"} 1",
+        "gpuam_rm_queue_used_gpus{queue=\"a\",gpu_type=\"\"} 1.0",
         "gpuam_rm_queue_deserved_gpus{queue=\"a\",gpu_type=\"\"} 1.0",
         "gpuam_rm_grants_total 3",
         "gpuam_rm_rejections_total{reason=\"queue\"} 1",
