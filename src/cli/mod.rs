@@ -734,11 +734,11 @@ pub const USER_TOKEN_ENV: &str = "GPUAM_TOKEN";
 
 /// The admin token from `--admin-token-file` or `GPUAM_ADMIN_TOKEN` (`None` if
 /// neither is given); exit 64 when the file cannot be read or is empty.
-/// A work dir named on the command line (`gpuam run`, `gpuam rm`, `gpuam node`) that another
-/// user owns or could replace is refused before anything is written there
-/// ([`crate::node::identity::check_owned_path`]): exit 64.
+/// The work dir of `gpuam run` (when named), `gpuam rm` and `gpuam node`, made (when
+/// missing) as this user's own before anything is written there: one that another user owns
+/// or could replace is refused ([`crate::node::identity::make_owned_dir`]): exit 64.
 pub(crate) fn check_work_dir(dir: &Path) -> Result<(), i32> {
-    crate::node::identity::check_owned_path(dir).map_err(|e| {
+    crate::node::identity::make_owned_dir(dir).map(drop).map_err(|e| {
         eprintln!("error: --work-dir: {e}");
         exit::USAGE
     })

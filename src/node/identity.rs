@@ -253,21 +253,8 @@ impl TaskUsers {
 /// created or changed ([`check_owned_path`]).
 pub fn open_for_tasks(work_dir: &Path, containers: &Path) -> Result<PathBuf, String> {
     use std::os::unix::fs::PermissionsExt as _;
-    check_owned_path(containers)?;
-    if let Ok(m) = std::fs::metadata(work_dir) {
-        if m.permissions().mode() & 0o002 != 0 {
-            return Err(format!(
-                "{} is writable by every user (mode {:o}): the node would take it over (mode 0711); \
-                 choose a directory of its own, e.g. {}/gpuam",
-                work_dir.display(),
-                m.permissions().mode() & 0o7777,
-                work_dir.display()
-            ));
-        }
-    }
-    std::fs::create_dir_all(containers)
-        .map_err(|e| format!("cannot create the work dir {}: {e}", containers.display()))?;
-    check_owned_path(containers)?;
+    make_owned_dir(work_dir)?;
+    make_owned_dir(containers)?;
     let dir = std::fs::canonicalize(work_dir).map_err(|e| format!("cannot resolve {}: {e}", work_dir.display()))?;
     for d in [dir.as_path(), containers] {
         std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o711))
@@ -371,6 +358,15 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
                 meta.uid()
             ));
         }
+        if last && meta.mode() & 0o022 != 0 {
+            return Err(format!(
+                "{} is writable by other users (mode {:o}; `/tmp` itself, say): they could plant what the \
+                 node reads there; choose a directory of its own, e.g. {}/gpuam",
+                next.display(),
+                meta.mode() & 0o7777,
+                next.display()
+            ));
+        }
         if !last && meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
             return Err(format!(
                 "{} is writable by other users (mode {:o}) and not sticky: they could replace what lies \
@@ -383,6 +379,33 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
         at = next;
     }
     Ok(())
+}
+
+/// Makes `path` a directory of this process's user, as [`check_owned_path`] wants it, and
+/// returns it canonical: checked first; each missing component then made with `mkdir`
+/// (which never follows a link in its place: a name someone made meanwhile answers "exists"
+/// and is judged by the check after); checked again once all exist. Since no directory on
+/// the way is writable by another user unless sticky, what this made stays this user's.
+pub fn make_owned_dir(path: &Path) -> Result<PathBuf, String> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    check_owned_path(path)?;
+    let mut at = PathBuf::new();
+    for part in path.components() {
+        at.push(part);
+        if matches!(
+            part,
+            std::path::Component::RootDir | std::path::Component::CurDir | std::path::Component::ParentDir
+        ) {
+            continue;
+        }
+        match std::fs::DirBuilder::new().mode(0o755).create(&at) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("cannot create {}: {e}", at.display())),
+        }
+    }
+    check_owned_path(path)?;
+    std::fs::canonicalize(path).map_err(|e| format!("cannot resolve {}: {e}", path.display()))
 }
 
 /// Whether `uid` is an account, or `uid` as a gid a group, of this machine.
@@ -518,7 +541,7 @@ mod tests {
         assert!(open(&shared.join("work")).is_ok());
         // The shared directory itself (e.g. `/tmp`) is no work dir.
         let e = open(&shared).unwrap_err();
-        assert!(e.contains("writable by every user"), "{e}");
+        assert!(e.contains("writable by other users (mode 1777"), "{e}");
         assert_eq!(mode(&shared), 0o1777);
 
         // A `containers/` another user made inside a work dir of root's: refused.
