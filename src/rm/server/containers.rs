@@ -71,8 +71,9 @@ pub(super) fn container_access(
 }
 
 /// The container `id` on `host`, if `allowed` accepts its application; `missing` says what
-/// the caller is told when there is none (or it is on another host, or of no application),
-/// given the error of "not found".
+/// the caller is told when there is no such container (or it is of no application), given
+/// the error of "not found". One on another host is "not found" only for a caller
+/// `allowed` accepts; any other caller gets `allowed`'s answer, as for one on this host.
 fn container_info(
     st: &RmState,
     host: &str,
@@ -81,17 +82,16 @@ fn container_info(
     missing: impl FnOnce(ApiError) -> ApiError,
 ) -> Result<ContainerInfo, ApiError> {
     check_container_id(id)?;
-    let found = st
-        .ledger
-        .container(id)
-        .filter(|c| c.container.host == host)
-        .and_then(|c| Some((c, st.apps.get(&c.app_id)?)));
+    let not_found = || ApiError::not_found(format!("no container `{id}` on host `{host}`"));
+    let found = st.ledger.container(id).and_then(|c| Some((c, st.apps.get(&c.app_id)?)));
     let Some((c, app)) = found else {
-        return Err(missing(ApiError::not_found(format!(
-            "no container `{id}` on host `{host}`"
-        ))));
+        return Err(missing(not_found()));
     };
+    // Whose it is first: only its own caller learns that it runs elsewhere.
     allowed(app)?;
+    if c.container.host != host {
+        return Err(not_found());
+    }
     Ok(ContainerInfo {
         state: c.state,
         status: ContainerStatus {
