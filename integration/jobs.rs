@@ -754,6 +754,121 @@ fn sigkill_on_gpuam_run_leaves_no_task_daemon_or_am() {
     });
 }
 
+/// SIGKILL on a `gpuam run` without cgroups (an unprivileged user: its tasks run under the
+/// subreaper shim): the reaper ends the daemon a task started in a new session too. It
+/// killed the shim's group alone, which set the daemon free (to init), still holding the
+/// GPU that the next run granted again. As root, the run is made a user's of its own
+/// (uid 64996), which cannot create cgroups.
+#[test]
+fn sigkill_on_gpuam_run_without_cgroups_leaves_no_daemon() {
+    use std::os::unix::process::CommandExt as _;
+    let (dir, root) = one_node_run_dir();
+    let as_root = unsafe { libc::geteuid() } == 0;
+    let user = 64_996u32;
+    // A daemon of its own session, and a task that outlives the test's patience.
+    let daemon_tag = format!("900.{}", std::process::id());
+    fs::write(
+        dir.path().join("job.yaml"),
+        format!(
+            "name: noshim\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[&format!(
+                "setsid sh -c 'exec sleep {daemon_tag}' & echo $$ >> {root}/pids; sleep 902"
+            )])
+        ),
+    )
+    .unwrap();
+    if as_root {
+        for e in ["", "cluster.yaml", "job.yaml"] {
+            std::os::unix::fs::chown(dir.path().join(e), Some(user), Some(user)).unwrap();
+        }
+    }
+    let mut cmd = gpuam_run_in(&dir);
+    cmd.env("GPUAM_DASHBOARD_LINGER_SEC", "0")
+        .env("HOME", dir.path())
+        .stdout(fs::File::create(dir.path().join("run.out")).unwrap())
+        .stderr(fs::File::create(dir.path().join("run.err")).unwrap());
+    if as_root {
+        cmd.uid(user).gid(user);
+    }
+    let mut run = cmd.spawn().unwrap();
+    let daemon_of = || common::pids_with_cmdline(&["sleep", &daemon_tag]);
+    // Every process the test may leave: ended by pid (checked again by its command line).
+    // Whatever the test leaves, however it ends: its processes, found in /proc (the daemon
+    // by its tag, the run, reaper and AM by the run's directory, the task by its recorded
+    // pid), are killed by pid, each checked again by its command line.
+    struct OnDrop<F: Fn()>(F);
+    impl<F: Fn()> Drop for OnDrop<F> {
+        fn drop(&mut self) {
+            (self.0)()
+        }
+    }
+    let dir_text = dir.path().display().to_string();
+    let _clean_up = OnDrop(|| {
+        let mut pids = common::pids_with_cmdline(&[&daemon_tag]);
+        pids.extend(common::pids_with_cmdline(&[&dir_text]));
+        pids.extend(
+            fs::read_to_string(dir.path().join("pids"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse::<i32>().ok()),
+        );
+        let ours = [daemon_tag.as_str(), dir_text.as_str(), "launch.sh", "902"];
+        for p in pids {
+            let cmd = String::from_utf8_lossy(&fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default()).into_owned();
+            if common::pid_alive(p) && ours.iter().any(|o| cmd.contains(o)) {
+                unsafe {
+                    libc::kill(p, libc::SIGKILL);
+                }
+            }
+        }
+    });
+    let daemon = wait_for(Duration::from_secs(30), "the task and its daemon", || {
+        let task = fs::read_to_string(dir.path().join("pids"))
+            .ok()?
+            .trim()
+            .parse::<i32>()
+            .ok()?;
+        let d = daemon_of().into_iter().next()?;
+        Some((task, d))
+    });
+    let (task, daemon) = daemon;
+    // The task is contained by the shim (no cgroup), as the test means it to be.
+    let stderr_of_task = || -> String {
+        let containers = dir.path().join("work").join("containers");
+        fs::read_dir(containers)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| fs::read_to_string(e.path().join("stderr")).unwrap_or_default())
+            .collect()
+    };
+    let shim = wait_for(Duration::from_secs(10), "the shim's word", || {
+        let err = stderr_of_task();
+        err.contains("containment: subreaper shim").then_some(err)
+    });
+    assert!(!shim.contains("WITHOUT"), "{shim}");
+    unsafe {
+        libc::kill(run.id() as i32, libc::SIGKILL);
+    }
+    let _ = run.wait();
+    let gone = (|| {
+        let until = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < until {
+            if !common::pid_alive(daemon) && !common::pid_alive(task) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    })();
+    let said = wait_for(Duration::from_secs(10), "the reaper's line", || {
+        let err = fs::read_to_string(dir.path().join("run.err")).unwrap_or_default();
+        err.contains("gpuam run died: its reaper ended").then_some(err)
+    });
+    let left: Vec<i32> = [task, daemon].into_iter().filter(|p| common::pid_alive(*p)).collect();
+    assert!(gone, "left alive after the reaper ({said}): {left:?}");
+}
+
 /// After a run that ends by itself no reaper is left behind.
 #[test]
 fn a_run_that_ends_leaves_no_reaper() {

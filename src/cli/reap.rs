@@ -10,7 +10,13 @@
 //! its end, and the reaper ([`reap`]) kills every AM process recorded in the work dir
 //! (`am.process`), every task process group recorded there (`process.json`, checked by
 //! its start time), what the in-process node's cgroups still hold, and removes the
-//! emptied cgroups.
+//! emptied cgroups. A task without a cgroup runs under the subreaper shim
+//! ([`crate::node::shim`]), which adopts what leaves its session (a `setsid` daemon): the
+//! shim is told to kill everything it holds ([`crate::node::shim::KILL_SIGNAL`]) and
+//! given [`SHIM_GRACE`] to do it before its group is killed; what it held (read from /proc
+//! before, checked by start time) is killed by pid should the shim not end it. A SIGKILL to
+//! the shim's group alone killed the shim and set its daemons free (to init), still
+//! holding the GPUs that the next run granted again.
 
 use std::io::BufRead as _;
 use std::path::{Path, PathBuf};
@@ -18,6 +24,9 @@ use std::time::{Duration, Instant};
 
 use crate::node::executor::{hold, record_id, PROCESS_FILE};
 use crate::node::procs::{send_signal, ProcessId, SignalTo};
+
+/// How long a task's subreaper shim gets to end its whole tree once told to.
+const SHIM_GRACE: Duration = Duration::from_secs(5);
 
 /// The hidden subcommand the reaper runs as (`Cmd::ReapRun`).
 const SUBCOMMAND: &str = "reap-run";
@@ -101,6 +110,9 @@ pub fn reap(work_dir: &Path) -> usize {
     let mut cgroups = Vec::new();
     for record in entries(&work_dir.join("containers")) {
         if let Some(p) = read(record.join(PROCESS_FILE)) {
+            if p.alive() && crate::node::shim::is_shim(p.pid) {
+                killed += end_shim_tree(p);
+            }
             killed += usize::from(kill(p, true));
         }
         let name = record
@@ -122,6 +134,39 @@ pub fn reap(work_dir: &Path) -> usize {
     }
     containment.remove_parents();
     killed
+}
+
+/// Ends everything task shim `shim` holds (its descendants: the task, and daemons that
+/// left its session and were adopted by it): tells the shim to SIGKILL them
+/// ([`crate::node::shim::KILL_SIGNAL`]; it does so until it has no child left, then exits),
+/// waits up to [`SHIM_GRACE`], then SIGKILLs by pid each process of the tree read from
+/// /proc before that is still the same process (its start time), should the shim not have
+/// ended it (a stopped shim, or one killed meanwhile). Returns how many of them there were.
+fn end_shim_tree(shim: ProcessId) -> usize {
+    use crate::node::procs::descendants;
+    let Ok(root) = i32::try_from(shim.pid) else {
+        return 0;
+    };
+    let held: Vec<ProcessId> = descendants(root)
+        .into_iter()
+        .filter_map(|p| u32::try_from(p).ok())
+        .filter_map(ProcessId::of)
+        .collect();
+    // Read while the shim was alive: every one of them was its descendant.
+    if !shim.alive() {
+        return 0;
+    }
+    let _ = send_signal(SignalTo::Process(shim.pid), Some(crate::node::shim::KILL_SIGNAL));
+    let deadline = Instant::now() + SHIM_GRACE;
+    while shim.alive() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in &held {
+        if p.alive() {
+            let _ = send_signal(SignalTo::Process(p.pid), Some(nix::sys::signal::Signal::SIGKILL));
+        }
+    }
+    held.len()
 }
 
 /// The directories directly in `dir` (not through links).

@@ -258,8 +258,9 @@ pub async fn watch_disk(
 
 /// Removes everything in the container directory `dir` but the names in `keep` (its logs
 /// and gpuam's own files), without following links and at any depth
-/// ([`crate::node::executor::remove_tree`]).
-pub fn trim_dir(dir: &Path, keep: &[&str]) {
+/// ([`crate::node::executor::remove_tree`]); nothing owned by another user than the
+/// task's (`task_uid`) or the node's.
+pub fn trim_dir(dir: &Path, keep: &[&str], task_uid: Option<u32>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -269,11 +270,7 @@ pub fn trim_dir(dir: &Path, keep: &[&str]) {
             continue;
         }
         let p = e.path();
-        let gone = match e.file_type() {
-            Ok(t) if t.is_dir() => crate::node::executor::remove_tree(&p),
-            _ => std::fs::remove_file(&p),
-        };
-        if let Err(err) = gone {
+        if let Err(err) = crate::node::executor::remove_tree(&p, task_uid) {
             tracing::warn!("cannot remove {}: {err}", p.display());
         }
     }
@@ -359,7 +356,7 @@ mod tests {
         std::fs::create_dir_all(&victim).unwrap();
         std::fs::write(victim.join("keep-me"), "x").unwrap();
         std::os::unix::fs::symlink(&victim, d.join("link")).unwrap();
-        trim_dir(&d, &["stdout"]);
+        trim_dir(&d, &["stdout"], None);
         let left: Vec<_> = std::fs::read_dir(&d)
             .unwrap()
             .flatten()

@@ -407,7 +407,16 @@ pub fn program_for(
         Decision::Image => {
             let runtime = runtime.ok_or("no runtime")?;
             // The mark `reap` looks for when the container ends.
-            std::fs::write(record.join(IMAGE_MARK), container_name(id))
+            // 0600: the node's alone (the record is 0711, its names guessable).
+            use std::os::unix::fs::OpenOptionsExt as _;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(record.join(IMAGE_MARK))
+                .and_then(|mut f| std::io::Write::write_all(&mut f, container_name(id).as_bytes()))
                 .map_err(|e| format!("cannot write {}: {e}", record.join(IMAGE_MARK).display()))?;
             let dev_dir = std::env::var_os(DEV_DIR_ENV).map_or_else(|| PathBuf::from("/dev"), PathBuf::from);
             let devices = find_devices(&dev_dir);

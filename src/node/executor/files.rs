@@ -8,7 +8,8 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::{Path, PathBuf};
 
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
@@ -25,22 +26,61 @@ pub fn open_dir_in_place(path: &Path) -> std::io::Result<OwnedFd> {
 const REMOVE_TREE_MAX_STEPS: u64 = 50_000_000;
 
 /// Removes `path` and, when it is a directory (never followed: a link is removed itself),
-/// everything under it. Unlike `std::fs::remove_dir_all`, which recurses once per level
+/// everything under it that the task could have removed itself: entries owned by
+/// `task_uid` or by this process's own uid (the node's files in a record), on the
+/// filesystem of `path` itself. Anything else stays where it is, with a warning naming it
+/// and its owner, and the removal then ends with an error saying it did not finish: a root
+/// node removed, with root's rights, another user's files that a task had moved into its
+/// directory (a directory of the task's holding one of bob's that the task itself could
+/// not empty). A directory is entered only once its opened handle is seen to be of an
+/// allowed owner and of the same filesystem, so no swap can make it enter another's; an
+/// entry unlinked from a directory of the task's is one the task could unlink itself.
+///
+/// Unlike `std::fs::remove_dir_all`, which recurses once per level
 /// and so overflowed the node's stack on a task's tree 200,000 directories deep (aborting
 /// the agent, or an RM with its node inside), this holds two directory handles at a time:
 /// it empties `path` round by round, removing what it can and moving the entries of a
 /// subdirectory that is not empty up into `path` under fresh names (`renameat2` with
 /// `RENAME_NOREPLACE`), so each round takes a level off every chain. Every step is relative
-/// to a handle opened with `O_NOFOLLOW`; no `..` is ever taken. Gone already is success.
-pub fn remove_tree(path: &Path) -> std::io::Result<()> {
+/// to a handle opened with `O_NOFOLLOW`; no `..` is ever taken. Gone already is success. A
+/// round that changes nothing ends it (what is left is another's, or held by one).
+pub fn remove_tree(path: &Path, task_uid: Option<u32>) -> std::io::Result<()> {
     use nix::errno::Errno;
-    use nix::fcntl::{openat, renameat2, RenameFlags};
+    use nix::fcntl::{openat, renameat2, AtFlags, RenameFlags};
+    use nix::sys::stat::{fstat, fstatat, FileStat};
     use nix::unistd::{unlinkat, UnlinkatFlags};
+    let node_uid = nix::unistd::geteuid().as_raw();
+    let allowed = |uid: u32| uid == node_uid || Some(uid) == task_uid;
+    let not_finished = |left: usize| {
+        std::io::Error::other(format!(
+            "{}: not removed entirely: {left} entr{} owned by another user (which the task could not remove) left \
+             in place",
+            path.display(),
+            if left == 1 { "y" } else { "ies" }
+        ))
+    };
+    let warn = |at: &Path, uid: u32| {
+        tracing::warn!(
+            path = %at.display(),
+            owner = uid,
+            "not removed: owned by another user, or on another filesystem, than the task's (the task could not remove it)"
+        );
+    };
     let top = match open_dir_in_place(path) {
         Ok(fd) => fd,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        // A link or a file: removed itself.
+        // A link or a file: removed itself (when the task's or the node's).
         Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOTDIR)) => {
+            use std::os::unix::fs::MetadataExt as _;
+            let owner = match std::fs::symlink_metadata(path) {
+                Ok(m) => m.uid(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            if !allowed(owner) {
+                warn(path, owner);
+                return Err(not_finished(1));
+            }
             return match std::fs::remove_file(path) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
                 r => r,
@@ -48,6 +88,13 @@ pub fn remove_tree(path: &Path) -> std::io::Result<()> {
         }
         Err(e) => return Err(e),
     };
+    let top_stat = fstat(&top)?;
+    if !allowed(top_stat.st_uid) {
+        warn(path, top_stat.st_uid);
+        return Err(not_finished(1));
+    }
+    let dev = top_stat.st_dev;
+    let removable = |st: &FileStat| allowed(st.st_uid) && st.st_dev == dev;
     let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     // The names in a directory, from a fresh handle of it (a listing's offset is its own).
     let names = |dir: &OwnedFd| -> std::io::Result<Vec<std::ffi::CString>> {
@@ -61,13 +108,24 @@ pub fn remove_tree(path: &Path) -> std::io::Result<()> {
         }
         Ok(out)
     };
+    let lstat = |dir: &OwnedFd, name: &std::ffi::CStr| fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW);
+    let shown = |parts: &[&std::ffi::CStr]| {
+        parts.iter().fold(path.to_path_buf(), |p, n| {
+            p.join(std::ffi::OsStr::from_bytes(n.to_bytes()))
+        })
+    };
+    // What stays (by device and inode), each named in one warning.
+    let mut kept = std::collections::HashSet::new();
+    let keep = |kept: &mut std::collections::HashSet<_>, st: &FileStat, at: PathBuf| {
+        if kept.insert((st.st_dev, st.st_ino)) {
+            warn(&at, st.st_uid);
+        }
+    };
     let (mut steps, mut fresh) = (0u64, 0u64);
     loop {
         let entries = names(&top)?;
-        if entries.is_empty() {
-            break;
-        }
-        for name in entries {
+        let mut progress = false;
+        for name in &entries {
             steps += 1;
             if steps > REMOVE_TREE_MAX_STEPS {
                 return Err(std::io::Error::other(format!(
@@ -75,26 +133,64 @@ pub fn remove_tree(path: &Path) -> std::io::Result<()> {
                     path.display()
                 )));
             }
+            match lstat(&top, name) {
+                Ok(st) if !removable(&st) => {
+                    keep(&mut kept, &st, shown(&[name]));
+                    continue;
+                }
+                Ok(_) => {}
+                Err(Errno::ENOENT) => {
+                    progress = true;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
             match unlinkat(&top, name.as_c_str(), UnlinkatFlags::NoRemoveDir) {
-                Ok(()) | Err(Errno::ENOENT) => continue,
+                Ok(()) | Err(Errno::ENOENT) => {
+                    progress = true;
+                    continue;
+                }
                 Err(Errno::EISDIR) | Err(Errno::EPERM) => {}
                 Err(e) => return Err(e.into()),
             }
             match unlinkat(&top, name.as_c_str(), UnlinkatFlags::RemoveDir) {
-                Ok(()) | Err(Errno::ENOENT) => continue,
+                Ok(()) | Err(Errno::ENOENT) => {
+                    progress = true;
+                    continue;
+                }
                 Err(Errno::ENOTEMPTY) | Err(Errno::EEXIST) => {}
                 // Replaced by a file meanwhile: the next round unlinks it.
-                Err(Errno::ENOTDIR) => continue,
+                Err(Errno::ENOTDIR) => {
+                    progress = true;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
-            // Not empty: its entries move up a level, and the next round removes it.
+            // Not empty: its entries move up a level, and the next round removes it. Only
+            // a directory of an allowed owner is entered (its handle's owner: no swap).
             let sub = match openat(&top, name.as_c_str(), flags, Mode::empty()) {
                 Ok(fd) => fd,
-                Err(Errno::ENOENT) | Err(Errno::ELOOP) | Err(Errno::ENOTDIR) => continue,
+                Err(Errno::ENOENT) | Err(Errno::ELOOP) | Err(Errno::ENOTDIR) => {
+                    progress = true;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             };
+            let sub_stat = fstat(&sub)?;
+            if !removable(&sub_stat) {
+                keep(&mut kept, &sub_stat, shown(&[name]));
+                continue;
+            }
             for child in names(&sub)? {
                 steps += 1;
+                match lstat(&sub, &child) {
+                    Ok(st) if !removable(&st) => {
+                        keep(&mut kept, &st, shown(&[name, &child]));
+                        continue;
+                    }
+                    Ok(_) | Err(Errno::ENOENT) => {}
+                    Err(e) => return Err(e.into()),
+                }
                 loop {
                     fresh += 1;
                     let to = format!(".gpuam-removing-{fresh}");
@@ -104,7 +200,15 @@ pub fn remove_tree(path: &Path) -> std::io::Result<()> {
                         Err(e) => return Err(e.into()),
                     }
                 }
+                progress = true;
             }
+        }
+        if entries.is_empty() {
+            break;
+        }
+        if !progress {
+            // Nothing more can go: what is left is another user's, or holds one's.
+            return Err(not_finished(kept.len().max(1)));
         }
     }
     drop(top);
@@ -123,7 +227,26 @@ pub fn read_small_in_place(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Creates `name` in directory `dir` holding `text`, owned by `owner` when given, without
+/// [`read_small_in_place`] of a file of the node's own in a record (`process.json`,
+/// `end.json`): one an older node left readable by others (0644) is made 0600 on the way.
+pub(super) fn read_record_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let f = open_log_in_place(path, false)?;
+    let meta = f.metadata()?;
+    if meta.mode() & 0o077 != 0 && meta.uid() == nix::unistd::geteuid().as_raw() {
+        if let Err(e) = f.set_permissions(std::fs::Permissions::from_mode(0o600)) {
+            tracing::warn!("cannot make {} private: {e}", path.display());
+        }
+    }
+    let mut out = Vec::new();
+    f.take(max).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Creates `name` in directory `dir` holding `text`, owned by `owner` when given, mode
+/// 0600 from its creation (a record's files, `process.json` and `end.json`, sit in a 0711
+/// directory under guessable names: another tenant must not read a task's pid, exit status
+/// or diagnostics; the preemption notice is read by the task as its owner), without
 /// opening or following anything already in `dir`: the directory is opened with
 /// `O_NOFOLLOW`, a new file of a fresh name is created in it with `O_CREAT | O_EXCL |
 /// O_NOFOLLOW` (relative to the directory's handle), written, and renamed over `name`
@@ -150,7 +273,7 @@ pub fn create_new_in(dir: &Path, name: &str, text: &[u8], owner: Option<(u32, u3
             dfd.as_raw_fd(),
             tmp.as_ptr(),
             libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            0o644 as libc::c_uint,
+            0o600 as libc::c_uint,
         )
     };
     if fd < 0 {

@@ -4,7 +4,7 @@
 //!
 //! Owns each container's record (`root/<role>-<index>@<containerId>/` for a job's task, so
 //! that a person finds it, else `root/<containerId>/`: [`record_name`]; the node's: 0711,
-//! nothing in it writable by the task) and in it the task's own directory (`work/`, 0700,
+//! nothing in it writable by the task, its files 0600) and in it the task's own directory (`work/`, 0700,
 //! owned by the task's uid: `GPUAM_CONTAINER_DIR`, holding `launch.sh`). The record holds the captured
 //! `stdout` / `stderr` (the task writes them through the handles it is given), what was
 //! launched (`process.json`: pid and start time), how it ended (`end.json`), that the RM

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 use super::ending::{container_ended, Ending};
-use super::files::{open_log_in_place, read_small_in_place};
+use super::files::{open_log_in_place, read_record_file, read_small_in_place};
 use super::logs::{watch_logs, LogStream};
 use super::records::{
     record_id, valid_container_id, work_dir, RecordedEnd, ACKED_FILE, END_FILE, EXIT_CODE_FILE, PROCESS_FILE,
@@ -47,7 +47,7 @@ impl Executor {
             return;
         }
         let leader = valid
-            .then(|| read_small_in_place(&dir.join(PROCESS_FILE), 64 << 10).ok())
+            .then(|| read_record_file(&dir.join(PROCESS_FILE), 64 << 10).ok())
             .flatten()
             .and_then(|b| serde_json::from_slice::<ProcessId>(&b).ok());
         let (done_tx, done_rx) = watch::channel(false);
@@ -144,7 +144,7 @@ pub(super) async fn wait_inherited(ending: Ending, leader: ProcessId) {
 
 /// The end the node recorded in container record `record` ([`END_FILE`]), if any.
 pub(super) fn recorded_end(record: &Path) -> Option<RecordedEnd> {
-    read_small_in_place(&record.join(END_FILE), 64 << 10)
+    read_record_file(&record.join(END_FILE), 64 << 10)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
 }

@@ -243,7 +243,7 @@ pub(super) fn sweep_records(
         let acked = heard || std::fs::symlink_metadata(record.join(ACKED_FILE)).is_ok();
         let age = now.duration_since(ended).ok();
         match sweep_action(acked, age, retention, work_dir_grace) {
-            SweepAction::RemoveRecord => match super::files::remove_tree(&record) {
+            SweepAction::RemoveRecord => match super::files::remove_tree(&record, task_uid_of(&record)) {
                 Ok(()) => removed += 1,
                 Err(e) => tracing::warn!(container = %id, "cannot remove the finished record: {e}"),
             },
@@ -275,10 +275,24 @@ pub(super) fn sweep_action(acked: bool, age: Option<Duration>, retention: Durati
     }
 }
 
+/// The uid a container's task ran as: the owner of its work directory, which the node
+/// made and gave to the task's uid at the start ([`super::spawn`]) and which the task can
+/// neither give away nor replace (it sits in the node's 0711 record). Known so after a
+/// restart too, when the executor's table (its entry's `owner`) is gone. `None` once
+/// the work directory is gone.
+pub(super) fn task_uid_of(record: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::symlink_metadata(work_dir(record))
+        .ok()
+        .filter(std::fs::Metadata::is_dir)
+        .map(|m| m.uid())
+}
+
 /// Removes the task's own directory of an ended container (its record stays). The
-/// removal does not follow links and takes a tree of any depth ([`super::files::remove_tree`]).
+/// removal does not follow links, takes a tree of any depth, and removes nothing the task
+/// could not have removed itself ([`super::files::remove_tree`] with [`task_uid_of`]).
 pub(super) fn remove_work_dir(record: &Path, id: &str) {
-    match super::files::remove_tree(&work_dir(record)) {
+    match super::files::remove_tree(&work_dir(record), task_uid_of(record)) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => tracing::warn!(container = id, "cannot remove the finished container's directory: {e}"),

@@ -177,7 +177,7 @@ impl Executor {
             Err(why) => {
                 // Nothing ran: no record of it stays (a restarted node would take it for
                 // a launch it has to end).
-                let _ = super::files::remove_tree(&dir);
+                let _ = super::files::remove_tree(&dir, run_as.as_ref().map(|u| u.uid));
                 let mut table = self.table.lock();
                 if was_allocated {
                     if let Some(e) = table.get_mut(container_id) {
@@ -201,7 +201,7 @@ impl Executor {
                         if UNRECORDABLE.lock().iter().any(|c| c == container_id) {
                             return Err(std::io::Error::other("a write failure injected by a test"));
                         }
-                        std::fs::write(dir.join(PROCESS_FILE), b)
+                        super::files::create_new_in(&dir, PROCESS_FILE, &b, None)
                     });
                 match recorded {
                     Ok(()) => {
@@ -341,7 +341,7 @@ pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<
         std::fs::create_dir_all(root).map_err(|e| where_("cannot create directory", root, e))?;
     }
     // A start tried again after a failed one begins with a fresh work directory.
-    match super::files::remove_tree(&work) {
+    match super::files::remove_tree(&work, run_as.map(|u| u.uid)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(where_("cannot clear", &work, e)),
         _ => {}
     }

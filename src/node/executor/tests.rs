@@ -298,7 +298,7 @@ fn remove_tree_takes_any_depth_and_never_follows() {
     let removing = top.clone();
     let removed = std::thread::Builder::new()
         .stack_size(64 * 1024)
-        .spawn(move || remove_tree(&removing))
+        .spawn(move || remove_tree(&removing, None))
         .unwrap()
         .join()
         .expect("no stack overflow");
@@ -312,9 +312,52 @@ fn remove_tree_takes_any_depth_and_never_follows() {
     // A link named as the tree is removed itself; a missing tree is not an error.
     let link = tmp.path().join("link");
     std::os::unix::fs::symlink(&outside, &link).unwrap();
-    remove_tree(&link).unwrap();
+    remove_tree(&link, None).unwrap();
     assert!(std::fs::symlink_metadata(&link).is_err() && outside.join("keep").exists());
-    remove_tree(&tmp.path().join("never-was")).unwrap();
+    remove_tree(&tmp.path().join("never-was"), None).unwrap();
+}
+
+/// A root node removes of a task's directory only what the task could have removed
+/// itself: a directory of another user (bob's `Y/f`, which the task moved into its
+/// directory inside a 0777 directory of its own, after its own `rm -rf` of it failed)
+/// and a file of bob's stay, with their contents; the task's own entries go, and the
+/// removal says it did not finish rather than looping.
+#[test]
+fn removing_a_tasks_directory_leaves_what_another_user_owns() {
+    use std::os::unix::fs::{chown, PermissionsExt as _};
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (files of other uids)");
+        return;
+    }
+    let (alice, bob) = (64_996u32, 64_997u32);
+    let tmp = tempfile::tempdir().unwrap();
+    let record = tmp.path().join("c-moved");
+    let work = work_dir(&record);
+    std::fs::create_dir_all(work.join("own/deeper")).unwrap();
+    std::fs::write(work.join("own/deeper/a"), "a").unwrap();
+    std::fs::create_dir_all(work.join("share/Y")).unwrap();
+    std::fs::write(work.join("share/mine"), "mine").unwrap();
+    std::fs::write(work.join("share/Y/f"), "bob's").unwrap();
+    std::fs::write(work.join("bobs-file"), "bob's too").unwrap();
+    for p in ["", "own", "own/deeper", "own/deeper/a", "share", "share/mine"] {
+        chown(work.join(p), Some(alice), Some(alice)).unwrap();
+    }
+    std::fs::set_permissions(work.join("share"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    for p in ["share/Y", "share/Y/f", "bobs-file"] {
+        chown(work.join(p), Some(bob), Some(bob)).unwrap();
+    }
+    // The node's own removal of the work directory (after its grace, or on a sweep).
+    super::records::remove_work_dir(&record, "c-moved");
+    let err = remove_tree(&work, super::records::task_uid_of(&record)).unwrap_err();
+    assert!(err.to_string().contains("not removed entirely"), "{err}");
+    assert_eq!(std::fs::read_to_string(work.join("share/Y/f")).unwrap(), "bob's");
+    assert_eq!(std::fs::read_to_string(work.join("bobs-file")).unwrap(), "bob's too");
+    assert!(!work.join("own").exists(), "the task's own entries went");
+    assert!(!work.join("share/mine").exists(), "the task's own entries went");
+    // Without the task's uid (the node's files alone), the task's directory stays whole.
+    let err = remove_tree(&work, None).unwrap_err();
+    assert!(err.to_string().contains("not removed entirely"), "{err}");
+    assert!(work.join("share/Y/f").exists());
 }
 
 /// [`create_new_in`] refuses a directory that is a link, and never writes through one.
@@ -424,6 +467,44 @@ async fn a_tasks_first_command_finds_its_process_recorded() {
         assert_eq!(code, 0, "{diag}");
         assert_eq!(exec.read_log(&id, LogStream::Stdout, None).unwrap(), "recorded\n");
     }
+}
+
+/// A record's `process.json`, `end.json` and `acked` are the node's alone (0600 from their
+/// creation): the record is 0711 under a guessable name, and another tenant read a task's
+/// pid, exit status and diagnostics from them. As root, another uid cannot read them; one
+/// an older node left 0644 is made private when it is read again.
+#[tokio::test]
+async fn a_records_files_are_readable_by_the_node_alone() {
+    use std::os::unix::fs::PermissionsExt as _;
+    use std::os::unix::process::CommandExt as _;
+    let (t, exec, mut rx) = setup();
+    // Passable by anyone, as a node's state directory is: only the files' modes guard them.
+    std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    exec.start("c-private", "h", &no_gpus(), ctx(&["echo secret >&2; exit 3"]))
+        .unwrap();
+    let (_, code, _) = next_exit(&mut rx).await;
+    assert_eq!(code, 3);
+    assert!(exec.forget("c-private"));
+    let record = t.path().join("containers").join("c-private");
+    std::fs::set_permissions(t.path().join("containers"), std::fs::Permissions::from_mode(0o711)).unwrap();
+    for f in [PROCESS_FILE, END_FILE, ACKED_FILE, "stdout", "stderr"] {
+        let mode = std::fs::metadata(record.join(f)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{f} is {mode:o}");
+        if nix::unistd::geteuid().is_root() {
+            let read = std::process::Command::new("cat")
+                .arg(record.join(f))
+                .uid(64_995)
+                .gid(64_995)
+                .output()
+                .unwrap();
+            assert!(!read.status.success(), "another uid read {f}");
+        }
+    }
+    // Left readable by an older node: private once read back.
+    std::fs::set_permissions(record.join(END_FILE), std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(super::reattach::recorded_end(&record).unwrap().exit_status, 3);
+    let mode = std::fs::metadata(record.join(END_FILE)).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
 }
 
 /// A task whose process record cannot be stored never runs a command: it exits 154
