@@ -1109,7 +1109,8 @@ async fn one_start_call_starts_several_containers_each_checked_alone() {
         .as_ref()
         .expect("another AM's container is refused");
     assert!(refused.status == 401 || refused.status == 403, "{refused:?}");
-    assert_eq!(answer.results[2].error.as_ref().map(|e| e.status), Some(404));
+    // An unknown container answers as one that is not the caller's (nobody learns which exist).
+    assert_eq!(answer.results[2].error.as_ref().map(|e| e.status), Some(401));
     // Their container was not started by the refused start.
     let theirs_now = rm
         .shared
