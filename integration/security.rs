@@ -579,6 +579,19 @@ fn a_work_dir_of_another_user_is_refused_and_left_untouched() {
         let mode = std::fs::metadata(&theirs).unwrap().permissions().mode() & 0o7777;
         assert_eq!(mode, 0o755, "gpuam {args:?} changed its mode");
     }
+    // `gpuam rm --state-dir` the same (the state file holds tokens).
+    let own = tmp.path().join("own-work");
+    let out = std::process::Command::new(common::bin())
+        .args(["rm", "--listen", "127.0.0.1:0", "--work-dir"])
+        .arg(&own)
+        .arg("--state-dir")
+        .arg(&theirs)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("--state-dir") && err.contains("uid 64998"), "{err}");
+    assert_eq!(std::fs::read_dir(&theirs).unwrap().count(), 0);
     // A directory every user may write (`/tmp` itself) is no work dir either, even root's.
     let shared = tmp.path().join("shared");
     std::fs::create_dir(&shared).unwrap();

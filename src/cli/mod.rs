@@ -511,7 +511,11 @@ pub fn main() -> i32 {
             work_dir,
             quiet_tasks,
             linger,
-        } => match work_dir.as_deref().map(check_work_dir).unwrap_or(Ok(())) {
+        } => match work_dir
+            .as_deref()
+            .map(|d| check_own_dir("--work-dir", d))
+            .unwrap_or(Ok(()))
+        {
             Err(code) => code,
             Ok(()) => runtime.block_on(run::run(
                 &job,
@@ -734,12 +738,13 @@ pub const USER_TOKEN_ENV: &str = "GPUAM_TOKEN";
 
 /// The admin token from `--admin-token-file` or `GPUAM_ADMIN_TOKEN` (`None` if
 /// neither is given); exit 64 when the file cannot be read or is empty.
-/// The work dir of `gpuam run` (when named), `gpuam rm` and `gpuam node`, made (when
-/// missing) as this user's own before anything is written there: one that another user owns
-/// or could replace is refused ([`crate::node::identity::make_owned_dir`]): exit 64.
-pub(crate) fn check_work_dir(dir: &Path) -> Result<(), i32> {
+/// The work dir of `gpuam run` (when named), `gpuam rm` and `gpuam node`, and `gpuam rm`'s
+/// `--state-dir`, made (when missing) as this user's own before anything is written there:
+/// one that another user owns or could replace is refused
+/// ([`crate::node::identity::make_owned_dir`]): exit 64, naming `flag`.
+pub(crate) fn check_own_dir(flag: &str, dir: &Path) -> Result<(), i32> {
     crate::node::identity::make_owned_dir(dir).map(drop).map_err(|e| {
-        eprintln!("error: --work-dir: {e}");
+        eprintln!("error: {flag}: {e}");
         exit::USAGE
     })
 }

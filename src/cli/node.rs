@@ -237,7 +237,7 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
         eprintln!("error: gpuam node needs --rm URL, --host HOST and --node-token-file FILE");
         return exit::USAGE;
     };
-    if let Err(code) = super::check_work_dir(&args.work_dir) {
+    if let Err(code) = super::check_own_dir("--work-dir", &args.work_dir) {
         return code;
     }
     let token = match crate::auth::read_token_file(&token_file) {

@@ -82,7 +82,7 @@ pub async fn rm(
     let initial_states: std::collections::BTreeMap<String, crate::cluster::NodeState> =
         nodes.iter().map(|n| (n.host.clone(), n.state)).collect();
     let work_dir = work_dir.unwrap_or_else(|| PathBuf::from("gpuam-rm-work"));
-    if let Err(code) = super::check_work_dir(&work_dir) {
+    if let Err(code) = super::check_own_dir("--work-dir", &work_dir) {
         return code;
     }
     let tls = match crate::tls::server_config_from_settings(&settings.tls) {
@@ -96,6 +96,12 @@ pub async fn rm(
         StateOption::Sqlite { dir, recover } => (Some(dir.unwrap_or_else(|| work_dir.clone())), recover),
         StateOption::Memory => (None, false),
     };
+    // A state directory of its own is this user's too (tokens are kept there).
+    if let Some(d) = state_dir.as_deref().filter(|d| *d != work_dir.as_path()) {
+        if let Err(code) = super::check_own_dir("--state-dir", d) {
+            return code;
+        }
+    }
     let state_text = match &state_dir {
         Some(d) => format!("state in {}", d.join(crate::rm::store::STATE_FILE).display()),
         None => "state in memory only".to_string(),

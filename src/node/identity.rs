@@ -350,24 +350,7 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
             };
             return Err(format!("{} is {kind}; {fix}", next.display()));
         }
-        let last = pending.is_empty();
-        if last && meta.uid() != me {
-            return Err(format!(
-                "{} belongs to uid {}, not to this process's user (uid {me}); {fix}",
-                next.display(),
-                meta.uid()
-            ));
-        }
-        if last && meta.mode() & 0o022 != 0 {
-            return Err(format!(
-                "{} is writable by other users (mode {:o}; `/tmp` itself, say): they could plant what the \
-                 node reads there; choose a directory of its own, e.g. {}/gpuam",
-                next.display(),
-                meta.mode() & 0o7777,
-                next.display()
-            ));
-        }
-        if !last && meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
+        if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
             return Err(format!(
                 "{} is writable by other users (mode {:o}) and not sticky: they could replace what lies \
                  below it ({}); {fix}",
@@ -377,6 +360,28 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
             ));
         }
         at = next;
+    }
+    // The directory the path names, once every `..` and link is taken (so `P/x/..` is P):
+    // this user's own, and not one others may write.
+    if at.parent().is_none() {
+        return Err(format!("{} is the root directory; {fix}", path.display()));
+    }
+    let meta = std::fs::symlink_metadata(&at).map_err(|e| format!("cannot inspect {}: {e}", at.display()))?;
+    if meta.uid() != me {
+        return Err(format!(
+            "{} belongs to uid {}, not to this process's user (uid {me}); {fix}",
+            at.display(),
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} is writable by other users (mode {:o}; `/tmp` itself, say): they could plant what the \
+             node reads there; choose a directory of its own, e.g. {}/gpuam",
+            at.display(),
+            meta.mode() & 0o7777,
+            at.display()
+        ));
     }
     Ok(())
 }
@@ -388,6 +393,12 @@ pub fn check_owned_path(path: &Path) -> Result<(), String> {
 /// the way is writable by another user unless sticky, what this made stays this user's.
 pub fn make_owned_dir(path: &Path) -> Result<PathBuf, String> {
     use std::os::unix::fs::DirBuilderExt as _;
+    if path.components().any(|c| c == std::path::Component::ParentDir) {
+        return Err(format!(
+            "{} has a `..` in it: name the directory itself (nothing is made on the way to it)",
+            path.display()
+        ));
+    }
     check_owned_path(path)?;
     let mut at = PathBuf::new();
     for part in path.components() {
@@ -543,6 +554,20 @@ mod tests {
         let e = open(&shared).unwrap_err();
         assert!(e.contains("writable by other users (mode 1777"), "{e}");
         assert_eq!(mode(&shared), 0o1777);
+
+        // A trailing `..` names the directory above: judged as that one (`shared`, 1777).
+        let e = check_owned_path(&shared.join("work/..")).unwrap_err();
+        assert!(e.contains("writable by other users"), "{e}");
+        // And a work dir is named without `..`: refused before anything is made.
+        let e = open(&shared.join("y/..")).unwrap_err();
+        assert!(e.contains("`..`"), "{e}");
+        assert!(!shared.join("y").exists());
+        assert_eq!(mode(&shared), 0o1777);
+        // The root directory is no work dir, however it is named.
+        for root in [Path::new("/"), Path::new("/tmp/.."), Path::new("//")] {
+            let e = check_owned_path(root).unwrap_err();
+            assert!(e.contains("root directory"), "{root:?}: {e}");
+        }
 
         // A `containers/` another user made inside a work dir of root's: refused.
         let planted = t.join("planted");

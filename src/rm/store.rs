@@ -211,12 +211,42 @@ impl Store {
             what: what.to_string(),
             why,
         };
-        std::fs::create_dir_all(dir).map_err(|e| fail(format!("cannot create {}: {e}", dir.display())))?;
-        let conn = Connection::open(&path).map_err(|e| fail(e.to_string()))?;
-        // Job tokens and app tokens are in here: owner only.
+        // Tokens are kept here and the RM trusts what it reads back: the directory must be
+        // this user's own (another user's could hold a planted database, or a link that
+        // root would follow to chmod a file of their choice), and so must the file.
+        crate::node::identity::make_owned_dir(dir).map_err(|e| fail(format!("the state directory: {e}")))?;
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt as _;
+                if m.file_type().is_symlink() {
+                    return Err(fail(
+                        "it is a link, not the RM's own file: remove it, or choose another state directory".into(),
+                    ));
+                }
+                if !m.file_type().is_file() || m.uid() != nix::unistd::geteuid().as_raw() {
+                    return Err(fail(format!(
+                        "it is not a regular file of this process's user (it is uid {}'s): remove it, or choose \
+                         another state directory",
+                        m.uid()
+                    )));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(fail(e.to_string())),
+        }
+        let flags = rusqlite::OpenFlags::default() | rusqlite::OpenFlags::SQLITE_OPEN_NOFOLLOW;
+        let conn = Connection::open_with_flags(&path, flags).map_err(|e| fail(e.to_string()))?;
+        // Job tokens and app tokens are in here: owner only (the file was just checked, or
+        // made by SQLite, which does not follow a link in its place).
         {
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+            use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt};
+            if let Ok(f) = std::fs::File::options()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+            {
+                let _ = f.set_permissions(std::fs::Permissions::from_mode(0o600));
+            }
         }
         conn.busy_timeout(std::time::Duration::from_secs(2))
             .map_err(|e| fail(e.to_string()))?;
@@ -674,6 +704,48 @@ fn name_of<T: Serialize>(v: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A link planted where the state file goes is refused, not followed (root would have
+    /// made the file it names 0600 and opened it as its state); so is a file of another
+    /// user's, and a state directory another user owns.
+    #[test]
+    fn a_planted_state_file_or_directory_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let t = tempfile::tempdir().unwrap();
+        let victim = t.path().join("victim");
+        std::fs::write(&victim, "theirs").unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let dir = t.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join(STATE_FILE)).unwrap();
+        let e = Store::open(&dir).err().expect("a link is refused").to_string();
+        assert!(e.contains("link"), "{e}");
+        assert_eq!(std::fs::metadata(&victim).unwrap().permissions().mode() & 0o7777, 0o644);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "theirs");
+        if nix::unistd::geteuid().is_root() {
+            std::fs::remove_file(dir.join(STATE_FILE)).unwrap();
+            std::fs::write(dir.join(STATE_FILE), "").unwrap();
+            std::os::unix::fs::chown(dir.join(STATE_FILE), Some(64_993), None).unwrap();
+            let e = Store::open(&dir).err().expect("another's file is refused").to_string();
+            assert!(e.contains("uid 64993"), "{e}");
+            let theirs = t.path().join("theirs");
+            std::fs::create_dir(&theirs).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(64_993), None).unwrap();
+            let e = Store::open(&theirs)
+                .err()
+                .expect("another's directory is refused")
+                .to_string();
+            assert!(e.contains("uid 64993"), "{e}");
+            assert!(!theirs.join(STATE_FILE).exists());
+        }
+        // The RM's own: made, 0600.
+        let own = t.path().join("own");
+        drop(Store::open(&own).unwrap());
+        assert_eq!(
+            std::fs::metadata(own.join(STATE_FILE)).unwrap().permissions().mode() & 0o7777,
+            0o600
+        );
+    }
     use crate::protocol::{AppState, Container, ContainerState, FinalStatus};
     use crate::resources::{PortSet, Resources};
 
