@@ -20,6 +20,9 @@
 //!   weight (RELIABILITY §2e, D3). A holds every GPU through `gpu: 0.99` tasks (7.92 GPUs);
 //!   B asks four whole GPUs: three of A's shares are taken back (a fourth would leave A at
 //!   3.96, below its 4) and B runs three tasks; the queues read 4.95 and 3; all finish.
+//! - `tiny_shares_beside_large_ones_do_not_switch_preemption_off`: one node of 4 GPUs
+//!   (third pass, F1): A holds 4 × 0.97 and 8 × 0.01; B asks two GPUs: every share of a
+//!   GPU goes together, B runs, A keeps its share of 2; all finish.
 
 mod common;
 
@@ -465,5 +468,50 @@ fn gpu_shares_past_a_queues_share_are_taken_back() {
     assert_eq!(preempted.len(), 3, "{preempted:?}");
     assert!(preempted.iter().all(|x| x.job == "a"), "{preempted:?}");
     assert_no_gpu_held_twice(&r);
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+#[test]
+fn tiny_shares_beside_large_ones_do_not_switch_preemption_off() {
+    // Third pass, F1: one node of 4 GPUs, A and B of equal weight. A holds 4 × 0.97, then
+    // 8 × 0.01 beside them (3.96 GPUs, its share 2); B asks two whole GPUs. Every share of
+    // a GPU goes together: at least one GPU is freed and B runs, A keeps its share.
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let settings =
+        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 1}}\n    b: {{weight: 1}}\n");
+    let rm = Rm::start_with_settings(ONE_NODE, &settings, ENV);
+    let big = rm.submit(&job_of(&rm, "big", "a", 0, false, 4, "0.97", "a"));
+    wait_for(Duration::from_secs(60), "A's 0.97 shares to run", || {
+        (running(&runs(&rm), "big") == 4).then_some(())
+    });
+    let tiny = rm.submit(&job_of(&rm, "tiny", "a", 0, false, 8, "0.01", "a"));
+    wait_for(Duration::from_secs(60), "A's 0.01 shares to run", || {
+        (running(&runs(&rm), "tiny") == 8).then_some(())
+    });
+    assert!((queue_use_f(&rm)["a"] - 3.96).abs() < 1e-9, "{:?}", queue_use_f(&rm));
+    let b = rm.submit(&job(&rm, "b", "b", 0, false, 2, "b"));
+    wait_for(SPLIT_DEADLINE, "B to run on a GPU freed of every share", || {
+        (running(&runs(&rm), "b") >= 1).then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(GRACE_SEC + 1));
+    let u = queue_use_f(&rm);
+    assert!(
+        u["a"] >= 2.0 - 1e-9 && u["b"] >= 1.0 - 1e-9,
+        "A never below its share: {u:?}"
+    );
+    std::fs::write(rm.path("release-a"), "").unwrap();
+    std::fs::write(rm.path("release-b"), "").unwrap();
+    for (what, s) in [("big", big), ("tiny", tiny), ("b", b)] {
+        let out = s.wait(Duration::from_secs(90));
+        assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
+    }
+    let r = runs(&rm);
+    assert!(
+        r.iter()
+            .filter(|x| x.end.as_ref().is_some_and(|(_, why)| why != "done"))
+            .all(|x| x.job != "b"),
+        "{r:?}"
+    );
+    // (Shares of one GPU run side by side here: `assert_no_gpu_held_twice` is for whole GPUs.)
     rm.assert_all_free(Duration::from_secs(20));
 }

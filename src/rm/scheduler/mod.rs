@@ -318,8 +318,19 @@ impl Shares {
             }
         }
         for p in 0..pools.len() {
+            // Waiting demand is whole GPUs in the water-filling, each leaf's rounded up: a
+            // waiting share task is only ever placed, or made room for, on a whole free GPU
+            // (`Scratch`), so a leaf waiting 0.5 wants a GPU (and is owed one), and 36 × 0.11
+            // want 4. Use stays exact; whole-GPU demand is unchanged.
+            let mut demand = vec![0u32; nq];
+            for l in tree.leaves() {
+                let whole = s.waiting[p][l].div_ceil(WHOLE).saturating_mul(WHOLE);
+                for up in tree.lineage(l) {
+                    demand[up] = demand[up].saturating_add(whole);
+                }
+            }
             let want: Vec<f64> = (0..nq)
-                .map(|q| gpus_of(s.used[p][q].saturating_add(s.waiting[p][q])))
+                .map(|q| gpus_of(s.used[p][q].saturating_add(demand[q])))
                 .collect();
             s.deserved[p] = share::deserved(tree, f64::from(s.capacity[p]), &want);
         }

@@ -589,12 +589,24 @@ struct World {
     held: Vec<(usize, usize, u32, u64, bool, Option<u32>)>,
 }
 
-/// A GPU share (hundredths) one time in three: halves, quarters and the 0.99 of the
-/// attack that held whole GPUs through shares (RELIABILITY §2e, D3).
+/// A GPU share (hundredths) one time in three: halves, quarters, the 0.99 of the attack
+/// that held whole GPUs through shares (RELIABILITY §2e, D3) and the tiny shares that hid
+/// a GPU among many (third pass, F1: 0.01, 0.11, 0.12 beside 0.97 and 0.98).
 fn arb_share() -> impl Strategy<Value = Option<u32>> {
     prop_oneof![
         2 => Just(None),
-        1 => prop_oneof![Just(25u32), Just(50), Just(99), 1u32..100].prop_map(Some),
+        1 => prop_oneof![
+            Just(25u32),
+            Just(50),
+            Just(99),
+            Just(1),
+            Just(11),
+            Just(12),
+            Just(97),
+            Just(98),
+            1u32..100
+        ]
+        .prop_map(Some),
     ]
 }
 
@@ -626,7 +638,7 @@ fn world() -> impl Strategy<Value = World> {
                                 prop::bool::weighted(0.1),
                                 arb_share(),
                             ),
-                            0..16,
+                            0..24,
                         ),
                     )
                 })
@@ -741,6 +753,29 @@ proptest! {
         }
     }
 
+    /// A share taken across queues (not a gang's) is taken with every other share on its
+    /// GPU that is not already leaving: a victim set frees whole GPUs, never part of one.
+    #[test]
+    fn shares_are_taken_a_whole_gpu_at_a_time(w in world()) {
+        let c = build(&w);
+        let p = plan(&c.t, &c.s, &Shares::compute(&c.t, &c.s));
+        let taken: BTreeSet<usize> = p.victims.iter().flat_map(|v| v.held.iter().copied()).collect();
+        for v in p.victims.iter().filter(|v| !c.s.apps[v.app].gang && c.s.apps[v.app].queue != v.for_queue) {
+            for &h in &v.held {
+                let held = &c.s.held[h];
+                for (i, _) in held.gpu_shares.iter() {
+                    let left = (0..c.s.held.len()).find(|&o| {
+                        c.s.held[o].node == held.node
+                            && c.s.held[o].gpu_shares.iter().any(|(j, _)| j == i)
+                            && !taken.contains(&o)
+                            && !c.s.held[o].leaving
+                    });
+                    prop_assert!(left.is_none(), "share {} taken, GPU {} still shared by {:?}", h, i, left);
+                }
+            }
+        }
+    }
+
     /// Passes add up safely: with one pass's victims leaving (notices out), the next pass
     /// may make more room (e.g. a gang that now fits leaves a smaller job unserved) but
     /// never takes a queue below its share or guarantee in total, and what it takes is
@@ -782,7 +817,8 @@ proptest! {
     fn shares_are_bounded_and_fill_the_pool(w in world()) {
         let c = build(&w);
         let s = Shares::compute(&c.t, &c.s);
-        let want: Vec<f64> = (0..c.t.len()).map(|q| g(s.used[0][q] + s.waiting[0][q])).collect();
+        // Waiting demand in whole GPUs, each leaf's rounded up (every queue is a leaf here).
+        let want: Vec<f64> = (0..c.t.len()).map(|q| g(s.used[0][q] + s.waiting[0][q].div_ceil(100) * 100)).collect();
         let total: f64 = (0..c.t.len()).map(|q| s.deserved[0][q]).sum();
         let cap = f64::from(s.capacity[0]);
         let wanted: f64 = (0..c.t.len()).map(|q| c.t.get(q).max_gpus.map_or(want[q], |m| want[q].min(f64::from(m)))).sum();
@@ -1344,4 +1380,138 @@ fn shares_within_a_queues_share_are_not_taken() {
     c.hold_share(a, 0, 99, 1).unwrap();
     c.hold_share(a, 0, 99, 1).unwrap();
     assert!(c.plan().victims.is_empty());
+}
+
+/// GPUs of node 0 whose every share is among `taken` (the GPUs the victims free).
+fn gpus_freed(c: &Cluster, taken: &BTreeSet<usize>) -> BTreeSet<u8> {
+    let mut on: BTreeMap<u8, (u32, u32)> = BTreeMap::new();
+    for (h, held) in c.s.held.iter().enumerate() {
+        for (i, part) in held.gpu_shares.iter() {
+            let e = on.entry(i).or_default();
+            e.0 += part;
+            if taken.contains(&h) {
+                e.1 += part;
+            }
+        }
+    }
+    on.into_iter()
+        .filter(|(_, (all, gone))| all == gone)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+#[test]
+fn many_small_shares_per_gpu_do_not_switch_preemption_off() {
+    // F1 of the third pass: 4 GPUs, 1:1; A fills every GPU with the pattern's shares, B
+    // waits two whole GPUs and deserves 2. However A splits a GPU, its shares on one GPU
+    // go together: as many GPUs as A's excess covers are freed (a GPU of 0.99 costs 99).
+    let cases: [(&[u32], usize); 7] = [
+        (&[99], 1),
+        (&[50, 50], 2),
+        (&[25, 25, 25, 25], 2),
+        (&[13, 13, 13, 13, 12, 12, 12, 12], 2),
+        (&[11, 11, 11, 11, 11, 11, 11, 11, 11], 1),
+        (&[97, 1, 1, 1], 2),
+        // Packed lowest GPU first: 1.00, 1.00, 0.99, 0.97; the last two are A's 1.96 excess.
+        (&[97, 1, 1], 2),
+    ];
+    for (pattern, freed) in cases {
+        let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+        let a = c.app("a", 0, false, vec![]);
+        let b = c.app("b", 0, false, vec![waiting(2, 1)]);
+        for gpu in 0..4u64 {
+            for (k, &part) in pattern.iter().enumerate() {
+                c.hold_share(a, 0, part, 1000 * gpu + k as u64 + 1).unwrap();
+            }
+        }
+        let shares = Shares::compute(&c.t, &c.s);
+        let qa = c.s.apps[a].queue;
+        let p = c.plan();
+        let taken: BTreeSet<usize> = p.victims.iter().flat_map(|v| v.held.clone()).collect();
+        let gpus = gpus_freed(&c, &taken);
+        assert_eq!(gpus.len(), freed, "{pattern:?}: {:?}", p.victims);
+        // Nothing taken that frees no GPU, and A never below its share.
+        let on_freed = taken
+            .iter()
+            .all(|&h| gpus.contains(&c.s.held[h].gpu_shares.single().unwrap().0));
+        assert!(on_freed, "{pattern:?}: a share taken from a GPU left shared");
+        let gone: u32 = taken.iter().map(|&h| c.s.held[h].hundredths()).sum();
+        assert!(
+            g(shares.used[0][qa] - gone) + 1e-9 >= shares.deserved[0][qa],
+            "{pattern:?}"
+        );
+        assert!(
+            matches!(&p.why[b], Some(WaitReason::Reclaiming { gpus, .. }) if *gpus as usize == freed),
+            "{pattern:?}: {:?}",
+            p.why[b]
+        );
+    }
+}
+
+#[test]
+fn tiny_shares_beside_large_ones_do_not_switch_preemption_off() {
+    // F1, the 8-GPU row: A holds 8 × 0.98 then 8 × 0.01 (7.92, share 4), B waits 4 GPUs.
+    // The four GPUs of 0.98 alone are freed (392 hundredths, exactly A's excess).
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[8]);
+    let a = c.app("a", 0, false, vec![]);
+    let b = c.app("b", 0, false, vec![waiting(4, 1)]);
+    for run in 0..8 {
+        c.hold_share(a, 0, 98, 100 + run).unwrap();
+    }
+    for run in 0..8 {
+        c.hold_share(a, 0, 1, 1 + run).unwrap();
+    }
+    let p = c.plan();
+    let taken: BTreeSet<usize> = p.victims.iter().flat_map(|v| v.held.clone()).collect();
+    assert_eq!(gpus_freed(&c, &taken), BTreeSet::from([4, 5, 6, 7]), "{:?}", p.victims);
+    assert_eq!(taken.len(), 4);
+    assert!(
+        matches!(&p.why[b], Some(WaitReason::Reclaiming { gpus: 4, .. })),
+        "{:?}",
+        p.why[b]
+    );
+}
+
+#[test]
+fn a_queue_waiting_less_than_one_gpu_of_shares_is_made_room_for() {
+    // F2 of the third pass: 4 GPUs, 1:1. B holds all four; A waits one 0.5 task. A's
+    // waiting share demand counts a whole GPU (it needs one free), so A deserves 1, B 3,
+    // and one of B's containers goes.
+    for (count, part) in [(1, 50), (3, 11), (1, 1)] {
+        let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[4]);
+        let a = c.app("a", 0, false, vec![waiting_share(count, part)]);
+        let b = c.app("b", 0, false, vec![]);
+        for run in 0..4 {
+            c.hold(b, 0, 1, 1000 + run);
+        }
+        let shares = Shares::compute(&c.t, &c.s);
+        let (qa, qb) = (c.s.apps[a].queue, c.s.apps[b].queue);
+        assert_eq!(shares.waiting[0][qa], count * part, "the figure stays exact");
+        assert!((shares.deserved[0][qa] - 1.0).abs() < 1e-9, "{:?}", shares.deserved);
+        assert!((shares.deserved[0][qb] - 3.0).abs() < 1e-9);
+        assert_eq!((shares.owed(0, qa), shares.over(0, qb, 0)), (1, 100));
+        let p = c.plan();
+        assert_eq!(p.victims.len(), 1, "{:?}", p.victims);
+        assert_eq!((p.victims[0].app, p.victims[0].for_queue), (b, qa));
+        assert!(
+            matches!(&p.why[a], Some(WaitReason::Reclaiming { gpus: 1, .. })),
+            "{:?}",
+            p.why[a]
+        );
+        // With it leaving, nothing more goes.
+        for &h in &p.victims[0].held {
+            c.s.held[h].leaving = true;
+            c.s.held[h].for_queue = Some(qa);
+        }
+        assert!(c.plan().victims.is_empty());
+    }
+    // The rounding is of a leaf's sum: 36 × 0.11 wait as 4 GPUs, not 36.
+    let mut c = Cluster::new(tree(&[("a", 1.0, 0, None, false), ("b", 1.0, 0, None, false)]), &[8]);
+    let a = c.app("a", 0, false, vec![waiting_share(36, 11)]);
+    let s = Shares::compute(&c.t, &c.s);
+    assert!(
+        (s.deserved[0][c.s.apps[a].queue] - 4.0).abs() < 1e-9,
+        "{:?}",
+        s.deserved
+    );
 }

@@ -12,7 +12,9 @@
 //! - by node: task by task, the node where the cheapest set of units makes the task fit
 //!   (GPUs, CPU and memory on that node, exactly there), the best GPU set after it as a
 //!   tie-break — right for multi-GPU tasks and topology, and for shares: a shared GPU
-//!   counts as room only in a set that takes every share on it (`Scratch`).
+//!   counts as room only in a set that takes every share on it (`Scratch`), so its
+//!   candidates are whole-GPU units, gangs, and per shared GPU every other share on it as
+//!   one group (`groups`): however a GPU is split, it is one candidate.
 //!
 //! - the swap, only where neither plan lets any task fit: a whole gang bigger than its
 //!   queue's limit, when what it frees beyond the limit is at most the GPUs needed and the
@@ -29,7 +31,7 @@ use super::{eligible, fits_in, Scratch, Snapshot};
 use crate::protocol::WaitingTasks;
 use crate::resources::WHOLE;
 
-/// Largest victim set enumerated on one node by the node plan.
+/// Most candidates (units or shared-GPU groups) enumerated on one node by the node plan.
 const MAX_UNITS_PER_NODE: usize = 8;
 /// Bounds of the count plan's table (units × GPUs); beyond them only the node plan runs.
 const MAX_DP_UNITS: usize = 256;
@@ -324,6 +326,44 @@ fn by_count(tasks: &[WaitingTasks], units: &[Unit], limit: &BTreeMap<usize, u32>
     Some(chosen)
 }
 
+/// Cost of the units `set`.
+fn cost_of(units: &[Unit], set: &[usize], base: i32) -> Cost {
+    set.iter()
+        .fold(Cost::default(), |acc, &u| acc.add(Cost::of(&units[u], base)))
+}
+
+/// The node plan's candidates on node `n` among the units `here` not yet `chosen`: each
+/// unit of whole GPUs and each gang alone, and the other units holding shares grouped per
+/// shared GPU — every such share on GPU g together, one candidate (one share frees no GPU,
+/// all of them do; so a tenant cannot hide a GPU behind many small shares). A unit sharing
+/// several GPUs is in each of their groups (a set counts it once).
+fn groups(snap: &Snapshot, units: &[Unit], here: &[usize], n: usize, chosen: &[usize]) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut per_gpu: BTreeMap<u8, Vec<usize>> = BTreeMap::new();
+    for &u in here.iter().filter(|u| !chosen.contains(u)) {
+        let unit = &units[u];
+        if unit.whole || unit.gang {
+            out.push(vec![u]);
+            continue;
+        }
+        let mut shared = false;
+        for &h in unit.held.iter().filter(|&&h| snap.held[h].node == n) {
+            for (i, _) in snap.held[h].gpu_shares.iter() {
+                let g = per_gpu.entry(i).or_default();
+                if !g.contains(&u) {
+                    g.push(u);
+                }
+                shared = true;
+            }
+        }
+        if !shared {
+            out.push(vec![u]);
+        }
+    }
+    out.extend(per_gpu.into_values());
+    out
+}
+
 /// The node plan: task by task, the node where the cheapest units make it fit.
 fn by_node(
     snap: &Snapshot,
@@ -356,20 +396,28 @@ fn by_node(
                 if !eligible(&snap.nodes[n], w) {
                     continue;
                 }
-                let mut cands: Vec<usize> = here
-                    .iter()
-                    .copied()
-                    .filter(|u| {
-                        !chosen.contains(u) && units[*u].hundredths <= left.get(&units[*u].queue).copied().unwrap_or(0)
+                let mut cands: Vec<Vec<usize>> = groups(snap, units, here, n, &chosen)
+                    .into_iter()
+                    .filter(|g| {
+                        let mut per_queue: BTreeMap<usize, u32> = BTreeMap::new();
+                        for &u in g {
+                            *per_queue.entry(units[u].queue).or_default() += units[u].hundredths;
+                        }
+                        per_queue.iter().all(|(q, h)| *h <= left.get(q).copied().unwrap_or(0))
                     })
                     .collect();
-                cands.sort_by_key(|&u| Cost::of(&units[u], base));
+                cands.sort_by_key(|g| (cost_of(units, g, base), g.clone()));
                 cands.truncate(MAX_UNITS_PER_NODE);
                 for set in 1u32..(1 << cands.len()) {
-                    let pick: Vec<usize> = (0..cands.len())
+                    let mut pick: Vec<usize> = Vec::new();
+                    for u in (0..cands.len())
                         .filter(|i| set >> i & 1 == 1)
-                        .map(|i| cands[i])
-                        .collect();
+                        .flat_map(|i| cands[i].iter().copied())
+                    {
+                        if !pick.contains(&u) {
+                            pick.push(u);
+                        }
+                    }
                     let mut per_queue: BTreeMap<usize, u32> = BTreeMap::new();
                     for &u in &pick {
                         *per_queue.entry(units[u].queue).or_default() += units[u].hundredths;
@@ -389,9 +437,7 @@ fn by_node(
                     }
                     let tier = crate::topology::choose(snap.nodes[n].topology.as_deref(), room.gpu_mask, w.gpus)
                         .map_or(0, |c| c.tier as i8);
-                    let cost = pick
-                        .iter()
-                        .fold(Cost::default(), |acc, &u| acc.add(Cost::of(&units[u], base)));
+                    let cost = cost_of(units, &pick, base);
                     let key = (cost, -tier, n);
                     if best.as_ref().is_none_or(|b| key < (b.0, b.1, b.2)) {
                         best = Some((cost, -tier, n, pick));
