@@ -323,10 +323,7 @@ fn a_queue_below_its_share_takes_back_its_weighted_share() {
         assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
     }
     let r = runs(&rm);
-    let preempted: Vec<&Run> = r
-        .iter()
-        .filter(|x| x.end.as_ref().is_some_and(|(_, why)| why != "done"))
-        .collect();
+    let preempted = preempted(&r);
     assert_eq!(preempted.len() as u64, 8 - split.1, "{preempted:?}");
     assert!(preempted.iter().all(|x| x.job.starts_with('b')));
     for p in &preempted {
@@ -369,12 +366,7 @@ fn a_queue_whose_demand_comes_in_steps_still_reaches_its_share() {
     assert_split_stays(&rm);
     assert_gang_whole_and_a_untouched(&runs(&rm));
 
-    std::fs::write(rm.path("release-a"), "").unwrap();
-    std::fs::write(rm.path("release-b"), "").unwrap();
-    for (what, s) in subs {
-        let out = s.wait(Duration::from_secs(90));
-        assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
-    }
+    release_all(&rm, subs);
     let r = runs(&rm);
     for job in ["bgang", "b1", "b2", "b3", "b4", "a1", "a2"] {
         let tasks: BTreeSet<u32> = r
@@ -435,8 +427,7 @@ fn a_higher_priority_job_preempts_within_its_queue() {
 #[test]
 fn gpu_shares_past_a_queues_share_are_taken_back() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let settings =
-        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 1}}\n    b: {{weight: 1}}\n");
+    let settings = equal_queues();
     let rm = Rm::start_with_settings(CLUSTER, &settings, ENV);
     let a = rm.submit(&job_of(&rm, "a", "a", 0, false, 8, "0.99", "a"));
     wait_for(Duration::from_secs(60), "A to hold every GPU through shares", || {
@@ -454,17 +445,9 @@ fn gpu_shares_past_a_queues_share_are_taken_back() {
     assert!((u["a"] - 4.95).abs() < 1e-9 && (u["b"] - 3.0).abs() < 1e-9, "{u:?}");
     let r = runs(&rm);
     assert_eq!(running(&r, "a"), 5, "{r:?}");
-    std::fs::write(rm.path("release-a"), "").unwrap();
-    std::fs::write(rm.path("release-b"), "").unwrap();
-    for (what, s) in [("a", a), ("b", b)] {
-        let out = s.wait(Duration::from_secs(90));
-        assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
-    }
+    release_all(&rm, [("a", a), ("b", b)]);
     let r = runs(&rm);
-    let preempted: Vec<&Run> = r
-        .iter()
-        .filter(|x| x.end.as_ref().is_some_and(|(_, why)| why != "done"))
-        .collect();
+    let preempted = preempted(&r);
     assert_eq!(preempted.len(), 3, "{preempted:?}");
     assert!(preempted.iter().all(|x| x.job == "a"), "{preempted:?}");
     assert_no_gpu_held_twice(&r);
@@ -477,8 +460,7 @@ fn tiny_shares_beside_large_ones_do_not_switch_preemption_off() {
     // 8 × 0.01 beside them (3.96 GPUs, its share 2); B asks two whole GPUs. Every share of
     // a GPU goes together: at least one GPU is freed and B runs, A keeps its share.
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let settings =
-        format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 1}}\n    b: {{weight: 1}}\n");
+    let settings = equal_queues();
     let rm = Rm::start_with_settings(ONE_NODE, &settings, ENV);
     let big = rm.submit(&job_of(&rm, "big", "a", 0, false, 4, "0.97", "a"));
     wait_for(Duration::from_secs(60), "A's 0.97 shares to run", || {
@@ -499,19 +481,31 @@ fn tiny_shares_beside_large_ones_do_not_switch_preemption_off() {
         u["a"] >= 2.0 - 1e-9 && u["b"] >= 1.0 - 1e-9,
         "A never below its share: {u:?}"
     );
+    release_all(&rm, [("big", big), ("tiny", tiny), ("b", b)]);
+    let r = runs(&rm);
+    assert!(preempted(&r).iter().all(|x| x.job != "b"), "{r:?}");
+    // (Shares of one GPU run side by side here: `assert_no_gpu_held_twice` is for whole GPUs.)
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+/// Queues `a` and `b` of equal weight, with this file's notice period.
+fn equal_queues() -> String {
+    format!("  preemption_grace_sec: {GRACE_SEC}\n  queues:\n    a: {{weight: 1}}\n    b: {{weight: 1}}\n")
+}
+
+/// The runs that ended other than by finishing (taken back).
+fn preempted(r: &[Run]) -> Vec<&Run> {
+    r.iter()
+        .filter(|x| x.end.as_ref().is_some_and(|(_, why)| why != "done"))
+        .collect()
+}
+
+/// Lets every task of both queues finish, and each submission end with exit 0.
+fn release_all<'a>(rm: &Rm, subs: impl IntoIterator<Item = (&'a str, Submission)>) {
     std::fs::write(rm.path("release-a"), "").unwrap();
     std::fs::write(rm.path("release-b"), "").unwrap();
-    for (what, s) in [("big", big), ("tiny", tiny), ("b", b)] {
+    for (what, s) in subs {
         let out = s.wait(Duration::from_secs(90));
         assert_eq!(out.code, 0, "{what}: {}\n{}\n{}", out.stdout, out.stderr, rm.logs());
     }
-    let r = runs(&rm);
-    assert!(
-        r.iter()
-            .filter(|x| x.end.as_ref().is_some_and(|(_, why)| why != "done"))
-            .all(|x| x.job != "b"),
-        "{r:?}"
-    );
-    // (Shares of one GPU run side by side here: `assert_no_gpu_held_twice` is for whole GPUs.)
-    rm.assert_all_free(Duration::from_secs(20));
 }
