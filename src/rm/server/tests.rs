@@ -91,21 +91,28 @@ async fn am_exit_after_finish_is_expected() {
     rm.shutdown().await;
 }
 
+/// An RM under `dir` whose AM writes its pid to `am.pid` in its application's directory
+/// and sleeps, launched for a test application (its process record failing to be stored
+/// when `unrecordable`): the RM, the application and its directory.
+async fn launch_pid_writing_am(dir: &Path, unrecordable: bool) -> (RmHandle, String, PathBuf) {
+    let rm = rm_with(Some(script(dir, "echo $$ > am.pid; exec sleep 30")), &dir.join("work")).await;
+    let (id, _token) = rm.register_test_app("x");
+    if unrecordable {
+        super::transactions::UNRECORDABLE_AMS.lock().push(id.clone());
+    }
+    let app_dir = rm.shared.work_dir.join(&id);
+    std::fs::create_dir_all(&app_dir).unwrap();
+    set_launch(&rm, &id, &app_dir, None);
+    launch_am(&rm.shared, &id).unwrap();
+    (rm, id, app_dir)
+}
+
 /// The AM's process is held until the attempt's record names it, and the record names
 /// the AM itself (the hold's step runs it in place, same pid): a restarted RM finds it.
 #[tokio::test]
 async fn the_attempt_records_the_am_before_the_am_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = rm_with(
-        Some(script(dir.path(), "echo $$ > am.pid; exec sleep 30")),
-        &dir.path().join("work"),
-    )
-    .await;
-    let (id, _token) = rm.register_test_app("x");
-    let app_dir = rm.shared.work_dir.join(&id);
-    std::fs::create_dir_all(&app_dir).unwrap();
-    set_launch(&rm, &id, &app_dir, None);
-    launch_am(&rm.shared, &id).unwrap();
+    let (rm, id, app_dir) = launch_pid_writing_am(dir.path(), false).await;
     let recorded = rm.shared.lock().apps.get(&id).unwrap().attempts.last().unwrap().process;
     let recorded = recorded.expect("the attempt names its process once launch_am returns");
     let mut ran = None;
@@ -129,17 +136,7 @@ async fn the_attempt_records_the_am_before_the_am_runs() {
 #[tokio::test]
 async fn an_am_whose_process_cannot_be_recorded_never_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = rm_with(
-        Some(script(dir.path(), "echo $$ > am.pid; exec sleep 30")),
-        &dir.path().join("work"),
-    )
-    .await;
-    let (id, _token) = rm.register_test_app("x");
-    super::transactions::UNRECORDABLE_AMS.lock().push(id.clone());
-    let app_dir = rm.shared.work_dir.join(&id);
-    std::fs::create_dir_all(&app_dir).unwrap();
-    set_launch(&rm, &id, &app_dir, None);
-    launch_am(&rm.shared, &id).unwrap();
+    let (rm, id, app_dir) = launch_pid_writing_am(dir.path(), true).await;
     let mut ended = None;
     for _ in 0..500 {
         ended = rm
