@@ -248,14 +248,7 @@ async fn without_a_token_an_unknown_application_answers_as_a_known_one() {
     // The container routes the same way: a container that exists, one that does not and
     // one asked for on another host all answer a wrong token alike.
     let am = crate::am::rm_client::RmClient::for_app(&base, &known, &token);
-    let granted = am
-        .allocate(&AllocateRequest {
-            asks: vec![ask(1, "n1", 0x1)],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .allocated;
+    let granted = granted(&am, vec![ask(1, "n1", 0x1)]).await;
     let real = granted[0].container_id.clone();
     let none = format!("{}99", &real[..real.len() - 2]);
     let container = |host: &str, id: &str, verb: &str, bearer: &str| {
@@ -906,14 +899,7 @@ async fn an_am_refreshes_its_node_view_by_changes_only() {
     assert_eq!(unchanged.changed_since, whole.version);
     assert_eq!(unchanged.version, whole.version);
     am.register(&RegisterRequest::default()).await.unwrap();
-    let granted = am
-        .allocate(&AllocateRequest {
-            asks: vec![ask(1, "n2", 0x2)],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .allocated;
+    let granted = granted(&am, vec![ask(1, "n2", 0x2)]).await;
     assert_eq!(granted.len(), 1);
     let changed = am.node_changes().await.unwrap();
     let hosts: Vec<(&str, u64)> = changed
@@ -1066,22 +1052,8 @@ async fn one_start_call_starts_several_containers_each_checked_alone() {
     let other = RmClient::for_app(&rm.base_url(), &other_id, &other_tok);
     am.register(&RegisterRequest::default()).await.unwrap();
     other.register(&RegisterRequest::default()).await.unwrap();
-    let mine = am
-        .allocate(&AllocateRequest {
-            asks: vec![ask(1, "n1", 0x1)],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .allocated;
-    let theirs = other
-        .allocate(&AllocateRequest {
-            asks: vec![ask(1, "n1", 0x2)],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .allocated;
+    let mine = granted(&am, vec![ask(1, "n1", 0x1)]).await;
+    let theirs = granted(&other, vec![ask(1, "n1", 0x2)]).await;
     let start = |c: &crate::protocol::Container| StartContainer {
         host: c.host.clone(),
         container_id: c.container_id.clone(),
@@ -1250,4 +1222,18 @@ async fn start_estimates_are_computed_one_at_a_time() {
     drop(running);
     let answered = ask().await.unwrap();
     assert_eq!(answered.status(), StatusCode::OK, "{:?}", answered.text().await);
+}
+
+/// What `am` is granted for `asks` (the call must succeed).
+async fn granted(
+    am: &crate::am::rm_client::RmClient,
+    asks: Vec<crate::protocol::Ask>,
+) -> Vec<crate::protocol::Container> {
+    am.allocate(&AllocateRequest {
+        asks,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .allocated
 }
