@@ -250,7 +250,7 @@ impl TaskUsers {
 /// no other user may own it, `containers/` or a directory above it that is writable by
 /// others (a sticky one such as `/tmp` excepted), nor a link on the way to it (another
 /// user's `/tmp/work -> /etc` would have root chmod `/etc`). Refused before anything is
-/// created or changed ([`check_owned_path`]).
+/// created or changed ([`make_owned_dir`]).
 pub fn open_for_tasks(work_dir: &Path, containers: &Path) -> Result<PathBuf, String> {
     use std::os::unix::fs::PermissionsExt as _;
     make_owned_dir(work_dir)?;
@@ -281,10 +281,11 @@ pub fn open_for_tasks(work_dir: &Path, containers: &Path) -> Result<PathBuf, Str
 /// Refuses `path` (absolute or relative to the current directory) when another user could
 /// have put something there or could still replace it: each existing component, read
 /// without following links, must belong to root or to this process's user; a link is
-/// followed (and its target checked the same way) only then; every directory on the way but
-/// the last must not be writable by group or others unless sticky; the existing last
-/// component must be a directory of this process's user. Components not there yet are
-/// fine (they will be created by this process, under a directory that passed).
+/// followed (and its target checked the same way) only then; no directory on the way may
+/// be writable by group or others unless sticky; and the directory the path names, once
+/// every `..` and link is resolved, must be this process's user's, not writable by group
+/// or others, and not the root directory. Components not there yet are fine (this
+/// process makes them, [`make_owned_dir`], under a directory that passed).
 pub fn check_owned_path(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
     let me = nix::unistd::geteuid().as_raw();
