@@ -455,6 +455,35 @@ fn gpu_shares_past_a_queues_share_are_taken_back() {
 }
 
 #[test]
+fn a_queue_waiting_half_a_gpu_is_made_room_for() {
+    // Fourth pass, F2: one node of 4 GPUs, A and B of equal weight. B holds every GPU; A,
+    // holding nothing, waits one `gpu: 0.5` task. A share is only placed on a whole free
+    // GPU, so A is owed one: one of B's tasks is taken back and A's share runs there.
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let rm = Rm::start_with_settings(ONE_NODE, &equal_queues(), ENV);
+    let b = rm.submit(&job(&rm, "b", "b", 0, false, 4, "b"));
+    wait_for(Duration::from_secs(60), "B to hold every GPU", || {
+        (running(&runs(&rm), "b") == 4).then_some(())
+    });
+    let a = rm.submit(&job_of(&rm, "a", "a", 0, false, 1, "0.5", "a"));
+    wait_for(SPLIT_DEADLINE, "A's half GPU to run on one B gave back", || {
+        let r = runs(&rm);
+        (running(&r, "a") == 1 && running(&r, "b") == 3).then_some(())
+    });
+    // Nothing more goes: B at its share of 3 (A deserves the whole GPU its share holds).
+    std::thread::sleep(Duration::from_secs(GRACE_SEC + 1));
+    let r = runs(&rm);
+    assert_eq!((running(&r, "a"), running(&r, "b")), (1, 3), "{r:?}");
+    release_all(&rm, [("a", a), ("b", b)]);
+    let r = runs(&rm);
+    let preempted = preempted(&r);
+    assert_eq!(preempted.len(), 1, "{preempted:?}");
+    assert!(preempted.iter().all(|x| x.job == "b"), "{preempted:?}");
+    assert_no_gpu_held_twice(&r);
+    rm.assert_all_free(Duration::from_secs(20));
+}
+
+#[test]
 fn tiny_shares_beside_large_ones_do_not_switch_preemption_off() {
     // Third pass, F1: one node of 4 GPUs, A and B of equal weight. A holds 4 × 0.97, then
     // 8 × 0.01 beside them (3.96 GPUs, its share 2); B asks two whole GPUs. Every share of
