@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use super::am_supervisor::{launch_am, LaunchError, AM_KILL_GRACE};
 use super::containers::spawn_stops;
-use super::http::{app_ref, authenticate, bearer, check_app_id, with_app, ApiError, ApiJson, Caller};
+use super::http::{app_ref, authenticate, bearer, check_app_id, unknown_to, with_app, ApiError, ApiJson, Caller};
 use super::{transactions, Rm, Shared};
 use crate::protocol::{AppState, AppStateUpdate, NewApplication, SubmitApplication};
 use crate::rm::apps::{AmLaunch, App};
@@ -218,17 +218,7 @@ pub(super) async fn put_app_state(
                 format!("{why}. {}", e.message),
             )
         };
-        // Without a credential, an unknown id answers as a known one does (no way to tell
-        // which ids exist).
-        let app = match app_ref(&st.apps, &id) {
-            Ok(app) => app,
-            Err(missing) => {
-                return Err(match &caller {
-                    Err(e) if missing.status == StatusCode::NOT_FOUND => unauthorized(e),
-                    _ => missing,
-                })
-            }
-        };
+        let app = app_ref(&st.apps, &id).map_err(|missing| unknown_to(&caller, missing, unauthorized))?;
         let job_token_ok = bearer(&headers).is_some_and(|t| app.job_token_matches(t));
         if !job_token_ok {
             match &caller {

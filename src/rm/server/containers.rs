@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 
-use super::http::{authenticate, authorize, check_container_id, ApiError, ApiJson};
+use super::http::{authenticate, authorize, check_container_id, unknown_to, ApiError, ApiJson};
 use super::state::RmState;
 use super::transactions::{self, Start};
 use super::{Rm, Shared};
@@ -234,8 +234,7 @@ pub(super) async fn container_logs(
 ) -> Result<Response, ApiError> {
     // The AM (its application token), the application's owner, or the admin.
     let caller = authenticate(&rm, &headers);
-    // A known user is told that a container is unknown (as for applications); a caller
-    // without a credential the RM accepts, the same as for one that exists.
+    // The user routes' rule for an unknown id (`unknown_to`), as for applications.
     container_info(
         &rm.lock(),
         &host,
@@ -247,10 +246,7 @@ pub(super) async fn container_logs(
                 Err(_) => Err(not_the_am),
             },
         },
-        |not_found| match &caller {
-            Ok(_) => not_found,
-            Err(_) => ApiError::unauthorized(),
-        },
+        |not_found| unknown_to(&caller, not_found, |_| ApiError::unauthorized()),
     )?;
     let stream = log_stream(q.stream.as_deref())?;
     let text = rm.nodes.for_host(&host).read_log(&host, &id, stream, q.tail).await?;

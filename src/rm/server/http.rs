@@ -318,6 +318,23 @@ pub(super) fn app_ref<'a>(apps: &'a Apps, id: &str) -> Result<&'a App, ApiError>
         .ok_or_else(|| ApiError::not_found(format!("unknown application `{id}`")))
 }
 
+/// What a caller is told of an id the RM does not know, where owners and the admin may ask
+/// (the user routes): a known user is told `missing` (404 and why); a caller without a
+/// credential the RM accepts gets `denied` of its credential error, the answer a wrong
+/// token gets for an id that exists, so nobody without one learns which ids exist. The AM
+/// routes need the application's own token and answer an unknown id as a wrong one always
+/// ([`authorize_app`]). Errors other than "not found" (a malformed id) pass unchanged.
+pub(super) fn unknown_to(
+    caller: &Result<Caller, ApiError>,
+    missing: ApiError,
+    denied: impl FnOnce(&ApiError) -> ApiError,
+) -> ApiError {
+    match caller {
+        Err(e) if missing.status == StatusCode::NOT_FOUND => denied(e),
+        _ => missing,
+    }
+}
+
 /// The AM protocol: `Err` (401) unless `headers` carry the application's own token.
 /// Checked before anything of the application is changed. An unknown application answers
 /// as a wrong token does, so that a caller without a token cannot tell which ids exist.
