@@ -869,6 +869,125 @@ fn sigkill_on_gpuam_run_without_cgroups_leaves_no_daemon() {
     assert!(gone, "left alive after the reaper ({said}): {left:?}");
 }
 
+/// `gpuam run` killed together with its reaper (both pids; as a kill of the whole session
+/// or unit does) leaves its AM, tasks and a daemon a task started in a new session running,
+/// with nobody to end them. The next run (here in the same temporary directory, with a
+/// default work dir each) ends them first, before it grants anything, and says so.
+#[test]
+fn a_run_killed_with_its_reaper_is_swept_by_the_next_run() {
+    let (dir, root) = one_node_run_dir();
+    // The runs' temporary directory: only this test's runs are swept from it.
+    let tmp = dir.path().join("tmp");
+    fs::create_dir(&tmp).unwrap();
+    let tmp_text = tmp.display().to_string();
+    let daemon_tag = format!("904.{}", std::process::id());
+    let job = |name: &str, command: &str| {
+        format!(
+            "name: {name}\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 1}}\n    commands:\n{}",
+            commands(&[command])
+        )
+    };
+    fs::write(
+        dir.path().join("long.yaml"),
+        job(
+            "long",
+            &format!("setsid sh -c 'exec sleep {daemon_tag}' & echo $$ >> {root}/pids; sleep 905"),
+        ),
+    )
+    .unwrap();
+    fs::write(dir.path().join("short.yaml"), job("short", "true")).unwrap();
+    let gpuam_run = |job: &str, out: &str| {
+        std::process::Command::new(common::bin())
+            .env("GPUAM__NODE__IN_PROCESS_IDENTITY", "false")
+            .env("GPUAM_DASHBOARD_LINGER_SEC", "0")
+            .env("TMPDIR", &tmp)
+            .arg("run")
+            .arg(dir.path().join(job))
+            .arg("--cluster")
+            .arg(dir.path().join("cluster.yaml"))
+            .args(["--linger", "0"])
+            .stdout(fs::File::create(dir.path().join(format!("{out}.out"))).unwrap())
+            .stderr(fs::File::create(dir.path().join(format!("{out}.err"))).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    // Whatever the test leaves is killed by pid, each checked again by its command line.
+    struct OnDrop<F: Fn()>(F);
+    impl<F: Fn()> Drop for OnDrop<F> {
+        fn drop(&mut self) {
+            (self.0)()
+        }
+    }
+    let _clean_up = OnDrop(|| {
+        let mut pids = common::pids_with_cmdline(&[&daemon_tag]);
+        pids.extend(common::pids_with_cmdline(&[&tmp_text]));
+        pids.extend(
+            fs::read_to_string(dir.path().join("pids"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse::<i32>().ok()),
+        );
+        for p in pids {
+            let cmd = String::from_utf8_lossy(&fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default()).into_owned();
+            if pid_alive(p)
+                && [daemon_tag.as_str(), tmp_text.as_str(), "905"]
+                    .iter()
+                    .any(|o| cmd.contains(o))
+            {
+                unsafe {
+                    libc::kill(p, libc::SIGKILL);
+                }
+            }
+        }
+    });
+    let mut first = gpuam_run("long.yaml", "first");
+    let (task, daemon) = wait_for(Duration::from_secs(30), "the task and its daemon", || {
+        let task = fs::read_to_string(dir.path().join("pids"))
+            .ok()?
+            .trim()
+            .parse::<i32>()
+            .ok()?;
+        let d = common::pids_with_cmdline(&["sleep", &daemon_tag]).into_iter().next()?;
+        Some((task, d))
+    });
+    let am = wait_for(Duration::from_secs(10), "the AM process", || {
+        common::pids_with_cmdline(&[" am ", &tmp_text]).into_iter().next()
+    });
+    let reaper = wait_for(Duration::from_secs(10), "the reaper", || {
+        common::pids_with_cmdline(&["reap-run", &tmp_text]).into_iter().next()
+    });
+    unsafe {
+        libc::kill(reaper, libc::SIGKILL);
+        libc::kill(first.id() as i32, libc::SIGKILL);
+    }
+    let _ = first.wait();
+    wait_for(Duration::from_secs(10), "the reaper to be gone", || {
+        (!pid_alive(reaper)).then_some(())
+    });
+    // Nobody is left to end them: the task and its daemon run on (as they did before the
+    // sweep).
+    std::thread::sleep(Duration::from_millis(500));
+    let left = || -> Vec<i32> { [task, daemon, am].into_iter().filter(|p| pid_alive(*p)).collect() };
+    assert!(
+        pid_alive(task) && pid_alive(daemon),
+        "the first run's task and daemon run on"
+    );
+    // The next run ends them first, then runs its own job.
+    let mut second = gpuam_run("short.yaml", "second");
+    let status = wait_for(Duration::from_secs(120), "the second run to end", || {
+        second.try_wait().unwrap()
+    });
+    let err = fs::read_to_string(dir.path().join("second.err")).unwrap_or_default();
+    assert!(status.success(), "{err}");
+    assert!(
+        err.contains("left by an earlier run that was killed with its reaper"),
+        "the second run says what it ended:\n{err}"
+    );
+    wait_for(Duration::from_secs(30), "the first run's processes to be gone", || {
+        left().is_empty().then_some(())
+    });
+}
+
 /// After a run that ends by itself no reaper is left behind.
 #[test]
 fn a_run_that_ends_leaves_no_reaper() {

@@ -17,6 +17,14 @@
 //! before, checked by start time) is killed by pid should the shim not end it. A SIGKILL to
 //! the shim's group alone killed the shim and set its daemons free (to init), still
 //! holding the GPUs that the next run granted again.
+//!
+//! A run killed together with its reaper (a kill of every process of a session, of both
+//! pids, of a unit whose tasks' cgroups lie elsewhere) leaves nobody to reap. So the run
+//! writes its own process (pid and start time) into its work dir ([`RUN_PROCESS_FILE`]),
+//! removed once it ends by itself, and each later run first sweeps ([`sweep`]): every
+//! earlier run's work dir under the temporary directory (`gpuam-run-*`) and the work dir
+//! it is given, that is this user's own and not writable by others, and whose run is no
+//! longer alive, is reaped as its reaper would have, before anything is granted.
 
 use std::io::BufRead as _;
 use std::path::{Path, PathBuf};
@@ -31,6 +39,12 @@ const SHIM_GRACE: Duration = Duration::from_secs(5);
 /// The hidden subcommand the reaper runs as (`Cmd::ReapRun`).
 const SUBCOMMAND: &str = "reap-run";
 
+/// The run's own process (pid and start time, JSON) in its work dir while it runs.
+pub const RUN_PROCESS_FILE: &str = "run.process";
+
+/// The name of a default work dir: `<temporary directory>/gpuam-run-<random>`.
+pub const WORK_DIR_PREFIX: &str = "gpuam-run-";
+
 /// A run's reaper, from the run's side.
 pub struct Reaper(Option<hold::Hold>);
 
@@ -39,6 +53,10 @@ impl Reaper {
     /// names its cgroups after it).
     pub fn start(work_dir: &Path) -> std::io::Result<Reaper> {
         use std::os::unix::process::CommandExt as _;
+        // Who runs here, for a later run to tell whether this one is still alive.
+        let me = ProcessId::of(std::process::id())
+            .ok_or_else(|| std::io::Error::other("cannot read this process's start time"))?;
+        write_private(&work_dir.join(RUN_PROCESS_FILE), &serde_json::to_vec(&me)?)?;
         let (theirs, ours) = hold::new()?;
         std::process::Command::new(std::env::current_exe()?)
             .arg(SUBCOMMAND)
@@ -50,12 +68,79 @@ impl Reaper {
         Ok(Reaper(Some(ours)))
     }
 
-    /// The run ended by itself (its job and tasks are stopped): the reaper goes.
-    pub fn done(mut self) {
+    /// The run at `work_dir` ended by itself (its job and tasks are stopped): the reaper
+    /// goes, and no later run needs to sweep here.
+    pub fn done(mut self, work_dir: &Path) {
         if let Some(h) = self.0.take() {
             let _ = h.release();
         }
+        let _ = std::fs::remove_file(work_dir.join(RUN_PROCESS_FILE));
     }
+}
+
+/// Writes `bytes` to `path`, 0600, never through a link in its place.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?
+        .write_all(bytes)
+}
+
+/// Reaps what earlier runs killed together with their reapers left: each directory
+/// `gpuam-run-*` directly in `temp_root` and `also` (a work dir given by name), where
+/// [`sweep_one`] finds a dead run. Returns each swept directory with how many processes
+/// or groups were signalled there (directories where nothing was left alive are swept
+/// too, and listed with 0).
+pub fn sweep(temp_root: &Path, also: Option<&Path>) -> Vec<(PathBuf, usize)> {
+    let named = std::fs::read_dir(temp_root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(WORK_DIR_PREFIX))
+        .map(|e| e.path());
+    let mut seen = Vec::new();
+    let mut out = Vec::new();
+    for dir in named.chain(also.map(Path::to_path_buf)) {
+        let key = std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        if let Some(n) = sweep_one(&dir) {
+            out.push((dir, n));
+        }
+    }
+    out
+}
+
+/// Reaps the work dir `dir` of an earlier run that is no longer alive: only where `dir`
+/// is a directory (not a link) of this process's user, not writable by group or others
+/// (what is recorded there was written by this user's run alone), and holds a
+/// [`RUN_PROCESS_FILE`] naming a process that is no longer the same one. The file goes
+/// once reaped. `None` where there is nothing to sweep.
+pub fn sweep_one(dir: &Path) -> Option<usize> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::symlink_metadata(dir).ok()?;
+    // SAFETY: plain syscall without arguments.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return None;
+    }
+    let file = dir.join(RUN_PROCESS_FILE);
+    let text = crate::node::executor::read_small_in_place(&file, 4096).ok()?;
+    let run: ProcessId = serde_json::from_slice(&text).ok()?;
+    if run.alive() {
+        return None;
+    }
+    let n = reap(dir);
+    let _ = std::fs::remove_file(&file);
+    Some(n)
 }
 
 impl Drop for Reaper {
@@ -74,6 +159,7 @@ pub fn run(work_dir: &Path) -> i32 {
         return 0;
     }
     let killed = reap(work_dir);
+    let _ = std::fs::remove_file(work_dir.join(RUN_PROCESS_FILE));
     eprintln!(
         "gpuam run died: its reaper ended {killed} process(es) of it ({})",
         work_dir.display()
@@ -178,4 +264,77 @@ fn entries(dir: &Path) -> Vec<PathBuf> {
         .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
         .map(|e| e.path())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
+
+    /// A process that has ended (a child run and waited for), as its record names it.
+    fn dead_process() -> ProcessId {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let p = ProcessId::of(child.id()).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        p
+    }
+
+    fn run_dir(root: &Path, name: &str, run: ProcessId) -> PathBuf {
+        let d = root.join(name);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        write_private(&d.join(RUN_PROCESS_FILE), &serde_json::to_vec(&run).unwrap()).unwrap();
+        d
+    }
+
+    /// Only the work dirs of dead runs that are this user's own and closed to others are
+    /// swept (each once); a live run's, one others may write, a link in place of one, and
+    /// a directory of another name are left alone.
+    #[test]
+    fn only_this_users_work_dirs_of_dead_runs_are_swept() {
+        let t = tempfile::tempdir().unwrap();
+        let me = ProcessId::of(std::process::id()).unwrap();
+        let dead = run_dir(t.path(), "gpuam-run-dead", dead_process());
+        let live = run_dir(t.path(), "gpuam-run-live", me);
+        let open = run_dir(t.path(), "gpuam-run-open", dead_process());
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let other_name = run_dir(t.path(), "elsewhere", dead_process());
+        let given = run_dir(t.path(), "given", dead_process());
+        let target = run_dir(t.path(), "target", dead_process());
+        std::os::unix::fs::symlink(&target, t.path().join("gpuam-run-link")).unwrap();
+
+        let swept = sweep(t.path(), Some(&given));
+        let mut names: Vec<String> = swept
+            .iter()
+            .map(|(d, _)| d.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["given", "gpuam-run-dead"]);
+        assert!(
+            swept.iter().all(|(_, n)| *n == 0),
+            "nothing of them was alive: {swept:?}"
+        );
+        // Swept once: the record goes; the others keep theirs.
+        assert!(!dead.join(RUN_PROCESS_FILE).exists());
+        assert!(!given.join(RUN_PROCESS_FILE).exists());
+        for kept in [&live, &open, &other_name, &target] {
+            assert!(kept.join(RUN_PROCESS_FILE).exists(), "{}", kept.display());
+        }
+        assert!(sweep(t.path(), Some(&given)).is_empty());
+    }
+
+    /// As root: a dead run's work dir that another user owns is not swept (what its records
+    /// name is not this user's to kill).
+    #[test]
+    fn a_work_dir_of_another_user_is_not_swept() {
+        if unsafe { libc::geteuid() } != 0 {
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let theirs = run_dir(t.path(), "gpuam-run-theirs", dead_process());
+        std::os::unix::fs::chown(&theirs, Some(64_995), Some(64_995)).unwrap();
+        assert!(sweep(t.path(), None).is_empty());
+        assert!(theirs.join(RUN_PROCESS_FILE).exists());
+    }
 }

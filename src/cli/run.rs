@@ -87,12 +87,22 @@ pub async fn run(
         Ok(n) => n,
         Err(code) => return code,
     };
+    // What earlier runs killed together with their reapers left (their AMs and tasks, on
+    // GPUs this run is about to grant again) is ended first.
+    for (dir, n) in super::reap::sweep(&std::env::temp_dir(), work_dir.as_deref()) {
+        if n > 0 {
+            eprintln!(
+                "gpuam run: ended {n} process(es) left by an earlier run that was killed with its reaper ({})",
+                dir.display()
+            );
+        }
+    }
     // A fresh directory of a name nobody could guess and make first (mkdtemp: random, 0700,
     // created here): a predictable `/tmp/gpuam-run-PID` could be another user's, made
     // ahead with a link in it that root would follow.
     let work_dir = match work_dir {
         Some(d) => d,
-        None => match tempfile::Builder::new().prefix("gpuam-run-").tempdir() {
+        None => match tempfile::Builder::new().prefix(super::reap::WORK_DIR_PREFIX).tempdir() {
             Ok(d) => d.keep(),
             Err(e) => {
                 eprintln!(
@@ -114,7 +124,7 @@ pub async fn run(
     // the RM names its cgroups after it.
     let reaper = match std::fs::create_dir_all(&work_dir)
         .and_then(|()| std::fs::canonicalize(&work_dir))
-        .and_then(|d| super::reap::Reaper::start(&d))
+        .and_then(|d| super::reap::Reaper::start(&d).map(|r| (r, d)))
     {
         Ok(r) => Some(r),
         Err(e) => {
@@ -201,8 +211,8 @@ pub async fn run(
     }
     rm.shutdown().await;
     // Everything of the run is stopped: nothing for the reaper to do.
-    if let Some(r) = reaper {
-        r.done();
+    if let Some((r, dir)) = reaper {
+        r.done(&dir);
     }
     code
 }
