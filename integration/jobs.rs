@@ -869,6 +869,66 @@ fn sigkill_on_gpuam_run_without_cgroups_leaves_no_daemon() {
     assert!(gone, "left alive after the reaper ({said}): {left:?}");
 }
 
+/// A task binds the ports granted to it and no other port the node offers, nor the RM's:
+/// a task of another job that asked for no port tries every offered port and the RM's
+/// (as a tenant squatting others' rendezvous ports, or the RM's while it restarts, did),
+/// and gets none (EPERM), while a task granted a port binds it. Needs root with a cgroup v2
+/// (CI): the in-process node's containment line says whether ports are isolated.
+#[test]
+fn a_task_binds_its_granted_port_and_no_other_the_node_offers() {
+    let rm = Rm::start(
+        "nodes:\n  - host: n1\n    cpu: 8\n    memoryMB: 8000\n    gpus: 2\n    ports: \"47400-47409\"\n",
+        &[],
+    );
+    let root = rm.root().display().to_string();
+    fs::write(
+        rm.path("squat.py"),
+        format!(
+            "import socket\ngot = []\nfor p in list(range(47400, 47410)) + [{}]:\n    s = socket.socket()\n    try:\n        s.bind(('0.0.0.0', p)); s.listen(1); got.append(p)\n    except OSError:\n        pass\nopen('{root}/squat', 'w').write(repr(got))\n",
+            rm.port()
+        ),
+    )
+    .unwrap();
+    let squat = format!("python3 {root}/squat.py");
+    let job = rm.write_job(
+        "squat",
+        &format!(
+            "name: squat\ntaskRoles:\n  squat:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0}}\n    commands:\n{}",
+            commands(&[&squat])
+        ),
+    );
+    let out = rm.run_job(&job, JOB_TIMEOUT);
+    assert_eq!(out.code, 0, "{out:?}\n{}", rm.logs());
+    assert_eq!(
+        fs::read_to_string(rm.path("squat")).unwrap_or_default(),
+        "[]",
+        "a task granted no port bound some of the node's or the RM's:\n{}",
+        rm.logs()
+    );
+    fs::write(
+        rm.path("own.py"),
+        format!(
+            "import socket, os\np = int(os.environ['GPUAM_PORT_COORD'])\ns = socket.socket(); s.bind(('0.0.0.0', p)); s.listen(1)\nopen('{root}/own', 'w').write(str(p))\n"
+        ),
+    )
+    .unwrap();
+    let own = format!("python3 {root}/own.py");
+    let job = rm.write_job(
+        "own",
+        &format!(
+            "name: own\ntaskRoles:\n  own:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 100, gpu: 0, ports: {{coord: 1}}}}\n    commands:\n{}",
+            commands(&[&own])
+        ),
+    );
+    let out = rm.run_job(&job, JOB_TIMEOUT);
+    assert_eq!(out.code, 0, "{out:?}\n{}", rm.logs());
+    let port: u16 = fs::read_to_string(rm.path("own"))
+        .unwrap_or_default()
+        .parse()
+        .unwrap_or(0);
+    assert!((47400..=47409).contains(&port), "the granted port was bound: {port}");
+}
+
 /// `gpuam run` killed together with its reaper (both pids; as a kill of the whole session
 /// or unit does) leaves its AM, tasks and a daemon a task started in a new session running,
 /// with nobody to end them. The next run (here in the same temporary directory, with a

@@ -150,15 +150,34 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// What the agent's containers may not bind: the ports it offers but did not grant them,
+/// its own port (`bound`) and the RM's (a task that took either while it restarts would
+/// be sent the calls meant for it).
+fn bind_guard(opts: &AgentOptions, bound: SocketAddr) -> super::bind_guard::BindGuard {
+    let rm_port = reqwest::Url::parse(&opts.rm_url)
+        .ok()
+        .and_then(|u| u.port_or_known_default());
+    super::bind_guard::BindGuard {
+        managed: opts.total.ports.clone(),
+        reserved: crate::resources::PortSet::from_ports([bound.port()].into_iter().chain(rm_port)),
+    }
+}
+
 /// Starts an agent: the HTTP server and the heartbeat loop; returns the bound address.
 pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let work_dir = super::identity::open_for_tasks(&opts.work_dir, &opts.work_dir.join("containers"))
         .map_err(anyhow::Error::msg)?;
     let users = super::identity::TaskUsers::for_node(&opts.identity).map_err(anyhow::Error::msg)?;
     tracing::info!(host = %opts.host, "{}", users.describe());
+    // Bound before the containers' guard is made: its port is one no task may take.
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
+    let addr = listener.local_addr()?;
     let containment = Containment::choose(opts.containment, &cgroup_parent(&opts.host), opts.shim_exe.clone())
         .and_then(|c| opts.bounds.apply(c))
-        .map_err(anyhow::Error::msg)?;
+        .map_err(anyhow::Error::msg)?
+        .with_bind_guard(bind_guard(&opts, addr));
     tracing::info!(host = %opts.host, "{}", containment.describe());
     let describe = containment.describe();
     let limits = containment.limits();
@@ -191,10 +210,6 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         beat_now: Notify::new(),
     });
     let server_tls = crate::tls::server_config_from_settings(&opts.tls)?;
-    let listener = tokio::net::TcpListener::bind(opts.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
-    let addr = listener.local_addr()?;
     let router = router(agent.clone());
     let timeouts = opts.http_timeouts;
     tokio::spawn(async move {

@@ -40,9 +40,11 @@ use std::path::{Path, PathBuf};
 
 use nix::sys::signal::Signal;
 
+use super::bind_guard::{self, BindGuard};
 use super::devices::{self, PrivateDev, Rule};
 use super::procs::{send_signal, SignalTo};
 use crate::protocol::EndCause;
+use crate::resources::PortSet;
 use crate::topology::CpuList;
 
 /// Most processes a container may have (`pids.max`): a fork bomb stops here.
@@ -97,7 +99,7 @@ impl std::fmt::Display for Mechanism {
 }
 
 /// Per-container limits; `None`: not limited.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Limits {
     pub memory_mb: Option<u64>,
     /// Whole CPUs.
@@ -105,6 +107,9 @@ pub struct Limits {
     pub pids: Option<u64>,
     /// The GPUs (mask) whose device nodes the container may open; `None`: no device filter.
     pub gpus: Option<u64>,
+    /// The ports granted to the container, the only ones of the node's it may bind (where
+    /// the node has a [`BindGuard`]); `None`: no bind program.
+    pub ports: Option<PortSet>,
 }
 
 /// The parent directories a node creates its containers' cgroups in.
@@ -123,6 +128,11 @@ pub struct Containment {
     dev_dir: Option<PathBuf>,
     /// The operator's extra device rules (`node.device_allow`).
     device_allow: Vec<Rule>,
+    /// The ports kept from containers not granted them ([`super::bind_guard`]), where the
+    /// kernel took a bind program ([`Containment::with_bind_guard`]).
+    bind_guard: Option<BindGuard>,
+    /// Why ports are not isolated where a guard was asked for and could not be had.
+    bind_unguarded: Option<String>,
     /// Device programs loaded so far, by allow list (shared by clones).
     programs:
         std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<Vec<Rule>, std::sync::Arc<devices::Program>>>>,
@@ -388,6 +398,36 @@ impl Containment {
         })
     }
 
+    /// Keeps every container off `guard`'s ports but its own (see [`super::bind_guard`]):
+    /// where the node has a cgroup v2 and the kernel loads the bind program (tried here
+    /// once); else the containment line says ports are not isolated, and why.
+    pub fn with_bind_guard(mut self, guard: BindGuard) -> Self {
+        let tried = match &self.v2 {
+            Some(_) => bind_guard::Programs::load(&guard.denied(&PortSet::new())).map_err(|e| e.to_string()),
+            None => Err("no cgroup v2".into()),
+        };
+        match tried {
+            Ok(_) => self.bind_guard = Some(guard),
+            Err(e) => {
+                tracing::warn!("ports: NOT isolated ({e}): a task can bind ports granted to others");
+                self.bind_unguarded = Some(e);
+            }
+        }
+        self
+    }
+
+    /// How port isolation is enforced here (for the node's log).
+    fn describe_ports(&self) -> String {
+        match (&self.bind_guard, &self.bind_unguarded) {
+            (Some(g), _) => format!(
+                "ports: v2 bind program (offered [{}], the node's own [{}])",
+                g.managed, g.reserved
+            ),
+            (None, Some(why)) => format!("ports: NOT isolated ({why})"),
+            (None, None) => "ports: not isolated (no guard asked for)".into(),
+        }
+    }
+
     /// How device isolation is enforced here (for the node's log).
     fn describe_devices(&self) -> &'static str {
         if self.v2.is_some() {
@@ -410,7 +450,7 @@ impl Containment {
         if let Some(p) = progs.get(rules) {
             return Ok(p.clone());
         }
-        let p = std::sync::Arc::new(devices::Program::load(rules)?);
+        let p = std::sync::Arc::new(devices::load(rules)?);
         progs.insert(rules.to_vec(), p.clone());
         Ok(p)
     }
@@ -422,7 +462,7 @@ impl Containment {
         let rules = devices::allow_list(mask, &found, &self.device_allow);
         let mut why = Vec::new();
         if let Some(d) = &cg.v2 {
-            match self.program(&rules).and_then(|p| devices::attach_program(d, &p)) {
+            match self.program(&rules).and_then(|p| super::bpf::attach(d, &p)) {
                 Ok(()) => return Ok(()),
                 Err(e) => why.push(format!("v2 device program: {e}")),
             }
@@ -489,13 +529,14 @@ impl Containment {
         let dir = self.v2.as_ref().or(self.v1_pids.as_ref());
         let shim = self.shim().map(|e| format!(" run by {}", e.display()));
         format!(
-            "containment: {}{}; limits: {}; {}",
+            "containment: {}{}; limits: {}; {}; {}",
             self.mechanism(),
             dir.map(|d| format!(" under {}", d.display()))
                 .or(shim)
                 .unwrap_or_default(),
             if l.is_empty() { "none".into() } else { l.join(", ") },
-            self.describe_devices()
+            self.describe_devices(),
+            self.describe_ports()
         )
     }
 
@@ -609,6 +650,17 @@ impl Containment {
             if let Err(e) = self.filter_devices(id, &mut cg, mask) {
                 cg.remove();
                 return Err(e);
+            }
+        }
+        if let (Some(granted), Some(guard), Some(dir)) = (&limits.ports, &self.bind_guard, &cg.v2) {
+            // The kernel took the program at the node's start: a container it cannot be
+            // attached to is not created (it could bind others' ports).
+            let attached = bind_guard::Programs::load(&guard.denied(granted)).and_then(|p| bind_guard::attach(dir, &p));
+            if let Err(e) = attached {
+                cg.remove();
+                return Err(io::Error::other(format!(
+                    "cannot keep the container off others' ports: {e}"
+                )));
             }
         }
         Ok(cg)

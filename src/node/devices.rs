@@ -313,50 +313,11 @@ pub fn hidden_nodes(gpu_mask: u64, devices: &NvidiaDevices) -> Vec<PathBuf> {
 
 // ---- the eBPF program (cgroup v2) ----
 
-/// One eBPF instruction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Insn {
-    pub code: u8,
-    pub dst: u8,
-    pub src: u8,
-    pub off: i16,
-    pub imm: i32,
-}
+use super::bpf::{insn, Insn, ALU_AND_K, ALU_RSH_K, EXIT, JNE_K, JNE_X, LDX_MEM_W, MOV64_K, MOV64_X};
 
-impl Insn {
-    /// The kernel's `struct bpf_insn` (8 bytes, little-endian fields).
-    pub fn encode(&self) -> [u8; 8] {
-        let mut b = [0u8; 8];
-        b[0] = self.code;
-        b[1] = (self.src << 4) | (self.dst & 0x0f);
-        b[2..4].copy_from_slice(&self.off.to_le_bytes());
-        b[4..8].copy_from_slice(&self.imm.to_le_bytes());
-        b
-    }
-}
-
-// Opcodes (linux/bpf_common.h, linux/bpf.h).
-const LDX_MEM_W: u8 = 0x61; // BPF_LDX | BPF_MEM | BPF_W
-const ALU_AND_K: u8 = 0x54; // BPF_ALU | BPF_AND | BPF_K (32-bit)
-const ALU_RSH_K: u8 = 0x74; // BPF_ALU | BPF_RSH | BPF_K (32-bit)
-const MOV64_X: u8 = 0xbf; // BPF_ALU64 | BPF_MOV | BPF_X
-const MOV64_K: u8 = 0xb7; // BPF_ALU64 | BPF_MOV | BPF_K
-const JNE_K: u8 = 0x55; // BPF_JMP | BPF_JNE | BPF_K
-const JNE_X: u8 = 0x5d; // BPF_JMP | BPF_JNE | BPF_X
-const EXIT: u8 = 0x95; // BPF_JMP | BPF_EXIT
 /// `BPF_DEVCG_DEV_*`.
 const DEV_BLOCK: i32 = 1;
 const DEV_CHAR: i32 = 2;
-
-const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
-    Insn {
-        code,
-        dst,
-        src,
-        off,
-        imm,
-    }
-}
 
 /// The device program for `rules`: the context (`struct bpf_cgroup_dev_ctx`: `access_type`
 /// = access << 16 | type, `major`, `minor`) is loaded into r2 (type), r3 (access), r4
@@ -410,165 +371,25 @@ pub fn program(rules: &[Rule]) -> Vec<Insn> {
 /// tests: the emitter and the rule agree).
 pub fn run_program(prog: &[Insn], kind: Kind, access: u32, major: u32, minor: u32) -> Option<u64> {
     let ty = match kind {
-        Kind::Char => DEV_CHAR as u64,
-        Kind::Block => DEV_BLOCK as u64,
+        Kind::Char => DEV_CHAR as u32,
+        Kind::Block => DEV_BLOCK as u32,
         Kind::Any => return None,
     };
-    let ctx = [((access as u64) << 16) | ty, major as u64, minor as u64];
-    let mut r = [0u64; 11];
-    let mut pc = 0usize;
-    for _ in 0..100_000 {
-        let i = *prog.get(pc)?;
-        let (d, s) = (i.dst as usize, i.src as usize);
-        pc += 1;
-        match i.code {
-            LDX_MEM_W => r[d] = *ctx.get((i.off / 4) as usize)? & 0xffff_ffff,
-            MOV64_X => r[d] = r[s],
-            MOV64_K => r[d] = i.imm as i64 as u64,
-            ALU_AND_K => r[d] = (r[d] & (i.imm as u32 as u64)) & 0xffff_ffff,
-            ALU_RSH_K => r[d] = ((r[d] as u32) >> i.imm) as u64,
-            JNE_K if r[d] != i.imm as i64 as u64 => pc = (pc as i64 + i.off as i64) as usize,
-            JNE_X if r[d] != r[s] => pc = (pc as i64 + i.off as i64) as usize,
-            JNE_K | JNE_X => {}
-            EXIT => return Some(r[0]),
-            _ => return None,
-        }
-    }
-    None
+    super::bpf::run(prog, &[(access << 16) | ty, major, minor])
 }
 
-const BPF_PROG_LOAD: libc::c_long = 5;
-const BPF_PROG_ATTACH: libc::c_long = 8;
-const BPF_PROG_TYPE_CGROUP_DEVICE: u32 = 15;
-const BPF_CGROUP_DEVICE: u32 = 6;
-const BPF_F_ALLOW_MULTI: u32 = 2;
+/// A loaded device program: one per allow list, attached to every container cgroup with
+/// that list (the verifier runs once, not per container).
+pub type Program = super::bpf::Program;
 
-/// The leading fields of `union bpf_attr` for `BPF_PROG_LOAD`.
-#[repr(C)]
-#[derive(Default)]
-struct ProgLoadAttr {
-    prog_type: u32,
-    insn_cnt: u32,
-    insns: u64,
-    license: u64,
-    log_level: u32,
-    log_size: u32,
-    log_buf: u64,
-    kern_version: u32,
-    prog_flags: u32,
-    prog_name: [u8; 16],
-    prog_ifindex: u32,
-    expected_attach_type: u32,
-}
-
-/// The fields of `union bpf_attr` for `BPF_PROG_ATTACH`.
-#[repr(C)]
-#[derive(Default)]
-struct ProgAttachAttr {
-    target_fd: u32,
-    attach_bpf_fd: u32,
-    attach_type: u32,
-    attach_flags: u32,
-    replace_bpf_fd: u32,
-}
-
-/// An fd closed on drop.
-#[derive(Debug)]
-struct Fd(libc::c_int);
-
-impl Drop for Fd {
-    fn drop(&mut self) {
-        // SAFETY: an fd this module opened and owns.
-        unsafe {
-            libc::close(self.0);
-        }
-    }
-}
-
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
-    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
-/// Loads the device program of `rules`; the verifier's log is in the error.
-fn load(rules: &[Rule]) -> io::Result<Fd> {
-    let code: Vec<u8> = program(rules).iter().flat_map(Insn::encode).collect();
-    let license = c"Apache-2.0";
-    let mut name = [0u8; 16];
-    name[..10].copy_from_slice(b"gpuam_devs");
-    let attr = |log: &mut Vec<u8>| ProgLoadAttr {
-        prog_type: BPF_PROG_TYPE_CGROUP_DEVICE,
-        insn_cnt: (code.len() / 8) as u32,
-        insns: code.as_ptr() as u64,
-        license: license.as_ptr() as u64,
-        log_level: u32::from(!log.is_empty()),
-        log_size: log.len() as u32,
-        log_buf: if log.is_empty() { 0 } else { log.as_mut_ptr() as u64 },
-        prog_name: name,
-        expected_attach_type: BPF_CGROUP_DEVICE,
-        ..Default::default()
-    };
-    match bpf(BPF_PROG_LOAD, &mut attr(&mut Vec::new())) {
-        Ok(fd) => Ok(Fd(fd as libc::c_int)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) || e.raw_os_error() == Some(libc::EACCES) => {
-            // Again with the verifier's log, to say why.
-            let mut log = vec![0u8; 1 << 16];
-            let again = bpf(BPF_PROG_LOAD, &mut attr(&mut log));
-            if let Ok(fd) = again {
-                return Ok(Fd(fd as libc::c_int));
-            }
-            let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
-            let said = String::from_utf8_lossy(&log[..end]);
-            Err(io::Error::new(
-                e.kind(),
-                format!("the kernel refused the device program: {e}; verifier: {}", said.trim()),
-            ))
-        }
-        Err(e) => Err(e),
-    }
-}
-
-/// A loaded device program (its fd, closed on drop): one per allow list, attached to
-/// every container cgroup with that list (the verifier runs once, not per container).
-#[derive(Debug)]
-pub struct Program(Fd);
-
-impl Program {
-    /// Loads the device program of `rules`.
-    pub fn load(rules: &[Rule]) -> io::Result<Program> {
-        load(rules).map(Program)
-    }
+/// Loads the device program of `rules`.
+pub fn load(rules: &[Rule]) -> io::Result<Program> {
+    Program::load(&program(rules), super::bpf::DEVICE, "gpuam_devs")
 }
 
 /// Loads the device program of `rules` and attaches it to the cgroup v2 directory `dir`.
 pub fn attach_v2(dir: &Path, rules: &[Rule]) -> io::Result<()> {
-    attach_program(dir, &Program::load(rules)?)
-}
-
-/// Attaches `prog` to the cgroup v2 directory `dir` (`BPF_F_ALLOW_MULTI`: programs of
-/// parent cgroups still run; all must allow). The attachment holds the program for as
-/// long as the cgroup lives.
-pub fn attach_program(dir: &Path, prog: &Program) -> io::Result<()> {
-    let path = CString::new(dir.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
-    // SAFETY: plain syscall on a NUL-terminated path.
-    let cg = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
-    if cg < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let cg = Fd(cg);
-    let mut attr = ProgAttachAttr {
-        target_fd: cg.0 as u32,
-        attach_bpf_fd: prog.0 .0 as u32,
-        attach_type: BPF_CGROUP_DEVICE,
-        attach_flags: BPF_F_ALLOW_MULTI,
-        ..Default::default()
-    };
-    bpf(BPF_PROG_ATTACH, &mut attr).map(|_| ())
+    super::bpf::attach(dir, &load(rules)?)
 }
 
 /// Sets the cgroup v1 devices cgroup `dir` (new, no process yet) to `rules`: deny all, then
@@ -785,17 +606,14 @@ mod tests {
     }
 
     #[test]
-    fn instructions_encode_as_the_kernel_reads_them() {
-        assert_eq!(insn(LDX_MEM_W, 4, 1, 4, 0).encode(), [0x61, 0x14, 4, 0, 0, 0, 0, 0]);
-        assert_eq!(insn(JNE_K, 5, 0, 3, 195).encode(), [0x55, 0x05, 3, 0, 195, 0, 0, 0]);
-        // Every jump lands inside the program, and it ends with `exit`.
+    fn every_jump_lands_inside_the_program_and_it_ends_with_exit() {
         let p = program(&allow_list(0b1011, &gpus(4), &[]));
         for (i, ins) in p.iter().enumerate() {
-            if ins.code == JNE_K || ins.code == JNE_X {
+            if ins.is_jump() {
                 let to = i as i64 + 1 + i64::from(ins.off);
                 assert!(to > i as i64 && (to as usize) < p.len(), "jump at {i} to {to}");
             }
         }
-        assert_eq!(p.last().map(|i| i.code), Some(EXIT));
+        assert_eq!(p.last().map(|i| i.code), Some(super::super::bpf::EXIT));
     }
 }

@@ -41,7 +41,9 @@
 
 pub mod agent;
 pub mod answer;
+pub mod bind_guard;
 pub mod bounds;
+pub mod bpf;
 pub mod cgroup;
 pub mod contract;
 pub mod devices;

@@ -138,6 +138,7 @@ impl Executor {
             cpu: Some(u64::from(granted.cpu)).filter(|c| *c > 0),
             pids: None,
             gpus: Some(granted.gpu_mask),
+            ports: Some(granted.ports.clone()),
         };
         let spawned = self
             .opts

@@ -454,6 +454,11 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
             .flatten();
         crate::node::gpu_discovery::apply_to_local_nodes(&mut nodes, found.as_ref());
     }
+    // The ports the in-process node offers (its containers' bind guard).
+    let in_process_ports = nodes
+        .iter()
+        .filter(|n| n.http_address.is_empty())
+        .fold(crate::resources::PortSet::new(), |all, n| all.union(&n.total().ports));
     // Simulated nodes run their containers in this process's executor.
     let nodes = nodes.into_iter().map(|mut n| {
         if n.http_address.is_empty() {
@@ -500,7 +505,17 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     // finds its containers again and two RMs on one machine do not meet.
     let containment =
         crate::node::cgroup::Containment::detect(&in_process_cgroups(&work_dir)).with_shim(opts.shim_exe.clone());
-    let containment = opts.bounds.apply(containment).map_err(anyhow::Error::msg)?;
+    // Its tasks may bind the ports granted to them, none granted to another, nor the RM's
+    // own (a task that took it while the RM restarts would be sent every agent's token).
+    let guard = crate::node::bind_guard::BindGuard {
+        managed: in_process_ports,
+        reserved: crate::resources::PortSet::from_ports([addr.port()]),
+    };
+    let containment = opts
+        .bounds
+        .apply(containment)
+        .map_err(anyhow::Error::msg)?
+        .with_bind_guard(guard);
     tracing::info!("in-process node {}", containment.describe());
     let ray = opts.ray.map(|b| b.start(events_tx.clone()));
     // The in-process node runs each user's tasks as the agents do (one rule:
