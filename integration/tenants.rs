@@ -190,8 +190,7 @@ fn agent_instance(log: &str) -> String {
     }
     plain
         .lines()
-        .filter(|l| l.contains("registered with the RM"))
-        .last()
+        .rfind(|l| l.contains("registered with the RM"))
         .and_then(|l| l.split("instance=").nth(1))
         .map(|rest| rest.chars().take_while(char::is_ascii_hexdigit).collect())
         .unwrap_or_default()

@@ -7,7 +7,9 @@
 //! ([`super::cgroup`]), as its submitter's own unprivileged uid when the agent runs as
 //! root ([`super::identity`]: `--user-map`, else a uid of the user's own).
 //!
-//! Only granted containers start: `start` needs the RM's call token for this host and the
+//! Only granted containers start: every call to the container endpoints must be the RM's,
+//! signed for exactly that request, this run of the agent, now, and taken once
+//! ([`super::token::verify_call`]; a bearer token is refused), and `start` also needs the
 //! RM's container token for exactly the grant in the request ([`super::token`]).
 //!
 //! A container's end is reported (heartbeat, at once) only once it is dead, and again on
@@ -595,11 +597,7 @@ const MAX_CALL_BODY: usize = 2 << 20;
 /// Every call to the container endpoints must be the RM's, signed for this request, this
 /// run of the agent, now, once (`super::token::verify_call`, [`token::SeenCalls`]); the
 /// body is read here (to check its hash) and handed on.
-async fn rm_call_auth(
-    State(agent): Ag,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
+async fn rm_call_auth(State(agent): Ag, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let (parts, body) = req.into_parts();
     let Ok(body) = axum::body::to_bytes(body, MAX_CALL_BODY).await else {
         return AgentError(
@@ -984,7 +982,10 @@ mod tests {
     }
 
     impl RmCalls {
-        fn send(&self, rb: reqwest::RequestBuilder) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
+        fn send(
+            &self,
+            rb: reqwest::RequestBuilder,
+        ) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
             let mut req = rb.build().unwrap();
             let instance = self.instance.lock().clone();
             crate::node::remote::sign_request(&self.key, &instance, &mut req).unwrap();
@@ -1058,7 +1059,11 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert_eq!(code.0, 404, "the RM's call is taken (the container is unknown): {}", code.1);
+        assert_eq!(
+            code.0, 404,
+            "the RM's call is taken (the container is unknown): {}",
+            code.1
+        );
         // A key from the token alone (what the nodes file holds) is not it.
         let digest = super::super::token::token_digest("t");
         let other = RmCalls {

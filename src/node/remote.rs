@@ -236,14 +236,10 @@ impl AgentNodes {
     /// each time: a retry is signed anew).
     async fn call(&self, host: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, NodeError> {
         let req = self.signed(host, req)?;
-        let resp = self
-            .http
-            .execute(req)
-            .await
-            .map_err(|e| NodeError::Unreachable {
-                host: host.to_string(),
-                why: e.to_string(),
-            })?;
+        let resp = self.http.execute(req).await.map_err(|e| NodeError::Unreachable {
+            host: host.to_string(),
+            why: e.to_string(),
+        })?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
             return Err(NodeError::UnknownContainer(answer::error_text(resp).await));
         }

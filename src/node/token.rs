@@ -137,7 +137,10 @@ pub fn new_nonce() -> String {
 pub fn sign_call(host_key: &[u8], call: &Call<'_>, ts_ms: u64, nonce: &str) -> String {
     let key = hmac::Key::new(hmac::HMAC_SHA256, host_key);
     let mac = hmac::sign(&key, call_text(call, ts_ms, nonce).as_bytes());
-    format!("{CALL_SCHEME} ts={ts_ms} nonce={nonce} mac={}", crate::auth::hex(mac.as_ref()))
+    format!(
+        "{CALL_SCHEME} ts={ts_ms} nonce={nonce} mac={}",
+        crate::auth::hex(mac.as_ref())
+    )
 }
 
 /// A call whose MAC and time [`verify_call`] accepted: its nonce and time, for [`SeenCalls`].
@@ -154,7 +157,9 @@ pub struct Signed {
 pub fn verify_call(host_key: &[u8], call: &Call<'_>, header: &str, now_ms: u64) -> Result<Signed, String> {
     let mut words = header.split_ascii_whitespace();
     if words.next() != Some(CALL_SCHEME) {
-        return Err(format!("the call's signature is not `{CALL_SCHEME} ts=… nonce=… mac=…`"));
+        return Err(format!(
+            "the call's signature is not `{CALL_SCHEME} ts=… nonce=… mac=…`"
+        ));
     }
     let (mut ts, mut nonce, mut mac) = (None, None, None);
     for word in words {
@@ -275,8 +280,7 @@ impl SeenCalls {
         if self.seen.len() >= self.capacity {
             return Err(NotAdmitted::Full(self.seen.len()));
         }
-        self.seen
-            .insert(call.nonce, call.ts_ms.saturating_add(CALL_WINDOW_MS));
+        self.seen.insert(call.nonce, call.ts_ms.saturating_add(CALL_WINDOW_MS));
         Ok(())
     }
 }
@@ -408,7 +412,10 @@ mod tests {
         let body = br#"{"launchContext":{"commands":["echo bob"]}}"#;
         let call = start_call(body);
         let header = sign_call(&KEY, &call, NOW, NONCE);
-        assert!(header.starts_with("gpuam-rm-call-v2 ts=1800000000000 nonce=00112233"), "{header}");
+        assert!(
+            header.starts_with("gpuam-rm-call-v2 ts=1800000000000 nonce=00112233"),
+            "{header}"
+        );
         let ok = verify_call(&KEY, &call, &header, NOW).unwrap();
         assert_eq!(ok.ts_ms, NOW);
         let refused = |c: &Call<'_>, h: &str, key: &[u8]| verify_call(key, c, h, NOW).unwrap_err();
@@ -417,14 +424,23 @@ mod tests {
         assert!(refused(&start_call(b""), &header, &KEY).contains("does not match"));
         let mut c = call;
         c.path_and_query = "/ws/v1/node/h1/containers/container_1_0001_01_000002/start";
-        assert!(refused(&c, &header, &KEY).contains("does not match"), "another container");
+        assert!(
+            refused(&c, &header, &KEY).contains("does not match"),
+            "another container"
+        );
         let mut c = call;
         c.method = "GET";
         assert!(refused(&c, &header, &KEY).contains("does not match"), "another method");
         let mut c = call;
         c.instance = "run-2";
-        assert!(refused(&c, &header, &KEY).contains("does not match"), "a later run of the agent");
-        assert!(refused(&call, &header, &[6u8; 32]).contains("does not match"), "another key");
+        assert!(
+            refused(&c, &header, &KEY).contains("does not match"),
+            "a later run of the agent"
+        );
+        assert!(
+            refused(&call, &header, &[6u8; 32]).contains("does not match"),
+            "another key"
+        );
         let stop = Call {
             method: "POST",
             path_and_query: "/ws/v1/node/h1/containers/c/stop?graceMs=3000",
@@ -495,13 +511,18 @@ mod tests {
         assert_eq!(small.len(), 3, "nothing forgotten while in the window");
         assert_eq!(small.admit(n(0, NOW), NOW + 10), Err(NotAdmitted::Replayed));
         // Once the first is out of the window it goes, and one new call is taken.
-        small.admit(n(9, NOW + CALL_WINDOW_MS), NOW + CALL_WINDOW_MS + 1).unwrap();
+        small
+            .admit(n(9, NOW + CALL_WINDOW_MS), NOW + CALL_WINDOW_MS + 1)
+            .unwrap();
         assert_eq!(small.len(), 3);
-        assert!(small.admit(n(10, NOW + CALL_WINDOW_MS), NOW + CALL_WINDOW_MS + 1).is_err());
+        assert!(small
+            .admit(n(10, NOW + CALL_WINDOW_MS), NOW + CALL_WINDOW_MS + 1)
+            .is_err());
         // Expired ones also go without the set filling up.
         let mut big = SeenCalls::default();
         big.admit(n(1, NOW), NOW).unwrap();
-        big.admit(n(2, NOW + 3 * CALL_WINDOW_MS), NOW + 3 * CALL_WINDOW_MS).unwrap();
+        big.admit(n(2, NOW + 3 * CALL_WINDOW_MS), NOW + 3 * CALL_WINDOW_MS)
+            .unwrap();
         assert_eq!(big.len(), 1, "the expired nonce went");
     }
 
