@@ -599,6 +599,11 @@ const MAX_CALL_BODY: usize = 2 << 20;
 /// body is read here (to check its hash) and handed on.
 async fn rm_call_auth(State(agent): Ag, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let (parts, body) = req.into_parts();
+    // Refused before its body is read: no key yet, or no signature.
+    let signed = match signature(&agent, &parts.headers) {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
     let Ok(body) = axum::body::to_bytes(body, MAX_CALL_BODY).await else {
         return AgentError(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -611,15 +616,16 @@ async fn rm_call_auth(State(agent): Ag, req: axum::extract::Request, next: axum:
         .uri
         .path_and_query()
         .map_or_else(|| parts.uri.path(), |pq| pq.as_str());
-    if let Err(e) = authenticate(&agent, parts.method.as_str(), target, &parts.headers, &body) {
+    if let Err(e) = authenticate(&agent, signed, parts.method.as_str(), target, &body) {
         return e.into_response();
     }
     next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(body)))
         .await
 }
 
-/// Whether this request is an RM call signed for it (see [`rm_call_auth`]).
-fn authenticate(agent: &Agent, method: &str, target: &str, headers: &HeaderMap, body: &[u8]) -> Result<(), AgentError> {
+/// The host key and the call's signature header, or why the call is refused before its
+/// body is read (no key yet: 503; no signature, or the old bearer: 401).
+fn signature(agent: &Agent, headers: &HeaderMap) -> Result<([u8; 32], String), AgentError> {
     let Some(key) = *agent.key.read() else {
         return Err(AgentError(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -644,7 +650,18 @@ fn authenticate(agent: &Agent, method: &str, target: &str, headers: &HeaderMap, 
             )
         }));
     };
-    let signature = signature.to_str().unwrap_or("");
+    Ok((key, signature.to_str().unwrap_or("").to_string()))
+}
+
+/// Whether this request is an RM call signed for it (see [`rm_call_auth`]).
+fn authenticate(
+    agent: &Agent,
+    (key, signature): ([u8; 32], String),
+    method: &str,
+    target: &str,
+    body: &[u8],
+) -> Result<(), AgentError> {
+    let unauthorized = |why: String| AgentError(StatusCode::UNAUTHORIZED, "UNAUTHORIZED", why);
     let call = token::Call {
         method,
         path_and_query: target,
@@ -652,7 +669,7 @@ fn authenticate(agent: &Agent, method: &str, target: &str, headers: &HeaderMap, 
         body,
     };
     let now = crate::protocol::now_ms();
-    let signed = token::verify_call(&key, &call, signature, now).map_err(unauthorized)?;
+    let signed = token::verify_call(&key, &call, &signature, now).map_err(unauthorized)?;
     let admitted = agent.seen_calls.lock().admit(signed, now);
     admitted.map_err(|refused| match refused {
         token::NotAdmitted::Replayed => unauthorized(refused.to_string()),
