@@ -148,8 +148,9 @@ fn alice_cannot_reach_bobs_task_and_his_directory_goes_when_it_ends() {
     assert!(record.join("stdout").is_file(), "bob's logs stay in the node's record");
 }
 
-/// `curl -X METHOD -d BODY` of `url` with `token`, from namespace `ns` of `h`: the HTTP status.
-fn curl_code(h: &Hosts, ns: &str, method: &str, body: &str, token: &str, url: &str) -> String {
+/// `curl -X METHOD -d BODY` of `url` with the header line `auth`, from namespace `ns` of
+/// `h`: the HTTP status.
+fn curl_code(h: &Hosts, ns: &str, method: &str, body: &str, auth: &str, url: &str) -> String {
     let out = Command::new("ip")
         .args([
             "netns",
@@ -164,11 +165,35 @@ fn curl_code(h: &Hosts, ns: &str, method: &str, body: &str, token: &str, url: &s
         ])
         .args(["-X", method, "-H", "Content-Type: application/json", "-d", body])
         .arg("-H")
-        .arg(format!("Authorization: Bearer {token}"))
+        .arg(auth)
         .arg(url)
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// The instance of the agent run that last registered, from its log (`instance=…`).
+fn agent_instance(log: &str) -> String {
+    // Without colour codes (ESC [ … letter).
+    let mut plain = String::new();
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+        .lines()
+        .rfind(|l| l.contains("registered with the RM"))
+        .and_then(|l| l.split("instance=").nth(1))
+        .map(|rest| rest.chars().take_while(char::is_ascii_hexdigit).collect())
+        .unwrap_or_default()
 }
 
 /// A root process the steering task names in its forged `process.json`.
@@ -218,22 +243,30 @@ fn steer(tag: &str, agent_args: &[&str]) {
     let metrics = |h: &Hosts| h.get("/ws/v1/cluster/metrics")["clusterMetrics"]["availableGpus"].as_u64();
     assert_eq!(metrics(&h), Some(2), "the task holds its host's 2 GPUs");
 
-    // The preemption notice, straight from the agent's endpoint.
-    // The RM's call token for that host (its key: the RM's secret, the host, its token).
-    let digest = gpuam::node::token::token_digest(&read(h.path(&format!("{label}.token"))));
+    // The preemption notice, straight from the agent's endpoint, signed as the RM signs
+    // its calls (the host's key: the RM's secret, the host, its token; the agent's run).
+    use gpuam::node::token;
+    let digest = token::token_digest(&read(h.path(&format!("{label}.token"))));
     let secret = read(h.path("rm").join(gpuam::node::remote::HOST_KEYS_SECRET_FILE));
-    let token =
-        gpuam::node::token::rm_call_token(&gpuam::node::token::host_key(secret.trim().as_bytes(), &host, &digest));
+    let key = token::host_key(secret.trim().as_bytes(), &host, &digest);
+    let instance = agent_instance(&read(h.path(&format!("{label}.log"))));
+    assert!(!instance.is_empty(), "the agent's log names its instance");
+    let body = r#"{"deadlineMs": 1, "reason": "test"}"#;
+    let path = format!("/ws/v1/node/{host}/containers/{id}/preempt");
+    let call = token::Call {
+        method: "POST",
+        path_and_query: &path,
+        instance: &instance,
+        body: body.as_bytes(),
+    };
+    let signature = token::sign_call(&key, &call, gpuam::protocol::now_ms(), &token::new_nonce());
     let notice = curl_code(
         &h,
         label,
         "POST",
-        r#"{"deadlineMs": 1, "reason": "test"}"#,
-        token.trim(),
-        &format!(
-            "http://{}:8042/ws/v1/node/{host}/containers/{id}/preempt",
-            host_ip(label)
-        ),
+        body,
+        &format!("{}: {signature}", token::CALL_HEADER),
+        &format!("http://{}:8042{path}", host_ip(label)),
     );
     assert_eq!(notice, "200", "the notice was given");
     assert_eq!(read(target.clone()), "ROOT-ONLY\n", "the notice went through no link");
@@ -275,7 +308,7 @@ fn steer(tag: &str, agent_args: &[&str]) {
         "rm",
         "PUT",
         r#"{"state": "KILLED"}"#,
-        admin.trim(),
+        &format!("Authorization: Bearer {}", admin.trim()),
         &format!("http://{RM_IP}:8088/ws/v1/cluster/apps/{app}/state"),
     );
     assert!(killed.starts_with('2'), "{killed}");

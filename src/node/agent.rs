@@ -7,7 +7,9 @@
 //! ([`super::cgroup`]), as its submitter's own unprivileged uid when the agent runs as
 //! root ([`super::identity`]: `--user-map`, else a uid of the user's own).
 //!
-//! Only granted containers start: `start` needs the RM's call token for this host and the
+//! Only granted containers start: every call to the container endpoints must be the RM's,
+//! signed for exactly that request, this run of the agent, now, and taken once
+//! ([`super::token::verify_call`]; a bearer token is refused), and `start` also needs the
 //! RM's container token for exactly the grant in the request ([`super::token`]).
 //!
 //! A container's end is reported (heartbeat, at once) only once it is dead, and again on
@@ -98,6 +100,11 @@ struct Agent {
     /// This host's key, from the RM's answer to its registration (`None` until then:
     /// nothing the RM would send can be checked yet, so every call is refused).
     key: parking_lot::RwLock<Option<[u8; 32]>>,
+    /// This run's random id, in its registration: the RM's calls name it in their MAC, so
+    /// a call made for an earlier run of this agent is refused (see `super::token`).
+    instance: String,
+    /// The nonces of the RM's calls taken within the window: a replay is refused.
+    seen_calls: Mutex<token::SeenCalls>,
     total: Resources,
     /// This machine's topology (NICs, CPU affinity): where each task's GPUs are.
     topology: Option<crate::topology::Topology>,
@@ -201,6 +208,8 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let agent = Arc::new(Agent {
         host: opts.host.clone(),
         key: parking_lot::RwLock::new(None),
+        instance: token::new_nonce(),
+        seen_calls: Mutex::new(token::SeenCalls::default()),
         total: opts.total.clone(),
         // Checked by `gpuam node` before the agent starts; unreadable text means none.
         topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
@@ -268,6 +277,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         ip,
         containers: Vec::new(),
         containment: describe,
+        instance: agent.instance.clone(),
     };
     for line in startup_lines(&register, &limits, &opts.rm_url) {
         eprintln!("{line}");
@@ -453,7 +463,7 @@ async fn heartbeat_loop(
             Ok(reply) => {
                 removed = false;
                 if !registered {
-                    tracing::info!(rm = %base, "registered with the RM");
+                    tracing::info!(rm = %base, instance = %register.instance, "registered with the RM");
                 }
                 registered = !reply.reregister;
                 if let Some(k) = &reply.host_key {
@@ -569,6 +579,7 @@ fn router(agent: Arc<Agent>) -> Router {
         .route("/ws/v1/node/{host}/containers/{id}/status", get(container_status))
         .route("/ws/v1/node/{host}/containers/{id}/logs", get(container_logs))
         .route("/ws/v1/node/{host}/containers/{id}/preempt", post(preempt_container))
+        .route_layer(axum::middleware::from_fn_with_state(agent.clone(), rm_call_auth))
         .with_state(agent)
 }
 
@@ -595,9 +606,41 @@ impl From<NodeError> for AgentError {
     }
 }
 
-/// The caller must hold the node token, and name this agent's host.
-fn check(agent: &Agent, host: &str, headers: &HeaderMap) -> Result<(), AgentError> {
-    let given = crate::auth::bearer(headers).unwrap_or("");
+/// Most bytes of an RM call's body the agent reads (axum's default body limit).
+const MAX_CALL_BODY: usize = 2 << 20;
+
+/// Every call to the container endpoints must be the RM's, signed for this request, this
+/// run of the agent, now, once (`super::token::verify_call`, [`token::SeenCalls`]); the
+/// body is read here (to check its hash) and handed on.
+async fn rm_call_auth(State(agent): Ag, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let (parts, body) = req.into_parts();
+    // Refused before its body is read: no key yet, or no signature.
+    let signed = match signature(&agent, &parts.headers) {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    let Ok(body) = axum::body::to_bytes(body, MAX_CALL_BODY).await else {
+        return AgentError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "TOO_LARGE",
+            format!("an RM call's body is at most {MAX_CALL_BODY} bytes"),
+        )
+        .into_response();
+    };
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path(), |pq| pq.as_str());
+    if let Err(e) = authenticate(&agent, signed, parts.method.as_str(), target, &body) {
+        return e.into_response();
+    }
+    next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(body)))
+        .await
+}
+
+/// The host key and the call's signature header, or why the call is refused before its
+/// body is read (no key yet: 503; no signature, or the old bearer: 401).
+fn signature(agent: &Agent, headers: &HeaderMap) -> Result<([u8; 32], String), AgentError> {
     let Some(key) = *agent.key.read() else {
         return Err(AgentError(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -605,16 +648,52 @@ fn check(agent: &Agent, host: &str, headers: &HeaderMap) -> Result<(), AgentErro
             "this agent has not registered with the RM yet: it has no key to check the RM's calls with".into(),
         ));
     };
-    let expected = token::rm_call_token(&key);
-    if given.is_empty() || !crate::auth::constant_time_eq(given.as_bytes(), expected.as_bytes()) {
-        return Err(AgentError(
-            StatusCode::UNAUTHORIZED,
-            "UNAUTHORIZED",
-            "this endpoint needs the RM's call token for this host (Authorization: Bearer ...); only the RM \
-             calls it"
-                .into(),
-        ));
-    }
+    let unauthorized = |why: String| AgentError(StatusCode::UNAUTHORIZED, "UNAUTHORIZED", why);
+    let Some(signature) = headers.get(token::CALL_HEADER) else {
+        return Err(unauthorized(if crate::auth::bearer(headers).is_some() {
+            format!(
+                "the RM's calls must be signed ({}, header {}); a fixed bearer token is no longer taken: upgrade \
+                 the RM",
+                token::CALL_SCHEME,
+                token::CALL_HEADER
+            )
+        } else {
+            format!(
+                "this endpoint takes only the RM's calls, each signed ({}: {} ts=… nonce=… mac=…)",
+                token::CALL_HEADER,
+                token::CALL_SCHEME
+            )
+        }));
+    };
+    Ok((key, signature.to_str().unwrap_or("").to_string()))
+}
+
+/// Whether this request is an RM call signed for it (see [`rm_call_auth`]).
+fn authenticate(
+    agent: &Agent,
+    (key, signature): ([u8; 32], String),
+    method: &str,
+    target: &str,
+    body: &[u8],
+) -> Result<(), AgentError> {
+    let unauthorized = |why: String| AgentError(StatusCode::UNAUTHORIZED, "UNAUTHORIZED", why);
+    let call = token::Call {
+        method,
+        path_and_query: target,
+        instance: &agent.instance,
+        body,
+    };
+    let now = crate::protocol::now_ms();
+    let signed = token::verify_call(&key, &call, &signature, now).map_err(unauthorized)?;
+    let admitted = agent.seen_calls.lock().admit(signed, now);
+    admitted.map_err(|refused| match refused {
+        token::NotAdmitted::Replayed => unauthorized(refused.to_string()),
+        token::NotAdmitted::Full(_) => AgentError(StatusCode::SERVICE_UNAVAILABLE, "BUSY", refused.to_string()),
+    })
+}
+
+/// The call (the RM's: [`rm_call_auth`] checked it) must name this agent's host.
+fn check(agent: &Agent, host: &str) -> Result<(), AgentError> {
     if host != agent.host {
         return Err(AgentError(
             StatusCode::NOT_FOUND,
@@ -631,7 +710,7 @@ async fn start_container(
     headers: HeaderMap,
     Json(req): Json<AgentStart>,
 ) -> Result<Json<ContainerStatus>, AgentError> {
-    check(&agent, &host, &headers)?;
+    check(&agent, &host)?;
     let forbidden = |why: String| AgentError(StatusCode::FORBIDDEN, "NOT_GRANTED", why);
     let grant = &req.grant;
     if grant.container_id != id || grant.host != agent.host {
@@ -704,9 +783,8 @@ async fn stop_container(
     State(agent): Ag,
     UrlPath((host, id)): UrlPath<(String, String)>,
     Query(q): Query<StopQuery>,
-    headers: HeaderMap,
 ) -> Result<Json<ContainerStatus>, AgentError> {
-    check(&agent, &host, &headers)?;
+    check(&agent, &host)?;
     let grace = Duration::from_millis(q.grace_ms.unwrap_or(3000).min(60_000));
     let give_up = tokio::time::Instant::now() + STOP_OF_A_STARTING_WAIT;
     loop {
@@ -769,10 +847,9 @@ impl Agent {
 async fn preempt_container(
     State(agent): Ag,
     UrlPath((host, id)): UrlPath<(String, String)>,
-    headers: HeaderMap,
     Json(body): Json<super::wire::AgentPreempt>,
 ) -> Result<Json<ContainerStatus>, AgentError> {
-    check(&agent, &host, &headers)?;
+    check(&agent, &host)?;
     agent.executor.notify_preemption(&id, body.deadline_ms, &body.reason)?;
     status_of(&agent, &id).map(Json)
 }
@@ -797,9 +874,8 @@ fn status_of(agent: &Agent, id: &str) -> Result<ContainerStatus, AgentError> {
 async fn container_status(
     State(agent): Ag,
     UrlPath((host, id)): UrlPath<(String, String)>,
-    headers: HeaderMap,
 ) -> Result<Json<ContainerStatus>, AgentError> {
-    check(&agent, &host, &headers)?;
+    check(&agent, &host)?;
     status_of(&agent, &id).map(Json)
 }
 
@@ -813,9 +889,8 @@ async fn container_logs(
     State(agent): Ag,
     UrlPath((host, id)): UrlPath<(String, String)>,
     Query(q): Query<LogsQuery>,
-    headers: HeaderMap,
 ) -> Result<Response, AgentError> {
-    check(&agent, &host, &headers)?;
+    check(&agent, &host)?;
     let stream = match q.stream.as_deref().unwrap_or("stdout") {
         "stdout" => LogStream::Stdout,
         "stderr" => LogStream::Stderr,
@@ -875,6 +950,7 @@ mod tests {
             ip: Some("10.0.0.5".parse().unwrap()),
             containers: Vec::new(),
             containment: "containment: cgroup v2 under /sys/fs/cgroup/gpuam; limits: memory (v2), cpu (v2)".into(),
+            instance: String::new(),
         }
     }
 
@@ -928,18 +1004,44 @@ mod tests {
     /// The RM stops a container whose start answer it never got: an agent that never
     /// started it reports it dead (so the RM frees it) and refuses the start if it comes
     /// late, so it never runs.
+    /// The RM's side of the calls to an agent of [`rm_giving_key`]: signs them as the RM
+    /// does (`remote::sign_request`) with the key and the instance the agent registered.
+    #[derive(Clone)]
+    struct RmCalls {
+        key: [u8; 32],
+        instance: Arc<Mutex<String>>,
+        http: reqwest::Client,
+    }
+
+    impl RmCalls {
+        fn send(
+            &self,
+            rb: reqwest::RequestBuilder,
+        ) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
+            let mut req = rb.build().unwrap();
+            let instance = self.instance.lock().clone();
+            crate::node::remote::sign_request(&self.key, &instance, &mut req).unwrap();
+            self.http.execute(req)
+        }
+    }
+
     /// An RM that answers every registration and heartbeat with `key` as the host key;
-    /// returns its URL.
-    async fn rm_giving_key(key: [u8; 32]) -> String {
+    /// returns its URL, and how to sign calls as it would.
+    async fn rm_giving_key(key: [u8; 32]) -> (String, RmCalls) {
         let reply = AgentReply {
             heartbeat_ms: 200,
             host_key: Some(crate::auth::hex(&key)),
             ..Default::default()
         };
+        let instance = Arc::new(Mutex::new(String::new()));
+        let seen = instance.clone();
         let app = axum::Router::new()
             .route(
                 "/ws/v1/node-agents/register",
-                axum::routing::post(move || async move { Json(reply) }),
+                axum::routing::post(move |Json(reg): Json<AgentRegister>| async move {
+                    *seen.lock() = reg.instance;
+                    Json(reply)
+                }),
             )
             .route(
                 "/ws/v1/node-agents/{host}/heartbeat",
@@ -948,11 +1050,20 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(crate::tls::serve(listener, app, None, std::future::pending()));
-        format!("http://{addr}")
+        let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
+        (format!("http://{addr}"), RmCalls { key, instance, http })
+    }
+
+    /// The fixed bearer the RM's calls carried before this change (`gpuam-rm-to-agent-v1`).
+    fn old_bearer(key: &[u8]) -> String {
+        let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+        crate::auth::hex(ring::hmac::sign(&k, b"gpuam-rm-to-agent-v1").as_ref())
     }
 
     /// Until it registered, an agent refuses the RM's calls (it has no key to check them
-    /// with); then it takes the call token of the key the RM gave it, and no other.
+    /// with); then it takes calls signed with the key the RM gave it and for its own run,
+    /// and no other: not another key's, not a call without a signature, not the old fixed
+    /// bearer (a 401 that says the RM must sign its calls).
     #[tokio::test]
     async fn the_agent_checks_calls_with_the_key_the_rm_gave_it_at_registration() {
         let tmp = tempfile::tempdir().unwrap();
@@ -960,57 +1071,270 @@ mod tests {
         let mut o = opts("127.0.0.1:0", None, None, "http://127.0.0.1:9");
         o.work_dir = tmp.path().join("unregistered");
         let (lonely, _h) = start(o).await.unwrap();
-        let mut o = opts("127.0.0.1:0", None, None, &rm_giving_key(key).await);
+        let (rm_url, rm) = rm_giving_key(key).await;
+        let mut o = opts("127.0.0.1:0", None, None, &rm_url);
         o.work_dir = tmp.path().join("work");
         let (addr, _h) = start(o).await.unwrap();
         let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
-        let status = |addr: SocketAddr, token: String| {
-            let http = http.clone();
-            async move {
-                http.get(format!(
-                    "http://{addr}/ws/v1/node/h1/containers/container_1_0001_01_000001/status"
-                ))
-                .bearer_auth(token)
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-            }
+        let url =
+            |addr: SocketAddr| format!("http://{addr}/ws/v1/node/h1/containers/container_1_0001_01_000001/status");
+        let status = |rm: RmCalls, addr: SocketAddr| async move {
+            let r = rm.send(rm.http.get(url(addr))).await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
         };
-        let good = super::super::token::rm_call_token(&key);
-        assert_eq!(status(lonely, good.clone()).await, 503, "not registered: no key");
-        let mut code = 0;
+        assert_eq!(status(rm.clone(), lonely).await.0, 503, "not registered: no key");
+        let mut code = (0, String::new());
         for _ in 0..100 {
-            code = status(addr, good.clone()).await;
-            if code != 503 {
+            code = status(rm.clone(), addr).await;
+            if code.0 != 503 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert_eq!(code, 404, "the RM's call is taken (the container is unknown)");
+        assert_eq!(
+            code.0, 404,
+            "the RM's call is taken (the container is unknown): {}",
+            code.1
+        );
         // A key from the token alone (what the nodes file holds) is not it.
         let digest = super::super::token::token_digest("t");
-        assert_eq!(status(addr, super::super::token::rm_call_token(&digest)).await, 401);
+        let other = RmCalls {
+            key: digest,
+            ..rm.clone()
+        };
+        let (code, text) = status(other, addr).await;
+        assert_eq!(code, 401, "{text}");
+        assert!(text.contains("does not match"), "{text}");
+        // Signed for another run of this agent (one before its restart): refused.
+        let earlier = RmCalls {
+            instance: Arc::new(Mutex::new("an-earlier-run".into())),
+            ..rm.clone()
+        };
+        assert_eq!(status(earlier, addr).await.0, 401);
+        // The old fixed bearer of the right key: refused, saying why.
+        let r = http.get(url(addr)).bearer_auth(old_bearer(&key)).send().await.unwrap();
+        assert_eq!(r.status(), 401);
+        let text = r.text().await.unwrap();
+        assert!(
+            text.contains("must be signed (gpuam-rm-call-v2") && text.contains("upgrade the RM"),
+            "{text}"
+        );
+        // Nothing at all: refused.
+        let r = http.get(url(addr)).send().await.unwrap();
+        assert_eq!(r.status(), 401);
+    }
+
+    /// Waits until the agent at `addr` registered with `rm` (takes its signed calls).
+    async fn registered(rm: &RmCalls, addr: SocketAddr) {
+        let url = format!("http://{addr}/ws/v1/node/h1/containers/container_1_0001_01_000999/status");
+        for _ in 0..200 {
+            if rm.send(rm.http.get(&url)).await.unwrap().status() != 503 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("the agent at {addr} did not register");
+    }
+
+    /// One request as it crossed the wire.
+    #[derive(Clone, Debug)]
+    struct Captured {
+        method: reqwest::Method,
+        target: String,
+        headers: Vec<(String, String)>,
+        body: Vec<u8>,
+    }
+
+    impl Captured {
+        /// Sends it again to the agent at `base` (headers and body as captured).
+        async fn replay(&self, http: &reqwest::Client, base: &str) -> (u16, String) {
+            let mut rb = http
+                .request(self.method.clone(), format!("{base}{}", self.target))
+                .body(self.body.clone());
+            for (n, v) in &self.headers {
+                rb = rb.header(n, v);
+            }
+            let r = rb.send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    }
+
+    /// A proxy in front of `agent` that records every request it passes on (what a task
+    /// holding the agent's port while it restarted, or a sniffer without TLS, gets).
+    async fn recording_proxy(agent: SocketAddr) -> (String, Arc<Mutex<Vec<Captured>>>) {
+        let captured = Arc::new(Mutex::new(Vec::<Captured>::new()));
+        let cap = captured.clone();
+        let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
+        let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+            let (cap, http) = (cap.clone(), http.clone());
+            async move {
+                let (parts, body) = req.into_parts();
+                let c = Captured {
+                    method: parts.method.clone(),
+                    target: parts.uri.path_and_query().unwrap().as_str().to_string(),
+                    headers: parts
+                        .headers
+                        .iter()
+                        .filter(|(n, _)| n.as_str().starts_with("x-gpuam") || *n == header::CONTENT_TYPE)
+                        .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+                        .collect(),
+                    body: axum::body::to_bytes(body, 1 << 20).await.unwrap().to_vec(),
+                };
+                cap.lock().push(c.clone());
+                let (code, text) = c.replay(&http, &format!("http://{agent}")).await;
+                (StatusCode::from_u16(code).unwrap(), text).into_response()
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(crate::tls::serve(listener, app, None, std::future::pending()));
+        (format!("http://{addr}"), captured)
+    }
+
+    /// The fifth audit's F1, protocol side: the RM's own client (`AgentNodes`) calls a real
+    /// agent through a proxy that records each call. Replayed verbatim, a captured start is
+    /// refused (its nonce was taken); with other commands, refused (the MAC covers the
+    /// body); sent to the agent run after a restart (which has not seen its nonce),
+    /// refused (the MAC names the run it was made for). A captured log read or stop is
+    /// refused replayed, and its header on another container's or another verb's path
+    /// too. Every call, retries included, carries a new signature.
+    #[tokio::test]
+    async fn a_captured_rm_call_is_refused_replayed_altered_or_sent_to_a_restarted_agent() {
+        let tmp = tempfile::tempdir().unwrap();
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let mut credentials = crate::users::Users::default();
+        credentials.insert_token("h1", "agent-token").unwrap();
+        let key = token::host_key(b"rm-secret", "h1", &token::token_digest("agent-token"));
+        let (rm_url, rm) = rm_giving_key(key).await;
+        let mut o = opts("127.0.0.1:0", None, None, &rm_url);
+        o.work_dir = tmp.path().join("work");
+        let (addr, _h) = start(o).await.unwrap();
+        registered(&rm, addr).await;
+        let (proxy, captured) = recording_proxy(addr).await;
+        let agents = super::super::remote::AgentNodes::new(credentials, b"rm-secret".to_vec(), None).unwrap();
+        let instance = rm.instance.lock().clone();
+        agents.register("h1", &proxy, &instance, std::time::Instant::now());
+        use super::super::NodeBackend as _;
+
+        let id = "container_1_0001_01_000001";
+        let grant = crate::node::Grant {
+            container_id: id.into(),
+            app_id: "application_1_0001".into(),
+            host: "h1".into(),
+            resources: Resources::default(),
+            user: "alice".into(),
+            topology: None,
+        };
+        let ctx = crate::protocol::LaunchContext {
+            commands: vec!["echo victim-runs; exec sleep 60".into()],
+            env: [("SECRET".to_string(), "victim-secret".to_string())].into(),
+        };
+        let s = agents.start(grant, ctx).await.unwrap();
+        assert_eq!(s.state, ContainerState::Running);
+        let start_call = captured.lock().last().cloned().unwrap();
+        assert!(start_call.target.ends_with("/start"), "{start_call:?}");
+        let header = |c: &Captured, name: &str| {
+            c.headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        assert!(header(&start_call, token::CALL_HEADER).starts_with("gpuam-rm-call-v2 ts="));
+        assert!(
+            !start_call.headers.iter().any(|(n, _)| n == "authorization"),
+            "no bearer crosses the wire"
+        );
+        let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
+        let agent_url = format!("http://{addr}");
+
+        // Replayed as captured: refused (not a 409 "already started": it never gets that far).
+        let (code, text) = start_call.replay(&http, &agent_url).await;
+        assert_eq!(code, 401, "{text}");
+        assert!(text.contains("replay"), "{text}");
+        // With the attacker's commands: refused.
+        let mut altered = start_call.clone();
+        let body = String::from_utf8(altered.body.clone()).unwrap();
+        assert!(body.contains("echo victim-runs"), "{body}");
+        altered.body = body.replace("echo victim-runs", "id > /tmp/pwned").into_bytes();
+        let (code, text) = altered.replay(&http, &agent_url).await;
+        assert_eq!(code, 401, "{text}");
+        assert!(text.contains("does not match"), "{text}");
+
+        // The same agent host, restarted (a new run, a new instance, no nonce seen): the
+        // captured start, as captured or altered, is refused there too.
+        let (rm2_url, rm2) = rm_giving_key(key).await;
+        let mut o = opts("127.0.0.1:0", None, None, &rm2_url);
+        o.work_dir = tmp.path().join("work2");
+        let (addr2, _h2) = start(o).await.unwrap();
+        registered(&rm2, addr2).await;
+        assert_ne!(*rm2.instance.lock(), instance, "each run has its own instance");
+        let restarted = format!("http://{addr2}");
+        for c in [&start_call, &altered] {
+            let (code, text) = c.replay(&http, &restarted).await;
+            assert_eq!(code, 401, "{text}");
+            assert!(text.contains("does not match"), "{text}");
+        }
+        assert!(
+            !tmp.path().join("work2/containers").join(id).exists(),
+            "nothing was started on the restarted agent"
+        );
+
+        // A log read, captured: refused replayed; its header on another path refused.
+        let log = agents.read_log("h1", id, LogStream::Stdout, None).await.unwrap();
+        let _ = log; // the task may not have written yet
+        let logs_call = captured.lock().last().cloned().unwrap();
+        assert!(logs_call.target.contains("/logs?stream=stdout"), "{logs_call:?}");
+        let (code, text) = logs_call.replay(&http, &agent_url).await;
+        assert_eq!(code, 401, "{text}");
+        let mut stop_with_it = logs_call.clone();
+        stop_with_it.method = reqwest::Method::POST;
+        stop_with_it.target = format!("/ws/v1/node/h1/containers/{id}/stop?graceMs=0");
+        let (code, text) = stop_with_it.replay(&http, &agent_url).await;
+        assert_eq!(code, 401, "{text}");
+        let mut other_log = logs_call.clone();
+        other_log.target = logs_call.target.replace(id, "container_1_0001_01_000002");
+        assert_eq!(other_log.replay(&http, &agent_url).await.0, 401);
+        assert_eq!(
+            agents.status("h1", id).await.map(|s| s.state),
+            Some(ContainerState::Running),
+            "the captures neither stopped nor changed the task"
+        );
+
+        // Each call (a retry is a call) has its own signature.
+        assert!(agents.status("h1", id).await.is_some());
+        let calls = captured.lock().clone();
+        let (a, b) = (&calls[calls.len() - 2], &calls[calls.len() - 1]);
+        assert_eq!(a.target, b.target);
+        assert_ne!(header(a, token::CALL_HEADER), header(b, token::CALL_HEADER));
+
+        // The RM's own stop goes through; its capture replayed is refused.
+        agents.stop("h1", id, Duration::from_millis(200)).await.unwrap();
+        let stop_call = captured.lock().last().cloned().unwrap();
+        assert!(stop_call.target.contains("/stop?graceMs=200"), "{stop_call:?}");
+        assert_eq!(stop_call.replay(&http, &agent_url).await.0, 401);
     }
 
     #[tokio::test]
     async fn a_container_stopped_before_it_started_never_runs_and_is_reported_dead() {
         let tmp = tempfile::tempdir().unwrap();
         let key = [9u8; 32];
-        let mut o = opts("127.0.0.1:0", None, None, &rm_giving_key(key).await);
+        let (rm_url, rm) = rm_giving_key(key).await;
+        let mut o = opts("127.0.0.1:0", None, None, &rm_url);
         o.work_dir = tmp.path().join("work");
         let (addr, _h) = start(o).await.unwrap();
         let id = "container_1_0001_01_000007";
         let url = |verb: &str| format!("http://{addr}/ws/v1/node/h1/containers/{id}/{verb}");
         let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
-        let rm_call = super::super::token::rm_call_token(&key);
         let stop = || {
-            http.post(url("stop"))
-                .bearer_auth(&rm_call)
-                .header("Content-Type", "application/json")
-                .body("{}")
-                .send()
+            rm.send(
+                http.post(url("stop"))
+                    .header("Content-Type", "application/json")
+                    .body("{}"),
+            )
         };
         // Until the agent has registered (and has its key) it answers 503.
         let mut r = stop().await.unwrap();
@@ -1039,12 +1363,12 @@ mod tests {
                 env: Default::default(),
             },
         };
-        let r = http
-            .post(url("start"))
-            .bearer_auth(&rm_call)
-            .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(&key, &grant))
-            .json(&start)
-            .send()
+        let r = rm
+            .send(
+                http.post(url("start"))
+                    .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(&key, &grant))
+                    .json(&start),
+            )
             .await
             .unwrap();
         assert_eq!(r.status(), 409, "a late start is refused: {}", r.text().await.unwrap());
@@ -1059,19 +1383,19 @@ mod tests {
     async fn a_stop_racing_its_start_either_stops_the_task_or_keeps_it_from_running() {
         let tmp = tempfile::tempdir().unwrap();
         let key = [7u8; 32];
-        let mut o = opts("127.0.0.1:0", None, None, &rm_giving_key(key).await);
+        let (rm_url, rm) = rm_giving_key(key).await;
+        let mut o = opts("127.0.0.1:0", None, None, &rm_url);
         o.work_dir = tmp.path().join("work");
         let (addr, _h) = start(o).await.unwrap();
         let http = crate::tls::http_client_builder(None).unwrap().build().unwrap();
-        let rm_call = super::super::token::rm_call_token(&key);
         let url = |id: &str, verb: &str| format!("http://{addr}/ws/v1/node/h1/containers/{id}/{verb}");
         let stop = |id: String| {
-            let (http, rm_call) = (http.clone(), rm_call.clone());
+            let (http, rm) = (http.clone(), rm.clone());
             let u = url(&id, "stop?graceMs=200");
             async move {
                 // 503: still being started; the RM would stop it again.
                 loop {
-                    let r = http.post(&u).bearer_auth(&rm_call).send().await.unwrap();
+                    let r = rm.send(http.post(&u)).await.unwrap();
                     if r.status() != 503 {
                         return (r.status().as_u16(), r.json::<ContainerStatus>().await.ok());
                     }
@@ -1105,12 +1429,11 @@ mod tests {
                     env: Default::default(),
                 },
             };
-            let started = http
-                .post(url(&id, "start"))
-                .bearer_auth(&rm_call)
-                .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(&key, &grant))
-                .json(&body)
-                .send();
+            let started = rm.send(
+                http.post(url(&id, "start"))
+                    .header(CONTAINER_TOKEN_HEADER, super::super::token::sign(&key, &grant))
+                    .json(&body),
+            );
             let stopped = stop(id.clone());
             async move {
                 let (started, stopped) = tokio::join!(started, stopped);

@@ -4,8 +4,9 @@
 //! Holds the registry of agents (host → base URL, last heartbeat, containers reported
 //! running) and their credentials (the nodes file: each host's token digest, from which
 //! its keys derive, `super::token`). An agent's token names its host ([`AgentNodes::host_of`]);
-//! calls to an agent carry the RM's call token for that host; `start` also the container
-//! token signed with that host's key for exactly the grant. Deaths reach the RM in the
+//! each call to an agent is signed for itself with that host's key and the agent run's
+//! instance ([`super::token::sign_call`]; a retry is a new call, signed anew); `start` also
+//! carries the container token signed with that host's key for exactly the grant. Deaths reach the RM in the
 //! agents' heartbeats and registrations, which the RM takes in their own transaction
 //! (`rm::server::nodes`; repeats are harmless: the ledger frees once); this registry keeps
 //! what each agent runs ([`AgentNodes::heartbeat`]).
@@ -34,6 +35,8 @@ pub struct AgentEntry {
     pub running: BTreeSet<String>,
     /// Restored by a restarted RM and not registered since: LOST when this passes.
     pub awaiting_until: Option<Instant>,
+    /// The agent run's instance id from its registration (its calls' MACs name it).
+    pub instance: String,
 }
 
 /// The agents registered with this RM.
@@ -126,8 +129,8 @@ impl AgentNodes {
             .is_some_and(|a| !a.lost && a.awaiting_until.is_none())
     }
 
-    /// Records a (re-)registration.
-    pub fn register(&self, host: &str, address: &str, now: Instant) {
+    /// Records a (re-)registration of the agent run `instance`.
+    pub fn register(&self, host: &str, address: &str, instance: &str, now: Instant) {
         self.agents.lock().insert(
             host.to_string(),
             AgentEntry {
@@ -136,6 +139,7 @@ impl AgentNodes {
                 lost: false,
                 running: BTreeSet::new(),
                 awaiting_until: None,
+                instance: instance.to_string(),
             },
         );
     }
@@ -150,6 +154,7 @@ impl AgentNodes {
             lost: false,
             running: BTreeSet::new(),
             awaiting_until: Some(deadline),
+            instance: String::new(),
         });
     }
 
@@ -193,15 +198,31 @@ impl AgentNodes {
     }
 
     fn address(&self, host: &str) -> Result<String, NodeError> {
+        self.live(host).map(|(address, _)| address)
+    }
+
+    /// A live agent's address and instance.
+    fn live(&self, host: &str) -> Result<(String, String), NodeError> {
         self.agents
             .lock()
             .get(host)
             .filter(|a| !a.lost && a.awaiting_until.is_none())
-            .map(|a| a.address.clone())
+            .map(|a| (a.address.clone(), a.instance.clone()))
             .ok_or_else(|| NodeError::Unreachable {
                 host: host.to_string(),
                 why: "no live agent is registered for this host (after an RM restart: not yet again)".into(),
             })
+    }
+
+    /// `req` built and signed for `host`'s current agent run ([`sign_request`]).
+    fn signed(&self, host: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Request, NodeError> {
+        let mut req = req
+            .build()
+            .map_err(|e| NodeError::Refused(format!("cannot build the call to `{host}`: {e}")))?;
+        let (_, instance) = self.live(host)?;
+        sign_request(&self.key(host)?, &instance, &mut req)
+            .map_err(|e| NodeError::Refused(format!("cannot sign the call to `{host}`: {e}")))?;
+        Ok(req)
     }
 
     fn url(&self, host: &str, id: &str, verb: &str) -> Result<String, NodeError> {
@@ -211,15 +232,14 @@ impl AgentNodes {
         ))
     }
 
+    /// Sends `req` to `host`'s agent, signed now for exactly this request (a fresh nonce
+    /// each time: a retry is signed anew).
     async fn call(&self, host: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, NodeError> {
-        let resp = req
-            .bearer_auth(token::rm_call_token(&self.key(host)?))
-            .send()
-            .await
-            .map_err(|e| NodeError::Unreachable {
-                host: host.to_string(),
-                why: e.to_string(),
-            })?;
+        let req = self.signed(host, req)?;
+        let resp = self.http.execute(req).await.map_err(|e| NodeError::Unreachable {
+            host: host.to_string(),
+            why: e.to_string(),
+        })?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
             return Err(NodeError::UnknownContainer(answer::error_text(resp).await));
         }
@@ -356,6 +376,30 @@ impl NodeBackend for AgentNodes {
     }
 }
 
+/// Signs `req` (built, body in memory) now, with a fresh nonce, as a call to the agent
+/// run `instance` under `host_key`: its [`token::CALL_HEADER`] ([`token::sign_call`]).
+pub fn sign_request(host_key: &[u8], instance: &str, req: &mut reqwest::Request) -> Result<(), String> {
+    let url = req.url();
+    let target = match url.query() {
+        Some(q) => format!("{}?{q}", url.path()),
+        None => url.path().to_string(),
+    };
+    let body = match req.body() {
+        None => &[][..],
+        Some(b) => b.as_bytes().ok_or("the call's body is a stream")?,
+    };
+    let call = token::Call {
+        method: req.method().as_str(),
+        path_and_query: &target,
+        instance,
+        body,
+    };
+    let signature = token::sign_call(host_key, &call, crate::protocol::now_ms(), &token::new_nonce());
+    let value = reqwest::header::HeaderValue::from_str(&signature).map_err(|e| e.to_string())?;
+    req.headers_mut().insert(token::CALL_HEADER, value);
+    Ok(())
+}
+
 /// The file of the RM's host-key secret, in its state directory.
 pub const HOST_KEYS_SECRET_FILE: &str = "host-keys.secret";
 
@@ -404,7 +448,7 @@ mod tests {
         let mut credentials = crate::users::Users::default();
         credentials.insert_token("h1", "agent-token").unwrap();
         let agents = AgentNodes::new(credentials, b"s".to_vec(), None).unwrap();
-        agents.register("h1", &format!("http://{addr}"), Instant::now());
+        agents.register("h1", &format!("http://{addr}"), "run-1", Instant::now());
         let grant = Grant {
             container_id: "container_1_0001_01_000001".into(),
             app_id: "application_1_0001".into(),
@@ -442,7 +486,7 @@ mod tests {
         );
         // One that registers in time is an ordinary live agent.
         agents.expect("g", t0 + Duration::from_secs(30));
-        agents.register("g", "http://10.0.0.2:8042/", t0 + Duration::from_secs(1));
+        agents.register("g", "http://10.0.0.2:8042/", "run-1", t0 + Duration::from_secs(1));
         assert!(agents.is_live("g"));
         assert!(agents.heartbeat("g", &[], t0 + Duration::from_secs(2)));
         assert!(agents

@@ -14,8 +14,18 @@
 //! for other GPUs: any change to the grant changes the MAC; an agent's stolen token or
 //! key signs starts for its own host only (the agent checks the grant names it).
 //!
-//! The RM's calls to an agent carry [`rm_call_token`] of the host key (a MAC of a fixed
-//! text), so a captured call does not give away the key that signs starts.
+//! The RM's calls to an agent are each signed ([`sign_call`], header [`CALL_HEADER`],
+//! scheme [`CALL_SCHEME`]): an HMAC under the host key of the method, the path and query,
+//! the agent's instance (a random id the agent makes at each start and gives the RM in its
+//! registration), a time, a random nonce and the SHA-256 of the body. The agent
+//! ([`verify_call`], [`SeenCalls`]) takes a call only when the MAC matches, the time is
+//! within [`CALL_WINDOW_MS`] of its own clock, and the nonce was not seen within the
+//! window. So a captured call (a task that took the agent's port while it restarted, a
+//! sniffer on a link without TLS) is no credential: it cannot be altered (other commands,
+//! environment, container, verb), not replayed to the agent it was meant for (the nonce),
+//! nor to a later run of that agent (the instance), nor after the window. The fixed bearer
+//! the RM's calls carried before (`gpuam-rm-to-agent-v1`) is refused with a 401 that says
+//! so. A captured call does not give away the key either.
 
 use ring::hmac;
 
@@ -70,10 +80,209 @@ pub fn key_from_hex(text: &str) -> Option<[u8; 32]> {
     decode_hex(text.trim())?.try_into().ok()
 }
 
-/// The bearer token the RM's calls to a host's agent carry.
-pub fn rm_call_token(host_key: &[u8]) -> String {
+/// The header carrying the signature of an RM → agent call ([`sign_call`]).
+pub const CALL_HEADER: &str = "x-gpuam-call";
+
+/// The scheme of a signed call: the first word of [`CALL_HEADER`], and the first line
+/// of the text its MAC covers.
+pub const CALL_SCHEME: &str = "gpuam-rm-call-v2";
+
+/// How far (either way) a signed call's time may be from the agent's clock: the RM's and
+/// the agents' clocks must agree within this. A nonce is remembered this long past its
+/// call's time.
+pub const CALL_WINDOW_MS: u64 = 120_000;
+
+/// Most nonces an agent remembers at once ([`SeenCalls`]): when full (more than this
+/// many calls within a window) it refuses calls rather than forget one.
+pub const MAX_SEEN_CALLS: usize = 1 << 17;
+
+/// One RM → agent call, as its MAC sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Call<'a> {
+    /// `GET`, `POST`, … (upper case).
+    pub method: &'a str,
+    /// The request target: path and query (`/ws/v1/node/h1/containers/…/stop?graceMs=3000`).
+    pub path_and_query: &'a str,
+    /// The agent run's instance id from its registration (empty: an agent that sent none).
+    pub instance: &'a str,
+    /// The request body (empty when none).
+    pub body: &'a [u8],
+}
+
+/// The text a call's MAC covers.
+fn call_text(call: &Call<'_>, ts_ms: u64, nonce: &str) -> String {
+    let body = ring::digest::digest(&ring::digest::SHA256, call.body);
+    format!(
+        "{CALL_SCHEME}\n{}\n{}\n{}\n{ts_ms}\n{nonce}\n{}\n",
+        call.method,
+        call.path_and_query,
+        call.instance,
+        crate::auth::hex(body.as_ref())
+    )
+}
+
+/// A fresh random nonce for [`sign_call`]: 16 bytes in hex.
+pub fn new_nonce() -> String {
+    let mut bytes = [0u8; 16];
+    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).is_err() {
+        use rand::RngCore;
+        rand::rngs::OsRng.fill_bytes(&mut bytes);
+    }
+    crate::auth::hex(&bytes)
+}
+
+/// The [`CALL_HEADER`] value of `call` at `ts_ms` (Unix ms) with `nonce` ([`new_nonce`]):
+/// `gpuam-rm-call-v2 ts=<ms> nonce=<32 hex> mac=<64 hex>`, the MAC being HMAC-SHA256
+/// under the host key of `gpuam-rm-call-v2\n{method}\n{path and query}\n{instance}\n{ts}\n{nonce}\n{hex SHA-256 of the body}\n`.
+pub fn sign_call(host_key: &[u8], call: &Call<'_>, ts_ms: u64, nonce: &str) -> String {
     let key = hmac::Key::new(hmac::HMAC_SHA256, host_key);
-    crate::auth::hex(hmac::sign(&key, b"gpuam-rm-to-agent-v1").as_ref())
+    let mac = hmac::sign(&key, call_text(call, ts_ms, nonce).as_bytes());
+    format!(
+        "{CALL_SCHEME} ts={ts_ms} nonce={nonce} mac={}",
+        crate::auth::hex(mac.as_ref())
+    )
+}
+
+/// A call whose MAC and time [`verify_call`] accepted: its nonce and time, for [`SeenCalls`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Signed {
+    pub nonce: u128,
+    pub ts_ms: u64,
+}
+
+/// Checks `header` (the [`CALL_HEADER`] value) against `call` under `host_key` at the
+/// agent's time `now_ms`: the MAC (constant time), then the time window. The error says
+/// why (the time: by how much and which way it is off). Pure: the nonce's freshness is
+/// [`SeenCalls::admit`]'s.
+pub fn verify_call(host_key: &[u8], call: &Call<'_>, header: &str, now_ms: u64) -> Result<Signed, String> {
+    let mut words = header.split_ascii_whitespace();
+    if words.next() != Some(CALL_SCHEME) {
+        return Err(format!(
+            "the call's signature is not `{CALL_SCHEME} ts=… nonce=… mac=…`"
+        ));
+    }
+    let (mut ts, mut nonce, mut mac) = (None, None, None);
+    for word in words {
+        match word.split_once('=') {
+            Some(("ts", v)) if ts.is_none() => ts = Some(v),
+            Some(("nonce", v)) if nonce.is_none() => nonce = Some(v),
+            Some(("mac", v)) if mac.is_none() => mac = Some(v),
+            _ => return Err(format!("the call's signature has an unknown or repeated part `{word}`")),
+        }
+    }
+    let (Some(ts_text), Some(nonce_text), Some(mac_text)) = (ts, nonce, mac) else {
+        return Err("the call's signature lacks ts=, nonce= or mac=".into());
+    };
+    let ts_ms: u64 = ts_text
+        .parse()
+        .map_err(|_| "the call's ts= is not a time in Unix milliseconds".to_string())?;
+    let nonce = (nonce_text.len() == 32 && nonce_text.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| u128::from_str_radix(nonce_text, 16).ok())
+        .flatten()
+        .ok_or_else(|| "the call's nonce= is not 32 hex digits".to_string())?;
+    let Some(tag) = decode_hex(mac_text) else {
+        return Err("the call's mac= is not hex".into());
+    };
+    let key = hmac::Key::new(hmac::HMAC_SHA256, host_key);
+    // The MAC covers the nonce as sent (its case too).
+    if hmac::verify(&key, call_text(call, ts_ms, nonce_text).as_bytes(), &tag).is_err() {
+        return Err(
+            "the call's signature does not match this request under this host's key (altered, meant for \
+             another request or another run of this agent, or not the RM's)"
+                .into(),
+        );
+    }
+    if ts_ms > now_ms.saturating_add(CALL_WINDOW_MS) {
+        return Err(format!(
+            "the call's time is {} ms ahead of this agent's clock (more than the {CALL_WINDOW_MS} ms window): \
+             check the RM's and this node's clocks",
+            ts_ms - now_ms
+        ));
+    }
+    if ts_ms.saturating_add(CALL_WINDOW_MS) < now_ms {
+        return Err(format!(
+            "the call's time is {} ms behind this agent's clock (more than the {CALL_WINDOW_MS} ms window): a \
+             replay, or the RM's and this node's clocks differ",
+            now_ms - ts_ms
+        ));
+    }
+    Ok(Signed { nonce, ts_ms })
+}
+
+/// Why [`SeenCalls::admit`] refused a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotAdmitted {
+    /// Its nonce was taken before: a replay.
+    Replayed,
+    /// The set holds this many nonces, all still in the window.
+    Full(usize),
+}
+
+impl std::fmt::Display for NotAdmitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotAdmitted::Replayed => write!(f, "this call was taken before (its nonce is used): a replay"),
+            NotAdmitted::Full(n) => write!(
+                f,
+                "this agent took {n} calls within the last {CALL_WINDOW_MS} ms, as many as it remembers: try again \
+                 later"
+            ),
+        }
+    }
+}
+
+/// The nonces of the calls an agent took, each until its call's time is out of the
+/// window (then [`verify_call`] refuses the call anyway). At most [`MAX_SEEN_CALLS`]:
+/// a full set refuses new calls rather than forget a nonce still in the window.
+#[derive(Debug)]
+pub struct SeenCalls {
+    /// Nonce → the time (Unix ms) after which it can go.
+    seen: std::collections::HashMap<u128, u64>,
+    capacity: usize,
+    /// When expired nonces were last dropped.
+    swept_ms: u64,
+}
+
+impl Default for SeenCalls {
+    fn default() -> Self {
+        SeenCalls::with_capacity(MAX_SEEN_CALLS)
+    }
+}
+
+impl SeenCalls {
+    pub fn with_capacity(capacity: usize) -> Self {
+        SeenCalls {
+            seen: Default::default(),
+            capacity,
+            swept_ms: 0,
+        }
+    }
+
+    /// How many nonces are remembered.
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
+    }
+
+    /// Takes `call`'s nonce at `now_ms`: an error if it was seen (a replay) or the set is
+    /// full of nonces still in the window.
+    pub fn admit(&mut self, call: Signed, now_ms: u64) -> Result<(), NotAdmitted> {
+        if self.seen.contains_key(&call.nonce) {
+            return Err(NotAdmitted::Replayed);
+        }
+        if self.seen.len() >= self.capacity || now_ms.saturating_sub(self.swept_ms) >= CALL_WINDOW_MS {
+            self.seen.retain(|_, until| *until >= now_ms);
+            self.swept_ms = now_ms;
+        }
+        if self.seen.len() >= self.capacity {
+            return Err(NotAdmitted::Full(self.seen.len()));
+        }
+        self.seen.insert(call.nonce, call.ts_ms.saturating_add(CALL_WINDOW_MS));
+        Ok(())
+    }
 }
 
 /// The container token of `grant` under `secret`.
@@ -180,6 +389,148 @@ mod tests {
         assert!(!verify(b"other", &grant(0x3), &t), "other secret");
         assert!(!verify(b"secret", &grant(0x3), "zz"), "not hex");
         assert!(!verify(b"secret", &grant(0x3), ""), "empty");
+    }
+
+    const KEY: [u8; 32] = [5u8; 32];
+    const NOW: u64 = 1_800_000_000_000;
+    const NONCE: &str = "00112233445566778899aabbccddeeff";
+
+    fn start_call(body: &[u8]) -> Call<'_> {
+        Call {
+            method: "POST",
+            path_and_query: "/ws/v1/node/h1/containers/container_1_0001_01_000001/start",
+            instance: "run-1",
+            body,
+        }
+    }
+
+    /// A signed call verifies as it was sent; any change to what it covers (the body: its
+    /// commands and environment; the path, the query, the method, the agent's run, the
+    /// time, the nonce) or another key does not.
+    #[test]
+    fn a_signed_call_verifies_only_as_sent() {
+        let body = br#"{"launchContext":{"commands":["echo bob"]}}"#;
+        let call = start_call(body);
+        let header = sign_call(&KEY, &call, NOW, NONCE);
+        assert!(
+            header.starts_with("gpuam-rm-call-v2 ts=1800000000000 nonce=00112233"),
+            "{header}"
+        );
+        let ok = verify_call(&KEY, &call, &header, NOW).unwrap();
+        assert_eq!(ok.ts_ms, NOW);
+        let refused = |c: &Call<'_>, h: &str, key: &[u8]| verify_call(key, c, h, NOW).unwrap_err();
+        let other_body = br#"{"launchContext":{"commands":["echo alice"]}}"#;
+        assert!(refused(&start_call(other_body), &header, &KEY).contains("does not match"));
+        assert!(refused(&start_call(b""), &header, &KEY).contains("does not match"));
+        let mut c = call;
+        c.path_and_query = "/ws/v1/node/h1/containers/container_1_0001_01_000002/start";
+        assert!(
+            refused(&c, &header, &KEY).contains("does not match"),
+            "another container"
+        );
+        let mut c = call;
+        c.method = "GET";
+        assert!(refused(&c, &header, &KEY).contains("does not match"), "another method");
+        let mut c = call;
+        c.instance = "run-2";
+        assert!(
+            refused(&c, &header, &KEY).contains("does not match"),
+            "a later run of the agent"
+        );
+        assert!(
+            refused(&call, &header, &[6u8; 32]).contains("does not match"),
+            "another key"
+        );
+        let stop = Call {
+            method: "POST",
+            path_and_query: "/ws/v1/node/h1/containers/c/stop?graceMs=3000",
+            instance: "",
+            body: b"",
+        };
+        let h = sign_call(&KEY, &stop, NOW, NONCE);
+        let mut c = stop;
+        c.path_and_query = "/ws/v1/node/h1/containers/c/stop?graceMs=0";
+        assert!(refused(&c, &h, &KEY).contains("does not match"), "another query");
+        // The header's own parts: another time or nonce breaks the MAC.
+        let later = header.replace("ts=1800000000000", "ts=1800000000001");
+        assert!(refused(&call, &later, &KEY).contains("does not match"));
+        let renonced = header.replace(NONCE, "ffffffffffffffffffffffffffffffff");
+        assert!(refused(&call, &renonced, &KEY).contains("does not match"));
+        // Malformed headers, and the old fixed bearer's form.
+        for bad in [
+            "",
+            "Bearer abc",
+            "gpuam-rm-call-v1 ts=1 nonce=00 mac=00",
+            "gpuam-rm-call-v2 ts=1",
+            "gpuam-rm-call-v2 ts=x nonce=00112233445566778899aabbccddeeff mac=00",
+            "gpuam-rm-call-v2 ts=1 nonce=0011 mac=00",
+            "gpuam-rm-call-v2 ts=1 nonce=00112233445566778899aabbccddeeff mac=zz",
+            "gpuam-rm-call-v2 ts=1 ts=2 nonce=00112233445566778899aabbccddeeff mac=00",
+        ] {
+            assert!(verify_call(&KEY, &call, bad, NOW).is_err(), "{bad:?}");
+        }
+    }
+
+    /// Within the window either way it is taken; beyond it refused, saying which way.
+    #[test]
+    fn a_call_outside_the_time_window_is_refused_saying_which_way() {
+        let call = start_call(b"{}");
+        let at = |ts: u64| verify_call(&KEY, &call, &sign_call(&KEY, &call, ts, NONCE), NOW);
+        assert!(at(NOW - CALL_WINDOW_MS).is_ok());
+        assert!(at(NOW + CALL_WINDOW_MS).is_ok());
+        let behind = at(NOW - CALL_WINDOW_MS - 1).unwrap_err();
+        assert!(behind.contains("120001 ms behind"), "{behind}");
+        assert!(behind.contains("behind this agent's clock"), "{behind}");
+        let ahead = at(NOW + CALL_WINDOW_MS + 5).unwrap_err();
+        assert!(ahead.contains("120005 ms ahead of this agent's clock"), "{ahead}");
+    }
+
+    /// A nonce is taken once; it is forgotten only once its call is out of the window;
+    /// a full set refuses new calls rather than forget one still in the window.
+    #[test]
+    fn a_replayed_nonce_is_refused_and_the_set_is_bounded() {
+        let call = start_call(b"{}");
+        let header = sign_call(&KEY, &call, NOW, NONCE);
+        let mut seen = SeenCalls::default();
+        let signed = verify_call(&KEY, &call, &header, NOW).unwrap();
+        seen.admit(signed, NOW).unwrap();
+        let again = verify_call(&KEY, &call, &header, NOW + 1).unwrap();
+        assert_eq!(seen.admit(again, NOW + 1), Err(NotAdmitted::Replayed));
+        // Still refused at the window's end; after it the time refuses it.
+        assert!(seen.admit(again, NOW + CALL_WINDOW_MS).is_err());
+        assert!(verify_call(&KEY, &call, &header, NOW + CALL_WINDOW_MS + 1).is_err());
+
+        let mut small = SeenCalls::with_capacity(3);
+        let n = |i: u128, ts: u64| Signed { nonce: i, ts_ms: ts };
+        for i in 0..3 {
+            small.admit(n(i, NOW + i as u64), NOW).unwrap();
+        }
+        let full = small.admit(n(9, NOW), NOW + 10).unwrap_err();
+        assert_eq!(full, NotAdmitted::Full(3));
+        assert!(full.to_string().contains("as many as it remembers"), "{full}");
+        assert_eq!(small.len(), 3, "nothing forgotten while in the window");
+        assert_eq!(small.admit(n(0, NOW), NOW + 10), Err(NotAdmitted::Replayed));
+        // Once the first is out of the window it goes, and one new call is taken.
+        small
+            .admit(n(9, NOW + CALL_WINDOW_MS), NOW + CALL_WINDOW_MS + 1)
+            .unwrap();
+        assert_eq!(small.len(), 3);
+        assert!(small
+            .admit(n(10, NOW + CALL_WINDOW_MS), NOW + CALL_WINDOW_MS + 1)
+            .is_err());
+        // Expired ones also go without the set filling up.
+        let mut big = SeenCalls::default();
+        big.admit(n(1, NOW), NOW).unwrap();
+        big.admit(n(2, NOW + 3 * CALL_WINDOW_MS), NOW + 3 * CALL_WINDOW_MS)
+            .unwrap();
+        assert_eq!(big.len(), 1, "the expired nonce went");
+    }
+
+    #[test]
+    fn nonces_are_fresh() {
+        let (a, b) = (new_nonce(), new_nonce());
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, b);
     }
 
     proptest! {

@@ -4,8 +4,12 @@
 //! - `POST /ws/v1/node-agents/register` [`AgentRegister`] → [`AgentReply`]
 //! - `POST /ws/v1/node-agents/{host}/heartbeat` [`AgentHeartbeat`] → [`AgentReply`]
 //!
-//! RM → agent, at the agent's `nodeHTTPAddress` (Bearer: the node token; `start` also
-//! carries the container token, [`CONTAINER_TOKEN_HEADER`]):
+//! RM → agent, at the agent's `nodeHTTPAddress`, each call signed for itself (header
+//! `x-gpuam-call: gpuam-rm-call-v2 ts=<Unix ms> nonce=<32 hex> mac=<64 hex>`, see
+//! [`super::token::sign_call`]: an HMAC under the host key of the method, path and query,
+//! the agent's `instance`, the time, the nonce and the body's SHA-256; the agent takes it
+//! within ±[`super::token::CALL_WINDOW_MS`] of its clock, once; a bearer token is refused
+//! with 401). `start` also carries the container token, [`CONTAINER_TOKEN_HEADER`]:
 //! - `POST /ws/v1/node/{host}/containers/{id}/start` [`AgentStart`] → `ContainerStatus`
 //! - `POST /ws/v1/node/{host}/containers/{id}/stop?graceMs=N` → `ContainerStatus`
 //! - `GET  /ws/v1/node/{host}/containers/{id}/status` → `ContainerStatus`
@@ -77,6 +81,11 @@ pub struct AgentRegister {
     /// Which containment the agent uses (for the node's health report).
     #[serde(default)]
     pub containment: String,
+    /// This run of the agent's random id: the RM's calls to it name it in their MAC
+    /// ([`super::token::Call::instance`]), so that a call made for an earlier run is
+    /// refused by this one. Not kept in the RM's stored declaration.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
 }
 
 /// A heartbeat: the agent's containers now.

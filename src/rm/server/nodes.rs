@@ -188,6 +188,7 @@ pub(super) fn declared_node(doc: &str, base_url: &str) -> Result<Node, String> {
 fn declaration_of(req: &AgentRegister) -> Result<String, String> {
     let decl = AgentRegister {
         containers: Vec::new(),
+        instance: String::new(),
         ..req.clone()
     };
     serde_json::to_string(&decl).map_err(|e| e.to_string())
@@ -243,7 +244,7 @@ pub(super) async fn agent_register(
             Registration::Joined { new, reply, own } => (new, reply, own),
         };
         let taken = take_deaths(&mut st, &host, &own, &mut reply);
-        agents.register(&host, &req.http_address, Instant::now());
+        agents.register(&host, &req.http_address, &req.instance, Instant::now());
         reply.host_key = agents.host_key_hex(&host);
         tracing::info!(
             %host,
