@@ -163,6 +163,7 @@ fn node_of(req: &AgentRegister, base_url: &str) -> Result<Node, String> {
             req.host
         ));
     }
+    check_declared_text(req)?;
     let topology = crate::topology::Topology::from_spec(&req.topology).map_err(|e| format!("topology: {e}"))?;
     let ip = req
         .ip
@@ -176,6 +177,29 @@ fn node_of(req: &AgentRegister, base_url: &str) -> Result<Node, String> {
     node.http_address = base_url.to_string();
     node.ip = ip;
     Ok(node)
+}
+
+/// Longest containment line an agent may declare.
+const MAX_CONTAINMENT_BYTES: usize = 1024;
+/// Longest topology an agent may declare (`nvidia-smi topo -m` of a large node).
+const MAX_TOPOLOGY_BYTES: usize = 64 * 1024;
+
+/// The text fields of a registration (shown to every user by `gpuam plan`, `gpuam
+/// nodes`, the dashboard, and logged) under the cluster file's rules
+/// (`spec::validate`): rack, labels and GPU type in their name syntax, containment and
+/// topology free of control characters. The error names the field and its fix.
+fn check_declared_text(req: &AgentRegister) -> Result<(), String> {
+    use crate::spec::validate::{check_gpu_type, check_node_label, check_node_text, check_rack};
+    let named = |field: &str, (m, f): (String, String)| format!("{field}: {m}; {f}");
+    check_rack(&req.rack).map_err(|p| named("rack", p))?;
+    for (i, label) in req.labels.iter().enumerate() {
+        check_node_label(label).map_err(|p| named(&format!("labels[{i}]"), p))?;
+    }
+    if let Some(t) = &req.gpu_type {
+        check_gpu_type(t).map_err(|p| named("gpuType", p))?;
+    }
+    check_node_text(&req.containment, false, MAX_CONTAINMENT_BYTES).map_err(|p| named("containment", p))?;
+    check_node_text(&req.topology, true, MAX_TOPOLOGY_BYTES).map_err(|p| named("topology", p))
 }
 
 /// A stored agent declaration (see [`declaration_of`]) as a node, for a restarted RM.
@@ -432,6 +456,45 @@ mod tests {
             .collect();
         h.sort();
         h
+    }
+
+    /// Audit 5 F5: a registration whose rack, labels, GPU type, containment or topology
+    /// hold a control character (a terminal escape sequence) is refused with 400 naming
+    /// the field and the fix, and the host does not join; a clean one then registers.
+    #[tokio::test]
+    async fn a_registration_with_control_characters_in_its_text_is_refused_naming_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes_file = dir.path().join("nodes.yaml");
+        let t = add_token_to(&nodes_file, "e1", Table::Nodes).unwrap();
+        let rm = start(options(dir.path())).await.unwrap();
+        let esc = "\u{1b}]0;PWNED\u{7}\u{1b}[2J\u{1b}[HYour session expired\n";
+        let cases = [
+            ("rack", json!(format!("/r{esc}")), "rack"),
+            ("labels", json!(["ok", format!("\u{1b}[31mred")]), "labels[1]"),
+            ("gpuType", json!(format!("V100{esc}")), "gpuType"),
+            ("containment", json!(format!("x{esc}")), "containment"),
+            ("topology", json!(format!("none\u{1b}[2J")), "topology"),
+        ];
+        for (field, value, named) in cases {
+            let mut body = registration("e1");
+            body[field] = value;
+            let (code, v) = register(&rm, &t, body).await;
+            let msg = v["message"].as_str().unwrap_or_default();
+            assert_eq!(code, 400, "{field}: {v}");
+            assert!(msg.starts_with(&format!("{named}: ")), "{field}: {msg}");
+            assert!(!msg.contains('\u{1b}'), "the refusal does not echo the escape: {msg}");
+            assert!(
+                !hosts(&rm).await.contains(&"e1".to_string()),
+                "{field}: the host did not join"
+            );
+        }
+        let mut body = registration("e1");
+        body["labels"] = json!(["gpu", "fast"]);
+        body["gpuType"] = json!("A100-80GB");
+        body["containment"] = json!("containment: cgroup v2 under /sys/fs/cgroup/gpuam; limits: memory (v2)");
+        let (code, v) = register(&rm, &t, body).await;
+        assert_eq!(code, 200, "{v}");
+        rm.shutdown().await;
     }
 
     /// Who may remove what: 401 without a token, 403 for a user, 404 for an unknown host,
