@@ -197,8 +197,16 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let addr = listener.local_addr()?;
     let router = router(agent.clone());
     let timeouts = opts.http_timeouts;
+    let reserved = crate::tls::ReservedPeers::this_host();
+    // Its RM's calls (container starts, stops, logs) come from the RM's address: they take
+    // the reserved pool, which a flood from other sources cannot fill (audit 5 F4).
+    for (i, ip) in rm_addresses(&opts.rm_url).await.into_iter().enumerate() {
+        reserved.set(&format!("the RM ({i})"), ip);
+    }
     tokio::spawn(async move {
-        if let Err(e) = crate::tls::serve_with(listener, router, server_tls, timeouts, std::future::pending()).await {
+        if let Err(e) =
+            crate::tls::serve_reserving(listener, router, server_tls, timeouts, reserved, std::future::pending()).await
+        {
             tracing::error!("agent server stopped: {e}");
         }
     });
@@ -270,6 +278,22 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         register,
     ));
     Ok((addr, beat))
+}
+
+/// The IP addresses `rm_url`'s host names (a literal, or what it resolves to within 5 s;
+/// none when it does not).
+async fn rm_addresses(rm_url: &str) -> Vec<std::net::IpAddr> {
+    let Ok(url) = reqwest::Url::parse(rm_url) else {
+        return Vec::new();
+    };
+    let (Some(host), Some(port)) = (url.host_str(), url.port_or_known_default()) else {
+        return Vec::new();
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    match tokio::time::timeout(Duration::from_secs(5), tokio::net::lookup_host((host, port))).await {
+        Ok(Ok(addrs)) => addrs.map(|a| a.ip()).collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// What `gpuam node` prints on start: one summary line (host, GPUs and type, topology,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::Json;
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
@@ -31,6 +31,7 @@ use crate::node::remote::AgentNodes;
 use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply, ContainerReport};
 use crate::node::{InProcessNode, NodeBackend, NodeEvent};
 use crate::protocol::{exit_status, now_ms, ContainerState};
+use crate::tls::PeerAddr;
 
 /// The node backends of this RM: a Ray cluster (`--backend ray`: every host), else
 /// registered agents, else the in-process node.
@@ -98,6 +99,7 @@ pub(super) fn spawn_liveness(rm: Arc<Shared>, agents: Arc<AgentNodes>, expiry: D
         loop {
             every.tick().await;
             for host in agents.expire(Instant::now(), expiry) {
+                rm.reserved_peers.remove(&host);
                 let ended = transactions::set_node_state(&mut rm.lock(), &host, NodeState::Lost).unwrap_or_default();
                 tracing::warn!(%host, containers = ended.len(), "node agent silent for {expiry:?}: LOST");
             }
@@ -243,9 +245,20 @@ pub(super) fn await_agents(rm: &Shared, deadline: Instant) {
     }
 }
 
+/// A live agent's host `host` called from `peer` with its credential: that address
+/// takes the listener's reserved pool from now on, until the host is LOST or removed
+/// (audit 5 F4). Its TCP peer, not the address it declares: only where its connections
+/// really come from is worth a reserved place.
+fn reserve(rm: &Shared, host: &str, peer: Option<Extension<PeerAddr>>) {
+    if let Some(Extension(PeerAddr(addr))) = peer {
+        rm.reserved_peers.set(host, addr.ip());
+    }
+}
+
 /// `POST /ws/v1/node-agents/register`: (re-)adds the node, reconciles its containers.
 pub(super) async fn agent_register(
     State(rm): Rm,
+    peer: Option<Extension<PeerAddr>>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<AgentRegister>,
 ) -> Result<Json<AgentReply>, ApiError> {
@@ -268,6 +281,7 @@ pub(super) async fn agent_register(
         };
         let taken = take_deaths(&mut st, &host, &own, &mut reply);
         agents.register(&host, &req.http_address, Instant::now());
+        reserve(&rm, &host, peer);
         reply.host_key = agents.host_key_hex(&host);
         tracing::info!(
             %host,
@@ -292,6 +306,7 @@ pub(super) async fn agent_register(
 pub(super) async fn agent_heartbeat(
     State(rm): Rm,
     UrlPath(host): UrlPath<String>,
+    peer: Option<Extension<PeerAddr>>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<AgentHeartbeat>,
 ) -> Result<Json<AgentReply>, ApiError> {
@@ -303,6 +318,7 @@ pub(super) async fn agent_heartbeat(
             ..Default::default()
         }));
     }
+    reserve(&rm, &host, peer);
     let (reply, taken) = {
         let mut st = rm.lock();
         let mut reply = transactions::agent_heartbeat(&mut st, &host, &own);
@@ -387,6 +403,7 @@ pub(super) async fn delete_node(
     tracing::warn!(%host, containers = ended.len(), "host removed by an administrator");
     // Told to stop while the RM still knows the agent's address; then forgotten.
     stop_running(&rm, &ended).await;
+    rm.reserved_peers.remove(&host);
     if let Some(a) = &rm.nodes.agents {
         a.forget(&host);
     }
