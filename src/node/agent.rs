@@ -199,10 +199,14 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let timeouts = opts.http_timeouts;
     let reserved = crate::tls::ReservedPeers::this_host();
     // Its RM's calls (container starts, stops, logs) come from the RM's address: they take
-    // the reserved pool, which a flood from other sources cannot fill (audit 5 F4).
-    for (i, ip) in rm_addresses(&opts.rm_url).await.into_iter().enumerate() {
-        reserved.set(&format!("the RM ({i})"), ip);
-    }
+    // the reserved pool, which a flood from other sources cannot fill (audit 5 F4). Looked
+    // up beside serving, so that a slow name lookup does not hold the agent's start.
+    let (rm_url, rm_reserved) = (opts.rm_url.clone(), reserved.clone());
+    tokio::spawn(async move {
+        for (i, ip) in rm_addresses(&rm_url).await.into_iter().enumerate() {
+            rm_reserved.set(&format!("the RM ({i})"), ip);
+        }
+    });
     tokio::spawn(async move {
         if let Err(e) =
             crate::tls::serve_reserving(listener, router, server_tls, timeouts, reserved, std::future::pending()).await
@@ -962,6 +966,17 @@ mod tests {
 
     /// Until it registered, an agent refuses the RM's calls (it has no key to check them
     /// with); then it takes the call token of the key the RM gave it, and no other.
+    /// The agent's listener reserves its RM's addresses (audit 5 F4): a literal, IPv6 in
+    /// brackets, or a name looked up; nothing for what is not a URL.
+    #[tokio::test]
+    async fn the_rm_s_addresses_are_found_for_the_reserved_pool() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert_eq!(rm_addresses("http://127.0.0.5:8088").await, [ip("127.0.0.5")]);
+        assert_eq!(rm_addresses("https://[::1]:9").await, [ip("::1")]);
+        assert!(rm_addresses("localhost:8088").await.is_empty(), "not a URL with a host");
+        assert!(rm_addresses("not a url").await.is_empty());
+    }
+
     #[tokio::test]
     async fn the_agent_checks_calls_with_the_key_the_rm_gave_it_at_registration() {
         let tmp = tempfile::tempdir().unwrap();
