@@ -142,12 +142,13 @@ pub fn check_rack(rack: &str) -> Result<(), Problem> {
     Ok(())
 }
 
-/// A node's GPU type: `^[A-Za-z0-9 ._+-]{1,255}$` (e.g. `V100`, `A100-80GB`, `RTX 4090`).
+/// A node's GPU type: `^[A-Za-z0-9 ._+()/-]{1,255}$` (e.g. `V100`, `A100-80GB`, `RTX 4090`;
+/// what `short_gpu_type` makes of a detected GPU's name).
 pub fn check_gpu_type(gpu_type: &str) -> Result<(), Problem> {
-    if gpu_type.is_empty() || gpu_type.len() > 255 || !chars_ok(gpu_type, " ._+-") {
+    if gpu_type.is_empty() || gpu_type.len() > 255 || !chars_ok(gpu_type, " ._+()/-") {
         return Err((
             format!("invalid GPU type \"{}\"", clip(&crate::text::shown(gpu_type))),
-            "use 1 to 255 letters, digits, spaces, `.`, `_`, `+` or `-`, e.g. `A100-80GB`".into(),
+            "use 1 to 255 letters, digits, spaces, `.`, `_`, `+`, `(`, `)`, `/` or `-`, e.g. `A100-80GB`".into(),
         ));
     }
     Ok(())
