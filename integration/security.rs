@@ -1950,3 +1950,121 @@ async fn a_reserved_application_id_is_submitted_only_by_who_reserved_it() {
     assert_eq!(rm.listed(&rm.alice).await, vec![id.clone()]);
     assert!(rm.listed(&rm.bob).await.is_empty());
 }
+
+/// Audit 5 F4: idle connections held open from four loopback addresses (127.0.0.2–.5,
+/// as any local user can bind) no longer deny the RM. All of loopback is one source, so
+/// the flood holds that source's share of the general pool and no more (the rest are
+/// closed at once); a user on 127.0.0.1 (this host: reserved) and a node agent whose
+/// registration came from 127.0.0.9 (a live agent's address: reserved) still get in,
+/// its heartbeat and its re-registration on fresh connections succeed, and a newcomer
+/// from another loopback address is refused (the flood's source is full). Before the
+/// mend the flood filled the whole listener (160 > 96) and every call failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_from_four_loopback_addresses_leaves_users_and_agents_a_way_in() {
+    const TOTAL: usize = 96;
+    const PER_ADDRESS: usize = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let nodes_file = dir.path().join("nodes.yaml");
+    let token = gpuam::users::add_token_to(&nodes_file, "a9", gpuam::users::Table::Nodes).unwrap();
+    let rm = rm_with(|o| {
+        o.nodes_file = Some(nodes_file.clone());
+        // A small general pool (the flood's file descriptors stay few); the per-source
+        // and reserved caps are the defaults.
+        o.http_timeouts.max_connections = TOTAL;
+        o.http_timeouts.read = Duration::from_secs(300);
+    })
+    .await;
+    let per_source = gpuam::config::MAX_CONNECTIONS_PER_SOURCE;
+    let addr = rm.handle.addr();
+    let base = rm.handle.base_url();
+    // Fresh connections each call, from `from`.
+    let client = |from: &str| {
+        gpuam::tls::http_client_builder(None)
+            .unwrap()
+            .pool_max_idle_per_host(0)
+            .local_address(Some(from.parse().unwrap()))
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap()
+    };
+    let agent = client("127.0.0.9");
+    let registration = json!({
+        "host": "a9", "rack": "/r",
+        "total": {"cpu": 4, "memoryMB": 1000, "gpus": 0, "gpuMask": 0, "ports": ""},
+        "httpAddress": "http://127.0.0.9:9", "containers": [],
+    });
+    let register = || {
+        agent
+            .post(format!("{base}/ws/v1/node-agents/register"))
+            .bearer_auth(&token)
+            .json(&registration)
+            .send()
+    };
+    let heartbeat = || {
+        agent
+            .post(format!("{base}/ws/v1/node-agents/a9/heartbeat"))
+            .bearer_auth(&token)
+            .json(&json!({"containers": []}))
+            .send()
+    };
+    let r = register().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+
+    // The flood: PER_ADDRESS idle connections from each of 127.0.0.2–.5, sending nothing.
+    let mut flood = Vec::new();
+    for i in 0..4 * PER_ADDRESS {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("127.0.0.{}:0", 2 + i % 4).parse().unwrap()).unwrap();
+        flood.push(sock.connect(addr).await.expect("the kernel accepts the connection"));
+    }
+    // The RM closes those past the loopback source's share as it accepts them (reading
+    // one gives EOF or a reset); the admitted ones stay open. Each read waits 10 s at most.
+    let reads = flood.into_iter().map(|mut s| {
+        tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut b = [0u8; 1];
+            let closed = matches!(
+                tokio::time::timeout(Duration::from_secs(10), s.read(&mut b)).await,
+                Ok(Ok(0) | Err(_))
+            );
+            (closed, s)
+        })
+    });
+    let mut held = Vec::new();
+    for r in futures::future::join_all(reads).await {
+        let (closed, s) = r.unwrap();
+        if !closed {
+            held.push(s);
+        }
+    }
+    assert_eq!(
+        held.len(),
+        per_source,
+        "the flood from four loopback addresses holds one source's share"
+    );
+
+    // A user on this host gets in.
+    let r = client("127.0.0.1")
+        .get(format!("{base}/ws/v1/cluster/info"))
+        .bearer_auth(&rm.bob)
+        .send()
+        .await
+        .expect("a user's call during the flood");
+    assert!(r.status().is_success(), "{r:?}");
+    // The agent's heartbeat and re-registration (as after an agent restart) get in.
+    for _ in 0..3 {
+        let r = heartbeat().await.expect("an agent heartbeat during the flood");
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        let r = register().await.expect("an agent registration during the flood");
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+    }
+    // A newcomer from the flood's source (another loopback address) is refused.
+    let refused = client("127.0.0.7")
+        .get(format!("{base}/ws/v1/cluster/info"))
+        .send()
+        .await;
+    assert!(refused.is_err(), "the loopback source's share is full: {refused:?}");
+
+    drop(held);
+    rm.handle.shutdown().await;
+}

@@ -290,20 +290,51 @@ pub struct HttpSettings {
     /// A connection must send a request's headers within this time (idle keep-alive
     /// connections are closed after it too), then its body within it again.
     pub read_timeout_sec: u64,
-    /// Open connections a listener keeps in all; beyond, new ones are closed at once.
-    /// Below the usual open-file limit (1,024) so that a flood never exhausts it.
+    /// Open connections a listener keeps in its general pool in all; beyond, new ones are
+    /// closed at once. Below the usual open-file limit (1,024) so that a flood never
+    /// exhausts it.
     pub max_connections: usize,
-    /// Open connections from one peer IP; beyond, its new ones are closed at once (so
-    /// that one peer's idle connections cannot take the others' places).
+    /// Open connections of the general pool from one source (an IPv4 address, an IPv6
+    /// /64, or all of loopback together: `tls::Source`); beyond, its new ones are closed
+    /// at once. Well below `max_connections` / 16 ([`MAX_CONNECTIONS_PER_SOURCE`]).
     pub max_connections_per_peer: usize,
+    /// Open connections of the reserved pool in all: the places of the listener's own
+    /// host (127.0.0.1, `::1`) and, at an RM, of its live node agents' addresses, which
+    /// no other source can take.
+    pub max_reserved_connections: usize,
+    /// Open connections of the reserved pool from one reserved address.
+    pub max_reserved_connections_per_peer: usize,
 }
+
+/// Default `http.max_connections`: the general pool of a listener.
+pub const MAX_CONNECTIONS: usize = 768;
+
+/// Default `http.max_connections_per_peer`, per source (audit 5 F4). At 256 (a third of
+/// [`MAX_CONNECTIONS`]) four loopback addresses filled an RM and denied it to every
+/// tenant and to a restarting agent; at 24 it takes 32 distinct sources (32 hosts, or
+/// 32 IPv6 /64s; all of loopback is one), while one source still holds far more than a
+/// client needs (a CLI holds one or two; an AM at most five, and the AMs of the
+/// listener's own host use the reserved pool).
+pub const MAX_CONNECTIONS_PER_SOURCE: usize = 24;
+
+/// Default `http.max_reserved_connections`: room for the keep-alive connections of
+/// about a thousand node agents, besides [`MAX_RESERVED_PER_PEER`] for the own host.
+pub const MAX_RESERVED_CONNECTIONS: usize = 1024;
+
+/// Default `http.max_reserved_connections_per_peer`: 256, what one peer could hold
+/// before (issue 29: every AM an RM starts connects from the RM's host, a hundred AMs
+/// hold a few hundred connections), so the own host's clients and the tests' own
+/// concurrency (all on 127.0.0.1) keep the room they had.
+pub const MAX_RESERVED_PER_PEER: usize = 256;
 
 impl Default for HttpSettings {
     fn default() -> Self {
         HttpSettings {
             read_timeout_sec: 30,
-            max_connections: 768,
-            max_connections_per_peer: 256,
+            max_connections: MAX_CONNECTIONS,
+            max_connections_per_peer: MAX_CONNECTIONS_PER_SOURCE,
+            max_reserved_connections: MAX_RESERVED_CONNECTIONS,
+            max_reserved_connections_per_peer: MAX_RESERVED_PER_PEER,
         }
     }
 }

@@ -13,6 +13,31 @@ pub fn clean(s: &str) -> String {
     stripped.chars().filter(|c| !is_unsafe(*c)).collect()
 }
 
+/// `s` as a terminal may show it: every character [`is_unsafe`] (and every bidirectional
+/// override, [`is_bidi_control`]) written as its escape (`\u{1b}`), the rest as it is. The
+/// CLI's last line against text from the RM or from other users (node racks and labels,
+/// job names, reasons) that reached it unchecked (`cli::emit`).
+pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(|c| is_unsafe(c) || is_bidi_control(c)) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if is_unsafe(c) || is_bidi_control(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// A bidirectional embedding, override or isolate (U+202A–U+202E, U+2066–U+2069): it
+/// reorders what a terminal shows after it (a "Trojan Source" spoof).
+pub fn is_bidi_control(c: char) -> bool {
+    ('\u{202a}'..='\u{202e}').contains(&c) || ('\u{2066}'..='\u{2069}').contains(&c)
+}
+
 /// A control character that text shown to people must not carry (C0 but `\n` and `\t`,
 /// DEL, C1).
 pub fn is_unsafe(c: char) -> bool {
@@ -30,5 +55,15 @@ mod tests {
         assert_eq!(clean("\u{1b}]0;title\u{7}after"), "after");
         assert_eq!(clean("a\u{0}b\rc\u{7f}d\u{9b}e"), "abcde");
         assert_eq!(clean("émoji ✓"), "émoji ✓");
+    }
+
+    #[test]
+    fn shown_escapes_control_characters_and_keeps_lines() {
+        assert!(matches!(shown("plain\tok\n"), std::borrow::Cow::Borrowed(_)));
+        assert_eq!(
+            shown("/r\u{1b}]0;PWNED\u{7}\u{1b}[2J"),
+            "/r\\u{1b}]0;PWNED\\u{7}\\u{1b}[2J"
+        );
+        assert_eq!(shown("a\u{9b}b\u{202e}c"), "a\\u{9b}b\\u{202e}c");
     }
 }

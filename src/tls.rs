@@ -184,17 +184,23 @@ pub fn scheme(tls: bool) -> &'static str {
     }
 }
 
-/// Read timeouts of every listener (setting `http.read_timeout_sec`).
+/// Read timeouts and connection caps of every listener (settings `http.*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HttpTimeouts {
     /// A connection must deliver a request's headers within this time, counted from
     /// when it is ready for one (so an idle keep-alive connection is closed after it
     /// too); then the body must arrive within the same time again.
     pub read: Duration,
-    /// Open connections in all (`http.max_connections`).
+    /// Open connections of the general pool in all (`http.max_connections`).
     pub max_connections: usize,
-    /// Open connections from one peer IP (`http.max_connections_per_peer`).
+    /// Open connections of the general pool from one source (`http.max_connections_per_peer`;
+    /// a source is an IPv4 address, an IPv6 /64, or all of loopback: [`Source`]).
     pub max_connections_per_peer: usize,
+    /// Open connections of the reserved pool in all (`http.max_reserved_connections`).
+    pub max_reserved_connections: usize,
+    /// Open connections of the reserved pool from one reserved peer
+    /// (`http.max_reserved_connections_per_peer`).
+    pub max_reserved_connections_per_peer: usize,
 }
 
 impl From<&crate::config::HttpSettings> for HttpTimeouts {
@@ -203,37 +209,215 @@ impl From<&crate::config::HttpSettings> for HttpTimeouts {
             read: Duration::from_secs(s.read_timeout_sec.max(1)),
             max_connections: s.max_connections.max(1),
             max_connections_per_peer: s.max_connections_per_peer.max(1),
+            max_reserved_connections: s.max_reserved_connections,
+            max_reserved_connections_per_peer: s.max_reserved_connections_per_peer,
         }
     }
 }
 
-/// The open connections of one listener, per peer IP and in all: the decision whether
-/// one more is admitted under the caps.
+/// Where a connection comes from, for the general pool's per-source cap: one address
+/// alone gives a peer little, since a peer with more addresses would multiply its cap.
+/// All of loopback (127.0.0.0/8, `::1`, their IPv4-mapped forms) is one source (any
+/// local user can bind any 127.x.y.z); an IPv6 peer is its /64 (what one host or
+/// one customer gets); an IPv4 peer is its address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// 127.0.0.0/8 and `::1`.
+    Loopback,
+    /// One IPv4 address.
+    V4(std::net::Ipv4Addr),
+    /// The upper 64 bits of an IPv6 address.
+    V6Net(u64),
+}
+
+/// `ip` with an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`) as the IPv4 address it is.
+pub fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+impl Source {
+    /// The source of a connection from `ip`.
+    pub fn of(ip: std::net::IpAddr) -> Source {
+        match canonical(ip) {
+            ip if ip.is_loopback() => Source::Loopback,
+            std::net::IpAddr::V4(v4) => Source::V4(v4),
+            std::net::IpAddr::V6(v6) => Source::V6Net((u128::from(v6) >> 64) as u64),
+        }
+    }
+}
+
+/// Addresses whose connections may take the reserved pool: this host's own
+/// ([`ReservedPeers::this_host`]; an RM's address too when it is an IP) and, at an RM,
+/// the live node agents' (each agent's host where the RM last saw its authenticated
+/// registration or heartbeat come from: [`ReservedPeers::set`]). Shared between the
+/// accept loop and the RM's handlers.
+#[derive(Clone, Debug, Default)]
+pub struct ReservedPeers(Arc<parking_lot::RwLock<ReservedSet>>);
+
+/// The set behind [`ReservedPeers`].
 #[derive(Debug, Default)]
-struct OpenConnections {
+pub struct ReservedSet {
+    by_owner: std::collections::HashMap<String, std::net::IpAddr>,
+    count: std::collections::HashMap<std::net::IpAddr, usize>,
+}
+
+impl ReservedSet {
+    /// Whether `ip` is a reserved peer's address.
+    pub fn contains(&self, ip: std::net::IpAddr) -> bool {
+        self.count.contains_key(&canonical(ip))
+    }
+
+    /// `owner` (an agent's host) is now at `ip` (replacing where it was).
+    pub fn set(&mut self, owner: &str, ip: std::net::IpAddr) {
+        let ip = canonical(ip);
+        if self.by_owner.get(owner) == Some(&ip) {
+            return;
+        }
+        self.remove(owner);
+        self.by_owner.insert(owner.to_string(), ip);
+        *self.count.entry(ip).or_default() += 1;
+    }
+
+    /// `owner` is no longer reserved (LOST, removed).
+    pub fn remove(&mut self, owner: &str) {
+        if let Some(ip) = self.by_owner.remove(owner) {
+            if let Some(n) = self.count.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    self.count.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+impl ReservedPeers {
+    /// This host's own canonical loopback addresses (127.0.0.1, `::1`) reserved: where
+    /// the local clients of a listener come from (the AMs an RM starts, the CLI on its
+    /// host, an RM calling an agent on its host). Other loopback addresses (127.0.0.2…)
+    /// are not reserved: any local user can bind them.
+    pub fn this_host() -> ReservedPeers {
+        let r = ReservedPeers::default();
+        r.set("this host (127.0.0.1)", std::net::Ipv4Addr::LOCALHOST.into());
+        r.set("this host (::1)", std::net::Ipv6Addr::LOCALHOST.into());
+        r
+    }
+
+    /// See [`ReservedSet::set`].
+    pub fn set(&self, owner: &str, ip: std::net::IpAddr) {
+        let known = self.0.read().by_owner.get(owner) == Some(&canonical(ip));
+        if !known {
+            self.0.write().set(owner, ip);
+        }
+    }
+
+    /// See [`ReservedSet::remove`].
+    pub fn remove(&self, owner: &str) {
+        self.0.write().remove(owner);
+    }
+
+    /// See [`ReservedSet::contains`].
+    pub fn contains(&self, ip: std::net::IpAddr) -> bool {
+        self.0.read().contains(ip)
+    }
+}
+
+/// Which pool an admitted connection is counted in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    /// Everyone's, under the per-source cap.
+    General(Source),
+    /// A reserved peer's own places (its exact address), which no other source can take.
+    Reserved(std::net::IpAddr),
+}
+
+/// What the accept loop does with a new connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Served, counted in this pool.
+    Accept(Pool),
+    /// Closed at once, for this reason (the setting that was reached).
+    Refuse(&'static str),
+}
+
+/// The open connections of one listener, per pool: the counts [`decide`] reads.
+#[derive(Debug, Default)]
+pub struct OpenConnections {
     total: usize,
-    per_peer: std::collections::HashMap<std::net::IpAddr, usize>,
+    per_source: std::collections::HashMap<Source, usize>,
+    reserved_total: usize,
+    per_reserved: std::collections::HashMap<std::net::IpAddr, usize>,
+}
+
+/// Whether a connection from `peer` is admitted, and into which pool: a pure function of
+/// the peer, the open connections, the reserved peers and the caps.
+///
+/// A reserved peer's connection (its exact address, IPv4-mapped as IPv4) takes its
+/// reserved place while it has one, else a general place like anyone's. Any other takes
+/// a general place under the total and its source's cap ([`Source`]: loopback is one
+/// source, IPv6 one per /64), so a flood from any number of loopback addresses holds one
+/// source's share, and one from elsewhere never reaches the agents' reserved places.
+pub fn decide(
+    peer: std::net::IpAddr,
+    open: &OpenConnections,
+    reserved: &ReservedSet,
+    caps: &HttpTimeouts,
+) -> Admission {
+    let ip = canonical(peer);
+    if reserved.contains(ip)
+        && open.reserved_total < caps.max_reserved_connections
+        && open.per_reserved.get(&ip).copied().unwrap_or(0) < caps.max_reserved_connections_per_peer
+    {
+        return Admission::Accept(Pool::Reserved(ip));
+    }
+    let source = Source::of(ip);
+    if open.total >= caps.max_connections {
+        return Admission::Refuse("http.max_connections");
+    }
+    if open.per_source.get(&source).copied().unwrap_or(0) >= caps.max_connections_per_peer {
+        return Admission::Refuse("http.max_connections_per_peer");
+    }
+    Admission::Accept(Pool::General(source))
 }
 
 impl OpenConnections {
-    /// Counts a connection from `ip` in and answers true, unless a cap is reached.
-    fn admit(&mut self, ip: std::net::IpAddr, max_total: usize, max_per_peer: usize) -> bool {
-        let mine = self.per_peer.get(&ip).copied().unwrap_or(0);
-        if self.total >= max_total || mine >= max_per_peer {
-            return false;
+    /// Counts an admitted connection in its pool.
+    fn count_in(&mut self, pool: Pool) {
+        match pool {
+            Pool::General(s) => {
+                self.total += 1;
+                *self.per_source.entry(s).or_default() += 1;
+            }
+            Pool::Reserved(ip) => {
+                self.reserved_total += 1;
+                *self.per_reserved.entry(ip).or_default() += 1;
+            }
         }
-        self.total += 1;
-        self.per_peer.insert(ip, mine + 1);
-        true
     }
 
-    /// Counts an admitted connection from `ip` out.
-    fn release(&mut self, ip: std::net::IpAddr) {
-        self.total = self.total.saturating_sub(1);
-        if let Some(n) = self.per_peer.get_mut(&ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.per_peer.remove(&ip);
+    /// Counts an admitted connection out of its pool.
+    fn release(&mut self, pool: Pool) {
+        fn down<K: std::hash::Hash + Eq>(m: &mut std::collections::HashMap<K, usize>, k: &K) {
+            if let Some(n) = m.get_mut(k) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    m.remove(k);
+                }
+            }
+        }
+        match pool {
+            Pool::General(s) => {
+                self.total = self.total.saturating_sub(1);
+                down(&mut self.per_source, &s);
+            }
+            Pool::Reserved(ip) => {
+                self.reserved_total = self.reserved_total.saturating_sub(1);
+                down(&mut self.per_reserved, &ip);
             }
         }
     }
@@ -242,14 +426,18 @@ impl OpenConnections {
 /// Releases its connection's place when the connection ends.
 struct Admitted {
     open: Arc<parking_lot::Mutex<OpenConnections>>,
-    ip: std::net::IpAddr,
+    pool: Pool,
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        self.open.lock().release(self.ip);
+        self.open.lock().release(self.pool);
     }
 }
+
+/// The TCP peer of a request, in its extensions (put there by the accept loop).
+#[derive(Clone, Copy, Debug)]
+pub struct PeerAddr(pub SocketAddr);
 
 impl Default for HttpTimeouts {
     fn default() -> Self {
@@ -277,7 +465,20 @@ pub async fn serve_with(
     timeouts: HttpTimeouts,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    serve_on(listener, app, tls.map(TlsAcceptor::from), timeouts, shutdown).await
+    serve_reserving(listener, app, tls, timeouts, ReservedPeers::this_host(), shutdown).await
+}
+
+/// As [`serve_with`], with a reserved pool for the connections of `reserved` peers (the
+/// RM's node agents).
+pub async fn serve_reserving(
+    listener: TcpListener,
+    app: axum::Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    timeouts: HttpTimeouts,
+    reserved: ReservedPeers,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_on(listener, app, tls.map(TlsAcceptor::from), timeouts, reserved, shutdown).await
 }
 
 /// What serves one admitted connection's requests.
@@ -287,8 +488,9 @@ type Service = hyper_util::service::TowerToHyperService<tower_http::timeout::Req
 /// server and its header-read timer, plus a body timeout on every request).
 ///
 /// Every connection is admitted (or closed at once) when its TCP connection is accepted,
-/// under `http.max_connections` and `http.max_connections_per_peer`, before anything is
-/// read from it: under TLS its handshake runs in its own task holding its place, so a
+/// by [`decide`] (the reserved pool of `reserved` peers; else the general pool under
+/// `http.max_connections` and `http.max_connections_per_peer` per source), before
+/// anything is read from it: under TLS its handshake runs in its own task holding its place, so a
 /// peer that opens connections and never sends a ClientHello holds at most its own cap,
 /// each for at most `http.read_timeout_sec` (the handshake's timeout, as for a request's
 /// headers), and never the places of others.
@@ -297,6 +499,7 @@ async fn serve_on(
     app: axum::Router,
     tls: Option<TlsAcceptor>,
     timeouts: HttpTimeouts,
+    reserved: ReservedPeers,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let service = tower_http::timeout::RequestBodyTimeout::new(app, timeouts.read);
@@ -312,18 +515,24 @@ async fn serve_on(
             conn = axum::serve::Listener::accept(&mut listener) => conn,
             _ = &mut shutdown => break,
         };
-        let admitted = open
-            .lock()
-            .admit(peer.ip(), timeouts.max_connections, timeouts.max_connections_per_peer);
-        if !admitted {
-            // Closed at once: a peer over its cap (or a full listener) holds no more.
-            tracing::debug!(%peer, "connection refused: http.max_connections(_per_peer) reached");
-            drop(tcp);
-            continue;
-        }
+        let pool = {
+            let mut open = open.lock();
+            match decide(peer.ip(), &open, &reserved.0.read(), &timeouts) {
+                Admission::Accept(pool) => {
+                    open.count_in(pool);
+                    pool
+                }
+                Admission::Refuse(cap) => {
+                    // Closed at once: a source over its cap (or a full listener) holds no more.
+                    tracing::debug!(%peer, "connection refused: {cap} reached");
+                    drop(tcp);
+                    continue;
+                }
+            }
+        };
         let place = Admitted {
             open: open.clone(),
-            ip: peer.ip(),
+            pool,
         };
         let service = hyper_util::service::TowerToHyperService::new(service.clone());
         let mut stop = stop_rx.clone();
@@ -367,6 +576,11 @@ async fn serve_connection<I>(
     use hyper_util::rt::{TokioIo, TokioTimer};
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(read);
+    // Every request carries its TCP peer (the RM learns its agents' addresses from it).
+    let service = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+        req.extensions_mut().insert(PeerAddr(peer));
+        hyper::service::Service::call(&service, req)
+    });
     let conn = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
     tokio::pin!(conn);
     let mut stopping = false;
@@ -410,25 +624,166 @@ mod tests {
         )
     }
 
+    fn caps(total: usize, per_source: usize, reserved: usize, per_reserved: usize) -> HttpTimeouts {
+        HttpTimeouts {
+            read: Duration::from_secs(30),
+            max_connections: total,
+            max_connections_per_peer: per_source,
+            max_reserved_connections: reserved,
+            max_reserved_connections_per_peer: per_reserved,
+        }
+    }
+
+    fn ip(s: &str) -> std::net::IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// Admits one connection as the accept loop does; its pool, or the refusal's reason.
+    fn admit(open: &mut OpenConnections, reserved: &ReservedSet, peer: &str, caps: &HttpTimeouts) -> Admission {
+        let a = decide(ip(peer), open, reserved, caps);
+        if let Admission::Accept(pool) = a {
+            open.count_in(pool);
+        }
+        a
+    }
+
     #[test]
-    fn connections_are_capped_per_peer_and_in_all_and_places_come_back() {
-        let (a, b, c): (std::net::IpAddr, std::net::IpAddr, std::net::IpAddr) = (
-            "127.0.0.2".parse().unwrap(),
-            "127.0.0.1".parse().unwrap(),
-            "10.0.0.1".parse().unwrap(),
+    fn sources_merge_loopback_and_ipv6_64s() {
+        for lo in ["127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "::ffff:127.0.0.5"] {
+            assert_eq!(Source::of(ip(lo)), Source::Loopback, "{lo}");
+        }
+        assert_eq!(Source::of(ip("::ffff:10.0.0.1")), Source::of(ip("10.0.0.1")));
+        assert_ne!(Source::of(ip("10.0.0.1")), Source::of(ip("10.0.0.2")));
+        assert_eq!(
+            Source::of(ip("2001:db8:1:2::1")),
+            Source::of(ip("2001:db8:1:2:ffff::9"))
         );
+        assert_ne!(Source::of(ip("2001:db8:1:2::1")), Source::of(ip("2001:db8:1:3::1")));
+        assert_eq!(canonical(ip("::ffff:10.0.0.1")), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn connections_are_capped_per_source_and_in_all_and_places_come_back() {
+        let none = ReservedSet::default();
+        let c = caps(3, 2, 0, 0);
         let mut open = OpenConnections::default();
-        assert!(open.admit(a, 3, 2) && open.admit(a, 3, 2));
-        assert!(!open.admit(a, 3, 2), "a third from one peer over a per-peer cap of 2");
-        assert!(open.admit(b, 3, 2), "another peer still gets in");
-        assert!(!open.admit(c, 3, 2), "nobody over the total of 3");
-        open.release(a);
-        assert!(open.admit(c, 3, 2), "a released place is free again");
-        for ip in [a, b, c] {
-            open.release(ip);
+        assert!(matches!(admit(&mut open, &none, "127.0.0.2", &c), Admission::Accept(_)));
+        assert!(matches!(admit(&mut open, &none, "127.0.0.3", &c), Admission::Accept(_)));
+        assert_eq!(
+            admit(&mut open, &none, "127.0.0.4", &c),
+            Admission::Refuse("http.max_connections_per_peer"),
+            "a third loopback address is the same source"
+        );
+        assert_eq!(
+            admit(&mut open, &none, "2001:db8::2", &c),
+            Admission::Accept(Pool::General(Source::of(ip("2001:db8::"))))
+        );
+        assert_eq!(
+            admit(&mut open, &none, "10.0.0.1", &c),
+            Admission::Refuse("http.max_connections")
+        );
+        open.release(Pool::General(Source::Loopback));
+        assert!(
+            matches!(admit(&mut open, &none, "10.0.0.1", &c), Admission::Accept(_)),
+            "a released place is free again"
+        );
+        for p in ["127.0.0.1", "2001:db8::", "10.0.0.1"] {
+            open.release(Pool::General(Source::of(ip(p))));
         }
         assert_eq!(open.total, 0);
-        assert!(open.per_peer.is_empty(), "{open:?}");
+        assert!(open.per_source.is_empty(), "{open:?}");
+    }
+
+    /// Audit 5 F4: a flood from many sources fills the general pool, and a live agent's
+    /// address still gets its reserved places (and only it: a neighbouring address does
+    /// not); past its reserved cap it competes in the general pool like anyone.
+    #[test]
+    fn a_flood_from_elsewhere_cannot_take_an_agent_s_reserved_places() {
+        let mut reserved = ReservedSet::default();
+        reserved.set("n2", ip("10.0.0.2"));
+        let c = caps(8, 2, 3, 2);
+        let mut open = OpenConnections::default();
+        for i in 0..100 {
+            let _ = admit(&mut open, &reserved, &format!("10.1.0.{i}"), &c);
+            let _ = admit(&mut open, &reserved, &format!("127.0.0.{}", i + 2), &c);
+        }
+        assert_eq!(open.total, 8, "the general pool is full");
+        assert_eq!(
+            open.per_source.get(&Source::Loopback),
+            Some(&2),
+            "all of loopback holds one source's share"
+        );
+        assert_eq!(
+            admit(&mut open, &reserved, "10.0.0.2", &c),
+            Admission::Accept(Pool::Reserved(ip("10.0.0.2")))
+        );
+        assert_eq!(
+            admit(&mut open, &reserved, "::ffff:10.0.0.2", &c),
+            Admission::Accept(Pool::Reserved(ip("10.0.0.2"))),
+            "IPv4-mapped is the same agent"
+        );
+        assert_eq!(
+            admit(&mut open, &reserved, "10.0.0.2", &c),
+            Admission::Refuse("http.max_connections"),
+            "past its reserved cap, the general pool (full)"
+        );
+        assert_eq!(
+            admit(&mut open, &reserved, "10.0.0.3", &c),
+            Admission::Refuse("http.max_connections")
+        );
+        // LOST: the address is no longer reserved.
+        reserved.remove("n2");
+        open.release(Pool::Reserved(ip("10.0.0.2")));
+        assert_eq!(
+            admit(&mut open, &reserved, "10.0.0.2", &c),
+            Admission::Refuse("http.max_connections")
+        );
+    }
+
+    /// The reserved pool is bounded in all too, and shared addresses are counted once per
+    /// owner: removing one owner of an address leaves it reserved for the other.
+    #[test]
+    fn the_reserved_pool_is_bounded_and_owners_are_counted() {
+        let mut reserved = ReservedSet::default();
+        for (h, a) in [("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.2")] {
+            reserved.set(h, ip(a));
+        }
+        let c = caps(1, 1, 2, 5);
+        let mut open = OpenConnections::default();
+        assert!(matches!(
+            admit(&mut open, &reserved, "10.0.0.1", &c),
+            Admission::Accept(Pool::Reserved(_))
+        ));
+        assert!(matches!(
+            admit(&mut open, &reserved, "10.0.0.2", &c),
+            Admission::Accept(Pool::Reserved(_))
+        ));
+        assert!(
+            matches!(
+                admit(&mut open, &reserved, "10.0.0.2", &c),
+                Admission::Accept(Pool::General(_))
+            ),
+            "reserved pool full: the general pool"
+        );
+        reserved.remove("b");
+        assert!(reserved.contains(ip("10.0.0.2")), "still c's");
+        reserved.set("a", ip("10.0.0.9"));
+        assert!(
+            !reserved.contains(ip("10.0.0.1")) && reserved.contains(ip("10.0.0.9")),
+            "a moved"
+        );
+        let this = ReservedPeers::this_host();
+        assert!(this.contains(ip("127.0.0.1")) && this.contains(ip("::1")) && this.contains(ip("::ffff:127.0.0.1")));
+        assert!(!this.contains(ip("127.0.0.2")), "other loopback addresses are anyone's");
+    }
+
+    /// The defaults: it takes many sources to fill the general pool (audit 5 F4: four
+    /// did), and the own host keeps what one peer had before.
+    #[test]
+    fn the_default_caps_need_many_sources_to_fill_the_general_pool() {
+        let c = HttpTimeouts::default();
+        assert!(c.max_connections / c.max_connections_per_peer >= 32, "{c:?}");
+        assert!(c.max_reserved_connections_per_peer >= 256, "{c:?}");
     }
 
     #[test]

@@ -192,7 +192,7 @@ pub(crate) async fn jobs(a: &JobsArgs, tls: &TlsSettings) -> i32 {
         print_json(&jobs);
         return exit::SUCCESS;
     }
-    print!("{}", jobs_table(&jobs, now_ms()));
+    super::emit(&jobs_table(&jobs, now_ms()));
     exit::SUCCESS
 }
 
@@ -275,7 +275,7 @@ pub(crate) async fn status(a: &StatusArgs, tls: &TlsSettings) -> i32 {
         }));
         return exit::SUCCESS;
     }
-    print!("{}", status_text(&d, now_ms()));
+    super::emit(&status_text(&d, now_ms()));
     exit::SUCCESS
 }
 
@@ -538,7 +538,7 @@ pub(crate) async fn history(a: &HistoryArgs, tls: &TlsSettings) -> i32 {
     if rows.is_empty() {
         out.push_str("(no finished jobs)\n");
     }
-    print!("{out}");
+    super::emit(&out);
     exit::SUCCESS
 }
 

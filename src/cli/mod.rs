@@ -870,6 +870,20 @@ pub(crate) fn load_job(path: &Path) -> Result<(JobSpec, String), i32> {
     }
 }
 
+/// Writes `text` to `out` as a terminal may show it (`text::shown`: control characters
+/// escaped, so `\u{1b}` appears as those six characters). The one way the CLI's tables
+/// and reports built from what the RM answered (other users' job names, node racks,
+/// labels and GPU types, diagnostics, reasons) reach the terminal: the RM refuses such
+/// text where it comes in, and this is the second line for what got in before.
+pub(crate) fn emit_to(out: &mut impl std::io::Write, text: &str) -> std::io::Result<()> {
+    out.write_all(crate::text::shown(text).as_bytes())
+}
+
+/// [`emit_to`] standard output (a closed pipe is not an error worth a panic).
+pub(crate) fn emit(text: &str) {
+    let _ = emit_to(&mut std::io::stdout().lock(), text);
+}
+
 /// Loads the cluster: `--cluster FILE`, else conf/cluster.yaml if present here, else the
 /// demo cluster built into the binary (config::cluster_source); exit 65 on failure.
 pub(crate) fn load_cluster(path: Option<&Path>) -> Result<Vec<crate::cluster::Node>, i32> {

@@ -290,6 +290,25 @@ pub async fn node(args: NodeArgs, settings: &crate::config::Settings) -> i32 {
             return exit::USAGE;
         }
     };
+    // What the RM would refuse at registration (the cluster file's rules), said here first.
+    let named = std::iter::once(("--rack", crate::spec::validate::check_rack(&args.rack)))
+        .chain(
+            gpu_type
+                .as_deref()
+                .map(|t| ("--gpu-type", crate::spec::validate::check_gpu_type(t))),
+        )
+        .chain(
+            args.labels
+                .iter()
+                .filter(|l| !l.is_empty())
+                .map(|l| ("--labels", crate::spec::validate::check_node_label(l))),
+        );
+    for (flag, check) in named {
+        if let Err((m, f)) = check {
+            eprintln!("error: {flag}: {m}; {f}");
+            return exit::USAGE;
+        }
+    }
     if let Some(ip) = args.ip {
         if let Err(e) = crate::node::wire::check_node_ip(ip) {
             eprintln!("error: --ip {e}");

@@ -103,9 +103,12 @@ pub async fn plan(
         }
         println!("{v}");
     } else {
-        print!("{}", plan_table(&spec.name, &plan));
+        super::emit(&plan_table(&spec.name, &plan));
         if let Some(e) = &estimate {
-            println!("\n{}", super::jobs::estimate_line(e, crate::protocol::now_ms()));
+            super::emit(&format!(
+                "\n{}\n",
+                super::jobs::estimate_line(e, crate::protocol::now_ms())
+            ));
         }
     }
     if plan.unplaced.is_empty() {
@@ -305,5 +308,25 @@ mod tests {
         let table = plan_table("j", &plan);
         assert!(table.contains("0*w") && table.contains("waits up to 300 s"), "{table}");
         assert_eq!(plan_json(&plan)["placements"][0]["topologyWaitSec"], 300);
+    }
+
+    /// Audit 5 F5's second line: a node whose rack holds a terminal escape sequence (one
+    /// that got in before the RM checked racks) shows it escaped in `gpuam plan`'s
+    /// output, not as the sequence.
+    #[test]
+    fn a_rack_with_an_escape_sequence_is_shown_escaped() {
+        let rack = "/r\u{1b}]0;PWNED\u{7}\u{1b}[2J\u{1b}[HYour session expired";
+        let n = Node::new("n4", rack, Resources::with_mask(64, 400_000, 0x3, PortSet::new()));
+        let job = crate::spec::parse_job_spec(
+            "name: small\ntaskRoles:\n  w:\n    instances: 1\n    resourcePerInstance: {cpu: 32, memoryMB: 100000, gpu: 1}\n    commands: [\"true\"]\n",
+            "small.yaml",
+        )
+        .unwrap();
+        let plan = plan_job(&Selector::new(ClusterView::new(vec![n]), Default::default()), &job);
+        let mut out = Vec::new();
+        crate::cli::emit_to(&mut out, &plan_table("small", &plan)).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
+        assert!(out.contains("/r\\u{1b}]0;PWNED\\u{7}\\u{1b}[2J"), "{out}");
     }
 }

@@ -197,7 +197,7 @@ impl JobsApi {
 
 /// Says why a call failed and gives its exit code (404: no such job).
 pub(crate) fn report(e: &RmError) -> i32 {
-    eprintln!("error: {e}");
+    eprintln!("error: {}", crate::text::shown(&e.to_string()));
     match e.status() {
         Some(404) => exit::NO_SUCH_JOB,
         Some(401) => {

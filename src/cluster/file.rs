@@ -235,22 +235,15 @@ fn read_node(d: &mut Diags, n: &Node, path: &str) -> Option<ClusterNode> {
     let rack = match n.get("rack") {
         None => Some(DEFAULT_RACK.to_string()),
         Some(r) if r.is_null() => Some(DEFAULT_RACK.to_string()),
-        Some(r) => d.text(r, &join(path, "rack")).and_then(|s| {
-            let valid = s.starts_with('/')
-                && s.len() <= 255
-                && s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-".contains(c));
-            if valid {
-                Some(s)
-            } else {
-                d.at(
-                    r.pos,
-                    &join(path, "rack"),
-                    format!("invalid rack \"{}\"", clip(&s)),
-                    "write a rack path starting with `/`, e.g. `/rack-a`",
-                );
-                None
-            }
-        }),
+        Some(r) => d
+            .text(r, &join(path, "rack"))
+            .and_then(|s| match validate::check_rack(&s) {
+                Ok(()) => Some(s),
+                Err((m, f)) => {
+                    d.at(r.pos, &join(path, "rack"), m, f);
+                    None
+                }
+            }),
     };
     ok &= rack.is_some();
 
@@ -283,9 +276,21 @@ fn read_node(d: &mut Diags, n: &Node, path: &str) -> Option<ClusterNode> {
         None => None,
         Some(g) if g.is_null() => None,
         Some(g) => {
-            let t = d.text(g, &join(path, "gpuType"));
+            let t = d
+                .text(g, &join(path, "gpuType"))
+                .map(|s| s.trim().to_string())
+                .and_then(|s| match s.is_empty() {
+                    true => Some(s),
+                    false => match validate::check_gpu_type(&s) {
+                        Ok(()) => Some(s),
+                        Err((m, f)) => {
+                            d.at(g.pos, &join(path, "gpuType"), m, f);
+                            None
+                        }
+                    },
+                });
             ok &= t.is_some();
-            t.map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+            t.filter(|s| !s.is_empty())
         }
     };
     let cpu = match n.get("cpu") {

@@ -221,8 +221,20 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let server_tls = crate::tls::server_config_from_settings(&opts.tls)?;
     let router = router(agent.clone());
     let timeouts = opts.http_timeouts;
+    let reserved = crate::tls::ReservedPeers::this_host();
+    // Its RM's calls (container starts, stops, logs) come from the RM's address: they take
+    // the reserved pool, which a flood from other sources cannot fill (audit 5 F4). Looked
+    // up beside serving, so that a slow name lookup does not hold the agent's start.
+    let (rm_url, rm_reserved) = (opts.rm_url.clone(), reserved.clone());
     tokio::spawn(async move {
-        if let Err(e) = crate::tls::serve_with(listener, router, server_tls, timeouts, std::future::pending()).await {
+        for (i, ip) in rm_addresses(&rm_url).await.into_iter().enumerate() {
+            rm_reserved.set(&format!("the RM ({i})"), ip);
+        }
+    });
+    tokio::spawn(async move {
+        if let Err(e) =
+            crate::tls::serve_reserving(listener, router, server_tls, timeouts, reserved, std::future::pending()).await
+        {
             tracing::error!("agent server stopped: {e}");
         }
     });
@@ -295,6 +307,22 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         register,
     ));
     Ok((addr, beat))
+}
+
+/// The IP addresses `rm_url`'s host names (a literal, or what it resolves to within 5 s;
+/// none when it does not).
+async fn rm_addresses(rm_url: &str) -> Vec<std::net::IpAddr> {
+    let Ok(url) = reqwest::Url::parse(rm_url) else {
+        return Vec::new();
+    };
+    let (Some(host), Some(port)) = (url.host_str(), url.port_or_known_default()) else {
+        return Vec::new();
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    match tokio::time::timeout(Duration::from_secs(5), tokio::net::lookup_host((host, port))).await {
+        Ok(Ok(addrs)) => addrs.map(|a| a.ip()).collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// What `gpuam node` prints on start: one summary line (host, GPUs and type, topology,
@@ -1058,6 +1086,17 @@ mod tests {
     fn old_bearer(key: &[u8]) -> String {
         let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
         crate::auth::hex(ring::hmac::sign(&k, b"gpuam-rm-to-agent-v1").as_ref())
+    }
+
+    /// The agent's listener reserves its RM's addresses (audit 5 F4): a literal, IPv6 in
+    /// brackets, or a name looked up; nothing for what is not a URL.
+    #[tokio::test]
+    async fn the_rm_s_addresses_are_found_for_the_reserved_pool() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert_eq!(rm_addresses("http://127.0.0.5:8088").await, [ip("127.0.0.5")]);
+        assert_eq!(rm_addresses("https://[::1]:9").await, [ip("::1")]);
+        assert!(rm_addresses("localhost:8088").await.is_empty(), "not a URL with a host");
+        assert!(rm_addresses("not a url").await.is_empty());
     }
 
     /// Until it registered, an agent refuses the RM's calls (it has no key to check them

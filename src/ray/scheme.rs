@@ -328,7 +328,10 @@ impl RayNode {
 /// `gpuam-node-*` resource); `Some(Err)` names the Ray node and the label at fault.
 pub fn node_from_ray(r: &RayNode) -> Option<Result<Node, String>> {
     let host = r.gpuam_host()?.to_string();
-    let fail = |m: String| format!("Ray node {} (gpuam host {host}): {m}", r.node_id);
+    let fail = |m: String| crate::text::shown(&format!("Ray node {} (gpuam host {host}): {m}", r.node_id)).into_owned();
+    if let Err((m, f)) = crate::spec::validate::check_host_name(&host) {
+        return Some(Err(fail(format!("resource `{NODE_RESOURCE_PREFIX}{host}`: {m}; {f}"))));
+    }
     let mut mask: GpuMask = 0;
     for (k, v) in &r.resources_total {
         if let Some(i) = k.strip_prefix(GPU_RESOURCE_PREFIX) {
@@ -356,8 +359,17 @@ pub fn node_from_ray(r: &RayNode) -> Option<Result<Node, String>> {
         .get(LABEL_RACK)
         .map_or_else(|| DEFAULT_RACK.to_string(), |v| decode_rack(v));
     let total = Resources::with_mask(cpu, memory_mb, mask, ports).with_custom(custom_from_ray(&r.resources_total));
+    // The same rules as a registration's and the cluster file's (`spec::validate`): what
+    // a Ray node declares is shown to every user.
+    if let Err((m, f)) = crate::spec::validate::check_rack(&rack) {
+        return Some(Err(fail(format!("label `{LABEL_RACK}`: {m}; {f}"))));
+    }
+    let gpu_type = r.labels.get(LABEL_GPU_TYPE).cloned();
+    if let Some(Err((m, f))) = gpu_type.as_deref().map(crate::spec::validate::check_gpu_type) {
+        return Some(Err(fail(format!("label `{LABEL_GPU_TYPE}`: {m}; {f}"))));
+    }
     let mut node = Node::new(host.clone(), rack, total);
-    node.gpu_type = r.labels.get(LABEL_GPU_TYPE).cloned();
+    node.gpu_type = gpu_type;
     // Where the node's tasks are reached by their peers (Ray's own address of the node).
     node.ip = r.node_ip.parse().ok();
     // GPUs must be 0..n-1 for a topology to apply to them.
@@ -502,6 +514,30 @@ mod tests {
         let mut plain = r.clone();
         plain.resources_total.retain(|k, _| !k.starts_with("gpuam-"));
         assert!(node_from_ray(&plain).is_none());
+    }
+
+    /// Audit 5 F5: a Ray node whose host, rack or GPU type label holds a control character
+    /// is refused, named, and the message shows it escaped.
+    #[test]
+    fn a_ray_node_with_control_characters_is_refused() {
+        let bad = [
+            ("ok", LABEL_RACK, "r\u{1b}[2J"),
+            ("ok", LABEL_GPU_TYPE, "V100\u{1b}]0;x\u{7}"),
+            ("n\u{1b}[2J", LABEL_GPU_TYPE, "V100"),
+        ];
+        for (host, label, value) in bad {
+            let r = ray_node("id1", "ALIVE", host, 1, &[(label.to_string(), value.to_string())]);
+            let e = node_from_ray(&r).unwrap().unwrap_err();
+            assert!(!e.contains('\u{1b}') && e.contains("\\u{1b}"), "{e}");
+        }
+        let r = ray_node(
+            "id1",
+            "ALIVE",
+            "ok",
+            1,
+            &[(LABEL_GPU_TYPE.to_string(), "A100".to_string())],
+        );
+        assert!(node_from_ray(&r).unwrap().is_ok());
     }
 
     #[test]

@@ -113,7 +113,7 @@ pub fn check_port_label(label: &str) -> Result<(), Problem> {
 pub fn check_host_name(host: &str) -> Result<(), Problem> {
     if host.is_empty() || host.len() > 253 || !chars_ok(host, "._-") {
         return Err((
-            format!("invalid host name \"{}\"", clip(host)),
+            format!("invalid host name \"{}\"", clip(&crate::text::shown(host))),
             "use 1 to 253 letters, digits, `.`, `_` or `-`, e.g. `node-01`".into(),
         ));
     }
@@ -124,8 +124,54 @@ pub fn check_host_name(host: &str) -> Result<(), Problem> {
 pub fn check_node_label(label: &str) -> Result<(), Problem> {
     if label.is_empty() || label.len() > 255 || !chars_ok(label, "._-") {
         return Err((
-            format!("invalid node label \"{}\"", clip(label)),
+            format!("invalid node label \"{}\"", clip(&crate::text::shown(label))),
             "use 1 to 255 letters, digits, `.`, `_` or `-`, e.g. `gpu`".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Node racks: a path `^/[A-Za-z0-9/._-]{0,254}$` (cluster files and node agents alike).
+pub fn check_rack(rack: &str) -> Result<(), Problem> {
+    if !rack.starts_with('/') || rack.len() > 255 || !chars_ok(rack, "/._-") {
+        return Err((
+            format!("invalid rack \"{}\"", clip(&crate::text::shown(rack))),
+            "write a rack path starting with `/` of letters, digits, `/`, `.`, `_` or `-`, e.g. `/rack-a`".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A node's GPU type: `^[A-Za-z0-9 ._+()/-]{1,255}$` (e.g. `V100`, `A100-80GB`, `RTX 4090`;
+/// what `short_gpu_type` makes of a detected GPU's name).
+pub fn check_gpu_type(gpu_type: &str) -> Result<(), Problem> {
+    if gpu_type.is_empty() || gpu_type.len() > 255 || !chars_ok(gpu_type, " ._+()/-") {
+        return Err((
+            format!("invalid GPU type \"{}\"", clip(&crate::text::shown(gpu_type))),
+            "use 1 to 255 letters, digits, spaces, `.`, `_`, `+`, `(`, `)`, `/` or `-`, e.g. `A100-80GB`".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Free text a node declares (its containment line; with `lines`, its `nvidia-smi topo
+/// -m` topology, which has newlines and tabs): at most `max` bytes, no control character
+/// (a terminal escape sequence starts with one; [`crate::text::is_unsafe`], and with
+/// `lines` false also `\n` and `\t`) and no bidirectional override.
+pub fn check_node_text(text: &str, lines: bool, max: usize) -> Result<(), Problem> {
+    let bad = text.chars().find(|&c| {
+        crate::text::is_unsafe(c) || crate::text::is_bidi_control(c) || (!lines && (c == '\n' || c == '\t'))
+    });
+    if let Some(c) = bad {
+        return Err((
+            format!("holds the control character {}", c.escape_default()),
+            "send printable text only (no terminal escape sequences or control characters)".into(),
+        ));
+    }
+    if text.len() > max {
+        return Err((
+            format!("is {} bytes long", text.len()),
+            format!("send at most {max} bytes"),
         ));
     }
     Ok(())

@@ -351,6 +351,11 @@ struct Shared {
     /// every node and container under the state lock, which a caller's flood must not
     /// hold for the AMs' and agents' calls (429 while one runs).
     estimating: tokio::sync::Semaphore,
+    /// The addresses whose connections take the listener's reserved pool: this host's
+    /// (its AMs, its CLI), this RM's own address, and each live node agent's as its
+    /// authenticated calls came from (audit 5 F4: a flood from other sources cannot
+    /// lock agents out).
+    reserved_peers: crate::tls::ReservedPeers,
 }
 
 impl Shared {
@@ -577,6 +582,19 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         node_view_lean: Mutex::new(NodeView::new(ObjectForm::Lean, incarnation)),
         node_view_compact: Mutex::new(NodeView::new(ObjectForm::Shape, incarnation)),
         estimating: tokio::sync::Semaphore::new(1),
+        reserved_peers: {
+            let r = crate::tls::ReservedPeers::this_host();
+            // The AMs this RM starts connect to `base_url`, so from its address.
+            r.set(
+                "this RM's address",
+                if addr.ip().is_unspecified() {
+                    [127, 0, 0, 1].into()
+                } else {
+                    addr.ip()
+                },
+            );
+            r
+        },
     });
 
     let mut background = Vec::new();
@@ -619,8 +637,9 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     let router = guard.layer(router(shared.clone()));
     let (stop_server, stop_rx) = oneshot::channel::<()>();
     let timeouts = opts.http_timeouts;
+    let reserved = shared.reserved_peers.clone();
     let server = tokio::spawn(async move {
-        let serve = crate::tls::serve_with(listener, router, opts.tls, timeouts, async {
+        let serve = crate::tls::serve_reserving(listener, router, opts.tls, timeouts, reserved, async {
             let _ = stop_rx.await;
         });
         if let Err(e) = serve.await {

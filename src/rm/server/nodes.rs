@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::Json;
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
@@ -31,6 +31,7 @@ use crate::node::remote::AgentNodes;
 use crate::node::wire::{AgentHeartbeat, AgentRegister, AgentReply, ContainerReport};
 use crate::node::{InProcessNode, NodeBackend, NodeEvent};
 use crate::protocol::{exit_status, now_ms, ContainerState};
+use crate::tls::PeerAddr;
 
 /// The node backends of this RM: a Ray cluster (`--backend ray`: every host), else
 /// registered agents, else the in-process node.
@@ -98,6 +99,7 @@ pub(super) fn spawn_liveness(rm: Arc<Shared>, agents: Arc<AgentNodes>, expiry: D
         loop {
             every.tick().await;
             for host in agents.expire(Instant::now(), expiry) {
+                rm.reserved_peers.remove(&host);
                 let ended = transactions::set_node_state(&mut rm.lock(), &host, NodeState::Lost).unwrap_or_default();
                 tracing::warn!(%host, containers = ended.len(), "node agent silent for {expiry:?}: LOST");
             }
@@ -163,6 +165,7 @@ fn node_of(req: &AgentRegister, base_url: &str) -> Result<Node, String> {
             req.host
         ));
     }
+    check_declared_text(req)?;
     let topology = crate::topology::Topology::from_spec(&req.topology).map_err(|e| format!("topology: {e}"))?;
     let ip = req
         .ip
@@ -176,6 +179,29 @@ fn node_of(req: &AgentRegister, base_url: &str) -> Result<Node, String> {
     node.http_address = base_url.to_string();
     node.ip = ip;
     Ok(node)
+}
+
+/// Longest containment line an agent may declare.
+const MAX_CONTAINMENT_BYTES: usize = 1024;
+/// Longest topology an agent may declare (`nvidia-smi topo -m` of a large node).
+const MAX_TOPOLOGY_BYTES: usize = 64 * 1024;
+
+/// The text fields of a registration (shown to every user by `gpuam plan`, `gpuam
+/// nodes`, the dashboard, and logged) under the cluster file's rules
+/// (`spec::validate`): rack, labels and GPU type in their name syntax, containment and
+/// topology free of control characters. The error names the field and its fix.
+fn check_declared_text(req: &AgentRegister) -> Result<(), String> {
+    use crate::spec::validate::{check_gpu_type, check_node_label, check_node_text, check_rack};
+    let named = |field: &str, (m, f): (String, String)| format!("{field}: {m}; {f}");
+    check_rack(&req.rack).map_err(|p| named("rack", p))?;
+    for (i, label) in req.labels.iter().enumerate() {
+        check_node_label(label).map_err(|p| named(&format!("labels[{i}]"), p))?;
+    }
+    if let Some(t) = &req.gpu_type {
+        check_gpu_type(t).map_err(|p| named("gpuType", p))?;
+    }
+    check_node_text(&req.containment, false, MAX_CONTAINMENT_BYTES).map_err(|p| named("containment", p))?;
+    check_node_text(&req.topology, true, MAX_TOPOLOGY_BYTES).map_err(|p| named("topology", p))
 }
 
 /// A stored agent declaration (see [`declaration_of`]) as a node, for a restarted RM.
@@ -220,9 +246,20 @@ pub(super) fn await_agents(rm: &Shared, deadline: Instant) {
     }
 }
 
+/// A live agent's host `host` called from `peer` with its credential: that address
+/// takes the listener's reserved pool from now on, until the host is LOST or removed
+/// (audit 5 F4). Its TCP peer, not the address it declares: only where its connections
+/// really come from is worth a reserved place.
+fn reserve(rm: &Shared, host: &str, peer: Option<Extension<PeerAddr>>) {
+    if let Some(Extension(PeerAddr(addr))) = peer {
+        rm.reserved_peers.set(host, addr.ip());
+    }
+}
+
 /// `POST /ws/v1/node-agents/register`: (re-)adds the node, reconciles its containers.
 pub(super) async fn agent_register(
     State(rm): Rm,
+    peer: Option<Extension<PeerAddr>>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<AgentRegister>,
 ) -> Result<Json<AgentReply>, ApiError> {
@@ -245,6 +282,7 @@ pub(super) async fn agent_register(
         };
         let taken = take_deaths(&mut st, &host, &own, &mut reply);
         agents.register(&host, &req.http_address, &req.instance, Instant::now());
+        reserve(&rm, &host, peer);
         reply.host_key = agents.host_key_hex(&host);
         tracing::info!(
             %host,
@@ -269,6 +307,7 @@ pub(super) async fn agent_register(
 pub(super) async fn agent_heartbeat(
     State(rm): Rm,
     UrlPath(host): UrlPath<String>,
+    peer: Option<Extension<PeerAddr>>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<AgentHeartbeat>,
 ) -> Result<Json<AgentReply>, ApiError> {
@@ -280,6 +319,7 @@ pub(super) async fn agent_heartbeat(
             ..Default::default()
         }));
     }
+    reserve(&rm, &host, peer);
     let (reply, taken) = {
         let mut st = rm.lock();
         let mut reply = transactions::agent_heartbeat(&mut st, &host, &own);
@@ -364,6 +404,7 @@ pub(super) async fn delete_node(
     tracing::warn!(%host, containers = ended.len(), "host removed by an administrator");
     // Told to stop while the RM still knows the agent's address; then forgotten.
     stop_running(&rm, &ended).await;
+    rm.reserved_peers.remove(&host);
     if let Some(a) = &rm.nodes.agents {
         a.forget(&host);
     }
@@ -433,6 +474,45 @@ mod tests {
             .collect();
         h.sort();
         h
+    }
+
+    /// Audit 5 F5: a registration whose rack, labels, GPU type, containment or topology
+    /// hold a control character (a terminal escape sequence) is refused with 400 naming
+    /// the field and the fix, and the host does not join; a clean one then registers.
+    #[tokio::test]
+    async fn a_registration_with_control_characters_in_its_text_is_refused_naming_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes_file = dir.path().join("nodes.yaml");
+        let t = add_token_to(&nodes_file, "e1", Table::Nodes).unwrap();
+        let rm = start(options(dir.path())).await.unwrap();
+        let esc = "\u{1b}]0;PWNED\u{7}\u{1b}[2J\u{1b}[HYour session expired\n";
+        let cases = [
+            ("rack", json!(format!("/r{esc}")), "rack"),
+            ("labels", json!(["ok", format!("\u{1b}[31mred")]), "labels[1]"),
+            ("gpuType", json!(format!("V100{esc}")), "gpuType"),
+            ("containment", json!(format!("x{esc}")), "containment"),
+            ("topology", json!(format!("none\u{1b}[2J")), "topology"),
+        ];
+        for (field, value, named) in cases {
+            let mut body = registration("e1");
+            body[field] = value;
+            let (code, v) = register(&rm, &t, body).await;
+            let msg = v["message"].as_str().unwrap_or_default();
+            assert_eq!(code, 400, "{field}: {v}");
+            assert!(msg.starts_with(&format!("{named}: ")), "{field}: {msg}");
+            assert!(!msg.contains('\u{1b}'), "the refusal does not echo the escape: {msg}");
+            assert!(
+                !hosts(&rm).await.contains(&"e1".to_string()),
+                "{field}: the host did not join"
+            );
+        }
+        let mut body = registration("e1");
+        body["labels"] = json!(["gpu", "fast"]);
+        body["gpuType"] = json!("A100-80GB");
+        body["containment"] = json!("containment: cgroup v2 under /sys/fs/cgroup/gpuam; limits: memory (v2)");
+        let (code, v) = register(&rm, &t, body).await;
+        assert_eq!(code, 200, "{v}");
+        rm.shutdown().await;
     }
 
     /// Who may remove what: 401 without a token, 403 for a user, 404 for an unknown host,
