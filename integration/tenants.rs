@@ -174,20 +174,7 @@ fn curl_code(h: &Hosts, ns: &str, method: &str, body: &str, auth: &str, url: &st
 
 /// The instance of the agent run that last registered, from its log (`instance=…`).
 fn agent_instance(log: &str) -> String {
-    // Without colour codes (ESC [ … letter).
-    let mut plain = String::new();
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for d in chars.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            plain.push(c);
-        }
-    }
+    let plain = strip_ansi_escapes::strip_str(log);
     plain
         .lines()
         .rfind(|l| l.contains("registered with the RM"))

@@ -56,7 +56,7 @@ impl Reaper {
         // Who runs here, for a later run to tell whether this one is still alive.
         let me = ProcessId::of(std::process::id())
             .ok_or_else(|| std::io::Error::other("cannot read this process's start time"))?;
-        write_private(&work_dir.join(RUN_PROCESS_FILE), &serde_json::to_vec(&me)?)?;
+        crate::node::executor::create_new_in(work_dir, RUN_PROCESS_FILE, &serde_json::to_vec(&me)?, None)?;
         let (theirs, ours) = hold::new()?;
         std::process::Command::new(std::env::current_exe()?)
             .arg(SUBCOMMAND)
@@ -76,20 +76,6 @@ impl Reaper {
         }
         let _ = std::fs::remove_file(work_dir.join(RUN_PROCESS_FILE));
     }
-}
-
-/// Writes `bytes` to `path`, 0600, never through a link in its place.
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?
-        .write_all(bytes)
 }
 
 /// Reaps what earlier runs killed together with their reapers left: each directory
@@ -284,7 +270,7 @@ mod tests {
         let d = root.join(name);
         std::fs::create_dir(&d).unwrap();
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
-        write_private(&d.join(RUN_PROCESS_FILE), &serde_json::to_vec(&run).unwrap()).unwrap();
+        crate::node::executor::create_new_in(&d, RUN_PROCESS_FILE, &serde_json::to_vec(&run).unwrap(), None).unwrap();
         d
     }
 
