@@ -259,17 +259,43 @@ impl Source {
 #[derive(Clone, Debug, Default)]
 pub struct ReservedPeers(Arc<parking_lot::RwLock<ReservedSet>>);
 
+/// Reserved places per node agent at an address (an agent holds one or two connections
+/// to its RM): a task on the agent's host, which shares its address, holds at most these
+/// of the reserved pool (audit 6 F1: with the whole per-peer share, tasks on four hosts
+/// filled the pool and kept every other agent out).
+pub const RESERVED_PLACES_PER_AGENT: usize = 8;
+
 /// The set behind [`ReservedPeers`].
 #[derive(Debug, Default)]
 pub struct ReservedSet {
     by_owner: std::collections::HashMap<String, std::net::IpAddr>,
     count: std::collections::HashMap<std::net::IpAddr, usize>,
+    /// Addresses with the whole per-peer share (`http.max_reserved_connections_per_peer`):
+    /// this host's own (its AMs and CLI) and, at an agent, its RM's. Others (node agents at
+    /// an RM) get [`RESERVED_PLACES_PER_AGENT`] per agent there.
+    wide: std::collections::HashSet<std::net::IpAddr>,
 }
 
 impl ReservedSet {
     /// Whether `ip` is a reserved peer's address.
     pub fn contains(&self, ip: std::net::IpAddr) -> bool {
         self.count.contains_key(&canonical(ip))
+    }
+
+    /// How many reserved places `ip` may hold, under the per-peer cap `per_peer`.
+    pub fn places(&self, ip: std::net::IpAddr, per_peer: usize) -> usize {
+        let ip = canonical(ip);
+        if self.wide.contains(&ip) {
+            return per_peer;
+        }
+        let agents = self.count.get(&ip).copied().unwrap_or(0);
+        per_peer.min(agents.saturating_mul(RESERVED_PLACES_PER_AGENT))
+    }
+
+    /// As [`ReservedSet::set`], with the whole per-peer share for `ip` (see `wide`).
+    pub fn set_wide(&mut self, owner: &str, ip: std::net::IpAddr) {
+        self.set(owner, ip);
+        self.wide.insert(canonical(ip));
     }
 
     /// `owner` (an agent's host) is now at `ip` (replacing where it was).
@@ -303,9 +329,14 @@ impl ReservedPeers {
     /// are not reserved: any local user can bind them.
     pub fn this_host() -> ReservedPeers {
         let r = ReservedPeers::default();
-        r.set("this host (127.0.0.1)", std::net::Ipv4Addr::LOCALHOST.into());
-        r.set("this host (::1)", std::net::Ipv6Addr::LOCALHOST.into());
+        r.set_wide("this host (127.0.0.1)", std::net::Ipv4Addr::LOCALHOST.into());
+        r.set_wide("this host (::1)", std::net::Ipv6Addr::LOCALHOST.into());
         r
+    }
+
+    /// See [`ReservedSet::set_wide`].
+    pub fn set_wide(&self, owner: &str, ip: std::net::IpAddr) {
+        self.0.write().set_wide(owner, ip);
     }
 
     /// See [`ReservedSet::set`].
@@ -371,7 +402,8 @@ pub fn decide(
     let ip = canonical(peer);
     if reserved.contains(ip)
         && open.reserved_total < caps.max_reserved_connections
-        && open.per_reserved.get(&ip).copied().unwrap_or(0) < caps.max_reserved_connections_per_peer
+        && open.per_reserved.get(&ip).copied().unwrap_or(0)
+            < reserved.places(ip, caps.max_reserved_connections_per_peer)
     {
         return Admission::Accept(Pool::Reserved(ip));
     }
@@ -771,6 +803,30 @@ mod tests {
         assert!(
             !reserved.contains(ip("10.0.0.1")) && reserved.contains(ip("10.0.0.9")),
             "a moved"
+        );
+        // An agent's address holds its agents' places only; this host's, the per-peer share.
+        let mut reserved = ReservedSet::default();
+        reserved.set("h1", ip("10.0.0.5"));
+        reserved.set_wide("the RM", ip("10.0.0.6"));
+        assert_eq!(reserved.places(ip("10.0.0.5"), 256), RESERVED_PLACES_PER_AGENT);
+        reserved.set("h2", ip("10.0.0.5"));
+        assert_eq!(reserved.places(ip("10.0.0.5"), 256), 2 * RESERVED_PLACES_PER_AGENT);
+        assert_eq!(reserved.places(ip("10.0.0.6"), 256), 256);
+        assert_eq!(reserved.places(ip("10.0.0.7"), 256), 0);
+        let c = caps(100, 1, 1000, 256);
+        let mut open = OpenConnections::default();
+        let reserved_now = (0..20)
+            .filter(|_| {
+                matches!(
+                    admit(&mut open, &reserved, "10.0.0.5", &c),
+                    Admission::Accept(Pool::Reserved(_))
+                )
+            })
+            .count();
+        assert_eq!(
+            reserved_now,
+            2 * RESERVED_PLACES_PER_AGENT,
+            "a flood from an agent's host holds its agents' places, not the pool"
         );
         let this = ReservedPeers::this_host();
         assert!(this.contains(ip("127.0.0.1")) && this.contains(ip("::1")) && this.contains(ip("::ffff:127.0.0.1")));

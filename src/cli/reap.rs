@@ -107,7 +107,10 @@ pub fn sweep(temp_root: &Path, also: Option<&Path>) -> Vec<(PathBuf, usize)> {
 
 /// Reaps the work dir `dir` of an earlier run that is no longer alive: only where `dir`
 /// is a directory (not a link) of this process's user, not writable by group or others
-/// (what is recorded there was written by this user's run alone), and holds a
+/// (what is recorded there was written by this user's run alone), reached only through
+/// directories of root's or this user's that nobody else can rename entries in
+/// ([`crate::node::identity::check_owned_path`]: so no name on the way can be swapped for
+/// a link between this check and the reads of the records below), and holds a
 /// [`RUN_PROCESS_FILE`] naming a process that is no longer the same one. The file goes
 /// once reaped. `None` where there is nothing to sweep.
 pub fn sweep_one(dir: &Path) -> Option<usize> {
@@ -118,6 +121,7 @@ pub fn sweep_one(dir: &Path) -> Option<usize> {
     if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
         return None;
     }
+    crate::node::identity::check_owned_path(dir).ok()?;
     let file = dir.join(RUN_PROCESS_FILE);
     let text = crate::node::executor::read_small_in_place(&file, 4096).ok()?;
     let run: ProcessId = serde_json::from_slice(&text).ok()?;
@@ -311,9 +315,11 @@ mod tests {
     }
 
     /// As root: a dead run's work dir that another user owns is not swept (what its records
-    /// name is not this user's to kill).
+    /// name is not this user's to kill), nor one of root's inside a directory another user
+    /// owns (even sticky: its owner may rename root's entries there, and swap one for a
+    /// link to records of their own between the check and the reads).
     #[test]
-    fn a_work_dir_of_another_user_is_not_swept() {
+    fn a_work_dir_of_another_user_or_in_their_directory_is_not_swept() {
         if unsafe { libc::geteuid() } != 0 {
             return;
         }
@@ -322,5 +328,15 @@ mod tests {
         std::os::unix::fs::chown(&theirs, Some(64_995), Some(64_995)).unwrap();
         assert!(sweep(t.path(), None).is_empty());
         assert!(theirs.join(RUN_PROCESS_FILE).exists());
+        let shared = t.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        std::os::unix::fs::chown(&shared, Some(64_995), Some(64_995)).unwrap();
+        let ours = run_dir(&shared, "gpuam-run-ours", dead_process());
+        assert!(sweep(&shared, None).is_empty());
+        assert!(ours.join(RUN_PROCESS_FILE).exists());
+        // The same, in a directory of root's: swept.
+        std::os::unix::fs::chown(&shared, Some(0), Some(0)).unwrap();
+        assert_eq!(sweep(&shared, None).len(), 1);
     }
 }

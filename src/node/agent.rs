@@ -105,6 +105,9 @@ struct Agent {
     instance: String,
     /// The nonces of the RM's calls taken within the window: a replay is refused.
     seen_calls: Mutex<token::SeenCalls>,
+    /// Bytes of RM calls' bodies being read now, before their MACs are checked
+    /// ([`MAX_BUFFERED_CALL_BYTES`]).
+    buffered: std::sync::atomic::AtomicUsize,
     total: Resources,
     /// This machine's topology (NICs, CPU affinity): where each task's GPUs are.
     topology: Option<crate::topology::Topology>,
@@ -210,6 +213,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         key: parking_lot::RwLock::new(None),
         instance: token::new_nonce(),
         seen_calls: Mutex::new(token::SeenCalls::default()),
+        buffered: std::sync::atomic::AtomicUsize::new(0),
         total: opts.total.clone(),
         // Checked by `gpuam node` before the agent starts; unreadable text means none.
         topology: crate::topology::Topology::from_spec(&opts.topology).ok().flatten(),
@@ -228,7 +232,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
     let (rm_url, rm_reserved) = (opts.rm_url.clone(), reserved.clone());
     tokio::spawn(async move {
         for (i, ip) in rm_addresses(&rm_url).await.into_iter().enumerate() {
-            rm_reserved.set(&format!("the RM ({i})"), ip);
+            rm_reserved.set_wide(&format!("the RM ({i})"), ip);
         }
     });
     tokio::spawn(async move {
@@ -637,6 +641,37 @@ impl From<NodeError> for AgentError {
 /// Most bytes of an RM call's body the agent reads (axum's default body limit).
 const MAX_CALL_BODY: usize = 2 << 20;
 
+/// Most bytes of RM calls' bodies the agent holds at once before their MACs are checked:
+/// what senders without the key can make it buffer (16 calls of the largest size; the
+/// RM's real calls are a few KiB). Past it a call is refused (503) until others are read.
+const MAX_BUFFERED_CALL_BYTES: usize = 16 * MAX_CALL_BODY;
+
+/// Bytes taken from the agent's [`MAX_BUFFERED_CALL_BYTES`] by one body as it is read.
+struct Buffering<'a>(&'a std::sync::atomic::AtomicUsize, usize);
+
+impl<'a> Buffering<'a> {
+    fn new(total: &'a std::sync::atomic::AtomicUsize) -> Buffering<'a> {
+        Buffering(total, 0)
+    }
+
+    /// Takes `n` more bytes; false (nothing taken) past the budget.
+    fn grow(&mut self, n: usize) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.0.fetch_add(n, SeqCst).saturating_add(n) > MAX_BUFFERED_CALL_BYTES {
+            self.0.fetch_sub(n, SeqCst);
+            return false;
+        }
+        self.1 += n;
+        true
+    }
+}
+
+impl Drop for Buffering<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Every call to the container endpoints must be the RM's, signed for this request, this
 /// run of the agent, now, once (`super::token::verify_call`, [`token::SeenCalls`]); the
 /// body is read here (to check its hash) and handed on.
@@ -647,14 +682,42 @@ async fn rm_call_auth(State(agent): Ag, req: axum::extract::Request, next: axum:
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
-    let Ok(body) = axum::body::to_bytes(body, MAX_CALL_BODY).await else {
-        return AgentError(
+    // Read as it comes, within the agent's budget for bodies not yet checked: senders
+    // without the key cannot make it hold more.
+    let too_large = || {
+        AgentError(
             StatusCode::PAYLOAD_TOO_LARGE,
             "TOO_LARGE",
             format!("an RM call's body is at most {MAX_CALL_BODY} bytes"),
         )
-        .into_response();
+        .into_response()
     };
+    let mut held = Buffering::new(&agent.buffered);
+    let mut read = Vec::new();
+    let mut chunks = body.into_data_stream();
+    while let Some(chunk) = futures::StreamExt::next(&mut chunks).await {
+        let Ok(chunk) = chunk else {
+            return AgentError(
+                StatusCode::BAD_REQUEST,
+                "BAD_REQUEST",
+                "the call's body broke off".into(),
+            )
+            .into_response();
+        };
+        if read.len().saturating_add(chunk.len()) > MAX_CALL_BODY {
+            return too_large();
+        }
+        if !held.grow(chunk.len()) {
+            return AgentError(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "BUSY",
+                format!("the agent holds {MAX_BUFFERED_CALL_BYTES} bytes of calls' bodies not yet checked: try again"),
+            )
+            .into_response();
+        }
+        read.extend_from_slice(&chunk);
+    }
+    let body = axum::body::Bytes::from(read);
     let target = parts
         .uri
         .path_and_query()
@@ -1086,6 +1149,32 @@ mod tests {
     fn old_bearer(key: &[u8]) -> String {
         let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
         crate::auth::hex(ring::hmac::sign(&k, b"gpuam-rm-to-agent-v1").as_ref())
+    }
+
+    /// Bodies not yet checked are held within the agent's budget: past it a call is
+    /// refused until others are read (a flood of large unsigned bodies held 600 MB).
+    #[test]
+    fn unchecked_bodies_are_held_within_the_budget() {
+        let total = std::sync::atomic::AtomicUsize::new(0);
+        let mut held: Vec<Buffering> = (0..16).map(|_| Buffering::new(&total)).collect();
+        assert!(held.iter_mut().all(|b| b.grow(MAX_CALL_BODY)));
+        let mut more = Buffering::new(&total);
+        assert!(!more.grow(1), "the budget is spent");
+        drop(held);
+        assert_eq!(
+            total.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "each given back once read"
+        );
+        assert!(more.grow(4096) && more.grow(4096));
+        assert!(!more.grow(MAX_BUFFERED_CALL_BYTES), "past the budget");
+        assert_eq!(
+            total.load(std::sync::atomic::Ordering::SeqCst),
+            8192,
+            "a refused take leaves nothing"
+        );
+        drop(more);
+        assert_eq!(total.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 
     /// The agent's listener reserves its RM's addresses (audit 5 F4): a literal, IPv6 in

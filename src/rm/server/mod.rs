@@ -585,7 +585,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         reserved_peers: {
             let r = crate::tls::ReservedPeers::this_host();
             // The AMs this RM starts connect to `base_url`, so from its address.
-            r.set(
+            r.set_wide(
                 "this RM's address",
                 if addr.ip().is_unspecified() {
                     [127, 0, 0, 1].into()
