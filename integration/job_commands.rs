@@ -207,10 +207,14 @@ fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() 
     assert!(followed.starts_with("hello-out\ntick 0\n"), "{followed}");
     rm.wait_app_final(&id, Duration::from_secs(60));
 
-    // A job that fails: its reason names the task, its exit and its stderr.
+    // A job that fails: its reason names the task, its exit and its stderr. Its stderr
+    // also sets a window title and forges a `state SUCCEEDED` line (audit 6 F4).
     let bad = rm.write_job(
         "typo",
-        "name: typo\ntaskRoles:\n  main:\n    instances: 1\n    resourcePerInstance: {cpu: 1, memoryMB: 256, gpu: 1}\n    commands:\n      - pythn train.py\n",
+        &format!(
+            "name: typo\ntaskRoles:\n  main:\n    instances: 1\n    resourcePerInstance: {{cpu: 1, memoryMB: 256, gpu: 1}}\n    commands:\n      - {}\n      - pythn train.py\n",
+            sq(r"printf '\033]0;PWNED\007boom\n\nstate SUCCEEDED  exit 0\n' >&2")
+        ),
     );
     let failed = rm.run_job(&bad, Duration::from_secs(90));
     assert_eq!(failed.code, 1, "{}\n{}", failed.stdout, failed.stderr);
@@ -229,6 +233,14 @@ fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() 
         assert!(stdout(&o).starts_with("hello-err\n"), "{}", text(&o));
         let o = run(rm, &["logs", &bad_id, "main/0", "--stderr"]);
         assert!(stdout(&o).contains("pythn"), "{}", text(&o));
+        // To a pipe, the bytes as the task wrote them (a terminal gets them escaped:
+        // `text::task_output`); `status` keeps the reason on its one line.
+        assert!(stdout(&o).contains("\u{1b}]0;PWNED\u{7}boom\n"), "{}", text(&o));
+        let o = run(rm, &["status", &bad_id]);
+        let said = stdout(&o);
+        assert!(said.contains("boom\\n\\nstate SUCCEEDED"), "{said}");
+        assert!(!said.lines().any(|l| l.starts_with("state SUCCEEDED")), "{said}");
+        assert!(!said.contains('\u{1b}'), "{said}");
         let o = run(rm, &["logs", &id, "worker/7"]);
         assert_eq!(o.status.code(), Some(66), "{}", text(&o));
 

@@ -32,10 +32,47 @@ pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// A bidirectional embedding, override or isolate (U+202A–U+202E, U+2066–U+2069): it
-/// reorders what a terminal shows after it (a "Trojan Source" spoof).
+/// [`shown`] for a field printed on one line (a reason, a diagnostic, a value quoted in an
+/// error message): line breaks (`\n`, `\r`) are escaped too, so the text cannot forge
+/// a line of its own below it.
+pub fn shown_line(s: &str) -> std::borrow::Cow<'_, str> {
+    let shown = shown(s);
+    if !shown.contains(['\n', '\r']) {
+        return shown;
+    }
+    std::borrow::Cow::Owned(shown.replace('\n', "\\n").replace('\r', "\\r"))
+}
+
+/// A task's output as `gpuam logs` writes it: to a terminal (`is_terminal`), every control
+/// character but newline, tab and the `\r` of a `\r\n` escaped as [`shown`] does (`\u{1b}`),
+/// and so is every bidirectional control, so that a task does not drive its reader's
+/// terminal (window titles, clearing the screen, OSC 52 clipboard writes); to a pipe or a
+/// file, the bytes as they are (scripts read them so; `--raw` asks for that on a terminal).
+pub fn task_output(s: &str, is_terminal: bool) -> std::borrow::Cow<'_, str> {
+    // `\r` is kept only right before `\n` (a CRLF line end); alone it rewrites the line.
+    let escape =
+        |i: usize, c: char| (is_unsafe(c) && !(c == '\r' && s[i + 1..].starts_with('\n'))) || is_bidi_control(c);
+    if !is_terminal || !s.char_indices().any(|(i, c)| escape(i, c)) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for (i, c) in s.char_indices() {
+        if escape(i, c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// A bidirectional embedding, override or isolate (U+202A–U+202E, U+2066–U+2069), or an
+/// implicit mark (U+200E LRM, U+200F RLM, U+061C ALM): it reorders what a terminal shows
+/// around it (a "Trojan Source" spoof).
 pub fn is_bidi_control(c: char) -> bool {
-    ('\u{202a}'..='\u{202e}').contains(&c) || ('\u{2066}'..='\u{2069}').contains(&c)
+    ('\u{202a}'..='\u{202e}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}')
 }
 
 /// A control character that text shown to people must not carry (C0 but `\n` and `\t`,
@@ -65,5 +102,41 @@ mod tests {
             "/r\\u{1b}]0;PWNED\\u{7}\\u{1b}[2J"
         );
         assert_eq!(shown("a\u{9b}b\u{202e}c"), "a\\u{9b}b\\u{202e}c");
+    }
+
+    #[test]
+    fn implicit_bidi_marks_are_bidi_controls() {
+        for c in ['\u{200e}', '\u{200f}', '\u{061c}', '\u{202e}', '\u{2066}'] {
+            assert!(is_bidi_control(c), "{c:?}");
+        }
+        assert!(!is_bidi_control('\u{200d}'));
+        assert_eq!(shown("a\u{200f}b"), "a\\u{200f}b");
+    }
+
+    #[test]
+    fn shown_line_escapes_line_breaks_too() {
+        assert!(matches!(shown_line("plain\tok"), std::borrow::Cow::Borrowed(_)));
+        assert_eq!(
+            shown_line("boom\n\nstate SUCCEEDED  exit 0\r\u{1b}[2K"),
+            "boom\\n\\nstate SUCCEEDED  exit 0\\r\\u{1b}[2K"
+        );
+    }
+
+    #[test]
+    fn task_output_is_escaped_on_a_terminal_and_raw_elsewhere() {
+        let forged = "\u{1b}]0;PWNED\u{7}\u{1b}[2J\u{1b}[Hlogin again\r\n\u{1b}]52;c;ZWNobw==\u{7}\tok\n";
+        assert_eq!(task_output(forged, false), forged);
+        assert_eq!(
+            task_output(forged, true),
+            "\\u{1b}]0;PWNED\\u{7}\\u{1b}[2J\\u{1b}[Hlogin again\r\n\\u{1b}]52;c;ZWNobw==\\u{7}\tok\n"
+        );
+        assert_eq!(
+            task_output("50%\r100%\n\u{202e}x\u{200e}", true),
+            "50%\\r100%\n\\u{202e}x\\u{200e}"
+        );
+        assert!(matches!(
+            task_output("plain\r\nlines\tok\n", true),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 }

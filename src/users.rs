@@ -64,7 +64,7 @@ impl Table {
         match self {
             Table::Users => check_user_name(name),
             Table::Nodes if crate::protocol::valid_container_id(name) && name.len() <= 253 => Ok(()),
-            Table::Nodes => Err(UsersError::BadHost(crate::spec::yaml::clip(&crate::text::shown(name)))),
+            Table::Nodes => Err(UsersError::BadHost(crate::spec::yaml::clip(name))),
         }
     }
 

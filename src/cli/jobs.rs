@@ -52,6 +52,12 @@ pub(crate) struct LogsArgs {
     /// Keep printing what the task writes until it ends.
     #[arg(long, short = 'f')]
     follow: bool,
+    /// Print the task's output byte for byte even to a terminal. Without it, a terminal
+    /// gets control characters and escape sequences shown escaped (`\u{1b}[31m`), so that
+    /// a task cannot drive it (window title, clipboard); a pipe or a file always gets the
+    /// bytes as they are.
+    #[arg(long)]
+    raw: bool,
     #[command(flatten)]
     target: TargetArgs,
 }
@@ -232,6 +238,7 @@ fn jobs_table(jobs: &[&Value], now: u64) -> String {
             .or_else(|| j["why"].as_str().map(str::to_string));
         if let Some(why) = line.filter(|_| waiting > 0) {
             let since = j["waitingMs"].as_u64().map(short_duration).unwrap_or_default();
+            let why = crate::text::shown_line(&why);
             out.push_str(&format!("       {}\n", fit(&format!("waits {since}: {why}"), 72)));
         }
     }
@@ -331,15 +338,15 @@ fn status_text(d: &super::rm_api::JobDetail, now: u64) -> String {
             .since
             .map(|s| short_duration(now.saturating_sub(s)))
             .unwrap_or_default();
-        out.push_str(&format!("waiting {since}: {why}\n"));
+        out.push_str(&format!("waiting {since}: {}\n", crate::text::shown_line(&why)));
     }
     if let Some(e) = &d.waiting.estimate {
         out.push_str(&format!("{}\n", estimate_line(e, now)));
     }
     if !h.reason.is_empty() {
-        out.push_str(&format!("reason: {}\n", h.reason));
+        out.push_str(&format!("reason: {}\n", crate::text::shown_line(&h.reason)));
     } else if !r.diagnostics.is_empty() && !r.state.is_final() {
-        out.push_str(&format!("note: {}\n", r.diagnostics));
+        out.push_str(&format!("note: {}\n", crate::text::shown_line(&r.diagnostics)));
     }
     if !r.tracking_url.is_empty() && !r.state.is_final() {
         out.push_str(&format!("dashboard: {}\n", r.tracking_url));
@@ -396,6 +403,7 @@ pub(crate) async fn logs(a: &LogsArgs, tls: &TlsSettings) -> i32 {
             return exit::USAGE;
         }
     };
+    let to_terminal = !a.raw && std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut offset = 0u64;
     let mut container = String::new();
     loop {
@@ -442,7 +450,7 @@ pub(crate) async fn logs(a: &LogsArgs, tls: &TlsSettings) -> i32 {
             }
             container = log.container_id.clone();
         }
-        print!("{}", log.text);
+        print!("{}", crate::text::task_output(&log.text, to_terminal));
         let _ = std::io::stdout().flush();
         offset = log.offset + log.text.len() as u64;
         if !log.note.is_empty() {
@@ -531,8 +539,7 @@ pub(crate) async fn history(a: &HistoryArgs, tls: &TlsSettings) -> i32 {
             r.gpu_hours
         ));
         if !r.reason.is_empty() {
-            let one_line = r.reason.replace('\n', " ⏎ ");
-            out.push_str(&format!("       {}\n", fit(&one_line, 72)));
+            out.push_str(&format!("       {}\n", fit(&crate::text::shown_line(&r.reason), 72)));
         }
     }
     if rows.is_empty() {
@@ -618,6 +625,33 @@ mod tests {
         );
         let d = detail(Value::Null);
         assert!(!status_text(&d, now).contains("expected"), "an older RM: no line");
+    }
+
+    /// A task's stderr inside `reason:` stays on its line: its newlines cannot forge a
+    /// `state SUCCEEDED` line below it (audit 6 F4).
+    #[test]
+    fn a_reason_is_one_line_whatever_the_task_wrote() {
+        let now = 1_795_706_460_000;
+        let app = crate::rm::apps::App::new("application_1_0004".into(), "j".into()).report;
+        let reason = "task main/0 (attempt 1) exited with 4: end of stderr: boom\n\nstate SUCCEEDED  exit 0\r";
+        let d: super::super::rm_api::JobDetail = serde_json::from_value(json!({
+            "app": app,
+            "waiting": {},
+            "containers": [],
+            "history": {"id": "application_1_0004", "name": "j", "user": "alice", "queue": "default",
+                "state": "FAILED", "exitCode": 4, "submittedTime": now, "startedTime": now,
+                "finishedTime": now, "durationSec": 1.0, "reason": reason, "amAttempts": 1, "containers": 0,
+                "taskRetries": 0, "gpuHours": 0.0}
+        }))
+        .unwrap();
+        let t = status_text(&d, now);
+        assert!(
+            t.contains(
+                "reason: task main/0 (attempt 1) exited with 4: end of stderr: boom\\n\\nstate SUCCEEDED  exit 0\\r\n"
+            ),
+            "{t}"
+        );
+        assert!(!t.lines().any(|l| l.starts_with("state SUCCEEDED")), "{t}");
     }
 
     #[test]

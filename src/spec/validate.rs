@@ -113,7 +113,7 @@ pub fn check_port_label(label: &str) -> Result<(), Problem> {
 pub fn check_host_name(host: &str) -> Result<(), Problem> {
     if host.is_empty() || host.len() > 253 || !chars_ok(host, "._-") {
         return Err((
-            format!("invalid host name \"{}\"", clip(&crate::text::shown(host))),
+            format!("invalid host name \"{}\"", clip(host)),
             "use 1 to 253 letters, digits, `.`, `_` or `-`, e.g. `node-01`".into(),
         ));
     }
@@ -124,7 +124,7 @@ pub fn check_host_name(host: &str) -> Result<(), Problem> {
 pub fn check_node_label(label: &str) -> Result<(), Problem> {
     if label.is_empty() || label.len() > 255 || !chars_ok(label, "._-") {
         return Err((
-            format!("invalid node label \"{}\"", clip(&crate::text::shown(label))),
+            format!("invalid node label \"{}\"", clip(label)),
             "use 1 to 255 letters, digits, `.`, `_` or `-`, e.g. `gpu`".into(),
         ));
     }
@@ -135,7 +135,7 @@ pub fn check_node_label(label: &str) -> Result<(), Problem> {
 pub fn check_rack(rack: &str) -> Result<(), Problem> {
     if !rack.starts_with('/') || rack.len() > 255 || !chars_ok(rack, "/._-") {
         return Err((
-            format!("invalid rack \"{}\"", clip(&crate::text::shown(rack))),
+            format!("invalid rack \"{}\"", clip(rack)),
             "write a rack path starting with `/` of letters, digits, `/`, `.`, `_` or `-`, e.g. `/rack-a`".into(),
         ));
     }
@@ -147,7 +147,7 @@ pub fn check_rack(rack: &str) -> Result<(), Problem> {
 pub fn check_gpu_type(gpu_type: &str) -> Result<(), Problem> {
     if gpu_type.is_empty() || gpu_type.len() > 255 || !chars_ok(gpu_type, " ._+()/-") {
         return Err((
-            format!("invalid GPU type \"{}\"", clip(&crate::text::shown(gpu_type))),
+            format!("invalid GPU type \"{}\"", clip(gpu_type)),
             "use 1 to 255 letters, digits, spaces, `.`, `_`, `+`, `(`, `)`, `/` or `-`, e.g. `A100-80GB`".into(),
         ));
     }
@@ -364,6 +364,18 @@ pub fn overlapping_static(ports: &[PortRequest]) -> Vec<(usize, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_quote_a_spec_value_escaped() {
+        let (msg, _) = check_job_name("esc\u{1b}]0;PWNED\u{7}\nstate SUCCEEDED\u{200f}").unwrap_err();
+        assert_eq!(
+            msg,
+            "invalid job name \"esc\\u{1b}]0;PWNED\\u{7}\\nstate SUCCEEDED\\u{200f}\""
+        );
+        let (msg, _) = check_port_label(&format!("{}\u{1b}[2J", "a".repeat(59))).unwrap_err();
+        assert!(msg.ends_with("a\\u{1b}…\""), "{msg}");
+        assert!(!msg.contains('\u{1b}'), "{msg}");
+    }
 
     #[test]
     fn names() {

@@ -151,14 +151,16 @@ impl Node {
     }
 }
 
-/// Shortens long user text for messages.
+/// User text quoted in a one-line message (the validator's, the RM's refusals): shortened
+/// to 60 characters, and shown as a terminal may show it ([`crate::text::shown_line`]: a
+/// spec's ESC, newline or bidi control is written as its escape, `\u{1b}`).
 pub fn clip(s: &str) -> String {
     const MAX: usize = 60;
     if s.chars().count() <= MAX {
-        s.to_string()
+        crate::text::shown_line(s).into_owned()
     } else {
         let head: String = s.chars().take(MAX).collect();
-        format!("{head}…")
+        format!("{}…", crate::text::shown_line(&head))
     }
 }
 
