@@ -114,11 +114,9 @@ pub fn sweep(temp_root: &Path, also: Option<&Path>) -> Vec<(PathBuf, usize)> {
 /// [`RUN_PROCESS_FILE`] naming a process that is no longer the same one. The file goes
 /// once reaped. `None` where there is nothing to sweep.
 pub fn sweep_one(dir: &Path) -> Option<usize> {
-    use std::os::unix::fs::MetadataExt as _;
-    let meta = std::fs::symlink_metadata(dir).ok()?;
-    // SAFETY: plain syscall without arguments.
-    let me = unsafe { libc::geteuid() };
-    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+    // Not a link (a link of this user's to another of its directories would sweep that one
+    // under this name); owner and modes are `check_owned_path`'s.
+    if !std::fs::symlink_metadata(dir).ok()?.is_dir() {
         return None;
     }
     crate::node::identity::check_owned_path(dir).ok()?;
@@ -321,6 +319,7 @@ mod tests {
     #[test]
     fn a_work_dir_of_another_user_or_in_their_directory_is_not_swept() {
         if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root (directories of other uids)");
             return;
         }
         let t = tempfile::tempdir().unwrap();

@@ -1001,6 +1001,19 @@ async fn container_logs(
 mod tests {
     use super::*;
 
+    /// A grant of nothing on host h1 to alice's application 1 (what the signed-call tests
+    /// start), for container `id`.
+    fn alices_grant(id: &str) -> crate::node::Grant {
+        crate::node::Grant {
+            container_id: id.into(),
+            app_id: "application_1_0001".into(),
+            host: "h1".into(),
+            resources: Resources::default(),
+            user: "alice".into(),
+            topology: None,
+        }
+    }
+
     fn opts(listen: &str, advertise: Option<&str>, ip: Option<&str>, rm: &str) -> AgentOptions {
         AgentOptions {
             rm_url: rm.into(),
@@ -1348,14 +1361,7 @@ mod tests {
         use super::super::NodeBackend as _;
 
         let id = "container_1_0001_01_000001";
-        let grant = crate::node::Grant {
-            container_id: id.into(),
-            app_id: "application_1_0001".into(),
-            host: "h1".into(),
-            resources: Resources::default(),
-            user: "alice".into(),
-            topology: None,
-        };
+        let grant = alices_grant(id);
         let ctx = crate::protocol::LaunchContext {
             commands: vec!["echo victim-runs; exec sleep 60".into()],
             env: [("SECRET".to_string(), "victim-secret".to_string())].into(),
@@ -1476,14 +1482,7 @@ mod tests {
         assert_eq!(r.status(), 200);
         let s: ContainerStatus = r.json().await.unwrap();
         assert_eq!(s.state, ContainerState::Complete, "reported dead: {s:?}");
-        let grant = crate::node::Grant {
-            container_id: id.into(),
-            app_id: "application_1_0001".into(),
-            host: "h1".into(),
-            resources: Resources::default(),
-            user: "alice".into(),
-            topology: None,
-        };
+        let grant = alices_grant(id);
         let start = AgentStart {
             grant: grant.clone(),
             launch_context: crate::protocol::LaunchContext {
@@ -1542,14 +1541,7 @@ mod tests {
         std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let pairs = (0..40u32).map(|i| {
             let id = format!("container_1_0001_01_{:06}", 100 + i);
-            let grant = crate::node::Grant {
-                container_id: id.clone(),
-                app_id: "application_1_0001".into(),
-                host: "h1".into(),
-                resources: Resources::default(),
-                user: "alice".into(),
-                topology: None,
-            };
+            let grant = alices_grant(&id);
             let body = AgentStart {
                 grant: grant.clone(),
                 launch_context: crate::protocol::LaunchContext {

@@ -1329,7 +1329,6 @@ fn contained(
     mpsc::UnboundedReceiver<NodeEvent>,
     Containment,
 ) {
-    let tmp = tempfile::tempdir().unwrap();
     let containment = Containment::detect(&format!("node-{}-{name}", std::process::id()));
     assert_ne!(
         containment.mechanism(),
@@ -1337,6 +1336,19 @@ fn contained(
         "this test needs a cgroup the test can create (run it as root): {}",
         containment.describe()
     );
+    executor_with(containment)
+}
+
+/// An executor over a fresh directory with `containment`.
+fn executor_with(
+    containment: Containment,
+) -> (
+    tempfile::TempDir,
+    Executor,
+    mpsc::UnboundedReceiver<NodeEvent>,
+    Containment,
+) {
+    let tmp = tempfile::tempdir().unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     let exec = Executor::with_options(
         tmp.path().join("containers"),
@@ -1459,7 +1471,6 @@ fn the_sweep_rule_and_the_scripts_word() {
 async fn a_container_binds_its_granted_ports_and_no_other_of_the_nodes() {
     use crate::node::bind_guard::BindGuard;
     use crate::resources::PortSet;
-    let tmp = tempfile::tempdir().unwrap();
     let containment = Containment::detect(&format!("node-{}-ports", std::process::id())).with_bind_guard(BindGuard {
         managed: PortSet::parse("47100-47115").unwrap(),
         reserved: PortSet::parse("47200").unwrap(),
@@ -1469,15 +1480,7 @@ async fn a_container_binds_its_granted_ports_and_no_other_of_the_nodes() {
         "this test needs a cgroup v2 and the kernel's bind program (run it as root): {}",
         containment.describe()
     );
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let exec = Executor::with_options(
-        tmp.path().join("containers"),
-        tx,
-        ExecutorOptions {
-            containment: containment.clone(),
-            ..Default::default()
-        },
-    );
+    let (_tmp, exec, mut rx, containment) = executor_with(containment);
     let probe = r#"python3 -c '
 import socket
 for fam, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
