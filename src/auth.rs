@@ -11,11 +11,16 @@ pub const TOKEN_BYTES: usize = 32;
 /// A fresh token: [`TOKEN_BYTES`] random bytes from the operating system, as lower-case hex
 /// (64 characters, safe in headers, files and URLs).
 pub fn new_token() -> String {
+    random_hex::<TOKEN_BYTES>()
+}
+
+/// `N` random bytes from the operating system, as lower-case hex (tokens, nonces).
+pub fn random_hex<const N: usize>() -> String {
     use ring::rand::SecureRandom;
-    let mut bytes = [0u8; TOKEN_BYTES];
+    let mut bytes = [0u8; N];
     if ring::rand::SystemRandom::new().fill(&mut bytes).is_err() {
         // ring's generator only fails when the OS has none; fall back to rand's OsRng,
-        // which reads the same source, rather than hand out a weak token.
+        // which reads the same source, rather than hand out weak randomness.
         use rand::RngCore;
         rand::rngs::OsRng.fill_bytes(&mut bytes);
     }

@@ -123,12 +123,7 @@ fn call_text(call: &Call<'_>, ts_ms: u64, nonce: &str) -> String {
 
 /// A fresh random nonce for [`sign_call`]: 16 bytes in hex.
 pub fn new_nonce() -> String {
-    let mut bytes = [0u8; 16];
-    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).is_err() {
-        use rand::RngCore;
-        rand::rngs::OsRng.fill_bytes(&mut bytes);
-    }
-    crate::auth::hex(&bytes)
+    crate::auth::random_hex::<16>()
 }
 
 /// The [`CALL_HEADER`] value of `call` at `ts_ms` (Unix ms) with `nonce` ([`new_nonce`]):
