@@ -1178,7 +1178,46 @@ async fn browser_borne_requests_are_refused() {
         .submit_as(&rm.alice, SPEC, json!({"dashboardListen": "127.0.0.1:0"}))
         .await;
     assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    // Seventh pass, F2: a user's job does not name its dashboard's port. Its AM binds as
+    // the RM's user on the RM's host, so a named port could be an agent's own (taken while
+    // the agent restarts, keeping its host out for as long as the job runs), the RM's or
+    // a task's. Port 0 only, unless the operator gives users a range; the admin may name one.
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    for listen in ["127.0.0.1:8042".to_string(), format!("[::1]:{}", free_port())] {
+        let (s, b, _) = rm.submit_as(&rm.alice, SPEC, json!({"dashboardListen": listen})).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{listen}: {b}");
+        assert!(b["message"].as_str().unwrap().contains("rm.dashboard_ports"), "{b}");
+    }
+    let admin = rm.handle.admin_token().to_string();
+    let named = format!("127.0.0.1:{}", free_port());
+    let (s, b, _) = rm.submit_as(&admin, SPEC, json!({"dashboardListen": named})).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "the admin may name a port: {b}");
     rm.handle.shutdown().await;
+    let port = free_port();
+    let ranged = rm_with(|o| o.limits.dashboard_ports = PortSet::range(port, port)).await;
+    let (s, b, _) = ranged
+        .submit_as(
+            &ranged.alice,
+            SPEC,
+            json!({"dashboardListen": format!("127.0.0.1:{port}")}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "a port of rm.dashboard_ports: {b}");
+    let (s, b, _) = ranged
+        .submit_as(
+            &ranged.alice,
+            SPEC,
+            json!({"dashboardListen": format!("127.0.0.1:{}", port.wrapping_add(1).max(1024))}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "a port outside rm.dashboard_ports: {b}");
+    ranged.handle.shutdown().await;
     let open = rm_with(|o| o.limits.allow_public_dashboards = true).await;
     let (s, b, _) = open
         .submit_as(&open.alice, SPEC, json!({"dashboardListen": "0.0.0.0:0"}))

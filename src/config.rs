@@ -145,6 +145,11 @@ pub struct RmSettings {
     pub public_names: Vec<String>,
     /// A job may ask for a dashboard address that is not loopback (`dashboardListen`).
     pub allow_public_dashboards: bool,
+    /// The ports a user's job may name for its dashboard (`dashboardListen`, e.g.
+    /// `"28000-28999"`); without them a user's job takes port 0 (any free port). The AM
+    /// runs as the RM's user on the RM's host, so a port a user could name is one an agent,
+    /// the RM or a task may need while its owner restarts. The admin token may name any.
+    pub dashboard_ports: Option<String>,
     /// Unfinished applications at once, all users together.
     pub max_apps: usize,
     /// Unfinished applications at once of one user.
@@ -186,6 +191,7 @@ impl Default for RmSettings {
             users_file: None,
             public_names: Vec::new(),
             allow_public_dashboards: false,
+            dashboard_ports: None,
             max_apps: 256,
             max_apps_per_user: 32,
             max_asks_per_allocate: 5000,
@@ -604,6 +610,10 @@ impl Settings {
         if self.am.max_retries_per_minute == 0 {
             return Err("am.max_retries_per_minute must be at least 1".into());
         }
+        if let Some(p) = &self.rm.dashboard_ports {
+            crate::resources::PortSet::parse(p)
+                .map_err(|e| format!("rm.dashboard_ports `{p}`: {e} (e.g. \"28000-28999\")"))?;
+        }
         if self.node.max_log_bytes < 4096 {
             return Err("node.max_log_bytes must be at least 4096".into());
         }
@@ -725,6 +735,10 @@ mod tests {
             e.to_string().contains("rack_policy") || e.to_string().contains("sideways"),
             "{e}"
         );
+        let e = Settings::load_with_env(None, env(&[("GPUAM__RM__DASHBOARD_PORTS", "29000-28000")])).unwrap_err();
+        assert!(e.to_string().contains("rm.dashboard_ports"), "{e}");
+        let s = Settings::load_with_env(None, env(&[("GPUAM__RM__DASHBOARD_PORTS", "28000-28999")])).unwrap();
+        assert_eq!(s.rm.dashboard_ports.as_deref(), Some("28000-28999"));
         let e = Settings::load_with_env(Some(Path::new("/nonexistent/gpuam.yaml")), env(&[])).unwrap_err();
         assert!(e.to_string().contains("not found"), "{e}");
     }

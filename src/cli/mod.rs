@@ -199,7 +199,8 @@ enum Cmd {
         /// Follow the job and exit with its exit code.
         #[arg(long)]
         wait: bool,
-        /// The dashboard's address (on the AM's machine).
+        /// The dashboard's address (on the AM's machine). A user names port 0 (any free port)
+        /// unless the RM's operator gives users a range (`rm.dashboard_ports`).
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
         /// File holding the RM's admin token, used to kill the job on Ctrl-C (default:

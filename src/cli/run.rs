@@ -141,6 +141,16 @@ pub async fn run(
         eprintln!("error: {e}");
         return exit::INTERNAL;
     }
+    // The embedded RM is this user's alone: the dashboard port they asked for is theirs.
+    let own;
+    let settings = if listen.port() != 0 {
+        let mut s = settings.clone();
+        s.rm.dashboard_ports = Some(listen.port().to_string());
+        own = s;
+        &own
+    } else {
+        settings
+    };
     let opts = match crate::rm::RmOptions::from_settings(
         settings,
         nodes,

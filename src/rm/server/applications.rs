@@ -80,8 +80,11 @@ pub(super) async fn get_app_attempts(
     })
 }
 
-/// A job's `dashboardListen`: an address, on loopback unless the operator allows others.
-fn check_dashboard_listen(rm: &Shared, listen: Option<&str>) -> Result<(), ApiError> {
+/// A job's `dashboardListen`: an address, on loopback unless the operator allows others; a
+/// port a user names must be one of `rm.dashboard_ports` (seventh pass, F2: the AM binds as
+/// the RM's user on the RM's host, so a user naming a port could take an agent's, the
+/// RM's or a task's while its owner restarts, and keep it for as long as the job runs).
+fn check_dashboard_listen(rm: &Shared, caller: &Caller, listen: Option<&str>) -> Result<(), ApiError> {
     let Some(text) = listen else {
         return Ok(());
     };
@@ -105,6 +108,13 @@ fn check_dashboard_listen(rm: &Shared, listen: Option<&str>) -> Result<(), ApiEr
              RM's operator sets `rm.allow_public_dashboards: true`"
         )));
     }
+    if addr.port() != 0 && !caller.is_admin() && !rm.limits.dashboard_ports.contains(addr.port()) {
+        return Err(ApiError::forbidden(format!(
+            "`dashboardListen` {addr}: a user's job does not choose its dashboard's port; use port 0 (any free \
+             port: the URL is printed and shown by `gpuam status`), or ask the RM's operator for a range \
+             (`rm.dashboard_ports`)"
+        )));
+    }
     Ok(())
 }
 
@@ -115,7 +125,7 @@ pub(super) async fn submit_app(
 ) -> Result<Response, ApiError> {
     let id = req.application_id.clone();
     check_app_id(&id)?;
-    check_dashboard_listen(&rm, req.dashboard_listen.as_deref())?;
+    check_dashboard_listen(&rm, &caller, req.dashboard_listen.as_deref())?;
     // Validate before claiming anything, so a rejected submit leaves nothing behind.
     transactions::check_submit(&mut rm.lock(), &rm.limits, &id, caller.name())?;
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());

@@ -91,7 +91,7 @@ use state::{recover_state, RmState, StateGuard};
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 /// The limits every caller is held to (settings `rm.max_apps`, `rm.max_apps_per_user`,
-/// `rm.max_asks_per_allocate`, `rm.allow_public_dashboards`).
+/// `rm.max_asks_per_allocate`, `rm.allow_public_dashboards`, `rm.dashboard_ports`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RmLimits {
     /// Unfinished applications at once, all users together (429 beyond).
@@ -102,6 +102,8 @@ pub struct RmLimits {
     pub max_asks_per_allocate: usize,
     /// A job may ask for a dashboard address that is not loopback.
     pub allow_public_dashboards: bool,
+    /// The dashboard ports a user's job may name (`rm.dashboard_ports`); others take port 0.
+    pub dashboard_ports: crate::resources::PortSet,
     /// The longest an idle AM's allocate call is held (`AllocateRequest::hold_ms`;
     /// `protocol::MAX_ALLOCATE_HOLD_MS`, longer only in tests).
     pub max_allocate_hold: Duration,
@@ -114,6 +116,12 @@ impl From<&crate::config::RmSettings> for RmLimits {
             max_apps_per_user: s.max_apps_per_user,
             max_asks_per_allocate: s.max_asks_per_allocate,
             allow_public_dashboards: s.allow_public_dashboards,
+            // Checked when the settings load (`Settings::validate`).
+            dashboard_ports: s
+                .dashboard_ports
+                .as_deref()
+                .and_then(|p| crate::resources::PortSet::parse(p).ok())
+                .unwrap_or_default(),
             max_allocate_hold: Duration::from_millis(crate::protocol::MAX_ALLOCATE_HOLD_MS),
         }
     }
