@@ -179,6 +179,19 @@ pub struct RmSettings {
     /// Most bytes the RM keeps of each finished container's stdout and of its stderr
     /// (the end of each).
     pub collected_log_bytes: u64,
+    /// Most bytes of kept logs one user's applications hold together: past it, that user's
+    /// oldest kept logs of ended applications go first; what running jobs hold stays, and
+    /// a log that does not fit is not kept (its route says why).
+    pub collected_logs_user_bytes: u64,
+    /// Most bytes of kept logs all users' applications hold together (the same rule, over
+    /// everyone's ended applications).
+    pub collected_logs_total_bytes: u64,
+    /// Free space (MiB) the RM leaves on its work dir's filesystem, which the state store
+    /// may share: below it no new task log is kept and ended jobs' spec copies go.
+    pub min_free_disk_mb: u64,
+    /// Most bytes of each of a running AM's `am.stdout` and `am.stderr`; past it the file
+    /// becomes `am.stdout.1` (its last this many bytes; one older generation) and starts again.
+    pub am_output_bytes: u64,
 }
 
 impl Default for RmSettings {
@@ -203,7 +216,41 @@ impl Default for RmSettings {
             max_history: 10_000,
             log_retention_days: 7,
             collected_log_bytes: 1 << 20,
+            collected_logs_user_bytes: 2 << 30,
+            collected_logs_total_bytes: 20 << 30,
+            min_free_disk_mb: 1024,
+            am_output_bytes: 16 << 20,
         }
+    }
+}
+
+impl RmSettings {
+    /// The bounds on what the RM keeps on disk fit together: one container's two streams
+    /// fit one user's budget, one user's budget fits the total.
+    fn check_log_bounds(&self) -> Result<(), String> {
+        let per_container = self.collected_log_bytes.saturating_mul(2);
+        if self.collected_logs_user_bytes < per_container {
+            return Err(format!(
+                "rm.collected_logs_user_bytes ({}) must be at least twice rm.collected_log_bytes ({}): one container's stdout and stderr must fit one user's budget",
+                self.collected_logs_user_bytes, self.collected_log_bytes
+            ));
+        }
+        if self.collected_logs_total_bytes < self.collected_logs_user_bytes {
+            return Err(format!(
+                "rm.collected_logs_total_bytes ({}) must be at least rm.collected_logs_user_bytes ({})",
+                self.collected_logs_total_bytes, self.collected_logs_user_bytes
+            ));
+        }
+        if self.am_output_bytes < 4096 {
+            return Err(format!(
+                "rm.am_output_bytes ({}) must be at least 4096",
+                self.am_output_bytes
+            ));
+        }
+        if self.min_free_disk_mb > u64::MAX >> 20 {
+            return Err(format!("rm.min_free_disk_mb ({}) is too large", self.min_free_disk_mb));
+        }
+        Ok(())
     }
 }
 
@@ -626,6 +673,7 @@ impl Settings {
                 return Err(format!("{key} must be at least 1"));
             }
         }
+        self.rm.check_log_bounds()?;
         if self.select.candidate_nodes_factor == 0 {
             return Err("select.candidate_nodes_factor must be at least 1".into());
         }
@@ -741,6 +789,36 @@ mod tests {
         assert_eq!(s.rm.dashboard_ports.as_deref(), Some("28000-28999"));
         let e = Settings::load_with_env(Some(Path::new("/nonexistent/gpuam.yaml")), env(&[])).unwrap_err();
         assert!(e.to_string().contains("not found"), "{e}");
+    }
+
+    #[test]
+    fn log_bounds_that_do_not_fit_together_are_named() {
+        let bad = |pairs: &[(&str, &str)]| Settings::load_with_env(None, env(pairs)).unwrap_err().to_string();
+        let e = bad(&[("GPUAM__RM__COLLECTED_LOGS_USER_BYTES", "1048576")]);
+        assert!(
+            e.contains("rm.collected_logs_user_bytes") && e.contains("twice rm.collected_log_bytes"),
+            "{e}"
+        );
+        let e = bad(&[("GPUAM__RM__COLLECTED_LOGS_TOTAL_BYTES", "4194304")]);
+        assert!(
+            e.contains("rm.collected_logs_total_bytes") && e.contains("rm.collected_logs_user_bytes"),
+            "{e}"
+        );
+        let e = bad(&[("GPUAM__RM__AM_OUTPUT_BYTES", "100")]);
+        assert!(e.contains("rm.am_output_bytes"), "{e}");
+        let e = bad(&[("GPUAM__RM__MIN_FREE_DISK_MB", &u64::MAX.to_string())]);
+        assert!(e.contains("rm.min_free_disk_mb"), "{e}");
+        // Equal bounds fit.
+        let s = Settings::load_with_env(
+            None,
+            env(&[
+                ("GPUAM__RM__COLLECTED_LOG_BYTES", "1000"),
+                ("GPUAM__RM__COLLECTED_LOGS_USER_BYTES", "2000"),
+                ("GPUAM__RM__COLLECTED_LOGS_TOTAL_BYTES", "2000"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.rm.collected_logs_total_bytes, 2000);
     }
 
     #[test]

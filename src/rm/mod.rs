@@ -6,6 +6,7 @@
 pub mod apps;
 pub mod history;
 pub mod ledger;
+pub mod log_budget;
 pub mod scheduler;
 pub mod server;
 pub mod store;

@@ -1,8 +1,18 @@
 //! The AM supervisor: launches one AM process per application attempt, watches it (also
 //! one inherited from an earlier RM), and on its death starts the next attempt
 //! (work-preserving) or fails the application.
+//!
+//! Its output: the AM writes `am.stdout` and `am.stderr` in its application's directory
+//! itself (opened for appending here, inherited across RM restarts). Every
+//! [`OUTPUT_CHECK_EVERY`] the RM bounds each of a running AM's two files to
+//! `rm.am_output_bytes` (`crate::rm::log_budget::am_output_cut`): past it, the file's last
+//! that many bytes become `am.stdout.1` (replacing the generation before) and the file is
+//! cut to one line saying so, so one AM's output takes at most about twice the bound
+//! each. The AM's descriptor appends, so it writes on at the file's new end; what it
+//! writes between the copy and the cut is lost.
 
 use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
@@ -21,6 +31,12 @@ use crate::rm::store::StoreError;
 
 /// How long a killed application's AM gets to exit by itself before it is killed.
 pub const AM_KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// How often a running AM's output is held to `rm.am_output_bytes`.
+const OUTPUT_CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// The AM's output files, each bounded.
+const AM_OUTPUT_FILES: [&str; 2] = ["am.stdout", "am.stderr"];
 
 /// Lines of am.stderr quoted when an AM dies without finishing.
 pub(super) const STDERR_TAIL_LINES: usize = 20;
@@ -291,6 +307,65 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
     spawn_stops(rm, ended);
 }
 
+/// Holds every running AM's output to `rm.am_output_bytes`, every [`OUTPUT_CHECK_EVERY`].
+pub(super) fn spawn_output_bound(rm: Arc<Shared>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(OUTPUT_CHECK_EVERY);
+        loop {
+            every.tick().await;
+            let running: Vec<String> = {
+                let st = rm.lock();
+                st.apps
+                    .values()
+                    .filter(|a| !a.report.state.is_final() && a.launch.is_some())
+                    .map(|a| a.report.id.clone())
+                    .collect()
+            };
+            for id in running {
+                for name in AM_OUTPUT_FILES {
+                    if let Err(e) = bound_output(&rm.work_dir.join(&id).join(name), rm.history.am_output_bytes) {
+                        tracing::warn!(app = %id, "{name} not bounded: {e}");
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Cuts `path` if it is over `bound`: its last `bound` bytes to `PATH.1`, then the file to
+/// one line saying so. `Ok(true)` when it was cut.
+pub(super) fn bound_output(path: &Path, bound: u64) -> std::io::Result<bool> {
+    let len = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_file() => m.len(),
+        Ok(_) => return Ok(false),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    let Some(keep) = crate::rm::log_budget::am_output_cut(len, bound) else {
+        return Ok(false);
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let older = path.with_file_name(format!("{name}.1"));
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    f.seek(SeekFrom::Start(len - keep))?;
+    let mut tail = Vec::new();
+    (&mut f).take(keep).read_to_end(&mut tail)?;
+    let tmp = path.with_file_name(format!("{name}.1.part"));
+    super::private::write(&tmp, &tail).and_then(|()| std::fs::rename(&tmp, &older))?;
+    f.set_len(0)?;
+    let line = crate::rm::log_budget::am_output_cut_line(&name, bound, crate::protocol::now_ms());
+    // Appended: the AM's own writes (appending too) follow it.
+    std::io::Write::write_all(&mut super::private::open(path, true)?, line.as_bytes())?;
+    Ok(true)
+}
+
 /// The last `n` lines of a file (reading at most its last 16 KiB).
 pub(super) fn stderr_tail(path: &Path, n: usize) -> String {
     let read = || -> std::io::Result<String> {
@@ -305,4 +380,44 @@ pub(super) fn stderr_tail(path: &Path, n: usize) -> String {
     let text = crate::text::clean(&read().unwrap_or_default());
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write as _;
+
+    /// The AM's descriptor appends: after the cut it writes on at the file's new end, so the
+    /// file stays small (no hole at the old length), and `am.stdout.1` holds the last bytes.
+    #[test]
+    fn am_output_past_its_bound_keeps_one_older_generation() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("am.stdout");
+        let mut am = super::super::private::open(&path, true).unwrap();
+        let old: Vec<u8> = (0..10_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        am.write_all(&old).unwrap();
+        assert!(!bound_output(&path, 10_000).unwrap(), "at the bound: left alone");
+        am.write_all(b"z").unwrap();
+        assert!(bound_output(&path, 4096).unwrap());
+        let older = std::fs::read(t.path().join("am.stdout.1")).unwrap();
+        let mut expect = old[old.len() - 4095..].to_vec();
+        expect.push(b'z');
+        assert_eq!(older, expect);
+        am.write_all(b"after\n").unwrap();
+        let now = std::fs::read_to_string(&path).unwrap();
+        assert!(now.starts_with("[gpuam rm: at "), "{now}");
+        assert!(
+            now.contains("rm.am_output_bytes (4096)") && now.ends_with("]\nafter\n"),
+            "{now}"
+        );
+        // Cut again: the older generation is replaced, never a third kept.
+        am.write_all(&old).unwrap();
+        assert!(bound_output(&path, 4096).unwrap());
+        assert_eq!(
+            std::fs::read(t.path().join("am.stdout.1")).unwrap(),
+            old[old.len() - 4096..]
+        );
+        assert!(!t.path().join("am.stdout.2").exists());
+        assert!(!bound_output(&t.path().join("absent"), 4096).unwrap());
+    }
 }

@@ -3,8 +3,10 @@
 //! `user`, `queue`, `state`, at most `limit`), for the caller's own applications (the
 //! admin's: everyone's). Finished applications stay in the RM's store until the
 //! retention pass forgets them (`rm.history_retention_days`, `rm.max_history`), and
-//! their kept logs go after `rm.log_retention_days`. The rows are computed by
-//! `crate::rm::history`.
+//! their kept logs go after `rm.log_retention_days`; a forgotten application's directory
+//! (its job.yaml copy, its AM's output) goes with it, and while the disk is below its
+//! reserve (`rm.min_free_disk_mb`) ended applications keep no job.yaml copy nor older AM
+//! output. The rows are computed by `crate::rm::history`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,11 +111,13 @@ pub(super) fn spawn_retention(rm: Arc<Shared>) -> JoinHandle<()> {
     })
 }
 
-/// Forgets the finished applications beyond the history's bounds (their containers and
-/// kept logs with them) and deletes kept logs older than `rm.log_retention_days`.
+/// Forgets the finished applications beyond the history's bounds (their containers,
+/// kept logs and directory with them), deletes kept logs older than
+/// `rm.log_retention_days`, and below the disk's reserve the job.yaml copies and older AM
+/// output of ended applications.
 pub(super) fn retention_pass(rm: &Shared) {
     let now = now_ms();
-    let (forgotten, old_logs) = {
+    let (finished, forgotten, old_logs) = {
         let (finished, gone) = transactions::forget_finished(&mut rm.lock(), &rm.history, now);
         if !gone.is_empty() {
             tracing::info!(apps = gone.len(), "history retention: finished applications forgotten");
@@ -124,17 +128,53 @@ pub(super) fn retention_pass(rm: &Shared) {
             .filter(|(id, t)| !gone.contains(id) && now.saturating_sub(*t) > log_age)
             .map(|(id, _)| id.clone())
             .collect();
-        (gone, old_logs)
+        (finished, gone, old_logs)
     };
     for id in forgotten.iter().chain(&old_logs) {
         let dir = super::logs::logs_dir(rm, id);
         if dir.is_dir() {
             if let Err(e) = std::fs::remove_dir_all(&dir) {
                 tracing::warn!(app = %id, "kept logs not deleted: {e}");
+                continue;
+            }
+        }
+        rm.kept_logs.lock().forget(id);
+    }
+    for id in &forgotten {
+        let dir = rm.work_dir.join(id);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(app = %id, "its directory was not deleted: {e}");
             }
         }
     }
+    let reserve = rm.history.budget.min_free_bytes;
+    let low = match super::logs::free_bytes(&rm.work_dir) {
+        Ok(free) => !crate::rm::log_budget::reserve_allows(free, 0, reserve),
+        Err(e) => {
+            tracing::warn!("{e}");
+            false
+        }
+    };
+    if low {
+        let mut freed = 0usize;
+        for (id, _) in finished.iter().filter(|(id, _)| !forgotten.contains(id)) {
+            for name in ENDED_DISPOSABLE {
+                if std::fs::remove_file(rm.work_dir.join(id).join(name)).is_ok() {
+                    freed += 1;
+                }
+            }
+        }
+        tracing::warn!(
+            files = freed,
+            "the RM's disk is below its reserve (rm.min_free_disk_mb): no new log is kept; ended jobs' job.yaml copies and older AM output removed"
+        );
+    }
 }
+
+/// What an ended application's directory need not keep while the disk is below its
+/// reserve: its spec's copy (the AM read it) and its AM's older output.
+const ENDED_DISPOSABLE: [&str; 3] = ["job.yaml", "am.stdout.1", "am.stderr.1"];
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,15 @@
 //! (`?attempt=N&stream=stderr&offset=BYTES`) serve them to the application's owner and
 //! the admin: the kept copy once there is one, else the node's live file (`gpuam logs
 //! --follow` polls with the offset). A container on a LOST node says so.
+//!
+//! What is kept is bounded (RELIABILITY §2e, seventh pass): this file owns the count of
+//! kept bytes per application ([`KeptLogs`], rebuilt by a bounded scan when the RM starts)
+//! and carries out `crate::rm::log_budget::decide` before each container's logs are
+//! written: older ended applications' kept logs are removed (a `removed.why` file says
+//! why), or the container's are not kept (its `<container>.not-kept` says why), and the
+//! routes give that sentence as their `note`.
 
+use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,10 +35,12 @@ use crate::cluster::NodeState;
 use crate::node::executor::LogStream;
 use crate::protocol::{now_ms, ContainerState};
 use crate::rm::history::{container_row, pick_container, ContainerRow};
+use crate::rm::log_budget::{self, Budget, Decision, KeptApp, NotKept};
 
 /// How long the RM keeps finished jobs and their logs, and how much of each log
 /// (settings `rm.history_retention_days`, `rm.max_history`, `rm.log_retention_days`,
-/// `rm.collected_log_bytes`).
+/// `rm.collected_log_bytes`, `rm.collected_logs_user_bytes`, `rm.collected_logs_total_bytes`,
+/// `rm.min_free_disk_mb`, `rm.am_output_bytes`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HistoryOptions {
     /// Finished applications older than this are forgotten (with their containers and logs).
@@ -42,6 +52,10 @@ pub struct HistoryOptions {
     pub log_max_age: Duration,
     /// Most bytes kept of each container's stdout and of its stderr (the end).
     pub log_bytes: u64,
+    /// The bounds on all kept logs: per user, in all, and the disk's free-space reserve.
+    pub budget: Budget,
+    /// Most bytes of each of a running AM's `am.stdout` and `am.stderr`.
+    pub am_output_bytes: u64,
 }
 
 impl From<&crate::config::RmSettings> for HistoryOptions {
@@ -51,6 +65,12 @@ impl From<&crate::config::RmSettings> for HistoryOptions {
             max_apps: s.max_history,
             log_max_age: Duration::from_secs(s.log_retention_days.saturating_mul(86_400)),
             log_bytes: s.collected_log_bytes,
+            budget: Budget {
+                user_bytes: s.collected_logs_user_bytes,
+                total_bytes: s.collected_logs_total_bytes,
+                min_free_bytes: s.min_free_disk_mb.saturating_mul(1 << 20),
+            },
+            am_output_bytes: s.am_output_bytes,
         }
     }
 }
@@ -99,23 +119,210 @@ pub(super) fn spawn_collect(rm: &Arc<Shared>, container_id: String) {
 
 async fn collect(rm: &Shared, host: &str, app: &str, id: &str) -> Result<(), String> {
     let node = rm.nodes.for_host(host);
-    let dir = logs_dir(rm, app);
-    let root = rm.work_dir.join("logs");
-    super::private::dir(&dir, &[&root]).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut texts = Vec::with_capacity(2);
     for stream in [LogStream::Stdout, LogStream::Stderr] {
         let text = node
             .read_log(host, id, stream, Some(rm.history.log_bytes))
             .await
             .map_err(|e| e.to_string())?;
-        let path = log_file(rm, app, id, stream);
-        // Per stream (`cid.stdout.part`, `cid.stderr.part`): two streams never share one.
-        let tmp = std::path::PathBuf::from(format!("{}.part", path.display()));
-        super::private::write(&tmp, text.as_bytes())
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        texts.push((stream, text));
     }
+    keep(rm, app, id, &texts)?;
     tracing::debug!(container = %id, %host, "logs collected");
     Ok(())
+}
+
+/// Keeps a container's collected logs if the budget allows (after removing what it says),
+/// else writes why not. One at a time ([`Shared::kept_logs`]), so two collections never
+/// both take the last room.
+fn keep(rm: &Shared, app: &str, id: &str, texts: &[(LogStream, String)]) -> Result<(), String> {
+    let dir = logs_dir(rm, app);
+    let root = rm.work_dir.join("logs");
+    super::private::dir(&dir, &[&root]).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut kept = rm.kept_logs.lock();
+    // Logs kept of this container before (collected again) are replaced, not added to.
+    let before: u64 = texts.iter().map(|(s, _)| file_len(&log_file(rm, app, id, *s))).sum();
+    let new_bytes: u64 = texts.iter().map(|(_, t)| t.len() as u64).sum();
+    let need = new_bytes.saturating_sub(before);
+    let (user, apps) = {
+        let st = rm.lock();
+        let user = st.apps.get(app).map(|a| a.report.user.clone()).unwrap_or_default();
+        (user, kept.as_apps(&st))
+    };
+    let free = free_bytes(&root);
+    match log_budget::decide(&apps, app, &user, need, free, &rm.history.budget) {
+        Decision::Keep { remove } => {
+            for (gone, over) in remove {
+                remove_kept(rm, &mut kept, &gone, &log_budget::removed_text(&over));
+                tracing::info!(app = %gone, for_app = %app, "kept logs removed: {}", log_budget::removed_text(&over));
+            }
+            let _ = std::fs::remove_file(not_kept_file(rm, app, id));
+            for (stream, text) in texts {
+                let path = log_file(rm, app, id, *stream);
+                // Per stream (`cid.stdout.part`, `cid.stderr.part`): two streams never share one.
+                let tmp = PathBuf::from(format!("{}.part", path.display()));
+                super::private::write(&tmp, text.as_bytes())
+                    .and_then(|()| std::fs::rename(&tmp, &path))
+                    .map_err(|e| {
+                        let _ = std::fs::remove_file(&tmp);
+                        format!("cannot write {}: {e}", path.display())
+                    })?;
+            }
+            let now = kept.bytes(app).saturating_sub(before).saturating_add(new_bytes);
+            kept.set(app, now);
+            Ok(())
+        }
+        Decision::Refuse(why) => {
+            record_not_kept(rm, app, id, &why);
+            Ok(())
+        }
+    }
+}
+
+/// Writes why a container's logs were not kept (a sentence; if even that cannot be
+/// written the route says the node no longer has them).
+fn record_not_kept(rm: &Shared, app: &str, id: &str, why: &NotKept) {
+    let text = why.text();
+    tracing::warn!(%app, container = %id, "logs {text}");
+    if let Err(e) = super::private::write(&not_kept_file(rm, app, id), text.as_bytes()) {
+        tracing::warn!(%app, container = %id, "cannot record why its logs were not kept: {e}");
+    }
+}
+
+/// Removes an application's kept logs, leaving `why` in their place.
+fn remove_kept(rm: &Shared, kept: &mut KeptLogs, app: &str, why: &str) {
+    let dir = logs_dir(rm, app);
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(%app, "kept logs not removed: {e}");
+            return;
+        }
+    }
+    kept.forget(app);
+    let root = rm.work_dir.join("logs");
+    let written = super::private::dir(&dir, &[&root])
+        .and_then(|()| super::private::write(&dir.join(REMOVED_FILE), why.as_bytes()));
+    if let Err(e) = written {
+        tracing::warn!(%app, "cannot record why its kept logs were removed: {e}");
+    }
+}
+
+/// Where an application whose kept logs were removed says why.
+const REMOVED_FILE: &str = "removed.why";
+
+/// The ending of the file that says why a container's logs were not kept.
+const NOT_KEPT_SUFFIX: &str = ".not-kept";
+
+fn not_kept_file(rm: &Shared, app: &str, container: &str) -> PathBuf {
+    logs_dir(rm, app).join(format!("{container}{NOT_KEPT_SUFFIX}"))
+}
+
+fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+}
+
+/// Why a container's log is not kept, if the RM recorded it: not kept, or removed since.
+fn why_not_kept(rm: &Shared, app: &str, container: &str) -> Option<String> {
+    let read = |p: PathBuf| -> Option<String> {
+        let mut buf = Vec::new();
+        std::fs::File::open(p).ok()?.take(1024).read_to_end(&mut buf).ok()?;
+        Some(crate::text::shown_line(&String::from_utf8_lossy(&buf)).into_owned())
+    };
+    read(not_kept_file(rm, app, container)).or_else(|| read(logs_dir(rm, app).join(REMOVED_FILE)))
+}
+
+/// The free bytes (for the RM's user) of the filesystem holding `path`.
+pub(super) fn free_bytes(path: &Path) -> Result<u64, String> {
+    let v = nix::sys::statvfs::statvfs(path).map_err(|e| format!("statvfs {}: {e}", path.display()))?;
+    Ok((v.blocks_available() as u64).saturating_mul(v.fragment_size() as u64))
+}
+
+/// Most files the start-up scan of the kept logs reads (a bound on its time; past it,
+/// what is not counted is only found by its application's retention).
+const MAX_SCANNED_FILES: usize = 1_000_000;
+
+/// The bytes of kept logs per application, as the RM counts them for the budget.
+#[derive(Debug, Default)]
+pub(super) struct KeptLogs {
+    by_app: HashMap<String, u64>,
+}
+
+impl KeptLogs {
+    /// Counts what is under `<work dir>/logs` (at most [`MAX_SCANNED_FILES`] files).
+    pub(super) fn scan(work_dir: &Path) -> KeptLogs {
+        let mut by_app = HashMap::new();
+        let mut files = 0usize;
+        let Ok(apps) = std::fs::read_dir(work_dir.join("logs")) else {
+            return KeptLogs { by_app };
+        };
+        'apps: for entry in apps.flatten() {
+            let Ok(name) = entry.file_name().into_string() else {
+                continue;
+            };
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let Ok(inner) = std::fs::read_dir(entry.path()) else {
+                continue;
+            };
+            let mut bytes = 0u64;
+            for f in inner.flatten() {
+                files += 1;
+                if files > MAX_SCANNED_FILES {
+                    tracing::warn!("kept logs: more than {MAX_SCANNED_FILES} files; the rest are not counted");
+                    by_app.insert(name, bytes);
+                    break 'apps;
+                }
+                let name = f.file_name();
+                let name = name.to_string_lossy();
+                if name == REMOVED_FILE || name.ends_with(NOT_KEPT_SUFFIX) {
+                    continue;
+                }
+                match f.metadata() {
+                    Ok(m) if m.is_file() => bytes = bytes.saturating_add(m.len()),
+                    _ => {}
+                }
+            }
+            by_app.insert(name, bytes);
+        }
+        let total: u64 = by_app.values().sum();
+        tracing::info!(apps = by_app.len(), bytes = total, "kept logs counted");
+        KeptLogs { by_app }
+    }
+
+    pub(super) fn bytes(&self, app: &str) -> u64 {
+        self.by_app.get(app).copied().unwrap_or(0)
+    }
+
+    fn set(&mut self, app: &str, bytes: u64) {
+        self.by_app.insert(app.to_string(), bytes);
+    }
+
+    /// Its kept logs are gone.
+    pub(super) fn forget(&mut self, app: &str) {
+        self.by_app.remove(app);
+    }
+
+    /// What is kept, with each application's owner and end as the state says (one the
+    /// RM no longer knows: no owner, ended at 0, so the first to go).
+    fn as_apps(&self, st: &RmState) -> Vec<KeptApp> {
+        self.by_app
+            .iter()
+            .map(|(id, &bytes)| {
+                let a = st.apps.get(id);
+                KeptApp {
+                    app: id.clone(),
+                    user: a.map(|a| a.report.user.clone()).unwrap_or_default(),
+                    bytes,
+                    ended_ms: match a {
+                        Some(a) if !a.report.state.is_final() => None,
+                        Some(a) => Some(a.report.finished_time),
+                        None => Some(0),
+                    },
+                }
+            })
+            .collect()
+    }
 }
 
 /// The containers of an application the caller owns, as rows.
@@ -206,6 +413,11 @@ pub(super) async fn get_task_log(
         };
         (row, app.report.state.is_final(), app.report.finished_time, source)
     };
+    // Not kept (a budget, the disk's reserve) or removed since: said whatever is served.
+    let not_kept = match source {
+        Source::Kept(_) => None,
+        _ => why_not_kept(&rm, &id, &row.container_id),
+    };
     let complete = row.state == ContainerState::Complete;
     let offset = q.offset.unwrap_or(0);
     let (text, size, note) = match source {
@@ -222,10 +434,12 @@ pub(super) async fn get_task_log(
         Source::Lost => (
             String::new(),
             0,
-            format!(
-                "node {} is LOST: the logs of container {} could not be collected",
-                row.host, row.container_id
-            ),
+            not_kept.unwrap_or_else(|| {
+                format!(
+                    "node {} is LOST: the logs of container {} could not be collected",
+                    row.host, row.container_id
+                )
+            }),
         ),
         Source::Live => match rm
             .nodes
@@ -235,8 +449,9 @@ pub(super) async fn get_task_log(
         {
             Ok(all) => {
                 let size = all.len() as u64;
-                (slice_from(&all, offset), size, String::new())
+                (slice_from(&all, offset), size, not_kept.unwrap_or_default())
             }
+            Err(_) if not_kept.is_some() => (String::new(), 0, not_kept.unwrap_or_default()),
             Err(e) if app_final || complete => {
                 let old = finished > 0 && now_ms().saturating_sub(finished) > rm.history.log_max_age.as_millis() as u64;
                 let why = if old {
@@ -302,5 +517,27 @@ mod tests {
         assert_eq!(slice_from("héllo", 2), "llo");
         assert_eq!(slice_from("héllo", 1), "éllo");
         assert_eq!(slice_from("abc", 10), "");
+    }
+
+    #[test]
+    fn the_start_up_scan_counts_kept_logs_per_application_but_not_the_notes() {
+        let t = tempfile::tempdir().unwrap();
+        let logs = t.path().join("logs");
+        for (file, bytes) in [
+            ("app1/c1.stdout", 10),
+            ("app1/c1.stderr", 5),
+            ("app1/c2.not-kept", 20),
+            ("app2/removed.why", 30),
+            ("app3/c3.stdout.part", 7),
+        ] {
+            let p = logs.join(file);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, vec![b'x'; bytes]).unwrap();
+        }
+        std::fs::write(logs.join("stray"), "x").unwrap();
+        let k = KeptLogs::scan(t.path());
+        assert_eq!((k.bytes("app1"), k.bytes("app2"), k.bytes("app3")), (15, 0, 7));
+        assert_eq!(k.by_app.len(), 3, "{k:?}");
+        assert!(KeptLogs::scan(&t.path().join("none")).by_app.is_empty());
     }
 }

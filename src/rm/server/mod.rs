@@ -349,6 +349,9 @@ struct Shared {
     metrics: dashboard::RmMetrics,
     /// History and log retention.
     history: HistoryOptions,
+    /// The bytes of kept logs per application (locked before `state`; held while one
+    /// container's logs are weighed and written).
+    kept_logs: Mutex<logs::KeptLogs>,
     /// The node listing's bytes (`cluster::NodeView`; locked after `state`).
     node_view: Mutex<NodeView>,
     /// The same, lean (`?view=lean`).
@@ -561,6 +564,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
     );
     // Tells this RM process's node listing versions from another's (see `cluster::NodeView`).
     let incarnation = rand::random::<u64>() >> 16;
+    // What the RM kept before it restarted counts against the log budgets.
+    let kept_logs = logs::KeptLogs::scan(&work_dir);
     let shared = Arc::new(Shared {
         state: Mutex::new(state),
         nodes: Nodes {
@@ -586,6 +591,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         limits: opts.limits.clone(),
         metrics: dashboard::RmMetrics::default(),
         history: opts.history.clone(),
+        kept_logs: Mutex::new(kept_logs),
         node_view: Mutex::new(NodeView::new(ObjectForm::Whole, incarnation)),
         node_view_lean: Mutex::new(NodeView::new(ObjectForm::Lean, incarnation)),
         node_view_compact: Mutex::new(NodeView::new(ObjectForm::Shape, incarnation)),
@@ -637,6 +643,9 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
 
     background.push(spawn_scheduler(shared.clone()));
     background.push(history::spawn_retention(shared.clone()));
+    if shared.launch_am {
+        background.push(am_supervisor::spawn_output_bound(shared.clone()));
+    }
 
     let guard = crate::http_guard::Guard {
         served: crate::http_guard::Served::new(addr, &opts.public_names),
