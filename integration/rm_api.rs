@@ -742,3 +742,50 @@ async fn unused_containers_expire_and_lost_nodes_release() {
     assert!(rm.ledger_all_free());
     rm.handle.shutdown().await;
 }
+
+/// A node's drain (issue 27, the drain term of the AM's order) goes out with the node, in
+/// the listing and in the allocate answer's `updatedNodes`: the latest end its containers
+/// declared (`maxRunSec`), unknown once one declares none, 0 when nothing runs.
+#[tokio::test]
+async fn nodes_say_when_their_declared_work_drains() {
+    let rm = rm().await;
+    let mut a = rm.am("a").await;
+    let drain_in_listing = |v: &Value, host: &str| {
+        v["nodes"]["node"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["nodeHostName"] == host)
+            .map(|n| n["drainByMs"].clone())
+            .unwrap()
+    };
+    let (_, v) = rm.get_json("/ws/v1/cluster/nodes").await;
+    assert_eq!(drain_in_listing(&v, "n1"), 0, "nothing runs: {v}");
+    let before = gpuam::protocol::now_ms();
+    let limited = Ask {
+        max_run_sec: Some(3600),
+        ..ask(1, "n1", 0x1, "")
+    };
+    let r = rm.allocate(&mut a, vec![limited], vec![]).await;
+    assert_eq!(r.allocated.len(), 1);
+    let (_, v) = rm.get_json("/ws/v1/cluster/nodes").await;
+    let drain = drain_in_listing(&v, "n1")
+        .as_u64()
+        .expect("a drain once a limit is declared");
+    assert!(
+        drain >= before + 3_600_000 && drain <= gpuam::protocol::now_ms() + 3_600_000,
+        "{drain}"
+    );
+    let mut b = rm.am("b").await;
+    let r = rm.allocate(&mut b, vec![ask(1, "n1", 0x2, "")], vec![]).await;
+    assert_eq!(r.allocated.len(), 1);
+    let seen = r
+        .updated_nodes
+        .iter()
+        .find(|n| n.node.host == "n1")
+        .expect("n1 changed");
+    assert_eq!(seen.node.drain_by_ms, None, "b's container declared no limit");
+    let (_, v) = rm.get_json("/ws/v1/cluster/nodes").await;
+    assert!(drain_in_listing(&v, "n1").is_null(), "{v}");
+    rm.handle.shutdown().await;
+}

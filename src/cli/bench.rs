@@ -44,27 +44,45 @@ fn us(d: Duration) -> String {
     format!("{:.1} µs", d.as_secs_f64() * 1e6)
 }
 
-pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64) -> i32 {
+/// `max_run_sec`: the task declares this run time, and every busy node of the cluster a drain
+/// 0–10 h away (the drain term's path, issue 27); `None`: neither.
+pub fn select_bench(sizes: &[usize], iterations: usize, seed: u64, max_run_sec: Option<u64>) -> i32 {
     let settings = SelectSettings {
         seed: Some(seed),
         ..SelectSettings::default()
     };
     println!("gpuam bench select (seed {seed}, {iterations} timed selects per row, cluster unchanged between calls)");
+    if let Some(sec) = max_run_sec {
+        println!("the task declares maxRunSec {sec}; busy nodes drain 0-10 h from now (the drain term)");
+    }
     println!(
         "{:>8} {:>6} {:>12} {:>12} {:>12}",
         "nodes", "ports", "median", "p99", "max"
     );
     let mut medians: Vec<(usize, bool, Duration)> = Vec::new();
     for &n in sizes {
-        let selector = Selector::new(
-            ClusterView::new(crate::cluster::synthetic::bench_cluster(n, seed)),
-            settings.clone(),
-        );
+        let mut nodes = crate::cluster::synthetic::bench_cluster(n, seed);
+        let now_ms = crate::protocol::now_ms();
+        if max_run_sec.is_some() {
+            for (i, node) in nodes.iter_mut().enumerate() {
+                let busy = node.used().gpu_count() > 0;
+                node.drain_by_ms = Some(if busy {
+                    now_ms + (i as u64 * 7919 % 600) * 60_000
+                } else {
+                    0
+                });
+            }
+        }
+        let selector = Selector::new(ClusterView::new(nodes), settings.clone());
+        selector.set_clock(now_ms);
         for ports in [false, true] {
             let r = request(ports);
             let mut demand = JobDemand::new(true);
             demand.add_waiting(TaskShape::of(&r), 1);
-            let ask = TaskAsk::plain("worker", &r, 1);
+            let ask = TaskAsk {
+                max_run_sec,
+                ..TaskAsk::plain("worker", &r, 1)
+            };
             // Warm-up (also fills the GPU-choice cache, as a running AM's would be).
             for _ in 0..20 {
                 let _ = selector.select(&ask, &demand);

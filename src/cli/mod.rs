@@ -343,6 +343,12 @@ struct SimArgs {
     /// Gangs of at least this many GPUs are reported as big (bigWaitP95).
     #[arg(long, default_value_t = 32)]
     big_gpus: u32,
+    /// Run-time limits the jobs declare to the placement (a role's `maxRunSec`): off, F
+    /// (each job its duration × F) or LO-HI (× a factor drawn per job between LO and HI),
+    /// rounded up to the minute. gpuam's order places declared work where nodes drain
+    /// together; the other policies ignore the limits.
+    #[arg(long, default_value = "off", value_name = "off|F|LO-HI")]
+    run_limits: String,
 }
 
 #[derive(Subcommand, Debug)]
@@ -392,6 +398,10 @@ enum BenchCmd {
         /// Cluster sizes to measure.
         #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,100000")]
         nodes: Vec<usize>,
+        /// The task declares this run time (seconds) and the busy nodes when they drain:
+        /// the drain term's path of the order (issue 27).
+        #[arg(long, value_name = "SEC")]
+        max_run_sec: Option<u64>,
     },
     /// A job of many one-GPU tasks through the real RM, AM and executor.
     Job {
@@ -655,6 +665,7 @@ pub fn main() -> i32 {
                 a.reserve_min_gpus,
                 &a.expected_end,
                 a.big_gpus,
+                &a.run_limits,
             )
             .and_then(|queueing| {
                 crate::sim::run(&crate::sim::SimOptions {
@@ -683,7 +694,8 @@ pub fn main() -> i32 {
                 iterations,
                 seed,
                 nodes,
-            } => bench::select_bench(&nodes, iterations, seed),
+                max_run_sec,
+            } => bench::select_bench(&nodes, iterations, seed, max_run_sec),
             BenchCmd::Job { tasks, nodes, seed } => runtime.block_on(bench::job_bench(tasks, nodes, seed)),
             BenchCmd::Cluster {
                 jobs,

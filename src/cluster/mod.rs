@@ -71,6 +71,11 @@ pub struct Node {
     /// The address this node's containers are reached at by their peers (a node agent's
     /// or a Ray node's IP); `None` for simulated nodes, whose peers get the host name.
     pub ip: Option<std::net::IpAddr>,
+    /// When every container running on it will have reached its declared run-time limit
+    /// (`maxRunSec`; ms since the epoch), so the node is whole again by then at the latest;
+    /// 0: nothing runs there. `None`: unknown (a container declared no limit, or the RM
+    /// does not say). The order's drain term reads it (issue 27; `select::objective`).
+    pub drain_by_ms: Option<u64>,
 }
 
 /// A node's amounts; `free` = total − used − requested, kept in step by [`Node`]'s setters.
@@ -99,6 +104,7 @@ impl Node {
             state: NodeState::Running,
             http_address: String::new(),
             ip: None,
+            drain_by_ms: None,
             local: false,
             amounts: Arc::new(Amounts {
                 free: total.clone(),

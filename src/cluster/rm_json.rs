@@ -218,6 +218,11 @@ impl serde::Serialize for NodeObject<'_> {
         if let Some(ip) = node.ip {
             fields.push(("nodeIp", Str(Cow::Owned(ip.to_string()))));
         }
+        // gpuam's extension (issue 27): when the node's running work reaches its declared
+        // limits; absent when unknown.
+        if let Some(ms) = node.drain_by_ms {
+            fields.push(("drainByMs", Num(ms)));
+        }
         match self.form {
             ObjectForm::Whole => {}
             ObjectForm::Lean => fields.retain(|(k, _)| !NOT_IN_LEAN_VIEW.contains(k)),
@@ -1081,6 +1086,7 @@ fn parse_node_at(index: usize, v: &Value, topologies: &mut Topologies) -> Result
     node.state = state;
     node.http_address = http_address;
     node.ip = ip;
+    node.drain_by_ms = f.number("drainByMs")?;
     node.set_used(used);
     Ok(node)
 }
@@ -1197,6 +1203,15 @@ mod tests {
         assert_eq!(back[1].state, NodeState::Lost);
         assert_eq!(back[1].gpu_type, None);
         assert!(back[1].labels.is_empty());
+        // The drain (issue 27) goes out only when known, and reads back as it went.
+        assert!(!text.contains("drainByMs"));
+        assert_eq!(back[1].drain_by_ms, None);
+        let mut c = sample_node();
+        c.drain_by_ms = Some(1_700_000_360_000);
+        let text = nodes_to_json([(&c, 1)], 1_700_000_000_000).to_string();
+        assert_eq!(parse_nodes_json(&text).unwrap()[0], c);
+        let bad = text.replace("1700000360000", "\"soon\"");
+        assert!(parse_nodes_json(&bad).unwrap_err().to_string().contains("drainByMs"));
     }
 
     /// The usual listing is read node by node (issue 29); it reads as the whole tree does,

@@ -105,6 +105,23 @@ impl LedgerContainer {
     }
 }
 
+/// When a node whose live containers declare these ends is whole again (issue 27, the drain
+/// term of the placement order): the latest end; 0 with nothing live; `None` when one of them
+/// declared no limit.
+pub fn drain_by(mut ends: impl Iterator<Item = Option<u64>>) -> Option<u64> {
+    ends.try_fold(0, |acc, end| end.map(|e| acc.max(e)))
+}
+
+/// A node's drain: [`drain_by`] of its live containers' declared ends, `None` where
+/// something outside the RM holds GPUs there for good (its baseline): never whole.
+fn node_drain(baseline: &Resources, ends: impl Iterator<Item = Option<u64>>) -> Option<u64> {
+    if baseline.gpu_count() > 0 {
+        None
+    } else {
+        drain_by(ends)
+    }
+}
+
 /// What changed in the ledger since the last [`Ledger::take_changes`]: the RM's store
 /// writes exactly these.
 #[derive(Debug, Default, PartialEq)]
@@ -214,6 +231,7 @@ impl Ledger {
             .into_iter()
             .map(|mut n| {
                 n.set_requested(Resources::default());
+                n.drain_by_ms = node_drain(n.used(), std::iter::empty());
                 let host = n.host.clone();
                 (
                     host,
@@ -861,6 +879,12 @@ impl Ledger {
             ln.live_sum.clone()
         });
         ln.node.set_used(used);
+        ln.node.drain_by_ms = node_drain(
+            &ln.baseline,
+            ln.live
+                .iter()
+                .map(|id| self.containers.get(id).and_then(LedgerContainer::declared_end_ms)),
+        );
         self.mark_changed(host);
     }
 
@@ -1107,6 +1131,58 @@ mod tests {
             ports: PortSet::parse(ports).unwrap(),
             ..Default::default()
         }
+    }
+
+    /// A node's `drain_by_ms` (issue 27, the drain term): the latest declared end of what
+    /// runs there, `None` while a container declared no limit, 0 once nothing runs; it goes
+    /// out with the node's changes.
+    #[test]
+    fn a_nodes_drain_is_the_latest_declared_end_of_its_live_containers() {
+        let now = Instant::now();
+        let mut l = ledger();
+        let drain = |l: &Ledger| l.node("a").and_then(|n| n.drain_by_ms);
+        assert_eq!(drain(&l), Some(0), "nothing runs");
+        let limited = |i: u64, sec: u64| Ask {
+            max_run_sec: Some(sec),
+            ..ask(i, "a", 1, 10, 1 << (i - 1), "")
+        };
+        let long = l.grant("app", 1, &limited(1, 3600), now).unwrap().container_id;
+        let short = l.grant("app", 1, &limited(2, 60), now).unwrap().container_id;
+        let end_of = |l: &Ledger, id: &str| l.container(id).and_then(LedgerContainer::declared_end_ms);
+        assert_eq!(drain(&l), end_of(&l, &long));
+        assert!(end_of(&l, &long) > end_of(&l, &short));
+        let epoch = l.epoch();
+        let open = l
+            .grant("app", 1, &ask(3, "a", 1, 10, 0x4, ""), now)
+            .unwrap()
+            .container_id;
+        assert_eq!(drain(&l), None, "a container without a limit: unknown");
+        assert!(l
+            .changed_since(epoch)
+            .any(|(n, _)| n.host == "a" && n.drain_by_ms.is_none()));
+        l.complete(&open, 0, "");
+        assert_eq!(drain(&l), end_of(&l, &long));
+        l.complete(&long, 0, "");
+        assert_eq!(drain(&l), end_of(&l, &short));
+        l.complete(&short, 0, "");
+        assert_eq!(drain(&l), Some(0));
+        // Something outside the RM holds GPUs for good: never whole.
+        let mut base = node("c", 8, 1000, 0xf, "");
+        base.set_used(Resources::with_mask(1, 10, 0x1, PortSet::new()));
+        let mut l = Ledger::new([base], Duration::from_secs(10));
+        l.grant(
+            "app",
+            1,
+            &Ask {
+                max_run_sec: Some(60),
+                ..ask(1, "c", 1, 10, 0x2, "")
+            },
+            now,
+        )
+        .unwrap();
+        assert_eq!(l.node("c").and_then(|n| n.drain_by_ms), None);
+        assert_eq!(drain_by([Some(5), Some(9), Some(7)].into_iter()), Some(9));
+        assert_eq!(drain_by([Some(5), None].into_iter()), None);
     }
 
     /// The runs learned from: successful ends by application and role, noted once however

@@ -63,6 +63,10 @@ pub struct TaskAsk<'a> {
     /// `select.topology_wait_sec` is not spent): a set below it, while GPUs held by other
     /// jobs may free a better one, is answered "not now" (see [`Placement::may_improve`]).
     pub topology_wait: bool,
+    /// The task's declared run-time limit (`maxRunSec`): with the selector's clock
+    /// ([`Selector::set_clock`]) it gives when the task will have ended, which the order's
+    /// drain term compares with each node's `drain_by_ms` (issue 27). `None`: not declared.
+    pub max_run_sec: Option<u64>,
 }
 
 impl<'a> TaskAsk<'a> {
@@ -76,6 +80,7 @@ impl<'a> TaskAsk<'a> {
             reuse_ports: None,
             waiting_tasks,
             topology_wait: false,
+            max_run_sec: None,
         }
     }
 
@@ -89,6 +94,7 @@ impl<'a> TaskAsk<'a> {
             reuse_ports,
             waiting_tasks,
             topology_wait: false,
+            max_run_sec: role.max_run_sec,
         }
     }
 
@@ -228,6 +234,9 @@ pub(crate) struct Cx<'a> {
     pub ports: PortPlan,
     /// Other jobs wait behind this one (see [`Selector::set_others_wait`]).
     pub others_wait: bool,
+    /// The selector's clock and when the task will have ended by its declared limit (ms
+    /// since the epoch): `Some` turns the drain term on ([`stages::drain_term`]).
+    pub ends_by_ms: Option<(u64, u64)>,
 }
 
 impl Cx<'_> {
@@ -252,6 +261,8 @@ struct SelectorState {
     index: NodeIndex,
     /// Other jobs wait for GPUs behind the one being placed (queue pressure, issue 27).
     others_wait: bool,
+    /// The caller's clock (ms since the epoch), for the drain term; `None` turns it off.
+    now_ms: Option<u64>,
 }
 
 /// Most candidates job packing keeps (the pick needs the best and the next best; the
@@ -278,6 +289,7 @@ impl Selector {
             choices: ChoiceCache::default(),
             index: NodeIndex::new(salt),
             others_wait: false,
+            now_ms: None,
         };
         // The view as given, not copied into a new one: an AM's first view is every node
         // of the cluster (issue 29).
@@ -371,6 +383,21 @@ impl Selector {
     /// An input of the decision, kept until set again; `false` (the default) is the order
     /// of an idle queue. The simulator sets it from its queue, the AM from the RM's allocate
     /// answer (`othersWaiting`).
+    /// Sets when `host` is whole again as a node report would say (`Node::drain_by_ms`): for
+    /// the simulator, which books through the selector instead of reading reports.
+    pub fn set_drain_by(&self, host: &str, drain_by_ms: Option<u64>) {
+        if let Some(n) = self.state.lock().view.get_mut(host) {
+            n.drain_by_ms = drain_by_ms;
+        }
+    }
+
+    /// The time now (ms since the epoch) as the caller's clock has it: with a task's declared
+    /// limit it says when the task will have ended (the drain term; issue 27). Kept until
+    /// set again; the pipeline reads no clock of its own.
+    pub fn set_clock(&self, now_ms: u64) {
+        self.state.lock().now_ms = Some(now_ms);
+    }
+
     pub fn set_others_wait(&self, others_wait: bool) {
         self.state.lock().others_wait = others_wait;
     }
@@ -471,6 +498,7 @@ impl SelectorState {
             choices,
             index,
             others_wait,
+            now_ms,
             ..
         } = self;
         let mut cx = Cx {
@@ -483,6 +511,9 @@ impl SelectorState {
             choices,
             ports: PortPlan::Fixed(PortSet::new()),
             others_wait: *others_wait,
+            ends_by_ms: now_ms
+                .zip(ask.max_run_sec)
+                .map(|(now, run)| (now, now.saturating_add(run.saturating_mul(1000)))),
         };
         // 1. How the ports are decided (stage 5).
         let (ports, port_note) = stages::port_plan(&cx);

@@ -14,6 +14,11 @@
 //! the tiers and the ideal weight after packing ([`RankKey::nvlink_left_first`],
 //! [`RankKey::free_first`], [`RankKey::weight_ideal_packed`]); the tiers never move.
 //!
+//! A task that declares its run time (`maxRunSec`) and a selector that knows the time is
+//! placed, right after the tiers (and under pressure the NVLink fit), by best fit in every
+//! group and then by how much it would delay its node's draining ([`RankKey::fit_first`],
+//! [`RankKey::drain`]; docs/DESIGN-NOTES.md, "Work that ends together, placed together").
+//!
 //! Among candidates equal on the link terms (T, W of the union and of the task's set), the
 //! NUMA term comes next (issue 27): the fewest NUMA nodes under the task's set, so a set within
 //! one NUMA node beats an equally linked one split over two; then the NIC terms (a set whose
@@ -428,6 +433,16 @@ pub(crate) struct RankKey {
     ///     the node's free GPUs, fewest first (node packing); criterion 6 is then neutral
     ///     (its value moves to [`RankKey::weight_ideal_packed`]). Both 0 otherwise.
     pub nvlink_left_first: u8,
+    /// 6d. A task that declares its run time (`maxRunSec`; issue 27, fifth round): best fit
+    ///     in every group first (criterion 9's [`GpuPick::fit`]: keep pairs, switches and
+    ///     sockets whole) ...
+    pub fit_first: Fit,
+    /// ... then the drain term: the minutes by which the task would push back the time its
+    ///     node is whole again (its end past the node's `drain_by_ms`, ends by the running
+    ///     containers' declared limits; an idle node: the task's whole run): work that ends
+    ///     together goes together, so nodes drain whole for the gangs that wait. 0 where the
+    ///     node's drain is unknown. Both 0 for a task that declares no run time.
+    pub drain: u32,
     pub free_first: u32,
     /// 7a. A fractional task: hundredths left free on its GPU after it (best fit onto
     /// already-shared GPUs, so whole GPUs and multi-GPU sets stay free); 0 for whole tasks.
@@ -482,7 +497,7 @@ impl RankKey {
     /// "criterion: this vs best".
     pub(crate) fn lost_on(&self, best: &RankKey) -> String {
         let b = |v: Reverse<bool>| if v.0 { "yes" } else { "no" };
-        let diffs: [(bool, &str, String, String); 22] = [
+        let diffs: [(bool, &str, String, String); 24] = [
             (
                 self.affinity != best.affinity,
                 "holds job tasks",
@@ -524,6 +539,18 @@ impl RankKey {
                 "free GPUs left beside it in its NVLink group while other jobs wait (fewer fits better)",
                 self.nvlink_left_first.to_string(),
                 best.nvlink_left_first.to_string(),
+            ),
+            (
+                self.fit_first != best.fit_first,
+                "free GPUs left beside it in its NVLink, PIX, PXB, PHB and NUMA groups, for a task that declares its run time (fewer fits better)",
+                format!("{:?}", self.fit_first),
+                format!("{:?}", best.fit_first),
+            ),
+            (
+                self.drain != best.drain,
+                "minutes it would delay its node's draining whole, by the declared run times (fewer is better)",
+                self.drain.to_string(),
+                best.drain.to_string(),
             ),
             (
                 self.free_first != best.free_first,

@@ -139,7 +139,7 @@ pub(crate) fn score(
     let Some(pick) = pick_gpus(cx, topo_id, node.topology.as_deref(), avail, held, fits, spread) else {
         return Err("no GPU set of the requested size on this node");
     };
-    let key = rank_key(
+    let mut key = rank_key(
         affinity,
         fits,
         rack_holds_job,
@@ -147,7 +147,11 @@ pub(crate) fn score(
         avail,
         node.total().gpu_count(),
         cx.others_wait,
+        cx.ends_by_ms.is_some(),
     );
+    if let Some(ends) = cx.ends_by_ms {
+        key.drain = drain_term(ends, node.drain_by_ms);
+    }
     Ok((key, pick, fits))
 }
 
@@ -183,10 +187,23 @@ pub(crate) fn pick_gpus(
     }
 }
 
+/// The drain term of a node (criterion 6d): the minutes by which a task that has ended by
+/// `ends.1` (the clock reading `ends.0`) pushes back the time the node is whole again,
+/// `drain_by_ms` (its running containers' declared ends; 0: nothing runs). Unknown: 0.
+pub(crate) fn drain_term(ends: (u64, u64), drain_by_ms: Option<u64>) -> u32 {
+    let (now, end) = ends;
+    drain_by_ms.map_or(0, |d| {
+        let past = end.saturating_sub(d.max(now)) / 60_000;
+        u32::try_from(past).unwrap_or(u32::MAX)
+    })
+}
+
 /// The key of the order for one node (see `objective.rs`); `others_wait`: other jobs wait
 /// behind this one (queue pressure: best fit in the NVLink groups and node packing right after
-/// the tiers, the ideal weight after packing).
+/// the tiers, the ideal weight after packing); `declared`: the task declares its run time
+/// (best fit in every group right after that; the caller sets the drain term, 0 here).
 /// The random tie-break (14) is left 0 for the caller to set.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn rank_key(
     affinity: bool,
     fits: u32,
@@ -195,6 +212,7 @@ pub(crate) fn rank_key(
     avail: &Resources,
     total_gpus: u32,
     others_wait: bool,
+    declared: bool,
 ) -> RankKey {
     RankKey {
         affinity: Reverse(affinity),
@@ -204,6 +222,8 @@ pub(crate) fn rank_key(
         task_tier: Reverse(pick.task_tier),
         weight_ideal: Reverse(pick.weight_ideal || others_wait),
         nvlink_left_first: if others_wait { pick.fit[0] } else { 0 },
+        fit_first: if declared { pick.fit } else { Default::default() },
+        drain: 0,
         free_first: if others_wait { avail.whole_gpu_count() } else { 0 },
         weight_ideal_packed: Reverse(pick.weight_ideal),
         union_weight: Reverse(pick.union_weight),

@@ -1434,3 +1434,67 @@ fn the_views_gpu_types_are_counted_up_to_a_bound() {
     let none = Selector::new(ClusterView::new([typed("c", None)]), SelectSettings::default());
     assert_eq!(none.gpu_types(5), 0);
 }
+
+/// The drain term (issue 27, fifth round): a task that declares its run time goes where its
+/// end adds least to the time its node is whole again — beside work that ends after it
+/// rather than onto an emptier node or one whose work ends soon — after the tiers and best
+/// fit; without a declared time, or without the selector's clock, the order is as before;
+/// and it never buys a worse tier.
+#[test]
+fn a_task_that_declares_its_run_time_goes_where_work_ends_after_it() {
+    let t = Arc::new(crate::topology::Topology::preset("pcie8").unwrap());
+    let hour = 3_600_000u64;
+    let now = 100 * hour;
+    // Each node holds GPUs 0-3 (one socket): GPUs 4-7, an ideal 4-set, are free on both.
+    let on = |host: &str, used: u64, drain: Option<u64>| {
+        let mut n = node(host, "/r", 8, used);
+        n.topology = Some(t.clone());
+        n.drain_by_ms = drain;
+        n
+    };
+    let nodes = || {
+        vec![
+            on("soon", 0x0f, Some(now + hour / 6)),
+            on("later", 0x0f, Some(now + 2 * hour)),
+            on("idle", 0, Some(0)),
+        ]
+    };
+    let r = res(8, 1000, 4);
+    let pick = |nodes: Vec<Node>, run: Option<u64>, clock: bool| {
+        let s = selector(nodes);
+        if clock {
+            s.set_clock(now);
+        }
+        let a = TaskAsk {
+            max_run_sec: run,
+            ..ask(&r)
+        };
+        let sel = s.select(&a, &JobDemand::new(false));
+        let p = placed(&sel).clone();
+        (p.host, sel.trace.alternative.map(|a| a.lost_on))
+    };
+    // One hour: ends before "later" drains (adds 0 min) — "soon" would add 50, "idle" 60.
+    let (host, lost) = pick(nodes(), Some(3600), true);
+    assert_eq!(host, "later");
+    let lost = lost.expect("a runner-up");
+    assert!(lost.contains("draining"), "{lost}");
+    // Three hours: "later" adds 60 min, "soon" 170, "idle" 180.
+    assert_eq!(pick(nodes(), Some(3 * 3600), true).0, "later");
+    // No declared time, or no clock: the order without the term (here the packing's tie
+    // among the equally full "soon" and "later" by the seeded tie-break, never "idle").
+    for (run, clock) in [(None, true), (Some(3600), false)] {
+        let (host, _) = pick(nodes(), run, clock);
+        assert_ne!(host, "idle", "run {run:?}, clock {clock}");
+    }
+    // A node whose drain is unknown (a container declared no limit) adds 0.
+    let (host, _) = pick(
+        vec![on("unknown", 0x0f, None), on("later", 0x0f, Some(now + hour / 2))],
+        Some(3600),
+        true,
+    );
+    assert_eq!(host, "unknown");
+    // The tier first: a node that would drain best but offers only a split 4-set loses.
+    let split = on("split", 0b1010_1010, Some(now + 10 * hour));
+    let (host, _) = pick(vec![split, on("idle", 0, Some(0))], Some(3600), true);
+    assert_eq!(host, "idle", "a worse tier is never bought by draining");
+}

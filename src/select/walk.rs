@@ -14,6 +14,10 @@ use crate::cluster::{ClusterView, Node};
 use crate::config::RackPolicy;
 use crate::resources::{PortSet, Resources, Shortfall};
 
+/// With the drain term on (a task that declares its run time), nodes of one bucket differ
+/// in it: this many more of a bucket are judged beyond those the pick needs.
+pub(crate) const DRAIN_SCAN_NODES: usize = 256;
+
 /// A node that passed the resource check, with its place in the order.
 pub(crate) struct Scored<'v> {
     pub key: RankKey,
@@ -271,6 +275,7 @@ impl<'v> Search<'v> {
                 &free,
                 b.key.total_gpus,
                 cx.others_wait,
+                cx.ends_by_ms.is_some(),
             );
             live.push((bound, bi, rack, fits));
         }
@@ -331,7 +336,16 @@ impl<'v> Search<'v> {
                 let scored = stages::score(cx, &self.req, node, b.key.topo, node.free(), rack.is_some());
                 full += usize::from(matches!(&scored, Ok((_, _, fits)) if *fits == fits_b));
                 self.note(scored, node, m.2, None);
-                if full >= self.want {
+                // The bucket's nodes differ in the tail only (CPU, memory, tie), unless the
+                // drain term is on: then a later node may drain better, so up to
+                // DRAIN_SCAN_NODES more of the bucket are judged (a bound, not the whole
+                // bucket: the term is judged among those, said in DESIGN-NOTES).
+                let enough = if cx.ends_by_ms.is_some() {
+                    self.want + DRAIN_SCAN_NODES
+                } else {
+                    self.want
+                };
+                if full >= enough {
                     break;
                 }
             }

@@ -107,6 +107,14 @@ impl Placer {
         }
     }
 
+    /// Tells gpuam when `node` is whole again by the declared limits of what runs there (what
+    /// the RM's node reports carry, `drain_by_ms`); the other policies do not look.
+    pub fn set_drain_by(&mut self, cl: &SimCluster, node: usize, drain_by_ms: u64) {
+        if let Placer::Gpuam { selector, .. } = self {
+            selector.set_drain_by(&cl.nodes[node].host, Some(drain_by_ms));
+        }
+    }
+
     /// gpuam's `select.topology_wait_sec` (0 for the other policies, which never wait).
     pub fn topology_wait_sec(&self) -> f64 {
         match self {
@@ -118,12 +126,15 @@ impl Placer {
     /// Places every task of `job` or none (gang); bookings go to `cl` (and, for gpuam,
     /// to the selector's view). Records the decision time of every placing call.
     /// `topology_wait`: the job may still wait for its nodes' ideal GPU tier (gpuam only).
+    /// `declared`: the clock (ms) and the job's declared run-time limit (seconds), when it
+    /// declares one (`--run-limits`): gpuam's drain term reads them.
     pub fn place(
         &mut self,
         cl: &mut SimCluster,
         job: &Job,
         stats: &mut RunStats,
         topology_wait: bool,
+        declared: Option<(u64, u64)>,
     ) -> Option<Vec<(usize, GpuMask)>> {
         let mut done: Vec<(usize, GpuMask)> = Vec::with_capacity(job.tasks.len());
         let mut ok = true;
@@ -165,7 +176,10 @@ impl Placer {
                 *impossible = false;
                 // The AM's own placement round over the job as a gang spec: one GPU type
                 // per gang (select::one_type) and the request order come from there.
-                let (spec, task_of) = gang_spec(job);
+                let (spec, task_of) = gang_spec(job, declared.map(|d| d.1));
+                if let Some((now_ms, _)) = declared {
+                    selector.set_clock(now_ms);
+                }
                 let mut round = PlacementRound::new(&spec, |_, _| TaskSlot::Waiting {
                     ready: true,
                     topology_wait,
@@ -260,7 +274,7 @@ impl Placer {
 
 /// The job as the AM sees a gang spec: one role per distinct task shape (in first-seen
 /// order), and per role the sim task behind each instance.
-fn gang_spec(job: &Job) -> (JobSpec, Vec<Vec<usize>>) {
+fn gang_spec(job: &Job, max_run_sec: Option<u64>) -> (JobSpec, Vec<Vec<usize>>) {
     let mut roles: Vec<TaskRole> = Vec::new();
     let mut task_of: Vec<Vec<usize>> = Vec::new();
     let mut shapes: Vec<Task> = Vec::new();
@@ -277,6 +291,7 @@ fn gang_spec(job: &Job) -> (JobSpec, Vec<Vec<usize>>) {
                         gpus: t.gpus,
                         ..Default::default()
                     },
+                    max_run_sec,
                     ..Default::default()
                 });
                 task_of.push(Vec::new());
@@ -387,6 +402,10 @@ struct Engine<'a> {
     /// Why the queue's head waits since `head_since` (the blocked-time diagnosis).
     head: HeadBlock,
     head_since: f64,
+    /// With `--run-limits`: per node, the declared ends (ms) of the tasks running there
+    /// (with their counts), and per running job its declared end.
+    node_ends: Vec<std::collections::BTreeMap<u64, u32>>,
+    declared_end: HashMap<usize, u64>,
 }
 
 /// A job's tasks as reservations count them.
@@ -427,7 +446,10 @@ impl Engine<'_> {
             let wait_end = job.arrival + self.topology_wait;
             let may_wait = now < wait_end;
             self.placer.set_others_wait(self.queue.len() > 1);
-            let placed = self.placer.place(&mut self.cl, job, &mut self.stats, may_wait);
+            let declared = self.declared(jid, now);
+            let placed = self
+                .placer
+                .place(&mut self.cl, job, &mut self.stats, may_wait, declared);
             if placed.is_none() && may_wait {
                 self.wake = self.wake.min(wait_end);
             }
@@ -459,10 +481,48 @@ impl Engine<'_> {
         self.used_gpus += u64::from(job.gpus());
         let exp = self.history.expected(self.mode.limit, job.gpus(), job.duration);
         self.expected.insert(jid, (now, exp));
+        if let Some((_, run)) = self.declared(jid, now) {
+            let end = ms(now).saturating_add(run.saturating_mul(1000));
+            self.declared_end.insert(jid, end);
+            self.note_ends(jid, end, true);
+        }
+    }
+
+    /// The clock and job `jid`'s declared limit, when jobs declare them (`--run-limits`).
+    fn declared(&self, jid: usize, now: f64) -> Option<(u64, u64)> {
+        let job = &self.jobs[jid];
+        self.mode
+            .run_limits
+            .map(|r| (ms(now), reserve::declared_run_sec(r, job.id, job.duration)))
+    }
+
+    /// Adds (or removes) job `jid`'s declared end on its nodes and tells the placer when
+    /// each of them is whole again.
+    fn note_ends(&mut self, jid: usize, end: u64, add: bool) {
+        let Some(placed) = self.running.get(&jid) else {
+            return;
+        };
+        let nodes: Vec<usize> = placed.iter().map(|(n, _)| *n).collect();
+        for n in nodes {
+            let ends = &mut self.node_ends[n];
+            if add {
+                *ends.entry(end).or_insert(0) += 1;
+            } else if let Some(c) = ends.get_mut(&end) {
+                *c -= 1;
+                if *c == 0 {
+                    ends.remove(&end);
+                }
+            }
+            let drain = ends.keys().next_back().copied().unwrap_or(0);
+            self.placer.set_drain_by(&self.cl, n, drain);
+        }
     }
 
     /// Job `jid` ended: its room is freed and its duration learned.
     fn end(&mut self, jid: usize) {
+        if let Some(end) = self.declared_end.remove(&jid) {
+            self.note_ends(jid, end, false);
+        }
         if let Some(p) = self.running.remove(&jid) {
             self.placer.release(&mut self.cl, &self.jobs[jid], &p);
             self.used_gpus = self.used_gpus.saturating_sub(u64::from(self.jobs[jid].gpus()));
@@ -642,7 +702,11 @@ impl Engine<'_> {
                 continue;
             }
             self.placer.set_others_wait(self.queue.len() > 1);
-            let Some(placed) = self.placer.place(&mut self.cl, job, &mut self.stats, may_wait) else {
+            let declared = self.declared(j, now);
+            let Some(placed) = self
+                .placer
+                .place(&mut self.cl, job, &mut self.stats, may_wait, declared)
+            else {
                 if may_wait {
                     self.wake = self.wake.min(wait_end);
                 }
@@ -684,7 +748,11 @@ impl Engine<'_> {
         let job = &self.jobs[j];
         let may_wait = now < job.arrival + self.topology_wait;
         self.placer.set_others_wait(self.queue.len() > 1);
-        match self.placer.place(&mut self.cl, job, &mut self.stats, may_wait) {
+        let declared = self.declared(j, now);
+        match self
+            .placer
+            .place(&mut self.cl, job, &mut self.stats, may_wait, declared)
+        {
             Some(placed) => {
                 self.queue.retain(|&x| x != j);
                 self.start(j, placed, now);
@@ -888,7 +956,15 @@ pub fn simulate_queueing(
         wake: f64::INFINITY,
         head: HeadBlock::None,
         head_since: 0.0,
+        node_ends: Vec::new(),
+        declared_end: HashMap::new(),
     };
+    e.node_ends = vec![Default::default(); e.cl.nodes.len()];
+    if e.mode.run_limits.is_some() {
+        for n in 0..e.cl.nodes.len() {
+            e.placer.set_drain_by(&e.cl, n, 0);
+        }
+    }
     let mut next = 0usize;
     loop {
         let arr = jobs.get(next).map(|j| j.arrival).unwrap_or(f64::INFINITY);
@@ -1070,8 +1146,10 @@ impl SimOptions {
         reserve_min_gpus: Option<u32>,
         expected_end: &str,
         big_gpus: u32,
+        run_limits: &str,
     ) -> Result<Queueing, SimError> {
         let limit = reserve::Limit::parse(expected_end).map_err(SimError::Usage)?;
+        let run_limits = reserve::parse_run_limits(run_limits).map_err(SimError::Usage)?;
         if big_gpus == 0 {
             return Err(SimError::Usage("--big-gpus must be at least 1".into()));
         }
@@ -1084,6 +1162,7 @@ impl SimOptions {
             reserve,
             limit,
             big_gpus,
+            run_limits,
         })
     }
 }

@@ -66,6 +66,7 @@ fn queueing_json(opts: &SimOptions) -> Value {
         "reserveMinGpus": q.reserve.filter(|p| p.min_gpus != u32::MAX).map(|p| p.min_gpus),
         "expectedEnd": q.limit.to_string(),
         "bigGpus": q.big_gpus,
+        "runLimits": q.run_limits.map(|(lo, hi)| if lo == hi { format!("{lo}") } else { format!("{lo}-{hi}") }),
     })
 }
 
@@ -83,6 +84,9 @@ fn queueing_label(opts: &SimOptions) -> String {
         s.push_str(&format!(" + reservation ({})", parts.join(" or ")));
     }
     s.push_str(&format!(" | expected ends {}", q.limit));
+    if let Some((lo, hi)) = q.run_limits {
+        s.push_str(&format!(" | jobs declare run limits × {lo}–{hi}"));
+    }
     s
 }
 

@@ -76,6 +76,50 @@ pub struct Queueing {
     /// Gangs of at least this many GPUs are "big" in the report (`bigWaitP95`); single-task
     /// jobs below it are "small" (`smallWaitP50`).
     pub big_gpus: u32,
+    /// The run-time limits jobs declare to the placement (`maxRunSec`, issue 27): `Some((lo,
+    /// hi))`: each job its duration × a factor drawn from [lo, hi] (seeded by the job),
+    /// rounded up to the minute. gpuam's order reads them (the drain term); the other
+    /// policies ignore them. `None` (the default): no job declares one.
+    pub run_limits: Option<(f64, f64)>,
+}
+
+/// `--run-limits`: `off`, `F` or `LO-HI` (factors ≥ 1 of the real duration).
+pub fn parse_run_limits(text: &str) -> Result<Option<(f64, f64)>, String> {
+    let t = text.trim();
+    if t.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    let bad = || format!("--run-limits `{t}`: expected off, a factor F or a range LO-HI, each at least 1 (e.g. 1-3)");
+    let (lo, hi) = match t.split_once('-') {
+        Some((a, b)) => (
+            a.trim().parse::<f64>().map_err(|_| bad())?,
+            b.trim().parse::<f64>().map_err(|_| bad())?,
+        ),
+        None => {
+            let f = t.parse::<f64>().map_err(|_| bad())?;
+            (f, f)
+        }
+    };
+    if !(lo.is_finite() && hi.is_finite() && lo >= 1.0 && hi >= lo) {
+        return Err(bad());
+    }
+    Ok(Some((lo, hi)))
+}
+
+/// The limit a job declares under `run_limits` (seconds): its duration × a factor in
+/// [lo, hi] drawn from the job's id and duration (the same in every policy's replay),
+/// rounded up to the minute; it never ends past it.
+pub fn declared_run_sec(run_limits: (f64, f64), id: usize, duration: f64) -> u64 {
+    let (lo, hi) = run_limits;
+    let mut h = (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ duration.to_bits();
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^= h >> 31;
+    let u = (h >> 11) as f64 / (1u64 << 53) as f64;
+    let limit = duration * (lo + (hi - lo) * u);
+    ((limit / 60.0).ceil().max(1.0) * 60.0) as u64
 }
 
 impl Default for Queueing {
@@ -84,6 +128,7 @@ impl Default for Queueing {
             backfill: false,
             reserve: None,
             limit: Limit::Declared(1.0),
+            run_limits: None,
             big_gpus: 32,
         }
     }

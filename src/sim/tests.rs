@@ -87,7 +87,7 @@ fn gpuam_bookings_through_the_selector_match_the_node_model() {
     let mut st = RunStats::default();
     let mut live = Vec::new();
     for j in jobs.iter().take(12) {
-        if let Some(p) = placer.place(&mut c2, j, &mut st, false) {
+        if let Some(p) = placer.place(&mut c2, j, &mut st, false, None) {
             live.push((j.clone(), p));
         }
     }
@@ -685,7 +685,7 @@ fn utilization_over_the_arrivals_span_counts_only_that_span() {
 /// The queueing flags: a reservation bound implies backfill; bad values name the flag.
 #[test]
 fn queueing_flags_are_checked_and_a_reservation_implies_backfill() {
-    let q = SimOptions::queueing_of(false, None, Some(32), "declared:2", 32).unwrap();
+    let q = SimOptions::queueing_of(false, None, Some(32), "declared:2", 32, "off").unwrap();
     assert!(q.backfill);
     assert_eq!(
         q.reserve,
@@ -695,21 +695,85 @@ fn queueing_flags_are_checked_and_a_reservation_implies_backfill() {
         })
     );
     assert_eq!(q.limit, reserve::Limit::Declared(2.0));
-    let w = SimOptions::queueing_of(false, Some(600), None, "learned", 8).unwrap();
+    let w = SimOptions::queueing_of(false, Some(600), None, "learned", 8, "off").unwrap();
     assert_eq!(
         w.reserve.map(|p| (p.wait_bound_ms, p.min_gpus)),
         Some((600_000, u32::MAX))
     );
-    let plain = SimOptions::queueing_of(false, None, None, "declared", 32).unwrap();
+    let plain = SimOptions::queueing_of(false, None, None, "declared", 32, "off").unwrap();
     assert_eq!(plain, Queueing::default());
     for (e, want) in [("guess", "--expected-end"), ("declared:-1", "positive")] {
-        match SimOptions::queueing_of(false, None, None, e, 32) {
+        match SimOptions::queueing_of(false, None, None, e, 32, "off") {
             Err(SimError::Usage(m)) => assert!(m.contains(want), "{m}"),
             other => panic!("{e}: {other:?}"),
         }
     }
     assert!(matches!(
-        SimOptions::queueing_of(true, None, None, "declared", 0),
+        SimOptions::queueing_of(true, None, None, "declared", 0, "off"),
         Err(SimError::Usage(m)) if m.contains("--big-gpus")
     ));
+    let r = SimOptions::queueing_of(false, None, None, "declared", 32, "1-3").unwrap();
+    assert_eq!(r.run_limits, Some((1.0, 3.0)));
+    assert_eq!(
+        SimOptions::queueing_of(false, None, None, "declared", 32, "2")
+            .unwrap()
+            .run_limits,
+        Some((2.0, 2.0))
+    );
+    for bad in ["0.5", "3-1", "x", "1-", "nan"] {
+        assert!(
+            matches!(SimOptions::queueing_of(false, None, None, "declared", 32, bad), Err(SimError::Usage(m)) if m.contains("--run-limits")),
+            "{bad}"
+        );
+    }
+}
+
+/// The drain term (issue 27, fifth round): with declared run times, a long task goes beside
+/// long work rather than onto the node whose work ends soon, so that node drains whole for
+/// the 8-GPU job behind it. Node X runs a 1 h job, node Y a 10 h one (each holds 4 GPUs; the
+/// CPU they take keeps them apart); a 9 h job of 4 GPUs then fits on either: by the packing
+/// order alone it takes X (less free CPU) and the 8-GPU job waits for it, 9 h; with the
+/// limits declared it takes Y and the 8-GPU job starts when X's hour is over.
+#[test]
+fn declared_run_times_keep_work_that_ends_together_on_one_node() {
+    let c = cl("pcie8", 2);
+    let cpu = c.nodes[0].cpu_total;
+    let job = |id: usize, arrival: f64, duration: f64, gpus: u32, cpu: u32| Job {
+        id,
+        arrival,
+        duration,
+        tasks: vec![Task {
+            gpus,
+            cpu,
+            mem_mb: 1024,
+        }],
+    };
+    let jobs = vec![
+        job(0, 0.0, 3600.0, 4, cpu / 2 + 1),
+        job(1, 1.0, 36_000.0, 4, cpu / 2),
+        job(2, 3.0, 32_400.0, 4, 1),
+        job(3, 4.0, 100.0, 8, 1),
+    ];
+    let run = |limits: Option<(f64, f64)>| {
+        let mode = Queueing {
+            run_limits: limits,
+            ..Queueing::default()
+        };
+        simulate_queueing(&c, &jobs, "gpuam", 1, 300, mode).unwrap()
+    };
+    let without = run(None);
+    assert!(
+        (without.delays[3] - (3.0 + 32_400.0 - 4.0)).abs() < 1e-6,
+        "without limits the 9 h job shares X and the 8-GPU job waits for it: {}",
+        without.delays[3]
+    );
+    let with = run(Some((1.0, 1.0)));
+    assert!(
+        (with.delays[3] - (3600.0 - 4.0)).abs() < 1e-6,
+        "with limits X drains after its hour: {}",
+        with.delays[3]
+    );
+    // Declared limits change where work goes, never whether it runs or its tier.
+    assert_eq!(with.multi_ideal, without.multi_ideal);
+    assert!(with.delays[..3].iter().all(|d| *d == 0.0), "{:?}", with.delays);
 }

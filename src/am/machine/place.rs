@@ -34,6 +34,8 @@ impl JobMachine {
             return;
         }
         self.gang_backoff_until = None;
+        // The drain term reads the step's wall clock (a task's declared end, issue 27).
+        self.selector.set_clock(now.ms);
         let job = self.job.clone();
         let (tasks, role_first, topology_wait) = (&self.tasks, &self.role_first, self.topology_wait);
         let mut round = PlacementRound::new(&job, |ri, i| {
