@@ -325,7 +325,10 @@ impl<'v> Search<'v> {
             let Some(set) = self.set_of(bi, rack) else {
                 continue;
             };
-            let mut full = 0;
+            // `full`: nodes that take as many of the job's tasks as the bucket's bound says;
+            // `settled`: those of them that no later node of the bucket can beat on the drain
+            // term (it is 0 there, its least).
+            let (mut full, mut settled) = (0, 0);
             for m in set.range((self.req.cpu, 0, 0, 0)..) {
                 if self.elsewhere().skip(m, rack) {
                     continue;
@@ -334,18 +337,24 @@ impl<'v> Search<'v> {
                     continue;
                 };
                 let scored = stages::score(cx, &self.req, node, b.key.topo, node.free(), rack.is_some());
-                full += usize::from(matches!(&scored, Ok((_, _, fits)) if *fits == fits_b));
+                if let Ok((key, _, fits)) = &scored {
+                    if *fits == fits_b {
+                        full += 1;
+                        settled += usize::from(key.drain == 0);
+                    }
+                }
                 self.note(scored, node, m.2, None);
-                // The bucket's nodes differ in the tail only (CPU, memory, tie), unless the
-                // drain term is on: then a later node may drain better, so up to
-                // DRAIN_SCAN_NODES more of the bucket are judged (a bound, not the whole
-                // bucket: the term is judged among those, said in DESIGN-NOTES).
-                let enough = if cx.ends_by_ms.is_some() {
-                    self.want + DRAIN_SCAN_NODES
+                // The bucket's nodes differ in the tail only (CPU, memory, tie), which the
+                // walk visits in order, unless the drain term is on: then a later node may
+                // drain better, until `want` nodes have the term at 0; at most
+                // DRAIN_SCAN_NODES more of the bucket are judged (the term is exact among
+                // those; said in DESIGN-NOTES).
+                let done = if cx.ends_by_ms.is_some() {
+                    settled >= self.want || full >= self.want + DRAIN_SCAN_NODES
                 } else {
-                    self.want
+                    full >= self.want
                 };
-                if full >= enough {
+                if done {
                     break;
                 }
             }
