@@ -89,7 +89,7 @@ pub fn node_json_bytes(node: &Node, num_containers: u32, last_health_update_ms: 
 
 /// The fields that tell one node from another of the same shape: what a compact listing's
 /// node entry carries besides its shape's index (DESIGN.md §3, `?view=compact`).
-pub const NODE_IDENTITY: [&str; 4] = ["nodeHTTPAddress", "nodeHostName", "nodeIp", "rack"];
+pub const NODE_IDENTITY: [&str; 5] = ["drainByMs", "nodeHTTPAddress", "nodeHostName", "nodeIp", "rack"];
 
 /// The field of a compact listing's node entry that names its shape (an index into
 /// `nodes.shapes`).
@@ -108,6 +108,9 @@ struct NodeEntry {
     ip: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     rack: Option<String>,
+    /// Busy nodes' drains differ, so it is the node's own, not its shape's (issue 27).
+    #[serde(rename = "drainByMs", default, skip_serializing_if = "Option::is_none")]
+    drain_by_ms: Option<u64>,
 }
 
 /// A node's entry in a compact listing without its shape: `{"nodeHTTPAddress":..,
@@ -120,6 +123,7 @@ pub fn node_entry_bytes(node: &Node) -> Vec<u8> {
         host: node.host.clone(),
         ip: node.ip.map(|ip| ip.to_string()),
         rack: Some(node.rack.clone()),
+        drain_by_ms: node.drain_by_ms,
     })
     .unwrap_or_default()
 }
@@ -498,6 +502,7 @@ impl ListingStream {
         node.http_address = e.http_address;
         node.host = e.host;
         node.ip = ip;
+        node.drain_by_ms = e.drain_by_ms;
         Ok(node)
     }
 }
@@ -1123,6 +1128,8 @@ mod tests {
         b.rack = "/rack-b".into();
         b.ip = None;
         b.http_address = String::new();
+        // Its own drain (issue 27) rides with its identity: the shape stays shared.
+        b.drain_by_ms = Some(1_700_000_360_000);
         let mut c = sample_node();
         c.host = "gpu-\"3\"".into();
         c.state = NodeState::Lost;
