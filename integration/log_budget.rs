@@ -33,15 +33,6 @@ fn noisy_job(rm: &Rm, name: &str) -> PathBuf {
     )
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// `gpuam ARGS` as the holder of `token`.
 fn as_user(rm: &Rm, token: &str, args: &[&str]) -> Output {
     let mut cmd = rm.gpuam();

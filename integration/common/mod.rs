@@ -25,6 +25,16 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// A finished command's exit status, stdout and stderr, for an assertion's message.
+pub fn text(o: &std::process::Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 /// The `gpuam` binary built by cargo for this test run.
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_gpuam")
