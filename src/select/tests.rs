@@ -700,7 +700,8 @@ type NodeKey = (
         std::cmp::Reverse<u8>,
         std::cmp::Reverse<u8>,
         std::cmp::Reverse<bool>,
-        u8,
+        // 6q's NVLink fit, then 6d (a declared run time): best fit, the drain term.
+        (u8, [u8; crate::topology::FIT_LEVELS], u32),
         u32,
         u8,
         u8,
@@ -720,8 +721,10 @@ type NodeKey = (
 );
 
 /// [`Order`] of a node's chosen (S, X) as the key nodes are compared by; `u` the union's
-/// GPU count; `others_wait`: other jobs wait behind this one (queue pressure).
-fn node_key(n: &Node, o: Order, u: u32, others_wait: bool) -> NodeKey {
+/// GPU count; `others_wait`: other jobs wait behind this one (queue pressure); `ends`: the
+/// clock and the task's declared end (ms), when it declares a run time (criterion 6d: best
+/// fit, then the minutes its end passes the node's drain, or its whole run on an idle node).
+fn node_key(n: &Node, o: Order, u: u32, others_wait: bool, ends: Option<(u64, u64)>) -> NodeKey {
     let t = n.topology.as_deref().expect("a topology");
     let best = crate::topology::choose(Some(t), t.all_mask(), u).map_or(0, |g| g.weight);
     let ((aff, fits, rack, tu, ts, wu, ws, numa, apart, nic), (fit, free, cap, total, cpu, mem)) = o;
@@ -731,6 +734,11 @@ fn node_key(n: &Node, o: Order, u: u32, others_wait: bool) -> NodeKey {
     } else {
         (ideal, 0, 0)
     };
+    let declared = match (ends, n.drain_by_ms) {
+        (None, _) => (early_nvlink, Default::default(), 0),
+        (Some(_), None) => (early_nvlink, fit, 0),
+        (Some((now, end)), Some(d)) => (early_nvlink, fit, (end.saturating_sub(d.max(now)) / 60_000) as u32),
+    };
     (
         (
             aff,
@@ -739,7 +747,7 @@ fn node_key(n: &Node, o: Order, u: u32, others_wait: bool) -> NodeKey {
             tu,
             ts,
             early_ideal,
-            early_nvlink,
+            declared,
             early_free,
             numa,
             apart,
@@ -771,19 +779,33 @@ proptest! {
     #[test]
     fn every_choice_is_optimal_under_the_written_order(
         nodes in prop::collection::vec(
-            (prop::sample::select(vec!["pcie4", "pcie4-nvbridge", "pcie8", "pcie8-nic", "dgx1v", "nvbridge8", "nvbridge8x", "nvswitch8", "pcie8-1root"]), any::<u8>(), 0u32..24),
+            (prop::sample::select(vec!["pcie4", "pcie4-nvbridge", "pcie8", "pcie8-nic", "dgx1v", "nvbridge8", "nvbridge8x", "nvswitch8", "pcie8-1root"]), any::<u8>(), 0u32..24, 0u32..6),
             1..7),
         k in prop::sample::select(vec![1u32, 2, 3, 4]),
         instances in 1u32..4,
         others_wait in any::<bool>(),
+        declares in any::<bool>(),
     ) {
+        // A node's drain: unknown, idle, or 0-3 hours from now (issue 27, criterion 6d).
+        const NOW: u64 = 1_700_000_000_000;
         let nodes: Vec<Node> = nodes
             .iter()
             .enumerate()
-            .map(|(i, (p, used, cpu))| mixed_node(i, p, u64::from(*used), *cpu))
+            .map(|(i, (p, used, cpu, drain))| {
+                let mut n = mixed_node(i, p, u64::from(*used), *cpu);
+                n.drain_by_ms = match drain {
+                    0 => None,
+                    1 => Some(0),
+                    h => Some(NOW + u64::from(h - 2) * 3_600_000 - 600_000),
+                };
+                n
+            })
             .collect();
         let s = selector(nodes);
         s.set_others_wait(others_wait);
+        s.set_clock(NOW);
+        let run = declares.then_some(5_400u64);
+        let ends = run.map(|r| (NOW, NOW + r * 1000));
         let r = res(4, 1000, k);
         let mut demand = JobDemand::new(true);
         demand.add_waiting(TaskShape::of(&r), instances);
@@ -816,19 +838,20 @@ proptest! {
                     continue;
                 }
                 if let Some(o) = node_best(n) {
-                    let key = node_key(n, o, union_size(n), others_wait);
+                    let key = node_key(n, o, union_size(n), others_wait, ends);
                     if best.is_none_or(|b| key < b) {
                         best = Some(key);
                     }
                 }
             }
-            let sel = s.select_and_reserve(&TaskAsk::plain("w", &r, left), &demand);
+            let ask = TaskAsk { max_run_sec: run, ..TaskAsk::plain("w", &r, left) };
+            let sel = s.select_and_reserve(&ask, &demand);
             match (&sel.outcome, best) {
                 (Outcome::Placed(p), Some(b)) => {
                     let n = view.iter().find(|n| n.host == p.host).unwrap();
                     let got = order_of(n, p.resources.gpu_mask, &demand, &job_racks, k);
                     prop_assert_eq!(got, node_best(n), "task {} chose {} {:#x}: not its node's best set\n{}", instances - left, p.host, p.resources.gpu_mask, sel.trace.render());
-                    let got = got.map(|o| node_key(n, o, union_size(n), others_wait));
+                    let got = got.map(|o| node_key(n, o, union_size(n), others_wait, ends));
                     prop_assert_eq!(got, Some(b), "task {} chose {} {:#x}\n{}", instances - left, p.host, p.resources.gpu_mask, sel.trace.render());
                     demand.placed_with_gpus(&TaskShape::of(&r), &p.host, p.resources.gpu_mask);
                 }
@@ -1493,6 +1516,24 @@ fn a_task_that_declares_its_run_time_goes_where_work_ends_after_it() {
         true,
     );
     assert_eq!(host, "unknown");
+    // Nodes alike but for their CPU (one bucket of the index, walked least free CPU first):
+    // the one that drains best is the last the walk reaches, and is still found.
+    let alike: Vec<Node> = (0..12u32)
+        .map(|i| {
+            let mut n = on(&format!("alike-{i:02}"), 0x0f, Some(now + hour / 6));
+            n.set_used(Resources::with_mask(40 - i, 8192, 0x0f, PortSet::new()));
+            if i == 11 {
+                n.drain_by_ms = Some(now + 2 * hour);
+            }
+            n
+        })
+        .collect();
+    assert_eq!(pick(alike.clone(), Some(3600), true).0, "alike-11");
+    assert_ne!(
+        pick(alike, None, true).0,
+        "alike-11",
+        "without the term, least free CPU first"
+    );
     // The tier first: a node that would drain best but offers only a split 4-set loses.
     let split = on("split", 0b1010_1010, Some(now + 10 * hour));
     let (host, _) = pick(vec![split, on("idle", 0, Some(0))], Some(3600), true);
