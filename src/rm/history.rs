@@ -257,19 +257,48 @@ impl HistoryFilter {
 /// The states a finished application has, as a history filter names them (any case).
 pub const FINAL_STATES: [&str; 3] = ["finished", "failed", "killed"];
 
+/// One finished application as retention weighs it: its id, when it finished, its owner.
+pub type Finished = (String, u64, String);
+
 /// The finished applications the history no longer keeps: those that finished more than
-/// `max_age_ms` before `now_ms`, and the oldest beyond `max_count`. `finished` holds
-/// (id, finished time) of finished applications whose containers are all dead.
-pub fn to_forget(finished: &[(String, u64)], now_ms: u64, max_age_ms: u64, max_count: usize) -> Vec<String> {
-    let mut by_age: Vec<&(String, u64)> = finished.iter().collect();
-    // Newest first, so that the ones beyond `max_count` are the oldest.
-    by_age.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| b.0.cmp(&a.0)));
-    by_age
+/// `max_age_ms` before `now_ms`, and, beyond `max_count`, the oldest of the user who keeps
+/// the most, one at a time (eighth pass: forgetting the oldest of all users together let
+/// one user's stream of tiny jobs push another's history and kept logs out). `finished`
+/// holds the finished applications whose containers are all dead.
+pub fn to_forget(finished: &[Finished], now_ms: u64, max_age_ms: u64, max_count: usize) -> Vec<String> {
+    use std::cmp::Reverse;
+    use std::collections::{BinaryHeap, HashMap};
+    let (old, kept): (Vec<&Finished>, Vec<&Finished>) = finished
         .iter()
-        .enumerate()
-        .filter(|(i, (_, t))| *i >= max_count || now_ms.saturating_sub(*t) > max_age_ms)
-        .map(|(_, (id, _))| id.clone())
-        .collect()
+        .partition(|(_, t, _)| now_ms.saturating_sub(*t) > max_age_ms);
+    let mut gone: Vec<String> = old.iter().map(|(id, _, _)| id.clone()).collect();
+    let mut excess = kept.len().saturating_sub(max_count);
+    if excess == 0 {
+        return gone;
+    }
+    // Per user, oldest last (popped first).
+    let mut by_user: HashMap<&str, Vec<&Finished>> = HashMap::new();
+    for f in kept {
+        by_user.entry(f.2.as_str()).or_default().push(f);
+    }
+    let mut heap = BinaryHeap::new();
+    for (user, apps) in by_user.iter_mut() {
+        apps.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| b.0.cmp(&a.0)));
+        let oldest = apps.last().map_or(0, |f| f.1);
+        heap.push((apps.len(), Reverse(oldest), *user));
+    }
+    while excess > 0 {
+        let Some((_, _, user)) = heap.pop() else { break };
+        let Some(apps) = by_user.get_mut(user) else { break };
+        if let Some(f) = apps.pop() {
+            gone.push(f.0.clone());
+            excess -= 1;
+        }
+        if let Some(next) = apps.last() {
+            heap.push((apps.len(), Reverse(next.1), user));
+        }
+    }
+    gone
 }
 
 #[cfg(test)]
@@ -406,18 +435,34 @@ mod tests {
 
     #[test]
     fn retention_drops_the_old_and_the_oldest_beyond_the_count() {
-        let f = vec![
-            ("a".to_string(), 100),
-            ("b".to_string(), 5_000),
-            ("c".to_string(), 9_000),
-            ("d".to_string(), 9_500),
-        ];
+        let f: Vec<Finished> = [("a", 100), ("b", 5_000), ("c", 9_000), ("d", 9_500)]
+            .iter()
+            .map(|(id, t)| (id.to_string(), *t, "u".to_string()))
+            .collect();
         let mut gone = to_forget(&f, 10_000, 6_000, 10);
         gone.sort();
         assert_eq!(gone, vec!["a"]);
         let mut gone = to_forget(&f, 10_000, u64::MAX, 2);
         gone.sort();
         assert_eq!(gone, vec!["a", "b"]);
+    }
+
+    /// Beyond the count the user who keeps the most loses their oldest first: alice's
+    /// stream of jobs never pushes bob's one old job out (eighth pass), and among users
+    /// keeping as many, the oldest goes.
+    #[test]
+    fn beyond_the_count_the_user_who_keeps_most_loses_their_oldest_first() {
+        let mut f: Vec<Finished> = vec![("bob-1".into(), 1, "bob".into())];
+        f.extend((0..25u64).map(|i| (format!("alice-{i:02}"), 100 + i, "alice".to_string())));
+        let mut gone = to_forget(&f, 1_000, u64::MAX, 20);
+        gone.sort();
+        let want: Vec<String> = (0..6).map(|i| format!("alice-{i:02}")).collect();
+        assert_eq!(gone, want, "alice's six oldest go, bob's older job stays");
+        // Down to one each: the older of the two goes first.
+        let two: Vec<Finished> = vec![("bob-1".into(), 1, "bob".into()), ("alice-1".into(), 5, "alice".into())];
+        assert_eq!(to_forget(&two, 1_000, u64::MAX, 1), vec!["bob-1"]);
+        // Age still applies to everyone.
+        assert_eq!(to_forget(&f, 1_000, 950, 100), vec!["bob-1"]);
     }
 
     #[test]

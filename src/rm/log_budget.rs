@@ -21,6 +21,30 @@
 
 use std::collections::HashSet;
 
+/// What one kept file counts for: its length, but at least a disk block (eighth pass: 300
+/// containers printing one byte each counted 300 bytes and took 600 files and 1.28 MB).
+pub const FILE_FLOOR_BYTES: u64 = 4096;
+
+/// The bytes a kept file of `len` bytes counts for ([`FILE_FLOOR_BYTES`]).
+pub fn counted(len: u64) -> u64 {
+    len.max(FILE_FLOOR_BYTES)
+}
+
+/// The last `max` bytes of `text`, cut on a character boundary: a log is kept to its bound
+/// after its bytes became text (eighth pass: invalid UTF-8 became U+FFFD, three bytes each,
+/// and a 4 KiB log of 0xff bytes was kept as 12 KiB).
+pub fn tail(text: &str, max: u64) -> &str {
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    if text.len() <= max {
+        return text;
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
 /// The bounds (`rm.collected_logs_user_bytes`, `rm.collected_logs_total_bytes`,
 /// `rm.min_free_disk_mb`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -333,5 +357,17 @@ mod tests {
         assert_eq!(am_output_cut(100, 100), None);
         assert_eq!(am_output_cut(101, 100), Some(100));
         assert!(am_output_cut_line("am.stdout", 100, 7).contains("am.stdout.1"));
+    }
+
+    /// A kept file counts at least a block; a log is cut to its bound as text, on a
+    /// character boundary (eighth pass).
+    #[test]
+    fn files_count_a_block_at_least_and_logs_are_cut_as_text() {
+        assert_eq!((counted(0), counted(1), counted(5000)), (4096, 4096, 5000));
+        let bad = String::from_utf8_lossy(&[0xff; 10]).into_owned();
+        assert_eq!(bad.len(), 30, "each invalid byte became three");
+        assert_eq!(tail(&bad, 10).len(), 9, "cut to the bound on a boundary");
+        assert_eq!(tail("abc", 10), "abc");
+        assert_eq!(tail("abcdef", 2), "ef");
     }
 }

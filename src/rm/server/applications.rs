@@ -84,9 +84,9 @@ pub(super) async fn get_app_attempts(
 /// port a user names must be one of `rm.dashboard_ports` (seventh pass, F2: the AM binds as
 /// the RM's user on the RM's host, so a user naming a port could take an agent's, the
 /// RM's or a task's while its owner restarts, and keep it for as long as the job runs).
-fn check_dashboard_listen(rm: &Shared, caller: &Caller, listen: Option<&str>) -> Result<(), ApiError> {
+fn check_dashboard_listen(rm: &Shared, caller: &Caller, listen: Option<&str>) -> Result<Option<String>, ApiError> {
     let Some(text) = listen else {
-        return Ok(());
+        return Ok(None);
     };
     let addr: SocketAddr = text.trim().parse().map_err(|_| {
         ApiError::bad_request(format!(
@@ -115,7 +115,9 @@ fn check_dashboard_listen(rm: &Shared, caller: &Caller, listen: Option<&str>) ->
              (`rm.dashboard_ports`)"
         )));
     }
-    Ok(())
+    // As parsed, so the AM is started with exactly the address checked (eighth pass: a
+    // trailing space passed the check and failed every AM attempt).
+    Ok(Some(addr.to_string()))
 }
 
 pub(super) async fn submit_app(
@@ -125,7 +127,7 @@ pub(super) async fn submit_app(
 ) -> Result<Response, ApiError> {
     let id = req.application_id.clone();
     check_app_id(&id)?;
-    check_dashboard_listen(&rm, &caller, req.dashboard_listen.as_deref())?;
+    let listen = check_dashboard_listen(&rm, &caller, req.dashboard_listen.as_deref())?;
     // Validate before claiming anything, so a rejected submit leaves nothing behind.
     transactions::check_submit(&mut rm.lock(), &rm.limits, &id, caller.name())?;
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
@@ -159,10 +161,7 @@ pub(super) async fn submit_app(
     app.gang = spec.gang;
     app.set_job_token(req.job_token.as_deref());
     if rm.launch_am {
-        app.launch = Some(AmLaunch {
-            job_path,
-            listen: req.dashboard_listen.clone(),
-        });
+        app.launch = Some(AmLaunch { job_path, listen });
     }
     let report = app.report.clone();
     let added = transactions::add_app(&mut rm.lock(), &rm.limits, app);

@@ -139,10 +139,26 @@ fn keep(rm: &Shared, app: &str, id: &str, texts: &[(LogStream, String)]) -> Resu
     let dir = logs_dir(rm, app);
     let root = rm.work_dir.join("logs");
     super::private::dir(&dir, &[&root]).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    // Cut to the bound as text: invalid UTF-8 grows threefold when it becomes text.
+    let texts: Vec<(LogStream, &str)> = texts
+        .iter()
+        .map(|(s, t)| (*s, log_budget::tail(t, rm.history.log_bytes)))
+        .collect();
     let mut kept = rm.kept_logs.lock();
     // Logs kept of this container before (collected again) are replaced, not added to.
-    let before: u64 = texts.iter().map(|(s, _)| file_len(&log_file(rm, app, id, *s))).sum();
-    let new_bytes: u64 = texts.iter().map(|(_, t)| t.len() as u64).sum();
+    // Each file counts at least a block (`log_budget::counted`), as the start-up scan does.
+    let before: u64 = texts
+        .iter()
+        .map(|(s, _)| {
+            let p = log_file(rm, app, id, *s);
+            if p.is_file() {
+                log_budget::counted(file_len(&p))
+            } else {
+                0
+            }
+        })
+        .sum();
+    let new_bytes: u64 = texts.iter().map(|(_, t)| log_budget::counted(t.len() as u64)).sum();
     let need = new_bytes.saturating_sub(before);
     let (user, apps) = {
         let st = rm.lock();
@@ -157,7 +173,7 @@ fn keep(rm: &Shared, app: &str, id: &str, texts: &[(LogStream, String)]) -> Resu
                 tracing::info!(app = %gone, for_app = %app, "kept logs removed: {}", log_budget::removed_text(&over));
             }
             let _ = std::fs::remove_file(not_kept_file(rm, app, id));
-            for (stream, text) in texts {
+            for (stream, text) in &texts {
                 let path = log_file(rm, app, id, *stream);
                 // Per stream (`cid.stdout.part`, `cid.stderr.part`): two streams never share one.
                 let tmp = PathBuf::from(format!("{}.part", path.display()));
@@ -279,7 +295,7 @@ impl KeptLogs {
                     continue;
                 }
                 match f.metadata() {
-                    Ok(m) if m.is_file() => bytes = bytes.saturating_add(m.len()),
+                    Ok(m) if m.is_file() => bytes = bytes.saturating_add(log_budget::counted(m.len())),
                     _ => {}
                 }
             }
@@ -536,7 +552,8 @@ mod tests {
         }
         std::fs::write(logs.join("stray"), "x").unwrap();
         let k = KeptLogs::scan(t.path());
-        assert_eq!((k.bytes("app1"), k.bytes("app2"), k.bytes("app3")), (15, 0, 7));
+        // Each kept file counts at least a block (`log_budget::counted`).
+        assert_eq!((k.bytes("app1"), k.bytes("app2"), k.bytes("app3")), (8192, 0, 4096));
         assert_eq!(k.by_app.len(), 3, "{k:?}");
         assert!(KeptLogs::scan(&t.path().join("none")).by_app.is_empty());
     }

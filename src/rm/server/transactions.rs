@@ -353,15 +353,16 @@ pub(super) fn forget_finished(
         .filter(|c| c.state != ContainerState::Complete || c.held)
         .map(|c| c.app_id.as_str())
         .collect();
-    let finished: Vec<(String, u64)> = st
+    let owned: Vec<crate::rm::history::Finished> = st
         .apps
         .values()
         .filter(|a| a.report.state.is_final() && !busy.contains(a.report.id.as_str()))
-        .map(|a| (a.report.id.clone(), a.report.finished_time))
+        .map(|a| (a.report.id.clone(), a.report.finished_time, a.report.user.clone()))
         .collect();
     drop(busy);
     let max_age = history.max_age.as_millis() as u64;
-    let gone = crate::rm::history::to_forget(&finished, now_ms, max_age, history.max_apps);
+    let gone = crate::rm::history::to_forget(&owned, now_ms, max_age, history.max_apps);
+    let finished: Vec<(String, u64)> = owned.into_iter().map(|(id, t, _)| (id, t)).collect();
     for id in &gone {
         st.apps.remove(id);
         st.ledger.forget_app(id);
