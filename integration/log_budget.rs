@@ -155,4 +155,9 @@ fn below_the_disk_reserve_nothing_is_kept_the_job_succeeds_and_logs_say_why() {
         "{err}"
     );
     assert!(kept(&rm, &id).is_empty(), "no log kept: {:?}", kept(&rm, &id));
+    // The job's spec copy goes with its AM (eighth pass: copies piled up uncounted).
+    let spec = rm.work_dir.join(&id).join("job.yaml");
+    wait_for(Duration::from_secs(30), "the ended job's job.yaml copy to go", || {
+        (!spec.exists()).then_some(())
+    });
 }

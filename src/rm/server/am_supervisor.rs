@@ -286,6 +286,7 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
     let ended = match end {
         AmEnd::Over => {
             tracing::info!(app = %id, "AM exited ({how})");
+            drop_spec_copy(rm, id);
             return;
         }
         AmEnd::NextAttempt(attempt) => {
@@ -304,7 +305,23 @@ pub(super) async fn on_am_exit(rm: &Arc<Shared>, id: &str, how: String) {
     } else {
         tracing::warn!(app = %id, "AM exited without finishing ({how})");
     }
+    if !stopping {
+        drop_spec_copy(rm, id);
+    }
     spawn_stops(rm, ended);
+}
+
+/// The application ended and its AM with it: its copy of the job spec (`job.yaml`, up to
+/// 1 MiB, which only an AM's start reads) goes at once (eighth pass: a user's stream of
+/// short jobs with 1 MiB specs piled up copies, counted in no budget, until the disk fell
+/// below `rm.min_free_disk_mb` and nobody's logs were kept).
+fn drop_spec_copy(rm: &Shared, id: &str) {
+    let path = rm.work_dir.join(id).join("job.yaml");
+    if let Err(e) = std::fs::remove_file(&path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(app = %id, "its job.yaml copy was not removed: {e}");
+        }
+    }
 }
 
 /// Holds every running AM's output to `rm.am_output_bytes`, every [`OUTPUT_CHECK_EVERY`].
