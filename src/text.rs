@@ -18,12 +18,18 @@ pub fn clean(s: &str) -> String {
 /// CLI's last line against text from the RM or from other users (node racks and labels,
 /// job names, reasons) that reached it unchecked (`cli::emit`).
 pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.chars().any(|c| is_unsafe(c) || is_bidi_control(c)) {
+    escaped(s, |_, c| is_unsafe(c) || is_bidi_control(c))
+}
+
+/// `s` with each character `escape` picks (by its byte index and itself) written as its
+/// escape (`\u{1b}`); borrowed when it picks none.
+fn escaped(s: &str, escape: impl Fn(usize, char) -> bool) -> std::borrow::Cow<'_, str> {
+    if !s.char_indices().any(|(i, c)| escape(i, c)) {
         return std::borrow::Cow::Borrowed(s);
     }
     let mut out = String::with_capacity(s.len() + 16);
-    for c in s.chars() {
-        if is_unsafe(c) || is_bidi_control(c) {
+    for (i, c) in s.char_indices() {
+        if escape(i, c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
@@ -49,21 +55,13 @@ pub fn shown_line(s: &str) -> std::borrow::Cow<'_, str> {
 /// terminal (window titles, clearing the screen, OSC 52 clipboard writes); to a pipe or a
 /// file, the bytes as they are (scripts read them so; `--raw` asks for that on a terminal).
 pub fn task_output(s: &str, is_terminal: bool) -> std::borrow::Cow<'_, str> {
-    // `\r` is kept only right before `\n` (a CRLF line end); alone it rewrites the line.
-    let escape =
-        |i: usize, c: char| (is_unsafe(c) && !(c == '\r' && s[i + 1..].starts_with('\n'))) || is_bidi_control(c);
-    if !is_terminal || !s.char_indices().any(|(i, c)| escape(i, c)) {
+    if !is_terminal {
         return std::borrow::Cow::Borrowed(s);
     }
-    let mut out = String::with_capacity(s.len() + 16);
-    for (i, c) in s.char_indices() {
-        if escape(i, c) {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    std::borrow::Cow::Owned(out)
+    // `\r` is kept only right before `\n` (a CRLF line end); alone it rewrites the line.
+    escaped(s, |i, c| {
+        (is_unsafe(c) && !(c == '\r' && s[i + 1..].starts_with('\n'))) || is_bidi_control(c)
+    })
 }
 
 /// A bidirectional embedding, override or isolate (U+202A–U+202E, U+2066–U+2069), or an

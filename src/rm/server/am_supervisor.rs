@@ -330,34 +330,54 @@ pub(super) fn spawn_output_bound(rm: Arc<Shared>) -> JoinHandle<()> {
         let mut every = tokio::time::interval(OUTPUT_CHECK_EVERY);
         loop {
             every.tick().await;
-            let running: Vec<String> = {
-                let st = rm.lock();
-                st.apps
-                    .values()
-                    .filter(|a| !a.report.state.is_final() && a.launch.is_some())
-                    .map(|a| a.report.id.clone())
-                    .collect()
-            };
-            for id in running {
-                for name in AM_OUTPUT_FILES {
-                    if let Err(e) = bound_output(&rm.work_dir.join(&id).join(name), rm.history.am_output_bytes) {
-                        tracing::warn!(app = %id, "{name} not bounded: {e}");
-                    }
-                }
+            let rm = Arc::clone(&rm);
+            // Copying and cutting files: off the async workers.
+            let bounded = tokio::task::spawn_blocking(move || bound_outputs(&rm)).await;
+            if let Err(e) = bounded {
+                tracing::warn!("AM output bound stopped: {e}");
             }
         }
     })
 }
 
+/// One round of [`spawn_output_bound`]: each running AM's output files.
+fn bound_outputs(rm: &Shared) {
+    let running: Vec<String> = {
+        let st = rm.lock();
+        st.apps
+            .values()
+            .filter(|a| !a.report.state.is_final() && a.launch.is_some())
+            .map(|a| a.report.id.clone())
+            .collect()
+    };
+    for id in running {
+        for name in AM_OUTPUT_FILES {
+            if let Err(e) = bound_output(&rm.work_dir.join(&id).join(name), rm.history.am_output_bytes) {
+                tracing::warn!(app = %id, "{name} not bounded: {e}");
+            }
+        }
+    }
+}
+
 /// Cuts `path` if it is over `bound`: its last `bound` bytes to `PATH.1`, then the file to
 /// one line saying so. `Ok(true)` when it was cut.
 pub(super) fn bound_output(path: &Path, bound: u64) -> std::io::Result<bool> {
-    let len = match std::fs::symlink_metadata(path) {
-        Ok(m) if m.is_file() => m.len(),
-        Ok(_) => return Ok(false),
+    // The size is the opened file's (never through a link), not a second look at the path.
+    let mut f = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e),
     };
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Ok(false);
+    }
+    let len = meta.len();
     let Some(keep) = crate::rm::log_budget::am_output_cut(len, bound) else {
         return Ok(false);
     };
@@ -366,11 +386,6 @@ pub(super) fn bound_output(path: &Path, bound: u64) -> std::io::Result<bool> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let older = path.with_file_name(format!("{name}.1"));
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
     f.seek(SeekFrom::Start(len - keep))?;
     let mut tail = Vec::new();
     (&mut f).take(keep).read_to_end(&mut tail)?;

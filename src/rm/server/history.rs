@@ -106,7 +106,11 @@ pub(super) fn spawn_retention(rm: Arc<Shared>) -> JoinHandle<()> {
         let mut every = tokio::time::interval(RETENTION_EVERY);
         loop {
             every.tick().await;
-            retention_pass(&rm);
+            // Removing files: off the async workers.
+            let shared = Arc::clone(&rm);
+            if let Err(e) = tokio::task::spawn_blocking(move || retention_pass(&shared)).await {
+                tracing::warn!("history retention pass stopped: {e}");
+            }
         }
     })
 }
@@ -132,13 +136,16 @@ pub(super) fn retention_pass(rm: &Shared) {
     };
     for id in forgotten.iter().chain(&old_logs) {
         let dir = super::logs::logs_dir(rm, id);
+        // Under the kept-logs lock: a collection never writes between the removal and the
+        // count's reset (its bytes would go uncounted).
+        let mut kept = rm.kept_logs.lock();
         if dir.is_dir() {
             if let Err(e) = std::fs::remove_dir_all(&dir) {
                 tracing::warn!(app = %id, "kept logs not deleted: {e}");
                 continue;
             }
         }
-        rm.kept_logs.lock().forget(id);
+        kept.forget(id);
     }
     for id in &forgotten {
         let dir = rm.work_dir.join(id);

@@ -117,7 +117,7 @@ pub(super) fn spawn_collect(rm: &Arc<Shared>, container_id: String) {
     });
 }
 
-async fn collect(rm: &Shared, host: &str, app: &str, id: &str) -> Result<(), String> {
+async fn collect(rm: &Arc<Shared>, host: &str, app: &str, id: &str) -> Result<(), String> {
     let node = rm.nodes.for_host(host);
     let mut texts = Vec::with_capacity(2);
     for stream in [LogStream::Stdout, LogStream::Stderr] {
@@ -127,7 +127,12 @@ async fn collect(rm: &Shared, host: &str, app: &str, id: &str) -> Result<(), Str
             .map_err(|e| e.to_string())?;
         texts.push((stream, text));
     }
-    keep(rm, app, id, &texts)?;
+    // Writing and removing files, under the kept-logs lock: off the async workers, so a
+    // large removal never stalls the API or the heartbeats.
+    let (shared, app_id, cid) = (Arc::clone(rm), app.to_string(), id.to_string());
+    tokio::task::spawn_blocking(move || keep(&shared, &app_id, &cid, &texts))
+        .await
+        .map_err(|e| format!("log collection stopped: {e}"))??;
     tracing::debug!(container = %id, %host, "logs collected");
     Ok(())
 }
@@ -147,17 +152,7 @@ fn keep(rm: &Shared, app: &str, id: &str, texts: &[(LogStream, String)]) -> Resu
     let mut kept = rm.kept_logs.lock();
     // Logs kept of this container before (collected again) are replaced, not added to.
     // Each file counts at least a block (`log_budget::counted`), as the start-up scan does.
-    let before: u64 = texts
-        .iter()
-        .map(|(s, _)| {
-            let p = log_file(rm, app, id, *s);
-            if p.is_file() {
-                log_budget::counted(file_len(&p))
-            } else {
-                0
-            }
-        })
-        .sum();
+    let before: u64 = texts.iter().map(|(s, _)| kept_size(&log_file(rm, app, id, *s))).sum();
     let new_bytes: u64 = texts.iter().map(|(_, t)| log_budget::counted(t.len() as u64)).sum();
     let need = new_bytes.saturating_sub(before);
     let (user, apps) = {
@@ -233,8 +228,12 @@ fn not_kept_file(rm: &Shared, app: &str, container: &str) -> PathBuf {
     logs_dir(rm, app).join(format!("{container}{NOT_KEPT_SUFFIX}"))
 }
 
-fn file_len(path: &Path) -> u64 {
-    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+/// What a kept file counts for ([`log_budget::counted`]); 0 when there is none.
+fn kept_size(path: &Path) -> u64 {
+    std::fs::symlink_metadata(path)
+        .ok()
+        .filter(|m| m.is_file())
+        .map_or(0, |m| log_budget::counted(m.len()))
 }
 
 /// Why a container's log is not kept, if the RM recorded it: not kept, or removed since.
