@@ -108,7 +108,7 @@ impl LedgerContainer {
 /// When a node whose live containers declare these ends is whole again (issue 27, the drain
 /// term of the placement order): the latest end; 0 with nothing live; `None` when one of them
 /// declared no limit.
-pub fn drain_by(mut ends: impl Iterator<Item = Option<u64>>) -> Option<u64> {
+fn drain_by(mut ends: impl Iterator<Item = Option<u64>>) -> Option<u64> {
     ends.try_fold(0, |acc, end| end.map(|e| acc.max(e)))
 }
 

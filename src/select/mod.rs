@@ -377,12 +377,6 @@ impl Selector {
         f(&self.state.lock().view)
     }
 
-    /// Says whether other jobs wait for GPUs behind the job placed next (queue pressure;
-    /// issue 27, docs/DESIGN-NOTES.md "Packing first while others wait"): while they do, the
-    /// order packs nodes (fewest free GPUs) right after the tiers, before the ideal weight.
-    /// An input of the decision, kept until set again; `false` (the default) is the order
-    /// of an idle queue. The simulator sets it from its queue, the AM from the RM's allocate
-    /// answer (`othersWaiting`).
     /// Sets when `host` is whole again as a node report would say (`Node::drain_by_ms`): for
     /// the simulator, which books through the selector instead of reading reports.
     pub fn set_drain_by(&self, host: &str, drain_by_ms: Option<u64>) {
@@ -398,6 +392,12 @@ impl Selector {
         self.state.lock().now_ms = Some(now_ms);
     }
 
+    /// Says whether other jobs wait for GPUs behind the job placed next (queue pressure;
+    /// issue 27, docs/DESIGN-NOTES.md "Packing first while others wait"): while they do, the
+    /// order packs nodes (fewest free GPUs) right after the tiers, before the ideal weight.
+    /// An input of the decision, kept until set again; `false` (the default) is the order
+    /// of an idle queue. The simulator sets it from its queue, the AM from the RM's allocate
+    /// answer (`othersWaiting`).
     pub fn set_others_wait(&self, others_wait: bool) {
         self.state.lock().others_wait = others_wait;
     }
