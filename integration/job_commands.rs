@@ -273,6 +273,10 @@ fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() 
         let (code, body) = rm.request("GET", "/ws/v1/cluster/history?state=bogus", Some(&rm.user_token), None);
         assert_eq!(code, 400, "{body}");
         assert!(body.to_string().contains("`state`"), "{body}");
+        // One answer carries at most 10,000 rows: more is refused, naming the field.
+        let (code, body) = rm.request("GET", "/ws/v1/cluster/history?limit=10001", Some(&rm.user_token), None);
+        assert_eq!(code, 400, "{body}");
+        assert!(body.to_string().contains("`limit`"), "{body}");
         let upper = run(rm, &["history", "--state", "FAILED", "--json"]);
         assert_eq!(json_of(&upper), failed_only, "the state in capitals is the same filter");
         let table = stdout(&run(rm, &["history"]));

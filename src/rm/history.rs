@@ -199,13 +199,20 @@ pub fn reason(app: &App, containers: &[&LedgerContainer], stderr_tail: impl Fn(&
         out.push_str(": ");
         out.push_str(&c.diagnostics);
     }
-    if let Some(tail) = stderr_tail(&c.container.container_id).map(|t| last_lines(&t, REASON_STDERR_BYTES)) {
-        if !tail.is_empty() {
-            out.push_str("; stderr: ");
-            out.push_str(&tail);
-        }
+    if let Some(text) = stderr_tail(&c.container.container_id) {
+        add_stderr(&mut out, &text);
     }
     out
+}
+
+/// Ends a reason with the last lines of the failed task's stderr `text` (at most
+/// [`REASON_STDERR_BYTES`]), when there are any.
+pub fn add_stderr(reason: &mut String, text: &str) {
+    let tail = last_lines(text, REASON_STDERR_BYTES);
+    if !tail.is_empty() {
+        reason.push_str("; stderr: ");
+        reason.push_str(&tail);
+    }
 }
 
 /// The last whole lines of `text` within `max` bytes (one line cut at a char boundary

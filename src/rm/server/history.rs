@@ -1,6 +1,6 @@
 //! Job history: `GET /ws/v1/cluster/history` (finished applications, newest first, with
 //! times, duration, final state, exit code, reason, attempts and GPU-hours; filtered by
-//! `user`, `queue`, `state`, at most `limit`), for the caller's own applications (the
+//! `user`, `queue`, `state`, at most `limit`: 1,000 unless named, at most 10,000), for the caller's own applications (the
 //! admin's: everyone's). Finished applications stay in the RM's store until the
 //! retention pass forgets them (`rm.history_retention_days`, `rm.max_history`), and
 //! their kept logs go after `rm.log_retention_days`; a forgotten application's directory
@@ -37,10 +37,53 @@ pub(super) struct HistoryQuery {
     limit: Option<usize>,
 }
 
-/// The history row of one application (finished or not), from its containers.
-pub(super) fn row_of(rm: &Shared, app: &App, containers: &[&LedgerContainer]) -> HistoryRow {
-    let id = &app.report.id;
-    history_row(app, containers, now_ms(), |c| super::logs::kept_stderr(rm, id, c))
+/// Rows one history answer carries when the caller names no `limit`, and at most.
+const DEFAULT_ROWS: usize = 1_000;
+const MAX_ROWS: usize = 10_000;
+
+/// The history row of one application (finished or not), from its containers, without its
+/// failed task's stderr, and the (application, container) whose kept stderr ends its reason:
+/// that is a file read, which [`add_stderr_tails`] does after the state's lock is let go (a
+/// history of thousands of failed jobs must not hold the heartbeats).
+pub(super) fn row_parts(app: &App, containers: &[&LedgerContainer]) -> (HistoryRow, Option<(String, String)>) {
+    let wanted = std::cell::RefCell::new(None);
+    let row = history_row(app, containers, now_ms(), |c| {
+        *wanted.borrow_mut() = Some((app.report.id.clone(), c.to_string()));
+        None
+    });
+    (row, wanted.into_inner())
+}
+
+/// Ends each row's reason with its failed task's kept stderr ([`row_parts`]), reading the
+/// files off the async workers and without the state's lock (a row whose file cannot be
+/// read keeps its reason without it).
+pub(super) async fn add_stderr_tails(rm: &Arc<Shared>, rows: &mut [(HistoryRow, Option<(String, String)>)]) {
+    let wanted: Vec<(usize, String, String)> = rows
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, (_, w))| w.take().map(|(app, cid)| (i, app, cid)))
+        .collect();
+    if wanted.is_empty() {
+        return;
+    }
+    let shared = Arc::clone(rm);
+    let read = tokio::task::spawn_blocking(move || {
+        wanted
+            .into_iter()
+            .filter_map(|(i, app, cid)| Some((i, super::logs::kept_stderr_tail(&shared, &app, &cid)?)))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    match read {
+        Ok(texts) => {
+            for (i, text) in texts {
+                if let Some((row, _)) = rows.get_mut(i) {
+                    crate::rm::history::add_stderr(&mut row.reason, &text);
+                }
+            }
+        }
+        Err(e) => tracing::warn!("history: stderr tails not read: {e}"),
+    }
 }
 
 /// Every application's containers, in one pass over the ledger.
@@ -73,24 +116,33 @@ pub(super) async fn get_history(
         queue: q.queue.filter(|u| !u.is_empty()),
         state: q.state.filter(|u| !u.is_empty()),
     };
-    let st = rm.lock();
-    let mut apps: Vec<&App> = st
-        .apps
-        .values()
-        .filter(|a| a.report.state.is_final() && caller.owns(a) && filter.accepts(a))
-        .collect();
-    apps.sort_by(|a, b| {
-        b.report
-            .finished_time
-            .cmp(&a.report.finished_time)
-            .then_with(|| b.report.id.cmp(&a.report.id))
-    });
-    let by_app = containers_by_app(&st);
-    let rows: Vec<HistoryRow> = apps
-        .into_iter()
-        .take(q.limit.unwrap_or(usize::MAX))
-        .map(|a| row_of(&rm, a, by_app.get(a.report.id.as_str()).map_or(&[], Vec::as_slice)))
-        .collect();
+    let limit = q.limit.unwrap_or(DEFAULT_ROWS);
+    if limit > MAX_ROWS {
+        return Err(super::http::ApiError::bad_request(format!(
+            "`limit`: {limit} rows is more than one answer carries; ask for at most {MAX_ROWS}, or narrow it by user, queue or state"
+        )));
+    }
+    let mut rows: Vec<(HistoryRow, Option<(String, String)>)> = {
+        let st = rm.lock();
+        let mut apps: Vec<&App> = st
+            .apps
+            .values()
+            .filter(|a| a.report.state.is_final() && caller.owns(a) && filter.accepts(a))
+            .collect();
+        apps.sort_by(|a, b| {
+            b.report
+                .finished_time
+                .cmp(&a.report.finished_time)
+                .then_with(|| b.report.id.cmp(&a.report.id))
+        });
+        let by_app = containers_by_app(&st);
+        apps.into_iter()
+            .take(limit)
+            .map(|a| row_parts(a, by_app.get(a.report.id.as_str()).map_or(&[], Vec::as_slice)))
+            .collect()
+    };
+    add_stderr_tails(&rm, &mut rows).await;
+    let rows: Vec<HistoryRow> = rows.into_iter().map(|(r, _)| r).collect();
     Ok(Json(json!({ "history": rows })))
 }
 

@@ -93,11 +93,34 @@ fn log_file(rm: &Shared, app: &str, container: &str, stream: LogStream) -> PathB
     logs_dir(rm, app).join(format!("{container}.{}", stream.file_name()))
 }
 
-/// The kept stderr of a container, if any (for history's reasons).
-pub(super) fn kept_stderr(rm: &Shared, app: &str, container: &str) -> Option<String> {
-    std::fs::read(log_file(rm, app, container, LogStream::Stderr))
-        .ok()
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
+/// Bytes read from the end of a kept stderr for a history reason: ten times what a reason
+/// quotes, so trailing blank lines still leave it its lines.
+const REASON_READ_BYTES: u64 = 10 * crate::rm::history::REASON_STDERR_BYTES as u64;
+
+/// The end of the kept stderr of a container, if any (for history's reasons): its last
+/// [`REASON_READ_BYTES`], never the whole file (a kept log may be a mebibyte, and history
+/// reads one per failed job).
+pub(super) fn kept_stderr_tail(rm: &Shared, app: &str, container: &str) -> Option<String> {
+    file_tail(&log_file(rm, app, container, LogStream::Stderr), REASON_READ_BYTES)
+}
+
+/// The last `max` bytes of the regular file at `path` as text (invalid UTF-8 replaced);
+/// `None` when it cannot be read (or is no regular file: a pipe would block a reader).
+fn file_tail(path: &Path, max: u64) -> Option<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let meta = f.metadata().ok()?;
+    if !meta.is_file() {
+        return None;
+    }
+    f.seek(SeekFrom::Start(meta.len().saturating_sub(max))).ok()?;
+    let mut b = Vec::new();
+    f.take(max).read_to_end(&mut b).ok()?;
+    Some(String::from_utf8_lossy(&b).into_owned())
 }
 
 /// Collects the logs of a container its node reported dead, in the background.
@@ -353,33 +376,42 @@ pub(super) async fn get_app_containers(
     UrlPath(id): UrlPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     check_app_id(&id)?;
-    let st = rm.lock();
-    let app = app_ref(&st.apps, &id)?;
-    caller.must_own(app)?;
-    let waits = !app.report.state.is_final() && app.waiting.since_ms.is_some();
-    let reason = app.wait_reason();
-    let rows: Vec<Value> = rows_of(&st, &id)
-        .into_iter()
-        .map(|r| {
-            let lost = st.ledger.node(&r.host).is_some_and(|n| n.state == NodeState::Lost);
-            let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);
-            v["nodeLost"] = json!(lost);
-            v
-        })
-        .collect();
-    Ok(Json(json!({
-        "app": app.report,
-        "waiting": {
-            "since": reason.as_ref().and_then(|r| r.since_ms),
-            "why": reason.as_ref().map(|r| r.text()),
-            "reason": reason,
-            "whyCode": app.waiting.why.as_ref().filter(|_| waits).map(|(c, _)| *c),
-            // When it is expected to start, with the basis (issue 27).
-            "estimate": app.waiting.estimate.as_ref().filter(|_| waits),
-        },
-        "containers": rows,
-        "history": super::history::row_of(&rm, app, &st.ledger.containers_of(&id)),
-    })))
+    let (out, mut rows) = {
+        let st = rm.lock();
+        let app = app_ref(&st.apps, &id)?;
+        caller.must_own(app)?;
+        let waits = !app.report.state.is_final() && app.waiting.since_ms.is_some();
+        let reason = app.wait_reason();
+        let rows: Vec<Value> = rows_of(&st, &id)
+            .into_iter()
+            .map(|r| {
+                let lost = st.ledger.node(&r.host).is_some_and(|n| n.state == NodeState::Lost);
+                let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);
+                v["nodeLost"] = json!(lost);
+                v
+            })
+            .collect();
+        let out = json!({
+            "app": app.report,
+            "waiting": {
+                "since": reason.as_ref().and_then(|r| r.since_ms),
+                "why": reason.as_ref().map(|r| r.text()),
+                "reason": reason,
+                "whyCode": app.waiting.why.as_ref().filter(|_| waits).map(|(c, _)| *c),
+                // When it is expected to start, with the basis (issue 27).
+                "estimate": app.waiting.estimate.as_ref().filter(|_| waits),
+            },
+            "containers": rows,
+        });
+        // The reason's stderr is a file read: after the state's lock.
+        (out, vec![super::history::row_parts(app, &st.ledger.containers_of(&id))])
+    };
+    super::history::add_stderr_tails(&rm, &mut rows).await;
+    let mut out = out;
+    if let Some((row, _)) = rows.first() {
+        out["history"] = serde_json::to_value(row).unwrap_or(Value::Null);
+    }
+    Ok(Json(out))
 }
 
 #[derive(Deserialize)]
@@ -555,5 +587,36 @@ mod tests {
         assert_eq!((k.bytes("app1"), k.bytes("app2"), k.bytes("app3")), (8192, 0, 4096));
         assert_eq!(k.by_app.len(), 3, "{k:?}");
         assert!(KeptLogs::scan(&t.path().join("none")).by_app.is_empty());
+    }
+
+    /// History reads only the end of a kept stderr (a mebibyte per failed job, read whole
+    /// under the state's lock, stalled the heartbeats: ninth pass), and never a pipe or a link.
+    #[test]
+    fn a_reason_reads_only_the_end_of_a_kept_stderr() {
+        let t = tempfile::tempdir().unwrap();
+        let big = t.path().join("c.stderr");
+        let mut text = "x".repeat(1 << 20);
+        text.push_str("\nTraceback\nValueError: bad shape\n\n");
+        std::fs::write(&big, &text).unwrap();
+        let tail = file_tail(&big, REASON_READ_BYTES).unwrap();
+        assert_eq!(tail.len() as u64, REASON_READ_BYTES);
+        assert!(tail.ends_with("ValueError: bad shape\n\n"), "{tail:?}");
+        let mut reason = String::from("task main/0 exited with 1");
+        crate::rm::history::add_stderr(&mut reason, &tail);
+        assert!(
+            reason.ends_with("; stderr: Traceback\nValueError: bad shape"),
+            "{reason:?}"
+        );
+        // Shorter than the bound: all of it.
+        std::fs::write(&big, "oops\n").unwrap();
+        assert_eq!(file_tail(&big, REASON_READ_BYTES).as_deref(), Some("oops\n"));
+        // A pipe (which would block the reader) and a link are not read.
+        let fifo = t.path().join("p.stderr");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(file_tail(&fifo, REASON_READ_BYTES), None);
+        let link = t.path().join("l.stderr");
+        std::os::unix::fs::symlink(&big, &link).unwrap();
+        assert_eq!(file_tail(&link, REASON_READ_BYTES), None);
+        assert_eq!(file_tail(&t.path().join("none"), REASON_READ_BYTES), None);
     }
 }
