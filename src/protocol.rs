@@ -404,6 +404,9 @@ impl AllocateRequest {
 pub struct StartBasis {
     /// Ending by their declared `maxRunSec`.
     pub declared: u32,
+    /// Ending by their declared `maxRunSec`, calibrated by what their users' ended runs used
+    /// of their limits (the median run / limit).
+    pub calibrated: u32,
     /// Ending by a learned run time (the median of their job's completed tasks of the role).
     pub learned: u32,
     /// With no known end (never counted as ending).
@@ -418,6 +421,7 @@ impl StartBasis {
     /// Adds `other`'s counts to these.
     pub fn add(&mut self, other: &StartBasis) {
         self.declared += other.declared;
+        self.calibrated += other.calibrated;
         self.learned += other.learned;
         self.unknown += other.unknown;
     }

@@ -334,10 +334,12 @@ struct SimArgs {
     /// Reservations (implies --backfill) for gangs of at least this many GPUs.
     #[arg(long, value_name = "GPUS")]
     reserve_min_gpus: Option<u32>,
-    /// Expected durations for reservations and start estimates: declared[:F] (the real
-    /// duration × F, rounded up to the minute) or learned (reservations: the median of
-    /// earlier jobs' durations; start estimates: drawn from those and the running jobs'
-    /// time so far).
+    /// Expected durations for reservations and start estimates: declared[:F|:LO-HI] (each
+    /// job declares its real duration × F, or × a factor drawn per job in [LO, HI], rounded
+    /// up to the minute, and that limit is its end), calibrated[:F|:LO-HI] (the same limits,
+    /// scaled by what the jobs that ended used of theirs, as the live RM does per user) or
+    /// learned (reservations: the median of earlier jobs' durations; start estimates: drawn
+    /// from those and the running jobs' time so far).
     #[arg(long, default_value = "declared")]
     expected_end: String,
     /// Gangs of at least this many GPUs are reported as big (bigWaitP95).

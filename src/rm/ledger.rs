@@ -85,6 +85,18 @@ impl LedgerContainer {
             .then(|| self.ended_ms.saturating_sub(self.run_from_ms()))
     }
 
+    /// What it used of its declared limit (run / limit, at most 1), when it declared one and
+    /// ended successfully or by that limit: what calibrates the declared ends of its user's
+    /// other runs (issue 27, item 4). `None` otherwise (a failure says little of a habit).
+    pub fn used_of_limit(&self) -> Option<f64> {
+        let limit_ms = self.max_run_sec.filter(|&s| s > 0)?.saturating_mul(1000);
+        if self.state != ContainerState::Complete || self.ended_ms == 0 || self.started_ms == 0 {
+            return None;
+        }
+        let run = self.ended_ms.saturating_sub(self.started_ms);
+        (self.exit_status == Some(0) || run >= limit_ms).then(|| (run as f64 / limit_ms as f64).min(1.0))
+    }
+
     /// When its run started (ms since the epoch): when its executor started it, else (not
     /// started yet, or stored by an older RM) when it was granted.
     pub fn run_from_ms(&self) -> u64 {
@@ -136,15 +148,33 @@ impl LedgerChanges {
     }
 }
 
-/// Adds `c`'s run to `runs` when it completed successfully and serves a task: each
-/// container is noted once, when it completes (or is restored complete).
-fn note_run(runs: &mut HashMap<String, HashMap<String, Vec<u64>>>, c: &LedgerContainer) {
-    if let (Some(run), Some(role)) = (c.successful_run_ms(), c.role()) {
-        runs.entry(c.app_id.clone())
-            .or_default()
-            .entry(role.to_string())
-            .or_default()
-            .push(run);
+/// What the RM learns from ended runs (issue 27): successful run times by application and
+/// role (learned ends), and what runs that declared a limit used of it (calibrated ends).
+/// Each container is noted once, when it completes (or is restored complete).
+#[derive(Debug, Default)]
+struct RunIndex {
+    by_role: HashMap<String, HashMap<String, Vec<u64>>>,
+    used: HashMap<String, Vec<f64>>,
+}
+
+impl RunIndex {
+    fn note(&mut self, c: &LedgerContainer) {
+        if let (Some(run), Some(role)) = (c.successful_run_ms(), c.role()) {
+            self.by_role
+                .entry(c.app_id.clone())
+                .or_default()
+                .entry(role.to_string())
+                .or_default()
+                .push(run);
+        }
+        if let Some(u) = c.used_of_limit() {
+            self.used.entry(c.app_id.clone()).or_default().push(u);
+        }
+    }
+
+    fn forget(&mut self, app_id: &str) {
+        self.by_role.remove(app_id);
+        self.used.remove(app_id);
     }
 }
 
@@ -220,7 +250,7 @@ pub struct Ledger {
     /// The run times of the containers that completed successfully
     /// ([`LedgerContainer::successful_run_ms`]), by application and role, kept as they
     /// complete: learning expected run times reads these, not every container.
-    runs: HashMap<String, HashMap<String, Vec<u64>>>,
+    runs: RunIndex,
 }
 
 impl Ledger {
@@ -256,7 +286,7 @@ impl Ledger {
             touched_nodes: BTreeSet::new(),
             removed: BTreeMap::new(),
             by_change: BTreeMap::new(),
-            runs: HashMap::new(),
+            runs: RunIndex::default(),
         }
     }
 
@@ -289,7 +319,7 @@ impl Ledger {
         if let Some(seq) = container_seq(&id) {
             self.next_container = self.next_container.max(seq.saturating_add(1));
         }
-        note_run(&mut self.runs, &c);
+        self.runs.note(&c);
         self.containers.insert(id.clone(), c);
         if !live {
             return None;
@@ -646,7 +676,7 @@ impl Ledger {
         c.ended_ms = crate::protocol::now_ms();
         c.exit_status = Some(exit);
         c.diagnostics = diagnostics.to_string();
-        note_run(&mut self.runs, c);
+        self.runs.note(c);
         let ended = Ended {
             container_id: id.to_string(),
             app_id: c.app_id.clone(),
@@ -678,7 +708,7 @@ impl Ledger {
         c.ended_ms = crate::protocol::now_ms();
         c.exit_status = Some(exit);
         c.diagnostics = diagnostics.to_string();
-        note_run(&mut self.runs, c);
+        self.runs.note(c);
         self.touched.insert(id.to_string());
         Some(Ended {
             container_id: id.to_string(),
@@ -971,9 +1001,9 @@ impl Ledger {
         self.containers
             .retain(|_, c| c.app_id != app_id || c.state != ContainerState::Complete || c.held);
         // Its runs go with them; those of its held ones stay.
-        self.runs.remove(app_id);
+        self.runs.forget(app_id);
         for c in self.containers.values().filter(|c| c.app_id == app_id) {
-            note_run(&mut self.runs, c);
+            self.runs.note(c);
         }
         before - self.containers.len()
     }
@@ -982,9 +1012,16 @@ impl Ledger {
     /// successfully, in no particular order.
     pub fn runs_of(&self, app_id: &str, role: &str) -> &[u64] {
         self.runs
+            .by_role
             .get(app_id)
             .and_then(|r| r.get(role))
             .map_or(&[], Vec::as_slice)
+    }
+
+    /// What application `app_id`'s ended runs that declared a limit used of it (run / limit,
+    /// at most 1: [`LedgerContainer::used_of_limit`]), in no particular order.
+    pub fn used_of(&self, app_id: &str) -> &[f64] {
+        self.runs.used.get(app_id).map_or(&[], Vec::as_slice)
     }
 
     /// Every node's host and state (for writing the whole state).
@@ -1224,6 +1261,47 @@ mod tests {
         l.stop(&last, 0, "stopped");
         l.forget_app(app);
         assert_eq!((l.runs_of(app, "w").len(), l.runs_of(app, "ps").len()), (0, 1));
+    }
+
+    /// What ended runs used of their declared limits (calibrated ends, issue 27 item 4): a
+    /// success counts its run / limit, a run ended by its limit 1, a failure nothing, a run
+    /// that declared nothing nothing; kept across a restart and forgotten with its history.
+    #[test]
+    fn what_runs_used_of_their_limits_is_indexed_by_application() {
+        let now = Instant::now();
+        let mut l = Ledger::new([node("n1", 8, 1000, 0xff, "")], DEFAULT_CONTAINER_EXPIRY);
+        let app = "application_1_0001";
+        // (limit s, ran s, exit)
+        let runs = [
+            (Some(100), 25, 0),
+            (Some(100), 150, 137),
+            (Some(100), 40, 1),
+            (None, 30, 0),
+        ];
+        for (i, (limit, ran, exit)) in runs.into_iter().enumerate() {
+            let a = Ask {
+                task: Some(format!("w/{i}")),
+                max_run_sec: limit,
+                ..ask(i as u64 + 1, "n1", 1, 10, 1 << i, "")
+            };
+            let id = l.grant(app, 1, &a, now).unwrap().container_id;
+            l.mark_running(&id).unwrap();
+            if let Some(c) = l.containers.get_mut(&id) {
+                c.started_ms -= ran * 1000;
+            }
+            l.complete(&id, exit, "");
+        }
+        let mut used = l.used_of(app).to_vec();
+        used.sort_by(f64::total_cmp);
+        assert_eq!(used.len(), 2, "{used:?}");
+        assert!((used[0] - 0.25).abs() < 0.01 && used[1] == 1.0, "{used:?}");
+        let mut again = Ledger::new([node("n1", 8, 1000, 0xff, "")], DEFAULT_CONTAINER_EXPIRY);
+        for c in l.all_containers().cloned().collect::<Vec<_>>() {
+            again.restore(c, now, crate::protocol::now_ms());
+        }
+        assert_eq!(again.used_of(app).len(), 2);
+        l.forget_app(app);
+        assert!(l.used_of(app).is_empty());
     }
 
     #[test]
@@ -1660,6 +1738,7 @@ mod tests {
     fn run_index(l: &Ledger) -> (Vec<(String, String, Vec<u64>)>, Vec<(String, String, Vec<u64>)>) {
         let mut kept: Vec<(String, String, Vec<u64>)> = l
             .runs
+            .by_role
             .iter()
             .flat_map(|(a, roles)| roles.iter().map(move |(r, v)| (a.clone(), r.clone(), v.clone())))
             .filter(|(_, _, v)| !v.is_empty())

@@ -479,7 +479,7 @@ impl Engine<'_> {
         self.done.push(Reverse((end.to_bits(), jid)));
         self.running.insert(jid, placed);
         self.used_gpus += u64::from(job.gpus());
-        let exp = self.history.expected(self.mode.limit, job.gpus(), job.duration);
+        let exp = self.history.expected(self.mode.limit, job.id, job.gpus(), job.duration);
         self.expected.insert(jid, (now, exp));
         if let Some((_, run)) = self.declared(jid, now) {
             let end = ms(now).saturating_add(run.saturating_mul(1000));
@@ -528,7 +528,12 @@ impl Engine<'_> {
             self.used_gpus = self.used_gpus.saturating_sub(u64::from(self.jobs[jid].gpus()));
         }
         self.expected.remove(&jid);
-        self.history.record(self.jobs[jid].gpus(), self.jobs[jid].duration);
+        let job = &self.jobs[jid];
+        self.history.record(
+            job.gpus(),
+            job.duration,
+            self.mode.limit.declared_sec(job.id, job.duration),
+        );
     }
 
     /// Counts the GPUs in use from the last event to `now`, within the arrivals' span
@@ -546,10 +551,14 @@ impl Engine<'_> {
     fn releases(&self, now: f64) -> Vec<Release> {
         let mut out = Vec::new();
         for (jid, placed) in &self.running {
-            let end = self
-                .expected
-                .get(jid)
-                .and_then(|&(start, exp)| exp.map(|e| ms(reservation::expected_end(start, e, now))));
+            let job = &self.jobs[*jid];
+            let end = self.expected.get(jid).and_then(|&(start, exp)| match self.mode.limit {
+                reserve::Limit::Calibrated(..) => {
+                    let limit = self.mode.limit.declared_sec(job.id, job.duration)?;
+                    Some(ms(reservation::calibrated_end(start, limit, self.history.ratio(), now)))
+                }
+                _ => exp.map(|e| ms(reservation::expected_end(start, e, now))),
+            });
             for (node, room) in reserve::takes(placed, &self.jobs[*jid].tasks) {
                 out.push(Release {
                     node,
@@ -573,7 +582,7 @@ impl Engine<'_> {
         let me = Queued::gang(
             &tasks,
             self.history
-                .expected(self.mode.limit, mine.gpus(), mine.duration)
+                .expected(self.mode.limit, mine.id, mine.gpus(), mine.duration)
                 .map(ms),
         );
         let free = reserve::free_rooms(&self.cl);
@@ -625,7 +634,9 @@ impl Engine<'_> {
                     let job = &self.jobs[j];
                     Queued::gang(
                         r,
-                        self.history.expected(self.mode.limit, job.gpus(), job.duration).map(ms),
+                        self.history
+                            .expected(self.mode.limit, job.id, job.gpus(), job.duration)
+                            .map(ms),
                     )
                 })
                 .collect();
@@ -689,7 +700,7 @@ impl Engine<'_> {
             }
             let end = self
                 .history
-                .expected(self.mode.limit, job.gpus(), job.duration)
+                .bound(self.mode.limit, job.id, job.gpus(), job.duration)
                 .map_or(u64::MAX, |e| ms(now + e));
             let gpus: Shape = job.tasks.iter().map(|t| (t.gpus, t.cpu, t.mem_mb)).collect();
             if refused.get(&gpus).is_some_and(|&r| end >= r) {

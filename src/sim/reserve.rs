@@ -11,15 +11,23 @@ use std::collections::BTreeMap;
 
 use super::cluster::{SimCluster, Task};
 use crate::resources::GpuMask;
-use crate::rm::scheduler::reservation::{Policy, Release, Room};
+use crate::rm::scheduler::reservation::{self, Policy, Release, Room};
 use crate::rm::scheduler::walk::{self, Discipline, Queued, Reserved};
 
 /// Where a job's expected duration comes from.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Limit {
-    /// A declared time limit: the real duration times the factor, rounded up to the minute
-    /// (factor 1: a user who knows the duration to the minute).
-    Declared(f64),
+    /// Each job declares a time limit, its real duration times a factor in [lo, hi] drawn
+    /// per job ([`declared_run_sec`]; lo = hi: every job the same factor), rounded up to the
+    /// minute, and the limit is taken as its end (factor 1: a user who knows the duration to
+    /// the minute).
+    Declared(f64, f64),
+    /// The same declared limits, each scaled by what the jobs that ended used of theirs
+    /// ([`reservation::calibration`] of their run / limit; the traces carry no user, so all
+    /// jobs' — the live RM takes the same user's), a running job's end by
+    /// [`reservation::calibrated_end`]. The backfill test past a reservation still trusts
+    /// the limit itself (the RM ends a run there), as the live RM's gate does.
+    Calibrated(f64, f64),
     /// Learned: for reservations, the median duration of the jobs of the same GPU count that
     /// ended before (of all jobs that ended, when none of that count has; unknown before any
     /// ended); for start estimates, draws from the [`Survival`] of those durations and the
@@ -29,33 +37,64 @@ pub enum Limit {
 }
 
 impl Limit {
-    /// `declared`, `declared:F` (F > 0) or `learned`.
+    /// `declared`, `declared:F`, `declared:LO-HI` (factors > 0), the same with
+    /// `calibrated`, or `learned`.
     pub fn parse(text: &str) -> Result<Limit, String> {
         let t = text.trim();
         if t.eq_ignore_ascii_case("learned") {
             return Ok(Limit::Learned);
         }
-        if t.eq_ignore_ascii_case("declared") {
-            return Ok(Limit::Declared(1.0));
-        }
-        match t.split_once(':') {
-            Some((d, f)) if d.eq_ignore_ascii_case("declared") => match f.trim().parse::<f64>() {
-                Ok(f) if f.is_finite() && f > 0.0 => Ok(Limit::Declared(f)),
-                _ => Err(format!(
-                    "--expected-end {t}: the factor `{f}` must be a positive number (e.g. declared:1.5)"
-                )),
-            },
+        let (kind, factors) = t.split_once(':').unwrap_or((t, "1"));
+        let make = if kind.eq_ignore_ascii_case("declared") {
+            Limit::Declared
+        } else if kind.eq_ignore_ascii_case("calibrated") {
+            Limit::Calibrated
+        } else {
+            return Err(format!(
+                "--expected-end {t}: use declared, calibrated (each optionally :F or :LO-HI) or learned"
+            ));
+        };
+        let f = factors.trim();
+        let num = |x: &str| x.trim().parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0);
+        let range = match f.split_once('-') {
+            Some((a, b)) => num(a).zip(num(b)),
+            None => num(f).map(|v| (v, v)),
+        };
+        match range {
+            Some((lo, hi)) if hi >= lo => Ok(make(lo, hi)),
             _ => Err(format!(
-                "--expected-end {t}: use declared, declared:F (F > 0) or learned"
+                "--expected-end {t}: the factor `{f}` must be a positive number or a range LO-HI (e.g. declared:1.5, calibrated:1-3)"
             )),
+        }
+    }
+
+    /// The limit job `id` of real duration `real` declares (seconds), when jobs declare them.
+    pub fn declared_sec(&self, id: usize, real: f64) -> Option<f64> {
+        match *self {
+            Limit::Declared(lo, hi) | Limit::Calibrated(lo, hi) => Some(declared_run_sec((lo, hi), id, real) as f64),
+            Limit::Learned => None,
         }
     }
 }
 
 impl std::fmt::Display for Limit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Limit::Declared(x) => write!(f, "declared:{x}"),
+        let factors = |f: &mut std::fmt::Formatter<'_>, lo: f64, hi: f64| {
+            if lo == hi {
+                write!(f, "{lo}")
+            } else {
+                write!(f, "{lo}-{hi}")
+            }
+        };
+        match *self {
+            Limit::Declared(lo, hi) => {
+                write!(f, "declared:")?;
+                factors(f, lo, hi)
+            }
+            Limit::Calibrated(lo, hi) => {
+                write!(f, "calibrated:")?;
+                factors(f, lo, hi)
+            }
             Limit::Learned => write!(f, "learned"),
         }
     }
@@ -108,7 +147,7 @@ pub fn parse_run_limits(text: &str) -> Result<Option<(f64, f64)>, String> {
 
 /// The limit a job declares under `run_limits` (seconds): its duration × a factor in
 /// [lo, hi] drawn from the job's id and duration (the same in every policy's replay),
-/// rounded up to the minute; it never ends past it.
+/// rounded up to the minute; with factors ≥ 1 it never ends past it.
 pub fn declared_run_sec(run_limits: (f64, f64), id: usize, duration: f64) -> u64 {
     let (lo, hi) = run_limits;
     let mut h = (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ duration.to_bits();
@@ -127,18 +166,33 @@ impl Default for Queueing {
         Queueing {
             backfill: false,
             reserve: None,
-            limit: Limit::Declared(1.0),
+            limit: Limit::Declared(1.0, 1.0),
             run_limits: None,
             big_gpus: 32,
         }
     }
 }
 
-/// Durations of the jobs that ended, per GPU count (sorted), for [`Limit::Learned`].
-#[derive(Clone, Debug, Default)]
+/// Durations of the jobs that ended, per GPU count (sorted), for [`Limit::Learned`], and
+/// what they used of their declared limits, for [`Limit::Calibrated`].
+#[derive(Clone, Debug)]
 pub struct Durations {
     by_gpus: BTreeMap<u32, Vec<f64>>,
     all: Vec<f64>,
+    used: Vec<f64>,
+    /// [`reservation::calibration`] of `used`, or 1 (the limit itself) while too few ended.
+    ratio: f64,
+}
+
+impl Default for Durations {
+    fn default() -> Self {
+        Durations {
+            by_gpus: BTreeMap::new(),
+            all: Vec::new(),
+            used: Vec::new(),
+            ratio: 1.0,
+        }
+    }
 }
 
 fn insert_sorted(v: &mut Vec<f64>, x: f64) {
@@ -151,17 +205,37 @@ fn median(v: &[f64]) -> Option<f64> {
 }
 
 impl Durations {
-    pub fn record(&mut self, gpus: u32, duration: f64) {
+    /// A job of `gpus` GPUs ended after `duration` seconds, having declared `limit` seconds.
+    pub fn record(&mut self, gpus: u32, duration: f64, limit: Option<f64>) {
         insert_sorted(self.by_gpus.entry(gpus).or_default(), duration);
         insert_sorted(&mut self.all, duration);
+        if let Some(l) = limit.filter(|l| *l > 0.0) {
+            insert_sorted(&mut self.used, (duration / l).min(1.0));
+            self.ratio = reservation::calibration(&mut self.used).unwrap_or(1.0);
+        }
     }
 
-    /// The expected duration of a job of `gpus` GPUs that really takes `real` seconds.
-    pub fn expected(&self, limit: Limit, gpus: u32, real: f64) -> Option<f64> {
+    /// What ended jobs used of their declared limits ([`Limit::Calibrated`]; 1 until
+    /// enough have ended).
+    pub fn ratio(&self) -> f64 {
+        self.ratio
+    }
+
+    /// The expected duration of job `id` of `gpus` GPUs that really takes `real` seconds.
+    pub fn expected(&self, limit: Limit, id: usize, gpus: u32, real: f64) -> Option<f64> {
         match limit {
-            Limit::Declared(f) => Some(((real * f) / 60.0).ceil().max(1.0) * 60.0),
+            Limit::Declared(..) => limit.declared_sec(id, real),
+            Limit::Calibrated(..) => limit.declared_sec(id, real).map(|l| (l * self.ratio).max(1.0)),
             Limit::Learned => median(self.by_gpus.get(&gpus).map_or(&[][..], |v| v)).or_else(|| median(&self.all)),
         }
+    }
+
+    /// The end job `id` is held to when a reservation lets it backfill (seconds of run): its
+    /// declared limit where jobs declare them (the RM ends it there), else [`Self::expected`].
+    pub fn bound(&self, limit: Limit, id: usize, gpus: u32, real: f64) -> Option<f64> {
+        limit
+            .declared_sec(id, real)
+            .or_else(|| self.expected(limit, id, gpus, real))
     }
 
     /// The ended durations of jobs of `gpus` GPUs, or of all jobs when fewer than
@@ -587,7 +661,7 @@ mod tests {
         // Every 8-GPU job ended at 100 s: the one that has run 30 s frees the node in 70 s,
         // and a job ahead of ours holds it 100 s more, whatever the draws.
         for _ in 0..MIN_OWN {
-            d.record(8, 100.0);
+            d.record(8, 100.0, None);
         }
         // The node held by a job that has run `elapsed` s, behind `ahead`.
         let held = |elapsed: f64, ahead: &[Waiting], seed: u64| {
@@ -622,26 +696,65 @@ mod tests {
 
     #[test]
     fn limits_parse_and_learned_ones_are_medians_of_what_ended() {
-        assert_eq!(Limit::parse("declared"), Ok(Limit::Declared(1.0)));
-        assert_eq!(Limit::parse("declared:2"), Ok(Limit::Declared(2.0)));
+        assert_eq!(Limit::parse("declared"), Ok(Limit::Declared(1.0, 1.0)));
+        assert_eq!(Limit::parse("declared:2"), Ok(Limit::Declared(2.0, 2.0)));
+        assert_eq!(Limit::parse("calibrated:1-3"), Ok(Limit::Calibrated(1.0, 3.0)));
+        assert_eq!(Limit::parse(" Calibrated "), Ok(Limit::Calibrated(1.0, 1.0)));
         assert_eq!(Limit::parse("LEARNED"), Ok(Limit::Learned));
-        assert!(Limit::parse("declared:0").unwrap_err().contains("positive"));
+        for bad in [
+            "declared:0",
+            "declared:3-1",
+            "calibrated:x",
+            "declared:1-",
+            "declared:-2",
+        ] {
+            assert!(Limit::parse(bad).unwrap_err().contains("positive"), "{bad}");
+        }
         assert!(Limit::parse("guess").unwrap_err().contains("--expected-end"));
+        for l in ["declared:1", "declared:1.5", "calibrated:1-3", "learned"] {
+            assert_eq!(Limit::parse(l).map(|x| x.to_string()), Ok(l.to_string()));
+        }
         let mut d = Durations::default();
         // Declared: rounded up to the minute, times the factor.
-        assert_eq!(d.expected(Limit::Declared(1.0), 8, 61.0), Some(120.0));
-        assert_eq!(d.expected(Limit::Declared(2.0), 8, 600.0), Some(1200.0));
-        assert_eq!(d.expected(Limit::Learned, 8, 600.0), None, "nothing ended yet");
+        assert_eq!(d.expected(Limit::Declared(1.0, 1.0), 0, 8, 61.0), Some(120.0));
+        assert_eq!(d.expected(Limit::Declared(2.0, 2.0), 0, 8, 600.0), Some(1200.0));
+        assert_eq!(d.expected(Limit::Learned, 0, 8, 600.0), None, "nothing ended yet");
         for x in [100.0, 300.0, 200.0] {
-            d.record(8, x);
+            d.record(8, x, None);
         }
-        d.record(4, 5.0);
-        assert_eq!(d.expected(Limit::Learned, 8, 1.0), Some(200.0));
-        assert_eq!(d.expected(Limit::Learned, 4, 1.0), Some(5.0));
+        d.record(4, 5.0, None);
+        assert_eq!(d.expected(Limit::Learned, 0, 8, 1.0), Some(200.0));
+        assert_eq!(d.expected(Limit::Learned, 0, 4, 1.0), Some(5.0));
         assert_eq!(
-            d.expected(Limit::Learned, 32, 1.0),
+            d.expected(Limit::Learned, 0, 32, 1.0),
             Some(100.0),
             "all jobs: 5, 100, 200, 300"
         );
+    }
+
+    /// Calibrated limits: the declared limit until enough jobs ended, then scaled by what
+    /// they used of theirs (a user who declares twice the run is told the run); the backfill
+    /// bound stays the limit.
+    #[test]
+    fn calibrated_limits_are_scaled_by_what_ended_jobs_used_of_theirs() {
+        let cal = Limit::Calibrated(2.0, 2.0);
+        let mut d = Durations::default();
+        assert_eq!(d.expected(cal, 0, 8, 600.0), Some(1200.0), "nothing ended: the limit");
+        for k in 0..reservation::MIN_CALIBRATION {
+            let run = 300.0 * (k + 1) as f64;
+            d.record(8, run, cal.declared_sec(k, run));
+            // A job that declares nothing is no evidence.
+            d.record(8, run, None);
+        }
+        assert!((d.ratio() - 0.5).abs() < 1e-9, "{}", d.ratio());
+        assert_eq!(d.expected(cal, 0, 8, 600.0), Some(600.0));
+        assert_eq!(d.bound(cal, 0, 8, 600.0), Some(1200.0));
+        // Factors drawn per job in [1, 3]: each job its own limit, the same one each time.
+        let spread = Limit::Calibrated(1.0, 3.0);
+        let limits: Vec<f64> = (0..50).filter_map(|id| spread.declared_sec(id, 600.0)).collect();
+        assert!(limits.iter().all(|l| (600.0..=1800.0).contains(l)));
+        assert!(limits.iter().any(|&l| l < 1000.0) && limits.iter().any(|&l| l > 1400.0));
+        assert_eq!(spread.declared_sec(7, 600.0), spread.declared_sec(7, 600.0));
+        assert_eq!(Limit::Learned.declared_sec(7, 600.0), None);
     }
 }

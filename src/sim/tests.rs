@@ -694,7 +694,7 @@ fn queueing_flags_are_checked_and_a_reservation_implies_backfill() {
             min_gpus: 32
         })
     );
-    assert_eq!(q.limit, reserve::Limit::Declared(2.0));
+    assert_eq!(q.limit, reserve::Limit::Declared(2.0, 2.0));
     let w = SimOptions::queueing_of(false, Some(600), None, "learned", 8, "off").unwrap();
     assert_eq!(
         w.reserve.map(|p| (p.wait_bound_ms, p.min_gpus)),

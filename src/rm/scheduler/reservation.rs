@@ -102,6 +102,41 @@ pub fn expected_end(start: f64, expected: f64, now: f64) -> f64 {
     start + e
 }
 
+/// Finished runs that must have declared a limit before their use of it calibrates others
+/// ([`calibration`]): fewer say too little of a user's habit.
+pub const MIN_CALIBRATION: usize = 5;
+
+/// What finished runs used of their declared limits (issue 27, item 4): the median of their
+/// run / limit ratios, within (0, 1] (the RM ends a run at its limit); `None` with fewer than
+/// [`MIN_CALIBRATION`] of them. Users declare limits well past their runs (a 2-hour limit for
+/// a 50-minute job); taking the limit as the end puts every estimate late by that margin,
+/// and the same user's earlier runs tell it.
+pub fn calibration(used: &mut [f64]) -> Option<f64> {
+    if used.len() < MIN_CALIBRATION {
+        return None;
+    }
+    used.sort_unstable_by(f64::total_cmp);
+    let m = used[(used.len() - 1) / 2];
+    (m.is_finite() && m > 0.0).then(|| m.min(1.0))
+}
+
+/// The expected end of work that started at `start` with a declared `limit`, calibrated by
+/// `ratio` ([`calibration`]), seen at `now` (one clock, any unit): `start + limit × ratio`;
+/// once `now` is past that, halfway from `now` to the limit (it ends by the limit, and has
+/// outlived its users' habit); at the limit, `now` (the RM is ending it).
+pub fn calibrated_end(start: f64, limit: f64, ratio: f64, now: f64) -> f64 {
+    let hard = start + limit.max(0.0);
+    if hard <= now {
+        return now;
+    }
+    let e = start + limit * ratio.clamp(0.0, 1.0);
+    if e > now {
+        e
+    } else {
+        now + (hard - now) / 2.0
+    }
+}
+
 /// The earliest time `tasks` (a gang: all or none) fit as `releases` end, from the room
 /// `free` now; `None` when they never fit on what is known to end.
 pub fn reserve(free: &[Room], releases: &[Release], tasks: &[Room], now_ms: u64) -> Option<Reservation> {
@@ -183,6 +218,39 @@ pub(crate) mod tests {
             expected_end(start as f64, 100_000.0, now as f64) as u64,
             start + 400_000
         );
+    }
+
+    #[test]
+    fn a_declared_limit_is_calibrated_by_what_finished_runs_used_of_theirs() {
+        // Too few runs say nothing; the median of those there are; never past the limit.
+        assert_eq!(calibration(&mut [0.5; MIN_CALIBRATION - 1]), None);
+        assert_eq!(calibration(&mut [0.9, 0.2, 0.5, 0.4, 0.6]), Some(0.5));
+        assert_eq!(calibration(&mut [1.5; MIN_CALIBRATION]), Some(1.0));
+        assert_eq!(calibration(&mut [0.0; MIN_CALIBRATION]), None, "no run of length 0");
+        assert_eq!(calibration(&mut [f64::NAN; MIN_CALIBRATION]), None);
+        // Started at 100 with a limit of 1000, users use half of theirs: ends at 600.
+        assert_eq!(calibrated_end(100.0, 1000.0, 0.5, 200.0), 600.0);
+        // Outlived the habit: halfway from now to the limit, never past it.
+        assert_eq!(calibrated_end(100.0, 1000.0, 0.5, 700.0), 900.0);
+        assert_eq!(calibrated_end(100.0, 1000.0, 0.5, 1099.0), 1099.5);
+        // At or past its limit the RM is ending it.
+        assert_eq!(calibrated_end(100.0, 1000.0, 0.5, 1100.0), 1100.0);
+        assert_eq!(calibrated_end(100.0, 1000.0, 0.5, 5000.0), 5000.0);
+        // Uncalibrated (ratio 1) is the limit itself.
+        assert_eq!(calibrated_end(100.0, 1000.0, 1.0, 200.0), 1100.0);
+    }
+
+    proptest::proptest! {
+        /// A calibrated end lies after now (or is now, at the limit) and never past the limit.
+        #[test]
+        fn a_calibrated_end_lies_between_now_and_the_limit(
+            start in 0u64..1_000_000, limit in 0u64..1_000_000, ratio in 0.0f64..2.0, after in 0u64..3_000_000,
+        ) {
+            let (start, limit, now) = (start as f64, limit as f64, (start + after) as f64);
+            let e = calibrated_end(start, limit, ratio, now);
+            proptest::prop_assert!(e >= now);
+            proptest::prop_assert!(e <= (start + limit).max(now));
+        }
     }
 
     pub(crate) fn rel(node: usize, gpus: u32, end_ms: Option<u64>) -> Release {

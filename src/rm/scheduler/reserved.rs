@@ -16,7 +16,8 @@
 //!   unknown) — one [`walk`] of the queue over the same state, honouring the reservation.
 //!
 //! A held container's end is what the snapshot's [`Snapshot::ends`] says: its declared
-//! limit, else a learned one, else unknown; a container with no known end is never counted
+//! limit (calibrated by what its user's ended runs used of theirs, when enough ended),
+//! else a learned one, else unknown; a container with no known end is never counted
 //! as freeing its room, so a reservation only relies on ends it knows.
 
 use serde::Serialize;
@@ -40,6 +41,9 @@ pub enum EndBasis {
     Unknown,
     /// Its task's declared `maxRunSec`.
     Declared,
+    /// Its task's declared `maxRunSec`, calibrated by what its user's ended runs used of
+    /// their limits ([`reservation::calibrated_end`]).
+    Calibrated,
     /// Learned: the median run time of its job's completed tasks of the same role, or,
     /// before any completed, of the same user's earlier runs of the job (same name).
     Learned,
@@ -278,6 +282,7 @@ pub fn run_of(app: &AppDemand, learned: impl Fn(&str) -> Option<u64>) -> Run {
 fn count(b: &mut Basis, basis: EndBasis) {
     match basis {
         EndBasis::Declared => b.declared += 1,
+        EndBasis::Calibrated => b.calibrated += 1,
         EndBasis::Learned => b.learned += 1,
         EndBasis::Unknown => b.unknown += 1,
         EndBasis::Leaving => {}
@@ -317,6 +322,12 @@ fn words(b: &Basis, ahead: &Basis, known: bool, cut: bool) -> String {
     if b.declared > 0 {
         parts.push(format!("declared limits of {}", n(b.declared)));
     }
+    if b.calibrated > 0 {
+        parts.push(format!(
+            "declared limits, scaled by what their users' ended runs used of theirs, of {}",
+            n(b.calibrated)
+        ));
+    }
     if b.learned > 0 {
         parts.push(format!(
             "learned from the run times of their jobs' completed tasks (or their users' earlier runs of the jobs) for {}",
@@ -333,11 +344,14 @@ fn words(b: &Basis, ahead: &Basis, known: bool, cut: bool) -> String {
             n(b.unknown)
         ));
     }
-    let jobs = ahead.declared + ahead.learned + ahead.unknown;
+    let jobs = ahead.declared + ahead.calibrated + ahead.learned + ahead.unknown;
     if jobs > 0 {
         let mut by = Vec::new();
         if ahead.declared > 0 {
             by.push(format!("{} declared", ahead.declared));
+        }
+        if ahead.calibrated > 0 {
+            by.push(format!("{} declared and calibrated", ahead.calibrated));
         }
         if ahead.learned > 0 {
             by.push(format!("{} learned", ahead.learned));

@@ -198,12 +198,18 @@ pub(super) async fn submit_app(
 /// 400 for a queue the RM does not have, 403 naming the queue's users for one the user may
 /// not use.
 fn admit_to_queue(rm: &Shared, queue: Option<&str>, user: &str) -> Result<String, ApiError> {
-    use crate::rm::scheduler::queues::QueueRefusal;
     let st = rm.lock();
-    match st.sched.tree.admit(queue, user) {
-        Ok(q) => Ok(st.sched.tree.get(q).path.clone()),
-        Err(QueueRefusal::Unknown(m)) => Err(ApiError::new(StatusCode::BAD_REQUEST, "UNKNOWN_QUEUE", m)),
-        Err(QueueRefusal::NotAllowed(m)) => Err(ApiError::new(StatusCode::FORBIDDEN, "QUEUE_FORBIDDEN", m)),
+    let q = st.sched.tree.admit(queue, user).map_err(queue_refused)?;
+    Ok(st.sched.tree.get(q).path.clone())
+}
+
+/// A queue's refusal as the API answers it: 400 for a queue the RM does not have, 403
+/// naming the queue's users.
+pub(super) fn queue_refused(e: crate::rm::scheduler::queues::QueueRefusal) -> ApiError {
+    use crate::rm::scheduler::queues::QueueRefusal;
+    match e {
+        QueueRefusal::Unknown(m) => ApiError::new(StatusCode::BAD_REQUEST, "UNKNOWN_QUEUE", m),
+        QueueRefusal::NotAllowed(m) => ApiError::new(StatusCode::FORBIDDEN, "QUEUE_FORBIDDEN", m),
     }
 }
 

@@ -206,7 +206,8 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
 /// Fills in learned ends (issue 27) for the held containers of `built` whose end is
 /// unknown: the median run time of their application's containers of the same role that
 /// already completed successfully (else of the same user's earlier runs of the job,
-/// [`learned_run_ms`]), from their start.
+/// [`learned_run_ms`]), from their start; and calibrates declared ends by what their users'
+/// ended runs used of their limits ([`used_of_limits`]).
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     learn(st, built, false, None);
 }
@@ -216,12 +217,14 @@ pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
 #[derive(Clone, Copy)]
 pub(super) struct Guest<'a> {
     pub user: &'a str,
-    pub name: &'a str,
+    /// Its name, when it has one (its runs are learned from its user's runs of that name).
+    pub name: Option<&'a str>,
 }
 
 /// [`learn_ends`], and with `runs`, how long each application of `built` is expected to
 /// hold its room once its waiting tasks start ([`reserved::run_of`]: each role's declared
-/// `maxRunSec`, else learned as above), learned together (empty without `runs`). `guest`: an application of `built` the state does not hold yet.
+/// `maxRunSec`, calibrated by its user's ended runs when every role declares one, else
+/// learned as above), learned together (empty without `runs`). `guest`: an application of `built` the state does not hold yet.
 pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<Guest>) -> Vec<reserved::Run> {
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
@@ -253,14 +256,72 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
             };
         }
     }
-    if !runs {
-        return Vec::new();
-    }
-    built
-        .snap
-        .apps
+    let user_of = |id: &str| -> Option<&str> {
+        match st.apps.get(id) {
+            Some(a) => Some(a.report.user.as_str()),
+            None => guest.filter(|_| id == GUEST).map(|g| g.user),
+        }
+    };
+    // Declared ends, calibrated by what their users' ended runs used of their limits.
+    let declared: Vec<(usize, &str, u64, u64)> = (0..built.snap.held.len())
+        .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Declared))
+        .filter_map(|h| {
+            let c = st.ledger.container(&built.snap.held[h].container_id)?;
+            let limit_ms = c.max_run_sec?.saturating_mul(1000);
+            Some((h, user_of(&c.app_id)?, c.run_from_ms(), limit_ms))
+        })
+        .collect();
+    let mut runs_out: Vec<reserved::Run> = if runs {
+        built
+            .snap
+            .apps
+            .iter()
+            .map(|a| reserved::run_of(a, |role| learned.get(&a.id)?.get(role).copied()))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let waiting_users = runs_out
         .iter()
-        .map(|a| reserved::run_of(a, |role| learned.get(&a.id)?.get(role).copied()))
+        .zip(&built.snap.apps)
+        .filter(|(r, _)| r.basis == EndBasis::Declared && r.ms.is_some_and(|m| m > 0))
+        .filter_map(|(_, a)| user_of(&a.id));
+    let ratios = used_of_limits(st, declared.iter().map(|d| d.1).chain(waiting_users));
+    for &(h, user, from, limit_ms) in &declared {
+        if let Some(&r) = ratios.get(user) {
+            let end = scheduler::reservation::calibrated_end(from as f64, limit_ms as f64, r, wall as f64);
+            built.snap.ends[h] = Expected {
+                end_ms: Some(end.ceil() as u64),
+                basis: EndBasis::Calibrated,
+            };
+        }
+    }
+    for (run, a) in runs_out.iter_mut().zip(&built.snap.apps) {
+        let r = user_of(&a.id).and_then(|u| ratios.get(u));
+        if let (EndBasis::Declared, Some(ms), Some(&r)) = (run.basis, run.ms, r) {
+            run.ms = Some(((ms as f64) * r).ceil().max(1.0) as u64);
+            run.basis = EndBasis::Calibrated;
+        }
+    }
+    runs_out
+}
+
+/// Each wanted user's calibration ([`scheduler::reservation::calibration`]): the median of
+/// what their ended runs that declared a limit used of it (the ledger's index per
+/// application), over their applications the RM keeps; a user with too few such runs has
+/// none. One pass over the applications, and only when some user is wanted.
+fn used_of_limits<'a>(st: &RmState, users: impl Iterator<Item = &'a str>) -> HashMap<&'a str, f64> {
+    let mut used: HashMap<&str, Vec<f64>> = users.map(|u| (u, Vec::new())).collect();
+    if used.is_empty() {
+        return HashMap::new();
+    }
+    for a in st.apps.values() {
+        if let Some(v) = used.get_mut(a.report.user.as_str()) {
+            v.extend_from_slice(st.ledger.used_of(&a.report.id));
+        }
+    }
+    used.into_iter()
+        .filter_map(|(u, mut v)| Some((u, scheduler::reservation::calibration(&mut v)?)))
         .collect()
 }
 
@@ -280,7 +341,7 @@ fn learned_run_ms<'a>(
     let key_of = |id: &str| -> Option<(&str, &str)> {
         match st.apps.get(id) {
             Some(a) => Some((a.report.user.as_str(), a.report.name.as_str())),
-            None => guest.filter(|_| id == GUEST).map(|g| (g.user, g.name)),
+            None => guest.filter(|_| id == GUEST).and_then(|g| Some((g.user, g.name?))),
         }
     };
     // Each wanted role's own runs: the ledger keeps each application's successful runs by
@@ -807,11 +868,13 @@ pub(super) async fn post_estimate(
     // holds the RM's state for the walk's time.
     let input = {
         let st = rm.lock();
+        // Only a queue the caller may submit to (the admin: any), as at submit: another
+        // queue's state is none of theirs.
         let queue = st
             .sched
             .tree
-            .resolve(req.queue.as_deref())
-            .map_err(|e| ApiError::bad_request(format!("`queue`: {e}")))?;
+            .admit(req.queue.as_deref(), caller.name())
+            .map_err(super::applications::queue_refused)?;
         estimate_input(&st, queue, caller.name(), &req, Instant::now())
     };
     tokio::task::spawn_blocking(move || input.estimate())
@@ -876,7 +939,10 @@ fn estimate_input(
         waiting: req.waiting.clone(),
     });
     let me = built.snap.apps.len() - 1;
-    let guest = req.name.as_deref().map(|name| Guest { user, name });
+    let guest = Some(Guest {
+        user,
+        name: req.name.as_deref(),
+    });
     let runs = learn(st, &mut built, true, guest);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);

@@ -481,7 +481,7 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
             gang: false,
             waiting: vec![wait(1, 2)],
         });
-        let guest = super::scheduling::Guest { user, name };
+        let guest = super::scheduling::Guest { user, name: Some(name) };
         let runs = super::scheduling::learn(&st, &mut built, true, Some(guest));
         runs[built.snap.apps.len() - 1]
     };
@@ -496,6 +496,86 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
     let (end, waiting) = learned(&rm);
     assert_eq!(end.basis, EndBasis::Unknown, "{end:?}");
     assert_eq!(waiting.basis, EndBasis::Unknown);
+    rm.shutdown().await;
+}
+
+/// Users declare limits well past their runs: a declared end is calibrated by what the
+/// same user's ended runs used of their limits (issue 27, item 4), for a running container
+/// and for a waiting job's run; another user's habit is not theirs, and too few runs say
+/// nothing.
+#[tokio::test]
+async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
+    use crate::rm::scheduler::reservation::MIN_CALIBRATION;
+    use crate::rm::scheduler::reserved::EndBasis;
+    let dir = tempfile::tempdir().unwrap();
+    let rm = one_node(dir.path()).await;
+    let (done_id, done) = app(&rm, "earlier").await;
+    // One run granted through the API; its user's earlier ended runs are restored beside it:
+    // each declared 1000 s and ran 250 s.
+    let first = grant_all(&done, vec![ask(1, "n1", 0x1, Some(1000))]).await.allocated[0].clone();
+    let ended = |k: usize| {
+        let st = rm.shared.lock();
+        let mut c = st.ledger.container(&first.container_id).unwrap().clone();
+        let now = crate::protocol::now_ms();
+        c.container.container_id = format!("{}_{}", done_id.replace("application", "container"), 900 + k);
+        c.state = crate::protocol::ContainerState::Complete;
+        c.exit_status = Some(0);
+        (c.started_ms, c.ended_ms) = (now - 500_000, now - 250_000);
+        c
+    };
+    let restore = |n: std::ops::Range<usize>| {
+        for k in n {
+            let c = ended(k);
+            rm.shared
+                .lock()
+                .ledger
+                .restore(c, Instant::now(), crate::protocol::now_ms());
+        }
+    };
+    restore(0..MIN_CALIBRATION - 1);
+    // The same user's next job runs with a limit of 1000 s; a third waits to run with one.
+    let (_, next) = app(&rm, "next").await;
+    let held = grant_all(&next, vec![ask(2, "n1", 0x2, Some(1000))]).await.allocated[0].clone();
+    run(&next, "n1", &held).await;
+    let (third_id, third) = app(&rm, "third").await;
+    third
+        .allocate(&AllocateRequest {
+            waiting: Some(vec![WaitingTasks {
+                max_run_sec: Some(1000),
+                ..wait(1, 2)
+            }]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let now = || {
+        let (end, run) = learned(&rm, &held.container_id, Some(&third_id));
+        (end, run.unwrap())
+    };
+    let from = rm
+        .shared
+        .lock()
+        .ledger
+        .container(&held.container_id)
+        .unwrap()
+        .run_from_ms();
+    // Too few ended runs: the limit itself.
+    let (end, run) = now();
+    assert_eq!((end.basis, end.end_ms), (EndBasis::Declared, Some(from + 1_000_000)));
+    assert_eq!((run.basis, run.ms), (EndBasis::Declared, Some(1_000_000)));
+    // Enough: a quarter of it.
+    restore(MIN_CALIBRATION - 1..MIN_CALIBRATION);
+    let (end, run) = now();
+    assert_eq!(
+        (end.basis, end.end_ms),
+        (EndBasis::Calibrated, Some(from + 250_000)),
+        "{end:?}"
+    );
+    assert_eq!((run.basis, run.ms), (EndBasis::Calibrated, Some(250_000)));
+    // The runs were another user's: nothing of them calibrates this user's.
+    rm.shared.lock().apps.get_mut(&done_id).unwrap().report.user = "eve".into();
+    let (end, run) = now();
+    assert_eq!((end.basis, run.basis), (EndBasis::Declared, EndBasis::Declared));
     rm.shutdown().await;
 }
 
