@@ -662,6 +662,36 @@ fn the_start_estimated_at_submit_is_recorded_against_the_actual_start() {
     assert!(l.estimate_err.len() < 600);
 }
 
+/// Users who declare twice their runs (`declared:2`) are told starts far too late; the same
+/// limits calibrated by what ended jobs used of theirs (`calibrated:2`) are told them as if
+/// the runs were declared to the minute; scheduling is the same in all three runs.
+#[test]
+fn calibrated_limits_take_back_what_users_over_declare() {
+    let c = cl("pcie8", 8);
+    let jobs = drain_scenario(150.0);
+    let with = |limit| {
+        let q = Queueing {
+            limit,
+            ..Queueing::default()
+        };
+        simulate_queueing(&c, &jobs, "gpuam", 1, 0, q).unwrap().summary()
+    };
+    let exact = with(reserve::Limit::Declared(1.0, 1.0));
+    let over = with(reserve::Limit::Declared(2.0, 2.0));
+    let calibrated = with(reserve::Limit::Calibrated(2.0, 2.0));
+    assert!(over["estimateRelErrP50"] > 0.5, "{}", over["estimateRelErrP50"]);
+    assert!(
+        calibrated["estimateRelErrP50"] <= exact["estimateRelErrP50"] + 0.02,
+        "{} vs {}",
+        calibrated["estimateRelErrP50"],
+        exact["estimateRelErrP50"]
+    );
+    for k in ["queueDelayP50", "queueDelayP95", "makespan"] {
+        assert_eq!(exact[k], calibrated[k], "{k}");
+        assert_eq!(exact[k], over[k], "{k}");
+    }
+}
+
 /// `utilizationArrivals`: GPU-seconds in use between the first and the last arrival over
 /// the cluster's GPU-seconds then (the makespan-based `utilization` is set by the last job).
 #[test]
