@@ -279,39 +279,26 @@ fn a_queue_below_its_share_takes_back_its_weighted_share() {
 
     // Nor is anyone else told when a job of theirs would start there (`gpuam plan --rm`):
     // that queue's state is none of theirs.
-    let out = rm
-        .gpuam()
-        .arg("plan")
-        .arg(job(&rm, "intruder", "b", 0, false, 1, "x"))
-        .arg("--rm")
-        .arg(&rm.url)
-        .arg("--json")
-        .env("GPUAM_TOKEN", &rm.other_token)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let plan_as = |token: &str, name: &str| {
+        let out = rm
+            .gpuam()
+            .arg("plan")
+            .arg(job(&rm, name, "b", 0, false, 1, "x"))
+            .args(["--rm", &rm.url, "--json"])
+            .env("GPUAM_TOKEN", token)
+            .output()
+            .unwrap();
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        (plan, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (plan, err) = plan_as(&rm.other_token, "intruder");
     assert!(plan.get("startEstimate").is_none(), "{plan}");
     assert!(
         err.contains("no start estimate") && err.contains("`b`"),
         "the refusal names the queue: {err}"
     );
-    let mine = rm
-        .gpuam()
-        .arg("plan")
-        .arg(job(&rm, "mine", "b", 0, false, 1, "x"))
-        .arg("--rm")
-        .arg(&rm.url)
-        .arg("--json")
-        .env("GPUAM_TOKEN", &rm.user_token)
-        .output()
-        .unwrap();
-    let plan: serde_json::Value = serde_json::from_slice(&mine.stdout).unwrap_or_default();
-    assert!(
-        plan.get("startEstimate").is_some(),
-        "{plan} {}",
-        String::from_utf8_lossy(&mine.stderr)
-    );
+    let (plan, err) = plan_as(&rm.user_token, "mine");
+    assert!(plan.get("startEstimate").is_some(), "{plan} {err}");
 
     // Unknown queues are refused at submit, naming the queues there are.
     let bad = job(&rm, "nowhere", "research", 0, false, 1, "x");
