@@ -155,6 +155,8 @@ impl LedgerChanges {
 struct RunIndex {
     by_role: HashMap<String, HashMap<String, Vec<u64>>>,
     used: HashMap<String, Vec<f64>>,
+    /// Bumped whenever `used` changes (what is computed from it may be kept until then).
+    used_version: u64,
 }
 
 impl RunIndex {
@@ -169,12 +171,15 @@ impl RunIndex {
         }
         if let Some(u) = c.used_of_limit() {
             self.used.entry(c.app_id.clone()).or_default().push(u);
+            self.used_version += 1;
         }
     }
 
     fn forget(&mut self, app_id: &str) {
         self.by_role.remove(app_id);
-        self.used.remove(app_id);
+        if self.used.remove(app_id).is_some() {
+            self.used_version += 1;
+        }
     }
 }
 
@@ -1018,6 +1023,11 @@ impl Ledger {
             .map_or(&[], Vec::as_slice)
     }
 
+    /// Changes whenever [`Self::used_of`] of some application does.
+    pub fn used_version(&self) -> u64 {
+        self.runs.used_version
+    }
+
     /// What application `app_id`'s ended runs that declared a limit used of it (run / limit,
     /// at most 1: [`LedgerContainer::used_of_limit`]), in no particular order.
     pub fn used_of(&self, app_id: &str) -> &[f64] {
@@ -1300,8 +1310,14 @@ mod tests {
             again.restore(c, now, crate::protocol::now_ms());
         }
         assert_eq!(again.used_of(app).len(), 2);
+        // What is computed from the index may be kept until its version changes.
+        let v = l.used_version();
         l.forget_app(app);
         assert!(l.used_of(app).is_empty());
+        assert!(l.used_version() > v);
+        let v = l.used_version();
+        l.forget_app(app);
+        assert_eq!(l.used_version(), v, "nothing changed");
     }
 
     #[test]

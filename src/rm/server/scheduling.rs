@@ -42,6 +42,11 @@ pub(super) struct SchedState {
     /// When the start estimates were last computed, and how long that took (see
     /// [`estimates_due`]).
     pub(super) estimated: Option<(Instant, Duration)>,
+    /// Each user's calibration of declared limits ([`used_of_limits`]), as of the ledger's
+    /// [`crate::rm::ledger::Ledger::used_version`]: computed again (one pass over the
+    /// applications) only when an ended run that declared a limit was noted or forgotten,
+    /// not at every allocate call that asks for a reservation.
+    pub(super) calibrations: std::sync::Mutex<Option<(u64, HashMap<String, f64>)>>,
 }
 
 /// The reservation policy of the default settings (`rm.reserve_wait_sec`, `rm.reserve_min_gpus`).
@@ -76,6 +81,7 @@ impl SchedState {
             waited_last_pass: true,
             reserve: default_reserve_policy(),
             estimated: None,
+            calibrations: std::sync::Mutex::new(None),
         }
     }
 
@@ -309,20 +315,33 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
 /// Each wanted user's calibration ([`scheduler::reservation::calibration`]): the median of
 /// what their ended runs that declared a limit used of it (the ledger's index per
 /// application), over their applications the RM keeps; a user with too few such runs has
-/// none. One pass over the applications, and only when some user is wanted.
+/// none. Every user's is computed in one pass over the applications when the ledger's index
+/// changed since the last ([`SchedState::calibrations`]), and only when some user is wanted.
 fn used_of_limits<'a>(st: &RmState, users: impl Iterator<Item = &'a str>) -> HashMap<&'a str, f64> {
-    let mut used: HashMap<&str, Vec<f64>> = users.map(|u| (u, Vec::new())).collect();
-    if used.is_empty() {
+    let mut users = users.peekable();
+    if users.peek().is_none() {
         return HashMap::new();
     }
-    for a in st.apps.values() {
-        if let Some(v) = used.get_mut(a.report.user.as_str()) {
-            v.extend_from_slice(st.ledger.used_of(&a.report.id));
+    let version = st.ledger.used_version();
+    let mut cache = st.sched.calibrations.lock().unwrap_or_else(|e| e.into_inner());
+    if cache.as_ref().is_none_or(|(v, _)| *v != version) {
+        let mut used: HashMap<&str, Vec<f64>> = HashMap::new();
+        for a in st.apps.values() {
+            let u = st.ledger.used_of(&a.report.id);
+            if !u.is_empty() {
+                used.entry(a.report.user.as_str()).or_default().extend_from_slice(u);
+            }
         }
+        let all = used
+            .into_iter()
+            .filter_map(|(u, mut v)| Some((u.to_string(), scheduler::reservation::calibration(&mut v)?)))
+            .collect();
+        *cache = Some((version, all));
     }
-    used.into_iter()
-        .filter_map(|(u, mut v)| Some((u, scheduler::reservation::calibration(&mut v)?)))
-        .collect()
+    let Some((_, all)) = cache.as_ref() else {
+        return HashMap::new();
+    };
+    users.filter_map(|u| Some((u, *all.get(u)?))).collect()
 }
 
 /// Learned run times: for each wanted (application, role), the median run time (ms) of that

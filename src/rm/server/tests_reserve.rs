@@ -572,8 +572,12 @@ async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
         "{end:?}"
     );
     assert_eq!((run.basis, run.ms), (EndBasis::Calibrated, Some(250_000)));
-    // The runs were another user's: nothing of them calibrates this user's.
+    // The same answer again comes from the calibrations kept (nothing ended since).
+    assert_eq!(now(), (end, run));
+    // The runs were another user's: nothing of them calibrates this user's (one more ended
+    // run of theirs: what is kept is computed again).
     rm.shared.lock().apps.get_mut(&done_id).unwrap().report.user = "eve".into();
+    restore(MIN_CALIBRATION..MIN_CALIBRATION + 1);
     let (end, run) = now();
     assert_eq!((end.basis, run.basis), (EndBasis::Declared, EndBasis::Declared));
     rm.shutdown().await;
