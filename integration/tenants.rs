@@ -92,6 +92,7 @@ fn alice_cannot_reach_bobs_task_and_his_directory_goes_when_it_ends() {
     let out = h.path("out").display().to_string();
     let bob_cmd = format!(
         ": BOB-SECRET-23a; echo $GPUAM_CONTAINER_DIR > {out}/bob.dir; id -u > {out}/bob.uid; \
+         echo $TMPDIR > {out}/bob.tmpdir; echo BOB-TMP-23a > \"$TMPDIR/bob-tmp\" && echo ok > {out}/bob.tmpok; \
          echo $GPUAM_USER > {out}/bob.user; echo $$ > {out}/bob.pid.tmp && mv {out}/bob.pid.tmp {out}/bob.pid; \
          while [ ! -e {out}/bob-go ]; do sleep 0.1; done"
     );
@@ -110,6 +111,8 @@ fn alice_cannot_reach_bobs_task_and_his_directory_goes_when_it_ends() {
     let alice_cmd = format!(
         "B=$(cat {out}/bob.pid); D=$(cat {out}/bob.dir); id -u > {out}/alice.uid; \
          cat \"$D/launch.sh\" > {out}/alice-launch 2>/dev/null && echo READ-LAUNCH >> {r}; \
+         T=$(cat {out}/bob.tmpdir); ls \"$T\" > /dev/null 2>&1 && echo LIST-TMP >> {r}; \
+         cat \"$T/bob-tmp\" > /dev/null 2>&1 && echo READ-TMP >> {r}; \
          cat /proc/$B/environ > /dev/null 2>&1 && echo READ-ENVIRON >> {r}; \
          (exec 3< /proc/$B/mem) 2>/dev/null && echo OPEN-MEM >> {r}; \
          kill -0 $B 2>/dev/null && echo SIGNAL >> {r}; \
@@ -130,6 +133,19 @@ fn alice_cannot_reach_bobs_task_and_his_directory_goes_when_it_ends() {
         "what alice's task reached of bob's"
     );
     assert!(!read(h.path("out/alice-launch")).contains("BOB-SECRET"));
+    // His temporary files are in his own directory, not the host's shared /tmp.
+    assert_eq!(
+        read(h.path("out/bob.tmpok")).trim(),
+        "ok",
+        "bob's task wrote a temporary file"
+    );
+    let bob_tmp = PathBuf::from(read(h.path("out/bob.tmpdir")).trim());
+    assert!(
+        bob_tmp.starts_with(&bob_dir) && bob_tmp != bob_dir,
+        "{}",
+        bob_tmp.display()
+    );
+    assert_eq!(fs::metadata(&bob_tmp).unwrap().permissions().mode() & 0o777, 0o700);
     let (au, bu) = (read(h.path("out/alice.uid")), read(h.path("out/bob.uid")));
     assert!(
         au.trim() != bu.trim() && au.trim() != "0" && bu.trim() != "0",

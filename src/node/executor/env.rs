@@ -1,5 +1,5 @@
 //! The executor's own part of a task's environment and launch script: the clean base a
-//! task starts from (PATH, HOME, LANG, the node's `--task-env`) and the script's
+//! task starts from (PATH, HOME, LANG, the node's `--task-env`, its own TMPDIR) and the script's
 //! prologue (the exit-code file). Everything DESIGN.md §6 promises every backend (the GPU
 //! variables, ids, locality, the commands' script) is [`crate::node::contract`]'s; this
 //! file only adds what is the executor's. Pure: the node's own environment is passed in.
@@ -18,6 +18,11 @@ use crate::topology::{CpuList, TaskLocality};
 pub(super) const BASE_ENV: [&str; 3] = ["PATH", "HOME", "LANG"];
 
 pub(super) const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+/// The task's own temporary directory, in its work directory (0700, the task's): `TMPDIR`,
+/// `TMP` and `TEMP` name it, so nothing a task puts in a temporary file lies in the host's
+/// shared /tmp for another tenant's task to read or to plant first.
+pub(super) const TMP_DIR: &str = "tmp";
 
 /// The variables of [`BASE_ENV`] this process has (what a task inherits from the node).
 pub(super) fn inherited() -> BTreeMap<String, String> {
@@ -50,6 +55,11 @@ pub(super) fn container_env(
         env.insert("HOME".into(), dir.to_string_lossy().into_owned());
         env.insert("USER".into(), u.name.clone());
         env.insert("LOGNAME".into(), u.name.clone());
+    }
+    // The node's `--task-env` (e.g. a scratch disk) and the job's own may name another.
+    let tmp = dir.join(TMP_DIR).to_string_lossy().into_owned();
+    for k in ["TMPDIR", "TMP", "TEMP"] {
+        env.insert(k.into(), tmp.clone());
     }
     for (k, v) in &opts.task_env {
         env.insert(k.clone(), v.clone());

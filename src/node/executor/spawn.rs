@@ -357,8 +357,18 @@ pub(super) fn spawn_launch(dir: &Path, id: &str, launch: &Launch<'_>) -> Result<
         std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode))
             .map_err(|e| where_("cannot set the mode of", d, e))?;
     }
+    // The task's own temporary directory (`TMPDIR`, [`super::env::TMP_DIR`]): the host's
+    // /tmp is shared by every tenant (umask 022, names other tools derive from the user).
+    // Made before the task runs, in a directory that is new.
+    let tmp = work.join(super::env::TMP_DIR);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&tmp)
+        .map_err(|e| where_("cannot create directory", &tmp, e))?;
     if let Some(u) = run_as {
-        std::os::unix::fs::chown(&work, Some(u.uid), Some(u.gid)).map_err(|e| where_("cannot chown", &work, e))?;
+        for d in [&work, &tmp] {
+            std::os::unix::fs::lchown(d, Some(u.uid), Some(u.gid)).map_err(|e| where_("cannot chown", d, e))?;
+        }
     }
     // On the host, or in the task's image (GPUAM_IMAGE) where the node has podman.
     let spawn = crate::node::image::program_for(dir, &work, id, env, image)?;

@@ -654,6 +654,24 @@ async fn success_exits_zero_and_quoting_survives() {
     assert_eq!(exec.read_log("ok", LogStream::Stdout, None).unwrap(), "it's 3 $HOME\n");
 }
 
+/// A task's temporary files go to its own private directory (`TMPDIR`, `TMP`, `TEMP`), not the
+/// host's shared /tmp (tenth pass).
+#[tokio::test]
+async fn a_task_has_its_own_temporary_directory() {
+    let (_t, exec, mut rx) = setup();
+    let cmd = "echo \"$TMPDIR|$TMP|$TEMP\"; stat -c %a \"$TMPDIR\"; f=$(mktemp) && echo \"$f\"";
+    exec.start("tmp", "h", &no_gpus(), ctx(&[cmd])).unwrap();
+    let (_, code, _) = next_exit(&mut rx).await;
+    assert_eq!(code, 0);
+    let tmp = work_dir(&exec.container_dir("tmp").unwrap()).join("tmp");
+    let t = tmp.display().to_string();
+    let out = exec.read_log("tmp", LogStream::Stdout, None).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.first().copied(), Some(format!("{t}|{t}|{t}").as_str()), "{out}");
+    assert_eq!(lines.get(1).copied(), Some("700"), "{out}");
+    assert!(lines.get(2).is_some_and(|f| f.starts_with(&t)), "mktemp goes there: {out}");
+}
+
 #[tokio::test]
 async fn environment_contract() {
     let (_t, exec, mut rx) = setup();
