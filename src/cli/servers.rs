@@ -151,7 +151,10 @@ pub async fn rm(
         work_dir.display()
     );
     match handle.admin_token_file() {
-        Some(f) => println!("admin token written to {} (mode 0600)", f.display()),
+        Some(f) => println!(
+            "admin token in {} (mode 0600; kept across restarts: remove the file for a new one)",
+            f.display()
+        ),
         None => println!("admin token: as configured (--admin-token-file or GPUAM_ADMIN_TOKEN)"),
     }
     match &settings.rm.users_file {

@@ -669,7 +669,10 @@ async fn a_task_has_its_own_temporary_directory() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.first().copied(), Some(format!("{t}|{t}|{t}").as_str()), "{out}");
     assert_eq!(lines.get(1).copied(), Some("700"), "{out}");
-    assert!(lines.get(2).is_some_and(|f| f.starts_with(&t)), "mktemp goes there: {out}");
+    assert!(
+        lines.get(2).is_some_and(|f| f.starts_with(&t)),
+        "mktemp goes there: {out}"
+    );
 }
 
 #[tokio::test]
