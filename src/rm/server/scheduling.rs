@@ -47,6 +47,9 @@ pub(super) struct SchedState {
     /// applications) only when an ended run that declared a limit was noted or forgotten,
     /// not at every allocate call that asks for a reservation.
     pub(super) calibrations: std::sync::Mutex<Option<(u64, HashMap<String, f64>)>>,
+    /// No new preemption victims before this (a restarted RM: see
+    /// [`SchedState::quiet_after_restart`]).
+    pub(super) no_victims_before: Option<Instant>,
 }
 
 /// The reservation policy of the default settings (`rm.reserve_wait_sec`, `rm.reserve_min_gpus`).
@@ -82,7 +85,23 @@ impl SchedState {
             reserve: default_reserve_policy(),
             estimated: None,
             calibrations: std::sync::Mutex::new(None),
+            no_victims_before: None,
         }
+    }
+
+    /// A restarted RM does not know the preemption notices its predecessor gave (they live
+    /// in memory): their AMs may be giving the containers back right now, and the agents
+    /// reporting them dead. Choosing victims at once would notice others for the same
+    /// room, and both would go (tenth pass: three of alice's containers for bob's two
+    /// GPUs). So for one grace after `now` it chooses none; what was given back in answer
+    /// is seen first, and what still lacks room is noticed then.
+    pub(super) fn quiet_after_restart(&mut self, now: Instant) {
+        self.no_victims_before = Some(now + self.grace);
+    }
+
+    /// Whether new preemption victims may be chosen at `now`.
+    pub(super) fn may_choose_victims(&self, now: Instant) -> bool {
+        self.no_victims_before.is_none_or(|t| now >= t)
     }
 
     /// The leaf queue an application's report names (the first leaf when the settings
@@ -692,7 +711,12 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let plan = scheduler::plan(&st.sched.tree, &built.snap, &shares);
     let deadline_ms = now_ms() + st.sched.grace.as_millis() as u64;
-    for v in &plan.victims {
+    let victims = if st.sched.may_choose_victims(now) {
+        &plan.victims[..]
+    } else {
+        &[]
+    };
+    for v in victims {
         let from = st.sched.tree.get(built.snap.apps[v.app].queue).path.clone();
         let for_queue = st.sched.tree.get(v.for_queue).path.clone();
         for &h in &v.held {

@@ -447,7 +447,7 @@ impl Drop for StateGuard<'_> {
 pub(super) fn recover_state(
     mut store: Store,
     mut ledger: Ledger,
-    sched: scheduling::SchedState,
+    mut sched: scheduling::SchedState,
     base_url: &str,
 ) -> anyhow::Result<(RmState, u64)> {
     let mut apps = Apps::default();
@@ -523,6 +523,9 @@ pub(super) fn recover_state(
         containers = ledger.live_containers().len(),
         "RM state recovered"
     );
+    // The notices of the RM that stopped are not kept: what their AMs give back in answer
+    // is seen before new victims are chosen.
+    sched.quiet_after_restart(Instant::now());
     let state = RmState {
         ledger,
         apps,

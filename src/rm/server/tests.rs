@@ -409,6 +409,8 @@ async fn a_restarted_rm_recovers_apps_grants_and_node_states() {
     let rm2 = restart_on(addr, &opts).await;
     let report = rm2.app_report(&id).expect("the application is recovered");
     assert_eq!(report.state, AppState::Running);
+    // Its predecessor's preemption notices are unknown to it: no new victims for a grace (30 s).
+    assert!(!rm2.shared.lock().sched.may_choose_victims(Instant::now()));
     // The old heartbeat memory is gone: the AM is told to register again.
     let again = am
         .allocate(&AllocateRequest {
@@ -647,6 +649,31 @@ fn stderr_tail_keeps_last_lines() {
     let t = stderr_tail(&p, 3);
     assert_eq!(t, "line 48\nline 49\nred", "the last lines, without colour codes");
     assert_eq!(stderr_tail(&dir.path().join("missing"), 3), "");
+}
+
+/// A restarted RM chooses no new preemption victims for one grace (its predecessor's
+/// notices are not kept, and what their AMs give back in answer is seen first); a fresh one
+/// chooses at once.
+#[test]
+fn a_restarted_rm_waits_one_grace_before_choosing_victims() {
+    let grace = Duration::from_secs(30);
+    let mut s = scheduling::SchedState::new(Default::default(), grace);
+    let t0 = Instant::now();
+    assert!(s.may_choose_victims(t0), "a fresh RM");
+    s.quiet_after_restart(t0);
+    assert!(!s.may_choose_victims(t0));
+    assert!(!s.may_choose_victims(t0 + grace - Duration::from_millis(1)));
+    assert!(s.may_choose_victims(t0 + grace));
+    // The recovery of a saved state is a restart; a fresh state is not.
+    let fresh = super::state::recover_state(
+        Store::memory(),
+        Ledger::new(Vec::<Node>::new(), DEFAULT_CONTAINER_EXPIRY),
+        scheduling::SchedState::new(Default::default(), grace),
+        "http://127.0.0.1:1",
+    )
+    .unwrap()
+    .0;
+    assert!(fresh.sched.may_choose_victims(Instant::now()));
 }
 
 /// An RM with queues `a` and `b` (weights 1:1) on one node of 2 GPUs, a 600 ms notice,
