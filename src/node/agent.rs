@@ -1224,6 +1224,7 @@ mod tests {
             (r.status().as_u16(), r.text().await.unwrap())
         };
         assert_eq!(status(rm.clone(), lonely).await.0, 503, "not registered: no key");
+        registered(&rm, addr).await;
         let mut code = (0, String::new());
         for _ in 0..100 {
             code = status(rm.clone(), addr).await;
@@ -1266,6 +1267,9 @@ mod tests {
     }
 
     /// Waits until the agent at `addr` registered with `rm` (takes its signed calls).
+    /// Waits until the agent at `addr` has registered and has its key: any answer but 503
+    /// (a call signed before the registration carries no instance and may answer 401 once
+    /// the key has come: the tests' first calls wait here, not on their own answers).
     async fn registered(rm: &RmCalls, addr: SocketAddr) {
         let url = format!("http://{addr}/ws/v1/node/h1/containers/container_1_0001_01_000999/status");
         for _ in 0..200 {
@@ -1471,6 +1475,7 @@ mod tests {
             )
         };
         // Until the agent has registered (and has its key) it answers 503.
+        registered(&rm, addr).await;
         let mut r = stop().await.unwrap();
         for _ in 0..100 {
             if r.status() != 503 {
@@ -1531,6 +1536,7 @@ mod tests {
             }
         };
         // Until the agent has registered (and has its key) it answers 503.
+        registered(&rm, addr).await;
         let ready = stop("container_1_0001_01_000099".into()).await;
         assert_eq!(ready.0, 200, "the agent answers");
         let out = tmp.path().join("out");
