@@ -9,8 +9,9 @@
 //!   works under every containment (cgroup v2, v1, the shim), on every filesystem; a task
 //!   can overshoot by what it writes in one interval (or fill a small disk first), which
 //!   the trim gives back. A directory deeper than [`MAX_DEPTH`] levels or with more than
-//!   [`MAX_ENTRIES`] entries is not walked whole and counts as over the bound ([`verdict`]). Files the task writes outside its directory (`/tmp`) are not
-//!   counted (see docs/RELIABILITY.md).
+//!   [`MAX_ENTRIES`] entries is not walked whole and counts as over the bound ([`verdict`]). Its
+//!   temporary files count (`TMPDIR` is in its directory); files it writes elsewhere (the
+//!   host's `/tmp` by name) are not (see docs/RELIABILITY.md).
 //! - **Out of memory**: an OOM kill inside the container's own memory limit (read by
 //!   [`super::cgroup::Cgroup::oom_killed`]) is [`EndCause::OutOfMemory`], worded
 //!   `out of memory (limit N MiB)`, which the AM counts as the task's failure (see
