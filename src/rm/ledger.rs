@@ -253,8 +253,9 @@ pub struct Ledger {
     /// epoch is a range of it, O(changes) whatever the cluster's size.
     by_change: BTreeMap<u64, String>,
     /// The run times of the containers that completed successfully
-    /// ([`LedgerContainer::successful_run_ms`]), by application and role, kept as they
-    /// complete: learning expected run times reads these, not every container.
+    /// ([`LedgerContainer::successful_run_ms`]), by application and role, and what those
+    /// that declared a limit used of it ([`LedgerContainer::used_of_limit`]), kept as they
+    /// complete: learning and calibrating expected ends read these, not every container.
     runs: RunIndex,
 }
 
