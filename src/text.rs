@@ -13,6 +13,19 @@ pub fn clean(s: &str) -> String {
     stripped.chars().filter(|c| !is_unsafe(*c)).collect()
 }
 
+/// The last bytes of a file as text: `buf` read from some offset on (`cut`: not from the
+/// file's start), without the continuation bytes of a character the offset cut in half
+/// (at most 3), invalid UTF-8 replaced. The node's log tails and the RM's read it so.
+pub fn lossy_tail(buf: &[u8], cut: bool) -> String {
+    let mut skip = 0;
+    if cut {
+        while skip < 3 && skip < buf.len() && (buf[skip] & 0xC0) == 0x80 {
+            skip += 1;
+        }
+    }
+    String::from_utf8_lossy(&buf[skip..]).into_owned()
+}
+
 /// `s` as a terminal may show it: every character [`is_unsafe`] (and every bidirectional
 /// override, [`is_bidi_control`]) written as its escape (`\u{1b}`), the rest as it is. The
 /// CLI's last line against text from the RM or from other users (node racks and labels,
@@ -82,6 +95,21 @@ pub fn is_unsafe(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tail read from an offset inside a character starts at the next one; from the
+    /// file's start nothing is dropped (a stray continuation byte there is replaced).
+    #[test]
+    fn a_tail_starts_on_a_character() {
+        let b = "héllo".as_bytes();
+        assert_eq!(lossy_tail(&b[2..], true), "llo");
+        assert_eq!(lossy_tail(&b[1..], true), "éllo");
+        assert_eq!(lossy_tail(&b[2..], false), "\u{fffd}llo");
+        assert_eq!(
+            lossy_tail(&[0x80, 0x80, 0x80, 0x80, b'x'], true),
+            "\u{fffd}x",
+            "at most three"
+        );
+    }
 
     #[test]
     fn escapes_and_control_characters_go_text_stays() {

@@ -173,12 +173,5 @@ pub(super) fn read_tail(path: &Path, want: u64) -> std::io::Result<String> {
     f.seek(SeekFrom::Start(start))?;
     let mut buf = Vec::with_capacity(usize::try_from(want.min(len)).unwrap_or(0));
     f.take(want).read_to_end(&mut buf)?;
-    let mut skip = 0;
-    if start > 0 {
-        // Drop the continuation bytes of a character cut in half (at most 3).
-        while skip < 3 && skip < buf.len() && (buf[skip] & 0xC0) == 0x80 {
-            skip += 1;
-        }
-    }
-    Ok(String::from_utf8_lossy(&buf[skip..]).into_owned())
+    Ok(crate::text::lossy_tail(&buf, start > 0))
 }

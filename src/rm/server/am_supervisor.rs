@@ -400,16 +400,8 @@ pub(super) fn bound_output(path: &Path, bound: u64) -> std::io::Result<bool> {
 
 /// The last `n` lines of a file (reading at most its last 16 KiB).
 pub(super) fn stderr_tail(path: &Path, n: usize) -> String {
-    let read = || -> std::io::Result<String> {
-        let mut f = std::fs::File::open(path)?;
-        let len = f.metadata()?.len();
-        f.seek(SeekFrom::Start(len.saturating_sub(16 * 1024)))?;
-        let mut buf = Vec::new();
-        f.read_to_end(&mut buf)?;
-        Ok(String::from_utf8_lossy(&buf).into_owned())
-    };
     // The AM's stderr may be coloured: no terminal escapes go into diagnostics.
-    let text = crate::text::clean(&read().unwrap_or_default());
+    let text = crate::text::clean(&super::private::tail(path, 16 * 1024).unwrap_or_default());
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }

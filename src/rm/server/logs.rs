@@ -101,26 +101,7 @@ const REASON_READ_BYTES: u64 = 10 * crate::rm::history::REASON_STDERR_BYTES as u
 /// [`REASON_READ_BYTES`], never the whole file (a kept log may be a mebibyte, and history
 /// reads one per failed job).
 pub(super) fn kept_stderr_tail(rm: &Shared, app: &str, container: &str) -> Option<String> {
-    file_tail(&log_file(rm, app, container, LogStream::Stderr), REASON_READ_BYTES)
-}
-
-/// The last `max` bytes of the regular file at `path` as text (invalid UTF-8 replaced);
-/// `None` when it cannot be read (or is no regular file: a pipe would block a reader).
-fn file_tail(path: &Path, max: u64) -> Option<String> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .ok()?;
-    let meta = f.metadata().ok()?;
-    if !meta.is_file() {
-        return None;
-    }
-    f.seek(SeekFrom::Start(meta.len().saturating_sub(max))).ok()?;
-    let mut b = Vec::new();
-    f.take(max).read_to_end(&mut b).ok()?;
-    Some(String::from_utf8_lossy(&b).into_owned())
+    super::private::tail(&log_file(rm, app, container, LogStream::Stderr), REASON_READ_BYTES).ok()
 }
 
 /// Collects the logs of a container its node reported dead, in the background.
@@ -376,7 +357,7 @@ pub(super) async fn get_app_containers(
     UrlPath(id): UrlPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     check_app_id(&id)?;
-    let (out, mut rows) = {
+    let (mut out, mut rows) = {
         let st = rm.lock();
         let app = app_ref(&st.apps, &id)?;
         caller.must_own(app)?;
@@ -407,7 +388,6 @@ pub(super) async fn get_app_containers(
         (out, vec![super::history::row_parts(app, &st.ledger.containers_of(&id))])
     };
     super::history::add_stderr_tails(&rm, &mut rows).await;
-    let mut out = out;
     if let Some((row, _)) = rows.first() {
         out["history"] = serde_json::to_value(row).unwrap_or(Value::Null);
     }
@@ -598,7 +578,7 @@ mod tests {
         let mut text = "x".repeat(1 << 20);
         text.push_str("\nTraceback\nValueError: bad shape\n\n");
         std::fs::write(&big, &text).unwrap();
-        let tail = file_tail(&big, REASON_READ_BYTES).unwrap();
+        let tail = super::super::private::tail(&big, REASON_READ_BYTES).unwrap();
         assert_eq!(tail.len() as u64, REASON_READ_BYTES);
         assert!(tail.ends_with("ValueError: bad shape\n\n"), "{tail:?}");
         let mut reason = String::from("task main/0 exited with 1");
@@ -609,14 +589,20 @@ mod tests {
         );
         // Shorter than the bound: all of it.
         std::fs::write(&big, "oops\n").unwrap();
-        assert_eq!(file_tail(&big, REASON_READ_BYTES).as_deref(), Some("oops\n"));
+        assert_eq!(
+            super::super::private::tail(&big, REASON_READ_BYTES).ok().as_deref(),
+            Some("oops\n")
+        );
         // A pipe (which would block the reader) and a link are not read.
         let fifo = t.path().join("p.stderr");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
-        assert_eq!(file_tail(&fifo, REASON_READ_BYTES), None);
+        assert_eq!(super::super::private::tail(&fifo, REASON_READ_BYTES).ok(), None);
         let link = t.path().join("l.stderr");
         std::os::unix::fs::symlink(&big, &link).unwrap();
-        assert_eq!(file_tail(&link, REASON_READ_BYTES), None);
-        assert_eq!(file_tail(&t.path().join("none"), REASON_READ_BYTES), None);
+        assert_eq!(super::super::private::tail(&link, REASON_READ_BYTES).ok(), None);
+        assert_eq!(
+            super::super::private::tail(&t.path().join("none"), REASON_READ_BYTES).ok(),
+            None
+        );
     }
 }

@@ -42,6 +42,26 @@ pub(super) fn open(path: &Path, append: bool) -> std::io::Result<std::fs::File> 
     Ok(f)
 }
 
+/// The last `max` bytes of the RM's own file at `path` as text ([`crate::text::lossy_tail`]),
+/// never the whole file: a link is refused, not followed, and only a regular file is read
+/// (a pipe would block the reader).
+pub(super) fn tail(path: &Path, max: u64) -> std::io::Result<String> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other(format!("{} is no regular file", path.display())));
+    }
+    let start = meta.len().saturating_sub(max);
+    f.seek(SeekFrom::Start(start))?;
+    let mut b = Vec::new();
+    f.take(max).read_to_end(&mut b)?;
+    Ok(crate::text::lossy_tail(&b, start > 0))
+}
+
 /// Writes `bytes` to `path` (0600).
 pub(super) fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     open(path, false)?.write_all(bytes)
