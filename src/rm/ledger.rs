@@ -90,10 +90,11 @@ impl LedgerContainer {
     /// other runs (issue 27, item 4). `None` otherwise (a failure says little of a habit).
     pub fn used_of_limit(&self) -> Option<f64> {
         let limit_ms = self.max_run_sec.filter(|&s| s > 0)?.saturating_mul(1000);
-        if self.state != ContainerState::Complete || self.ended_ms == 0 || self.started_ms == 0 {
+        if self.state != ContainerState::Complete || self.ended_ms == 0 {
             return None;
         }
-        let run = self.ended_ms.saturating_sub(self.started_ms);
+        // From where its limit runs ([`Self::declared_end_ms`]).
+        let run = self.ended_ms.saturating_sub(self.run_from_ms());
         (self.exit_status == Some(0) || run >= limit_ms).then(|| (run as f64 / limit_ms as f64).min(1.0))
     }
 

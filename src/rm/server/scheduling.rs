@@ -42,7 +42,7 @@ pub(super) struct SchedState {
     /// When the start estimates were last computed, and how long that took (see
     /// [`estimates_due`]).
     pub(super) estimated: Option<(Instant, Duration)>,
-    /// Each user's calibration of declared limits ([`used_of_limits`]), as of the ledger's
+    /// Each user's calibration of declared limits ([`calibrations`]), as of the ledger's
     /// [`crate::rm::ledger::Ledger::used_version`]: computed again (one pass over the
     /// applications) only when an ended run that declared a limit was noted or forgotten,
     /// not at every allocate call that asks for a reservation.
@@ -232,7 +232,7 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
 /// unknown: the median run time of their application's containers of the same role that
 /// already completed successfully (else of the same user's earlier runs of the job,
 /// [`learned_run_ms`]), from their start; and calibrates declared ends by what their users'
-/// ended runs used of their limits ([`used_of_limits`]).
+/// ended runs used of their limits ([`calibrations`]).
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
     learn(st, built, false, None);
 }
@@ -287,15 +287,6 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
             None => guest.filter(|_| id == GUEST).map(|g| g.user),
         }
     };
-    // Declared ends, calibrated by what their users' ended runs used of their limits.
-    let declared: Vec<(usize, &str, u64, u64)> = (0..built.snap.held.len())
-        .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Declared))
-        .filter_map(|h| {
-            let c = st.ledger.container(&built.snap.held[h].container_id)?;
-            let limit_ms = c.max_run_sec?.saturating_mul(1000);
-            Some((h, user_of(&c.app_id)?, c.run_from_ms(), limit_ms))
-        })
-        .collect();
     let mut runs_out: Vec<reserved::Run> = if runs {
         built
             .snap
@@ -306,15 +297,28 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
     } else {
         Vec::new()
     };
-    let waiting_users = runs_out
-        .iter()
-        .zip(&built.snap.apps)
-        .filter(|(r, _)| r.basis == EndBasis::Declared && r.ms.is_some_and(|m| m > 0))
-        .filter_map(|(_, a)| user_of(&a.id));
-    let ratios = used_of_limits(st, declared.iter().map(|d| d.1).chain(waiting_users));
-    for &(h, user, from, limit_ms) in &declared {
-        if let Some(&r) = ratios.get(user) {
-            let end = scheduler::reservation::calibrated_end(from as f64, limit_ms as f64, r, wall as f64);
+    // Declared ends and runs, calibrated by what their users' ended runs used of their
+    // limits (computed only when something declared one).
+    let declares = built.snap.ends.iter().any(|e| e.basis == EndBasis::Declared)
+        || runs_out.iter().any(|r| r.basis == EndBasis::Declared);
+    if !declares {
+        return runs_out;
+    }
+    let ratios = calibrations(st);
+    let Some((_, ratios)) = ratios.as_ref() else {
+        return runs_out;
+    };
+    let ratio_of = |id: &str| user_of(id).and_then(|u| ratios.get(u)).copied();
+    for h in 0..built.snap.held.len() {
+        if built.snap.ends[h].basis != EndBasis::Declared {
+            continue;
+        }
+        let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
+            continue;
+        };
+        if let (Some(limit), Some(r)) = (c.max_run_sec, ratio_of(&c.app_id)) {
+            let (from, limit_ms) = (c.run_from_ms() as f64, limit.saturating_mul(1000) as f64);
+            let end = scheduler::reservation::calibrated_end(from, limit_ms, r, wall as f64);
             built.snap.ends[h] = Expected {
                 end_ms: Some(end.ceil() as u64),
                 basis: EndBasis::Calibrated,
@@ -322,8 +326,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
         }
     }
     for (run, a) in runs_out.iter_mut().zip(&built.snap.apps) {
-        let r = user_of(&a.id).and_then(|u| ratios.get(u));
-        if let (EndBasis::Declared, Some(ms), Some(&r)) = (run.basis, run.ms, r) {
+        if let (EndBasis::Declared, Some(ms), Some(r)) = (run.basis, run.ms, ratio_of(&a.id)) {
             run.ms = Some(((ms as f64) * r).ceil().max(1.0) as u64);
             run.basis = EndBasis::Calibrated;
         }
@@ -331,16 +334,12 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
     runs_out
 }
 
-/// Each wanted user's calibration ([`scheduler::reservation::calibration`]): the median of
-/// what their ended runs that declared a limit used of it (the ledger's index per
-/// application), over their applications the RM keeps; a user with too few such runs has
-/// none. Every user's is computed in one pass over the applications when the ledger's index
-/// changed since the last ([`SchedState::calibrations`]), and only when some user is wanted.
-fn used_of_limits<'a>(st: &RmState, users: impl Iterator<Item = &'a str>) -> HashMap<&'a str, f64> {
-    let mut users = users.peekable();
-    if users.peek().is_none() {
-        return HashMap::new();
-    }
+/// Every user's calibration ([`scheduler::reservation::calibration`]): the median of what
+/// their ended runs that declared a limit used of it (the ledger's index per application),
+/// over their applications the RM keeps; a user with too few such runs has none. Computed
+/// in one pass over the applications only when the ledger's index changed since the last
+/// time ([`SchedState::calibrations`]), and kept with the index's version.
+fn calibrations(st: &RmState) -> std::sync::MutexGuard<'_, Option<(u64, HashMap<String, f64>)>> {
     let version = st.ledger.used_version();
     let mut cache = st.sched.calibrations.lock().unwrap_or_else(|e| e.into_inner());
     if cache.as_ref().is_none_or(|(v, _)| *v != version) {
@@ -357,10 +356,7 @@ fn used_of_limits<'a>(st: &RmState, users: impl Iterator<Item = &'a str>) -> Has
             .collect();
         *cache = Some((version, all));
     }
-    let Some((_, all)) = cache.as_ref() else {
-        return HashMap::new();
-    };
-    users.filter_map(|u| Some((u, *all.get(u)?))).collect()
+    cache
 }
 
 /// Learned run times: for each wanted (application, role), the median run time (ms) of that
