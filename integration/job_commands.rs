@@ -42,14 +42,7 @@ fn chatty_job(rm: &Rm, name: &str) -> std::path::PathBuf {
 
 /// `gpuam ARGS` as user `itest` (token in GPUAM_TOKEN, RM in GPUAM_RM).
 fn run(rm: &Rm, args: &[&str]) -> Output {
-    as_user(rm, &rm.user_token, args)
-}
-
-fn as_user(rm: &Rm, token: &str, args: &[&str]) -> Output {
-    let mut cmd = rm.gpuam();
-    cmd.env("GPUAM_TOKEN", token).env("GPUAM_RM", &rm.url);
-    cmd.env("GPUAM_CLIENT_CONFIG", rm.path("no-client-config.yaml"));
-    cmd.args(args).output().unwrap()
+    rm.as_user(&rm.user_token, args)
 }
 
 fn stdout(o: &Output) -> String {
@@ -137,20 +130,20 @@ fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() 
     assert_eq!(c["gpus"].as_array().map(Vec::len), Some(1), "{detail}");
 
     // The other user sees nothing of it and stops nothing of it.
-    let other_jobs = as_user(&rm, &rm.other_token, &["jobs", "--json"]);
+    let other_jobs = rm.as_user(&rm.other_token, &["jobs", "--json"]);
     assert_eq!(json_of(&other_jobs), serde_json::json!([]));
-    let o = as_user(&rm, &rm.other_token, &["status", &id]);
+    let o = rm.as_user(&rm.other_token, &["status", &id]);
     assert_eq!(o.status.code(), Some(77), "{}", text(&o));
-    let o = as_user(&rm, &rm.other_token, &["kill", &id]);
+    let o = rm.as_user(&rm.other_token, &["kill", &id]);
     assert_eq!(o.status.code(), Some(77), "{}", text(&o));
-    let o = as_user(&rm, &rm.other_token, &["kill", &n]);
+    let o = rm.as_user(&rm.other_token, &["kill", &n]);
     assert_eq!(
         o.status.code(),
         Some(66),
         "a job number names the caller's own jobs: {}",
         text(&o)
     );
-    let o = as_user(&rm, &rm.other_token, &["logs", &id]);
+    let o = rm.as_user(&rm.other_token, &["logs", &id]);
     assert_eq!(o.status.code(), Some(77), "{}", text(&o));
     assert_eq!(rm.app(&id)["state"], "RUNNING");
 
@@ -285,10 +278,10 @@ fn a_user_lists_follows_stops_and_looks_back_at_a_job_and_another_user_cannot() 
 
         // The other user has no history and no logs of them.
         assert_eq!(
-            json_of(&as_user(rm, &rm.other_token, &["history", "--json"])),
+            json_of(&rm.as_user(&rm.other_token, &["history", "--json"])),
             serde_json::json!([])
         );
-        let o = as_user(rm, &rm.other_token, &["logs", &bad_id, "--stderr"]);
+        let o = rm.as_user(&rm.other_token, &["logs", &bad_id, "--stderr"]);
         assert_eq!(o.status.code(), Some(77), "{}", text(&o));
         (killed, typo)
     };

@@ -12,7 +12,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
 use std::time::Duration;
 
 use common::*;
@@ -33,18 +32,10 @@ fn noisy_job(rm: &Rm, name: &str) -> PathBuf {
     )
 }
 
-/// `gpuam ARGS` as the holder of `token`.
-fn as_user(rm: &Rm, token: &str, args: &[&str]) -> Output {
-    let mut cmd = rm.gpuam();
-    cmd.env("GPUAM_TOKEN", token).env("GPUAM_RM", &rm.url);
-    cmd.env("GPUAM_CLIENT_CONFIG", rm.path("no-client-config.yaml"));
-    cmd.args(args).output().unwrap()
-}
-
 /// Submits `job` as the holder of `token` and waits for it to succeed; its id.
 fn run_as(rm: &Rm, token: &str, job: &Path) -> String {
     let job = job.display().to_string();
-    let o = as_user(rm, token, &["submit", &job, "--wait"]);
+    let o = rm.as_user(token, &["submit", &job, "--wait"]);
     assert_eq!(o.status.code(), Some(0), "the job succeeds: {}", text(&o));
     String::from_utf8_lossy(&o.stdout)
         .lines()
@@ -94,7 +85,7 @@ fn wait_removed(rm: &Rm, app: &str) {
 
 /// `gpuam logs APP` as the holder of `token`: (stdout, stderr).
 fn logs(rm: &Rm, token: &str, app: &str) -> (String, String) {
-    let o = as_user(rm, token, &["logs", app, "--raw"]);
+    let o = rm.as_user(token, &["logs", app, "--raw"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),

@@ -514,6 +514,15 @@ impl Rm {
         cmd
     }
 
+    /// `gpuam ARGS` against this RM as the holder of `token` (from the environment, with no
+    /// client config file).
+    pub fn as_user(&self, token: &str, args: &[&str]) -> std::process::Output {
+        let mut cmd = self.gpuam();
+        cmd.env("GPUAM_TOKEN", token).env("GPUAM_RM", &self.url);
+        cmd.env("GPUAM_CLIENT_CONFIG", self.path("no-client-config.yaml"));
+        cmd.args(args).output().unwrap()
+    }
+
     /// Runs `gpuam plan JOB --cluster <this RM's cluster file> --json`.
     pub fn plan_json(&self, job: &Path) -> Value {
         let out = self
