@@ -7,7 +7,9 @@
 //! walk told; a row marked * gives every application its own shape (the eligibility rule is
 //! asked per node class and distinct shape), one marked + makes every application a job of
 //! 32 one-GPU tasks that is no gang (the walk starts its tasks one by one; the old rule took
-//! them as a gang). Figures, not assertions: `cargo bench --bench estimates`.
+//! them as a gang). "drawn" is the same walk with every end and run drawn (calibrated
+//! limits: the median start of `survival::DRAWS` walks, and the point walk). Figures, not
+//! assertions: `cargo bench --bench estimates`.
 
 use std::time::Instant;
 
@@ -134,7 +136,7 @@ fn best_of<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
 fn main() {
     println!("(* every waiting application of its own shape; + jobs of 32 one-GPU tasks, no gang)");
     println!(
-        "nodes   waiting    walk ms   one-reserve-each ms   walk/old   told   cut   median start in min (walk / old)"
+        "nodes   waiting    walk ms   one-reserve-each ms   walk/old   told   cut   median start in min (walk / old)   drawn ms   drawn/walk"
     );
     // `cargo bench` passes `--bench`; `cargo test --all-targets` (CI's smoke run, an
     // unoptimised build) does not: then the smallest size only, once.
@@ -150,7 +152,12 @@ fn main() {
         let s = world(nodes, waiting, shape);
         let tree = QueueTree::default();
         let shares = Shares::compute(&tree, &s);
-        let runs: Vec<Run> = s.apps.iter().map(|a| reserved::run_of(a, |_| None)).collect();
+        let runs: reserved::Expectations = s
+            .apps
+            .iter()
+            .map(|a| reserved::run_of(a, |_| None))
+            .collect::<Vec<Run>>()
+            .into();
         let reps = match (full, nodes * waiting > 1_000_000) {
             (false, _) => 1,
             (true, true) => 3,
@@ -158,6 +165,24 @@ fn main() {
         };
         let (walk_ms, est) = best_of(reps, || reserved::estimates(&s, &shares, None, &runs, NOW, None));
         let (old_ms, old) = best_of(reps, || one_reserve_each(&s));
+        // Calibrated ends: every held container's end and every application's run drawn
+        // (here spread from 5/12 to 19/12 of the point value), the median of the walks.
+        let mut drawn = runs.clone();
+        for (h, e) in s.ends.iter().enumerate() {
+            if let Some(end) = e.end_ms {
+                drawn
+                    .drawn_ends
+                    .insert(h, std::array::from_fn(|k| NOW + (end - NOW) * (k as u64 + 5) / 12));
+            }
+        }
+        for (a, r) in runs.runs.iter().enumerate() {
+            if let Some(ms) = r.ms {
+                drawn
+                    .drawn_runs
+                    .insert(a, std::array::from_fn(|k| ms * (k as u64 + 5) / 12));
+            }
+        }
+        let (drawn_ms, _) = best_of(reps.min(3), || reserved::estimates(&s, &shares, None, &drawn, NOW, None));
         let starts: Vec<u64> = est.iter().flatten().filter_map(|e| e.start_ms).collect();
         let told = starts.len();
         let cut = est
@@ -166,7 +191,7 @@ fn main() {
             .filter(|e| e.text.contains("longer than an estimate walks"))
             .count();
         println!(
-            "{nodes:>6} {waiting:>8}{} {walk_ms:>9.1} {old_ms:>21.1} {:>9.2} {told:>6} {cut:>5}   {} / {}",
+            "{nodes:>6} {waiting:>8}{} {walk_ms:>9.1} {old_ms:>21.1} {:>9.2} {told:>6} {cut:>5}   {} / {} {drawn_ms:>28.1} {:>12.1}",
             match shape {
                 Shapes::Mixed => " ",
                 Shapes::Distinct => "*",
@@ -174,7 +199,8 @@ fn main() {
             },
             walk_ms / old_ms,
             p50_min(&starts),
-            p50_min(&old)
+            p50_min(&old),
+            drawn_ms / walk_ms
         );
     }
 }

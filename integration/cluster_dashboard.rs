@@ -153,11 +153,31 @@ async fn check_page(rm: &Rm, apps: &BTreeMap<String, Value>) {
         assert_eq!(row["user"], "itest", "{row}");
         let url = app["trackingUrl"].as_str().unwrap();
         assert!(url.starts_with("http://127.0.0.1:"), "{app}");
-        assert_eq!(
-            row["link"].as_str().unwrap_or(""),
-            format!("{url}#token={}", rm.user_token),
-            "the row links to the job's dashboard, with the page's token (the AM asks the RM about it)"
-        );
+        // The row links to the job's dashboard with a page ticket of that job, never with
+        // the page's own token (the job's port may be another process's once its AM has
+        // gone); the ticket opens that job's dashboard API.
+        let link = row["link"].as_str().unwrap_or("");
+        assert!(!link.contains(&rm.user_token), "{link}");
+        let ticket = link
+            .strip_prefix(&format!("{url}#token="))
+            .unwrap_or_else(|| panic!("{link} is not {url}#token=…"));
+        assert!(ticket.starts_with("p."), "{ticket}");
+        let client = reqwest::Client::new();
+        let job = client
+            .get(format!("{url}api/v1/job"))
+            .bearer_auth(ticket)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(job.status(), 200, "{name}: the ticket opens its job's dashboard");
+        let other = &apps[if name == "serve" { "train" } else { "serve" }];
+        let elsewhere = client
+            .get(format!("{}api/v1/job", other["trackingUrl"].as_str().unwrap()))
+            .bearer_auth(ticket)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(elsewhere.status(), 401, "{name}: and no other job's");
     }
     // The capped job waits for its queue: the one reason's kind and words.
     let why = b

@@ -311,11 +311,14 @@ fn row_succeeded(row: &str) -> String {
     format!("const r = document.querySelector('tr[data-task=\"{row}\"]'); return r && r.dataset.state === 'SUCCEEDED';")
 }
 
-/// The page of a job's owner (a user token, not the job token) follows live events through
-/// its events ticket; when, after a drop, its stream is refused (its ticket opens nothing
-/// behind the same address any more: here another dashboard, signing with another job
-/// token), the page does not give up: it fetches a new ticket, opens the stream again, and
-/// live updates follow again.
+/// The page of a job's owner (a user token, not the job token) trades that token for a page
+/// ticket of the job at once and follows live events through its events ticket; when, after
+/// a drop, its stream is refused (its events ticket opens nothing behind the same address
+/// any more: here the job's AM again, on the same port, which never saw it), the page does
+/// not give up: it fetches a new events ticket, opens the stream again, and live updates
+/// follow again. Behind that address next, another job's dashboard (what a process that took
+/// the port once the AM had gone would be) is never shown the owner's token: the page
+/// holds only its job's ticket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusal() {
     let (hub, first, _server) = owners_dashboard("first-job-token").await;
@@ -338,9 +341,9 @@ async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusa
     )
     .await;
 
-    // The connection drops; behind the same address another dashboard, where the page's
-    // ticket opens nothing.
-    let (hub, second, _server2) = owners_dashboard("second-job-token").await;
+    // The connection drops; behind the same address the job's dashboard again, a new one
+    // that never saw the page's events ticket.
+    let (hub, second, _server2) = owners_dashboard("first-job-token").await;
     // Past the ids the page saw, so that its next live event is new to it.
     for _ in 0..5 {
         hub.publish("noop", serde_json::Value::Null);
@@ -348,7 +351,7 @@ async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusa
     cut.abort();
     let _ = cut.await;
     let listener = tokio::net::TcpListener::bind(front).await.unwrap();
-    let _cut = proxy(listener, second);
+    let cut = proxy(listener, second);
     b.wait_for(
         "the page to say it reconnects",
         "const c = document.getElementById('conn'); return !c.hidden && c.dataset.conn === 'reconnecting';",
@@ -368,6 +371,41 @@ async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusa
         Duration::from_secs(30),
     )
     .await;
+    assert!(
+        !b.js("return location.hash;").await.to_string().contains("owner-token"),
+        "the page's address keeps no token"
+    );
+
+    // Behind the address next: another job's dashboard, which writes down every credential
+    // it is asked about. The page calls it (for a new events ticket), but never with the
+    // owner's token.
+    let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let snapshot = gpuam::web::demo::demo_hub(6, 1).snapshot();
+    let (other, commands) =
+        gpuam::am::status::StatusHub::new(snapshot, "another-job-token".into(), std::sync::Arc::new(NoLogs));
+    std::mem::forget(commands);
+    let seen = shown.clone();
+    other.set_token_check(std::sync::Arc::new(move |t: String| {
+        seen.lock().unwrap().push(t);
+        Box::pin(async move { Some(false) })
+    }));
+    let (third, _server3) = gpuam::web::serve(other.clone(), "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    cut.abort();
+    let _ = cut.await;
+    let listener = tokio::net::TcpListener::bind(front).await.unwrap();
+    let _cut = proxy(listener, third);
+    let t0 = std::time::Instant::now();
+    while shown.lock().unwrap().is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the page never called the new dashboard");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let shown = shown.lock().unwrap().clone();
+    assert!(
+        shown.iter().all(|t| t != "owner-token" && t.starts_with("p.")),
+        "{shown:?}"
+    );
 }
 
 /// A `gpuam run` started by a test. Dropping it (at the test's end, or when it panics)

@@ -27,6 +27,7 @@ const state = {
   stream: 'stdout',
   tails: new Map(),      // "role/index" -> { containerId, lines }
   tailTimer: null,
+  ticketTimer: null,
   ended: false,          // the job is final and the live stream is closed
 };
 
@@ -72,15 +73,46 @@ function bits(mask) {
 function popcount(mask) { return bits(mask).length; }
 function lowestBit(mask) { const b = bits(mask); return b.length ? b[0] : 1e9; }
 
-// The API needs the token of the link gpuam printed (#token=...): the job token, the
-// owner's user token or the admin token.
+// The API needs the token of the link the page was opened with (#token=...): the job
+// token, the owner's user token, the admin token, or a page ticket of this job (the
+// cluster page's links carry one).
 function pageToken() {
   const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
   return m ? decodeURIComponent(m[1]) : null;
 }
 function authHeaders() {
-  const t = pageToken();
-  return t ? { Authorization: 'Bearer ' + t } : {};
+  return state.token ? { Authorization: 'Bearer ' + state.token } : {};
+}
+
+// The page keeps no lasting credential. The dashboard's address is a loopback port that
+// another process may take once the job's AM has gone, and a page still calling it would
+// hand that process whatever it holds. So the page trades the credential it was opened
+// with for a page ticket of this job at once (good for minutes, this job only), puts the
+// ticket in its address instead (a reload still works while it is good), renews it while
+// the AM answers, and forgets it once the job has ended and the AM has gone.
+const TICKET_RENEW_MS = 200000;
+async function trade() {
+  clearTimeout(state.ticketTimer);
+  state.ticketTimer = null;
+  if (!state.token || state.ended) return;
+  try {
+    const r = await fetch('/api/v1/page-ticket', { cache: 'no-store', headers: authHeaders() });
+    const t = r.ok ? await r.json() : null;
+    if (t && t.ticket && !state.ended) {
+      state.token = t.ticket;
+      history.replaceState(null, '', location.pathname + location.search + '#token=' + encodeURIComponent(t.ticket));
+    }
+  } catch (_) { /* the AM is away: try again at the next renewal */ }
+  if (!state.ended) state.ticketTimer = setTimeout(trade, TICKET_RENEW_MS);
+}
+// The job has ended and its AM stopped serving: nothing more is asked of that address.
+function forget() {
+  state.ended = true;
+  state.token = null;
+  clearTimeout(state.ticketTimer);
+  clearTimeout(state.logTimer);
+  clearTimeout(state.tailTimer);
+  state.ticketTimer = state.logTimer = state.tailTimer = null;
 }
 
 async function getJSON(url) {
@@ -416,7 +448,7 @@ async function loadLog(reset) {
     view.textContent = '(could not load the log: ' + e.message + ')';
   }
   const cur = state.tasks.get(k);
-  const follow = cur && (isLive(cur) || cur.state === 'CONTAINER_COMPLETED');
+  const follow = !state.ended && cur && (isLive(cur) || cur.state === 'CONTAINER_COMPLETED');
   $('log-follow').textContent = follow ? 'following (every ' + (LOG_POLL_MS / 1000) + ' s)' : '';
   if (follow) state.logTimer = setTimeout(() => loadLog(false), LOG_POLL_MS);
 }
@@ -551,7 +583,7 @@ function renderNodes() {
 // ---------- live updates ----------
 const dirty = { job: false, nodes: false, tasks: new Set(), all: false, selection: false };
 let flushTimer = null;
-function schedule() { if (!flushTimer) flushTimer = setTimeout(flush, 300); }
+function schedule() { if (!flushTimer && !state.ended) flushTimer = setTimeout(flush, 300); }
 async function flush() {
   flushTimer = null;
   const d = { job: dirty.job, nodes: dirty.nodes, tasks: [...dirty.tasks], all: dirty.all, selection: dirty.selection };
@@ -614,7 +646,7 @@ async function connect() {
     // say so rather than try to reconnect forever.
     if (jobFinal()) {
       es.close();
-      state.ended = true;
+      forget();
       conn.dataset.conn = 'ended';
       conn.textContent = 'job ended · no longer live';
       conn.title = 'The job has finished and its AM has stopped serving; this page shows the final state.';
@@ -678,11 +710,12 @@ function setup() {
   // The running time in the header moves even without events.
   setInterval(() => { if (state.job && !state.job.finishedMs) renderJob(); }, 1000);
   // A slow safety net in case an event is lost.
-  setInterval(() => { dirty.job = true; schedule(); }, 10000);
+  setInterval(() => { if (!jobFinal()) { dirty.job = true; schedule(); } }, 10000);
 }
 
 async function start() {
   setup();
+  await trade();
   for (;;) {
     try {
       await loadJob();

@@ -101,10 +101,11 @@ function renderJobs() {
     const waiting = a.waitingTasks > 0;
     const st = final.includes(a.state) ? (a.finalStatus === 'SUCCEEDED' ? 'SUCCEEDED' : a.state) : (waiting && !a.gpus ? 'WAITING' : a.state);
     const link = a.trackingUrl
-      // The job's dashboard takes the same token (the RM vouches for it), in its fragment;
-      // only for the caller's own jobs: the address is what the job's AM registered, and an
-      // owner could point it at a page that keeps the admin's token.
-      ? h('a', { href: a.trackingUrl + (state.token && a.yours ? '#token=' + encodeURIComponent(state.token) : ''), target: '_blank', rel: 'noopener', title: 'the job\'s dashboard' }, a.name)
+      // The job's dashboard gets a page ticket of this one job, for minutes, which the RM
+      // gives only for the caller's own live jobs — never the caller's token: the address
+      // is what the job's AM registered, and its port may be another process's once the
+      // AM has gone.
+      ? h('a', { href: a.trackingUrl + (a.dashboardTicket ? '#token=' + encodeURIComponent(a.dashboardTicket) : ''), target: '_blank', rel: 'noopener', title: 'the job\'s dashboard' }, a.name)
       : h('span', { title: 'no dashboard yet' }, a.name);
     return h('tr', { 'data-app': a.id, 'data-state': a.state, 'data-waiting': waiting, 'data-why-code': a.whyCode || '' },
       h('td', null, h('span', { class: 'gpu owned', style: 'background:' + jobColour(a) + ';width:auto;padding:0 4px;height:18px;margin-right:6px', text: seq(a.id) }), link, h('div', { class: 'meta small mono', text: a.id })),

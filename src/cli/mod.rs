@@ -337,7 +337,8 @@ struct SimArgs {
     /// Expected durations for reservations and start estimates: declared[:F|:LO-HI] (each
     /// job declares its real duration × F, or × a factor drawn per job in [LO, HI], rounded
     /// up to the minute, and that limit is its end), calibrated[:F|:LO-HI] (the same limits,
-    /// scaled by what the jobs that ended used of theirs, as the live RM does per user) or
+    /// scaled by what the jobs that ended used of theirs, as the live RM does per user; a
+    /// start estimate is the median of walks over drawn shares) or
     /// learned (reservations: the median of earlier jobs' durations; start estimates: drawn
     /// from those and the running jobs' time so far).
     #[arg(long, default_value = "declared")]

@@ -595,16 +595,24 @@ impl Engine<'_> {
                 exempt_below: 0,
             })
         });
-        let start = if self.mode.limit == reserve::Limit::Learned {
+        // Learned limits, and calibrated ones once enough jobs ended, are drawn: the median
+        // start of walks over drawn ends (`reserve::estimate_start_sampled`).
+        let calibrated = matches!(self.mode.limit, reserve::Limit::Calibrated(..));
+        let start = if self.mode.limit == reserve::Limit::Learned || (calibrated && self.history.calibrated()) {
             // In job order: the draws follow the jobs, and a replay is deterministic.
             let mut ids: Vec<(&usize, &Vec<(usize, GpuMask)>)> = self.running.iter().collect();
             ids.sort_unstable_by_key(|(j, _)| **j);
+            let limit_of = |j: usize| {
+                let job = &self.jobs[j];
+                self.mode.limit.declared_sec(job.id, job.duration)
+            };
             let running: Vec<reserve::Running> = ids
                 .into_iter()
                 .map(|(j, placed)| reserve::Running {
                     takes: reserve::takes(placed, &self.jobs[*j].tasks),
                     gpus: self.jobs[*j].gpus(),
                     elapsed: self.expected.get(j).map_or(0.0, |&(start, _)| now - start),
+                    limit: limit_of(*j),
                 })
                 .collect();
             let waiting: Vec<reserve::Waiting> = ahead_ids
@@ -613,9 +621,10 @@ impl Engine<'_> {
                 .map(|(&j, r)| reserve::Waiting {
                     tasks: r,
                     gpus: self.jobs[j].gpus(),
+                    limit: limit_of(j),
                 })
                 .collect();
-            reserve::estimate_start_learned(
+            reserve::estimate_start_sampled(
                 &free,
                 &running,
                 &waiting,
@@ -624,6 +633,7 @@ impl Engine<'_> {
                 in_order,
                 reserved.as_ref(),
                 &self.history,
+                calibrated,
                 jid as u64,
             )
         } else {

@@ -1,10 +1,12 @@
 //! Reservations, backfill and start-time estimates in the policy simulator (issue 27, items 3
 //! and 4): what a running or waiting job is expected to take (a declared limit, or one learned
 //! from the jobs that ended before), and the estimated start of a job at its submit from the
-//! running jobs' expected ends and the queue ahead — with learned limits, the median of
-//! walks whose ends are drawn from a censored duration distribution ([`Survival`]). The
-//! reservation itself, its start, the doubling of overdue ends and the
-//! backfill test are the RM's ([`crate::rm::scheduler::reservation`]); this file only feeds it.
+//! running jobs' expected ends and the queue ahead — with learned or calibrated limits, the
+//! median of walks whose ends are drawn from a censored distribution of durations, or of the
+//! shares of declared limits used ([`Survival`]). The reservation itself, its start, the
+//! doubling of overdue ends, the backfill test and the draws are the RM's
+//! ([`crate::rm::scheduler::reservation`], [`crate::rm::scheduler::survival`]); this file
+//! only feeds them.
 //! Pure: no I/O, time passed in.
 
 use std::collections::BTreeMap;
@@ -12,6 +14,7 @@ use std::collections::BTreeMap;
 use super::cluster::{SimCluster, Task};
 use crate::resources::GpuMask;
 use crate::rm::scheduler::reservation::{self, Policy, Release, Room};
+use crate::rm::scheduler::survival::{self, Survival, DRAWS};
 use crate::rm::scheduler::walk::{self, Discipline, Queued, Reserved};
 
 /// Where a job's expected duration comes from.
@@ -25,13 +28,15 @@ pub enum Limit {
     /// The same declared limits, each scaled by what the jobs that ended used of theirs
     /// ([`reservation::calibration`] of their run / limit; the traces carry no user, so all
     /// jobs' — the live RM takes the same user's), a running job's end by
-    /// [`reservation::calibrated_end`]. The backfill test past a reservation still trusts
-    /// the limit itself (the RM ends a run there), as the live RM's gate does.
+    /// [`reservation::calibrated_end`] for reservations; a start estimate draws each share
+    /// used from those runs' (the running ones censored), [`estimate_start_sampled`], as the
+    /// live RM's estimate does. The backfill test past a reservation still trusts the limit
+    /// itself (the RM ends a run there), as the live RM's gate does.
     Calibrated(f64, f64),
     /// Learned: for reservations, the median duration of the jobs of the same GPU count that
     /// ended before (of all jobs that ended, when none of that count has; unknown before any
     /// ended); for start estimates, draws from the [`Survival`] of those durations and the
-    /// running jobs' time so far ([`estimate_start_learned`]). The traces carry no user, so
+    /// running jobs' time so far ([`estimate_start_sampled`]). The traces carry no user, so
     /// "the same user's earlier jobs" cannot be replayed.
     Learned,
 }
@@ -221,6 +226,12 @@ impl Durations {
         self.ratio
     }
 
+    /// Whether enough jobs that declared a limit have ended to calibrate limits by them
+    /// ([`reservation::MIN_CALIBRATION`]).
+    pub fn calibrated(&self) -> bool {
+        self.used.len() >= reservation::MIN_CALIBRATION
+    }
+
     /// The expected duration of job `id` of `gpus` GPUs that really takes `real` seconds.
     pub fn expected(&self, limit: Limit, id: usize, gpus: u32, real: f64) -> Option<f64> {
         match limit {
@@ -252,120 +263,43 @@ impl Durations {
 /// Jobs of one GPU count that must have ended before their own distribution is used.
 const MIN_OWN: usize = 20;
 
-/// A learned duration distribution (issue 27, item 4): Kaplan–Meier over the jobs that ended
-/// and, censored at the time they have run so far, the jobs still running (the ended ones
-/// alone are the short ones: the long jobs of the same time have not ended yet), with an
-/// exponential tail past the last ended duration whose mean is the censored exponential fit
-/// (all time run, ended or not, over the jobs that ended).
-#[derive(Clone, Debug)]
-pub struct Survival {
-    /// Ended durations, ascending, distinct, and the survival just after each.
-    times: Vec<f64>,
-    surv: Vec<f64>,
-    tail_mean: f64,
-}
-
-impl Survival {
-    /// From the `ended` durations and the `running` jobs' times run so far; `None` before any
-    /// job ended.
-    pub fn learn(ended: &[f64], running: &[f64]) -> Option<Survival> {
-        if ended.is_empty() {
-            return None;
-        }
-        // At one time, ends count before censorings: a job censored at t was still at risk at t.
-        let mut obs: Vec<(f64, bool)> = ended
-            .iter()
-            .map(|&d| (d.max(0.0), true))
-            .chain(running.iter().map(|&a| (a.max(0.0), false)))
-            .collect();
-        obs.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
-        let mut at_risk = obs.len() as f64;
-        let (mut times, mut surv) = (Vec::new(), Vec::new());
-        let mut s = 1.0;
-        let mut i = 0;
-        while i < obs.len() {
-            let t = obs[i].0;
-            let (mut d, mut c) = (0.0, 0.0);
-            while i < obs.len() && obs[i].0 == t {
-                if obs[i].1 {
-                    d += 1.0;
-                } else {
-                    c += 1.0;
-                }
-                i += 1;
-            }
-            if d > 0.0 {
-                s *= 1.0 - d / at_risk;
-                times.push(t);
-                surv.push(s);
-            }
-            at_risk -= d + c;
-        }
-        let exposure: f64 = obs.iter().map(|o| o.0).sum();
-        Some(Survival {
-            times,
-            surv,
-            tail_mean: (exposure / ended.len() as f64).max(1.0),
-        })
-    }
-
-    /// The share of jobs still running after `t` seconds.
-    pub fn at(&self, t: f64) -> f64 {
-        match self.times.partition_point(|&x| x <= t) {
-            0 => 1.0,
-            k => self.surv[k - 1],
-        }
-    }
-
-    /// The remaining seconds of a job that has run `elapsed`, drawn by inversion at `u` in
-    /// (0, 1): the first ended duration past `elapsed` where the survival, relative to the
-    /// job's own, falls to `u`; past the last one, the exponential tail.
-    pub fn residual(&self, elapsed: f64, u: f64) -> f64 {
-        let base = self.at(elapsed);
-        let u = u.clamp(f64::MIN_POSITIVE, 1.0);
-        let target = u * base;
-        let k = self.surv.partition_point(|&s| s > target);
-        if base > 0.0 {
-            if let Some(&t) = self.times.get(k) {
-                return (t - elapsed).max(0.0);
-            }
-        }
-        let last = self.times.last().copied().unwrap_or(0.0);
-        if elapsed >= last || base <= 0.0 {
-            return self.tail_mean * (1.0 / u).ln();
-        }
-        // Before the last ended duration but below its survival: from there on, the tail.
-        let s_last = self.at(last);
-        (last - elapsed) + self.tail_mean * (s_last / target).ln()
-    }
-}
-
-/// A running job for [`estimate_start_learned`]: what it holds, its GPU count, the seconds
-/// it has run.
+/// A running job for [`estimate_start_sampled`]: what it holds, its GPU count, the seconds
+/// it has run, and its declared limit (seconds; `None`: it declared none).
 pub struct Running {
     pub takes: Vec<(usize, Room)>,
     pub gpus: u32,
     pub elapsed: f64,
+    pub limit: Option<f64>,
 }
 
-/// A waiting job ahead for [`estimate_start_learned`]: its tasks and GPU count.
+/// A waiting job ahead for [`estimate_start_sampled`]: its tasks, GPU count and declared
+/// limit.
 pub struct Waiting<'a> {
     pub tasks: &'a [Room],
     pub gpus: u32,
+    pub limit: Option<f64>,
 }
 
-/// Draws per learned estimate.
-pub const DRAWS: usize = 15;
+/// Where the draws of [`estimate_start_sampled`] come from.
+enum Drawn {
+    /// Learned durations: the [`Survival`] of each GPU count (seconds).
+    Learned(BTreeMap<u32, Survival>),
+    /// Calibrated limits: one [`Survival`] of the shares of their limits ended jobs used.
+    Calibrated(Survival),
+}
 
-/// The estimated start (ms) with learned durations (issue 27, item 4): not a walk over each
-/// job's point guess — a start is the first few of many ends, not each end's median — but
-/// the median start over [`DRAWS`] walks of [`estimate_start`], each with every running
-/// job's remaining time and every waiting job's duration drawn from the learned
-/// [`Survival`] of its GPU count (the running jobs counted as censored). `None` before any
-/// job ended (unless it starts now), or when the median walk never fits the gang.
-/// Deterministic in `seed`.
+/// The estimated start (ms) from drawn ends (issue 27, item 4): not a walk over each job's
+/// point guess — a start is the first few of many ends, not each end's median — but the
+/// median start over [`DRAWS`] walks of [`estimate_start`], each with every running job's
+/// remaining time and every waiting job's duration drawn ([`survival`](crate::rm::scheduler::survival)):
+/// with learned limits from the [`Survival`] of its GPU count (the running jobs counted as
+/// censored); with calibrated ones (`calibrated`), as a share of its declared limit drawn
+/// from the shares ended jobs used of theirs (the running ones censored at the share they
+/// have run), never past the limit — the live RM's rule. `None` before enough jobs ended
+/// (unless it starts now), or when the median walk never fits the gang. Deterministic in
+/// `seed`.
 #[allow(clippy::too_many_arguments)]
-pub fn estimate_start_learned(
+pub fn estimate_start_sampled(
     free: &[Room],
     running: &[Running],
     ahead: &[Waiting],
@@ -374,10 +308,9 @@ pub fn estimate_start_learned(
     in_order: bool,
     reserved: Option<&Reserved>,
     history: &Durations,
+    calibrated: bool,
     seed: u64,
 ) -> Option<u64> {
-    use rand::seq::SliceRandom;
-    use rand::{Rng, SeedableRng};
     // What starts now does not depend on any end (every end lies after now): the walk with
     // no known end tells it, without learning or drawing anything.
     let now_ms = ms(now);
@@ -395,39 +328,49 @@ pub fn estimate_start_learned(
     if estimate_start(free, &unknown, &waiting, me, now_ms, in_order, reserved) == Some(now_ms) {
         return Some(now_ms);
     }
-    let mut dists: BTreeMap<u32, Survival> = BTreeMap::new();
-    for g in running.iter().map(|r| r.gpus).chain(ahead.iter().map(|w| w.gpus)) {
-        if dists.contains_key(&g) {
-            continue;
+    let drawn = if calibrated {
+        if !history.calibrated() {
+            return None;
         }
-        let own = history.by_gpus.get(&g).is_some_and(|v| v.len() >= MIN_OWN);
-        let elapsed: Vec<f64> = running
+        let shares: Vec<f64> = running
             .iter()
-            .filter(|r| !own || r.gpus == g)
-            .map(|r| r.elapsed)
+            .filter_map(|r| Some((r.elapsed / r.limit.filter(|l| *l > 0.0)?).min(1.0)))
             .collect();
-        dists.insert(g, Survival::learn(history.ended(g), &elapsed)?);
-    }
-    // Latin hypercube: each job's draws cover the strata of (0, 1) once each, in its own
-    // shuffled order, so few walks already span every job's distribution.
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let strata = |rng: &mut rand::rngs::StdRng| -> Vec<f64> {
-        let mut u: Vec<f64> = (0..DRAWS)
-            .map(|k| (k as f64 + 1.0 - rng.gen::<f64>()) / DRAWS as f64)
-            .collect();
-        u.shuffle(rng);
-        u
+        Drawn::Calibrated(Survival::learn(&history.used, &shares)?)
+    } else {
+        let mut dists: BTreeMap<u32, Survival> = BTreeMap::new();
+        for g in running.iter().map(|r| r.gpus).chain(ahead.iter().map(|w| w.gpus)) {
+            if dists.contains_key(&g) {
+                continue;
+            }
+            let own = history.by_gpus.get(&g).is_some_and(|v| v.len() >= MIN_OWN);
+            let elapsed: Vec<f64> = running
+                .iter()
+                .filter(|r| !own || r.gpus == g)
+                .map(|r| r.elapsed)
+                .collect();
+            dists.insert(g, Survival::learn(history.ended(g), &elapsed)?);
+        }
+        Drawn::Learned(dists)
     };
-    let run_u: Vec<Vec<f64>> = running.iter().map(|_| strata(&mut rng)).collect();
-    let ahead_u: Vec<Vec<f64>> = ahead.iter().map(|_| strata(&mut rng)).collect();
-    let draw = |g: u32, elapsed: f64, u: f64| dists.get(&g).map_or(0.0, |d| d.residual(elapsed, u)).max(1.0);
-    let mut starts: Vec<u64> = (0..DRAWS)
+    // Seconds still to run of work of `gpus` GPUs and `limit` that has run `elapsed`, at `u`.
+    let draw = |gpus: u32, limit: Option<f64>, elapsed: f64, u: f64| -> f64 {
+        match (&drawn, limit) {
+            (Drawn::Learned(d), _) => d.get(&gpus).map_or(0.0, |d| d.residual(elapsed, u)),
+            (Drawn::Calibrated(d), Some(l)) if l > 0.0 => survival::share_left(d, elapsed / l, u) * l,
+            (Drawn::Calibrated(_), _) => 0.0,
+        }
+        .max(1.0)
+    };
+    let draws = survival::hypercube(running.len() + ahead.len(), seed);
+    let (run_u, ahead_u) = draws.split_at(running.len());
+    let mut starts: Vec<Option<u64>> = (0..DRAWS)
         .map(|k| {
             let releases: Vec<Release> = running
                 .iter()
-                .zip(&run_u)
+                .zip(run_u)
                 .flat_map(|(r, u)| {
-                    let end = ms(now + draw(r.gpus, r.elapsed, u[k]));
+                    let end = ms(now + draw(r.gpus, r.limit, r.elapsed, u[k]));
                     r.takes.iter().map(move |&(node, room)| Release {
                         node,
                         room,
@@ -437,15 +380,13 @@ pub fn estimate_start_learned(
                 .collect();
             let ahead: Vec<Queued> = ahead
                 .iter()
-                .zip(&ahead_u)
-                .map(|(w, u)| Queued::gang(w.tasks, Some(ms(draw(w.gpus, 0.0, u[k])))))
+                .zip(ahead_u)
+                .map(|(w, u)| Queued::gang(w.tasks, Some(ms(draw(w.gpus, w.limit, 0.0, u[k])))))
                 .collect();
-            estimate_start(free, &releases, &ahead, me, now_ms, in_order, reserved).unwrap_or(u64::MAX)
+            estimate_start(free, &releases, &ahead, me, now_ms, in_order, reserved)
         })
         .collect();
-    starts.sort_unstable();
-    let mid = starts[DRAWS / 2];
-    (mid != u64::MAX).then_some(mid)
+    survival::median_start(&mut starts)
 }
 
 /// Seconds as whole milliseconds (the scheduler's clock).
@@ -609,37 +550,6 @@ mod tests {
         assert_eq!(est(None, Some(&reserved)), Some(1200));
     }
 
-    fn close(a: f64, b: f64) -> bool {
-        (a - b).abs() < 1e-9
-    }
-
-    #[test]
-    fn the_learned_distribution_counts_running_jobs_as_censored() {
-        // Ended only: the plain empirical distribution.
-        let s = Survival::learn(&[1.0, 2.0, 3.0, 4.0], &[]).unwrap();
-        assert!(close(s.at(0.5), 1.0) && close(s.at(2.0), 0.5) && close(s.at(4.0), 0.0));
-        assert!(
-            close(s.residual(0.0, 0.6), 2.0),
-            "the first duration where 60 % still run"
-        );
-        assert!(close(s.residual(2.5, 0.5), 0.5), "half of those past 2.5 s end at 3");
-        assert!(
-            close(s.residual(9.0, 0.5), s.tail_mean * 2f64.ln()),
-            "outlived them all"
-        );
-        // Two ended at 1 and 2 s while two have run 5 s: ended alone, the median would be
-        // 1.5 s; counting the two still running, half the jobs outlive 2 s.
-        let s = Survival::learn(&[1.0, 2.0], &[5.0, 5.0]).unwrap();
-        assert!(close(s.at(1.0), 0.75) && close(s.at(2.0), 0.5) && close(s.at(100.0), 0.5));
-        assert!(close(s.tail_mean, 13.0 / 2.0), "all time run over the jobs that ended");
-        assert!(close(s.residual(0.0, 0.8), 1.0));
-        // Below the last ended duration's survival: the tail from there on.
-        assert!(close(s.residual(0.0, 0.4), 2.0 + 6.5 * (0.5f64 / 0.4).ln()));
-        // A running job past every ended duration: memoryless tail.
-        assert!(close(s.residual(5.0, 0.25), 6.5 * 4f64.ln()));
-        assert!(Survival::learn(&[], &[5.0]).is_none(), "nothing ended: nothing learned");
-    }
-
     #[test]
     fn learned_estimates_draw_the_running_ends_and_the_queue_ahead() {
         let mut d = Durations::default();
@@ -647,15 +557,38 @@ mod tests {
             takes: vec![(0, g(8))],
             gpus: 8,
             elapsed,
+            limit: None,
         };
         // Nothing ended, but the room is free: now, with nothing to learn or draw.
         assert_eq!(
-            estimate_start_learned(&[g(8)], &[running(30.0)], &[], &me(&[g(8)]), 1000.0, false, None, &d, 1),
+            estimate_start_sampled(
+                &[g(8)],
+                &[running(30.0)],
+                &[],
+                &me(&[g(8)]),
+                1000.0,
+                false,
+                None,
+                &d,
+                false,
+                1
+            ),
             Some(1_000_000)
         );
         // Nothing ended and the room is held: no estimate.
         assert_eq!(
-            estimate_start_learned(&[g(0)], &[running(30.0)], &[], &me(&[g(8)]), 1000.0, true, None, &d, 1),
+            estimate_start_sampled(
+                &[g(0)],
+                &[running(30.0)],
+                &[],
+                &me(&[g(8)]),
+                1000.0,
+                true,
+                None,
+                &d,
+                false,
+                1
+            ),
             None
         );
         // Every 8-GPU job ended at 100 s: the one that has run 30 s frees the node in 70 s,
@@ -665,7 +598,7 @@ mod tests {
         }
         // The node held by a job that has run `elapsed` s, behind `ahead`.
         let held = |elapsed: f64, ahead: &[Waiting], seed: u64| {
-            estimate_start_learned(
+            estimate_start_sampled(
                 &[g(0)],
                 &[running(elapsed)],
                 ahead,
@@ -674,6 +607,7 @@ mod tests {
                 true,
                 None,
                 &d,
+                false,
                 seed,
             )
         };
@@ -682,6 +616,7 @@ mod tests {
             let ahead = [Waiting {
                 tasks: &[g(8)],
                 gpus: 8,
+                limit: None,
             }];
             assert_eq!(held(30.0, &ahead, seed), Some(1_170_000));
         }
@@ -692,6 +627,39 @@ mod tests {
         let a = late(7).unwrap();
         assert_eq!(late(7), Some(a), "deterministic in the seed");
         assert!((1_060_000..1_120_000).contains(&a), "{a}");
+    }
+
+    #[test]
+    fn calibrated_estimates_draw_shares_of_the_limits_and_never_pass_them() {
+        let mut d = Durations::default();
+        // Every 8-GPU job ran a quarter of its 400 s limit: the one that has run 30 s of its
+        // 400 frees the node 70 s from now, and a waiting one declaring 400 s holds it 100 s.
+        let running = |elapsed: f64, limit: f64| Running {
+            takes: vec![(0, g(8))],
+            gpus: 8,
+            elapsed,
+            limit: Some(limit),
+        };
+        let held = |d: &Durations, r: Running, ahead: &[Waiting], seed: u64| {
+            estimate_start_sampled(&[g(0)], &[r], ahead, &me(&[g(8)]), 1000.0, true, None, d, true, seed)
+        };
+        assert_eq!(held(&d, running(30.0, 400.0), &[], 1), None, "too few ended: no draws");
+        for _ in 0..reservation::MIN_CALIBRATION {
+            d.record(8, 100.0, Some(400.0));
+        }
+        let ahead = [Waiting {
+            tasks: &[g(8)],
+            gpus: 8,
+            limit: Some(400.0),
+        }];
+        for seed in 0..5 {
+            assert_eq!(held(&d, running(30.0, 400.0), &[], seed), Some(1_070_000));
+            assert_eq!(held(&d, running(30.0, 400.0), &ahead, seed), Some(1_170_000));
+            // Past every ended share (a quarter), but it ends by its limit: 300 s of 400 run,
+            // whatever the draw, it frees the node within the 100 s left.
+            let e = held(&d, running(300.0, 400.0), &[], seed).unwrap();
+            assert!((1_000_000..=1_100_000).contains(&e), "{e}");
+        }
     }
 
     #[test]

@@ -1,13 +1,14 @@
 //! OpenPAI job protocol v2 specifics that `parse.rs` calls for `protocolVersion: 2` files:
 //! the prerequisites table and its references (`dockerImage`, `data`, `script`, `output`),
-//! placeholder rendering (`<% $parameters.x %>`, `$secrets`, `$data`, `$script`, `$output`),
+//! placeholder rendering (`<% $parameters.x %>`, `$secrets`, `$data`, `$script`, `$output`)
+//! within one byte budget per job spec ([`MAX_RENDERED_BYTES`], [`RenderBudget`]),
 //! the one-script command semantics, OpenPAI's name rules, and the list of fields gpuam
 //! accepts but does not honour (each becomes a located [`SpecWarning`]).
 //!
 //! The rules follow OpenPAI's rest-server (protocol schema, submit middleware, k8s job
 //! model); docs/OPENPAI.md lists them with their sources. Nothing here does I/O.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use super::yaml::{clip, join, Diags, Node, Pos, Value};
@@ -171,9 +172,42 @@ fn read_image_fields(d: &mut Diags, item: &Node, p: &str, w: &Warnings) {
             "write `uri: IMAGE`",
         ),
         Some(u) => {
-            d.text(u, &join(p, "uri"));
+            let up = join(p, "uri");
+            if let Some(uri) = d.text(u, &up) {
+                if let Err((what, fix)) = check_image_uri(&uri) {
+                    d.at(u.pos, &up, what, fix);
+                }
+            }
         }
     }
+}
+
+/// An image reference as the node will pass it to podman: not empty, no leading `-`
+/// (podman would read it as an option) and no whitespace or control character (the node
+/// refuses such a name too; refusing it here tells the user at submit, with its line).
+pub fn check_image_uri(uri: &str) -> Result<(), (String, String)> {
+    if uri.is_empty() {
+        return Err((
+            "the image `uri` is empty".into(),
+            "name the image, e.g. `uri: example/pytorch:latest`".into(),
+        ));
+    }
+    if uri.starts_with('-') {
+        return Err((
+            format!("the image `uri` \"{}\" starts with `-`", clip(uri)),
+            "write an image reference such as `example/pytorch:latest` (a leading `-` would be read as an option)"
+                .into(),
+        ));
+    }
+    if let Some(c) = uri.chars().find(|c| c.is_whitespace() || c.is_control()) {
+        return Err((
+            format!("the image `uri` \"{}\" contains {:?}", clip(uri), c),
+            "write the image reference without spaces, tabs, newlines or control characters, e.g. \
+             `uri: example/pytorch:latest`"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// A `script`, `data` or `output` prerequisite: `uri` optional (a list for `data`, else
@@ -336,24 +370,112 @@ pub fn check_pai_name(d: &mut Diags, pos: Pos, path: &str, name: &str, what: &st
     false
 }
 
-/// The values a role's placeholders can refer to.
+/// The most bytes that the rendered commands of ONE job spec may take, all roles' `commands`
+/// and deployments' `preCommands`/`postCommands` together, literal text and placeholder
+/// values alike. A spec is at most 1 MiB ([`super::limits::MAX_SPEC_BYTES`]), so its own
+/// command text fits several times over; what this stops is a long parameter referenced
+/// thousands of times (a 332 KB spec expanded to gigabytes on the RM, security finding of
+/// the placeholder audit). Checked before every append, so the budget is never allocated
+/// past: an over-budget spec is refused with one diagnostic, not expanded.
+pub const MAX_RENDERED_BYTES: usize = 4 * 1024 * 1024;
+
+/// What is left of [`MAX_RENDERED_BYTES`] for one job spec: shared by every [`render`]
+/// call of the spec (each role's [`RenderCtx`] borrows the same one). Once spent, the
+/// first overflow is reported and every later render returns `None` without a word.
+#[derive(Debug)]
+pub struct RenderBudget {
+    max: usize,
+    used: Cell<usize>,
+    spent: Cell<bool>,
+}
+
+impl Default for RenderBudget {
+    fn default() -> Self {
+        Self::new(MAX_RENDERED_BYTES)
+    }
+}
+
+impl RenderBudget {
+    pub fn new(max: usize) -> Self {
+        RenderBudget {
+            max,
+            used: Cell::new(0),
+            spent: Cell::new(false),
+        }
+    }
+
+    /// Bytes rendered so far.
+    pub fn used(&self) -> usize {
+        self.used.get()
+    }
+
+    /// True once a render went over the budget (the spec is refused).
+    pub fn is_spent(&self) -> bool {
+        self.spent.get()
+    }
+
+    /// Takes `n` more bytes; over the budget reports the overflow once, at `node`'s line
+    /// under `path`, and returns false.
+    fn take(&self, d: &mut Diags, node: &Node, path: &str, n: usize) -> bool {
+        if self.spent.get() {
+            return false;
+        }
+        match self.used.get().checked_add(n) {
+            Some(total) if total <= self.max => {
+                self.used.set(total);
+                true
+            }
+            total => {
+                self.spent.set(true);
+                let total = total.map_or_else(|| "more than that".to_string(), |t| format!("at least {t} bytes"));
+                d.at(
+                    node.pos,
+                    path,
+                    format!(
+                        "with their placeholders filled in, the job's commands would pass {} bytes (reached here: {total}); \
+                         the limit counts every role's commands and deployments' pre/post commands together",
+                        self.max
+                    ),
+                    "reference large values fewer times, or pass them as a file: put the value in a `data`/`script` \
+                     prerequisite's `uri` or a file the command reads, not in `parameters`",
+                );
+                false
+            }
+        }
+    }
+}
+
+/// The values a role's placeholders can refer to, and the spec's render budget.
 pub struct RenderCtx<'a> {
     pub parameters: Option<&'a Node>,
     pub secrets: Option<&'a Node>,
     pub data: Option<&'a Node>,
     pub script: Option<&'a Node>,
     pub output: Option<&'a Node>,
+    /// Shared by every render of the job spec (see [`MAX_RENDERED_BYTES`]).
+    pub budget: &'a RenderBudget,
 }
 
 /// Renders OpenPAI's `<% ... %>` placeholders in one command. `$parameters`, `$secrets`,
 /// `$data`, `$script` and `$output` are looked up with dots (`$data.uri[0]` =
 /// `$data.uri.0`); a name that is not defined renders as empty text, as on OpenPAI, with a
 /// warning. Mustache comments (`<%! %>`) vanish; other mustache tags are not supported.
+///
+/// The output (literal text and values) is taken from `ctx.budget` before it is appended;
+/// over the budget the command is refused (one diagnostic for the whole spec) and `None`
+/// is returned, as it is for every render after that.
 pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, ctx: &RenderCtx<'_>) -> Option<String> {
-    let mut out = String::with_capacity(text.len());
+    if ctx.budget.is_spent() {
+        return None;
+    }
+    let budget = ctx.budget;
+    let mut out = String::with_capacity(text.len().min(budget.max.saturating_sub(budget.used())));
     let mut rest = text;
     let mut ok = true;
     while let Some(open) = rest.find("<%") {
+        if !budget.take(d, node, path, open) {
+            return None;
+        }
         out.push_str(&rest[..open]);
         let after = &rest[open + 2..];
         let Some(close) = after.find("%>") else {
@@ -401,8 +523,8 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
                 _ => c.get(seg),
             });
         }
-        match cur.map(|v| &v.value) {
-            None | Some(Value::Null) => {
+        match cur.map(|v| (v, &v.value)) {
+            None | Some((_, Value::Null)) => {
                 w.add(
                     node.pos,
                     path,
@@ -412,12 +534,23 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
                     ),
                 );
             }
-            Some(Value::Str(s)) => out.push_str(s),
-            Some(Value::Seq(items)) if items.iter().all(|i| !matches!(i.value, Value::Map(_) | Value::Seq(_))) => {
-                let parts: Vec<String> = items.iter().map(scalar_text).collect();
-                out.push_str(&parts.join(","));
+            Some((_, Value::Seq(items))) if items.iter().all(|i| !matches!(i.value, Value::Map(_) | Value::Seq(_))) => {
+                // The list's values joined by commas, measured before it is built.
+                let len = items
+                    .iter()
+                    .map(|i| scalar_str(i).len())
+                    .fold(items.len().saturating_sub(1), usize::saturating_add);
+                if !budget.take(d, node, path, len) {
+                    return None;
+                }
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(scalar_str(item));
+                }
             }
-            Some(Value::Map(_) | Value::Seq(_)) => {
+            Some((_, Value::Map(_) | Value::Seq(_))) => {
                 d.at(
                     node.pos,
                     path,
@@ -426,11 +559,30 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
                 );
                 ok = false;
             }
-            Some(_) => out.push_str(&cur.map(scalar_text).unwrap_or_default()),
+            Some((v, _)) => {
+                let s = scalar_str(v);
+                if !budget.take(d, node, path, s.len()) {
+                    return None;
+                }
+                out.push_str(s);
+            }
         }
+    }
+    if !budget.take(d, node, path, rest.len()) {
+        return None;
     }
     out.push_str(rest);
     ok.then_some(out)
+}
+
+/// A scalar's text as a placeholder renders it: a string's value, nothing for null, else
+/// the number or boolean as written.
+fn scalar_str(n: &Node) -> &str {
+    match &n.value {
+        Value::Str(s) => s,
+        Value::Null => "",
+        _ => &n.raw,
+    }
 }
 
 fn scalar_text(n: &Node) -> String {
@@ -569,3 +721,7 @@ pub fn read_container_options(d: &mut Diags, role: &Node, path: &str, w: &Warnin
     }
     Some(shm)
 }
+
+#[cfg(test)]
+#[path = "openpai_budget_tests.rs"]
+mod budget_tests;

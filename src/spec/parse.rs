@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use super::openpai::{self, Prereqs, RenderCtx, Warnings};
+use super::openpai::{self, Prereqs, RenderBudget, RenderCtx, Warnings};
 use super::validate::{self, limits, GpuQuantity};
 use super::yaml::{self, clip, join, Diags, Node, Pos, Value};
 use super::{Completion, JobSpec, PaiJob, PortRequest, SpecErrors, SpecFormat, TaskResources, TaskRole};
@@ -133,7 +133,8 @@ const COMPLETION_HINTS: &[(&str, &str)] = &[
 /// role and ≤ 100 000 tasks in all; per task `cpu` 1..=4096, `memoryMB` 1..=16 777 216,
 /// `gpu` 0..=64; ≤ 256 port labels and ≤ 1000 ports per task; ≤ 1000 commands per role;
 /// `taskRetryCount` -2..=10 000; `gangTimeoutSec` 1..=2 592 000; YAML nesting ≤ 64 levels
-/// and alias expansion ≤ 10 000 nodes.
+/// and alias expansion ≤ 10 000 nodes and 4 MiB of text; v2 commands with their placeholders
+/// rendered ≤ 4 MiB for the whole spec ([`openpai::MAX_RENDERED_BYTES`]).
 pub fn parse_job_spec(text: &str, source: &str) -> Result<JobSpec, SpecErrors> {
     let mut d = Diags::new(source);
     if text.len() > limits::MAX_SPEC_BYTES {
@@ -234,6 +235,8 @@ struct V2<'a> {
     /// The job's `maxRunSec` (either format): a role without its own takes it.
     job_max_run_sec: Option<u64>,
     warnings: Warnings,
+    /// What the spec's rendered commands may still take (all roles together).
+    render_budget: RenderBudget,
 }
 
 fn read_job(d: &mut Diags, root: &Node) -> Option<JobSpec> {
@@ -1074,6 +1077,7 @@ fn read_commands(d: &mut Diags, node: &Node, role: &str, path: &str, v2: &V2<'_>
         data: prereq("data"),
         script: prereq("script"),
         output: prereq("output"),
+        budget: &v2.render_budget,
     };
     let v2 = (v2, &ctx);
     // Deployment pre/post commands (v2) wrap the role's own.

@@ -4,7 +4,8 @@
 //!
 //! It is built from saphyr-parser's event stream rather than from saphyr's `MarkedYaml`
 //! because gpuam needs what the stock loader does not give: every duplicate key reported
-//! (not only the first, and not as a fatal error), a small alias-expansion budget, a depth
+//! (not only the first, and not as a fatal error), a small alias-expansion budget (nodes
+//! and bytes of text, counted before anything is copied), a depth
 //! limit that keeps recursive code on the result from overflowing the stack, and the raw
 //! source text of every scalar (so `name: 2024` or `gpuMask: 0xff` keep their spelling).
 //! Events are pulled in a loop; the parser's own recursive `load` is never used, so deeply
@@ -28,6 +29,10 @@ use super::SpecError;
 pub const MAX_DEPTH: usize = 64;
 /// The most nodes that alias expansions (`*name`) may copy in one document.
 pub const MAX_ALIAS_NODES: usize = 10_000;
+/// The most bytes of text (scalars as written and as read, mapping keys) that alias
+/// expansions may copy in one document: without it, 10 000 aliases of one long anchored
+/// string in a 1 MiB spec would copy gigabytes (node count alone does not bound it).
+pub const MAX_ALIAS_BYTES: usize = 4 * 1024 * 1024;
 
 /// The catch-all message of a parser panic (a bug in the parser): tests assert it never
 /// appears.
@@ -137,15 +142,28 @@ impl Node {
         }
     }
 
-    /// Counts the nodes of this subtree, stopping once `budget` is spent.
-    fn count_within(&self, budget: &mut usize) -> bool {
-        if *budget == 0 {
+    /// Counts the nodes and the bytes of text of this subtree, stopping once either
+    /// budget is spent.
+    fn count_within(&self, nodes: &mut usize, bytes: &mut usize) -> bool {
+        let text = self.raw.len()
+            + match &self.value {
+                Value::Str(s) => s.len(),
+                _ => 0,
+            };
+        if *nodes == 0 || *bytes < text {
             return false;
         }
-        *budget -= 1;
+        *nodes -= 1;
+        *bytes -= text;
         match &self.value {
-            Value::Seq(items) => items.iter().all(|n| n.count_within(budget)),
-            Value::Map(entries) => entries.iter().all(|(_, n)| n.count_within(budget)),
+            Value::Seq(items) => items.iter().all(|n| n.count_within(nodes, bytes)),
+            Value::Map(entries) => entries.iter().all(|(k, n)| {
+                if *bytes < k.text.len() {
+                    return false;
+                }
+                *bytes -= k.text.len();
+                n.count_within(nodes, bytes)
+            }),
             _ => true,
         }
     }
@@ -210,6 +228,8 @@ struct Builder {
     docs: Vec<Node>,
     anchors: Vec<(usize, Node)>,
     alias_budget: usize,
+    /// Bytes of text alias expansions may still copy ([`MAX_ALIAS_BYTES`]).
+    alias_bytes: usize,
     /// Events nested beyond MAX_DEPTH are skipped; this counts the open skipped collections.
     skipping: usize,
     issues: Vec<YamlIssue>,
@@ -326,23 +346,23 @@ impl Builder {
                 self.push_node(node, anchor);
             }
             Event::Alias(id) => {
-                let target = self
-                    .anchors
-                    .iter()
-                    .rev()
-                    .find(|(a, _)| *a == id)
-                    .map(|(_, n)| n.clone());
+                // Measured before it is copied.
+                let target = self.anchors.iter().rev().find(|(a, _)| *a == id).map(|(_, n)| n);
                 let node = match target {
-                    Some(n) if n.count_within(&mut self.alias_budget) => n,
+                    Some(n) if n.count_within(&mut self.alias_budget, &mut self.alias_bytes) => n.clone(),
                     Some(_) => {
                         let path = self.child_path();
                         self.issue(
                             pos,
                             &path,
-                            format!("aliases (`*name`) expand to more than {MAX_ALIAS_NODES} nodes"),
+                            format!(
+                                "aliases (`*name`) expand to more than {MAX_ALIAS_NODES} nodes or {MAX_ALIAS_BYTES} bytes \
+                                 of text"
+                            ),
                             "write the repeated parts out instead of using anchors and aliases",
                         );
                         self.alias_budget = 0;
+                        self.alias_bytes = 0;
                         Node::new(pos, Value::Null)
                     }
                     None => Node::new(pos, Value::Null),
@@ -512,6 +532,7 @@ pub fn parse(text: &str) -> Document {
         docs: Vec::new(),
         anchors: Vec::new(),
         alias_budget: MAX_ALIAS_NODES,
+        alias_bytes: MAX_ALIAS_BYTES,
         skipping: 0,
         issues: Vec::new(),
         fatal: false,

@@ -1,4 +1,5 @@
-//! Who may read the AM dashboard's API (issue 23): the holder of the job token, or of a
+//! Who may read the AM dashboard's API (issue 23): the holder of the job token, of a page
+//! ticket of this job ([`page_ticket`]: what an open page holds, short-lived), or of a
 //! token the RM accepts for this job (its owner's user token, the admin token), as the RM
 //! itself decides for its application routes. The page, its assets, the health probes and
 //! `/metrics` (aggregate counts, for scrapers) stay open.
@@ -119,6 +120,25 @@ pub async fn events_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap
     axum::Json(serde_json::json!({ "ticket": t, "expires": expires })).into_response()
 }
 
+/// `GET /api/v1/page-ticket` (behind [`readers_only`]): a page ticket of this job
+/// ([`crate::auth::page_ticket`]), good for [`crate::auth::PAGE_TICKET_FOR`]. The page
+/// trades the credential it was opened with for one at once, forgets that credential, and
+/// renews the ticket here: a page left open on an address another process takes once the
+/// AM has gone hands it at most a ticket to this one job that soon expires.
+pub async fn page_ticket(State(hub): State<Arc<StatusHub>>) -> Response {
+    if hub.job_token.is_empty() {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "no_ticket",
+            "this dashboard has no job token, so no page ticket",
+        )
+        .into_response();
+    }
+    let expires = unix_now() + crate::auth::PAGE_TICKET_FOR.as_secs();
+    let t = crate::auth::page_ticket(&hub.job_token, expires);
+    axum::Json(serde_json::json!({ "ticket": t, "expires": expires })).into_response()
+}
+
 /// What the dashboard makes of a presented token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Access {
@@ -131,12 +151,19 @@ pub enum Access {
     Unanswered,
 }
 
-/// Whether `token` may read (and act on) this job: the job token, or one the RM accepts.
+/// Whether `token` may read (and act on) this job: the job token, a page ticket of this job
+/// ([`crate::auth::page_ticket`]), or one the RM accepts.
 pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> Access {
     let Some(token) = token.filter(|t| !t.is_empty()) else {
         return Access::Refused;
     };
     if !hub.job_token.is_empty() && crate::auth::constant_time_eq(token.as_bytes(), hub.job_token.as_bytes()) {
+        return Access::Granted;
+    }
+    if crate::auth::page_ticket_valid(&hub.job_token, token, unix_now()) {
+        // Remembered as accepted, so its events tickets open the stream while it is good.
+        hub.accepted
+            .remember(crate::auth::sha256_hex(token), Instant::now());
         return Access::Granted;
     }
     let Some(check) = hub.token_check() else {

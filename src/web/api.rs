@@ -341,8 +341,12 @@ pub(crate) async fn selections(State(hub): Hub, Query(q): Params) -> Response {
 
 pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
     let presented = crate::auth::bearer(&headers);
+    // The job token, or a page ticket of this job (made with it: what an open page holds).
     let ok = match presented {
-        Some(t) => !hub.job_token.is_empty() && crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()),
+        Some(t) => {
+            (!hub.job_token.is_empty() && crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()))
+                || crate::auth::page_ticket_valid(&hub.job_token, t, crate::protocol::now_ms() / 1000)
+        }
         None => false,
     };
     // Not the job token: the owner's or the admin's user token, which the RM judges; asked

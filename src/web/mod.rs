@@ -104,6 +104,7 @@ pub fn router(hub: Arc<StatusHub>) -> Router {
         .route("/api/v1/snapshot", get(api::snapshot))
         .route("/api/v1/events", get(sse::events))
         .route("/api/v1/events-ticket", get(access::events_ticket))
+        .route("/api/v1/page-ticket", get(access::page_ticket))
         .route_layer(axum::middleware::from_fn_with_state(hub.clone(), access::readers_only));
     Router::new()
         .route("/", get(assets::index))

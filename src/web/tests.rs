@@ -331,6 +331,74 @@ async fn an_events_ticket_expires_and_dies_with_its_credential() {
     );
 }
 
+/// A page ticket (what an open page holds instead of a token: eleventh audit pass): the
+/// page trades its token for one, and the ticket opens this job's API, its kill and its
+/// event stream until it expires; another job's, an expired or a forged one opens nothing,
+/// and the RM is never asked about one.
+#[tokio::test]
+async fn a_page_ticket_opens_this_jobs_dashboard_until_it_expires() {
+    use crate::auth::{page_ticket, PAGE_TICKET_FOR};
+    let hub = demo_hub(2, 1);
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let a = asked.clone();
+    hub.set_token_check(Arc::new(move |t: String| {
+        a.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move { Some(t == "owner-token") })
+    }));
+    let app = router(hub.clone());
+    // No credential, no ticket.
+    assert_eq!(
+        get_as(&app, "/api/v1/page-ticket", None).await,
+        StatusCode::UNAUTHORIZED
+    );
+    let req = Request::get("/api/v1/page-ticket").header("authorization", "Bearer owner-token");
+    let (s, _, body) = call(&app, req.body(Body::empty()).unwrap()).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let t = v["ticket"].as_str().unwrap().to_string();
+    let asked_before = asked.load(std::sync::atomic::Ordering::SeqCst);
+    let bearer = format!("Bearer {t}");
+    assert_eq!(get_as(&app, "/api/v1/job", Some(&bearer)).await, StatusCode::OK);
+    assert_eq!(
+        get_as(&app, "/api/v1/page-ticket", Some(&bearer)).await,
+        StatusCode::OK,
+        "renewed with itself"
+    );
+    // Its events ticket opens the stream.
+    let req = Request::get("/api/v1/events-ticket").header("authorization", bearer.as_str());
+    let (s, _, body) = call(&app, req.body(Body::empty()).unwrap()).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let events = v["ticket"].as_str().unwrap().to_string();
+    assert_eq!(
+        stream_status(&app, &format!("/api/v1/events?token={events}")).await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        asked.load(std::sync::atomic::Ordering::SeqCst),
+        asked_before,
+        "a ticket is checked here, not at the RM"
+    );
+    let now = crate::protocol::now_ms() / 1000;
+    for (what, bad) in [
+        ("expired", page_ticket(DEMO_TOKEN, now)),
+        ("another job's", page_ticket("another-job-token", now + 60)),
+        ("from too far ahead", page_ticket(DEMO_TOKEN, now + PAGE_TICKET_FOR.as_secs() * 10)),
+    ] {
+        let bearer = format!("Bearer {bad}");
+        assert_eq!(
+            get_as(&app, "/api/v1/job", Some(&bearer)).await,
+            StatusCode::UNAUTHORIZED,
+            "{what}"
+        );
+        let (s, _, _) = call(&app, kill_req(Some(&bearer))).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{what}: no kill");
+    }
+    // The page's own ticket kills its job (the page's kill button).
+    let (s, _, body) = call(&app, kill_req(Some(&format!("Bearer {t}")))).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{body}");
+}
+
 /// A flood of token checks the RM is slow to answer holds every turn: an owner's first
 /// check waits a bounded time for one and is told to try again (503 with `Retry-After`),
 /// not queued behind them for good; once the flood clears, the owner is let in.

@@ -40,6 +40,7 @@ pub mod queues;
 pub mod reservation;
 pub mod reserved;
 pub mod share;
+pub mod survival;
 mod victims;
 pub mod walk;
 

@@ -13,7 +13,9 @@
 //!   (backfill); else it waits ([`super::WaitReason::Reserved`]).
 //! - [`estimates`]: when each waiting application is expected to start, with the basis of
 //!   the estimate (declared limits, learned run times, the jobs ahead, or why it is
-//!   unknown) — one [`walk`] of the queue over the same state, honouring the reservation.
+//!   unknown) — one [`walk`] of the queue over the same state, honouring the reservation;
+//!   where ends are calibrated, the median start of [`DRAWS`] walks over drawn ends
+//!   ([`Expectations`], [`survival`]).
 //!
 //! A held container's end is what the snapshot's [`Snapshot::ends`] says: its declared
 //! limit (calibrated by what its user's ended runs used of theirs, when enough ended),
@@ -27,6 +29,7 @@ pub use crate::protocol::{StartBasis as Basis, StartEstimate};
 use std::collections::HashMap;
 
 use super::reservation::{self, Policy, Release, Reservation, Room};
+use super::survival::{self, DRAWS};
 use super::walk::{self, Discipline, Nodes, Queued, Reserved};
 use super::{eligible, rank, rank_cmp, AppDemand, Shares, Snapshot};
 use crate::protocol::WaitingTasks;
@@ -254,6 +257,37 @@ pub struct Run {
     pub basis: EndBasis,
 }
 
+/// What an estimate knows of how long work holds its room: each waiting application's
+/// expected run ([`Run`], by its index in [`Snapshot::apps`]), and, for the held containers
+/// and waiting applications whose ends are calibrated ([`EndBasis::Calibrated`]), their end
+/// or run in each of [`DRAWS`] draws ([`survival::share_left`] of their declared limit,
+/// drawn from what their users' ended runs used of theirs). With draws, an estimate is the
+/// median start over as many walks ([`estimates`]): a start is the first few of many ends,
+/// and a walk over each end's point guess is early or late by their spread.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Expectations {
+    pub runs: Vec<Run>,
+    /// Held container (index in [`Snapshot::held`]) → its end (ms) in each draw.
+    pub drawn_ends: HashMap<usize, [u64; DRAWS]>,
+    /// Waiting application (index in [`Snapshot::apps`]) → its run (ms) in each draw.
+    pub drawn_runs: HashMap<usize, [u64; DRAWS]>,
+}
+
+impl From<Vec<Run>> for Expectations {
+    fn from(runs: Vec<Run>) -> Self {
+        Expectations {
+            runs,
+            ..Expectations::default()
+        }
+    }
+}
+
+impl Expectations {
+    fn drawn(&self) -> bool {
+        !self.drawn_ends.is_empty() || !self.drawn_runs.is_empty()
+    }
+}
+
 /// The expected run of `app`'s waiting tasks: the longest of its roles', each its declared
 /// `maxRunSec`, else `learned(role)` (ms: the median run of the job's completed tasks of the
 /// role); unknown when some role has neither.
@@ -324,7 +358,7 @@ fn words(b: &Basis, ahead: &Basis, known: bool, cut: bool) -> String {
     }
     if b.calibrated > 0 {
         parts.push(format!(
-            "declared limits, scaled by what their users' ended runs used of theirs, of {}",
+            "declared limits, scaled by what their users' ended runs used of theirs (the median start of {DRAWS} draws), of {}",
             n(b.calibrated)
         ));
     }
@@ -495,10 +529,11 @@ pub fn estimates(
     snap: &Snapshot,
     shares: &Shares,
     holder: Option<&Holder>,
-    runs: &[Run],
+    expect: &Expectations,
     now_ms: u64,
     watch: Option<usize>,
 ) -> Vec<Option<StartEstimate>> {
+    let runs = &expect.runs;
     let mut order: Vec<usize> = (0..snap.apps.len())
         .filter(|&a| snap.apps[a].waiting.iter().any(|w| w.count > 0))
         .collect();
@@ -554,7 +589,44 @@ pub fn estimates(
         max_steps: MAX_STEPS,
         max_work: MAX_WORK,
     };
-    let walked = walk::starts(&free, &releases, &queue, now_ms, d);
+    let walked = walk::starts(&free, &releases, &queue, now_ms, d.clone());
+    // With drawn ends, each job's first and last start in every draw's walk; the estimate
+    // is their median (the point walk above still says who waits behind the reservation
+    // and whether the walk was cut).
+    let drawn = expect.drawn().then(|| {
+        let mut firsts: Vec<Vec<Option<u64>>> = vec![Vec::with_capacity(DRAWS); queued.len()];
+        let mut lasts: Vec<Vec<Option<u64>>> = vec![Vec::with_capacity(DRAWS); queued.len()];
+        for k in 0..DRAWS {
+            let releases_k: Vec<Release> = releases
+                .iter()
+                .enumerate()
+                .map(|(h, r)| match expect.drawn_ends.get(&h) {
+                    Some(ends) => Release {
+                        end_ms: Some(ends[k]),
+                        ..*r
+                    },
+                    None => *r,
+                })
+                .collect();
+            let queue_k: Vec<Queued> = queue
+                .iter()
+                .zip(&queued)
+                .map(|(q, (a, ..))| match expect.drawn_runs.get(a) {
+                    Some(runs) => Queued {
+                        duration_ms: Some(runs[k]),
+                        ..*q
+                    },
+                    None => *q,
+                })
+                .collect();
+            let w = walk::starts(&free, &releases_k, &queue_k, now_ms, d.clone());
+            for (j, (_, tasks, ..)) in queued.iter().enumerate() {
+                firsts[j].push(w.start_ms[j]);
+                lasts[j].push(w.last_ms(j, tasks.len()));
+            }
+        }
+        (firsts, lasts)
+    });
     // Each application's jobs ahead, by basis, counted where their nodes overlap its own.
     let mut seen: Vec<Basis> = vec![Basis::default(); patterns.all.len()];
     let mut out: Vec<Option<StartEstimate>> = vec![None; snap.apps.len()];
@@ -575,8 +647,15 @@ pub fn estimates(
         let waiting: u64 = snap.apps[*a].waiting.iter().map(|w| u64::from(w.count)).sum();
         let beyond = waiting > tasks.len() as u64;
         let gang = snap.apps[*a].gang;
-        let start_ms = walked.start_ms[k].filter(|_| !(gang && beyond));
-        let last = walked.last_ms(k, tasks.len()).filter(|_| !beyond);
+        let (start_ms, last) = match drawn.as_ref() {
+            Some((firsts, lasts)) => (
+                survival::median_start(&mut firsts[k].clone()),
+                survival::median_start(&mut lasts[k].clone()),
+            ),
+            None => (walked.start_ms[k], walked.last_ms(k, tasks.len())),
+        };
+        let start_ms = start_ms.filter(|_| !(gang && beyond));
+        let last = last.filter(|_| !beyond);
         let all_start_ms = last.filter(|&l| start_ms.is_some_and(|s| l > s));
         let cut = walked.cut && start_ms.is_none();
         let mut text = if gang && beyond {
@@ -743,7 +822,35 @@ mod tests {
                 run_of(&app, |_| None)
             })
             .collect();
-        estimates(s, shares, h, &runs, 0, None)
+        estimates(s, shares, h, &runs.into(), 0, None)
+    }
+
+    /// With drawn ends (calibrated limits), an estimate is the median start over the draws'
+    /// walks, not the start of the point ends' walk; a draw's run of a job ahead counts too.
+    #[test]
+    fn drawn_ends_give_the_median_start_of_their_walks() {
+        // One 8-GPU node held by app 0 until 100 s (its point end); apps 1 and 2 each wait
+        // for the whole node, 1 first.
+        let mut c = Cluster::new(QueueTree::default(), &[8]);
+        c.app("default", 0, false, vec![]);
+        c.app("default", 0, false, vec![waiting(1, 8)]);
+        c.app("default", 0, false, vec![waiting(1, 8)]);
+        hold_until(&mut c, 0, 8, &[(0, 100_000)]);
+        let shares = Shares::compute(&c.t, &c.s);
+        let point = estimates(&c.s, &shares, None, &vec![Run::default(); 3].into(), 0, None);
+        assert_eq!(point[1].as_ref().unwrap().start_ms, Some(100_000));
+        assert_eq!(point[2].as_ref().unwrap().start_ms, None, "app 1's run is unknown");
+        // Drawn: the node frees at (k + 1) × 10 s in draw k, and app 1 then runs 5 s.
+        let mut e = Expectations::from(vec![Run::default(); 3]);
+        e.drawn_ends.insert(0, std::array::from_fn(|k| (k as u64 + 1) * 10_000));
+        e.drawn_runs.insert(1, [5_000; DRAWS]);
+        let est = estimates(&c.s, &shares, None, &e, 0, None);
+        assert_eq!(est[1].as_ref().unwrap().start_ms, Some(80_000), "the 8th of 15: {:?}", est[1]);
+        assert_eq!(est[2].as_ref().unwrap().start_ms, Some(85_000), "{:?}", est[2]);
+        // Without app 1's drawn run, app 2 never starts in any walk: no start is told.
+        e.drawn_runs.clear();
+        let est = estimates(&c.s, &shares, None, &e, 0, None);
+        assert_eq!(est[2].as_ref().unwrap().start_ms, None);
     }
 
     /// A job that is no gang starts when its first waiting task does, and says when its last
@@ -768,7 +875,7 @@ mod tests {
             );
             // Watched alone, the walk goes on until its last task has started.
             let runs = vec![Run::default(); c.s.apps.len()];
-            let watched = estimates(&c.s, &shares, None, &runs, 0, Some(1));
+            let watched = estimates(&c.s, &shares, None, &runs.into(), 0, Some(1));
             assert_eq!(
                 watched[1].as_ref().map(|e| (e.start_ms, e.all_start_ms)),
                 Some((Some(start), last))
@@ -929,7 +1036,7 @@ mod tests {
         assert_eq!(t.basis.declared, 1, "one running container on node 0");
         // Only the watched application is estimated.
         let runs = vec![Run::default(); 4];
-        let one = estimates(&c.s, &shares, None, &runs, 0, Some(first));
+        let one = estimates(&c.s, &shares, None, &runs.into(), 0, Some(first));
         assert!(one[first].is_some() && one[third].is_none());
     }
 

@@ -1,9 +1,12 @@
 //! Application endpoints: new-application, submit, list, report, attempts and kill. What
 //! they change in the state is a transaction of `transactions`; the job file and the AM
-//! launch are done here.
+//! launch are done here, and so is the submit's spec check: off the async workers, at most
+//! [`SPEC_CHECKS`] at a time, 429 when none is free within [`SPEC_CHECK_WAIT`].
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -17,6 +20,80 @@ use super::http::{app_ref, authenticate, bearer, check_app_id, unknown_to, with_
 use super::{transactions, Rm, Shared};
 use crate::protocol::{AppState, AppStateUpdate, NewApplication, SubmitApplication};
 use crate::rm::apps::{AmLaunch, App};
+use crate::spec::JobSpec;
+
+/// How many submitted job specs the RM parses and validates at once. A spec is at most
+/// 1 MiB and renders to at most `spec::openpai::MAX_RENDERED_BYTES`, but each check is
+/// CPU and memory: unbounded, a few users submitting in loops starved the async workers
+/// (node heartbeats failed, a host was marked LOST) and grew the RM by gigabytes.
+const SPEC_CHECKS: usize = 2;
+/// How long a submit waits for a free spec check before it is told to retry (429).
+const SPEC_CHECK_WAIT: Duration = Duration::from_secs(2);
+/// The `Retry-After` of that 429, seconds.
+const SPEC_CHECK_RETRY_AFTER: u64 = 1;
+
+/// The RM's spec-check permits (one per process: every RM in it shares them; the shared
+/// RM state is not this file's, and one RM runs per process outside tests).
+fn spec_checks() -> Arc<tokio::sync::Semaphore> {
+    static CHECKS: OnceLock<Arc<tokio::sync::Semaphore>> = OnceLock::new();
+    CHECKS
+        .get_or_init(|| Arc::new(tokio::sync::Semaphore::new(SPEC_CHECKS)))
+        .clone()
+}
+
+/// Parses and validates a submitted job spec on a blocking thread, holding one of
+/// `checks`' permits for as long as it runs (the permit goes with the thread, so a caller
+/// that hangs up does not free it early). 429 with `Retry-After` when no permit is free
+/// within `wait`; 400 `INVALID_JOB_SPEC` with every diagnostic for a spec that is refused;
+/// 500 if the check itself failed (a panic in the parser), never a panic here. The text
+/// comes back with the spec (it is written as the job file).
+async fn check_spec(
+    checks: Arc<tokio::sync::Semaphore>,
+    wait: Duration,
+    text: String,
+    source: String,
+) -> Result<(JobSpec, String), ApiError> {
+    let permit = match tokio::time::timeout(wait, checks.clone().acquire_owned()).await {
+        Ok(Ok(p)) => p,
+        // Elapsed, or (never: the semaphore is not closed) closed.
+        Ok(Err(_)) | Err(_) => {
+            return Err(ApiError {
+                retry_after: Some(SPEC_CHECK_RETRY_AFTER),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "BUSY",
+                    format!(
+                        "the RM is checking as many job specs as it takes at once ({}); nothing was submitted: \
+                         submit again in a second",
+                        SPEC_CHECKS
+                    ),
+                )
+            });
+        }
+    };
+    let checked = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let spec = crate::spec::parse_job_spec(&text, &source);
+        (spec, text)
+    })
+    .await;
+    match checked {
+        Ok((Ok(spec), text)) => Ok((spec, text)),
+        Ok((Err(errs), _)) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "INVALID_JOB_SPEC",
+            errs.to_string(),
+        )),
+        Err(e) => {
+            tracing::error!(error = %e, "the job spec check failed");
+            Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "SPEC_CHECK_FAILED",
+                "the RM could not check the job spec (an internal error, logged on the RM); nothing was submitted",
+            ))
+        }
+    }
+}
 
 pub(super) async fn new_application(State(rm): Rm, caller: Caller) -> Result<Json<NewApplication>, ApiError> {
     let mut st = rm.lock();
@@ -131,8 +208,8 @@ pub(super) async fn submit_app(
     // Validate before claiming anything, so a rejected submit leaves nothing behind.
     transactions::check_submit(&mut rm.lock(), &rm.limits, &id, caller.name())?;
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
-    let spec = crate::spec::parse_job_spec(&req.job_spec, &source)
-        .map_err(|errs| ApiError::new(StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC", errs.to_string()))?;
+    // Off the async workers and bounded: the check of a spec costs CPU and memory.
+    let (spec, job_text) = check_spec(spec_checks(), SPEC_CHECK_WAIT, req.job_spec, source).await?;
     let queue = admit_to_queue(&rm, spec.queue.as_deref(), caller.name())?;
 
     // Claim the id (a concurrent submit of the same id loses here).
@@ -144,8 +221,7 @@ pub(super) async fn submit_app(
     let dir = rm.work_dir.join(&id);
     let job_path = dir.join("job.yaml");
     // 0600: an OpenPAI job spec may carry `secrets`.
-    let written =
-        super::private::dir(&dir, &[]).and_then(|()| super::private::write(&job_path, req.job_spec.as_bytes()));
+    let written = super::private::dir(&dir, &[]).and_then(|()| super::private::write(&job_path, job_text.as_bytes()));
     if let Err(e) = written {
         unclaim(&rm, &dir);
         return Err(ApiError::new(
@@ -271,4 +347,52 @@ pub(super) async fn put_app_state(
         }
     });
     Ok(Json(json!({ "state": AppState::Killed })))
+}
+
+#[cfg(test)]
+mod spec_check_tests {
+    //! The submit's spec check: 429 when no permit is free (a semaphore with none: no
+    //! timing involved), 400 for a refused spec, the permit given back after a check.
+
+    use super::*;
+
+    const SPEC: &str =
+        "name: job\ntaskRoles:\n  w:\n    resourcePerInstance: {cpu: 1, memoryMB: 1}\n    commands: [\"echo hi\"]\n";
+
+    #[tokio::test]
+    async fn no_free_permit_is_429_with_retry_after() {
+        // No permit at all: the wait can only run out, whatever the machine's load.
+        let checks = Arc::new(tokio::sync::Semaphore::new(0));
+        let e = check_spec(checks, Duration::ZERO, SPEC.into(), "job.yaml".into())
+            .await
+            .expect_err("a busy RM refuses");
+        assert_eq!((e.status, e.code), (StatusCode::TOO_MANY_REQUESTS, "BUSY"));
+        assert!(e.message.contains("submit again"), "{}", e.message);
+        let r = e.into_response();
+        assert_eq!(
+            r.headers().get(header::RETRY_AFTER).map(|v| v.as_bytes()),
+            Some(SPEC_CHECK_RETRY_AFTER.to_string().as_bytes())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_free_permit_checks_the_spec_and_is_given_back() {
+        let checks = Arc::new(tokio::sync::Semaphore::new(1));
+        let (spec, text) = check_spec(checks.clone(), Duration::from_secs(60), SPEC.into(), "job.yaml".into())
+            .await
+            .expect("a valid spec");
+        assert_eq!((spec.name.as_str(), text.as_str()), ("job", SPEC));
+        assert_eq!(checks.available_permits(), 1);
+        let e = check_spec(
+            checks.clone(),
+            Duration::from_secs(60),
+            SPEC.replace("commands", "comands"),
+            "job.yaml".into(),
+        )
+        .await
+        .expect_err("an invalid spec");
+        assert_eq!((e.status, e.code), (StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC"));
+        assert!(e.message.contains("job.yaml:"), "{}", e.message);
+        assert_eq!(checks.available_permits(), 1);
+    }
 }

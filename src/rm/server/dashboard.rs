@@ -240,6 +240,7 @@ pub(super) async fn overview(State(rm): Rm, caller: Caller) -> Json<Value> {
     let apps: Vec<Value> = shown
         .map(|a| {
             let r = &a.report;
+            let (live, yours) = (!r.state.is_final(), r.user == caller.name());
             let (gpus, containers) = per_app.get(r.id.as_str()).copied().unwrap_or_default();
             let waiting: u32 = a.waiting.current(now, WAITING_TTL).iter().map(|w| w.count).sum();
             let since = a.waiting.since_ms.filter(|_| waiting > 0);
@@ -261,10 +262,18 @@ pub(super) async fn overview(State(rm): Rm, caller: Caller) -> Json<Value> {
                 "reason": a.wait_reason().filter(|_| waiting > 0),
                 "whyCode": a.waiting.why.as_ref().filter(|_| waiting > 0).map(|(c, _)| *c),
                 "startEstimate": a.waiting.estimate.as_ref().filter(|_| waiting > 0),
-                "trackingUrl": r.tracking_url,
-                // The caller's own job: only then does the page hand the caller's token to
-                // the job's dashboard (its address is the job's AM's word, not the RM's).
-                "yours": r.user == caller.name(),
+                // A final job's AM is gone or going: its address may soon be another
+                // process's port, so the page links none.
+                "trackingUrl": if live { r.tracking_url.as_str() } else { "" },
+                "yours": yours,
+                // What the page's link hands the job's dashboard: never the caller's token
+                // (the address is the job's AM's word, and its port may be another
+                // process's once the AM has gone) but a page ticket of this job, for the
+                // caller's own live jobs only ([`crate::auth::page_ticket`]).
+                "dashboardTicket": a
+                    .job_token()
+                    .filter(|_| live && yours && !r.tracking_url.is_empty())
+                    .map(|jt| crate::auth::page_ticket(jt, wall / 1000 + crate::auth::PAGE_TICKET_FOR.as_secs())),
                 "startedTime": r.started_time,
                 "finishedTime": r.finished_time,
             })

@@ -46,7 +46,7 @@ pub(super) struct SchedState {
     /// [`crate::rm::ledger::Ledger::used_version`]: computed again (one pass over the
     /// applications) only when an ended run that declared a limit was noted or forgotten,
     /// not at every allocate call that asks for a reservation.
-    pub(super) calibrations: std::sync::Mutex<Option<(u64, HashMap<String, f64>)>>,
+    pub(super) calibrations: std::sync::Mutex<Option<(u64, HashMap<String, Calibration>)>>,
     /// No new preemption victims before this (a restarted RM: see
     /// [`SchedState::quiet_after_restart`]).
     pub(super) no_victims_before: Option<Instant>,
@@ -249,8 +249,10 @@ pub(super) struct Guest<'a> {
 /// [`learn_ends`], and with `runs`, how long each application of `built` is expected to
 /// hold its room once its waiting tasks start ([`reserved::run_of`]: each role's declared
 /// `maxRunSec`, calibrated by its user's ended runs when every role declares one, else
-/// learned as above), learned together (empty without `runs`). `guest`: an application of `built` the state does not hold yet.
-pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<Guest>) -> Vec<reserved::Run> {
+/// learned as above), learned together, with the draws of the calibrated ends and runs
+/// ([`draw_calibrated`]; all empty without `runs`). `guest`: an application of `built` the
+/// state does not hold yet.
+pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<Guest>) -> reserved::Expectations {
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
         .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Unknown))
@@ -302,13 +304,16 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
     let declares = built.snap.ends.iter().any(|e| e.basis == EndBasis::Declared)
         || runs_out.iter().any(|r| r.basis == EndBasis::Declared);
     if !declares {
-        return runs_out;
+        return runs_out.into();
     }
-    let ratios = calibrations(st);
-    let Some((_, ratios)) = ratios.as_ref() else {
-        return runs_out;
+    let cals = calibrations(st);
+    let Some((_, cals)) = cals.as_ref() else {
+        return runs_out.into();
     };
-    let ratio_of = |id: &str| user_of(id).and_then(|u| ratios.get(u)).copied();
+    let cal_of = |id: &str| user_of(id).and_then(|u| Some((u, cals.get(u)?)));
+    // What the draws need: the held containers calibrated (held index, user, share of the
+    // limit run so far, limit in ms) and the applications (index, user, declared run in ms).
+    let mut held_cal: Vec<(usize, &str, f64, f64)> = Vec::new();
     for h in 0..built.snap.held.len() {
         if built.snap.ends[h].basis != EndBasis::Declared {
             continue;
@@ -316,22 +321,93 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
         let Some(c) = st.ledger.container(&built.snap.held[h].container_id) else {
             continue;
         };
-        if let (Some(limit), Some(r)) = (c.max_run_sec, ratio_of(&c.app_id)) {
+        if let (Some(limit), Some((user, cal))) = (c.max_run_sec, cal_of(&c.app_id)) {
             let (from, limit_ms) = (c.run_from_ms() as f64, limit.saturating_mul(1000) as f64);
-            let end = scheduler::reservation::calibrated_end(from, limit_ms, r, wall as f64);
+            let end = scheduler::reservation::calibrated_end(from, limit_ms, cal.ratio, wall as f64);
             built.snap.ends[h] = Expected {
                 end_ms: Some(end.ceil() as u64),
                 basis: EndBasis::Calibrated,
             };
+            if runs && limit_ms > 0.0 {
+                held_cal.push((h, user, (wall as f64 - from) / limit_ms, limit_ms));
+            }
         }
     }
-    for (run, a) in runs_out.iter_mut().zip(&built.snap.apps) {
-        if let (EndBasis::Declared, Some(ms), Some(r)) = (run.basis, run.ms, ratio_of(&a.id)) {
-            run.ms = Some(((ms as f64) * r).ceil().max(1.0) as u64);
+    let mut runs_cal: Vec<(usize, &str, f64)> = Vec::new();
+    for (a, (run, app)) in runs_out.iter_mut().zip(&built.snap.apps).enumerate() {
+        if let (EndBasis::Declared, Some(ms), Some((user, cal))) = (run.basis, run.ms, cal_of(&app.id)) {
+            run.ms = Some(((ms as f64) * cal.ratio).ceil().max(1.0) as u64);
             run.basis = EndBasis::Calibrated;
+            runs_cal.push((a, user, ms as f64));
         }
     }
-    runs_out
+    let mut out = reserved::Expectations::from(runs_out);
+    draw_calibrated(
+        &mut out,
+        &built.snap,
+        &held_cal,
+        &runs_cal,
+        |u| cals.get(u).map(|c| &c.used[..]),
+        wall,
+    );
+    out
+}
+
+/// The draws of the calibrated ends and runs (issue 27, item 4; [`reserved::Expectations`]):
+/// per user, a [`Survival`](scheduler::survival::Survival) of the shares of their limits
+/// their ended runs used (`used`), their held containers counted as censored at the share
+/// run so far; each held container's end is now plus its drawn share left of its limit
+/// ([`scheduler::survival::share_left`], at least a second), each application's run its
+/// drawn share of its declared run. The draws are seeded by the container's or
+/// application's id: the same state gives the same estimate.
+fn draw_calibrated<'a>(
+    out: &mut reserved::Expectations,
+    snap: &Snapshot,
+    held: &[(usize, &'a str, f64, f64)],
+    runs: &[(usize, &'a str, f64)],
+    used: impl Fn(&str) -> Option<&'a [f64]>,
+    wall: u64,
+) {
+    use scheduler::survival::{self, Survival};
+    let users: std::collections::HashSet<&str> = held.iter().map(|h| h.1).chain(runs.iter().map(|r| r.1)).collect();
+    let dists: HashMap<&str, Survival> = users
+        .into_iter()
+        .filter_map(|user| {
+            let censored: Vec<f64> = held
+                .iter()
+                .filter(|h| h.1 == user)
+                .map(|h| h.2.clamp(0.0, 1.0))
+                .collect();
+            Some((user, Survival::learn(used(user)?, &censored)?))
+        })
+        .collect();
+    let floor = 1000.0;
+    for &(h, user, elapsed, limit_ms) in held {
+        let Some(d) = dists.get(user) else { continue };
+        let Some(u) = survival::hypercube(1, survival::seed_of(&snap.held[h].container_id)).pop() else {
+            continue;
+        };
+        let ends =
+            u.map(|u| wall.saturating_add((survival::share_left(d, elapsed, u) * limit_ms).max(floor).ceil() as u64));
+        out.drawn_ends.insert(h, ends);
+    }
+    for &(a, user, run_ms) in runs {
+        let Some(d) = dists.get(user) else { continue };
+        let Some(u) = survival::hypercube(1, survival::seed_of(&snap.apps[a].id)).pop() else {
+            continue;
+        };
+        out.drawn_runs.insert(
+            a,
+            u.map(|u| (survival::share_left(d, 0.0, u) * run_ms).max(floor).ceil() as u64),
+        );
+    }
+}
+
+/// A user's calibration of declared limits: the shares of their limits their ended runs
+/// used (sorted) and their median ([`scheduler::reservation::calibration`]).
+pub(super) struct Calibration {
+    ratio: f64,
+    used: Vec<f64>,
 }
 
 /// Every user's calibration ([`scheduler::reservation::calibration`]): the median of what
@@ -339,7 +415,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
 /// over their applications the RM keeps; a user with too few such runs has none. Computed
 /// in one pass over the applications only when the ledger's index changed since the last
 /// time ([`SchedState::calibrations`]), and kept with the index's version.
-fn calibrations(st: &RmState) -> std::sync::MutexGuard<'_, Option<(u64, HashMap<String, f64>)>> {
+fn calibrations(st: &RmState) -> std::sync::MutexGuard<'_, Option<(u64, HashMap<String, Calibration>)>> {
     let version = st.ledger.used_version();
     let mut cache = st.sched.calibrations.lock().unwrap_or_else(|e| e.into_inner());
     if cache.as_ref().is_none_or(|(v, _)| *v != version) {
@@ -352,7 +428,10 @@ fn calibrations(st: &RmState) -> std::sync::MutexGuard<'_, Option<(u64, HashMap<
         }
         let all = used
             .into_iter()
-            .filter_map(|(u, mut v)| Some((u.to_string(), scheduler::reservation::calibration(&mut v)?)))
+            .filter_map(|(u, mut used)| {
+                let ratio = scheduler::reservation::calibration(&mut used)?;
+                Some((u.to_string(), Calibration { ratio, used }))
+            })
             .collect();
         *cache = Some((version, all));
     }
@@ -934,7 +1013,7 @@ struct EstimateInput {
     built: Built,
     shares: Shares,
     holder: Option<reserved::Holder>,
-    runs: Vec<reserved::Run>,
+    runs: reserved::Expectations,
     me: usize,
     wall: u64,
 }

@@ -1058,6 +1058,82 @@ async fn a_held_heartbeat_is_answered_when_a_container_of_the_job_ends_or_it_is_
     assert_eq!(resp.command, Some(AmCommand::Shutdown));
 }
 
+/// The cluster page never hands a job's dashboard the caller's token (eleventh audit pass):
+/// the link of a live job of the caller's carries a page ticket of that job only; another
+/// user's job gets none; once the AM has ended its address is forgotten, and a final job is
+/// linked nowhere (its port may be another process's by then).
+#[tokio::test]
+async fn the_cluster_page_links_a_dashboard_with_a_ticket_and_a_final_job_nowhere() {
+    use crate::am::rm_client::RmClient;
+    use crate::protocol::RegisterRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let opts = RmOptions {
+        launch_am: false,
+        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
+    };
+    let rm = start(opts).await.unwrap();
+    let mut ids = Vec::new();
+    for (name, user) in [("mine", crate::rm::users::ADMIN_USER), ("theirs", "eve")] {
+        let (id, tok) = rm.register_test_app(name);
+        {
+            let mut st = rm.shared.lock();
+            let app = st.apps.get_mut(&id).unwrap();
+            app.report.user = user.to_string();
+            app.set_job_token(Some(&format!("job-token-{name}")));
+        }
+        let am = RmClient::for_app(&rm.base_url(), &id, &tok);
+        let reg = RegisterRequest {
+            host: "127.0.0.1".into(),
+            tracking_url: format!("http://127.0.0.1:4567{}/", ids.len()),
+        };
+        am.register(&reg).await.unwrap();
+        ids.push(id);
+    }
+    let http = crate::tls::http_client();
+    let overview = || async {
+        let ov: Value = http
+            .get(format!("{}/ws/v1/cluster/overview", rm.base_url()))
+            .bearer_auth(rm.admin_token())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let row = |id: &str| ov["apps"].as_array().unwrap().iter().find(|a| a["id"] == id).cloned().unwrap();
+        (row(&ids[0]), row(&ids[1]))
+    };
+    let (mine, theirs) = overview().await;
+    assert_eq!(mine["trackingUrl"], "http://127.0.0.1:45670/", "{mine}");
+    let ticket = mine["dashboardTicket"].as_str().unwrap();
+    assert!(!ticket.contains(rm.admin_token()), "{ticket}");
+    let now = now_ms() / 1000;
+    assert!(crate::auth::page_ticket_valid("job-token-mine", ticket, now), "{ticket}");
+    assert!(!crate::auth::page_ticket_valid("job-token-theirs", ticket, now));
+    assert_eq!(theirs["trackingUrl"], "http://127.0.0.1:45671/", "{theirs}");
+    assert!(theirs["dashboardTicket"].is_null(), "another user's job: {theirs}");
+    // The AM of "mine" exits (a next attempt may follow): its address is forgotten.
+    let _ = super::transactions::am_ended(&mut rm.shared.lock(), &ids[0], "exited", String::new(), 2, true);
+    let (mine, _) = overview().await;
+    assert_eq!(mine["trackingUrl"], "", "{mine}");
+    assert!(mine["dashboardTicket"].is_null(), "{mine}");
+    // A final job is linked nowhere, whatever address it kept.
+    let admin = RmClient::new(&rm.base_url());
+    admin.kill(&ids[1], rm.admin_token()).await.unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        let (_, theirs) = overview().await;
+        if theirs["state"] == "KILLED" {
+            assert_eq!(theirs["trackingUrl"], "", "{theirs}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "not killed: {theirs}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rm.shutdown().await;
+}
+
 /// Several starts in one call (issue 29, YARN's `startContainers`): each is checked and
 /// started as a single start is, a bad one fails alone with the error its single start
 /// would answer, and the same call again answers the running containers' status (so an

@@ -380,7 +380,7 @@ fn learned(
         .iter()
         .position(|h| h.container_id == container)
         .unwrap();
-    let run = app.map(|id| runs[built.snap.apps.iter().position(|a| a.id == id).unwrap()]);
+    let run = app.map(|id| runs.runs[built.snap.apps.iter().position(|a| a.id == id).unwrap()]);
     (built.snap.ends[h], run)
 }
 
@@ -483,7 +483,7 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
         });
         let guest = super::scheduling::Guest { user, name: Some(name) };
         let runs = super::scheduling::learn(&st, &mut built, true, Some(guest));
-        runs[built.snap.apps.len() - 1]
+        runs.runs[built.snap.apps.len() - 1]
     };
     let mine = guest_run(&user, "train");
     assert_eq!((mine.basis, mine.ms), (EndBasis::Learned, Some(took)));
@@ -574,6 +574,31 @@ async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
     assert_eq!((run.basis, run.ms), (EndBasis::Calibrated, Some(250_000)));
     // The same answer again comes from the calibrations kept (nothing ended since).
     assert_eq!(now(), (end, run));
+    // The estimate's draws: every ended run used a quarter, so each draw of the held
+    // container's end is a quarter of its limit from its start, and each of the waiting
+    // job's runs a quarter of its declared one.
+    {
+        let st = rm.shared.lock();
+        let mut built = super::scheduling::snapshot(&st, Instant::now());
+        let e = super::scheduling::learn(&st, &mut built, true, None);
+        let h = built
+            .snap
+            .held
+            .iter()
+            .position(|h| h.container_id == held.container_id)
+            .unwrap();
+        let a = built.snap.apps.iter().position(|a| a.id == third_id).unwrap();
+        let ends = e.drawn_ends.get(&h).expect("the held container's end is drawn");
+        assert!(ends.iter().all(|&t| t.abs_diff(from + 250_000) <= 1_000), "{ends:?}");
+        assert_eq!(
+            e.drawn_runs.get(&a),
+            Some(&[250_000; crate::rm::scheduler::survival::DRAWS])
+        );
+        // The reservation's pass (`learn_ends`: no runs) draws nothing.
+        let mut built = super::scheduling::snapshot(&st, Instant::now());
+        let e = super::scheduling::learn(&st, &mut built, false, None);
+        assert!(e.drawn_ends.is_empty() && e.drawn_runs.is_empty());
+    }
     // The runs were another user's: nothing of them calibrates this user's (one more ended
     // run of theirs: what is kept is computed again).
     rm.shared.lock().apps.get_mut(&done_id).unwrap().report.user = "eve".into();

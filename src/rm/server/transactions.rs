@@ -265,6 +265,8 @@ pub(super) fn am_ended(
         return AmEnd::Over;
     };
     app.attempt_ended(how);
+    // The AM's dashboard went with it: its address may be another process's port now.
+    app.report.tracking_url.clear();
     if app.unregistered || app.report.state.is_final() {
         st.commit_or_log();
         return AmEnd::Over;
