@@ -182,7 +182,9 @@ fn main() {
                     .insert(a, std::array::from_fn(|k| ms * (k as u64 + 5) / 12));
             }
         }
-        let (drawn_ms, _) = best_of(reps.min(3), || reserved::estimates(&s, &shares, None, &drawn, NOW, None));
+        let (drawn_ms, _) = best_of(reps.min(3), || {
+            reserved::estimates(&s, &shares, None, &drawn, NOW, None)
+        });
         let starts: Vec<u64> = est.iter().flatten().filter_map(|e| e.start_ms).collect();
         let told = starts.len();
         let cut = est

@@ -398,7 +398,10 @@ async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusa
     let _cut = proxy(listener, third);
     let t0 = std::time::Instant::now();
     while shown.lock().unwrap().is_empty() {
-        assert!(t0.elapsed() < Duration::from_secs(60), "the page never called the new dashboard");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the page never called the new dashboard"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let shown = shown.lock().unwrap().clone();

@@ -296,18 +296,25 @@ async fn submit_and_follow(
         Err(e) => return (refused(&rm, &e), None),
     };
     let job_token = random_token();
-    let report = match rm
-        .submit(&SubmitApplication {
-            application_id: app.application_id.clone(),
-            job_spec: text.to_string(),
-            job_spec_name: Some(source.to_string()),
-            dashboard_listen: Some(listen.to_string()),
-            job_token: Some(job_token.clone()),
-        })
-        .await
-    {
-        Ok(r) => r,
-        Err(e) => return (refused(&rm, &e), None),
+    let submit = SubmitApplication {
+        application_id: app.application_id.clone(),
+        job_spec: text.to_string(),
+        job_spec_name: Some(source.to_string()),
+        dashboard_listen: Some(listen.to_string()),
+        job_token: Some(job_token.clone()),
+    };
+    // A busy RM (its spec checks all taken: 429) is asked again a few times before the
+    // user is told to try later.
+    let mut tries = 0;
+    let report = loop {
+        match rm.submit(&submit).await {
+            Ok(r) => break r,
+            Err(e) if e.status() == Some(429) && tries < 5 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return (refused(&rm, &e), None),
+        }
     };
     println!("submitted job `{name}` as {}", report.id);
     if let Some(flags) = print_only {

@@ -379,6 +379,12 @@ pub fn check_pai_name(d: &mut Diags, pos: Pos, path: &str, name: &str, what: &st
 /// past: an over-budget spec is refused with one diagnostic, not expanded.
 pub const MAX_RENDERED_BYTES: usize = 4 * 1024 * 1024;
 
+/// The most placeholder errors (unsupported or non-scalar placeholders), and apart from
+/// them the most placeholder warnings (undefined ones), that one job spec's renders
+/// report; the rest are summed up in one warning. Without it, a spec of nothing but tiny placeholders would make a diagnostic of
+/// a few hundred bytes out of every few bytes of text.
+pub const MAX_RENDER_NOTES: usize = 100;
+
 /// What is left of [`MAX_RENDERED_BYTES`] for one job spec: shared by every [`render`]
 /// call of the spec (each role's [`RenderCtx`] borrows the same one). Once spent, the
 /// first overflow is reported and every later render returns `None` without a word.
@@ -387,6 +393,9 @@ pub struct RenderBudget {
     max: usize,
     used: Cell<usize>,
     spent: Cell<bool>,
+    /// Placeholder errors and warnings so far (see [`MAX_RENDER_NOTES`]).
+    errors: Cell<usize>,
+    warnings: Cell<usize>,
 }
 
 impl Default for RenderBudget {
@@ -401,6 +410,8 @@ impl RenderBudget {
             max,
             used: Cell::new(0),
             spent: Cell::new(false),
+            errors: Cell::new(0),
+            warnings: Cell::new(0),
         }
     }
 
@@ -412,6 +423,27 @@ impl RenderBudget {
     /// True once a render went over the budget (the spec is refused).
     pub fn is_spent(&self) -> bool {
         self.spent.get()
+    }
+
+    /// Counts one placeholder error (`error`) or warning: true while it is to be reported
+    /// (an error past the cap still refuses the spec, by the errors listed before it). The
+    /// first one of a kind over [`MAX_RENDER_NOTES`] adds a warning that says so.
+    fn note(&self, w: &Warnings, node: &Node, path: &str, error: bool) -> bool {
+        let (count, what) = if error {
+            (&self.errors, "errors")
+        } else {
+            (&self.warnings, "warnings")
+        };
+        let n = count.get().saturating_add(1);
+        count.set(n);
+        if n == MAX_RENDER_NOTES + 1 {
+            w.add(
+                node.pos,
+                path,
+                format!("more than {MAX_RENDER_NOTES} placeholder {what}; the rest are not listed"),
+            );
+        }
+        n <= MAX_RENDER_NOTES
     }
 
     /// Takes `n` more bytes; over the budget reports the overflow once, at `node`'s line
@@ -504,12 +536,15 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
             "$script" => ctx.script,
             "$output" => ctx.output,
             _ => {
-                d.at(
-                    node.pos,
-                    path,
-                    format!("unsupported placeholder `<% {} %>`", clip(raw)),
-                    "use `<% $parameters.NAME %>`, `$secrets.NAME`, `$data.uri[0]`, `$script.uri` or `$output.uri`",
-                );
+                // Past the cap the spec is refused all the same (`ok`), by the errors shown.
+                if budget.note(w, node, path, true) {
+                    d.at(
+                        node.pos,
+                        path,
+                        format!("unsupported placeholder `<% {} %>`", clip(raw)),
+                        "use `<% $parameters.NAME %>`, `$secrets.NAME`, `$data.uri[0]`, `$script.uri` or `$output.uri`",
+                    );
+                }
                 ok = false;
                 continue;
             }
@@ -525,14 +560,16 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
         }
         match cur.map(|v| (v, &v.value)) {
             None | Some((_, Value::Null)) => {
-                w.add(
-                    node.pos,
-                    path,
-                    format!(
-                        "`<% {} %>` is not defined; it renders as empty text, as on OpenPAI",
-                        clip(expr)
-                    ),
-                );
+                if budget.note(w, node, path, false) {
+                    w.add(
+                        node.pos,
+                        path,
+                        format!(
+                            "`<% {} %>` is not defined; it renders as empty text, as on OpenPAI",
+                            clip(expr)
+                        ),
+                    );
+                }
             }
             Some((_, Value::Seq(items))) if items.iter().all(|i| !matches!(i.value, Value::Map(_) | Value::Seq(_))) => {
                 // The list's values joined by commas, measured before it is built.
@@ -551,12 +588,14 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
                 }
             }
             Some((_, Value::Map(_) | Value::Seq(_))) => {
-                d.at(
-                    node.pos,
-                    path,
-                    format!("`{}` is not a single value", clip(expr)),
-                    "refer to a field that holds text or a number",
-                );
+                if budget.note(w, node, path, true) {
+                    d.at(
+                        node.pos,
+                        path,
+                        format!("`{}` is not a single value", clip(expr)),
+                        "refer to a field that holds text or a number",
+                    );
+                }
                 ok = false;
             }
             Some((v, _)) => {

@@ -174,3 +174,28 @@ fn image_uris_that_podman_would_misread_are_refused() {
     }
     assert_eq!(check_image_uri("registry.example:5000/team/pytorch:2.3-cuda12"), Ok(()));
 }
+
+#[test]
+fn placeholder_problems_are_listed_up_to_a_cap() {
+    // 5 000 undefined and 5 000 unsupported placeholders: 100 listed, the rest counted.
+    let cmd = format!(
+        "{}{}",
+        "<% $parameters.nope %>".repeat(5_000),
+        "<% $other %>".repeat(5_000)
+    );
+    let text = spec(1, &role("w", 0).replace("\"\"", &format!("\"{cmd}\"")), "");
+    let e = errors(&text);
+    assert_eq!(e.len(), MAX_RENDER_NOTES, "{e:?}");
+    assert!(e.iter().all(|e| e.message.contains("unsupported placeholder")), "{e:?}");
+    let undefined = spec(
+        1,
+        &role("w", 0).replace("\"\"", &format!("\"{}\"", "<% $parameters.nope %>".repeat(5_000))),
+        "",
+    );
+    let job = parse_job_spec(&undefined, "job.yaml").expect("undefined placeholders render as nothing");
+    assert_eq!(job.warnings.len(), MAX_RENDER_NOTES + 1, "{:?}", job.warnings.last());
+    assert!(job
+        .warnings
+        .iter()
+        .any(|w| w.message.contains("the rest are not listed")));
+}

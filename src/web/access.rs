@@ -162,8 +162,7 @@ pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> Access {
     }
     if crate::auth::page_ticket_valid(&hub.job_token, token, unix_now()) {
         // Remembered as accepted, so its events tickets open the stream while it is good.
-        hub.accepted
-            .remember(crate::auth::sha256_hex(token), Instant::now());
+        hub.accepted.remember(crate::auth::sha256_hex(token), Instant::now());
         return Access::Granted;
     }
     let Some(check) = hub.token_check() else {

@@ -383,7 +383,10 @@ async fn a_page_ticket_opens_this_jobs_dashboard_until_it_expires() {
     for (what, bad) in [
         ("expired", page_ticket(DEMO_TOKEN, now)),
         ("another job's", page_ticket("another-job-token", now + 60)),
-        ("from too far ahead", page_ticket(DEMO_TOKEN, now + PAGE_TICKET_FOR.as_secs() * 10)),
+        (
+            "from too far ahead",
+            page_ticket(DEMO_TOKEN, now + PAGE_TICKET_FOR.as_secs() * 10),
+        ),
     ] {
         let bearer = format!("Bearer {bad}");
         assert_eq!(

@@ -329,7 +329,7 @@ fn plural(k: u32, one: &str, many: &str) -> String {
 
 /// The basis in words: "declared limits of 12 running containers", "learned from …",
 /// "behind 3 waiting jobs (…)", or, when no start can be told, why.
-fn words(b: &Basis, ahead: &Basis, known: bool, cut: bool) -> String {
+fn words(b: &Basis, ahead: &Basis, known: bool, cut: bool, drawn: bool) -> String {
     let n = |k: u32| plural(k, "running container", "running containers");
     if !known {
         let mut why = Vec::new();
@@ -358,7 +358,12 @@ fn words(b: &Basis, ahead: &Basis, known: bool, cut: bool) -> String {
     }
     if b.calibrated > 0 {
         parts.push(format!(
-            "declared limits, scaled by what their users' ended runs used of theirs (the median start of {DRAWS} draws), of {}",
+            "declared limits, scaled by what their users' ended runs used of theirs{}, of {}",
+            if drawn {
+                format!(" (the median start of {DRAWS} draws)")
+            } else {
+                String::new()
+            },
             n(b.calibrated)
         ));
     }
@@ -664,7 +669,7 @@ pub fn estimates(
                 tasks.len()
             )
         } else {
-            words(&basis, &ahead, start_ms.is_some(), cut)
+            words(&basis, &ahead, start_ms.is_some(), cut, drawn.is_some())
         };
         if start_ms.is_some() && last.is_none() {
             text.push_str(&if beyond {
@@ -845,7 +850,12 @@ mod tests {
         e.drawn_ends.insert(0, std::array::from_fn(|k| (k as u64 + 1) * 10_000));
         e.drawn_runs.insert(1, [5_000; DRAWS]);
         let est = estimates(&c.s, &shares, None, &e, 0, None);
-        assert_eq!(est[1].as_ref().unwrap().start_ms, Some(80_000), "the 8th of 15: {:?}", est[1]);
+        assert_eq!(
+            est[1].as_ref().unwrap().start_ms,
+            Some(80_000),
+            "the 8th of 15: {:?}",
+            est[1]
+        );
         assert_eq!(est[2].as_ref().unwrap().start_ms, Some(85_000), "{:?}", est[2]);
         // Without app 1's drawn run, app 2 never starts in any walk: no start is told.
         e.drawn_runs.clear();

@@ -42,6 +42,9 @@ pub(super) struct SchedState {
     /// When the start estimates were last computed, and how long that took (see
     /// [`estimates_due`]).
     pub(super) estimated: Option<(Instant, Duration)>,
+    /// What one walk of the queue cost in the last estimates (their time over their walks):
+    /// whether the next may draw ([`drawing_fits`]).
+    pub(super) walk_cost: Option<Duration>,
     /// Each user's calibration of declared limits ([`calibrations`]), as of the ledger's
     /// [`crate::rm::ledger::Ledger::used_version`]: computed again (one pass over the
     /// applications) only when an ended run that declared a limit was noted or forgotten,
@@ -65,6 +68,20 @@ const ESTIMATE_EVERY: Duration = Duration::from_secs(1);
 /// took `d`, the next comes no sooner than `d` × this.
 const ESTIMATE_SPACING: u32 = 20;
 
+/// The longest the scheduling pass's estimates may hold the RM's state for drawn ends
+/// (issue 27: calibrated ends drawn, the median of [`scheduler::survival::DRAWS`] walks and
+/// the point walk): where one walk costs more than this over their number (a large, busy
+/// cluster: 10,000 nodes take 10–40 ms a walk), the pass walks the point ends alone
+/// ([`drawing_fits`]). `gpuam plan --rm`'s estimate, walked off the lock, always draws.
+const MAX_DRAWN_PASS: Duration = Duration::from_millis(100);
+
+/// Whether the scheduling pass's estimates may draw, given the cost of one walk in the
+/// last pass (`None`: none yet).
+pub(super) fn drawing_fits(walk: Option<Duration>) -> bool {
+    let walks = scheduler::survival::DRAWS as u32 + 1;
+    walk.is_none_or(|w| w.saturating_mul(walks) <= MAX_DRAWN_PASS)
+}
+
 /// Whether the start estimates are due at `now`, after the last ones (when, and how long
 /// they took): once per [`ESTIMATE_EVERY`], and on a cluster where they take long (a large,
 /// busy one) no more than 1/[`ESTIMATE_SPACING`] of the time.
@@ -84,6 +101,7 @@ impl SchedState {
             waited_last_pass: true,
             reserve: default_reserve_policy(),
             estimated: None,
+            walk_cost: None,
             calibrations: std::sync::Mutex::new(None),
             no_victims_before: None,
         }
@@ -834,10 +852,22 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     // One walk of the queue gives every waiting application its estimate.
     let (holder, mut estimates) = if due {
         let took = Instant::now();
-        let runs = learn(st, &mut built, true, None);
+        let mut runs = learn(st, &mut built, true, None);
+        // Drawn ends multiply the walks under the state lock: only where they are cheap.
+        if !drawing_fits(st.sched.walk_cost) {
+            runs.drawn_ends.clear();
+            runs.drawn_runs.clear();
+        }
+        let walks = if runs.drawn_ends.is_empty() && runs.drawn_runs.is_empty() {
+            1
+        } else {
+            scheduler::survival::DRAWS as u32 + 1
+        };
         let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
         let e = reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, None);
-        st.sched.estimated = Some((now, took.elapsed()));
+        let took = took.elapsed();
+        st.sched.estimated = Some((now, took));
+        st.sched.walk_cost = Some(took / walks);
         (holder, e)
     } else {
         (None, Vec::new())

@@ -1101,7 +1101,15 @@ async fn the_cluster_page_links_a_dashboard_with_a_ticket_and_a_final_job_nowher
             .json()
             .await
             .unwrap();
-        let row = |id: &str| ov["apps"].as_array().unwrap().iter().find(|a| a["id"] == id).cloned().unwrap();
+        let row = |id: &str| {
+            ov["apps"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|a| a["id"] == id)
+                .cloned()
+                .unwrap()
+        };
         (row(&ids[0]), row(&ids[1]))
     };
     let (mine, theirs) = overview().await;
@@ -1109,7 +1117,10 @@ async fn the_cluster_page_links_a_dashboard_with_a_ticket_and_a_final_job_nowher
     let ticket = mine["dashboardTicket"].as_str().unwrap();
     assert!(!ticket.contains(rm.admin_token()), "{ticket}");
     let now = now_ms() / 1000;
-    assert!(crate::auth::page_ticket_valid("job-token-mine", ticket, now), "{ticket}");
+    assert!(
+        crate::auth::page_ticket_valid("job-token-mine", ticket, now),
+        "{ticket}"
+    );
     assert!(!crate::auth::page_ticket_valid("job-token-theirs", ticket, now));
     assert_eq!(theirs["trackingUrl"], "http://127.0.0.1:45671/", "{theirs}");
     assert!(theirs["dashboardTicket"].is_null(), "another user's job: {theirs}");

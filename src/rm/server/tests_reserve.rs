@@ -608,6 +608,17 @@ async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
     rm.shutdown().await;
 }
 
+/// The scheduling pass draws calibrated ends only while its walks together stay cheap (they
+/// hold the RM's state): a walk of 6 ms may be drawn 15 times more, one of 7 ms not.
+#[test]
+fn the_pass_draws_only_while_its_walks_are_cheap() {
+    use super::scheduling::drawing_fits;
+    assert!(drawing_fits(None));
+    assert!(drawing_fits(Some(Duration::from_millis(6))));
+    assert!(!drawing_fits(Some(Duration::from_millis(7))));
+    assert!(!drawing_fits(Some(Duration::from_secs(3600))));
+}
+
 /// The estimates come once a second, and on a cluster where one pass takes long, no more
 /// than a twentieth of the time.
 #[test]
