@@ -46,41 +46,48 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 pub const PAGE_TICKET_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// A job dashboard's page ticket: what a page holds instead of a token (issue 23, eleventh
-/// audit pass). A dashboard's address is a loopback port that another process may hold once
-/// the job's AM has gone; a page that kept a user's (or the admin's) token would hand it to
-/// whoever took the port. A ticket opens only this job's dashboard API, only until
-/// `expires` (Unix seconds): `p.<expires>.<mac>`, the MAC an HMAC-SHA256 under the job token
-/// (the AM and the RM, who both hold it, make them; nobody else can). The RM puts one in
-/// the cluster page's link to a job of the viewer's; the page trades whatever credential
-/// it was opened with for one at once and renews it from the AM.
-pub fn page_ticket(job_token: &str, expires: u64) -> String {
-    format!("p.{expires}.{}", page_ticket_mac(job_token, expires))
+/// audit pass). A dashboard's address is a loopback port that another process may take
+/// once the job's AM has gone; a page that kept a user's (or the admin's) token would hand
+/// it to whoever took the port. A ticket opens only this job's dashboard API, only until
+/// `expires` (Unix seconds), and names the user it was made for (`who`, empty when not
+/// known: the job token's holder), whom a kill from the page is written down as:
+/// `p.<expires>.<mac>.<who>`, the MAC an HMAC-SHA256 under the job token of both (the AM
+/// and the RM, who both hold it, make them; nobody else can). The RM puts one in the
+/// cluster page's link to a job of the viewer's; the page trades whatever credential it
+/// was opened with for one at once and renews it from the AM.
+pub fn page_ticket(job_token: &str, expires: u64, who: &str) -> String {
+    format!("p.{expires}.{}.{who}", page_ticket_mac(job_token, expires, who))
 }
 
-fn page_ticket_mac(job_token: &str, expires: u64) -> String {
+fn page_ticket_mac(job_token: &str, expires: u64, who: &str) -> String {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, job_token.as_bytes());
-    let msg = format!("gpuam-dashboard-page-ticket-v1\n{expires}");
+    let msg = format!("gpuam-dashboard-page-ticket-v1\n{expires}\n{who}");
     hex(ring::hmac::sign(&key, msg.as_bytes()).as_ref())
 }
 
-/// Whether `presented` is a page ticket ([`page_ticket`]) that `job_token` signed and that
-/// has not expired at `now` (Unix seconds). No job token: nothing is.
-pub fn page_ticket_valid(job_token: &str, presented: &str, now: u64) -> bool {
+/// The user a page ticket ([`page_ticket`]) was made for (empty: not known), when
+/// `presented` is one that `job_token` signed and that has not expired at `now` (Unix
+/// seconds); `None` for anything else. No job token: nothing is.
+pub fn page_ticket_user(job_token: &str, presented: &str, now: u64) -> Option<String> {
     if job_token.is_empty() {
-        return false;
+        return None;
     }
-    let mut parts = presented.splitn(3, '.');
-    let (Some("p"), Some(expires), Some(mac)) = (parts.next(), parts.next(), parts.next()) else {
-        return false;
+    let mut parts = presented.splitn(4, '.');
+    let (Some("p"), Some(expires), Some(mac), Some(who)) = (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return None;
     };
-    let Ok(expires) = expires.parse::<u64>() else {
-        return false;
-    };
+    let expires = expires.parse::<u64>().ok()?;
     // A ticket from further ahead than a page ticket lives (a minute of clock skew between
     // the RM and the AM aside) was not made by this code.
-    now < expires
-        && expires <= now.saturating_add(PAGE_TICKET_FOR.as_secs() + 60)
-        && constant_time_eq(mac.as_bytes(), page_ticket_mac(job_token, expires).as_bytes())
+    let fresh = now < expires && expires <= now.saturating_add(PAGE_TICKET_FOR.as_secs() + 60);
+    (fresh && constant_time_eq(mac.as_bytes(), page_ticket_mac(job_token, expires, who).as_bytes()))
+        .then(|| who.to_string())
+}
+
+/// Whether `presented` is a page ticket of `job_token`'s job, good at `now`.
+pub fn page_ticket_valid(job_token: &str, presented: &str, now: u64) -> bool {
+    page_ticket_user(job_token, presented, now).is_some()
 }
 
 /// The token of an `Authorization: Bearer <token>` header. The scheme is matched without
@@ -206,14 +213,19 @@ mod tests {
     #[test]
     fn a_page_ticket_opens_only_its_jobs_dashboard_and_only_for_a_while() {
         let now = 1_000_000;
-        let t = page_ticket("job-a", now + 60);
+        let t = page_ticket("job-a", now + 60, "alice");
         assert!(page_ticket_valid("job-a", &t, now));
+        assert_eq!(page_ticket_user("job-a", &t, now).as_deref(), Some("alice"));
+        let anyone = page_ticket("job-a", now + 60, "");
+        assert_eq!(page_ticket_user("job-a", &anyone, now).as_deref(), Some(""));
+        let renamed = t.replacen(".alice", ".admin", 1);
+        assert!(!page_ticket_valid("job-a", &renamed, now), "its user altered");
         assert!(!page_ticket_valid("job-b", &t, now), "another job's");
         assert!(!page_ticket_valid("job-a", &t, now + 60), "expired");
         assert!(!page_ticket_valid("", &t, now), "no job token");
         // A forged or altered ticket, one from further ahead than a ticket lives, or any
         // other credential.
-        let later = page_ticket("job-a", now + PAGE_TICKET_FOR.as_secs() + 3600);
+        let later = page_ticket("job-a", now + PAGE_TICKET_FOR.as_secs() + 3600, "alice");
         assert!(!page_ticket_valid("job-a", &later, now));
         let altered = t.replacen(&format!("{}", now + 60), &format!("{}", now + 61), 1);
         assert!(!page_ticket_valid("job-a", &altered, now));

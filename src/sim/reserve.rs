@@ -559,38 +559,25 @@ mod tests {
             elapsed,
             limit: None,
         };
-        // Nothing ended, but the room is free: now, with nothing to learn or draw.
-        assert_eq!(
+        // One 8-GPU node with `free` GPUs free beside a job that has run 30 s.
+        let alone = |free: u32, d: &Durations| {
             estimate_start_sampled(
-                &[g(8)],
-                &[running(30.0)],
-                &[],
-                &me(&[g(8)]),
-                1000.0,
-                false,
-                None,
-                &d,
-                false,
-                1
-            ),
-            Some(1_000_000)
-        );
-        // Nothing ended and the room is held: no estimate.
-        assert_eq!(
-            estimate_start_sampled(
-                &[g(0)],
+                &[g(free)],
                 &[running(30.0)],
                 &[],
                 &me(&[g(8)]),
                 1000.0,
                 true,
                 None,
-                &d,
+                d,
                 false,
-                1
-            ),
-            None
-        );
+                1,
+            )
+        };
+        // Nothing ended, but the room is free: now, with nothing to learn or draw.
+        assert_eq!(alone(8, &d), Some(1_000_000));
+        // Nothing ended and the room is held: no estimate.
+        assert_eq!(alone(0, &d), None);
         // Every 8-GPU job ended at 100 s: the one that has run 30 s frees the node in 70 s,
         // and a job ahead of ours holds it 100 s more, whatever the draws.
         for _ in 0..MIN_OWN {

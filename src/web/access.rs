@@ -121,11 +121,12 @@ pub async fn events_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap
 }
 
 /// `GET /api/v1/page-ticket` (behind [`readers_only`]): a page ticket of this job
-/// ([`crate::auth::page_ticket`]), good for [`crate::auth::PAGE_TICKET_FOR`]. The page
-/// trades the credential it was opened with for one at once, forgets that credential, and
-/// renews the ticket here: a page left open on an address another process takes once the
-/// AM has gone hands it at most a ticket to this one job that soon expires.
-pub async fn page_ticket(State(hub): State<Arc<StatusHub>>) -> Response {
+/// ([`crate::auth::page_ticket`]), good for [`crate::auth::PAGE_TICKET_FOR`], naming whom
+/// the credential presented belongs to ([`ticket_user`]). The page trades the credential
+/// it was opened with for one at once, forgets that credential, and renews the ticket
+/// here: a page left open on an address another process takes once the AM has gone hands
+/// it at most a ticket to this one job that soon expires.
+pub async fn page_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap) -> Response {
     if hub.job_token.is_empty() {
         return ApiError::new(
             StatusCode::NOT_FOUND,
@@ -134,9 +135,38 @@ pub async fn page_ticket(State(hub): State<Arc<StatusHub>>) -> Response {
         )
         .into_response();
     }
+    let who = ticket_user(&hub, crate::auth::bearer(&headers)).await;
     let expires = unix_now() + crate::auth::PAGE_TICKET_FOR.as_secs();
-    let t = crate::auth::page_ticket(&hub.job_token, expires);
+    let t = crate::auth::page_ticket(&hub.job_token, expires, &who);
     axum::Json(serde_json::json!({ "ticket": t, "expires": expires })).into_response()
+}
+
+/// Whom a page ticket made for `presented` (a credential this dashboard granted) names: a
+/// ticket's own user; the job token's holder is not named (empty); a user's or the admin's
+/// token, the name the RM gives it (`whoami`; empty when the RM does not answer).
+async fn ticket_user(hub: &StatusHub, presented: Option<&str>) -> String {
+    let Some(t) = presented else {
+        return String::new();
+    };
+    if let Some(who) = crate::auth::page_ticket_user(&hub.job_token, t, unix_now()) {
+        return who;
+    }
+    if crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()) {
+        return String::new();
+    }
+    #[derive(serde::Deserialize)]
+    struct WhoAmI {
+        user: String,
+    }
+    let Some(rm) = hub.rm.get() else {
+        return String::new();
+    };
+    let as_them = rm.without_credentials().with_user_token(Some(t.to_string()));
+    let asked = as_them.get_json::<WhoAmI>("whoami", "/ws/v1/cluster/whoami");
+    match tokio::time::timeout(CHECK_FOR, asked).await {
+        Ok(Ok(w)) => w.user,
+        _ => String::new(),
+    }
 }
 
 /// What the dashboard makes of a presented token.

@@ -341,11 +341,14 @@ pub(crate) async fn selections(State(hub): Hub, Query(q): Params) -> Response {
 
 pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
     let presented = crate::auth::bearer(&headers);
-    // The job token, or a page ticket of this job (made with it: what an open page holds).
+    // The job token, or a page ticket of this job (made with it: what an open page holds),
+    // whose user the kill is written down as.
+    let ticket_user =
+        presented.and_then(|t| crate::auth::page_ticket_user(&hub.job_token, t, crate::protocol::now_ms() / 1000));
     let ok = match presented {
         Some(t) => {
             (!hub.job_token.is_empty() && crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()))
-                || crate::auth::page_ticket_valid(&hub.job_token, t, crate::protocol::now_ms() / 1000)
+                || ticket_user.is_some()
         }
         None => false,
     };
@@ -372,9 +375,11 @@ pub(crate) async fn kill(State(hub): Hub, headers: HeaderMap) -> Response {
         )
         .into_response();
     }
-    if !hub.command(Command::Kill {
-        reason: "killed from the dashboard".to_string(),
-    }) {
+    let reason = match ticket_user.as_deref() {
+        Some(who) if !who.is_empty() => format!("killed from the dashboard by {who}"),
+        _ => "killed from the dashboard".to_string(),
+    };
+    if !hub.command(Command::Kill { reason }) {
         return ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "control_loop_gone",

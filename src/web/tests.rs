@@ -381,11 +381,11 @@ async fn a_page_ticket_opens_this_jobs_dashboard_until_it_expires() {
     );
     let now = crate::protocol::now_ms() / 1000;
     for (what, bad) in [
-        ("expired", page_ticket(DEMO_TOKEN, now)),
-        ("another job's", page_ticket("another-job-token", now + 60)),
+        ("expired", page_ticket(DEMO_TOKEN, now, "owner")),
+        ("another job's", page_ticket("another-job-token", now + 60, "owner")),
         (
             "from too far ahead",
-            page_ticket(DEMO_TOKEN, now + PAGE_TICKET_FOR.as_secs() * 10),
+            page_ticket(DEMO_TOKEN, now + PAGE_TICKET_FOR.as_secs() * 10, "owner"),
         ),
     ] {
         let bearer = format!("Bearer {bad}");

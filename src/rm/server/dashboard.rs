@@ -273,7 +273,10 @@ pub(super) async fn overview(State(rm): Rm, caller: Caller) -> Json<Value> {
                 "dashboardTicket": a
                     .job_token()
                     .filter(|_| live && yours && !r.tracking_url.is_empty())
-                    .map(|jt| crate::auth::page_ticket(jt, wall / 1000 + crate::auth::PAGE_TICKET_FOR.as_secs())),
+                    .map(|jt| {
+                        let expires = wall / 1000 + crate::auth::PAGE_TICKET_FOR.as_secs();
+                        crate::auth::page_ticket(jt, expires, caller.name())
+                    }),
                 "startedTime": r.started_time,
                 "finishedTime": r.finished_time,
             })

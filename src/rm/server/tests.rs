@@ -1058,6 +1058,17 @@ async fn a_held_heartbeat_is_answered_when_a_container_of_the_job_ends_or_it_is_
     assert_eq!(resp.command, Some(AmCommand::Shutdown));
 }
 
+/// An RM without AMs of its own on one node `n1` of 4 cores and two GPUs, its work below
+/// `dir`.
+async fn one_node_rm(dir: &std::path::Path) -> RmHandle {
+    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
+    let opts = RmOptions {
+        launch_am: false,
+        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.join("work"))
+    };
+    start(opts).await.unwrap()
+}
+
 /// The cluster page never hands a job's dashboard the caller's token (eleventh audit pass):
 /// the link of a live job of the caller's carries a page ticket of that job only; another
 /// user's job gets none; once the AM has ended its address is forgotten, and a final job is
@@ -1067,12 +1078,7 @@ async fn the_cluster_page_links_a_dashboard_with_a_ticket_and_a_final_job_nowher
     use crate::am::rm_client::RmClient;
     use crate::protocol::RegisterRequest;
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
-    let opts = RmOptions {
-        launch_am: false,
-        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
-    };
-    let rm = start(opts).await.unwrap();
+    let rm = one_node_rm(dir.path()).await;
     let mut ids = Vec::new();
     for (name, user) in [("mine", crate::rm::users::ADMIN_USER), ("theirs", "eve")] {
         let (id, tok) = rm.register_test_app(name);
@@ -1117,9 +1123,10 @@ async fn the_cluster_page_links_a_dashboard_with_a_ticket_and_a_final_job_nowher
     let ticket = mine["dashboardTicket"].as_str().unwrap();
     assert!(!ticket.contains(rm.admin_token()), "{ticket}");
     let now = now_ms() / 1000;
-    assert!(
-        crate::auth::page_ticket_valid("job-token-mine", ticket, now),
-        "{ticket}"
+    assert_eq!(
+        crate::auth::page_ticket_user("job-token-mine", ticket, now).as_deref(),
+        Some(crate::rm::users::ADMIN_USER),
+        "a ticket of this job, naming its caller: {ticket}"
     );
     assert!(!crate::auth::page_ticket_valid("job-token-theirs", ticket, now));
     assert_eq!(theirs["trackingUrl"], "http://127.0.0.1:45671/", "{theirs}");
@@ -1154,12 +1161,7 @@ async fn one_start_call_starts_several_containers_each_checked_alone() {
     use crate::am::rm_client::RmClient;
     use crate::protocol::{RegisterRequest, StartContainer, StartContainers};
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::new("n1", "/r", Resources::with_mask(4, 1000, 0x3, PortSet::new()));
-    let opts = RmOptions {
-        launch_am: false,
-        ..RmOptions::new(vec![node], "127.0.0.1:0".parse().unwrap(), dir.path().join("work"))
-    };
-    let rm = start(opts).await.unwrap();
+    let rm = one_node_rm(dir.path()).await;
     let (id, tok) = rm.register_test_app("batch");
     let (other_id, other_tok) = rm.register_test_app("other");
     let am = RmClient::for_app(&rm.base_url(), &id, &tok);
