@@ -376,39 +376,48 @@ async fn an_owner_s_page_opens_its_stream_again_with_a_new_ticket_after_a_refusa
         "the page's address keeps no token"
     );
 
-    // Behind the address next: another job's dashboard, which writes down every credential
-    // it is asked about. The page calls it (for a new events ticket), but never with the
-    // owner's token.
+    // Behind the address next: what a process that took the port would be, writing down
+    // every request it gets and refusing each. The page calls it (for a new events ticket),
+    // but never with the owner's token: only with its ticket of this job.
     let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let snapshot = gpuam::web::demo::demo_hub(6, 1).snapshot();
-    let (other, commands) =
-        gpuam::am::status::StatusHub::new(snapshot, "another-job-token".into(), std::sync::Arc::new(NoLogs));
-    std::mem::forget(commands);
-    let seen = shown.clone();
-    other.set_token_check(std::sync::Arc::new(move |t: String| {
-        seen.lock().unwrap().push(t);
-        Box::pin(async move { Some(false) })
-    }));
-    let (third, _server3) = gpuam::web::serve(other.clone(), "127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
     cut.abort();
     let _ = cut.await;
     let listener = tokio::net::TcpListener::bind(front).await.unwrap();
-    let _cut = proxy(listener, third);
+    let seen = shown.clone();
+    let _squatter = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65536 {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                seen.lock().unwrap().push(String::from_utf8_lossy(&head).to_string());
+                let _ = conn
+                    .write_all(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    .await;
+            });
+        }
+    });
     let t0 = std::time::Instant::now();
-    while shown.lock().unwrap().is_empty() {
+    let bearer = |r: &String| r.lines().any(|l| l.to_ascii_lowercase().starts_with("authorization:"));
+    while !shown.lock().unwrap().iter().any(bearer) {
         assert!(
             t0.elapsed() < Duration::from_secs(60),
-            "the page never called the new dashboard"
+            "the page never called the address with its credential: {:?}",
+            shown.lock().unwrap()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let shown = shown.lock().unwrap().clone();
-    assert!(
-        shown.iter().all(|t| t != "owner-token" && t.starts_with("p.")),
-        "{shown:?}"
-    );
+    for r in shown.iter().filter(|r| bearer(r)) {
+        assert!(!r.contains("owner-token") && r.contains("Bearer p."), "{r}");
+    }
 }
 
 /// A `gpuam run` started by a test. Dropping it (at the test's end, or when it panics)

@@ -28,6 +28,7 @@ const state = {
   tails: new Map(),      // "role/index" -> { containerId, lines }
   tailTimer: null,
   ticketTimer: null,
+  ticketExpiresMs: 0,    // when the page's ticket expires (browser clock)
   ended: false,          // the job is final and the live stream is closed
 };
 
@@ -100,6 +101,7 @@ async function trade() {
     const t = r.ok ? await r.json() : null;
     if (t && t.ticket && !state.ended) {
       state.token = t.ticket;
+      state.ticketExpiresMs = t.expires * 1000;
       history.replaceState(null, '', location.pathname + location.search + '#token=' + encodeURIComponent(t.ticket));
     }
   } catch (_) { /* the AM is away: try again at the next renewal */ }
@@ -651,6 +653,17 @@ async function connect() {
       conn.textContent = 'job ended · no longer live';
       conn.title = 'The job has finished and its AM has stopped serving; this page shows the final state.';
     } else {
+      // The AM has not answered for the whole life of the page's ticket: it is gone (the
+      // job may have ended without this page seeing it). Nothing more is asked of that
+      // address, which may be another process's by now.
+      if (state.ticketExpiresMs && Date.now() > state.ticketExpiresMs) {
+        es.close();
+        forget();
+        conn.dataset.conn = 'gone';
+        conn.textContent = 'AM unreachable · no longer live';
+        conn.title = 'The job\'s AM has not answered for a while; open the job again from the cluster page or `gpuam status`.';
+        return;
+      }
       conn.dataset.conn = 'reconnecting';
       conn.textContent = 'reconnecting…';
       conn.title = 'The live connection to the AM dropped; retrying.';

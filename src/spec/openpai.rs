@@ -51,11 +51,17 @@ pub struct Warnings(RefCell<Vec<SpecWarning>>);
 
 impl Warnings {
     pub fn add(&self, pos: Pos, field: &str, message: impl Into<String>) {
-        self.0.borrow_mut().push(SpecWarning {
+        let mut w = self.0.borrow_mut();
+        // Past the bound, not stored ([`crate::spec::yaml::MAX_KEPT`]): warnings refuse
+        // nothing, and a hostile spec can make them many and long.
+        if w.len() >= crate::spec::yaml::MAX_KEPT {
+            return;
+        }
+        w.push(SpecWarning {
             line: pos.line,
             col: pos.col,
-            field: field.to_string(),
-            message: message.into(),
+            field: crate::spec::yaml::clipped(field),
+            message: crate::spec::yaml::clipped(&message.into()),
         });
     }
 

@@ -199,3 +199,46 @@ fn placeholder_problems_are_listed_up_to_a_cap() {
         .iter()
         .any(|w| w.message.contains("the rest are not listed")));
 }
+
+/// What a refused spec's diagnostics quote is bounded too: a 300 KB key above a flow map of
+/// 5,000 duplicate keys, read under a 100 KB source name, gives at most `MAX_ERRORS` + 1
+/// errors whose names and paths are cut (they were each a copy of both).
+#[test]
+fn diagnostics_of_a_hostile_spec_stay_small() {
+    let dups = vec!["a: 1"; 5_000].join(", ");
+    let text = format!("name: job\n? {}\n: {{{dups}}}\n", "k".repeat(300 * KIB));
+    let source = "s".repeat(100 * KIB);
+    let e = match parse_job_spec(&text, &source) {
+        Ok(_) => panic!("expected the spec to be refused"),
+        Err(e) => e.0,
+    };
+    assert!(e.len() <= crate::spec::yaml::MAX_ERRORS + 1, "{}", e.len());
+    let quoted: usize = e
+        .iter()
+        .map(|x| x.source.len() + x.field.len() + x.message.len() + x.fix.len())
+        .sum();
+    assert!(quoted < 400 * KIB, "{quoted} bytes quoted");
+    assert!(
+        e.iter().any(|x| x.message.contains("duplicate key")),
+        "{:?}",
+        &e[..e.len().min(3)]
+    );
+}
+
+/// More `parameters` than a job spec may have are refused, naming the field.
+#[test]
+fn too_many_parameters_are_refused() {
+    let params: String = (0..=crate::spec::parse::MAX_PARAMETERS)
+        .map(|i| format!("  p{i}: x\n"))
+        .collect();
+    let text = format!(
+        "protocolVersion: 2\nname: job\ntype: job\nparameters:\n{params}taskRoles:\n  w:\n    \
+         resourcePerInstance: {{cpu: 1, memoryMB: 1, gpu: 0}}\n    commands: [\"echo <% $parameters.p1 %>\"]\n"
+    );
+    let e = errors(&text);
+    assert!(
+        e.iter()
+            .any(|x| x.field == "parameters" && x.message.contains("more than the 1000")),
+        "{e:?}"
+    );
+}

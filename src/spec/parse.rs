@@ -419,12 +419,16 @@ fn read_v2_top<'a>(d: &mut Diags, root: &'a Node, ctx: &mut V2<'a>) -> (bool, Op
         if !n.is_null()
             && d.map(n, "parameters", "write parameters as `name: value` pairs")
                 .is_some()
+            && few_entries(d, n, "parameters")
         {
             ctx.parameters = Some(n);
         }
     }
     if let Some(n) = root.get("secrets") {
-        if !n.is_null() && d.map(n, "secrets", "write secrets as `name: value` pairs").is_some() {
+        if !n.is_null()
+            && d.map(n, "secrets", "write secrets as `name: value` pairs").is_some()
+            && few_entries(d, n, "secrets")
+        {
             ctx.secrets = Some(n);
         }
     }
@@ -1188,4 +1192,25 @@ fn read_completion(d: &mut Diags, node: &Node, path: &str, instances: Option<u32
         min_failed_instances: failed.ok()?,
         min_succeeded_instances: succeeded.ok()?,
     })
+}
+
+/// At most this many `parameters` (or `secrets`) entries: each placeholder looks its name up
+/// among them, so a spec of tens of thousands of both held a spec check for seconds
+/// (eleventh audit pass, review). Real jobs name a handful.
+pub const MAX_PARAMETERS: usize = 1_000;
+
+/// Whether the mapping `n` at `field` has at most [`MAX_PARAMETERS`] entries (an error
+/// naming it otherwise).
+fn few_entries(d: &mut Diags, n: &Node, field: &str) -> bool {
+    let count = n.as_map().map_or(0, |m| m.len());
+    if count <= MAX_PARAMETERS {
+        return true;
+    }
+    d.at(
+        n.pos,
+        field,
+        format!("{count} entries, more than the {MAX_PARAMETERS} a job spec may have"),
+        "keep large or many values in a file the command reads (a `data` prerequisite) instead",
+    );
+    false
 }

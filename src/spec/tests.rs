@@ -1067,7 +1067,13 @@ fn alias_bomb_is_rejected() {
     }
     let e = errors(&text);
     assert!(
-        e.iter().any(|e| e.message.contains("aliases") && e.line == 6),
+        // Once, where the budget runs out (the aliases after it are not copied, nor
+        // reported again).
+        e.iter()
+            .filter(|e| e.message.contains("aliases"))
+            .map(|e| e.line)
+            .collect::<Vec<_>>()
+            == [5],
         "{}",
         SpecErrors(e.clone())
     );
@@ -1371,11 +1377,13 @@ fn huge_mappings_stay_fast() {
     let keys: String = (0..60_000).map(|i| format!("  k{i}: 1\n")).collect();
     let start = std::time::Instant::now();
     let e = errors(&v2(&format!("parameters:\n{keys}  k7: 2\n{V2_ROLE}")));
-    assert_eq!(e.len(), 1);
+    // The duplicate, and (60,000 of them) more parameters than a spec may have.
+    assert_eq!(e.len(), 2, "{}", SpecErrors(e.clone()));
     assert!(
-        e[0].message.contains("duplicate key `k7` (first given on line 12)"),
+        e.iter()
+            .any(|e| e.message.contains("duplicate key `k7` (first given on line 12)")),
         "{}",
-        e[0]
+        SpecErrors(e.clone())
     );
     assert!(start.elapsed().as_secs() < 5, "took {:?}", start.elapsed());
 }

@@ -41,6 +41,32 @@ pub const PARSER_FAILED: &str = "the YAML parser failed on this file";
 /// At most this many errors are reported for one file.
 pub const MAX_ERRORS: usize = 100;
 
+/// At most this many diagnostics (errors, YAML issues) are stored while a spec is read; the
+/// rest are only counted. Each quotes a field path and the source's name, which a hostile
+/// spec can make long: unbounded, a flow map of 80,000 duplicate keys under a 500 KB key
+/// stored tens of GB (eleventh audit pass, review).
+pub const MAX_KEPT: usize = 1_000;
+
+/// A quoted source name, field path or message is cut to this many bytes (on a character
+/// boundary, with `…`).
+pub const MAX_QUOTED: usize = 256;
+
+/// `text`, cut to [`MAX_QUOTED`] bytes on a character boundary (with `…` when cut).
+pub fn clipped(text: &str) -> String {
+    clipped_to(text, MAX_QUOTED)
+}
+
+fn clipped_to(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
 /// A 1-based position in the source; `line == 0` means "no position".
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Pos {
@@ -228,6 +254,9 @@ struct Builder {
     docs: Vec<Node>,
     anchors: Vec<(usize, Node)>,
     alias_budget: usize,
+    /// The alias budget was passed (its error given): later aliases are neither looked up
+    /// nor copied.
+    aliases_spent: bool,
     /// Bytes of text alias expansions may still copy ([`MAX_ALIAS_BYTES`]).
     alias_bytes: usize,
     /// Events nested beyond MAX_DEPTH are skipped; this counts the open skipped collections.
@@ -236,8 +265,17 @@ struct Builder {
     fatal: bool,
 }
 
-/// Joins a parent path and a child segment: `a` + `b` = `a.b`, `a` + `[0]` = `a[0]`.
+/// Joins a parent path and a child segment: `a` + `b` = `a.b`, `a` + `[0]` = `a[0]`. A
+/// segment longer than [`MAX_QUOTED`] is cut (paths name places for people; a hostile key
+/// of 500 KB would otherwise be copied into the path of every node below it).
 pub fn join(parent: &str, child: &str) -> String {
+    let cut;
+    let child = if child.len() > MAX_QUOTED {
+        cut = clipped(child);
+        cut.as_str()
+    } else {
+        child
+    };
     if parent.is_empty() {
         child.to_string()
     } else if child.starts_with('[') {
@@ -249,10 +287,14 @@ pub fn join(parent: &str, child: &str) -> String {
 
 impl Builder {
     fn issue(&mut self, pos: Pos, field: &str, message: String, fix: &str) {
+        // Past the bound only counted: the spec is refused all the same.
+        if self.issues.len() > MAX_KEPT {
+            return;
+        }
         self.issues.push(YamlIssue {
             pos,
-            field: field.to_string(),
-            message,
+            field: clipped(field),
+            message: clipped_to(&message, 4 * MAX_QUOTED),
             fix: fix.to_string(),
         });
     }
@@ -346,6 +388,11 @@ impl Builder {
                 self.push_node(node, anchor);
             }
             Event::Alias(id) => {
+                // Once the budget is spent, no alias is looked up or copied again.
+                if self.aliases_spent {
+                    self.push_node(Node::new(pos, Value::Null), 0);
+                    return;
+                }
                 // Measured before it is copied.
                 let target = self.anchors.iter().rev().find(|(a, _)| *a == id).map(|(_, n)| n);
                 let node = match target {
@@ -363,6 +410,7 @@ impl Builder {
                         );
                         self.alias_budget = 0;
                         self.alias_bytes = 0;
+                        self.aliases_spent = true;
                         Node::new(pos, Value::Null)
                     }
                     None => Node::new(pos, Value::Null),
@@ -532,6 +580,7 @@ pub fn parse(text: &str) -> Document {
         docs: Vec::new(),
         anchors: Vec::new(),
         alias_budget: MAX_ALIAS_NODES,
+        aliases_spent: false,
         alias_bytes: MAX_ALIAS_BYTES,
         skipping: 0,
         issues: Vec::new(),
@@ -596,23 +645,30 @@ pub fn parse(text: &str) -> Document {
 pub struct Diags {
     pub source: String,
     pub errors: Vec<SpecError>,
+    /// Errors past [`MAX_KEPT`], counted and not stored.
+    pub dropped: usize,
 }
 
 impl Diags {
     pub fn new(source: &str) -> Self {
         Diags {
-            source: source.to_string(),
+            source: clipped(source),
             errors: Vec::new(),
+            dropped: 0,
         }
     }
 
     pub fn at(&mut self, pos: Pos, field: &str, message: impl Into<String>, fix: impl Into<String>) {
+        if self.errors.len() >= MAX_KEPT {
+            self.dropped += 1;
+            return;
+        }
         self.errors.push(SpecError {
             source: self.source.clone(),
             line: pos.line,
             col: pos.col,
-            field: field.to_string(),
-            message: message.into(),
+            field: clipped(field),
+            message: clipped_to(&message.into(), 4 * MAX_QUOTED),
             fix: fix.into(),
         });
     }
@@ -632,9 +688,10 @@ impl Diags {
     /// most [`MAX_ERRORS`] are kept, followed by one line counting the rest.
     pub fn into_result<T>(mut self, value: Option<T>) -> Result<T, super::SpecErrors> {
         self.errors.sort_by_key(|e| (e.line, e.col));
-        if self.errors.len() > MAX_ERRORS {
-            let more = self.errors.len() - MAX_ERRORS;
+        if self.errors.len() + self.dropped > MAX_ERRORS {
+            let more = self.errors.len() + self.dropped - MAX_ERRORS;
             self.errors.truncate(MAX_ERRORS);
+            self.dropped = 0;
             self.at(
                 Pos::default(),
                 "",

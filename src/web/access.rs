@@ -195,6 +195,12 @@ pub async fn may_access(hub: &StatusHub, token: Option<&str>) -> Access {
         hub.accepted.remember(crate::auth::sha256_hex(token), Instant::now());
         return Access::Granted;
     }
+    // A page ticket that is not good now (expired, another job's, forged) is refused here,
+    // never found in what was accepted a moment ago nor asked of the RM: no token of the
+    // RM's looks like one.
+    if token.starts_with("p.") {
+        return Access::Refused;
+    }
     let Some(check) = hub.token_check() else {
         return Access::Refused;
     };

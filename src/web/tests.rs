@@ -397,6 +397,18 @@ async fn a_page_ticket_opens_this_jobs_dashboard_until_it_expires() {
         let (s, _, _) = call(&app, kill_req(Some(&bearer))).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED, "{what}: no kill");
     }
+    // A ticket accepted a moment ago that has expired since is refused (and never renewed),
+    // whatever was remembered of it.
+    let stale = page_ticket(DEMO_TOKEN, now, "owner");
+    hub.accepted
+        .remember(crate::auth::sha256_hex(&stale), std::time::Instant::now());
+    for uri in ["/api/v1/job", "/api/v1/page-ticket"] {
+        assert_eq!(
+            get_as(&app, uri, Some(&format!("Bearer {stale}"))).await,
+            StatusCode::UNAUTHORIZED,
+            "{uri}"
+        );
+    }
     // The page's own ticket kills its job (the page's kill button).
     let (s, _, body) = call(&app, kill_req(Some(&format!("Bearer {t}")))).await;
     assert_eq!(s, StatusCode::ACCEPTED, "{body}");
