@@ -252,7 +252,7 @@ pub(super) fn snapshot(st: &RmState, now: Instant) -> Built {
 /// [`learned_run_ms`]), from their start; and calibrates declared ends by what their users'
 /// ended runs used of their limits ([`calibrations`]).
 pub(super) fn learn_ends(st: &RmState, built: &mut Built) {
-    learn(st, built, false, None);
+    learn(st, built, Learn::Ends, None);
 }
 
 /// A job not yet submitted (`gpuam plan --rm`), in a snapshot as application [`GUEST`]: whose
@@ -264,13 +264,26 @@ pub(super) struct Guest<'a> {
     pub name: Option<&'a str>,
 }
 
-/// [`learn_ends`], and with `runs`, how long each application of `built` is expected to
-/// hold its room once its waiting tasks start ([`reserved::run_of`]: each role's declared
-/// `maxRunSec`, calibrated by its user's ended runs when every role declares one, else
-/// learned as above), learned together, with the draws of the calibrated ends and runs
-/// ([`draw_calibrated`]; all empty without `runs`). `guest`: an application of `built` the
-/// state does not hold yet.
-pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<Guest>) -> reserved::Expectations {
+/// What [`learn`] fills in besides the held containers' expected ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Learn {
+    /// Nothing more (the reservation's pass).
+    Ends,
+    /// Each waiting application's expected run too (an estimate that walks point ends).
+    Runs,
+    /// Runs, and the draws of the calibrated ends and runs (an estimate that draws them).
+    Draws,
+}
+
+/// [`learn_ends`], and with [`Learn::Runs`], how long each application of `built` is
+/// expected to hold its room once its waiting tasks start ([`reserved::run_of`]: each
+/// role's declared `maxRunSec`, calibrated by its user's ended runs when every role declares
+/// one, else learned as above), learned together; with [`Learn::Draws`], also the draws of
+/// the calibrated ends and runs ([`draw_calibrated`]; computed only then: they cost a pass
+/// over the held containers). `guest`: an application of `built` the state does not hold
+/// yet.
+pub(super) fn learn(st: &RmState, built: &mut Built, what: Learn, guest: Option<Guest>) -> reserved::Expectations {
+    let (runs, draws) = (what != Learn::Ends, what == Learn::Draws);
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
         .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Unknown))
@@ -346,7 +359,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
                 end_ms: Some(end.ceil() as u64),
                 basis: EndBasis::Calibrated,
             };
-            if runs && limit_ms > 0.0 {
+            if draws && limit_ms > 0.0 {
                 held_cal.push((h, user, (wall as f64 - from) / limit_ms, limit_ms));
             }
         }
@@ -356,7 +369,9 @@ pub(super) fn learn(st: &RmState, built: &mut Built, runs: bool, guest: Option<G
         if let (EndBasis::Declared, Some(ms), Some((user, cal))) = (run.basis, run.ms, cal_of(&app.id)) {
             run.ms = Some(((ms as f64) * cal.ratio).ceil().max(1.0) as u64);
             run.basis = EndBasis::Calibrated;
-            runs_cal.push((a, user, ms as f64));
+            if draws {
+                runs_cal.push((a, user, ms as f64));
+            }
         }
     }
     let mut out = reserved::Expectations::from(runs_out);
@@ -387,17 +402,14 @@ fn draw_calibrated<'a>(
     wall: u64,
 ) {
     use scheduler::survival::{self, Survival};
-    let users: std::collections::HashSet<&str> = held.iter().map(|h| h.1).chain(runs.iter().map(|r| r.1)).collect();
-    let dists: HashMap<&str, Survival> = users
+    // Each user's held shares (censored), in one pass over the held containers.
+    let mut censored: HashMap<&str, Vec<f64>> = runs.iter().map(|r| (r.1, Vec::new())).collect();
+    for h in held {
+        censored.entry(h.1).or_default().push(h.2.clamp(0.0, 1.0));
+    }
+    let dists: HashMap<&str, Survival> = censored
         .into_iter()
-        .filter_map(|user| {
-            let censored: Vec<f64> = held
-                .iter()
-                .filter(|h| h.1 == user)
-                .map(|h| h.2.clamp(0.0, 1.0))
-                .collect();
-            Some((user, Survival::learn(used(user)?, &censored)?))
-        })
+        .filter_map(|(user, running)| Some((user, Survival::learn(used(user)?, &running)?)))
         .collect();
     let floor = 1000.0;
     for &(h, user, elapsed, limit_ms) in held {
@@ -852,12 +864,13 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
     // One walk of the queue gives every waiting application its estimate.
     let (holder, mut estimates) = if due {
         let took = Instant::now();
-        let mut runs = learn(st, &mut built, true, None);
         // Drawn ends multiply the walks under the state lock: only where they are cheap.
-        if !drawing_fits(st.sched.walk_cost) {
-            runs.drawn_ends.clear();
-            runs.drawn_runs.clear();
-        }
+        let what = if drawing_fits(st.sched.walk_cost) {
+            Learn::Draws
+        } else {
+            Learn::Runs
+        };
+        let runs = learn(st, &mut built, what, None);
         let walks = if runs.drawn_ends.is_empty() && runs.drawn_runs.is_empty() {
             1
         } else {
@@ -1091,7 +1104,7 @@ fn estimate_input(
         user,
         name: req.name.as_deref(),
     });
-    let runs = learn(st, &mut built, true, guest);
+    let runs = learn(st, &mut built, Learn::Draws, guest);
     let shares = Shares::compute(&st.sched.tree, &built.snap);
     let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
     EstimateInput {

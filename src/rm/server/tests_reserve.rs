@@ -373,7 +373,12 @@ fn learned(
     let st = rm.shared.lock();
     let mut built = super::scheduling::snapshot(&st, Instant::now());
     // Without an application, the reservation path's `learn_ends` (no runs).
-    let runs = super::scheduling::learn(&st, &mut built, app.is_some(), None);
+    let what = if app.is_some() {
+        super::scheduling::Learn::Draws
+    } else {
+        super::scheduling::Learn::Ends
+    };
+    let runs = super::scheduling::learn(&st, &mut built, what, None);
     let h = built
         .snap
         .held
@@ -482,7 +487,7 @@ async fn a_job_run_again_is_expected_to_take_what_it_took_before() {
             waiting: vec![wait(1, 2)],
         });
         let guest = super::scheduling::Guest { user, name: Some(name) };
-        let runs = super::scheduling::learn(&st, &mut built, true, Some(guest));
+        let runs = super::scheduling::learn(&st, &mut built, super::scheduling::Learn::Draws, Some(guest));
         runs.runs[built.snap.apps.len() - 1]
     };
     let mine = guest_run(&user, "train");
@@ -580,7 +585,7 @@ async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
     {
         let st = rm.shared.lock();
         let mut built = super::scheduling::snapshot(&st, Instant::now());
-        let e = super::scheduling::learn(&st, &mut built, true, None);
+        let e = super::scheduling::learn(&st, &mut built, super::scheduling::Learn::Draws, None);
         let h = built
             .snap
             .held
@@ -594,10 +599,15 @@ async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
             e.drawn_runs.get(&a),
             Some(&[250_000; crate::rm::scheduler::survival::DRAWS])
         );
-        // The reservation's pass (`learn_ends`: no runs) draws nothing.
+        // The reservation's pass (`learn_ends`: no runs) and a pass that walks point ends
+        // (too costly to draw) draw nothing; the latter's runs are the same calibrated ones.
         let mut built = super::scheduling::snapshot(&st, Instant::now());
-        let e = super::scheduling::learn(&st, &mut built, false, None);
+        let e = super::scheduling::learn(&st, &mut built, super::scheduling::Learn::Ends, None);
         assert!(e.drawn_ends.is_empty() && e.drawn_runs.is_empty());
+        let mut built = super::scheduling::snapshot(&st, Instant::now());
+        let e = super::scheduling::learn(&st, &mut built, super::scheduling::Learn::Runs, None);
+        assert!(e.drawn_ends.is_empty() && e.drawn_runs.is_empty());
+        assert_eq!(e.runs[a].ms, Some(250_000));
     }
     // The runs were another user's: nothing of them calibrates this user's (one more ended
     // run of theirs: what is kept is computed again).
