@@ -32,6 +32,12 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The HMAC-SHA256 of `msg` under `key`, as lower-case hex (the dashboards' tickets).
+pub fn hmac_hex(key: &[u8], msg: &[u8]) -> String {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+    hex(ring::hmac::sign(&key, msg).as_ref())
+}
+
 /// The SHA-256 digest of a token as 64 lower-case hex digits (what a users file stores).
 pub fn sha256_hex(token: &str) -> String {
     hex(ring::digest::digest(&ring::digest::SHA256, token.as_bytes()).as_ref())
@@ -60,9 +66,8 @@ pub fn page_ticket(job_token: &str, expires: u64, who: &str) -> String {
 }
 
 fn page_ticket_mac(job_token: &str, expires: u64, who: &str) -> String {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, job_token.as_bytes());
     let msg = format!("gpuam-dashboard-page-ticket-v1\n{expires}\n{who}");
-    hex(ring::hmac::sign(&key, msg.as_bytes()).as_ref())
+    hmac_hex(job_token.as_bytes(), msg.as_bytes())
 }
 
 /// The user a page ticket ([`page_ticket`]) was made for (empty: not known), when

@@ -1160,8 +1160,7 @@ mod tests {
 
     /// The fixed bearer the RM's calls carried before this change (`gpuam-rm-to-agent-v1`).
     fn old_bearer(key: &[u8]) -> String {
-        let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
-        crate::auth::hex(ring::hmac::sign(&k, b"gpuam-rm-to-agent-v1").as_ref())
+        crate::auth::hmac_hex(key, b"gpuam-rm-to-agent-v1")
     }
 
     /// Bodies not yet checked are held within the agent's budget: past it a call is

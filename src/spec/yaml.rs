@@ -47,24 +47,27 @@ pub const MAX_ERRORS: usize = 100;
 /// stored tens of GB (eleventh audit pass, review).
 pub const MAX_KEPT: usize = 1_000;
 
-/// A quoted source name, field path or message is cut to this many bytes (on a character
-/// boundary, with `…`).
+/// A quoted source name or field path segment is cut to this many characters (with `…`), a
+/// message to four times as many.
 pub const MAX_QUOTED: usize = 256;
 
-/// `text`, cut to [`MAX_QUOTED`] bytes on a character boundary (with `…` when cut).
-pub fn clipped(text: &str) -> String {
-    clipped_to(text, MAX_QUOTED)
+/// `text` cut to its first `max` characters, with `…` when cut (the one cutter of
+/// [`clip`] and [`clipped`]).
+fn cut(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    match text.char_indices().nth(max) {
+        None => std::borrow::Cow::Borrowed(text),
+        Some((end, _)) => std::borrow::Cow::Owned(format!("{}…", &text[..end])),
+    }
 }
 
-fn clipped_to(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
+/// `text`, cut to [`MAX_QUOTED`] characters (a source name, a field path).
+pub fn clipped(text: &str) -> String {
+    cut(text, MAX_QUOTED).into_owned()
+}
+
+/// A message, cut to 4 × [`MAX_QUOTED`] characters.
+fn clipped_message(text: &str) -> String {
+    cut(text, 4 * MAX_QUOTED).into_owned()
 }
 
 /// A 1-based position in the source; `line == 0` means "no position".
@@ -199,13 +202,7 @@ impl Node {
 /// to 60 characters, and shown as a terminal may show it ([`crate::text::shown_line`]: a
 /// spec's ESC, newline or bidi control is written as its escape, `\u{1b}`).
 pub fn clip(s: &str) -> String {
-    const MAX: usize = 60;
-    if s.chars().count() <= MAX {
-        crate::text::shown_line(s).into_owned()
-    } else {
-        let head: String = s.chars().take(MAX).collect();
-        format!("{}…", crate::text::shown_line(&head))
-    }
+    crate::text::shown_line(&cut(s, 60)).into_owned()
 }
 
 /// A problem found while reading the YAML itself.
@@ -269,13 +266,7 @@ struct Builder {
 /// segment longer than [`MAX_QUOTED`] is cut (paths name places for people; a hostile key
 /// of 500 KB would otherwise be copied into the path of every node below it).
 pub fn join(parent: &str, child: &str) -> String {
-    let cut;
-    let child = if child.len() > MAX_QUOTED {
-        cut = clipped(child);
-        cut.as_str()
-    } else {
-        child
-    };
+    let child = cut(child, MAX_QUOTED);
     if parent.is_empty() {
         child.to_string()
     } else if child.starts_with('[') {
@@ -294,7 +285,7 @@ impl Builder {
         self.issues.push(YamlIssue {
             pos,
             field: clipped(field),
-            message: clipped_to(&message, 4 * MAX_QUOTED),
+            message: clipped_message(&message),
             fix: fix.to_string(),
         });
     }
@@ -668,7 +659,7 @@ impl Diags {
             line: pos.line,
             col: pos.col,
             field: clipped(field),
-            message: clipped_to(&message.into(), 4 * MAX_QUOTED),
+            message: clipped_message(&message.into()),
             fix: fix.into(),
         });
     }

@@ -53,9 +53,8 @@ pub fn ticket(job_token: &str, subject: &str, expires: u64) -> String {
 }
 
 fn ticket_mac(job_token: &str, subject: &str, expires: u64) -> String {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, job_token.as_bytes());
     let msg = format!("gpuam-dashboard-events-ticket-v2\n{expires}\n{subject}");
-    crate::auth::hex(ring::hmac::sign(&key, msg.as_bytes()).as_ref())
+    crate::auth::hmac_hex(job_token.as_bytes(), msg.as_bytes())
 }
 
 /// The subject (a credential's SHA-256) of `presented` when it is a ticket this job token
