@@ -452,6 +452,13 @@ impl RenderBudget {
         n <= MAX_RENDER_NOTES
     }
 
+    /// A placeholder error at `node` under `path`, listed while within [`Self::note`]'s cap.
+    fn error(&self, d: &mut Diags, w: &Warnings, node: &Node, path: &str, message: String, fix: &str) {
+        if self.note(w, node, path, true) {
+            d.at(node.pos, path, message, fix);
+        }
+    }
+
     /// Takes `n` more bytes; over the budget reports the overflow once, at `node`'s line
     /// under `path`, and returns false.
     fn take(&self, d: &mut Diags, node: &Node, path: &str, n: usize) -> bool {
@@ -543,14 +550,14 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
             "$output" => ctx.output,
             _ => {
                 // Past the cap the spec is refused all the same (`ok`), by the errors shown.
-                if budget.note(w, node, path, true) {
-                    d.at(
-                        node.pos,
-                        path,
-                        format!("unsupported placeholder `<% {} %>`", clip(raw)),
-                        "use `<% $parameters.NAME %>`, `$secrets.NAME`, `$data.uri[0]`, `$script.uri` or `$output.uri`",
-                    );
-                }
+                budget.error(
+                    d,
+                    w,
+                    node,
+                    path,
+                    format!("unsupported placeholder `<% {} %>`", clip(raw)),
+                    "use `<% $parameters.NAME %>`, `$secrets.NAME`, `$data.uri[0]`, `$script.uri` or `$output.uri`",
+                );
                 ok = false;
                 continue;
             }
@@ -594,14 +601,14 @@ pub fn render(d: &mut Diags, w: &Warnings, text: &str, node: &Node, path: &str, 
                 }
             }
             Some((_, Value::Map(_) | Value::Seq(_))) => {
-                if budget.note(w, node, path, true) {
-                    d.at(
-                        node.pos,
-                        path,
-                        format!("`{}` is not a single value", clip(expr)),
-                        "refer to a field that holds text or a number",
-                    );
-                }
+                budget.error(
+                    d,
+                    w,
+                    node,
+                    path,
+                    format!("`{}` is not a single value", clip(expr)),
+                    "refer to a field that holds text or a number",
+                );
                 ok = false;
             }
             Some((v, _)) => {

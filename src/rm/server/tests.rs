@@ -854,15 +854,7 @@ async fn an_am_that_ignores_the_notice_loses_the_container_at_the_deadline() {
 
     // The cluster page's JSON and /metrics.
     let http = crate::tls::http_client();
-    let ov: serde_json::Value = http
-        .get(format!("{}/ws/v1/cluster/overview", rm.base_url()))
-        .bearer_auth(rm.admin_token())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ov = admins_overview(&rm).await;
     let qb = ov["queues"]
         .as_array()
         .unwrap()
@@ -1058,6 +1050,19 @@ async fn a_held_heartbeat_is_answered_when_a_container_of_the_job_ends_or_it_is_
     assert_eq!(resp.command, Some(AmCommand::Shutdown));
 }
 
+/// The cluster page's JSON (`/ws/v1/cluster/overview`) as the admin sees it.
+async fn admins_overview(rm: &RmHandle) -> Value {
+    crate::tls::http_client()
+        .get(format!("{}/ws/v1/cluster/overview", rm.base_url()))
+        .bearer_auth(rm.admin_token())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 /// An RM without AMs of its own on one node `n1` of 4 cores and two GPUs, its work below
 /// `dir`.
 async fn one_node_rm(dir: &std::path::Path) -> RmHandle {
@@ -1096,17 +1101,8 @@ async fn the_cluster_page_links_a_dashboard_with_a_ticket_and_a_final_job_nowher
         am.register(&reg).await.unwrap();
         ids.push(id);
     }
-    let http = crate::tls::http_client();
     let overview = || async {
-        let ov: Value = http
-            .get(format!("{}/ws/v1/cluster/overview", rm.base_url()))
-            .bearer_auth(rm.admin_token())
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let ov = admins_overview(&rm).await;
         let row = |id: &str| {
             ov["apps"]
                 .as_array()
