@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Path as UrlPath, State};
@@ -26,20 +26,11 @@ use crate::spec::JobSpec;
 /// 1 MiB and renders to at most `spec::openpai::MAX_RENDERED_BYTES`, but each check is
 /// CPU and memory: unbounded, a few users submitting in loops starved the async workers
 /// (node heartbeats failed, a host was marked LOST) and grew the RM by gigabytes.
-const SPEC_CHECKS: usize = 2;
+pub(super) const SPEC_CHECKS: usize = 2;
 /// How long a submit waits for a free spec check before it is told to retry (429).
 const SPEC_CHECK_WAIT: Duration = Duration::from_secs(2);
 /// The `Retry-After` of that 429, seconds.
 const SPEC_CHECK_RETRY_AFTER: u64 = 1;
-
-/// The RM's spec-check permits (one per process: every RM in it shares them; the shared
-/// RM state is not this file's, and one RM runs per process outside tests).
-fn spec_checks() -> Arc<tokio::sync::Semaphore> {
-    static CHECKS: OnceLock<Arc<tokio::sync::Semaphore>> = OnceLock::new();
-    CHECKS
-        .get_or_init(|| Arc::new(tokio::sync::Semaphore::new(SPEC_CHECKS)))
-        .clone()
-}
 
 /// Parses and validates a submitted job spec on a blocking thread, holding one of
 /// `checks`' permits for as long as it runs (the permit goes with the thread, so a caller
@@ -209,7 +200,7 @@ pub(super) async fn submit_app(
     transactions::check_submit(&mut rm.lock(), &rm.limits, &id, caller.name())?;
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
     // Off the async workers and bounded: the check of a spec costs CPU and memory.
-    let (spec, job_text) = check_spec(spec_checks(), SPEC_CHECK_WAIT, req.job_spec, source).await?;
+    let (spec, job_text) = check_spec(rm.spec_checks.clone(), SPEC_CHECK_WAIT, req.job_spec, source).await?;
     let queue = admit_to_queue(&rm, spec.queue.as_deref(), caller.name())?;
 
     // Claim the id (a concurrent submit of the same id loses here).

@@ -362,6 +362,9 @@ struct Shared {
     /// every node and container under the state lock, which a caller's flood must not
     /// hold for the AMs' and agents' calls (429 while one runs).
     estimating: tokio::sync::Semaphore,
+    /// Submitted job specs being checked ([`applications::SPEC_CHECKS`] at once, each on a
+    /// blocking thread that holds its permit).
+    spec_checks: std::sync::Arc<tokio::sync::Semaphore>,
     /// The addresses whose connections take the listener's reserved pool: this host's
     /// (its AMs, its CLI), this RM's own address, and each live node agent's as its
     /// authenticated calls came from (audit 5 F4: a flood from other sources cannot
@@ -596,6 +599,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         node_view_lean: Mutex::new(NodeView::new(ObjectForm::Lean, incarnation)),
         node_view_compact: Mutex::new(NodeView::new(ObjectForm::Shape, incarnation)),
         estimating: tokio::sync::Semaphore::new(1),
+        spec_checks: std::sync::Arc::new(tokio::sync::Semaphore::new(applications::SPEC_CHECKS)),
         reserved_peers: {
             let r = crate::tls::ReservedPeers::this_host();
             // The AMs this RM starts connect to `base_url`, so from its address.
