@@ -735,7 +735,8 @@ fn spawn_nodes_reload(path: PathBuf, agents: Arc<crate::node::remote::AgentNodes
 }
 
 /// The scheduling pass every [`scheduling::TICK`]: preemption deadlines, new victims (their
-/// nodes are told at once; their AMs in their next answers) and why applications wait.
+/// nodes are told at once; their AMs in their next answers), why applications wait, and
+/// when due their start estimates (walked off the state lock).
 fn spawn_scheduler(shared: Arc<Shared>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut every = tokio::time::interval(scheduling::TICK);
@@ -751,6 +752,18 @@ fn spawn_scheduler(shared: Arc<Shared>) -> JoinHandle<()> {
                 work
             };
             spawn_stops(&shared, work.ended);
+            if let Some(pass) = work.estimates {
+                // The estimates' walks, off the state and off the async workers; the state
+                // is locked again only to write what they found.
+                let s = shared.clone();
+                tokio::spawn(async move {
+                    let walked = tokio::task::spawn_blocking(move || pass.walk()).await;
+                    if let Err(e) = &walked {
+                        tracing::error!("the start estimates failed: {e}");
+                    }
+                    scheduling::estimated(&mut s.lock(), walked.ok());
+                });
+            }
             for (host, id, deadline_ms, reason) in work.notify {
                 let s = shared.clone();
                 tokio::spawn(async move {

@@ -42,9 +42,9 @@ pub(super) struct SchedState {
     /// When the start estimates were last computed, and how long that took (see
     /// [`estimates_due`]).
     pub(super) estimated: Option<(Instant, Duration)>,
-    /// What one walk of the queue cost in the last estimates (their time over their walks):
-    /// whether the next may draw ([`drawing_fits`]).
-    pub(super) walk_cost: Option<Duration>,
+    /// Whether an [`EstimatePass`] is out (taken, not yet handed back to [`estimated`]):
+    /// no other is taken meanwhile.
+    pub(super) estimating: bool,
     /// Each user's calibration of declared limits ([`calibrations`]), as of the ledger's
     /// [`crate::rm::ledger::Ledger::used_version`]: computed again (one pass over the
     /// applications) only when an ended run that declared a limit was noted or forgotten,
@@ -68,23 +68,10 @@ const ESTIMATE_EVERY: Duration = Duration::from_secs(1);
 /// took `d`, the next comes no sooner than `d` × this.
 const ESTIMATE_SPACING: u32 = 20;
 
-/// The longest the scheduling pass's estimates may hold the RM's state for drawn ends
-/// (issue 27: calibrated ends drawn, the median of [`scheduler::survival::DRAWS`] walks and
-/// the point walk): where one walk costs more than this over their number (a large, busy
-/// cluster: 10,000 nodes take 10–40 ms a walk), the pass walks the point ends alone
-/// ([`drawing_fits`]). `gpuam plan --rm`'s estimate, walked off the lock, always draws.
-const MAX_DRAWN_PASS: Duration = Duration::from_millis(100);
-
-/// Whether the scheduling pass's estimates may draw, given the cost of one walk in the
-/// last pass (`None`: none yet).
-pub(super) fn drawing_fits(walk: Option<Duration>) -> bool {
-    let walks = scheduler::survival::DRAWS as u32 + 1;
-    walk.is_none_or(|w| w.saturating_mul(walks) <= MAX_DRAWN_PASS)
-}
-
 /// Whether the start estimates are due at `now`, after the last ones (when, and how long
 /// they took): once per [`ESTIMATE_EVERY`], and on a cluster where they take long (a large,
-/// busy one) no more than 1/[`ESTIMATE_SPACING`] of the time.
+/// busy one: its walks run off the state, but they still take a CPU) no more than
+/// 1/[`ESTIMATE_SPACING`] of the time.
 pub(super) fn estimates_due(last: Option<(Instant, Duration)>, now: Instant) -> bool {
     last.is_none_or(|(t, took)| {
         now.saturating_duration_since(t) >= ESTIMATE_EVERY.max(took.saturating_mul(ESTIMATE_SPACING))
@@ -101,7 +88,7 @@ impl SchedState {
             waited_last_pass: true,
             reserve: default_reserve_policy(),
             estimated: None,
-            walk_cost: None,
+            estimating: false,
             calibrations: std::sync::Mutex::new(None),
             no_victims_before: None,
         }
@@ -269,21 +256,20 @@ pub(super) struct Guest<'a> {
 pub(super) enum Learn {
     /// Nothing more (the reservation's pass).
     Ends,
-    /// Each waiting application's expected run too (an estimate that walks point ends).
-    Runs,
-    /// Runs, and the draws of the calibrated ends and runs (an estimate that draws them).
+    /// Each waiting application's expected run too, and the draws of the calibrated ends
+    /// and runs (an estimate).
     Draws,
 }
 
-/// [`learn_ends`], and with [`Learn::Runs`], how long each application of `built` is
+/// [`learn_ends`], and with [`Learn::Draws`], how long each application of `built` is
 /// expected to hold its room once its waiting tasks start ([`reserved::run_of`]: each
 /// role's declared `maxRunSec`, calibrated by its user's ended runs when every role declares
-/// one, else learned as above), learned together; with [`Learn::Draws`], also the draws of
-/// the calibrated ends and runs ([`draw_calibrated`]; computed only then: they cost a pass
-/// over the held containers). `guest`: an application of `built` the state does not hold
-/// yet.
+/// one, else learned as above), learned together, and the draws of the calibrated ends and
+/// runs ([`draw_calibrated`]; a pass over the held containers, so not for the reservation's
+/// pass). `guest`: an application of `built` the state does not hold yet.
 pub(super) fn learn(st: &RmState, built: &mut Built, what: Learn, guest: Option<Guest>) -> reserved::Expectations {
-    let (runs, draws) = (what != Learn::Ends, what == Learn::Draws);
+    // Runs and draws: only for an estimate.
+    let estimate = what == Learn::Draws;
     let wall = now_ms();
     let unknown: Vec<usize> = (0..built.snap.held.len())
         .filter(|&h| built.snap.ends.get(h).is_some_and(|e| e.basis == EndBasis::Unknown))
@@ -292,7 +278,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, what: Learn, guest: Option<
         let c = st.ledger.container(&built.snap.held[h].container_id)?;
         Some((c.app_id.clone(), c.role()?.to_string()))
     });
-    let waiting_want = built.snap.apps.iter().filter(|_| runs).flat_map(|a| {
+    let waiting_want = built.snap.apps.iter().filter(|_| estimate).flat_map(|a| {
         a.waiting
             .iter()
             .filter(|w| w.count > 0 && w.max_run_sec.is_none())
@@ -320,7 +306,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, what: Learn, guest: Option<
             None => guest.filter(|_| id == GUEST).map(|g| g.user),
         }
     };
-    let mut runs_out: Vec<reserved::Run> = if runs {
+    let mut runs_out: Vec<reserved::Run> = if estimate {
         built
             .snap
             .apps
@@ -359,7 +345,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, what: Learn, guest: Option<
                 end_ms: Some(end.ceil() as u64),
                 basis: EndBasis::Calibrated,
             };
-            if draws && limit_ms > 0.0 {
+            if estimate && limit_ms > 0.0 {
                 held_cal.push((h, user, (wall as f64 - from) / limit_ms, limit_ms));
             }
         }
@@ -369,7 +355,7 @@ pub(super) fn learn(st: &RmState, built: &mut Built, what: Learn, guest: Option<
         if let (EndBasis::Declared, Some(ms), Some((user, cal))) = (run.basis, run.ms, cal_of(&app.id)) {
             run.ms = Some(((ms as f64) * cal.ratio).ceil().max(1.0) as u64);
             run.basis = EndBasis::Calibrated;
-            if draws {
+            if estimate {
                 runs_cal.push((a, user, ms as f64));
             }
         }
@@ -730,6 +716,87 @@ pub(super) struct TickWork {
     pub(super) ended: Vec<Ended>,
     /// (host, container, deadline, reason) of new notices for running containers.
     pub(super) notify: Vec<(String, String, u64, String)>,
+    /// The start estimates due, to walk off the state ([`EstimatePass::walk`]) and then
+    /// hand back ([`estimated`]).
+    pub(super) estimates: Option<EstimatePass>,
+}
+
+/// One scheduling pass's start estimates (issue 27), taken out of the state: the
+/// snapshot, the reservation and what was learned of the ends and runs. Their walks (the
+/// point walk and, with drawn ends, [`scheduler::survival::DRAWS`] more: 10–40 ms each on a
+/// busy 10,000-node cluster) run off the RM's state lock and off the async workers; only
+/// [`estimated`] takes the lock again, to write what they found.
+pub(super) struct EstimatePass {
+    input: EstimateInput,
+    /// Each application of the snapshot: its id, index and why the pass's plan found it
+    /// waiting.
+    why: Vec<(String, usize, Option<scheduler::WaitReason>)>,
+    /// When the pass was taken (its spacing counts from here).
+    began: Instant,
+}
+
+/// What an [`EstimatePass`]'s walks found: every application's estimate, and what the
+/// walks cost.
+pub(super) struct Walked {
+    pass: EstimatePass,
+    estimates: Vec<Option<reserved::StartEstimate>>,
+    took: Duration,
+}
+
+impl EstimatePass {
+    /// The walks: the only part that takes long, and needs nothing of the state.
+    pub(super) fn walk(self) -> Walked {
+        let t = Instant::now();
+        let estimates = self.input.walk();
+        Walked {
+            pass: self,
+            estimates,
+            took: t.elapsed(),
+        }
+    }
+}
+
+/// Writes what an [`EstimatePass`]'s walks found (`None`: they failed; nothing is written),
+/// and lets the next pass be taken once [`estimates_due`]. An application that has started
+/// or gone since the pass was taken gets nothing; one still waiting gets its estimate and,
+/// where it waits behind the reservation and nothing else names a cause, that cause.
+pub(super) fn estimated(st: &mut RmState, walked: Option<Walked>) {
+    st.sched.estimating = false;
+    let Some(Walked {
+        pass,
+        mut estimates,
+        took,
+    }) = walked
+    else {
+        return;
+    };
+    st.sched.estimated = Some((pass.began, took));
+    let EstimatePass { input, why, .. } = pass;
+    let wall = input.wall;
+    for (id, a, why) in why {
+        let Some(app) = st.apps.get_mut(&id) else { continue };
+        if app.report.state.is_final() || app.waiting.since_ms.is_none() {
+            continue;
+        }
+        let queue_cause = why.as_ref().filter(|w| w.reason().kind.is_queue()).map(|w| w.code());
+        let est = estimates
+            .get_mut(a)
+            .and_then(Option::take)
+            .map(|e| reserved::held_by_queue(e, queue_cause, wall));
+        let behind_reservation = est.as_ref().is_some_and(|e| e.after_reservation_of.is_some())
+            && matches!(why, None | Some(scheduler::WaitReason::NothingFits));
+        match (&input.holder, behind_reservation) {
+            (Some(h), true) => app.waiting.set_why(Some(&scheduler::WaitReason::Reserved {
+                gang: reserved::holder_label(&input.built.snap, h),
+                start_ms: h.reservation.start_ms,
+                now_ms: wall,
+            })),
+            // A reservation cause kept from the last estimates that no longer holds.
+            _ if app.waiting.why.as_ref().is_some_and(|(c, _)| *c == "reserved") => app.waiting.set_why(why.as_ref()),
+            _ => {}
+        }
+        app.waiting.estimate = est;
+    }
 }
 
 /// The running containers past their declared run-time limit at `wall` (ms since the
@@ -856,62 +923,42 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
             );
         }
     }
-    // Start estimates (issue 27), when due: one reservation, then each waiting
-    // application's expected start by the same rule.
-    let due = estimates_due(st.sched.estimated, now);
-    let wall = now_ms();
-    let mut built = built;
-    // One walk of the queue gives every waiting application its estimate.
-    let (holder, mut estimates) = if due {
-        let took = Instant::now();
-        // Drawn ends multiply the walks under the state lock: only where they are cheap.
-        let what = if drawing_fits(st.sched.walk_cost) {
-            Learn::Draws
-        } else {
-            Learn::Runs
-        };
-        let runs = learn(st, &mut built, what, None);
-        let walks = if runs.drawn_ends.is_empty() && runs.drawn_runs.is_empty() {
-            1
-        } else {
-            scheduler::survival::DRAWS as u32 + 1
-        };
-        let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
-        let e = reserved::estimates(&built.snap, &shares, holder.as_ref(), &runs, wall, None);
-        let took = took.elapsed();
-        st.sched.estimated = Some((now, took));
-        st.sched.walk_cost = Some(took / walks);
-        (holder, e)
-    } else {
-        (None, Vec::new())
-    };
     for (id, &a) in &built.apps {
         let Some(app) = st.apps.get_mut(id) else { continue };
-        let mut why = plan.why.get(a).cloned().flatten();
-        if due {
-            let queue_cause = why.as_ref().filter(|w| w.reason().kind.is_queue()).map(|w| w.code());
-            let est = estimates
-                .get_mut(a)
-                .and_then(Option::take)
-                .map(|e| reserved::held_by_queue(e, queue_cause, wall));
-            // Behind another gang's reservation where nothing else names a cause.
-            if let (Some(e), Some(h)) = (&est, &holder) {
-                if e.after_reservation_of.is_some() && matches!(why, None | Some(scheduler::WaitReason::NothingFits)) {
-                    why = Some(scheduler::WaitReason::Reserved {
-                        gang: reserved::holder_label(&built.snap, h),
-                        start_ms: h.reservation.start_ms,
-                        now_ms: wall,
-                    });
-                }
-            }
-            app.waiting.estimate = est;
-        } else if app.waiting.why.as_ref().is_some_and(|(c, _)| *c == "reserved")
-            && matches!(why, None | Some(scheduler::WaitReason::NothingFits))
-        {
-            // Keep the last pass's reservation cause until the estimates are computed again.
-            continue;
+        let why = plan.why.get(a).cloned().flatten();
+        // Keep the last estimates' reservation cause until they are computed again.
+        let reserved_kept = app.waiting.why.as_ref().is_some_and(|(c, _)| *c == "reserved")
+            && matches!(why, None | Some(scheduler::WaitReason::NothingFits));
+        if !reserved_kept {
+            app.waiting.set_why(why.as_ref());
         }
-        app.waiting.set_why(why.as_ref());
+    }
+    // Start estimates (issue 27), when due and none are out: one reservation, then each
+    // waiting application's expected start by the same rule, walked off the state
+    // ([`EstimatePass`]).
+    if !st.sched.estimating && estimates_due(st.sched.estimated, now) {
+        let mut built = built;
+        let wall = now_ms();
+        let runs = learn(st, &mut built, Learn::Draws, None);
+        let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
+        let why = built
+            .apps
+            .iter()
+            .map(|(id, &a)| (id.clone(), a, plan.why.get(a).cloned().flatten()))
+            .collect();
+        st.sched.estimating = true;
+        work.estimates = Some(EstimatePass {
+            input: EstimateInput {
+                built,
+                shares,
+                holder,
+                runs,
+                me: None,
+                wall,
+            },
+            why,
+            began: now,
+        });
     }
     work
 }
@@ -1050,30 +1097,35 @@ pub(super) async fn post_estimate(
         })
 }
 
-/// What [`reserved::estimates`] needs for a job not yet submitted (see [`post_estimate`]):
-/// the state's snapshot with the job added as the newest application of its queue.
+/// What [`reserved::estimates`] needs, taken from the state: for a scheduling pass
+/// ([`EstimatePass`]), or for a job not yet submitted ([`post_estimate`]: the state's
+/// snapshot with the job added as the newest application of its queue, `me`).
 struct EstimateInput {
     built: Built,
     shares: Shares,
     holder: Option<reserved::Holder>,
     runs: reserved::Expectations,
-    me: usize,
+    me: Option<usize>,
     wall: u64,
 }
 
 impl EstimateInput {
-    fn estimate(self) -> crate::protocol::StartEstimate {
-        let e = reserved::estimates(
+    /// Every application's estimate (their walks: no state needed).
+    fn walk(&self) -> Vec<Option<reserved::StartEstimate>> {
+        reserved::estimates(
             &self.built.snap,
             &self.shares,
             self.holder.as_ref(),
             &self.runs,
             self.wall,
-            Some(self.me),
-        );
-        e.into_iter()
-            .nth(self.me)
-            .flatten()
+            self.me,
+        )
+    }
+
+    /// The job not yet submitted's estimate.
+    fn estimate(self) -> crate::protocol::StartEstimate {
+        let me = self.me;
+        me.and_then(|me| self.walk().into_iter().nth(me).flatten())
             .unwrap_or_else(|| reserved::nothing_waits(self.wall))
     }
 }
@@ -1112,7 +1164,7 @@ fn estimate_input(
         shares,
         holder,
         runs,
-        me,
+        me: Some(me),
         wall,
     }
 }

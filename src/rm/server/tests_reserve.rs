@@ -599,15 +599,11 @@ async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
             e.drawn_runs.get(&a),
             Some(&[250_000; crate::rm::scheduler::survival::DRAWS])
         );
-        // The reservation's pass (`learn_ends`: no runs) and a pass that walks point ends
-        // (too costly to draw) draw nothing; the latter's runs are the same calibrated ones.
+        assert_eq!(e.runs[a].ms, Some(250_000));
+        // The reservation's pass (`learn_ends`: no runs) draws nothing.
         let mut built = super::scheduling::snapshot(&st, Instant::now());
         let e = super::scheduling::learn(&st, &mut built, super::scheduling::Learn::Ends, None);
-        assert!(e.drawn_ends.is_empty() && e.drawn_runs.is_empty());
-        let mut built = super::scheduling::snapshot(&st, Instant::now());
-        let e = super::scheduling::learn(&st, &mut built, super::scheduling::Learn::Runs, None);
-        assert!(e.drawn_ends.is_empty() && e.drawn_runs.is_empty());
-        assert_eq!(e.runs[a].ms, Some(250_000));
+        assert!(e.drawn_ends.is_empty() && e.drawn_runs.is_empty() && e.runs.is_empty());
     }
     // The runs were another user's: nothing of them calibrates this user's (one more ended
     // run of theirs: what is kept is computed again).
@@ -616,17 +612,6 @@ async fn a_declared_end_is_calibrated_by_what_its_users_ended_runs_used() {
     let (end, run) = now();
     assert_eq!((end.basis, run.basis), (EndBasis::Declared, EndBasis::Declared));
     rm.shutdown().await;
-}
-
-/// The scheduling pass draws calibrated ends only while its walks together stay cheap (they
-/// hold the RM's state): a walk of 6 ms may be drawn 15 times more, one of 7 ms not.
-#[test]
-fn the_pass_draws_only_while_its_walks_are_cheap() {
-    use super::scheduling::drawing_fits;
-    assert!(drawing_fits(None));
-    assert!(drawing_fits(Some(Duration::from_millis(6))));
-    assert!(!drawing_fits(Some(Duration::from_millis(7))));
-    assert!(!drawing_fits(Some(Duration::from_secs(3600))));
 }
 
 /// The estimates come once a second, and on a cluster where one pass takes long, no more

@@ -1263,6 +1263,78 @@ mod tests {
         st.ledger.audit_usage().unwrap();
     }
 
+    /// The scheduling pass hands its start estimates out to be walked off the state, one
+    /// pass at a time, and writes what they found only for applications still waiting: one
+    /// that started waiting behind a declared end is told that end; one that stopped
+    /// waiting while the walks ran is told nothing; a failed walk writes nothing and lets the
+    /// next pass be taken.
+    #[test]
+    fn start_estimates_are_walked_off_the_state_and_written_only_where_still_waiting() {
+        use crate::protocol::WaitingTasks;
+        let m = state(Store::memory());
+        let now = Instant::now();
+        let mut st = guard(&m);
+        let holder = app(&mut st);
+        let mut both = ask(1, 0x3, &[5000]);
+        both.max_run_sec = Some(600);
+        let granted = allocate_asks(&mut st, &holder, 0, vec![both], vec![]).answer;
+        assert_eq!(granted.allocated.len(), 1);
+        let waits = WaitingTasks {
+            role: "w".into(),
+            count: 1,
+            gpus: 1,
+            cpu: 1,
+            memory_mb: 10,
+            max_run_sec: Some(60),
+            ..Default::default()
+        };
+        let (stays, leaves) = (app(&mut st), app(&mut st));
+        for id in [&stays, &leaves] {
+            st.apps.get_mut(id).unwrap().waiting.report(vec![waits.clone()], now);
+        }
+        let pass = scheduling::tick(&mut st, now).estimates.expect("estimates are due");
+        assert!(st.sched.estimating);
+        assert!(
+            scheduling::tick(&mut st, now + Duration::from_secs(5))
+                .estimates
+                .is_none(),
+            "one pass out at a time"
+        );
+        drop(st);
+        // The walks need nothing of the state: it is free while they run.
+        let walked = pass.walk();
+        let mut st = guard(&m);
+        st.apps.get_mut(&leaves).unwrap().waiting.report(Vec::new(), now);
+        scheduling::estimated(&mut st, Some(walked));
+        assert!(!st.sched.estimating);
+        let told = st
+            .apps
+            .get(&stays)
+            .unwrap()
+            .waiting
+            .estimate
+            .clone()
+            .expect("still waiting: told");
+        let end = st.ledger.container(&granted.allocated[0].container_id).unwrap();
+        let declared = end.declared_end_ms().expect("a declared limit");
+        assert!(
+            told.start_ms.is_some_and(|s| s.abs_diff(declared) <= 60_000),
+            "starts when the holder's declared end frees the GPUs: {told:?}, end {declared}"
+        );
+        assert!(
+            st.apps.get(&leaves).unwrap().waiting.estimate.is_none(),
+            "no longer waits: told nothing"
+        );
+        // A failed walk writes nothing, and the next pass comes when due.
+        let due = now + Duration::from_secs(2);
+        let pass = scheduling::tick(&mut st, due).estimates.expect("due again");
+        drop(pass);
+        scheduling::estimated(&mut st, None);
+        assert!(!st.sched.estimating);
+        assert_eq!(st.apps.get(&stays).unwrap().waiting.estimate, Some(told));
+        assert!(scheduling::tick(&mut st, due).estimates.is_some());
+    }
+
     /// A removed host frees everything on it once: a running container ends for its
     /// application (told once), a held one is freed without a second report; the admin's
     /// refusals (a cluster-file host; running containers without force; wiping a RUNNING
