@@ -1,11 +1,11 @@
 //! Application endpoints: new-application, submit, list, report, attempts and kill. What
 //! they change in the state is a transaction of `transactions`; the job file and the AM
 //! launch are done here, and so is the submit's spec check: off the async workers, at most
-//! [`SPEC_CHECKS`] at a time, 429 when none is free within [`SPEC_CHECK_WAIT`].
+//! [`SPEC_CHECKS`] at a time and one per user, 429 when none is free within
+//! [`SPEC_CHECK_WAIT`].
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Path as UrlPath, State};
@@ -39,23 +39,23 @@ const SPEC_CHECK_RETRY_AFTER: u64 = 1;
 /// 500 if the check itself failed (a panic in the parser), never a panic here. The text
 /// comes back with the spec (it is written as the job file).
 async fn check_spec(
-    checks: Arc<tokio::sync::Semaphore>,
+    checks: &super::fair::FairPermits,
+    who: &str,
     wait: Duration,
     text: String,
     source: String,
 ) -> Result<(JobSpec, String), ApiError> {
-    let permit = match tokio::time::timeout(wait, checks.clone().acquire_owned()).await {
-        Ok(Ok(p)) => p,
-        // Elapsed, or (never: the semaphore is not closed) closed.
-        Ok(Err(_)) | Err(_) => {
+    let permit = match checks.acquire(who, wait).await {
+        Some(p) => p,
+        None => {
             return Err(ApiError {
                 retry_after: Some(SPEC_CHECK_RETRY_AFTER),
                 ..ApiError::new(
                     StatusCode::TOO_MANY_REQUESTS,
                     "BUSY",
                     format!(
-                        "the RM is checking as many job specs as it takes at once ({}); nothing was submitted: \
-                         submit again in a second",
+                        "the RM is checking as many job specs as it takes at once ({}, one per user), or one of \
+                         yours; nothing was submitted: submit again in a second",
                         SPEC_CHECKS
                     ),
                 )
@@ -200,7 +200,7 @@ pub(super) async fn submit_app(
     transactions::check_submit(&mut rm.lock(), &rm.limits, &id, caller.name())?;
     let source = req.job_spec_name.clone().unwrap_or_else(|| "job.yaml".into());
     // Off the async workers and bounded: the check of a spec costs CPU and memory.
-    let (spec, job_text) = check_spec(rm.spec_checks.clone(), SPEC_CHECK_WAIT, req.job_spec, source).await?;
+    let (spec, job_text) = check_spec(&rm.spec_checks, caller.name(), SPEC_CHECK_WAIT, req.job_spec, source).await?;
     let queue = admit_to_queue(&rm, spec.queue.as_deref(), caller.name())?;
 
     // Claim the id (a concurrent submit of the same id loses here).
@@ -353,8 +353,8 @@ mod spec_check_tests {
     #[tokio::test]
     async fn no_free_permit_is_429_with_retry_after() {
         // No permit at all: the wait can only run out, whatever the machine's load.
-        let checks = Arc::new(tokio::sync::Semaphore::new(0));
-        let e = check_spec(checks, Duration::ZERO, SPEC.into(), "job.yaml".into())
+        let checks = super::super::fair::FairPermits::new(0, 1);
+        let e = check_spec(&checks, "alice", Duration::ZERO, SPEC.into(), "job.yaml".into())
             .await
             .expect_err("a busy RM refuses");
         assert_eq!((e.status, e.code), (StatusCode::TOO_MANY_REQUESTS, "BUSY"));
@@ -368,14 +368,21 @@ mod spec_check_tests {
 
     #[tokio::test]
     async fn a_free_permit_checks_the_spec_and_is_given_back() {
-        let checks = Arc::new(tokio::sync::Semaphore::new(1));
-        let (spec, text) = check_spec(checks.clone(), Duration::from_secs(60), SPEC.into(), "job.yaml".into())
-            .await
-            .expect("a valid spec");
+        let checks = super::super::fair::FairPermits::new(1, 1);
+        let (spec, text) = check_spec(
+            &checks,
+            "alice",
+            Duration::from_secs(60),
+            SPEC.into(),
+            "job.yaml".into(),
+        )
+        .await
+        .expect("a valid spec");
         assert_eq!((spec.name.as_str(), text.as_str()), ("job", SPEC));
-        assert_eq!(checks.available_permits(), 1);
+        assert_eq!(checks.available(), 1);
         let e = check_spec(
-            checks.clone(),
+            &checks,
+            "alice",
             Duration::from_secs(60),
             SPEC.replace("commands", "comands"),
             "job.yaml".into(),
@@ -384,6 +391,6 @@ mod spec_check_tests {
         .expect_err("an invalid spec");
         assert_eq!((e.status, e.code), (StatusCode::BAD_REQUEST, "INVALID_JOB_SPEC"));
         assert!(e.message.contains("job.yaml:"), "{}", e.message);
-        assert_eq!(checks.available_permits(), 1);
+        assert_eq!(checks.available(), 1);
     }
 }

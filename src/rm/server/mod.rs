@@ -65,6 +65,7 @@ mod applications;
 mod cluster;
 mod containers;
 mod dashboard;
+mod fair;
 mod history;
 mod http;
 mod logs;
@@ -358,13 +359,14 @@ struct Shared {
     node_view_lean: Mutex<NodeView>,
     /// The same, compact (`?view=compact`: what AMs read).
     node_view_compact: Mutex<NodeView>,
-    /// One `POST /ws/v1/cluster/estimate` computed at a time: each takes a snapshot of
-    /// every node and container under the state lock, which a caller's flood must not
-    /// hold for the AMs' and agents' calls (429 while one runs).
-    estimating: tokio::sync::Semaphore,
-    /// Submitted job specs being checked ([`applications::SPEC_CHECKS`] at once, each on a
-    /// blocking thread that holds its permit).
-    spec_checks: std::sync::Arc<tokio::sync::Semaphore>,
+    /// `POST /ws/v1/cluster/estimate`s computed at once ([`scheduling::ESTIMATES`], one per
+    /// user): each takes a snapshot of every node and container under the state lock, which
+    /// a caller's flood must not hold for the AMs' and agents' calls, and walks a CPU
+    /// (429 while the caller's own or every permit is taken).
+    estimating: fair::FairPermits,
+    /// Submitted job specs being checked ([`applications::SPEC_CHECKS`] at once, one per
+    /// user, each on a blocking thread that holds its permit).
+    spec_checks: fair::FairPermits,
     /// The addresses whose connections take the listener's reserved pool: this host's
     /// (its AMs, its CLI), this RM's own address, and each live node agent's as its
     /// authenticated calls came from (audit 5 F4: a flood from other sources cannot
@@ -598,8 +600,8 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         node_view: Mutex::new(NodeView::new(ObjectForm::Whole, incarnation)),
         node_view_lean: Mutex::new(NodeView::new(ObjectForm::Lean, incarnation)),
         node_view_compact: Mutex::new(NodeView::new(ObjectForm::Shape, incarnation)),
-        estimating: tokio::sync::Semaphore::new(1),
-        spec_checks: std::sync::Arc::new(tokio::sync::Semaphore::new(applications::SPEC_CHECKS)),
+        estimating: fair::FairPermits::new(scheduling::ESTIMATES, 1),
+        spec_checks: fair::FairPermits::new(applications::SPEC_CHECKS, 1),
         reserved_peers: {
             let r = crate::tls::ReservedPeers::this_host();
             // The AMs this RM starts connect to `base_url`, so from its address.

@@ -61,6 +61,9 @@ pub fn default_reserve_policy() -> scheduler::reservation::Policy {
     reserved::policy(d.reserve_wait_sec, d.reserve_min_gpus)
 }
 
+/// How many `POST /ws/v1/cluster/estimate`s are computed at once, at most (one per user).
+pub(super) const ESTIMATES: usize = 2;
+
 /// How often the waiting applications' start estimates are computed again, at most.
 const ESTIMATE_EVERY: Duration = Duration::from_secs(1);
 
@@ -1062,11 +1065,12 @@ pub(super) async fn post_estimate(
         crate::spec::validate::check_job_name(name)
             .map_err(|(what, fix)| ApiError::bad_request(format!("`name`: {what}; {fix}")))?;
     }
-    let Ok(_turn) = rm.estimating.try_acquire() else {
+    let Some(turn) = rm.estimating.try_acquire(caller.name()) else {
         let mut busy = ApiError::new(
             axum::http::StatusCode::TOO_MANY_REQUESTS,
             "busy",
-            "another start estimate is being computed; try again in a second",
+            "as many start estimates as the RM computes at once are being computed (or one of \
+             yours is); try again in a second",
         );
         busy.retry_after = Some(1);
         return Err(busy);
@@ -1085,16 +1089,19 @@ pub(super) async fn post_estimate(
             .map_err(super::applications::queue_refused)?;
         estimate_input(&st, queue, caller.name(), &req, Instant::now())
     };
-    tokio::task::spawn_blocking(move || input.estimate())
-        .await
-        .map(axum::Json)
-        .map_err(|e| {
-            ApiError::new(
-                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                format!("the start estimate failed: {e}"),
-            )
-        })
+    tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        input.estimate()
+    })
+    .await
+    .map(axum::Json)
+    .map_err(|e| {
+        ApiError::new(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("the start estimate failed: {e}"),
+        )
+    })
 }
 
 /// What [`reserved::estimates`] needs, taken from the state: for a scheduling pass

@@ -1310,11 +1310,12 @@ async fn the_compact_listing_has_the_whole_listings_nodes() {
     rm.shutdown().await;
 }
 
-/// Start estimates are computed one at a time (each snapshots the whole state under its
-/// lock): while one runs, another caller is told to come back (429, `Retry-After`), and
-/// is answered once it has ended.
+/// Start estimates are computed a few at a time, one per caller (each snapshots the whole
+/// state under its lock and walks a CPU): while the caller's own runs, or while every
+/// permit is taken by others, it is told to come back (429, `Retry-After`); while another
+/// user's runs it is answered.
 #[tokio::test]
-async fn start_estimates_are_computed_one_at_a_time() {
+async fn start_estimates_are_computed_a_few_at_a_time_one_per_caller() {
     let dir = tempfile::tempdir().unwrap();
     let rm = rm_with(None, &dir.path().join("work")).await;
     let http = crate::tls::http_client();
@@ -1324,16 +1325,26 @@ async fn start_estimates_are_computed_one_at_a_time() {
             .json(&serde_json::json!({"waiting": [{"role": "w", "count": 1, "gpus": 1, "cpu": 1, "memoryMB": 10}]}))
             .send()
     };
-    let running = rm.shared.estimating.try_acquire().unwrap();
-    let busy = ask().await.unwrap();
-    assert_eq!(busy.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(
-        busy.headers().get(header::RETRY_AFTER).map(|v| v.as_bytes()),
-        Some(&b"1"[..])
-    );
-    drop(running);
+    let admin = crate::rm::users::ADMIN_USER;
+    let busy = |r: reqwest::Response| {
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            r.headers().get(header::RETRY_AFTER).map(|v| v.as_bytes()),
+            Some(&b"1"[..])
+        );
+    };
+    let mine = rm.shared.estimating.try_acquire(admin).unwrap();
+    busy(ask().await.unwrap());
+    drop(mine);
+    let others: Vec<_> = (0..super::scheduling::ESTIMATES)
+        .map(|i| rm.shared.estimating.try_acquire(&format!("user{i}")).unwrap())
+        .collect();
+    busy(ask().await.unwrap());
+    let mut others = others;
+    others.pop();
     let answered = ask().await.unwrap();
     assert_eq!(answered.status(), StatusCode::OK, "{:?}", answered.text().await);
+    drop(others);
 }
 
 /// What `am` is granted for `asks` (the call must succeed).
