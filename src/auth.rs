@@ -51,43 +51,94 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// How long a dashboard page ticket ([`page_ticket`]) opens a job's dashboard API.
 pub const PAGE_TICKET_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// How long a chain of renewed page tickets lasts from the credential it was first traded
+/// for, at most: past it no ticket of the chain is good, and the page must be opened again
+/// from a link (twelfth pass: a ticket copied once renewed itself until the job ended, also
+/// after its user's token was revoked).
+pub const PAGE_TICKET_CHAIN: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+
 /// A job dashboard's page ticket: what a page holds instead of a token (issue 23, eleventh
 /// audit pass). A dashboard's address is a loopback port that another process may take
 /// once the job's AM has gone; a page that kept a user's (or the admin's) token would hand
 /// it to whoever took the port. A ticket opens only this job's dashboard API, only until
 /// `expires` (Unix seconds), and names the user it was made for (`who`, empty when not
 /// known: the job token's holder), whom a kill from the page is written down as:
-/// `p.<expires>.<mac>.<who>`, the MAC an HMAC-SHA256 under the job token of both (the AM
-/// and the RM, who both hold it, make them; nobody else can). The RM puts one in the
-/// cluster page's link to a job of the viewer's; the page trades whatever credential it
-/// was opened with for one at once and renews it from the AM.
-pub fn page_ticket(job_token: &str, expires: u64, who: &str) -> String {
-    format!("p.{expires}.{}.{who}", page_ticket_mac(job_token, expires, who))
+/// `p.<expires>.<born>.<mac>.<who>`, the MAC an HMAC-SHA256 under the job token of all
+/// three (the AM and the RM, who both hold it, make them; nobody else can). `born` is when
+/// its chain began (a credential traded for the first ticket; a renewal keeps it): no
+/// ticket is good past `born` + [`PAGE_TICKET_CHAIN`]. The RM puts one in the cluster
+/// page's link to a job of the viewer's; the page trades whatever credential it was opened
+/// with for one at once and renews it from the AM.
+pub fn page_ticket(job_token: &str, born: u64, expires: u64, who: &str) -> String {
+    format!(
+        "p.{expires}.{born}.{}.{who}",
+        page_ticket_mac(job_token, born, expires, who)
+    )
 }
 
-fn page_ticket_mac(job_token: &str, expires: u64, who: &str) -> String {
-    let msg = format!("gpuam-dashboard-page-ticket-v1\n{expires}\n{who}");
+fn page_ticket_mac(job_token: &str, born: u64, expires: u64, who: &str) -> String {
+    let msg = format!("gpuam-dashboard-page-ticket-v2\n{expires}\n{born}\n{who}");
     hmac_hex(job_token.as_bytes(), msg.as_bytes())
 }
 
-/// The user a page ticket ([`page_ticket`]) was made for (empty: not known), when
-/// `presented` is one that `job_token` signed and that has not expired at `now` (Unix
-/// seconds); `None` for anything else. No job token: nothing is.
-pub fn page_ticket_user(job_token: &str, presented: &str, now: u64) -> Option<String> {
+/// What a good page ticket says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageTicket {
+    /// The user it was made for (empty: not known).
+    pub who: String,
+    /// When its chain began (Unix seconds).
+    pub born: u64,
+    /// When it expires (Unix seconds).
+    pub expires: u64,
+}
+
+impl PageTicket {
+    /// When its chain ends: no renewal expires later.
+    pub fn chain_ends(&self) -> u64 {
+        self.born.saturating_add(PAGE_TICKET_CHAIN.as_secs())
+    }
+}
+
+/// What a page ticket ([`page_ticket`]) says, when `presented` is one that `job_token`
+/// signed, not expired at `now` (Unix seconds), whose chain has not ended; `None` for
+/// anything else. No job token: nothing is.
+pub fn page_ticket_read(job_token: &str, presented: &str, now: u64) -> Option<PageTicket> {
     if job_token.is_empty() {
         return None;
     }
-    let mut parts = presented.splitn(4, '.');
-    let (Some("p"), Some(expires), Some(mac), Some(who)) = (parts.next(), parts.next(), parts.next(), parts.next())
+    let mut parts = presented.splitn(5, '.');
+    let (Some("p"), Some(expires), Some(born), Some(mac), Some(who)) =
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
     else {
         return None;
     };
-    let expires = expires.parse::<u64>().ok()?;
+    let (expires, born) = (expires.parse::<u64>().ok()?, born.parse::<u64>().ok()?);
+    let t = PageTicket {
+        who: who.to_string(),
+        born,
+        expires,
+    };
     // A ticket from further ahead than a page ticket lives (a minute of clock skew between
-    // the RM and the AM aside) was not made by this code.
-    let fresh = now < expires && expires <= now.saturating_add(PAGE_TICKET_FOR.as_secs() + 60);
-    (fresh && constant_time_eq(mac.as_bytes(), page_ticket_mac(job_token, expires, who).as_bytes()))
-        .then(|| who.to_string())
+    // the RM and the AM aside) was not made by this code, nor one born after it expires or
+    // in the future; one whose chain has ended is good no more.
+    let skew = 60;
+    let fresh = now < expires
+        && expires <= now.saturating_add(PAGE_TICKET_FOR.as_secs() + skew)
+        && born <= now.saturating_add(skew)
+        && born <= expires
+        && now < t.chain_ends();
+    (fresh
+        && constant_time_eq(
+            mac.as_bytes(),
+            page_ticket_mac(job_token, born, expires, who).as_bytes(),
+        ))
+    .then_some(t)
+}
+
+/// The user a page ticket ([`page_ticket_read`]) was made for (empty: not known), when it
+/// is good at `now`.
+pub fn page_ticket_user(job_token: &str, presented: &str, now: u64) -> Option<String> {
+    page_ticket_read(job_token, presented, now).map(|t| t.who)
 }
 
 /// Whether `presented` is a page ticket of `job_token`'s job, good at `now`.
@@ -218,10 +269,10 @@ mod tests {
     #[test]
     fn a_page_ticket_opens_only_its_jobs_dashboard_and_only_for_a_while() {
         let now = 1_000_000;
-        let t = page_ticket("job-a", now + 60, "alice");
+        let t = page_ticket("job-a", now, now + 60, "alice");
         assert!(page_ticket_valid("job-a", &t, now));
         assert_eq!(page_ticket_user("job-a", &t, now).as_deref(), Some("alice"));
-        let anyone = page_ticket("job-a", now + 60, "");
+        let anyone = page_ticket("job-a", now, now + 60, "");
         assert_eq!(page_ticket_user("job-a", &anyone, now).as_deref(), Some(""));
         let renamed = t.replacen(".alice", ".admin", 1);
         assert!(!page_ticket_valid("job-a", &renamed, now), "its user altered");
@@ -230,10 +281,28 @@ mod tests {
         assert!(!page_ticket_valid("", &t, now), "no job token");
         // A forged or altered ticket, one from further ahead than a ticket lives, or any
         // other credential.
-        let later = page_ticket("job-a", now + PAGE_TICKET_FOR.as_secs() + 3600, "alice");
+        let later = page_ticket("job-a", now, now + PAGE_TICKET_FOR.as_secs() + 3600, "alice");
         assert!(!page_ticket_valid("job-a", &later, now));
         let altered = t.replacen(&format!("{}", now + 60), &format!("{}", now + 61), 1);
         assert!(!page_ticket_valid("job-a", &altered, now));
+        let reborn = t.replacen(&format!(".{now}."), &format!(".{}.", now + 1), 1);
+        assert!(!page_ticket_valid("job-a", &reborn, now), "its chain's start altered");
+        // A chain lasts PAGE_TICKET_CHAIN from its start, whatever a ticket's expiry says;
+        // a ticket born in the future or after it expires was not made here.
+        let chain = PAGE_TICKET_CHAIN.as_secs();
+        let last = page_ticket("job-a", now - chain + 30, now + 60, "alice");
+        assert!(page_ticket_valid("job-a", &last, now));
+        assert!(!page_ticket_valid("job-a", &last, now + 30), "its chain has ended");
+        assert!(!page_ticket_valid(
+            "job-a",
+            &page_ticket("job-a", now + 3600, now + 60, "alice"),
+            now
+        ));
+        let read = page_ticket_read("job-a", &last, now).unwrap();
+        assert_eq!(
+            (read.born, read.expires, read.chain_ends()),
+            (now - chain + 30, now + 60, now + 30)
+        );
         for other in ["job-a", "p.", "p.x.y", &t[..t.len() - 1], ""] {
             assert!(!page_ticket_valid("job-a", other, now), "{other}");
         }

@@ -120,7 +120,15 @@ struct Agent {
     starts: Mutex<StartGate>,
     /// Wakes the heartbeat loop (a container died).
     beat_now: Notify,
+    /// Log reads at once ([`LOG_READS`]), each on a blocking thread.
+    log_reads: Arc<tokio::sync::Semaphore>,
 }
+
+/// How many container log reads (up to 8 MiB each) the agent serves at once: 250 at once
+/// took it to 1.3 GB and read files on its async workers (twelfth pass).
+const LOG_READS: usize = 4;
+/// How long a log read waits for its turn before it is refused (503, the RM says so).
+const LOG_READ_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Runs an agent until SIGTERM / Ctrl-C (its containers keep running; a restarted agent
 /// re-attaches to them).
@@ -221,6 +229,7 @@ pub async fn start(opts: AgentOptions) -> anyhow::Result<(SocketAddr, tokio::tas
         exited: Mutex::new(BTreeMap::new()),
         starts: Mutex::new(StartGate::default()),
         beat_now: Notify::new(),
+        log_reads: Arc::new(tokio::sync::Semaphore::new(LOG_READS)),
     });
     let server_tls = crate::tls::server_config_from_settings(&opts.tls)?;
     let router = router(agent.clone());
@@ -993,7 +1002,30 @@ async fn container_logs(
             ))
         }
     };
-    let text = agent.executor.read_log(&id, stream, q.tail)?;
+    let busy = || {
+        AgentError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "BUSY",
+            format!("the node is serving {LOG_READS} log reads already; try again in a second"),
+        )
+    };
+    let turn = tokio::time::timeout(LOG_READ_WAIT, agent.log_reads.clone().acquire_owned())
+        .await
+        .map_err(|_| busy())?
+        .map_err(|_| busy())?;
+    let reader = agent.clone();
+    let text = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        reader.executor.read_log(&id, stream, q.tail)
+    })
+    .await
+    .map_err(|e| {
+        AgentError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "INTERNAL",
+            format!("the log read failed: {e}"),
+        )
+    })??;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
 }
 

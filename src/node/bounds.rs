@@ -8,7 +8,9 @@
 //!   files stay), so a node the task filled runs the next job. Measurement, not a quota: it
 //!   works under every containment (cgroup v2, v1, the shim), on every filesystem; a task
 //!   can overshoot by what it writes in one interval (or fill a small disk first), which
-//!   the trim gives back. A directory deeper than [`MAX_DEPTH`] levels or with more than
+//!   the trim gives back; a directory whose walk is costly (many entries) is measured less
+//!   often ([`next_disk_check`]: the walks take at most a tenth of a CPU of the node's per
+//!   container), so it can overshoot by what it writes in that longer interval. A directory deeper than [`MAX_DEPTH`] levels or with more than
 //!   [`MAX_ENTRIES`] entries is not walked whole and counts as over the bound ([`verdict`]). Its
 //!   temporary files count (`TMPDIR` is in its directory); files it writes elsewhere (the
 //!   host's `/tmp` by name) are not (see docs/RELIABILITY.md).
@@ -80,6 +82,17 @@ impl NodeBounds {
 
 /// How often a running container's directory is measured.
 pub const DISK_CHECK: Duration = Duration::from_secs(1);
+
+/// The share of one CPU a container's disk measurements may take, at most, as the
+/// inverse: after a walk that took `d`, the next comes no sooner than `d` × this.
+const DISK_CHECK_SPACING: u32 = 10;
+
+/// How long to wait after a measurement that took `took` before the next: [`DISK_CHECK`],
+/// or more where the walk was costly (twelfth pass: a task's 900,000 empty files, walked
+/// every second, took 90 % of a CPU of the node's, outside the task's own CPU limit).
+pub fn next_disk_check(took: Duration) -> Duration {
+    DISK_CHECK.max(took.saturating_mul(DISK_CHECK_SPACING))
+}
 /// Deepest directory level and most entries one measurement visits (a task cannot make
 /// the node walk forever). A directory beyond either cannot be measured, and a task
 /// could hide bytes past them: it counts as over the bound ([`Usage::complete`]).
@@ -228,7 +241,9 @@ impl Target {
 }
 
 /// Measures `dir` every [`DISK_CHECK`] until the container is done; beyond `limit_mb` MiB
-/// it records the [`Breach`] in `verdict` and kills the container.
+/// it records the [`Breach`] in `verdict` and kills the container. A measurement that took
+/// long (a directory of many entries) spaces the next ([`next_disk_check`]): the walks are
+/// the node's CPU, not the task's.
 pub async fn watch_disk(
     dir: std::path::PathBuf,
     limit_mb: u64,
@@ -236,18 +251,21 @@ pub async fn watch_disk(
     verdict: Arc<Mutex<Option<Breach>>>,
     mut done: watch::Receiver<bool>,
 ) {
+    let mut pause = DISK_CHECK;
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(DISK_CHECK) => {}
+            _ = tokio::time::sleep(pause) => {}
             _ = done.changed() => return,
         }
         if *done.borrow() {
             return;
         }
         let d = dir.clone();
+        let took = std::time::Instant::now();
         let Ok(used) = tokio::task::spawn_blocking(move || disk_usage(&d)).await else {
             return;
         };
+        pause = next_disk_check(took.elapsed());
         if let Some(breach) = self::verdict(used, limit_mb) {
             tracing::warn!(dir = %dir.display(), used = used.bytes, "{}: killing the container", breach.why);
             *verdict.lock() = Some(breach);
@@ -280,6 +298,15 @@ pub fn trim_dir(dir: &Path, keep: &[&str], task_uid: Option<u32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cheap walk comes back every second; a costly one no sooner than 10 × its time.
+    #[test]
+    fn a_costly_measurement_spaces_the_next() {
+        assert_eq!(next_disk_check(Duration::ZERO), DISK_CHECK);
+        assert_eq!(next_disk_check(Duration::from_millis(50)), DISK_CHECK);
+        assert_eq!(next_disk_check(Duration::from_millis(900)), Duration::from_secs(9));
+        assert_eq!(next_disk_check(Duration::MAX), Duration::MAX);
+    }
 
     #[test]
     fn usage_counts_files_and_subdirectories_but_not_through_links() {

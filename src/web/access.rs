@@ -124,7 +124,9 @@ pub async fn events_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap
 /// the credential presented belongs to ([`ticket_user`]). The page trades the credential
 /// it was opened with for one at once, forgets that credential, and renews the ticket
 /// here: a page left open on an address another process takes once the AM has gone hands
-/// it at most a ticket to this one job that soon expires.
+/// it at most a ticket to this one job that soon expires. A renewal keeps its chain's
+/// start and never expires past the chain's end ([`crate::auth::PAGE_TICKET_CHAIN`]): a
+/// ticket copied once opens the job for at most that long.
 pub async fn page_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap) -> Response {
     if hub.job_token.is_empty() {
         return ApiError::new(
@@ -134,9 +136,18 @@ pub async fn page_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap) 
         )
         .into_response();
     }
-    let who = ticket_user(&hub, crate::auth::bearer(&headers)).await;
-    let expires = unix_now() + crate::auth::PAGE_TICKET_FOR.as_secs();
-    let t = crate::auth::page_ticket(&hub.job_token, expires, &who);
+    let now = unix_now();
+    let presented = crate::auth::bearer(&headers);
+    let renewed = presented.and_then(|t| crate::auth::page_ticket_read(&hub.job_token, t, now));
+    let (who, born, last) = match renewed {
+        Some(t) => {
+            let last = t.chain_ends();
+            (t.who, t.born, last)
+        }
+        None => (ticket_user(&hub, presented).await, now, u64::MAX),
+    };
+    let expires = (now + crate::auth::PAGE_TICKET_FOR.as_secs()).min(last);
+    let t = crate::auth::page_ticket(&hub.job_token, born, expires, &who);
     axum::Json(serde_json::json!({ "ticket": t, "expires": expires })).into_response()
 }
 

@@ -381,11 +381,14 @@ async fn a_page_ticket_opens_this_jobs_dashboard_until_it_expires() {
     );
     let now = crate::protocol::now_ms() / 1000;
     for (what, bad) in [
-        ("expired", page_ticket(DEMO_TOKEN, now, "owner")),
-        ("another job's", page_ticket("another-job-token", now + 60, "owner")),
+        ("expired", page_ticket(DEMO_TOKEN, now - 60, now, "owner")),
+        (
+            "another job's",
+            page_ticket("another-job-token", now, now + 60, "owner"),
+        ),
         (
             "from too far ahead",
-            page_ticket(DEMO_TOKEN, now + PAGE_TICKET_FOR.as_secs() * 10, "owner"),
+            page_ticket(DEMO_TOKEN, now, now + PAGE_TICKET_FOR.as_secs() * 10, "owner"),
         ),
     ] {
         let bearer = format!("Bearer {bad}");
@@ -397,9 +400,30 @@ async fn a_page_ticket_opens_this_jobs_dashboard_until_it_expires() {
         let (s, _, _) = call(&app, kill_req(Some(&bearer))).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED, "{what}: no kill");
     }
+    // A renewal keeps its chain's start and never outlives the chain: a ticket born
+    // almost PAGE_TICKET_CHAIN ago is renewed only until then, for the same user.
+    let chain = crate::auth::PAGE_TICKET_CHAIN.as_secs();
+    let born = now - chain + 120;
+    let old = page_ticket(DEMO_TOKEN, born, now + 60, "owner");
+    let req = Request::get("/api/v1/page-ticket").header("authorization", format!("Bearer {old}"));
+    let (s, _, body) = call(&app, req.body(Body::empty()).unwrap()).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let renewed = crate::auth::page_ticket_read(DEMO_TOKEN, v["ticket"].as_str().unwrap(), now).unwrap();
+    assert_eq!((renewed.who.as_str(), renewed.born), ("owner", born));
+    assert_eq!(renewed.expires, born + chain, "not past the chain's end");
+    // Past the chain's end nothing of it is good, whatever its expiry.
+    let ended = page_ticket(DEMO_TOKEN, now - chain, now + 60, "owner");
+    for uri in ["/api/v1/job", "/api/v1/page-ticket"] {
+        assert_eq!(
+            get_as(&app, uri, Some(&format!("Bearer {ended}"))).await,
+            StatusCode::UNAUTHORIZED,
+            "{uri}"
+        );
+    }
     // A ticket accepted a moment ago that has expired since is refused (and never renewed),
     // whatever was remembered of it.
-    let stale = page_ticket(DEMO_TOKEN, now, "owner");
+    let stale = page_ticket(DEMO_TOKEN, now - 60, now, "owner");
     hub.accepted
         .remember(crate::auth::sha256_hex(&stale), std::time::Instant::now());
     for uri in ["/api/v1/job", "/api/v1/page-ticket"] {

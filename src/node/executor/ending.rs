@@ -160,7 +160,12 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
         tracing::warn!(container = %id, "cannot record the container's end: {e}");
     }
     if remove_work_now {
-        remove_work_dir(&dir, &id);
+        // On a blocking thread: a task that left a million files behind took both runtime
+        // workers for the removal, the agent stopped heartbeating and its host went LOST
+        // with every other tenant's task on it (twelfth pass). The end is still heard only
+        // once its directory is gone.
+        let (dir, id) = (dir.clone(), id.clone());
+        let _ = tokio::task::spawn_blocking(move || remove_work_dir(&dir, &id)).await;
     } else {
         // A node that stops before then removes it on its next sweep ([`sweep_records`]).
         let (dir, id) = (dir.clone(), id.clone());

@@ -946,6 +946,54 @@ async fn the_work_directory_goes_after_the_grace() {
     assert!(record.join(END_FILE).is_file(), "the record stays");
 }
 
+/// A task that leaves many files behind has them removed off the runtime's threads (twelfth
+/// pass: 900,000 files removed on the async workers stopped the agent's heartbeats and its
+/// host went LOST with other tenants' tasks): on this one-thread runtime, another task runs
+/// while the directory is being removed, after the end was recorded and before the end is
+/// heard.
+#[tokio::test]
+async fn many_files_left_behind_are_removed_without_holding_the_runtime() {
+    let (_tmp, exec, mut rx) = setup_with(ExecutorOptions {
+        work_dir_grace: Some(Duration::ZERO),
+        ..ExecutorOptions::default()
+    });
+    exec.start(
+        "c-many",
+        "h",
+        &no_gpus(),
+        ctx(&["mkdir d && cd d && seq 1 100000 | xargs touch"]),
+    )
+    .unwrap();
+    let record = exec.container_dir("c-many").unwrap();
+    let watcher = {
+        let record = record.clone();
+        tokio::spawn(async move {
+            loop {
+                if record.join(END_FILE).is_file() {
+                    // The first look after the end was recorded.
+                    return work_dir(&record).exists();
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+    };
+    let ev = tokio::time::timeout(Duration::from_secs(300), rx.recv())
+        .await
+        .expect("no end within 300 s")
+        .expect("channel closed");
+    let NodeEvent::Exited {
+        exit_status,
+        diagnostics,
+        ..
+    } = ev;
+    assert_eq!(exit_status, 0, "{diagnostics}");
+    assert!(!work_dir(&record).exists(), "removed before the end is heard");
+    assert!(
+        watcher.await.unwrap(),
+        "another task ran while the 100,000 files were being removed"
+    );
+}
+
 #[test]
 fn a_record_is_named_by_its_task_and_its_id_is_read_back() {
     let env = |role: &str, index: &str| {

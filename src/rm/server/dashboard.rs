@@ -274,8 +274,9 @@ pub(super) async fn overview(State(rm): Rm, caller: Caller) -> Json<Value> {
                     .job_token()
                     .filter(|_| live && yours && !r.tracking_url.is_empty())
                     .map(|jt| {
-                        let expires = wall / 1000 + crate::auth::PAGE_TICKET_FOR.as_secs();
-                        crate::auth::page_ticket(jt, expires, caller.name())
+                        let born = wall / 1000;
+                        let expires = born + crate::auth::PAGE_TICKET_FOR.as_secs();
+                        crate::auth::page_ticket(jt, born, expires, caller.name())
                     }),
                 "startedTime": r.started_time,
                 "finishedTime": r.finished_time,

@@ -408,6 +408,39 @@ enum Source {
     Lost,
 }
 
+/// How many logs of running containers the RM reads from their nodes at once (each up to
+/// 8 MiB in memory): 250 reads at once took the RM to 2 GB (twelfth pass).
+pub(super) const LIVE_LOG_READS: usize = 8;
+/// Of which one user holds at most this many.
+pub(super) const LIVE_LOG_READS_PER_USER: usize = 2;
+/// How long a live log read waits for its turn before it is answered 429.
+const LIVE_LOG_WAIT: Duration = Duration::from_secs(5);
+
+/// A running container's log as its node has it now, read in `who`'s turn
+/// ([`LIVE_LOG_READS`]); 429 when no turn came within [`LIVE_LOG_WAIT`].
+async fn read_live(
+    rm: &Shared,
+    who: &str,
+    host: &str,
+    container_id: &str,
+    stream: LogStream,
+) -> Result<Result<String, crate::node::NodeError>, ApiError> {
+    let Some(_turn) = rm.live_logs.acquire(who, LIVE_LOG_WAIT).await else {
+        return Err(ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "BUSY",
+                format!(
+                    "the RM is reading as many live logs as it reads at once ({LIVE_LOG_READS}, \
+                     {LIVE_LOG_READS_PER_USER} per user); ask again in a second"
+                ),
+            )
+        });
+    };
+    Ok(rm.nodes.for_host(host).read_log(host, container_id, stream, None).await)
+}
+
 /// `GET /ws/v1/cluster/apps/{id}/logs/{role}/{index}`: a task's log from `offset` on
 /// (`text`, with `size` the log's length so far and `complete` once it will not grow).
 pub(super) async fn get_task_log(
@@ -468,12 +501,7 @@ pub(super) async fn get_task_log(
                 )
             }),
         ),
-        Source::Live => match rm
-            .nodes
-            .for_host(&row.host)
-            .read_log(&row.host, &row.container_id, stream, None)
-            .await
-        {
+        Source::Live => match read_live(&rm, caller.name(), &row.host, &row.container_id, stream).await? {
             Ok(all) => {
                 let size = all.len() as u64;
                 (slice_from(&all, offset), size, not_kept.unwrap_or_default())

@@ -367,6 +367,9 @@ struct Shared {
     /// Submitted job specs being checked ([`applications::SPEC_CHECKS`] at once, one per
     /// user, each on a blocking thread that holds its permit).
     spec_checks: fair::FairPermits,
+    /// Live log reads from nodes at once ([`logs::LIVE_LOG_READS`], a few per user): each
+    /// brings up to 8 MiB from an agent into the RM.
+    live_logs: fair::FairPermits,
     /// The addresses whose connections take the listener's reserved pool: this host's
     /// (its AMs, its CLI), this RM's own address, and each live node agent's as its
     /// authenticated calls came from (audit 5 F4: a flood from other sources cannot
@@ -602,6 +605,7 @@ pub async fn start(opts: RmOptions) -> anyhow::Result<RmHandle> {
         node_view_compact: Mutex::new(NodeView::new(ObjectForm::Shape, incarnation)),
         estimating: fair::FairPermits::new(scheduling::ESTIMATES, 1),
         spec_checks: fair::FairPermits::new(applications::SPEC_CHECKS, 1),
+        live_logs: fair::FairPermits::new(logs::LIVE_LOG_READS, logs::LIVE_LOG_READS_PER_USER),
         reserved_peers: {
             let r = crate::tls::ReservedPeers::this_host();
             // The AMs this RM starts connect to `base_url`, so from its address.

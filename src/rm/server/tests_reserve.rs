@@ -629,3 +629,55 @@ fn estimates_are_spaced_by_what_they_cost() {
     assert!(!estimates_due(slow, at(5999)));
     assert!(estimates_due(slow, at(6000)));
 }
+
+/// Logs of running containers are read from their nodes a few at a time, a few per user
+/// (each brings up to 8 MiB into the RM; twelfth pass: 250 at once took it to 2 GB): with
+/// the caller's share taken, its read waits and is told to come back (429); once a turn is
+/// free it reads the live log.
+#[tokio::test]
+async fn live_log_reads_are_a_few_at_a_time_and_a_few_per_user() {
+    use super::logs::{LIVE_LOG_READS, LIVE_LOG_READS_PER_USER};
+    let dir = tempfile::tempdir().unwrap();
+    let rm = one_node(dir.path()).await;
+    let (id, c) = app(&rm, "logs").await;
+    let granted = grant_all(&c, vec![ask(0, "n1", 0, None)]).await;
+    run_command(&c, "n1", &granted.allocated[0], "echo hello-live; sleep 60").await;
+    let http = crate::tls::http_client();
+    let url = format!("{}/ws/v1/cluster/apps/{id}/logs/w/0", rm.base_url());
+    let get = || http.get(&url).bearer_auth(rm.admin_token()).send();
+    let t0 = Instant::now();
+    loop {
+        let r: serde_json::Value = get().await.unwrap().json().await.unwrap();
+        if r["text"].as_str().is_some_and(|t| t.contains("hello-live")) {
+            assert_eq!(r["complete"], false, "read live: {r}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "no live log: {r}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let admin = crate::rm::users::ADMIN_USER;
+    let mine: Vec<_> = (0..LIVE_LOG_READS_PER_USER)
+        .map(|_| rm.shared.live_logs.try_acquire(admin).expect("a free turn"))
+        .collect();
+    let busy = get().await.unwrap();
+    assert_eq!(busy.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        busy.headers()
+            .get(axum::http::header::RETRY_AFTER)
+            .map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    // Others' reads are not behind this user's: their turns are still free.
+    let others: Vec<_> = (0..LIVE_LOG_READS - LIVE_LOG_READS_PER_USER)
+        .map(|i| {
+            rm.shared
+                .live_logs
+                .try_acquire(&format!("user{}", i / LIVE_LOG_READS_PER_USER))
+        })
+        .collect();
+    assert!(others.iter().all(Option::is_some), "the rest of the pool is others'");
+    drop((mine, others));
+    let r: serde_json::Value = get().await.unwrap().json().await.unwrap();
+    assert!(r["text"].as_str().is_some_and(|t| t.contains("hello-live")), "{r}");
+    rm.shutdown().await;
+}
