@@ -661,7 +661,7 @@ async function connect() {
         forget();
         conn.dataset.conn = 'gone';
         conn.textContent = 'AM unreachable · no longer live';
-        conn.title = 'The job\'s AM has not answered for a while; open the job again from the cluster page or `gpuam status`.';
+        conn.title = 'The job\'s AM has not answered for a while, or this page\'s ticket has ended (12 hours after it was opened); open the job again from the cluster page or `gpuam status`.';
         return;
       }
       conn.dataset.conn = 'reconnecting';
