@@ -2107,3 +2107,84 @@ async fn a_flood_from_four_loopback_addresses_leaves_users_and_agents_a_way_in()
     drop(held);
     rm.handle.shutdown().await;
 }
+
+/// Twelfth pass: a tenant's task on the RM's host (its own uid) held every place of
+/// 127.0.0.1 (276 idle connections), and the host's users, AMs and a restarted agent were
+/// refused. Now each local user holds its own share: a flood of 300 connections from
+/// 127.0.0.1 by another user (`nobody`) fills that user's places only (a fresh
+/// connection of its own is closed unanswered), and this process's calls from 127.0.0.1
+/// on fresh connections are still answered. Root only (a process of another uid); CI runs
+/// as root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_from_another_local_user_leaves_this_hosts_own_places() {
+    if !nix::unistd::geteuid().is_root() {
+        return;
+    }
+    let rm = rm_with(|o| {
+        // Admitted idle connections stay for the test's length.
+        o.http_timeouts.read = Duration::from_secs(300);
+    })
+    .await;
+    let port = rm.handle.addr().port();
+    let base = rm.handle.base_url();
+    let as_nobody = |script: String| {
+        use std::os::unix::process::CommandExt as _;
+        let mut c = std::process::Command::new("bash");
+        c.args(["-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        c
+    };
+    // The flood: 300 connections opened and held (bash keeps their descriptors) until its
+    // stdin closes; it says when all are open.
+    let mut flood = tokio::process::Command::from(as_nobody(format!(
+        "for i in $(seq 1 300); do exec {{fd}}<>/dev/tcp/127.0.0.1/{port} || true; done; echo opened; read -t 240 x"
+    )))
+    .kill_on_drop(true)
+    .spawn()
+    .expect("bash as nobody");
+    let mut out = tokio::io::BufReader::new(flood.stdout.take().unwrap());
+    let mut line = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::io::AsyncBufReadExt::read_line(&mut out, &mut line),
+    )
+    .await
+    .expect("the flood opened its connections")
+    .unwrap();
+    assert_eq!(line.trim(), "opened");
+    // Its user's places are full: one more connection of its own is closed unanswered.
+    let one_more = as_nobody(format!(
+        "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET /ws/v1/cluster/info HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 30 cat <&3"
+    ))
+    .output()
+    .unwrap();
+    assert!(
+        one_more.stdout.is_empty(),
+        "the flooding user got another place: {}",
+        String::from_utf8_lossy(&one_more.stdout)
+    );
+    // This host's own calls (this process's user) get in, each on a fresh connection.
+    let http = gpuam::tls::http_client_builder(None)
+        .unwrap()
+        .pool_max_idle_per_host(0)
+        .local_address(Some("127.0.0.1".parse().unwrap()))
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    for _ in 0..5 {
+        let r = http
+            .get(format!("{base}/ws/v1/cluster/info"))
+            .bearer_auth(&rm.bob)
+            .send()
+            .await
+            .expect("a call of this host's own user during the flood");
+        assert!(r.status().is_success(), "{r:?}");
+    }
+    drop(flood.stdin.take());
+    let _ = tokio::time::timeout(Duration::from_secs(30), flood.wait()).await;
+    rm.handle.shutdown().await;
+}

@@ -22,6 +22,7 @@ pub mod cluster;
 pub mod config;
 pub mod exit;
 pub mod http_guard;
+pub mod local_peer;
 pub mod node;
 pub mod protocol;
 pub mod ray;

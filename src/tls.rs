@@ -217,13 +217,15 @@ impl From<&crate::config::HttpSettings> for HttpTimeouts {
 
 /// Where a connection comes from, for the general pool's per-source cap: one address
 /// alone gives a peer little, since a peer with more addresses would multiply its cap.
-/// All of loopback (127.0.0.0/8, `::1`, their IPv4-mapped forms) is one source (any
-/// local user can bind any 127.x.y.z); an IPv6 peer is its /64 (what one host or
-/// one customer gets); an IPv4 peer is its address.
+/// All of loopback (127.0.0.0/8, `::1`, their IPv4-mapped forms) is one source per local
+/// user (any local user can bind any 127.x.y.z, but not another's uid: twelfth pass, a
+/// tenant's task beside the RM held every loopback place); an IPv6 peer is its /64 (what
+/// one host or one customer gets); an IPv4 peer is its address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Source {
-    /// 127.0.0.0/8 and `::1`.
-    Loopback,
+    /// 127.0.0.0/8 and `::1`, from the local user who owns the peer's socket (`None`:
+    /// the kernel did not say).
+    Loopback(Option<u32>),
     /// One IPv4 address.
     V4(std::net::Ipv4Addr),
     /// The upper 64 bits of an IPv6 address.
@@ -240,13 +242,52 @@ pub fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
     }
 }
 
+/// A connection's peer: its address and, on loopback, the local user who owns its socket
+/// ([`crate::local_peer::uid_of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub ip: std::net::IpAddr,
+    /// Only for a loopback peer; ignored for any other.
+    pub local_uid: Option<u32>,
+}
+
+impl Peer {
+    /// A peer known by its address alone.
+    pub fn at(ip: std::net::IpAddr) -> Peer {
+        Peer { ip, local_uid: None }
+    }
+
+    /// The peer of a connection accepted at `local` from `remote`: on loopback, with the
+    /// uid owning the remote end (one netlink round trip).
+    pub fn of_connection(remote: std::net::SocketAddr, local: Option<std::net::SocketAddr>) -> Peer {
+        let local_uid = local
+            .filter(|_| canonical(remote.ip()).is_loopback())
+            .and_then(|l| crate::local_peer::uid_of(remote, l));
+        Peer {
+            ip: remote.ip(),
+            local_uid,
+        }
+    }
+
+    /// The key of its reserved places: its address, and on loopback its user.
+    fn key(&self) -> (std::net::IpAddr, Option<u32>) {
+        let ip = canonical(self.ip);
+        (ip, self.local_uid.filter(|_| ip.is_loopback()))
+    }
+}
+
 impl Source {
-    /// The source of a connection from `ip`.
+    /// The source of a connection from `ip` (on loopback, of no known user).
     pub fn of(ip: std::net::IpAddr) -> Source {
-        match canonical(ip) {
-            ip if ip.is_loopback() => Source::Loopback,
-            std::net::IpAddr::V4(v4) => Source::V4(v4),
-            std::net::IpAddr::V6(v6) => Source::V6Net((u128::from(v6) >> 64) as u64),
+        Source::of_peer(Peer::at(ip))
+    }
+
+    /// The source of a connection from `peer`: on loopback, its user's.
+    pub fn of_peer(peer: Peer) -> Source {
+        match peer.key() {
+            (ip, uid) if ip.is_loopback() => Source::Loopback(uid),
+            (std::net::IpAddr::V4(v4), _) => Source::V4(v4),
+            (std::net::IpAddr::V6(v6), _) => Source::V6Net((u128::from(v6) >> 64) as u64),
         }
     }
 }
@@ -363,8 +404,9 @@ impl ReservedPeers {
 pub enum Pool {
     /// Everyone's, under the per-source cap.
     General(Source),
-    /// A reserved peer's own places (its exact address), which no other source can take.
-    Reserved(std::net::IpAddr),
+    /// A reserved peer's own places (its exact address; on loopback, per local user), which
+    /// no other source can take.
+    Reserved(std::net::IpAddr, Option<u32>),
 }
 
 /// What the accept loop does with a new connection.
@@ -382,32 +424,28 @@ pub struct OpenConnections {
     total: usize,
     per_source: std::collections::HashMap<Source, usize>,
     reserved_total: usize,
-    per_reserved: std::collections::HashMap<std::net::IpAddr, usize>,
+    per_reserved: std::collections::HashMap<(std::net::IpAddr, Option<u32>), usize>,
 }
 
 /// Whether a connection from `peer` is admitted, and into which pool: a pure function of
 /// the peer, the open connections, the reserved peers and the caps.
 ///
-/// A reserved peer's connection (its exact address, IPv4-mapped as IPv4) takes its
-/// reserved place while it has one, else a general place like anyone's. Any other takes
-/// a general place under the total and its source's cap ([`Source`]: loopback is one
-/// source, IPv6 one per /64), so a flood from any number of loopback addresses holds one
-/// source's share, and one from elsewhere never reaches the agents' reserved places.
-pub fn decide(
-    peer: std::net::IpAddr,
-    open: &OpenConnections,
-    reserved: &ReservedSet,
-    caps: &HttpTimeouts,
-) -> Admission {
-    let ip = canonical(peer);
+/// A reserved peer's connection (its exact address, IPv4-mapped as IPv4; on loopback, each
+/// local user apart) takes its reserved place while it has one, else a general place like
+/// anyone's. Any other takes a general place under the total and its source's cap
+/// ([`Source`]: loopback is one source per local user, IPv6 one per /64), so a flood from
+/// any number of loopback addresses holds one user's share, and one from elsewhere never
+/// reaches the agents' reserved places.
+pub fn decide(peer: Peer, open: &OpenConnections, reserved: &ReservedSet, caps: &HttpTimeouts) -> Admission {
+    let (ip, uid) = peer.key();
     if reserved.contains(ip)
         && open.reserved_total < caps.max_reserved_connections
-        && open.per_reserved.get(&ip).copied().unwrap_or(0)
+        && open.per_reserved.get(&(ip, uid)).copied().unwrap_or(0)
             < reserved.places(ip, caps.max_reserved_connections_per_peer)
     {
-        return Admission::Accept(Pool::Reserved(ip));
+        return Admission::Accept(Pool::Reserved(ip, uid));
     }
-    let source = Source::of(ip);
+    let source = Source::of_peer(peer);
     if open.total >= caps.max_connections {
         return Admission::Refuse("http.max_connections");
     }
@@ -425,9 +463,9 @@ impl OpenConnections {
                 self.total += 1;
                 *self.per_source.entry(s).or_default() += 1;
             }
-            Pool::Reserved(ip) => {
+            Pool::Reserved(ip, uid) => {
                 self.reserved_total += 1;
-                *self.per_reserved.entry(ip).or_default() += 1;
+                *self.per_reserved.entry((ip, uid)).or_default() += 1;
             }
         }
     }
@@ -447,9 +485,9 @@ impl OpenConnections {
                 self.total = self.total.saturating_sub(1);
                 down(&mut self.per_source, &s);
             }
-            Pool::Reserved(ip) => {
+            Pool::Reserved(ip, uid) => {
                 self.reserved_total = self.reserved_total.saturating_sub(1);
-                down(&mut self.per_reserved, &ip);
+                down(&mut self.per_reserved, &(ip, uid));
             }
         }
     }
@@ -547,9 +585,11 @@ async fn serve_on(
             conn = axum::serve::Listener::accept(&mut listener) => conn,
             _ = &mut shutdown => break,
         };
+        // On loopback, whose the connection is (a kernel lookup, before anything is read).
+        let who = Peer::of_connection(peer, tcp.local_addr().ok());
         let pool = {
             let mut open = open.lock();
-            match decide(peer.ip(), &open, &reserved.0.read(), &timeouts) {
+            match decide(who, &open, &reserved.0.read(), &timeouts) {
                 Admission::Accept(pool) => {
                     open.count_in(pool);
                     pool
@@ -672,7 +712,7 @@ mod tests {
 
     /// Admits one connection as the accept loop does; its pool, or the refusal's reason.
     fn admit(open: &mut OpenConnections, reserved: &ReservedSet, peer: &str, caps: &HttpTimeouts) -> Admission {
-        let a = decide(ip(peer), open, reserved, caps);
+        let a = decide(Peer::at(ip(peer)), open, reserved, caps);
         if let Admission::Accept(pool) = a {
             open.count_in(pool);
         }
@@ -682,7 +722,7 @@ mod tests {
     #[test]
     fn sources_merge_loopback_and_ipv6_64s() {
         for lo in ["127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "::ffff:127.0.0.5"] {
-            assert_eq!(Source::of(ip(lo)), Source::Loopback, "{lo}");
+            assert_eq!(Source::of(ip(lo)), Source::Loopback(None), "{lo}");
         }
         assert_eq!(Source::of(ip("::ffff:10.0.0.1")), Source::of(ip("10.0.0.1")));
         assert_ne!(Source::of(ip("10.0.0.1")), Source::of(ip("10.0.0.2")));
@@ -714,7 +754,7 @@ mod tests {
             admit(&mut open, &none, "10.0.0.1", &c),
             Admission::Refuse("http.max_connections")
         );
-        open.release(Pool::General(Source::Loopback));
+        open.release(Pool::General(Source::Loopback(None)));
         assert!(
             matches!(admit(&mut open, &none, "10.0.0.1", &c), Admission::Accept(_)),
             "a released place is free again"
@@ -741,17 +781,17 @@ mod tests {
         }
         assert_eq!(open.total, 8, "the general pool is full");
         assert_eq!(
-            open.per_source.get(&Source::Loopback),
+            open.per_source.get(&Source::Loopback(None)),
             Some(&2),
             "all of loopback holds one source's share"
         );
         assert_eq!(
             admit(&mut open, &reserved, "10.0.0.2", &c),
-            Admission::Accept(Pool::Reserved(ip("10.0.0.2")))
+            Admission::Accept(Pool::Reserved(ip("10.0.0.2"), None))
         );
         assert_eq!(
             admit(&mut open, &reserved, "::ffff:10.0.0.2", &c),
-            Admission::Accept(Pool::Reserved(ip("10.0.0.2"))),
+            Admission::Accept(Pool::Reserved(ip("10.0.0.2"), None)),
             "IPv4-mapped is the same agent"
         );
         assert_eq!(
@@ -765,11 +805,67 @@ mod tests {
         );
         // LOST: the address is no longer reserved.
         reserved.remove("n2");
-        open.release(Pool::Reserved(ip("10.0.0.2")));
+        open.release(Pool::Reserved(ip("10.0.0.2"), None));
         assert_eq!(
             admit(&mut open, &reserved, "10.0.0.2", &c),
             Admission::Refuse("http.max_connections")
         );
+    }
+
+    /// Twelfth pass: a tenant's task on the RM's host (its own uid) held every place of
+    /// 127.0.0.1, and the host's users, its AMs and a restarted agent were refused. Each
+    /// local user now holds its own share of this host's reserved places and of loopback's
+    /// general ones: the flood fills its own, root's and alice's stay free.
+    #[test]
+    fn a_local_users_flood_holds_only_its_own_places() {
+        let mut reserved = ReservedSet::default();
+        reserved.set_wide("this host", ip("127.0.0.1"));
+        let c = caps(100, 4, 1000, 8);
+        let mut open = OpenConnections::default();
+        let from = |uid: Option<u32>| Peer {
+            ip: ip("127.0.0.1"),
+            local_uid: uid,
+        };
+        let take = |open: &mut OpenConnections, peer: Peer| {
+            let a = decide(peer, open, &reserved, &c);
+            if let Admission::Accept(pool) = a {
+                open.count_in(pool);
+            }
+            a
+        };
+        let bob = Some(1001);
+        let bobs = (0..100)
+            .filter(|_| matches!(take(&mut open, from(bob)), Admission::Accept(_)))
+            .count();
+        assert_eq!(bobs, 8 + 4, "his reserved share, then his general share");
+        assert_eq!(
+            take(&mut open, from(bob)),
+            Admission::Refuse("http.max_connections_per_peer")
+        );
+        for uid in [Some(0), Some(1000)] {
+            assert_eq!(
+                take(&mut open, from(uid)),
+                Admission::Accept(Pool::Reserved(ip("127.0.0.1"), uid)),
+                "{uid:?} is not behind bob"
+            );
+        }
+        // Another loopback address is the same host and the same user.
+        assert_eq!(
+            take(
+                &mut open,
+                Peer {
+                    ip: ip("127.0.0.7"),
+                    local_uid: bob
+                }
+            ),
+            Admission::Refuse("http.max_connections_per_peer")
+        );
+        // A uid is never read off a peer that is not on loopback.
+        let far = Peer {
+            ip: ip("10.0.0.1"),
+            local_uid: Some(5),
+        };
+        assert_eq!(Source::of_peer(far), Source::of(ip("10.0.0.1")));
     }
 
     /// The reserved pool is bounded in all too, and shared addresses are counted once per
@@ -784,11 +880,11 @@ mod tests {
         let mut open = OpenConnections::default();
         assert!(matches!(
             admit(&mut open, &reserved, "10.0.0.1", &c),
-            Admission::Accept(Pool::Reserved(_))
+            Admission::Accept(Pool::Reserved(..))
         ));
         assert!(matches!(
             admit(&mut open, &reserved, "10.0.0.2", &c),
-            Admission::Accept(Pool::Reserved(_))
+            Admission::Accept(Pool::Reserved(..))
         ));
         assert!(
             matches!(
@@ -819,7 +915,7 @@ mod tests {
             .filter(|_| {
                 matches!(
                     admit(&mut open, &reserved, "10.0.0.5", &c),
-                    Admission::Accept(Pool::Reserved(_))
+                    Admission::Accept(Pool::Reserved(..))
                 )
             })
             .count();
