@@ -126,7 +126,7 @@ struct Agent {
 
 /// How many container log reads (up to 8 MiB each) the agent serves at once: 250 at once
 /// took it to 1.3 GB and read files on its async workers (twelfth pass).
-const LOG_READS: usize = 4;
+const LOG_READS: usize = 8;
 /// How long a log read waits for its turn before it is refused (503, the RM says so).
 const LOG_READ_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 

@@ -48,9 +48,14 @@ fn no_gpus() -> Resources {
 }
 
 async fn next_exit(rx: &mut mpsc::UnboundedReceiver<NodeEvent>) -> (String, i32, String) {
-    let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+    next_exit_within(rx, Duration::from_secs(10)).await
+}
+
+/// [`next_exit`], waiting up to `wait`.
+async fn next_exit_within(rx: &mut mpsc::UnboundedReceiver<NodeEvent>, wait: Duration) -> (String, i32, String) {
+    let ev = tokio::time::timeout(wait, rx.recv())
         .await
-        .expect("no Exited event within 10 s")
+        .unwrap_or_else(|_| panic!("no Exited event within {wait:?}"))
         .expect("channel closed");
     let NodeEvent::Exited {
         container_id,
@@ -977,15 +982,7 @@ async fn many_files_left_behind_are_removed_without_holding_the_runtime() {
             }
         })
     };
-    let ev = tokio::time::timeout(Duration::from_secs(300), rx.recv())
-        .await
-        .expect("no end within 300 s")
-        .expect("channel closed");
-    let NodeEvent::Exited {
-        exit_status,
-        diagnostics,
-        ..
-    } = ev;
+    let (_, exit_status, diagnostics) = next_exit_within(&mut rx, Duration::from_secs(300)).await;
     assert_eq!(exit_status, 0, "{diagnostics}");
     assert!(!work_dir(&record).exists(), "removed before the end is heard");
     assert!(

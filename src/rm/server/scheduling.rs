@@ -779,6 +779,7 @@ pub(super) fn estimated(st: &mut RmState, walked: Option<Walked>) {
     for (id, a, why) in why {
         let Some(app) = st.apps.get_mut(&id) else { continue };
         if app.report.state.is_final() || app.waiting.since_ms.is_none() {
+            app.waiting.estimate = None;
             continue;
         }
         let queue_cause = why.as_ref().filter(|w| w.reason().kind.is_queue()).map(|w| w.code());
