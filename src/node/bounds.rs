@@ -240,10 +240,52 @@ impl Target {
     }
 }
 
+/// Runs `f` on a thread of its own at the lowest CPU priority (nice 19) and the lowest
+/// best-effort I/O priority, and gives back what it returns (`None`: it panicked). For the
+/// node's work on a task's behalf that a task can make long (walking or removing its
+/// millions of files, twelfth pass): it must not hold the runtime's workers, and what it
+/// costs the node comes after everything else that wants the CPU or the disk. A thread of
+/// its own, so the priority goes with it (a pooled thread would keep it).
+pub async fn in_background<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("gpuam-background".into())
+        .spawn(move || {
+            lower_this_thread();
+            let _ = tx.send(f());
+        });
+    match spawned {
+        Ok(_) => rx.await.ok(),
+        Err(e) => {
+            tracing::warn!("cannot start a background thread: {e}");
+            None
+        }
+    }
+}
+
+/// This thread to nice 19 and best-effort I/O priority 7 (failures ignored: a priority is a
+/// courtesy, not a bound).
+fn lower_this_thread() {
+    // SAFETY: plain syscalls on this thread's own id.
+    unsafe {
+        let tid = libc::gettid() as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+        // ioprio_set(IOPRIO_WHO_PROCESS, tid, IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE, 7)).
+        const IOPRIO_WHO_PROCESS: libc::c_long = 1;
+        const BEST_EFFORT_LOWEST: libc::c_long = (2 << 13) | 7;
+        libc::syscall(
+            libc::SYS_ioprio_set,
+            IOPRIO_WHO_PROCESS,
+            tid as libc::c_long,
+            BEST_EFFORT_LOWEST,
+        );
+    }
+}
+
 /// Measures `dir` every [`DISK_CHECK`] until the container is done; beyond `limit_mb` MiB
 /// it records the [`Breach`] in `verdict` and kills the container. A measurement that took
 /// long (a directory of many entries) spaces the next ([`next_disk_check`]): the walks are
-/// the node's CPU, not the task's.
+/// the node's CPU, not the task's (and run at the lowest priority: [`in_background`]).
 pub async fn watch_disk(
     dir: std::path::PathBuf,
     limit_mb: u64,
@@ -262,7 +304,7 @@ pub async fn watch_disk(
         }
         let d = dir.clone();
         let took = std::time::Instant::now();
-        let Ok(used) = tokio::task::spawn_blocking(move || disk_usage(&d)).await else {
+        let Some(used) = in_background(move || disk_usage(&d)).await else {
             return;
         };
         pause = next_disk_check(took.elapsed());
@@ -298,6 +340,24 @@ pub fn trim_dir(dir: &Path, keep: &[&str], task_uid: Option<u32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The node's work for a task runs at the lowest priority, on a thread that goes with
+    /// it: what it returns comes back, and this thread's priority is untouched.
+    #[tokio::test]
+    async fn background_work_runs_at_the_lowest_priority_and_returns() {
+        let nice = || unsafe {
+            *libc::__errno_location() = 0;
+            libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t)
+        };
+        let before = nice();
+        let (there, name) = in_background(move || (nice(), std::thread::current().name().map(str::to_string)))
+            .await
+            .expect("it ran");
+        assert_eq!(there, 19);
+        assert_eq!(name.as_deref(), Some("gpuam-background"));
+        assert_eq!(nice(), before, "the caller's thread is as it was");
+        assert!(in_background(|| panic!("a walk that fails")).await.is_none());
+    }
 
     /// A cheap walk comes back every second; a costly one no sooner than 10 × its time.
     #[test]

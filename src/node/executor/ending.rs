@@ -122,8 +122,8 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
     // next starts.
     let remove_work_now = killed_for.is_some() || work_dir_grace.is_zero() || {
         let work = work_dir(&dir);
-        let usage = tokio::task::spawn_blocking(move || crate::node::bounds::disk_usage(&work)).await;
-        usage.map_or(true, |u| !u.complete || u.bytes > DEFER_REMOVAL_MAX_BYTES)
+        let usage = crate::node::bounds::in_background(move || crate::node::bounds::disk_usage(&work)).await;
+        usage.is_none_or(|u| !u.complete || u.bytes > DEFER_REMOVAL_MAX_BYTES)
     };
     // The logs are within their limit before anyone hears of the end.
     if let Some(max) = max_log_bytes {
@@ -160,18 +160,18 @@ pub(super) async fn container_ended(ending: Ending, pgid: u32, leader: Option<Pr
         tracing::warn!(container = %id, "cannot record the container's end: {e}");
     }
     if remove_work_now {
-        // On a blocking thread: a task that left a million files behind took both runtime
-        // workers for the removal, the agent stopped heartbeating and its host went LOST
-        // with every other tenant's task on it (twelfth pass). The end is still heard only
-        // once its directory is gone.
+        // On a thread of its own at the lowest priority: a task that left a million files
+        // behind took both runtime workers for the removal, the agent stopped heartbeating
+        // and its host went LOST with every other tenant's task on it (twelfth pass). The
+        // end is still heard only once its directory is gone.
         let (dir, id) = (dir.clone(), id.clone());
-        let _ = tokio::task::spawn_blocking(move || remove_work_dir(&dir, &id)).await;
+        crate::node::bounds::in_background(move || remove_work_dir(&dir, &id)).await;
     } else {
         // A node that stops before then removes it on its next sweep ([`sweep_records`]).
         let (dir, id) = (dir.clone(), id.clone());
         tokio::spawn(async move {
             tokio::time::sleep(work_dir_grace).await;
-            let _ = tokio::task::spawn_blocking(move || remove_work_dir(&dir, &id)).await;
+            crate::node::bounds::in_background(move || remove_work_dir(&dir, &id)).await;
         });
     }
     {
