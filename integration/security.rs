@@ -2127,6 +2127,9 @@ async fn a_flood_from_another_local_user_leaves_this_hosts_own_places() {
     .await;
     let port = rm.handle.addr().port();
     let base = rm.handle.base_url();
+    let ask_once = format!(
+        "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET /ws/v1/cluster/info HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 30 cat <&3"
+    );
     let as_nobody = |script: String| {
         use std::os::unix::process::CommandExt as _;
         let mut c = std::process::Command::new("bash");
@@ -2140,6 +2143,12 @@ async fn a_flood_from_another_local_user_leaves_this_hosts_own_places() {
     };
     // The flood: 300 connections opened and held (bash keeps their descriptors) until its
     // stdin closes; it says when all are open.
+    // Before the flood the other user is answered (so an empty answer below is a refusal).
+    let before = as_nobody(ask_once.clone()).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&before.stdout).starts_with("HTTP/1."),
+        "nobody's request before the flood: {before:?}"
+    );
     let mut flood = tokio::process::Command::from(as_nobody(format!(
         "for i in $(seq 1 300); do exec {{fd}}<>/dev/tcp/127.0.0.1/{port} || true; done; echo opened; read -t 240 x"
     )))
@@ -2157,11 +2166,7 @@ async fn a_flood_from_another_local_user_leaves_this_hosts_own_places() {
     .unwrap();
     assert_eq!(line.trim(), "opened");
     // Its user's places are full: one more connection of its own is closed unanswered.
-    let one_more = as_nobody(format!(
-        "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET /ws/v1/cluster/info HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 30 cat <&3"
-    ))
-    .output()
-    .unwrap();
+    let one_more = as_nobody(ask_once).output().unwrap();
     assert!(
         one_more.stdout.is_empty(),
         "the flooding user got another place: {}",

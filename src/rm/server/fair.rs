@@ -118,7 +118,11 @@ mod tests {
         let alice = pool.try_acquire("alice").unwrap();
         let p = pool.clone();
         let waiter = tokio::spawn(async move { p.acquire("bob", Duration::from_secs(600)).await.is_some() });
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Bob holds his own turn once he waits for the pool's: only then is alice's given back.
+        while pool.user("bob").available_permits() > 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiter.is_finished(), "bob waits while alice holds the pool");
         drop(alice);
         assert!(waiter.await.unwrap(), "bob got alice's permit once she gave it back");
     }

@@ -315,16 +315,7 @@ mod tests {
             st.commit_or_log();
         }
         assert!(rm.set_node_state("n1", NodeState::Lost).await);
-        let url = format!("{}/ws/v1/cluster/apps/{id}/logs/worker/0", rm.base_url());
-        let v: Value = crate::tls::http_client()
-            .get(&url)
-            .bearer_auth(rm.admin_token())
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = super::super::tests::admin_get(&rm, &format!("/ws/v1/cluster/apps/{id}/logs/worker/0")).await;
         assert!(v["note"].as_str().unwrap().contains("node n1 is LOST"), "{v}");
         assert_eq!(v["complete"], true, "{v}");
         rm.shutdown().await;

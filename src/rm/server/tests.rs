@@ -1050,10 +1050,10 @@ async fn a_held_heartbeat_is_answered_when_a_container_of_the_job_ends_or_it_is_
     assert_eq!(resp.command, Some(AmCommand::Shutdown));
 }
 
-/// The cluster page's JSON (`/ws/v1/cluster/overview`) as the admin sees it.
-async fn admins_overview(rm: &RmHandle) -> Value {
+/// The JSON of `GET <path>` as the admin sees it.
+pub(super) async fn admin_get(rm: &RmHandle, path: &str) -> Value {
     crate::tls::http_client()
-        .get(format!("{}/ws/v1/cluster/overview", rm.base_url()))
+        .get(format!("{}{path}", rm.base_url()))
         .bearer_auth(rm.admin_token())
         .send()
         .await
@@ -1061,6 +1061,11 @@ async fn admins_overview(rm: &RmHandle) -> Value {
         .json()
         .await
         .unwrap()
+}
+
+/// The cluster page's JSON (`/ws/v1/cluster/overview`) as the admin sees it.
+async fn admins_overview(rm: &RmHandle) -> Value {
+    admin_get(rm, "/ws/v1/cluster/overview").await
 }
 
 /// An RM without AMs of its own on one node `n1` of 4 cores and two GPUs, its work below
