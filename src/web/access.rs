@@ -151,16 +151,14 @@ pub async fn page_ticket(State(hub): State<Arc<StatusHub>>, headers: HeaderMap) 
     axum::Json(serde_json::json!({ "ticket": t, "expires": expires })).into_response()
 }
 
-/// Whom a page ticket made for `presented` (a credential this dashboard granted) names: a
-/// ticket's own user; the job token's holder is not named (empty); a user's or the admin's
-/// token, the name the RM gives it (`whoami`; empty when the RM does not answer).
+/// Whom a new chain's page ticket made for `presented` (a credential this dashboard granted,
+/// not a ticket: a renewal keeps its ticket's user) names: the job token's holder is not
+/// named (empty); a user's or the admin's token, the name the RM gives it (`whoami`; empty
+/// when the RM does not answer).
 async fn ticket_user(hub: &StatusHub, presented: Option<&str>) -> String {
     let Some(t) = presented else {
         return String::new();
     };
-    if let Some(who) = crate::auth::page_ticket_user(&hub.job_token, t, unix_now()) {
-        return who;
-    }
     if crate::auth::constant_time_eq(t.as_bytes(), hub.job_token.as_bytes()) {
         return String::new();
     }

@@ -731,9 +731,8 @@ pub(super) struct TickWork {
 /// [`estimated`] takes the lock again, to write what they found.
 pub(super) struct EstimatePass {
     input: EstimateInput,
-    /// Each application of the snapshot: its id, index and why the pass's plan found it
-    /// waiting.
-    why: Vec<(String, usize, Option<scheduler::WaitReason>)>,
+    /// Why the pass's plan found each application of the snapshot waiting (by its index).
+    why: Vec<Option<scheduler::WaitReason>>,
     /// When the pass was taken (its spacing counts from here).
     began: Instant,
 }
@@ -776,8 +775,9 @@ pub(super) fn estimated(st: &mut RmState, walked: Option<Walked>) {
     st.sched.estimated = Some((pass.began, took));
     let EstimatePass { input, why, .. } = pass;
     let wall = input.wall;
-    for (id, a, why) in why {
-        let Some(app) = st.apps.get_mut(&id) else { continue };
+    for (id, &a) in &input.built.apps {
+        let Some(app) = st.apps.get_mut(id) else { continue };
+        let why = why.get(a).cloned().flatten();
         if app.report.state.is_final() || app.waiting.since_ms.is_none() {
             app.waiting.estimate = None;
             continue;
@@ -945,10 +945,8 @@ pub(super) fn tick(st: &mut RmState, now: Instant) -> TickWork {
         let wall = now_ms();
         let runs = learn(st, &mut built, Learn::Draws, None);
         let holder = reserved::holder(&built.snap, &shares, &st.sched.reserve, wall);
-        let why = built
-            .apps
-            .iter()
-            .map(|(id, &a)| (id.clone(), a, plan.why.get(a).cloned().flatten()))
+        let why = (0..built.snap.apps.len())
+            .map(|a| plan.why.get(a).cloned().flatten())
             .collect();
         st.sched.estimating = true;
         work.estimates = Some(EstimatePass {
