@@ -61,7 +61,7 @@ impl Warnings {
             line: pos.line,
             col: pos.col,
             field: crate::spec::yaml::clipped(field),
-            message: crate::spec::yaml::clipped(&message.into()),
+            message: crate::spec::yaml::clipped_message(&message.into()),
         });
     }
 

@@ -66,7 +66,7 @@ pub fn clipped(text: &str) -> String {
 }
 
 /// A message, cut to 4 × [`MAX_QUOTED`] characters.
-fn clipped_message(text: &str) -> String {
+pub fn clipped_message(text: &str) -> String {
     cut(text, 4 * MAX_QUOTED).into_owned()
 }
 
@@ -279,7 +279,7 @@ pub fn join(parent: &str, child: &str) -> String {
 impl Builder {
     fn issue(&mut self, pos: Pos, field: &str, message: String, fix: &str) {
         // Past the bound only counted: the spec is refused all the same.
-        if self.issues.len() > MAX_KEPT {
+        if self.issues.len() >= MAX_KEPT {
             return;
         }
         self.issues.push(YamlIssue {
